@@ -1,0 +1,97 @@
+"""The ``headkit`` command: a thin shell over the library API.
+
+User errors (bad arguments, missing files, unsupported models) print one line and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from headkit.errors import HeadkitError
+
+app = typer.Typer(
+    name="headkit",
+    help="Engineering attention heads: efficient attention, collaborative heads, head pruning.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+bench_app = typer.Typer(help="Benchmarks: rerun the measurements behind docs/benchmarks.md.", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+
+err_console = Console(stderr=True)
+
+
+@app.command()
+def version() -> None:
+    """Print headkit's version and those of torch and transformers."""
+    import torch
+    import transformers
+
+    import headkit
+
+    typer.echo(f"headkit {headkit.__version__} (torch {torch.__version__}, transformers {transformers.__version__})")
+
+
+@bench_app.command("speed")
+def bench_speed(
+    device: str = typer.Option("cpu", help="Device to measure on: cpu or cuda."),
+    lengths: str = typer.Option("512,1024,2048,4096,8192", help="Comma-separated sequence lengths."),
+    mechanisms: str = typer.Option("", help="Comma-separated mechanisms (default: all registered)."),
+    repeats: int = typer.Option(5, min=1, help="Timed repetitions per point (the median is reported)."),
+    out: Path = typer.Option(Path("results/speed"), help="Output directory for results.json, plot and table."),
+    quick: bool = typer.Option(False, help="Short run: lengths 512..2048, 3 repeats."),
+) -> None:
+    """Kernel speed and peak memory against SDPA: forward and forward+backward, per sequence length."""
+    from headkit.bench.speed import run_speed_benchmark
+
+    run_speed_benchmark(
+        device=device,
+        lengths=_parse_ints("lengths", lengths),
+        mechanisms=[m for m in mechanisms.split(",") if m] or None,
+        repeats=repeats,
+        out_dir=out,
+        quick=quick,
+    )
+
+
+@app.command()
+def demo(out: Path = typer.Option(Path("results/demo"), help="Output directory.")) -> None:
+    """The tour that `make demo` runs on embedded defaults."""
+    from headkit.bench.speed import run_speed_benchmark
+
+    run_speed_benchmark(out_dir=out / "speed", quick=True)
+
+
+def _parse_ints(name: str, text: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise HeadkitError(f"--{name} must be comma-separated integers, got {text!r}") from None
+    if not values or any(v <= 0 for v in values):
+        raise HeadkitError(f"--{name} must be positive integers, got {text!r}")
+    return values
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the app; user errors become one line on stderr and exit status 2."""
+    try:
+        app(args=argv, standalone_mode=False)
+    except (ValueError, FileNotFoundError, NotADirectoryError) as exc:  # HeadkitError is a ValueError
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        sys.exit(2)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        err_console.print("aborted")
+        sys.exit(1)
+    except Exception as exc:
+        # Usage errors of the click that typer vendors: typer prints them itself, exit status 2.
+        if hasattr(exc, "show") and hasattr(exc, "exit_code"):
+            exc.show()
+            sys.exit(exc.exit_code)
+        raise

@@ -1,0 +1,32 @@
+"""Pure attention kernels: tensors in, tensors out, no parameters.
+
+Every tensor is laid out [batch, heads, seq, head_dim] like :func:`torch.nn.functional.scaled_dot_product_attention`.
+Each fast path has a plain reference twin in :mod:`headkit.ops.reference` that the tests compare it with.
+"""
+
+from headkit.ops.additive import AdditivePoolState, additive_pool, additive_pool_step
+from headkit.ops.coca import coca_attention
+from headkit.ops.collaborative import collaborative_attention, collaborative_scores
+from headkit.ops.feature_maps import FEATURE_MAPS, get_feature_map, register_feature_map
+from headkit.ops.linear import LinearAttentionState, linear_attention, linear_attention_step
+from headkit.ops.rotary import apply_rotary, rope_inverse_frequencies, rotary_cos_sin
+from headkit.ops.softmax import softmax_attention
+
+__all__ = [
+    "FEATURE_MAPS",
+    "AdditivePoolState",
+    "LinearAttentionState",
+    "additive_pool",
+    "additive_pool_step",
+    "apply_rotary",
+    "coca_attention",
+    "collaborative_attention",
+    "collaborative_scores",
+    "get_feature_map",
+    "linear_attention",
+    "linear_attention_step",
+    "register_feature_map",
+    "rope_inverse_frequencies",
+    "rotary_cos_sin",
+    "softmax_attention",
+]

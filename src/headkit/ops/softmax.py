@@ -1,0 +1,86 @@
+"""Scaled dot-product (softmax) attention, the baseline every other mechanism is measured against.
+
+Vaswani et al. 2017, Eq. 1: softmax(Q Kᵀ / √d) V, computed by
+:func:`torch.nn.functional.scaled_dot_product_attention` (flash / memory-efficient kernels where available).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from headkit.ops._validation import check_padding_mask, check_qkv, repeat_kv
+
+
+def softmax_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Softmax attention over [batch, heads, seq, head_dim] tensors.
+
+    Args:
+        q: queries [B, H, Tq, D].
+        k, v: keys and values [B, Hkv, Tk, D] / [B, Hkv, Tk, Dv]; ``H % Hkv == 0`` (grouped-query attention).
+        causal: query i sees keys j ≤ i + (Tk − Tq) (the queries are the last Tq positions, as when decoding
+            with a cache).
+        attention_mask: either a key padding mask [B, Tk] (bool or 0/1 integers, True = keep), or a full
+            mask [B, 1 or H, Tq, Tk], bool (True = keep) or float (added to the scores).
+        scale: score scale, 1/√D by default.
+
+    Returns:
+        [B, H, Tq, Dv]. Queries that see no key at all (fully padded rows) return zeros rather than NaN.
+    """
+    batch, q_heads, kv_heads, kv_len = check_qkv(q, k, v)
+    q_len = q.shape[2]
+    k = repeat_kv(k, q_heads // kv_heads)
+    v = repeat_kv(v, q_heads // kv_heads)
+
+    mask = _full_mask(attention_mask, batch, q_heads, q_len, kv_len, q.device)
+    if causal:
+        allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
+        if mask is None and q_len == kv_len:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        mask = allowed if mask is None else _and_mask(mask, allowed)
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    if mask.dtype == torch.bool:
+        # A row with no visible key would be softmax over nothing (NaN): let it see every key, zero it after.
+        empty_rows = ~mask.any(dim=-1, keepdim=True)
+        if bool(empty_rows.any()):
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | empty_rows, scale=scale)
+            return out.masked_fill(empty_rows, 0.0)
+    else:
+        mask = mask.to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def _full_mask(
+    attention_mask: torch.Tensor | None, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device
+) -> torch.Tensor | None:
+    if attention_mask is None:
+        return None
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+        mb, mh, mq, mk = attention_mask.shape
+        if mb != batch or mh not in (1, heads) or mq != q_len or mk != kv_len:
+            raise ValueError(
+                f"attention_mask of rank 4 must have shape [batch, 1 or heads, q_len, kv_len] = "
+                f"[{batch}, 1|{heads}, {q_len}, {kv_len}], got {tuple(attention_mask.shape)}"
+            )
+        if not (attention_mask.dtype == torch.bool or attention_mask.dtype.is_floating_point):
+            raise ValueError(
+                f"a rank-4 attention_mask must be bool (True = keep) or float (additive), got {attention_mask.dtype}"
+            )
+        return attention_mask.to(device)
+    keep = check_padding_mask(attention_mask, batch, kv_len)
+    return keep[:, None, None, :].to(device)
+
+
+def _and_mask(mask: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    if mask.dtype == torch.bool:
+        return mask & allowed
+    return mask.masked_fill(~allowed, float("-inf"))
