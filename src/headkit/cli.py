@@ -20,7 +20,9 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-bench_app = typer.Typer(help="Benchmarks: rerun the measurements behind docs/benchmarks.md.", no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Benchmarks: rerun the measurements behind docs/benchmarks.md.", no_args_is_help=True
+)
 app.add_typer(bench_app, name="bench")
 
 err_console = Console(stderr=True)
@@ -34,7 +36,9 @@ def version() -> None:
 
     import headkit
 
-    typer.echo(f"headkit {headkit.__version__} (torch {torch.__version__}, transformers {transformers.__version__})")
+    typer.echo(
+        f"headkit {headkit.__version__} (torch {torch.__version__}, transformers {transformers.__version__})"
+    )
 
 
 @bench_app.command("speed")
@@ -43,7 +47,9 @@ def bench_speed(
     lengths: str = typer.Option("512,1024,2048,4096,8192", help="Comma-separated sequence lengths."),
     mechanisms: str = typer.Option("", help="Comma-separated mechanisms (default: all registered)."),
     repeats: int = typer.Option(5, min=1, help="Timed repetitions per point (the median is reported)."),
-    out: Path = typer.Option(Path("results/speed"), help="Output directory for results.json, plot and table."),
+    out: Path = typer.Option(
+        Path("results/speed"), help="Output directory for results.json, plot and table."
+    ),
     quick: bool = typer.Option(False, help="Short run: lengths 512..2048, 3 repeats."),
 ) -> None:
     """Kernel speed and peak memory against SDPA: forward and forward+backward, per sequence length."""

@@ -42,21 +42,22 @@ def softmax_attention(
 
     mask = _full_mask(attention_mask, batch, q_heads, q_len, kv_len, q.device)
     if causal:
-        allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
-        if mask is None and q_len == kv_len:
+        if mask is None and q_len == kv_len:  # SDPA's own causal kernels never build the [T, T] mask
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril(kv_len - q_len)
         mask = allowed if mask is None else _and_mask(mask, allowed)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, scale=scale)
+    # A query row with no visible key would be a softmax over nothing (NaN): let it see every key, zero it after.
     if mask.dtype == torch.bool:
-        # A row with no visible key would be softmax over nothing (NaN): let it see every key, zero it after.
         empty_rows = ~mask.any(dim=-1, keepdim=True)
-        if bool(empty_rows.any()):
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask | empty_rows, scale=scale)
-            return out.masked_fill(empty_rows, 0.0)
+        mask = mask | empty_rows
     else:
         mask = mask.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        empty_rows = torch.isneginf(mask).all(dim=-1, keepdim=True)
+        mask = mask.masked_fill(empty_rows, 0.0)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out.masked_fill(empty_rows, 0.0)
 
 
 def _full_mask(

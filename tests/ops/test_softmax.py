@@ -1,0 +1,106 @@
+import pytest
+import torch
+
+from headkit.ops import softmax_attention
+
+
+def naive_softmax_attention(q, k, v, *, causal=False, key_mask=None, scale=None):
+    """Explicit scores, masks and softmax, with key/value heads repeated by hand."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(groups, dim=1)
+    v = v.repeat_interleave(groups, dim=1)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = scale * q @ k.transpose(-1, -2)
+    q_len, kv_len = q.shape[2], k.shape[2]
+    keep = torch.ones(q_len, kv_len, dtype=torch.bool)
+    if causal:
+        keep = keep.tril(kv_len - q_len)
+    keep = keep[None, None].expand(q.shape[0], 1, q_len, kv_len)
+    if key_mask is not None:
+        keep = keep & key_mask.bool()[:, None, None, :]
+    weights = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1).nan_to_num(0.0)
+    return weights @ v
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("q_len,kv_len", [(9, 9), (1, 9), (3, 9)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_matches_naive_reference_outputs_and_gradients(causal, heads, kv_heads, q_len, kv_len, masked):
+    q = torch.randn(2, heads, q_len, 8, requires_grad=True)
+    k = torch.randn(2, kv_heads, kv_len, 8, requires_grad=True)
+    v = torch.randn(2, kv_heads, kv_len, 6, requires_grad=True)
+    mask = None
+    if masked:
+        mask = torch.ones(2, kv_len, dtype=torch.long)
+        mask[1, :4] = 0  # left padding of the second sample
+    out = softmax_attention(q, k, v, causal=causal, attention_mask=mask)
+    ref = naive_softmax_attention(q, k, v, causal=causal, key_mask=mask)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    cotangent = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), cotangent)
+    ref_grads = torch.autograd.grad(ref, (q, k, v), cotangent)
+    for g, r in zip(grads, ref_grads, strict=True):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+
+
+def test_fully_masked_rows_are_zero_not_nan():
+    q = torch.randn(1, 2, 4, 8)
+    k = torch.randn(1, 2, 4, 8)
+    v = torch.randn(1, 2, 4, 8)
+    mask = torch.tensor([[0, 0, 1, 1]])
+    out = softmax_attention(q, k, v, causal=True, attention_mask=mask)
+    assert torch.isfinite(out).all()
+    assert torch.equal(out[:, :, :2], torch.zeros_like(out[:, :, :2]))
+
+
+def test_rank4_bool_mask_and_additive_mask_agree():
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    keep = torch.rand(1, 1, 5, 5) > 0.3
+    keep[..., 0] = True
+    additive = torch.zeros(1, 1, 5, 5).masked_fill(~keep, float("-inf"))
+    torch.testing.assert_close(
+        softmax_attention(q, k, v, attention_mask=keep), softmax_attention(q, k, v, attention_mask=additive)
+    )
+
+
+def test_custom_scale():
+    q, k, v = (torch.randn(1, 2, 5, 8) for _ in range(3))
+    torch.testing.assert_close(
+        softmax_attention(q, k, v, scale=0.1),
+        naive_softmax_attention(q, k, v, scale=0.1),
+        atol=1e-6,
+        rtol=1e-5,
+    )
+
+
+@pytest.mark.parametrize(
+    "shapes,kwargs,match",
+    [
+        (((2, 4, 5), (2, 4, 5, 8), (2, 4, 5, 8)), {}, "q must have shape"),
+        (((2, 4, 5, 8), (2, 3, 5, 8), (2, 3, 5, 8)), {}, "does not divide"),
+        (((2, 4, 5, 8), (2, 4, 5, 6), (2, 4, 5, 8)), {}, "head_dim"),
+        (((2, 4, 5, 8), (2, 4, 5, 8), (2, 4, 6, 8)), {}, "v must have shape"),
+        (((2, 4, 5, 8), (1, 4, 5, 8), (1, 4, 5, 8)), {}, "batch"),
+        (
+            ((2, 4, 5, 8),) * 3,
+            {"attention_mask": torch.ones(2, 4, dtype=torch.bool)},
+            r"attention_mask.*\[2, 5\]",
+        ),
+        (((2, 4, 5, 8),) * 3, {"attention_mask": torch.ones(2, 5)}, "bool or integer"),
+        (((2, 4, 5, 8),) * 3, {"attention_mask": torch.ones(2, 3, 5, 5, dtype=torch.bool)}, "1 or heads"),
+    ],
+)
+def test_bad_input_names_the_argument(shapes, kwargs, match):
+    q, k, v = (torch.randn(*s) for s in shapes)
+    with pytest.raises(ValueError, match=match):
+        softmax_attention(q, k, v, **kwargs)
+
+
+def test_float_mask_with_causal_and_empty_rows_is_finite():
+    q, k, v = (torch.randn(1, 2, 4, 8) for _ in range(3))
+    additive = torch.zeros(1, 1, 4, 4)
+    additive[..., :2] = float("-inf")  # the first two keys are padding: causal rows 0 and 1 see nothing
+    out = softmax_attention(q, k, v, causal=True, attention_mask=additive)
+    ref = naive_softmax_attention(q, k, v, causal=True, key_mask=torch.tensor([[0, 0, 1, 1]]))
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
