@@ -53,11 +53,12 @@ def bench_speed(
     quick: bool = typer.Option(False, help="Short run: lengths 512..2048, 3 repeats."),
 ) -> None:
     """Kernel speed and peak memory against SDPA: forward and forward+backward, per sequence length."""
+    parsed_lengths = _parse_ints("lengths", lengths)
     from headkit.bench.speed import run_speed_benchmark
 
     run_speed_benchmark(
         device=device,
-        lengths=_parse_ints("lengths", lengths),
+        lengths=parsed_lengths,
         mechanisms=[m for m in mechanisms.split(",") if m] or None,
         repeats=repeats,
         out_dir=out,

@@ -1,1 +1,32 @@
-"""headkit.layers."""
+"""Attention layers: one ``nn.Module`` per mechanism behind one interface (:class:`HeadkitAttention`).
+
+Mechanisms are looked up by name in :data:`ATTENTION_LAYERS`; importing this package registers the ones
+headkit ships. :class:`HeadkitCache` holds their generation state (key/value caches or recurrent states).
+"""
+
+from headkit.layers.base import HeadkitAttention
+from headkit.layers.cache import HeadkitCache, RecurrentStateLayer, map_state
+from headkit.layers.registry import (
+    ATTENTION_LAYERS,
+    BUILTIN_ATTENTION_NAMES,
+    build_attention,
+    get_attention_class,
+    register_attention,
+    valid_attention_names,
+)
+from headkit.layers.softmax import SoftmaxAttention, softmax_attention_weights
+
+__all__ = [
+    "ATTENTION_LAYERS",
+    "BUILTIN_ATTENTION_NAMES",
+    "HeadkitAttention",
+    "HeadkitCache",
+    "RecurrentStateLayer",
+    "SoftmaxAttention",
+    "build_attention",
+    "get_attention_class",
+    "map_state",
+    "register_attention",
+    "softmax_attention_weights",
+    "valid_attention_names",
+]

@@ -1,5 +1,438 @@
-# placeholder: being written
+"""Additive attention pooling: Fastformer's global summary vector and its causal form for language models.
+
+Wu et al. 2021, "Fastformer: Additive Attention Can Be All You Need", Eqs. 1–2 (Eqs. 3–4 for the keys): each
+token gets one scalar score s_i (Fastformer uses s_i = w_qᵀ q_i / √d) and the sequence is summarised as
+
+    α_i = exp(s_i) / Σ_j exp(s_j),        g = Σ_i α_i x_i.
+
+That is the bidirectional form, one g per sequence. A language model needs the causal form, one g_t per
+position over the prefix i ≤ t, or the windowed causal form over t − window < i ≤ t. With the running
+log-normaliser L_t = log Σ_{i ≤ t} exp(s_i), the causal output is
+
+    g_t = Σ_{i ≤ t} exp(s_i − L_t) x_i,        every weight exp(s_i − L_t) ≤ 1.
+
+No score is ever exponentiated unless shifted by a log-normaliser (or row maximum) that dominates it, so any
+score magnitude (±1e4, bf16 activations ×100) gives exact, finite results. Shifting by the global maximum
+instead would underflow every early prefix to 0/0.
+
+A pooled past (an earlier chunk, a state) acts as one token: score = its log-normaliser, value = its normalised
+pooled vector. That is what lets chunks, states and single decoding steps continue one another exactly.
+
+Everything is accumulated in float32 (float64 inputs stay float64) with autocast disabled inside; outputs come
+back in x's dtype. :func:`naive_additive_pool` is the plain loop that the tests compare against.
+"""
+
+from __future__ import annotations
+
+import math
 from typing import NamedTuple
-class AdditivePoolState(NamedTuple): pass
-def additive_pool(*a, **k): raise NotImplementedError
-def additive_pool_step(*a, **k): raise NotImplementedError
+
+import torch
+import torch.nn.functional as F
+
+from headkit.ops._validation import check_padding_mask, check_positive_int, check_rank
+
+# Softmax rows and log-normalisers never see −inf: logsumexp/logcumsumexp have NaN gradients there, and a row
+# of nothing but −inf is 0/0. Masked entries (padding, the future, outside the window) score _MASKED instead and
+# a pooled past never scores below _EMPTY_PAST. Both are finite, yet exp(_MASKED − _EMPTY_PAST) and
+# exp(_EMPTY_PAST − s) are exactly 0 for any real score s: a row that has seen no real token puts all its
+# weight on the empty past, whose value is the zero vector, and outputs 0 instead of NaN. −1e30 + log(n)
+# rounds back to −1e30, so "nothing seen" never drifts; states report it as log-normaliser −inf.
+_MASKED = -1e30
+_EMPTY_PAST = -5e29
+
+
+class AdditivePoolState(NamedTuple):
+    """Constant-size summary of the tokens pooled so far, for recurrent decoding and chunked prefill.
+
+    One of two forms:
+
+    * global causal form (``window=None``): ``log_normalizer`` [B, H] = log Σ_i exp(s_i) over the tokens seen
+      (−inf when none) and ``pooled`` [B, H, D] = Σ_i exp(s_i − log_normalizer) x_i, their normalised pooled
+      vector (zeros when none); float32 (float64 for float64 inputs).
+    * windowed form: ``recent_scores`` [B, H, window − 1] (float32) and ``recent_x`` [B, H, window − 1, D]
+      (x's dtype), the last window − 1 tokens, oldest first, as a rolling buffer. Slots not filled yet and
+      padding tokens have score −inf and x zero.
+    """
+
+    log_normalizer: torch.Tensor | None = None
+    pooled: torch.Tensor | None = None
+    recent_scores: torch.Tensor | None = None
+    recent_x: torch.Tensor | None = None
+
+    @property
+    def window(self) -> int | None:
+        """The window of a windowed state, None for the global form."""
+        return None if self.recent_scores is None else self.recent_scores.shape[-1] + 1
+
+
+def additive_pool(
+    x: torch.Tensor,
+    scores: torch.Tensor,
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    initial_state: AdditivePoolState | None = None,
+    output_final_state: bool = False,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, AdditivePoolState | None]:
+    """Softmax-weighted pooling g = Σ_i softmax(scores)_i x_i (Fastformer, Wu et al. 2021, Eqs. 1–2).
+
+    Args:
+        x: values [B, H, T, D].
+        scores: one score per token [B, H, T].
+        causal: pool over i ≤ t for every position t instead of over the whole sequence.
+        window: with ``causal``, pool over t − window < i ≤ t only (a positive int); None = the whole prefix.
+        attention_mask: key padding mask [B, T], bool or 0/1 integers, True = a real token. Padding tokens get
+            no weight; a position that has seen no real token yet outputs 0.
+        initial_state: the tokens pooled by earlier calls, which precede x: the global form when ``window`` is
+            None (bidirectional included), the windowed form of the same window otherwise.
+        output_final_state: also return the state after x, to continue with :func:`additive_pool_step` or
+            another call.
+        chunk_size: positions per chunk of the parallel scan; the cost is O(T·(chunk_size + window)·D).
+
+    Returns:
+        (pooled, state): pooled is [B, H, D] (bidirectional) or [B, H, T, D] (causal), in x's dtype; state is
+        an :class:`AdditivePoolState`, or None unless ``output_final_state``.
+    """
+    batch, heads, seq, dim = _check_inputs(x, scores, causal, window, attention_mask, initial_state)
+    check_positive_int("chunk_size", chunk_size)
+    dtype = _compute_dtype(x)
+    log_normalizer0, pooled0, recent_scores0, recent_x0 = _unpack_state(initial_state, window, x, dtype)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        values = x.to(dtype)
+        padded_scores = scores.to(dtype)
+        if attention_mask is not None:
+            keep = check_padding_mask(attention_mask, batch, seq).to(x.device)
+            padded_scores = padded_scores.masked_fill(~keep[:, None, :], float("-inf"))
+
+        if not causal:
+            pooled, final = _bidirectional_pool(values, padded_scores, log_normalizer0, pooled0)
+        elif window is None:
+            pooled, final = _causal_pool(values, padded_scores, log_normalizer0, pooled0, chunk_size)
+        else:
+            if initial_state is None and window >= seq:
+                # Nothing precedes x and the window covers it whole: every window is a full prefix.
+                pooled, _ = _causal_pool(values, padded_scores, log_normalizer0, pooled0, chunk_size)
+            else:
+                pooled = _windowed_pool(values, padded_scores, recent_scores0, recent_x0, window, chunk_size)
+            final = _roll_window(recent_scores0, recent_x0, padded_scores, x) if output_final_state else None
+    return pooled.to(x.dtype), (final if output_final_state else None)
+
+
+def additive_pool_step(
+    x: torch.Tensor,
+    score: torch.Tensor,
+    state: AdditivePoolState | None,
+    *,
+    window: int | None = None,
+) -> tuple[torch.Tensor, AdditivePoolState]:
+    """One decoding step of causal additive pooling, equal to the next position of :func:`additive_pool`.
+
+    Args:
+        x: the new token's values [B, H, 1, D].
+        score: its score [B, H, 1]; −inf marks a padding token (no weight).
+        state: the tokens so far (None = none yet), in the form for ``window``.
+        window: None for the global causal form, else the window of the windowed form.
+
+    Returns:
+        (pooled [B, H, 1, D] in x's dtype, the state including this token).
+    """
+    batch, heads, seq, dim = _check_inputs(x, score, True, window, None, state)
+    if seq != 1:
+        raise ValueError(f"x must have shape [batch, heads, 1, head_dim] (one token), got {tuple(x.shape)}")
+    dtype = _compute_dtype(x)
+    log_normalizer, pooled, recent_scores, recent_x = _unpack_state(state, window, x, dtype)
+    with torch.autocast(device_type=x.device.type, enabled=False):
+        value, score = x.to(dtype)[..., 0, :], score.to(dtype)
+        if window is None:
+            # The past, as one token (log_normalizer, pooled), and the new token, pooled together.
+            new_log_normalizer = torch.logaddexp(
+                log_normalizer.clamp_min(_MASKED), score[..., 0].clamp_min(_MASKED)
+            )
+            past_weight = torch.exp(log_normalizer - new_log_normalizer)[..., None]
+            new_weight = torch.exp(score - new_log_normalizer[..., None])
+            new_pooled = past_weight * pooled + new_weight * value
+            new_state = AdditivePoolState(_as_log_normalizer(new_log_normalizer), new_pooled)
+            return new_pooled[..., None, :].to(x.dtype), new_state
+        visible_scores = torch.cat([recent_scores, score], dim=-1)
+        visible_x = torch.cat([recent_x.to(dtype), value[..., None, :]], dim=-2)
+        log_normalizer = torch.logsumexp(visible_scores.clamp_min(_MASKED), dim=-1, keepdim=True)
+        new_pooled = torch.exp(visible_scores - log_normalizer)[..., None, :] @ visible_x
+        return new_pooled.to(x.dtype), _roll_window(recent_scores, recent_x, score, x)
+
+
+def naive_additive_pool(
+    x: torch.Tensor,
+    scores: torch.Tensor,
+    *,
+    causal: bool = False,
+    window: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    initial_state: AdditivePoolState | None = None,
+    output_final_state: bool = False,
+) -> tuple[torch.Tensor, AdditivePoolState | None]:
+    """Test reference for :func:`additive_pool`: for each t, torch.softmax over the visible real scores.
+
+    A plain loop in x's own dtype (pass float64 for a high-precision reference). A global initial state is one
+    more token (score log_normalizer, value pooled) before x; a windowed one is its buffered tokens before x.
+    """
+    batch, heads, seq, dim = _check_inputs(x, scores, causal, window, attention_mask, initial_state)
+    keep = check_padding_mask(attention_mask, batch, seq)
+    keep = torch.ones(batch, seq, dtype=torch.bool) if keep is None else keep
+    token_x, token_s, token_real = x, scores.to(x.dtype), keep[:, None, :].expand(batch, heads, seq)
+    if initial_state is not None:
+        if initial_state.window is None:
+            past_x, past_s = initial_state.pooled[..., None, :], initial_state.log_normalizer[..., None]
+        else:
+            past_x, past_s = initial_state.recent_x, initial_state.recent_scores
+        token_x = torch.cat([past_x.to(x.dtype), token_x], dim=-2)
+        token_s = torch.cat([past_s.to(x.dtype), token_s], dim=-1)
+        token_real = torch.cat([past_s > float("-inf"), token_real], dim=-1)
+    first = token_s.shape[-1] - seq
+
+    def pool(start: int, stop: int) -> torch.Tensor:
+        out = torch.zeros(batch, heads, dim, dtype=x.dtype)
+        for b in range(batch):
+            for h in range(heads):
+                real = start + torch.nonzero(token_real[b, h, start:stop])[:, 0]
+                if real.numel() > 0:
+                    out[b, h] = torch.softmax(token_s[b, h, real], dim=0) @ token_x[b, h, real]
+        return out
+
+    if not causal:
+        pooled = pool(0, first + seq)
+    else:
+        ends = range(first + 1, first + seq + 1)
+        starts = [0 if window is None else max(0, end - window) for end in ends]
+        pooled = torch.stack([pool(start, end) for start, end in zip(starts, ends, strict=True)], dim=2)
+    if not output_final_state:
+        return pooled, None
+
+    token_s = token_s.masked_fill(~token_real, float("-inf"))
+    token_x = token_x.masked_fill(~token_real[..., None], 0.0)
+    if window is None:
+        everything = pooled if not causal else pooled[..., -1, :]
+        return pooled, AdditivePoolState(log_normalizer=torch.logsumexp(token_s, dim=-1), pooled=everything)
+    never_filled = torch.full((batch, heads, window - 1), float("-inf"), dtype=x.dtype)
+    token_s = torch.cat([never_filled, token_s], dim=-1)
+    token_x = torch.cat([torch.zeros(batch, heads, window - 1, dim, dtype=x.dtype), token_x], dim=-2)
+    last = token_s.shape[-1] - (window - 1)
+    return pooled, AdditivePoolState(recent_scores=token_s[..., last:], recent_x=token_x[..., last:, :])
+
+
+def _bidirectional_pool(
+    x: torch.Tensor, scores: torch.Tensor, log_normalizer0: torch.Tensor, pooled0: torch.Tensor
+) -> tuple[torch.Tensor, AdditivePoolState]:
+    """g = Σ_i exp(s_i − L) x_i + exp(L_0 − L) g_0, with L over every token and the initial state (L_0, g_0)."""
+    log_normalizer = torch.logaddexp(
+        torch.logsumexp(scores.clamp_min(_MASKED), dim=-1), log_normalizer0.clamp_min(_MASKED)
+    )
+    weights = torch.exp(scores - log_normalizer[..., None])
+    pooled = (weights[..., None, :] @ x)[..., 0, :]
+    pooled = pooled + torch.exp(log_normalizer0 - log_normalizer)[..., None] * pooled0
+    return pooled, AdditivePoolState(_as_log_normalizer(log_normalizer), pooled)
+
+
+def _causal_pool(
+    x: torch.Tensor,
+    scores: torch.Tensor,
+    log_normalizer0: torch.Tensor,
+    pooled0: torch.Tensor,
+    chunk_size: int,
+) -> tuple[torch.Tensor, AdditivePoolState]:
+    """g_t = Σ_{i ≤ t} exp(s_i − L_t) x_i for every t, exactly and in parallel, in chunks of C positions.
+
+    1. Chunk c is summarised by its log-normaliser ℓ_c and its normalised sum u_c = Σ_{i ∈ c} exp(s_i − ℓ_c)
+       x_i; the initial state is one more summary before chunk 0.
+    2. The summaries are pooled causally: the past before chunk c has log-normaliser P_c = log Σ_{c' < c}
+       exp(ℓ_{c'}) and pooled vector Σ_{c' < c} exp(ℓ_{c'} − P_c) u_{c'}, one [N+1, N+1] lower-triangular
+       matmul with entries ≤ 1.
+    3. Position t of chunk c is a softmax over [the past as one token (P_c, its pooled vector), the chunk's
+       tokens i ≤ t]: weights exp(P_c − L_t) and exp(s_i − L_t), a [C, C+1] masked block per chunk.
+    Cost O(T·C·D + (T/C)²·D); no loop over positions.
+    """
+    batch, heads, seq, dim = x.shape
+    chunk = min(chunk_size, seq)
+    n_chunks = math.ceil(seq / chunk)
+    tail = n_chunks * chunk - seq
+    if tail:
+        x = F.pad(x, (0, 0, 0, tail))
+        scores = F.pad(scores, (0, tail), value=float("-inf"))
+    x_chunks = x.view(batch, heads, n_chunks, chunk, dim)
+    s_chunks = scores.view(batch, heads, n_chunks, chunk)
+    floored = s_chunks.clamp_min(_MASKED)
+
+    chunk_log_normalizer = torch.logsumexp(floored, dim=-1)
+    # The true −inf of padding gives it exactly zero weight, even in a chunk that is padding only.
+    chunk_weights = torch.exp(s_chunks - chunk_log_normalizer[..., None])
+    chunk_sums = (chunk_weights[..., None, :] @ x_chunks)[..., 0, :]
+    summary_log_normalizer = torch.cat(
+        [log_normalizer0.clamp_min(_MASKED)[..., None], chunk_log_normalizer], -1
+    )
+    summaries = torch.cat([pooled0[..., None, :], chunk_sums], dim=-2)
+
+    past_log_normalizer = torch.logcumsumexp(summary_log_normalizer, dim=-1)  # [.., c]: before chunk c
+    later = _after_diagonal(n_chunks + 1, n_chunks + 1, x.device)
+    summary_weights = summary_log_normalizer[..., None, :] - past_log_normalizer[..., :, None]
+    past_pooled = summary_weights.masked_fill(later, float("-inf")).exp() @ summaries
+
+    past_scores = past_log_normalizer[..., :-1, None].clamp_min(_EMPTY_PAST)
+    row_keys = torch.cat([past_scores, floored], dim=-1)
+    visible = ~_after_diagonal(chunk, chunk + 1, x.device, first_key=-1)
+    weights = torch.softmax(torch.where(visible, row_keys[..., None, :], _MASKED), dim=-1)
+    pooled = (weights[..., 1:] @ x_chunks).addcmul_(weights[..., :1], past_pooled[..., :-1, None, :])
+
+    pooled = pooled.view(batch, heads, n_chunks * chunk, dim)[:, :, :seq]
+    final = AdditivePoolState(_as_log_normalizer(past_log_normalizer[..., -1]), past_pooled[..., -1, :])
+    return pooled, final
+
+
+def _windowed_pool(
+    x: torch.Tensor,
+    scores: torch.Tensor,
+    recent_scores: torch.Tensor,
+    recent_x: torch.Tensor,
+    window: int,
+    chunk_size: int,
+) -> torch.Tensor:
+    """g_t = softmax over t − window < i ≤ t, banded: each chunk of C queries against the keys it can see.
+
+    Those keys are the query chunk itself and the H = ⌈(window − 1)/C⌉·C positions before it, so the cost is
+    O(T·(C + window)·D). The initial state's window − 1 buffered tokens are the positions before x, so a
+    continued call is exact. Each row is a stable softmax with an extra empty-past entry (score _EMPTY_PAST,
+    value 0) that takes the weight of a row seeing no real token.
+    """
+    batch, heads, seq, dim = x.shape
+    chunk = min(chunk_size, seq)
+    n_chunks = math.ceil(seq / chunk)
+    tail = n_chunks * chunk - seq
+    history = math.ceil((window - 1) / chunk) * chunk
+    lead = history - (window - 1)
+    keys_s = F.pad(torch.cat([recent_scores, scores], dim=-1), (lead, tail), value=float("-inf"))
+    keys_x = F.pad(torch.cat([recent_x.to(x.dtype), x], dim=-2), (0, 0, lead, tail))
+    span = history + chunk
+    band_s = keys_s.clamp_min(_MASKED).unfold(-1, span, chunk)  # [B, H, N, span]
+    band_x = keys_x.unfold(-2, span, chunk).transpose(-1, -2)  # [B, H, N, span, D]
+
+    empty_past = band_s.new_full((*band_s.shape[:-1], 1), _EMPTY_PAST)
+    row_keys = torch.cat([empty_past, band_s], dim=-1)
+    # Query r of a chunk sits at band position history + r and sees band positions j with
+    # 0 ≤ history + r − j < window.
+    distance = history + torch.arange(chunk, device=x.device)[:, None] - torch.arange(span, device=x.device)
+    in_window = (distance >= 0) & (distance < window)
+    visible = torch.cat([torch.ones(chunk, 1, dtype=torch.bool, device=x.device), in_window], dim=-1)
+    weights = torch.softmax(torch.where(visible, row_keys[..., None, :], _MASKED), dim=-1)
+    pooled = weights[..., 1:] @ band_x
+    return pooled.reshape(batch, heads, n_chunks * chunk, dim)[:, :, :seq]
+
+
+def _roll_window(
+    recent_scores: torch.Tensor, recent_x: torch.Tensor, scores: torch.Tensor, x: torch.Tensor
+) -> AdditivePoolState:
+    """The windowed state after x: the last window − 1 tokens of the buffer followed by x."""
+    size, seq = recent_scores.shape[-1], scores.shape[-1]
+    new_scores, new_x = scores[..., max(0, seq - size) :], x[..., max(0, seq - size) :, :]
+    # Padding never gets weight; zeroing its x keeps garbage (even NaN) out of later 0 · x products.
+    new_x = new_x.masked_fill(new_scores[..., None] == float("-inf"), 0.0)
+    all_scores = torch.cat([recent_scores, new_scores], dim=-1)
+    all_x = torch.cat([recent_x.to(x.dtype), new_x], dim=-2)
+    oldest_kept = all_scores.shape[-1] - size
+    return AdditivePoolState(
+        recent_scores=all_scores[..., oldest_kept:], recent_x=all_x[..., oldest_kept:, :]
+    )
+
+
+def _after_diagonal(rows: int, cols: int, device: torch.device, first_key: int = 0) -> torch.Tensor:
+    """[rows, cols] bool, True where key column j (numbered from first_key) comes after query row i."""
+    keys = torch.arange(first_key, first_key + cols, device=device)
+    return keys[None, :] > torch.arange(rows, device=device)[:, None]
+
+
+def _as_log_normalizer(log_normalizer: torch.Tensor) -> torch.Tensor:
+    """Report a log-normaliser that saw nothing but masked scores as the true log(0) = −inf."""
+    return log_normalizer.masked_fill(log_normalizer <= _MASKED, float("-inf"))
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _unpack_state(
+    state: AdditivePoolState | None, window: int | None, x: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log_normalizer, pooled, recent_scores, recent_x): the state's, or empty ones for the other form."""
+    batch, heads, _, dim = x.shape
+    buffered = 0 if window is None else window - 1
+    log_normalizer = torch.full((batch, heads), float("-inf"), dtype=dtype, device=x.device)
+    pooled = torch.zeros(batch, heads, dim, dtype=dtype, device=x.device)
+    recent_scores = torch.full((batch, heads, buffered), float("-inf"), dtype=dtype, device=x.device)
+    recent_x = torch.zeros(batch, heads, buffered, dim, dtype=x.dtype, device=x.device)
+    if state is not None and state.window is None:
+        log_normalizer, pooled = state.log_normalizer.to(dtype), state.pooled.to(dtype)
+    elif state is not None:
+        recent_scores, recent_x = state.recent_scores.to(dtype), state.recent_x
+    return log_normalizer, pooled, recent_scores, recent_x
+
+
+def _check_inputs(
+    x: torch.Tensor,
+    scores: torch.Tensor,
+    causal: bool,
+    window: int | None,
+    attention_mask: torch.Tensor | None,
+    state: AdditivePoolState | None,
+) -> tuple[int, int, int, int]:
+    check_rank("x", x, 4, "[batch, heads, seq, head_dim]")
+    check_rank("scores", scores, 3, "[batch, heads, seq]")
+    batch, heads, seq, dim = x.shape
+    if tuple(scores.shape) != (batch, heads, seq):
+        raise ValueError(
+            f"scores must have shape [batch, heads, seq] = [{batch}, {heads}, {seq}] to match x, "
+            f"got {tuple(scores.shape)}"
+        )
+    if seq == 0:
+        raise ValueError("x must hold at least one position: shape [batch, heads, seq >= 1, head_dim]")
+    if window is not None:
+        check_positive_int("window", window)
+        if not causal:
+            raise ValueError(f"window={window} needs causal=True: bidirectional pooling has no window")
+    check_padding_mask(attention_mask, batch, seq)
+    if state is not None:
+        _check_state(state, window, batch, heads, dim)
+    return batch, heads, seq, dim
+
+
+def _check_state(state: AdditivePoolState, window: int | None, batch: int, heads: int, dim: int) -> None:
+    if not isinstance(state, AdditivePoolState):
+        raise ValueError(f"initial_state / state must be an AdditivePoolState, got {type(state).__name__}")
+    if window is None:
+        if state.log_normalizer is None or state.pooled is None or state.recent_scores is not None:
+            raise ValueError(
+                "initial_state / state must be the global form (log_normalizer, pooled) for window=None, "
+                f"got the windowed form for window={state.window}"
+            )
+        if tuple(state.log_normalizer.shape) != (batch, heads) or tuple(state.pooled.shape) != (
+            batch,
+            heads,
+            dim,
+        ):
+            raise ValueError(
+                f"state.log_normalizer must have shape [batch, heads] = [{batch}, {heads}] and state.pooled "
+                f"[batch, heads, head_dim] = [{batch}, {heads}, {dim}], got {tuple(state.log_normalizer.shape)} "
+                f"and {tuple(state.pooled.shape)}"
+            )
+        return
+    if state.recent_scores is None or state.recent_x is None:
+        raise ValueError(
+            f"initial_state / state must be the windowed form (recent_scores, recent_x) for window={window}, "
+            "got the global form"
+        )
+    scores_shape, x_shape = (batch, heads, window - 1), (batch, heads, window - 1, dim)
+    if tuple(state.recent_scores.shape) != scores_shape or tuple(state.recent_x.shape) != x_shape:
+        raise ValueError(
+            f"for window={window}, state.recent_scores must have shape [batch, heads, window - 1] = "
+            f"{list(scores_shape)} and state.recent_x [batch, heads, window - 1, head_dim] = {list(x_shape)}, "
+            f"got {tuple(state.recent_scores.shape)} and {tuple(state.recent_x.shape)}"
+        )

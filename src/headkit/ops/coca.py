@@ -1,2 +1,378 @@
-# placeholder: being written
-def coca_attention(*a, **k): raise NotImplementedError
+"""CoCA: Collinear Constrained Attention.
+
+Zhu et al. 2023, "CoCA: Fusing Position Embedding with Collinear Constrained Attention in Transformers for Long
+Context Window Extending" (arXiv:2309.08646, §2). RoPE attention in which no key is free: inside every rotary
+pair i (dimensions i and i + D/2, as complex numbers q̃_i = q_i + j·q_{i+D/2}) the key that query m sees at
+position n is collinear with the query, k̃_mn,i = t_n,i · q̃_m,i with t_n,i ≥ 0 (the paper's k_n = q ∘ t_n).
+Rotating both by RoPE (Su et al. 2021) gives
+
+    score(m, n) = scale · Re Σ_i q̃_m,i e^{j·m·θ_i} · conj(t_n,i q̃_m,i e^{j·n·θ_i})
+                = scale · Σ_i t_n,i · |q̃_m,i|² · cos((m − n)·θ_i),
+
+a function of the relative position m − n only (shifting every position changes nothing).
+
+Since cos((m − n)θ) = cos mθ · cos nθ + sin mθ · sin nθ, the score is an ordinary dot product of two D-dim
+"collinear" vectors,
+
+    Q'_m = [a_m ⊙ cos mθ, a_m ⊙ sin mθ]  with a_m,i = |q̃_m,i|² = q_m,i² + q_m,i+D/2²,
+    K'_n = [t_n ⊙ cos nθ, t_n ⊙ sin nθ],
+
+so :func:`coca_attention` runs :func:`torch.nn.functional.scaled_dot_product_attention` on (Q', K', V), at the time
+and memory of ordinary attention: Q' and K' are built for a few heads at a time, never for all heads at once.
+
+:func:`naive_coca_scores` and :func:`naive_coca_attention` implement the definition literally, as the test reference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from headkit.ops._validation import check_padding_mask, check_qkv, check_rank, repeat_kv
+from headkit.ops.rotary import check_position_ids, rope_inverse_frequencies, rotary_cos_sin
+
+# The collinear vectors of one group of heads may take this share of the memory the call holds anyway (inputs and
+# output), or _MIN_WORKSPACE_BYTES, whichever is larger: small calls (decoding, short prompts) make one SDPA call.
+_WORKSPACE_FRACTION = 0.25
+_MIN_WORKSPACE_BYTES = 4 << 20
+# SDPA lets several query heads read one key/value head without copying it since torch 2.5 (enable_gqa).
+_SDPA_HAS_GQA = torch.__version__ >= "2.5"
+
+
+def coca_attention(
+    q: torch.Tensor,
+    t: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    position_ids: torch.Tensor | None = None,
+    key_position_ids: torch.Tensor | None = None,
+    rope_theta: float = 10000.0,
+    rope_scaling: Mapping[str, Any] | None = None,
+    max_position_embeddings: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Collinear constrained attention (see the module docstring for the equations).
+
+    Args:
+        q: queries [B, H, Tq, D], D even; RoPE is applied inside, pass them unrotated.
+        t: non-negative key multipliers [B, Hkv, Tk, D/2], one per rotary pair; ``H % Hkv == 0``.
+        v: values [B, Hkv, Tk, Dv].
+        causal: query i sees keys j ≤ i + (Tk − Tq), by index (the queries are the newest Tq tokens).
+        position_ids: query positions [Tq] or [B, Tq]; by default the last Tq of arange(Tk), as when decoding
+            with a key/value cache.
+        key_position_ids: key positions [Tk] or [B, Tk]; arange(Tk) by default.
+        rope_theta, rope_scaling, max_position_embeddings: RoPE base and scaling, as in
+            :func:`headkit.ops.rotary.rotary_cos_sin`. Dynamic NTK scales for the largest query or key position.
+        attention_mask: key padding mask [B, Tk], bool or 0/1 integers, True = a real token.
+        scale: score scale, 1/√D by default.
+
+    Returns:
+        [B, H, Tq, Dv]. Queries that see no key at all return zeros rather than NaN.
+    """
+    query_positions, key_positions, keep = _check_inputs(
+        q,
+        t,
+        v,
+        causal=causal,
+        position_ids=position_ids,
+        key_position_ids=key_position_ids,
+        attention_mask=attention_mask,
+        scale=scale,
+    )
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = t.shape[1], t.shape[2]
+    heads_per_kv = q_heads // kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+    # The collinear vectors hold |q|²·t: built in at least float32 so that bf16/fp16 inputs cannot overflow.
+    work_dtype = torch.promote_types(q.dtype, torch.float32)
+    query_rotation, key_rotation = _rotation_tables(
+        query_positions, key_positions, head_dim, rope_theta, rope_scaling, max_position_embeddings, work_dtype
+    )
+    mask, empty_rows = _visibility_mask(keep, causal, batch, q_len, kv_len, q.device)
+    use_is_causal = causal and mask is None and q_len == kv_len
+    # Under autocast SDPA picks its own dtype; otherwise it needs q, k and v alike.
+    sdpa_dtype = None if torch.is_autocast_enabled(q.device.type) else v.dtype
+
+    kv_heads_per_group = _kv_heads_per_group(q, t, v, work_dtype)
+    track_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, t, v))
+    group_outputs = []
+    out = None
+    for first in range(0, kv_heads, kv_heads_per_group):
+        last = min(first + kv_heads_per_group, kv_heads)
+        queries = _collinear_queries(q[:, first * heads_per_kv : last * heads_per_kv], query_rotation, work_dtype)
+        keys = _collinear_keys(t[:, first:last], key_rotation, work_dtype)
+        if sdpa_dtype is not None:
+            queries, keys = queries.to(sdpa_dtype), keys.to(sdpa_dtype)
+        group_out = _sdpa(queries, keys, v[:, first:last], mask, use_is_causal, scale, heads_per_kv)
+        del queries, keys  # free this group's collinear vectors before the next group builds its own
+        if empty_rows is not None:
+            group_out = group_out.masked_fill(empty_rows, 0.0)
+        if last - first == kv_heads:
+            return group_out
+        if track_grad:
+            group_outputs.append(group_out)
+            continue
+        if out is None:
+            out = group_out.new_empty(batch, q_heads, q_len, v.shape[-1])
+        out[:, first * heads_per_kv : last * heads_per_kv] = group_out
+    return torch.cat(group_outputs, dim=1) if track_grad else out
+
+
+def naive_coca_scores(
+    q: torch.Tensor,
+    t: torch.Tensor,
+    *,
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    rope_theta: float = 10000.0,
+    rope_scaling: Mapping[str, Any] | None = None,
+    max_position_embeddings: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Test reference: CoCA scores [B, H, Tq, Tk] straight from the paper's definition.
+
+    For every (m, n) the key k_mn = q_m ∘ t_n is built (pair i of the query scaled by t_n,i), query and key are
+    rotated by RoPE as complex numbers, and score = scale · ⟨R_m q_m, R_n k_mn⟩. Memory O(B·H·Tq·Tk·D): small
+    shapes only.
+    """
+    head_dim = q.shape[-1]
+    half = head_dim // 2
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else scale
+    t = t.repeat_interleave(q.shape[1] // t.shape[1], dim=1)  # query head h reads key/value head h // groups
+    query_positions = query_positions if query_positions.dim() == 2 else query_positions[None]
+    key_positions = key_positions if key_positions.dim() == 2 else key_positions[None]
+
+    seq_len = max(int(query_positions.max()), int(key_positions.max())) + 1
+    theta = rope_inverse_frequencies(
+        head_dim,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        seq_len=seq_len,
+        max_position_embeddings=max_position_embeddings,
+        dtype=torch.float64,
+    )
+    complex_dtype = torch.complex128 if q.dtype == torch.float64 else torch.complex64
+    query_angles = query_positions.double()[:, None, :, None, None] * theta  # [B|1, 1, Tq, 1, D/2]
+    key_angles = key_positions.double()[:, None, None, :, None] * theta  # [B|1, 1, 1, Tk, D/2]
+    rotate_query = torch.polar(torch.ones_like(query_angles), query_angles).to(complex_dtype)
+    rotate_key = torch.polar(torch.ones_like(key_angles), key_angles).to(complex_dtype)
+
+    real_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    query = torch.complex(q[..., :half].to(real_dtype), q[..., half:].to(real_dtype))[:, :, :, None, :]
+    key = query * t.to(real_dtype)[:, :, None, :, :]  # k_mn = q_m ∘ t_n: [B, H, Tq, Tk, D/2]
+    scores = (query * rotate_query * (key * rotate_key).conj()).real.sum(dim=-1)
+    return scores * scale
+
+
+def naive_coca_attention(
+    q: torch.Tensor,
+    t: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = True,
+    position_ids: torch.Tensor | None = None,
+    key_position_ids: torch.Tensor | None = None,
+    rope_theta: float = 10000.0,
+    rope_scaling: Mapping[str, Any] | None = None,
+    max_position_embeddings: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Test reference for :func:`coca_attention`: dense :func:`naive_coca_scores`, a mask, softmax, values."""
+    q_len, kv_len = q.shape[2], t.shape[2]
+    if position_ids is None:
+        position_ids = torch.arange(kv_len - q_len, kv_len, device=q.device)
+    if key_position_ids is None:
+        key_position_ids = torch.arange(kv_len, device=q.device)
+    scores = naive_coca_scores(
+        q,
+        t,
+        query_positions=position_ids,
+        key_positions=key_position_ids,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_position_embeddings,
+        scale=scale,
+    )
+    visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
+    if causal:
+        visible = visible.tril(kv_len - q_len)
+    if attention_mask is not None:
+        visible = visible & attention_mask.bool()[:, None, None, :]
+    sees_a_key = visible.any(dim=-1, keepdim=True)
+    # A row with no visible key is set to zeros before the softmax (no NaN, not even in the gradient), then to 0.
+    scores = scores.masked_fill(~visible, float("-inf")).masked_fill(~sees_a_key, 0.0)
+    weights = scores.softmax(dim=-1).masked_fill(~sees_a_key, 0.0)
+    values = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1).to(weights.dtype)
+    return (weights @ values).to(v.dtype)
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    t: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    position_ids: torch.Tensor | None,
+    key_position_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    scale: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Validate coca_attention's arguments; return (query positions, key positions, key padding mask or None)."""
+    check_rank("q", q, 4, "[batch, heads, seq, head_dim]")
+    check_rank("t", t, 4, "[batch, kv_heads, seq, head_dim/2]")
+    head_dim = q.shape[-1]
+    if head_dim % 2:
+        raise ValueError(f"q must have an even head_dim (rotary pairs (i, i + head_dim/2)), got {head_dim}")
+    if t.shape[-1] != head_dim // 2:
+        raise ValueError(
+            f"t must have shape [batch, kv_heads, seq, head_dim/2] with head_dim/2 = {head_dim // 2} (one value per "
+            f"rotary pair of q), got {tuple(t.shape)}"
+        )
+    batch, _, _, kv_len = check_qkv(q, t, v, k_name="t", same_head_dim=False)
+    q_len = q.shape[2]
+
+    for name, tensor in (("q", q), ("t", t), ("v", v)):
+        if not tensor.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {tensor.dtype}")
+    if not torch.is_autocast_enabled(q.device.type) and not (q.dtype == t.dtype == v.dtype):
+        raise ValueError(f"q, t and v must share one dtype, got {q.dtype}, {t.dtype} and {v.dtype}")
+    if t.numel() and bool(t.amin() < 0):
+        raise ValueError("t must be non-negative (each key is q scaled by t inside a rotary pair), got negative entries")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number or None, got {scale!r}")
+
+    if position_ids is None:
+        position_ids = torch.arange(kv_len - q_len, kv_len, device=q.device)
+    check_position_ids("position_ids", position_ids, batch, q_len)
+    if key_position_ids is None:
+        key_position_ids = torch.arange(kv_len, device=q.device)
+    check_position_ids("key_position_ids", key_position_ids, batch, kv_len)
+    keep = check_padding_mask(attention_mask, batch, kv_len)
+    return position_ids.to(q.device), key_position_ids.to(q.device), None if keep is None else keep.to(q.device)
+
+
+def _rotation_tables(
+    query_positions: torch.Tensor,
+    key_positions: torch.Tensor,
+    head_dim: int,
+    rope_theta: float,
+    rope_scaling: Mapping[str, Any] | None,
+    max_position_embeddings: int | None,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of the query and of the key positions, each [B|1, 1, T, 2, D/2].
+
+    Queries and keys must rotate with the same frequencies (else the score is no longer relative), so dynamic NTK
+    scales both for the largest position of either.
+    """
+    seq_len = 1
+    for positions in (query_positions, key_positions):
+        if positions.numel():
+            seq_len = max(seq_len, int(positions.max()) + 1)
+    tables = []
+    for positions in (query_positions, key_positions):
+        cos, sin = rotary_cos_sin(
+            positions,
+            head_dim,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_position_embeddings,
+            seq_len=seq_len,
+            dtype=dtype,
+        )
+        tables.append(torch.stack((cos, sin), dim=-2)[:, None])
+    return tables[0], tables[1]
+
+
+def _collinear_queries(q: torch.Tensor, rotation: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Q' = [a ⊙ cos mθ, a ⊙ sin mθ], a_i = q_i² + q_{i+D/2}²: [B, h, Tq, D]."""
+    half = q.shape[-1] // 2
+    q = q.to(dtype)
+    energy = torch.addcmul(q[..., :half].square(), q[..., half:], q[..., half:])
+    return (energy[..., None, :] * rotation).flatten(-2)
+
+
+def _collinear_keys(t: torch.Tensor, rotation: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K' = [t ⊙ cos nθ, t ⊙ sin nθ]: [B, h, Tk, D]."""
+    return (t.to(dtype)[..., None, :] * rotation).flatten(-2)
+
+
+def _visibility_mask(
+    keep: torch.Tensor | None, causal: bool, batch: int, q_len: int, kv_len: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(boolean mask for SDPA or None, rows that see no key [B|1, 1, Tq, 1] or None).
+
+    SDPA's own is_causal aligns the diagonal top-left, so a causal call with Tq ≠ Tk needs an explicit mask.
+    """
+    if keep is None and (not causal or q_len == kv_len):
+        return None, None
+    mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    if causal:
+        mask = mask.tril(kv_len - q_len)
+    if keep is not None:
+        mask = mask & keep[:, None, None, :]
+    else:
+        mask = mask[None, None]
+    if bool(mask.all()):
+        return None, None
+    empty_rows = ~mask.any(dim=-1, keepdim=True)
+    if not bool(empty_rows.any()):
+        return mask, None
+    # Softmax over no key at all is NaN: let such rows see every key, and zero them afterwards.
+    return mask | empty_rows, empty_rows
+
+
+def _kv_heads_per_group(q: torch.Tensor, t: torch.Tensor, v: torch.Tensor, work_dtype: torch.dtype) -> int:
+    """How many key/value heads (with their query heads) to process per SDPA call, under the workspace budget."""
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, kv_len = t.shape[1], t.shape[2]
+    heads_per_kv = q_heads // kv_heads
+    value_dim = v.shape[-1]
+    work_bytes = torch.empty((), dtype=work_dtype).element_size()
+    # Per key/value head: its collinear keys; per query head: collinear queries, the |q|² they come from, output.
+    bytes_per_kv_head = batch * (
+        work_bytes * kv_len * head_dim
+        + heads_per_kv * q_len * (work_bytes * (head_dim + head_dim // 2) + v.element_size() * value_dim)
+    )
+    held_bytes = sum(x.numel() * x.element_size() for x in (q, t, v)) + batch * q_heads * q_len * value_dim * (
+        v.element_size()
+    )
+    budget = max(_MIN_WORKSPACE_BYTES, _WORKSPACE_FRACTION * held_bytes)
+    per_group = max(1, min(kv_heads, int(budget // max(bytes_per_kv_head, 1))))
+    if q.device.type == "cpu" and per_group < kv_heads:
+        # SDPA's CPU kernel hands each thread a contiguous run of query blocks, and under a causal mask the later
+        # blocks of a head cost more: a group whose query heads split evenly over the threads stays balanced.
+        threads = torch.get_num_threads()
+        balanced = [n for n in range(per_group, 0, -1) if (n * heads_per_kv) % threads == 0]
+        if balanced:
+            per_group = balanced[0]
+    return per_group
+
+
+def _sdpa(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor | None,
+    is_causal: bool,
+    scale: float,
+    heads_per_kv: int,
+) -> torch.Tensor:
+    if heads_per_kv == 1:
+        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale)
+    if _SDPA_HAS_GQA:
+        return F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
+        )
+    keys, values = repeat_kv(keys, heads_per_kv), repeat_kv(values, heads_per_kv)
+    return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale)

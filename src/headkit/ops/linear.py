@@ -1,5 +1,356 @@
-# placeholder: being written
+"""Linear attention: Katharopoulos et al. 2020, "Transformers are RNNs: Fast Autoregressive Transformers with
+Linear Attention" (arXiv:2006.16236).
+
+With the kernel similarity sim(q, k) = φ(q)ᵀ φ(k) (Eq. 3), the sums over keys factor out of the query (Eq. 4):
+
+    out_i = φ(q_i)ᵀ S / (φ(q_i)ᵀ z + eps),    S = Σ_j φ(k_j) v_jᵀ   [Dk, Dv],    z = Σ_j φ(k_j)   [Dk].
+
+Under causal masking the sums run over j ≤ i (S_i, Z_i of Eq. 10-11), which is an RNN with the constant-size
+state (S_i, z_i) (Eq. 16-20): :func:`linear_attention_step` decodes one token with it.
+
+The causal forward is chunkwise-parallel (the form used by e.g. Yang et al. 2024, "Gated Linear Attention
+Transformers with Hardware-Efficient Training", §2.2). Cut the sequence into chunks of C tokens; for chunk c,
+
+    numerator_c = tril(φ(Q_c) φ(K_c)ᵀ) V_c  +  φ(Q_c) S_{<c},        S_{<c} = S_0 + Σ_{c' < c} φ(K_c')ᵀ V_c',
+
+a dense C×C matmul inside the chunk plus one [Dk, Dv] state per chunk obtained by a prefix sum: O(T·C·D + T·D²)
+time and no Python loop over tokens. Chunks are taken in blocks of ~1024 tokens that carry the state, so that
+φ(q), φ(k), chunk scores and per-chunk states exist for one block at a time (peak memory ≈ inputs + output).
+
+The normaliser rides along the numerator: V gets an extra column of ones, so φ(K)ᵀ[V, 1] = [S, z] and every
+matmul yields numerator and denominator together. Everything is accumulated in float32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
 from typing import NamedTuple
-class LinearAttentionState(NamedTuple): pass
-def linear_attention(*a, **k): raise NotImplementedError
-def linear_attention_step(*a, **k): raise NotImplementedError
+
+import torch
+import torch.nn.functional as F
+
+from headkit.ops._validation import check_padding_mask, check_positive_int, check_qkv, repeat_kv
+from headkit.ops.feature_maps import get_feature_map
+
+# Tokens per block of the causal forward: large enough that the per-block Python overhead is amortised, small
+# enough that the block's intermediates stay a small fraction of the inputs at long sequence lengths.
+_BLOCK_TOKENS = 1024
+
+
+class LinearAttentionState(NamedTuple):
+    """Recurrent state of linear attention, one per key/value head, always float32.
+
+    kv: Σ_j φ(k_j) v_jᵀ, [batch, kv_heads, head_dim, head_dim_v] (S_i of Eq. 10).
+    k_sum: Σ_j φ(k_j), [batch, kv_heads, head_dim] (Z_i of Eq. 10).
+    """
+
+    kv: torch.Tensor
+    k_sum: torch.Tensor
+
+
+def linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    feature_map: str | Callable[[torch.Tensor], torch.Tensor] = "elu",
+    causal: bool = False,
+    attention_mask: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    initial_state: LinearAttentionState | None = None,
+    output_final_state: bool = False,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, LinearAttentionState | None]:
+    """Linear attention out_i = φ(q_i)ᵀ Σ_j φ(k_j) v_jᵀ / (φ(q_i)ᵀ Σ_j φ(k_j) + eps) (Eq. 4; causal: Eq. 9-11).
+
+    Args:
+        q: queries [B, H, Tq, Dk].
+        k, v: keys and values [B, Hkv, Tk, Dk] / [B, Hkv, Tk, Dv]; ``H % Hkv == 0`` (grouped-query attention:
+            query head h reads key/value head h // (H / Hkv)). Causal mode needs Tq == Tk.
+        feature_map: a name registered in :data:`headkit.ops.FEATURE_MAPS` ("elu" = elu(x) + 1, Eq. 7) or a
+            callable Tensor -> Tensor of the same shape.
+        causal: sum over keys j ≤ i only; otherwise over all keys.
+        attention_mask: key padding mask [B, Tk], bool or 0/1 integers, True = real token. Padded keys
+            contribute nothing (their values must still be finite).
+        chunk_size: tokens per chunk of the causal chunkwise-parallel form (a speed knob; results agree up to
+            rounding). Ignored when not causal.
+        initial_state: sums over keys that precede this call (e.g. from a prefill with
+            ``output_final_state=True``); every query also sees them. None = empty.
+        output_final_state: also return the state after the last key.
+        eps: added to the denominator; a query that sees no key at all returns zeros.
+
+    Returns:
+        (out [B, H, Tq, Dv] in q's dtype, final :class:`LinearAttentionState` or None). Accumulation is float32
+        even under ``torch.autocast``.
+    """
+    batch, q_heads, kv_heads, kv_len = check_qkv(q, k, v)
+    q_len, head_dim, head_dim_v = q.shape[2], k.shape[3], v.shape[3]
+    if causal and q_len != kv_len:
+        raise ValueError(
+            f"causal linear attention needs k and v with the same seq length as q ({q_len}), got {kv_len}"
+        )
+    check_positive_int("chunk_size", chunk_size)
+    _check_eps(eps)
+    phi = get_feature_map(feature_map)
+    keep = check_padding_mask(attention_mask, batch, kv_len)
+    state = _augmented_state(initial_state, "initial_state", batch, kv_heads, head_dim, head_dim_v, q.device)
+    if keep is not None:
+        keep = keep.to(q.device)
+
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        if causal:
+            out, state = _causal_linear_attention(q, k, v, keep, state, phi, chunk_size, eps)
+        else:
+            out, state = _non_causal_linear_attention(q, k, v, keep, state, phi, eps)
+    if not output_final_state:
+        return out, None
+    return out, LinearAttentionState(state[..., :head_dim_v].contiguous(), state[..., head_dim_v].contiguous())
+
+
+def linear_attention_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state: LinearAttentionState | None,
+    *,
+    feature_map: str | Callable[[torch.Tensor], torch.Tensor] = "elu",
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, LinearAttentionState]:
+    """One step of the recurrent form (Eq. 16-20): fold token t into the state, then read it with q_t.
+
+    Args:
+        q: the new query [B, H, 1, Dk]; k, v: the new key/value [B, Hkv, 1, Dk] / [B, Hkv, 1, Dv].
+        state: :class:`LinearAttentionState` of the tokens before (None = empty).
+
+    Returns:
+        (out [B, H, 1, Dv] in q's dtype, the state including this token, float32). Decoding a sequence token
+        by token gives the causal :func:`linear_attention` output.
+    """
+    batch, q_heads, kv_heads, _ = check_qkv(q, k, v)
+    for name, tensor in (("q", q), ("k", k), ("v", v)):
+        if tensor.shape[2] != 1:
+            raise ValueError(f"{name} must hold one token, shape [batch, heads, 1, head_dim], got {tuple(tensor.shape)}")
+    _check_eps(eps)
+    phi = get_feature_map(feature_map)
+    head_dim, head_dim_v = k.shape[3], v.shape[3]
+    kv, k_sum = _checked_state(state, "state", batch, kv_heads, head_dim, head_dim_v, q.device)
+
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        phi_q = _feature(phi, q.float()).view(batch, kv_heads, q_heads // kv_heads, head_dim)
+        phi_k = _feature(phi, k.float())  # [B, Hkv, 1, Dk]
+        kv = kv + phi_k.transpose(-1, -2) @ v.float()
+        k_sum = k_sum + phi_k.squeeze(2)
+        numerator = phi_q @ kv  # [B, Hkv, G, Dv]
+        denominator = phi_q @ k_sum.unsqueeze(-1)  # [B, Hkv, G, 1]
+        out = (numerator / (denominator + eps)).view(batch, q_heads, 1, head_dim_v)
+    return out.to(q.dtype), LinearAttentionState(kv, k_sum)
+
+
+def naive_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    feature_map: str | Callable[[torch.Tensor], torch.Tensor] = "elu",
+    causal: bool = False,
+    attention_mask: torch.Tensor | None = None,
+    initial_state: LinearAttentionState | None = None,
+    output_final_state: bool = False,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, LinearAttentionState | None]:
+    """Test reference for :func:`linear_attention`: the dense O(T²) form of Eq. 2-3 with an explicit mask.
+
+    out_i = Σ_j w_ij v_j / (Σ_j w_ij + eps) with w_ij = φ(q_i)ᵀ φ(k_j) where key j is visible to query i, plus
+    the initial state's sums. Computed in q's dtype (pass float64 for a high-precision reference); the
+    returned state is in that dtype too.
+    """
+    batch, q_heads, kv_heads, kv_len = check_qkv(q, k, v)
+    groups = q_heads // kv_heads
+    q_len = q.shape[2]
+    phi = get_feature_map(feature_map)
+    keep = check_padding_mask(attention_mask, batch, kv_len)
+    if keep is None:
+        keep = torch.ones(batch, kv_len, dtype=torch.bool, device=q.device)
+
+    visible = keep[:, None, None, :].expand(batch, q_heads, q_len, kv_len)
+    if causal:
+        visible = visible & torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device).tril()
+    phi_q = phi(q)
+    phi_k = phi(k) * keep[:, None, :, None]
+    weights = (phi_q @ repeat_kv(phi_k, groups).transpose(-1, -2)) * visible
+    numerator = weights @ repeat_kv(v, groups)
+    denominator = weights.sum(dim=-1, keepdim=True)
+
+    kv = torch.einsum("bhtd,bhte->bhde", phi_k, v)
+    k_sum = phi_k.sum(dim=2)
+    if initial_state is not None:
+        kv0, k_sum0 = initial_state.kv.to(q.dtype), initial_state.k_sum.to(q.dtype)
+        numerator = numerator + phi_q @ repeat_kv(kv0, groups)
+        denominator = denominator + phi_q @ repeat_kv(k_sum0.unsqueeze(-1), groups)
+        kv, k_sum = kv + kv0, k_sum + k_sum0
+    out = numerator / (denominator + eps)
+    return out, (LinearAttentionState(kv, k_sum) if output_final_state else None)
+
+
+def _causal_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor | None,
+    state: torch.Tensor,
+    phi: Callable[[torch.Tensor], torch.Tensor],
+    chunk_size: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunkwise-parallel causal form; ``state`` is [B, Hkv, Dk, Dv + 1] = [S | z]. Returns (out, final state)."""
+    batch, q_heads, seq_len, _ = q.shape
+    kv_heads, head_dim_v = k.shape[1], v.shape[3]
+    # A group axis (size G = H / Hkv for queries, 1 for keys/values) lets matmuls broadcast key/value heads
+    # over their query heads without repeating them.
+    q = q.unflatten(1, (kv_heads, q_heads // kv_heads))  # [B, Hkv, G, T, Dk]
+    k, v, state = k.unsqueeze(2), v.unsqueeze(2), state.unsqueeze(2)
+    keep = None if keep is None else keep[:, None, None, :, None]
+
+    # Blocks of whole chunks, then the leftover T mod C tokens as one shorter chunk: no padding copy.
+    whole = seq_len - seq_len % chunk_size
+    block_len = chunk_size * max(1, _BLOCK_TOKENS // chunk_size)
+    spans = [(start, min(block_len, whole - start), chunk_size) for start in range(0, whole, block_len)]
+    if whole < seq_len:
+        spans.append((whole, seq_len - whole, seq_len - whole))
+
+    # With autograd, concatenating the blocks keeps the backward cheap; without it, writing each block into
+    # the preallocated output keeps the peak memory at one output.
+    build_graph = seq_len > 0 and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, state))
+    pieces = []
+    out = q.new_empty(0) if build_graph else q.new_empty(batch, kv_heads, q_heads // kv_heads, seq_len, head_dim_v)
+    # One split per input rather than a slice per block: the backward of a split is a single concatenation,
+    # while each slice's backward would materialise a full-length zero gradient.
+    lengths = [length for _, length, _ in spans]
+    blocks = zip(q.split(lengths, dim=3), k.split(lengths, dim=3), v.split(lengths, dim=3), strict=True)
+    for (start, length, chunk), (q_block, k_block, v_block) in zip(spans, blocks, strict=True):
+        block_keep = None if keep is None else keep[:, :, :, start : start + length]
+        piece, state = _causal_block(q_block, k_block, v_block, block_keep, state, phi, chunk, eps)
+        if build_graph:
+            pieces.append(piece.to(q.dtype))
+        else:
+            out[:, :, :, start : start + length] = piece
+    if build_graph:
+        out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=3)
+    return out.reshape(batch, q_heads, seq_len, head_dim_v), state.squeeze(2)
+
+
+def _causal_block(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor | None,
+    state: torch.Tensor,
+    phi: Callable[[torch.Tensor], torch.Tensor],
+    chunk: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block of L = n·C tokens. q [B, Hkv, G, L, Dk]; k [B, Hkv, 1, L, Dk]; v [B, Hkv, 1, L, Dv];
+    keep [B, 1, 1, L, 1] or None; state [B, Hkv, 1, Dk, Dv + 1] = [S | z] of all earlier tokens.
+
+    Returns out [B, Hkv, G, L, Dv] (float32) and the state after the block.
+    """
+    head_dim_v = v.shape[-1]
+    phi_q = _feature(phi, q.float()).unflatten(-2, (-1, chunk))  # [B, Hkv, G, n, C, Dk]
+    phi_k = _feature(phi, k.float()).unflatten(-2, (-1, chunk))  # [B, Hkv, 1, n, C, Dk]
+    values = F.pad(v.float(), (0, 1), value=1.0)  # [V | 1]
+    if keep is not None:
+        # A zero row drops the padded key from every sum: numerator, normaliser and state.
+        values = values.masked_fill_(~keep, 0.0)
+    values = values.unflatten(-2, (-1, chunk))  # [B, Hkv, 1, n, C, Dv + 1]
+
+    chunk_states = phi_k.transpose(-1, -2) @ values  # Σ_{j in chunk} φ(k_j)[v_j | 1]ᵀ: [B, Hkv, 1, n, Dk, Dv+1]
+    # Exclusive prefix sum over chunks, seeded with the incoming state: what each chunk's queries see before it.
+    states_before = torch.cat([state.unsqueeze(3), chunk_states[:, :, :, :-1]], dim=3).cumsum(dim=3)
+    final_state = states_before[:, :, :, -1] + chunk_states[:, :, :, -1]
+
+    scores = (phi_q @ phi_k.transpose(-1, -2)).tril_()  # causal within the chunk: [B, Hkv, G, n, C, C]
+    numerator, denominator = (scores @ values + phi_q @ states_before).split([head_dim_v, 1], dim=-1)
+    return (numerator / (denominator + eps)).flatten(3, 4), final_state
+
+
+def _non_causal_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor | None,
+    state: torch.Tensor,
+    phi: Callable[[torch.Tensor], torch.Tensor],
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eq. 5: φ(Q)(φ(K)ᵀ[V | 1]), the key sums taken once; ``state`` is [B, Hkv, Dk, Dv + 1] = [S | z]."""
+    batch, q_heads, q_len, head_dim = q.shape
+    kv_heads, head_dim_v = k.shape[1], v.shape[3]
+    values = F.pad(v.float(), (0, 1), value=1.0)
+    if keep is not None:
+        values = values.masked_fill_(~keep[:, None, :, None], 0.0)
+    state = state + _feature(phi, k.float()).transpose(-1, -2) @ values
+    # The queries of a group all read the same key/value head: stack them as rows of one matmul.
+    phi_q = _feature(phi, q.float()).reshape(batch, kv_heads, -1, head_dim)  # [B, Hkv, G·Tq, Dk]
+    numerator, denominator = (phi_q @ state).split([head_dim_v, 1], dim=-1)
+    out = numerator / (denominator + eps)
+    return out.reshape(batch, q_heads, q_len, head_dim_v).to(q.dtype), state
+
+
+def _feature(phi: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    mapped = phi(x)
+    if not isinstance(mapped, torch.Tensor) or mapped.shape != x.shape:
+        got = tuple(mapped.shape) if isinstance(mapped, torch.Tensor) else type(mapped).__name__
+        raise ValueError(f"feature_map must return a tensor of its input's shape {tuple(x.shape)}, got {got}")
+    return mapped
+
+
+def _check_eps(eps: float) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number ≥ 0, got {eps!r}")
+
+
+def _checked_state(
+    state: LinearAttentionState | None,
+    name: str,
+    batch: int,
+    kv_heads: int,
+    head_dim: int,
+    head_dim_v: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate a (kv, k_sum) state and return it as float32 on ``device``; None gives zeros."""
+    kv_shape, k_sum_shape = (batch, kv_heads, head_dim, head_dim_v), (batch, kv_heads, head_dim)
+    if state is None:
+        return (
+            torch.zeros(kv_shape, dtype=torch.float32, device=device),
+            torch.zeros(k_sum_shape, dtype=torch.float32, device=device),
+        )
+    if not (isinstance(state, tuple) and len(state) == 2 and all(isinstance(t, torch.Tensor) for t in state)):
+        raise ValueError(f"{name} must be a LinearAttentionState(kv, k_sum) of tensors, got {type(state).__name__}")
+    kv, k_sum = state
+    for field, tensor, shape, layout in (
+        ("kv", kv, kv_shape, "[batch, kv_heads, head_dim, head_dim_v]"),
+        ("k_sum", k_sum, k_sum_shape, "[batch, kv_heads, head_dim]"),
+    ):
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"{name}.{field} must have shape {layout} = {list(shape)}, got {tuple(tensor.shape)}")
+        if not tensor.dtype.is_floating_point:
+            raise ValueError(f"{name}.{field} must be a floating-point tensor, got dtype {tensor.dtype}")
+    return kv.to(device=device, dtype=torch.float32), k_sum.to(device=device, dtype=torch.float32)
+
+
+def _augmented_state(
+    state: LinearAttentionState | None,
+    name: str,
+    batch: int,
+    kv_heads: int,
+    head_dim: int,
+    head_dim_v: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """The state as one float32 [B, Hkv, Dk, Dv + 1] tensor [S | z], matching values extended by ones."""
+    if state is None:
+        return torch.zeros(batch, kv_heads, head_dim, head_dim_v + 1, dtype=torch.float32, device=device)
+    kv, k_sum = _checked_state(state, name, batch, kv_heads, head_dim, head_dim_v, device)
+    return torch.cat([kv, k_sum.unsqueeze(-1)], dim=-1)

@@ -1,4 +1,268 @@
-# placeholder: being written
-def apply_rotary(*a, **k): raise NotImplementedError
-def rope_inverse_frequencies(*a, **k): raise NotImplementedError
-def rotary_cos_sin(*a, **k): raise NotImplementedError
+"""Rotary position embeddings (RoPE) with linear and dynamic-NTK scaling.
+
+Su et al. 2021, "RoFormer: Enhanced Transformer with Rotary Position Embedding" (arXiv:2104.09864), Eq. 34:
+inside every rotary pair i the vector at position m is rotated by the angle m·θ_i, θ_i = rope_theta^(−2i/D),
+so that ⟨R_m q, R_n k⟩ depends on m − n only. Pairs are (i, i + D/2) ("rotate-half", as GPT-NeoX and LLaMA).
+
+Scaling follows 🤗 Transformers' ``rope_scaling`` / ``rope_parameters`` conventions:
+
+* ``"linear"`` (position interpolation, Chen et al. 2023, arXiv:2306.15595): positions divided by ``factor``.
+* ``"dynamic"`` (dynamic NTK-aware scaling, bloc97/emozilla 2023, as transformers'
+  ``_compute_dynamic_ntk_parameters``): when the current length L exceeds the trained length L₀, the base
+  becomes rope_theta · (factor·L/L₀ − (factor − 1))^(D/(D−2)); at L ≤ L₀ it is exactly plain RoPE.
+  Unlike transformers' rotary module, which caches the frequencies it grew for a long input, everything here is
+  computed from the positions of this call only: a short call after a long one gets plain RoPE again.
+
+Angles are formed in float64 (the rounding of a float32 m·θ grows with the position m) and returned as float32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+
+from headkit.ops._validation import check_positive_int, check_rank
+
+ROPE_TYPES = ("default", "linear", "dynamic")
+_ROPE_SCALING_KEYS = ("rope_type", "type", "factor", "original_max_position_embeddings", "rope_theta")
+
+
+class _RopeScaling(NamedTuple):
+    rope_type: str
+    factor: float
+    trained_length: int | None  # L₀ of dynamic NTK; None for the other rope types
+
+
+def rope_inverse_frequencies(
+    head_dim: int,
+    *,
+    rope_theta: float = 10000.0,
+    rope_scaling: Mapping[str, Any] | None = None,
+    seq_len: int | None = None,
+    max_position_embeddings: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """The rotary frequencies θ_i = base^(−2i/D), i < D/2, after scaling (RoFormer Eq. 15).
+
+    Args:
+        head_dim: D, even.
+        rope_theta: the base.
+        rope_scaling: None, or ``{"rope_type": "default" | "linear" | "dynamic", "factor": ...,
+            "original_max_position_embeddings": ...}`` (the older key ``"type"`` is accepted too).
+        seq_len: the current length L, used by dynamic NTK only (None: no longer than the trained length).
+        max_position_embeddings: the trained length L₀ for dynamic NTK, unless the dict gives
+            ``original_max_position_embeddings``.
+
+    Returns:
+        [D/2] tensor of ``dtype`` (float32 by default). Linear scaling divides it by ``factor``, which is the same
+        as dividing the positions.
+    """
+    check_positive_int("head_dim", head_dim)
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even (rotary pairs (i, i + head_dim/2)), got {head_dim}")
+    _check_rope_theta(rope_theta)
+    if seq_len is not None:
+        check_positive_int("seq_len", seq_len)
+    scaling = _parse_rope_scaling(rope_scaling, rope_theta, max_position_embeddings)
+
+    base = float(rope_theta)
+    if scaling.rope_type == "dynamic" and seq_len is not None and seq_len > scaling.trained_length:
+        # With head_dim 2 the only frequency is base⁰ = 1, and the exponent D/(D−2) is undefined: nothing to do.
+        if head_dim > 2:
+            stretch = scaling.factor * seq_len / scaling.trained_length - (scaling.factor - 1)
+            base = base * stretch ** (head_dim / (head_dim - 2))
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float64, device=device) / head_dim
+    inverse_frequencies = 1.0 / base**exponents
+    if scaling.rope_type == "linear":
+        inverse_frequencies = inverse_frequencies / scaling.factor
+    return inverse_frequencies.to(dtype)
+
+
+def rotary_cos_sin(
+    position_ids: torch.Tensor,
+    head_dim: int,
+    *,
+    rope_theta: float = 10000.0,
+    rope_scaling: Mapping[str, Any] | None = None,
+    max_position_embeddings: int | None = None,
+    seq_len: int | None = None,
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos(m·θ_i) and sin(m·θ_i) for every position m and rotary pair i.
+
+    Args:
+        position_ids: integer positions [T] or [B, T].
+        head_dim, rope_theta, rope_scaling, max_position_embeddings: as in :func:`rope_inverse_frequencies`.
+        seq_len: the length dynamic NTK scales for; max(position_ids) + 1 by default. Pass it to give several
+            calls the same frequencies (e.g. the queries and the keys of one attention call).
+
+    Returns:
+        (cos, sin), each [B or 1, T, D/2] of ``dtype`` (float32 by default).
+    """
+    check_position_ids("position_ids", position_ids)
+    scaling = _parse_rope_scaling(rope_scaling, rope_theta, max_position_embeddings)
+    if scaling.rope_type == "dynamic" and seq_len is None and position_ids.numel() > 0:
+        seq_len = max(int(position_ids.max()) + 1, 1)
+    # MPS has no float64; everywhere else the angles are formed in float64 (see the module docstring).
+    angle_dtype = torch.float32 if position_ids.device.type == "mps" else torch.float64
+    inverse_frequencies = rope_inverse_frequencies(
+        head_dim,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        seq_len=seq_len,
+        max_position_embeddings=max_position_embeddings,
+        dtype=angle_dtype,
+        device=position_ids.device,
+    )
+    positions = position_ids if position_ids.dim() == 2 else position_ids[None]
+    angles = positions.to(angle_dtype)[..., None] * inverse_frequencies
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate every pair (x_i, x_{i+D/2}) by the angle whose cosine and sine are given (RoFormer Eq. 34).
+
+    Args:
+        x: [B, H, T, D].
+        cos, sin: [B or 1, T, D/2] from :func:`rotary_cos_sin`, shared by all heads.
+
+    Returns:
+        [B, H, T, D] in x's dtype, computed in the wider of x's and cos's dtypes.
+    """
+    check_rank("x", x, 4, "[batch, heads, seq, head_dim]")
+    batch, _, seq, head_dim = x.shape
+    if head_dim % 2:
+        raise ValueError(f"x must have an even head_dim (rotary pairs (i, i + head_dim/2)), got {head_dim}")
+    half = head_dim // 2
+    for name, table in (("cos", cos), ("sin", sin)):
+        check_rank(name, table, 3, f"[batch or 1, seq, head_dim/2] = [{batch} or 1, {seq}, {half}]")
+        if table.shape[0] not in (1, batch) or tuple(table.shape[1:]) != (seq, half):
+            raise ValueError(
+                f"{name} must have shape [batch or 1, seq, head_dim/2] = [{batch} or 1, {seq}, {half}] to match "
+                f"x of shape {tuple(x.shape)}, got {tuple(table.shape)}"
+            )
+        if not table.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {table.dtype}")
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.to(x.dtype)
+
+
+def naive_rotary(
+    x: torch.Tensor,
+    position_ids: torch.Tensor,
+    *,
+    rope_theta: float = 10000.0,
+    rope_scaling: Mapping[str, Any] | None = None,
+    max_position_embeddings: int | None = None,
+) -> torch.Tensor:
+    """Test reference for ``apply_rotary(x, *rotary_cos_sin(position_ids, ...))``: RoPE as complex numbers.
+
+    RoFormer §3.2.2: pair i is the complex number z_i = x_i + j·x_{i+D/2}, and rotating by m·θ_i multiplies it
+    by e^{j·m·θ_i}. Computed in complex128.
+    """
+    head_dim = x.shape[-1]
+    half = head_dim // 2
+    positions = position_ids if position_ids.dim() == 2 else position_ids[None]
+    seq_len = int(positions.max()) + 1
+    frequencies = rope_inverse_frequencies(
+        head_dim,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        seq_len=seq_len,
+        max_position_embeddings=max_position_embeddings,
+        dtype=torch.float64,
+    )
+    angles = positions.double()[:, None, :, None] * frequencies  # [B or 1, 1, T, D/2]
+    z = torch.complex(x[..., :half].double(), x[..., half:].double())
+    z = z * torch.polar(torch.ones_like(angles), angles)
+    return torch.cat((z.real, z.imag), dim=-1).to(x.dtype)
+
+
+def _parse_rope_scaling(
+    rope_scaling: Mapping[str, Any] | None, rope_theta: float, max_position_embeddings: int | None
+) -> _RopeScaling:
+    if max_position_embeddings is not None:
+        check_positive_int("max_position_embeddings", max_position_embeddings)
+    if rope_scaling is None:
+        return _RopeScaling("default", 1.0, None)
+    if not isinstance(rope_scaling, Mapping):
+        raise ValueError(
+            'rope_scaling must be None or a dict like {"rope_type": "linear", "factor": 2.0}, '
+            f"got {type(rope_scaling).__name__}"
+        )
+    unknown = sorted(set(rope_scaling) - set(_ROPE_SCALING_KEYS))
+    if unknown:
+        raise ValueError(f"rope_scaling has unsupported key(s) {unknown}; expected some of {list(_ROPE_SCALING_KEYS)}")
+
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if "rope_type" in rope_scaling and "type" in rope_scaling and rope_scaling["type"] != rope_type:
+        raise ValueError(
+            f"rope_scaling gives two rope types: rope_type={rope_type!r} and type={rope_scaling['type']!r}"
+        )
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope_scaling['rope_type'] must be one of {list(ROPE_TYPES)}, got {rope_type!r}")
+    # A 🤗 v5 rope_parameters dict carries rope_theta too: accept it when it agrees with the argument.
+    if "rope_theta" in rope_scaling and rope_scaling["rope_theta"] != rope_theta:
+        raise ValueError(
+            f"rope_scaling['rope_theta'] = {rope_scaling['rope_theta']!r} disagrees with rope_theta = {rope_theta!r}"
+        )
+
+    trained_length = rope_scaling.get("original_max_position_embeddings")
+    if trained_length is not None:
+        check_positive_int("rope_scaling['original_max_position_embeddings']", trained_length)
+
+    factor = rope_scaling.get("factor")
+    if rope_type == "default":
+        if factor is not None and factor != 1:
+            raise ValueError(
+                f"rope_scaling['factor'] = {factor!r} has no meaning for rope_type 'default'; "
+                "use rope_type 'linear' or 'dynamic'"
+            )
+        return _RopeScaling("default", 1.0, None)
+    if factor is None:
+        raise ValueError(f"rope_scaling['factor'] is required for rope_type {rope_type!r}")
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+        raise ValueError(f"rope_scaling['factor'] must be a finite number > 0, got {factor!r}")
+    if rope_type == "linear":
+        return _RopeScaling("linear", float(factor), None)
+
+    if factor < 1:
+        raise ValueError(f"rope_scaling['factor'] must be >= 1 for rope_type 'dynamic', got {factor!r}")
+    if trained_length is None:
+        trained_length = max_position_embeddings
+    if trained_length is None:
+        raise ValueError(
+            "rope_type 'dynamic' needs the trained length: pass max_position_embeddings or set "
+            "rope_scaling['original_max_position_embeddings']"
+        )
+    return _RopeScaling("dynamic", float(factor), trained_length)
+
+
+def _check_rope_theta(rope_theta: float) -> None:
+    if (
+        isinstance(rope_theta, bool)
+        or not isinstance(rope_theta, (int, float))
+        or not math.isfinite(rope_theta)
+        or rope_theta <= 0
+    ):
+        raise ValueError(f"rope_theta must be a finite number > 0, got {rope_theta!r}")
+
+
+def check_position_ids(
+    name: str, position_ids: torch.Tensor, batch: int | None = None, seq: int | None = None
+) -> None:
+    """Integer positions [seq] or [batch, seq]; batch and seq are checked when given."""
+    expected = "[seq] or [batch, seq]" if seq is None else f"[{seq}] or [{batch}, {seq}]"
+    if not isinstance(position_ids, torch.Tensor):
+        raise ValueError(f"{name} must be an integer torch.Tensor of shape {expected}, got {type(position_ids).__name__}")
+    if position_ids.dtype.is_floating_point or position_ids.dtype.is_complex or position_ids.dtype == torch.bool:
+        raise ValueError(f"{name} must hold integer positions, got dtype {position_ids.dtype}")
+    shape = tuple(position_ids.shape)
+    if position_ids.dim() not in (1, 2) or (seq is not None and shape not in ((seq,), (batch, seq))):
+        raise ValueError(f"{name} must have shape {expected}, got {shape}")

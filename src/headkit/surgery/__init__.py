@@ -1,1 +1,41 @@
-"""headkit.surgery."""
+"""headkit.surgery: rewrite the attention of pretrained 🤗 models.
+
+- :mod:`headkit.surgery.adapters`: where attention lives in each architecture (shared by every surgery).
+- :mod:`headkit.surgery.decompose`: CP decomposition of query/key projections into shared ones.
+- :mod:`headkit.surgery.collaborative`: swap attention modules for collaborative heads.
+- :mod:`headkit.surgery.io`: record surgery in the config and reload saved models (:func:`from_pretrained`).
+"""
+
+from headkit.surgery.adapters import (
+    ALBERTCollaborativeAdapter,
+    AttentionAdapter,
+    AttentionSite,
+    BERTCollaborativeAdapter,
+    DistilBERTCollaborativeAdapter,
+    ProjectionWeights,
+    get_adapter,
+    register_adapter,
+    supported_architectures,
+)
+from headkit.surgery.collaborative import CollaborativeSelfAttention, SwapReport, swap_to_collaborative
+from headkit.surgery.decompose import decompose_query_key
+from headkit.surgery.io import from_pretrained, record_surgery, register_surgery_op
+
+__all__ = [
+    "ALBERTCollaborativeAdapter",
+    "AttentionAdapter",
+    "AttentionSite",
+    "BERTCollaborativeAdapter",
+    "CollaborativeSelfAttention",
+    "DistilBERTCollaborativeAdapter",
+    "ProjectionWeights",
+    "SwapReport",
+    "decompose_query_key",
+    "from_pretrained",
+    "get_adapter",
+    "record_surgery",
+    "register_adapter",
+    "register_surgery_op",
+    "supported_architectures",
+    "swap_to_collaborative",
+]

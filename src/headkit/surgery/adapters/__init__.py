@@ -1,1 +1,63 @@
-"""headkit.surgery.adapters."""
+"""Adapters: per-architecture knowledge of where attention lives in a 🤗 model (see ``API.md``).
+
+Every module of this package is imported here, so an adapter registers itself by existing: adding an
+architecture is adding one file.
+"""
+
+import importlib
+import pkgutil
+
+from headkit.surgery.adapters.base import (
+    ADAPTERS,
+    AttentionAdapter,
+    AttentionCall,
+    AttentionSite,
+    HeadkitAttention,
+    ProjectionWeights,
+    attention_mask_for_scores,
+    bind_attention_call,
+    count_parameters,
+    get_adapter,
+    linear_parameters,
+    new_linear,
+    register_adapter,
+    supported_architectures,
+)
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
+
+from headkit.surgery.adapters.albert import AlbertAdapter, ALBERTCollaborativeAdapter  # noqa: E402
+from headkit.surgery.adapters.bert import BertAdapter, BERTCollaborativeAdapter  # noqa: E402
+from headkit.surgery.adapters.distilbert import DistilBertAdapter, DistilBERTCollaborativeAdapter  # noqa: E402
+from headkit.surgery.adapters.gpt2 import GPT2Adapter  # noqa: E402
+from headkit.surgery.adapters.llama import LlamaAdapter  # noqa: E402
+from headkit.surgery.adapters.roberta import RobertaAdapter  # noqa: E402
+from headkit.surgery.adapters.vit import ViTAdapter  # noqa: E402
+
+__all__ = [
+    "ADAPTERS",
+    "ALBERTCollaborativeAdapter",
+    "AlbertAdapter",
+    "AttentionAdapter",
+    "AttentionCall",
+    "AttentionSite",
+    "BERTCollaborativeAdapter",
+    "BertAdapter",
+    "DistilBERTCollaborativeAdapter",
+    "DistilBertAdapter",
+    "GPT2Adapter",
+    "HeadkitAttention",
+    "LlamaAdapter",
+    "ProjectionWeights",
+    "RobertaAdapter",
+    "ViTAdapter",
+    "attention_mask_for_scores",
+    "bind_attention_call",
+    "count_parameters",
+    "get_adapter",
+    "linear_parameters",
+    "new_linear",
+    "register_adapter",
+    "supported_architectures",
+]

@@ -1,0 +1,214 @@
+"""Timing and peak-memory measurement of one call, shared by every benchmark.
+
+Timing: ``warmup`` untimed calls (lazy initialisation, allocator caches, kernel selection), then the wall
+clock of each of ``repeats`` calls (a fast call is looped within a repeat, as :mod:`timeit` does); the median
+is reported because it ignores the occasional preemption that a mean would absorb.
+
+Peak memory: on CUDA the caching allocator keeps a high-water mark (``torch.cuda.max_memory_allocated``). On
+CPU there is no such counter, so the call runs once under ``torch.profiler.profile(profile_memory=True)``,
+which records every allocation (+bytes) and free (−bytes) of the CPU allocator as a kineto event named
+``[memory]``; the running sum of those deltas, in chronological order, peaks at the most memory the call
+held at once. Either way the result is reported as the peak *above* what was allocated when the call
+started, plus the bytes of the call's inputs, so that a kernel that needs no scratch memory still costs its
+inputs, and numbers from CPU and CUDA mean the same thing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.autograd import DeviceType
+
+# The kineto event name under which the profiler records allocator activity (torch/autograd/profiler_util.py).
+MEMORY_EVENT_NAME = "[memory]"
+# Memory that the CPU allocator hands out; torch.autograd.profiler counts the same device types as CPU memory.
+_CPU_MEMORY_DEVICE_TYPES = (DeviceType.CPU, DeviceType.MKLDNN, DeviceType.IDEEP)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call measured by each timed repeat, their median, and the calls each repeat averaged."""
+
+    median_s: float
+    times_s: tuple[float, ...]
+    calls_per_repeat: int = 1
+
+
+@dataclass(frozen=True)
+class PeakMemory:
+    """Peak memory of one call, in bytes.
+
+    ``peak_bytes = input_bytes + extra_peak_bytes``: the inputs alive when the call starts, plus the most
+    memory the call allocated on top of what was already allocated.
+    """
+
+    peak_bytes: int
+    input_bytes: int
+    extra_peak_bytes: int
+
+
+# A repeat never loops more than this, however fast the call: enough to average out a 1 ms scheduler hiccup.
+MAX_CALLS_PER_REPEAT = 100
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued kernels on ``device``: CUDA runs asynchronously, so a clock read must come after it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(
+    fn: Callable[[], object],
+    *,
+    repeats: int,
+    warmup: int = 1,
+    min_repeat_s: float = 0.0,
+    device: torch.device | str = "cpu",
+    clock: Callable[[], float] = time.perf_counter,
+) -> Timing:
+    """Median seconds per call of ``fn()`` over ``repeats`` timed repeats, after ``warmup`` untimed calls.
+
+    A repeat of a call faster than ``min_repeat_s`` loops over enough calls to last about that long (at most
+    :data:`MAX_CALLS_PER_REPEAT`) and reports their mean, the way :mod:`timeit` does: one call of a
+    millisecond is at the mercy of a single context switch. The loop count comes from the last warm-up call
+    (or one extra call when ``warmup`` is 0). ``clock`` is injectable so that tests can drive the timer.
+    """
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats <= 0:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
+    if not min_repeat_s >= 0:
+        raise ValueError(f"min_repeat_s must be ≥ 0 seconds, got {min_repeat_s!r}")
+    device = torch.device(device)
+
+    def timed(calls: int) -> float:
+        start = clock()
+        for _ in range(calls):
+            fn()
+        synchronize(device)
+        return (clock() - start) / calls
+
+    last_call_s = 0.0
+    for _ in range(warmup):
+        last_call_s = timed(1)
+    calls_per_repeat = 1
+    if min_repeat_s > 0:
+        if warmup == 0:
+            last_call_s = timed(1)
+        wanted = math.ceil(min_repeat_s / last_call_s) if last_call_s > 0 else MAX_CALLS_PER_REPEAT
+        calls_per_repeat = min(max(wanted, 1), MAX_CALLS_PER_REPEAT)
+    times = tuple(timed(calls_per_repeat) for _ in range(repeats))
+    return Timing(median_s=statistics.median(times), times_s=times, calls_per_repeat=calls_per_repeat)
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the storages behind ``tensors``, each storage counted once (views share their base's)."""
+    seen: set[int] = set()
+    total = 0
+    for tensor in tensors:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def peak_of_running_total(deltas: Iterable[int]) -> int:
+    """Highest value of the running sum of allocation deltas (+alloc, −free), starting from 0 (never below 0).
+
+    A free of memory allocated before the window drives the running sum negative; the peak is still measured
+    from the starting level, which is what "peak above the start" means.
+    """
+    level = 0
+    peak = 0
+    for delta in deltas:
+        level += delta
+        peak = max(peak, level)
+    return peak
+
+
+def cpu_peak_extra_bytes(fn: Callable[[], object]) -> int:
+    """Most CPU memory that ``fn()`` holds at once beyond what was allocated when it started, in bytes.
+
+    Runs ``fn`` once under the profiler and replays its ``[memory]`` events in chronological order.
+    """
+    profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_native_stderr():
+        profiler.start()
+    try:
+        fn()
+    finally:
+        with _quiet_native_stderr():
+            profiler.stop()
+    kineto_results = getattr(profiler.profiler, "kineto_results", None)
+    if kineto_results is None:
+        raise RuntimeError(
+            "torch.profiler returned no kineto results; CPU peak memory needs a torch built with kineto"
+        )
+    memory_events = [
+        event
+        for event in kineto_results.events()
+        if event.name() == MEMORY_EVENT_NAME and event.device_type() in _CPU_MEMORY_DEVICE_TYPES
+    ]
+    # Python's sort is stable, so events with equal timestamps keep the order in which they were recorded.
+    memory_events.sort(key=lambda event: event.start_ns())
+    return peak_of_running_total(event.nbytes() for event in memory_events)
+
+
+def cuda_peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
+    """Most CUDA memory that ``fn()`` holds at once beyond what was allocated when it started, in bytes."""
+    synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    allocated_at_start = torch.cuda.memory_allocated(device)
+    fn()
+    synchronize(device)
+    return max(0, torch.cuda.max_memory_allocated(device) - allocated_at_start)
+
+
+def measure_peak_memory(
+    fn: Callable[[], object], *, inputs: Iterable[torch.Tensor], device: torch.device | str = "cpu"
+) -> PeakMemory:
+    """Peak memory of one call of ``fn()``: the bytes of ``inputs`` plus the most it allocates on top."""
+    device = torch.device(device)
+    input_bytes = tensor_bytes(inputs)
+    if device.type == "cuda":
+        extra = cuda_peak_extra_bytes(fn, device)
+    elif device.type == "cpu":
+        extra = cpu_peak_extra_bytes(fn)
+    else:
+        raise ValueError(f"device must be cpu or cuda, got {str(device)!r}")
+    return PeakMemory(peak_bytes=input_bytes + extra, input_bytes=input_bytes, extra_peak_bytes=extra)
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr() -> Iterator[None]:
+    """Send file descriptor 2 to /dev/null for the duration.
+
+    Kineto prints "profiler_start"/"profiler_stop" lines from C++ straight to the stderr descriptor on every
+    start and stop, whatever its log level; they would tear through a live progress bar. Only the profiler's
+    start and stop are wrapped, never the measured call, so no error of the caller's is swallowed.
+    """
+    stderr_fd = 2  # kineto writes to the descriptor, whatever Python's sys.stderr points at
+    sys.stderr.flush()
+    try:
+        saved_fd = os.dup(stderr_fd)
+    except OSError:  # no stderr descriptor to redirect (e.g. a closed fd 2): nothing to hide
+        yield
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, stderr_fd)
+        yield
+    finally:
+        os.dup2(saved_fd, stderr_fd)
+        os.close(saved_fd)
+        os.close(devnull)

@@ -1,0 +1,654 @@
+"""``headkit bench speed``: kernel speed and peak memory of each attention mechanism against SDPA.
+
+For every registered mechanism and every sequence length T (B=1, H=8, head_dim=64, fp32), it measures
+
+* forward: the op under ``torch.no_grad()``;
+* forward+backward: the op on inputs that require grad, then ``torch.autograd.grad`` of the output with a
+  fixed random cotangent (what ``loss.backward()`` does, without accumulating into ``.grad``);
+
+each as the median wall-clock time of ``repeats`` calls after a warm-up call, and the peak memory of one call
+(inputs included, see :mod:`headkit.bench._measure`). Every ratio is taken against ``sdpa_causal``
+(:func:`torch.nn.functional.scaled_dot_product_attention` with ``is_causal=True``, i.e. softmax attention,
+Vaswani et al. 2017, Eq. 1) measured at the same length in the same run, so that both sides of a ratio saw
+the same machine load.
+
+Mechanisms (the paper each kernel implements is cited in its module under :mod:`headkit.ops`):
+
+* ``linear_causal``: linear attention with the elu+1 feature map (Katharopoulos et al. 2020, Eq. 4-5);
+* ``additive_causal``: additive attention pooling (Fastformer, Wu et al. 2021, Eq. 3-4);
+* ``coca_causal``: collinear-constrained attention, keys collinear with the rotated queries with non-negative
+  magnitudes t (CoCA, Zhu et al. 2023);
+* ``collaborative_causal``: collaborative heads sharing one query/key projection of width H·64, one mixing
+  vector per head (Cordonnier et al. 2020, Eq. 6);
+* ``softmax_noncausal``: :func:`headkit.ops.softmax_attention` without the causal mask, for reference.
+
+A kernel that is not implemented yet (it raises ``NotImplementedError``) is reported as unavailable and
+skipped. Outputs in ``out_dir``: ``results.json`` (every timing, medians, peak bytes, ratios, targets, machine
+and command line), ``table.md`` and ``speed.png`` (time and memory vs T, log-log).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from headkit import ops
+from headkit.bench._measure import measure_peak_memory, time_call
+from headkit.bench._report import (
+    command_line,
+    machine_info,
+    markdown_table,
+    save_figure_atomic,
+    write_json_atomic,
+    write_text_atomic,
+)
+from headkit.errors import HeadkitError
+
+BASELINE = "sdpa_causal"
+DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192)
+QUICK_MAX_LENGTH = 2048
+QUICK_MAX_REPEATS = 3
+BATCH, HEADS, HEAD_DIM = 1, 8, 64
+DTYPE = torch.float32
+MODES = ("forward", "forward_backward")
+MODE_LABELS = {"forward": "fwd", "forward_backward": "fwd+bwd"}
+# Shapes of the tiny call that checks a kernel exists before any length is measured.
+PROBE_SEQ_LEN = 16
+# A timed repeat of a faster call loops over several calls (see headkit.bench._measure.time_call).
+MIN_REPEAT_S = 0.05
+SEED = 0
+
+RESULTS_FILE, TABLE_FILE, PLOT_FILE = "results.json", "table.md", "speed.png"
+
+
+# --- The registry: one entry per mechanism -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One input: its layout over the symbols of :func:`resolve_layout`, and whether it must be ≥ 0."""
+
+    layout: tuple[str, ...]
+    non_negative: bool = False
+
+
+@dataclass(frozen=True)
+class MechanismSpec:
+    """How to benchmark one mechanism: its inputs, and the call that maps them (as keywords) to the output."""
+
+    description: str
+    inputs: Mapping[str, TensorSpec]
+    run: Callable[..., torch.Tensor]
+
+
+def _primary(result: torch.Tensor | tuple[torch.Tensor, Any]) -> torch.Tensor:
+    # Kernels that carry a recurrent state return (output, state); only the output is differentiated.
+    return result[0] if isinstance(result, tuple) else result
+
+
+_QKV = TensorSpec(("B", "H", "T", "D"))
+
+MECHANISMS: dict[str, MechanismSpec] = {
+    "sdpa_causal": MechanismSpec(
+        description="torch SDPA, causal (the baseline)",
+        inputs={"q": _QKV, "k": _QKV, "v": _QKV},
+        run=lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    ),
+    "linear_causal": MechanismSpec(
+        description="linear attention, elu+1 features, chunked causal",
+        inputs={"q": _QKV, "k": _QKV, "v": _QKV},
+        run=lambda q, k, v: _primary(ops.linear_attention(q, k, v, causal=True)),
+    ),
+    "additive_causal": MechanismSpec(
+        description="additive (Fastformer) pooling, causal",
+        inputs={"x": _QKV, "scores": TensorSpec(("B", "H", "T"))},
+        run=lambda x, scores: _primary(ops.additive_pool(x, scores, causal=True)),
+    ),
+    "coca_causal": MechanismSpec(
+        description="CoCA, collinear keys with magnitudes t ≥ 0, causal",
+        inputs={"q": _QKV, "t": TensorSpec(("B", "H", "T", "D/2"), non_negative=True), "v": _QKV},
+        run=lambda q, t, v: _primary(ops.coca_attention(q, t, v, causal=True)),
+    ),
+    "collaborative_causal": MechanismSpec(
+        description="collaborative heads, shared q/k of width H·64, causal",
+        inputs={
+            "q_shared": TensorSpec(("B", "T", "H*D")),
+            "k_shared": TensorSpec(("B", "T", "H*D")),
+            "v": _QKV,
+            "mixing": TensorSpec(("H", "H*D")),
+            "content_bias": TensorSpec(("B", "H", "T")),
+        },
+        run=lambda q_shared, k_shared, v, mixing, content_bias: _primary(
+            ops.collaborative_attention(q_shared, k_shared, v, mixing, content_bias=content_bias, causal=True)
+        ),
+    ),
+    "softmax_noncausal": MechanismSpec(
+        description="headkit softmax attention, no mask (reference)",
+        inputs={"q": _QKV, "k": _QKV, "v": _QKV},
+        run=lambda q, k, v: ops.softmax_attention(q, k, v, causal=False),
+    ),
+}
+
+
+def resolve_layout(layout: Sequence[str], *, batch: int, heads: int, seq_len: int, head_dim: int) -> tuple:
+    """Concrete shape of a layout: B batch, H heads, T seq_len, D head_dim, D/2 half of it, H*D all heads."""
+    sizes = {
+        "B": batch,
+        "H": heads,
+        "T": seq_len,
+        "D": head_dim,
+        "D/2": head_dim // 2,
+        "H*D": heads * head_dim,
+    }
+    unknown = [symbol for symbol in layout if symbol not in sizes]
+    if unknown:
+        raise ValueError(f"layout {tuple(layout)} uses unknown symbols {unknown}; known: {sorted(sizes)}")
+    return tuple(sizes[symbol] for symbol in layout)
+
+
+def make_inputs(
+    spec: MechanismSpec,
+    *,
+    seq_len: int,
+    batch: int = BATCH,
+    heads: int = HEADS,
+    head_dim: int = HEAD_DIM,
+    device: torch.device | str = "cpu",
+    requires_grad: bool = False,
+    seed: int = SEED,
+) -> dict[str, torch.Tensor]:
+    """Standard-normal fp32 inputs of the spec's shapes (absolute values where they must be ≥ 0), seeded."""
+    device = torch.device(device)
+    generator = torch.Generator(device=device).manual_seed(seed)
+    inputs = {}
+    for name, tensor_spec in spec.inputs.items():
+        shape = resolve_layout(
+            tensor_spec.layout, batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim
+        )
+        tensor = torch.randn(shape, generator=generator, device=device, dtype=DTYPE)
+        if tensor_spec.non_negative:
+            tensor = tensor.abs()
+        inputs[name] = tensor.requires_grad_(requires_grad)
+    return inputs
+
+
+# --- Targets (from the issue), checked on ratios measured side by side -------------------------------------
+
+
+@dataclass(frozen=True)
+class Target:
+    """``quantity`` of ``mechanism`` in ``mode`` at ``seq_len``, divided by the baseline's, must be ≤ max_ratio."""
+
+    description: str
+    mechanism: str
+    mode: str
+    seq_len: int
+    quantity: str  # "time" or "peak_memory"
+    max_ratio: float
+
+
+TARGETS = (
+    Target("linear fwd ≥ 10× faster at T=8192", "linear_causal", "forward", 8192, "time", 1 / 10),
+    Target("linear fwd+bwd ≥ 6× faster at T=4096", "linear_causal", "forward_backward", 4096, "time", 1 / 6),
+    Target("linear fwd+bwd ≤ 1.5× slower at T=512", "linear_causal", "forward_backward", 512, "time", 1.5),
+    Target("linear fwd peak memory ≤ 1.5× at T=8192", "linear_causal", "forward", 8192, "peak_memory", 1.5),
+    Target("additive fwd ≥ 20× faster at T=8192", "additive_causal", "forward", 8192, "time", 1 / 20),
+    Target("CoCA fwd time ≤ 1.3× at T=4096", "coca_causal", "forward", 4096, "time", 1.3),
+    Target("CoCA fwd peak memory ≤ 1.25× at T=4096", "coca_causal", "forward", 4096, "peak_memory", 1.25),
+)
+
+
+# --- The run -----------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    device: torch.device
+    lengths: list[int]
+    mechanisms: list[str]
+    repeats: int
+    out_dir: Path
+    quick: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def run_speed_benchmark(
+    *,
+    device: str = "cpu",
+    lengths: Sequence[int] | None = None,
+    mechanisms: Sequence[str] | None = None,
+    repeats: int = 5,
+    out_dir: str | Path = Path("results/speed"),
+    quick: bool = False,
+    warmup: int = 1,
+    min_repeat_s: float = MIN_REPEAT_S,
+    console: Console | None = None,
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """Measure every mechanism at every length; write results.json, table.md and speed.png to ``out_dir``.
+
+    Args:
+        device: "cpu" or "cuda" (or "cuda:N").
+        lengths: sequence lengths T; :data:`DEFAULT_LENGTHS` when None.
+        mechanisms: names from :data:`MECHANISMS`, all when None; the baseline is always measured too.
+        repeats: timed calls per point; the median is reported.
+        out_dir: output folder, created if needed.
+        quick: keep only lengths ≤ 2048 (512, 1024, 2048 when ``lengths`` is None) and at most 3 repeats.
+        warmup: untimed calls before the timed ones.
+        min_repeat_s: a timed repeat loops over calls faster than this and reports their mean.
+        console: where the progress bar and tables go (a fresh stdout console when None).
+        show_progress: draw the progress bar.
+
+    Returns:
+        The dictionary written to results.json.
+
+    Raises:
+        HeadkitError (a ValueError): unknown mechanism, CUDA asked for but absent, bad lengths or repeats.
+    """
+    plan = _plan(device, lengths, mechanisms, repeats, out_dir, quick)
+    console = console or Console()
+    unavailable = {name: note for name in plan.mechanisms if (note := _probe(MECHANISMS[name], plan.device))}
+    if BASELINE in unavailable:
+        raise RuntimeError(f"the baseline {BASELINE} cannot run on {plan.device}: {unavailable[BASELINE]}")
+    for name, note in unavailable.items():
+        console.print(f"[yellow]skipped[/] {name}: {note}", highlight=False)
+    measured = [name for name in plan.mechanisms if name not in unavailable]
+
+    points: list[dict[str, Any]] = []
+    out_of_memory: set[str] = set()
+    progress = Progress(
+        TextColumn("{task.description:<40}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not show_progress,
+    )
+    with progress:
+        task = progress.add_task("speed", total=len(plan.lengths) * len(measured))
+        # Lengths outermost: every ratio compares measurements taken minutes apart at most, not a whole run.
+        for seq_len in plan.lengths:
+            for name in measured:
+                progress.update(task, description=f"{name} T={seq_len}")
+                if name in out_of_memory:
+                    points.extend(_failed_points(name, seq_len, "skipped: out of memory at a shorter length"))
+                else:
+                    try:
+                        points.extend(
+                            _measure_mechanism(name, seq_len, plan.device, plan.repeats, warmup, min_repeat_s)
+                        )
+                    except Exception as exc:
+                        if not _is_out_of_memory(exc):
+                            raise
+                        out_of_memory.add(name)
+                        points.extend(_failed_points(name, seq_len, f"out of memory: {exc}".splitlines()[0]))
+                progress.advance(task)
+
+    _add_ratios(points)
+    results = {
+        "benchmark": "speed",
+        "baseline": BASELINE,
+        "config": {
+            "batch": BATCH,
+            "heads": HEADS,
+            "head_dim": HEAD_DIM,
+            "dtype": str(DTYPE).removeprefix("torch."),
+            "device": str(plan.device),
+            "lengths": plan.lengths,
+            "repeats": plan.repeats,
+            "warmup": warmup,
+            "min_repeat_s": min_repeat_s,
+            "quick": plan.quick,
+            "statistic": "median",
+            "mechanisms": plan.mechanisms,
+            "notes": plan.notes,
+        },
+        "machine": machine_info(plan.device),
+        "command": command_line(),
+        "mechanisms": {
+            name: {
+                "description": MECHANISMS[name].description,
+                "available": name not in unavailable,
+                "note": unavailable.get(name),
+            }
+            for name in plan.mechanisms
+        },
+        "points": points,
+        "targets": [_evaluate_target(target, points) for target in TARGETS],
+    }
+
+    write_json_atomic(plan.out_dir / RESULTS_FILE, results)
+    write_text_atomic(plan.out_dir / TABLE_FILE, render_markdown(results))
+    save_figure_atomic(plot_results(results), plan.out_dir / PLOT_FILE)
+
+    for note in plan.notes:
+        console.print(f"[dim]{note}[/]", highlight=False)
+    console.print(_ratio_table(results))
+    console.print(_target_table(results))
+    console.print(f"wrote {RESULTS_FILE}, {TABLE_FILE} and {PLOT_FILE} to {plan.out_dir}", highlight=False)
+    return results
+
+
+def _plan(
+    device: str,
+    lengths: Sequence[int] | None,
+    mechanisms: Sequence[str] | None,
+    repeats: int,
+    out_dir: str | Path,
+    quick: bool,
+) -> _Plan:
+    """Validate the arguments (every user error surfaces here, before anything is measured)."""
+    notes = []
+    try:
+        torch_device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise HeadkitError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from None
+    if torch_device.type not in ("cpu", "cuda"):
+        raise HeadkitError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        raise HeadkitError(f"device {device!r} asked for, but CUDA is not available here; use --device cpu")
+    if torch_device.type == "cuda" and (torch_device.index or 0) >= torch.cuda.device_count():
+        raise HeadkitError(f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s)")
+
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats <= 0:
+        raise HeadkitError(f"repeats must be a positive integer, got {repeats!r}")
+    if lengths is None:
+        lengths = DEFAULT_LENGTHS
+    if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in lengths):
+        raise HeadkitError(f"lengths must be a non-empty list of positive integers, got {lengths!r}")
+    lengths = sorted(set(lengths))
+    if quick:
+        kept = [n for n in lengths if n <= QUICK_MAX_LENGTH]
+        if not kept:
+            raise HeadkitError(f"--quick measures lengths ≤ {QUICK_MAX_LENGTH}, but lengths are {lengths}")
+        if kept != lengths:
+            notes.append(f"quick: lengths > {QUICK_MAX_LENGTH} dropped")
+        if repeats > QUICK_MAX_REPEATS:
+            notes.append(f"quick: repeats {repeats} → {QUICK_MAX_REPEATS}")
+        lengths, repeats = kept, min(repeats, QUICK_MAX_REPEATS)
+
+    names = list(MECHANISMS) if mechanisms is None else [name.strip() for name in mechanisms]
+    unknown = [name for name in names if name not in MECHANISMS]
+    if unknown or not names:
+        raise HeadkitError(
+            f"unknown mechanism(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
+            f"valid names: {', '.join(MECHANISMS)}"
+        )
+    # Ratios need the baseline, measured first so it is the reference of every length.
+    names = [BASELINE, *dict.fromkeys(name for name in names if name != BASELINE)]
+
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"--out {str(out_dir)!r} exists and is not a directory")
+    return _Plan(torch_device, lengths, names, repeats, out_dir, quick, notes)
+
+
+def _probe(spec: MechanismSpec, device: torch.device) -> str | None:
+    """None if the mechanism runs forward and backward on tiny inputs, else why it is unavailable."""
+    inputs = make_inputs(spec, seq_len=PROBE_SEQ_LEN, device=device, requires_grad=True)
+    try:
+        spec.run(**inputs).sum().backward()
+    except NotImplementedError as exc:
+        return f"not implemented yet ({type(exc).__name__}{': ' + str(exc) if str(exc) else ''})"
+    return None
+
+
+def _measure_mechanism(
+    name: str, seq_len: int, device: torch.device, repeats: int, warmup: int, min_repeat_s: float
+) -> list[dict[str, Any]]:
+    """Forward and forward+backward points of one mechanism at one length."""
+    spec = MECHANISMS[name]
+    inputs = make_inputs(spec, seq_len=seq_len, device=device, requires_grad=True)
+    leaves = list(inputs.values())
+    with torch.no_grad():
+        output_shape = spec.run(**inputs).shape
+    generator = torch.Generator(device=device).manual_seed(SEED + 1)
+    cotangent = torch.randn(output_shape, generator=generator, device=device, dtype=DTYPE)
+
+    def forward() -> None:
+        with torch.no_grad():
+            spec.run(**inputs)
+
+    def forward_backward() -> None:
+        torch.autograd.grad(spec.run(**inputs), leaves, grad_outputs=cotangent)
+
+    calls = {"forward": (forward, leaves), "forward_backward": (forward_backward, [*leaves, cotangent])}
+    points = []
+    for mode in MODES:
+        fn, live_inputs = calls[mode]
+        timing = time_call(fn, repeats=repeats, warmup=warmup, min_repeat_s=min_repeat_s, device=device)
+        memory = measure_peak_memory(fn, inputs=live_inputs, device=device)
+        points.append(
+            {
+                "mechanism": name,
+                "seq_len": seq_len,
+                "mode": mode,
+                "median_s": timing.median_s,
+                "times_s": list(timing.times_s),
+                "calls_per_repeat": timing.calls_per_repeat,
+                "peak_bytes": memory.peak_bytes,
+                "input_bytes": memory.input_bytes,
+                "extra_peak_bytes": memory.extra_peak_bytes,
+                "error": None,
+            }
+        )
+    return points
+
+
+def _failed_points(name: str, seq_len: int, error: str) -> list[dict[str, Any]]:
+    empty = {
+        "median_s": None,
+        "times_s": [],
+        "calls_per_repeat": 0,
+        "peak_bytes": None,
+        "input_bytes": None,
+        "extra_peak_bytes": None,
+    }
+    return [{"mechanism": name, "seq_len": seq_len, "mode": mode, **empty, "error": error} for mode in MODES]
+
+
+def _is_out_of_memory(exc: Exception) -> bool:
+    # The CPU allocator reports exhaustion as a plain RuntimeError.
+    return isinstance(exc, torch.OutOfMemoryError) or (
+        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+    )
+
+
+def _add_ratios(points: list[dict[str, Any]]) -> None:
+    """Set each point's time_ratio and memory_ratio: its value over the baseline's at the same length and mode."""
+    baseline = {(p["seq_len"], p["mode"]): p for p in points if p["mechanism"] == BASELINE}
+    for point in points:
+        reference = baseline.get((point["seq_len"], point["mode"]))
+        point["time_ratio"] = _ratio(point["median_s"], reference and reference["median_s"])
+        point["memory_ratio"] = _ratio(point["peak_bytes"], reference and reference["peak_bytes"])
+
+
+def _ratio(value: float | None, reference: float | None) -> float | None:
+    if value is None or not reference:
+        return None
+    return value / reference
+
+
+def _find_point(
+    points: list[dict[str, Any]], mechanism: str, seq_len: int, mode: str
+) -> dict[str, Any] | None:
+    for point in points:
+        if (point["mechanism"], point["seq_len"], point["mode"]) == (mechanism, seq_len, mode):
+            return point
+    return None
+
+
+def _evaluate_target(target: Target, points: list[dict[str, Any]]) -> dict[str, Any]:
+    point = _find_point(points, target.mechanism, target.seq_len, target.mode)
+    key = "time_ratio" if target.quantity == "time" else "memory_ratio"
+    measured = point[key] if point else None
+    return {
+        "description": target.description,
+        "mechanism": target.mechanism,
+        "mode": target.mode,
+        "seq_len": target.seq_len,
+        "quantity": target.quantity,
+        "max_ratio": target.max_ratio,
+        "measured_ratio": measured,
+        "passed": None if measured is None else measured <= target.max_ratio,
+    }
+
+
+# --- Rendering ---------------------------------------------------------------------------------------------
+
+
+def _format_ratio(ratio: float | None) -> str:
+    if ratio is None:
+        return "—"
+    # 0.07× reads better as "1/14" when the claim is "14× faster".
+    return f"{ratio:.3g}× (1/{1 / ratio:.3g})" if ratio < 1 else f"{ratio:.3g}×"
+
+
+def _format_verdict(passed: bool | None) -> str:
+    return {True: "pass", False: "FAIL", None: "not measured"}[passed]
+
+
+def _rows(results: dict[str, Any]) -> list[tuple[str, str]]:
+    """(mechanism, mode) pairs of the measured mechanisms, in registry order."""
+    measured = [name for name, info in results["mechanisms"].items() if info["available"]]
+    return [(name, mode) for name in measured for mode in MODES]
+
+
+def _cell_table(results: dict[str, Any], cell: Callable[[dict[str, Any] | None], str]) -> list[list[str]]:
+    lengths = results["config"]["lengths"]
+    return [
+        [name, MODE_LABELS[mode], *(cell(_find_point(results["points"], name, n, mode)) for n in lengths)]
+        for name, mode in _rows(results)
+    ]
+
+
+def _ratio_cell(point: dict[str, Any] | None) -> str:
+    if point is None or point["error"]:
+        return "—" if point is None else point["error"].split(":")[0]
+    return f"{point['time_ratio']:.3g}× / {point['memory_ratio']:.3g}×"
+
+
+def _ratio_table(results: dict[str, Any]) -> Table:
+    table = Table(title=f"time / peak memory relative to {BASELINE} (< 1 is better)")
+    for header in ["mechanism", "mode", *(f"T={n}" for n in results["config"]["lengths"])]:
+        table.add_column(header, justify="left" if header in ("mechanism", "mode") else "right")
+    for row in _cell_table(results, _ratio_cell):
+        table.add_row(*row)
+    return table
+
+
+def _target_table(results: dict[str, Any]) -> Table:
+    table = Table(title="targets (ratio to the baseline, same run)")
+    for header in ("target", "measured", "required", "result"):
+        table.add_column(header)
+    style = {True: "green", False: "bold red", None: "dim"}
+    for target in results["targets"]:
+        verdict = _format_verdict(target["passed"])
+        table.add_row(
+            target["description"],
+            _format_ratio(target["measured_ratio"]),
+            f"≤ {target['max_ratio']:.3g}×",
+            f"[{style[target['passed']]}]{verdict}[/]",
+        )
+    return table
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """table.md: medians, peak memory, ratios to the baseline, targets, and what was not measured."""
+    config, machine = results["config"], results["machine"]
+    headers = ["mechanism", "mode", *(f"T={n}" for n in config["lengths"])]
+
+    def milliseconds(point: dict[str, Any] | None) -> str:
+        return "—" if point is None or point["median_s"] is None else f"{point['median_s'] * 1e3:.3g}"
+
+    def mebibytes(point: dict[str, Any] | None) -> str:
+        return "—" if point is None or point["peak_bytes"] is None else f"{point['peak_bytes'] / 2**20:.3g}"
+
+    target_rows = [
+        [
+            t["description"],
+            _format_ratio(t["measured_ratio"]),
+            f"≤ {t['max_ratio']:.3g}×",
+            _format_verdict(t["passed"]),
+        ]
+        for t in results["targets"]
+    ]
+    sections = [
+        "# headkit bench speed\n",
+        f"B={config['batch']}, H={config['heads']}, head_dim={config['head_dim']}, {config['dtype']}, "
+        f"device {config['device']} ({machine['cpu_model']}, {machine['torch_threads']} torch threads), "
+        f"torch {machine['torch_version']}, median of {config['repeats']} after {config['warmup']} warm-up.\n",
+        f"Command: `{' '.join(results['command'])}`\n",
+        "## Median time (ms)\n",
+        markdown_table(headers, _cell_table(results, milliseconds)),
+        "## Peak memory, inputs included (MiB)\n",
+        markdown_table(headers, _cell_table(results, mebibytes)),
+        f"## Time / peak memory relative to {BASELINE}\n",
+        markdown_table(headers, _cell_table(results, _ratio_cell)),
+        "## Targets\n",
+        markdown_table(["target", "measured", "required", "result"], target_rows),
+    ]
+    skipped = [f"- {name}: {info['note']}" for name, info in results["mechanisms"].items() if info["note"]]
+    if skipped:
+        sections += ["## Not measured\n", "\n".join(skipped) + "\n"]
+    return "\n".join(sections)
+
+
+def plot_results(results: dict[str, Any]) -> Any:
+    """A 2×2 figure: time (top) and peak memory (bottom) vs T, forward (left) and forward+backward (right)."""
+    try:
+        from matplotlib.figure import Figure
+        from matplotlib.ticker import NullLocator
+    except ImportError:
+        raise HeadkitError("the speed plot needs matplotlib: pip install 'headkit[bench]'") from None
+
+    config = results["config"]
+    figure = Figure(figsize=(11, 8), layout="constrained")
+    axes = figure.subplots(2, 2, sharex=True)
+    quantities = (("median_s", "median time (s)"), ("peak_bytes", "peak memory (MiB)"))
+    for row, (key, label) in enumerate(quantities):
+        for column, mode in enumerate(MODES):
+            ax = axes[row][column]
+            for name, info in results["mechanisms"].items():
+                if not info["available"]:
+                    continue
+                points = [
+                    p
+                    for p in results["points"]
+                    if p["mechanism"] == name and p["mode"] == mode and p[key] is not None
+                ]
+                xs = [p["seq_len"] for p in points]
+                ys = [p[key] / 2**20 if key == "peak_bytes" else p[key] for p in points]
+                style = {"color": "black", "linestyle": "--"} if name == BASELINE else {}
+                ax.plot(xs, ys, marker="o", label=name, **style)
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(config["lengths"], [str(n) for n in config["lengths"]])
+            ax.xaxis.set_minor_locator(NullLocator())
+            ax.set_yscale("log")
+            ax.set_title(f"{MODE_LABELS[mode]}: {label.split(' (')[0]}")
+            ax.set_ylabel(label)
+            if row == 1:
+                ax.set_xlabel("sequence length T")
+            ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize="small")
+    figure.suptitle(
+        f"B={config['batch']}, H={config['heads']}, head_dim={config['head_dim']}, {config['dtype']}, "
+        f"{config['device']}"
+    )
+    return figure
+
+
+if __name__ == "__main__":
+    import sys
+
+    from headkit.cli import main
+
+    main(["bench", "speed", *sys.argv[1:]])

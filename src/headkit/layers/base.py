@@ -1,0 +1,172 @@
+"""The interface every headkit attention layer implements, and the one place where heads are gated.
+
+A mechanism is a subclass of :class:`HeadkitAttention` registered by name::
+
+    @register_attention("mine")
+    class MyAttention(HeadkitAttention):
+        def __init__(self, config, layer_idx, **head_overrides):
+            super().__init__(config, layer_idx, **head_overrides)       # head counts, head_dim, o_proj, head_gate
+            self.q_proj = nn.Linear(self.hidden_size, self.num_heads * self.head_dim, bias=config.attention_bias)
+            ...
+
+        def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                    use_cache=False, output_attentions=False):
+            ...                                                        # per-head outputs [B, H, T, Dv]
+            return self.project_heads(head_outputs), None
+
+The contract, for every mechanism:
+
+* **Projections** are ``nn.Linear`` modules named ``q_proj``, ``k_proj``, ``v_proj`` wherever the mechanism has
+  them (so ``peft.LoraConfig(target_modules=["q_proj", "v_proj"])`` finds them); the base class creates
+  ``o_proj`` ([num_heads · head_dim → hidden_size]).
+* **Head counts** come from the layer's own attributes ``num_heads`` / ``num_key_value_heads`` / ``head_dim``,
+  which the constructor takes from the config's per-layer entries (:meth:`HeadkitConfig.heads_for_layer`) or
+  from keyword overrides — never from the global config at forward time — so layers of one model may have
+  different head counts (physical head pruning).
+* **forward** takes ``hidden_states`` [B, T, hidden_size] and returns ``(output [B, T, hidden_size],
+  attention weights [B, H, Tq, Tk] or None)``; weights only when ``output_attentions`` and the mechanism has
+  them. ``attention_mask`` is the key padding mask [B, past + T] over every token the layer has seen plus the
+  current ones (bool or 0/1 integers, True = real token; left padding in batched generation), or None.
+  ``position_ids`` [B or 1, T] are the absolute positions of the current tokens, counted over real tokens only
+  (left padding does not shift them); None means ``past, …, past + T − 1``.
+* **Per-head outputs** [B, H, T, Dv] go through :meth:`project_heads`, the single place where a head gate
+  (``self.head_gate``, a :class:`headkit.layers.gates.HeadkitGate` or None) scales them before ``o_proj``.
+* **Caching**: ``past_key_values`` is a :class:`headkit.layers.cache.HeadkitCache` (or any transformers
+  ``Cache`` for key/value layers) updated in place whenever it is given; ``use_cache`` is then True. Key/value
+  layers call ``past_key_values.update(keys, values, self.layer_idx)`` and attend over what it returns.
+  Recurrent layers set ``cache_layer_class = RecurrentStateLayer`` and use
+  ``past_key_values.get_state(self.layer_idx)`` / ``set_state(state, self.layer_idx, num_new_tokens)``.
+* **Parameters** that are not inside ``nn.Linear`` / ``nn.Embedding`` / ``nn.Conv1d`` / RMSNorm modules (pooling
+  vectors, mixing matrices, biases of their own) are initialised in :meth:`init_extra_parameters` with the
+  ``transformers.initialization`` functions, which skip tensors loaded from a checkpoint.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from headkit.layers.cache import DynamicLayer
+from headkit.ops._validation import check_padding_mask, check_positive_int, check_rank
+
+
+class HeadkitAttention(nn.Module):
+    """Base class of the attention layers: head bookkeeping, head gating and the output projection.
+
+    Args:
+        config: a :class:`~headkit.models.HeadkitConfig` (anything with its fields and ``heads_for_layer``).
+        layer_idx: this layer's index in the model (its slot in the cache).
+        num_heads, num_key_value_heads, head_dim: override the config's values for this layer.
+    """
+
+    attention_name: ClassVar[str] = ""  # set by @register_attention
+    # The per-layer cache entry this mechanism needs; recurrent mechanisms use RecurrentStateLayer.
+    cache_layer_class: ClassVar[type] = DynamicLayer
+
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        *,
+        num_heads: int | None = None,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
+    ) -> None:
+        super().__init__()
+        config_heads, config_kv_heads = config.heads_for_layer(layer_idx)
+        self.config = config
+        self.layer_idx = layer_idx
+        self.hidden_size = config.hidden_size
+        self.num_heads = check_positive_int("num_heads", config_heads if num_heads is None else num_heads)
+        self.num_key_value_heads = check_positive_int(
+            "num_key_value_heads", config_kv_heads if num_key_value_heads is None else num_key_value_heads
+        )
+        self.head_dim = check_positive_int("head_dim", config.head_dim if head_dim is None else head_dim)
+        if self.num_heads % self.num_key_value_heads != 0:
+            raise ValueError(
+                f"num_key_value_heads ({self.num_key_value_heads}) must divide num_heads ({self.num_heads}) "
+                f"in layer {layer_idx} (grouped-query attention)"
+            )
+        self.num_key_value_groups = self.num_heads // self.num_key_value_heads
+        self.attention_dropout = float(config.attention_dropout)
+        self.causal = bool(config.causal)
+
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, self.hidden_size, bias=config.attention_bias)
+        # The head-gating hook: None, or a module whose scale_heads([B, H, T, Dv]) multiplies each head's output.
+        self.register_module("head_gate", None)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool = False,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """[B, T, hidden_size] → ([B, T, hidden_size], attention weights [B, H, Tq, Tk] or None)."""
+        raise NotImplementedError(f"{type(self).__name__} must implement forward")
+
+    def split_heads(self, projected: torch.Tensor, num_heads: int) -> torch.Tensor:
+        """[B, T, num_heads · D] → [B, num_heads, T, D]."""
+        batch, seq, width = projected.shape
+        return projected.view(batch, seq, num_heads, width // num_heads).transpose(1, 2)
+
+    def project_heads(self, head_outputs: torch.Tensor) -> torch.Tensor:
+        """Gate each head, merge the heads and apply ``o_proj``: [B, H, T, Dv] → [B, T, hidden_size].
+
+        Every layer ends here, so a gate set on ``self.head_gate`` acts on every mechanism the same way.
+        """
+        check_rank("head_outputs", head_outputs, 4, "[batch, heads, seq, head_dim_v]")
+        batch, heads, seq, head_dim = head_outputs.shape
+        if heads * head_dim != self.o_proj.in_features:
+            raise ValueError(
+                f"head_outputs must have shape [batch, {self.num_heads}, seq, {self.head_dim}] to match o_proj "
+                f"({self.o_proj.in_features} inputs), got {tuple(head_outputs.shape)}"
+            )
+        if self.head_gate is not None:
+            head_outputs = self.head_gate.scale_heads(head_outputs)
+        merged = head_outputs.transpose(1, 2).reshape(batch, seq, heads * head_dim)
+        return self.o_proj(merged)
+
+    def past_length(self, past_key_values: Any) -> int:
+        """How many tokens this layer has already seen (0 without a cache)."""
+        return 0 if past_key_values is None else past_key_values.get_seq_length(self.layer_idx)
+
+    def positions(
+        self, position_ids: torch.Tensor | None, batch: int, seq: int, past_length: int, device: torch.device
+    ) -> torch.Tensor:
+        """Validated positions [B or 1, T] of the current tokens; ``past, …, past + T − 1`` when None."""
+        if position_ids is None:
+            return torch.arange(past_length, past_length + seq, device=device)[None]
+        if (
+            not isinstance(position_ids, torch.Tensor)
+            or position_ids.dim() != 2
+            or position_ids.shape[0] not in (1, batch)
+            or position_ids.shape[1] != seq
+        ):
+            shape = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids)
+            raise ValueError(f"position_ids must have shape [{batch} or 1, {seq}], got {shape}")
+        return position_ids
+
+    def key_padding_mask(
+        self, attention_mask: torch.Tensor | None, batch: int, total_length: int
+    ) -> torch.Tensor | None:
+        """The validated [B, past + T] key padding mask as bool (True = real token), or None."""
+        return check_padding_mask(attention_mask, batch, total_length)
+
+    def init_extra_parameters(self, std: float) -> None:
+        """Initialise parameters that are not in nn.Linear/nn.Embedding/nn.Conv1d/RMSNorm modules (none here).
+
+        Called by ``HeadkitPreTrainedModel._init_weights`` with the config's ``initializer_range``; use
+        ``transformers.initialization`` (``init.normal_``, ``init.zeros_``, ``init.copy_``, …) so that tensors
+        loaded from a checkpoint are left alone.
+        """
+
+    def extra_repr(self) -> str:
+        return (
+            f"layer_idx={self.layer_idx}, num_heads={self.num_heads}, "
+            f"num_key_value_heads={self.num_key_value_heads}, head_dim={self.head_dim}"
+        )

@@ -1,0 +1,66 @@
+"""The attention registry: mechanism names → layer classes.
+
+A mechanism becomes available to :class:`~headkit.models.HeadkitConfig` (``attention="name"`` or a
+``layer_types`` entry) by decorating its layer class::
+
+    @register_attention("softmax")
+    class SoftmaxAttention(HeadkitAttention): ...
+
+:func:`build_attention` is the only place that turns a name into a layer, so models never branch on
+mechanism names.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from headkit.layers.base import HeadkitAttention
+
+# The mechanisms headkit ships. A config may name them even before their module registers them (the
+# configuration is valid, only building the layer needs the class); names registered by users are valid too.
+BUILTIN_ATTENTION_NAMES: tuple[str, ...] = ("softmax", "linear", "additive", "coca", "collaborative")
+
+ATTENTION_LAYERS: dict[str, type[HeadkitAttention]] = {}
+
+
+def register_attention(name: str):
+    """Class decorator: make the layer class available under ``name`` and record the name on the class."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"attention name must be a non-empty string, got {name!r}")
+
+    def register(layer_class: type[HeadkitAttention]) -> type[HeadkitAttention]:
+        existing = ATTENTION_LAYERS.get(name)
+        # Re-registering the same class (a module imported twice, e.g. under importlib.reload) is harmless.
+        if existing is not None and existing.__qualname__ != layer_class.__qualname__:
+            raise ValueError(
+                f"attention {name!r} is already registered to {existing.__module__}.{existing.__qualname__}"
+            )
+        layer_class.attention_name = name
+        ATTENTION_LAYERS[name] = layer_class
+        return layer_class
+
+    return register
+
+
+def valid_attention_names() -> list[str]:
+    """Every name a config may use: the built-in mechanisms and anything registered."""
+    return sorted(set(BUILTIN_ATTENTION_NAMES) | set(ATTENTION_LAYERS))
+
+
+def get_attention_class(name: str) -> type[HeadkitAttention]:
+    """The layer class registered under ``name``; ValueError listing the registered names otherwise."""
+    if name in ATTENTION_LAYERS:
+        return ATTENTION_LAYERS[name]
+    registered = ", ".join(sorted(ATTENTION_LAYERS)) or "none"
+    if name in BUILTIN_ATTENTION_NAMES:
+        raise ValueError(
+            f"attention {name!r} is a headkit mechanism whose layer is not available in this installation "
+            f"(its module did not register it); registered attention layers: {registered}"
+        )
+    raise ValueError(f"unknown attention {name!r}; registered attention layers: {registered}")
+
+
+def build_attention(config: Any, layer_idx: int) -> HeadkitAttention:
+    """The attention layer of block ``layer_idx``, of the type ``config.attention_type(layer_idx)`` names."""
+    return get_attention_class(config.attention_type(layer_idx))(config, layer_idx)

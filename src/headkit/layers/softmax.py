@@ -1,0 +1,115 @@
+"""Softmax attention layer: multi-head or grouped-query attention with optional rotary positions.
+
+The baseline every other mechanism is compared with. Vaswani et al. 2017, "Attention Is All You Need",
+Eq. 1 and §3.2.2: head_h = softmax(Q W_h^Q (K W_h^K)ᵀ / √d) V W_h^V, output = Concat(head_1, …, head_H) W^O;
+grouped-query attention (Ainslie et al. 2023, "GQA") shares each key/value head among H / Hkv query heads;
+rotary position embeddings (Su et al. 2021, RoFormer, Eq. 34) rotate queries and keys by their absolute
+positions so that scores depend on relative positions only. Decoding keeps every past key and value in the
+cache (a transformers ``DynamicLayer``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headkit.layers.base import HeadkitAttention
+from headkit.layers.registry import register_attention
+from headkit.ops._validation import repeat_kv
+from headkit.ops.rotary import apply_rotary, rotary_cos_sin
+from headkit.ops.softmax import softmax_attention
+
+
+@register_attention("softmax")
+class SoftmaxAttention(HeadkitAttention):
+    """Multi-head / grouped-query softmax attention (``attention="softmax"``).
+
+    Uses the config's ``attention_bias``, ``attention_dropout`` (on the attention probabilities, in training),
+    ``causal`` and, when ``position_embedding_type == "rope"``, its rotary settings (``rope_parameters``).
+    Attention weights are materialised only when ``output_attentions`` is asked for (or for dropout);
+    otherwise :func:`headkit.ops.softmax_attention` runs PyTorch's fused kernels.
+    """
+
+    def __init__(self, config: Any, layer_idx: int, **head_overrides: int) -> None:
+        super().__init__(config, layer_idx, **head_overrides)
+        query_width = self.num_heads * self.head_dim
+        key_value_width = self.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(self.hidden_size, query_width, bias=config.attention_bias)
+        self.k_proj = nn.Linear(self.hidden_size, key_value_width, bias=config.attention_bias)
+        self.v_proj = nn.Linear(self.hidden_size, key_value_width, bias=config.attention_bias)
+        self.scale = self.head_dim**-0.5
+        self.use_rope = config.position_embedding_type == "rope"
+        self.rope_kwargs = config.rope_kwargs() if self.use_rope else {}
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool = False,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, seq, _ = hidden_states.shape
+        queries = self.split_heads(self.q_proj(hidden_states), self.num_heads)
+        keys = self.split_heads(self.k_proj(hidden_states), self.num_key_value_heads)
+        values = self.split_heads(self.v_proj(hidden_states), self.num_key_value_heads)
+
+        if self.use_rope:
+            # Rotate before caching: cached keys keep the rotation of their own positions.
+            past_length = self.past_length(past_key_values)
+            positions = self.positions(position_ids, batch, seq, past_length, hidden_states.device)
+            cos, sin = rotary_cos_sin(positions, self.head_dim, **self.rope_kwargs)
+            queries = apply_rotary(queries, cos, sin)
+            keys = apply_rotary(keys, cos, sin)
+
+        if past_key_values is not None:
+            keys, values = past_key_values.update(keys, values, self.layer_idx)
+        key_mask = self.key_padding_mask(attention_mask, batch, keys.shape[2])
+
+        dropout = self.attention_dropout if self.training else 0.0
+        if not output_attentions and dropout == 0.0:
+            head_outputs = softmax_attention(
+                queries, keys, values, causal=self.causal, attention_mask=key_mask, scale=self.scale
+            )
+            return self.project_heads(head_outputs), None
+
+        weights = softmax_attention_weights(
+            queries, keys, causal=self.causal, attention_mask=key_mask, scale=self.scale
+        )
+        head_outputs = F.dropout(weights, p=dropout, training=True) @ repeat_kv(values, self.num_key_value_groups)
+        return self.project_heads(head_outputs), (weights if output_attentions else None)
+
+
+def softmax_attention_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    causal: bool,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The attention probabilities softmax(Q Kᵀ · scale) [B, H, Tq, Tk], computed explicitly (Vaswani et al. Eq. 1).
+
+    Same masking as :func:`headkit.ops.softmax_attention`: ``causal`` lets query i see keys j ≤ i + Tk − Tq;
+    ``attention_mask`` is a [B, Tk] bool key padding mask (True = real). A query that sees no key gets an
+    all-zero row (the kernel returns a zero output for it), never NaN.
+    """
+    q_len, kv_len = q.shape[2], k.shape[2]
+    keys = repeat_kv(k, q.shape[1] // k.shape[1])
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    scores = (q @ keys.transpose(-1, -2)).float() * scale
+
+    visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=q.device)
+    if causal:
+        visible = visible.tril(kv_len - q_len)
+    visible = visible[None, None]
+    if attention_mask is not None:
+        visible = visible & attention_mask[:, None, None, :].to(q.device)
+
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    weights = weights.masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)
+    return weights.to(q.dtype)

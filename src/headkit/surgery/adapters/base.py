@@ -1,0 +1,546 @@
+"""The adapter layer: one place that knows how each 🤗 architecture lays out its attention.
+
+Surgery (collaborative heads, head gates, pruning) needs the same few things from every model: where each
+layer's attention module is, its query/key/value/output projections as plain ``nn.Linear``-convention matrices,
+its head counts, a way to write shrunk projections back, and a way to put a headkit module in place of the
+attention module so that the model's own forward keeps working. An :class:`AttentionAdapter` answers those
+questions for one architecture; the registry picks the adapter from ``model.config.model_type``.
+
+Vocabulary
+    site: one attention module that surgery may rewrite (:class:`AttentionSite`). A layer shared by several
+        transformer layers (ALBERT) is one site listing all the layers that run it, so it is rewritten once.
+    attention module: the module whose forward turns hidden states into per-head contexts (BERT's
+        ``attention.self``, DistilBERT's ``attention``, GPT-2's ``attn``, LLaMA's ``self_attn``). It is the module
+        a headkit replacement takes the place of.
+    output projection: the module that consumes the concatenated heads [..., heads·head_dim] (BERT
+        ``attention.output.dense``, DistilBERT ``out_lin``, GPT-2 ``c_proj``, LLaMA ``o_proj``). Hooking its input
+        sees every head's output separately, which is what head gates need.
+    epilogue: what some attention modules run after the heads inside their own forward (output projection,
+        dropout, residual + LayerNorm); a replacement keeps those children under their original names.
+
+Adding an architecture is one file in this package that subclasses :class:`AttentionAdapter` and decorates it
+with :func:`register_adapter`; see ``API.md`` beside this file.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from headkit.errors import HeadkitError
+
+
+@dataclass
+class ProjectionWeights:
+    """Q/K/V/O parameters of one attention site in ``nn.Linear`` convention (weight [out, in]).
+
+    Head h of the queries owns rows h·head_dim … (h+1)·head_dim of ``q_weight``; key/value head g likewise in
+    ``k_weight`` / ``v_weight``; the output projection reads head h from columns h·head_dim … of ``o_weight``.
+    Biases are None where the model has none.
+    """
+
+    q_weight: torch.Tensor  # [num_heads·head_dim, hidden]
+    k_weight: torch.Tensor  # [num_kv_heads·head_dim, hidden]
+    v_weight: torch.Tensor  # [num_kv_heads·head_dim, hidden]
+    o_weight: torch.Tensor  # [out_features, num_heads·head_dim]
+    q_bias: torch.Tensor | None = None
+    k_bias: torch.Tensor | None = None
+    v_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+
+
+@dataclass
+class AttentionSite:
+    """One rewritable attention module of a model.
+
+    Attributes:
+        index: position among the model's distinct sites, in forward order.
+        layers: the transformer layers (forward order, from 0) that run this module; more than one when the
+            module is shared (ALBERT).
+        name: qualified name of the attention module in the model (``model.get_submodule(name)``).
+        module: the attention module itself (the original, or a headkit replacement after surgery).
+        output_projection_name / output_projection: the module consuming the concatenated heads.
+        num_heads, num_kv_heads, head_dim: head geometry (num_kv_heads < num_heads under grouped-query attention).
+        scale: the score scale the module applies (usually head_dim^-0.5; GPT-2 may divide by the layer index).
+        causal: whether the module attends causally when the model passes no explicit mask.
+        adapter: the adapter that produced the site.
+    """
+
+    index: int
+    layers: tuple[int, ...]
+    name: str
+    module: nn.Module
+    output_projection_name: str
+    output_projection: nn.Module
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    causal: bool
+    adapter: AttentionAdapter = field(repr=False)
+
+    @property
+    def is_headkit(self) -> bool:
+        """True once surgery replaced the original attention module by a headkit module."""
+        return isinstance(self.module, HeadkitAttention)
+
+
+class HeadkitAttention(nn.Module):
+    """Base of every headkit module that takes the place of a model's attention module.
+
+    Subclasses set ``num_heads``, ``num_kv_heads``, ``head_dim``, ``scale`` and ``call_signature`` (the signature of
+    the replaced module's forward, used by :func:`bind_attention_call` to read the model's call) and return what
+    the replaced module returned: ``(output, attention_weights or None)``. :meth:`AttentionAdapter.replace_attention`
+    sets ``replaced_class``, the 🤗 class the module stands in for.
+    """
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    call_signature: inspect.Signature
+    replaced_class: type[nn.Module]
+
+
+@dataclass
+class AttentionCall:
+    """The arguments a model passed to its attention module, by meaning rather than by position."""
+
+    hidden_states: torch.Tensor
+    attention_mask: Any = (
+        None  # None, [B, Tk] key padding, or [B, 1|H, Tq|1, Tk] bool (True = keep) / additive float
+    )
+    past_key_values: Any = None  # a transformers Cache, or None
+    encoder_hidden_states: torch.Tensor | None = None
+    position_embeddings: Any = None  # (cos, sin) for rotary models
+    output_attentions: bool = False
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def bind_attention_call(
+    signature: inspect.Signature, module: nn.Module, hidden_states: torch.Tensor, args: tuple, kwargs: dict
+) -> AttentionCall:
+    """Read a call made with the replaced module's signature (architectures order their arguments differently:
+    GPT-2 passes ``past_key_values`` second, BERT ``attention_mask``) into an :class:`AttentionCall`."""
+    bound = signature.bind(module, hidden_states, *args, **kwargs)
+    arguments: dict[str, Any] = {}
+    for name, value in bound.arguments.items():
+        kind = signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(value)
+        elif kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                raise HeadkitError(
+                    f"{type(module).__name__} got unexpected positional arguments {len(value)}"
+                )
+        else:
+            arguments[name] = value
+    arguments.pop("self", None)
+    first = next(iter(list(signature.parameters)[1:]))  # the hidden-states parameter, whatever its name
+    arguments.pop(first, None)
+    past = arguments.pop("past_key_values", None)
+    past = arguments.pop("layer_past", None) if past is None else past
+    return AttentionCall(
+        hidden_states=hidden_states,
+        attention_mask=arguments.pop("attention_mask", None),
+        past_key_values=past,
+        encoder_hidden_states=arguments.pop("encoder_hidden_states", None),
+        position_embeddings=arguments.pop("position_embeddings", None),
+        output_attentions=bool(arguments.pop("output_attentions", False)),
+        extra=arguments,
+    )
+
+
+def attention_mask_for_scores(
+    attention_mask: Any, batch: int, q_len: int, kv_len: int, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The model's attention mask as an additive float mask [B, 1|H, Tq, Tk] (0 = keep, dtype-min = blocked), or None.
+
+    Depending on ``config._attn_implementation`` a 🤗 model hands its attention module None (nothing masked),
+    a [B, Tk] key padding mask (flash-style, 1 = keep), a 4D bool mask (sdpa, True = keep) or a 4D additive float
+    mask (eager, dtype-min for blocked). All of them mean the same thing; this puts them in one form.
+    """
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise HeadkitError(
+            f"attention_mask of type {type(attention_mask).__name__} is not supported by headkit attention modules; "
+            "use attn_implementation='eager' or 'sdpa'"
+        )
+    if attention_mask.dim() == 2:
+        if tuple(attention_mask.shape) != (batch, kv_len):
+            raise HeadkitError(
+                f"a 2D attention_mask must be a key padding mask [batch, kv_len] = [{batch}, {kv_len}], "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        attention_mask = attention_mask.bool()[:, None, None, :]
+    if attention_mask.dim() != 4 or attention_mask.shape[0] != batch or attention_mask.shape[-1] != kv_len:
+        raise HeadkitError(
+            f"attention_mask must have shape [batch, 1|heads, q_len|1, kv_len] = [{batch}, 1|H, {q_len}|1, {kv_len}], "
+            f"got {tuple(attention_mask.shape)}"
+        )
+    if attention_mask.shape[2] not in (1, q_len):
+        raise HeadkitError(
+            f"attention_mask's query dimension must be 1 or {q_len}, got {attention_mask.shape[2]}"
+        )
+    attention_mask = attention_mask.expand(batch, attention_mask.shape[1], q_len, kv_len)
+    if attention_mask.dtype == torch.bool:
+        blocked = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device)
+        return blocked.masked_fill(~attention_mask, torch.finfo(dtype).min)
+    return attention_mask.to(dtype)
+
+
+class AttentionAdapter:
+    """How one architecture lays out its attention. Subclasses fill in the class attributes (paths relative to
+    a transformer layer, attribute names on the attention module) and override what differs.
+
+    Class attributes:
+        name: registry key and what error messages call the architecture (e.g. "bert").
+        model_types: ``config.model_type`` values this adapter handles.
+        layers_path: path of the ``nn.ModuleList`` of transformer layers, relative to ``model.base_model``.
+        attention_path: path of the attention module, relative to one layer.
+        output_projection_path: path of the output projection, relative to one layer.
+        query_name, key_name, value_name: the projections' attribute names on the attention module.
+        head_dim_attribute: the attention module's attribute holding head_dim.
+        epilogue_names: attribute names (projection, dropout, residual LayerNorm; None where absent) of what the
+            attention module runs after the heads in its own forward. () when the output projection lives outside.
+        rotary: the module applies rotary position embeddings to queries and keys (they are then no longer
+            linear in the hidden states, which rules out the collaborative re-parametrisation).
+    """
+
+    name: ClassVar[str] = ""
+    model_types: ClassVar[tuple[str, ...]] = ()
+    layers_path: ClassVar[str] = ""
+    attention_path: ClassVar[str] = ""
+    output_projection_path: ClassVar[str] = ""
+    query_name: ClassVar[str] = ""
+    key_name: ClassVar[str] = ""
+    value_name: ClassVar[str] = ""
+    head_dim_attribute: ClassVar[str] = "head_dim"
+    epilogue_names: ClassVar[tuple[str | None, str | None, str | None] | tuple[()]] = ()
+    rotary: ClassVar[bool] = False
+
+    # -- detection ----------------------------------------------------------------------------------------------
+
+    @classmethod
+    def matches(cls, model: nn.Module) -> bool:
+        """Whether this adapter handles `model` (by default: its ``config.model_type``)."""
+        model_type = getattr(getattr(model, "config", None), "model_type", None)
+        return model_type in cls.model_types
+
+    # -- sites --------------------------------------------------------------------------------------------------
+
+    def layers(self, model: nn.Module) -> list[nn.Module]:
+        """The transformer layers in forward order (a shared layer appears once per use)."""
+        return list(_base_model(model).get_submodule(self.layers_path))
+
+    def sites(self, model: nn.Module) -> list[AttentionSite]:
+        """Every distinct attention module, in forward order, each listed once with all the layers that run it."""
+        names = {id(module): name for name, module in model.named_modules(remove_duplicate=False)}
+        by_module: dict[int, list[int]] = {}
+        found: list[tuple[nn.Module, nn.Module]] = []
+        for layer_index, layer in enumerate(self.layers(model)):
+            module = layer.get_submodule(self.attention_path)
+            if id(module) not in by_module:
+                by_module[id(module)] = []
+                found.append((module, layer.get_submodule(self.output_projection_path)))
+            by_module[id(module)].append(layer_index)
+        sites = []
+        for index, (module, output_projection) in enumerate(found):
+            num_heads, num_kv_heads, head_dim = self.head_geometry(module)
+            sites.append(
+                AttentionSite(
+                    index=index,
+                    layers=tuple(by_module[id(module)]),
+                    name=names[id(module)],
+                    module=module,
+                    output_projection_name=names[id(output_projection)],
+                    output_projection=output_projection,
+                    num_heads=num_heads,
+                    num_kv_heads=num_kv_heads,
+                    head_dim=head_dim,
+                    scale=float(module.scale if isinstance(module, HeadkitAttention) else self.scale(module)),
+                    causal=bool(getattr(module, "is_causal", False)),
+                    adapter=self,
+                )
+            )
+        return sites
+
+    def head_geometry(self, module: nn.Module) -> tuple[int, int, int]:
+        """(num_heads, num_kv_heads, head_dim) of an attention module, from its weights' shapes so that it stays
+        right after pruning."""
+        if isinstance(module, HeadkitAttention):
+            return module.num_heads, module.num_kv_heads, module.head_dim
+        head_dim = int(getattr(module, self.head_dim_attribute))
+        query_rows = _linear_out_features(module.get_submodule(self.query_name))
+        key_rows = _linear_out_features(module.get_submodule(self.key_name))
+        return query_rows // head_dim, key_rows // head_dim, head_dim
+
+    def scale(self, module: nn.Module) -> float:
+        """The score scale the module applies (every supported 🤗 module stores it as ``scaling``)."""
+        return float(module.scaling)
+
+    def attention_dropout(self, module: nn.Module) -> float:
+        """Dropout probability on the attention weights (a Dropout module or a float, by architecture)."""
+        for name in ("attention_dropout", "attn_dropout", "dropout"):
+            value = getattr(module, name, None)
+            if isinstance(value, nn.Dropout):
+                return float(value.p)
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                return float(value)
+        return 0.0
+
+    # -- reading and writing projections ------------------------------------------------------------------------
+
+    def read_projections(self, site: AttentionSite) -> ProjectionWeights:
+        """The site's Q/K/V/O weights and biases in ``nn.Linear`` convention (detached tensors sharing storage
+        with the model where the layout allows; clone before mutating)."""
+        self._require_original(site, "read its projections")
+        module = site.module
+        q_weight, q_bias = linear_parameters(module.get_submodule(self.query_name))
+        k_weight, k_bias = linear_parameters(module.get_submodule(self.key_name))
+        v_weight, v_bias = linear_parameters(module.get_submodule(self.value_name))
+        o_weight, o_bias = linear_parameters(site.output_projection)
+        return ProjectionWeights(q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_bias, o_bias)
+
+    def write_projections(
+        self, model: nn.Module, site: AttentionSite, weights: ProjectionWeights
+    ) -> AttentionSite:
+        """Rebuild the site's Q/K/V/O projections from `weights` (any head counts ≥ 1, e.g. after removing heads)
+        and update the module's head-count attributes; returns the refreshed site.
+
+        Head counts are read from the shapes: num_heads = rows(q)/head_dim, num_kv_heads = rows(k)/head_dim; the
+        query heads must split evenly over the key/value heads. A layer left with no head at all cannot run the
+        original forward: replace its module instead (:meth:`replace_attention`).
+        """
+        self._require_original(site, "write its projections")
+        num_heads, num_kv_heads = check_projection_weights(weights, site)
+        module = site.module
+        replace_linear(module, self.query_name, weights.q_weight, weights.q_bias)
+        replace_linear(module, self.key_name, weights.k_weight, weights.k_bias)
+        replace_linear(module, self.value_name, weights.v_weight, weights.v_bias)
+        replace_linear(model, site.output_projection_name, weights.o_weight, weights.o_bias)
+        self.set_head_counts(module, num_heads, num_kv_heads, site.head_dim)
+        return self.sites(model)[site.index]
+
+    def set_head_counts(self, module: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        """Update the attributes the module's forward reads its head counts from (architecture-specific)."""
+
+    # -- replacing the attention module -------------------------------------------------------------------------
+
+    def replace_attention(self, model: nn.Module, site: AttentionSite, new_module: HeadkitAttention) -> None:
+        """Put `new_module` where the site's attention module is, in every layer that uses it.
+
+        The model's output recorders (``output_attentions``) find attention modules with ``isinstance`` on the
+        original class, so the replacement's class becomes a subclass of both its own class and the original's
+        (its own methods first); forward hooks already installed on the old module move to the new one.
+        """
+        old = site.module
+        if not isinstance(new_module, HeadkitAttention):
+            raise HeadkitError(f"new_module must be a HeadkitAttention, got {type(new_module).__name__}")
+        original_class = old.replaced_class if isinstance(old, HeadkitAttention) else type(old)
+        new_module.replaced_class = original_class
+        if not isinstance(new_module, original_class):
+            new_module.__class__ = _recordable_class(type(new_module), original_class)
+        for hooks in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
+            getattr(new_module, hooks).update(getattr(old, hooks))
+        for hooks in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
+            getattr(new_module, hooks).update(getattr(old, hooks))
+        for _, parent in model.named_modules(remove_duplicate=False):
+            for child_name, child in list(parent.named_children()):
+                if child is old:
+                    setattr(parent, child_name, new_module)
+
+    def epilogue_modules(self, site: AttentionSite) -> dict[str, tuple[str, nn.Module]]:
+        """What the attention module runs after the heads, for a replacement to keep: role ("projection",
+        "dropout", "norm" — the latter applied as norm(hidden_states + output)) -> (attribute name, module).
+        Empty when the output projection lives outside the attention module."""
+        roles = ("projection", "dropout", "norm")
+        return {
+            role: (name, site.module.get_submodule(name))
+            for role, name in zip(roles, self.epilogue_names, strict=False)
+            if name is not None
+        }
+
+    def _require_original(self, site: AttentionSite, action: str) -> None:
+        if site.is_headkit:
+            raise HeadkitError(
+                f"site {site.name!r} is a {type(site.module).__name__} (headkit surgery already replaced it); "
+                f"cannot {action} with the {self.name} adapter"
+            )
+
+
+# -- registry ---------------------------------------------------------------------------------------------------
+
+ADAPTERS: dict[str, type[AttentionAdapter]] = {}
+
+
+def register_adapter(cls: type[AttentionAdapter]) -> type[AttentionAdapter]:
+    """Class decorator: make `cls` available to :func:`get_adapter` under ``cls.name``."""
+    if not cls.name:
+        raise HeadkitError(f"{cls.__name__} must set a non-empty `name` to be registered")
+    existing = ADAPTERS.get(cls.name)
+    if existing is not None and existing is not cls:
+        raise HeadkitError(f"an adapter named {cls.name!r} is already registered ({existing.__name__})")
+    ADAPTERS[cls.name] = cls
+    return cls
+
+
+def supported_architectures() -> list[str]:
+    """Names of the registered adapters."""
+    return sorted(ADAPTERS)
+
+
+def get_adapter(
+    model: nn.Module, adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None
+) -> AttentionAdapter:
+    """The adapter for `model`: `adapter` itself (an instance, a class or a registered name), else the registered
+    adapter whose :meth:`AttentionAdapter.matches` accepts the model."""
+    if isinstance(adapter, AttentionAdapter):
+        return adapter
+    if isinstance(adapter, type) and issubclass(adapter, AttentionAdapter):
+        return adapter()
+    if isinstance(adapter, str):
+        if adapter not in ADAPTERS:
+            raise HeadkitError(
+                f"unknown adapter {adapter!r}; registered adapters: {', '.join(supported_architectures())}"
+            )
+        return ADAPTERS[adapter]()
+    if adapter is not None:
+        raise HeadkitError(
+            f"adapter must be an AttentionAdapter (class or instance), a registered name or None, got {adapter!r}"
+        )
+    matching = [cls for cls in ADAPTERS.values() if cls.matches(model)]
+    if len(matching) == 1:
+        return matching[0]()
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    if not matching:
+        raise HeadkitError(
+            f"unsupported architecture {type(model).__name__} (model_type={model_type!r}); supported: "
+            f"{', '.join(supported_architectures())}. To add one, write a subclass of "
+            "headkit.surgery.adapters.AttentionAdapter decorated with @register_adapter in a new file of "
+            "headkit/surgery/adapters/ (see API.md there), or pass an adapter explicitly"
+        )
+    raise HeadkitError(
+        f"several adapters match {type(model).__name__} (model_type={model_type!r}): "
+        f"{', '.join(cls.name for cls in matching)}; pass one explicitly"
+    )
+
+
+# -- helpers shared by the adapters -----------------------------------------------------------------------------
+
+
+def linear_parameters(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight [out, in], bias or None) of an ``nn.Linear`` or a GPT-2 style ``Conv1D`` (which stores [in, out])."""
+    if isinstance(module, nn.Linear):
+        return module.weight.detach(), None if module.bias is None else module.bias.detach()
+    if _is_conv1d(module):
+        return module.weight.detach().T, None if module.bias is None else module.bias.detach()
+    raise HeadkitError(f"expected an nn.Linear or a transformers Conv1D, got {type(module).__name__}")
+
+
+def new_linear(weight: torch.Tensor, bias: torch.Tensor | None, like: nn.Module | None = None) -> nn.Module:
+    """A fresh module computing x Wᵀ + b: an ``nn.Linear``, or a ``Conv1D`` when `like` is one."""
+    weight = weight.detach()
+    if like is not None and _is_conv1d(like):
+        module = type(like)(weight.shape[0], weight.shape[1])
+        module.to(device=weight.device, dtype=weight.dtype)
+        if bias is None:
+            raise HeadkitError("a Conv1D projection needs a bias")
+        with torch.no_grad():
+            module.weight.copy_(weight.T)
+            module.bias.copy_(bias)
+        return module
+    linear = nn.Linear(
+        weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype
+    )
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return linear
+
+
+def count_parameters(model: nn.Module) -> int:
+    """Distinct parameters of `model` (shared and tied tensors counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    return type(module).__name__ == "Conv1D" and hasattr(module, "nf") and hasattr(module, "weight")
+
+
+def _linear_out_features(module: nn.Module) -> int:
+    return int(linear_parameters(module)[0].shape[0])
+
+
+def _base_model(model: nn.Module) -> nn.Module:
+    return getattr(model, "base_model", model)
+
+
+def replace_linear(root: nn.Module, path: str, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    parent_path, _, child_name = path.rpartition(".")
+    parent = root.get_submodule(parent_path) if parent_path else root
+    old = getattr(parent, child_name)
+    if (bias is None) != (linear_parameters(old)[1] is None):
+        raise HeadkitError(f"{path}: the new bias must be given exactly when the module has one")
+    setattr(parent, child_name, new_linear(weight.to(linear_parameters(old)[0].dtype), bias, like=old))
+
+
+def check_projection_weights(weights: ProjectionWeights, site: AttentionSite) -> tuple[int, int]:
+    head_dim = site.head_dim
+    hidden = site.module.get_submodule(site.adapter.query_name)
+    hidden_size = linear_parameters(hidden)[0].shape[1]
+    shapes = {
+        "q_weight": weights.q_weight.shape,
+        "k_weight": weights.k_weight.shape,
+        "v_weight": weights.v_weight.shape,
+    }
+    for name, shape in shapes.items():
+        if len(shape) != 2 or shape[1] != hidden_size or shape[0] == 0 or shape[0] % head_dim:
+            raise HeadkitError(
+                f"{name} must have shape [heads·head_dim, hidden] with heads ≥ 1, head_dim={head_dim}, "
+                f"hidden={hidden_size}; got {tuple(shape)}"
+            )
+    num_heads = weights.q_weight.shape[0] // head_dim
+    num_kv_heads = weights.k_weight.shape[0] // head_dim
+    if weights.v_weight.shape[0] != weights.k_weight.shape[0]:
+        raise HeadkitError(
+            f"v_weight must have as many rows as k_weight ({weights.k_weight.shape[0]}), got {weights.v_weight.shape[0]}"
+        )
+    if num_heads % num_kv_heads:
+        raise HeadkitError(
+            f"{num_heads} query heads do not split evenly over {num_kv_heads} key/value heads; grouped-query "
+            "attention needs num_heads % num_kv_heads == 0"
+        )
+    if tuple(weights.o_weight.shape[1:]) != (num_heads * head_dim,):
+        raise HeadkitError(
+            f"o_weight must have shape [out, num_heads·head_dim] = [out, {num_heads * head_dim}], "
+            f"got {tuple(weights.o_weight.shape)}"
+        )
+    for name, bias, rows in (
+        ("q_bias", weights.q_bias, weights.q_weight.shape[0]),
+        ("k_bias", weights.k_bias, weights.k_weight.shape[0]),
+        ("v_bias", weights.v_bias, weights.v_weight.shape[0]),
+        ("o_bias", weights.o_bias, weights.o_weight.shape[0]),
+    ):
+        if bias is not None and tuple(bias.shape) != (rows,):
+            raise HeadkitError(f"{name} must have shape [{rows}], got {tuple(bias.shape)}")
+    return num_heads, num_kv_heads
+
+
+_RECORDABLE_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _recordable_class(headkit_class: type, original_class: type) -> type:
+    key = (headkit_class, original_class)
+    if key not in _RECORDABLE_CLASSES:
+        name = headkit_class.__name__.removesuffix("Attention") + original_class.__name__
+        _RECORDABLE_CLASSES[key] = type(
+            name, (headkit_class, original_class), {"__module__": headkit_class.__module__}
+        )
+    return _RECORDABLE_CLASSES[key]

@@ -1,0 +1,24 @@
+"""LLaMA family: ``layers[i].self_attn`` with grouped-query attention (num_key_value_groups query heads per
+key/value head) and rotary position embeddings applied to queries and keys; it runs ``o_proj`` itself."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from headkit.surgery.adapters.base import AttentionAdapter, register_adapter
+
+
+@register_adapter
+class LlamaAdapter(AttentionAdapter):
+    name = "llama"
+    model_types = ("llama",)
+    layers_path = "layers"
+    attention_path = "self_attn"
+    output_projection_path = "self_attn.o_proj"
+    query_name, key_name, value_name = "q_proj", "k_proj", "v_proj"
+    epilogue_names = ("o_proj", None, None)
+    rotary = True
+
+    def set_head_counts(self, module: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        # Both eager and sdpa attention repeat each key/value head this many times.
+        module.num_key_value_groups = num_heads // num_kv_heads

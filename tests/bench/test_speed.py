@@ -1,0 +1,381 @@
+"""`headkit bench speed`: the registry, a tiny end-to-end run, argument errors, the CLI, atomic report writing."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+from rich.console import Console
+
+from headkit.bench import speed
+from headkit.bench._report import markdown_table, write_atomic, write_json_atomic
+from headkit.bench.speed import (
+    MECHANISMS,
+    MechanismSpec,
+    Target,
+    TensorSpec,
+    make_inputs,
+    run_speed_benchmark,
+)
+from headkit.cli import main
+
+# Sizes that differ from one another, so that a layout symbol mapped to the wrong size shows.
+B, H, T, D = 2, 3, 5, 4
+QKV = {"q": (B, H, T, D), "k": (B, H, T, D), "v": (B, H, T, D)}
+# The shapes each kernel's signature documents (headkit.ops), written out independently of the registry.
+DOCUMENTED_INPUT_SHAPES = {
+    "sdpa_causal": QKV,
+    "linear_causal": QKV,
+    "additive_causal": {"x": (B, H, T, D), "scores": (B, H, T)},
+    "coca_causal": {"q": (B, H, T, D), "t": (B, H, T, D // 2), "v": (B, H, T, D)},
+    "collaborative_causal": {
+        "q_shared": (B, T, H * D),
+        "k_shared": (B, T, H * D),
+        "v": (B, H, T, D),
+        "mixing": (H, H * D),
+        "content_bias": (B, H, T),
+    },
+    "softmax_noncausal": QKV,
+}
+REAL_MECHANISMS = sorted(MECHANISMS)
+
+
+# --- the registry --------------------------------------------------------------------------------------------
+
+
+def test_registry_holds_the_baseline_and_every_documented_mechanism():
+    assert set(MECHANISMS) == set(DOCUMENTED_INPUT_SHAPES)
+    assert speed.BASELINE in MECHANISMS
+
+
+@pytest.mark.parametrize("name", REAL_MECHANISMS)
+def test_registry_inputs_have_the_documented_shapes(name):
+    inputs = make_inputs(MECHANISMS[name], seq_len=T, batch=B, heads=H, head_dim=D, requires_grad=True)
+    assert {key: tuple(value.shape) for key, value in inputs.items()} == DOCUMENTED_INPUT_SHAPES[name]
+    assert all(
+        value.dtype == torch.float32 and value.requires_grad and value.is_leaf for value in inputs.values()
+    )
+    if name == "coca_causal":
+        assert bool((inputs["t"] >= 0).all()), "CoCA magnitudes t must be non-negative"
+
+
+@pytest.mark.parametrize("name", REAL_MECHANISMS)
+def test_registry_inputs_are_reproducible_from_the_seed(name):
+    spec = MECHANISMS[name]
+    first, again = make_inputs(spec, seq_len=T, seed=3), make_inputs(spec, seq_len=T, seed=3)
+    other = make_inputs(spec, seq_len=T, seed=4)
+    assert all(torch.equal(first[key], again[key]) for key in first)
+    assert not any(torch.equal(first[key], other[key]) for key in first)
+
+
+@pytest.mark.parametrize("name", REAL_MECHANISMS)
+def test_registry_run_returns_one_output_per_query(name):
+    spec = MECHANISMS[name]
+    try:
+        output = spec.run(**make_inputs(spec, seq_len=T, batch=B, heads=H, head_dim=D))
+    except NotImplementedError:
+        pytest.skip(f"{name}: kernel not implemented yet")
+    assert isinstance(output, torch.Tensor)
+    assert tuple(output.shape) == (B, H, T, D)
+    assert bool(torch.isfinite(output).all())
+
+
+def test_resolve_layout_rejects_unknown_symbols():
+    with pytest.raises(ValueError, match="unknown symbols"):
+        speed.resolve_layout(("B", "X"), batch=1, heads=1, seq_len=1, head_dim=2)
+
+
+# --- a tiny end-to-end run -----------------------------------------------------------------------------------
+
+TINY_LENGTHS = [32, 64, 128]
+OOM_FROM = 64
+
+
+def _not_ready(q: torch.Tensor) -> torch.Tensor:
+    raise NotImplementedError("kernel being written")
+
+
+def _runs_out_of_memory_from_64(q: torch.Tensor) -> torch.Tensor:
+    if q.shape[2] >= OOM_FROM:
+        raise torch.OutOfMemoryError("out of memory (simulated)")
+    return q.exp()
+
+
+EXTRA_TARGETS = (
+    Target("always passes", "softmax_noncausal", "forward", 64, "time", 1e9),
+    Target("always fails", "softmax_noncausal", "forward_backward", 128, "peak_memory", 1e-9),
+)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One run shared by the tests below: every real mechanism that is available, plus two fakes."""
+    out_dir = tmp_path_factory.mktemp("speed")
+    console_file = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(
+            MECHANISMS,
+            "not_ready",
+            MechanismSpec("fake", {"q": TensorSpec(("B", "H", "T", "D"))}, _not_ready),
+        )
+        patch.setitem(
+            MECHANISMS,
+            "oom_from_64",
+            MechanismSpec("fake", {"q": TensorSpec(("B", "H", "T", "D"))}, _runs_out_of_memory_from_64),
+        )
+        patch.setattr(speed, "TARGETS", (*speed.TARGETS, *EXTRA_TARGETS))
+        results = run_speed_benchmark(
+            lengths=TINY_LENGTHS,
+            repeats=1,
+            out_dir=out_dir,
+            min_repeat_s=0.0,
+            console=Console(file=console_file, width=200),
+        )
+    return out_dir, results, console_file.getvalue()
+
+
+def _points(results, name):
+    return [p for p in results["points"] if p["mechanism"] == name]
+
+
+def _available(results):
+    return [name for name in REAL_MECHANISMS if results["mechanisms"][name]["available"]]
+
+
+def test_tiny_run_writes_results_json_equal_to_what_it_returns(tiny_run):
+    out_dir, results, _ = tiny_run
+    assert json.loads((out_dir / "results.json").read_text()) == results
+    assert results["config"]["lengths"] == TINY_LENGTHS
+    assert results["config"]["mechanisms"][0] == speed.BASELINE
+    assert results["machine"]["device"] == "cpu"
+    assert results["machine"]["torch_version"] == torch.__version__
+    assert results["machine"]["torch_threads"] == torch.get_num_threads()
+    assert isinstance(results["command"], list) and results["command"]
+
+
+def test_tiny_run_measures_every_available_mechanism_at_every_point(tiny_run):
+    _, results, _ = tiny_run
+    assert speed.BASELINE in _available(results)
+    for name in _available(results):
+        points = _points(results, name)
+        assert sorted((p["seq_len"], p["mode"]) for p in points) == sorted(
+            (n, mode) for n in TINY_LENGTHS for mode in speed.MODES
+        )
+        for point in points:
+            assert point["error"] is None
+            assert len(point["times_s"]) == 1 and point["calls_per_repeat"] == 1
+            assert math.isfinite(point["median_s"]) and point["median_s"] > 0
+            assert point["peak_bytes"] == point["input_bytes"] + point["extra_peak_bytes"]
+            assert point["extra_peak_bytes"] >= 0 and point["input_bytes"] > 0
+
+
+def test_tiny_run_counts_the_inputs_and_the_cotangent_in_peak_memory(tiny_run):
+    _, results, _ = tiny_run
+    for name in _available(results):
+        for point in _points(results, name):
+            inputs = make_inputs(MECHANISMS[name], seq_len=point["seq_len"])
+            expected = sum(x.numel() for x in inputs.values()) * 4
+            if point["mode"] == "forward_backward":
+                expected += speed.BATCH * speed.HEADS * point["seq_len"] * speed.HEAD_DIM * 4
+            assert point["input_bytes"] == expected, (name, point["seq_len"], point["mode"])
+
+
+def test_tiny_run_ratios_are_taken_against_the_baseline_at_the_same_point(tiny_run):
+    _, results, _ = tiny_run
+    baseline = {(p["seq_len"], p["mode"]): p for p in _points(results, speed.BASELINE)}
+    for point in results["points"]:
+        if point["error"]:
+            assert point["time_ratio"] is None and point["memory_ratio"] is None
+            continue
+        reference = baseline[(point["seq_len"], point["mode"])]
+        assert point["time_ratio"] == pytest.approx(point["median_s"] / reference["median_s"], rel=1e-12)
+        assert point["memory_ratio"] == pytest.approx(
+            point["peak_bytes"] / reference["peak_bytes"], rel=1e-12
+        )
+    assert all(p["time_ratio"] == 1.0 and p["memory_ratio"] == 1.0 for p in baseline.values())
+
+
+def test_tiny_run_skips_an_unimplemented_mechanism_with_a_note(tiny_run):
+    out_dir, results, console_text = tiny_run
+    assert results["mechanisms"]["not_ready"]["available"] is False
+    assert "not implemented" in results["mechanisms"]["not_ready"]["note"]
+    assert _points(results, "not_ready") == []
+    assert "skipped not_ready" in console_text
+    table = (out_dir / "table.md").read_text()
+    assert "## Not measured" in table and "- not_ready: not implemented" in table
+
+
+def test_tiny_run_records_out_of_memory_and_skips_longer_lengths(tiny_run):
+    _, results, _ = tiny_run
+    by_length = {}
+    for point in _points(results, "oom_from_64"):
+        by_length.setdefault(point["seq_len"], []).append(point)
+    assert all(p["error"] is None and p["median_s"] > 0 for p in by_length[32])
+    assert all(p["error"].startswith("out of memory") and p["median_s"] is None for p in by_length[64])
+    assert all(p["error"].startswith("skipped") and p["peak_bytes"] is None for p in by_length[128])
+
+
+def test_tiny_run_evaluates_targets_on_the_measured_ratios(tiny_run):
+    _, results, _ = tiny_run
+    targets = {t["description"]: t for t in results["targets"]}
+    for target in EXTRA_TARGETS:
+        evaluated = targets[target.description]
+        point = next(
+            p
+            for p in _points(results, target.mechanism)
+            if (p["seq_len"], p["mode"]) == (target.seq_len, target.mode)
+        )
+        ratio = point["time_ratio"] if target.quantity == "time" else point["memory_ratio"]
+        assert evaluated["measured_ratio"] == ratio
+        assert evaluated["passed"] is (ratio <= target.max_ratio)
+    assert targets["always passes"]["passed"] is True and targets["always fails"]["passed"] is False
+    # The issue's targets are at T = 512 … 8192, none of which this run measured.
+    assert all(targets[t.description]["passed"] is None for t in speed.TARGETS)
+
+
+def test_tiny_run_writes_a_markdown_table_and_a_png(tiny_run):
+    out_dir, results, console_text = tiny_run
+    assert sorted(p.name for p in out_dir.iterdir()) == ["results.json", "speed.png", "table.md"]
+    table = (out_dir / "table.md").read_text()
+    for name in _available(results):
+        assert f"| {name} | fwd |" in table and f"| {name} | fwd+bwd |" in table
+    assert all(f"T={n}" in table for n in TINY_LENGTHS)
+    assert "| always passes |" in table and "| pass |" in table and "| FAIL |" in table
+    png = (out_dir / "speed.png").read_bytes()
+    assert png.startswith(b"\x89PNG\r\n\x1a\n") and len(png) > 10_000
+    assert "targets" in console_text and "always fails" in console_text
+
+
+def test_quick_mode_caps_lengths_and_repeats_and_always_measures_the_baseline(tmp_path):
+    results = run_speed_benchmark(
+        lengths=[32, 4096],
+        mechanisms=["softmax_noncausal"],
+        repeats=5,
+        quick=True,
+        out_dir=tmp_path,
+        min_repeat_s=0.0,
+        console=Console(file=io.StringIO()),
+        show_progress=False,
+    )
+    assert results["config"]["lengths"] == [32]
+    assert results["config"]["repeats"] == speed.QUICK_MAX_REPEATS
+    assert results["config"]["mechanisms"] == [speed.BASELINE, "softmax_noncausal"]
+    assert {p["seq_len"] for p in results["points"]} == {32}
+    assert all(len(p["times_s"]) == speed.QUICK_MAX_REPEATS for p in results["points"])
+
+
+# --- bad arguments -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"mechanisms": ["sdpa_causal", "nope"]}, "'nope'.*valid names: sdpa_causal, linear_causal"),
+        ({"mechanisms": []}, "valid names"),
+        ({"device": "tpu"}, "device must be 'cpu' or 'cuda'"),
+        ({"device": "meta"}, "device must be 'cpu' or 'cuda'"),
+        ({"lengths": [64, 0]}, "lengths"),
+        ({"lengths": []}, "lengths"),
+        ({"repeats": 0}, "repeats"),
+        ({"lengths": [4096], "quick": True}, "--quick measures lengths ≤ 2048"),
+    ],
+)
+def test_bad_arguments_raise_before_anything_is_written(tmp_path, kwargs, message):
+    out_dir = tmp_path / "out"
+    with pytest.raises(ValueError, match=message):
+        run_speed_benchmark(out_dir=out_dir, **kwargs)
+    assert not out_dir.exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
+def test_cuda_without_cuda_is_a_value_error(tmp_path):
+    with pytest.raises(ValueError, match="CUDA is not available"):
+        run_speed_benchmark(device="cuda", out_dir=tmp_path)
+
+
+def test_out_dir_that_is_a_file_is_refused(tmp_path):
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    with pytest.raises(NotADirectoryError, match="--out"):
+        run_speed_benchmark(out_dir=a_file)
+
+
+# --- through the command line --------------------------------------------------------------------------------
+
+
+def test_cli_unknown_mechanism_exits_2_with_one_line_on_stderr(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "speed", "--mechanisms", "nope", "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "nope" in err and "sdpa_causal" in err
+
+
+def test_cli_runs_the_benchmark(tmp_path):
+    out_dir = tmp_path / "out"
+    main(
+        [
+            "bench",
+            "speed",
+            "--lengths",
+            "32",
+            "--repeats",
+            "1",
+            "--mechanisms",
+            "sdpa_causal",
+            "--out",
+            str(out_dir),
+        ]
+    )
+    results = json.loads((out_dir / "results.json").read_text())
+    assert results["config"]["lengths"] == [32] and results["config"]["repeats"] == 1
+    assert [p["mode"] for p in results["points"]] == list(speed.MODES)
+
+
+def test_python_dash_m_reaches_the_cli(tmp_path):
+    completed = subprocess.run(
+        [sys.executable, "-m", "headkit.bench.speed", "--mechanisms", "nope", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert completed.returncode == 2
+    assert "nope" in completed.stderr and "valid names" in completed.stderr
+
+
+# --- atomic report writing (headkit.bench._report) -----------------------------------------------------------
+
+
+def test_write_json_atomic_round_trips_and_creates_folders(tmp_path):
+    path = tmp_path / "a" / "b" / "results.json"
+    write_json_atomic(path, {"x": [1, 2.5, None]})
+    assert json.loads(path.read_text()) == {"x": [1, 2.5, None]}
+    assert [p.name for p in path.parent.iterdir()] == ["results.json"]
+
+
+def test_failed_writes_leave_the_old_file_and_no_temporary_file(tmp_path):
+    path = tmp_path / "results.json"
+    write_json_atomic(path, {"old": True})
+    with pytest.raises(ValueError):
+        write_json_atomic(path, {"not json": float("nan")})
+
+    def crash_halfway(file) -> None:
+        file.write(b'{"half": ')
+        raise RuntimeError("interrupted")
+
+    with pytest.raises(RuntimeError, match="interrupted"):
+        write_atomic(path, crash_halfway)
+    assert json.loads(path.read_text()) == {"old": True}
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
+def test_markdown_table_escapes_pipes_and_checks_row_lengths():
+    assert markdown_table(["a", "b"], [["x|y", 2]]) == "| a | b |\n| --- | --- |\n| x\\|y | 2 |\n"
+    with pytest.raises(ValueError, match=r"rows\[0\] has 1 cells, expected 2"):
+        markdown_table(["a", "b"], [["only one"]])
