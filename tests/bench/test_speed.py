@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import stat
 import subprocess
 import sys
 
@@ -13,7 +14,7 @@ import torch
 from rich.console import Console
 
 from headkit.bench import speed
-from headkit.bench._report import markdown_table, write_atomic, write_json_atomic
+from headkit.bench._report import markdown_table, regular_file_mode, write_atomic, write_json_atomic
 from headkit.bench.speed import (
     MECHANISMS,
     MechanismSpec,
@@ -155,6 +156,7 @@ def test_tiny_run_writes_results_json_equal_to_what_it_returns(tiny_run):
     assert results["machine"]["device"] == "cpu"
     assert results["machine"]["torch_version"] == torch.__version__
     assert results["machine"]["torch_threads"] == torch.get_num_threads()
+    assert results["machine"]["cpu_model"] and results["machine"]["logical_cores"] >= 1
     assert isinstance(results["command"], list) and results["command"]
 
 
@@ -269,6 +271,27 @@ def test_quick_mode_caps_lengths_and_repeats_and_always_measures_the_baseline(tm
     assert all(len(p["times_s"]) == speed.QUICK_MAX_REPEATS for p in results["points"])
 
 
+def test_a_baseline_out_of_memory_leaves_the_ratios_at_that_length_empty(tmp_path, monkeypatch):
+    monkeypatch.setitem(
+        MECHANISMS,
+        speed.BASELINE,
+        MechanismSpec("fake baseline", {"q": TensorSpec(("B", "H", "T", "D"))}, _runs_out_of_memory_from_64),
+    )
+    results = run_speed_benchmark(
+        lengths=[32, 64],
+        mechanisms=["softmax_noncausal"],
+        repeats=1,
+        out_dir=tmp_path,
+        min_repeat_s=0.0,
+        console=Console(file=io.StringIO()),
+        show_progress=False,
+    )
+    at_64 = [p for p in _points(results, "softmax_noncausal") if p["seq_len"] == 64]
+    assert all(p["error"] is None and p["median_s"] > 0 for p in at_64)
+    assert all(p["time_ratio"] is None and p["memory_ratio"] is None for p in at_64)
+    assert "| softmax_noncausal | fwd | " in (tmp_path / "table.md").read_text()
+
+
 # --- bad arguments -------------------------------------------------------------------------------------------
 
 
@@ -357,6 +380,7 @@ def test_write_json_atomic_round_trips_and_creates_folders(tmp_path):
     write_json_atomic(path, {"x": [1, 2.5, None]})
     assert json.loads(path.read_text()) == {"x": [1, 2.5, None]}
     assert [p.name for p in path.parent.iterdir()] == ["results.json"]
+    assert stat.S_IMODE(path.stat().st_mode) == regular_file_mode()
 
 
 def test_failed_writes_leave_the_old_file_and_no_temporary_file(tmp_path):

@@ -25,7 +25,9 @@ def assert_close_rel(actual: torch.Tensor, expected: torch.Tensor, rel: float) -
 def test_inverse_frequencies_follow_the_formula(head_dim, rope_theta):
     frequencies = rope_inverse_frequencies(head_dim, rope_theta=rope_theta)
     assert frequencies.dtype == torch.float32 and frequencies.shape == (head_dim // 2,)
-    torch.testing.assert_close(frequencies.double(), formula_frequencies(head_dim, rope_theta), rtol=1e-6, atol=0)
+    torch.testing.assert_close(
+        frequencies.double(), formula_frequencies(head_dim, rope_theta), rtol=1e-6, atol=0
+    )
 
 
 @pytest.mark.parametrize("batch_positions", [False, True])
@@ -56,7 +58,9 @@ def test_rotation_keeps_norms_and_makes_dot_products_relative():
     torch.manual_seed(0)
     q, k = torch.randn(1, 2, 16, 32), torch.randn(1, 2, 16, 32)
     positions = torch.arange(16)
-    dots = apply_rotary(q, *rotary_cos_sin(positions, 32)) @ apply_rotary(k, *rotary_cos_sin(positions, 32)).mT
+    dots = (
+        apply_rotary(q, *rotary_cos_sin(positions, 32)) @ apply_rotary(k, *rotary_cos_sin(positions, 32)).mT
+    )
     shifted = rotary_cos_sin(positions + 1000, 32)
     dots_shifted = apply_rotary(q, *shifted) @ apply_rotary(k, *shifted).mT
     assert_close_rel(dots_shifted, dots, 1e-5)
@@ -98,7 +102,10 @@ def test_dynamic_ntk_grows_the_base_beyond_the_trained_length(length, factor):
     head_dim, trained = 32, 64
     positions = torch.arange(length)
     cos, sin = rotary_cos_sin(
-        positions, head_dim, rope_scaling={"rope_type": "dynamic", "factor": factor}, max_position_embeddings=trained
+        positions,
+        head_dim,
+        rope_scaling={"rope_type": "dynamic", "factor": factor},
+        max_position_embeddings=trained,
     )
     base = 10000.0 * (factor * length / trained - (factor - 1)) ** (head_dim / (head_dim - 2))
     angles = positions.double()[:, None] * formula_frequencies(head_dim, base)
@@ -122,7 +129,9 @@ def test_dynamic_ntk_matches_transformers(seq_len):
         rope_parameters=dict(rope_parameters),
     )
     expected, _ = ROPE_INIT_FUNCTIONS["dynamic"](config, "cpu", seq_len=seq_len)
-    ours = rope_inverse_frequencies(16, rope_scaling=rope_parameters, seq_len=seq_len, max_position_embeddings=32)
+    ours = rope_inverse_frequencies(
+        16, rope_scaling=rope_parameters, seq_len=seq_len, max_position_embeddings=32
+    )
     torch.testing.assert_close(ours, expected, rtol=1e-6, atol=0)
 
 
@@ -159,7 +168,9 @@ def test_dynamic_ntk_scales_for_the_largest_position_of_the_batch():
     cos, _ = rotary_cos_sin(positions, 16, rope_scaling=scaling, max_position_embeddings=32)
     alone, _ = rotary_cos_sin(torch.arange(90, 100), 16, rope_scaling=scaling, max_position_embeddings=32)
     assert torch.equal(cos[1], alone[0])
-    forced, _ = rotary_cos_sin(torch.arange(10), 16, rope_scaling=scaling, max_position_embeddings=32, seq_len=100)
+    forced, _ = rotary_cos_sin(
+        torch.arange(10), 16, rope_scaling=scaling, max_position_embeddings=32, seq_len=100
+    )
     assert torch.equal(cos[0], forced[0])
 
 
@@ -179,17 +190,26 @@ def test_rope_parameters_dict_with_matching_theta_is_accepted():
         (lambda: rope_inverse_frequencies(8, rope_scaling={"rope_type": "yarn", "factor": 2.0}), "rope_type"),
         (lambda: rope_inverse_frequencies(8, rope_scaling={"rope_type": "linear"}), "factor"),
         (lambda: rope_inverse_frequencies(8, rope_scaling={"rope_type": "linear", "factor": 0.0}), "factor"),
-        (lambda: rope_inverse_frequencies(8, rope_scaling={"rope_type": "linear", "factor": math.nan}), "factor"),
+        (
+            lambda: rope_inverse_frequencies(8, rope_scaling={"rope_type": "linear", "factor": math.nan}),
+            "factor",
+        ),
         (
             lambda: rope_inverse_frequencies(
                 8, rope_scaling={"rope_type": "dynamic", "factor": 0.5}, max_position_embeddings=16
             ),
             "factor",
         ),
-        (lambda: rope_inverse_frequencies(8, rope_scaling={"rope_type": "dynamic", "factor": 2.0}), "max_position"),
+        (
+            lambda: rope_inverse_frequencies(8, rope_scaling={"rope_type": "dynamic", "factor": 2.0}),
+            "max_position",
+        ),
         (lambda: rope_inverse_frequencies(8, rope_scaling={"rope_type": "default", "factor": 2.0}), "factor"),
         (lambda: rope_inverse_frequencies(8, rope_scaling={"rope_type": "linear", "factr": 2.0}), "factr"),
-        (lambda: rope_inverse_frequencies(8, rope_scaling={"rope_type": "linear", "type": "dynamic"}), "type"),
+        (
+            lambda: rope_inverse_frequencies(8, rope_scaling={"rope_type": "linear", "type": "dynamic"}),
+            "type",
+        ),
         (lambda: rope_inverse_frequencies(8, rope_scaling="linear"), "rope_scaling"),
         (lambda: rope_inverse_frequencies(8, rope_scaling={"rope_theta": 5.0}), "rope_theta"),
         (lambda: rope_inverse_frequencies(8, max_position_embeddings=-3), "max_position_embeddings"),
@@ -199,7 +219,9 @@ def test_rope_parameters_dict_with_matching_theta_is_accepted():
         (lambda: apply_rotary(torch.randn(1, 2, 4, 8), *rotary_cos_sin(torch.arange(5), 8)), "cos"),
         (lambda: apply_rotary(torch.randn(1, 2, 4, 8), *rotary_cos_sin(torch.arange(4), 6)), "cos"),
         (
-            lambda: apply_rotary(torch.randn(3, 2, 4, 8), *rotary_cos_sin(torch.zeros(2, 4, dtype=torch.long), 8)),
+            lambda: apply_rotary(
+                torch.randn(3, 2, 4, 8), *rotary_cos_sin(torch.zeros(2, 4, dtype=torch.long), 8)
+            ),
             "cos",
         ),
     ],

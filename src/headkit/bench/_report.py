@@ -31,6 +31,8 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        # mkstemp makes the file private (0600); results are ordinary files, readable like any other.
+        os.chmod(tmp_name, regular_file_mode())
         with os.fdopen(fd, "wb") as tmp:
             write(tmp)
             tmp.flush()
@@ -41,6 +43,13 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None
             os.unlink(tmp_name)
         raise
     return path
+
+
+def regular_file_mode() -> int:
+    """The permissions ``open(path, "w")`` would give a new file: 0666 minus the process umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:

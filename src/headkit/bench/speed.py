@@ -12,14 +12,16 @@ each as the median wall-clock time of ``repeats`` calls after a warm-up call, an
 Vaswani et al. 2017, Eq. 1) measured at the same length in the same run, so that both sides of a ratio saw
 the same machine load.
 
-Mechanisms (the paper each kernel implements is cited in its module under :mod:`headkit.ops`):
+Mechanisms (each kernel's module under :mod:`headkit.ops` derives what it computes):
 
-* ``linear_causal``: linear attention with the elu+1 feature map (Katharopoulos et al. 2020, Eq. 4-5);
-* ``additive_causal``: additive attention pooling (Fastformer, Wu et al. 2021, Eq. 3-4);
-* ``coca_causal``: collinear-constrained attention, keys collinear with the rotated queries with non-negative
-  magnitudes t (CoCA, Zhu et al. 2023);
-* ``collaborative_causal``: collaborative heads sharing one query/key projection of width H·64, one mixing
-  vector per head (Cordonnier et al. 2020, Eq. 6);
+* ``linear_causal``: linear attention with the elu+1 feature map, causal (Katharopoulos et al. 2020,
+  arXiv:2006.16236, Eq. 4 and its causal form Eq. 10-11), computed chunkwise;
+* ``additive_causal``: Fastformer's additive attention pooling in causal form, one summary per prefix (Wu et
+  al. 2021, Eq. 1-2), on x [B,H,T,D] and per-token scores [B,H,T];
+* ``coca_causal``: collinear constrained attention, keys collinear with the queries with magnitudes t ≥ 0
+  [B,H,T,D/2] (Zhu et al. 2023, arXiv:2309.08646, §2);
+* ``collaborative_causal``: collaborative heads sharing one query and one key projection of width
+  D̃ = H·64, one mixing vector per head, plus a per-key content bias (Cordonnier et al. 2020, §3);
 * ``softmax_noncausal``: :func:`headkit.ops.softmax_attention` without the causal mask, for reference.
 
 A kernel that is not implemented yet (it raises ``NotImplementedError``) is reported as unavailable and
@@ -29,6 +31,8 @@ and command line), ``table.md`` and ``speed.png`` (time and memory vs T, log-log
 
 from __future__ import annotations
 
+import importlib.util
+import shlex
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -278,18 +282,9 @@ def run_speed_benchmark(
         for seq_len in plan.lengths:
             for name in measured:
                 progress.update(task, description=f"{name} T={seq_len}")
-                if name in out_of_memory:
-                    points.extend(_failed_points(name, seq_len, "skipped: out of memory at a shorter length"))
-                else:
-                    try:
-                        points.extend(
-                            _measure_mechanism(name, seq_len, plan.device, plan.repeats, warmup, min_repeat_s)
-                        )
-                    except Exception as exc:
-                        if not _is_out_of_memory(exc):
-                            raise
-                        out_of_memory.add(name)
-                        points.extend(_failed_points(name, seq_len, f"out of memory: {exc}".splitlines()[0]))
+                points.extend(
+                    _measure_or_record_failure(name, seq_len, plan, warmup, min_repeat_s, out_of_memory)
+                )
                 progress.advance(task)
 
     _add_ratios(points)
@@ -385,6 +380,8 @@ def _plan(
     # Ratios need the baseline, measured first so it is the reference of every length.
     names = [BASELINE, *dict.fromkeys(name for name in names if name != BASELINE)]
 
+    if importlib.util.find_spec("matplotlib") is None:  # found now, not after a run of several minutes
+        raise HeadkitError("the speed benchmark plots with matplotlib: pip install 'headkit[bench]'")
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise NotADirectoryError(f"--out {str(out_dir)!r} exists and is not a directory")
@@ -401,6 +398,24 @@ def _probe(spec: MechanismSpec, device: torch.device) -> str | None:
     return None
 
 
+def _measure_or_record_failure(
+    name: str, seq_len: int, plan: _Plan, warmup: int, min_repeat_s: float, out_of_memory: set[str]
+) -> list[dict[str, Any]]:
+    """Measure one mechanism at one length; running out of memory is recorded, and ends its longer lengths."""
+    if name in out_of_memory:
+        return _failed_points(name, seq_len, "skipped: out of memory at a shorter length")
+    try:
+        return _measure_mechanism(name, seq_len, plan.device, plan.repeats, warmup, min_repeat_s)
+    except Exception as exc:
+        if not _is_out_of_memory(exc):
+            raise
+        error = f"out of memory: {(str(exc).splitlines() or [''])[0]}"
+    out_of_memory.add(name)
+    if plan.device.type == "cuda":
+        torch.cuda.empty_cache()  # hand back what the failed call cached, for the mechanisms still to run
+    return _failed_points(name, seq_len, error)
+
+
 def _measure_mechanism(
     name: str, seq_len: int, device: torch.device, repeats: int, warmup: int, min_repeat_s: float
 ) -> list[dict[str, Any]]:
@@ -408,39 +423,62 @@ def _measure_mechanism(
     spec = MECHANISMS[name]
     inputs = make_inputs(spec, seq_len=seq_len, device=device, requires_grad=True)
     leaves = list(inputs.values())
-    with torch.no_grad():
-        output_shape = spec.run(**inputs).shape
-    generator = torch.Generator(device=device).manual_seed(SEED + 1)
-    cotangent = torch.randn(output_shape, generator=generator, device=device, dtype=DTYPE)
+    output_shape: torch.Size | None = None
 
     def forward() -> None:
+        nonlocal output_shape  # recorded for the cotangent below, which saves a forward call
         with torch.no_grad():
-            spec.run(**inputs)
+            output_shape = spec.run(**inputs).shape
+
+    forward_point = _measure_point(
+        name, seq_len, "forward", forward, leaves, device, repeats, warmup, min_repeat_s
+    )
+
+    generator = torch.Generator(device=device).manual_seed(SEED + 1)
+    cotangent = torch.randn(output_shape, generator=generator, device=device, dtype=DTYPE)
 
     def forward_backward() -> None:
         torch.autograd.grad(spec.run(**inputs), leaves, grad_outputs=cotangent)
 
-    calls = {"forward": (forward, leaves), "forward_backward": (forward_backward, [*leaves, cotangent])}
-    points = []
-    for mode in MODES:
-        fn, live_inputs = calls[mode]
-        timing = time_call(fn, repeats=repeats, warmup=warmup, min_repeat_s=min_repeat_s, device=device)
-        memory = measure_peak_memory(fn, inputs=live_inputs, device=device)
-        points.append(
-            {
-                "mechanism": name,
-                "seq_len": seq_len,
-                "mode": mode,
-                "median_s": timing.median_s,
-                "times_s": list(timing.times_s),
-                "calls_per_repeat": timing.calls_per_repeat,
-                "peak_bytes": memory.peak_bytes,
-                "input_bytes": memory.input_bytes,
-                "extra_peak_bytes": memory.extra_peak_bytes,
-                "error": None,
-            }
-        )
-    return points
+    backward_point = _measure_point(
+        name,
+        seq_len,
+        "forward_backward",
+        forward_backward,
+        [*leaves, cotangent],
+        device,
+        repeats,
+        warmup,
+        min_repeat_s,
+    )
+    return [forward_point, backward_point]
+
+
+def _measure_point(
+    name: str,
+    seq_len: int,
+    mode: str,
+    fn: Callable[[], None],
+    live_inputs: list[torch.Tensor],
+    device: torch.device,
+    repeats: int,
+    warmup: int,
+    min_repeat_s: float,
+) -> dict[str, Any]:
+    timing = time_call(fn, repeats=repeats, warmup=warmup, min_repeat_s=min_repeat_s, device=device)
+    memory = measure_peak_memory(fn, inputs=live_inputs, device=device)
+    return {
+        "mechanism": name,
+        "seq_len": seq_len,
+        "mode": mode,
+        "median_s": timing.median_s,
+        "times_s": list(timing.times_s),
+        "calls_per_repeat": timing.calls_per_repeat,
+        "peak_bytes": memory.peak_bytes,
+        "input_bytes": memory.input_bytes,
+        "extra_peak_bytes": memory.extra_peak_bytes,
+        "error": None,
+    }
 
 
 def _failed_points(name: str, seq_len: int, error: str) -> list[dict[str, Any]]:
@@ -509,7 +547,7 @@ def _format_ratio(ratio: float | None) -> str:
     if ratio is None:
         return "—"
     # 0.07× reads better as "1/14" when the claim is "14× faster".
-    return f"{ratio:.3g}× (1/{1 / ratio:.3g})" if ratio < 1 else f"{ratio:.3g}×"
+    return f"{ratio:.3g}× (1/{1 / ratio:.3g})" if 0 < ratio < 1 else f"{ratio:.3g}×"
 
 
 def _format_verdict(passed: bool | None) -> str:
@@ -531,8 +569,10 @@ def _cell_table(results: dict[str, Any], cell: Callable[[dict[str, Any] | None],
 
 
 def _ratio_cell(point: dict[str, Any] | None) -> str:
-    if point is None or point["error"]:
-        return "—" if point is None else point["error"].split(":")[0]
+    if point is not None and point["error"]:
+        return point["error"].split(":")[0]
+    if point is None or point["time_ratio"] is None:  # not run, or the baseline failed at this length
+        return "—"
     return f"{point['time_ratio']:.3g}× / {point['memory_ratio']:.3g}×"
 
 
@@ -586,7 +626,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"B={config['batch']}, H={config['heads']}, head_dim={config['head_dim']}, {config['dtype']}, "
         f"device {config['device']} ({machine['cpu_model']}, {machine['torch_threads']} torch threads), "
         f"torch {machine['torch_version']}, median of {config['repeats']} after {config['warmup']} warm-up.\n",
-        f"Command: `{' '.join(results['command'])}`\n",
+        f"Command: `{shlex.join(results['command'])}`\n",
         "## Median time (ms)\n",
         markdown_table(headers, _cell_table(results, milliseconds)),
         "## Peak memory, inputs included (MiB)\n",
@@ -604,11 +644,8 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 def plot_results(results: dict[str, Any]) -> Any:
     """A 2×2 figure: time (top) and peak memory (bottom) vs T, forward (left) and forward+backward (right)."""
-    try:
-        from matplotlib.figure import Figure
-        from matplotlib.ticker import NullLocator
-    except ImportError:
-        raise HeadkitError("the speed plot needs matplotlib: pip install 'headkit[bench]'") from None
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import NullLocator
 
     config = results["config"]
     figure = Figure(figsize=(11, 8), layout="constrained")

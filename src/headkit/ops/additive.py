@@ -139,7 +139,7 @@ def additive_pool_step(
     Returns:
         (pooled [B, H, 1, D] in x's dtype, the state including this token).
     """
-    batch, heads, seq, dim = _check_inputs(x, score, True, window, None, state)
+    batch, heads, seq, dim = _check_inputs(x, score, True, window, None, state, scores_name="score")
     if seq != 1:
         raise ValueError(f"x must have shape [batch, heads, 1, head_dim] (one token), got {tuple(x.shape)}")
     dtype = _compute_dtype(x)
@@ -193,13 +193,12 @@ def naive_additive_pool(
     first = token_s.shape[-1] - seq
 
     def pool(start: int, stop: int) -> torch.Tensor:
-        out = torch.zeros(batch, heads, dim, dtype=x.dtype)
-        for b in range(batch):
-            for h in range(heads):
-                real = start + torch.nonzero(token_real[b, h, start:stop])[:, 0]
-                if real.numel() > 0:
-                    out[b, h] = torch.softmax(token_s[b, h, real], dim=0) @ token_x[b, h, real]
-        return out
+        """softmax over the real tokens in [start, stop), for every (batch, head); 0 where there are none."""
+        real = token_real[..., start:stop]
+        sees_something = real.any(dim=-1, keepdim=True)
+        visible_scores = token_s[..., start:stop].masked_fill(~real, float("-inf"))
+        weights = torch.softmax(visible_scores.masked_fill(~sees_something, 0.0), dim=-1) * sees_something
+        return (weights[..., None, :] @ token_x[..., start:stop, :])[..., 0, :]
 
     if not causal:
         pooled = pool(0, first + seq)
@@ -383,13 +382,14 @@ def _check_inputs(
     window: int | None,
     attention_mask: torch.Tensor | None,
     state: AdditivePoolState | None,
+    scores_name: str = "scores",
 ) -> tuple[int, int, int, int]:
     check_rank("x", x, 4, "[batch, heads, seq, head_dim]")
-    check_rank("scores", scores, 3, "[batch, heads, seq]")
+    check_rank(scores_name, scores, 3, "[batch, heads, seq]")
     batch, heads, seq, dim = x.shape
     if tuple(scores.shape) != (batch, heads, seq):
         raise ValueError(
-            f"scores must have shape [batch, heads, seq] = [{batch}, {heads}, {seq}] to match x, "
+            f"{scores_name} must have shape [batch, heads, seq] = [{batch}, {heads}, {seq}] to match x, "
             f"got {tuple(scores.shape)}"
         )
     if seq == 0:

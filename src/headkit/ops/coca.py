@@ -37,7 +37,7 @@ from headkit.ops.rotary import check_position_ids, rope_inverse_frequencies, rot
 
 # The collinear vectors of one group of heads may take this share of the memory the call holds anyway (inputs and
 # output), or _MIN_WORKSPACE_BYTES, whichever is larger: small calls (decoding, short prompts) make one SDPA call.
-_WORKSPACE_FRACTION = 0.25
+_WORKSPACE_FRACTION = 1 / 3
 _MIN_WORKSPACE_BYTES = 4 << 20
 # SDPA lets several query heads read one key/value head without copying it since torch 2.5 (enable_gqa).
 _SDPA_HAS_GQA = torch.__version__ >= "2.5"
@@ -75,7 +75,7 @@ def coca_attention(
     Returns:
         [B, H, Tq, Dv]. Queries that see no key at all return zeros rather than NaN.
     """
-    query_positions, key_positions, keep = _check_inputs(
+    keep = _check_inputs(
         q,
         t,
         v,
@@ -86,43 +86,61 @@ def coca_attention(
         scale=scale,
     )
     batch, q_heads, q_len, head_dim = q.shape
-    kv_heads, kv_len = t.shape[1], t.shape[2]
+    kv_heads, kv_len, value_dim = t.shape[1], t.shape[2], v.shape[-1]
     heads_per_kv = q_heads // kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
     # The collinear vectors hold |q|²·t: built in at least float32 so that bf16/fp16 inputs cannot overflow.
     work_dtype = torch.promote_types(q.dtype, torch.float32)
     query_rotation, key_rotation = _rotation_tables(
-        query_positions, key_positions, head_dim, rope_theta, rope_scaling, max_position_embeddings, work_dtype
+        position_ids,
+        key_position_ids,
+        q_len,
+        kv_len,
+        head_dim,
+        rope_theta,
+        rope_scaling,
+        max_position_embeddings,
+        work_dtype,
+        q.device,
     )
     mask, empty_rows = _visibility_mask(keep, causal, batch, q_len, kv_len, q.device)
     use_is_causal = causal and mask is None and q_len == kv_len
-    # Under autocast SDPA picks its own dtype; otherwise it needs q, k and v alike.
-    sdpa_dtype = None if torch.is_autocast_enabled(q.device.type) else v.dtype
+    autocast = torch.is_autocast_enabled(q.device.type)
 
-    kv_heads_per_group = _kv_heads_per_group(q, t, v, work_dtype)
-    track_grad = torch.is_grad_enabled() and any(x.requires_grad for x in (q, t, v))
-    group_outputs = []
-    out = None
+    def attend(queries: torch.Tensor, kv_heads_slice: slice) -> torch.Tensor:
+        keys = _collinear_keys(t[:, kv_heads_slice], key_rotation, work_dtype)
+        if not autocast:  # under autocast SDPA picks its own dtype; otherwise it needs q, k and v alike
+            queries, keys = queries.to(v.dtype), keys.to(v.dtype)
+        out = _sdpa(queries, keys, v[:, kv_heads_slice], mask, use_is_causal, scale, heads_per_kv)
+        return out if empty_rows is None else out.masked_fill(empty_rows, 0.0)
+
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, t, v)):
+        # Autograd keeps every SDPA input for the backward pass anyway: head groups would save no memory.
+        return attend(_collinear_queries(q, query_rotation, work_dtype), slice(None))
+
+    out_dtype = torch.get_autocast_dtype(q.device.type) if autocast else v.dtype
+    out = torch.empty(batch, q_heads, q_len, value_dim, dtype=out_dtype, device=q.device)
+    queries_in_out = value_dim == head_dim and out_dtype == work_dtype
+    if queries_in_out:
+        # The output buffer is free until SDPA fills it: the collinear queries of every head are built there, and
+        # each group's output overwrites its group's queries once SDPA has read them.
+        _collinear_queries(q, query_rotation, work_dtype, out=out)
+    kv_heads_per_group = _kv_heads_per_group(q, t, v, work_dtype, out_dtype, queries_in_out)
     for first in range(0, kv_heads, kv_heads_per_group):
-        last = min(first + kv_heads_per_group, kv_heads)
-        queries = _collinear_queries(q[:, first * heads_per_kv : last * heads_per_kv], query_rotation, work_dtype)
-        keys = _collinear_keys(t[:, first:last], key_rotation, work_dtype)
-        if sdpa_dtype is not None:
-            queries, keys = queries.to(sdpa_dtype), keys.to(sdpa_dtype)
-        group_out = _sdpa(queries, keys, v[:, first:last], mask, use_is_causal, scale, heads_per_kv)
-        del queries, keys  # free this group's collinear vectors before the next group builds its own
-        if empty_rows is not None:
-            group_out = group_out.masked_fill(empty_rows, 0.0)
-        if last - first == kv_heads:
+        kv_heads_slice = slice(first, min(first + kv_heads_per_group, kv_heads))
+        q_heads_slice = slice(kv_heads_slice.start * heads_per_kv, kv_heads_slice.stop * heads_per_kv)
+        if queries_in_out:
+            queries = out[:, q_heads_slice]
+        else:
+            queries = _collinear_queries(q[:, q_heads_slice], query_rotation, work_dtype)
+        group_out = attend(queries, kv_heads_slice)
+        del queries  # before the next group builds its own
+        if kv_heads_per_group >= kv_heads:
             return group_out
-        if track_grad:
-            group_outputs.append(group_out)
-            continue
-        if out is None:
-            out = group_out.new_empty(batch, q_heads, q_len, v.shape[-1])
-        out[:, first * heads_per_kv : last * heads_per_kv] = group_out
-    return torch.cat(group_outputs, dim=1) if track_grad else out
+        out[:, q_heads_slice] = group_out
+        del group_out
+    return out
 
 
 def naive_coca_scores(
@@ -224,8 +242,8 @@ def _check_inputs(
     key_position_ids: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
     scale: float | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Validate coca_attention's arguments; return (query positions, key positions, key padding mask or None)."""
+) -> torch.Tensor | None:
+    """Validate coca_attention's arguments; return the key padding mask as bool (or None)."""
     check_rank("q", q, 4, "[batch, heads, seq, head_dim]")
     check_rank("t", t, 4, "[batch, kv_heads, seq, head_dim/2]")
     head_dim = q.shape[-1]
@@ -245,42 +263,54 @@ def _check_inputs(
     if not torch.is_autocast_enabled(q.device.type) and not (q.dtype == t.dtype == v.dtype):
         raise ValueError(f"q, t and v must share one dtype, got {q.dtype}, {t.dtype} and {v.dtype}")
     if t.numel() and bool(t.amin() < 0):
-        raise ValueError("t must be non-negative (each key is q scaled by t inside a rotary pair), got negative entries")
+        raise ValueError(
+            "t must be non-negative (each key is q scaled by t inside a rotary pair), got negative entries"
+        )
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool, got {causal!r}")
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+    if scale is not None and (
+        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
+    ):
         raise ValueError(f"scale must be a finite number or None, got {scale!r}")
 
-    if position_ids is None:
-        position_ids = torch.arange(kv_len - q_len, kv_len, device=q.device)
-    check_position_ids("position_ids", position_ids, batch, q_len)
-    if key_position_ids is None:
-        key_position_ids = torch.arange(kv_len, device=q.device)
-    check_position_ids("key_position_ids", key_position_ids, batch, kv_len)
+    if position_ids is not None:
+        check_position_ids("position_ids", position_ids, batch, q_len)
+    if key_position_ids is not None:
+        check_position_ids("key_position_ids", key_position_ids, batch, kv_len)
     keep = check_padding_mask(attention_mask, batch, kv_len)
-    return position_ids.to(q.device), key_position_ids.to(q.device), None if keep is None else keep.to(q.device)
+    return None if keep is None else keep.to(q.device)
 
 
 def _rotation_tables(
-    query_positions: torch.Tensor,
-    key_positions: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    key_position_ids: torch.Tensor | None,
+    q_len: int,
+    kv_len: int,
     head_dim: int,
     rope_theta: float,
     rope_scaling: Mapping[str, Any] | None,
     max_position_embeddings: int | None,
     dtype: torch.dtype,
+    device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) of the query and of the key positions, each [B|1, 1, T, 2, D/2].
 
     Queries and keys must rotate with the same frequencies (else the score is no longer relative), so dynamic NTK
     scales both for the largest position of either.
     """
+    if key_position_ids is None:
+        key_position_ids = torch.arange(kv_len, device=device)
+    if position_ids is None:
+        query_positions = torch.arange(kv_len - q_len, kv_len, device=device)
+    else:
+        query_positions = position_ids.to(device)
+    key_positions = key_position_ids.to(device)
     seq_len = 1
     for positions in (query_positions, key_positions):
         if positions.numel():
             seq_len = max(seq_len, int(positions.max()) + 1)
-    tables = []
-    for positions in (query_positions, key_positions):
+
+    def table(positions: torch.Tensor) -> torch.Tensor:
         cos, sin = rotary_cos_sin(
             positions,
             head_dim,
@@ -290,16 +320,30 @@ def _rotation_tables(
             seq_len=seq_len,
             dtype=dtype,
         )
-        tables.append(torch.stack((cos, sin), dim=-2)[:, None])
-    return tables[0], tables[1]
+        return torch.stack((cos, sin), dim=-2)[:, None]
+
+    key_table = table(key_positions)
+    if (
+        position_ids is None
+        and q_len <= kv_len
+        and torch.equal(key_positions[..., kv_len - q_len :], query_positions)
+    ):
+        return key_table[
+            :, :, kv_len - q_len :
+        ], key_table  # the queries are the newest keys: share their rows
+    return table(query_positions), key_table
 
 
-def _collinear_queries(q: torch.Tensor, rotation: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Q' = [a ⊙ cos mθ, a ⊙ sin mθ], a_i = q_i² + q_{i+D/2}²: [B, h, Tq, D]."""
+def _collinear_queries(
+    q: torch.Tensor, rotation: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Q' = [a ⊙ cos mθ, a ⊙ sin mθ], a_i = q_i² + q_{i+D/2}²: [B, h, Tq, D], written into ``out`` if given."""
     half = q.shape[-1] // 2
     q = q.to(dtype)
     energy = torch.addcmul(q[..., :half].square(), q[..., half:], q[..., half:])
-    return (energy[..., None, :] * rotation).flatten(-2)
+    if out is None:
+        return (energy[..., None, :] * rotation).flatten(-2)
+    return torch.mul(energy[..., None, :], rotation, out=out.unflatten(-1, (2, half))).flatten(-2)
 
 
 def _collinear_keys(t: torch.Tensor, rotation: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -332,20 +376,29 @@ def _visibility_mask(
     return mask | empty_rows, empty_rows
 
 
-def _kv_heads_per_group(q: torch.Tensor, t: torch.Tensor, v: torch.Tensor, work_dtype: torch.dtype) -> int:
-    """How many key/value heads (with their query heads) to process per SDPA call, under the workspace budget."""
+def _kv_heads_per_group(
+    q: torch.Tensor,
+    t: torch.Tensor,
+    v: torch.Tensor,
+    work_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    queries_in_out: bool,
+) -> int:
+    """How many key/value heads (with their query heads) one SDPA call takes, under the workspace budget."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len = t.shape[1], t.shape[2]
     heads_per_kv = q_heads // kv_heads
     value_dim = v.shape[-1]
     work_bytes = torch.empty((), dtype=work_dtype).element_size()
-    # Per key/value head: its collinear keys; per query head: collinear queries, the |q|² they come from, output.
-    bytes_per_kv_head = batch * (
-        work_bytes * kv_len * head_dim
-        + heads_per_kv * q_len * (work_bytes * (head_dim + head_dim // 2) + v.element_size() * value_dim)
+    out_bytes = torch.empty((), dtype=out_dtype).element_size()
+    # A group holds the collinear keys of its key/value heads and the SDPA output of its query heads, plus their
+    # collinear queries and the |q|² they come from unless those live in the output buffer.
+    query_head_bytes = q_len * (
+        out_bytes * value_dim + (0 if queries_in_out else work_bytes * (head_dim + head_dim // 2))
     )
-    held_bytes = sum(x.numel() * x.element_size() for x in (q, t, v)) + batch * q_heads * q_len * value_dim * (
-        v.element_size()
+    bytes_per_kv_head = batch * (work_bytes * kv_len * head_dim + heads_per_kv * query_head_bytes)
+    held_bytes = (
+        sum(x.numel() * x.element_size() for x in (q, t, v)) + batch * q_heads * q_len * value_dim * out_bytes
     )
     budget = max(_MIN_WORKSPACE_BYTES, _WORKSPACE_FRACTION * held_bytes)
     per_group = max(1, min(kv_heads, int(budget // max(bytes_per_kv_head, 1))))
@@ -369,10 +422,14 @@ def _sdpa(
     heads_per_kv: int,
 ) -> torch.Tensor:
     if heads_per_kv == 1:
-        return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale)
+        return F.scaled_dot_product_attention(
+            queries, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale
+        )
     if _SDPA_HAS_GQA:
         return F.scaled_dot_product_attention(
             queries, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
         )
     keys, values = repeat_kv(keys, heads_per_kv), repeat_kv(values, heads_per_kv)
-    return F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale)
+    return F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=mask, is_causal=is_causal, scale=scale
+    )

@@ -13,12 +13,11 @@ Transformers with Hardware-Efficient Training", §2.2). Cut the sequence into ch
 
     numerator_c = tril(φ(Q_c) φ(K_c)ᵀ) V_c  +  φ(Q_c) S_{<c},        S_{<c} = S_0 + Σ_{c' < c} φ(K_c')ᵀ V_c',
 
-a dense C×C matmul inside the chunk plus one [Dk, Dv] state per chunk obtained by a prefix sum: O(T·C·D + T·D²)
-time and no Python loop over tokens. Chunks are taken in blocks of ~1024 tokens that carry the state, so that
-φ(q), φ(k), chunk scores and per-chunk states exist for one block at a time (peak memory ≈ inputs + output).
-
-The normaliser rides along the numerator: V gets an extra column of ones, so φ(K)ᵀ[V, 1] = [S, z] and every
-matmul yields numerator and denominator together. Everything is accumulated in float32.
+a dense C×C matmul inside the chunk plus one [Dk, Dv] state per chunk obtained by a prefix sum (the
+denominator likewise, with z in place of S and row sums of the chunk scores): O(T·C·D + T·D²) time and no
+Python loop over tokens. Chunks are taken in blocks of ~1024 tokens that carry the state, so that φ(q), φ(k),
+chunk scores and per-chunk states exist for one block at a time (peak memory ≈ inputs + output). Everything is
+accumulated in float32.
 """
 
 from __future__ import annotations
@@ -28,7 +27,6 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 from headkit.ops._validation import check_padding_mask, check_positive_int, check_qkv, repeat_kv
 from headkit.ops.feature_maps import get_feature_map
@@ -94,18 +92,16 @@ def linear_attention(
     _check_eps(eps)
     phi = get_feature_map(feature_map)
     keep = check_padding_mask(attention_mask, batch, kv_len)
-    state = _augmented_state(initial_state, "initial_state", batch, kv_heads, head_dim, head_dim_v, q.device)
+    kv, k_sum = _checked_state(initial_state, "initial_state", batch, kv_heads, head_dim, head_dim_v, q.device)
     if keep is not None:
         keep = keep.to(q.device)
 
     with torch.autocast(device_type=q.device.type, enabled=False):
         if causal:
-            out, state = _causal_linear_attention(q, k, v, keep, state, phi, chunk_size, eps)
+            out, kv, k_sum = _causal_linear_attention(q, k, v, keep, kv, k_sum, phi, chunk_size, eps)
         else:
-            out, state = _non_causal_linear_attention(q, k, v, keep, state, phi, eps)
-    if not output_final_state:
-        return out, None
-    return out, LinearAttentionState(state[..., :head_dim_v].contiguous(), state[..., head_dim_v].contiguous())
+            out, kv, k_sum = _non_causal_linear_attention(q, k, v, keep, kv, k_sum, phi, eps)
+    return out, (LinearAttentionState(kv, k_sum) if output_final_state else None)
 
 
 def linear_attention_step(
@@ -198,19 +194,18 @@ def _causal_linear_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     keep: torch.Tensor | None,
-    state: torch.Tensor,
+    kv: torch.Tensor,
+    k_sum: torch.Tensor,
     phi: Callable[[torch.Tensor], torch.Tensor],
     chunk_size: int,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Chunkwise-parallel causal form; ``state`` is [B, Hkv, Dk, Dv + 1] = [S | z]. Returns (out, final state)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Chunkwise-parallel causal form, block by block; returns (out, final kv, final k_sum)."""
     batch, q_heads, seq_len, _ = q.shape
     kv_heads, head_dim_v = k.shape[1], v.shape[3]
-    # A group axis (size G = H / Hkv for queries, 1 for keys/values) lets matmuls broadcast key/value heads
-    # over their query heads without repeating them.
-    q = q.unflatten(1, (kv_heads, q_heads // kv_heads))  # [B, Hkv, G, T, Dk]
-    k, v, state = k.unsqueeze(2), v.unsqueeze(2), state.unsqueeze(2)
-    keep = None if keep is None else keep[:, None, None, :, None]
+    groups = q_heads // kv_heads
+    q = q.unflatten(1, (kv_heads, groups))  # [B, Hkv, G, T, Dk]
+    keep = None if keep is None else keep[:, None, :, None]  # [B, 1, T, 1]
 
     # Blocks of whole chunks, then the leftover T mod C tokens as one shorter chunk: no padding copy.
     whole = seq_len - seq_len % chunk_size
@@ -221,23 +216,25 @@ def _causal_linear_attention(
 
     # With autograd, concatenating the blocks keeps the backward cheap; without it, writing each block into
     # the preallocated output keeps the peak memory at one output.
-    build_graph = seq_len > 0 and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, state))
+    build_graph = (
+        seq_len > 0 and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, kv, k_sum))
+    )
+    out = q.new_empty(0) if build_graph else q.new_empty(batch, kv_heads, groups, seq_len, head_dim_v)
     pieces = []
-    out = q.new_empty(0) if build_graph else q.new_empty(batch, kv_heads, q_heads // kv_heads, seq_len, head_dim_v)
     # One split per input rather than a slice per block: the backward of a split is a single concatenation,
     # while each slice's backward would materialise a full-length zero gradient.
     lengths = [length for _, length, _ in spans]
-    blocks = zip(q.split(lengths, dim=3), k.split(lengths, dim=3), v.split(lengths, dim=3), strict=True)
+    blocks = zip(q.split(lengths, dim=3), k.split(lengths, dim=2), v.split(lengths, dim=2), strict=True)
     for (start, length, chunk), (q_block, k_block, v_block) in zip(spans, blocks, strict=True):
-        block_keep = None if keep is None else keep[:, :, :, start : start + length]
-        piece, state = _causal_block(q_block, k_block, v_block, block_keep, state, phi, chunk, eps)
+        block_keep = None if keep is None else keep[:, :, start : start + length]
+        piece, kv, k_sum = _causal_block(q_block, k_block, v_block, block_keep, kv, k_sum, phi, chunk, eps)
         if build_graph:
             pieces.append(piece.to(q.dtype))
         else:
             out[:, :, :, start : start + length] = piece
     if build_graph:
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=3)
-    return out.reshape(batch, q_heads, seq_len, head_dim_v), state.squeeze(2)
+    return out.reshape(batch, q_heads, seq_len, head_dim_v), kv, k_sum
 
 
 def _causal_block(
@@ -245,33 +242,61 @@ def _causal_block(
     k: torch.Tensor,
     v: torch.Tensor,
     keep: torch.Tensor | None,
-    state: torch.Tensor,
+    kv: torch.Tensor,
+    k_sum: torch.Tensor,
     phi: Callable[[torch.Tensor], torch.Tensor],
     chunk: int,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block of L = n·C tokens. q [B, Hkv, G, L, Dk]; k [B, Hkv, 1, L, Dk]; v [B, Hkv, 1, L, Dv];
-    keep [B, 1, 1, L, 1] or None; state [B, Hkv, 1, Dk, Dv + 1] = [S | z] of all earlier tokens.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block of L = n·C tokens: q [B, Hkv, G, L, Dk], k [B, Hkv, L, Dk], v [B, Hkv, L, Dv], keep [B, 1, L, 1]
+    or None; kv [B, Hkv, Dk, Dv] and k_sum [B, Hkv, Dk] summarise every earlier token.
 
     Returns out [B, Hkv, G, L, Dv] (float32) and the state after the block.
     """
+    batch, kv_heads, groups, length, head_dim = q.shape
     head_dim_v = v.shape[-1]
-    phi_q = _feature(phi, q.float()).unflatten(-2, (-1, chunk))  # [B, Hkv, G, n, C, Dk]
-    phi_k = _feature(phi, k.float()).unflatten(-2, (-1, chunk))  # [B, Hkv, 1, n, C, Dk]
-    values = F.pad(v.float(), (0, 1), value=1.0)  # [V | 1]
+    n_chunks = length // chunk
+    # Every matmul below is a plain batched matmul over (batch, kv head, chunk). The G query heads that share a
+    # key/value head are stacked as rows, so keys, values and states are never repeated per query head.
+    phi_q = _feature(phi, q.float()).unflatten(3, (n_chunks, chunk)).transpose(2, 3)
+    phi_q = phi_q.reshape(-1, groups * chunk, head_dim)  # [B·Hkv·n, G·C, Dk]
+    phi_k = _feature(phi, k.float())
     if keep is not None:
-        # A zero row drops the padded key from every sum: numerator, normaliser and state.
-        values = values.masked_fill_(~keep, 0.0)
-    values = values.unflatten(-2, (-1, chunk))  # [B, Hkv, 1, n, C, Dv + 1]
+        phi_k = phi_k.masked_fill(~keep, 0.0)  # a zero feature drops the key from every sum
+    phi_k = phi_k.reshape(-1, chunk, head_dim)  # [B·Hkv·n, C, Dk]
+    values = v.float().reshape(-1, chunk, head_dim_v)  # [B·Hkv·n, C, Dv]
 
-    chunk_states = phi_k.transpose(-1, -2) @ values  # Σ_{j in chunk} φ(k_j)[v_j | 1]ᵀ: [B, Hkv, 1, n, Dk, Dv+1]
-    # Exclusive prefix sum over chunks, seeded with the incoming state: what each chunk's queries see before it.
-    states_before = torch.cat([state.unsqueeze(3), chunk_states[:, :, :, :-1]], dim=3).cumsum(dim=3)
-    final_state = states_before[:, :, :, -1] + chunk_states[:, :, :, -1]
+    # Per-chunk sums Σ φ(k_j) v_jᵀ and Σ φ(k_j); an exclusive prefix sum seeded with the incoming state gives
+    # what each chunk's queries see from before their chunk.
+    chunk_kv = torch.bmm(phi_k.transpose(1, 2), values)  # [B·Hkv·n, Dk, Dv]
+    chunk_k_sum = phi_k.sum(dim=1)  # [B·Hkv·n, Dk]
+    kv_before, kv = _exclusive_prefix_sum(chunk_kv.view(batch * kv_heads, n_chunks, -1), kv)
+    k_sum_before, k_sum = _exclusive_prefix_sum(chunk_k_sum.view(batch * kv_heads, n_chunks, -1), k_sum)
+    kv_before = kv_before.view(-1, head_dim, head_dim_v)  # [B·Hkv·n, Dk, Dv]
+    k_sum_before = k_sum_before.view(-1, 1, head_dim)  # [B·Hkv·n, 1, Dk]
 
-    scores = (phi_q @ phi_k.transpose(-1, -2)).tril_()  # causal within the chunk: [B, Hkv, G, n, C, C]
-    numerator, denominator = (scores @ values + phi_q @ states_before).split([head_dim_v, 1], dim=-1)
-    return (numerator / (denominator + eps)).flatten(3, 4), final_state
+    # Inside the chunk: φ(q_i)ᵀφ(k_j) for j ≤ i, one [C, C] lower triangle per stacked query head.
+    scores = torch.bmm(phi_q, phi_k.transpose(1, 2))  # [B·Hkv·n, G·C, C]
+    scores.view(-1, groups, chunk, chunk).tril_()
+    numerator = torch.bmm(phi_q, kv_before).baddbmm_(scores, values)  # [B·Hkv·n, G·C, Dv]
+    denominator = (phi_q * k_sum_before).sum(dim=2, keepdim=True) + scores.sum(dim=2, keepdim=True)
+    out = numerator / (denominator + eps)
+    out = out.view(batch, kv_heads, n_chunks, groups, chunk, head_dim_v).transpose(2, 3)
+    return out.reshape(batch, kv_heads, groups, length, head_dim_v), kv, k_sum
+
+
+def _exclusive_prefix_sum(chunk_sums: torch.Tensor, initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunk_sums [M, n, X], initial [M, ...] of X elements -> (initial + Σ_{c' < c} chunk_sums[c'] for every c
+    as [M, n, X], and initial + Σ_c chunk_sums[c] in initial's shape).
+
+    A matmul with a strictly lower-triangular matrix of ones: much faster on CPU than cumsum over a middle dim.
+    """
+    batch, n_chunks, _ = chunk_sums.shape
+    strictly_lower = torch.ones(n_chunks, n_chunks, dtype=chunk_sums.dtype, device=chunk_sums.device).tril(-1)
+    flat_initial = initial.reshape(batch, 1, -1)
+    before = torch.baddbmm(flat_initial, strictly_lower.expand(batch, -1, -1), chunk_sums)
+    total = before[:, -1] + chunk_sums[:, -1]
+    return before, total.view_as(initial)
 
 
 def _non_causal_linear_attention(
@@ -279,22 +304,23 @@ def _non_causal_linear_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     keep: torch.Tensor | None,
-    state: torch.Tensor,
+    kv: torch.Tensor,
+    k_sum: torch.Tensor,
     phi: Callable[[torch.Tensor], torch.Tensor],
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Eq. 5: φ(Q)(φ(K)ᵀ[V | 1]), the key sums taken once; ``state`` is [B, Hkv, Dk, Dv + 1] = [S | z]."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Eq. 5, φ(Q)(φ(K)ᵀV): the key sums are taken once. Returns (out, final kv, final k_sum)."""
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, head_dim_v = k.shape[1], v.shape[3]
-    values = F.pad(v.float(), (0, 1), value=1.0)
+    phi_k = _feature(phi, k.float())
     if keep is not None:
-        values = values.masked_fill_(~keep[:, None, :, None], 0.0)
-    state = state + _feature(phi, k.float()).transpose(-1, -2) @ values
+        phi_k = phi_k.masked_fill(~keep[:, None, :, None], 0.0)
+    kv = kv + phi_k.transpose(-1, -2) @ v.float()
+    k_sum = k_sum + phi_k.sum(dim=2)
     # The queries of a group all read the same key/value head: stack them as rows of one matmul.
     phi_q = _feature(phi, q.float()).reshape(batch, kv_heads, -1, head_dim)  # [B, Hkv, G·Tq, Dk]
-    numerator, denominator = (phi_q @ state).split([head_dim_v, 1], dim=-1)
-    out = numerator / (denominator + eps)
-    return out.reshape(batch, q_heads, q_len, head_dim_v).to(q.dtype), state
+    out = (phi_q @ kv) / (phi_q @ k_sum.unsqueeze(-1) + eps)
+    return out.reshape(batch, q_heads, q_len, head_dim_v).to(q.dtype), kv, k_sum
 
 
 def _feature(phi: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -338,19 +364,3 @@ def _checked_state(
         if not tensor.dtype.is_floating_point:
             raise ValueError(f"{name}.{field} must be a floating-point tensor, got dtype {tensor.dtype}")
     return kv.to(device=device, dtype=torch.float32), k_sum.to(device=device, dtype=torch.float32)
-
-
-def _augmented_state(
-    state: LinearAttentionState | None,
-    name: str,
-    batch: int,
-    kv_heads: int,
-    head_dim: int,
-    head_dim_v: int,
-    device: torch.device,
-) -> torch.Tensor:
-    """The state as one float32 [B, Hkv, Dk, Dv + 1] tensor [S | z], matching values extended by ones."""
-    if state is None:
-        return torch.zeros(batch, kv_heads, head_dim, head_dim_v + 1, dtype=torch.float32, device=device)
-    kv, k_sum = _checked_state(state, name, batch, kv_heads, head_dim, head_dim_v, device)
-    return torch.cat([kv, k_sum.unsqueeze(-1)], dim=-1)

@@ -198,7 +198,9 @@ def _parse_rope_scaling(
         )
     unknown = sorted(set(rope_scaling) - set(_ROPE_SCALING_KEYS))
     if unknown:
-        raise ValueError(f"rope_scaling has unsupported key(s) {unknown}; expected some of {list(_ROPE_SCALING_KEYS)}")
+        raise ValueError(
+            f"rope_scaling has unsupported key(s) {unknown}; expected some of {list(_ROPE_SCALING_KEYS)}"
+        )
 
     rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
     if "rope_type" in rope_scaling and "type" in rope_scaling and rope_scaling["type"] != rope_type:
@@ -227,7 +229,12 @@ def _parse_rope_scaling(
         return _RopeScaling("default", 1.0, None)
     if factor is None:
         raise ValueError(f"rope_scaling['factor'] is required for rope_type {rope_type!r}")
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not math.isfinite(factor) or factor <= 0:
+    if (
+        isinstance(factor, bool)
+        or not isinstance(factor, (int, float))
+        or not math.isfinite(factor)
+        or factor <= 0
+    ):
         raise ValueError(f"rope_scaling['factor'] must be a finite number > 0, got {factor!r}")
     if rope_type == "linear":
         return _RopeScaling("linear", float(factor), None)
@@ -260,8 +267,14 @@ def check_position_ids(
     """Integer positions [seq] or [batch, seq]; batch and seq are checked when given."""
     expected = "[seq] or [batch, seq]" if seq is None else f"[{seq}] or [{batch}, {seq}]"
     if not isinstance(position_ids, torch.Tensor):
-        raise ValueError(f"{name} must be an integer torch.Tensor of shape {expected}, got {type(position_ids).__name__}")
-    if position_ids.dtype.is_floating_point or position_ids.dtype.is_complex or position_ids.dtype == torch.bool:
+        raise ValueError(
+            f"{name} must be an integer torch.Tensor of shape {expected}, got {type(position_ids).__name__}"
+        )
+    if (
+        position_ids.dtype.is_floating_point
+        or position_ids.dtype.is_complex
+        or position_ids.dtype == torch.bool
+    ):
         raise ValueError(f"{name} must hold integer positions, got dtype {position_ids.dtype}")
     shape = tuple(position_ids.shape)
     if position_ids.dim() not in (1, 2) or (seq is not None and shape not in ((seq,), (batch, seq))):

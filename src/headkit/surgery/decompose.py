@@ -69,7 +69,10 @@ def decompose_query_key(
     tol: float = 1e-7,
     max_iter: int = 500,
     return_info: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecompositionInfo]:
+) -> (
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    | tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecompositionInfo]
+):
     """Factor every head's query/key bilinear form through shared projections (Cordonnier et al. 2020, Sec. 4).
 
     Finds w_q_shared [D̃, hidden], mixing [heads, D̃], w_k_shared [D̃, hidden] such that for every head h
@@ -132,6 +135,8 @@ def decompose_query_key(
     c_gram = c.T @ c
     history = [_relative_error(tensor_norm_sq, c, mixing_rhs, a_gram, b_gram, c_gram)]
 
+    extrapolation = _Extrapolation()
+    previous = None
     converged = False
     sweeps = 0
     for sweeps in range(1, max_iter + 1):  # noqa: B007 - the count is reported
@@ -148,15 +153,36 @@ def decompose_query_key(
         mixing_rhs = (qa * kb).sum(dim=1)
         c = _solve_normal_equations(mixing_rhs, a_gram * b_gram)
         c_gram = c.T @ c
+        error = _relative_error(tensor_norm_sq, c, mixing_rhs, a_gram, b_gram, c_gram)
 
-        history.append(_relative_error(tensor_norm_sq, c, mixing_rhs, a_gram, b_gram, c_gram))
+        trial = extrapolation.propose(sweeps, previous, (a, b, c))
+        if trial is not None:
+            trial_a, trial_b, trial_c = trial
+            trial_kb = (k @ trial_b).reshape(heads, head_dim, rank)
+            trial_rhs = ((q @ trial_a).reshape(heads, head_dim, rank) * trial_kb).sum(dim=1)
+            trial_grams = trial_a.T @ trial_a, trial_b.T @ trial_b, trial_c.T @ trial_c
+            trial_error = _relative_error(tensor_norm_sq, trial_c, trial_rhs, *trial_grams)
+            if extrapolation.judge(trial_error < error):
+                a, b, c, kb, error = trial_a, trial_b, trial_c, trial_kb, trial_error
+                a_gram, b_gram, c_gram = trial_grams
+        previous = (a, b, c)
+
+        history.append(error)
         if _has_converged(history, tol):
             converged = True
             break
 
     w_q_shared, mixing, w_k_shared = _canonical(a, c, b)
     return _finish(
-        (w_q_shared, mixing, w_k_shared), w_q.dtype, history[-1], sweeps, converged, start, False, history, return_info
+        (w_q_shared, mixing, w_k_shared),
+        w_q.dtype,
+        history[-1],
+        sweeps,
+        converged,
+        start,
+        False,
+        history,
+        return_info,
     )
 
 
@@ -170,7 +196,10 @@ def naive_decompose_query_key(
     tol: float = 1e-7,
     max_iter: int = 500,
     return_info: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecompositionInfo]:
+) -> (
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    | tuple[torch.Tensor, torch.Tensor, torch.Tensor, DecompositionInfo]
+):
     """Test reference for :func:`decompose_query_key`: the same CP-ALS, written on the dense tensor.
 
     Forms T[i, h, j] = Σ_d W_{Q,h}[i, d] W_{K,h}[j, d] and takes every MTTKRP, Gram matrix and error straight from
@@ -201,18 +230,33 @@ def naive_decompose_query_key(
     c = _solve_normal_equations(torch.einsum("ihj,ir,jr->hr", tensor, a, b), (a.T @ a) * (b.T @ b))
     history = [relative_error(a, c, b)]
 
+    extrapolation = _Extrapolation()
+    previous = None
     converged = False
     sweeps = 0
     for sweeps in range(1, max_iter + 1):  # noqa: B007 - the count is reported
-        a = _unit_columns(_solve_normal_equations(torch.einsum("ihj,hr,jr->ir", tensor, c, b), (b.T @ b) * (c.T @ c)))
-        b = _unit_columns(_solve_normal_equations(torch.einsum("ihj,ir,hr->jr", tensor, a, c), (a.T @ a) * (c.T @ c)))
+        a = _unit_columns(
+            _solve_normal_equations(torch.einsum("ihj,hr,jr->ir", tensor, c, b), (b.T @ b) * (c.T @ c))
+        )
+        b = _unit_columns(
+            _solve_normal_equations(torch.einsum("ihj,ir,hr->jr", tensor, a, c), (a.T @ a) * (c.T @ c))
+        )
         c = _solve_normal_equations(torch.einsum("ihj,ir,jr->hr", tensor, a, b), (a.T @ a) * (b.T @ b))
-        history.append(relative_error(a, c, b))
+        error = relative_error(a, c, b)
+        trial = extrapolation.propose(sweeps, previous, (a, b, c))
+        if trial is not None:
+            trial_error = relative_error(trial[0], trial[2], trial[1])
+            if extrapolation.judge(trial_error < error):
+                (a, b, c), error = trial, trial_error
+        previous = (a, b, c)
+        history.append(error)
         if _has_converged(history, tol):
             converged = True
             break
 
-    return _finish(_canonical(a, c, b), w_q.dtype, history[-1], sweeps, converged, start, False, history, return_info)
+    return _finish(
+        _canonical(a, c, b), w_q.dtype, history[-1], sweeps, converged, start, False, history, return_info
+    )
 
 
 def _check_inputs(
@@ -220,7 +264,9 @@ def _check_inputs(
 ) -> tuple[int, int, int]:
     for name, weight in (("w_q", w_q), ("w_k", w_k)):
         if not isinstance(weight, torch.Tensor):
-            raise ValueError(f"{name} must be a torch.Tensor of shape [heads·head_dim, hidden], got {type(weight).__name__}")
+            raise ValueError(
+                f"{name} must be a torch.Tensor of shape [heads·head_dim, hidden], got {type(weight).__name__}"
+            )
         if weight.dim() != 2:
             raise ValueError(
                 f"{name} must be an nn.Linear weight of shape [heads·head_dim, hidden] (2 dims), "
@@ -286,9 +332,13 @@ def _solve_normal_equations(rhs: torch.Tensor, gram: torch.Tensor) -> torch.Tens
 
 
 def _unit_columns(matrix: torch.Tensor) -> torch.Tensor:
-    # Dead (all-zero) columns stay zero rather than turning into NaN.
+    return matrix / _safe_norms(matrix)
+
+
+def _safe_norms(matrix: torch.Tensor) -> torch.Tensor:
+    # Dead (all-zero) columns get norm 1, so dividing by it leaves them zero rather than NaN.
     norms = matrix.norm(dim=0)
-    return matrix / torch.where(norms > 0, norms, torch.ones_like(norms))
+    return torch.where(norms > 0, norms, torch.ones_like(norms))
 
 
 def _sign_of_largest(matrix: torch.Tensor) -> torch.Tensor:
@@ -310,6 +360,47 @@ def _relative_error(
     inner = float((c * mixing_rhs).sum())
     fit_norm_sq = float((a_gram * b_gram * c_gram).sum())
     return max(tensor_norm_sq - 2.0 * inner + fit_norm_sq, 0.0) ** 0.5 / tensor_norm_sq**0.5
+
+
+class _Extrapolation:
+    """Line-search acceleration of ALS (Bro 1998, "Multi-way Analysis in the Food Industry", PhD thesis; also
+    tensorly's ``parafac(linesearch=True)``).
+
+    ALS creeps along narrow valleys ("swamps"); after sweep k it pays to try the point
+    X_{k−1} + k^{1/p} (X_k − X_{k−1}) for all three factors at once and keep it when it fits better. After
+    ``_MAX_FAILURES`` rejected jumps in a row, p grows by one, so the jumps shrink.
+    """
+
+    _FIRST_SWEEP = 3  # the first sweeps move far from the initialisation; extrapolating them overshoots
+    _MAX_FAILURES = 4
+
+    def __init__(self) -> None:
+        self.root = 2.0
+        self.failures = 0
+
+    def propose(
+        self,
+        sweep: int,
+        previous: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        current: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        if previous is None or sweep < self._FIRST_SWEEP:
+            return None
+        step = sweep ** (1.0 / self.root)
+        a, b, c = (old + step * (new - old) for old, new in zip(previous, current, strict=True))
+        # Same tensor, with unit columns in A and B like every ALS iterate, so the next jump compares like with like.
+        a_norm, b_norm = _safe_norms(a), _safe_norms(b)
+        return a / a_norm, b / b_norm, c * (a_norm * b_norm)
+
+    def judge(self, accepted: bool) -> bool:
+        if accepted:
+            self.failures = 0
+            return True
+        self.failures += 1
+        if self.failures == self._MAX_FAILURES:
+            self.root += 1.0
+            self.failures = 0
+        return False
 
 
 def _has_converged(history: list[float], tol: float) -> bool:

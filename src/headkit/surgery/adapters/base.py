@@ -150,9 +150,22 @@ def bind_attention_call(
         past_key_values=past,
         encoder_hidden_states=arguments.pop("encoder_hidden_states", None),
         position_embeddings=arguments.pop("position_embeddings", None),
-        output_attentions=bool(arguments.pop("output_attentions", False)),
+        output_attentions=bool(arguments.pop("output_attentions", False)) or _recording_attentions(),
         extra=arguments,
     )
+
+
+def _recording_attentions() -> bool:
+    """Whether the running 🤗 forward collects attention weights. Some models (GPT-2) drop the
+    ``output_attentions`` flag before it reaches their attention modules and rely on eager attention returning
+    weights unconditionally; a headkit module computes them only on request, so it asks transformers' output
+    collector directly."""
+    try:
+        from transformers.utils.output_capturing import _active_collector
+    except ImportError:  # a transformers without output recorders passes the flag itself
+        return False
+    collected = _active_collector.get()
+    return bool(collected) and "attentions" in collected
 
 
 def attention_mask_for_scores(
@@ -344,6 +357,7 @@ class AttentionAdapter:
             raise HeadkitError(f"new_module must be a HeadkitAttention, got {type(new_module).__name__}")
         original_class = old.replaced_class if isinstance(old, HeadkitAttention) else type(old)
         new_module.replaced_class = original_class
+        new_module.train(old.training)
         if not isinstance(new_module, original_class):
             new_module.__class__ = _recordable_class(type(new_module), original_class)
         for hooks in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):

@@ -1,0 +1,474 @@
+"""Physical removal of attention heads: shrink the query/key/value rows and output-projection columns.
+
+Removing head h of a layer deletes rows h·d … (h+1)·d − 1 of the query projection and the matching columns of
+the output projection (Michel, Levy & Neubig, "Are Sixteen Heads Really Better than One?", NeurIPS 2019: pruned
+heads are taken out of the computation, which is what makes pruning faster). Since
+MultiHead(x) = Σ_h head_h(x) W^O_h + b^O (Vaswani et al. 2017, §3.2.2, split by head), the pruned model computes
+exactly what the full model computes with the pruned heads' outputs set to zero — that is the test of
+:func:`prune_heads` (against gating the same heads to 0 with :func:`headkit.surgery.gating.add_head_gates`).
+
+Grouped-query attention (Ainslie et al. 2023). Query head h reads key/value head ⌊h / G⌋ (G query heads per
+key/value head); a key/value head is removed only when all its query heads are. When the query heads left per
+key/value head are unequal — say 3 and 1 — no G expresses the grouping, so ``repeat_kv`` cannot either. The
+layer then keeps only the key/value heads still used (no parameter is duplicated) and a forward hook on the
+key and value projections gathers, for each remaining query head, the head it reads (an index stored on the
+projection as ``headkit_kv_head_index``); the attention module then runs as plain multi-head attention
+(``num_key_value_groups = 1``). The gather happens before rotary embeddings, which rotate every head the same
+way, and before the KV cache, which then stores one key/value per query head for that layer. Every attention
+implementation (eager, sdpa, flash) and every mask works unchanged.
+
+A layer may lose all its heads (``allow_empty_layers=True``): its attention module is replaced by
+:class:`EmptyAttention`, which contributes only what the output projection adds to zero heads (its bias) and
+whatever the replaced module ran after it (dropout, residual LayerNorm).
+
+Every call validates the whole plan before it changes anything, and records itself in
+``config.headkit_surgery`` so that ``save_pretrained`` + :func:`headkit.from_pretrained` restore the pruned shapes.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from headkit.errors import HeadkitError
+from headkit.layers.gates import FixedGate, HardConcreteGate
+from headkit.surgery.adapters import (
+    AttentionAdapter,
+    AttentionSite,
+    HeadkitAttention,
+    ProjectionWeights,
+    bind_attention_call,
+    count_parameters,
+    get_adapter,
+    linear_parameters,
+)
+from headkit.surgery.adapters.base import replace_linear
+from headkit.surgery.gating import (
+    check_site_heads,
+    evaluation_gate_values,
+    install_gate_hook,
+    site_gate,
+)
+from headkit.surgery.io import record_surgery, register_surgery_op
+
+PRUNE_OP = "prune"
+KV_HEAD_INDEX = "headkit_kv_head_index"
+
+
+# -- what remains of a layer with no head ----------------------------------------------------------------------
+
+
+class EmptyAttention(HeadkitAttention):
+    """Stands in for an attention module whose heads were all pruned.
+
+    With no head, the concatenated heads are a [B, T, 0] tensor, so the output projection returns its bias
+    (zeros without one); the module then runs whatever the replaced module ran after its heads (dropout,
+    residual LayerNorm), kept under their original names so the state dict keeps its keys. In a KV cache it
+    records the new tokens with zero heads, so that sequence lengths stay right for the layers after it.
+    Returns ``(output, attention weights [B, 0, Tq, Tk] or None)`` like the replaced module.
+    """
+
+    def __init__(
+        self,
+        *,
+        head_dim: int,
+        scale: float,
+        causal: bool,
+        layer_idx: int | None,
+        call_signature: inspect.Signature,
+        epilogue: dict[str, tuple[str, nn.Module]],
+    ) -> None:
+        nn.Module.__init__(self)  # not super(): replace_attention mixes the replaced 🤗 class into this one's bases
+        self.num_heads = self.num_kv_heads = 0
+        self.head_dim = head_dim
+        self.scale = scale
+        self.is_causal = causal
+        self.layer_idx = layer_idx
+        self.call_signature = call_signature
+        self.epilogue_roles: dict[str, str] = {}
+        for role, (name, module) in epilogue.items():
+            self.epilogue_roles[role] = name
+            self.add_module(name, module)
+
+    def forward(
+        self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        call = bind_attention_call(self.call_signature, self, hidden_states, args, kwargs)
+        batch, q_len = hidden_states.shape[:2]
+        kv_len = q_len
+        if call.past_key_values is not None and self.layer_idx is not None:
+            no_heads = hidden_states.new_zeros(batch, 0, q_len, self.head_dim)
+            cache = getattr(call.past_key_values, "self_attention_cache", call.past_key_values)
+            keys, _ = cache.update(no_heads, no_heads, self.layer_idx)
+            kv_len = keys.shape[-2]
+        output = hidden_states.new_zeros(batch, q_len, 0)
+        roles = self.epilogue_roles
+        if "projection" in roles:
+            # The projection of zero heads is its bias; computed directly, as GPT-2's Conv1D cannot multiply a
+            # [B·T, 0] matrix (it reshapes with view(-1, 0)).
+            weight, bias = linear_parameters(getattr(self, roles["projection"]))
+            bias = weight.new_zeros(weight.shape[0]) if bias is None else bias
+            output = bias.to(hidden_states.dtype).expand(batch, q_len, -1)
+        if "dropout" in roles:
+            output = getattr(self, roles["dropout"])(output)
+        if "norm" in roles:
+            output = getattr(self, roles["norm"])(hidden_states + output)
+        weights = hidden_states.new_zeros(batch, 0, q_len, kv_len) if call.output_attentions else None
+        return output, weights
+
+    def extra_repr(self) -> str:
+        return f"heads=0, head_dim={self.head_dim}"
+
+
+# -- uneven grouped-query attention ----------------------------------------------------------------------------
+
+
+class KeyValueHeadGather:
+    """Forward hook on a key or value projection: [..., kv_heads · d] → [..., query_heads · d], the slot of
+    query head i holding key/value head ``projection.headkit_kv_head_index[i]``."""
+
+    def __init__(self, head_dim: int) -> None:
+        self.head_dim = head_dim
+
+    def __call__(self, projection: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        index = getattr(projection, KV_HEAD_INDEX)
+        return output.unflatten(-1, (-1, self.head_dim)).index_select(-2, index).flatten(-2)
+
+
+def _install_kv_gather(projection: nn.Module, kv_index: list[int], head_dim: int) -> None:
+    weight = linear_parameters(projection)[0]
+    # Not persistent: the index follows from the recorded pruning, which from_pretrained replays.
+    projection.register_buffer(
+        KV_HEAD_INDEX, torch.tensor(kv_index, dtype=torch.long, device=weight.device), persistent=False
+    )
+    projection.register_forward_hook(KeyValueHeadGather(head_dim))
+
+
+def query_to_kv_heads(site: AttentionSite) -> list[int]:
+    """For each query head of the site, the index of the key/value head it reads."""
+    if site.num_heads == 0:
+        return []
+    key_projection = site.module.get_submodule(site.adapter.key_name)
+    index = getattr(key_projection, KV_HEAD_INDEX, None)
+    if index is not None:
+        return [int(i) for i in index.tolist()]
+    group = site.num_heads // site.num_kv_heads
+    return [head // group for head in range(site.num_heads)]
+
+
+# -- planning --------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _SitePlan:
+    site: AttentionSite
+    keep_query: list[int]
+    keep_kv: list[int]
+    kv_index: list[int]  # for each kept query head, the position of its key/value head among keep_kv
+
+    @property
+    def empty(self) -> bool:
+        return not self.keep_query
+
+    @property
+    def grouped_evenly(self) -> bool:
+        """Whether repeat_kv expresses the grouping: query head i reads key/value head ⌊i / G⌋."""
+        heads, kv_heads = len(self.keep_query), len(self.keep_kv)
+        if heads % kv_heads:
+            return False
+        return self.kv_index == [i // (heads // kv_heads) for i in range(heads)]
+
+
+def _plan(
+    adapter: AttentionAdapter, sites: list[AttentionSite], heads: dict[int, list[int]], allow_empty_layers: bool
+) -> list[_SitePlan]:
+    plans = []
+    for index, pruned in sorted(heads.items()):
+        if not pruned:
+            continue
+        site = sites[index]
+        if site.is_headkit:
+            raise HeadkitError(
+                f"cannot prune heads of layer {index} ({site.name}): it is a {type(site.module).__name__} put in "
+                "place by earlier surgery; prune before other surgery"
+            )
+        removed = set(pruned)
+        keep_query = [h for h in range(site.num_heads) if h not in removed]
+        if not keep_query and not allow_empty_layers:
+            raise HeadkitError(
+                f"pruning heads {pruned} removes every head of layer {index}; pass allow_empty_layers=True to "
+                "allow it (the layer's attention then adds only its output projection's bias)"
+            )
+        try:
+            adapter.read_projections(site)  # every site must be readable before the first one is rewritten
+        except (AttributeError, TypeError) as exc:
+            raise HeadkitError(
+                f"cannot prune heads of layer {index} ({site.name}, {type(site.module).__name__}): the "
+                f"{adapter.name} adapter finds no query/key/value projections there ({exc})"
+            ) from None
+        kv_of_query = query_to_kv_heads(site)
+        keep_kv = sorted({kv_of_query[h] for h in keep_query})
+        plan = _SitePlan(site, keep_query, keep_kv, [keep_kv.index(kv_of_query[h]) for h in keep_query])
+        if not plan.empty and not plan.grouped_evenly and adapter.query_name == adapter.key_name:
+            raise HeadkitError(
+                f"layer {index} would keep unequal query heads per key/value head, which the {adapter.name} "
+                "adapter's fused projection cannot express"
+            )
+        gate = site_gate(site)
+        if gate is not None and not isinstance(gate, (HardConcreteGate, FixedGate)):
+            raise HeadkitError(
+                f"layer {index} has a {type(gate).__name__} gate, which pruning cannot slice; remove it first"
+            )
+        plans.append(plan)
+    return plans
+
+
+# -- applying --------------------------------------------------------------------------------------------------
+
+
+def _head_rows(heads: list[int], head_dim: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(
+        [head * head_dim + i for head in heads for i in range(head_dim)], dtype=torch.long, device=device
+    )
+
+
+def _apply(model: nn.Module, adapter: AttentionAdapter, plan: _SitePlan) -> None:
+    site = plan.site
+    if plan.empty:
+        _empty_site(model, adapter, site)
+        return
+    weights = adapter.read_projections(site)
+    device = weights.q_weight.device
+    query_rows = _head_rows(plan.keep_query, site.head_dim, device)
+    kv_rows = _head_rows(plan.keep_kv, site.head_dim, device)
+
+    def rows(tensor: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+        return None if tensor is None else tensor.index_select(0, index)
+
+    shrunk = ProjectionWeights(
+        q_weight=rows(weights.q_weight, query_rows),
+        k_weight=rows(weights.k_weight, kv_rows),
+        v_weight=rows(weights.v_weight, kv_rows),
+        o_weight=weights.o_weight.index_select(1, query_rows),
+        q_bias=rows(weights.q_bias, query_rows),
+        k_bias=rows(weights.k_bias, kv_rows),
+        v_bias=rows(weights.v_bias, kv_rows),
+        o_bias=None if weights.o_bias is None else weights.o_bias.clone(),
+    )
+    if plan.grouped_evenly:
+        adapter.write_projections(model, site, shrunk)  # new k/v projections: no gather hook left behind
+    else:
+        module = site.module
+        replace_linear(module, adapter.query_name, shrunk.q_weight, shrunk.q_bias)
+        replace_linear(module, adapter.key_name, shrunk.k_weight, shrunk.k_bias)
+        replace_linear(module, adapter.value_name, shrunk.v_weight, shrunk.v_bias)
+        replace_linear(model, site.output_projection_name, shrunk.o_weight, shrunk.o_bias)
+        heads = len(plan.keep_query)
+        # After the gather the module sees one key/value head per query head.
+        adapter.set_head_counts(module, heads, heads, site.head_dim)
+        for name in (adapter.key_name, adapter.value_name):
+            _install_kv_gather(module.get_submodule(name), plan.kv_index, site.head_dim)
+    gate = site_gate(site)
+    if gate is not None:
+        _slice_gate(gate, plan.keep_query)
+        install_gate_hook(adapter.sites(model)[site.index])  # the output projection is a new module
+
+
+def _slice_gate(gate: HardConcreteGate | FixedGate, keep: list[int]) -> None:
+    if isinstance(gate, HardConcreteGate):
+        index = torch.tensor(keep, dtype=torch.long, device=gate.log_alpha.device)
+        kept = gate.log_alpha.detach().index_select(0, index).clone()
+        gate.log_alpha = nn.Parameter(kept, requires_grad=gate.log_alpha.requires_grad)
+    else:
+        gate.mask = gate.mask.index_select(0, torch.tensor(keep, dtype=torch.long, device=gate.mask.device))
+    gate.num_heads = len(keep)
+
+
+def _empty_site(model: nn.Module, adapter: AttentionAdapter, site: AttentionSite) -> None:
+    o_weight, o_bias = linear_parameters(site.output_projection)
+    replace_linear(model, site.output_projection_name, o_weight[:, :0], o_bias)
+    site = adapter.sites(model)[site.index]
+    empty = EmptyAttention(
+        head_dim=site.head_dim,
+        scale=site.scale,
+        causal=site.causal,
+        layer_idx=getattr(site.module, "layer_idx", None),
+        call_signature=inspect.signature(type(site.module).forward),
+        epilogue=adapter.epilogue_modules(site),
+    )
+    adapter.replace_attention(model, site, empty)  # the gate, a child of the old module, goes with it
+
+
+# -- public API ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PruneReport:
+    """What :func:`prune_heads` did. Head indices are those before the call; layers are attention sites."""
+
+    architecture: str
+    pruned: dict[int, list[int]]
+    kept: dict[int, list[int]]
+    heads_before: dict[int, int]
+    heads_after: dict[int, int]
+    kv_heads_before: dict[int, int]
+    kv_heads_after: dict[int, int]
+    parameters_before: int
+    parameters_after: int
+    uneven_layers: list[int] = field(default_factory=list)
+
+    @property
+    def parameters_removed(self) -> int:
+        return self.parameters_before - self.parameters_after
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"parameters_removed": self.parameters_removed}
+
+    def __str__(self) -> str:
+        total_before, total_after = sum(self.heads_before.values()), sum(self.heads_after.values())
+        lines = [
+            f"pruned {total_before - total_after} of {total_before} heads ({self.architecture}); parameters "
+            f"{self.parameters_before:,} -> {self.parameters_after:,}"
+        ]
+        for layer in sorted(self.heads_before):
+            lines.append(
+                f"  layer {layer}: {self.heads_after[layer]}/{self.heads_before[layer]} heads, "
+                f"{self.kv_heads_after[layer]}/{self.kv_heads_before[layer]} key/value heads"
+                f"{' (uneven groups: gathered)' if layer in self.uneven_layers else ''}"
+            )
+        return "\n".join(lines)
+
+
+def prune_heads(
+    model: nn.Module,
+    heads: Mapping[int, Iterable[int]],
+    *,
+    allow_empty_layers: bool = False,
+    adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+) -> PruneReport:
+    """Remove attention heads from `model` in place.
+
+    Args:
+        model: a supported 🤗 model or a headkit model (see :func:`headkit.surgery.adapters.get_adapter`).
+        heads: ``{layer: [heads to remove]}``, indices as the model is now (after earlier pruning, heads are
+            renumbered 0 … remaining − 1). Layers are attention sites: the layer index for every model except
+            ALBERT, whose shared module is site 0 (removing its heads removes them from every layer).
+        allow_empty_layers: allow removing every head of a layer; its attention then contributes only its output
+            projection's bias (and whatever the module ran after it, e.g. a residual LayerNorm).
+        adapter: the architecture adapter; by default the one matching the model.
+
+    Returns:
+        a :class:`PruneReport`. Gates on the model (:func:`headkit.add_head_gates`) keep the values of the
+        surviving heads. Out-of-range layers or heads, an emptied layer without `allow_empty_layers`, or an
+        unsupported model raise :class:`~headkit.errors.HeadkitError` with the model untouched.
+    """
+    if not isinstance(allow_empty_layers, bool):
+        raise HeadkitError(f"allow_empty_layers must be a bool, got {allow_empty_layers!r}")
+    adapter = get_adapter(model, adapter)
+    sites = adapter.sites(model)
+    checked = check_site_heads("heads", heads, sites)
+    plans = _plan(adapter, sites, checked, allow_empty_layers)
+    parameters_before = count_parameters(model)
+    for plan in plans:
+        _apply(model, adapter, plan)
+    if plans:
+        record_surgery(
+            model,
+            {
+                "op": PRUNE_OP,
+                "adapter": adapter.name,
+                "heads": {str(plan.site.index): sorted(checked[plan.site.index]) for plan in plans},
+                "num_heads": {str(plan.site.index): plan.site.num_heads for plan in plans},
+                "allow_empty_layers": allow_empty_layers,
+            },
+        )
+    after = {site.index: site for site in adapter.sites(model)}
+    by_site = {plan.site.index: plan for plan in plans}
+    return PruneReport(
+        architecture=adapter.name,
+        pruned={index: checked.get(index, []) for index in after},
+        kept={
+            index: by_site[index].keep_query if index in by_site else list(range(site.num_heads))
+            for index, site in enumerate(sites)
+        },
+        heads_before={site.index: site.num_heads for site in sites},
+        heads_after={index: site.num_heads for index, site in after.items()},
+        kv_heads_before={site.index: site.num_kv_heads for site in sites},
+        kv_heads_after={index: site.num_kv_heads for index, site in after.items()},
+        parameters_before=parameters_before,
+        parameters_after=count_parameters(model),
+        uneven_layers=[index for index, site in after.items() if _is_gathered(site)],
+    )
+
+
+def _is_gathered(site: AttentionSite) -> bool:
+    if site.num_heads == 0:
+        return False
+    return hasattr(site.module.get_submodule(site.adapter.key_name), KV_HEAD_INDEX)
+
+
+def prune_dead_heads(
+    model: nn.Module,
+    threshold: float = 0.0,
+    *,
+    allow_empty_layers: bool = False,
+    adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+) -> PruneReport:
+    """Remove every head whose evaluation-mode gate value is at most `threshold`.
+
+    With the default threshold 0 only heads whose gate is exactly closed go, so the model's evaluation-mode
+    outputs do not change at all (a Hard Concrete gate is exactly 0 in evaluation once σ(log α)·(r − l) + l ≤ 0,
+    Louizos et al. 2018, §4.2). A larger threshold also removes heads that were only scaled down.
+
+    Args:
+        threshold: in [0, 1).
+        allow_empty_layers: as in :func:`prune_heads`.
+
+    The gates of the surviving heads stay on the model (:func:`headkit.surgery.gating.remove_head_gates` with
+    ``fold=True`` bakes their values into the output projections).
+    """
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 1.0:
+        raise HeadkitError(f"threshold must be a gate value in [0, 1), got {threshold!r}")
+    adapter = get_adapter(model, adapter)
+    dead: dict[int, list[int]] = {}
+    for site in adapter.sites(model):
+        gate = site_gate(site)
+        if gate is not None:
+            values = evaluation_gate_values(gate)
+            dead[site.index] = [head for head in range(gate.num_heads) if float(values[head]) <= threshold]
+    if not dead:
+        raise HeadkitError("the model has no head gates; call headkit.add_head_gates(model) and train them first")
+    return prune_heads(model, dead, allow_empty_layers=allow_empty_layers, adapter=adapter)
+
+
+def heads_per_layer(
+    model: nn.Module, adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None
+) -> dict[int, int]:
+    """``{layer: number of query heads}`` as the model is now."""
+    return {site.index: site.num_heads for site in get_adapter(model, adapter).sites(model)}
+
+
+# -- reloading -------------------------------------------------------------------------------------------------
+
+
+def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
+    """Rebuild the recorded pruning on a freshly built model (the weights load afterwards)."""
+    adapter = get_adapter(model, entry["adapter"])
+    sites = adapter.sites(model)
+    expected = {int(index): int(count) for index, count in entry["num_heads"].items()}
+    actual = {index: sites[index].num_heads for index in expected if index < len(sites)}
+    if actual != expected:
+        raise HeadkitError(
+            f"the recorded pruning expects {expected} heads per layer before it, the rebuilt model has {actual}"
+        )
+    checked = check_site_heads("heads", entry["heads"], sites)
+    for plan in _plan(adapter, sites, checked, bool(entry["allow_empty_layers"])):
+        _apply(model, adapter, plan)
+
+
+register_surgery_op(PRUNE_OP, _reapply)

@@ -1,0 +1,146 @@
+"""HeadkitCache: key/value entries and recurrent-state entries behind one API."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from headkit.layers import ATTENTION_LAYERS, HeadkitCache, RecurrentStateLayer, SoftmaxAttention, map_state
+from headkit.models import HeadkitConfig
+
+
+class PoolState(NamedTuple):
+    log_normaliser: torch.Tensor  # [B, H]
+    pooled: torch.Tensor  # [B, H, D]
+
+
+class LayerState(NamedTuple):
+    pools: tuple[PoolState, PoolState]
+    conv_buffer: torch.Tensor | None
+
+
+class RecurrentDummy(SoftmaxAttention):
+    cache_layer_class = RecurrentStateLayer
+
+
+def nested_state(batch: int) -> LayerState:
+    """A state shaped like additive attention's: two pooling states and a conv buffer, batch first."""
+    rows = torch.arange(batch, dtype=torch.float32)
+    pool = PoolState(rows[:, None].expand(batch, 2).clone(), rows[:, None, None].expand(batch, 2, 3).clone())
+    return LayerState((pool, pool._replace(pooled=pool.pooled + 10)), rows[:, None, None].expand(batch, 4, 2) + 100)
+
+
+@pytest.fixture
+def hybrid_config(monkeypatch):
+    monkeypatch.setitem(ATTENTION_LAYERS, "test_recurrent", RecurrentDummy)
+    return HeadkitConfig(
+        vocab_size=11,
+        hidden_size=16,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        layer_types=["softmax", "test_recurrent", "softmax"],
+    )
+
+
+def test_cache_layers_follow_each_attention_class(hybrid_config):
+    cache = HeadkitCache(hybrid_config)
+    assert [type(layer) for layer in cache.layers] == [DynamicLayer, RecurrentStateLayer, DynamicLayer]
+    assert cache.is_recurrent == [False, True, False]
+    assert cache.get_seq_length() == 0 and cache.get_seq_length(1) == 0
+    assert not cache.is_compileable  # generate() must keep passing 2D masks
+
+
+def test_key_value_entries_concatenate_and_count_tokens(hybrid_config):
+    cache = HeadkitCache(hybrid_config)
+    first_k, first_v = torch.randn(2, 1, 5, 8), torch.randn(2, 1, 5, 8)
+    cache.update(first_k, first_v, 0)
+    next_k, next_v = torch.randn(2, 1, 1, 8), torch.randn(2, 1, 1, 8)
+    keys, values = cache.update(next_k, next_v, 0)
+    assert torch.equal(keys, torch.cat([first_k, next_k], dim=2))
+    assert torch.equal(values, torch.cat([first_v, next_v], dim=2))
+    assert cache.get_seq_length(0) == 6
+
+
+def test_recurrent_entries_store_states_and_count_tokens(hybrid_config):
+    cache = HeadkitCache(hybrid_config)
+    assert cache.get_state(1) is None
+    state = nested_state(3)
+    cache.set_state(state, 1, num_new_tokens=7)
+    cache.set_state(state, 1, num_new_tokens=1)
+    assert cache.get_state(1) is state
+    assert cache.get_seq_length(1) == 8
+    cache.reset()
+    assert cache.get_state(1) is None and cache.get_seq_length(1) == 0
+
+
+def test_beam_reordering_and_batch_selection_index_every_tensor(hybrid_config):
+    cache = HeadkitCache(hybrid_config)
+    cache.set_state(nested_state(3), 1, num_new_tokens=4)
+    keys = torch.arange(3, dtype=torch.float32).view(3, 1, 1, 1).expand(3, 1, 4, 8)
+    cache.update(keys, keys.clone(), 0)
+
+    cache.reorder_cache(torch.tensor([2, 2, 0]))
+    state = cache.get_state(1)
+    assert isinstance(state, LayerState) and isinstance(state.pools[1], PoolState)
+    assert state.pools[0].log_normaliser[:, 0].tolist() == [2.0, 2.0, 0.0]
+    assert state.pools[1].pooled[:, 0, 0].tolist() == [12.0, 12.0, 10.0]
+    assert state.conv_buffer[:, 0, 0].tolist() == [102.0, 102.0, 100.0]
+    assert cache.layers[0].keys[:, 0, 0, 0].tolist() == [2.0, 2.0, 0.0]
+
+    cache.batch_select_indices(torch.tensor([2]))
+    assert cache.get_state(1).conv_buffer.shape == (1, 4, 2)
+    cache.batch_repeat_interleave(2)
+    assert cache.get_state(1).pools[0].pooled.shape == (2, 2, 3)
+    assert cache.layers[0].keys.shape[0] == 2
+    assert cache.get_seq_length(1) == 4
+
+
+def test_recurrent_states_cannot_be_cropped(hybrid_config):
+    cache = HeadkitCache(hybrid_config)
+    cache.set_state(nested_state(1), 1, num_new_tokens=2)
+    cache.crop(0)
+    assert not cache.is_croppable
+    with pytest.raises(ValueError, match="cannot be rewound"):
+        cache.crop(-1)
+
+
+def test_map_state_keeps_structure_and_none():
+    state = nested_state(2)
+    doubled = map_state(state, lambda tensor: tensor * 2)
+    assert type(doubled) is LayerState and type(doubled.pools) is tuple and type(doubled.pools[0]) is PoolState
+    assert torch.equal(doubled.conv_buffer, state.conv_buffer * 2)
+    assert map_state(state._replace(conv_buffer=None), lambda t: t).conv_buffer is None
+
+
+@pytest.mark.parametrize(
+    "action, message",
+    [
+        (lambda cache: cache.get_state(0), "keys and values"),
+        (lambda cache: cache.set_state(torch.zeros(1), 2, 1), "keys and values"),
+        (lambda cache: cache.update(torch.zeros(1, 1, 1, 1), torch.zeros(1, 1, 1, 1), 1), "get_state"),
+        (lambda cache: cache.get_state(5), r"layer_idx must be in \[0, 3\)"),
+        (lambda cache: cache.set_state({"kv": torch.zeros(1)}, 1, 1), r"\(Named\)tuple"),
+        (lambda cache: cache.set_state(torch.zeros(1), 1, -1), "num_new_tokens"),
+    ],
+)
+def test_misuse_raises_value_error(hybrid_config, action, message):
+    with pytest.raises(ValueError, match=message):
+        action(HeadkitCache(hybrid_config))
+
+
+def test_cache_needs_a_config_or_layers():
+    with pytest.raises(ValueError, match="exactly one"):
+        HeadkitCache()
+    cache = HeadkitCache(layers=[RecurrentStateLayer()])
+    cache.set_state(torch.ones(2, 3), 0, 5)
+    assert cache.get_seq_length() == 5
+
+
+def test_unregistered_mechanism_cannot_get_a_cache(monkeypatch):
+    monkeypatch.delitem(ATTENTION_LAYERS, "linear", raising=False)
+    config = HeadkitConfig(vocab_size=11, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, attention="linear")
+    with pytest.raises(ValueError, match="'linear'"):
+        HeadkitCache(config)
