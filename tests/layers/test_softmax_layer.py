@@ -91,7 +91,7 @@ def test_outputs_and_gradients_match_the_naive_reference(variant, padded):
     grad_out = torch.randn_like(out)
     actual_grads = torch.autograd.grad(out, inputs, grad_out)
     expected_grads = torch.autograd.grad(expected, inputs, grad_out)
-    for actual, reference in zip(actual_grads, expected_grads):
+    for actual, reference in zip(actual_grads, expected_grads, strict=True):
         torch.testing.assert_close(actual, reference, atol=1e-5, rtol=1e-5)
 
 
@@ -120,7 +120,9 @@ def test_cached_decoding_equals_the_full_forward(variant):
     cache = HeadkitCache(layer.config)
     with torch.no_grad():
         full, _ = layer(x, attention_mask=mask, position_ids=positions)
-        pieces = [layer(x[:, :SEQ], mask[:, :SEQ], positions[:, :SEQ], past_key_values=cache, use_cache=True)[0]]
+        pieces = [
+            layer(x[:, :SEQ], mask[:, :SEQ], positions[:, :SEQ], past_key_values=cache, use_cache=True)[0]
+        ]
         for t in range(SEQ, SEQ + 3):
             step, weights = layer(
                 x[:, t : t + 1],

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import AutoConfig
@@ -103,7 +106,10 @@ def test_registered_custom_mechanisms_are_valid(make_config, running_mean):
     "overrides, message",
     [
         ({"attention": "bogus"}, r"unknown attention 'bogus'; valid attention types: additive, coca, collab"),
-        ({"layer_types": ["softmax", "bogus"]}, r"unknown layer type 'bogus' at layer_types\[1\]; valid .*linear"),
+        (
+            {"layer_types": ["softmax", "bogus"]},
+            r"unknown layer type 'bogus' at layer_types\[1\]; valid .*linear",
+        ),
         ({"layer_types": ["softmax"]}, "one attention type per layer"),
         ({"hidden_size": 30, "num_attention_heads": 4}, "divisible by num_attention_heads"),
         ({"num_key_value_heads": 3}, "must divide the attention heads"),
@@ -125,3 +131,15 @@ def test_registered_custom_mechanisms_are_valid(make_config, running_mean):
 def test_invalid_configs_raise_value_error(make_config, overrides, message):
     with pytest.raises(ValueError, match=message):
         make_config(**overrides)
+
+
+def test_importing_headkit_registers_the_auto_classes():
+    code = (
+        "import headkit, transformers as t\n"
+        "c = t.AutoConfig.for_model('headkit', vocab_size=11, hidden_size=8, num_hidden_layers=1, num_attention_heads=2)\n"
+        "print(type(t.AutoModelForCausalLM.from_config(c)).__name__,"
+        " type(t.AutoModel.from_config(c)).__name__,"
+        " type(t.AutoModelForSequenceClassification.from_config(c)).__name__)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.split() == ["HeadkitForCausalLM", "HeadkitModel", "HeadkitForSequenceClassification"]

@@ -94,7 +94,9 @@ def test_incremental_decoding_equals_full_forward(variant_config, prefill, paddi
         cache = HeadkitCache(model.config)
         steps = [model(ids[:, :prefill], attention_mask=mask[:, :prefill], past_key_values=cache).logits]
         for t in range(prefill, total):
-            steps.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache).logits)
+            steps.append(
+                model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache).logits
+            )
     incremental = torch.cat(steps, dim=1)
     assert cache.get_seq_length() == total
     torch.testing.assert_close(incremental, full, atol=1e-4, rtol=0)
@@ -137,6 +139,17 @@ def test_recurrent_layers_refuse_other_caches(make_config, running_mean):
         model(ids, past_key_values=HeadkitCache(make_config()))
 
 
+def test_decoding_masks_must_cover_the_cached_tokens(make_config):
+    model = make_model(make_config())
+    cache = HeadkitCache(model.config)
+    with torch.no_grad():
+        model(torch.ones(1, 4, dtype=torch.long), past_key_values=cache)
+        with pytest.raises(
+            ValueError, match="cover the 4 cached tokens and the 1 new ones: shape \\[1, 5\\]"
+        ):
+            model(torch.ones(1, 1, dtype=torch.long), attention_mask=torch.ones(1, 1), past_key_values=cache)
+
+
 def test_cache_with_use_cache_false_is_an_error(make_config):
     model = make_model(make_config())
     with pytest.raises(ValueError, match="use_cache=False"):
@@ -157,6 +170,17 @@ def test_greedy_generate_equals_manual_argmax_loop(variant_config):
             next_token = model(manual, use_cache=False).logits[:, -1].argmax(-1, keepdim=True)
             manual = torch.cat([manual, next_token], dim=1)
     assert torch.equal(generated, manual)
+
+
+def test_generation_continues_from_a_user_cache(variant_config):
+    model = make_model(variant_config)
+    ids = torch.randint(1, variant_config.vocab_size, (2, 5))
+    in_one_go = model.generate(ids, max_new_tokens=8, do_sample=False)
+    cache = HeadkitCache(model.config)
+    first_half = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    assert cache.get_seq_length() == 5 + 3  # the last generated token is not fed yet
+    continued = model.generate(first_half, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    assert torch.equal(continued, in_one_go)
 
 
 def test_batched_left_padded_generation_equals_per_sample_generation(variant_config):
@@ -328,7 +352,9 @@ def test_label_smoothing_applies_in_training_only(make_config):
     model.eval()
     eval_output = model(ids, labels=ids)
     logits = eval_output.logits.detach()
-    torch.testing.assert_close(train_output.loss.double(), manual_shifted_loss(logits, ids, 0.2), atol=1e-5, rtol=0)
+    torch.testing.assert_close(
+        train_output.loss.double(), manual_shifted_loss(logits, ids, 0.2), atol=1e-5, rtol=0
+    )
     torch.testing.assert_close(eval_output.loss.double(), manual_shifted_loss(logits, ids), atol=1e-5, rtol=0)
 
 
@@ -362,7 +388,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(make_config):
     model.activation_checkpointing_enable()
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
     checkpointed = torch.autograd.grad(model(ids, labels=ids).loss, list(model.parameters()))
-    for expected, actual in zip(plain, checkpointed):
+    for expected, actual in zip(plain, checkpointed, strict=True):
         torch.testing.assert_close(actual, expected, atol=1e-6, rtol=1e-5)
 
 
@@ -415,4 +441,6 @@ def test_f_cross_entropy_agrees_with_the_manual_reference(make_config):
     logits = torch.randn(1, 4, 11)
     labels = torch.randint(0, 11, (1, 4))
     torch_loss = F.cross_entropy(logits[0, :-1], labels[0, 1:], label_smoothing=0.3)
-    torch.testing.assert_close(manual_shifted_loss(logits, labels, 0.3), torch_loss.double(), atol=1e-6, rtol=0)
+    torch.testing.assert_close(
+        manual_shifted_loss(logits, labels, 0.3), torch_loss.double(), atol=1e-6, rtol=0
+    )

@@ -56,7 +56,9 @@ def test_peft_lora_on_q_and_v_trains_and_merges_to_the_same_logits(make_config):
     torch.manual_seed(0)
     base = HeadkitForCausalLM(make_config(num_key_value_heads=2))
     base_weights = {name: p.detach().clone() for name, p in base.named_parameters()}
-    lora = peft.LoraConfig(r=8, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+    lora = peft.LoraConfig(
+        r=8, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"
+    )
     model = peft.get_peft_model(base, lora)
 
     trainable = [name for name, p in model.named_parameters() if p.requires_grad]

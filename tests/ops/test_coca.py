@@ -123,6 +123,19 @@ def test_head_groups_match_the_definition(monkeypatch, value_dim, heads, kv_head
     assert_close_rel(out, reference)
 
 
+def test_large_calls_group_heads_by_default(monkeypatch):
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 8, 1024, 64, generator=generator)
+    t = torch.rand(1, 8, 1024, 32, generator=generator)
+    v = torch.randn(1, 8, 1024, 64, generator=generator)
+    one_call = coca_attention(q, t, v.requires_grad_()).detach()  # autograd: a single SDPA call
+    calls = count_sdpa_calls(monkeypatch)
+    with torch.no_grad():
+        grouped = coca_attention(q, t, v)
+    assert len(calls) >= 2
+    assert_close_rel(grouped, one_call, 1e-6)
+
+
 def test_autograd_makes_one_call(monkeypatch):
     monkeypatch.setattr(coca_module, "_MIN_WORKSPACE_BYTES", 0)
     calls = count_sdpa_calls(monkeypatch)

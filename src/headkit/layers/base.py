@@ -147,7 +147,9 @@ class HeadkitAttention(nn.Module):
             or position_ids.shape[0] not in (1, batch)
             or position_ids.shape[1] != seq
         ):
-            shape = tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids)
+            shape = (
+                tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids)
+            )
             raise ValueError(f"position_ids must have shape [{batch} or 1, {seq}], got {shape}")
         return position_ids
 

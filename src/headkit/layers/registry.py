@@ -32,15 +32,17 @@ def register_attention(name: str):
     def register(layer_class: type[HeadkitAttention]) -> type[HeadkitAttention]:
         existing = ATTENTION_LAYERS.get(name)
         # Re-registering the same class (a module imported twice, e.g. under importlib.reload) is harmless.
-        if existing is not None and existing.__qualname__ != layer_class.__qualname__:
-            raise ValueError(
-                f"attention {name!r} is already registered to {existing.__module__}.{existing.__qualname__}"
-            )
+        if existing is not None and _full_name(existing) != _full_name(layer_class):
+            raise ValueError(f"attention {name!r} is already registered to {_full_name(existing)}")
         layer_class.attention_name = name
         ATTENTION_LAYERS[name] = layer_class
         return layer_class
 
     return register
+
+
+def _full_name(layer_class: type) -> str:
+    return f"{layer_class.__module__}.{layer_class.__qualname__}"
 
 
 def valid_attention_names() -> list[str]:

@@ -80,7 +80,9 @@ class SoftmaxAttention(HeadkitAttention):
         weights = softmax_attention_weights(
             queries, keys, causal=self.causal, attention_mask=key_mask, scale=self.scale
         )
-        head_outputs = F.dropout(weights, p=dropout, training=True) @ repeat_kv(values, self.num_key_value_groups)
+        head_outputs = F.dropout(weights, p=dropout, training=True) @ repeat_kv(
+            values, self.num_key_value_groups
+        )
         return self.project_heads(head_outputs), (weights if output_attentions else None)
 
 

@@ -13,6 +13,7 @@ from transformers import (
 )
 
 from headkit.models.configuration_headkit import HeadkitConfig
+from headkit.models.fastformer import FastformerForCausalLM, FastformerLMConfig
 from headkit.models.modeling_headkit import (
     HeadkitForCausalLM,
     HeadkitForSequenceClassification,
@@ -27,6 +28,8 @@ AutoModelForCausalLM.register(HeadkitConfig, HeadkitForCausalLM, exist_ok=True)
 AutoModelForSequenceClassification.register(HeadkitConfig, HeadkitForSequenceClassification, exist_ok=True)
 
 __all__ = [
+    "FastformerForCausalLM",
+    "FastformerLMConfig",
     "HeadkitConfig",
     "HeadkitForCausalLM",
     "HeadkitForSequenceClassification",

@@ -169,7 +169,9 @@ class HeadkitConfig(PreTrainedConfig):
     def _check_attention_names(self) -> None:
         valid = valid_attention_names()
         if self.attention not in valid:
-            raise ValueError(f"unknown attention {self.attention!r}; valid attention types: {', '.join(valid)}")
+            raise ValueError(
+                f"unknown attention {self.attention!r}; valid attention types: {', '.join(valid)}"
+            )
         if self.layer_types is None:
             return
         if len(self.layer_types) != self.num_hidden_layers:

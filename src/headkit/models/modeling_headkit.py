@@ -59,7 +59,9 @@ class HeadkitMLP(nn.Module):
     def __init__(self, config: HeadkitConfig) -> None:
         super().__init__()
         width, bias = config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(config.hidden_size, width, bias=bias) if config.mlp_type == "gated" else None
+        self.gate_proj = (
+            nn.Linear(config.hidden_size, width, bias=bias) if config.mlp_type == "gated" else None
+        )
         self.up_proj = nn.Linear(config.hidden_size, width, bias=bias)
         self.down_proj = nn.Linear(width, config.hidden_size, bias=bias)
         self.act_fn = ACT2FN[config.hidden_act]
@@ -181,9 +183,15 @@ class HeadkitModel(HeadkitPreTrainedModel):
             position_ids: [B or 1, T]; default: from the mask's cumulative sum, else past, …, past + T − 1.
             past_key_values: a :class:`HeadkitCache`, updated in place; created when ``use_cache`` and None.
             use_cache: default: True when a cache is given or, outside training, ``config.use_cache``.
+            output_attentions: per layer, its attention weights [B, H, T, past + T] (None for mechanisms
+                without explicit weights).
+            output_hidden_states: the embeddings, then each block's output; the last entry is after the
+                final norm (what the LM head reads).
         """
         if (input_ids is None) == (inputs_embeds is None):
-            raise ValueError("pass exactly one of input_ids [batch, seq] or inputs_embeds [batch, seq, hidden_size]")
+            raise ValueError(
+                "pass exactly one of input_ids [batch, seq] or inputs_embeds [batch, seq, hidden_size]"
+            )
         if inputs_embeds is None:
             check_rank("input_ids", input_ids, 2, "[batch, seq]")
             inputs_embeds = self.embed_tokens(input_ids)
@@ -192,7 +200,9 @@ class HeadkitModel(HeadkitPreTrainedModel):
         batch, seq = inputs_embeds.shape[:2]
         config = self.config
         output_attentions = config.output_attentions if output_attentions is None else output_attentions
-        output_hidden_states = config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        output_hidden_states = (
+            config.output_hidden_states if output_hidden_states is None else output_hidden_states
+        )
         return_dict = config.return_dict if return_dict is None else return_dict
 
         use_cache = self._resolve_use_cache(use_cache, past_key_values)
@@ -201,10 +211,17 @@ class HeadkitModel(HeadkitPreTrainedModel):
         self._check_cache(past_key_values)
         past_length = 0 if past_key_values is None else past_key_values.get_seq_length()
 
+        if past_length and isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] == seq:
+            raise ValueError(
+                f"attention_mask must cover the {past_length} cached tokens and the {seq} new ones: shape "
+                f"[{batch}, {past_length + seq}] (as generate() passes it), got {tuple(attention_mask.shape)}"
+            )
         key_mask = check_padding_mask(attention_mask, batch, past_length + seq)
         if key_mask is not None:
             key_mask = key_mask.to(inputs_embeds.device)
-        position_ids = self._position_ids(position_ids, key_mask, batch, seq, past_length, inputs_embeds.device)
+        position_ids = self._position_ids(
+            position_ids, key_mask, batch, seq, past_length, inputs_embeds.device
+        )
 
         hidden_states = inputs_embeds
         if self.embed_positions is not None:
@@ -252,7 +269,9 @@ class HeadkitModel(HeadkitPreTrainedModel):
         if use_cache is None:
             return past_key_values is not None or (self.config.use_cache and not self.training)
         if not use_cache and past_key_values is not None:
-            raise ValueError("past_key_values was given with use_cache=False; pass use_cache=True to use the cache")
+            raise ValueError(
+                "past_key_values was given with use_cache=False; pass use_cache=True to use the cache"
+            )
         return bool(use_cache)
 
     def _check_cache(self, past_key_values: Any) -> None:
@@ -268,7 +287,7 @@ class HeadkitModel(HeadkitPreTrainedModel):
                 raise ValueError(
                     f"past_key_values has {len(past_key_values.layers)} layers, the model {len(attention_layers)}"
                 )
-            for attention, entry in zip(attention_layers, past_key_values.layers):
+            for attention, entry in zip(attention_layers, past_key_values.layers, strict=True):
                 if not isinstance(entry, attention.cache_layer_class):
                     raise ValueError(
                         f"past_key_values layer {attention.layer_idx} is a {type(entry).__name__}, but "
@@ -437,7 +456,9 @@ class HeadkitForSequenceClassification(HeadkitPreTrainedModel):
         hidden_states = outputs.last_hidden_state
         batch, seq = hidden_states.shape[:2]
         if labels is not None and labels.shape[0] != batch:
-            raise ValueError(f"labels must have {batch} rows (one per sequence), got shape {tuple(labels.shape)}")
+            raise ValueError(
+                f"labels must have {batch} rows (one per sequence), got shape {tuple(labels.shape)}"
+            )
 
         real_tokens = None
         if attention_mask is not None:
@@ -449,7 +470,9 @@ class HeadkitForSequenceClassification(HeadkitPreTrainedModel):
         else:
             token_index = torch.arange(seq, device=hidden_states.device)
             last_token = (token_index * real_tokens.to(hidden_states.device)).argmax(-1)
-        pooled_logits = self.score(hidden_states[torch.arange(batch, device=hidden_states.device), last_token])
+        pooled_logits = self.score(
+            hidden_states[torch.arange(batch, device=hidden_states.device), last_token]
+        )
 
         loss = None
         if labels is not None:
@@ -495,7 +518,9 @@ def causal_lm_loss(
 def _check_labels(labels: Any, expected_shape: tuple[int, int]) -> None:
     if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype == torch.bool:
         got = labels.dtype if isinstance(labels, torch.Tensor) else type(labels).__name__
-        raise ValueError(f"labels must be an integer tensor of shape [batch, seq] = {list(expected_shape)}, got {got}")
+        raise ValueError(
+            f"labels must be an integer tensor of shape [batch, seq] = {list(expected_shape)}, got {got}"
+        )
     if tuple(labels.shape) != expected_shape:
         raise ValueError(
             f"labels must have the input's shape [batch, seq] = {list(expected_shape)}, got {tuple(labels.shape)}"

@@ -256,29 +256,30 @@ def _causal_pool(
     chunk = min(chunk_size, seq)
     n_chunks = math.ceil(seq / chunk)
     tail = n_chunks * chunk - seq
+    floored = scores.clamp_min(_MASKED)
     if tail:
         x = F.pad(x, (0, 0, 0, tail))
-        scores = F.pad(scores, (0, tail), value=float("-inf"))
+        floored = F.pad(floored, (0, tail), value=_MASKED)
     x_chunks = x.view(batch, heads, n_chunks, chunk, dim)
-    s_chunks = scores.view(batch, heads, n_chunks, chunk)
-    floored = s_chunks.clamp_min(_MASKED)
+    s_chunks = floored.view(batch, heads, n_chunks, chunk)
 
-    chunk_log_normalizer = torch.logsumexp(floored, dim=-1)
-    # The true −inf of padding gives it exactly zero weight, even in a chunk that is padding only.
-    chunk_weights = torch.exp(s_chunks - chunk_log_normalizer[..., None])
-    chunk_sums = (chunk_weights[..., None, :] @ x_chunks)[..., 0, :]
+    # A chunk of padding only sums to uniform garbage here, but its ℓ_c = _MASKED gives it no weight below.
+    chunk_log_normalizer = torch.logsumexp(s_chunks, dim=-1)
+    chunk_sums = torch.softmax(s_chunks, dim=-1)[..., None, :] @ x_chunks
+    # The initial state, floored at _EMPTY_PAST, is the empty past that every row can fall back on.
     summary_log_normalizer = torch.cat(
-        [log_normalizer0.clamp_min(_MASKED)[..., None], chunk_log_normalizer], -1
+        [log_normalizer0.clamp_min(_EMPTY_PAST)[..., None], chunk_log_normalizer], dim=-1
     )
-    summaries = torch.cat([pooled0[..., None, :], chunk_sums], dim=-2)
+    summaries = torch.cat([pooled0[..., None, :], chunk_sums[..., 0, :]], dim=-2)
 
-    past_log_normalizer = torch.logcumsumexp(summary_log_normalizer, dim=-1)  # [.., c]: before chunk c
+    # Row c pools the summaries before chunk c (row N: all of them). Not logcumsumexp: its backward works
+    # in exp(log|grad| − L + s), which loses ~1e-3 relative at |s| ~ 1e4 in float32.
     later = _after_diagonal(n_chunks + 1, n_chunks + 1, x.device)
-    summary_weights = summary_log_normalizer[..., None, :] - past_log_normalizer[..., :, None]
-    past_pooled = summary_weights.masked_fill(later, float("-inf")).exp() @ summaries
+    summary_rows = summary_log_normalizer[..., None, :].masked_fill(later, float("-inf"))
+    past_log_normalizer = torch.logsumexp(summary_rows, dim=-1)
+    past_pooled = torch.softmax(summary_rows, dim=-1) @ summaries
 
-    past_scores = past_log_normalizer[..., :-1, None].clamp_min(_EMPTY_PAST)
-    row_keys = torch.cat([past_scores, floored], dim=-1)
+    row_keys = torch.cat([past_log_normalizer[..., :-1, None], s_chunks], dim=-1)
     visible = ~_after_diagonal(chunk, chunk + 1, x.device, first_key=-1)
     weights = torch.softmax(torch.where(visible, row_keys[..., None, :], _MASKED), dim=-1)
     pooled = (weights[..., 1:] @ x_chunks).addcmul_(weights[..., :1], past_pooled[..., :-1, None, :])
@@ -332,15 +333,14 @@ def _roll_window(
 ) -> AdditivePoolState:
     """The windowed state after x: the last window − 1 tokens of the buffer followed by x."""
     size, seq = recent_scores.shape[-1], scores.shape[-1]
-    new_scores, new_x = scores[..., max(0, seq - size) :], x[..., max(0, seq - size) :, :]
-    # Padding never gets weight; zeroing its x keeps garbage (even NaN) out of later 0 · x products.
-    new_x = new_x.masked_fill(new_scores[..., None] == float("-inf"), 0.0)
-    all_scores = torch.cat([recent_scores, new_scores], dim=-1)
-    all_x = torch.cat([recent_x.to(x.dtype), new_x], dim=-2)
-    oldest_kept = all_scores.shape[-1] - size
-    return AdditivePoolState(
-        recent_scores=all_scores[..., oldest_kept:], recent_x=all_x[..., oldest_kept:, :]
-    )
+    newest = max(0, seq - size)
+    all_scores = torch.cat([recent_scores, scores[..., newest:]], dim=-1)
+    all_x = torch.cat([recent_x.to(x.dtype), x[..., newest:, :]], dim=-2)
+    kept_scores = all_scores[..., all_scores.shape[-1] - size :]
+    kept_x = all_x[..., all_x.shape[-2] - size :, :]
+    # Padding and empty slots never get weight; zeroing their x keeps garbage (even NaN) out of 0 · x products.
+    kept_x = kept_x.masked_fill(kept_scores[..., None] == float("-inf"), 0.0)
+    return AdditivePoolState(recent_scores=kept_scores, recent_x=kept_x)
 
 
 def _after_diagonal(rows: int, cols: int, device: torch.device, first_key: int = 0) -> torch.Tensor:
@@ -350,8 +350,8 @@ def _after_diagonal(rows: int, cols: int, device: torch.device, first_key: int =
 
 
 def _as_log_normalizer(log_normalizer: torch.Tensor) -> torch.Tensor:
-    """Report a log-normaliser that saw nothing but masked scores as the true log(0) = −inf."""
-    return log_normalizer.masked_fill(log_normalizer <= _MASKED, float("-inf"))
+    """Report a log-normaliser that saw no real score (only _MASKED, _EMPTY_PAST) as the true log(0) = −inf."""
+    return log_normalizer.masked_fill(log_normalizer <= _EMPTY_PAST, float("-inf"))
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -369,7 +369,9 @@ def _unpack_state(
     recent_scores = torch.full((batch, heads, buffered), float("-inf"), dtype=dtype, device=x.device)
     recent_x = torch.zeros(batch, heads, buffered, dim, dtype=x.dtype, device=x.device)
     if state is not None and state.window is None:
-        log_normalizer, pooled = state.log_normalizer.to(dtype), state.pooled.to(dtype)
+        log_normalizer = state.log_normalizer.to(dtype)
+        # A state that has seen nothing has no pooled vector, whatever its pooled field holds.
+        pooled = state.pooled.to(dtype).masked_fill((log_normalizer <= _EMPTY_PAST)[..., None], 0.0)
     elif state is not None:
         recent_scores, recent_x = state.recent_scores.to(dtype), state.recent_x
     return log_normalizer, pooled, recent_scores, recent_x

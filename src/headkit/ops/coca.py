@@ -18,7 +18,9 @@ Since cos((m − n)θ) = cos mθ · cos nθ + sin mθ · sin nθ, the score is a
     K'_n = [t_n ⊙ cos nθ, t_n ⊙ sin nθ],
 
 so :func:`coca_attention` runs :func:`torch.nn.functional.scaled_dot_product_attention` on (Q', K', V), at the time
-and memory of ordinary attention: Q' and K' are built for a few heads at a time, never for all heads at once.
+and memory of ordinary attention. Without autograd, large calls take a few heads per SDPA call, so that the extra
+D-dim vectors never exist for all heads at once: each group builds its K' and writes into a preallocated output,
+and Q' is built in that output buffer itself (when Dv = D), each group's output overwriting its own Q'.
 
 :func:`naive_coca_scores` and :func:`naive_coca_attention` implement the definition literally, as the test reference.
 """
@@ -35,10 +37,11 @@ import torch.nn.functional as F
 from headkit.ops._validation import check_padding_mask, check_qkv, check_rank, repeat_kv
 from headkit.ops.rotary import check_position_ids, rope_inverse_frequencies, rotary_cos_sin
 
-# The collinear vectors of one group of heads may take this share of the memory the call holds anyway (inputs and
-# output), or _MIN_WORKSPACE_BYTES, whichever is larger: small calls (decoding, short prompts) make one SDPA call.
+# Without autograd, the scratch memory of one group of heads (its collinear keys, its SDPA output, and its collinear
+# queries unless they live in the output buffer) may take this share of the memory the call holds anyway (inputs
+# and output), or _MIN_WORKSPACE_BYTES, whichever is larger: small calls (short contexts) make one SDPA call.
 _WORKSPACE_FRACTION = 1 / 3
-_MIN_WORKSPACE_BYTES = 4 << 20
+_MIN_WORKSPACE_BYTES = 1 << 20
 # SDPA lets several query heads read one key/value head without copying it since torch 2.5 (enable_gqa).
 _SDPA_HAS_GQA = torch.__version__ >= "2.5"
 
@@ -74,6 +77,10 @@ def coca_attention(
 
     Returns:
         [B, H, Tq, Dv]. Queries that see no key at all return zeros rather than NaN.
+
+    Q' and K' are built in float32 (float64 for float64 inputs), then handed to SDPA in v's dtype, or in the
+    autocast dtype under autocast. Q' holds |q̃_i|², which overflows float16 once a rotary pair's norm passes 256:
+    prefer bfloat16.
     """
     keep = _check_inputs(
         q,
@@ -104,7 +111,7 @@ def coca_attention(
         work_dtype,
         q.device,
     )
-    mask, empty_rows = _visibility_mask(keep, causal, batch, q_len, kv_len, q.device)
+    mask, empty_rows = _visibility_mask(keep, causal, q_len, kv_len, q.device)
     use_is_causal = causal and mask is None and q_len == kv_len
     autocast = torch.is_autocast_enabled(q.device.type)
 
@@ -115,18 +122,21 @@ def coca_attention(
         out = _sdpa(queries, keys, v[:, kv_heads_slice], mask, use_is_causal, scale, heads_per_kv)
         return out if empty_rows is None else out.masked_fill(empty_rows, 0.0)
 
+    out_dtype = torch.get_autocast_dtype(q.device.type) if autocast else v.dtype
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, t, v)):
         # Autograd keeps every SDPA input for the backward pass anyway: head groups would save no memory.
+        kv_heads_per_group, queries_in_out = kv_heads, False
+    else:
+        queries_in_out = value_dim == head_dim and out_dtype == work_dtype
+        kv_heads_per_group = _kv_heads_per_group(q, t, v, work_dtype, out_dtype, queries_in_out)
+    if kv_heads_per_group == kv_heads:
         return attend(_collinear_queries(q, query_rotation, work_dtype), slice(None))
 
-    out_dtype = torch.get_autocast_dtype(q.device.type) if autocast else v.dtype
     out = torch.empty(batch, q_heads, q_len, value_dim, dtype=out_dtype, device=q.device)
-    queries_in_out = value_dim == head_dim and out_dtype == work_dtype
     if queries_in_out:
         # The output buffer is free until SDPA fills it: the collinear queries of every head are built there, and
         # each group's output overwrites its group's queries once SDPA has read them.
         _collinear_queries(q, query_rotation, work_dtype, out=out)
-    kv_heads_per_group = _kv_heads_per_group(q, t, v, work_dtype, out_dtype, queries_in_out)
     for first in range(0, kv_heads, kv_heads_per_group):
         kv_heads_slice = slice(first, min(first + kv_heads_per_group, kv_heads))
         q_heads_slice = slice(kv_heads_slice.start * heads_per_kv, kv_heads_slice.stop * heads_per_kv)
@@ -136,8 +146,6 @@ def coca_attention(
             queries = _collinear_queries(q[:, q_heads_slice], query_rotation, work_dtype)
         group_out = attend(queries, kv_heads_slice)
         del queries  # before the next group builds its own
-        if kv_heads_per_group >= kv_heads:
-            return group_out
         out[:, q_heads_slice] = group_out
         del group_out
     return out
@@ -352,21 +360,18 @@ def _collinear_keys(t: torch.Tensor, rotation: torch.Tensor, dtype: torch.dtype)
 
 
 def _visibility_mask(
-    keep: torch.Tensor | None, causal: bool, batch: int, q_len: int, kv_len: int, device: torch.device
+    keep: torch.Tensor | None, causal: bool, q_len: int, kv_len: int, device: torch.device
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(boolean mask for SDPA or None, rows that see no key [B|1, 1, Tq, 1] or None).
+    """(boolean mask for SDPA or None, the rows that see no key or None), both broadcastable to [B, H, Tq, Tk].
 
     SDPA's own is_causal aligns the diagonal top-left, so a causal call with Tq ≠ Tk needs an explicit mask.
     """
     if keep is None and (not causal or q_len == kv_len):
         return None, None
-    mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+    mask = None if keep is None else keep[:, None, None, :]  # [B, 1, 1, Tk]
     if causal:
-        mask = mask.tril(kv_len - q_len)
-    if keep is not None:
-        mask = mask & keep[:, None, None, :]
-    else:
-        mask = mask[None, None]
+        allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
+        mask = allowed if mask is None else mask & allowed
     if bool(mask.all()):
         return None, None
     empty_rows = ~mask.any(dim=-1, keepdim=True)

@@ -22,7 +22,8 @@ FeatureMap = Callable[[torch.Tensor], torch.Tensor]
 
 def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
     """φ(x) = elu(x) + 1 (Katharopoulos et al. 2020, Eq. 7): positive, smooth, gradient everywhere."""
-    return F.elu(x) + 1.0
+    # In place on elu's fresh output, saving a temporary: elu's backward reads its input, not its output.
+    return F.elu(x).add_(1.0)
 
 
 def relu_feature_map(x: torch.Tensor) -> torch.Tensor:

@@ -15,9 +15,9 @@ Transformers with Hardware-Efficient Training", §2.2). Cut the sequence into ch
 
 a dense C×C matmul inside the chunk plus one [Dk, Dv] state per chunk obtained by a prefix sum (the
 denominator likewise, with z in place of S and row sums of the chunk scores): O(T·C·D + T·D²) time and no
-Python loop over tokens. Chunks are taken in blocks of ~1024 tokens that carry the state, so that φ(q), φ(k),
-chunk scores and per-chunk states exist for one block at a time (peak memory ≈ inputs + output). Everything is
-accumulated in float32.
+Python loop over tokens. Chunks are taken in blocks of a few hundred tokens that carry the state, so that φ(q),
+φ(k), chunk scores and per-chunk states exist for one block at a time: peak memory stays ≈ inputs + output and
+each block's working set stays in cache. Everything is accumulated in float32.
 """
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ import torch
 from headkit.ops._validation import check_padding_mask, check_positive_int, check_qkv, repeat_kv
 from headkit.ops.feature_maps import get_feature_map
 
-# Tokens per block of the causal forward: large enough that the per-block Python overhead is amortised, small
-# enough that the block's intermediates stay a small fraction of the inputs at long sequence lengths.
-_BLOCK_TOKENS = 1024
+# Elements per block-sized intermediate (φ(q), chunk scores, ...) of the causal forward, 1 MiB in float32: big
+# enough to amortise the per-block Python overhead, small enough to stay in a core's L2 cache (measured ~1.4x
+# faster than 4 MiB blocks at T = 8192 on a 2-core CPU) and to keep the peak memory near inputs + output.
+_BLOCK_ELEMENTS = 1 << 18
 
 
 class LinearAttentionState(NamedTuple):
@@ -133,13 +134,13 @@ def linear_attention_step(
     kv, k_sum = _checked_state(state, "state", batch, kv_heads, head_dim, head_dim_v, q.device)
 
     with torch.autocast(device_type=q.device.type, enabled=False):
-        phi_q = _feature(phi, q.float()).view(batch, kv_heads, q_heads // kv_heads, head_dim)
+        phi_q = _feature(phi, q.float()).reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
         phi_k = _feature(phi, k.float())  # [B, Hkv, 1, Dk]
         kv = kv + phi_k.transpose(-1, -2) @ v.float()
         k_sum = k_sum + phi_k.squeeze(2)
         numerator = phi_q @ kv  # [B, Hkv, G, Dv]
         denominator = phi_q @ k_sum.unsqueeze(-1)  # [B, Hkv, G, 1]
-        out = (numerator / (denominator + eps)).view(batch, q_heads, 1, head_dim_v)
+        out = (numerator / (denominator + eps)).reshape(batch, q_heads, 1, head_dim_v)
     return out.to(q.dtype), LinearAttentionState(kv, k_sum)
 
 
@@ -209,7 +210,8 @@ def _causal_linear_attention(
 
     # Blocks of whole chunks, then the leftover T mod C tokens as one shorter chunk: no padding copy.
     whole = seq_len - seq_len % chunk_size
-    block_len = chunk_size * max(1, _BLOCK_TOKENS // chunk_size)
+    chunks_per_block = _BLOCK_ELEMENTS // (batch * q_heads * chunk_size * max(q.shape[-1], head_dim_v))
+    block_len = chunk_size * max(1, chunks_per_block)
     spans = [(start, min(block_len, whole - start), chunk_size) for start in range(0, whole, block_len)]
     if whole < seq_len:
         spans.append((whole, seq_len - whole, seq_len - whole))
@@ -227,11 +229,13 @@ def _causal_linear_attention(
     blocks = zip(q.split(lengths, dim=3), k.split(lengths, dim=2), v.split(lengths, dim=2), strict=True)
     for (start, length, chunk), (q_block, k_block, v_block) in zip(spans, blocks, strict=True):
         block_keep = None if keep is None else keep[:, :, start : start + length]
-        piece, kv, k_sum = _causal_block(q_block, k_block, v_block, block_keep, kv, k_sum, phi, chunk, eps)
+        numerator, denominator, kv, k_sum = _causal_block(
+            q_block, k_block, v_block, block_keep, kv, k_sum, phi, chunk, eps
+        )
         if build_graph:
-            pieces.append(piece.to(q.dtype))
+            pieces.append((numerator / denominator).to(q.dtype))
         else:
-            out[:, :, :, start : start + length] = piece
+            torch.div(numerator, denominator, out=out[:, :, :, start : start + length])
     if build_graph:
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=3)
     return out.reshape(batch, q_heads, seq_len, head_dim_v), kv, k_sum
@@ -247,11 +251,12 @@ def _causal_block(
     phi: Callable[[torch.Tensor], torch.Tensor],
     chunk: int,
     eps: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One block of L = n·C tokens: q [B, Hkv, G, L, Dk], k [B, Hkv, L, Dk], v [B, Hkv, L, Dv], keep [B, 1, L, 1]
     or None; kv [B, Hkv, Dk, Dv] and k_sum [B, Hkv, Dk] summarise every earlier token.
 
-    Returns out [B, Hkv, G, L, Dv] (float32) and the state after the block.
+    Returns the block's numerator [B, Hkv, G, L, Dv] and denominator (eps included) [B, Hkv, G, L, 1], float32,
+    and the state after the block. The caller divides, straight into the output when it can.
     """
     batch, kv_heads, groups, length, head_dim = q.shape
     head_dim_v = v.shape[-1]
@@ -279,10 +284,13 @@ def _causal_block(
     scores = torch.bmm(phi_q, phi_k.transpose(1, 2))  # [B·Hkv·n, G·C, C]
     scores.view(-1, groups, chunk, chunk).tril_()
     numerator = torch.bmm(phi_q, kv_before).baddbmm_(scores, values)  # [B·Hkv·n, G·C, Dv]
-    denominator = (phi_q * k_sum_before).sum(dim=2, keepdim=True) + scores.sum(dim=2, keepdim=True)
-    out = numerator / (denominator + eps)
-    out = out.view(batch, kv_heads, n_chunks, groups, chunk, head_dim_v).transpose(2, 3)
-    return out.reshape(batch, kv_heads, groups, length, head_dim_v), kv, k_sum
+    denominator = (phi_q * k_sum_before).sum(dim=2, keepdim=True) + scores.sum(dim=2, keepdim=True) + eps
+
+    def block_layout(x: torch.Tensor) -> torch.Tensor:  # [B·Hkv·n, G·C, X] -> [B, Hkv, G, L, X]
+        x = x.view(batch, kv_heads, n_chunks, groups, chunk, x.shape[-1]).transpose(2, 3)
+        return x.reshape(batch, kv_heads, groups, length, x.shape[-1])
+
+    return block_layout(numerator), block_layout(denominator), kv, k_sum
 
 
 def _exclusive_prefix_sum(chunk_sums: torch.Tensor, initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -37,6 +37,7 @@ from headkit.ops._validation import check_positive_int
 # Ridge added to the normal equations, relative to their mean diagonal: keeps rank-deficient solves finite
 # while perturbing well-posed ones far below the accuracy anyone asks of a decomposition.
 _RIDGE = 1e-10
+_INIT = 'hosvd'
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,29 @@ def decompose_query_key(
     mode3_gram = k.T @ (query_gram @ k_heads).reshape(heads * head_dim, hidden)
     a = _leading_eigenvectors(mode1_gram, rank, generator)
     b = _leading_eigenvectors(mode3_gram, rank, generator)
+    if _INIT != "hosvd" and rank <= hidden:
+        u, v = a, b
+        core = torch.einsum("hdr,hds->hrs", (q @ u).reshape(heads, head_dim, rank), (k @ v).reshape(heads, head_dim, rank))
+        head_gram = torch.einsum("hrs,grs->hg", core, core)
+        _, vecs = torch.linalg.eigh(head_gram)
+        m_big = torch.einsum("h,hrs->rs", vecs[:, -1], core)
+        m_small = torch.einsum("h,hrs->rs", vecs[:, -2], core) if heads > 1 else core[0]
+        vals, x = torch.linalg.eig(torch.linalg.lstsq(m_big.T, m_small.T).solution.T)
+        xr = torch.where(vals.imag[None, :] >= 0, x.real, x.imag)
+        at = _unit_columns(xr)
+        bt = _unit_columns(torch.linalg.lstsq(at, m_big).solution.T)
+        ga, gb = u @ at, v @ bt
+        ga, gb = _unit_columns(ga), _unit_columns(gb)
+        if _INIT == "gevd":
+            a, b = ga, gb
+        else:
+            def init_err(a, b):
+                qa = (q @ a).reshape(heads, head_dim, rank); kb = (k @ b).reshape(heads, head_dim, rank)
+                ag, bg = a.T @ a, b.T @ b
+                rhs = (qa * kb).sum(dim=1); c = _solve_normal_equations(rhs, ag * bg)
+                return _relative_error(tensor_norm_sq, c, rhs, ag, bg, c.T @ c)
+            if init_err(ga, gb) < init_err(a, b):
+                a, b = ga, gb
 
     qa = (q @ a).reshape(heads, head_dim, rank)  # P_hᵀ A
     kb = (k @ b).reshape(heads, head_dim, rank)  # Q_hᵀ B

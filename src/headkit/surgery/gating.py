@@ -118,6 +118,7 @@ def _set_site_gate(site: AttentionSite, gate: HeadkitGate | None) -> None:
             del site.module._modules[GATE_ATTRIBUTE]
         remove_gate_hook(site.output_projection)
         return
+    gate.train(site.module.training)  # a gate added to a model in eval mode must not sample
     site.module.add_module(GATE_ATTRIBUTE, gate)
     install_gate_hook(site)
 
@@ -457,7 +458,9 @@ def train_gates_to_budget(
     if not gates:
         raise HeadkitError("the model has no head gates; call headkit.add_head_gates(model) first")
     if not all(isinstance(gate, HardConcreteGate) for gate in gates):
-        raise HeadkitError("train_gates_to_budget needs Hard Concrete gates: add_head_gates(model, 'hard_concrete')")
+        raise HeadkitError(
+            "train_gates_to_budget needs Hard Concrete gates: add_head_gates(model, 'hard_concrete')"
+        )
     total_heads = sum(gate.num_heads for gate in gates)
     _check_number("target_heads", target_heads, 0, total_heads)
     steps = _check_count("steps", steps)
@@ -504,7 +507,10 @@ def train_gates_to_budget(
                 log.expected_heads.append(float(l0_penalty(gates).detach()))
                 log.targets.append(controller.target_heads)
                 log.gate_values.append(
-                    {index: evaluation_gate_values(gate).tolist() for index, gate in head_gates(model).items()}
+                    {
+                        index: evaluation_gate_values(gate).tolist()
+                        for index, gate in head_gates(model).items()
+                    }
                 )
                 if callback is not None:
                     callback(step, log)
@@ -514,11 +520,11 @@ def train_gates_to_budget(
     return log
 
 
-def _check_number(
-    name: str, value: Any, low: float, high: float, *, open_low: bool = False
-) -> float:
+def _check_number(name: str, value: Any, low: float, high: float, *, open_low: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise HeadkitError(f"{name} must be a number in {'(' if open_low else '['}{low}, {high}], got {value!r}")
+        raise HeadkitError(
+            f"{name} must be a number in {'(' if open_low else '['}{low}, {high}], got {value!r}"
+        )
     if value < low or value > high or (open_low and value == low):
         raise HeadkitError(f"{name} must be in {'(' if open_low else '['}{low}, {high}], got {value!r}")
     return float(value)

@@ -83,7 +83,8 @@ class EmptyAttention(HeadkitAttention):
         call_signature: inspect.Signature,
         epilogue: dict[str, tuple[str, nn.Module]],
     ) -> None:
-        nn.Module.__init__(self)  # not super(): replace_attention mixes the replaced 🤗 class into this one's bases
+        # Not super(): replace_attention mixes the replaced 🤗 class into this one's bases.
+        nn.Module.__init__(self)
         self.num_heads = self.num_kv_heads = 0
         self.head_dim = head_dim
         self.scale = scale
@@ -185,7 +186,10 @@ class _SitePlan:
 
 
 def _plan(
-    adapter: AttentionAdapter, sites: list[AttentionSite], heads: dict[int, list[int]], allow_empty_layers: bool
+    adapter: AttentionAdapter,
+    sites: list[AttentionSite],
+    heads: dict[int, list[int]],
+    allow_empty_layers: bool,
 ) -> list[_SitePlan]:
     plans = []
     for index, pruned in sorted(heads.items()):
@@ -442,7 +446,9 @@ def prune_dead_heads(
             values = evaluation_gate_values(gate)
             dead[site.index] = [head for head in range(gate.num_heads) if float(values[head]) <= threshold]
     if not dead:
-        raise HeadkitError("the model has no head gates; call headkit.add_head_gates(model) and train them first")
+        raise HeadkitError(
+            "the model has no head gates; call headkit.add_head_gates(model) and train them first"
+        )
     return prune_heads(model, dead, allow_empty_layers=allow_empty_layers, adapter=adapter)
 
 

@@ -1,0 +1,125 @@
+import json
+
+import pytest
+import torch
+import transformers
+from collab_models import VOCAB, model_inputs, tiny_model
+from torch import nn
+
+import headkit
+from headkit.errors import HeadkitError
+from headkit.surgery import io
+from headkit.surgery.collaborative import CollaborativeSelfAttention, swap_to_collaborative
+
+
+def _outputs(model, inputs):
+    with torch.no_grad():
+        out = model(**inputs)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def _with_head(kind):
+    """Models with task heads (tied LM heads, a classifier) around the tiny encoders/decoders."""
+    base = tiny_model(kind)
+    classes = {
+        "bert": transformers.BertForMaskedLM,  # decoder tied to the word embeddings
+        "gpt2": transformers.GPT2LMHeadModel,  # lm_head tied to wte
+        "albert": transformers.AlbertForMaskedLM,
+        "distilbert": transformers.DistilBertForSequenceClassification,
+        "vit": transformers.ViTForImageClassification,
+    }
+    model = classes[kind](base.config).eval()
+    missing, _ = model.base_model.load_state_dict(base.state_dict(), strict=False)  # MLM heads drop the pooler
+    assert not missing
+    return model
+
+
+@pytest.mark.parametrize(("kind", "dim_shared"), [("bert", 12), ("gpt2", 32), ("albert", 8), ("distilbert", 20), ("vit", 16)])
+def test_swapped_model_reloads_with_identical_outputs(tmp_path, kind, dim_shared):
+    model = _with_head(kind)
+    inputs = model_inputs(kind)
+    swap_to_collaborative(model, dim_shared_query_key=dim_shared)
+    expected = _outputs(model, inputs)
+    model.save_pretrained(tmp_path)
+
+    saved = json.loads((tmp_path / "config.json").read_text())["headkit_surgery"]
+    assert saved == [
+        {
+            "op": "collaborative",
+            "adapter": kind,
+            "dim_shared_query_key": dim_shared,
+            "sites": [site["name"] for site in _site_names(model)],
+        }
+    ]
+    reloaded = headkit.from_pretrained(tmp_path)
+    assert type(reloaded) is type(model) and not reloaded.training
+    assert any(isinstance(m, CollaborativeSelfAttention) for m in reloaded.modules())
+    assert torch.equal(_outputs(reloaded, inputs), expected)
+    assert reloaded.config.headkit_surgery == saved
+
+
+def _site_names(model):
+    from headkit.surgery.adapters import get_adapter
+
+    return [{"name": site.name} for site in get_adapter(model).sites(model)]
+
+
+def test_plain_models_load_through_the_same_loader(tmp_path):
+    model = _with_head("bert")
+    model.save_pretrained(tmp_path)
+    reloaded = headkit.from_pretrained(tmp_path, attn_implementation="eager")
+    inputs = model_inputs("bert")
+    assert torch.equal(_outputs(reloaded, inputs), _outputs(model, inputs))
+    assert reloaded.config._attn_implementation == "eager"
+
+
+def _drop_pooler_bias(model, entry):
+    pooler = model.pooler.dense
+    model.pooler.dense = nn.Linear(pooler.in_features, pooler.out_features, bias=False)
+
+
+def test_registered_ops_are_recorded_and_reapplied_in_order(tmp_path, monkeypatch):
+    monkeypatch.setitem(io.SURGERY_OPS, "drop_pooler_bias", _drop_pooler_bias)
+    model = tiny_model("bert")
+    _drop_pooler_bias(model, {})
+    io.record_surgery(model, {"op": "drop_pooler_bias", "why": "test"})
+    swap_to_collaborative(model, dim_shared_query_key=8)
+    assert [entry["op"] for entry in io.recorded_surgery(model)] == ["drop_pooler_bias", "collaborative"]
+    model.save_pretrained(tmp_path)
+    reloaded = headkit.from_pretrained(tmp_path)
+    assert reloaded.pooler.dense.bias is None
+    inputs = model_inputs("bert")
+    assert torch.equal(reloaded(**inputs).pooler_output, model(**inputs).pooler_output)
+
+
+def test_bad_records_and_paths_are_clear_errors(tmp_path, monkeypatch):
+    model = tiny_model("bert")
+    with pytest.raises(HeadkitError, match="registered surgery op"):
+        io.record_surgery(model, {"op": "no_such_op"})
+    monkeypatch.setitem(io.SURGERY_OPS, "toy", lambda model, entry: None)
+    with pytest.raises(HeadkitError, match="JSON"):
+        io.record_surgery(model, {"op": "toy", "tensor": torch.zeros(1)})
+    assert io.recorded_surgery(model) == []
+
+    with pytest.raises(HeadkitError, match="config.json"):
+        headkit.from_pretrained(tmp_path / "missing")
+    model.config.headkit_surgery = [{"op": "no_such_op"}]
+    model.save_pretrained(tmp_path)
+    with pytest.raises(HeadkitError, match="no_such_op"):
+        headkit.from_pretrained(tmp_path)
+
+
+def test_weights_that_do_not_fit_are_refused(tmp_path):
+    model = tiny_model("bert")
+    swap_to_collaborative(model, dim_shared_query_key=8)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["headkit_surgery"][0]["dim_shared_query_key"] = 12  # the saved shared projections are 8 wide
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises((HeadkitError, RuntimeError), match="size mismatch|do not fit"):
+        headkit.from_pretrained(tmp_path)
+
+
+def test_vocab_constant_matches_models():
+    # Guard for the helpers the io tests rely on: every tiny text model shares one vocabulary size.
+    assert tiny_model("bert").config.vocab_size == VOCAB
