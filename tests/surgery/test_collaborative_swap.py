@@ -61,7 +61,9 @@ def test_full_size_swap_is_exact(kind, attn_implementation):
         else swap_to_collaborative(model, dim_shared_query_key=32)
     )
     assert report.max_relative_error < 1e-6 and all(site.exact for site in report.sites)
-    assert all(isinstance(site.module, CollaborativeSelfAttention) for site in get_adapter(model).sites(model))
+    assert all(
+        isinstance(site.module, CollaborativeSelfAttention) for site in get_adapter(model).sites(model)
+    )
 
     plain = _forward(model, inputs).last_hidden_state
     with_weights = _forward(model, inputs, output_attentions=True)
@@ -86,7 +88,9 @@ def test_full_size_swap_of_the_real_minilm():
     input_ids = torch.full((3, 25), tokenizer.pad_token_id)
     attention_mask = torch.zeros(3, 25, dtype=torch.long)
     for row, length in enumerate((25, 10, 3)):
-        input_ids[row, :length] = torch.tensor([tokenizer.cls_token_id, *tokens[: length - 2], tokenizer.sep_token_id])
+        input_ids[row, :length] = torch.tensor(
+            [tokenizer.cls_token_id, *tokens[: length - 2], tokenizer.sep_token_id]
+        )
         attention_mask[row, :length] = 1
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
     expected = _forward(model, inputs).last_hidden_state
@@ -135,12 +139,16 @@ def test_compression_shrinks_query_key_parameters_and_error_falls_with_width():
         report = swap_to_collaborative(model, dim_shared_query_key=dim_shared, seed=1)
         heads, hidden, layers = 4, 32, 2
         # Per layer: query and key (weights + biases) go; shared projections, mixing and content bias come.
-        removed = 2 * (hidden * hidden + hidden) - (2 * dim_shared * hidden + heads * dim_shared + heads * hidden)
+        removed = 2 * (hidden * hidden + hidden) - (
+            2 * dim_shared * hidden + heads * dim_shared + heads * hidden
+        )
         assert report.parameters_before - report.parameters_after == layers * removed
         assert report.dim_shared_query_key == dim_shared and report.architecture == "bert"
         assert [site.name for site in report.sites] == [f"encoder.layer.{i}.attention.self" for i in range(2)]
         errors[dim_shared] = report.max_relative_error
-        assert f"D̃={dim_shared}" in str(report) and report.to_dict()["max_relative_error"] == errors[dim_shared]
+        assert (
+            f"D̃={dim_shared}" in str(report) and report.to_dict()["max_relative_error"] == errors[dim_shared]
+        )
     assert 0 < errors[24] < errors[16] < errors[4] < 1
 
 
@@ -183,10 +191,17 @@ def test_fast_heads_match_the_naive_reference(causal, with_bias, mask_kind):
     def leaf(*shape):
         return torch.randn(*shape, generator=generator).requires_grad_(True)
 
-    q, k, v, mixing = leaf(batch, seq, dim_shared), leaf(batch, seq, dim_shared), leaf(batch, heads, seq, head_dim), leaf(heads, dim_shared)
+    q, k, v, mixing = (
+        leaf(batch, seq, dim_shared),
+        leaf(batch, seq, dim_shared),
+        leaf(batch, heads, seq, head_dim),
+        leaf(heads, dim_shared),
+    )
     bias = leaf(batch, heads, seq) if with_bias else None
     keep = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
-    raw_mask = {None: None, "bool": keep.bool()[:, None, None, :].expand(batch, 1, seq, seq), "float": None}[mask_kind]
+    raw_mask = {None: None, "bool": keep.bool()[:, None, None, :].expand(batch, 1, seq, seq), "float": None}[
+        mask_kind
+    ]
     if mask_kind == "float":
         raw_mask = torch.zeros(batch, 1, seq, seq).masked_fill(~keep.bool()[:, None, None, :], -1e9)
     mask = attention_mask_for_scores(raw_mask, batch, seq, seq, torch.float32)
@@ -197,7 +212,9 @@ def test_fast_heads_match_the_naive_reference(causal, with_bias, mask_kind):
     leaves = [t for t in (q, k, v, mixing, bias) if t is not None]
     cotangent = torch.randn(fast.shape, generator=generator)
     for got, want in zip(
-        torch.autograd.grad(fast, leaves, cotangent), torch.autograd.grad(naive, leaves, cotangent), strict=True
+        torch.autograd.grad(fast, leaves, cotangent),
+        torch.autograd.grad(naive, leaves, cotangent),
+        strict=True,
     ):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
@@ -238,7 +255,11 @@ def test_training_mode_applies_attention_dropout():
 
 @pytest.mark.parametrize(
     ("dim_shared", "error", "match"),
-    [(0, ValueError, "positive integer"), (-3, ValueError, "positive integer"), (33, HeadkitError, "at most the hidden size")],
+    [
+        (0, ValueError, "positive integer"),
+        (-3, ValueError, "positive integer"),
+        (33, HeadkitError, "at most the hidden size"),
+    ],
 )
 def test_bad_dimensions_leave_the_model_untouched(dim_shared, error, match):
     model = tiny_model("bert")

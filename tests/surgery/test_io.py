@@ -29,12 +29,16 @@ def _with_head(kind):
         "vit": transformers.ViTForImageClassification,
     }
     model = classes[kind](base.config).eval()
-    missing, _ = model.base_model.load_state_dict(base.state_dict(), strict=False)  # MLM heads drop the pooler
+    missing, _ = model.base_model.load_state_dict(
+        base.state_dict(), strict=False
+    )  # MLM heads drop the pooler
     assert not missing
     return model
 
 
-@pytest.mark.parametrize(("kind", "dim_shared"), [("bert", 12), ("gpt2", 32), ("albert", 8), ("distilbert", 20), ("vit", 16)])
+@pytest.mark.parametrize(
+    ("kind", "dim_shared"), [("bert", 12), ("gpt2", 32), ("albert", 8), ("distilbert", 20), ("vit", 16)]
+)
 def test_swapped_model_reloads_with_identical_outputs(tmp_path, kind, dim_shared):
     model = _with_head(kind)
     inputs = model_inputs(kind)

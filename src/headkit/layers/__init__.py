@@ -4,8 +4,12 @@ Mechanisms are looked up by name in :data:`ATTENTION_LAYERS`; importing this pac
 headkit ships. :class:`HeadkitCache` holds their generation state (key/value caches or recurrent states).
 """
 
+from headkit.layers.additive import AdditiveAttention, AdditiveState
 from headkit.layers.base import HeadkitAttention
 from headkit.layers.cache import HeadkitCache, RecurrentStateLayer, map_state
+from headkit.layers.coca import CoCAAttention
+from headkit.layers.collaborative import CollaborativeAttention
+from headkit.layers.linear import LinearAttention
 from headkit.layers.registry import (
     ATTENTION_LAYERS,
     BUILTIN_ATTENTION_NAMES,
@@ -19,8 +23,13 @@ from headkit.layers.softmax import SoftmaxAttention, softmax_attention_weights
 __all__ = [
     "ATTENTION_LAYERS",
     "BUILTIN_ATTENTION_NAMES",
+    "AdditiveAttention",
+    "AdditiveState",
+    "CoCAAttention",
+    "CollaborativeAttention",
     "HeadkitAttention",
     "HeadkitCache",
+    "LinearAttention",
     "RecurrentStateLayer",
     "SoftmaxAttention",
     "build_attention",

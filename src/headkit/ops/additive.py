@@ -32,11 +32,11 @@ import torch.nn.functional as F
 
 from headkit.ops._validation import check_padding_mask, check_positive_int, check_rank
 
-# Softmax rows and log-normalisers never see −inf: logsumexp/logcumsumexp have NaN gradients there, and a row
-# of nothing but −inf is 0/0. Masked entries (padding, the future, outside the window) score _MASKED instead and
-# a pooled past never scores below _EMPTY_PAST. Both are finite, yet exp(_MASKED − _EMPTY_PAST) and
-# exp(_EMPTY_PAST − s) are exactly 0 for any real score s: a row that has seen no real token puts all its
-# weight on the empty past, whose value is the zero vector, and outputs 0 instead of NaN. −1e30 + log(n)
+# A softmax row or log-sum-exp over nothing but −inf is 0/0 with NaN gradients. So wherever a row could hold
+# nothing real, masked entries (padding, the future, outside the window) score the finite _MASKED instead, and
+# a pooled past never scores below _EMPTY_PAST. For any real score s (|s| far below 1e29),
+# exp(_MASKED − _EMPTY_PAST) and exp(_EMPTY_PAST − s) are exactly 0: a row that has seen no real token puts all
+# its weight on the empty past, whose value is the zero vector, and outputs 0 instead of NaN. −1e30 + log(n)
 # rounds back to −1e30, so "nothing seen" never drifts; states report it as log-normaliser −inf.
 _MASKED = -1e30
 _EMPTY_PAST = -5e29
@@ -75,7 +75,7 @@ def additive_pool(
     attention_mask: torch.Tensor | None = None,
     initial_state: AdditivePoolState | None = None,
     output_final_state: bool = False,
-    chunk_size: int = 64,
+    chunk_size: int = 32,
 ) -> tuple[torch.Tensor, AdditivePoolState | None]:
     """Softmax-weighted pooling g = Σ_i softmax(scores)_i x_i (Fastformer, Wu et al. 2021, Eqs. 1–2).
 
@@ -264,20 +264,20 @@ def _causal_pool(
     s_chunks = floored.view(batch, heads, n_chunks, chunk)
 
     # A chunk of padding only sums to uniform garbage here, but its ℓ_c = _MASKED gives it no weight below.
-    chunk_log_normalizer = torch.logsumexp(s_chunks, dim=-1)
-    chunk_sums = torch.softmax(s_chunks, dim=-1)[..., None, :] @ x_chunks
+    chunk_weights, chunk_total, chunk_log_normalizer = _softmax_parts(s_chunks)
+    chunk_sums = (chunk_weights[..., None, :] @ x_chunks)[..., 0, :] / chunk_total[..., None]
     # The initial state, floored at _EMPTY_PAST, is the empty past that every row can fall back on.
     summary_log_normalizer = torch.cat(
         [log_normalizer0.clamp_min(_EMPTY_PAST)[..., None], chunk_log_normalizer], dim=-1
     )
-    summaries = torch.cat([pooled0[..., None, :], chunk_sums[..., 0, :]], dim=-2)
+    summaries = torch.cat([pooled0[..., None, :], chunk_sums], dim=-2)
 
-    # Row c pools the summaries before chunk c (row N: all of them). Not logcumsumexp: its backward works
-    # in exp(log|grad| − L + s), which loses ~1e-3 relative at |s| ~ 1e4 in float32.
+    # Row c pools the summaries before chunk c (row N: all of them). Entry 0 is finite and visible in every
+    # row, so the −inf of later chunks is safe.
     later = _after_diagonal(n_chunks + 1, n_chunks + 1, x.device)
     summary_rows = summary_log_normalizer[..., None, :].masked_fill(later, float("-inf"))
-    past_log_normalizer = torch.logsumexp(summary_rows, dim=-1)
-    past_pooled = torch.softmax(summary_rows, dim=-1) @ summaries
+    summary_weights, summary_total, past_log_normalizer = _softmax_parts(summary_rows)
+    past_pooled = (summary_weights @ summaries) / summary_total[..., None]
 
     row_keys = torch.cat([past_log_normalizer[..., :-1, None], s_chunks], dim=-1)
     visible = ~_after_diagonal(chunk, chunk + 1, x.device, first_key=-1)
@@ -299,8 +299,8 @@ def _windowed_pool(
 ) -> torch.Tensor:
     """g_t = softmax over t − window < i ≤ t, banded: each chunk of C queries against the keys it can see.
 
-    Those keys are the query chunk itself and the H = ⌈(window − 1)/C⌉·C positions before it, so the cost is
-    O(T·(C + window)·D). The initial state's window − 1 buffered tokens are the positions before x, so a
+    Those keys are the query chunk itself and the history = ⌈(window − 1)/C⌉·C positions before it, so the
+    cost is O(T·(C + window)·D). The initial state's window − 1 buffered tokens are the positions before x, so a
     continued call is exact. Each row is a stable softmax with an extra empty-past entry (score _EMPTY_PAST,
     value 0) that takes the weight of a row seeing no real token.
     """
@@ -326,6 +326,20 @@ def _windowed_pool(
     weights = torch.softmax(torch.where(visible, row_keys[..., None, :], _MASKED), dim=-1)
     pooled = weights[..., 1:] @ band_x
     return pooled.reshape(batch, heads, n_chunks * chunk, dim)[:, :, :seq]
+
+
+def _softmax_parts(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stable softmax over the last dim, in parts: (exp(rows − m), their sum, log-normaliser m + log(sum)).
+
+    m is the row maximum, detached: softmax does not depend on the shift, so its gradient is exact without it.
+    Each row needs one finite entry. One max, one exp and one sum serve both the weights and the
+    log-normaliser (torch.logsumexp plus torch.softmax would take twice the passes). The weights are left
+    unnormalised so the caller can divide the smaller pooled result instead.
+    """
+    shift = rows.detach().amax(dim=-1, keepdim=True)
+    weights = (rows - shift).exp_()
+    total = weights.sum(dim=-1)
+    return weights, total, shift[..., 0] + total.log()
 
 
 def _roll_window(

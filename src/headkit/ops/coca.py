@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from headkit.ops._validation import check_padding_mask, check_qkv, check_rank, repeat_kv
-from headkit.ops.rotary import check_position_ids, rope_inverse_frequencies, rotary_cos_sin
+from headkit.ops.rotary import check_position_ids, rope_inverse_frequencies
 
 # Without autograd, the scratch memory of one group of heads (its collinear keys, its SDPA output, and its collinear
 # queries unless they live in the output buffer) may take this share of the memory the call holds anyway (inputs
@@ -97,7 +97,7 @@ def coca_attention(
     heads_per_kv = q_heads // kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
-    # The collinear vectors hold |q|²·t: built in at least float32 so that bf16/fp16 inputs cannot overflow.
+    # The collinear vectors hold |q|²: built in at least float32 (16-bit products lose range and precision).
     work_dtype = torch.promote_types(q.dtype, torch.float32)
     query_rotation, key_rotation = _rotation_tables(
         position_ids,
@@ -301,44 +301,47 @@ def _rotation_tables(
     dtype: torch.dtype,
     device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) of the query and of the key positions, each [B|1, 1, T, 2, D/2].
+    """[cos nθ, sin nθ] of the query and of the key positions, each [B|1, 1, T, 2, D/2].
 
     Queries and keys must rotate with the same frequencies (else the score is no longer relative), so dynamic NTK
     scales both for the largest position of either.
     """
-    if key_position_ids is None:
-        key_position_ids = torch.arange(kv_len, device=device)
+    key_positions = (
+        torch.arange(kv_len, device=device) if key_position_ids is None else key_position_ids.to(device)
+    )
     if position_ids is None:
         query_positions = torch.arange(kv_len - q_len, kv_len, device=device)
     else:
         query_positions = position_ids.to(device)
-    key_positions = key_position_ids.to(device)
     seq_len = 1
     for positions in (query_positions, key_positions):
         if positions.numel():
             seq_len = max(seq_len, int(positions.max()) + 1)
+    # Angles in float64, as in headkit.ops.rotary (MPS has no float64).
+    angle_dtype = torch.float32 if device.type == "mps" else torch.float64
+    frequencies = rope_inverse_frequencies(
+        head_dim,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        seq_len=seq_len,
+        max_position_embeddings=max_position_embeddings,
+        dtype=angle_dtype,
+        device=device,
+    )
+    # sin x = cos(x − π/2): one cosine over the angles shifted by [0, −π/2] gives both rows of the table.
+    phases = torch.tensor([[0.0], [-math.pi / 2]], dtype=angle_dtype, device=device)
 
     def table(positions: torch.Tensor) -> torch.Tensor:
-        cos, sin = rotary_cos_sin(
-            positions,
-            head_dim,
-            rope_theta=rope_theta,
-            rope_scaling=rope_scaling,
-            max_position_embeddings=max_position_embeddings,
-            seq_len=seq_len,
-            dtype=dtype,
-        )
-        return torch.stack((cos, sin), dim=-2)[:, None]
+        positions = positions if positions.dim() == 2 else positions[None]
+        angles = torch.addcmul(phases, positions.to(angle_dtype)[:, None, :, None, None], frequencies)
+        return angles.cos().to(dtype)
 
     key_table = table(key_positions)
-    if (
-        position_ids is None
-        and q_len <= kv_len
-        and torch.equal(key_positions[..., kv_len - q_len :], query_positions)
-    ):
-        return key_table[
-            :, :, kv_len - q_len :
-        ], key_table  # the queries are the newest keys: share their rows
+    queries_are_newest_keys = q_len <= kv_len and torch.equal(
+        key_positions[..., kv_len - q_len :], query_positions
+    )
+    if position_ids is None and queries_are_newest_keys:
+        return key_table[:, :, kv_len - q_len :], key_table  # share the rows rather than recompute them
     return table(query_positions), key_table
 
 

@@ -303,7 +303,7 @@ def _exclusive_prefix_sum(chunk_sums: torch.Tensor, initial: torch.Tensor) -> tu
     strictly_lower = torch.ones(n_chunks, n_chunks, dtype=chunk_sums.dtype, device=chunk_sums.device).tril(-1)
     flat_initial = initial.reshape(batch, 1, -1)
     before = torch.baddbmm(flat_initial, strictly_lower.expand(batch, -1, -1), chunk_sums)
-    total = before[:, -1] + chunk_sums[:, -1]
+    total = before[:, -1] + chunk_sums[:, -1] - flat_initial[:, 0]
     return before, total.view_as(initial)
 
 

@@ -261,7 +261,7 @@ def _build_gate(
             log_alpha[closed] = CLOSED_LOG_ALPHA
         try:
             gate = HardConcreteGate(site.num_heads, init_log_alpha=log_alpha, **options)
-        except TypeError as exc:
+        except (TypeError, ValueError) as exc:
             raise HeadkitError(f"bad Hard Concrete gate option: {exc}") from None
     if reference is not None:
         gate.to(reference.device)  # gates stay float32 whatever the model's dtype: log α needs the precision

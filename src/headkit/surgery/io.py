@@ -134,7 +134,7 @@ def _load_weights(model: nn.Module, directory: Path) -> None:
     state: dict[str, torch.Tensor] = {}
     for file in files:
         state.update(load_file(str(file)))
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = model.load_state_dict(_model_keys(model, state), strict=False)
     # save_pretrained leaves out tied copies (e.g. an LM head tied to the embeddings): a name may be missing only
     # when another name of the same tensor was loaded.
     model.tie_weights()
@@ -150,6 +150,36 @@ def _load_weights(model: nn.Module, directory: Path) -> None:
             f"the saved weights do not fit the rebuilt model: missing {untied_missing[:5]}, "
             f"unexpected {unexpected[:5]}"
         )
+
+
+def _model_keys(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`state` with checkpoint names mapped to the model's own: ``save_pretrained`` writes some architectures
+    (e.g. ViT) under their legacy names, which transformers' loader renames back; the same renaming applies here to
+    every name the model does not know."""
+    expected = model.state_dict()
+    if state.keys() <= expected.keys():
+        return state
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # a transformers without conversion mappings saves the model's own names
+        return state
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    renamed = {}
+    for key, tensor in state.items():
+        if key not in expected:
+            new_key, converter = rename_source_key(
+                key, renamings, converters, model.base_model_prefix, expected
+            )
+            if converter is not None:
+                raise HeadkitError(
+                    f"checkpoint tensor {key!r} needs a tensor conversion that headkit cannot replay"
+                )
+            key = new_key
+        renamed[key] = tensor
+    return renamed
 
 
 def _parameter_groups(model: nn.Module) -> list[list[str]]:

@@ -1,0 +1,215 @@
+"""Additive attention layer: Fastformer, in causal, windowed causal and bidirectional form.
+
+Wu et al. 2021, "Fastformer: Additive Attention Can Be All You Need" (arXiv:2108.09084), §3.1, per head h with
+head_dim d:
+
+    q_i, k_i, v_i = W_q x_i, W_k x_i, W_v x_i
+    α_i = softmax_i(w_qᵀ q_i / √d),        g_q = Σ_i α_i q_i              (Eq. 1–2, the global query)
+    p_i = g_q ∗ k_i                                                       (Eq. 3)
+    β_i = softmax_i(w_kᵀ p_i / √d),        g_k = Σ_i β_i p_i              (Eq. 4–5, the global key)
+    u_i = g_k ∗ v_i                                                       (Eq. 6)
+    output_i = W_o u_i + q_i                                              (the output transform and query residual)
+
+where ∗ is the element-wise product and w_q, w_k are learned vectors (one per head). For a language model each
+position pools only its prefix i ≤ t (g_q,t and g_k,t; the Additive-Attention LM's cumulative form), or only the
+last ``additive_window`` positions; :func:`headkit.ops.additive_pool` computes every prefix exactly and in
+parallel, :func:`headkit.ops.additive_pool_step` one more position from a constant-size state.
+
+The optional causal convolution block of the Additive-Attention LM comes first: x ← x + Conv1d(x), a grouped
+convolution over the last ``conv_kernel_size`` positions (left zero padding, so position i sees only inputs
+≤ i). Padding tokens are zeroed before it, so a left-padded sequence is convolved exactly like the unpadded one.
+
+Decoding state (:class:`AdditiveState`): the two pooling states (log-normaliser and pooled vector, or the last
+window − 1 tokens when windowed) and the last kernel_size − 1 convolution inputs: constant in the context length.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+
+from headkit.layers.base import HeadkitAttention
+from headkit.layers.cache import RecurrentStateLayer
+from headkit.layers.registry import register_attention
+from headkit.ops._validation import repeat_kv
+from headkit.ops.additive import AdditivePoolState, additive_pool, additive_pool_step
+
+
+class AdditiveState(NamedTuple):
+    """Decoding state of one :class:`AdditiveAttention` layer (every tensor has the batch as dim 0).
+
+    query_pool: the pooling of the queries so far (gives the global query g_q).
+    key_pool: the pooling of the mixed keys p_i so far (gives the global key g_k).
+    conv_inputs: the last conv_kernel_size − 1 inputs of the convolution [B, kernel_size − 1, hidden], zeros
+        before the first token; None without the convolution block.
+    """
+
+    query_pool: AdditivePoolState
+    key_pool: AdditivePoolState
+    conv_inputs: torch.Tensor | None = None
+
+
+@register_attention("additive")
+class AdditiveAttention(HeadkitAttention):
+    """Fastformer additive attention (``attention="additive"``).
+
+    Uses the config's ``causal`` (prefix pooling) and ``additive_window`` (pool only the last ``window``
+    positions; None = the whole prefix), ``convolve``, ``conv_kernel_size``, ``conv_groups`` (the causal
+    convolution block; its output is dropped out with ``hidden_dropout`` in training), ``chunk_size`` (positions
+    per chunk of the parallel pooling scan) and ``attention_bias``. Key/value heads may be fewer than query heads
+    (each serves ``num_heads / num_key_value_heads`` query heads). The query residual needs
+    ``num_heads * head_dim == hidden_size``. Parameters of its own: ``query_score_weight`` (w_q) and
+    ``key_score_weight`` (w_k), [num_heads, head_dim] each, and ``conv`` when ``convolve``.
+    """
+
+    cache_layer_class = RecurrentStateLayer
+
+    def __init__(self, config: Any, layer_idx: int, **head_overrides: int) -> None:
+        super().__init__(config, layer_idx, **head_overrides)
+        query_width = self.num_heads * self.head_dim
+        if query_width != self.hidden_size:
+            raise ValueError(
+                f"additive attention adds its queries to its output (Fastformer's query residual), so "
+                f"num_heads * head_dim ({self.num_heads} * {self.head_dim} = {query_width}) must equal "
+                f"hidden_size ({self.hidden_size}) in layer {layer_idx}"
+            )
+        key_value_width = self.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(self.hidden_size, query_width, bias=config.attention_bias)
+        self.k_proj = nn.Linear(self.hidden_size, key_value_width, bias=config.attention_bias)
+        self.v_proj = nn.Linear(self.hidden_size, key_value_width, bias=config.attention_bias)
+        self.query_score_weight = nn.Parameter(torch.empty(self.num_heads, self.head_dim))
+        self.key_score_weight = nn.Parameter(torch.empty(self.num_heads, self.head_dim))
+        self.window = config.additive_window
+        self.chunk_size = config.chunk_size
+        self.score_scale = self.head_dim**-0.5
+
+        self.conv_kernel_size = config.conv_kernel_size if config.convolve else 0
+        self.conv = None
+        if config.convolve:
+            # Padding is explicit (left only), so the conv itself pads nothing.
+            self.conv = nn.Conv1d(
+                self.hidden_size,
+                self.hidden_size,
+                kernel_size=config.conv_kernel_size,
+                groups=config.conv_groups,
+                bias=False,
+            )
+        self.conv_dropout = float(config.hidden_dropout)
+        # A standalone layer is usable at once; inside a model, _init_weights initialises again.
+        self.init_extra_parameters(config.initializer_range)
+
+    def init_extra_parameters(self, std: float) -> None:
+        init.normal_(self.query_score_weight, std=std)
+        init.normal_(self.key_score_weight, std=std)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool = False,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, None]:
+        batch, seq, _ = hidden_states.shape
+        if past_key_values is not None and not self.causal:
+            raise ValueError(
+                "past_key_values needs a causal layer (config.causal=True): a state pools the past"
+            )
+        past_length = self.past_length(past_key_values)
+        key_mask = self.key_padding_mask(attention_mask, batch, past_length + seq)
+        new_tokens_mask = None if key_mask is None else key_mask[:, past_length:].to(hidden_states.device)
+        state = None if past_key_values is None else past_key_values.get_state(self.layer_idx)
+
+        conv_inputs = None
+        if self.conv is not None:
+            hidden_states, conv_inputs = self._convolve(
+                hidden_states, new_tokens_mask, None if state is None else state.conv_inputs
+            )
+
+        flat_queries = self.q_proj(hidden_states)
+        queries = self.split_heads(flat_queries, self.num_heads)
+        keys = repeat_kv(
+            self.split_heads(self.k_proj(hidden_states), self.num_key_value_heads), self.num_key_value_groups
+        )
+        values = repeat_kv(
+            self.split_heads(self.v_proj(hidden_states), self.num_key_value_heads), self.num_key_value_groups
+        )
+
+        query_scores = self._scores(queries, self.query_score_weight)
+        global_query, query_pool = self._pool(
+            queries,
+            query_scores,
+            new_tokens_mask,
+            None if state is None else state.query_pool,
+            past_key_values,
+        )
+        mixed_keys = global_query * keys  # p_i = g_q ∗ k_i (Eq. 3)
+        key_scores = self._scores(mixed_keys, self.key_score_weight)
+        global_key, key_pool = self._pool(
+            mixed_keys,
+            key_scores,
+            new_tokens_mask,
+            None if state is None else state.key_pool,
+            past_key_values,
+        )
+        head_outputs = global_key * values  # u_i = g_k ∗ v_i (Eq. 6)
+
+        if past_key_values is not None:
+            past_key_values.set_state(AdditiveState(query_pool, key_pool, conv_inputs), self.layer_idx, seq)
+        return self.project_heads(head_outputs) + flat_queries, None
+
+    def _scores(self, x: torch.Tensor, score_weight: torch.Tensor) -> torch.Tensor:
+        """wᵀ x_i / √d for every head and position: [B, H, T, D] → [B, H, T]."""
+        return torch.einsum("bhtd,hd->bht", x, score_weight.to(x.dtype)) * self.score_scale
+
+    def _pool(
+        self,
+        x: torch.Tensor,
+        scores: torch.Tensor,
+        keep: torch.Tensor | None,
+        state: AdditivePoolState | None,
+        cache: Any,
+    ) -> tuple[torch.Tensor, AdditivePoolState | None]:
+        """Softmax-pool x by its scores: [B, H, T, D] per position (causal) or [B, H, 1, D] (bidirectional)."""
+        if not self.causal:
+            pooled, _ = additive_pool(x, scores, causal=False, attention_mask=keep)
+            return pooled[:, :, None], None
+        if cache is not None and x.shape[2] == 1:
+            if keep is not None:
+                scores = scores.masked_fill(~keep[:, None, :], float("-inf"))  # how the step marks padding
+            return additive_pool_step(x, scores, state, window=self.window)
+        return additive_pool(
+            x,
+            scores,
+            causal=True,
+            window=self.window,
+            attention_mask=keep,
+            initial_state=state,
+            output_final_state=cache is not None,
+            chunk_size=self.chunk_size,
+        )
+
+    def _convolve(
+        self, hidden_states: torch.Tensor, keep: torch.Tensor | None, previous_inputs: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + Conv1d(x) over the last kernel_size inputs; returns it and the inputs the next call needs."""
+        batch, _, hidden = hidden_states.shape
+        if keep is not None:
+            # A padding token becomes a zero input, exactly like the convolution's own left padding.
+            hidden_states = hidden_states.masked_fill(~keep[..., None], 0.0)
+        if previous_inputs is None:
+            previous_inputs = hidden_states.new_zeros(batch, self.conv_kernel_size - 1, hidden)
+        window = torch.cat([previous_inputs.to(hidden_states.dtype), hidden_states], dim=1)
+        convolved = self.conv(window.transpose(1, 2)).transpose(1, 2)
+        convolved = F.dropout(convolved, p=self.conv_dropout, training=self.training)
+        last_inputs = window[:, window.shape[1] - (self.conv_kernel_size - 1) :]
+        return hidden_states + convolved, last_inputs
+
+    def extra_repr(self) -> str:
+        conv = f", conv_kernel_size={self.conv_kernel_size}" if self.conv is not None else ""
+        return f"{super().extra_repr()}, causal={self.causal}, window={self.window}{conv}"

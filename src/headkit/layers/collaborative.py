@@ -1,0 +1,303 @@
+"""Collaborative attention layer: heads that share one query and one key projection.
+
+Cordonnier, Loukas & Jaggi 2020, "Multi-Head Attention: Collaborate Instead of Concatenate" (arXiv:2006.16362),
+§3, Eq. 6: all heads share q̃ = W̃_Q x and k̃ = W̃_K x of width D̃ (``dim_shared_query_key``), head h re-weights the
+shared dimensions with its mixing vector m_h, and a per-head content bias c_h scores each key on its own:
+
+    score_h(i, j) = [(q̃_i ⊙ m_h)ᵀ k̃_j + c_hᵀ x_j] / √d,        head_h = softmax_j(score_h) V_h,
+
+followed by the usual concatenation and output projection. With D̃ = heads · head_dim and the "concatenate"
+mixing (m_h = 1 on head h's own block of D̃, 0 elsewhere) this is exactly multi-head attention; a smaller D̃
+shares key/query dimensions across heads. The content bias is ``nn.Linear(hidden, heads, bias=False)`` on the
+key inputs, as in the paper's code; the scale is the per-head 1/√head_dim of the multi-head model it
+re-expresses (the paper's code divides by √(D̃/heads), the same at full size).
+
+The key/value cache keeps, per token, the shared key with the content-bias scores appended ([B, 1, T, D̃ + H]
+as its "keys") and the values ([B, Hkv, T, head_dim]). :meth:`CollaborativeAttention.from_weights` and
+:meth:`CollaborativeAttention.from_softmax_attention` build the layer from explicit weights.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import initialization as init
+
+from headkit.layers.base import HeadkitAttention
+from headkit.layers.registry import register_attention
+from headkit.ops._validation import check_positive_int, repeat_kv
+from headkit.ops.collaborative import collaborative_attention, collaborative_scores
+
+# The "normal" mixing initialisation's standard deviation, that of the paper's reference implementation.
+NORMAL_MIXING_STD = 0.2
+
+
+def concatenated_mixing(num_heads: int, dim_shared_query_key: int) -> torch.Tensor:
+    """The "concatenate" mixing [heads, D̃]: head h owns block h of ⌈D̃ / heads⌉ shared dimensions (1s there).
+
+    At D̃ = heads · head_dim it makes collaborative heads exactly the heads of multi-head attention; when heads
+    does not divide D̃ the last head's block is shorter.
+    """
+    block = -(-dim_shared_query_key // num_heads)
+    mixing = torch.zeros(num_heads, dim_shared_query_key)
+    for head in range(num_heads):
+        mixing[head, head * block : (head + 1) * block] = 1.0
+    return mixing
+
+
+@register_attention("collaborative")
+class CollaborativeAttention(HeadkitAttention):
+    """Collaborative multi-head attention (``attention="collaborative"``).
+
+    Modules and parameters: ``q_proj``, ``k_proj`` (``nn.Linear`` hidden → D̃, no bias: the shared projections),
+    ``content_bias`` (``nn.Linear`` hidden → heads, no bias), ``mixing`` [heads, D̃], ``v_proj`` (hidden →
+    num_key_value_heads · head_dim) and ``o_proj``. Uses the config's ``dim_shared_query_key`` (None: heads ·
+    head_dim; the ``dim_shared_query_key`` keyword overrides it), ``collaborative_init`` ("concatenate" |
+    "normal"), ``attention_bias`` (on v_proj / o_proj), ``attention_dropout`` (on the probabilities, in
+    training) and ``causal``. No positional encoding of its own. Weights are materialised only for
+    ``output_attentions`` or dropout.
+    """
+
+    def __init__(
+        self,
+        config: Any,
+        layer_idx: int,
+        *,
+        dim_shared_query_key: int | None = None,
+        **head_overrides: int,
+    ) -> None:
+        super().__init__(config, layer_idx, **head_overrides)
+        if dim_shared_query_key is None:
+            dim_shared_query_key = config.dim_shared_query_key or self.num_heads * self.head_dim
+        self.dim_shared_query_key = check_positive_int("dim_shared_query_key", dim_shared_query_key)
+        self.q_proj = nn.Linear(self.hidden_size, self.dim_shared_query_key, bias=False)
+        self.k_proj = nn.Linear(self.hidden_size, self.dim_shared_query_key, bias=False)
+        self.content_bias = nn.Linear(self.hidden_size, self.num_heads, bias=False)
+        self.v_proj = nn.Linear(
+            self.hidden_size, self.num_key_value_heads * self.head_dim, bias=config.attention_bias
+        )
+        self.mixing = nn.Parameter(torch.empty(self.num_heads, self.dim_shared_query_key))
+        self.mixing_init = config.collaborative_init
+        if self.mixing_init not in ("concatenate", "normal"):
+            raise ValueError(
+                f"collaborative_init must be 'concatenate' or 'normal', got {self.mixing_init!r}"
+            )
+        self.scale = self.head_dim**-0.5
+        # A standalone layer is usable at once; inside a model, _init_weights initialises again.
+        self.init_extra_parameters(config.initializer_range)
+
+    def init_extra_parameters(self, std: float) -> None:
+        if self.mixing_init == "concatenate":
+            init.copy_(self.mixing, concatenated_mixing(self.num_heads, self.dim_shared_query_key))
+        else:
+            init.normal_(self.mixing, std=NORMAL_MIXING_STD)
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.LongTensor | None = None,
+        past_key_values: Any = None,
+        use_cache: bool = False,
+        output_attentions: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, seq, _ = hidden_states.shape
+        shared_queries = self.q_proj(hidden_states)  # [B, T, D̃]
+        shared_keys = self.k_proj(hidden_states)
+        # Scaled here, so that it adds to the already scaled mixed dot products (the op adds it unscaled).
+        key_bias = self.scale * self.content_bias(hidden_states)  # [B, T, H]
+        values = self.split_heads(self.v_proj(hidden_states), self.num_key_value_heads)
+
+        if past_key_values is not None:
+            cached_keys = torch.cat([shared_keys, key_bias.to(shared_keys.dtype)], dim=-1)[:, None]
+            cached_keys, values = past_key_values.update(cached_keys, values, self.layer_idx)
+            shared_keys, key_bias = cached_keys[:, 0].split(
+                [self.dim_shared_query_key, self.num_heads], dim=-1
+            )
+        content_bias = key_bias.transpose(1, 2)  # [B, H, Tk]
+        key_mask = self.key_padding_mask(attention_mask, batch, shared_keys.shape[1])
+        if key_mask is not None:
+            key_mask = key_mask.to(hidden_states.device)
+        values = repeat_kv(values, self.num_key_value_groups)
+
+        dropout = self.attention_dropout if self.training else 0.0
+        if not output_attentions and dropout == 0.0:
+            head_outputs = collaborative_attention(
+                shared_queries,
+                shared_keys,
+                values,
+                self.mixing.to(shared_queries.dtype),
+                content_bias=content_bias,
+                causal=self.causal,
+                attention_mask=key_mask,
+                scale=self.scale,
+            )
+            return self.project_heads(head_outputs), None
+
+        weights = collaborative_attention_weights(
+            shared_queries,
+            shared_keys,
+            self.mixing.to(shared_queries.dtype),
+            content_bias=content_bias,
+            causal=self.causal,
+            attention_mask=key_mask,
+            scale=self.scale,
+        )
+        head_outputs = F.dropout(weights, p=dropout, training=True) @ values
+        return self.project_heads(head_outputs), (weights if output_attentions else None)
+
+    @classmethod
+    def from_weights(
+        cls,
+        config: Any,
+        layer_idx: int,
+        *,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        mixing: torch.Tensor,
+        v_weight: torch.Tensor,
+        o_weight: torch.Tensor,
+        content_bias_weight: torch.Tensor | None = None,
+        v_bias: torch.Tensor | None = None,
+        o_bias: torch.Tensor | None = None,
+    ) -> CollaborativeAttention:
+        """A layer holding the given weights (``nn.Linear`` layout: [out_features, in_features]).
+
+        Args:
+            config: supplies hidden_size, attention_bias, causal, dropout; head counts come from the weights.
+            q_weight, k_weight: shared projections W̃_Q, W̃_K [D̃, hidden].
+            mixing: [heads, D̃].
+            v_weight: [kv_heads · head_dim, hidden]; o_weight: [hidden, heads · head_dim].
+            content_bias_weight: [heads, hidden] (row h = c_h, unscaled); None = no content bias (zeros).
+            v_bias, o_bias: needed exactly when ``config.attention_bias`` (None then means zeros).
+        """
+        num_heads, dim_shared = _shape_of("mixing", mixing, 2, "[heads, dim_shared_query_key]")
+        hidden = config.hidden_size
+        _expect_shape("q_weight", q_weight, (dim_shared, hidden), "[dim_shared_query_key, hidden_size]")
+        _expect_shape("k_weight", k_weight, (dim_shared, hidden), "[dim_shared_query_key, hidden_size]")
+        if o_weight.dim() != 2 or o_weight.shape[0] != hidden or o_weight.shape[1] % num_heads:
+            raise ValueError(
+                f"o_weight must have shape [hidden_size, heads * head_dim] = [{hidden}, {num_heads} * head_dim], "
+                f"got {tuple(o_weight.shape)}"
+            )
+        head_dim = o_weight.shape[1] // num_heads
+        if v_weight.dim() != 2 or v_weight.shape[1] != hidden or v_weight.shape[0] % head_dim:
+            raise ValueError(
+                f"v_weight must have shape [kv_heads * head_dim, hidden_size] = [kv_heads * {head_dim}, {hidden}], "
+                f"got {tuple(v_weight.shape)}"
+            )
+        num_kv_heads = v_weight.shape[0] // head_dim
+        if content_bias_weight is not None:
+            _expect_shape(
+                "content_bias_weight", content_bias_weight, (num_heads, hidden), "[heads, hidden_size]"
+            )
+        for name, bias in (("v_bias", v_bias), ("o_bias", o_bias)):
+            if bias is not None and not config.attention_bias:
+                raise ValueError(f"{name} was given, but config.attention_bias is False (no bias to hold it)")
+
+        layer = cls(
+            config,
+            layer_idx,
+            dim_shared_query_key=dim_shared,
+            num_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=head_dim,
+        )
+        with torch.no_grad():
+            layer.q_proj.weight.copy_(q_weight)
+            layer.k_proj.weight.copy_(k_weight)
+            layer.mixing.copy_(mixing)
+            layer.v_proj.weight.copy_(v_weight)
+            layer.o_proj.weight.copy_(o_weight)
+            if content_bias_weight is None:
+                layer.content_bias.weight.zero_()
+            else:
+                layer.content_bias.weight.copy_(content_bias_weight)
+            for module, bias in ((layer.v_proj, v_bias), (layer.o_proj, o_bias)):
+                if module.bias is not None and bias is None:
+                    module.bias.zero_()
+                elif module.bias is not None:
+                    module.bias.copy_(bias)
+        return layer
+
+    @classmethod
+    def from_softmax_attention(cls, layer: HeadkitAttention) -> CollaborativeAttention:
+        """The exact collaborative form (D̃ = heads · head_dim, concatenated mixing) of a softmax layer.
+
+        The query bias becomes the content bias c_h = W_{K,h}ᵀ b_{Q,h}; the key bias only adds a term constant
+        over the keys, which the softmax cancels (paper §4). Shared key/value heads (grouped-query attention) are
+        repeated into the shared key. Rotary positions have no collaborative form: such a layer is refused.
+        """
+        if getattr(layer, "use_rope", False):
+            raise ValueError(
+                "a softmax layer with rotary positions (position_embedding_type='rope') has no exact "
+                "collaborative form: the rotation acts between the query and key projections"
+            )
+        heads, groups, head_dim = layer.num_heads, layer.num_key_value_groups, layer.head_dim
+        hidden = layer.hidden_size
+        q_weight = layer.q_proj.weight.detach()
+        k_weight = layer.k_proj.weight.detach().view(layer.num_key_value_heads, head_dim, hidden)
+        k_weight = k_weight.repeat_interleave(groups, dim=0)  # [heads, head_dim, hidden]
+        content_bias_weight = None
+        if layer.q_proj.bias is not None:
+            query_bias = layer.q_proj.bias.detach().view(heads, head_dim)
+            content_bias_weight = torch.einsum("hdc,hd->hc", k_weight, query_bias)
+        return cls.from_weights(
+            layer.config,
+            layer.layer_idx,
+            q_weight=q_weight,
+            k_weight=k_weight.reshape(heads * head_dim, hidden),
+            mixing=concatenated_mixing(heads, heads * head_dim).to(q_weight),
+            v_weight=layer.v_proj.weight.detach(),
+            o_weight=layer.o_proj.weight.detach(),
+            content_bias_weight=content_bias_weight,
+            v_bias=None if layer.v_proj.bias is None else layer.v_proj.bias.detach(),
+            o_bias=None if layer.o_proj.bias is None else layer.o_proj.bias.detach(),
+        )
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, dim_shared_query_key={self.dim_shared_query_key}"
+
+
+def collaborative_attention_weights(
+    q_shared: torch.Tensor,
+    k_shared: torch.Tensor,
+    mixing: torch.Tensor,
+    *,
+    content_bias: torch.Tensor | None,
+    causal: bool,
+    attention_mask: torch.Tensor | None = None,
+    scale: float,
+) -> torch.Tensor:
+    """The collaborative attention probabilities [B, H, Tq, Tk], computed explicitly (float32 softmax).
+
+    ``causal`` lets query i see keys j ≤ i + Tk − Tq; ``attention_mask`` is a [B, Tk] bool key padding mask.
+    A query that sees no key gets an all-zero row, never NaN.
+    """
+    scores = collaborative_scores(q_shared, k_shared, mixing, content_bias=content_bias, scale=scale).float()
+    q_len, kv_len = scores.shape[-2:]
+    visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device)
+    if causal:
+        visible = visible.tril(kv_len - q_len)
+    visible = visible[None, None]
+    if attention_mask is not None:
+        visible = visible & attention_mask[:, None, None, :]
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    weights = weights.masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)
+    return weights.to(q_shared.dtype)
+
+
+def _shape_of(name: str, tensor: torch.Tensor, rank: int, layout: str) -> tuple[int, ...]:
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != rank:
+        got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ValueError(f"{name} must be a tensor of shape {layout}, got {got}")
+    return tuple(tensor.shape)
+
+
+def _expect_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...], layout: str) -> None:
+    if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != shape:
+        got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise ValueError(f"{name} must have shape {layout} = {list(shape)}, got {got}")
