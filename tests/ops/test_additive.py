@@ -83,37 +83,30 @@ def _state_loss(state: AdditivePoolState | None, generator: torch.Generator) -> 
     return total
 
 
-def _fast_and_naive(x, scores, leaves, **kwargs):
-    """Outputs, final states and gradients (w.r.t. leaves) of the fast fp32 path and the float64 naive twin."""
-    chunk_size = kwargs.pop("chunk_size", 64)
-    results = []
-    for fn, extra in ((additive_pool, {"chunk_size": chunk_size}), (naive_additive_pool, {})):
-        double = fn is naive_additive_pool
-        cast = [leaf.detach().double() if double else leaf.detach().clone() for leaf in leaves]
-        for leaf in cast:
-            leaf.requires_grad_(True)
-        call_x, call_scores, *state_leaves = cast
-        state = kwargs.get("initial_state")
-        if state is not None:
-            state = AdditivePoolState(*_fill(state, state_leaves))
-        pooled, final = fn(call_x, call_scores, **{**kwargs, "initial_state": state}, **extra)
-        generator = torch.Generator().manual_seed(7)
-        cotangent = torch.randn(pooled.shape, generator=generator).double()
-        loss = (pooled.double() * cotangent).sum() + _state_loss(final, generator)
-        grads = torch.autograd.grad(loss, cast)
-        results.append((pooled.detach(), final, grads))
-    return results
+def _pooled_state_and_grads(fn, dtype, x, scores, initial_state=None, **kwargs):
+    """fn on copies of the inputs in dtype: pooled, final state, and the gradients of a random linear loss of
+    both w.r.t. x, scores and the initial state's tensors."""
+    state_fields = [field for field in initial_state or () if field is not None]
+    leaves = [leaf.detach().to(dtype).requires_grad_(True) for leaf in (x, scores, *state_fields)]
+    if initial_state is not None:
+        copies = iter(leaves[2:])
+        initial_state = AdditivePoolState(
+            *(None if field is None else next(copies) for field in initial_state)
+        )
+    pooled, final = fn(leaves[0], leaves[1], initial_state=initial_state, **kwargs)
+    generator = torch.Generator().manual_seed(7)
+    cotangent = torch.randn(pooled.shape, generator=generator).double()
+    loss = (pooled.double() * cotangent).sum() + _state_loss(final, generator)
+    return pooled.detach(), final, torch.autograd.grad(loss, leaves)
 
 
-def _fill(state: AdditivePoolState, leaves: list[torch.Tensor]) -> list[torch.Tensor | None]:
-    """Replace the non-None fields of state by leaves, in order."""
-    leaves = iter(leaves)
-    return [None if field is None else next(leaves) for field in state]
-
-
-def _assert_matches_naive(x, scores, tol=1e-5, state_leaves=(), **kwargs):
-    (fast_out, fast_state, fast_grads), (ref_out, ref_state, ref_grads) = _fast_and_naive(
-        x, scores, [x, scores, *state_leaves], **kwargs
+def _assert_matches_naive(x, scores, tol=1e-5, chunk_size=64, **kwargs):
+    """The fast float32 path against the float64 naive twin; returns the fast output and gradients."""
+    fast_out, fast_state, fast_grads = _pooled_state_and_grads(
+        additive_pool, torch.float32, x, scores, chunk_size=chunk_size, **kwargs
+    )
+    ref_out, ref_state, ref_grads = _pooled_state_and_grads(
+        naive_additive_pool, torch.float64, x, scores, **kwargs
     )
     _assert_close(fast_out, ref_out, tol)
     _assert_states_close(fast_state, ref_state, tol)
@@ -160,9 +153,9 @@ def _random_state(window: int | None, seed: int) -> AdditivePoolState:
     generator = torch.Generator().manual_seed(seed)
     if window is None:
         log_normalizer = 2 * torch.randn(BATCH, HEADS, generator=generator)
-        log_normalizer[0, 0] = float("-inf")  # one head has seen nothing yet
+        # One head has seen nothing yet: its (random) pooled field must be ignored.
+        log_normalizer[0, 0] = float("-inf")
         pooled = torch.randn(BATCH, HEADS, DIM, generator=generator)
-        pooled[0, 0] = 0.0
         return AdditivePoolState(log_normalizer=log_normalizer, pooled=pooled)
     recent_scores = 3 * torch.randn(BATCH, HEADS, window - 1, generator=generator)
     recent_scores[0, :, : (window - 1) // 2] = float("-inf")  # slots never filled
@@ -180,7 +173,6 @@ def test_initial_state_matches_naive_including_state_gradients(mode, seq, paddin
     _assert_matches_naive(
         x,
         scores,
-        state_leaves=[field for field in state if field is not None],
         causal=causal,
         window=window,
         attention_mask=_padding_mask(padding, seq),
@@ -272,6 +264,17 @@ def test_outputs_do_not_depend_on_later_tokens(window, chunk_size):
     after = additive_pool(later_x, later_scores, causal=True, window=window, chunk_size=chunk_size)[0]
     _assert_close(after[:, :, : cut + 1], before[:, :, : cut + 1], 1e-6)
     assert not torch.allclose(after[:, :, cut + 1 :], before[:, :, cut + 1 :])
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_strided_inputs_give_the_same_result(window):
+    # Projections usually arrive as [B, T, H, D] views transposed to [B, H, T, D].
+    x, scores = _inputs(48, seed=13)
+    strided_x = x.transpose(1, 2).contiguous().transpose(1, 2)
+    strided_scores = scores.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not strided_x.is_contiguous() and not strided_scores.is_contiguous()
+    strided = additive_pool(strided_x, strided_scores, causal=True, window=window, chunk_size=16)[0]
+    _assert_close(strided, additive_pool(x, scores, causal=True, window=window, chunk_size=16)[0], 1e-6)
 
 
 def _steep_scores(kind: str, seq: int) -> torch.Tensor:

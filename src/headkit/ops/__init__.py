@@ -1,7 +1,8 @@
 """Pure attention kernels: tensors in, tensors out, no parameters.
 
 Every tensor is laid out [batch, heads, seq, head_dim] like :func:`torch.nn.functional.scaled_dot_product_attention`.
-Each fast path has a plain reference twin in :mod:`headkit.ops.reference` that the tests compare it with.
+Each fast path has a plain, obviously-correct twin named ``naive_<function>`` in its own module; the tests
+compare outputs, states and gradients with it.
 """
 
 from headkit.ops.additive import AdditivePoolState, additive_pool, additive_pool_step

@@ -32,14 +32,12 @@ import torch.nn.functional as F
 
 from headkit.ops._validation import check_padding_mask, check_positive_int, check_rank
 
-# A softmax row or log-sum-exp over nothing but −inf is 0/0 with NaN gradients. So wherever a row could hold
-# nothing real, masked entries (padding, the future, outside the window) score the finite _MASKED instead, and
-# a pooled past never scores below _EMPTY_PAST. For any real score s (|s| far below 1e29),
-# exp(_MASKED − _EMPTY_PAST) and exp(_EMPTY_PAST − s) are exactly 0: a row that has seen no real token puts all
-# its weight on the empty past, whose value is the zero vector, and outputs 0 instead of NaN. −1e30 + log(n)
-# rounds back to −1e30, so "nothing seen" never drifts; states report it as log-normaliser −inf.
-_MASKED = -1e30
-_EMPTY_PAST = -5e29
+# Every softmax here has one more, implicit entry: the empty past, score _EMPTY_PAST, value the zero vector.
+# Beside any real score s (|s| far below 1e29) its weight exp(_EMPTY_PAST − s) is exactly 0, so it changes
+# nothing. In a row of nothing but −inf (padding, the future, outside the window) it takes all the weight: the
+# row pools to 0 with log-normaliser _EMPTY_PAST instead of 0/0 = NaN, and gradients stay finite.
+# _EMPTY_PAST + log(n) rounds back to _EMPTY_PAST, so "nothing seen" never drifts; states report it as −inf.
+_EMPTY_PAST = -1e30
 
 
 class AdditivePoolState(NamedTuple):
@@ -148,18 +146,15 @@ def additive_pool_step(
         value, score = x.to(dtype)[..., 0, :], score.to(dtype)
         if window is None:
             # The past, as one token (log_normalizer, pooled), and the new token, pooled together.
-            new_log_normalizer = torch.logaddexp(
-                log_normalizer.clamp_min(_MASKED), score[..., 0].clamp_min(_MASKED)
+            weights, total, new_log_normalizer = _softmax_parts(
+                torch.stack([log_normalizer, score[..., 0]], -1)
             )
-            past_weight = torch.exp(log_normalizer - new_log_normalizer)[..., None]
-            new_weight = torch.exp(score - new_log_normalizer[..., None])
-            new_pooled = past_weight * pooled + new_weight * value
+            new_pooled = (weights[..., :1] * pooled + weights[..., 1:] * value) / total[..., None]
             new_state = AdditivePoolState(_as_log_normalizer(new_log_normalizer), new_pooled)
             return new_pooled[..., None, :].to(x.dtype), new_state
-        visible_scores = torch.cat([recent_scores, score], dim=-1)
+        weights, total, _ = _softmax_parts(torch.cat([recent_scores, score], dim=-1))
         visible_x = torch.cat([recent_x.to(dtype), value[..., None, :]], dim=-2)
-        log_normalizer = torch.logsumexp(visible_scores.clamp_min(_MASKED), dim=-1, keepdim=True)
-        new_pooled = torch.exp(visible_scores - log_normalizer)[..., None, :] @ visible_x
+        new_pooled = (weights[..., None, :] @ visible_x) / total[..., None, None]
         return new_pooled.to(x.dtype), _roll_window(recent_scores, recent_x, score, x)
 
 
@@ -224,13 +219,10 @@ def naive_additive_pool(
 def _bidirectional_pool(
     x: torch.Tensor, scores: torch.Tensor, log_normalizer0: torch.Tensor, pooled0: torch.Tensor
 ) -> tuple[torch.Tensor, AdditivePoolState]:
-    """g = Σ_i exp(s_i − L) x_i + exp(L_0 − L) g_0, with L over every token and the initial state (L_0, g_0)."""
-    log_normalizer = torch.logaddexp(
-        torch.logsumexp(scores.clamp_min(_MASKED), dim=-1), log_normalizer0.clamp_min(_MASKED)
-    )
-    weights = torch.exp(scores - log_normalizer[..., None])
-    pooled = (weights[..., None, :] @ x)[..., 0, :]
-    pooled = pooled + torch.exp(log_normalizer0 - log_normalizer)[..., None] * pooled0
+    """g = softmax over [the initial state as one token (L_0, g_0), every token of x]."""
+    weights, total, log_normalizer = _softmax_parts(torch.cat([log_normalizer0[..., None], scores], dim=-1))
+    pooled = (weights[..., None, 1:] @ x)[..., 0, :] + weights[..., :1] * pooled0
+    pooled = pooled / total[..., None]
     return pooled, AdditivePoolState(_as_log_normalizer(log_normalizer), pooled)
 
 
@@ -256,32 +248,29 @@ def _causal_pool(
     chunk = min(chunk_size, seq)
     n_chunks = math.ceil(seq / chunk)
     tail = n_chunks * chunk - seq
-    floored = scores.clamp_min(_MASKED)
     if tail:
         x = F.pad(x, (0, 0, 0, tail))
-        floored = F.pad(floored, (0, tail), value=_MASKED)
+        scores = F.pad(scores, (0, tail), value=float("-inf"))
     x_chunks = x.view(batch, heads, n_chunks, chunk, dim)
-    s_chunks = floored.view(batch, heads, n_chunks, chunk)
+    s_chunks = scores.view(batch, heads, n_chunks, chunk)
 
-    # A chunk of padding only sums to uniform garbage here, but its ℓ_c = _MASKED gives it no weight below.
     chunk_weights, chunk_total, chunk_log_normalizer = _softmax_parts(s_chunks)
     chunk_sums = (chunk_weights[..., None, :] @ x_chunks)[..., 0, :] / chunk_total[..., None]
-    # The initial state, floored at _EMPTY_PAST, is the empty past that every row can fall back on.
-    summary_log_normalizer = torch.cat(
-        [log_normalizer0.clamp_min(_EMPTY_PAST)[..., None], chunk_log_normalizer], dim=-1
-    )
+    summary_log_normalizer = torch.cat([log_normalizer0[..., None], chunk_log_normalizer], dim=-1)
     summaries = torch.cat([pooled0[..., None, :], chunk_sums], dim=-2)
 
-    # Row c pools the summaries before chunk c (row N: all of them). Entry 0 is finite and visible in every
-    # row, so the −inf of later chunks is safe.
+    # Row c pools the summaries before chunk c (row N: all of them). Not logcumsumexp: its backward works
+    # in exp(log|grad| − L + s), which loses ~1e-3 relative at |s| ~ 1e4 in float32.
     later = _after_diagonal(n_chunks + 1, n_chunks + 1, x.device)
     summary_rows = summary_log_normalizer[..., None, :].masked_fill(later, float("-inf"))
     summary_weights, summary_total, past_log_normalizer = _softmax_parts(summary_rows)
     past_pooled = (summary_weights @ summaries) / summary_total[..., None]
 
+    # The past column scores at least _EMPTY_PAST: it is each row's empty past, and its pooled vector is 0
+    # while nothing real has been seen.
     row_keys = torch.cat([past_log_normalizer[..., :-1, None], s_chunks], dim=-1)
     visible = ~_after_diagonal(chunk, chunk + 1, x.device, first_key=-1)
-    weights = torch.softmax(torch.where(visible, row_keys[..., None, :], _MASKED), dim=-1)
+    weights = torch.softmax(torch.where(visible, row_keys[..., None, :], float("-inf")), dim=-1)
     pooled = (weights[..., 1:] @ x_chunks).addcmul_(weights[..., :1], past_pooled[..., :-1, None, :])
 
     pooled = pooled.view(batch, heads, n_chunks * chunk, dim)[:, :, :seq]
@@ -301,8 +290,7 @@ def _windowed_pool(
 
     Those keys are the query chunk itself and the history = ⌈(window − 1)/C⌉·C positions before it, so the
     cost is O(T·(C + window)·D). The initial state's window − 1 buffered tokens are the positions before x, so a
-    continued call is exact. Each row is a stable softmax with an extra empty-past entry (score _EMPTY_PAST,
-    value 0) that takes the weight of a row seeing no real token.
+    continued call is exact.
     """
     batch, heads, seq, dim = x.shape
     chunk = min(chunk_size, seq)
@@ -313,32 +301,36 @@ def _windowed_pool(
     keys_s = F.pad(torch.cat([recent_scores, scores], dim=-1), (lead, tail), value=float("-inf"))
     keys_x = F.pad(torch.cat([recent_x.to(x.dtype), x], dim=-2), (0, 0, lead, tail))
     span = history + chunk
-    band_s = keys_s.clamp_min(_MASKED).unfold(-1, span, chunk)  # [B, H, N, span]
-    band_x = keys_x.unfold(-2, span, chunk).transpose(-1, -2)  # [B, H, N, span, D]
+    band_s = keys_s.unfold(-1, span, chunk)  # [B, H, N, span]
+    key_chunks = keys_x.view(batch, heads, -1, chunk, dim)  # [B, H, history / C + N, C, D]
 
-    empty_past = band_s.new_full((*band_s.shape[:-1], 1), _EMPTY_PAST)
-    row_keys = torch.cat([empty_past, band_s], dim=-1)
     # Query r of a chunk sits at band position history + r and sees band positions j with
     # 0 ≤ history + r − j < window.
     distance = history + torch.arange(chunk, device=x.device)[:, None] - torch.arange(span, device=x.device)
     in_window = (distance >= 0) & (distance < window)
-    visible = torch.cat([torch.ones(chunk, 1, dtype=torch.bool, device=x.device), in_window], dim=-1)
-    weights = torch.softmax(torch.where(visible, row_keys[..., None, :], _MASKED), dim=-1)
-    pooled = weights[..., 1:] @ band_x
-    return pooled.reshape(batch, heads, n_chunks * chunk, dim)[:, :, :seq]
+    weights, total, _ = _softmax_parts(torch.where(in_window, band_s[..., None, :], float("-inf")))
+    # Multiply block by block (a loop over the span's chunks, not over positions) rather than materialise the
+    # overlapping [N, span, D] key bands, which would copy x span / C times.
+    pooled = weights[..., :chunk] @ key_chunks[:, :, :n_chunks]
+    for block in range(1, span // chunk):
+        pooled += (
+            weights[..., block * chunk : (block + 1) * chunk] @ key_chunks[:, :, block : block + n_chunks]
+        )
+    pooled = pooled / total[..., None]
+    return pooled.view(batch, heads, n_chunks * chunk, dim)[:, :, :seq]
 
 
 def _softmax_parts(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Stable softmax over the last dim, in parts: (exp(rows − m), their sum, log-normaliser m + log(sum)).
+    """Softmax over the last dim plus the implicit empty past, in parts: weights exp(rows − m), their total
+    (the empty past's share exp(_EMPTY_PAST − m) included) and the log-normaliser m + log(total).
 
-    m is the row maximum, detached: softmax does not depend on the shift, so its gradient is exact without it.
-    Each row needs one finite entry. One max, one exp and one sum serve both the weights and the
-    log-normaliser (torch.logsumexp plus torch.softmax would take twice the passes). The weights are left
-    unnormalised so the caller can divide the smaller pooled result instead.
+    softmax = weights / total; callers divide the smaller pooled result instead. Rows may hold −inf. The shift
+    m = max(row maximum, _EMPTY_PAST) is detached: softmax does not depend on it, so gradients stay exact.
+    One max, one exp and one sum serve both the weights and the log-normaliser.
     """
-    shift = rows.detach().amax(dim=-1, keepdim=True)
+    shift = rows.detach().amax(dim=-1, keepdim=True).clamp_min(_EMPTY_PAST)
     weights = (rows - shift).exp_()
-    total = weights.sum(dim=-1)
+    total = weights.sum(dim=-1) + torch.exp(_EMPTY_PAST - shift[..., 0])
     return weights, total, shift[..., 0] + total.log()
 
 
@@ -364,7 +356,7 @@ def _after_diagonal(rows: int, cols: int, device: torch.device, first_key: int =
 
 
 def _as_log_normalizer(log_normalizer: torch.Tensor) -> torch.Tensor:
-    """Report a log-normaliser that saw no real score (only _MASKED, _EMPTY_PAST) as the true log(0) = −inf."""
+    """Report a log-normaliser that saw no real score (only the empty past) as the true log(0) = −inf."""
     return log_normalizer.masked_fill(log_normalizer <= _EMPTY_PAST, float("-inf"))
 
 
@@ -383,9 +375,7 @@ def _unpack_state(
     recent_scores = torch.full((batch, heads, buffered), float("-inf"), dtype=dtype, device=x.device)
     recent_x = torch.zeros(batch, heads, buffered, dim, dtype=x.dtype, device=x.device)
     if state is not None and state.window is None:
-        log_normalizer = state.log_normalizer.to(dtype)
-        # A state that has seen nothing has no pooled vector, whatever its pooled field holds.
-        pooled = state.pooled.to(dtype).masked_fill((log_normalizer <= _EMPTY_PAST)[..., None], 0.0)
+        log_normalizer, pooled = state.log_normalizer.to(dtype), state.pooled.to(dtype)
     elif state is not None:
         recent_scores, recent_x = state.recent_scores.to(dtype), state.recent_x
     return log_normalizer, pooled, recent_scores, recent_x
