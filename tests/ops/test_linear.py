@@ -34,7 +34,7 @@ def assert_close_scaled(
 
 def assert_gradients_close(grads, ref_grads, rel: float = 2 * REL_TOL) -> None:
     """Gradients of one loss, measured against the largest of them: a gradient that is ~0 by construction
-    (e.g. of q when a query sees a single key) is held to the precision of its siblings, not of its own size."""
+    (e.g. of q when a query sees a single key) is held to the precision of its siblings, not its own size."""
     scale = max(ref.double().abs().max().item() for ref in ref_grads)
     for index, (grad, ref) in enumerate(zip(grads, ref_grads, strict=True)):
         assert grad is not None, f"no gradient for input {index}"
@@ -55,10 +55,10 @@ def make_qkv(
     generator = torch.Generator().manual_seed(seed)
     # elu + 1 is positive everywhere; relu and identity get inputs centred at 1 so that the normaliser
     # φ(q)ᵀ Σ φ(k) stays away from 0 and the comparison measures the kernel, not an ill-conditioned division.
-    shift = 0.0 if feature_map == "elu" else 1.0
+    spread, shift = (1.0, 0.0) if feature_map == "elu" else (0.5, 1.0)
 
     def draw(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=generator) * (1.0 if shift == 0 else 0.5) + shift
+        return torch.randn(*shape, generator=generator) * spread + shift
 
     return (
         draw(batch, heads, seq, head_dim),
@@ -86,8 +86,8 @@ def make_state(
 
 
 def use_block_size(monkeypatch: pytest.MonkeyPatch, blocks: str) -> None:
-    """ "one_block": the default block size (one block at these sizes); "small_blocks": blocks of one to four
-    chunks, so that the state is carried across blocks and the tail chunk ends a multi-block run."""
+    """Block size of the causal kernel. "one_block": the default (one block at these sizes); "small_blocks":
+    one to four chunks, so that the state is carried across blocks and the tail chunk ends a multi-block run."""
     if blocks == "small_blocks":
         # block_len = chunk · (_BLOCK_ELEMENTS // (batch · heads · chunk · head_dim)): 2 chunks at the usual
         # batch 2, 4 heads, head_dim 8, chunk 16.
@@ -103,17 +103,17 @@ def block_size(request, monkeypatch):
 def weighted_loss(out, state, seed: int = 3):
     """A scalar depending on every output and state entry with random weights (a random cotangent)."""
     generator = torch.Generator().manual_seed(seed)
-    loss = (out * torch.randn(out.shape, generator=generator).to(out.dtype)).sum()
+
+    def weighted(x: torch.Tensor) -> torch.Tensor:
+        return (x * torch.randn(x.shape, generator=generator).to(x.dtype)).sum()
+
+    loss = weighted(out)
     if state is not None:
-        loss = loss + (state.kv * torch.randn(state.kv.shape, generator=generator).to(state.kv.dtype)).sum()
-        loss = (
-            loss
-            + (state.k_sum * torch.randn(state.k_sum.shape, generator=generator).to(state.k_sum.dtype)).sum()
-        )
+        loss = loss + weighted(state.kv) + weighted(state.k_sum)
     return loss
 
 
-# --- the fast kernel against the dense reference ---------------------------------------------------------------
+# --- the fast kernel against the dense reference ------------------------------------------------------------
 
 
 @pytest.mark.parametrize("feature_map", sorted(FEATURE_MAPS))
@@ -213,7 +213,7 @@ def test_no_grad_path_equals_autograd_path(block_size):
     assert_close_scaled(plain_state.kv, traced_state.kv.detach(), rel=1e-6)
 
 
-# --- the recurrent form and state hand-over -------------------------------------------------------------------
+# --- the recurrent form and state hand-over -----------------------------------------------------------------
 
 
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2)], ids=["mha", "gqa"])
@@ -284,7 +284,7 @@ def test_final_state_is_returned_only_on_request():
     )
 
 
-# --- semantics --------------------------------------------------------------------------------------------------
+# --- semantics ----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("position", [0, 15, 16, 50, 98])
@@ -358,6 +358,13 @@ def test_non_causal_allows_a_different_key_length():
     assert_close_scaled(out, ref)
 
 
+def test_empty_batch_returns_empty_outputs():
+    q, k, v = make_qkv(0, 4, 2, 5)
+    for causal in (False, True):
+        out, state = linear_attention(q, k, v, causal=causal, output_final_state=True)
+        assert out.shape == (0, 4, 5, 6) and state.kv.shape == (0, 2, 8, 6) and state.k_sum.shape == (0, 2, 8)
+
+
 def test_empty_sequence_returns_an_empty_output_and_the_initial_state():
     q, k, v = make_qkv(1, 2, 2, 0)
     initial = make_state(1, 2, 8, 6)
@@ -367,7 +374,7 @@ def test_empty_sequence_returns_an_empty_output_and_the_initial_state():
         assert torch.equal(state.kv, initial.kv) and torch.equal(state.k_sum, initial.k_sum)
 
 
-# --- precision ------------------------------------------------------------------------------------------------
+# --- precision ----------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("causal", [False, True])
@@ -421,7 +428,7 @@ def test_output_has_the_query_dtype():
     assert out.dtype == torch.float64 and state.kv.dtype == torch.float32
 
 
-# --- feature maps -----------------------------------------------------------------------------------------------
+# --- feature maps -------------------------------------------------------------------------------------------
 
 
 @pytest.fixture

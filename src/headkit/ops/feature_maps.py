@@ -2,8 +2,8 @@
 
 Katharopoulos et al. 2020, "Transformers are RNNs", §3.2: replacing the softmax similarity by a kernel
 sim(q, k) = φ(q)ᵀ φ(k) (Eq. 3) lets attention be computed in linear time. The paper's choice, and our default,
-is φ(x) = elu(x) + 1 (Eq. 7): positive everywhere, so the normaliser φ(q)ᵀ Σ φ(k) never vanishes, and with a
-non-zero gradient for negative inputs (unlike relu).
+is φ(x) = elu(x) + 1 (Eq. 7): positive, so the normaliser φ(q)ᵀ Σ φ(k) stays away from 0 for any sensible
+input, and with a non-zero gradient for negative inputs (unlike relu).
 
 Feature maps are looked up by name in :data:`FEATURE_MAPS`; :func:`register_feature_map` adds new ones, and
 every function that takes a ``feature_map`` also accepts a plain callable. A feature map takes a float32
@@ -21,7 +21,10 @@ FeatureMap = Callable[[torch.Tensor], torch.Tensor]
 
 
 def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
-    """φ(x) = elu(x) + 1 (Katharopoulos et al. 2020, Eq. 7): positive, smooth, gradient everywhere."""
+    """φ(x) = elu(x) + 1 (Katharopoulos et al. 2020, Eq. 7): positive, smooth, gradient everywhere.
+
+    In floating point it rounds to 0 far below zero (x < −17 or so in float32), where exp(x) < 1 ulp of 1.
+    """
     # In place on elu's fresh output, saving a temporary: elu's backward reads its input, not its output.
     return F.elu(x).add_(1.0)
 

@@ -15,9 +15,9 @@ Transformers with Hardware-Efficient Training", §2.2). Cut the sequence into ch
 
 a dense C×C matmul inside the chunk plus one [Dk, Dv] state per chunk obtained by a prefix sum (the
 denominator likewise, with z in place of S and row sums of the chunk scores): O(T·C·D + T·D²) time and no
-Python loop over tokens. Chunks are taken in blocks of a few hundred tokens that carry the state, so that φ(q),
-φ(k), chunk scores and per-chunk states exist for one block at a time: peak memory stays ≈ inputs + output and
-each block's working set stays in cache. Everything is accumulated in float32.
+Python loop over tokens. Chunks are taken in blocks of a few hundred tokens that carry the state, so that
+φ(q), φ(k), chunk scores and per-chunk states exist for one block at a time: peak memory stays ≈ inputs +
+output and each block's working set stays in cache. Everything is accumulated in float32.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from headkit.ops.feature_maps import get_feature_map
 
 # Elements per block-sized intermediate (φ(q), chunk scores, ...) of the causal forward, 1 MiB in float32: big
 # enough to amortise the per-block Python overhead, small enough to stay in a core's L2 cache (measured ~1.4x
-# faster than 4 MiB blocks at T = 8192 on a 2-core CPU) and to keep the peak memory near inputs + output.
+# faster than 4 MiB blocks at T = 8192, one thread) and to keep the peak memory near inputs + output.
 _BLOCK_ELEMENTS = 1 << 18
 
 
@@ -61,7 +61,7 @@ def linear_attention(
     output_final_state: bool = False,
     eps: float = 1e-6,
 ) -> tuple[torch.Tensor, LinearAttentionState | None]:
-    """Linear attention out_i = φ(q_i)ᵀ Σ_j φ(k_j) v_jᵀ / (φ(q_i)ᵀ Σ_j φ(k_j) + eps) (Eq. 4; causal: Eq. 9-11).
+    """Linear attention out_i = φ(q_i)ᵀ Σ_j φ(k_j) v_jᵀ / (φ(q_i)ᵀ Σ_j φ(k_j) + eps) (Eq. 4; causal Eq. 9-11).
 
     Args:
         q: queries [B, H, Tq, Dk].
@@ -80,8 +80,8 @@ def linear_attention(
         eps: added to the denominator; a query that sees no key at all returns zeros.
 
     Returns:
-        (out [B, H, Tq, Dv] in q's dtype, final :class:`LinearAttentionState` or None). Accumulation is float32
-        even under ``torch.autocast``.
+        (out [B, H, Tq, Dv] in q's dtype, final :class:`LinearAttentionState` or None). Accumulation is
+        float32, even under ``torch.autocast``.
     """
     batch, q_heads, kv_heads, kv_len = check_qkv(q, k, v)
     q_len, head_dim, head_dim_v = q.shape[2], k.shape[3], v.shape[3]
@@ -93,7 +93,9 @@ def linear_attention(
     _check_eps(eps)
     phi = get_feature_map(feature_map)
     keep = check_padding_mask(attention_mask, batch, kv_len)
-    kv, k_sum = _checked_state(initial_state, "initial_state", batch, kv_heads, head_dim, head_dim_v, q.device)
+    kv, k_sum = _checked_state(
+        initial_state, "initial_state", batch, kv_heads, head_dim, head_dim_v, q.device
+    )
     if keep is not None:
         keep = keep.to(q.device)
 
@@ -127,7 +129,9 @@ def linear_attention_step(
     batch, q_heads, kv_heads, _ = check_qkv(q, k, v)
     for name, tensor in (("q", q), ("k", k), ("v", v)):
         if tensor.shape[2] != 1:
-            raise ValueError(f"{name} must hold one token, shape [batch, heads, 1, head_dim], got {tuple(tensor.shape)}")
+            raise ValueError(
+                f"{name} must hold one token, shape [batch, heads, 1, head_dim], got {tuple(tensor.shape)}"
+            )
     _check_eps(eps)
     phi = get_feature_map(feature_map)
     head_dim, head_dim_v = k.shape[3], v.shape[3]
@@ -210,7 +214,8 @@ def _causal_linear_attention(
 
     # Blocks of whole chunks, then the leftover T mod C tokens as one shorter chunk: no padding copy.
     whole = seq_len - seq_len % chunk_size
-    chunks_per_block = _BLOCK_ELEMENTS // (batch * q_heads * chunk_size * max(q.shape[-1], head_dim_v))
+    elements_per_chunk = batch * q_heads * chunk_size * max(q.shape[-1], head_dim_v)
+    chunks_per_block = _BLOCK_ELEMENTS // max(1, elements_per_chunk)
     block_len = chunk_size * max(1, chunks_per_block)
     spans = [(start, min(block_len, whole - start), chunk_size) for start in range(0, whole, block_len)]
     if whole < seq_len:
@@ -252,37 +257,40 @@ def _causal_block(
     chunk: int,
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One block of L = n·C tokens: q [B, Hkv, G, L, Dk], k [B, Hkv, L, Dk], v [B, Hkv, L, Dv], keep [B, 1, L, 1]
-    or None; kv [B, Hkv, Dk, Dv] and k_sum [B, Hkv, Dk] summarise every earlier token.
+    """One block of L = n·C tokens: q [B, Hkv, G, L, Dk], k [B, Hkv, L, Dk], v [B, Hkv, L, Dv], keep
+    [B, 1, L, 1] or None; kv [B, Hkv, Dk, Dv] and k_sum [B, Hkv, Dk] summarise every earlier token.
 
-    Returns the block's numerator [B, Hkv, G, L, Dv] and denominator (eps included) [B, Hkv, G, L, 1], float32,
-    and the state after the block. The caller divides, straight into the output when it can.
+    Returns the block's numerator [B, Hkv, G, L, Dv] and denominator (eps included) [B, Hkv, G, L, 1], both
+    float32, and the state after the block. The caller divides, straight into the output when it can.
     """
     batch, kv_heads, groups, length, head_dim = q.shape
     head_dim_v = v.shape[-1]
     n_chunks = length // chunk
-    # Every matmul below is a plain batched matmul over (batch, kv head, chunk). The G query heads that share a
-    # key/value head are stacked as rows, so keys, values and states are never repeated per query head.
+    rows = batch * kv_heads * n_chunks  # the batch of every matmul below
+    # Every matmul below is a plain batched matmul over (batch, kv head, chunk). The G query heads that share
+    # a key/value head are stacked as rows, so keys, values and states are never repeated per query head.
     phi_q = _feature(phi, q.float()).unflatten(3, (n_chunks, chunk)).transpose(2, 3)
-    phi_q = phi_q.reshape(-1, groups * chunk, head_dim)  # [B·Hkv·n, G·C, Dk]
+    phi_q = phi_q.reshape(rows, groups * chunk, head_dim)  # [B·Hkv·n, G·C, Dk]
     phi_k = _feature(phi, k.float())
     if keep is not None:
         phi_k = phi_k.masked_fill(~keep, 0.0)  # a zero feature drops the key from every sum
-    phi_k = phi_k.reshape(-1, chunk, head_dim)  # [B·Hkv·n, C, Dk]
-    values = v.float().reshape(-1, chunk, head_dim_v)  # [B·Hkv·n, C, Dv]
+    phi_k = phi_k.reshape(rows, chunk, head_dim)  # [B·Hkv·n, C, Dk]
+    values = v.float().reshape(rows, chunk, head_dim_v)  # [B·Hkv·n, C, Dv]
 
     # Per-chunk sums Σ φ(k_j) v_jᵀ and Σ φ(k_j); an exclusive prefix sum seeded with the incoming state gives
     # what each chunk's queries see from before their chunk.
     chunk_kv = torch.bmm(phi_k.transpose(1, 2), values)  # [B·Hkv·n, Dk, Dv]
     chunk_k_sum = phi_k.sum(dim=1)  # [B·Hkv·n, Dk]
-    kv_before, kv = _exclusive_prefix_sum(chunk_kv.view(batch * kv_heads, n_chunks, -1), kv)
-    k_sum_before, k_sum = _exclusive_prefix_sum(chunk_k_sum.view(batch * kv_heads, n_chunks, -1), k_sum)
-    kv_before = kv_before.view(-1, head_dim, head_dim_v)  # [B·Hkv·n, Dk, Dv]
-    k_sum_before = k_sum_before.view(-1, 1, head_dim)  # [B·Hkv·n, 1, Dk]
+    per_head = (batch * kv_heads, n_chunks)
+    kv_before, kv = _exclusive_prefix_sum(chunk_kv.view(*per_head, head_dim * head_dim_v), kv)
+    k_sum_before, k_sum = _exclusive_prefix_sum(chunk_k_sum.view(*per_head, head_dim), k_sum)
+    kv_before = kv_before.view(rows, head_dim, head_dim_v)
+    k_sum_before = k_sum_before.view(rows, 1, head_dim)
 
     # Inside the chunk: φ(q_i)ᵀφ(k_j) for j ≤ i, one [C, C] lower triangle per stacked query head.
     scores = torch.bmm(phi_q, phi_k.transpose(1, 2))  # [B·Hkv·n, G·C, C]
     scores.view(-1, groups, chunk, chunk).tril_()
+    # Earlier chunks through the prefix state, plus this chunk through the masked scores.
     numerator = torch.bmm(phi_q, kv_before).baddbmm_(scores, values)  # [B·Hkv·n, G·C, Dv]
     denominator = (phi_q * k_sum_before).sum(dim=2, keepdim=True) + scores.sum(dim=2, keepdim=True) + eps
 
@@ -293,17 +301,20 @@ def _causal_block(
     return block_layout(numerator), block_layout(denominator), kv, k_sum
 
 
-def _exclusive_prefix_sum(chunk_sums: torch.Tensor, initial: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """chunk_sums [M, n, X], initial [M, ...] of X elements -> (initial + Σ_{c' < c} chunk_sums[c'] for every c
-    as [M, n, X], and initial + Σ_c chunk_sums[c] in initial's shape).
+def _exclusive_prefix_sum(
+    chunk_sums: torch.Tensor, initial: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """chunk_sums [M, n, X], initial [M, ...] of X elements -> (initial + Σ_{c' < c} chunk_sums[c'] for
+    every c, as [M, n, X]; and initial + Σ_c chunk_sums[c], in initial's shape).
 
-    A matmul with a strictly lower-triangular matrix of ones: much faster on CPU than cumsum over a middle dim.
+    A matmul with a strictly lower-triangular matrix of ones: much faster on CPU than a cumsum over a middle
+    dimension.
     """
-    batch, n_chunks, _ = chunk_sums.shape
+    batch, n_chunks, size = chunk_sums.shape
     strictly_lower = torch.ones(n_chunks, n_chunks, dtype=chunk_sums.dtype, device=chunk_sums.device).tril(-1)
-    flat_initial = initial.reshape(batch, 1, -1)
+    flat_initial = initial.reshape(batch, 1, size)
     before = torch.baddbmm(flat_initial, strictly_lower.expand(batch, -1, -1), chunk_sums)
-    total = before[:, -1] + chunk_sums[:, -1] - flat_initial[:, 0]
+    total = before[:, -1] + chunk_sums[:, -1]
     return before, total.view_as(initial)
 
 
@@ -325,8 +336,9 @@ def _non_causal_linear_attention(
         phi_k = phi_k.masked_fill(~keep[:, None, :, None], 0.0)
     kv = kv + phi_k.transpose(-1, -2) @ v.float()
     k_sum = k_sum + phi_k.sum(dim=2)
-    # The queries of a group all read the same key/value head: stack them as rows of one matmul.
-    phi_q = _feature(phi, q.float()).reshape(batch, kv_heads, -1, head_dim)  # [B, Hkv, G·Tq, Dk]
+    # The queries of a group all read the same key/value head: stack them as the rows of one matmul,
+    # [B, Hkv, G·Tq, Dk].
+    phi_q = _feature(phi, q.float()).reshape(batch, kv_heads, q_heads // kv_heads * q_len, head_dim)
     out = (phi_q @ kv) / (phi_q @ k_sum.unsqueeze(-1) + eps)
     return out.reshape(batch, q_heads, q_len, head_dim_v).to(q.dtype), kv, k_sum
 
@@ -361,14 +373,18 @@ def _checked_state(
             torch.zeros(k_sum_shape, dtype=torch.float32, device=device),
         )
     if not (isinstance(state, tuple) and len(state) == 2 and all(isinstance(t, torch.Tensor) for t in state)):
-        raise ValueError(f"{name} must be a LinearAttentionState(kv, k_sum) of tensors, got {type(state).__name__}")
+        raise ValueError(
+            f"{name} must be a LinearAttentionState(kv, k_sum) of tensors, got {type(state).__name__}"
+        )
     kv, k_sum = state
     for field, tensor, shape, layout in (
         ("kv", kv, kv_shape, "[batch, kv_heads, head_dim, head_dim_v]"),
         ("k_sum", k_sum, k_sum_shape, "[batch, kv_heads, head_dim]"),
     ):
         if tuple(tensor.shape) != shape:
-            raise ValueError(f"{name}.{field} must have shape {layout} = {list(shape)}, got {tuple(tensor.shape)}")
+            raise ValueError(
+                f"{name}.{field} must have shape {layout} = {list(shape)}, got {tuple(tensor.shape)}"
+            )
         if not tensor.dtype.is_floating_point:
             raise ValueError(f"{name}.{field} must be a floating-point tensor, got dtype {tensor.dtype}")
     return kv.to(device=device, dtype=torch.float32), k_sum.to(device=device, dtype=torch.float32)

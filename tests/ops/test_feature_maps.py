@@ -1,0 +1,91 @@
+"""Feature maps φ of linear attention: the built-in maps, lookup and registration."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from headkit.ops import FEATURE_MAPS, get_feature_map, register_feature_map
+
+
+@pytest.fixture(autouse=True)
+def restore_feature_maps():
+    saved = dict(FEATURE_MAPS)
+    yield
+    FEATURE_MAPS.clear()
+    FEATURE_MAPS.update(saved)
+
+
+def test_the_registry_holds_the_documented_maps():
+    assert {"elu", "relu", "identity"} <= set(FEATURE_MAPS)
+
+
+def test_elu_map_is_elu_plus_one_positive_with_the_elu_gradient():
+    x = torch.linspace(-30.0, 60.0, 1001, dtype=torch.float64).requires_grad_()
+    phi = FEATURE_MAPS["elu"](x)
+    # elu(x) + 1 = exp(x) for x ≤ 0, up to the rounding of expm1(x) + 1 near 1.
+    assert torch.allclose(phi, torch.where(x > 0, x + 1, torch.exp(x)), rtol=1e-12, atol=2e-16)
+    assert bool((phi > 0).all())
+    (grad,) = torch.autograd.grad(phi.sum(), x)
+    assert torch.allclose(grad, torch.where(x > 0, torch.ones_like(x), torch.exp(x)), rtol=1e-12, atol=0)
+
+
+def test_elu_map_leaves_its_input_untouched():
+    x = torch.randn(4, 8)
+    before = x.clone()
+    FEATURE_MAPS["elu"](x)
+    assert torch.equal(x, before)
+
+
+def test_relu_and_identity_maps():
+    x = torch.randn(3, 5, 8)
+    assert torch.equal(FEATURE_MAPS["relu"](x), x.clamp(min=0))
+    assert torch.equal(FEATURE_MAPS["identity"](x), x)
+
+
+@pytest.mark.parametrize("name", ["elu", "relu", "identity"])
+def test_get_feature_map_by_name_returns_the_registered_callable(name):
+    assert get_feature_map(name) is FEATURE_MAPS[name]
+
+
+def test_get_feature_map_passes_a_callable_through():
+    def squared(x: torch.Tensor) -> torch.Tensor:
+        return x * x
+
+    assert get_feature_map(squared) is squared
+
+
+@pytest.mark.parametrize("bad", ["softmax", "", 3, None])
+def test_get_feature_map_rejects_unknown_names_listing_the_valid_ones(bad):
+    with pytest.raises(ValueError, match=r"feature_map must be one of \['elu', 'identity', 'relu'\]"):
+        get_feature_map(bad)
+
+
+def test_register_feature_map_adds_a_name():
+    register_feature_map("softplus", F.softplus)
+    assert get_feature_map("softplus") is F.softplus
+    with pytest.raises(ValueError, match="softplus"):  # now listed among the valid names
+        get_feature_map("nope")
+
+
+def test_register_feature_map_refuses_a_duplicate_unless_overwrite():
+    with pytest.raises(ValueError, match="'elu' is already registered; pass overwrite=True"):
+        register_feature_map("elu", F.softplus)
+    assert FEATURE_MAPS["elu"] is not F.softplus
+    register_feature_map("elu", F.softplus, overwrite=True)
+    assert get_feature_map("elu") is F.softplus
+
+
+@pytest.mark.parametrize(
+    "name,fn,message",
+    [
+        ("", F.relu, "name must be a non-empty string"),
+        (3, F.relu, "name must be"),
+        ("x", 42, "fn must be callable"),
+    ],
+)
+def test_register_feature_map_rejects_bad_arguments(name, fn, message):
+    with pytest.raises(ValueError, match=message):
+        register_feature_map(name, fn)
+    assert name not in FEATURE_MAPS
