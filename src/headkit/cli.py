@@ -168,6 +168,8 @@ def compress(
     max_length: int = typer.Option(64, min=2, help="Tokens per text (longer texts are truncated)."),
     held_out: int = typer.Option(128, min=1, help="Held-out texts the fidelity is measured on."),
     seed: int = typer.Option(0, help="Seed of the decomposition and the corpus sampling."),
+    max_iter: int = typer.Option(100, min=0, help="ALS sweeps of the query/key decomposition, at most."),
+    tol: float = typer.Option(1e-6, min=0.0, help="Stop the decomposition when its error changes less."),
     out: Path = typer.Option(Path("results/compress"), help="Output folder (never the input model)."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
     timing_repeats: int = typer.Option(5, min=1, help="Timed forward passes (the median is reported)."),
@@ -185,8 +187,129 @@ def compress(
         max_length=max_length,
         held_out_texts=held_out,
         seed=seed,
+        tol=tol,
+        max_iter=max_iter,
         overwrite=overwrite,
         timing_repeats=timing_repeats,
     )
     report = run_compress_job(config, echo=typer.echo)
     typer.echo(str(report))
+
+
+@app.command()
+def train(
+    attention: str = typer.Option(
+        "linear", help="Mechanism of every layer: softmax, linear, additive, coca or collaborative."
+    ),
+    layer_types: str = typer.Option(
+        "",
+        help="Comma-separated mechanism per layer, for a hybrid (sets the layer count; overrides --attention).",
+    ),
+    corpus: Path = typer.Option(
+        None, help="A text file or a folder of text files (default: this Python's standard-library source)."
+    ),
+    tokenizer: Path = typer.Option(None, help="A tokenizer saved in a local folder (default: byte-level)."),
+    steps: int = typer.Option(None, min=1, help="Optimiser steps (default 300; 30 with --quick)."),
+    batch_size: int = typer.Option(8, min=1, help="Windows per step."),
+    seq_len: int = typer.Option(None, min=2, help="Tokens per window (default 256; 128 with --quick)."),
+    lr: float = typer.Option(1e-3, min=0.0, help="Peak learning rate (AdamW, warm-up then cosine decay)."),
+    hidden_size: int = typer.Option(None, min=1, help="Model width (default 256; 64 with --quick)."),
+    layers: int = typer.Option(None, min=1, help="Decoder layers (default 4; 2 with --quick)."),
+    heads: int = typer.Option(4, min=1, help="Attention heads per layer."),
+    set_fields: list[str] = typer.Option(
+        None,
+        "--set",
+        help="Any HeadkitConfig field as KEY=VALUE (JSON value), e.g. --set additive_window=64.",
+    ),
+    eval_tokens: int = typer.Option(
+        None, min=0, help="Held-out tokens for bits per byte (default 65536; 8192 with --quick; 0 = none)."
+    ),
+    max_corpus_bytes: int = typer.Option(
+        None, min=1, help="Read at most this many bytes of the corpus (default all; 2 MB with --quick)."
+    ),
+    seed: int = typer.Option(0, help="Seed of the initialisation and the batch sampling."),
+    device: str = typer.Option("cpu", help="Device to train on."),
+    out: Path = typer.Option(
+        Path("results/train"), help="Output folder: model, tokenizer, training_report.json."
+    ),
+    overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
+    quick: bool = typer.Option(False, help="A small model and a short run (about a minute on 2 CPU cores)."),
+) -> None:
+    """Train a causal LM with any attention mechanism on a text corpus; report held-out bits per byte."""
+    import json
+
+    from headkit.data import load_corpus, load_tokenizer
+    from headkit.train import default_config, train_causal_lm
+
+    def default(value, full, short):
+        return value if value is not None else (short if quick else full)
+
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise HeadkitError(f"--out {str(out)!r} exists and is not empty; pass --overwrite to replace it")
+    fields: dict = {}
+    for item in set_fields or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise HeadkitError(f"--set takes KEY=VALUE, got {item!r}")
+        try:
+            fields[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            fields[key.strip()] = value
+    per_layer = [name.strip() for name in layer_types.split(",") if name.strip()]
+    seq_len = default(seq_len, 256, 128)
+    loaded_tokenizer = load_tokenizer(tokenizer)
+    settings = dict(
+        attention=attention,
+        hidden_size=default(hidden_size, 256, 64),
+        num_hidden_layers=len(per_layer) or default(layers, 4, 2),
+        num_attention_heads=heads,
+        max_position_embeddings=max(2048, seq_len),
+        **({"layer_types": per_layer} if per_layer else {}),
+    )
+    settings.update(fields)
+    config = default_config(loaded_tokenizer, **settings)
+    train_causal_lm(
+        config,
+        load_corpus(corpus, max_bytes=default(max_corpus_bytes, None, 2_000_000)),
+        steps=default(steps, 300, 30),
+        batch_size=batch_size,
+        seq_len=seq_len,
+        lr=lr,
+        tokenizer=loaded_tokenizer,
+        eval_tokens=default(eval_tokens, 65_536, 8_192),
+        out_dir=out,
+        seed=seed,
+        device=device,
+    )
+
+
+@bench_app.command("decode")
+def bench_decode(
+    device: str = typer.Option("cpu", help="Device to measure on: cpu or cuda."),
+    prompts: str = typer.Option(
+        "", help="Comma-separated prompt lengths (default 256,1024,4096; quick 256,1024)."
+    ),
+    new_tokens: int = typer.Option(None, min=2, help="Tokens generated per prompt (default 128; quick 32)."),
+    mechanisms: str = typer.Option("", help="Comma-separated mechanisms (default softmax,linear,additive)."),
+    repeats: int = typer.Option(1, min=1, help="Prefill + decode runs per point (their steps are pooled)."),
+    batch_size: int = typer.Option(1, min=1, help="Prompts decoded together."),
+    threads: int = typer.Option(None, min=1, help="torch threads during the run (default: torch's setting)."),
+    out: Path = typer.Option(
+        Path("results/decode"), help="Output directory for results.json, plot and table."
+    ),
+    quick: bool = typer.Option(False, help="Short run: prompts 256 and 1024, 32 new tokens."),
+) -> None:
+    """Time per generated token (greedy) after long prompts: softmax vs linear vs additive, same model size."""
+    from headkit.bench.decode import run_decode_benchmark
+
+    run_decode_benchmark(
+        device=device,
+        prompt_lengths=_parse_ints("prompts", prompts) if prompts.strip() else None,
+        new_tokens=new_tokens,
+        mechanisms=[m for m in mechanisms.split(",") if m.strip()] or None,
+        repeats=repeats,
+        batch_size=batch_size,
+        threads=threads,
+        out_dir=out,
+        quick=quick,
+    )

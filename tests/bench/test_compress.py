@@ -24,15 +24,21 @@ def tiny_encoder(tmp_path_factory):
     tokenizer = transformers.AutoTokenizer.from_pretrained(_minilm_tokenizer_dir(), local_files_only=True)
     torch.manual_seed(0)
     config = transformers.BertConfig(
-        vocab_size=tokenizer.vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-        intermediate_size=48, max_position_embeddings=64,
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=48,
+        max_position_embeddings=64,
     )
     model = transformers.BertModel(config).eval()
     with torch.no_grad():
         for name, parameter in model.named_parameters():
             if name.endswith("bias"):
                 torch.nn.init.normal_(parameter, std=0.3)
-            if name.endswith(("query.weight", "key.weight")):  # peaked attention, so that its fidelity matters
+            if name.endswith(
+                ("query.weight", "key.weight")
+            ):  # peaked attention, so that its fidelity matters
                 torch.nn.init.normal_(parameter, std=0.5)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -80,7 +86,18 @@ def test_full_size_compress_is_exact_and_reloads(tiny_encoder, tmp_path, monkeyp
 
 def test_distillation_recovers_fidelity_of_a_compressed_model(tiny_encoder, tmp_path):
     out = tmp_path / "out"
-    args = ["compress", str(tiny_encoder), "--dim", "6", "--distill-steps", "40", "--lr", "3e-3", "--out", str(out)]
+    args = [
+        "compress",
+        str(tiny_encoder),
+        "--dim",
+        "6",
+        "--distill-steps",
+        "40",
+        "--lr",
+        "3e-3",
+        "--out",
+        str(out),
+    ]
     assert _run([*args, *FAST]) == 0
     report = json.loads((out / "report.json").read_text())
     before, after = report["fidelity_after_swap"], report["fidelity"]

@@ -53,7 +53,9 @@ def naive_linear_layer(
             visible = mask.clone()
             if layer.causal:
                 visible[:, i + 1 :] = False
-            weights = (phi(queries[:, i, head, None, :]) * phi(keys[:, :, kv_head])).sum(-1) * visible  # [B, T]
+            weights = (phi(queries[:, i, head, None, :]) * phi(keys[:, :, kv_head])).sum(
+                -1
+            ) * visible  # [B, T]
             numerator = (weights[..., None] * values[:, :, kv_head]).sum(1)
             rows.append(numerator / (weights.sum(1, keepdim=True) + EPS))
         output = torch.stack(rows, dim=1)
@@ -172,6 +174,10 @@ def test_bad_settings_and_inputs_raise_value_error():
         make_layer(feature_map="no_such_map")
     bidirectional = make_layer(causal=False)
     with pytest.raises(ValueError, match="causal"):
-        bidirectional(torch.randn(1, 3, HIDDEN), past_key_values=HeadkitCache(bidirectional.config), use_cache=True)
+        bidirectional(
+            torch.randn(1, 3, HIDDEN), past_key_values=HeadkitCache(bidirectional.config), use_cache=True
+        )
     with pytest.raises(ValueError, match="attention_mask"):
-        make_layer()(torch.randn(BATCH, SEQ, HIDDEN), attention_mask=torch.ones(BATCH, SEQ + 1, dtype=torch.bool))
+        make_layer()(
+            torch.randn(BATCH, SEQ, HIDDEN), attention_mask=torch.ones(BATCH, SEQ + 1, dtype=torch.bool)
+        )

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, DynamicCache
 
-from headkit.layers import HeadkitCache
+from headkit.layers import HeadkitCache, RecurrentStateLayer, get_attention_class
 from headkit.models import HeadkitForCausalLM, HeadkitForSequenceClassification
 
 RUNNING_MEAN = "test_running_mean"  # the toy recurrent layer registered by the running_mean fixture
@@ -18,6 +18,13 @@ VARIANTS = {
     "learned_positions": {"position_embedding_type": "learned", "mlp_type": "plain", "hidden_act": "gelu"},
     "hybrid_recurrent": {"layer_types": ["softmax", RUNNING_MEAN], "num_key_value_heads": 2},
     "all_recurrent": {"layer_types": [RUNNING_MEAN, RUNNING_MEAN], "position_embedding_type": "none"},
+    # The shipped mechanisms; the prefill of 70 below is longer than one chunk (chunk_size 64).
+    "linear": {"attention": "linear", "num_key_value_heads": 2},
+    "additive_conv": {"attention": "additive", "convolve": True, "conv_kernel_size": 3, "conv_groups": 2},
+    "additive_window": {"attention": "additive", "additive_window": 5, "position_embedding_type": "learned"},
+    "coca": {"attention": "coca", "num_key_value_heads": 2},
+    "collaborative": {"attention": "collaborative", "dim_shared_query_key": 16, "attention_bias": True},
+    "hybrid_linear_softmax": {"layer_types": ["linear", "softmax"]},
 }
 
 
@@ -110,7 +117,10 @@ def test_model_creates_and_returns_its_cache(variant_config):
     cache = output.past_key_values
     assert isinstance(cache, HeadkitCache)
     assert cache.get_seq_length() == 7
-    expected_recurrent = [variant_config.attention_type(i) == RUNNING_MEAN for i in range(2)]
+    expected_recurrent = [
+        get_attention_class(variant_config.attention_type(i)).cache_layer_class is RecurrentStateLayer
+        for i in range(2)
+    ]
     assert cache.is_recurrent == expected_recurrent
     with torch.no_grad():
         assert model(ids, use_cache=False).past_key_values is None

@@ -77,6 +77,19 @@ def test_plain_models_load_through_the_same_loader(tmp_path):
     assert reloaded.config._attn_implementation == "eager"
 
 
+def test_reload_can_pick_the_attention_implementation(tmp_path):
+    model = tiny_model("gpt2", "eager")
+    swap_to_collaborative(model, dim_shared_query_key=16)
+    model.save_pretrained(tmp_path)
+    reloaded = headkit.from_pretrained(tmp_path, attn_implementation="sdpa")
+    assert reloaded.config._attn_implementation == "sdpa"
+    inputs = model_inputs("gpt2")
+    keep = inputs["attention_mask"].bool()
+    torch.testing.assert_close(
+        _outputs(reloaded, inputs)[keep], _outputs(model, inputs)[keep], atol=1e-5, rtol=1e-5
+    )
+
+
 def _drop_pooler_bias(model, entry):
     pooler = model.pooler.dense
     model.pooler.dense = nn.Linear(pooler.in_features, pooler.out_features, bias=False)

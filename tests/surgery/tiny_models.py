@@ -36,7 +36,9 @@ def _roberta() -> nn.Module:
 
 
 def _distilbert() -> nn.Module:
-    return tr.DistilBertModel(tr.DistilBertConfig(vocab_size=VOCAB, dim=16, n_layers=2, n_heads=4, hidden_dim=24))
+    return tr.DistilBertModel(
+        tr.DistilBertConfig(vocab_size=VOCAB, dim=16, n_layers=2, n_heads=4, hidden_dim=24)
+    )
 
 
 def _albert() -> nn.Module:
@@ -58,7 +60,12 @@ def _gpt2() -> nn.Module:
 
 def _vit() -> nn.Module:
     config = tr.ViTConfig(
-        image_size=8, patch_size=4, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=24
+        image_size=8,
+        patch_size=4,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=24,
     )
     return tr.ViTModel(config)
 

@@ -223,11 +223,11 @@ def attention_statistics(
                     raise HeadkitError(
                         f"batches must be mappings of model inputs, got {type(batch).__name__}"
                     )
-                attentions = _attentions(model, batch)
+                attentions = _attentions(model, batch, len(layer_to_site))
                 if attentions is None and not switched and _can_switch_to_eager(model):
                     model.set_attn_implementation("eager")
                     switched = True
-                    attentions = _attentions(model, batch)
+                    attentions = _attentions(model, batch, len(layer_to_site))
                 if attentions is None:
                     raise HeadkitError(
                         f"{type(model).__name__} returned no attention weights; load it with "
@@ -250,9 +250,13 @@ def attention_statistics(
     return confidence, entropy
 
 
-def _attentions(model: nn.Module, batch: Mapping[str, Any]) -> tuple[torch.Tensor, ...] | None:
+def _attentions(
+    model: nn.Module, batch: Mapping[str, Any], num_layers: int
+) -> tuple[torch.Tensor, ...] | None:
+    """The attention weights of every layer, or None when the implementation returns none for some layer (sdpa
+    modules return None, which transformers' recorders leave out of the tuple)."""
     attentions = getattr(model(**batch, output_attentions=True), "attentions", None)
-    if attentions is None or any(weights is None for weights in attentions):
+    if attentions is None or len(attentions) != num_layers or any(weights is None for weights in attentions):
         return None
     return tuple(attentions)
 
@@ -271,10 +275,6 @@ def _accumulate(
     entropy_sums: list[torch.Tensor],
     query_counts: list[float],
 ) -> None:
-    if len(attentions) != len(layer_to_site):
-        raise HeadkitError(
-            f"the model returned attention weights for {len(attentions)} layers, its adapter knows {len(layer_to_site)}"
-        )
     for layer, weights in enumerate(attentions):
         site = layer_to_site[layer]
         batch_size, heads, q_len, _ = weights.shape

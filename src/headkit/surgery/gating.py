@@ -264,7 +264,8 @@ def _build_gate(
         except (TypeError, ValueError) as exc:
             raise HeadkitError(f"bad Hard Concrete gate option: {exc}") from None
     if reference is not None:
-        gate.to(reference.device)  # gates stay float32 whatever the model's dtype: log α needs the precision
+        # Built in float32 whatever the model's dtype (log α needs the precision); only moved to its device.
+        gate.to(reference.device)
     return gate
 
 

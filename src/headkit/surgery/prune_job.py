@@ -271,7 +271,7 @@ def run_prune_job(config: PruneJobConfig, echo: Callable[[str], None] = print) -
     held_out = tokenize_batches(tokenizer, held_out_texts, config.batch_size, config.max_length)
     if not train_batches or not held_out:
         raise HeadkitError("--batch-size is larger than the corpus; lower it")
-    echo(f"{model_path.name}: {total_heads} heads in {len(heads_before)} layers; keeping {target}")
+    echo(f"{model_path}: {total_heads} heads in {len(heads_before)} layers; keeping {target}")
 
     # The teacher's states are computed once: every step then runs the student only.
     with torch.no_grad():

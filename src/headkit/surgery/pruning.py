@@ -28,6 +28,7 @@ Every call validates the whole plan before it changes anything, and records itse
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -295,7 +296,9 @@ def _slice_gate(gate: HardConcreteGate | FixedGate, keep: list[int]) -> None:
 
 def _empty_site(model: nn.Module, adapter: AttentionAdapter, site: AttentionSite) -> None:
     o_weight, o_bias = linear_parameters(site.output_projection)
-    replace_linear(model, site.output_projection_name, o_weight[:, :0], o_bias)
+    with warnings.catch_warnings():  # nn.Linear warns that initialising its empty weight does nothing
+        warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
+        replace_linear(model, site.output_projection_name, o_weight[:, :0], o_bias)
     site = adapter.sites(model)[site.index]
     empty = EmptyAttention(
         head_dim=site.head_dim,

@@ -1,0 +1,484 @@
+"""``headkit bench decode``: time per generated token of softmax, linear and additive language models.
+
+Three :class:`~headkit.models.HeadkitForCausalLM` models of the same size (4 layers, hidden 256, 4 heads of 64,
+SwiGLU MLP of 1024, the byte vocabulary of 259 tokens, fp32, randomly initialised with one seed) generate
+greedily after prompts of P tokens (256, 1024, 4096 by default). What differs is what one new token costs:
+
+* ``softmax`` (Vaswani et al. 2017, with RoPE): the token attends over the key/value cache of every earlier
+  token, O(P) work and memory per token;
+* ``linear`` (Katharopoulos et al. 2020, Eq. 16–20): the token reads and updates a [head_dim × head_dim] state
+  per head, O(1) in P;
+* ``additive`` (Wu et al. 2021, Fastformer, causal form): the token updates two pooled vectors per head, O(1).
+
+Method: for each mechanism and prompt length, the prompt (random byte ids, seeded) is prefilled into a fresh
+:class:`~headkit.layers.HeadkitCache` (its last logits give the first new token), then the decoding loop of
+greedy ``generate()`` produces the other N − 1 of N new tokens (128 by default): the model's forward on the last
+token with the cache, argmax of the last logits. Each decoding step is timed on its own (``time.perf_counter``;
+on CUDA after a synchronize); the point reports the median step (robust to the odd preemption on a shared
+machine) and the mean, plus the prefill time. One untimed warm-up (a short prefill and a few steps) precedes
+each model's measurements, and ``repeats`` > 1 repeats the whole prefill + decode and pools the steps.
+
+Targets (from the issue), on the median per-token time: linear and additive at the longest prompt within 1.2×
+of their time at the shortest; at the longest prompt, ≥ 3× faster than softmax. Outputs in ``out_dir``:
+``results.json``, ``table.md`` and ``decode.png`` (per-token time and prefill time vs prompt length).
+"""
+
+from __future__ import annotations
+
+import shlex
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from headkit.bench._measure import synchronize
+from headkit.bench._report import (
+    command_line,
+    machine_info,
+    markdown_table,
+    save_figure_atomic,
+    write_json_atomic,
+    write_text_atomic,
+)
+from headkit.data import ByteTokenizer
+from headkit.errors import HeadkitError
+from headkit.layers import HeadkitCache
+from headkit.models import HeadkitConfig, HeadkitForCausalLM
+
+MECHANISMS = ("softmax", "linear", "additive")
+BASELINE = "softmax"
+DEFAULT_PROMPT_LENGTHS = (256, 1024, 4096)
+DEFAULT_NEW_TOKENS = 128
+QUICK_PROMPT_LENGTHS = (256, 1024)
+QUICK_NEW_TOKENS = 32
+MODEL_SIZE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, intermediate_size=1024)
+WARMUP_PROMPT, WARMUP_STEPS = 16, 4
+SEED = 0
+# The flatness target: time per token at the longest prompt / at the shortest, for the recurrent mechanisms.
+MAX_FLATNESS = 1.2
+MIN_SPEEDUP = 3.0
+
+RESULTS_FILE, TABLE_FILE, PLOT_FILE = "results.json", "table.md", "decode.png"
+
+
+def model_config(mechanism: str, max_positions: int) -> HeadkitConfig:
+    """The benchmarked model: 4 layers, hidden 256, byte vocabulary, ``attention=mechanism``."""
+    tokenizer = ByteTokenizer()
+    return HeadkitConfig(
+        vocab_size=tokenizer.vocab_size,
+        attention=mechanism,
+        max_position_embeddings=max_positions,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        **MODEL_SIZE,
+    )
+
+
+@torch.no_grad()
+def time_greedy_decoding(
+    model: HeadkitForCausalLM, prompt: torch.Tensor, new_tokens: int, device: torch.device
+) -> tuple[float, list[float], torch.Tensor]:
+    """Prefill ``prompt`` [B, P], then decode ``new_tokens`` greedily, one forward per token with the cache.
+
+    Returns (prefill seconds, seconds of every decoding step, the generated ids [B, new_tokens]). The loop is
+    the one greedy ``generate()`` runs (cache, last-position logits, argmax), without its bookkeeping.
+    """
+    cache = HeadkitCache(model.config)
+    synchronize(device)
+    start = time.perf_counter()
+    logits = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    next_ids = logits[:, -1].argmax(-1, keepdim=True)
+    synchronize(device)
+    prefill_s = time.perf_counter() - start
+    generated, step_s = [next_ids], []
+    for _ in range(new_tokens - 1):
+        start = time.perf_counter()
+        logits = model(next_ids, past_key_values=cache, use_cache=True).logits
+        next_ids = logits[:, -1].argmax(-1, keepdim=True)
+        synchronize(device)
+        step_s.append(time.perf_counter() - start)
+        generated.append(next_ids)
+    return prefill_s, step_s, torch.cat(generated, dim=1)
+
+
+@dataclass
+class _Plan:
+    device: torch.device
+    prompt_lengths: list[int]
+    new_tokens: int
+    mechanisms: list[str]
+    repeats: int
+    batch_size: int
+    out_dir: Path
+    quick: bool
+    notes: list[str] = field(default_factory=list)
+
+
+def run_decode_benchmark(
+    *,
+    device: str = "cpu",
+    prompt_lengths: Sequence[int] | None = None,
+    new_tokens: int | None = None,
+    mechanisms: Sequence[str] | None = None,
+    repeats: int = 1,
+    batch_size: int = 1,
+    threads: int | None = None,
+    out_dir: str | Path = Path("results/decode"),
+    quick: bool = False,
+    console: Console | None = None,
+    show_progress: bool = True,
+) -> dict[str, Any]:
+    """Measure time per generated token for each mechanism and prompt length; write the report to ``out_dir``.
+
+    Args:
+        device: "cpu" or "cuda" (or "cuda:N").
+        prompt_lengths: prompt lengths P; 256, 1024, 4096 by default (256, 1024 with ``quick``).
+        new_tokens: tokens generated after each prompt; 128 by default (32 with ``quick``); at least 2.
+        mechanisms: some of "softmax", "linear", "additive" (all by default).
+        repeats: prefill + decode runs per point; their steps are pooled.
+        batch_size: prompts decoded together.
+        threads: torch intra-op threads during the run (restored afterwards); None keeps the current setting.
+            On a shared CPU, 1 thread avoids waiting for busy cores inside every small op.
+        out_dir: output folder for results.json, table.md and decode.png.
+        quick: the short defaults above.
+        console, show_progress: where the progress bar and tables go, and whether to draw the bar.
+
+    Returns:
+        The dictionary written to results.json.
+
+    Raises:
+        HeadkitError (a ValueError): unknown mechanism, bad lengths or counts, CUDA asked for but absent.
+    """
+    plan = _plan(device, prompt_lengths, new_tokens, mechanisms, repeats, batch_size, out_dir, quick)
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0):
+        raise HeadkitError(f"threads must be a positive integer or None, got {threads!r}")
+    console = console or Console()
+    previous_threads = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        points = _measure(plan, console, show_progress)
+        machine = machine_info(plan.device)  # records the thread count in force during the run
+    finally:
+        torch.set_num_threads(previous_threads)
+    return _report(plan, points, machine, console)
+
+
+def _measure(plan: _Plan, console: Console, show_progress: bool) -> list[dict[str, Any]]:
+    max_positions = max(2048, max(plan.prompt_lengths) + plan.new_tokens)
+    points: list[dict[str, Any]] = []
+    progress = Progress(
+        TextColumn("{task.description:<28}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        disable=not show_progress,
+    )
+    with progress:
+        task = progress.add_task("decode", total=len(plan.mechanisms) * len(plan.prompt_lengths))
+        for mechanism in plan.mechanisms:
+            torch.manual_seed(SEED)
+            model = HeadkitForCausalLM(model_config(mechanism, max_positions)).to(plan.device).eval()
+            generator = torch.Generator().manual_seed(SEED)
+            warmup_prompt = torch.randint(0, 256, (plan.batch_size, WARMUP_PROMPT), generator=generator)
+            time_greedy_decoding(model, warmup_prompt.to(plan.device), WARMUP_STEPS, plan.device)
+            for prompt_length in plan.prompt_lengths:
+                progress.update(task, description=f"{mechanism} P={prompt_length}")
+                prompt = torch.randint(0, 256, (plan.batch_size, prompt_length), generator=generator)
+                prefills, steps = [], []
+                for _ in range(plan.repeats):
+                    prefill_s, step_s, _ = time_greedy_decoding(
+                        model, prompt.to(plan.device), plan.new_tokens, plan.device
+                    )
+                    prefills.append(prefill_s)
+                    steps.extend(step_s)
+                points.append(
+                    {
+                        "mechanism": mechanism,
+                        "prompt_length": prompt_length,
+                        "median_token_s": statistics.median(steps),
+                        "mean_token_s": statistics.fmean(steps),
+                        "step_s": steps,
+                        "prefill_s": statistics.median(prefills),
+                    }
+                )
+                progress.advance(task)
+            del model
+    return points
+
+
+def _report(
+    plan: _Plan, points: list[dict[str, Any]], machine: dict[str, Any], console: Console
+) -> dict[str, Any]:
+    """Write results.json, table.md and decode.png; print the tables; return the results."""
+    results = {
+        "benchmark": "decode",
+        "config": {
+            "model": {**MODEL_SIZE, "vocab_size": ByteTokenizer.vocab_size, "dtype": "float32"},
+            "device": str(plan.device),
+            "prompt_lengths": plan.prompt_lengths,
+            "new_tokens": plan.new_tokens,
+            "batch_size": plan.batch_size,
+            "threads": machine["torch_threads"],
+            "repeats": plan.repeats,
+            "mechanisms": plan.mechanisms,
+            "quick": plan.quick,
+            "statistic": "median over decoding steps",
+            "notes": plan.notes,
+        },
+        "machine": machine,
+        "command": command_line(),
+        "points": points,
+        "targets": evaluate_targets(points, plan.prompt_lengths),
+    }
+    write_json_atomic(plan.out_dir / RESULTS_FILE, results)
+    write_text_atomic(plan.out_dir / TABLE_FILE, render_markdown(results))
+    save_figure_atomic(plot_results(results), plan.out_dir / PLOT_FILE)
+    for note in plan.notes:
+        console.print(f"[dim]{note}[/]", highlight=False)
+    console.print(_time_table(results))
+    console.print(_target_table(results))
+    console.print(f"wrote {RESULTS_FILE}, {TABLE_FILE} and {PLOT_FILE} to {plan.out_dir}", highlight=False)
+    return results
+
+
+def _plan(
+    device: str,
+    prompt_lengths: Sequence[int] | None,
+    new_tokens: int | None,
+    mechanisms: Sequence[str] | None,
+    repeats: int,
+    batch_size: int,
+    out_dir: str | Path,
+    quick: bool,
+) -> _Plan:
+    """Validate the arguments: every user error surfaces here, before a model is built."""
+    try:
+        torch_device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise HeadkitError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from None
+    if torch_device.type not in ("cpu", "cuda"):
+        raise HeadkitError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
+    if torch_device.type == "cuda" and not torch.cuda.is_available():
+        raise HeadkitError(f"device {device!r} asked for, but CUDA is not available here; use --device cpu")
+    for name, value in (("repeats", repeats), ("batch_size", batch_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise HeadkitError(f"{name} must be a positive integer, got {value!r}")
+    if prompt_lengths is None:
+        prompt_lengths = QUICK_PROMPT_LENGTHS if quick else DEFAULT_PROMPT_LENGTHS
+    if not prompt_lengths or any(
+        isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in prompt_lengths
+    ):
+        raise HeadkitError(
+            f"prompt lengths must be a non-empty list of positive integers, got {prompt_lengths!r}"
+        )
+    if new_tokens is None:
+        new_tokens = QUICK_NEW_TOKENS if quick else DEFAULT_NEW_TOKENS
+    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 2:
+        raise HeadkitError(
+            f"new_tokens must be an integer ≥ 2 (one prefill token, then timed steps), got {new_tokens!r}"
+        )
+    names = list(MECHANISMS) if mechanisms is None else [name.strip() for name in mechanisms]
+    unknown = [name for name in names if name not in MECHANISMS]
+    if unknown or not names:
+        raise HeadkitError(
+            f"unknown mechanism(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
+            f"valid names: {', '.join(MECHANISMS)}"
+        )
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise NotADirectoryError(f"--out {str(out_dir)!r} exists and is not a directory")
+    notes = []
+    if quick:
+        notes.append(f"quick: prompts {list(prompt_lengths)}, {new_tokens} new tokens")
+    return _Plan(
+        torch_device,
+        sorted(set(prompt_lengths)),
+        new_tokens,
+        list(dict.fromkeys(names)),
+        repeats,
+        batch_size,
+        out_dir,
+        quick,
+        notes,
+    )
+
+
+# --- targets -------------------------------------------------------------------------------------------------
+
+
+def _point(points: list[dict[str, Any]], mechanism: str, prompt_length: int) -> dict[str, Any] | None:
+    for point in points:
+        if (point["mechanism"], point["prompt_length"]) == (mechanism, prompt_length):
+            return point
+    return None
+
+
+def evaluate_targets(points: list[dict[str, Any]], prompt_lengths: Sequence[int]) -> list[dict[str, Any]]:
+    """The issue's targets on median per-token times: flatness (longest / shortest prompt ≤ 1.2) and speed-up
+    over softmax at the longest prompt (≥ 3), for linear and additive; None where a side was not measured."""
+    shortest, longest = min(prompt_lengths), max(prompt_lengths)
+    targets = []
+    for mechanism in ("linear", "additive"):
+        long_point, short_point = _point(points, mechanism, longest), _point(points, mechanism, shortest)
+        flatness = None
+        if long_point and short_point and longest != shortest:
+            flatness = long_point["median_token_s"] / short_point["median_token_s"]
+        targets.append(
+            {
+                "description": f"{mechanism}: per-token time at P={longest} ≤ {MAX_FLATNESS}× that at P={shortest}",
+                "mechanism": mechanism,
+                "kind": "flatness",
+                "measured": flatness,
+                "required": MAX_FLATNESS,
+                "passed": None if flatness is None else flatness <= MAX_FLATNESS,
+            }
+        )
+        baseline = _point(points, BASELINE, longest)
+        speedup = None
+        if long_point and baseline:
+            speedup = baseline["median_token_s"] / long_point["median_token_s"]
+        targets.append(
+            {
+                "description": f"{mechanism}: ≥ {MIN_SPEEDUP:g}× faster per token than softmax at P={longest}",
+                "mechanism": mechanism,
+                "kind": "speedup",
+                "measured": speedup,
+                "required": MIN_SPEEDUP,
+                "passed": None if speedup is None else speedup >= MIN_SPEEDUP,
+            }
+        )
+    return targets
+
+
+# --- rendering -----------------------------------------------------------------------------------------------
+
+
+def _verdict(passed: bool | None) -> str:
+    return {True: "pass", False: "FAIL", None: "not measured"}[passed]
+
+
+def _milliseconds(seconds: float | None) -> str:
+    return "—" if seconds is None else f"{seconds * 1e3:.3g}"
+
+
+def _rows(results: dict[str, Any], key: str) -> list[list[str]]:
+    lengths = results["config"]["prompt_lengths"]
+    rows = []
+    for mechanism in results["config"]["mechanisms"]:
+        cells = []
+        for length in lengths:
+            point = _point(results["points"], mechanism, length)
+            cells.append(_milliseconds(point and point[key]))
+        rows.append([mechanism, *cells])
+    return rows
+
+
+def _target_rows(results: dict[str, Any]) -> list[list[str]]:
+    return [
+        [
+            target["description"],
+            "—" if target["measured"] is None else f"{target['measured']:.3g}×",
+            ("≤ " if target["kind"] == "flatness" else "≥ ") + f"{target['required']:g}×",
+            _verdict(target["passed"]),
+        ]
+        for target in results["targets"]
+    ]
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    """table.md: per-token medians and means, prefill times, targets."""
+    config, machine = results["config"], results["machine"]
+    model = config["model"]
+    headers = ["mechanism", *(f"P={n}" for n in config["prompt_lengths"])]
+    sections = [
+        "# headkit bench decode\n",
+        f"{model['num_hidden_layers']} layers, hidden {model['hidden_size']}, {model['num_attention_heads']} heads, "
+        f"vocab {model['vocab_size']}, {model['dtype']}; batch {config['batch_size']}, {config['new_tokens']} new "
+        f"tokens (greedy) after each prompt; device {config['device']} ({machine['cpu_model']}, "
+        f"{machine['torch_threads']} torch threads), torch {machine['torch_version']}.\n",
+        f"Command: `{shlex.join(results['command'])}`\n",
+        "## Time per generated token, median over decoding steps (ms)\n",
+        markdown_table(headers, _rows(results, "median_token_s")),
+        "## Time per generated token, mean (ms)\n",
+        markdown_table(headers, _rows(results, "mean_token_s")),
+        "## Prefill of the prompt (ms)\n",
+        markdown_table(headers, _rows(results, "prefill_s")),
+        "## Targets\n",
+        markdown_table(["target", "measured", "required", "result"], _target_rows(results)),
+    ]
+    return "\n".join(sections)
+
+
+def _time_table(results: dict[str, Any]) -> Table:
+    table = Table(title="median time per generated token (ms)")
+    for header in ["mechanism", *(f"P={n}" for n in results["config"]["prompt_lengths"])]:
+        table.add_column(header, justify="left" if header == "mechanism" else "right")
+    for row in _rows(results, "median_token_s"):
+        table.add_row(*row)
+    return table
+
+
+def _target_table(results: dict[str, Any]) -> Table:
+    table = Table(title="targets")
+    for header in ("target", "measured", "required", "result"):
+        table.add_column(header)
+    style = {"pass": "green", "FAIL": "bold red", "not measured": "dim"}
+    for description, measured, required, verdict in _target_rows(results):
+        table.add_row(description, measured, required, f"[{style[verdict]}]{verdict}[/]")
+    return table
+
+
+def plot_results(results: dict[str, Any]) -> Any:
+    """Per-token time (left) and prefill time (right) vs prompt length, log-log, one line per mechanism."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import NullLocator
+
+    config = results["config"]
+    figure = Figure(figsize=(11, 4.5), layout="constrained")
+    axes = figure.subplots(1, 2)
+    for ax, (key, title) in zip(
+        axes, (("median_token_s", "time per generated token"), ("prefill_s", "prefill")), strict=True
+    ):
+        for mechanism in config["mechanisms"]:
+            points = [p for p in results["points"] if p["mechanism"] == mechanism]
+            style = {"color": "black", "linestyle": "--"} if mechanism == BASELINE else {}
+            ax.plot(
+                [p["prompt_length"] for p in points],
+                [p[key] * 1e3 for p in points],
+                marker="o",
+                label=mechanism,
+                **style,
+            )
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(config["prompt_lengths"], [str(n) for n in config["prompt_lengths"]])
+        ax.xaxis.set_minor_locator(NullLocator())
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt length P (tokens)")
+        ax.set_ylabel(f"{title} (ms)")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize="small")
+    model = config["model"]
+    figure.suptitle(
+        f"greedy decoding, {model['num_hidden_layers']} layers × hidden {model['hidden_size']}, "
+        f"batch {config['batch_size']}, {config['new_tokens']} new tokens, {config['device']}"
+    )
+    return figure
+
+
+if __name__ == "__main__":
+    import sys
+
+    from headkit.cli import main
+
+    main(["bench", "decode", *sys.argv[1:]])

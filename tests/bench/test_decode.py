@@ -1,0 +1,130 @@
+"""``headkit bench decode``: the timed loop is greedy generation, a tiny end-to-end run, targets, argument errors."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+from rich.console import Console
+
+from headkit.bench import decode
+from headkit.bench.decode import evaluate_targets, run_decode_benchmark, time_greedy_decoding
+from headkit.cli import main
+from headkit.errors import HeadkitError
+from headkit.models import HeadkitForCausalLM
+
+TINY_SIZE = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
+
+
+@pytest.fixture
+def tiny_models(monkeypatch):
+    """The benchmark's models shrunk to one small layer, so an end-to-end run takes a second."""
+    monkeypatch.setattr(decode, "MODEL_SIZE", TINY_SIZE)
+
+
+@pytest.mark.parametrize("mechanism", decode.MECHANISMS)
+def test_timed_loop_generates_what_greedy_generate_generates(mechanism, tiny_models):
+    torch.manual_seed(0)
+    model = HeadkitForCausalLM(decode.model_config(mechanism, max_positions=64)).eval()
+    for parameter in model.parameters():  # sharper logits than the default init: no near-ties in the argmax
+        torch.nn.init.normal_(parameter, std=0.5)
+    prompt = torch.randint(0, 256, (2, 9))
+    prefill_s, step_s, generated = time_greedy_decoding(model, prompt, 6, torch.device("cpu"))
+    expected = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=256)
+    assert torch.equal(generated, expected[:, 9:])
+    assert len(step_s) == 5 and prefill_s > 0 and all(s > 0 for s in step_s)
+
+
+def test_a_tiny_run_writes_results_table_and_plot(tiny_models, tmp_path):
+    console = Console(file=io.StringIO(), width=120)
+    results = run_decode_benchmark(
+        prompt_lengths=[8, 24],
+        new_tokens=3,
+        repeats=2,
+        batch_size=2,
+        threads=1,
+        out_dir=tmp_path,
+        console=console,
+        show_progress=False,
+    )
+    assert {(p["mechanism"], p["prompt_length"]) for p in results["points"]} == {
+        (m, n) for m in decode.MECHANISMS for n in (8, 24)
+    }
+    for point in results["points"]:
+        assert len(point["step_s"]) == 2 * 2  # two repeats of new_tokens − 1 timed steps
+        assert point["median_token_s"] > 0 and point["prefill_s"] > 0
+    assert results["config"]["threads"] == 1 and results["config"]["batch_size"] == 2
+    assert len(results["targets"]) == 4
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["points"] == results["points"]
+    table = (tmp_path / "table.md").read_text()
+    assert "| mechanism | P=8 | P=24 |" in table and "## Targets" in table
+    assert (tmp_path / "decode.png").read_bytes()[:4] == b"\x89PNG"
+    assert "wrote results.json" in console.file.getvalue()
+
+
+def point(mechanism: str, prompt_length: int, seconds: float) -> dict:
+    return {"mechanism": mechanism, "prompt_length": prompt_length, "median_token_s": seconds}
+
+
+def test_targets_compare_flatness_and_speedup():
+    points = [
+        point("softmax", 256, 0.010),
+        point("softmax", 4096, 0.040),
+        point("linear", 256, 0.005),
+        point("linear", 4096, 0.0055),  # 1.1× flatter than 1.2, 7.3× faster than softmax
+        point("additive", 256, 0.005),
+        point("additive", 4096, 0.020),  # 4× slower at 4096, only 2× faster than softmax
+    ]
+    targets = {(t["mechanism"], t["kind"]): t for t in evaluate_targets(points, [256, 4096])}
+    assert targets["linear", "flatness"]["measured"] == pytest.approx(1.1)
+    assert targets["linear", "flatness"]["passed"] and targets["linear", "speedup"]["passed"]
+    assert targets["linear", "speedup"]["measured"] == pytest.approx(0.040 / 0.0055)
+    assert not targets["additive", "flatness"]["passed"] and not targets["additive", "speedup"]["passed"]
+    # Without the baseline there is no speed-up to judge.
+    without_softmax = evaluate_targets([p for p in points if p["mechanism"] != "softmax"], [256, 4096])
+    assert [t["passed"] for t in without_softmax if t["kind"] == "speedup"] == [None, None]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"mechanisms": ["softmax", "mamba"]}, "mamba"),
+        ({"prompt_lengths": [0]}, "prompt lengths"),
+        ({"new_tokens": 1}, "new_tokens"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"device": "tpu"}, "device"),
+    ],
+)
+def test_bad_arguments_are_headkit_errors(kwargs, message, tmp_path):
+    with pytest.raises(HeadkitError, match=message):
+        run_decode_benchmark(out_dir=tmp_path, show_progress=False, **kwargs)
+
+
+def test_cli_reports_bad_prompt_lengths_in_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "decode", "--prompts", "256,x"])
+    assert exit_info.value.code == 2
+    assert "--prompts" in capsys.readouterr().err
+
+
+def test_cli_runs_the_benchmark(tiny_models, tmp_path):
+    main(
+        [
+            "bench",
+            "decode",
+            "--prompts",
+            "8",
+            "--new-tokens",
+            "2",
+            "--mechanisms",
+            "linear,additive",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["config"]["mechanisms"] == ["linear", "additive"]
+    assert [t["passed"] for t in results["targets"]] == [None, None, None, None]  # one length, no softmax
