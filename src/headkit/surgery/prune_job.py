@@ -24,6 +24,7 @@ import json
 import os
 import random
 import shutil
+import statistics
 import sysconfig
 import tempfile
 import time
@@ -66,10 +67,10 @@ class PruneJobConfig:
     train_texts: int = 1024
     held_out_texts: int = 256
     gate_lr: float = 0.1
-    weight_lr: float = 3e-5
+    weight_lr: float = 1e-4
     seed: int = 0
     overwrite: bool = False
-    timing_repeats: int = 5
+    timing_repeats: int = 7
 
     @classmethod
     def quick(cls, **overrides: Any) -> PruneJobConfig:
@@ -79,9 +80,9 @@ class PruneJobConfig:
             "finetune_steps": 20,
             "batch_size": 8,
             "max_length": 48,
-            "train_texts": 256,
+            "train_texts": 128,
             "held_out_texts": 64,
-            "timing_repeats": 3,
+            "timing_repeats": 5,
         }
         return cls(**(settings | overrides))
 
@@ -245,7 +246,6 @@ def check_output_folder(model_path: Path, out: Path, overwrite: bool) -> None:
 def run_prune_job(config: PruneJobConfig, echo: Callable[[str], None] = print) -> PruneJobReport:
     """Run the whole job (see the module docstring) and return its report."""
     from headkit.analysis.plots import plot_gate_history, plot_head_heatmap
-    from headkit.bench._measure import time_call
     from headkit.bench._report import write_json_atomic
 
     started = time.perf_counter()
@@ -277,7 +277,6 @@ def run_prune_job(config: PruneJobConfig, echo: Callable[[str], None] = print) -
     with torch.no_grad():
         teacher_states = [_states(teacher, batch) for batch in train_batches]
         held_out_teacher = torch.cat([mean_pool(_states(teacher, b), b["attention_mask"]) for b in held_out])
-    forward_before = time_call(lambda: _forward(teacher, held_out[0]), repeats=config.timing_repeats).median_s
     parameters_before = count_parameters(teacher)
 
     student = copy.deepcopy(teacher)
@@ -320,7 +319,9 @@ def run_prune_job(config: PruneJobConfig, echo: Callable[[str], None] = print) -
     with torch.no_grad():
         held_out_student = torch.cat([mean_pool(_states(student, b), b["attention_mask"]) for b in held_out])
     cosine = F.cosine_similarity(held_out_student, held_out_teacher, dim=-1)
-    forward_after = time_call(lambda: _forward(student, held_out[0]), repeats=config.timing_repeats).median_s
+    forward_before, forward_after = compare_forward_times(
+        teacher, student, held_out[0], config.timing_repeats
+    )
     heads_after = heads_per_layer(student, adapter)
 
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -366,6 +367,26 @@ def run_prune_job(config: PruneJobConfig, echo: Callable[[str], None] = print) -
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return report
+
+
+def compare_forward_times(
+    first: nn.Module, second: nn.Module, batch: dict, repeats: int
+) -> tuple[float, float]:
+    """Median seconds per forward of each model on `batch`. The two are timed in alternation, round after round,
+    so that a machine whose load drifts (other processes on shared cores) slows both alike."""
+    from headkit.bench._measure import time_call
+
+    rounds = [
+        (
+            time_call(lambda: _forward(first, batch), repeats=1),
+            time_call(lambda: _forward(second, batch), repeats=1),
+        )
+        for _ in range(repeats)
+    ]
+    return (
+        statistics.median(timing.median_s for timing, _ in rounds),
+        statistics.median(timing.median_s for _, timing in rounds),
+    )
 
 
 def _forward(model: nn.Module, batch: dict) -> torch.Tensor:
