@@ -140,3 +140,21 @@ def test_weights_that_do_not_fit_are_refused(tmp_path):
 def test_vocab_constant_matches_models():
     # Guard for the helpers the io tests rely on: every tiny text model shares one vocabulary size.
     assert tiny_model("bert").config.vocab_size == VOCAB
+
+
+def test_a_pruned_headkit_causal_lm_reloads_as_its_own_class_with_identical_logits(tmp_path):
+    import torch
+
+    import headkit
+    from headkit.models import HeadkitConfig, HeadkitForCausalLM
+
+    config = HeadkitConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64
+    )
+    model = HeadkitForCausalLM(config).eval()
+    headkit.prune_heads(model, {0: [1], 1: [0, 3]})
+    model.save_pretrained(tmp_path)
+    reloaded = headkit.from_pretrained(tmp_path)
+    assert type(reloaded) is HeadkitForCausalLM
+    tokens = torch.randint(0, 50, (2, 7))
+    assert torch.equal(reloaded(tokens).logits, model(tokens).logits)

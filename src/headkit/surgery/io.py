@@ -99,8 +99,10 @@ def from_pretrained(
 def _architecture_class(config: Any) -> type | None:
     import transformers
 
+    import headkit.models
+
     for name in getattr(config, "architectures", None) or []:
-        cls = getattr(transformers, name, None)
+        cls = getattr(transformers, name, None) or getattr(headkit.models, name, None)
         if cls is not None:
             return cls
     return None
