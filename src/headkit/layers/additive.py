@@ -165,7 +165,7 @@ class AdditiveAttention(HeadkitAttention):
 
     def _scores(self, x: torch.Tensor, score_weight: torch.Tensor) -> torch.Tensor:
         """wᵀ x_i / √d for every head and position: [B, H, T, D] → [B, H, T]."""
-        return torch.einsum("bhtd,hd->bht", x, score_weight.to(x.dtype)) * self.score_scale
+        return (x * score_weight.to(x.dtype)[:, None, :]).sum(-1) * self.score_scale
 
     def _pool(
         self,
