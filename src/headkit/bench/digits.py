@@ -1,0 +1,446 @@
+"""``headkit bench digits``: linear against softmax attention as autoregressive image models, on real digits.
+
+The experiment of Katharopoulos et al., "Transformers are RNNs: Fast Autoregressive Transformers with Linear
+Attention" (ICML 2020), Sec. 4.2 (MNIST image generation), at the scale of a laptop: scikit-learn's
+``load_digits`` (1,797 real 8×8 handwritten digits, intensities 0–16) stands in for MNIST.
+
+1. Every image becomes a sequence of 65 tokens: a start token (:data:`BOS`) and its 64 pixels in raster order,
+   each intensity 0–16 a token of its own (a discretised output, 17 classes per pixel).
+2. Two :class:`~headkit.models.HeadkitForCausalLM` of the same size, one with ``attention="linear"`` and one with
+   ``attention="softmax"`` (learned absolute positions for both: linear attention has no rotary positions), are
+   trained with the same budget (steps, batch, learning rate, seed) on the training images.
+3. Occluded-image completion: the bottom half of each test image is hidden and regenerated with
+   ``model.generate`` from the top half (linear attention decodes with its recurrent state — Eq. 18–20 of the
+   paper — softmax with its KV cache). Completion time is measured for 100, 200 and 300 images.
+4. A scikit-learn logistic-regression classifier trained on the real training digits classifies the completed
+   test images and the originals: the closer the two accuracies, the more the completions look like the digit.
+
+Writes ``results.json``, ``table.md`` and ``completions.png`` (occluded inputs, completions, originals) to the
+output folder.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from headkit.bench._report import (
+    command_line,
+    machine_info,
+    markdown_table,
+    save_figure_atomic,
+    write_json_atomic,
+    write_text_atomic,
+)
+from headkit.errors import HeadkitError
+from headkit.models import HeadkitConfig, HeadkitForCausalLM
+
+PIXELS = 64  # 8 × 8
+SIDE = 8
+LEVELS = 17  # load_digits intensities are integers 0..16
+BOS = LEVELS  # the start token, the only token that is not a pixel
+VOCAB_SIZE = LEVELS + 1
+VISIBLE = PIXELS // 2  # the top four rows are shown, the bottom four completed
+MECHANISMS = ("linear", "softmax")
+TEST_IMAGES = 300
+
+
+@dataclass
+class DigitsConfig:
+    """Settings of one ``headkit bench digits`` run (see the command's --help)."""
+
+    out: Path = Path("results/digits")
+    steps: int = 1500
+    batch_size: int = 64
+    lr: float = 3e-3
+    hidden_size: int = 128
+    layers: int = 4
+    heads: int = 4
+    image_counts: tuple[int, ...] = (100, 200, 300)
+    sample: bool = False  # greedy completion by default; sampling draws from the model's distribution
+    timing_repeats: int = 3
+    seed: int = 0
+    # Tiny models: a second thread only adds synchronisation, and on shared cores it costs 10× (measured).
+    threads: int = 1
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> DigitsConfig:
+        """The < 3 minute path on two CPU cores."""
+        settings = {
+            "steps": 450,
+            "batch_size": 32,
+            "hidden_size": 64,
+            "layers": 2,
+            "image_counts": (100,),
+            "timing_repeats": 3,
+        }
+        return cls(**(settings | overrides))
+
+
+@dataclass
+class DigitsData:
+    """The digits split into training and test images, as integer pixel arrays [N, 64] in 0..16."""
+
+    train_pixels: np.ndarray
+    train_labels: np.ndarray
+    test_pixels: np.ndarray
+    test_labels: np.ndarray
+
+
+@dataclass
+class MechanismResult:
+    """What one attention mechanism achieved."""
+
+    mechanism: str
+    parameters: int
+    train_seconds: float
+    final_train_loss: float
+    test_bits_per_pixel: float
+    classifier_accuracy_completed: float
+    completion_seconds: dict[int, float] = field(default_factory=dict)  # images -> seconds (median)
+    losses: list[float] = field(default_factory=list)
+
+
+# -- data ------------------------------------------------------------------------------------------------------
+
+
+def load_digit_data(test_images: int = TEST_IMAGES, seed: int = 0) -> DigitsData:
+    """scikit-learn's digits, shuffled reproducibly, the last `test_images` held out for testing."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    pixels = digits.data.astype(np.int64)
+    labels = digits.target.astype(np.int64)
+    if not 0 < test_images < len(pixels):
+        raise HeadkitError(f"test_images must be in [1, {len(pixels) - 1}], got {test_images!r}")
+    order = np.random.default_rng(seed).permutation(len(pixels))
+    pixels, labels = pixels[order], labels[order]
+    split = len(pixels) - test_images
+    return DigitsData(pixels[:split], labels[:split], pixels[split:], labels[split:])
+
+
+def to_sequences(pixels: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """Token sequences [N, 65]: the start token, then the 64 pixel intensities (each its own token)."""
+    pixels = torch.as_tensor(pixels, dtype=torch.long)
+    if pixels.ndim != 2 or pixels.shape[1] != PIXELS:
+        raise HeadkitError(f"pixels must have shape [N, {PIXELS}], got {tuple(pixels.shape)}")
+    if pixels.numel() and (int(pixels.min()) < 0 or int(pixels.max()) >= LEVELS):
+        raise HeadkitError(f"pixels must be integers in [0, {LEVELS - 1}]")
+    start = torch.full((pixels.shape[0], 1), BOS, dtype=torch.long)
+    return torch.cat([start, pixels], dim=1)
+
+
+def occlude(pixels: np.ndarray | torch.Tensor) -> torch.Tensor:
+    """The prompts [N, 33] of the completion task: the start token and the top half (four rows) of each image."""
+    return to_sequences(pixels)[:, : 1 + VISIBLE]
+
+
+# -- models ----------------------------------------------------------------------------------------------------
+
+
+def build_model(mechanism: str, config: DigitsConfig) -> HeadkitForCausalLM:
+    """A pixel model with `mechanism` attention; the same size and initialisation seed for every mechanism."""
+    torch.manual_seed(config.seed)
+    model_config = HeadkitConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.layers,
+        num_attention_heads=config.heads,
+        attention=mechanism,
+        position_embedding_type="learned",
+        max_position_embeddings=1 + PIXELS,
+        bos_token_id=BOS,
+        pad_token_id=None,
+        eos_token_id=None,
+    )
+    return HeadkitForCausalLM(model_config)
+
+
+def train_pixel_model(
+    model: HeadkitForCausalLM,
+    sequences: torch.Tensor,
+    config: DigitsConfig,
+    progress: Callable[[int, float], None] | None = None,
+) -> list[float]:
+    """``config.steps`` AdamW steps (cosine decay) of next-pixel cross-entropy on random batches of `sequences`.
+
+    The batches come from a generator seeded with ``config.seed``, so every mechanism sees the same images in the
+    same order."""
+    generator = torch.Generator().manual_seed(config.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.01)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / config.steps))
+    )
+    model.train()
+    losses = []
+    for step in range(config.steps):
+        batch = sequences[torch.randint(len(sequences), (config.batch_size,), generator=generator)]
+        loss = model(input_ids=batch, labels=batch).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        losses.append(float(loss.detach()))
+        if progress is not None:
+            progress(step + 1, losses[-1])
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def bits_per_pixel(model: HeadkitForCausalLM, sequences: torch.Tensor) -> float:
+    """Mean negative log2-likelihood of the pixels of `sequences` (lower is better; log2(17) ≈ 4.09 is chance)."""
+    logits = model(input_ids=sequences).logits[:, :-1]
+    nats = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), sequences[:, 1:].reshape(-1))
+    return float(nats) / math.log(2)
+
+
+@torch.no_grad()
+def complete_images(
+    model: HeadkitForCausalLM, prompts: torch.Tensor, *, sample: bool = False, seed: int = 0
+) -> torch.Tensor:
+    """Completed images [N, 64] in 0..16: the prompts' top halves kept, the bottom halves generated.
+
+    ``model.generate`` decodes with the model's cache — the recurrent state of linear attention, the KV cache of
+    softmax attention. The start token is never a valid pixel, so it is masked out of the generated logits."""
+    if prompts.ndim != 2 or prompts.shape[1] != 1 + VISIBLE:
+        raise HeadkitError(f"prompts must have shape [N, {1 + VISIBLE}], got {tuple(prompts.shape)}")
+    torch.manual_seed(seed)
+    generated = model.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=PIXELS - VISIBLE,
+        min_new_tokens=PIXELS - VISIBLE,
+        do_sample=sample,
+        suppress_tokens=[BOS],
+        top_k=None,
+        top_p=None,
+        temperature=None,
+        pad_token_id=BOS,
+    )
+    return generated[:, 1:]
+
+
+def train_classifier(pixels: np.ndarray, labels: np.ndarray) -> Any:
+    """Logistic regression on the real digits' intensities (scaled to [0, 1]): the judge of the completions."""
+    from sklearn.linear_model import LogisticRegression
+
+    return LogisticRegression(max_iter=2000).fit(pixels / (LEVELS - 1), labels)
+
+
+def classifier_accuracy(classifier: Any, pixels: np.ndarray | torch.Tensor, labels: np.ndarray) -> float:
+    return float((classifier.predict(np.asarray(pixels) / (LEVELS - 1)) == labels).mean())
+
+
+# -- the benchmark ---------------------------------------------------------------------------------------------
+
+
+def run_digits_benchmark(config: DigitsConfig | None = None, console: Any = None) -> dict[str, Any]:
+    """Run the benchmark with ``config.threads`` torch threads (restored after); see the module docstring.
+
+    Returns the dictionary written to ``results.json``."""
+    config = config or DigitsConfig()
+    _check_settings(config)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    try:
+        return _run_digits_benchmark_body(config, console)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run_digits_benchmark_body(config: DigitsConfig, console: Any) -> dict[str, Any]:
+    """Train both models, complete the occluded test images, time and judge the completions; write the report.
+
+    Returns the dictionary written to ``results.json``."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = console or Console()
+    started = time.perf_counter()
+    data = load_digit_data(max(TEST_IMAGES, max(config.image_counts)), config.seed)
+    train_sequences = to_sequences(data.train_pixels)
+    test_sequences = to_sequences(data.test_pixels)
+    classifier = train_classifier(data.train_pixels, data.train_labels)
+    accuracy_original = classifier_accuracy(classifier, data.test_pixels, data.test_labels)
+    console.print(
+        f"digits: {len(data.train_pixels)} training, {len(data.test_pixels)} test images; "
+        f"classifier accuracy on the original test images {accuracy_original:.3f}"
+    )
+    prompts = occlude(data.test_pixels)
+
+    results: list[MechanismResult] = []
+    completions: dict[str, torch.Tensor] = {}
+    with Progress(console=console, transient=True) as progress:
+        for mechanism in MECHANISMS:
+            model = build_model(mechanism, config)
+            task = progress.add_task(f"training {mechanism}", total=config.steps)
+            train_start = time.perf_counter()
+            losses = train_pixel_model(
+                model,
+                train_sequences,
+                config,
+                lambda step, loss, task=task: progress.update(task, completed=step),
+            )
+            train_seconds = time.perf_counter() - train_start
+            progress.update(task, description=f"completing with {mechanism}")
+            completed = complete_images(model, prompts, sample=config.sample, seed=config.seed)
+            completions[mechanism] = completed
+            seconds = {
+                count: _median_seconds(
+                    lambda count=count, model=model: complete_images(
+                        model, prompts[:count], sample=config.sample
+                    ),
+                    config.timing_repeats,
+                )
+                for count in config.image_counts
+            }
+            results.append(
+                MechanismResult(
+                    mechanism=mechanism,
+                    parameters=sum(p.numel() for p in model.parameters()),
+                    train_seconds=train_seconds,
+                    final_train_loss=float(np.mean(losses[-20:])),
+                    test_bits_per_pixel=bits_per_pixel(model, test_sequences),
+                    classifier_accuracy_completed=classifier_accuracy(
+                        classifier, completed.numpy(), data.test_labels
+                    ),
+                    completion_seconds=seconds,
+                    losses=losses,
+                )
+            )
+            console.print(f"{mechanism}: {_summary(results[-1])}")
+
+    out = Path(config.out)
+    report = {
+        "benchmark": "digits",
+        "command": command_line(),
+        "machine": machine_info("cpu"),
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+        "train_images": len(data.train_pixels),
+        "test_images": len(data.test_pixels),
+        "classifier_accuracy_original": accuracy_original,
+        "mechanisms": [asdict(result) for result in results],
+        "seconds": time.perf_counter() - started,
+        "files": {"table": str(out / "table.md"), "grid": str(out / "completions.png")},
+    }
+    save_figure_atomic(plot_completion_grid(data.test_pixels, completions), out / "completions.png")
+    write_text_atomic(out / "table.md", render_markdown(report))
+    write_json_atomic(out / "results.json", report)
+    console.print(render_markdown(report), highlight=False)
+    return report
+
+
+def _check_settings(config: DigitsConfig) -> None:
+    for name in ("steps", "batch_size", "hidden_size", "layers", "heads", "timing_repeats", "threads"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise HeadkitError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    if config.hidden_size % config.heads:
+        raise HeadkitError(f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads}")
+    if not config.image_counts or any(not 0 < count <= 1000 for count in config.image_counts):
+        raise HeadkitError(f"--images must be counts in [1, 1000], got {config.image_counts!r}")
+    if not config.lr > 0:
+        raise HeadkitError(f"--lr must be positive, got {config.lr!r}")
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    from headkit.bench._measure import time_call
+
+    return time_call(fn, repeats=repeats, warmup=0).median_s
+
+
+def _summary(result: MechanismResult) -> str:
+    times = ", ".join(
+        f"{count} images {seconds:.2f} s" for count, seconds in result.completion_seconds.items()
+    )
+    return (
+        f"{result.test_bits_per_pixel:.3f} bits/pixel on test images, classifier accuracy on completions "
+        f"{result.classifier_accuracy_completed:.3f}; completion time {times}"
+    )
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """The measured table: per mechanism, likelihood, the judge's accuracy and completion time per image count."""
+    counts = sorted({int(count) for result in report["mechanisms"] for count in result["completion_seconds"]})
+    headers = [
+        "attention",
+        "parameters",
+        "train s",
+        "test bits/pixel",
+        "accuracy on completions",
+        *(f"complete {count} images (s)" for count in counts),
+    ]
+    rows = [
+        [
+            result["mechanism"],
+            f"{result['parameters']:,}",
+            f"{result['train_seconds']:.1f}",
+            f"{result['test_bits_per_pixel']:.3f}",
+            f"{result['classifier_accuracy_completed']:.3f}",
+            *(f"{_lookup(result['completion_seconds'], count):.2f}" for count in counts),
+        ]
+        for result in report["mechanisms"]
+    ]
+    rows.append(
+        [
+            "original images",
+            "",
+            "",
+            "",
+            f"{report['classifier_accuracy_original']:.3f}",
+            *([""] * len(counts)),
+        ]
+    )
+    machine = report["machine"]
+    return (
+        f"Digits completion ({report['train_images']} training / {report['test_images']} test images, bottom half "
+        f"completed {'by sampling' if report['settings']['sample'] else 'greedily'}); {machine['cpu_model']}, "
+        f"{machine['torch_threads']} torch threads, torch {machine['torch_version']}.\n\n"
+        + markdown_table(headers, rows)
+    )
+
+
+def _lookup(seconds: dict, count: int) -> float:
+    # JSON turns the integer keys into strings; the report may come from either side of that round trip.
+    return seconds[count] if count in seconds else seconds[str(count)]
+
+
+def plot_completion_grid(
+    originals: np.ndarray, completions: dict[str, torch.Tensor], columns: int = 10
+) -> Any:
+    """A figure: a row of occluded inputs (hidden half grey), a row per mechanism's completions, the originals."""
+    from matplotlib.figure import Figure
+
+    columns = min(columns, len(originals))
+    occluded = np.asarray(originals[:columns], dtype=float).copy()
+    occluded[:, VISIBLE:] = np.nan
+    rows: list[tuple[str, np.ndarray]] = [("occluded", occluded)]
+    rows += [(name, np.asarray(images[:columns], dtype=float)) for name, images in completions.items()]
+    rows.append(("original", np.asarray(originals[:columns], dtype=float)))
+    figure = Figure(figsize=(columns * 0.9, len(rows) * 1.0))
+    axes = figure.subplots(len(rows), columns, squeeze=False)
+    cmap = _grey_with_hidden()
+    for row, (name, images) in enumerate(rows):
+        for column in range(columns):
+            axis = axes[row][column]
+            axis.imshow(images[column].reshape(SIDE, SIDE), cmap=cmap, vmin=0, vmax=LEVELS - 1)
+            axis.set_xticks([])
+            axis.set_yticks([])
+        axes[row][0].set_ylabel(name, rotation=0, ha="right", va="center")
+    figure.suptitle("bottom-half completion of held-out digits")
+    return figure
+
+
+def _grey_with_hidden() -> Any:
+    from matplotlib import colormaps
+
+    return colormaps["gray_r"].with_extremes(bad="#d62728")  # hidden pixels in red, never mistaken for ink

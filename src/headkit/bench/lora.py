@@ -1,0 +1,391 @@
+"""``headkit bench lora``: low-rank adaptation (LoRA, through PEFT) against full fine-tuning, on real digits.
+
+LoRA (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", ICLR 2022, Eq. 3) freezes a pretrained
+weight W₀ ∈ R^{d_out×d_in} and learns h = W₀x + (α/r)·B A x with A ∈ R^{r×d_in}, B ∈ R^{d_out×r} (B = 0 at
+the start), so a layer trains r·(d_in + d_out) parameters instead of d_in·d_out.
+
+1. A small classifier — an MLP of ``nn.Linear`` layers over the 64 pixels of scikit-learn's ``load_digits`` — is
+   trained on the original training digits.
+2. Three shifted variants of the data: ``quantized`` (two intensity levels), ``rotated`` (90°), ``inverted``
+   (16 − x). On each, the pretrained classifier is evaluated as is, fully fine-tuned, and adapted with LoRA at
+   each rank r (every linear layer targeted, through :mod:`peft`), with the same epochs and batches.
+3. LoRA only, from scratch: a randomly initialised, frozen classifier whose LoRA factors alone are trained on the
+   original digits, per rank — what a rank-r update can learn with no pretrained weights to lean on.
+
+Writes ``results.json``, ``table.md`` and ``lora.png`` (accuracy against rank per variant) to the output folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headkit.bench._report import (
+    command_line,
+    machine_info,
+    markdown_table,
+    save_figure_atomic,
+    write_json_atomic,
+    write_text_atomic,
+)
+from headkit.errors import HeadkitError
+
+PIXELS = 64
+SIDE = 8
+MAX_INTENSITY = 16
+CLASSES = 10
+RANKS = (1, 2, 4, 8, 16, 32, 64)
+VARIANTS = ("quantized", "rotated", "inverted")
+TARGET_MODULES = ("fc1", "fc2", "fc3")
+# α of the update (α/r)·BA, fixed across ranks as Hu et al. (Sec. 4.1) do, so a larger rank is not a larger step.
+LORA_ALPHA = 8
+
+
+@dataclass
+class LoraConfig:
+    """Settings of one ``headkit bench lora`` run (see the command's --help)."""
+
+    out: Path = Path("results/lora")
+    ranks: tuple[int, ...] = RANKS
+    hidden_size: int = 128
+    pretrain_epochs: int = 60
+    finetune_epochs: int = 30
+    batch_size: int = 64
+    lr: float = 3e-3
+    lora_lr: float = 1e-2  # B starts at zero: the factors need a larger step than full fine-tuning
+    test_fraction: float = 0.25
+    seed: int = 0
+    # Tiny models: a second thread only adds synchronisation, and on shared cores it costs 10× (measured).
+    threads: int = 1
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> LoraConfig:
+        """The < 2 minute path on two CPU cores."""
+        settings = {"ranks": (1, 4, 16, 64), "pretrain_epochs": 30, "finetune_epochs": 20}
+        return cls(**(settings | overrides))
+
+
+class DigitClassifier(nn.Module):
+    """An MLP 64 → hidden → hidden → 10 with ReLU, on pixel intensities scaled to [0, 1]."""
+
+    def __init__(self, hidden_size: int = 128) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(PIXELS, hidden_size)
+        self.fc2 = nn.Linear(hidden_size, hidden_size)
+        self.fc3 = nn.Linear(hidden_size, CLASSES)
+
+    def forward(self, pixels: torch.Tensor) -> torch.Tensor:
+        return self.fc3(F.relu(self.fc2(F.relu(self.fc1(pixels)))))
+
+
+# -- data ------------------------------------------------------------------------------------------------------
+
+
+def load_split(test_fraction: float = 0.25, seed: int = 0) -> dict[str, torch.Tensor]:
+    """The digits as float pixels [N, 64] in 0..16 and labels [N], split into train and test reproducibly."""
+    from sklearn.datasets import load_digits
+
+    if not 0 < test_fraction < 1:
+        raise HeadkitError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
+    digits = load_digits()
+    order = np.random.default_rng(seed).permutation(len(digits.data))
+    pixels = torch.as_tensor(digits.data[order], dtype=torch.float32)
+    labels = torch.as_tensor(digits.target[order], dtype=torch.long)
+    split = round(len(pixels) * (1 - test_fraction))
+    return {
+        "train_x": pixels[:split],
+        "train_y": labels[:split],
+        "test_x": pixels[split:],
+        "test_y": labels[split:],
+    }
+
+
+def make_variant(pixels: torch.Tensor, variant: str) -> torch.Tensor:
+    """A shifted copy of `pixels` [N, 64] (intensities 0..16): quantized, rotated or inverted, still in 0..16."""
+    if pixels.ndim != 2 or pixels.shape[1] != PIXELS:
+        raise HeadkitError(f"pixels must have shape [N, {PIXELS}], got {tuple(pixels.shape)}")
+    if variant == "original":
+        return pixels.clone()
+    if variant == "quantized":
+        # Two levels: a binarised scan keeps the strokes and loses every grey.
+        return torch.where(pixels >= MAX_INTENSITY / 2, float(MAX_INTENSITY), 0.0)
+    if variant == "rotated":
+        images = pixels.reshape(-1, SIDE, SIDE)
+        return torch.rot90(images, k=1, dims=(1, 2)).reshape(-1, PIXELS).contiguous()
+    if variant == "inverted":
+        return MAX_INTENSITY - pixels
+    raise HeadkitError(f"variant must be one of original, {', '.join(VARIANTS)}; got {variant!r}")
+
+
+# -- training --------------------------------------------------------------------------------------------------
+
+
+def train_classifier(
+    model: nn.Module,
+    pixels: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+) -> list[float]:
+    """Adam on the cross-entropy of the parameters that require gradients; returns the loss per epoch."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise HeadkitError("the model has no trainable parameter")
+    optimizer = torch.optim.Adam(trainable, lr=lr)
+    generator = torch.Generator().manual_seed(seed)
+    inputs = pixels / MAX_INTENSITY
+    model.train()
+    losses = []
+    for _ in range(epochs):
+        order = torch.randperm(len(inputs), generator=generator)
+        total = 0.0
+        for start in range(0, len(inputs), batch_size):
+            batch = order[start : start + batch_size]
+            loss = F.cross_entropy(model(inputs[batch]), labels[batch])
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            total += float(loss.detach()) * len(batch)
+        losses.append(total / len(inputs))
+    model.eval()
+    return losses
+
+
+@torch.no_grad()
+def accuracy(model: nn.Module, pixels: torch.Tensor, labels: torch.Tensor) -> float:
+    model.eval()
+    return float((model(pixels / MAX_INTENSITY).argmax(-1) == labels).float().mean())
+
+
+def with_lora(model: nn.Module, rank: int, seed: int = 0) -> nn.Module:
+    """A PEFT copy of `model` with rank-`rank` LoRA factors on every linear layer; only the factors train."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise HeadkitError(f"rank must be a positive integer, got {rank!r}")
+    torch.manual_seed(seed)  # A's random initialisation
+    config = PeftLoraConfig(
+        r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=list(TARGET_MODULES)
+    )
+    return get_peft_model(copy.deepcopy(model), config)
+
+
+def trainable_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def lora_parameter_count(model: DigitClassifier, rank: int) -> int:
+    """r · (d_in + d_out) per adapted linear layer (Hu et al., Sec. 4.1): the formula the sweep must match."""
+    return sum(
+        rank * (getattr(model, name).in_features + getattr(model, name).out_features)
+        for name in TARGET_MODULES
+    )
+
+
+# -- the benchmark ---------------------------------------------------------------------------------------------
+
+
+def run_lora_benchmark(config: LoraConfig | None = None, console: Any = None) -> dict[str, Any]:
+    """Run the benchmark with ``config.threads`` torch threads (restored after); see the module docstring.
+
+    Returns the dictionary written to ``results.json``."""
+    config = config or LoraConfig()
+    _check_settings(config)
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(config.threads)
+    try:
+        return _run_lora_benchmark_body(config, console)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _run_lora_benchmark_body(config: LoraConfig, console: Any) -> dict[str, Any]:
+    """Pretrain, then fine-tune fully and with LoRA per rank on every variant, and LoRA-only from scratch.
+
+    Returns the dictionary written to ``results.json``."""
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = console or Console()
+    started = time.perf_counter()
+    data = load_split(config.test_fraction, config.seed)
+    train_kwargs = dict(batch_size=config.batch_size, seed=config.seed)
+
+    torch.manual_seed(config.seed)
+    pretrained = DigitClassifier(config.hidden_size)
+    train_classifier(
+        pretrained,
+        data["train_x"],
+        data["train_y"],
+        epochs=config.pretrain_epochs,
+        lr=config.lr,
+        **train_kwargs,
+    )
+    base_accuracy = accuracy(pretrained, data["test_x"], data["test_y"])
+    console.print(f"pretrained classifier: accuracy {base_accuracy:.3f} on the original test digits")
+
+    variants: dict[str, dict[str, Any]] = {}
+    jobs = len(VARIANTS) * (1 + len(config.ranks)) + len(config.ranks)
+    with Progress(console=console, transient=True) as progress:
+        task = progress.add_task("fine-tuning", total=jobs)
+
+        def fit(model: nn.Module, variant: str, lr: float, label: str) -> float:
+            progress.update(task, description=f"{variant}: {label}")
+            train_x = make_variant(data["train_x"], variant)
+            train_classifier(
+                model, train_x, data["train_y"], epochs=config.finetune_epochs, lr=lr, **train_kwargs
+            )
+            progress.advance(task)
+            return accuracy(model, make_variant(data["test_x"], variant), data["test_y"])
+
+        for variant in VARIANTS:
+            before = accuracy(pretrained, make_variant(data["test_x"], variant), data["test_y"])
+            full = copy.deepcopy(pretrained)
+            full_accuracy = fit(full, variant, config.lr, "full fine-tuning")
+            lora = []
+            for rank in config.ranks:
+                adapted = with_lora(pretrained, rank, config.seed)
+                lora.append(
+                    {
+                        "rank": rank,
+                        "trainable_parameters": trainable_parameters(adapted),
+                        "accuracy": fit(adapted, variant, config.lora_lr, f"LoRA r={rank}"),
+                    }
+                )
+            variants[variant] = {
+                "accuracy_before": before,
+                "full_finetune_accuracy": full_accuracy,
+                "full_finetune_parameters": trainable_parameters(full),
+                "lora": lora,
+            }
+            console.print(
+                f"{variant}: {before:.3f} before, {full_accuracy:.3f} fully fine-tuned, LoRA "
+                + ", ".join(f"r={row['rank']} {row['accuracy']:.3f}" for row in lora)
+            )
+
+        torch.manual_seed(config.seed + 1)
+        random_base = DigitClassifier(config.hidden_size)
+        from_scratch = []
+        for rank in config.ranks:
+            adapted = with_lora(random_base, rank, config.seed)
+            from_scratch.append(
+                {
+                    "rank": rank,
+                    "trainable_parameters": trainable_parameters(adapted),
+                    "accuracy": fit(adapted, "original", config.lora_lr, f"LoRA only r={rank}, from scratch"),
+                }
+            )
+    console.print(
+        "LoRA only, from scratch: "
+        + ", ".join(f"r={row['rank']} {row['accuracy']:.3f}" for row in from_scratch)
+    )
+
+    out = Path(config.out)
+    report = {
+        "benchmark": "lora",
+        "command": command_line(),
+        "machine": machine_info("cpu"),
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+        "train_images": len(data["train_x"]),
+        "test_images": len(data["test_x"]),
+        "classifier_parameters": sum(p.numel() for p in pretrained.parameters()),
+        "pretrained_accuracy": base_accuracy,
+        "variants": variants,
+        "lora_from_scratch": from_scratch,
+        "seconds": time.perf_counter() - started,
+        "files": {"table": str(out / "table.md"), "plot": str(out / "lora.png")},
+    }
+    save_figure_atomic(plot_results(report), out / "lora.png")
+    write_text_atomic(out / "table.md", render_markdown(report))
+    write_json_atomic(out / "results.json", report)
+    console.print(render_markdown(report), highlight=False)
+    return report
+
+
+def _check_settings(config: LoraConfig) -> None:
+    for name in ("hidden_size", "pretrain_epochs", "threads", "finetune_epochs", "batch_size"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise HeadkitError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    if not config.ranks or any(isinstance(r, bool) or not isinstance(r, int) or r <= 0 for r in config.ranks):
+        raise HeadkitError(f"--ranks must be positive integers, got {config.ranks!r}")
+    if not (config.lr > 0 and config.lora_lr > 0):
+        raise HeadkitError(f"--lr and --lora-lr must be positive, got {config.lr!r} and {config.lora_lr!r}")
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """Accuracy per variant and method, with the trainable parameters of each method."""
+    ranks = [row["rank"] for row in report["lora_from_scratch"]]
+    first = next(iter(report["variants"].values()))
+    headers = ["data", "pretrained as is", "full fine-tuning", *(f"LoRA r={rank}" for rank in ranks)]
+    parameter_row = [
+        "trainable parameters",
+        "0",
+        f"{first['full_finetune_parameters']:,}",
+        *(f"{row['trainable_parameters']:,}" for row in first["lora"]),
+    ]
+    rows = [
+        [
+            name,
+            f"{variant['accuracy_before']:.3f}",
+            f"{variant['full_finetune_accuracy']:.3f}",
+            *(f"{row['accuracy']:.3f}" for row in variant["lora"]),
+        ]
+        for name, variant in report["variants"].items()
+    ]
+    rows.append(
+        [
+            "original, LoRA only from scratch",
+            "",
+            "",
+            *(f"{r['accuracy']:.3f}" for r in report["lora_from_scratch"]),
+        ]
+    )
+    machine = report["machine"]
+    return (
+        f"Test accuracy ({report['train_images']} training / {report['test_images']} test digits; classifier of "
+        f"{report['classifier_parameters']:,} parameters, {report['pretrained_accuracy']:.3f} on the original "
+        f"digits); {machine['cpu_model']}, {machine['torch_threads']} torch threads, torch "
+        f"{machine['torch_version']}.\n\n" + markdown_table(headers, [parameter_row, *rows])
+    )
+
+
+def plot_results(report: dict[str, Any]) -> Any:
+    """Accuracy against LoRA rank (log₂ axis), one line per variant, full fine-tuning dashed in the same colour."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4.5))
+    axis = figure.subplots()
+    for index, (name, variant) in enumerate(report["variants"].items()):
+        colour = f"C{index}"
+        ranks = [row["rank"] for row in variant["lora"]]
+        axis.plot(
+            ranks, [row["accuracy"] for row in variant["lora"]], "o-", color=colour, label=f"{name}: LoRA"
+        )
+        axis.axhline(variant["full_finetune_accuracy"], color=colour, linestyle="--", label=f"{name}: full")
+    scratch = report["lora_from_scratch"]
+    axis.plot(
+        [row["rank"] for row in scratch],
+        [row["accuracy"] for row in scratch],
+        "s:",
+        color="black",
+        label="original: LoRA only, from scratch",
+    )
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("LoRA rank r")
+    axis.set_ylabel("test accuracy")
+    axis.set_title("LoRA against full fine-tuning on shifted digits")
+    axis.legend(fontsize=7, loc="lower right")
+    return figure
