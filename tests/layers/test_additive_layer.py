@@ -175,6 +175,36 @@ def test_cached_decoding_equals_the_full_forward_with_a_constant_size_state(vari
         assert tuple(state.conv_inputs.shape) == (BATCH, layer.conv_kernel_size - 1, HIDDEN)
 
 
+@pytest.mark.parametrize("variant", ["causal", "causal_gqa_bias", "windowed", "causal_conv"])
+def test_decoding_from_the_first_token_matches_the_full_forward_and_its_gradients(variant):
+    # Every token through the recurrent step, with autograd on: batch 0 starts with 3 padding tokens (steps over
+    # an empty past) and batch 1 has one in the middle. Outputs and gradients w.r.t. the inputs and every
+    # parameter must equal the parallel forward's, and nothing may be NaN.
+    layer = make_layer(**LAYER_VARIANTS[variant])
+    total = 6
+    x = torch.randn(BATCH, total, HIDDEN, requires_grad=True)
+    mask = torch.ones(BATCH, total, dtype=torch.long)
+    mask[0, :3] = 0
+    mask[1, 2] = 0
+    full, _ = layer(x, attention_mask=mask)
+    cache = HeadkitCache(layer.config)
+    stepped = torch.cat(
+        [
+            layer(x[:, t : t + 1], mask[:, : t + 1], past_key_values=cache, use_cache=True)[0]
+            for t in range(total)
+        ],
+        dim=1,
+    )
+    assert_close_to_scale(stepped, full)
+    inputs = [x, *layer.parameters()]
+    grad_out = torch.randn_like(full)
+    stepped_grads = torch.autograd.grad(stepped, inputs, grad_out)
+    full_grads = torch.autograd.grad(full, inputs, grad_out)
+    for stepped_grad, full_grad in zip(stepped_grads, full_grads, strict=True):
+        assert torch.isfinite(stepped_grad).all()
+        assert_close_to_scale(stepped_grad, full_grad)
+
+
 def _tensors(state) -> list[torch.Tensor]:
     if isinstance(state, torch.Tensor):
         return [state]

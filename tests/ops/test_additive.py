@@ -217,6 +217,115 @@ def test_steps_continue_a_prefill_exactly(window):
     _assert_states_close(stepped_state, full_state)
 
 
+def _stepped_pool(
+    x, scores, *, window=None, attention_mask=None, initial_state=None, output_final_state=True
+):
+    """additive_pool's causal result, computed token by token with additive_pool_step (padding as −inf)."""
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask.bool()[:, None, :], float("-inf"))
+    return _run_steps(x, scores, window, initial_state)
+
+
+# Left padding of batch 0 for the first 4 tokens: the first steps pool padding over an empty past (−inf, −inf),
+# where a careless online softmax gives NaN values or NaN gradients. Batch 1 stays empty for 3 tokens too.
+def _leading_padding_mask(seq: int) -> torch.Tensor:
+    mask = torch.ones(BATCH, seq, dtype=torch.long)
+    mask[0, :4] = 0
+    mask[1, :3] = 0
+    mask[1, seq // 2] = 0
+    return mask
+
+
+@pytest.mark.parametrize("initial_state", [False, True])
+@pytest.mark.parametrize("padding", [None, "leading", "right"])
+@pytest.mark.parametrize("window", [None, 1, 3])
+def test_steps_match_naive_outputs_states_and_gradients(window, padding, initial_state):
+    seq = 12
+    x, scores = _inputs(seq, seed=14)
+    mask = {None: None, "leading": _leading_padding_mask(seq), "right": _padding_mask("right", seq)}[padding]
+    kwargs = {
+        "window": window,
+        "attention_mask": mask,
+        "initial_state": _random_state(window, seed=15) if initial_state else None,
+    }
+    step_out, step_state, step_grads = _pooled_state_and_grads(
+        _stepped_pool, torch.float32, x, scores, **kwargs
+    )
+    ref_out, ref_state, ref_grads = _pooled_state_and_grads(
+        naive_additive_pool, torch.float64, x, scores, causal=True, output_final_state=True, **kwargs
+    )
+    _assert_close(step_out, ref_out)
+    _assert_states_close(step_state, ref_state)
+    for step_grad, ref_grad in zip(step_grads, ref_grads, strict=True):
+        _assert_close(step_grad, ref_grad)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_padding_over_an_empty_past_stays_empty_and_finite(window):
+    # Every token padding: the state must stay "nothing seen" (−inf, 0) and no value or gradient becomes NaN.
+    x, scores = _inputs(4, seed=16)
+    x.requires_grad_(True)
+    scores.requires_grad_(True)
+    padding_scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool), float("-inf"))
+    out, state = _run_steps(x, padding_scores, window)
+    assert torch.equal(out, torch.zeros_like(out))
+    if window is None:
+        assert torch.equal(state.log_normalizer, torch.full((BATCH, HEADS), float("-inf")))
+        assert torch.equal(state.pooled, torch.zeros(BATCH, HEADS, DIM))
+    grads = torch.autograd.grad((out * 2.0).sum(), (x, scores))
+    assert all(torch.equal(grad, torch.zeros_like(grad)) for grad in grads)
+
+
+def test_global_step_is_the_same_with_and_without_autograd():
+    # The step differentiates a clamped log-normaliser and skips the clamp when nothing needs a gradient: both
+    # must give bit-identical values, −inf for "nothing seen" included (batch 1 is padding throughout).
+    seq = 10
+    x, scores = _inputs(seq, seed=17)
+    mask = _leading_padding_mask(seq)
+    mask[1] = 0
+    with torch.no_grad():
+        plain_out, plain_state = _stepped_pool(x, scores, attention_mask=mask)
+    tracked_out, tracked_state = _stepped_pool(
+        x.requires_grad_(True), scores.requires_grad_(True), attention_mask=mask
+    )
+    assert tracked_out.requires_grad
+    assert torch.equal(tracked_out, plain_out)
+    assert torch.equal(tracked_state.log_normalizer, plain_state.log_normalizer)
+    assert torch.equal(tracked_state.pooled, plain_state.pooled)
+    assert torch.equal(plain_state.log_normalizer[1], torch.full((HEADS,), float("-inf")))
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_step_dtypes_float64_bf16_and_autocast(window):
+    x, scores = _inputs(6, seed=18)
+    mask = _leading_padding_mask(6)
+    # float64 stays float64 throughout and is exact to float64 precision.
+    out64, state64 = _stepped_pool(x.double(), scores.double(), window=window, attention_mask=mask)
+    ref64, ref_state64 = naive_additive_pool(
+        x.double(), scores.double(), causal=True, window=window, attention_mask=mask, output_final_state=True
+    )
+    assert out64.dtype == torch.float64
+    assert all(tensor.dtype == torch.float64 for tensor in state64 if tensor is not None)
+    _assert_close(out64, ref64, 1e-12)
+    _assert_states_close(state64, ref_state64, 1e-12)
+    # bf16 values: the output comes back in bf16, the scores and pooled vectors are accumulated in float32.
+    x16 = x.bfloat16()
+    out16, state16 = _run_steps(x16, scores, window)
+    assert out16.dtype == torch.bfloat16
+    assert (state16.pooled if window is None else state16.recent_scores).dtype == torch.float32
+    _assert_close(
+        out16.double(),
+        naive_additive_pool(x16.double(), scores.double(), causal=True, window=window)[0],
+        1e-2,
+    )
+    # bf16 autocast must leave the float32 accumulation of float32 inputs alone.
+    plain, _ = _run_steps(x, scores, window)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast_out, _ = _run_steps(x, scores, window)
+    assert autocast_out.dtype == torch.float32
+    _assert_close(autocast_out, plain, 1e-6)
+
+
 @pytest.mark.parametrize("split", [1, 17, 99])
 @pytest.mark.parametrize("mode", ["bidirectional", "causal", "window1", "window3", "window17"])
 def test_prefill_state_continues_a_second_call_exactly(mode, split):

@@ -124,6 +124,10 @@ class AdditiveAttention(HeadkitAttention):
         key_mask = self.key_padding_mask(attention_mask, batch, past_length + seq)
         new_tokens_mask = None if key_mask is None else key_mask[:, past_length:].to(hidden_states.device)
         state = None if past_key_values is None else past_key_values.get_state(self.layer_idx)
+        # A decoding step (one token, a cache) marks a padding token by a −inf score rather than taking the mask;
+        # the mask is inverted here once for both poolings.
+        decoding = past_key_values is not None and seq == 1
+        step_padding = None if not decoding or new_tokens_mask is None else ~new_tokens_mask[:, None, :]
 
         conv_inputs = None
         if self.conv is not None:
@@ -145,6 +149,7 @@ class AdditiveAttention(HeadkitAttention):
             queries,
             query_scores,
             new_tokens_mask,
+            step_padding,
             None if state is None else state.query_pool,
             past_key_values,
         )
@@ -154,6 +159,7 @@ class AdditiveAttention(HeadkitAttention):
             mixed_keys,
             key_scores,
             new_tokens_mask,
+            step_padding,
             None if state is None else state.key_pool,
             past_key_values,
         )
@@ -165,23 +171,30 @@ class AdditiveAttention(HeadkitAttention):
 
     def _scores(self, x: torch.Tensor, score_weight: torch.Tensor) -> torch.Tensor:
         """wᵀ x_i / √d for every head and position: [B, H, T, D] → [B, H, T]."""
-        return (x * score_weight.to(x.dtype)[:, None, :]).sum(-1) * self.score_scale
+        if score_weight.dtype != x.dtype:  # not a no-op .to() on every decoding step
+            score_weight = score_weight.to(x.dtype)
+        return (x * score_weight.unsqueeze(1)).sum(-1) * self.score_scale
 
     def _pool(
         self,
         x: torch.Tensor,
         scores: torch.Tensor,
         keep: torch.Tensor | None,
+        step_padding: torch.Tensor | None,
         state: AdditivePoolState | None,
         cache: Any,
     ) -> tuple[torch.Tensor, AdditivePoolState | None]:
-        """Softmax-pool x by its scores: [B, H, T, D] per position (causal) or [B, H, 1, D] (bidirectional)."""
+        """Softmax-pool x by its scores: [B, H, T, D] per position (causal) or [B, H, 1, D] (bidirectional).
+
+        One token with a cache takes the recurrent step, which sees padding through step_padding [B, 1, 1]
+        (True = padding); everything else takes the parallel scan with the key padding mask keep [B, T].
+        """
         if not self.causal:
             pooled, _ = additive_pool(x, scores, causal=False, attention_mask=keep)
             return pooled[:, :, None], None
         if cache is not None and x.shape[2] == 1:
-            if keep is not None:
-                scores = scores.masked_fill(~keep[:, None, :], float("-inf"))  # how the step marks padding
+            if step_padding is not None:
+                scores = scores.masked_fill(step_padding, float("-inf"))
             return additive_pool_step(x, scores, state, window=self.window)
         return additive_pool(
             x,

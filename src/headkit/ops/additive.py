@@ -136,26 +136,75 @@ def additive_pool_step(
 
     Returns:
         (pooled [B, H, 1, D] in x's dtype, the state including this token).
+
+    Tested token by token against :func:`naive_additive_pool` (outputs, states and gradients).
     """
     batch, heads, seq, dim = _check_inputs(x, score, True, window, None, state, scores_name="score")
     if seq != 1:
         raise ValueError(f"x must have shape [batch, heads, 1, head_dim] (one token), got {tuple(x.shape)}")
+    if window is None:
+        return _global_step(x, score, state)
+    return _windowed_step(x, score, state, window)
+
+
+def _global_step(
+    x: torch.Tensor, score: torch.Tensor, state: AdditivePoolState | None
+) -> tuple[torch.Tensor, AdditivePoolState]:
+    """The global causal step as an online softmax (Milakov & Gimelshein 2018, "Online normalizer calculation
+    for softmax", Alg. 3) over two tokens: the past (score L, value g) and the new one (score s, value x).
+    Their softmax weights are 1 − w and w with w = σ(s − L), so
+
+        g' = (1 − w)·g + w·x = lerp(g, x, w),        L' = log(exp(L) + exp(s)) = logaddexp(L, s).
+
+    A handful of elementwise kernels and no stack, cat or matmul: this is what one decoding step costs. The
+    empty past (L = −inf, g = 0) enters w as _EMPTY_PAST: beside a real s, w = σ(s + 1e30) is exactly 1 and
+    g' = x; beside a padding token (s = −inf) w = 0 and g' = g, where −inf − (−inf) would give NaN. Clamping L,
+    not s, keeps a padding token at weight exactly 0, and the clamp passes no gradient to an empty past.
+    None of these ops is one that autocast lowers, so no autocast guard is needed.
+    """
     dtype = _compute_dtype(x)
-    log_normalizer, pooled, recent_scores, recent_x = _unpack_state(state, window, x, dtype)
-    with torch.autocast(device_type=x.device.type, enabled=False):
-        value, score = x.to(dtype)[..., 0, :], score.to(dtype)
-        if window is None:
-            # The past, as one token (log_normalizer, pooled), and the new token, pooled together.
-            weights, total, new_log_normalizer = _softmax_parts(
-                torch.stack([log_normalizer, score[..., 0]], -1)
-            )
-            new_pooled = (weights[..., :1] * pooled + weights[..., 1:] * value) / total[..., None]
-            new_state = AdditivePoolState(_as_log_normalizer(new_log_normalizer), new_pooled)
-            return new_pooled[..., None, :].to(x.dtype), new_state
+    value, score = _as_dtype(x.squeeze(2), dtype), _as_dtype(score.squeeze(-1), dtype)
+    if state is None:
+        past_log_normalizer = torch.full_like(score, float("-inf"))
+        past_pooled = torch.zeros_like(value)
+    else:
+        past_log_normalizer = _as_dtype(state.log_normalizer, dtype)
+        # A past that has seen nothing pools to 0 whatever its pooled field holds, as in additive_pool.
+        past_pooled = _as_dtype(state.pooled, dtype) * ~past_log_normalizer.isneginf().unsqueeze(-1)
+    clamped_past = past_log_normalizer.clamp_min(_EMPTY_PAST)
+    new_weight = torch.sigmoid(score - clamped_past)
+    new_pooled = torch.lerp(past_pooled, value, new_weight.unsqueeze(-1))
+    if torch.is_grad_enabled() and (score.requires_grad or past_log_normalizer.requires_grad):
+        # logaddexp's backward is NaN at (−inf, −inf) (a padding token over an empty past), so differentiate
+        # the clamped form; its value differs only there, _EMPTY_PAST instead of −inf, and is reported as −inf.
+        new_log_normalizer = _as_log_normalizer(torch.logaddexp(clamped_past, score))
+    else:
+        new_log_normalizer = torch.logaddexp(past_log_normalizer, score)  # −inf exactly when both are
+    return _as_dtype(new_pooled.unsqueeze(2), x.dtype), AdditivePoolState(new_log_normalizer, new_pooled)
+
+
+def _windowed_step(
+    x: torch.Tensor, score: torch.Tensor, state: AdditivePoolState | None, window: int
+) -> tuple[torch.Tensor, AdditivePoolState]:
+    """The windowed step: a softmax over the buffered window − 1 tokens and the new one."""
+    dtype = _compute_dtype(x)
+    if state is None:
+        batch, heads, _, dim = x.shape
+        recent_scores = x.new_full((batch, heads, window - 1), float("-inf"), dtype=dtype)
+        recent_x = x.new_zeros(batch, heads, window - 1, dim)
+    else:
+        recent_scores, recent_x = _as_dtype(state.recent_scores, dtype), state.recent_x
+    score = _as_dtype(score, dtype)
+    with torch.autocast(device_type=x.device.type, enabled=False):  # the matmul below stays in dtype
         weights, total, _ = _softmax_parts(torch.cat([recent_scores, score], dim=-1))
-        visible_x = torch.cat([recent_x.to(dtype), value[..., None, :]], dim=-2)
+        visible_x = _as_dtype(torch.cat([recent_x, x], dim=-2), dtype)
         new_pooled = (weights[..., None, :] @ visible_x) / total[..., None, None]
-        return new_pooled.to(x.dtype), _roll_window(recent_scores, recent_x, score, x)
+    return _as_dtype(new_pooled, x.dtype), _roll_window(recent_scores, recent_x, score, x)
+
+
+def _as_dtype(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """tensor in dtype, skipping the dispatch of a no-op .to() (it counts at one token per step)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def naive_additive_pool(
