@@ -30,3 +30,37 @@ def test_user_error_is_one_line_and_status_2_without_traceback():
     assert "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--lengths" in lines[0]
+
+
+def test_bench_decompose_quick_on_a_tiny_bert_writes_its_table(tmp_path, capsys):
+    from transformers import BertConfig, BertModel
+
+    config = BertConfig(
+        vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64
+    )
+    BertModel(config).save_pretrained(tmp_path / "bert")
+    main(
+        [
+            "bench",
+            "decompose",
+            str(tmp_path / "bert"),
+            "--dims",
+            "8,32",
+            "--max-iter",
+            "3",
+            "--out",
+            str(tmp_path / "out"),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "| 8 |" in out and "| 32 |" in out
+    assert (tmp_path / "out" / "results.json").is_file() and (
+        tmp_path / "out" / "decompose.png"
+    ).stat().st_size > 0
+
+
+def test_bench_decompose_bad_dims_is_a_one_line_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "decompose", "--dims", "x"])
+    assert exc.value.code == 2
+    assert "--dims" in capsys.readouterr().err

