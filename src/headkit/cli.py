@@ -132,7 +132,7 @@ def prune(
     quick: bool = typer.Option(False, help="Short run (< 2 minutes on 2 CPU cores)."),
 ) -> None:
     """L0 head pruning by self-distillation on the embedded corpus, then physical removal of the heads."""
-    from headkit.surgery.prune_job import PruneJobConfig, run_prune_job
+    from headkit.bench.prune import PruneJobConfig, run_prune_job
 
     overrides = {
         name: value

@@ -11,7 +11,7 @@ offline, in about three minutes on two CPU cores:
    (:mod:`headkit.bench.compress`).
 3. Head pruning (Voita et al. 2019; Wang et al. 2020, Eq. 4): Hard Concrete gates on every head, trained by
    self-distillation under an L0 budget of half the heads, the others physically removed, a short fine-tune
-   (:mod:`headkit.surgery.prune_job`).
+   (:mod:`headkit.bench.prune`).
 4. One table — fidelity (mean cosine of mean-pooled sentence embeddings on held-out text against the original,
    max |Δ| of the token states), parameters and forward time before and after, per variant.
 5. The quick kernel speed benchmark (:mod:`headkit.bench.speed`).
@@ -38,11 +38,7 @@ from headkit.bench._report import (
     write_text_atomic,
 )
 from headkit.bench.compress import CompressConfig, _distill, _fidelity, _forward
-from headkit.errors import HeadkitError
-from headkit.surgery.adapters import count_parameters, get_adapter
-from headkit.surgery.collaborative import swap_to_collaborative
-from headkit.surgery.gating import add_head_gates, gate_values, remove_head_gates, train_gates_to_budget
-from headkit.surgery.prune_job import (
+from headkit.bench.prune import (
     _finetune,
     _keep_top_heads,
     compare_forward_times,
@@ -52,6 +48,10 @@ from headkit.surgery.prune_job import (
     stdlib_corpus,
     tokenize_batches,
 )
+from headkit.errors import HeadkitError
+from headkit.surgery.adapters import count_parameters, get_adapter
+from headkit.surgery.collaborative import swap_to_collaborative
+from headkit.surgery.gating import add_head_gates, gate_values, remove_head_gates, train_gates_to_budget
 from headkit.surgery.pruning import heads_per_layer, prune_heads
 
 

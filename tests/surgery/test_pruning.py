@@ -19,18 +19,18 @@ from tiny_models import (
 from torch import nn
 
 import headkit
-from headkit.errors import HeadkitError
-from headkit.models import HeadkitForCausalLM
-from headkit.surgery.adapters import count_parameters, get_adapter, supported_architectures
-from headkit.surgery.collaborative import swap_to_collaborative
-from headkit.surgery.gating import add_head_gates, gate_values, head_gates, remove_head_gates
-from headkit.surgery.prune_job import (
+from headkit.bench.prune import (
     PruneJobConfig,
     check_output_folder,
     distillation_loss,
     run_prune_job,
     stdlib_corpus,
 )
+from headkit.errors import HeadkitError
+from headkit.models import HeadkitForCausalLM
+from headkit.surgery.adapters import count_parameters, get_adapter, supported_architectures
+from headkit.surgery.collaborative import swap_to_collaborative
+from headkit.surgery.gating import add_head_gates, gate_values, head_gates, remove_head_gates
 from headkit.surgery.pruning import (
     KV_HEAD_INDEX,
     EmptyAttention,

@@ -30,11 +30,7 @@ from torch import nn
 
 from headkit.bench._measure import time_call
 from headkit.bench._report import write_json_atomic
-from headkit.errors import HeadkitError
-from headkit.surgery.adapters import get_adapter
-from headkit.surgery.collaborative import swap_to_collaborative
-from headkit.surgery.io import from_pretrained
-from headkit.surgery.prune_job import (
+from headkit.bench.prune import (
     _move_into_place,
     check_output_folder,
     default_model_path,
@@ -44,6 +40,10 @@ from headkit.surgery.prune_job import (
     stdlib_corpus,
     tokenize_batches,
 )
+from headkit.errors import HeadkitError
+from headkit.surgery.adapters import get_adapter
+from headkit.surgery.collaborative import swap_to_collaborative
+from headkit.surgery.io import from_pretrained
 
 
 @dataclass
