@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from headkit.bench._measure import thread_limit
 from headkit.bench._report import (
     command_line,
     machine_info,
@@ -101,13 +102,8 @@ def run_demo(config: DemoConfig | None = None, console: Any = None) -> dict[str,
 
     config = config or DemoConfig()
     _check_settings(config)
-    previous_threads = torch.get_num_threads()
-    if config.threads is not None:
-        torch.set_num_threads(config.threads)
-    try:
+    with thread_limit(config.threads):
         return _run_demo(config, console or Console())
-    finally:
-        torch.set_num_threads(previous_threads)
 
 
 def _run_demo(config: DemoConfig, console: Any) -> dict[str, Any]:

@@ -188,3 +188,18 @@ def test_cuda_peak_of_allocate_free_allocate_is_the_larger_block():
 
     memory = measure_peak_memory(pattern, inputs=[], device="cuda")
     assert memory.extra_peak_bytes == pytest.approx(10 * MB, rel=0.01)
+
+
+def test_thread_limit_sets_and_restores_torch_threads():
+    from headkit.bench._measure import thread_limit
+
+    before = torch.get_num_threads()
+    wanted = 1 if before != 1 else 2
+    with thread_limit(wanted):
+        assert torch.get_num_threads() == wanted
+    assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError), thread_limit(wanted):
+        raise RuntimeError("the block fails")
+    assert torch.get_num_threads() == before
+    with thread_limit(None):
+        assert torch.get_num_threads() == before

@@ -44,7 +44,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from headkit.bench._measure import synchronize
+from headkit.bench._measure import synchronize, thread_limit
 from headkit.bench._report import (
     command_line,
     machine_info,
@@ -167,14 +167,9 @@ def run_decode_benchmark(
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0):
         raise HeadkitError(f"threads must be a positive integer or None, got {threads!r}")
     console = console or Console()
-    previous_threads = torch.get_num_threads()
-    if threads is not None:
-        torch.set_num_threads(threads)
-    try:
+    with thread_limit(threads):
         points = _measure(plan, console, show_progress)
         machine = machine_info(plan.device)  # records the thread count in force during the run
-    finally:
-        torch.set_num_threads(previous_threads)
     return _report(plan, points, machine, console)
 
 

@@ -14,17 +14,16 @@ Writes results.json, table.md and decompose.png to ``out_dir``, each atomically.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import time
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from headkit.bench._measure import thread_limit
 from headkit.bench._report import (
     command_line,
     machine_info,
@@ -95,7 +94,7 @@ def run_decompose_benchmark(
     parafac = _tensorly_parafac() if include_tensorly else None
     if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
         raise HeadkitError(f"threads must be a positive integer or None, got {threads!r}")
-    with _thread_limit(threads):
+    with thread_limit(threads):
         points = _measure(weights, heads, layers, dims, max_iter, tol, seed, parafac)
         machine = machine_info("cpu")
 
@@ -165,25 +164,6 @@ def _measure(
             fit = torch.einsum("r,ir,hr,jr->ihj", *(torch.from_numpy(x) for x in (cp_weights, a, c, b)))
             points.append(_point(layer, dim, "tensorly", dense, fit, seconds, None, "svd"))
     return points
-
-
-@contextlib.contextmanager
-def _thread_limit(threads: int | None) -> Iterator[None]:
-    if threads is None:
-        yield
-        return
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        try:
-            from threadpoolctl import threadpool_limits
-        except ImportError:
-            yield
-        else:
-            with threadpool_limits(limits=threads):
-                yield
-    finally:
-        torch.set_num_threads(previous)
 
 
 def load_query_key_weights(model_dir: str | Path) -> tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]:

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from headkit.bench._measure import thread_limit
 from headkit.bench._report import (
     command_line,
     machine_info,
@@ -249,12 +250,8 @@ def run_digits_benchmark(config: DigitsConfig | None = None, console: Any = None
     Returns the dictionary written to ``results.json``."""
     config = config or DigitsConfig()
     _check_settings(config)
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(config.threads)
-    try:
+    with thread_limit(config.threads):
         return _run_digits_benchmark_body(config, console)
-    finally:
-        torch.set_num_threads(previous_threads)
 
 
 def _run_digits_benchmark_body(config: DigitsConfig, console: Any) -> dict[str, Any]:

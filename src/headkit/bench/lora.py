@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headkit.bench._measure import thread_limit
 from headkit.bench._report import (
     command_line,
     machine_info,
@@ -203,12 +204,8 @@ def run_lora_benchmark(config: LoraConfig | None = None, console: Any = None) ->
     Returns the dictionary written to ``results.json``."""
     config = config or LoraConfig()
     _check_settings(config)
-    previous_threads = torch.get_num_threads()
-    torch.set_num_threads(config.threads)
-    try:
+    with thread_limit(config.threads):
         return _run_lora_benchmark_body(config, console)
-    finally:
-        torch.set_num_threads(previous_threads)
 
 
 def _run_lora_benchmark_body(config: LoraConfig, console: Any) -> dict[str, Any]:
