@@ -77,6 +77,19 @@ def save_figure_atomic(figure: Any, path: str | os.PathLike[str], *, dpi: int = 
     return write_atomic(path, lambda f: figure.savefig(f, format="png", dpi=dpi, bbox_inches="tight"))
 
 
+RESULTS_FILE, TABLE_FILE = "results.json", "table.md"
+
+
+def write_results(
+    out_dir: str | os.PathLike[str], results: Any, markdown: str, figure: Any, plot_file: str
+) -> None:
+    """A benchmark's three outputs, each written atomically: results.json, table.md and its plot."""
+    out_dir = Path(out_dir)
+    write_json_atomic(out_dir / RESULTS_FILE, results)
+    write_text_atomic(out_dir / TABLE_FILE, markdown)
+    save_figure_atomic(figure, out_dir / plot_file)
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A GitHub-flavoured Markdown table; ``|`` inside a cell is escaped."""
     for index, row in enumerate(rows):

@@ -46,12 +46,12 @@ from rich.table import Table
 
 from headkit.bench._measure import synchronize, thread_limit
 from headkit.bench._report import (
+    RESULTS_FILE,
+    TABLE_FILE,
     command_line,
     machine_info,
     markdown_table,
-    save_figure_atomic,
-    write_json_atomic,
-    write_text_atomic,
+    write_results,
 )
 from headkit.data import ByteTokenizer
 from headkit.errors import HeadkitError
@@ -71,7 +71,7 @@ SEED = 0
 MAX_FLATNESS = 1.2
 MIN_SPEEDUP = 3.0
 
-RESULTS_FILE, TABLE_FILE, PLOT_FILE = "results.json", "table.md", "decode.png"
+PLOT_FILE = "decode.png"
 
 
 def model_config(mechanism: str, max_positions: int) -> HeadkitConfig:
@@ -254,9 +254,7 @@ def _report(
         "points": points,
         "targets": evaluate_targets(points, plan.prompt_lengths),
     }
-    write_json_atomic(plan.out_dir / RESULTS_FILE, results)
-    write_text_atomic(plan.out_dir / TABLE_FILE, render_markdown(results))
-    save_figure_atomic(plot_results(results), plan.out_dir / PLOT_FILE)
+    write_results(plan.out_dir, results, render_markdown(results), plot_results(results), PLOT_FILE)
     for note in plan.notes:
         console.print(f"[dim]{note}[/]", highlight=False)
     console.print(_time_table(results))

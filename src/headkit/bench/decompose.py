@@ -28,14 +28,12 @@ from headkit.bench._report import (
     command_line,
     machine_info,
     markdown_table,
-    save_figure_atomic,
-    write_json_atomic,
-    write_text_atomic,
+    write_results,
 )
 from headkit.errors import HeadkitError
 from headkit.surgery.decompose import decompose_query_key
 
-RESULTS_FILE, TABLE_FILE, PLOT_FILE = "results.json", "table.md", "decompose.png"
+PLOT_FILE = "decompose.png"
 DEFAULT_DIMS = (64, 128, 192, 256, 384)
 DEFAULT_MAX_ITER = 100
 QUICK_LAYERS, QUICK_DIMS, QUICK_MAX_ITER = (0,), (64, 384), 10
@@ -121,10 +119,7 @@ def run_decompose_benchmark(
         "points": points,
         "summary": _summary(points, dims),
     }
-    out_dir = Path(out_dir)
-    write_json_atomic(out_dir / RESULTS_FILE, results)
-    write_text_atomic(out_dir / TABLE_FILE, render_markdown(results))
-    save_figure_atomic(plot_results(results), out_dir / PLOT_FILE)
+    write_results(out_dir, results, render_markdown(results), plot_results(results), PLOT_FILE)
     return results
 
 

@@ -47,12 +47,12 @@ from rich.table import Table
 from headkit import ops
 from headkit.bench._measure import measure_peak_memory, time_call
 from headkit.bench._report import (
+    RESULTS_FILE,
+    TABLE_FILE,
     command_line,
     machine_info,
     markdown_table,
-    save_figure_atomic,
-    write_json_atomic,
-    write_text_atomic,
+    write_results,
 )
 from headkit.errors import HeadkitError
 
@@ -70,7 +70,7 @@ PROBE_SEQ_LEN = 16
 MIN_REPEAT_S = 0.05
 SEED = 0
 
-RESULTS_FILE, TABLE_FILE, PLOT_FILE = "results.json", "table.md", "speed.png"
+PLOT_FILE = "speed.png"
 
 
 # --- The registry: one entry per mechanism -----------------------------------------------------------------
@@ -320,9 +320,7 @@ def run_speed_benchmark(
         "targets": [_evaluate_target(target, points) for target in TARGETS],
     }
 
-    write_json_atomic(plan.out_dir / RESULTS_FILE, results)
-    write_text_atomic(plan.out_dir / TABLE_FILE, render_markdown(results))
-    save_figure_atomic(plot_results(results), plan.out_dir / PLOT_FILE)
+    write_results(plan.out_dir, results, render_markdown(results), plot_results(results), PLOT_FILE)
 
     for note in plan.notes:
         console.print(f"[dim]{note}[/]", highlight=False)
