@@ -420,3 +420,15 @@ def bench_decompose(
     )
     typer.echo((out / "table.md").read_text())
     typer.echo(f"wrote results.json, table.md and decompose.png to {out}")
+
+
+# -- bench lm (anchor: keep this line; the command goes right below it) --
+
+
+# -- bench extrapolate (anchor: keep this line; the command goes right below it) --
+
+
+# -- bench compress (anchor: keep this line; the command goes right below it) --
+
+
+# -- bench prune (anchor: keep this line; the command goes right below it) --
