@@ -77,10 +77,7 @@ class AdditiveAttention(HeadkitAttention):
                 f"num_heads * head_dim ({self.num_heads} * {self.head_dim} = {query_width}) must equal "
                 f"hidden_size ({self.hidden_size}) in layer {layer_idx}"
             )
-        key_value_width = self.num_key_value_heads * self.head_dim
-        self.q_proj = nn.Linear(self.hidden_size, query_width, bias=config.attention_bias)
-        self.k_proj = nn.Linear(self.hidden_size, key_value_width, bias=config.attention_bias)
-        self.v_proj = nn.Linear(self.hidden_size, key_value_width, bias=config.attention_bias)
+        self.add_query_key_value_projections(config.attention_bias)
         self.query_score_weight = nn.Parameter(torch.empty(self.num_heads, self.head_dim))
         self.key_score_weight = nn.Parameter(torch.empty(self.num_heads, self.head_dim))
         self.window = config.additive_window
@@ -135,14 +132,9 @@ class AdditiveAttention(HeadkitAttention):
                 hidden_states, new_tokens_mask, None if state is None else state.conv_inputs
             )
 
-        flat_queries = self.q_proj(hidden_states)
-        queries = self.split_heads(flat_queries, self.num_heads)
-        keys = repeat_kv(
-            self.split_heads(self.k_proj(hidden_states), self.num_key_value_heads), self.num_key_value_groups
-        )
-        values = repeat_kv(
-            self.split_heads(self.v_proj(hidden_states), self.num_key_value_heads), self.num_key_value_groups
-        )
+        queries, keys, values = self.project_queries_keys_values(hidden_states)
+        keys = repeat_kv(keys, self.num_key_value_groups)
+        values = repeat_kv(values, self.num_key_value_groups)
 
         query_scores = self._scores(queries, self.query_score_weight)
         global_query, query_pool = self._pool(
@@ -167,6 +159,8 @@ class AdditiveAttention(HeadkitAttention):
 
         if past_key_values is not None:
             past_key_values.set_state(AdditiveState(query_pool, key_pool, conv_inputs), self.layer_idx, seq)
+        # Fastformer's query residual; undoing split_heads' transpose is a view, not a copy.
+        flat_queries = queries.transpose(1, 2).reshape(batch, seq, self.hidden_size)
         return self.project_heads(head_outputs) + flat_queries, None
 
     def _scores(self, x: torch.Tensor, score_weight: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ A mechanism is a subclass of :class:`HeadkitAttention` registered by name::
     class MyAttention(HeadkitAttention):
         def __init__(self, config, layer_idx, **head_overrides):
             super().__init__(config, layer_idx, **head_overrides)       # head counts, head_dim, o_proj, head_gate
-            self.q_proj = nn.Linear(self.hidden_size, self.num_heads * self.head_dim, bias=config.attention_bias)
+            self.add_query_key_value_projections(config.attention_bias)  # or nn.Linear modules of your own
             ...
 
         def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
@@ -113,6 +113,23 @@ class HeadkitAttention(nn.Module):
         """[B, T, num_heads · D] → [B, num_heads, T, D]."""
         batch, seq, width = projected.shape
         return projected.view(batch, seq, num_heads, width // num_heads).transpose(1, 2)
+
+    def add_query_key_value_projections(self, bias: bool) -> None:
+        """``q_proj`` [hidden → H·D] and ``k_proj``/``v_proj`` [hidden → H_kv·D]: the usual (GQA) widths."""
+        key_value_width = self.num_key_value_heads * self.head_dim
+        self.q_proj = nn.Linear(self.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(self.hidden_size, key_value_width, bias=bias)
+        self.v_proj = nn.Linear(self.hidden_size, key_value_width, bias=bias)
+
+    def project_queries_keys_values(
+        self, hidden_states: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """[B, T, hidden] → queries [B, H, T, D], keys and values [B, H_kv, T, D] (KV heads not repeated)."""
+        return (
+            self.split_heads(self.q_proj(hidden_states), self.num_heads),
+            self.split_heads(self.k_proj(hidden_states), self.num_key_value_heads),
+            self.split_heads(self.v_proj(hidden_states), self.num_key_value_heads),
+        )
 
     def project_heads(self, head_outputs: torch.Tensor) -> torch.Tensor:
         """Gate each head, merge the heads and apply ``o_proj``: [B, H, T, Dv] → [B, T, hidden_size].

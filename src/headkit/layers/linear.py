@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch import nn
 
 from headkit.layers.base import HeadkitAttention
 from headkit.layers.cache import RecurrentStateLayer
@@ -44,11 +43,7 @@ class LinearAttention(HeadkitAttention):
 
     def __init__(self, config: Any, layer_idx: int, **head_overrides: int) -> None:
         super().__init__(config, layer_idx, **head_overrides)
-        query_width = self.num_heads * self.head_dim
-        key_value_width = self.num_key_value_heads * self.head_dim
-        self.q_proj = nn.Linear(self.hidden_size, query_width, bias=config.attention_bias)
-        self.k_proj = nn.Linear(self.hidden_size, key_value_width, bias=config.attention_bias)
-        self.v_proj = nn.Linear(self.hidden_size, key_value_width, bias=config.attention_bias)
+        self.add_query_key_value_projections(config.attention_bias)
         get_feature_map(config.feature_map)  # an unknown name fails here, not at the first forward
         self.feature_map = config.feature_map
         self.chunk_size = config.chunk_size
@@ -63,9 +58,7 @@ class LinearAttention(HeadkitAttention):
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, None]:
         batch, seq, _ = hidden_states.shape
-        queries = self.split_heads(self.q_proj(hidden_states), self.num_heads)
-        keys = self.split_heads(self.k_proj(hidden_states), self.num_key_value_heads)
-        values = self.split_heads(self.v_proj(hidden_states), self.num_key_value_heads)
+        queries, keys, values = self.project_queries_keys_values(hidden_states)
 
         past_length = self.past_length(past_key_values)
         key_mask = self.key_padding_mask(attention_mask, batch, past_length + seq)

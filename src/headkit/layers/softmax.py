@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from headkit.layers.base import HeadkitAttention
 from headkit.layers.registry import register_attention
@@ -35,11 +34,7 @@ class SoftmaxAttention(HeadkitAttention):
 
     def __init__(self, config: Any, layer_idx: int, **head_overrides: int) -> None:
         super().__init__(config, layer_idx, **head_overrides)
-        query_width = self.num_heads * self.head_dim
-        key_value_width = self.num_key_value_heads * self.head_dim
-        self.q_proj = nn.Linear(self.hidden_size, query_width, bias=config.attention_bias)
-        self.k_proj = nn.Linear(self.hidden_size, key_value_width, bias=config.attention_bias)
-        self.v_proj = nn.Linear(self.hidden_size, key_value_width, bias=config.attention_bias)
+        self.add_query_key_value_projections(config.attention_bias)
         self.scale = self.head_dim**-0.5
         self.use_rope = config.position_embedding_type == "rope"
         self.rope_kwargs = config.rope_kwargs() if self.use_rope else {}
@@ -54,9 +49,7 @@ class SoftmaxAttention(HeadkitAttention):
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         batch, seq, _ = hidden_states.shape
-        queries = self.split_heads(self.q_proj(hidden_states), self.num_heads)
-        keys = self.split_heads(self.k_proj(hidden_states), self.num_key_value_heads)
-        values = self.split_heads(self.v_proj(hidden_states), self.num_key_value_heads)
+        queries, keys, values = self.project_queries_keys_values(hidden_states)
 
         if self.use_rope:
             # Rotate before caching: cached keys keep the rotation of their own positions.
