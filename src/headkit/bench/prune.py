@@ -58,7 +58,8 @@ class PruneJobConfig:
     """Settings of one ``headkit prune`` run (see the command's --help)."""
 
     model: Path | None = None
-    out: Path = Path("results/prune")
+    # Not results/prune: that folder holds the results of `headkit bench prune`.
+    out: Path = Path("results/pruned-model")
     heads: int | None = None  # heads to keep; default half of them
     steps: int = 300
     finetune_steps: int = 100

