@@ -200,3 +200,20 @@ def test_evaluation_windows_are_non_overlapping_and_capped():
     assert evaluation_windows(stream[:10], 16).shape == (1, 10)  # shorter than a window: one short window
     with pytest.raises(HeadkitError, match="at least 2"):
         evaluation_windows(stream[:1], 16)
+
+
+def test_spread_evaluation_windows_cover_the_whole_stream_without_overlap():
+    stream = torch.arange(1000, dtype=torch.int32)
+    windows = evaluation_windows(stream, 16, max_tokens=70, spread=True)
+    assert windows.shape == (4, 16) and windows.dtype == torch.long
+    starts = windows[:, 0].tolist()
+    assert starts[0] == 0 and starts[-1] == 1000 - 16  # first and last token of the stream are both evaluated
+    # No token is counted twice.
+    assert all(later - earlier >= 16 for earlier, later in zip(starts, starts[1:], strict=False))
+    for window in windows:  # each window is a contiguous run of the stream
+        assert torch.equal(window, torch.arange(int(window[0]), int(window[0]) + 16))
+    # A budget that covers the stream, or no budget, is the back-to-back prefix either way.
+    assert torch.equal(evaluation_windows(stream, 16, spread=True), evaluation_windows(stream, 16))
+    assert evaluation_windows(stream, 16, max_tokens=16, spread=True).shape == (1, 16)
+    with pytest.raises(ValueError, match="seq_len"):
+        evaluation_windows(stream, 0)

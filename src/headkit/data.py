@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from headkit.errors import HeadkitError
+from headkit.ops._validation import check_positive_int
 
 BYTE_VOCAB = 256
 PAD_ID, BOS_ID, EOS_ID = BYTE_VOCAB, BYTE_VOCAB + 1, BYTE_VOCAB + 2
@@ -318,9 +319,24 @@ def sample_batch(
     return stream[offsets].long()
 
 
-def evaluation_windows(stream: torch.Tensor, seq_len: int, max_tokens: int | None = None) -> torch.Tensor:
-    """Non-overlapping windows [N, seq_len] (int64) from the start of ``stream``, at most ``max_tokens`` tokens;
-    a shorter stream gives one shorter window."""
+def evaluation_windows(
+    stream: torch.Tensor, seq_len: int, max_tokens: int | None = None, *, spread: bool = False
+) -> torch.Tensor:
+    """Non-overlapping windows [N, seq_len] (int64) of ``stream``, at most ``max_tokens`` tokens in all.
+
+    By default the windows are the start of the stream, back to back (the same tokens at every ``seq_len``,
+    which a length-extrapolation study needs). With ``spread=True`` the ``max_tokens // seq_len`` windows are
+    spaced evenly from the first token to the last, so a small budget samples every part of a held-out split
+    made of many documents rather than its first one or two. A stream shorter than one window gives one
+    shorter window.
+    """
+    check_positive_int("seq_len", seq_len)
+    total = stream.numel()
+    if max_tokens is not None and max_tokens < total and spread and max_tokens >= seq_len:
+        count = max_tokens // seq_len
+        # Evenly spaced starts from 0 to total − seq_len; spacing ≥ seq_len since count · seq_len ≤ total.
+        starts = torch.linspace(0, total - seq_len, count).long() if count > 1 else torch.zeros(1).long()
+        return torch.stack([stream[start : start + seq_len] for start in starts.tolist()]).long()
     if max_tokens is not None:
         stream = stream[:max_tokens]
     if stream.numel() < 2:

@@ -8,7 +8,7 @@ It reports bits per byte on the held-out split:
 
     bits/byte = Σ_t −ln p(x_t | x_<t) / (ln 2 · number of UTF-8 bytes the predicted tokens encode),
 
-over non-overlapping held-out windows (document separators and other special tokens are neither predicted nor
+over non-overlapping held-out windows spaced evenly across the held-out documents (document separators and other special tokens are neither predicted nor
 counted), the tokenizer-independent measure of compression (8 bits/byte = no better than raw bytes). The model
 and its tokenizer are saved with ``save_pretrained`` next to ``training_report.json``.
 
@@ -163,7 +163,7 @@ def train_causal_lm(
     train_stream = encode_corpus(corpus.train, tokenizer)
     held_out_stream = encode_corpus(corpus.held_out, tokenizer)
     evaluate = eval_tokens > 0 and is_main
-    windows = evaluation_windows(held_out_stream, seq_len, eval_tokens) if evaluate else None
+    windows = evaluation_windows(held_out_stream, seq_len, eval_tokens, spread=True) if evaluate else None
     ignored_ids = torch.tensor(special_token_ids(tokenizer), dtype=torch.long)
 
     trained = model
