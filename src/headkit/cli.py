@@ -502,7 +502,7 @@ def bench_lm(
 # -- bench extrapolate (anchor: keep this line; the command goes right below it) --
 @bench_app.command("extrapolate")
 def bench_extrapolate(
-    steps: int = typer.Option(None, min=1, help="Training steps per model (default 2500; 500 with --quick)."),
+    steps: int = typer.Option(None, min=1, help="Training steps per model (default 2000; 500 with --quick)."),
     batch_size: int = typer.Option(None, min=2, help="Windows per step (default 32; 16 with --quick)."),
     hidden_size: int = typer.Option(None, min=2, help="Model width (default 128; 64 with --quick)."),
     layers: int = typer.Option(None, min=1, help="Decoder layers (default 4; 2 with --quick)."),

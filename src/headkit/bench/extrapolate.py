@@ -1,0 +1,761 @@
+"""``headkit bench extrapolate``: RoPE against CoCA beyond the trained context — perplexity and passkey retrieval.
+
+Reproduces, at laptop scale, the length-extrapolation experiment of Zhu et al. 2023, "CoCA: Fusing Position
+Embedding with Collinear Constrained Attention in Transformers for Long Context Window Extending"
+(arXiv:2309.08646, §4): models trained on short windows are evaluated on much longer ones, as they are and under
+the two training-free RoPE scalings — linear position interpolation (Chen et al. 2023, arXiv:2306.15595) and
+dynamic NTK-aware scaling (bloc97/emozilla 2023, as 🤗 transformers' ``rope_type="dynamic"``) — by held-out
+perplexity and by passkey retrieval (Mohtashami & Jaggi 2023, "Landmark Attention", arXiv:2305.16300, §4.2).
+
+1. Two byte-level causal LMs of the same width, depth, heads and initialisation seed:
+   ``attention="softmax"`` with rotary positions (RoPE) and ``attention="coca"`` (collinear constrained
+   attention, also rotary; its key projection is half as wide, so it has slightly fewer parameters).
+2. Both are trained on the same batches at context ``train_length`` = 128 bytes. A batch mixes windows of the
+   corpus (:func:`headkit.data.load_corpus`: the Python standard library by default) with passkey documents
+   (:func:`passkey_document`): filler sentences, "The pass key is 73914. Remember it. 73914 is the pass key." at
+   a random depth, more filler, then "What is the pass key? The pass key is 73914" — exactly 128 bytes.
+3. Every trained model is evaluated at each length L of ``lengths`` (128 … 2048) under three RoPE scalings,
+   applied without retraining by rebuilding the model from a config with other ``rope_parameters`` and loading
+   the same weights (rotary angles are computed from the config on the fly: no rotary buffer is in the state
+   dict, which :func:`scaled_model` checks):
+
+   * ``none``: plain RoPE, positions up to L − 1 although training never saw one beyond 127;
+   * ``linear``: position interpolation, positions divided by L / 128, so they stay inside the trained range;
+   * ``dynamic``: NTK-aware scaling of the rotary base when the input is longer than the trained length (the
+     config's ``max_position_embeddings`` = 128), base · (f·L/128 − (f − 1))^(D/(D−2)) with f = ``factor`` =
+     max(lengths)/128 by default ("factor x extends the context x times", transformers' convention); exactly
+     plain RoPE at L ≤ 128.
+
+   a. Held-out bits per byte (and per-byte perplexity 2^bpb) over the first ``eval_tokens`` tokens of the
+      held-out stream, cut into non-overlapping windows of L tokens (:func:`headkit.data.evaluation_windows`):
+      the same windows for every model and scaling, the same tokens at every length.
+   b. Passkey retrieval: ``passkey_trials`` documents of exactly L bytes per length (seeded, the same for every
+      model and scaling), the key at stratified random depths; the model greedily generates the 5 digits after
+      "The pass key is" (``model.generate``). Accuracy is the share of exact 5-digit matches (chance 10⁻⁵);
+      per-digit accuracy (chance 0.1) is reported too. At L = 128 the documents are in the training
+      distribution; beyond it, only the filler grows.
+
+   Decoding uses the KV cache; under dynamic NTK the cached keys of softmax attention keep the rotation of the
+   prompt's length while the 5 new ones get that of their own (as with transformers' cache), CoCA re-rotates
+   every key per call.
+
+Writes ``results.json``, ``table.md``, ``perplexity.png`` and ``passkey.png`` to the output folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from headkit.bench._measure import thread_limit
+from headkit.bench._report import (
+    command_line,
+    machine_info,
+    markdown_table,
+    save_figure_atomic,
+    write_json_atomic,
+    write_text_atomic,
+)
+from headkit.data import (
+    BYTE_VOCAB,
+    ByteTokenizer,
+    encode_corpus,
+    evaluation_windows,
+    load_corpus,
+    sample_batch,
+    special_token_ids,
+)
+from headkit.errors import HeadkitError
+from headkit.models import HeadkitConfig, HeadkitForCausalLM
+from headkit.train import held_out_bits_per_byte
+
+MODELS = ("softmax", "coca")
+SCALINGS = ("none", "linear", "dynamic")
+KEY_DIGITS = 5
+KEY_SENTENCE = " The pass key is {key}. Remember it. {key} is the pass key. "
+QUESTION = " What is the pass key? The pass key is "
+FILLER_SENTENCES = (
+    "The grass is green.",
+    "The sky is blue.",
+    "The sun is yellow.",
+    "Here we go.",
+    "There and back again.",
+)
+# Bytes of a passkey document that are not filler: the shortest possible document.
+MIN_DOCUMENT_LENGTH = len(KEY_SENTENCE.format(key="0" * KEY_DIGITS)) + len(QUESTION) + KEY_DIGITS
+MAX_LENGTH = 65_536
+# Rows × length per forward pass in evaluation: bounds the memory of the longest windows.
+EVAL_BATCH_TOKENS = 16_384
+
+
+@dataclass
+class ExtrapolateConfig:
+    """Settings of one ``headkit bench extrapolate`` run (see the command's --help)."""
+
+    out: Path = Path("results/extrapolate")
+    steps: int = 2000
+    batch_size: int = 32
+    lr: float = 2e-3
+    hidden_size: int = 128
+    layers: int = 4
+    heads: int = 4
+    train_length: int = 128
+    lengths: tuple[int, ...] = (128, 256, 512, 1024, 2048)
+    passkey_fraction: float = 0.375  # share of each training batch that is passkey documents
+    passkey_trials: int = 50
+    eval_tokens: int = 32_768  # held-out tokens scored at every length
+    dynamic_factor: float | None = None  # None: max(lengths) / train_length
+    rope_theta: float = 10000.0
+    corpus: Path | None = None  # None: the Python standard library
+    corpus_bytes: int | None = None  # read at most this many corpus bytes; None: all
+    seed: int = 0
+    # Small models: a second thread mostly adds synchronisation on a shared two-core machine.
+    threads: int = 1
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> ExtrapolateConfig:
+        """The < 3 minute path on two CPU cores."""
+        settings = {
+            "steps": 500,
+            "batch_size": 16,
+            "hidden_size": 64,
+            "layers": 2,
+            "heads": 2,
+            "passkey_trials": 10,
+            "eval_tokens": 8192,
+            "corpus_bytes": 8_000_000,
+        }
+        return cls(**(settings | overrides))
+
+    def resolved_dynamic_factor(self) -> float:
+        if self.dynamic_factor is not None:
+            return float(self.dynamic_factor)
+        return max(1.0, max(self.lengths) / self.train_length)
+
+
+@dataclass
+class ModelResult:
+    """How one attention mechanism trained."""
+
+    attention: str
+    parameters: int
+    train_seconds: float
+    final_train_loss: float
+    losses: list[float] = field(default_factory=list)
+
+
+@dataclass
+class PerplexityResult:
+    """Held-out bits per byte of one model under one scaling at one length."""
+
+    attention: str
+    scaling: str
+    length: int
+    bits_per_byte: float
+    perplexity: float  # per byte token: 2 ** bits_per_byte
+    windows: int
+    tokens: int
+
+
+@dataclass
+class PasskeyResult:
+    """Passkey retrieval of one model under one scaling at one length; ``answers`` are the generated keys."""
+
+    attention: str
+    scaling: str
+    length: int
+    trials: int
+    accuracy: float  # all digits right
+    digit_accuracy: float
+    answers: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class PasskeyDocument:
+    """A passkey document: ``prompt`` ends with the question, ``answer`` is the key; together exactly L bytes."""
+
+    prompt: str
+    answer: str
+    key_offset: int  # byte offset of the key sentence in the prompt
+
+
+# -- passkey documents -----------------------------------------------------------------------------------------
+
+
+def passkey_document(length: int, key: str, depth: float, rng: np.random.Generator) -> PasskeyDocument:
+    """Filler, the key sentence at ``depth`` (0 = start, 1 = just before the question), filler, question, key.
+
+    The filler is random sentences of :data:`FILLER_SENTENCES` cut to the exact byte count, so the document
+    (prompt + answer) is exactly ``length`` bytes (all ASCII)."""
+    if len(key) != KEY_DIGITS or not key.isdigit():
+        raise HeadkitError(f"key must be {KEY_DIGITS} decimal digits, got {key!r}")
+    if length < MIN_DOCUMENT_LENGTH:
+        raise HeadkitError(
+            f"a passkey document needs at least {MIN_DOCUMENT_LENGTH} bytes, got length={length}"
+        )
+    if not 0.0 <= depth <= 1.0:
+        raise HeadkitError(f"depth must be in [0, 1], got {depth!r}")
+    filler = _filler(length - MIN_DOCUMENT_LENGTH, rng)
+    before = round(depth * len(filler))
+    prompt = filler[:before] + KEY_SENTENCE.format(key=key) + filler[before:] + QUESTION
+    return PasskeyDocument(prompt=prompt, answer=key, key_offset=before)
+
+
+def _filler(size: int, rng: np.random.Generator) -> str:
+    pieces, joined_length = [], -1  # -1: the first sentence has no separator before it
+    while joined_length < size:
+        sentence = FILLER_SENTENCES[int(rng.integers(len(FILLER_SENTENCES)))]
+        pieces.append(sentence)
+        joined_length += len(sentence) + 1
+    return " ".join(pieces)[:size]
+
+
+def random_key(rng: np.random.Generator) -> str:
+    return f"{int(rng.integers(10**KEY_DIGITS)):0{KEY_DIGITS}d}"
+
+
+def passkey_batch(count: int, length: int, rng: np.random.Generator) -> torch.Tensor:
+    """``count`` whole passkey documents (prompt and answer) of ``length`` bytes at uniform depths: [count, L]."""
+    rows = []
+    for _ in range(count):
+        document = passkey_document(length, random_key(rng), float(rng.random()), rng)
+        rows.append(list((document.prompt + document.answer).encode("ascii")))
+    return torch.tensor(rows, dtype=torch.long).reshape(count, length)
+
+
+def passkey_trials(length: int, trials: int, seed: int) -> list[PasskeyDocument]:
+    """The evaluation documents of one length: seeded by (seed, length), depths stratified over [0, 1]."""
+    rng = np.random.default_rng([seed, length])
+    return [
+        passkey_document(length, random_key(rng), min(1.0, (trial + rng.random()) / trials), rng)
+        for trial in range(trials)
+    ]
+
+
+# -- models and scalings ---------------------------------------------------------------------------------------
+
+
+def model_config(
+    attention: str, config: ExtrapolateConfig, scaling: str = "none", length: int = 0
+) -> HeadkitConfig:
+    """The config of a model with ``attention``, its rotary positions scaled by ``scaling`` for inputs of
+    ``length`` tokens (the trained length, 128, is ``max_position_embeddings``: dynamic NTK's L₀)."""
+    tokenizer = ByteTokenizer()
+    return HeadkitConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=config.hidden_size,
+        num_hidden_layers=config.layers,
+        num_attention_heads=config.heads,
+        attention=attention,
+        position_embedding_type="rope",
+        max_position_embeddings=config.train_length,
+        rope_parameters=rope_parameters(scaling, length, config),
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+
+
+def rope_parameters(scaling: str, length: int, config: ExtrapolateConfig) -> dict[str, Any]:
+    """transformers' ``rope_parameters`` of ``scaling`` for inputs of ``length`` tokens."""
+    theta = float(config.rope_theta)
+    if scaling == "none":
+        return {"rope_type": "default", "rope_theta": theta}
+    if scaling == "linear":
+        # Position interpolation squeezes L positions into the trained range; shorter inputs need nothing.
+        return {"rope_type": "linear", "factor": max(1.0, length / config.train_length), "rope_theta": theta}
+    if scaling == "dynamic":
+        return {"rope_type": "dynamic", "factor": config.resolved_dynamic_factor(), "rope_theta": theta}
+    raise HeadkitError(f"scaling must be one of {', '.join(SCALINGS)}, got {scaling!r}")
+
+
+def build_model(attention: str, config: ExtrapolateConfig) -> HeadkitForCausalLM:
+    """A fresh model; the same initialisation seed for every mechanism."""
+    torch.manual_seed(config.seed)
+    return HeadkitForCausalLM(model_config(attention, config))
+
+
+def scaled_model(
+    model: HeadkitForCausalLM, scaling: str, length: int, config: ExtrapolateConfig
+) -> HeadkitForCausalLM:
+    """``model``'s weights in a model whose rotary positions are scaled by ``scaling`` for ``length`` tokens."""
+    state = model.state_dict()
+    rotary = [name for name in state if "rotary" in name or "inv_freq" in name]
+    if rotary:
+        # A saved rotary table would carry the trained scaling into the new model, silently.
+        raise HeadkitError(f"the state dict holds rotary buffers {rotary}; cannot rescale by config")
+    scaled = HeadkitForCausalLM(model_config(model.config.attention, config, scaling, length))
+    scaled.load_state_dict(state, strict=True)
+    return scaled.eval()
+
+
+# -- training --------------------------------------------------------------------------------------------------
+
+
+def train_model(
+    model: HeadkitForCausalLM,
+    train_stream: torch.Tensor,
+    config: ExtrapolateConfig,
+    progress: Callable[[int, float], None] | None = None,
+) -> list[float]:
+    """``config.steps`` AdamW steps on batches of corpus windows and passkey documents (seeded: every mechanism
+    sees the same batches). Warm-up for 5 % of the steps, then cosine decay to a tenth of ``config.lr``."""
+    generator = torch.Generator().manual_seed(config.seed + 1)
+    rng = np.random.default_rng(config.seed + 1)
+    passkey_rows = round(config.passkey_fraction * config.batch_size)
+    ignored = torch.tensor(special_token_ids(ByteTokenizer()), dtype=torch.long)
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": matrices, "weight_decay": 0.01}, {"params": vectors, "weight_decay": 0.0}],
+        lr=config.lr,
+        betas=(0.9, 0.95),
+    )
+    warmup = max(1, config.steps // 20)
+
+    def lr_factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        done = (step - warmup) / max(1, config.steps - warmup)
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done)))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    model.train()
+    losses = []
+    for step in range(config.steps):
+        corpus_rows = sample_batch(
+            train_stream, config.batch_size - passkey_rows, config.train_length, generator
+        )
+        batch = torch.cat([corpus_rows, passkey_batch(passkey_rows, config.train_length, rng)])
+        # Document separators are not text: they are neither predicted nor counted.
+        labels = batch.masked_fill(torch.isin(batch, ignored), -100)
+        loss = model(input_ids=batch, labels=labels, use_cache=False).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(float(loss.detach()))
+        if progress is not None:
+            progress(step + 1, losses[-1])
+    model.eval()
+    return losses
+
+
+# -- evaluation ------------------------------------------------------------------------------------------------
+
+
+def held_out_windows(held_out_stream: torch.Tensor, length: int, eval_tokens: int) -> torch.Tensor:
+    """The evaluation windows of one length: the first ``eval_tokens`` held-out tokens cut into [N, length]."""
+    if held_out_stream.numel() < max(eval_tokens, length):
+        raise HeadkitError(
+            f"the held-out corpus holds {held_out_stream.numel()} tokens, fewer than eval_tokens={eval_tokens} "
+            f"or length={length}: use a larger --corpus"
+        )
+    return evaluation_windows(held_out_stream, length, eval_tokens)
+
+
+def bits_per_byte(model: HeadkitForCausalLM, windows: torch.Tensor) -> float:
+    tokenizer = ByteTokenizer()
+    ignored = torch.tensor(special_token_ids(tokenizer), dtype=torch.long)
+    batch = max(1, EVAL_BATCH_TOKENS // windows.shape[1])
+    return held_out_bits_per_byte(model, windows, tokenizer, ignored, batch)
+
+
+@torch.no_grad()
+def retrieve_passkeys(model: HeadkitForCausalLM, documents: list[PasskeyDocument]) -> list[str]:
+    """The model's greedy 5-token answers to the documents' prompts (same-length prompts, batched)."""
+    answers: list[str] = []
+    if not documents:
+        return answers
+    prompts = torch.tensor([list(doc.prompt.encode("ascii")) for doc in documents], dtype=torch.long)
+    rows = max(1, EVAL_BATCH_TOKENS // prompts.shape[1])
+    with _quiet_transformers():
+        for chunk in prompts.split(rows):
+            generated = model.generate(
+                chunk,
+                attention_mask=torch.ones_like(chunk),
+                max_new_tokens=KEY_DIGITS,
+                min_new_tokens=KEY_DIGITS,
+                do_sample=False,
+                top_k=None,
+                top_p=None,
+                temperature=None,
+                pad_token_id=ByteTokenizer.pad_token_id,
+            )[:, chunk.shape[1] :]
+            answers += ["".join(_answer_char(int(token)) for token in row) for row in generated]
+    return answers
+
+
+def _answer_char(token: int) -> str:
+    # A special token is never a digit; "?" keeps the answer 5 characters long and visibly wrong.
+    return chr(token) if token < BYTE_VOCAB and 32 <= token < 127 else "?"
+
+
+def score_answers(answers: list[str], keys: list[str]) -> tuple[float, float]:
+    """(exact-match accuracy, per-digit accuracy) of ``answers`` against ``keys``."""
+    if len(answers) != len(keys) or not keys:
+        raise HeadkitError(f"need as many answers as keys (≥ 1), got {len(answers)} and {len(keys)}")
+    exact = sum(answer == key for answer, key in zip(answers, keys, strict=True)) / len(keys)
+    digits = sum(
+        a == k for answer, key in zip(answers, keys, strict=True) for a, k in zip(answer, key, strict=True)
+    ) / (len(keys) * KEY_DIGITS)
+    return exact, digits
+
+
+@contextlib.contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """Hide generate()'s reminder that the input exceeds max_position_embeddings: exceeding it is the point."""
+    from transformers.utils import logging
+
+    previous = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(previous)
+
+
+# -- the benchmark ---------------------------------------------------------------------------------------------
+
+
+def run_extrapolate_benchmark(config: ExtrapolateConfig | None = None, console: Any = None) -> dict[str, Any]:
+    """Run the benchmark with ``config.threads`` torch threads (restored after); see the module docstring.
+
+    Returns the dictionary written to ``results.json``."""
+    config = config or ExtrapolateConfig()
+    check_settings(config)
+    with thread_limit(config.threads):
+        return _run_body(config, console)
+
+
+def _run_body(config: ExtrapolateConfig, console: Any) -> dict[str, Any]:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = console or Console()
+    started = time.perf_counter()
+    corpus = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
+    tokenizer = ByteTokenizer()
+    train_stream = encode_corpus(corpus.train, tokenizer)
+    held_out_stream = encode_corpus(corpus.held_out, tokenizer)
+    windows = {
+        length: held_out_windows(held_out_stream, length, config.eval_tokens) for length in config.lengths
+    }
+    documents = {
+        length: passkey_trials(length, config.passkey_trials, config.seed) for length in config.lengths
+    }
+    _check_training_stream(train_stream, config)
+    console.print(
+        f"extrapolate: {corpus.source}, {train_stream.numel():,} training / {held_out_stream.numel():,} held-out "
+        f"tokens; trained at {config.train_length}, evaluated at {', '.join(map(str, config.lengths))}"
+    )
+
+    models: list[ModelResult] = []
+    perplexities: list[PerplexityResult] = []
+    passkeys: list[PasskeyResult] = []
+    evaluations = len(SCALINGS) * len(config.lengths)
+    with Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=True,
+    ) as progress:
+        for attention in MODELS:
+            model = build_model(attention, config)
+            task = progress.add_task(f"training {attention}", total=config.steps)
+            train_start = time.perf_counter()
+            losses = train_model(
+                model,
+                train_stream,
+                config,
+                lambda step, loss, task=task: progress.update(task, completed=step),
+            )
+            models.append(
+                ModelResult(
+                    attention=attention,
+                    parameters=sum(p.numel() for p in model.parameters()),
+                    train_seconds=time.perf_counter() - train_start,
+                    final_train_loss=float(np.mean(losses[-20:])),
+                    losses=losses,
+                )
+            )
+            progress.update(task, description=f"evaluating {attention}", completed=0, total=evaluations)
+            for scaling in SCALINGS:
+                for length in config.lengths:
+                    scaled = scaled_model(model, scaling, length, config)
+                    bpb = bits_per_byte(scaled, windows[length])
+                    perplexities.append(
+                        PerplexityResult(
+                            attention,
+                            scaling,
+                            length,
+                            bpb,
+                            2.0**bpb,
+                            len(windows[length]),
+                            windows[length].numel(),
+                        )
+                    )
+                    answers = retrieve_passkeys(scaled, documents[length])
+                    exact, digits = score_answers(answers, [doc.answer for doc in documents[length]])
+                    passkeys.append(
+                        PasskeyResult(attention, scaling, length, len(answers), exact, digits, answers)
+                    )
+                    progress.advance(task)
+            console.print(
+                f"{attention}: {_summary(attention, perplexities, passkeys, config)}", highlight=False
+            )
+
+    out = Path(config.out)
+    report = {
+        "benchmark": "extrapolate",
+        "command": command_line(),
+        "machine": machine_info("cpu"),
+        "settings": _settings(config),
+        "dynamic_factor": config.resolved_dynamic_factor(),
+        "corpus": corpus.summary(),
+        "models": [asdict(result) for result in models],
+        "perplexity": [asdict(result) for result in perplexities],
+        "passkey": [asdict(result) for result in passkeys],
+        "passkey_keys": {str(length): [doc.answer for doc in docs] for length, docs in documents.items()},
+        "seconds": time.perf_counter() - started,
+        "files": {name: str(out / name) for name in ("table.md", "perplexity.png", "passkey.png")},
+    }
+    save_figure_atomic(plot_perplexity(report), out / "perplexity.png")
+    save_figure_atomic(plot_passkey(report), out / "passkey.png")
+    write_text_atomic(out / "table.md", render_markdown(report))
+    write_json_atomic(out / "results.json", report)
+    console.print(render_markdown(report), highlight=False)
+    return report
+
+
+def check_settings(config: ExtrapolateConfig) -> None:
+    """Raise HeadkitError naming the option for any bad setting (before any corpus is read)."""
+    for name in ("steps", "batch_size", "hidden_size", "layers", "heads", "passkey_trials", "eval_tokens"):
+        _check_positive_int(name, getattr(config, name))
+    _check_positive_int("threads", config.threads)
+    _check_positive_int("train_length", config.train_length)
+    if config.hidden_size % config.heads or (config.hidden_size // config.heads) % 2:
+        raise HeadkitError(
+            f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads} into an even head "
+            "width (rotary pairs)"
+        )
+    if config.train_length < MIN_DOCUMENT_LENGTH:
+        raise HeadkitError(
+            f"train_length must be at least {MIN_DOCUMENT_LENGTH} (a passkey document), got {config.train_length}"
+        )
+    lengths = config.lengths
+    if (
+        not lengths
+        or any(isinstance(n, bool) or not isinstance(n, int) for n in lengths)
+        or any(not config.train_length <= n <= MAX_LENGTH for n in lengths)
+        or len(set(lengths)) != len(lengths)
+    ):
+        raise HeadkitError(
+            f"--lengths must be distinct integers in [{config.train_length} (the trained length), {MAX_LENGTH}], "
+            f"got {lengths!r}"
+        )
+    if not 0.0 <= config.passkey_fraction < 1.0:
+        raise HeadkitError(f"passkey_fraction must be in [0, 1), got {config.passkey_fraction!r}")
+    if round(config.passkey_fraction * config.batch_size) >= config.batch_size:
+        raise HeadkitError(
+            f"--batch-size {config.batch_size} leaves no corpus window beside the passkey documents"
+        )
+    if not (isinstance(config.lr, (int, float)) and config.lr > 0 and math.isfinite(config.lr)):
+        raise HeadkitError(f"lr must be a positive number, got {config.lr!r}")
+    if config.dynamic_factor is not None and not (
+        isinstance(config.dynamic_factor, (int, float)) and 1.0 <= config.dynamic_factor < math.inf
+    ):
+        raise HeadkitError(f"dynamic_factor must be a number ≥ 1 or None, got {config.dynamic_factor!r}")
+    if config.corpus_bytes is not None:
+        _check_positive_int("corpus_bytes", config.corpus_bytes)
+    if config.corpus is not None and not Path(config.corpus).exists():
+        raise HeadkitError(f"--corpus {str(config.corpus)!r} does not exist")
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise HeadkitError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+
+
+def _check_training_stream(stream: torch.Tensor, config: ExtrapolateConfig) -> None:
+    if stream.numel() < config.train_length:
+        raise HeadkitError(
+            f"the training corpus holds {stream.numel()} tokens, fewer than one {config.train_length}-token "
+            "window: use a larger --corpus"
+        )
+
+
+def _settings(config: ExtrapolateConfig) -> dict[str, Any]:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}
+
+
+def _summary(
+    attention: str,
+    perplexities: list[PerplexityResult],
+    passkeys: list[PasskeyResult],
+    config: ExtrapolateConfig,
+) -> str:
+    shortest, longest = min(config.lengths), max(config.lengths)
+    bpb = {(r.scaling, r.length): r.bits_per_byte for r in perplexities if r.attention == attention}
+    hits = {(r.scaling, r.length): r.accuracy for r in passkeys if r.attention == attention}
+    return (
+        f"{bpb['none', shortest]:.3f} bits/byte at {shortest}, at {longest}: "
+        + ", ".join(f"{s} {bpb[s, longest]:.3f}" for s in SCALINGS)
+        + f"; passkey at {shortest} {hits['none', shortest]:.2f}, at {longest}: "
+        + ", ".join(f"{s} {hits[s, longest]:.2f}" for s in SCALINGS)
+    )
+
+
+# -- report ----------------------------------------------------------------------------------------------------
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """Two tables: bits per byte (perplexity) and passkey accuracy, per model × scaling (rows) and length."""
+    lengths = sorted({row["length"] for row in report["perplexity"]})
+    groups = list(dict.fromkeys((row["attention"], row["scaling"]) for row in report["perplexity"]))
+    bpb = {(r["attention"], r["scaling"], r["length"]): r for r in report["perplexity"]}
+    keys = {(r["attention"], r["scaling"], r["length"]): r for r in report["passkey"]}
+    headers = ["attention", "RoPE scaling", *(f"L = {length}" for length in lengths)]
+    perplexity_rows = [
+        [
+            attention,
+            scaling,
+            *(
+                f"{bpb[attention, scaling, n]['bits_per_byte']:.3f} ({bpb[attention, scaling, n]['perplexity']:.2f})"
+                for n in lengths
+            ),
+        ]
+        for attention, scaling in groups
+    ]
+    passkey_rows = [
+        [
+            attention,
+            scaling,
+            *(
+                f"{keys[attention, scaling, n]['accuracy']:.2f} / {keys[attention, scaling, n]['digit_accuracy']:.2f}"
+                for n in lengths
+            ),
+        ]
+        for attention, scaling in groups
+    ]
+    settings, machine = report["settings"], report["machine"]
+    model_rows = [
+        [m["attention"], f"{m['parameters']:,}", f"{m['train_seconds']:.1f}", f"{m['final_train_loss']:.3f}"]
+        for m in report["models"]
+    ]
+    windows = {n: bpb[groups[0][0], groups[0][1], n]["windows"] for n in lengths}
+    return (
+        f"Length extrapolation: trained at {settings['train_length']} bytes ({settings['steps']} steps × "
+        f"{settings['batch_size']} windows, {settings['passkey_fraction']:.0%} passkey documents), hidden "
+        f"{settings['hidden_size']}, {settings['layers']} layers, {settings['heads']} heads; dynamic NTK factor "
+        f"{report['dynamic_factor']:g}. {machine['cpu_model']}, {machine['torch_threads']} torch threads, "
+        f"torch {machine['torch_version']}.\n\n"
+        + markdown_table(["attention", "parameters", "train s", "final train loss"], model_rows)
+        + f"\nHeld-out bits per byte (per-byte perplexity), the same {settings['eval_tokens']:,} tokens at every "
+        f"length (windows: {', '.join(f'{n}: {w}' for n, w in windows.items())}):\n\n"
+        + markdown_table(headers, perplexity_rows)
+        + f"\nPasskey retrieval, {settings['passkey_trials']} documents per length: exact-match accuracy / "
+        "per-digit accuracy (chance 0.00001 / 0.1):\n\n" + markdown_table(headers, passkey_rows)
+    )
+
+
+_COLOURS = {"softmax": "tab:blue", "coca": "tab:red"}
+_STYLES = {"none": "-", "linear": "--", "dynamic": ":"}
+
+
+def plot_perplexity(report: dict[str, Any]) -> Any:
+    """Held-out bits per byte against length (log x), a line per model × scaling."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4.5))
+    axis = figure.subplots()
+    for attention, scaling, rows in _lines(report["perplexity"]):
+        axis.plot(
+            [r["length"] for r in rows],
+            [r["bits_per_byte"] for r in rows],
+            _STYLES.get(scaling, "-"),
+            marker="o",
+            color=_COLOURS.get(attention),
+            label=f"{attention}, {scaling}",
+        )
+    axis.axvline(report["settings"]["train_length"], color="grey", linewidth=0.8)
+    axis.set_xscale("log", base=2)
+    axis.set_xlabel("context length (bytes)")
+    axis.set_ylabel("held-out bits per byte")
+    axis.set_title("perplexity beyond the trained length (grey line)")
+    axis.legend(fontsize=8)
+    axis.grid(alpha=0.3)
+    return figure
+
+
+def plot_passkey(report: dict[str, Any]) -> Any:
+    """Passkey accuracy (exact, per-digit) against length (log x), a line per model × scaling."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(11, 4.2))
+    axes = figure.subplots(1, 2)
+    for axis, metric, title, chance in (
+        (axes[0], "accuracy", "all 5 digits right", 1e-5),
+        (axes[1], "digit_accuracy", "per digit", 0.1),
+    ):
+        lines = _lines(report["passkey"])
+        for index, (attention, scaling, rows) in enumerate(lines):
+            # Accuracies often coincide (all 0, all 1): a small sideways shift keeps every line visible.
+            shift = 2.0 ** (0.04 * (index - (len(lines) - 1) / 2))
+            axis.plot(
+                [r["length"] * shift for r in rows],
+                [r[metric] for r in rows],
+                _STYLES.get(scaling, "-"),
+                marker="o",
+                color=_COLOURS.get(attention),
+                label=f"{attention}, {scaling}",
+            )
+        axis.axhline(chance, color="grey", linewidth=0.8, linestyle="--")
+        axis.axvline(report["settings"]["train_length"], color="grey", linewidth=0.8)
+        axis.set_xscale("log", base=2)
+        axis.set_ylim(-0.03, 1.03)
+        axis.set_xlabel("document length (bytes)")
+        axis.set_ylabel("accuracy")
+        axis.set_title(f"passkey retrieval: {title} (lines shifted sideways)")
+        axis.grid(alpha=0.3)
+    axes[1].legend(fontsize=8)
+    return figure
+
+
+def _lines(rows: list[dict[str, Any]]) -> list[tuple[str, str, list[dict[str, Any]]]]:
+    groups = dict.fromkeys((r["attention"], r["scaling"]) for r in rows)
+    return [
+        (
+            attention,
+            scaling,
+            sorted(
+                (r for r in rows if (r["attention"], r["scaling"]) == (attention, scaling)),
+                key=lambda r: r["length"],
+            ),
+        )
+        for attention, scaling in groups
+    ]
+
+
+__all__ = [
+    "MODELS",
+    "SCALINGS",
+    "ExtrapolateConfig",
+    "PasskeyDocument",
+    "passkey_document",
+    "passkey_trials",
+    "retrieve_passkeys",
+    "run_extrapolate_benchmark",
+    "scaled_model",
+]
