@@ -727,9 +727,12 @@ def plot_passkey(report: dict[str, Any]) -> Any:
         axis.set_ylim(-0.03, 1.03)
         axis.set_xlabel("document length (bytes)")
         axis.set_ylabel("accuracy")
-        axis.set_title(f"passkey retrieval: {title} (lines shifted sideways)")
+        axis.set_title(f"passkey retrieval: {title}")
         axis.grid(alpha=0.3)
     axes[1].legend(fontsize=8)
+    figure.suptitle(
+        "trained length: grey line; lines shifted sideways where they coincide", fontsize=9, y=-0.02, va="top"
+    )
     return figure
 
 
