@@ -34,8 +34,8 @@ Method, top to bottom:
    length, learning-rate schedule (AdamW, warm-up, cosine decay), initialisation seed and — since the batch
    sampler is seeded with the same seed and draws from the same token stream — the same training batches in
    the same order.
-4. Held-out bits per byte (the mean next-byte negative log2-likelihood on the first ``eval_tokens`` tokens of
-   the held-out documents) is measured before training, every ``eval_every`` steps and at the end; each point
+4. Held-out bits per byte (the mean next-byte negative log2-likelihood on ``eval_tokens`` tokens in windows
+   spaced evenly across the held-out documents) is measured before training, every ``eval_every`` steps and at the end; each point
    records the step and the training wall clock up to it with the evaluations left out, so the curves can be
    compared per step (sample efficiency) and per second (what a step costs each mechanism).
 5. Per variant: parameters, the median wall clock of one training step, total training seconds, the curve and
@@ -401,8 +401,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"Byte-level causal LMs, hidden {settings['hidden_size']}, {settings['layers']} layers, "
         f"{settings['heads']} heads, {settings['steps']} steps of {settings['batch_size']} × "
         f"{settings['seq_len']} bytes (lr {settings['lr']:g}, seed {settings['seed']}); corpus "
-        f"{corpus['train_bytes']:,} training / {corpus['held_out_bytes']:,} held-out bytes, bits/byte on the "
-        f"first {settings['eval_tokens']:,} held-out bytes (untrained ≈ {math.log2(259):.2f}). "
+        f"{corpus['train_bytes']:,} training / {corpus['held_out_bytes']:,} held-out bytes, bits/byte on "
+        f"{settings['eval_tokens']:,} held-out bytes spread over the split (untrained ≈ {math.log2(259):.2f}). "
         f"{machine['cpu_model']}, {machine['torch_threads']} torch threads, torch {machine['torch_version']}. "
         "Train s: optimiser steps only, evaluations excluded.\n\n" + markdown_table(headers, rows)
     )
