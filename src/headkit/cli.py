@@ -83,6 +83,11 @@ def demo(
     run_demo(DemoConfig(model=model, out=out, speed=speed, seed=seed, threads=threads))
 
 
+def _given(**options: object) -> dict[str, object]:
+    """The options the user set: None means "the default of the chosen mode" (full or --quick)."""
+    return {name: value for name, value in options.items() if value is not None}
+
+
 def _parse_ints(name: str, text: str) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
@@ -134,15 +139,7 @@ def prune(
     """L0 head pruning by self-distillation on the embedded corpus, then physical removal of the heads."""
     from headkit.bench.prune import PruneJobConfig, run_prune_job
 
-    overrides = {
-        name: value
-        for name, value in {
-            "steps": steps,
-            "finetune_steps": finetune_steps,
-            "batch_size": batch_size,
-        }.items()
-        if value is not None
-    }
+    overrides = _given(steps=steps, finetune_steps=finetune_steps, batch_size=batch_size)
     settings = dict(
         model=model,
         out=out,
@@ -350,17 +347,13 @@ def bench_digits(
     a classifier's accuracy on the completed images."""
     from headkit.bench.digits import DigitsConfig, run_digits_benchmark
 
-    overrides = {
-        name: value
-        for name, value in {
-            "steps": steps,
-            "batch_size": batch_size,
-            "hidden_size": hidden_size,
-            "layers": layers,
-            "image_counts": tuple(_parse_ints("images", images)) if images.strip() else None,
-        }.items()
-        if value is not None
-    }
+    overrides = _given(
+        steps=steps,
+        batch_size=batch_size,
+        hidden_size=hidden_size,
+        layers=layers,
+        image_counts=tuple(_parse_ints("images", images)) if images.strip() else None,
+    )
     settings = dict(out=out, sample=sample, threads=threads, seed=seed, **overrides)
     run_digits_benchmark(DigitsConfig.quick(**settings) if quick else DigitsConfig(**settings))
 
@@ -379,15 +372,11 @@ def bench_lora(
     digits, per rank, with trainable parameter counts; and LoRA-only training from scratch."""
     from headkit.bench.lora import LoraConfig, run_lora_benchmark
 
-    overrides = {
-        name: value
-        for name, value in {
-            "ranks": tuple(_parse_ints("ranks", ranks)) if ranks.strip() else None,
-            "pretrain_epochs": pretrain_epochs,
-            "finetune_epochs": finetune_epochs,
-        }.items()
-        if value is not None
-    }
+    overrides = _given(
+        ranks=tuple(_parse_ints("ranks", ranks)) if ranks.strip() else None,
+        pretrain_epochs=pretrain_epochs,
+        finetune_epochs=finetune_epochs,
+    )
     settings = dict(out=out, threads=threads, seed=seed, **overrides)
     run_lora_benchmark(LoraConfig.quick(**settings) if quick else LoraConfig(**settings))
 
@@ -474,27 +463,23 @@ def bench_lm(
     chosen = tuple(name.strip() for name in variants.split(",") if name.strip())
     if variants.strip() and not chosen:
         raise HeadkitError(f"--variants must name at least one variant, got {variants!r}")
-    overrides = {
-        name: value
-        for name, value in {
-            "variants": chosen or None,
-            "steps": steps,
-            "seq_len": seq_len,
-            "batch_size": batch_size,
-            "hidden_size": hidden_size,
-            "layers": layers,
-            "heads": heads,
-            "lr": lr,
-            "eval_every": eval_every,
-            "eval_tokens": eval_tokens,
-            "additive_window": additive_window,
-            "collaborative_dim": collaborative_dim,
-            "corpus": corpus,
-            "corpus_bytes": corpus_bytes,
-            "threads": threads,
-        }.items()
-        if value is not None
-    }
+    overrides = _given(
+        variants=chosen or None,
+        steps=steps,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        hidden_size=hidden_size,
+        layers=layers,
+        heads=heads,
+        lr=lr,
+        eval_every=eval_every,
+        eval_tokens=eval_tokens,
+        additive_window=additive_window,
+        collaborative_dim=collaborative_dim,
+        corpus=corpus,
+        corpus_bytes=corpus_bytes,
+        threads=threads,
+    )
     settings = dict(out=out, seed=seed, **overrides)
     run_lm_benchmark(LMBenchConfig.quick(**settings) if quick else LMBenchConfig(**settings))
 
@@ -524,18 +509,14 @@ def bench_extrapolate(
     contexts, with no, linear (position interpolation) and dynamic-NTK rotary scaling."""
     from headkit.bench.extrapolate import ExtrapolateConfig, run_extrapolate_benchmark
 
-    overrides = {
-        name: value
-        for name, value in {
-            "steps": steps,
-            "batch_size": batch_size,
-            "hidden_size": hidden_size,
-            "layers": layers,
-            "lengths": tuple(_parse_ints("lengths", lengths)) if lengths.strip() else None,
-            "passkey_trials": passkey_trials,
-        }.items()
-        if value is not None
-    }
+    overrides = _given(
+        steps=steps,
+        batch_size=batch_size,
+        hidden_size=hidden_size,
+        layers=layers,
+        lengths=tuple(_parse_ints("lengths", lengths)) if lengths.strip() else None,
+        passkey_trials=passkey_trials,
+    )
     settings = dict(out=out, threads=threads, corpus=corpus, seed=seed, **overrides)
     run_extrapolate_benchmark(ExtrapolateConfig.quick(**settings) if quick else ExtrapolateConfig(**settings))
 
@@ -565,11 +546,7 @@ def bench_compress(
     parsed_dims = tuple(_parse_ints("dims", dims)) if dims.strip() else None
     from headkit.bench.compress import CompressBenchmarkConfig, run_compress_benchmark
 
-    overrides = {
-        name: value
-        for name, value in {"dims": parsed_dims, "distill_steps": distill_steps}.items()
-        if value is not None
-    }
+    overrides = _given(dims=parsed_dims, distill_steps=distill_steps)
     settings = dict(model=model, out=out, threads=threads, seed=seed, **overrides)
     run_compress_benchmark(
         CompressBenchmarkConfig.quick(**settings) if quick else CompressBenchmarkConfig(**settings)
@@ -604,15 +581,11 @@ def bench_prune(
     distillation) and SmolLM2-135M held-out perplexity against the fraction of heads pruned by importance."""
     from headkit.bench.prune_curves import PruneCurvesConfig, parse_fractions, run_prune_curves
 
-    overrides = {
-        name: value
-        for name, value in {
-            "heads_kept": tuple(_parse_ints("heads-kept", heads_kept)) if heads_kept.strip() else None,
-            "fractions": parse_fractions(fractions) if fractions.strip() else None,
-            "gate_steps": gate_steps,
-            "distill_steps": distill_steps,
-        }.items()
-        if value is not None
-    }
+    overrides = _given(
+        heads_kept=tuple(_parse_ints("heads-kept", heads_kept)) if heads_kept.strip() else None,
+        fractions=parse_fractions(fractions) if fractions.strip() else None,
+        gate_steps=gate_steps,
+        distill_steps=distill_steps,
+    )
     settings = dict(model=model, decoder=decoder, threads=threads, seed=seed, out=out, **overrides)
     run_prune_curves(PruneCurvesConfig.quick(**settings) if quick else PruneCurvesConfig(**settings))
