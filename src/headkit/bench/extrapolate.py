@@ -109,7 +109,7 @@ class ExtrapolateConfig:
     heads: int = 4
     train_length: int = 128
     lengths: tuple[int, ...] = (128, 256, 512, 1024, 2048)
-    passkey_fraction: float = 0.375  # share of each training batch that is passkey documents
+    passkey_fraction: float = 0.5  # share of each training batch that is passkey documents
     passkey_trials: int = 50
     eval_tokens: int = 32_768  # held-out tokens scored at every length
     dynamic_factor: float | None = None  # None: max(lengths) / train_length
