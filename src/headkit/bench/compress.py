@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from headkit.bench._measure import thread_limit, time_call
+from headkit.bench._options import check_positive_option, check_positive_options
 from headkit.bench._report import (
     command_line,
     machine_info,
@@ -422,8 +423,7 @@ def _check_common_settings(config: CompressConfig | CompressBenchmarkConfig) -> 
         "timing_repeats": config.timing_repeats,
     }
     for name, value in positive.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise HeadkitError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        check_positive_option(name, value)
     if (
         isinstance(config.distill_steps, bool)
         or not isinstance(config.distill_steps, int)
@@ -599,10 +599,7 @@ def _check_benchmark_settings(config: CompressBenchmarkConfig) -> None:
         raise HeadkitError(f"--dims must be one or more positive integers, got {dims!r}")
     if len(set(dims)) != len(dims):
         raise HeadkitError(f"--dims must not repeat a width, got {list(dims)}")
-    for name in ("threads", "train_texts"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise HeadkitError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    check_positive_options(config, ("threads", "train_texts"))
     if isinstance(config.max_iter, bool) or not isinstance(config.max_iter, int) or config.max_iter < 0:
         raise HeadkitError(f"--max-iter must be a non-negative integer, got {config.max_iter!r}")
 

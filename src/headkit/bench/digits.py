@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from headkit.bench._measure import thread_limit
+from headkit.bench._options import check_positive_options
 from headkit.bench._report import (
     command_line,
     machine_info,
@@ -337,10 +338,9 @@ def _run_digits_benchmark_body(config: DigitsConfig, console: Any) -> dict[str, 
 
 
 def _check_settings(config: DigitsConfig) -> None:
-    for name in ("steps", "batch_size", "hidden_size", "layers", "heads", "timing_repeats", "threads"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise HeadkitError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    check_positive_options(
+        config, ("steps", "batch_size", "hidden_size", "layers", "heads", "timing_repeats", "threads")
+    )
     if config.hidden_size % config.heads:
         raise HeadkitError(f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads}")
     if not config.image_counts or any(not 0 < count <= 1000 for count in config.image_counts):

@@ -13,7 +13,11 @@ perplexity and by passkey retrieval (Mohtashami & Jaggi 2023, "Landmark Attentio
 2. Both are trained on the same batches at context ``train_length`` = 128 bytes. A batch mixes windows of the
    corpus (:func:`headkit.data.load_corpus`: the Python standard library by default) with passkey documents
    (:func:`passkey_document`): filler sentences, "The pass key is 73914. Remember it. 73914 is the pass key." at
-   a random depth, more filler, then "What is the pass key? The pass key is 73914" — exactly 128 bytes.
+   a random depth, more filler, then "What is the pass key? The pass key is 73914" — exactly 128 bytes; half of
+   every batch by default (``passkey_fraction``). Retrieval is learnt late and abruptly: with the full defaults
+   (2000 steps × 32 windows, width 128, 4 layers) softmax answers the 128-byte passkey after ~750 steps, CoCA
+   after ~1500; the quick models (width 64, 2 layers, 500 steps) do not learn it, only the perplexities mean
+   something there.
 3. Every trained model is evaluated at each length L of ``lengths`` (128 … 2048) under three RoPE scalings,
    applied without retraining by rebuilding the model from a config with other ``rope_parameters`` and loading
    the same weights (rotary angles are computed from the config on the fly: no rotary buffer is in the state
@@ -56,6 +60,7 @@ import numpy as np
 import torch
 
 from headkit.bench._measure import thread_limit
+from headkit.bench._options import check_positive_option
 from headkit.bench._report import (
     command_line,
     machine_info,
@@ -542,9 +547,9 @@ def _run_body(config: ExtrapolateConfig, console: Any) -> dict[str, Any]:
 def check_settings(config: ExtrapolateConfig) -> None:
     """Raise HeadkitError naming the option for any bad setting (before any corpus is read)."""
     for name in ("steps", "batch_size", "hidden_size", "layers", "heads", "passkey_trials", "eval_tokens"):
-        _check_positive_int(name, getattr(config, name))
-    _check_positive_int("threads", config.threads)
-    _check_positive_int("train_length", config.train_length)
+        check_positive_option(name, getattr(config, name))
+    check_positive_option("threads", config.threads)
+    check_positive_option("train_length", config.train_length)
     if config.hidden_size % config.heads or (config.hidden_size // config.heads) % 2:
         raise HeadkitError(
             f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads} into an even head "
@@ -578,14 +583,9 @@ def check_settings(config: ExtrapolateConfig) -> None:
     ):
         raise HeadkitError(f"dynamic_factor must be a number ≥ 1 or None, got {config.dynamic_factor!r}")
     if config.corpus_bytes is not None:
-        _check_positive_int("corpus_bytes", config.corpus_bytes)
+        check_positive_option("corpus_bytes", config.corpus_bytes)
     if config.corpus is not None and not Path(config.corpus).exists():
         raise HeadkitError(f"--corpus {str(config.corpus)!r} does not exist")
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise HeadkitError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
 
 
 def _check_training_stream(stream: torch.Tensor, config: ExtrapolateConfig) -> None:

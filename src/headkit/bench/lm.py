@@ -55,6 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from headkit.bench._measure import thread_limit
+from headkit.bench._options import check_positive_option
 from headkit.bench._report import command_line, machine_info, markdown_table, write_results
 from headkit.errors import HeadkitError
 
@@ -327,10 +328,10 @@ def check_settings(config: LMBenchConfig) -> None:
         "conv_kernel_size",
         "threads",
     ):
-        _check_positive_int(name, getattr(config, name))
+        check_positive_option(name, getattr(config, name))
     for name in ("corpus_bytes", "collaborative_dim"):
         if getattr(config, name) is not None:
-            _check_positive_int(name, getattr(config, name))
+            check_positive_option(name, getattr(config, name))
     if config.seq_len < 2:
         raise HeadkitError(
             f"--seq-len must be at least 2 (one token predicts the next), got {config.seq_len}"
@@ -358,11 +359,6 @@ def check_settings(config: LMBenchConfig) -> None:
         raise HeadkitError(f"--corpus {str(config.corpus)!r} does not exist")
     for variant in config.variants:
         model_config(variant, config)  # the config's own checks, before any training
-
-
-def _check_positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise HeadkitError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
 
 
 def _finite_or_none(value: float | None) -> float | None:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from headkit.bench._measure import thread_limit
+from headkit.bench._options import check_positive_options
 from headkit.bench._report import (
     command_line,
     machine_info,
@@ -312,10 +313,9 @@ def _run_lora_benchmark_body(config: LoraConfig, console: Any) -> dict[str, Any]
 
 
 def _check_settings(config: LoraConfig) -> None:
-    for name in ("hidden_size", "pretrain_epochs", "threads", "finetune_epochs", "batch_size"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise HeadkitError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    check_positive_options(
+        config, ("hidden_size", "pretrain_epochs", "threads", "finetune_epochs", "batch_size")
+    )
     if not config.ranks or any(isinstance(r, bool) or not isinstance(r, int) or r <= 0 for r in config.ranks):
         raise HeadkitError(f"--ranks must be positive integers, got {config.ranks!r}")
     if not (config.lr > 0 and config.lora_lr > 0):
