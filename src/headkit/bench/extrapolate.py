@@ -15,9 +15,11 @@ perplexity and by passkey retrieval (Mohtashami & Jaggi 2023, "Landmark Attentio
    (:func:`passkey_document`): filler sentences, "The pass key is 73914. Remember it. 73914 is the pass key." at
    a random depth, more filler, then "What is the pass key? The pass key is 73914" — exactly 128 bytes; half of
    every batch by default (``passkey_fraction``). Retrieval is learnt late and abruptly: with the full defaults
-   (2000 steps × 32 windows, width 128, 4 layers) softmax answers the 128-byte passkey after ~750 steps, CoCA
-   after ~1500; the quick models (width 64, 2 layers, 500 steps) do not learn it, only the perplexities mean
-   something there.
+   (2000 steps × 32 windows, width 128, 4 layers) softmax answers every 128-byte passkey after ~750 steps;
+   CoCA learns it later, between ~1500 steps and beyond 2000 depending on the corpus (measured: all digits
+   right at 2000 steps on an 8 MB corpus, half the digits on the whole standard library), so give it more
+   ``steps`` to compare retrieval itself. The quick models (width 64, 2 layers, 500 steps) do not learn it:
+   only their perplexities mean something.
 3. Every trained model is evaluated at each length L of ``lengths`` (128 … 2048) under three RoPE scalings,
    applied without retraining by rebuilding the model from a config with other ``rope_parameters`` and loading
    the same weights (rotary angles are computed from the config on the fly: no rotary buffer is in the state
