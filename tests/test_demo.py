@@ -47,7 +47,8 @@ TINY = dict(
 @pytest.fixture(scope="module")
 def report(tiny_encoder, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(demo, "stdlib_corpus", _small_corpus)
+        patch.setattr(demo, "load_text", lambda data: None)
+        patch.setattr(demo, "text_chunks", lambda corpus, a, b, seed=0: _small_corpus(a, b, seed))
         out = tmp_path_factory.mktemp("demo") / "demo"
         config = demo.DemoConfig(
             model=tiny_encoder, out=out, speed_lengths=(32,), speed_mechanisms=("linear_causal",), **TINY
@@ -96,7 +97,8 @@ def test_bad_settings_are_user_errors(tmp_path):
 def test_cli_runs_the_tour(tiny_encoder, tmp_path, monkeypatch):
     from headkit.cli import main
 
-    monkeypatch.setattr(demo, "stdlib_corpus", _small_corpus)
+    monkeypatch.setattr(demo, "load_text", lambda data: None)
+    monkeypatch.setattr(demo, "text_chunks", lambda corpus, a, b, seed=0: _small_corpus(a, b, seed))
     out = tmp_path / "cli"
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--model", str(tiny_encoder), "--no-speed", "--threads", "1", "--out", str(out)])

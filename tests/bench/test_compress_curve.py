@@ -136,12 +136,15 @@ def test_refuses_the_model_folder_as_output(tiny_encoder):
 
 
 def test_keeps_a_model_saved_by_the_job_in_the_same_folder(tiny_encoder, tmp_path):
-    assert compress.CompressConfig().out != compress.CompressBenchmarkConfig().out
+    from headkit.recipes.compress import CompressSettings
+    from headkit.recipes.compress import compress as compress_recipe
+
+    assert CompressSettings().out != compress.CompressBenchmarkConfig().out
     out = tmp_path / "compress"
-    job = compress.CompressConfig(
+    job = CompressSettings(
         model=tiny_encoder, out=out, dim=8, batch_size=4, max_length=16, held_out_texts=8, timing_repeats=1
     )
-    compress.run_compress_job(job, echo=lambda _line: None)
+    compress_recipe(job, echo=lambda _line: None)
     saved = {p.name: p.read_bytes() for p in out.iterdir()}
     config = compress.CompressBenchmarkConfig(model=tiny_encoder, out=out, dims=(8,), **TINY)
     compress.run_compress_benchmark(config, console=Console(quiet=True))

@@ -7,9 +7,9 @@ import torch.nn.functional as F
 import transformers
 
 from headkit.bench import prune_curves
-from headkit.bench.prune import load_encoder
 from headkit.data import ByteTokenizer
 from headkit.errors import HeadkitError
+from headkit.recipes.models import load_model
 
 TINY = dict(
     heads_kept=(6, 4, 2),
@@ -97,10 +97,11 @@ def test_contrastive_loss_is_cross_entropy_over_scaled_cosines():
 
 def test_importance_plan_keeps_the_globally_top_heads(encoder_dir):
     from headkit.analysis.importance import head_importance
-    from headkit.bench.prune import stdlib_corpus
+    from headkit.recipes.text import load_text, text_chunks
 
-    model, tokenizer = load_encoder(encoder_dir)
-    texts, _ = stdlib_corpus(8, 1)
+    loaded = load_model(encoder_dir)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    texts, _ = text_chunks(load_text(None), 8, 1)
     pairs = prune_curves.contrastive_pair_batches(tokenizer, texts, 4, 16)
     importance = head_importance(model, pairs, prune_curves.contrastive_loss, attention_stats=False)
     assert all(

@@ -25,6 +25,8 @@ VARIANTS = {
     "coca": {"attention": "coca", "num_key_value_heads": 2},
     "collaborative": {"attention": "collaborative", "dim_shared_query_key": 16, "attention_bias": True},
     "hybrid_linear_softmax": {"layer_types": ["linear", "softmax"]},
+    # LoLCATs' sliding-window + linear attention; the prefill of 70 also crosses its window many times.
+    "lolcats": {"attention": "hybrid", "num_key_value_heads": 2, "hybrid_window": 8},
 }
 
 

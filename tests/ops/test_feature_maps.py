@@ -1,4 +1,4 @@
-"""Feature maps φ of linear attention: the built-in maps, lookup and registration."""
+"""Feature maps φ of linear attention: the built-in maps, lookup and registration, and Hedgehog's learnable map."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from headkit.ops import FEATURE_MAPS, get_feature_map, register_feature_map
+from headkit.ops import FEATURE_MAPS, get_feature_map, hedgehog_feature_map, register_feature_map
 
 
 @pytest.fixture(autouse=True)
@@ -89,3 +89,67 @@ def test_register_feature_map_rejects_bad_arguments(name, fn, message):
     with pytest.raises(ValueError, match=message):
         register_feature_map(name, fn)
     assert name not in FEATURE_MAPS
+
+
+# --- Hedgehog (Zhang et al. 2024) --------------------------------------------------------------------------------
+
+
+def naive_hedgehog(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Head by head: [softmax(x_h W_h), softmax(−x_h W_h)] over the feature dimension."""
+    heads = []
+    for head in range(x.shape[1]):
+        projected = x[:, head] @ weight[head]
+        heads.append(torch.cat([projected.softmax(-1), (-projected).softmax(-1)], dim=-1))
+    return torch.stack(heads, dim=1)
+
+
+@pytest.mark.parametrize("head_dim, feature_dim", [(8, 8), (8, 5), (4, 12)])
+def test_hedgehog_map_shape_positivity_and_halves_summing_to_one(head_dim, feature_dim):
+    x = torch.randn(2, 3, 7, head_dim) * 4
+    weight = torch.randn(3, head_dim, feature_dim)
+    phi = hedgehog_feature_map(x, weight)
+    assert phi.shape == (2, 3, 7, 2 * feature_dim) and phi.dtype == x.dtype
+    assert bool((phi > 0).all())
+    ones = torch.ones(2, 3, 7)
+    torch.testing.assert_close(phi[..., :feature_dim].sum(-1), ones)
+    torch.testing.assert_close(phi[..., feature_dim:].sum(-1), ones)
+    torch.testing.assert_close(phi, naive_hedgehog(x, weight))
+
+
+def test_hedgehog_map_gradients_match_the_per_head_loop_and_pass_gradcheck():
+    x = torch.randn(2, 3, 5, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(3, 4, 6, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(hedgehog_feature_map, (x, weight))
+    grad_out = torch.randn(2, 3, 5, 12, dtype=torch.float64)
+    grads = torch.autograd.grad(hedgehog_feature_map(x, weight), (x, weight), grad_out)
+    expected = torch.autograd.grad(naive_hedgehog(x, weight), (x, weight), grad_out)
+    for actual, reference in zip(grads, expected, strict=True):
+        torch.testing.assert_close(actual, reference, rtol=1e-12, atol=1e-12)
+
+
+def test_hedgehog_map_stays_finite_for_huge_inputs_and_computes_bf16_in_float32():
+    x = torch.randn(1, 2, 4, 8) * 1e4
+    weight = torch.randn(2, 8, 8)
+    assert bool(torch.isfinite(hedgehog_feature_map(x, weight)).all())
+    half = hedgehog_feature_map(x.bfloat16() / 1e4, weight.bfloat16())
+    assert half.dtype == torch.bfloat16
+    reference = naive_hedgehog(x.bfloat16().double() / 1e4, weight.bfloat16().double())
+    torch.testing.assert_close(half.double(), reference, rtol=1e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    "x, weight, message",
+    [
+        (torch.zeros(2, 3, 8), torch.zeros(3, 8, 8), r"x must have shape \[batch, heads, seq, head_dim\]"),
+        (
+            torch.zeros(1, 3, 2, 8),
+            torch.zeros(8, 8),
+            r"weight must have shape \[heads, head_dim, feature_dim\]",
+        ),
+        (torch.zeros(1, 3, 2, 8), torch.zeros(2, 8, 8), r"= \[3, 8, feature_dim\]"),
+        (torch.zeros(1, 3, 2, 8), torch.zeros(3, 4, 8), r"= \[3, 8, feature_dim\]"),
+    ],
+)
+def test_hedgehog_map_rejects_mismatched_shapes(x, weight, message):
+    with pytest.raises(ValueError, match=message):
+        hedgehog_feature_map(x, weight)

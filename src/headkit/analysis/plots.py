@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from headkit.analysis.importance import pad_to_matrix
-from headkit.bench._report import save_figure_atomic
 from headkit.errors import HeadkitError
+from headkit.files import save_figure_atomic
 
 PerLayer = torch.Tensor | Sequence[torch.Tensor] | Mapping[int, torch.Tensor]
 

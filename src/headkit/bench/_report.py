@@ -8,74 +8,23 @@ Windows when both paths are on the same file system.
 
 from __future__ import annotations
 
-import contextlib
 import datetime as dt
-import json
 import os
 import platform
 import sys
-import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import torch
 
-
-def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> Path:
-    """Create ``path`` (and its folder) by calling ``write`` on a temporary file, then moving it into place.
-
-    If ``write`` raises, the temporary file is removed and an existing ``path`` is left untouched.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        # mkstemp makes the file private (0600); results are ordinary files, readable like any other.
-        os.chmod(tmp_name, regular_file_mode())
-        with os.fdopen(fd, "wb") as tmp:
-            write(tmp)
-            tmp.flush()
-            os.fsync(tmp.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp_name)
-        raise
-    return path
-
-
-def regular_file_mode() -> int:
-    """The permissions ``open(path, "w")`` would give a new file: 0666 minus the process umask."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
-
-
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
-    """Write ``text`` as UTF-8 to ``path`` atomically."""
-    return write_atomic(path, lambda f: f.write(text.encode("utf-8")))
-
-
-def write_json_atomic(path: str | os.PathLike[str], data: Any) -> Path:
-    """Write ``data`` as indented JSON to ``path`` atomically.
-
-    NaN and infinity are refused (``allow_nan=False``): they are not JSON, and a missing measurement is
-    written as ``null`` instead.
-    """
-    # Serialise before touching the disk, so a value that is not JSON fails without creating a temp file.
-    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
-    return write_text_atomic(path, text)
-
-
-def save_figure_atomic(figure: Any, path: str | os.PathLike[str], *, dpi: int = 120) -> Path:
-    """Render a :class:`matplotlib.figure.Figure` to PNG at ``path`` atomically, with the Agg backend."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-    # Binding the canvas explicitly renders with Agg without switching pyplot's global backend.
-    FigureCanvasAgg(figure)
-    return write_atomic(path, lambda f: figure.savefig(f, format="png", dpi=dpi, bbox_inches="tight"))
-
+from headkit.files import (  # noqa: F401 (re-exported: the benchmarks write through these)
+    regular_file_mode,
+    save_figure_atomic,
+    write_atomic,
+    write_json_atomic,
+    write_text_atomic,
+)
 
 RESULTS_FILE, TABLE_FILE = "results.json", "table.md"
 

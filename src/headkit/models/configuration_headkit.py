@@ -13,6 +13,7 @@ from huggingface_hub.dataclasses import strict
 from transformers import PreTrainedConfig
 from transformers.activations import ACT2FN
 
+from headkit.layers.feature_maps import valid_feature_map_names
 from headkit.layers.registry import valid_attention_names
 
 POSITION_EMBEDDING_TYPES = ("rope", "learned", "none")
@@ -43,7 +44,7 @@ class HeadkitConfig(PreTrainedConfig):
 
     Attention:
         attention: the mechanism of every layer — ``"softmax"``, ``"linear"``, ``"additive"``, ``"coca"``,
-            ``"collaborative"`` or a name registered with :func:`headkit.layers.register_attention`.
+            ``"collaborative"``, ``"hybrid"`` or a name registered with :func:`headkit.layers.register_attention`.
         layer_types: one mechanism name per layer (a hybrid), or None for ``attention`` everywhere.
         feature_map, chunk_size: linear attention's feature map name and chunk length.
         additive_window: additive attention's causal window (None: global causal pooling).
@@ -51,11 +52,16 @@ class HeadkitConfig(PreTrainedConfig):
         dim_shared_query_key, collaborative_init: collaborative attention's shared query/key width
             (None: ``num_attention_heads * head_dim``) and mixing initialisation (``"concatenate"`` | ``"normal"``).
         coca_t_activation: how CoCA makes its t projection non-negative (``"relu"`` | ``"softplus"``).
+        hybrid_window, hybrid_feature_map, hybrid_feature_dim: hybrid (LoLCATs) attention's softmax window W
+            (tokens each query sees exactly, its own included), the feature map of its linear term (a learnable
+            map such as ``"hedgehog"``, or a parameter-free one such as ``"elu"``; see
+            :func:`headkit.layers.valid_feature_map_names`) and the learnable map's projection width (None:
+            ``head_dim``; Hedgehog then has ``2 * hybrid_feature_dim`` features).
 
     Positions:
         position_embedding_type: ``"rope"`` (rotary, applied by the layers that use positions in attention:
-            softmax, CoCA), ``"learned"`` (absolute embeddings added to the token embeddings; inputs longer than
-            ``max_position_embeddings`` are a ValueError) or ``"none"``.
+            softmax, CoCA, hybrid), ``"learned"`` (absolute embeddings added to the token embeddings; inputs
+            longer than ``max_position_embeddings`` are a ValueError) or ``"none"``.
         max_position_embeddings: the learned table's size, and the trained length dynamic-NTK RoPE scales from.
         rope_parameters: transformers' RoPE dict, e.g. ``{"rope_type": "linear", "factor": 2.0,
             "rope_theta": 10000.0}`` (``"default"``, ``"linear"`` or ``"dynamic"``). The older ``rope_theta=`` and
@@ -101,6 +107,9 @@ class HeadkitConfig(PreTrainedConfig):
     dim_shared_query_key: int | None = None
     collaborative_init: str = "concatenate"
     coca_t_activation: str = "relu"
+    hybrid_window: int = 64
+    hybrid_feature_map: str = "hedgehog"
+    hybrid_feature_dim: int | None = None
 
     position_embedding_type: str = "rope"
     max_position_embeddings: int = 2048
@@ -147,9 +156,10 @@ class HeadkitConfig(PreTrainedConfig):
             "chunk_size",
             "conv_kernel_size",
             "conv_groups",
+            "hybrid_window",
         ):
             _check_positive(name, getattr(self, name))
-        for name in ("additive_window", "dim_shared_query_key"):
+        for name in ("additive_window", "dim_shared_query_key", "hybrid_feature_dim"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
         for name in ("attention_dropout", "hidden_dropout", "label_smoothing"):
@@ -165,6 +175,7 @@ class HeadkitConfig(PreTrainedConfig):
         _check_choice("hidden_act", self.hidden_act, tuple(sorted(ACT2FN)))
         _check_choice("collaborative_init", self.collaborative_init, COLLABORATIVE_INITS)
         _check_choice("coca_t_activation", self.coca_t_activation, COCA_T_ACTIVATIONS)
+        _check_choice("hybrid_feature_map", self.hybrid_feature_map, tuple(valid_feature_map_names()))
 
     def _check_attention_names(self) -> None:
         valid = valid_attention_names()

@@ -8,7 +8,8 @@ compare outputs, states and gradients with it.
 from headkit.ops.additive import AdditivePoolState, additive_pool, additive_pool_step
 from headkit.ops.coca import coca_attention
 from headkit.ops.collaborative import collaborative_attention, collaborative_scores
-from headkit.ops.feature_maps import FEATURE_MAPS, get_feature_map, register_feature_map
+from headkit.ops.feature_maps import FEATURE_MAPS, get_feature_map, hedgehog_feature_map, register_feature_map
+from headkit.ops.hybrid import HybridAttentionState, hybrid_attention, hybrid_attention_step
 from headkit.ops.linear import LinearAttentionState, linear_attention, linear_attention_step
 from headkit.ops.rotary import apply_rotary, rope_inverse_frequencies, rotary_cos_sin
 from headkit.ops.softmax import softmax_attention
@@ -16,6 +17,7 @@ from headkit.ops.softmax import softmax_attention
 __all__ = [
     "FEATURE_MAPS",
     "AdditivePoolState",
+    "HybridAttentionState",
     "LinearAttentionState",
     "additive_pool",
     "additive_pool_step",
@@ -24,6 +26,9 @@ __all__ = [
     "collaborative_attention",
     "collaborative_scores",
     "get_feature_map",
+    "hedgehog_feature_map",
+    "hybrid_attention",
+    "hybrid_attention_step",
     "linear_attention",
     "linear_attention_step",
     "register_feature_map",

@@ -8,6 +8,10 @@ input, and with a non-zero gradient for negative inputs (unlike relu).
 Feature maps are looked up by name in :data:`FEATURE_MAPS`; :func:`register_feature_map` adds new ones, and
 every function that takes a ``feature_map`` also accepts a plain callable. A feature map takes a float32
 [..., head_dim] tensor and returns one of the same shape (the recurrent state is [head_dim, head_dim_v]).
+
+:func:`hedgehog_feature_map` is the one map here with parameters (a per-head projection), so it is not in the
+registry of parameter-free maps: :class:`headkit.layers.HedgehogFeatureMap` holds its weight, and the hybrid
+attention op takes features already computed.
 """
 
 from __future__ import annotations
@@ -37,6 +41,42 @@ def relu_feature_map(x: torch.Tensor) -> torch.Tensor:
 def identity_feature_map(x: torch.Tensor) -> torch.Tensor:
     """φ(x) = x: plain (unnormalised-kernel) linear attention; the normaliser may be ≤ 0, use with care."""
     return x
+
+
+def hedgehog_feature_map(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Hedgehog's feature map (Zhang et al. 2024, "The Hedgehog & the Porcupine: Expressive Linear Attentions
+    with Softmax Mimicry", ICLR 2024, arXiv:2402.04347): per head h, φ(x) = [softmax(x W_h), softmax(−x W_h)].
+
+    The paper's map is [exp(x W_h), exp(−x W_h)]; normalising each half over the feature dimension, as the
+    ``softmax_dim`` activation of the authors' LoLCATs code does, keeps every feature in [0, 1] whatever the
+    scale of x, where a plain exp overflows.
+
+    Args:
+        x: [B, H, T, d].
+        weight: the per-head projections W_h, [H, d, d'].
+
+    Returns:
+        [B, H, T, 2·d'] in x's dtype (computed in float32 at least): positive, each half summing to 1. The
+        exponentials give the "spiky", dot-product-monotonic weights the paper asks of a softmax mimic; the ± pair
+        keeps both signs of every projected coordinate.
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() != 4:
+        got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must have shape [batch, heads, seq, head_dim], got {got}")
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(f"weight must have shape [heads, head_dim, feature_dim], got {got}")
+    heads, head_dim = x.shape[1], x.shape[3]
+    if weight.shape[0] != heads or weight.shape[1] != head_dim:
+        raise ValueError(
+            f"weight must have shape [heads, head_dim, feature_dim] = [{heads}, {head_dim}, feature_dim] to "
+            f"match x of shape {tuple(x.shape)}, got {tuple(weight.shape)}"
+        )
+    # A bf16 softmax over d' features would round every entry to ~3 significant digits: compute wider.
+    dtype = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
+    projected = torch.matmul(x.to(dtype), weight.to(dtype).unsqueeze(0))  # [B, H, T, d'], per head
+    mapped = torch.cat((projected.softmax(dim=-1), (-projected).softmax(dim=-1)), dim=-1)
+    return mapped.to(x.dtype)
 
 
 FEATURE_MAPS: dict[str, FeatureMap] = {

@@ -55,7 +55,7 @@ from headkit.surgery.gating import (
     install_gate_hook,
     site_gate,
 )
-from headkit.surgery.io import record_surgery, register_surgery_op
+from headkit.surgery.io import SURGERY_KEY, record_surgery, recorded_surgery, register_surgery_op
 
 PRUNE_OP = "prune"
 KV_HEAD_INDEX = "headkit_kv_head_index"
@@ -460,6 +460,50 @@ def heads_per_layer(
 ) -> dict[int, int]:
     """``{layer: number of query heads}`` as the model is now."""
     return {site.index: site.num_heads for site in get_adapter(model, adapter).sites(model)}
+
+
+def to_stock_architecture(
+    model: nn.Module, adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None
+) -> dict[str, int]:
+    """Turn a uniformly pruned model back into its architecture's stock form, in place: the config states the
+    new head counts (e.g. ``LlamaConfig(num_attention_heads=6, num_key_value_heads=2, head_dim=64)``) and no
+    longer records the pruning, so ``save_pretrained`` writes a checkpoint that plain
+    ``AutoModelForCausalLM.from_pretrained`` loads, with headkit not installed.
+
+    Needs every layer to keep the same number of query heads and of key/value heads, grouped evenly (no
+    gathered key/value heads, no emptied layer), pruning as the only recorded surgery, and an adapter whose
+    config can state head counts (:meth:`AttentionAdapter.stock_head_config`). Returns the config fields set.
+    Raises :class:`~headkit.errors.HeadkitError`, with the model untouched, otherwise.
+    """
+    adapter = get_adapter(model, adapter)
+    other = sorted({str(entry.get("op")) for entry in recorded_surgery(model)} - {PRUNE_OP})
+    if other:
+        raise HeadkitError(
+            f"only pruning can be expressed in the stock architecture; the model also records {other}"
+        )
+    sites = adapter.sites(model)
+    heads = {site.num_heads for site in sites}
+    kv_heads = {site.num_kv_heads for site in sites}
+    widths = {site.head_dim for site in sites}
+    if len(heads) != 1 or len(kv_heads) != 1 or len(widths) != 1 or 0 in heads:
+        raise HeadkitError(
+            f"the stock architecture needs the same heads in every layer; the model has query heads "
+            f"{[site.num_heads for site in sites]} and key/value heads {[site.num_kv_heads for site in sites]}"
+        )
+    if any(_is_gathered(site) for site in sites):
+        raise HeadkitError(
+            "the stock architecture needs the same query heads per key/value head in every group"
+        )
+    update = adapter.stock_head_config(heads.pop(), kv_heads.pop(), widths.pop())
+    if update is None:
+        raise HeadkitError(
+            f"the {adapter.name} config cannot state other head counts; reload the model with headkit.from_pretrained"
+        )
+    for name, value in update.items():
+        setattr(model.config, name, value)
+    if hasattr(model.config, SURGERY_KEY):
+        delattr(model.config, SURGERY_KEY)
+    return update
 
 
 # -- reloading -------------------------------------------------------------------------------------------------

@@ -340,6 +340,12 @@ class AttentionAdapter:
         self.set_head_counts(module, num_heads, num_kv_heads, site.head_dim)
         return self.sites(model)[site.index]
 
+    def stock_head_config(self, num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, int] | None:
+        """Config fields that make the architecture's own class build attention with these head counts, or None
+        when the config cannot say so (e.g. GPT-2 derives the head width from the hidden size): then a pruned
+        model is reloaded by :func:`headkit.from_pretrained`, which replays the pruning."""
+        return None
+
     def set_head_counts(self, module: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         """Update the attributes the module's forward reads its head counts from (architecture-specific)."""
 

@@ -19,6 +19,10 @@ class LlamaAdapter(AttentionAdapter):
     epilogue_names = ("o_proj", None, None)
     rotary = True
 
+    def stock_head_config(self, num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, int] | None:
+        # LlamaConfig carries head_dim explicitly, so fewer heads need not change their width.
+        return {"num_attention_heads": num_heads, "num_key_value_heads": num_kv_heads, "head_dim": head_dim}
+
     def set_head_counts(self, module: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         # Both eager and sdpa attention repeat each key/value head this many times.
         module.num_key_value_groups = num_heads // num_kv_heads

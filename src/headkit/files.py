@@ -1,0 +1,105 @@
+"""Writing files atomically: a result, a report or a whole model folder is either all there or not at all.
+
+Every file is written to a temporary file in the destination folder and moved over the destination with
+:func:`os.replace`, which is atomic on POSIX and Windows when both paths are on the same file system; a folder is
+built under a temporary name beside its destination and renamed into place (:func:`move_into_place`). An
+interrupted run (Ctrl-C, out of memory, a crash in a plot) never leaves a half-written file or folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import IO, Any
+
+
+def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> Path:
+    """Create ``path`` (and its folder) by calling ``write`` on a temporary file, then moving it into place.
+
+    If ``write`` raises, the temporary file is removed and an existing ``path`` is left untouched.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        # mkstemp makes the file private (0600); results are ordinary files, readable like any other.
+        os.chmod(tmp_name, regular_file_mode())
+        with os.fdopen(fd, "wb") as tmp:
+            write(tmp)
+            tmp.flush()
+            os.fsync(tmp.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp_name)
+        raise
+    return path
+
+
+def regular_file_mode() -> int:
+    """The permissions ``open(path, "w")`` would give a new file: 0666 minus the process umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+    """Write ``text`` as UTF-8 to ``path`` atomically."""
+    return write_atomic(path, lambda f: f.write(text.encode("utf-8")))
+
+
+def write_json_atomic(path: str | os.PathLike[str], data: Any) -> Path:
+    """Write ``data`` as indented JSON to ``path`` atomically.
+
+    NaN and infinity are refused (``allow_nan=False``): they are not JSON, and a missing measurement is
+    written as ``null`` instead.
+    """
+    # Serialise before touching the disk, so a value that is not JSON fails without creating a temp file.
+    text = json.dumps(data, indent=2, allow_nan=False) + "\n"
+    return write_text_atomic(path, text)
+
+
+def save_figure_atomic(figure: Any, path: str | os.PathLike[str], *, dpi: int = 120) -> Path:
+    """Render a :class:`matplotlib.figure.Figure` to PNG at ``path`` atomically, with the Agg backend."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    # Binding the canvas explicitly renders with Agg without switching pyplot's global backend.
+    FigureCanvasAgg(figure)
+    return write_atomic(path, lambda f: figure.savefig(f, format="png", dpi=dpi, bbox_inches="tight"))
+
+
+def move_into_place(staging: Path, out: Path) -> None:
+    """Rename the finished folder `staging` to `out`; an existing `out` is swapped out first and deleted last,
+    so `out` is never half-written (and is restored if the rename fails)."""
+    os.chmod(staging, 0o755)
+    if not out.exists():
+        os.replace(staging, out)
+        return
+    retired = out.parent / f".{out.name}.old-{os.getpid()}"
+    os.replace(out, retired)
+    try:
+        os.replace(staging, out)
+    except BaseException:
+        os.replace(retired, out)
+        raise
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def staged_folder(out: str | os.PathLike[str]) -> Iterator[Path]:
+    """``with staged_folder(out) as staging:`` write everything into `staging`; on success it becomes `out`
+    (replacing an existing one), on any error it is deleted and `out` is left as it was."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+    try:
+        yield staging
+        move_into_place(staging, out)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise

@@ -1,0 +1,424 @@
+"""Hybrid sliding-window softmax + linear attention, the attention of LoLCATs.
+
+Zhang et al. 2024, "LoLCATs: On Low-Rank Linearizing of Large Language Models" (arXiv:2410.10254): each query
+attends exactly (softmax) to the last ``window`` keys and through a linear-attention kernel φ(q)ᵀφ(k) to every
+earlier key, under one shared normaliser. For query i (window W, scores s_ij = q_i·k_j · scale):
+
+    a_ij = exp(s_ij − m_i)              for j ∈ (i − W, i]      (the window; m_i = max of its real scores)
+    a_ij = γ_h · φ(q_i)ᵀ φ(k_j)         for j ≤ i − W           (everything that has left the window)
+    y_i  = Σ_j a_ij v_j / (Σ_j a_ij + eps)
+
+with γ_h ≥ 0 a per-head balance (LoLCATs' linear_factor / window_factor). Padded keys get a_ij = 0.
+
+The convention for m_i is the one of the authors' reference implementation (``hybrid_attention_quadratic`` in
+HazyResearch/lolcats): the window scores are stabilised by their own maximum and the linear terms are *not*
+multiplied by exp(−m_i). It is a model choice, not only a rounding trick — the linear terms are measured against
+the window's largest weight, which is exactly 1, so γ_h sets the linear share on a fixed scale — and it is
+stable: every window weight lies in (0, 1], the denominator is ≥ 1 for a query that sees a real key in its
+window (its own), and nothing overflows however large the scores. (Scaling the linear terms by exp(−m_i) would
+make y the exact mixture exp(s) + γ φᵀφ, but exp(−m_i) overflows for very negative window maxima.) Because
+m_i does not cancel, it is part of the function: its gradient flows, it is not detached.
+
+Parallel (training / prefill) form, :func:`hybrid_attention`: the queries are cut into chunks of C. A chunk's
+window keys are the C + W − 1 keys ending at its last query — one band-masked [C, C + W − 1] score block per
+chunk, taken from overlapping (unfolded) views of the keys, never a T × T tensor. The linear term is causal
+linear attention over the keys delayed by W − 1 positions, strictly before the query (key j reaches query i
+when j + W − 1 < i, i.e. j ≤ i − W): an exclusive prefix sum of per-chunk states S = Σ φ(k) vᵀ, z = Σ φ(k)
+plus a strictly lower [C, C] block inside the chunk, as in :mod:`headkit.ops.linear`. Memory O(T · (C + W)) per head, time O(T · (C + W) · D + T · F · Dv).
+
+Decoding, :func:`hybrid_attention_step`: the state (:class:`HybridAttentionState`) is the last W − 1 keys,
+values and key features with their padding flags, plus (S, z) over every earlier key — fixed-size whatever the
+context length. A step prepends the stored window to the new tokens and runs the same computation, so decoding
+continues the parallel form exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from headkit.ops._validation import check_padding_mask, check_positive_int, check_qkv, check_rank, repeat_kv
+
+
+class HybridAttentionState(NamedTuple):
+    """Decoding state of :func:`hybrid_attention`, fixed-size (every tensor has the batch as dim 0).
+
+    keys, values, key_features: the last W − 1 keys [B, Hkv, W − 1, D], values [B, Hkv, W − 1, Dv] and key
+        features φ(k) [B, Hkv, W − 1, F], oldest first, in the inputs' dtypes — the keys the next query still
+        sees through the softmax window (the window of W includes the query's own key).
+    keep: [B, W − 1] bool, False for padding and for slots before the first token.
+    kv: Σ φ(k_j) v_jᵀ over every real key that has left the window, [B, Hkv, F, Dv], float32 (float64 for
+        float64 inputs).
+    k_sum: Σ φ(k_j) over the same keys, [B, Hkv, F].
+
+    A NamedTuple, like the other ops' states, so that :class:`headkit.layers.HeadkitCache` can reorder and select
+    it for beam search.
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_features: torch.Tensor
+    keep: torch.Tensor
+    kv: torch.Tensor
+    k_sum: torch.Tensor
+
+
+def hybrid_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    balance: torch.Tensor,
+    *,
+    window: int,
+    attention_mask: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    scale: float | None = None,
+    initial_state: HybridAttentionState | None = None,
+    output_final_state: bool = False,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, HybridAttentionState | None]:
+    """Causal sliding-window softmax + linear attention (LoLCATs), chunkwise-parallel; see the module docstring.
+
+    Args:
+        q: queries [B, H, T, D], rotary embeddings already applied.
+        k, v: keys and values [B, Hkv, T, D] / [B, Hkv, T, Dv]; ``H % Hkv == 0`` (grouped-query attention: query
+            head h reads key/value head h // (H / Hkv)).
+        qf, kf: feature maps φ(q) [B, H, T, F] and φ(k) [B, Hkv, T, F] of the linear term, non-negative for a
+            positive normaliser (e.g. :func:`headkit.ops.hedgehog_feature_map`).
+        balance: γ_h ≥ 0, the weight of the linear term per query head, [H] (LoLCATs' linear/window factor).
+        window: W ≥ 1, the number of keys each query sees exactly, its own included: keys j ∈ (i − W, i].
+        attention_mask: key padding mask [B, T] over these tokens (bool or 0/1 integers, True = real token).
+            Padded keys contribute nothing (their inputs must still be finite).
+        chunk_size: queries per chunk of the parallel form (a speed/memory knob; results agree up to rounding).
+        scale: score scale of the window, 1/√D by default.
+        initial_state: the state after earlier tokens (from ``output_final_state=True`` or
+            :func:`hybrid_attention_step`); None = no earlier token.
+        output_final_state: also return the state after the last token.
+        eps: added to the denominator; a query that sees no real key returns zeros.
+
+    Returns:
+        (out [B, H, T, Dv] in q's dtype, final :class:`HybridAttentionState` or None). Accumulated in float32
+        (float64 for float64 inputs), also under ``torch.autocast``.
+    """
+    keep, state = _check_inputs(
+        q, k, v, qf, kf, balance, window, attention_mask, initial_state, "initial_state"
+    )
+    check_positive_int("chunk_size", chunk_size)
+    scale = _checked_scale(scale, q.shape[-1])
+    _check_eps(eps)
+    out, final = _hybrid(q, k, v, qf, kf, balance, keep, state, window, chunk_size, scale, eps)
+    return out, (final if output_final_state else None)
+
+
+def hybrid_attention_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    balance: torch.Tensor,
+    state: HybridAttentionState | None,
+    *,
+    window: int,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, HybridAttentionState]:
+    """Decode a few new tokens (usually one) from ``state``: [B, H, n, ·] inputs as in :func:`hybrid_attention`.
+
+    The stored W − 1 keys and the n new ones form one chunk: O(n · (n + W) · D + n · F · Dv) work, whatever the
+    context length. Returns (out [B, H, n, Dv], the state including the new tokens); decoding a sequence step by
+    step gives the parallel form's output.
+    """
+    keep, state = _check_inputs(q, k, v, qf, kf, balance, window, attention_mask, state, "state")
+    scale = _checked_scale(scale, q.shape[-1])
+    _check_eps(eps)
+    chunk = max(1, q.shape[2])
+    return _hybrid(q, k, v, qf, kf, balance, keep, state, window, chunk, scale, eps)
+
+
+def naive_hybrid_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    balance: torch.Tensor,
+    *,
+    window: int,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    output_final_state: bool = False,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, HybridAttentionState | None]:
+    """Test reference for :func:`hybrid_attention` (no initial state): the dense O(T²) weights with explicit masks.
+
+    Computed in q's dtype (pass float64 for a high-precision reference); the state, when asked for, is built
+    from its definition (the last W − 1 tokens, and the sums over the others) in that dtype too.
+    """
+    batch, q_heads, kv_heads, seq = check_qkv(q, k, v)
+    groups = q_heads // kv_heads
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    keep = check_padding_mask(attention_mask, batch, seq)
+    if keep is None:
+        keep = torch.ones(batch, seq, dtype=torch.bool, device=q.device)
+
+    i = torch.arange(seq, device=q.device)[:, None]
+    j = torch.arange(seq, device=q.device)[None, :]
+    real = keep[:, None, None, :]
+    in_window = (j <= i) & (j > i - window) & real  # [B, 1, T, T]
+    in_linear = (j <= i - window) & real
+
+    scores = (q @ repeat_kv(k, groups).transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~in_window, float("-inf"))
+    m = scores.amax(dim=-1, keepdim=True)
+    m = m.masked_fill(~torch.isfinite(m), 0.0)  # a window with no real key: no weight to stabilise
+    window_weights = torch.exp(scores - m)  # exp(−inf) = 0 off the window
+    linear_weights = (qf @ repeat_kv(kf, groups).transpose(-1, -2)) * in_linear
+    weights = window_weights + balance.to(q.dtype)[None, :, None, None] * linear_weights
+    out = (weights @ repeat_kv(v, groups)) / (weights.sum(dim=-1, keepdim=True) + eps)
+
+    if not output_final_state:
+        return out, None
+    # The state from its definition: the last W − 1 tokens (zeros and keep=False in front when fewer), and the
+    # sums over the real tokens before them.
+    kept, left = window - 1, max(seq - (window - 1), 0)
+    missing = kept - (seq - left)
+
+    def last_tokens(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, X] -> [B, H, W − 1, X]
+        return torch.cat([x.new_zeros(*x.shape[:2], missing, x.shape[3]), x[:, :, left:]], dim=2)
+
+    old_features = kf[:, :, :left] * keep[:, None, :left, None]
+    state = HybridAttentionState(
+        keys=last_tokens(k),
+        values=last_tokens(v),
+        key_features=last_tokens(kf),
+        keep=torch.cat([keep.new_zeros(batch, missing), keep[:, left:]], dim=1),
+        kv=old_features.transpose(-1, -2) @ v[:, :, :left],
+        k_sum=old_features.sum(dim=2),
+    )
+    return out, state
+
+
+def _hybrid(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    balance: torch.Tensor,
+    keep: torch.Tensor | None,
+    state: HybridAttentionState,
+    window: int,
+    chunk: int,
+    scale: float,
+    eps: float,
+) -> tuple[torch.Tensor, HybridAttentionState]:
+    """The chunked computation on validated inputs; ``state`` is never None here (zeros for no past)."""
+    batch, q_heads, seq, head_dim = q.shape
+    kv_heads, head_dim_v, features = k.shape[1], v.shape[3], qf.shape[3]
+    groups = q_heads // kv_heads
+    kept = window - 1  # keys carried in the state: the window minus the query's own key
+    dtype = state.kv.dtype  # float32, or float64 for float64 inputs
+    n_chunks = max(1, -(-seq // chunk))
+    padded = n_chunks * chunk
+    tail = padded - seq  # queries past the end, computed and dropped (they see only zero keys)
+    block = chunk + kept  # window keys of one chunk of queries
+    device = q.device
+    if keep is None:
+        keep = torch.ones(batch, seq, dtype=torch.bool, device=device)
+    keep = keep.to(device)
+
+    with torch.autocast(device_type=device.type, enabled=False):
+        # The "extended" sequence: the stored window, the new tokens, zeros for the tail. Query t (0-based among
+        # the new tokens) is extended position t + W − 1; it sees extended keys [t, t + W − 1] through the
+        # window and extended keys < t (plus the state's sums) through the linear term.
+        def extend(stored: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+            zeros = new.new_zeros(*new.shape[:2], tail, new.shape[3]).to(dtype)
+            return torch.cat([stored.to(dtype), new.to(dtype), zeros], dim=2)
+
+        keys, values, key_features = (
+            extend(state.keys, k),
+            extend(state.values, v),
+            extend(state.key_features, kf),
+        )
+        no_tail = torch.zeros(batch, tail, dtype=torch.bool, device=device)
+        keep_ext = torch.cat([state.keep.to(device), keep, no_tail], dim=1)  # [B, W − 1 + padded]
+
+        def chunked_queries(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, X] -> [B, Hkv, n, G·C, X]
+            x = torch.cat([x.to(dtype), x.new_zeros(*x.shape[:2], tail, x.shape[3]).to(dtype)], dim=2)
+            x = x.view(batch, kv_heads, groups, n_chunks, chunk, x.shape[3]).transpose(2, 3)
+            return x.reshape(batch, kv_heads, n_chunks, groups * chunk, x.shape[5])
+
+        # --- the window: one band-masked [C, C + W − 1] block of scores per chunk ---
+        window_keys = keys.unfold(2, block, chunk)  # [B, Hkv, n, D, C + W − 1], overlapping views
+        window_values = values.unfold(2, block, chunk).transpose(-1, -2)  # [B, Hkv, n, C + W − 1, Dv]
+        window_keep = keep_ext.unfold(1, block, chunk)  # [B, n, C + W − 1]
+        offsets = torch.arange(block, device=device)[None, :] - torch.arange(chunk, device=device)[:, None]
+        band = (offsets >= 0) & (offsets <= kept)  # query r sees block keys r … r + W − 1
+        # [B, 1, n, 1, C, C + W − 1]: in the band and a real token (neither padding nor an empty state slot)
+        visible = band & window_keep[:, None, :, None, None, :]
+        scores = (chunked_queries(q) @ window_keys) * scale  # [B, Hkv, n, G·C, C + W − 1]
+        scores = scores.view(batch, kv_heads, n_chunks, groups, chunk, block).masked_fill(
+            ~visible, float("-inf")
+        )
+        m = scores.amax(dim=-1, keepdim=True)
+        m = m.masked_fill(~torch.isfinite(m), 0.0)  # a query whose window holds no real key
+        window_weights = torch.exp(scores - m).view(batch, kv_heads, n_chunks, groups * chunk, block)
+        numerator = window_weights @ window_values  # [B, Hkv, n, G·C, Dv]
+        denominator = window_weights.sum(dim=-1, keepdim=True)
+
+        # --- the linear term: causal linear attention of query t over the extended keys < t ---
+        # (key j ≤ t − W of the new tokens is extended key j + W − 1 < t.) Extended keys at positions ≥ T are
+        # seen only by tail queries; masking them makes the final sums stop where the next window starts.
+        linear_keep = keep_ext[:, :padded] & (torch.arange(padded, device=device) < seq)
+        shifted_features = key_features[:, :, :padded].masked_fill(~linear_keep[:, None, :, None], 0.0)
+        shifted_features = shifted_features.view(batch, kv_heads, n_chunks, chunk, features)
+        shifted_values = values[:, :, :padded].reshape(batch, kv_heads, n_chunks, chunk, head_dim_v)
+        chunk_kv = shifted_features.transpose(-1, -2) @ shifted_values  # [B, Hkv, n, F, Dv]
+        chunk_k_sum = shifted_features.sum(dim=3)  # [B, Hkv, n, F]
+        kv_before = state.kv.unsqueeze(2) + _exclusive_cumsum(chunk_kv)
+        k_sum_before = state.k_sum.unsqueeze(2) + _exclusive_cumsum(chunk_k_sum)
+        final_kv = state.kv + chunk_kv.sum(dim=2)
+        final_k_sum = state.k_sum + chunk_k_sum.sum(dim=2)
+
+        query_features = chunked_queries(qf)  # [B, Hkv, n, G·C, F]
+        # Inside the chunk, query r sees the extended keys u < r of its chunk: one strictly lower [C, C] triangle
+        # per stacked query head.
+        linear_scores = query_features @ shifted_features.transpose(-1, -2)  # [B, Hkv, n, G·C, C]
+        linear_scores = linear_scores.view(batch, kv_heads, n_chunks, groups, chunk, chunk).tril(-1)
+        linear_scores = linear_scores.view(batch, kv_heads, n_chunks, groups * chunk, chunk)
+        linear_numerator = query_features @ kv_before + linear_scores @ shifted_values
+        linear_denominator = query_features @ k_sum_before.unsqueeze(-1) + linear_scores.sum(
+            dim=-1, keepdim=True
+        )
+
+        # γ per query head, broadcast over the stacked [G·C] rows of each key/value head.
+        gamma = balance.to(dtype).view(1, kv_heads, 1, groups, 1).expand(-1, -1, -1, -1, chunk)
+        gamma = gamma.reshape(1, kv_heads, 1, groups * chunk, 1)
+        out = (numerator + gamma * linear_numerator) / (denominator + gamma * linear_denominator + eps)
+        out = out.view(batch, kv_heads, n_chunks, groups, chunk, head_dim_v).transpose(2, 3)
+        out = out.reshape(batch, q_heads, padded, head_dim_v)[:, :, :seq].to(q.dtype)
+
+        # The next state: the last W − 1 extended tokens (the tail starts after them) and the shifted sums.
+        def last_window(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+            return x[:, :, seq : seq + kept].to(like.dtype)
+
+        final = HybridAttentionState(
+            keys=last_window(keys, k),
+            values=last_window(values, v),
+            key_features=last_window(key_features, kf),
+            keep=keep_ext[:, seq : seq + kept],
+            kv=final_kv,
+            k_sum=final_k_sum,
+        )
+    return out, final
+
+
+def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+    """Σ over earlier chunks (dim 2), the first chunk getting zeros."""
+    before = torch.zeros_like(x[:, :, :1])
+    return torch.cat([before, x[:, :, :-1].cumsum(dim=2)], dim=2)
+
+
+def _check_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    balance: torch.Tensor,
+    window: int,
+    attention_mask: torch.Tensor | None,
+    state: HybridAttentionState | None,
+    state_name: str,
+) -> tuple[torch.Tensor | None, HybridAttentionState]:
+    """Validate the inputs; return the bool padding mask (or None) and the state (zeros when None)."""
+    batch, q_heads, kv_heads, kv_len = check_qkv(q, k, v)
+    seq, head_dim, head_dim_v = q.shape[2], k.shape[3], v.shape[3]
+    if kv_len != seq:
+        raise ValueError(f"k and v must have the same seq length as q ({seq}), got {kv_len}")
+    check_positive_int("window", window)
+    check_rank("qf", qf, 4, "[batch, heads, seq, feature_dim]")
+    check_rank("kf", kf, 4, "[batch, kv_heads, seq, feature_dim]")
+    features = qf.shape[3]
+    for name, tensor, heads in (("qf", qf, q_heads), ("kf", kf, kv_heads)):
+        if tuple(tensor.shape[:3]) != (batch, heads, seq) or tensor.shape[3] != features:
+            raise ValueError(
+                f"{name} must have shape [{batch}, {heads}, {seq}, feature_dim] (feature_dim {features}, as qf) "
+                f"to match q and k, got {tuple(tensor.shape)}"
+            )
+    for name, tensor in (("q", q), ("k", k), ("v", v), ("qf", qf), ("kf", kf)):
+        if not tensor.dtype.is_floating_point:
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {tensor.dtype}")
+    if not isinstance(balance, torch.Tensor) or tuple(balance.shape) != (q_heads,):
+        got = tuple(balance.shape) if isinstance(balance, torch.Tensor) else type(balance).__name__
+        raise ValueError(f"balance must be a tensor of shape [heads] = [{q_heads}], got {got}")
+    if not balance.dtype.is_floating_point:
+        raise ValueError(f"balance must be a floating-point tensor, got dtype {balance.dtype}")
+    keep = check_padding_mask(attention_mask, batch, seq)
+
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    kept, device = window - 1, q.device
+    if state is None:
+        return keep, HybridAttentionState(
+            keys=k.new_zeros(batch, kv_heads, kept, head_dim),
+            values=v.new_zeros(batch, kv_heads, kept, head_dim_v),
+            key_features=kf.new_zeros(batch, kv_heads, kept, features),
+            keep=torch.zeros(batch, kept, dtype=torch.bool, device=device),
+            kv=torch.zeros(batch, kv_heads, features, head_dim_v, dtype=dtype, device=device),
+            k_sum=torch.zeros(batch, kv_heads, features, dtype=dtype, device=device),
+        )
+    if not (isinstance(state, tuple) and len(state) == 6 and all(isinstance(t, torch.Tensor) for t in state)):
+        raise ValueError(
+            f"{state_name} must be a HybridAttentionState(keys, values, key_features, keep, kv, k_sum) of tensors, "
+            f"got {type(state).__name__}"
+        )
+    state = HybridAttentionState(*state)
+    expected = {
+        "keys": ((batch, kv_heads, kept, head_dim), "[batch, kv_heads, window - 1, head_dim]"),
+        "values": ((batch, kv_heads, kept, head_dim_v), "[batch, kv_heads, window - 1, head_dim_v]"),
+        "key_features": ((batch, kv_heads, kept, features), "[batch, kv_heads, window - 1, feature_dim]"),
+        "keep": ((batch, kept), "[batch, window - 1]"),
+        "kv": ((batch, kv_heads, features, head_dim_v), "[batch, kv_heads, feature_dim, head_dim_v]"),
+        "k_sum": ((batch, kv_heads, features), "[batch, kv_heads, feature_dim]"),
+    }
+    for field, (shape, layout) in expected.items():
+        tensor = getattr(state, field)
+        if tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"{state_name}.{field} must have shape {layout} = {list(shape)} (window {window}), "
+                f"got {tuple(tensor.shape)}"
+            )
+        if field == "keep":
+            if tensor.dtype != torch.bool:
+                raise ValueError(f"{state_name}.keep must be a bool tensor, got dtype {tensor.dtype}")
+        elif not tensor.dtype.is_floating_point:
+            raise ValueError(
+                f"{state_name}.{field} must be a floating-point tensor, got dtype {tensor.dtype}"
+            )
+    return keep, state._replace(
+        kv=state.kv.to(device=device, dtype=dtype), k_sum=state.k_sum.to(device=device, dtype=dtype)
+    )
+
+
+def _checked_scale(scale: float | None, head_dim: int) -> float:
+    if scale is None:
+        return head_dim**-0.5
+    if (
+        isinstance(scale, bool)
+        or not isinstance(scale, (int, float))
+        or not math.isfinite(scale)
+        or scale <= 0
+    ):
+        raise ValueError(f"scale must be a finite number > 0 or None, got {scale!r}")
+    return float(scale)
+
+
+def _check_eps(eps: float) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number ≥ 0, got {eps!r}")

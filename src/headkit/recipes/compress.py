@@ -1,0 +1,421 @@
+"""The compression recipe (``headkit compress``): collaborative heads at a shared query/key width, recovered by
+distillation, measured and saved.
+
+Cordonnier, Loukas and Jaggi, "Multi-Head Attention: Collaborate Instead of Concatenate" (2020), Sec. 4: the
+query/key projections of a trained model are re-parametrised as one shared pair of width D̃ plus a mixing vector
+per head, fitted by a CP decomposition of the heads' bilinear forms (:func:`headkit.swap_to_collaborative`), and
+the model is then distilled against the original to win back what the lower rank lost.
+
+- Sentence encoders (default all-MiniLM-L6-v2): fidelity is the mean cosine of mean-pooled embeddings on held-out
+  text, the objective :class:`~headkit.recipes.objectives.EncoderObjective`.
+- Causal LMs without rotary embeddings (GPT-2): the LM head is kept, the objective is KL on next-token
+  distributions (:class:`~headkit.recipes.objectives.CausalLMObjective`) and the report gives held-out perplexity
+  before and after, top-1 agreement and prefill/decode times. Rotary and grouped-query models are refused by the
+  swap with a clear error (their scores are not a bilinear form of the inputs).
+
+The output folder (model, tokenizer, report.json) is written atomically and reloads with
+:func:`headkit.from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headkit.errors import HeadkitError
+from headkit.files import staged_folder, write_json_atomic
+from headkit.recipes.distill import distill, split_batches
+from headkit.recipes.measure import compare_speed, median_seconds, perplexity, top1_agreement
+from headkit.recipes.models import check_output_folder, default_encoder_path, load_model
+from headkit.recipes.objectives import CausalLMObjective, EncoderObjective, mean_pool
+from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
+from headkit.surgery.adapters import AttentionAdapter, count_parameters, get_adapter
+from headkit.surgery.collaborative import SwapReport, swap_to_collaborative
+from headkit.surgery.io import from_pretrained
+
+
+@dataclass
+class CompressSettings:
+    """Settings of one ``headkit compress`` run (see the command's --help)."""
+
+    model: Path | None = None
+    out: Path = Path("results/compressed-model")
+    dim: int | None = None  # shared query/key width D̃; default half of heads·head_dim
+    distill_steps: int = 0
+    lr: float = 1e-4
+    lora_rank: int | None = None
+    batch_size: int = 16
+    max_length: int = 64  # tokens per text (encoders)
+    window: int = 256  # tokens per window (causal LMs)
+    train_texts: int = 512
+    held_out_texts: int = 128
+    data: Path | None = None
+    temperature: float = 1.0
+    seed: int = 0
+    # Below full size the decomposition's error is set by the rank limit: sweeps past ~100 gain little.
+    tol: float = 1e-6
+    max_iter: int = 100
+    overwrite: bool = False
+    timing_repeats: int = 5
+
+
+@dataclass
+class Fidelity:
+    """Agreement of a student's held-out outputs with the teacher's."""
+
+    mean_cosine: float
+    min_cosine: float
+    max_abs_diff: float  # hidden states at real (non-pad) tokens
+
+
+@dataclass
+class Teacher:
+    """The original model, frozen, with what every compression of it needs."""
+
+    path: Path
+    model: nn.Module
+    tokenizer: Any
+    adapter: AttentionAdapter
+    full_dim: int  # heads · head_dim: the width at which the swap is exact
+    kind: str = "encoder"
+
+
+@dataclass
+class EncoderText:
+    """Tokenised text: training batches, held-out batches and the teacher's states on the held-out ones."""
+
+    train: list[dict]
+    held_out: list[dict]
+    teacher_held_out: list[torch.Tensor]
+
+
+@dataclass
+class Compressed:
+    """A student after the swap and the distillation, with what was measured on the way."""
+
+    student: nn.Module
+    swap: SwapReport
+    fidelity_after_swap: Fidelity
+    fidelity: Fidelity  # after distillation (= after the swap when no step was run)
+    losses: list[float]
+    distill_seconds: float
+
+
+@dataclass
+class CompressResult:
+    """What :func:`compress` did; ``report`` is what report.json holds."""
+
+    model: nn.Module
+    report: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return format_report(self.report)
+
+
+def load_teacher(model_path: Path) -> Teacher:
+    """Load the model and freeze it; an unsupported architecture fails here, before any work."""
+    loaded = load_model(model_path)
+    adapter = get_adapter(loaded.model)
+    site = adapter.sites(loaded.model)[0]
+    for parameter in loaded.model.parameters():
+        parameter.requires_grad_(False)
+    return Teacher(
+        model_path, loaded.model, loaded.tokenizer, adapter, site.num_heads * site.head_dim, loaded.kind
+    )
+
+
+def prepare_encoder_text(
+    teacher: Teacher,
+    train_texts: int,
+    held_out_texts: int,
+    batch_size: int,
+    max_length: int,
+    seed: int,
+    data: Path | None = None,
+) -> EncoderText:
+    """Disjoint training and held-out texts, tokenised into fixed-shape batches; the teacher's held-out states
+    are computed once, for every student to be compared with."""
+    train, held_out = text_chunks(load_text(data), train_texts, held_out_texts, seed)
+    train_batches = tokenize_batches(teacher.tokenizer, train, batch_size, max_length)
+    held_out_batches = tokenize_batches(teacher.tokenizer, held_out, batch_size, max_length)
+    if not held_out_batches or (train_texts and not train_batches):
+        raise HeadkitError("--batch-size is larger than the corpus; lower it")
+    with torch.no_grad():
+        teacher_held_out = [teacher.model(**batch).last_hidden_state for batch in held_out_batches]
+    return EncoderText(train_batches, held_out_batches, teacher_held_out)
+
+
+def encoder_fidelity(student: nn.Module, batches: list[dict], teacher_states: list[torch.Tensor]) -> Fidelity:
+    """Mean and min cosine of mean-pooled embeddings, and max |Δ| of hidden states at real tokens."""
+    cosines, max_diff = [], 0.0
+    with torch.no_grad():
+        for batch, expected in zip(batches, teacher_states, strict=True):
+            got = student(**batch).last_hidden_state
+            mask = batch["attention_mask"]
+            cosines.append(F.cosine_similarity(mean_pool(got, mask), mean_pool(expected, mask), dim=-1))
+            max_diff = max(max_diff, float((got - expected)[mask.bool()].abs().max()))
+    cosine = torch.cat(cosines)
+    return Fidelity(mean_cosine=float(cosine.mean()), min_cosine=float(cosine.min()), max_abs_diff=max_diff)
+
+
+def compress_and_distill(
+    teacher: Teacher,
+    text: EncoderText,
+    dim: int,
+    *,
+    distill_steps: int,
+    lr: float,
+    seed: int,
+    tol: float,
+    max_iter: int,
+    batch_size: int | None = None,
+    echo: Callable[[str], None] = print,
+) -> Compressed:
+    """Swap a fresh copy of the teacher (an encoder) to collaborative heads of width `dim`, measure its held-out
+    fidelity, distil it for `distill_steps` steps (:func:`~headkit.recipes.distill.distill`) and measure again.
+    The teacher is left untouched."""
+    torch.manual_seed(seed)
+    student = copy.deepcopy(teacher.model)
+    swap = swap_to_collaborative(
+        student, teacher.adapter, dim_shared_query_key=dim, seed=seed, tol=tol, max_iter=max_iter
+    )
+    echo(str(swap))
+    after_swap = encoder_fidelity(student, text.held_out, text.teacher_held_out)
+    echo(f"fidelity after the swap: mean cosine {after_swap.mean_cosine:.4f}")
+    for parameter in student.parameters():
+        parameter.requires_grad_(True)
+    result = distill(
+        student,
+        teacher.model,
+        split_batches(text.train),
+        objective=EncoderObjective(),
+        steps=distill_steps,
+        lr=lr,
+        batch_size=batch_size or (len(text.train[0]["input_ids"]) if text.train else 1),
+        seed=seed,
+        log_every=max(1, distill_steps // 5),
+        echo=echo,
+    )
+    student = result.model
+    fidelity = encoder_fidelity(student, text.held_out, text.teacher_held_out) if result.steps else after_swap
+    return Compressed(student, swap, after_swap, fidelity, result.losses, result.seconds)
+
+
+def check_settings(settings: CompressSettings) -> None:
+    for name in ("batch_size", "max_length", "window", "held_out_texts", "timing_repeats", "train_texts"):
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise HeadkitError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    steps = settings.distill_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise HeadkitError(f"--distill-steps must be a non-negative integer, got {steps!r}")
+    if not settings.lr > 0:
+        raise HeadkitError(f"--lr must be positive, got {settings.lr!r}")
+    dim = settings.dim
+    if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0):
+        raise HeadkitError(f"--dim must be a positive integer, got {dim!r}")
+    if settings.data is not None and not Path(settings.data).exists():
+        raise HeadkitError(f"--data {str(settings.data)!r} does not exist")
+
+
+def compress(
+    settings: CompressSettings | None = None, echo: Callable[[str], None] = print, **overrides: Any
+) -> CompressResult:
+    """Run the recipe (see the module docstring); nothing is written when any step fails."""
+    settings = settings or CompressSettings(**overrides)
+    if overrides:
+        settings = CompressSettings(**(asdict(settings) | overrides))
+    started = time.perf_counter()
+    check_settings(settings)
+    model_path = Path(settings.model) if settings.model is not None else default_encoder_path()
+    out = Path(settings.out)
+    check_output_folder(model_path, out, settings.overwrite)
+    torch.manual_seed(settings.seed)
+    teacher = load_teacher(model_path)
+    dim = teacher.full_dim // 2 if settings.dim is None else settings.dim
+    if teacher.kind == "causal_lm":
+        student, report = _compress_causal_lm(teacher, dim, settings, echo)
+    else:
+        student, report = _compress_encoder(teacher, dim, settings, echo)
+    report |= {
+        "model": str(model_path),
+        "out": str(out),
+        "kind": teacher.kind,
+        "dim_shared_query_key": dim,
+        "full_dim": teacher.full_dim,
+        "distill_steps": settings.distill_steps,
+        "parameters_before": count_parameters(teacher.model),
+        "parameters_after": count_parameters(student),
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
+    }
+    with staged_folder(out) as staging:
+        student.save_pretrained(staging)
+        teacher.tokenizer.save_pretrained(staging)
+        reloaded = from_pretrained(staging)
+        ids = torch.arange(1, 17)[None] % 100
+        name = "logits" if teacher.kind == "causal_lm" else "last_hidden_state"
+        with torch.no_grad():
+            first, second = getattr(student(input_ids=ids), name), getattr(reloaded(input_ids=ids), name)
+        report["reload_max_abs_diff"] = float((first - second).abs().max())
+        report["seconds"] = time.perf_counter() - started
+        write_json_atomic(staging / "report.json", report)
+    return CompressResult(student, report)
+
+
+def _compress_encoder(
+    teacher: Teacher, dim: int, settings: CompressSettings, echo: Callable[[str], None]
+) -> tuple[nn.Module, dict[str, Any]]:
+    text = prepare_encoder_text(
+        teacher,
+        settings.train_texts if settings.distill_steps else 0,
+        settings.held_out_texts,
+        settings.batch_size,
+        settings.max_length,
+        settings.seed,
+        settings.data,
+    )
+    batch = text.held_out[0]
+    forward_before = median_seconds(lambda: _no_grad(teacher.model, batch), settings.timing_repeats)
+    compressed = compress_and_distill(
+        teacher,
+        text,
+        dim,
+        distill_steps=settings.distill_steps,
+        lr=settings.lr,
+        seed=settings.seed,
+        tol=settings.tol,
+        max_iter=settings.max_iter,
+        batch_size=settings.batch_size,
+        echo=echo,
+    )
+    student = compressed.student
+    forward_after = median_seconds(lambda: _no_grad(student, batch), settings.timing_repeats)
+    return student, {
+        "fidelity_after_swap": asdict(compressed.fidelity_after_swap),
+        "fidelity": asdict(compressed.fidelity),
+        "max_relative_error": compressed.swap.max_relative_error,
+        "forward_ms_before": 1000 * forward_before,
+        "forward_ms_after": 1000 * forward_after,
+        "distill_losses": compressed.losses,
+        "swap": compressed.swap.to_dict(),
+    }
+
+
+def _compress_causal_lm(
+    teacher: Teacher, dim: int, settings: CompressSettings, echo: Callable[[str], None]
+) -> tuple[nn.Module, dict[str, Any]]:
+    torch.manual_seed(settings.seed)
+    student = copy.deepcopy(teacher.model)
+    # Refuses rotary and grouped-query attention before any data is read.
+    swap = swap_to_collaborative(
+        student,
+        teacher.adapter,
+        dim_shared_query_key=dim,
+        seed=settings.seed,
+        tol=settings.tol,
+        max_iter=settings.max_iter,
+    )
+    echo(str(swap))
+    windows = lm_windows(
+        teacher.tokenizer,
+        load_text(settings.data),
+        length=settings.window,
+        train_windows=settings.train_texts,
+        held_out_windows=settings.held_out_texts,
+        seed=settings.seed,
+    )
+    eval_batch = max(1, min(settings.batch_size, 8))
+    original = perplexity(teacher.model, windows.held_out, eval_batch)
+    after_swap = perplexity(student, windows.held_out, eval_batch)
+    echo(f"held-out perplexity: original {original:.3f}, after the swap {after_swap:.3f}")
+    for parameter in student.parameters():
+        parameter.requires_grad_(True)
+    result = distill(
+        student,
+        teacher.model,
+        windows.train,
+        objective=CausalLMObjective(settings.temperature),
+        steps=settings.distill_steps,
+        lr=settings.lr,
+        batch_size=settings.batch_size,
+        lora_rank=settings.lora_rank,
+        seed=settings.seed,
+        log_every=max(1, settings.distill_steps // 5),
+        echo=echo,
+    )
+    student = result.model
+    for parameter in student.parameters():
+        parameter.requires_grad_(False)
+    recovered = perplexity(student, windows.held_out, eval_batch)
+    speed = compare_speed(
+        teacher.model,
+        student,
+        prefill_ids=windows.held_out[:1],
+        decode_context=min(128, settings.window),
+        rounds=settings.timing_repeats,
+    )
+    return student, {
+        "perplexity_original": original,
+        "perplexity_after_swap": after_swap,
+        "perplexity_recovered": recovered,
+        "top1_agreement": top1_agreement(student, teacher.model, windows.held_out, eval_batch),
+        "max_relative_error": swap.max_relative_error,
+        "speed": speed,
+        "distill_losses": result.losses,
+        "data": windows.summary(),
+        "swap": swap.to_dict(),
+    }
+
+
+def _no_grad(model: nn.Module, batch: dict) -> Any:
+    with torch.no_grad():
+        return model(**batch)
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The printed table of a compression report."""
+    lines = [
+        f"collaborative heads at D̃={report['dim_shared_query_key']} (full size {report['full_dim']}); "
+        f"decomposition relative error ≤ {report['max_relative_error']:.3g}"
+    ]
+    if report["kind"] == "causal_lm":
+        original = report["perplexity_original"]
+        lines += [
+            f"held-out perplexity: original {original:.3f}, after the swap {report['perplexity_after_swap']:.3f} "
+            f"({report['perplexity_after_swap'] / original:.2f}x), after {report['distill_steps']} distillation "
+            f"steps {report['perplexity_recovered']:.3f} ({report['perplexity_recovered'] / original:.2f}x)",
+            f"top-1 next-token agreement with the original: {report['top1_agreement']:.1%}",
+            f"prefill: {report['speed']['prefill_ratio']:.2f}x the original; decode per token: "
+            f"{report['speed']['decode_ratio']:.2f}x",
+        ]
+    else:
+        swap, fidelity = report["fidelity_after_swap"], report["fidelity"]
+        lines.append(
+            f"fidelity after the swap: mean cosine {swap['mean_cosine']:.4f} (min {swap['min_cosine']:.4f}), "
+            f"max |Δ| {swap['max_abs_diff']:.4g}"
+        )
+        if report["distill_steps"]:
+            lines.append(
+                f"fidelity after {report['distill_steps']} distillation steps: mean cosine "
+                f"{fidelity['mean_cosine']:.4f} (min {fidelity['min_cosine']:.4f}), max |Δ| "
+                f"{fidelity['max_abs_diff']:.4g}"
+            )
+        lines.append(
+            f"forward time: {report['forward_ms_before']:.1f} ms -> {report['forward_ms_after']:.1f} ms "
+            f"({report['forward_ms_after'] / report['forward_ms_before']:.2f}x)"
+        )
+    lines.append(
+        f"parameters: {report['parameters_before']:,} -> {report['parameters_after']:,} "
+        f"({report['parameters_after'] / report['parameters_before']:.1%})"
+    )
+    if "seconds" in report:
+        lines.append(f"saved to {report['out']} in {report['seconds']:.0f} s")
+    return "\n".join(lines)

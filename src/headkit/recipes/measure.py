@@ -1,0 +1,174 @@
+"""What a recipe reports about a causal LM before and after surgery: held-out perplexity, top-1 agreement with
+the original, KV-cache (or decoding-state) bytes per token, prefill and per-token decoding time, and a greedy
+sample. Times of two models are taken in alternation, round after round, so that a machine whose load drifts
+(other processes on shared cores) slows both alike and their ratio stays meaningful.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> float:
+    """exp of the mean next-token negative log-likelihood over every position of `windows` [N, L] but the first."""
+    total_nll, count = 0.0, 0
+    for chunk in windows.split(batch_size):
+        logits = model(input_ids=chunk, use_cache=False).logits.float()
+        total_nll += float(
+            F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum"
+            )
+        )
+        count += chunk[:, 1:].numel()
+    return math.exp(total_nll / count)
+
+
+@torch.no_grad()
+def top1_agreement(
+    model: nn.Module, reference: nn.Module, windows: torch.Tensor, batch_size: int = 4
+) -> float:
+    """Share of positions where `model`'s most likely next token is `reference`'s."""
+    same, count = 0, 0
+    for chunk in windows.split(batch_size):
+        a = model(input_ids=chunk, use_cache=False).logits.argmax(-1)
+        b = reference(input_ids=chunk, use_cache=False).logits.argmax(-1)
+        same += int((a == b).sum())
+        count += a.numel()
+    return same / count
+
+
+def _cache_bytes(cache: Any) -> int:
+    """Bytes of every tensor a cache holds (🤗 DynamicCache layers, headkit's recurrent states alike)."""
+    seen: set[int] = set()
+    total = 0
+
+    def visit(value: Any, depth: int) -> None:
+        nonlocal total
+        if depth > 4 or id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item, depth + 1)
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item, depth + 1)
+        elif hasattr(value, "__dict__") and not isinstance(value, nn.Module):
+            for item in vars(value).values():
+                visit(item, depth + 1)
+
+    visit(cache, 0)
+    return total
+
+
+@torch.no_grad()
+def cache_bytes(model: nn.Module, context: int) -> int:
+    """Bytes of the decoding cache after a prompt of `context` tokens (batch 1)."""
+    ids = torch.zeros(1, context, dtype=torch.long)
+    return _cache_bytes(model(input_ids=ids, use_cache=True).past_key_values)
+
+
+def kv_cache_bytes_per_token(model: nn.Module, context: int = 64) -> float:
+    """Growth of the decoding cache per token of context (0 for a constant-size state)."""
+    return (cache_bytes(model, 2 * context) - cache_bytes(model, context)) / context
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall-clock seconds of `repeats` calls of `fn`."""
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def prefill_seconds(model: nn.Module, ids: torch.Tensor) -> float:
+    started = time.perf_counter()
+    model(input_ids=ids, use_cache=False)
+    return time.perf_counter() - started
+
+
+@torch.no_grad()
+def decode_seconds_per_token(model: nn.Module, context: int, steps: int = 8) -> float:
+    """Median seconds of one greedy decoding step (batch 1) after a `context`-token prompt."""
+    ids = torch.randint(0, 100, (1, context))
+    output = model(input_ids=ids, use_cache=True)
+    cache, token = output.past_key_values, output.logits[:, -1:].argmax(-1)
+    times = []
+    for _ in range(steps):
+        started = time.perf_counter()
+        output = model(input_ids=token, past_key_values=cache, use_cache=True)
+        times.append(time.perf_counter() - started)
+        cache, token = output.past_key_values, output.logits[:, -1:].argmax(-1)
+    return statistics.median(times)
+
+
+def compare_speed(
+    original: nn.Module, other: nn.Module, *, prefill_ids: torch.Tensor, decode_context: int, rounds: int = 3
+) -> dict[str, float]:
+    """Prefill and per-token decode times of both models, alternated round after round (medians, ms)."""
+    for model in (original, other):  # warm-up outside the rounds: lazy initialisation, allocator caches
+        prefill_seconds(model, prefill_ids[:, :8])
+    prefill = [
+        (prefill_seconds(original, prefill_ids), prefill_seconds(other, prefill_ids)) for _ in range(rounds)
+    ]
+    decode = [
+        (decode_seconds_per_token(original, decode_context), decode_seconds_per_token(other, decode_context))
+        for _ in range(rounds)
+    ]
+    result = {
+        "prefill_ms_original": 1000 * statistics.median(a for a, _ in prefill),
+        "prefill_ms": 1000 * statistics.median(b for _, b in prefill),
+        "decode_ms_per_token_original": 1000 * statistics.median(a for a, _ in decode),
+        "decode_ms_per_token": 1000 * statistics.median(b for _, b in decode),
+        "prefill_tokens": int(prefill_ids.shape[1]),
+        "decode_context": decode_context,
+        "rounds": rounds,
+        "threads": torch.get_num_threads(),
+    }
+    result["prefill_ratio"] = result["prefill_ms"] / result["prefill_ms_original"]
+    result["decode_ratio"] = result["decode_ms_per_token"] / result["decode_ms_per_token_original"]
+    return result
+
+
+@torch.no_grad()
+def greedy_sample(model: nn.Module, tokenizer: Any, prompt: str, max_new_tokens: int = 24) -> str:
+    """The model's greedy continuation of `prompt` (the continuation only)."""
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    output = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=getattr(tokenizer, "pad_token_id", None) or getattr(tokenizer, "eos_token_id", None),
+    )
+    return tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def compare_forward_times(
+    first: nn.Module, second: nn.Module, batch: dict, repeats: int
+) -> tuple[float, float]:
+    """Median seconds per forward of each model on `batch`, timed in alternation round after round."""
+
+    def forward(model: nn.Module) -> Callable[[], object]:
+        def call() -> object:
+            with torch.no_grad():
+                return model(**batch)
+
+        return call
+
+    rounds = [(median_seconds(forward(first), 1), median_seconds(forward(second), 1)) for _ in range(repeats)]
+    return statistics.median(a for a, _ in rounds), statistics.median(b for _, b in rounds)

