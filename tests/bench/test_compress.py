@@ -80,7 +80,9 @@ def test_distillation_recovers_fidelity_of_a_compressed_model(tiny_encoder, tmp_
     report = json.loads((out / "report.json").read_text())
     before, after = report["fidelity_after_swap"], report["fidelity"]
     assert before["mean_cosine"] < 1 - 1e-6  # D̃ = 6 of 32 is lossy
-    assert after["mean_cosine"] > 0.999  # mean-pooled cosines of this tiny model are ≈ 1 − 2e-5 after the swap
+    assert (
+        after["mean_cosine"] > 0.999
+    )  # mean-pooled cosines of this tiny model are ≈ 1 − 2e-5 after the swap
     assert report["distill_losses"][-1] < report["distill_losses"][0]
     per_layer_removed = 2 * (32 * 32 + 32) - (2 * 6 * 32 + 4 * 6 + 4 * 32)
     assert report["parameters_before"] - report["parameters_after"] == 2 * per_layer_removed

@@ -67,7 +67,8 @@ def smollm2_gguf_path() -> Path:
 
 def model_kind(path: str | Path) -> str:
     """``"causal_lm"`` for a GGUF file or a folder whose config names a ``*ForCausalLM`` architecture, else
-    ``"encoder"``; a path that is neither a model folder nor a GGUF file is refused."""
+    ``"encoder"`` (GPT-2's ``GPT2LMHeadModel`` and the other classes transformers maps to causal language
+    modelling count as causal LMs); a path that is neither a model folder nor a GGUF file is refused."""
     path = Path(path)
     if path.is_file() and path.suffix == ".gguf":
         return CAUSAL_LM
@@ -80,7 +81,14 @@ def model_kind(path: str | Path) -> str:
         architectures = json.loads(config_file.read_text()).get("architectures") or []
     except (OSError, ValueError) as exc:
         raise HeadkitError(f"MODEL {str(path)!r}: cannot read config.json ({exc})") from None
-    return CAUSAL_LM if any(str(name).endswith("ForCausalLM") for name in architectures) else ENCODER
+    return CAUSAL_LM if any(_is_causal_lm_class(str(name)) for name in architectures) else ENCODER
+
+
+def _is_causal_lm_class(name: str) -> bool:
+    """``*ForCausalLM``, or a class transformers maps to causal language modelling (GPT-2's GPT2LMHeadModel)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return name.endswith("ForCausalLM") or name in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
 
 
 def load_model(path: str | Path, *, kind: str | None = None) -> LoadedModel:
@@ -135,10 +143,14 @@ def _forget_gguf_quantization(model: nn.Module) -> None:
 def check_output_folder(model_path: Path, out: Path, overwrite: bool) -> None:
     """Refuse to write over the input model (or inside it, or around it) and over existing results."""
     source, target = Path(model_path).resolve(), Path(out).resolve()
-    source_folder = source.parent if source.is_file() else source
-    if target == source_folder or source_folder in target.parents or target in source_folder.parents:
+    if source.is_file():  # a GGUF file: a new folder beside it is fine, its own folder or an ancestor is not
+        if target == source or target in source.parents:
+            raise HeadkitError(
+                f"--out {str(out)!r} must not be the model file {str(model_path)!r} or hold it"
+            )
+    elif target == source or source in target.parents or target in source.parents:
         raise HeadkitError(
-            f"--out {str(out)!r} must not be the model's folder {str(source_folder)!r}, inside or around it"
+            f"--out {str(out)!r} must not be the model folder {str(model_path)!r}, inside or around it"
         )
     if target.exists() and not target.is_dir():
         raise HeadkitError(f"--out {str(out)!r} exists and is not a folder")

@@ -95,7 +95,7 @@ class PruneSettings:
     max_length: int = 64  # tokens per text (encoders)
     window: int = 256  # tokens per window (causal LMs)
     train_texts: int = 1024  # encoder texts, or causal-LM windows
-    held_out_texts: int = 256
+    held_out_texts: int | None = None  # None: 256 encoder texts, 64 causal-LM windows
     importance_batches: int = 8
     temperature: float = 1.0
     hidden_weight: float = 0.0
@@ -114,7 +114,7 @@ class PruneSettings:
             "max_length": 48,
             "window": 128,
             "train_texts": 128,
-            "held_out_texts": 32,
+            "held_out_texts": 16,
             "importance_batches": 2,
             "timing_rounds": 2,
             "decode_context": 128,

@@ -3,6 +3,8 @@
 - :mod:`headkit.surgery.adapters`: where attention lives in each architecture (shared by every surgery).
 - :mod:`headkit.surgery.decompose`: CP decomposition of query/key projections into shared ones.
 - :mod:`headkit.surgery.collaborative`: swap attention modules for collaborative heads.
+- :mod:`headkit.surgery.linearize`: softmax → sliding-window + linear attention in causal LMs (LoLCATs;
+  :func:`headkit.linearize`, not re-exported here so that the module keeps its name).
 - :mod:`headkit.surgery.io`: record surgery in the config and reload saved models (:func:`from_pretrained`).
 """
 
@@ -20,6 +22,7 @@ from headkit.surgery.adapters import (
 from headkit.surgery.collaborative import CollaborativeSelfAttention, SwapReport, swap_to_collaborative
 from headkit.surgery.decompose import decompose_query_key
 from headkit.surgery.io import from_pretrained, record_surgery, register_surgery_op
+from headkit.surgery.linearize import LinearizedAttention, LinearizeReport
 
 __all__ = [
     "ALBERTCollaborativeAdapter",
@@ -28,6 +31,8 @@ __all__ = [
     "BERTCollaborativeAdapter",
     "CollaborativeSelfAttention",
     "DistilBERTCollaborativeAdapter",
+    "LinearizeReport",
+    "LinearizedAttention",
     "ProjectionWeights",
     "SwapReport",
     "decompose_query_key",

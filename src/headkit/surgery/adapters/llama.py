@@ -3,9 +3,11 @@ key/value head) and rotary position embeddings applied to queries and keys; it r
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
-from headkit.surgery.adapters.base import AttentionAdapter, register_adapter
+from headkit.errors import HeadkitError
+from headkit.surgery.adapters.base import AttentionAdapter, AttentionCall, register_adapter
 
 
 @register_adapter
@@ -26,3 +28,15 @@ class LlamaAdapter(AttentionAdapter):
     def set_head_counts(self, module: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         # Both eager and sdpa attention repeat each key/value head this many times.
         module.num_key_value_groups = num_heads // num_kv_heads
+
+    def apply_rotary(
+        self, query: torch.Tensor, key: torch.Tensor, call: AttentionCall
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # LlamaDecoderLayer passes the (cos, sin) its model's rotary embedding computed for these positions;
+        # LlamaAttention rotates with apply_rotary_pos_emb before the cache and the scores.
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        if call.position_embeddings is None:
+            raise HeadkitError("LLaMA attention needs the position_embeddings (cos, sin) its decoder layer passes")
+        cos, sin = call.position_embeddings
+        return apply_rotary_pos_emb(query, key, cos, sin)

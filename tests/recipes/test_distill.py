@@ -1,0 +1,155 @@
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from headkit.errors import HeadkitError
+from headkit.recipes.distill import distill, lora_target_modules, split_batches
+from headkit.recipes.objectives import CausalLMObjective
+
+transformers.logging.set_verbosity_error()
+
+
+def _pair(seed=0):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=4,
+    )
+    teacher = transformers.LlamaForCausalLM(config).eval()
+    student = copy.deepcopy(teacher)
+    with torch.no_grad():
+        for parameter in student.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    return teacher, student
+
+
+def _examples(count=16, length=8):
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (count, length), generator=generator)
+    return split_batches([{"input_ids": ids, "attention_mask": torch.ones_like(ids)}])
+
+
+def _kl(student, teacher, examples):
+    batch = {key: torch.stack([e[key] for e in examples]) for key in examples[0]}
+    with torch.no_grad():
+        return float(CausalLMObjective()(student, teacher, batch))
+
+
+def test_distillation_brings_the_student_to_the_teacher():
+    teacher, student = _pair()
+    examples = _examples()
+    teacher_state = {k: v.clone() for k, v in teacher.state_dict().items()}
+    before = _kl(student, teacher, examples)
+    result = distill(
+        student, teacher, examples, objective=CausalLMObjective(), steps=20, lr=3e-3, batch_size=4
+    )
+    assert result.steps == 20 and len(result.losses) == 20
+    assert _kl(result.model, teacher, examples) < 0.5 * before
+    assert all(torch.equal(v, teacher.state_dict()[k]) for k, v in teacher_state.items())  # never trained
+    assert result.model.config.use_cache  # restored for generation
+
+
+def test_lora_recovery_is_merged_and_trains_only_the_adapted_layers():
+    teacher, student = _pair()
+    examples = _examples()
+    embedding = student.model.embed_tokens.weight.clone()
+    q_proj = student.model.layers[0].self_attn.q_proj.weight.clone()
+    targets = lora_target_modules(student)
+    assert "model.layers.0.self_attn.q_proj" in targets and "lm_head" not in targets
+    before = _kl(student, teacher, examples)
+    result = distill(
+        student, teacher, examples, objective=CausalLMObjective(), steps=15, lr=1e-2, lora_rank=2
+    )
+    model = result.model
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert not any("lora" in name for name, _ in model.named_parameters())
+    assert torch.equal(model.model.embed_tokens.weight, embedding)
+    assert not torch.equal(model.model.layers[0].self_attn.q_proj.weight, q_proj)
+    assert _kl(model, teacher, examples) < before
+
+
+def test_training_is_seeded():
+    losses = []
+    for _ in range(2):
+        teacher, student = _pair()
+        losses.append(
+            distill(student, teacher, _examples(), objective=CausalLMObjective(), steps=4, lr=1e-3).losses
+        )
+    assert losses[0] == losses[1]
+
+
+def test_a_run_resumes_from_its_checkpoint(tmp_path):
+    teacher, student = _pair()
+    first = distill(
+        copy.deepcopy(student),
+        teacher,
+        _examples(),
+        objective=CausalLMObjective(),
+        steps=50,
+        lr=1e-3,
+        output_dir=tmp_path,
+    )
+    assert (tmp_path / "checkpoint-50").is_dir()
+    again = distill(
+        copy.deepcopy(student),
+        teacher,
+        _examples(),
+        objective=CausalLMObjective(),
+        steps=50,
+        lr=1e-3,
+        output_dir=tmp_path,
+        resume=True,
+    )
+    assert again.losses == []  # nothing left to do: resumed at step 50
+    for (name, a), (_, b) in zip(
+        first.model.state_dict().items(), again.model.state_dict().items(), strict=True
+    ):
+        assert torch.allclose(a, b), name
+
+
+@pytest.mark.parametrize(
+    "options, match",
+    [
+        ({"steps": -1}, "steps"),
+        ({"batch_size": 0}, "batch_size"),
+        ({"lora_rank": 0}, "lora_rank"),
+        ({"lr": -1.0}, "lr"),
+    ],
+)
+def test_bad_settings_are_refused(options, match):
+    teacher, student = _pair()
+    settings = {"objective": CausalLMObjective(), "steps": 2} | options
+    with pytest.raises(HeadkitError, match=match):
+        distill(student, teacher, _examples(), **settings)
+
+
+@pytest.mark.slow
+def test_two_process_gloo_run_keeps_the_replicas_equal(tmp_path):
+    worker = Path(__file__).with_name("ddp_distill_worker.py")
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))
+    }
+    env |= {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    result = subprocess.run(
+        [*command, str(worker), str(tmp_path)], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [torch.load(tmp_path / f"rank{i}.pt") for i in range(2)]
+    assert all(r["world"] == 2 and r["steps"] == 3 for r in ranks)
+    teacher, _ = _pair()
+    for name, value in ranks[0]["state"].items():
+        assert torch.equal(value, ranks[1]["state"][name]), name  # DDP kept the replicas identical

@@ -1,0 +1,221 @@
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+
+import headkit
+from headkit.cli import main
+from headkit.errors import HeadkitError
+from headkit.recipes.prune import plan_pruning
+
+transformers.logging.set_verbosity_error()
+
+# Tiny settings: a few windows of 16 tokens from a small folder of text.
+FAST = ["--quick", "--window", "16", "--train-texts", "16", "--batch-size", "4", "--recovery-steps", "3"]
+
+
+@pytest.fixture(scope="module")
+def text_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("text")
+    words = "heads share keys values queries groups prune recover distil attention layers tokens".split()
+    generator = torch.Generator().manual_seed(0)
+    for i in range(24):
+        picks = torch.randint(len(words), (200,), generator=generator).tolist()
+        (folder / f"doc{i}.txt").write_text(" ".join(words[j] for j in picks))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, save_tiny_causal_lm):
+    return save_tiny_causal_lm(tmp_path_factory.mktemp("llama") / "model", "llama")
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt2(tmp_path_factory, save_tiny_causal_lm):
+    return save_tiny_causal_lm(tmp_path_factory.mktemp("gpt2") / "model", "gpt2")
+
+
+def _run(args):
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+        raise SystemExit(0)
+    return exit_info.value.code
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+# -- choosing heads --------------------------------------------------------------------------------------------
+
+
+KV = [[0, 0, 1, 1], [0, 0, 1, 1]]  # two layers, 4 query heads over 2 key/value heads
+
+
+def test_query_plan_keeps_the_top_heads_over_all_layers():
+    scores = [torch.tensor([0.9, 0.1, 0.5, 0.2]), torch.tensor([0.3, 0.8, 0.05, 0.7])]
+    assert plan_pruning(scores, KV, 4) == {0: [1, 3], 1: [0, 2]}
+
+
+def test_uniform_query_plan_keeps_as_many_heads_in_every_group():
+    scores = [torch.tensor([0.9, 0.8, 0.5, 0.2]), torch.tensor([0.3, 0.8, 0.05, 0.7])]
+    assert plan_pruning(scores, KV, 4, uniform=True) == {0: [1, 3], 1: [0, 2]}
+
+
+def test_group_plans_remove_whole_key_value_groups():
+    scores = [torch.tensor([0.9, 0.8, 0.5, 0.2]), torch.tensor([0.3, 0.1, 0.9, 0.7])]
+    assert plan_pruning(scores, KV, 4, unit="group", uniform=True) == {0: [2, 3], 1: [0, 1]}
+    assert plan_pruning(scores, KV, 4, unit="group") == {0: [2, 3], 1: [0, 1]}
+    assert plan_pruning(scores, KV, 6, unit="group") == {1: [0, 1]}
+
+
+@pytest.mark.parametrize(
+    "keep, options, match",
+    [
+        (0, {}, "--heads must be in"),
+        (9, {}, "--heads must be in"),
+        (3, {"uniform": True}, "same number in each"),
+        (2, {"uniform": True}, "spread evenly"),
+        (3, {"unit": "group"}, "whole number of key/value groups"),
+        (6, {"unit": "group", "uniform": True}, "whole number of key/value groups"),
+        (4, {"unit": "layer"}, "unit must be one of"),
+    ],
+)
+def test_bad_counts_are_refused(keep, options, match):
+    with pytest.raises(HeadkitError, match=match):
+        plan_pruning([torch.rand(4), torch.rand(4)], KV, keep, **options)
+
+
+# -- the recipe on causal LMs ----------------------------------------------------------------------------------
+
+
+def test_group_uniform_pruning_gives_a_stock_model_that_loads_without_headkit(
+    tiny_llama, text_folder, tmp_path
+):
+    out = tmp_path / "pruned"
+    code = _run(
+        ["prune", str(tiny_llama), "--heads", "4", "--unit", "group", "--uniform", "--data", str(text_folder)]
+        + ["--out", str(out), *FAST]
+    )
+    assert code == 0
+    report = json.loads((out / "report.json").read_text())
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and "headkit_surgery" not in config
+    assert (config["num_attention_heads"], config["num_key_value_heads"], config["head_dim"]) == (2, 1, 8)
+    assert report["stock_architecture"] and report["kv_cache_bytes_per_token_after"] == pytest.approx(
+        report["kv_cache_bytes_per_token_before"] / 2
+    )
+    assert report["reload_max_abs_diff"] == 0.0
+    for key in ("perplexity_original", "perplexity_pruned", "perplexity_recovered", "top1_agreement"):
+        assert report[key] > 0
+    assert report["recovery"]["steps"] == 3 and len(report["recovery"]["losses"]) == 3
+
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3]])
+    model = transformers.AutoModelForCausalLM.from_pretrained(out)
+    torch.save({"ids": ids, "logits": _logits(model, ids)}, tmp_path / "expected.pt")
+    generated = model.generate(ids, max_new_tokens=5, do_sample=False)
+    assert generated.shape == (1, 11)
+    # A Python in which headkit cannot be imported loads the folder with plain transformers, same logits.
+    script = f"""
+import sys, importlib.abc
+class NoHeadkit(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name == "headkit" or name.startswith("headkit."):
+            raise ImportError("headkit is not importable here")
+sys.meta_path.insert(0, NoHeadkit())
+import torch, transformers
+torch.set_num_threads(1)  # as the test process: the same reduction order
+try:
+    import headkit
+except ImportError:
+    pass
+else:
+    raise SystemExit("headkit was importable")
+expected = torch.load({str(tmp_path / "expected.pt")!r})
+model = transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})
+assert type(model).__name__ == "LlamaForCausalLM"
+with torch.no_grad():
+    assert torch.allclose(model(input_ids=expected["ids"]).logits, expected["logits"], atol=1e-6, rtol=0)
+print("stock ok")
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "stock ok" in result.stdout
+
+
+def test_uneven_query_pruning_with_lora_recovery_reloads_with_headkit(tiny_llama, text_folder, tmp_path):
+    out = tmp_path / "pruned"
+    args = ["prune", str(tiny_llama), "--heads", "5", "--lora-rank", "2", "--data", str(text_folder)]
+    assert _run([*args, "--out", str(out), *FAST]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert sum(report["heads_after"].values()) == 5 and not report["stock_architecture"]
+    model = headkit.from_pretrained(out)
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert not any("lora" in name for name, _ in model.named_parameters())  # merged before saving
+    ids = torch.tensor([[5, 17, 42, 99, 7, 3]])
+    assert model.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, 10)
+    assert report["reload_max_abs_diff"] == 0.0
+
+
+def test_l0_gates_select_heads_of_a_gpt2_language_model(tiny_gpt2, text_folder, tmp_path):
+    out = tmp_path / "pruned"
+    args = [
+        "prune",
+        str(tiny_gpt2),
+        "--heads",
+        "4",
+        "--method",
+        "l0",
+        "--steps",
+        "4",
+        "--data",
+        str(text_folder),
+    ]
+    assert _run([*args, "--out", str(out), *FAST]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["selection"]["method"] == "l0" and sum(report["heads_after"].values()) == 4
+    model = headkit.from_pretrained(out)
+    assert type(model).__name__ == "GPT2LMHeadModel" and model.lm_head.weight.shape[0] > 0
+    assert model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False).shape == (1, 6)
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (["--heads", "0"], "--heads must be in"),
+        (["--heads", "3", "--unit", "group"], "whole number of key/value groups"),
+        (["--heads", "6", "--unit", "group", "--uniform"], "whole number of key/value groups"),
+        (["--unit", "layer"], "--unit must be one of"),
+    ],
+)
+def test_bad_options_fail_before_any_work(tiny_llama, text_folder, tmp_path, capsys, extra, match):
+    existing = tmp_path / "out"
+    existing.mkdir()
+    (existing / "keep.txt").write_text("mine")
+    args = ["prune", str(tiny_llama), "--data", str(text_folder), "--out", str(existing), "--overwrite"]
+    assert _run([*args, *extra, *FAST]) == 2
+    assert match in capsys.readouterr().err
+    assert [p.name for p in existing.iterdir()] == ["keep.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+
+
+def test_bad_inputs_name_the_problem(tiny_llama, tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert _run(["prune", str(tiny_llama), "--data", str(empty), "--out", str(tmp_path / "o"), *FAST]) == 2
+    assert "--data" in capsys.readouterr().err
+    fake = tmp_path / "broken.gguf"
+    fake.write_bytes(b"GGUF not really")
+    assert _run(["prune", str(fake), "--out", str(tmp_path / "o"), *FAST]) == 2
+    assert "tokenizer" in capsys.readouterr().err
+    t5 = tmp_path / "t5"
+    transformers.T5ForConditionalGeneration(
+        transformers.T5Config(vocab_size=32, d_model=8, d_kv=4, d_ff=8, num_layers=1, num_heads=2)
+    ).save_pretrained(t5)
+    assert _run(["prune", str(t5), "--out", str(tmp_path / "o"), *FAST]) == 2
+    assert "supported" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,266 @@
+"""headkit.linearize: softmax attention of LLaMA (GQA, RoPE) and GPT-2 → sliding-window + linear attention."""
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+import headkit
+from headkit.errors import HeadkitError
+from headkit.surgery.io import SURGERY_KEY
+from headkit.surgery.linearize import (
+    HybridStateCacheLayer,
+    LinearizedAttention,
+    decoding_state_bytes,
+    key_padding_mask,
+    linearized_modules,
+    linearized_parameters,
+)
+
+ARCHITECTURES = ["llama", "gpt2"]
+
+
+def tiny(architecture, layers=2, bias=False):
+    torch.manual_seed(0)
+    if architecture == "llama":
+        config = transformers.LlamaConfig(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=256,
+            attention_bias=bias,
+        )
+        model = transformers.LlamaForCausalLM(config)
+    else:
+        config = transformers.GPT2Config(vocab_size=97, n_embd=32, n_layer=layers, n_head=4, n_positions=256)
+        model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():  # peaked attention, so that a wrong score shows
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "c_attn.weight")):
+                parameter.normal_(std=0.3)
+            if bias and name.endswith("bias"):
+                parameter.normal_(std=0.1)
+    return model.eval()
+
+
+def ids(batch=2, length=24, seed=1):
+    return torch.randint(0, 97, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def state_snapshot(model):
+    return {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_exact_when_the_window_covers_the_sequence(architecture, attn):
+    model = tiny(architecture)
+    model.config._attn_implementation = attn
+    tokens = ids(length=24)
+    reference = model(tokens).logits
+    converted = copy.deepcopy(model)
+    report = headkit.linearize(converted, window=24, chunk_size=8)
+    assert report.layers == [0, 1] and report.softmax_layers == []
+    assert len(linearized_modules(converted)) == 2
+    torch.testing.assert_close(converted(tokens).logits, reference, atol=2e-5, rtol=1e-4)
+    # Beyond the window the linear term (untrained) takes over: no longer the original.
+    shorter = copy.deepcopy(model)
+    headkit.linearize(shorter, window=4)
+    assert (shorter(tokens).logits - reference).abs().max() > 1e-3
+
+
+def test_exact_with_biases_and_left_padding():
+    model = tiny("llama", bias=True)
+    tokens = ids(length=16)
+    mask = torch.ones_like(tokens)
+    mask[0, :5] = 0  # left padding, as batched generation has
+    reference = model(tokens, attention_mask=mask).logits
+    converted = copy.deepcopy(model)
+    headkit.linearize(converted, window=16)
+    got = converted(tokens, attention_mask=mask).logits
+    torch.testing.assert_close(got[0, 5:], reference[0, 5:], atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(got[1], reference[1], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_reuses_the_pretrained_projections(architecture):
+    model = tiny(architecture, bias=True)
+    converted = copy.deepcopy(model)
+    headkit.linearize(converted, window=8)
+    adapter = headkit.surgery.get_adapter(model)
+    original = adapter.read_projections(adapter.sites(model)[1])
+    module = linearized_modules(converted)[1]
+    weight = module.q_proj.weight if architecture == "llama" else module.q_proj.weight.T
+    torch.testing.assert_close(weight, original.q_weight)
+    if architecture == "gpt2":  # the fused c_attn is split; the output projection stays
+        torch.testing.assert_close(module.v_proj.bias, original.v_bias)
+        assert module.c_proj.weight.data_ptr() == converted.transformer.h[1].attn.c_proj.weight.data_ptr()
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_gradients_reach_the_feature_maps_and_balances(architecture):
+    model = tiny(architecture)
+    headkit.linearize(model, window=4)
+    trainable = linearized_parameters(model)
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    for parameter in trainable:
+        parameter.requires_grad_(True)
+    model(ids(length=20)).logits.square().mean().backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable)
+    names = {name for name, p in model.named_parameters() if p.grad is not None}
+    assert names and all(("feature_map" in name or "log_balance" in name) for name in names)
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+@pytest.mark.parametrize("layers", [None, [1]])
+def test_cached_generation_equals_uncached(architecture, layers):
+    model = tiny(architecture, layers=3)
+    headkit.linearize(model, window=5, layers=layers, chunk_size=4)
+    with torch.no_grad():  # the balances away from 1, so the linear term matters
+        for module in linearized_modules(model):
+            module.log_balance.normal_()
+    prompt = ids(batch=1, length=9)
+    cached = model.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=True)
+    uncached = model.generate(prompt, max_new_tokens=12, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+    # Step by step the logits match the parallel form too.
+    full = model(cached).logits
+    out = model(cached[:, :9], use_cache=True)
+    cache, steps = out.past_key_values, [out.logits[:, -1]]
+    for t in range(9, cached.shape[1] - 1):
+        out = model(cached[:, t : t + 1], past_key_values=cache, use_cache=True)
+        steps.append(out.logits[:, -1])
+    torch.testing.assert_close(torch.stack(steps, 1), full[:, 8:-1], atol=1e-4, rtol=1e-4)
+    kinds = [type(layer).__name__ for layer in cache.layers]
+    expected = [
+        "HybridStateCacheLayer" if layers is None or i in layers else "DynamicLayer" for i in range(3)
+    ]
+    assert kinds == expected
+
+
+def test_batched_left_padded_generation_matches_each_prompt_alone():
+    model = tiny("llama")
+    headkit.linearize(model, window=4)
+    with torch.no_grad():
+        for module in linearized_modules(model):
+            module.log_balance.fill_(-0.5)
+    short, long = ids(batch=1, length=6, seed=2), ids(batch=1, length=10, seed=3)
+    batch = torch.cat([torch.cat([torch.zeros(1, 4, dtype=torch.long), short], 1), long])
+    mask = torch.ones_like(batch)
+    mask[0, :4] = 0
+    together = model.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    alone = model.generate(short, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(together[0, 4:], alone[0])
+    assert torch.equal(together[1], model.generate(long, max_new_tokens=6, do_sample=False, pad_token_id=0)[0])
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_decoding_state_does_not_grow_with_the_context(architecture):
+    model = tiny(architecture)
+    original = copy.deepcopy(model)
+    headkit.linearize(model, window=8)
+
+    def state_bytes(network, context):
+        with torch.no_grad():
+            return decoding_state_bytes(network(ids(batch=1, length=context), use_cache=True).past_key_values)
+
+    assert state_bytes(model, 16) == state_bytes(model, 64) == state_bytes(model, 200) > 0
+    assert state_bytes(original, 64) == 4 * state_bytes(original, 16)
+    cache = model(ids(batch=1, length=30), use_cache=True).past_key_values
+    assert all(isinstance(layer, HybridStateCacheLayer) for layer in cache.layers)
+    assert cache.get_seq_length() == 30
+
+
+@pytest.mark.parametrize("architecture", ARCHITECTURES)
+def test_save_and_reload_gives_identical_logits(architecture, tmp_path):
+    model = tiny(architecture, layers=3)
+    headkit.linearize(model, window=6, layers=[0, 2], feature_dim=4)
+    with torch.no_grad():
+        for parameter in linearized_parameters(model):
+            parameter.add_(0.1 * torch.randn_like(parameter))
+    entry = model.config.to_dict()[SURGERY_KEY][-1]
+    assert entry["op"] == "linearize" and entry["layers"] == [0, 2] and entry["window"] == 6
+    model.save_pretrained(tmp_path)
+    reloaded = headkit.from_pretrained(tmp_path)
+    tokens = ids(length=30)
+    torch.testing.assert_close(reloaded(tokens).logits, model(tokens).logits, atol=0, rtol=0)
+    assert [m.layer_idx for m in linearized_modules(reloaded)] == [0, 2]
+    prompt = tokens[:1, :7]
+    assert torch.equal(
+        reloaded.generate(prompt, max_new_tokens=8, do_sample=False),
+        model.generate(prompt, max_new_tokens=8, do_sample=False),
+    )
+
+
+def test_fixed_feature_map_and_conversion_in_two_steps():
+    model = tiny("llama", layers=3)
+    tokens = ids(length=12)
+    headkit.linearize(model, window=12, feature_map="elu", layers=[0])
+    report = headkit.linearize(model, window=12, layers=[2])
+    assert report.softmax_layers == [1]
+    assert [m.feature_map_name for m in linearized_modules(model)] == ["elu", "hedgehog"]
+    torch.testing.assert_close(model(tokens).logits, tiny("llama", layers=3)(tokens).logits, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"window": 0}, "window must be a positive integer"),
+        ({"window": 257}, "at most the model's context of 256"),
+        ({"window": 2.5}, "window must be a positive integer"),
+        ({"feature_map": "nope"}, "unknown feature map 'nope'"),
+        ({"layers": [2]}, r"layers must be indices in \[0, 2\)"),
+        ({"layers": [-1]}, r"layers must be indices in \[0, 2\)"),
+        ({"layers": []}, "at least one layer"),
+        ({"layers": [1, 1]}, "twice"),
+        ({"feature_dim": 0}, "feature_dim must be a positive integer"),
+        ({"feature_map": "elu", "feature_dim": 4}, "learnable map"),
+        ({"chunk_size": 0}, "chunk_size"),
+    ],
+)
+def test_bad_arguments_leave_the_model_untouched(arguments, message):
+    model = tiny("llama")
+    before = state_snapshot(model)
+    with pytest.raises(HeadkitError, match=message):
+        headkit.linearize(model, **arguments)
+    after = state_snapshot(model)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert not linearized_modules(model) and not getattr(model.config, SURGERY_KEY, None)
+
+
+def test_unsupported_architectures_are_refused(save_tiny_encoder, tmp_path):
+    encoder = transformers.AutoModel.from_pretrained(save_tiny_encoder(tmp_path / "bert"))
+    with pytest.raises(HeadkitError, match="linearize supports causal LMs"):
+        headkit.linearize(encoder)
+    with pytest.raises(HeadkitError, match="unsupported architecture"):
+        headkit.linearize(torch.nn.Linear(2, 2))
+    model = tiny("llama")
+    headkit.linearize(model, layers=[0])
+    with pytest.raises(HeadkitError, match="already linearized"):
+        headkit.linearize(model, layers=[0, 1])
+    assert [m.layer_idx for m in linearized_modules(model)] == [0]
+
+
+def test_key_padding_mask_reads_every_mask_form():
+    keep = torch.tensor([[False, True, True], [True, True, True]])
+    causal = torch.ones(3, 3, dtype=torch.bool).tril()[None, None] & keep[:, None, None, :]
+    additive = torch.zeros(causal.shape).masked_fill(~causal, torch.finfo(torch.float32).min)
+    for mask in (keep.long(), causal, additive):
+        assert torch.equal(key_padding_mask(mask, 2, 3), keep)
+    assert key_padding_mask(None, 2, 3) is None
+    with pytest.raises(HeadkitError, match="must cover"):
+        key_padding_mask(keep, 2, 4)
+
+
+def test_module_is_recognised_as_the_original_attention_class():
+    model = tiny("llama")
+    headkit.linearize(model, layers=[0])
+    module = model.model.layers[0].self_attn
+    assert isinstance(module, LinearizedAttention)
+    assert isinstance(module, transformers.models.llama.modeling_llama.LlamaAttention)
