@@ -666,7 +666,9 @@ def _parse_layer_indices(text: str) -> tuple[int, ...]:
 def _linearize_settings(quick: bool, **options: object) -> object:
     from headkit.recipes.linearize import LinearizeSettings
 
-    layers, eval_lengths, decode_contexts = (options.pop(k) for k in ("layers", "eval_lengths", "decode_contexts"))
+    layers, eval_lengths, decode_contexts = (
+        options.pop(k) for k in ("layers", "eval_lengths", "decode_contexts")
+    )
     lora_rank = options.pop("lora_rank")
     given = _given(**options) | _given(
         layers=_parse_layer_indices(layers) if layers else None,
@@ -697,7 +699,9 @@ def linearize_command(
     model: Path = typer.Argument(None, help=_LINEARIZE_HELP["model"]),
     window: int = typer.Option(None, help=_LINEARIZE_HELP["window"]),
     feature_map: str = typer.Option(None, help=_LINEARIZE_HELP["feature_map"]),
-    feature_dim: int = typer.Option(None, help="Learnable feature map's projection width (default head_dim)."),
+    feature_dim: int = typer.Option(
+        None, help="Learnable feature map's projection width (default head_dim)."
+    ),
     layers: str = typer.Option("", help=_LINEARIZE_HELP["layers"]),
     chunk_size: int = typer.Option(None, help="Queries per chunk of the parallel form (default 64)."),
     transfer_steps: int = typer.Option(None, help=_LINEARIZE_HELP["transfer_steps"]),
@@ -706,12 +710,18 @@ def linearize_command(
     lora_rank: int = typer.Option(None, help=_LINEARIZE_HELP["lora_rank"]),
     lora_lr: float = typer.Option(None, help="LoRA learning rate (default 1e-3)."),
     batch_size: int = typer.Option(None, help="Windows per training step (default 8; 4 with --quick)."),
-    train_length: int = typer.Option(None, help="Tokens per training window (default 512; 256 with --quick)."),
+    train_length: int = typer.Option(
+        None, help="Tokens per training window (default 512; 256 with --quick)."
+    ),
     train_windows: int = typer.Option(None, help="Training windows (default 512; 64 with --quick)."),
     eval_lengths: str = typer.Option("", help=_LINEARIZE_HELP["eval_lengths"]),
-    held_out_windows: int = typer.Option(None, help="Held-out windows per length (default 16; 4 with --quick)."),
+    held_out_windows: int = typer.Option(
+        None, help="Held-out windows per length (default 16; 4 with --quick)."
+    ),
     decode_contexts: str = typer.Option("", help=_LINEARIZE_HELP["decode_contexts"]),
-    decode_steps: int = typer.Option(None, help="Timed decoding steps per context (default 8; 4 with --quick)."),
+    decode_steps: int = typer.Option(
+        None, help="Timed decoding steps per context (default 8; 4 with --quick)."
+    ),
     data: Path = typer.Option(None, help=_LINEARIZE_HELP["data"]),
     seed: int = typer.Option(0, help="Seed of the sampling and the training order."),
     out: Path = typer.Option(Path("results/linearized-model"), help="Output folder (never the input model)."),
@@ -764,7 +774,9 @@ def bench_linearize(
     data: Path = typer.Option(None, help=_LINEARIZE_HELP["data"]),
     threads: int = typer.Option(2, help="torch threads."),
     seed: int = typer.Option(0, help="Seed of the sampling and the training order."),
-    out: Path = typer.Option(Path("results/linearize"), help="Output directory for results.json, table, plot."),
+    out: Path = typer.Option(
+        Path("results/linearize"), help="Output directory for results.json, table, plot."
+    ),
     quick: bool = typer.Option(False, help="The recipe's quick preset (a few minutes on 2 cores)."),
 ) -> None:
     """Linearized SmolLM2-135M against the original: held-out perplexity per stage and length, top-1 agreement,

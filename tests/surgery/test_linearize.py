@@ -157,7 +157,9 @@ def test_batched_left_padded_generation_matches_each_prompt_alone():
     together = model.generate(batch, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
     alone = model.generate(short, max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(together[0, 4:], alone[0])
-    assert torch.equal(together[1], model.generate(long, max_new_tokens=6, do_sample=False, pad_token_id=0)[0])
+    assert torch.equal(
+        together[1], model.generate(long, max_new_tokens=6, do_sample=False, pad_token_id=0)[0]
+    )
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -205,7 +207,9 @@ def test_fixed_feature_map_and_conversion_in_two_steps():
     report = headkit.linearize(model, window=12, layers=[2])
     assert report.softmax_layers == [1]
     assert [m.feature_map_name for m in linearized_modules(model)] == ["elu", "hedgehog"]
-    torch.testing.assert_close(model(tokens).logits, tiny("llama", layers=3)(tokens).logits, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        model(tokens).logits, tiny("llama", layers=3)(tokens).logits, atol=2e-5, rtol=1e-4
+    )
 
 
 @pytest.mark.parametrize(

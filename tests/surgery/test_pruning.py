@@ -136,8 +136,8 @@ def test_uneven_grouped_query_pruning_is_exact_under_every_attention_implementat
     assert report.heads_after == {0: 4, 1: 4} and report.kv_heads_after == {0: 2, 1: 1}
     assert report.uneven_layers == [0]  # 1 + 3 query heads on two key/value heads: gathered
     sites = get_adapter(model).sites(model)
-    assert sites[0].module.k_proj.headkit_kv_head_index.tolist() == [0, 1, 1, 1]
-    assert sites[1].module.num_key_value_groups == 4 and not hasattr(sites[1].module.k_proj, KV_HEAD_INDEX)
+    assert sites[0].module.headkit_kv_head_index.tolist() == [0, 1, 1, 1]
+    assert sites[1].module.num_key_value_groups == 4 and not hasattr(sites[1].module, KV_HEAD_INDEX)
     assert KV_HEAD_INDEX not in model.state_dict().keys()
     for implementation in ("sdpa", "eager"):
         model.set_attn_implementation(implementation)
@@ -156,11 +156,11 @@ def test_pruning_an_uneven_layer_again_follows_its_gather_index():
     assert (
         _run(model, inputs) - _run(_gate_zeroed(original, {0: [0, 1, 2, 4, 5]}), inputs)
     ).abs().max() < 1e-5
-    assert get_adapter(model).sites(model)[0].module.k_proj.headkit_kv_head_index.tolist() == [0, 1, 1]
+    assert get_adapter(model).sites(model)[0].module.headkit_kv_head_index.tolist() == [0, 1, 1]
     report = prune_heads(model, {0: [0]})  # original head 3 goes: group 0 is empty, 6 and 7 share kv head 1
     assert report.kv_heads_after[0] == 1 and report.uneven_layers == []
     site = get_adapter(model).sites(model)[0]
-    assert site.module.num_key_value_groups == 2 and not hasattr(site.module.k_proj, KV_HEAD_INDEX)
+    assert site.module.num_key_value_groups == 2 and not hasattr(site.module, KV_HEAD_INDEX)
     assert (
         _run(model, inputs) - _run(_gate_zeroed(original, {0: [0, 1, 2, 3, 4, 5]}), inputs)
     ).abs().max() < 1e-5
@@ -193,6 +193,16 @@ def test_decoding_with_a_cache_after_uneven_and_empty_pruning(kind):
         torch.testing.assert_close(torch.cat(logits, dim=1), full, atol=1e-5, rtol=1e-5)
     generated = model.generate(prompt, max_new_tokens=4, do_sample=False)
     assert torch.equal(generated, reference.generate(prompt, max_new_tokens=4, do_sample=False))
+
+
+def test_an_uneven_llama_layer_caches_only_the_key_value_heads_it_reads():
+    model = transformers.LlamaForCausalLM(llama_config(num_hidden_layers=2)).eval()
+    prompt = tiny_inputs("llama")["input_ids"][:1, :5]
+    prune_heads(model, {0: [0, 1, 2, 5]})  # 1 + 3 query heads on the two key/value heads: uneven
+    with torch.no_grad():
+        cache = model(prompt, use_cache=True).past_key_values
+    # 2 key/value heads stored, not one per query head (4): the cache never grows by pruning.
+    assert cache.layers[0].keys.shape[1] == 2 and cache.layers[1].keys.shape[1] == 2
 
 
 def test_an_empty_layer_returns_empty_attention_weights():

@@ -63,7 +63,12 @@ def results_table(report: dict[str, Any]) -> str:
     lengths = markdown_table(
         ["held-out window", "original", "linearized", "ratio"],
         [
-            [f"{n} tokens", f"{report['perplexity_original'][n]:.3f}", f"{v:.3f}", f"{report['perplexity_ratio'][n]:.2f}"]
+            [
+                f"{n} tokens",
+                f"{report['perplexity_original'][n]:.3f}",
+                f"{v:.3f}",
+                f"{report['perplexity_ratio'][n]:.2f}",
+            ]
             for n, v in report["perplexity_linearized"].items()
         ],
     )

@@ -82,7 +82,8 @@ class LinearizeSettings:
     batch_size: int = 8
     train_length: int = 512  # tokens per training window
     train_windows: int = 512
-    eval_lengths: tuple[int, ...] = (256, 1024)  # held-out perplexity at each (add 4096 where the time is there)
+    # held-out perplexity at each length (add 4096 where there is time for it)
+    eval_lengths: tuple[int, ...] = (256, 1024)
     held_out_windows: int = 16
     decode_contexts: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)
     decode_steps: int = 8
@@ -134,7 +135,9 @@ class AttentionTransferObjective:
         targets = {module.layer_idx: module for module in linearized_modules(student)}
         if not targets:
             raise HeadkitError("attention transfer needs a student with linearized layers")
-        sources = {site.layers[0]: site.module for site in self.adapter.sites(teacher) if site.layers[0] in targets}
+        sources = {
+            site.layers[0]: site.module for site in self.adapter.sites(teacher) if site.layers[0] in targets
+        }
         captured: dict[int, tuple[tuple, dict, torch.Tensor]] = {}
 
         def capture(index: int) -> Callable[..., None]:
@@ -143,7 +146,9 @@ class AttentionTransferObjective:
 
             return hook
 
-        handles = [module.register_forward_hook(capture(i), with_kwargs=True) for i, module in sources.items()]
+        handles = [
+            module.register_forward_hook(capture(i), with_kwargs=True) for i, module in sources.items()
+        ]
         inputs = {key: batch[key] for key in ("input_ids", "attention_mask") if key in batch}
         try:
             with torch.no_grad():
@@ -181,7 +186,12 @@ def check_settings(settings: LinearizeSettings) -> None:
             integer(name, 1)
     for name in ("transfer_lr", "lora_lr", "temperature"):
         value = getattr(settings, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not math.isfinite(value)
+            or value <= 0
+        ):
             raise HeadkitError(f"--{name.replace('_', '-')} must be a positive number, got {value!r}")
     for name, minimum in (("eval_lengths", 2), ("decode_contexts", 1)):
         values = getattr(settings, name)
@@ -273,7 +283,9 @@ def _run(
         parameter.requires_grad_(False)
     context = max_context(teacher)
     if context is not None and settings.train_length > context:
-        raise HeadkitError(f"--train-length must be at most the model's context of {context}, got {settings.train_length}")
+        raise HeadkitError(
+            f"--train-length must be at most the model's context of {context}, got {settings.train_length}"
+        )
     eval_lengths = [n for n in settings.eval_lengths if context is None or n <= context]
     if not eval_lengths:
         raise HeadkitError(f"--eval-lengths: none fits the model's context of {context} tokens")
@@ -293,7 +305,12 @@ def _run(
     )
     held_out = {
         length: lm_windows(
-            tokenizer, corpus, length=length, train_windows=1, held_out_windows=settings.held_out_windows, seed=settings.seed
+            tokenizer,
+            corpus,
+            length=length,
+            train_windows=1,
+            held_out_windows=settings.held_out_windows,
+            seed=settings.seed,
         ).held_out
         for length in eval_lengths
     }
@@ -376,7 +393,9 @@ def _run(
         if context is not None and length + settings.decode_steps + 1 > context:
             skipped_contexts.append(length)
             continue
-        point = decode_profile({"original": teacher, "linearized": student}, length, settings.decode_steps, settings.seed)
+        point = decode_profile(
+            {"original": teacher, "linearized": student}, length, settings.decode_steps, settings.seed
+        )
         decode.append(
             {
                 "context": length,
@@ -437,15 +456,21 @@ def _check_against_config(settings: LinearizeSettings, model_path: Path) -> None
     layers = getattr(config, "num_hidden_layers", None)
     if isinstance(context, int):
         if settings.window > context:
-            raise HeadkitError(f"window must be at most the model's context of {context} tokens, got {settings.window}")
+            raise HeadkitError(
+                f"window must be at most the model's context of {context} tokens, got {settings.window}"
+            )
         if settings.train_length > context:
-            raise HeadkitError(f"--train-length must be at most the model's context of {context}, got {settings.train_length}")
+            raise HeadkitError(
+                f"--train-length must be at most the model's context of {context}, got {settings.train_length}"
+            )
         if all(n > context for n in settings.eval_lengths):
             raise HeadkitError(f"--eval-lengths: none fits the model's context of {context} tokens")
     if isinstance(layers, int) and settings.layers is not None:
         bad = [i for i in settings.layers if not 0 <= i < layers]
         if bad:
-            raise HeadkitError(f"layers must be indices in [0, {layers}) (the model has {layers} layers), got {bad}")
+            raise HeadkitError(
+                f"layers must be indices in [0, {layers}) (the model has {layers} layers), got {bad}"
+            )
 
 
 def _by_length(values: dict[int, float]) -> str:
@@ -517,7 +542,8 @@ def decode_profile(
             if step > 0:
                 times[name].append(elapsed)
     return {
-        name: {"ms_per_token": 1000 * statistics.median(times[name]), "cache_bytes": sizes[name]} for name in models
+        name: {"ms_per_token": 1000 * statistics.median(times[name]), "cache_bytes": sizes[name]}
+        for name in models
     }
 
 
@@ -576,7 +602,9 @@ def plot_report(report: dict[str, Any]) -> Any:
     contexts = [p["context"] for p in report["decode"]]
     for key, label, marker in (("original", "original (KV cache)", "o"), ("linearized", "linearized", "s")):
         speed.plot(contexts, [p[f"{key}_ms_per_token"] for p in report["decode"]], marker=marker, label=label)
-        memory.plot(contexts, [p[f"{key}_cache_bytes"] / 2**20 for p in report["decode"]], marker=marker, label=label)
+        memory.plot(
+            contexts, [p[f"{key}_cache_bytes"] / 2**20 for p in report["decode"]], marker=marker, label=label
+        )
     for axis, title, unit in ((speed, "decode time per token", "ms"), (memory, "decoding memory", "MiB")):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("context (tokens)")

@@ -114,15 +114,20 @@ def hybrid_cache_layer(cache: Any, layer_idx: int) -> HybridStateCacheLayer:
 def decoding_state_bytes(cache: Any) -> int:
     """Bytes of every tensor a 🤗 cache holds: keys and values of key/value layers, the states of converted
     layers (the memory decoding needs besides the weights)."""
-    total = 0
+    tensors: list[torch.Tensor] = []
+
+    def collect(tensor: torch.Tensor) -> torch.Tensor:
+        tensors.append(tensor)
+        return tensor
+
     for layer in getattr(cache, "layers", []):
         if isinstance(layer, RecurrentStateLayer):
-            tensors: list[torch.Tensor] = []
-            map_state(layer.state, lambda tensor: tensors.append(tensor) or tensor)
+            map_state(layer.state, collect)
         else:
-            tensors = [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None]
-        total += sum(t.numel() * t.element_size() for t in tensors)
-    return total
+            tensors += [
+                t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None
+            ]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def key_padding_mask(attention_mask: Any, batch: int, kv_len: int) -> torch.Tensor | None:
@@ -140,7 +145,11 @@ def key_padding_mask(attention_mask: Any, batch: int, kv_len: int) -> torch.Tens
         attention_mask = attention_mask[:, 0, -1, :]
         if attention_mask.dtype != torch.bool:
             attention_mask = attention_mask > torch.finfo(attention_mask.dtype).min / 2
-    if attention_mask.dim() != 2 or attention_mask.shape[0] not in (1, batch) or attention_mask.shape[1] != kv_len:
+    if (
+        attention_mask.dim() != 2
+        or attention_mask.shape[0] not in (1, batch)
+        or attention_mask.shape[1] != kv_len
+    ):
         raise HeadkitError(
             f"attention_mask must cover [batch, past + new tokens] = [{batch}, {kv_len}] keys, got "
             f"{tuple(attention_mask.shape)}"
@@ -188,7 +197,9 @@ class LinearizedAttention(HeadkitAttention):
         self.call_signature = call_signature
         for name in ("q_proj", "k_proj", "v_proj"):
             self.add_module(name, projections[name])
-        self.feature_map_q = build_feature_map(feature_map, num_heads, head_dim, feature_dim).to(dtype=dtype, device=device)
+        self.feature_map_q = build_feature_map(feature_map, num_heads, head_dim, feature_dim).to(
+            dtype=dtype, device=device
+        )
         self.feature_map_k = build_feature_map(feature_map, num_kv_heads, head_dim, feature_dim).to(
             dtype=dtype, device=device
         )
@@ -197,7 +208,9 @@ class LinearizedAttention(HeadkitAttention):
         self.epilogue_roles: dict[str, str] = {}
         for role, (name, module) in epilogue.items():
             if role == "norm":
-                raise HeadkitError("linearize converts decoder self-attention, which runs no residual norm itself")
+                raise HeadkitError(
+                    "linearize converts decoder self-attention, which runs no residual norm itself"
+                )
             self.epilogue_roles[role] = name
             self.add_module(name, module)
 
@@ -213,14 +226,18 @@ class LinearizedAttention(HeadkitAttention):
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
         call = bind_attention_call(self.call_signature, self, hidden_states, args, kwargs)
         if call.encoder_hidden_states is not None:
-            raise HeadkitError("linearized attention replaces causal self-attention only; got encoder_hidden_states")
+            raise HeadkitError(
+                "linearized attention replaces causal self-attention only; got encoder_hidden_states"
+            )
         batch, seq, _ = hidden_states.shape
 
         def heads(module: nn.Module, count: int) -> torch.Tensor:
             return module(hidden_states).view(batch, seq, count, self.head_dim).transpose(1, 2)
 
-        queries, keys, values = heads(self.q_proj, self.num_heads), heads(self.k_proj, self.num_kv_heads), heads(
-            self.v_proj, self.num_kv_heads
+        queries, keys, values = (
+            heads(self.q_proj, self.num_heads),
+            heads(self.k_proj, self.num_kv_heads),
+            heads(self.v_proj, self.num_kv_heads),
         )
         queries, keys = self.adapter.apply_rotary(queries, keys, call)
         cache = call.past_key_values
@@ -233,12 +250,26 @@ class LinearizedAttention(HeadkitAttention):
         options = {"window": self.window, "attention_mask": new_mask, "scale": self.scale}
         if layer is None:
             outputs, _ = hybrid_attention(
-                queries, keys, values, query_features, key_features, self.balance, chunk_size=self.chunk_size, **options
+                queries,
+                keys,
+                values,
+                query_features,
+                key_features,
+                self.balance,
+                chunk_size=self.chunk_size,
+                **options,
             )
         else:
             if seq == 1:
                 outputs, state = hybrid_attention_step(
-                    queries, keys, values, query_features, key_features, self.balance, layer.get_state(), **options
+                    queries,
+                    keys,
+                    values,
+                    query_features,
+                    key_features,
+                    self.balance,
+                    layer.get_state(),
+                    **options,
                 )
             else:
                 outputs, state = hybrid_attention(
@@ -339,7 +370,9 @@ def linearize(
     sites = _check_sites(model, adapter)
     chosen = _check_arguments(model, sites, window, feature_map, layers, feature_dim, chunk_size)
     before = count_parameters(model)
-    planned = [(site, _plan_site(adapter, site, window, feature_map, feature_dim, chunk_size)) for site in chosen]
+    planned = [
+        (site, _plan_site(adapter, site, window, feature_map, feature_dim, chunk_size)) for site in chosen
+    ]
     # Everything is built: only now does the model change.
     for site, module in planned:
         adapter.replace_attention(model, site, module)
@@ -368,7 +401,11 @@ def linearize(
         parameters_before=before,
         parameters_after=after,
         trainable_parameters=sum(p.numel() for _, m in planned for p in m.trainable_parameters()),
-        softmax_layers=[site.layers[0] for site in adapter.sites(model) if not isinstance(site.module, LinearizedAttention)],
+        softmax_layers=[
+            site.layers[0]
+            for site in adapter.sites(model)
+            if not isinstance(site.module, LinearizedAttention)
+        ],
     )
 
 
@@ -394,9 +431,13 @@ def _check_sites(model: nn.Module, adapter: AttentionAdapter) -> list[AttentionS
         raise HeadkitError(f"the {adapter.name} adapter found no attention module in this model")
     for site in sites:
         if len(site.layers) != 1:
-            raise HeadkitError(f"{site.name} is shared by layers {site.layers}; linearize needs one module per layer")
+            raise HeadkitError(
+                f"{site.name} is shared by layers {site.layers}; linearize needs one module per layer"
+            )
         if site.is_headkit and not isinstance(site.module, LinearizedAttention):
-            raise HeadkitError(f"{site.name} was already replaced by {type(site.module).__name__}; cannot linearize it")
+            raise HeadkitError(
+                f"{site.name} was already replaced by {type(site.module).__name__}; cannot linearize it"
+            )
     return sites
 
 
@@ -416,8 +457,12 @@ def _check_arguments(
     if context is not None and window > context:
         raise HeadkitError(f"window must be at most the model's context of {context} tokens, got {window}")
     if not isinstance(feature_map, str) or feature_map not in valid_feature_map_names():
-        raise HeadkitError(f"unknown feature map {feature_map!r}; valid: {', '.join(valid_feature_map_names())}")
-    if feature_dim is not None and (isinstance(feature_dim, bool) or not isinstance(feature_dim, int) or feature_dim < 1):
+        raise HeadkitError(
+            f"unknown feature map {feature_map!r}; valid: {', '.join(valid_feature_map_names())}"
+        )
+    if feature_dim is not None and (
+        isinstance(feature_dim, bool) or not isinstance(feature_dim, int) or feature_dim < 1
+    ):
         raise HeadkitError(f"feature_dim must be a positive integer or None, got {feature_dim!r}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise HeadkitError(f"chunk_size must be a positive integer, got {chunk_size!r}")
@@ -430,7 +475,9 @@ def _check_arguments(
             raise HeadkitError("layers must name at least one layer to convert (None converts all)")
         bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < count]
         if bad:
-            raise HeadkitError(f"layers must be indices in [0, {count}) (the model has {count} layers), got {bad}")
+            raise HeadkitError(
+                f"layers must be indices in [0, {count}) (the model has {count} layers), got {bad}"
+            )
         if len(set(indices)) != len(indices):
             raise HeadkitError(f"layers lists a layer twice: {list(indices)}")
     chosen = [sites[i] for i in sorted(indices)]
@@ -502,7 +549,17 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
             f"are {[site.name for site in chosen]}"
         )
     planned = [
-        (site, _plan_site(adapter, site, int(entry["window"]), entry["feature_map"], entry.get("feature_dim"), int(entry.get("chunk_size", 64))))
+        (
+            site,
+            _plan_site(
+                adapter,
+                site,
+                int(entry["window"]),
+                entry["feature_map"],
+                entry.get("feature_dim"),
+                int(entry.get("chunk_size", 64)),
+            ),
+        )
         for site in chosen
     ]
     for site, module in planned:

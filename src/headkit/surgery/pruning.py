@@ -142,6 +142,66 @@ class KeyValueHeadGather:
         return output.unflatten(-1, (-1, self.head_dim)).index_select(-2, index).flatten(-2)
 
 
+class GatheringCache:
+    """Stands between an attention module and its KV cache (or no cache): the cache stores the layer's key/value
+    heads as projected — only those still read — and the attention module gets one per query head, query head i
+    holding key/value head ``index[i]``. Everything else is the wrapped cache's."""
+
+    def __init__(self, cache: Any, index: torch.Tensor) -> None:
+        self.cache, self.index = cache, index
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.cache is not None:
+            key_states, value_states = self.cache.update(key_states, value_states, layer_idx, *args, **kwargs)
+        return key_states.index_select(1, self.index), value_states.index_select(1, self.index)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.cache, name)
+
+
+class CacheGather:
+    """Forward pre-hook on an attention module (adapters with ``gathers_after_cache``): hands the module a
+    :class:`GatheringCache` around whatever cache it was given (``past_key_values``, keyword or positional)."""
+
+    def __init__(self, module: nn.Module) -> None:
+        parameters = list(inspect.signature(type(module).forward).parameters)
+        self.position = parameters.index("past_key_values") - 1 if "past_key_values" in parameters else None
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        index = getattr(module, KV_HEAD_INDEX)
+        if self.position is not None and len(args) > self.position:
+            args = (
+                *args[: self.position],
+                GatheringCache(args[self.position], index),
+                *args[self.position + 1 :],
+            )
+        else:
+            kwargs["past_key_values"] = GatheringCache(kwargs.get("past_key_values"), index)
+        return args, kwargs
+
+
+def _remove_cache_gather(module: nn.Module) -> None:
+    handle = getattr(module, "headkit_cache_gather_handle", None)
+    if handle is not None:
+        handle.remove()
+        del module.headkit_cache_gather_handle
+    if KV_HEAD_INDEX in module._buffers:
+        del module._buffers[KV_HEAD_INDEX]
+
+
+def _install_cache_gather(module: nn.Module, kv_index: list[int], device: torch.device) -> None:
+    _remove_cache_gather(module)
+    # Not persistent: the index follows from the recorded pruning, which from_pretrained replays.
+    module.register_buffer(
+        KV_HEAD_INDEX, torch.tensor(kv_index, dtype=torch.long, device=device), persistent=False
+    )
+    module.headkit_cache_gather_handle = module.register_forward_pre_hook(
+        CacheGather(module), with_kwargs=True
+    )
+
+
 def _install_kv_gather(projection: nn.Module, kv_index: list[int], head_dim: int) -> None:
     weight = linear_parameters(projection)[0]
     # Not persistent: the index follows from the recorded pruning, which from_pretrained replays.
@@ -156,7 +216,9 @@ def query_to_kv_heads(site: AttentionSite) -> list[int]:
     if site.num_heads == 0:
         return []
     key_projection = site.module.get_submodule(site.adapter.key_name)
-    index = getattr(key_projection, KV_HEAD_INDEX, None)
+    index = getattr(site.module, KV_HEAD_INDEX, None)
+    if index is None:
+        index = getattr(key_projection, KV_HEAD_INDEX, None)
     if index is not None:
         return [int(i) for i in index.tolist()]
     group = site.num_heads // site.num_kv_heads
@@ -265,6 +327,8 @@ def _apply(model: nn.Module, adapter: AttentionAdapter, plan: _SitePlan) -> None
         v_bias=rows(weights.v_bias, kv_rows),
         o_bias=None if weights.o_bias is None else weights.o_bias.clone(),
     )
+    if adapter.gathers_after_cache:
+        _remove_cache_gather(site.module)
     if plan.grouped_evenly:
         adapter.write_projections(model, site, shrunk)  # new k/v projections: no gather hook left behind
     else:
@@ -276,8 +340,11 @@ def _apply(model: nn.Module, adapter: AttentionAdapter, plan: _SitePlan) -> None
         heads = len(plan.keep_query)
         # After the gather the module sees one key/value head per query head.
         adapter.set_head_counts(module, heads, heads, site.head_dim)
-        for name in (adapter.key_name, adapter.value_name):
-            _install_kv_gather(module.get_submodule(name), plan.kv_index, site.head_dim)
+        if adapter.gathers_after_cache:
+            _install_cache_gather(module, plan.kv_index, device)
+        else:
+            for name in (adapter.key_name, adapter.value_name):
+                _install_kv_gather(module.get_submodule(name), plan.kv_index, site.head_dim)
     gate = site_gate(site)
     if gate is not None:
         _slice_gate(gate, plan.keep_query)
@@ -416,7 +483,9 @@ def prune_heads(
 def _is_gathered(site: AttentionSite) -> bool:
     if site.num_heads == 0:
         return False
-    return hasattr(site.module.get_submodule(site.adapter.key_name), KV_HEAD_INDEX)
+    return hasattr(site.module, KV_HEAD_INDEX) or hasattr(
+        site.module.get_submodule(site.adapter.key_name), KV_HEAD_INDEX
+    )
 
 
 def prune_dead_heads(

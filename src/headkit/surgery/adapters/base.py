@@ -236,6 +236,10 @@ class AttentionAdapter:
     head_dim_attribute: ClassVar[str] = "head_dim"
     epilogue_names: ClassVar[tuple[str | None, str | None, str | None] | tuple[()]] = ()
     rotary: ClassVar[bool] = False
+    # The attention module takes the cache as ``past_key_values`` and calls its ``update(key, value, layer_idx)``
+    # once per forward: uneven grouped-query pruning can then gather key/value heads *after* the cache, which so
+    # stores only the key/value heads still read (see headkit.surgery.pruning).
+    gathers_after_cache: ClassVar[bool] = False
 
     # -- detection ----------------------------------------------------------------------------------------------
 

@@ -20,6 +20,7 @@ class LlamaAdapter(AttentionAdapter):
     query_name, key_name, value_name = "q_proj", "k_proj", "v_proj"
     epilogue_names = ("o_proj", None, None)
     rotary = True
+    gathers_after_cache = True
 
     def stock_head_config(self, num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, int] | None:
         # LlamaConfig carries head_dim explicitly, so fewer heads need not change their width.
@@ -37,6 +38,8 @@ class LlamaAdapter(AttentionAdapter):
         from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
         if call.position_embeddings is None:
-            raise HeadkitError("LLaMA attention needs the position_embeddings (cos, sin) its decoder layer passes")
+            raise HeadkitError(
+                "LLaMA attention needs the position_embeddings (cos, sin) its decoder layer passes"
+            )
         cos, sin = call.position_embeddings
         return apply_rotary_pos_emb(query, key, cos, sin)
