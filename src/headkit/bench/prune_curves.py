@@ -124,6 +124,15 @@ class PruneCurvesConfig:
     calibration_batches: int = 8
     calibration_batch_size: int = 2
     decoder_eval_batch_size: int = 4
+    # (c) pruning with recovery (headkit.recipes.prune): "unit:fraction" or "unit:fraction:uniform" per case.
+    recovery: bool = True
+    recovery_cases: tuple[str, ...] = ("query:0.25", "query:0.5", "group:0.3333:uniform")
+    recovery_steps: int = 120
+    recovery_batch_size: int = 4
+    recovery_train_windows: int = 1024
+    recovery_held_out_windows: int = 64
+    recovery_lora_rank: int | None = None
+    recovery_model: Path | None = None  # default SmolLM2's GGUF
     seed: int = 0
     # Numbers comparable across machines and runs; on two shared cores a second thread mostly spin-waits.
     threads: int = 1
@@ -144,6 +153,10 @@ class PruneCurvesConfig:
             "decoder_windows": 8,
             "decoder_window_length": 128,
             "calibration_batches": 2,
+            "recovery_cases": ("query:0.25",),
+            "recovery_steps": 4,
+            "recovery_train_windows": 32,
+            "recovery_held_out_windows": 8,
         }
         return cls(**(settings | overrides))
 
@@ -212,6 +225,11 @@ def check_settings(config: PruneCurvesConfig) -> None:
             f"importance_batches × batch_size ({config.importance_batches} × {config.batch_size}) must not "
             f"exceed train_texts ({config.train_texts})"
         )
+    if config.decoder and config.recovery:
+        parse_recovery_cases(config.recovery_cases)
+        _check_int("recovery_steps", config.recovery_steps, 0)
+        for name in ("recovery_batch_size", "recovery_train_windows", "recovery_held_out_windows"):
+            _check_int(name, getattr(config, name), 1)
     out = Path(config.out)
     if (out / "config.json").exists():
         raise HeadkitError(
@@ -694,6 +712,142 @@ def run_decoder_curve(
     }
 
 
+# -- (c) the decoder with recovery -----------------------------------------------------------------------------
+
+
+def parse_recovery_cases(cases: Any) -> list[tuple[str, float, bool]]:
+    """("query:0.25", "group:0.3333:uniform") → [(unit, fraction pruned, uniform)]; errors name --recovery-cases."""
+    parsed = []
+    if isinstance(cases, str) or not isinstance(cases, (tuple, list)) or not cases:
+        raise HeadkitError(f"--recovery-cases must be one or more 'unit:fraction[:uniform]', got {cases!r}")
+    for case in cases:
+        parts = str(case).split(":")
+        try:
+            fraction = float(parts[1])
+        except (IndexError, ValueError):
+            fraction = math.nan
+        if (
+            len(parts) not in (2, 3)
+            or parts[0] not in ("query", "group")
+            or not 0 < fraction < 1
+            or (len(parts) == 3 and parts[2] != "uniform")
+        ):
+            raise HeadkitError(
+                f"--recovery-cases: {case!r} is not 'query|group:fraction in (0, 1)[:uniform]' (e.g. query:0.25)"
+            )
+        parsed.append((parts[0], fraction, len(parts) == 3))
+    return parsed
+
+
+def heads_to_keep(
+    heads: dict[int, int], kv_heads: dict[int, int], unit: str, fraction: float, uniform: bool
+) -> int:
+    """Query heads kept when `fraction` of them is pruned: whole key/value groups for ``unit="group"``, the same
+    count in every layer under `uniform` (rounded to whole groups, or to as many per group)."""
+    layers, total = len(heads), sum(heads.values())
+    per_layer, kv = max(heads.values()), max(kv_heads.values())
+    group = per_layer // kv
+    if unit == "group":
+        groups_kept = max(1, round(kv * (1 - fraction)))
+        return (
+            layers * groups_kept * group
+            if uniform
+            else max(group, round(total * (1 - fraction) / group) * group)
+        )
+    if uniform:
+        return layers * kv * max(1, round(per_layer * (1 - fraction) / kv))
+    return max(1, round(total * (1 - fraction)))
+
+
+def run_recovery_cases(config: PruneCurvesConfig, console: Any) -> dict[str, Any]:
+    """Part (c): :func:`headkit.recipes.prune.prune` per case — importance ranking, physical removal and
+    distillation against the original (KL on next-token distributions) — with its report per case."""
+    import tempfile
+
+    from headkit.recipes.models import smollm2_gguf_path
+    from headkit.recipes.prune import PruneSettings, prune
+    from headkit.surgery.adapters import get_adapter
+    from headkit.surgery.pruning import heads_per_layer, query_to_kv_heads
+
+    model_path = Path(config.recovery_model) if config.recovery_model is not None else smollm2_gguf_path()
+    loaded = load_model(model_path)
+    adapter = get_adapter(loaded.model)
+    heads = heads_per_layer(loaded.model, adapter)
+    kv_heads = {site.index: len(set(query_to_kv_heads(site))) for site in adapter.sites(loaded.model)}
+    del loaded
+    cases = []
+    for unit, fraction, uniform in parse_recovery_cases(config.recovery_cases):
+        keep = heads_to_keep(heads, kv_heads, unit, fraction, uniform)
+        label = f"{unit} {fraction:.0%}{' uniform' if uniform else ''}"
+        console.print(f"[bold]{label}[/]: keeping {keep} of {sum(heads.values())} query heads, then recovery")
+        with tempfile.TemporaryDirectory(prefix="headkit-bench-prune-") as scratch:
+            result = prune(
+                PruneSettings(
+                    model=model_path,
+                    out=Path(scratch) / "model",
+                    heads=keep,
+                    unit=unit,
+                    uniform=uniform,
+                    recovery_steps=config.recovery_steps,
+                    batch_size=config.recovery_batch_size,
+                    window=config.decoder_window_length,
+                    train_texts=config.recovery_train_windows,
+                    held_out_texts=config.recovery_held_out_windows,
+                    lora_rank=config.recovery_lora_rank,
+                    importance_batches=config.importance_batches,
+                    seed=config.seed,
+                ),
+                echo=lambda line: console.print(f"  {line}", highlight=False),
+            )
+        report = {k: v for k, v in result.report.items() if k not in ("settings", "selection")}
+        cases.append({"label": label, "unit": unit, "fraction": fraction, "uniform": uniform, **report})
+        del result
+    return {"model": str(model_path), "cases": cases}
+
+
+def render_recovery(section: dict[str, Any]) -> str:
+    rows = []
+    for case in section["cases"]:
+        original = case["perplexity_original"]
+        kv_before, kv_after = case["kv_cache_bytes_per_token_before"], case["kv_cache_bytes_per_token_after"]
+        rows.append(
+            [
+                case["label"],
+                f"{sum(case['heads_after'].values())}/{sum(case['heads_before'].values())}",
+                f"{case['parameters_after'] / case['parameters_before']:.1%}",
+                f"{kv_after / kv_before - 1:+.0%}",
+                f"{original:.3f}",
+                f"{case['perplexity_pruned'] / original:.2f}×",
+                f"{case['perplexity_recovered'] / original:.2f}×",
+                f"{case['top1_agreement']:.1%}",
+                f"{case['speed']['prefill_ratio']:.2f}×",
+                f"{case['speed']['decode_ratio']:.2f}×",
+                f"{case['recovery']['steps']} ({case['recovery']['seconds'] / 60:.0f} min)",
+                "yes" if case["stock_architecture"] else "no",
+            ]
+        )
+    headers = [
+        "case",
+        "query heads",
+        "parameters",
+        "KV cache / token",
+        "perplexity (original)",
+        "pruned",
+        "recovered",
+        "top-1 agreement",
+        "prefill",
+        "decode / token",
+        "recovery steps",
+        "stock transformers",
+    ]
+    return (
+        f"\n## Pruning with recovery ({section['model']})\n\n"
+        "Importance ranking, physical removal, then distillation against the original (KL on next-token "
+        "distributions, every weight) — `headkit.recipes.prune`; perplexity on held-out windows, ratios to the "
+        "original measured in the same run.\n\n" + markdown_table(headers, rows)
+    )
+
+
 # -- the benchmark ---------------------------------------------------------------------------------------------
 
 
@@ -734,6 +888,9 @@ def _run_body(config: PruneCurvesConfig, console: Any, load_decoder: DecoderLoad
         decoder["name"] = DECODER_NAME if load_decoder is load_smollm2 else decoder["model"]
         decoder["load_seconds"] = load_seconds
         del model
+    recovery = None
+    if config.decoder and config.recovery:
+        recovery = run_recovery_cases(config, console)
 
     out = Path(config.out)
     files = {"table": str(out / "table.md"), "curve": str(out / CURVE_PLOT)}
@@ -746,6 +903,7 @@ def _run_body(config: PruneCurvesConfig, console: Any, load_decoder: DecoderLoad
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
         "encoder": encoder,
         "decoder": decoder,
+        "recovery": recovery,
         "seconds": time.perf_counter() - started,
         "files": files,
     }
@@ -753,6 +911,8 @@ def _run_body(config: PruneCurvesConfig, console: Any, load_decoder: DecoderLoad
     if decoder is not None:
         save_figure_atomic(plot_decoder_curve(report), out / DECODER_PLOT)
     markdown = render_markdown(report)
+    if recovery is not None:
+        markdown += render_recovery(recovery)
     write_text_atomic(out / "table.md", markdown)
     write_json_atomic(out / "results.json", report)
     console.print(markdown, highlight=False, soft_wrap=True)  # wrapped tables would not read as tables
