@@ -41,6 +41,7 @@ TINY = dict(
     prune_steps=4,
     prune_finetune_steps=1,
     timing_repeats=1,
+    decoder=False,
 )
 
 
@@ -51,7 +52,12 @@ def report(tiny_encoder, tmp_path_factory):
         patch.setattr(demo, "text_chunks", lambda corpus, a, b, seed=0: _small_corpus(a, b, seed))
         out = tmp_path_factory.mktemp("demo") / "demo"
         config = demo.DemoConfig(
-            model=tiny_encoder, out=out, speed_lengths=(32,), speed_mechanisms=("linear_causal",), **TINY
+            model=tiny_encoder,
+            out=out,
+            speed=True,
+            speed_lengths=(32,),
+            speed_mechanisms=("linear_causal",),
+            **TINY,
         )
         return demo.run_demo(config, console=Console(quiet=True)), out
 
@@ -101,9 +107,34 @@ def test_cli_runs_the_tour(tiny_encoder, tmp_path, monkeypatch):
     monkeypatch.setattr(demo, "text_chunks", lambda corpus, a, b, seed=0: _small_corpus(a, b, seed))
     out = tmp_path / "cli"
     with pytest.raises(SystemExit) as exit_info:
-        main(["demo", "--model", str(tiny_encoder), "--no-speed", "--threads", "1", "--out", str(out)])
+        main(["demo", "--model", str(tiny_encoder), "--no-decoder", "--threads", "1", "--out", str(out)])
         raise SystemExit(0)
     assert exit_info.value.code == 0
     saved = json.loads((out / "results.json").read_text())
     assert "speed" not in saved["plots"] and len(saved["variants"]) == 3
     assert saved["settings"]["threads"] == 1
+
+
+def test_the_decoder_act_puts_pruned_and_linearized_models_side_by_side(save_tiny_causal_lm, tmp_path):
+    decoder_dir = save_tiny_causal_lm(tmp_path / "llama", "llama")
+    config = demo.DemoConfig(
+        decoder_model=decoder_dir,
+        decoder_recovery_steps=1,
+        decoder_transfer_steps=1,
+        decoder_lora_steps=1,
+        decoder_window=16,
+        decoder_held_out=2,
+        decode_context=32,
+        sample_tokens=3,
+        seed=0,
+    )
+    section = demo.run_decoder_act(config, echo=lambda _line: None)
+    original, pruned, linearized = section["rows"]
+    assert (
+        pruned["model"] == "pruned (2 of 4 heads per layer)" and pruned["parameters"] < original["parameters"]
+    )
+    assert pruned["cache_bytes"] == original["cache_bytes"] // 2  # one of two key/value groups left
+    assert linearized["model"] == "linearized"
+    assert all(row["perplexity"] > 0 and row["decode_ms_per_token"] > 0 for row in section["rows"])
+    table = demo.render_decoder_table(section)
+    assert table.count("\n|") >= 4 and "pruned (2 of 4 heads per layer)" in table

@@ -73,3 +73,22 @@ def test_no_module_imports_another_modules_private_names():
                 if private:
                     violations.append(f"{path.relative_to(SOURCE)} imports {private} from {node.module}")
     assert not violations, "\n".join(violations)
+
+
+# Issue 13 removes this last duplicate: bench/lm.py and demo.py each define their own VariantResult.
+ALLOWED_DUPLICATE_CLASS_NAMES = {"VariantResult"}
+
+
+def test_public_class_names_are_unique():
+    # One name, one class: a reader (and a search) should never have to ask which `Foo` an import means.
+    defined: dict[str, list[str]] = {}
+    for path in sorted(SOURCE.rglob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                defined.setdefault(node.name, []).append(str(path.relative_to(SOURCE)))
+    duplicates = {
+        name: places
+        for name, places in defined.items()
+        if len(places) > 1 and name not in ALLOWED_DUPLICATE_CLASS_NAMES
+    }
+    assert not duplicates, "\n".join(f"{name}: {', '.join(places)}" for name, places in duplicates.items())

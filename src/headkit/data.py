@@ -7,8 +7,9 @@
   on the file names only (never on the order files are listed or on a seed); a single file is split by lines,
   its last lines held out.
 * :class:`ByteTokenizer` maps UTF-8 bytes to ids 0–255 plus three special tokens (pad 256, bos 257, eos 258), so
-  any text is representable and bits per byte are exact. Any 🤗 tokenizer saved locally works too
-  (:func:`load_tokenizer`).
+  any text is representable and bits per byte are exact. It saves itself as a stock ``tokenizer.json`` that
+  ``transformers.AutoTokenizer.from_pretrained`` loads with nothing from headkit and that encodes and decodes
+  alike. Any 🤗 tokenizer saved locally works too (:func:`load_tokenizer`).
 * :func:`encode_corpus` concatenates a split's documents into one token stream, documents separated by the
   end-of-sequence token; :func:`sample_batch` draws training windows from it and :func:`evaluation_windows`
   cuts it into non-overlapping windows for held-out evaluation.
@@ -32,7 +33,19 @@ from headkit.ops._validation import check_positive_int
 
 BYTE_VOCAB = 256
 PAD_ID, BOS_ID, EOS_ID = BYTE_VOCAB, BYTE_VOCAB + 1, BYTE_VOCAB + 2
+# headkit's own description of the byte tokenizer, written before tokenizer.json replaced it; still read.
 TOKENIZER_FILE = "headkit_byte_tokenizer.json"
+HF_TOKENIZER_FILE, HF_TOKENIZER_CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
+SPECIAL_TOKENS = {"<pad>": PAD_ID, "<bos>": BOS_ID, "<eos>": EOS_ID}
+# tokenizer_config.json of the byte tokenizer, beside its class. Text is bytes: "<eos>" typed in a prompt is five
+# bytes, never the special token (split_special_tokens), and decoding returns the bytes' text untouched.
+_TRANSFORMERS_SETTINGS = {
+    "pad_token": "<pad>",
+    "bos_token": "<bos>",
+    "eos_token": "<eos>",
+    "split_special_tokens": True,
+    "clean_up_tokenization_spaces": False,
+}
 # Folders of the standard library that hold installed third-party packages or caches, not the library itself.
 _STDLIB_SKIPPED_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 # Buckets of the CRC-32 split: a document is held out when crc32(name) % _SPLIT_BUCKETS < fraction · buckets.
@@ -43,7 +56,8 @@ class ByteTokenizer:
     """Byte-level tokenizer: the UTF-8 bytes of the text as ids 0–255, then pad (256), bos (257), eos (258).
 
     ``vocab_size`` is 259. Decoding skips the special tokens and replaces invalid UTF-8 (a window may cut a
-    multi-byte character). Saved as one JSON file, so a model folder carries its tokenizer.
+    multi-byte character). :meth:`save_pretrained` writes it as 🤗 files (``tokenizer.json``,
+    ``tokenizer_config.json``), so a model folder carries a tokenizer that ``AutoTokenizer`` loads.
     """
 
     vocab_size = BYTE_VOCAB + 3
@@ -70,7 +84,7 @@ class ByteTokenizer:
         """Text of the byte ids (special tokens dropped, or kept as <pad>/<bos>/<eos> when not skipped)."""
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
-        names = {PAD_ID: "<pad>", BOS_ID: "<bos>", EOS_ID: "<eos>"}
+        names = {token_id: name for name, token_id in SPECIAL_TOKENS.items()}
         pieces, run = [], bytearray()
         for token in ids:
             if not 0 <= token < self.vocab_size:
@@ -85,41 +99,90 @@ class ByteTokenizer:
         pieces.append(run.decode("utf-8", errors="replace"))
         return "".join(pieces)
 
+    @staticmethod
+    def backend() -> Any:
+        """The same tokenizer as a ``tokenizers.Tokenizer``: a BPE model without merges whose vocabulary is the
+        256 byte tokens ``<0x00>`` … ``<0xFF>`` (ids 0–255) and the special tokens, with byte fallback, so every
+        character becomes the tokens of its UTF-8 bytes; the ``ByteFallback`` decoder turns them back into text.
+        No normalizer, pre-tokenizer or post-processor: the ids are the bytes, nothing added."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models
+
+        vocab = {f"<0x{byte:02X}>": byte for byte in range(BYTE_VOCAB)} | SPECIAL_TOKENS
+        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+        tokenizer.decoder = decoders.ByteFallback()
+        tokenizer.add_special_tokens(
+            [AddedToken(name, special=True, normalized=False) for name in SPECIAL_TOKENS]
+        )
+        return tokenizer
+
+    def to_transformers(self) -> Any:
+        """This tokenizer as the ``PreTrainedTokenizerFast`` that ``AutoTokenizer`` loads from what
+        :meth:`save_pretrained` writes (for 🤗 code that calls a tokenizer: ``generate`` streamers, pipelines)."""
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast(tokenizer_object=self.backend(), **_TRANSFORMERS_SETTINGS)
+
     def save_pretrained(self, directory: str | os.PathLike[str]) -> Path:
-        """Write ``headkit_byte_tokenizer.json`` into ``directory`` (created if needed)."""
-        path = Path(directory) / TOKENIZER_FILE
-        path.parent.mkdir(parents=True, exist_ok=True)
-        description = {
-            "type": "bytes",
-            "vocab_size": self.vocab_size,
-            "pad": PAD_ID,
-            "bos": BOS_ID,
-            "eos": EOS_ID,
-        }
-        path.write_text(json.dumps(description, indent=2) + "\n", encoding="utf-8")
+        """Write ``tokenizer.json`` and ``tokenizer_config.json`` into ``directory`` (created if needed), which
+        ``transformers.AutoTokenizer.from_pretrained(directory)`` loads as a ``PreTrainedTokenizerFast`` that
+        encodes and decodes like this tokenizer. Returns the path of ``tokenizer.json``."""
+        folder = Path(directory)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / HF_TOKENIZER_FILE
+        self.backend().save(str(path))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **_TRANSFORMERS_SETTINGS}
+        (folder / HF_TOKENIZER_CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
         return path
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike[str]) -> ByteTokenizer:
-        path = Path(directory) / TOKENIZER_FILE
+        """The byte tokenizer saved in ``directory``: its ``tokenizer.json``, or the ``headkit_byte_tokenizer.json``
+        that older headkit versions wrote."""
+        folder = Path(directory)
+        path = folder / TOKENIZER_FILE
+        if not path.is_file():
+            if is_byte_tokenizer_folder(folder):
+                return cls()
+            raise HeadkitError(
+                f"{str(folder)!r} holds no byte tokenizer (a byte-level {HF_TOKENIZER_FILE} or {TOKENIZER_FILE})"
+            )
         try:
             description = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, json.JSONDecodeError) as exc:
-            raise HeadkitError(f"cannot read a byte tokenizer from {str(path)!r}: {exc}") from None
+            raise HeadkitError(f"cannot read a byte tokenizer from {str(folder)!r}: {exc}") from None
         if description.get("type") != "bytes" or description.get("vocab_size") != cls.vocab_size:
             raise HeadkitError(f"{str(path)!r} does not describe headkit's byte tokenizer: {description}")
         return cls()
 
 
+def is_byte_tokenizer_folder(folder: str | os.PathLike[str]) -> bool:
+    """Whether ``folder`` holds headkit's byte tokenizer: a ``tokenizer.json`` with exactly its vocabulary and
+    byte fallback, or the older ``headkit_byte_tokenizer.json``."""
+    folder = Path(folder)
+    if (folder / TOKENIZER_FILE).is_file():
+        return True
+    try:
+        description = json.loads((folder / HF_TOKENIZER_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    model = description.get("model") if isinstance(description, dict) else None
+    if not isinstance(model, dict) or model.get("type") != "BPE" or not model.get("byte_fallback"):
+        return False
+    added = {token.get("content"): token.get("id") for token in description.get("added_tokens") or []}
+    expected = {f"<0x{byte:02X}>": byte for byte in range(BYTE_VOCAB)} | SPECIAL_TOKENS
+    return model.get("vocab") == expected and not model.get("merges") and added == SPECIAL_TOKENS
+
+
 def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Any:
-    """The byte tokenizer (``path`` None, or a folder saved by :meth:`ByteTokenizer.save_pretrained`), or the 🤗
-    tokenizer saved in the local folder ``path`` (never downloaded)."""
+    """The byte tokenizer (``path`` None, or a folder that :meth:`ByteTokenizer.save_pretrained` wrote, in this
+    version's format or the older one), or the 🤗 tokenizer saved in the local folder ``path`` (never
+    downloaded)."""
     if path is None:
         return ByteTokenizer()
     folder = Path(path)
     if not folder.is_dir():
         raise HeadkitError(f"--tokenizer must be a folder holding a saved tokenizer, got {str(folder)!r}")
-    if (folder / TOKENIZER_FILE).is_file():
+    if is_byte_tokenizer_folder(folder):
         return ByteTokenizer.from_pretrained(folder)
     from transformers import AutoTokenizer
 
@@ -411,6 +474,7 @@ __all__ = [
     "count_text_bytes",
     "encode_corpus",
     "evaluation_windows",
+    "is_byte_tokenizer_folder",
     "load_corpus",
     "load_tokenizer",
     "sample_batch",

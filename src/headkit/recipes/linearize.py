@@ -44,7 +44,7 @@ from headkit.files import save_figure_atomic, staged_folder, write_json_atomic
 from headkit.layers.feature_maps import valid_feature_map_names
 from headkit.recipes.distill import distill
 from headkit.recipes.measure import greedy_sample, perplexity, top1_agreement
-from headkit.recipes.models import check_output_folder, load_model, smollm2_gguf_path
+from headkit.recipes.models import LoadedModel, check_output_folder, load_model, smollm2_gguf_path
 from headkit.recipes.objectives import CausalLMObjective
 from headkit.recipes.text import lm_windows, load_text
 from headkit.surgery.adapters import AttentionAdapter, get_adapter
@@ -238,13 +238,18 @@ def linearize(
 
 
 def run(
-    settings: LinearizeSettings | None = None, echo: Callable[[str], None] = print, **overrides: Any
+    settings: LinearizeSettings | None = None,
+    echo: Callable[[str], None] = print,
+    *,
+    loaded: LoadedModel | None = None,
+    **overrides: Any,
 ) -> LinearizeResult:
-    """Convert, recover and measure like :func:`linearize`, but write nothing (``settings.out`` is unused)."""
+    """Convert, recover and measure like :func:`linearize`, but write nothing (``settings.out`` is unused).
+    `loaded`: the model already loaded from ``settings.model`` (left unchanged), to spare loading it again."""
     settings = _settings(settings, overrides)
     started = time.perf_counter()
     check_settings(settings)
-    result, _ = _run(settings, _model_path(settings), echo)
+    result, _ = _run(settings, _model_path(settings), echo, loaded)
     result.report["seconds"] = time.perf_counter() - started
     return result
 
@@ -260,11 +265,14 @@ def _model_path(settings: LinearizeSettings) -> Path:
 
 
 def _run(
-    settings: LinearizeSettings, model_path: Path, echo: Callable[[str], None]
+    settings: LinearizeSettings,
+    model_path: Path,
+    echo: Callable[[str], None],
+    loaded: LoadedModel | None = None,
 ) -> tuple[LinearizeResult, Any]:
     _check_against_config(settings, model_path)
     torch.manual_seed(settings.seed)
-    loaded = load_model(model_path)
+    loaded = loaded or load_model(model_path)
     if not loaded.is_causal_lm:
         raise HeadkitError(f"MODEL {str(model_path)!r} is not a causal LM (*ForCausalLM or a GGUF file)")
     teacher, tokenizer = loaded.model, loaded.tokenizer

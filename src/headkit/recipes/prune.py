@@ -374,25 +374,14 @@ def prune(
 ) -> PruneResult:
     """Run the recipe (see the module docstring); the result's model is the pruned, recovered student, also saved
     with its tokenizer and report.json to ``settings.out``. Nothing is written when any step fails."""
-    settings = settings or PruneSettings(**overrides)
-    if overrides and settings is not None:
-        settings = PruneSettings(**(asdict(settings) | overrides))
+    settings = _settings(settings, overrides)
     started = time.perf_counter()
     check_settings(settings)
     model_path = Path(settings.model) if settings.model is not None else default_encoder_path()
     out = Path(settings.out)
     check_output_folder(model_path, out, settings.overwrite)
-    torch.manual_seed(settings.seed)
-    loaded = load_model(model_path)
-    adapter = get_adapter(loaded.model)  # an unsupported architecture fails here, before any work
-    if loaded.is_causal_lm:
-        model, report = _prune_causal_lm(loaded, adapter, settings, echo)
-    else:
-        if settings.unit != "query" or settings.uniform:
-            raise HeadkitError("--unit group and --uniform are for causal LMs with grouped-query attention")
-        model, report = _prune_encoder(loaded, adapter, settings, echo)
-    report["model"], report["out"] = str(model_path), str(out)
-    report["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()}
+    model, report, loaded = _run(settings, model_path, echo)
+    report["out"] = str(out)
     with staged_folder(out) as staging:
         model.save_pretrained(staging)
         loaded.tokenizer.save_pretrained(staging)
@@ -400,6 +389,47 @@ def prune(
         report["seconds"] = time.perf_counter() - started
         write_json_atomic(staging / "report.json", report)
     return PruneResult(model, report)
+
+
+def run(
+    settings: PruneSettings | None = None,
+    echo: Callable[[str], None] = print,
+    *,
+    loaded: LoadedModel | None = None,
+    **overrides: Any,
+) -> PruneResult:
+    """Prune, recover and measure like :func:`prune`, but write nothing (``settings.out`` is unused).
+    `loaded`: the model already loaded from ``settings.model`` (left unchanged), to spare loading it again."""
+    settings = _settings(settings, overrides)
+    started = time.perf_counter()
+    check_settings(settings)
+    model_path = Path(settings.model) if settings.model is not None else default_encoder_path()
+    model, report, _ = _run(settings, model_path, echo, loaded)
+    report["seconds"] = time.perf_counter() - started
+    return PruneResult(model, report)
+
+
+def _settings(settings: PruneSettings | None, overrides: dict[str, Any]) -> PruneSettings:
+    if settings is None:
+        return PruneSettings(**overrides)
+    return PruneSettings(**(asdict(settings) | overrides)) if overrides else settings
+
+
+def _run(
+    settings: PruneSettings, model_path: Path, echo: Callable[[str], None], loaded: LoadedModel | None = None
+) -> tuple[nn.Module, dict[str, Any], LoadedModel]:
+    torch.manual_seed(settings.seed)
+    loaded = loaded or load_model(model_path)
+    adapter = get_adapter(loaded.model)  # an unsupported architecture fails here, before any work
+    if loaded.is_causal_lm:
+        model, report = _prune_causal_lm(loaded, adapter, settings, echo)
+    else:
+        if settings.unit != "query" or settings.uniform:
+            raise HeadkitError("--unit group and --uniform are for causal LMs with grouped-query attention")
+        model, report = _prune_encoder(loaded, adapter, settings, echo)
+    report["model"] = str(model_path)
+    report["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()}
+    return model, report, loaded
 
 
 def _total_target(total: int, settings: PruneSettings) -> int:

@@ -40,7 +40,7 @@ from headkit.ops.collaborative import collaborative_attention, collaborative_sco
 from headkit.surgery.adapters import (
     AttentionAdapter,
     AttentionSite,
-    HeadkitAttention,
+    ReplacementAttention,
     attention_mask_for_scores,
     bind_attention_call,
     count_parameters,
@@ -53,7 +53,7 @@ from headkit.surgery.io import record_surgery, register_surgery_op
 SURGERY_OP = "collaborative"
 
 
-class CollaborativeSelfAttention(HeadkitAttention):
+class CollaborativeSelfAttention(ReplacementAttention):
     """Collaborative heads standing in for one attention module of a 🤗 model.
 
     Takes the replaced module's call (its signature, any of the mask forms transformers sends, its KV cache) and

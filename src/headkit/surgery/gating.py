@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from headkit.errors import HeadkitError
-from headkit.layers.base import HeadkitAttention as HeadkitAttentionLayer
+from headkit.layers.base import HeadkitAttention
 from headkit.layers.gates import GATES, FixedGate, HardConcreteGate, HeadkitGate, L0Controller
 from headkit.layers.gates import l0_penalty as _gates_l0_penalty
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite, get_adapter
@@ -89,7 +89,7 @@ class HeadGateHook:
 
 def gates_natively(site: AttentionSite) -> bool:
     """True when the site's module applies ``head_gate`` itself (headkit's own attention layers)."""
-    return isinstance(site.module, HeadkitAttentionLayer)
+    return isinstance(site.module, HeadkitAttention)
 
 
 def install_gate_hook(site: AttentionSite) -> None:
@@ -112,7 +112,7 @@ def site_gate(site: AttentionSite) -> HeadkitGate | None:
 
 def _set_site_gate(site: AttentionSite, gate: HeadkitGate | None) -> None:
     if gate is None:
-        if isinstance(site.module, HeadkitAttentionLayer):
+        if isinstance(site.module, HeadkitAttention):
             site.module.head_gate = None  # the layer's slot stays, empty
         elif GATE_ATTRIBUTE in site.module._modules:
             del site.module._modules[GATE_ATTRIBUTE]

@@ -55,7 +55,7 @@ from headkit.ops.hybrid import hybrid_attention, hybrid_attention_step
 from headkit.surgery.adapters import (
     AttentionAdapter,
     AttentionSite,
-    HeadkitAttention,
+    ReplacementAttention,
     bind_attention_call,
     count_parameters,
     get_adapter,
@@ -157,7 +157,7 @@ def key_padding_mask(attention_mask: Any, batch: int, kv_len: int) -> torch.Tens
     return attention_mask.bool().expand(batch, kv_len)
 
 
-class LinearizedAttention(HeadkitAttention):
+class LinearizedAttention(ReplacementAttention):
     """A pretrained softmax self-attention module turned into sliding-window softmax + linear attention.
 
     Takes the replaced module's call (its signature, its masks, the model's cache, the rotary ``(cos, sin)``) and

@@ -41,8 +41,8 @@ from headkit.layers.gates import FixedGate, HardConcreteGate
 from headkit.surgery.adapters import (
     AttentionAdapter,
     AttentionSite,
-    HeadkitAttention,
     ProjectionWeights,
+    ReplacementAttention,
     bind_attention_call,
     count_parameters,
     get_adapter,
@@ -64,7 +64,7 @@ KV_HEAD_INDEX = "headkit_kv_head_index"
 # -- what remains of a layer with no head ----------------------------------------------------------------------
 
 
-class EmptyAttention(HeadkitAttention):
+class EmptyAttention(ReplacementAttention):
     """Stands in for an attention module whose heads were all pruned.
 
     With no head, the concatenated heads are a [B, T, 0] tensor, so the output projection returns its bias

@@ -86,11 +86,14 @@ class AttentionSite:
     @property
     def is_headkit(self) -> bool:
         """True once surgery replaced the original attention module by a headkit module."""
-        return isinstance(self.module, HeadkitAttention)
+        return isinstance(self.module, ReplacementAttention)
 
 
-class HeadkitAttention(nn.Module):
-    """Base of every headkit module that takes the place of a model's attention module.
+class ReplacementAttention(nn.Module):
+    """Base of every headkit module that surgery puts in place of a model's own attention module.
+
+    Not to be confused with :class:`headkit.layers.HeadkitAttention`, the base of the attention layers of
+    headkit's own models (``model_type="headkit"``), which surgery adapts like any other model's attention.
 
     Subclasses set ``num_heads``, ``num_kv_heads``, ``head_dim``, ``scale`` and ``call_signature`` (the signature of
     the replaced module's forward, used by :func:`bind_attention_call` to read the model's call) and return what
@@ -280,7 +283,9 @@ class AttentionAdapter:
                     num_heads=num_heads,
                     num_kv_heads=num_kv_heads,
                     head_dim=head_dim,
-                    scale=float(module.scale if isinstance(module, HeadkitAttention) else self.scale(module)),
+                    scale=float(
+                        module.scale if isinstance(module, ReplacementAttention) else self.scale(module)
+                    ),
                     causal=bool(getattr(module, "is_causal", False)),
                     adapter=self,
                 )
@@ -290,7 +295,7 @@ class AttentionAdapter:
     def head_geometry(self, module: nn.Module) -> tuple[int, int, int]:
         """(num_heads, num_kv_heads, head_dim) of an attention module, from its weights' shapes so that it stays
         right after pruning."""
-        if isinstance(module, HeadkitAttention):
+        if isinstance(module, ReplacementAttention):
             return module.num_heads, module.num_kv_heads, module.head_dim
         head_dim = int(getattr(module, self.head_dim_attribute))
         query_rows = _linear_out_features(module.get_submodule(self.query_name))
@@ -369,7 +374,9 @@ class AttentionAdapter:
 
     # -- replacing the attention module -------------------------------------------------------------------------
 
-    def replace_attention(self, model: nn.Module, site: AttentionSite, new_module: HeadkitAttention) -> None:
+    def replace_attention(
+        self, model: nn.Module, site: AttentionSite, new_module: ReplacementAttention
+    ) -> None:
         """Put `new_module` where the site's attention module is, in every layer that uses it.
 
         The model's output recorders (``output_attentions``) find attention modules with ``isinstance`` on the
@@ -377,9 +384,9 @@ class AttentionAdapter:
         (its own methods first); forward hooks already installed on the old module move to the new one.
         """
         old = site.module
-        if not isinstance(new_module, HeadkitAttention):
-            raise HeadkitError(f"new_module must be a HeadkitAttention, got {type(new_module).__name__}")
-        original_class = old.replaced_class if isinstance(old, HeadkitAttention) else type(old)
+        if not isinstance(new_module, ReplacementAttention):
+            raise HeadkitError(f"new_module must be a ReplacementAttention, got {type(new_module).__name__}")
+        original_class = old.replaced_class if isinstance(old, ReplacementAttention) else type(old)
         new_module.replaced_class = original_class
         new_module.train(old.training)
         if not isinstance(new_module, original_class):

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from headkit.layers.base import HeadkitAttention as HeadkitAttentionLayer
-from headkit.surgery.adapters.base import AttentionAdapter, HeadkitAttention, register_adapter
+from headkit.layers.base import HeadkitAttention
+from headkit.surgery.adapters.base import AttentionAdapter, ReplacementAttention, register_adapter
 
 
 @register_adapter
@@ -27,7 +27,7 @@ class HeadkitModelAdapter(AttentionAdapter):
     rotary = True
 
     def head_geometry(self, module: nn.Module) -> tuple[int, int, int]:
-        if isinstance(module, HeadkitAttention) or hasattr(module, self.query_name):
+        if isinstance(module, ReplacementAttention) or hasattr(module, self.query_name):
             return super().head_geometry(module)  # from the weights' shapes, right after pruning too
         return module.num_heads, module.num_key_value_heads, module.head_dim
 
@@ -35,7 +35,7 @@ class HeadkitModelAdapter(AttentionAdapter):
         return float(getattr(module, "scale", module.head_dim**-0.5))
 
     def set_head_counts(self, module: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
-        if not isinstance(module, HeadkitAttentionLayer):
+        if not isinstance(module, HeadkitAttention):
             raise TypeError(f"expected a headkit attention layer, got {type(module).__name__}")
         # The layer splits its projections with these (never with the config), so layers may differ.
         module.num_heads = num_heads
