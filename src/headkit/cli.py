@@ -834,7 +834,10 @@ def generate(
         False, "--sample/--greedy", help="Sample the next token instead of the argmax."
     ),
     temperature: float = typer.Option(None, help="Sampling temperature, > 0 (default 1; needs --sample)."),
-    top_k: int = typer.Option(None, help="Sample among the k most likely tokens; 0 = all (needs --sample)."),
+    top_k: int = typer.Option(
+        None,
+        help="Sample among the k most likely tokens; 0 = all (default: the model's, usually 50; needs --sample).",
+    ),
     seed: int = typer.Option(0, help="Seed of the sampling."),
 ) -> None:
     """Continue PROMPT with MODEL, streaming the text as it comes; then tokens per second and the size of the

@@ -101,15 +101,16 @@ class ByteTokenizer:
 
     @staticmethod
     def backend() -> Any:
-        """The same tokenizer as a ``tokenizers.Tokenizer``: a BPE model without merges whose vocabulary is the
-        256 byte tokens ``<0x00>`` … ``<0xFF>`` (ids 0–255) and the special tokens, with byte fallback, so every
-        character becomes the tokens of its UTF-8 bytes; the ``ByteFallback`` decoder turns them back into text.
-        No normalizer, pre-tokenizer or post-processor: the ids are the bytes, nothing added."""
-        from tokenizers import AddedToken, Tokenizer, decoders, models
+        """The same tokenizer as a ``tokenizers.Tokenizer``, built from stock parts only: the ``ByteLevel``
+        pre-tokenizer writes each UTF-8 byte of the text as one character of GPT-2's byte alphabet (without its
+        word-splitting regex or a prefix space), a BPE model without merges maps byte character b to id b, and
+        the ``ByteLevel`` decoder turns the characters back into bytes and decodes them, replacing invalid
+        UTF-8 exactly as :meth:`decode` does. The special tokens are added tokens 256–258."""
+        from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-        vocab = {f"<0x{byte:02X}>": byte for byte in range(BYTE_VOCAB)} | SPECIAL_TOKENS
-        tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
-        tokenizer.decoder = decoders.ByteFallback()
+        tokenizer = Tokenizer(models.BPE(vocab=_byte_level_vocabulary(), merges=[]))
+        tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tokenizer.decoder = decoders.ByteLevel()
         tokenizer.add_special_tokens(
             [AddedToken(name, special=True, normalized=False) for name in SPECIAL_TOKENS]
         )
@@ -155,9 +156,24 @@ class ByteTokenizer:
         return cls()
 
 
+def _byte_level_vocabulary() -> dict[str, int]:
+    """GPT-2's byte alphabet (the ``ByteLevel`` pre-tokenizer's): printable bytes stand for themselves, the
+    others for the characters from U+0100 on, in byte order; character of byte b -> id b, then the special tokens."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    others = [byte for byte in range(BYTE_VOCAB) if byte not in printable]
+    characters = {byte: chr(byte) for byte in printable} | {
+        byte: chr(BYTE_VOCAB + rank) for rank, byte in enumerate(others)
+    }
+    return {characters[byte]: byte for byte in range(BYTE_VOCAB)} | SPECIAL_TOKENS
+
+
 def is_byte_tokenizer_folder(folder: str | os.PathLike[str]) -> bool:
-    """Whether ``folder`` holds headkit's byte tokenizer: a ``tokenizer.json`` with exactly its vocabulary and
-    byte fallback, or the older ``headkit_byte_tokenizer.json``."""
+    """Whether ``folder`` holds headkit's byte tokenizer: a ``tokenizer.json`` that :meth:`ByteTokenizer.backend`
+    wrote (its vocabulary, byte-level pre-tokenizer and decoder), or the older ``headkit_byte_tokenizer.json``."""
     folder = Path(folder)
     if (folder / TOKENIZER_FILE).is_file():
         return True
@@ -165,12 +181,17 @@ def is_byte_tokenizer_folder(folder: str | os.PathLike[str]) -> bool:
         description = json.loads((folder / HF_TOKENIZER_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    model = description.get("model") if isinstance(description, dict) else None
-    if not isinstance(model, dict) or model.get("type") != "BPE" or not model.get("byte_fallback"):
+    if not isinstance(description, dict):
         return False
-    added = {token.get("content"): token.get("id") for token in description.get("added_tokens") or []}
-    expected = {f"<0x{byte:02X}>": byte for byte in range(BYTE_VOCAB)} | SPECIAL_TOKENS
-    return model.get("vocab") == expected and not model.get("merges") and added == SPECIAL_TOKENS
+    model, added = description.get("model") or {}, description.get("added_tokens") or []
+    return (
+        model.get("type") == "BPE"
+        and model.get("vocab") == _byte_level_vocabulary()
+        and not model.get("merges")
+        and (description.get("pre_tokenizer") or {}).get("type") == "ByteLevel"
+        and (description.get("decoder") or {}).get("type") == "ByteLevel"
+        and {token.get("content"): token.get("id") for token in added} == SPECIAL_TOKENS
+    )
 
 
 def load_tokenizer(path: str | os.PathLike[str] | None = None) -> Any:

@@ -10,7 +10,9 @@ It reports bits per byte on the held-out split:
 
 over non-overlapping held-out windows spaced evenly across the held-out documents (document separators and other special tokens are neither predicted nor
 counted), the tokenizer-independent measure of compression (8 bits/byte = no better than raw bytes). The model
-and its tokenizer are saved with ``save_pretrained`` next to ``training_report.json``.
+and its tokenizer are saved with ``save_pretrained`` next to ``training_report.json``: the folder loads with
+``AutoModelForCausalLM`` (after ``import headkit``) and ``AutoTokenizer`` (the byte tokenizer is a stock
+``tokenizer.json``), and ``headkit generate FOLDER --prompt …`` talks to it.
 
 Data parallelism: when ``torch.distributed`` is initialised with more than one process, the model is wrapped in
 ``DistributedDataParallel`` (gradients averaged across processes after every backward), each rank draws its own

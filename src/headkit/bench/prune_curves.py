@@ -75,6 +75,7 @@ from headkit.bench._report import (
     write_text_atomic,
 )
 from headkit.errors import HeadkitError
+from headkit.recipes.measure import perplexity
 from headkit.recipes.models import default_encoder_path, load_model
 from headkit.recipes.objectives import embedding_distillation_loss, mean_pool
 from headkit.recipes.prune import encoder_finetune, keep_top_gated_heads
@@ -606,21 +607,6 @@ def decoder_data(tokenizer: Any, config: PruneCurvesConfig) -> tuple[torch.Tenso
         batch = sample_batch(train_stream, config.calibration_batch_size, length, generator)
         calibration.append({"input_ids": batch, "labels": batch, "use_cache": False})
     return windows, calibration
-
-
-@torch.no_grad()
-def perplexity(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> float:
-    """exp of the mean next-token negative log-likelihood over every position of `windows` [N, L] but the first."""
-    total_nll, count = 0.0, 0
-    for chunk in windows.split(batch_size):
-        logits = model(input_ids=chunk, use_cache=False).logits.float()
-        total_nll += float(
-            F.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum"
-            )
-        )
-        count += chunk[:, 1:].numel()
-    return math.exp(total_nll / count)
 
 
 def kv_heads_per_layer(model: nn.Module, adapter: Any = None) -> dict[int, int]:

@@ -1,0 +1,152 @@
+"""``headkit generate``: streams a continuation from every kind of model headkit writes or reads, then reports
+tokens per second and the cache size; user errors are one line and exit status 2."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from headkit.cli import main
+from headkit.data import TOKENIZER_FILE, ByteTokenizer
+from headkit.train import train_causal_lm
+
+STATS = re.compile(r"(\d+) tokens in [\d.]+ s: [\d.]+ tokens/s; cache ([\d,]+) bytes for (\d+) tokens")
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A tiny headkit LM (linear attention) trained for a few steps by headkit.train, saved with its tokenizer."""
+    root = tmp_path_factory.mktemp("generate")
+    corpus = root / "corpus.txt"
+    corpus.write_text("".join(f"the cat sat on mat {i}. 猫 🙂\n" for i in range(60)), encoding="utf-8")
+    tiny = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
+    train_causal_lm(
+        tiny,
+        corpus,
+        steps=5,
+        batch_size=4,
+        seq_len=32,
+        eval_tokens=0,
+        out_dir=root / "lm",
+        show_progress=False,
+    )
+    return root / "lm"
+
+
+def run(capsys, *arguments):
+    main(["generate", *map(str, arguments)])
+    captured = capsys.readouterr()
+    stats = STATS.search(captured.err)
+    assert stats, captured.err
+    return captured.out, int(stats[1]), int(stats[2].replace(",", "")), int(stats[3])
+
+
+def test_streams_the_greedy_continuation_of_a_trained_headkit_lm(trained, capsys):
+    from transformers import AutoModelForCausalLM
+
+    text, new_tokens, cache, total = run(capsys, trained, "--prompt", "the cat 猫", "--max-new-tokens", 12)
+    prompt = list("the cat 猫".encode())
+    model = AutoModelForCausalLM.from_pretrained(trained).eval()
+    expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0]
+    assert text == ByteTokenizer().decode(expected) + "\n"
+    assert new_tokens == len(expected) - len(prompt) and total == len(expected)
+    assert cache > 0
+
+
+def test_sampling_is_seeded(trained, capsys):
+    options = ["--prompt", "the", "--max-new-tokens", 16, "--sample", "--temperature", 1.5, "--top-k", 50]
+    first = run(capsys, trained, *options, "--seed", 1)[0]
+    assert run(capsys, trained, *options, "--seed", 1)[0] == first
+    assert {run(capsys, trained, *options, "--seed", seed)[0] for seed in (2, 3, 4)} != {first}
+
+
+def test_a_folder_with_the_old_tokenizer_file_still_generates(trained, tmp_path, capsys):
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(trained, old)
+    (old / "tokenizer.json").unlink()
+    (old / "tokenizer_config.json").unlink()
+    description = {"type": "bytes", "vocab_size": 259, "pad": 256, "bos": 257, "eos": 258}
+    (old / TOKENIZER_FILE).write_text(json.dumps(description))
+    assert (
+        run(capsys, old, "--prompt", "the cat", "--max-new-tokens", 5)[0]
+        == run(capsys, trained, "--prompt", "the cat", "--max-new-tokens", 5)[0]
+    )
+
+
+@pytest.mark.parametrize("surgery", ["none", "pruned", "linearized"])
+def test_stock_pruned_and_linearized_llama_folders(save_tiny_causal_lm, tmp_path, capsys, surgery):
+    import transformers
+
+    import headkit
+
+    folder = save_tiny_causal_lm(tmp_path / "llama")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    if surgery != "none":
+        model = transformers.LlamaForCausalLM.from_pretrained(folder).eval()
+        if surgery == "pruned":
+            headkit.prune_heads(model, {0: [1], 1: [0, 3]})
+        else:
+            headkit.linearize(model, window=4)
+        folder = tmp_path / surgery
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        assert json.loads((folder / "config.json").read_text())["headkit_surgery"]
+    text, new_tokens, cache, total = run(capsys, folder, "--prompt", "hello world", "--max-new-tokens", 6)
+    assert text.strip() and new_tokens == 6 and cache > 0
+    prompt_tokens = len(tokenizer("hello world")["input_ids"])
+    assert total == prompt_tokens + 6
+
+
+@pytest.mark.slow
+def test_a_gguf_file(capsys):
+    from headkit.recipes.models import smollm2_gguf_path
+
+    try:
+        path = smollm2_gguf_path()
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    text, new_tokens, _, _ = run(capsys, path, "--prompt", "The capital of France is", "--max-new-tokens", 4)
+    assert text.startswith("The capital of France is") and "Paris" in text and new_tokens == 4
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--prompt", "  "], "--prompt must not be empty"),
+        (["--prompt", "a", "--max-new-tokens", "0"], "--max-new-tokens"),
+        (["--prompt", "a", "--sample", "--temperature", "0"], "--temperature"),
+        (["--prompt", "a", "--sample", "--temperature", "nan"], "--temperature"),
+        (["--prompt", "a", "--sample", "--top-k", "-1"], "--top-k"),
+        (["--prompt", "a", "--temperature", "0.5"], "add --sample"),
+    ],
+)
+def test_bad_options_are_one_line_errors(trained, capsys, options, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", str(trained), *options])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_missing_model_or_an_encoder_is_a_one_line_error(save_tiny_encoder, tmp_path, capsys):
+    proc = subprocess.run(
+        [sys.executable, "-m", "headkit", "generate", str(tmp_path / "nowhere"), "--prompt", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "does not exist" in lines[0]
+
+    encoder = save_tiny_encoder(tmp_path / "bert")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", str(encoder), "--prompt", "hi"])
+    assert exit_info.value.code == 2 and "not a causal LM" in capsys.readouterr().err
