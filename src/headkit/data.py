@@ -325,7 +325,8 @@ def _jsonl_corpus(path: Path, fraction: float, max_bytes: int | None) -> Corpus:
     """Documents from a JSON Lines file: line i's ``"text"`` is document ``name:i`` (what the split hashes)."""
     documents, collected = [], 0
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        # Not splitlines(): JSON strings may hold U+2028, U+2029 or U+0085 unescaped; only "\n" ends a record.
+        lines = path.read_text(encoding="utf-8").split("\n")
     except (UnicodeDecodeError, OSError) as exc:
         raise HeadkitError(f"corpus {str(path)!r} cannot be read as UTF-8 text ({exc})") from None
     for number, line in enumerate(lines, start=1):

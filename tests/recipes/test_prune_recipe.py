@@ -219,3 +219,34 @@ def test_bad_inputs_name_the_problem(tiny_llama, tmp_path, capsys):
     assert _run(["prune", str(t5), "--out", str(tmp_path / "o"), *FAST]) == 2
     assert "supported" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_default_settings_are_valid():
+    from headkit.recipes.prune import PruneSettings, check_settings
+
+    check_settings(PruneSettings())  # held-out count and LoRA rank default to "not set"
+    check_settings(PruneSettings.quick())
+    with pytest.raises(HeadkitError, match="--held-out"):
+        check_settings(PruneSettings(held_out_texts=0))
+    with pytest.raises(HeadkitError, match="--steps"):
+        check_settings(PruneSettings(gate_steps=-1))
+
+
+def test_stock_conversion_refuses_head_counts_the_config_rejects():
+    from headkit.surgery.pruning import prune_heads, to_stock_architecture
+
+    config = transformers.LlamaConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        head_dim=8,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    prune_heads(model, {0: [3]})  # 3 heads left, and LlamaConfig wants hidden_size (32) % heads == 0
+    before = model.config.to_dict()
+    with pytest.raises(HeadkitError, match="refuses"):
+        to_stock_architecture(model)
+    assert model.config.to_dict() == before  # untouched

@@ -63,3 +63,11 @@ def test_lm_windows_come_from_their_own_split(save_tiny_causal_lm, tmp_path):
     train_words = {w for d in corpus.train for w in d.text.split()}
     decoded = {w for row in windows.held_out for w in tokenizer.decode(row).split()}
     assert decoded <= held_out_words | {"[SEP]"} and not (decoded & train_words)
+
+
+def test_jsonl_records_may_hold_unicode_line_separators(tmp_path):
+    path = tmp_path / "texts.jsonl"
+    rows = [{"text": f"paragraph {i}\u2028second line\u2029end\x85"} for i in range(10)]
+    path.write_text("\n".join(json.dumps(row, ensure_ascii=False) for row in rows), encoding="utf-8")
+    corpus = load_corpus(path)
+    assert len(corpus.train) + len(corpus.held_out) == 10

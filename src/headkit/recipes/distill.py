@@ -195,7 +195,9 @@ def distill(
         raise HeadkitError(
             "nothing to train: the student has no trainable parameter (and lr is 0 or no regularizer)"
         )
-    optimizer = torch.optim.AdamW(groups, lr=lr if lr > 0 else 1e-3)
+    # Trainer may move both models to an accelerator; the caller gets them back where they were.
+    student_device = next(student.parameters()).device
+    teacher_device = next(teacher.parameters()).device
 
     with tempfile.TemporaryDirectory(prefix="headkit-distill-") as scratch:
         directory = Path(output_dir) if output_dir is not None else Path(scratch)
@@ -232,19 +234,18 @@ def distill(
             model=model,
             args=arguments,
             train_dataset=_ExampleDataset(examples),
-            optimizers=(optimizer, None),
             callbacks=[recorder],
+            optimizer_groups=groups,
         )
         trainer.remove_callback(PrinterCallback)  # its raw log dicts; _LossRecorder prints a line per log
         checkpoint = resume and output_dir is not None and any(Path(output_dir).glob("checkpoint-*"))
         output = trainer.train(resume_from_checkpoint=True if checkpoint else None)
     if lora_rank is not None:
         model = model.merge_and_unload()
-    if use_cache is not None:
-        model.config.use_cache = (
-            use_cache  # Trainer turns the cache off for training; generation wants it back
-        )
-    model.eval()
+    if use_cache is not None:  # Trainer turns the cache off for training; generation wants it back
+        model.config.use_cache = use_cache
+    model.to(student_device).eval()
+    teacher.to(teacher_device)
     return DistillResult(
         model=model,
         steps=int(output.global_step),
@@ -291,10 +292,24 @@ class _DistillationTrainer(Trainer):
     """Trainer whose loss is the objective against ``self.teacher`` (plus the regularizer's term)."""
 
     def __init__(
-        self, *, teacher: nn.Module, objective: Objective, regularizer: Regularizer | None, **kwargs: Any
-    ):
+        self,
+        *,
+        teacher: nn.Module,
+        objective: Objective,
+        regularizer: Regularizer | None,
+        optimizer_groups: list[dict[str, Any]],
+        **kwargs: Any,
+    ) -> None:
         super().__init__(**kwargs)
         self.teacher, self.objective, self.regularizer = teacher, objective, regularizer
+        self.optimizer_groups = optimizer_groups
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        # Built here, not passed in: Trainer refuses a ready-made optimizer under FSDP. Each group carries its own
+        # learning rate (weights, gates, the L0 multipliers).
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(self.optimizer_groups, lr=self.args.learning_rate)
+        return self.optimizer
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         model.eval()  # Trainer switched to train mode: dropout would make the target noisy

@@ -167,6 +167,11 @@ def plan_pruning(
             )
         heads, kv_heads = shapes.pop()
         group_size = heads // kv_heads
+        if any(len(members) != group_size for layer in groups for members in layer.values()):
+            raise HeadkitError(
+                "--uniform needs every key/value group to serve as many query heads; this model's groups are "
+                "unequal (pruned before?)"
+            )
         if keep % layers:
             raise HeadkitError(
                 f"--uniform: --heads {keep} is not the same number in each of the {layers} layers"
@@ -225,7 +230,11 @@ def plan_pruning(
         )
         for _, layer, head in ranked[keep:]:
             plan.setdefault(layer, []).append(head)
-    return {layer: sorted(heads) for layer, heads in sorted(plan.items()) if heads}
+    plan = {layer: sorted(heads) for layer, heads in sorted(plan.items()) if heads}
+    kept = total - sum(len(heads) for heads in plan.values())
+    if kept != keep:  # a guard: every branch above must keep exactly `keep`
+        raise HeadkitError(f"the plan would keep {kept} query heads, not the {keep} asked for")
+    return plan
 
 
 def _groups(kv_of_query: list[int]) -> dict[int, torch.Tensor]:
@@ -310,7 +319,12 @@ def _gate_scores(
         log_every=max(1, settings.gate_steps // 6),
         echo=echo,
     )
-    scores = [gate.log_alpha.detach().clone() for gate in head_gates(student).values()]
+    gates = head_gates(student)
+    # A layer without heads has no gate: its scores stay empty so that scores[i] is layer i's.
+    scores = [
+        gates[i].log_alpha.detach().clone() if i in gates else torch.zeros(0)
+        for i in range(len(get_adapter(student).sites(student)))
+    ]
     log = {
         "steps": result.steps,
         "losses": result.losses,
@@ -329,36 +343,40 @@ def _weight_lr(settings: PruneSettings) -> float:
 # -- the recipe ------------------------------------------------------------------------------------------------
 
 
+# Settings whose command-line option is not the field's name.
+_OPTIONS = {
+    "gate_steps": "--steps",
+    "held_out_texts": "--held-out",
+    "gradient_accumulation_steps": "--gradient-accumulation",
+}
+
+
+def _option(name: str) -> str:
+    return _OPTIONS.get(name, f"--{name.replace('_', '-')}")
+
+
+def _is_count(value: Any, minimum: int) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= minimum
+
+
 def check_settings(settings: PruneSettings) -> None:
     """Every option checked before any work (a bad one names itself)."""
     if settings.unit not in UNITS:
         raise HeadkitError(f"--unit must be one of {', '.join(UNITS)}, got {settings.unit!r}")
     if settings.method is not None and settings.method not in METHODS:
         raise HeadkitError(f"--method must be one of {', '.join(METHODS)}, got {settings.method!r}")
-    for name in (
-        "batch_size",
-        "max_length",
-        "window",
-        "train_texts",
-        "held_out_texts",
-        "importance_batches",
-        "gradient_accumulation_steps",
-        "timing_rounds",
-        "decode_context",
-    ):
+    positive = ["batch_size", "max_length", "window", "train_texts", "importance_batches"]
+    positive += ["gradient_accumulation_steps", "timing_rounds", "decode_context"]
+    positive += [] if settings.held_out_texts is None else ["held_out_texts"]
+    positive += [] if settings.lora_rank is None else ["lora_rank"]
+    for name in positive:
         value = getattr(settings, name)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int)
-            or value < (2 if name in ("window", "max_length") else 1)
-        ):
-            raise HeadkitError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+        if not _is_count(value, 2 if name in ("window", "max_length") else 1):
+            raise HeadkitError(f"{_option(name)} must be a positive integer, got {value!r}")
     for name in ("gate_steps", "recovery_steps"):
         value = getattr(settings, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise HeadkitError(f"--{name.replace('_', '-')} must be a non-negative integer, got {value!r}")
-    if settings.lora_rank is not None and (not isinstance(settings.lora_rank, int) or settings.lora_rank < 1):
-        raise HeadkitError(f"--lora-rank must be a positive integer, got {settings.lora_rank!r}")
+        if not _is_count(value, 0):
+            raise HeadkitError(f"{_option(name)} must be a non-negative integer, got {value!r}")
     if settings.lr is not None and not (
         isinstance(settings.lr, (int, float)) and math.isfinite(settings.lr) and settings.lr >= 0
     ):
@@ -737,7 +755,11 @@ def keep_top_gated_heads(model: nn.Module, keep: int, adapter: Any = None) -> di
     """``{layer: heads to remove}`` keeping the `keep` heads whose Hard Concrete gates have the largest log α
     over all layers (ties: lower layer, head); layers may empty."""
     adapter = get_adapter(model, adapter)
-    scores = [gate.log_alpha.detach() for gate in head_gates(model, adapter).values()]
+    gates = head_gates(model, adapter)
+    scores = [
+        gates[i].log_alpha.detach() if i in gates else torch.zeros(0)
+        for i in range(len(adapter.sites(model)))
+    ]
     return plan_pruning(scores, [query_to_kv_heads(site) for site in adapter.sites(model)], keep)
 
 

@@ -27,6 +27,7 @@ Every call validates the whole plan before it changes anything, and records itse
 
 from __future__ import annotations
 
+import copy
 import inspect
 import warnings
 from collections.abc import Iterable, Mapping
@@ -158,6 +159,8 @@ class GatheringCache:
         return key_states.index_select(1, self.index), value_states.index_select(1, self.index)
 
     def __getattr__(self, name: str) -> Any:
+        if name == "cache":  # not set yet (a copy being built): no recursion through ourselves
+            raise AttributeError(name)
         return getattr(self.cache, name)
 
 
@@ -568,6 +571,17 @@ def to_stock_architecture(
         raise HeadkitError(
             f"the {adapter.name} config cannot state other head counts; reload the model with headkit.from_pretrained"
         )
+    candidate = copy.deepcopy(model.config)
+    for name, value in update.items():
+        setattr(candidate, name, value)
+    validate = getattr(candidate, "validate", None)  # strict configs check themselves
+    try:  # e.g. LlamaConfig insists that hidden_size be a multiple of num_attention_heads
+        if callable(validate):
+            validate()
+    except Exception as exc:
+        raise HeadkitError(
+            f"the stock {type(candidate).__name__} refuses these head counts ({exc})"
+        ) from None
     for name, value in update.items():
         setattr(model.config, name, value)
     if hasattr(model.config, SURGERY_KEY):
