@@ -16,6 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headkit.surgery.linearize import decoding_state_bytes
+
 
 @torch.no_grad()
 def perplexity(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> float:
@@ -46,37 +48,11 @@ def top1_agreement(
     return same / count
 
 
-def _cache_bytes(cache: Any) -> int:
-    """Bytes of every tensor a cache holds (🤗 DynamicCache layers, headkit's recurrent states alike)."""
-    seen: set[int] = set()
-    total = 0
-
-    def visit(value: Any, depth: int) -> None:
-        nonlocal total
-        if depth > 4 or id(value) in seen:
-            return
-        seen.add(id(value))
-        if isinstance(value, torch.Tensor):
-            total += value.numel() * value.element_size()
-        elif isinstance(value, (list, tuple)):
-            for item in value:
-                visit(item, depth + 1)
-        elif isinstance(value, dict):
-            for item in value.values():
-                visit(item, depth + 1)
-        elif hasattr(value, "__dict__") and not isinstance(value, nn.Module):
-            for item in vars(value).values():
-                visit(item, depth + 1)
-
-    visit(cache, 0)
-    return total
-
-
 @torch.no_grad()
 def cache_bytes(model: nn.Module, context: int) -> int:
     """Bytes of the decoding cache after a prompt of `context` tokens (batch 1)."""
     ids = torch.zeros(1, context, dtype=torch.long)
-    return _cache_bytes(model(input_ids=ids, use_cache=True).past_key_values)
+    return decoding_state_bytes(model(input_ids=ids, use_cache=True).past_key_values)
 
 
 def kv_cache_bytes_per_token(model: nn.Module, context: int = 64) -> float:
