@@ -689,11 +689,15 @@ def _linearize_settings(quick: bool, **options: object) -> object:
     layers, eval_lengths, decode_contexts = (
         options.pop(k) for k in ("layers", "eval_lengths", "decode_contexts")
     )
+    decode_batch_sizes = options.pop("decode_batch_sizes", "")
     lora_rank = options.pop("lora_rank")
     given = _given(**options) | _given(
         layers=_parse_layer_indices(layers) if layers else None,
         eval_lengths=tuple(_parse_ints("eval-lengths", eval_lengths)) if eval_lengths else None,
         decode_contexts=tuple(_parse_ints("decode-contexts", decode_contexts)) if decode_contexts else None,
+        decode_batch_sizes=(
+            tuple(_parse_ints("decode-batch-sizes", decode_batch_sizes)) if decode_batch_sizes else None
+        ),
     )
     if lora_rank is not None:
         given["lora_rank"] = lora_rank or None  # 0: the attention projections train in full
@@ -711,6 +715,7 @@ _LINEARIZE_HELP = {
     "data": "Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field.",
     "eval_lengths": "Comma-separated held-out window lengths for perplexity (default 256,1024).",
     "decode_contexts": "Comma-separated contexts for decode timing and memory (default 512,…,8192).",
+    "decode_batch_sizes": "Comma-separated batch sizes timed at each context (default 1,8; 1 with --quick).",
 }
 
 
@@ -742,6 +747,7 @@ def linearize_command(
     decode_steps: int = typer.Option(
         None, help="Timed decoding steps per context (default 8; 4 with --quick)."
     ),
+    decode_batch_sizes: str = typer.Option("", help=_LINEARIZE_HELP["decode_batch_sizes"]),
     data: Path = typer.Option(None, help=_LINEARIZE_HELP["data"]),
     seed: int = typer.Option(0, help="Seed of the sampling and the training order."),
     out: Path = typer.Option(Path("results/linearized-model"), help="Output folder (never the input model)."),
@@ -771,6 +777,7 @@ def linearize_command(
         held_out_windows=held_out_windows,
         decode_contexts=decode_contexts,
         decode_steps=decode_steps,
+        decode_batch_sizes=decode_batch_sizes,
         data=data,
         model=model,
         seed=seed,

@@ -237,6 +237,51 @@ def test_gradients_flow_through_the_initial_state():
     assert torch.autograd.gradcheck(run, differentiable, eps=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("window", [1, 3, 9])
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_one_token_step_matches_the_parallel_form_in_outputs_states_and_gradients(window, padded):
+    """The decoding step has its own lean path: same output, state and gradients (inputs and state) as the
+    chunked form given the same single token, including windows that hold padding or no real key."""
+    q, k, v, qf, kf, balance = make_inputs(seq=12, dtype=torch.float64)
+    mask = make_padding_mask(2, 12) if padded else torch.ones(2, 12, dtype=torch.bool)
+    _, state = hybrid_attention(
+        *(x[:, :, :11] for x in (q, k, v, qf, kf)),
+        balance,
+        window=window,
+        attention_mask=mask[:, :11],
+        output_final_state=True,
+    )
+    token = [x[:, :, 11:].clone().requires_grad_() for x in (q, k, v, qf, kf)]
+    carried = [t.clone().requires_grad_() if t.dtype != torch.bool else t for t in state]
+    gamma = balance.clone().requires_grad_()
+
+    def run(step: bool):
+        initial = HybridAttentionState(*carried)
+        if step:
+            return hybrid_attention_step(*token, gamma, initial, window=window, attention_mask=mask[:, 11:])
+        return hybrid_attention(
+            *token,
+            gamma,
+            window=window,
+            attention_mask=mask[:, 11:],
+            initial_state=initial,
+            output_final_state=True,
+        )
+
+    leaves = [*token, gamma, *(t for t in carried if t.requires_grad)]
+    results = {}
+    for step in (True, False):
+        out, final = run(step)
+        loss = (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum() + sum(
+            (t * t).sum() for t in final if t.dtype != torch.bool
+        )
+        results[step] = (out.detach(), final, torch.autograd.grad(loss, leaves))
+    assert_close_scaled(results[True][0], results[False][0], rel=1e-12)
+    assert_states_close(results[True][1], results[False][1], rel=1e-12)
+    for fast, reference in zip(results[True][2], results[False][2], strict=True):
+        assert_close_scaled(fast, reference, rel=1e-12)
+
+
 def test_padded_keys_contribute_nothing_and_left_padding_changes_nothing():
     q, k, v, qf, kf, balance = make_inputs(batch=1, seq=15)
     pad = 4

@@ -24,7 +24,7 @@ from headkit.surgery.linearize import decoding_state_bytes, linearized_modules, 
 SMALL = [
     "--window", "8", "--train-length", "64", "--train-windows", "8", "--batch-size", "4",
     "--transfer-steps", "3", "--lora-steps", "2", "--eval-lengths", "64", "--held-out-windows", "2",
-    "--decode-contexts", "32,96", "--decode-steps", "2",
+    "--decode-contexts", "32,96", "--decode-steps", "2", "--decode-batch-sizes", "1,3",
 ]  # fmt: skip
 
 
@@ -161,7 +161,14 @@ def test_lora_stage_is_merged_into_a_plain_model(tiny_llama, tmp_path, capsys):
     assert report["recovery"]["trainable_parameters"] == 2 * per_layer
     model = headkit.from_pretrained(out)
     assert not any("lora" in name for name, _ in model.named_parameters())
-    assert [p["context"] for p in report["decode"]] == [32, 96]
+    decode = report["decode"]
+    assert [(p["context"], p["batch_size"]) for p in decode] == [(32, 1), (32, 3), (96, 1), (96, 3)]
+    for single, batched in (decode[0:2], decode[2:4]):
+        # a batch of 3 decodes from three copies of the prompt's cache: three times the bytes, for both models
+        for key in ("original_cache_bytes", "linearized_cache_bytes"):
+            assert batched[key] == 3 * single[key]
+    assert decode[0]["linearized_cache_bytes"] == decode[2]["linearized_cache_bytes"]  # constant in context
+    assert decode[2]["original_cache_bytes"] == 3 * decode[0]["original_cache_bytes"]  # 96 / 32 tokens
 
 
 def test_bench_linearize_writes_results_table_and_plot(tiny_llama, tmp_path, capsys):

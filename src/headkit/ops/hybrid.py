@@ -34,6 +34,7 @@ continues the parallel form exactly.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -137,8 +138,9 @@ def hybrid_attention_step(
     keep, state = _check_inputs(q, k, v, qf, kf, balance, window, attention_mask, state, "state")
     scale = _checked_scale(scale, q.shape[-1])
     _check_eps(eps)
-    chunk = max(1, q.shape[2])
-    return _hybrid(q, k, v, qf, kf, balance, keep, state, window, chunk, scale, eps)
+    if q.shape[2] == 1:
+        return _hybrid_one_token(q, k, v, qf, kf, balance, keep, state, scale, eps)
+    return _hybrid(q, k, v, qf, kf, balance, keep, state, window, max(1, q.shape[2]), scale, eps)
 
 
 def naive_hybrid_attention(
@@ -233,7 +235,7 @@ def _hybrid(
         keep = torch.ones(batch, seq, dtype=torch.bool, device=device)
     keep = keep.to(device)
 
-    with torch.autocast(device_type=device.type, enabled=False):
+    with _autocast_off(device):
         # The "extended" sequence: the stored window, the new tokens, zeros for the tail. Query t (0-based among
         # the new tokens) is extended position t + W − 1; it sees extended keys [t, t + W − 1] through the
         # window and extended keys < t (plus the state's sums) through the linear term.
@@ -317,6 +319,71 @@ def _hybrid(
             k_sum=final_k_sum,
         )
     return out, final
+
+
+def _hybrid_one_token(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    balance: torch.Tensor,
+    keep: torch.Tensor | None,
+    state: HybridAttentionState,
+    scale: float,
+    eps: float,
+) -> tuple[torch.Tensor, HybridAttentionState]:
+    """One decoding step on validated inputs: :func:`_hybrid` specialised to a single new token.
+
+    The same arithmetic as a chunk of one query, without the chunking machinery (padding to whole chunks,
+    unfolded views, band masks, prefix sums): at batch 1 a step of a small model is bound by the number of
+    operations, not by their size, so this is what decoding speed is made of. The stored W − 1 keys and the new
+    one are exactly the query's window; the oldest of them then leaves it for the linear state.
+    """
+    batch, q_heads, _, _ = q.shape
+    kv_heads, head_dim_v, features = k.shape[1], v.shape[3], qf.shape[3]
+    groups = q_heads // kv_heads
+    dtype = state.kv.dtype
+    if keep is None:
+        keep = torch.ones(batch, 1, dtype=torch.bool, device=q.device)
+    with _autocast_off(q.device):
+        keys = torch.cat([state.keys, k], dim=2)  # [B, Hkv, W, D]: the whole window, in the inputs' dtype
+        values = torch.cat([state.values, v], dim=2)
+        key_features = torch.cat([state.key_features, kf], dim=2)
+        window_keep = torch.cat([state.keep, keep.to(state.keep.device)], dim=1)  # [B, W]
+
+        # The G query heads of a key/value head stacked as G rows: [B, Hkv, G, ·].
+        queries = q.reshape(batch, kv_heads, groups, q.shape[3]).to(dtype)
+        scores = (queries @ keys.to(dtype).transpose(-1, -2)) * scale  # [B, Hkv, G, W]
+        scores = scores.masked_fill(~window_keep[:, None, None, :], float("-inf"))
+        # A window with no real key has max −inf; clamping it to a finite number leaves every weight exp(−inf) = 0.
+        m = scores.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).min)
+        weights = torch.exp(scores - m)
+        query_features = qf.reshape(batch, kv_heads, groups, features).to(dtype)
+        gamma = balance.to(dtype).view(1, kv_heads, groups, 1)
+        numerator = weights @ values.to(dtype) + gamma * (query_features @ state.kv)
+        denominator = weights.sum(dim=-1, keepdim=True) + gamma * (query_features @ state.k_sum.unsqueeze(-1))
+        out = (numerator / (denominator + eps)).view(batch, q_heads, 1, head_dim_v).to(q.dtype)
+
+        # The oldest key of the window (if real) moves into the linear sums; the rest is the next state.
+        leaving = key_features[:, :, :1].to(dtype) * window_keep[:, None, :1, None]  # [B, Hkv, 1, F]
+        final = HybridAttentionState(
+            keys=keys[:, :, 1:],
+            values=values[:, :, 1:],
+            key_features=key_features[:, :, 1:],
+            keep=window_keep[:, 1:],
+            kv=state.kv + leaving.transpose(-1, -2) @ values[:, :, :1].to(dtype),
+            k_sum=state.k_sum + leaving[:, :, 0],
+        )
+    return out, final
+
+
+def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
+    """Leave autocast for the accumulation; entering a disabled autocast costs a decoding step more than its
+    arithmetic when autocast is not on, so skip it then."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.autocast(device_type=device.type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:

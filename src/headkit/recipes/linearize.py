@@ -87,6 +87,8 @@ class LinearizeSettings:
     held_out_windows: int = 16
     decode_contexts: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)
     decode_steps: int = 8
+    # batch sizes timed at each context: batch 1 is weight-bound, larger batches read more cache per weight
+    decode_batch_sizes: tuple[int, ...] = (1, 8)
     temperature: float = 1.0
     seed: int = 0
     overwrite: bool = False
@@ -104,6 +106,7 @@ class LinearizeSettings:
             "held_out_windows": 4,
             "decode_contexts": (128, 512, 2048),
             "decode_steps": 4,
+            "decode_batch_sizes": (1,),
         }
         return cls(**(settings | overrides))
 
@@ -193,7 +196,7 @@ def check_settings(settings: LinearizeSettings) -> None:
             or value <= 0
         ):
             raise HeadkitError(f"--{name.replace('_', '-')} must be a positive number, got {value!r}")
-    for name, minimum in (("eval_lengths", 2), ("decode_contexts", 1)):
+    for name, minimum in (("eval_lengths", 2), ("decode_contexts", 1), ("decode_batch_sizes", 1)):
         values = getattr(settings, name)
         if (
             not isinstance(values, (tuple, list))
@@ -293,6 +296,11 @@ def _run(
     if context is not None and settings.train_length > context:
         raise HeadkitError(
             f"--train-length must be at most the model's context of {context}, got {settings.train_length}"
+        )
+    if context is not None and settings.decode_steps + 2 > context:
+        raise HeadkitError(
+            f"--decode-steps must leave room for a prompt in the model's context of {context}, got "
+            f"{settings.decode_steps}"
         )
     eval_lengths = [n for n in settings.eval_lengths if context is None or n <= context]
     if not eval_lengths:
@@ -398,26 +406,31 @@ def _run(
 
     decode, skipped_contexts = [], []
     for length in settings.decode_contexts:
-        if context is not None and length + settings.decode_steps + 1 > context:
+        if context is not None and length > context:
             skipped_contexts.append(length)
             continue
-        point = decode_profile(
-            {"original": teacher, "linearized": student}, length, settings.decode_steps, settings.seed
+        # A context at the model's limit is timed on the last steps before it: the prompt is shortened by the steps.
+        prompt = length if context is None else min(length, context - settings.decode_steps - 1)
+        points = decode_profile(
+            {"original": teacher, "linearized": student},
+            prompt,
+            settings.decode_steps,
+            settings.seed,
+            batch_sizes=settings.decode_batch_sizes,
         )
-        decode.append(
-            {
-                "context": length,
-                "original_ms_per_token": point["original"]["ms_per_token"],
-                "linearized_ms_per_token": point["linearized"]["ms_per_token"],
-                "original_cache_bytes": point["original"]["cache_bytes"],
-                "linearized_cache_bytes": point["linearized"]["cache_bytes"],
-            }
-        )
-        echo(
-            f"decode at {length}: original {point['original']['ms_per_token']:.2f} ms/token "
-            f"({point['original']['cache_bytes'] / 2**20:.2f} MiB cache), linearized "
-            f"{point['linearized']['ms_per_token']:.2f} ms/token ({point['linearized']['cache_bytes'] / 2**20:.2f} MiB)"
-        )
+        for point in points:
+            decode.append(
+                {
+                    "context": length,
+                    "prompt_tokens": prompt,
+                    "batch_size": point["batch_size"],
+                    "original_ms_per_token": point["original"]["ms_per_token"],
+                    "linearized_ms_per_token": point["linearized"]["ms_per_token"],
+                    "original_cache_bytes": point["original"]["cache_bytes"],
+                    "linearized_cache_bytes": point["linearized"]["cache_bytes"],
+                }
+            )
+            echo(_decode_line(decode[-1]))
     if skipped_contexts:
         echo(f"decoding at {skipped_contexts} skipped: beyond the model's context of {context}")
 
@@ -527,32 +540,68 @@ def attention_lora(model: nn.Module, rank: int, alpha: float | None = None) -> n
 
 @torch.no_grad()
 def decode_profile(
-    models: dict[str, nn.Module], context: int, steps: int, seed: int = 0, batch_size: int = 1
-) -> dict[str, dict[str, float]]:
-    """Per model: the median milliseconds of one greedy decoding step after a `context`-token prompt, and the bytes
-    of its decoding cache after the prompt. The models step in alternation (one prefill each, then `steps` timed
-    steps, one untimed warm-up step first), so load that drifts on shared cores slows them alike."""
+    models: dict[str, nn.Module],
+    context: int,
+    steps: int,
+    seed: int = 0,
+    *,
+    batch_sizes: tuple[int, ...] = (1,),
+) -> list[dict[str, Any]]:
+    """Per batch size and model: the median milliseconds of one greedy decoding step after a `context`-token
+    prompt, and the bytes of its decoding cache after the prompt.
+
+    Each model prefills one prompt at batch 1; for a larger batch its cache is repeated along the batch
+    (``Cache.batch_repeat_interleave``, as beam search does), so every row holds a real `context`-token cache
+    without paying a batch-sized prefill. The models step in alternation (one untimed warm-up step, then `steps`
+    timed ones), so load that drifts on shared cores slows them alike. Returns one entry per batch size:
+    ``{"batch_size": b, name: {"ms_per_token": …, "cache_bytes": …}, …}``.
+    """
     first = next(iter(models.values()))
     vocabulary = min(int(getattr(first.config, "vocab_size", 1000)), 1000)
-    ids = torch.randint(0, vocabulary, (batch_size, context), generator=torch.Generator().manual_seed(seed))
-    caches, tokens, sizes = {}, {}, {}
+    ids = torch.randint(0, vocabulary, (1, context), generator=torch.Generator().manual_seed(seed))
+    prefilled = {}
     for name, model in models.items():
         output = model(input_ids=ids, use_cache=True)
-        caches[name], tokens[name] = output.past_key_values, output.logits[:, -1:].argmax(-1)
-        sizes[name] = decoding_state_bytes(caches[name])
-    times: dict[str, list[float]] = {name: [] for name in models}
-    for step in range(steps + 1):
-        for name, model in models.items():
-            started = time.perf_counter()
-            output = model(input_ids=tokens[name], past_key_values=caches[name], use_cache=True)
-            elapsed = time.perf_counter() - started
-            caches[name], tokens[name] = output.past_key_values, output.logits[:, -1:].argmax(-1)
-            if step > 0:
-                times[name].append(elapsed)
-    return {
-        name: {"ms_per_token": 1000 * statistics.median(times[name]), "cache_bytes": sizes[name]}
-        for name in models
-    }
+        prefilled[name] = (output.past_key_values, output.logits[:, -1:].argmax(-1))
+    points = []
+    for batch_size in batch_sizes:
+        caches, tokens, sizes = {}, {}, {}
+        for name, (cache, token) in prefilled.items():
+            caches[name] = copy.deepcopy(cache)  # every batch size decodes from the prompt's own cache
+            if batch_size > 1:
+                caches[name].batch_repeat_interleave(batch_size)
+            tokens[name] = token.expand(batch_size, 1)
+            sizes[name] = decoding_state_bytes(caches[name])
+        times: dict[str, list[float]] = {name: [] for name in models}
+        for step in range(steps + 1):
+            for name, model in models.items():
+                started = time.perf_counter()
+                output = model(input_ids=tokens[name], past_key_values=caches[name], use_cache=True)
+                elapsed = time.perf_counter() - started
+                caches[name], tokens[name] = output.past_key_values, output.logits[:, -1:].argmax(-1)
+                if step > 0:
+                    times[name].append(elapsed)
+        points.append(
+            {
+                "batch_size": batch_size,
+                **{
+                    name: {"ms_per_token": 1000 * statistics.median(times[name]), "cache_bytes": sizes[name]}
+                    for name in models
+                },
+            }
+        )
+    return points
+
+
+def _decode_line(point: dict[str, Any]) -> str:
+    prompt = f" (prompt {point['prompt_tokens']})" if point["prompt_tokens"] != point["context"] else ""
+    return (
+        f"decode at {point['context']}{prompt}, batch {point['batch_size']}: original "
+        f"{point['original_ms_per_token']:.2f} ms/token ({point['original_cache_bytes'] / 2**20:.2f} MiB cache), "
+        f"linearized {point['linearized_ms_per_token']:.2f} ms/token "
+        f"({point['linearized_cache_bytes'] / 2**20:.2f} MiB); "
+        f"{point['original_ms_per_token'] / point['linearized_ms_per_token']:.2f}x"
+    )
 
 
 @torch.no_grad()
@@ -584,12 +633,7 @@ def format_report(report: dict[str, Any]) -> str:
         f"{stages['after_transfer']:.3f}, after LoRA {stages['after_lora']:.3f} (original {stages['original']:.3f})",
         f"top-1 next-token agreement with the original: {report['top1_agreement']:.1%}",
     ]
-    for point in report["decode"]:
-        lines.append(
-            f"decode at {point['context']}: {point['original_ms_per_token']:.2f} -> "
-            f"{point['linearized_ms_per_token']:.2f} ms/token; cache {point['original_cache_bytes']:,} -> "
-            f"{point['linearized_cache_bytes']:,} bytes"
-        )
+    lines += [_decode_line(point) for point in report["decode"]]
     lines += [
         f"sample before: {report['sample_original']!r}",
         f"sample after:  {report['sample_linearized']!r}",
@@ -607,12 +651,18 @@ def plot_report(report: dict[str, Any]) -> Any:
 
     figure = Figure(figsize=(13, 3.8), layout="constrained")
     speed, memory, losses = figure.subplots(1, 3)
-    contexts = [p["context"] for p in report["decode"]]
-    for key, label, marker in (("original", "original (KV cache)", "o"), ("linearized", "linearized", "s")):
-        speed.plot(contexts, [p[f"{key}_ms_per_token"] for p in report["decode"]], marker=marker, label=label)
-        memory.plot(
-            contexts, [p[f"{key}_cache_bytes"] / 2**20 for p in report["decode"]], marker=marker, label=label
-        )
+    for batch_size in sorted({p["batch_size"] for p in report["decode"]}):
+        points = [p for p in report["decode"] if p["batch_size"] == batch_size]
+        contexts = [p["context"] for p in points]
+        for key, label, marker in (
+            ("original", "original (KV cache)", "o"),
+            ("linearized", "linearized", "s"),
+        ):
+            label = f"{label}, batch {batch_size}"
+            speed.plot(contexts, [p[f"{key}_ms_per_token"] for p in points], marker=marker, label=label)
+            memory.plot(
+                contexts, [p[f"{key}_cache_bytes"] / 2**20 for p in points], marker=marker, label=label
+            )
     for axis, title, unit in ((speed, "decode time per token", "ms"), (memory, "decoding memory", "MiB")):
         axis.set_xscale("log", base=2)
         axis.set_xlabel("context (tokens)")
