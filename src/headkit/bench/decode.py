@@ -35,7 +35,7 @@ import shlex
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,13 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from headkit.bench._measure import synchronize, thread_limit
+from headkit.bench._options import (
+    check_device,
+    check_names,
+    check_out_dir,
+    check_positive_option,
+    check_positive_options,
+)
 from headkit.bench._report import (
     RESULTS_FILE,
     TABLE_FILE,
@@ -53,12 +60,12 @@ from headkit.bench._report import (
     markdown_table,
     write_results,
 )
+from headkit.bench.registry import option, register_benchmark
 from headkit.data import ByteTokenizer
 from headkit.errors import HeadkitError
-from headkit.layers import HeadkitCache
+from headkit.layers import HeadkitCache, RecurrentStateLayer, attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 
-MECHANISMS = ("softmax", "linear", "additive")
 BASELINE = "softmax"
 DEFAULT_PROMPT_LENGTHS = (256, 1024, 4096)
 DEFAULT_NEW_TOKENS = 128
@@ -115,6 +122,46 @@ def time_greedy_decoding(
     return prefill_s, step_s, torch.cat(generated, dim=1)
 
 
+def constant_state_mechanisms() -> list[str]:
+    """The registered mechanisms compared by default whose decoding state does not grow with the context."""
+    return [
+        name
+        for name, layer in attention_classes().items()
+        if layer.compared and layer.cache_layer_class is RecurrentStateLayer
+    ]
+
+
+@dataclass
+class DecodeSettings:
+    """Settings of one ``headkit bench decode`` run."""
+
+    device: str = option("cpu", "Device to measure on: cpu or cuda.")
+    prompt_lengths: tuple[int, ...] = option(
+        DEFAULT_PROMPT_LENGTHS,
+        "Comma-separated prompt lengths (default 256,1024,4096; quick 256,1024).",
+        flag="--prompts",
+    )
+    new_tokens: int = option(
+        DEFAULT_NEW_TOKENS, "Tokens generated per prompt (default 128; quick 32).", min=2
+    )
+    mechanisms: tuple[str, ...] = option(
+        (),
+        "Comma-separated registered attention mechanisms (default: softmax and those with a constant-size "
+        "decoding state: softmax,linear,additive).",
+    )
+    repeats: int = option(
+        3, "Prefill + decode runs per point, interleaved with the others (steps pooled).", min=1
+    )
+    batch_size: int = option(1, "Prompts decoded together.", min=1)
+    threads: int | None = option(None, "torch threads during the run (default: torch's setting).", min=1)
+    out: Path = option(Path("results/decode"), "Output directory for results.json, plot and table.")
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> DecodeSettings:
+        """Short run: prompts 256 and 1024, 32 new tokens."""
+        return cls(**({"prompt_lengths": QUICK_PROMPT_LENGTHS, "new_tokens": QUICK_NEW_TOKENS} | overrides))
+
+
 @dataclass
 class _Plan:
     device: torch.device
@@ -124,50 +171,26 @@ class _Plan:
     repeats: int
     batch_size: int
     out_dir: Path
-    quick: bool
-    notes: list[str] = field(default_factory=list)
 
 
+@register_benchmark(
+    "decode",
+    DecodeSettings,
+    help="Time per generated token (greedy) after long prompts: softmax vs linear vs additive, same model size.",
+)
 def run_decode_benchmark(
-    *,
-    device: str = "cpu",
-    prompt_lengths: Sequence[int] | None = None,
-    new_tokens: int | None = None,
-    mechanisms: Sequence[str] | None = None,
-    repeats: int = 3,
-    batch_size: int = 1,
-    threads: int | None = None,
-    out_dir: str | Path = Path("results/decode"),
-    quick: bool = False,
-    console: Console | None = None,
-    show_progress: bool = True,
+    settings: DecodeSettings | None = None, console: Console | None = None, show_progress: bool = True
 ) -> dict[str, Any]:
-    """Measure time per generated token for each mechanism and prompt length; write the report to ``out_dir``.
-
-    Args:
-        device: "cpu" or "cuda" (or "cuda:N").
-        prompt_lengths: prompt lengths P; 256, 1024, 4096 by default (256, 1024 with ``quick``).
-        new_tokens: tokens generated after each prompt; 128 by default (32 with ``quick``); at least 2.
-        mechanisms: some of "softmax", "linear", "additive" (all by default).
-        repeats: prefill + decode runs per point, interleaved with the other points; their steps are pooled.
-        batch_size: prompts decoded together.
-        threads: torch intra-op threads during the run (restored afterwards); None keeps the current setting.
-            On a shared CPU, 1 thread avoids waiting for busy cores inside every small op.
-        out_dir: output folder for results.json, table.md and decode.png.
-        quick: the short defaults above.
-        console, show_progress: where the progress bar and tables go, and whether to draw the bar.
-
-    Returns:
-        The dictionary written to results.json.
+    """Measure time per generated token for each mechanism and prompt length; write the report to
+    ``settings.out``. Returns the dictionary written to results.json.
 
     Raises:
         HeadkitError (a ValueError): unknown mechanism, bad lengths or counts, CUDA asked for but absent.
     """
-    plan = _plan(device, prompt_lengths, new_tokens, mechanisms, repeats, batch_size, out_dir, quick)
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0):
-        raise HeadkitError(f"threads must be a positive integer or None, got {threads!r}")
+    settings = settings or DecodeSettings()
+    plan = _plan(settings)
     console = console or Console()
-    with thread_limit(threads):
+    with thread_limit(settings.threads):
         points = _measure(plan, console, show_progress)
         machine = machine_info(plan.device)  # records the thread count in force during the run
     return _report(plan, points, machine, console)
@@ -245,9 +268,7 @@ def _report(
             "threads": machine["torch_threads"],
             "repeats": plan.repeats,
             "mechanisms": plan.mechanisms,
-            "quick": plan.quick,
             "statistic": "fastest decoding step (targets); median and mean reported too",
-            "notes": plan.notes,
         },
         "machine": machine,
         "command": command_line(),
@@ -255,73 +276,31 @@ def _report(
         "targets": evaluate_targets(points, plan.prompt_lengths),
     }
     write_results(plan.out_dir, results, render_markdown(results), plot_results(results), PLOT_FILE)
-    for note in plan.notes:
-        console.print(f"[dim]{note}[/]", highlight=False)
     console.print(_time_table(results))
     console.print(_target_table(results))
     console.print(f"wrote {RESULTS_FILE}, {TABLE_FILE} and {PLOT_FILE} to {plan.out_dir}", highlight=False)
     return results
 
 
-def _plan(
-    device: str,
-    prompt_lengths: Sequence[int] | None,
-    new_tokens: int | None,
-    mechanisms: Sequence[str] | None,
-    repeats: int,
-    batch_size: int,
-    out_dir: str | Path,
-    quick: bool,
-) -> _Plan:
-    """Validate the arguments: every user error surfaces here, before a model is built."""
-    try:
-        torch_device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise HeadkitError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from None
-    if torch_device.type not in ("cpu", "cuda"):
-        raise HeadkitError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
-    if torch_device.type == "cuda" and not torch.cuda.is_available():
-        raise HeadkitError(f"device {device!r} asked for, but CUDA is not available here; use --device cpu")
-    for name, value in (("repeats", repeats), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise HeadkitError(f"{name} must be a positive integer, got {value!r}")
-    if prompt_lengths is None:
-        prompt_lengths = QUICK_PROMPT_LENGTHS if quick else DEFAULT_PROMPT_LENGTHS
-    if not prompt_lengths or any(
-        isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in prompt_lengths
-    ):
-        raise HeadkitError(
-            f"prompt lengths must be a non-empty list of positive integers, got {prompt_lengths!r}"
-        )
-    if new_tokens is None:
-        new_tokens = QUICK_NEW_TOKENS if quick else DEFAULT_NEW_TOKENS
+def _plan(settings: DecodeSettings) -> _Plan:
+    """Validate the settings: every user error surfaces here, before a model is built."""
+    torch_device = check_device(settings.device)
+    check_positive_options(settings, ("repeats", "batch_size"))
+    if settings.threads is not None:
+        check_positive_option("threads", settings.threads)
+    lengths = settings.prompt_lengths
+    if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in lengths):
+        raise HeadkitError(f"--prompts must be positive prompt lengths, got {lengths!r}")
+    new_tokens = settings.new_tokens
     if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 2:
         raise HeadkitError(
-            f"new_tokens must be an integer ≥ 2 (one prefill token, then timed steps), got {new_tokens!r}"
+            f"--new-tokens must be an integer ≥ 2 (one prefill token, then timed steps), got {new_tokens!r}"
         )
-    names = list(MECHANISMS) if mechanisms is None else [name.strip() for name in mechanisms]
-    unknown = [name for name in names if name not in MECHANISMS]
-    if unknown or not names:
-        raise HeadkitError(
-            f"unknown mechanism(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
-            f"valid names: {', '.join(MECHANISMS)}"
-        )
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise NotADirectoryError(f"--out {str(out_dir)!r} exists and is not a directory")
-    notes = []
-    if quick:
-        notes.append(f"quick: prompts {list(prompt_lengths)}, {new_tokens} new tokens")
+    default = [BASELINE, *constant_state_mechanisms()]
+    names = check_names("--mechanisms", settings.mechanisms or default, attention_classes())
+    out_dir = check_out_dir(settings.out)
     return _Plan(
-        torch_device,
-        sorted(set(prompt_lengths)),
-        new_tokens,
-        list(dict.fromkeys(names)),
-        repeats,
-        batch_size,
-        out_dir,
-        quick,
-        notes,
+        torch_device, sorted(set(lengths)), new_tokens, names, settings.repeats, settings.batch_size, out_dir
     )
 
 
@@ -336,7 +315,7 @@ def _point(points: list[dict[str, Any]], mechanism: str, prompt_length: int) -> 
 
 
 def evaluate_targets(points: list[dict[str, Any]], prompt_lengths: Sequence[int]) -> list[dict[str, Any]]:
-    """The issue's targets for linear and additive: flatness (per-token time at the longest prompt / at the
+    """The issue's targets for the constant-state mechanisms (linear and additive): flatness (per-token time at the longest prompt / at the
     shortest ≤ 1.2) and speed-up over softmax at the longest prompt (≥ 3). Judged on the fastest step
     (``measured``); ``measured_median`` is the same ratio of medians. None where a side was not measured."""
     shortest, longest = min(prompt_lengths), max(prompt_lengths)
@@ -347,7 +326,9 @@ def evaluate_targets(points: list[dict[str, Any]], prompt_lengths: Sequence[int]
         return numerator[key] / denominator[key]
 
     targets = []
-    for mechanism in ("linear", "additive"):
+    constant = constant_state_mechanisms()  # the targets' subjects: those measured, else all (not measured)
+    measured = [name for name in dict.fromkeys(point["mechanism"] for point in points) if name in constant]
+    for mechanism in measured or constant:
         long_point, short_point = _point(points, mechanism, longest), _point(points, mechanism, shortest)
         baseline = _point(points, BASELINE, longest)
         for kind, description, numerator, denominator, required in (

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from headkit.bench._measure import thread_limit
-from headkit.bench._options import check_positive_options
+from headkit.bench._options import check_names, check_positive_options
 from headkit.bench._report import (
     command_line,
     machine_info,
@@ -42,7 +42,9 @@ from headkit.bench._report import (
     write_json_atomic,
     write_text_atomic,
 )
+from headkit.bench.registry import option, register_benchmark
 from headkit.errors import HeadkitError
+from headkit.layers import attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 
 PIXELS = 64  # 8 × 8
@@ -51,31 +53,39 @@ LEVELS = 17  # load_digits intensities are integers 0..16
 BOS = LEVELS  # the start token, the only token that is not a pixel
 VOCAB_SIZE = LEVELS + 1
 VISIBLE = PIXELS // 2  # the top four rows are shown, the bottom four completed
-MECHANISMS = ("linear", "softmax")
+MECHANISMS = ("linear", "softmax")  # the default comparison; any registered mechanism may be named
 TEST_IMAGES = 300
 
 
 @dataclass
 class DigitsConfig:
-    """Settings of one ``headkit bench digits`` run (see the command's --help)."""
+    """Settings of one ``headkit bench digits`` run."""
 
-    out: Path = Path("results/digits")
-    steps: int = 1500
-    batch_size: int = 64
+    out: Path = option(Path("results/digits"), "Output directory for results.json, table, grid.")
+    steps: int = option(1500, "Training steps per model (default 1500; 450 with --quick).", min=1)
+    batch_size: int = option(64, "Images per step (default 64; 32 with --quick).", min=1)
     lr: float = 3e-3
-    hidden_size: int = 128
-    layers: int = 4
+    hidden_size: int = option(128, "Model width (default 128; 64 with --quick).", min=1)
+    layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1)
     heads: int = 4
-    image_counts: tuple[int, ...] = (100, 200, 300)
-    sample: bool = False  # greedy completion by default; sampling draws from the model's distribution
+    mechanisms: tuple[str, ...] = option(
+        MECHANISMS, "Comma-separated registered attention mechanisms (default linear,softmax)."
+    )
+    image_counts: tuple[int, ...] = option(
+        (100, 200, 300),
+        "Comma-separated image counts to time completion on (default 100,200,300; quick 100).",
+        flag="--images",
+    )
+    # Greedy completion by default; sampling draws from the model's distribution.
+    sample: bool = option(False, "Complete by sampling instead of greedily.")
     timing_repeats: int = 3
-    seed: int = 0
+    seed: int = option(0, "Seed of the split, initialisation and batches.")
     # Tiny models: a second thread only adds synchronisation, and on shared cores it costs 10× (measured).
-    threads: int = 1
+    threads: int = option(1, "torch threads (tiny models: 1 is fastest).", min=1)
 
     @classmethod
     def quick(cls, **overrides: Any) -> DigitsConfig:
-        """The < 3 minute path on two CPU cores."""
+        """Small models, short training, 100 images (< 3 minutes)."""
         settings = {
             "steps": 450,
             "batch_size": 32,
@@ -245,6 +255,12 @@ def classifier_accuracy(classifier: Any, pixels: np.ndarray | torch.Tensor, labe
 # -- the benchmark ---------------------------------------------------------------------------------------------
 
 
+@register_benchmark(
+    "digits",
+    DigitsConfig,
+    help="Linear vs softmax autoregressive pixel models on the 8×8 digits: bottom-half completion, its time and "
+    "a classifier's accuracy on the completed images.",
+)
 def run_digits_benchmark(config: DigitsConfig | None = None, console: Any = None) -> dict[str, Any]:
     """Run the benchmark with ``config.threads`` torch threads (restored after); see the module docstring.
 
@@ -278,7 +294,7 @@ def _run_digits_benchmark_body(config: DigitsConfig, console: Any) -> dict[str, 
     results: list[MechanismResult] = []
     completions: dict[str, torch.Tensor] = {}
     with Progress(console=console, transient=True) as progress:
-        for mechanism in MECHANISMS:
+        for mechanism in config.mechanisms:
             model = build_model(mechanism, config)
             task = progress.add_task(f"training {mechanism}", total=config.steps)
             train_start = time.perf_counter()
@@ -347,6 +363,7 @@ def _check_settings(config: DigitsConfig) -> None:
         raise HeadkitError(f"--images must be counts in [1, 1000], got {config.image_counts!r}")
     if not config.lr > 0:
         raise HeadkitError(f"--lr must be positive, got {config.lr!r}")
+    check_names("--mechanisms", config.mechanisms, attention_classes())
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:

@@ -71,6 +71,7 @@ from headkit.bench._report import (
     write_json_atomic,
     write_text_atomic,
 )
+from headkit.bench.registry import option, register_benchmark
 from headkit.data import (
     BYTE_VOCAB,
     ByteTokenizer,
@@ -105,31 +106,36 @@ EVAL_BATCH_TOKENS = 16_384
 
 @dataclass
 class ExtrapolateConfig:
-    """Settings of one ``headkit bench extrapolate`` run (see the command's --help)."""
+    """Settings of one ``headkit bench extrapolate`` run."""
 
-    out: Path = Path("results/extrapolate")
-    steps: int = 2000
-    batch_size: int = 32
+    out: Path = option(
+        Path("results/extrapolate"), "Output directory for results.json, table.md and the plots."
+    )
+    steps: int = option(2000, "Training steps per model (default 2000; 500 with --quick).", min=1)
+    batch_size: int = option(32, "Windows per step (default 32; 16 with --quick).", min=2)
     lr: float = 2e-3
-    hidden_size: int = 128
-    layers: int = 4
+    hidden_size: int = option(128, "Model width (default 128; 64 with --quick).", min=2)
+    layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1)
     heads: int = 4
     train_length: int = 128
-    lengths: tuple[int, ...] = (128, 256, 512, 1024, 2048)
+    lengths: tuple[int, ...] = option(
+        (128, 256, 512, 1024, 2048),
+        "Comma-separated evaluation lengths ≥ 128, the trained one (default 128,256,512,1024,2048).",
+    )
     passkey_fraction: float = 0.5  # share of each training batch that is passkey documents
-    passkey_trials: int = 50
+    passkey_trials: int = option(50, "Passkey documents per length (default 50; 10 with --quick).", min=1)
     eval_tokens: int = 32_768  # held-out tokens scored at every length
     dynamic_factor: float | None = None  # None: max(lengths) / train_length
     rope_theta: float = 10000.0
-    corpus: Path | None = None  # None: the Python standard library
+    corpus: Path | None = option(None, "Text file or folder to train on (default: the Python stdlib).")
     corpus_bytes: int | None = None  # read at most this many corpus bytes; None: all
-    seed: int = 0
+    seed: int = option(0, "Seed of the initialisation, batches and passkey documents.")
     # Small models: a second thread mostly adds synchronisation on a shared two-core machine.
-    threads: int = 1
+    threads: int = option(1, "torch threads (small models: 1 is fastest on 2 cores).", min=1)
 
     @classmethod
     def quick(cls, **overrides: Any) -> ExtrapolateConfig:
-        """The < 3 minute path on two CPU cores."""
+        """Small models, short training, 10 passkey trials (< 3 minutes)."""
         settings = {
             "steps": 500,
             "batch_size": 16,
@@ -434,6 +440,12 @@ def _quiet_transformers() -> Iterator[None]:
 # -- the benchmark ---------------------------------------------------------------------------------------------
 
 
+@register_benchmark(
+    "extrapolate",
+    ExtrapolateConfig,
+    help="RoPE (softmax) vs CoCA trained at 128 bytes: held-out perplexity and passkey retrieval at longer "
+    "contexts, with no, linear (position interpolation) and dynamic-NTK rotary scaling.",
+)
 def run_extrapolate_benchmark(config: ExtrapolateConfig | None = None, console: Any = None) -> dict[str, Any]:
     """Run the benchmark with ``config.threads`` torch threads (restored after); see the module docstring.
 

