@@ -8,11 +8,12 @@ Windows when both paths are on the same file system.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import os
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +30,36 @@ from headkit.files import (  # noqa: F401 (re-exported: the benchmarks write thr
 RESULTS_FILE, TABLE_FILE = "results.json", "table.md"
 
 
-def write_results(
-    out_dir: str | os.PathLike[str], results: Any, markdown: str, figure: Any, plot_file: str
+def settings_dict(settings: Any) -> dict[str, Any]:
+    """A settings dataclass as JSON-ready values (paths as strings)."""
+    return {k: str(v) if isinstance(v, os.PathLike) else v for k, v in dataclasses.asdict(settings).items()}
+
+
+def report_header(benchmark: str, settings: Any, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """What every results.json starts with: the benchmark, the command line, the machine and the settings."""
+    return {
+        "benchmark": benchmark,
+        "command": command_line(),
+        "machine": machine_info(device),
+        "settings": settings_dict(settings),
+    }
+
+
+def write_report(
+    out_dir: str | os.PathLike[str],
+    results: Any,
+    markdown: str,
+    figures: Mapping[str, Any],
+    console: Any = None,
 ) -> None:
-    """A benchmark's three outputs, each written atomically: results.json, table.md and its plot."""
+    """results.json, table.md and each figure under its file name, each atomically; ``console`` prints the table."""
     out_dir = Path(out_dir)
-    write_json_atomic(out_dir / RESULTS_FILE, results)
+    for name, figure in figures.items():
+        save_figure_atomic(figure, out_dir / name)
     write_text_atomic(out_dir / TABLE_FILE, markdown)
-    save_figure_atomic(figure, out_dir / plot_file)
+    write_json_atomic(out_dir / RESULTS_FILE, results)
+    if console is not None:
+        console.print(markdown, highlight=False, markup=False, soft_wrap=True)  # wrapped tables read badly
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

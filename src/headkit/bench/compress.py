@@ -45,14 +45,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from headkit.bench._measure import thread_limit, time_call
+from headkit.bench._measure import time_call
 from headkit.bench._options import check_positive_option, check_positive_options
-from headkit.bench._report import (
-    command_line,
-    machine_info,
-    markdown_table,
-    write_results,
-)
+from headkit.bench._report import markdown_table, report_header, write_report
 from headkit.bench.registry import option, register_benchmark
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import Compressed, compress_and_distill, load_teacher, prepare_encoder_text
@@ -135,11 +130,41 @@ def _check_common_settings(config: CompressBenchmarkConfig) -> None:
         raise HeadkitError(f"--lr must be positive, got {config.lr!r}")
 
 
-def _settings_dict(config: CompressBenchmarkConfig) -> dict[str, Any]:
-    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}
-
-
 # -- the benchmark ---------------------------------------------------------------------------------------------
+
+
+def _check_benchmark_settings(config: CompressBenchmarkConfig) -> None:
+    _check_common_settings(config)
+    dims = config.dims
+    if (
+        isinstance(dims, (str, bytes))
+        or not isinstance(dims, Sequence)
+        or not dims
+        or any(isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0 for dim in dims)
+    ):
+        raise HeadkitError(f"--dims must be one or more positive integers, got {dims!r}")
+    if len(set(dims)) != len(dims):
+        raise HeadkitError(f"--dims must not repeat a width, got {list(dims)}")
+    check_positive_options(config, ("threads", "train_texts"))
+    if isinstance(config.max_iter, bool) or not isinstance(config.max_iter, int) or config.max_iter < 0:
+        raise HeadkitError(f"--max-iter must be a non-negative integer, got {config.max_iter!r}")
+    _check_benchmark_output(_model_path(config), Path(config.out))
+
+
+def _check_benchmark_output(model_path: Path, out: Path) -> None:
+    """The benchmark writes three files into `out` and touches nothing else there (a model saved by the job
+    may share the folder); it only refuses to write into the input model's folder or around it."""
+    source, target = model_path.resolve(), out.resolve()
+    if target == source or source in target.parents or target in source.parents:
+        raise HeadkitError(
+            f"--out {str(out)!r} must not be the model folder {str(model_path)!r}, inside or around it"
+        )
+    if target.exists() and not target.is_dir():
+        raise HeadkitError(f"--out {str(out)!r} exists and is not a folder")
+
+
+def _model_path(config: CompressBenchmarkConfig) -> Path:
+    return Path(config.model) if config.model is not None else default_encoder_path()
 
 
 @register_benchmark(
@@ -147,29 +172,13 @@ def _settings_dict(config: CompressBenchmarkConfig) -> dict[str, Any]:
     CompressBenchmarkConfig,
     help="Collaborative heads on a sentence encoder, per shared width D̃: held-out cosine with the original "
     "before and after distillation, parameters, and forward time relative to the original.",
+    check=_check_benchmark_settings,
 )
-def run_compress_benchmark(
-    config: CompressBenchmarkConfig | None = None, console: Any = None
-) -> dict[str, Any]:
-    """Run the fidelity curve with ``config.threads`` torch threads (restored after); see the module docstring.
-
-    Returns the dictionary written to ``results.json``."""
-    config = config or CompressBenchmarkConfig()
-    _check_benchmark_settings(config)
-    model_path = Path(config.model) if config.model is not None else default_encoder_path()
-    out = Path(config.out)
-    _check_benchmark_output(model_path, out)
-    with thread_limit(config.threads):
-        return _run_compress_benchmark_body(config, model_path, out, console)
-
-
-def _run_compress_benchmark_body(
-    config: CompressBenchmarkConfig, model_path: Path, out: Path, console: Any
-) -> dict[str, Any]:
-    from rich.console import Console
+def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dict[str, Any]:
+    """The fidelity curve (see the module docstring); returns the dictionary written to ``results.json``."""
     from rich.progress import Progress
 
-    console = console or Console()
+    model_path, out = _model_path(config), Path(config.out)
     started = time.perf_counter()
     teacher = load_teacher(model_path)
     too_wide = [dim for dim in config.dims if dim > teacher.full_dim]
@@ -224,11 +233,7 @@ def _run_compress_benchmark_body(
             console.print(_summary_line(widths[-1], config.distill_steps))
             del compressed
 
-    report = {
-        "benchmark": "compress",
-        "command": command_line(),
-        "machine": machine_info("cpu"),
-        "settings": _settings_dict(config),
+    report = report_header("compress", config) | {
         "model": str(model_path),
         "model_name": "all-MiniLM-L6-v2" if config.model is None else model_path.name,
         "full_dim": teacher.full_dim,
@@ -241,39 +246,8 @@ def _run_compress_benchmark_body(
         "files": {"table": str(out / "table.md"), "plot": str(out / PLOT_FILE)},
     }
     _check_finite(report)
-    markdown = render_markdown(report)
-    write_results(out, report, markdown, plot_curve(report), PLOT_FILE)
-    console.print(markdown, highlight=False)
+    write_report(out, report, render_markdown(report), {PLOT_FILE: plot_curve(report)}, console)
     return report
-
-
-def _check_benchmark_settings(config: CompressBenchmarkConfig) -> None:
-    _check_common_settings(config)
-    dims = config.dims
-    if (
-        isinstance(dims, (str, bytes))
-        or not isinstance(dims, Sequence)
-        or not dims
-        or any(isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0 for dim in dims)
-    ):
-        raise HeadkitError(f"--dims must be one or more positive integers, got {dims!r}")
-    if len(set(dims)) != len(dims):
-        raise HeadkitError(f"--dims must not repeat a width, got {list(dims)}")
-    check_positive_options(config, ("threads", "train_texts"))
-    if isinstance(config.max_iter, bool) or not isinstance(config.max_iter, int) or config.max_iter < 0:
-        raise HeadkitError(f"--max-iter must be a non-negative integer, got {config.max_iter!r}")
-
-
-def _check_benchmark_output(model_path: Path, out: Path) -> None:
-    """The benchmark writes three files into `out` and touches nothing else there (a model saved by the job
-    may share the folder); it only refuses to write into the input model's folder or around it."""
-    source, target = model_path.resolve(), out.resolve()
-    if target == source or source in target.parents or target in source.parents:
-        raise HeadkitError(
-            f"--out {str(out)!r} must not be the model folder {str(model_path)!r}, inside or around it"
-        )
-    if target.exists() and not target.is_dir():
-        raise HeadkitError(f"--out {str(out)!r} exists and is not a folder")
 
 
 @dataclass

@@ -44,7 +44,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from headkit.bench._measure import synchronize, thread_limit
+from headkit.bench._measure import synchronize
 from headkit.bench._options import (
     check_device,
     check_names,
@@ -58,7 +58,7 @@ from headkit.bench._report import (
     command_line,
     machine_info,
     markdown_table,
-    write_results,
+    write_report,
 )
 from headkit.bench.registry import option, register_benchmark
 from headkit.data import ByteTokenizer
@@ -179,7 +179,7 @@ class _Plan:
     help="Time per generated token (greedy) after long prompts: softmax vs linear vs additive, same model size.",
 )
 def run_decode_benchmark(
-    settings: DecodeSettings | None = None, console: Console | None = None, show_progress: bool = True
+    settings: DecodeSettings, console: Console, show_progress: bool = True
 ) -> dict[str, Any]:
     """Measure time per generated token for each mechanism and prompt length; write the report to
     ``settings.out``. Returns the dictionary written to results.json.
@@ -187,13 +187,9 @@ def run_decode_benchmark(
     Raises:
         HeadkitError (a ValueError): unknown mechanism, bad lengths or counts, CUDA asked for but absent.
     """
-    settings = settings or DecodeSettings()
     plan = _plan(settings)
-    console = console or Console()
-    with thread_limit(settings.threads):
-        points = _measure(plan, console, show_progress)
-        machine = machine_info(plan.device)  # records the thread count in force during the run
-    return _report(plan, points, machine, console)
+    points = _measure(plan, console, show_progress)
+    return _report(plan, points, machine_info(plan.device), console)  # the thread count in force
 
 
 def _measure(plan: _Plan, console: Console, show_progress: bool) -> list[dict[str, Any]]:
@@ -275,7 +271,7 @@ def _report(
         "points": points,
         "targets": evaluate_targets(points, plan.prompt_lengths),
     }
-    write_results(plan.out_dir, results, render_markdown(results), plot_results(results), PLOT_FILE)
+    write_report(plan.out_dir, results, render_markdown(results), {PLOT_FILE: plot_results(results)})
     console.print(_time_table(results))
     console.print(_target_table(results))
     console.print(f"wrote {RESULTS_FILE}, {TABLE_FILE} and {PLOT_FILE} to {plan.out_dir}", highlight=False)

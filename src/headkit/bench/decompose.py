@@ -24,12 +24,12 @@ from typing import Any
 
 import torch
 
-from headkit.bench._measure import thread_limit
+from headkit.bench._options import check_positive_option
 from headkit.bench._report import (
     command_line,
     machine_info,
     markdown_table,
-    write_results,
+    write_report,
 )
 from headkit.bench.registry import option, register_benchmark
 from headkit.errors import HeadkitError
@@ -75,8 +75,9 @@ class DecomposeSettings:
     "decompose",
     DecomposeSettings,
     help="Query/key CP decomposition of a pretrained model: relative error and time per D̃, headkit vs tensorly.",
+    check=lambda settings: settings.threads is None or check_positive_option("threads", settings.threads),
 )
-def run_decompose_benchmark(settings: DecomposeSettings | None = None, console: Any = None) -> dict[str, Any]:
+def run_decompose_benchmark(settings: DecomposeSettings, console: Any) -> dict[str, Any]:
     """Decompose every (layer, D̃) with headkit and tensorly; write results.json, table.md, decompose.png.
 
     ``settings.model`` is a folder with config.json (num_attention_heads) and model.safetensors; widths above
@@ -88,18 +89,8 @@ def run_decompose_benchmark(settings: DecomposeSettings | None = None, console: 
     Raises:
         HeadkitError (a ValueError): no such folder, no query/key weights in it, bad layers, dims or max_iter.
     """
-    from rich.console import Console
-
-    settings = settings or DecomposeSettings()
-    console = console or Console()
-    model_path, out_dir, threads, seed, tol = (
-        settings.model,
-        Path(settings.out),
-        settings.threads,
-        settings.seed,
-        settings.tol,
-    )
-    include_tensorly = settings.include_tensorly
+    model_path, out_dir, seed, tol = settings.model, Path(settings.out), settings.seed, settings.tol
+    include_tensorly, threads = settings.include_tensorly, settings.threads
     model_dir = Path(model_path) if model_path is not None else _bundled_model_dir()
     heads, weights = load_query_key_weights(model_dir)
     rows, hidden = next(iter(weights.values()))[0].shape
@@ -110,11 +101,8 @@ def run_decompose_benchmark(settings: DecomposeSettings | None = None, console: 
     if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
         raise HeadkitError(f"max_iter must be a positive integer, got {max_iter!r}")
     parafac = _tensorly_parafac() if include_tensorly else None
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise HeadkitError(f"threads must be a positive integer or None, got {threads!r}")
-    with thread_limit(threads):
-        points = _measure(weights, heads, layers, dims, max_iter, tol, seed, parafac)
-        machine = machine_info("cpu")
+    points = _measure(weights, heads, layers, dims, max_iter, tol, seed, parafac)
+    machine = machine_info("cpu")
 
     results = {
         "benchmark": "decompose",
@@ -139,8 +127,7 @@ def run_decompose_benchmark(settings: DecomposeSettings | None = None, console: 
         "summary": _summary(points, dims),
     }
     markdown = render_markdown(results)
-    write_results(out_dir, results, markdown, plot_results(results), PLOT_FILE)
-    console.print(markdown, highlight=False, soft_wrap=True, markup=False)
+    write_report(out_dir, results, markdown, {PLOT_FILE: plot_results(results)}, console)
     console.print(f"wrote results.json, table.md and {PLOT_FILE} to {out_dir}", highlight=False, markup=False)
     return results
 

@@ -32,16 +32,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from headkit.bench._measure import thread_limit
 from headkit.bench._options import check_names, check_positive_options
-from headkit.bench._report import (
-    command_line,
-    machine_info,
-    markdown_table,
-    save_figure_atomic,
-    write_json_atomic,
-    write_text_atomic,
-)
+from headkit.bench._report import TABLE_FILE, markdown_table, report_header, write_report
 from headkit.bench.registry import option, register_benchmark
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes
@@ -55,6 +47,7 @@ VOCAB_SIZE = LEVELS + 1
 VISIBLE = PIXELS // 2  # the top four rows are shown, the bottom four completed
 MECHANISMS = ("linear", "softmax")  # the default comparison; any registered mechanism may be named
 TEST_IMAGES = 300
+GRID_FILE = "completions.png"
 
 
 @dataclass
@@ -255,30 +248,32 @@ def classifier_accuracy(classifier: Any, pixels: np.ndarray | torch.Tensor, labe
 # -- the benchmark ---------------------------------------------------------------------------------------------
 
 
+def _check_settings(config: DigitsConfig) -> None:
+    check_positive_options(
+        config, ("steps", "batch_size", "hidden_size", "layers", "heads", "timing_repeats", "threads")
+    )
+    if config.hidden_size % config.heads:
+        raise HeadkitError(f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads}")
+    if not config.image_counts or any(not 0 < count <= 1000 for count in config.image_counts):
+        raise HeadkitError(f"--images must be counts in [1, 1000], got {config.image_counts!r}")
+    if not config.lr > 0:
+        raise HeadkitError(f"--lr must be positive, got {config.lr!r}")
+    check_names("--mechanisms", config.mechanisms, attention_classes())
+
+
 @register_benchmark(
     "digits",
     DigitsConfig,
     help="Linear vs softmax autoregressive pixel models on the 8×8 digits: bottom-half completion, its time and "
     "a classifier's accuracy on the completed images.",
+    check=_check_settings,
 )
-def run_digits_benchmark(config: DigitsConfig | None = None, console: Any = None) -> dict[str, Any]:
-    """Run the benchmark with ``config.threads`` torch threads (restored after); see the module docstring.
+def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
+    """Train the models, complete the occluded test images, time and judge the completions; write the report.
 
     Returns the dictionary written to ``results.json``."""
-    config = config or DigitsConfig()
-    _check_settings(config)
-    with thread_limit(config.threads):
-        return _run_digits_benchmark_body(config, console)
-
-
-def _run_digits_benchmark_body(config: DigitsConfig, console: Any) -> dict[str, Any]:
-    """Train both models, complete the occluded test images, time and judge the completions; write the report.
-
-    Returns the dictionary written to ``results.json``."""
-    from rich.console import Console
     from rich.progress import Progress
 
-    console = console or Console()
     started = time.perf_counter()
     data = load_digit_data(max(TEST_IMAGES, max(config.image_counts)), config.seed)
     train_sequences = to_sequences(data.train_pixels)
@@ -333,37 +328,17 @@ def _run_digits_benchmark_body(config: DigitsConfig, console: Any) -> dict[str, 
             )
             console.print(f"{mechanism}: {_summary(results[-1])}")
 
-    out = Path(config.out)
-    report = {
-        "benchmark": "digits",
-        "command": command_line(),
-        "machine": machine_info("cpu"),
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+    report = report_header("digits", config) | {
         "train_images": len(data.train_pixels),
         "test_images": len(data.test_pixels),
         "classifier_accuracy_original": accuracy_original,
         "mechanisms": [asdict(result) for result in results],
         "seconds": time.perf_counter() - started,
-        "files": {"table": str(out / "table.md"), "grid": str(out / "completions.png")},
+        "files": {"table": str(Path(config.out) / TABLE_FILE), "grid": str(Path(config.out) / GRID_FILE)},
     }
-    save_figure_atomic(plot_completion_grid(data.test_pixels, completions), out / "completions.png")
-    write_text_atomic(out / "table.md", render_markdown(report))
-    write_json_atomic(out / "results.json", report)
-    console.print(render_markdown(report), highlight=False)
+    grid = plot_completion_grid(data.test_pixels, completions)
+    write_report(config.out, report, render_markdown(report), {GRID_FILE: grid}, console)
     return report
-
-
-def _check_settings(config: DigitsConfig) -> None:
-    check_positive_options(
-        config, ("steps", "batch_size", "hidden_size", "layers", "heads", "timing_repeats", "threads")
-    )
-    if config.hidden_size % config.heads:
-        raise HeadkitError(f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads}")
-    if not config.image_counts or any(not 0 < count <= 1000 for count in config.image_counts):
-        raise HeadkitError(f"--images must be counts in [1, 1000], got {config.image_counts!r}")
-    if not config.lr > 0:
-        raise HeadkitError(f"--lr must be positive, got {config.lr!r}")
-    check_names("--mechanisms", config.mechanisms, attention_classes())
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:

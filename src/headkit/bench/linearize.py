@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headkit.bench._measure import thread_limit
 from headkit.bench._options import check_positive_option
-from headkit.bench._report import command_line, machine_info, markdown_table, write_results
+from headkit.bench._report import command_line, machine_info, markdown_table, write_report
 from headkit.bench.registry import option, parse_list, register_benchmark
 from headkit.errors import HeadkitError
 from headkit.recipes.linearize import PLOT_FILE, LinearizeSettings, check_settings, plot_report, run
@@ -76,34 +75,31 @@ class LinearizeBenchSettings:
         return LinearizeSettings.quick(**given) if self.quick_recipe else LinearizeSettings(**given)
 
 
+def _check(settings: LinearizeBenchSettings) -> None:
+    check_positive_option("threads", settings.threads)
+    check_settings(settings.recipe_settings())
+    out = Path(settings.out)
+    if out.exists() and not out.is_dir():
+        raise HeadkitError(f"--out {str(out)!r} exists and is not a folder")
+
+
 @register_benchmark(
     "linearize",
     LinearizeBenchSettings,
     help="Linearized SmolLM2-135M against the original: held-out perplexity per stage and length, top-1 "
     "agreement, decode ms/token and decoding memory against context.",
+    check=_check,
 )
-def run_linearize_benchmark(
-    settings: LinearizeBenchSettings | None = None, console: Any = None
-) -> dict[str, Any]:
+def run_linearize_benchmark(settings: LinearizeBenchSettings, console: Any) -> dict[str, Any]:
     """Run the benchmark; returns the dictionary written to ``results.json``."""
-    from rich.console import Console
-
-    settings = settings or LinearizeBenchSettings()
-    console = console or Console()
 
     def echo(text: str) -> None:
         console.print(text, highlight=False, markup=False, soft_wrap=True)
 
-    recipe = settings.recipe_settings()
-    check_positive_option("threads", settings.threads)
-    check_settings(recipe)
     out = Path(settings.out)
-    if out.exists() and not out.is_dir():
-        raise HeadkitError(f"--out {str(out)!r} exists and is not a folder")
-    with thread_limit(settings.threads):
-        result = run(recipe, echo=echo)
-    report = result.report | {"command": command_line(), "machine": machine_info("cpu")}
-    write_results(out, report, results_table(report), plot_report(report), PLOT_FILE)
+    report = run(settings.recipe_settings(), echo=echo).report
+    report |= {"command": command_line(), "machine": machine_info("cpu")}
+    write_report(out, report, results_table(report), {PLOT_FILE: plot_report(report)})
     echo(f"wrote {out / 'results.json'}, {out / 'table.md'} and {out / PLOT_FILE}")
     return report
 

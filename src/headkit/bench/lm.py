@@ -54,9 +54,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from headkit.bench._measure import thread_limit
 from headkit.bench._options import check_positive_option
-from headkit.bench._report import command_line, machine_info, markdown_table, write_results
+from headkit.bench._report import markdown_table, report_header, write_report
 from headkit.bench.registry import option, register_benchmark
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes, get_attention_class
@@ -237,29 +236,67 @@ def count_parameters(variant: str, config: LMBenchConfig) -> int:
 # -- the benchmark ---------------------------------------------------------------------------------------------
 
 
+def check_settings(config: LMBenchConfig) -> None:
+    """Raise HeadkitError naming the option for any bad setting, before anything is loaded or trained."""
+    for name in (
+        "steps",
+        "batch_size",
+        "seq_len",
+        "hidden_size",
+        "layers",
+        "heads",
+        "eval_every",
+        "eval_tokens",
+        "additive_window",
+        "conv_kernel_size",
+        "threads",
+    ):
+        check_positive_option(name, getattr(config, name))
+    for name in ("corpus_bytes", "collaborative_dim"):
+        if getattr(config, name) is not None:
+            check_positive_option(name, getattr(config, name))
+    if config.seq_len < 2:
+        raise HeadkitError(
+            f"--seq-len must be at least 2 (one token predicts the next), got {config.seq_len}"
+        )
+    if isinstance(config.lr, bool) or not isinstance(config.lr, (int, float)) or not config.lr > 0:
+        raise HeadkitError(f"--lr must be a positive number, got {config.lr!r}")
+    valid = variants()
+    if isinstance(config.variants, str) or not config.variants:
+        raise HeadkitError(
+            f"--variants must name at least one of {', '.join(valid)}, got {config.variants!r}"
+        )
+    unknown = [variant for variant in config.variants if variant not in valid]
+    if unknown:
+        raise HeadkitError(
+            f"--variants: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(valid)}"
+        )
+    if len(set(config.variants)) != len(config.variants):
+        raise HeadkitError(f"--variants names a variant twice: {', '.join(config.variants)}")
+    if config.hidden_size % config.heads:
+        raise HeadkitError(f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads}")
+    if (config.hidden_size // config.heads) % 2:
+        raise HeadkitError(
+            f"--hidden-size / --heads = {config.hidden_size // config.heads} must be even (rotary pairs)"
+        )
+    if config.corpus is not None and not Path(config.corpus).exists():
+        raise HeadkitError(f"--corpus {str(config.corpus)!r} does not exist")
+    for variant in config.variants:
+        model_config(variant, config)  # the config's own checks, before any training
+
+
 @register_benchmark(
     "lm",
     LMBenchConfig,
     help="Same-size byte-level causal LMs, one per attention mechanism, trained alike on the same batches: "
     "held-out bits per byte against steps and training seconds, time per step, parameters.",
+    check=check_settings,
 )
-def run_lm_benchmark(config: LMBenchConfig | None = None, console: Any = None) -> dict[str, Any]:
-    """Run the benchmark with ``config.threads`` torch threads (restored after); see the module docstring.
-
-    Returns the dictionary written to ``results.json``."""
-    config = config or LMBenchConfig()
-    check_settings(config)
-    with thread_limit(config.threads):
-        return _run_lm_benchmark_body(config, console)
-
-
-def _run_lm_benchmark_body(config: LMBenchConfig, console: Any) -> dict[str, Any]:
-    from rich.console import Console
+def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
 
     from headkit.data import load_corpus
     from headkit.train import train_causal_lm
 
-    console = console or Console()
     started = time.perf_counter()
     model_configs = {variant: model_config(variant, config) for variant in config.variants}
     corpus = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
@@ -319,13 +356,7 @@ def _run_lm_benchmark_body(config: LMBenchConfig, console: Any) -> dict[str, Any
         del trained  # the next model need not share memory with this one
 
     out = Path(config.out)
-    report = {
-        "benchmark": "lm",
-        "command": command_line(),
-        "machine": machine_info("cpu"),
-        "settings": {
-            key: str(value) if isinstance(value, Path) else value for key, value in asdict(config).items()
-        },
+    report = report_header("lm", config) | {
         "corpus": summary,
         "positions": {
             "rope": [v for v in config.variants if model_configs[v].position_embedding_type == "rope"],
@@ -335,59 +366,8 @@ def _run_lm_benchmark_body(config: LMBenchConfig, console: Any) -> dict[str, Any
         "seconds": time.perf_counter() - started,
         "files": {"table": str(out / "table.md"), "plot": str(out / PLOT_FILE)},
     }
-    markdown = render_markdown(report)
-    write_results(out, report, markdown, plot_curves(report), PLOT_FILE)
-    console.print(markdown, highlight=False, soft_wrap=True)
+    write_report(out, report, render_markdown(report), {PLOT_FILE: plot_curves(report)}, console)
     return report
-
-
-def check_settings(config: LMBenchConfig) -> None:
-    """Raise HeadkitError naming the option for any bad setting, before anything is loaded or trained."""
-    for name in (
-        "steps",
-        "batch_size",
-        "seq_len",
-        "hidden_size",
-        "layers",
-        "heads",
-        "eval_every",
-        "eval_tokens",
-        "additive_window",
-        "conv_kernel_size",
-        "threads",
-    ):
-        check_positive_option(name, getattr(config, name))
-    for name in ("corpus_bytes", "collaborative_dim"):
-        if getattr(config, name) is not None:
-            check_positive_option(name, getattr(config, name))
-    if config.seq_len < 2:
-        raise HeadkitError(
-            f"--seq-len must be at least 2 (one token predicts the next), got {config.seq_len}"
-        )
-    if isinstance(config.lr, bool) or not isinstance(config.lr, (int, float)) or not config.lr > 0:
-        raise HeadkitError(f"--lr must be a positive number, got {config.lr!r}")
-    valid = variants()
-    if isinstance(config.variants, str) or not config.variants:
-        raise HeadkitError(
-            f"--variants must name at least one of {', '.join(valid)}, got {config.variants!r}"
-        )
-    unknown = [variant for variant in config.variants if variant not in valid]
-    if unknown:
-        raise HeadkitError(
-            f"--variants: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(valid)}"
-        )
-    if len(set(config.variants)) != len(config.variants):
-        raise HeadkitError(f"--variants names a variant twice: {', '.join(config.variants)}")
-    if config.hidden_size % config.heads:
-        raise HeadkitError(f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads}")
-    if (config.hidden_size // config.heads) % 2:
-        raise HeadkitError(
-            f"--hidden-size / --heads = {config.hidden_size // config.heads} must be even (rotary pairs)"
-        )
-    if config.corpus is not None and not Path(config.corpus).exists():
-        raise HeadkitError(f"--corpus {str(config.corpus)!r} does not exist")
-    for variant in config.variants:
-        model_config(variant, config)  # the config's own checks, before any training
 
 
 def _finite_or_none(value: float | None) -> float | None:

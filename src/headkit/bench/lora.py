@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headkit.bench._measure import thread_limit
 from headkit.bench._options import check_positive_options
-from headkit.bench._report import (
-    command_line,
-    machine_info,
-    markdown_table,
-    save_figure_atomic,
-    write_json_atomic,
-    write_text_atomic,
-)
+from headkit.bench._report import markdown_table, report_header, write_report
 from headkit.bench.registry import option, register_benchmark
 from headkit.errors import HeadkitError
 
@@ -202,30 +194,29 @@ def lora_parameter_count(model: DigitClassifier, rank: int) -> int:
 # -- the benchmark ---------------------------------------------------------------------------------------------
 
 
+def _check_settings(config: LoraConfig) -> None:
+    check_positive_options(
+        config, ("hidden_size", "pretrain_epochs", "threads", "finetune_epochs", "batch_size")
+    )
+    if not config.ranks or any(isinstance(r, bool) or not isinstance(r, int) or r <= 0 for r in config.ranks):
+        raise HeadkitError(f"--ranks must be positive integers, got {config.ranks!r}")
+    if not (config.lr > 0 and config.lora_lr > 0):
+        raise HeadkitError(f"--lr and --lora-lr must be positive, got {config.lr!r} and {config.lora_lr!r}")
+
+
 @register_benchmark(
     "lora",
     LoraConfig,
     help="LoRA (through PEFT) against full fine-tuning of a digits classifier on quantized, rotated and inverted "
     "digits, per rank, with trainable parameter counts; and LoRA-only training from scratch.",
+    check=_check_settings,
 )
-def run_lora_benchmark(config: LoraConfig | None = None, console: Any = None) -> dict[str, Any]:
-    """Run the benchmark with ``config.threads`` torch threads (restored after); see the module docstring.
-
-    Returns the dictionary written to ``results.json``."""
-    config = config or LoraConfig()
-    _check_settings(config)
-    with thread_limit(config.threads):
-        return _run_lora_benchmark_body(config, console)
-
-
-def _run_lora_benchmark_body(config: LoraConfig, console: Any) -> dict[str, Any]:
+def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
     """Pretrain, then fine-tune fully and with LoRA per rank on every variant, and LoRA-only from scratch.
 
     Returns the dictionary written to ``results.json``."""
-    from rich.console import Console
     from rich.progress import Progress
 
-    console = console or Console()
     started = time.perf_counter()
     data = load_split(config.test_fraction, config.seed)
     train_kwargs = dict(batch_size=config.batch_size, seed=config.seed)
@@ -300,11 +291,7 @@ def _run_lora_benchmark_body(config: LoraConfig, console: Any) -> dict[str, Any]
     )
 
     out = Path(config.out)
-    report = {
-        "benchmark": "lora",
-        "command": command_line(),
-        "machine": machine_info("cpu"),
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+    report = report_header("lora", config) | {
         "train_images": len(data["train_x"]),
         "test_images": len(data["test_x"]),
         "classifier_parameters": sum(p.numel() for p in pretrained.parameters()),
@@ -314,21 +301,8 @@ def _run_lora_benchmark_body(config: LoraConfig, console: Any) -> dict[str, Any]
         "seconds": time.perf_counter() - started,
         "files": {"table": str(out / "table.md"), "plot": str(out / "lora.png")},
     }
-    save_figure_atomic(plot_results(report), out / "lora.png")
-    write_text_atomic(out / "table.md", render_markdown(report))
-    write_json_atomic(out / "results.json", report)
-    console.print(render_markdown(report), highlight=False)
+    write_report(out, report, render_markdown(report), {"lora.png": plot_results(report)}, console)
     return report
-
-
-def _check_settings(config: LoraConfig) -> None:
-    check_positive_options(
-        config, ("hidden_size", "pretrain_epochs", "threads", "finetune_epochs", "batch_size")
-    )
-    if not config.ranks or any(isinstance(r, bool) or not isinstance(r, int) or r <= 0 for r in config.ranks):
-        raise HeadkitError(f"--ranks must be positive integers, got {config.ranks!r}")
-    if not (config.lr > 0 and config.lora_lr > 0):
-        raise HeadkitError(f"--lr and --lora-lr must be positive, got {config.lr!r} and {config.lora_lr!r}")
 
 
 def render_markdown(report: dict[str, Any]) -> str:

