@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from headkit.bench.registry import BENCHMARKS, load_benchmarks, option, parse_list, register_benchmark
@@ -119,14 +120,49 @@ def test_a_benchmark_registered_in_one_place_becomes_a_command(monkeypatch, tmp_
     monkeypatch.setattr("headkit.bench.registry.BENCHMARKS", dict(BENCHMARKS))
     from headkit.bench import registry
 
-    @register_benchmark("widget", WidgetSettings, help="Widgets per second.")
-    def run_widget(settings):
-        return {"steps": settings.steps}
+    @register_benchmark("widget", WidgetSettings)
+    def run_widget(settings, console):
+        """Widgets per second.
+
+        Details the command's help leaves out."""
+        return {"steps": settings.steps, "threads": torch.get_num_threads()}
 
     widget = registry.BENCHMARKS["widget"]
     assert [field.name for field in widget.options()] == ["out", "steps"]
-    assert widget.quick_help() == "Ten steps." and widget.make_settings(True, steps=3).steps == 3
+    assert widget.help == "Widgets per second." and widget.quick_help() == "Ten steps."
+    assert widget.make_settings(True, steps=3).steps == 3
+    assert run_widget() == {"steps": 100, "threads": torch.get_num_threads()}  # the full run's settings
     with pytest.raises(ValueError, match="already registered"):
-        register_benchmark("widget", WidgetSettings, help="")(lambda settings: {})
+        register_benchmark("widget", WidgetSettings)(lambda settings, console: {})
     with pytest.raises(TypeError, match="dataclass with a quick"):
-        register_benchmark("gadget", dict, help="")
+        register_benchmark("gadget", dict)
+
+
+def test_the_run_checks_the_settings_first_and_limits_threads_for_the_body(monkeypatch):
+    from headkit.bench import registry
+
+    monkeypatch.setattr("headkit.bench.registry.BENCHMARKS", {})
+
+    @dataclasses.dataclass
+    class Settings:
+        threads: int = option(1, "torch threads.")
+
+        @classmethod
+        def quick(cls, **overrides):
+            """Quick."""
+            return cls(**overrides)
+
+    def check(settings):
+        if settings.threads > 8:
+            raise HeadkitError("--threads: at most 8")
+
+    @register_benchmark("threads", Settings, check=check)
+    def run(settings, console):
+        """Threads."""
+        return {"threads": torch.get_num_threads()}
+
+    before = torch.get_num_threads()
+    assert run(Settings(threads=1)) == {"threads": 1} and torch.get_num_threads() == before
+    with pytest.raises(HeadkitError, match="--threads"):
+        run(Settings(threads=9))
+    assert registry.BENCHMARKS["threads"].run is run

@@ -167,15 +167,12 @@ def _model_path(config: CompressBenchmarkConfig) -> Path:
     return Path(config.model) if config.model is not None else default_encoder_path()
 
 
-@register_benchmark(
-    "compress",
-    CompressBenchmarkConfig,
-    help="Collaborative heads on a sentence encoder, per shared width D̃: held-out cosine with the original "
-    "before and after distillation, parameters, and forward time relative to the original.",
-    check=_check_benchmark_settings,
-)
+@register_benchmark("compress", CompressBenchmarkConfig, check=_check_benchmark_settings)
 def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dict[str, Any]:
-    """The fidelity curve (see the module docstring); returns the dictionary written to ``results.json``."""
+    """Collaborative heads on a sentence encoder, per shared width D̃: held-out cosine with the original before and
+    after distillation, parameters, and forward time relative to the original.
+
+    The fidelity curve (see the module docstring); returns the dictionary written to ``results.json``."""
     from rich.progress import Progress
 
     model_path, out = _model_path(config), Path(config.out)

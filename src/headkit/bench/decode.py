@@ -173,20 +173,17 @@ class _Plan:
     out_dir: Path
 
 
-@register_benchmark(
-    "decode",
-    DecodeSettings,
-    help="Time per generated token (greedy) after long prompts: softmax vs linear vs additive, same model size.",
-)
+@register_benchmark("decode", DecodeSettings)
 def run_decode_benchmark(
     settings: DecodeSettings, console: Console, show_progress: bool = True
 ) -> dict[str, Any]:
-    """Measure time per generated token for each mechanism and prompt length; write the report to
+    """Time per generated token (greedy) after long prompts: softmax vs linear vs additive, same model size.
+
+    Measure time per generated token for each mechanism and prompt length; write the report to
     ``settings.out``. Returns the dictionary written to results.json.
 
     Raises:
-        HeadkitError (a ValueError): unknown mechanism, bad lengths or counts, CUDA asked for but absent.
-    """
+        HeadkitError (a ValueError): unknown mechanism, bad lengths or counts, CUDA asked for but absent."""
     plan = _plan(settings)
     points = _measure(plan, console, show_progress)
     return _report(plan, points, machine_info(plan.device), console)  # the thread count in force

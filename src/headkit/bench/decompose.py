@@ -71,14 +71,16 @@ class DecomposeSettings:
         return cls(**({"layers": QUICK_LAYERS, "dims": QUICK_DIMS, "max_iter": QUICK_MAX_ITER} | overrides))
 
 
-@register_benchmark(
-    "decompose",
-    DecomposeSettings,
-    help="Query/key CP decomposition of a pretrained model: relative error and time per D̃, headkit vs tensorly.",
-    check=lambda settings: settings.threads is None or check_positive_option("threads", settings.threads),
-)
+def _check(settings: DecomposeSettings) -> None:
+    if settings.threads is not None:
+        check_positive_option("threads", settings.threads)
+
+
+@register_benchmark("decompose", DecomposeSettings, check=_check)
 def run_decompose_benchmark(settings: DecomposeSettings, console: Any) -> dict[str, Any]:
-    """Decompose every (layer, D̃) with headkit and tensorly; write results.json, table.md, decompose.png.
+    """Query/key CP decomposition of a pretrained model: relative error and time per D̃, headkit vs tensorly.
+
+    Decompose every (layer, D̃) with headkit and tensorly; write results.json, table.md, decompose.png.
 
     ``settings.model`` is a folder with config.json (num_attention_heads) and model.safetensors; widths above
     heads·head_dim are dropped; tensorly is recorded as unavailable when it is not installed. ``threads``
@@ -87,8 +89,7 @@ def run_decompose_benchmark(settings: DecomposeSettings, console: Any) -> dict[s
     matmuls tenfold. Returns the dictionary written to results.json.
 
     Raises:
-        HeadkitError (a ValueError): no such folder, no query/key weights in it, bad layers, dims or max_iter.
-    """
+        HeadkitError (a ValueError): no such folder, no query/key weights in it, bad layers, dims or max_iter."""
     model_path, out_dir, seed, tol = settings.model, Path(settings.out), settings.seed, settings.tol
     include_tensorly, threads = settings.include_tensorly, settings.threads
     model_dir = Path(model_path) if model_path is not None else _bundled_model_dir()

@@ -261,15 +261,12 @@ def _check_settings(config: DigitsConfig) -> None:
     check_names("--mechanisms", config.mechanisms, attention_classes())
 
 
-@register_benchmark(
-    "digits",
-    DigitsConfig,
-    help="Linear vs softmax autoregressive pixel models on the 8×8 digits: bottom-half completion, its time and "
-    "a classifier's accuracy on the completed images.",
-    check=_check_settings,
-)
+@register_benchmark("digits", DigitsConfig, check=_check_settings)
 def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
-    """Train the models, complete the occluded test images, time and judge the completions; write the report.
+    """Linear vs softmax autoregressive pixel models on the 8×8 digits: bottom-half completion, its time and a
+    classifier's accuracy on the completed images.
+
+    Train the models, complete the occluded test images, time and judge the completions; write the report.
 
     Returns the dictionary written to ``results.json``."""
     from rich.progress import Progress

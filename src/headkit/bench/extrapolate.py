@@ -476,14 +476,12 @@ def check_settings(config: ExtrapolateConfig) -> None:
         raise HeadkitError(f"--corpus {str(config.corpus)!r} does not exist")
 
 
-@register_benchmark(
-    "extrapolate",
-    ExtrapolateConfig,
-    help="RoPE (softmax) vs CoCA trained at 128 bytes: held-out perplexity and passkey retrieval at longer "
-    "contexts, with no, linear (position interpolation) and dynamic-NTK rotary scaling.",
-    check=check_settings,
-)
+@register_benchmark("extrapolate", ExtrapolateConfig, check=check_settings)
 def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[str, Any]:
+    """RoPE (softmax) vs CoCA trained at 128 bytes: held-out perplexity and passkey retrieval at longer
+    contexts, with no, linear (position interpolation) and dynamic-NTK rotary scaling.
+
+    See the module docstring; returns the dictionary written to ``results.json``."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     started = time.perf_counter()

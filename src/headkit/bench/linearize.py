@@ -83,15 +83,12 @@ def _check(settings: LinearizeBenchSettings) -> None:
         raise HeadkitError(f"--out {str(out)!r} exists and is not a folder")
 
 
-@register_benchmark(
-    "linearize",
-    LinearizeBenchSettings,
-    help="Linearized SmolLM2-135M against the original: held-out perplexity per stage and length, top-1 "
-    "agreement, decode ms/token and decoding memory against context.",
-    check=_check,
-)
+@register_benchmark("linearize", LinearizeBenchSettings, check=_check)
 def run_linearize_benchmark(settings: LinearizeBenchSettings, console: Any) -> dict[str, Any]:
-    """Run the benchmark; returns the dictionary written to ``results.json``."""
+    """Linearized SmolLM2-135M against the original: held-out perplexity per stage and length, top-1 agreement, decode
+    ms/token and decoding memory against context.
+
+    Run the benchmark; returns the dictionary written to ``results.json``."""
 
     def echo(text: str) -> None:
         console.print(text, highlight=False, markup=False, soft_wrap=True)

