@@ -110,3 +110,46 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown"
+
+
+def verdict(passed: bool | None) -> str:
+    """A target's result as the tables write it."""
+    return {True: "pass", False: "FAIL", None: "not measured"}[passed]
+
+
+def rich_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]], *, left: int = 1) -> Any:
+    """A rich table for the console: the first ``left`` columns left-aligned, the others right-aligned; a cell
+    that is a verdict (pass, FAIL, not measured) is coloured."""
+    from rich.table import Table
+
+    styles = {"pass": "green", "FAIL": "bold red", "not measured": "dim"}
+    table = Table(title=title)
+    for index, header in enumerate(headers):
+        table.add_column(header, justify="left" if index < left else "right")
+    for row in rows:
+        table.add_row(*(f"[{styles[cell]}]{cell}[/]" if cell in styles else str(cell) for cell in row))
+    return table
+
+
+def progress_bar(console: Any, show: bool, width: int) -> Any:
+    """A rich progress bar: the task's description in ``width`` characters, bar, count, elapsed time."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    description = TextColumn(f"{{task.description:<{width}}}")
+    columns = (description, BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(*columns, console=console, disable=not show)
+
+
+def log2_length_axis(ax: Any, lengths: Sequence[int], xlabel: str | None, ylabel: str, title: str) -> None:
+    """Log-log axes over powers-of-two lengths, each length a labelled tick, with a light grid."""
+    from matplotlib.ticker import NullLocator
+
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_yscale("log")
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)

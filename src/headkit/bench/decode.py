@@ -41,8 +41,6 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from headkit.bench._measure import synchronize
 from headkit.bench._options import (
@@ -56,8 +54,12 @@ from headkit.bench._report import (
     RESULTS_FILE,
     TABLE_FILE,
     command_line,
+    log2_length_axis,
     machine_info,
     markdown_table,
+    progress_bar,
+    rich_table,
+    verdict,
     write_report,
 )
 from headkit.bench.registry import option, register_benchmark
@@ -208,15 +210,7 @@ def _measure(plan: _Plan, console: Console, show_progress: bool) -> list[dict[st
 
     prefills: dict[tuple[str, int], list[float]] = {key: [] for key in _keys(plan)}
     steps: dict[tuple[str, int], list[float]] = {key: [] for key in _keys(plan)}
-    progress = Progress(
-        TextColumn("{task.description:<28}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        disable=not show_progress,
-    )
-    with progress:
+    with progress_bar(console, show_progress, 28) as progress:
         task = progress.add_task("decode", total=plan.repeats * len(prefills))
         for _ in range(plan.repeats):
             for mechanism, prompt_length in _keys(plan):
@@ -269,8 +263,9 @@ def _report(
         "targets": evaluate_targets(points, plan.prompt_lengths),
     }
     write_report(plan.out_dir, results, render_markdown(results), {PLOT_FILE: plot_results(results)})
-    console.print(_time_table(results))
-    console.print(_target_table(results))
+    time_title = "time per generated token, fastest step / median (ms)"
+    console.print(rich_table(time_title, _headers(results), _time_rows(results)))
+    console.print(rich_table("targets", TARGET_HEADERS, _target_rows(results), left=len(TARGET_HEADERS)))
     console.print(f"wrote {RESULTS_FILE}, {TABLE_FILE} and {PLOT_FILE} to {plan.out_dir}", highlight=False)
     return results
 
@@ -361,24 +356,20 @@ def evaluate_targets(points: list[dict[str, Any]], prompt_lengths: Sequence[int]
 # --- rendering -----------------------------------------------------------------------------------------------
 
 
-def _verdict(passed: bool | None) -> str:
-    return {True: "pass", False: "FAIL", None: "not measured"}[passed]
-
-
 def _milliseconds(seconds: float | None) -> str:
     return "—" if seconds is None else f"{seconds * 1e3:.3g}"
 
 
 def _rows(results: dict[str, Any], key: str) -> list[list[str]]:
-    lengths = results["config"]["prompt_lengths"]
-    rows = []
-    for mechanism in results["config"]["mechanisms"]:
-        cells = []
-        for length in lengths:
-            point = _point(results["points"], mechanism, length)
-            cells.append(_milliseconds(point and point[key]))
-        rows.append([mechanism, *cells])
-    return rows
+    lengths, points = results["config"]["prompt_lengths"], results["points"]
+    return [
+        [mechanism, *(_milliseconds((point := _point(points, mechanism, n)) and point[key]) for n in lengths)]
+        for mechanism in results["config"]["mechanisms"]
+    ]
+
+
+def _headers(results: dict[str, Any]) -> list[str]:
+    return ["mechanism", *(f"P={n}" for n in results["config"]["prompt_lengths"])]
 
 
 def _times(ratio: float | None) -> str:
@@ -392,7 +383,7 @@ def _target_rows(results: dict[str, Any]) -> list[list[str]]:
             _times(target["measured"]),
             _times(target.get("measured_median")),
             ("≤ " if target["kind"] == "flatness" else "≥ ") + f"{target['required']:g}×",
-            _verdict(target["passed"]),
+            verdict(target["passed"]),
         ]
         for target in results["targets"]
     ]
@@ -404,8 +395,7 @@ TARGET_HEADERS = ["target", "measured (fastest step)", "measured (median)", "req
 def render_markdown(results: dict[str, Any]) -> str:
     """table.md: per-token times (fastest step, median, mean), prefill times, targets."""
     config, machine = results["config"], results["machine"]
-    model = config["model"]
-    headers = ["mechanism", *(f"P={n}" for n in config["prompt_lengths"])]
+    model, headers = config["model"], _headers(results)
     sections = [
         "# headkit bench decode\n",
         f"{model['num_hidden_layers']} layers, hidden {model['hidden_size']}, {model['num_attention_heads']} heads, "
@@ -428,31 +418,18 @@ def render_markdown(results: dict[str, Any]) -> str:
     return "\n".join(sections)
 
 
-def _time_table(results: dict[str, Any]) -> Table:
-    table = Table(title="time per generated token, fastest step / median (ms)")
-    for header in ["mechanism", *(f"P={n}" for n in results["config"]["prompt_lengths"])]:
-        table.add_column(header, justify="left" if header == "mechanism" else "right")
+def _time_rows(results: dict[str, Any]) -> list[list[str]]:
+    """Per mechanism and prompt length: "fastest / median" per-token milliseconds."""
     fastest, median = _rows(results, "min_token_s"), _rows(results, "median_token_s")
-    for fastest_row, median_row in zip(fastest, median, strict=True):
-        cells = [f"{a} / {b}" for a, b in zip(fastest_row[1:], median_row[1:], strict=True)]
-        table.add_row(fastest_row[0], *cells)
-    return table
-
-
-def _target_table(results: dict[str, Any]) -> Table:
-    table = Table(title="targets")
-    for header in TARGET_HEADERS:
-        table.add_column(header)
-    style = {"pass": "green", "FAIL": "bold red", "not measured": "dim"}
-    for *cells, verdict in _target_rows(results):
-        table.add_row(*cells, f"[{style[verdict]}]{verdict}[/]")
-    return table
+    return [
+        [row[0], *(f"{a} / {b}" for a, b in zip(row[1:], other[1:], strict=True))]
+        for row, other in zip(fastest, median, strict=True)
+    ]
 
 
 def plot_results(results: dict[str, Any]) -> Any:
     """Per-token time (left) and prefill time (right) vs prompt length, log-log, one line per mechanism."""
     from matplotlib.figure import Figure
-    from matplotlib.ticker import NullLocator
 
     config = results["config"]
     figure = Figure(figsize=(11, 4.5), layout="constrained")
@@ -472,14 +449,7 @@ def plot_results(results: dict[str, Any]) -> Any:
                 ax.plot(
                     lengths, medians, linestyle=":", color=color, alpha=0.5, label=f"{mechanism} (median)"
                 )
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(config["prompt_lengths"], [str(n) for n in config["prompt_lengths"]])
-        ax.xaxis.set_minor_locator(NullLocator())
-        ax.set_yscale("log")
-        ax.set_xlabel("prompt length P (tokens)")
-        ax.set_ylabel(f"{title} (ms)")
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
+        log2_length_axis(ax, config["prompt_lengths"], "prompt length P (tokens)", f"{title} (ms)", title)
     axes[0].legend(fontsize="small")
     model = config["model"]
     figure.suptitle(

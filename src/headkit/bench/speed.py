@@ -40,8 +40,6 @@ from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from headkit.bench._measure import measure_peak_memory, time_call
 from headkit.bench._options import check_device, check_names, check_out_dir, check_positive_option
@@ -49,8 +47,12 @@ from headkit.bench._report import (
     RESULTS_FILE,
     TABLE_FILE,
     command_line,
+    log2_length_axis,
     machine_info,
     markdown_table,
+    progress_bar,
+    rich_table,
+    verdict,
     write_report,
 )
 from headkit.bench.registry import option, register_benchmark
@@ -71,6 +73,7 @@ MIN_REPEAT_S = 0.05
 SEED = 0
 
 PLOT_FILE = "speed.png"
+TARGET_HEADERS = ["target", "measured", "required", "result"]
 
 
 # The mechanisms: every kernel of the op registry (headkit.ops.register_kernel), in registration order.
@@ -197,15 +200,7 @@ def run_speed_benchmark(
 
     points: list[dict[str, Any]] = []
     out_of_memory: set[str] = set()
-    progress = Progress(
-        TextColumn("{task.description:<40}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        disable=not show_progress,
-    )
-    with progress:
+    with progress_bar(console, show_progress, 40) as progress:
         task = progress.add_task("speed", total=len(plan.lengths) * len(measured))
         # Lengths outermost: every ratio compares measurements taken minutes apart at most, not a whole run.
         for seq_len in plan.lengths:
@@ -249,8 +244,11 @@ def run_speed_benchmark(
 
     write_report(plan.out_dir, results, render_markdown(results), {PLOT_FILE: plot_results(results)})
 
-    console.print(_ratio_table(results))
-    console.print(_target_table(results))
+    ratio_title = f"time / peak memory relative to {BASELINE} (< 1 is better)"
+    console.print(rich_table(ratio_title, _headers(results), _cell_table(results, _ratio_cell), left=2))
+    console.print(
+        rich_table("targets (ratio to the baseline, same run)", TARGET_HEADERS, _target_rows(results))
+    )
     console.print(f"wrote {RESULTS_FILE}, {TABLE_FILE} and {PLOT_FILE} to {plan.out_dir}", highlight=False)
     return results
 
@@ -434,10 +432,6 @@ def _format_ratio(ratio: float | None) -> str:
     return f"{ratio:.3g}× (1/{1 / ratio:.3g})" if 0 < ratio < 1 else f"{ratio:.3g}×"
 
 
-def _format_verdict(passed: bool | None) -> str:
-    return {True: "pass", False: "FAIL", None: "not measured"}[passed]
-
-
 def _rows(results: dict[str, Any]) -> list[tuple[str, str]]:
     """(mechanism, mode) pairs of the measured mechanisms, in registry order."""
     measured = [name for name, info in results["mechanisms"].items() if info["available"]]
@@ -460,35 +454,26 @@ def _ratio_cell(point: dict[str, Any] | None) -> str:
     return f"{point['time_ratio']:.3g}× / {point['memory_ratio']:.3g}×"
 
 
-def _ratio_table(results: dict[str, Any]) -> Table:
-    table = Table(title=f"time / peak memory relative to {BASELINE} (< 1 is better)")
-    for header in ["mechanism", "mode", *(f"T={n}" for n in results["config"]["lengths"])]:
-        table.add_column(header, justify="left" if header in ("mechanism", "mode") else "right")
-    for row in _cell_table(results, _ratio_cell):
-        table.add_row(*row)
-    return table
+def _headers(results: dict[str, Any]) -> list[str]:
+    return ["mechanism", "mode", *(f"T={n}" for n in results["config"]["lengths"])]
 
 
-def _target_table(results: dict[str, Any]) -> Table:
-    table = Table(title="targets (ratio to the baseline, same run)")
-    for header in ("target", "measured", "required", "result"):
-        table.add_column(header)
-    style = {True: "green", False: "bold red", None: "dim"}
-    for target in results["targets"]:
-        verdict = _format_verdict(target["passed"])
-        table.add_row(
-            target["description"],
-            _format_ratio(target["measured_ratio"]),
-            f"≤ {target['max_ratio']:.3g}×",
-            f"[{style[target['passed']]}]{verdict}[/]",
-        )
-    return table
+def _target_rows(results: dict[str, Any]) -> list[list[str]]:
+    return [
+        [
+            t["description"],
+            _format_ratio(t["measured_ratio"]),
+            f"≤ {t['max_ratio']:.3g}×",
+            verdict(t["passed"]),
+        ]
+        for t in results["targets"]
+    ]
 
 
 def render_markdown(results: dict[str, Any]) -> str:
     """table.md: medians, peak memory, ratios to the baseline, targets, and what was not measured."""
     config, machine = results["config"], results["machine"]
-    headers = ["mechanism", "mode", *(f"T={n}" for n in config["lengths"])]
+    headers = _headers(results)
 
     def milliseconds(point: dict[str, Any] | None) -> str:
         return "—" if point is None or point["median_s"] is None else f"{point['median_s'] * 1e3:.3g}"
@@ -496,15 +481,6 @@ def render_markdown(results: dict[str, Any]) -> str:
     def mebibytes(point: dict[str, Any] | None) -> str:
         return "—" if point is None or point["peak_bytes"] is None else f"{point['peak_bytes'] / 2**20:.3g}"
 
-    target_rows = [
-        [
-            t["description"],
-            _format_ratio(t["measured_ratio"]),
-            f"≤ {t['max_ratio']:.3g}×",
-            _format_verdict(t["passed"]),
-        ]
-        for t in results["targets"]
-    ]
     sections = [
         "# headkit bench speed\n",
         f"B={config['batch']}, H={config['heads']}, head_dim={config['head_dim']}, {config['dtype']}, "
@@ -518,7 +494,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"## Time / peak memory relative to {BASELINE}\n",
         markdown_table(headers, _cell_table(results, _ratio_cell)),
         "## Targets\n",
-        markdown_table(["target", "measured", "required", "result"], target_rows),
+        markdown_table(TARGET_HEADERS, _target_rows(results)),
     ]
     skipped = [f"- {name}: {info['note']}" for name, info in results["mechanisms"].items() if info["note"]]
     if skipped:
@@ -529,7 +505,6 @@ def render_markdown(results: dict[str, Any]) -> str:
 def plot_results(results: dict[str, Any]) -> Any:
     """A 2×2 figure: time (top) and peak memory (bottom) vs T, forward (left) and forward+backward (right)."""
     from matplotlib.figure import Figure
-    from matplotlib.ticker import NullLocator
 
     config = results["config"]
     figure = Figure(figsize=(11, 8), layout="constrained")
@@ -550,15 +525,8 @@ def plot_results(results: dict[str, Any]) -> Any:
                 ys = [p[key] / 2**20 if key == "peak_bytes" else p[key] for p in points]
                 style = {"color": "black", "linestyle": "--"} if name == BASELINE else {}
                 ax.plot(xs, ys, marker="o", label=name, **style)
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(config["lengths"], [str(n) for n in config["lengths"]])
-            ax.xaxis.set_minor_locator(NullLocator())
-            ax.set_yscale("log")
-            ax.set_title(f"{MODE_LABELS[mode]}: {label.split(' (')[0]}")
-            ax.set_ylabel(label)
-            if row == 1:
-                ax.set_xlabel("sequence length T")
-            ax.grid(True, which="both", alpha=0.3)
+            title = f"{MODE_LABELS[mode]}: {label.split(' (')[0]}"
+            log2_length_axis(ax, config["lengths"], "sequence length T" if row == 1 else None, label, title)
     axes[0][0].legend(fontsize="small")
     figure.suptitle(
         f"B={config['batch']}, H={config['heads']}, head_dim={config['head_dim']}, {config['dtype']}, "
