@@ -25,6 +25,7 @@ from headkit.bench.registry import (
     parse_option,
 )
 from headkit.errors import HeadkitError
+from headkit.layers import attention_classes
 
 app = typer.Typer(
     name="headkit",
@@ -300,7 +301,7 @@ def compress(
 @app.command()
 def train(
     attention: str = typer.Option(
-        "linear", help="Mechanism of every layer: softmax, linear, additive, coca or collaborative."
+        "linear", help=f"Mechanism of every layer, one of those registered: {', '.join(attention_classes())}."
     ),
     layer_types: str = typer.Option(
         "",

@@ -89,8 +89,8 @@ class LMBenchConfig:
     out: Path = option(Path("results/lm"), "Output directory for results.json, table, curves.")
     variants: tuple[str, ...] = option(
         VARIANTS,
-        "Comma-separated variants (default all): softmax, additive, additive_window, additive_conv, "
-        "additive_window_conv, linear, coca, collaborative, or any registered attention mechanism.",
+        f"Comma-separated variants (default: {','.join(VARIANTS)}); any of {', '.join(variants())} "
+        "or of a mechanism registered since.",
     )
     corpus: Path | None = option(
         None, "A text file or a folder of text files (default: this Python's standard-library source)."
