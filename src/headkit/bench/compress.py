@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from headkit.bench._measure import time_call
+from headkit.bench._measure import interleaved_times
 from headkit.bench._options import check_positive_option, check_positive_options
 from headkit.bench._report import markdown_table, report_header, write_report
 from headkit.bench.registry import option, register_benchmark
@@ -260,16 +260,11 @@ class SideBySide:
 
 
 def time_side_by_side(original: nn.Module, student: nn.Module, batch: dict, rounds: int) -> SideBySide:
-    """Time one forward of each model on `batch`, `rounds` times, alternating which goes first (a call that
-    follows another can find the caches warm or the clock boosted); both are warmed up once beforehand."""
-    for model in (original, student):
-        _forward(model, batch)
-    original_s, student_s = [], []
-    for round_ in range(rounds):
-        order = ((original_s, original), (student_s, student))
-        for times, model in order if round_ % 2 == 0 else reversed(order):
-            times.append(time_call(lambda model=model: _forward(model, batch), repeats=1, warmup=0).median_s)
-    return SideBySide(tuple(original_s), tuple(student_s))
+    """Time one forward of each model on `batch`, `rounds` times, in alternation (see interleaved_times)."""
+    times = interleaved_times(
+        {"original": lambda: _forward(original, batch), "student": lambda: _forward(student, batch)}, rounds
+    )
+    return SideBySide(tuple(times["original"]), tuple(times["student"]))
 
 
 def _width_result(dim: int, full_dim: int, compressed: Compressed, timing: SideBySide) -> dict[str, Any]:

@@ -65,7 +65,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headkit.bench._measure import time_call
+from headkit.bench._measure import interleaved_times
 from headkit.bench._report import markdown_table, report_header, write_report
 from headkit.bench.registry import option, register_benchmark
 from headkit.errors import HeadkitError
@@ -390,13 +390,8 @@ def interleaved_forward_seconds(models: dict[str, nn.Module], batch: dict, repea
 
         return call
 
-    for model in models.values():
-        forward(model)()  # warm-up outside the rounds: lazy initialisation, allocator caches
-    rounds = [
-        {name: time_call(forward(model), repeats=1, warmup=0).median_s for name, model in models.items()}
-        for _ in range(repeats)
-    ]
-    return {name: statistics.median(times[name] for times in rounds) for name in models}
+    times = interleaved_times({name: forward(model) for name, model in models.items()}, repeats)
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
 def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) -> dict[str, Any]:
