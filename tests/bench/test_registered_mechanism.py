@@ -82,6 +82,11 @@ def test_bench_digits_accepts_a_registered_mechanism_and_refuses_unknown_ones(to
     assert "--mechanisms" in error and "'nope'" in error and "toy" in error
 
 
+def test_a_mechanism_not_compared_is_accepted_by_name_but_left_out_of_the_default_runs():
+    assert "hybrid" in lm.variants() and "hybrid" not in lm.VARIANTS
+    assert "hybrid" not in decode.constant_state_mechanisms()  # a constant-size state, but compared=False
+
+
 def test_the_fixture_unregisters_the_toy():
     assert "toy" not in lm.variants() and "toy" not in decode.constant_state_mechanisms()
     assert "toy_causal" not in KERNELS
