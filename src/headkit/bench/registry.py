@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -148,16 +149,12 @@ def option_name(field: dataclasses.Field) -> str:
 
 def field_types(settings: type) -> dict[str, Any]:
     """Each field's type with ``None`` taken out of optional ones (``int | None`` → int)."""
-    types = {}
+    hints = {}
     for name, hint in typing.get_type_hints(settings).items():
         args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-        types[name] = (
-            args[0] if typing.get_origin(hint) in (typing.Union, _UnionType) and len(args) == 1 else hint
-        )
-    return types
-
-
-_UnionType = type(int | None)
+        optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1
+        hints[name] = args[0] if optional else hint
+    return hints
 
 
 def parse_list(flag: str, text: str, kind: type = int, *, minimum: int = 1) -> tuple:
