@@ -120,10 +120,13 @@ def register_benchmark(
 
 
 def load_benchmarks() -> dict[str, Benchmark]:
-    """Every registered benchmark, headkit's own imported (and so registered) first."""
-    for module in BUILTIN_BENCHMARKS:
-        importlib.import_module(f"headkit.bench.{module}")
-    return BENCHMARKS
+    """Every registered benchmark: headkit's own (imported, and so registered) in their order, then others."""
+    modules = [f"headkit.bench.{module}" for module in BUILTIN_BENCHMARKS]
+    for module in modules:
+        importlib.import_module(module)
+    rank = {module: index for index, module in enumerate(modules)}
+    ordered = sorted(BENCHMARKS.values(), key=lambda benchmark: rank.get(benchmark.run.__module__, len(rank)))
+    return {benchmark.name: benchmark for benchmark in ordered}
 
 
 def option(
