@@ -91,7 +91,10 @@ def _bench_command(benchmark: Benchmark) -> None:
         else:
             flag = option_name(field)
             names = [f"{flag}/--no-{flag[2:]}" if kind is bool else flag]
-            declared = typer.Option(default, *names, help=meta["help"], min=meta["min"])
+            shown = (
+                "(default" not in meta["help"]
+            )  # help that states its defaults (full and quick) says it best
+            declared = typer.Option(default, *names, help=meta["help"], min=meta["min"], show_default=shown)
         annotations[field.name] = kind
         parameters.append(
             inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=declared, annotation=kind)

@@ -53,8 +53,8 @@ class LoraConfig:
         RANKS, "Comma-separated LoRA ranks (default 1,2,4,...,64; quick 1,4,16,64)."
     )
     hidden_size: int = 128
-    pretrain_epochs: int = option(60, "Epochs on the original digits (default 60).", min=1)
-    finetune_epochs: int = option(30, "Epochs per fine-tuning run (default 30).", min=1)
+    pretrain_epochs: int = option(60, "Epochs on the original digits (default 60; 30 with --quick).", min=1)
+    finetune_epochs: int = option(30, "Epochs per fine-tuning run (default 30; 20 with --quick).", min=1)
     batch_size: int = 64
     lr: float = 3e-3
     lora_lr: float = 1e-2  # B starts at zero: the factors need a larger step than full fine-tuning
