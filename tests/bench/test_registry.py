@@ -167,3 +167,14 @@ def test_the_run_checks_the_settings_first_and_limits_threads_for_the_body(monke
     with pytest.raises(HeadkitError, match="--threads"):
         run(Settings(threads=9))
     assert registry.BENCHMARKS["threads"].run is run
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+def test_an_option_that_quick_changes_says_so_in_its_help(name):
+    benchmark = BENCHMARKS[name]
+    full, quick = benchmark.settings(), benchmark.settings.quick()
+    for field in benchmark.options():
+        if getattr(full, field.name) != getattr(quick, field.name):
+            assert "quick" in field.metadata["help"], (
+                f"bench {name} --{field.name}: help omits the quick value"
+            )

@@ -53,7 +53,7 @@ class DecomposeSettings:
         None, "A local 🤗 model directory (default: the bundled all-MiniLM-L6-v2).", argument=True
     )
     dims: tuple[int, ...] = option(
-        DEFAULT_DIMS, "Comma-separated shared widths D̃ (default 64,128,192,256,384)."
+        DEFAULT_DIMS, "Comma-separated shared widths D̃ (default 64,128,192,256,384; quick 64,384)."
     )
     max_iter: int = option(DEFAULT_MAX_ITER, "ALS sweeps per decomposition (default 100; quick 10).", min=1)
     include_tensorly: bool = option(

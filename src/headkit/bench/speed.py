@@ -154,9 +154,11 @@ class SpeedSettings:
     """Settings of one ``headkit bench speed`` run."""
 
     device: str = option("cpu", "Device to measure on: cpu or cuda.")
-    lengths: tuple[int, ...] = option(DEFAULT_LENGTHS, "Comma-separated sequence lengths.")
+    lengths: tuple[int, ...] = option(
+        DEFAULT_LENGTHS, "Comma-separated sequence lengths (default 512,…,8192; quick 512,1024,2048)."
+    )
     mechanisms: tuple[str, ...] = option((), "Comma-separated mechanisms (default: all registered).")
-    repeats: int = option(5, "Timed repetitions per point (the median is reported).", min=1)
+    repeats: int = option(5, "Timed repetitions per point, the median reported (default 5; quick 3).", min=1)
     out: Path = option(Path("results/speed"), "Output directory for results.json, plot and table.")
     warmup: int = 1  # untimed calls before the timed ones
     min_repeat_s: float = MIN_REPEAT_S  # a timed repeat loops over calls faster than this (their mean)
