@@ -178,3 +178,18 @@ def test_an_option_that_quick_changes_says_so_in_its_help(name):
             assert "quick" in field.metadata["help"], (
                 f"bench {name} --{field.name}: help omits the quick value"
             )
+
+
+def test_check_options_enforces_each_declared_minimum_naming_the_option():
+    from headkit.bench.decode import DecodeSettings
+    from headkit.bench.registry import check_options
+
+    check_options(DecodeSettings(threads=None, new_tokens=2))  # None: the default "torch's setting"
+    for overrides, message in (
+        ({"new_tokens": 1}, "--new-tokens must be an integer ≥ 2, got 1"),
+        ({"repeats": True}, "--repeats must be a positive integer, got True"),
+        ({"threads": 0}, "--threads must be a positive integer, got 0"),
+        ({"batch_size": 1.5}, "--batch-size must be a positive integer"),
+    ):
+        with pytest.raises(HeadkitError, match=message):
+            check_options(DecodeSettings(**overrides))

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from headkit.bench._measure import interleaved_times
-from headkit.bench._options import check_positive_option, check_positive_options
+from headkit.bench._options import check_positive_option
 from headkit.bench._report import markdown_table, report_header, write_report
 from headkit.bench.registry import option, register_benchmark
 from headkit.errors import HeadkitError
@@ -120,12 +120,6 @@ def _check_common_settings(config: CompressBenchmarkConfig) -> None:
     }
     for name, value in positive.items():
         check_positive_option(name, value)
-    if (
-        isinstance(config.distill_steps, bool)
-        or not isinstance(config.distill_steps, int)
-        or config.distill_steps < 0
-    ):
-        raise HeadkitError(f"--distill-steps must be a non-negative integer, got {config.distill_steps!r}")
     if not config.lr > 0:
         raise HeadkitError(f"--lr must be positive, got {config.lr!r}")
 
@@ -145,7 +139,7 @@ def _check_benchmark_settings(config: CompressBenchmarkConfig) -> None:
         raise HeadkitError(f"--dims must be one or more positive integers, got {dims!r}")
     if len(set(dims)) != len(dims):
         raise HeadkitError(f"--dims must not repeat a width, got {list(dims)}")
-    check_positive_options(config, ("threads", "train_texts"))
+    check_positive_option("train_texts", config.train_texts)
     if isinstance(config.max_iter, bool) or not isinstance(config.max_iter, int) or config.max_iter < 0:
         raise HeadkitError(f"--max-iter must be a non-negative integer, got {config.max_iter!r}")
     _check_benchmark_output(_model_path(config), Path(config.out))

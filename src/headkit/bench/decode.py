@@ -47,8 +47,6 @@ from headkit.bench._options import (
     check_device,
     check_names,
     check_out_dir,
-    check_positive_option,
-    check_positive_options,
 )
 from headkit.bench._report import (
     RESULTS_FILE,
@@ -273,22 +271,20 @@ def _report(
 def _plan(settings: DecodeSettings) -> _Plan:
     """Validate the settings: every user error surfaces here, before a model is built."""
     torch_device = check_device(settings.device)
-    check_positive_options(settings, ("repeats", "batch_size"))
-    if settings.threads is not None:
-        check_positive_option("threads", settings.threads)
     lengths = settings.prompt_lengths
     if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in lengths):
         raise HeadkitError(f"--prompts must be positive prompt lengths, got {lengths!r}")
-    new_tokens = settings.new_tokens
-    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 2:
-        raise HeadkitError(
-            f"--new-tokens must be an integer ≥ 2 (one prefill token, then timed steps), got {new_tokens!r}"
-        )
     default = [BASELINE, *constant_state_mechanisms()]
     names = check_names("--mechanisms", settings.mechanisms or default, attention_classes())
     out_dir = check_out_dir(settings.out)
     return _Plan(
-        torch_device, sorted(set(lengths)), new_tokens, names, settings.repeats, settings.batch_size, out_dir
+        torch_device,
+        sorted(set(lengths)),
+        settings.new_tokens,
+        names,
+        settings.repeats,
+        settings.batch_size,
+        out_dir,
     )
 
 

@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from headkit.bench._options import check_positive_option
 from headkit.bench._report import (
     command_line,
     machine_info,
@@ -71,12 +70,7 @@ class DecomposeSettings:
         return cls(**({"layers": QUICK_LAYERS, "dims": QUICK_DIMS, "max_iter": QUICK_MAX_ITER} | overrides))
 
 
-def _check(settings: DecomposeSettings) -> None:
-    if settings.threads is not None:
-        check_positive_option("threads", settings.threads)
-
-
-@register_benchmark("decompose", DecomposeSettings, check=_check)
+@register_benchmark("decompose", DecomposeSettings)
 def run_decompose_benchmark(settings: DecomposeSettings, console: Any) -> dict[str, Any]:
     """Query/key CP decomposition of a pretrained model: relative error and time per D̃, headkit vs tensorly.
 
@@ -99,8 +93,6 @@ def run_decompose_benchmark(settings: DecomposeSettings, console: Any) -> dict[s
     dims = _pick(settings.dims, DEFAULT_DIMS, "dims")
     dims = [dim for dim in dims if dim <= rows] or [rows]
     max_iter = settings.max_iter
-    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
-        raise HeadkitError(f"max_iter must be a positive integer, got {max_iter!r}")
     parafac = _tensorly_parafac() if include_tensorly else None
     points = _measure(weights, heads, layers, dims, max_iter, tol, seed, parafac)
     machine = machine_info("cpu")

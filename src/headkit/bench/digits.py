@@ -249,9 +249,7 @@ def classifier_accuracy(classifier: Any, pixels: np.ndarray | torch.Tensor, labe
 
 
 def _check_settings(config: DigitsConfig) -> None:
-    check_positive_options(
-        config, ("steps", "batch_size", "hidden_size", "layers", "heads", "timing_repeats", "threads")
-    )
+    check_positive_options(config, ("heads", "timing_repeats"))
     if config.hidden_size % config.heads:
         raise HeadkitError(f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads}")
     if not config.image_counts or any(not 0 < count <= 1000 for count in config.image_counts):

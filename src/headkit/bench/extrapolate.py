@@ -61,7 +61,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from headkit.bench._options import check_positive_option
+from headkit.bench._options import check_positive_option, check_positive_options
 from headkit.bench._report import markdown_table, report_header, write_report
 from headkit.bench.registry import option, register_benchmark
 from headkit.data import (
@@ -434,10 +434,7 @@ def _quiet_transformers() -> Iterator[None]:
 
 def check_settings(config: ExtrapolateConfig) -> None:
     """Raise HeadkitError naming the option for any bad setting (before any corpus is read)."""
-    for name in ("steps", "batch_size", "hidden_size", "layers", "heads", "passkey_trials", "eval_tokens"):
-        check_positive_option(name, getattr(config, name))
-    check_positive_option("threads", config.threads)
-    check_positive_option("train_length", config.train_length)
+    check_positive_options(config, ("heads", "eval_tokens", "train_length"))
     if config.hidden_size % config.heads or (config.hidden_size // config.heads) % 2:
         raise HeadkitError(
             f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads} into an even head "

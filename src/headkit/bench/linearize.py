@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headkit.bench._options import check_positive_option
 from headkit.bench._report import command_line, machine_info, markdown_table, write_report
 from headkit.bench.registry import option, parse_list, register_benchmark
 from headkit.errors import HeadkitError
@@ -52,7 +51,7 @@ class LinearizeBenchSettings:
     eval_lengths: tuple[int, ...] | None = option(None, LINEARIZE_HELP["eval_lengths"])
     decode_contexts: tuple[int, ...] | None = option(None, LINEARIZE_HELP["decode_contexts"])
     data: Path | None = option(None, LINEARIZE_HELP["data"])
-    threads: int = option(2, "torch threads.")
+    threads: int = option(2, "torch threads.", min=1)
     seed: int = option(0, "Seed of the sampling and the training order.")
     out: Path = option(Path("results/linearize"), "Output directory for results.json, table, plot.")
     quick_recipe: bool = False  # the recipe's quick preset under the settings above
@@ -76,7 +75,6 @@ class LinearizeBenchSettings:
 
 
 def _check(settings: LinearizeBenchSettings) -> None:
-    check_positive_option("threads", settings.threads)
     check_settings(settings.recipe_settings())
     out = Path(settings.out)
     if out.exists() and not out.is_dir():

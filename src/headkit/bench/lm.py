@@ -238,27 +238,7 @@ def count_parameters(variant: str, config: LMBenchConfig) -> int:
 
 def check_settings(config: LMBenchConfig) -> None:
     """Raise HeadkitError naming the option for any bad setting, before anything is loaded or trained."""
-    for name in (
-        "steps",
-        "batch_size",
-        "seq_len",
-        "hidden_size",
-        "layers",
-        "heads",
-        "eval_every",
-        "eval_tokens",
-        "additive_window",
-        "conv_kernel_size",
-        "threads",
-    ):
-        check_positive_option(name, getattr(config, name))
-    for name in ("corpus_bytes", "collaborative_dim"):
-        if getattr(config, name) is not None:
-            check_positive_option(name, getattr(config, name))
-    if config.seq_len < 2:
-        raise HeadkitError(
-            f"--seq-len must be at least 2 (one token predicts the next), got {config.seq_len}"
-        )
+    check_positive_option("conv_kernel_size", config.conv_kernel_size)  # the options' minimums: check_options
     if isinstance(config.lr, bool) or not isinstance(config.lr, (int, float)) or not config.lr > 0:
         raise HeadkitError(f"--lr must be a positive number, got {config.lr!r}")
     valid = variants()

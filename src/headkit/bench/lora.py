@@ -195,9 +195,7 @@ def lora_parameter_count(model: DigitClassifier, rank: int) -> int:
 
 
 def _check_settings(config: LoraConfig) -> None:
-    check_positive_options(
-        config, ("hidden_size", "pretrain_epochs", "threads", "finetune_epochs", "batch_size")
-    )
+    check_positive_options(config, ("hidden_size", "batch_size"))
     if not config.ranks or any(isinstance(r, bool) or not isinstance(r, int) or r <= 0 for r in config.ranks):
         raise HeadkitError(f"--ranks must be positive integers, got {config.ranks!r}")
     if not (config.lr > 0 and config.lora_lr > 0):

@@ -103,9 +103,9 @@ class PruneCurvesConfig:
     heads_kept: tuple[int, ...] = option(
         (54, 36, 18), "Comma-separated encoder head counts to keep (default 54,36,18 of 72)."
     )
-    gate_steps: int = option(300, "L0 gate steps per head count (default 300; quick 30).")
+    gate_steps: int = option(300, "L0 gate steps per head count (default 300; quick 30).", min=1)
     distill_steps: int = option(
-        100, "Distillation steps after removal, both methods (default 100; quick 10)."
+        100, "Distillation steps after removal, both methods (default 100; quick 10).", min=0
     )
     batch_size: int = 16
     max_length: int = 64
@@ -133,7 +133,7 @@ class PruneCurvesConfig:
         "Comma-separated 'unit:fraction[:uniform]' cases (default query:0.25,query:0.5,group:0.3333:uniform; "
         "quick query:0.25).",
     )
-    recovery_steps: int = option(120, "Distillation steps per recovery case (default 120; quick 4).")
+    recovery_steps: int = option(120, "Distillation steps per recovery case (default 120; quick 4).", min=0)
     recovery_batch_size: int = 4
     recovery_train_windows: int = 1024
     recovery_held_out_windows: int = 64
@@ -141,7 +141,7 @@ class PruneCurvesConfig:
     recovery_model: Path | None = None  # default SmolLM2's GGUF
     seed: int = option(0, "Seed of the corpus sampling, gate noise and calibration windows.")
     # Numbers comparable across machines and runs; on two shared cores a second thread mostly spin-waits.
-    threads: int = option(1, "torch threads (1: comparable timings on shared cores).")
+    threads: int = option(1, "torch threads (1: comparable timings on shared cores).", min=1)
 
     @classmethod
     def quick(cls, **overrides: Any) -> PruneCurvesConfig:
@@ -188,7 +188,6 @@ def parse_fractions(text: str) -> tuple[float, ...]:
 def check_settings(config: PruneCurvesConfig) -> None:
     """Every setting that can be checked without loading a model (the head counts are checked after)."""
     positive = (
-        "gate_steps",
         "batch_size",
         "max_length",
         "train_texts",
@@ -199,11 +198,9 @@ def check_settings(config: PruneCurvesConfig) -> None:
         "calibration_batches",
         "calibration_batch_size",
         "decoder_eval_batch_size",
-        "threads",
     )
     for name in positive:
         _check_int(name, getattr(config, name), 1)
-    _check_int("distill_steps", config.distill_steps, 0)
     _check_int("decoder_window_length", config.decoder_window_length, 2)
     for name in ("gate_lr", "weight_lr"):
         value = getattr(config, name)
@@ -237,7 +234,6 @@ def check_settings(config: PruneCurvesConfig) -> None:
         )
     if config.decoder and config.recovery:
         parse_recovery_cases(config.recovery_cases)
-        _check_int("recovery_steps", config.recovery_steps, 0)
         for name in ("recovery_batch_size", "recovery_train_windows", "recovery_held_out_windows"):
             _check_int(name, getattr(config, name), 1)
     out = Path(config.out)

@@ -68,7 +68,7 @@ class Benchmark:
 
     def options(self) -> list[dataclasses.Field]:
         """The settings fields that are command-line options (those with help), in declaration order."""
-        return [field for field in dataclasses.fields(self.settings) if "help" in field.metadata]
+        return options(self.settings)
 
     def make_settings(self, quick: bool = False, **given: Any) -> Any:
         """The settings of a run: ``given`` over the quick preset (``quick``) or over the full run's defaults."""
@@ -89,7 +89,8 @@ def register_benchmark(
     whose help is the first paragraph of the body's docstring.
 
     Returns the run function, the body inside the steps every benchmark shares: ``settings`` default to the
-    full run's, ``check(settings)`` raises HeadkitError naming the option before anything is loaded, the body
+    full run's, every option's ``min`` (:func:`check_options`) and ``check(settings)`` raise HeadkitError naming
+    the option before anything is loaded, the body
     runs with ``settings.threads`` torch threads (where the settings have them; restored after) and prints to
     ``console`` (stdout by default)."""
     if not dataclasses.is_dataclass(settings) or not callable(getattr(settings, "quick", None)):
@@ -107,6 +108,7 @@ def register_benchmark(
             from headkit.bench._measure import thread_limit
 
             config = settings() if config is None else config
+            check_options(config)
             if check is not None:
                 check(config)
             with thread_limit(getattr(config, "threads", None)):
@@ -143,6 +145,27 @@ def option(
     if isinstance(default, (list, dict, set)):
         raise TypeError("option defaults must be immutable (use a tuple)")
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def options(settings: type) -> list[dataclasses.Field]:
+    """The fields of a settings class that are command-line options (those with help), in declaration order."""
+    return [field for field in dataclasses.fields(settings) if "help" in field.metadata]
+
+
+def check_options(settings: Any) -> None:
+    """Each integer option declared with a ``min`` holds an integer at least that (or None, where the full
+    run's default is None), else a HeadkitError naming the option: one declaration for the command line and
+    the library alike."""
+    hints = field_types(type(settings))
+    for field in options(type(settings)):
+        minimum, value = field.metadata["min"], getattr(settings, field.name)
+        if minimum is None or hints[field.name] is not int or (value is None and field.default is None):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+            wording = {0: "a non-negative integer", 1: "a positive integer"}.get(
+                minimum, f"an integer ≥ {minimum}"
+            )
+            raise HeadkitError(f"{option_name(field)} must be {wording}, got {value!r}")
 
 
 def option_name(field: dataclasses.Field) -> str:
