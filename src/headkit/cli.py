@@ -91,9 +91,8 @@ def _bench_command(benchmark: Benchmark) -> None:
         else:
             flag = option_name(field)
             names = [f"{flag}/--no-{flag[2:]}" if kind is bool else flag]
-            shown = (
-                "(default" not in meta["help"]
-            )  # help that states its defaults (full and quick) says it best
+            # Help that states its defaults (full and quick) says it best: no second [default: …] after it.
+            shown = "(default" not in meta["help"]
             declared = typer.Option(default, *names, help=meta["help"], min=meta["min"], show_default=shown)
         annotations[field.name] = kind
         parameters.append(
