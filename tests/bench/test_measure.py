@@ -203,3 +203,13 @@ def test_thread_limit_sets_and_restores_torch_threads():
     assert torch.get_num_threads() == before
     with thread_limit(None):
         assert torch.get_num_threads() == before
+
+
+def test_interleaved_times_warm_up_once_then_alternate_the_order_every_round():
+    from headkit.bench._measure import interleaved_times
+
+    order: list[str] = []
+    times = interleaved_times({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, rounds=3)
+    assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up, then a-first, b-first, a-first
+    assert {name: len(seconds) for name, seconds in times.items()} == {"a": 3, "b": 3}
+    assert all(second >= 0 for seconds in times.values() for second in seconds)

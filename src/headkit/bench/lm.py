@@ -54,23 +54,31 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from headkit.bench._measure import thread_limit
 from headkit.bench._options import check_positive_option
-from headkit.bench._report import command_line, machine_info, markdown_table, write_results
+from headkit.bench._report import markdown_table, report_header, write_report
+from headkit.bench.registry import option, register_benchmark
 from headkit.errors import HeadkitError
+from headkit.layers import attention_classes, get_attention_class
 
-VARIANTS = (
-    "softmax",
-    "additive",
-    "additive_window",
-    "additive_conv",
-    "additive_window_conv",
-    "linear",
-    "coca",
-    "collaborative",
-)
-# The mechanisms that put rotary positions inside attention; every other one gets learned absolute positions.
-ROTARY_MECHANISMS = ("softmax", "coca")
+# Mechanisms with options of this benchmark come as several variants, named "<mechanism>[_<option>…]": additive
+# global or windowed, each with or without the causal convolution. Every other registered mechanism is one variant.
+MECHANISM_VARIANTS = {
+    "additive": ("additive", "additive_window", "additive_conv", "additive_window_conv"),
+}
+# The order of the default run (the baseline first); registered mechanisms not named here follow.
+VARIANT_ORDER = ("softmax", "additive", "linear", "coca", "collaborative")
+
+
+def variants(compared_only: bool = False) -> tuple[str, ...]:
+    """Every variant of the registered attention mechanisms (the default run's: those ``compared``)."""
+    layers = attention_classes()
+    names = [name for name in VARIANT_ORDER if name in layers]
+    names += [name for name in layers if name not in VARIANT_ORDER]
+    chosen = [name for name in names if layers[name].compared or not compared_only]
+    return tuple(variant for name in chosen for variant in MECHANISM_VARIANTS.get(name, (name,)))
+
+
+VARIANTS = variants(compared_only=True)
 PLOT_FILE = "lm_curves.png"
 
 
@@ -78,31 +86,43 @@ PLOT_FILE = "lm_curves.png"
 class LMBenchConfig:
     """Settings of one ``headkit bench lm`` run (see the command's --help)."""
 
-    out: Path = Path("results/lm")
-    variants: tuple[str, ...] = VARIANTS
-    corpus: Path | None = None  # None: the standard-library sources
-    corpus_bytes: int | None = None  # read at most this much of the corpus; None: all of it
+    out: Path = option(Path("results/lm"), "Output directory for results.json, table, curves.")
+    variants: tuple[str, ...] = option(
+        VARIANTS,
+        f"Comma-separated variants (default: {','.join(VARIANTS)}); any of {', '.join(variants())} "
+        "or of a mechanism registered since.",
+    )
+    corpus: Path | None = option(
+        None, "A text file or a folder of text files (default: this Python's standard-library source)."
+    )
+    corpus_bytes: int | None = option(
+        None, "Read at most this many corpus bytes (default all; 2 MB with --quick).", min=1
+    )
     # Sized by measurement (threads=1, AMD EPYC): hidden 192 × 4 layers at batch 8 × 256 bytes costs 0.5–0.75 s
     # of CPU per step depending on the mechanism, so 8 variants × 500 steps plus evaluations take ≈ 30–45 min
     # on two cores. Hidden 256 at batch 16 costs ~3 s per step: too few steps would fit in the same time.
-    steps: int = 500
-    batch_size: int = 8
-    seq_len: int = 256
-    hidden_size: int = 192
-    layers: int = 4
-    heads: int = 4
-    lr: float = 2e-3
-    eval_every: int = 50
-    eval_tokens: int = 32_768
-    additive_window: int = 32
+    steps: int = option(500, "Training steps per variant (default 500; 120 with --quick).", min=1)
+    batch_size: int = option(8, "Windows per step (default 8; 8 with --quick).", min=1)
+    seq_len: int = option(256, "Bytes per training window (default 256; 128 with --quick).", min=2)
+    hidden_size: int = option(192, "Model width (default 192; 64 with --quick).", min=1)
+    layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1)
+    heads: int = option(4, "Attention heads per layer (default 4).", min=1)
+    lr: float = option(2e-3, "Peak learning rate (default 2e-3; 3e-3 with --quick).")
+    eval_every: int = option(50, "Steps between held-out evaluations (default 50; 20 with --quick).", min=1)
+    eval_tokens: int = option(32_768, "Held-out bytes evaluated (default 32768; 4096 with --quick).", min=1)
+    additive_window: int = option(
+        32, "Window of the windowed additive variants (default 32; 16 with --quick).", min=1
+    )
     conv_kernel_size: int = 3
-    collaborative_dim: int | None = None  # None: the hidden size (full-size collaborative heads)
-    seed: int = 0
-    threads: int = 2
+    collaborative_dim: int | None = option(
+        None, "Shared query/key width of collaborative heads (default: the hidden size).", min=1
+    )
+    seed: int = option(0, "Seed of the initialisation and the training batches.")
+    threads: int = option(2, "torch threads (default 2; 1 with --quick).", min=1)
 
     @classmethod
     def quick(cls, **overrides: Any) -> LMBenchConfig:
-        """The < 3 minute path on two CPU cores: tiny models, short sequences, a few dozen steps."""
+        """Tiny models, 120 steps, 2 MB of corpus (< 3 minutes)."""
         settings = {
             "corpus_bytes": 2_000_000,
             "steps": 120,
@@ -142,12 +162,13 @@ class VariantResult:
 
 def variant_fields(variant: str, config: LMBenchConfig) -> dict[str, Any]:
     """The HeadkitConfig fields that make ``variant``: its mechanism, its options and its positions."""
-    if variant not in VARIANTS:
-        raise HeadkitError(f"--variants: unknown variant {variant!r}; choose from {', '.join(VARIANTS)}")
-    attention = variant.split("_")[0]
+    valid = variants()
+    if variant not in valid:
+        raise HeadkitError(f"--variants: unknown variant {variant!r}; choose from {', '.join(valid)}")
+    attention = next(name for name in attention_classes() if variant in MECHANISM_VARIANTS.get(name, (name,)))
     fields: dict[str, Any] = {
         "attention": attention,
-        "position_embedding_type": "rope" if attention in ROTARY_MECHANISMS else "learned",
+        "position_embedding_type": "rope" if get_attention_class(attention).rotary else "learned",
     }
     if attention == "additive":
         fields["additive_window"] = config.additive_window if "window" in variant else None
@@ -215,23 +236,44 @@ def count_parameters(variant: str, config: LMBenchConfig) -> int:
 # -- the benchmark ---------------------------------------------------------------------------------------------
 
 
-def run_lm_benchmark(config: LMBenchConfig | None = None, console: Any = None) -> dict[str, Any]:
-    """Run the benchmark with ``config.threads`` torch threads (restored after); see the module docstring.
+def check_settings(config: LMBenchConfig) -> None:
+    """Raise HeadkitError naming the option for any bad setting, before anything is loaded or trained."""
+    check_positive_option("conv_kernel_size", config.conv_kernel_size)  # the options' minimums: check_options
+    if isinstance(config.lr, bool) or not isinstance(config.lr, (int, float)) or not config.lr > 0:
+        raise HeadkitError(f"--lr must be a positive number, got {config.lr!r}")
+    valid = variants()
+    if isinstance(config.variants, str) or not config.variants:
+        raise HeadkitError(
+            f"--variants must name at least one of {', '.join(valid)}, got {config.variants!r}"
+        )
+    unknown = [variant for variant in config.variants if variant not in valid]
+    if unknown:
+        raise HeadkitError(
+            f"--variants: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(valid)}"
+        )
+    if len(set(config.variants)) != len(config.variants):
+        raise HeadkitError(f"--variants names a variant twice: {', '.join(config.variants)}")
+    if config.hidden_size % config.heads:
+        raise HeadkitError(f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads}")
+    if (config.hidden_size // config.heads) % 2:
+        raise HeadkitError(
+            f"--hidden-size / --heads = {config.hidden_size // config.heads} must be even (rotary pairs)"
+        )
+    if config.corpus is not None and not Path(config.corpus).exists():
+        raise HeadkitError(f"--corpus {str(config.corpus)!r} does not exist")
+    for variant in config.variants:
+        model_config(variant, config)  # the config's own checks, before any training
 
-    Returns the dictionary written to ``results.json``."""
-    config = config or LMBenchConfig()
-    check_settings(config)
-    with thread_limit(config.threads):
-        return _run_lm_benchmark_body(config, console)
 
+@register_benchmark("lm", LMBenchConfig, check=check_settings)
+def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
+    """Same-size byte-level causal LMs, one per attention mechanism, trained alike on the same batches:
+    held-out bits per byte against steps and training seconds, time per step, parameters.
 
-def _run_lm_benchmark_body(config: LMBenchConfig, console: Any) -> dict[str, Any]:
-    from rich.console import Console
-
+    See the module docstring; returns the dictionary written to ``results.json``."""
     from headkit.data import load_corpus
     from headkit.train import train_causal_lm
 
-    console = console or Console()
     started = time.perf_counter()
     model_configs = {variant: model_config(variant, config) for variant in config.variants}
     corpus = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
@@ -291,13 +333,7 @@ def _run_lm_benchmark_body(config: LMBenchConfig, console: Any) -> dict[str, Any
         del trained  # the next model need not share memory with this one
 
     out = Path(config.out)
-    report = {
-        "benchmark": "lm",
-        "command": command_line(),
-        "machine": machine_info("cpu"),
-        "settings": {
-            key: str(value) if isinstance(value, Path) else value for key, value in asdict(config).items()
-        },
+    report = report_header("lm", config) | {
         "corpus": summary,
         "positions": {
             "rope": [v for v in config.variants if model_configs[v].position_embedding_type == "rope"],
@@ -307,58 +343,8 @@ def _run_lm_benchmark_body(config: LMBenchConfig, console: Any) -> dict[str, Any
         "seconds": time.perf_counter() - started,
         "files": {"table": str(out / "table.md"), "plot": str(out / PLOT_FILE)},
     }
-    markdown = render_markdown(report)
-    write_results(out, report, markdown, plot_curves(report), PLOT_FILE)
-    console.print(markdown, highlight=False, soft_wrap=True)
+    write_report(out, report, render_markdown(report), {PLOT_FILE: plot_curves(report)}, console)
     return report
-
-
-def check_settings(config: LMBenchConfig) -> None:
-    """Raise HeadkitError naming the option for any bad setting, before anything is loaded or trained."""
-    for name in (
-        "steps",
-        "batch_size",
-        "seq_len",
-        "hidden_size",
-        "layers",
-        "heads",
-        "eval_every",
-        "eval_tokens",
-        "additive_window",
-        "conv_kernel_size",
-        "threads",
-    ):
-        check_positive_option(name, getattr(config, name))
-    for name in ("corpus_bytes", "collaborative_dim"):
-        if getattr(config, name) is not None:
-            check_positive_option(name, getattr(config, name))
-    if config.seq_len < 2:
-        raise HeadkitError(
-            f"--seq-len must be at least 2 (one token predicts the next), got {config.seq_len}"
-        )
-    if isinstance(config.lr, bool) or not isinstance(config.lr, (int, float)) or not config.lr > 0:
-        raise HeadkitError(f"--lr must be a positive number, got {config.lr!r}")
-    if isinstance(config.variants, str) or not config.variants:
-        raise HeadkitError(
-            f"--variants must name at least one of {', '.join(VARIANTS)}, got {config.variants!r}"
-        )
-    unknown = [variant for variant in config.variants if variant not in VARIANTS]
-    if unknown:
-        raise HeadkitError(
-            f"--variants: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(VARIANTS)}"
-        )
-    if len(set(config.variants)) != len(config.variants):
-        raise HeadkitError(f"--variants names a variant twice: {', '.join(config.variants)}")
-    if config.hidden_size % config.heads:
-        raise HeadkitError(f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads}")
-    if (config.hidden_size // config.heads) % 2:
-        raise HeadkitError(
-            f"--hidden-size / --heads = {config.hidden_size // config.heads} must be even (rotary pairs)"
-        )
-    if config.corpus is not None and not Path(config.corpus).exists():
-        raise HeadkitError(f"--corpus {str(config.corpus)!r} does not exist")
-    for variant in config.variants:
-        model_config(variant, config)  # the config's own checks, before any training
 
 
 def _finite_or_none(value: float | None) -> float | None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import copy
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headkit.bench._measure import thread_limit
 from headkit.bench._options import check_positive_options
-from headkit.bench._report import (
-    command_line,
-    machine_info,
-    markdown_table,
-    save_figure_atomic,
-    write_json_atomic,
-    write_text_atomic,
-)
+from headkit.bench._report import markdown_table, report_header, write_report
+from headkit.bench.registry import option, register_benchmark
 from headkit.errors import HeadkitError
 
 PIXELS = 64
@@ -53,24 +46,26 @@ LORA_ALPHA = 8
 
 @dataclass
 class LoraConfig:
-    """Settings of one ``headkit bench lora`` run (see the command's --help)."""
+    """Settings of one ``headkit bench lora`` run."""
 
-    out: Path = Path("results/lora")
-    ranks: tuple[int, ...] = RANKS
+    out: Path = option(Path("results/lora"), "Output directory for results.json, table, plot.")
+    ranks: tuple[int, ...] = option(
+        RANKS, "Comma-separated LoRA ranks (default 1,2,4,...,64; quick 1,4,16,64)."
+    )
     hidden_size: int = 128
-    pretrain_epochs: int = 60
-    finetune_epochs: int = 30
+    pretrain_epochs: int = option(60, "Epochs on the original digits (default 60; 30 with --quick).", min=1)
+    finetune_epochs: int = option(30, "Epochs per fine-tuning run (default 30; 20 with --quick).", min=1)
     batch_size: int = 64
     lr: float = 3e-3
     lora_lr: float = 1e-2  # B starts at zero: the factors need a larger step than full fine-tuning
     test_fraction: float = 0.25
-    seed: int = 0
+    seed: int = option(0, "Seed of the split, initialisation and batches.")
     # Tiny models: a second thread only adds synchronisation, and on shared cores it costs 10× (measured).
-    threads: int = 1
+    threads: int = option(1, "torch threads (a tiny MLP: 1 is fastest).", min=1)
 
     @classmethod
     def quick(cls, **overrides: Any) -> LoraConfig:
-        """The < 2 minute path on two CPU cores."""
+        """Four ranks and fewer epochs (< 2 minutes)."""
         settings = {"ranks": (1, 4, 16, 64), "pretrain_epochs": 30, "finetune_epochs": 20}
         return cls(**(settings | overrides))
 
@@ -199,24 +194,24 @@ def lora_parameter_count(model: DigitClassifier, rank: int) -> int:
 # -- the benchmark ---------------------------------------------------------------------------------------------
 
 
-def run_lora_benchmark(config: LoraConfig | None = None, console: Any = None) -> dict[str, Any]:
-    """Run the benchmark with ``config.threads`` torch threads (restored after); see the module docstring.
+def _check_settings(config: LoraConfig) -> None:
+    check_positive_options(config, ("hidden_size", "batch_size"))
+    if not config.ranks or any(isinstance(r, bool) or not isinstance(r, int) or r <= 0 for r in config.ranks):
+        raise HeadkitError(f"--ranks must be positive integers, got {config.ranks!r}")
+    if not (config.lr > 0 and config.lora_lr > 0):
+        raise HeadkitError(f"--lr and --lora-lr must be positive, got {config.lr!r} and {config.lora_lr!r}")
+
+
+@register_benchmark("lora", LoraConfig, check=_check_settings)
+def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
+    """LoRA (through PEFT) against full fine-tuning of a digits classifier on quantized, rotated and inverted digits,
+    per rank, with trainable parameter counts; and LoRA-only training from scratch.
+
+    Pretrain, then fine-tune fully and with LoRA per rank on every variant, and LoRA-only from scratch.
 
     Returns the dictionary written to ``results.json``."""
-    config = config or LoraConfig()
-    _check_settings(config)
-    with thread_limit(config.threads):
-        return _run_lora_benchmark_body(config, console)
-
-
-def _run_lora_benchmark_body(config: LoraConfig, console: Any) -> dict[str, Any]:
-    """Pretrain, then fine-tune fully and with LoRA per rank on every variant, and LoRA-only from scratch.
-
-    Returns the dictionary written to ``results.json``."""
-    from rich.console import Console
     from rich.progress import Progress
 
-    console = console or Console()
     started = time.perf_counter()
     data = load_split(config.test_fraction, config.seed)
     train_kwargs = dict(batch_size=config.batch_size, seed=config.seed)
@@ -291,11 +286,7 @@ def _run_lora_benchmark_body(config: LoraConfig, console: Any) -> dict[str, Any]
     )
 
     out = Path(config.out)
-    report = {
-        "benchmark": "lora",
-        "command": command_line(),
-        "machine": machine_info("cpu"),
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+    report = report_header("lora", config) | {
         "train_images": len(data["train_x"]),
         "test_images": len(data["test_x"]),
         "classifier_parameters": sum(p.numel() for p in pretrained.parameters()),
@@ -305,21 +296,8 @@ def _run_lora_benchmark_body(config: LoraConfig, console: Any) -> dict[str, Any]
         "seconds": time.perf_counter() - started,
         "files": {"table": str(out / "table.md"), "plot": str(out / "lora.png")},
     }
-    save_figure_atomic(plot_results(report), out / "lora.png")
-    write_text_atomic(out / "table.md", render_markdown(report))
-    write_json_atomic(out / "results.json", report)
-    console.print(render_markdown(report), highlight=False)
+    write_report(out, report, render_markdown(report), {"lora.png": plot_results(report)}, console)
     return report
-
-
-def _check_settings(config: LoraConfig) -> None:
-    check_positive_options(
-        config, ("hidden_size", "pretrain_epochs", "threads", "finetune_epochs", "batch_size")
-    )
-    if not config.ranks or any(isinstance(r, bool) or not isinstance(r, int) or r <= 0 for r in config.ranks):
-        raise HeadkitError(f"--ranks must be positive integers, got {config.ranks!r}")
-    if not (config.lr > 0 and config.lora_lr > 0):
-        raise HeadkitError(f"--lr and --lora-lr must be positive, got {config.lr!r} and {config.lora_lr!r}")
 
 
 def render_markdown(report: dict[str, Any]) -> str:

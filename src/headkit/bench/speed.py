@@ -33,33 +33,35 @@ from __future__ import annotations
 
 import importlib.util
 import shlex
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
-from headkit import ops
 from headkit.bench._measure import measure_peak_memory, time_call
+from headkit.bench._options import check_device, check_names, check_out_dir, check_positive_option
 from headkit.bench._report import (
     RESULTS_FILE,
     TABLE_FILE,
     command_line,
+    log2_length_axis,
     machine_info,
     markdown_table,
-    write_results,
+    progress_bar,
+    rich_table,
+    verdict,
+    write_report,
 )
+from headkit.bench.registry import option, register_benchmark
 from headkit.errors import HeadkitError
+from headkit.ops import KERNELS, KernelSpec
 
 BASELINE = "sdpa_causal"
 DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192)
-QUICK_MAX_LENGTH = 2048
-QUICK_MAX_REPEATS = 3
+QUICK_LENGTHS = (512, 1024, 2048)
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
 DTYPE = torch.float32
 MODES = ("forward", "forward_backward")
@@ -71,75 +73,11 @@ MIN_REPEAT_S = 0.05
 SEED = 0
 
 PLOT_FILE = "speed.png"
+TARGET_HEADERS = ["target", "measured", "required", "result"]
 
 
-# --- The registry: one entry per mechanism -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One input: its layout over the symbols of :func:`resolve_layout`, and whether it must be ≥ 0."""
-
-    layout: tuple[str, ...]
-    non_negative: bool = False
-
-
-@dataclass(frozen=True)
-class MechanismSpec:
-    """How to benchmark one mechanism: its inputs, and the call that maps them (as keywords) to the output."""
-
-    description: str
-    inputs: Mapping[str, TensorSpec]
-    run: Callable[..., torch.Tensor]
-
-
-def _primary(result: torch.Tensor | tuple[torch.Tensor, Any]) -> torch.Tensor:
-    # Kernels that carry a recurrent state return (output, state); only the output is differentiated.
-    return result[0] if isinstance(result, tuple) else result
-
-
-_QKV = TensorSpec(("B", "H", "T", "D"))
-
-MECHANISMS: dict[str, MechanismSpec] = {
-    "sdpa_causal": MechanismSpec(
-        description="torch SDPA, causal (the baseline)",
-        inputs={"q": _QKV, "k": _QKV, "v": _QKV},
-        run=lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-    ),
-    "linear_causal": MechanismSpec(
-        description="linear attention, elu+1 features, chunked causal",
-        inputs={"q": _QKV, "k": _QKV, "v": _QKV},
-        run=lambda q, k, v: _primary(ops.linear_attention(q, k, v, causal=True)),
-    ),
-    "additive_causal": MechanismSpec(
-        description="additive (Fastformer) pooling, causal",
-        inputs={"x": _QKV, "scores": TensorSpec(("B", "H", "T"))},
-        run=lambda x, scores: _primary(ops.additive_pool(x, scores, causal=True)),
-    ),
-    "coca_causal": MechanismSpec(
-        description="CoCA, collinear keys with magnitudes t ≥ 0, causal",
-        inputs={"q": _QKV, "t": TensorSpec(("B", "H", "T", "D/2"), non_negative=True), "v": _QKV},
-        run=lambda q, t, v: _primary(ops.coca_attention(q, t, v, causal=True)),
-    ),
-    "collaborative_causal": MechanismSpec(
-        description="collaborative heads, shared q/k of width H·64, causal",
-        inputs={
-            "q_shared": TensorSpec(("B", "T", "H*D")),
-            "k_shared": TensorSpec(("B", "T", "H*D")),
-            "v": _QKV,
-            "mixing": TensorSpec(("H", "H*D")),
-            "content_bias": TensorSpec(("B", "H", "T")),
-        },
-        run=lambda q_shared, k_shared, v, mixing, content_bias: _primary(
-            ops.collaborative_attention(q_shared, k_shared, v, mixing, content_bias=content_bias, causal=True)
-        ),
-    ),
-    "softmax_noncausal": MechanismSpec(
-        description="headkit softmax attention, no mask (reference)",
-        inputs={"q": _QKV, "k": _QKV, "v": _QKV},
-        run=lambda q, k, v: ops.softmax_attention(q, k, v, causal=False),
-    ),
-}
+# The mechanisms: every kernel of the op registry (headkit.ops.register_kernel), in registration order.
+MECHANISMS = KERNELS
 
 
 def resolve_layout(layout: Sequence[str], *, batch: int, heads: int, seq_len: int, head_dim: int) -> tuple:
@@ -159,7 +97,7 @@ def resolve_layout(layout: Sequence[str], *, batch: int, heads: int, seq_len: in
 
 
 def make_inputs(
-    spec: MechanismSpec,
+    spec: KernelSpec,
     *,
     seq_len: int,
     batch: int = BATCH,
@@ -173,12 +111,10 @@ def make_inputs(
     device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(seed)
     inputs = {}
-    for name, tensor_spec in spec.inputs.items():
-        shape = resolve_layout(
-            tensor_spec.layout, batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim
-        )
+    for name, layout in spec.inputs.items():
+        shape = resolve_layout(layout, batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim)
         tensor = torch.randn(shape, generator=generator, device=device, dtype=DTYPE)
-        if tensor_spec.non_negative:
+        if name in spec.non_negative:
             tensor = tensor.abs()
         inputs[name] = tensor.requires_grad_(requires_grad)
     return inputs
@@ -214,51 +150,49 @@ TARGETS = (
 
 
 @dataclass
+class SpeedSettings:
+    """Settings of one ``headkit bench speed`` run."""
+
+    device: str = option("cpu", "Device to measure on: cpu or cuda.")
+    lengths: tuple[int, ...] = option(
+        DEFAULT_LENGTHS, "Comma-separated sequence lengths (default 512,…,8192; quick 512,1024,2048)."
+    )
+    mechanisms: tuple[str, ...] = option((), "Comma-separated mechanisms (default: all registered).")
+    repeats: int = option(5, "Timed repetitions per point, the median reported (default 5; quick 3).", min=1)
+    out: Path = option(Path("results/speed"), "Output directory for results.json, plot and table.")
+    warmup: int = 1  # untimed calls before the timed ones
+    min_repeat_s: float = MIN_REPEAT_S  # a timed repeat loops over calls faster than this (their mean)
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> SpeedSettings:
+        """Short run: lengths 512..2048, 3 repeats."""
+        return cls(**({"lengths": QUICK_LENGTHS, "repeats": 3} | overrides))
+
+
+@dataclass
 class _Plan:
     device: torch.device
     lengths: list[int]
     mechanisms: list[str]
     repeats: int
     out_dir: Path
-    quick: bool
-    notes: list[str] = field(default_factory=list)
 
 
+@register_benchmark("speed", SpeedSettings)
 def run_speed_benchmark(
-    *,
-    device: str = "cpu",
-    lengths: Sequence[int] | None = None,
-    mechanisms: Sequence[str] | None = None,
-    repeats: int = 5,
-    out_dir: str | Path = Path("results/speed"),
-    quick: bool = False,
-    warmup: int = 1,
-    min_repeat_s: float = MIN_REPEAT_S,
-    console: Console | None = None,
-    show_progress: bool = True,
+    settings: SpeedSettings, console: Console, show_progress: bool = True
 ) -> dict[str, Any]:
-    """Measure every mechanism at every length; write results.json, table.md and speed.png to ``out_dir``.
+    """Kernel speed and peak memory against SDPA: forward and forward+backward, per sequence length.
 
-    Args:
-        device: "cpu" or "cuda" (or "cuda:N").
-        lengths: sequence lengths T; :data:`DEFAULT_LENGTHS` when None.
-        mechanisms: names from :data:`MECHANISMS`, all when None; the baseline is always measured too.
-        repeats: timed calls per point; the median is reported.
-        out_dir: output folder, created if needed.
-        quick: keep only lengths ≤ 2048 (512, 1024, 2048 when ``lengths`` is None) and at most 3 repeats.
-        warmup: untimed calls before the timed ones.
-        min_repeat_s: a timed repeat loops over calls faster than this and reports their mean.
-        console: where the progress bar and tables go (a fresh stdout console when None).
-        show_progress: draw the progress bar.
+    Measure every mechanism at every length; write results.json, table.md and speed.png to ``settings.out``.
 
-    Returns:
-        The dictionary written to results.json.
+    Mechanisms are the kernels of :data:`headkit.ops.KERNELS` (all of them unless ``settings.mechanisms``
+    names some); the baseline is always measured too. Returns the dictionary written to results.json.
 
     Raises:
-        HeadkitError (a ValueError): unknown mechanism, CUDA asked for but absent, bad lengths or repeats.
-    """
-    plan = _plan(device, lengths, mechanisms, repeats, out_dir, quick)
-    console = console or Console()
+        HeadkitError (a ValueError): unknown mechanism, CUDA asked for but absent, bad lengths or repeats."""
+    warmup, min_repeat_s = settings.warmup, settings.min_repeat_s
+    plan = _plan(settings)
     unavailable = {name: note for name in plan.mechanisms if (note := _probe(MECHANISMS[name], plan.device))}
     if BASELINE in unavailable:
         raise RuntimeError(f"the baseline {BASELINE} cannot run on {plan.device}: {unavailable[BASELINE]}")
@@ -268,15 +202,7 @@ def run_speed_benchmark(
 
     points: list[dict[str, Any]] = []
     out_of_memory: set[str] = set()
-    progress = Progress(
-        TextColumn("{task.description:<40}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        disable=not show_progress,
-    )
-    with progress:
+    with progress_bar(console, show_progress, 40) as progress:
         task = progress.add_task("speed", total=len(plan.lengths) * len(measured))
         # Lengths outermost: every ratio compares measurements taken minutes apart at most, not a whole run.
         for seq_len in plan.lengths:
@@ -301,10 +227,8 @@ def run_speed_benchmark(
             "repeats": plan.repeats,
             "warmup": warmup,
             "min_repeat_s": min_repeat_s,
-            "quick": plan.quick,
             "statistic": "median",
             "mechanisms": plan.mechanisms,
-            "notes": plan.notes,
         },
         "machine": machine_info(plan.device),
         "command": command_line(),
@@ -320,73 +244,35 @@ def run_speed_benchmark(
         "targets": [_evaluate_target(target, points) for target in TARGETS],
     }
 
-    write_results(plan.out_dir, results, render_markdown(results), plot_results(results), PLOT_FILE)
+    write_report(plan.out_dir, results, render_markdown(results), {PLOT_FILE: plot_results(results)})
 
-    for note in plan.notes:
-        console.print(f"[dim]{note}[/]", highlight=False)
-    console.print(_ratio_table(results))
-    console.print(_target_table(results))
+    ratio_title = f"time / peak memory relative to {BASELINE} (< 1 is better)"
+    console.print(rich_table(ratio_title, _headers(results), _cell_table(results, _ratio_cell), left=2))
+    console.print(
+        rich_table("targets (ratio to the baseline, same run)", TARGET_HEADERS, _target_rows(results))
+    )
     console.print(f"wrote {RESULTS_FILE}, {TABLE_FILE} and {PLOT_FILE} to {plan.out_dir}", highlight=False)
     return results
 
 
-def _plan(
-    device: str,
-    lengths: Sequence[int] | None,
-    mechanisms: Sequence[str] | None,
-    repeats: int,
-    out_dir: str | Path,
-    quick: bool,
-) -> _Plan:
-    """Validate the arguments (every user error surfaces here, before anything is measured)."""
-    notes = []
-    try:
-        torch_device = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise HeadkitError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}") from None
-    if torch_device.type not in ("cpu", "cuda"):
-        raise HeadkitError(f"device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
-    if torch_device.type == "cuda" and not torch.cuda.is_available():
-        raise HeadkitError(f"device {device!r} asked for, but CUDA is not available here; use --device cpu")
-    if torch_device.type == "cuda" and (torch_device.index or 0) >= torch.cuda.device_count():
-        raise HeadkitError(f"device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s)")
-
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats <= 0:
-        raise HeadkitError(f"repeats must be a positive integer, got {repeats!r}")
-    if lengths is None:
-        lengths = DEFAULT_LENGTHS
+def _plan(settings: SpeedSettings) -> _Plan:
+    """Validate the settings (every user error surfaces here, before anything is measured)."""
+    torch_device = check_device(settings.device)
+    check_positive_option("repeats", settings.repeats)
+    lengths = settings.lengths
     if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in lengths):
-        raise HeadkitError(f"lengths must be a non-empty list of positive integers, got {lengths!r}")
-    lengths = sorted(set(lengths))
-    if quick:
-        kept = [n for n in lengths if n <= QUICK_MAX_LENGTH]
-        if not kept:
-            raise HeadkitError(f"--quick measures lengths ≤ {QUICK_MAX_LENGTH}, but lengths are {lengths}")
-        if kept != lengths:
-            notes.append(f"quick: lengths > {QUICK_MAX_LENGTH} dropped")
-        if repeats > QUICK_MAX_REPEATS:
-            notes.append(f"quick: repeats {repeats} → {QUICK_MAX_REPEATS}")
-        lengths, repeats = kept, min(repeats, QUICK_MAX_REPEATS)
-
-    names = list(MECHANISMS) if mechanisms is None else [name.strip() for name in mechanisms]
-    unknown = [name for name in names if name not in MECHANISMS]
-    if unknown or not names:
-        raise HeadkitError(
-            f"unknown mechanism(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
-            f"valid names: {', '.join(MECHANISMS)}"
-        )
+        raise HeadkitError(f"--lengths must be positive integers, got {lengths!r}")
+    names = check_names("--mechanisms", settings.mechanisms or list(MECHANISMS), MECHANISMS)
     # Ratios need the baseline, measured first so it is the reference of every length.
-    names = [BASELINE, *dict.fromkeys(name for name in names if name != BASELINE)]
+    names = [BASELINE, *(name for name in names if name != BASELINE)]
 
     if importlib.util.find_spec("matplotlib") is None:  # found now, not after a run of several minutes
         raise HeadkitError("the speed benchmark plots with matplotlib: pip install 'headkit[bench]'")
-    out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise NotADirectoryError(f"--out {str(out_dir)!r} exists and is not a directory")
-    return _Plan(torch_device, lengths, names, repeats, out_dir, quick, notes)
+    out_dir = check_out_dir(settings.out)
+    return _Plan(torch_device, sorted(set(lengths)), names, settings.repeats, out_dir)
 
 
-def _probe(spec: MechanismSpec, device: torch.device) -> str | None:
+def _probe(spec: KernelSpec, device: torch.device) -> str | None:
     """None if the mechanism runs forward and backward on tiny inputs, else why it is unavailable."""
     inputs = make_inputs(spec, seq_len=PROBE_SEQ_LEN, device=device, requires_grad=True)
     try:
@@ -548,10 +434,6 @@ def _format_ratio(ratio: float | None) -> str:
     return f"{ratio:.3g}× (1/{1 / ratio:.3g})" if 0 < ratio < 1 else f"{ratio:.3g}×"
 
 
-def _format_verdict(passed: bool | None) -> str:
-    return {True: "pass", False: "FAIL", None: "not measured"}[passed]
-
-
 def _rows(results: dict[str, Any]) -> list[tuple[str, str]]:
     """(mechanism, mode) pairs of the measured mechanisms, in registry order."""
     measured = [name for name, info in results["mechanisms"].items() if info["available"]]
@@ -574,35 +456,26 @@ def _ratio_cell(point: dict[str, Any] | None) -> str:
     return f"{point['time_ratio']:.3g}× / {point['memory_ratio']:.3g}×"
 
 
-def _ratio_table(results: dict[str, Any]) -> Table:
-    table = Table(title=f"time / peak memory relative to {BASELINE} (< 1 is better)")
-    for header in ["mechanism", "mode", *(f"T={n}" for n in results["config"]["lengths"])]:
-        table.add_column(header, justify="left" if header in ("mechanism", "mode") else "right")
-    for row in _cell_table(results, _ratio_cell):
-        table.add_row(*row)
-    return table
+def _headers(results: dict[str, Any]) -> list[str]:
+    return ["mechanism", "mode", *(f"T={n}" for n in results["config"]["lengths"])]
 
 
-def _target_table(results: dict[str, Any]) -> Table:
-    table = Table(title="targets (ratio to the baseline, same run)")
-    for header in ("target", "measured", "required", "result"):
-        table.add_column(header)
-    style = {True: "green", False: "bold red", None: "dim"}
-    for target in results["targets"]:
-        verdict = _format_verdict(target["passed"])
-        table.add_row(
-            target["description"],
-            _format_ratio(target["measured_ratio"]),
-            f"≤ {target['max_ratio']:.3g}×",
-            f"[{style[target['passed']]}]{verdict}[/]",
-        )
-    return table
+def _target_rows(results: dict[str, Any]) -> list[list[str]]:
+    return [
+        [
+            t["description"],
+            _format_ratio(t["measured_ratio"]),
+            f"≤ {t['max_ratio']:.3g}×",
+            verdict(t["passed"]),
+        ]
+        for t in results["targets"]
+    ]
 
 
 def render_markdown(results: dict[str, Any]) -> str:
     """table.md: medians, peak memory, ratios to the baseline, targets, and what was not measured."""
     config, machine = results["config"], results["machine"]
-    headers = ["mechanism", "mode", *(f"T={n}" for n in config["lengths"])]
+    headers = _headers(results)
 
     def milliseconds(point: dict[str, Any] | None) -> str:
         return "—" if point is None or point["median_s"] is None else f"{point['median_s'] * 1e3:.3g}"
@@ -610,15 +483,6 @@ def render_markdown(results: dict[str, Any]) -> str:
     def mebibytes(point: dict[str, Any] | None) -> str:
         return "—" if point is None or point["peak_bytes"] is None else f"{point['peak_bytes'] / 2**20:.3g}"
 
-    target_rows = [
-        [
-            t["description"],
-            _format_ratio(t["measured_ratio"]),
-            f"≤ {t['max_ratio']:.3g}×",
-            _format_verdict(t["passed"]),
-        ]
-        for t in results["targets"]
-    ]
     sections = [
         "# headkit bench speed\n",
         f"B={config['batch']}, H={config['heads']}, head_dim={config['head_dim']}, {config['dtype']}, "
@@ -632,7 +496,7 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"## Time / peak memory relative to {BASELINE}\n",
         markdown_table(headers, _cell_table(results, _ratio_cell)),
         "## Targets\n",
-        markdown_table(["target", "measured", "required", "result"], target_rows),
+        markdown_table(TARGET_HEADERS, _target_rows(results)),
     ]
     skipped = [f"- {name}: {info['note']}" for name, info in results["mechanisms"].items() if info["note"]]
     if skipped:
@@ -643,7 +507,6 @@ def render_markdown(results: dict[str, Any]) -> str:
 def plot_results(results: dict[str, Any]) -> Any:
     """A 2×2 figure: time (top) and peak memory (bottom) vs T, forward (left) and forward+backward (right)."""
     from matplotlib.figure import Figure
-    from matplotlib.ticker import NullLocator
 
     config = results["config"]
     figure = Figure(figsize=(11, 8), layout="constrained")
@@ -664,15 +527,8 @@ def plot_results(results: dict[str, Any]) -> Any:
                 ys = [p[key] / 2**20 if key == "peak_bytes" else p[key] for p in points]
                 style = {"color": "black", "linestyle": "--"} if name == BASELINE else {}
                 ax.plot(xs, ys, marker="o", label=name, **style)
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(config["lengths"], [str(n) for n in config["lengths"]])
-            ax.xaxis.set_minor_locator(NullLocator())
-            ax.set_yscale("log")
-            ax.set_title(f"{MODE_LABELS[mode]}: {label.split(' (')[0]}")
-            ax.set_ylabel(label)
-            if row == 1:
-                ax.set_xlabel("sequence length T")
-            ax.grid(True, which="both", alpha=0.3)
+            title = f"{MODE_LABELS[mode]}: {label.split(' (')[0]}"
+            log2_length_axis(ax, config["lengths"], "sequence length T" if row == 1 else None, label, title)
     axes[0][0].legend(fontsize="small")
     figure.suptitle(
         f"B={config['batch']}, H={config['heads']}, head_dim={config['head_dim']}, {config['dtype']}, "

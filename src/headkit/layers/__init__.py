@@ -23,6 +23,7 @@ from headkit.layers.linear import LinearAttention
 from headkit.layers.registry import (
     ATTENTION_LAYERS,
     BUILTIN_ATTENTION_NAMES,
+    attention_classes,
     build_attention,
     get_attention_class,
     register_attention,
@@ -46,6 +47,7 @@ __all__ = [
     "LinearAttention",
     "RecurrentStateLayer",
     "SoftmaxAttention",
+    "attention_classes",
     "build_attention",
     "build_feature_map",
     "get_attention_class",

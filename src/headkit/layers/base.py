@@ -61,7 +61,9 @@ class HeadkitAttention(nn.Module):
         num_heads, num_key_value_heads, head_dim: override the config's values for this layer.
     """
 
-    attention_name: ClassVar[str] = ""  # set by @register_attention
+    attention_name: ClassVar[str] = ""  # set by @register_attention, with the two facts below
+    rotary: ClassVar[bool] = False  # applies rotary positions inside attention
+    compared: ClassVar[bool] = True  # in the default runs of the benchmarks that compare mechanisms
     # The per-layer cache entry this mechanism needs; recurrent mechanisms use RecurrentStateLayer.
     cache_layer_class: ClassVar[type] = DynamicLayer
 

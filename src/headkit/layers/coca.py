@@ -36,7 +36,7 @@ from headkit.ops.rotary import rotary_cos_sin
 T_ACTIVATIONS = {"relu": F.relu, "softplus": F.softplus}
 
 
-@register_attention("coca")
+@register_attention("coca", rotary=True)
 class CoCAAttention(HeadkitAttention):
     """Collinear constrained attention (``attention="coca"``), always with rotary positions.
 

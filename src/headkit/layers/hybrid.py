@@ -38,7 +38,7 @@ from headkit.ops.hybrid import hybrid_attention, hybrid_attention_step
 from headkit.ops.rotary import apply_rotary, rotary_cos_sin
 
 
-@register_attention("hybrid")
+@register_attention("hybrid", rotary=True, compared=False)
 class HybridAttention(HeadkitAttention):
     """Sliding-window softmax + linear attention with learnable feature maps (``attention="hybrid"``).
 

@@ -31,8 +31,16 @@ BUILTIN_ATTENTION_NAMES: tuple[str, ...] = (
 ATTENTION_LAYERS: dict[str, type[HeadkitAttention]] = {}
 
 
-def register_attention(name: str):
-    """Class decorator: make the layer class available under ``name`` and record the name on the class."""
+def register_attention(name: str, *, rotary: bool = False, compared: bool = True):
+    """Class decorator: make the layer class available under ``name`` and record the name on the class.
+
+    Two facts the benchmarks that compare mechanisms (``headkit bench decode``, ``lm``, ``digits``) read, set
+    on the class as ``rotary`` and ``compared``:
+
+    * ``rotary``: the layer applies rotary positions inside attention (``position_embedding_type="rope"``);
+      the models built to compare mechanisms give the other layers learned absolute positions;
+    * ``compared``: the mechanism is in those benchmarks' default runs (it is accepted by name either way).
+    """
     if not isinstance(name, str) or not name:
         raise ValueError(f"attention name must be a non-empty string, got {name!r}")
 
@@ -42,6 +50,7 @@ def register_attention(name: str):
         if existing is not None and _full_name(existing) != _full_name(layer_class):
             raise ValueError(f"attention {name!r} is already registered to {_full_name(existing)}")
         layer_class.attention_name = name
+        layer_class.rotary, layer_class.compared = rotary, compared
         ATTENTION_LAYERS[name] = layer_class
         return layer_class
 
@@ -55,6 +64,14 @@ def _full_name(layer_class: type) -> str:
 def valid_attention_names() -> list[str]:
     """Every name a config may use: the built-in mechanisms and anything registered."""
     return sorted(set(BUILTIN_ATTENTION_NAMES) | set(ATTENTION_LAYERS))
+
+
+def attention_classes() -> dict[str, type[HeadkitAttention]]:
+    """The registered layer classes by name: headkit's own in :data:`BUILTIN_ATTENTION_NAMES` order, then the
+    others in the order they were registered."""
+    order = [name for name in BUILTIN_ATTENTION_NAMES if name in ATTENTION_LAYERS]
+    order += [name for name in ATTENTION_LAYERS if name not in BUILTIN_ATTENTION_NAMES]
+    return {name: ATTENTION_LAYERS[name] for name in order}
 
 
 def get_attention_class(name: str) -> type[HeadkitAttention]:

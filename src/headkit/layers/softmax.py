@@ -22,7 +22,7 @@ from headkit.ops.rotary import apply_rotary, rotary_cos_sin
 from headkit.ops.softmax import softmax_attention
 
 
-@register_attention("softmax")
+@register_attention("softmax", rotary=True)
 class SoftmaxAttention(HeadkitAttention):
     """Multi-head / grouped-query softmax attention (``attention="softmax"``).
 

@@ -11,10 +11,14 @@ from headkit.ops.collaborative import collaborative_attention, collaborative_sco
 from headkit.ops.feature_maps import FEATURE_MAPS, get_feature_map, hedgehog_feature_map, register_feature_map
 from headkit.ops.hybrid import HybridAttentionState, hybrid_attention, hybrid_attention_step
 from headkit.ops.linear import LinearAttentionState, linear_attention, linear_attention_step
+from headkit.ops.registry import KERNELS, KernelSpec, register_kernel
 from headkit.ops.rotary import apply_rotary, rope_inverse_frequencies, rotary_cos_sin
 from headkit.ops.softmax import softmax_attention
 
 __all__ = [
+    "KERNELS",
+    "KernelSpec",
+    "register_kernel",
     "FEATURE_MAPS",
     "AdditivePoolState",
     "HybridAttentionState",

@@ -1,0 +1,195 @@
+"""The benchmark registry: every ``headkit bench`` command is generated from a registered settings dataclass."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import typer.main
+from typer.testing import CliRunner
+
+from headkit.bench.registry import BENCHMARKS, load_benchmarks, option, parse_list, register_benchmark
+from headkit.cli import app, main
+from headkit.errors import HeadkitError
+
+load_benchmarks()
+
+
+@pytest.fixture
+def captured(monkeypatch):
+    """Every registered benchmark's run replaced by one that records the settings the command built."""
+    seen = {}
+    for name, benchmark in list(BENCHMARKS.items()):
+        monkeypatch.setitem(
+            BENCHMARKS,
+            name,
+            dataclasses.replace(benchmark, run=lambda s, name=name: seen.setdefault(name, s)),
+        )
+    return seen
+
+
+def test_headkits_benchmarks_are_registered_each_under_one_convention():
+    order = "speed decode digits lora decompose lm extrapolate compress prune linearize".split()
+    assert list(load_benchmarks()) == order  # BUILTIN_BENCHMARKS' order, which `headkit bench --help` keeps
+    assert list(typer.main.get_command(app).commands["bench"].commands) == list(load_benchmarks())
+    for benchmark in BENCHMARKS.values():
+        assert dataclasses.is_dataclass(benchmark.settings) and benchmark.options(), benchmark.name
+        assert isinstance(benchmark.settings.quick(), benchmark.settings), benchmark.name
+        assert benchmark.help and benchmark.quick_help(), benchmark.name
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+def test_options_left_out_take_the_full_or_the_quick_runs_values(name, captured):
+    settings = BENCHMARKS[name].settings
+    assert CliRunner().invoke(app, ["bench", name]).exit_code == 0
+    assert captured.pop(name) == settings()
+    assert CliRunner().invoke(app, ["bench", name, "--quick"]).exit_code == 0
+    assert captured.pop(name) == settings.quick()
+
+
+def test_given_options_override_the_mode_and_lists_are_parsed(captured, tmp_path):
+    result = CliRunner().invoke(
+        app,
+        [
+            "bench",
+            "digits",
+            "--quick",
+            "--steps",
+            "7",
+            "--images",
+            "5, 6",
+            "--sample",
+            "--out",
+            str(tmp_path),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    from headkit.bench.digits import DigitsConfig
+
+    assert captured["digits"] == DigitsConfig.quick(steps=7, image_counts=(5, 6), sample=True, out=tmp_path)
+    # An option given with its default value is still given: --quick does not replace it.
+    CliRunner().invoke(app, ["bench", "prune", "--quick", "--gate-steps", "300", "--fractions", "0,0.5"])
+    assert captured["prune"].gate_steps == 300 and captured["prune"].distill_steps == 10
+    assert captured["prune"].fractions == (0.0, 0.5)
+
+
+def test_positional_argument_and_renamed_flags(captured, tmp_path):
+    CliRunner().invoke(app, ["bench", "decompose", str(tmp_path), "--no-tensorly", "--dims", "8"])
+    assert captured["decompose"].model == tmp_path and captured["decompose"].include_tensorly is False
+    assert captured["decompose"].dims == (8,)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "flag"),
+    [
+        (["bench", "digits", "--images", "1,x"], "--images"),
+        (["bench", "lora", "--ranks", "0"], "--ranks"),
+        (["bench", "linearize", "--layers", "-1"], "--layers"),
+        (["bench", "prune", "--fractions", "a"], "--fractions"),
+    ],
+)
+def test_bad_list_options_exit_2_naming_the_option(arguments, flag, captured, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(arguments)
+    assert exit_info.value.code == 2 and flag in capsys.readouterr().err
+    assert not captured
+
+
+def test_parse_list_kinds():
+    assert parse_list("--x", " 1, 2 ,") == (1, 2)
+    assert parse_list("--x", "0,3", minimum=0) == (0, 3)
+    assert parse_list("--x", "0.5,1", float) == (0.5, 1.0)
+    assert parse_list("--x", "a, b", str) == ("a", "b")
+    for text, kind in (("", int), ("0", int), ("a", float), (" , ", str)):
+        with pytest.raises(HeadkitError, match="--x"):
+            parse_list("--x", text, kind)
+
+
+def test_a_benchmark_registered_in_one_place_becomes_a_command(monkeypatch, tmp_path):
+    @dataclasses.dataclass
+    class WidgetSettings:
+        out: object = option(tmp_path, "Output directory.")
+        steps: int = option(100, "Training steps.", min=1)
+        hidden: int = 5  # a setting without help: not an option
+
+        @classmethod
+        def quick(cls, **overrides):
+            """Ten steps."""
+            return cls(**({"steps": 10} | overrides))
+
+    monkeypatch.setattr("headkit.bench.registry.BENCHMARKS", dict(BENCHMARKS))
+    from headkit.bench import registry
+
+    @register_benchmark("widget", WidgetSettings)
+    def run_widget(settings, console):
+        """Widgets per second.
+
+        Details the command's help leaves out."""
+        return {"steps": settings.steps, "threads": torch.get_num_threads()}
+
+    widget = registry.BENCHMARKS["widget"]
+    assert [field.name for field in widget.options()] == ["out", "steps"]
+    assert widget.help == "Widgets per second." and widget.quick_help() == "Ten steps."
+    assert widget.make_settings(True, steps=3).steps == 3
+    assert run_widget() == {"steps": 100, "threads": torch.get_num_threads()}  # the full run's settings
+    with pytest.raises(ValueError, match="already registered"):
+        register_benchmark("widget", WidgetSettings)(lambda settings, console: {})
+    with pytest.raises(TypeError, match="dataclass with a quick"):
+        register_benchmark("gadget", dict)
+
+
+def test_the_run_checks_the_settings_first_and_limits_threads_for_the_body(monkeypatch):
+    from headkit.bench import registry
+
+    monkeypatch.setattr("headkit.bench.registry.BENCHMARKS", {})
+
+    @dataclasses.dataclass
+    class Settings:
+        threads: int = option(1, "torch threads.")
+
+        @classmethod
+        def quick(cls, **overrides):
+            """Quick."""
+            return cls(**overrides)
+
+    def check(settings):
+        if settings.threads > 8:
+            raise HeadkitError("--threads: at most 8")
+
+    @register_benchmark("threads", Settings, check=check)
+    def run(settings, console):
+        """Threads."""
+        return {"threads": torch.get_num_threads()}
+
+    before = torch.get_num_threads()
+    assert run(Settings(threads=1)) == {"threads": 1} and torch.get_num_threads() == before
+    with pytest.raises(HeadkitError, match="--threads"):
+        run(Settings(threads=9))
+    assert registry.BENCHMARKS["threads"].run is run
+
+
+@pytest.mark.parametrize("name", sorted(BENCHMARKS))
+def test_an_option_that_quick_changes_says_so_in_its_help(name):
+    benchmark = BENCHMARKS[name]
+    full, quick = benchmark.settings(), benchmark.settings.quick()
+    for field in benchmark.options():
+        if getattr(full, field.name) != getattr(quick, field.name):
+            assert "quick" in field.metadata["help"], (
+                f"bench {name} --{field.name}: help omits the quick value"
+            )
+
+
+def test_check_options_enforces_each_declared_minimum_naming_the_option():
+    from headkit.bench.decode import DecodeSettings
+    from headkit.bench.registry import check_options
+
+    check_options(DecodeSettings(threads=None, new_tokens=2))  # None: the default "torch's setting"
+    for overrides, message in (
+        ({"new_tokens": 1}, "--new-tokens must be an integer ≥ 2, got 1"),
+        ({"repeats": True}, "--repeats must be a positive integer, got True"),
+        ({"threads": 0}, "--threads must be a positive integer, got 0"),
+        ({"batch_size": 1.5}, "--batch-size must be a positive integer"),
+    ):
+        with pytest.raises(HeadkitError, match=message):
+            check_options(DecodeSettings(**overrides))
