@@ -250,3 +250,17 @@ def test_stock_conversion_refuses_head_counts_the_config_rejects():
     with pytest.raises(HeadkitError, match="refuses"):
         to_stock_architecture(model)
     assert model.config.to_dict() == before  # untouched
+
+
+def test_held_out_defaults_to_the_model_kinds_count_and_the_corpus_provides_it():
+    """Without --held-out, encoders measure on 256 texts and causal LMs on 64 windows (a full-budget run once
+    crashed comparing the unset count); the embedded corpus has the held-out texts an encoder run asks for."""
+    from headkit.recipes.models import CAUSAL_LM, ENCODER
+    from headkit.recipes.prune import PruneSettings, held_out_count
+    from headkit.recipes.text import load_text, text_chunks
+
+    assert held_out_count(PruneSettings(), ENCODER) == 256
+    assert held_out_count(PruneSettings(), CAUSAL_LM) == 64
+    assert held_out_count(PruneSettings(held_out_texts=5), ENCODER) == 5
+    train, held_out = text_chunks(load_text(None), 16, held_out_count(PruneSettings(), ENCODER))
+    assert len(train) == 16 and len(held_out) == 256 and not set(train) & set(held_out)

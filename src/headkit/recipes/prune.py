@@ -52,6 +52,8 @@ from headkit.recipes.measure import (
     top1_agreement,
 )
 from headkit.recipes.models import (
+    CAUSAL_LM,
+    ENCODER,
     LoadedModel,
     check_output_folder,
     default_encoder_path,
@@ -450,6 +452,15 @@ def _run(
     return model, report, loaded
 
 
+DEFAULT_HELD_OUT = {ENCODER: 256, CAUSAL_LM: 64}  # encoder texts, causal-LM windows
+
+
+def held_out_count(settings: PruneSettings, kind: str) -> int:
+    """How many held-out texts (encoders) or windows (causal LMs) measure the model: --held-out, or the default
+    of the model's kind."""
+    return DEFAULT_HELD_OUT[kind] if settings.held_out_texts is None else settings.held_out_texts
+
+
 def _total_target(total: int, settings: PruneSettings) -> int:
     keep = total // 2 if settings.heads is None else settings.heads
     if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= total:
@@ -485,7 +496,7 @@ def _prune_causal_lm(
         corpus,
         length=settings.window,
         train_windows=settings.train_texts,
-        held_out_windows=settings.held_out_texts,
+        held_out_windows=held_out_count(settings, CAUSAL_LM),
         seed=settings.seed,
     )
     echo(
@@ -619,7 +630,7 @@ def _prune_encoder(
         parameter.requires_grad_(False)
     corpus = load_text(settings.data)
     train_texts, held_out_texts = text_chunks(
-        corpus, settings.train_texts, settings.held_out_texts, settings.seed
+        corpus, settings.train_texts, held_out_count(settings, ENCODER), settings.seed
     )
     train = tokenize_batches(tokenizer, train_texts, settings.batch_size, settings.max_length)
     held_out = tokenize_batches(tokenizer, held_out_texts, settings.batch_size, settings.max_length)
