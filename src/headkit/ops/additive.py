@@ -30,6 +30,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from headkit.ops._precision import autocast_disabled
 from headkit.ops._validation import check_padding_mask, check_positive_int, check_rank
 
 # Every softmax here has one more, implicit entry: the empty past, score _EMPTY_PAST, value the zero vector.
@@ -98,7 +99,7 @@ def additive_pool(
     check_positive_int("chunk_size", chunk_size)
     dtype = _compute_dtype(x)
     log_normalizer0, pooled0, recent_scores0, recent_x0 = _unpack_state(initial_state, window, x, dtype)
-    with torch.autocast(device_type=x.device.type, enabled=False):
+    with autocast_disabled(x.device):
         values = x.to(dtype)
         padded_scores = scores.to(dtype)
         if attention_mask is not None:
@@ -195,7 +196,7 @@ def _windowed_step(
     else:
         recent_scores, recent_x = _as_dtype(state.recent_scores, dtype), state.recent_x
     score = _as_dtype(score, dtype)
-    with torch.autocast(device_type=x.device.type, enabled=False):  # the matmul below stays in dtype
+    with autocast_disabled(x.device):  # the matmul below stays in dtype
         weights, total, _ = _softmax_parts(torch.cat([recent_scores, score], dim=-1))
         visible_x = _as_dtype(torch.cat([recent_x, x], dim=-2), dtype)
         new_pooled = (weights[..., None, :] @ visible_x) / total[..., None, None]

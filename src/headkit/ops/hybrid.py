@@ -34,12 +34,12 @@ continues the parallel form exactly.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import NamedTuple
 
 import torch
 
+from headkit.ops._precision import autocast_disabled
 from headkit.ops._validation import check_padding_mask, check_positive_int, check_qkv, check_rank, repeat_kv
 
 
@@ -235,7 +235,7 @@ def _hybrid(
         keep = torch.ones(batch, seq, dtype=torch.bool, device=device)
     keep = keep.to(device)
 
-    with _autocast_off(device):
+    with autocast_disabled(device):
         # The "extended" sequence: the stored window, the new tokens, zeros for the tail. Query t (0-based among
         # the new tokens) is extended position t + W − 1; it sees extended keys [t, t + W − 1] through the
         # window and extended keys < t (plus the state's sums) through the linear term.
@@ -346,7 +346,7 @@ def _hybrid_one_token(
     dtype = state.kv.dtype
     if keep is None:
         keep = torch.ones(batch, 1, dtype=torch.bool, device=q.device)
-    with _autocast_off(q.device):
+    with autocast_disabled(q.device):
         keys = torch.cat([state.keys, k], dim=2)  # [B, Hkv, W, D]: the whole window, in the inputs' dtype
         values = torch.cat([state.values, v], dim=2)
         key_features = torch.cat([state.key_features, kf], dim=2)
@@ -376,14 +376,6 @@ def _hybrid_one_token(
             k_sum=state.k_sum + leaving[:, :, 0],
         )
     return out, final
-
-
-def _autocast_off(device: torch.device) -> contextlib.AbstractContextManager:
-    """Leave autocast for the accumulation; entering a disabled autocast costs a decoding step more than its
-    arithmetic when autocast is not on, so skip it then."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.autocast(device_type=device.type, enabled=False)
-    return contextlib.nullcontext()
 
 
 def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:

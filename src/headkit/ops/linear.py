@@ -28,6 +28,7 @@ from typing import NamedTuple
 
 import torch
 
+from headkit.ops._precision import autocast_disabled
 from headkit.ops._validation import check_padding_mask, check_positive_int, check_qkv, repeat_kv
 from headkit.ops.feature_maps import get_feature_map
 
@@ -99,7 +100,7 @@ def linear_attention(
     if keep is not None:
         keep = keep.to(q.device)
 
-    with torch.autocast(device_type=q.device.type, enabled=False):
+    with autocast_disabled(q.device):
         if causal:
             out, kv, k_sum = _causal_linear_attention(q, k, v, keep, kv, k_sum, phi, chunk_size, eps)
         else:
@@ -137,7 +138,7 @@ def linear_attention_step(
     head_dim, head_dim_v = k.shape[3], v.shape[3]
     kv, k_sum = _checked_state(state, "state", batch, kv_heads, head_dim, head_dim_v, q.device)
 
-    with torch.autocast(device_type=q.device.type, enabled=False):
+    with autocast_disabled(q.device):
         phi_q = _feature(phi, q.float()).reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
         phi_k = _feature(phi, k.float())  # [B, Hkv, 1, Dk]
         kv = kv + phi_k.transpose(-1, -2) @ v.float()
