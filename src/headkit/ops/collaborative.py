@@ -14,8 +14,9 @@ the terms that are constant over keys cancel in the softmax, §4 of the paper).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from headkit.ops._validation import check_rank
+from headkit.ops._validation import check_padding_mask, check_rank
 from headkit.ops.softmax import softmax_attention
 
 
@@ -83,29 +84,175 @@ def collaborative_attention(
     attention_mask: torch.Tensor | None = None,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Collaborative attention output [B, H, Tq, Dv] through scaled_dot_product_attention.
+    """Collaborative attention output [B, H, Tq, Dv] through scaled_dot_product_attention's fused kernels.
 
-    Each head's mixed queries q̃ ⊙ m_h attend over the shared keys; the content bias rides along as one extra
-    dimension (query side 1, key side c_{h,j}/scale), so the whole score is a single dot product and SDPA's
-    fused kernels apply. ``scale`` defaults to 1/√Dv, the per-head width of the model being re-expressed.
-    Masks follow :func:`headkit.ops.softmax_attention`.
+    Head h's queries are the mixed shared queries q̃ ⊙ m_h; every head attends over the one shared key k̃ (a
+    stride-0 view across heads, never copied). What depends on the key alone — the content bias c_{h,j} and a
+    key padding mask — is one additive float mask [B, H, 1, Tk] that SDPA broadcasts over the queries, so no
+    [Tq, Tk] tensor is built. A causal call (Tq > 1) cannot combine SDPA's causal kernel with a mask: the content
+    bias then rides along as one extra dimension (query side 1, key side c_{h,j}/scale) and the call is
+    :func:`headkit.ops.softmax_attention`'s (fused causal kernel; with a padding mask, or Tq ≠ Tk, that builds a
+    [B, 1, Tq, Tk] bool mask, as it does for ordinary heads). Off CUDA, SDPA's fused kernel needs one width for
+    queries, keys and values: the narrower side is zero-padded (which changes no score and no output).
+
+    Args:
+        q_shared, k_shared: shared queries and keys, [B, Tq, D̃] / [B, Tk, D̃].
+        v: values [B, H, Tk, Dv] (one per head; repeat grouped key/value heads first).
+        mixing: per-head mixing vectors m_h, [H, D̃].
+        content_bias: per-head, per-key bias c_{h,j}, [B, H, Tk], added to the scaled scores; or None.
+        causal: query i sees keys j ≤ i + (Tk − Tq).
+        attention_mask: a key padding mask [B, Tk] (bool or 0/1 integers, True = keep), or a mask
+            [B, 1 or H, Tq or 1, Tk], bool (True = keep) or float (added to the scores).
+        scale: multiplies the mixed dot products; 1/√Dv (the per-head width of the model being re-expressed)
+            by default.
+
+    Returns:
+        [B, H, Tq, Dv]. Queries that see no key at all return zeros.
     """
     batch, heads, kv_len, dim_shared = _check_collaborative(q_shared, k_shared, mixing, content_bias)
+    _check_values(v, batch, heads, kv_len)
+    q_len = q_shared.shape[1]
+    if scale is None:
+        scale = v.shape[-1] ** -0.5
+    key_term, query_mask = _split_mask(attention_mask, batch, heads, q_len, kv_len)
+    causal = causal and q_len > 1  # a single query is the newest position: it sees every key
+    queries = q_shared[:, None] * mixing[None, :, None, :]  # [B, H, Tq, D̃]
+    keys = k_shared[:, None].expand(batch, heads, kv_len, dim_shared)
+
+    if not causal and query_mask is None:
+        # Everything but the dot products depends on the key alone: one [B, H|1, 1, Tk] additive mask.
+        if key_term is not None and key_term.dtype == torch.bool:
+            key_term = torch.zeros(key_term.shape, dtype=queries.dtype, device=queries.device).masked_fill(
+                ~key_term, float("-inf")
+            )
+        if content_bias is not None:
+            key_term = content_bias if key_term is None else key_term + content_bias
+        if key_term is not None:
+            key_term = key_term.to(queries.dtype)
+        return _fused_attention(queries, keys, v, key_term, scale)
+
+    if content_bias is not None:
+        ones = queries.new_ones(*queries.shape[:-1], 1)
+        queries = torch.cat([queries, ones], dim=-1)
+        keys = torch.cat([keys, (content_bias / scale)[..., None].to(keys.dtype)], dim=-1)
+    if (
+        key_term is not None
+    ):  # a key-only mask meets the causal one: softmax_attention builds [B, 1|H, Tq, Tk]
+        if key_term.dtype == torch.bool and key_term.shape[1] == 1:
+            query_mask = key_term[:, 0]  # a key padding mask [B, Tk]
+        else:
+            query_mask = key_term[:, :, None, :].expand(batch, key_term.shape[1], q_len, kv_len)
+    if query_mask is not None and query_mask.dtype != torch.bool:
+        query_mask = query_mask.to(queries.dtype)
+    queries, keys, values, width = _equal_widths(queries, keys, v)
+    out = softmax_attention(queries, keys, values, causal=causal, attention_mask=query_mask, scale=scale)
+    return out[..., :width]
+
+
+def collaborative_attention_weights(
+    q_shared: torch.Tensor,
+    k_shared: torch.Tensor,
+    mixing: torch.Tensor,
+    *,
+    content_bias: torch.Tensor | None = None,
+    causal: bool = False,
+    attention_mask: torch.Tensor | None = None,
+    scale: float,
+) -> torch.Tensor:
+    """The collaborative attention probabilities [B, H, Tq, Tk], computed explicitly (softmax in float32 or wider).
+
+    The path for callers that need the weights themselves (``output_attentions``, dropout on the weights);
+    masks as in :func:`collaborative_attention`. A query that sees no key gets an all-zero row, never NaN.
+    """
+    scores = collaborative_scores(q_shared, k_shared, mixing, content_bias=content_bias, scale=scale)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    batch, heads, q_len, kv_len = scores.shape
+    key_term, query_mask = _split_mask(attention_mask, batch, heads, q_len, kv_len)
+    mask = query_mask if key_term is None else key_term[:, :, None, :]
+    visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device)
+    if causal:
+        visible = visible.tril(kv_len - q_len)
+    visible = visible[None, None]
+    if mask is not None and mask.dtype == torch.bool:
+        visible = visible & mask
+    elif mask is not None:  # additive; its -inf entries block like False ones (so no NaN reaches a gradient)
+        blocked = torch.isneginf(mask)
+        visible = visible & ~blocked
+        scores = scores + mask.to(scores.dtype).masked_fill(blocked, 0.0)
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+    weights = weights.masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)
+    return weights.to(q_shared.dtype)
+
+
+def _check_values(v: torch.Tensor, batch: int, heads: int, kv_len: int) -> None:
     check_rank("v", v, 4, f"[batch, heads, kv_len, head_dim_v] = [{batch}, {heads}, {kv_len}, Dv]")
     if tuple(v.shape[:3]) != (batch, heads, kv_len):
         raise ValueError(
             f"v must have shape [batch, heads, kv_len, head_dim_v] = [{batch}, {heads}, {kv_len}, Dv], "
             f"got {tuple(v.shape)}"
         )
-    if scale is None:
-        scale = v.shape[-1] ** -0.5
-    queries = q_shared[:, None] * mixing[None, :, None, :]
-    keys = k_shared[:, None].expand(batch, heads, kv_len, dim_shared)
-    if content_bias is not None:
-        ones = queries.new_ones(*queries.shape[:-1], 1)
-        queries = torch.cat([queries, ones], dim=-1)
-        keys = torch.cat([keys, (content_bias / scale)[..., None].to(keys.dtype)], dim=-1)
-    return softmax_attention(queries, keys, v, causal=causal, attention_mask=attention_mask, scale=scale)
+
+
+def _split_mask(
+    attention_mask: torch.Tensor | None, batch: int, heads: int, q_len: int, kv_len: int
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(key term, query mask): a mask that is the same for every query becomes a key term [B, 1|H, Tk] (bool
+    True = keep, or additive float); one that varies over the queries stays [B, 1|H, Tq, Tk]."""
+    if attention_mask is None:
+        return None, None
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
+        mb, mh, mq, mk = attention_mask.shape
+        if mb != batch or mh not in (1, heads) or mq not in (1, q_len) or mk != kv_len:
+            raise ValueError(
+                f"attention_mask of rank 4 must have shape [batch, 1 or heads, q_len or 1, kv_len] = "
+                f"[{batch}, 1|{heads}, {q_len}|1, {kv_len}], got {tuple(attention_mask.shape)}"
+            )
+        if not (attention_mask.dtype == torch.bool or attention_mask.dtype.is_floating_point):
+            raise ValueError(
+                f"a rank-4 attention_mask must be bool (True = keep) or float (additive), got {attention_mask.dtype}"
+            )
+        if mq == 1 or attention_mask.stride(2) == 0:  # one row, or one row broadcast over the queries
+            key_mask = attention_mask[:, :, 0]
+        else:
+            return None, attention_mask
+    else:
+        key_mask = check_padding_mask(attention_mask, batch, kv_len)[:, None]
+    return key_mask, None
+
+
+def _fused_attention(
+    queries: torch.Tensor, keys: torch.Tensor, v: torch.Tensor, key_term: torch.Tensor | None, scale: float
+) -> torch.Tensor:
+    """SDPA with a per-key additive mask [B, H|1, Tk] (or none); a head whose every key is -inf returns zeros."""
+    queries, keys, values, width = _equal_widths(queries, keys, v)
+    if key_term is None:
+        return F.scaled_dot_product_attention(queries, keys, values, scale=scale)[..., :width]
+    empty = torch.isneginf(key_term).all(dim=-1)[..., None, None]  # [B, H|1, 1, 1]
+    mask = key_term[:, :, None, :].masked_fill(empty, 0.0)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale)
+    return out[..., :width].masked_fill(empty, 0.0)
+
+
+def _equal_widths(
+    queries: torch.Tensor, keys: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Queries, keys and values of one width, and the values' own width (to slice the output back to).
+
+    SDPA's fused CPU kernel (``_scaled_dot_product_flash_attention_for_cpu``) takes only queries, keys and
+    values of one width; anything else falls back to the math kernel, which builds the [Tq, Tk] scores. Zero
+    columns change no dot product, and zero value columns only add zero output columns. CUDA's memory-efficient
+    kernel takes unequal widths, so nothing is padded there.
+    """
+    width_qk, width_v = queries.shape[-1], v.shape[-1]
+    if width_qk == width_v or queries.device.type == "cuda":
+        return queries, keys, v, width_v
+    width = max(width_qk, width_v)
+    if width_qk < width:
+        queries = F.pad(queries, (0, width - width_qk))
+        keys = F.pad(keys, (0, width - width_qk))
+    else:
+        v = F.pad(v, (0, width - width_v))
+    return queries, keys, v, width_v
 
 
 def naive_collaborative_attention(
@@ -123,17 +270,23 @@ def naive_collaborative_attention(
     scale = v.shape[-1] ** -0.5 if scale is None else scale
     batch, heads, kv_len, _ = v.shape
     q_len = q_shared.shape[1]
+    keep = torch.ones(batch, heads, q_len, kv_len, dtype=torch.bool, device=v.device)
+    added = torch.zeros(batch, heads, q_len, kv_len, dtype=q_shared.dtype, device=v.device)
+    if causal:
+        keep &= torch.ones(q_len, kv_len, dtype=torch.bool, device=v.device).tril(kv_len - q_len)
+    if attention_mask is not None and attention_mask.dim() == 2:
+        keep &= attention_mask.bool()[:, None, None, :]
+    elif attention_mask is not None and attention_mask.dtype == torch.bool:
+        keep &= attention_mask
+    elif attention_mask is not None:  # additive; -inf blocks (masked_fill keeps NaN out of the gradients)
+        keep &= ~torch.isneginf(attention_mask)
+        added = added + attention_mask.masked_fill(torch.isneginf(attention_mask), 0.0)
     outputs = []
     for h in range(heads):
         scores = scale * (q_shared * mixing[h]) @ k_shared.transpose(-1, -2)  # [B, Tq, Tk]
         if content_bias is not None:
             scores = scores + content_bias[:, h, None, :]
-        keep = torch.ones(batch, q_len, kv_len, dtype=torch.bool, device=v.device)
-        if causal:
-            keep &= torch.ones(q_len, kv_len, dtype=torch.bool, device=v.device).tril(kv_len - q_len)
-        if attention_mask is not None:
-            keep &= attention_mask.bool()[:, None, :]
-        scores = scores.masked_fill(~keep, float("-inf"))
+        scores = (scores + added[:, h]).masked_fill(~keep[:, h], float("-inf"))
         weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
         outputs.append(weights @ v[:, h])
     return torch.stack(outputs, dim=1)
