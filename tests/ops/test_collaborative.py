@@ -19,14 +19,15 @@ def _inputs(batch=2, heads=3, q_len=6, kv_len=6, dim_shared=10, dim_v=4, bias=Tr
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("q_len", [6, 2])
-def test_matches_naive_reference_outputs_and_gradients(causal, bias, masked, q_len):
+@pytest.mark.parametrize("kernel", ["auto", "fused", "explicit"])
+def test_matches_naive_reference_outputs_and_gradients(causal, bias, masked, q_len, kernel):
     q, k, v, mixing, content_bias = _inputs(q_len=q_len, bias=bias)
     mask = None
     if masked:
         mask = torch.ones(2, 6, dtype=torch.bool)
         mask[0, :2] = False
     kwargs = dict(content_bias=content_bias, causal=causal, attention_mask=mask, scale=0.5)
-    out = collaborative_attention(q, k, v, mixing, **kwargs)
+    out = collaborative_attention(q, k, v, mixing, kernel=kernel, **kwargs)
     ref = naive_collaborative_attention(q, k, v, mixing, **kwargs)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
     leaves = [t for t in (q, k, v, mixing, content_bias) if t is not None]
@@ -102,12 +103,13 @@ def test_every_mask_form_matches_the_explicit_scores_in_float64(mask_kind, causa
     if mask is not None and mask.dim() == 4 and mask.shape[2] not in (1, q_len):
         mask = mask[:, :, :q_len]
     kwargs = dict(content_bias=content_bias, causal=causal, attention_mask=mask, scale=0.5)
-    out = collaborative_attention(q, k, v, mixing, **kwargs)
+    out = collaborative_attention(q, k, v, mixing, kernel="fused", **kwargs)
     ref = naive_collaborative_attention(q, k, v, mixing, **kwargs)
+    explicit = collaborative_attention(q, k, v, mixing, kernel="explicit", **kwargs)
     weights = collaborative_attention_weights(q, k, mixing, **kwargs)
-    explicit = weights @ v
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
     torch.testing.assert_close(explicit, ref, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(weights @ v, ref, atol=1e-10, rtol=1e-10)
     leaves = [t for t in (q, k, v, mixing, content_bias) if t is not None]
     cotangent = torch.randn(out.shape, generator=generator, dtype=torch.float64)
     want = torch.autograd.grad(ref, leaves, cotangent)
@@ -148,7 +150,7 @@ def test_scores_go_through_the_fused_cpu_kernel_without_a_square_tensor(causal):
                 q, k, v, mixing, content_bias=content_bias, causal=causal, attention_mask=mask
             )
 
-    kernels = _kernels(call)
+    kernels = _kernels(call)  # "auto": Tk = 512 > D̃ = 64
     assert "aten::_scaled_dot_product_flash_attention_for_cpu" in kernels
     assert "aten::_scaled_dot_product_attention_math" not in kernels
     with torch.profiler.profile(
@@ -157,6 +159,17 @@ def test_scores_go_through_the_fused_cpu_kernel_without_a_square_tensor(causal):
         call()
     largest = max(event.cpu_memory_usage for event in profiler.events())
     assert largest < seq * seq * 4, largest  # one float32 [T, T] matrix; every head's would be 4 times that
+
+
+def test_auto_takes_the_explicit_scores_only_while_they_are_no_larger_than_the_mixed_queries():
+    q, k, v, mixing, content_bias = (t.detach() for t in _inputs(q_len=6, kv_len=6, dim_shared=6))
+    short = _kernels(lambda: collaborative_attention(q, k, v, mixing, content_bias=content_bias))
+    assert not any("scaled_dot_product" in name for name in short)  # Tk = 6 ≤ D̃ = 6
+    narrow = (q[..., :5], k[..., :5], v, mixing[:, :5])  # Tk = 6 > D̃ = 5
+    fused = _kernels(lambda: collaborative_attention(*narrow, content_bias=content_bias))
+    assert "aten::scaled_dot_product_attention" in fused
+    with pytest.raises(ValueError, match="kernel must be"):
+        collaborative_attention(q, k, v, mixing, kernel="flash")
 
 
 def test_block_mixing_at_full_size_is_multi_head_attention():

@@ -152,10 +152,11 @@ def test_compression_shrinks_query_key_parameters_and_error_falls_with_width():
     assert 0 < errors[24] < errors[16] < errors[4] < 1
 
 
-def test_compressed_model_keeps_padding_invariance():
+@pytest.mark.parametrize("dim_shared", [12, 4])
+def test_compressed_model_keeps_padding_invariance(dim_shared):
     """Padding masks are preserved: a sentence's embedding does not depend on how much padding follows it."""
     model = tiny_model("distilbert")
-    swap_to_collaborative(model, dim_shared_query_key=12)
+    swap_to_collaborative(model, dim_shared_query_key=dim_shared)
     padded = model_inputs("distilbert")
     alone = {"input_ids": padded["input_ids"][1:2, :10], "attention_mask": padded["attention_mask"][1:2, :10]}
     batched = _forward(model, padded).last_hidden_state[1, :10]
@@ -231,9 +232,11 @@ def test_fast_heads_match_the_naive_reference(causal, with_bias, mask_kind):
             torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_gpt2_incremental_decoding_matches_a_full_forward():
+# D̃ = 4 < the sequence length: the fused kernel rather than explicit scores.
+@pytest.mark.parametrize("dim_shared", [16, 4])
+def test_gpt2_incremental_decoding_matches_a_full_forward(dim_shared):
     model = tiny_model("gpt2", "sdpa")
-    swap_to_collaborative(model, dim_shared_query_key=16)
+    swap_to_collaborative(model, dim_shared_query_key=dim_shared)
     input_ids = model_inputs("gpt2")["input_ids"][:2, :9]
     full = _forward(model, {"input_ids": input_ids}).last_hidden_state
     with torch.no_grad():

@@ -65,11 +65,14 @@ def collaborative_scores(
         content_bias: per-head, per-key bias c_{h,j}, [B, H, Tk] (added unscaled), or None.
         scale: multiplies the mixed dot products (1/√head_dim of the multi-head model being re-expressed).
     """
-    _check_collaborative(q_shared, k_shared, mixing, content_bias)
-    mixed_queries = q_shared[:, None] * mixing[None, :, None, :]
-    scores = scale * mixed_queries @ k_shared[:, None].transpose(-1, -2)
-    if content_bias is not None:
-        scores = scores + content_bias[:, :, None, :]
+    batch, heads, kv_len, dim_shared = _check_collaborative(q_shared, k_shared, mixing, content_bias)
+    q_len = q_shared.shape[1]
+    mixed_queries = q_shared[:, None] * (scale * mixing)[None, :, None, :]  # [B, H, Tq, D̃]
+    # One matrix product per batch row, every head's queries against the one shared key (never copied per head).
+    scores = torch.bmm(mixed_queries.reshape(batch, heads * q_len, dim_shared), k_shared.transpose(1, 2))
+    scores = scores.view(batch, heads, q_len, kv_len)
+    if content_bias is not None:  # in place: bmm keeps its inputs for backward, not its output
+        scores = scores.add_(content_bias[:, :, None, :])
     return scores
 
 
@@ -83,6 +86,7 @@ def collaborative_attention(
     causal: bool = False,
     attention_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Collaborative attention output [B, H, Tq, Dv] through scaled_dot_product_attention's fused kernels.
 
@@ -105,15 +109,32 @@ def collaborative_attention(
             [B, 1 or H, Tq or 1, Tk], bool (True = keep) or float (added to the scores).
         scale: multiplies the mixed dot products; 1/√Dv (the per-head width of the model being re-expressed)
             by default.
+        kernel: "fused" (SDPA, as above), "explicit" (:func:`collaborative_attention_weights`, then the values:
+            every head's scores [Tq, Tk] in one matrix product against the shared key), or "auto": explicit
+            when Tk ≤ D̃ — short sequences, where a head's scores are no larger than its mixed queries and one
+            product over the D̃-wide shared key beats SDPA's per-head kernel on values padded to D̃ — else fused.
 
     Returns:
         [B, H, Tq, Dv]. Queries that see no key at all return zeros.
     """
     batch, heads, kv_len, dim_shared = _check_collaborative(q_shared, k_shared, mixing, content_bias)
     _check_values(v, batch, heads, kv_len)
+    if kernel not in ("auto", "fused", "explicit"):
+        raise ValueError(f"kernel must be 'auto', 'fused' or 'explicit', got {kernel!r}")
     q_len = q_shared.shape[1]
     if scale is None:
         scale = v.shape[-1] ** -0.5
+    if kernel == "explicit" or (kernel == "auto" and kv_len <= dim_shared):
+        weights = collaborative_attention_weights(
+            q_shared,
+            k_shared,
+            mixing,
+            content_bias=content_bias,
+            causal=causal,
+            attention_mask=attention_mask,
+            scale=scale,
+        )
+        return weights @ v
     key_term, query_mask = _split_mask(attention_mask, batch, heads, q_len, kv_len)
     causal = causal and q_len > 1  # a single query is the newest position: it sees every key
     queries = q_shared[:, None] * mixing[None, :, None, :]  # [B, H, Tq, D̃]
@@ -169,18 +190,26 @@ def collaborative_attention_weights(
     batch, heads, q_len, kv_len = scores.shape
     key_term, query_mask = _split_mask(attention_mask, batch, heads, q_len, kv_len)
     mask = query_mask if key_term is None else key_term[:, :, None, :]
-    visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device)
+    blocked = None  # True where a query may not see a key; broadcasts against the scores
     if causal:
-        visible = visible.tril(kv_len - q_len)
-    visible = visible[None, None]
-    if mask is not None and mask.dtype == torch.bool:
-        visible = visible & mask
-    elif mask is not None:  # additive; its -inf entries block like False ones (so no NaN reaches a gradient)
-        blocked = torch.isneginf(mask)
-        visible = visible & ~blocked
-        scores = scores + mask.to(scores.dtype).masked_fill(blocked, 0.0)
-    weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-    weights = weights.masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)
+        blocked = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).triu(kv_len - q_len + 1)
+    if mask is not None:
+        if mask.dtype != torch.bool:  # additive; its -inf entries block (so that no NaN reaches a gradient)
+            mask_blocked = torch.isneginf(mask)
+            scores = scores.add_(mask.to(scores.dtype).masked_fill(mask_blocked, 0.0))
+        else:
+            mask_blocked = ~mask.to(scores.device)
+        blocked = mask_blocked if blocked is None else blocked | mask_blocked
+    # In place where autograd allows (fresh [B, H, Tq, Tk] tensors cost page faults as well as a pass on CPU):
+    # softmax keeps its output for backward, not its input.
+    if blocked is None:
+        return scores.softmax(dim=-1).to(q_shared.dtype)
+    weights = scores.masked_fill_(blocked, float("-inf")).softmax(dim=-1)
+    empty_rows = blocked.all(dim=-1, keepdim=True)
+    if weights.requires_grad:
+        weights = weights.masked_fill(empty_rows, 0.0)
+    else:
+        weights = weights.masked_fill_(empty_rows, 0.0)
     return weights.to(q_shared.dtype)
 
 
