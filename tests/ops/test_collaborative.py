@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from headkit.ops import collaborative_attention, collaborative_scores
+from headkit.ops import collaborative, collaborative_attention, collaborative_scores
 from headkit.ops.collaborative import collaborative_attention_weights, naive_collaborative_attention
 from headkit.ops.softmax import softmax_attention
 
@@ -170,6 +170,30 @@ def test_auto_takes_the_explicit_scores_only_while_they_are_no_larger_than_the_m
     assert "aten::scaled_dot_product_attention" in fused
     with pytest.raises(ValueError, match="kernel must be"):
         collaborative_attention(q, k, v, mixing, kernel="flash")
+
+
+@pytest.mark.parametrize("device_type", ["cpu", "cuda"])
+@pytest.mark.parametrize("with_column", [False, True])
+def test_kernel_widths_change_no_score_and_no_output(device_type, with_column):
+    """What SDPA receives, as built for each device (CPU: one width for all; CUDA: each side rounded up to a
+    multiple of 8, the content bias as an extra dimension), gives the explicit scores' result: checked here on
+    the CPU, where unequal widths run SDPA's math kernel."""
+    generator = torch.Generator().manual_seed(7)
+    batch, heads, seq, dim_shared, dim_v = 2, 3, 5, 9, 4
+    queries = torch.randn(batch, heads, seq, dim_shared, generator=generator, dtype=torch.float64)
+    keys = torch.randn(batch, 1, seq, dim_shared, generator=generator, dtype=torch.float64).expand_as(queries)
+    v = torch.randn(batch, heads, seq, dim_v, generator=generator, dtype=torch.float64)
+    column = torch.randn(batch, heads, seq, generator=generator, dtype=torch.float64) if with_column else None
+    q_in, k_in, v_in, width = collaborative._kernel_widths(queries, keys, v, column, device_type=device_type)
+    if device_type == "cuda":
+        assert q_in.shape[-1] % 8 == 0 and k_in.shape[-1] == q_in.shape[-1] and v_in.shape[-1] == 8
+    else:
+        assert q_in.shape[-1] == k_in.shape[-1] == v_in.shape[-1] == 16
+    out = torch.nn.functional.scaled_dot_product_attention(q_in, k_in, v_in, scale=0.5)[..., :width]
+    scores = 0.5 * queries @ keys.transpose(-1, -2)
+    if with_column:
+        scores = scores + 0.5 * column[:, :, None, :]
+    torch.testing.assert_close(out, scores.softmax(-1) @ v)
 
 
 def test_block_mixing_at_full_size_is_multi_head_attention():

@@ -97,7 +97,8 @@ def collaborative_attention(
     bias then rides along as one extra dimension (query side 1, key side c_{h,j}/scale) and the call is
     :func:`headkit.ops.softmax_attention`'s (fused causal kernel; with a padding mask, or Tq ≠ Tk, that builds a
     [B, 1, Tq, Tk] bool mask, as it does for ordinary heads). Off CUDA, SDPA's fused kernel needs one width for
-    queries, keys and values: the narrower side is zero-padded (which changes no score and no output).
+    queries, keys and values: the narrower side is zero-padded (which changes no score and no output); on CUDA
+    each width is rounded up to a multiple of 8 for the memory-efficient kernel.
 
     Args:
         q_shared, k_shared: shared queries and keys, [B, Tq, D̃] / [B, Tk, D̃].
@@ -152,20 +153,16 @@ def collaborative_attention(
             key_term = key_term.to(queries.dtype)
         return _fused_attention(queries, keys, v, key_term, scale)
 
-    if content_bias is not None:
-        ones = queries.new_ones(*queries.shape[:-1], 1)
-        queries = torch.cat([queries, ones], dim=-1)
-        keys = torch.cat([keys, (content_bias / scale)[..., None].to(keys.dtype)], dim=-1)
-    if (
-        key_term is not None
-    ):  # a key-only mask meets the causal one: softmax_attention builds [B, 1|H, Tq, Tk]
+    # A key-only mask meets the causal one: softmax_attention builds [B, 1|H, Tq, Tk] from it.
+    if key_term is not None:
         if key_term.dtype == torch.bool and key_term.shape[1] == 1:
             query_mask = key_term[:, 0]  # a key padding mask [B, Tk]
         else:
             query_mask = key_term[:, :, None, :].expand(batch, key_term.shape[1], q_len, kv_len)
     if query_mask is not None and query_mask.dtype != torch.bool:
         query_mask = query_mask.to(queries.dtype)
-    queries, keys, values, width = _equal_widths(queries, keys, v)
+    key_column = None if content_bias is None else content_bias / scale
+    queries, keys, values, width = _kernel_widths(queries, keys, v, key_column)
     out = softmax_attention(queries, keys, values, causal=causal, attention_mask=query_mask, scale=scale)
     return out[..., :width]
 
@@ -253,7 +250,7 @@ def _fused_attention(
     queries: torch.Tensor, keys: torch.Tensor, v: torch.Tensor, key_term: torch.Tensor | None, scale: float
 ) -> torch.Tensor:
     """SDPA with a per-key additive mask [B, H|1, Tk] (or none); a head whose every key is -inf returns zeros."""
-    queries, keys, values, width = _equal_widths(queries, keys, v)
+    queries, keys, values, width = _kernel_widths(queries, keys, v)
     if key_term is None:
         return F.scaled_dot_product_attention(queries, keys, values, scale=scale)[..., :width]
     empty = torch.isneginf(key_term).all(dim=-1)[..., None, None]  # [B, H|1, 1, 1]
@@ -262,26 +259,52 @@ def _fused_attention(
     return out[..., :width].masked_fill(empty, 0.0)
 
 
-def _equal_widths(
-    queries: torch.Tensor, keys: torch.Tensor, v: torch.Tensor
+def _kernel_widths(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    v: torch.Tensor,
+    key_column: torch.Tensor | None = None,
+    *,
+    device_type: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """Queries, keys and values of one width, and the values' own width (to slice the output back to).
+    """Queries, keys and values in widths SDPA's fused kernels take, and the values' own width (to slice the
+    output back to); ``key_column`` [B, H, Tk], if given, becomes one more dimension (1 on the query side).
+    Zero columns change no dot product, and zero value columns only add zero output columns.
 
     SDPA's fused CPU kernel (``_scaled_dot_product_flash_attention_for_cpu``) takes only queries, keys and
-    values of one width; anything else falls back to the math kernel, which builds the [Tq, Tk] scores. Zero
-    columns change no dot product, and zero value columns only add zero output columns. CUDA's memory-efficient
-    kernel takes unequal widths, so nothing is padded there.
+    values of one width; anything else falls back to the math kernel, which builds the [Tq, Tk] scores. CUDA's
+    memory-efficient kernel takes unequal widths but wants each a multiple of 8 (the content-bias column makes
+    D̃ + 1), so there each side is only rounded up. Each side is built in one concatenation. ``device_type``
+    overrides the tensors' own (so that tests on a CPU can check what CUDA gets).
     """
-    width_qk, width_v = queries.shape[-1], v.shape[-1]
-    if width_qk == width_v or queries.device.type == "cuda":
-        return queries, keys, v, width_v
-    width = max(width_qk, width_v)
-    if width_qk < width:
-        queries = F.pad(queries, (0, width - width_qk))
-        keys = F.pad(keys, (0, width - width_qk))
+    width_qk = queries.shape[-1] + (key_column is not None)
+    width_v = v.shape[-1]
+    if (device_type or queries.device.type) == "cuda":
+        target_qk, target_v = _round_up(width_qk, _ALIGNMENT), _round_up(width_v, _ALIGNMENT)
+    elif width_qk == width_v:
+        target_qk = target_v = width_v
     else:
-        v = F.pad(v, (0, width - width_v))
+        target_qk = target_v = _round_up(max(width_qk, width_v), _ALIGNMENT)
+    zeros = target_qk - width_qk
+    if key_column is not None or zeros:
+        query_parts, key_parts = [queries], [keys]
+        if key_column is not None:
+            query_parts.append(queries.new_ones(*queries.shape[:-1], 1))
+            key_parts.append(key_column[..., None].to(keys.dtype))
+        if zeros:
+            query_parts.append(queries.new_zeros(*queries.shape[:-1], zeros))
+            key_parts.append(keys.new_zeros(*keys.shape[:-1], zeros))
+        queries, keys = torch.cat(query_parts, dim=-1), torch.cat(key_parts, dim=-1)
+    if target_v > width_v:
+        v = F.pad(v, (0, target_v - width_v))
     return queries, keys, v, width_v
+
+
+_ALIGNMENT = 8
+
+
+def _round_up(width: int, multiple: int) -> int:
+    return -(-width // multiple) * multiple
 
 
 def naive_collaborative_attention(

@@ -60,6 +60,11 @@ class CollaborativeSelfAttention(ReplacementAttention):
     no bias), ``mixing`` [heads, D̃], ``content_bias`` (``nn.Linear`` hidden → heads, no bias, row h = c_h; None
     when the model has no query bias), the value projection and, when the replaced module ran them, its output
     projection / dropout / residual LayerNorm, all under the replaced module's attribute names.
+
+    The heads themselves — KV cache layout, fused kernel or explicit weights — are
+    :func:`headkit.layers.collaborative.collaborative_head_outputs`, the implementation behind headkit's own
+    :class:`headkit.layers.CollaborativeAttention`; this class only holds the weights under a pretrained model's
+    names and speaks its calling convention.
     """
 
     def __init__(
