@@ -59,8 +59,8 @@ class CollaborativeAttention(HeadkitAttention):
     num_key_value_heads · head_dim) and ``o_proj``. Uses the config's ``dim_shared_query_key`` (None: heads ·
     head_dim; the ``dim_shared_query_key`` keyword overrides it), ``collaborative_init`` ("concatenate" |
     "normal"), ``attention_bias`` (on v_proj / o_proj), ``attention_dropout`` (on the probabilities, in
-    training) and ``causal``. No positional encoding of its own. Weights are materialised only for
-    ``output_attentions`` or dropout.
+    training) and ``causal``. No positional encoding of its own. The [Tq, Tk] weights are materialised for
+    ``output_attentions``, dropout, or keys no more than D̃ (where they are no larger than the mixed queries).
     """
 
     def __init__(
@@ -260,10 +260,10 @@ def collaborative_head_outputs(
 
     The one implementation behind :class:`CollaborativeAttention` and the surgery module that puts collaborative
     heads into a pretrained 🤗 model (:class:`headkit.surgery.CollaborativeSelfAttention`): cache update
-    (:func:`update_collaborative_cache`), grouped values, and the choice between the fused kernel
-    (:func:`headkit.ops.collaborative_attention`, no [Tq, Tk] tensor) and explicit weights
-    (:func:`headkit.ops.collaborative.collaborative_attention_weights`), taken only for ``output_attentions``
-    or dropout on the weights.
+    (:func:`update_collaborative_cache`), grouped values, and the one "fused unless the weights are needed"
+    choice: :func:`headkit.ops.collaborative_attention` (SDPA's fused kernels with no [Tq, Tk] tensor, or
+    explicit scores for short sequences) unless ``output_attentions`` or dropout on the weights need
+    :func:`headkit.ops.collaborative.collaborative_attention_weights`.
 
     Args:
         shared_queries, shared_keys: X W̃_Q and X W̃_K of the current tokens, [B, T, D̃].

@@ -121,9 +121,8 @@ class CollaborativeSelfAttention(ReplacementAttention):
         batch, q_len, _ = hidden_states.shape
         values = getattr(self, self.value_name)(hidden_states)
         values = values.view(batch, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        key_bias = (
-            None if self.content_bias is None else self.scale * self.content_bias(hidden_states)
-        )  # [B, T, H]
+        # The content-bias scores [B, T, H], scaled like the mixed dot products they are added to.
+        key_bias = None if self.content_bias is None else self.scale * self.content_bias(hidden_states)
         cache = call.past_key_values
         if cache is not None:
             if self.layer_idx is None:
