@@ -126,7 +126,7 @@ def collaborative_attention(
     if scale is None:
         scale = v.shape[-1] ** -0.5
     if kernel == "explicit" or (kernel == "auto" and kv_len <= dim_shared):
-        weights = collaborative_attention_weights(
+        weights, empty_rows = _explicit_weights(
             q_shared,
             k_shared,
             mixing,
@@ -135,7 +135,8 @@ def collaborative_attention(
             attention_mask=attention_mask,
             scale=scale,
         )
-        return weights @ v
+        out = weights @ v
+        return out if empty_rows is None else out.masked_fill(empty_rows, 0.0)
     key_term, query_mask = _split_mask(attention_mask, batch, heads, q_len, kv_len)
     causal = causal and q_len > 1  # a single query is the newest position: it sees every key
     queries = q_shared[:, None] * mixing[None, :, None, :]  # [B, H, Tq, D̃]
@@ -182,10 +183,54 @@ def collaborative_attention_weights(
     The path for callers that need the weights themselves (``output_attentions``, dropout on the weights);
     masks as in :func:`collaborative_attention`. A query that sees no key gets an all-zero row, never NaN.
     """
+    weights, empty_rows = _explicit_weights(
+        q_shared,
+        k_shared,
+        mixing,
+        content_bias=content_bias,
+        causal=causal,
+        attention_mask=attention_mask,
+        scale=scale,
+    )
+    if empty_rows is None:
+        return weights
+    if weights.requires_grad:  # softmax keeps its output for backward: not in place then
+        return weights.masked_fill(empty_rows, 0.0)
+    return weights.masked_fill_(empty_rows, 0.0)
+
+
+def _explicit_weights(
+    q_shared: torch.Tensor,
+    k_shared: torch.Tensor,
+    mixing: torch.Tensor,
+    *,
+    content_bias: torch.Tensor | None,
+    causal: bool,
+    attention_mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weights [B, H, Tq, Tk], rows that see no key [.., Tq or 1, 1] or None): the rows flagged hold finite
+    values that the caller zeroes — in the weights, or, cheaper, in the output weights @ v.
+
+    Works in place where autograd allows: fresh [B, H, Tq, Tk] tensors cost page faults as well as a pass on
+    CPU. A key-only mask without causality joins the content bias (one pass over the scores).
+    """
+    batch, heads, kv_len, _ = _check_collaborative(q_shared, k_shared, mixing, content_bias)
+    q_len = q_shared.shape[1]
+    key_term, query_mask = _split_mask(attention_mask, batch, heads, q_len, kv_len)
+    empty_rows = None
+    if key_term is not None and query_mask is None and not causal:
+        if key_term.dtype == torch.bool:
+            key_term = torch.zeros(key_term.shape, device=q_shared.device).masked_fill(
+                ~key_term, float("-inf")
+            )
+        key_term = key_term.to(q_shared.dtype)
+        empty_rows = torch.isneginf(key_term).all(dim=-1, keepdim=True)  # [B, 1|H, 1]
+        key_term = key_term.masked_fill(empty_rows, 0.0).expand(batch, heads, kv_len)
+        content_bias = key_term if content_bias is None else content_bias + key_term
+        key_term, empty_rows = None, empty_rows[..., None]
     scores = collaborative_scores(q_shared, k_shared, mixing, content_bias=content_bias, scale=scale)
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
-    batch, heads, q_len, kv_len = scores.shape
-    key_term, query_mask = _split_mask(attention_mask, batch, heads, q_len, kv_len)
     mask = query_mask if key_term is None else key_term[:, :, None, :]
     blocked = None  # True where a query may not see a key; broadcasts against the scores
     if causal:
@@ -197,17 +242,12 @@ def collaborative_attention_weights(
         else:
             mask_blocked = ~mask.to(scores.device)
         blocked = mask_blocked if blocked is None else blocked | mask_blocked
-    # In place where autograd allows (fresh [B, H, Tq, Tk] tensors cost page faults as well as a pass on CPU):
-    # softmax keeps its output for backward, not its input.
     if blocked is None:
-        return scores.softmax(dim=-1).to(q_shared.dtype)
-    weights = scores.masked_fill_(blocked, float("-inf")).softmax(dim=-1)
+        return scores.softmax(dim=-1).to(q_shared.dtype), empty_rows
+    # A row with every key blocked would be a softmax over nothing (NaN): it sees every key, flagged for zeroing.
     empty_rows = blocked.all(dim=-1, keepdim=True)
-    if weights.requires_grad:
-        weights = weights.masked_fill(empty_rows, 0.0)
-    else:
-        weights = weights.masked_fill_(empty_rows, 0.0)
-    return weights.to(q_shared.dtype)
+    weights = scores.masked_fill_(blocked & ~empty_rows, float("-inf")).softmax(dim=-1)
+    return weights.to(q_shared.dtype), empty_rows
 
 
 def _check_values(v: torch.Tensor, batch: int, heads: int, kv_len: int) -> None:
