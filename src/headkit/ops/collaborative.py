@@ -71,8 +71,10 @@ def collaborative_scores(
     # One matrix product per batch row, every head's queries against the one shared key (never copied per head).
     scores = torch.bmm(mixed_queries.reshape(batch, heads * q_len, dim_shared), k_shared.transpose(1, 2))
     scores = scores.view(batch, heads, q_len, kv_len)
-    if content_bias is not None:  # in place: bmm keeps its inputs for backward, not its output
-        scores = scores.add_(content_bias[:, :, None, :])
+    if content_bias is not None:
+        # In place (bmm keeps its inputs for backward, not its output), from a contiguous source (2× faster on
+        # CPU than broadcasting a transposed [B, T, H] view).
+        scores = scores.add_(content_bias.contiguous()[:, :, None, :])
     return scores
 
 
