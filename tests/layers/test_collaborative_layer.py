@@ -57,6 +57,9 @@ LAYER_VARIANTS = {
     "compressed_normal_init": {"dim_shared_query_key": 12, "collaborative_init": "normal"},
     "gqa_bias": {"num_key_value_heads": 2, "attention_bias": True, "dim_shared_query_key": 20},
     "bidirectional": {"causal": False, "dim_shared_query_key": 8},
+    # D̃ < SEQ: the fused (SDPA) kernel rather than the explicit scores of short sequences.
+    "narrow_fused_gqa_bias": {"num_key_value_heads": 2, "attention_bias": True, "dim_shared_query_key": 4},
+    "narrow_fused_bidirectional": {"causal": False, "dim_shared_query_key": 3},
 }
 
 
@@ -88,7 +91,7 @@ def test_outputs_gradients_and_weights_match_the_naive_reference(variant, padded
     torch.testing.assert_close(explicit_out, out.detach(), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["full_size", "gqa_bias"])
+@pytest.mark.parametrize("variant", ["full_size", "gqa_bias", "narrow_fused_gqa_bias"])
 def test_cached_decoding_equals_the_full_forward(variant):
     layer = make_layer(**LAYER_VARIANTS[variant])
     total = SEQ + 3

@@ -15,17 +15,17 @@ from collab_models import (
 
 import headkit.surgery.collaborative as collaborative
 from headkit.errors import HeadkitError
+from headkit.layers.collaborative import collaborative_head_outputs
+from headkit.ops.collaborative import naive_collaborative_attention
 from headkit.surgery.adapters import (
     ALBERTCollaborativeAdapter,
     BERTCollaborativeAdapter,
     DistilBERTCollaborativeAdapter,
-    attention_mask_for_scores,
     get_adapter,
 )
 from headkit.surgery.collaborative import (
     CollaborativeSelfAttention,
-    collaborative_heads,
-    naive_collaborative_heads,
+    model_attention_mask,
     swap_to_collaborative,
 )
 
@@ -152,10 +152,11 @@ def test_compression_shrinks_query_key_parameters_and_error_falls_with_width():
     assert 0 < errors[24] < errors[16] < errors[4] < 1
 
 
-def test_compressed_model_keeps_padding_invariance():
+@pytest.mark.parametrize("dim_shared", [12, 4])
+def test_compressed_model_keeps_padding_invariance(dim_shared):
     """Padding masks are preserved: a sentence's embedding does not depend on how much padding follows it."""
     model = tiny_model("distilbert")
-    swap_to_collaborative(model, dim_shared_query_key=12)
+    swap_to_collaborative(model, dim_shared_query_key=dim_shared)
     padded = model_inputs("distilbert")
     alone = {"input_ids": padded["input_ids"][1:2, :10], "attention_mask": padded["attention_mask"][1:2, :10]}
     batched = _forward(model, padded).last_hidden_state[1, :10]
@@ -183,8 +184,10 @@ def test_gradients_of_the_full_size_swap_match_the_original():
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("with_bias", [False, True])
-@pytest.mark.parametrize("mask_kind", [None, "bool", "float"])
+@pytest.mark.parametrize("mask_kind", [None, "padding", "bool", "float", "causal_bool"])
 def test_fast_heads_match_the_naive_reference(causal, with_bias, mask_kind):
+    """Every mask form a 🤗 model sends, through model_attention_mask and the shared collaborative core: the fused
+    path, the explicit-weights path and the head-by-head reference agree (outputs and gradients)."""
     generator = torch.Generator().manual_seed(5)
     batch, heads, seq, dim_shared, head_dim = 2, 3, 5, 7, 4
 
@@ -197,31 +200,43 @@ def test_fast_heads_match_the_naive_reference(causal, with_bias, mask_kind):
         leaf(batch, heads, seq, head_dim),
         leaf(heads, dim_shared),
     )
-    bias = leaf(batch, heads, seq) if with_bias else None
+    key_bias = leaf(batch, seq, heads) if with_bias else None
     keep = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
-    raw_mask = {None: None, "bool": keep.bool()[:, None, None, :].expand(batch, 1, seq, seq), "float": None}[
-        mask_kind
-    ]
-    if mask_kind == "float":
-        raw_mask = torch.zeros(batch, 1, seq, seq).masked_fill(~keep.bool()[:, None, None, :], -1e9)
-    mask = attention_mask_for_scores(raw_mask, batch, seq, seq, torch.float32)
-    fast = collaborative_heads(q, k, v, mixing, bias, mask, causal, 0.4)
-    naive, weights = naive_collaborative_heads(q, k, v, mixing, bias, mask, causal, 0.4)
+    rows = keep.bool()[:, None, None, :].expand(batch, 1, seq, seq)
+    raw_mask = {
+        None: None,
+        "padding": keep,
+        "bool": rows.contiguous(),  # sdpa: materialised, the same for every query
+        "float": torch.zeros(batch, 1, seq, seq).masked_fill(~rows, torch.finfo(torch.float32).min),  # eager
+        "causal_bool": rows & torch.ones(seq, seq, dtype=torch.bool).tril(),  # varies over the queries
+    }[mask_kind]
+    mask = model_attention_mask(raw_mask, batch, seq, seq)
+    if mask_kind in ("bool", "float"):
+        assert mask.shape == (batch, 1, 1, seq)  # reduced to one row: no [Tq, Tk] mask reaches the kernel
+    settings = dict(scale=0.4, causal=causal, attention_mask=mask)
+    fast, no_weights = collaborative_head_outputs(q, k, key_bias, v, mixing, **settings)
+    explicit, weights = collaborative_head_outputs(
+        q, k, key_bias, v, mixing, output_attentions=True, **settings
+    )
+    content_bias = None if key_bias is None else key_bias.transpose(1, 2)
+    naive = naive_collaborative_attention(q, k, v, mixing, content_bias=content_bias, **settings)
+    assert no_weights is None
     torch.testing.assert_close(fast, naive, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(explicit, naive, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(weights.sum(-1), torch.ones(batch, heads, seq))
-    leaves = [t for t in (q, k, v, mixing, bias) if t is not None]
+    leaves = [t for t in (q, k, v, mixing, key_bias) if t is not None]
     cotangent = torch.randn(fast.shape, generator=generator)
-    for got, want in zip(
-        torch.autograd.grad(fast, leaves, cotangent),
-        torch.autograd.grad(naive, leaves, cotangent),
-        strict=True,
-    ):
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    want = torch.autograd.grad(naive, leaves, cotangent)
+    for result in (fast, explicit):
+        for got, expected in zip(torch.autograd.grad(result, leaves, cotangent), want, strict=True):
+            torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_gpt2_incremental_decoding_matches_a_full_forward():
+# D̃ = 4 < the sequence length: the fused kernel rather than explicit scores.
+@pytest.mark.parametrize("dim_shared", [16, 4])
+def test_gpt2_incremental_decoding_matches_a_full_forward(dim_shared):
     model = tiny_model("gpt2", "sdpa")
-    swap_to_collaborative(model, dim_shared_query_key=16)
+    swap_to_collaborative(model, dim_shared_query_key=dim_shared)
     input_ids = model_inputs("gpt2")["input_ids"][:2, :9]
     full = _forward(model, {"input_ids": input_ids}).last_hidden_state
     with torch.no_grad():

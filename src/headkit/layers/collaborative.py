@@ -13,7 +13,9 @@ key inputs, as in the paper's code; the scale is the per-head 1/√head_dim of t
 re-expresses (the paper's code divides by √(D̃/heads), the same at full size).
 
 The key/value cache keeps, per token, the shared key with the content-bias scores appended ([B, 1, T, D̃ + H]
-as its "keys") and the values ([B, Hkv, T, head_dim]). :meth:`CollaborativeAttention.from_weights` and
+as its "keys") and the values ([B, Hkv, T, head_dim]). :func:`collaborative_head_outputs` is the one
+implementation of the heads, shared with :class:`headkit.surgery.CollaborativeSelfAttention`, which puts them
+into pretrained models. :meth:`CollaborativeAttention.from_weights` and
 :meth:`CollaborativeAttention.from_softmax_attention` build the layer from explicit weights.
 """
 
@@ -29,7 +31,7 @@ from transformers import initialization as init
 from headkit.layers.base import HeadkitAttention
 from headkit.layers.registry import register_attention
 from headkit.ops._validation import check_positive_int, repeat_kv
-from headkit.ops.collaborative import collaborative_attention, collaborative_scores
+from headkit.ops.collaborative import collaborative_attention, collaborative_attention_weights
 
 # The "normal" mixing initialisation's standard deviation, that of the paper's reference implementation.
 NORMAL_MIXING_STD = 0.2
@@ -57,8 +59,8 @@ class CollaborativeAttention(HeadkitAttention):
     num_key_value_heads · head_dim) and ``o_proj``. Uses the config's ``dim_shared_query_key`` (None: heads ·
     head_dim; the ``dim_shared_query_key`` keyword overrides it), ``collaborative_init`` ("concatenate" |
     "normal"), ``attention_bias`` (on v_proj / o_proj), ``attention_dropout`` (on the probabilities, in
-    training) and ``causal``. No positional encoding of its own. Weights are materialised only for
-    ``output_attentions`` or dropout.
+    training) and ``causal``. No positional encoding of its own. The [Tq, Tk] weights are materialised for
+    ``output_attentions``, dropout, or keys no more than D̃ (where they are no larger than the mixed queries).
     """
 
     def __init__(
@@ -104,50 +106,27 @@ class CollaborativeAttention(HeadkitAttention):
         use_cache: bool = False,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        batch, seq, _ = hidden_states.shape
-        shared_queries = self.q_proj(hidden_states)  # [B, T, D̃]
-        shared_keys = self.k_proj(hidden_states)
+        batch, _, _ = hidden_states.shape
         # Scaled here, so that it adds to the already scaled mixed dot products (the op adds it unscaled).
         key_bias = self.scale * self.content_bias(hidden_states)  # [B, T, H]
         values = self.split_heads(self.v_proj(hidden_states), self.num_key_value_heads)
-
-        if past_key_values is not None:
-            cached_keys = torch.cat([shared_keys, key_bias.to(shared_keys.dtype)], dim=-1)[:, None]
-            cached_keys, values = past_key_values.update(cached_keys, values, self.layer_idx)
-            shared_keys, key_bias = cached_keys[:, 0].split(
-                [self.dim_shared_query_key, self.num_heads], dim=-1
-            )
-        content_bias = key_bias.transpose(1, 2)  # [B, H, Tk]
-        key_mask = self.key_padding_mask(attention_mask, batch, shared_keys.shape[1])
-        if key_mask is not None:
-            key_mask = key_mask.to(hidden_states.device)
-        values = repeat_kv(values, self.num_key_value_groups)
-
-        dropout = self.attention_dropout if self.training else 0.0
-        if not output_attentions and dropout == 0.0:
-            head_outputs = collaborative_attention(
-                shared_queries,
-                shared_keys,
-                values,
-                self.mixing.to(shared_queries.dtype),
-                content_bias=content_bias,
-                causal=self.causal,
-                attention_mask=key_mask,
-                scale=self.scale,
-            )
-            return self.project_heads(head_outputs), None
-
-        weights = collaborative_attention_weights(
-            shared_queries,
-            shared_keys,
-            self.mixing.to(shared_queries.dtype),
-            content_bias=content_bias,
-            causal=self.causal,
-            attention_mask=key_mask,
+        total_length = self.past_length(past_key_values) + hidden_states.shape[1]
+        key_mask = self.key_padding_mask(attention_mask, batch, total_length)
+        head_outputs, weights = collaborative_head_outputs(
+            self.q_proj(hidden_states),
+            self.k_proj(hidden_states),
+            key_bias,
+            values,
+            self.mixing,
             scale=self.scale,
+            causal=self.causal,
+            attention_mask=None if key_mask is None else key_mask.to(hidden_states.device),
+            cache=past_key_values,
+            layer_idx=self.layer_idx,
+            dropout=self.attention_dropout if self.training else 0.0,
+            output_attentions=output_attentions,
         )
-        head_outputs = F.dropout(weights, p=dropout, training=True) @ values
-        return self.project_heads(head_outputs), (weights if output_attentions else None)
+        return self.project_heads(head_outputs), weights
 
     @classmethod
     def from_weights(
@@ -262,32 +241,87 @@ class CollaborativeAttention(HeadkitAttention):
         return f"{super().extra_repr()}, dim_shared_query_key={self.dim_shared_query_key}"
 
 
-def collaborative_attention_weights(
-    q_shared: torch.Tensor,
-    k_shared: torch.Tensor,
+def collaborative_head_outputs(
+    shared_queries: torch.Tensor,
+    shared_keys: torch.Tensor,
+    key_bias: torch.Tensor | None,
+    values: torch.Tensor,
     mixing: torch.Tensor,
     *,
-    content_bias: torch.Tensor | None,
+    scale: float,
     causal: bool,
     attention_mask: torch.Tensor | None = None,
-    scale: float,
-) -> torch.Tensor:
-    """The collaborative attention probabilities [B, H, Tq, Tk], computed explicitly (float32 softmax).
+    cache: Any = None,
+    layer_idx: int | None = None,
+    dropout: float = 0.0,
+    output_attentions: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-head outputs [B, H, Tq, Dv] of collaborative heads, and their weights when asked for.
 
-    ``causal`` lets query i see keys j ≤ i + Tk − Tq; ``attention_mask`` is a [B, Tk] bool key padding mask.
-    A query that sees no key gets an all-zero row, never NaN.
+    The one implementation behind :class:`CollaborativeAttention` and the surgery module that puts collaborative
+    heads into a pretrained 🤗 model (:class:`headkit.surgery.CollaborativeSelfAttention`): cache update
+    (:func:`update_collaborative_cache`), grouped values, and the one "fused unless the weights are needed"
+    choice: :func:`headkit.ops.collaborative_attention` (SDPA's fused kernels with no [Tq, Tk] tensor, or
+    explicit scores for short sequences) unless ``output_attentions`` or dropout on the weights need
+    :func:`headkit.ops.collaborative.collaborative_attention_weights`.
+
+    Args:
+        shared_queries, shared_keys: X W̃_Q and X W̃_K of the current tokens, [B, T, D̃].
+        key_bias: the current tokens' content-bias scores, already scaled, [B, T, H]; or None (no content bias).
+        values: the current tokens' values [B, Hkv, T, Dv], Hkv dividing H.
+        mixing: [H, D̃] (cast to the queries' dtype).
+        scale: multiplies the mixed dot products.
+        causal: query i sees keys j ≤ i + past.
+        attention_mask: over every key, past and current: a key padding mask [B, Tk] or a mask
+            [B, 1|H, Tq|1, Tk], bool or additive float (:func:`headkit.ops.collaborative_attention`).
+        cache: a key/value cache updated in place (``update(keys, values, layer_idx)``), or None.
+        dropout: probability of dropping attention weights (pass 0 outside training).
     """
-    scores = collaborative_scores(q_shared, k_shared, mixing, content_bias=content_bias, scale=scale).float()
-    q_len, kv_len = scores.shape[-2:]
-    visible = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device)
-    if causal:
-        visible = visible.tril(kv_len - q_len)
-    visible = visible[None, None]
-    if attention_mask is not None:
-        visible = visible & attention_mask[:, None, None, :]
-    weights = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-    weights = weights.masked_fill(~visible.any(dim=-1, keepdim=True), 0.0)
-    return weights.to(q_shared.dtype)
+    if cache is not None:
+        shared_keys, key_bias, values = update_collaborative_cache(
+            cache, layer_idx, shared_keys, key_bias, values
+        )
+    heads = mixing.shape[0]
+    values = repeat_kv(values, heads // values.shape[1])
+    content_bias = None if key_bias is None else key_bias.transpose(1, 2)  # [B, H, Tk]
+    mixing = mixing.to(shared_queries.dtype)
+    kwargs = {
+        "content_bias": content_bias,
+        "causal": causal,
+        "attention_mask": attention_mask,
+        "scale": scale,
+    }
+    if not output_attentions and dropout == 0.0:
+        return collaborative_attention(shared_queries, shared_keys, values, mixing, **kwargs), None
+    weights = collaborative_attention_weights(shared_queries, shared_keys, mixing, **kwargs)
+    head_outputs = F.dropout(weights, p=dropout, training=True) @ values
+    return head_outputs, (weights if output_attentions else None)
+
+
+def update_collaborative_cache(
+    cache: Any,
+    layer_idx: int | None,
+    shared_keys: torch.Tensor,
+    key_bias: torch.Tensor | None,
+    values: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """Append the current tokens to a key/value cache; return the whole history: shared keys [B, Tk, D̃], key
+    bias [B, Tk, H] (None when there is none) and values [B, Hkv, Tk, Dv].
+
+    The one cache layout of collaborative heads: the cache's "keys" are a single head [B, 1, T, D̃ (+ H)], each
+    token's shared key with its content-bias scores appended, and its values are the values. Any cache that
+    concatenates along the sequence dimension holds it (:class:`headkit.layers.HeadkitCache`, 🤗
+    ``DynamicCache``).
+    """
+    if layer_idx is None:
+        raise ValueError("a collaborative attention module without a layer_idx cannot use a key/value cache")
+    dim_shared = shared_keys.shape[-1]
+    packed = shared_keys if key_bias is None else torch.cat([shared_keys, key_bias.to(shared_keys.dtype)], -1)
+    keys, values = cache.update(packed[:, None], values, layer_idx)
+    keys = keys[:, 0]
+    if key_bias is None:
+        return keys, None, values
+    return keys[..., :dim_shared], keys[..., dim_shared:], values
 
 
 def _shape_of(name: str, tensor: torch.Tensor, rank: int, layout: str) -> tuple[int, ...]:

@@ -31,17 +31,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from headkit.errors import HeadkitError
+from headkit.layers.collaborative import collaborative_head_outputs
 from headkit.ops._validation import check_positive_int
-from headkit.ops.collaborative import collaborative_attention, collaborative_scores
 from headkit.surgery.adapters import (
     AttentionAdapter,
     AttentionSite,
     ReplacementAttention,
-    attention_mask_for_scores,
     bind_attention_call,
     count_parameters,
     get_adapter,
@@ -62,6 +60,11 @@ class CollaborativeSelfAttention(ReplacementAttention):
     no bias), ``mixing`` [heads, D̃], ``content_bias`` (``nn.Linear`` hidden → heads, no bias, row h = c_h; None
     when the model has no query bias), the value projection and, when the replaced module ran them, its output
     projection / dropout / residual LayerNorm, all under the replaced module's attribute names.
+
+    The heads themselves — KV cache layout, fused kernel or explicit weights — are
+    :func:`headkit.layers.collaborative.collaborative_head_outputs`, the implementation behind headkit's own
+    :class:`headkit.layers.CollaborativeAttention`; this class only holds the weights under a pretrained model's
+    names and speaks its calling convention.
     """
 
     def __init__(
@@ -116,40 +119,33 @@ class CollaborativeSelfAttention(ReplacementAttention):
                 "collaborative attention replaces self-attention only; got encoder_hidden_states"
             )
         batch, q_len, _ = hidden_states.shape
-        q_shared = self.query_shared(hidden_states)
-        k_shared = self.key_shared(hidden_states)
         values = getattr(self, self.value_name)(hidden_states)
         values = values.view(batch, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        content_bias = None
-        if self.content_bias is not None:
-            content_bias = self.scale * self.content_bias(hidden_states).transpose(1, 2)  # [B, H, Tk]
-        if call.past_key_values is not None:
-            k_shared, values, content_bias = self._update_cache(
-                call.past_key_values, k_shared, values, content_bias
-            )
-        mask = attention_mask_for_scores(call.attention_mask, batch, q_len, k_shared.shape[1], q_shared.dtype)
-
-        dropout = self.attention_dropout_p if self.training else 0.0
-        if call.output_attentions or dropout > 0:
-            heads, weights = naive_collaborative_heads(
-                q_shared,
-                k_shared,
-                values,
-                self.mixing,
-                content_bias,
-                mask,
-                self.is_causal,
-                self.scale,
-                dropout,
-            )
-        else:
-            heads = collaborative_heads(
-                q_shared, k_shared, values, self.mixing, content_bias, mask, self.is_causal, self.scale
-            )
-            weights = None
+        # The content-bias scores [B, T, H], scaled like the mixed dot products they are added to.
+        key_bias = None if self.content_bias is None else self.scale * self.content_bias(hidden_states)
+        cache = call.past_key_values
+        if cache is not None:
+            if self.layer_idx is None:
+                raise HeadkitError("this attention module has no layer_idx, so it cannot use a KV cache")
+            cache = getattr(cache, "self_attention_cache", cache)
+        kv_len = q_len + (0 if cache is None else cache.get_seq_length(self.layer_idx))
+        heads, weights = collaborative_head_outputs(
+            self.query_shared(hidden_states),
+            self.key_shared(hidden_states),
+            key_bias,
+            values,
+            self.mixing,
+            scale=self.scale,
+            causal=self.is_causal,
+            attention_mask=model_attention_mask(call.attention_mask, batch, q_len, kv_len),
+            cache=cache,
+            layer_idx=self.layer_idx,
+            dropout=self.attention_dropout_p if self.training else 0.0,
+            output_attentions=call.output_attentions,
+        )
         output = heads.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)
         output = self._epilogue(output, hidden_states)
-        return output, (weights if call.output_attentions else None)
+        return output, weights
 
     def _epilogue(self, output: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
         roles = self.epilogue_roles
@@ -161,25 +157,6 @@ class CollaborativeSelfAttention(ReplacementAttention):
             output = getattr(self, roles["norm"])(hidden_states + output)
         return output
 
-    def _update_cache(
-        self, cache: Any, k_shared: torch.Tensor, values: torch.Tensor, content_bias: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Append this step to the model's KV cache and return the whole history.
-
-        Caches store [B, heads, T, dim] tensors and concatenate along T: the shared keys go in as one "head"
-        [B, 1, T, D̃], and the content bias (per head and key, like the values) rides as one extra value column.
-        """
-        if self.layer_idx is None:
-            raise HeadkitError("this attention module has no layer_idx, so it cannot use a KV cache")
-        cache = getattr(cache, "self_attention_cache", cache)
-        stored_values = (
-            values if content_bias is None else torch.cat([values, content_bias[..., None]], dim=-1)
-        )
-        keys, stored_values = cache.update(k_shared[:, None], stored_values, self.layer_idx)
-        if content_bias is None:
-            return keys[:, 0], stored_values, None
-        return keys[:, 0], stored_values[..., :-1], stored_values[..., -1]
-
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, head_dim={self.head_dim}, dim_shared_query_key={self.dim_shared_query_key}, "
@@ -187,55 +164,43 @@ class CollaborativeSelfAttention(ReplacementAttention):
         )
 
 
-def collaborative_heads(
-    q_shared: torch.Tensor,
-    k_shared: torch.Tensor,
-    values: torch.Tensor,
-    mixing: torch.Tensor,
-    content_bias: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    causal: bool,
-    scale: float,
-) -> torch.Tensor:
-    """Per-head outputs [B, H, Tq, Dv] through the fused kernel (:func:`headkit.ops.collaborative_attention`).
+def model_attention_mask(attention_mask: Any, batch: int, q_len: int, kv_len: int) -> torch.Tensor | None:
+    """The mask a 🤗 model hands its attention module, in a form :func:`headkit.ops.collaborative_attention`
+    takes without a [Tq, Tk] score mask where it can: None, a key padding mask [B, Tk], or a 4D mask
+    [B, 1|H, 1|Tq, Tk] (bool True = keep, or additive float) reduced to one query row when every row is the same.
 
-    `content_bias` [B, H, Tk] is already scaled; `mask` is additive [B, 1|H, Tq, Tk] or None.
+    🤗 encoders build the padding mask of a batch as a full [B, 1, Tq, Tk] tensor (sdpa: bool, eager: additive);
+    combined with the per-head content bias it would become [B, H, Tq, Tk], so a mask that does not vary over
+    the queries is passed on as its first row.
     """
-    return collaborative_attention(
-        q_shared,
-        k_shared,
-        values,
-        mixing,
-        content_bias=content_bias,
-        causal=causal,
-        attention_mask=mask,
-        scale=scale,
-    )
-
-
-def naive_collaborative_heads(
-    q_shared: torch.Tensor,
-    k_shared: torch.Tensor,
-    values: torch.Tensor,
-    mixing: torch.Tensor,
-    content_bias: torch.Tensor | None,
-    mask: torch.Tensor | None,
-    causal: bool,
-    scale: float,
-    dropout: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Test reference for :func:`collaborative_heads`, and the path that returns attention weights: explicit
-    scores, additive mask, float32 softmax, dropout on the weights. Returns (outputs [B, H, Tq, Dv], weights)."""
-    scores = collaborative_scores(q_shared, k_shared, mixing, content_bias=content_bias, scale=scale)
-    if mask is not None:
-        scores = scores + mask
-    if causal:
-        q_len, kv_len = scores.shape[-2:]
-        allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=scores.device).tril(kv_len - q_len)
-        scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(values.dtype)
-    weights = F.dropout(weights, p=dropout, training=dropout > 0)
-    return weights @ values, weights
+    if attention_mask is None:
+        return None
+    if not isinstance(attention_mask, torch.Tensor):
+        raise HeadkitError(
+            f"attention_mask of type {type(attention_mask).__name__} is not supported by headkit attention modules; "
+            "use attn_implementation='eager' or 'sdpa'"
+        )
+    if attention_mask.dim() == 2:
+        if tuple(attention_mask.shape) != (batch, kv_len):
+            raise HeadkitError(
+                f"a 2D attention_mask must be a key padding mask [batch, kv_len] = [{batch}, {kv_len}], "
+                f"got {tuple(attention_mask.shape)}"
+            )
+        return attention_mask.bool()
+    if (
+        attention_mask.dim() != 4
+        or attention_mask.shape[0] != batch
+        or attention_mask.shape[2] not in (1, q_len)
+        or attention_mask.shape[-1] != kv_len
+    ):
+        raise HeadkitError(
+            f"attention_mask must have shape [batch, 1|heads, q_len|1, kv_len] = [{batch}, 1|H, {q_len}|1, {kv_len}], "
+            f"got {tuple(attention_mask.shape)}"
+        )
+    first_row = attention_mask[:, :, :1]
+    if attention_mask.shape[2] > 1 and torch.equal(attention_mask, first_row.expand_as(attention_mask)):
+        return first_row
+    return attention_mask
 
 
 # -- the swap ---------------------------------------------------------------------------------------------------
