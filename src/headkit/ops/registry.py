@@ -108,6 +108,12 @@ register_kernel(
     ),
 )
 register_kernel(
+    "sdpa_causal_wide",
+    "torch SDPA, causal, heads of width H·64 (collaborative_causal's arithmetic at full width)",
+    inputs={"q": ("B", "H", "T", "H*D"), "k": ("B", "H", "T", "H*D"), "v": ("B", "H", "T", "H*D")},
+    run=lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+)
+register_kernel(
     "softmax_noncausal",
     "headkit softmax attention, no mask (reference)",
     inputs={"q": QKV, "k": QKV, "v": QKV},
