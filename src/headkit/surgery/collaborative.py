@@ -41,6 +41,7 @@ from headkit.surgery.adapters import (
     AttentionSite,
     ReplacementAttention,
     bind_attention_call,
+    checked_model_mask,
     count_parameters,
     get_adapter,
     new_linear,
@@ -173,30 +174,9 @@ def model_attention_mask(attention_mask: Any, batch: int, q_len: int, kv_len: in
     combined with the per-head content bias it would become [B, H, Tq, Tk], so a mask that does not vary over
     the queries is passed on as its first row.
     """
-    if attention_mask is None:
-        return None
-    if not isinstance(attention_mask, torch.Tensor):
-        raise HeadkitError(
-            f"attention_mask of type {type(attention_mask).__name__} is not supported by headkit attention modules; "
-            "use attn_implementation='eager' or 'sdpa'"
-        )
-    if attention_mask.dim() == 2:
-        if tuple(attention_mask.shape) != (batch, kv_len):
-            raise HeadkitError(
-                f"a 2D attention_mask must be a key padding mask [batch, kv_len] = [{batch}, {kv_len}], "
-                f"got {tuple(attention_mask.shape)}"
-            )
-        return attention_mask.bool()
-    if (
-        attention_mask.dim() != 4
-        or attention_mask.shape[0] != batch
-        or attention_mask.shape[2] not in (1, q_len)
-        or attention_mask.shape[-1] != kv_len
-    ):
-        raise HeadkitError(
-            f"attention_mask must have shape [batch, 1|heads, q_len|1, kv_len] = [{batch}, 1|H, {q_len}|1, {kv_len}], "
-            f"got {tuple(attention_mask.shape)}"
-        )
+    attention_mask = checked_model_mask(attention_mask, batch, q_len, kv_len)
+    if attention_mask is None or attention_mask.dim() == 2:
+        return attention_mask
     first_row = attention_mask[:, :, :1]
     if attention_mask.shape[2] > 1 and torch.equal(attention_mask, first_row.expand_as(attention_mask)):
         return first_row

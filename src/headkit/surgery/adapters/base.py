@@ -171,14 +171,13 @@ def _recording_attentions() -> bool:
     return bool(collected) and "attentions" in collected
 
 
-def attention_mask_for_scores(
-    attention_mask: Any, batch: int, q_len: int, kv_len: int, dtype: torch.dtype
-) -> torch.Tensor | None:
-    """The model's attention mask as an additive float mask [B, 1|H, Tq, Tk] (0 = keep, dtype-min = blocked), or None.
+def checked_model_mask(attention_mask: Any, batch: int, q_len: int, kv_len: int) -> torch.Tensor | None:
+    """The mask a 🤗 model hands its attention module, validated: None, a [B, Tk] key padding mask (returned as
+    bool), or a 4D mask [B, 1|H, 1|Tq, Tk] (bool True = keep, or additive float; returned as it is).
 
     Depending on ``config._attn_implementation`` a 🤗 model hands its attention module None (nothing masked),
     a [B, Tk] key padding mask (flash-style, 1 = keep), a 4D bool mask (sdpa, True = keep) or a 4D additive float
-    mask (eager, dtype-min for blocked). All of them mean the same thing; this puts them in one form.
+    mask (eager, dtype-min for blocked); all of them mean the same thing.
     """
     if attention_mask is None:
         return None
@@ -193,7 +192,7 @@ def attention_mask_for_scores(
                 f"a 2D attention_mask must be a key padding mask [batch, kv_len] = [{batch}, {kv_len}], "
                 f"got {tuple(attention_mask.shape)}"
             )
-        attention_mask = attention_mask.bool()[:, None, None, :]
+        return attention_mask.bool()
     if attention_mask.dim() != 4 or attention_mask.shape[0] != batch or attention_mask.shape[-1] != kv_len:
         raise HeadkitError(
             f"attention_mask must have shape [batch, 1|heads, q_len|1, kv_len] = [{batch}, 1|H, {q_len}|1, {kv_len}], "
@@ -203,6 +202,19 @@ def attention_mask_for_scores(
         raise HeadkitError(
             f"attention_mask's query dimension must be 1 or {q_len}, got {attention_mask.shape[2]}"
         )
+    return attention_mask
+
+
+def attention_mask_for_scores(
+    attention_mask: Any, batch: int, q_len: int, kv_len: int, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """The model's attention mask (any form :func:`checked_model_mask` takes) as an additive float mask
+    [B, 1|H, Tq, Tk] (0 = keep, dtype-min = blocked), or None."""
+    attention_mask = checked_model_mask(attention_mask, batch, q_len, kv_len)
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2:
+        attention_mask = attention_mask[:, None, None, :]
     attention_mask = attention_mask.expand(batch, attention_mask.shape[1], q_len, kv_len)
     if attention_mask.dtype == torch.bool:
         blocked = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device)
