@@ -80,6 +80,25 @@ def check_padding_mask(attention_mask: torch.Tensor | None, batch: int, seq: int
     return attention_mask.bool()
 
 
+def check_score_mask(
+    attention_mask: torch.Tensor, batch: int, heads: int, q_len: int, kv_len: int, *, one_row: bool = False
+) -> None:
+    """Check a rank-4 score mask: [batch, 1 or heads, q_len, kv_len] (``one_row``: or a single query row
+    broadcast over the queries), bool (True = keep) or float (additive)."""
+    mb, mh, mq, mk = attention_mask.shape
+    queries_ok = mq == q_len or (one_row and mq == 1)
+    if mb != batch or mh not in (1, heads) or not queries_ok or mk != kv_len:
+        queries, sizes = ("q_len or 1", f"{q_len}|1") if one_row else ("q_len", f"{q_len}")
+        raise ValueError(
+            f"attention_mask of rank 4 must have shape [batch, 1 or heads, {queries}, kv_len] = "
+            f"[{batch}, 1|{heads}, {sizes}, {kv_len}], got {tuple(attention_mask.shape)}"
+        )
+    if not (attention_mask.dtype == torch.bool or attention_mask.dtype.is_floating_point):
+        raise ValueError(
+            f"a rank-4 attention_mask must be bool (True = keep) or float (additive), got {attention_mask.dtype}"
+        )
+
+
 def check_positive_int(name: str, value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")

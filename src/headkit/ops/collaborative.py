@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from headkit.ops._validation import check_padding_mask, check_rank
+from headkit.ops._validation import check_padding_mask, check_rank, check_score_mask
 from headkit.ops.softmax import softmax_attention
 
 
@@ -269,17 +269,10 @@ def _split_mask(
     if attention_mask is None:
         return None, None
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
-        mb, mh, mq, mk = attention_mask.shape
-        if mb != batch or mh not in (1, heads) or mq not in (1, q_len) or mk != kv_len:
-            raise ValueError(
-                f"attention_mask of rank 4 must have shape [batch, 1 or heads, q_len or 1, kv_len] = "
-                f"[{batch}, 1|{heads}, {q_len}|1, {kv_len}], got {tuple(attention_mask.shape)}"
-            )
-        if not (attention_mask.dtype == torch.bool or attention_mask.dtype.is_floating_point):
-            raise ValueError(
-                f"a rank-4 attention_mask must be bool (True = keep) or float (additive), got {attention_mask.dtype}"
-            )
-        if mq == 1 or attention_mask.stride(2) == 0:  # one row, or one row broadcast over the queries
+        check_score_mask(attention_mask, batch, heads, q_len, kv_len, one_row=True)
+        if (
+            attention_mask.shape[2] == 1 or attention_mask.stride(2) == 0
+        ):  # one row, or one row broadcast over the queries
             key_mask = attention_mask[:, :, 0]
         else:
             return None, attention_mask

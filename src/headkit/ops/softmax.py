@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from headkit.ops._validation import check_padding_mask, check_qkv, repeat_kv
+from headkit.ops._validation import check_padding_mask, check_qkv, check_score_mask, repeat_kv
 
 
 def softmax_attention(
@@ -66,16 +66,7 @@ def _full_mask(
     if attention_mask is None:
         return None
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
-        mb, mh, mq, mk = attention_mask.shape
-        if mb != batch or mh not in (1, heads) or mq != q_len or mk != kv_len:
-            raise ValueError(
-                f"attention_mask of rank 4 must have shape [batch, 1 or heads, q_len, kv_len] = "
-                f"[{batch}, 1|{heads}, {q_len}, {kv_len}], got {tuple(attention_mask.shape)}"
-            )
-        if not (attention_mask.dtype == torch.bool or attention_mask.dtype.is_floating_point):
-            raise ValueError(
-                f"a rank-4 attention_mask must be bool (True = keep) or float (additive), got {attention_mask.dtype}"
-            )
+        check_score_mask(attention_mask, batch, heads, q_len, kv_len)
         return attention_mask.to(device)
     keep = check_padding_mask(attention_mask, batch, kv_len)
     return keep[:, None, None, :].to(device)
