@@ -49,7 +49,12 @@ import torch
 from torch import nn
 
 from headkit.layers.cache import DynamicLayer
-from headkit.ops._validation import check_padding_mask, check_positive_int, check_rank
+from headkit.ops._validation import (
+    check_batch_position_ids,
+    check_padding_mask,
+    check_positive_int,
+    check_rank,
+)
 
 
 class HeadkitAttention(nn.Module):
@@ -66,6 +71,9 @@ class HeadkitAttention(nn.Module):
     compared: ClassVar[bool] = True  # in the default runs of the benchmarks that compare mechanisms
     # The per-layer cache entry this mechanism needs; recurrent mechanisms use RecurrentStateLayer.
     cache_layer_class: ClassVar[type] = DynamicLayer
+    # Whether forward validates attention_mask and position_ids (:meth:`key_padding_mask`, :meth:`positions`).
+    # A HeadkitModel turns it off in its layers: the model validates them once per forward, for every layer.
+    validate_inputs: bool = True
 
     def __init__(
         self,
@@ -160,22 +168,16 @@ class HeadkitAttention(nn.Module):
         """Validated positions [B or 1, T] of the current tokens; ``past, …, past + T − 1`` when None."""
         if position_ids is None:
             return torch.arange(past_length, past_length + seq, device=device)[None]
-        if (
-            not isinstance(position_ids, torch.Tensor)
-            or position_ids.dim() != 2
-            or position_ids.shape[0] not in (1, batch)
-            or position_ids.shape[1] != seq
-        ):
-            shape = (
-                tuple(position_ids.shape) if isinstance(position_ids, torch.Tensor) else type(position_ids)
-            )
-            raise ValueError(f"position_ids must have shape [{batch} or 1, {seq}], got {shape}")
-        return position_ids
+        if not self.validate_inputs:
+            return position_ids
+        return check_batch_position_ids(position_ids, batch, seq)
 
     def key_padding_mask(
         self, attention_mask: torch.Tensor | None, batch: int, total_length: int
     ) -> torch.Tensor | None:
         """The validated [B, past + T] key padding mask as bool (True = real token), or None."""
+        if not self.validate_inputs:
+            return attention_mask
         return check_padding_mask(attention_mask, batch, total_length)
 
     def init_extra_parameters(self, std: float) -> None:

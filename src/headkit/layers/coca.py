@@ -108,6 +108,7 @@ class CoCAAttention(HeadkitAttention):
                 attention_mask=key_mask,
                 scale=self.scale,
                 **self.rope_kwargs,
+                validate=False,
             )
             return self.project_heads(head_outputs), None
 

@@ -101,9 +101,9 @@ class HybridAttention(HeadkitAttention):
         if self.use_rope:
             # Rotate before the state: stored window keys keep the rotation of their own positions.
             positions = self.positions(position_ids, batch, seq, past_length, hidden_states.device)
-            cos, sin = rotary_cos_sin(positions, self.head_dim, **self.rope_kwargs)
-            queries = apply_rotary(queries, cos, sin)
-            keys = apply_rotary(keys, cos, sin)
+            cos, sin = rotary_cos_sin(positions, self.head_dim, **self.rope_kwargs, validate=False)
+            queries = apply_rotary(queries, cos, sin, validate=False)
+            keys = apply_rotary(keys, cos, sin, validate=False)
         key_mask = self.key_padding_mask(attention_mask, batch, past_length + seq)
         # The state carries the padding flags of the past tokens: only the new ones are passed.
         new_keys_mask = None if key_mask is None else key_mask[:, past_length:].to(hidden_states.device)

@@ -55,9 +55,9 @@ class SoftmaxAttention(HeadkitAttention):
             # Rotate before caching: cached keys keep the rotation of their own positions.
             past_length = self.past_length(past_key_values)
             positions = self.positions(position_ids, batch, seq, past_length, hidden_states.device)
-            cos, sin = rotary_cos_sin(positions, self.head_dim, **self.rope_kwargs)
-            queries = apply_rotary(queries, cos, sin)
-            keys = apply_rotary(keys, cos, sin)
+            cos, sin = rotary_cos_sin(positions, self.head_dim, **self.rope_kwargs, validate=False)
+            queries = apply_rotary(queries, cos, sin, validate=False)
+            keys = apply_rotary(keys, cos, sin, validate=False)
 
         if past_key_values is not None:
             keys, values = past_key_values.update(keys, values, self.layer_idx)
@@ -66,7 +66,13 @@ class SoftmaxAttention(HeadkitAttention):
         dropout = self.attention_dropout if self.training else 0.0
         if not output_attentions and dropout == 0.0:
             head_outputs = softmax_attention(
-                queries, keys, values, causal=self.causal, attention_mask=key_mask, scale=self.scale
+                queries,
+                keys,
+                values,
+                causal=self.causal,
+                attention_mask=key_mask,
+                scale=self.scale,
+                validate=False,
             )
             return self.project_heads(head_outputs), None
 

@@ -32,7 +32,7 @@ from transformers.modeling_utils import slice_logits_to_keep
 
 from headkit.layers import HeadkitAttention, HeadkitCache, RecurrentStateLayer, build_attention
 from headkit.models.configuration_headkit import HeadkitConfig
-from headkit.ops._validation import check_padding_mask, check_rank
+from headkit.ops._validation import check_batch_position_ids, check_padding_mask, check_rank
 
 
 class HeadkitRMSNorm(nn.Module):
@@ -153,6 +153,9 @@ class HeadkitModel(HeadkitPreTrainedModel):
         self.layers = nn.ModuleList(
             [HeadkitDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
+        for layer in self.layers:
+            # forward validates attention_mask and position_ids once for every layer: the layers trust them.
+            layer.self_attn.validate_inputs = False
         self.norm = HeadkitRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.gradient_checkpointing = False
         self.post_init()
@@ -310,20 +313,7 @@ class HeadkitModel(HeadkitPreTrainedModel):
         device: torch.device,
     ) -> torch.Tensor:
         if position_ids is not None:
-            if (
-                not isinstance(position_ids, torch.Tensor)
-                or position_ids.dim() != 2
-                or position_ids.shape[0] not in (1, batch)
-                or position_ids.shape[1] != seq
-                or position_ids.dtype.is_floating_point
-            ):
-                got = (
-                    f"{tuple(position_ids.shape)} {position_ids.dtype}"
-                    if isinstance(position_ids, torch.Tensor)
-                    else type(position_ids).__name__
-                )
-                raise ValueError(f"position_ids must be integers of shape [{batch} or 1, {seq}], got {got}")
-            return position_ids.to(device).expand(batch, seq)
+            return check_batch_position_ids(position_ids, batch, seq).to(device).expand(batch, seq)
         if key_mask is None:
             return torch.arange(past_length, past_length + seq, device=device)[None].expand(batch, seq)
         # Count real tokens only, so left padding does not shift positions; padding itself gets position 0.

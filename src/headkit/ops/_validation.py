@@ -80,6 +80,26 @@ def check_padding_mask(attention_mask: torch.Tensor | None, batch: int, seq: int
     return attention_mask.bool()
 
 
+def check_batch_position_ids(position_ids: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    """Check the positions a model or an attention layer takes: integers [batch or 1, seq]; return them."""
+    if (
+        not isinstance(position_ids, torch.Tensor)
+        or position_ids.dim() != 2
+        or position_ids.shape[0] not in (1, batch)
+        or position_ids.shape[1] != seq
+        or position_ids.dtype.is_floating_point
+        or position_ids.dtype.is_complex
+        or position_ids.dtype == torch.bool
+    ):
+        got = (
+            f"{tuple(position_ids.shape)} {position_ids.dtype}"
+            if isinstance(position_ids, torch.Tensor)
+            else type(position_ids).__name__
+        )
+        raise ValueError(f"position_ids must be integers of shape [{batch} or 1, {seq}], got {got}")
+    return position_ids
+
+
 def check_score_mask(
     attention_mask: torch.Tensor, batch: int, heads: int, q_len: int, kv_len: int, *, one_row: bool = False
 ) -> None:

@@ -59,6 +59,7 @@ def coca_attention(
     max_position_embeddings: int | None = None,
     attention_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Collinear constrained attention (see the module docstring for the equations).
 
@@ -74,6 +75,8 @@ def coca_attention(
             :func:`headkit.ops.rotary.rotary_cos_sin`. Dynamic NTK scales for the largest query or key position.
         attention_mask: key padding mask [B, Tk], bool or 0/1 integers, True = a real token.
         scale: score scale, 1/√D by default.
+        validate: check the arguments (which costs a device sync: ``t ≥ 0``). ``False`` is for callers that
+            have (an attention layer: its t comes out of relu/softplus): the mask must then be bool on q's device.
 
     Returns:
         [B, H, Tq, Dv]. Queries that see no key at all return zeros rather than NaN.
@@ -82,16 +85,18 @@ def coca_attention(
     autocast dtype under autocast. Q' holds |q̃_i|², which overflows float16 once a rotary pair's norm passes 256:
     prefer bfloat16.
     """
-    keep = _check_inputs(
-        q,
-        t,
-        v,
-        causal=causal,
-        position_ids=position_ids,
-        key_position_ids=key_position_ids,
-        attention_mask=attention_mask,
-        scale=scale,
-    )
+    keep = attention_mask
+    if validate:
+        keep = _check_inputs(
+            q,
+            t,
+            v,
+            causal=causal,
+            position_ids=position_ids,
+            key_position_ids=key_position_ids,
+            attention_mask=attention_mask,
+            scale=scale,
+        )
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len, value_dim = t.shape[1], t.shape[2], v.shape[-1]
     heads_per_kv = q_heads // kv_heads

@@ -91,6 +91,7 @@ def rotary_cos_sin(
     max_position_embeddings: int | None = None,
     seq_len: int | None = None,
     dtype: torch.dtype = torch.float32,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos(m·θ_i) and sin(m·θ_i) for every position m and rotary pair i.
 
@@ -99,11 +100,13 @@ def rotary_cos_sin(
         head_dim, rope_theta, rope_scaling, max_position_embeddings: as in :func:`rope_inverse_frequencies`.
         seq_len: the length dynamic NTK scales for; max(position_ids) + 1 by default. Pass it to give several
             calls the same frequencies (e.g. the queries and the keys of one attention call).
+        validate: check ``position_ids``; ``False`` for callers that have (an attention layer).
 
     Returns:
         (cos, sin), each [B or 1, T, D/2] of ``dtype`` (float32 by default).
     """
-    check_position_ids("position_ids", position_ids)
+    if validate:
+        check_position_ids("position_ids", position_ids)
     scaling = _parse_rope_scaling(rope_scaling, rope_theta, max_position_embeddings)
     if scaling.rope_type == "dynamic" and seq_len is None and position_ids.numel() > 0:
         seq_len = max(int(position_ids.max()) + 1, 1)
@@ -123,16 +126,29 @@ def rotary_cos_sin(
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, validate: bool = True
+) -> torch.Tensor:
     """Rotate every pair (x_i, x_{i+D/2}) by the angle whose cosine and sine are given (RoFormer Eq. 34).
 
     Args:
         x: [B, H, T, D].
         cos, sin: [B or 1, T, D/2] from :func:`rotary_cos_sin`, shared by all heads.
+        validate: check the shapes; ``False`` for callers that have (an attention layer).
 
     Returns:
         [B, H, T, D] in x's dtype, computed in the wider of x's and cos's dtypes.
     """
+    if validate:
+        _check_rotary_inputs(x, cos, sin)
+    half = x.shape[-1] // 2
+    cos, sin = cos[:, None], sin[:, None]
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.to(x.dtype)
+
+
+def _check_rotary_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     check_rank("x", x, 4, "[batch, heads, seq, head_dim]")
     batch, _, seq, head_dim = x.shape
     if head_dim % 2:
@@ -147,10 +163,6 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
             )
         if not table.dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating-point tensor, got dtype {table.dtype}")
-    cos, sin = cos[:, None], sin[:, None]
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    return rotated.to(x.dtype)
 
 
 def naive_rotary(

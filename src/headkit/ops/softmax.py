@@ -20,6 +20,7 @@ def softmax_attention(
     causal: bool = False,
     attention_mask: torch.Tensor | None = None,
     scale: float | None = None,
+    validate: bool = True,
 ) -> torch.Tensor:
     """Softmax attention over [batch, heads, seq, head_dim] tensors.
 
@@ -31,16 +32,20 @@ def softmax_attention(
         attention_mask: either a key padding mask [B, Tk] (bool or 0/1 integers, True = keep), or a full
             mask [B, 1 or H, Tq, Tk], bool (True = keep) or float (added to the scores).
         scale: score scale, 1/√D by default.
+        validate: check the arguments. ``False`` is for callers that have (an attention layer on its own
+            projections and a validated mask): a key padding mask must then be bool.
 
     Returns:
         [B, H, Tq, Dv]. Queries that see no key at all (fully padded rows) return zeros rather than NaN.
     """
-    batch, q_heads, kv_heads, kv_len = check_qkv(q, k, v)
-    q_len = q.shape[2]
+    if validate:
+        check_qkv(q, k, v)
+    batch, q_heads, q_len, _ = q.shape
+    kv_heads, kv_len = k.shape[1], k.shape[2]
     k = repeat_kv(k, q_heads // kv_heads)
     v = repeat_kv(v, q_heads // kv_heads)
 
-    mask = _full_mask(attention_mask, batch, q_heads, q_len, kv_len, q.device)
+    mask = _full_mask(attention_mask, batch, q_heads, q_len, kv_len, q.device, validate)
     if causal:
         if mask is None and q_len == kv_len:  # SDPA's own causal kernels never build the [T, T] mask
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
@@ -61,14 +66,21 @@ def softmax_attention(
 
 
 def _full_mask(
-    attention_mask: torch.Tensor | None, batch: int, heads: int, q_len: int, kv_len: int, device: torch.device
+    attention_mask: torch.Tensor | None,
+    batch: int,
+    heads: int,
+    q_len: int,
+    kv_len: int,
+    device: torch.device,
+    validate: bool,
 ) -> torch.Tensor | None:
     if attention_mask is None:
         return None
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
-        check_score_mask(attention_mask, batch, heads, q_len, kv_len)
+        if validate:
+            check_score_mask(attention_mask, batch, heads, q_len, kv_len)
         return attention_mask.to(device)
-    keep = check_padding_mask(attention_mask, batch, kv_len)
+    keep = check_padding_mask(attention_mask, batch, kv_len) if validate else attention_mask
     return keep[:, None, None, :].to(device)
 
 
