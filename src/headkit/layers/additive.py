@@ -184,12 +184,12 @@ class AdditiveAttention(HeadkitAttention):
         (True = padding); everything else takes the parallel scan with the key padding mask keep [B, T].
         """
         if not self.causal:
-            pooled, _ = additive_pool(x, scores, causal=False, attention_mask=keep)
+            pooled, _ = additive_pool(x, scores, causal=False, attention_mask=keep, validate=False)
             return pooled[:, :, None], None
         if cache is not None and x.shape[2] == 1:
             if step_padding is not None:
                 scores = scores.masked_fill(step_padding, float("-inf"))
-            return additive_pool_step(x, scores, state, window=self.window)
+            return additive_pool_step(x, scores, state, window=self.window, validate=False)
         return additive_pool(
             x,
             scores,
@@ -199,6 +199,7 @@ class AdditiveAttention(HeadkitAttention):
             initial_state=state,
             output_final_state=cache is not None,
             chunk_size=self.chunk_size,
+            validate=False,
         )
 
     def _convolve(

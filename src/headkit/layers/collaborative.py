@@ -125,6 +125,7 @@ class CollaborativeAttention(HeadkitAttention):
             layer_idx=self.layer_idx,
             dropout=self.attention_dropout if self.training else 0.0,
             output_attentions=output_attentions,
+            validate=False,
         )
         return self.project_heads(head_outputs), weights
 
@@ -255,6 +256,7 @@ def collaborative_head_outputs(
     layer_idx: int | None = None,
     dropout: float = 0.0,
     output_attentions: bool = False,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-head outputs [B, H, Tq, Dv] of collaborative heads, and their weights when asked for.
 
@@ -276,6 +278,8 @@ def collaborative_head_outputs(
             [B, 1|H, Tq|1, Tk], bool or additive float (:func:`headkit.ops.collaborative_attention`).
         cache: a key/value cache updated in place (``update(keys, values, layer_idx)``), or None.
         dropout: probability of dropping attention weights (pass 0 outside training).
+        validate: let the op check its arguments; ``False`` from :class:`CollaborativeAttention`, whose
+            projections and validated key padding mask are right by construction.
     """
     if cache is not None:
         shared_keys, key_bias, values = update_collaborative_cache(
@@ -290,6 +294,7 @@ def collaborative_head_outputs(
         "causal": causal,
         "attention_mask": attention_mask,
         "scale": scale,
+        "validate": validate,
     }
     if not output_attentions and dropout == 0.0:
         return collaborative_attention(shared_queries, shared_keys, values, mixing, **kwargs), None

@@ -75,6 +75,7 @@ def additive_pool(
     initial_state: AdditivePoolState | None = None,
     output_final_state: bool = False,
     chunk_size: int = 32,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, AdditivePoolState | None]:
     """Softmax-weighted pooling g = Σ_i softmax(scores)_i x_i (Fastformer, Wu et al. 2021, Eqs. 1–2).
 
@@ -90,21 +91,27 @@ def additive_pool(
         output_final_state: also return the state after x, to continue with :func:`additive_pool_step` or
             another call.
         chunk_size: positions per chunk of the parallel scan; the cost is O(T·(chunk_size + window)·D).
+        validate: check the arguments. ``False`` is for callers that have (an attention layer on its own
+            projections and a validated mask): the mask must then be bool. ``initial_state`` is checked either
+            way (it comes from an earlier call, perhaps of another batch).
 
     Returns:
         (pooled, state): pooled is [B, H, D] (bidirectional) or [B, H, T, D] (causal), in x's dtype; state is
         an :class:`AdditivePoolState`, or None unless ``output_final_state``.
     """
-    batch, heads, seq, dim = _check_inputs(x, scores, causal, window, attention_mask, initial_state)
-    check_positive_int("chunk_size", chunk_size)
+    keep = attention_mask
+    if validate:
+        keep = _check_inputs(x, scores, causal, window, attention_mask)
+        check_positive_int("chunk_size", chunk_size)
+    _check_state(initial_state, window, x)
+    seq = x.shape[2]
     dtype = _compute_dtype(x)
     log_normalizer0, pooled0, recent_scores0, recent_x0 = _unpack_state(initial_state, window, x, dtype)
     with autocast_disabled(x.device):
         values = x.to(dtype)
         padded_scores = scores.to(dtype)
-        if attention_mask is not None:
-            keep = check_padding_mask(attention_mask, batch, seq).to(x.device)
-            padded_scores = padded_scores.masked_fill(~keep[:, None, :], float("-inf"))
+        if keep is not None:
+            padded_scores = padded_scores.masked_fill(~keep.to(x.device)[:, None, :], float("-inf"))
 
         if not causal:
             pooled, final = _bidirectional_pool(values, padded_scores, log_normalizer0, pooled0)
@@ -126,6 +133,7 @@ def additive_pool_step(
     state: AdditivePoolState | None,
     *,
     window: int | None = None,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, AdditivePoolState]:
     """One decoding step of causal additive pooling, equal to the next position of :func:`additive_pool`.
 
@@ -134,15 +142,20 @@ def additive_pool_step(
         score: its score [B, H, 1]; −inf marks a padding token (no weight).
         state: the tokens so far (None = none yet), in the form for ``window``.
         window: None for the global causal form, else the window of the windowed form.
+        validate: check x, score and window (``False``: the caller has); the state is checked either way.
 
     Returns:
         (pooled [B, H, 1, D] in x's dtype, the state including this token).
 
     Tested token by token against :func:`naive_additive_pool` (outputs, states and gradients).
     """
-    batch, heads, seq, dim = _check_inputs(x, score, True, window, None, state, scores_name="score")
-    if seq != 1:
-        raise ValueError(f"x must have shape [batch, heads, 1, head_dim] (one token), got {tuple(x.shape)}")
+    if validate:
+        _check_inputs(x, score, True, window, None, scores_name="score")
+        if x.shape[2] != 1:
+            raise ValueError(
+                f"x must have shape [batch, heads, 1, head_dim] (one token), got {tuple(x.shape)}"
+            )
+    _check_state(state, window, x)
     if window is None:
         return _global_step(x, score, state)
     return _windowed_step(x, score, state, window)
@@ -223,8 +236,9 @@ def naive_additive_pool(
     A plain loop in x's own dtype (pass float64 for a high-precision reference). A global initial state is one
     more token (score log_normalizer, value pooled) before x; a windowed one is its buffered tokens before x.
     """
-    batch, heads, seq, dim = _check_inputs(x, scores, causal, window, attention_mask, initial_state)
-    keep = check_padding_mask(attention_mask, batch, seq)
+    keep = _check_inputs(x, scores, causal, window, attention_mask)
+    _check_state(initial_state, window, x)
+    batch, heads, seq, dim = x.shape
     keep = torch.ones(batch, seq, dtype=torch.bool) if keep is None else keep
     token_x, token_s, token_real = x, scores.to(x.dtype), keep[:, None, :].expand(batch, heads, seq)
     if initial_state is not None:
@@ -437,9 +451,9 @@ def _check_inputs(
     causal: bool,
     window: int | None,
     attention_mask: torch.Tensor | None,
-    state: AdditivePoolState | None,
     scores_name: str = "scores",
-) -> tuple[int, int, int, int]:
+) -> torch.Tensor | None:
+    """Check x, the scores, the window and the mask; return the mask as bool (or None)."""
     check_rank("x", x, 4, "[batch, heads, seq, head_dim]")
     check_rank(scores_name, scores, 3, "[batch, heads, seq]")
     batch, heads, seq, dim = x.shape
@@ -454,13 +468,14 @@ def _check_inputs(
         check_positive_int("window", window)
         if not causal:
             raise ValueError(f"window={window} needs causal=True: bidirectional pooling has no window")
-    check_padding_mask(attention_mask, batch, seq)
-    if state is not None:
-        _check_state(state, window, batch, heads, dim)
-    return batch, heads, seq, dim
+    return check_padding_mask(attention_mask, batch, seq)
 
 
-def _check_state(state: AdditivePoolState, window: int | None, batch: int, heads: int, dim: int) -> None:
+def _check_state(state: AdditivePoolState | None, window: int | None, x: torch.Tensor) -> None:
+    """A state (None passes) of the form for ``window`` that continues x [B, H, T, D]."""
+    if state is None:
+        return
+    batch, heads, _, dim = x.shape
     if not isinstance(state, AdditivePoolState):
         raise ValueError(f"initial_state / state must be an AdditivePoolState, got {type(state).__name__}")
     if window is None:

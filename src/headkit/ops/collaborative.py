@@ -65,8 +65,20 @@ def collaborative_scores(
         content_bias: per-head, per-key bias c_{h,j}, [B, H, Tk] (added unscaled), or None.
         scale: multiplies the mixed dot products (1/√head_dim of the multi-head model being re-expressed).
     """
-    batch, heads, kv_len, dim_shared = _check_collaborative(q_shared, k_shared, mixing, content_bias)
-    q_len = q_shared.shape[1]
+    _check_collaborative(q_shared, k_shared, mixing, content_bias)
+    return _scores(q_shared, k_shared, mixing, content_bias, scale)
+
+
+def _scores(
+    q_shared: torch.Tensor,
+    k_shared: torch.Tensor,
+    mixing: torch.Tensor,
+    content_bias: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`collaborative_scores` of checked arguments."""
+    batch, q_len, dim_shared = q_shared.shape
+    heads, kv_len = mixing.shape[0], k_shared.shape[1]
     mixed_queries = q_shared[:, None] * (scale * mixing)[None, :, None, :]  # [B, H, Tq, D̃]
     # One matrix product per batch row, every head's queries against the one shared key (never copied per head).
     scores = torch.bmm(mixed_queries.reshape(batch, heads * q_len, dim_shared), k_shared.transpose(1, 2))
@@ -89,6 +101,7 @@ def collaborative_attention(
     attention_mask: torch.Tensor | None = None,
     scale: float | None = None,
     kernel: str = "auto",
+    validate: bool = True,
 ) -> torch.Tensor:
     """Collaborative attention output [B, H, Tq, Dv] through scaled_dot_product_attention's fused kernels.
 
@@ -116,15 +129,18 @@ def collaborative_attention(
             every head's scores [Tq, Tk] in one matrix product against the shared key), or "auto": explicit
             when Tk ≤ D̃ — short sequences, where a head's scores are no larger than its mixed queries and one
             product over the D̃-wide shared key beats SDPA's per-head kernel on values padded to D̃ — else fused.
+        validate: check the arguments. ``False`` is for callers that have (an attention layer on its own
+            projections and a validated mask): a key padding mask must then be bool.
 
     Returns:
         [B, H, Tq, Dv]. Queries that see no key at all return zeros.
     """
-    batch, heads, kv_len, dim_shared = _check_collaborative(q_shared, k_shared, mixing, content_bias)
-    _check_values(v, batch, heads, kv_len)
+    if validate:
+        _check_values(v, *_check_collaborative(q_shared, k_shared, mixing, content_bias)[:3])
     if kernel not in ("auto", "fused", "explicit"):
         raise ValueError(f"kernel must be 'auto', 'fused' or 'explicit', got {kernel!r}")
-    q_len = q_shared.shape[1]
+    batch, q_len, dim_shared = q_shared.shape
+    heads, kv_len = mixing.shape[0], k_shared.shape[1]
     if scale is None:
         scale = v.shape[-1] ** -0.5
     if kernel == "explicit" or (kernel == "auto" and kv_len <= dim_shared):
@@ -136,10 +152,11 @@ def collaborative_attention(
             causal=causal,
             attention_mask=attention_mask,
             scale=scale,
+            validate=validate,
         )
         out = weights @ v
         return out if empty_rows is None else out.masked_fill(empty_rows, 0.0)
-    key_term, query_mask = _split_mask(attention_mask, batch, heads, q_len, kv_len)
+    key_term, query_mask = _split_mask(attention_mask, batch, heads, q_len, kv_len, validate)
     causal = causal and q_len > 1  # a single query is the newest position: it sees every key
     queries = q_shared[:, None] * mixing[None, :, None, :]  # [B, H, Tq, D̃]
     keys = k_shared[:, None].expand(batch, heads, kv_len, dim_shared)
@@ -166,7 +183,9 @@ def collaborative_attention(
         query_mask = query_mask.to(queries.dtype)
     key_column = None if content_bias is None else content_bias / scale
     queries, keys, values, width = _kernel_widths(queries, keys, v, key_column)
-    out = softmax_attention(queries, keys, values, causal=causal, attention_mask=query_mask, scale=scale)
+    out = softmax_attention(
+        queries, keys, values, causal=causal, attention_mask=query_mask, scale=scale, validate=False
+    )
     return out[..., :width]
 
 
@@ -179,12 +198,16 @@ def collaborative_attention_weights(
     causal: bool = False,
     attention_mask: torch.Tensor | None = None,
     scale: float,
+    validate: bool = True,
 ) -> torch.Tensor:
     """The collaborative attention probabilities [B, H, Tq, Tk], computed explicitly (softmax in float32 or wider).
 
     The path for callers that need the weights themselves (``output_attentions``, dropout on the weights);
-    masks as in :func:`collaborative_attention`. A query that sees no key gets an all-zero row, never NaN.
+    masks and ``validate`` as in :func:`collaborative_attention`. A query that sees no key gets an all-zero
+    row, never NaN.
     """
+    if validate:
+        _check_collaborative(q_shared, k_shared, mixing, content_bias)
     weights, empty_rows = _explicit_weights(
         q_shared,
         k_shared,
@@ -193,6 +216,7 @@ def collaborative_attention_weights(
         causal=causal,
         attention_mask=attention_mask,
         scale=scale,
+        validate=validate,
     )
     if empty_rows is None:
         return weights
@@ -210,16 +234,18 @@ def _explicit_weights(
     causal: bool,
     attention_mask: torch.Tensor | None,
     scale: float,
+    validate: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(weights [B, H, Tq, Tk], rows that see no key [.., Tq or 1, 1] or None): the rows flagged hold finite
-    values that the caller zeroes — in the weights, or, cheaper, in the output weights @ v.
+    values that the caller zeroes — in the weights, or, cheaper, in the output weights @ v. The arguments
+    but the mask are checked already; ``validate``: check the mask.
 
     Works in place where autograd allows: fresh [B, H, Tq, Tk] tensors cost page faults as well as a pass on
     CPU. A key-only mask without causality joins the content bias (one pass over the scores).
     """
-    batch, heads, kv_len, _ = _check_collaborative(q_shared, k_shared, mixing, content_bias)
-    q_len = q_shared.shape[1]
-    key_term, query_mask = _split_mask(attention_mask, batch, heads, q_len, kv_len)
+    batch, q_len = q_shared.shape[:2]
+    heads, kv_len = mixing.shape[0], k_shared.shape[1]
+    key_term, query_mask = _split_mask(attention_mask, batch, heads, q_len, kv_len, validate)
     empty_rows = None
     if key_term is not None and query_mask is None and not causal:
         if key_term.dtype == torch.bool:
@@ -231,7 +257,7 @@ def _explicit_weights(
         key_term = key_term.masked_fill(empty_rows, 0.0).expand(batch, heads, kv_len)
         content_bias = key_term if content_bias is None else content_bias + key_term
         key_term, empty_rows = None, empty_rows[..., None]
-    scores = collaborative_scores(q_shared, k_shared, mixing, content_bias=content_bias, scale=scale)
+    scores = _scores(q_shared, k_shared, mixing, content_bias, scale)
     scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
     mask = query_mask if key_term is None else key_term[:, :, None, :]
     blocked = None  # True where a query may not see a key; broadcasts against the scores
@@ -262,14 +288,15 @@ def _check_values(v: torch.Tensor, batch: int, heads: int, kv_len: int) -> None:
 
 
 def _split_mask(
-    attention_mask: torch.Tensor | None, batch: int, heads: int, q_len: int, kv_len: int
+    attention_mask: torch.Tensor | None, batch: int, heads: int, q_len: int, kv_len: int, validate: bool
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(key term, query mask): a mask that is the same for every query becomes a key term [B, 1|H, Tk] (bool
     True = keep, or additive float); one that varies over the queries stays [B, 1|H, Tq, Tk]."""
     if attention_mask is None:
         return None, None
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 4:
-        check_score_mask(attention_mask, batch, heads, q_len, kv_len, one_row=True)
+        if validate:
+            check_score_mask(attention_mask, batch, heads, q_len, kv_len, one_row=True)
         if (
             attention_mask.shape[2] == 1 or attention_mask.stride(2) == 0
         ):  # one row, or one row broadcast over the queries
@@ -277,7 +304,9 @@ def _split_mask(
         else:
             return None, attention_mask
     else:
-        key_mask = check_padding_mask(attention_mask, batch, kv_len)[:, None]
+        key_mask = (check_padding_mask(attention_mask, batch, kv_len) if validate else attention_mask)[
+            :, None
+        ]
     return key_mask, None
 
 
