@@ -28,7 +28,11 @@ The contract, for every mechanism:
   them. ``attention_mask`` is the key padding mask [B, past + T] over every token the layer has seen plus the
   current ones (bool or 0/1 integers, True = real token; left padding in batched generation), or None.
   ``position_ids`` [B or 1, T] are the absolute positions of the current tokens, counted over real tokens only
-  (left padding does not shift them); None means ``past, …, past + T − 1``.
+  (left padding does not shift them); None means ``past, …, past + T − 1``. Read them through
+  :meth:`key_padding_mask` and :meth:`positions`, which validate them — except in the layers of a
+  :class:`~headkit.models.HeadkitModel` (``validate_inputs`` False), whose forward has validated them once for
+  every layer. The projections are right by construction, so the ops a layer calls may skip their own
+  checks (``validate=False``).
 * **Per-head outputs** [B, H, T, Dv] go through :meth:`project_heads`, the single place where a head gate
   (``self.head_gate``, a :class:`headkit.layers.gates.HeadkitGate` or None) scales them before ``o_proj``.
 * **Caching**: ``past_key_values`` is a :class:`headkit.layers.cache.HeadkitCache` (or any transformers

@@ -1,0 +1,91 @@
+"""Inputs are validated once, at the public boundary a call enters by.
+
+A HeadkitModel checks ``attention_mask`` and ``position_ids`` once per forward and its layers trust them; a layer
+used on its own checks them itself; the ops its layers call skip the checks the layer has made. Counted here by
+wrapping the check functions wherever a headkit module has imported them.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from headkit.layers import BUILTIN_ATTENTION_NAMES, HeadkitAttention, build_attention
+from headkit.models import HeadkitForCausalLM
+from headkit.ops import _validation, rotary
+
+# ops.linear and ops.hybrid still check the mask their layer has checked (those modules are being changed apart).
+STILL_CHECKED_TWICE = {"linear", "hybrid"}
+
+
+def count_calls(monkeypatch, module, name: str) -> list:
+    """Wrap ``module.name`` in every headkit module that imported it; return the list its calls go to."""
+    original = getattr(module, name)
+    calls: list = []
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    for loaded in list(sys.modules.values()):
+        if (
+            loaded is not None
+            and loaded.__name__.startswith("headkit")
+            and getattr(loaded, name, None) is original
+        ):
+            monkeypatch.setattr(loaded, name, counting)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "attention",
+    [
+        pytest.param(
+            name,
+            marks=pytest.mark.xfail(strict=True, reason="the op checks the mask again")
+            if name in STILL_CHECKED_TWICE
+            else (),
+        )
+        for name in BUILTIN_ATTENTION_NAMES
+    ],
+)
+def test_a_model_forward_checks_the_mask_and_the_positions_once(make_config, monkeypatch, attention):
+    torch.manual_seed(0)
+    model = HeadkitForCausalLM(make_config(attention=attention, num_hidden_layers=3)).eval()
+    ids = torch.randint(1, model.config.vocab_size, (2, 6))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[0, :2] = 0
+    positions = (mask.cumsum(-1) - 1).clamp_min(0)
+    mask_checks = count_calls(monkeypatch, _validation, "check_padding_mask")
+    position_checks = count_calls(monkeypatch, _validation, "check_batch_position_ids")
+    rotary_position_checks = count_calls(monkeypatch, rotary, "check_position_ids")
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False)
+    assert len(mask_checks) == 1
+    assert len(position_checks) + len(rotary_position_checks) == 1
+
+
+def test_the_layers_of_a_model_trust_it_and_a_layer_of_its_own_checks(make_config):
+    config = make_config()
+    model = HeadkitForCausalLM(config)
+    assert all(
+        not module.validate_inputs for module in model.modules() if isinstance(module, HeadkitAttention)
+    )
+    assert build_attention(config, 0).validate_inputs
+
+
+@pytest.mark.parametrize("attention", BUILTIN_ATTENTION_NAMES)
+def test_a_layer_on_its_own_still_rejects_bad_inputs(make_config, attention):
+    layer = build_attention(make_config(attention=attention), 0)
+    x = torch.randn(2, 5, layer.hidden_size)
+    with pytest.raises(ValueError, match="attention_mask must have shape"):
+        layer(x, attention_mask=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attention_mask must be bool or integer"):
+        layer(x, attention_mask=torch.ones(2, 5))
+    if layer.rotary:
+        with pytest.raises(ValueError, match="position_ids must be integers of shape"):
+            layer(x, position_ids=torch.arange(5))
+        with pytest.raises(ValueError, match="position_ids must be integers of shape"):
+            layer(x, position_ids=torch.zeros(1, 5))
