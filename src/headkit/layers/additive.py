@@ -136,24 +136,16 @@ class AdditiveAttention(HeadkitAttention):
         keys = repeat_kv(keys, self.num_key_value_groups)
         values = repeat_kv(values, self.num_key_value_groups)
 
-        query_scores = self._scores(queries, self.query_score_weight)
-        global_query, query_pool = self._pool(
-            queries,
-            query_scores,
-            new_tokens_mask,
-            step_padding,
-            None if state is None else state.query_pool,
-            past_key_values,
+        def pool(x: torch.Tensor, score_weight: torch.Tensor, previous: AdditivePoolState | None):
+            scores = self._scores(x, score_weight)
+            return self._pool(x, scores, new_tokens_mask, step_padding, previous, past_key_values)
+
+        global_query, query_pool = pool(
+            queries, self.query_score_weight, None if state is None else state.query_pool
         )
         mixed_keys = global_query * keys  # p_i = g_q ∗ k_i (Eq. 3)
-        key_scores = self._scores(mixed_keys, self.key_score_weight)
-        global_key, key_pool = self._pool(
-            mixed_keys,
-            key_scores,
-            new_tokens_mask,
-            step_padding,
-            None if state is None else state.key_pool,
-            past_key_values,
+        global_key, key_pool = pool(
+            mixed_keys, self.key_score_weight, None if state is None else state.key_pool
         )
         head_outputs = global_key * values  # u_i = g_k ∗ v_i (Eq. 6)
 

@@ -97,31 +97,19 @@ class CoCAAttention(HeadkitAttention):
         key_positions = cached_key_positions(positions, key_mask, past_length)
 
         dropout = self.attention_dropout if self.training else 0.0
-        if not output_attentions and dropout == 0.0:
-            head_outputs = coca_attention(
-                queries,
-                magnitudes,
-                values,
-                causal=self.causal,
-                position_ids=positions,
-                key_position_ids=key_positions,
-                attention_mask=key_mask,
-                scale=self.scale,
-                **self.rope_kwargs,
-                validate=False,
-            )
-            return self.project_heads(head_outputs), None
-
-        weights = coca_attention_weights(
-            queries,
-            magnitudes,
+        kwargs = dict(
             causal=self.causal,
             position_ids=positions,
             key_position_ids=key_positions,
             attention_mask=key_mask,
             scale=self.scale,
             **self.rope_kwargs,
-        ).to(values.dtype)
+        )
+        if not output_attentions and dropout == 0.0:
+            head_outputs = coca_attention(queries, magnitudes, values, **kwargs, validate=False)
+            return self.project_heads(head_outputs), None
+
+        weights = coca_attention_weights(queries, magnitudes, **kwargs).to(values.dtype)
         head_outputs = F.dropout(weights, p=dropout, training=True) @ values.repeat_interleave(
             self.num_key_value_groups, dim=1
         )

@@ -110,30 +110,11 @@ class HybridAttention(HeadkitAttention):
         query_features = self.feature_map_q(queries)
         key_features = self.feature_map_k(keys)
 
-        if past_key_values is None:
-            head_outputs, _ = hybrid_attention(
-                queries,
-                keys,
-                values,
-                query_features,
-                key_features,
-                self.balance,
-                window=self.window,
-                attention_mask=new_keys_mask,
-                chunk_size=self.chunk_size,
-                scale=self.scale,
-            )
-            return self.project_heads(head_outputs), None
-
-        state = past_key_values.get_state(self.layer_idx)
-        if seq == 1:
+        state = None if past_key_values is None else past_key_values.get_state(self.layer_idx)
+        inputs = (queries, keys, values, query_features, key_features, self.balance)
+        if past_key_values is not None and seq == 1:
             head_outputs, state = hybrid_attention_step(
-                queries,
-                keys,
-                values,
-                query_features,
-                key_features,
-                self.balance,
+                *inputs,
                 state,
                 window=self.window,
                 attention_mask=new_keys_mask,
@@ -141,20 +122,16 @@ class HybridAttention(HeadkitAttention):
             )
         else:
             head_outputs, state = hybrid_attention(
-                queries,
-                keys,
-                values,
-                query_features,
-                key_features,
-                self.balance,
+                *inputs,
                 window=self.window,
                 attention_mask=new_keys_mask,
                 chunk_size=self.chunk_size,
                 scale=self.scale,
                 initial_state=state,
-                output_final_state=True,
+                output_final_state=past_key_values is not None,
             )
-        past_key_values.set_state(state, self.layer_idx, seq)
+        if past_key_values is not None:
+            past_key_values.set_state(state, self.layer_idx, seq)
         return self.project_heads(head_outputs), None
 
     def extra_repr(self) -> str:

@@ -65,24 +65,12 @@ class LinearAttention(HeadkitAttention):
         # The state already summarises the past keys (padding included, as zeros): only the new ones are masked.
         new_keys_mask = None if key_mask is None else key_mask[:, past_length:].to(hidden_states.device)
 
-        if past_key_values is None:
-            head_outputs, _ = linear_attention(
-                queries,
-                keys,
-                values,
-                feature_map=self.feature_map,
-                causal=self.causal,
-                attention_mask=new_keys_mask,
-                chunk_size=self.chunk_size,
-            )
-            return self.project_heads(head_outputs), None
-
-        if not self.causal:
+        if past_key_values is not None and not self.causal:
             raise ValueError(
                 "past_key_values needs a causal layer (config.causal=True): a state sums the past"
             )
-        state = past_key_values.get_state(self.layer_idx)
-        if seq == 1 and (new_keys_mask is None or bool(new_keys_mask.all())):
+        state = None if past_key_values is None else past_key_values.get_state(self.layer_idx)
+        if past_key_values is not None and seq == 1 and (new_keys_mask is None or bool(new_keys_mask.all())):
             # The recurrent form of Eq. 16-20; it has no mask, so a padding token takes the chunked path below.
             head_outputs, state = linear_attention_step(
                 queries, keys, values, state, feature_map=self.feature_map
@@ -93,13 +81,14 @@ class LinearAttention(HeadkitAttention):
                 keys,
                 values,
                 feature_map=self.feature_map,
-                causal=True,
+                causal=self.causal,
                 attention_mask=new_keys_mask,
                 chunk_size=self.chunk_size,
                 initial_state=state,
-                output_final_state=True,
+                output_final_state=past_key_values is not None,
             )
-        past_key_values.set_state(state, self.layer_idx, seq)
+        if past_key_values is not None:
+            past_key_values.set_state(state, self.layer_idx, seq)
         return self.project_heads(head_outputs), None
 
     def extra_repr(self) -> str:
