@@ -6,7 +6,7 @@ Learnable feature maps (Hedgehog) are looked up by name in :data:`LEARNABLE_FEAT
 """
 
 from headkit.layers.additive import AdditiveAttention, AdditiveState
-from headkit.layers.base import HeadkitAttention
+from headkit.layers.base import HeadkitAttention, LayerInputs
 from headkit.layers.cache import HeadkitCache, RecurrentStateLayer, map_state
 from headkit.layers.coca import CoCAAttention
 from headkit.layers.collaborative import CollaborativeAttention
@@ -44,6 +44,7 @@ __all__ = [
     "HeadkitCache",
     "HedgehogFeatureMap",
     "HybridAttention",
+    "LayerInputs",
     "LinearAttention",
     "RecurrentStateLayer",
     "SoftmaxAttention",

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
-from headkit.layers.base import HeadkitAttention
+from headkit.layers.base import HeadkitAttention, LayerInputs
 from headkit.layers.cache import RecurrentStateLayer
 from headkit.layers.registry import register_attention
 from headkit.ops._validation import repeat_kv
@@ -103,23 +103,13 @@ class AdditiveAttention(HeadkitAttention):
         init.normal_(self.query_score_weight, std=std)
         init.normal_(self.key_score_weight, std=std)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Any = None,
-        use_cache: bool = False,
-        output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, None]:
-        batch, seq, _ = hidden_states.shape
+    def attend(self, hidden_states: torch.Tensor, inputs: LayerInputs) -> tuple[torch.Tensor, None]:
+        batch, seq, past_key_values = inputs.batch, inputs.seq, inputs.cache
         if past_key_values is not None and not self.causal:
             raise ValueError(
                 "past_key_values needs a causal layer (config.causal=True): a state pools the past"
             )
-        past_length = self.past_length(past_key_values)
-        key_mask = self.key_padding_mask(attention_mask, batch, past_length + seq)
-        new_tokens_mask = None if key_mask is None else key_mask[:, past_length:].to(hidden_states.device)
+        new_tokens_mask = inputs.new_tokens_mask
         state = None if past_key_values is None else past_key_values.get_state(self.layer_idx)
         # A decoding step (one token, a cache) marks a padding token by a −inf score rather than taking the mask;
         # the mask is inverted here once for both poolings.

@@ -9,10 +9,13 @@ A mechanism is a subclass of :class:`HeadkitAttention` registered by name::
             self.add_query_key_value_projections(config.attention_bias)  # or nn.Linear modules of your own
             ...
 
-        def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
-                    use_cache=False, output_attentions=False):
+        def attend(self, hidden_states, inputs):                       # inputs: the validated LayerInputs
             ...                                                        # per-head outputs [B, H, T, Dv]
             return self.project_heads(head_outputs), None
+
+The base class's ``forward`` validates the padding mask and the positions once and hands them to ``attend``; a
+mechanism may instead override ``forward`` itself (the same contract, reading the inputs through
+:meth:`~HeadkitAttention.key_padding_mask` and :meth:`~HeadkitAttention.positions`).
 
 The contract, for every mechanism:
 
@@ -28,11 +31,11 @@ The contract, for every mechanism:
   them. ``attention_mask`` is the key padding mask [B, past + T] over every token the layer has seen plus the
   current ones (bool or 0/1 integers, True = real token; left padding in batched generation), or None.
   ``position_ids`` [B or 1, T] are the absolute positions of the current tokens, counted over real tokens only
-  (left padding does not shift them); None means ``past, …, past + T − 1``. Read them through
-  :meth:`key_padding_mask` and :meth:`positions`, which validate them — except in the layers of a
-  :class:`~headkit.models.HeadkitModel` (``validate_inputs`` False), whose forward has validated them once for
-  every layer. The projections are right by construction, so the ops a layer calls may skip their own
-  checks (``validate=False``).
+  (left padding does not shift them); None means ``past, …, past + T − 1``. They are validated once: by the
+  layer's forward (:meth:`key_padding_mask`, :meth:`positions`), except in the layers of a
+  :class:`~headkit.models.HeadkitModel` (``validate_inputs`` False), whose forward has validated them for every
+  layer. The projections are right by construction, so the ops a layer calls skip their own checks
+  (``validate=False``).
 * **Per-head outputs** [B, H, T, Dv] go through :meth:`project_heads`, the single place where a head gate
   (``self.head_gate``, a :class:`headkit.layers.gates.HeadkitGate` or None) scales them before ``o_proj``.
 * **Caching**: ``past_key_values`` is a :class:`headkit.layers.cache.HeadkitCache` (or any transformers
@@ -47,7 +50,7 @@ The contract, for every mechanism:
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -59,6 +62,23 @@ from headkit.ops._validation import (
     check_positive_int,
     check_rank,
 )
+
+
+class LayerInputs(NamedTuple):
+    """What :meth:`HeadkitAttention.forward` hands :meth:`HeadkitAttention.attend`, validated."""
+
+    batch: int
+    seq: int  # T, the current tokens
+    past_length: int  # tokens the layer has seen before (0 without a cache)
+    key_mask: torch.Tensor | None  # [B, past + T] bool on hidden_states' device (True = real token), or None
+    positions: torch.Tensor | None  # [B or 1, T] positions of the current tokens; None unless use_rope
+    cache: Any  # past_key_values: updated in place, or None
+    output_attentions: bool
+
+    @property
+    def new_tokens_mask(self) -> torch.Tensor | None:
+        """The current tokens' part of key_mask, [B, T] (what a recurrent state has not seen yet), or None."""
+        return None if self.key_mask is None else self.key_mask[:, self.past_length :]
 
 
 class HeadkitAttention(nn.Module):
@@ -106,6 +126,8 @@ class HeadkitAttention(nn.Module):
         self.num_key_value_groups = self.num_heads // self.num_key_value_heads
         self.attention_dropout = float(config.attention_dropout)
         self.causal = bool(config.causal)
+        # Whether attend reads positions; layers that can do without rotary positions set it from the config.
+        self.use_rope = self.rotary
 
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, self.hidden_size, bias=config.attention_bias)
         # The head-gating hook: None, or a module whose scale_heads([B, H, T, Dv]) multiplies each head's output.
@@ -120,8 +142,26 @@ class HeadkitAttention(nn.Module):
         use_cache: bool = False,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """[B, T, hidden_size] → ([B, T, hidden_size], attention weights [B, H, Tq, Tk] or None)."""
-        raise NotImplementedError(f"{type(self).__name__} must implement forward")
+        """[B, T, hidden_size] → ([B, T, hidden_size], attention weights [B, H, Tq, Tk] or None).
+
+        Validates ``attention_mask`` and ``position_ids`` (unless ``validate_inputs`` is off) and calls :meth:`attend`.
+        """
+        batch, seq, _ = hidden_states.shape
+        past_length = self.past_length(past_key_values)
+        key_mask = self.key_padding_mask(attention_mask, batch, past_length + seq)
+        if key_mask is not None:
+            key_mask = key_mask.to(hidden_states.device)
+        positions = None
+        if self.use_rope:
+            positions = self.positions(position_ids, batch, seq, past_length, hidden_states.device)
+        inputs = LayerInputs(batch, seq, past_length, key_mask, positions, past_key_values, output_attentions)
+        return self.attend(hidden_states, inputs)
+
+    def attend(
+        self, hidden_states: torch.Tensor, inputs: LayerInputs
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The mechanism itself, on validated inputs: what :meth:`forward` returns."""
+        raise NotImplementedError(f"{type(self).__name__} must implement attend (or forward)")
 
     def split_heads(self, projected: torch.Tensor, num_heads: int) -> torch.Tensor:
         """[B, T, num_heads · D] → [B, num_heads, T, D]."""

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headkit.layers.base import HeadkitAttention
+from headkit.layers.base import HeadkitAttention, LayerInputs
 from headkit.layers.registry import register_attention
 from headkit.layers.softmax import softmax_attention_weights
 from headkit.ops.coca import coca_attention
@@ -70,42 +70,30 @@ class CoCAAttention(HeadkitAttention):
         self.scale = self.head_dim**-0.5
         self.rope_kwargs = config.rope_kwargs()
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Any = None,
-        use_cache: bool = False,
-        output_attentions: bool = False,
+    def attend(
+        self, hidden_states: torch.Tensor, inputs: LayerInputs
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        batch, seq, _ = hidden_states.shape
         queries = self.split_heads(self.q_proj(hidden_states), self.num_heads)
         magnitudes = T_ACTIVATIONS[self.t_activation](
             self.split_heads(self.k_proj(hidden_states), self.num_key_value_heads)
         )
         values = self.split_heads(self.v_proj(hidden_states), self.num_key_value_heads)
 
-        past_length = self.past_length(past_key_values)
-        positions = self.positions(position_ids, batch, seq, past_length, hidden_states.device)
-        positions = positions.to(hidden_states.device).expand(batch, seq)
-        if past_key_values is not None:
-            magnitudes, values = past_key_values.update(magnitudes, values, self.layer_idx)
-        key_mask = self.key_padding_mask(attention_mask, batch, magnitudes.shape[2])
-        if key_mask is not None:
-            key_mask = key_mask.to(hidden_states.device)
-        key_positions = cached_key_positions(positions, key_mask, past_length)
+        positions = inputs.positions.to(hidden_states.device).expand(inputs.batch, inputs.seq)
+        if inputs.cache is not None:
+            magnitudes, values = inputs.cache.update(magnitudes, values, self.layer_idx)
+        key_positions = cached_key_positions(positions, inputs.key_mask, inputs.past_length)
 
         dropout = self.attention_dropout if self.training else 0.0
         kwargs = dict(
             causal=self.causal,
             position_ids=positions,
             key_position_ids=key_positions,
-            attention_mask=key_mask,
+            attention_mask=inputs.key_mask,
             scale=self.scale,
             **self.rope_kwargs,
         )
-        if not output_attentions and dropout == 0.0:
+        if not inputs.output_attentions and dropout == 0.0:
             head_outputs = coca_attention(queries, magnitudes, values, **kwargs, validate=False)
             return self.project_heads(head_outputs), None
 
@@ -113,7 +101,7 @@ class CoCAAttention(HeadkitAttention):
         head_outputs = F.dropout(weights, p=dropout, training=True) @ values.repeat_interleave(
             self.num_key_value_groups, dim=1
         )
-        return self.project_heads(head_outputs), (weights if output_attentions else None)
+        return self.project_heads(head_outputs), (weights if inputs.output_attentions else None)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, t_activation={self.t_activation!r}"

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
-from headkit.layers.base import HeadkitAttention
+from headkit.layers.base import HeadkitAttention, LayerInputs
 from headkit.layers.registry import register_attention
 from headkit.ops._validation import check_positive_int, repeat_kv
 from headkit.ops.collaborative import collaborative_attention, collaborative_attention_weights
@@ -97,21 +97,12 @@ class CollaborativeAttention(HeadkitAttention):
         else:
             init.normal_(self.mixing, std=NORMAL_MIXING_STD)
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Any = None,
-        use_cache: bool = False,
-        output_attentions: bool = False,
+    def attend(
+        self, hidden_states: torch.Tensor, inputs: LayerInputs
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        batch, _, _ = hidden_states.shape
         # Scaled here, so that it adds to the already scaled mixed dot products (the op adds it unscaled).
         key_bias = self.scale * self.content_bias(hidden_states)  # [B, T, H]
         values = self.split_heads(self.v_proj(hidden_states), self.num_key_value_heads)
-        total_length = self.past_length(past_key_values) + hidden_states.shape[1]
-        key_mask = self.key_padding_mask(attention_mask, batch, total_length)
         head_outputs, weights = collaborative_head_outputs(
             self.q_proj(hidden_states),
             self.k_proj(hidden_states),
@@ -120,11 +111,11 @@ class CollaborativeAttention(HeadkitAttention):
             self.mixing,
             scale=self.scale,
             causal=self.causal,
-            attention_mask=None if key_mask is None else key_mask.to(hidden_states.device),
-            cache=past_key_values,
+            attention_mask=inputs.key_mask,
+            cache=inputs.cache,
             layer_idx=self.layer_idx,
             dropout=self.attention_dropout if self.training else 0.0,
-            output_attentions=output_attentions,
+            output_attentions=inputs.output_attentions,
             validate=False,
         )
         return self.project_heads(head_outputs), weights
@@ -211,7 +202,7 @@ class CollaborativeAttention(HeadkitAttention):
         over the keys, which the softmax cancels (paper §4). Shared key/value heads (grouped-query attention) are
         repeated into the shared key. Rotary positions have no collaborative form: such a layer is refused.
         """
-        if getattr(layer, "use_rope", False):
+        if layer.use_rope:
             raise ValueError(
                 "a softmax layer with rotary positions (position_embedding_type='rope') has no exact "
                 "collaborative form: the rotation acts between the query and key projections"

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
-from headkit.layers.base import HeadkitAttention
+from headkit.layers.base import HeadkitAttention, LayerInputs
 from headkit.layers.cache import RecurrentStateLayer
 from headkit.layers.feature_maps import build_feature_map
 from headkit.layers.registry import register_attention
@@ -86,35 +86,24 @@ class HybridAttention(HeadkitAttention):
         """γ_h per query head, [num_heads]."""
         return self.log_balance.exp()
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Any = None,
-        use_cache: bool = False,
-        output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, None]:
-        batch, seq, _ = hidden_states.shape
+    def attend(self, hidden_states: torch.Tensor, inputs: LayerInputs) -> tuple[torch.Tensor, None]:
         queries, keys, values = self.project_queries_keys_values(hidden_states)
-        past_length = self.past_length(past_key_values)
+        past_key_values, seq = inputs.cache, inputs.seq
         if self.use_rope:
             # Rotate before the state: stored window keys keep the rotation of their own positions.
-            positions = self.positions(position_ids, batch, seq, past_length, hidden_states.device)
-            cos, sin = rotary_cos_sin(positions, self.head_dim, **self.rope_kwargs, validate=False)
+            cos, sin = rotary_cos_sin(inputs.positions, self.head_dim, **self.rope_kwargs, validate=False)
             queries = apply_rotary(queries, cos, sin, validate=False)
             keys = apply_rotary(keys, cos, sin, validate=False)
-        key_mask = self.key_padding_mask(attention_mask, batch, past_length + seq)
         # The state carries the padding flags of the past tokens: only the new ones are passed.
-        new_keys_mask = None if key_mask is None else key_mask[:, past_length:].to(hidden_states.device)
+        new_keys_mask = inputs.new_tokens_mask
         query_features = self.feature_map_q(queries)
         key_features = self.feature_map_k(keys)
 
         state = None if past_key_values is None else past_key_values.get_state(self.layer_idx)
-        inputs = (queries, keys, values, query_features, key_features, self.balance)
+        tensors = (queries, keys, values, query_features, key_features, self.balance)
         if past_key_values is not None and seq == 1:
             head_outputs, state = hybrid_attention_step(
-                *inputs,
+                *tensors,
                 state,
                 window=self.window,
                 attention_mask=new_keys_mask,
@@ -122,7 +111,7 @@ class HybridAttention(HeadkitAttention):
             )
         else:
             head_outputs, state = hybrid_attention(
-                *inputs,
+                *tensors,
                 window=self.window,
                 attention_mask=new_keys_mask,
                 chunk_size=self.chunk_size,

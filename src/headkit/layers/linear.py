@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from headkit.layers.base import HeadkitAttention
+from headkit.layers.base import HeadkitAttention, LayerInputs
 from headkit.layers.cache import RecurrentStateLayer
 from headkit.layers.registry import register_attention
 from headkit.ops.feature_maps import get_feature_map
@@ -48,22 +48,11 @@ class LinearAttention(HeadkitAttention):
         self.feature_map = config.feature_map
         self.chunk_size = config.chunk_size
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Any = None,
-        use_cache: bool = False,
-        output_attentions: bool = False,
-    ) -> tuple[torch.Tensor, None]:
-        batch, seq, _ = hidden_states.shape
+    def attend(self, hidden_states: torch.Tensor, inputs: LayerInputs) -> tuple[torch.Tensor, None]:
         queries, keys, values = self.project_queries_keys_values(hidden_states)
-
-        past_length = self.past_length(past_key_values)
-        key_mask = self.key_padding_mask(attention_mask, batch, past_length + seq)
+        past_key_values, seq = inputs.cache, inputs.seq
         # The state already summarises the past keys (padding included, as zeros): only the new ones are masked.
-        new_keys_mask = None if key_mask is None else key_mask[:, past_length:].to(hidden_states.device)
+        new_keys_mask = inputs.new_tokens_mask
 
         if past_key_values is not None and not self.causal:
             raise ValueError(

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from headkit.layers.base import HeadkitAttention
+from headkit.layers.base import HeadkitAttention, LayerInputs
 from headkit.layers.registry import register_attention
 from headkit.ops._validation import repeat_kv
 from headkit.ops.rotary import apply_rotary, rotary_cos_sin
@@ -39,50 +39,29 @@ class SoftmaxAttention(HeadkitAttention):
         self.use_rope = config.position_embedding_type == "rope"
         self.rope_kwargs = config.rope_kwargs() if self.use_rope else {}
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        attention_mask: torch.Tensor | None = None,
-        position_ids: torch.LongTensor | None = None,
-        past_key_values: Any = None,
-        use_cache: bool = False,
-        output_attentions: bool = False,
+    def attend(
+        self, hidden_states: torch.Tensor, inputs: LayerInputs
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        batch, seq, _ = hidden_states.shape
         queries, keys, values = self.project_queries_keys_values(hidden_states)
-
         if self.use_rope:
             # Rotate before caching: cached keys keep the rotation of their own positions.
-            past_length = self.past_length(past_key_values)
-            positions = self.positions(position_ids, batch, seq, past_length, hidden_states.device)
-            cos, sin = rotary_cos_sin(positions, self.head_dim, **self.rope_kwargs, validate=False)
+            cos, sin = rotary_cos_sin(inputs.positions, self.head_dim, **self.rope_kwargs, validate=False)
             queries = apply_rotary(queries, cos, sin, validate=False)
             keys = apply_rotary(keys, cos, sin, validate=False)
-
-        if past_key_values is not None:
-            keys, values = past_key_values.update(keys, values, self.layer_idx)
-        key_mask = self.key_padding_mask(attention_mask, batch, keys.shape[2])
+        if inputs.cache is not None:
+            keys, values = inputs.cache.update(keys, values, self.layer_idx)
 
         dropout = self.attention_dropout if self.training else 0.0
-        if not output_attentions and dropout == 0.0:
-            head_outputs = softmax_attention(
-                queries,
-                keys,
-                values,
-                causal=self.causal,
-                attention_mask=key_mask,
-                scale=self.scale,
-                validate=False,
-            )
+        kwargs = dict(causal=self.causal, attention_mask=inputs.key_mask, scale=self.scale)
+        if not inputs.output_attentions and dropout == 0.0:
+            head_outputs = softmax_attention(queries, keys, values, **kwargs, validate=False)
             return self.project_heads(head_outputs), None
 
-        weights = softmax_attention_weights(
-            queries, keys, causal=self.causal, attention_mask=key_mask, scale=self.scale
-        )
+        weights = softmax_attention_weights(queries, keys, **kwargs)
         head_outputs = F.dropout(weights, p=dropout, training=True) @ repeat_kv(
             values, self.num_key_value_groups
         )
-        return self.project_heads(head_outputs), (weights if output_attentions else None)
+        return self.project_heads(head_outputs), (weights if inputs.output_attentions else None)
 
 
 def softmax_attention_weights(
