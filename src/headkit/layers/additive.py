@@ -110,7 +110,7 @@ class AdditiveAttention(HeadkitAttention):
                 "past_key_values needs a causal layer (config.causal=True): a state pools the past"
             )
         new_tokens_mask = inputs.new_tokens_mask
-        state = None if past_key_values is None else past_key_values.get_state(self.layer_idx)
+        state = self.recurrent_state(inputs)
         # A decoding step (one token, a cache) marks a padding token by a −inf score rather than taking the mask;
         # the mask is inverted here once for both poolings.
         decoding = past_key_values is not None and seq == 1
@@ -139,8 +139,7 @@ class AdditiveAttention(HeadkitAttention):
         )
         head_outputs = global_key * values  # u_i = g_k ∗ v_i (Eq. 6)
 
-        if past_key_values is not None:
-            past_key_values.set_state(AdditiveState(query_pool, key_pool, conv_inputs), self.layer_idx, seq)
+        self.store_state(inputs, AdditiveState(query_pool, key_pool, conv_inputs))
         # Fastformer's query residual; undoing split_heads' transpose is a view, not a copy.
         flat_queries = queries.transpose(1, 2).reshape(batch, seq, self.hidden_size)
         return self.project_heads(head_outputs) + flat_queries, None

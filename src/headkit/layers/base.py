@@ -216,6 +216,15 @@ class HeadkitAttention(nn.Module):
             return position_ids
         return check_batch_position_ids(position_ids, batch, seq)
 
+    def recurrent_state(self, inputs: LayerInputs) -> Any:
+        """A recurrent layer's state from the cache: None without a cache, or before its first token."""
+        return None if inputs.cache is None else inputs.cache.get_state(self.layer_idx)
+
+    def store_state(self, inputs: LayerInputs, state: Any) -> None:
+        """Keep a recurrent layer's state after this call's tokens in the cache (if there is one)."""
+        if inputs.cache is not None:
+            inputs.cache.set_state(state, self.layer_idx, inputs.seq)
+
     def key_padding_mask(
         self, attention_mask: torch.Tensor | None, batch: int, total_length: int
     ) -> torch.Tensor | None:

@@ -88,7 +88,6 @@ class HybridAttention(HeadkitAttention):
 
     def attend(self, hidden_states: torch.Tensor, inputs: LayerInputs) -> tuple[torch.Tensor, None]:
         queries, keys, values = self.project_queries_keys_values(hidden_states)
-        past_key_values, seq = inputs.cache, inputs.seq
         if self.use_rope:
             # Rotate before the state: stored window keys keep the rotation of their own positions.
             cos, sin = rotary_cos_sin(inputs.positions, self.head_dim, **self.rope_kwargs, validate=False)
@@ -99,9 +98,9 @@ class HybridAttention(HeadkitAttention):
         query_features = self.feature_map_q(queries)
         key_features = self.feature_map_k(keys)
 
-        state = None if past_key_values is None else past_key_values.get_state(self.layer_idx)
+        state = self.recurrent_state(inputs)
         tensors = (queries, keys, values, query_features, key_features, self.balance)
-        if past_key_values is not None and seq == 1:
+        if inputs.cache is not None and inputs.seq == 1:
             head_outputs, state = hybrid_attention_step(
                 *tensors,
                 state,
@@ -117,10 +116,9 @@ class HybridAttention(HeadkitAttention):
                 chunk_size=self.chunk_size,
                 scale=self.scale,
                 initial_state=state,
-                output_final_state=past_key_values is not None,
+                output_final_state=inputs.cache is not None,
             )
-        if past_key_values is not None:
-            past_key_values.set_state(state, self.layer_idx, seq)
+        self.store_state(inputs, state)
         return self.project_heads(head_outputs), None
 
     def extra_repr(self) -> str:

@@ -50,16 +50,19 @@ class LinearAttention(HeadkitAttention):
 
     def attend(self, hidden_states: torch.Tensor, inputs: LayerInputs) -> tuple[torch.Tensor, None]:
         queries, keys, values = self.project_queries_keys_values(hidden_states)
-        past_key_values, seq = inputs.cache, inputs.seq
         # The state already summarises the past keys (padding included, as zeros): only the new ones are masked.
         new_keys_mask = inputs.new_tokens_mask
 
-        if past_key_values is not None and not self.causal:
+        if inputs.cache is not None and not self.causal:
             raise ValueError(
                 "past_key_values needs a causal layer (config.causal=True): a state sums the past"
             )
-        state = None if past_key_values is None else past_key_values.get_state(self.layer_idx)
-        if past_key_values is not None and seq == 1 and (new_keys_mask is None or bool(new_keys_mask.all())):
+        state = self.recurrent_state(inputs)
+        if (
+            inputs.cache is not None
+            and inputs.seq == 1
+            and (new_keys_mask is None or bool(new_keys_mask.all()))
+        ):
             # The recurrent form of Eq. 16-20; it has no mask, so a padding token takes the chunked path below.
             head_outputs, state = linear_attention_step(
                 queries, keys, values, state, feature_map=self.feature_map
@@ -74,10 +77,9 @@ class LinearAttention(HeadkitAttention):
                 attention_mask=new_keys_mask,
                 chunk_size=self.chunk_size,
                 initial_state=state,
-                output_final_state=past_key_values is not None,
+                output_final_state=inputs.cache is not None,
             )
-        if past_key_values is not None:
-            past_key_values.set_state(state, self.layer_idx, seq)
+        self.store_state(inputs, state)
         return self.project_heads(head_outputs), None
 
     def extra_repr(self) -> str:

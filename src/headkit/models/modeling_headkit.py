@@ -106,7 +106,11 @@ class HeadkitDecoderLayer(GradientCheckpointingLayer):
 
 
 class HeadkitPreTrainedModel(PreTrainedModel):
-    """Weight initialisation, cache policy and the transformers class attributes shared by headkit models."""
+    """Weight initialisation, cache policy and the transformers class attributes shared by headkit models.
+
+    The embedding accessors are transformers' own: ``embed_tokens`` (on the model, or on its ``model``) and
+    ``lm_head``.
+    """
 
     config_class = HeadkitConfig
     config: HeadkitConfig
@@ -159,12 +163,6 @@ class HeadkitModel(HeadkitPreTrainedModel):
         self.norm = HeadkitRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.gradient_checkpointing = False
         self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.embed_tokens = value
 
     def forward(
         self,
@@ -334,18 +332,6 @@ class HeadkitForCausalLM(HeadkitPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.model.embed_tokens = value
-
-    def get_output_embeddings(self) -> nn.Linear:
-        return self.lm_head
-
-    def set_output_embeddings(self, value: nn.Linear) -> None:
-        self.lm_head = value
-
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
@@ -414,12 +400,6 @@ class HeadkitForSequenceClassification(HeadkitPreTrainedModel):
         self.model = HeadkitModel(config)
         self.score = nn.Linear(config.hidden_size, config.num_labels, bias=False)
         self.post_init()
-
-    def get_input_embeddings(self) -> nn.Embedding:
-        return self.model.embed_tokens
-
-    def set_input_embeddings(self, value: nn.Embedding) -> None:
-        self.model.embed_tokens = value
 
     def forward(
         self,

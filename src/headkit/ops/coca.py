@@ -87,16 +87,7 @@ def coca_attention(
     """
     keep = attention_mask
     if validate:
-        keep = _check_inputs(
-            q,
-            t,
-            v,
-            causal=causal,
-            position_ids=position_ids,
-            key_position_ids=key_position_ids,
-            attention_mask=attention_mask,
-            scale=scale,
-        )
+        keep = _check_inputs(q, t, v, causal, position_ids, key_position_ids, attention_mask, scale)
     batch, q_heads, q_len, head_dim = q.shape
     kv_heads, kv_len, value_dim = t.shape[1], t.shape[2], v.shape[-1]
     heads_per_kv = q_heads // kv_heads
@@ -249,7 +240,6 @@ def _check_inputs(
     q: torch.Tensor,
     t: torch.Tensor,
     v: torch.Tensor,
-    *,
     causal: bool,
     position_ids: torch.Tensor | None,
     key_position_ids: torch.Tensor | None,
