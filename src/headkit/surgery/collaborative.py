@@ -40,7 +40,6 @@ from headkit.surgery.adapters import (
     AttentionAdapter,
     AttentionSite,
     ReplacementAttention,
-    bind_attention_call,
     checked_model_mask,
     count_parameters,
     get_adapter,
@@ -105,16 +104,12 @@ class CollaborativeSelfAttention(ReplacementAttention):
         )
         self.value_name = value_name
         self.add_module(value_name, value)
-        # Roles of what runs after the heads (output projection, dropout, residual norm) -> attribute names.
-        self.epilogue_roles: dict[str, str] = {}
-        for role, (name, module) in (epilogue or {}).items():
-            self.epilogue_roles[role] = name
-            self.add_module(name, module)
+        self.add_epilogue(epilogue)  # output projection, dropout, residual norm: whatever ran after the heads
 
     def forward(
         self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        call = bind_attention_call(self.call_signature, self, hidden_states, args, kwargs)
+        call = self.bind_call(hidden_states, args, kwargs)
         if call.encoder_hidden_states is not None:
             raise HeadkitError(
                 "collaborative attention replaces self-attention only; got encoder_hidden_states"

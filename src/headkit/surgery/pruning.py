@@ -44,7 +44,6 @@ from headkit.surgery.adapters import (
     AttentionSite,
     ProjectionWeights,
     ReplacementAttention,
-    bind_attention_call,
     count_parameters,
     get_adapter,
     linear_parameters,
@@ -93,15 +92,12 @@ class EmptyAttention(ReplacementAttention):
         self.is_causal = causal
         self.layer_idx = layer_idx
         self.call_signature = call_signature
-        self.epilogue_roles: dict[str, str] = {}
-        for role, (name, module) in epilogue.items():
-            self.epilogue_roles[role] = name
-            self.add_module(name, module)
+        self.add_epilogue(epilogue)
 
     def forward(
         self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        call = bind_attention_call(self.call_signature, self, hidden_states, args, kwargs)
+        call = self.bind_call(hidden_states, args, kwargs)
         batch, q_len = hidden_states.shape[:2]
         kv_len = q_len
         if call.past_key_values is not None and self.layer_idx is not None:

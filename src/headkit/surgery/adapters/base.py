@@ -108,6 +108,18 @@ class ReplacementAttention(nn.Module):
     call_signature: inspect.Signature
     replaced_class: type[nn.Module]
 
+    def add_epilogue(self, epilogue: dict[str, tuple[str, nn.Module]] | None) -> None:
+        """Hold what the replaced module ran after its heads (role → (attribute name, module)) under the same
+        names, so the state dict keeps its keys; ``epilogue_roles`` maps each role to its attribute name."""
+        self.epilogue_roles: dict[str, str] = {}
+        for role, (name, module) in (epilogue or {}).items():
+            self.epilogue_roles[role] = name
+            self.add_module(name, module)
+
+    def bind_call(self, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> AttentionCall:
+        """The model's call, read with the replaced module's signature (:func:`bind_attention_call`)."""
+        return bind_attention_call(self.call_signature, self, hidden_states, args, kwargs)
+
 
 @dataclass
 class AttentionCall:
