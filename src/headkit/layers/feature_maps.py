@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from transformers import initialization as init
 
+from headkit.layers.registry import check_registration
 from headkit.ops._validation import check_positive_int
 from headkit.ops.feature_maps import FEATURE_MAPS, get_feature_map, hedgehog_feature_map
 
@@ -29,15 +30,10 @@ def register_learnable_feature_map(name: str) -> Callable[[type[nn.Module]], typ
     initialises it with the ``transformers.initialization`` functions (so weights loaded from a checkpoint are
     left alone).
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"feature map name must be a non-empty string, got {name!r}")
+    check_registration("feature map", LEARNABLE_FEATURE_MAPS, name)
 
     def register(map_class: type[nn.Module]) -> type[nn.Module]:
-        existing = LEARNABLE_FEATURE_MAPS.get(name)
-        if existing is not None and _full_name(existing) != _full_name(map_class):
-            raise ValueError(
-                f"learnable feature map {name!r} is already registered to {_full_name(existing)}"
-            )
+        check_registration("learnable feature map", LEARNABLE_FEATURE_MAPS, name, map_class)
         if name in FEATURE_MAPS:
             raise ValueError(
                 f"{name!r} already names a parameter-free feature map of headkit.ops.FEATURE_MAPS"
@@ -46,10 +42,6 @@ def register_learnable_feature_map(name: str) -> Callable[[type[nn.Module]], typ
         return map_class
 
     return register
-
-
-def _full_name(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def valid_feature_map_names() -> list[str]:

@@ -12,6 +12,7 @@ mechanism names.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -41,14 +42,10 @@ def register_attention(name: str, *, rotary: bool = False, compared: bool = True
       the models built to compare mechanisms give the other layers learned absolute positions;
     * ``compared``: the mechanism is in those benchmarks' default runs (it is accepted by name either way).
     """
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"attention name must be a non-empty string, got {name!r}")
+    check_registration("attention", ATTENTION_LAYERS, name)
 
     def register(layer_class: type[HeadkitAttention]) -> type[HeadkitAttention]:
-        existing = ATTENTION_LAYERS.get(name)
-        # Re-registering the same class (a module imported twice, e.g. under importlib.reload) is harmless.
-        if existing is not None and _full_name(existing) != _full_name(layer_class):
-            raise ValueError(f"attention {name!r} is already registered to {_full_name(existing)}")
+        check_registration("attention", ATTENTION_LAYERS, name, layer_class)
         layer_class.attention_name = name
         layer_class.rotary, layer_class.compared = rotary, compared
         ATTENTION_LAYERS[name] = layer_class
@@ -57,8 +54,19 @@ def register_attention(name: str, *, rotary: bool = False, compared: bool = True
     return register
 
 
-def _full_name(layer_class: type) -> str:
-    return f"{layer_class.__module__}.{layer_class.__qualname__}"
+def check_registration(what: str, registry: Mapping[str, type], name: str, cls: type | None = None) -> None:
+    """Check a class registry's new entry: ``name`` a non-empty string, and no other class registered under it
+    (``cls`` given). Re-registering the same class (a module imported twice, e.g. under importlib.reload) is
+    harmless."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{what} name must be a non-empty string, got {name!r}")
+    existing = registry.get(name)
+    if cls is not None and existing is not None and _full_name(existing) != _full_name(cls):
+        raise ValueError(f"{what} {name!r} is already registered to {_full_name(existing)}")
+
+
+def _full_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def valid_attention_names() -> list[str]:
