@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headkit.layers.base import HeadkitAttention
+from headkit.layers.base import HeadkitAttention, fused_unless_weights_needed
 from headkit.layers.registry import register_attention
 from headkit.layers.softmax import softmax_attention_weights
 from headkit.ops.coca import coca_attention
@@ -96,35 +96,22 @@ class CoCAAttention(HeadkitAttention):
             key_mask = key_mask.to(hidden_states.device)
         key_positions = cached_key_positions(positions, key_mask, past_length)
 
-        dropout = self.attention_dropout if self.training else 0.0
-        if not output_attentions and dropout == 0.0:
-            head_outputs = coca_attention(
-                queries,
-                magnitudes,
-                values,
-                causal=self.causal,
-                position_ids=positions,
-                key_position_ids=key_positions,
-                attention_mask=key_mask,
-                scale=self.scale,
-                **self.rope_kwargs,
-            )
-            return self.project_heads(head_outputs), None
-
-        weights = coca_attention_weights(
-            queries,
-            magnitudes,
-            causal=self.causal,
-            position_ids=positions,
-            key_position_ids=key_positions,
-            attention_mask=key_mask,
-            scale=self.scale,
+        positional = {
+            "causal": self.causal,
+            "position_ids": positions,
+            "key_position_ids": key_positions,
+            "attention_mask": key_mask,
+            "scale": self.scale,
             **self.rope_kwargs,
-        ).to(values.dtype)
-        head_outputs = F.dropout(weights, p=dropout, training=True) @ values.repeat_interleave(
-            self.num_key_value_groups, dim=1
+        }
+        head_outputs, weights = fused_unless_weights_needed(
+            lambda: coca_attention(queries, magnitudes, values, **positional),
+            lambda: coca_attention_weights(queries, magnitudes, **positional).to(values.dtype),
+            values,
+            dropout=self.attention_dropout if self.training else 0.0,
+            output_attentions=output_attentions,
         )
-        return self.project_heads(head_outputs), (weights if output_attentions else None)
+        return self.project_heads(head_outputs), weights
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, t_activation={self.t_activation!r}"

@@ -13,9 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from headkit.layers.base import HeadkitAttention
+from headkit.layers.base import HeadkitAttention, fused_unless_weights_needed
 from headkit.layers.registry import register_attention
 from headkit.ops._validation import repeat_kv
 from headkit.ops.rotary import apply_rotary, rotary_cos_sin
@@ -63,20 +62,18 @@ class SoftmaxAttention(HeadkitAttention):
             keys, values = past_key_values.update(keys, values, self.layer_idx)
         key_mask = self.key_padding_mask(attention_mask, batch, keys.shape[2])
 
-        dropout = self.attention_dropout if self.training else 0.0
-        if not output_attentions and dropout == 0.0:
-            head_outputs = softmax_attention(
+        head_outputs, weights = fused_unless_weights_needed(
+            lambda: softmax_attention(
                 queries, keys, values, causal=self.causal, attention_mask=key_mask, scale=self.scale
-            )
-            return self.project_heads(head_outputs), None
-
-        weights = softmax_attention_weights(
-            queries, keys, causal=self.causal, attention_mask=key_mask, scale=self.scale
+            ),
+            lambda: softmax_attention_weights(
+                queries, keys, causal=self.causal, attention_mask=key_mask, scale=self.scale
+            ),
+            values,
+            dropout=self.attention_dropout if self.training else 0.0,
+            output_attentions=output_attentions,
         )
-        head_outputs = F.dropout(weights, p=dropout, training=True) @ repeat_kv(
-            values, self.num_key_value_groups
-        )
-        return self.project_heads(head_outputs), (weights if output_attentions else None)
+        return self.project_heads(head_outputs), weights
 
 
 def softmax_attention_weights(
