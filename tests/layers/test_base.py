@@ -206,3 +206,35 @@ def test_linear_weights_use_the_initializer_range():
     assert abs(weights.std().item() - 0.1) < 0.005
     norms = [p for n, p in model.named_parameters() if "layernorm" in n or n.endswith("norm.weight")]
     assert all(torch.equal(p.detach(), torch.ones_like(p)) for p in norms)
+
+
+def test_fused_unless_weights_needed_takes_the_fused_path_only_when_nothing_needs_the_weights():
+    from headkit.layers.base import fused_unless_weights_needed
+
+    torch.manual_seed(0)
+    weights = torch.softmax(torch.randn(2, 4, 3, 5), dim=-1)
+    values = torch.randn(2, 2, 5, 8)  # two key/value heads for four query heads
+    expected = weights @ values.repeat_interleave(2, dim=1)
+    calls = []
+
+    def fused():
+        calls.append("fused")
+        return expected
+
+    def explicit():
+        calls.append("explicit")
+        return weights
+
+    out, returned = fused_unless_weights_needed(fused, explicit, values, dropout=0.0, output_attentions=False)
+    assert calls == ["fused"] and returned is None and out is expected
+    calls.clear()
+    out, returned = fused_unless_weights_needed(fused, explicit, values, dropout=0.0, output_attentions=True)
+    assert calls == ["explicit"] and returned is weights
+    torch.testing.assert_close(out, expected)
+    calls.clear()
+    torch.manual_seed(1)
+    out, returned = fused_unless_weights_needed(fused, explicit, values, dropout=0.5, output_attentions=False)
+    torch.manual_seed(1)
+    dropped = torch.nn.functional.dropout(weights, p=0.5, training=True)
+    assert calls == ["explicit"] and returned is None
+    torch.testing.assert_close(out, dropped @ values.repeat_interleave(2, dim=1))

@@ -456,3 +456,29 @@ def test_f_cross_entropy_agrees_with_the_manual_reference(make_config):
     torch.testing.assert_close(
         manual_shifted_loss(logits, labels, 0.3), torch_loss.double(), atol=1e-6, rtol=0
     )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_matches_its_formula_in_values_and_gradients(dtype):
+    """The fused float32 path (F.rms_norm) and the upcasting path both equal x / √(mean(x²) + ε) · g."""
+    from headkit.models.modeling_headkit import HeadkitRMSNorm
+
+    torch.manual_seed(0)
+    norm = HeadkitRMSNorm(48, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(48))
+    x = (torch.randn(3, 5, 48) * 3).to(dtype).requires_grad_(True)
+    out = norm(x)
+    reference_x = x.detach().double().requires_grad_(True)
+    reference_weight = norm.weight.detach().double().requires_grad_(True)
+    reference = reference_weight * reference_x * torch.rsqrt(reference_x.pow(2).mean(-1, keepdim=True) + 1e-5)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), reference, atol=tolerance, rtol=tolerance)
+    grad = torch.randn_like(reference)
+    out.backward(grad.to(dtype))
+    reference.backward(grad)
+    torch.testing.assert_close(x.grad.double(), reference_x.grad, atol=tolerance * 10, rtol=tolerance * 10)
+    torch.testing.assert_close(
+        norm.weight.grad.double(), reference_weight.grad, atol=tolerance * 10, rtol=tolerance * 10
+    )

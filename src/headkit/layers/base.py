@@ -50,9 +50,11 @@ The contract, for every mechanism:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from headkit.layers.cache import DynamicLayer
@@ -61,6 +63,7 @@ from headkit.ops._validation import (
     check_padding_mask,
     check_positive_int,
     check_rank,
+    repeat_kv,
 )
 
 
@@ -246,3 +249,26 @@ class HeadkitAttention(nn.Module):
             f"layer_idx={self.layer_idx}, num_heads={self.num_heads}, "
             f"num_key_value_heads={self.num_key_value_heads}, head_dim={self.head_dim}"
         )
+
+
+def fused_unless_weights_needed(
+    fused: Callable[[], torch.Tensor],
+    explicit_weights: Callable[[], torch.Tensor],
+    values: torch.Tensor,
+    *,
+    dropout: float,
+    output_attentions: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-head outputs [B, H, Tq, Dv] and the weights when asked for: the one place a layer chooses its path.
+
+    The fused kernel (``fused()``) never forms the [Tq, Tk] weights, so it runs unless the caller asks for them
+    (``output_attentions``) or dropout has to act on them; then ``explicit_weights()`` [B, H, Tq, Tk] (in the
+    values' dtype) are computed, dropped out and applied to ``values`` [B, Hkv, Tk, Dv], repeated to the H
+    query heads (grouped-query attention). Pass ``dropout=0`` outside training.
+    """
+    if not output_attentions and dropout == 0.0:
+        return fused(), None
+    weights = explicit_weights()
+    values = repeat_kv(values, weights.shape[1] // values.shape[1])
+    head_outputs = F.dropout(weights, p=dropout, training=True) @ values
+    return head_outputs, (weights if output_attentions else None)

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headkit.layers.base import HeadkitAttention, LayerInputs
+from headkit.layers.base import HeadkitAttention, LayerInputs, fused_unless_weights_needed
 from headkit.layers.registry import register_attention
 from headkit.layers.softmax import softmax_attention_weights
 from headkit.ops.coca import coca_attention
@@ -84,24 +84,22 @@ class CoCAAttention(HeadkitAttention):
             magnitudes, values = inputs.cache.update(magnitudes, values, self.layer_idx)
         key_positions = cached_key_positions(positions, inputs.key_mask, inputs.past_length)
 
-        dropout = self.attention_dropout if self.training else 0.0
-        kwargs = dict(
-            causal=self.causal,
-            position_ids=positions,
-            key_position_ids=key_positions,
-            attention_mask=inputs.key_mask,
-            scale=self.scale,
+        positional = {
+            "causal": self.causal,
+            "position_ids": positions,
+            "key_position_ids": key_positions,
+            "attention_mask": inputs.key_mask,
+            "scale": self.scale,
             **self.rope_kwargs,
+        }
+        head_outputs, weights = fused_unless_weights_needed(
+            lambda: coca_attention(queries, magnitudes, values, **positional, validate=False),
+            lambda: coca_attention_weights(queries, magnitudes, **positional).to(values.dtype),
+            values,
+            dropout=self.attention_dropout if self.training else 0.0,
+            output_attentions=inputs.output_attentions,
         )
-        if not inputs.output_attentions and dropout == 0.0:
-            head_outputs = coca_attention(queries, magnitudes, values, **kwargs, validate=False)
-            return self.project_heads(head_outputs), None
-
-        weights = coca_attention_weights(queries, magnitudes, **kwargs).to(values.dtype)
-        head_outputs = F.dropout(weights, p=dropout, training=True) @ values.repeat_interleave(
-            self.num_key_value_groups, dim=1
-        )
-        return self.project_heads(head_outputs), (weights if inputs.output_attentions else None)
+        return self.project_heads(head_outputs), weights
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, t_activation={self.t_activation!r}"

@@ -24,11 +24,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers import initialization as init
 
-from headkit.layers.base import HeadkitAttention, LayerInputs
+from headkit.layers.base import HeadkitAttention, LayerInputs, fused_unless_weights_needed
 from headkit.layers.registry import register_attention
 from headkit.ops._validation import check_positive_int, repeat_kv
 from headkit.ops.collaborative import collaborative_attention, collaborative_attention_weights
@@ -287,11 +286,13 @@ def collaborative_head_outputs(
         "scale": scale,
         "validate": validate,
     }
-    if not output_attentions and dropout == 0.0:
-        return collaborative_attention(shared_queries, shared_keys, values, mixing, **kwargs), None
-    weights = collaborative_attention_weights(shared_queries, shared_keys, mixing, **kwargs)
-    head_outputs = F.dropout(weights, p=dropout, training=True) @ values
-    return head_outputs, (weights if output_attentions else None)
+    return fused_unless_weights_needed(
+        lambda: collaborative_attention(shared_queries, shared_keys, values, mixing, **kwargs),
+        lambda: collaborative_attention_weights(shared_queries, shared_keys, mixing, **kwargs),
+        values,
+        dropout=dropout,
+        output_attentions=output_attentions,
+    )
 
 
 def update_collaborative_cache(

@@ -13,9 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from headkit.layers.base import HeadkitAttention, LayerInputs
+from headkit.layers.base import HeadkitAttention, LayerInputs, fused_unless_weights_needed
 from headkit.layers.registry import register_attention
 from headkit.ops._validation import repeat_kv
 from headkit.ops.rotary import apply_rotary, rotary_cos_sin
@@ -51,17 +50,15 @@ class SoftmaxAttention(HeadkitAttention):
         if inputs.cache is not None:
             keys, values = inputs.cache.update(keys, values, self.layer_idx)
 
-        dropout = self.attention_dropout if self.training else 0.0
         kwargs = dict(causal=self.causal, attention_mask=inputs.key_mask, scale=self.scale)
-        if not inputs.output_attentions and dropout == 0.0:
-            head_outputs = softmax_attention(queries, keys, values, **kwargs, validate=False)
-            return self.project_heads(head_outputs), None
-
-        weights = softmax_attention_weights(queries, keys, **kwargs)
-        head_outputs = F.dropout(weights, p=dropout, training=True) @ repeat_kv(
-            values, self.num_key_value_groups
+        head_outputs, weights = fused_unless_weights_needed(
+            lambda: softmax_attention(queries, keys, values, **kwargs, validate=False),
+            lambda: softmax_attention_weights(queries, keys, **kwargs),
+            values,
+            dropout=self.attention_dropout if self.training else 0.0,
+            output_attentions=inputs.output_attentions,
         )
-        return self.project_heads(head_outputs), (weights if inputs.output_attentions else None)
+        return self.project_heads(head_outputs), weights
 
 
 def softmax_attention_weights(

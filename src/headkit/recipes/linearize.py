@@ -17,7 +17,7 @@ recovered in two stages, measured and saved.
 
 Both stages run on :func:`headkit.recipes.distill.distill` (🤗 ``Trainer``). The report holds held-out perplexity
 of the original and the converted model at each of ``eval_lengths`` tokens, what each stage buys (perplexity at
-the first length after conversion, after transfer, after LoRA, and the loss curves), top-1 next-token agreement,
+the longest length after conversion, after transfer, after LoRA, and the loss curves), top-1 next-token agreement,
 per-token decoding time at each of ``decode_contexts`` for both (timed in alternation, step by step), and the
 decoding memory (the converted model's fixed-size states against the original's KV cache) at each context; plus a
 plot. The model, its tokenizer, report.json and the plot are written atomically (nothing on any failure); the
@@ -330,7 +330,9 @@ def _run(
         ).held_out
         for length in eval_lengths
     }
-    first = eval_lengths[0]
+    # Stages and agreement at the longest window: a short one may lie wholly inside the softmax window, where the
+    # linear term is never used and the converted model equals the original.
+    longest = max(eval_lengths)
     eval_batch = max(1, min(settings.batch_size, 4))
     echo(
         f"{loaded.source}: {len(windows.train)} training windows of {settings.train_length} tokens, held-out windows "
@@ -339,8 +341,8 @@ def _run(
     )
     perplexity_original = {n: perplexity(teacher, held_out[n], eval_batch) for n in eval_lengths}
     echo("held-out perplexity of the original: " + _by_length(perplexity_original))
-    stages = {"converted": perplexity(student, held_out[first], eval_batch)}
-    echo(f"after conversion: perplexity {stages['converted']:.3f} at {first} tokens")
+    stages = {"converted": perplexity(student, held_out[longest], eval_batch)}
+    echo(f"after conversion: perplexity {stages['converted']:.3f} at {longest} tokens")
 
     # (a) attention transfer: only the feature maps and balances train.
     for parameter in student.parameters():
@@ -361,8 +363,8 @@ def _run(
         echo=echo,
     )
     student = transfer.model
-    stages["after_transfer"] = perplexity(student, held_out[first], eval_batch)
-    echo(f"after attention transfer: perplexity {stages['after_transfer']:.3f} at {first} tokens")
+    stages["after_transfer"] = perplexity(student, held_out[longest], eval_batch)
+    echo(f"after attention transfer: perplexity {stages['after_transfer']:.3f} at {longest} tokens")
 
     # (b) LoRA (or full training) of the converted layers' attention projections, with the KL objective.
     for parameter in student.parameters():
@@ -399,10 +401,10 @@ def _run(
         parameter.requires_grad_(False)
 
     perplexity_converted = {n: perplexity(student, held_out[n], eval_batch) for n in eval_lengths}
-    stages["after_lora"] = perplexity_converted[first]
+    stages["after_lora"] = perplexity_converted[longest]
     echo("held-out perplexity of the linearized model: " + _by_length(perplexity_converted))
-    agreement = top1_agreement(student, teacher, held_out[first], eval_batch)
-    echo(f"top-1 next-token agreement with the original: {agreement:.1%}")
+    agreement = top1_agreement(student, teacher, held_out[longest], eval_batch)
+    echo(f"top-1 next-token agreement with the original at {longest} tokens: {agreement:.1%}")
 
     decode, skipped_contexts = [], []
     for length in settings.decode_contexts:
@@ -441,8 +443,9 @@ def _run(
         "perplexity_original": {str(n): v for n, v in perplexity_original.items()},
         "perplexity_linearized": {str(n): v for n, v in perplexity_converted.items()},
         "perplexity_ratio": {str(n): perplexity_converted[n] / perplexity_original[n] for n in eval_lengths},
-        "perplexity_stages": {"length": first, "original": perplexity_original[first], **stages},
+        "perplexity_stages": {"length": longest, "original": perplexity_original[longest], **stages},
         "top1_agreement": agreement,
+        "top1_length": longest,
         "decode": decode,
         "decode_steps": settings.decode_steps,
         "threads": torch.get_num_threads(),
@@ -631,7 +634,8 @@ def format_report(report: dict[str, Any]) -> str:
         ),
         f"at {stages['length']} tokens: converted {stages['converted']:.3f}, after transfer "
         f"{stages['after_transfer']:.3f}, after LoRA {stages['after_lora']:.3f} (original {stages['original']:.3f})",
-        f"top-1 next-token agreement with the original: {report['top1_agreement']:.1%}",
+        f"top-1 next-token agreement with the original at {report.get('top1_length', stages['length'])} tokens: "
+        f"{report['top1_agreement']:.1%}",
     ]
     lines += [_decode_line(point) for point in report["decode"]]
     lines += [
