@@ -127,8 +127,7 @@ def _run_demo(config: DemoConfig, console: Any) -> dict[str, Any]:
     loaded = load_model(model_path)
     original, tokenizer = loaded.model, loaded.tokenizer
     adapter = get_adapter(original)
-    for parameter in original.parameters():
-        parameter.requires_grad_(False)
+    original.requires_grad_(False)
     site = adapter.sites(original)[0]
     full_dim = site.num_heads * site.head_dim
     total_heads = sum(heads_per_layer(original, adapter).values())
@@ -285,8 +284,7 @@ def _prune(
     with torch.no_grad():
         teacher_states = [original(**batch).last_hidden_state for batch in batches]
     student = copy.deepcopy(original)
-    for parameter in student.parameters():
-        parameter.requires_grad_(True)
+    student.requires_grad_(True)
     add_head_gates(student, "hard_concrete")
     items = list(zip(batches, teacher_states, strict=True))
 

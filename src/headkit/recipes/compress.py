@@ -125,8 +125,7 @@ def load_teacher(model_path: Path) -> Teacher:
     loaded = load_model(model_path)
     adapter = get_adapter(loaded.model)
     site = adapter.sites(loaded.model)[0]
-    for parameter in loaded.model.parameters():
-        parameter.requires_grad_(False)
+    loaded.model.requires_grad_(False)
     return Teacher(
         model_path, loaded.model, loaded.tokenizer, adapter, site.num_heads * site.head_dim, loaded.kind
     )
@@ -190,8 +189,7 @@ def compress_and_distill(
     echo(str(swap))
     after_swap = encoder_fidelity(student, text.held_out, text.teacher_held_out)
     echo(f"fidelity after the swap: mean cosine {after_swap.mean_cosine:.4f}")
-    for parameter in student.parameters():
-        parameter.requires_grad_(True)
+    student.requires_grad_(True)
     result = distill(
         student,
         teacher.model,
@@ -336,8 +334,7 @@ def _compress_causal_lm(
     original = perplexity(teacher.model, windows.held_out, eval_batch)
     after_swap = perplexity(student, windows.held_out, eval_batch)
     echo(f"held-out perplexity: original {original:.3f}, after the swap {after_swap:.3f}")
-    for parameter in student.parameters():
-        parameter.requires_grad_(True)
+    student.requires_grad_(True)
     result = distill(
         student,
         teacher.model,
@@ -352,8 +349,7 @@ def _compress_causal_lm(
         echo=echo,
     )
     student = result.model
-    for parameter in student.parameters():
-        parameter.requires_grad_(False)
+    student.requires_grad_(False)
     recovered = perplexity(student, windows.held_out, eval_batch)
     speed = compare_speed(
         teacher.model,

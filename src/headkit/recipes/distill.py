@@ -175,8 +175,7 @@ def distill(
     if not examples:
         raise HeadkitError("examples must hold at least one training example, got none")
 
-    for parameter in teacher.parameters():
-        parameter.requires_grad_(False)
+    teacher.requires_grad_(False)
     teacher.eval()
     config = getattr(student, "config", None)
     use_cache = getattr(config, "use_cache", None)

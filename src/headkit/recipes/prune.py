@@ -301,8 +301,7 @@ def _gate_scores(
     """Train Hard Concrete gates on a copy of the teacher (and its weights when `train_weights`) towards `keep`
     open heads; returns (the gated copy, log α per layer, a log)."""
     student = copy.deepcopy(teacher)
-    for parameter in student.parameters():
-        parameter.requires_grad_(train_weights)
+    student.requires_grad_(train_weights)
     add_head_gates(student, "hard_concrete")
     regularizer = L0Regularizer(student, keep, settings.gate_steps, gate_lr=settings.gate_lr)
     echo(f"training head gates for {settings.gate_steps} steps towards {keep} heads")
@@ -487,8 +486,7 @@ def _prune_causal_lm(
         unit=settings.unit,
         uniform=settings.uniform,
     )
-    for parameter in teacher.parameters():
-        parameter.requires_grad_(False)
+    teacher.requires_grad_(False)
 
     corpus = load_text(settings.data)
     windows = lm_windows(
@@ -543,8 +541,7 @@ def _prune_causal_lm(
     )
     sample_pruned = greedy_sample(student, tokenizer, SAMPLE_PROMPT)
 
-    for parameter in student.parameters():
-        parameter.requires_grad_(True)
+    student.requires_grad_(True)
     echo(
         f"recovery: {settings.recovery_steps} distillation steps"
         + (f" (LoRA rank {settings.lora_rank})" if settings.lora_rank else "")
@@ -566,8 +563,7 @@ def _prune_causal_lm(
         echo=echo,
     )
     student = recovery.model
-    for parameter in student.parameters():
-        parameter.requires_grad_(False)
+    student.requires_grad_(False)
     perplexity_recovered = perplexity(student, windows.held_out, eval_batch)
     echo(
         f"held-out perplexity after recovery: {perplexity_recovered:.3f} ({perplexity_recovered / perplexity_original:.2f}x)"
@@ -626,8 +622,7 @@ def _prune_encoder(
         raise HeadkitError(
             "--method importance is for causal LMs; encoders are pruned with L0 gates (--method l0)"
         )
-    for parameter in teacher.parameters():
-        parameter.requires_grad_(False)
+    teacher.requires_grad_(False)
     corpus = load_text(settings.data)
     train_texts, held_out_texts = text_chunks(
         corpus, settings.train_texts, held_out_count(settings, ENCODER), settings.seed
@@ -650,8 +645,7 @@ def _prune_encoder(
     if head_gates(student, adapter):
         remove_head_gates(student, fold=True, adapter=adapter)
     cosine_pruned = _cosine(student, held_out, reference)
-    for parameter in student.parameters():
-        parameter.requires_grad_(True)
+    student.requires_grad_(True)
     recovery = distill(
         student,
         teacher,
@@ -666,8 +660,7 @@ def _prune_encoder(
         echo=echo,
     )
     student = recovery.model
-    for parameter in student.parameters():
-        parameter.requires_grad_(False)
+    student.requires_grad_(False)
     cosine = _cosine(student, held_out, reference)
     batch = held_out[0]
     forward_before = median_seconds(lambda: _forward(teacher, batch), 2 * settings.timing_rounds + 1)
@@ -788,8 +781,7 @@ def encoder_finetune(
     fixed-shape `batches` with :class:`~headkit.recipes.objectives.EncoderObjective`; returns the losses."""
     if steps <= 0 or lr <= 0:
         return []
-    for parameter in student.parameters():
-        parameter.requires_grad_(True)
+    student.requires_grad_(True)
     result = distill(
         student,
         teacher,
