@@ -37,7 +37,6 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -46,9 +45,9 @@ import torch
 from torch import nn
 
 from headkit.bench._measure import interleaved_times
-from headkit.bench._options import check_positive_option
+from headkit.bench._options import check_integers, check_positive_numbers
 from headkit.bench._report import markdown_table, report_header, write_report
-from headkit.bench.registry import option, register_benchmark
+from headkit.bench.registry import option, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import Compressed, compress_and_distill, load_teacher, prepare_encoder_text
 from headkit.recipes.models import default_encoder_path
@@ -77,14 +76,14 @@ class CompressBenchmarkConfig:
         150, "Distillation steps per width, the same for all (default 150; 30 with --quick).", min=0
     )
     lr: float = 1e-4
-    batch_size: int = 16
-    max_length: int = 64
-    train_texts: int = 1024
-    held_out_texts: int = 128
+    batch_size: int = setting(16, min=1)
+    max_length: int = setting(64, min=1)
+    train_texts: int = setting(1024, min=1)
+    held_out_texts: int = setting(128, min=1)
     seed: int = option(0, "Seed of the corpus sampling and the decompositions.")
     tol: float = 1e-6
-    max_iter: int = 100
-    timing_repeats: int = 9  # rounds of one forward of each model
+    max_iter: int = setting(100, min=0)
+    timing_repeats: int = setting(9, min=1)  # rounds of one forward of each model
     # On two cores shared with other work a second thread spin-waits more than it helps (the ALS sweeps of
     # one width took 13 s with one thread and 270 s with two, measured); one thread also makes the ratios steady.
     threads: int = option(1, "torch threads (on 2 shared cores, 1 is fastest).", min=1)
@@ -111,37 +110,9 @@ def _forward(model: nn.Module, batch: dict) -> torch.Tensor:
         return model(**batch).last_hidden_state
 
 
-def _check_common_settings(config: CompressBenchmarkConfig) -> None:
-    positive = {
-        "batch_size": config.batch_size,
-        "max_length": config.max_length,
-        "held_out_texts": config.held_out_texts,
-        "timing_repeats": config.timing_repeats,
-    }
-    for name, value in positive.items():
-        check_positive_option(name, value)
-    if not config.lr > 0:
-        raise HeadkitError(f"--lr must be positive, got {config.lr!r}")
-
-
-# -- the benchmark ---------------------------------------------------------------------------------------------
-
-
 def _check_benchmark_settings(config: CompressBenchmarkConfig) -> None:
-    _check_common_settings(config)
-    dims = config.dims
-    if (
-        isinstance(dims, (str, bytes))
-        or not isinstance(dims, Sequence)
-        or not dims
-        or any(isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0 for dim in dims)
-    ):
-        raise HeadkitError(f"--dims must be one or more positive integers, got {dims!r}")
-    if len(set(dims)) != len(dims):
-        raise HeadkitError(f"--dims must not repeat a width, got {list(dims)}")
-    check_positive_option("train_texts", config.train_texts)
-    if isinstance(config.max_iter, bool) or not isinstance(config.max_iter, int) or config.max_iter < 0:
-        raise HeadkitError(f"--max-iter must be a non-negative integer, got {config.max_iter!r}")
+    check_positive_numbers(config, ("lr",))
+    check_integers("--dims", config.dims, distinct=True)
     _check_benchmark_output(_model_path(config), Path(config.out))
 
 

@@ -43,11 +43,7 @@ import torch
 from rich.console import Console
 
 from headkit.bench._measure import synchronize
-from headkit.bench._options import (
-    check_device,
-    check_names,
-    check_out_dir,
-)
+from headkit.bench._options import check_device, check_integers, check_names, check_out_dir
 from headkit.bench._report import (
     RESULTS_FILE,
     TABLE_FILE,
@@ -62,7 +58,6 @@ from headkit.bench._report import (
 )
 from headkit.bench.registry import option, register_benchmark
 from headkit.data import ByteTokenizer
-from headkit.errors import HeadkitError
 from headkit.layers import HeadkitCache, RecurrentStateLayer, attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 
@@ -271,15 +266,13 @@ def _report(
 def _plan(settings: DecodeSettings) -> _Plan:
     """Validate the settings: every user error surfaces here, before a model is built."""
     torch_device = check_device(settings.device)
-    lengths = settings.prompt_lengths
-    if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in lengths):
-        raise HeadkitError(f"--prompts must be positive prompt lengths, got {lengths!r}")
+    check_integers("--prompts", settings.prompt_lengths)
     default = [BASELINE, *constant_state_mechanisms()]
     names = check_names("--mechanisms", settings.mechanisms or default, attention_classes())
     out_dir = check_out_dir(settings.out)
     return _Plan(
         torch_device,
-        sorted(set(lengths)),
+        sorted(set(settings.prompt_lengths)),
         settings.new_tokens,
         names,
         settings.repeats,

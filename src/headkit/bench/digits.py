@@ -32,9 +32,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from headkit.bench._options import check_names, check_positive_options
+from headkit.bench._options import check_integers, check_names, check_positive_numbers
 from headkit.bench._report import TABLE_FILE, markdown_table, report_header, write_report
-from headkit.bench.registry import option, register_benchmark
+from headkit.bench.registry import option, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
@@ -60,7 +60,7 @@ class DigitsConfig:
     lr: float = 3e-3
     hidden_size: int = option(128, "Model width (default 128; 64 with --quick).", min=1)
     layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1)
-    heads: int = 4
+    heads: int = setting(4, min=1)
     mechanisms: tuple[str, ...] = option(
         MECHANISMS, "Comma-separated registered attention mechanisms (default linear,softmax)."
     )
@@ -71,7 +71,7 @@ class DigitsConfig:
     )
     # Greedy completion by default; sampling draws from the model's distribution.
     sample: bool = option(False, "Complete by sampling instead of greedily.")
-    timing_repeats: int = 3
+    timing_repeats: int = setting(3, min=1)
     seed: int = option(0, "Seed of the split, initialisation and batches.")
     # Tiny models: a second thread only adds synchronisation, and on shared cores it costs 10× (measured).
     threads: int = option(1, "torch threads (tiny models: 1 is fastest).", min=1)
@@ -249,13 +249,10 @@ def classifier_accuracy(classifier: Any, pixels: np.ndarray | torch.Tensor, labe
 
 
 def _check_settings(config: DigitsConfig) -> None:
-    check_positive_options(config, ("heads", "timing_repeats"))
     if config.hidden_size % config.heads:
         raise HeadkitError(f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads}")
-    if not config.image_counts or any(not 0 < count <= 1000 for count in config.image_counts):
-        raise HeadkitError(f"--images must be counts in [1, 1000], got {config.image_counts!r}")
-    if not config.lr > 0:
-        raise HeadkitError(f"--lr must be positive, got {config.lr!r}")
+    check_integers("--images", config.image_counts, 1, 1000)
+    check_positive_numbers(config, ("lr",))
     check_names("--mechanisms", config.mechanisms, attention_classes())
 
 

@@ -61,9 +61,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from headkit.bench._options import check_positive_option, check_positive_options
+from headkit.bench._options import check_integers, check_positive_numbers
 from headkit.bench._report import markdown_table, report_header, write_report
-from headkit.bench.registry import option, register_benchmark
+from headkit.bench.registry import option, register_benchmark, setting
 from headkit.data import (
     BYTE_VOCAB,
     ByteTokenizer,
@@ -108,19 +108,19 @@ class ExtrapolateConfig:
     lr: float = 2e-3
     hidden_size: int = option(128, "Model width (default 128; 64 with --quick).", min=2)
     layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1)
-    heads: int = 4
-    train_length: int = 128
+    heads: int = setting(4, min=1)
+    train_length: int = setting(128, min=1)
     lengths: tuple[int, ...] = option(
         (128, 256, 512, 1024, 2048),
         "Comma-separated evaluation lengths ≥ 128, the trained one (default 128,256,512,1024,2048).",
     )
     passkey_fraction: float = 0.5  # share of each training batch that is passkey documents
     passkey_trials: int = option(50, "Passkey documents per length (default 50; 10 with --quick).", min=1)
-    eval_tokens: int = 32_768  # held-out tokens scored at every length
+    eval_tokens: int = setting(32_768, min=1)  # held-out tokens scored at every length
     dynamic_factor: float | None = None  # None: max(lengths) / train_length
     rope_theta: float = 10000.0
     corpus: Path | None = option(None, "Text file or folder to train on (default: the Python stdlib).")
-    corpus_bytes: int | None = None  # read at most this many corpus bytes; None: all
+    corpus_bytes: int | None = setting(None, min=1)  # read at most this many corpus bytes; None: all
     seed: int = option(0, "Seed of the initialisation, batches and passkey documents.")
     # Small models: a second thread mostly adds synchronisation on a shared two-core machine.
     threads: int = option(1, "torch threads (small models: 1 is fastest on 2 cores).", min=1)
@@ -434,7 +434,6 @@ def _quiet_transformers() -> Iterator[None]:
 
 def check_settings(config: ExtrapolateConfig) -> None:
     """Raise HeadkitError naming the option for any bad setting (before any corpus is read)."""
-    check_positive_options(config, ("heads", "eval_tokens", "train_length"))
     if config.hidden_size % config.heads or (config.hidden_size // config.heads) % 2:
         raise HeadkitError(
             f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads} into an even head "
@@ -444,31 +443,18 @@ def check_settings(config: ExtrapolateConfig) -> None:
         raise HeadkitError(
             f"train_length must be at least {MIN_DOCUMENT_LENGTH} (a passkey document), got {config.train_length}"
         )
-    lengths = config.lengths
-    if (
-        not lengths
-        or any(isinstance(n, bool) or not isinstance(n, int) for n in lengths)
-        or any(not config.train_length <= n <= MAX_LENGTH for n in lengths)
-        or len(set(lengths)) != len(lengths)
-    ):
-        raise HeadkitError(
-            f"--lengths must be distinct integers in [{config.train_length} (the trained length), {MAX_LENGTH}], "
-            f"got {lengths!r}"
-        )
+    check_integers("--lengths", config.lengths, config.train_length, MAX_LENGTH, distinct=True)
     if not 0.0 <= config.passkey_fraction < 1.0:
         raise HeadkitError(f"passkey_fraction must be in [0, 1), got {config.passkey_fraction!r}")
     if round(config.passkey_fraction * config.batch_size) >= config.batch_size:
         raise HeadkitError(
             f"--batch-size {config.batch_size} leaves no corpus window beside the passkey documents"
         )
-    if not (isinstance(config.lr, (int, float)) and config.lr > 0 and math.isfinite(config.lr)):
-        raise HeadkitError(f"lr must be a positive number, got {config.lr!r}")
+    check_positive_numbers(config, ("lr",))
     if config.dynamic_factor is not None and not (
         isinstance(config.dynamic_factor, (int, float)) and 1.0 <= config.dynamic_factor < math.inf
     ):
         raise HeadkitError(f"dynamic_factor must be a number ≥ 1 or None, got {config.dynamic_factor!r}")
-    if config.corpus_bytes is not None:
-        check_positive_option("corpus_bytes", config.corpus_bytes)
     if config.corpus is not None and not Path(config.corpus).exists():
         raise HeadkitError(f"--corpus {str(config.corpus)!r} does not exist")
 

@@ -54,9 +54,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from headkit.bench._options import check_positive_option
+from headkit.bench._options import check_positive_numbers
 from headkit.bench._report import markdown_table, report_header, write_report
-from headkit.bench.registry import option, register_benchmark
+from headkit.bench.registry import option, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes, get_attention_class
 
@@ -113,7 +113,7 @@ class LMBenchConfig:
     additive_window: int = option(
         32, "Window of the windowed additive variants (default 32; 16 with --quick).", min=1
     )
-    conv_kernel_size: int = 3
+    conv_kernel_size: int = setting(3, min=1)
     collaborative_dim: int | None = option(
         None, "Shared query/key width of collaborative heads (default: the hidden size).", min=1
     )
@@ -238,9 +238,7 @@ def count_parameters(variant: str, config: LMBenchConfig) -> int:
 
 def check_settings(config: LMBenchConfig) -> None:
     """Raise HeadkitError naming the option for any bad setting, before anything is loaded or trained."""
-    check_positive_option("conv_kernel_size", config.conv_kernel_size)  # the options' minimums: check_options
-    if isinstance(config.lr, bool) or not isinstance(config.lr, (int, float)) or not config.lr > 0:
-        raise HeadkitError(f"--lr must be a positive number, got {config.lr!r}")
+    check_positive_numbers(config, ("lr",))  # the integers' minimums: check_options
     valid = variants()
     if isinstance(config.variants, str) or not config.variants:
         raise HeadkitError(

