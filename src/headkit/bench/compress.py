@@ -47,7 +47,7 @@ from torch import nn
 from headkit.bench._measure import interleaved_times
 from headkit.bench._options import check_integers, check_positive_numbers
 from headkit.bench._report import markdown_table, report_header, write_report
-from headkit.bench.registry import option, register_benchmark, setting
+from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import Compressed, compress_and_distill, load_teacher, prepare_encoder_text
 from headkit.recipes.models import default_encoder_path
@@ -88,21 +88,17 @@ class CompressBenchmarkConfig:
     # one width took 13 s with one thread and 270 s with two, measured); one thread also makes the ratios steady.
     threads: int = option(1, "torch threads (on 2 shared cores, 1 is fastest).", min=1)
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> CompressBenchmarkConfig:
-        """Three widths, short texts, 30 steps (< 3 minutes on 2 cores)."""
-        settings = {
-            "dims": (384, 192, 96),
-            "distill_steps": 30,
-            "batch_size": 8,
-            "max_length": 48,
-            "train_texts": 240,
-            "held_out_texts": 64,
-            # 20 sweeps reach within 1% of the error of 100 at these widths; the distillation does the rest.
-            "max_iter": 20,
-            "timing_repeats": 7,
-        }
-        return cls(**(settings | overrides))
+    quick = quick_preset(
+        "Three widths, short texts, 30 steps (< 3 minutes on 2 cores).",
+        dims=(384, 192, 96),
+        distill_steps=30,
+        batch_size=8,
+        max_length=48,
+        train_texts=240,
+        held_out_texts=64,
+        max_iter=20,  # within 1% of the error of 100 sweeps at these widths; the distillation does the rest
+        timing_repeats=7,
+    )
 
 
 def _forward(model: nn.Module, batch: dict) -> torch.Tensor:

@@ -56,7 +56,7 @@ from headkit.bench._report import (
     verdict,
     write_report,
 )
-from headkit.bench.registry import option, register_benchmark
+from headkit.bench.registry import option, quick_preset, register_benchmark
 from headkit.data import ByteTokenizer
 from headkit.layers import HeadkitCache, RecurrentStateLayer, attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
@@ -151,10 +151,11 @@ class DecodeSettings:
     threads: int | None = option(None, "torch threads during the run (default: torch's setting).", min=1)
     out: Path = option(Path("results/decode"), "Output directory for results.json, plot and table.")
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> DecodeSettings:
-        """Short run: prompts 256 and 1024, 32 new tokens."""
-        return cls(**({"prompt_lengths": QUICK_PROMPT_LENGTHS, "new_tokens": QUICK_NEW_TOKENS} | overrides))
+    quick = quick_preset(
+        "Short run: prompts 256 and 1024, 32 new tokens.",
+        prompt_lengths=QUICK_PROMPT_LENGTHS,
+        new_tokens=QUICK_NEW_TOKENS,
+    )
 
 
 @dataclass

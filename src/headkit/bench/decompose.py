@@ -30,7 +30,7 @@ from headkit.bench._report import (
     markdown_table,
     write_report,
 )
-from headkit.bench.registry import option, register_benchmark
+from headkit.bench.registry import option, quick_preset, register_benchmark
 from headkit.errors import HeadkitError
 from headkit.surgery.decompose import decompose_query_key
 
@@ -64,10 +64,9 @@ class DecomposeSettings:
     layers: tuple[int, ...] | None = None  # layer indices; None: all
     tol: float = 0.0  # stopping tolerance of both methods; 0 runs every sweep, so both do the same number
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> DecomposeSettings:
-        """One layer, two widths, 10 sweeps."""
-        return cls(**({"layers": QUICK_LAYERS, "dims": QUICK_DIMS, "max_iter": QUICK_MAX_ITER} | overrides))
+    quick = quick_preset(
+        "One layer, two widths, 10 sweeps.", layers=QUICK_LAYERS, dims=QUICK_DIMS, max_iter=QUICK_MAX_ITER
+    )
 
 
 @register_benchmark("decompose", DecomposeSettings)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from headkit.bench._options import check_integers, check_names, check_positive_numbers
 from headkit.bench._report import TABLE_FILE, markdown_table, report_header, write_report
-from headkit.bench.registry import option, register_benchmark, setting
+from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
@@ -76,18 +76,15 @@ class DigitsConfig:
     # Tiny models: a second thread only adds synchronisation, and on shared cores it costs 10× (measured).
     threads: int = option(1, "torch threads (tiny models: 1 is fastest).", min=1)
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> DigitsConfig:
-        """Small models, short training, 100 images (< 3 minutes)."""
-        settings = {
-            "steps": 450,
-            "batch_size": 32,
-            "hidden_size": 64,
-            "layers": 2,
-            "image_counts": (100,),
-            "timing_repeats": 3,
-        }
-        return cls(**(settings | overrides))
+    quick = quick_preset(
+        "Small models, short training, 100 images (< 3 minutes).",
+        steps=450,
+        batch_size=32,
+        hidden_size=64,
+        layers=2,
+        image_counts=(100,),
+        timing_repeats=3,
+    )
 
 
 @dataclass

@@ -63,7 +63,7 @@ import torch
 
 from headkit.bench._options import check_integers, check_positive_numbers
 from headkit.bench._report import markdown_table, report_header, write_report
-from headkit.bench.registry import option, register_benchmark, setting
+from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.data import (
     BYTE_VOCAB,
     ByteTokenizer,
@@ -125,20 +125,17 @@ class ExtrapolateConfig:
     # Small models: a second thread mostly adds synchronisation on a shared two-core machine.
     threads: int = option(1, "torch threads (small models: 1 is fastest on 2 cores).", min=1)
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> ExtrapolateConfig:
-        """Small models, short training, 10 passkey trials (< 3 minutes)."""
-        settings = {
-            "steps": 500,
-            "batch_size": 16,
-            "hidden_size": 64,
-            "layers": 2,
-            "heads": 2,
-            "passkey_trials": 10,
-            "eval_tokens": 8192,
-            "corpus_bytes": 8_000_000,
-        }
-        return cls(**(settings | overrides))
+    quick = quick_preset(
+        "Small models, short training, 10 passkey trials (< 3 minutes).",
+        steps=500,
+        batch_size=16,
+        hidden_size=64,
+        layers=2,
+        heads=2,
+        passkey_trials=10,
+        eval_tokens=8192,
+        corpus_bytes=8_000_000,
+    )
 
     def resolved_dynamic_factor(self) -> float:
         if self.dynamic_factor is not None:

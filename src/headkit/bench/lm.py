@@ -56,7 +56,7 @@ from typing import Any
 
 from headkit.bench._options import check_positive_numbers
 from headkit.bench._report import markdown_table, report_header, write_report
-from headkit.bench.registry import option, register_benchmark, setting
+from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes, get_attention_class
 
@@ -120,24 +120,21 @@ class LMBenchConfig:
     seed: int = option(0, "Seed of the initialisation and the training batches.")
     threads: int = option(2, "torch threads (default 2; 1 with --quick).", min=1)
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> LMBenchConfig:
-        """Tiny models, 120 steps, 2 MB of corpus (< 3 minutes)."""
-        settings = {
-            "corpus_bytes": 2_000_000,
-            "steps": 120,
-            "batch_size": 8,
-            "seq_len": 128,
-            "hidden_size": 64,
-            "layers": 2,
-            "heads": 4,
-            "lr": 3e-3,
-            "eval_every": 20,
-            "eval_tokens": 4_096,
-            "additive_window": 16,
-            "threads": 1,
-        }
-        return cls(**(settings | overrides))
+    quick = quick_preset(
+        "Tiny models, 120 steps, 2 MB of corpus (< 3 minutes).",
+        corpus_bytes=2_000_000,
+        steps=120,
+        batch_size=8,
+        seq_len=128,
+        hidden_size=64,
+        layers=2,
+        heads=4,
+        lr=3e-3,
+        eval_every=20,
+        eval_tokens=4_096,
+        additive_window=16,
+        threads=1,
+    )
 
 
 @dataclass

@@ -30,7 +30,7 @@ from torch import nn
 
 from headkit.bench._options import check_integers, check_positive_numbers
 from headkit.bench._report import markdown_table, report_header, write_report
-from headkit.bench.registry import option, register_benchmark, setting
+from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 
 PIXELS = 64
@@ -63,11 +63,12 @@ class LoraConfig:
     # Tiny models: a second thread only adds synchronisation, and on shared cores it costs 10× (measured).
     threads: int = option(1, "torch threads (a tiny MLP: 1 is fastest).", min=1)
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> LoraConfig:
-        """Four ranks and fewer epochs (< 2 minutes)."""
-        settings = {"ranks": (1, 4, 16, 64), "pretrain_epochs": 30, "finetune_epochs": 20}
-        return cls(**(settings | overrides))
+    quick = quick_preset(
+        "Four ranks and fewer epochs (< 2 minutes).",
+        ranks=(1, 4, 16, 64),
+        pretrain_epochs=30,
+        finetune_epochs=20,
+    )
 
 
 class DigitClassifier(nn.Module):

@@ -67,7 +67,7 @@ from torch import nn
 from headkit.bench._measure import interleaved_times
 from headkit.bench._options import check_integers, check_positive_numbers
 from headkit.bench._report import markdown_table, report_header, write_report
-from headkit.bench.registry import option, register_benchmark, setting
+from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.recipes.measure import perplexity
 from headkit.recipes.models import SMOLLM2_PACKAGE, default_encoder_path, load_model, smollm2_gguf_path
@@ -140,28 +140,25 @@ class PruneCurvesConfig:
     # Numbers comparable across machines and runs; on two shared cores a second thread mostly spin-waits.
     threads: int = option(1, "torch threads (1: comparable timings on shared cores).", min=1)
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> PruneCurvesConfig:
-        """Few steps, short texts, three decoder points (≈ 3 minutes)."""
-        settings = {
-            "gate_steps": 30,
-            "distill_steps": 10,
-            "batch_size": 8,
-            "max_length": 48,
-            "train_texts": 128,
-            "held_out_texts": 64,
-            "importance_batches": 4,
-            "timing_repeats": 5,
-            "fractions": (0.0, 0.25, 0.5),
-            "decoder_windows": 8,
-            "decoder_window_length": 128,
-            "calibration_batches": 2,
-            "recovery_cases": ("query:0.25",),
-            "recovery_steps": 4,
-            "recovery_train_windows": 32,
-            "recovery_held_out_windows": 8,
-        }
-        return cls(**(settings | overrides))
+    quick = quick_preset(
+        "Few steps, short texts, three decoder points (≈ 3 minutes).",
+        gate_steps=30,
+        distill_steps=10,
+        batch_size=8,
+        max_length=48,
+        train_texts=128,
+        held_out_texts=64,
+        importance_batches=4,
+        timing_repeats=5,
+        fractions=(0.0, 0.25, 0.5),
+        decoder_windows=8,
+        decoder_window_length=128,
+        calibration_batches=2,
+        recovery_cases=("query:0.25",),
+        recovery_steps=4,
+        recovery_train_windows=32,
+        recovery_held_out_windows=8,
+    )
 
 
 def parse_fractions(text: str) -> tuple[float, ...]:

@@ -1,7 +1,7 @@
 """The benchmark registry: one entry per ``headkit bench`` command, and the command generated from it.
 
 A benchmark is one module holding a settings dataclass (the full run's values as defaults, a ``quick``
-classmethod for the short run) and a run function that takes the settings, measures, writes its files and
+classmethod for the short run, made by :func:`quick_preset`) and a run function that takes the settings, measures, writes its files and
 returns what it wrote to ``results.json``::
 
     @dataclass
@@ -11,10 +11,7 @@ returns what it wrote to ``results.json``::
         lr: float = 1e-3  # a field without help is a setting of the library API, not a command-line option
         batch: int = setting(16, min=1)  # such a setting, checked like an option
 
-        @classmethod
-        def quick(cls, **overrides: Any) -> WidgetSettings:
-            \"\"\"Ten steps (seconds).\"\"\"  # the help of --quick
-            return cls(**({"steps": 10} | overrides))
+        quick = quick_preset("Ten steps (seconds).", steps=10)  # the help of --quick, the short run's values
 
 
     @register_benchmark("widget", WidgetSettings, check=check_widget_settings)
@@ -151,6 +148,17 @@ def option(
 def setting(default: Any, *, min: float) -> Any:
     """A settings field that is not a command-line option but is checked like one (its ``min``)."""
     return dataclasses.field(default=default, metadata={"min": min})
+
+
+def quick_preset(help: str, **values: Any) -> Any:
+    """The ``quick`` classmethod of a settings class: the short run, ``values`` over the full run's defaults (and
+    the caller's overrides over both); ``help`` is the help of ``--quick``."""
+
+    def quick(cls: type, **overrides: Any) -> Any:
+        return cls(**(values | overrides))
+
+    quick.__doc__ = help
+    return classmethod(quick)
 
 
 def options(settings: type) -> list[dataclasses.Field]:

@@ -55,7 +55,7 @@ from headkit.bench._report import (
     verdict,
     write_report,
 )
-from headkit.bench.registry import option, register_benchmark
+from headkit.bench.registry import option, quick_preset, register_benchmark
 from headkit.errors import HeadkitError
 from headkit.ops import KERNELS, KernelSpec
 
@@ -163,10 +163,7 @@ class SpeedSettings:
     warmup: int = 1  # untimed calls before the timed ones
     min_repeat_s: float = MIN_REPEAT_S  # a timed repeat loops over calls faster than this (their mean)
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> SpeedSettings:
-        """Short run: lengths 512..2048, 3 repeats."""
-        return cls(**({"lengths": QUICK_LENGTHS, "repeats": 3} | overrides))
+    quick = quick_preset("Short run: lengths 512..2048, 3 repeats.", lengths=QUICK_LENGTHS, repeats=3)
 
 
 @dataclass
