@@ -70,35 +70,26 @@ class CompressBenchmarkConfig:
     dims: tuple[int, ...] = option(
         (384, 256, 192, 128, 96),
         "Comma-separated shared query/key widths D̃ (default 384,256,192,128,96; quick 384,192,96).",
+        quick=(384, 192, 96),
     )
     # A MiniLM step on 16 × 64 tokens takes 1.5–2 s on one thread: five widths of 150 steps fill ≈ 20–25 minutes.
     distill_steps: int = option(
-        150, "Distillation steps per width, the same for all (default 150; 30 with --quick).", min=0
+        150, "Distillation steps per width, the same for all (default 150; 30 with --quick).", min=0, quick=30
     )
     lr: float = 1e-4
-    batch_size: int = setting(16, min=1)
-    max_length: int = setting(64, min=1)
-    train_texts: int = setting(1024, min=1)
-    held_out_texts: int = setting(128, min=1)
+    batch_size: int = setting(16, min=1, quick=8)
+    max_length: int = setting(64, min=1, quick=48)
+    train_texts: int = setting(1024, min=1, quick=240)
+    held_out_texts: int = setting(128, min=1, quick=64)
     seed: int = option(0, "Seed of the corpus sampling and the decompositions.")
     tol: float = 1e-6
-    max_iter: int = setting(100, min=0)
-    timing_repeats: int = setting(9, min=1)  # rounds of one forward of each model
+    max_iter: int = setting(100, min=0, quick=20)
+    timing_repeats: int = setting(9, min=1, quick=7)  # rounds of one forward of each model
     # On two cores shared with other work a second thread spin-waits more than it helps (the ALS sweeps of
     # one width took 13 s with one thread and 270 s with two, measured); one thread also makes the ratios steady.
     threads: int = option(1, "torch threads (on 2 shared cores, 1 is fastest).", min=1)
 
-    quick = quick_preset(
-        "Three widths, short texts, 30 steps (< 3 minutes on 2 cores).",
-        dims=(384, 192, 96),
-        distill_steps=30,
-        batch_size=8,
-        max_length=48,
-        train_texts=240,
-        held_out_texts=64,
-        max_iter=20,  # within 1% of the error of 100 sweeps at these widths; the distillation does the rest
-        timing_repeats=7,
-    )
+    quick = quick_preset("Three widths, short texts, 30 steps (< 3 minutes on 2 cores).")
 
 
 def _forward(model: nn.Module, batch: dict) -> torch.Tensor:

@@ -135,9 +135,13 @@ class DecodeSettings:
         DEFAULT_PROMPT_LENGTHS,
         "Comma-separated prompt lengths (default 256,1024,4096; quick 256,1024).",
         flag="--prompts",
+        quick=QUICK_PROMPT_LENGTHS,
     )
     new_tokens: int = option(
-        DEFAULT_NEW_TOKENS, "Tokens generated per prompt (default 128; quick 32).", min=2
+        DEFAULT_NEW_TOKENS,
+        "Tokens generated per prompt (default 128; quick 32).",
+        min=2,
+        quick=QUICK_NEW_TOKENS,
     )
     mechanisms: tuple[str, ...] = option(
         (),
@@ -151,11 +155,7 @@ class DecodeSettings:
     threads: int | None = option(None, "torch threads during the run (default: torch's setting).", min=1)
     out: Path = option(Path("results/decode"), "Output directory for results.json, plot and table.")
 
-    quick = quick_preset(
-        "Short run: prompts 256 and 1024, 32 new tokens.",
-        prompt_lengths=QUICK_PROMPT_LENGTHS,
-        new_tokens=QUICK_NEW_TOKENS,
-    )
+    quick = quick_preset("Short run: prompts 256 and 1024, 32 new tokens.")
 
 
 @dataclass

@@ -30,7 +30,7 @@ from headkit.bench._report import (
     markdown_table,
     write_report,
 )
-from headkit.bench.registry import option, quick_preset, register_benchmark
+from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.surgery.decompose import decompose_query_key
 
@@ -52,21 +52,23 @@ class DecomposeSettings:
         None, "A local 🤗 model directory (default: the bundled all-MiniLM-L6-v2).", argument=True
     )
     dims: tuple[int, ...] = option(
-        DEFAULT_DIMS, "Comma-separated shared widths D̃ (default 64,128,192,256,384; quick 64,384)."
+        DEFAULT_DIMS,
+        "Comma-separated shared widths D̃ (default 64,128,192,256,384; quick 64,384).",
+        quick=QUICK_DIMS,
     )
-    max_iter: int = option(DEFAULT_MAX_ITER, "ALS sweeps per decomposition (default 100; quick 10).", min=1)
+    max_iter: int = option(
+        DEFAULT_MAX_ITER, "ALS sweeps per decomposition (default 100; quick 10).", min=1, quick=QUICK_MAX_ITER
+    )
     include_tensorly: bool = option(
         True, "Also time tensorly's parafac on the same tensors.", flag="--tensorly"
     )
     threads: int | None = option(1, "torch threads for both libraries.", min=1)
     seed: int = option(0, "Seed of the decompositions.")
     out: Path = option(Path("results/decompose"), "Output directory for results.json, table, plot.")
-    layers: tuple[int, ...] | None = None  # layer indices; None: all
+    layers: tuple[int, ...] | None = setting(None, quick=QUICK_LAYERS)  # layer indices; None: all
     tol: float = 0.0  # stopping tolerance of both methods; 0 runs every sweep, so both do the same number
 
-    quick = quick_preset(
-        "One layer, two widths, 10 sweeps.", layers=QUICK_LAYERS, dims=QUICK_DIMS, max_iter=QUICK_MAX_ITER
-    )
+    quick = quick_preset("One layer, two widths, 10 sweeps.")
 
 
 @register_benchmark("decompose", DecomposeSettings)

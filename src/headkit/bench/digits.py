@@ -55,11 +55,11 @@ class DigitsConfig:
     """Settings of one ``headkit bench digits`` run."""
 
     out: Path = option(Path("results/digits"), "Output directory for results.json, table, grid.")
-    steps: int = option(1500, "Training steps per model (default 1500; 450 with --quick).", min=1)
-    batch_size: int = option(64, "Images per step (default 64; 32 with --quick).", min=1)
+    steps: int = option(1500, "Training steps per model (default 1500; 450 with --quick).", min=1, quick=450)
+    batch_size: int = option(64, "Images per step (default 64; 32 with --quick).", min=1, quick=32)
     lr: float = 3e-3
-    hidden_size: int = option(128, "Model width (default 128; 64 with --quick).", min=1)
-    layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1)
+    hidden_size: int = option(128, "Model width (default 128; 64 with --quick).", min=1, quick=64)
+    layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1, quick=2)
     heads: int = setting(4, min=1)
     mechanisms: tuple[str, ...] = option(
         MECHANISMS, "Comma-separated registered attention mechanisms (default linear,softmax)."
@@ -68,6 +68,7 @@ class DigitsConfig:
         (100, 200, 300),
         "Comma-separated image counts to time completion on (default 100,200,300; quick 100).",
         flag="--images",
+        quick=(100,),
     )
     # Greedy completion by default; sampling draws from the model's distribution.
     sample: bool = option(False, "Complete by sampling instead of greedily.")
@@ -76,15 +77,7 @@ class DigitsConfig:
     # Tiny models: a second thread only adds synchronisation, and on shared cores it costs 10× (measured).
     threads: int = option(1, "torch threads (tiny models: 1 is fastest).", min=1)
 
-    quick = quick_preset(
-        "Small models, short training, 100 images (< 3 minutes).",
-        steps=450,
-        batch_size=32,
-        hidden_size=64,
-        layers=2,
-        image_counts=(100,),
-        timing_repeats=3,
-    )
+    quick = quick_preset("Small models, short training, 100 images (< 3 minutes).")
 
 
 @dataclass

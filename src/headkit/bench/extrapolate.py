@@ -103,39 +103,32 @@ class ExtrapolateConfig:
     out: Path = option(
         Path("results/extrapolate"), "Output directory for results.json, table.md and the plots."
     )
-    steps: int = option(2000, "Training steps per model (default 2000; 500 with --quick).", min=1)
-    batch_size: int = option(32, "Windows per step (default 32; 16 with --quick).", min=2)
+    steps: int = option(2000, "Training steps per model (default 2000; 500 with --quick).", min=1, quick=500)
+    batch_size: int = option(32, "Windows per step (default 32; 16 with --quick).", min=2, quick=16)
     lr: float = 2e-3
-    hidden_size: int = option(128, "Model width (default 128; 64 with --quick).", min=2)
-    layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1)
-    heads: int = setting(4, min=1)
+    hidden_size: int = option(128, "Model width (default 128; 64 with --quick).", min=2, quick=64)
+    layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1, quick=2)
+    heads: int = setting(4, min=1, quick=2)
     train_length: int = setting(128, min=1)
     lengths: tuple[int, ...] = option(
         (128, 256, 512, 1024, 2048),
         "Comma-separated evaluation lengths ≥ 128, the trained one (default 128,256,512,1024,2048).",
     )
     passkey_fraction: float = 0.5  # share of each training batch that is passkey documents
-    passkey_trials: int = option(50, "Passkey documents per length (default 50; 10 with --quick).", min=1)
-    eval_tokens: int = setting(32_768, min=1)  # held-out tokens scored at every length
+    passkey_trials: int = option(
+        50, "Passkey documents per length (default 50; 10 with --quick).", min=1, quick=10
+    )
+    eval_tokens: int = setting(32_768, min=1, quick=8192)  # held-out tokens scored at every length
     dynamic_factor: float | None = None  # None: max(lengths) / train_length
     rope_theta: float = 10000.0
     corpus: Path | None = option(None, "Text file or folder to train on (default: the Python stdlib).")
-    corpus_bytes: int | None = setting(None, min=1)  # read at most this many corpus bytes; None: all
+    # Read at most this many corpus bytes; None: all.
+    corpus_bytes: int | None = setting(None, min=1, quick=8_000_000)
     seed: int = option(0, "Seed of the initialisation, batches and passkey documents.")
     # Small models: a second thread mostly adds synchronisation on a shared two-core machine.
     threads: int = option(1, "torch threads (small models: 1 is fastest on 2 cores).", min=1)
 
-    quick = quick_preset(
-        "Small models, short training, 10 passkey trials (< 3 minutes).",
-        steps=500,
-        batch_size=16,
-        hidden_size=64,
-        layers=2,
-        heads=2,
-        passkey_trials=10,
-        eval_tokens=8192,
-        corpus_bytes=8_000_000,
-    )
+    quick = quick_preset("Small models, short training, 10 passkey trials (< 3 minutes).")
 
     def resolved_dynamic_factor(self) -> float:
         if self.dynamic_factor is not None:

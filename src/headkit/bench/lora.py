@@ -50,11 +50,15 @@ class LoraConfig:
 
     out: Path = option(Path("results/lora"), "Output directory for results.json, table, plot.")
     ranks: tuple[int, ...] = option(
-        RANKS, "Comma-separated LoRA ranks (default 1,2,4,...,64; quick 1,4,16,64)."
+        RANKS, "Comma-separated LoRA ranks (default 1,2,4,...,64; quick 1,4,16,64).", quick=(1, 4, 16, 64)
     )
     hidden_size: int = setting(128, min=1)
-    pretrain_epochs: int = option(60, "Epochs on the original digits (default 60; 30 with --quick).", min=1)
-    finetune_epochs: int = option(30, "Epochs per fine-tuning run (default 30; 20 with --quick).", min=1)
+    pretrain_epochs: int = option(
+        60, "Epochs on the original digits (default 60; 30 with --quick).", min=1, quick=30
+    )
+    finetune_epochs: int = option(
+        30, "Epochs per fine-tuning run (default 30; 20 with --quick).", min=1, quick=20
+    )
     batch_size: int = setting(64, min=1)
     lr: float = 3e-3
     lora_lr: float = 1e-2  # B starts at zero: the factors need a larger step than full fine-tuning
@@ -63,12 +67,7 @@ class LoraConfig:
     # Tiny models: a second thread only adds synchronisation, and on shared cores it costs 10× (measured).
     threads: int = option(1, "torch threads (a tiny MLP: 1 is fastest).", min=1)
 
-    quick = quick_preset(
-        "Four ranks and fewer epochs (< 2 minutes).",
-        ranks=(1, 4, 16, 64),
-        pretrain_epochs=30,
-        finetune_epochs=20,
-    )
+    quick = quick_preset("Four ranks and fewer epochs (< 2 minutes).")
 
 
 class DigitClassifier(nn.Module):

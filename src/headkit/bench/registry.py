@@ -1,17 +1,17 @@
 """The benchmark registry: one entry per ``headkit bench`` command, and the command generated from it.
 
 A benchmark is one module holding a settings dataclass (the full run's values as defaults, a ``quick``
-classmethod for the short run, made by :func:`quick_preset`) and a run function that takes the settings, measures, writes its files and
+classmethod for the short run, made by :func:`quick_preset` from each field's ``quick`` value) and a run function that takes the settings, measures, writes its files and
 returns what it wrote to ``results.json``::
 
     @dataclass
     class WidgetSettings:
         out: Path = option(Path("results/widget"), "Output directory for results.json, table.md, widget.png.")
-        steps: int = option(100, "Training steps (default 100; 10 with --quick).", min=1)
+        steps: int = option(100, "Training steps (default 100; 10 with --quick).", min=1, quick=10)
         lr: float = 1e-3  # a field without help is a setting of the library API, not a command-line option
-        batch: int = setting(16, min=1)  # such a setting, checked like an option
+        batch: int = setting(16, min=1, quick=8)  # such a setting, checked like an option
 
-        quick = quick_preset("Ten steps (seconds).", steps=10)  # the help of --quick, the short run's values
+        quick = quick_preset("Ten steps (seconds).")  # the help of --quick
 
 
     @register_benchmark("widget", WidgetSettings, check=check_widget_settings)
@@ -78,6 +78,7 @@ class Benchmark:
 
 
 BENCHMARKS: dict[str, Benchmark] = {}
+NO_QUICK = dataclasses.MISSING  # a field whose quick value is its default
 
 
 def register_benchmark(
@@ -134,28 +135,32 @@ def option(
     help: str,
     *,
     min: float | None = None,
+    quick: Any = NO_QUICK,
     flag: str | None = None,
     argument: bool = False,
     parse: Callable[[str, str], Any] | None = None,
 ) -> Any:
-    """A settings field that is also a command-line option (see the module docstring)."""
-    metadata = {"help": help, "min": min, "flag": flag, "argument": argument, "parse": parse}
+    """A settings field that is also a command-line option (see the module docstring); ``quick`` is its value in
+    the short run, where it differs from ``default``."""
+    metadata = {"help": help, "min": min, "quick": quick, "flag": flag, "argument": argument, "parse": parse}
     if isinstance(default, (list, dict, set)):
         raise TypeError("option defaults must be immutable (use a tuple)")
     return dataclasses.field(default=default, metadata=metadata)
 
 
-def setting(default: Any, *, min: float) -> Any:
-    """A settings field that is not a command-line option but is checked like one (its ``min``)."""
-    return dataclasses.field(default=default, metadata={"min": min})
+def setting(default: Any, *, min: float | None = None, quick: Any = NO_QUICK) -> Any:
+    """A settings field that is not a command-line option but is checked like one (its ``min``), with its value
+    in the short run (``quick``)."""
+    return dataclasses.field(default=default, metadata={"min": min, "quick": quick})
 
 
-def quick_preset(help: str, **values: Any) -> Any:
-    """The ``quick`` classmethod of a settings class: the short run, ``values`` over the full run's defaults (and
-    the caller's overrides over both); ``help`` is the help of ``--quick``."""
+def quick_preset(help: str) -> Any:
+    """The ``quick`` classmethod of a settings class: the short run, each field's ``quick`` value over the full
+    run's default (and the caller's overrides over both); ``help`` is the help of ``--quick``."""
 
     def quick(cls: type, **overrides: Any) -> Any:
-        return cls(**(values | overrides))
+        values = {field.name: field.metadata.get("quick", NO_QUICK) for field in dataclasses.fields(cls)}
+        return cls(**({name: value for name, value in values.items() if value is not NO_QUICK} | overrides))
 
     quick.__doc__ = help
     return classmethod(quick)

@@ -155,15 +155,19 @@ class SpeedSettings:
 
     device: str = option("cpu", "Device to measure on: cpu or cuda.")
     lengths: tuple[int, ...] = option(
-        DEFAULT_LENGTHS, "Comma-separated sequence lengths (default 512,…,8192; quick 512,1024,2048)."
+        DEFAULT_LENGTHS,
+        "Comma-separated sequence lengths (default 512,…,8192; quick 512,1024,2048).",
+        quick=QUICK_LENGTHS,
     )
     mechanisms: tuple[str, ...] = option((), "Comma-separated mechanisms (default: all registered).")
-    repeats: int = option(5, "Timed repetitions per point, the median reported (default 5; quick 3).", min=1)
+    repeats: int = option(
+        5, "Timed repetitions per point, the median reported (default 5; quick 3).", min=1, quick=3
+    )
     out: Path = option(Path("results/speed"), "Output directory for results.json, plot and table.")
     warmup: int = 1  # untimed calls before the timed ones
     min_repeat_s: float = MIN_REPEAT_S  # a timed repeat loops over calls faster than this (their mean)
 
-    quick = quick_preset("Short run: lengths 512..2048, 3 repeats.", lengths=QUICK_LENGTHS, repeats=3)
+    quick = quick_preset("Short run: lengths 512..2048, 3 repeats.")
 
 
 @dataclass
