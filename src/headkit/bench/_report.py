@@ -13,7 +13,7 @@ import datetime as dt
 import os
 import platform
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,15 +51,29 @@ def write_report(
     markdown: str,
     figures: Mapping[str, Any],
     console: Any = None,
+    *,
+    tables: Sequence[Any] | None = None,
 ) -> None:
-    """results.json, table.md and each figure under its file name, each atomically; ``console`` prints the table."""
+    """results.json, table.md and each figure under its file name, each atomically; ``console`` prints the
+    table (or the rich ``tables`` instead) and the files written."""
     out_dir = Path(out_dir)
     for name, figure in figures.items():
         save_figure_atomic(figure, out_dir / name)
     write_text_atomic(out_dir / TABLE_FILE, markdown)
     write_json_atomic(out_dir / RESULTS_FILE, results)
-    if console is not None:
+    if console is None:
+        return
+    if tables is None:
         console.print(markdown, highlight=False, markup=False, soft_wrap=True)  # wrapped tables read badly
+    for table in tables or ():
+        console.print(table)
+    *files, last = [RESULTS_FILE, TABLE_FILE, *figures]
+    console.print(f"wrote {', '.join(files)} and {last} to {out_dir}", highlight=False, markup=False)
+
+
+def find_point(points: Iterable[Mapping[str, Any]], **keys: Any) -> Any:
+    """The first of ``points`` whose values at ``keys`` are those given, or None."""
+    return next((point for point in points if all(point[k] == v for k, v in keys.items())), None)
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -122,7 +122,6 @@ def run_decompose_benchmark(settings: DecomposeSettings, console: Any) -> dict[s
     }
     markdown = render_markdown(results)
     write_report(out_dir, results, markdown, {PLOT_FILE: plot_results(results)}, console)
-    console.print(f"wrote results.json, table.md and {PLOT_FILE} to {out_dir}", highlight=False, markup=False)
     return results
 
 
