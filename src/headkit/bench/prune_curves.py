@@ -54,6 +54,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,11 +65,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headkit.bench._measure import interleaved_times
+from headkit.bench._measure import forward_times
 from headkit.bench._options import check_integers, check_positive_numbers
 from headkit.bench._report import markdown_table, report_header, write_report
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
+from headkit.recipes.compress import encoder_fidelity
 from headkit.recipes.measure import perplexity
 from headkit.recipes.models import SMOLLM2_PACKAGE, default_encoder_path, load_model, smollm2_gguf_path
 from headkit.recipes.objectives import embedding_distillation_loss, mean_pool
@@ -281,33 +283,12 @@ def importance_keep_plan(importance: Any, keep: int) -> dict[int, list[int]]:
 # -- (a) the encoder: the curve --------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def embeddings(model: nn.Module, batches: list[dict]) -> torch.Tensor:
-    return torch.cat(
-        [mean_pool(model(**batch).last_hidden_state, batch["attention_mask"]) for batch in batches]
-    )
-
-
-def fidelity(model: nn.Module, batches: list[dict], reference: torch.Tensor) -> tuple[float, float]:
-    """(mean, min) cosine similarity between `model`'s embeddings of `batches` and `reference`."""
-    cosine = F.cosine_similarity(embeddings(model, batches), reference, dim=-1)
-    return float(cosine.mean()), float(cosine.min())
-
-
-def interleaved_forward_seconds(models: dict[str, nn.Module], batch: dict, repeats: int) -> dict[str, float]:
-    """Median seconds per forward of each model on `batch`, timed in alternation round after round, so that a
-    machine whose load drifts slows every model alike."""
-    import statistics
-
-    def forward(model: nn.Module) -> Callable[[], object]:
-        def call() -> object:
-            with torch.no_grad():
-                return model(**batch).last_hidden_state
-
-        return call
-
-    times = interleaved_times({name: forward(model) for name, model in models.items()}, repeats)
-    return {name: statistics.median(seconds) for name, seconds in times.items()}
+def fidelity(
+    model: nn.Module, batches: list[dict], teacher_states: list[torch.Tensor]
+) -> tuple[float, float]:
+    """(mean, min) cosine similarity between `model`'s mean-pooled embeddings of `batches` and the teacher's."""
+    measured = encoder_fidelity(model, batches, teacher_states)
+    return measured.mean_cosine, measured.min_cosine
 
 
 def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) -> dict[str, Any]:
@@ -349,7 +330,7 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
 
     with torch.no_grad():  # the teacher's states once: every step then runs the student only
         teacher_states = [teacher(**batch).last_hidden_state for batch in train_batches]
-    reference = embeddings(teacher, held_out)
+        reference = [teacher(**batch).last_hidden_state for batch in held_out]
     items = list(zip(train_batches, teacher_states, strict=True))
 
     def loss_fn(model: nn.Module, item: tuple[dict, torch.Tensor]) -> torch.Tensor:
@@ -472,7 +453,9 @@ def _time_half_models(teacher: nn.Module, half_models: dict, batch: dict, repeat
     models |= {
         f"{METHOD_LABELS.get(method, method)}, {keep} heads": m for (method, keep), m in half_models.items()
     }
-    seconds = interleaved_forward_seconds(models, batch, repeats)
+    seconds = {
+        name: statistics.median(times) for name, times in forward_times(models, batch, repeats).items()
+    }
     return {
         "batch": list(batch["input_ids"].shape),
         "rounds": repeats,
