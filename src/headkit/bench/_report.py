@@ -145,13 +145,16 @@ def rich_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]
     return table
 
 
-def progress_bar(console: Any, show: bool, width: int) -> Any:
-    """A rich progress bar: the task's description in ``width`` characters, bar, count, elapsed time."""
+def progress_bar(
+    console: Any, show: bool = True, width: int | None = None, *, transient: bool = False
+) -> Any:
+    """A rich progress bar: the task's description (in ``width`` characters), bar, count, elapsed time;
+    ``transient`` bars vanish when done."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    description = TextColumn(f"{{task.description:<{width}}}")
+    description = TextColumn("{task.description}" if width is None else f"{{task.description:<{width}}}")
     columns = (description, BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    return Progress(*columns, console=console, disable=not show)
+    return Progress(*columns, console=console, disable=not show, transient=transient)
 
 
 def log2_length_axis(ax: Any, lengths: Sequence[int], xlabel: str | None, ylabel: str, title: str) -> None:

@@ -46,7 +46,7 @@ from torch import nn
 
 from headkit.bench._measure import forward_times
 from headkit.bench._options import check_integers, check_positive_numbers
-from headkit.bench._report import markdown_table, report_header, write_report
+from headkit.bench._report import markdown_table, progress_bar, report_header, write_report
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import Compressed, compress_and_distill, load_teacher, prepare_encoder_text
@@ -120,8 +120,6 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
     after distillation, parameters, and forward time relative to the original.
 
     The fidelity curve (see the module docstring); returns the dictionary written to ``results.json``."""
-    from rich.progress import Progress
-
     model_path, out = _model_path(config), Path(config.out)
     started = time.perf_counter()
     teacher = load_teacher(model_path)
@@ -145,7 +143,7 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
         f"{config.batch_size} × {config.max_length} tokens; {torch.get_num_threads()} torch threads"
     )
     widths: list[dict[str, Any]] = []
-    with Progress(console=console, transient=True) as progress:
+    with progress_bar(console, transient=True) as progress:
         for dim in config.dims:
             task = progress.add_task(f"D̃={dim}: swap", total=max(config.distill_steps, 1))
 

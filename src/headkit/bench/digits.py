@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from headkit.bench._options import check_integers, check_names, check_positive_numbers
-from headkit.bench._report import TABLE_FILE, markdown_table, report_header, write_report
+from headkit.bench._report import TABLE_FILE, markdown_table, progress_bar, report_header, write_report
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes
@@ -254,8 +254,6 @@ def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
     Train the models, complete the occluded test images, time and judge the completions; write the report.
 
     Returns the dictionary written to ``results.json``."""
-    from rich.progress import Progress
-
     started = time.perf_counter()
     data = load_digit_data(max(TEST_IMAGES, max(config.image_counts)), config.seed)
     train_sequences = to_sequences(data.train_pixels)
@@ -270,7 +268,7 @@ def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
 
     results: list[MechanismResult] = []
     completions: dict[str, torch.Tensor] = {}
-    with Progress(console=console, transient=True) as progress:
+    with progress_bar(console, transient=True) as progress:
         for mechanism in config.mechanisms:
             model = build_model(mechanism, config)
             task = progress.add_task(f"training {mechanism}", total=config.steps)

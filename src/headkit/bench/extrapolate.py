@@ -54,7 +54,7 @@ import contextlib
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,7 @@ import numpy as np
 import torch
 
 from headkit.bench._options import check_integers, check_positive_numbers
-from headkit.bench._report import markdown_table, report_header, write_report
+from headkit.bench._report import markdown_table, progress_bar, report_header, write_report
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.data import (
     BYTE_VOCAB,
@@ -134,43 +134,6 @@ class ExtrapolateConfig:
         if self.dynamic_factor is not None:
             return float(self.dynamic_factor)
         return max(1.0, max(self.lengths) / self.train_length)
-
-
-@dataclass
-class ModelResult:
-    """How one attention mechanism trained."""
-
-    attention: str
-    parameters: int
-    train_seconds: float
-    final_train_loss: float
-    losses: list[float] = field(default_factory=list)
-
-
-@dataclass
-class PerplexityResult:
-    """Held-out bits per byte of one model under one scaling at one length."""
-
-    attention: str
-    scaling: str
-    length: int
-    bits_per_byte: float
-    perplexity: float  # per byte token: 2 ** bits_per_byte
-    windows: int
-    tokens: int
-
-
-@dataclass
-class PasskeyResult:
-    """Passkey retrieval of one model under one scaling at one length; ``answers`` are the generated keys."""
-
-    attention: str
-    scaling: str
-    length: int
-    trials: int
-    accuracy: float  # all digits right
-    digit_accuracy: float
-    answers: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -455,8 +418,6 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
     contexts, with no, linear (position interpolation) and dynamic-NTK rotary scaling.
 
     See the module docstring; returns the dictionary written to ``results.json``."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     started = time.perf_counter()
     corpus = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
     tokenizer = ByteTokenizer()
@@ -474,18 +435,14 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
         f"tokens; trained at {config.train_length}, evaluated at {', '.join(map(str, config.lengths))}"
     )
 
-    models: list[ModelResult] = []
-    perplexities: list[PerplexityResult] = []
-    passkeys: list[PasskeyResult] = []
+    # The report's records: how each model trained; its bits per byte (perplexity per byte token: 2 ** bits per
+    # byte) and its passkey retrieval (accuracy: all digits right; answers: the generated keys) per scaling and
+    # length.
+    models: list[dict[str, Any]] = []
+    perplexities: list[dict[str, Any]] = []
+    passkeys: list[dict[str, Any]] = []
     evaluations = len(SCALINGS) * len(config.lengths)
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
+    with progress_bar(console, transient=True) as progress:
         for attention in MODELS:
             model = build_model(attention, config)
             task = progress.add_task(f"training {attention}", total=config.steps)
@@ -497,34 +454,39 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
                 lambda step, loss, task=task: progress.update(task, completed=step),
             )
             models.append(
-                ModelResult(
-                    attention=attention,
-                    parameters=sum(p.numel() for p in model.parameters()),
-                    train_seconds=time.perf_counter() - train_start,
-                    final_train_loss=float(np.mean(losses[-20:])),
-                    losses=losses,
-                )
+                {
+                    "attention": attention,
+                    "parameters": sum(p.numel() for p in model.parameters()),
+                    "train_seconds": time.perf_counter() - train_start,
+                    "final_train_loss": float(np.mean(losses[-20:])),
+                    "losses": losses,
+                }
             )
             progress.update(task, description=f"evaluating {attention}", completed=0, total=evaluations)
             for scaling in SCALINGS:
                 for length in config.lengths:
                     scaled = scaled_model(model, scaling, length, config)
                     bpb = bits_per_byte(scaled, windows[length])
+                    point = {"attention": attention, "scaling": scaling, "length": length}
                     perplexities.append(
-                        PerplexityResult(
-                            attention,
-                            scaling,
-                            length,
-                            bpb,
-                            2.0**bpb,
-                            len(windows[length]),
-                            windows[length].numel(),
-                        )
+                        point
+                        | {
+                            "bits_per_byte": bpb,
+                            "perplexity": 2.0**bpb,
+                            "windows": len(windows[length]),
+                            "tokens": windows[length].numel(),
+                        }
                     )
                     answers = retrieve_passkeys(scaled, documents[length])
                     exact, digits = score_answers(answers, [doc.answer for doc in documents[length]])
                     passkeys.append(
-                        PasskeyResult(attention, scaling, length, len(answers), exact, digits, answers)
+                        point
+                        | {
+                            "trials": len(answers),
+                            "accuracy": exact,
+                            "digit_accuracy": digits,
+                            "answers": answers,
+                        }
                     )
                     progress.advance(task)
             console.print(
@@ -535,9 +497,9 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
     report = report_header("extrapolate", config) | {
         "dynamic_factor": config.resolved_dynamic_factor(),
         "corpus": corpus.summary(),
-        "models": [asdict(result) for result in models],
-        "perplexity": [asdict(result) for result in perplexities],
-        "passkey": [asdict(result) for result in passkeys],
+        "models": models,
+        "perplexity": perplexities,
+        "passkey": passkeys,
         "passkey_keys": {str(length): [doc.answer for doc in docs] for length, docs in documents.items()},
         "seconds": time.perf_counter() - started,
         "files": {name: str(out / name) for name in ("table.md", "perplexity.png", "passkey.png")},
@@ -557,13 +519,15 @@ def _check_training_stream(stream: torch.Tensor, config: ExtrapolateConfig) -> N
 
 def _summary(
     attention: str,
-    perplexities: list[PerplexityResult],
-    passkeys: list[PasskeyResult],
+    perplexities: list[dict[str, Any]],
+    passkeys: list[dict[str, Any]],
     config: ExtrapolateConfig,
 ) -> str:
     shortest, longest = min(config.lengths), max(config.lengths)
-    bpb = {(r.scaling, r.length): r.bits_per_byte for r in perplexities if r.attention == attention}
-    hits = {(r.scaling, r.length): r.accuracy for r in passkeys if r.attention == attention}
+    bpb = {
+        (r["scaling"], r["length"]): r["bits_per_byte"] for r in perplexities if r["attention"] == attention
+    }
+    hits = {(r["scaling"], r["length"]): r["accuracy"] for r in passkeys if r["attention"] == attention}
     return (
         f"{bpb['none', shortest]:.3f} bits/byte at {shortest}, at {longest}: "
         + ", ".join(f"{s} {bpb[s, longest]:.3f}" for s in SCALINGS)

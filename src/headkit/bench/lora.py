@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from headkit.bench._options import check_integers, check_positive_numbers
-from headkit.bench._report import markdown_table, report_header, write_report
+from headkit.bench._report import markdown_table, progress_bar, report_header, write_report
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 
@@ -207,8 +207,6 @@ def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
     Pretrain, then fine-tune fully and with LoRA per rank on every variant, and LoRA-only from scratch.
 
     Returns the dictionary written to ``results.json``."""
-    from rich.progress import Progress
-
     started = time.perf_counter()
     data = load_split(config.test_fraction, config.seed)
     train_kwargs = dict(batch_size=config.batch_size, seed=config.seed)
@@ -228,7 +226,7 @@ def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
 
     variants: dict[str, dict[str, Any]] = {}
     jobs = len(VARIANTS) * (1 + len(config.ranks)) + len(config.ranks)
-    with Progress(console=console, transient=True) as progress:
+    with progress_bar(console, transient=True) as progress:
         task = progress.add_task("fine-tuning", total=jobs)
 
         def fit(model: nn.Module, variant: str, lr: float, label: str) -> float:

