@@ -8,12 +8,13 @@ Windows when both paths are on the same file system.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import os
 import platform
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -170,3 +171,18 @@ def log2_length_axis(ax: Any, lengths: Sequence[int], xlabel: str | None, ylabel
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """🤗 transformers' warnings hidden for the duration (its errors still shown), the previous level restored:
+    a benchmark that feeds a whole file to a tokenizer, or a model more positions than it was trained on, does
+    so on purpose."""
+    from transformers.utils import logging
+
+    previous = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(previous)

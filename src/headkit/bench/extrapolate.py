@@ -50,10 +50,9 @@ Writes ``results.json``, ``table.md``, ``perplexity.png`` and ``passkey.png`` to
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -62,7 +61,13 @@ import numpy as np
 import torch
 
 from headkit.bench._options import check_integers, check_positive_numbers
-from headkit.bench._report import markdown_table, progress_bar, report_header, write_report
+from headkit.bench._report import (
+    markdown_table,
+    progress_bar,
+    quiet_transformers,
+    report_header,
+    write_report,
+)
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.data import (
     BYTE_VOCAB,
@@ -336,7 +341,7 @@ def retrieve_passkeys(model: HeadkitForCausalLM, documents: list[PasskeyDocument
         return answers
     prompts = torch.tensor([list(doc.prompt.encode("ascii")) for doc in documents], dtype=torch.long)
     rows = max(1, EVAL_BATCH_TOKENS // prompts.shape[1])
-    with _quiet_transformers():
+    with quiet_transformers():  # the input exceeds max_position_embeddings: that is the point
         for chunk in prompts.split(rows):
             generated = model.generate(
                 chunk,
@@ -367,19 +372,6 @@ def score_answers(answers: list[str], keys: list[str]) -> tuple[float, float]:
         a == k for answer, key in zip(answers, keys, strict=True) for a, k in zip(answer, key, strict=True)
     ) / (len(keys) * KEY_DIGITS)
     return exact, digits
-
-
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """Hide generate()'s reminder that the input exceeds max_position_embeddings: exceeding it is the point."""
-    from transformers.utils import logging
-
-    previous = logging.get_verbosity()
-    logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(previous)
 
 
 # -- the benchmark ---------------------------------------------------------------------------------------------

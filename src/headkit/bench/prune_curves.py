@@ -67,7 +67,13 @@ from torch import nn
 
 from headkit.bench._measure import forward_times
 from headkit.bench._options import check_integers, check_positive_numbers
-from headkit.bench._report import markdown_table, progress_bar, report_header, write_report
+from headkit.bench._report import (
+    markdown_table,
+    progress_bar,
+    quiet_transformers,
+    report_header,
+    write_report,
+)
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import encoder_fidelity
@@ -470,22 +476,16 @@ def _time_half_models(teacher: nn.Module, half_models: dict, batch: dict, repeat
 
 def _encode_until(documents: list[Any], tokenizer: Any, tokens: int) -> torch.Tensor:
     """One token stream from `documents` in order, stopping once it holds at least `tokens` tokens."""
-    import transformers
-
     from headkit.data import encode_corpus
 
     pieces, count = [], 0
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # a whole file is longer than the model's context: no warning
-    try:
+    with quiet_transformers():  # a whole file is longer than the model's context: no warning
         for document in documents:
             piece = encode_corpus([document], tokenizer)
             pieces.append(piece)
             count += piece.numel()
             if count >= tokens:
                 break
-    finally:
-        transformers.logging.set_verbosity(verbosity)
     return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int32)
 
 
