@@ -59,6 +59,7 @@ from headkit.bench.registry import option, quick_preset, register_benchmark
 from headkit.data import ByteTokenizer
 from headkit.layers import HeadkitCache, RecurrentStateLayer, attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
+from headkit.train import default_config
 
 BASELINE = "softmax"
 DEFAULT_PROMPT_LENGTHS = (256, 1024, 4096)
@@ -77,15 +78,8 @@ PLOT_FILE = "decode.png"
 
 def model_config(mechanism: str, max_positions: int) -> HeadkitConfig:
     """The benchmarked model: 4 layers, hidden 256, byte vocabulary, ``attention=mechanism``."""
-    tokenizer = ByteTokenizer()
-    return HeadkitConfig(
-        vocab_size=tokenizer.vocab_size,
-        attention=mechanism,
-        max_position_embeddings=max_positions,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        **MODEL_SIZE,
+    return default_config(
+        ByteTokenizer(), attention=mechanism, max_position_embeddings=max_positions, **MODEL_SIZE
     )
 
 

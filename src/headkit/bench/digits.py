@@ -34,6 +34,7 @@ import torch.nn.functional as F
 
 from headkit.bench._options import check_integers, check_names, check_positive_numbers
 from headkit.bench._report import TABLE_FILE, markdown_table, progress_bar, report_header, write_report
+from headkit.bench._training import optimizer_steps
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes
@@ -174,20 +175,12 @@ def train_pixel_model(
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / config.steps))
     )
-    model.train()
-    losses = []
-    for step in range(config.steps):
+
+    def loss_at(step: int) -> torch.Tensor:
         batch = sequences[torch.randint(len(sequences), (config.batch_size,), generator=generator)]
-        loss = model(input_ids=batch, labels=batch).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        losses.append(float(loss.detach()))
-        if progress is not None:
-            progress(step + 1, losses[-1])
-    model.eval()
-    return losses
+        return model(input_ids=batch, labels=batch).loss
+
+    return optimizer_steps(model, optimizer, schedule, config.steps, loss_at, progress)
 
 
 @torch.no_grad()

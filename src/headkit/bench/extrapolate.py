@@ -68,6 +68,7 @@ from headkit.bench._report import (
     report_header,
     write_report,
 )
+from headkit.bench._training import optimizer_steps
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.data import (
     BYTE_VOCAB,
@@ -80,7 +81,7 @@ from headkit.data import (
 )
 from headkit.errors import HeadkitError
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
-from headkit.train import held_out_bits_per_byte
+from headkit.train import default_config, held_out_bits_per_byte
 
 MODELS = ("softmax", "coca")
 SCALINGS = ("none", "linear", "dynamic")
@@ -211,9 +212,8 @@ def model_config(
 ) -> HeadkitConfig:
     """The config of a model with ``attention``, its rotary positions scaled by ``scaling`` for inputs of
     ``length`` tokens (the trained length, 128, is ``max_position_embeddings``: dynamic NTK's L₀)."""
-    tokenizer = ByteTokenizer()
-    return HeadkitConfig(
-        vocab_size=tokenizer.vocab_size,
+    return default_config(
+        ByteTokenizer(),
         hidden_size=config.hidden_size,
         num_hidden_layers=config.layers,
         num_attention_heads=config.heads,
@@ -221,9 +221,6 @@ def model_config(
         position_embedding_type="rope",
         max_position_embeddings=config.train_length,
         rope_parameters=rope_parameters(scaling, length, config),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
     )
 
 
@@ -291,26 +288,17 @@ def train_model(
         return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done)))
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    model.train()
-    losses = []
-    for step in range(config.steps):
+
+    def loss_at(step: int) -> torch.Tensor:
         corpus_rows = sample_batch(
             train_stream, config.batch_size - passkey_rows, config.train_length, generator
         )
         batch = torch.cat([corpus_rows, passkey_batch(passkey_rows, config.train_length, rng)])
         # Document separators are not text: they are neither predicted nor counted.
         labels = batch.masked_fill(torch.isin(batch, ignored), -100)
-        loss = model(input_ids=batch, labels=labels, use_cache=False).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(float(loss.detach()))
-        if progress is not None:
-            progress(step + 1, losses[-1])
-    model.eval()
-    return losses
+        return model(input_ids=batch, labels=labels, use_cache=False).loss
+
+    return optimizer_steps(model, optimizer, schedule, config.steps, loss_at, progress, clip_norm=1.0)
 
 
 # -- evaluation ------------------------------------------------------------------------------------------------
