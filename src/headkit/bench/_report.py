@@ -14,7 +14,8 @@ import datetime as dt
 import os
 import platform
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +71,27 @@ def write_report(
         console.print(table)
     *files, last = [RESULTS_FILE, TABLE_FILE, *figures]
     console.print(f"wrote {', '.join(files)} and {last} to {out_dir}", highlight=False, markup=False)
+
+
+def finish_report(
+    name: str,
+    settings: Any,
+    started: float,
+    sections: Mapping[str, Any],
+    files: Mapping[str, str],
+    render: Callable[[dict[str, Any]], str],
+    plots: Mapping[str, Callable[[dict[str, Any]], Any]],
+    console: Any,
+) -> dict[str, Any]:
+    """Write and return a run's report: :func:`report_header`, ``sections``, the seconds since ``started`` (a
+    ``time.perf_counter()``) and ``files`` (each key's file name, as its path under ``settings.out``); table.md
+    is ``render(report)``, each of ``plots`` (file name: plot of the report) a figure."""
+    out = Path(settings.out)
+    report = report_header(name, settings) | dict(sections)
+    report |= {"seconds": time.perf_counter() - started, "files": {k: str(out / f) for k, f in files.items()}}
+    figures = {file: plot(report) for file, plot in plots.items()}
+    write_report(out, report, render(report), figures, console)
+    return report
 
 
 def find_point(points: Iterable[Mapping[str, Any]], **keys: Any) -> Any:

@@ -46,7 +46,7 @@ from torch import nn
 
 from headkit.bench._measure import forward_times
 from headkit.bench._options import check_integers, check_positive_numbers
-from headkit.bench._report import markdown_table, progress_bar, report_header, write_report
+from headkit.bench._report import TABLE_FILE, finish_report, markdown_table, progress_bar
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import Compressed, compress_and_distill, load_teacher, prepare_encoder_text
@@ -120,7 +120,7 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
     after distillation, parameters, and forward time relative to the original.
 
     The fidelity curve (see the module docstring); returns the dictionary written to ``results.json``."""
-    model_path, out = _model_path(config), Path(config.out)
+    model_path = _model_path(config)
     started = time.perf_counter()
     teacher = load_teacher(model_path)
     too_wide = [dim for dim in config.dims if dim > teacher.full_dim]
@@ -175,7 +175,8 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
             console.print(_summary_line(widths[-1], config.distill_steps))
             del compressed
 
-    report = report_header("compress", config) | {
+    _check_finite(widths)
+    sections = {
         "model": str(model_path),
         "model_name": "all-MiniLM-L6-v2" if config.model is None else model_path.name,
         "full_dim": teacher.full_dim,
@@ -184,12 +185,11 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
         "train_batches": len(corpus.train),
         "held_out_texts": sum(len(batch["input_ids"]) for batch in corpus.held_out),
         "widths": widths,
-        "seconds": time.perf_counter() - started,
-        "files": {"table": str(out / "table.md"), "plot": str(out / PLOT_FILE)},
     }
-    _check_finite(report)
-    write_report(out, report, render_markdown(report), {PLOT_FILE: plot_curve(report)}, console)
-    return report
+    files = {"table": TABLE_FILE, "plot": PLOT_FILE}
+    return finish_report(
+        "compress", config, started, sections, files, render_markdown, {PLOT_FILE: plot_curve}, console
+    )
 
 
 @dataclass
@@ -241,9 +241,9 @@ def _summary_line(width: dict[str, Any], steps: int) -> str:
     )
 
 
-def _check_finite(report: dict[str, Any]) -> None:
+def _check_finite(widths: list[dict[str, Any]]) -> None:
     """A NaN would surface as an invalid JSON write; name the width and the quantity instead."""
-    for width in report["widths"]:
+    for width in widths:
         for key, value in _numbers(width):
             if not math.isfinite(value):
                 raise HeadkitError(

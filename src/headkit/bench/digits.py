@@ -33,7 +33,12 @@ import torch
 import torch.nn.functional as F
 
 from headkit.bench._options import check_integers, check_names, check_positive_numbers
-from headkit.bench._report import TABLE_FILE, markdown_table, progress_bar, report_header, write_report
+from headkit.bench._report import (
+    TABLE_FILE,
+    finish_report,
+    markdown_table,
+    progress_bar,
+)
 from headkit.bench._training import optimizer_steps
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
@@ -301,17 +306,15 @@ def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
             )
             console.print(f"{mechanism}: {_summary(results[-1])}")
 
-    report = report_header("digits", config) | {
+    sections = {
         "train_images": len(data.train_pixels),
         "test_images": len(data.test_pixels),
         "classifier_accuracy_original": accuracy_original,
         "mechanisms": [asdict(result) for result in results],
-        "seconds": time.perf_counter() - started,
-        "files": {"table": str(Path(config.out) / TABLE_FILE), "grid": str(Path(config.out) / GRID_FILE)},
     }
-    grid = plot_completion_grid(data.test_pixels, completions)
-    write_report(config.out, report, render_markdown(report), {GRID_FILE: grid}, console)
-    return report
+    files = {"table": TABLE_FILE, "grid": GRID_FILE}
+    plots = {GRID_FILE: lambda report: plot_completion_grid(data.test_pixels, completions)}
+    return finish_report("digits", config, started, sections, files, render_markdown, plots, console)
 
 
 def _median_seconds(fn: Callable[[], object], repeats: int) -> float:

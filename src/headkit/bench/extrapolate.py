@@ -61,13 +61,7 @@ import numpy as np
 import torch
 
 from headkit.bench._options import check_integers, check_positive_numbers
-from headkit.bench._report import (
-    markdown_table,
-    progress_bar,
-    quiet_transformers,
-    report_header,
-    write_report,
-)
+from headkit.bench._report import TABLE_FILE, finish_report, markdown_table, progress_bar, quiet_transformers
 from headkit.bench._training import optimizer_steps
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.data import (
@@ -473,20 +467,17 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
                 f"{attention}: {_summary(attention, perplexities, passkeys, config)}", highlight=False
             )
 
-    out = Path(config.out)
-    report = report_header("extrapolate", config) | {
+    sections = {
         "dynamic_factor": config.resolved_dynamic_factor(),
         "corpus": corpus.summary(),
         "models": models,
         "perplexity": perplexities,
         "passkey": passkeys,
         "passkey_keys": {str(length): [doc.answer for doc in docs] for length, docs in documents.items()},
-        "seconds": time.perf_counter() - started,
-        "files": {name: str(out / name) for name in ("table.md", "perplexity.png", "passkey.png")},
     }
-    figures = {"perplexity.png": plot_perplexity(report), "passkey.png": plot_passkey(report)}
-    write_report(out, report, render_markdown(report), figures, console)
-    return report
+    plots = {"perplexity.png": plot_perplexity, "passkey.png": plot_passkey}
+    files = {name: name for name in (TABLE_FILE, *plots)}
+    return finish_report("extrapolate", config, started, sections, files, render_markdown, plots, console)
 
 
 def _check_training_stream(stream: torch.Tensor, config: ExtrapolateConfig) -> None:

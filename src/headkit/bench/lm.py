@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Any
 
 from headkit.bench._options import check_positive_numbers
-from headkit.bench._report import markdown_table, report_header, write_report
+from headkit.bench._report import TABLE_FILE, finish_report, markdown_table
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes, get_attention_class
@@ -317,19 +317,18 @@ def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
             console.print(f"[bold red]{variant} diverged[/] (non-finite loss); try a lower --lr")
         del trained  # the next model need not share memory with this one
 
-    out = Path(config.out)
-    report = report_header("lm", config) | {
+    sections = {
         "corpus": summary,
         "positions": {
             "rope": [v for v in config.variants if model_configs[v].position_embedding_type == "rope"],
             "learned": [v for v in config.variants if model_configs[v].position_embedding_type == "learned"],
         },
         "variants": [asdict(result) for result in results],
-        "seconds": time.perf_counter() - started,
-        "files": {"table": str(out / "table.md"), "plot": str(out / PLOT_FILE)},
     }
-    write_report(out, report, render_markdown(report), {PLOT_FILE: plot_curves(report)}, console)
-    return report
+    files = {"table": TABLE_FILE, "plot": PLOT_FILE}
+    return finish_report(
+        "lm", config, started, sections, files, render_markdown, {PLOT_FILE: plot_curves}, console
+    )
 
 
 def _finite_or_none(value: float | None) -> float | None:

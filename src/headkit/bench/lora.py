@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from headkit.bench._options import check_integers, check_positive_numbers
-from headkit.bench._report import markdown_table, progress_bar, report_header, write_report
+from headkit.bench._report import TABLE_FILE, finish_report, markdown_table, progress_bar
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 
@@ -42,6 +42,7 @@ VARIANTS = ("quantized", "rotated", "inverted")
 TARGET_MODULES = ("fc1", "fc2", "fc3")
 # α of the update (α/r)·BA, fixed across ranks as Hu et al. (Sec. 4.1) do, so a larger rank is not a larger step.
 LORA_ALPHA = 8
+PLOT_FILE = "lora.png"
 
 
 @dataclass
@@ -280,19 +281,18 @@ def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
         + ", ".join(f"r={row['rank']} {row['accuracy']:.3f}" for row in from_scratch)
     )
 
-    out = Path(config.out)
-    report = report_header("lora", config) | {
+    sections = {
         "train_images": len(data["train_x"]),
         "test_images": len(data["test_x"]),
         "classifier_parameters": sum(p.numel() for p in pretrained.parameters()),
         "pretrained_accuracy": base_accuracy,
         "variants": variants,
         "lora_from_scratch": from_scratch,
-        "seconds": time.perf_counter() - started,
-        "files": {"table": str(out / "table.md"), "plot": str(out / "lora.png")},
     }
-    write_report(out, report, render_markdown(report), {"lora.png": plot_results(report)}, console)
-    return report
+    files = {"table": TABLE_FILE, "plot": PLOT_FILE}
+    return finish_report(
+        "lora", config, started, sections, files, render_markdown, {PLOT_FILE: plot_results}, console
+    )
 
 
 def render_markdown(report: dict[str, Any]) -> str:

@@ -68,11 +68,11 @@ from torch import nn
 from headkit.bench._measure import forward_times
 from headkit.bench._options import check_integers, check_positive_numbers
 from headkit.bench._report import (
+    TABLE_FILE,
+    finish_report,
     markdown_table,
     progress_bar,
     quiet_transformers,
-    report_header,
-    write_report,
 )
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
@@ -769,23 +769,10 @@ def run_prune_curves(
     if config.decoder and config.recovery:
         recovery = run_recovery_cases(config, console)
 
-    out = Path(config.out)
-    files = {"table": str(out / "table.md"), "curve": str(out / CURVE_PLOT)}
-    if decoder is not None:
-        files["decoder"] = str(out / DECODER_PLOT)
-    report = report_header("prune", config) | {
-        "encoder": encoder,
-        "decoder": decoder,
-        "recovery": recovery,
-        "seconds": time.perf_counter() - started,
-        "files": files,
-    }
-    figures = {CURVE_PLOT: plot_encoder_curve(report)}
-    if decoder is not None:
-        figures[DECODER_PLOT] = plot_decoder_curve(report)
-    markdown = render_markdown(report) + (render_recovery(recovery) if recovery is not None else "")
-    write_report(out, report, markdown, figures, console)
-    return report
+    files = {"table": TABLE_FILE, "curve": CURVE_PLOT} | ({"decoder": DECODER_PLOT} if decoder else {})
+    plots = {CURVE_PLOT: plot_encoder_curve} | ({DECODER_PLOT: plot_decoder_curve} if decoder else {})
+    sections = {"encoder": encoder, "decoder": decoder, "recovery": recovery}
+    return finish_report("prune", config, started, sections, files, render_markdown, plots, console)
 
 
 # -- the report ------------------------------------------------------------------------------------------------
@@ -862,6 +849,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         ]
         for point in decoder["points"]
     ]
+    recovery = report.get("recovery")
     return (
         text + f"\n## {decoder.get('name', decoder['model'])}: held-out perplexity against heads pruned\n\n"
         f"{decoder['windows']} held-out windows of {decoder['window_length']} tokens; importance from "
@@ -879,6 +867,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             ],
             decoder_rows,
         )
+        + (render_recovery(recovery) if recovery is not None else "")
     )
 
 
