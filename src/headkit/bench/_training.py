@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -35,3 +37,20 @@ def optimizer_steps(
             progress(step + 1, losses[-1])
     model.eval()
     return losses
+
+
+def train_with_progress(
+    progress: Any, label: str, model: torch.nn.Module, steps: int, train: Callable[..., list[float]]
+) -> tuple[dict[str, Any], Any]:
+    """``train(callback)`` under a progress task "training <label>" of ``steps`` that the callback advances:
+    (how the model trained — its parameters, training seconds, the mean of the last 20 losses, the losses —
+    and the task, for the caller's next steps)."""
+    task = progress.add_task(f"training {label}", total=steps)
+    started = time.perf_counter()
+    losses = train(lambda step, loss: progress.update(task, completed=step))
+    return {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "train_seconds": time.perf_counter() - started,
+        "final_train_loss": float(np.mean(losses[-20:])),
+        "losses": losses,
+    }, task

@@ -24,7 +24,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from headkit.bench._report import (
     markdown_table,
     progress_bar,
 )
-from headkit.bench._training import optimizer_steps
+from headkit.bench._training import optimizer_steps, train_with_progress
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes
@@ -94,20 +95,6 @@ class DigitsData:
     train_labels: np.ndarray
     test_pixels: np.ndarray
     test_labels: np.ndarray
-
-
-@dataclass
-class MechanismResult:
-    """What one attention mechanism achieved."""
-
-    mechanism: str
-    parameters: int
-    train_seconds: float
-    final_train_loss: float
-    test_bits_per_pixel: float
-    classifier_accuracy_completed: float
-    completion_seconds: dict[int, float] = field(default_factory=dict)  # images -> seconds (median)
-    losses: list[float] = field(default_factory=list)
 
 
 # -- data ------------------------------------------------------------------------------------------------------
@@ -264,20 +251,18 @@ def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
     )
     prompts = occlude(data.test_pixels)
 
-    results: list[MechanismResult] = []
+    results: list[dict[str, Any]] = []
     completions: dict[str, torch.Tensor] = {}
     with progress_bar(console, transient=True) as progress:
         for mechanism in config.mechanisms:
             model = build_model(mechanism, config)
-            task = progress.add_task(f"training {mechanism}", total=config.steps)
-            train_start = time.perf_counter()
-            losses = train_pixel_model(
+            trained, task = train_with_progress(
+                progress,
+                mechanism,
                 model,
-                train_sequences,
-                config,
-                lambda step, loss, task=task: progress.update(task, completed=step),
+                config.steps,
+                partial(train_pixel_model, model, train_sequences, config),
             )
-            train_seconds = time.perf_counter() - train_start
             progress.update(task, description=f"completing with {mechanism}")
             completed = complete_images(model, prompts, sample=config.sample, seed=config.seed)
             completions[mechanism] = completed
@@ -290,19 +275,18 @@ def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
                 )
                 for count in config.image_counts
             }
+            losses = trained.pop("losses")
             results.append(
-                MechanismResult(
-                    mechanism=mechanism,
-                    parameters=sum(p.numel() for p in model.parameters()),
-                    train_seconds=train_seconds,
-                    final_train_loss=float(np.mean(losses[-20:])),
-                    test_bits_per_pixel=bits_per_pixel(model, test_sequences),
-                    classifier_accuracy_completed=classifier_accuracy(
+                {"mechanism": mechanism}
+                | trained
+                | {
+                    "test_bits_per_pixel": bits_per_pixel(model, test_sequences),
+                    "classifier_accuracy_completed": classifier_accuracy(
                         classifier, completed.numpy(), data.test_labels
                     ),
-                    completion_seconds=seconds,
-                    losses=losses,
-                )
+                    "completion_seconds": seconds,  # images -> seconds (median)
+                    "losses": losses,
+                }
             )
             console.print(f"{mechanism}: {_summary(results[-1])}")
 
@@ -310,7 +294,7 @@ def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
         "train_images": len(data.train_pixels),
         "test_images": len(data.test_pixels),
         "classifier_accuracy_original": accuracy_original,
-        "mechanisms": [asdict(result) for result in results],
+        "mechanisms": results,
     }
     files = {"table": TABLE_FILE, "grid": GRID_FILE}
     plots = {GRID_FILE: lambda report: plot_completion_grid(data.test_pixels, completions)}
@@ -323,13 +307,13 @@ def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return time_call(fn, repeats=repeats, warmup=0).median_s
 
 
-def _summary(result: MechanismResult) -> str:
+def _summary(result: dict[str, Any]) -> str:
     times = ", ".join(
-        f"{count} images {seconds:.2f} s" for count, seconds in result.completion_seconds.items()
+        f"{count} images {seconds:.2f} s" for count, seconds in result["completion_seconds"].items()
     )
     return (
-        f"{result.test_bits_per_pixel:.3f} bits/pixel on test images, classifier accuracy on completions "
-        f"{result.classifier_accuracy_completed:.3f}; completion time {times}"
+        f"{result['test_bits_per_pixel']:.3f} bits/pixel on test images, classifier accuracy on completions "
+        f"{result['classifier_accuracy_completed']:.3f}; completion time {times}"
     )
 
 

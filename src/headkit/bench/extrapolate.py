@@ -54,6 +54,7 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,7 @@ import torch
 
 from headkit.bench._options import check_integers, check_positive_numbers
 from headkit.bench._report import TABLE_FILE, finish_report, markdown_table, progress_bar, quiet_transformers
-from headkit.bench._training import optimizer_steps
+from headkit.bench._training import optimizer_steps, train_with_progress
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.data import (
     BYTE_VOCAB,
@@ -419,23 +420,9 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
     with progress_bar(console, transient=True) as progress:
         for attention in MODELS:
             model = build_model(attention, config)
-            task = progress.add_task(f"training {attention}", total=config.steps)
-            train_start = time.perf_counter()
-            losses = train_model(
-                model,
-                train_stream,
-                config,
-                lambda step, loss, task=task: progress.update(task, completed=step),
-            )
-            models.append(
-                {
-                    "attention": attention,
-                    "parameters": sum(p.numel() for p in model.parameters()),
-                    "train_seconds": time.perf_counter() - train_start,
-                    "final_train_loss": float(np.mean(losses[-20:])),
-                    "losses": losses,
-                }
-            )
+            train = partial(train_model, model, train_stream, config)
+            trained, task = train_with_progress(progress, attention, model, config.steps, train)
+            models.append({"attention": attention} | trained)
             progress.update(task, description=f"evaluating {attention}", completed=0, total=evaluations)
             for scaling in SCALINGS:
                 for length in config.lengths:

@@ -50,7 +50,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -125,23 +125,6 @@ class LMBenchConfig:
     threads: int = option(2, "torch threads (default 2; 1 with --quick).", min=1, quick=1)
 
     quick = quick_preset("Tiny models, 120 steps, 2 MB of corpus (< 3 minutes).")
-
-
-@dataclass
-class VariantResult:
-    """What one variant achieved; ``curve`` holds {step, train_seconds, bits_per_byte} from step 0 on."""
-
-    variant: str
-    description: str
-    attention: str
-    position_embedding_type: str
-    parameters: int
-    median_step_ms: float
-    train_seconds: float
-    initial_bits_per_byte: float | None  # None: not finite (the model diverged)
-    final_bits_per_byte: float | None
-    curve: list[dict[str, float | None]]
-    losses: list[float | None]
 
 
 # -- the variants ----------------------------------------------------------------------------------------------
@@ -274,7 +257,7 @@ def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
         highlight=False,
     )
 
-    results: list[VariantResult] = []
+    results: list[dict[str, Any]] = []
     for index, variant in enumerate(config.variants, start=1):
         description = describe_variant(variant, config)
         console.rule(f"[{index}/{len(config.variants)}] {variant}: {description}")
@@ -291,18 +274,20 @@ def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
             console=console,
             progress_label=variant,
         )
+        # What the variant achieved: bits per byte are None where not finite (the model diverged); the curve
+        # holds {step, train_seconds, bits_per_byte} from step 0 on.
         results.append(
-            VariantResult(
-                variant=variant,
-                description=description,
-                attention=model_configs[variant].attention,
-                position_embedding_type=model_configs[variant].position_embedding_type,
-                parameters=sum(parameter.numel() for parameter in trained.model.parameters()),
-                median_step_ms=1000 * statistics.median(trained.step_seconds),
-                train_seconds=sum(trained.step_seconds),
-                initial_bits_per_byte=_finite_or_none(trained.initial_bits_per_byte),
-                final_bits_per_byte=_finite_or_none(trained.held_out_bits_per_byte),
-                curve=[
+            {
+                "variant": variant,
+                "description": description,
+                "attention": model_configs[variant].attention,
+                "position_embedding_type": model_configs[variant].position_embedding_type,
+                "parameters": sum(parameter.numel() for parameter in trained.model.parameters()),
+                "median_step_ms": 1000 * statistics.median(trained.step_seconds),
+                "train_seconds": sum(trained.step_seconds),
+                "initial_bits_per_byte": _finite_or_none(trained.initial_bits_per_byte),
+                "final_bits_per_byte": _finite_or_none(trained.held_out_bits_per_byte),
+                "curve": [
                     {
                         "step": int(point["step"]),
                         "train_seconds": point["train_seconds"],
@@ -310,10 +295,10 @@ def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
                     }
                     for point in trained.history
                 ],
-                losses=[_finite_or_none(loss) for loss in trained.losses],
-            )
+                "losses": [_finite_or_none(loss) for loss in trained.losses],
+            }
         )
-        if results[-1].final_bits_per_byte is None:
+        if results[-1]["final_bits_per_byte"] is None:
             console.print(f"[bold red]{variant} diverged[/] (non-finite loss); try a lower --lr")
         del trained  # the next model need not share memory with this one
 
@@ -323,7 +308,7 @@ def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
             "rope": [v for v in config.variants if model_configs[v].position_embedding_type == "rope"],
             "learned": [v for v in config.variants if model_configs[v].position_embedding_type == "learned"],
         },
-        "variants": [asdict(result) for result in results],
+        "variants": results,
     }
     files = {"table": TABLE_FILE, "plot": PLOT_FILE}
     return finish_report(
