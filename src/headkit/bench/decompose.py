@@ -24,12 +24,7 @@ from typing import Any
 
 import torch
 
-from headkit.bench._report import (
-    command_line,
-    machine_info,
-    markdown_table,
-    write_report,
-)
+from headkit.bench._report import command_line, machine_info, markdown_table, write_report
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.recipes.models import default_encoder_path
@@ -86,19 +81,14 @@ def run_decompose_benchmark(settings: DecomposeSettings, console: Any) -> dict[s
 
     Raises:
         HeadkitError (a ValueError): no such folder, no query/key weights in it, bad layers, dims or max_iter."""
-    model_path, out_dir, seed, tol = settings.model, Path(settings.out), settings.seed, settings.tol
-    include_tensorly, threads = settings.include_tensorly, settings.threads
-    model_dir = Path(model_path) if model_path is not None else default_encoder_path()
+    model_dir = Path(settings.model) if settings.model is not None else default_encoder_path()
     heads, weights = load_query_key_weights(model_dir)
     rows, hidden = next(iter(weights.values()))[0].shape
     layers = _pick(settings.layers, sorted(weights), "layers")
-    dims = _pick(settings.dims, DEFAULT_DIMS, "dims")
-    dims = [dim for dim in dims if dim <= rows] or [rows]
-    max_iter = settings.max_iter
+    dims = [dim for dim in _pick(settings.dims, DEFAULT_DIMS, "dims") if dim <= rows] or [rows]
+    include_tensorly = settings.include_tensorly
     parafac = _tensorly_parafac() if include_tensorly else None
-    points = _measure(weights, heads, layers, dims, max_iter, tol, seed, parafac)
-    machine = machine_info("cpu")
-
+    points = _measure(weights, heads, layers, dims, settings, parafac)
     results = {
         "benchmark": "decompose",
         "config": {
@@ -108,21 +98,20 @@ def run_decompose_benchmark(settings: DecomposeSettings, console: Any) -> dict[s
             "hidden": hidden,
             "layers": list(layers),
             "dims": list(dims),
-            "max_iter": max_iter,
-            "tol": tol,
-            "seed": seed,
+            "max_iter": settings.max_iter,
+            "tol": settings.tol,
+            "seed": settings.seed,
             "tensorly": "unavailable" if include_tensorly and parafac is None else include_tensorly,
-            "threads": threads,
+            "threads": settings.threads,
             "error": "relative Frobenius error of the [hidden, heads, hidden] tensor, from the dense tensor",
             "time": "wall seconds of one call; tensorly's excludes forming the dense tensor",
         },
-        "machine": machine,
+        "machine": machine_info("cpu"),
         "command": command_line(),
         "points": points,
         "summary": _summary(points, dims),
     }
-    markdown = render_markdown(results)
-    write_report(out_dir, results, markdown, {PLOT_FILE: plot_results(results)}, console)
+    write_report(settings.out, results, render_markdown(results), {PLOT_FILE: plot_results(results)}, console)
     return results
 
 
@@ -131,11 +120,10 @@ def _measure(
     heads: int,
     layers: list[int],
     dims: list[int],
-    max_iter: int,
-    tol: float,
-    seed: int,
+    settings: DecomposeSettings,
     parafac: Any,
 ) -> list[dict[str, Any]]:
+    seed, tol, max_iter = settings.seed, settings.tol, settings.max_iter
     points = []
     for layer in layers:
         w_q, w_k = weights[layer]
