@@ -501,37 +501,25 @@ def render_markdown(report: dict[str, Any]) -> str:
     """Two tables: bits per byte (perplexity) and passkey accuracy, per model × scaling (rows) and length."""
     lengths = sorted({row["length"] for row in report["perplexity"]})
     groups = list(dict.fromkeys((row["attention"], row["scaling"]) for row in report["perplexity"]))
-    bpb = {(r["attention"], r["scaling"], r["length"]): r for r in report["perplexity"]}
-    keys = {(r["attention"], r["scaling"], r["length"]): r for r in report["passkey"]}
     headers = ["attention", "RoPE scaling", *(f"L = {length}" for length in lengths)]
-    perplexity_rows = [
-        [
-            attention,
-            scaling,
-            *(
-                f"{bpb[attention, scaling, n]['bits_per_byte']:.3f} ({bpb[attention, scaling, n]['perplexity']:.2f})"
-                for n in lengths
-            ),
-        ]
-        for attention, scaling in groups
-    ]
-    passkey_rows = [
-        [
-            attention,
-            scaling,
-            *(
-                f"{keys[attention, scaling, n]['accuracy']:.2f} / {keys[attention, scaling, n]['digit_accuracy']:.2f}"
-                for n in lengths
-            ),
-        ]
-        for attention, scaling in groups
-    ]
+
+    def rows(records: list[dict[str, Any]], cell: Callable[[dict[str, Any]], str]) -> list[list[str]]:
+        by_key = {(r["attention"], r["scaling"], r["length"]): r for r in records}
+        return [[a, s, *(cell(by_key[a, s, n]) for n in lengths)] for a, s in groups]
+
+    perplexity_rows = rows(
+        report["perplexity"], lambda r: f"{r['bits_per_byte']:.3f} ({r['perplexity']:.2f})"
+    )
+    passkey_rows = rows(report["passkey"], lambda r: f"{r['accuracy']:.2f} / {r['digit_accuracy']:.2f}")
     settings, machine = report["settings"], report["machine"]
     model_rows = [
         [m["attention"], f"{m['parameters']:,}", f"{m['train_seconds']:.1f}", f"{m['final_train_loss']:.3f}"]
         for m in report["models"]
     ]
-    windows = {n: bpb[groups[0][0], groups[0][1], n]["windows"] for n in lengths}
+    first = {
+        r["length"]: r["windows"] for r in report["perplexity"] if (r["attention"], r["scaling"]) == groups[0]
+    }
+    windows = {n: first[n] for n in lengths}
     return (
         f"Length extrapolation: trained at {settings['train_length']} bytes ({settings['steps']} steps × "
         f"{settings['batch_size']} windows, {settings['passkey_fraction']:.0%} passkey documents), hidden "
@@ -557,22 +545,11 @@ def plot_perplexity(report: dict[str, Any]) -> Any:
 
     figure = Figure(figsize=(7, 4.5))
     axis = figure.subplots()
-    for attention, scaling, rows in _lines(report["perplexity"]):
-        axis.plot(
-            [r["length"] for r in rows],
-            [r["bits_per_byte"] for r in rows],
-            _STYLES.get(scaling, "-"),
-            marker="o",
-            color=_COLOURS.get(attention),
-            label=f"{attention}, {scaling}",
-        )
-    axis.axvline(report["settings"]["train_length"], color="grey", linewidth=0.8)
-    axis.set_xscale("log", base=2)
+    _plot_lines(axis, report["perplexity"], "bits_per_byte", report["settings"]["train_length"])
     axis.set_xlabel("context length (bytes)")
     axis.set_ylabel("held-out bits per byte")
     axis.set_title("perplexity beyond the trained length (grey line)")
     axis.legend(fontsize=8)
-    axis.grid(alpha=0.3)
     return figure
 
 
@@ -586,31 +563,39 @@ def plot_passkey(report: dict[str, Any]) -> Any:
         (axes[0], "accuracy", "all 5 digits right", 1e-5),
         (axes[1], "digit_accuracy", "per digit", 0.1),
     ):
-        lines = _lines(report["passkey"])
-        for index, (attention, scaling, rows) in enumerate(lines):
-            # Accuracies often coincide (all 0, all 1): a small sideways shift keeps every line visible.
-            shift = 2.0 ** (0.04 * (index - (len(lines) - 1) / 2))
-            axis.plot(
-                [r["length"] * shift for r in rows],
-                [r[metric] for r in rows],
-                _STYLES.get(scaling, "-"),
-                marker="o",
-                color=_COLOURS.get(attention),
-                label=f"{attention}, {scaling}",
-            )
+        # Accuracies often coincide (all 0, all 1): a small sideways shift keeps every line visible.
+        _plot_lines(axis, report["passkey"], metric, report["settings"]["train_length"], spread=0.04)
         axis.axhline(chance, color="grey", linewidth=0.8, linestyle="--")
-        axis.axvline(report["settings"]["train_length"], color="grey", linewidth=0.8)
-        axis.set_xscale("log", base=2)
         axis.set_ylim(-0.03, 1.03)
         axis.set_xlabel("document length (bytes)")
         axis.set_ylabel("accuracy")
         axis.set_title(f"passkey retrieval: {title}")
-        axis.grid(alpha=0.3)
     axes[1].legend(fontsize=8)
     figure.suptitle(
         "trained length: grey line; lines shifted sideways where they coincide", fontsize=9, y=-0.02, va="top"
     )
     return figure
+
+
+def _plot_lines(
+    axis: Any, records: list[dict[str, Any]], metric: str, train_length: int, spread: float = 0.0
+) -> None:
+    """`metric` against length on log₂ x, a line per model × scaling (line i of n shifted sideways by
+    2^(spread·(i − (n−1)/2))), the trained length as a grey vertical line, a light grid."""
+    lines = _lines(records)
+    for index, (attention, scaling, rows) in enumerate(lines):
+        shift = 2.0 ** (spread * (index - (len(lines) - 1) / 2))
+        axis.plot(
+            [r["length"] * shift for r in rows],
+            [r[metric] for r in rows],
+            _STYLES.get(scaling, "-"),
+            marker="o",
+            color=_COLOURS.get(attention),
+            label=f"{attention}, {scaling}",
+        )
+    axis.axvline(train_length, color="grey", linewidth=0.8)
+    axis.set_xscale("log", base=2)
+    axis.grid(alpha=0.3)
 
 
 def _lines(rows: list[dict[str, Any]]) -> list[tuple[str, str, list[dict[str, Any]]]]:
