@@ -76,7 +76,7 @@ from headkit.bench._report import (
 )
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
-from headkit.recipes.compress import encoder_fidelity
+from headkit.recipes.compress import encoder_fidelity, load_teacher
 from headkit.recipes.measure import perplexity
 from headkit.recipes.models import SMOLLM2_PACKAGE, default_encoder_path, load_model, smollm2_gguf_path
 from headkit.recipes.objectives import embedding_distillation_loss, mean_pool
@@ -301,19 +301,16 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
     """Part (a): fidelity per heads kept for L0 and importance pruning, and the forward time of the models
     with half the heads left. Returns the report's ``encoder`` section."""
     from headkit.analysis.importance import head_importance
-    from headkit.surgery.adapters import count_parameters, get_adapter
+    from headkit.surgery.adapters import count_parameters
     from headkit.surgery.gating import add_head_gates, remove_head_gates, train_gates_to_budget
     from headkit.surgery.pruning import heads_per_layer, prune_heads
 
     model_path = Path(config.model) if config.model is not None else default_encoder_path()
-    loaded = load_model(model_path)
-    teacher, tokenizer = loaded.model, loaded.tokenizer
-    adapter = get_adapter(teacher)
+    loaded = load_teacher(model_path)  # frozen
+    teacher, tokenizer, adapter = loaded.model, loaded.tokenizer, loaded.adapter
     heads_before = heads_per_layer(teacher, adapter)
     total_heads = sum(heads_before.values())
     check_heads_kept(tuple(config.heads_kept), total_heads)
-    for parameter in teacher.parameters():
-        parameter.requires_grad_(False)
 
     train_texts, held_out_texts = text_chunks(
         load_text(None), config.train_texts, config.held_out_texts, config.seed
@@ -390,8 +387,7 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
                 remove_head_gates(student, fold=False, adapter=adapter)
             selection_seconds = time.perf_counter() - started
             cosine_before, min_before = fidelity(student, held_out, reference)
-            for parameter in student.parameters():
-                parameter.requires_grad_(True)
+            student.requires_grad_(True)
             started = time.perf_counter()
             losses = encoder_finetune(
                 student,
@@ -402,8 +398,7 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
                 seed=config.seed,
             )
             distill_seconds = time.perf_counter() - started
-            for parameter in student.parameters():
-                parameter.requires_grad_(False)
+            student.requires_grad_(False)
             student.eval()
             cosine_after, min_after = fidelity(student, held_out, reference)
             counted = heads_per_layer(student, adapter)
@@ -534,8 +529,7 @@ def run_decoder_curve(
     heads_before = heads_per_layer(model, adapter)
     total_heads = sum(heads_before.values())
     check_fractions(tuple(config.fractions), total_heads)
-    for parameter in model.parameters():
-        parameter.requires_grad_(False)  # importance needs gradients of the head masks only
+    model.requires_grad_(False)  # importance needs gradients of the head masks only
     windows, calibration = decoder_data(tokenizer, config)
     console.print(
         f"decoder: {total_heads} query heads in {len(heads_before)} layers "
@@ -653,15 +647,12 @@ def run_recovery_cases(config: PruneCurvesConfig, console: Any) -> dict[str, Any
     import tempfile
 
     from headkit.recipes.prune import PruneSettings, prune
-    from headkit.surgery.adapters import get_adapter
-    from headkit.surgery.pruning import heads_per_layer, query_to_kv_heads
+    from headkit.surgery.pruning import heads_per_layer
 
     model_path = Path(config.recovery_model) if config.recovery_model is not None else smollm2_gguf_path()
-    loaded = load_model(model_path)
-    adapter = get_adapter(loaded.model)
-    heads = heads_per_layer(loaded.model, adapter)
-    kv_heads = {site.index: len(set(query_to_kv_heads(site))) for site in adapter.sites(loaded.model)}
-    del loaded
+    model = load_model(model_path).model
+    heads, kv_heads = heads_per_layer(model), kv_heads_per_layer(model)
+    del model
     cases = []
     for unit, fraction, uniform in parse_recovery_cases(config.recovery_cases):
         keep = heads_to_keep(heads, kv_heads, unit, fraction, uniform)
