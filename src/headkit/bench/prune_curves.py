@@ -782,18 +782,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "parameters",
         "heads per layer",
     ]
-    total = encoder["total_heads"]
-    rows = [
-        [
-            total,
-            "unpruned",
-            "1",
-            "1",
-            "1",
-            f"{encoder['parameters']:,}",
-            _per_layer(encoder["heads_per_layer"]),
-        ]
-    ]
+    unpruned = [encoder["total_heads"], "unpruned", "1", "1", "1"]
+    rows = [[*unpruned, f"{encoder['parameters']:,}", _per_layer(encoder["heads_per_layer"])]]
     for point in sorted(encoder["points"], key=lambda p: (-p["heads_kept"], p["method"])):
         rows.append(
             [
