@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from headkit.bench._measure import time_call
 from headkit.bench._options import check_integers, check_names, check_positive_numbers
 from headkit.bench._report import (
     TABLE_FILE,
@@ -266,13 +267,12 @@ def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
             progress.update(task, description=f"completing with {mechanism}")
             completed = complete_images(model, prompts, sample=config.sample, seed=config.seed)
             completions[mechanism] = completed
-            seconds = {
-                count: _median_seconds(
-                    lambda count=count, model=model: complete_images(
-                        model, prompts[:count], sample=config.sample
-                    ),
-                    config.timing_repeats,
-                )
+            seconds = {  # images -> seconds (median)
+                count: time_call(
+                    partial(complete_images, model, prompts[:count], sample=config.sample),
+                    repeats=config.timing_repeats,
+                    warmup=0,
+                ).median_s
                 for count in config.image_counts
             }
             losses = trained.pop("losses")
@@ -284,7 +284,7 @@ def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
                     "classifier_accuracy_completed": classifier_accuracy(
                         classifier, completed.numpy(), data.test_labels
                     ),
-                    "completion_seconds": seconds,  # images -> seconds (median)
+                    "completion_seconds": seconds,
                     "losses": losses,
                 }
             )
@@ -299,12 +299,6 @@ def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
     files = {"table": TABLE_FILE, "grid": GRID_FILE}
     plots = {GRID_FILE: lambda report: plot_completion_grid(data.test_pixels, completions)}
     return finish_report("digits", config, started, sections, files, render_markdown, plots, console)
-
-
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    from headkit.bench._measure import time_call
-
-    return time_call(fn, repeats=repeats, warmup=0).median_s
 
 
 def _summary(result: dict[str, Any]) -> str:
