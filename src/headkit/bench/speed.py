@@ -12,17 +12,9 @@ each as the median wall-clock time of ``repeats`` calls after a warm-up call, an
 Vaswani et al. 2017, Eq. 1) measured at the same length in the same run, so that both sides of a ratio saw
 the same machine load.
 
-Mechanisms (each kernel's module under :mod:`headkit.ops` derives what it computes):
-
-* ``linear_causal``: linear attention with the elu+1 feature map, causal (Katharopoulos et al. 2020,
-  arXiv:2006.16236, Eq. 4 and its causal form Eq. 10-11), computed chunkwise;
-* ``additive_causal``: Fastformer's additive attention pooling in causal form, one summary per prefix (Wu et
-  al. 2021, Eq. 1-2), on x [B,H,T,D] and per-token scores [B,H,T];
-* ``coca_causal``: collinear constrained attention, keys collinear with the queries with magnitudes t ≥ 0
-  [B,H,T,D/2] (Zhu et al. 2023, arXiv:2309.08646, §2);
-* ``collaborative_causal``: collaborative heads sharing one query and one key projection of width
-  D̃ = H·64, one mixing vector per head, plus a per-key content bias (Cordonnier et al. 2020, §3);
-* ``softmax_noncausal``: :func:`headkit.ops.softmax_attention` without the causal mask, for reference.
+Mechanisms: every kernel of the op registry, :data:`headkit.ops.KERNELS` (linear, additive, CoCA and
+collaborative attention, the softmax references); each kernel's module under :mod:`headkit.ops` derives what it
+computes and cites its paper, and results.json records each one's description.
 
 A kernel that is not implemented yet (it raises ``NotImplementedError``) is reported as unavailable and
 skipped. Outputs in ``out_dir``: ``results.json`` (every timing, medians, peak bytes, ratios, targets, machine
