@@ -75,8 +75,8 @@ def test_no_module_imports_another_modules_private_names():
     assert not violations, "\n".join(violations)
 
 
-# Issue 13 removes this last duplicate: bench/lm.py and demo.py each define their own VariantResult.
-ALLOWED_DUPLICATE_CLASS_NAMES = {"VariantResult"}
+# None left: issue 13 removed the last (bench/lm.py and demo.py each defined their own VariantResult).
+ALLOWED_DUPLICATE_CLASS_NAMES: set[str] = set()
 
 
 def test_public_class_names_are_unique():

@@ -2,17 +2,21 @@ from types import SimpleNamespace
 
 import pytest
 
-from headkit.bench._options import check_positive_option, check_positive_options
+from headkit.bench._options import check_integers, check_positive_numbers
 from headkit.errors import HeadkitError
 
 
-@pytest.mark.parametrize("bad", [0, -3, True, 1.5, "4", None])
-def test_a_non_positive_integer_is_refused_naming_the_option(bad):
-    with pytest.raises(HeadkitError, match=r"^--batch-size must be a positive integer"):
-        check_positive_option("batch_size", bad)
+@pytest.mark.parametrize("bad", [0, -3e-3, True, "4", None, float("inf"), float("nan")])
+def test_a_non_positive_number_is_refused_naming_the_option(bad):
+    check_positive_numbers(SimpleNamespace(lr=1e-3, lora_lr=2), ("lr", "lora_lr"))
+    with pytest.raises(HeadkitError, match=r"^--lora-lr must be a positive number"):
+        check_positive_numbers(SimpleNamespace(lr=1e-3, lora_lr=bad), ("lr", "lora_lr"))
 
 
-def test_every_named_setting_is_checked_and_good_ones_pass():
-    check_positive_options(SimpleNamespace(steps=1, layers=12), ("steps", "layers"))
-    with pytest.raises(HeadkitError, match="--layers"):
-        check_positive_options(SimpleNamespace(steps=1, layers=0), ("steps", "layers"))
+@pytest.mark.parametrize("bad", [(), [0, 1], (1, True), (1, 2.0), "12", (1, 1001)])
+def test_integer_lists_are_checked_against_their_bounds(bad):
+    check_integers("--images", (1, 1000), 1, 1000)
+    with pytest.raises(HeadkitError, match=r"^--images must be one or more integers in \[1, 1000\]"):
+        check_integers("--images", bad, 1, 1000)
+    with pytest.raises(HeadkitError, match="--ranks names a value twice"):
+        check_integers("--ranks", (4, 2, 4), distinct=True)

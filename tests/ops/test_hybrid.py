@@ -239,9 +239,13 @@ def test_gradients_flow_through_the_initial_state():
 
 @pytest.mark.parametrize("window", [1, 3, 9])
 @pytest.mark.parametrize("padded", [False, True])
-def test_the_one_token_step_matches_the_parallel_form_in_outputs_states_and_gradients(window, padded):
+@pytest.mark.parametrize("validate", [True, False])
+def test_the_one_token_step_matches_the_parallel_form_in_outputs_states_and_gradients(
+    window, padded, validate
+):
     """The decoding step has its own lean path: same output, state and gradients (inputs and state) as the
-    chunked form given the same single token, including windows that hold padding or no real key."""
+    chunked form given the same single token, including windows that hold padding or no real key — also
+    without its checks (``validate=False``, what a layer passes for a state it got from the op)."""
     q, k, v, qf, kf, balance = make_inputs(seq=12, dtype=torch.float64)
     mask = make_padding_mask(2, 12) if padded else torch.ones(2, 12, dtype=torch.bool)
     _, state = hybrid_attention(
@@ -258,7 +262,9 @@ def test_the_one_token_step_matches_the_parallel_form_in_outputs_states_and_grad
     def run(step: bool):
         initial = HybridAttentionState(*carried)
         if step:
-            return hybrid_attention_step(*token, gamma, initial, window=window, attention_mask=mask[:, 11:])
+            return hybrid_attention_step(
+                *token, gamma, initial, window=window, attention_mask=mask[:, 11:], validate=validate
+            )
         return hybrid_attention(
             *token,
             gamma,

@@ -291,3 +291,59 @@ def test_albert_with_two_groups_has_two_sites():
     model = transformers.AlbertModel(config)
     sites = AlbertAdapter().sites(model)
     assert [site.layers for site in sites] == [(0, 1), (2, 3)]
+
+
+def _reference_arguments(signature, *args, **kwargs):
+    """What Signature.bind reads from a call, after (self, hidden_states): the slow path, spelled out."""
+    import inspect
+
+    bound = signature.bind(*args, **kwargs)
+    arguments = {}
+    for name, value in list(bound.arguments.items())[2:]:
+        if signature.parameters[name].kind is inspect.Parameter.VAR_KEYWORD:
+            arguments.update(value)
+        else:
+            arguments[name] = value
+    return arguments
+
+
+def test_the_quick_binding_of_attention_calls_agrees_with_signature_bind_or_defers_to_it():
+    import inspect
+
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
+    from transformers.models.llama.modeling_llama import LlamaAttention
+
+    from headkit.surgery.adapters.base import _bind_quickly
+
+    def strict(self, hidden_states, attention_mask, layer_past=None, *, output_attentions=False):
+        pass
+
+    calls = [
+        ((1, 2), {"position_embeddings": 3, "attention_mask": 4}),
+        ((1, 2, 3, 4), {"past_key_values": 5, "position_ids": 6}),
+        ((1, 2, 3), {"use_cache": True}),
+        ((1, 2), {"attention_mask": 4, "output_attentions": True}),
+        ((1, 2, 3), {}),
+        ((1, 2), {"layer_past": 3}),
+    ]
+    for function in (LlamaAttention.forward, GPT2Attention.forward, strict):
+        signature = inspect.signature(function)
+        for args, kwargs in calls:
+            try:
+                expected = _reference_arguments(signature, *args, **kwargs)
+            except TypeError:
+                expected = None  # bind refuses: the quick path must defer (None), never accept
+            quick = _bind_quickly(signature, args[2:], kwargs)
+            assert quick is None or quick == expected, (function, args, kwargs)
+            if expected is not None and function is not strict:
+                assert quick == expected, (function, args, kwargs)
+    # Too many positionals, a duplicate, a missing required argument, an unknown keyword: deferred to bind.
+    signature = inspect.signature(strict)
+    assert _bind_quickly(signature, (1, 2, 3), {}) is None
+    assert _bind_quickly(signature, (1,), {"attention_mask": 1}) is None
+    assert _bind_quickly(signature, (), {}) is None
+    assert _bind_quickly(signature, (1,), {"unknown": 1}) is None
+    assert _bind_quickly(signature, (1,), {"output_attentions": True}) == {
+        "attention_mask": 1,
+        "output_attentions": True,
+    }

@@ -23,6 +23,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.autograd import DeviceType
@@ -251,3 +252,17 @@ def interleaved_times(calls: dict[str, Callable[[], object]], rounds: int) -> di
         for name in names:
             times[name].append(time_call(calls[name], repeats=1, warmup=0).median_s)
     return times
+
+
+def forward_times(models: dict[str, Any], batch: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds of one forward of each of ``models`` on ``batch`` (to its last hidden state, without gradients),
+    round after round (see :func:`interleaved_times`)."""
+
+    def forward(model: Any) -> Callable[[], object]:
+        def call() -> object:
+            with torch.no_grad():
+                return model(**batch).last_hidden_state
+
+        return call
+
+    return interleaved_times({name: forward(model) for name, model in models.items()}, rounds)

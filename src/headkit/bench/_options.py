@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -9,18 +10,6 @@ from typing import Any
 import torch
 
 from headkit.errors import HeadkitError
-
-
-def check_positive_option(name: str, value: Any) -> None:
-    """``value`` must be an int > 0 (bool is refused); the error names the option ``--name-with-dashes``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise HeadkitError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-
-
-def check_positive_options(config: Any, names: Iterable[str]) -> None:
-    """Each of ``config``'s attributes ``names`` must be a positive integer (see :func:`check_positive_option`)."""
-    for name in names:
-        check_positive_option(name, getattr(config, name))
 
 
 def check_device(device: str) -> torch.device:
@@ -57,3 +46,29 @@ def check_out_dir(out: str | Path) -> Path:
     if out.exists() and not out.is_dir():
         raise NotADirectoryError(f"--out {str(out)!r} exists and is not a directory")
     return out
+
+
+def check_positive_numbers(config: Any, names: Iterable[str]) -> None:
+    """Each of ``config``'s attributes ``names`` must be a finite number > 0 (bool is refused), else an error
+    naming the option ``--name-with-dashes``."""
+    for name in names:
+        value = getattr(config, name)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise HeadkitError(f"--{name.replace('_', '-')} must be a positive number, got {value!r}")
+
+
+def check_integers(
+    flag: str, values: Any, low: int = 1, high: int | None = None, *, distinct: bool = False
+) -> None:
+    """``values`` must be a non-empty tuple or list of integers in [low, high] (bool is refused), none repeated
+    where ``distinct``, else an error naming ``flag``."""
+    bounds = f"≥ {low}" if high is None else f"in [{low}, {high}]"
+    if (
+        not isinstance(values, (tuple, list))
+        or not values
+        or any(isinstance(v, bool) or not isinstance(v, int) or v < low for v in values)
+        or (high is not None and max(values) > high)
+    ):
+        raise HeadkitError(f"{flag} must be one or more integers {bounds}, got {values!r}")
+    if distinct and len(set(values)) != len(values):
+        raise HeadkitError(f"{flag} names a value twice: {values!r}")

@@ -8,12 +8,14 @@ Windows when both paths are on the same file system.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import os
 import platform
 import sys
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,15 +53,50 @@ def write_report(
     markdown: str,
     figures: Mapping[str, Any],
     console: Any = None,
+    *,
+    tables: Sequence[Any] | None = None,
 ) -> None:
-    """results.json, table.md and each figure under its file name, each atomically; ``console`` prints the table."""
+    """results.json, table.md and each figure under its file name, each atomically; ``console`` prints the
+    table (or the rich ``tables`` instead) and the files written."""
     out_dir = Path(out_dir)
     for name, figure in figures.items():
         save_figure_atomic(figure, out_dir / name)
     write_text_atomic(out_dir / TABLE_FILE, markdown)
     write_json_atomic(out_dir / RESULTS_FILE, results)
-    if console is not None:
+    if console is None:
+        return
+    if tables is None:
         console.print(markdown, highlight=False, markup=False, soft_wrap=True)  # wrapped tables read badly
+    for table in tables or ():
+        console.print(table)
+    *files, last = [RESULTS_FILE, TABLE_FILE, *figures]
+    console.print(f"wrote {', '.join(files)} and {last} to {out_dir}", highlight=False, markup=False)
+
+
+def finish_report(
+    name: str,
+    settings: Any,
+    started: float,
+    sections: Mapping[str, Any],
+    files: Mapping[str, str],
+    render: Callable[[dict[str, Any]], str],
+    plots: Mapping[str, Callable[[dict[str, Any]], Any]],
+    console: Any,
+) -> dict[str, Any]:
+    """Write and return a run's report: :func:`report_header`, ``sections``, the seconds since ``started`` (a
+    ``time.perf_counter()``) and ``files`` (each key's file name, as its path under ``settings.out``); table.md
+    is ``render(report)``, each of ``plots`` (file name: plot of the report) a figure."""
+    out = Path(settings.out)
+    report = report_header(name, settings) | dict(sections)
+    report |= {"seconds": time.perf_counter() - started, "files": {k: str(out / f) for k, f in files.items()}}
+    figures = {file: plot(report) for file, plot in plots.items()}
+    write_report(out, report, render(report), figures, console)
+    return report
+
+
+def find_point(points: Iterable[Mapping[str, Any]], **keys: Any) -> Any:
+    """The first of ``points`` whose values at ``keys`` are those given, or None."""
+    return next((point for point in points if all(point[k] == v for k, v in keys.items())), None)
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -131,13 +168,16 @@ def rich_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]
     return table
 
 
-def progress_bar(console: Any, show: bool, width: int) -> Any:
-    """A rich progress bar: the task's description in ``width`` characters, bar, count, elapsed time."""
+def progress_bar(
+    console: Any, show: bool = True, width: int | None = None, *, transient: bool = False
+) -> Any:
+    """A rich progress bar: the task's description (in ``width`` characters), bar, count, elapsed time;
+    ``transient`` bars vanish when done."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    description = TextColumn(f"{{task.description:<{width}}}")
+    description = TextColumn("{task.description}" if width is None else f"{{task.description:<{width}}}")
     columns = (description, BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
-    return Progress(*columns, console=console, disable=not show)
+    return Progress(*columns, console=console, disable=not show, transient=transient)
 
 
 def log2_length_axis(ax: Any, lengths: Sequence[int], xlabel: str | None, ylabel: str, title: str) -> None:
@@ -153,3 +193,18 @@ def log2_length_axis(ax: Any, lengths: Sequence[int], xlabel: str | None, ylabel
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
+
+
+@contextlib.contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """🤗 transformers' warnings hidden for the duration (its errors still shown), the previous level restored:
+    a benchmark that feeds a whole file to a tokenizer, or a model more positions than it was trained on, does
+    so on purpose."""
+    from transformers.utils import logging
+
+    previous = logging.get_verbosity()
+    logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        logging.set_verbosity(previous)

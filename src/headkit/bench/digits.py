@@ -24,7 +24,8 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from headkit.bench._options import check_names, check_positive_options
-from headkit.bench._report import TABLE_FILE, markdown_table, report_header, write_report
-from headkit.bench.registry import option, register_benchmark
+from headkit.bench._measure import time_call
+from headkit.bench._options import check_integers, check_names, check_positive_numbers
+from headkit.bench._report import (
+    TABLE_FILE,
+    finish_report,
+    markdown_table,
+    progress_bar,
+)
+from headkit.bench._training import optimizer_steps, train_with_progress
+from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
@@ -55,12 +63,12 @@ class DigitsConfig:
     """Settings of one ``headkit bench digits`` run."""
 
     out: Path = option(Path("results/digits"), "Output directory for results.json, table, grid.")
-    steps: int = option(1500, "Training steps per model (default 1500; 450 with --quick).", min=1)
-    batch_size: int = option(64, "Images per step (default 64; 32 with --quick).", min=1)
+    steps: int = option(1500, "Training steps per model (default 1500; 450 with --quick).", min=1, quick=450)
+    batch_size: int = option(64, "Images per step (default 64; 32 with --quick).", min=1, quick=32)
     lr: float = 3e-3
-    hidden_size: int = option(128, "Model width (default 128; 64 with --quick).", min=1)
-    layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1)
-    heads: int = 4
+    hidden_size: int = option(128, "Model width (default 128; 64 with --quick).", min=1, quick=64)
+    layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1, quick=2)
+    heads: int = setting(4, min=1)
     mechanisms: tuple[str, ...] = option(
         MECHANISMS, "Comma-separated registered attention mechanisms (default linear,softmax)."
     )
@@ -68,26 +76,16 @@ class DigitsConfig:
         (100, 200, 300),
         "Comma-separated image counts to time completion on (default 100,200,300; quick 100).",
         flag="--images",
+        quick=(100,),
     )
     # Greedy completion by default; sampling draws from the model's distribution.
     sample: bool = option(False, "Complete by sampling instead of greedily.")
-    timing_repeats: int = 3
+    timing_repeats: int = setting(3, min=1)
     seed: int = option(0, "Seed of the split, initialisation and batches.")
     # Tiny models: a second thread only adds synchronisation, and on shared cores it costs 10× (measured).
     threads: int = option(1, "torch threads (tiny models: 1 is fastest).", min=1)
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> DigitsConfig:
-        """Small models, short training, 100 images (< 3 minutes)."""
-        settings = {
-            "steps": 450,
-            "batch_size": 32,
-            "hidden_size": 64,
-            "layers": 2,
-            "image_counts": (100,),
-            "timing_repeats": 3,
-        }
-        return cls(**(settings | overrides))
+    quick = quick_preset("Small models, short training, 100 images (< 3 minutes).")
 
 
 @dataclass
@@ -98,20 +96,6 @@ class DigitsData:
     train_labels: np.ndarray
     test_pixels: np.ndarray
     test_labels: np.ndarray
-
-
-@dataclass
-class MechanismResult:
-    """What one attention mechanism achieved."""
-
-    mechanism: str
-    parameters: int
-    train_seconds: float
-    final_train_loss: float
-    test_bits_per_pixel: float
-    classifier_accuracy_completed: float
-    completion_seconds: dict[int, float] = field(default_factory=dict)  # images -> seconds (median)
-    losses: list[float] = field(default_factory=list)
 
 
 # -- data ------------------------------------------------------------------------------------------------------
@@ -184,20 +168,12 @@ def train_pixel_model(
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / config.steps))
     )
-    model.train()
-    losses = []
-    for step in range(config.steps):
+
+    def loss_at(step: int) -> torch.Tensor:
         batch = sequences[torch.randint(len(sequences), (config.batch_size,), generator=generator)]
-        loss = model(input_ids=batch, labels=batch).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        losses.append(float(loss.detach()))
-        if progress is not None:
-            progress(step + 1, losses[-1])
-    model.eval()
-    return losses
+        return model(input_ids=batch, labels=batch).loss
+
+    return optimizer_steps(model, optimizer, schedule, config.steps, loss_at, progress)
 
 
 @torch.no_grad()
@@ -249,13 +225,10 @@ def classifier_accuracy(classifier: Any, pixels: np.ndarray | torch.Tensor, labe
 
 
 def _check_settings(config: DigitsConfig) -> None:
-    check_positive_options(config, ("heads", "timing_repeats"))
     if config.hidden_size % config.heads:
         raise HeadkitError(f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads}")
-    if not config.image_counts or any(not 0 < count <= 1000 for count in config.image_counts):
-        raise HeadkitError(f"--images must be counts in [1, 1000], got {config.image_counts!r}")
-    if not config.lr > 0:
-        raise HeadkitError(f"--lr must be positive, got {config.lr!r}")
+    check_integers("--images", config.image_counts, 1, 1000)
+    check_positive_numbers(config, ("lr",))
     check_names("--mechanisms", config.mechanisms, attention_classes())
 
 
@@ -267,8 +240,6 @@ def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
     Train the models, complete the occluded test images, time and judge the completions; write the report.
 
     Returns the dictionary written to ``results.json``."""
-    from rich.progress import Progress
-
     started = time.perf_counter()
     data = load_digit_data(max(TEST_IMAGES, max(config.image_counts)), config.seed)
     train_sequences = to_sequences(data.train_pixels)
@@ -281,74 +252,62 @@ def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
     )
     prompts = occlude(data.test_pixels)
 
-    results: list[MechanismResult] = []
+    results: list[dict[str, Any]] = []
     completions: dict[str, torch.Tensor] = {}
-    with Progress(console=console, transient=True) as progress:
+    with progress_bar(console, transient=True) as progress:
         for mechanism in config.mechanisms:
             model = build_model(mechanism, config)
-            task = progress.add_task(f"training {mechanism}", total=config.steps)
-            train_start = time.perf_counter()
-            losses = train_pixel_model(
+            trained, task = train_with_progress(
+                progress,
+                mechanism,
                 model,
-                train_sequences,
-                config,
-                lambda step, loss, task=task: progress.update(task, completed=step),
+                config.steps,
+                partial(train_pixel_model, model, train_sequences, config),
             )
-            train_seconds = time.perf_counter() - train_start
             progress.update(task, description=f"completing with {mechanism}")
             completed = complete_images(model, prompts, sample=config.sample, seed=config.seed)
             completions[mechanism] = completed
-            seconds = {
-                count: _median_seconds(
-                    lambda count=count, model=model: complete_images(
-                        model, prompts[:count], sample=config.sample
-                    ),
-                    config.timing_repeats,
-                )
+            seconds = {  # images -> seconds (median)
+                count: time_call(
+                    partial(complete_images, model, prompts[:count], sample=config.sample),
+                    repeats=config.timing_repeats,
+                    warmup=0,
+                ).median_s
                 for count in config.image_counts
             }
+            losses = trained.pop("losses")
             results.append(
-                MechanismResult(
-                    mechanism=mechanism,
-                    parameters=sum(p.numel() for p in model.parameters()),
-                    train_seconds=train_seconds,
-                    final_train_loss=float(np.mean(losses[-20:])),
-                    test_bits_per_pixel=bits_per_pixel(model, test_sequences),
-                    classifier_accuracy_completed=classifier_accuracy(
+                {"mechanism": mechanism}
+                | trained
+                | {
+                    "test_bits_per_pixel": bits_per_pixel(model, test_sequences),
+                    "classifier_accuracy_completed": classifier_accuracy(
                         classifier, completed.numpy(), data.test_labels
                     ),
-                    completion_seconds=seconds,
-                    losses=losses,
-                )
+                    "completion_seconds": seconds,
+                    "losses": losses,
+                }
             )
             console.print(f"{mechanism}: {_summary(results[-1])}")
 
-    report = report_header("digits", config) | {
+    sections = {
         "train_images": len(data.train_pixels),
         "test_images": len(data.test_pixels),
         "classifier_accuracy_original": accuracy_original,
-        "mechanisms": [asdict(result) for result in results],
-        "seconds": time.perf_counter() - started,
-        "files": {"table": str(Path(config.out) / TABLE_FILE), "grid": str(Path(config.out) / GRID_FILE)},
+        "mechanisms": results,
     }
-    grid = plot_completion_grid(data.test_pixels, completions)
-    write_report(config.out, report, render_markdown(report), {GRID_FILE: grid}, console)
-    return report
+    files = {"table": TABLE_FILE, "grid": GRID_FILE}
+    plots = {GRID_FILE: lambda report: plot_completion_grid(data.test_pixels, completions)}
+    return finish_report("digits", config, started, sections, files, render_markdown, plots, console)
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    from headkit.bench._measure import time_call
-
-    return time_call(fn, repeats=repeats, warmup=0).median_s
-
-
-def _summary(result: MechanismResult) -> str:
+def _summary(result: dict[str, Any]) -> str:
     times = ", ".join(
-        f"{count} images {seconds:.2f} s" for count, seconds in result.completion_seconds.items()
+        f"{count} images {seconds:.2f} s" for count, seconds in result["completion_seconds"].items()
     )
     return (
-        f"{result.test_bits_per_pixel:.3f} bits/pixel on test images, classifier accuracy on completions "
-        f"{result.classifier_accuracy_completed:.3f}; completion time {times}"
+        f"{result['test_bits_per_pixel']:.3f} bits/pixel on test images, classifier accuracy on completions "
+        f"{result['classifier_accuracy_completed']:.3f}; completion time {times}"
     )
 
 

@@ -50,20 +50,21 @@ Writes ``results.json``, ``table.md``, ``perplexity.png`` and ``passkey.png`` to
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from headkit.bench._options import check_positive_option, check_positive_options
-from headkit.bench._report import markdown_table, report_header, write_report
-from headkit.bench.registry import option, register_benchmark
+from headkit.bench._options import check_integers, check_positive_numbers
+from headkit.bench._report import TABLE_FILE, finish_report, markdown_table, progress_bar, quiet_transformers
+from headkit.bench._training import optimizer_steps, train_with_progress
+from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.data import (
     BYTE_VOCAB,
     ByteTokenizer,
@@ -75,7 +76,7 @@ from headkit.data import (
 )
 from headkit.errors import HeadkitError
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
-from headkit.train import held_out_bits_per_byte
+from headkit.train import default_config, held_out_bits_per_byte
 
 MODELS = ("softmax", "coca")
 SCALINGS = ("none", "linear", "dynamic")
@@ -103,84 +104,37 @@ class ExtrapolateConfig:
     out: Path = option(
         Path("results/extrapolate"), "Output directory for results.json, table.md and the plots."
     )
-    steps: int = option(2000, "Training steps per model (default 2000; 500 with --quick).", min=1)
-    batch_size: int = option(32, "Windows per step (default 32; 16 with --quick).", min=2)
+    steps: int = option(2000, "Training steps per model (default 2000; 500 with --quick).", min=1, quick=500)
+    batch_size: int = option(32, "Windows per step (default 32; 16 with --quick).", min=2, quick=16)
     lr: float = 2e-3
-    hidden_size: int = option(128, "Model width (default 128; 64 with --quick).", min=2)
-    layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1)
-    heads: int = 4
-    train_length: int = 128
+    hidden_size: int = option(128, "Model width (default 128; 64 with --quick).", min=2, quick=64)
+    layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1, quick=2)
+    heads: int = setting(4, min=1, quick=2)
+    train_length: int = setting(128, min=1)
     lengths: tuple[int, ...] = option(
         (128, 256, 512, 1024, 2048),
         "Comma-separated evaluation lengths ≥ 128, the trained one (default 128,256,512,1024,2048).",
     )
     passkey_fraction: float = 0.5  # share of each training batch that is passkey documents
-    passkey_trials: int = option(50, "Passkey documents per length (default 50; 10 with --quick).", min=1)
-    eval_tokens: int = 32_768  # held-out tokens scored at every length
+    passkey_trials: int = option(
+        50, "Passkey documents per length (default 50; 10 with --quick).", min=1, quick=10
+    )
+    eval_tokens: int = setting(32_768, min=1, quick=8192)  # held-out tokens scored at every length
     dynamic_factor: float | None = None  # None: max(lengths) / train_length
     rope_theta: float = 10000.0
     corpus: Path | None = option(None, "Text file or folder to train on (default: the Python stdlib).")
-    corpus_bytes: int | None = None  # read at most this many corpus bytes; None: all
+    # Read at most this many corpus bytes; None: all.
+    corpus_bytes: int | None = setting(None, min=1, quick=8_000_000)
     seed: int = option(0, "Seed of the initialisation, batches and passkey documents.")
     # Small models: a second thread mostly adds synchronisation on a shared two-core machine.
     threads: int = option(1, "torch threads (small models: 1 is fastest on 2 cores).", min=1)
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> ExtrapolateConfig:
-        """Small models, short training, 10 passkey trials (< 3 minutes)."""
-        settings = {
-            "steps": 500,
-            "batch_size": 16,
-            "hidden_size": 64,
-            "layers": 2,
-            "heads": 2,
-            "passkey_trials": 10,
-            "eval_tokens": 8192,
-            "corpus_bytes": 8_000_000,
-        }
-        return cls(**(settings | overrides))
+    quick = quick_preset("Small models, short training, 10 passkey trials (< 3 minutes).")
 
     def resolved_dynamic_factor(self) -> float:
         if self.dynamic_factor is not None:
             return float(self.dynamic_factor)
         return max(1.0, max(self.lengths) / self.train_length)
-
-
-@dataclass
-class ModelResult:
-    """How one attention mechanism trained."""
-
-    attention: str
-    parameters: int
-    train_seconds: float
-    final_train_loss: float
-    losses: list[float] = field(default_factory=list)
-
-
-@dataclass
-class PerplexityResult:
-    """Held-out bits per byte of one model under one scaling at one length."""
-
-    attention: str
-    scaling: str
-    length: int
-    bits_per_byte: float
-    perplexity: float  # per byte token: 2 ** bits_per_byte
-    windows: int
-    tokens: int
-
-
-@dataclass
-class PasskeyResult:
-    """Passkey retrieval of one model under one scaling at one length; ``answers`` are the generated keys."""
-
-    attention: str
-    scaling: str
-    length: int
-    trials: int
-    accuracy: float  # all digits right
-    digit_accuracy: float
-    answers: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -253,9 +207,8 @@ def model_config(
 ) -> HeadkitConfig:
     """The config of a model with ``attention``, its rotary positions scaled by ``scaling`` for inputs of
     ``length`` tokens (the trained length, 128, is ``max_position_embeddings``: dynamic NTK's L₀)."""
-    tokenizer = ByteTokenizer()
-    return HeadkitConfig(
-        vocab_size=tokenizer.vocab_size,
+    return default_config(
+        ByteTokenizer(),
         hidden_size=config.hidden_size,
         num_hidden_layers=config.layers,
         num_attention_heads=config.heads,
@@ -263,9 +216,6 @@ def model_config(
         position_embedding_type="rope",
         max_position_embeddings=config.train_length,
         rope_parameters=rope_parameters(scaling, length, config),
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
     )
 
 
@@ -333,26 +283,17 @@ def train_model(
         return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done)))
 
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-    model.train()
-    losses = []
-    for step in range(config.steps):
+
+    def loss_at(step: int) -> torch.Tensor:
         corpus_rows = sample_batch(
             train_stream, config.batch_size - passkey_rows, config.train_length, generator
         )
         batch = torch.cat([corpus_rows, passkey_batch(passkey_rows, config.train_length, rng)])
         # Document separators are not text: they are neither predicted nor counted.
         labels = batch.masked_fill(torch.isin(batch, ignored), -100)
-        loss = model(input_ids=batch, labels=labels, use_cache=False).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(float(loss.detach()))
-        if progress is not None:
-            progress(step + 1, losses[-1])
-    model.eval()
-    return losses
+        return model(input_ids=batch, labels=labels, use_cache=False).loss
+
+    return optimizer_steps(model, optimizer, schedule, config.steps, loss_at, progress, clip_norm=1.0)
 
 
 # -- evaluation ------------------------------------------------------------------------------------------------
@@ -383,7 +324,7 @@ def retrieve_passkeys(model: HeadkitForCausalLM, documents: list[PasskeyDocument
         return answers
     prompts = torch.tensor([list(doc.prompt.encode("ascii")) for doc in documents], dtype=torch.long)
     rows = max(1, EVAL_BATCH_TOKENS // prompts.shape[1])
-    with _quiet_transformers():
+    with quiet_transformers():  # the input exceeds max_position_embeddings: that is the point
         for chunk in prompts.split(rows):
             generated = model.generate(
                 chunk,
@@ -416,25 +357,11 @@ def score_answers(answers: list[str], keys: list[str]) -> tuple[float, float]:
     return exact, digits
 
 
-@contextlib.contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """Hide generate()'s reminder that the input exceeds max_position_embeddings: exceeding it is the point."""
-    from transformers.utils import logging
-
-    previous = logging.get_verbosity()
-    logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        logging.set_verbosity(previous)
-
-
 # -- the benchmark ---------------------------------------------------------------------------------------------
 
 
 def check_settings(config: ExtrapolateConfig) -> None:
     """Raise HeadkitError naming the option for any bad setting (before any corpus is read)."""
-    check_positive_options(config, ("heads", "eval_tokens", "train_length"))
     if config.hidden_size % config.heads or (config.hidden_size // config.heads) % 2:
         raise HeadkitError(
             f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads} into an even head "
@@ -444,31 +371,18 @@ def check_settings(config: ExtrapolateConfig) -> None:
         raise HeadkitError(
             f"train_length must be at least {MIN_DOCUMENT_LENGTH} (a passkey document), got {config.train_length}"
         )
-    lengths = config.lengths
-    if (
-        not lengths
-        or any(isinstance(n, bool) or not isinstance(n, int) for n in lengths)
-        or any(not config.train_length <= n <= MAX_LENGTH for n in lengths)
-        or len(set(lengths)) != len(lengths)
-    ):
-        raise HeadkitError(
-            f"--lengths must be distinct integers in [{config.train_length} (the trained length), {MAX_LENGTH}], "
-            f"got {lengths!r}"
-        )
+    check_integers("--lengths", config.lengths, config.train_length, MAX_LENGTH, distinct=True)
     if not 0.0 <= config.passkey_fraction < 1.0:
         raise HeadkitError(f"passkey_fraction must be in [0, 1), got {config.passkey_fraction!r}")
     if round(config.passkey_fraction * config.batch_size) >= config.batch_size:
         raise HeadkitError(
             f"--batch-size {config.batch_size} leaves no corpus window beside the passkey documents"
         )
-    if not (isinstance(config.lr, (int, float)) and config.lr > 0 and math.isfinite(config.lr)):
-        raise HeadkitError(f"lr must be a positive number, got {config.lr!r}")
+    check_positive_numbers(config, ("lr",))
     if config.dynamic_factor is not None and not (
         isinstance(config.dynamic_factor, (int, float)) and 1.0 <= config.dynamic_factor < math.inf
     ):
         raise HeadkitError(f"dynamic_factor must be a number ≥ 1 or None, got {config.dynamic_factor!r}")
-    if config.corpus_bytes is not None:
-        check_positive_option("corpus_bytes", config.corpus_bytes)
     if config.corpus is not None and not Path(config.corpus).exists():
         raise HeadkitError(f"--corpus {str(config.corpus)!r} does not exist")
 
@@ -479,8 +393,6 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
     contexts, with no, linear (position interpolation) and dynamic-NTK rotary scaling.
 
     See the module docstring; returns the dictionary written to ``results.json``."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     started = time.perf_counter()
     corpus = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
     tokenizer = ByteTokenizer()
@@ -498,77 +410,61 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
         f"tokens; trained at {config.train_length}, evaluated at {', '.join(map(str, config.lengths))}"
     )
 
-    models: list[ModelResult] = []
-    perplexities: list[PerplexityResult] = []
-    passkeys: list[PasskeyResult] = []
+    # The report's records: how each model trained; its bits per byte (perplexity per byte token: 2 ** bits per
+    # byte) and its passkey retrieval (accuracy: all digits right; answers: the generated keys) per scaling and
+    # length.
+    models: list[dict[str, Any]] = []
+    perplexities: list[dict[str, Any]] = []
+    passkeys: list[dict[str, Any]] = []
     evaluations = len(SCALINGS) * len(config.lengths)
-    with Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=True,
-    ) as progress:
+    with progress_bar(console, transient=True) as progress:
         for attention in MODELS:
             model = build_model(attention, config)
-            task = progress.add_task(f"training {attention}", total=config.steps)
-            train_start = time.perf_counter()
-            losses = train_model(
-                model,
-                train_stream,
-                config,
-                lambda step, loss, task=task: progress.update(task, completed=step),
-            )
-            models.append(
-                ModelResult(
-                    attention=attention,
-                    parameters=sum(p.numel() for p in model.parameters()),
-                    train_seconds=time.perf_counter() - train_start,
-                    final_train_loss=float(np.mean(losses[-20:])),
-                    losses=losses,
-                )
-            )
+            train = partial(train_model, model, train_stream, config)
+            trained, task = train_with_progress(progress, attention, model, config.steps, train)
+            models.append({"attention": attention} | trained)
             progress.update(task, description=f"evaluating {attention}", completed=0, total=evaluations)
             for scaling in SCALINGS:
                 for length in config.lengths:
                     scaled = scaled_model(model, scaling, length, config)
                     bpb = bits_per_byte(scaled, windows[length])
+                    point = {"attention": attention, "scaling": scaling, "length": length}
                     perplexities.append(
-                        PerplexityResult(
-                            attention,
-                            scaling,
-                            length,
-                            bpb,
-                            2.0**bpb,
-                            len(windows[length]),
-                            windows[length].numel(),
-                        )
+                        point
+                        | {
+                            "bits_per_byte": bpb,
+                            "perplexity": 2.0**bpb,
+                            "windows": len(windows[length]),
+                            "tokens": windows[length].numel(),
+                        }
                     )
                     answers = retrieve_passkeys(scaled, documents[length])
                     exact, digits = score_answers(answers, [doc.answer for doc in documents[length]])
                     passkeys.append(
-                        PasskeyResult(attention, scaling, length, len(answers), exact, digits, answers)
+                        point
+                        | {
+                            "trials": len(answers),
+                            "accuracy": exact,
+                            "digit_accuracy": digits,
+                            "answers": answers,
+                        }
                     )
                     progress.advance(task)
             console.print(
                 f"{attention}: {_summary(attention, perplexities, passkeys, config)}", highlight=False
             )
 
-    out = Path(config.out)
-    report = report_header("extrapolate", config) | {
+    sections = {
         "dynamic_factor": config.resolved_dynamic_factor(),
         "corpus": corpus.summary(),
-        "models": [asdict(result) for result in models],
-        "perplexity": [asdict(result) for result in perplexities],
-        "passkey": [asdict(result) for result in passkeys],
+        "models": models,
+        "perplexity": perplexities,
+        "passkey": passkeys,
         "passkey_keys": {str(length): [doc.answer for doc in docs] for length, docs in documents.items()},
-        "seconds": time.perf_counter() - started,
-        "files": {name: str(out / name) for name in ("table.md", "perplexity.png", "passkey.png")},
     }
-    figures = {"perplexity.png": plot_perplexity(report), "passkey.png": plot_passkey(report)}
-    write_report(out, report, render_markdown(report), figures, console)
-    return report
+    plots = {"perplexity.png": plot_perplexity, "passkey.png": plot_passkey}
+    files = {name: name for name in (TABLE_FILE, *plots)}
+    return finish_report("extrapolate", config, started, sections, files, render_markdown, plots, console)
 
 
 def _check_training_stream(stream: torch.Tensor, config: ExtrapolateConfig) -> None:
@@ -581,13 +477,15 @@ def _check_training_stream(stream: torch.Tensor, config: ExtrapolateConfig) -> N
 
 def _summary(
     attention: str,
-    perplexities: list[PerplexityResult],
-    passkeys: list[PasskeyResult],
+    perplexities: list[dict[str, Any]],
+    passkeys: list[dict[str, Any]],
     config: ExtrapolateConfig,
 ) -> str:
     shortest, longest = min(config.lengths), max(config.lengths)
-    bpb = {(r.scaling, r.length): r.bits_per_byte for r in perplexities if r.attention == attention}
-    hits = {(r.scaling, r.length): r.accuracy for r in passkeys if r.attention == attention}
+    bpb = {
+        (r["scaling"], r["length"]): r["bits_per_byte"] for r in perplexities if r["attention"] == attention
+    }
+    hits = {(r["scaling"], r["length"]): r["accuracy"] for r in passkeys if r["attention"] == attention}
     return (
         f"{bpb['none', shortest]:.3f} bits/byte at {shortest}, at {longest}: "
         + ", ".join(f"{s} {bpb[s, longest]:.3f}" for s in SCALINGS)
@@ -603,37 +501,25 @@ def render_markdown(report: dict[str, Any]) -> str:
     """Two tables: bits per byte (perplexity) and passkey accuracy, per model × scaling (rows) and length."""
     lengths = sorted({row["length"] for row in report["perplexity"]})
     groups = list(dict.fromkeys((row["attention"], row["scaling"]) for row in report["perplexity"]))
-    bpb = {(r["attention"], r["scaling"], r["length"]): r for r in report["perplexity"]}
-    keys = {(r["attention"], r["scaling"], r["length"]): r for r in report["passkey"]}
     headers = ["attention", "RoPE scaling", *(f"L = {length}" for length in lengths)]
-    perplexity_rows = [
-        [
-            attention,
-            scaling,
-            *(
-                f"{bpb[attention, scaling, n]['bits_per_byte']:.3f} ({bpb[attention, scaling, n]['perplexity']:.2f})"
-                for n in lengths
-            ),
-        ]
-        for attention, scaling in groups
-    ]
-    passkey_rows = [
-        [
-            attention,
-            scaling,
-            *(
-                f"{keys[attention, scaling, n]['accuracy']:.2f} / {keys[attention, scaling, n]['digit_accuracy']:.2f}"
-                for n in lengths
-            ),
-        ]
-        for attention, scaling in groups
-    ]
+
+    def rows(records: list[dict[str, Any]], cell: Callable[[dict[str, Any]], str]) -> list[list[str]]:
+        by_key = {(r["attention"], r["scaling"], r["length"]): r for r in records}
+        return [[a, s, *(cell(by_key[a, s, n]) for n in lengths)] for a, s in groups]
+
+    perplexity_rows = rows(
+        report["perplexity"], lambda r: f"{r['bits_per_byte']:.3f} ({r['perplexity']:.2f})"
+    )
+    passkey_rows = rows(report["passkey"], lambda r: f"{r['accuracy']:.2f} / {r['digit_accuracy']:.2f}")
     settings, machine = report["settings"], report["machine"]
     model_rows = [
         [m["attention"], f"{m['parameters']:,}", f"{m['train_seconds']:.1f}", f"{m['final_train_loss']:.3f}"]
         for m in report["models"]
     ]
-    windows = {n: bpb[groups[0][0], groups[0][1], n]["windows"] for n in lengths}
+    first = {
+        r["length"]: r["windows"] for r in report["perplexity"] if (r["attention"], r["scaling"]) == groups[0]
+    }
+    windows = {n: first[n] for n in lengths}
     return (
         f"Length extrapolation: trained at {settings['train_length']} bytes ({settings['steps']} steps × "
         f"{settings['batch_size']} windows, {settings['passkey_fraction']:.0%} passkey documents), hidden "
@@ -659,22 +545,11 @@ def plot_perplexity(report: dict[str, Any]) -> Any:
 
     figure = Figure(figsize=(7, 4.5))
     axis = figure.subplots()
-    for attention, scaling, rows in _lines(report["perplexity"]):
-        axis.plot(
-            [r["length"] for r in rows],
-            [r["bits_per_byte"] for r in rows],
-            _STYLES.get(scaling, "-"),
-            marker="o",
-            color=_COLOURS.get(attention),
-            label=f"{attention}, {scaling}",
-        )
-    axis.axvline(report["settings"]["train_length"], color="grey", linewidth=0.8)
-    axis.set_xscale("log", base=2)
+    _plot_lines(axis, report["perplexity"], "bits_per_byte", report["settings"]["train_length"])
     axis.set_xlabel("context length (bytes)")
     axis.set_ylabel("held-out bits per byte")
     axis.set_title("perplexity beyond the trained length (grey line)")
     axis.legend(fontsize=8)
-    axis.grid(alpha=0.3)
     return figure
 
 
@@ -688,31 +563,39 @@ def plot_passkey(report: dict[str, Any]) -> Any:
         (axes[0], "accuracy", "all 5 digits right", 1e-5),
         (axes[1], "digit_accuracy", "per digit", 0.1),
     ):
-        lines = _lines(report["passkey"])
-        for index, (attention, scaling, rows) in enumerate(lines):
-            # Accuracies often coincide (all 0, all 1): a small sideways shift keeps every line visible.
-            shift = 2.0 ** (0.04 * (index - (len(lines) - 1) / 2))
-            axis.plot(
-                [r["length"] * shift for r in rows],
-                [r[metric] for r in rows],
-                _STYLES.get(scaling, "-"),
-                marker="o",
-                color=_COLOURS.get(attention),
-                label=f"{attention}, {scaling}",
-            )
+        # Accuracies often coincide (all 0, all 1): a small sideways shift keeps every line visible.
+        _plot_lines(axis, report["passkey"], metric, report["settings"]["train_length"], spread=0.04)
         axis.axhline(chance, color="grey", linewidth=0.8, linestyle="--")
-        axis.axvline(report["settings"]["train_length"], color="grey", linewidth=0.8)
-        axis.set_xscale("log", base=2)
         axis.set_ylim(-0.03, 1.03)
         axis.set_xlabel("document length (bytes)")
         axis.set_ylabel("accuracy")
         axis.set_title(f"passkey retrieval: {title}")
-        axis.grid(alpha=0.3)
     axes[1].legend(fontsize=8)
     figure.suptitle(
         "trained length: grey line; lines shifted sideways where they coincide", fontsize=9, y=-0.02, va="top"
     )
     return figure
+
+
+def _plot_lines(
+    axis: Any, records: list[dict[str, Any]], metric: str, train_length: int, spread: float = 0.0
+) -> None:
+    """`metric` against length on log₂ x, a line per model × scaling (line i of n shifted sideways by
+    2^(spread·(i − (n−1)/2))), the trained length as a grey vertical line, a light grid."""
+    lines = _lines(records)
+    for index, (attention, scaling, rows) in enumerate(lines):
+        shift = 2.0 ** (spread * (index - (len(lines) - 1) / 2))
+        axis.plot(
+            [r["length"] * shift for r in rows],
+            [r[metric] for r in rows],
+            _STYLES.get(scaling, "-"),
+            marker="o",
+            color=_COLOURS.get(attention),
+            label=f"{attention}, {scaling}",
+        )
+    axis.axvline(train_length, color="grey", linewidth=0.8)
+    axis.set_xscale("log", base=2)
+    axis.grid(alpha=0.3)
 
 
 def _lines(rows: list[dict[str, Any]]) -> list[tuple[str, str, list[dict[str, Any]]]]:

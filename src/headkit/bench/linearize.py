@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from headkit.bench._report import command_line, machine_info, markdown_table, write_report
-from headkit.bench.registry import option, parse_list, register_benchmark
+from headkit.bench.registry import option, parse_list, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.recipes.linearize import PLOT_FILE, LinearizeSettings, check_settings, plot_report, run
 
@@ -56,12 +56,9 @@ class LinearizeBenchSettings:
     threads: int = option(2, "torch threads.", min=1)
     seed: int = option(0, "Seed of the sampling and the training order.")
     out: Path = option(Path("results/linearize"), "Output directory for results.json, table, plot.")
-    quick_recipe: bool = False  # the recipe's quick preset under the settings above
+    quick_recipe: bool = setting(False, quick=True)  # the recipe's quick preset under the settings above
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> LinearizeBenchSettings:
-        """The recipe's quick preset (a few minutes on 2 cores)."""
-        return cls(**({"quick_recipe": True} | overrides))
+    quick = quick_preset("The recipe's quick preset (a few minutes on 2 cores).")
 
     def recipe_settings(self) -> LinearizeSettings:
         """The recipe's settings: the ones given here over its full or quick preset."""

@@ -50,13 +50,13 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headkit.bench._options import check_positive_option
-from headkit.bench._report import markdown_table, report_header, write_report
-from headkit.bench.registry import option, register_benchmark
+from headkit.bench._options import check_positive_numbers
+from headkit.bench._report import TABLE_FILE, finish_report, markdown_table
+from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes, get_attention_class
 
@@ -96,65 +96,35 @@ class LMBenchConfig:
         None, "A text file or a folder of text files (default: this Python's standard-library source)."
     )
     corpus_bytes: int | None = option(
-        None, "Read at most this many corpus bytes (default all; 2 MB with --quick).", min=1
+        None, "Read at most this many corpus bytes (default all; 2 MB with --quick).", min=1, quick=2_000_000
     )
     # Sized by measurement (threads=1, AMD EPYC): hidden 192 × 4 layers at batch 8 × 256 bytes costs 0.5–0.75 s
     # of CPU per step depending on the mechanism, so 8 variants × 500 steps plus evaluations take ≈ 30–45 min
     # on two cores. Hidden 256 at batch 16 costs ~3 s per step: too few steps would fit in the same time.
-    steps: int = option(500, "Training steps per variant (default 500; 120 with --quick).", min=1)
+    steps: int = option(500, "Training steps per variant (default 500; 120 with --quick).", min=1, quick=120)
     batch_size: int = option(8, "Windows per step (default 8; 8 with --quick).", min=1)
-    seq_len: int = option(256, "Bytes per training window (default 256; 128 with --quick).", min=2)
-    hidden_size: int = option(192, "Model width (default 192; 64 with --quick).", min=1)
-    layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1)
+    seq_len: int = option(256, "Bytes per training window (default 256; 128 with --quick).", min=2, quick=128)
+    hidden_size: int = option(192, "Model width (default 192; 64 with --quick).", min=1, quick=64)
+    layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1, quick=2)
     heads: int = option(4, "Attention heads per layer (default 4).", min=1)
-    lr: float = option(2e-3, "Peak learning rate (default 2e-3; 3e-3 with --quick).")
-    eval_every: int = option(50, "Steps between held-out evaluations (default 50; 20 with --quick).", min=1)
-    eval_tokens: int = option(32_768, "Held-out bytes evaluated (default 32768; 4096 with --quick).", min=1)
-    additive_window: int = option(
-        32, "Window of the windowed additive variants (default 32; 16 with --quick).", min=1
+    lr: float = option(2e-3, "Peak learning rate (default 2e-3; 3e-3 with --quick).", quick=3e-3)
+    eval_every: int = option(
+        50, "Steps between held-out evaluations (default 50; 20 with --quick).", min=1, quick=20
     )
-    conv_kernel_size: int = 3
+    eval_tokens: int = option(
+        32_768, "Held-out bytes evaluated (default 32768; 4096 with --quick).", min=1, quick=4_096
+    )
+    additive_window: int = option(
+        32, "Window of the windowed additive variants (default 32; 16 with --quick).", min=1, quick=16
+    )
+    conv_kernel_size: int = setting(3, min=1)
     collaborative_dim: int | None = option(
         None, "Shared query/key width of collaborative heads (default: the hidden size).", min=1
     )
     seed: int = option(0, "Seed of the initialisation and the training batches.")
-    threads: int = option(2, "torch threads (default 2; 1 with --quick).", min=1)
+    threads: int = option(2, "torch threads (default 2; 1 with --quick).", min=1, quick=1)
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> LMBenchConfig:
-        """Tiny models, 120 steps, 2 MB of corpus (< 3 minutes)."""
-        settings = {
-            "corpus_bytes": 2_000_000,
-            "steps": 120,
-            "batch_size": 8,
-            "seq_len": 128,
-            "hidden_size": 64,
-            "layers": 2,
-            "heads": 4,
-            "lr": 3e-3,
-            "eval_every": 20,
-            "eval_tokens": 4_096,
-            "additive_window": 16,
-            "threads": 1,
-        }
-        return cls(**(settings | overrides))
-
-
-@dataclass
-class VariantResult:
-    """What one variant achieved; ``curve`` holds {step, train_seconds, bits_per_byte} from step 0 on."""
-
-    variant: str
-    description: str
-    attention: str
-    position_embedding_type: str
-    parameters: int
-    median_step_ms: float
-    train_seconds: float
-    initial_bits_per_byte: float | None  # None: not finite (the model diverged)
-    final_bits_per_byte: float | None
-    curve: list[dict[str, float | None]]
-    losses: list[float | None]
+    quick = quick_preset("Tiny models, 120 steps, 2 MB of corpus (< 3 minutes).")
 
 
 # -- the variants ----------------------------------------------------------------------------------------------
@@ -238,9 +208,7 @@ def count_parameters(variant: str, config: LMBenchConfig) -> int:
 
 def check_settings(config: LMBenchConfig) -> None:
     """Raise HeadkitError naming the option for any bad setting, before anything is loaded or trained."""
-    check_positive_option("conv_kernel_size", config.conv_kernel_size)  # the options' minimums: check_options
-    if isinstance(config.lr, bool) or not isinstance(config.lr, (int, float)) or not config.lr > 0:
-        raise HeadkitError(f"--lr must be a positive number, got {config.lr!r}")
+    check_positive_numbers(config, ("lr",))  # the integers' minimums: check_options
     valid = variants()
     if isinstance(config.variants, str) or not config.variants:
         raise HeadkitError(
@@ -289,7 +257,7 @@ def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
         highlight=False,
     )
 
-    results: list[VariantResult] = []
+    results: list[dict[str, Any]] = []
     for index, variant in enumerate(config.variants, start=1):
         description = describe_variant(variant, config)
         console.rule(f"[{index}/{len(config.variants)}] {variant}: {description}")
@@ -306,18 +274,20 @@ def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
             console=console,
             progress_label=variant,
         )
+        # What the variant achieved: bits per byte are None where not finite (the model diverged); the curve
+        # holds {step, train_seconds, bits_per_byte} from step 0 on.
         results.append(
-            VariantResult(
-                variant=variant,
-                description=description,
-                attention=model_configs[variant].attention,
-                position_embedding_type=model_configs[variant].position_embedding_type,
-                parameters=sum(parameter.numel() for parameter in trained.model.parameters()),
-                median_step_ms=1000 * statistics.median(trained.step_seconds),
-                train_seconds=sum(trained.step_seconds),
-                initial_bits_per_byte=_finite_or_none(trained.initial_bits_per_byte),
-                final_bits_per_byte=_finite_or_none(trained.held_out_bits_per_byte),
-                curve=[
+            {
+                "variant": variant,
+                "description": description,
+                "attention": model_configs[variant].attention,
+                "position_embedding_type": model_configs[variant].position_embedding_type,
+                "parameters": sum(parameter.numel() for parameter in trained.model.parameters()),
+                "median_step_ms": 1000 * statistics.median(trained.step_seconds),
+                "train_seconds": sum(trained.step_seconds),
+                "initial_bits_per_byte": _finite_or_none(trained.initial_bits_per_byte),
+                "final_bits_per_byte": _finite_or_none(trained.held_out_bits_per_byte),
+                "curve": [
                     {
                         "step": int(point["step"]),
                         "train_seconds": point["train_seconds"],
@@ -325,26 +295,25 @@ def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
                     }
                     for point in trained.history
                 ],
-                losses=[_finite_or_none(loss) for loss in trained.losses],
-            )
+                "losses": [_finite_or_none(loss) for loss in trained.losses],
+            }
         )
-        if results[-1].final_bits_per_byte is None:
+        if results[-1]["final_bits_per_byte"] is None:
             console.print(f"[bold red]{variant} diverged[/] (non-finite loss); try a lower --lr")
         del trained  # the next model need not share memory with this one
 
-    out = Path(config.out)
-    report = report_header("lm", config) | {
+    sections = {
         "corpus": summary,
         "positions": {
             "rope": [v for v in config.variants if model_configs[v].position_embedding_type == "rope"],
             "learned": [v for v in config.variants if model_configs[v].position_embedding_type == "learned"],
         },
-        "variants": [asdict(result) for result in results],
-        "seconds": time.perf_counter() - started,
-        "files": {"table": str(out / "table.md"), "plot": str(out / PLOT_FILE)},
+        "variants": results,
     }
-    write_report(out, report, render_markdown(report), {PLOT_FILE: plot_curves(report)}, console)
-    return report
+    files = {"table": TABLE_FILE, "plot": PLOT_FILE}
+    return finish_report(
+        "lm", config, started, sections, files, render_markdown, {PLOT_FILE: plot_curves}, console
+    )
 
 
 def _finite_or_none(value: float | None) -> float | None:

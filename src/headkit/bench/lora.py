@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headkit.bench._options import check_positive_options
-from headkit.bench._report import markdown_table, report_header, write_report
-from headkit.bench.registry import option, register_benchmark
+from headkit.bench._options import check_integers, check_positive_numbers
+from headkit.bench._report import TABLE_FILE, finish_report, markdown_table, progress_bar
+from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 
 PIXELS = 64
@@ -42,6 +42,7 @@ VARIANTS = ("quantized", "rotated", "inverted")
 TARGET_MODULES = ("fc1", "fc2", "fc3")
 # α of the update (α/r)·BA, fixed across ranks as Hu et al. (Sec. 4.1) do, so a larger rank is not a larger step.
 LORA_ALPHA = 8
+PLOT_FILE = "lora.png"
 
 
 @dataclass
@@ -50,12 +51,16 @@ class LoraConfig:
 
     out: Path = option(Path("results/lora"), "Output directory for results.json, table, plot.")
     ranks: tuple[int, ...] = option(
-        RANKS, "Comma-separated LoRA ranks (default 1,2,4,...,64; quick 1,4,16,64)."
+        RANKS, "Comma-separated LoRA ranks (default 1,2,4,...,64; quick 1,4,16,64).", quick=(1, 4, 16, 64)
     )
-    hidden_size: int = 128
-    pretrain_epochs: int = option(60, "Epochs on the original digits (default 60; 30 with --quick).", min=1)
-    finetune_epochs: int = option(30, "Epochs per fine-tuning run (default 30; 20 with --quick).", min=1)
-    batch_size: int = 64
+    hidden_size: int = setting(128, min=1)
+    pretrain_epochs: int = option(
+        60, "Epochs on the original digits (default 60; 30 with --quick).", min=1, quick=30
+    )
+    finetune_epochs: int = option(
+        30, "Epochs per fine-tuning run (default 30; 20 with --quick).", min=1, quick=20
+    )
+    batch_size: int = setting(64, min=1)
     lr: float = 3e-3
     lora_lr: float = 1e-2  # B starts at zero: the factors need a larger step than full fine-tuning
     test_fraction: float = 0.25
@@ -63,11 +68,7 @@ class LoraConfig:
     # Tiny models: a second thread only adds synchronisation, and on shared cores it costs 10× (measured).
     threads: int = option(1, "torch threads (a tiny MLP: 1 is fastest).", min=1)
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> LoraConfig:
-        """Four ranks and fewer epochs (< 2 minutes)."""
-        settings = {"ranks": (1, 4, 16, 64), "pretrain_epochs": 30, "finetune_epochs": 20}
-        return cls(**(settings | overrides))
+    quick = quick_preset("Four ranks and fewer epochs (< 2 minutes).")
 
 
 class DigitClassifier(nn.Module):
@@ -195,11 +196,8 @@ def lora_parameter_count(model: DigitClassifier, rank: int) -> int:
 
 
 def _check_settings(config: LoraConfig) -> None:
-    check_positive_options(config, ("hidden_size", "batch_size"))
-    if not config.ranks or any(isinstance(r, bool) or not isinstance(r, int) or r <= 0 for r in config.ranks):
-        raise HeadkitError(f"--ranks must be positive integers, got {config.ranks!r}")
-    if not (config.lr > 0 and config.lora_lr > 0):
-        raise HeadkitError(f"--lr and --lora-lr must be positive, got {config.lr!r} and {config.lora_lr!r}")
+    check_integers("--ranks", config.ranks)
+    check_positive_numbers(config, ("lr", "lora_lr"))
 
 
 @register_benchmark("lora", LoraConfig, check=_check_settings)
@@ -210,8 +208,6 @@ def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
     Pretrain, then fine-tune fully and with LoRA per rank on every variant, and LoRA-only from scratch.
 
     Returns the dictionary written to ``results.json``."""
-    from rich.progress import Progress
-
     started = time.perf_counter()
     data = load_split(config.test_fraction, config.seed)
     train_kwargs = dict(batch_size=config.batch_size, seed=config.seed)
@@ -231,7 +227,7 @@ def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
 
     variants: dict[str, dict[str, Any]] = {}
     jobs = len(VARIANTS) * (1 + len(config.ranks)) + len(config.ranks)
-    with Progress(console=console, transient=True) as progress:
+    with progress_bar(console, transient=True) as progress:
         task = progress.add_task("fine-tuning", total=jobs)
 
         def fit(model: nn.Module, variant: str, lr: float, label: str) -> float:
@@ -243,20 +239,25 @@ def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
             progress.advance(task)
             return accuracy(model, make_variant(data["test_x"], variant), data["test_y"])
 
+        def lora_sweep(base: nn.Module, variant: str, label: str) -> list[dict[str, Any]]:
+            """Per rank, a LoRA copy of `base` fitted to `variant`: its trainable parameters and accuracy."""
+            rows = []
+            for rank in config.ranks:
+                adapted = with_lora(base, rank, config.seed)
+                rows.append(
+                    {
+                        "rank": rank,
+                        "trainable_parameters": trainable_parameters(adapted),
+                        "accuracy": fit(adapted, variant, config.lora_lr, label.format(rank=rank)),
+                    }
+                )
+            return rows
+
         for variant in VARIANTS:
             before = accuracy(pretrained, make_variant(data["test_x"], variant), data["test_y"])
             full = copy.deepcopy(pretrained)
             full_accuracy = fit(full, variant, config.lr, "full fine-tuning")
-            lora = []
-            for rank in config.ranks:
-                adapted = with_lora(pretrained, rank, config.seed)
-                lora.append(
-                    {
-                        "rank": rank,
-                        "trainable_parameters": trainable_parameters(adapted),
-                        "accuracy": fit(adapted, variant, config.lora_lr, f"LoRA r={rank}"),
-                    }
-                )
+            lora = lora_sweep(pretrained, variant, "LoRA r={rank}")
             variants[variant] = {
                 "accuracy_before": before,
                 "full_finetune_accuracy": full_accuracy,
@@ -264,40 +265,31 @@ def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
                 "lora": lora,
             }
             console.print(
-                f"{variant}: {before:.3f} before, {full_accuracy:.3f} fully fine-tuned, LoRA "
-                + ", ".join(f"r={row['rank']} {row['accuracy']:.3f}" for row in lora)
+                f"{variant}: {before:.3f} before, {full_accuracy:.3f} fully fine-tuned, LoRA {_ranks(lora)}"
             )
 
         torch.manual_seed(config.seed + 1)
-        random_base = DigitClassifier(config.hidden_size)
-        from_scratch = []
-        for rank in config.ranks:
-            adapted = with_lora(random_base, rank, config.seed)
-            from_scratch.append(
-                {
-                    "rank": rank,
-                    "trainable_parameters": trainable_parameters(adapted),
-                    "accuracy": fit(adapted, "original", config.lora_lr, f"LoRA only r={rank}, from scratch"),
-                }
-            )
-    console.print(
-        "LoRA only, from scratch: "
-        + ", ".join(f"r={row['rank']} {row['accuracy']:.3f}" for row in from_scratch)
-    )
+        from_scratch = lora_sweep(
+            DigitClassifier(config.hidden_size), "original", "LoRA only r={rank}, from scratch"
+        )
+    console.print(f"LoRA only, from scratch: {_ranks(from_scratch)}")
 
-    out = Path(config.out)
-    report = report_header("lora", config) | {
+    sections = {
         "train_images": len(data["train_x"]),
         "test_images": len(data["test_x"]),
         "classifier_parameters": sum(p.numel() for p in pretrained.parameters()),
         "pretrained_accuracy": base_accuracy,
         "variants": variants,
         "lora_from_scratch": from_scratch,
-        "seconds": time.perf_counter() - started,
-        "files": {"table": str(out / "table.md"), "plot": str(out / "lora.png")},
     }
-    write_report(out, report, render_markdown(report), {"lora.png": plot_results(report)}, console)
-    return report
+    files = {"table": TABLE_FILE, "plot": PLOT_FILE}
+    return finish_report(
+        "lora", config, started, sections, files, render_markdown, {PLOT_FILE: plot_results}, console
+    )
+
+
+def _ranks(rows: list[dict[str, Any]]) -> str:
+    return ", ".join(f"r={row['rank']} {row['accuracy']:.3f}" for row in rows)
 
 
 def render_markdown(report: dict[str, Any]) -> str:

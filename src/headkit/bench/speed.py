@@ -12,17 +12,9 @@ each as the median wall-clock time of ``repeats`` calls after a warm-up call, an
 Vaswani et al. 2017, Eq. 1) measured at the same length in the same run, so that both sides of a ratio saw
 the same machine load.
 
-Mechanisms (each kernel's module under :mod:`headkit.ops` derives what it computes):
-
-* ``linear_causal``: linear attention with the elu+1 feature map, causal (Katharopoulos et al. 2020,
-  arXiv:2006.16236, Eq. 4 and its causal form Eq. 10-11), computed chunkwise;
-* ``additive_causal``: Fastformer's additive attention pooling in causal form, one summary per prefix (Wu et
-  al. 2021, Eq. 1-2), on x [B,H,T,D] and per-token scores [B,H,T];
-* ``coca_causal``: collinear constrained attention, keys collinear with the queries with magnitudes t ≥ 0
-  [B,H,T,D/2] (Zhu et al. 2023, arXiv:2309.08646, §2);
-* ``collaborative_causal``: collaborative heads sharing one query and one key projection of width
-  D̃ = H·64, one mixing vector per head, plus a per-key content bias (Cordonnier et al. 2020, §3);
-* ``softmax_noncausal``: :func:`headkit.ops.softmax_attention` without the causal mask, for reference.
+Mechanisms: every kernel of the op registry, :data:`headkit.ops.KERNELS` (linear, additive, CoCA and
+collaborative attention, the softmax references); each kernel's module under :mod:`headkit.ops` derives what it
+computes and cites its paper, and results.json records each one's description.
 
 A kernel that is not implemented yet (it raises ``NotImplementedError``) is reported as unavailable and
 skipped. Outputs in ``out_dir``: ``results.json`` (every timing, medians, peak bytes, ratios, targets, machine
@@ -34,7 +26,7 @@ from __future__ import annotations
 import importlib.util
 import shlex
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -42,11 +34,11 @@ import torch
 from rich.console import Console
 
 from headkit.bench._measure import measure_peak_memory, time_call
-from headkit.bench._options import check_device, check_names, check_out_dir, check_positive_option
+from headkit.bench._options import check_device, check_integers, check_names, check_out_dir
 from headkit.bench._report import (
-    RESULTS_FILE,
-    TABLE_FILE,
+    TABLE_FILE,  # noqa: F401 (re-exported: headkit.demo reads the table of a speed run)
     command_line,
+    find_point,
     log2_length_axis,
     machine_info,
     markdown_table,
@@ -55,7 +47,7 @@ from headkit.bench._report import (
     verdict,
     write_report,
 )
-from headkit.bench.registry import option, register_benchmark
+from headkit.bench.registry import option, quick_preset, register_benchmark
 from headkit.errors import HeadkitError
 from headkit.ops import KERNELS, KernelSpec
 
@@ -155,27 +147,19 @@ class SpeedSettings:
 
     device: str = option("cpu", "Device to measure on: cpu or cuda.")
     lengths: tuple[int, ...] = option(
-        DEFAULT_LENGTHS, "Comma-separated sequence lengths (default 512,…,8192; quick 512,1024,2048)."
+        DEFAULT_LENGTHS,
+        "Comma-separated sequence lengths (default 512,…,8192; quick 512,1024,2048).",
+        quick=QUICK_LENGTHS,
     )
     mechanisms: tuple[str, ...] = option((), "Comma-separated mechanisms (default: all registered).")
-    repeats: int = option(5, "Timed repetitions per point, the median reported (default 5; quick 3).", min=1)
+    repeats: int = option(
+        5, "Timed repetitions per point, the median reported (default 5; quick 3).", min=1, quick=3
+    )
     out: Path = option(Path("results/speed"), "Output directory for results.json, plot and table.")
     warmup: int = 1  # untimed calls before the timed ones
     min_repeat_s: float = MIN_REPEAT_S  # a timed repeat loops over calls faster than this (their mean)
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> SpeedSettings:
-        """Short run: lengths 512..2048, 3 repeats."""
-        return cls(**({"lengths": QUICK_LENGTHS, "repeats": 3} | overrides))
-
-
-@dataclass
-class _Plan:
-    device: torch.device
-    lengths: list[int]
-    mechanisms: list[str]
-    repeats: int
-    out_dir: Path
+    quick = quick_preset("Short run: lengths 512..2048, 3 repeats.")
 
 
 @register_benchmark("speed", SpeedSettings)
@@ -191,26 +175,23 @@ def run_speed_benchmark(
 
     Raises:
         HeadkitError (a ValueError): unknown mechanism, CUDA asked for but absent, bad lengths or repeats."""
-    warmup, min_repeat_s = settings.warmup, settings.min_repeat_s
-    plan = _plan(settings)
-    unavailable = {name: note for name in plan.mechanisms if (note := _probe(MECHANISMS[name], plan.device))}
+    device, lengths, names, out_dir = _plan(settings)
+    unavailable = {name: note for name in names if (note := _probe(MECHANISMS[name], device))}
     if BASELINE in unavailable:
-        raise RuntimeError(f"the baseline {BASELINE} cannot run on {plan.device}: {unavailable[BASELINE]}")
+        raise RuntimeError(f"the baseline {BASELINE} cannot run on {device}: {unavailable[BASELINE]}")
     for name, note in unavailable.items():
         console.print(f"[yellow]skipped[/] {name}: {note}", highlight=False)
-    measured = [name for name in plan.mechanisms if name not in unavailable]
+    measured = [name for name in names if name not in unavailable]
 
     points: list[dict[str, Any]] = []
     out_of_memory: set[str] = set()
     with progress_bar(console, show_progress, 40) as progress:
-        task = progress.add_task("speed", total=len(plan.lengths) * len(measured))
+        task = progress.add_task("speed", total=len(lengths) * len(measured))
         # Lengths outermost: every ratio compares measurements taken minutes apart at most, not a whole run.
-        for seq_len in plan.lengths:
+        for seq_len in lengths:
             for name in measured:
                 progress.update(task, description=f"{name} T={seq_len}")
-                points.extend(
-                    _measure_or_record_failure(name, seq_len, plan, warmup, min_repeat_s, out_of_memory)
-                )
+                points.extend(_measure_or_record_failure(name, seq_len, device, settings, out_of_memory))
                 progress.advance(task)
 
     _add_ratios(points)
@@ -222,15 +203,15 @@ def run_speed_benchmark(
             "heads": HEADS,
             "head_dim": HEAD_DIM,
             "dtype": str(DTYPE).removeprefix("torch."),
-            "device": str(plan.device),
-            "lengths": plan.lengths,
-            "repeats": plan.repeats,
-            "warmup": warmup,
-            "min_repeat_s": min_repeat_s,
+            "device": str(device),
+            "lengths": lengths,
+            "repeats": settings.repeats,
+            "warmup": settings.warmup,
+            "min_repeat_s": settings.min_repeat_s,
             "statistic": "median",
-            "mechanisms": plan.mechanisms,
+            "mechanisms": names,
         },
-        "machine": machine_info(plan.device),
+        "machine": machine_info(device),
         "command": command_line(),
         "mechanisms": {
             name: {
@@ -238,38 +219,32 @@ def run_speed_benchmark(
                 "available": name not in unavailable,
                 "note": unavailable.get(name),
             }
-            for name in plan.mechanisms
+            for name in names
         },
         "points": points,
         "targets": [_evaluate_target(target, points) for target in TARGETS],
     }
-
-    write_report(plan.out_dir, results, render_markdown(results), {PLOT_FILE: plot_results(results)})
-
     ratio_title = f"time / peak memory relative to {BASELINE} (< 1 is better)"
-    console.print(rich_table(ratio_title, _headers(results), _cell_table(results, _ratio_cell), left=2))
-    console.print(
-        rich_table("targets (ratio to the baseline, same run)", TARGET_HEADERS, _target_rows(results))
+    tables = (
+        rich_table(ratio_title, _headers(results), _cell_table(results, _ratio_cell), left=2),
+        rich_table("targets (ratio to the baseline, same run)", TARGET_HEADERS, _target_rows(results)),
     )
-    console.print(f"wrote {RESULTS_FILE}, {TABLE_FILE} and {PLOT_FILE} to {plan.out_dir}", highlight=False)
+    figures = {PLOT_FILE: plot_results(results)}
+    write_report(out_dir, results, render_markdown(results), figures, console, tables=tables)
     return results
 
 
-def _plan(settings: SpeedSettings) -> _Plan:
-    """Validate the settings (every user error surfaces here, before anything is measured)."""
-    torch_device = check_device(settings.device)
-    check_positive_option("repeats", settings.repeats)
-    lengths = settings.lengths
-    if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in lengths):
-        raise HeadkitError(f"--lengths must be positive integers, got {lengths!r}")
+def _plan(settings: SpeedSettings) -> tuple[torch.device, list[int], list[str], Path]:
+    """(device, lengths, mechanisms, output folder), validated: every user error surfaces here, before
+    anything is measured."""
+    device = check_device(settings.device)
+    check_integers("--lengths", settings.lengths)
     names = check_names("--mechanisms", settings.mechanisms or list(MECHANISMS), MECHANISMS)
-    # Ratios need the baseline, measured first so it is the reference of every length.
-    names = [BASELINE, *(name for name in names if name != BASELINE)]
-
     if importlib.util.find_spec("matplotlib") is None:  # found now, not after a run of several minutes
         raise HeadkitError("the speed benchmark plots with matplotlib: pip install 'headkit[bench]'")
-    out_dir = check_out_dir(settings.out)
-    return _Plan(torch_device, sorted(set(lengths)), names, settings.repeats, out_dir)
+    # Ratios need the baseline, measured first so it is the reference of every length.
+    names = [BASELINE, *(name for name in names if name != BASELINE)]
+    return device, sorted(set(settings.lengths)), names, check_out_dir(settings.out)
 
 
 def _probe(spec: KernelSpec, device: torch.device) -> str | None:
@@ -283,28 +258,44 @@ def _probe(spec: KernelSpec, device: torch.device) -> str | None:
 
 
 def _measure_or_record_failure(
-    name: str, seq_len: int, plan: _Plan, warmup: int, min_repeat_s: float, out_of_memory: set[str]
+    name: str, seq_len: int, device: torch.device, settings: SpeedSettings, out_of_memory: set[str]
 ) -> list[dict[str, Any]]:
-    """Measure one mechanism at one length; running out of memory is recorded, and ends its longer lengths."""
-    if name in out_of_memory:
-        return _failed_points(name, seq_len, "skipped: out of memory at a shorter length")
-    try:
-        return _measure_mechanism(name, seq_len, plan.device, plan.repeats, warmup, min_repeat_s)
-    except Exception as exc:
-        if not _is_out_of_memory(exc):
-            raise
-        error = f"out of memory: {(str(exc).splitlines() or [''])[0]}"
-    out_of_memory.add(name)
-    if plan.device.type == "cuda":
-        torch.cuda.empty_cache()  # hand back what the failed call cached, for the mechanisms still to run
-    return _failed_points(name, seq_len, error)
+    """Forward and forward+backward points of one mechanism at one length; running out of memory is recorded,
+    and ends its longer lengths."""
+    measurements = [FAILED | {"error": "skipped: out of memory at a shorter length"}] * len(MODES)
+    if name not in out_of_memory:
+        try:
+            measurements = _measure_mechanism(MECHANISMS[name], seq_len, device, settings)
+        except Exception as exc:
+            if not _is_out_of_memory(exc):
+                raise
+            measurements = [FAILED | {"error": f"out of memory: {(str(exc).splitlines() or [''])[0]}"}] * len(
+                MODES
+            )
+            out_of_memory.add(name)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # hand back what the failed call cached, for the mechanisms still to run
+    return [
+        {"mechanism": name, "seq_len": seq_len, "mode": mode, **measurement}
+        for mode, measurement in zip(MODES, measurements, strict=True)
+    ]
+
+
+# What a point that was not measured reports.
+FAILED = {
+    "median_s": None,
+    "times_s": [],
+    "calls_per_repeat": 0,
+    "peak_bytes": None,
+    "input_bytes": None,
+    "extra_peak_bytes": None,
+}
 
 
 def _measure_mechanism(
-    name: str, seq_len: int, device: torch.device, repeats: int, warmup: int, min_repeat_s: float
+    spec: KernelSpec, seq_len: int, device: torch.device, settings: SpeedSettings
 ) -> list[dict[str, Any]]:
-    """Forward and forward+backward points of one mechanism at one length."""
-    spec = MECHANISMS[name]
+    """The forward and the forward+backward measurement of one mechanism at one length."""
     inputs = make_inputs(spec, seq_len=seq_len, device=device, requires_grad=True)
     leaves = list(inputs.values())
     output_shape: torch.Size | None = None
@@ -314,67 +305,32 @@ def _measure_mechanism(
         with torch.no_grad():
             output_shape = spec.run(**inputs).shape
 
-    forward_point = _measure_point(
-        name, seq_len, "forward", forward, leaves, device, repeats, warmup, min_repeat_s
-    )
-
-    generator = torch.Generator(device=device).manual_seed(SEED + 1)
-    cotangent = torch.randn(output_shape, generator=generator, device=device, dtype=DTYPE)
-
     def forward_backward() -> None:
         torch.autograd.grad(spec.run(**inputs), leaves, grad_outputs=cotangent)
 
-    backward_point = _measure_point(
-        name,
-        seq_len,
-        "forward_backward",
-        forward_backward,
-        [*leaves, cotangent],
-        device,
-        repeats,
-        warmup,
-        min_repeat_s,
-    )
-    return [forward_point, backward_point]
+    def measure(fn: Callable[[], None], live_inputs: list[torch.Tensor]) -> dict[str, Any]:
+        timing = time_call(
+            fn,
+            repeats=settings.repeats,
+            warmup=settings.warmup,
+            min_repeat_s=settings.min_repeat_s,
+            device=device,
+        )
+        memory = measure_peak_memory(fn, inputs=live_inputs, device=device)
+        return {
+            "median_s": timing.median_s,
+            "times_s": list(timing.times_s),
+            "calls_per_repeat": timing.calls_per_repeat,
+            "peak_bytes": memory.peak_bytes,
+            "input_bytes": memory.input_bytes,
+            "extra_peak_bytes": memory.extra_peak_bytes,
+            "error": None,
+        }
 
-
-def _measure_point(
-    name: str,
-    seq_len: int,
-    mode: str,
-    fn: Callable[[], None],
-    live_inputs: list[torch.Tensor],
-    device: torch.device,
-    repeats: int,
-    warmup: int,
-    min_repeat_s: float,
-) -> dict[str, Any]:
-    timing = time_call(fn, repeats=repeats, warmup=warmup, min_repeat_s=min_repeat_s, device=device)
-    memory = measure_peak_memory(fn, inputs=live_inputs, device=device)
-    return {
-        "mechanism": name,
-        "seq_len": seq_len,
-        "mode": mode,
-        "median_s": timing.median_s,
-        "times_s": list(timing.times_s),
-        "calls_per_repeat": timing.calls_per_repeat,
-        "peak_bytes": memory.peak_bytes,
-        "input_bytes": memory.input_bytes,
-        "extra_peak_bytes": memory.extra_peak_bytes,
-        "error": None,
-    }
-
-
-def _failed_points(name: str, seq_len: int, error: str) -> list[dict[str, Any]]:
-    empty = {
-        "median_s": None,
-        "times_s": [],
-        "calls_per_repeat": 0,
-        "peak_bytes": None,
-        "input_bytes": None,
-        "extra_peak_bytes": None,
-    }
-    return [{"mechanism": name, "seq_len": seq_len, "mode": mode, **empty, "error": error} for mode in MODES]
+    forward_point = measure(forward, leaves)
+    generator = torch.Generator(device=device).manual_seed(SEED + 1)
+    cotangent = torch.randn(output_shape, generator=generator, device=device, dtype=DTYPE)
+    return [forward_point, measure(forward_backward, [*leaves, cotangent])]
 
 
 def _is_out_of_memory(exc: Exception) -> bool:
@@ -399,26 +355,10 @@ def _ratio(value: float | None, reference: float | None) -> float | None:
     return value / reference
 
 
-def _find_point(
-    points: list[dict[str, Any]], mechanism: str, seq_len: int, mode: str
-) -> dict[str, Any] | None:
-    for point in points:
-        if (point["mechanism"], point["seq_len"], point["mode"]) == (mechanism, seq_len, mode):
-            return point
-    return None
-
-
 def _evaluate_target(target: Target, points: list[dict[str, Any]]) -> dict[str, Any]:
-    point = _find_point(points, target.mechanism, target.seq_len, target.mode)
-    key = "time_ratio" if target.quantity == "time" else "memory_ratio"
-    measured = point[key] if point else None
-    return {
-        "description": target.description,
-        "mechanism": target.mechanism,
-        "mode": target.mode,
-        "seq_len": target.seq_len,
-        "quantity": target.quantity,
-        "max_ratio": target.max_ratio,
+    point = find_point(points, mechanism=target.mechanism, seq_len=target.seq_len, mode=target.mode)
+    measured = point["time_ratio" if target.quantity == "time" else "memory_ratio"] if point else None
+    return asdict(target) | {
         "measured_ratio": measured,
         "passed": None if measured is None else measured <= target.max_ratio,
     }
@@ -434,17 +374,18 @@ def _format_ratio(ratio: float | None) -> str:
     return f"{ratio:.3g}× (1/{1 / ratio:.3g})" if 0 < ratio < 1 else f"{ratio:.3g}×"
 
 
-def _rows(results: dict[str, Any]) -> list[tuple[str, str]]:
-    """(mechanism, mode) pairs of the measured mechanisms, in registry order."""
-    measured = [name for name, info in results["mechanisms"].items() if info["available"]]
-    return [(name, mode) for name in measured for mode in MODES]
-
-
 def _cell_table(results: dict[str, Any], cell: Callable[[dict[str, Any] | None], str]) -> list[list[str]]:
-    lengths = results["config"]["lengths"]
+    """A row per measured mechanism and mode (registry order), a cell per length."""
+    lengths, points = results["config"]["lengths"], results["points"]
+    measured = [name for name, info in results["mechanisms"].items() if info["available"]]
     return [
-        [name, MODE_LABELS[mode], *(cell(_find_point(results["points"], name, n, mode)) for n in lengths)]
-        for name, mode in _rows(results)
+        [
+            name,
+            MODE_LABELS[mode],
+            *(cell(find_point(points, mechanism=name, seq_len=n, mode=mode)) for n in lengths),
+        ]
+        for name in measured
+        for mode in MODES
     ]
 
 

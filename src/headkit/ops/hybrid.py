@@ -128,16 +128,25 @@ def hybrid_attention_step(
     attention_mask: torch.Tensor | None = None,
     scale: float | None = None,
     eps: float = 1e-6,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, HybridAttentionState]:
     """Decode a few new tokens (usually one) from ``state``: [B, H, n, ·] inputs as in :func:`hybrid_attention`.
 
     The stored W − 1 keys and the n new ones form one chunk: O(n · (n + W) · D + n · F · Dv) work, whatever the
     context length. Returns (out [B, H, n, Dv], the state including the new tokens); decoding a sequence step by
     step gives the parallel form's output.
+
+    ``validate=False`` skips every check, for a caller that built the inputs itself and passes a state this
+    function returned (not None), a bool mask or None, and a float ``scale``: a decoding step of a small model
+    is made of per-call overheads.
     """
-    keep, state = _check_inputs(q, k, v, qf, kf, balance, window, attention_mask, state, "state")
-    scale = _checked_scale(scale, q.shape[-1])
-    _check_eps(eps)
+    if validate or state is None:
+        keep, state = _check_inputs(q, k, v, qf, kf, balance, window, attention_mask, state, "state")
+        scale = _checked_scale(scale, q.shape[-1])
+        _check_eps(eps)
+    else:
+        keep = attention_mask
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
     if q.shape[2] == 1:
         return _hybrid_one_token(q, k, v, qf, kf, balance, keep, state, scale, eps)
     return _hybrid(q, k, v, qf, kf, balance, keep, state, window, max(1, q.shape[2]), scale, eps)
@@ -361,19 +370,22 @@ def _hybrid_one_token(
         weights = torch.exp(scores - m)
         query_features = qf.reshape(batch, kv_heads, groups, features).to(dtype)
         gamma = balance.to(dtype).view(1, kv_heads, groups, 1)
-        numerator = weights @ values.to(dtype) + gamma * (query_features @ state.kv)
-        denominator = weights.sum(dim=-1, keepdim=True) + gamma * (query_features @ state.k_sum.unsqueeze(-1))
+        # The linear term's numerator and denominator in one matmul: [S | z] is [B, Hkv, F, Dv + 1].
+        linear = query_features @ torch.cat([state.kv, state.k_sum.unsqueeze(-1)], dim=-1)
+        numerator = torch.addcmul(weights @ values.to(dtype), gamma, linear[..., :head_dim_v])
+        denominator = torch.addcmul(weights.sum(dim=-1, keepdim=True), gamma, linear[..., head_dim_v:])
         out = (numerator / (denominator + eps)).view(batch, q_heads, 1, head_dim_v).to(q.dtype)
 
-        # The oldest key of the window (if real) moves into the linear sums; the rest is the next state.
-        leaving = key_features[:, :, :1].to(dtype) * window_keep[:, None, :1, None]  # [B, Hkv, 1, F]
+        # The oldest key of the window (if real) moves into the linear sums; the rest is the next state. Its
+        # outer product φ(k)vᵀ is a broadcast multiply: a [F, 1] @ [1, Dv] matmul costs more in dispatch.
+        leaving = key_features[:, :, 0].to(dtype) * window_keep[:, None, :1]  # [B, Hkv, F]
         final = HybridAttentionState(
             keys=keys[:, :, 1:],
             values=values[:, :, 1:],
             key_features=key_features[:, :, 1:],
             keep=window_keep[:, 1:],
-            kv=state.kv + leaving.transpose(-1, -2) @ values[:, :, :1].to(dtype),
-            k_sum=state.k_sum + leaving[:, :, 0],
+            kv=torch.addcmul(state.kv, leaving.unsqueeze(-1), values[:, :, 0].to(dtype).unsqueeze(-2)),
+            k_sum=state.k_sum + leaving,
         )
     return out, final
 

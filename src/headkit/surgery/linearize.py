@@ -261,6 +261,8 @@ class LinearizedAttention(ReplacementAttention):
             )
         else:
             if seq == 1:
+                # The state came from the op and the mask was checked above: a decoding step skips the op's checks.
+                state = layer.get_state()
                 outputs, state = hybrid_attention_step(
                     queries,
                     keys,
@@ -268,7 +270,8 @@ class LinearizedAttention(ReplacementAttention):
                     query_features,
                     key_features,
                     self.balance,
-                    layer.get_state(),
+                    state,
+                    validate=state is None,
                     **options,
                 )
             else:

@@ -141,22 +141,24 @@ def bind_attention_call(
 ) -> AttentionCall:
     """Read a call made with the replaced module's signature (architectures order their arguments differently:
     GPT-2 passes ``past_key_values`` second, BERT ``attention_mask``) into an :class:`AttentionCall`."""
-    bound = signature.bind(module, hidden_states, *args, **kwargs)
-    arguments: dict[str, Any] = {}
-    for name, value in bound.arguments.items():
-        kind = signature.parameters[name].kind
-        if kind is inspect.Parameter.VAR_KEYWORD:
-            arguments.update(value)
-        elif kind is inspect.Parameter.VAR_POSITIONAL:
-            if value:
-                raise HeadkitError(
-                    f"{type(module).__name__} got unexpected positional arguments {len(value)}"
-                )
-        else:
-            arguments[name] = value
-    arguments.pop("self", None)
-    first = next(iter(list(signature.parameters)[1:]))  # the hidden-states parameter, whatever its name
-    arguments.pop(first, None)
+    arguments = _bind_quickly(signature, args, kwargs)
+    if arguments is None:
+        bound = signature.bind(module, hidden_states, *args, **kwargs)
+        arguments = {}
+        for name, value in bound.arguments.items():
+            kind = signature.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                arguments.update(value)
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                if value:
+                    raise HeadkitError(
+                        f"{type(module).__name__} got unexpected positional arguments {len(value)}"
+                    )
+            else:
+                arguments[name] = value
+        arguments.pop("self", None)
+        first = next(iter(list(signature.parameters)[1:]))  # the hidden-states parameter, whatever its name
+        arguments.pop(first, None)
     past = arguments.pop("past_key_values", None)
     past = arguments.pop("layer_past", None) if past is None else past
     return AttentionCall(
@@ -168,6 +170,37 @@ def bind_attention_call(
         output_attentions=bool(arguments.pop("output_attentions", False)) or _recording_attentions(),
         extra=arguments,
     )
+
+
+def _bind_quickly(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any] | None:
+    """The call's arguments after (self, hidden_states) by name, for a call ``Signature.bind`` would accept without
+    a question — positional ones within the named parameters, keywords named nowhere else, every required
+    parameter given — or None, leaving anything else to ``Signature.bind`` and its errors. (``Signature.bind``
+    costs tens of microseconds, which a decoding step pays in every layer.)"""
+    entry = _SIGNATURES.get(id(signature))
+    if entry is None or entry[0] is not signature:
+        parameters = signature.parameters.values()
+        positional = tuple(
+            p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        )
+        variadic = {p.name for p in parameters if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+        named = {p.name for p in parameters} - variadic - set(positional[:2])
+        required = {p.name for p in parameters if p.default is p.empty} - variadic - set(positional[:2])
+        any_keyword = any(p.kind is p.VAR_KEYWORD for p in parameters)
+        entry = _SIGNATURES[id(signature)] = (signature, positional, named, required, any_keyword)
+    _, positional, named, required, any_keyword = entry
+    if len(positional) < 2 or len(args) > len(positional) - 2:
+        return None
+    arguments = dict(zip(positional[2:], args, strict=False))
+    for name, value in kwargs.items():
+        if name in arguments or (name not in named and not any_keyword) or name in positional[:2]:
+            return None
+        arguments[name] = value
+    return arguments if required.issubset(arguments) else None
+
+
+# id(signature) → (the signature, kept alive so its id stays its own; what _bind_quickly needs to know of it)
+_SIGNATURES: dict[int, tuple[Any, ...]] = {}
 
 
 def _recording_attentions() -> bool:
