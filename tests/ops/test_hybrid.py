@@ -445,3 +445,39 @@ def test_a_state_from_another_window_is_rejected_by_the_step():
     one = {name: tensor[:, :, :1] for name, tensor in GOOD.items() if name != "balance"}
     with pytest.raises(ValueError, match=r"state.keys must have shape .*window 5"):
         hybrid_attention_step(**one, balance=GOOD["balance"], state=state, window=5)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_unchecked_parallel_form_is_the_checked_one(padded):
+    """``validate=False`` (what layers pass) skips the checks and changes nothing else, with or without a state."""
+    q, k, v, qf, kf, balance = make_inputs(seq=13)
+    mask = make_padding_mask(2, 13) if padded else None
+    head = [x[:, :, :7] for x in (q, k, v, qf, kf)]
+    tail = [x[:, :, 7:] for x in (q, k, v, qf, kf)]
+    head_mask = None if mask is None else mask[:, :7]
+    tail_mask = None if mask is None else mask[:, 7:]
+    results = {}
+    for validate in (True, False):
+        first, state = hybrid_attention(
+            *head,
+            balance,
+            window=4,
+            chunk_size=3,
+            attention_mask=head_mask,
+            output_final_state=True,
+            validate=validate,
+        )
+        second, final = hybrid_attention(
+            *tail,
+            balance,
+            window=4,
+            chunk_size=3,
+            attention_mask=tail_mask,
+            initial_state=state,
+            output_final_state=True,
+            validate=validate,
+        )
+        results[validate] = (first, second, final)
+    torch.testing.assert_close(results[False][0], results[True][0], rtol=0, atol=0)
+    torch.testing.assert_close(results[False][1], results[True][1], rtol=0, atol=0)
+    assert_states_close(results[False][2], results[True][2], rel=0)

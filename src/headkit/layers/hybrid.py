@@ -107,6 +107,7 @@ class HybridAttention(HeadkitAttention):
                 window=self.window,
                 attention_mask=new_keys_mask,
                 scale=self.scale,
+                validate=False,
             )
         else:
             head_outputs, state = hybrid_attention(
@@ -117,6 +118,7 @@ class HybridAttention(HeadkitAttention):
                 scale=self.scale,
                 initial_state=state,
                 output_final_state=inputs.cache is not None,
+                validate=False,
             )
         self.store_state(inputs, state)
         return self.project_heads(head_outputs), None

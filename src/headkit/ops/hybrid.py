@@ -81,6 +81,7 @@ def hybrid_attention(
     initial_state: HybridAttentionState | None = None,
     output_final_state: bool = False,
     eps: float = 1e-6,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, HybridAttentionState | None]:
     """Causal sliding-window softmax + linear attention (LoLCATs), chunkwise-parallel; see the module docstring.
 
@@ -100,17 +101,24 @@ def hybrid_attention(
             :func:`hybrid_attention_step`); None = no earlier token.
         output_final_state: also return the state after the last token.
         eps: added to the denominator; a query that sees no real key returns zeros.
+        validate: False skips the checks, for a caller (a layer) that built the inputs itself: a bool mask or
+            None, a float scale, a state this op returned.
 
     Returns:
         (out [B, H, T, Dv] in q's dtype, final :class:`HybridAttentionState` or None). Accumulated in float32
         (float64 for float64 inputs), also under ``torch.autocast``.
     """
-    keep, state = _check_inputs(
-        q, k, v, qf, kf, balance, window, attention_mask, initial_state, "initial_state"
-    )
-    check_positive_int("chunk_size", chunk_size)
-    scale = _checked_scale(scale, q.shape[-1])
-    _check_eps(eps)
+    if validate:
+        keep, state = _check_inputs(
+            q, k, v, qf, kf, balance, window, attention_mask, initial_state, "initial_state"
+        )
+        check_positive_int("chunk_size", chunk_size)
+        scale = _checked_scale(scale, q.shape[-1])
+        _check_eps(eps)
+    else:
+        keep = attention_mask
+        state = _initial_state(q, k, v, kf, window) if initial_state is None else initial_state
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
     out, final = _hybrid(q, k, v, qf, kf, balance, keep, state, window, chunk_size, scale, eps)
     return out, (final if output_final_state else None)
 
@@ -137,15 +145,16 @@ def hybrid_attention_step(
     step gives the parallel form's output.
 
     ``validate=False`` skips every check, for a caller that built the inputs itself and passes a state this
-    function returned (not None), a bool mask or None, and a float ``scale``: a decoding step of a small model
-    is made of per-call overheads.
+    op returned (or None), a bool mask or None, and a float ``scale``: a decoding step of a small model is made
+    of per-call overheads.
     """
-    if validate or state is None:
+    if validate:
         keep, state = _check_inputs(q, k, v, qf, kf, balance, window, attention_mask, state, "state")
         scale = _checked_scale(scale, q.shape[-1])
         _check_eps(eps)
     else:
         keep = attention_mask
+        state = _initial_state(q, k, v, kf, window) if state is None else state
         scale = q.shape[-1] ** -0.5 if scale is None else scale
     if q.shape[2] == 1:
         return _hybrid_one_token(q, k, v, qf, kf, balance, keep, state, scale, eps)
@@ -436,14 +445,7 @@ def _check_inputs(
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     kept, device = window - 1, q.device
     if state is None:
-        return keep, HybridAttentionState(
-            keys=k.new_zeros(batch, kv_heads, kept, head_dim),
-            values=v.new_zeros(batch, kv_heads, kept, head_dim_v),
-            key_features=kf.new_zeros(batch, kv_heads, kept, features),
-            keep=torch.zeros(batch, kept, dtype=torch.bool, device=device),
-            kv=torch.zeros(batch, kv_heads, features, head_dim_v, dtype=dtype, device=device),
-            k_sum=torch.zeros(batch, kv_heads, features, dtype=dtype, device=device),
-        )
+        return keep, _initial_state(q, k, v, kf, window)
     if not (isinstance(state, tuple) and len(state) == 6 and all(isinstance(t, torch.Tensor) for t in state)):
         raise ValueError(
             f"{state_name} must be a HybridAttentionState(keys, values, key_features, keep, kv, k_sum) of tensors, "
@@ -474,6 +476,22 @@ def _check_inputs(
             )
     return keep, state._replace(
         kv=state.kv.to(device=device, dtype=dtype), k_sum=state.k_sum.to(device=device, dtype=dtype)
+    )
+
+
+def _initial_state(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kf: torch.Tensor, window: int
+) -> HybridAttentionState:
+    """The state before the first token: an empty window (keep all False) and zero sums."""
+    batch, kv_heads, kept = k.shape[0], k.shape[1], window - 1
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return HybridAttentionState(
+        keys=k.new_zeros(batch, kv_heads, kept, k.shape[3]),
+        values=v.new_zeros(batch, kv_heads, kept, v.shape[3]),
+        key_features=kf.new_zeros(batch, kv_heads, kept, kf.shape[3]),
+        keep=torch.zeros(batch, kept, dtype=torch.bool, device=q.device),
+        kv=torch.zeros(batch, kv_heads, kf.shape[3], v.shape[3], dtype=dtype, device=q.device),
+        k_sum=torch.zeros(batch, kv_heads, kf.shape[3], dtype=dtype, device=q.device),
     )
 
 

@@ -247,7 +247,8 @@ class LinearizedAttention(ReplacementAttention):
         mask = key_padding_mask(call.attention_mask, batch, past + seq)
         new_mask = None if mask is None else mask[:, past:].to(hidden_states.device)
         query_features, key_features = self.feature_map_q(queries), self.feature_map_k(keys)
-        options = {"window": self.window, "attention_mask": new_mask, "scale": self.scale}
+        # The mask is checked above and states come from the op itself: its own checks would only repeat that.
+        options = {"window": self.window, "attention_mask": new_mask, "scale": self.scale, "validate": False}
         if layer is None:
             outputs, _ = hybrid_attention(
                 queries,
@@ -261,8 +262,6 @@ class LinearizedAttention(ReplacementAttention):
             )
         else:
             if seq == 1:
-                # The state came from the op and the mask was checked above: a decoding step skips the op's checks.
-                state = layer.get_state()
                 outputs, state = hybrid_attention_step(
                     queries,
                     keys,
@@ -270,8 +269,7 @@ class LinearizedAttention(ReplacementAttention):
                     query_features,
                     key_features,
                     self.balance,
-                    state,
-                    validate=state is None,
+                    layer.get_state(),
                     **options,
                 )
             else:
