@@ -75,7 +75,8 @@ def hedgehog_feature_map(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # A bf16 softmax over d' features would round every entry to ~3 significant digits: compute wider.
     dtype = torch.promote_types(torch.promote_types(x.dtype, weight.dtype), torch.float32)
     projected = torch.matmul(x.to(dtype), weight.to(dtype).unsqueeze(0))  # [B, H, T, d'], per head
-    mapped = torch.cat((projected.softmax(dim=-1), (-projected).softmax(dim=-1)), dim=-1)
+    # Both halves in one softmax over a stacked [2, d'] pair: three ops instead of four, for decoding steps.
+    mapped = torch.stack((projected, -projected), dim=-2).softmax(dim=-1).flatten(-2)
     return mapped.to(x.dtype)
 
 
