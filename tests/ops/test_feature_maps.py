@@ -35,7 +35,9 @@ def test_elu_map_is_elu_plus_one_positive_with_the_elu_gradient():
 def test_elu_map_without_autograd_agrees_with_elu_plus_one_to_a_few_ulp(dtype):
     # Without autograd on CPU the map takes its exp2 form; it must agree with elu(x) + 1 (the autograd form)
     # to a couple of ulp of 1, including the edges: 0, ±inf, NaN, and rounding to 0 far below zero.
-    special = torch.tensor([0.0, -0.0, 1e-30, -1e-30, float("inf"), float("-inf"), -200.0, 200.0], dtype=dtype)
+    special = torch.tensor(
+        [0.0, -0.0, 1e-30, -1e-30, float("inf"), float("-inf"), -200.0, 200.0], dtype=dtype
+    )
     x = torch.cat([torch.linspace(-30.0, 60.0, 10001, dtype=dtype), torch.randn(4096, dtype=dtype), special])
     expected = F.elu(x) + 1
     with torch.no_grad():
