@@ -22,7 +22,14 @@ Mechanisms (each kernel's module under :mod:`headkit.ops` derives what it comput
   [B,H,T,D/2] (Zhu et al. 2023, arXiv:2309.08646, §2);
 * ``collaborative_causal``: collaborative heads sharing one query and one key projection of width
   D̃ = H·64, one mixing vector per head, plus a per-key content bias (Cordonnier et al. 2020, §3);
-* ``softmax_noncausal``: :func:`headkit.ops.softmax_attention` without the causal mask, for reference.
+* ``softmax_noncausal``: :func:`headkit.ops.softmax_attention` without the causal mask, for reference;
+* ``fast_transformers_causal`` (an anchor, measured by default only where the ``fast_transformers`` package is
+  installed): the compiled CPU/CUDA causal kernel of Katharopoulos et al.'s own library behind its
+  ``CausalLinearAttention`` (elu+1 features, the same maths as ``linear_causal``).
+
+A kernel that counts its FLOPs (``flops`` of :func:`headkit.ops.register_kernel`, e.g. ``linear_causal``) is
+also reported in GFLOP/s and as a fraction of the machine's fp32 matmul rate, measured at every length in the
+same run: a [1024, 1024] @ [1024, 1024] matmul, 2.15 GFLOP, the work of ``linear_causal`` at T=8192.
 
 A kernel that is not implemented yet (it raises ``NotImplementedError``) is reported as unavailable and
 skipped. Outputs in ``out_dir``: ``results.json`` (every timing, medians, peak bytes, ratios, targets, machine
@@ -41,7 +48,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from headkit.bench._measure import measure_peak_memory, time_call
+from headkit.bench._measure import matmul_rate, measure_peak_memory, time_call
 from headkit.bench._options import check_device, check_names, check_out_dir, check_positive_option
 from headkit.bench._report import (
     RESULTS_FILE,
@@ -72,12 +79,43 @@ PROBE_SEQ_LEN = 16
 MIN_REPEAT_S = 0.05
 SEED = 0
 
+# The matmul whose rate the FLOP-counting kernels are compared with: [n, n] @ [n, n], 2n³ FLOPs.
+MATMUL_SIZE = 1024
+# The optional anchor: fast-transformers' compiled causal linear attention, measured where it is installed.
+ANCHOR = "fast_transformers_causal"
+
 PLOT_FILE = "speed.png"
 TARGET_HEADERS = ["target", "measured", "required", "result"]
 
 
 # The mechanisms: every kernel of the op registry (headkit.ops.register_kernel), in registration order.
 MECHANISMS = KERNELS
+
+
+def _fast_transformers_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """fast-transformers' CausalLinearAttention on [B, H, T, D] (its elu+1 map, cumsum normaliser, eps 1e-6)."""
+    from fast_transformers.causal_product import causal_dot_product
+
+    phi_q, phi_k = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
+    normaliser = 1 / (torch.einsum("bhtd,bhtd->bht", phi_q, phi_k.cumsum(dim=2)) + 1e-6)
+    return causal_dot_product(phi_q.contiguous(), phi_k.contiguous(), v.contiguous()) * normaliser[..., None]
+
+
+ANCHORS = {
+    ANCHOR: KernelSpec(
+        "fast-transformers' compiled causal linear attention (anchor)",
+        {"q": ("B", "H", "T", "D"), "k": ("B", "H", "T", "D"), "v": ("B", "H", "T", "D")},
+        _fast_transformers_causal,
+    )
+}
+
+
+def fast_transformers_installed() -> bool:
+    return importlib.util.find_spec("fast_transformers") is not None
+
+
+def _spec(name: str) -> KernelSpec:
+    return MECHANISMS[name] if name in MECHANISMS else ANCHORS[name]
 
 
 def resolve_layout(layout: Sequence[str], *, batch: int, heads: int, seq_len: int, head_dim: int) -> tuple:
@@ -125,14 +163,17 @@ def make_inputs(
 
 @dataclass(frozen=True)
 class Target:
-    """``quantity`` of ``mechanism`` in ``mode`` at ``seq_len``, divided by the baseline's, must be ≤ max_ratio."""
+    """``quantity`` of ``mechanism`` in ``mode`` at ``seq_len``, divided by ``reference``'s (the baseline unless
+    named), must be ≤ max_ratio. Quantity "matmul_time": the time over that of the kernel's FLOPs at the
+    machine's matmul rate (≤ 1/0.6: at least 60% of the matmul rate)."""
 
     description: str
     mechanism: str
     mode: str
     seq_len: int
-    quantity: str  # "time" or "peak_memory"
+    quantity: str  # "time", "peak_memory" or "matmul_time"
     max_ratio: float
+    reference: str = BASELINE
 
 
 TARGETS = (
@@ -143,6 +184,32 @@ TARGETS = (
     Target("additive fwd ≥ 20× faster at T=8192", "additive_causal", "forward", 8192, "time", 1 / 20),
     Target("CoCA fwd time ≤ 1.3× at T=4096", "coca_causal", "forward", 4096, "time", 1.3),
     Target("CoCA fwd peak memory ≤ 1.25× at T=4096", "coca_causal", "forward", 4096, "peak_memory", 1.25),
+    Target(
+        "linear fwd ≥ 60% of the matmul rate, T=8192",
+        "linear_causal",
+        "forward",
+        8192,
+        "matmul_time",
+        1 / 0.6,
+    ),
+    Target(
+        "linear fwd ≥ 2× faster than fast-transformers, T=8192",
+        "linear_causal",
+        "forward",
+        8192,
+        "time",
+        1 / 2,
+        reference=ANCHOR,
+    ),
+    Target(
+        "linear fwd+bwd ≥ 2× faster than fast-transformers, T=8192",
+        "linear_causal",
+        "forward_backward",
+        8192,
+        "time",
+        1 / 2,
+        reference=ANCHOR,
+    ),
 )
 
 
@@ -159,6 +226,7 @@ class SpeedSettings:
     )
     mechanisms: tuple[str, ...] = option((), "Comma-separated mechanisms (default: all registered).")
     repeats: int = option(5, "Timed repetitions per point, the median reported (default 5; quick 3).", min=1)
+    threads: int | None = option(None, "torch threads during the run (default: torch's setting).", min=1)
     out: Path = option(Path("results/speed"), "Output directory for results.json, plot and table.")
     warmup: int = 1  # untimed calls before the timed ones
     min_repeat_s: float = MIN_REPEAT_S  # a timed repeat loops over calls faster than this (their mean)
@@ -193,7 +261,7 @@ def run_speed_benchmark(
         HeadkitError (a ValueError): unknown mechanism, CUDA asked for but absent, bad lengths or repeats."""
     warmup, min_repeat_s = settings.warmup, settings.min_repeat_s
     plan = _plan(settings)
-    unavailable = {name: note for name in plan.mechanisms if (note := _probe(MECHANISMS[name], plan.device))}
+    unavailable = {name: note for name in plan.mechanisms if (note := _probe(_spec(name), plan.device))}
     if BASELINE in unavailable:
         raise RuntimeError(f"the baseline {BASELINE} cannot run on {plan.device}: {unavailable[BASELINE]}")
     for name, note in unavailable.items():
@@ -201,6 +269,7 @@ def run_speed_benchmark(
     measured = [name for name in plan.mechanisms if name not in unavailable]
 
     points: list[dict[str, Any]] = []
+    matmul_rates: dict[int, float] = {}  # FLOP/s of the reference matmul, per length
     out_of_memory: set[str] = set()
     with progress_bar(console, show_progress, 40) as progress:
         task = progress.add_task("speed", total=len(plan.lengths) * len(measured))
@@ -212,8 +281,17 @@ def run_speed_benchmark(
                     _measure_or_record_failure(name, seq_len, plan, warmup, min_repeat_s, out_of_memory)
                 )
                 progress.advance(task)
+            if any(_spec(name).flops for name in measured):
+                matmul_rates[seq_len] = matmul_rate(
+                    MATMUL_SIZE,
+                    repeats=plan.repeats,
+                    warmup=warmup,
+                    min_repeat_s=min_repeat_s,
+                    device=plan.device,
+                )
 
     _add_ratios(points)
+    _add_rates(points, matmul_rates)
     results = {
         "benchmark": "speed",
         "baseline": BASELINE,
@@ -229,17 +307,20 @@ def run_speed_benchmark(
             "min_repeat_s": min_repeat_s,
             "statistic": "median",
             "mechanisms": plan.mechanisms,
+            "threads": torch.get_num_threads(),
+            "matmul_reference": f"[{MATMUL_SIZE}, {MATMUL_SIZE}] @ [{MATMUL_SIZE}, {MATMUL_SIZE}], {str(DTYPE)[6:]}",
         },
         "machine": machine_info(plan.device),
         "command": command_line(),
         "mechanisms": {
             name: {
-                "description": MECHANISMS[name].description,
+                "description": _spec(name).description,
                 "available": name not in unavailable,
                 "note": unavailable.get(name),
             }
             for name in plan.mechanisms
         },
+        "matmul_gflops_per_s": {str(n): rate / 1e9 for n, rate in matmul_rates.items()},
         "points": points,
         "targets": [_evaluate_target(target, points) for target in TARGETS],
     }
@@ -248,6 +329,8 @@ def run_speed_benchmark(
 
     ratio_title = f"time / peak memory relative to {BASELINE} (< 1 is better)"
     console.print(rich_table(ratio_title, _headers(results), _cell_table(results, _ratio_cell), left=2))
+    for line in _rate_lines(results):
+        console.print(line, highlight=False)
     console.print(
         rich_table("targets (ratio to the baseline, same run)", TARGET_HEADERS, _target_rows(results))
     )
@@ -262,7 +345,9 @@ def _plan(settings: SpeedSettings) -> _Plan:
     lengths = settings.lengths
     if not lengths or any(isinstance(n, bool) or not isinstance(n, int) or n <= 0 for n in lengths):
         raise HeadkitError(f"--lengths must be positive integers, got {lengths!r}")
-    names = check_names("--mechanisms", settings.mechanisms or list(MECHANISMS), MECHANISMS)
+    # The anchor is measured by default where it is installed; asked for where it is not, it is skipped.
+    default = [*MECHANISMS, *(ANCHORS if fast_transformers_installed() else ())]
+    names = check_names("--mechanisms", settings.mechanisms or default, {**MECHANISMS, **ANCHORS})
     # Ratios need the baseline, measured first so it is the reference of every length.
     names = [BASELINE, *(name for name in names if name != BASELINE)]
 
@@ -279,6 +364,8 @@ def _probe(spec: KernelSpec, device: torch.device) -> str | None:
         spec.run(**inputs).sum().backward()
     except NotImplementedError as exc:
         return f"not implemented yet ({type(exc).__name__}{': ' + str(exc) if str(exc) else ''})"
+    except ImportError as exc:  # an anchor whose library is not installed
+        return f"not installed ({type(exc).__name__}: {exc})"
     return None
 
 
@@ -304,7 +391,7 @@ def _measure_mechanism(
     name: str, seq_len: int, device: torch.device, repeats: int, warmup: int, min_repeat_s: float
 ) -> list[dict[str, Any]]:
     """Forward and forward+backward points of one mechanism at one length."""
-    spec = MECHANISMS[name]
+    spec = _spec(name)
     inputs = make_inputs(spec, seq_len=seq_len, device=device, requires_grad=True)
     leaves = list(inputs.values())
     output_shape: torch.Size | None = None
@@ -393,6 +480,20 @@ def _add_ratios(points: list[dict[str, Any]]) -> None:
         point["memory_ratio"] = _ratio(point["peak_bytes"], reference and reference["peak_bytes"])
 
 
+def _add_rates(points: list[dict[str, Any]], matmul_rates: dict[int, float]) -> None:
+    """Of each forward point of a FLOP-counting kernel: its FLOPs, GFLOP/s, the fraction of the matmul rate
+    at its length, and matmul_time_ratio, its time over that of its FLOPs at the matmul rate (1 / fraction)."""
+    for point in points:
+        count = _spec(point["mechanism"]).flops
+        rate = matmul_rates.get(point["seq_len"])
+        if point["mode"] != "forward" or count is None or rate is None or point["median_s"] is None:
+            continue
+        point["flops"] = count(BATCH, HEADS, point["seq_len"], HEAD_DIM)
+        point["gflops_per_s"] = point["flops"] / point["median_s"] / 1e9
+        point["matmul_fraction"] = point["flops"] / point["median_s"] / rate
+        point["matmul_time_ratio"] = 1 / point["matmul_fraction"]
+
+
 def _ratio(value: float | None, reference: float | None) -> float | None:
     if value is None or not reference:
         return None
@@ -410,14 +511,22 @@ def _find_point(
 
 def _evaluate_target(target: Target, points: list[dict[str, Any]]) -> dict[str, Any]:
     point = _find_point(points, target.mechanism, target.seq_len, target.mode)
-    key = "time_ratio" if target.quantity == "time" else "memory_ratio"
-    measured = point[key] if point else None
+    if target.quantity == "matmul_time":
+        measured = point.get("matmul_time_ratio") if point else None
+    elif target.reference != BASELINE:
+        key = "median_s" if target.quantity == "time" else "peak_bytes"
+        reference = _find_point(points, target.reference, target.seq_len, target.mode)
+        measured = _ratio(point and point[key], reference and reference[key])
+    else:
+        key = "time_ratio" if target.quantity == "time" else "memory_ratio"
+        measured = point[key] if point else None
     return {
         "description": target.description,
         "mechanism": target.mechanism,
         "mode": target.mode,
         "seq_len": target.seq_len,
         "quantity": target.quantity,
+        "reference": target.reference,
         "max_ratio": target.max_ratio,
         "measured_ratio": measured,
         "passed": None if measured is None else measured <= target.max_ratio,
@@ -472,6 +581,23 @@ def _target_rows(results: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+def _rate_lines(results: dict[str, Any]) -> list[str]:
+    """One line per point of a FLOP-counting kernel: time, GFLOP/s and the fraction of the matmul rate."""
+    lines = []
+    for point in results["points"]:
+        if point.get("gflops_per_s") is None:
+            continue
+        rate = results["matmul_gflops_per_s"][str(point["seq_len"])]
+        lines.append(
+            f"{point['mechanism']} {MODE_LABELS[point['mode']]} T={point['seq_len']}: "
+            f"{point['median_s'] * 1e3:.3g} ms, {point['flops'] / 1e9:.3g} GFLOP, "
+            f"{point['gflops_per_s']:.3g} GFLOP/s = {point['matmul_fraction']:.0%} of the fp32 matmul rate "
+            f"({rate:.3g} GFLOP/s, {results['config']['matmul_reference']}, {results['config']['threads']} "
+            "thread(s))"
+        )
+    return lines
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     """table.md: medians, peak memory, ratios to the baseline, targets, and what was not measured."""
     config, machine = results["config"], results["machine"]
@@ -498,6 +624,12 @@ def render_markdown(results: dict[str, Any]) -> str:
         "## Targets\n",
         markdown_table(TARGET_HEADERS, _target_rows(results)),
     ]
+    rates = _rate_lines(results)
+    if rates:
+        sections += [
+            "## Rate against the fp32 matmul rate, same run\n",
+            "\n".join(f"- {x}" for x in rates) + "\n",
+        ]
     skipped = [f"- {name}: {info['note']}" for name, info in results["mechanisms"].items() if info["note"]]
     if skipped:
         sections += ["## Not measured\n", "\n".join(skipped) + "\n"]
