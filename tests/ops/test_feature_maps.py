@@ -53,6 +53,18 @@ def test_elu_map_without_autograd_agrees_with_elu_plus_one_to_a_few_ulp(dtype):
     assert bool(nan.isnan().all())
 
 
+def test_elu_map_gradients_of_every_order_and_under_torch_func_match_elu():
+    x = (torch.randn(64, dtype=torch.float64) * 3).requires_grad_()
+    phi = FEATURE_MAPS["elu"]
+    assert torch.autograd.gradcheck(phi, (x,))
+    assert torch.autograd.gradgradcheck(phi, (x,))
+    (grad,) = torch.autograd.grad(phi(x).sum(), x, create_graph=True)
+    (second,) = torch.autograd.grad(grad.sum(), x)
+    torch.testing.assert_close(second, torch.where(x > 0, 0.0, torch.exp(x)).detach(), rtol=1e-12, atol=0)
+    batched = torch.func.vmap(torch.func.grad(lambda row: phi(row).sum()))(x.detach().view(8, 8))
+    torch.testing.assert_close(batched.flatten(), torch.where(x > 0, 1.0, torch.exp(x)).detach())
+
+
 def test_elu_map_in_low_precision_is_elu_plus_one_exactly():
     x = torch.randn(512).to(torch.bfloat16)
     assert torch.equal(FEATURE_MAPS["elu"](x), F.elu(x).add_(1.0))

@@ -36,10 +36,11 @@ def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
     """
     if x.device.type != "cpu" or x.dtype not in _EXP2_DTYPES or (torch.is_grad_enabled() and x.requires_grad):
         # In place on elu's fresh output, saving a temporary: elu's backward reads its input, not its output.
+        # (Under autograd an exp2 form with its own backward measured slower than elu's fused kernels.)
         return F.elu(x).add_(1.0)
-    # Without autograd on CPU: elu(x) = exp(min(x, 0)) − 1 + max(x, 0) with exp(y) = 2^(y·log2 e): the exp2
-    # kernel is ~4x cheaper than elu's expm1 (~2x for the whole map). Subtracting 1 before adding it back
-    # rounds like elu(x) + 1 does (to 0 far below zero), so both forms agree to a couple of ulp of 1.
+    # Without autograd on CPU: elu(x) + 1 = (exp(min(x, 0)) − 1) + max(x, 0) + 1 with exp(y) = 2^(y·log2 e):
+    # the exp2 kernel is ~4x cheaper than elu's expm1 (~2x for the whole map). Subtracting 1 before adding it
+    # back rounds like elu(x) + 1 does (to 0 far below zero), so both forms agree to a couple of ulp of 1.
     return x.clamp(max=0.0).mul_(_LOG2_E).exp2_().sub_(1.0).add_(x.clamp(min=0.0)).add_(1.0)
 
 
