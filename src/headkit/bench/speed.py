@@ -308,7 +308,7 @@ def run_speed_benchmark(
             "statistic": "median",
             "mechanisms": plan.mechanisms,
             "threads": torch.get_num_threads(),
-            "matmul_reference": f"[{MATMUL_SIZE}, {MATMUL_SIZE}] @ [{MATMUL_SIZE}, {MATMUL_SIZE}], {str(DTYPE)[6:]}",
+            "matmul_reference": f"[{MATMUL_SIZE}, {MATMUL_SIZE}] @ [{MATMUL_SIZE}, {MATMUL_SIZE}]",
         },
         "machine": machine_info(plan.device),
         "command": command_line(),
