@@ -269,12 +269,10 @@ def _causal_linear_attention(
         numerator, denominator, kv, k_sum = _causal_block(
             q_block, k_block, v_block, block_keep, kv, k_sum, phi, chunk, eps
         )
-        # Times the reciprocal of the [.., 1] denominator rather than a division: under autograd the backward
-        # then needs no division, negation or square of [.., Dv] tensors, only products and a row sum.
         if build_graph:
-            pieces.append((numerator * denominator.reciprocal()).to(q.dtype))
+            pieces.append((numerator / denominator).to(q.dtype))
         else:
-            torch.mul(numerator, denominator.reciprocal_(), out=out[:, :, :, start : start + length])
+            torch.div(numerator, denominator, out=out[:, :, :, start : start + length])
     if build_graph:
         out = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=3)
     return out.reshape(batch, q_heads, seq_len, head_dim_v), kv, k_sum
