@@ -24,7 +24,7 @@ BENCH_COMMANDS = {
     "prune": "--decoder/--no-decoder --distill-steps --fractions --gate-steps --heads-kept --model --out "
     "--quick/--no-quick --recovery/--no-recovery --recovery-cases --recovery-lora-rank --recovery-steps --seed "
     "--threads",
-    "speed": "--device --lengths --mechanisms --out --quick/--no-quick --repeats",
+    "speed": "--device --lengths --mechanisms --out --quick/--no-quick --repeats --threads",
 }
 
 

@@ -17,7 +17,8 @@ from headkit.bench import speed
 from headkit.bench._report import markdown_table, regular_file_mode, write_atomic, write_json_atomic
 from headkit.bench.speed import MECHANISMS, SpeedSettings, Target, make_inputs, run_speed_benchmark
 from headkit.cli import main
-from headkit.ops import KernelSpec
+from headkit.ops import KernelSpec, linear_attention
+from headkit.ops.linear import causal_linear_attention_flops
 
 # Sizes that differ from one another, so that a layout symbol mapped to the wrong size shows.
 B, H, T, D = 2, 3, 5, 4
@@ -389,3 +390,88 @@ def test_markdown_table_escapes_pipes_and_checks_row_lengths():
     assert markdown_table(["a", "b"], [["x|y", 2]]) == "| a | b |\n| --- | --- |\n| x\\|y | 2 |\n"
     with pytest.raises(ValueError, match=r"rows\[0\] has 1 cells, expected 2"):
         markdown_table(["a", "b"], [["only one"]])
+
+
+# --- the rate against the matmul rate, and the fast-transformers anchor ---------------------------------------
+
+
+def test_tiny_run_reports_the_linear_forward_rate_against_the_matmul_rate_of_the_same_run(tiny_run):
+    out_dir, results, console_text = tiny_run
+    assert set(results["matmul_gflops_per_s"]) == {str(n) for n in TINY_LENGTHS}
+    assert all(rate > 0 for rate in results["matmul_gflops_per_s"].values())
+    assert results["config"]["threads"] == torch.get_num_threads()
+    for point in _points(results, "linear_causal"):
+        if point["mode"] != "forward":
+            assert "gflops_per_s" not in point
+            continue
+        flops = causal_linear_attention_flops(speed.BATCH, speed.HEADS, point["seq_len"], speed.HEAD_DIM)
+        matmul = results["matmul_gflops_per_s"][str(point["seq_len"])] * 1e9
+        assert point["flops"] == flops
+        assert point["gflops_per_s"] == pytest.approx(flops / point["median_s"] / 1e9, rel=1e-12)
+        assert point["matmul_fraction"] == pytest.approx(flops / point["median_s"] / matmul, rel=1e-12)
+        assert point["matmul_time_ratio"] == pytest.approx(1 / point["matmul_fraction"], rel=1e-12)
+    assert all("gflops_per_s" not in p for p in _points(results, "softmax_noncausal"))  # counts no FLOPs
+    assert "linear_causal fwd T=128:" in console_text and "of the fp32 matmul rate" in console_text
+    assert "## Rate against the fp32 matmul rate" in (out_dir / "table.md").read_text()
+
+
+def test_tiny_run_leaves_out_the_anchor_when_fast_transformers_is_absent(tiny_run):
+    _, results, _ = tiny_run
+    if speed.fast_transformers_installed():
+        assert results["mechanisms"][speed.ANCHOR]["available"] is True
+    else:
+        assert speed.ANCHOR not in results["mechanisms"]
+
+
+@pytest.mark.skipif(speed.fast_transformers_installed(), reason="fast_transformers is installed here")
+def test_the_anchor_asked_for_without_fast_transformers_is_skipped_cleanly(tmp_path):
+    console_file = io.StringIO()
+    results = run_speed_benchmark(
+        SpeedSettings(
+            lengths=(32,), mechanisms=(speed.ANCHOR,), repeats=1, out=tmp_path, min_repeat_s=0.0, threads=1
+        ),
+        console=Console(file=console_file, width=200),
+        show_progress=False,
+    )
+    info = results["mechanisms"][speed.ANCHOR]
+    assert info["available"] is False and "not installed" in info["note"]
+    assert _points(results, speed.ANCHOR) == []
+    assert f"skipped {speed.ANCHOR}" in console_file.getvalue()
+    targets = [t for t in results["targets"] if t["reference"] == speed.ANCHOR]
+    assert targets and all(t["measured_ratio"] is None and t["passed"] is None for t in targets)
+    assert results["config"]["threads"] == 1
+
+
+def _naive_causal_dot_product(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """What fast_transformers.causal_product.causal_dot_product computes: Σ_{j ≤ i} (q_i·k_j) v_j."""
+    return ((q @ k.transpose(-1, -2)).tril()) @ v
+
+
+def test_the_anchor_computes_causal_linear_attention_and_its_targets_compare_with_it(tmp_path, monkeypatch):
+    # A stand-in for the compiled kernel: the anchor's own wrapping (features, normaliser) is what is tested.
+    fake = type(sys)("fast_transformers.causal_product")
+    fake.causal_dot_product = _naive_causal_dot_product
+    monkeypatch.setitem(sys.modules, "fast_transformers", type(sys)("fast_transformers"))
+    monkeypatch.setitem(sys.modules, "fast_transformers.causal_product", fake)
+    monkeypatch.setattr(speed, "fast_transformers_installed", lambda: True)
+    q, k, v = (torch.randn(2, 3, 40, 8, generator=torch.Generator().manual_seed(i)) for i in range(3))
+    expected, _ = linear_attention(q, k, v, causal=True)
+    torch.testing.assert_close(speed.ANCHORS[speed.ANCHOR].run(q, k, v), expected, rtol=1e-5, atol=1e-6)
+
+    against_anchor = Target("vs anchor", "linear_causal", "forward", 32, "time", 1e9, reference=speed.ANCHOR)
+    rate = Target("rate", "linear_causal", "forward", 32, "matmul_time", 1e9)
+    monkeypatch.setattr(speed, "TARGETS", (against_anchor, rate))
+    results = run_speed_benchmark(
+        SpeedSettings(lengths=(32,), mechanisms=(), repeats=1, out=tmp_path, min_repeat_s=0.0),
+        console=Console(file=io.StringIO()),
+        show_progress=False,
+    )
+    assert results["mechanisms"][speed.ANCHOR]["available"] is True  # in the default list once installed
+    linear, anchor = (
+        next(p for p in _points(results, name) if p["mode"] == "forward")
+        for name in ("linear_causal", speed.ANCHOR)
+    )
+    evaluated = {t["description"]: t for t in results["targets"]}
+    assert evaluated["vs anchor"]["measured_ratio"] == pytest.approx(linear["median_s"] / anchor["median_s"])
+    assert evaluated["rate"]["measured_ratio"] == linear["matmul_time_ratio"]
+    assert evaluated["vs anchor"]["passed"] is True and evaluated["rate"]["passed"] is True

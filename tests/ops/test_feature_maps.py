@@ -31,6 +31,45 @@ def test_elu_map_is_elu_plus_one_positive_with_the_elu_gradient():
     assert torch.allclose(grad, torch.where(x > 0, torch.ones_like(x), torch.exp(x)), rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_elu_map_without_autograd_agrees_with_elu_plus_one_to_a_few_ulp(dtype):
+    # Without autograd on CPU the map takes its exp2 form; it must agree with elu(x) + 1 (the autograd form)
+    # to a couple of ulp of 1, including the edges: 0, ±inf, NaN, and rounding to 0 far below zero.
+    special = torch.tensor(
+        [0.0, -0.0, 1e-30, -1e-30, float("inf"), float("-inf"), -200.0, 200.0], dtype=dtype
+    )
+    x = torch.cat([torch.linspace(-30.0, 60.0, 10001, dtype=dtype), torch.randn(4096, dtype=dtype), special])
+    expected = F.elu(x) + 1
+    with torch.no_grad():
+        fast = FEATURE_MAPS["elu"](x.clone().requires_grad_())
+    plain = FEATURE_MAPS["elu"](x)  # no input requires grad: also the fast form
+    eps = torch.finfo(dtype).eps
+    for phi in (fast, plain):
+        assert phi.dtype == dtype and not phi.requires_grad
+        assert torch.allclose(phi, expected, rtol=2 * eps, atol=2 * eps, equal_nan=True)
+        assert torch.equal(phi[x > 0], expected[x > 0])  # x + 1, rounded once
+        assert bool((phi[x < -40] == 0).all()) and bool((phi[(x > -5) & (x <= 0)] > 0).all())
+    nan = FEATURE_MAPS["elu"](torch.tensor([float("nan")], dtype=dtype))
+    assert bool(nan.isnan().all())
+
+
+def test_elu_map_gradients_of_every_order_and_under_torch_func_match_elu():
+    x = (torch.randn(64, dtype=torch.float64) * 3).requires_grad_()
+    phi = FEATURE_MAPS["elu"]
+    assert torch.autograd.gradcheck(phi, (x,))
+    assert torch.autograd.gradgradcheck(phi, (x,))
+    (grad,) = torch.autograd.grad(phi(x).sum(), x, create_graph=True)
+    (second,) = torch.autograd.grad(grad.sum(), x)
+    torch.testing.assert_close(second, torch.where(x > 0, 0.0, torch.exp(x)).detach(), rtol=1e-12, atol=0)
+    batched = torch.func.vmap(torch.func.grad(lambda row: phi(row).sum()))(x.detach().view(8, 8))
+    torch.testing.assert_close(batched.flatten(), torch.where(x > 0, 1.0, torch.exp(x)).detach())
+
+
+def test_elu_map_in_low_precision_is_elu_plus_one_exactly():
+    x = torch.randn(512).to(torch.bfloat16)
+    assert torch.equal(FEATURE_MAPS["elu"](x), F.elu(x).add_(1.0))
+
+
 def test_elu_map_leaves_its_input_untouched():
     x = torch.randn(4, 8)
     before = x.clone()

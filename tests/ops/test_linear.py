@@ -553,3 +553,23 @@ def test_bad_input_raises_a_value_error_naming_the_argument(case):
     call, argument = _bad_calls()[case]
     with pytest.raises(ValueError, match=argument):
         call()
+
+
+# --- FLOP count -----------------------------------------------------------------------------------------------
+
+
+def test_flop_count_of_the_causal_form():
+    # The figure: B=1, H=8, T=8192, D=64 with chunks of 64 tokens, 2.15 GFLOP.
+    assert linear_module.causal_linear_attention_flops(1, 8, 8192, 64) == 2_147_483_648
+    assert linear_module.DEFAULT_CHUNK_SIZE == 64
+    # Chunk by chunk, with a shorter tail chunk and grouped key/value heads.
+    batch, heads, kv_heads, seq, dk, dv, chunk = 2, 4, 2, 130, 8, 6, 16
+    expected = 0
+    for start in range(0, seq, chunk):
+        c = min(chunk, seq - start)
+        expected += batch * heads * (2 * c * c * dk + 2 * c * c * dv + 2 * c * dk * dv)  # scores, ·V, ·S
+        expected += batch * kv_heads * 2 * c * dk * dv  # the chunk's state
+    counted = linear_module.causal_linear_attention_flops(
+        batch, heads, seq, dk, dv, kv_heads=kv_heads, chunk_size=chunk
+    )
+    assert counted == expected

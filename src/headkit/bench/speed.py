@@ -16,6 +16,14 @@ Mechanisms: every kernel of the op registry, :data:`headkit.ops.KERNELS` (linear
 collaborative attention, the softmax references); each kernel's module under :mod:`headkit.ops` derives what it
 computes and cites its paper, and results.json records each one's description.
 
+An anchor, ``fast_transformers_causal``, is measured by default only where the ``fast_transformers`` package is
+installed: the compiled CPU/CUDA causal kernel of Katharopoulos et al.'s own library behind its
+``CausalLinearAttention`` (elu+1 features, the same maths as ``linear_causal``).
+
+A kernel that counts its FLOPs (``flops`` of :func:`headkit.ops.register_kernel`, e.g. ``linear_causal``) is
+also reported in GFLOP/s and as a fraction of the machine's fp32 matmul rate, measured at every length in the
+same run: a [1024, 1024] @ [1024, 1024] matmul, 2.15 GFLOP, the work of ``linear_causal`` at T=8192.
+
 A kernel that is not implemented yet (it raises ``NotImplementedError``) is reported as unavailable and
 skipped. Outputs in ``out_dir``: ``results.json`` (every timing, medians, peak bytes, ratios, targets, machine
 and command line), ``table.md`` and ``speed.png`` (time and memory vs T, log-log).
@@ -33,7 +41,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from headkit.bench._measure import measure_peak_memory, time_call
+from headkit.bench._measure import matmul_rate, measure_peak_memory, time_call
 from headkit.bench._options import check_device, check_integers, check_names, check_out_dir
 from headkit.bench._report import (
     TABLE_FILE,  # noqa: F401 (re-exported: headkit.demo reads the table of a speed run)
@@ -64,12 +72,43 @@ PROBE_SEQ_LEN = 16
 MIN_REPEAT_S = 0.05
 SEED = 0
 
+# The matmul whose rate the FLOP-counting kernels are compared with: [n, n] @ [n, n], 2n³ FLOPs.
+MATMUL_SIZE = 1024
+# The optional anchor: fast-transformers' compiled causal linear attention, measured where it is installed.
+ANCHOR = "fast_transformers_causal"
+
 PLOT_FILE = "speed.png"
 TARGET_HEADERS = ["target", "measured", "required", "result"]
 
 
 # The mechanisms: every kernel of the op registry (headkit.ops.register_kernel), in registration order.
 MECHANISMS = KERNELS
+
+
+def _fast_transformers_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """fast-transformers' CausalLinearAttention on [B, H, T, D] (its elu+1 map, cumsum normaliser, eps 1e-6)."""
+    from fast_transformers.causal_product import causal_dot_product
+
+    phi_q, phi_k = torch.nn.functional.elu(q) + 1, torch.nn.functional.elu(k) + 1
+    normaliser = 1 / (torch.einsum("bhtd,bhtd->bht", phi_q, phi_k.cumsum(dim=2)) + 1e-6)
+    return causal_dot_product(phi_q.contiguous(), phi_k.contiguous(), v.contiguous()) * normaliser[..., None]
+
+
+ANCHORS = {
+    ANCHOR: KernelSpec(
+        "fast-transformers' compiled causal linear attention (anchor)",
+        {"q": ("B", "H", "T", "D"), "k": ("B", "H", "T", "D"), "v": ("B", "H", "T", "D")},
+        _fast_transformers_causal,
+    )
+}
+
+
+def fast_transformers_installed() -> bool:
+    return importlib.util.find_spec("fast_transformers") is not None
+
+
+def _spec(name: str) -> KernelSpec:
+    return MECHANISMS[name] if name in MECHANISMS else ANCHORS[name]
 
 
 def resolve_layout(layout: Sequence[str], *, batch: int, heads: int, seq_len: int, head_dim: int) -> tuple:
@@ -117,14 +156,17 @@ def make_inputs(
 
 @dataclass(frozen=True)
 class Target:
-    """``quantity`` of ``mechanism`` in ``mode`` at ``seq_len``, divided by the baseline's, must be ≤ max_ratio."""
+    """``quantity`` of ``mechanism`` in ``mode`` at ``seq_len``, divided by ``reference``'s (the baseline unless
+    named), must be ≤ max_ratio. Quantity "matmul_time": the time over that of the kernel's FLOPs at the
+    machine's matmul rate (≤ 1/0.6: at least 60% of the matmul rate)."""
 
     description: str
     mechanism: str
     mode: str
     seq_len: int
-    quantity: str  # "time" or "peak_memory"
+    quantity: str  # "time", "peak_memory" or "matmul_time"
     max_ratio: float
+    reference: str = BASELINE
 
 
 TARGETS = (
@@ -135,6 +177,32 @@ TARGETS = (
     Target("additive fwd ≥ 20× faster at T=8192", "additive_causal", "forward", 8192, "time", 1 / 20),
     Target("CoCA fwd time ≤ 1.3× at T=4096", "coca_causal", "forward", 4096, "time", 1.3),
     Target("CoCA fwd peak memory ≤ 1.25× at T=4096", "coca_causal", "forward", 4096, "peak_memory", 1.25),
+    Target(
+        "linear fwd ≥ 60% of the matmul rate, T=8192",
+        "linear_causal",
+        "forward",
+        8192,
+        "matmul_time",
+        1 / 0.6,
+    ),
+    Target(
+        "linear fwd ≥ 2× faster than fast-transformers, T=8192",
+        "linear_causal",
+        "forward",
+        8192,
+        "time",
+        1 / 2,
+        reference=ANCHOR,
+    ),
+    Target(
+        "linear fwd+bwd ≥ 2× faster than fast-transformers, T=8192",
+        "linear_causal",
+        "forward_backward",
+        8192,
+        "time",
+        1 / 2,
+        reference=ANCHOR,
+    ),
 )
 
 
@@ -155,6 +223,7 @@ class SpeedSettings:
     repeats: int = option(
         5, "Timed repetitions per point, the median reported (default 5; quick 3).", min=1, quick=3
     )
+    threads: int | None = option(None, "torch threads during the run (default: torch's setting).", min=1)
     out: Path = option(Path("results/speed"), "Output directory for results.json, plot and table.")
     warmup: int = 1  # untimed calls before the timed ones
     min_repeat_s: float = MIN_REPEAT_S  # a timed repeat loops over calls faster than this (their mean)
@@ -176,7 +245,7 @@ def run_speed_benchmark(
     Raises:
         HeadkitError (a ValueError): unknown mechanism, CUDA asked for but absent, bad lengths or repeats."""
     device, lengths, names, out_dir = _plan(settings)
-    unavailable = {name: note for name in names if (note := _probe(MECHANISMS[name], device))}
+    unavailable = {name: note for name in names if (note := _probe(_spec(name), device))}
     if BASELINE in unavailable:
         raise RuntimeError(f"the baseline {BASELINE} cannot run on {device}: {unavailable[BASELINE]}")
     for name, note in unavailable.items():
@@ -184,6 +253,7 @@ def run_speed_benchmark(
     measured = [name for name in names if name not in unavailable]
 
     points: list[dict[str, Any]] = []
+    matmul_rates: dict[int, float] = {}  # FLOP/s of the reference matmul, per length
     out_of_memory: set[str] = set()
     with progress_bar(console, show_progress, 40) as progress:
         task = progress.add_task("speed", total=len(lengths) * len(measured))
@@ -193,8 +263,17 @@ def run_speed_benchmark(
                 progress.update(task, description=f"{name} T={seq_len}")
                 points.extend(_measure_or_record_failure(name, seq_len, device, settings, out_of_memory))
                 progress.advance(task)
+            if any(_spec(name).flops for name in measured):
+                matmul_rates[seq_len] = matmul_rate(
+                    MATMUL_SIZE,
+                    repeats=settings.repeats,
+                    warmup=settings.warmup,
+                    min_repeat_s=settings.min_repeat_s,
+                    device=device,
+                )
 
     _add_ratios(points)
+    _add_rates(points, matmul_rates)
     results = {
         "benchmark": "speed",
         "baseline": BASELINE,
@@ -210,17 +289,20 @@ def run_speed_benchmark(
             "min_repeat_s": settings.min_repeat_s,
             "statistic": "median",
             "mechanisms": names,
+            "threads": torch.get_num_threads(),
+            "matmul_reference": f"[{MATMUL_SIZE}, {MATMUL_SIZE}] @ [{MATMUL_SIZE}, {MATMUL_SIZE}]",
         },
         "machine": machine_info(device),
         "command": command_line(),
         "mechanisms": {
             name: {
-                "description": MECHANISMS[name].description,
+                "description": _spec(name).description,
                 "available": name not in unavailable,
                 "note": unavailable.get(name),
             }
             for name in names
         },
+        "matmul_gflops_per_s": {str(n): rate / 1e9 for n, rate in matmul_rates.items()},
         "points": points,
         "targets": [_evaluate_target(target, points) for target in TARGETS],
     }
@@ -229,6 +311,8 @@ def run_speed_benchmark(
         rich_table(ratio_title, _headers(results), _cell_table(results, _ratio_cell), left=2),
         rich_table("targets (ratio to the baseline, same run)", TARGET_HEADERS, _target_rows(results)),
     )
+    for line in _rate_lines(results):
+        console.print(line, highlight=False)
     figures = {PLOT_FILE: plot_results(results)}
     write_report(out_dir, results, render_markdown(results), figures, console, tables=tables)
     return results
@@ -239,7 +323,9 @@ def _plan(settings: SpeedSettings) -> tuple[torch.device, list[int], list[str], 
     anything is measured."""
     device = check_device(settings.device)
     check_integers("--lengths", settings.lengths)
-    names = check_names("--mechanisms", settings.mechanisms or list(MECHANISMS), MECHANISMS)
+    # The anchor is measured by default where it is installed; asked for where it is not, it is skipped.
+    default = [*MECHANISMS, *(ANCHORS if fast_transformers_installed() else ())]
+    names = check_names("--mechanisms", settings.mechanisms or default, {**MECHANISMS, **ANCHORS})
     if importlib.util.find_spec("matplotlib") is None:  # found now, not after a run of several minutes
         raise HeadkitError("the speed benchmark plots with matplotlib: pip install 'headkit[bench]'")
     # Ratios need the baseline, measured first so it is the reference of every length.
@@ -254,6 +340,8 @@ def _probe(spec: KernelSpec, device: torch.device) -> str | None:
         spec.run(**inputs).sum().backward()
     except NotImplementedError as exc:
         return f"not implemented yet ({type(exc).__name__}{': ' + str(exc) if str(exc) else ''})"
+    except ImportError as exc:  # an anchor whose library is not installed
+        return f"not installed ({type(exc).__name__}: {exc})"
     return None
 
 
@@ -265,7 +353,7 @@ def _measure_or_record_failure(
     measurements = [FAILED | {"error": "skipped: out of memory at a shorter length"}] * len(MODES)
     if name not in out_of_memory:
         try:
-            measurements = _measure_mechanism(MECHANISMS[name], seq_len, device, settings)
+            measurements = _measure_mechanism(_spec(name), seq_len, device, settings)
         except Exception as exc:
             if not _is_out_of_memory(exc):
                 raise
@@ -349,6 +437,20 @@ def _add_ratios(points: list[dict[str, Any]]) -> None:
         point["memory_ratio"] = _ratio(point["peak_bytes"], reference and reference["peak_bytes"])
 
 
+def _add_rates(points: list[dict[str, Any]], matmul_rates: dict[int, float]) -> None:
+    """Of each forward point of a FLOP-counting kernel: its FLOPs, GFLOP/s, the fraction of the matmul rate
+    at its length, and matmul_time_ratio, its time over that of its FLOPs at the matmul rate (1 / fraction)."""
+    for point in points:
+        count = _spec(point["mechanism"]).flops
+        rate = matmul_rates.get(point["seq_len"])
+        if point["mode"] != "forward" or count is None or rate is None or point["median_s"] is None:
+            continue
+        point["flops"] = count(BATCH, HEADS, point["seq_len"], HEAD_DIM)
+        point["gflops_per_s"] = point["flops"] / point["median_s"] / 1e9
+        point["matmul_fraction"] = point["flops"] / point["median_s"] / rate
+        point["matmul_time_ratio"] = 1 / point["matmul_fraction"]
+
+
 def _ratio(value: float | None, reference: float | None) -> float | None:
     if value is None or not reference:
         return None
@@ -357,7 +459,14 @@ def _ratio(value: float | None, reference: float | None) -> float | None:
 
 def _evaluate_target(target: Target, points: list[dict[str, Any]]) -> dict[str, Any]:
     point = find_point(points, mechanism=target.mechanism, seq_len=target.seq_len, mode=target.mode)
-    measured = point["time_ratio" if target.quantity == "time" else "memory_ratio"] if point else None
+    if target.quantity == "matmul_time":
+        measured = point.get("matmul_time_ratio") if point else None
+    elif target.reference != BASELINE:
+        key = "median_s" if target.quantity == "time" else "peak_bytes"
+        reference = find_point(points, mechanism=target.reference, seq_len=target.seq_len, mode=target.mode)
+        measured = _ratio(point and point[key], reference and reference[key])
+    else:
+        measured = point["time_ratio" if target.quantity == "time" else "memory_ratio"] if point else None
     return asdict(target) | {
         "measured_ratio": measured,
         "passed": None if measured is None else measured <= target.max_ratio,
@@ -413,6 +522,23 @@ def _target_rows(results: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+def _rate_lines(results: dict[str, Any]) -> list[str]:
+    """One line per point of a FLOP-counting kernel: time, GFLOP/s and the fraction of the matmul rate."""
+    lines = []
+    for point in results["points"]:
+        if point.get("gflops_per_s") is None:
+            continue
+        rate = results["matmul_gflops_per_s"][str(point["seq_len"])]
+        lines.append(
+            f"{point['mechanism']} {MODE_LABELS[point['mode']]} T={point['seq_len']}: "
+            f"{point['median_s'] * 1e3:.3g} ms, {point['flops'] / 1e9:.3g} GFLOP, "
+            f"{point['gflops_per_s']:.3g} GFLOP/s = {point['matmul_fraction']:.0%} of the fp32 matmul rate "
+            f"({rate:.3g} GFLOP/s, {results['config']['matmul_reference']}, {results['config']['threads']} "
+            "thread(s))"
+        )
+    return lines
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     """table.md: medians, peak memory, ratios to the baseline, targets, and what was not measured."""
     config, machine = results["config"], results["machine"]
@@ -439,6 +565,12 @@ def render_markdown(results: dict[str, Any]) -> str:
         "## Targets\n",
         markdown_table(TARGET_HEADERS, _target_rows(results)),
     ]
+    rates = _rate_lines(results)
+    if rates:
+        sections += [
+            "## Rate against the fp32 matmul rate, same run\n",
+            "\n".join(f"- {x}" for x in rates) + "\n",
+        ]
     skipped = [f"- {name}: {info['note']}" for name, info in results["mechanisms"].items() if info["note"]]
     if skipped:
         sections += ["## Not measured\n", "\n".join(skipped) + "\n"]

@@ -16,6 +16,7 @@ attention op takes features already computed.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -23,14 +24,24 @@ import torch.nn.functional as F
 
 FeatureMap = Callable[[torch.Tensor], torch.Tensor]
 
+_LOG2_E = math.log2(math.e)
+# Dtypes in which elu_plus_one's exp2 form is as accurate as elu: x·log2 e rounded to bf16 would not be.
+_EXP2_DTYPES = (torch.float32, torch.float64)
+
 
 def elu_plus_one(x: torch.Tensor) -> torch.Tensor:
     """φ(x) = elu(x) + 1 (Katharopoulos et al. 2020, Eq. 7): positive, smooth, gradient everywhere.
 
     In floating point it rounds to 0 far below zero (x < −17 or so in float32), where exp(x) < 1 ulp of 1.
     """
-    # In place on elu's fresh output, saving a temporary: elu's backward reads its input, not its output.
-    return F.elu(x).add_(1.0)
+    if x.device.type != "cpu" or x.dtype not in _EXP2_DTYPES or (torch.is_grad_enabled() and x.requires_grad):
+        # In place on elu's fresh output, saving a temporary: elu's backward reads its input, not its output.
+        # (Under autograd an exp2 form with its own backward measured slower than elu's fused kernels.)
+        return F.elu(x).add_(1.0)
+    # Without autograd on CPU: elu(x) + 1 = (exp(min(x, 0)) − 1) + max(x, 0) + 1 with exp(y) = 2^(y·log2 e):
+    # the exp2 kernel is ~4x cheaper than elu's expm1 (~2x for the whole map). Subtracting 1 before adding it
+    # back rounds like elu(x) + 1 does (to 0 far below zero), so both forms agree to a couple of ulp of 1.
+    return x.clamp(max=0.0).mul_(_LOG2_E).exp2_().sub_(1.0).add_(x.clamp(min=0.0)).add_(1.0)
 
 
 def relu_feature_map(x: torch.Tensor) -> torch.Tensor:

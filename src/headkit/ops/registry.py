@@ -11,6 +11,8 @@ A kernel is registered with the shapes of its inputs, as layouts over the symbol
     )
 
 A kernel that returns ``(output, state)`` is timed on its output. ``non_negative`` names inputs drawn ≥ 0.
+``flops(batch, heads, seq_len, head_dim)``, where given, counts the kernel's floating-point operations, so
+that a benchmark can report its rate against the machine's matmul rate.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 from headkit.ops.additive import additive_pool
 from headkit.ops.coca import coca_attention
 from headkit.ops.collaborative import collaborative_attention
-from headkit.ops.linear import linear_attention
+from headkit.ops.linear import causal_linear_attention_flops, linear_attention
 from headkit.ops.softmax import softmax_attention
 
 QKV = ("B", "H", "T", "D")
@@ -33,12 +35,14 @@ QKV = ("B", "H", "T", "D")
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """One registered kernel: what it computes, its inputs' layouts, the inputs drawn ≥ 0, and the call."""
+    """One registered kernel: what it computes, its inputs' layouts, the inputs drawn ≥ 0, the call, and its
+    FLOP count (batch, heads, seq_len, head_dim) -> FLOPs where known."""
 
     description: str
     inputs: Mapping[str, tuple[str, ...]]
     run: Callable[..., torch.Tensor]
     non_negative: frozenset[str] = frozenset()
+    flops: Callable[[int, int, int, int], int] | None = None
 
 
 KERNELS: dict[str, KernelSpec] = {}
@@ -51,6 +55,7 @@ def register_kernel(
     inputs: Mapping[str, tuple[str, ...]],
     run: Callable[..., Any],
     non_negative: tuple[str, ...] = (),
+    flops: Callable[[int, int, int, int], int] | None = None,
 ) -> KernelSpec:
     """Make ``run`` available as kernel ``name`` (replacing an earlier registration of the same name)."""
     if not isinstance(name, str) or not name:
@@ -63,7 +68,7 @@ def register_kernel(
         result = run(**tensors)  # kernels that carry a recurrent state return (output, state)
         return result[0] if isinstance(result, tuple) else result
 
-    spec = KernelSpec(description, dict(inputs), primary, frozenset(non_negative))
+    spec = KernelSpec(description, dict(inputs), primary, frozenset(non_negative), flops)
     KERNELS[name] = spec
     return spec
 
@@ -79,6 +84,7 @@ register_kernel(
     "linear attention, elu+1 features, chunked causal",
     inputs={"q": QKV, "k": QKV, "v": QKV},
     run=lambda q, k, v: linear_attention(q, k, v, causal=True),
+    flops=causal_linear_attention_flops,
 )
 register_kernel(
     "additive_causal",
