@@ -573,3 +573,30 @@ def test_flop_count_of_the_causal_form():
         batch, heads, seq, dk, dv, kv_heads=kv_heads, chunk_size=chunk
     )
     assert counted == expected
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_the_unchecked_forms_are_the_checked_ones(padded):
+    """``validate=False`` (what the layer passes) skips the checks and changes nothing else: prefill, then a step."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 9, 8), torch.randn(2, 2, 9, 8), torch.randn(2, 2, 9, 6)
+    mask = None
+    if padded:
+        mask = torch.ones(2, 8, dtype=torch.bool)
+        mask[0, :3] = False
+    results = {}
+    for validate in (True, False):
+        out, state = linear_attention(
+            q[:, :, :8],
+            k[:, :, :8],
+            v[:, :, :8],
+            causal=True,
+            attention_mask=mask,
+            chunk_size=3,
+            output_final_state=True,
+            validate=validate,
+        )
+        step, final = linear_attention_step(q[:, :, 8:], k[:, :, 8:], v[:, :, 8:], state, validate=validate)
+        results[validate] = (out, step, *state, *final)
+    for unchecked, checked in zip(results[False], results[True], strict=True):
+        torch.testing.assert_close(unchecked, checked, rtol=0, atol=0)

@@ -65,7 +65,7 @@ class LinearAttention(HeadkitAttention):
         ):
             # The recurrent form of Eq. 16-20; it has no mask, so a padding token takes the chunked path below.
             head_outputs, state = linear_attention_step(
-                queries, keys, values, state, feature_map=self.feature_map
+                queries, keys, values, state, feature_map=self.feature_map, validate=False
             )
         else:
             head_outputs, state = linear_attention(
@@ -78,6 +78,7 @@ class LinearAttention(HeadkitAttention):
                 chunk_size=self.chunk_size,
                 initial_state=state,
                 output_final_state=inputs.cache is not None,
+                validate=False,
             )
         self.store_state(inputs, state)
         return self.project_heads(head_outputs), None

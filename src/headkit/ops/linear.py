@@ -65,6 +65,7 @@ def linear_attention(
     initial_state: LinearAttentionState | None = None,
     output_final_state: bool = False,
     eps: float = 1e-6,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, LinearAttentionState | None]:
     """Linear attention out_i = φ(q_i)ᵀ Σ_j φ(k_j) v_jᵀ / (φ(q_i)ᵀ Σ_j φ(k_j) + eps) (Eq. 4; causal Eq. 9-11).
 
@@ -83,24 +84,35 @@ def linear_attention(
             ``output_final_state=True``); every query also sees them. None = empty.
         output_final_state: also return the state after the last key.
         eps: added to the denominator; a query that sees no key at all returns zeros.
+        validate: False skips the checks, for a caller (a layer) that built the inputs itself: a bool mask or
+            None, a state this op returned.
 
     Returns:
         (out [B, H, Tq, Dv] in q's dtype, final :class:`LinearAttentionState` or None). Accumulation is
         float32, even under ``torch.autocast``.
     """
-    batch, q_heads, kv_heads, kv_len = check_qkv(q, k, v)
+    if validate:
+        batch, _, kv_heads, kv_len = check_qkv(q, k, v)
+    else:
+        batch, (kv_heads, kv_len) = q.shape[0], k.shape[1:3]
     q_len, head_dim, head_dim_v = q.shape[2], k.shape[3], v.shape[3]
-    if causal and q_len != kv_len:
+    if validate and causal and q_len != kv_len:
         raise ValueError(
             f"causal linear attention needs k and v with the same seq length as q ({q_len}), got {kv_len}"
         )
-    check_positive_int("chunk_size", chunk_size)
-    _check_eps(eps)
     phi = get_feature_map(feature_map)
-    keep = check_padding_mask(attention_mask, batch, kv_len)
-    kv, k_sum = _checked_state(
-        initial_state, "initial_state", batch, kv_heads, head_dim, head_dim_v, q.device
-    )
+    if validate:
+        check_positive_int("chunk_size", chunk_size)
+        _check_eps(eps)
+        keep = check_padding_mask(attention_mask, batch, kv_len)
+        kv, k_sum = _checked_state(
+            initial_state, "initial_state", batch, kv_heads, head_dim, head_dim_v, q.device
+        )
+    else:
+        keep = attention_mask
+        kv, k_sum = initial_state or _checked_state(
+            None, "initial_state", batch, kv_heads, head_dim, head_dim_v, q.device
+        )
     if keep is not None:
         keep = keep.to(q.device)
 
@@ -147,27 +159,33 @@ def linear_attention_step(
     *,
     feature_map: str | Callable[[torch.Tensor], torch.Tensor] = "elu",
     eps: float = 1e-6,
+    validate: bool = True,
 ) -> tuple[torch.Tensor, LinearAttentionState]:
     """One step of the recurrent form (Eq. 16-20): fold token t into the state, then read it with q_t.
 
     Args:
         q: the new query [B, H, 1, Dk]; k, v: the new key/value [B, Hkv, 1, Dk] / [B, Hkv, 1, Dv].
         state: :class:`LinearAttentionState` of the tokens before (None = empty).
+        validate: False skips the checks, for a caller that passes a state this op returned (or None).
 
     Returns:
         (out [B, H, 1, Dv] in q's dtype, the state including this token, float32). Decoding a sequence token
         by token gives the causal :func:`linear_attention` output.
     """
-    batch, q_heads, kv_heads, _ = check_qkv(q, k, v)
-    for name, tensor in (("q", q), ("k", k), ("v", v)):
-        if tensor.shape[2] != 1:
-            raise ValueError(
-                f"{name} must hold one token, shape [batch, heads, 1, head_dim], got {tuple(tensor.shape)}"
-            )
-    _check_eps(eps)
     phi = get_feature_map(feature_map)
     head_dim, head_dim_v = k.shape[3], v.shape[3]
-    kv, k_sum = _checked_state(state, "state", batch, kv_heads, head_dim, head_dim_v, q.device)
+    if validate:
+        batch, q_heads, kv_heads, _ = check_qkv(q, k, v)
+        for name, tensor in (("q", q), ("k", k), ("v", v)):
+            if tensor.shape[2] != 1:
+                raise ValueError(
+                    f"{name} must hold one token, shape [batch, heads, 1, head_dim], got {tuple(tensor.shape)}"
+                )
+        _check_eps(eps)
+        kv, k_sum = _checked_state(state, "state", batch, kv_heads, head_dim, head_dim_v, q.device)
+    else:
+        (batch, q_heads), kv_heads = q.shape[:2], k.shape[1]
+        kv, k_sum = state or _checked_state(None, "state", batch, kv_heads, head_dim, head_dim_v, q.device)
 
     with autocast_disabled(q.device):
         phi_q = _feature(phi, q.float()).reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
