@@ -9,7 +9,8 @@ from headkit.cli import app
 # The commands and their parameters as cli.py declared them by hand (issue 13); "--x/--no-x" is one flag.
 BENCH_COMMANDS = {
     "compress": "--dims --distill-steps --model --out --quick/--no-quick --seed --threads",
-    "decode": "--batch-size --device --mechanisms --new-tokens --out --prompts --quick/--no-quick --repeats "
+    "decode": "--batch-size --compile/--no-compile --device --mechanisms --new-tokens --out --prompts "
+    "--quick/--no-quick --repeats "
     "--threads",
     "decompose": "MODEL --dims --max-iter --out --quick/--no-quick --seed --tensorly/--no-tensorly --threads",
     "digits": "--batch-size --hidden-size --images --layers --out --quick/--no-quick --sample/--no-sample --seed "

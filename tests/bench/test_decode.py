@@ -141,3 +141,23 @@ def test_cli_runs_the_benchmark(tiny_models, tmp_path):
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["config"]["mechanisms"] == ["linear", "additive"]
     assert [t["passed"] for t in results["targets"]] == [None, None, None, None]  # one length, no softmax
+
+
+def test_compile_decodes_every_model_through_torch_compile(tiny_models, tmp_path, monkeypatch):
+    """--compile wraps each model in torch.compile (here with dynamo's eager backend: no C++ toolchain needed)."""
+    compiled = []
+    real_compile = torch.compile
+
+    def compile_eagerly(model):
+        compiled.append(type(model).__name__)
+        return real_compile(model, backend="eager")
+
+    monkeypatch.setattr(decode.torch, "compile", compile_eagerly)
+    results = run_decode_benchmark(
+        DecodeSettings(prompt_lengths=(8,), new_tokens=3, repeats=1, threads=1, compile=True, out=tmp_path),
+        console=Console(file=io.StringIO()),
+        show_progress=False,
+    )
+    assert compiled == ["HeadkitForCausalLM"] * len(MECHANISMS)
+    assert results["config"]["compiled"] is True
+    assert "models under torch.compile" in (tmp_path / "table.md").read_text()

@@ -146,6 +146,10 @@ class DecodeSettings:
     )
     batch_size: int = option(1, "Prompts decoded together.", min=1)
     threads: int | None = option(None, "torch threads during the run (default: torch's setting).", min=1)
+    compile: bool = option(
+        False,
+        "Decode with torch.compile(model) (inductor: a C++ compiler on CPU); the untimed warm-up compiles.",
+    )
     out: Path = option(Path("results/decode"), "Output directory for results.json, plot and table.")
 
     quick = quick_preset("Short run: prompts 256 and 1024, 32 new tokens.")
@@ -174,6 +178,7 @@ def run_decode_benchmark(
             "new_tokens": settings.new_tokens,
             "batch_size": settings.batch_size,
             "threads": machine["torch_threads"],
+            "compiled": settings.compile,
             "repeats": settings.repeats,
             "mechanisms": names,
             "statistic": "fastest decoding step (targets); median and mean reported too",
@@ -225,6 +230,8 @@ def _measure(
     for mechanism in mechanisms:
         torch.manual_seed(SEED)
         models[mechanism] = HeadkitForCausalLM(model_config(mechanism, max_positions)).to(device).eval()
+        if settings.compile:
+            models[mechanism] = torch.compile(models[mechanism])
         time_greedy_decoding(models[mechanism], prompts[lengths[0]][:, :WARMUP_PROMPT], WARMUP_STEPS, device)
 
     # (mechanism, prompt length) in measuring order: prompt lengths outer, mechanisms inner.
@@ -362,7 +369,8 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"{model['num_hidden_layers']} layers, hidden {model['hidden_size']}, {model['num_attention_heads']} heads, "
         f"vocab {model['vocab_size']}, {model['dtype']}; batch {config['batch_size']}, {config['new_tokens']} new "
         f"tokens (greedy) after each prompt; device {config['device']} ({machine['cpu_model']}, "
-        f"{machine['torch_threads']} torch threads), torch {machine['torch_version']}. A decoding step generates "
+        f"{machine['torch_threads']} torch threads), torch {machine['torch_version']}"
+        f"{', models under torch.compile' if config.get('compiled') else ''}. A decoding step generates "
         f"one token for each of the batch's {config['batch_size']} sequence(s).\n",
         f"Command: `{shlex.join(results['command'])}`\n",
         "## Time per generated token, fastest decoding step (ms)\n",
