@@ -231,9 +231,7 @@ def _measure(
         torch.manual_seed(SEED)
         models[mechanism] = HeadkitForCausalLM(model_config(mechanism, max_positions)).to(device).eval()
         if settings.compile:
-            # Dynamic shapes from the start: the cache grows every step, and the three models share one code
-            # object (HeadkitForCausalLM.forward), hence one budget of recompilations.
-            models[mechanism] = torch.compile(models[mechanism], dynamic=True)
+            models[mechanism] = torch.compile(models[mechanism])
         time_greedy_decoding(models[mechanism], prompts[lengths[0]][:, :WARMUP_PROMPT], WARMUP_STEPS, device)
 
     # (mechanism, prompt length) in measuring order: prompt lengths outer, mechanisms inner.
