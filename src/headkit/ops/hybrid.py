@@ -109,16 +109,9 @@ def hybrid_attention(
         (float64 for float64 inputs), also under ``torch.autocast``.
     """
     if validate:
-        keep, state = _check_inputs(
-            q, k, v, qf, kf, balance, window, attention_mask, initial_state, "initial_state"
-        )
         check_positive_int("chunk_size", chunk_size)
-        scale = _checked_scale(scale, q.shape[-1])
-        _check_eps(eps)
-    else:
-        keep = attention_mask
-        state = _initial_state(q, k, v, kf, window) if initial_state is None else initial_state
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
+    inputs = (q, k, v, qf, kf, balance, window, attention_mask)
+    keep, state, scale = _prepared(*inputs, initial_state, "initial_state", scale, eps, validate)
     out, final = _hybrid(q, k, v, qf, kf, balance, keep, state, window, chunk_size, scale, eps)
     return out, (final if output_final_state else None)
 
@@ -148,14 +141,8 @@ def hybrid_attention_step(
     op returned (or None), a bool mask or None, and a float ``scale``: a decoding step of a small model is made
     of per-call overheads.
     """
-    if validate:
-        keep, state = _check_inputs(q, k, v, qf, kf, balance, window, attention_mask, state, "state")
-        scale = _checked_scale(scale, q.shape[-1])
-        _check_eps(eps)
-    else:
-        keep = attention_mask
-        state = _initial_state(q, k, v, kf, window) if state is None else state
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
+    inputs = (q, k, v, qf, kf, balance, window, attention_mask)
+    keep, state, scale = _prepared(*inputs, state, "state", scale, eps, validate)
     if q.shape[2] == 1:
         return _hybrid_one_token(q, k, v, qf, kf, balance, keep, state, scale, eps)
     return _hybrid(q, k, v, qf, kf, balance, keep, state, window, max(1, q.shape[2]), scale, eps)
@@ -477,6 +464,30 @@ def _check_inputs(
     return keep, state._replace(
         kv=state.kv.to(device=device, dtype=dtype), k_sum=state.k_sum.to(device=device, dtype=dtype)
     )
+
+
+def _prepared(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    balance: torch.Tensor,
+    window: int,
+    attention_mask: torch.Tensor | None,
+    state: HybridAttentionState | None,
+    state_name: str,
+    scale: float | None,
+    eps: float,
+    validate: bool,
+) -> tuple[torch.Tensor | None, HybridAttentionState, float]:
+    """(bool padding mask or None, the state — zeros when None —, the score scale), checked when ``validate``."""
+    if validate:
+        keep, state = _check_inputs(q, k, v, qf, kf, balance, window, attention_mask, state, state_name)
+        _check_eps(eps)
+        return keep, state, _checked_scale(scale, q.shape[-1])
+    state = _initial_state(q, k, v, kf, window) if state is None else state
+    return attention_mask, state, q.shape[-1] ** -0.5 if scale is None else scale
 
 
 def _initial_state(
