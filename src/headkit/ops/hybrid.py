@@ -108,10 +108,10 @@ def hybrid_attention(
         (out [B, H, T, Dv] in q's dtype, final :class:`HybridAttentionState` or None). Accumulated in float32
         (float64 for float64 inputs), also under ``torch.autocast``.
     """
-    if validate:
-        check_positive_int("chunk_size", chunk_size)
     inputs = (q, k, v, qf, kf, balance, window, attention_mask)
     keep, state, scale = _prepared(*inputs, initial_state, "initial_state", scale, eps, validate)
+    if validate:
+        check_positive_int("chunk_size", chunk_size)
     out, final = _hybrid(q, k, v, qf, kf, balance, keep, state, window, chunk_size, scale, eps)
     return out, (final if output_final_state else None)
 
@@ -392,7 +392,7 @@ def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([before, x[:, :, :-1].cumsum(dim=2)], dim=2)
 
 
-def _check_inputs(
+def _prepared(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -403,8 +403,14 @@ def _check_inputs(
     attention_mask: torch.Tensor | None,
     state: HybridAttentionState | None,
     state_name: str,
-) -> tuple[torch.Tensor | None, HybridAttentionState]:
-    """Validate the inputs; return the bool padding mask (or None) and the state (zeros when None)."""
+    scale: float | None,
+    eps: float,
+    validate: bool,
+) -> tuple[torch.Tensor | None, HybridAttentionState, float]:
+    """(bool padding mask or None, the state — zeros when None —, the score scale), checked when ``validate``."""
+    if not validate:
+        state = _initial_state(q, k, v, kf, window) if state is None else state
+        return attention_mask, state, q.shape[-1] ** -0.5 if scale is None else scale
     batch, q_heads, kv_heads, kv_len = check_qkv(q, k, v)
     seq, head_dim, head_dim_v = q.shape[2], k.shape[3], v.shape[3]
     if kv_len != seq:
@@ -428,11 +434,13 @@ def _check_inputs(
     if not balance.dtype.is_floating_point:
         raise ValueError(f"balance must be a floating-point tensor, got dtype {balance.dtype}")
     keep = check_padding_mask(attention_mask, batch, seq)
+    scale = _checked_scale(scale, head_dim)
+    _check_eps(eps)
 
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     kept, device = window - 1, q.device
     if state is None:
-        return keep, _initial_state(q, k, v, kf, window)
+        return keep, _initial_state(q, k, v, kf, window), scale
     if not (isinstance(state, tuple) and len(state) == 6 and all(isinstance(t, torch.Tensor) for t in state)):
         raise ValueError(
             f"{state_name} must be a HybridAttentionState(keys, values, key_features, keep, kv, k_sum) of tensors, "
@@ -461,33 +469,10 @@ def _check_inputs(
             raise ValueError(
                 f"{state_name}.{field} must be a floating-point tensor, got dtype {tensor.dtype}"
             )
-    return keep, state._replace(
+    state = state._replace(
         kv=state.kv.to(device=device, dtype=dtype), k_sum=state.k_sum.to(device=device, dtype=dtype)
     )
-
-
-def _prepared(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    qf: torch.Tensor,
-    kf: torch.Tensor,
-    balance: torch.Tensor,
-    window: int,
-    attention_mask: torch.Tensor | None,
-    state: HybridAttentionState | None,
-    state_name: str,
-    scale: float | None,
-    eps: float,
-    validate: bool,
-) -> tuple[torch.Tensor | None, HybridAttentionState, float]:
-    """(bool padding mask or None, the state — zeros when None —, the score scale), checked when ``validate``."""
-    if validate:
-        keep, state = _check_inputs(q, k, v, qf, kf, balance, window, attention_mask, state, state_name)
-        _check_eps(eps)
-        return keep, state, _checked_scale(scale, q.shape[-1])
-    state = _initial_state(q, k, v, kf, window) if state is None else state
-    return attention_mask, state, q.shape[-1] ** -0.5 if scale is None else scale
+    return keep, state, scale
 
 
 def _initial_state(
