@@ -12,9 +12,7 @@ from headkit.surgery.adapters.base import AttentionAdapter, register_adapter
 @register_adapter
 class AlbertAdapter(AttentionAdapter):
     name = "albert"
-    model_types = ("albert",)
     attention_path = "attention"
-    output_projection_path = "attention.dense"
     query_name, key_name, value_name = "query", "key", "value"
     head_dim_attribute = "attention_head_size"
     epilogue_names = ("dense", "output_dropout", "LayerNorm")

@@ -269,14 +269,18 @@ def attention_mask_for_scores(
 
 class AttentionAdapter:
     """How one architecture lays out its attention. Subclasses fill in the class attributes (paths relative to
-    a transformer layer, attribute names on the attention module) and override what differs.
+    a transformer layer, attribute names on the attention module) and override what differs. The defaults
+    describe the layout current 🤗 decoders share (LLaMA and its kin): ``layers[i].self_attn`` with
+    ``q_proj`` / ``k_proj`` / ``v_proj``, running ``o_proj`` itself; an adapter declares where its architecture
+    departs from it.
 
     Class attributes:
         name: registry key and what error messages call the architecture (e.g. "bert").
-        model_types: ``config.model_type`` values this adapter handles.
+        model_types: ``config.model_type`` values this adapter handles; () (the default) means ``(name,)``.
         layers_path: path of the ``nn.ModuleList`` of transformer layers, relative to ``model.base_model``.
         attention_path: path of the attention module, relative to one layer.
-        output_projection_path: path of the output projection, relative to one layer.
+        output_projection_path: path of the output projection, relative to one layer; "" (the default) means the
+            attention module's own, ``attention_path`` + "." + ``epilogue_names[0]``.
         query_name, key_name, value_name: the projections' attribute names on the attention module.
         head_dim_attribute: the attention module's attribute holding head_dim.
         epilogue_names: attribute names (projection, dropout, residual LayerNorm; None where absent) of what the
@@ -287,14 +291,14 @@ class AttentionAdapter:
 
     name: ClassVar[str] = ""
     model_types: ClassVar[tuple[str, ...]] = ()
-    layers_path: ClassVar[str] = ""
-    attention_path: ClassVar[str] = ""
+    layers_path: ClassVar[str] = "layers"
+    attention_path: ClassVar[str] = "self_attn"
     output_projection_path: ClassVar[str] = ""
-    query_name: ClassVar[str] = ""
-    key_name: ClassVar[str] = ""
-    value_name: ClassVar[str] = ""
+    query_name: ClassVar[str] = "q_proj"
+    key_name: ClassVar[str] = "k_proj"
+    value_name: ClassVar[str] = "v_proj"
     head_dim_attribute: ClassVar[str] = "head_dim"
-    epilogue_names: ClassVar[tuple[str | None, str | None, str | None] | tuple[()]] = ()
+    epilogue_names: ClassVar[tuple[str | None, str | None, str | None] | tuple[()]] = ("o_proj", None, None)
     rotary: ClassVar[bool] = False
     # The attention module takes the cache as ``past_key_values`` and calls its ``update(key, value, layer_idx)``
     # once per forward: uneven grouped-query pruning can then gather key/value heads *after* the cache, which so
@@ -307,7 +311,7 @@ class AttentionAdapter:
     def matches(cls, model: nn.Module) -> bool:
         """Whether this adapter handles `model` (by default: its ``config.model_type``)."""
         model_type = getattr(getattr(model, "config", None), "model_type", None)
-        return model_type in cls.model_types
+        return model_type in (cls.model_types or (cls.name,))
 
     # -- sites --------------------------------------------------------------------------------------------------
 
@@ -324,7 +328,7 @@ class AttentionAdapter:
             module = layer.get_submodule(self.attention_path)
             if id(module) not in by_module:
                 by_module[id(module)] = []
-                found.append((module, layer.get_submodule(self.output_projection_path)))
+                found.append((module, layer.get_submodule(self._output_projection_path())))
             by_module[id(module)].append(layer_index)
         sites = []
         for index, (module, output_projection) in enumerate(found):
@@ -348,6 +352,11 @@ class AttentionAdapter:
                 )
             )
         return sites
+
+    def _output_projection_path(self) -> str:
+        if self.output_projection_path or not self.epilogue_names:
+            return self.output_projection_path
+        return f"{self.attention_path}.{self.epilogue_names[0]}"
 
     def head_geometry(self, module: nn.Module) -> tuple[int, int, int]:
         """(num_heads, num_kv_heads, head_dim) of an attention module, from its weights' shapes so that it stays

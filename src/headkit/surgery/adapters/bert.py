@@ -11,12 +11,12 @@ from headkit.surgery.adapters.base import AttentionAdapter, register_adapter
 @register_adapter
 class BertAdapter(AttentionAdapter):
     name = "bert"
-    model_types = ("bert",)
     layers_path = "encoder.layer"
     attention_path = "attention.self"
     output_projection_path = "attention.output.dense"
     query_name, key_name, value_name = "query", "key", "value"
     head_dim_attribute = "attention_head_size"
+    epilogue_names = ()  # the output projection lives in a sibling module
 
     def set_head_counts(self, module: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         module.num_attention_heads = num_heads

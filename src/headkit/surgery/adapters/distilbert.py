@@ -10,10 +10,8 @@ from headkit.surgery.adapters.base import AttentionAdapter, register_adapter
 @register_adapter
 class DistilBertAdapter(AttentionAdapter):
     name = "distilbert"
-    model_types = ("distilbert",)
     layers_path = "transformer.layer"
     attention_path = "attention"
-    output_projection_path = "attention.out_lin"
     query_name, key_name, value_name = "q_lin", "k_lin", "v_lin"
     head_dim_attribute = "attention_head_size"
     epilogue_names = ("out_lin", None, None)

@@ -21,10 +21,8 @@ from headkit.surgery.adapters.base import (
 @register_adapter
 class GPT2Adapter(AttentionAdapter):
     name = "gpt2"
-    model_types = ("gpt2",)
     layers_path = "h"
     attention_path = "attn"
-    output_projection_path = "attn.c_proj"
     query_name = key_name = value_name = "c_attn"
     epilogue_names = ("c_proj", "resid_dropout", None)
 

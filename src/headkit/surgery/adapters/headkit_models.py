@@ -18,12 +18,6 @@ from headkit.surgery.adapters.base import AttentionAdapter, ReplacementAttention
 @register_adapter
 class HeadkitModelAdapter(AttentionAdapter):
     name = "headkit"
-    model_types = ("headkit",)
-    layers_path = "layers"
-    attention_path = "self_attn"
-    output_projection_path = "self_attn.o_proj"
-    query_name, key_name, value_name = "q_proj", "k_proj", "v_proj"
-    epilogue_names = ("o_proj", None, None)
     rotary = True
 
     def head_geometry(self, module: nn.Module) -> tuple[int, int, int]:

@@ -13,12 +13,6 @@ from headkit.surgery.adapters.base import AttentionAdapter, AttentionCall, regis
 @register_adapter
 class LlamaAdapter(AttentionAdapter):
     name = "llama"
-    model_types = ("llama",)
-    layers_path = "layers"
-    attention_path = "self_attn"
-    output_projection_path = "self_attn.o_proj"
-    query_name, key_name, value_name = "q_proj", "k_proj", "v_proj"
-    epilogue_names = ("o_proj", None, None)
     rotary = True
     gathers_after_cache = True
 

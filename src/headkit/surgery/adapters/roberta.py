@@ -9,4 +9,3 @@ from headkit.surgery.adapters.bert import BertAdapter
 @register_adapter
 class RobertaAdapter(BertAdapter):
     name = "roberta"
-    model_types = ("roberta",)
