@@ -6,6 +6,8 @@ argument and says what was expected.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -117,6 +119,25 @@ def check_score_mask(
         raise ValueError(
             f"a rank-4 attention_mask must be bool (True = keep) or float (additive), got {attention_mask.dtype}"
         )
+
+
+def is_finite_number(value: object) -> bool:
+    """Whether ``value`` is a finite int or float (a bool is not a number here)."""
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def checked_scale(scale: float | None, head_dim: int) -> float:
+    """The score scale: 1/√head_dim for None, else a finite number > 0 as a float."""
+    if scale is None:
+        return head_dim**-0.5
+    if not is_finite_number(scale) or scale <= 0:
+        raise ValueError(f"scale must be a finite number > 0 or None, got {scale!r}")
+    return float(scale)
+
+
+def check_eps(eps: float) -> None:
+    if not is_finite_number(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite number ≥ 0, got {eps!r}")
 
 
 def check_positive_int(name: str, value: int) -> int:

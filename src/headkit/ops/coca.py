@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from headkit.ops._validation import check_padding_mask, check_qkv, check_rank, repeat_kv
+from headkit.ops._validation import check_padding_mask, check_qkv, check_rank, is_finite_number, repeat_kv
 from headkit.ops.rotary import check_position_ids, rope_inverse_frequencies
 
 # Without autograd, the scratch memory of one group of heads (its collinear keys, its SDPA output, and its collinear
@@ -271,9 +271,7 @@ def _check_inputs(
         )
     if not isinstance(causal, bool):
         raise ValueError(f"causal must be a bool, got {causal!r}")
-    if scale is not None and (
-        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
-    ):
+    if scale is not None and not is_finite_number(scale):
         raise ValueError(f"scale must be a finite number or None, got {scale!r}")
 
     if position_ids is not None:

@@ -34,13 +34,20 @@ continues the parallel form exactly.
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple
 
 import torch
 
 from headkit.ops._precision import autocast_disabled
-from headkit.ops._validation import check_padding_mask, check_positive_int, check_qkv, check_rank, repeat_kv
+from headkit.ops._validation import (
+    check_eps,
+    check_padding_mask,
+    check_positive_int,
+    check_qkv,
+    check_rank,
+    checked_scale,
+    repeat_kv,
+)
 
 
 class HybridAttentionState(NamedTuple):
@@ -434,8 +441,8 @@ def _prepared(
     if not balance.dtype.is_floating_point:
         raise ValueError(f"balance must be a floating-point tensor, got dtype {balance.dtype}")
     keep = check_padding_mask(attention_mask, batch, seq)
-    scale = _checked_scale(scale, head_dim)
-    _check_eps(eps)
+    scale = checked_scale(scale, head_dim)
+    check_eps(eps)
 
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     kept, device = window - 1, q.device
@@ -489,21 +496,3 @@ def _initial_state(
         kv=torch.zeros(batch, kv_heads, kf.shape[3], v.shape[3], dtype=dtype, device=q.device),
         k_sum=torch.zeros(batch, kv_heads, kf.shape[3], dtype=dtype, device=q.device),
     )
-
-
-def _checked_scale(scale: float | None, head_dim: int) -> float:
-    if scale is None:
-        return head_dim**-0.5
-    if (
-        isinstance(scale, bool)
-        or not isinstance(scale, (int, float))
-        or not math.isfinite(scale)
-        or scale <= 0
-    ):
-        raise ValueError(f"scale must be a finite number > 0 or None, got {scale!r}")
-    return float(scale)
-
-
-def _check_eps(eps: float) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-        raise ValueError(f"eps must be a finite number ≥ 0, got {eps!r}")

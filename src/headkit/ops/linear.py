@@ -22,14 +22,13 @@ output and each block's working set stays in cache. Everything is accumulated in
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from headkit.ops._precision import autocast_disabled
-from headkit.ops._validation import check_padding_mask, check_positive_int, check_qkv, repeat_kv
+from headkit.ops._validation import check_eps, check_padding_mask, check_positive_int, check_qkv, repeat_kv
 from headkit.ops.feature_maps import get_feature_map
 
 # Elements per block-sized intermediate (φ(q), chunk scores, ...) of the causal forward, 1 MiB in float32: big
@@ -103,7 +102,7 @@ def linear_attention(
     phi = get_feature_map(feature_map)
     if validate:
         check_positive_int("chunk_size", chunk_size)
-        _check_eps(eps)
+        check_eps(eps)
         keep = check_padding_mask(attention_mask, batch, kv_len)
         kv, k_sum = _checked_state(
             initial_state, "initial_state", batch, kv_heads, head_dim, head_dim_v, q.device
@@ -181,7 +180,7 @@ def linear_attention_step(
                 raise ValueError(
                     f"{name} must hold one token, shape [batch, heads, 1, head_dim], got {tuple(tensor.shape)}"
                 )
-        _check_eps(eps)
+        check_eps(eps)
         kv, k_sum = _checked_state(state, "state", batch, kv_heads, head_dim, head_dim_v, q.device)
     else:
         (batch, q_heads), kv_heads = q.shape[:2], k.shape[1]
@@ -399,11 +398,6 @@ def _feature(phi: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> to
         got = tuple(mapped.shape) if isinstance(mapped, torch.Tensor) else type(mapped).__name__
         raise ValueError(f"feature_map must return a tensor of its input's shape {tuple(x.shape)}, got {got}")
     return mapped
-
-
-def _check_eps(eps: float) -> None:
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-        raise ValueError(f"eps must be a finite number ≥ 0, got {eps!r}")
 
 
 def _checked_state(

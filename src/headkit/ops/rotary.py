@@ -18,13 +18,12 @@ Angles are formed in float64 (the rounding of a float32 m·θ grows with the pos
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
 
-from headkit.ops._validation import check_positive_int, check_rank
+from headkit.ops._validation import check_positive_int, check_rank, is_finite_number
 
 ROPE_TYPES = ("default", "linear", "dynamic")
 _ROPE_SCALING_KEYS = ("rope_type", "type", "factor", "original_max_position_embeddings", "rope_theta")
@@ -241,12 +240,7 @@ def _parse_rope_scaling(
         return _RopeScaling("default", 1.0, None)
     if factor is None:
         raise ValueError(f"rope_scaling['factor'] is required for rope_type {rope_type!r}")
-    if (
-        isinstance(factor, bool)
-        or not isinstance(factor, (int, float))
-        or not math.isfinite(factor)
-        or factor <= 0
-    ):
+    if not is_finite_number(factor) or factor <= 0:
         raise ValueError(f"rope_scaling['factor'] must be a finite number > 0, got {factor!r}")
     if rope_type == "linear":
         return _RopeScaling("linear", float(factor), None)
@@ -264,12 +258,7 @@ def _parse_rope_scaling(
 
 
 def _check_rope_theta(rope_theta: float) -> None:
-    if (
-        isinstance(rope_theta, bool)
-        or not isinstance(rope_theta, (int, float))
-        or not math.isfinite(rope_theta)
-        or rope_theta <= 0
-    ):
+    if not is_finite_number(rope_theta) or rope_theta <= 0:
         raise ValueError(f"rope_theta must be a finite number > 0, got {rope_theta!r}")
 
 

@@ -27,7 +27,6 @@ saved model reloads with :func:`headkit.from_pretrained`.
 from __future__ import annotations
 
 import copy
-import math
 import statistics
 import time
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from torch import nn
 from headkit.errors import HeadkitError
 from headkit.files import save_figure_atomic, staged_folder, write_json_atomic
 from headkit.layers.feature_maps import valid_feature_map_names
+from headkit.ops._validation import is_finite_number
 from headkit.recipes.distill import distill
 from headkit.recipes.measure import greedy_sample, perplexity, top1_agreement
 from headkit.recipes.models import LoadedModel, check_output_folder, load_model, smollm2_gguf_path
@@ -189,12 +189,7 @@ def check_settings(settings: LinearizeSettings) -> None:
             integer(name, 1)
     for name in ("transfer_lr", "lora_lr", "temperature"):
         value = getattr(settings, name)
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not math.isfinite(value)
-            or value <= 0
-        ):
+        if not is_finite_number(value) or value <= 0:
             raise HeadkitError(f"--{name.replace('_', '-')} must be a positive number, got {value!r}")
     for name, minimum in (("eval_lengths", 2), ("decode_contexts", 1), ("decode_batch_sizes", 1)):
         values = getattr(settings, name)
