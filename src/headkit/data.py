@@ -315,9 +315,6 @@ def load_corpus(
             break
     if not documents:
         raise HeadkitError(f"no UTF-8 text found in corpus {source!r}")
-    if len(documents) == 1:
-        return _split_single_file(documents[0].name, documents[0].text, held_out_fraction, source=source)
-
     return _split_documents(source, documents, held_out_fraction)
 
 
@@ -349,12 +346,13 @@ def _jsonl_corpus(path: Path, fraction: float, max_bytes: int | None) -> Corpus:
             break
     if not documents:
         raise HeadkitError(f'corpus {str(path)!r} holds no non-empty "text"')
-    if len(documents) == 1:
-        return _split_single_file(documents[0].name, documents[0].text, fraction, source=str(path))
     return _split_documents(str(path), documents, fraction)
 
 
 def _split_documents(source: str, documents: list[Document], fraction: float) -> Corpus:
+    """Whole documents to each side by the hash of their names; a lone document is split by its lines."""
+    if len(documents) == 1:
+        return _split_single_file(documents[0].name, documents[0].text, fraction, source=source)
     held_out = [d for d in documents if _held_out(d.name, fraction)]
     train = [d for d in documents if not _held_out(d.name, fraction)]
     # Small corpora may draw no document (or every one) for a side: move the one whose hash is closest.

@@ -54,13 +54,8 @@ class DistillResult:
     trainable_parameters: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "steps": self.steps,
-            "losses": self.losses,
-            "seconds": self.seconds,
-            "lora_rank": self.lora_rank,
-            "trainable_parameters": self.trainable_parameters,
-        }
+        """Every field but the model."""
+        return {name: value for name, value in vars(self).items() if name != "model"}
 
 
 class _ExampleDataset(torch.utils.data.Dataset):

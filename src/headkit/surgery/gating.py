@@ -407,13 +407,9 @@ class GateTrainingLog:
     gate_values: list[dict[int, list[float]]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "target_heads": self.target_heads,
-            "steps": self.steps,
-            "task_losses": self.task_losses,
-            "expected_heads": self.expected_heads,
-            "targets": self.targets,
-            "gate_values": [{str(k): v for k, v in values.items()} for values in self.gate_values],
+        """Every field, the layers of ``gate_values`` as string keys (for JSON)."""
+        return vars(self) | {
+            "gate_values": [{str(k): v for k, v in values.items()} for values in self.gate_values]
         }
 
 
