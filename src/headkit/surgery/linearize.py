@@ -249,37 +249,15 @@ class LinearizedAttention(ReplacementAttention):
         query_features, key_features = self.feature_map_q(queries), self.feature_map_k(keys)
         # The mask is checked above and states come from the op itself: its own checks would only repeat that.
         options = {"window": self.window, "attention_mask": new_mask, "scale": self.scale, "validate": False}
+        tensors = (queries, keys, values, query_features, key_features, self.balance)
         if layer is None:
-            outputs, _ = hybrid_attention(
-                queries,
-                keys,
-                values,
-                query_features,
-                key_features,
-                self.balance,
-                chunk_size=self.chunk_size,
-                **options,
-            )
+            outputs, _ = hybrid_attention(*tensors, chunk_size=self.chunk_size, **options)
         else:
             if seq == 1:
-                outputs, state = hybrid_attention_step(
-                    queries,
-                    keys,
-                    values,
-                    query_features,
-                    key_features,
-                    self.balance,
-                    layer.get_state(),
-                    **options,
-                )
+                outputs, state = hybrid_attention_step(*tensors, layer.get_state(), **options)
             else:
                 outputs, state = hybrid_attention(
-                    queries,
-                    keys,
-                    values,
-                    query_features,
-                    key_features,
-                    self.balance,
+                    *tensors,
                     chunk_size=self.chunk_size,
                     initial_state=layer.get_state(),
                     output_final_state=True,
