@@ -1,12 +1,12 @@
 """The kernel registry: the causal attention kernels that ``headkit bench speed`` times, by name.
 
 A kernel is registered with the shapes of its inputs, as layouts over the symbols B (batch), H (heads), T
-(sequence length), D (head_dim), D/2 and H*D, and the call that maps them (as keywords) to the output::
+(sequence length), D (head_dim), D/2 and H*D — by default q, k and v, each [B, H, T, D] — and the call that
+maps them (as keywords) to the output::
 
     register_kernel(
         "mine_causal",
         "my attention, causal",
-        inputs={"q": QKV, "k": QKV, "v": QKV},
         run=lambda q, k, v: mine_attention(q, k, v, causal=True),
     )
 
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from headkit.ops.linear import causal_linear_attention_flops, linear_attention
 from headkit.ops.softmax import softmax_attention
 
 QKV = ("B", "H", "T", "D")
+QKV_INPUTS: Mapping[str, tuple[str, ...]] = MappingProxyType({"q": QKV, "k": QKV, "v": QKV})
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ def register_kernel(
     name: str,
     description: str,
     *,
-    inputs: Mapping[str, tuple[str, ...]],
+    inputs: Mapping[str, tuple[str, ...]] = QKV_INPUTS,
     run: Callable[..., Any],
     non_negative: tuple[str, ...] = (),
     flops: Callable[[int, int, int, int], int] | None = None,
@@ -76,13 +78,11 @@ def register_kernel(
 register_kernel(
     "sdpa_causal",
     "torch SDPA, causal (the baseline)",
-    inputs={"q": QKV, "k": QKV, "v": QKV},
     run=lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
 )
 register_kernel(
     "linear_causal",
     "linear attention, elu+1 features, chunked causal",
-    inputs={"q": QKV, "k": QKV, "v": QKV},
     run=lambda q, k, v: linear_attention(q, k, v, causal=True),
     flops=causal_linear_attention_flops,
 )
@@ -122,6 +122,5 @@ register_kernel(
 register_kernel(
     "softmax_noncausal",
     "headkit softmax attention, no mask (reference)",
-    inputs={"q": QKV, "k": QKV, "v": QKV},
     run=lambda q, k, v: softmax_attention(q, k, v, causal=False),
 )
