@@ -284,7 +284,8 @@ class AttentionAdapter:
         query_name, key_name, value_name: the projections' attribute names on the attention module.
         head_dim_attribute: the attention module's attribute holding head_dim.
         epilogue_names: attribute names (projection, dropout, residual LayerNorm; None where absent) of what the
-            attention module runs after the heads in its own forward. () when the output projection lives outside.
+            attention module runs after the heads in its own forward. () when the output projection lives outside
+            the module (``output_projection_path`` then names it).
         rotary: the module applies rotary position embeddings to queries and keys (they are then no longer
             linear in the hidden states, which rules out the collaborative re-parametrisation).
     """
