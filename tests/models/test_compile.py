@@ -64,3 +64,22 @@ def check_compiled_model(make_config, attention: str) -> None:
     torch.testing.assert_close(compiled_loss, eager_loss)
     for got, expected in zip(compiled_grads, eager_grads, strict=True):
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", BUILTIN_ATTENTION_NAMES)
+def test_model_compiles_to_one_graph_for_training_and_decoding(make_config, attention):
+    # A graph break (a value read back from a tensor, e.g. `if mask.all()`) splits the model into pieces that
+    # inductor compiles apart, losing the fusions across them: the training forward and a decoding step with
+    # the cache are each one graph for every mechanism.
+    torch.manual_seed(0)
+    model = HeadkitForCausalLM(make_config(attention=attention, num_hidden_layers=2)).eval()
+    ids = torch.randint(1, model.config.vocab_size, (2, 12))
+    torch._dynamo.reset()
+    training = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
+    cache = HeadkitCache(model.config)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        torch._dynamo.reset()
+        step = torch._dynamo.explain(model)(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+    assert training.graph_break_count == 0, training.break_reasons
+    assert step.graph_break_count == 0, step.break_reasons

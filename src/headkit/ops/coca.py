@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from headkit.ops._validation import check_padding_mask, check_qkv, check_rank, is_finite_number, repeat_kv
-from headkit.ops.rotary import check_position_ids, rope_inverse_frequencies
+from headkit.ops.rotary import check_position_ids, dynamic_rope_length, rope_inverse_frequencies
 
 # Without autograd, the scratch memory of one group of heads (its collinear keys, its SDPA output, and its collinear
 # queries unless they live in the output buffer) may take this share of the memory the call holds anyway (inputs
@@ -306,10 +306,9 @@ def _rotation_tables(
         query_positions = torch.arange(kv_len - q_len, kv_len, device=device)
     else:
         query_positions = position_ids.to(device)
-    seq_len = 1
-    for positions in (query_positions, key_positions):
-        if positions.numel():
-            seq_len = max(seq_len, int(positions.max()) + 1)
+    seq_len = dynamic_rope_length(
+        rope_scaling, rope_theta, max_position_embeddings, query_positions, key_positions
+    )
     # Angles in float64, as in headkit.ops.rotary (MPS has no float64).
     angle_dtype = torch.float32 if device.type == "mps" else torch.float64
     frequencies = rope_inverse_frequencies(
@@ -330,10 +329,12 @@ def _rotation_tables(
         return angles.cos().to(dtype)
 
     key_table = table(key_positions)
-    queries_are_newest_keys = q_len <= kv_len and torch.equal(
-        key_positions[..., kv_len - q_len :], query_positions
-    )
-    if position_ids is None and queries_are_newest_keys:
+    # (Compared only when the queries' positions were not given: the comparison syncs with the device.)
+    if (
+        position_ids is None
+        and q_len <= kv_len
+        and torch.equal(key_positions[..., kv_len - q_len :], query_positions)
+    ):
         return key_table[:, :, kv_len - q_len :], key_table  # share the rows rather than recompute them
     return table(query_positions), key_table
 
@@ -368,9 +369,12 @@ def _visibility_mask(
     if causal:
         allowed = torch.ones(q_len, kv_len, dtype=torch.bool, device=device).tril(kv_len - q_len)
         mask = allowed if mask is None else mask & allowed
+    empty_rows = ~mask.any(dim=-1, keepdim=True)
+    if torch.compiler.is_compiling():
+        # Reading the mask's values would split torch.compile's graph: keep the form that is right for any mask.
+        return mask | empty_rows, empty_rows
     if bool(mask.all()):
         return None, None
-    empty_rows = ~mask.any(dim=-1, keepdim=True)
     if not bool(empty_rows.any()):
         return mask, None
     # Softmax over no key at all is NaN: let such rows see every key, and zero them afterwards.

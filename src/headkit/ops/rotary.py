@@ -81,6 +81,20 @@ def rope_inverse_frequencies(
     return inverse_frequencies.to(dtype)
 
 
+def dynamic_rope_length(
+    rope_scaling: Mapping[str, Any] | None,
+    rope_theta: float,
+    max_position_embeddings: int | None,
+    *position_ids: torch.Tensor,
+) -> int | None:
+    """The length L that dynamic NTK scales for: 1 + the largest of ``position_ids``; None under every other
+    scaling, which needs no length — reading the largest position syncs with the device and breaks the graphs
+    that torch.compile captures, so it is read only when it matters."""
+    if _parse_rope_scaling(rope_scaling, rope_theta, max_position_embeddings).rope_type != "dynamic":
+        return None
+    return max([int(positions.max()) + 1 for positions in position_ids if positions.numel()], default=1)
+
+
 def rotary_cos_sin(
     position_ids: torch.Tensor,
     head_dim: int,
@@ -106,9 +120,8 @@ def rotary_cos_sin(
     """
     if validate:
         check_position_ids("position_ids", position_ids)
-    scaling = _parse_rope_scaling(rope_scaling, rope_theta, max_position_embeddings)
-    if scaling.rope_type == "dynamic" and seq_len is None and position_ids.numel() > 0:
-        seq_len = max(int(position_ids.max()) + 1, 1)
+    if seq_len is None:
+        seq_len = dynamic_rope_length(rope_scaling, rope_theta, max_position_embeddings, position_ids)
     # MPS has no float64; everywhere else the angles are formed in float64 (see the module docstring).
     angle_dtype = torch.float32 if position_ids.device.type == "mps" else torch.float64
     inverse_frequencies = rope_inverse_frequencies(
