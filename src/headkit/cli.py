@@ -431,14 +431,14 @@ def linearize_command(
     lora_steps: int = typer.Option(None, help=_LINEARIZE_HELP["lora_steps"]),
     lora_rank: int = typer.Option(None, help=_LINEARIZE_HELP["lora_rank"]),
     lora_lr: float = typer.Option(None, help="LoRA learning rate (default 1e-3)."),
-    batch_size: int = typer.Option(None, help="Windows per training step (default 8; 4 with --quick)."),
+    batch_size: int = typer.Option(None, help="Windows per training step (default 2; 4 with --quick)."),
     train_length: int = typer.Option(
-        None, help="Tokens per training window (default 512; 256 with --quick)."
+        None, help="Tokens per training window (default 1024; 256 with --quick)."
     ),
-    train_windows: int = typer.Option(None, help="Training windows (default 512; 64 with --quick)."),
+    train_windows: int = typer.Option(None, help="Training windows (default 256; 64 with --quick)."),
     eval_lengths: str = typer.Option("", help=_LINEARIZE_HELP["eval_lengths"]),
     held_out_windows: int = typer.Option(
-        None, help="Held-out windows per length (default 16; 4 with --quick)."
+        None, help="Held-out windows per length (default 8; 4 with --quick)."
     ),
     decode_contexts: str = typer.Option("", help=_LINEARIZE_HELP["decode_contexts"]),
     decode_steps: int = typer.Option(

@@ -3,6 +3,8 @@
 import copy
 import hashlib
 import json
+import shlex
+from pathlib import Path
 
 import pytest
 import torch
@@ -228,3 +230,21 @@ def test_unsupported_architectures_and_encoders_are_refused(save_tiny_encoder, t
             main(["linearize", str(model), *SMALL, "--out", str(tmp_path / "out")])
         assert exc.value.code == 2 and message in " ".join(capsys.readouterr().err.split())
         assert not (tmp_path / "out").exists()
+
+
+def test_defaults_are_the_measured_configuration():
+    # docs/benchmarks.md reports the quality of one command; a user running `headkit linearize` with no options
+    # must get that configuration, so every option of the documented command is the recipe's default.
+    docs = (Path(__file__).parents[2] / "docs" / "benchmarks.md").read_text()
+    start = docs.index("headkit linearize $GGUF")
+    command = shlex.split(
+        docs[start : docs.index("\n", docs.index("--decode-batch-sizes", start))].replace("\\\n", " ")
+    )
+    options = dict(zip(command[3::2], command[4::2], strict=True))
+    defaults = LinearizeSettings()
+    assert len(options) >= 10
+    for flag, value in options.items():
+        default = getattr(defaults, flag.removeprefix("--").replace("-", "_"))
+        if isinstance(default, tuple):
+            default = ",".join(map(str, default))
+        assert str(default) == value, f"{flag}: documented {value}, default {default}"
