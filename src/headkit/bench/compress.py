@@ -94,13 +94,9 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
         raise HeadkitError(
             f"--dims must be at most heads × head_dim = {teacher.full_dim} for this model, got {too_wide}"
         )
+    train_texts = config.train_texts if config.distill_steps else 0
     corpus = prepare_encoder_text(
-        teacher,
-        config.train_texts if config.distill_steps else 0,
-        config.held_out_texts,
-        config.batch_size,
-        config.max_length,
-        config.seed,
+        teacher, train_texts, config.held_out_texts, config.batch_size, config.max_length, config.seed
     )
     parameters_original = count_parameters(teacher.model)
     console.print(

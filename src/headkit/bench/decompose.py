@@ -126,16 +126,10 @@ def _headkit_point(
     settings: DecomposeSettings,
     dense: torch.Tensor,
 ) -> dict[str, Any]:
+    seed, tol, max_iter = settings.seed, settings.tol, settings.max_iter
     start = time.perf_counter()
     *factors, info = decompose_query_key(
-        w_q,
-        w_k,
-        heads,
-        dim,
-        seed=settings.seed,
-        tol=settings.tol,
-        max_iter=settings.max_iter,
-        return_info=True,
+        w_q, w_k, heads, dim, seed=seed, tol=tol, max_iter=max_iter, return_info=True
     )
     seconds = time.perf_counter() - start
     fit = torch.einsum("ri,hr,rj->ihj", *(factor.double() for factor in factors))

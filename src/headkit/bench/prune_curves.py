@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import re
 import statistics
 import tempfile
 import time
@@ -484,25 +485,20 @@ def run_decoder_curve(
 
 def parse_recovery_cases(cases: Any) -> list[tuple[str, float, bool]]:
     """("query:0.25", "group:0.3333:uniform") → [(unit, fraction pruned, uniform)]; errors name --recovery-cases."""
-    parsed = []
     if isinstance(cases, str) or not isinstance(cases, (tuple, list)) or not cases:
         raise HeadkitError(f"--recovery-cases must be one or more 'unit:fraction[:uniform]', got {cases!r}")
+    parsed = []
     for case in cases:
-        parts = str(case).split(":")
+        match = re.fullmatch(r"(query|group):([^:]+)(:uniform)?", str(case))
         try:
-            fraction = float(parts[1])
-        except (IndexError, ValueError):
+            fraction = float(match[2])
+        except (TypeError, ValueError):  # no match, or not a number
             fraction = math.nan
-        if (
-            len(parts) not in (2, 3)
-            or parts[0] not in ("query", "group")
-            or not 0 < fraction < 1
-            or (len(parts) == 3 and parts[2] != "uniform")
-        ):
+        if not 0 < fraction < 1:
             raise HeadkitError(
                 f"--recovery-cases: {case!r} is not 'query|group:fraction in (0, 1)[:uniform]' (e.g. query:0.25)"
             )
-        parsed.append((parts[0], fraction, len(parts) == 3))
+        parsed.append((match[1], fraction, match[3] is not None))
     return parsed
 
 
