@@ -131,9 +131,7 @@ class PruneCurvesConfig:
 def check_settings(config: PruneCurvesConfig) -> None:
     """Every setting that can be checked without loading a model (the head counts are checked after)."""
     check_positive_numbers(config, ("gate_lr", "weight_lr"))
-    check_integers(
-        "--heads-kept", config.heads_kept, distinct=True
-    )  # ≤ the model's heads: checked once loaded
+    check_integers("--heads-kept", config.heads_kept, distinct=True)
     fractions = config.fractions
     if config.decoder and (
         not isinstance(fractions, (tuple, list))
