@@ -92,8 +92,8 @@ def test_quick_mode_and_headkit_only(tiny_checkpoint, tmp_path):
     ("kwargs", "match"),
     [
         ({"layers": (5,)}, r"layers \[5\] are not in the checkpoint"),
-        ({"dims": ()}, r"dims must be a non-empty list"),
-        ({"dims": (0,)}, r"dims must be positive"),
+        ({"dims": ()}, r"--dims must be one or more integers ≥ 1"),
+        ({"dims": (0,)}, r"--dims must be one or more integers ≥ 1"),
         ({"max_iter": 0}, r"--max-iter must be a positive integer"),
         ({"threads": 0}, r"threads must be a positive integer"),
     ],

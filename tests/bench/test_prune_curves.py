@@ -148,7 +148,7 @@ def test_importance_plan_keeps_the_globally_top_heads(encoder_dir):
     assert all(
         torch.isfinite(scores).all() and scores.abs().sum() > 0 for scores in importance.raw_importance
     )
-    plan = prune_curves.importance_keep_plan(importance, 3)
+    plan = importance.pruning_plan(3, allow_empty_layers=True)  # as the benchmark keeps its top heads
     kept = {(layer, head) for layer in range(2) for head in range(4) if head not in plan.get(layer, [])}
     assert kept == top_heads([s.tolist() for s in importance.importance], 3)
 
@@ -244,9 +244,6 @@ def test_bad_settings_name_the_option(encoder_dir, tmp_path):
         prune_curves.run_prune_curves(config(heads_kept=(8,), decoder=False))
     with pytest.raises(HeadkitError, match="--fractions"):
         prune_curves.check_fractions((0.0, 0.99), 8)
-    with pytest.raises(HeadkitError, match="--fractions"):
-        prune_curves.parse_fractions("0,half")
-    assert prune_curves.parse_fractions("0, 0.25,0.5") == (0.0, 0.25, 0.5)
 
 
 def test_a_saved_model_in_the_output_folder_is_not_mixed_with_results(encoder_dir):
@@ -285,14 +282,27 @@ def test_cli_runs_without_the_decoder(encoder_dir, tmp_path, capsys):
     out = tmp_path / "cli"
     arguments = ["bench", "prune", "--model", str(encoder_dir), "--out", str(out), "--quick", "--no-decoder"]
     result = CliRunner().invoke(
-        app, [*arguments, "--heads-kept", "4", "--gate-steps", "2", "--distill-steps", "1"]
+        app,
+        [
+            *arguments,
+            "--heads-kept",
+            "4",
+            "--gate-steps",
+            "2",
+            "--distill-steps",
+            "1",
+            "--fractions",
+            "0, 0.25,0.5",
+        ],
     )
     assert result.exit_code == 0, result.output
     saved = json.loads((out / "results.json").read_text())
     assert saved["decoder"] is None and saved["settings"]["heads_kept"] == [4]
+    assert saved["settings"]["fractions"] == [0.0, 0.25, 0.5]
     assert {p["heads_after"] for p in saved["encoder"]["points"]} == {4}
     assert "Skipped (--no-decoder)" in (out / "table.md").read_text()
     assert (out / "prune_curve.png").is_file() and not (out / "prune_decoder.png").exists()
-    with pytest.raises(SystemExit) as exit_info:
-        main([*arguments, "--heads-kept", "0"])
-    assert exit_info.value.code == 2 and "--heads-kept" in capsys.readouterr().err
+    for option, value in (("--heads-kept", "0"), ("--fractions", "0,half")):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*arguments, option, value])
+        assert exit_info.value.code == 2 and option in capsys.readouterr().err

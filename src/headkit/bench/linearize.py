@@ -1,10 +1,8 @@
 """``headkit bench linearize``: a linearized causal LM (SmolLM2-135M by default) against its original.
 
-Runs the recipe of :mod:`headkit.recipes.linearize` (conversion, attention transfer, LoRA) without saving the model
-and writes ``results.json`` (the recipe's report, the machine and the command), ``table.md`` (perplexity per
-stage and length, top-1 agreement, decode time and decoding memory per context) and ``linearize.png`` to
-``--out``, each atomically. Timings are taken with ``--threads`` torch threads, the two models stepping in
-alternation so that load drifting on shared cores slows both alike.
+Runs :mod:`headkit.recipes.linearize` (conversion, attention transfer, LoRA) without saving the model and writes
+``results.json`` (the recipe's report, the machine, the command), ``table.md`` and ``linearize.png`` to ``--out``.
+Method and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -85,7 +83,7 @@ def run_linearize_benchmark(settings: LinearizeBenchSettings, console: Any) -> d
     """Linearized SmolLM2-135M against the original: held-out perplexity per stage and length, top-1 agreement, decode
     ms/token and decoding memory against context.
 
-    Run the benchmark; returns the dictionary written to ``results.json``."""
+    Returns the dictionary written to ``results.json``."""
 
     def echo(text: str) -> None:
         console.print(text, highlight=False, markup=False, soft_wrap=True)
@@ -102,58 +100,43 @@ def results_table(report: dict[str, Any]) -> str:
     """table.md: perplexity per stage and length, agreement, then decode time and memory per context."""
     conversion, stages = report["conversion"], report["perplexity_stages"]
     original = stages["original"]
-    quality = markdown_table(
-        ["model", f"perplexity at {stages['length']} tokens", "× original"],
+    quality = [["original", f"{original:.3f}", "1.00"]]
+    for key, label in (
+        ("converted", "converted (no training)"),
+        ("after_transfer", f"+ attention transfer ({report['transfer']['steps']} steps)"),
+        ("after_lora", f"+ LoRA ({report['recovery']['steps']} steps)"),
+    ):
+        quality.append([label, f"{stages[key]:.3f}", f"{stages[key] / original:.2f}"])
+    lengths = [
         [
-            ["original", f"{original:.3f}", "1.00"],
-            *[
-                [label, f"{stages[key]:.3f}", f"{stages[key] / original:.2f}"]
-                for key, label in (
-                    ("converted", "converted (no training)"),
-                    ("after_transfer", f"+ attention transfer ({report['transfer']['steps']} steps)"),
-                    ("after_lora", f"+ LoRA ({report['recovery']['steps']} steps)"),
-                )
-            ],
-        ],
-    )
-    lengths = markdown_table(
-        ["held-out window", "original", "linearized", "ratio"],
-        [
-            [
-                f"{n} tokens",
-                f"{report['perplexity_original'][n]:.3f}",
-                f"{v:.3f}",
-                f"{report['perplexity_ratio'][n]:.2f}",
-            ]
-            for n, v in report["perplexity_linearized"].items()
-        ],
-    )
-    decode = markdown_table(
-        [
-            "context",
-            "batch",
-            "original ms/token",
-            "linearized ms/token",
-            "speed-up",
-            "KV cache",
-            "linearized state",
-        ],
-        [
-            [
-                p["context"],
-                p.get("batch_size", 1),
-                f"{p['original_ms_per_token']:.2f}",
-                f"{p['linearized_ms_per_token']:.2f}",
-                f"{p['original_ms_per_token'] / p['linearized_ms_per_token']:.2f}×",
-                f"{p['original_cache_bytes'] / 2**20:.2f} MiB",
-                f"{p['linearized_cache_bytes'] / 2**20:.2f} MiB",
-            ]
-            for p in report["decode"]
-        ],
-    )
+            f"{n} tokens",
+            f"{report['perplexity_original'][n]:.3f}",
+            f"{v:.3f}",
+            f"{report['perplexity_ratio'][n]:.2f}",
+        ]
+        for n, v in report["perplexity_linearized"].items()
+    ]
+    decode = {
+        "context": lambda p: p["context"],
+        "batch": lambda p: p.get("batch_size", 1),
+        "original ms/token": lambda p: f"{p['original_ms_per_token']:.2f}",
+        "linearized ms/token": lambda p: f"{p['linearized_ms_per_token']:.2f}",
+        "speed-up": lambda p: f"{p['original_ms_per_token'] / p['linearized_ms_per_token']:.2f}×",
+        "KV cache": lambda p: f"{p['original_cache_bytes'] / 2**20:.2f} MiB",
+        "linearized state": lambda p: f"{p['linearized_cache_bytes'] / 2**20:.2f} MiB",
+    }
+    layers = len(conversion["layers"])
     header = (
-        f"{report['model']}: {len(conversion['layers'])} of {len(conversion['layers']) + len(conversion['softmax_layers'])} "
-        f"layers linearized (window {conversion['window']}, {conversion['feature_map']} features); top-1 next-token "
-        f"agreement with the original {report['top1_agreement']:.1%}; {report['threads']} torch thread(s), batch 1."
+        f"{report['model']}: {layers} of {layers + len(conversion['softmax_layers'])} layers linearized (window "
+        f"{conversion['window']}, {conversion['feature_map']} features); top-1 next-token agreement with the "
+        f"original {report['top1_agreement']:.1%}; {report['threads']} torch thread(s), batch 1."
     )
-    return "\n".join([header, "", quality, lengths, decode])
+    return "\n".join(
+        [
+            header,
+            "",
+            markdown_table(["model", f"perplexity at {stages['length']} tokens", "× original"], quality),
+            markdown_table(["held-out window", "original", "linearized", "ratio"], lengths),
+            markdown_table(list(decode), [[cell(p) for cell in decode.values()] for p in report["decode"]]),
+        ]
+    )

@@ -1,23 +1,16 @@
 """``headkit bench lora``: low-rank adaptation (LoRA, through PEFT) against full fine-tuning, on real digits.
 
-LoRA (Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models", ICLR 2022, Eq. 3) freezes a pretrained
-weight W₀ ∈ R^{d_out×d_in} and learns h = W₀x + (α/r)·B A x with A ∈ R^{r×d_in}, B ∈ R^{d_out×r} (B = 0 at
-the start), so a layer trains r·(d_in + d_out) parameters instead of d_in·d_out.
-
-1. A small classifier — an MLP of ``nn.Linear`` layers over the 64 pixels of scikit-learn's ``load_digits`` — is
-   trained on the original training digits.
-2. Three shifted variants of the data: ``quantized`` (two intensity levels), ``rotated`` (90°), ``inverted``
-   (16 − x). On each, the pretrained classifier is evaluated as is, fully fine-tuned, and adapted with LoRA at
-   each rank r (every linear layer targeted, through :mod:`peft`), with the same epochs and batches.
-3. LoRA only, from scratch: a randomly initialised, frozen classifier whose LoRA factors alone are trained on the
-   original digits, per rank — what a rank-r update can learn with no pretrained weights to lean on.
-
-Writes ``results.json``, ``table.md`` and ``lora.png`` (accuracy against rank per variant) to the output folder.
+Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models" (ICLR 2022), Eq. 3: h = W₀x + (α/r)·B A x with
+W₀ frozen, so a layer trains r·(d_in + d_out) parameters instead of d_in·d_out. An MLP classifier of scikit-learn's
+``load_digits`` is pretrained, then on three shifted variants of the digits (quantized, rotated, inverted)
+evaluated as is, fully fine-tuned and adapted with LoRA per rank; and, per rank, LoRA alone on a random frozen
+MLP. Method and results: docs/benchmarks.md. Writes ``results.json``, ``table.md`` and ``lora.png``.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -171,8 +164,6 @@ def with_lora(model: nn.Module, rank: int, seed: int = 0) -> nn.Module:
     from peft import LoraConfig as PeftLoraConfig
     from peft import get_peft_model
 
-    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
-        raise HeadkitError(f"rank must be a positive integer, got {rank!r}")
     torch.manual_seed(seed)  # A's random initialisation
     config = PeftLoraConfig(
         r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=list(TARGET_MODULES)
@@ -182,14 +173,6 @@ def with_lora(model: nn.Module, rank: int, seed: int = 0) -> nn.Module:
 
 def trainable_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
-
-
-def lora_parameter_count(model: DigitClassifier, rank: int) -> int:
-    """r · (d_in + d_out) per adapted linear layer (Hu et al., Sec. 4.1): the formula the sweep must match."""
-    return sum(
-        rank * (getattr(model, name).in_features + getattr(model, name).out_features)
-        for name in TARGET_MODULES
-    )
 
 
 # -- the benchmark ---------------------------------------------------------------------------------------------
@@ -205,52 +188,37 @@ def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
     """LoRA (through PEFT) against full fine-tuning of a digits classifier on quantized, rotated and inverted digits,
     per rank, with trainable parameter counts; and LoRA-only training from scratch.
 
-    Pretrain, then fine-tune fully and with LoRA per rank on every variant, and LoRA-only from scratch.
-
     Returns the dictionary written to ``results.json``."""
     started = time.perf_counter()
     data = load_split(config.test_fraction, config.seed)
-    train_kwargs = dict(batch_size=config.batch_size, seed=config.seed)
-
-    torch.manual_seed(config.seed)
-    pretrained = DigitClassifier(config.hidden_size)
-    train_classifier(
-        pretrained,
-        data["train_x"],
-        data["train_y"],
-        epochs=config.pretrain_epochs,
-        lr=config.lr,
-        **train_kwargs,
-    )
-    base_accuracy = accuracy(pretrained, data["test_x"], data["test_y"])
-    console.print(f"pretrained classifier: accuracy {base_accuracy:.3f} on the original test digits")
-
+    train = functools.partial(train_classifier, batch_size=config.batch_size, seed=config.seed)
     variants: dict[str, dict[str, Any]] = {}
-    jobs = len(VARIANTS) * (1 + len(config.ranks)) + len(config.ranks)
+    jobs = 1 + len(VARIANTS) * (1 + len(config.ranks)) + len(config.ranks)
     with progress_bar(console, transient=True) as progress:
         task = progress.add_task("fine-tuning", total=jobs)
 
-        def fit(model: nn.Module, variant: str, lr: float, label: str) -> float:
+        def fit(
+            model: nn.Module, variant: str, lr: float, label: str, epochs: int = config.finetune_epochs
+        ) -> float:
+            """Train `model` on `variant` of the training digits; its accuracy on that variant of the test digits."""
             progress.update(task, description=f"{variant}: {label}")
-            train_x = make_variant(data["train_x"], variant)
-            train_classifier(
-                model, train_x, data["train_y"], epochs=config.finetune_epochs, lr=lr, **train_kwargs
-            )
+            train(model, make_variant(data["train_x"], variant), data["train_y"], epochs=epochs, lr=lr)
             progress.advance(task)
             return accuracy(model, make_variant(data["test_x"], variant), data["test_y"])
+
+        torch.manual_seed(config.seed)
+        pretrained = DigitClassifier(config.hidden_size)
+        base_accuracy = fit(pretrained, "original", config.lr, "pretraining", config.pretrain_epochs)
+        console.print(f"pretrained classifier: accuracy {base_accuracy:.3f} on the original test digits")
 
         def lora_sweep(base: nn.Module, variant: str, label: str) -> list[dict[str, Any]]:
             """Per rank, a LoRA copy of `base` fitted to `variant`: its trainable parameters and accuracy."""
             rows = []
             for rank in config.ranks:
                 adapted = with_lora(base, rank, config.seed)
-                rows.append(
-                    {
-                        "rank": rank,
-                        "trainable_parameters": trainable_parameters(adapted),
-                        "accuracy": fit(adapted, variant, config.lora_lr, label.format(rank=rank)),
-                    }
-                )
+                parameters = trainable_parameters(adapted)
+                score = fit(adapted, variant, config.lora_lr, label.format(rank=rank))
+                rows.append({"rank": rank, "trainable_parameters": parameters, "accuracy": score})
             return rows
 
         for variant in VARIANTS:
@@ -294,38 +262,22 @@ def _ranks(rows: list[dict[str, Any]]) -> str:
 
 def render_markdown(report: dict[str, Any]) -> str:
     """Accuracy per variant and method, with the trainable parameters of each method."""
-    ranks = [row["rank"] for row in report["lora_from_scratch"]]
     first = next(iter(report["variants"].values()))
-    headers = ["data", "pretrained as is", "full fine-tuning", *(f"LoRA r={rank}" for rank in ranks)]
-    parameter_row = [
-        "trainable parameters",
-        "0",
-        f"{first['full_finetune_parameters']:,}",
-        *(f"{row['trainable_parameters']:,}" for row in first["lora"]),
-    ]
-    rows = [
-        [
-            name,
-            f"{variant['accuracy_before']:.3f}",
-            f"{variant['full_finetune_accuracy']:.3f}",
-            *(f"{row['accuracy']:.3f}" for row in variant["lora"]),
-        ]
-        for name, variant in report["variants"].items()
-    ]
-    rows.append(
-        [
-            "original, LoRA only from scratch",
-            "",
-            "",
-            *(f"{r['accuracy']:.3f}" for r in report["lora_from_scratch"]),
-        ]
-    )
+    headers = ["data", "pretrained as is", "full fine-tuning"]
+    headers += [f"LoRA r={row['rank']}" for row in report["lora_from_scratch"]]
+    rows = [["trainable parameters", "0", f"{first['full_finetune_parameters']:,}"]]
+    rows[0] += [f"{row['trainable_parameters']:,}" for row in first["lora"]]
+    for name, variant in report["variants"].items():
+        rows.append([name, f"{variant['accuracy_before']:.3f}", f"{variant['full_finetune_accuracy']:.3f}"])
+        rows[-1] += [f"{row['accuracy']:.3f}" for row in variant["lora"]]
+    rows.append(["original, LoRA only from scratch", "", ""])
+    rows[-1] += [f"{row['accuracy']:.3f}" for row in report["lora_from_scratch"]]
     machine = report["machine"]
     return (
         f"Test accuracy ({report['train_images']} training / {report['test_images']} test digits; classifier of "
         f"{report['classifier_parameters']:,} parameters, {report['pretrained_accuracy']:.3f} on the original "
         f"digits); {machine['cpu_model']}, {machine['torch_threads']} torch threads, torch "
-        f"{machine['torch_version']}.\n\n" + markdown_table(headers, [parameter_row, *rows])
+        f"{machine['torch_version']}.\n\n" + markdown_table(headers, rows)
     )
 
 
@@ -336,23 +288,18 @@ def plot_results(report: dict[str, Any]) -> Any:
     figure = Figure(figsize=(7, 4.5))
     axis = figure.subplots()
     for index, (name, variant) in enumerate(report["variants"].items()):
-        colour = f"C{index}"
-        ranks = [row["rank"] for row in variant["lora"]]
-        axis.plot(
-            ranks, [row["accuracy"] for row in variant["lora"]], "o-", color=colour, label=f"{name}: LoRA"
+        ranks, accuracies = zip(*((row["rank"], row["accuracy"]) for row in variant["lora"]), strict=True)
+        axis.plot(ranks, accuracies, "o-", color=f"C{index}", label=f"{name}: LoRA")
+        axis.axhline(
+            variant["full_finetune_accuracy"], color=f"C{index}", linestyle="--", label=f"{name}: full"
         )
-        axis.axhline(variant["full_finetune_accuracy"], color=colour, linestyle="--", label=f"{name}: full")
-    scratch = report["lora_from_scratch"]
-    axis.plot(
-        [row["rank"] for row in scratch],
-        [row["accuracy"] for row in scratch],
-        "s:",
-        color="black",
-        label="original: LoRA only, from scratch",
+    ranks, accuracies = zip(
+        *((row["rank"], row["accuracy"]) for row in report["lora_from_scratch"]), strict=True
+    )
+    axis.plot(ranks, accuracies, "s:", color="black", label="original: LoRA only, from scratch")
+    axis.set(
+        xlabel="LoRA rank r", ylabel="test accuracy", title="LoRA against full fine-tuning on shifted digits"
     )
     axis.set_xscale("log", base=2)
-    axis.set_xlabel("LoRA rank r")
-    axis.set_ylabel("test accuracy")
-    axis.set_title("LoRA against full fine-tuning on shifted digits")
     axis.legend(fontsize=7, loc="lower right")
     return figure

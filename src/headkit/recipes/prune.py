@@ -70,7 +70,13 @@ from headkit.surgery.gating import (
     l0_penalty,
     remove_head_gates,
 )
-from headkit.surgery.pruning import heads_per_layer, prune_heads, query_to_kv_heads, to_stock_architecture
+from headkit.surgery.pruning import (
+    heads_per_layer,
+    kv_heads_per_layer,
+    prune_heads,
+    query_to_kv_heads,
+    to_stock_architecture,
+)
 
 UNITS = ("query", "group")
 METHODS = ("importance", "l0")
@@ -566,7 +572,7 @@ def _prune_causal_lm(
         "heads_before": heads_before,
         "heads_after": heads_per_layer(student, adapter),
         "kv_heads_before": pruned.kv_heads_before,
-        "kv_heads_after": {site.index: len(set(query_to_kv_heads(site))) for site in adapter.sites(student)},
+        "kv_heads_after": kv_heads_per_layer(student, adapter),
         "target_heads": keep,
         "pruned": {str(k): v for k, v in plan.items()},
         "parameters_before": count_parameters(teacher),

@@ -530,6 +530,16 @@ def heads_per_layer(
     return {site.index: site.num_heads for site in get_adapter(model, adapter).sites(model)}
 
 
+def kv_heads_per_layer(
+    model: nn.Module, adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None
+) -> dict[int, int]:
+    """``{layer: key/value heads still read}``: after uneven pruning a layer gathers them per query head, so this
+    counts the distinct heads its query heads read, not the slots the attention module holds."""
+    return {
+        site.index: len(set(query_to_kv_heads(site))) for site in get_adapter(model, adapter).sites(model)
+    }
+
+
 def to_stock_architecture(
     model: nn.Module, adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None
 ) -> dict[str, int]:
