@@ -1,10 +1,5 @@
-"""Writing benchmark results: JSON, Markdown tables, PNG figures, each written atomically.
-
-A benchmark that is interrupted (Ctrl-C, out of memory, a crash in the plot) must never leave a half-written
-``results.json`` next to a plot from an older run. Every file is therefore written to a temporary file in the
-destination folder and moved over the destination with :func:`os.replace`, which is atomic on POSIX and
-Windows when both paths are on the same file system.
-"""
+"""Writing benchmark results (JSON, Markdown tables, PNG figures, each atomically: an interrupted run never
+leaves a half-written ``results.json`` beside a plot of an older run) and the pieces of their tables and plots."""
 
 from __future__ import annotations
 
@@ -35,16 +30,6 @@ RESULTS_FILE, TABLE_FILE = "results.json", "table.md"
 def settings_dict(settings: Any) -> dict[str, Any]:
     """A settings dataclass as JSON-ready values (paths as strings)."""
     return {k: str(v) if isinstance(v, os.PathLike) else v for k, v in dataclasses.asdict(settings).items()}
-
-
-def report_header(benchmark: str, settings: Any, device: torch.device | str = "cpu") -> dict[str, Any]:
-    """What every results.json starts with: the benchmark, the command line, the machine and the settings."""
-    return {
-        "benchmark": benchmark,
-        "command": command_line(),
-        "machine": machine_info(device),
-        "settings": settings_dict(settings),
-    }
 
 
 def write_report(
@@ -83,11 +68,12 @@ def finish_report(
     plots: Mapping[str, Callable[[dict[str, Any]], Any]],
     console: Any,
 ) -> dict[str, Any]:
-    """Write and return a run's report: :func:`report_header`, ``sections``, the seconds since ``started`` (a
-    ``time.perf_counter()``) and ``files`` (each key's file name, as its path under ``settings.out``); table.md
-    is ``render(report)``, each of ``plots`` (file name: plot of the report) a figure."""
+    """Write and return a run's report: the benchmark, command line, machine and settings, then ``sections``, the
+    seconds since ``started`` (a ``time.perf_counter()``) and ``files`` (each key's file name, as its path under
+    ``settings.out``); table.md is ``render(report)``, each of ``plots`` (file name: plot of the report) a figure."""
     out = Path(settings.out)
-    report = report_header(name, settings) | dict(sections)
+    header = {"benchmark": name, "command": command_line(), "machine": machine_info("cpu")}
+    report = header | {"settings": settings_dict(settings)} | dict(sections)
     report |= {"seconds": time.perf_counter() - started, "files": {k: str(out / f) for k, f in files.items()}}
     figures = {file: plot(report) for file, plot in plots.items()}
     write_report(out, report, render(report), figures, console)
@@ -97,6 +83,22 @@ def finish_report(
 def find_point(points: Iterable[Mapping[str, Any]], **keys: Any) -> Any:
     """The first of ``points`` whose values at ``keys`` are those given, or None."""
     return next((point for point in points if all(point[k] == v for k, v in keys.items())), None)
+
+
+def grid_rows(
+    points: Sequence[Mapping[str, Any]],
+    rows: Iterable[Mapping[str, Any]],
+    column: str,
+    columns: Iterable[Any],
+    cell: Callable[[Any], str],
+) -> list[list[Any]]:
+    """Table rows of ``points``: per entry of ``rows`` (keys to match), its values, then ``cell`` of the point at
+    each of ``columns`` (the value at key ``column``; the point is None where there is none)."""
+    columns = list(columns)
+    return [
+        [*row.values(), *(cell(find_point(points, **row, **{column: value})) for value in columns)]
+        for row in rows
+    ]
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

@@ -226,3 +226,12 @@ def parse_option(field: dataclasses.Field, kind: Any, text: str) -> Any:
     if parse is not None:
         return parse(option_name(field), text)
     return parse_list(option_name(field), text, typing.get_args(kind)[0])
+
+
+def run_as_script(name: str) -> None:
+    """``python -m headkit.bench.<module>``: ``headkit bench <name>`` with this process's arguments."""
+    import sys
+
+    from headkit.cli import main
+
+    main(["bench", name, *sys.argv[1:]])
