@@ -59,6 +59,13 @@ def check_sweep(
     return device, sorted(set(getattr(settings, lengths))), names, out
 
 
+def check_head_width(hidden_size: int, heads: int, *, even: bool) -> None:
+    """``hidden_size`` must split into ``heads`` heads (of an even width where ``even``: rotary pairs)."""
+    if hidden_size % heads or (even and (hidden_size // heads) % 2):
+        width = " into an even head width (rotary pairs)" if even else ""
+        raise HeadkitError(f"--hidden-size {hidden_size} must be divisible by --heads {heads}{width}")
+
+
 def check_positive_numbers(config: Any, names: Iterable[str]) -> None:
     """Each of ``config``'s attributes ``names`` must be a finite number > 0 (bool is refused), else an error
     naming the option ``--name-with-dashes``."""
