@@ -1,4 +1,4 @@
-"""The optimisation loop that the benchmarks training small models from scratch share."""
+"""What the benchmarks training small models from scratch share: the optimisation loop, and generation."""
 
 from __future__ import annotations
 
@@ -54,3 +54,21 @@ def train_with_progress(
         "final_train_loss": float(np.mean(losses[-20:])),
         "losses": losses,
     }, task
+
+
+def generate(
+    model: Any, prompts: torch.Tensor, new_tokens: int, pad_token_id: int, **options: Any
+) -> torch.Tensor:
+    """``model.generate`` of exactly ``new_tokens`` more tokens after each of ``prompts`` [N, P] (no padding),
+    greedy unless ``do_sample=True``, none of the generation config's top-k, top-p or temperature applied."""
+    return model.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        top_k=None,
+        top_p=None,
+        temperature=None,
+        pad_token_id=pad_token_id,
+        **({"do_sample": False} | options),
+    )

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from headkit.bench._measure import time_call
 from headkit.bench._options import check_head_width, check_integers, check_names, check_positive_numbers
 from headkit.bench._report import TABLE_FILE, finish_report, markdown_table, progress_bar
-from headkit.bench._training import optimizer_steps, train_with_progress
+from headkit.bench._training import generate, optimizer_steps, train_with_progress
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes
@@ -172,19 +172,7 @@ def complete_images(
     if prompts.ndim != 2 or prompts.shape[1] != 1 + VISIBLE:
         raise HeadkitError(f"prompts must have shape [N, {1 + VISIBLE}], got {tuple(prompts.shape)}")
     torch.manual_seed(seed)
-    generated = model.generate(
-        prompts,
-        attention_mask=torch.ones_like(prompts),
-        max_new_tokens=PIXELS - VISIBLE,
-        min_new_tokens=PIXELS - VISIBLE,
-        do_sample=sample,
-        suppress_tokens=[BOS],
-        top_k=None,
-        top_p=None,
-        temperature=None,
-        pad_token_id=BOS,
-    )
-    return generated[:, 1:]
+    return generate(model, prompts, PIXELS - VISIBLE, BOS, do_sample=sample, suppress_tokens=[BOS])[:, 1:]
 
 
 def train_classifier(pixels: np.ndarray, labels: np.ndarray) -> Any:

@@ -31,7 +31,7 @@ from headkit.bench._report import (
     progress_bar,
     quiet_transformers,
 )
-from headkit.bench._training import optimizer_steps, train_with_progress
+from headkit.bench._training import generate, optimizer_steps, train_with_progress
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.data import (
     BYTE_VOCAB,
@@ -114,9 +114,6 @@ class PasskeyDocument:
     key_offset: int  # byte offset of the key sentence in the prompt
 
 
-# -- passkey documents -----------------------------------------------------------------------------------------
-
-
 def passkey_document(length: int, key: str, depth: float, rng: np.random.Generator) -> PasskeyDocument:
     """Filler, the key sentence at ``depth`` (0 = start, 1 = just before the question), filler, question, key.
 
@@ -165,9 +162,6 @@ def passkey_trials(length: int, trials: int, seed: int) -> list[PasskeyDocument]
         passkey_document(length, random_key(rng), min(1.0, (trial + rng.random()) / trials), rng)
         for trial in range(trials)
     ]
-
-
-# -- models and scalings ---------------------------------------------------------------------------------------
 
 
 def model_config(
@@ -220,9 +214,6 @@ def scaled_model(
     return scaled.eval()
 
 
-# -- training --------------------------------------------------------------------------------------------------
-
-
 def train_model(
     model: HeadkitForCausalLM,
     train_stream: torch.Tensor,
@@ -264,9 +255,6 @@ def train_model(
     return optimizer_steps(model, optimizer, schedule, config.steps, loss_at, progress, clip_norm=1.0)
 
 
-# -- evaluation ------------------------------------------------------------------------------------------------
-
-
 def held_out_windows(held_out_stream: torch.Tensor, length: int, eval_tokens: int) -> torch.Tensor:
     """The evaluation windows of one length: the first ``eval_tokens`` held-out tokens cut into [N, length]."""
     if held_out_stream.numel() < max(eval_tokens, length):
@@ -294,17 +282,7 @@ def retrieve_passkeys(model: HeadkitForCausalLM, documents: list[PasskeyDocument
     rows = max(1, EVAL_BATCH_TOKENS // prompts.shape[1])
     with quiet_transformers():  # the input exceeds max_position_embeddings: that is the point
         for chunk in prompts.split(rows):
-            generated = model.generate(
-                chunk,
-                attention_mask=torch.ones_like(chunk),
-                max_new_tokens=KEY_DIGITS,
-                min_new_tokens=KEY_DIGITS,
-                do_sample=False,
-                top_k=None,
-                top_p=None,
-                temperature=None,
-                pad_token_id=ByteTokenizer.pad_token_id,
-            )[:, chunk.shape[1] :]
+            generated = generate(model, chunk, KEY_DIGITS, ByteTokenizer.pad_token_id)[:, chunk.shape[1] :]
             answers += ["".join(_answer_char(int(token)) for token in row) for row in generated]
     return answers
 
