@@ -296,7 +296,8 @@ def _measure_point(
             measurements = _measure_modes(_spec(name), seq_len, device, timing)
         except Exception as exc:
             # The CPU allocator reports exhaustion as a plain RuntimeError.
-            if not isinstance(exc, torch.OutOfMemoryError) and "can't allocate memory" not in str(exc):
+            memory = isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+            if not (isinstance(exc, torch.OutOfMemoryError) or memory):
                 raise
             error = f"out of memory: {(str(exc).splitlines() or [''])[0]}"
             out_of_memory.add(name)
