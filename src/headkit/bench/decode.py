@@ -23,16 +23,17 @@ from rich.console import Console
 from headkit.bench._measure import synchronize
 from headkit.bench._options import check_sweep
 from headkit.bench._report import (
-    command_line,
+    TABLE_FILE,
+    figure_axes,
     find_point,
+    finish_report,
     grid_rows,
     log2_length_axis,
-    machine_info,
     markdown_table,
+    plot_series,
     progress_bar,
     rich_table,
     verdict,
-    write_report,
 )
 from headkit.bench.registry import option, quick_preset, register_benchmark, run_as_script
 from headkit.data import ByteTokenizer
@@ -128,43 +129,41 @@ def run_decode_benchmark(
 ) -> dict[str, Any]:
     """Time per generated token (greedy) after long prompts: softmax vs linear vs additive, same model size.
 
-    Writes results.json, table.md and decode.png to ``settings.out`` and returns what results.json holds.
-    Raises HeadkitError (a ValueError) for a bad setting."""
+    Writes results.json, table.md and decode.png to ``settings.out`` and returns what results.json holds."""
+    started = time.perf_counter()
     default = [BASELINE, *constant_state_mechanisms()]
-    device, lengths, names, out_dir = check_sweep(settings, "prompt_lengths", default, attention_classes())
+    device, lengths, names, _ = check_sweep(settings, "prompt_lengths", default, attention_classes())
     points = _measure(settings, device, lengths, names, console, show_progress)
-    machine = machine_info(device)  # the thread count in force
-    results = {
-        "benchmark": "decode",
-        "config": {
-            "model": {**MODEL_SIZE, "vocab_size": ByteTokenizer.vocab_size, "dtype": "float32"},
-            "device": str(device),
-            "prompt_lengths": lengths,
-            "new_tokens": settings.new_tokens,
-            "batch_size": settings.batch_size,
-            "threads": machine["torch_threads"],
-            "compiled": settings.compile,
-            "repeats": settings.repeats,
-            "mechanisms": names,
-            "statistic": "fastest decoding step (targets); median and mean reported too",
-        },
-        "machine": machine,
-        "command": command_line(),
-        "points": points,
-        "targets": evaluate_targets(points, lengths),
+    config = {
+        "model": {**MODEL_SIZE, "vocab_size": ByteTokenizer.vocab_size, "dtype": "float32"},
+        "device": str(device),
+        "prompt_lengths": lengths,
+        "new_tokens": settings.new_tokens,
+        "batch_size": settings.batch_size,
+        "threads": torch.get_num_threads(),
+        "compiled": settings.compile,
+        "repeats": settings.repeats,
+        "mechanisms": names,
+        "statistic": "fastest decoding step (targets); median and mean reported too",
     }
+    sections = {"config": config, "points": points, "targets": evaluate_targets(points, lengths)}
+    files, plots = {"table": TABLE_FILE, "plot": PLOT_FILE}, {PLOT_FILE: plot_results}
+    return finish_report(
+        "decode", settings, started, sections, files, render_markdown, plots, console, _tables
+    )
+
+
+def _tables(results: dict[str, Any]) -> tuple[Any, ...]:
+    """The console's tables: time per token (fastest step / median), and the targets."""
     fastest, median = _rows(results, "min_token_s"), _rows(results, "median_token_s")
     time_rows = [
         [a[0], *(f"{x} / {y}" for x, y in zip(a[1:], b[1:], strict=True))]
         for a, b in zip(fastest, median, strict=True)
     ]
-    tables = (
+    return (
         rich_table("time per generated token, fastest step / median (ms)", _headers(results), time_rows),
         rich_table("targets", TARGET_HEADERS, _target_rows(results), left=len(TARGET_HEADERS)),
     )
-    figures = {PLOT_FILE: plot_results(results)}
-    write_report(out_dir, results, render_markdown(results), figures, console, tables=tables)
-    return results
 
 
 def _measure(
@@ -310,23 +309,19 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 def plot_results(results: dict[str, Any]) -> Any:
     """Per-token time (left) and prefill time (right) vs prompt length, log-log, one line per mechanism."""
-    from matplotlib.figure import Figure
+    config, points = results["config"], results["points"]
+    names = config["mechanisms"]
+    figure, axes = figure_axes((11, 4.5), 1, 2, "constrained")
 
-    config = results["config"]
-    figure = Figure(figsize=(11, 4.5), layout="constrained")
-    axes = figure.subplots(1, 2)
+    def colour(mechanism: str) -> dict[str, str]:
+        return {"color": "black" if mechanism == BASELINE else f"C{names.index(mechanism)}"}
+
     panels = (("min_token_s", "time per generated token (fastest step)"), ("prefill_s", "prefill"))
     for ax, (key, title) in zip(axes, panels, strict=True):
-        for index, mechanism in enumerate(config["mechanisms"]):
-            points = [p for p in results["points"] if p["mechanism"] == mechanism]
-            lengths = [p["prompt_length"] for p in points]
-            color = "black" if mechanism == BASELINE else f"C{index}"
-            ax.plot(lengths, [p[key] * 1e3 for p in points], marker="o", color=color, label=mechanism)
-            if key == "min_token_s":  # the median, faint: how much a loaded machine adds
-                medians = [p["median_token_s"] * 1e3 for p in points]
-                ax.plot(
-                    lengths, medians, linestyle=":", color=color, alpha=0.5, label=f"{mechanism} (median)"
-                )
+        plot_series(ax, points, "prompt_length", key, scale=1e3, style=colour)
+        if key == "min_token_s":  # the median, faint: how much a loaded machine adds
+            median = dict(linestyle=":", alpha=0.5, label="{} (median)")
+            plot_series(ax, points, "prompt_length", "median_token_s", scale=1e3, style=colour, **median)
         log2_length_axis(ax, config["prompt_lengths"], "prompt length P (tokens)", f"{title} (ms)", title)
     axes[0].legend(fontsize="small")
     model = config["model"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import shlex
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -23,17 +24,17 @@ from rich.console import Console
 from headkit.bench._measure import matmul_rate, measure_peak_memory, time_call
 from headkit.bench._options import check_sweep
 from headkit.bench._report import (
-    TABLE_FILE,  # noqa: F401 (re-exported: headkit.demo reads the table of a speed run)
-    command_line,
+    TABLE_FILE,
+    figure_axes,
     find_point,
+    finish_report,
     grid_rows,
     log2_length_axis,
-    machine_info,
     markdown_table,
+    plot_series,
     progress_bar,
     rich_table,
     verdict,
-    write_report,
 )
 from headkit.bench.registry import option, quick_preset, register_benchmark, run_as_script
 from headkit.errors import HeadkitError
@@ -192,11 +193,11 @@ def run_speed_benchmark(
     """Kernel speed and peak memory against SDPA: forward and forward+backward, per sequence length.
 
     Writes results.json, table.md and speed.png to ``settings.out`` and returns what results.json holds; the
-    baseline is always measured (first), every kernel of :data:`headkit.ops.KERNELS` unless
-    ``settings.mechanisms`` names some. Raises HeadkitError (a ValueError) for a bad setting."""
+    baseline is always measured (first)."""
+    started = time.perf_counter()
     # The anchor is measured by default where it is installed; asked for where it is not, it is skipped.
     default = [*MECHANISMS, *(ANCHORS if fast_transformers_installed() else ())]
-    device, lengths, names, out_dir = check_sweep(settings, "lengths", default, {**MECHANISMS, **ANCHORS})
+    device, lengths, names, _ = check_sweep(settings, "lengths", default, {**MECHANISMS, **ANCHORS})
     if importlib.util.find_spec("matplotlib") is None:  # found now, not after a run of several minutes
         raise HeadkitError("the speed benchmark plots with matplotlib: pip install 'headkit[bench]'")
     names = [BASELINE, *(name for name in names if name != BASELINE)]
@@ -228,24 +229,22 @@ def run_speed_benchmark(
         point["time_ratio"] = _ratio(point["median_s"], reference.get("median_s"))
         point["memory_ratio"] = _ratio(point["peak_bytes"], reference.get("peak_bytes"))
         _add_rate(point, matmul_rates.get(point["seq_len"]))
-    results = {
-        "benchmark": "speed",
+    config = {
+        "batch": BATCH,
+        "heads": HEADS,
+        "head_dim": HEAD_DIM,
+        "dtype": str(DTYPE).removeprefix("torch."),
+        "device": str(device),
+        "lengths": lengths,
+        **timing,
+        "statistic": "median",
+        "mechanisms": names,
+        "threads": torch.get_num_threads(),
+        "matmul_reference": f"[{MATMUL_SIZE}, {MATMUL_SIZE}] @ [{MATMUL_SIZE}, {MATMUL_SIZE}]",
+    }
+    sections = {
         "baseline": BASELINE,
-        "config": {
-            "batch": BATCH,
-            "heads": HEADS,
-            "head_dim": HEAD_DIM,
-            "dtype": str(DTYPE).removeprefix("torch."),
-            "device": str(device),
-            "lengths": lengths,
-            **timing,
-            "statistic": "median",
-            "mechanisms": names,
-            "threads": torch.get_num_threads(),
-            "matmul_reference": f"[{MATMUL_SIZE}, {MATMUL_SIZE}] @ [{MATMUL_SIZE}, {MATMUL_SIZE}]",
-        },
-        "machine": machine_info(device),
-        "command": command_line(),
+        "config": config,
         "mechanisms": {
             name: {"description": _spec(name).description, "available": name not in unavailable}
             | {"note": unavailable.get(name)}
@@ -255,16 +254,12 @@ def run_speed_benchmark(
         "points": points,
         "targets": [_evaluate_target(target, points) for target in TARGETS],
     }
-    ratio_title = f"time / peak memory relative to {BASELINE} (< 1 is better)"
-    tables = (
-        rich_table(ratio_title, _headers(results), _cells(results, _ratio_cell), left=2),
-        rich_table("targets (ratio to the baseline, same run)", TARGET_HEADERS, _target_rows(results)),
-    )
-    for line in _rate_lines(results):
+    for line in _rate_lines(sections):
         console.print(line, highlight=False)
-    figures = {PLOT_FILE: plot_results(results)}
-    write_report(out_dir, results, render_markdown(results), figures, console, tables=tables)
-    return results
+    files, plots = {"table": TABLE_FILE, "plot": PLOT_FILE}, {PLOT_FILE: plot_results}
+    return finish_report(
+        "speed", settings, started, sections, files, render_markdown, plots, console, _tables
+    )
 
 
 def _probe(spec: KernelSpec, device: torch.device) -> str | None:
@@ -420,6 +415,15 @@ def _target_rows(results: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+def _tables(results: dict[str, Any]) -> tuple[Any, ...]:
+    """The console's tables: the ratios to the baseline, and the targets."""
+    ratio_title = f"time / peak memory relative to {BASELINE} (< 1 is better)"
+    return (
+        rich_table(ratio_title, _headers(results), _cells(results, _ratio_cell), left=2),
+        rich_table("targets (ratio to the baseline, same run)", TARGET_HEADERS, _target_rows(results)),
+    )
+
+
 def _rate_lines(results: dict[str, Any]) -> list[str]:
     """One line per point of a FLOP-counting kernel: time, GFLOP/s and the fraction of the matmul rate."""
     config = results["config"]
@@ -465,30 +469,14 @@ def render_markdown(results: dict[str, Any]) -> str:
 
 def plot_results(results: dict[str, Any]) -> Any:
     """A 2×2 figure: time (top) and peak memory (bottom) vs T, forward (left) and forward+backward (right)."""
-    from matplotlib.figure import Figure
-
     config = results["config"]
-    figure = Figure(figsize=(11, 8), layout="constrained")
-    axes = figure.subplots(2, 2, sharex=True)
-    names = [name for name, info in results["mechanisms"].items() if info["available"]]
+    figure, axes = figure_axes((11, 8), 2, 2, "constrained", sharex=True)
+    available = [p for p in results["points"] if results["mechanisms"][p["mechanism"]]["available"]]
     quantities = (("median_s", 1, "median time (s)"), ("peak_bytes", 2**-20, "peak memory (MiB)"))
     for row, (key, scale, label) in enumerate(quantities):
         for column, mode in enumerate(MODES):
-            ax = axes[row][column]
-            for name in names:
-                line = [
-                    p
-                    for p in results["points"]
-                    if (p["mechanism"], p["mode"]) == (name, mode) and p[key] is not None
-                ]
-                style = {"color": "black", "linestyle": "--"} if name == BASELINE else {}
-                ax.plot(
-                    [p["seq_len"] for p in line],
-                    [p[key] * scale for p in line],
-                    marker="o",
-                    label=name,
-                    **style,
-                )
+            ax, points = axes[row][column], [p for p in available if p["mode"] == mode]
+            plot_series(ax, points, "seq_len", key, scale=scale, style=_baseline_style)
             title = f"{MODE_LABELS[mode]}: {label.split(' (')[0]}"
             log2_length_axis(ax, config["lengths"], "sequence length T" if row == 1 else None, label, title)
     axes[0][0].legend(fontsize="small")
@@ -497,6 +485,10 @@ def plot_results(results: dict[str, Any]) -> Any:
         f"{config['device']}"
     )
     return figure
+
+
+def _baseline_style(name: str) -> dict[str, Any]:
+    return {"color": "black", "linestyle": "--"} if name == BASELINE else {}
 
 
 if __name__ == "__main__":
