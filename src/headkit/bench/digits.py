@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from headkit.bench._measure import time_call
 from headkit.bench._options import check_head_width, check_integers, check_names, check_positive_numbers
-from headkit.bench._report import TABLE_FILE, finish_report, markdown_table, progress_bar
-from headkit.bench._training import generate, optimizer_steps, train_with_progress
+from headkit.bench._report import TABLE_FILE, finish_report, markdown_table
+from headkit.bench._training import generate, optimizer_steps, train_each
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes
@@ -213,44 +213,39 @@ def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
     )
     prompts = occlude(data.test_pixels)
 
-    results: list[dict[str, Any]] = []
     completions: dict[str, torch.Tensor] = {}
-    with progress_bar(console, transient=True) as progress:
-        for mechanism in config.mechanisms:
-            model = build_model(mechanism, config)
-            trained, task = train_with_progress(
-                progress,
-                mechanism,
-                model,
-                config.steps,
-                partial(train_pixel_model, model, train_sequences, config),
-            )
-            progress.update(task, description=f"completing with {mechanism}")
-            completed = complete_images(model, prompts, sample=config.sample, seed=config.seed)
-            completions[mechanism] = completed
-            seconds = {  # images -> seconds (median)
-                count: time_call(
-                    partial(complete_images, model, prompts[:count], sample=config.sample),
-                    repeats=config.timing_repeats,
-                    warmup=0,
-                ).median_s
-                for count in config.image_counts
-            }
-            losses = trained.pop("losses")
-            results.append(
-                {"mechanism": mechanism}
-                | trained
-                | {
-                    "test_bits_per_pixel": bits_per_pixel(model, test_sequences),
-                    "classifier_accuracy_completed": classifier_accuracy(
-                        classifier, completed.numpy(), data.test_labels
-                    ),
-                    "completion_seconds": seconds,
-                    "losses": losses,
-                }
-            )
-            console.print(f"{mechanism}: {_summary(results[-1])}")
 
+    def evaluate(
+        mechanism: str, model: HeadkitForCausalLM, trained: dict, update: Callable
+    ) -> dict[str, Any]:
+        update(description=f"completing with {mechanism}")
+        completions[mechanism] = complete_images(model, prompts, sample=config.sample, seed=config.seed)
+        seconds = {  # images -> seconds (median)
+            count: time_call(
+                partial(complete_images, model, prompts[:count], sample=config.sample),
+                repeats=config.timing_repeats,
+                warmup=0,
+            ).median_s
+            for count in config.image_counts
+        }
+        completed = classifier_accuracy(classifier, completions[mechanism].numpy(), data.test_labels)
+        losses = trained.pop("losses")
+        result = (
+            {"mechanism": mechanism}
+            | trained
+            | {"test_bits_per_pixel": bits_per_pixel(model, test_sequences)}
+        )
+        result |= {
+            "classifier_accuracy_completed": completed,
+            "completion_seconds": seconds,
+            "losses": losses,
+        }
+        console.print(f"{mechanism}: {_summary(result)}")
+        return result
+
+    build = partial(build_model, config=config)
+    train = partial(train_pixel_model, sequences=train_sequences, config=config)
+    results = train_each(console, config.mechanisms, build, train, config.steps, evaluate)
     sections = {
         "train_images": len(data.train_pixels),
         "test_images": len(data.test_pixels),

@@ -24,14 +24,15 @@ import torch
 from headkit.bench._options import check_head_width, check_integers, check_positive_numbers
 from headkit.bench._report import (
     TABLE_FILE,
+    figure_axes,
     find_point,
     finish_report,
     grid_rows,
     markdown_table,
-    progress_bar,
+    plot_series,
     quiet_transformers,
 )
-from headkit.bench._training import generate, optimizer_steps, train_with_progress
+from headkit.bench._training import generate, optimizer_steps, train_each
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.data import (
     BYTE_VOCAB,
@@ -351,54 +352,37 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
 
     # Per model how it trained; per model, scaling and length its bits per byte (perplexity: 2 ** bits per
     # byte) and its passkey retrieval (accuracy: all digits right; answers: the generated keys).
-    models, perplexities, passkeys = [], [], []
-    with progress_bar(console, transient=True) as progress:
-        for attention in MODELS:
-            model = build_model(attention, config)
-            train = partial(train_model, model, train_stream, config)
-            trained, task = train_with_progress(progress, attention, model, config.steps, train)
-            models.append({"attention": attention} | trained)
-            evaluations = len(SCALINGS) * len(config.lengths)
-            progress.update(task, description=f"evaluating {attention}", completed=0, total=evaluations)
-            for scaling in SCALINGS:
-                for n in config.lengths:
-                    scaled = scaled_model(model, scaling, n, config)
-                    bpb = bits_per_byte(scaled, windows[n])
-                    point = {"attention": attention, "scaling": scaling, "length": n}
-                    perplexities.append(
-                        point
-                        | {"bits_per_byte": bpb, "perplexity": 2.0**bpb}
-                        | {"windows": len(windows[n]), "tokens": windows[n].numel()}
-                    )
-                    answers = retrieve_passkeys(scaled, documents[n])
-                    exact, digits = score_answers(answers, [doc.answer for doc in documents[n]])
-                    passkeys.append(
-                        point
-                        | {
-                            "trials": len(answers),
-                            "accuracy": exact,
-                            "digit_accuracy": digits,
-                            "answers": answers,
-                        }
-                    )
-                    progress.advance(task)
-            shortest, longest = min(config.lengths), max(config.lengths)
-            bpb = {
-                (r["scaling"], r["length"]): r["bits_per_byte"]
-                for r in perplexities
-                if r["attention"] == attention
-            }
-            hits = {
-                (r["scaling"], r["length"]): r["accuracy"] for r in passkeys if r["attention"] == attention
-            }
-            console.print(
-                f"{attention}: {bpb['none', shortest]:.3f} bits/byte at {shortest}, at {longest}: "
-                + ", ".join(f"{s} {bpb[s, longest]:.3f}" for s in SCALINGS)
-                + f"; passkey at {shortest} {hits['none', shortest]:.2f}, at {longest}: "
-                + ", ".join(f"{s} {hits[s, longest]:.2f}" for s in SCALINGS),
-                highlight=False,
-            )
+    perplexities, passkeys = [], []
 
+    def evaluate(
+        attention: str, model: HeadkitForCausalLM, trained: dict, update: Callable
+    ) -> dict[str, Any]:
+        update(description=f"evaluating {attention}", completed=0, total=len(SCALINGS) * len(config.lengths))
+        for scaling in SCALINGS:
+            for n in config.lengths:
+                scaled = scaled_model(model, scaling, n, config)
+                bpb = bits_per_byte(scaled, windows[n])
+                point = {"attention": attention, "scaling": scaling, "length": n}
+                sizes = {"windows": len(windows[n]), "tokens": windows[n].numel()}
+                perplexities.append(point | {"bits_per_byte": bpb, "perplexity": 2.0**bpb} | sizes)
+                answers = retrieve_passkeys(scaled, documents[n])
+                exact, digits = score_answers(answers, [doc.answer for doc in documents[n]])
+                passkeys.append(
+                    point
+                    | {
+                        "trials": len(answers),
+                        "accuracy": exact,
+                        "digit_accuracy": digits,
+                        "answers": answers,
+                    }
+                )
+                update(advance=1)
+        console.print(f"{attention}: {_summary(attention, perplexities, passkeys)}", highlight=False)
+        return {"attention": attention} | trained
+
+    build = partial(build_model, config=config)
+    train = partial(train_model, train_stream=train_stream, config=config)
+    models = train_each(console, MODELS, build, train, config.steps, evaluate)
     sections = {
         "dynamic_factor": config.resolved_dynamic_factor(),
         "corpus": corpus.summary(),
@@ -410,6 +394,20 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
     plots = {"perplexity.png": plot_perplexity, "passkey.png": plot_passkey}
     files = {name: name for name in (TABLE_FILE, *plots)}
     return finish_report("extrapolate", config, started, sections, files, render_markdown, plots, console)
+
+
+def _summary(attention: str, perplexities: list[dict], passkeys: list[dict]) -> str:
+    """Bits per byte and passkey accuracy of ``attention`` at the shortest length, and at the longest per scaling."""
+    records = {(r["scaling"], r["length"]): r for r in perplexities if r["attention"] == attention}
+    hits = {(r["scaling"], r["length"]): r["accuracy"] for r in passkeys if r["attention"] == attention}
+    shortest, longest = min(length for _, length in records), max(length for _, length in records)
+    bpb = {key: record["bits_per_byte"] for key, record in records.items()}
+    return (
+        f"{bpb['none', shortest]:.3f} bits/byte at {shortest}, at {longest}: "
+        + ", ".join(f"{s} {bpb[s, longest]:.3f}" for s in SCALINGS)
+        + f"; passkey at {shortest} {hits['none', shortest]:.2f}, at {longest}: "
+        + ", ".join(f"{s} {hits[s, longest]:.2f}" for s in SCALINGS)
+    )
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -459,12 +457,13 @@ _COLOURS = {"softmax": "tab:blue", "coca": "tab:red"}
 _STYLES = {"none": "-", "linear": "--", "dynamic": ":"}
 
 
+def _style(attention: str, scaling: str) -> dict[str, Any]:
+    return {"color": _COLOURS.get(attention), "linestyle": _STYLES.get(scaling, "-")}
+
+
 def plot_perplexity(report: dict[str, Any]) -> Any:
     """Held-out bits per byte against length (log x), a line per model × scaling."""
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(7, 4.5))
-    axis = figure.subplots()
+    figure, axis = figure_axes((7, 4.5))
     _plot_lines(axis, report["perplexity"], "bits_per_byte", report["settings"]["train_length"])
     axis.set(xlabel="context length (bytes)", ylabel="held-out bits per byte")
     axis.set_title("perplexity beyond the trained length (grey line)")
@@ -474,10 +473,7 @@ def plot_perplexity(report: dict[str, Any]) -> Any:
 
 def plot_passkey(report: dict[str, Any]) -> Any:
     """Passkey accuracy (exact, per-digit) against length (log x), a line per model × scaling."""
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(11, 4.2))
-    axes = figure.subplots(1, 2)
+    figure, axes = figure_axes((11, 4.2), 1, 2)
     for axis, metric, title, chance in (
         (axes[0], "accuracy", "all 5 digits right", 1e-5),
         (axes[1], "digit_accuracy", "per digit", 0.1),
@@ -497,23 +493,10 @@ def plot_passkey(report: dict[str, Any]) -> Any:
 def _plot_lines(
     axis: Any, records: list[dict[str, Any]], metric: str, train_length: int, spread: float = 0.0
 ) -> None:
-    """`metric` against length on log₂ x, a line per model × scaling (line i of n shifted sideways by
-    2^(spread·(i − (n−1)/2))), the trained length as a grey vertical line, a light grid."""
-    groups = list(dict.fromkeys((r["attention"], r["scaling"]) for r in records))
-    for index, (attention, scaling) in enumerate(groups):
-        rows = sorted(
-            (r for r in records if (r["attention"], r["scaling"]) == (attention, scaling)),
-            key=lambda r: r["length"],
-        )
-        shift = 2.0 ** (spread * (index - (len(groups) - 1) / 2))
-        axis.plot(
-            [r["length"] * shift for r in rows],
-            [r[metric] for r in rows],
-            _STYLES.get(scaling, "-"),
-            marker="o",
-            color=_COLOURS.get(attention),
-            label=f"{attention}, {scaling}",
-        )
+    """`metric` against length on log₂ x, a line per model × scaling, the trained length as a grey line."""
+    plot_series(
+        axis, records, "length", metric, ("attention", "scaling"), label="{}, {}", style=_style, spread=spread
+    )
     axis.axvline(train_length, color="grey", linewidth=0.8)
     axis.set_xscale("log", base=2)
     axis.grid(alpha=0.3)
