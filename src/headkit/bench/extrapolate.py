@@ -45,7 +45,7 @@ from headkit.data import (
 )
 from headkit.errors import HeadkitError
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
-from headkit.train import default_config, held_out_bits_per_byte
+from headkit.train import default_config, held_out_bits_per_byte, lm_optimizer
 
 MODELS = ("softmax", "coca")
 SCALINGS = ("none", "linear", "dynamic")
@@ -227,22 +227,9 @@ def train_model(
     rng = np.random.default_rng(config.seed + 1)
     passkey_rows = round(config.passkey_fraction * config.batch_size)
     ignored = torch.tensor(special_token_ids(ByteTokenizer()), dtype=torch.long)
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    vectors = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": matrices, "weight_decay": 0.01}, {"params": vectors, "weight_decay": 0.0}],
-        lr=config.lr,
-        betas=(0.9, 0.95),
+    optimizer, schedule = lm_optimizer(
+        model, config.lr, 0.01, config.steps, warmup=max(1, config.steps // 20)
     )
-    warmup = max(1, config.steps // 20)
-
-    def lr_factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        done = (step - warmup) / max(1, config.steps - warmup)
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done)))
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
     def loss_at(step: int) -> torch.Tensor:
         corpus_rows = sample_batch(
