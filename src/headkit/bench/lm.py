@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from headkit.bench._options import check_head_width, check_positive_numbers
-from headkit.bench._report import TABLE_FILE, finish_report, markdown_table
+from headkit.bench._report import TABLE_FILE, figure_axes, finish_report, markdown_table, plot_series
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes, get_attention_class
@@ -308,31 +308,24 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def plot_curves(report: dict[str, Any]) -> Any:
     """Two panels: held-out bits/byte against steps and against training seconds, one line per variant."""
-    from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter
 
-    figure = Figure(figsize=(12, 4.8))
-    by_step, by_seconds = figure.subplots(1, 2, sharey=True)
-    for result in report["variants"]:
-        steps = [point["step"] for point in result["curve"]]
-        seconds = [point["train_seconds"] for point in result["curve"]]
-        bits = [
-            math.nan if point["bits_per_byte"] is None else point["bits_per_byte"]
-            for point in result["curve"]
-        ]
-        style = "--" if result["position_embedding_type"] == "rope" else "-"
-        by_step.plot(steps, bits, style, marker="o", markersize=3, label=result["variant"])
-        by_seconds.plot(seconds, bits, style, marker="o", markersize=3, label=result["variant"])
+    figure, (by_step, by_seconds) = figure_axes((12, 4.8), 1, 2, sharey=True)
+    points = [
+        {"variant": result["variant"]} | point for result in report["variants"] for point in result["curve"]
+    ]
+    rope = {result["variant"]: result["position_embedding_type"] == "rope" for result in report["variants"]}
+    styles = {variant: {"linestyle": "--" if rotary else "-"} for variant, rotary in rope.items()}
+    for axis, x in ((by_step, "step"), (by_seconds, "train_seconds")):
+        plot_series(axis, points, x, "bits_per_byte", "variant", markersize=3, style=styles.get)
+        axis.grid(True, which="both", alpha=0.3)
     # Untrained models start near 8 bits/byte; a log axis keeps the trained end readable next to it.
     by_step.set_yscale("log")
     plain = FuncFormatter(lambda value, _: f"{value:g}")
     by_step.yaxis.set_major_formatter(plain)
     by_step.yaxis.set_minor_formatter(plain)
-    by_step.set_xlabel("training step")
-    by_step.set_ylabel("held-out bits per byte")
+    by_step.set(xlabel="training step", ylabel="held-out bits per byte")
     by_seconds.set_xlabel("training seconds (evaluation excluded)")
-    for axis in (by_step, by_seconds):
-        axis.grid(True, which="both", alpha=0.3)
     by_seconds.legend(fontsize="small")
     settings = report["settings"]
     figure.suptitle(
