@@ -97,41 +97,19 @@ def time_call(
     return Timing(median_s=statistics.median(times), times_s=times, calls_per_repeat=calls_per_repeat)
 
 
-def matmul_rate(
-    size: int,
-    *,
-    repeats: int,
-    warmup: int = 1,
-    min_repeat_s: float = 0.0,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> float:
-    """The machine's matmul rate, FLOP/s: 2·size³ over the median time of a [size, size] @ [size, size]
-    matmul into a preallocated output, timed as :func:`time_call` times any call."""
+def matmul_rate(size: int, device: torch.device | str = "cpu", **timing: Any) -> float:
+    """The machine's fp32 matmul rate, FLOP/s: 2·size³ over the median time of a [size, size] @ [size, size]
+    matmul into a preallocated output, timed by :func:`time_call` with ``timing`` (repeats, warm-up…)."""
     generator = torch.Generator(device=device).manual_seed(0)
-    a, b = (torch.randn(size, size, generator=generator, device=device, dtype=dtype) for _ in range(2))
-    out = torch.empty(size, size, device=device, dtype=dtype)
-    timing = time_call(
-        lambda: torch.mm(a, b, out=out),
-        repeats=repeats,
-        warmup=warmup,
-        min_repeat_s=min_repeat_s,
-        device=device,
-    )
-    return 2 * size**3 / timing.median_s
+    a, b = (torch.randn(size, size, generator=generator, device=device) for _ in range(2))
+    out = torch.empty(size, size, device=device)
+    return 2 * size**3 / time_call(lambda: torch.mm(a, b, out=out), device=device, **timing).median_s
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the storages behind ``tensors``, each storage counted once (views share their base's)."""
-    seen: set[int] = set()
-    total = 0
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
+    storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in tensors}
+    return sum(storages.values())
 
 
 def peak_of_running_total(deltas: Iterable[int]) -> int:
