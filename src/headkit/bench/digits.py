@@ -198,8 +198,6 @@ def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
     """Linear vs softmax autoregressive pixel models on the 8×8 digits: bottom-half completion, its time and a
     classifier's accuracy on the completed images.
 
-    Train the models, complete the occluded test images, time and judge the completions; write the report.
-
     Returns the dictionary written to ``results.json``."""
     started = time.perf_counter()
     data = load_digit_data(max(TEST_IMAGES, max(config.image_counts)), config.seed)
@@ -220,26 +218,18 @@ def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
     ) -> dict[str, Any]:
         update(description=f"completing with {mechanism}")
         completions[mechanism] = complete_images(model, prompts, sample=config.sample, seed=config.seed)
-        seconds = {  # images -> seconds (median)
-            count: time_call(
-                partial(complete_images, model, prompts[:count], sample=config.sample),
-                repeats=config.timing_repeats,
-                warmup=0,
-            ).median_s
-            for count in config.image_counts
-        }
+        seconds = {}  # images -> seconds (median)
+        for count in config.image_counts:
+            call = partial(complete_images, model, prompts[:count], sample=config.sample)
+            seconds[count] = time_call(call, repeats=config.timing_repeats, warmup=0).median_s
         completed = classifier_accuracy(classifier, completions[mechanism].numpy(), data.test_labels)
-        losses = trained.pop("losses")
         result = (
             {"mechanism": mechanism}
             | trained
             | {"test_bits_per_pixel": bits_per_pixel(model, test_sequences)}
         )
-        result |= {
-            "classifier_accuracy_completed": completed,
-            "completion_seconds": seconds,
-            "losses": losses,
-        }
+        result |= {"classifier_accuracy_completed": completed, "completion_seconds": seconds}
+        result["losses"] = result.pop("losses")  # last: the longest entry
         console.print(f"{mechanism}: {_summary(result)}")
         return result
 

@@ -354,15 +354,8 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
                 perplexities.append(point | {"bits_per_byte": bpb, "perplexity": 2.0**bpb} | sizes)
                 answers = retrieve_passkeys(scaled, documents[n])
                 exact, digits = score_answers(answers, [doc.answer for doc in documents[n]])
-                passkeys.append(
-                    point
-                    | {
-                        "trials": len(answers),
-                        "accuracy": exact,
-                        "digit_accuracy": digits,
-                        "answers": answers,
-                    }
-                )
+                scores = {"trials": len(answers), "accuracy": exact, "digit_accuracy": digits}
+                passkeys.append(point | scores | {"answers": answers})
                 update(advance=1)
         console.print(f"{attention}: {_summary(attention, perplexities, passkeys)}", highlight=False)
         return {"attention": attention} | trained

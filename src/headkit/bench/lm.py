@@ -207,22 +207,15 @@ def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
         highlight=False,
     )
 
+    # The settings of train_causal_lm that are options of this benchmark, under the same names.
+    names = ("steps", "batch_size", "seq_len", "lr", "eval_tokens", "eval_every", "seed")
+    training = {name: getattr(config, name) for name in names}
     results: list[dict[str, Any]] = []
     for index, variant in enumerate(config.variants, start=1):
         description = describe_variant(variant, config)
         console.rule(f"[{index}/{len(config.variants)}] {variant}: {description}")
         trained = train_causal_lm(
-            model_configs[variant],
-            corpus,
-            steps=config.steps,
-            batch_size=config.batch_size,
-            seq_len=config.seq_len,
-            lr=config.lr,
-            eval_tokens=config.eval_tokens,
-            eval_every=config.eval_every,
-            seed=config.seed,
-            console=console,
-            progress_label=variant,
+            model_configs[variant], corpus, console=console, progress_label=variant, **training
         )
         # What the variant achieved: bits per byte are None where not finite (the model diverged); the curve
         # holds {step, train_seconds, bits_per_byte} from step 0 on.
