@@ -172,17 +172,8 @@ def train_causal_lm(
     if world_size > 1:
         # DDP broadcasts rank 0's parameters at construction and averages gradients in every backward.
         trained = torch.nn.parallel.DistributedDataParallel(model)
-    # Weight decay on matrices only: decaying norm gains and biases towards 0 only fights the model.
-    matrices = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-    vectors = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}],
-        lr=lr,
-        betas=(0.9, 0.95),
-        foreach=True,
-    )
     warmup = min(100, steps // 10) if warmup_steps is None else warmup_steps
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: _lr_factor(step, warmup, steps))
+    optimizer, schedule = lm_optimizer(model, lr, weight_decay, steps, warmup, foreach=True)
     generator = torch.Generator().manual_seed(seed + 1 + rank)
 
     history: list[dict[str, float]] = []
@@ -361,6 +352,21 @@ def _mask_special(ids: torch.Tensor, ignored_ids: torch.Tensor) -> torch.Tensor:
     return ids.masked_fill(torch.isin(ids, ignored_ids.to(ids.device)), -100)
 
 
+def lm_optimizer(
+    model: torch.nn.Module, lr: float, weight_decay: float, steps: int, warmup: int, **adamw: Any
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (betas 0.9, 0.95; ``adamw`` its other options) with ``weight_decay`` on the matrices of ``model``'s
+    trained parameters, and its schedule: linear warm-up over ``warmup`` steps, cosine decay to lr/10 at ``steps``."""
+    # Weight decay on matrices only: decaying norm gains and biases towards 0 only fights the model.
+    matrices = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    vectors = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), **adamw)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: _lr_factor(step, warmup, steps)
+    )
+
+
 def _lr_factor(step: int, warmup: int, total: int) -> float:
     """Linear warm-up over ``warmup`` steps, then cosine decay from 1 to 0.1 at ``total``."""
     if step < warmup:
@@ -408,4 +414,11 @@ def _save(result: TrainResult, out_dir: Path, corpus: Corpus, settings: dict[str
     return out_dir
 
 
-__all__ = ["REPORT_FILE", "TrainResult", "default_config", "held_out_bits_per_byte", "train_causal_lm"]
+__all__ = [
+    "REPORT_FILE",
+    "TrainResult",
+    "default_config",
+    "held_out_bits_per_byte",
+    "lm_optimizer",
+    "train_causal_lm",
+]

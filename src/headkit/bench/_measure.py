@@ -1,21 +1,14 @@
-"""Timing and peak-memory measurement of one call, shared by every benchmark.
+"""Timing and peak memory of one call, shared by every benchmark (the method: docs/benchmarks.md, speed).
 
-Timing: ``warmup`` untimed calls (lazy initialisation, allocator caches, kernel selection), then the wall
-clock of each of ``repeats`` calls (a fast call is looped within a repeat, as :mod:`timeit` does); the median
-is reported because it ignores the occasional preemption that a mean would absorb.
-
-Peak memory: on CUDA the caching allocator keeps a high-water mark (``torch.cuda.max_memory_allocated``). On
-CPU there is no such counter, so the call runs once under ``torch.profiler.profile(profile_memory=True)``,
-which records every allocation (+bytes) and free (−bytes) of the CPU allocator as a kineto event named
-``[memory]``; the running sum of those deltas, in chronological order, peaks at the most memory the call
-held at once. Either way the result is reported as the peak *above* what was allocated when the call
-started, plus the bytes of the call's inputs, so that a kernel that needs no scratch memory still costs its
-inputs, and numbers from CPU and CUDA mean the same thing.
+The median of timed repeats after warm-up calls; peak memory above what was allocated at the start, plus the
+call's inputs: ``torch.cuda.max_memory_allocated`` on CUDA, the running sum of the CPU allocator's ``[memory]``
+profiler events on CPU, so that numbers from both devices mean the same thing.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import statistics
@@ -45,11 +38,7 @@ class Timing:
 
 @dataclass(frozen=True)
 class PeakMemory:
-    """Peak memory of one call, in bytes.
-
-    ``peak_bytes = input_bytes + extra_peak_bytes``: the inputs alive when the call starts, plus the most
-    memory the call allocated on top of what was already allocated.
-    """
+    """Peak memory of one call in bytes: the inputs alive when it starts plus the most it allocated on top."""
 
     peak_bytes: int
     input_bytes: int
@@ -78,10 +67,8 @@ def time_call(
     """Median seconds per call of ``fn()`` over ``repeats`` timed repeats, after ``warmup`` untimed calls.
 
     A repeat of a call faster than ``min_repeat_s`` loops over enough calls to last about that long (at most
-    :data:`MAX_CALLS_PER_REPEAT`) and reports their mean, the way :mod:`timeit` does: one call of a
-    millisecond is at the mercy of a single context switch. The loop count comes from the last warm-up call
-    (or one extra call when ``warmup`` is 0). ``clock`` is injectable so that tests can drive the timer.
-    """
+    :data:`MAX_CALLS_PER_REPEAT`, their count from the last warm-up call) and reports their mean, as :mod:`timeit`
+    does: one call of a millisecond is at the mercy of a single context switch."""
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats <= 0:
         raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
     if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
@@ -110,62 +97,30 @@ def time_call(
     return Timing(median_s=statistics.median(times), times_s=times, calls_per_repeat=calls_per_repeat)
 
 
-def matmul_rate(
-    size: int,
-    *,
-    repeats: int,
-    warmup: int = 1,
-    min_repeat_s: float = 0.0,
-    device: torch.device | str = "cpu",
-    dtype: torch.dtype = torch.float32,
-) -> float:
-    """The machine's matmul rate, FLOP/s: 2·size³ over the median time of a [size, size] @ [size, size]
-    matmul into a preallocated output, timed as :func:`time_call` times any call."""
+def matmul_rate(size: int, device: torch.device | str = "cpu", **timing: Any) -> float:
+    """The machine's fp32 matmul rate, FLOP/s: 2·size³ over the median time of a [size, size] @ [size, size]
+    matmul into a preallocated output, timed by :func:`time_call` with ``timing`` (repeats, warm-up…)."""
     generator = torch.Generator(device=device).manual_seed(0)
-    a, b = (torch.randn(size, size, generator=generator, device=device, dtype=dtype) for _ in range(2))
-    out = torch.empty(size, size, device=device, dtype=dtype)
-    timing = time_call(
-        lambda: torch.mm(a, b, out=out),
-        repeats=repeats,
-        warmup=warmup,
-        min_repeat_s=min_repeat_s,
-        device=device,
-    )
-    return 2 * size**3 / timing.median_s
+    a, b = (torch.randn(size, size, generator=generator, device=device) for _ in range(2))
+    out = torch.empty(size, size, device=device)
+    return 2 * size**3 / time_call(lambda: torch.mm(a, b, out=out), device=device, **timing).median_s
 
 
 def tensor_bytes(tensors: Iterable[torch.Tensor]) -> int:
     """Bytes of the storages behind ``tensors``, each storage counted once (views share their base's)."""
-    seen: set[int] = set()
-    total = 0
-    for tensor in tensors:
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
+    storages = {tensor.untyped_storage().data_ptr(): tensor.untyped_storage().nbytes() for tensor in tensors}
+    return sum(storages.values())
 
 
 def peak_of_running_total(deltas: Iterable[int]) -> int:
-    """Highest value of the running sum of allocation deltas (+alloc, −free), starting from 0 (never below 0).
-
-    A free of memory allocated before the window drives the running sum negative; the peak is still measured
-    from the starting level, which is what "peak above the start" means.
-    """
-    level = 0
-    peak = 0
-    for delta in deltas:
-        level += delta
-        peak = max(peak, level)
-    return peak
+    """Highest value of the running sum of allocation deltas (+alloc, −free) from 0, never below 0 (a free of
+    memory allocated before the window drives the sum negative; the peak is still above the start)."""
+    return max(itertools.accumulate(deltas, initial=0))
 
 
 def cpu_peak_extra_bytes(fn: Callable[[], object]) -> int:
-    """Most CPU memory that ``fn()`` holds at once beyond what was allocated when it started, in bytes.
-
-    Runs ``fn`` once under the profiler and replays its ``[memory]`` events in chronological order.
-    """
+    """Most CPU memory that ``fn()`` holds at once beyond what was allocated when it started, in bytes: its
+    ``[memory]`` profiler events replayed in chronological order."""
     profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True)
     with _quiet_native_stderr():
         profiler.start()
@@ -216,12 +171,9 @@ def measure_peak_memory(
 
 @contextlib.contextmanager
 def _quiet_native_stderr() -> Iterator[None]:
-    """Send file descriptor 2 to /dev/null for the duration.
-
-    Kineto prints "profiler_start"/"profiler_stop" lines from C++ straight to the stderr descriptor on every
-    start and stop, whatever its log level; they would tear through a live progress bar. Only the profiler's
-    start and stop are wrapped, never the measured call, so no error of the caller's is swallowed.
-    """
+    """File descriptor 2 sent to /dev/null for the duration: kineto prints "profiler_start"/"profiler_stop" from
+    C++ to it whatever its log level, through a live progress bar. Only the profiler's start and stop are
+    wrapped, never the measured call, so no error of the caller's is swallowed."""
     stderr_fd = 2  # kineto writes to the descriptor, whatever Python's sys.stderr points at
     sys.stderr.flush()
     try:
@@ -242,11 +194,8 @@ def _quiet_native_stderr() -> Iterator[None]:
 @contextlib.contextmanager
 def thread_limit(threads: int | None) -> Iterator[None]:
     """Run the block with ``threads`` torch threads (and BLAS threads, where threadpoolctl is installed),
-    restoring the previous setting after; None leaves everything as it is.
-
-    Benchmarks on small shared machines choose their thread count explicitly: with two cores and another job
-    running, a second thread spin-waiting in OpenMP can cost more than it brings.
-    """
+    restoring the previous setting after; None leaves everything as it is. (On two shared cores a second thread
+    spin-waiting in OpenMP can cost more than it brings.)"""
     if threads is None:
         yield
         return

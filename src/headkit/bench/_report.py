@@ -1,16 +1,12 @@
-"""Writing benchmark results: JSON, Markdown tables, PNG figures, each written atomically.
-
-A benchmark that is interrupted (Ctrl-C, out of memory, a crash in the plot) must never leave a half-written
-``results.json`` next to a plot from an older run. Every file is therefore written to a temporary file in the
-destination folder and moved over the destination with :func:`os.replace`, which is atomic on POSIX and
-Windows when both paths are on the same file system.
-"""
+"""Writing benchmark results (JSON, Markdown tables, PNG figures, each atomically: an interrupted run never
+leaves a half-written ``results.json`` beside a plot of an older run) and the pieces of their tables and plots."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import datetime as dt
+import math
 import os
 import platform
 import sys
@@ -33,17 +29,10 @@ RESULTS_FILE, TABLE_FILE = "results.json", "table.md"
 
 
 def settings_dict(settings: Any) -> dict[str, Any]:
-    """A settings dataclass as JSON-ready values (paths as strings)."""
-    return {k: str(v) if isinstance(v, os.PathLike) else v for k, v in dataclasses.asdict(settings).items()}
-
-
-def report_header(benchmark: str, settings: Any, device: torch.device | str = "cpu") -> dict[str, Any]:
-    """What every results.json starts with: the benchmark, the command line, the machine and the settings."""
+    """A settings dataclass as the values JSON reads back (paths as strings, tuples as lists)."""
     return {
-        "benchmark": benchmark,
-        "command": command_line(),
-        "machine": machine_info(device),
-        "settings": settings_dict(settings),
+        k: str(v) if isinstance(v, os.PathLike) else list(v) if isinstance(v, tuple) else v
+        for k, v in dataclasses.asdict(settings).items()
     }
 
 
@@ -82,21 +71,40 @@ def finish_report(
     render: Callable[[dict[str, Any]], str],
     plots: Mapping[str, Callable[[dict[str, Any]], Any]],
     console: Any,
+    tables: Callable[[dict[str, Any]], Sequence[Any]] | None = None,
 ) -> dict[str, Any]:
-    """Write and return a run's report: :func:`report_header`, ``sections``, the seconds since ``started`` (a
-    ``time.perf_counter()``) and ``files`` (each key's file name, as its path under ``settings.out``); table.md
-    is ``render(report)``, each of ``plots`` (file name: plot of the report) a figure."""
-    out = Path(settings.out)
-    report = report_header(name, settings) | dict(sections)
+    """Write and return a run's report: the benchmark, command line, machine (``settings.device``, else the CPU)
+    and settings, then ``sections``, the seconds since ``started`` (a ``time.perf_counter()``) and ``files`` (each
+    key's file name, as its path under ``settings.out``); table.md is ``render(report)``, each of ``plots`` (file
+    name: plot of the report) a figure; the console shows ``tables(report)`` (rich tables) or else table.md."""
+    out, machine = Path(settings.out), machine_info(getattr(settings, "device", "cpu"))
+    header = {"benchmark": name, "command": command_line(), "machine": machine}
+    report = header | {"settings": settings_dict(settings)} | dict(sections)
     report |= {"seconds": time.perf_counter() - started, "files": {k: str(out / f) for k, f in files.items()}}
     figures = {file: plot(report) for file, plot in plots.items()}
-    write_report(out, report, render(report), figures, console)
+    write_report(out, report, render(report), figures, console, tables=tables and tables(report))
     return report
 
 
 def find_point(points: Iterable[Mapping[str, Any]], **keys: Any) -> Any:
     """The first of ``points`` whose values at ``keys`` are those given, or None."""
     return next((point for point in points if all(point[k] == v for k, v in keys.items())), None)
+
+
+def grid_rows(
+    points: Sequence[Mapping[str, Any]],
+    rows: Iterable[Mapping[str, Any]],
+    column: str,
+    columns: Iterable[Any],
+    cell: Callable[[Any], str],
+) -> list[list[Any]]:
+    """Table rows of ``points``: per entry of ``rows`` (keys to match), its values, then ``cell`` of the point at
+    each of ``columns`` (the value at key ``column``; the point is None where there is none)."""
+    columns = list(columns)
+    return [
+        [*row.values(), *(cell(find_point(points, **row, **{column: value})) for value in columns)]
+        for row in rows
+    ]
 
 
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
@@ -178,6 +186,44 @@ def progress_bar(
     description = TextColumn("{task.description}" if width is None else f"{{task.description:<{width}}}")
     columns = (description, BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
     return Progress(*columns, console=console, disable=not show, transient=transient)
+
+
+def figure_axes(
+    size: tuple[float, float], rows: int = 1, columns: int = 1, layout: str | None = None, **grid: Any
+) -> Any:
+    """A matplotlib figure of ``size`` inches and its ``rows`` × ``columns`` axes (``grid``: subplots options)."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=size, layout=layout)
+    return figure, figure.subplots(rows, columns, **grid)
+
+
+def plot_series(
+    ax: Any,
+    points: Sequence[Mapping[str, Any]],
+    x: str,
+    y: str,
+    series: str | tuple[str, ...] = "mechanism",
+    *,
+    scale: float = 1.0,
+    label: str = "{}",
+    style: Callable[..., dict[str, Any]] | None = None,
+    spread: float = 0.0,
+    **options: Any,
+) -> None:
+    """``y`` (times ``scale``; None a gap) against ``x`` of ``points``, a line marked "o" per value of the key(s)
+    ``series`` in order of appearance, labelled ``label.format(*values)`` and drawn with ``options`` and
+    ``style(*values)``; line i of n is shifted sideways by 2^(spread·(i − (n−1)/2)), so that lines which coincide
+    stay visible on a log₂ axis."""
+    keys = (series,) if isinstance(series, str) else series
+    groups = list(dict.fromkeys(tuple(point[key] for key in keys) for point in points))
+    for index, values in enumerate(groups):
+        line = [point for point in points if tuple(point[key] for key in keys) == values]
+        line.sort(key=lambda point: point[x])
+        shift = 2.0 ** (spread * (index - (len(groups) - 1) / 2))
+        ys = [math.nan if point[y] is None else point[y] * scale for point in line]
+        extra = options | (style(*values) if style else {})
+        ax.plot([point[x] * shift for point in line], ys, marker="o", label=label.format(*values), **extra)
 
 
 def log2_length_axis(ax: Any, lengths: Sequence[int], xlabel: str | None, ylabel: str, title: str) -> None:

@@ -1,22 +1,10 @@
 """``headkit bench digits``: linear against softmax attention as autoregressive image models, on real digits.
 
-The experiment of Katharopoulos et al., "Transformers are RNNs: Fast Autoregressive Transformers with Linear
-Attention" (ICML 2020), Sec. 4.2 (MNIST image generation), at the scale of a laptop: scikit-learn's
-``load_digits`` (1,797 real 8×8 handwritten digits, intensities 0–16) stands in for MNIST.
-
-1. Every image becomes a sequence of 65 tokens: a start token (:data:`BOS`) and its 64 pixels in raster order,
-   each intensity 0–16 a token of its own (a discretised output, 17 classes per pixel).
-2. Two :class:`~headkit.models.HeadkitForCausalLM` of the same size, one with ``attention="linear"`` and one with
-   ``attention="softmax"`` (learned absolute positions for both: linear attention has no rotary positions), are
-   trained with the same budget (steps, batch, learning rate, seed) on the training images.
-3. Occluded-image completion: the bottom half of each test image is hidden and regenerated with
-   ``model.generate`` from the top half (linear attention decodes with its recurrent state — Eq. 18–20 of the
-   paper — softmax with its KV cache). Completion time is measured for 100, 200 and 300 images.
-4. A scikit-learn logistic-regression classifier trained on the real training digits classifies the completed
-   test images and the originals: the closer the two accuracies, the more the completions look like the digit.
-
-Writes ``results.json``, ``table.md`` and ``completions.png`` (occluded inputs, completions, originals) to the
-output folder.
+Katharopoulos et al. 2020, "Transformers are RNNs" (ICML), Sec. 4.2 (MNIST generation) at laptop scale, with
+scikit-learn's 8×8 ``load_digits`` as the images: pixel models of the same size and budget complete the hidden
+bottom half of held-out digits (linear attention with its recurrent state, softmax with its KV cache); the
+completion is timed, and a logistic-regression classifier trained on real digits judges it. Method and results:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -34,14 +22,9 @@ import torch
 import torch.nn.functional as F
 
 from headkit.bench._measure import time_call
-from headkit.bench._options import check_integers, check_names, check_positive_numbers
-from headkit.bench._report import (
-    TABLE_FILE,
-    finish_report,
-    markdown_table,
-    progress_bar,
-)
-from headkit.bench._training import optimizer_steps, train_with_progress
+from headkit.bench._options import check_head_width, check_integers, check_names, check_positive_numbers
+from headkit.bench._report import TABLE_FILE, finish_report, markdown_table
+from headkit.bench._training import generate, optimizer_steps, train_each
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes
@@ -98,9 +81,6 @@ class DigitsData:
     test_labels: np.ndarray
 
 
-# -- data ------------------------------------------------------------------------------------------------------
-
-
 def load_digit_data(test_images: int = TEST_IMAGES, seed: int = 0) -> DigitsData:
     """scikit-learn's digits, shuffled reproducibly, the last `test_images` held out for testing."""
     from sklearn.datasets import load_digits
@@ -130,9 +110,6 @@ def to_sequences(pixels: np.ndarray | torch.Tensor) -> torch.Tensor:
 def occlude(pixels: np.ndarray | torch.Tensor) -> torch.Tensor:
     """The prompts [N, 33] of the completion task: the start token and the top half (four rows) of each image."""
     return to_sequences(pixels)[:, : 1 + VISIBLE]
-
-
-# -- models ----------------------------------------------------------------------------------------------------
 
 
 def build_model(mechanism: str, config: DigitsConfig) -> HeadkitForCausalLM:
@@ -195,19 +172,7 @@ def complete_images(
     if prompts.ndim != 2 or prompts.shape[1] != 1 + VISIBLE:
         raise HeadkitError(f"prompts must have shape [N, {1 + VISIBLE}], got {tuple(prompts.shape)}")
     torch.manual_seed(seed)
-    generated = model.generate(
-        prompts,
-        attention_mask=torch.ones_like(prompts),
-        max_new_tokens=PIXELS - VISIBLE,
-        min_new_tokens=PIXELS - VISIBLE,
-        do_sample=sample,
-        suppress_tokens=[BOS],
-        top_k=None,
-        top_p=None,
-        temperature=None,
-        pad_token_id=BOS,
-    )
-    return generated[:, 1:]
+    return generate(model, prompts, PIXELS - VISIBLE, BOS, do_sample=sample, suppress_tokens=[BOS])[:, 1:]
 
 
 def train_classifier(pixels: np.ndarray, labels: np.ndarray) -> Any:
@@ -221,12 +186,8 @@ def classifier_accuracy(classifier: Any, pixels: np.ndarray | torch.Tensor, labe
     return float((classifier.predict(np.asarray(pixels) / (LEVELS - 1)) == labels).mean())
 
 
-# -- the benchmark ---------------------------------------------------------------------------------------------
-
-
 def _check_settings(config: DigitsConfig) -> None:
-    if config.hidden_size % config.heads:
-        raise HeadkitError(f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads}")
+    check_head_width(config.hidden_size, config.heads, even=False)
     check_integers("--images", config.image_counts, 1, 1000)
     check_positive_numbers(config, ("lr",))
     check_names("--mechanisms", config.mechanisms, attention_classes())
@@ -236,8 +197,6 @@ def _check_settings(config: DigitsConfig) -> None:
 def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
     """Linear vs softmax autoregressive pixel models on the 8×8 digits: bottom-half completion, its time and a
     classifier's accuracy on the completed images.
-
-    Train the models, complete the occluded test images, time and judge the completions; write the report.
 
     Returns the dictionary written to ``results.json``."""
     started = time.perf_counter()
@@ -252,44 +211,31 @@ def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
     )
     prompts = occlude(data.test_pixels)
 
-    results: list[dict[str, Any]] = []
     completions: dict[str, torch.Tensor] = {}
-    with progress_bar(console, transient=True) as progress:
-        for mechanism in config.mechanisms:
-            model = build_model(mechanism, config)
-            trained, task = train_with_progress(
-                progress,
-                mechanism,
-                model,
-                config.steps,
-                partial(train_pixel_model, model, train_sequences, config),
-            )
-            progress.update(task, description=f"completing with {mechanism}")
-            completed = complete_images(model, prompts, sample=config.sample, seed=config.seed)
-            completions[mechanism] = completed
-            seconds = {  # images -> seconds (median)
-                count: time_call(
-                    partial(complete_images, model, prompts[:count], sample=config.sample),
-                    repeats=config.timing_repeats,
-                    warmup=0,
-                ).median_s
-                for count in config.image_counts
-            }
-            losses = trained.pop("losses")
-            results.append(
-                {"mechanism": mechanism}
-                | trained
-                | {
-                    "test_bits_per_pixel": bits_per_pixel(model, test_sequences),
-                    "classifier_accuracy_completed": classifier_accuracy(
-                        classifier, completed.numpy(), data.test_labels
-                    ),
-                    "completion_seconds": seconds,
-                    "losses": losses,
-                }
-            )
-            console.print(f"{mechanism}: {_summary(results[-1])}")
 
+    def evaluate(
+        mechanism: str, model: HeadkitForCausalLM, trained: dict, update: Callable
+    ) -> dict[str, Any]:
+        update(description=f"completing with {mechanism}")
+        completions[mechanism] = complete_images(model, prompts, sample=config.sample, seed=config.seed)
+        seconds = {}  # images -> seconds (median)
+        for count in config.image_counts:
+            call = partial(complete_images, model, prompts[:count], sample=config.sample)
+            seconds[count] = time_call(call, repeats=config.timing_repeats, warmup=0).median_s
+        completed = classifier_accuracy(classifier, completions[mechanism].numpy(), data.test_labels)
+        result = (
+            {"mechanism": mechanism}
+            | trained
+            | {"test_bits_per_pixel": bits_per_pixel(model, test_sequences)}
+        )
+        result |= {"classifier_accuracy_completed": completed, "completion_seconds": seconds}
+        result["losses"] = result.pop("losses")  # last: the longest entry
+        console.print(f"{mechanism}: {_summary(result)}")
+        return result
+
+    build = partial(build_model, config=config)
+    train = partial(train_pixel_model, sequences=train_sequences, config=config)
+    results = train_each(console, config.mechanisms, build, train, config.steps, evaluate)
     sections = {
         "train_images": len(data.train_pixels),
         "test_images": len(data.test_pixels),
@@ -314,14 +260,8 @@ def _summary(result: dict[str, Any]) -> str:
 def render_markdown(report: dict[str, Any]) -> str:
     """The measured table: per mechanism, likelihood, the judge's accuracy and completion time per image count."""
     counts = sorted({int(count) for result in report["mechanisms"] for count in result["completion_seconds"]})
-    headers = [
-        "attention",
-        "parameters",
-        "train s",
-        "test bits/pixel",
-        "accuracy on completions",
-        *(f"complete {count} images (s)" for count in counts),
-    ]
+    headers = ["attention", "parameters", "train s", "test bits/pixel", "accuracy on completions"]
+    headers += [f"complete {count} images (s)" for count in counts]
     rows = [
         [
             result["mechanism"],
@@ -334,14 +274,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         for result in report["mechanisms"]
     ]
     rows.append(
-        [
-            "original images",
-            "",
-            "",
-            "",
-            f"{report['classifier_accuracy_original']:.3f}",
-            *([""] * len(counts)),
-        ]
+        ["original images", "", "", "", f"{report['classifier_accuracy_original']:.3f}", *[""] * len(counts)]
     )
     machine = report["machine"]
     return (

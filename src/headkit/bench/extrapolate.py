@@ -1,51 +1,11 @@
 """``headkit bench extrapolate``: RoPE against CoCA beyond the trained context — perplexity and passkey retrieval.
 
-Reproduces, at laptop scale, the length-extrapolation experiment of Zhu et al. 2023, "CoCA: Fusing Position
-Embedding with Collinear Constrained Attention in Transformers for Long Context Window Extending"
-(arXiv:2309.08646, §4): models trained on short windows are evaluated on much longer ones, as they are and under
-the two training-free RoPE scalings — linear position interpolation (Chen et al. 2023, arXiv:2306.15595) and
-dynamic NTK-aware scaling (bloc97/emozilla 2023, as 🤗 transformers' ``rope_type="dynamic"``) — by held-out
-perplexity and by passkey retrieval (Mohtashami & Jaggi 2023, "Landmark Attention", arXiv:2305.16300, §4.2).
-
-1. Two byte-level causal LMs of the same width, depth, heads and initialisation seed:
-   ``attention="softmax"`` with rotary positions (RoPE) and ``attention="coca"`` (collinear constrained
-   attention, also rotary; its key projection is half as wide, so it has slightly fewer parameters).
-2. Both are trained on the same batches at context ``train_length`` = 128 bytes. A batch mixes windows of the
-   corpus (:func:`headkit.data.load_corpus`: the Python standard library by default) with passkey documents
-   (:func:`passkey_document`): filler sentences, "The pass key is 73914. Remember it. 73914 is the pass key." at
-   a random depth, more filler, then "What is the pass key? The pass key is 73914" — exactly 128 bytes; half of
-   every batch by default (``passkey_fraction``). Retrieval is learnt late and abruptly: with the full defaults
-   (2000 steps × 32 windows, width 128, 4 layers) softmax answers every 128-byte passkey after ~750 steps;
-   CoCA learns it later, between ~1500 steps and beyond 2000 depending on the corpus (measured: all digits
-   right at 2000 steps on an 8 MB corpus, half the digits on the whole standard library), so give it more
-   ``steps`` to compare retrieval itself. The quick models (width 64, 2 layers, 500 steps) do not learn it:
-   only their perplexities mean something.
-3. Every trained model is evaluated at each length L of ``lengths`` (128 … 2048) under three RoPE scalings,
-   applied without retraining by rebuilding the model from a config with other ``rope_parameters`` and loading
-   the same weights (rotary angles are computed from the config on the fly: no rotary buffer is in the state
-   dict, which :func:`scaled_model` checks):
-
-   * ``none``: plain RoPE, positions up to L − 1 although training never saw one beyond 127;
-   * ``linear``: position interpolation, positions divided by L / 128, so they stay inside the trained range;
-   * ``dynamic``: NTK-aware scaling of the rotary base when the input is longer than the trained length (the
-     config's ``max_position_embeddings`` = 128), base · (f·L/128 − (f − 1))^(D/(D−2)) with f = ``factor`` =
-     max(lengths)/128 by default ("factor x extends the context x times", transformers' convention); exactly
-     plain RoPE at L ≤ 128.
-
-   a. Held-out bits per byte (and per-byte perplexity 2^bpb) over the first ``eval_tokens`` tokens of the
-      held-out stream, cut into non-overlapping windows of L tokens (:func:`headkit.data.evaluation_windows`):
-      the same windows for every model and scaling, the same tokens at every length.
-   b. Passkey retrieval: ``passkey_trials`` documents of exactly L bytes per length (seeded, the same for every
-      model and scaling), the key at stratified random depths; the model greedily generates the 5 digits after
-      "The pass key is" (``model.generate``). Accuracy is the share of exact 5-digit matches (chance 10⁻⁵);
-      per-digit accuracy (chance 0.1) is reported too. At L = 128 the documents are in the training
-      distribution; beyond it, only the filler grows.
-
-   Decoding uses the KV cache; under dynamic NTK the cached keys of softmax attention keep the rotation of the
-   prompt's length while the 5 new ones get that of their own (as with transformers' cache), CoCA re-rotates
-   every key per call.
-
-Writes ``results.json``, ``table.md``, ``perplexity.png`` and ``passkey.png`` to the output folder.
+The length-extrapolation experiment of Zhu et al. 2023, "CoCA: Collinear Constrained Attention" (arXiv:2309.08646,
+§4), at laptop scale: a softmax (RoPE) and a CoCA byte-level LM trained alike at 128 bytes, on corpus windows
+mixed with passkey documents (Mohtashami & Jaggi 2023, arXiv:2305.16300, §4.2), are evaluated at longer lengths
+as they are, under linear position interpolation (Chen et al. 2023, arXiv:2306.15595) and under dynamic NTK
+scaling (transformers' ``rope_type="dynamic"``), rebuilt from a config with other ``rope_parameters`` and the
+same weights: held-out bits per byte and passkey accuracy. Method and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -61,9 +21,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from headkit.bench._options import check_integers, check_positive_numbers
-from headkit.bench._report import TABLE_FILE, finish_report, markdown_table, progress_bar, quiet_transformers
-from headkit.bench._training import optimizer_steps, train_with_progress
+from headkit.bench._options import check_head_width, check_integers, check_positive_numbers
+from headkit.bench._report import (
+    TABLE_FILE,
+    figure_axes,
+    find_point,
+    finish_report,
+    grid_rows,
+    markdown_table,
+    plot_series,
+    quiet_transformers,
+)
+from headkit.bench._training import generate, optimizer_steps, train_each
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.data import (
     BYTE_VOCAB,
@@ -76,7 +45,7 @@ from headkit.data import (
 )
 from headkit.errors import HeadkitError
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
-from headkit.train import default_config, held_out_bits_per_byte
+from headkit.train import default_config, held_out_bits_per_byte, lm_optimizer
 
 MODELS = ("softmax", "coca")
 SCALINGS = ("none", "linear", "dynamic")
@@ -146,9 +115,6 @@ class PasskeyDocument:
     key_offset: int  # byte offset of the key sentence in the prompt
 
 
-# -- passkey documents -----------------------------------------------------------------------------------------
-
-
 def passkey_document(length: int, key: str, depth: float, rng: np.random.Generator) -> PasskeyDocument:
     """Filler, the key sentence at ``depth`` (0 = start, 1 = just before the question), filler, question, key.
 
@@ -197,9 +163,6 @@ def passkey_trials(length: int, trials: int, seed: int) -> list[PasskeyDocument]
         passkey_document(length, random_key(rng), min(1.0, (trial + rng.random()) / trials), rng)
         for trial in range(trials)
     ]
-
-
-# -- models and scalings ---------------------------------------------------------------------------------------
 
 
 def model_config(
@@ -252,9 +215,6 @@ def scaled_model(
     return scaled.eval()
 
 
-# -- training --------------------------------------------------------------------------------------------------
-
-
 def train_model(
     model: HeadkitForCausalLM,
     train_stream: torch.Tensor,
@@ -267,22 +227,9 @@ def train_model(
     rng = np.random.default_rng(config.seed + 1)
     passkey_rows = round(config.passkey_fraction * config.batch_size)
     ignored = torch.tensor(special_token_ids(ByteTokenizer()), dtype=torch.long)
-    matrices = [p for p in model.parameters() if p.dim() >= 2]
-    vectors = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": matrices, "weight_decay": 0.01}, {"params": vectors, "weight_decay": 0.0}],
-        lr=config.lr,
-        betas=(0.9, 0.95),
+    optimizer, schedule = lm_optimizer(
+        model, config.lr, 0.01, config.steps, warmup=max(1, config.steps // 20)
     )
-    warmup = max(1, config.steps // 20)
-
-    def lr_factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        done = (step - warmup) / max(1, config.steps - warmup)
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, done)))
-
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
     def loss_at(step: int) -> torch.Tensor:
         corpus_rows = sample_batch(
@@ -294,9 +241,6 @@ def train_model(
         return model(input_ids=batch, labels=labels, use_cache=False).loss
 
     return optimizer_steps(model, optimizer, schedule, config.steps, loss_at, progress, clip_norm=1.0)
-
-
-# -- evaluation ------------------------------------------------------------------------------------------------
 
 
 def held_out_windows(held_out_stream: torch.Tensor, length: int, eval_tokens: int) -> torch.Tensor:
@@ -326,17 +270,7 @@ def retrieve_passkeys(model: HeadkitForCausalLM, documents: list[PasskeyDocument
     rows = max(1, EVAL_BATCH_TOKENS // prompts.shape[1])
     with quiet_transformers():  # the input exceeds max_position_embeddings: that is the point
         for chunk in prompts.split(rows):
-            generated = model.generate(
-                chunk,
-                attention_mask=torch.ones_like(chunk),
-                max_new_tokens=KEY_DIGITS,
-                min_new_tokens=KEY_DIGITS,
-                do_sample=False,
-                top_k=None,
-                top_p=None,
-                temperature=None,
-                pad_token_id=ByteTokenizer.pad_token_id,
-            )[:, chunk.shape[1] :]
+            generated = generate(model, chunk, KEY_DIGITS, ByteTokenizer.pad_token_id)[:, chunk.shape[1] :]
             answers += ["".join(_answer_char(int(token)) for token in row) for row in generated]
     return answers
 
@@ -357,16 +291,9 @@ def score_answers(answers: list[str], keys: list[str]) -> tuple[float, float]:
     return exact, digits
 
 
-# -- the benchmark ---------------------------------------------------------------------------------------------
-
-
 def check_settings(config: ExtrapolateConfig) -> None:
     """Raise HeadkitError naming the option for any bad setting (before any corpus is read)."""
-    if config.hidden_size % config.heads or (config.hidden_size // config.heads) % 2:
-        raise HeadkitError(
-            f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads} into an even head "
-            "width (rotary pairs)"
-        )
+    check_head_width(config.hidden_size, config.heads, even=True)
     if config.train_length < MIN_DOCUMENT_LENGTH:
         raise HeadkitError(
             f"train_length must be at least {MIN_DOCUMENT_LENGTH} (a passkey document), got {config.train_length}"
@@ -395,97 +322,66 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
     See the module docstring; returns the dictionary written to ``results.json``."""
     started = time.perf_counter()
     corpus = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
-    tokenizer = ByteTokenizer()
-    train_stream = encode_corpus(corpus.train, tokenizer)
-    held_out_stream = encode_corpus(corpus.held_out, tokenizer)
-    windows = {
-        length: held_out_windows(held_out_stream, length, config.eval_tokens) for length in config.lengths
-    }
-    documents = {
-        length: passkey_trials(length, config.passkey_trials, config.seed) for length in config.lengths
-    }
-    _check_training_stream(train_stream, config)
+    train_stream, held_out_stream = (
+        encode_corpus(text, ByteTokenizer()) for text in (corpus.train, corpus.held_out)
+    )
+    windows = {n: held_out_windows(held_out_stream, n, config.eval_tokens) for n in config.lengths}
+    documents = {n: passkey_trials(n, config.passkey_trials, config.seed) for n in config.lengths}
+    if train_stream.numel() < config.train_length:
+        raise HeadkitError(
+            f"the training corpus holds {train_stream.numel()} tokens, fewer than one {config.train_length}-token "
+            "window: use a larger --corpus"
+        )
     console.print(
         f"extrapolate: {corpus.source}, {train_stream.numel():,} training / {held_out_stream.numel():,} held-out "
         f"tokens; trained at {config.train_length}, evaluated at {', '.join(map(str, config.lengths))}"
     )
 
-    # The report's records: how each model trained; its bits per byte (perplexity per byte token: 2 ** bits per
-    # byte) and its passkey retrieval (accuracy: all digits right; answers: the generated keys) per scaling and
-    # length.
-    models: list[dict[str, Any]] = []
-    perplexities: list[dict[str, Any]] = []
-    passkeys: list[dict[str, Any]] = []
-    evaluations = len(SCALINGS) * len(config.lengths)
-    with progress_bar(console, transient=True) as progress:
-        for attention in MODELS:
-            model = build_model(attention, config)
-            train = partial(train_model, model, train_stream, config)
-            trained, task = train_with_progress(progress, attention, model, config.steps, train)
-            models.append({"attention": attention} | trained)
-            progress.update(task, description=f"evaluating {attention}", completed=0, total=evaluations)
-            for scaling in SCALINGS:
-                for length in config.lengths:
-                    scaled = scaled_model(model, scaling, length, config)
-                    bpb = bits_per_byte(scaled, windows[length])
-                    point = {"attention": attention, "scaling": scaling, "length": length}
-                    perplexities.append(
-                        point
-                        | {
-                            "bits_per_byte": bpb,
-                            "perplexity": 2.0**bpb,
-                            "windows": len(windows[length]),
-                            "tokens": windows[length].numel(),
-                        }
-                    )
-                    answers = retrieve_passkeys(scaled, documents[length])
-                    exact, digits = score_answers(answers, [doc.answer for doc in documents[length]])
-                    passkeys.append(
-                        point
-                        | {
-                            "trials": len(answers),
-                            "accuracy": exact,
-                            "digit_accuracy": digits,
-                            "answers": answers,
-                        }
-                    )
-                    progress.advance(task)
-            console.print(
-                f"{attention}: {_summary(attention, perplexities, passkeys, config)}", highlight=False
-            )
+    # Per model how it trained; per model, scaling and length its bits per byte (perplexity: 2 ** bits per
+    # byte) and its passkey retrieval (accuracy: all digits right; answers: the generated keys).
+    perplexities, passkeys = [], []
 
+    def evaluate(
+        attention: str, model: HeadkitForCausalLM, trained: dict, update: Callable
+    ) -> dict[str, Any]:
+        update(description=f"evaluating {attention}", completed=0, total=len(SCALINGS) * len(config.lengths))
+        for scaling in SCALINGS:
+            for n in config.lengths:
+                scaled = scaled_model(model, scaling, n, config)
+                bpb = bits_per_byte(scaled, windows[n])
+                point = {"attention": attention, "scaling": scaling, "length": n}
+                sizes = {"windows": len(windows[n]), "tokens": windows[n].numel()}
+                perplexities.append(point | {"bits_per_byte": bpb, "perplexity": 2.0**bpb} | sizes)
+                answers = retrieve_passkeys(scaled, documents[n])
+                exact, digits = score_answers(answers, [doc.answer for doc in documents[n]])
+                scores = {"trials": len(answers), "accuracy": exact, "digit_accuracy": digits}
+                passkeys.append(point | scores | {"answers": answers})
+                update(advance=1)
+        console.print(f"{attention}: {_summary(attention, perplexities, passkeys)}", highlight=False)
+        return {"attention": attention} | trained
+
+    build = partial(build_model, config=config)
+    train = partial(train_model, train_stream=train_stream, config=config)
+    models = train_each(console, MODELS, build, train, config.steps, evaluate)
     sections = {
         "dynamic_factor": config.resolved_dynamic_factor(),
         "corpus": corpus.summary(),
         "models": models,
         "perplexity": perplexities,
         "passkey": passkeys,
-        "passkey_keys": {str(length): [doc.answer for doc in docs] for length, docs in documents.items()},
+        "passkey_keys": {str(n): [doc.answer for doc in docs] for n, docs in documents.items()},
     }
     plots = {"perplexity.png": plot_perplexity, "passkey.png": plot_passkey}
     files = {name: name for name in (TABLE_FILE, *plots)}
     return finish_report("extrapolate", config, started, sections, files, render_markdown, plots, console)
 
 
-def _check_training_stream(stream: torch.Tensor, config: ExtrapolateConfig) -> None:
-    if stream.numel() < config.train_length:
-        raise HeadkitError(
-            f"the training corpus holds {stream.numel()} tokens, fewer than one {config.train_length}-token "
-            "window: use a larger --corpus"
-        )
-
-
-def _summary(
-    attention: str,
-    perplexities: list[dict[str, Any]],
-    passkeys: list[dict[str, Any]],
-    config: ExtrapolateConfig,
-) -> str:
-    shortest, longest = min(config.lengths), max(config.lengths)
-    bpb = {
-        (r["scaling"], r["length"]): r["bits_per_byte"] for r in perplexities if r["attention"] == attention
-    }
+def _summary(attention: str, perplexities: list[dict], passkeys: list[dict]) -> str:
+    """Bits per byte and passkey accuracy of ``attention`` at the shortest length, and at the longest per scaling."""
+    records = {(r["scaling"], r["length"]): r for r in perplexities if r["attention"] == attention}
     hits = {(r["scaling"], r["length"]): r["accuracy"] for r in passkeys if r["attention"] == attention}
+    shortest, longest = min(length for _, length in records), max(length for _, length in records)
+    bpb = {key: record["bits_per_byte"] for key, record in records.items()}
     return (
         f"{bpb['none', shortest]:.3f} bits/byte at {shortest}, at {longest}: "
         + ", ".join(f"{s} {bpb[s, longest]:.3f}" for s in SCALINGS)
@@ -494,32 +390,34 @@ def _summary(
     )
 
 
-# -- report ----------------------------------------------------------------------------------------------------
-
-
 def render_markdown(report: dict[str, Any]) -> str:
     """Two tables: bits per byte (perplexity) and passkey accuracy, per model × scaling (rows) and length."""
     lengths = sorted({row["length"] for row in report["perplexity"]})
-    groups = list(dict.fromkeys((row["attention"], row["scaling"]) for row in report["perplexity"]))
+    groups = [
+        {"attention": a, "scaling": s}
+        for a, s in dict.fromkeys((row["attention"], row["scaling"]) for row in report["perplexity"])
+    ]
     headers = ["attention", "RoPE scaling", *(f"L = {length}" for length in lengths)]
-
-    def rows(records: list[dict[str, Any]], cell: Callable[[dict[str, Any]], str]) -> list[list[str]]:
-        by_key = {(r["attention"], r["scaling"], r["length"]): r for r in records}
-        return [[a, s, *(cell(by_key[a, s, n]) for n in lengths)] for a, s in groups]
-
-    perplexity_rows = rows(
-        report["perplexity"], lambda r: f"{r['bits_per_byte']:.3f} ({r['perplexity']:.2f})"
+    perplexity_rows = grid_rows(
+        report["perplexity"],
+        groups,
+        "length",
+        lengths,
+        lambda r: f"{r['bits_per_byte']:.3f} ({r['perplexity']:.2f})",
     )
-    passkey_rows = rows(report["passkey"], lambda r: f"{r['accuracy']:.2f} / {r['digit_accuracy']:.2f}")
+    passkey_rows = grid_rows(
+        report["passkey"],
+        groups,
+        "length",
+        lengths,
+        lambda r: f"{r['accuracy']:.2f} / {r['digit_accuracy']:.2f}",
+    )
     settings, machine = report["settings"], report["machine"]
     model_rows = [
         [m["attention"], f"{m['parameters']:,}", f"{m['train_seconds']:.1f}", f"{m['final_train_loss']:.3f}"]
         for m in report["models"]
     ]
-    first = {
-        r["length"]: r["windows"] for r in report["perplexity"] if (r["attention"], r["scaling"]) == groups[0]
-    }
-    windows = {n: first[n] for n in lengths}
+    windows = {n: find_point(report["perplexity"], **groups[0], length=n)["windows"] for n in lengths}
     return (
         f"Length extrapolation: trained at {settings['train_length']} bytes ({settings['steps']} steps × "
         f"{settings['batch_size']} windows, {settings['passkey_fraction']:.0%} passkey documents), hidden "
@@ -539,15 +437,15 @@ _COLOURS = {"softmax": "tab:blue", "coca": "tab:red"}
 _STYLES = {"none": "-", "linear": "--", "dynamic": ":"}
 
 
+def _style(attention: str, scaling: str) -> dict[str, Any]:
+    return {"color": _COLOURS.get(attention), "linestyle": _STYLES.get(scaling, "-")}
+
+
 def plot_perplexity(report: dict[str, Any]) -> Any:
     """Held-out bits per byte against length (log x), a line per model × scaling."""
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(7, 4.5))
-    axis = figure.subplots()
+    figure, axis = figure_axes((7, 4.5))
     _plot_lines(axis, report["perplexity"], "bits_per_byte", report["settings"]["train_length"])
-    axis.set_xlabel("context length (bytes)")
-    axis.set_ylabel("held-out bits per byte")
+    axis.set(xlabel="context length (bytes)", ylabel="held-out bits per byte")
     axis.set_title("perplexity beyond the trained length (grey line)")
     axis.legend(fontsize=8)
     return figure
@@ -555,10 +453,7 @@ def plot_perplexity(report: dict[str, Any]) -> Any:
 
 def plot_passkey(report: dict[str, Any]) -> Any:
     """Passkey accuracy (exact, per-digit) against length (log x), a line per model × scaling."""
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(11, 4.2))
-    axes = figure.subplots(1, 2)
+    figure, axes = figure_axes((11, 4.2), 1, 2)
     for axis, metric, title, chance in (
         (axes[0], "accuracy", "all 5 digits right", 1e-5),
         (axes[1], "digit_accuracy", "per digit", 0.1),
@@ -566,9 +461,7 @@ def plot_passkey(report: dict[str, Any]) -> Any:
         # Accuracies often coincide (all 0, all 1): a small sideways shift keeps every line visible.
         _plot_lines(axis, report["passkey"], metric, report["settings"]["train_length"], spread=0.04)
         axis.axhline(chance, color="grey", linewidth=0.8, linestyle="--")
-        axis.set_ylim(-0.03, 1.03)
-        axis.set_xlabel("document length (bytes)")
-        axis.set_ylabel("accuracy")
+        axis.set(ylim=(-0.03, 1.03), xlabel="document length (bytes)", ylabel="accuracy")
         axis.set_title(f"passkey retrieval: {title}")
     axes[1].legend(fontsize=8)
     figure.suptitle(
@@ -580,47 +473,10 @@ def plot_passkey(report: dict[str, Any]) -> Any:
 def _plot_lines(
     axis: Any, records: list[dict[str, Any]], metric: str, train_length: int, spread: float = 0.0
 ) -> None:
-    """`metric` against length on log₂ x, a line per model × scaling (line i of n shifted sideways by
-    2^(spread·(i − (n−1)/2))), the trained length as a grey vertical line, a light grid."""
-    lines = _lines(records)
-    for index, (attention, scaling, rows) in enumerate(lines):
-        shift = 2.0 ** (spread * (index - (len(lines) - 1) / 2))
-        axis.plot(
-            [r["length"] * shift for r in rows],
-            [r[metric] for r in rows],
-            _STYLES.get(scaling, "-"),
-            marker="o",
-            color=_COLOURS.get(attention),
-            label=f"{attention}, {scaling}",
-        )
+    """`metric` against length on log₂ x, a line per model × scaling, the trained length as a grey line."""
+    plot_series(
+        axis, records, "length", metric, ("attention", "scaling"), label="{}, {}", style=_style, spread=spread
+    )
     axis.axvline(train_length, color="grey", linewidth=0.8)
     axis.set_xscale("log", base=2)
     axis.grid(alpha=0.3)
-
-
-def _lines(rows: list[dict[str, Any]]) -> list[tuple[str, str, list[dict[str, Any]]]]:
-    groups = dict.fromkeys((r["attention"], r["scaling"]) for r in rows)
-    return [
-        (
-            attention,
-            scaling,
-            sorted(
-                (r for r in rows if (r["attention"], r["scaling"]) == (attention, scaling)),
-                key=lambda r: r["length"],
-            ),
-        )
-        for attention, scaling in groups
-    ]
-
-
-__all__ = [
-    "MODELS",
-    "SCALINGS",
-    "ExtrapolateConfig",
-    "PasskeyDocument",
-    "passkey_document",
-    "passkey_trials",
-    "retrieve_passkeys",
-    "run_extrapolate_benchmark",
-    "scaled_model",
-]

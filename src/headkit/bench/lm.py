@@ -1,48 +1,13 @@
 """``headkit bench lm``: same-size byte-level causal language models, one per attention mechanism.
 
-The experiment of the Additive-Attention LM project (additive, convolutional additive and full attention as
-character-level language models on WikiText-2, compared in bits per character), widened to every mechanism
-headkit has, at the scale of a laptop CPU:
-
-* softmax — multi-head attention with rotary positions (the baseline);
-* additive — Fastformer (Wu et al. 2021, "Fastformer: Additive Attention Can Be All You Need",
-  arXiv:2108.09084) in its causal form: position t pools its whole prefix into one global query and key;
-* additive_window — the same, pooling only the last ``additive_window`` positions;
-* additive_conv / additive_window_conv — either of the two after the Additive-Attention LM's causal
-  convolution block x ← x + Conv1d(x) over the last ``conv_kernel_size`` positions;
-* linear — Katharopoulos et al. 2020, "Transformers are RNNs" (arXiv:2006.16236), feature map elu + 1;
-* coca — Zhu et al. 2023, "CoCA: Collinear Constrained Attention" (arXiv:2309.08646), keys collinear with the
-  queries inside each rotary pair;
-* collaborative — Cordonnier et al. 2020, "Multi-Head Attention: Collaborate Instead of Concatenate"
-  (arXiv:2006.16362), heads sharing one query/key projection of width ``collaborative_dim`` (default the hidden
-  size, where it can express multi-head attention exactly).
-
-Method, top to bottom:
-
-1. The corpus (``headkit.data.load_corpus``: the running Python's standard-library sources, or ``--corpus``) is
-   split into training and held-out documents by file name and read byte by byte (``ByteTokenizer``).
-2. Every variant is a :class:`~headkit.models.HeadkitForCausalLM` with the same width, layers, heads and gated
-   MLP; only the attention layers differ. Positions: softmax and CoCA apply rotary positions inside attention
-   (CoCA has no other form), so they get ``position_embedding_type="rope"``; additive, linear and collaborative
-   attention have no positions of their own, so they get learned absolute position embeddings added to the
-   token embeddings (Fastformer's and BERT's choice) rather than being left to infer order from causality
-   alone. That costs them ``seq_len × hidden_size`` parameters the rotary models do not have; CoCA's key
-   projection is half the width of the others (one magnitude per rotary pair). The convolution is depthwise
-   (one kernel per channel) so that it adds only ``conv_kernel_size × hidden_size`` parameters per layer.
-   The table lists every model's parameter count; they agree within about 5 %.
-3. Each model is trained by :func:`headkit.train.train_causal_lm` with the same steps, batch size, sequence
-   length, learning-rate schedule (AdamW, warm-up, cosine decay), initialisation seed and — since the batch
-   sampler is seeded with the same seed and draws from the same token stream — the same training batches in
-   the same order.
-4. Held-out bits per byte (the mean next-byte negative log2-likelihood on ``eval_tokens`` tokens in windows
-   spaced evenly across the held-out documents) is measured before training, every ``eval_every`` steps and at the end; each point
-   records the step and the training wall clock up to it with the evaluations left out, so the curves can be
-   compared per step (sample efficiency) and per second (what a step costs each mechanism).
-5. Per variant: parameters, the median wall clock of one training step, total training seconds, the curve and
-   the final held-out bits per byte.
-
-Writes ``results.json`` (settings, machine, command, corpus, per-variant curves and losses), ``table.md`` and
-``lm_curves.png`` (bits/byte against steps and against training seconds) to the output folder.
+The Additive-Attention LM project's comparison (additive, convolutional additive and full attention as
+character-level LMs, in bits per character) widened to every registered mechanism: softmax (RoPE), additive
+(Wu et al. 2021, Fastformer, arXiv:2108.09084, causal; global or windowed, with or without a depthwise causal
+convolution), linear (Katharopoulos et al. 2020, arXiv:2006.16236), CoCA (Zhu et al. 2023, arXiv:2309.08646) and
+collaborative heads (Cordonnier et al. 2020, arXiv:2006.16362). Each is trained by
+:func:`headkit.train.train_causal_lm` with the same budget, batches and seed; held-out bits per byte is recorded
+against steps and training seconds. Mechanisms without positions of their own get learned absolute positions.
+Method and results: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -54,8 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headkit.bench._options import check_positive_numbers
-from headkit.bench._report import TABLE_FILE, finish_report, markdown_table
+from headkit.bench._options import check_head_width, check_positive_numbers
+from headkit.bench._report import TABLE_FILE, figure_axes, finish_report, markdown_table, plot_series
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes, get_attention_class
@@ -125,9 +90,6 @@ class LMBenchConfig:
     threads: int = option(2, "torch threads (default 2; 1 with --quick).", min=1, quick=1)
 
     quick = quick_preset("Tiny models, 120 steps, 2 MB of corpus (< 3 minutes).")
-
-
-# -- the variants ----------------------------------------------------------------------------------------------
 
 
 def variant_fields(variant: str, config: LMBenchConfig) -> dict[str, Any]:
@@ -203,30 +165,18 @@ def count_parameters(variant: str, config: LMBenchConfig) -> int:
     return sum(parameter.numel() for parameter in model.parameters())
 
 
-# -- the benchmark ---------------------------------------------------------------------------------------------
-
-
 def check_settings(config: LMBenchConfig) -> None:
     """Raise HeadkitError naming the option for any bad setting, before anything is loaded or trained."""
     check_positive_numbers(config, ("lr",))  # the integers' minimums: check_options
-    valid = variants()
-    if isinstance(config.variants, str) or not config.variants:
-        raise HeadkitError(
-            f"--variants must name at least one of {', '.join(valid)}, got {config.variants!r}"
-        )
-    unknown = [variant for variant in config.variants if variant not in valid]
-    if unknown:
-        raise HeadkitError(
-            f"--variants: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(valid)}"
-        )
-    if len(set(config.variants)) != len(config.variants):
-        raise HeadkitError(f"--variants names a variant twice: {', '.join(config.variants)}")
-    if config.hidden_size % config.heads:
-        raise HeadkitError(f"--hidden-size {config.hidden_size} must be divisible by --heads {config.heads}")
-    if (config.hidden_size // config.heads) % 2:
-        raise HeadkitError(
-            f"--hidden-size / --heads = {config.hidden_size // config.heads} must be even (rotary pairs)"
-        )
+    chosen, valid = config.variants, variants()
+    if (
+        isinstance(chosen, str)
+        or not chosen
+        or len(set(chosen)) < len(chosen)
+        or not set(chosen) <= set(valid)
+    ):
+        raise HeadkitError(f"--variants must name distinct variants of {', '.join(valid)}, got {chosen!r}")
+    check_head_width(config.hidden_size, config.heads, even=True)
     if config.corpus is not None and not Path(config.corpus).exists():
         raise HeadkitError(f"--corpus {str(config.corpus)!r} does not exist")
     for variant in config.variants:
@@ -257,22 +207,15 @@ def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
         highlight=False,
     )
 
+    # The settings of train_causal_lm that are options of this benchmark, under the same names.
+    names = ("steps", "batch_size", "seq_len", "lr", "eval_tokens", "eval_every", "seed")
+    training = {name: getattr(config, name) for name in names}
     results: list[dict[str, Any]] = []
     for index, variant in enumerate(config.variants, start=1):
         description = describe_variant(variant, config)
         console.rule(f"[{index}/{len(config.variants)}] {variant}: {description}")
         trained = train_causal_lm(
-            model_configs[variant],
-            corpus,
-            steps=config.steps,
-            batch_size=config.batch_size,
-            seq_len=config.seq_len,
-            lr=config.lr,
-            eval_tokens=config.eval_tokens,
-            eval_every=config.eval_every,
-            seed=config.seed,
-            console=console,
-            progress_label=variant,
+            model_configs[variant], corpus, console=console, progress_label=variant, **training
         )
         # What the variant achieved: bits per byte are None where not finite (the model diverged); the curve
         # holds {step, train_seconds, bits_per_byte} from step 0 on.
@@ -321,9 +264,6 @@ def _finite_or_none(value: float | None) -> float | None:
     return value if value is not None and math.isfinite(value) else None
 
 
-# -- report ----------------------------------------------------------------------------------------------------
-
-
 def render_markdown(report: dict[str, Any]) -> str:
     """One row per variant, in the order run: size, speed and final held-out bits per byte."""
     headers = [
@@ -361,31 +301,24 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def plot_curves(report: dict[str, Any]) -> Any:
     """Two panels: held-out bits/byte against steps and against training seconds, one line per variant."""
-    from matplotlib.figure import Figure
     from matplotlib.ticker import FuncFormatter
 
-    figure = Figure(figsize=(12, 4.8))
-    by_step, by_seconds = figure.subplots(1, 2, sharey=True)
-    for result in report["variants"]:
-        steps = [point["step"] for point in result["curve"]]
-        seconds = [point["train_seconds"] for point in result["curve"]]
-        bits = [
-            math.nan if point["bits_per_byte"] is None else point["bits_per_byte"]
-            for point in result["curve"]
-        ]
-        style = "--" if result["position_embedding_type"] == "rope" else "-"
-        by_step.plot(steps, bits, style, marker="o", markersize=3, label=result["variant"])
-        by_seconds.plot(seconds, bits, style, marker="o", markersize=3, label=result["variant"])
+    figure, (by_step, by_seconds) = figure_axes((12, 4.8), 1, 2, sharey=True)
+    points = [
+        {"variant": result["variant"]} | point for result in report["variants"] for point in result["curve"]
+    ]
+    rope = {result["variant"]: result["position_embedding_type"] == "rope" for result in report["variants"]}
+    styles = {variant: {"linestyle": "--" if rotary else "-"} for variant, rotary in rope.items()}
+    for axis, x in ((by_step, "step"), (by_seconds, "train_seconds")):
+        plot_series(axis, points, x, "bits_per_byte", "variant", markersize=3, style=styles.get)
+        axis.grid(True, which="both", alpha=0.3)
     # Untrained models start near 8 bits/byte; a log axis keeps the trained end readable next to it.
     by_step.set_yscale("log")
     plain = FuncFormatter(lambda value, _: f"{value:g}")
     by_step.yaxis.set_major_formatter(plain)
     by_step.yaxis.set_minor_formatter(plain)
-    by_step.set_xlabel("training step")
-    by_step.set_ylabel("held-out bits per byte")
+    by_step.set(xlabel="training step", ylabel="held-out bits per byte")
     by_seconds.set_xlabel("training seconds (evaluation excluded)")
-    for axis in (by_step, by_seconds):
-        axis.grid(True, which="both", alpha=0.3)
     by_seconds.legend(fontsize="small")
     settings = report["settings"]
     figure.suptitle(

@@ -1,38 +1,18 @@
-"""``headkit bench speed``: kernel speed and peak memory of each attention mechanism against SDPA.
+"""``headkit bench speed``: time and peak memory of each attention kernel against SDPA, per sequence length.
 
-For every registered mechanism and every sequence length T (B=1, H=8, head_dim=64, fp32), it measures
-
-* forward: the op under ``torch.no_grad()``;
-* forward+backward: the op on inputs that require grad, then ``torch.autograd.grad`` of the output with a
-  fixed random cotangent (what ``loss.backward()`` does, without accumulating into ``.grad``);
-
-each as the median wall-clock time of ``repeats`` calls after a warm-up call, and the peak memory of one call
-(inputs included, see :mod:`headkit.bench._measure`). Every ratio is taken against ``sdpa_causal``
-(:func:`torch.nn.functional.scaled_dot_product_attention` with ``is_causal=True``, i.e. softmax attention,
-Vaswani et al. 2017, Eq. 1) measured at the same length in the same run, so that both sides of a ratio saw
-the same machine load.
-
-Mechanisms: every kernel of the op registry, :data:`headkit.ops.KERNELS` (linear, additive, CoCA and
-collaborative attention, the softmax references); each kernel's module under :mod:`headkit.ops` derives what it
-computes and cites its paper, and results.json records each one's description.
-
-An anchor, ``fast_transformers_causal``, is measured by default only where the ``fast_transformers`` package is
-installed: the compiled CPU/CUDA causal kernel of Katharopoulos et al.'s own library behind its
-``CausalLinearAttention`` (elu+1 features, the same maths as ``linear_causal``).
-
-A kernel that counts its FLOPs (``flops`` of :func:`headkit.ops.register_kernel`, e.g. ``linear_causal``) is
-also reported in GFLOP/s and as a fraction of the machine's fp32 matmul rate, measured at every length in the
-same run: a [1024, 1024] @ [1024, 1024] matmul, 2.15 GFLOP, the work of ``linear_causal`` at T=8192.
-
-A kernel that is not implemented yet (it raises ``NotImplementedError``) is reported as unavailable and
-skipped. Outputs in ``out_dir``: ``results.json`` (every timing, medians, peak bytes, ratios, targets, machine
-and command line), ``table.md`` and ``speed.png`` (time and memory vs T, log-log).
+Every kernel of :data:`headkit.ops.KERNELS` (each module under :mod:`headkit.ops` cites its paper) at B=1, H=8,
+head_dim=64, fp32: the forward call, and forward+backward against a fixed random cotangent, each timed and its
+peak memory measured by :mod:`headkit.bench._measure`. Ratios are to ``sdpa_causal`` (softmax attention,
+Vaswani et al. 2017) at the same length in the same run. Where ``fast_transformers`` is installed, the anchor
+``fast_transformers_causal`` (Katharopoulos et al. 2020's own compiled kernel) is measured too. Method, targets
+and outputs: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import shlex
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,47 +22,37 @@ import torch
 from rich.console import Console
 
 from headkit.bench._measure import matmul_rate, measure_peak_memory, time_call
-from headkit.bench._options import check_device, check_integers, check_names, check_out_dir
+from headkit.bench._options import check_sweep
 from headkit.bench._report import (
-    TABLE_FILE,  # noqa: F401 (re-exported: headkit.demo reads the table of a speed run)
-    command_line,
+    TABLE_FILE,
+    figure_axes,
     find_point,
+    finish_report,
+    grid_rows,
     log2_length_axis,
-    machine_info,
     markdown_table,
+    plot_series,
     progress_bar,
     rich_table,
     verdict,
-    write_report,
 )
-from headkit.bench.registry import option, quick_preset, register_benchmark
+from headkit.bench.registry import option, quick_preset, register_benchmark, run_as_script
 from headkit.errors import HeadkitError
 from headkit.ops import KERNELS, KernelSpec
 
 BASELINE = "sdpa_causal"
-DEFAULT_LENGTHS = (512, 1024, 2048, 4096, 8192)
-QUICK_LENGTHS = (512, 1024, 2048)
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
 DTYPE = torch.float32
 MODES = ("forward", "forward_backward")
 MODE_LABELS = {"forward": "fwd", "forward_backward": "fwd+bwd"}
-# Shapes of the tiny call that checks a kernel exists before any length is measured.
-PROBE_SEQ_LEN = 16
-# A timed repeat of a faster call loops over several calls (see headkit.bench._measure.time_call).
-MIN_REPEAT_S = 0.05
+PROBE_SEQ_LEN = 16  # of the tiny call that checks a kernel runs before any length is measured
+MIN_REPEAT_S = 0.05  # a timed repeat of a faster call loops over several (see _measure.time_call)
 SEED = 0
-
-# The matmul whose rate the FLOP-counting kernels are compared with: [n, n] @ [n, n], 2n³ FLOPs.
-MATMUL_SIZE = 1024
-# The optional anchor: fast-transformers' compiled causal linear attention, measured where it is installed.
+MATMUL_SIZE = 1024  # the [n, n] @ [n, n] matmul whose rate FLOP-counting kernels are compared with
 ANCHOR = "fast_transformers_causal"
-
 PLOT_FILE = "speed.png"
 TARGET_HEADERS = ["target", "measured", "required", "result"]
-
-
-# The mechanisms: every kernel of the op registry (headkit.ops.register_kernel), in registration order.
-MECHANISMS = KERNELS
+MECHANISMS = KERNELS  # every kernel of the op registry, in registration order
 
 
 def _fast_transformers_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -94,10 +64,11 @@ def _fast_transformers_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
     return causal_dot_product(phi_q.contiguous(), phi_k.contiguous(), v.contiguous()) * normaliser[..., None]
 
 
+_QKV = ("B", "H", "T", "D")
 ANCHORS = {
     ANCHOR: KernelSpec(
         "fast-transformers' compiled causal linear attention (anchor)",
-        {"q": ("B", "H", "T", "D"), "k": ("B", "H", "T", "D"), "v": ("B", "H", "T", "D")},
+        {"q": _QKV, "k": _QKV, "v": _QKV},
         _fast_transformers_causal,
     )
 }
@@ -139,26 +110,19 @@ def make_inputs(
     seed: int = SEED,
 ) -> dict[str, torch.Tensor]:
     """Standard-normal fp32 inputs of the spec's shapes (absolute values where they must be ≥ 0), seeded."""
-    device = torch.device(device)
     generator = torch.Generator(device=device).manual_seed(seed)
     inputs = {}
     for name, layout in spec.inputs.items():
         shape = resolve_layout(layout, batch=batch, heads=heads, seq_len=seq_len, head_dim=head_dim)
         tensor = torch.randn(shape, generator=generator, device=device, dtype=DTYPE)
-        if name in spec.non_negative:
-            tensor = tensor.abs()
-        inputs[name] = tensor.requires_grad_(requires_grad)
+        inputs[name] = (tensor.abs() if name in spec.non_negative else tensor).requires_grad_(requires_grad)
     return inputs
-
-
-# --- Targets (from the issue), checked on ratios measured side by side -------------------------------------
 
 
 @dataclass(frozen=True)
 class Target:
-    """``quantity`` of ``mechanism`` in ``mode`` at ``seq_len``, divided by ``reference``'s (the baseline unless
-    named), must be ≤ max_ratio. Quantity "matmul_time": the time over that of the kernel's FLOPs at the
-    machine's matmul rate (≤ 1/0.6: at least 60% of the matmul rate)."""
+    """``quantity`` of ``mechanism`` in ``mode`` at ``seq_len`` over ``reference``'s must be ≤ max_ratio; quantity
+    "matmul_time" is the time over that of the kernel's FLOPs at the machine's matmul rate."""
 
     description: str
     mechanism: str
@@ -169,7 +133,7 @@ class Target:
     reference: str = BASELINE
 
 
-TARGETS = (
+TARGETS = (  # from the issue
     Target("linear fwd ≥ 10× faster at T=8192", "linear_causal", "forward", 8192, "time", 1 / 10),
     Target("linear fwd+bwd ≥ 6× faster at T=4096", "linear_causal", "forward_backward", 4096, "time", 1 / 6),
     Target("linear fwd+bwd ≤ 1.5× slower at T=512", "linear_causal", "forward_backward", 512, "time", 1.5),
@@ -185,28 +149,19 @@ TARGETS = (
         "matmul_time",
         1 / 0.6,
     ),
-    Target(
-        "linear fwd ≥ 2× faster than fast-transformers, T=8192",
-        "linear_causal",
-        "forward",
-        8192,
-        "time",
-        1 / 2,
-        reference=ANCHOR,
-    ),
-    Target(
-        "linear fwd+bwd ≥ 2× faster than fast-transformers, T=8192",
-        "linear_causal",
-        "forward_backward",
-        8192,
-        "time",
-        1 / 2,
-        reference=ANCHOR,
+    *(
+        Target(
+            f"linear {label} ≥ 2× faster than fast-transformers, T=8192",
+            "linear_causal",
+            mode,
+            8192,
+            "time",
+            0.5,
+            ANCHOR,
+        )
+        for mode, label in MODE_LABELS.items()
     ),
 )
-
-
-# --- The run -----------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -215,9 +170,9 @@ class SpeedSettings:
 
     device: str = option("cpu", "Device to measure on: cpu or cuda.")
     lengths: tuple[int, ...] = option(
-        DEFAULT_LENGTHS,
+        (512, 1024, 2048, 4096, 8192),
         "Comma-separated sequence lengths (default 512,…,8192; quick 512,1024,2048).",
-        quick=QUICK_LENGTHS,
+        quick=(512, 1024, 2048),
     )
     mechanisms: tuple[str, ...] = option((), "Comma-separated mechanisms (default: all registered).")
     repeats: int = option(
@@ -237,14 +192,15 @@ def run_speed_benchmark(
 ) -> dict[str, Any]:
     """Kernel speed and peak memory against SDPA: forward and forward+backward, per sequence length.
 
-    Measure every mechanism at every length; write results.json, table.md and speed.png to ``settings.out``.
-
-    Mechanisms are the kernels of :data:`headkit.ops.KERNELS` (all of them unless ``settings.mechanisms``
-    names some); the baseline is always measured too. Returns the dictionary written to results.json.
-
-    Raises:
-        HeadkitError (a ValueError): unknown mechanism, CUDA asked for but absent, bad lengths or repeats."""
-    device, lengths, names, out_dir = _plan(settings)
+    Writes results.json, table.md and speed.png to ``settings.out`` and returns what results.json holds; the
+    baseline is always measured (first)."""
+    started = time.perf_counter()
+    # The anchor is measured by default where it is installed; asked for where it is not, it is skipped.
+    default = [*MECHANISMS, *(ANCHORS if fast_transformers_installed() else ())]
+    device, lengths, names, _ = check_sweep(settings, "lengths", default, {**MECHANISMS, **ANCHORS})
+    if importlib.util.find_spec("matplotlib") is None:  # found now, not after a run of several minutes
+        raise HeadkitError("the speed benchmark plots with matplotlib: pip install 'headkit[bench]'")
+    names = [BASELINE, *(name for name in names if name != BASELINE)]
     unavailable = {name: note for name in names if (note := _probe(_spec(name), device))}
     if BASELINE in unavailable:
         raise RuntimeError(f"the baseline {BASELINE} cannot run on {device}: {unavailable[BASELINE]}")
@@ -252,6 +208,7 @@ def run_speed_benchmark(
         console.print(f"[yellow]skipped[/] {name}: {note}", highlight=False)
     measured = [name for name in names if name not in unavailable]
 
+    timing = dict(repeats=settings.repeats, warmup=settings.warmup, min_repeat_s=settings.min_repeat_s)
     points: list[dict[str, Any]] = []
     matmul_rates: dict[int, float] = {}  # FLOP/s of the reference matmul, per length
     out_of_memory: set[str] = set()
@@ -261,76 +218,48 @@ def run_speed_benchmark(
         for seq_len in lengths:
             for name in measured:
                 progress.update(task, description=f"{name} T={seq_len}")
-                points.extend(_measure_or_record_failure(name, seq_len, device, settings, out_of_memory))
+                points += _measure_point(name, seq_len, device, timing, out_of_memory)
                 progress.advance(task)
             if any(_spec(name).flops for name in measured):
-                matmul_rates[seq_len] = matmul_rate(
-                    MATMUL_SIZE,
-                    repeats=settings.repeats,
-                    warmup=settings.warmup,
-                    min_repeat_s=settings.min_repeat_s,
-                    device=device,
-                )
+                matmul_rates[seq_len] = matmul_rate(MATMUL_SIZE, device=device, **timing)
 
-    _add_ratios(points)
-    _add_rates(points, matmul_rates)
-    results = {
-        "benchmark": "speed",
+    baseline = {(p["seq_len"], p["mode"]): p for p in points if p["mechanism"] == BASELINE}
+    for point in points:
+        reference = baseline.get((point["seq_len"], point["mode"])) or {}
+        point["time_ratio"] = _ratio(point["median_s"], reference.get("median_s"))
+        point["memory_ratio"] = _ratio(point["peak_bytes"], reference.get("peak_bytes"))
+        _add_rate(point, matmul_rates.get(point["seq_len"]))
+    config = {
+        "batch": BATCH,
+        "heads": HEADS,
+        "head_dim": HEAD_DIM,
+        "dtype": str(DTYPE).removeprefix("torch."),
+        "device": str(device),
+        "lengths": lengths,
+        **timing,
+        "statistic": "median",
+        "mechanisms": names,
+        "threads": torch.get_num_threads(),
+        "matmul_reference": f"[{MATMUL_SIZE}, {MATMUL_SIZE}] @ [{MATMUL_SIZE}, {MATMUL_SIZE}]",
+    }
+    sections = {
         "baseline": BASELINE,
-        "config": {
-            "batch": BATCH,
-            "heads": HEADS,
-            "head_dim": HEAD_DIM,
-            "dtype": str(DTYPE).removeprefix("torch."),
-            "device": str(device),
-            "lengths": lengths,
-            "repeats": settings.repeats,
-            "warmup": settings.warmup,
-            "min_repeat_s": settings.min_repeat_s,
-            "statistic": "median",
-            "mechanisms": names,
-            "threads": torch.get_num_threads(),
-            "matmul_reference": f"[{MATMUL_SIZE}, {MATMUL_SIZE}] @ [{MATMUL_SIZE}, {MATMUL_SIZE}]",
-        },
-        "machine": machine_info(device),
-        "command": command_line(),
+        "config": config,
         "mechanisms": {
-            name: {
-                "description": _spec(name).description,
-                "available": name not in unavailable,
-                "note": unavailable.get(name),
-            }
+            name: {"description": _spec(name).description, "available": name not in unavailable}
+            | {"note": unavailable.get(name)}
             for name in names
         },
         "matmul_gflops_per_s": {str(n): rate / 1e9 for n, rate in matmul_rates.items()},
         "points": points,
         "targets": [_evaluate_target(target, points) for target in TARGETS],
     }
-    ratio_title = f"time / peak memory relative to {BASELINE} (< 1 is better)"
-    tables = (
-        rich_table(ratio_title, _headers(results), _cell_table(results, _ratio_cell), left=2),
-        rich_table("targets (ratio to the baseline, same run)", TARGET_HEADERS, _target_rows(results)),
-    )
-    for line in _rate_lines(results):
+    for line in _rate_lines(sections):
         console.print(line, highlight=False)
-    figures = {PLOT_FILE: plot_results(results)}
-    write_report(out_dir, results, render_markdown(results), figures, console, tables=tables)
-    return results
-
-
-def _plan(settings: SpeedSettings) -> tuple[torch.device, list[int], list[str], Path]:
-    """(device, lengths, mechanisms, output folder), validated: every user error surfaces here, before
-    anything is measured."""
-    device = check_device(settings.device)
-    check_integers("--lengths", settings.lengths)
-    # The anchor is measured by default where it is installed; asked for where it is not, it is skipped.
-    default = [*MECHANISMS, *(ANCHORS if fast_transformers_installed() else ())]
-    names = check_names("--mechanisms", settings.mechanisms or default, {**MECHANISMS, **ANCHORS})
-    if importlib.util.find_spec("matplotlib") is None:  # found now, not after a run of several minutes
-        raise HeadkitError("the speed benchmark plots with matplotlib: pip install 'headkit[bench]'")
-    # Ratios need the baseline, measured first so it is the reference of every length.
-    names = [BASELINE, *(name for name in names if name != BASELINE)]
-    return device, sorted(set(settings.lengths)), names, check_out_dir(settings.out)
+    files, plots = {"table": TABLE_FILE, "plot": PLOT_FILE}, {PLOT_FILE: plot_results}
+    return finish_report(
+        "speed", settings, started, sections, files, render_markdown, plots, console, _tables
+    )
 
 
 def _probe(spec: KernelSpec, device: torch.device) -> str | None:
@@ -345,43 +274,40 @@ def _probe(spec: KernelSpec, device: torch.device) -> str | None:
     return None
 
 
-def _measure_or_record_failure(
-    name: str, seq_len: int, device: torch.device, settings: SpeedSettings, out_of_memory: set[str]
+# What a point that was not measured reports.
+FAILED = {"median_s": None, "times_s": [], "calls_per_repeat": 0} | dict.fromkeys(
+    ("peak_bytes", "input_bytes", "extra_peak_bytes")
+)
+
+
+def _measure_point(
+    name: str, seq_len: int, device: torch.device, timing: dict[str, Any], out_of_memory: set[str]
 ) -> list[dict[str, Any]]:
-    """Forward and forward+backward points of one mechanism at one length; running out of memory is recorded,
-    and ends its longer lengths."""
-    measurements = [FAILED | {"error": "skipped: out of memory at a shorter length"}] * len(MODES)
-    if name not in out_of_memory:
+    """The forward and the forward+backward point of one mechanism at one length; running out of memory is
+    recorded, and ends its longer lengths."""
+    error = "skipped: out of memory at a shorter length" if name in out_of_memory else None
+    if error is None:
         try:
-            measurements = _measure_mechanism(_spec(name), seq_len, device, settings)
+            measurements = _measure_modes(_spec(name), seq_len, device, timing)
         except Exception as exc:
-            if not _is_out_of_memory(exc):
+            # The CPU allocator reports exhaustion as a plain RuntimeError.
+            memory = isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+            if not (isinstance(exc, torch.OutOfMemoryError) or memory):
                 raise
-            measurements = [FAILED | {"error": f"out of memory: {(str(exc).splitlines() or [''])[0]}"}] * len(
-                MODES
-            )
+            error = f"out of memory: {(str(exc).splitlines() or [''])[0]}"
             out_of_memory.add(name)
             if device.type == "cuda":
                 torch.cuda.empty_cache()  # hand back what the failed call cached, for the mechanisms still to run
+    if error is not None:
+        measurements = [FAILED | {"error": error}] * len(MODES)
     return [
         {"mechanism": name, "seq_len": seq_len, "mode": mode, **measurement}
         for mode, measurement in zip(MODES, measurements, strict=True)
     ]
 
 
-# What a point that was not measured reports.
-FAILED = {
-    "median_s": None,
-    "times_s": [],
-    "calls_per_repeat": 0,
-    "peak_bytes": None,
-    "input_bytes": None,
-    "extra_peak_bytes": None,
-}
-
-
-def _measure_mechanism(
-    spec: KernelSpec, seq_len: int, device: torch.device, settings: SpeedSettings
+def _measure_modes(
+    spec: KernelSpec, seq_len: int, device: torch.device, timing: dict[str, Any]
 ) -> list[dict[str, Any]]:
     """The forward and the forward+backward measurement of one mechanism at one length."""
     inputs = make_inputs(spec, seq_len=seq_len, device=device, requires_grad=True)
@@ -397,23 +323,9 @@ def _measure_mechanism(
         torch.autograd.grad(spec.run(**inputs), leaves, grad_outputs=cotangent)
 
     def measure(fn: Callable[[], None], live_inputs: list[torch.Tensor]) -> dict[str, Any]:
-        timing = time_call(
-            fn,
-            repeats=settings.repeats,
-            warmup=settings.warmup,
-            min_repeat_s=settings.min_repeat_s,
-            device=device,
-        )
+        timed = time_call(fn, device=device, **timing)
         memory = measure_peak_memory(fn, inputs=live_inputs, device=device)
-        return {
-            "median_s": timing.median_s,
-            "times_s": list(timing.times_s),
-            "calls_per_repeat": timing.calls_per_repeat,
-            "peak_bytes": memory.peak_bytes,
-            "input_bytes": memory.input_bytes,
-            "extra_peak_bytes": memory.extra_peak_bytes,
-            "error": None,
-        }
+        return asdict(timed) | {"times_s": list(timed.times_s)} | asdict(memory) | {"error": None}
 
     forward_point = measure(forward, leaves)
     generator = torch.Generator(device=device).manual_seed(SEED + 1)
@@ -421,52 +333,32 @@ def _measure_mechanism(
     return [forward_point, measure(forward_backward, [*leaves, cotangent])]
 
 
-def _is_out_of_memory(exc: Exception) -> bool:
-    # The CPU allocator reports exhaustion as a plain RuntimeError.
-    return isinstance(exc, torch.OutOfMemoryError) or (
-        isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
-    )
-
-
-def _add_ratios(points: list[dict[str, Any]]) -> None:
-    """Set each point's time_ratio and memory_ratio: its value over the baseline's at the same length and mode."""
-    baseline = {(p["seq_len"], p["mode"]): p for p in points if p["mechanism"] == BASELINE}
-    for point in points:
-        reference = baseline.get((point["seq_len"], point["mode"]))
-        point["time_ratio"] = _ratio(point["median_s"], reference and reference["median_s"])
-        point["memory_ratio"] = _ratio(point["peak_bytes"], reference and reference["peak_bytes"])
-
-
-def _add_rates(points: list[dict[str, Any]], matmul_rates: dict[int, float]) -> None:
-    """Of each forward point of a FLOP-counting kernel: its FLOPs, GFLOP/s, the fraction of the matmul rate
-    at its length, and matmul_time_ratio, its time over that of its FLOPs at the matmul rate (1 / fraction)."""
-    for point in points:
-        count = _spec(point["mechanism"]).flops
-        rate = matmul_rates.get(point["seq_len"])
-        if point["mode"] != "forward" or count is None or rate is None or point["median_s"] is None:
-            continue
-        point["flops"] = count(BATCH, HEADS, point["seq_len"], HEAD_DIM)
-        point["gflops_per_s"] = point["flops"] / point["median_s"] / 1e9
-        point["matmul_fraction"] = point["flops"] / point["median_s"] / rate
-        point["matmul_time_ratio"] = 1 / point["matmul_fraction"]
+def _add_rate(point: dict[str, Any], rate: float | None) -> None:
+    """Of a forward point of a FLOP-counting kernel: its FLOPs, GFLOP/s, the fraction of the matmul ``rate``
+    and matmul_time_ratio, its time over that of its FLOPs at the matmul rate (1 / fraction)."""
+    count = _spec(point["mechanism"]).flops
+    if point["mode"] != "forward" or count is None or rate is None or point["median_s"] is None:
+        return
+    point["flops"] = count(BATCH, HEADS, point["seq_len"], HEAD_DIM)
+    point["gflops_per_s"] = point["flops"] / point["median_s"] / 1e9
+    point["matmul_fraction"] = point["flops"] / point["median_s"] / rate
+    point["matmul_time_ratio"] = 1 / point["matmul_fraction"]
 
 
 def _ratio(value: float | None, reference: float | None) -> float | None:
-    if value is None or not reference:
-        return None
-    return value / reference
+    return None if value is None or not reference else value / reference
 
 
 def _evaluate_target(target: Target, points: list[dict[str, Any]]) -> dict[str, Any]:
-    point = find_point(points, mechanism=target.mechanism, seq_len=target.seq_len, mode=target.mode)
+    where = {"seq_len": target.seq_len, "mode": target.mode}
+    point = find_point(points, mechanism=target.mechanism, **where) or {}
     if target.quantity == "matmul_time":
-        measured = point.get("matmul_time_ratio") if point else None
-    elif target.reference != BASELINE:
-        key = "median_s" if target.quantity == "time" else "peak_bytes"
-        reference = find_point(points, mechanism=target.reference, seq_len=target.seq_len, mode=target.mode)
-        measured = _ratio(point and point[key], reference and reference[key])
+        measured = point.get("matmul_time_ratio")
     else:
-        measured = point["time_ratio" if target.quantity == "time" else "memory_ratio"] if point else None
+        key = "median_s" if target.quantity == "time" else "peak_bytes"
+        measured = _ratio(
+            point.get(key), (find_point(points, mechanism=target.reference, **where) or {}).get(key)
+        )
     return asdict(target) | {
         "measured_ratio": measured,
         "passed": None if measured is None else measured <= target.max_ratio,
@@ -483,19 +375,16 @@ def _format_ratio(ratio: float | None) -> str:
     return f"{ratio:.3g}× (1/{1 / ratio:.3g})" if 0 < ratio < 1 else f"{ratio:.3g}×"
 
 
-def _cell_table(results: dict[str, Any], cell: Callable[[dict[str, Any] | None], str]) -> list[list[str]]:
+def _cells(results: dict[str, Any], cell: Callable[[dict[str, Any] | None], str]) -> list[list[str]]:
     """A row per measured mechanism and mode (registry order), a cell per length."""
-    lengths, points = results["config"]["lengths"], results["points"]
-    measured = [name for name, info in results["mechanisms"].items() if info["available"]]
-    return [
-        [
-            name,
-            MODE_LABELS[mode],
-            *(cell(find_point(points, mechanism=name, seq_len=n, mode=mode)) for n in lengths),
-        ]
-        for name in measured
+    rows = [
+        {"mechanism": name, "mode": mode}
+        for name, info in results["mechanisms"].items()
+        if info["available"]
         for mode in MODES
     ]
+    cells = grid_rows(results["points"], rows, "seq_len", results["config"]["lengths"], cell)
+    return [[row[0], MODE_LABELS[row[1]], *row[2:]] for row in cells]
 
 
 def _ratio_cell(point: dict[str, Any] | None) -> str:
@@ -504,6 +393,10 @@ def _ratio_cell(point: dict[str, Any] | None) -> str:
     if point is None or point["time_ratio"] is None:  # not run, or the baseline failed at this length
         return "—"
     return f"{point['time_ratio']:.3g}× / {point['memory_ratio']:.3g}×"
+
+
+def _value_cell(key: str, scale: float) -> Callable[[dict[str, Any] | None], str]:
+    return lambda point: "—" if point is None or point[key] is None else f"{point[key] * scale:.3g}"
 
 
 def _headers(results: dict[str, Any]) -> list[str]:
@@ -522,34 +415,31 @@ def _target_rows(results: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+def _tables(results: dict[str, Any]) -> tuple[Any, ...]:
+    """The console's tables: the ratios to the baseline, and the targets."""
+    ratio_title = f"time / peak memory relative to {BASELINE} (< 1 is better)"
+    return (
+        rich_table(ratio_title, _headers(results), _cells(results, _ratio_cell), left=2),
+        rich_table("targets (ratio to the baseline, same run)", TARGET_HEADERS, _target_rows(results)),
+    )
+
+
 def _rate_lines(results: dict[str, Any]) -> list[str]:
     """One line per point of a FLOP-counting kernel: time, GFLOP/s and the fraction of the matmul rate."""
-    lines = []
-    for point in results["points"]:
-        if point.get("gflops_per_s") is None:
-            continue
-        rate = results["matmul_gflops_per_s"][str(point["seq_len"])]
-        lines.append(
-            f"{point['mechanism']} {MODE_LABELS[point['mode']]} T={point['seq_len']}: "
-            f"{point['median_s'] * 1e3:.3g} ms, {point['flops'] / 1e9:.3g} GFLOP, "
-            f"{point['gflops_per_s']:.3g} GFLOP/s = {point['matmul_fraction']:.0%} of the fp32 matmul rate "
-            f"({rate:.3g} GFLOP/s, {results['config']['matmul_reference']}, {results['config']['threads']} "
-            "thread(s))"
-        )
-    return lines
+    config = results["config"]
+    return [
+        f"{p['mechanism']} {MODE_LABELS[p['mode']]} T={p['seq_len']}: {p['median_s'] * 1e3:.3g} ms, "
+        f"{p['flops'] / 1e9:.3g} GFLOP, {p['gflops_per_s']:.3g} GFLOP/s = {p['matmul_fraction']:.0%} of the fp32 "
+        f"matmul rate ({results['matmul_gflops_per_s'][str(p['seq_len'])]:.3g} GFLOP/s, "
+        f"{config['matmul_reference']}, {config['threads']} thread(s))"
+        for p in results["points"]
+        if p.get("gflops_per_s") is not None
+    ]
 
 
 def render_markdown(results: dict[str, Any]) -> str:
     """table.md: medians, peak memory, ratios to the baseline, targets, and what was not measured."""
-    config, machine = results["config"], results["machine"]
-    headers = _headers(results)
-
-    def milliseconds(point: dict[str, Any] | None) -> str:
-        return "—" if point is None or point["median_s"] is None else f"{point['median_s'] * 1e3:.3g}"
-
-    def mebibytes(point: dict[str, Any] | None) -> str:
-        return "—" if point is None or point["peak_bytes"] is None else f"{point['peak_bytes'] / 2**20:.3g}"
-
+    config, machine, headers = results["config"], results["machine"], _headers(results)
     sections = [
         "# headkit bench speed\n",
         f"B={config['batch']}, H={config['heads']}, head_dim={config['head_dim']}, {config['dtype']}, "
@@ -557,49 +447,36 @@ def render_markdown(results: dict[str, Any]) -> str:
         f"torch {machine['torch_version']}, median of {config['repeats']} after {config['warmup']} warm-up.\n",
         f"Command: `{shlex.join(results['command'])}`\n",
         "## Median time (ms)\n",
-        markdown_table(headers, _cell_table(results, milliseconds)),
+        markdown_table(headers, _cells(results, _value_cell("median_s", 1e3))),
         "## Peak memory, inputs included (MiB)\n",
-        markdown_table(headers, _cell_table(results, mebibytes)),
+        markdown_table(headers, _cells(results, _value_cell("peak_bytes", 2**-20))),
         f"## Time / peak memory relative to {BASELINE}\n",
-        markdown_table(headers, _cell_table(results, _ratio_cell)),
+        markdown_table(headers, _cells(results, _ratio_cell)),
         "## Targets\n",
         markdown_table(TARGET_HEADERS, _target_rows(results)),
     ]
-    rates = _rate_lines(results)
-    if rates:
+    if rates := _rate_lines(results):
         sections += [
             "## Rate against the fp32 matmul rate, same run\n",
             "\n".join(f"- {x}" for x in rates) + "\n",
         ]
-    skipped = [f"- {name}: {info['note']}" for name, info in results["mechanisms"].items() if info["note"]]
-    if skipped:
+    if skipped := [
+        f"- {name}: {info['note']}" for name, info in results["mechanisms"].items() if info["note"]
+    ]:
         sections += ["## Not measured\n", "\n".join(skipped) + "\n"]
     return "\n".join(sections)
 
 
 def plot_results(results: dict[str, Any]) -> Any:
     """A 2×2 figure: time (top) and peak memory (bottom) vs T, forward (left) and forward+backward (right)."""
-    from matplotlib.figure import Figure
-
     config = results["config"]
-    figure = Figure(figsize=(11, 8), layout="constrained")
-    axes = figure.subplots(2, 2, sharex=True)
-    quantities = (("median_s", "median time (s)"), ("peak_bytes", "peak memory (MiB)"))
-    for row, (key, label) in enumerate(quantities):
+    figure, axes = figure_axes((11, 8), 2, 2, "constrained", sharex=True)
+    available = [p for p in results["points"] if results["mechanisms"][p["mechanism"]]["available"]]
+    quantities = (("median_s", 1, "median time (s)"), ("peak_bytes", 2**-20, "peak memory (MiB)"))
+    for row, (key, scale, label) in enumerate(quantities):
         for column, mode in enumerate(MODES):
-            ax = axes[row][column]
-            for name, info in results["mechanisms"].items():
-                if not info["available"]:
-                    continue
-                points = [
-                    p
-                    for p in results["points"]
-                    if p["mechanism"] == name and p["mode"] == mode and p[key] is not None
-                ]
-                xs = [p["seq_len"] for p in points]
-                ys = [p[key] / 2**20 if key == "peak_bytes" else p[key] for p in points]
-                style = {"color": "black", "linestyle": "--"} if name == BASELINE else {}
-                ax.plot(xs, ys, marker="o", label=name, **style)
+            ax, points = axes[row][column], [p for p in available if p["mode"] == mode]
+            plot_series(ax, points, "seq_len", key, scale=scale, style=_baseline_style)
             title = f"{MODE_LABELS[mode]}: {label.split(' (')[0]}"
             log2_length_axis(ax, config["lengths"], "sequence length T" if row == 1 else None, label, title)
     axes[0][0].legend(fontsize="small")
@@ -610,9 +487,9 @@ def plot_results(results: dict[str, Any]) -> Any:
     return figure
 
 
+def _baseline_style(name: str) -> dict[str, Any]:
+    return {"color": "black", "linestyle": "--"} if name == BASELINE else {}
+
+
 if __name__ == "__main__":
-    import sys
-
-    from headkit.cli import main
-
-    main(["bench", "speed", *sys.argv[1:]])
+    run_as_script("speed")
