@@ -144,7 +144,8 @@ def test_cli_runs_the_benchmark(tiny_models, tmp_path):
 
 
 def test_compile_decodes_every_model_through_torch_compile(tiny_models, tmp_path, monkeypatch):
-    """--compile wraps each model in torch.compile (here with dynamo's eager backend: no C++ toolchain needed)."""
+    """--compile wraps each model in torch.compile (here with dynamo's eager backend: no C++ toolchain needed),
+    for decoding and for the timed training step, and reports the speed-ups over the eager models."""
     compiled = []
     real_compile = torch.compile
 
@@ -154,10 +155,30 @@ def test_compile_decodes_every_model_through_torch_compile(tiny_models, tmp_path
 
     monkeypatch.setattr(decode.torch, "compile", compile_eagerly)
     results = run_decode_benchmark(
-        DecodeSettings(prompt_lengths=(8,), new_tokens=3, repeats=1, threads=1, compile=True, out=tmp_path),
+        DecodeSettings(
+            prompt_lengths=(4, 8),
+            new_tokens=3,
+            repeats=1,
+            threads=1,
+            compile=True,
+            out=tmp_path,
+            train_batch=2,
+            train_length=6,
+        ),
         console=Console(file=io.StringIO()),
         show_progress=False,
     )
-    assert compiled == ["HeadkitForCausalLM"] * len(MECHANISMS)
+    assert compiled == ["HeadkitForCausalLM"] * (2 * len(MECHANISMS))  # decoding, then the training step
     assert results["config"]["compiled"] is True
-    assert "models under torch.compile" in (tmp_path / "table.md").read_text()
+    table = (tmp_path / "table.md").read_text()
+    assert (
+        "models under torch.compile" in table and "training step (forward + backward, 2 × 6 tokens)" in table
+    )
+    speedups = results["compile_speedup"]
+    for kind in ("decode", "train_step"):
+        assert [row["mechanism"] for row in speedups[kind]] == list(MECHANISMS)
+        for row in speedups[kind]:
+            assert row["eager_s"] > 0 and row["compiled_s"] > 0
+            assert row["speedup"] == pytest.approx(row["eager_s"] / row["compiled_s"])
+    assert all(row["prompt_length"] == 8 for row in speedups["decode"])
+    assert all(row["loss_difference"] < 1e-5 for row in speedups["train_step"])

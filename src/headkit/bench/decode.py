@@ -116,8 +116,12 @@ class DecodeSettings:
     threads: int | None = option(None, "torch threads during the run (default: torch's setting).", min=1)
     compile: bool = option(
         False,
-        "Decode with torch.compile(model) (inductor: a C++ compiler on CPU); the untimed warm-up compiles.",
+        "Decode with torch.compile(model) (inductor: a C++ compiler on CPU); the untimed warm-up compiles. "
+        "Also times the eager models at the longest prompt and a training step (forward + backward of "
+        "--train-batch × --train-length tokens) eager and compiled: torch.compile's speed-ups, in one run.",
     )
+    train_batch: int = option(8, "Sequences per timed training step (with --compile).", min=1)
+    train_length: int = option(256, "Tokens per sequence of the timed training step (with --compile).", min=2)
     out: Path = option(Path("results/decode"), "Output directory for results.json, plot and table.")
 
     quick = quick_preset("Short run: prompts 256 and 1024, 32 new tokens.")
@@ -133,7 +137,7 @@ def run_decode_benchmark(
     started = time.perf_counter()
     default = [BASELINE, *constant_state_mechanisms()]
     device, lengths, names, _ = check_sweep(settings, "prompt_lengths", default, attention_classes())
-    points = _measure(settings, device, lengths, names, console, show_progress)
+    points, compile_report = _measure(settings, device, lengths, names, console, show_progress)
     config = {
         "model": {**MODEL_SIZE, "vocab_size": ByteTokenizer.vocab_size, "dtype": "float32"},
         "device": str(device),
@@ -147,6 +151,8 @@ def run_decode_benchmark(
         "statistic": "fastest decoding step (targets); median and mean reported too",
     }
     sections = {"config": config, "points": points, "targets": evaluate_targets(points, lengths)}
+    if compile_report is not None:
+        sections["compile_speedup"] = compile_report
     files, plots = {"table": TABLE_FILE, "plot": PLOT_FILE}, {PLOT_FILE: plot_results}
     return finish_report(
         "decode", settings, started, sections, files, render_markdown, plots, console, _tables
@@ -182,15 +188,19 @@ def _measure(
     prompts = {
         n: torch.randint(0, 256, (settings.batch_size, n), generator=generator).to(device) for n in lengths
     }
-    models = {}
+    models, eager = {}, {}
     for mechanism in mechanisms:
         torch.manual_seed(SEED)
         models[mechanism] = HeadkitForCausalLM(model_config(mechanism, max_positions)).to(device).eval()
-        if settings.compile:
-            models[mechanism] = torch.compile(models[mechanism])
+        if settings.compile:  # the eager model stays, timed beside its compiled self at the longest prompt
+            eager[mechanism], models[mechanism] = models[mechanism], torch.compile(models[mechanism])
+            time_greedy_decoding(
+                eager[mechanism], prompts[lengths[0]][:, :WARMUP_PROMPT], WARMUP_STEPS, device
+            )
         time_greedy_decoding(models[mechanism], prompts[lengths[0]][:, :WARMUP_PROMPT], WARMUP_STEPS, device)
 
     keys = [(mechanism, length) for length in lengths for mechanism in mechanisms]
+    eager_steps: dict[str, list[float]] = {mechanism: [] for mechanism in eager}
     prefills: dict[tuple[str, int], list[float]] = {key: [] for key in keys}
     steps: dict[tuple[str, int], list[float]] = {key: [] for key in keys}
     with progress_bar(console, show_progress, 28) as progress:
@@ -203,8 +213,24 @@ def _measure(
                 )
                 prefills[mechanism, length].append(prefill_s)
                 steps[mechanism, length].extend(step_s)
+                if mechanism in eager and length == lengths[-1]:
+                    _, step_s, _ = time_greedy_decoding(
+                        eager[mechanism], prompts[length], settings.new_tokens, device
+                    )
+                    eager_steps[mechanism].extend(step_s)
                 progress.advance(task)
-    return [
+    compile_report = None
+    if settings.compile:
+        compile_report = {
+            "decode": [
+                _speedup(mechanism, min(eager_steps[mechanism]), min(steps[mechanism, lengths[-1]]))
+                | {"prompt_length": lengths[-1]}
+                for mechanism in mechanisms
+            ],
+            "train_step": _time_training_steps(eager, settings, device),
+            "statistic": "fastest decoding step / fastest training step, eager and compiled alternated",
+        }
+    points = [
         {
             "mechanism": mechanism,
             "prompt_length": length,
@@ -216,6 +242,60 @@ def _measure(
         }
         for mechanism, length in keys
     ]
+    return points, compile_report
+
+
+def _speedup(mechanism: str, eager_s: float, compiled_s: float) -> dict[str, Any]:
+    return {
+        "mechanism": mechanism,
+        "eager_s": eager_s,
+        "compiled_s": compiled_s,
+        "speedup": eager_s / compiled_s,
+    }
+
+
+def _time_training_steps(
+    models: dict[str, HeadkitForCausalLM], settings: DecodeSettings, device: torch.device, rounds: int = 3
+) -> list[dict[str, Any]]:
+    """One training step — the loss's forward and backward on a fixed batch — of each model, eager and under
+    torch.compile, alternated round by round (the first, untimed call compiles); the two losses are compared
+    too: compiling must not change what the model computes."""
+    ids = torch.randint(
+        0, 256, (settings.train_batch, settings.train_length), generator=torch.Generator().manual_seed(SEED)
+    ).to(device)
+    results = []
+    for mechanism, model in models.items():
+        model.train()
+        compiled = torch.compile(model)
+
+        (_, compiled_loss), (_, eager_loss) = (
+            _training_step(m, model, ids, device) for m in (compiled, model)
+        )
+        eager_s, compiled_s = [], []
+        for _ in range(rounds):
+            eager_s.append(_training_step(model, model, ids, device)[0])
+            compiled_s.append(_training_step(compiled, model, ids, device)[0])
+        model.zero_grad(set_to_none=True)
+        model.eval()
+        loss_difference = abs(compiled_loss - eager_loss)
+        results.append(
+            _speedup(mechanism, min(eager_s), min(compiled_s)) | {"loss_difference": loss_difference}
+        )
+    return results
+
+
+def _training_step(
+    module: Any, model: HeadkitForCausalLM, ids: torch.Tensor, device: torch.device
+) -> tuple[float, float]:
+    """Seconds of one forward + backward of the loss through ``module`` (``model`` or its compiled form), and
+    the loss."""
+    model.zero_grad(set_to_none=True)
+    synchronize(device)
+    start = time.perf_counter()
+    loss = module(input_ids=ids, labels=ids).loss
+    loss.backward()
+    synchronize(device)
+    return time.perf_counter() - start, loss.item()
 
 
 def evaluate_targets(points: list[dict[str, Any]], prompt_lengths: Sequence[int]) -> list[dict[str, Any]]:
@@ -304,6 +384,30 @@ def render_markdown(results: dict[str, Any]) -> str:
     ):
         sections += [f"## {title} (ms)\n", markdown_table(headers, _rows(results, key))]
     sections += ["## Targets\n", markdown_table(TARGET_HEADERS, _target_rows(results))]
+    if "compile_speedup" in results:
+        speedups = results["compile_speedup"]
+        longest = speedups["decode"][0]["prompt_length"] if speedups["decode"] else "—"
+        for title, rows in (
+            (f"torch.compile: decoding step at P={longest}, fastest", speedups["decode"]),
+            (
+                f"torch.compile: training step (forward + backward, {results['settings']['train_batch']} × "
+                f"{results['settings']['train_length']} tokens), fastest",
+                speedups["train_step"],
+            ),
+        ):
+            cells = [
+                [
+                    r["mechanism"],
+                    _milliseconds(r["eager_s"]),
+                    _milliseconds(r["compiled_s"]),
+                    _times(r["speedup"]),
+                ]
+                for r in rows
+            ]
+            sections += [
+                f"## {title}\n",
+                markdown_table(["mechanism", "eager (ms)", "compiled (ms)", "speed-up"], cells),
+            ]
     return "\n".join(sections)
 
 
