@@ -169,6 +169,7 @@ def _tables(results: dict[str, Any]) -> tuple[Any, ...]:
     return (
         rich_table("time per generated token, fastest step / median (ms)", _headers(results), time_rows),
         rich_table("targets", TARGET_HEADERS, _target_rows(results), left=len(TARGET_HEADERS)),
+        *(rich_table(title, headers, rows) for title, headers, rows in _compile_tables(results)),
     )
 
 
@@ -362,6 +363,35 @@ def _target_rows(results: dict[str, Any]) -> list[list[str]]:
     ]
 
 
+def _compile_tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
+    """(title, headers, rows) of torch.compile's speed-ups, decoding and training; none without --compile."""
+    speedups = results.get("compile_speedup")
+    if speedups is None:
+        return []
+    settings = results["settings"]
+    longest = max(results["config"]["prompt_lengths"])
+    training = f"forward + backward, {settings['train_batch']} × {settings['train_length']} tokens"
+    return [
+        (
+            title,
+            ["mechanism", "eager (ms)", "compiled (ms)", "speed-up"],
+            [
+                [
+                    r["mechanism"],
+                    _milliseconds(r["eager_s"]),
+                    _milliseconds(r["compiled_s"]),
+                    _times(r["speedup"]),
+                ]
+                for r in rows
+            ],
+        )
+        for title, rows in (
+            (f"torch.compile: decoding step at P={longest}, fastest", speedups["decode"]),
+            (f"torch.compile: training step ({training}), fastest", speedups["train_step"]),
+        )
+    ]
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     """table.md: per-token times (fastest step, median, mean), prefill times, targets."""
     config, machine = results["config"], results["machine"]
@@ -384,30 +414,8 @@ def render_markdown(results: dict[str, Any]) -> str:
     ):
         sections += [f"## {title} (ms)\n", markdown_table(headers, _rows(results, key))]
     sections += ["## Targets\n", markdown_table(TARGET_HEADERS, _target_rows(results))]
-    if "compile_speedup" in results:
-        speedups = results["compile_speedup"]
-        longest = speedups["decode"][0]["prompt_length"] if speedups["decode"] else "—"
-        for title, rows in (
-            (f"torch.compile: decoding step at P={longest}, fastest", speedups["decode"]),
-            (
-                f"torch.compile: training step (forward + backward, {results['settings']['train_batch']} × "
-                f"{results['settings']['train_length']} tokens), fastest",
-                speedups["train_step"],
-            ),
-        ):
-            cells = [
-                [
-                    r["mechanism"],
-                    _milliseconds(r["eager_s"]),
-                    _milliseconds(r["compiled_s"]),
-                    _times(r["speedup"]),
-                ]
-                for r in rows
-            ]
-            sections += [
-                f"## {title}\n",
-                markdown_table(["mechanism", "eager (ms)", "compiled (ms)", "speed-up"], cells),
-            ]
+    for title, headers, rows in _compile_tables(results):
+        sections += [f"## {title}\n", markdown_table(headers, rows)]
     return "\n".join(sections)
 
 
