@@ -124,6 +124,19 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     return "\n".join([line(headers), line(["---"] * len(headers)), *(line(row) for row in rows)]) + "\n"
 
 
+def column_table(
+    columns: Mapping[str, Callable[[Any], object]],
+    items: Iterable[Any],
+    *,
+    first: Sequence[Sequence[object]] = (),
+    last: Sequence[Sequence[object]] = (),
+) -> str:
+    """A Markdown table with a row per item of ``items``, its cell under each header of ``columns`` (header:
+    formatter of an item), between the rows ``first`` and ``last`` given as they are."""
+    rows = [[cell(item) for cell in columns.values()] for item in items]
+    return markdown_table(list(columns), [*first, *rows, *last])
+
+
 def machine_info(device: torch.device | str) -> dict[str, Any]:
     """What the numbers depend on: CPU model and cores, torch version and threads, the device measured."""
     device = torch.device(device)

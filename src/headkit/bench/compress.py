@@ -21,7 +21,7 @@ import torch
 
 from headkit.bench._measure import forward_times
 from headkit.bench._options import check_integers, check_positive_numbers
-from headkit.bench._report import markdown_table, progress_bar
+from headkit.bench._report import column_table, progress_bar
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import Compressed, compress_and_distill, load_teacher, prepare_encoder_text
@@ -143,7 +143,6 @@ def render_markdown(report: dict[str, Any]) -> str:
         "forward ms (original ms)": lambda w: f"{w['forward_ms']:.1f} ({w['forward_ms_original']:.1f})",
         "time ratio (median of rounds)": lambda w: f"{w['forward_time_ratio']:.2f}x",
     }
-    rows = [[cell(width) for cell in columns.values()] for width in report["widths"]]
     header = (
         f"Collaborative heads on {report['model_name']} ({report['parameters_original']:,} parameters, "
         f"{report['num_heads']} heads, full width {report['full_dim']}): {settings['max_iter']} ALS sweeps, then "
@@ -154,7 +153,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"round with the original's; {machine['cpu_model']}, {machine['torch_threads']} torch threads, torch "
         f"{machine['torch_version']}.\n\n"
     )
-    return header + markdown_table(list(columns), rows)
+    return header + column_table(columns, report["widths"])
 
 
 def plot_curve(report: dict[str, Any]) -> Any:

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from headkit.bench._measure import time_call
 from headkit.bench._options import check_head_width, check_integers, check_names, check_positive_numbers
-from headkit.bench._report import TABLE_FILE, markdown_table
+from headkit.bench._report import TABLE_FILE, column_table
 from headkit.bench._training import generate, optimizer_steps, train_each
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
@@ -206,28 +206,23 @@ def _summary(result: dict[str, Any]) -> str:
 def render_markdown(report: dict[str, Any]) -> str:
     """The measured table: per mechanism, likelihood, the judge's accuracy and completion time per image count."""
     counts = sorted({int(count) for result in report["mechanisms"] for count in result["completion_seconds"]})
-    headers = ["attention", "parameters", "train s", "test bits/pixel", "accuracy on completions"]
-    headers += [f"complete {count} images (s)" for count in counts]
-    rows = [
-        [
-            result["mechanism"],
-            f"{result['parameters']:,}",
-            f"{result['train_seconds']:.1f}",
-            f"{result['test_bits_per_pixel']:.3f}",
-            f"{result['classifier_accuracy_completed']:.3f}",
-            *(f"{_lookup(result['completion_seconds'], count):.2f}" for count in counts),
-        ]
-        for result in report["mechanisms"]
-    ]
-    rows.append(
-        ["original images", "", "", "", f"{report['classifier_accuracy_original']:.3f}", *[""] * len(counts)]
-    )
+    columns = {
+        "attention": lambda r: r["mechanism"],
+        "parameters": lambda r: f"{r['parameters']:,}",
+        "train s": lambda r: f"{r['train_seconds']:.1f}",
+        "test bits/pixel": lambda r: f"{r['test_bits_per_pixel']:.3f}",
+        "accuracy on completions": lambda r: f"{r['classifier_accuracy_completed']:.3f}",
+    }
+    for n in counts:
+        columns[f"complete {n} images (s)"] = lambda r, n=n: f"{_lookup(r['completion_seconds'], n):.2f}"
+    accuracy = f"{report['classifier_accuracy_original']:.3f}"
+    original = ["original images", "", "", "", accuracy, *[""] * len(counts)]
     machine = report["machine"]
     return (
         f"Digits completion ({report['train_images']} training / {report['test_images']} test images, bottom half "
         f"completed {'by sampling' if report['settings']['sample'] else 'greedily'}); {machine['cpu_model']}, "
         f"{machine['torch_threads']} torch threads, torch {machine['torch_version']}.\n\n"
-        + markdown_table(headers, rows)
+        + column_table(columns, report["mechanisms"], last=[original])
     )
 
 

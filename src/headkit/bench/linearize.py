@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headkit.bench._report import markdown_table
+from headkit.bench._report import column_table, markdown_table
 from headkit.bench.registry import option, parse_list, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.recipes.linearize import PLOT_FILE, LinearizeSettings, check_settings, plot_report, run
@@ -119,7 +119,7 @@ def results_table(report: dict[str, Any]) -> str:
             "",
             markdown_table(["model", f"perplexity at {stages['length']} tokens", "× original"], quality),
             markdown_table(["held-out window", "original", "linearized", "ratio"], lengths),
-            markdown_table(list(decode), [[cell(p) for cell in decode.values()] for p in report["decode"]]),
+            column_table(decode, report["decode"]),
         ]
     )
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from headkit.bench._options import check_head_width, check_positive_numbers
-from headkit.bench._report import figure_axes, markdown_table, plot_series
+from headkit.bench._report import column_table, figure_axes, plot_series
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes, get_attention_class
@@ -189,27 +189,17 @@ def _finite_or_none(value: float | None) -> float | None:
 
 def render_markdown(report: dict[str, Any]) -> str:
     """One row per variant, in the order run: size, speed and final held-out bits per byte."""
-    headers = [
-        "variant",
-        "attention",
-        "positions",
-        "parameters",
-        "median ms/step",
-        "train s",
-        "held-out bits/byte",
-    ]
-    rows = [
-        [
-            result["variant"],
-            result["description"],
-            result["position_embedding_type"],
-            f"{result['parameters']:,}",
-            f"{result['median_step_ms']:.1f}",
-            f"{result['train_seconds']:.1f}",
-            "diverged" if result["final_bits_per_byte"] is None else f"{result['final_bits_per_byte']:.3f}",
-        ]
-        for result in report["variants"]
-    ]
+    columns = {
+        "variant": lambda v: v["variant"],
+        "attention": lambda v: v["description"],
+        "positions": lambda v: v["position_embedding_type"],
+        "parameters": lambda v: f"{v['parameters']:,}",
+        "median ms/step": lambda v: f"{v['median_step_ms']:.1f}",
+        "train s": lambda v: f"{v['train_seconds']:.1f}",
+        "held-out bits/byte": lambda v: (
+            "diverged" if v["final_bits_per_byte"] is None else f"{v['final_bits_per_byte']:.3f}"
+        ),
+    }
     settings, machine, corpus = report["settings"], report["machine"], report["corpus"]
     return (
         f"Byte-level causal LMs, hidden {settings['hidden_size']}, {settings['layers']} layers, "
@@ -218,7 +208,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{corpus['train_bytes']:,} training / {corpus['held_out_bytes']:,} held-out bytes, bits/byte on "
         f"{settings['eval_tokens']:,} held-out bytes spread over the split (untrained ≈ {math.log2(259):.2f}). "
         f"{machine['cpu_model']}, {machine['torch_threads']} torch threads, torch {machine['torch_version']}. "
-        "Train s: optimiser steps only, evaluations excluded.\n\n" + markdown_table(headers, rows)
+        "Train s: optimiser steps only, evaluations excluded.\n\n" + column_table(columns, report["variants"])
     )
 
 

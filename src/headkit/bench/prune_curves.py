@@ -38,6 +38,7 @@ from headkit.bench._measure import forward_times
 from headkit.bench._options import check_integers, check_positive_numbers
 from headkit.bench._report import (
     TABLE_FILE,
+    column_table,
     find_point,
     markdown_table,
     progress_bar,
@@ -577,14 +578,8 @@ def render_recovery(section: dict[str, Any]) -> str:
         f"\n## Pruning with recovery ({section['model']})\n\n"
         "Importance ranking, physical removal, then distillation against the original (KL on next-token "
         "distributions, every weight) — `headkit.recipes.prune`; perplexity on held-out windows, ratios to the "
-        "original measured in the same run.\n\n"
-        + markdown_table(list(columns), _rows(columns, section["cases"]))
+        "original measured in the same run.\n\n" + column_table(columns, section["cases"])
     )
-
-
-def _rows(columns: dict[str, Callable[[Any], Any]], items: list[Any]) -> list[list[Any]]:
-    """A table row per item: its cell under each header of `columns`."""
-    return [[cell(item) for cell in columns.values()] for item in items]
 
 
 # -- the report ------------------------------------------------------------------------------------------------
@@ -617,7 +612,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"held-out standard-library texts. L0: {settings['gate_steps']} gate-only steps of Hard Concrete gates "
         f"to the budget, top log α kept; importance: Michel et al.'s head importance ({encoder['importance_loss']}), "
         f"global top-k. Both then get the same {steps} distillation steps.\n\n"
-        + markdown_table(list(columns), [unpruned, *_rows(columns, points)])
+        + column_table(columns, points, first=[unpruned])
         + f"\nForward time on one held-out batch {timing['batch']}, median of {timing['rounds']} alternating "
         f"rounds, {timing['threads']} torch thread(s), {machine['cpu_model']}:\n\n"
         + markdown_table(["model", "forward ms", "relative to original"], timing_rows)
@@ -641,7 +636,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{decoder['windows']} held-out windows of {decoder['window_length']} tokens; importance from "
         f"{decoder['calibration_batches']} × {decoder['calibration_batch_size']} training windows. Kept: "
         f"{decoder['ranking']}. No fine-tuning.\n\n"
-        + markdown_table(list(columns), _rows(columns, decoder["points"]))
+        + column_table(columns, decoder["points"])
         + (render_recovery(recovery) if recovery is not None else "")
     )
 
