@@ -37,6 +37,7 @@ VOCAB_SIZE = LEVELS + 1
 VISIBLE = PIXELS // 2  # the top four rows are shown, the bottom four completed
 MECHANISMS = ("linear", "softmax")  # the default comparison; any registered mechanism may be named
 TEST_IMAGES = 300
+DIGIT_IMAGES = 1797  # in scikit-learn's load_digits
 GRID_FILE = "completions.png"
 GRID_COLUMNS = 10  # test images in the figure
 

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from headkit.bench._options import check_integers, check_positive_numbers
 from headkit.bench._report import markdown_table, progress_bar
+from headkit.bench.digits import DIGIT_IMAGES, load_digit_data
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 
@@ -80,21 +80,16 @@ class DigitClassifier(nn.Module):
 
 
 def load_split(test_fraction: float = 0.25, seed: int = 0) -> dict[str, torch.Tensor]:
-    """The digits as float pixels [N, 64] in 0..16 and labels [N], split into train and test reproducibly."""
-    from sklearn.datasets import load_digits
-
+    """The digits as float pixels [N, 64] in 0..16 and labels [N], shuffled and split as ``headkit bench digits``
+    does (:func:`load_digit_data`), ``test_fraction`` of them held out."""
     if not 0 < test_fraction < 1:
         raise HeadkitError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
-    digits = load_digits()
-    order = np.random.default_rng(seed).permutation(len(digits.data))
-    pixels = torch.as_tensor(digits.data[order], dtype=torch.float32)
-    labels = torch.as_tensor(digits.target[order], dtype=torch.long)
-    split = round(len(pixels) * (1 - test_fraction))
+    data = load_digit_data(DIGIT_IMAGES - round(DIGIT_IMAGES * (1 - test_fraction)), seed)
     return {
-        "train_x": pixels[:split],
-        "train_y": labels[:split],
-        "test_x": pixels[split:],
-        "test_y": labels[split:],
+        "train_x": torch.as_tensor(data.train_pixels, dtype=torch.float32),
+        "train_y": torch.as_tensor(data.train_labels),
+        "test_x": torch.as_tensor(data.test_pixels, dtype=torch.float32),
+        "test_y": torch.as_tensor(data.test_labels),
     }
 
 
