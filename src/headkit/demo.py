@@ -22,6 +22,7 @@ Writes ``report.md`` and ``results.json`` (with the plots' paths) to the output 
 from __future__ import annotations
 
 import copy
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -40,7 +41,7 @@ from headkit.bench._report import (
 )
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import encoder_fidelity
-from headkit.recipes.measure import compare_forward_times
+from headkit.recipes.measure import forward_times
 from headkit.recipes.models import default_encoder_path, load_model
 from headkit.recipes.objectives import embedding_distillation_loss
 from headkit.recipes.prune import encoder_finetune, keep_top_gated_heads
@@ -147,7 +148,8 @@ def _run_demo(config: DemoConfig, console: Any) -> dict[str, Any]:
 
     def measure(name: str, model: nn.Module, details: dict[str, Any]) -> VariantResult:
         fidelity = encoder_fidelity(model, held_out, original_held_out)
-        before_s, after_s = compare_forward_times(original, model, held_out[0], config.timing_repeats)
+        times = forward_times({"original": original, "variant": model}, held_out[0], config.timing_repeats)
+        before_s, after_s = (statistics.median(seconds) for seconds in times.values())
         return VariantResult(
             name=name,
             mean_cosine=fidelity.mean_cosine,
@@ -245,13 +247,13 @@ def _run_demo(config: DemoConfig, console: Any) -> dict[str, Any]:
     speed_table = ""
     if config.speed:
         stage(stages, "the quick kernel speed benchmark")
-        from headkit.bench.speed import PLOT_FILE, TABLE_FILE, SpeedSettings, run_speed_benchmark
+        from headkit.bench.speed import SpeedSettings, run_speed_benchmark
 
         given = {"lengths": config.speed_lengths, "mechanisms": config.speed_mechanisms}
         given = {name: tuple(value) for name, value in given.items() if value}
-        run_speed_benchmark(SpeedSettings.quick(out=out / "speed", **given), console=console)
-        report["plots"]["speed"] = str(out / "speed" / PLOT_FILE)
-        speed_table = (out / "speed" / TABLE_FILE).read_text(encoding="utf-8")
+        speed = run_speed_benchmark(SpeedSettings.quick(out=out / "speed", **given), console=console)["files"]
+        report["plots"]["speed"] = speed["plot"]
+        speed_table = Path(speed["table"]).read_text(encoding="utf-8")
 
     report["seconds"] = time.perf_counter() - started
     write_text_atomic(out / "report.md", render_markdown(report, speed_table, decoder_table))

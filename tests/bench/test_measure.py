@@ -206,7 +206,7 @@ def test_thread_limit_sets_and_restores_torch_threads():
 
 
 def test_interleaved_times_warm_up_once_then_alternate_the_order_every_round():
-    from headkit.bench._measure import interleaved_times
+    from headkit.recipes.measure import interleaved_times
 
     order: list[str] = []
     times = interleaved_times({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, rounds=3)

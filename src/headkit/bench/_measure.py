@@ -211,31 +211,3 @@ def thread_limit(threads: int | None) -> Iterator[None]:
                 yield
     finally:
         torch.set_num_threads(previous)
-
-
-def interleaved_times(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
-    """Seconds of one call of each of ``calls``, round after round, the order reversed every other round (a call
-    that follows another can find the caches warm or the clock boosted), after one warm-up call of each: a
-    machine whose load drifts slows every call alike, so ratios within a round hold."""
-    for call in calls.values():
-        call()  # lazy initialisation, allocator caches
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for round_ in range(rounds):
-        names = list(calls) if round_ % 2 == 0 else list(reversed(calls))
-        for name in names:
-            times[name].append(time_call(calls[name], repeats=1, warmup=0).median_s)
-    return times
-
-
-def forward_times(models: dict[str, Any], batch: dict, rounds: int) -> dict[str, list[float]]:
-    """Seconds of one forward of each of ``models`` on ``batch`` (to its last hidden state, without gradients),
-    round after round (see :func:`interleaved_times`)."""
-
-    def forward(model: Any) -> Callable[[], object]:
-        def call() -> object:
-            with torch.no_grad():
-                return model(**batch).last_hidden_state
-
-        return call
-
-    return interleaved_times({name: forward(model) for name, model in models.items()}, rounds)

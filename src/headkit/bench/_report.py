@@ -69,19 +69,24 @@ def finish_report(
     sections: Mapping[str, Any],
     files: Mapping[str, str],
     render: Callable[[dict[str, Any]], str],
-    plots: Mapping[str, Callable[[dict[str, Any]], Any]],
+    plots: Mapping[str, Callable[[dict[str, Any]], Any]] | None,
     console: Any,
     tables: Callable[[dict[str, Any]], Sequence[Any]] | None = None,
 ) -> dict[str, Any]:
     """Write and return a run's report: the benchmark, command line, machine (``settings.device``, else the CPU)
-    and settings, then ``sections``, the seconds since ``started`` (a ``time.perf_counter()``) and ``files`` (each
-    key's file name, as its path under ``settings.out``); table.md is ``render(report)``, each of ``plots`` (file
-    name: plot of the report) a figure; the console shows ``tables(report)`` (rich tables) or else table.md."""
+    and settings, then ``sections`` (over the settings, where they hold their own), the seconds since ``started``
+    (a ``time.perf_counter()``) and ``files`` (each key's file name, as its path under ``settings.out``; a plot's
+    file only where it drew one); table.md is ``render(report)``, each of ``plots`` (file name: plot of the
+    report, or None where there is nothing to plot) a figure; the console shows ``tables(report)`` (rich tables)
+    or else table.md."""
     out, machine = Path(settings.out), machine_info(getattr(settings, "device", "cpu"))
     header = {"benchmark": name, "command": command_line(), "machine": machine}
     report = header | {"settings": settings_dict(settings)} | dict(sections)
-    report |= {"seconds": time.perf_counter() - started, "files": {k: str(out / f) for k, f in files.items()}}
+    report["seconds"] = time.perf_counter() - started
+    plots = plots or {}
     figures = {file: plot(report) for file, plot in plots.items()}
+    figures = {file: figure for file, figure in figures.items() if figure is not None}
+    report["files"] = {k: str(out / f) for k, f in files.items() if f not in plots or f in figures}
     write_report(out, report, render(report), figures, console, tables=tables and tables(report))
     return report
 
@@ -117,6 +122,19 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
         return "| " + " | ".join(str(cell).replace("|", "\\|") for cell in cells) + " |"
 
     return "\n".join([line(headers), line(["---"] * len(headers)), *(line(row) for row in rows)]) + "\n"
+
+
+def column_table(
+    columns: Mapping[str, Callable[[Any], object]],
+    items: Iterable[Any],
+    *,
+    first: Sequence[Sequence[object]] = (),
+    last: Sequence[Sequence[object]] = (),
+) -> str:
+    """A Markdown table with a row per item of ``items``, its cell under each header of ``columns`` (header:
+    formatter of an item), between the rows ``first`` and ``last`` given as they are."""
+    rows = [[cell(item) for cell in columns.values()] for item in items]
+    return markdown_table(list(columns), [*first, *rows, *last])
 
 
 def machine_info(device: torch.device | str) -> dict[str, Any]:

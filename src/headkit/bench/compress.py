@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,12 +19,12 @@ from typing import Any
 
 import torch
 
-from headkit.bench._measure import forward_times
 from headkit.bench._options import check_integers, check_positive_numbers
-from headkit.bench._report import TABLE_FILE, finish_report, markdown_table, progress_bar
+from headkit.bench._report import column_table, progress_bar
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import Compressed, compress_and_distill, load_teacher, prepare_encoder_text
+from headkit.recipes.measure import forward_times
 from headkit.recipes.models import check_output_folder, default_encoder_path
 from headkit.surgery.adapters import count_parameters
 
@@ -78,75 +77,6 @@ def _check_benchmark_settings(config: CompressBenchmarkConfig) -> None:
 
 def _model_path(config: CompressBenchmarkConfig) -> Path:
     return Path(config.model) if config.model is not None else default_encoder_path()
-
-
-@register_benchmark("compress", CompressBenchmarkConfig, check=_check_benchmark_settings)
-def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dict[str, Any]:
-    """Collaborative heads on a sentence encoder, per shared width D̃: held-out cosine with the original before and
-    after distillation, parameters, and forward time relative to the original.
-
-    Returns the dictionary written to ``results.json``."""
-    model_path = _model_path(config)
-    started = time.perf_counter()
-    teacher = load_teacher(model_path)
-    too_wide = [dim for dim in config.dims if dim > teacher.full_dim]
-    if too_wide:
-        raise HeadkitError(
-            f"--dims must be at most heads × head_dim = {teacher.full_dim} for this model, got {too_wide}"
-        )
-    train_texts = config.train_texts if config.distill_steps else 0
-    corpus = prepare_encoder_text(
-        teacher, train_texts, config.held_out_texts, config.batch_size, config.max_length, config.seed
-    )
-    parameters_original = count_parameters(teacher.model)
-    console.print(
-        f"{model_path}: {parameters_original:,} parameters, full width {teacher.full_dim}; "
-        f"{len(corpus.train)} training and {len(corpus.held_out)} held-out batches of "
-        f"{config.batch_size} × {config.max_length} tokens; {torch.get_num_threads()} torch threads"
-    )
-    widths: list[dict[str, Any]] = []
-    names = ("distill_steps", "lr", "seed", "tol", "max_iter", "batch_size")  # the same for every width
-    recipe_settings = {name: getattr(config, name) for name in names}
-    with progress_bar(console, transient=True) as progress:
-        for dim in config.dims:
-            task = progress.add_task(f"D̃={dim}: swap", total=max(config.distill_steps, 1))
-
-            def advance(line: str, task: Any = task, dim: int = dim) -> None:
-                if line.lstrip().startswith("step "):  # "step k/n: loss x", from the distillation
-                    step = int(line.split()[1].split("/")[0])
-                    progress.update(
-                        task, completed=step, description=f"D̃={dim}: distil, {line.split(': ')[-1]}"
-                    )
-
-            compressed = compress_and_distill(teacher, corpus, dim, echo=advance, **recipe_settings)
-            progress.update(task, description=f"D̃={dim}: timing")
-            models = {"original": teacher.model, "student": compressed.student}
-            times = forward_times(models, corpus.held_out[0], config.timing_repeats)
-            widths.append(width := _width_result(dim, teacher.full_dim, compressed, **times))
-            progress.remove_task(task)
-            console.print(
-                f"D̃={dim}: relative error {width['decomposition_max_relative_error']:.3f}, mean cosine "
-                f"{compressed.fidelity_after_swap.mean_cosine:.4f} after the swap, "
-                f"{compressed.fidelity.mean_cosine:.4f} after {config.distill_steps} distillation steps; "
-                f"parameters {width['parameter_ratio']:.1%} of the original, forward time "
-                f"{width['forward_time_ratio']:.2f}x"
-            )
-
-    _check_finite(widths)
-    sections = {
-        "model": str(model_path),
-        "model_name": "all-MiniLM-L6-v2" if config.model is None else model_path.name,
-        "full_dim": teacher.full_dim,
-        "num_heads": teacher.adapter.sites(teacher.model)[0].num_heads,
-        "parameters_original": parameters_original,
-        "train_batches": len(corpus.train),
-        "held_out_texts": sum(len(batch["input_ids"]) for batch in corpus.held_out),
-        "widths": widths,
-    }
-    files = {"table": TABLE_FILE, "plot": PLOT_FILE}
-    return finish_report(
-        "compress", config, started, sections, files, render_markdown, {PLOT_FILE: plot_curve}, console
-    )
 
 
 def _width_result(
@@ -213,7 +143,6 @@ def render_markdown(report: dict[str, Any]) -> str:
         "forward ms (original ms)": lambda w: f"{w['forward_ms']:.1f} ({w['forward_ms_original']:.1f})",
         "time ratio (median of rounds)": lambda w: f"{w['forward_time_ratio']:.2f}x",
     }
-    rows = [[cell(width) for cell in columns.values()] for width in report["widths"]]
     header = (
         f"Collaborative heads on {report['model_name']} ({report['parameters_original']:,} parameters, "
         f"{report['num_heads']} heads, full width {report['full_dim']}): {settings['max_iter']} ALS sweeps, then "
@@ -224,7 +153,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"round with the original's; {machine['cpu_model']}, {machine['torch_threads']} torch threads, torch "
         f"{machine['torch_version']}.\n\n"
     )
-    return header + markdown_table(list(columns), rows)
+    return header + column_table(columns, report["widths"])
 
 
 def plot_curve(report: dict[str, Any]) -> Any:
@@ -255,3 +184,73 @@ def plot_curve(report: dict[str, Any]) -> Any:
         f"{report['machine']['torch_threads']} thread(s)"
     )
     return figure
+
+
+@register_benchmark(
+    "compress",
+    CompressBenchmarkConfig,
+    check=_check_benchmark_settings,
+    render=render_markdown,
+    plots={PLOT_FILE: plot_curve},
+)
+def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dict[str, Any]:
+    """Collaborative heads on a sentence encoder, per shared width D̃: held-out cosine with the original before and
+    after distillation, parameters, and forward time relative to the original.
+
+    Returns the dictionary written to ``results.json``."""
+    model_path = _model_path(config)
+    teacher = load_teacher(model_path)
+    too_wide = [dim for dim in config.dims if dim > teacher.full_dim]
+    if too_wide:
+        raise HeadkitError(
+            f"--dims must be at most heads × head_dim = {teacher.full_dim} for this model, got {too_wide}"
+        )
+    train_texts = config.train_texts if config.distill_steps else 0
+    corpus = prepare_encoder_text(
+        teacher, train_texts, config.held_out_texts, config.batch_size, config.max_length, config.seed
+    )
+    parameters_original = count_parameters(teacher.model)
+    console.print(
+        f"{model_path}: {parameters_original:,} parameters, full width {teacher.full_dim}; "
+        f"{len(corpus.train)} training and {len(corpus.held_out)} held-out batches of "
+        f"{config.batch_size} × {config.max_length} tokens; {torch.get_num_threads()} torch threads"
+    )
+    widths: list[dict[str, Any]] = []
+    names = ("distill_steps", "lr", "seed", "tol", "max_iter", "batch_size")  # the same for every width
+    recipe_settings = {name: getattr(config, name) for name in names}
+    with progress_bar(console, transient=True) as progress:
+        for dim in config.dims:
+            task = progress.add_task(f"D̃={dim}: swap", total=max(config.distill_steps, 1))
+
+            def advance(line: str, task: Any = task, dim: int = dim) -> None:
+                if line.lstrip().startswith("step "):  # "step k/n: loss x", from the distillation
+                    step = int(line.split()[1].split("/")[0])
+                    progress.update(
+                        task, completed=step, description=f"D̃={dim}: distil, {line.split(': ')[-1]}"
+                    )
+
+            compressed = compress_and_distill(teacher, corpus, dim, echo=advance, **recipe_settings)
+            progress.update(task, description=f"D̃={dim}: timing")
+            models = {"original": teacher.model, "student": compressed.student}
+            times = forward_times(models, corpus.held_out[0], config.timing_repeats)
+            widths.append(width := _width_result(dim, teacher.full_dim, compressed, **times))
+            progress.remove_task(task)
+            console.print(
+                f"D̃={dim}: relative error {width['decomposition_max_relative_error']:.3f}, mean cosine "
+                f"{compressed.fidelity_after_swap.mean_cosine:.4f} after the swap, "
+                f"{compressed.fidelity.mean_cosine:.4f} after {config.distill_steps} distillation steps; "
+                f"parameters {width['parameter_ratio']:.1%} of the original, forward time "
+                f"{width['forward_time_ratio']:.2f}x"
+            )
+
+    _check_finite(widths)
+    return {
+        "model": str(model_path),
+        "model_name": "all-MiniLM-L6-v2" if config.model is None else model_path.name,
+        "full_dim": teacher.full_dim,
+        "num_heads": teacher.adapter.sites(teacher.model)[0].num_heads,
+        "parameters_original": parameters_original,
+        "train_batches": len(corpus.train),
+        "held_out_texts": sum(len(batch["input_ids"]) for batch in corpus.held_out),
+        "widths": widths,
+    }

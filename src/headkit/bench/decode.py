@@ -24,10 +24,8 @@ from rich.console import Console
 from headkit.bench._measure import synchronize
 from headkit.bench._options import check_sweep
 from headkit.bench._report import (
-    TABLE_FILE,
     figure_axes,
     find_point,
-    finish_report,
     grid_rows,
     log2_length_axis,
     markdown_table,
@@ -126,39 +124,6 @@ class DecodeSettings:
     out: Path = option(Path("results/decode"), "Output directory for results.json, plot and table.")
 
     quick = quick_preset("Short run: prompts 256 and 1024, 32 new tokens.")
-
-
-@register_benchmark("decode", DecodeSettings)
-def run_decode_benchmark(
-    settings: DecodeSettings, console: Console, show_progress: bool = True
-) -> dict[str, Any]:
-    """Time per generated token (greedy) after long prompts: softmax vs linear vs additive, same model size.
-
-    Writes results.json, table.md and decode.png to ``settings.out`` and returns what results.json holds."""
-    started = time.perf_counter()
-    default = [BASELINE, *constant_state_mechanisms()]
-    device, lengths, names, _ = check_sweep(settings, "prompt_lengths", default, attention_classes())
-    with _compile_budget(settings.compile):
-        points, compile_report = _measure(settings, device, lengths, names, console, show_progress)
-    config = {
-        "model": {**MODEL_SIZE, "vocab_size": ByteTokenizer.vocab_size, "dtype": "float32"},
-        "device": str(device),
-        "prompt_lengths": lengths,
-        "new_tokens": settings.new_tokens,
-        "batch_size": settings.batch_size,
-        "threads": torch.get_num_threads(),
-        "compiled": settings.compile,
-        "repeats": settings.repeats,
-        "mechanisms": names,
-        "statistic": "fastest decoding step (targets); median and mean reported too",
-    }
-    sections = {"config": config, "points": points, "targets": evaluate_targets(points, lengths)}
-    if compile_report is not None:
-        sections["compile_speedup"] = compile_report
-    files, plots = {"table": TABLE_FILE, "plot": PLOT_FILE}, {PLOT_FILE: plot_results}
-    return finish_report(
-        "decode", settings, started, sections, files, render_markdown, plots, console, _tables
-    )
 
 
 def _tables(results: dict[str, Any]) -> tuple[Any, ...]:
@@ -453,6 +418,35 @@ def plot_results(results: dict[str, Any]) -> Any:
         f"batch {config['batch_size']}, {config['new_tokens']} new tokens, {config['device']}"
     )
     return figure
+
+
+@register_benchmark(
+    "decode", DecodeSettings, render=render_markdown, plots={PLOT_FILE: plot_results}, tables=_tables
+)
+def run_decode_benchmark(
+    settings: DecodeSettings, console: Console, show_progress: bool = True
+) -> dict[str, Any]:
+    """Time per generated token (greedy) after long prompts: softmax vs linear vs additive, same model size.
+
+    Writes results.json, table.md and decode.png to ``settings.out`` and returns what results.json holds."""
+    default = [BASELINE, *constant_state_mechanisms()]
+    device, lengths, names, _ = check_sweep(settings, "prompt_lengths", default, attention_classes())
+    with _compile_budget(settings.compile):
+        points, compile_report = _measure(settings, device, lengths, names, console, show_progress)
+    config = {
+        "model": {**MODEL_SIZE, "vocab_size": ByteTokenizer.vocab_size, "dtype": "float32"},
+        "device": str(device),
+        "prompt_lengths": lengths,
+        "new_tokens": settings.new_tokens,
+        "batch_size": settings.batch_size,
+        "threads": torch.get_num_threads(),
+        "compiled": settings.compile,
+        "repeats": settings.repeats,
+        "mechanisms": names,
+        "statistic": "fastest decoding step (targets); median and mean reported too",
+    }
+    sections = {"config": config, "points": points, "targets": evaluate_targets(points, lengths)}
+    return sections if compile_report is None else sections | {"compile_speedup": compile_report}
 
 
 if __name__ == "__main__":

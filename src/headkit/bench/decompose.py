@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from headkit.bench._options import check_integers
-from headkit.bench._report import command_line, machine_info, markdown_table, write_report
+from headkit.bench._report import markdown_table
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.recipes.models import default_encoder_path
@@ -67,55 +67,6 @@ def _check(settings: DecomposeSettings) -> None:
     check_integers("--dims", settings.dims)
     if settings.layers is not None:
         check_integers("layers", settings.layers, low=0)
-
-
-@register_benchmark("decompose", DecomposeSettings, check=_check)
-def run_decompose_benchmark(settings: DecomposeSettings, console: Any) -> dict[str, Any]:
-    """Query/key CP decomposition of a pretrained model: relative error and time per D̃, headkit vs tensorly.
-
-    ``settings.model`` is a folder with config.json and model.safetensors; widths above heads·head_dim are
-    dropped; tensorly is recorded as unavailable when it is not installed. Returns what results.json holds."""
-    model_dir = Path(settings.model) if settings.model is not None else default_encoder_path()
-    heads, weights = load_query_key_weights(model_dir)
-    rows, hidden = next(iter(weights.values()))[0].shape
-    layers = list(settings.layers) if settings.layers is not None else sorted(weights)
-    if missing := sorted(set(layers) - set(weights)):
-        raise HeadkitError(f"layers {missing} are not in the checkpoint, which has layers {sorted(weights)}")
-    dims = [dim for dim in settings.dims if dim <= rows] or [rows]
-    include_tensorly = settings.include_tensorly
-    parafac = _tensorly_parafac() if include_tensorly else None
-    points = []
-    for layer in layers:
-        w_q, w_k = weights[layer]
-        dense = _head_forms(w_q, w_k, heads)
-        for dim in dims:
-            points.append({"layer": layer} | _headkit_point(w_q, w_k, heads, dim, settings, dense))
-            if parafac is not None:
-                points.append({"layer": layer} | _tensorly_point(parafac, dim, settings, dense))
-    results = {
-        "benchmark": "decompose",
-        "config": {
-            "model": str(model_dir),
-            "heads": heads,
-            "head_dim": rows // heads,
-            "hidden": hidden,
-            "layers": layers,
-            "dims": dims,
-            "max_iter": settings.max_iter,
-            "tol": settings.tol,
-            "seed": settings.seed,
-            "tensorly": "unavailable" if include_tensorly and parafac is None else include_tensorly,
-            "threads": settings.threads,
-            "error": "relative Frobenius error of the [hidden, heads, hidden] tensor, from the dense tensor",
-            "time": "wall seconds of one call; tensorly's excludes forming the dense tensor",
-        },
-        "machine": machine_info("cpu"),
-        "command": command_line(),
-        "points": points,
-        "summary": _summary(points, dims),
-    }
-    write_report(settings.out, results, render_markdown(results), {PLOT_FILE: plot_results(results)}, console)
-    return results
 
 
 def _headkit_point(
@@ -277,3 +228,49 @@ def _tensorly_parafac() -> Any:
 
 def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
     return "—" if value is None else f"{value:{spec}}{suffix}"
+
+
+@register_benchmark(
+    "decompose", DecomposeSettings, check=_check, render=render_markdown, plots={PLOT_FILE: plot_results}
+)
+def run_decompose_benchmark(settings: DecomposeSettings, console: Any) -> dict[str, Any]:
+    """Query/key CP decomposition of a pretrained model: relative error and time per D̃, headkit vs tensorly.
+
+    ``settings.model`` is a folder with config.json and model.safetensors; widths above heads·head_dim are
+    dropped; tensorly is recorded as unavailable when it is not installed. Returns what results.json holds."""
+    model_dir = Path(settings.model) if settings.model is not None else default_encoder_path()
+    heads, weights = load_query_key_weights(model_dir)
+    rows, hidden = next(iter(weights.values()))[0].shape
+    layers = list(settings.layers) if settings.layers is not None else sorted(weights)
+    if missing := sorted(set(layers) - set(weights)):
+        raise HeadkitError(f"layers {missing} are not in the checkpoint, which has layers {sorted(weights)}")
+    dims = [dim for dim in settings.dims if dim <= rows] or [rows]
+    include_tensorly = settings.include_tensorly
+    parafac = _tensorly_parafac() if include_tensorly else None
+    points = []
+    for layer in layers:
+        w_q, w_k = weights[layer]
+        dense = _head_forms(w_q, w_k, heads)
+        for dim in dims:
+            points.append({"layer": layer} | _headkit_point(w_q, w_k, heads, dim, settings, dense))
+            if parafac is not None:
+                points.append({"layer": layer} | _tensorly_point(parafac, dim, settings, dense))
+    return {
+        "config": {
+            "model": str(model_dir),
+            "heads": heads,
+            "head_dim": rows // heads,
+            "hidden": hidden,
+            "layers": layers,
+            "dims": dims,
+            "max_iter": settings.max_iter,
+            "tol": settings.tol,
+            "seed": settings.seed,
+            "tensorly": "unavailable" if include_tensorly and parafac is None else include_tensorly,
+            "threads": settings.threads,
+            "error": "relative Frobenius error of the [hidden, heads, hidden] tensor, from the dense tensor",
+            "time": "wall seconds of one call; tensorly's excludes forming the dense tensor",
+        },
+        "points": points,
+        "summary": _summary(points, dims),
+    }

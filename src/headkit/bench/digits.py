@@ -10,7 +10,6 @@ docs/benchmarks.md.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -23,7 +22,7 @@ import torch.nn.functional as F
 
 from headkit.bench._measure import time_call
 from headkit.bench._options import check_head_width, check_integers, check_names, check_positive_numbers
-from headkit.bench._report import TABLE_FILE, finish_report, markdown_table
+from headkit.bench._report import TABLE_FILE, column_table
 from headkit.bench._training import generate, optimizer_steps, train_each
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
@@ -38,7 +37,9 @@ VOCAB_SIZE = LEVELS + 1
 VISIBLE = PIXELS // 2  # the top four rows are shown, the bottom four completed
 MECHANISMS = ("linear", "softmax")  # the default comparison; any registered mechanism may be named
 TEST_IMAGES = 300
+DIGIT_IMAGES = 1797  # in scikit-learn's load_digits
 GRID_FILE = "completions.png"
+GRID_COLUMNS = 10  # test images in the figure
 
 
 @dataclass
@@ -193,60 +194,6 @@ def _check_settings(config: DigitsConfig) -> None:
     check_names("--mechanisms", config.mechanisms, attention_classes())
 
 
-@register_benchmark("digits", DigitsConfig, check=_check_settings)
-def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
-    """Linear vs softmax autoregressive pixel models on the 8×8 digits: bottom-half completion, its time and a
-    classifier's accuracy on the completed images.
-
-    Returns the dictionary written to ``results.json``."""
-    started = time.perf_counter()
-    data = load_digit_data(max(TEST_IMAGES, max(config.image_counts)), config.seed)
-    train_sequences = to_sequences(data.train_pixels)
-    test_sequences = to_sequences(data.test_pixels)
-    classifier = train_classifier(data.train_pixels, data.train_labels)
-    accuracy_original = classifier_accuracy(classifier, data.test_pixels, data.test_labels)
-    console.print(
-        f"digits: {len(data.train_pixels)} training, {len(data.test_pixels)} test images; "
-        f"classifier accuracy on the original test images {accuracy_original:.3f}"
-    )
-    prompts = occlude(data.test_pixels)
-
-    completions: dict[str, torch.Tensor] = {}
-
-    def evaluate(
-        mechanism: str, model: HeadkitForCausalLM, trained: dict, update: Callable
-    ) -> dict[str, Any]:
-        update(description=f"completing with {mechanism}")
-        completions[mechanism] = complete_images(model, prompts, sample=config.sample, seed=config.seed)
-        seconds = {}  # images -> seconds (median)
-        for count in config.image_counts:
-            call = partial(complete_images, model, prompts[:count], sample=config.sample)
-            seconds[count] = time_call(call, repeats=config.timing_repeats, warmup=0).median_s
-        completed = classifier_accuracy(classifier, completions[mechanism].numpy(), data.test_labels)
-        result = (
-            {"mechanism": mechanism}
-            | trained
-            | {"test_bits_per_pixel": bits_per_pixel(model, test_sequences)}
-        )
-        result |= {"classifier_accuracy_completed": completed, "completion_seconds": seconds}
-        result["losses"] = result.pop("losses")  # last: the longest entry
-        console.print(f"{mechanism}: {_summary(result)}")
-        return result
-
-    build = partial(build_model, config=config)
-    train = partial(train_pixel_model, sequences=train_sequences, config=config)
-    results = train_each(console, config.mechanisms, build, train, config.steps, evaluate)
-    sections = {
-        "train_images": len(data.train_pixels),
-        "test_images": len(data.test_pixels),
-        "classifier_accuracy_original": accuracy_original,
-        "mechanisms": results,
-    }
-    files = {"table": TABLE_FILE, "grid": GRID_FILE}
-    plots = {GRID_FILE: lambda report: plot_completion_grid(data.test_pixels, completions)}
-    return finish_report("digits", config, started, sections, files, render_markdown, plots, console)
-
-
 def _summary(result: dict[str, Any]) -> str:
     times = ", ".join(
         f"{count} images {seconds:.2f} s" for count, seconds in result["completion_seconds"].items()
@@ -260,28 +207,23 @@ def _summary(result: dict[str, Any]) -> str:
 def render_markdown(report: dict[str, Any]) -> str:
     """The measured table: per mechanism, likelihood, the judge's accuracy and completion time per image count."""
     counts = sorted({int(count) for result in report["mechanisms"] for count in result["completion_seconds"]})
-    headers = ["attention", "parameters", "train s", "test bits/pixel", "accuracy on completions"]
-    headers += [f"complete {count} images (s)" for count in counts]
-    rows = [
-        [
-            result["mechanism"],
-            f"{result['parameters']:,}",
-            f"{result['train_seconds']:.1f}",
-            f"{result['test_bits_per_pixel']:.3f}",
-            f"{result['classifier_accuracy_completed']:.3f}",
-            *(f"{_lookup(result['completion_seconds'], count):.2f}" for count in counts),
-        ]
-        for result in report["mechanisms"]
-    ]
-    rows.append(
-        ["original images", "", "", "", f"{report['classifier_accuracy_original']:.3f}", *[""] * len(counts)]
-    )
+    columns = {
+        "attention": lambda r: r["mechanism"],
+        "parameters": lambda r: f"{r['parameters']:,}",
+        "train s": lambda r: f"{r['train_seconds']:.1f}",
+        "test bits/pixel": lambda r: f"{r['test_bits_per_pixel']:.3f}",
+        "accuracy on completions": lambda r: f"{r['classifier_accuracy_completed']:.3f}",
+    }
+    for n in counts:
+        columns[f"complete {n} images (s)"] = lambda r, n=n: f"{_lookup(r['completion_seconds'], n):.2f}"
+    accuracy = f"{report['classifier_accuracy_original']:.3f}"
+    original = ["original images", "", "", "", accuracy, *[""] * len(counts)]
     machine = report["machine"]
     return (
         f"Digits completion ({report['train_images']} training / {report['test_images']} test images, bottom half "
         f"completed {'by sampling' if report['settings']['sample'] else 'greedily'}); {machine['cpu_model']}, "
         f"{machine['torch_threads']} torch threads, torch {machine['torch_version']}.\n\n"
-        + markdown_table(headers, rows)
+        + column_table(columns, report["mechanisms"], last=[original])
     )
 
 
@@ -290,13 +232,13 @@ def _lookup(seconds: dict, count: int) -> float:
     return seconds[count] if count in seconds else seconds[str(count)]
 
 
-def plot_completion_grid(
-    originals: np.ndarray, completions: dict[str, torch.Tensor], columns: int = 10
-) -> Any:
+def plot_completion_grid(report: dict[str, Any]) -> Any:
     """A figure: a row of occluded inputs (hidden half grey), a row per mechanism's completions, the originals."""
     from matplotlib.figure import Figure
 
-    columns = min(columns, len(originals))
+    originals = np.asarray(report["grid_images"])
+    completions = {result["mechanism"]: result["grid_completions"] for result in report["mechanisms"]}
+    columns = len(originals)
     occluded = np.asarray(originals[:columns], dtype=float).copy()
     occluded[:, VISIBLE:] = np.nan
     rows: list[tuple[str, np.ndarray]] = [("occluded", occluded)]
@@ -320,3 +262,60 @@ def _grey_with_hidden() -> Any:
     from matplotlib import colormaps
 
     return colormaps["gray_r"].with_extremes(bad="#d62728")  # hidden pixels in red, never mistaken for ink
+
+
+@register_benchmark(
+    "digits",
+    DigitsConfig,
+    check=_check_settings,
+    render=render_markdown,
+    files={"table": TABLE_FILE, "grid": GRID_FILE},
+    plots={GRID_FILE: plot_completion_grid},
+)
+def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
+    """Linear vs softmax autoregressive pixel models on the 8×8 digits: bottom-half completion, its time and a
+    classifier's accuracy on the completed images.
+
+    Returns the dictionary written to ``results.json``."""
+    data = load_digit_data(max(TEST_IMAGES, max(config.image_counts)), config.seed)
+    train_sequences = to_sequences(data.train_pixels)
+    test_sequences = to_sequences(data.test_pixels)
+    classifier = train_classifier(data.train_pixels, data.train_labels)
+    accuracy_original = classifier_accuracy(classifier, data.test_pixels, data.test_labels)
+    console.print(
+        f"digits: {len(data.train_pixels)} training, {len(data.test_pixels)} test images; "
+        f"classifier accuracy on the original test images {accuracy_original:.3f}"
+    )
+    prompts = occlude(data.test_pixels)
+
+    def evaluate(
+        mechanism: str, model: HeadkitForCausalLM, trained: dict, update: Callable
+    ) -> dict[str, Any]:
+        update(description=f"completing with {mechanism}")
+        completions = complete_images(model, prompts, sample=config.sample, seed=config.seed)
+        seconds = {}  # images -> seconds (median)
+        for count in config.image_counts:
+            call = partial(complete_images, model, prompts[:count], sample=config.sample)
+            seconds[count] = time_call(call, repeats=config.timing_repeats, warmup=0).median_s
+        completed = classifier_accuracy(classifier, completions.numpy(), data.test_labels)
+        result = (
+            {"mechanism": mechanism}
+            | trained
+            | {"test_bits_per_pixel": bits_per_pixel(model, test_sequences)}
+        )
+        result |= {"classifier_accuracy_completed": completed, "completion_seconds": seconds}
+        result["grid_completions"] = completions[:GRID_COLUMNS].tolist()  # the figure's row
+        result["losses"] = result.pop("losses")  # last: the longest entry
+        console.print(f"{mechanism}: {_summary(result)}")
+        return result
+
+    build = partial(build_model, config=config)
+    train = partial(train_pixel_model, sequences=train_sequences, config=config)
+    results = train_each(console, config.mechanisms, build, train, config.steps, evaluate)
+    return {
+        "train_images": len(data.train_pixels),
+        "test_images": len(data.test_pixels),
+        "classifier_accuracy_original": accuracy_original,
+        "grid_images": data.test_pixels[:GRID_COLUMNS].tolist(),  # the test images the figure shows
+        "mechanisms": results,
+    }

@@ -11,7 +11,6 @@ same weights: held-out bits per byte and passkey accuracy. Method and results: d
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -26,7 +25,6 @@ from headkit.bench._report import (
     TABLE_FILE,
     figure_axes,
     find_point,
-    finish_report,
     grid_rows,
     markdown_table,
     plot_series,
@@ -64,6 +62,7 @@ MIN_DOCUMENT_LENGTH = len(KEY_SENTENCE.format(key="0" * KEY_DIGITS)) + len(QUEST
 MAX_LENGTH = 65_536
 # Rows × length per forward pass in evaluation: bounds the memory of the longest windows.
 EVAL_BATCH_TOKENS = 16_384
+PERPLEXITY_PLOT, PASSKEY_PLOT = "perplexity.png", "passkey.png"
 
 
 @dataclass
@@ -314,68 +313,6 @@ def check_settings(config: ExtrapolateConfig) -> None:
         raise HeadkitError(f"--corpus {str(config.corpus)!r} does not exist")
 
 
-@register_benchmark("extrapolate", ExtrapolateConfig, check=check_settings)
-def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[str, Any]:
-    """RoPE (softmax) vs CoCA trained at 128 bytes: held-out perplexity and passkey retrieval at longer
-    contexts, with no, linear (position interpolation) and dynamic-NTK rotary scaling.
-
-    See the module docstring; returns the dictionary written to ``results.json``."""
-    started = time.perf_counter()
-    corpus = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
-    train_stream, held_out_stream = (
-        encode_corpus(text, ByteTokenizer()) for text in (corpus.train, corpus.held_out)
-    )
-    windows = {n: held_out_windows(held_out_stream, n, config.eval_tokens) for n in config.lengths}
-    documents = {n: passkey_trials(n, config.passkey_trials, config.seed) for n in config.lengths}
-    if train_stream.numel() < config.train_length:
-        raise HeadkitError(
-            f"the training corpus holds {train_stream.numel()} tokens, fewer than one {config.train_length}-token "
-            "window: use a larger --corpus"
-        )
-    console.print(
-        f"extrapolate: {corpus.source}, {train_stream.numel():,} training / {held_out_stream.numel():,} held-out "
-        f"tokens; trained at {config.train_length}, evaluated at {', '.join(map(str, config.lengths))}"
-    )
-
-    # Per model how it trained; per model, scaling and length its bits per byte (perplexity: 2 ** bits per
-    # byte) and its passkey retrieval (accuracy: all digits right; answers: the generated keys).
-    perplexities, passkeys = [], []
-
-    def evaluate(
-        attention: str, model: HeadkitForCausalLM, trained: dict, update: Callable
-    ) -> dict[str, Any]:
-        update(description=f"evaluating {attention}", completed=0, total=len(SCALINGS) * len(config.lengths))
-        for scaling in SCALINGS:
-            for n in config.lengths:
-                scaled = scaled_model(model, scaling, n, config)
-                bpb = bits_per_byte(scaled, windows[n])
-                point = {"attention": attention, "scaling": scaling, "length": n}
-                sizes = {"windows": len(windows[n]), "tokens": windows[n].numel()}
-                perplexities.append(point | {"bits_per_byte": bpb, "perplexity": 2.0**bpb} | sizes)
-                answers = retrieve_passkeys(scaled, documents[n])
-                exact, digits = score_answers(answers, [doc.answer for doc in documents[n]])
-                scores = {"trials": len(answers), "accuracy": exact, "digit_accuracy": digits}
-                passkeys.append(point | scores | {"answers": answers})
-                update(advance=1)
-        console.print(f"{attention}: {_summary(attention, perplexities, passkeys)}", highlight=False)
-        return {"attention": attention} | trained
-
-    build = partial(build_model, config=config)
-    train = partial(train_model, train_stream=train_stream, config=config)
-    models = train_each(console, MODELS, build, train, config.steps, evaluate)
-    sections = {
-        "dynamic_factor": config.resolved_dynamic_factor(),
-        "corpus": corpus.summary(),
-        "models": models,
-        "perplexity": perplexities,
-        "passkey": passkeys,
-        "passkey_keys": {str(n): [doc.answer for doc in docs] for n, docs in documents.items()},
-    }
-    plots = {"perplexity.png": plot_perplexity, "passkey.png": plot_passkey}
-    files = {name: name for name in (TABLE_FILE, *plots)}
-    return finish_report("extrapolate", config, started, sections, files, render_markdown, plots, console)
-
-
 def _summary(attention: str, perplexities: list[dict], passkeys: list[dict]) -> str:
     """Bits per byte and passkey accuracy of ``attention`` at the shortest length, and at the longest per scaling."""
     records = {(r["scaling"], r["length"]): r for r in perplexities if r["attention"] == attention}
@@ -480,3 +417,68 @@ def _plot_lines(
     axis.axvline(train_length, color="grey", linewidth=0.8)
     axis.set_xscale("log", base=2)
     axis.grid(alpha=0.3)
+
+
+@register_benchmark(
+    "extrapolate",
+    ExtrapolateConfig,
+    check=check_settings,
+    render=render_markdown,
+    files={name: name for name in (TABLE_FILE, PERPLEXITY_PLOT, PASSKEY_PLOT)},
+    plots={PERPLEXITY_PLOT: plot_perplexity, PASSKEY_PLOT: plot_passkey},
+)
+def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[str, Any]:
+    """RoPE (softmax) vs CoCA trained at 128 bytes: held-out perplexity and passkey retrieval at longer
+    contexts, with no, linear (position interpolation) and dynamic-NTK rotary scaling.
+
+    See the module docstring; returns the dictionary written to ``results.json``."""
+    corpus = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
+    train_stream, held_out_stream = (
+        encode_corpus(text, ByteTokenizer()) for text in (corpus.train, corpus.held_out)
+    )
+    windows = {n: held_out_windows(held_out_stream, n, config.eval_tokens) for n in config.lengths}
+    documents = {n: passkey_trials(n, config.passkey_trials, config.seed) for n in config.lengths}
+    if train_stream.numel() < config.train_length:
+        raise HeadkitError(
+            f"the training corpus holds {train_stream.numel()} tokens, fewer than one {config.train_length}-token "
+            "window: use a larger --corpus"
+        )
+    console.print(
+        f"extrapolate: {corpus.source}, {train_stream.numel():,} training / {held_out_stream.numel():,} held-out "
+        f"tokens; trained at {config.train_length}, evaluated at {', '.join(map(str, config.lengths))}"
+    )
+
+    # Per model how it trained; per model, scaling and length its bits per byte (perplexity: 2 ** bits per
+    # byte) and its passkey retrieval (accuracy: all digits right; answers: the generated keys).
+    perplexities, passkeys = [], []
+
+    def evaluate(
+        attention: str, model: HeadkitForCausalLM, trained: dict, update: Callable
+    ) -> dict[str, Any]:
+        update(description=f"evaluating {attention}", completed=0, total=len(SCALINGS) * len(config.lengths))
+        for scaling in SCALINGS:
+            for n in config.lengths:
+                scaled = scaled_model(model, scaling, n, config)
+                bpb = bits_per_byte(scaled, windows[n])
+                point = {"attention": attention, "scaling": scaling, "length": n}
+                sizes = {"windows": len(windows[n]), "tokens": windows[n].numel()}
+                perplexities.append(point | {"bits_per_byte": bpb, "perplexity": 2.0**bpb} | sizes)
+                answers = retrieve_passkeys(scaled, documents[n])
+                exact, digits = score_answers(answers, [doc.answer for doc in documents[n]])
+                scores = {"trials": len(answers), "accuracy": exact, "digit_accuracy": digits}
+                passkeys.append(point | scores | {"answers": answers})
+                update(advance=1)
+        console.print(f"{attention}: {_summary(attention, perplexities, passkeys)}", highlight=False)
+        return {"attention": attention} | trained
+
+    build = partial(build_model, config=config)
+    train = partial(train_model, train_stream=train_stream, config=config)
+    models = train_each(console, MODELS, build, train, config.steps, evaluate)
+    return {
+        "dynamic_factor": config.resolved_dynamic_factor(),
+        "corpus": corpus.summary(),
+        "models": models,
+        "perplexity": perplexities,
+        "passkey": passkeys,
+        "passkey_keys": {str(n): [doc.answer for doc in docs] for n, docs in documents.items()},
+    }

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from headkit.bench._report import command_line, machine_info, markdown_table, write_report
+from headkit.bench._report import column_table, markdown_table
 from headkit.bench.registry import option, parse_list, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.recipes.linearize import PLOT_FILE, LinearizeSettings, check_settings, plot_report, run
@@ -78,24 +78,6 @@ def _check(settings: LinearizeBenchSettings) -> None:
         raise HeadkitError(f"--out {str(out)!r} exists and is not a folder")
 
 
-@register_benchmark("linearize", LinearizeBenchSettings, check=_check)
-def run_linearize_benchmark(settings: LinearizeBenchSettings, console: Any) -> dict[str, Any]:
-    """Linearized SmolLM2-135M against the original: held-out perplexity per stage and length, top-1 agreement, decode
-    ms/token and decoding memory against context.
-
-    Returns the dictionary written to ``results.json``."""
-
-    def echo(text: str) -> None:
-        console.print(text, highlight=False, markup=False, soft_wrap=True)
-
-    out = Path(settings.out)
-    report = run(settings.recipe_settings(), echo=echo).report
-    report |= {"command": command_line(), "machine": machine_info("cpu")}
-    write_report(out, report, results_table(report), {PLOT_FILE: plot_report(report)})
-    echo(f"wrote {out / 'results.json'}, {out / 'table.md'} and {out / PLOT_FILE}")
-    return report
-
-
 def results_table(report: dict[str, Any]) -> str:
     """table.md: perplexity per stage and length, agreement, then decode time and memory per context."""
     conversion, stages = report["conversion"], report["perplexity_stages"]
@@ -137,6 +119,21 @@ def results_table(report: dict[str, Any]) -> str:
             "",
             markdown_table(["model", f"perplexity at {stages['length']} tokens", "× original"], quality),
             markdown_table(["held-out window", "original", "linearized", "ratio"], lengths),
-            markdown_table(list(decode), [[cell(p) for cell in decode.values()] for p in report["decode"]]),
+            column_table(decode, report["decode"]),
         ]
     )
+
+
+@register_benchmark(
+    "linearize", LinearizeBenchSettings, check=_check, render=results_table, plots={PLOT_FILE: plot_report}
+)
+def run_linearize_benchmark(settings: LinearizeBenchSettings, console: Any) -> dict[str, Any]:
+    """Linearized SmolLM2-135M against the original: held-out perplexity per stage and length, top-1 agreement, decode
+    ms/token and decoding memory against context.
+
+    Returns the dictionary written to ``results.json``."""
+
+    def echo(text: str) -> None:
+        console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+    return run(settings.recipe_settings(), echo=echo).report

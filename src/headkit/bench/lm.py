@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from headkit.bench._options import check_head_width, check_positive_numbers
-from headkit.bench._report import TABLE_FILE, figure_axes, finish_report, markdown_table, plot_series
+from headkit.bench._report import column_table, figure_axes, plot_series
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes, get_attention_class
@@ -183,7 +182,68 @@ def check_settings(config: LMBenchConfig) -> None:
         model_config(variant, config)  # the config's own checks, before any training
 
 
-@register_benchmark("lm", LMBenchConfig, check=check_settings)
+def _finite_or_none(value: float | None) -> float | None:
+    # A diverged model is a result worth keeping next to the others; JSON has no NaN, so it is written as null.
+    return value if value is not None and math.isfinite(value) else None
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """One row per variant, in the order run: size, speed and final held-out bits per byte."""
+    columns = {
+        "variant": lambda v: v["variant"],
+        "attention": lambda v: v["description"],
+        "positions": lambda v: v["position_embedding_type"],
+        "parameters": lambda v: f"{v['parameters']:,}",
+        "median ms/step": lambda v: f"{v['median_step_ms']:.1f}",
+        "train s": lambda v: f"{v['train_seconds']:.1f}",
+        "held-out bits/byte": lambda v: (
+            "diverged" if v["final_bits_per_byte"] is None else f"{v['final_bits_per_byte']:.3f}"
+        ),
+    }
+    settings, machine, corpus = report["settings"], report["machine"], report["corpus"]
+    return (
+        f"Byte-level causal LMs, hidden {settings['hidden_size']}, {settings['layers']} layers, "
+        f"{settings['heads']} heads, {settings['steps']} steps of {settings['batch_size']} × "
+        f"{settings['seq_len']} bytes (lr {settings['lr']:g}, seed {settings['seed']}); corpus "
+        f"{corpus['train_bytes']:,} training / {corpus['held_out_bytes']:,} held-out bytes, bits/byte on "
+        f"{settings['eval_tokens']:,} held-out bytes spread over the split (untrained ≈ {math.log2(259):.2f}). "
+        f"{machine['cpu_model']}, {machine['torch_threads']} torch threads, torch {machine['torch_version']}. "
+        "Train s: optimiser steps only, evaluations excluded.\n\n" + column_table(columns, report["variants"])
+    )
+
+
+def plot_curves(report: dict[str, Any]) -> Any:
+    """Two panels: held-out bits/byte against steps and against training seconds, one line per variant."""
+    from matplotlib.ticker import FuncFormatter
+
+    figure, (by_step, by_seconds) = figure_axes((12, 4.8), 1, 2, sharey=True)
+    points = [
+        {"variant": result["variant"]} | point for result in report["variants"] for point in result["curve"]
+    ]
+    rope = {result["variant"]: result["position_embedding_type"] == "rope" for result in report["variants"]}
+    styles = {variant: {"linestyle": "--" if rotary else "-"} for variant, rotary in rope.items()}
+    for axis, x in ((by_step, "step"), (by_seconds, "train_seconds")):
+        plot_series(axis, points, x, "bits_per_byte", "variant", markersize=3, style=styles.get)
+        axis.grid(True, which="both", alpha=0.3)
+    # Untrained models start near 8 bits/byte; a log axis keeps the trained end readable next to it.
+    by_step.set_yscale("log")
+    plain = FuncFormatter(lambda value, _: f"{value:g}")
+    by_step.yaxis.set_major_formatter(plain)
+    by_step.yaxis.set_minor_formatter(plain)
+    by_step.set(xlabel="training step", ylabel="held-out bits per byte")
+    by_seconds.set_xlabel("training seconds (evaluation excluded)")
+    by_seconds.legend(fontsize="small")
+    settings = report["settings"]
+    figure.suptitle(
+        f"byte-level LMs per attention mechanism: hidden {settings['hidden_size']}, {settings['layers']} layers, "
+        f"seq {settings['seq_len']} (dashed: rotary positions)"
+    )
+    return figure
+
+
+@register_benchmark(
+    "lm", LMBenchConfig, check=check_settings, render=render_markdown, plots={PLOT_FILE: plot_curves}
+)
 def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
     """Same-size byte-level causal LMs, one per attention mechanism, trained alike on the same batches:
     held-out bits per byte against steps and training seconds, time per step, parameters.
@@ -192,7 +252,6 @@ def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
     from headkit.data import load_corpus
     from headkit.train import train_causal_lm
 
-    started = time.perf_counter()
     model_configs = {variant: model_config(variant, config) for variant in config.variants}
     corpus = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
     if corpus.num_bytes("train") <= config.seq_len:
@@ -245,7 +304,7 @@ def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
             console.print(f"[bold red]{variant} diverged[/] (non-finite loss); try a lower --lr")
         del trained  # the next model need not share memory with this one
 
-    sections = {
+    return {
         "corpus": summary,
         "positions": {
             "rope": [v for v in config.variants if model_configs[v].position_embedding_type == "rope"],
@@ -253,76 +312,3 @@ def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
         },
         "variants": results,
     }
-    files = {"table": TABLE_FILE, "plot": PLOT_FILE}
-    return finish_report(
-        "lm", config, started, sections, files, render_markdown, {PLOT_FILE: plot_curves}, console
-    )
-
-
-def _finite_or_none(value: float | None) -> float | None:
-    # A diverged model is a result worth keeping next to the others; JSON has no NaN, so it is written as null.
-    return value if value is not None and math.isfinite(value) else None
-
-
-def render_markdown(report: dict[str, Any]) -> str:
-    """One row per variant, in the order run: size, speed and final held-out bits per byte."""
-    headers = [
-        "variant",
-        "attention",
-        "positions",
-        "parameters",
-        "median ms/step",
-        "train s",
-        "held-out bits/byte",
-    ]
-    rows = [
-        [
-            result["variant"],
-            result["description"],
-            result["position_embedding_type"],
-            f"{result['parameters']:,}",
-            f"{result['median_step_ms']:.1f}",
-            f"{result['train_seconds']:.1f}",
-            "diverged" if result["final_bits_per_byte"] is None else f"{result['final_bits_per_byte']:.3f}",
-        ]
-        for result in report["variants"]
-    ]
-    settings, machine, corpus = report["settings"], report["machine"], report["corpus"]
-    return (
-        f"Byte-level causal LMs, hidden {settings['hidden_size']}, {settings['layers']} layers, "
-        f"{settings['heads']} heads, {settings['steps']} steps of {settings['batch_size']} × "
-        f"{settings['seq_len']} bytes (lr {settings['lr']:g}, seed {settings['seed']}); corpus "
-        f"{corpus['train_bytes']:,} training / {corpus['held_out_bytes']:,} held-out bytes, bits/byte on "
-        f"{settings['eval_tokens']:,} held-out bytes spread over the split (untrained ≈ {math.log2(259):.2f}). "
-        f"{machine['cpu_model']}, {machine['torch_threads']} torch threads, torch {machine['torch_version']}. "
-        "Train s: optimiser steps only, evaluations excluded.\n\n" + markdown_table(headers, rows)
-    )
-
-
-def plot_curves(report: dict[str, Any]) -> Any:
-    """Two panels: held-out bits/byte against steps and against training seconds, one line per variant."""
-    from matplotlib.ticker import FuncFormatter
-
-    figure, (by_step, by_seconds) = figure_axes((12, 4.8), 1, 2, sharey=True)
-    points = [
-        {"variant": result["variant"]} | point for result in report["variants"] for point in result["curve"]
-    ]
-    rope = {result["variant"]: result["position_embedding_type"] == "rope" for result in report["variants"]}
-    styles = {variant: {"linestyle": "--" if rotary else "-"} for variant, rotary in rope.items()}
-    for axis, x in ((by_step, "step"), (by_seconds, "train_seconds")):
-        plot_series(axis, points, x, "bits_per_byte", "variant", markersize=3, style=styles.get)
-        axis.grid(True, which="both", alpha=0.3)
-    # Untrained models start near 8 bits/byte; a log axis keeps the trained end readable next to it.
-    by_step.set_yscale("log")
-    plain = FuncFormatter(lambda value, _: f"{value:g}")
-    by_step.yaxis.set_major_formatter(plain)
-    by_step.yaxis.set_minor_formatter(plain)
-    by_step.set(xlabel="training step", ylabel="held-out bits per byte")
-    by_seconds.set_xlabel("training seconds (evaluation excluded)")
-    by_seconds.legend(fontsize="small")
-    settings = report["settings"]
-    figure.suptitle(
-        f"byte-level LMs per attention mechanism: hidden {settings['hidden_size']}, {settings['layers']} layers, "
-        f"seq {settings['seq_len']} (dashed: rotary positions)"
-    )
-    return figure

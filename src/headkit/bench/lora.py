@@ -11,18 +11,17 @@ from __future__ import annotations
 
 import copy
 import functools
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from headkit.bench._options import check_integers, check_positive_numbers
-from headkit.bench._report import TABLE_FILE, finish_report, markdown_table, progress_bar
+from headkit.bench._report import markdown_table, progress_bar
+from headkit.bench.digits import DIGIT_IMAGES, load_digit_data
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 
@@ -81,21 +80,16 @@ class DigitClassifier(nn.Module):
 
 
 def load_split(test_fraction: float = 0.25, seed: int = 0) -> dict[str, torch.Tensor]:
-    """The digits as float pixels [N, 64] in 0..16 and labels [N], split into train and test reproducibly."""
-    from sklearn.datasets import load_digits
-
+    """The digits as float pixels [N, 64] in 0..16 and labels [N], shuffled and split as ``headkit bench digits``
+    does (:func:`load_digit_data`), ``test_fraction`` of them held out."""
     if not 0 < test_fraction < 1:
         raise HeadkitError(f"test_fraction must be in (0, 1), got {test_fraction!r}")
-    digits = load_digits()
-    order = np.random.default_rng(seed).permutation(len(digits.data))
-    pixels = torch.as_tensor(digits.data[order], dtype=torch.float32)
-    labels = torch.as_tensor(digits.target[order], dtype=torch.long)
-    split = round(len(pixels) * (1 - test_fraction))
+    data = load_digit_data(DIGIT_IMAGES - round(DIGIT_IMAGES * (1 - test_fraction)), seed)
     return {
-        "train_x": pixels[:split],
-        "train_y": labels[:split],
-        "test_x": pixels[split:],
-        "test_y": labels[split:],
+        "train_x": torch.as_tensor(data.train_pixels, dtype=torch.float32),
+        "train_y": torch.as_tensor(data.train_labels),
+        "test_x": torch.as_tensor(data.test_pixels, dtype=torch.float32),
+        "test_y": torch.as_tensor(data.test_labels),
     }
 
 
@@ -183,13 +177,63 @@ def _check_settings(config: LoraConfig) -> None:
     check_positive_numbers(config, ("lr", "lora_lr"))
 
 
-@register_benchmark("lora", LoraConfig, check=_check_settings)
+def _ranks(rows: list[dict[str, Any]]) -> str:
+    return ", ".join(f"r={row['rank']} {row['accuracy']:.3f}" for row in rows)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """Accuracy per variant and method, with the trainable parameters of each method."""
+    first = next(iter(report["variants"].values()))
+    headers = ["data", "pretrained as is", "full fine-tuning"]
+    headers += [f"LoRA r={row['rank']}" for row in report["lora_from_scratch"]]
+    rows = [["trainable parameters", "0", f"{first['full_finetune_parameters']:,}"]]
+    rows[0] += [f"{row['trainable_parameters']:,}" for row in first["lora"]]
+    for name, variant in report["variants"].items():
+        rows.append([name, f"{variant['accuracy_before']:.3f}", f"{variant['full_finetune_accuracy']:.3f}"])
+        rows[-1] += [f"{row['accuracy']:.3f}" for row in variant["lora"]]
+    rows.append(["original, LoRA only from scratch", "", ""])
+    rows[-1] += [f"{row['accuracy']:.3f}" for row in report["lora_from_scratch"]]
+    machine = report["machine"]
+    return (
+        f"Test accuracy ({report['train_images']} training / {report['test_images']} test digits; classifier of "
+        f"{report['classifier_parameters']:,} parameters, {report['pretrained_accuracy']:.3f} on the original "
+        f"digits); {machine['cpu_model']}, {machine['torch_threads']} torch threads, torch "
+        f"{machine['torch_version']}.\n\n" + markdown_table(headers, rows)
+    )
+
+
+def plot_results(report: dict[str, Any]) -> Any:
+    """Accuracy against LoRA rank (log₂ axis), one line per variant, full fine-tuning dashed in the same colour."""
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4.5))
+    axis = figure.subplots()
+    for index, (name, variant) in enumerate(report["variants"].items()):
+        ranks, accuracies = zip(*((row["rank"], row["accuracy"]) for row in variant["lora"]), strict=True)
+        axis.plot(ranks, accuracies, "o-", color=f"C{index}", label=f"{name}: LoRA")
+        axis.axhline(
+            variant["full_finetune_accuracy"], color=f"C{index}", linestyle="--", label=f"{name}: full"
+        )
+    ranks, accuracies = zip(
+        *((row["rank"], row["accuracy"]) for row in report["lora_from_scratch"]), strict=True
+    )
+    axis.plot(ranks, accuracies, "s:", color="black", label="original: LoRA only, from scratch")
+    axis.set(
+        xlabel="LoRA rank r", ylabel="test accuracy", title="LoRA against full fine-tuning on shifted digits"
+    )
+    axis.set_xscale("log", base=2)
+    axis.legend(fontsize=7, loc="lower right")
+    return figure
+
+
+@register_benchmark(
+    "lora", LoraConfig, check=_check_settings, render=render_markdown, plots={PLOT_FILE: plot_results}
+)
 def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
     """LoRA (through PEFT) against full fine-tuning of a digits classifier on quantized, rotated and inverted digits,
     per rank, with trainable parameter counts; and LoRA-only training from scratch.
 
     Returns the dictionary written to ``results.json``."""
-    started = time.perf_counter()
     data = load_split(config.test_fraction, config.seed)
     train = functools.partial(train_classifier, batch_size=config.batch_size, seed=config.seed)
     variants: dict[str, dict[str, Any]] = {}
@@ -242,7 +286,7 @@ def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
         )
     console.print(f"LoRA only, from scratch: {_ranks(from_scratch)}")
 
-    sections = {
+    return {
         "train_images": len(data["train_x"]),
         "test_images": len(data["test_x"]),
         "classifier_parameters": sum(p.numel() for p in pretrained.parameters()),
@@ -250,56 +294,3 @@ def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
         "variants": variants,
         "lora_from_scratch": from_scratch,
     }
-    files = {"table": TABLE_FILE, "plot": PLOT_FILE}
-    return finish_report(
-        "lora", config, started, sections, files, render_markdown, {PLOT_FILE: plot_results}, console
-    )
-
-
-def _ranks(rows: list[dict[str, Any]]) -> str:
-    return ", ".join(f"r={row['rank']} {row['accuracy']:.3f}" for row in rows)
-
-
-def render_markdown(report: dict[str, Any]) -> str:
-    """Accuracy per variant and method, with the trainable parameters of each method."""
-    first = next(iter(report["variants"].values()))
-    headers = ["data", "pretrained as is", "full fine-tuning"]
-    headers += [f"LoRA r={row['rank']}" for row in report["lora_from_scratch"]]
-    rows = [["trainable parameters", "0", f"{first['full_finetune_parameters']:,}"]]
-    rows[0] += [f"{row['trainable_parameters']:,}" for row in first["lora"]]
-    for name, variant in report["variants"].items():
-        rows.append([name, f"{variant['accuracy_before']:.3f}", f"{variant['full_finetune_accuracy']:.3f}"])
-        rows[-1] += [f"{row['accuracy']:.3f}" for row in variant["lora"]]
-    rows.append(["original, LoRA only from scratch", "", ""])
-    rows[-1] += [f"{row['accuracy']:.3f}" for row in report["lora_from_scratch"]]
-    machine = report["machine"]
-    return (
-        f"Test accuracy ({report['train_images']} training / {report['test_images']} test digits; classifier of "
-        f"{report['classifier_parameters']:,} parameters, {report['pretrained_accuracy']:.3f} on the original "
-        f"digits); {machine['cpu_model']}, {machine['torch_threads']} torch threads, torch "
-        f"{machine['torch_version']}.\n\n" + markdown_table(headers, rows)
-    )
-
-
-def plot_results(report: dict[str, Any]) -> Any:
-    """Accuracy against LoRA rank (log₂ axis), one line per variant, full fine-tuning dashed in the same colour."""
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(7, 4.5))
-    axis = figure.subplots()
-    for index, (name, variant) in enumerate(report["variants"].items()):
-        ranks, accuracies = zip(*((row["rank"], row["accuracy"]) for row in variant["lora"]), strict=True)
-        axis.plot(ranks, accuracies, "o-", color=f"C{index}", label=f"{name}: LoRA")
-        axis.axhline(
-            variant["full_finetune_accuracy"], color=f"C{index}", linestyle="--", label=f"{name}: full"
-        )
-    ranks, accuracies = zip(
-        *((row["rank"], row["accuracy"]) for row in report["lora_from_scratch"]), strict=True
-    )
-    axis.plot(ranks, accuracies, "s:", color="black", label="original: LoRA only, from scratch")
-    axis.set(
-        xlabel="LoRA rank r", ylabel="test accuracy", title="LoRA against full fine-tuning on shifted digits"
-    )
-    axis.set_xscale("log", base=2)
-    axis.legend(fontsize=7, loc="lower right")
-    return figure

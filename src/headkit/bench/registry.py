@@ -11,9 +11,12 @@ body decorated with :func:`register_benchmark`, in a module named in :data:`BUIL
         quick = quick_preset("Ten steps (seconds).")
 
 
-    @register_benchmark("widget", WidgetSettings)
+    @register_benchmark("widget", WidgetSettings, render=widget_table, plots={"widget.png": plot_widgets})
     def run_widget_benchmark(settings: WidgetSettings, console: Console) -> dict[str, Any]:
         \"\"\"What the widget benchmark measures (the command's help).\"\"\"
+
+The body returns the sections of its report; the run writes them to ``settings.out`` with the header every
+benchmark shares (results.json), ``widget_table(report)`` (table.md) and ``plot_widgets(report)``.
 
 :func:`headkit.cli` makes ``headkit bench widget [--steps N] [--quick] [--out DIR]`` of it: ``--name-with-dashes``
 (or ``flag``) per option, a tuple a comma-separated list (``parse`` reads the text), a bool a ``--x/--no-x``
@@ -26,9 +29,10 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import time
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -76,7 +80,14 @@ NO_QUICK = dataclasses.MISSING  # a field whose quick value is its default
 
 
 def register_benchmark(
-    name: str, settings: type, *, check: Callable[[Any], None] | None = None
+    name: str,
+    settings: type,
+    *,
+    check: Callable[[Any], None] | None = None,
+    render: Callable[[dict[str, Any]], str] | None = None,
+    files: Mapping[str, str] | None = None,
+    plots: Mapping[str, Callable[[dict[str, Any]], Any]] | None = None,
+    tables: Callable[[dict[str, Any]], Sequence[Any]] | None = None,
 ) -> Callable[[Callable], Callable]:
     """Decorator of a benchmark's body ``body(settings, console, **extra)``: make it ``headkit bench <name>``,
     whose help is the first paragraph of the body's docstring.
@@ -85,7 +96,17 @@ def register_benchmark(
     full run's, every option's ``min`` (:func:`check_options`) and ``check(settings)`` raise HeadkitError naming
     the option before anything is loaded, the body
     runs with ``settings.threads`` torch threads (where the settings have them; restored after) and prints to
-    ``console`` (stdout by default)."""
+    ``console`` (stdout by default). Given ``render``, the body returns the sections of its report and the run
+    ends it (:func:`headkit.bench._report.finish_report`): ``files`` (results.json's key: file name under
+    ``settings.out``; by default "table" and "plot", the one plot's), table.md ``render(report)``, each of
+    ``plots`` (file name: plot of the report; a plot that returns None is no file) and the console's rich
+    ``tables(report)``; it returns the report."""
+    from headkit.bench._report import TABLE_FILE
+
+    if files is None:  # results.json names table.md "table" and the one plot "plot"
+        if len(plots or ()) > 1:
+            raise TypeError(f"benchmark {name!r}: name the files of its plots")
+        files = dict(zip(("table", "plot"), (TABLE_FILE, *(plots or ())), strict=False))
     if not dataclasses.is_dataclass(settings) or not callable(getattr(settings, "quick", None)):
         raise TypeError(f"benchmark {name!r}: settings must be a dataclass with a quick() classmethod")
 
@@ -99,13 +120,18 @@ def register_benchmark(
             from rich.console import Console
 
             from headkit.bench._measure import thread_limit
+            from headkit.bench._report import finish_report
 
             config = settings() if config is None else config
             check_options(config)
             if check is not None:
                 check(config)
+            started, console = time.perf_counter(), console or Console()
             with thread_limit(getattr(config, "threads", None)):
-                return body(config, console or Console(), **extra)
+                sections = body(config, console, **extra)
+                if render is None:
+                    return sections
+                return finish_report(name, config, started, sections, files, render, plots, console, tables)
 
         help = (inspect.getdoc(body) or "").split("\n\n")[0].replace("\n", " ")
         BENCHMARKS[name] = Benchmark(name, settings, run, help)

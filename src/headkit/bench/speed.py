@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import shlex
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -24,10 +23,8 @@ from rich.console import Console
 from headkit.bench._measure import matmul_rate, measure_peak_memory, time_call
 from headkit.bench._options import check_sweep
 from headkit.bench._report import (
-    TABLE_FILE,
     figure_axes,
     find_point,
-    finish_report,
     grid_rows,
     log2_length_axis,
     markdown_table,
@@ -184,82 +181,6 @@ class SpeedSettings:
     min_repeat_s: float = MIN_REPEAT_S  # a timed repeat loops over calls faster than this (their mean)
 
     quick = quick_preset("Short run: lengths 512..2048, 3 repeats.")
-
-
-@register_benchmark("speed", SpeedSettings)
-def run_speed_benchmark(
-    settings: SpeedSettings, console: Console, show_progress: bool = True
-) -> dict[str, Any]:
-    """Kernel speed and peak memory against SDPA: forward and forward+backward, per sequence length.
-
-    Writes results.json, table.md and speed.png to ``settings.out`` and returns what results.json holds; the
-    baseline is always measured (first)."""
-    started = time.perf_counter()
-    # The anchor is measured by default where it is installed; asked for where it is not, it is skipped.
-    default = [*MECHANISMS, *(ANCHORS if fast_transformers_installed() else ())]
-    device, lengths, names, _ = check_sweep(settings, "lengths", default, {**MECHANISMS, **ANCHORS})
-    if importlib.util.find_spec("matplotlib") is None:  # found now, not after a run of several minutes
-        raise HeadkitError("the speed benchmark plots with matplotlib: pip install 'headkit[bench]'")
-    names = [BASELINE, *(name for name in names if name != BASELINE)]
-    unavailable = {name: note for name in names if (note := _probe(_spec(name), device))}
-    if BASELINE in unavailable:
-        raise RuntimeError(f"the baseline {BASELINE} cannot run on {device}: {unavailable[BASELINE]}")
-    for name, note in unavailable.items():
-        console.print(f"[yellow]skipped[/] {name}: {note}", highlight=False)
-    measured = [name for name in names if name not in unavailable]
-
-    timing = dict(repeats=settings.repeats, warmup=settings.warmup, min_repeat_s=settings.min_repeat_s)
-    points: list[dict[str, Any]] = []
-    matmul_rates: dict[int, float] = {}  # FLOP/s of the reference matmul, per length
-    out_of_memory: set[str] = set()
-    with progress_bar(console, show_progress, 40) as progress:
-        task = progress.add_task("speed", total=len(lengths) * len(measured))
-        # Lengths outermost: every ratio compares measurements taken minutes apart at most, not a whole run.
-        for seq_len in lengths:
-            for name in measured:
-                progress.update(task, description=f"{name} T={seq_len}")
-                points += _measure_point(name, seq_len, device, timing, out_of_memory)
-                progress.advance(task)
-            if any(_spec(name).flops for name in measured):
-                matmul_rates[seq_len] = matmul_rate(MATMUL_SIZE, device=device, **timing)
-
-    baseline = {(p["seq_len"], p["mode"]): p for p in points if p["mechanism"] == BASELINE}
-    for point in points:
-        reference = baseline.get((point["seq_len"], point["mode"])) or {}
-        point["time_ratio"] = _ratio(point["median_s"], reference.get("median_s"))
-        point["memory_ratio"] = _ratio(point["peak_bytes"], reference.get("peak_bytes"))
-        _add_rate(point, matmul_rates.get(point["seq_len"]))
-    config = {
-        "batch": BATCH,
-        "heads": HEADS,
-        "head_dim": HEAD_DIM,
-        "dtype": str(DTYPE).removeprefix("torch."),
-        "device": str(device),
-        "lengths": lengths,
-        **timing,
-        "statistic": "median",
-        "mechanisms": names,
-        "threads": torch.get_num_threads(),
-        "matmul_reference": f"[{MATMUL_SIZE}, {MATMUL_SIZE}] @ [{MATMUL_SIZE}, {MATMUL_SIZE}]",
-    }
-    sections = {
-        "baseline": BASELINE,
-        "config": config,
-        "mechanisms": {
-            name: {"description": _spec(name).description, "available": name not in unavailable}
-            | {"note": unavailable.get(name)}
-            for name in names
-        },
-        "matmul_gflops_per_s": {str(n): rate / 1e9 for n, rate in matmul_rates.items()},
-        "points": points,
-        "targets": [_evaluate_target(target, points) for target in TARGETS],
-    }
-    for line in _rate_lines(sections):
-        console.print(line, highlight=False)
-    files, plots = {"table": TABLE_FILE, "plot": PLOT_FILE}, {PLOT_FILE: plot_results}
-    return finish_report(
-        "speed", settings, started, sections, files, render_markdown, plots, console, _tables
-    )
 
 
 def _probe(spec: KernelSpec, device: torch.device) -> str | None:
@@ -489,6 +410,80 @@ def plot_results(results: dict[str, Any]) -> Any:
 
 def _baseline_style(name: str) -> dict[str, Any]:
     return {"color": "black", "linestyle": "--"} if name == BASELINE else {}
+
+
+@register_benchmark(
+    "speed", SpeedSettings, render=render_markdown, plots={PLOT_FILE: plot_results}, tables=_tables
+)
+def run_speed_benchmark(
+    settings: SpeedSettings, console: Console, show_progress: bool = True
+) -> dict[str, Any]:
+    """Kernel speed and peak memory against SDPA: forward and forward+backward, per sequence length.
+
+    Writes results.json, table.md and speed.png to ``settings.out`` and returns what results.json holds; the
+    baseline is always measured (first)."""
+    # The anchor is measured by default where it is installed; asked for where it is not, it is skipped.
+    default = [*MECHANISMS, *(ANCHORS if fast_transformers_installed() else ())]
+    device, lengths, names, _ = check_sweep(settings, "lengths", default, {**MECHANISMS, **ANCHORS})
+    if importlib.util.find_spec("matplotlib") is None:  # found now, not after a run of several minutes
+        raise HeadkitError("the speed benchmark plots with matplotlib: pip install 'headkit[bench]'")
+    names = [BASELINE, *(name for name in names if name != BASELINE)]
+    unavailable = {name: note for name in names if (note := _probe(_spec(name), device))}
+    if BASELINE in unavailable:
+        raise RuntimeError(f"the baseline {BASELINE} cannot run on {device}: {unavailable[BASELINE]}")
+    for name, note in unavailable.items():
+        console.print(f"[yellow]skipped[/] {name}: {note}", highlight=False)
+    measured = [name for name in names if name not in unavailable]
+
+    timing = dict(repeats=settings.repeats, warmup=settings.warmup, min_repeat_s=settings.min_repeat_s)
+    points: list[dict[str, Any]] = []
+    matmul_rates: dict[int, float] = {}  # FLOP/s of the reference matmul, per length
+    out_of_memory: set[str] = set()
+    with progress_bar(console, show_progress, 40) as progress:
+        task = progress.add_task("speed", total=len(lengths) * len(measured))
+        # Lengths outermost: every ratio compares measurements taken minutes apart at most, not a whole run.
+        for seq_len in lengths:
+            for name in measured:
+                progress.update(task, description=f"{name} T={seq_len}")
+                points += _measure_point(name, seq_len, device, timing, out_of_memory)
+                progress.advance(task)
+            if any(_spec(name).flops for name in measured):
+                matmul_rates[seq_len] = matmul_rate(MATMUL_SIZE, device=device, **timing)
+
+    baseline = {(p["seq_len"], p["mode"]): p for p in points if p["mechanism"] == BASELINE}
+    for point in points:
+        reference = baseline.get((point["seq_len"], point["mode"])) or {}
+        point["time_ratio"] = _ratio(point["median_s"], reference.get("median_s"))
+        point["memory_ratio"] = _ratio(point["peak_bytes"], reference.get("peak_bytes"))
+        _add_rate(point, matmul_rates.get(point["seq_len"]))
+    config = {
+        "batch": BATCH,
+        "heads": HEADS,
+        "head_dim": HEAD_DIM,
+        "dtype": str(DTYPE).removeprefix("torch."),
+        "device": str(device),
+        "lengths": lengths,
+        **timing,
+        "statistic": "median",
+        "mechanisms": names,
+        "threads": torch.get_num_threads(),
+        "matmul_reference": f"[{MATMUL_SIZE}, {MATMUL_SIZE}] @ [{MATMUL_SIZE}, {MATMUL_SIZE}]",
+    }
+    sections = {
+        "baseline": BASELINE,
+        "config": config,
+        "mechanisms": {
+            name: {"description": _spec(name).description, "available": name not in unavailable}
+            | {"note": unavailable.get(name)}
+            for name in names
+        },
+        "matmul_gflops_per_s": {str(n): rate / 1e9 for n, rate in matmul_rates.items()},
+        "points": points,
+        "targets": [_evaluate_target(target, points) for target in TARGETS],
+    }
+    for line in _rate_lines(sections):
+        console.print(line, highlight=False)
+    return sections
 
 
 if __name__ == "__main__":

@@ -134,10 +134,23 @@ def greedy_sample(model: nn.Module, tokenizer: Any, prompt: str, max_new_tokens:
     return tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
 
 
-def compare_forward_times(
-    first: nn.Module, second: nn.Module, batch: dict, repeats: int
-) -> tuple[float, float]:
-    """Median seconds per forward of each model on `batch`, timed in alternation round after round."""
+def interleaved_times(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of one call of each of ``calls``, round after round, the order reversed every other round (a call
+    that follows another can find the caches warm or the clock boosted), after one warm-up call of each: a
+    machine whose load drifts slows every call alike, so ratios within a round hold."""
+    for call in calls.values():
+        call()  # lazy initialisation, allocator caches
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for round_ in range(rounds):
+        names = list(calls) if round_ % 2 == 0 else list(reversed(calls))
+        for name in names:
+            times[name].append(median_seconds(calls[name], 1))
+    return times
+
+
+def forward_times(models: dict[str, nn.Module], batch: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds of one forward of each of ``models`` on ``batch`` (without gradients), round after round (see
+    :func:`interleaved_times`)."""
 
     def forward(model: nn.Module) -> Callable[[], object]:
         def call() -> object:
@@ -146,5 +159,4 @@ def compare_forward_times(
 
         return call
 
-    rounds = [(median_seconds(forward(first), 1), median_seconds(forward(second), 1)) for _ in range(repeats)]
-    return statistics.median(a for a, _ in rounds), statistics.median(b for _, b in rounds)
+    return interleaved_times({name: forward(model) for name, model in models.items()}, rounds)
