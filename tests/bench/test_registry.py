@@ -193,3 +193,35 @@ def test_check_options_enforces_each_declared_minimum_naming_the_option():
     ):
         with pytest.raises(HeadkitError, match=message):
             check_options(DecodeSettings(**overrides))
+
+
+def test_a_new_benchmark_is_one_module_found_without_editing_the_registry(tmp_path, monkeypatch):
+    import sys
+
+    import headkit.bench
+    from headkit.bench import registry
+
+    (tmp_path / "widget_bench.py").write_text(
+        "from dataclasses import dataclass\n"
+        "from pathlib import Path\n"
+        "from headkit.bench.registry import option, quick_preset, register_benchmark\n"
+        "@dataclass\n"
+        "class WidgetSettings:\n"
+        "    out: Path = option(Path('results/widget'), 'Output directory.')\n"
+        "    steps: int = option(100, 'Steps (default 100; 10 with --quick).', min=1, quick=10)\n"
+        "    quick = quick_preset('Ten steps.')\n"
+        "@register_benchmark('widget', WidgetSettings)\n"
+        "def run_widget(settings, console):\n"
+        "    '''Counts widgets.'''\n"
+        "    return {'steps': settings.steps}\n"
+    )
+    monkeypatch.setattr(headkit.bench, "__path__", [*headkit.bench.__path__, str(tmp_path)])
+    monkeypatch.setattr(registry, "BENCHMARKS", dict(registry.BENCHMARKS))
+    monkeypatch.delitem(sys.modules, "headkit.bench.widget_bench", raising=False)
+    try:
+        benchmarks = load_benchmarks()
+    finally:
+        sys.modules.pop("headkit.bench.widget_bench", None)
+    assert list(benchmarks)[-1] == "widget"  # after headkit's own, which keep their order
+    assert benchmarks["widget"].help == "Counts widgets."
+    assert benchmarks["widget"].settings.quick().steps == 10

@@ -2,7 +2,7 @@
 
 A benchmark is a settings dataclass (fields made by :func:`option` are command-line options, by :func:`setting`
 checked library settings; ``quick = quick_preset(help)`` is the short run, each field's ``quick`` value) and a
-body decorated with :func:`register_benchmark`, in a module named in :data:`BUILTIN_BENCHMARKS`::
+body decorated with :func:`register_benchmark`, in a module of ``headkit.bench`` (found by :func:`load_benchmarks`)::
 
     @dataclass
     class WidgetSettings:
@@ -29,6 +29,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import pkgutil
 import time
 import types
 import typing
@@ -38,7 +39,8 @@ from typing import Any
 
 from headkit.errors import HeadkitError
 
-# The modules of headkit's own benchmarks, in the order `headkit bench --help` lists them.
+# The order in which `headkit bench --help` lists headkit's own benchmarks (modules); a module not named here is
+# found all the same and listed after them.
 BUILTIN_BENCHMARKS = (
     "speed",
     "decode",
@@ -141,8 +143,16 @@ def register_benchmark(
 
 
 def load_benchmarks() -> dict[str, Benchmark]:
-    """Every registered benchmark: headkit's own (imported, and so registered) in their order, then others."""
-    modules = [f"headkit.bench.{module}" for module in BUILTIN_BENCHMARKS]
+    """Every registered benchmark: each public module of ``headkit.bench`` is imported (and so registers its
+    own) — adding a benchmark is adding a module — headkit's own in their order, then the others by module."""
+    import headkit.bench
+
+    found = sorted(info.name for info in pkgutil.iter_modules(headkit.bench.__path__))
+    names = [
+        *BUILTIN_BENCHMARKS,
+        *(n for n in found if n not in BUILTIN_BENCHMARKS and n[0] != "_" and n != "registry"),
+    ]
+    modules = [f"headkit.bench.{module}" for module in names]
     for module in modules:
         importlib.import_module(module)
     rank = {module: index for index, module in enumerate(modules)}
