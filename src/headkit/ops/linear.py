@@ -189,7 +189,7 @@ def linear_attention_step(
     with autocast_disabled(q.device):
         phi_q = _feature(phi, q.float()).reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
         phi_k = _feature(phi, k.float())  # [B, Hkv, 1, Dk]
-        kv = kv + phi_k.transpose(-1, -2) @ v.float()
+        kv = torch.addcmul(kv, phi_k.transpose(-1, -2), v.float())  # + φ(k)vᵀ: one broadcast outer product
         k_sum = k_sum + phi_k.squeeze(2)
         numerator = phi_q @ kv  # [B, Hkv, G, Dv]
         denominator = phi_q @ k_sum.unsqueeze(-1)  # [B, Hkv, G, 1]
