@@ -23,13 +23,15 @@ output and each block's working set stays in cache. Everything is accumulated in
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 from typing import NamedTuple
 
 import torch
 
 from headkit.ops._precision import autocast_disabled
 from headkit.ops._validation import check_eps, check_padding_mask, check_positive_int, check_qkv, repeat_kv
-from headkit.ops.feature_maps import get_feature_map
+from headkit.ops.extensions import load_extension
+from headkit.ops.feature_maps import elu_plus_one, get_feature_map
 
 # Elements per block-sized intermediate (φ(q), chunk scores, ...) of the causal forward, 1 MiB in float32: big
 # enough to amortise the per-block Python overhead, small enough to stay in a core's L2 cache (measured ~1.4x
@@ -39,6 +41,8 @@ _BLOCK_ELEMENTS = 1 << 18
 # state products (FLOPs ∝ C·D vs D², see causal_linear_attention_flops), and 64×64 matmuls run near the
 # machine's matmul rate on CPU.
 DEFAULT_CHUNK_SIZE = 64
+# Implementations of the causal forward (see `kernel` in linear_attention).
+KERNELS = ("auto", "chunked", "fused")
 
 
 class LinearAttentionState(NamedTuple):
@@ -65,6 +69,7 @@ def linear_attention(
     output_final_state: bool = False,
     eps: float = 1e-6,
     validate: bool = True,
+    kernel: str = "auto",
 ) -> tuple[torch.Tensor, LinearAttentionState | None]:
     """Linear attention out_i = φ(q_i)ᵀ Σ_j φ(k_j) v_jᵀ / (φ(q_i)ᵀ Σ_j φ(k_j) + eps) (Eq. 4; causal Eq. 9-11).
 
@@ -85,6 +90,10 @@ def linear_attention(
         eps: added to the denominator; a query that sees no key at all returns zeros.
         validate: False skips the checks, for a caller (a layer) that built the inputs itself: a bool mask or
             None, a state this op returned.
+        kernel: the causal forward's implementation: "chunked" (PyTorch, every device, dtype and autograd),
+            "fused" (the compiled kernel of ``ops/csrc/causal_linear_attention.cpp``: float32 on CPU, no
+            autograd, each chunk's products kept in cache; see :mod:`headkit.ops.extensions`), or "auto": fused
+            wherever it applies and the extension is available, else chunked. Ignored when not causal.
 
     Returns:
         (out [B, H, Tq, Dv] in q's dtype, final :class:`LinearAttentionState` or None). Accumulation is
@@ -114,9 +123,14 @@ def linear_attention(
         )
     if keep is not None:
         keep = keep.to(q.device)
+    extension = _fused_extension(kernel, causal, q, k, v, kv, k_sum)
 
     with autocast_disabled(q.device):
-        if causal:
+        if extension is not None:
+            out, kv, k_sum = _fused_causal_linear_attention(
+                extension, q, k, v, keep, kv, k_sum, phi, chunk_size, eps
+            )
+        elif causal:
             out, kv, k_sum = _causal_linear_attention(q, k, v, keep, kv, k_sum, phi, chunk_size, eps)
         else:
             out, kv, k_sum = _non_causal_linear_attention(q, k, v, keep, kv, k_sum, phi, eps)
@@ -241,6 +255,64 @@ def naive_linear_attention(
         kv, k_sum = kv + kv0, k_sum + k_sum0
     out = numerator / (denominator + eps)
     return out, (LinearAttentionState(kv, k_sum) if output_final_state else None)
+
+
+def _fused_extension(kernel: str, causal: bool, *tensors: torch.Tensor) -> ModuleType | None:
+    """The compiled kernel's module if this call takes it (see ``kernel`` in :func:`linear_attention`), else None."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(map(repr, KERNELS))}, got {kernel!r}")
+    if kernel == "chunked" or not causal:
+        return None
+    why_not = _fused_unsupported(tensors)
+    if why_not is not None:
+        if kernel == "fused":
+            raise ValueError(f"kernel='fused' needs {why_not}; kernel='auto' falls back to the chunked form")
+        return None
+    extension = load_extension("causal_linear_attention")
+    if extension is None and kernel == "fused":
+        raise RuntimeError("kernel='fused': the compiled extension is not available here (see the warning)")
+    return extension
+
+
+def _fused_unsupported(tensors: tuple[torch.Tensor, ...]) -> str | None:
+    """Why the fused kernel cannot take these tensors (q, k, v and the state), or None if it can."""
+    if any(t.device.type != "cpu" for t in tensors):
+        return "tensors on the CPU"
+    if any(t.dtype != torch.float32 for t in tensors):
+        return "float32 tensors"
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return "no autograd (it has no backward)"
+    if torch.compiler.is_compiling():
+        return "an eager call (torch.compile traces the chunked form)"
+    return None
+
+
+def _fused_causal_linear_attention(
+    extension: ModuleType,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep: torch.Tensor | None,
+    kv: torch.Tensor,
+    k_sum: torch.Tensor,
+    phi: Callable[[torch.Tensor], torch.Tensor],
+    chunk_size: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The causal form through the compiled kernel; returns (out, final kv, final k_sum) like the chunked one.
+    elu + 1 is computed inside the kernel; any other feature map is applied here first."""
+    elu = phi is elu_plus_one
+    if not elu:
+        q, k = _feature(phi, q), _feature(phi, k)
+    keep_bytes = torch.empty(0, dtype=torch.uint8) if keep is None else keep.to(torch.uint8).contiguous()
+    kv, k_sum = (
+        kv.clone(memory_format=torch.contiguous_format),
+        k_sum.clone(memory_format=torch.contiguous_format),
+    )
+    out = extension.causal_linear_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), keep_bytes, kv, k_sum, chunk_size, float(eps), elu
+    )
+    return out, kv, k_sum
 
 
 def _causal_linear_attention(

@@ -1,0 +1,141 @@
+// Causal linear attention (Katharopoulos et al. 2020, Eq. 9-11), forward only, float32 on CPU: the chunkwise form
+// of headkit.ops.linear with each chunk's work kept in cache. Per (batch, key/value head) and chunk c of C tokens:
+//   A = φ(Q_c) φ(K_c)ᵀ with its upper triangle zeroed, out_c = (φ(Q_c) S + A V_c) / (φ(Q_c) z + rowsum(A) + eps),
+//   then S += φ(K_c)ᵀ V_c and z += colsum φ(K_c),
+// where S = Σ φ(k_j) v_jᵀ and z = Σ φ(k_j) hold the earlier chunks. The four products go to the BLAS that torch
+// links (sgemm_) on [C, D] tiles that stay in L1/L2; the PyTorch path runs the same products batched over every
+// chunk, which streams each intermediate through memory.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+
+namespace {
+
+// Row-major C[m, n] = op(A)[m, k] op(B)[k, n] + beta C through the column-major BLAS: Cᵀ = op(B)ᵀ op(A)ᵀ.
+inline void gemm(bool trans_a, bool trans_b, int m, int n, int k, const float* a, int lda, const float* b, int ldb,
+                 float beta, float* c, int ldc) {
+  const float one = 1.0f;
+  const char ta = trans_a ? 'T' : 'N', tb = trans_b ? 'T' : 'N';
+  sgemm_(&tb, &ta, &n, &m, &k, &one, b, &ldb, a, &lda, &beta, c, &ldc);
+}
+
+// e^x for x ≤ 0 in plain arithmetic the compiler vectorises (no libm call in the loop): x = n ln 2 + r with n an
+// integer and |r| ≤ ln 2 / 2, r formed with ln 2 split in two (Cody & Waite) so that it stays exact for large |x|;
+// e^x = 2^n · e^r, e^r by its degree-7 Taylor polynomial (truncation below 1e-8). Below −87.3 the result would be
+// subnormal: clamped there (≈ 1.2e-38; elu(x) + 1 itself rounds to 0 long before, near x = −17).
+inline float exp_nonpositive(float x) {
+  x = std::max(x, -87.3f);
+  const float n = __builtin_rintf(x * 1.44269504088896341f);  // to nearest (vroundps)
+  float r = __builtin_fmaf(n, -0.693145751953125f, x);        // ln 2's high part: n·hi is exact
+  r = __builtin_fmaf(n, -1.42860676533018708e-6f, r);          // and its low part
+  float p = 1.0f / 5040.0f;
+  p = p * r + 1.0f / 720.0f;
+  p = p * r + 1.0f / 120.0f;
+  p = p * r + 1.0f / 24.0f;
+  p = p * r + 1.0f / 6.0f;
+  p = p * r + 0.5f;
+  p = p * r + 1.0f;
+  p = p * r + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return p * scale;
+}
+
+// φ(x) = elu(x) + 1 (Eq. 7): x + 1 above zero, e^x below.
+inline void elu_plus_one(const float* x, float* y, int n) {
+  for (int i = 0; i < n; ++i) {
+    const float v = x[i];
+    const float e = exp_nonpositive(std::min(v, 0.0f));
+    y[i] = v > 0.0f ? v + 1.0f : e;
+  }
+}
+
+inline void features(const float* x, float* y, int n, bool elu) {
+  if (elu) {
+    elu_plus_one(x, y, n);
+  } else {
+    std::copy(x, x + n, y);
+  }
+}
+
+}  // namespace
+
+// q [B, H, T, Dk], k [B, Hkv, T, Dk], v [B, Hkv, T, Dv]: contiguous float32 (φ already applied unless elu); keep
+// [B, T] uint8 (1 = real key) or empty; kv [B, Hkv, Dk, Dv] and k_sum [B, Hkv, Dk], contiguous float32, the state
+// before the first token, updated in place to the state after the last. Returns out [B, H, T, Dv].
+torch::Tensor causal_linear_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor keep,
+                                      torch::Tensor kv, torch::Tensor k_sum, int64_t chunk, double eps, bool elu) {
+  const int batch = q.size(0), heads = q.size(1), length = q.size(2), dk = q.size(3);
+  const int kv_heads = k.size(1), dv = v.size(3), groups = heads / kv_heads, c_max = chunk;
+  auto out = torch::empty({batch, heads, length, dv}, q.options());
+  const float* q_data = q.data_ptr<float>();
+  const float* k_data = k.data_ptr<float>();
+  const float* v_data = v.data_ptr<float>();
+  const uint8_t* keep_data = keep.numel() ? keep.data_ptr<uint8_t>() : nullptr;
+  float* out_data = out.data_ptr<float>();
+  float* kv_data = kv.data_ptr<float>();
+  float* k_sum_data = k_sum.data_ptr<float>();
+  const float epsilon = static_cast<float>(eps);
+
+  at::parallel_for(0, static_cast<int64_t>(batch) * kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> phi_q(c_max * dk), phi_k(c_max * dk), scores(c_max * c_max);
+    for (int64_t item = begin; item < end; ++item) {
+      const int b = item / kv_heads, h = item % kv_heads;
+      float* state = kv_data + item * dk * dv;
+      float* normaliser = k_sum_data + item * dk;
+      const float* keys = k_data + item * static_cast<int64_t>(length) * dk;
+      const float* values = v_data + item * static_cast<int64_t>(length) * dv;
+      for (int start = 0; start < length; start += c_max) {
+        const int c = std::min(c_max, length - start);
+        features(keys + static_cast<int64_t>(start) * dk, phi_k.data(), c * dk, elu);
+        if (keep_data != nullptr) {
+          for (int i = 0; i < c; ++i) {
+            if (!keep_data[static_cast<int64_t>(b) * length + start + i]) {
+              std::fill(phi_k.data() + i * dk, phi_k.data() + (i + 1) * dk, 0.0f);  // a zero feature: no key
+            }
+          }
+        }
+        const float* chunk_values = values + static_cast<int64_t>(start) * dv;
+        for (int g = 0; g < groups; ++g) {  // the query heads that read this key/value head
+          const int64_t query_head = static_cast<int64_t>(b) * heads + static_cast<int64_t>(h) * groups + g;
+          float* o = out_data + (query_head * length + start) * dv;
+          features(q_data + (query_head * length + start) * dk, phi_q.data(), c * dk, elu);
+          gemm(false, true, c, c, dk, phi_q.data(), dk, phi_k.data(), dk, 0.0f, scores.data(), c);
+          for (int i = 0; i < c; ++i) {
+            std::fill(scores.data() + i * c + i + 1, scores.data() + (i + 1) * c, 0.0f);
+          }
+          gemm(false, false, c, dv, dk, phi_q.data(), dk, state, dv, 0.0f, o, dv);
+          gemm(false, false, c, dv, c, scores.data(), c, chunk_values, dv, 1.0f, o, dv);
+          for (int i = 0; i < c; ++i) {
+            const float* qi = phi_q.data() + i * dk;
+            const float* si = scores.data() + i * c;
+            float denominator = epsilon;
+            for (int d = 0; d < dk; ++d) denominator += qi[d] * normaliser[d];
+            for (int j = 0; j <= i; ++j) denominator += si[j];
+            const float inverse = 1.0f / denominator;
+            for (int d = 0; d < dv; ++d) o[i * dv + d] *= inverse;
+          }
+        }
+        gemm(true, false, dk, dv, c, phi_k.data(), dk, chunk_values, dv, 1.0f, state, dv);
+        for (int i = 0; i < c; ++i) {
+          for (int d = 0; d < dk; ++d) normaliser[d] += phi_k[i * dk + d];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("causal_linear_attention", &causal_linear_attention, "Causal linear attention forward (float32, CPU)");
+}
