@@ -27,6 +27,7 @@ QKV = {"q": (B, H, T, D), "k": (B, H, T, D), "v": (B, H, T, D)}
 DOCUMENTED_INPUT_SHAPES = {
     "sdpa_causal": QKV,
     "linear_causal": QKV,
+    "linear_causal_chunked": QKV,
     "additive_causal": {"x": (B, H, T, D), "scores": (B, H, T)},
     "coca_causal": {"q": (B, H, T, D), "t": (B, H, T, D // 2), "v": (B, H, T, D)},
     "collaborative_causal": {

@@ -82,8 +82,14 @@ register_kernel(
 )
 register_kernel(
     "linear_causal",
-    "linear attention, elu+1 features, chunked causal",
+    "linear attention, elu+1 features, causal (kernel='auto': compiled where it applies, else chunked)",
     run=lambda q, k, v: linear_attention(q, k, v, causal=True),
+    flops=causal_linear_attention_flops,
+)
+register_kernel(
+    "linear_causal_chunked",
+    "linear attention, elu+1 features, causal, the chunked PyTorch form (kernel='chunked')",
+    run=lambda q, k, v: linear_attention(q, k, v, causal=True, kernel="chunked"),
     flops=causal_linear_attention_flops,
 )
 register_kernel(
