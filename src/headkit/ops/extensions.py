@@ -19,7 +19,7 @@ from pathlib import Path
 from types import ModuleType
 
 _SOURCES = Path(__file__).parent / "csrc"
-_FLAGS = ["-O3", "-march=native", "-std=c++17"]
+_FLAGS = ["-O3", "-march=native", "-std=c++17", "-fopenmp"]
 _LOADED: dict[str, ModuleType | None] = {}
 _LOCK = threading.Lock()
 logger = logging.getLogger(__name__)
@@ -61,6 +61,7 @@ def _build(name: str) -> ModuleType | None:
             name=f"headkit_{name}_{_cpu_tag()}",
             sources=[str(_SOURCES / f"{name}.cpp")],
             extra_cflags=_FLAGS,
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as error:  # no compiler, no ninja, a link error: the PyTorch path serves

@@ -9,11 +9,15 @@
 
 #include <ATen/Parallel.h>
 
+#include <omp.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
 
+// The BLAS torch links (MKL on x86 builds): where the symbol is missing the extension does not load, and the op
+// keeps its PyTorch path.
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
                        const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
                        const float* beta, float* c, const int* ldc);
@@ -53,6 +57,7 @@ inline float exp_nonpositive(float x) {
 
 // φ(x) = elu(x) + 1 (Eq. 7): x + 1 above zero, e^x below.
 inline void elu_plus_one(const float* x, float* y, int n) {
+#pragma omp simd
   for (int i = 0; i < n; ++i) {
     const float v = x[i];
     const float e = exp_nonpositive(std::min(v, 0.0f));
@@ -87,9 +92,16 @@ torch::Tensor causal_linear_attention(torch::Tensor q, torch::Tensor k, torch::T
   float* k_sum_data = k_sum.data_ptr<float>();
   const float epsilon = static_cast<float>(eps);
 
-  at::parallel_for(0, static_cast<int64_t>(batch) * kv_heads, 1, [&](int64_t begin, int64_t end) {
+  // One (batch, key/value head) per task, on as many threads as torch is set to use. Where torch ships libgomp.so.1
+  // (its CPU wheels do), this region runs in torch's own OpenMP runtime, so the BLAS sees it and runs each small
+  // product on the calling thread; a torch whose libgomp is renamed would add a second runtime (still correct).
+  const int64_t items = static_cast<int64_t>(batch) * kv_heads;
+  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+#pragma omp parallel num_threads(threads)
+  {
     std::vector<float> phi_q(c_max * dk), phi_k(c_max * dk), scores(c_max * c_max);
-    for (int64_t item = begin; item < end; ++item) {
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < items; ++item) {
       const int b = item / kv_heads, h = item % kv_heads;
       float* state = kv_data + item * dk * dv;
       float* normaliser = k_sum_data + item * dk;
@@ -120,7 +132,9 @@ torch::Tensor causal_linear_attention(torch::Tensor q, torch::Tensor k, torch::T
             const float* qi = phi_q.data() + i * dk;
             const float* si = scores.data() + i * c;
             float denominator = epsilon;
+#pragma omp simd reduction(+ : denominator)
             for (int d = 0; d < dk; ++d) denominator += qi[d] * normaliser[d];
+#pragma omp simd reduction(+ : denominator)
             for (int j = 0; j <= i; ++j) denominator += si[j];
             const float inverse = 1.0f / denominator;
             for (int d = 0; d < dv; ++d) o[i * dv + d] *= inverse;
@@ -132,7 +146,7 @@ torch::Tensor causal_linear_attention(torch::Tensor q, torch::Tensor k, torch::T
         }
       }
     }
-  });
+  }
   return out;
 }
 
