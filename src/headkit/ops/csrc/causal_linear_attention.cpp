@@ -99,7 +99,9 @@ torch::Tensor causal_linear_attention(torch::Tensor q, torch::Tensor k, torch::T
   const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> phi_q(c_max * dk), phi_k(c_max * dk), scores(c_max * c_max);
+    // [φ(Q_c) | A] side by side and [S ; V_c] stacked: the output's two products are one, of depth Dk + C.
+    const int width = dk + c_max;
+    std::vector<float> phi_k(c_max * dk), query_scores(c_max * width), state_values(width * dv);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int b = item / kv_heads, h = item % kv_heads;
@@ -107,6 +109,8 @@ torch::Tensor causal_linear_attention(torch::Tensor q, torch::Tensor k, torch::T
       float* normaliser = k_sum_data + item * dk;
       const float* keys = k_data + item * static_cast<int64_t>(length) * dk;
       const float* values = v_data + item * static_cast<int64_t>(length) * dv;
+      float* running_state = state_values.data();  // S, the first Dk rows of [S ; V_c]
+      std::copy(state, state + dk * dv, running_state);
       for (int start = 0; start < length; start += c_max) {
         const int c = std::min(c_max, length - start);
         features(keys + static_cast<int64_t>(start) * dk, phi_k.data(), c * dk, elu);
@@ -117,20 +121,21 @@ torch::Tensor causal_linear_attention(torch::Tensor q, torch::Tensor k, torch::T
             }
           }
         }
-        const float* chunk_values = values + static_cast<int64_t>(start) * dv;
+        float* chunk_values = running_state + dk * dv;
+        std::copy(values + static_cast<int64_t>(start) * dv, values + static_cast<int64_t>(start + c) * dv,
+                  chunk_values);
         for (int g = 0; g < groups; ++g) {  // the query heads that read this key/value head
           const int64_t query_head = static_cast<int64_t>(b) * heads + static_cast<int64_t>(h) * groups + g;
           float* o = out_data + (query_head * length + start) * dv;
-          features(q_data + (query_head * length + start) * dk, phi_q.data(), c * dk, elu);
-          gemm(false, true, c, c, dk, phi_q.data(), dk, phi_k.data(), dk, 0.0f, scores.data(), c);
+          const float* queries = q_data + (query_head * length + start) * dk;
+          for (int i = 0; i < c; ++i) features(queries + i * dk, query_scores.data() + i * width, dk, elu);
+          float* scores = query_scores.data() + dk;
+          gemm(false, true, c, c, dk, query_scores.data(), width, phi_k.data(), dk, 0.0f, scores, width);
+          for (int i = 0; i < c; ++i) std::fill(scores + i * width + i + 1, scores + i * width + c, 0.0f);
+          gemm(false, false, c, dv, dk + c, query_scores.data(), width, running_state, dv, 0.0f, o, dv);
           for (int i = 0; i < c; ++i) {
-            std::fill(scores.data() + i * c + i + 1, scores.data() + (i + 1) * c, 0.0f);
-          }
-          gemm(false, false, c, dv, dk, phi_q.data(), dk, state, dv, 0.0f, o, dv);
-          gemm(false, false, c, dv, c, scores.data(), c, chunk_values, dv, 1.0f, o, dv);
-          for (int i = 0; i < c; ++i) {
-            const float* qi = phi_q.data() + i * dk;
-            const float* si = scores.data() + i * c;
+            const float* qi = query_scores.data() + i * width;
+            const float* si = qi + dk;
             float denominator = epsilon;
 #pragma omp simd reduction(+ : denominator)
             for (int d = 0; d < dk; ++d) denominator += qi[d] * normaliser[d];
@@ -140,11 +145,12 @@ torch::Tensor causal_linear_attention(torch::Tensor q, torch::Tensor k, torch::T
             for (int d = 0; d < dv; ++d) o[i * dv + d] *= inverse;
           }
         }
-        gemm(true, false, dk, dv, c, phi_k.data(), dk, chunk_values, dv, 1.0f, state, dv);
+        gemm(true, false, dk, dv, c, phi_k.data(), dk, chunk_values, dv, 1.0f, running_state, dv);
         for (int i = 0; i < c; ++i) {
           for (int d = 0; d < dk; ++d) normaliser[d] += phi_k[i * dk + d];
         }
       }
+      std::copy(running_state, running_state + dk * dv, state);
     }
   }
   return out;
