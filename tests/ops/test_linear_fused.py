@@ -138,3 +138,11 @@ def test_a_failed_build_warns_once_and_the_environment_can_switch_extensions_off
     monkeypatch.setenv("HEADKIT_EXTENSIONS", "0")
     monkeypatch.setattr(extensions, "_LOADED", {})
     assert extensions.load_extension("causal_linear_attention") is None  # not even tried: no warning
+
+
+def test_fused_kernel_with_a_chunk_longer_than_the_sequence_and_with_no_tokens(fused_available):
+    q, k, v = inputs(length=50)
+    huge, _ = linear_attention(q, k, v, causal=True, kernel="fused", chunk_size=10**9)  # buffers sized by T
+    torch.testing.assert_close(huge, linear_attention(q, k, v, causal=True, kernel="chunked")[0])
+    empty, state = linear_attention(*inputs(length=0), causal=True, kernel="fused", output_final_state=True)
+    assert empty.shape == (2, 6, 0, 24) and not state.kv.any() and not state.k_sum.any()

@@ -81,7 +81,9 @@ inline void features(const float* x, float* y, int n, bool elu) {
 torch::Tensor causal_linear_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor keep,
                                       torch::Tensor kv, torch::Tensor k_sum, int64_t chunk, double eps, bool elu) {
   const int batch = q.size(0), heads = q.size(1), length = q.size(2), dk = q.size(3);
-  const int kv_heads = k.size(1), dv = v.size(3), groups = heads / kv_heads, c_max = chunk;
+  // A chunk longer than the sequence is the sequence: the buffers are sized for what is used.
+  const int kv_heads = k.size(1), dv = v.size(3), groups = heads / kv_heads;
+  const int c_max = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(chunk, length)));
   auto out = torch::empty({batch, heads, length, dv}, q.options());
   const float* q_data = q.data_ptr<float>();
   const float* k_data = k.data_ptr<float>();
