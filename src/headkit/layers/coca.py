@@ -31,7 +31,7 @@ from headkit.layers.base import HeadkitAttention, LayerInputs, fused_unless_weig
 from headkit.layers.registry import register_attention
 from headkit.layers.softmax import softmax_attention_weights
 from headkit.ops.coca import coca_attention
-from headkit.ops.rotary import rotary_cos_sin
+from headkit.ops.rotary import dynamic_rope_length, rotary_cos_sin
 
 T_ACTIVATIONS = {"relu": F.relu, "softplus": F.softplus}
 
@@ -147,7 +147,10 @@ def coca_attention_weights(
     """
     head_dim = q.shape[-1]
     half = head_dim // 2
-    longest = int(max(position_ids.max(), key_position_ids.max())) + 1
+    # Queries and keys rotate with the same frequencies: one length for both (read only under dynamic NTK).
+    longest = dynamic_rope_length(
+        rope_scaling, rope_theta, max_position_embeddings, position_ids, key_position_ids
+    )
     rotary = dict(
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
