@@ -458,24 +458,10 @@ def test_the_unchecked_parallel_form_is_the_checked_one(padded):
     tail_mask = None if mask is None else mask[:, 7:]
     results = {}
     for validate in (True, False):
-        first, state = hybrid_attention(
-            *head,
-            balance,
-            window=4,
-            chunk_size=3,
-            attention_mask=head_mask,
-            output_final_state=True,
-            validate=validate,
-        )
+        common = dict(window=4, chunk_size=3, output_final_state=True, validate=validate)
+        first, state = hybrid_attention(*head, balance, attention_mask=head_mask, **common)
         second, final = hybrid_attention(
-            *tail,
-            balance,
-            window=4,
-            chunk_size=3,
-            attention_mask=tail_mask,
-            initial_state=state,
-            output_final_state=True,
-            validate=validate,
+            *tail, balance, attention_mask=tail_mask, initial_state=state, **common
         )
         results[validate] = (first, second, final)
     torch.testing.assert_close(results[False][0], results[True][0], rtol=0, atol=0)
