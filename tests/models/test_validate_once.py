@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from headkit.layers import BUILTIN_ATTENTION_NAMES, HeadkitAttention, build_attention
+from headkit.layers import BUILTIN_ATTENTION_NAMES, build_attention
 from headkit.models import HeadkitForCausalLM
 from headkit.ops import _validation, rotary
 
@@ -67,13 +67,15 @@ def test_a_model_forward_checks_the_mask_and_the_positions_once(make_config, mon
     assert len(position_checks) + len(rotary_position_checks) == 1
 
 
-def test_the_layers_of_a_model_trust_it_and_a_layer_of_its_own_checks(make_config):
-    config = make_config()
-    model = HeadkitForCausalLM(config)
-    assert all(
-        not module.validate_inputs for module in model.modules() if isinstance(module, HeadkitAttention)
-    )
-    assert build_attention(config, 0).validate_inputs
+def test_a_layer_taken_out_of_a_model_checks_its_inputs_again(make_config):
+    # Trust is per call (the model passes inputs_validated=True), not a flag left on the layer.
+    model = HeadkitForCausalLM(make_config())
+    layer = model.model.layers[0].self_attn
+    x = torch.randn(2, 5, layer.hidden_size)
+    with pytest.raises(ValueError, match="attention_mask must have shape"):
+        layer(x, attention_mask=torch.ones(2, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="attention_mask must be bool or integer"):
+        layer(x, attention_mask=torch.ones(2, 5))
 
 
 @pytest.mark.parametrize("attention", BUILTIN_ATTENTION_NAMES)

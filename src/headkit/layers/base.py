@@ -32,9 +32,9 @@ The contract, for every mechanism:
   current ones (bool or 0/1 integers, True = real token; left padding in batched generation), or None.
   ``position_ids`` [B or 1, T] are the absolute positions of the current tokens, counted over real tokens only
   (left padding does not shift them); None means ``past, …, past + T − 1``. They are validated once: by the
-  layer's forward (:meth:`key_padding_mask`, :meth:`positions`), except in the layers of a
-  :class:`~headkit.models.HeadkitModel` (``validate_inputs`` False), whose forward has validated them for every
-  layer. The projections are right by construction, so the ops a layer calls skip their own checks
+  layer's forward (:meth:`key_padding_mask`, :meth:`positions`), except when the caller says it has
+  (``inputs_validated=True``: a :class:`~headkit.models.HeadkitModel`'s blocks, whose forward has validated them
+  for every layer; the same layer called on its own checks them again). The projections are right by construction, so the ops a layer calls skip their own checks
   (``validate=False``).
 * **Per-head outputs** [B, H, T, Dv] go through :meth:`project_heads`, the single place where a head gate
   (``self.head_gate``, a :class:`headkit.layers.gates.HeadkitGate` or None) scales them before ``o_proj``.
@@ -50,6 +50,7 @@ The contract, for every mechanism:
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
 
@@ -98,9 +99,17 @@ class HeadkitAttention(nn.Module):
     compared: ClassVar[bool] = True  # in the default runs of the benchmarks that compare mechanisms
     # The per-layer cache entry this mechanism needs; recurrent mechanisms use RecurrentStateLayer.
     cache_layer_class: ClassVar[type] = DynamicLayer
-    # Whether forward validates attention_mask and position_ids (:meth:`key_padding_mask`, :meth:`positions`).
-    # A HeadkitModel turns it off in its layers: the model validates them once per forward, for every layer.
-    validate_inputs: bool = True
+    # Whether forward takes ``inputs_validated`` (a subclass that overrides forward with the plain signature does
+    # not): set per class, so a model reads one attribute per call to know whether it may pass it.
+    takes_inputs_validated: ClassVar[bool] = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        parameters = inspect.signature(cls.forward).parameters.values()
+        cls.takes_inputs_validated = any(
+            parameter.name == "inputs_validated" or parameter.kind is inspect.Parameter.VAR_KEYWORD
+            for parameter in parameters
+        )
 
     def __init__(
         self,
@@ -144,18 +153,25 @@ class HeadkitAttention(nn.Module):
         past_key_values: Any = None,
         use_cache: bool = False,
         output_attentions: bool = False,
+        inputs_validated: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """[B, T, hidden_size] → ([B, T, hidden_size], attention weights [B, H, Tq, Tk] or None).
 
-        Validates ``attention_mask`` and ``position_ids`` (unless ``validate_inputs`` is off) and calls :meth:`attend`.
+        Validates ``attention_mask`` and ``position_ids`` and calls :meth:`attend`. ``inputs_validated=True`` is
+        for a caller that has checked them already (a model, once for all its layers): per call, so a layer
+        taken out of a model checks them again.
         """
         batch, seq, _ = hidden_states.shape
         past_length = self.past_length(past_key_values)
-        key_mask = self.key_padding_mask(attention_mask, batch, past_length + seq)
+        key_mask = attention_mask
+        if not inputs_validated:
+            key_mask = self.key_padding_mask(attention_mask, batch, past_length + seq)
         if key_mask is not None:
             key_mask = key_mask.to(hidden_states.device)
         positions = None
         if self.use_rope:
+            if position_ids is not None and not inputs_validated:
+                position_ids = check_batch_position_ids(position_ids, batch, seq)
             positions = self.positions(position_ids, batch, seq, past_length, hidden_states.device)
         inputs = LayerInputs(batch, seq, past_length, key_mask, positions, past_key_values, output_attentions)
         return self.attend(hidden_states, inputs)
@@ -212,12 +228,11 @@ class HeadkitAttention(nn.Module):
     def positions(
         self, position_ids: torch.Tensor | None, batch: int, seq: int, past_length: int, device: torch.device
     ) -> torch.Tensor:
-        """Validated positions [B or 1, T] of the current tokens; ``past, …, past + T − 1`` when None."""
+        """Positions [B or 1, T] of the current tokens (as given, checked by the caller); ``past, …, past + T − 1``
+        when None."""
         if position_ids is None:
             return torch.arange(past_length, past_length + seq, device=device)[None]
-        if not self.validate_inputs:
-            return position_ids
-        return check_batch_position_ids(position_ids, batch, seq)
+        return position_ids
 
     def recurrent_state(self, inputs: LayerInputs) -> Any:
         """A recurrent layer's state from the cache: None without a cache, or before its first token."""
@@ -232,8 +247,6 @@ class HeadkitAttention(nn.Module):
         self, attention_mask: torch.Tensor | None, batch: int, total_length: int
     ) -> torch.Tensor | None:
         """The validated [B, past + T] key padding mask as bool (True = real token), or None."""
-        if not self.validate_inputs:
-            return attention_mask
         return check_padding_mask(attention_mask, batch, total_length)
 
     def init_extra_parameters(self, std: float) -> None:

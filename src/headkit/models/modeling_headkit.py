@@ -95,6 +95,11 @@ class HeadkitDecoderLayer(GradientCheckpointingLayer):
         use_cache: bool = False,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        # HeadkitModel.forward has checked the mask and the positions once, for every layer: say so to a layer
+        # that can skip its own checks (per call, so the layer on its own checks them again).
+        trusted = (
+            {"inputs_validated": True} if getattr(self.self_attn, "takes_inputs_validated", False) else {}
+        )
         attention_output, attention_weights = self.self_attn(
             self.input_layernorm(hidden_states),
             attention_mask=attention_mask,
@@ -102,6 +107,7 @@ class HeadkitDecoderLayer(GradientCheckpointingLayer):
             past_key_values=past_key_values,
             use_cache=use_cache,
             output_attentions=output_attentions,
+            **trusted,
         )
         hidden_states = hidden_states + self.dropout(attention_output)
         hidden_states = hidden_states + self.dropout(self.mlp(self.post_attention_layernorm(hidden_states)))
@@ -160,9 +166,6 @@ class HeadkitModel(HeadkitPreTrainedModel):
         self.layers = nn.ModuleList(
             [HeadkitDecoderLayer(config, layer_idx) for layer_idx in range(config.num_hidden_layers)]
         )
-        for layer in self.layers:
-            # forward validates attention_mask and position_ids once for every layer: the layers trust them.
-            layer.self_attn.validate_inputs = False
         self.norm = HeadkitRMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.gradient_checkpointing = False
         self.post_init()
