@@ -116,6 +116,14 @@ class ReplacementAttention(nn.Module):
             self.epilogue_roles[role] = name
             self.add_module(name, module)
 
+    def __reduce_ex__(self, protocol: int) -> Any:
+        # Swapped in, the module's class is made at run time (both the headkit class and the replaced one, so
+        # 🤗's output recorders still match it): pickle rebuilds it from those two instead of looking it up.
+        bases = _RECORDABLE_BASES.get(type(self))
+        if bases is None:
+            return super().__reduce_ex__(protocol)
+        return _new_recordable, bases, self.__getstate__()
+
     def bind_call(self, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> AttentionCall:
         """The model's call, read with the replaced module's signature (:func:`bind_attention_call`)."""
         return bind_attention_call(self.call_signature, self, hidden_states, args, kwargs)
@@ -646,13 +654,19 @@ def check_projection_weights(weights: ProjectionWeights, site: AttentionSite) ->
 
 
 _RECORDABLE_CLASSES: dict[tuple[type, type], type] = {}
+_RECORDABLE_BASES: dict[type, tuple[type, type]] = {}
 
 
 def _recordable_class(headkit_class: type, original_class: type) -> type:
     key = (headkit_class, original_class)
     if key not in _RECORDABLE_CLASSES:
         name = headkit_class.__name__.removesuffix("Attention") + original_class.__name__
-        _RECORDABLE_CLASSES[key] = type(
-            name, (headkit_class, original_class), {"__module__": headkit_class.__module__}
-        )
+        made = type(name, (headkit_class, original_class), {"__module__": headkit_class.__module__})
+        _RECORDABLE_CLASSES[key], _RECORDABLE_BASES[made] = made, key
     return _RECORDABLE_CLASSES[key]
+
+
+def _new_recordable(headkit_class: type, original_class: type) -> nn.Module:
+    """An empty instance of :func:`_recordable_class`'s class, for unpickling (the state is set after)."""
+    made = _recordable_class(headkit_class, original_class)
+    return made.__new__(made)
