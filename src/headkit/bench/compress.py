@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import statistics
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 
 from headkit.bench._options import check_integers, check_positive_numbers
-from headkit.bench._report import column_table, progress_bar
+from headkit.bench._report import column_table, figure_axes, progress_bar
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import Compressed, compress_and_distill, load_teacher, prepare_encoder_text
@@ -103,25 +102,13 @@ def _width_result(
     }
 
 
-def _check_finite(widths: list[dict[str, Any]]) -> None:
-    """A NaN would surface as an invalid JSON write; name the width and the quantity instead."""
-    for width in widths:
-        for key, value in (item for name, data in width.items() for item in _numbers(data, name)):
-            if not math.isfinite(value):
-                raise HeadkitError(
-                    f"D̃={width['dim']}: {key} is {value} (the distillation diverged? lower --lr)"
-                )
-
-
-def _numbers(data: Any, name: str) -> Iterator[tuple[str, float]]:
-    if isinstance(data, dict):
-        for key, value in data.items():
-            yield from _numbers(value, f"{name}.{key}")
-    elif isinstance(data, list):
-        for index, value in enumerate(data):
-            yield from _numbers(value, f"{name}[{index}]")
-    elif isinstance(data, (int, float)) and not isinstance(data, bool):
-        yield name, float(data)
+def _check_finite(where: str, name: str, data: Any) -> None:
+    """A NaN would surface as an invalid JSON write; name the width (``where``) and the quantity instead."""
+    if isinstance(data, (dict, list)):
+        for key, value in data.items() if isinstance(data, dict) else enumerate(data):
+            _check_finite(where, f"{name}.{key}" if isinstance(data, dict) else f"{name}[{key}]", value)
+    elif isinstance(data, float) and not math.isfinite(data):  # an int is always finite
+        raise HeadkitError(f"{where}: {name} is {data} (the distillation diverged? lower --lr)")
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -159,12 +146,9 @@ def render_markdown(report: dict[str, Any]) -> str:
 def plot_curve(report: dict[str, Any]) -> Any:
     """Cosine after the swap and after distillation against D̃ (left); forward-time and parameter ratios to the
     original against D̃ (right)."""
-    from matplotlib.figure import Figure
-
     widths = sorted(report["widths"], key=lambda width: width["dim"])
     dims = [width["dim"] for width in widths]
-    figure = Figure(figsize=(10, 4), layout="constrained")
-    cosine_axis, ratio_axis = figure.subplots(1, 2)
+    figure, (cosine_axis, ratio_axis) = figure_axes((10, 4), 1, 2, "constrained")
     for key, label in (
         ("fidelity_after_swap", "after the swap"),
         ("fidelity_after_distillation", f"after {report['settings']['distill_steps']} distillation steps"),
@@ -243,7 +227,9 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
                 f"{width['forward_time_ratio']:.2f}x"
             )
 
-    _check_finite(widths)
+    for width in widths:
+        for key, value in width.items():
+            _check_finite(f"D̃={width['dim']}", key, value)
     return {
         "model": str(model_path),
         "model_name": "all-MiniLM-L6-v2" if config.model is None else model_path.name,

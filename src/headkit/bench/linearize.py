@@ -81,21 +81,19 @@ def _check(settings: LinearizeBenchSettings) -> None:
 def results_table(report: dict[str, Any]) -> str:
     """table.md: perplexity per stage and length, agreement, then decode time and memory per context."""
     conversion, stages = report["conversion"], report["perplexity_stages"]
-    original = stages["original"]
-    quality = [["original", f"{original:.3f}", "1.00"]]
-    for key, label in (
-        ("converted", "converted (no training)"),
-        ("after_transfer", f"+ attention transfer ({report['transfer']['steps']} steps)"),
-        ("after_lora", f"+ LoRA ({report['recovery']['steps']} steps)"),
-    ):
-        quality.append([label, f"{stages[key]:.3f}", f"{stages[key] / original:.2f}"])
+    stage_labels = {
+        "original": "original",
+        "converted": "converted (no training)",
+        "after_transfer": f"+ attention transfer ({report['transfer']['steps']} steps)",
+        "after_lora": f"+ LoRA ({report['recovery']['steps']} steps)",
+    }
+    quality = [
+        [label, f"{stages[key]:.3f}", f"{stages[key] / stages['original']:.2f}"]
+        for key, label in stage_labels.items()
+    ]
+    original, ratio = report["perplexity_original"], report["perplexity_ratio"]
     lengths = [
-        [
-            f"{n} tokens",
-            f"{report['perplexity_original'][n]:.3f}",
-            f"{v:.3f}",
-            f"{report['perplexity_ratio'][n]:.2f}",
-        ]
+        [f"{n} tokens", f"{original[n]:.3f}", f"{v:.3f}", f"{ratio[n]:.2f}"]
         for n, v in report["perplexity_linearized"].items()
     ]
     decode = {
@@ -115,8 +113,7 @@ def results_table(report: dict[str, Any]) -> str:
     )
     return "\n".join(
         [
-            header,
-            "",
+            f"{header}\n",
             markdown_table(["model", f"perplexity at {stages['length']} tokens", "× original"], quality),
             markdown_table(["held-out window", "original", "linearized", "ratio"], lengths),
             column_table(decode, report["decode"]),

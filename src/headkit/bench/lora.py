@@ -20,15 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from headkit.bench._options import check_integers, check_positive_numbers
-from headkit.bench._report import markdown_table, progress_bar
-from headkit.bench.digits import DIGIT_IMAGES, load_digit_data
+from headkit.bench._report import figure_axes, markdown_table, progress_bar
+from headkit.bench.digits import DIGIT_IMAGES, LEVELS, PIXELS, SIDE, load_digit_data
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 
-PIXELS = 64
-SIDE = 8
-MAX_INTENSITY = 16
-CLASSES = 10
+MAX_INTENSITY = LEVELS - 1  # load_digits intensities are integers 0..16
 RANKS = (1, 2, 4, 8, 16, 32, 64)
 VARIANTS = ("quantized", "rotated", "inverted")
 TARGET_MODULES = ("fc1", "fc2", "fc3")
@@ -70,13 +67,10 @@ class DigitClassifier(nn.Module):
         super().__init__()
         self.fc1 = nn.Linear(PIXELS, hidden_size)
         self.fc2 = nn.Linear(hidden_size, hidden_size)
-        self.fc3 = nn.Linear(hidden_size, CLASSES)
+        self.fc3 = nn.Linear(hidden_size, 10)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         return self.fc3(F.relu(self.fc2(F.relu(self.fc1(pixels)))))
-
-
-# -- data ------------------------------------------------------------------------------------------------------
 
 
 def load_split(test_fraction: float = 0.25, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -108,9 +102,6 @@ def make_variant(pixels: torch.Tensor, variant: str) -> torch.Tensor:
     if variant == "inverted":
         return MAX_INTENSITY - pixels
     raise HeadkitError(f"variant must be one of original, {', '.join(VARIANTS)}; got {variant!r}")
-
-
-# -- training --------------------------------------------------------------------------------------------------
 
 
 def train_classifier(
@@ -169,9 +160,6 @@ def trainable_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-# -- the benchmark ---------------------------------------------------------------------------------------------
-
-
 def _check_settings(config: LoraConfig) -> None:
     check_integers("--ranks", config.ranks)
     check_positive_numbers(config, ("lr", "lora_lr"))
@@ -204,20 +192,18 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def plot_results(report: dict[str, Any]) -> Any:
     """Accuracy against LoRA rank (log₂ axis), one line per variant, full fine-tuning dashed in the same colour."""
-    from matplotlib.figure import Figure
 
-    figure = Figure(figsize=(7, 4.5))
-    axis = figure.subplots()
+    def by_rank(rows: list[dict[str, Any]]) -> tuple[list[int], list[float]]:
+        return [row["rank"] for row in rows], [row["accuracy"] for row in rows]
+
+    figure, axis = figure_axes((7, 4.5))
     for index, (name, variant) in enumerate(report["variants"].items()):
-        ranks, accuracies = zip(*((row["rank"], row["accuracy"]) for row in variant["lora"]), strict=True)
-        axis.plot(ranks, accuracies, "o-", color=f"C{index}", label=f"{name}: LoRA")
+        axis.plot(*by_rank(variant["lora"]), "o-", color=f"C{index}", label=f"{name}: LoRA")
         axis.axhline(
             variant["full_finetune_accuracy"], color=f"C{index}", linestyle="--", label=f"{name}: full"
         )
-    ranks, accuracies = zip(
-        *((row["rank"], row["accuracy"]) for row in report["lora_from_scratch"]), strict=True
-    )
-    axis.plot(ranks, accuracies, "s:", color="black", label="original: LoRA only, from scratch")
+    scratch = "original: LoRA only, from scratch"
+    axis.plot(*by_rank(report["lora_from_scratch"]), "s:", color="black", label=scratch)
     axis.set(
         xlabel="LoRA rank r", ylabel="test accuracy", title="LoRA against full fine-tuning on shifted digits"
     )

@@ -38,6 +38,7 @@ from headkit.bench._options import check_integers, check_positive_numbers
 from headkit.bench._report import (
     TABLE_FILE,
     column_table,
+    figure_axes,
     find_point,
     markdown_table,
     progress_bar,
@@ -122,9 +123,6 @@ class PruneCurvesConfig:
     threads: int = option(1, "torch threads (1: comparable timings on shared cores).", min=1)
 
     quick = quick_preset("Few steps, short texts, three decoder points (≈ 3 minutes).")
-
-
-# -- settings --------------------------------------------------------------------------------------------------
 
 
 def check_settings(config: PruneCurvesConfig) -> None:
@@ -235,16 +233,12 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
     train_texts, held_out_texts = text_chunks(
         load_text(None), config.train_texts, config.held_out_texts, config.seed
     )
+    shape = (config.batch_size, config.max_length)
     train_batches, held_out = (
-        tokenize_batches(loaded.tokenizer, texts, config.batch_size, config.max_length)
-        for texts in (train_texts, held_out_texts)
+        tokenize_batches(loaded.tokenizer, t, *shape) for t in (train_texts, held_out_texts)
     )
-    calibration = contrastive_pair_batches(
-        loaded.tokenizer,
-        train_texts[: config.importance_batches * config.batch_size],
-        config.batch_size,
-        config.max_length,
-    )
+    calibration_texts = train_texts[: config.importance_batches * config.batch_size]
+    calibration = contrastive_pair_batches(loaded.tokenizer, calibration_texts, *shape)
     console.print(
         f"encoder {model_path}: {total_heads} heads in {len(heads_before)} layers; "
         f"{len(train_batches)} training and {len(held_out)} held-out batches of "
@@ -581,9 +575,6 @@ def render_recovery(section: dict[str, Any]) -> str:
     )
 
 
-# -- the report ------------------------------------------------------------------------------------------------
-
-
 def render_markdown(report: dict[str, Any]) -> str:
     """Both parts' tables: fidelity per heads kept and method; perplexity per fraction pruned."""
     settings, encoder, machine = report["settings"], report["encoder"], report["machine"]
@@ -646,11 +637,8 @@ def _per_layer(counts: dict) -> str:
 
 def plot_encoder_curve(report: dict[str, Any]) -> Any:
     """Mean cosine against heads kept, per method, after (solid) and before (dashed) the distillation."""
-    from matplotlib.figure import Figure
-
     encoder = report["encoder"]
-    figure = Figure(figsize=(6.4, 4.2))
-    axes = figure.subplots()
+    figure, axes = figure_axes((6.4, 4.2))
     for method, color in zip(METHODS, ("tab:blue", "tab:orange"), strict=True):
         points = sorted(
             (p for p in encoder["points"] if p["method"] == method), key=lambda p: p["heads_kept"]
@@ -674,22 +662,16 @@ def plot_encoder_curve(report: dict[str, Any]) -> Any:
 
 def plot_decoder_curve(report: dict[str, Any]) -> Any:
     """Held-out perplexity (log scale) against the fraction of heads pruned."""
-    from matplotlib.figure import Figure
-
     decoder = report["decoder"]
     if decoder is None:  # the run left the decoder out
         return None
     points = sorted(decoder["points"], key=lambda p: p["fraction_pruned"])
-    figure = Figure(figsize=(6.4, 4.2))
-    axes = figure.subplots()
+    figure, axes = figure_axes((6.4, 4.2))
     axes.plot([p["fraction_pruned"] for p in points], [p["perplexity"] for p in points], "o-")
     axes.set(yscale="log", xlabel="fraction of query heads pruned (by importance, no fine-tuning)")
     axes.set(ylabel="held-out perplexity", title=f"{decoder.get('name', decoder['model'])}")
     axes.grid(alpha=0.3, which="both")
     return figure
-
-
-# -- the benchmark ---------------------------------------------------------------------------------------------
 
 
 @register_benchmark(
@@ -715,16 +697,14 @@ def run_prune_curves(
         encoder = run_encoder_curve(config, console, progress)
     decoder = None
     if config.decoder:
-        console.print(f"loading {DECODER_NAME if load_decoder is load_smollm2 else 'the decoder'} …")
+        name = DECODER_NAME if load_decoder is load_smollm2 else None
+        console.print(f"loading {name or 'the decoder'} …")
         load_started = time.perf_counter()
         model, tokenizer = load_decoder()
         load_seconds = time.perf_counter() - load_started
         with progress_bar(console, transient=True) as progress:
             decoder = run_decoder_curve(model, tokenizer, config, console, progress)
-        decoder["name"] = DECODER_NAME if load_decoder is load_smollm2 else decoder["model"]
-        decoder["load_seconds"] = load_seconds
-        del model
-    recovery = None
-    if config.decoder and config.recovery:
-        recovery = run_recovery_cases(config, console)
+        decoder |= {"name": name or decoder["model"], "load_seconds": load_seconds}
+        del model  # before the recovery cases load their own copies
+    recovery = run_recovery_cases(config, console) if config.decoder and config.recovery else None
     return {"encoder": encoder, "decoder": decoder, "recovery": recovery}
