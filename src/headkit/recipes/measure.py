@@ -95,21 +95,22 @@ def decode_seconds_per_token(model: nn.Module, context: int, steps: int = 8) -> 
 def compare_speed(
     original: nn.Module, other: nn.Module, *, prefill_ids: torch.Tensor, decode_context: int, rounds: int = 3
 ) -> dict[str, float]:
-    """Prefill and per-token decode times of both models, alternated round after round (medians, ms)."""
+    """Prefill and per-token decode times of both models, alternated round after round (medians, ms; the
+    order reversed every other round, as in :func:`interleaved_times`)."""
     for model in (original, other):  # warm-up outside the rounds: lazy initialisation, allocator caches
         prefill_seconds(model, prefill_ids[:, :8])
-    prefill = [
-        (prefill_seconds(original, prefill_ids), prefill_seconds(other, prefill_ids)) for _ in range(rounds)
-    ]
-    decode = [
-        (decode_seconds_per_token(original, decode_context), decode_seconds_per_token(other, decode_context))
-        for _ in range(rounds)
-    ]
+    models = {"original": original, "other": other}
+    prefill = interleaved_values(
+        {name: _bound(prefill_seconds, m, prefill_ids) for name, m in models.items()}, rounds
+    )
+    decode = interleaved_values(
+        {name: _bound(decode_seconds_per_token, m, decode_context) for name, m in models.items()}, rounds
+    )
     result = {
-        "prefill_ms_original": 1000 * statistics.median(a for a, _ in prefill),
-        "prefill_ms": 1000 * statistics.median(b for _, b in prefill),
-        "decode_ms_per_token_original": 1000 * statistics.median(a for a, _ in decode),
-        "decode_ms_per_token": 1000 * statistics.median(b for _, b in decode),
+        "prefill_ms_original": 1000 * statistics.median(prefill["original"]),
+        "prefill_ms": 1000 * statistics.median(prefill["other"]),
+        "decode_ms_per_token_original": 1000 * statistics.median(decode["original"]),
+        "decode_ms_per_token": 1000 * statistics.median(decode["other"]),
         "prefill_tokens": int(prefill_ids.shape[1]),
         "decode_context": decode_context,
         "rounds": rounds,
@@ -118,6 +119,10 @@ def compare_speed(
     result["prefill_ratio"] = result["prefill_ms"] / result["prefill_ms_original"]
     result["decode_ratio"] = result["decode_ms_per_token"] / result["decode_ms_per_token_original"]
     return result
+
+
+def _bound(measure: Callable[..., float], *args: Any) -> Callable[[], float]:
+    return lambda: measure(*args)
 
 
 @torch.no_grad()
@@ -134,18 +139,23 @@ def greedy_sample(model: nn.Module, tokenizer: Any, prompt: str, max_new_tokens:
     return tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
 
 
+def interleaved_values(measures: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """What each of ``measures`` returns, round after round, the order reversed every other round (a call that
+    follows another can find the caches warm or the clock boosted): a machine whose load drifts slows every
+    call alike, so ratios within a round hold."""
+    values: dict[str, list[float]] = {name: [] for name in measures}
+    for round_ in range(rounds):
+        for name in list(measures) if round_ % 2 == 0 else list(reversed(measures)):
+            values[name].append(measures[name]())
+    return values
+
+
 def interleaved_times(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
-    """Seconds of one call of each of ``calls``, round after round, the order reversed every other round (a call
-    that follows another can find the caches warm or the clock boosted), after one warm-up call of each: a
-    machine whose load drifts slows every call alike, so ratios within a round hold."""
+    """Seconds of one call of each of ``calls``, round after round (see :func:`interleaved_values`), after one
+    warm-up call of each."""
     for call in calls.values():
         call()  # lazy initialisation, allocator caches
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for round_ in range(rounds):
-        names = list(calls) if round_ % 2 == 0 else list(reversed(calls))
-        for name in names:
-            times[name].append(median_seconds(calls[name], 1))
-    return times
+    return interleaved_values({name: _bound(median_seconds, call, 1) for name, call in calls.items()}, rounds)
 
 
 def forward_times(models: dict[str, nn.Module], batch: dict, rounds: int) -> dict[str, list[float]]:

@@ -1,0 +1,41 @@
+"""compare_speed alternates the two models round after round, reversing the order every other round."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from headkit.recipes import measure
+
+
+def test_compare_speed_reverses_the_order_every_other_round(monkeypatch):
+    calls: list[tuple[str, str]] = []
+    original, other = nn.Identity(), nn.Identity()
+    name = {id(original): "original", id(other): "other"}
+
+    def fake(kind, seconds):
+        def measure_(model, _argument):
+            calls.append((kind, name[id(model)]))
+            return seconds[name[id(model)]]
+
+        return measure_
+
+    monkeypatch.setattr(measure, "prefill_seconds", fake("prefill", {"original": 0.2, "other": 0.1}))
+    monkeypatch.setattr(
+        measure, "decode_seconds_per_token", fake("decode", {"original": 0.004, "other": 0.001})
+    )
+    result = measure.compare_speed(
+        original, other, prefill_ids=torch.zeros(1, 16, dtype=torch.long), decode_context=8, rounds=3
+    )
+    rounds = [c for c in calls if c[0] == "decode"]
+    assert [model for _, model in rounds] == ["original", "other", "other", "original", "original", "other"]
+    prefill_rounds = [c for c in calls if c[0] == "prefill"][2:]  # after the two warm-up calls
+    assert [model for _, model in prefill_rounds] == [
+        "original",
+        "other",
+        "other",
+        "original",
+        "original",
+        "other",
+    ]
+    assert result["prefill_ratio"] == 0.5 and result["decode_ratio"] == 0.25
