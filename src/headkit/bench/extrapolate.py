@@ -221,15 +221,13 @@ def train_model(
     generator = torch.Generator().manual_seed(config.seed + 1)
     rng = np.random.default_rng(config.seed + 1)
     passkey_rows = round(config.passkey_fraction * config.batch_size)
-    optimizer, schedule = lm_optimizer(
-        model, config.lr, 0.01, config.steps, warmup=max(1, config.steps // 20)
-    )
+    corpus_rows = config.batch_size - passkey_rows
+    warmup = max(1, config.steps // 20)
+    optimizer, schedule = lm_optimizer(model, config.lr, 0.01, config.steps, warmup=warmup)
 
     def loss_at(step: int) -> torch.Tensor:
-        corpus_rows = sample_batch(
-            train_stream, config.batch_size - passkey_rows, config.train_length, generator
-        )
-        batch = torch.cat([corpus_rows, passkey_batch(passkey_rows, config.train_length, rng)])
+        windows = sample_batch(train_stream, corpus_rows, config.train_length, generator)
+        batch = torch.cat([windows, passkey_batch(passkey_rows, config.train_length, rng)])
         labels = batch.masked_fill(torch.isin(batch, SPECIAL_IDS), -100)
         return model(input_ids=batch, labels=labels, use_cache=False).loss
 
@@ -249,9 +247,9 @@ def held_out_windows(held_out_stream: torch.Tensor, length: int, eval_tokens: in
 @torch.no_grad()
 def retrieve_passkeys(model: HeadkitForCausalLM, documents: list[PasskeyDocument]) -> list[str]:
     """The model's greedy 5-token answers to the documents' prompts (same-length prompts, batched)."""
-    answers: list[str] = []
     if not documents:
-        return answers
+        return []
+    answers = []
     prompts = torch.tensor([list(doc.prompt.encode("ascii")) for doc in documents], dtype=torch.long)
     rows = max(1, EVAL_BATCH_TOKENS // prompts.shape[1])
     with quiet_transformers():  # the input exceeds max_position_embeddings: that is the point
@@ -398,7 +396,7 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
     See the module docstring; returns the dictionary written to ``results.json``."""
     corpus = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
     train_stream, held_out_stream = (
-        encode_corpus(text, ByteTokenizer()) for text in (corpus.train, corpus.held_out)
+        encode_corpus(part, ByteTokenizer()) for part in (corpus.train, corpus.held_out)
     )
     windows = {n: held_out_windows(held_out_stream, n, config.eval_tokens) for n in config.lengths}
     documents = {n: passkey_trials(n, config.passkey_trials, config.seed) for n in config.lengths}

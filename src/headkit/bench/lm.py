@@ -295,11 +295,8 @@ def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
             console.print(f"[bold red]{variant} diverged[/] (non-finite loss); try a lower --lr")
         del trained  # the next model need not share memory with this one
 
-    return {
-        "corpus": summary,
-        "positions": {
-            "rope": [v for v in config.variants if model_configs[v].position_embedding_type == "rope"],
-            "learned": [v for v in config.variants if model_configs[v].position_embedding_type == "learned"],
-        },
-        "variants": results,
+    positions = {
+        kind: [v for v in config.variants if model_configs[v].position_embedding_type == kind]
+        for kind in ("rope", "learned")
     }
+    return {"corpus": summary, "positions": positions, "variants": results}
