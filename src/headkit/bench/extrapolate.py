@@ -135,7 +135,7 @@ def passkey_document(length: int, key: str, depth: float, rng: np.random.Generat
 
 
 def _filler(size: int, rng: np.random.Generator) -> str:
-    text = ""  # random sentences, each after a space, until the first space and ``size`` bytes are covered
+    text = ""  # " sentence" after " sentence" until ``size`` bytes follow the leading space, cut to them
     while len(text) <= size:
         text += " " + FILLER_SENTENCES[int(rng.integers(len(FILLER_SENTENCES)))]
     return text[1 : size + 1]

@@ -122,17 +122,19 @@ def variant_fields(variant: str, config: LMBenchConfig) -> dict[str, Any]:
 def describe_variant(variant: str, config: LMBenchConfig) -> str:
     """A short human description of the variant, e.g. "additive, window 32, depthwise conv k=3"."""
     fields = variant_fields(variant, config)
-    described = {  # each field a variant may set, in words
-        "additive_window": lambda window: "global" if window is None else f"window {window}",
-        "conv_kernel_size": lambda kernel: f"depthwise conv k={kernel}",
-        "feature_map": lambda feature_map: f"{feature_map} + 1 features",
-        "dim_shared_query_key": lambda width: (
-            f"shared D̃={width}" + (" (full)" if width == config.hidden_size else "")
-        ),
-    }
-    return ", ".join(
-        [fields["attention"], *(say(fields[name]) for name, say in described.items() if name in fields)]
-    )
+    parts = [fields["attention"]]
+    if fields.get("additive_window") is not None:
+        parts.append(f"window {fields['additive_window']}")
+    elif fields["attention"] == "additive":
+        parts.append("global")
+    if fields.get("convolve"):
+        parts.append(f"depthwise conv k={fields['conv_kernel_size']}")
+    if "feature_map" in fields:
+        parts.append(f"{fields['feature_map']} + 1 features")
+    if "dim_shared_query_key" in fields:
+        width = fields["dim_shared_query_key"]
+        parts.append(f"shared D̃={width}" + (" (full)" if width == config.hidden_size else ""))
+    return ", ".join(parts)
 
 
 def model_config(variant: str, config: LMBenchConfig) -> Any:
@@ -275,8 +277,11 @@ def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
         # What the variant achieved, bits per byte None where not finite (the model diverged); the curve holds
         # {step, train_seconds, bits_per_byte} from step 0 on.
         curve = [
-            {"step": int(point["step"]), "train_seconds": point["train_seconds"]}
-            | {"bits_per_byte": point["held_out_bits_per_byte"]}
+            {
+                "step": int(point["step"]),
+                "train_seconds": point["train_seconds"],
+                "bits_per_byte": point["held_out_bits_per_byte"],
+            }
             for point in trained.history
         ]
         result = {
