@@ -20,16 +20,13 @@ from typing import Any
 import torch
 
 from headkit.bench._options import check_integers
-from headkit.bench._report import markdown_table
+from headkit.bench._report import figure_axes, markdown_table, plot_series
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.recipes.models import default_encoder_path
 from headkit.surgery.decompose import decompose_query_key
 
 PLOT_FILE = "decompose.png"
-DEFAULT_DIMS = (64, 128, 192, 256, 384)
-DEFAULT_MAX_ITER = 100
-QUICK_LAYERS, QUICK_DIMS, QUICK_MAX_ITER = (0,), (64, 384), 10
 METHODS = ("headkit", "tensorly")
 
 # BERT, RoBERTa, MiniLM and friends name a layer's projections encoder.layer.<i>.attention.self.{query,key}.
@@ -44,20 +41,18 @@ class DecomposeSettings:
         None, "A local 🤗 model directory (default: the bundled all-MiniLM-L6-v2).", argument=True
     )
     dims: tuple[int, ...] = option(
-        DEFAULT_DIMS,
+        (64, 128, 192, 256, 384),
         "Comma-separated shared widths D̃ (default 64,128,192,256,384; quick 64,384).",
-        quick=QUICK_DIMS,
+        quick=(64, 384),
     )
-    max_iter: int = option(
-        DEFAULT_MAX_ITER, "ALS sweeps per decomposition (default 100; quick 10).", min=1, quick=QUICK_MAX_ITER
-    )
+    max_iter: int = option(100, "ALS sweeps per decomposition (default 100; quick 10).", min=1, quick=10)
     include_tensorly: bool = option(
         True, "Also time tensorly's parafac on the same tensors.", flag="--tensorly"
     )
     threads: int | None = option(1, "torch threads for both libraries.", min=1)
     seed: int = option(0, "Seed of the decompositions.")
     out: Path = option(Path("results/decompose"), "Output directory for results.json, table, plot.")
-    layers: tuple[int, ...] | None = setting(None, quick=QUICK_LAYERS)  # layer indices; None: all
+    layers: tuple[int, ...] | None = setting(None, quick=(0,))  # layer indices; None: all
     tol: float = 0.0  # stopping tolerance of both methods; 0 runs every sweep, so both do the same number
 
     quick = quick_preset("One layer, two widths, 10 sweeps.")
@@ -69,48 +64,35 @@ def _check(settings: DecomposeSettings) -> None:
         check_integers("layers", settings.layers, low=0)
 
 
-def _headkit_point(
-    w_q: torch.Tensor,
-    w_k: torch.Tensor,
-    heads: int,
-    dim: int,
-    settings: DecomposeSettings,
-    dense: torch.Tensor,
-) -> dict[str, Any]:
-    seed, tol, max_iter = settings.seed, settings.tol, settings.max_iter
+def headkit_fit(w_q: torch.Tensor, w_k: torch.Tensor, heads: int, dim: int, settings: Any) -> Any:
+    """headkit's rank-``dim`` fit as a dense tensor, the seconds of the call, and its sweeps and start."""
+    sweeps = {"max_iter": settings.max_iter, "tol": settings.tol, "seed": settings.seed}
     start = time.perf_counter()
-    *factors, info = decompose_query_key(
-        w_q, w_k, heads, dim, seed=seed, tol=tol, max_iter=max_iter, return_info=True
-    )
+    *factors, info = decompose_query_key(w_q, w_k, heads, dim, **sweeps, return_info=True)
     seconds = time.perf_counter() - start
     fit = torch.einsum("ri,hr,rj->ihj", *(factor.double() for factor in factors))
-    return _point(dim, "headkit", dense, fit, seconds) | {"iterations": info.iterations, "start": info.start}
+    return fit, seconds, {"iterations": info.iterations, "start": info.start}
 
 
-def _tensorly_point(
-    parafac: Any, dim: int, settings: DecomposeSettings, dense: torch.Tensor
-) -> dict[str, Any]:
+def tensorly_fit(parafac: Any, dense: torch.Tensor, dim: int, settings: DecomposeSettings) -> Any:
+    """tensorly's rank-``dim`` fit of ``dense`` from its "svd" start, and the seconds of the call."""
     numpy_dense = dense.numpy()
+    options = {"n_iter_max": settings.max_iter, "tol": settings.tol, "random_state": settings.seed}
     start = time.perf_counter()
     with warnings.catch_warnings():
         # D̃ > heads: tensorly warns that it pads its head factor with random columns, as intended.
         warnings.simplefilter("ignore", UserWarning)
-        weights, factors = parafac(
-            numpy_dense,
-            dim,
-            n_iter_max=settings.max_iter,
-            init="svd",
-            tol=settings.tol,
-            random_state=settings.seed,
-        )
+        weights, factors = parafac(numpy_dense, dim, init="svd", **options)
     seconds = time.perf_counter() - start
     fit = torch.einsum("r,ir,hr,jr->ihj", *(torch.from_numpy(x) for x in (weights, *factors)))
-    return _point(dim, "tensorly", dense, fit, seconds) | {"iterations": None, "start": "svd"}
+    return fit, seconds, {"iterations": None, "start": "svd"}
 
 
-def _point(dim: int, method: str, dense: torch.Tensor, fit: torch.Tensor, seconds: float) -> dict[str, Any]:
-    error = float(torch.linalg.vector_norm(dense - fit) / torch.linalg.vector_norm(dense))
-    return {"dim": dim, "method": method, "relative_error": error, "seconds": seconds}
+def head_forms(w_q: torch.Tensor, w_k: torch.Tensor, heads: int) -> torch.Tensor:
+    """The dense [hidden, heads, hidden] tensor T[:, h, :] = W_{Q,h} W_{K,h}ᵀ in float64."""
+    rows, hidden = w_q.shape
+    per_head = (w.detach().double().reshape(heads, rows // heads, hidden) for w in (w_q, w_k))
+    return torch.einsum("hdi,hdj->ihj", *per_head)
 
 
 def load_query_key_weights(model_dir: str | Path) -> tuple[int, dict[int, tuple[torch.Tensor, torch.Tensor]]]:
@@ -140,15 +122,30 @@ def load_query_key_weights(model_dir: str | Path) -> tuple[int, dict[int, tuple[
     return heads, weights
 
 
+def summarise(points: list[dict[str, Any]], dims: list[int]) -> list[dict[str, Any]]:
+    """Per D̃, each method's mean error and total seconds over the layers (None where it did not run), and
+    headkit's speed-up over tensorly."""
+    rows = []
+    for dim in dims:
+        row: dict[str, Any] = {"dim": dim}
+        for method in METHODS:
+            chosen = [p for p in points if p["dim"] == dim and p["method"] == method]
+            errors, seconds = [p["relative_error"] for p in chosen], [p["seconds"] for p in chosen]
+            row[f"{method}_error"] = sum(errors) / len(errors) if chosen else None
+            row[f"{method}_seconds"] = sum(seconds) if chosen else None
+        both = row["headkit_seconds"] and row["tensorly_seconds"]
+        row["speedup"] = row["tensorly_seconds"] / row["headkit_seconds"] if both else None
+        rows.append(row)
+    return rows
+
+
+def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
+    return "—" if value is None else f"{value:{spec}}{suffix}"
+
+
 def render_markdown(results: dict[str, Any]) -> str:
+    """The settings, then per D̃ the mean over layers and per layer × D̃ each method's error."""
     config = results["config"]
-    header = (
-        f"# CP decomposition of query/key weights: headkit vs tensorly\n\n"
-        f"{config['model']}: {len(config['layers'])} layers, {config['heads']} heads × {config['head_dim']}, "
-        f"hidden {config['hidden']}; same rank and {config['max_iter']} sweeps (tol {config['tol']}) "
-        "for both.\n"
-        f"Error: {config['error']}. Time: {config['time']}.\n"
-    )
     headers = ["D̃", *(f"{m} error (mean)" for m in METHODS), *(f"{m} s (total)" for m in METHODS), "speed-up"]
     summary = [
         [row["dim"], *(_fmt(row[f"{m}_error"], ".4f") for m in METHODS)]
@@ -164,24 +161,22 @@ def render_markdown(results: dict[str, Any]) -> str:
             detail.append([layer, dim, errors[0], headkit.get("start", "—"), errors[1]])
     detail_headers = ["layer", "D̃", "headkit error", "headkit start", "tensorly error"]
     return (
-        f"{header}\n## Mean over layers\n\n{markdown_table(headers, summary)}\n"
+        f"# CP decomposition of query/key weights: headkit vs tensorly\n\n"
+        f"{config['model']}: {len(config['layers'])} layers, {config['heads']} heads × {config['head_dim']}, "
+        f"hidden {config['hidden']}; same rank and {config['max_iter']} sweeps (tol {config['tol']}) for both.\n"
+        f"Error: {config['error']}. Time: {config['time']}.\n\n"
+        f"## Mean over layers\n\n{markdown_table(headers, summary)}\n"
         f"## Per layer\n\n{markdown_table(detail_headers, detail)}"
     )
 
 
 def plot_results(results: dict[str, Any]) -> Any:
     """Relative error (left) and total time (right, log scale) against D̃, one line per method."""
-    from matplotlib.figure import Figure
-
-    figure = Figure(figsize=(10, 4), layout="constrained")
-    error_axis, time_axis = figure.subplots(1, 2)
-    summary = results["summary"]
-    for method in METHODS:
-        rows = [row for row in summary if row[f"{method}_error"] is not None]
-        if rows:
-            dims = [row["dim"] for row in rows]
-            error_axis.plot(dims, [row[f"{method}_error"] for row in rows], marker="o", label=method)
-            time_axis.plot(dims, [row[f"{method}_seconds"] for row in rows], marker="o", label=method)
+    figure, (error_axis, time_axis) = figure_axes((10, 4), 1, 2, layout="constrained")
+    for method in METHODS:  # a line per method that ran
+        ran = [row for row in results["summary"] if row[f"{method}_error"] is not None]
+        plot_series(error_axis, ran, "dim", f"{method}_error", (), label=method)
+        plot_series(time_axis, ran, "dim", f"{method}_seconds", (), label=method)
     error_axis.set(xlabel="shared width D̃", ylabel="relative error (mean over layers)", ylim=(0, None))
     time_axis.set(xlabel="shared width D̃", ylabel="seconds (all layers)", yscale="log")
     for axis in (error_axis, time_axis):
@@ -193,41 +188,6 @@ def plot_results(results: dict[str, Any]) -> Any:
         f"{config['max_iter']} sweeps"
     )
     return figure
-
-
-def _summary(points: list[dict[str, Any]], dims: list[int]) -> list[dict[str, Any]]:
-    rows = []
-    for dim in dims:
-        row: dict[str, Any] = {"dim": dim}
-        for method in METHODS:
-            chosen = [p for p in points if p["dim"] == dim and p["method"] == method]
-            row[f"{method}_error"] = (
-                sum(p["relative_error"] for p in chosen) / len(chosen) if chosen else None
-            )
-            row[f"{method}_seconds"] = sum(p["seconds"] for p in chosen) if chosen else None
-        both = row["headkit_seconds"] and row["tensorly_seconds"]
-        row["speedup"] = row["tensorly_seconds"] / row["headkit_seconds"] if both else None
-        rows.append(row)
-    return rows
-
-
-def _head_forms(w_q: torch.Tensor, w_k: torch.Tensor, heads: int) -> torch.Tensor:
-    """The dense [hidden, heads, hidden] tensor T[:, h, :] = W_{Q,h} W_{K,h}ᵀ in float64."""
-    rows, hidden = w_q.shape
-    per_head = (w.detach().double().reshape(heads, rows // heads, hidden) for w in (w_q, w_k))
-    return torch.einsum("hdi,hdj->ihj", *per_head)
-
-
-def _tensorly_parafac() -> Any:
-    try:
-        from tensorly.decomposition import parafac
-    except ImportError:
-        return None
-    return parafac
-
-
-def _fmt(value: float | None, spec: str, suffix: str = "") -> str:
-    return "—" if value is None else f"{value:{spec}}{suffix}"
 
 
 @register_benchmark(
@@ -245,32 +205,28 @@ def run_decompose_benchmark(settings: DecomposeSettings, console: Any) -> dict[s
     if missing := sorted(set(layers) - set(weights)):
         raise HeadkitError(f"layers {missing} are not in the checkpoint, which has layers {sorted(weights)}")
     dims = [dim for dim in settings.dims if dim <= rows] or [rows]
-    include_tensorly = settings.include_tensorly
-    parafac = _tensorly_parafac() if include_tensorly else None
+    tensorly: bool | str = settings.include_tensorly
+    parafac = None
+    if tensorly:
+        try:
+            from tensorly.decomposition import parafac
+        except ImportError:
+            tensorly = "unavailable"
     points = []
     for layer in layers:
         w_q, w_k = weights[layer]
-        dense = _head_forms(w_q, w_k, heads)
+        dense = head_forms(w_q, w_k, heads)
         for dim in dims:
-            points.append({"layer": layer} | _headkit_point(w_q, w_k, heads, dim, settings, dense))
+            fits = {"headkit": headkit_fit(w_q, w_k, heads, dim, settings)}
             if parafac is not None:
-                points.append({"layer": layer} | _tensorly_point(parafac, dim, settings, dense))
-    return {
-        "config": {
-            "model": str(model_dir),
-            "heads": heads,
-            "head_dim": rows // heads,
-            "hidden": hidden,
-            "layers": layers,
-            "dims": dims,
-            "max_iter": settings.max_iter,
-            "tol": settings.tol,
-            "seed": settings.seed,
-            "tensorly": "unavailable" if include_tensorly and parafac is None else include_tensorly,
-            "threads": settings.threads,
-            "error": "relative Frobenius error of the [hidden, heads, hidden] tensor, from the dense tensor",
-            "time": "wall seconds of one call; tensorly's excludes forming the dense tensor",
-        },
-        "points": points,
-        "summary": _summary(points, dims),
-    }
+                fits["tensorly"] = tensorly_fit(parafac, dense, dim, settings)
+            for method, (fit, seconds, extra) in fits.items():
+                error = float(torch.linalg.vector_norm(dense - fit) / torch.linalg.vector_norm(dense))
+                point = {"dim": dim, "method": method, "relative_error": error, "seconds": seconds}
+                points.append({"layer": layer} | point | extra)
+    shape = {"heads": heads, "head_dim": rows // heads, "hidden": hidden, "layers": layers, "dims": dims}
+    sweeps = {"max_iter": settings.max_iter, "tol": settings.tol, "seed": settings.seed}
+    config = {"model": str(model_dir)} | shape | sweeps | {"tensorly": tensorly, "threads": settings.threads}
+    config["error"] = "relative Frobenius error of the [hidden, heads, hidden] tensor, from the dense tensor"
+    config["time"] = "wall seconds of one call; tensorly's excludes forming the dense tensor"
+    return {"config": config, "points": points, "summary": summarise(points, dims)}

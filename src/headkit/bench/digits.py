@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from headkit.bench._measure import time_call
 from headkit.bench._options import check_head_width, check_integers, check_names, check_positive_numbers
-from headkit.bench._report import TABLE_FILE, column_table
+from headkit.bench._report import TABLE_FILE, column_table, figure_axes
 from headkit.bench._training import generate, optimizer_steps, train_each
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
@@ -194,16 +194,6 @@ def _check_settings(config: DigitsConfig) -> None:
     check_names("--mechanisms", config.mechanisms, attention_classes())
 
 
-def _summary(result: dict[str, Any]) -> str:
-    times = ", ".join(
-        f"{count} images {seconds:.2f} s" for count, seconds in result["completion_seconds"].items()
-    )
-    return (
-        f"{result['test_bits_per_pixel']:.3f} bits/pixel on test images, classifier accuracy on completions "
-        f"{result['classifier_accuracy_completed']:.3f}; completion time {times}"
-    )
-
-
 def render_markdown(report: dict[str, Any]) -> str:
     """The measured table: per mechanism, likelihood, the judge's accuracy and completion time per image count."""
     counts = sorted({int(count) for result in report["mechanisms"] for count in result["completion_seconds"]})
@@ -214,8 +204,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         "test bits/pixel": lambda r: f"{r['test_bits_per_pixel']:.3f}",
         "accuracy on completions": lambda r: f"{r['classifier_accuracy_completed']:.3f}",
     }
-    for n in counts:
-        columns[f"complete {n} images (s)"] = lambda r, n=n: f"{_lookup(r['completion_seconds'], n):.2f}"
+    for n in counts:  # the image counts are keys as JSON writes them: strings
+        columns[f"complete {n} images (s)"] = lambda r, n=n: f"{r['completion_seconds'][str(n)]:.2f}"
     accuracy = f"{report['classifier_accuracy_original']:.3f}"
     original = ["original images", "", "", "", accuracy, *[""] * len(counts)]
     machine = report["machine"]
@@ -227,41 +217,27 @@ def render_markdown(report: dict[str, Any]) -> str:
     )
 
 
-def _lookup(seconds: dict, count: int) -> float:
-    # JSON turns the integer keys into strings; the report may come from either side of that round trip.
-    return seconds[count] if count in seconds else seconds[str(count)]
-
-
 def plot_completion_grid(report: dict[str, Any]) -> Any:
-    """A figure: a row of occluded inputs (hidden half grey), a row per mechanism's completions, the originals."""
-    from matplotlib.figure import Figure
-
-    originals = np.asarray(report["grid_images"])
-    completions = {result["mechanism"]: result["grid_completions"] for result in report["mechanisms"]}
-    columns = len(originals)
-    occluded = np.asarray(originals[:columns], dtype=float).copy()
-    occluded[:, VISIBLE:] = np.nan
-    rows: list[tuple[str, np.ndarray]] = [("occluded", occluded)]
-    rows += [(name, np.asarray(images[:columns], dtype=float)) for name, images in completions.items()]
-    rows.append(("original", np.asarray(originals[:columns], dtype=float)))
-    figure = Figure(figsize=(columns * 0.9, len(rows) * 1.0))
-    axes = figure.subplots(len(rows), columns, squeeze=False)
-    cmap = _grey_with_hidden()
-    for row, (name, images) in enumerate(rows):
-        for column in range(columns):
-            axis = axes[row][column]
-            axis.imshow(images[column].reshape(SIDE, SIDE), cmap=cmap, vmin=0, vmax=LEVELS - 1)
-            axis.set_xticks([])
-            axis.set_yticks([])
-        axes[row][0].set_ylabel(name, rotation=0, ha="right", va="center")
-    figure.suptitle("bottom-half completion of held-out digits")
-    return figure
-
-
-def _grey_with_hidden() -> Any:
+    """A figure: a row of occluded inputs (hidden half red), a row per mechanism's completions, the originals."""
     from matplotlib import colormaps
 
-    return colormaps["gray_r"].with_extremes(bad="#d62728")  # hidden pixels in red, never mistaken for ink
+    originals = np.asarray(report["grid_images"], dtype=float)
+    occluded = originals.copy()
+    occluded[:, VISIBLE:] = np.nan
+    rows = {"occluded": occluded} | {r["mechanism"]: r["grid_completions"] for r in report["mechanisms"]}
+    rows["original"] = originals
+    figure, axes = figure_axes(
+        (len(originals) * 0.9, len(rows) * 1.0), len(rows), len(originals), squeeze=False
+    )
+    cmap = colormaps["gray_r"].with_extremes(bad="#d62728")  # hidden pixels in red, never mistaken for ink
+    for row, (name, images) in zip(axes, rows.items(), strict=True):
+        for axis, image in zip(row, np.asarray(images, dtype=float), strict=True):
+            axis.imshow(image.reshape(SIDE, SIDE), cmap=cmap, vmin=0, vmax=LEVELS - 1)
+            axis.set_xticks([])
+            axis.set_yticks([])
+        row[0].set_ylabel(name, rotation=0, ha="right", va="center")
+    figure.suptitle("bottom-half completion of held-out digits")
+    return figure
 
 
 @register_benchmark(
@@ -293,20 +269,21 @@ def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
     ) -> dict[str, Any]:
         update(description=f"completing with {mechanism}")
         completions = complete_images(model, prompts, sample=config.sample, seed=config.seed)
-        seconds = {}  # images -> seconds (median)
+        seconds = {}  # images (as JSON writes them) -> seconds (median)
         for count in config.image_counts:
             call = partial(complete_images, model, prompts[:count], sample=config.sample)
-            seconds[count] = time_call(call, repeats=config.timing_repeats, warmup=0).median_s
+            seconds[str(count)] = time_call(call, repeats=config.timing_repeats, warmup=0).median_s
         completed = classifier_accuracy(classifier, completions.numpy(), data.test_labels)
-        result = (
-            {"mechanism": mechanism}
-            | trained
-            | {"test_bits_per_pixel": bits_per_pixel(model, test_sequences)}
-        )
+        bits = bits_per_pixel(model, test_sequences)
+        result = {"mechanism": mechanism} | trained | {"test_bits_per_pixel": bits}
         result |= {"classifier_accuracy_completed": completed, "completion_seconds": seconds}
         result["grid_completions"] = completions[:GRID_COLUMNS].tolist()  # the figure's row
         result["losses"] = result.pop("losses")  # last: the longest entry
-        console.print(f"{mechanism}: {_summary(result)}")
+        times = ", ".join(f"{count} images {median:.2f} s" for count, median in seconds.items())
+        console.print(
+            f"{mechanism}: {bits:.3f} bits/pixel on test images, classifier accuracy on completions "
+            f"{completed:.3f}; completion time {times}"
+        )
         return result
 
     build = partial(build_model, config=config)

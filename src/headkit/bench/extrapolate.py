@@ -24,7 +24,6 @@ from headkit.bench._options import check_head_width, check_integers, check_posit
 from headkit.bench._report import (
     TABLE_FILE,
     figure_axes,
-    find_point,
     grid_rows,
     markdown_table,
     plot_series,
@@ -63,6 +62,8 @@ MAX_LENGTH = 65_536
 # Rows × length per forward pass in evaluation: bounds the memory of the longest windows.
 EVAL_BATCH_TOKENS = 16_384
 PERPLEXITY_PLOT, PASSKEY_PLOT = "perplexity.png", "passkey.png"
+# Document separators are not text: they are neither predicted nor counted.
+SPECIAL_IDS = torch.tensor(special_token_ids(ByteTokenizer()), dtype=torch.long)
 
 
 @dataclass
@@ -134,12 +135,10 @@ def passkey_document(length: int, key: str, depth: float, rng: np.random.Generat
 
 
 def _filler(size: int, rng: np.random.Generator) -> str:
-    pieces, joined_length = [], -1  # -1: the first sentence has no separator before it
-    while joined_length < size:
-        sentence = FILLER_SENTENCES[int(rng.integers(len(FILLER_SENTENCES)))]
-        pieces.append(sentence)
-        joined_length += len(sentence) + 1
-    return " ".join(pieces)[:size]
+    text = ""  # " sentence" after " sentence" until ``size`` bytes follow the leading space, cut to them
+    while len(text) <= size:
+        text += " " + FILLER_SENTENCES[int(rng.integers(len(FILLER_SENTENCES)))]
+    return text[1 : size + 1]
 
 
 def random_key(rng: np.random.Generator) -> str:
@@ -148,10 +147,8 @@ def random_key(rng: np.random.Generator) -> str:
 
 def passkey_batch(count: int, length: int, rng: np.random.Generator) -> torch.Tensor:
     """``count`` whole passkey documents (prompt and answer) of ``length`` bytes at uniform depths: [count, L]."""
-    rows = []
-    for _ in range(count):
-        document = passkey_document(length, random_key(rng), float(rng.random()), rng)
-        rows.append(list((document.prompt + document.answer).encode("ascii")))
+    documents = (passkey_document(length, random_key(rng), float(rng.random()), rng) for _ in range(count))
+    rows = [list((document.prompt + document.answer).encode("ascii")) for document in documents]
     return torch.tensor(rows, dtype=torch.long).reshape(count, length)
 
 
@@ -183,15 +180,14 @@ def model_config(
 
 def rope_parameters(scaling: str, length: int, config: ExtrapolateConfig) -> dict[str, Any]:
     """transformers' ``rope_parameters`` of ``scaling`` for inputs of ``length`` tokens."""
-    theta = float(config.rope_theta)
+    theta = {"rope_theta": float(config.rope_theta)}
+    # Position interpolation squeezes L positions into the trained range; shorter inputs need nothing.
+    factors = {"linear": max(1.0, length / config.train_length), "dynamic": config.resolved_dynamic_factor()}
     if scaling == "none":
-        return {"rope_type": "default", "rope_theta": theta}
-    if scaling == "linear":
-        # Position interpolation squeezes L positions into the trained range; shorter inputs need nothing.
-        return {"rope_type": "linear", "factor": max(1.0, length / config.train_length), "rope_theta": theta}
-    if scaling == "dynamic":
-        return {"rope_type": "dynamic", "factor": config.resolved_dynamic_factor(), "rope_theta": theta}
-    raise HeadkitError(f"scaling must be one of {', '.join(SCALINGS)}, got {scaling!r}")
+        return {"rope_type": "default"} | theta
+    if scaling not in factors:
+        raise HeadkitError(f"scaling must be one of {', '.join(SCALINGS)}, got {scaling!r}")
+    return {"rope_type": scaling, "factor": factors[scaling]} | theta
 
 
 def build_model(attention: str, config: ExtrapolateConfig) -> HeadkitForCausalLM:
@@ -225,18 +221,14 @@ def train_model(
     generator = torch.Generator().manual_seed(config.seed + 1)
     rng = np.random.default_rng(config.seed + 1)
     passkey_rows = round(config.passkey_fraction * config.batch_size)
-    ignored = torch.tensor(special_token_ids(ByteTokenizer()), dtype=torch.long)
-    optimizer, schedule = lm_optimizer(
-        model, config.lr, 0.01, config.steps, warmup=max(1, config.steps // 20)
-    )
+    corpus_rows = config.batch_size - passkey_rows
+    warmup = max(1, config.steps // 20)
+    optimizer, schedule = lm_optimizer(model, config.lr, 0.01, config.steps, warmup=warmup)
 
     def loss_at(step: int) -> torch.Tensor:
-        corpus_rows = sample_batch(
-            train_stream, config.batch_size - passkey_rows, config.train_length, generator
-        )
-        batch = torch.cat([corpus_rows, passkey_batch(passkey_rows, config.train_length, rng)])
-        # Document separators are not text: they are neither predicted nor counted.
-        labels = batch.masked_fill(torch.isin(batch, ignored), -100)
+        windows = sample_batch(train_stream, corpus_rows, config.train_length, generator)
+        batch = torch.cat([windows, passkey_batch(passkey_rows, config.train_length, rng)])
+        labels = batch.masked_fill(torch.isin(batch, SPECIAL_IDS), -100)
         return model(input_ids=batch, labels=labels, use_cache=False).loss
 
     return optimizer_steps(model, optimizer, schedule, config.steps, loss_at, progress, clip_norm=1.0)
@@ -252,19 +244,12 @@ def held_out_windows(held_out_stream: torch.Tensor, length: int, eval_tokens: in
     return evaluation_windows(held_out_stream, length, eval_tokens)
 
 
-def bits_per_byte(model: HeadkitForCausalLM, windows: torch.Tensor) -> float:
-    tokenizer = ByteTokenizer()
-    ignored = torch.tensor(special_token_ids(tokenizer), dtype=torch.long)
-    batch = max(1, EVAL_BATCH_TOKENS // windows.shape[1])
-    return held_out_bits_per_byte(model, windows, tokenizer, ignored, batch)
-
-
 @torch.no_grad()
 def retrieve_passkeys(model: HeadkitForCausalLM, documents: list[PasskeyDocument]) -> list[str]:
     """The model's greedy 5-token answers to the documents' prompts (same-length prompts, batched)."""
-    answers: list[str] = []
     if not documents:
-        return answers
+        return []
+    answers = []
     prompts = torch.tensor([list(doc.prompt.encode("ascii")) for doc in documents], dtype=torch.long)
     rows = max(1, EVAL_BATCH_TOKENS // prompts.shape[1])
     with quiet_transformers():  # the input exceeds max_position_embeddings: that is the point
@@ -313,20 +298,6 @@ def check_settings(config: ExtrapolateConfig) -> None:
         raise HeadkitError(f"--corpus {str(config.corpus)!r} does not exist")
 
 
-def _summary(attention: str, perplexities: list[dict], passkeys: list[dict]) -> str:
-    """Bits per byte and passkey accuracy of ``attention`` at the shortest length, and at the longest per scaling."""
-    records = {(r["scaling"], r["length"]): r for r in perplexities if r["attention"] == attention}
-    hits = {(r["scaling"], r["length"]): r["accuracy"] for r in passkeys if r["attention"] == attention}
-    shortest, longest = min(length for _, length in records), max(length for _, length in records)
-    bpb = {key: record["bits_per_byte"] for key, record in records.items()}
-    return (
-        f"{bpb['none', shortest]:.3f} bits/byte at {shortest}, at {longest}: "
-        + ", ".join(f"{s} {bpb[s, longest]:.3f}" for s in SCALINGS)
-        + f"; passkey at {shortest} {hits['none', shortest]:.2f}, at {longest}: "
-        + ", ".join(f"{s} {hits[s, longest]:.2f}" for s in SCALINGS)
-    )
-
-
 def render_markdown(report: dict[str, Any]) -> str:
     """Two tables: bits per byte (perplexity) and passkey accuracy, per model × scaling (rows) and length."""
     lengths = sorted({row["length"] for row in report["perplexity"]})
@@ -335,26 +306,16 @@ def render_markdown(report: dict[str, Any]) -> str:
         for a, s in dict.fromkeys((row["attention"], row["scaling"]) for row in report["perplexity"])
     ]
     headers = ["attention", "RoPE scaling", *(f"L = {length}" for length in lengths)]
-    perplexity_rows = grid_rows(
-        report["perplexity"],
-        groups,
-        "length",
-        lengths,
-        lambda r: f"{r['bits_per_byte']:.3f} ({r['perplexity']:.2f})",
-    )
-    passkey_rows = grid_rows(
-        report["passkey"],
-        groups,
-        "length",
-        lengths,
-        lambda r: f"{r['accuracy']:.2f} / {r['digit_accuracy']:.2f}",
-    )
+
+    def by_length(records: list[dict[str, Any]], cell: Callable[[dict[str, Any]], str]) -> str:
+        return markdown_table(headers, grid_rows(records, groups, "length", lengths, cell))
+
     settings, machine = report["settings"], report["machine"]
     model_rows = [
         [m["attention"], f"{m['parameters']:,}", f"{m['train_seconds']:.1f}", f"{m['final_train_loss']:.3f}"]
         for m in report["models"]
     ]
-    windows = {n: find_point(report["perplexity"], **groups[0], length=n)["windows"] for n in lengths}
+    windows = {row["length"]: row["windows"] for row in report["perplexity"]}  # the same for every model
     return (
         f"Length extrapolation: trained at {settings['train_length']} bytes ({settings['steps']} steps × "
         f"{settings['batch_size']} windows, {settings['passkey_fraction']:.0%} passkey documents), hidden "
@@ -363,19 +324,16 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"torch {machine['torch_version']}.\n\n"
         + markdown_table(["attention", "parameters", "train s", "final train loss"], model_rows)
         + f"\nHeld-out bits per byte (per-byte perplexity), the same {settings['eval_tokens']:,} tokens at every "
-        f"length (windows: {', '.join(f'{n}: {w}' for n, w in windows.items())}):\n\n"
-        + markdown_table(headers, perplexity_rows)
+        f"length (windows: {', '.join(f'{n}: {windows[n]}' for n in lengths)}):\n\n"
+        + by_length(report["perplexity"], lambda r: f"{r['bits_per_byte']:.3f} ({r['perplexity']:.2f})")
         + f"\nPasskey retrieval, {settings['passkey_trials']} documents per length: exact-match accuracy / "
-        "per-digit accuracy (chance 0.00001 / 0.1):\n\n" + markdown_table(headers, passkey_rows)
+        "per-digit accuracy (chance 0.00001 / 0.1):\n\n"
+        + by_length(report["passkey"], lambda r: f"{r['accuracy']:.2f} / {r['digit_accuracy']:.2f}")
     )
 
 
 _COLOURS = {"softmax": "tab:blue", "coca": "tab:red"}
 _STYLES = {"none": "-", "linear": "--", "dynamic": ":"}
-
-
-def _style(attention: str, scaling: str) -> dict[str, Any]:
-    return {"color": _COLOURS.get(attention), "linestyle": _STYLES.get(scaling, "-")}
 
 
 def plot_perplexity(report: dict[str, Any]) -> Any:
@@ -411,8 +369,12 @@ def _plot_lines(
     axis: Any, records: list[dict[str, Any]], metric: str, train_length: int, spread: float = 0.0
 ) -> None:
     """`metric` against length on log₂ x, a line per model × scaling, the trained length as a grey line."""
+
+    def style(attention: str, scaling: str) -> dict[str, Any]:
+        return {"color": _COLOURS.get(attention), "linestyle": _STYLES.get(scaling, "-")}
+
     plot_series(
-        axis, records, "length", metric, ("attention", "scaling"), label="{}, {}", style=_style, spread=spread
+        axis, records, "length", metric, ("attention", "scaling"), label="{}, {}", style=style, spread=spread
     )
     axis.axvline(train_length, color="grey", linewidth=0.8)
     axis.set_xscale("log", base=2)
@@ -434,7 +396,7 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
     See the module docstring; returns the dictionary written to ``results.json``."""
     corpus = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
     train_stream, held_out_stream = (
-        encode_corpus(text, ByteTokenizer()) for text in (corpus.train, corpus.held_out)
+        encode_corpus(part, ByteTokenizer()) for part in (corpus.train, corpus.held_out)
     )
     windows = {n: held_out_windows(held_out_stream, n, config.eval_tokens) for n in config.lengths}
     documents = {n: passkey_trials(n, config.passkey_trials, config.seed) for n in config.lengths}
@@ -456,19 +418,29 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
         attention: str, model: HeadkitForCausalLM, trained: dict, update: Callable
     ) -> dict[str, Any]:
         update(description=f"evaluating {attention}", completed=0, total=len(SCALINGS) * len(config.lengths))
+        bpb, accuracy = {}, {}  # (scaling, length) -> this model's measure, for the console
         for scaling in SCALINGS:
             for n in config.lengths:
                 scaled = scaled_model(model, scaling, n, config)
-                bpb = bits_per_byte(scaled, windows[n])
+                batch = max(1, EVAL_BATCH_TOKENS // n)
+                bits = held_out_bits_per_byte(scaled, windows[n], ByteTokenizer(), SPECIAL_IDS, batch)
                 point = {"attention": attention, "scaling": scaling, "length": n}
                 sizes = {"windows": len(windows[n]), "tokens": windows[n].numel()}
-                perplexities.append(point | {"bits_per_byte": bpb, "perplexity": 2.0**bpb} | sizes)
+                perplexities.append(point | {"bits_per_byte": bits, "perplexity": 2.0**bits} | sizes)
                 answers = retrieve_passkeys(scaled, documents[n])
                 exact, digits = score_answers(answers, [doc.answer for doc in documents[n]])
                 scores = {"trials": len(answers), "accuracy": exact, "digit_accuracy": digits}
                 passkeys.append(point | scores | {"answers": answers})
+                bpb[scaling, n], accuracy[scaling, n] = bits, exact
                 update(advance=1)
-        console.print(f"{attention}: {_summary(attention, perplexities, passkeys)}", highlight=False)
+        short, long = min(config.lengths), max(config.lengths)
+        console.print(
+            f"{attention}: {bpb['none', short]:.3f} bits/byte at {short}, at {long}: "
+            + ", ".join(f"{s} {bpb[s, long]:.3f}" for s in SCALINGS)
+            + f"; passkey at {short} {accuracy['none', short]:.2f}, at {long}: "
+            + ", ".join(f"{s} {accuracy[s, long]:.2f}" for s in SCALINGS),
+            highlight=False,
+        )
         return {"attention": attention} | trained
 
     build = partial(build_model, config=config)

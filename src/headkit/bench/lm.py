@@ -18,11 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from headkit.bench._options import check_head_width, check_positive_numbers
 from headkit.bench._report import column_table, figure_axes, plot_series
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
+from headkit.data import ByteTokenizer
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes, get_attention_class
+from headkit.models import HeadkitForCausalLM
+from headkit.train import default_config, train_causal_lm
 
 # Mechanisms with options of this benchmark come as several variants, named "<mechanism>[_<option>…]": additive
 # global or windowed, each with or without the causal convolution. Every other registered mechanism is one variant.
@@ -134,9 +139,6 @@ def describe_variant(variant: str, config: LMBenchConfig) -> str:
 
 def model_config(variant: str, config: LMBenchConfig) -> Any:
     """The HeadkitConfig of ``variant``: the shared sizes (byte vocabulary, width, layers, heads, MLP) + its own."""
-    from headkit.data import ByteTokenizer
-    from headkit.train import default_config
-
     try:
         return default_config(
             ByteTokenizer(),
@@ -155,10 +157,6 @@ def model_config(variant: str, config: LMBenchConfig) -> Any:
 
 def count_parameters(variant: str, config: LMBenchConfig) -> int:
     """Parameters of ``variant``'s model (built on the meta device: no memory, no initialisation)."""
-    import torch
-
-    from headkit.models import HeadkitForCausalLM
-
     with torch.device("meta"):
         model = HeadkitForCausalLM(model_config(variant, config))
     return sum(parameter.numel() for parameter in model.parameters())
@@ -168,12 +166,8 @@ def check_settings(config: LMBenchConfig) -> None:
     """Raise HeadkitError naming the option for any bad setting, before anything is loaded or trained."""
     check_positive_numbers(config, ("lr",))  # the integers' minimums: check_options
     chosen, valid = config.variants, variants()
-    if (
-        isinstance(chosen, str)
-        or not chosen
-        or len(set(chosen)) < len(chosen)
-        or not set(chosen) <= set(valid)
-    ):
+    distinct = not isinstance(chosen, str) and len(set(chosen)) == len(chosen)
+    if not (chosen and distinct and set(chosen) <= set(valid)):
         raise HeadkitError(f"--variants must name distinct variants of {', '.join(valid)}, got {chosen!r}")
     check_head_width(config.hidden_size, config.heads, even=True)
     if config.corpus is not None and not Path(config.corpus).exists():
@@ -182,9 +176,14 @@ def check_settings(config: LMBenchConfig) -> None:
         model_config(variant, config)  # the config's own checks, before any training
 
 
-def _finite_or_none(value: float | None) -> float | None:
-    # A diverged model is a result worth keeping next to the others; JSON has no NaN, so it is written as null.
-    return value if value is not None and math.isfinite(value) else None
+def _finite_or_none(value: Any) -> Any:
+    """``value`` with every number that is not finite, in every list and dict it holds, made None: a diverged
+    model is a result worth keeping next to the others, and JSON has no NaN (null instead)."""
+    if isinstance(value, dict):
+        return {key: _finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_finite_or_none(item) for item in value]
+    return None if isinstance(value, float) and not math.isfinite(value) else value
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -249,8 +248,7 @@ def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
     held-out bits per byte against steps and training seconds, time per step, parameters.
 
     See the module docstring; returns the dictionary written to ``results.json``."""
-    from headkit.data import load_corpus
-    from headkit.train import train_causal_lm
+    from headkit.data import load_corpus  # here: the tests see that it is not called before the checks
 
     model_configs = {variant: model_config(variant, config) for variant in config.variants}
     corpus = load_corpus(config.corpus, max_bytes=config.corpus_bytes)
@@ -276,39 +274,34 @@ def run_lm_benchmark(config: LMBenchConfig, console: Any) -> dict[str, Any]:
         trained = train_causal_lm(
             model_configs[variant], corpus, console=console, progress_label=variant, **training
         )
-        # What the variant achieved: bits per byte are None where not finite (the model diverged); the curve
-        # holds {step, train_seconds, bits_per_byte} from step 0 on.
-        results.append(
+        # What the variant achieved, bits per byte None where not finite (the model diverged); the curve holds
+        # {step, train_seconds, bits_per_byte} from step 0 on.
+        curve = [
             {
-                "variant": variant,
-                "description": description,
-                "attention": model_configs[variant].attention,
-                "position_embedding_type": model_configs[variant].position_embedding_type,
-                "parameters": sum(parameter.numel() for parameter in trained.model.parameters()),
-                "median_step_ms": 1000 * statistics.median(trained.step_seconds),
-                "train_seconds": sum(trained.step_seconds),
-                "initial_bits_per_byte": _finite_or_none(trained.initial_bits_per_byte),
-                "final_bits_per_byte": _finite_or_none(trained.held_out_bits_per_byte),
-                "curve": [
-                    {
-                        "step": int(point["step"]),
-                        "train_seconds": point["train_seconds"],
-                        "bits_per_byte": _finite_or_none(point["held_out_bits_per_byte"]),
-                    }
-                    for point in trained.history
-                ],
-                "losses": [_finite_or_none(loss) for loss in trained.losses],
+                "step": int(point["step"]),
+                "train_seconds": point["train_seconds"],
+                "bits_per_byte": point["held_out_bits_per_byte"],
             }
-        )
+            for point in trained.history
+        ]
+        result = {
+            "variant": variant,
+            "description": description,
+            "attention": model_configs[variant].attention,
+            "position_embedding_type": model_configs[variant].position_embedding_type,
+            "parameters": sum(parameter.numel() for parameter in trained.model.parameters()),
+            "median_step_ms": 1000 * statistics.median(trained.step_seconds),
+            "train_seconds": sum(trained.step_seconds),
+            "initial_bits_per_byte": trained.initial_bits_per_byte,
+            "final_bits_per_byte": trained.held_out_bits_per_byte,
+        }
+        results.append(_finite_or_none(result | {"curve": curve, "losses": trained.losses}))
         if results[-1]["final_bits_per_byte"] is None:
             console.print(f"[bold red]{variant} diverged[/] (non-finite loss); try a lower --lr")
         del trained  # the next model need not share memory with this one
 
-    return {
-        "corpus": summary,
-        "positions": {
-            "rope": [v for v in config.variants if model_configs[v].position_embedding_type == "rope"],
-            "learned": [v for v in config.variants if model_configs[v].position_embedding_type == "learned"],
-        },
-        "variants": results,
+    positions = {
+        kind: [v for v in config.variants if model_configs[v].position_embedding_type == kind]
+        for kind in ("rope", "learned")
     }
+    return {"corpus": summary, "positions": positions, "variants": results}
