@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -41,22 +40,10 @@ def check_names(flag: str, names: Iterable[str], valid: Iterable[str]) -> list[s
     return names
 
 
-def check_sweep(
-    settings: Any, lengths: str, default: Iterable[str], valid: Iterable[str]
-) -> tuple[torch.device, list[int], list[str], Path]:
-    """Of the settings of a sweep over mechanisms and lengths (``settings.device``, ``.mechanisms``, the field
-    ``lengths``, ``.out``): the device, the lengths sorted without repeats, the mechanisms (``default`` where none
-    are named, each one of ``valid``) and the output folder, each checked, naming its option."""
-    from headkit.bench.registry import option_name
-
-    device = check_device(settings.device)
-    field = next(field for field in dataclasses.fields(settings) if field.name == lengths)
-    check_integers(option_name(field), getattr(settings, lengths))
-    names = check_names("--mechanisms", settings.mechanisms or default, valid)
-    out = Path(settings.out)
-    if out.exists() and not out.is_dir():
+def check_out_dir(out: str | Path) -> None:
+    """The output folder of a run must be a folder or not exist yet, else an error naming ``--out``."""
+    if Path(out).exists() and not Path(out).is_dir():
         raise NotADirectoryError(f"--out {str(out)!r} exists and is not a directory")
-    return device, sorted(set(getattr(settings, lengths))), names, out
 
 
 def check_head_width(hidden_size: int, heads: int, *, even: bool) -> None:

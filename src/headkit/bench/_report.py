@@ -9,6 +9,7 @@ import datetime as dt
 import math
 import os
 import platform
+import shlex
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -124,6 +125,13 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     return "\n".join([line(headers), line(["---"] * len(headers)), *(line(row) for row in rows)]) + "\n"
 
 
+def column_rows(
+    columns: Mapping[str, Callable[[Any], object]], items: Iterable[Any]
+) -> tuple[list[str], list[list[object]]]:
+    """The headers and rows of a table declared by its columns (header: formatter of an item), a row per item."""
+    return list(columns), [[cell(item) for cell in columns.values()] for item in items]
+
+
 def column_table(
     columns: Mapping[str, Callable[[Any], object]],
     items: Iterable[Any],
@@ -133,8 +141,32 @@ def column_table(
 ) -> str:
     """A Markdown table with a row per item of ``items``, its cell under each header of ``columns`` (header:
     formatter of an item), between the rows ``first`` and ``last`` given as they are."""
-    rows = [[cell(item) for cell in columns.values()] for item in items]
-    return markdown_table(list(columns), [*first, *rows, *last])
+    headers, rows = column_rows(columns, items)
+    return markdown_table(headers, [*first, *rows, *last])
+
+
+def markdown_page(title: str, intro: str, command: Sequence[str], sections: Iterable[tuple[str, Any]]) -> str:
+    """A report's table.md: the title, an intro paragraph and the command that ran, then each section's heading
+    and body: a table (headers, rows) or Markdown text; a section whose text is empty is left out."""
+    parts = [f"# {title}\n", f"{intro}\n", f"Command: `{shlex.join(command)}`\n"]
+    for heading, body in sections:
+        if body:
+            parts += [f"## {heading}\n", body if isinstance(body, str) else markdown_table(*body)]
+    return "\n".join(parts)
+
+
+def bullet_list(lines: Iterable[str]) -> str:
+    """Markdown bullets, one per line ("" where there are none)."""
+    return "".join(f"- {line}\n" for line in lines)
+
+
+def machine_line(results: Mapping[str, Any]) -> str:
+    """Where a report's numbers were measured: the device, CPU model, torch threads and torch version."""
+    config, machine = results["config"], results["machine"]
+    return (
+        f"device {config['device']} ({machine['cpu_model']}, {machine['torch_threads']} torch threads), "
+        f"torch {machine['torch_version']}"
+    )
 
 
 def machine_info(device: torch.device | str) -> dict[str, Any]:

@@ -33,7 +33,7 @@ import pkgutil
 import time
 import types
 import typing
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -164,24 +164,34 @@ def option(
     default: Any,
     help: str,
     *,
-    min: float | None = None,
     quick: Any = NO_QUICK,
     flag: str | None = None,
     argument: bool = False,
     parse: Callable[[str, str], Any] | None = None,
+    **checks: Any,
 ) -> Any:
-    """A settings field that is also a command-line option (see the module docstring); ``quick`` is its value in
-    the short run, where it differs from ``default``."""
-    metadata = {"help": help, "min": min, "quick": quick, "flag": flag, "argument": argument, "parse": parse}
+    """A settings field that is also a command-line option (see the module docstring), with the ``checks`` of
+    :func:`check_options`; ``quick`` is its value in the short run, where it differs from ``default``."""
     if isinstance(default, (list, dict, set)):
         raise TypeError("option defaults must be immutable (use a tuple)")
-    return dataclasses.field(default=default, metadata=metadata)
+    metadata = {"help": help, "flag": flag, "argument": argument, "parse": parse}
+    return setting(default, quick=quick, **checks, metadata=metadata)
 
 
-def setting(default: Any, *, min: float | None = None, quick: Any = NO_QUICK) -> Any:
-    """A settings field that is not a command-line option but is checked like one (its ``min``), with its value
-    in the short run (``quick``)."""
-    return dataclasses.field(default=default, metadata={"min": min, "quick": quick})
+def setting(
+    default: Any,
+    *,
+    quick: Any = NO_QUICK,
+    min: float | None = None,
+    positive: bool = False,
+    check: Callable[[Any], Any] | None = None,
+    choices: Callable[[], Iterable[str]] | None = None,
+    metadata: Mapping[str, Any] = types.MappingProxyType({}),
+) -> Any:
+    """A settings field that is not a command-line option but is checked like one (:func:`check_options`), with
+    its value in the short run (``quick``)."""
+    checks = {"min": min, "positive": positive, "check": check, "choices": choices}
+    return dataclasses.field(default=default, metadata={**metadata, **checks, "quick": quick})
 
 
 def quick_preset(help: str) -> Any:
@@ -202,19 +212,32 @@ def options(settings: type) -> list[dataclasses.Field]:
 
 
 def check_options(settings: Any) -> None:
-    """Each integer option or :func:`setting` declared with a ``min`` holds an integer at least that (or None,
-    where the full run's default is None), else a HeadkitError naming it as an option (``--name``): one
-    declaration for the command line and the library alike."""
+    """The checks that fields declare (:func:`option`, :func:`setting`), one declaration for the command line and
+    the library alike, each failure a HeadkitError naming the field as an option (``--name``): ``min`` of an
+    integer (or of each of a non-empty tuple of them), ``positive`` of a finite number, ``choices()`` the valid
+    names of a tuple of them (empty: the benchmark's default), ``check(value)`` anything else. A field whose full
+    run's default is None may be None."""
+    from headkit.bench._options import check_integers, check_names, check_positive_numbers
+
     hints = field_types(type(settings))
     for field in dataclasses.fields(settings):
-        minimum, value = field.metadata.get("min"), getattr(settings, field.name)
-        if minimum is None or hints[field.name] is not int or (value is None and field.default is None):
+        value, declared, flag = getattr(settings, field.name), field.metadata, option_name(field)
+        if value is None and field.default is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            wording = {0: "a non-negative integer", 1: "a positive integer"}.get(
-                minimum, f"an integer ≥ {minimum}"
-            )
-            raise HeadkitError(f"{option_name(field)} must be {wording}, got {value!r}")
+        if declared.get("min") is not None and hints[field.name] is int:
+            if isinstance(value, bool) or not isinstance(value, int) or value < declared["min"]:
+                wording = {0: "a non-negative integer", 1: "a positive integer"}.get(
+                    declared["min"], f"an integer ≥ {declared['min']}"
+                )
+                raise HeadkitError(f"{flag} must be {wording}, got {value!r}")
+        elif declared.get("min") is not None and typing.get_origin(hints[field.name]) is tuple:
+            check_integers(flag, value, declared["min"])
+        if declared.get("positive"):
+            check_positive_numbers(settings, [field.name])
+        if declared.get("choices") and value:
+            check_names(flag, value, declared["choices"]())
+        if declared.get("check"):
+            declared["check"](value)
 
 
 def option_name(field: dataclasses.Field) -> str:

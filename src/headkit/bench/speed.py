@@ -11,7 +11,6 @@ and outputs: docs/benchmarks.md.
 from __future__ import annotations
 
 import importlib.util
-import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,13 +20,16 @@ import torch
 from rich.console import Console
 
 from headkit.bench._measure import matmul_rate, measure_peak_memory, time_call
-from headkit.bench._options import check_sweep
+from headkit.bench._options import check_device, check_out_dir
 from headkit.bench._report import (
+    bullet_list,
+    column_rows,
     figure_axes,
     find_point,
     grid_rows,
     log2_length_axis,
-    markdown_table,
+    machine_line,
+    markdown_page,
     plot_series,
     progress_bar,
     rich_table,
@@ -48,7 +50,6 @@ SEED = 0
 MATMUL_SIZE = 1024  # the [n, n] @ [n, n] matmul whose rate FLOP-counting kernels are compared with
 ANCHOR = "fast_transformers_causal"
 PLOT_FILE = "speed.png"
-TARGET_HEADERS = ["target", "measured", "required", "result"]
 MECHANISMS = KERNELS  # every kernel of the op registry, in registration order
 
 
@@ -165,18 +166,23 @@ TARGETS = (  # from the issue
 class SpeedSettings:
     """Settings of one ``headkit bench speed`` run."""
 
-    device: str = option("cpu", "Device to measure on: cpu or cuda.")
+    device: str = option("cpu", "Device to measure on: cpu or cuda.", check=check_device)
     lengths: tuple[int, ...] = option(
         (512, 1024, 2048, 4096, 8192),
         "Comma-separated sequence lengths (default 512,…,8192; quick 512,1024,2048).",
         quick=(512, 1024, 2048),
+        min=1,
     )
-    mechanisms: tuple[str, ...] = option((), "Comma-separated mechanisms (default: all registered).")
+    mechanisms: tuple[str, ...] = option(
+        (), "Comma-separated mechanisms (default: all registered).", choices=lambda: {**MECHANISMS, **ANCHORS}
+    )
     repeats: int = option(
         5, "Timed repetitions per point, the median reported (default 5; quick 3).", min=1, quick=3
     )
     threads: int | None = option(None, "torch threads during the run (default: torch's setting).", min=1)
-    out: Path = option(Path("results/speed"), "Output directory for results.json, plot and table.")
+    out: Path = option(
+        Path("results/speed"), "Output directory for results.json, plot and table.", check=check_out_dir
+    )
     warmup: int = 1  # untimed calls before the timed ones
     min_repeat_s: float = MIN_REPEAT_S  # a timed repeat loops over calls faster than this (their mean)
 
@@ -296,16 +302,27 @@ def _format_ratio(ratio: float | None) -> str:
     return f"{ratio:.3g}× (1/{1 / ratio:.3g})" if 0 < ratio < 1 else f"{ratio:.3g}×"
 
 
-def _cells(results: dict[str, Any], cell: Callable[[dict[str, Any] | None], str]) -> list[list[str]]:
-    """A row per measured mechanism and mode (registry order), a cell per length."""
+TARGET_COLUMNS = {
+    "target": lambda t: t["description"],
+    "measured": lambda t: _format_ratio(t["measured_ratio"]),
+    "required": lambda t: f"≤ {t['max_ratio']:.3g}×",
+    "result": lambda t: verdict(t["passed"]),
+}
+
+
+def _grid(results: dict[str, Any], cell: Callable[[dict[str, Any] | None], str]) -> tuple[list[str], list]:
+    """Headers and rows of ``cell(point)``: a row per measured mechanism and mode (registry order), a column per
+    length."""
+    lengths = results["config"]["lengths"]
     rows = [
         {"mechanism": name, "mode": mode}
         for name, info in results["mechanisms"].items()
         if info["available"]
         for mode in MODES
     ]
-    cells = grid_rows(results["points"], rows, "seq_len", results["config"]["lengths"], cell)
-    return [[row[0], MODE_LABELS[row[1]], *row[2:]] for row in cells]
+    cells = grid_rows(results["points"], rows, "seq_len", lengths, cell)
+    headers = ["mechanism", "mode", *(f"T={n}" for n in lengths)]
+    return headers, [[row[0], MODE_LABELS[row[1]], *row[2:]] for row in cells]
 
 
 def _ratio_cell(point: dict[str, Any] | None) -> str:
@@ -320,28 +337,13 @@ def _value_cell(key: str, scale: float) -> Callable[[dict[str, Any] | None], str
     return lambda point: "—" if point is None or point[key] is None else f"{point[key] * scale:.3g}"
 
 
-def _headers(results: dict[str, Any]) -> list[str]:
-    return ["mechanism", "mode", *(f"T={n}" for n in results["config"]["lengths"])]
-
-
-def _target_rows(results: dict[str, Any]) -> list[list[str]]:
-    return [
-        [
-            t["description"],
-            _format_ratio(t["measured_ratio"]),
-            f"≤ {t['max_ratio']:.3g}×",
-            verdict(t["passed"]),
-        ]
-        for t in results["targets"]
-    ]
-
-
 def _tables(results: dict[str, Any]) -> tuple[Any, ...]:
     """The console's tables: the ratios to the baseline, and the targets."""
     ratio_title = f"time / peak memory relative to {BASELINE} (< 1 is better)"
+    targets = column_rows(TARGET_COLUMNS, results["targets"])
     return (
-        rich_table(ratio_title, _headers(results), _cells(results, _ratio_cell), left=2),
-        rich_table("targets (ratio to the baseline, same run)", TARGET_HEADERS, _target_rows(results)),
+        rich_table(ratio_title, *_grid(results, _ratio_cell), left=2),
+        rich_table("targets (ratio to the baseline, same run)", *targets),
     )
 
 
@@ -358,34 +360,31 @@ def _rate_lines(results: dict[str, Any]) -> list[str]:
     ]
 
 
+def _shape(config: dict[str, Any]) -> str:
+    return f"B={config['batch']}, H={config['heads']}, head_dim={config['head_dim']}, {config['dtype']}"
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     """table.md: medians, peak memory, ratios to the baseline, targets, and what was not measured."""
-    config, machine, headers = results["config"], results["machine"], _headers(results)
-    sections = [
-        "# headkit bench speed\n",
-        f"B={config['batch']}, H={config['heads']}, head_dim={config['head_dim']}, {config['dtype']}, "
-        f"device {config['device']} ({machine['cpu_model']}, {machine['torch_threads']} torch threads), "
-        f"torch {machine['torch_version']}, median of {config['repeats']} after {config['warmup']} warm-up.\n",
-        f"Command: `{shlex.join(results['command'])}`\n",
-        "## Median time (ms)\n",
-        markdown_table(headers, _cells(results, _value_cell("median_s", 1e3))),
-        "## Peak memory, inputs included (MiB)\n",
-        markdown_table(headers, _cells(results, _value_cell("peak_bytes", 2**-20))),
-        f"## Time / peak memory relative to {BASELINE}\n",
-        markdown_table(headers, _cells(results, _ratio_cell)),
-        "## Targets\n",
-        markdown_table(TARGET_HEADERS, _target_rows(results)),
-    ]
-    if rates := _rate_lines(results):
-        sections += [
-            "## Rate against the fp32 matmul rate, same run\n",
-            "\n".join(f"- {x}" for x in rates) + "\n",
-        ]
-    if skipped := [
-        f"- {name}: {info['note']}" for name, info in results["mechanisms"].items() if info["note"]
-    ]:
-        sections += ["## Not measured\n", "\n".join(skipped) + "\n"]
-    return "\n".join(sections)
+    config = results["config"]
+    intro = (
+        f"{_shape(config)}, {machine_line(results)}, median of {config['repeats']} after {config['warmup']} "
+        "warm-up."
+    )
+    notes = [f"{name}: {info['note']}" for name, info in results["mechanisms"].items() if info["note"]]
+    return markdown_page(
+        "headkit bench speed",
+        intro,
+        results["command"],
+        [
+            ("Median time (ms)", _grid(results, _value_cell("median_s", 1e3))),
+            ("Peak memory, inputs included (MiB)", _grid(results, _value_cell("peak_bytes", 2**-20))),
+            (f"Time / peak memory relative to {BASELINE}", _grid(results, _ratio_cell)),
+            ("Targets", column_rows(TARGET_COLUMNS, results["targets"])),
+            ("Rate against the fp32 matmul rate, same run", bullet_list(_rate_lines(results))),
+            ("Not measured", bullet_list(notes)),
+        ],
+    )
 
 
 def plot_results(results: dict[str, Any]) -> Any:
@@ -401,10 +400,7 @@ def plot_results(results: dict[str, Any]) -> Any:
             title = f"{MODE_LABELS[mode]}: {label.split(' (')[0]}"
             log2_length_axis(ax, config["lengths"], "sequence length T" if row == 1 else None, label, title)
     axes[0][0].legend(fontsize="small")
-    figure.suptitle(
-        f"B={config['batch']}, H={config['heads']}, head_dim={config['head_dim']}, {config['dtype']}, "
-        f"{config['device']}"
-    )
+    figure.suptitle(f"{_shape(config)}, {config['device']}")
     return figure
 
 
@@ -424,7 +420,8 @@ def run_speed_benchmark(
     baseline is always measured (first)."""
     # The anchor is measured by default where it is installed; asked for where it is not, it is skipped.
     default = [*MECHANISMS, *(ANCHORS if fast_transformers_installed() else ())]
-    device, lengths, names, _ = check_sweep(settings, "lengths", default, {**MECHANISMS, **ANCHORS})
+    names = list(dict.fromkeys(name.strip() for name in settings.mechanisms)) or default
+    device, lengths = torch.device(settings.device), sorted(set(settings.lengths))
     if importlib.util.find_spec("matplotlib") is None:  # found now, not after a run of several minutes
         raise HeadkitError("the speed benchmark plots with matplotlib: pip install 'headkit[bench]'")
     names = [BASELINE, *(name for name in names if name != BASELINE)]
