@@ -29,40 +29,6 @@ from headkit.files import (  # noqa: F401 (re-exported: the benchmarks write thr
 RESULTS_FILE, TABLE_FILE = "results.json", "table.md"
 
 
-def settings_dict(settings: Any) -> dict[str, Any]:
-    """A settings dataclass as the values JSON reads back (paths as strings, tuples as lists)."""
-    return {
-        k: str(v) if isinstance(v, os.PathLike) else list(v) if isinstance(v, tuple) else v
-        for k, v in dataclasses.asdict(settings).items()
-    }
-
-
-def write_report(
-    out_dir: str | os.PathLike[str],
-    results: Any,
-    markdown: str,
-    figures: Mapping[str, Any],
-    console: Any = None,
-    *,
-    tables: Sequence[Any] | None = None,
-) -> None:
-    """results.json, table.md and each figure under its file name, each atomically; ``console`` prints the
-    table (or the rich ``tables`` instead) and the files written."""
-    out_dir = Path(out_dir)
-    for name, figure in figures.items():
-        save_figure_atomic(figure, out_dir / name)
-    write_text_atomic(out_dir / TABLE_FILE, markdown)
-    write_json_atomic(out_dir / RESULTS_FILE, results)
-    if console is None:
-        return
-    if tables is None:
-        console.print(markdown, highlight=False, markup=False, soft_wrap=True)  # wrapped tables read badly
-    for table in tables or ():
-        console.print(table)
-    *files, last = [RESULTS_FILE, TABLE_FILE, *figures]
-    console.print(f"wrote {', '.join(files)} and {last} to {out_dir}", highlight=False, markup=False)
-
-
 def finish_report(
     name: str,
     settings: Any,
@@ -75,20 +41,36 @@ def finish_report(
     tables: Callable[[dict[str, Any]], Sequence[Any]] | None = None,
 ) -> dict[str, Any]:
     """Write and return a run's report: the benchmark, command line, machine (``settings.device``, else the CPU)
-    and settings, then ``sections`` (over the settings, where they hold their own), the seconds since ``started``
-    (a ``time.perf_counter()``) and ``files`` (each key's file name, as its path under ``settings.out``; a plot's
-    file only where it drew one); table.md is ``render(report)``, each of ``plots`` (file name: plot of the
-    report, or None where there is nothing to plot) a figure; the console shows ``tables(report)`` (rich tables)
-    or else table.md."""
+    and settings (as JSON reads them back: paths as strings, tuples as lists), then ``sections`` (over the
+    settings, where they hold their own), the seconds since ``started`` (a ``time.perf_counter()``) and
+    ``files`` (each key's file name, as its path under ``settings.out``; a plot's file only where it drew one).
+    Each plot (file name: plot of the report, or None where there is nothing to plot), table.md
+    ``render(report)`` and results.json are written atomically, in that order; the console shows
+    ``tables(report)`` (rich tables) or else table.md, and the files written."""
     out, machine = Path(settings.out), machine_info(getattr(settings, "device", "cpu"))
-    header = {"benchmark": name, "command": command_line(), "machine": machine}
-    report = header | {"settings": settings_dict(settings)} | dict(sections)
+    values = {
+        k: str(v) if isinstance(v, os.PathLike) else list(v) if isinstance(v, tuple) else v
+        for k, v in dataclasses.asdict(settings).items()
+    }
+    report = {"benchmark": name, "command": command_line(), "machine": machine, "settings": values} | dict(
+        sections
+    )
     report["seconds"] = time.perf_counter() - started
     plots = plots or {}
     figures = {file: plot(report) for file, plot in plots.items()}
     figures = {file: figure for file, figure in figures.items() if figure is not None}
     report["files"] = {k: str(out / f) for k, f in files.items() if f not in plots or f in figures}
-    write_report(out, report, render(report), figures, console, tables=tables and tables(report))
+    markdown = render(report)
+    for file, figure in figures.items():
+        save_figure_atomic(figure, out / file)
+    write_text_atomic(out / TABLE_FILE, markdown)
+    write_json_atomic(out / RESULTS_FILE, report)
+    if tables is None:
+        console.print(markdown, highlight=False, markup=False, soft_wrap=True)  # wrapped tables read badly
+    for table in tables(report) if tables else ():
+        console.print(table)
+    *written, last = [RESULTS_FILE, TABLE_FILE, *figures]
+    console.print(f"wrote {', '.join(written)} and {last} to {out}", highlight=False, markup=False)
     return report
 
 

@@ -14,6 +14,7 @@ import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -146,8 +147,8 @@ def _measure(
     mechanisms: list[str],
     console: Console,
     show_progress: bool,
-) -> list[dict[str, Any]]:
-    """Every (mechanism, prompt length) point. Repeats are the outer loop and mechanisms the inner one, so that
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Every (mechanism, prompt length) point, and torch.compile's speed-ups (None without --compile). Repeats are the outer loop and mechanisms the inner one, so that
     every point's steps are spread over the whole run and the points compared by a target are measured
     seconds apart, under the same machine load."""
     max_positions = max(2048, max(lengths) + settings.new_tokens)
@@ -155,16 +156,16 @@ def _measure(
     prompts = {
         n: torch.randint(0, 256, (settings.batch_size, n), generator=generator).to(device) for n in lengths
     }
+    warm_up = prompts[lengths[0]][:, :WARMUP_PROMPT]
+    timed_decoding = partial(time_greedy_decoding, new_tokens=settings.new_tokens, device=device)
     models, eager = {}, {}
     for mechanism in mechanisms:
         torch.manual_seed(SEED)
         models[mechanism] = HeadkitForCausalLM(model_config(mechanism, max_positions)).to(device).eval()
         if settings.compile:  # the eager model stays, timed beside its compiled self at the longest prompt
             eager[mechanism], models[mechanism] = models[mechanism], torch.compile(models[mechanism])
-            time_greedy_decoding(
-                eager[mechanism], prompts[lengths[0]][:, :WARMUP_PROMPT], WARMUP_STEPS, device
-            )
-        time_greedy_decoding(models[mechanism], prompts[lengths[0]][:, :WARMUP_PROMPT], WARMUP_STEPS, device)
+            time_greedy_decoding(eager[mechanism], warm_up, WARMUP_STEPS, device)
+        time_greedy_decoding(models[mechanism], warm_up, WARMUP_STEPS, device)
 
     keys = [(mechanism, length) for length in lengths for mechanism in mechanisms]
     eager_steps: dict[str, list[float]] = {mechanism: [] for mechanism in eager}
@@ -175,15 +176,11 @@ def _measure(
         for _ in range(settings.repeats):
             for mechanism, length in keys:
                 progress.update(task, description=f"{mechanism} P={length}")
-                prefill_s, step_s, _ = time_greedy_decoding(
-                    models[mechanism], prompts[length], settings.new_tokens, device
-                )
+                prefill_s, step_s, _ = timed_decoding(models[mechanism], prompts[length])
                 prefills[mechanism, length].append(prefill_s)
                 steps[mechanism, length].extend(step_s)
                 if mechanism in eager and length == lengths[-1]:
-                    _, step_s, _ = time_greedy_decoding(
-                        eager[mechanism], prompts[length], settings.new_tokens, device
-                    )
+                    _, step_s, _ = timed_decoding(eager[mechanism], prompts[length])
                     eager_steps[mechanism].extend(step_s)
                 progress.advance(task)
     compile_report = None
@@ -234,20 +231,15 @@ def _time_training_steps(
     for mechanism, model in models.items():
         model.train()
         compiled = torch.compile(model)
-
-        (_, compiled_loss), (_, eager_loss) = (
-            _training_step(m, model, ids, device) for m in (compiled, model)
-        )
+        compiled_loss, eager_loss = (_training_step(m, model, ids, device)[1] for m in (compiled, model))
         eager_s, compiled_s = [], []
         for _ in range(rounds):
             eager_s.append(_training_step(model, model, ids, device)[0])
             compiled_s.append(_training_step(compiled, model, ids, device)[0])
         model.zero_grad(set_to_none=True)
         model.eval()
-        loss_difference = abs(compiled_loss - eager_loss)
-        results.append(
-            _speedup(mechanism, min(eager_s), min(compiled_s)) | {"loss_difference": loss_difference}
-        )
+        speedup = _speedup(mechanism, min(eager_s), min(compiled_s))
+        results.append(speedup | {"loss_difference": abs(compiled_loss - eager_loss)})
     return results
 
 

@@ -33,7 +33,7 @@ import pkgutil
 import time
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +66,7 @@ class Benchmark:
 
     def options(self) -> list[dataclasses.Field]:
         """The settings fields that are command-line options (those with help), in declaration order."""
-        return options(self.settings)
+        return [field for field in dataclasses.fields(self.settings) if "help" in field.metadata]
 
     def make_settings(self, quick: bool = False, **given: Any) -> Any:
         """The settings of a run: ``given`` over the quick preset (``quick``) or over the full run's defaults."""
@@ -161,37 +161,25 @@ def load_benchmarks() -> dict[str, Benchmark]:
 
 
 def option(
-    default: Any,
-    help: str,
-    *,
-    quick: Any = NO_QUICK,
-    flag: str | None = None,
-    argument: bool = False,
-    parse: Callable[[str, str], Any] | None = None,
-    **checks: Any,
+    default: Any, help: str, *, flag: str | None = None, argument: bool = False, **declared: Any
 ) -> Any:
-    """A settings field that is also a command-line option (see the module docstring), with the ``checks`` of
-    :func:`check_options`; ``quick`` is its value in the short run, where it differs from ``default``."""
+    """A settings field that is also a command-line option (see the module docstring): a :func:`setting` with
+    its ``help``, ``flag``, ``argument`` and ``parse(flag, text)``, a function that reads a list's text."""
     if isinstance(default, (list, dict, set)):
         raise TypeError("option defaults must be immutable (use a tuple)")
-    metadata = {"help": help, "flag": flag, "argument": argument, "parse": parse}
-    return setting(default, quick=quick, **checks, metadata=metadata)
+    return setting(default, help=help, flag=flag, argument=argument, **declared)
 
 
-def setting(
-    default: Any,
-    *,
-    quick: Any = NO_QUICK,
-    min: float | None = None,
-    positive: bool = False,
-    check: Callable[[Any], Any] | None = None,
-    choices: Callable[[], Iterable[str]] | None = None,
-    metadata: Mapping[str, Any] = types.MappingProxyType({}),
-) -> Any:
-    """A settings field that is not a command-line option but is checked like one (:func:`check_options`), with
-    its value in the short run (``quick``)."""
-    checks = {"min": min, "positive": positive, "check": check, "choices": choices}
-    return dataclasses.field(default=default, metadata={**metadata, **checks, "quick": quick})
+CHECKS = ("min", "positive", "choices", "check")  # what check_options reads
+
+
+def setting(default: Any, *, quick: Any = NO_QUICK, **declared: Any) -> Any:
+    """A settings field, with its value in the short run (``quick``) and its ``CHECKS`` (:func:`check_options`)
+    — checked like an option, named like one in errors, whether or not it is one."""
+    unknown = set(declared) - {*CHECKS, "help", "flag", "argument", "parse"}
+    if unknown:
+        raise TypeError(f"unknown settings field declarations: {sorted(unknown)}")
+    return dataclasses.field(default=default, metadata=dict.fromkeys(CHECKS) | declared | {"quick": quick})
 
 
 def quick_preset(help: str) -> Any:
@@ -204,11 +192,6 @@ def quick_preset(help: str) -> Any:
 
     quick.__doc__ = help
     return classmethod(quick)
-
-
-def options(settings: type) -> list[dataclasses.Field]:
-    """The fields of a settings class that are command-line options (those with help), in declaration order."""
-    return [field for field in dataclasses.fields(settings) if "help" in field.metadata]
 
 
 def check_options(settings: Any) -> None:
