@@ -53,13 +53,17 @@ def check_head_width(hidden_size: int, heads: int, *, even: bool) -> None:
         raise HeadkitError(f"--hidden-size {hidden_size} must be divisible by --heads {heads}{width}")
 
 
+def check_positive(flag: str, value: Any) -> None:
+    """``value`` must be a finite number > 0 (bool is refused), else an error naming ``flag``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise HeadkitError(f"{flag} must be a positive number, got {value!r}")
+
+
 def check_positive_numbers(config: Any, names: Iterable[str]) -> None:
-    """Each of ``config``'s attributes ``names`` must be a finite number > 0 (bool is refused), else an error
-    naming the option ``--name-with-dashes``."""
+    """Each of ``config``'s attributes ``names`` must be a finite number > 0, else an error naming the option
+    ``--name-with-dashes``."""
     for name in names:
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-            raise HeadkitError(f"--{name.replace('_', '-')} must be a positive number, got {value!r}")
+        check_positive(f"--{name.replace('_', '-')}", getattr(config, name))
 
 
 def check_integers(

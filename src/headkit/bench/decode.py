@@ -131,15 +131,6 @@ class DecodeSettings:
     quick = quick_preset("Short run: prompts 256 and 1024, 32 new tokens.")
 
 
-def _compile_budget(compiling: bool) -> Any:
-    """Each mechanism's model, in decoding and in training mode, is its own set of graphs of one code object
-    (``HeadkitForCausalLM.forward``): past dynamo's default budget of 8 recompilations per code object the rest
-    would quietly run eagerly and be timed as compiled. The budget is raised for the run, and running out raises."""
-    if not compiling:
-        return contextlib.nullcontext()
-    return torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True)
-
-
 def _measure(
     settings: DecodeSettings,
     device: torch.device,
@@ -416,7 +407,11 @@ def run_decode_benchmark(
     default = [BASELINE, *constant_state_mechanisms()]
     names = list(dict.fromkeys(name.strip() for name in settings.mechanisms)) or default
     device, lengths = torch.device(settings.device), sorted(set(settings.prompt_lengths))
-    with _compile_budget(settings.compile):
+    # Each mechanism's model, in decoding and in training mode, is its own set of graphs of one code object
+    # (HeadkitForCausalLM.forward): past dynamo's default budget of 8 recompilations per code object the rest would
+    # quietly run eagerly and be timed as compiled. The budget is raised for the run, and running out raises.
+    budget = dict(recompile_limit=64, fail_on_recompile_limit_hit=True)
+    with torch._dynamo.config.patch(**budget) if settings.compile else contextlib.nullcontext():
         points, compile_report = _measure(settings, device, lengths, names, console, show_progress)
     config = {
         "model": {**MODEL_SIZE, "vocab_size": ByteTokenizer.vocab_size, "dtype": "float32"},

@@ -41,17 +41,8 @@ from headkit.errors import HeadkitError
 
 # The order in which `headkit bench --help` lists headkit's own benchmarks (modules); a module not named here is
 # found all the same and listed after them.
-BUILTIN_BENCHMARKS = (
-    "speed",
-    "decode",
-    "digits",
-    "lora",
-    "decompose",
-    "lm",
-    "extrapolate",
-    "compress",
-    "prune_curves",
-    "linearize",
+BUILTIN_BENCHMARKS = tuple(
+    "speed decode digits lora decompose lm extrapolate compress prune_curves linearize".split()
 )
 
 
@@ -170,7 +161,7 @@ def option(
     return setting(default, help=help, flag=flag, argument=argument, **declared)
 
 
-CHECKS = ("min", "positive", "choices", "check")  # what check_options reads
+CHECKS = ("min", "max", "distinct", "positive", "choices", "check")  # what check_options reads
 
 
 def setting(default: Any, *, quick: Any = NO_QUICK, **declared: Any) -> Any:
@@ -197,26 +188,28 @@ def quick_preset(help: str) -> Any:
 def check_options(settings: Any) -> None:
     """The checks that fields declare (:func:`option`, :func:`setting`), one declaration for the command line and
     the library alike, each failure a HeadkitError naming the field as an option (``--name``): ``min`` of an
-    integer (or of each of a non-empty tuple of them), ``positive`` of a finite number, ``choices()`` the valid
-    names of a tuple of them (empty: the benchmark's default), ``check(value)`` anything else. A field whose full
-    run's default is None may be None."""
-    from headkit.bench._options import check_integers, check_names, check_positive_numbers
+    integer; ``min``, ``max`` and ``distinct`` of a non-empty tuple of integers; ``positive``: a finite number
+    > 0; ``choices()``: the valid names of a tuple of names (empty: the benchmark's default); ``check(value)``:
+    anything else. A field whose full run's default is None may be None."""
+    from headkit.bench._options import check_integers, check_names, check_positive
 
     hints = field_types(type(settings))
     for field in dataclasses.fields(settings):
         value, declared, flag = getattr(settings, field.name), field.metadata, option_name(field)
+        minimum, listed = declared.get("min"), typing.get_origin(hints[field.name]) is tuple
         if value is None and field.default is None:
             continue
-        if declared.get("min") is not None and hints[field.name] is int:
-            if isinstance(value, bool) or not isinstance(value, int) or value < declared["min"]:
+        if minimum is not None and hints[field.name] is int:
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
                 wording = {0: "a non-negative integer", 1: "a positive integer"}.get(
-                    declared["min"], f"an integer ≥ {declared['min']}"
+                    minimum, f"an integer ≥ {minimum}"
                 )
                 raise HeadkitError(f"{flag} must be {wording}, got {value!r}")
-        elif declared.get("min") is not None and typing.get_origin(hints[field.name]) is tuple:
-            check_integers(flag, value, declared["min"])
+        if listed and (minimum is not None or declared.get("max") is not None or declared.get("distinct")):
+            low = 1 if minimum is None else minimum
+            check_integers(flag, value, low, declared.get("max"), distinct=bool(declared.get("distinct")))
         if declared.get("positive"):
-            check_positive_numbers(settings, [field.name])
+            check_positive(flag, value)
         if declared.get("choices") and value:
             check_names(flag, value, declared["choices"]())
         if declared.get("check"):

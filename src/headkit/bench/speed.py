@@ -80,14 +80,7 @@ def _spec(name: str) -> KernelSpec:
 
 def resolve_layout(layout: Sequence[str], *, batch: int, heads: int, seq_len: int, head_dim: int) -> tuple:
     """Concrete shape of a layout: B batch, H heads, T seq_len, D head_dim, D/2 half of it, H*D all heads."""
-    sizes = {
-        "B": batch,
-        "H": heads,
-        "T": seq_len,
-        "D": head_dim,
-        "D/2": head_dim // 2,
-        "H*D": heads * head_dim,
-    }
+    sizes = dict(B=batch, H=heads, T=seq_len, D=head_dim) | {"D/2": head_dim // 2, "H*D": heads * head_dim}
     unknown = [symbol for symbol in layout if symbol not in sizes]
     if unknown:
         raise ValueError(f"layout {tuple(layout)} uses unknown symbols {unknown}; known: {sorted(sizes)}")
@@ -193,36 +186,9 @@ FAILED = {"median_s": None, "times_s": [], "calls_per_repeat": 0} | dict.fromkey
 def _measure_point(
     name: str, seq_len: int, device: torch.device, timing: dict[str, Any], out_of_memory: set[str]
 ) -> list[dict[str, Any]]:
-    """The forward and the forward+backward point of one mechanism at one length; running out of memory is
-    recorded, and ends its longer lengths."""
-    error = "skipped: out of memory at a shorter length" if name in out_of_memory else None
-    if error is None:
-        try:
-            measurements = _measure_modes(_spec(name), seq_len, device, timing)
-        except Exception as exc:
-            # The CPU allocator reports exhaustion as a plain RuntimeError.
-            memory = isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
-            if not (isinstance(exc, torch.OutOfMemoryError) or memory):
-                raise
-            error = f"out of memory: {(str(exc).splitlines() or [''])[0]}"
-            out_of_memory.add(name)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # hand back what the failed call cached, for the mechanisms still to run
-    if error is not None:
-        measurements = [FAILED | {"error": error}] * len(MODES)
-    return [
-        {"mechanism": name, "seq_len": seq_len, "mode": mode, **measurement}
-        for mode, measurement in zip(MODES, measurements, strict=True)
-    ]
-
-
-def _measure_modes(
-    spec: KernelSpec, seq_len: int, device: torch.device, timing: dict[str, Any]
-) -> list[dict[str, Any]]:
-    """The forward and the forward+backward measurement of one mechanism at one length."""
-    inputs = make_inputs(spec, seq_len=seq_len, device=device, requires_grad=True)
-    leaves = list(inputs.values())
-    output_shape: torch.Size | None = None
+    """The forward and the forward+backward point of one mechanism at one length, the backward against a fixed
+    random cotangent; running out of memory is recorded, and ends its longer lengths."""
+    spec, output_shape = _spec(name), None
 
     def forward() -> None:
         nonlocal output_shape  # recorded for the cotangent below, which saves a forward call
@@ -237,10 +203,31 @@ def _measure_modes(
         memory = measure_peak_memory(fn, inputs=live_inputs, device=device)
         return asdict(timed) | {"times_s": list(timed.times_s)} | asdict(memory) | {"error": None}
 
-    forward_point = measure(forward, leaves)
-    generator = torch.Generator(device=device).manual_seed(SEED + 1)
-    cotangent = torch.randn(output_shape, generator=generator, device=device, dtype=DTYPE)
-    return [forward_point, measure(forward_backward, [*leaves, cotangent])]
+    error = "skipped: out of memory at a shorter length" if name in out_of_memory else None
+    try:
+        if error is None:
+            inputs = make_inputs(spec, seq_len=seq_len, device=device, requires_grad=True)
+            leaves = list(inputs.values())
+            forward_point = measure(forward, leaves)
+            generator = torch.Generator(device=device).manual_seed(SEED + 1)
+            cotangent = torch.randn(output_shape, generator=generator, device=device, dtype=DTYPE)
+            measurements = [forward_point, measure(forward_backward, [*leaves, cotangent])]
+    except Exception as exc:
+        # The CPU allocator reports exhaustion as a plain RuntimeError.
+        memory = isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+        if not (isinstance(exc, torch.OutOfMemoryError) or memory):
+            raise
+        error = f"out of memory: {(str(exc).splitlines() or [''])[0]}"
+        out_of_memory.add(name)
+        inputs = leaves = cotangent = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # hand back what the failed call cached, for the mechanisms still to run
+    if error is not None:
+        measurements = [FAILED | {"error": error}] * len(MODES)
+    return [
+        {"mechanism": name, "seq_len": seq_len, "mode": mode, **measurement}
+        for mode, measurement in zip(MODES, measurements, strict=True)
+    ]
 
 
 def _add_rate(point: dict[str, Any], rate: float | None) -> None:
