@@ -1,8 +1,9 @@
 """The benchmark registry: one entry per ``headkit bench`` command, and the command generated from it.
 
 A benchmark is a settings dataclass (fields made by :func:`option` are command-line options, by :func:`setting`
-checked library settings; ``quick = quick_preset(help)`` is the short run, each field's ``quick`` value) and a
-body decorated with :func:`register_benchmark`, in a module of ``headkit.bench`` (found by :func:`load_benchmarks`)::
+library settings, each checked as it declares: :func:`check_options`; ``quick = quick_preset(help)`` is the
+short run, each field's ``quick`` value) and a body decorated with :func:`register_benchmark`, in a module of
+``headkit.bench`` (found by :func:`load_benchmarks`)::
 
     @dataclass
     class WidgetSettings:
@@ -86,9 +87,9 @@ def register_benchmark(
     whose help is the first paragraph of the body's docstring.
 
     Returns the run function, the body inside the steps every benchmark shares: ``settings`` default to the
-    full run's, every option's ``min`` (:func:`check_options`) and ``check(settings)`` raise HeadkitError naming
-    the option before anything is loaded, the body
-    runs with ``settings.threads`` torch threads (where the settings have them; restored after) and prints to
+    full run's, the checks its fields declare (:func:`check_options`) and ``check(settings)`` raise HeadkitError
+    naming the option before anything is loaded, the body runs with ``settings.threads`` torch threads (where
+    the settings have them; restored after) and prints to
     ``console`` (stdout by default). Given ``render``, the body returns the sections of its report and the run
     ends it (:func:`headkit.bench._report.finish_report`): ``files`` (results.json's key: file name under
     ``settings.out``; by default "table" and "plot", the one plot's), table.md ``render(report)``, each of
