@@ -18,13 +18,7 @@ from typing import Any
 
 import torch
 
-from headkit.files import (  # noqa: F401 (re-exported: the benchmarks write through these)
-    regular_file_mode,
-    save_figure_atomic,
-    write_atomic,
-    write_json_atomic,
-    write_text_atomic,
-)
+from headkit.files import save_figure_atomic, write_json_atomic, write_text_atomic
 
 RESULTS_FILE, TABLE_FILE = "results.json", "table.md"
 
