@@ -93,7 +93,8 @@ def _bench_command(benchmark: Benchmark) -> None:
             names = [f"{flag}/--no-{flag[2:]}" if kind is bool else flag]
             # Help that states its defaults (full and quick) says it best: no second [default: …] after it.
             shown = "(default" not in meta["help"]
-            declared = typer.Option(default, *names, help=meta["help"], min=meta["min"], show_default=shown)
+            minimum = None if kind is str else meta["min"]  # a list's minimum is of each of its numbers
+            declared = typer.Option(default, *names, help=meta["help"], min=minimum, show_default=shown)
         annotations[field.name] = kind
         parameters.append(
             inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=declared, annotation=kind)

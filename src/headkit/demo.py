@@ -32,14 +32,9 @@ import torch
 from torch import nn
 
 from headkit.bench._measure import thread_limit
-from headkit.bench._report import (
-    command_line,
-    machine_info,
-    markdown_table,
-    write_json_atomic,
-    write_text_atomic,
-)
+from headkit.bench._report import command_line, machine_info, markdown_table
 from headkit.errors import HeadkitError
+from headkit.files import write_json_atomic, write_text_atomic
 from headkit.recipes.compress import encoder_fidelity
 from headkit.recipes.measure import forward_times
 from headkit.recipes.models import default_encoder_path, load_model

@@ -14,9 +14,10 @@ import torch
 from rich.console import Console
 
 from headkit.bench import speed
-from headkit.bench._report import markdown_table, regular_file_mode, write_atomic, write_json_atomic
+from headkit.bench._report import markdown_table
 from headkit.bench.speed import MECHANISMS, SpeedSettings, Target, make_inputs, run_speed_benchmark
 from headkit.cli import main
+from headkit.files import regular_file_mode, write_atomic, write_json_atomic
 from headkit.ops import KernelSpec, linear_attention
 from headkit.ops.linear import causal_linear_attention_flops
 
@@ -360,7 +361,7 @@ def test_python_dash_m_reaches_the_cli(tmp_path):
     assert "nope" in completed.stderr and "valid names" in completed.stderr
 
 
-# --- atomic report writing (headkit.bench._report) -----------------------------------------------------------
+# --- atomic report writing (headkit.files) ----------------------------------------------------------------
 
 
 def test_write_json_atomic_round_trips_and_creates_folders(tmp_path):

@@ -144,24 +144,19 @@ def cpu_peak_extra_bytes(fn: Callable[[], object]) -> int:
     return peak_of_running_total(event.nbytes() for event in memory_events)
 
 
-def cuda_peak_extra_bytes(fn: Callable[[], object], device: torch.device) -> int:
-    """Most CUDA memory that ``fn()`` holds at once beyond what was allocated when it started, in bytes."""
-    synchronize(device)
-    torch.cuda.reset_peak_memory_stats(device)
-    allocated_at_start = torch.cuda.memory_allocated(device)
-    fn()
-    synchronize(device)
-    return max(0, torch.cuda.max_memory_allocated(device) - allocated_at_start)
-
-
 def measure_peak_memory(
     fn: Callable[[], object], *, inputs: Iterable[torch.Tensor], device: torch.device | str = "cpu"
 ) -> PeakMemory:
-    """Peak memory of one call of ``fn()``: the bytes of ``inputs`` plus the most it allocates on top."""
-    device = torch.device(device)
-    input_bytes = tensor_bytes(inputs)
+    """Peak memory of one call of ``fn()``: the bytes of ``inputs`` plus the most it allocates on top of what
+    was allocated when it started (on CUDA, the allocator's peak since a reset)."""
+    device, input_bytes = torch.device(device), tensor_bytes(inputs)
     if device.type == "cuda":
-        extra = cuda_peak_extra_bytes(fn, device)
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        allocated_at_start = torch.cuda.memory_allocated(device)
+        fn()
+        synchronize(device)
+        extra = max(0, torch.cuda.max_memory_allocated(device) - allocated_at_start)
     elif device.type == "cpu":
         extra = cpu_peak_extra_bytes(fn)
     else:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterable
 from pathlib import Path
@@ -41,22 +40,10 @@ def check_names(flag: str, names: Iterable[str], valid: Iterable[str]) -> list[s
     return names
 
 
-def check_sweep(
-    settings: Any, lengths: str, default: Iterable[str], valid: Iterable[str]
-) -> tuple[torch.device, list[int], list[str], Path]:
-    """Of the settings of a sweep over mechanisms and lengths (``settings.device``, ``.mechanisms``, the field
-    ``lengths``, ``.out``): the device, the lengths sorted without repeats, the mechanisms (``default`` where none
-    are named, each one of ``valid``) and the output folder, each checked, naming its option."""
-    from headkit.bench.registry import option_name
-
-    device = check_device(settings.device)
-    field = next(field for field in dataclasses.fields(settings) if field.name == lengths)
-    check_integers(option_name(field), getattr(settings, lengths))
-    names = check_names("--mechanisms", settings.mechanisms or default, valid)
-    out = Path(settings.out)
-    if out.exists() and not out.is_dir():
+def check_out_dir(out: str | Path) -> None:
+    """The output folder of a run must be a folder or not exist yet, else an error naming ``--out``."""
+    if Path(out).exists() and not Path(out).is_dir():
         raise NotADirectoryError(f"--out {str(out)!r} exists and is not a directory")
-    return device, sorted(set(getattr(settings, lengths))), names, out
 
 
 def check_head_width(hidden_size: int, heads: int, *, even: bool) -> None:
@@ -66,13 +53,17 @@ def check_head_width(hidden_size: int, heads: int, *, even: bool) -> None:
         raise HeadkitError(f"--hidden-size {hidden_size} must be divisible by --heads {heads}{width}")
 
 
+def check_positive(flag: str, value: Any) -> None:
+    """``value`` must be a finite number > 0 (bool is refused), else an error naming ``flag``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise HeadkitError(f"{flag} must be a positive number, got {value!r}")
+
+
 def check_positive_numbers(config: Any, names: Iterable[str]) -> None:
-    """Each of ``config``'s attributes ``names`` must be a finite number > 0 (bool is refused), else an error
-    naming the option ``--name-with-dashes``."""
+    """Each of ``config``'s attributes ``names`` must be a finite number > 0, else an error naming the option
+    ``--name-with-dashes``."""
     for name in names:
-        value = getattr(config, name)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-            raise HeadkitError(f"--{name.replace('_', '-')} must be a positive number, got {value!r}")
+        check_positive(f"--{name.replace('_', '-')}", getattr(config, name))
 
 
 def check_integers(

@@ -9,6 +9,7 @@ import datetime as dt
 import math
 import os
 import platform
+import shlex
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -17,49 +18,9 @@ from typing import Any
 
 import torch
 
-from headkit.files import (  # noqa: F401 (re-exported: the benchmarks write through these)
-    regular_file_mode,
-    save_figure_atomic,
-    write_atomic,
-    write_json_atomic,
-    write_text_atomic,
-)
+from headkit.files import save_figure_atomic, write_json_atomic, write_text_atomic
 
 RESULTS_FILE, TABLE_FILE = "results.json", "table.md"
-
-
-def settings_dict(settings: Any) -> dict[str, Any]:
-    """A settings dataclass as the values JSON reads back (paths as strings, tuples as lists)."""
-    return {
-        k: str(v) if isinstance(v, os.PathLike) else list(v) if isinstance(v, tuple) else v
-        for k, v in dataclasses.asdict(settings).items()
-    }
-
-
-def write_report(
-    out_dir: str | os.PathLike[str],
-    results: Any,
-    markdown: str,
-    figures: Mapping[str, Any],
-    console: Any = None,
-    *,
-    tables: Sequence[Any] | None = None,
-) -> None:
-    """results.json, table.md and each figure under its file name, each atomically; ``console`` prints the
-    table (or the rich ``tables`` instead) and the files written."""
-    out_dir = Path(out_dir)
-    for name, figure in figures.items():
-        save_figure_atomic(figure, out_dir / name)
-    write_text_atomic(out_dir / TABLE_FILE, markdown)
-    write_json_atomic(out_dir / RESULTS_FILE, results)
-    if console is None:
-        return
-    if tables is None:
-        console.print(markdown, highlight=False, markup=False, soft_wrap=True)  # wrapped tables read badly
-    for table in tables or ():
-        console.print(table)
-    *files, last = [RESULTS_FILE, TABLE_FILE, *figures]
-    console.print(f"wrote {', '.join(files)} and {last} to {out_dir}", highlight=False, markup=False)
 
 
 def finish_report(
@@ -74,20 +35,36 @@ def finish_report(
     tables: Callable[[dict[str, Any]], Sequence[Any]] | None = None,
 ) -> dict[str, Any]:
     """Write and return a run's report: the benchmark, command line, machine (``settings.device``, else the CPU)
-    and settings, then ``sections`` (over the settings, where they hold their own), the seconds since ``started``
-    (a ``time.perf_counter()``) and ``files`` (each key's file name, as its path under ``settings.out``; a plot's
-    file only where it drew one); table.md is ``render(report)``, each of ``plots`` (file name: plot of the
-    report, or None where there is nothing to plot) a figure; the console shows ``tables(report)`` (rich tables)
-    or else table.md."""
+    and settings (as JSON reads them back: paths as strings, tuples as lists), then ``sections`` (over the
+    settings, where they hold their own), the seconds since ``started`` (a ``time.perf_counter()``) and
+    ``files`` (each key's file name, as its path under ``settings.out``; a plot's file only where it drew one).
+    Each plot (file name: plot of the report, or None where there is nothing to plot), table.md
+    ``render(report)`` and results.json are written atomically, in that order; the console shows
+    ``tables(report)`` (rich tables) or else table.md, and the files written."""
     out, machine = Path(settings.out), machine_info(getattr(settings, "device", "cpu"))
-    header = {"benchmark": name, "command": command_line(), "machine": machine}
-    report = header | {"settings": settings_dict(settings)} | dict(sections)
+    values = {
+        k: str(v) if isinstance(v, os.PathLike) else list(v) if isinstance(v, tuple) else v
+        for k, v in dataclasses.asdict(settings).items()
+    }
+    report = {"benchmark": name, "command": command_line(), "machine": machine, "settings": values} | dict(
+        sections
+    )
     report["seconds"] = time.perf_counter() - started
     plots = plots or {}
     figures = {file: plot(report) for file, plot in plots.items()}
     figures = {file: figure for file, figure in figures.items() if figure is not None}
     report["files"] = {k: str(out / f) for k, f in files.items() if f not in plots or f in figures}
-    write_report(out, report, render(report), figures, console, tables=tables and tables(report))
+    markdown = render(report)
+    for file, figure in figures.items():
+        save_figure_atomic(figure, out / file)
+    write_text_atomic(out / TABLE_FILE, markdown)
+    write_json_atomic(out / RESULTS_FILE, report)
+    if tables is None:
+        console.print(markdown, highlight=False, markup=False, soft_wrap=True)  # wrapped tables read badly
+    for table in tables(report) if tables else ():
+        console.print(table)
+    *written, last = [RESULTS_FILE, TABLE_FILE, *figures]
+    console.print(f"wrote {', '.join(written)} and {last} to {out}", highlight=False, markup=False)
     return report
 
 
@@ -124,6 +101,13 @@ def markdown_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> 
     return "\n".join([line(headers), line(["---"] * len(headers)), *(line(row) for row in rows)]) + "\n"
 
 
+def column_rows(
+    columns: Mapping[str, Callable[[Any], object]], items: Iterable[Any]
+) -> tuple[list[str], list[list[object]]]:
+    """The headers and rows of a table declared by its columns (header: formatter of an item), a row per item."""
+    return list(columns), [[cell(item) for cell in columns.values()] for item in items]
+
+
 def column_table(
     columns: Mapping[str, Callable[[Any], object]],
     items: Iterable[Any],
@@ -133,8 +117,32 @@ def column_table(
 ) -> str:
     """A Markdown table with a row per item of ``items``, its cell under each header of ``columns`` (header:
     formatter of an item), between the rows ``first`` and ``last`` given as they are."""
-    rows = [[cell(item) for cell in columns.values()] for item in items]
-    return markdown_table(list(columns), [*first, *rows, *last])
+    headers, rows = column_rows(columns, items)
+    return markdown_table(headers, [*first, *rows, *last])
+
+
+def markdown_page(title: str, intro: str, command: Sequence[str], sections: Iterable[tuple[str, Any]]) -> str:
+    """A report's table.md: the title, an intro paragraph and the command that ran, then each section's heading
+    and body: a table (headers, rows) or Markdown text; a section whose text is empty is left out."""
+    parts = [f"# {title}\n", f"{intro}\n", f"Command: `{shlex.join(command)}`\n"]
+    for heading, body in sections:
+        if body:
+            parts += [f"## {heading}\n", body if isinstance(body, str) else markdown_table(*body)]
+    return "\n".join(parts)
+
+
+def bullet_list(lines: Iterable[str]) -> str:
+    """Markdown bullets, one per line ("" where there are none)."""
+    return "".join(f"- {line}\n" for line in lines)
+
+
+def machine_line(results: Mapping[str, Any]) -> str:
+    """Where a report's numbers were measured: the device, CPU model, torch threads and torch version."""
+    config, machine = results["config"], results["machine"]
+    return (
+        f"device {config['device']} ({machine['cpu_model']}, {machine['torch_threads']} torch threads), "
+        f"torch {machine['torch_version']}"
+    )
 
 
 def machine_info(device: torch.device | str) -> dict[str, Any]:

@@ -10,11 +10,11 @@ judged on the fastest step (load only ever adds time), medians reported beside. 
 from __future__ import annotations
 
 import contextlib
-import shlex
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -22,13 +22,15 @@ import torch
 from rich.console import Console
 
 from headkit.bench._measure import synchronize
-from headkit.bench._options import check_sweep
+from headkit.bench._options import check_device, check_out_dir
 from headkit.bench._report import (
+    column_rows,
     figure_axes,
     find_point,
     grid_rows,
     log2_length_axis,
-    markdown_table,
+    machine_line,
+    markdown_page,
     plot_series,
     progress_bar,
     rich_table,
@@ -47,7 +49,6 @@ SEED = 0
 MAX_FLATNESS = 1.2  # per-token time at the longest prompt / at the shortest, of the constant-state mechanisms
 MIN_SPEEDUP = 3.0  # over softmax at the longest prompt
 PLOT_FILE = "decode.png"
-TARGET_HEADERS = ["target", "measured (fastest step)", "measured (median)", "required", "result"]
 
 
 def model_config(mechanism: str, max_positions: int) -> HeadkitConfig:
@@ -95,18 +96,20 @@ def constant_state_mechanisms() -> list[str]:
 class DecodeSettings:
     """Settings of one ``headkit bench decode`` run."""
 
-    device: str = option("cpu", "Device to measure on: cpu or cuda.")
+    device: str = option("cpu", "Device to measure on: cpu or cuda.", check=check_device)
     prompt_lengths: tuple[int, ...] = option(
         (256, 1024, 4096),
         "Comma-separated prompt lengths (default 256,1024,4096; quick 256,1024).",
         flag="--prompts",
         quick=(256, 1024),
+        min=1,
     )
     new_tokens: int = option(128, "Tokens generated per prompt (default 128; quick 32).", min=2, quick=32)
     mechanisms: tuple[str, ...] = option(
         (),
         "Comma-separated registered attention mechanisms (default: softmax and those with a constant-size "
         "decoding state: softmax,linear,additive).",
+        choices=attention_classes,
     )
     repeats: int = option(
         3, "Prefill + decode runs per point, interleaved with the others (steps pooled).", min=1
@@ -121,32 +124,11 @@ class DecodeSettings:
     )
     train_batch: int = option(8, "Sequences per timed training step (with --compile).", min=1)
     train_length: int = option(256, "Tokens per sequence of the timed training step (with --compile).", min=2)
-    out: Path = option(Path("results/decode"), "Output directory for results.json, plot and table.")
-
-    quick = quick_preset("Short run: prompts 256 and 1024, 32 new tokens.")
-
-
-def _tables(results: dict[str, Any]) -> tuple[Any, ...]:
-    """The console's tables: time per token (fastest step / median), and the targets."""
-    fastest, median = _rows(results, "min_token_s"), _rows(results, "median_token_s")
-    time_rows = [
-        [a[0], *(f"{x} / {y}" for x, y in zip(a[1:], b[1:], strict=True))]
-        for a, b in zip(fastest, median, strict=True)
-    ]
-    return (
-        rich_table("time per generated token, fastest step / median (ms)", _headers(results), time_rows),
-        rich_table("targets", TARGET_HEADERS, _target_rows(results), left=len(TARGET_HEADERS)),
-        *(rich_table(title, headers, rows) for title, headers, rows in _compile_tables(results)),
+    out: Path = option(
+        Path("results/decode"), "Output directory for results.json, plot and table.", check=check_out_dir
     )
 
-
-def _compile_budget(compiling: bool) -> Any:
-    """Each mechanism's model, in decoding and in training mode, is its own set of graphs of one code object
-    (``HeadkitForCausalLM.forward``): past dynamo's default budget of 8 recompilations per code object the rest
-    would quietly run eagerly and be timed as compiled. The budget is raised for the run, and running out raises."""
-    if not compiling:
-        return contextlib.nullcontext()
-    return torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True)
+    quick = quick_preset("Short run: prompts 256 and 1024, 32 new tokens.")
 
 
 def _measure(
@@ -156,8 +138,8 @@ def _measure(
     mechanisms: list[str],
     console: Console,
     show_progress: bool,
-) -> list[dict[str, Any]]:
-    """Every (mechanism, prompt length) point. Repeats are the outer loop and mechanisms the inner one, so that
+) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """Every (mechanism, prompt length) point, and torch.compile's speed-ups (None without --compile). Repeats are the outer loop and mechanisms the inner one, so that
     every point's steps are spread over the whole run and the points compared by a target are measured
     seconds apart, under the same machine load."""
     max_positions = max(2048, max(lengths) + settings.new_tokens)
@@ -165,16 +147,16 @@ def _measure(
     prompts = {
         n: torch.randint(0, 256, (settings.batch_size, n), generator=generator).to(device) for n in lengths
     }
+    warm_up = prompts[lengths[0]][:, :WARMUP_PROMPT]
+    timed_decoding = partial(time_greedy_decoding, new_tokens=settings.new_tokens, device=device)
     models, eager = {}, {}
     for mechanism in mechanisms:
         torch.manual_seed(SEED)
         models[mechanism] = HeadkitForCausalLM(model_config(mechanism, max_positions)).to(device).eval()
         if settings.compile:  # the eager model stays, timed beside its compiled self at the longest prompt
             eager[mechanism], models[mechanism] = models[mechanism], torch.compile(models[mechanism])
-            time_greedy_decoding(
-                eager[mechanism], prompts[lengths[0]][:, :WARMUP_PROMPT], WARMUP_STEPS, device
-            )
-        time_greedy_decoding(models[mechanism], prompts[lengths[0]][:, :WARMUP_PROMPT], WARMUP_STEPS, device)
+            time_greedy_decoding(eager[mechanism], warm_up, WARMUP_STEPS, device)
+        time_greedy_decoding(models[mechanism], warm_up, WARMUP_STEPS, device)
 
     keys = [(mechanism, length) for length in lengths for mechanism in mechanisms]
     eager_steps: dict[str, list[float]] = {mechanism: [] for mechanism in eager}
@@ -185,15 +167,11 @@ def _measure(
         for _ in range(settings.repeats):
             for mechanism, length in keys:
                 progress.update(task, description=f"{mechanism} P={length}")
-                prefill_s, step_s, _ = time_greedy_decoding(
-                    models[mechanism], prompts[length], settings.new_tokens, device
-                )
+                prefill_s, step_s, _ = timed_decoding(models[mechanism], prompts[length])
                 prefills[mechanism, length].append(prefill_s)
                 steps[mechanism, length].extend(step_s)
                 if mechanism in eager and length == lengths[-1]:
-                    _, step_s, _ = time_greedy_decoding(
-                        eager[mechanism], prompts[length], settings.new_tokens, device
-                    )
+                    _, step_s, _ = timed_decoding(eager[mechanism], prompts[length])
                     eager_steps[mechanism].extend(step_s)
                 progress.advance(task)
     compile_report = None
@@ -244,20 +222,15 @@ def _time_training_steps(
     for mechanism, model in models.items():
         model.train()
         compiled = torch.compile(model)
-
-        (_, compiled_loss), (_, eager_loss) = (
-            _training_step(m, model, ids, device) for m in (compiled, model)
-        )
+        compiled_loss, eager_loss = (_training_step(m, model, ids, device)[1] for m in (compiled, model))
         eager_s, compiled_s = [], []
         for _ in range(rounds):
             eager_s.append(_training_step(model, model, ids, device)[0])
             compiled_s.append(_training_step(compiled, model, ids, device)[0])
         model.zero_grad(set_to_none=True)
         model.eval()
-        loss_difference = abs(compiled_loss - eager_loss)
-        results.append(
-            _speedup(mechanism, min(eager_s), min(compiled_s)) | {"loss_difference": loss_difference}
-        )
+        speedup = _speedup(mechanism, min(eager_s), min(compiled_s))
+        results.append(speedup | {"loss_difference": abs(compiled_loss - eager_loss)})
     return results
 
 
@@ -309,16 +282,6 @@ def evaluate_targets(points: list[dict[str, Any]], prompt_lengths: Sequence[int]
     return targets
 
 
-def _rows(results: dict[str, Any], key: str) -> list[list[str]]:
-    """Milliseconds of ``key``, a row per mechanism, a cell per prompt length."""
-    rows = [{"mechanism": mechanism} for mechanism in results["config"]["mechanisms"]]
-
-    def cell(point: dict[str, Any] | None) -> str:
-        return "—" if point is None else _milliseconds(point[key])
-
-    return grid_rows(results["points"], rows, "prompt_length", results["config"]["prompt_lengths"], cell)
-
-
 def _milliseconds(seconds: float | None) -> str:
     return "—" if seconds is None else f"{seconds * 1e3:.3g}"
 
@@ -327,72 +290,84 @@ def _times(ratio: float | None) -> str:
     return "—" if ratio is None else f"{ratio:.3g}×"
 
 
-def _headers(results: dict[str, Any]) -> list[str]:
-    return ["mechanism", *(f"P={n}" for n in results["config"]["prompt_lengths"])]
+TARGET_COLUMNS = {
+    "target": lambda t: t["description"],
+    "measured (fastest step)": lambda t: _times(t["measured"]),
+    "measured (median)": lambda t: _times(t.get("measured_median")),
+    "required": lambda t: ("≤ " if t["kind"] == "flatness" else "≥ ") + f"{t['required']:g}×",
+    "result": lambda t: verdict(t["passed"]),
+}
+SPEEDUP_COLUMNS = {
+    "mechanism": lambda row: row["mechanism"],
+    "eager (ms)": lambda row: _milliseconds(row["eager_s"]),
+    "compiled (ms)": lambda row: _milliseconds(row["compiled_s"]),
+    "speed-up": lambda row: _times(row["speedup"]),
+}
 
 
-def _target_rows(results: dict[str, Any]) -> list[list[str]]:
-    return [
-        [t["description"], _times(t["measured"]), _times(t.get("measured_median"))]
-        + [("≤ " if t["kind"] == "flatness" else "≥ ") + f"{t['required']:g}×", verdict(t["passed"])]
-        for t in results["targets"]
-    ]
+def _grid(results: dict[str, Any], key: str) -> tuple[list[str], list[list[str]]]:
+    """Headers and rows of the milliseconds of ``key``: a row per mechanism, a column per prompt length."""
+    lengths = results["config"]["prompt_lengths"]
+    rows = [{"mechanism": mechanism} for mechanism in results["config"]["mechanisms"]]
+    cells = grid_rows(
+        results["points"], rows, "prompt_length", lengths, lambda p: _milliseconds(p and p[key])
+    )
+    return ["mechanism", *(f"P={n}" for n in lengths)], cells
 
 
-def _compile_tables(results: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
-    """(title, headers, rows) of torch.compile's speed-ups, decoding and training; none without --compile."""
-    speedups = results.get("compile_speedup")
+def _compile_tables(results: dict[str, Any]) -> list[tuple[str, tuple[list[str], list[list[object]]]]]:
+    """(title, (headers, rows)) of torch.compile's speed-ups, decoding and training; none without --compile."""
+    speedups, settings = results.get("compile_speedup"), results["settings"]
     if speedups is None:
         return []
-    settings = results["settings"]
-    longest = max(results["config"]["prompt_lengths"])
     training = f"forward + backward, {settings['train_batch']} × {settings['train_length']} tokens"
+    longest = max(results["config"]["prompt_lengths"])
     return [
-        (
-            title,
-            ["mechanism", "eager (ms)", "compiled (ms)", "speed-up"],
-            [
-                [
-                    r["mechanism"],
-                    _milliseconds(r["eager_s"]),
-                    _milliseconds(r["compiled_s"]),
-                    _times(r["speedup"]),
-                ]
-                for r in rows
-            ],
-        )
-        for title, rows in (
-            (f"torch.compile: decoding step at P={longest}, fastest", speedups["decode"]),
-            (f"torch.compile: training step ({training}), fastest", speedups["train_step"]),
-        )
+        (f"torch.compile: decoding step at P={longest}, fastest", speedups["decode"]),
+        (f"torch.compile: training step ({training}), fastest", speedups["train_step"]),
     ]
+
+
+def _tables(results: dict[str, Any]) -> tuple[Any, ...]:
+    """The console's tables: time per token (fastest step / median), the targets, torch.compile's speed-ups."""
+    (headers, fastest), (_, median) = _grid(results, "min_token_s"), _grid(results, "median_token_s")
+    time_rows = [
+        [a[0], *(f"{x} / {y}" for x, y in zip(a[1:], b[1:], strict=True))]
+        for a, b in zip(fastest, median, strict=True)
+    ]
+    return (
+        rich_table("time per generated token, fastest step / median (ms)", headers, time_rows),
+        rich_table("targets", *column_rows(TARGET_COLUMNS, results["targets"]), left=len(TARGET_COLUMNS)),
+        *(rich_table(title, *column_rows(SPEEDUP_COLUMNS, rows)) for title, rows in _compile_tables(results)),
+    )
 
 
 def render_markdown(results: dict[str, Any]) -> str:
-    """table.md: per-token times (fastest step, median, mean), prefill times, targets."""
-    config, machine = results["config"], results["machine"]
-    model, headers = config["model"], _headers(results)
-    sections = [
-        "# headkit bench decode\n",
+    """table.md: per-token times (fastest step, median, mean), prefill times, targets, torch.compile's speed-ups."""
+    config, model = results["config"], results["config"]["model"]
+    intro = (
         f"{model['num_hidden_layers']} layers, hidden {model['hidden_size']}, {model['num_attention_heads']} heads, "
         f"vocab {model['vocab_size']}, {model['dtype']}; batch {config['batch_size']}, {config['new_tokens']} new "
-        f"tokens (greedy) after each prompt; device {config['device']} ({machine['cpu_model']}, "
-        f"{machine['torch_threads']} torch threads), torch {machine['torch_version']}"
+        f"tokens (greedy) after each prompt; {machine_line(results)}"
         f"{', models under torch.compile' if config.get('compiled') else ''}. A decoding step generates "
-        f"one token for each of the batch's {config['batch_size']} sequence(s).\n",
-        f"Command: `{shlex.join(results['command'])}`\n",
-    ]
-    for title, key in (
+        f"one token for each of the batch's {config['batch_size']} sequence(s)."
+    )
+    times = (
         ("Time per generated token, fastest decoding step", "min_token_s"),
         ("Time per generated token, median over decoding steps", "median_token_s"),
         ("Time per generated token, mean", "mean_token_s"),
         ("Prefill of the prompt", "prefill_s"),
-    ):
-        sections += [f"## {title} (ms)\n", markdown_table(headers, _rows(results, key))]
-    sections += ["## Targets\n", markdown_table(TARGET_HEADERS, _target_rows(results))]
-    for title, headers, rows in _compile_tables(results):
-        sections += [f"## {title}\n", markdown_table(headers, rows)]
-    return "\n".join(sections)
+    )
+    return markdown_page(
+        "headkit bench decode",
+        intro,
+        results["command"],
+        [
+            *((f"{title} (ms)", _grid(results, key)) for title, key in times),
+            ("Targets", column_rows(TARGET_COLUMNS, results["targets"])),
+            *((title, column_rows(SPEEDUP_COLUMNS, rows)) for title, rows in _compile_tables(results)),
+        ],
+    )
 
 
 def plot_results(results: dict[str, Any]) -> Any:
@@ -430,8 +405,13 @@ def run_decode_benchmark(
 
     Writes results.json, table.md and decode.png to ``settings.out`` and returns what results.json holds."""
     default = [BASELINE, *constant_state_mechanisms()]
-    device, lengths, names, _ = check_sweep(settings, "prompt_lengths", default, attention_classes())
-    with _compile_budget(settings.compile):
+    names = list(dict.fromkeys(name.strip() for name in settings.mechanisms)) or default
+    device, lengths = torch.device(settings.device), sorted(set(settings.prompt_lengths))
+    # Each mechanism's model, in decoding and in training mode, is its own set of graphs of one code object
+    # (HeadkitForCausalLM.forward): past dynamo's default budget of 8 recompilations per code object the rest would
+    # quietly run eagerly and be timed as compiled. The budget is raised for the run, and running out raises.
+    budget = dict(recompile_limit=64, fail_on_recompile_limit_hit=True)
+    with torch._dynamo.config.patch(**budget) if settings.compile else contextlib.nullcontext():
         points, compile_report = _measure(settings, device, lengths, names, console, show_progress)
     config = {
         "model": {**MODEL_SIZE, "vocab_size": ByteTokenizer.vocab_size, "dtype": "float32"},

@@ -1,8 +1,9 @@
 """The benchmark registry: one entry per ``headkit bench`` command, and the command generated from it.
 
 A benchmark is a settings dataclass (fields made by :func:`option` are command-line options, by :func:`setting`
-checked library settings; ``quick = quick_preset(help)`` is the short run, each field's ``quick`` value) and a
-body decorated with :func:`register_benchmark`, in a module of ``headkit.bench`` (found by :func:`load_benchmarks`)::
+library settings, each checked as it declares: :func:`check_options`; ``quick = quick_preset(help)`` is the
+short run, each field's ``quick`` value) and a body decorated with :func:`register_benchmark`, in a module of
+``headkit.bench`` (found by :func:`load_benchmarks`)::
 
     @dataclass
     class WidgetSettings:
@@ -41,17 +42,8 @@ from headkit.errors import HeadkitError
 
 # The order in which `headkit bench --help` lists headkit's own benchmarks (modules); a module not named here is
 # found all the same and listed after them.
-BUILTIN_BENCHMARKS = (
-    "speed",
-    "decode",
-    "digits",
-    "lora",
-    "decompose",
-    "lm",
-    "extrapolate",
-    "compress",
-    "prune_curves",
-    "linearize",
+BUILTIN_BENCHMARKS = tuple(
+    "speed decode digits lora decompose lm extrapolate compress prune_curves linearize".split()
 )
 
 
@@ -66,7 +58,7 @@ class Benchmark:
 
     def options(self) -> list[dataclasses.Field]:
         """The settings fields that are command-line options (those with help), in declaration order."""
-        return options(self.settings)
+        return [field for field in dataclasses.fields(self.settings) if "help" in field.metadata]
 
     def make_settings(self, quick: bool = False, **given: Any) -> Any:
         """The settings of a run: ``given`` over the quick preset (``quick``) or over the full run's defaults."""
@@ -95,9 +87,9 @@ def register_benchmark(
     whose help is the first paragraph of the body's docstring.
 
     Returns the run function, the body inside the steps every benchmark shares: ``settings`` default to the
-    full run's, every option's ``min`` (:func:`check_options`) and ``check(settings)`` raise HeadkitError naming
-    the option before anything is loaded, the body
-    runs with ``settings.threads`` torch threads (where the settings have them; restored after) and prints to
+    full run's, the checks its fields declare (:func:`check_options`) and ``check(settings)`` raise HeadkitError
+    naming the option before anything is loaded, the body runs with ``settings.threads`` torch threads (where
+    the settings have them; restored after) and prints to
     ``console`` (stdout by default). Given ``render``, the body returns the sections of its report and the run
     ends it (:func:`headkit.bench._report.finish_report`): ``files`` (results.json's key: file name under
     ``settings.out``; by default "table" and "plot", the one plot's), table.md ``render(report)``, each of
@@ -161,27 +153,25 @@ def load_benchmarks() -> dict[str, Benchmark]:
 
 
 def option(
-    default: Any,
-    help: str,
-    *,
-    min: float | None = None,
-    quick: Any = NO_QUICK,
-    flag: str | None = None,
-    argument: bool = False,
-    parse: Callable[[str, str], Any] | None = None,
+    default: Any, help: str, *, flag: str | None = None, argument: bool = False, **declared: Any
 ) -> Any:
-    """A settings field that is also a command-line option (see the module docstring); ``quick`` is its value in
-    the short run, where it differs from ``default``."""
-    metadata = {"help": help, "min": min, "quick": quick, "flag": flag, "argument": argument, "parse": parse}
+    """A settings field that is also a command-line option (see the module docstring): a :func:`setting` with
+    its ``help``, ``flag``, ``argument`` and ``parse(flag, text)``, a function that reads a list's text."""
     if isinstance(default, (list, dict, set)):
         raise TypeError("option defaults must be immutable (use a tuple)")
-    return dataclasses.field(default=default, metadata=metadata)
+    return setting(default, help=help, flag=flag, argument=argument, **declared)
 
 
-def setting(default: Any, *, min: float | None = None, quick: Any = NO_QUICK) -> Any:
-    """A settings field that is not a command-line option but is checked like one (its ``min``), with its value
-    in the short run (``quick``)."""
-    return dataclasses.field(default=default, metadata={"min": min, "quick": quick})
+CHECKS = ("min", "max", "distinct", "positive", "choices", "check")  # what check_options reads
+
+
+def setting(default: Any, *, quick: Any = NO_QUICK, **declared: Any) -> Any:
+    """A settings field, with its value in the short run (``quick``) and its ``CHECKS`` (:func:`check_options`)
+    — checked like an option, named like one in errors, whether or not it is one."""
+    unknown = set(declared) - {*CHECKS, "help", "flag", "argument", "parse"}
+    if unknown:
+        raise TypeError(f"unknown settings field declarations: {sorted(unknown)}")
+    return dataclasses.field(default=default, metadata=dict.fromkeys(CHECKS) | declared | {"quick": quick})
 
 
 def quick_preset(help: str) -> Any:
@@ -196,25 +186,35 @@ def quick_preset(help: str) -> Any:
     return classmethod(quick)
 
 
-def options(settings: type) -> list[dataclasses.Field]:
-    """The fields of a settings class that are command-line options (those with help), in declaration order."""
-    return [field for field in dataclasses.fields(settings) if "help" in field.metadata]
-
-
 def check_options(settings: Any) -> None:
-    """Each integer option or :func:`setting` declared with a ``min`` holds an integer at least that (or None,
-    where the full run's default is None), else a HeadkitError naming it as an option (``--name``): one
-    declaration for the command line and the library alike."""
+    """The checks that fields declare (:func:`option`, :func:`setting`), one declaration for the command line and
+    the library alike, each failure a HeadkitError naming the field as an option (``--name``): ``min`` of an
+    integer; ``min``, ``max`` and ``distinct`` of a non-empty tuple of integers; ``positive``: a finite number
+    > 0; ``choices()``: the valid names of a tuple of names (empty: the benchmark's default); ``check(value)``:
+    anything else. A field whose full run's default is None may be None."""
+    from headkit.bench._options import check_integers, check_names, check_positive
+
     hints = field_types(type(settings))
     for field in dataclasses.fields(settings):
-        minimum, value = field.metadata.get("min"), getattr(settings, field.name)
-        if minimum is None or hints[field.name] is not int or (value is None and field.default is None):
+        value, declared, flag = getattr(settings, field.name), field.metadata, option_name(field)
+        minimum, listed = declared.get("min"), typing.get_origin(hints[field.name]) is tuple
+        if value is None and field.default is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-            wording = {0: "a non-negative integer", 1: "a positive integer"}.get(
-                minimum, f"an integer ≥ {minimum}"
-            )
-            raise HeadkitError(f"{option_name(field)} must be {wording}, got {value!r}")
+        if minimum is not None and hints[field.name] is int:
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                wording = {0: "a non-negative integer", 1: "a positive integer"}.get(
+                    minimum, f"an integer ≥ {minimum}"
+                )
+                raise HeadkitError(f"{flag} must be {wording}, got {value!r}")
+        if listed and (minimum is not None or declared.get("max") is not None or declared.get("distinct")):
+            low = 1 if minimum is None else minimum
+            check_integers(flag, value, low, declared.get("max"), distinct=bool(declared.get("distinct")))
+        if declared.get("positive"):
+            check_positive(flag, value)
+        if declared.get("choices") and value:
+            check_names(flag, value, declared["choices"]())
+        if declared.get("check"):
+            declared["check"](value)
 
 
 def option_name(field: dataclasses.Field) -> str:

@@ -11,7 +11,6 @@ and outputs: docs/benchmarks.md.
 from __future__ import annotations
 
 import importlib.util
-import shlex
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -21,13 +20,16 @@ import torch
 from rich.console import Console
 
 from headkit.bench._measure import matmul_rate, measure_peak_memory, time_call
-from headkit.bench._options import check_sweep
+from headkit.bench._options import check_device, check_out_dir
 from headkit.bench._report import (
+    bullet_list,
+    column_rows,
     figure_axes,
     find_point,
     grid_rows,
     log2_length_axis,
-    markdown_table,
+    machine_line,
+    markdown_page,
     plot_series,
     progress_bar,
     rich_table,
@@ -36,6 +38,7 @@ from headkit.bench._report import (
 from headkit.bench.registry import option, quick_preset, register_benchmark, run_as_script
 from headkit.errors import HeadkitError
 from headkit.ops import KERNELS, KernelSpec
+from headkit.ops.registry import QKV_INPUTS
 
 BASELINE = "sdpa_causal"
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
@@ -48,7 +51,6 @@ SEED = 0
 MATMUL_SIZE = 1024  # the [n, n] @ [n, n] matmul whose rate FLOP-counting kernels are compared with
 ANCHOR = "fast_transformers_causal"
 PLOT_FILE = "speed.png"
-TARGET_HEADERS = ["target", "measured", "required", "result"]
 MECHANISMS = KERNELS  # every kernel of the op registry, in registration order
 
 
@@ -61,12 +63,9 @@ def _fast_transformers_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
     return causal_dot_product(phi_q.contiguous(), phi_k.contiguous(), v.contiguous()) * normaliser[..., None]
 
 
-_QKV = ("B", "H", "T", "D")
 ANCHORS = {
     ANCHOR: KernelSpec(
-        "fast-transformers' compiled causal linear attention (anchor)",
-        {"q": _QKV, "k": _QKV, "v": _QKV},
-        _fast_transformers_causal,
+        "fast-transformers' compiled causal linear attention (anchor)", QKV_INPUTS, _fast_transformers_causal
     )
 }
 
@@ -81,14 +80,7 @@ def _spec(name: str) -> KernelSpec:
 
 def resolve_layout(layout: Sequence[str], *, batch: int, heads: int, seq_len: int, head_dim: int) -> tuple:
     """Concrete shape of a layout: B batch, H heads, T seq_len, D head_dim, D/2 half of it, H*D all heads."""
-    sizes = {
-        "B": batch,
-        "H": heads,
-        "T": seq_len,
-        "D": head_dim,
-        "D/2": head_dim // 2,
-        "H*D": heads * head_dim,
-    }
+    sizes = dict(B=batch, H=heads, T=seq_len, D=head_dim) | {"D/2": head_dim // 2, "H*D": heads * head_dim}
     unknown = [symbol for symbol in layout if symbol not in sizes]
     if unknown:
         raise ValueError(f"layout {tuple(layout)} uses unknown symbols {unknown}; known: {sorted(sizes)}")
@@ -130,34 +122,19 @@ class Target:
     reference: str = BASELINE
 
 
+LINEAR, FORWARD, BOTH = "linear_causal", *MODES
+THAN_ANCHOR = "≥ 2× faster than fast-transformers, T=8192"
 TARGETS = (  # from the issue
-    Target("linear fwd ≥ 10× faster at T=8192", "linear_causal", "forward", 8192, "time", 1 / 10),
-    Target("linear fwd+bwd ≥ 6× faster at T=4096", "linear_causal", "forward_backward", 4096, "time", 1 / 6),
-    Target("linear fwd+bwd ≤ 1.5× slower at T=512", "linear_causal", "forward_backward", 512, "time", 1.5),
-    Target("linear fwd peak memory ≤ 1.5× at T=8192", "linear_causal", "forward", 8192, "peak_memory", 1.5),
-    Target("additive fwd ≥ 20× faster at T=8192", "additive_causal", "forward", 8192, "time", 1 / 20),
-    Target("CoCA fwd time ≤ 1.3× at T=4096", "coca_causal", "forward", 4096, "time", 1.3),
-    Target("CoCA fwd peak memory ≤ 1.25× at T=4096", "coca_causal", "forward", 4096, "peak_memory", 1.25),
-    Target(
-        "linear fwd ≥ 60% of the matmul rate, T=8192",
-        "linear_causal",
-        "forward",
-        8192,
-        "matmul_time",
-        1 / 0.6,
-    ),
-    *(
-        Target(
-            f"linear {label} ≥ 2× faster than fast-transformers, T=8192",
-            "linear_causal",
-            mode,
-            8192,
-            "time",
-            0.5,
-            ANCHOR,
-        )
-        for mode, label in MODE_LABELS.items()
-    ),
+    Target("linear fwd ≥ 10× faster at T=8192", LINEAR, FORWARD, 8192, "time", 1 / 10),
+    Target("linear fwd+bwd ≥ 6× faster at T=4096", LINEAR, BOTH, 4096, "time", 1 / 6),
+    Target("linear fwd+bwd ≤ 1.5× slower at T=512", LINEAR, BOTH, 512, "time", 1.5),
+    Target("linear fwd peak memory ≤ 1.5× at T=8192", LINEAR, FORWARD, 8192, "peak_memory", 1.5),
+    Target("additive fwd ≥ 20× faster at T=8192", "additive_causal", FORWARD, 8192, "time", 1 / 20),
+    Target("CoCA fwd time ≤ 1.3× at T=4096", "coca_causal", FORWARD, 4096, "time", 1.3),
+    Target("CoCA fwd peak memory ≤ 1.25× at T=4096", "coca_causal", FORWARD, 4096, "peak_memory", 1.25),
+    Target("linear fwd ≥ 60% of the matmul rate, T=8192", LINEAR, FORWARD, 8192, "matmul_time", 1 / 0.6),
+    Target(f"linear fwd {THAN_ANCHOR}", LINEAR, FORWARD, 8192, "time", 0.5, ANCHOR),
+    Target(f"linear fwd+bwd {THAN_ANCHOR}", LINEAR, BOTH, 8192, "time", 0.5, ANCHOR),
 )
 
 
@@ -165,18 +142,23 @@ TARGETS = (  # from the issue
 class SpeedSettings:
     """Settings of one ``headkit bench speed`` run."""
 
-    device: str = option("cpu", "Device to measure on: cpu or cuda.")
+    device: str = option("cpu", "Device to measure on: cpu or cuda.", check=check_device)
     lengths: tuple[int, ...] = option(
         (512, 1024, 2048, 4096, 8192),
         "Comma-separated sequence lengths (default 512,…,8192; quick 512,1024,2048).",
         quick=(512, 1024, 2048),
+        min=1,
     )
-    mechanisms: tuple[str, ...] = option((), "Comma-separated mechanisms (default: all registered).")
+    mechanisms: tuple[str, ...] = option(
+        (), "Comma-separated mechanisms (default: all registered).", choices=lambda: {**MECHANISMS, **ANCHORS}
+    )
     repeats: int = option(
         5, "Timed repetitions per point, the median reported (default 5; quick 3).", min=1, quick=3
     )
     threads: int | None = option(None, "torch threads during the run (default: torch's setting).", min=1)
-    out: Path = option(Path("results/speed"), "Output directory for results.json, plot and table.")
+    out: Path = option(
+        Path("results/speed"), "Output directory for results.json, plot and table.", check=check_out_dir
+    )
     warmup: int = 1  # untimed calls before the timed ones
     min_repeat_s: float = MIN_REPEAT_S  # a timed repeat loops over calls faster than this (their mean)
 
@@ -204,36 +186,9 @@ FAILED = {"median_s": None, "times_s": [], "calls_per_repeat": 0} | dict.fromkey
 def _measure_point(
     name: str, seq_len: int, device: torch.device, timing: dict[str, Any], out_of_memory: set[str]
 ) -> list[dict[str, Any]]:
-    """The forward and the forward+backward point of one mechanism at one length; running out of memory is
-    recorded, and ends its longer lengths."""
-    error = "skipped: out of memory at a shorter length" if name in out_of_memory else None
-    if error is None:
-        try:
-            measurements = _measure_modes(_spec(name), seq_len, device, timing)
-        except Exception as exc:
-            # The CPU allocator reports exhaustion as a plain RuntimeError.
-            memory = isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
-            if not (isinstance(exc, torch.OutOfMemoryError) or memory):
-                raise
-            error = f"out of memory: {(str(exc).splitlines() or [''])[0]}"
-            out_of_memory.add(name)
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # hand back what the failed call cached, for the mechanisms still to run
-    if error is not None:
-        measurements = [FAILED | {"error": error}] * len(MODES)
-    return [
-        {"mechanism": name, "seq_len": seq_len, "mode": mode, **measurement}
-        for mode, measurement in zip(MODES, measurements, strict=True)
-    ]
-
-
-def _measure_modes(
-    spec: KernelSpec, seq_len: int, device: torch.device, timing: dict[str, Any]
-) -> list[dict[str, Any]]:
-    """The forward and the forward+backward measurement of one mechanism at one length."""
-    inputs = make_inputs(spec, seq_len=seq_len, device=device, requires_grad=True)
-    leaves = list(inputs.values())
-    output_shape: torch.Size | None = None
+    """The forward and the forward+backward point of one mechanism at one length, the backward against a fixed
+    random cotangent; running out of memory is recorded, and ends its longer lengths."""
+    spec, output_shape = _spec(name), None
 
     def forward() -> None:
         nonlocal output_shape  # recorded for the cotangent below, which saves a forward call
@@ -248,10 +203,31 @@ def _measure_modes(
         memory = measure_peak_memory(fn, inputs=live_inputs, device=device)
         return asdict(timed) | {"times_s": list(timed.times_s)} | asdict(memory) | {"error": None}
 
-    forward_point = measure(forward, leaves)
-    generator = torch.Generator(device=device).manual_seed(SEED + 1)
-    cotangent = torch.randn(output_shape, generator=generator, device=device, dtype=DTYPE)
-    return [forward_point, measure(forward_backward, [*leaves, cotangent])]
+    error = "skipped: out of memory at a shorter length" if name in out_of_memory else None
+    try:
+        if error is None:
+            inputs = make_inputs(spec, seq_len=seq_len, device=device, requires_grad=True)
+            leaves = list(inputs.values())
+            forward_point = measure(forward, leaves)
+            generator = torch.Generator(device=device).manual_seed(SEED + 1)
+            cotangent = torch.randn(output_shape, generator=generator, device=device, dtype=DTYPE)
+            measurements = [forward_point, measure(forward_backward, [*leaves, cotangent])]
+    except Exception as exc:
+        # The CPU allocator reports exhaustion as a plain RuntimeError.
+        memory = isinstance(exc, RuntimeError) and "can't allocate memory" in str(exc)
+        if not (isinstance(exc, torch.OutOfMemoryError) or memory):
+            raise
+        error = f"out of memory: {(str(exc).splitlines() or [''])[0]}"
+        out_of_memory.add(name)
+        inputs = leaves = cotangent = None
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # hand back what the failed call cached, for the mechanisms still to run
+    if error is not None:
+        measurements = [FAILED | {"error": error}] * len(MODES)
+    return [
+        {"mechanism": name, "seq_len": seq_len, "mode": mode, **measurement}
+        for mode, measurement in zip(MODES, measurements, strict=True)
+    ]
 
 
 def _add_rate(point: dict[str, Any], rate: float | None) -> None:
@@ -296,16 +272,27 @@ def _format_ratio(ratio: float | None) -> str:
     return f"{ratio:.3g}× (1/{1 / ratio:.3g})" if 0 < ratio < 1 else f"{ratio:.3g}×"
 
 
-def _cells(results: dict[str, Any], cell: Callable[[dict[str, Any] | None], str]) -> list[list[str]]:
-    """A row per measured mechanism and mode (registry order), a cell per length."""
+TARGET_COLUMNS = {
+    "target": lambda t: t["description"],
+    "measured": lambda t: _format_ratio(t["measured_ratio"]),
+    "required": lambda t: f"≤ {t['max_ratio']:.3g}×",
+    "result": lambda t: verdict(t["passed"]),
+}
+
+
+def _grid(results: dict[str, Any], cell: Callable[[dict[str, Any] | None], str]) -> tuple[list[str], list]:
+    """Headers and rows of ``cell(point)``: a row per measured mechanism and mode (registry order), a column per
+    length."""
+    lengths = results["config"]["lengths"]
     rows = [
         {"mechanism": name, "mode": mode}
         for name, info in results["mechanisms"].items()
         if info["available"]
         for mode in MODES
     ]
-    cells = grid_rows(results["points"], rows, "seq_len", results["config"]["lengths"], cell)
-    return [[row[0], MODE_LABELS[row[1]], *row[2:]] for row in cells]
+    cells = grid_rows(results["points"], rows, "seq_len", lengths, cell)
+    headers = ["mechanism", "mode", *(f"T={n}" for n in lengths)]
+    return headers, [[row[0], MODE_LABELS[row[1]], *row[2:]] for row in cells]
 
 
 def _ratio_cell(point: dict[str, Any] | None) -> str:
@@ -320,28 +307,13 @@ def _value_cell(key: str, scale: float) -> Callable[[dict[str, Any] | None], str
     return lambda point: "—" if point is None or point[key] is None else f"{point[key] * scale:.3g}"
 
 
-def _headers(results: dict[str, Any]) -> list[str]:
-    return ["mechanism", "mode", *(f"T={n}" for n in results["config"]["lengths"])]
-
-
-def _target_rows(results: dict[str, Any]) -> list[list[str]]:
-    return [
-        [
-            t["description"],
-            _format_ratio(t["measured_ratio"]),
-            f"≤ {t['max_ratio']:.3g}×",
-            verdict(t["passed"]),
-        ]
-        for t in results["targets"]
-    ]
-
-
 def _tables(results: dict[str, Any]) -> tuple[Any, ...]:
     """The console's tables: the ratios to the baseline, and the targets."""
     ratio_title = f"time / peak memory relative to {BASELINE} (< 1 is better)"
+    targets = column_rows(TARGET_COLUMNS, results["targets"])
     return (
-        rich_table(ratio_title, _headers(results), _cells(results, _ratio_cell), left=2),
-        rich_table("targets (ratio to the baseline, same run)", TARGET_HEADERS, _target_rows(results)),
+        rich_table(ratio_title, *_grid(results, _ratio_cell), left=2),
+        rich_table("targets (ratio to the baseline, same run)", *targets),
     )
 
 
@@ -358,34 +330,31 @@ def _rate_lines(results: dict[str, Any]) -> list[str]:
     ]
 
 
+def _shape(config: dict[str, Any]) -> str:
+    return f"B={config['batch']}, H={config['heads']}, head_dim={config['head_dim']}, {config['dtype']}"
+
+
 def render_markdown(results: dict[str, Any]) -> str:
     """table.md: medians, peak memory, ratios to the baseline, targets, and what was not measured."""
-    config, machine, headers = results["config"], results["machine"], _headers(results)
-    sections = [
-        "# headkit bench speed\n",
-        f"B={config['batch']}, H={config['heads']}, head_dim={config['head_dim']}, {config['dtype']}, "
-        f"device {config['device']} ({machine['cpu_model']}, {machine['torch_threads']} torch threads), "
-        f"torch {machine['torch_version']}, median of {config['repeats']} after {config['warmup']} warm-up.\n",
-        f"Command: `{shlex.join(results['command'])}`\n",
-        "## Median time (ms)\n",
-        markdown_table(headers, _cells(results, _value_cell("median_s", 1e3))),
-        "## Peak memory, inputs included (MiB)\n",
-        markdown_table(headers, _cells(results, _value_cell("peak_bytes", 2**-20))),
-        f"## Time / peak memory relative to {BASELINE}\n",
-        markdown_table(headers, _cells(results, _ratio_cell)),
-        "## Targets\n",
-        markdown_table(TARGET_HEADERS, _target_rows(results)),
-    ]
-    if rates := _rate_lines(results):
-        sections += [
-            "## Rate against the fp32 matmul rate, same run\n",
-            "\n".join(f"- {x}" for x in rates) + "\n",
-        ]
-    if skipped := [
-        f"- {name}: {info['note']}" for name, info in results["mechanisms"].items() if info["note"]
-    ]:
-        sections += ["## Not measured\n", "\n".join(skipped) + "\n"]
-    return "\n".join(sections)
+    config = results["config"]
+    intro = (
+        f"{_shape(config)}, {machine_line(results)}, median of {config['repeats']} after {config['warmup']} "
+        "warm-up."
+    )
+    notes = [f"{name}: {info['note']}" for name, info in results["mechanisms"].items() if info["note"]]
+    return markdown_page(
+        "headkit bench speed",
+        intro,
+        results["command"],
+        [
+            ("Median time (ms)", _grid(results, _value_cell("median_s", 1e3))),
+            ("Peak memory, inputs included (MiB)", _grid(results, _value_cell("peak_bytes", 2**-20))),
+            (f"Time / peak memory relative to {BASELINE}", _grid(results, _ratio_cell)),
+            ("Targets", column_rows(TARGET_COLUMNS, results["targets"])),
+            ("Rate against the fp32 matmul rate, same run", bullet_list(_rate_lines(results))),
+            ("Not measured", bullet_list(notes)),
+        ],
+    )
 
 
 def plot_results(results: dict[str, Any]) -> Any:
@@ -401,10 +370,7 @@ def plot_results(results: dict[str, Any]) -> Any:
             title = f"{MODE_LABELS[mode]}: {label.split(' (')[0]}"
             log2_length_axis(ax, config["lengths"], "sequence length T" if row == 1 else None, label, title)
     axes[0][0].legend(fontsize="small")
-    figure.suptitle(
-        f"B={config['batch']}, H={config['heads']}, head_dim={config['head_dim']}, {config['dtype']}, "
-        f"{config['device']}"
-    )
+    figure.suptitle(f"{_shape(config)}, {config['device']}")
     return figure
 
 
@@ -424,7 +390,8 @@ def run_speed_benchmark(
     baseline is always measured (first)."""
     # The anchor is measured by default where it is installed; asked for where it is not, it is skipped.
     default = [*MECHANISMS, *(ANCHORS if fast_transformers_installed() else ())]
-    device, lengths, names, _ = check_sweep(settings, "lengths", default, {**MECHANISMS, **ANCHORS})
+    names = list(dict.fromkeys(name.strip() for name in settings.mechanisms)) or default
+    device, lengths = torch.device(settings.device), sorted(set(settings.lengths))
     if importlib.util.find_spec("matplotlib") is None:  # found now, not after a run of several minutes
         raise HeadkitError("the speed benchmark plots with matplotlib: pip install 'headkit[bench]'")
     names = [BASELINE, *(name for name in names if name != BASELINE)]
