@@ -12,9 +12,11 @@ import sys
 import pytest
 import torch
 
-from headkit.layers import BUILTIN_ATTENTION_NAMES, build_attention
+from headkit.layers import ATTENTION_LAYERS, BUILTIN_ATTENTION_NAMES, SoftmaxAttention, build_attention
+from headkit.layers.base import LayerInputs
 from headkit.models import HeadkitForCausalLM
 from headkit.ops import _validation, rotary
+from headkit.surgery.pruning import prune_heads
 
 # ops.linear and ops.hybrid still check the mask their layer has checked (those modules are being changed apart).
 STILL_CHECKED_TWICE: set[str] = set()
@@ -91,3 +93,51 @@ def test_a_layer_on_its_own_still_rejects_bad_inputs(make_config, attention):
             layer(x, position_ids=torch.arange(5))
         with pytest.raises(ValueError, match="position_ids must be integers of shape"):
             layer(x, position_ids=torch.zeros(1, 5))
+
+
+class PlainForwardSoftmax(SoftmaxAttention):
+    """A mechanism that overrides forward with the plain signature (no ``inputs_validated``), reading its inputs
+    through key_padding_mask and positions, as the layers' contract allows."""
+
+    def forward(
+        self,
+        hidden_states,
+        attention_mask=None,
+        position_ids=None,
+        past_key_values=None,
+        use_cache=False,
+        output_attentions=False,
+    ):
+        batch, seq, _ = hidden_states.shape
+        past = self.past_length(past_key_values)
+        mask = self.key_padding_mask(attention_mask, batch, past + seq)
+        positions = self.positions(position_ids, batch, seq, past, hidden_states.device)
+        inputs = LayerInputs(batch, seq, past, mask, positions, past_key_values, output_attentions)
+        return self.attend(hidden_states, inputs)
+
+
+@pytest.fixture
+def plain_forward(monkeypatch):
+    monkeypatch.setitem(ATTENTION_LAYERS, "test_plain_forward", PlainForwardSoftmax)
+    return "test_plain_forward"
+
+
+def test_a_plain_forward_layer_on_its_own_checks_its_positions(make_config, plain_forward):
+    layer = PlainForwardSoftmax(make_config(position_embedding_type="rope"), 0)
+    assert not PlainForwardSoftmax.takes_inputs_validated
+    x = torch.randn(2, 5, layer.hidden_size)
+    for bad in (torch.zeros(1, 5), torch.arange(5)):
+        with pytest.raises(ValueError, match="position_ids must be integers of shape"):
+            layer(x, position_ids=bad)
+
+
+def test_a_model_of_plain_forward_layers_runs_and_after_surgery_too(make_config, plain_forward):
+    torch.manual_seed(0)
+    model = HeadkitForCausalLM(make_config(attention=plain_forward, position_embedding_type="rope")).eval()
+    ids = torch.randint(1, model.config.vocab_size, (2, 6))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        heads = model.config.num_attention_heads
+        prune_heads(model, {0: list(range(heads))}, allow_empty_layers=True)  # a replacement in layer 0
+        after = model(input_ids=ids).logits
+    assert before.shape == after.shape and torch.isfinite(after).all()

@@ -15,7 +15,8 @@ A mechanism is a subclass of :class:`HeadkitAttention` registered by name::
 
 The base class's ``forward`` validates the padding mask and the positions once and hands them to ``attend``; a
 mechanism may instead override ``forward`` itself (the same contract, reading the inputs through
-:meth:`~HeadkitAttention.key_padding_mask` and :meth:`~HeadkitAttention.positions`).
+:meth:`~HeadkitAttention.key_padding_mask` and :meth:`~HeadkitAttention.positions`, which check them; such a
+forward may take ``inputs_validated`` too, and pass it on as their ``validated``).
 
 The contract, for every mechanism:
 
@@ -105,6 +106,8 @@ class HeadkitAttention(nn.Module):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
+        if "takes_inputs_validated" in cls.__dict__:  # said by the class itself (surgery's replacements)
+            return
         parameters = inspect.signature(cls.forward).parameters.values()
         cls.takes_inputs_validated = any(
             parameter.name == "inputs_validated" or parameter.kind is inspect.Parameter.VAR_KEYWORD
@@ -163,16 +166,14 @@ class HeadkitAttention(nn.Module):
         """
         batch, seq, _ = hidden_states.shape
         past_length = self.past_length(past_key_values)
-        key_mask = attention_mask
-        if not inputs_validated:
-            key_mask = self.key_padding_mask(attention_mask, batch, past_length + seq)
+        key_mask = self.key_padding_mask(attention_mask, batch, past_length + seq, validated=inputs_validated)
         if key_mask is not None:
             key_mask = key_mask.to(hidden_states.device)
         positions = None
         if self.use_rope:
-            if position_ids is not None and not inputs_validated:
-                position_ids = check_batch_position_ids(position_ids, batch, seq)
-            positions = self.positions(position_ids, batch, seq, past_length, hidden_states.device)
+            positions = self.positions(
+                position_ids, batch, seq, past_length, hidden_states.device, validated=inputs_validated
+            )
         inputs = LayerInputs(batch, seq, past_length, key_mask, positions, past_key_values, output_attentions)
         return self.attend(hidden_states, inputs)
 
@@ -226,13 +227,20 @@ class HeadkitAttention(nn.Module):
         return 0 if past_key_values is None else past_key_values.get_seq_length(self.layer_idx)
 
     def positions(
-        self, position_ids: torch.Tensor | None, batch: int, seq: int, past_length: int, device: torch.device
+        self,
+        position_ids: torch.Tensor | None,
+        batch: int,
+        seq: int,
+        past_length: int,
+        device: torch.device,
+        *,
+        validated: bool = False,
     ) -> torch.Tensor:
-        """Positions [B or 1, T] of the current tokens (as given, checked by the caller); ``past, …, past + T − 1``
-        when None."""
+        """Validated positions [B or 1, T] of the current tokens (``validated``: checked by the caller already);
+        ``past, …, past + T − 1`` when None."""
         if position_ids is None:
             return torch.arange(past_length, past_length + seq, device=device)[None]
-        return position_ids
+        return position_ids if validated else check_batch_position_ids(position_ids, batch, seq)
 
     def recurrent_state(self, inputs: LayerInputs) -> Any:
         """A recurrent layer's state from the cache: None without a cache, or before its first token."""
@@ -244,9 +252,12 @@ class HeadkitAttention(nn.Module):
             inputs.cache.set_state(state, self.layer_idx, inputs.seq)
 
     def key_padding_mask(
-        self, attention_mask: torch.Tensor | None, batch: int, total_length: int
+        self, attention_mask: torch.Tensor | None, batch: int, total_length: int, *, validated: bool = False
     ) -> torch.Tensor | None:
-        """The validated [B, past + T] key padding mask as bool (True = real token), or None."""
+        """The validated [B, past + T] key padding mask as bool (True = real token), or None (``validated``:
+        checked by the caller already, and returned as it is)."""
+        if validated:
+            return attention_mask
         return check_padding_mask(attention_mask, batch, total_length)
 
     def init_extra_parameters(self, std: float) -> None:

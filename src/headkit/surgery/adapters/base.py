@@ -661,7 +661,10 @@ def _recordable_class(headkit_class: type, original_class: type) -> type:
     key = (headkit_class, original_class)
     if key not in _RECORDABLE_CLASSES:
         name = headkit_class.__name__.removesuffix("Attention") + original_class.__name__
-        made = type(name, (headkit_class, original_class), {"__module__": headkit_class.__module__})
+        # takes_inputs_validated False: a replacement reads the call with the replaced module's signature and
+        # checks its inputs itself, so a headkit model must not pass it the keyword its own layers take.
+        namespace = {"__module__": headkit_class.__module__, "takes_inputs_validated": False}
+        made = type(name, (headkit_class, original_class), namespace)
         _RECORDABLE_CLASSES[key], _RECORDABLE_BASES[made] = made, key
     return _RECORDABLE_CLASSES[key]
 
