@@ -190,8 +190,8 @@ def check_options(settings: Any) -> None:
     """The checks that fields declare (:func:`option`, :func:`setting`), one declaration for the command line and
     the library alike, each failure a HeadkitError naming the field as an option (``--name``): ``min`` of an
     integer; ``min``, ``max`` and ``distinct`` of a non-empty tuple of integers; ``positive``: a finite number
-    > 0; ``choices()``: the valid names of a tuple of names (empty: the benchmark's default); ``check(value)``:
-    anything else. A field whose full run's default is None may be None."""
+    > 0; ``choices()``: the valid names of a tuple of names (which may be empty only where the full run's
+    default is: "the benchmark's choice"); ``check(value)``: anything else. A field whose full run's default is None may be None."""
     from headkit.bench._options import check_integers, check_names, check_positive
 
     hints = field_types(type(settings))
@@ -211,7 +211,7 @@ def check_options(settings: Any) -> None:
             check_integers(flag, value, low, declared.get("max"), distinct=bool(declared.get("distinct")))
         if declared.get("positive"):
             check_positive(flag, value)
-        if declared.get("choices") and value:
+        if declared.get("choices") and (value or field.default):
             check_names(flag, value, declared["choices"]())
         if declared.get("check"):
             declared["check"](value)
