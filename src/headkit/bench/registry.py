@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import math
 import pkgutil
 import time
 import types
@@ -189,30 +190,34 @@ def quick_preset(help: str) -> Any:
 def check_options(settings: Any) -> None:
     """The checks that fields declare (:func:`option`, :func:`setting`), one declaration for the command line and
     the library alike, each failure a HeadkitError naming the field as an option (``--name``): ``min`` of an
-    integer; ``min``, ``max`` and ``distinct`` of a non-empty tuple of integers; ``positive``: a finite number
-    > 0; ``choices()``: the valid names of a tuple of names (which may be empty only where the full run's
-    default is: "the benchmark's choice"); ``check(value)``: anything else. A field whose full run's default is None may be None."""
+    integer or a (finite) number; ``min``, ``max`` and ``distinct`` of a non-empty tuple of integers;
+    ``positive``: a finite number > 0; ``choices()``: the valid names of a tuple of names, ``distinct`` if no
+    name may be repeated (the tuple may be empty only where the full run's default is: "the benchmark's
+    choice"); ``check(value)``: anything else. A field whose full run's default is None may be None."""
     from headkit.bench._options import check_integers, check_names, check_positive
 
     hints = field_types(type(settings))
     for field in dataclasses.fields(settings):
         value, declared, flag = getattr(settings, field.name), field.metadata, option_name(field)
-        minimum, listed = declared.get("min"), typing.get_origin(hints[field.name]) is tuple
+        kind, minimum, distinct = hints[field.name], declared.get("min"), bool(declared.get("distinct"))
         if value is None and field.default is None:
             continue
-        if minimum is not None and hints[field.name] is int:
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                wording = {0: "a non-negative integer", 1: "a positive integer"}.get(
+        if minimum is not None and kind in (int, float):
+            accepted = int if kind is int else (int, float)
+            if isinstance(value, bool) or not isinstance(value, accepted) or not minimum <= value < math.inf:
+                integer = {0: "a non-negative integer", 1: "a positive integer"}.get(
                     minimum, f"an integer ≥ {minimum}"
                 )
+                wording = integer if kind is int else f"a number ≥ {minimum}"
                 raise HeadkitError(f"{flag} must be {wording}, got {value!r}")
-        if listed and (minimum is not None or declared.get("max") is not None or declared.get("distinct")):
-            low = 1 if minimum is None else minimum
-            check_integers(flag, value, low, declared.get("max"), distinct=bool(declared.get("distinct")))
+        if typing.get_args(kind)[:1] == (int,) and (minimum is not None or declared.get("max") or distinct):
+            check_integers(
+                flag, value, 1 if minimum is None else minimum, declared.get("max"), distinct=distinct
+            )
         if declared.get("positive"):
             check_positive(flag, value)
         if declared.get("choices") and (value or field.default):
-            check_names(flag, value, declared["choices"]())
+            check_names(flag, value, declared["choices"](), distinct=distinct)
         if declared.get("check"):
             declared["check"](value)
 
