@@ -71,13 +71,6 @@ def check_positive(flag: str, value: Any) -> None:
         raise HeadkitError(f"{flag} must be a positive number, got {value!r}")
 
 
-def check_positive_numbers(config: Any, names: Iterable[str]) -> None:
-    """Each of ``config``'s attributes ``names`` must be a finite number > 0, else an error naming the option
-    ``--name-with-dashes``."""
-    for name in names:
-        check_positive(f"--{name.replace('_', '-')}", getattr(config, name))
-
-
 def check_integers(
     flag: str, values: Any, low: int = 1, high: int | None = None, *, distinct: bool = False
 ) -> None:

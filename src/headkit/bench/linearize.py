@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from headkit.bench._options import check_out_dir
 from headkit.bench._report import column_table, markdown_table
 from headkit.bench.registry import option, parse_list, quick_preset, register_benchmark, setting
-from headkit.errors import HeadkitError
 from headkit.recipes.linearize import PLOT_FILE, LinearizeSettings, check_settings, plot_report, run
 
 LINEARIZE_HELP = {
@@ -53,7 +53,9 @@ class LinearizeBenchSettings:
     data: Path | None = option(None, LINEARIZE_HELP["data"])
     threads: int = option(2, "torch threads.", min=1)
     seed: int = option(0, "Seed of the sampling and the training order.")
-    out: Path = option(Path("results/linearize"), "Output directory for results.json, table, plot.")
+    out: Path = option(
+        Path("results/linearize"), "Output directory for results.json, table, plot.", check=check_out_dir
+    )
     quick_recipe: bool = setting(False, quick=True)  # the recipe's quick preset under the settings above
 
     quick = quick_preset("The recipe's quick preset (a few minutes on 2 cores).")
@@ -69,13 +71,6 @@ class LinearizeBenchSettings:
         if self.lora_rank is not None:
             given["lora_rank"] = self.lora_rank or None  # 0: the attention projections train in full
         return LinearizeSettings.quick(**given) if self.quick_recipe else LinearizeSettings(**given)
-
-
-def _check(settings: LinearizeBenchSettings) -> None:
-    check_settings(settings.recipe_settings())
-    out = Path(settings.out)
-    if out.exists() and not out.is_dir():
-        raise HeadkitError(f"--out {str(out)!r} exists and is not a folder")
 
 
 def results_table(report: dict[str, Any]) -> str:
@@ -122,7 +117,11 @@ def results_table(report: dict[str, Any]) -> str:
 
 
 @register_benchmark(
-    "linearize", LinearizeBenchSettings, check=_check, render=results_table, plots={PLOT_FILE: plot_report}
+    "linearize",
+    LinearizeBenchSettings,
+    check=lambda settings: check_settings(settings.recipe_settings()),
+    render=results_table,
+    plots={PLOT_FILE: plot_report},
 )
 def run_linearize_benchmark(settings: LinearizeBenchSettings, console: Any) -> dict[str, Any]:
     """Linearized SmolLM2-135M against the original: held-out perplexity per stage and length, top-1 agreement, decode
