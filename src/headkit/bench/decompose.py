@@ -41,11 +41,11 @@ class DecomposeSettings:
     )
     dims: tuple[int, ...] = option(
         (64, 128, 192, 256, 384),
-        "Comma-separated shared widths D̃ (default 64,128,192,256,384; quick 64,384).",
+        "Comma-separated shared widths D̃.",
         min=1,
         quick=(64, 384),
     )
-    max_iter: int = option(100, "ALS sweeps per decomposition (default 100; quick 10).", min=1, quick=10)
+    max_iter: int = option(100, "ALS sweeps per decomposition.", min=1, quick=10)
     include_tensorly: bool = option(
         True, "Also time tensorly's parafac on the same tensors.", flag="--tensorly"
     )

@@ -47,20 +47,20 @@ class DigitsConfig:
     """Settings of one ``headkit bench digits`` run."""
 
     out: Path = option(Path("results/digits"), "Output directory for results.json, table, grid.")
-    steps: int = option(1500, "Training steps per model (default 1500; 450 with --quick).", min=1, quick=450)
-    batch_size: int = option(64, "Images per step (default 64; 32 with --quick).", min=1, quick=32)
+    steps: int = option(1500, "Training steps per model.", min=1, quick=450)
+    batch_size: int = option(64, "Images per step.", min=1, quick=32)
     lr: float = setting(3e-3, positive=True)
-    hidden_size: int = option(128, "Model width (default 128; 64 with --quick).", min=1, quick=64)
-    layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1, quick=2)
+    hidden_size: int = option(128, "Model width.", min=1, quick=64)
+    layers: int = option(4, "Decoder layers.", min=1, quick=2)
     heads: int = setting(4, min=1)
     mechanisms: tuple[str, ...] = option(
         MECHANISMS,
-        "Comma-separated registered attention mechanisms (default linear,softmax).",
+        "Comma-separated registered attention mechanisms.",
         choices=attention_classes,
     )
     image_counts: tuple[int, ...] = option(
         (100, 200, 300),
-        "Comma-separated image counts to time completion on (default 100,200,300; quick 100).",
+        "Comma-separated image counts to time completion on.",
         flag="--images",
         min=1,
         max=1000,

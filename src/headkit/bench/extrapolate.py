@@ -72,21 +72,19 @@ class ExtrapolateConfig:
     out: Path = option(
         Path("results/extrapolate"), "Output directory for results.json, table.md and the plots."
     )
-    steps: int = option(2000, "Training steps per model (default 2000; 500 with --quick).", min=1, quick=500)
-    batch_size: int = option(32, "Windows per step (default 32; 16 with --quick).", min=2, quick=16)
+    steps: int = option(2000, "Training steps per model.", min=1, quick=500)
+    batch_size: int = option(32, "Windows per step.", min=2, quick=16)
     lr: float = setting(2e-3, positive=True)
-    hidden_size: int = option(128, "Model width (default 128; 64 with --quick).", min=2, quick=64)
-    layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1, quick=2)
+    hidden_size: int = option(128, "Model width.", min=2, quick=64)
+    layers: int = option(4, "Decoder layers.", min=1, quick=2)
     heads: int = setting(4, min=1, quick=2)
     train_length: int = setting(128, min=MIN_DOCUMENT_LENGTH)  # at least a passkey document
     lengths: tuple[int, ...] = option(
         (128, 256, 512, 1024, 2048),
-        "Comma-separated evaluation lengths ≥ 128, the trained one (default 128,256,512,1024,2048).",
+        "Comma-separated evaluation lengths ≥ 128, the trained one.",
     )
     passkey_fraction: float = 0.5  # share of each training batch that is passkey documents
-    passkey_trials: int = option(
-        50, "Passkey documents per length (default 50; 10 with --quick).", min=1, quick=10
-    )
+    passkey_trials: int = option(50, "Passkey documents per length.", min=1, quick=10)
     eval_tokens: int = setting(32_768, min=1, quick=8192)  # held-out tokens scored at every length
     dynamic_factor: float | None = setting(None, min=1)  # None: max(lengths) / train_length
     rope_theta: float = 10000.0

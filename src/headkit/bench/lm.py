@@ -74,30 +74,22 @@ class LMBenchConfig:
     # Sized by measurement (threads=1, AMD EPYC): hidden 192 × 4 layers at batch 8 × 256 bytes costs 0.5–0.75 s
     # of CPU per step depending on the mechanism, so 8 variants × 500 steps plus evaluations take ≈ 30–45 min
     # on two cores. Hidden 256 at batch 16 costs ~3 s per step: too few steps would fit in the same time.
-    steps: int = option(500, "Training steps per variant (default 500; 120 with --quick).", min=1, quick=120)
-    batch_size: int = option(8, "Windows per step (default 8; 8 with --quick).", min=1)
-    seq_len: int = option(256, "Bytes per training window (default 256; 128 with --quick).", min=2, quick=128)
-    hidden_size: int = option(192, "Model width (default 192; 64 with --quick).", min=1, quick=64)
-    layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1, quick=2)
-    heads: int = option(4, "Attention heads per layer (default 4).", min=1)
-    lr: float = option(
-        2e-3, "Peak learning rate (default 2e-3; 3e-3 with --quick).", positive=True, quick=3e-3
-    )
-    eval_every: int = option(
-        50, "Steps between held-out evaluations (default 50; 20 with --quick).", min=1, quick=20
-    )
-    eval_tokens: int = option(
-        32_768, "Held-out bytes evaluated (default 32768; 4096 with --quick).", min=1, quick=4_096
-    )
-    additive_window: int = option(
-        32, "Window of the windowed additive variants (default 32; 16 with --quick).", min=1, quick=16
-    )
+    steps: int = option(500, "Training steps per variant.", min=1, quick=120)
+    batch_size: int = option(8, "Windows per step.", min=1)
+    seq_len: int = option(256, "Bytes per training window.", min=2, quick=128)
+    hidden_size: int = option(192, "Model width.", min=1, quick=64)
+    layers: int = option(4, "Decoder layers.", min=1, quick=2)
+    heads: int = option(4, "Attention heads per layer.", min=1)
+    lr: float = option(2e-3, "Peak learning rate.", positive=True, quick=3e-3)
+    eval_every: int = option(50, "Steps between held-out evaluations.", min=1, quick=20)
+    eval_tokens: int = option(32_768, "Held-out bytes evaluated.", min=1, quick=4_096)
+    additive_window: int = option(32, "Window of the windowed additive variants.", min=1, quick=16)
     conv_kernel_size: int = setting(3, min=1)
     collaborative_dim: int | None = option(
         None, "Shared query/key width of collaborative heads (default: the hidden size).", min=1
     )
     seed: int = option(0, "Seed of the initialisation and the training batches.")
-    threads: int = option(2, "torch threads (default 2; 1 with --quick).", min=1, quick=1)
+    threads: int = option(2, "torch threads.", min=1, quick=1)
 
     quick = quick_preset("Tiny models, 120 steps, 2 MB of corpus (< 3 minutes).")
 

@@ -40,17 +40,13 @@ class LoraConfig:
     out: Path = option(Path("results/lora"), "Output directory for results.json, table, plot.")
     ranks: tuple[int, ...] = option(
         RANKS,
-        "Comma-separated LoRA ranks (default 1,2,4,...,64; quick 1,4,16,64).",
+        "Comma-separated LoRA ranks.",
         min=1,
         quick=(1, 4, 16, 64),
     )
     hidden_size: int = setting(128, min=1)
-    pretrain_epochs: int = option(
-        60, "Epochs on the original digits (default 60; 30 with --quick).", min=1, quick=30
-    )
-    finetune_epochs: int = option(
-        30, "Epochs per fine-tuning run (default 30; 20 with --quick).", min=1, quick=20
-    )
+    pretrain_epochs: int = option(60, "Epochs on the original digits.", min=1, quick=30)
+    finetune_epochs: int = option(30, "Epochs per fine-tuning run.", min=1, quick=20)
     batch_size: int = setting(64, min=1)
     lr: float = setting(3e-3, positive=True)
     lora_lr: float = setting(

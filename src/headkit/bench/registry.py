@@ -8,7 +8,7 @@ short run, each field's ``quick`` value) and a body decorated with :func:`regist
     @dataclass
     class WidgetSettings:
         out: Path = option(Path("results/widget"), "Output directory for results.json, table.md, widget.png.")
-        steps: int = option(100, "Training steps (default 100; 10 with --quick).", min=1, quick=10)
+        steps: int = option(100, "Training steps.", min=1, quick=10)
         quick = quick_preset("Ten steps (seconds).")
 
 
@@ -157,10 +157,26 @@ def option(
     default: Any, help: str, *, flag: str | None = None, argument: bool = False, **declared: Any
 ) -> Any:
     """A settings field that is also a command-line option (see the module docstring): a :func:`setting` with
-    its ``help``, ``flag``, ``argument`` and ``parse(flag, text)``, a function that reads a list's text."""
+    its ``help``, ``flag``, ``argument`` and ``parse(flag, text)``, a function that reads a list's text.
+
+    The help of an option that ``--quick`` changes ends with both values, "(default 100; 10 with --quick).",
+    written here from the declaration (unless the help words them itself, e.g. a default of None); any other
+    option's help is followed by the command line's own "[default: …]"."""
     if isinstance(default, (list, dict, set)):
         raise TypeError("option defaults must be immutable (use a tuple)")
+    quick = declared.get("quick", NO_QUICK)
+    if quick is not NO_QUICK and "(default" not in help:
+        help = (
+            f"{help.removesuffix('.')} (default {shown_value(default)}; {shown_value(quick)} with --quick)."
+        )
     return setting(default, help=help, flag=flag, argument=argument, **declared)
+
+
+def shown_value(value: Any) -> str:
+    """A setting's value as its help and the command line write it: a tuple comma-separated, a float short."""
+    if isinstance(value, tuple):
+        return ",".join(map(shown_value, value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 CHECKS = ("min", "max", "distinct", "positive", "choices", "check")  # what check_options reads
