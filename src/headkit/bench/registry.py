@@ -166,10 +166,14 @@ def option(
         raise TypeError("option defaults must be immutable (use a tuple)")
     quick = declared.get("quick", NO_QUICK)
     if quick is not NO_QUICK and "(default" not in help:
-        help = (
-            f"{help.removesuffix('.')} (default {shown_value(default)}; {shown_value(quick)} with --quick)."
-        )
+        help = stated_defaults(help, default, quick)
     return setting(default, help=help, flag=flag, argument=argument, **declared)
+
+
+def stated_defaults(help: str, default: Any, quick: Any = NO_QUICK) -> str:
+    """``help`` ending with the values it defaults to: "(default D; Q with --quick)." (Q where it differs)."""
+    quick_value = "" if quick is NO_QUICK or quick == default else f"; {shown_value(quick)} with --quick"
+    return f"{help.removesuffix('.')} (default {shown_value(default)}{quick_value})."
 
 
 def shown_value(value: Any) -> str:
