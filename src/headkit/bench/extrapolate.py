@@ -275,8 +275,8 @@ def score_answers(answers: list[str], keys: list[str]) -> tuple[float, float]:
 
 
 def check_settings(config: ExtrapolateConfig) -> None:
-    """The rules that relate settings and the fraction (each field's own checks are declared on it), before
-    any corpus is read."""
+    """The rules that relate settings, and the passkey fraction's range (each field's other checks are declared
+    on it), before any corpus is read."""
     check_head_width(config.hidden_size, config.heads, even=True)
     check_integers("--lengths", config.lengths, config.train_length, MAX_LENGTH, distinct=True)
     if not 0.0 <= config.passkey_fraction < 1.0:
