@@ -230,7 +230,8 @@ def check_options(settings: Any) -> None:
                 )
                 wording = integer if kind is int else f"a number ≥ {minimum}"
                 raise HeadkitError(f"{flag} must be {wording}, got {value!r}")
-        if typing.get_args(kind)[:1] == (int,) and (minimum is not None or declared.get("max") or distinct):
+        integers = typing.get_args(kind)[:1] == (int,)  # tuple[int, ...]
+        if integers and (minimum is not None or declared.get("max") is not None or distinct):
             check_integers(
                 flag, value, 1 if minimum is None else minimum, declared.get("max"), distinct=distinct
             )
