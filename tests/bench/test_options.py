@@ -1,16 +1,16 @@
-from types import SimpleNamespace
-
 import pytest
 
-from headkit.bench._options import check_integers, check_positive_numbers
+from headkit.bench._options import check_integers
+from headkit.bench.lora import LoraConfig
+from headkit.bench.registry import check_options
 from headkit.errors import HeadkitError
 
 
 @pytest.mark.parametrize("bad", [0, -3e-3, True, "4", None, float("inf"), float("nan")])
 def test_a_non_positive_number_is_refused_naming_the_option(bad):
-    check_positive_numbers(SimpleNamespace(lr=1e-3, lora_lr=2), ("lr", "lora_lr"))
+    check_options(LoraConfig(lr=1e-3, lora_lr=2))
     with pytest.raises(HeadkitError, match=r"^--lora-lr must be a positive number"):
-        check_positive_numbers(SimpleNamespace(lr=1e-3, lora_lr=bad), ("lr", "lora_lr"))
+        check_options(LoraConfig(lr=1e-3, lora_lr=bad))
 
 
 @pytest.mark.parametrize("bad", [(), [0, 1], (1, True), (1, 2.0), "12", (1, 1001)])

@@ -96,6 +96,16 @@ def test_bad_list_options_exit_2_naming_the_option(arguments, flag, captured, ca
     assert not captured
 
 
+def test_the_help_of_an_option_that_quick_changes_is_written_from_its_values():
+    assert option(100, "Steps.", quick=10).metadata["help"] == "Steps (default 100; 10 with --quick)."
+    assert option((1, 2), "Sizes", quick=(1,)).metadata["help"] == "Sizes (default 1,2; 1 with --quick)."
+    assert option(2e-3, "Rate.", quick=0.5).metadata["help"] == "Rate (default 0.002; 0.5 with --quick)."
+    assert (
+        option(None, "Bytes (default all; 2 MB with --quick).", quick=2).metadata["help"].endswith("quick).")
+    )
+    assert option(5, "Repeats.").metadata["help"] == "Repeats."  # the command line adds [default: 5]
+
+
 def test_parse_list_kinds():
     assert parse_list("--x", " 1, 2 ,") == (1, 2)
     assert parse_list("--x", "0,3", minimum=0) == (0, 3)

@@ -27,17 +27,29 @@ def check_device(device: str) -> torch.device:
     return torch_device
 
 
-def check_names(flag: str, names: Iterable[str], valid: Iterable[str]) -> list[str]:
-    """``names`` without repeats, each one of ``valid`` (e.g. registered mechanisms), else an error naming ``flag``."""
-    valid = list(valid)
-    names = list(dict.fromkeys(name.strip() for name in names))
+def check_names(
+    flag: str, names: Iterable[str], valid: Iterable[str], *, distinct: bool = False
+) -> list[str]:
+    """``names`` without repeats (an error where ``distinct``), each one of ``valid`` (e.g. registered
+    mechanisms), else an error naming ``flag`` and what it names (``--mechanisms``: mechanisms)."""
+    valid, given = list(valid), [name.strip() for name in names]
+    names = list(dict.fromkeys(given))
     unknown = [name for name in names if name not in valid]
     if unknown or not names:
+        what = flag.lstrip("-").replace("-", " ")
         raise HeadkitError(
-            f"{flag}: unknown mechanism(s) {', '.join(map(repr, unknown)) or '(none given)'}; "
+            f"{flag}: unknown {what} {', '.join(map(repr, unknown)) or '(none given)'}; "
             f"valid names: {', '.join(valid)}"
         )
+    if distinct and len(names) != len(given):
+        raise HeadkitError(f"{flag} names a value twice: {tuple(given)!r}")
     return names
+
+
+def check_corpus(corpus: str | Path) -> None:
+    """A corpus given must exist, else an error naming ``--corpus``."""
+    if not Path(corpus).exists():
+        raise HeadkitError(f"--corpus {str(corpus)!r} does not exist")
 
 
 def check_out_dir(out: str | Path) -> None:
@@ -57,13 +69,6 @@ def check_positive(flag: str, value: Any) -> None:
     """``value`` must be a finite number > 0 (bool is refused), else an error naming ``flag``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
         raise HeadkitError(f"{flag} must be a positive number, got {value!r}")
-
-
-def check_positive_numbers(config: Any, names: Iterable[str]) -> None:
-    """Each of ``config``'s attributes ``names`` must be a finite number > 0, else an error naming the option
-    ``--name-with-dashes``."""
-    for name in names:
-        check_positive(f"--{name.replace('_', '-')}", getattr(config, name))
 
 
 def check_integers(

@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from headkit.bench._options import check_integers, check_positive_numbers
 from headkit.bench._report import column_table, figure_axes, progress_bar
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
@@ -43,14 +42,13 @@ class CompressBenchmarkConfig:
     )
     dims: tuple[int, ...] = option(
         (384, 256, 192, 128, 96),
-        "Comma-separated shared query/key widths D̃ (default 384,256,192,128,96; quick 384,192,96).",
+        "Comma-separated shared query/key widths D̃.",
+        distinct=True,
         quick=(384, 192, 96),
     )
     # A MiniLM step on 16 × 64 tokens takes 1.5–2 s on one thread: five widths of 150 steps fill ≈ 20–25 minutes.
-    distill_steps: int = option(
-        150, "Distillation steps per width, the same for all (default 150; 30 with --quick).", min=0, quick=30
-    )
-    lr: float = 1e-4
+    distill_steps: int = option(150, "Distillation steps per width, the same for all.", min=0, quick=30)
+    lr: float = setting(1e-4, positive=True)
     batch_size: int = setting(16, min=1, quick=8)
     max_length: int = setting(64, min=1, quick=48)
     train_texts: int = setting(1024, min=1, quick=240)
@@ -67,8 +65,6 @@ class CompressBenchmarkConfig:
 
 
 def _check_benchmark_settings(config: CompressBenchmarkConfig) -> None:
-    check_positive_numbers(config, ("lr",))
-    check_integers("--dims", config.dims, distinct=True)
     # Three files are written into --out and nothing else is touched (a model saved by the job may share the
     # folder): only the input model's folder, and what is inside or around it, are refused.
     check_output_folder(_model_path(config), Path(config.out), overwrite=True)

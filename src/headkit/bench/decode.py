@@ -99,12 +99,12 @@ class DecodeSettings:
     device: str = option("cpu", "Device to measure on: cpu or cuda.", check=check_device)
     prompt_lengths: tuple[int, ...] = option(
         (256, 1024, 4096),
-        "Comma-separated prompt lengths (default 256,1024,4096; quick 256,1024).",
+        "Comma-separated prompt lengths.",
         flag="--prompts",
         quick=(256, 1024),
         min=1,
     )
-    new_tokens: int = option(128, "Tokens generated per prompt (default 128; quick 32).", min=2, quick=32)
+    new_tokens: int = option(128, "Tokens generated per prompt.", min=2, quick=32)
     mechanisms: tuple[str, ...] = option(
         (),
         "Comma-separated registered attention mechanisms (default: softmax and those with a constant-size "

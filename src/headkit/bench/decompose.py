@@ -19,7 +19,6 @@ from typing import Any
 
 import torch
 
-from headkit.bench._options import check_integers
 from headkit.bench._report import figure_axes, markdown_table, plot_series
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
@@ -42,26 +41,21 @@ class DecomposeSettings:
     )
     dims: tuple[int, ...] = option(
         (64, 128, 192, 256, 384),
-        "Comma-separated shared widths D̃ (default 64,128,192,256,384; quick 64,384).",
+        "Comma-separated shared widths D̃.",
+        min=1,
         quick=(64, 384),
     )
-    max_iter: int = option(100, "ALS sweeps per decomposition (default 100; quick 10).", min=1, quick=10)
+    max_iter: int = option(100, "ALS sweeps per decomposition.", min=1, quick=10)
     include_tensorly: bool = option(
         True, "Also time tensorly's parafac on the same tensors.", flag="--tensorly"
     )
     threads: int | None = option(1, "torch threads for both libraries.", min=1)
     seed: int = option(0, "Seed of the decompositions.")
     out: Path = option(Path("results/decompose"), "Output directory for results.json, table, plot.")
-    layers: tuple[int, ...] | None = setting(None, quick=(0,))  # layer indices; None: all
+    layers: tuple[int, ...] | None = setting(None, min=0, quick=(0,))  # layer indices; None: all
     tol: float = 0.0  # stopping tolerance of both methods; 0 runs every sweep, so both do the same number
 
     quick = quick_preset("One layer, two widths, 10 sweeps.")
-
-
-def _check(settings: DecomposeSettings) -> None:
-    check_integers("--dims", settings.dims)
-    if settings.layers is not None:
-        check_integers("layers", settings.layers, low=0)
 
 
 def headkit_fit(w_q: torch.Tensor, w_k: torch.Tensor, heads: int, dim: int, settings: Any) -> Any:
@@ -190,9 +184,7 @@ def plot_results(results: dict[str, Any]) -> Any:
     return figure
 
 
-@register_benchmark(
-    "decompose", DecomposeSettings, check=_check, render=render_markdown, plots={PLOT_FILE: plot_results}
-)
+@register_benchmark("decompose", DecomposeSettings, render=render_markdown, plots={PLOT_FILE: plot_results})
 def run_decompose_benchmark(settings: DecomposeSettings, console: Any) -> dict[str, Any]:
     """Query/key CP decomposition of a pretrained model: relative error and time per D̃, headkit vs tensorly.
 

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from headkit.bench._measure import time_call
-from headkit.bench._options import check_head_width, check_integers, check_names, check_positive_numbers
+from headkit.bench._options import check_head_width
 from headkit.bench._report import TABLE_FILE, column_table, figure_axes
 from headkit.bench._training import generate, optimizer_steps, train_each
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
@@ -47,19 +47,23 @@ class DigitsConfig:
     """Settings of one ``headkit bench digits`` run."""
 
     out: Path = option(Path("results/digits"), "Output directory for results.json, table, grid.")
-    steps: int = option(1500, "Training steps per model (default 1500; 450 with --quick).", min=1, quick=450)
-    batch_size: int = option(64, "Images per step (default 64; 32 with --quick).", min=1, quick=32)
-    lr: float = 3e-3
-    hidden_size: int = option(128, "Model width (default 128; 64 with --quick).", min=1, quick=64)
-    layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1, quick=2)
+    steps: int = option(1500, "Training steps per model.", min=1, quick=450)
+    batch_size: int = option(64, "Images per step.", min=1, quick=32)
+    lr: float = setting(3e-3, positive=True)
+    hidden_size: int = option(128, "Model width.", min=1, quick=64)
+    layers: int = option(4, "Decoder layers.", min=1, quick=2)
     heads: int = setting(4, min=1)
     mechanisms: tuple[str, ...] = option(
-        MECHANISMS, "Comma-separated registered attention mechanisms (default linear,softmax)."
+        MECHANISMS,
+        "Comma-separated registered attention mechanisms.",
+        choices=attention_classes,
     )
     image_counts: tuple[int, ...] = option(
         (100, 200, 300),
-        "Comma-separated image counts to time completion on (default 100,200,300; quick 100).",
+        "Comma-separated image counts to time completion on.",
         flag="--images",
+        min=1,
+        max=1000,
         quick=(100,),
     )
     # Greedy completion by default; sampling draws from the model's distribution.
@@ -187,13 +191,6 @@ def classifier_accuracy(classifier: Any, pixels: np.ndarray | torch.Tensor, labe
     return float((classifier.predict(np.asarray(pixels) / (LEVELS - 1)) == labels).mean())
 
 
-def _check_settings(config: DigitsConfig) -> None:
-    check_head_width(config.hidden_size, config.heads, even=False)
-    check_integers("--images", config.image_counts, 1, 1000)
-    check_positive_numbers(config, ("lr",))
-    check_names("--mechanisms", config.mechanisms, attention_classes())
-
-
 def render_markdown(report: dict[str, Any]) -> str:
     """The measured table: per mechanism, likelihood, the judge's accuracy and completion time per image count."""
     counts = sorted({int(count) for result in report["mechanisms"] for count in result["completion_seconds"]})
@@ -243,7 +240,7 @@ def plot_completion_grid(report: dict[str, Any]) -> Any:
 @register_benchmark(
     "digits",
     DigitsConfig,
-    check=_check_settings,
+    check=lambda config: check_head_width(config.hidden_size, config.heads, even=False),
     render=render_markdown,
     files={"table": TABLE_FILE, "grid": GRID_FILE},
     plots={GRID_FILE: plot_completion_grid},

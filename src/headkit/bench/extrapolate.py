@@ -10,7 +10,6 @@ same weights: held-out bits per byte and passkey accuracy. Method and results: d
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -20,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from headkit.bench._options import check_head_width, check_integers, check_positive_numbers
+from headkit.bench._options import check_corpus, check_head_width, check_integers
 from headkit.bench._report import (
     TABLE_FILE,
     figure_axes,
@@ -73,25 +72,25 @@ class ExtrapolateConfig:
     out: Path = option(
         Path("results/extrapolate"), "Output directory for results.json, table.md and the plots."
     )
-    steps: int = option(2000, "Training steps per model (default 2000; 500 with --quick).", min=1, quick=500)
-    batch_size: int = option(32, "Windows per step (default 32; 16 with --quick).", min=2, quick=16)
-    lr: float = 2e-3
-    hidden_size: int = option(128, "Model width (default 128; 64 with --quick).", min=2, quick=64)
-    layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1, quick=2)
+    steps: int = option(2000, "Training steps per model.", min=1, quick=500)
+    batch_size: int = option(32, "Windows per step.", min=2, quick=16)
+    lr: float = setting(2e-3, positive=True)
+    hidden_size: int = option(128, "Model width.", min=2, quick=64)
+    layers: int = option(4, "Decoder layers.", min=1, quick=2)
     heads: int = setting(4, min=1, quick=2)
-    train_length: int = setting(128, min=1)
+    train_length: int = setting(128, min=MIN_DOCUMENT_LENGTH)  # at least a passkey document
     lengths: tuple[int, ...] = option(
         (128, 256, 512, 1024, 2048),
-        "Comma-separated evaluation lengths ≥ 128, the trained one (default 128,256,512,1024,2048).",
+        "Comma-separated evaluation lengths ≥ 128, the trained one.",
     )
     passkey_fraction: float = 0.5  # share of each training batch that is passkey documents
-    passkey_trials: int = option(
-        50, "Passkey documents per length (default 50; 10 with --quick).", min=1, quick=10
-    )
+    passkey_trials: int = option(50, "Passkey documents per length.", min=1, quick=10)
     eval_tokens: int = setting(32_768, min=1, quick=8192)  # held-out tokens scored at every length
-    dynamic_factor: float | None = None  # None: max(lengths) / train_length
+    dynamic_factor: float | None = setting(None, min=1)  # None: max(lengths) / train_length
     rope_theta: float = 10000.0
-    corpus: Path | None = option(None, "Text file or folder to train on (default: the Python stdlib).")
+    corpus: Path | None = option(
+        None, "Text file or folder to train on (default: the Python stdlib).", check=check_corpus
+    )
     # Read at most this many corpus bytes; None: all.
     corpus_bytes: int | None = setting(None, min=1, quick=8_000_000)
     seed: int = option(0, "Seed of the initialisation, batches and passkey documents.")
@@ -276,12 +275,9 @@ def score_answers(answers: list[str], keys: list[str]) -> tuple[float, float]:
 
 
 def check_settings(config: ExtrapolateConfig) -> None:
-    """Raise HeadkitError naming the option for any bad setting (before any corpus is read)."""
+    """The rules that relate settings, and the passkey fraction's range (each field's other checks are declared
+    on it), before any corpus is read."""
     check_head_width(config.hidden_size, config.heads, even=True)
-    if config.train_length < MIN_DOCUMENT_LENGTH:
-        raise HeadkitError(
-            f"train_length must be at least {MIN_DOCUMENT_LENGTH} (a passkey document), got {config.train_length}"
-        )
     check_integers("--lengths", config.lengths, config.train_length, MAX_LENGTH, distinct=True)
     if not 0.0 <= config.passkey_fraction < 1.0:
         raise HeadkitError(f"passkey_fraction must be in [0, 1), got {config.passkey_fraction!r}")
@@ -289,13 +285,6 @@ def check_settings(config: ExtrapolateConfig) -> None:
         raise HeadkitError(
             f"--batch-size {config.batch_size} leaves no corpus window beside the passkey documents"
         )
-    check_positive_numbers(config, ("lr",))
-    if config.dynamic_factor is not None and not (
-        isinstance(config.dynamic_factor, (int, float)) and 1.0 <= config.dynamic_factor < math.inf
-    ):
-        raise HeadkitError(f"dynamic_factor must be a number ≥ 1 or None, got {config.dynamic_factor!r}")
-    if config.corpus is not None and not Path(config.corpus).exists():
-        raise HeadkitError(f"--corpus {str(config.corpus)!r} does not exist")
 
 
 def render_markdown(report: dict[str, Any]) -> str:

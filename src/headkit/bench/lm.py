@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from headkit.bench._options import check_head_width, check_positive_numbers
+from headkit.bench._options import check_corpus, check_head_width
 from headkit.bench._report import column_table, figure_axes, plot_series
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.data import ByteTokenizer
@@ -60,9 +60,13 @@ class LMBenchConfig:
         VARIANTS,
         f"Comma-separated variants (default: {','.join(VARIANTS)}); any of {', '.join(variants())} "
         "or of a mechanism registered since.",
+        choices=variants,
+        distinct=True,
     )
     corpus: Path | None = option(
-        None, "A text file or a folder of text files (default: this Python's standard-library source)."
+        None,
+        "A text file or a folder of text files (default: this Python's standard-library source).",
+        check=check_corpus,
     )
     corpus_bytes: int | None = option(
         None, "Read at most this many corpus bytes (default all; 2 MB with --quick).", min=1, quick=2_000_000
@@ -70,28 +74,22 @@ class LMBenchConfig:
     # Sized by measurement (threads=1, AMD EPYC): hidden 192 × 4 layers at batch 8 × 256 bytes costs 0.5–0.75 s
     # of CPU per step depending on the mechanism, so 8 variants × 500 steps plus evaluations take ≈ 30–45 min
     # on two cores. Hidden 256 at batch 16 costs ~3 s per step: too few steps would fit in the same time.
-    steps: int = option(500, "Training steps per variant (default 500; 120 with --quick).", min=1, quick=120)
-    batch_size: int = option(8, "Windows per step (default 8; 8 with --quick).", min=1)
-    seq_len: int = option(256, "Bytes per training window (default 256; 128 with --quick).", min=2, quick=128)
-    hidden_size: int = option(192, "Model width (default 192; 64 with --quick).", min=1, quick=64)
-    layers: int = option(4, "Decoder layers (default 4; 2 with --quick).", min=1, quick=2)
-    heads: int = option(4, "Attention heads per layer (default 4).", min=1)
-    lr: float = option(2e-3, "Peak learning rate (default 2e-3; 3e-3 with --quick).", quick=3e-3)
-    eval_every: int = option(
-        50, "Steps between held-out evaluations (default 50; 20 with --quick).", min=1, quick=20
-    )
-    eval_tokens: int = option(
-        32_768, "Held-out bytes evaluated (default 32768; 4096 with --quick).", min=1, quick=4_096
-    )
-    additive_window: int = option(
-        32, "Window of the windowed additive variants (default 32; 16 with --quick).", min=1, quick=16
-    )
+    steps: int = option(500, "Training steps per variant.", min=1, quick=120)
+    batch_size: int = option(8, "Windows per step.", min=1)
+    seq_len: int = option(256, "Bytes per training window.", min=2, quick=128)
+    hidden_size: int = option(192, "Model width.", min=1, quick=64)
+    layers: int = option(4, "Decoder layers.", min=1, quick=2)
+    heads: int = option(4, "Attention heads per layer.", min=1)
+    lr: float = option(2e-3, "Peak learning rate.", positive=True, quick=3e-3)
+    eval_every: int = option(50, "Steps between held-out evaluations.", min=1, quick=20)
+    eval_tokens: int = option(32_768, "Held-out bytes evaluated.", min=1, quick=4_096)
+    additive_window: int = option(32, "Window of the windowed additive variants.", min=1, quick=16)
     conv_kernel_size: int = setting(3, min=1)
     collaborative_dim: int | None = option(
         None, "Shared query/key width of collaborative heads (default: the hidden size).", min=1
     )
     seed: int = option(0, "Seed of the initialisation and the training batches.")
-    threads: int = option(2, "torch threads (default 2; 1 with --quick).", min=1, quick=1)
+    threads: int = option(2, "torch threads.", min=1, quick=1)
 
     quick = quick_preset("Tiny models, 120 steps, 2 MB of corpus (< 3 minutes).")
 
@@ -163,15 +161,8 @@ def count_parameters(variant: str, config: LMBenchConfig) -> int:
 
 
 def check_settings(config: LMBenchConfig) -> None:
-    """Raise HeadkitError naming the option for any bad setting, before anything is loaded or trained."""
-    check_positive_numbers(config, ("lr",))  # the integers' minimums: check_options
-    chosen, valid = config.variants, variants()
-    distinct = not isinstance(chosen, str) and len(set(chosen)) == len(chosen)
-    if not (chosen and distinct and set(chosen) <= set(valid)):
-        raise HeadkitError(f"--variants must name distinct variants of {', '.join(valid)}, got {chosen!r}")
+    """The rules that relate settings (each field's own are declared on it), before anything is loaded."""
     check_head_width(config.hidden_size, config.heads, even=True)
-    if config.corpus is not None and not Path(config.corpus).exists():
-        raise HeadkitError(f"--corpus {str(config.corpus)!r} does not exist")
     for variant in config.variants:
         model_config(variant, config)  # the config's own checks, before any training
 

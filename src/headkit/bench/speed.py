@@ -145,16 +145,14 @@ class SpeedSettings:
     device: str = option("cpu", "Device to measure on: cpu or cuda.", check=check_device)
     lengths: tuple[int, ...] = option(
         (512, 1024, 2048, 4096, 8192),
-        "Comma-separated sequence lengths (default 512,…,8192; quick 512,1024,2048).",
+        "Comma-separated sequence lengths.",
         quick=(512, 1024, 2048),
         min=1,
     )
     mechanisms: tuple[str, ...] = option(
         (), "Comma-separated mechanisms (default: all registered).", choices=lambda: {**MECHANISMS, **ANCHORS}
     )
-    repeats: int = option(
-        5, "Timed repetitions per point, the median reported (default 5; quick 3).", min=1, quick=3
-    )
+    repeats: int = option(5, "Timed repetitions per point, the median reported.", min=1, quick=3)
     threads: int | None = option(None, "torch threads during the run (default: torch's setting).", min=1)
     out: Path = option(
         Path("results/speed"), "Output directory for results.json, plot and table.", check=check_out_dir
