@@ -235,3 +235,24 @@ def test_a_new_benchmark_is_one_module_found_without_editing_the_registry(tmp_pa
     assert list(benchmarks)[-1] == "widget"  # after headkit's own, which keep their order
     assert benchmarks["widget"].help == "Counts widgets."
     assert benchmarks["widget"].settings.quick().steps == 10
+
+
+def test_check_options_enforces_a_declared_maximum_of_a_number_and_of_a_list():
+    from dataclasses import dataclass
+
+    from headkit.bench.registry import check_options, setting
+
+    @dataclass
+    class Settings:
+        count: int = setting(3, min=1, max=5)
+        rate: float = setting(0.5, max=1.0)
+        sizes: tuple[int, ...] = setting((1, 2), max=4)
+
+    check_options(Settings())
+    for overrides, message in (
+        ({"count": 99}, "--count must be at most 5, got 99"),
+        ({"rate": 1.5}, "--rate must be at most 1.0, got 1.5"),
+        ({"sizes": (1, 9)}, "--sizes"),
+    ):
+        with pytest.raises(HeadkitError, match=message):
+            check_options(Settings(**overrides))

@@ -209,8 +209,8 @@ def quick_preset(help: str) -> Any:
 
 def check_options(settings: Any) -> None:
     """The checks that fields declare (:func:`option`, :func:`setting`), one declaration for the command line and
-    the library alike, each failure a HeadkitError naming the field as an option (``--name``): ``min`` of an
-    integer or a (finite) number; ``min``, ``max`` and ``distinct`` of a non-empty tuple of integers;
+    the library alike, each failure a HeadkitError naming the field as an option (``--name``): ``min`` and
+    ``max`` of an integer or a (finite) number; ``min``, ``max`` and ``distinct`` of a non-empty tuple of integers;
     ``positive``: a finite number > 0; ``choices()``: the valid names of a tuple of names, ``distinct`` if no
     name may be repeated (the tuple may be empty only where the full run's default is: "the benchmark's
     choice"); ``check(value)``: anything else. A field whose full run's default is None may be None."""
@@ -230,11 +230,12 @@ def check_options(settings: Any) -> None:
                 )
                 wording = integer if kind is int else f"a number ≥ {minimum}"
                 raise HeadkitError(f"{flag} must be {wording}, got {value!r}")
+        maximum = declared.get("max")
+        if maximum is not None and kind in (int, float) and not value <= maximum:
+            raise HeadkitError(f"{flag} must be at most {maximum}, got {value!r}")
         integers = typing.get_args(kind)[:1] == (int,)  # tuple[int, ...]
-        if integers and (minimum is not None or declared.get("max") is not None or distinct):
-            check_integers(
-                flag, value, 1 if minimum is None else minimum, declared.get("max"), distinct=distinct
-            )
+        if integers and (minimum is not None or maximum is not None or distinct):
+            check_integers(flag, value, 1 if minimum is None else minimum, maximum, distinct=distinct)
         if declared.get("positive"):
             check_positive(flag, value)
         if declared.get("choices") and (value or field.default):
