@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -251,21 +252,33 @@ def distill(
 
 
 def _with_lora(student: nn.Module, rank: int, alpha: float | None) -> nn.Module:
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError:
-        raise HeadkitError("lora_rank needs PEFT: pip install 'headkit[peft]'") from None
     targets = lora_target_modules(student)
     if not targets:
         raise HeadkitError(f"lora_rank: found no linear layer in {type(student).__name__} that LoRA can wrap")
+    return with_lora(student, targets, rank=rank, alpha=alpha, option="lora_rank")
+
+
+def with_lora(
+    model: nn.Module, targets: list[str], *, rank: int, alpha: float | None = None, option: str = "lora_rank"
+) -> nn.Module:
+    """``model`` wrapped by PEFT with rank-``rank`` LoRA factors (α = 2·rank unless given, no dropout) on the
+    modules named ``targets``; only the factors train. ``option``: the setting to name if PEFT is missing."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        raise HeadkitError(f"{option} needs PEFT: pip install 'headkit[peft]'") from None
     config = LoraConfig(
         r=rank,
         lora_alpha=2 * rank if alpha is None else alpha,
         lora_dropout=0.0,
         target_modules=targets,
-        fan_in_fan_out=any(type(m).__name__ == "Conv1D" for _, m in student.named_modules()),
+        fan_in_fan_out=any(type(model.get_submodule(name)).__name__ == "Conv1D" for name in targets),
     )
-    return get_peft_model(student, config)
+    with warnings.catch_warnings():
+        # PEFT (≤ 0.21) reads transformers 5's deprecated `is_gradient_checkpointing` alias: a warning the user
+        # can do nothing about.
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        return get_peft_model(model, config)
 
 
 class _LossRecorder(TrainerCallback):

@@ -42,7 +42,7 @@ from headkit.errors import HeadkitError
 from headkit.files import save_figure_atomic, staged_folder, write_json_atomic
 from headkit.layers.feature_maps import valid_feature_map_names
 from headkit.ops._validation import is_finite_number
-from headkit.recipes.distill import distill
+from headkit.recipes.distill import distill, with_lora
 from headkit.recipes.measure import greedy_sample, perplexity, top1_agreement
 from headkit.recipes.models import LoadedModel, check_output_folder, load_model, smollm2_gguf_path
 from headkit.recipes.objectives import CausalLMObjective
@@ -504,20 +504,7 @@ def attention_projection_parameters(model: nn.Module) -> list[nn.Parameter]:
 def attention_lora(model: nn.Module, rank: int, alpha: float | None = None) -> nn.Module:
     """`model` with LoRA adapters (PEFT) of `rank` on the converted layers' attention projections only (LoLCATs'
     stage 2); train it, then ``merge_and_unload()``."""
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError:
-        raise HeadkitError("--lora-rank needs PEFT: pip install 'headkit[peft]'") from None
-    targets = attention_projection_names(model)
-    conv1d = any(type(model.get_submodule(name)).__name__ == "Conv1D" for name in targets)
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=2 * rank if alpha is None else alpha,
-        lora_dropout=0.0,
-        target_modules=targets,
-        fan_in_fan_out=conv1d,
-    )
-    return get_peft_model(model, config)
+    return with_lora(model, attention_projection_names(model), rank=rank, alpha=alpha, option="--lora-rank")
 
 
 # -- measurements ------------------------------------------------------------------------------------------------
