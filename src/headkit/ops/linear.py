@@ -27,6 +27,7 @@ from types import ModuleType
 from typing import NamedTuple
 
 import torch
+from torch.autograd.function import FunctionCtx, once_differentiable
 
 from headkit.ops._precision import autocast_disabled
 from headkit.ops._validation import check_eps, check_padding_mask, check_positive_int, check_qkv, repeat_kv
@@ -91,9 +92,10 @@ def linear_attention(
         validate: False skips the checks, for a caller (a layer) that built the inputs itself: a bool mask or
             None, a state this op returned.
         kernel: the causal forward's implementation: "chunked" (PyTorch, every device, dtype and autograd),
-            "fused" (the compiled kernel of ``ops/csrc/causal_linear_attention.cpp``: float32 on CPU, no
-            autograd, each chunk's products kept in cache; see :mod:`headkit.ops.extensions`), or "auto": fused
-            wherever it applies and the extension is available, else chunked. Ignored when not causal.
+            "fused" (the compiled kernel of ``ops/csrc/causal_linear_attention.cpp``, forward and backward:
+            float32 on CPU, eager (not under torch.compile), each chunk's products kept in cache; its backward
+            is once differentiable, so a double backward raises; see :mod:`headkit.ops.extensions`), or "auto":
+            fused wherever it applies and the extension is available, else chunked. Ignored when not causal.
 
     Returns:
         (out [B, H, Tq, Dv] in q's dtype, final :class:`LinearAttentionState` or None). Accumulation is
@@ -275,13 +277,12 @@ def _fused_extension(kernel: str, causal: bool, *tensors: torch.Tensor) -> Modul
 
 
 def _fused_unsupported(tensors: tuple[torch.Tensor, ...]) -> str | None:
-    """Why the fused kernel cannot take these tensors (q, k, v and the state), or None if it can."""
+    """Why the fused kernel cannot take these tensors (q, k, v and the state), or None if it can. Autograd is
+    fine (the kernel has a backward, once differentiable: a double backward raises)."""
     if any(t.device.type != "cpu" for t in tensors):
         return "tensors on the CPU"
     if any(t.dtype != torch.float32 for t in tensors):
         return "float32 tensors"
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        return "no autograd (it has no backward)"
     if torch.compiler.is_compiling():
         return "an eager call (torch.compile traces the chunked form)"
     return None
@@ -300,11 +301,16 @@ def _fused_causal_linear_attention(
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The causal form through the compiled kernel; returns (out, final kv, final k_sum) like the chunked one.
-    elu + 1 is computed inside the kernel; any other feature map is applied here first."""
+    elu + 1 is computed inside the kernel; any other feature map is applied here first (autograd goes through it
+    into the kernel's backward, which then differentiates w.r.t. the features)."""
     elu = phi is elu_plus_one
     if not elu:
         q, k = _feature(phi, q), _feature(phi, k)
     keep_bytes = torch.empty(0, dtype=torch.uint8) if keep is None else keep.to(torch.uint8).contiguous()
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, kv, k_sum)):
+        return _FusedCausalLinearAttention.apply(
+            extension, q, k, v, keep_bytes, kv, k_sum, chunk_size, eps, elu
+        )
     kv, k_sum = (
         kv.clone(memory_format=torch.contiguous_format),
         k_sum.clone(memory_format=torch.contiguous_format),
@@ -313,6 +319,57 @@ def _fused_causal_linear_attention(
         q.contiguous(), k.contiguous(), v.contiguous(), keep_bytes, kv, k_sum, chunk_size, float(eps), elu
     )
     return out, kv, k_sum
+
+
+class _FusedCausalLinearAttention(torch.autograd.Function):
+    """The compiled kernel's forward and backward as one autograd node: (out, final kv, final k_sum) from
+    (q, k, v, initial kv, initial k_sum), pre-feature q and k when ``elu`` (φ = elu + 1 inside the kernel), else
+    the features. The backward recomputes the chunk scores and states from the saved inputs and output; it is
+    not itself differentiable (a double backward raises)."""
+
+    @staticmethod
+    def forward(
+        ctx: FunctionCtx,
+        extension: ModuleType,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        keep_bytes: torch.Tensor,
+        kv: torch.Tensor,
+        k_sum: torch.Tensor,
+        chunk_size: int,
+        eps: float,
+        elu: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        kv, k_sum = kv.contiguous(), k_sum.contiguous()  # the initial state, kept for the backward
+        final_kv, final_k_sum = kv.clone(), k_sum.clone()
+        out = extension.causal_linear_attention(
+            q, k, v, keep_bytes, final_kv, final_k_sum, chunk_size, float(eps), elu
+        )
+        ctx.save_for_backward(q, k, v, keep_bytes, kv, k_sum, out)
+        ctx.extension, ctx.chunk_size, ctx.eps, ctx.elu = extension, chunk_size, float(eps), elu
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no zeros to build
+        return out, final_kv, final_k_sum
+
+    @staticmethod
+    @once_differentiable
+    def backward(
+        ctx: FunctionCtx,
+        grad_out: torch.Tensor | None,
+        grad_kv: torch.Tensor | None,
+        grad_k_sum: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, keep_bytes, kv, k_sum, out = ctx.saved_tensors
+        empty = q.new_empty(0)
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out.contiguous()
+        grad_q, grad_k, grad_v, grad_kv, grad_k_sum = ctx.extension.causal_linear_attention_backward(
+            q, k, v, keep_bytes, kv, k_sum, out, grad_out,
+            empty if grad_kv is None else grad_kv.contiguous(),
+            empty if grad_k_sum is None else grad_k_sum.contiguous(),
+            ctx.chunk_size, ctx.eps, ctx.elu,
+        )  # fmt: skip
+        return None, grad_q, grad_k, grad_v, None, grad_kv, grad_k_sum, None, None, None
 
 
 def _causal_linear_attention(
