@@ -138,6 +138,8 @@ def test_outputs_states_and_gradients_match_the_dense_reference(
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
 
+    # Under autograd "auto" takes the compiled kernel (forward and backward) where it builds; the small blocks
+    # hold the chunked PyTorch form to its state carried across blocks, backward included.
     out, state = linear_attention(
         q,
         k,
@@ -147,6 +149,7 @@ def test_outputs_states_and_gradients_match_the_dense_reference(
         attention_mask=mask,
         chunk_size=chunk_size,
         output_final_state=True,
+        kernel="chunked" if blocks == "small_blocks" else "auto",
     )
     ref, ref_state = naive_linear_attention(
         q64, k64, v64, feature_map=feature_map, causal=causal, attention_mask=mask, output_final_state=True
@@ -179,6 +182,7 @@ def test_initial_state_and_its_gradient_match_the_dense_reference(causal, block_
         chunk_size=16,
         initial_state=LinearAttentionState(kv0, k_sum0),
         output_final_state=True,
+        kernel="chunked" if block_size == "small_blocks" else "auto",
     )
     ref, ref_state = naive_linear_attention(
         q.double(),
@@ -197,17 +201,16 @@ def test_initial_state_and_its_gradient_match_the_dense_reference(causal, block_
     assert_gradients_close(grads, ref_grads)
 
 
-def test_no_grad_path_equals_autograd_path(block_size):
-    # Without autograd the blocks are written into a preallocated output; with it they are concatenated.
+@pytest.mark.parametrize("kernel", ["chunked", "auto"])
+def test_no_grad_path_equals_autograd_path(block_size, kernel):
+    # The chunked form: without autograd the blocks are written into a preallocated output; with it they are
+    # concatenated. "auto": the compiled kernel where it builds, called directly or through its autograd node.
     q, k, v = make_qkv(2, 4, 2, 130)
     mask = make_padding_mask(2, 130)
+    common = dict(causal=True, attention_mask=mask, output_final_state=True, kernel=kernel)
     with torch.no_grad():
-        plain, plain_state = linear_attention(
-            q, k, v, causal=True, attention_mask=mask, output_final_state=True
-        )
-    traced, traced_state = linear_attention(
-        q.requires_grad_(), k, v, causal=True, attention_mask=mask, output_final_state=True
-    )
+        plain, plain_state = linear_attention(q, k, v, **common)
+    traced, traced_state = linear_attention(q.requires_grad_(), k, v, **common)
     assert traced.requires_grad and not plain.requires_grad
     assert_close_scaled(plain, traced.detach(), rel=1e-6)
     assert_close_scaled(plain_state.kv, traced_state.kv.detach(), rel=1e-6)
