@@ -13,7 +13,7 @@
 //   dn = do / d, dd = −rowsum(do ⊙ o) / d, dA = (dn V_cᵀ + dd 1ᵀ) with its upper triangle zeroed,
 //   dφ(Q_c) = dn S_cᵀ + dd z_cᵀ + dA φ(K_c),
 //   dφ(K_c) = dAᵀ φ(Q_c) + V_c dSᵀ + 1 dzᵀ, dV_c = Aᵀ dn + φ(K_c) dS (query heads of a group summed),
-//   then dS += φ(Q_c)ᵀ dn and dz += φ(Q_c)ᵀ dd over the group; after the first chunk they are the initial state's.
+//   then dS += φ(Q_c)ᵀ dn and dz += φ(Q_c)ᵀ dd over the group; after the first chunk, the initial state's.
 // With elu, φ'(x) = 1 above zero and e^x = φ(x) below; a padded key (φ(k) = 0) gets no gradient.
 #include <torch/extension.h>
 
@@ -276,7 +276,9 @@ std::vector<torch::Tensor> causal_linear_attention_backward(torch::Tensor q, tor
           float* d_queries = dq_data + offset * dk;
           features(queries, phi_q.data(), c * dk, elu);
           gemm(false, true, c, c, dk, phi_q.data(), dk, phi_k.data(), dk, 0.0f, scores.data(), c_max);
-          for (int i = 0; i < c; ++i) std::fill(scores.data() + i * c_max + i + 1, scores.data() + i * c_max + c, 0.0f);
+          for (int i = 0; i < c; ++i) {
+            std::fill(scores.data() + i * c_max + i + 1, scores.data() + i * c_max + c, 0.0f);
+          }
           // dn = do / d, dd = −rowsum(do ⊙ o) / d.
           for (int i = 0; i < c; ++i) {
             const float* qi = phi_q.data() + i * dk;
