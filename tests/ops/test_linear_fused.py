@@ -161,6 +161,17 @@ def test_a_failed_build_warns_once_and_the_environment_can_switch_extensions_off
     assert extensions.load_extension("causal_linear_attention") is None  # not even tried: no warning
 
 
+def test_each_version_of_the_source_builds_under_its_own_name(monkeypatch, tmp_path):
+    # Checkouts of different versions share torch's extension cache: a name per source keeps them apart.
+    names = []
+    monkeypatch.setattr(extensions, "_SOURCES", tmp_path)
+    monkeypatch.setattr("torch.utils.cpp_extension.load", lambda **kwargs: names.append(kwargs["name"]))
+    for text in ("// one version", "// another version"):
+        (tmp_path / "kernel.cpp").write_text(text)
+        extensions._build("kernel")
+    assert len(set(names)) == 2 and all(name.startswith("headkit_kernel_") for name in names)
+
+
 def test_fused_kernel_with_a_chunk_longer_than_the_sequence_and_with_no_tokens(fused_available):
     q, k, v = inputs(length=50)
     huge, _ = linear_attention(q, k, v, causal=True, kernel="fused", chunk_size=10**9)  # buffers sized by T
@@ -275,3 +286,15 @@ def test_fused_double_backward_raises(fused_available):
     out, _ = linear_attention(q, k, v, causal=True, kernel="chunked")
     (grad_q,) = torch.autograd.grad(out.square().sum(), q, create_graph=True)
     grad_q.sum().backward()
+
+
+def test_torch_func_transforms_take_the_chunked_form(fused_available):
+    # The kernel's autograd Function has no functorch rules: under torch.func the chunked form runs instead.
+    q, k, v = inputs(length=30)
+
+    def loss(q, kernel):
+        return linear_attention(q, k, v, causal=True, kernel=kernel)[0].square().sum()
+
+    torch.testing.assert_close(torch.func.grad(loss)(q, "auto"), torch.func.grad(loss)(q, "chunked"))
+    with pytest.raises(ValueError, match="kernel='fused' needs no torch.func transform"):
+        torch.func.grad(loss)(q, "fused")

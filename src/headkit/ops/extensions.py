@@ -1,10 +1,11 @@
 """Optional compiled kernels: C++ sources under ``ops/csrc`` built on first use with torch's JIT extension loader.
 
-Every op keeps its pure-PyTorch path, which works everywhere with nothing to build; an extension is an
-accelerator on top that an op chooses by itself where it is available. Available means: the environment
-variable ``HEADKIT_EXTENSIONS`` is not ``0``, and the source builds here (a C++ compiler and ninja; the first build
-takes ~30 s and is cached on disk, under torch's ``TORCH_EXTENSIONS_DIR``, so later processes load it in a
-second). A build that fails warns once and leaves the op on its PyTorch path for the rest of the process.
+Every op keeps its pure-PyTorch path, which works everywhere with nothing to build; an extension is an accelerator
+on top that an op chooses by itself where it is available. Available means: the environment variable
+``HEADKIT_EXTENSIONS`` is not ``0``, and the source builds here (a C++ compiler and ninja; the first build takes
+~30 s and is cached on disk, under torch's ``TORCH_EXTENSIONS_DIR``, one folder per CPU and version of the source,
+so later processes load it in a second). A build that fails warns once and leaves the op on its PyTorch path for
+the rest of the process.
 """
 
 from __future__ import annotations
@@ -52,14 +53,22 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
+def _source_tag(source: Path) -> str:
+    """A short hash of the source: two checkouts of different versions (a worktree beside the main one) must not
+    build into one cache folder in turn, where a process could load the other's module (e.g. one without the
+    backward this version calls)."""
+    return hashlib.sha1(source.read_bytes()).hexdigest()[:8]
+
+
 def _build(name: str) -> ModuleType | None:
     try:
         from torch.utils import cpp_extension
 
         logger.info("headkit: loading the %s kernel (built once per machine, ~30 s the first time)", name)
+        source = _SOURCES / f"{name}.cpp"
         return cpp_extension.load(
-            name=f"headkit_{name}_{_cpu_tag()}",
-            sources=[str(_SOURCES / f"{name}.cpp")],
+            name=f"headkit_{name}_{_cpu_tag()}_{_source_tag(source)}",
+            sources=[str(source)],
             extra_cflags=_FLAGS,
             extra_ldflags=["-fopenmp"],
             verbose=False,

@@ -285,6 +285,8 @@ def _fused_unsupported(tensors: tuple[torch.Tensor, ...]) -> str | None:
         return "float32 tensors"
     if torch.compiler.is_compiling():
         return "an eager call (torch.compile traces the chunked form)"
+    if torch._C._are_functorch_transforms_active():
+        return "no torch.func transform (grad, vmap, ...: they run the chunked form)"
     return None
 
 
