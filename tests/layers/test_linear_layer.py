@@ -95,8 +95,12 @@ def test_outputs_and_gradients_match_the_naive_reference(variant, padded):
     grad_out = torch.randn_like(out)
     actual_grads = torch.autograd.grad(out, inputs, grad_out)
     expected_grads = torch.autograd.grad(expected, inputs, grad_out)
+    # float32 against float32 summed in another order, measured against the largest gradient entry (~20 here):
+    # a relu map's small denominators amplify rounding. Against a float64 reference the causal kernel's backward,
+    # the chunked form and this naive one all err by ~5e-7 of it (median over seeds), up to ~2e-6 (90th pct).
+    scale = max(reference.abs().max().item() for reference in expected_grads)
     for actual, reference in zip(actual_grads, expected_grads, strict=True):
-        torch.testing.assert_close(actual, reference, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(actual, reference, atol=max(1e-5, 2e-6 * scale), rtol=1e-5)
 
 
 @pytest.mark.parametrize("variant", ["causal_elu", "causal_gqa_bias", "causal_relu"])
