@@ -217,9 +217,13 @@ std::vector<torch::Tensor> causal_linear_attention_backward(torch::Tensor q, tor
 #pragma omp parallel num_threads(threads)
   {
     const int64_t state_size = static_cast<int64_t>(dk) * dv;
-    std::vector<float> phi_k(c_max * dk), phi_q(c_max * dk), scores(c_max * c_max), d_scores(c_max * c_max),
-        d_numerator(c_max * dv), d_denominator(c_max), d_phi_q(c_max * dk), d_phi_k(c_max * dk),
-        states(static_cast<int64_t>(n_chunks) * (state_size + dk));
+    // [dn | dA] side by side and [S_cᵀ ; φ(K_c)] stacked: dφ(Q_c)'s two products are one, of depth Dv + C.
+    const int width = dv + c_max;
+    std::vector<float> phi_q(c_max * dk), scores(c_max * c_max), grads_side(c_max * width), state_keys(width * dk),
+        d_denominator(c_max), states(static_cast<int64_t>(n_chunks) * (state_size + dk));
+    float* const d_numerator = grads_side.data();      // dn [C, Dv], row stride width
+    float* const d_scores = grads_side.data() + dv;    // dA [C, C], row stride width
+    float* const phi_k = state_keys.data() + dv * dk;  // φ(K_c) [C, Dk], below S_cᵀ
 #pragma omp for schedule(dynamic, 1)
     for (int64_t item = 0; item < items; ++item) {
       const int b = item / kv_heads, h = item % kv_heads;
@@ -239,12 +243,12 @@ std::vector<torch::Tensor> causal_linear_attention_backward(torch::Tensor q, tor
       for (int ci = 0; ci + 1 < n_chunks; ++ci) {
         const int start = ci * c_max, c = std::min(c_max, length - start);
         key_features(keys + static_cast<int64_t>(start) * dk, keep_row == nullptr ? nullptr : keep_row + start,
-                     phi_k.data(), c, dk, elu);
+                     phi_k, c, dk, elu);
         float* next_state = saved_states + (ci + 1) * state_size;
         float* next_normaliser = saved_normalisers + (ci + 1) * dk;
         std::copy(saved_states + ci * state_size, saved_states + (ci + 1) * state_size, next_state);
         std::copy(saved_normalisers + ci * dk, saved_normalisers + (ci + 1) * dk, next_normaliser);
-        gemm(true, false, dk, dv, c, phi_k.data(), dk, values + static_cast<int64_t>(start) * dv, dv, 1.0f,
+        gemm(true, false, dk, dv, c, phi_k, dk, values + static_cast<int64_t>(start) * dv, dv, 1.0f,
              next_state, dv);
         for (int i = 0; i < c; ++i) {
           for (int d = 0; d < dk; ++d) next_normaliser[d] += phi_k[i * dk + d];
@@ -259,13 +263,17 @@ std::vector<torch::Tensor> causal_linear_attention_backward(torch::Tensor q, tor
         const float* state = saved_states + ci * state_size;
         const float* normaliser = saved_normalisers + ci * dk;
         float* d_values = dv_data + (item * length + start) * dv;
-        key_features(chunk_keys, keep_row == nullptr ? nullptr : keep_row + start, phi_k.data(), c, dk, elu);
-        // What the later chunks read through the state: dφ(K_c) = V_c dSᵀ + 1 dzᵀ, dV_c = φ(K_c) dS.
-        gemm(false, true, c, dk, dv, chunk_values, dv, d_s, dv, 0.0f, d_phi_k.data(), dk);
-        for (int i = 0; i < c; ++i) {
-          for (int d = 0; d < dk; ++d) d_phi_k[i * dk + d] += d_z[d];
+        float* d_keys = dk_data + (item * length + start) * dk;
+        for (int d = 0; d < dk; ++d) {
+          for (int e = 0; e < dv; ++e) state_keys[e * dk + d] = state[d * dv + e];  // S_cᵀ
         }
-        gemm(false, false, c, dv, dk, phi_k.data(), dk, d_s, dv, 0.0f, d_values, dv);
+        key_features(chunk_keys, keep_row == nullptr ? nullptr : keep_row + start, phi_k, c, dk, elu);
+        // What the later chunks read through the state: dφ(K_c) = V_c dSᵀ + 1 dzᵀ, dV_c = φ(K_c) dS.
+        gemm(false, true, c, dk, dv, chunk_values, dv, d_s, dv, 0.0f, d_keys, dk);
+        for (int i = 0; i < c; ++i) {
+          for (int d = 0; d < dk; ++d) d_keys[i * dk + d] += d_z[d];
+        }
+        gemm(false, false, c, dv, dk, phi_k, dk, d_s, dv, 0.0f, d_values, dv);
 
         for (int g = 0; g < groups; ++g) {
           const int64_t query_head = static_cast<int64_t>(b) * heads + static_cast<int64_t>(h) * groups + g;
@@ -275,7 +283,7 @@ std::vector<torch::Tensor> causal_linear_attention_backward(torch::Tensor q, tor
           const float* d_o = grad_out_data + offset * dv;
           float* d_queries = dq_data + offset * dk;
           features(queries, phi_q.data(), c * dk, elu);
-          gemm(false, true, c, c, dk, phi_q.data(), dk, phi_k.data(), dk, 0.0f, scores.data(), c_max);
+          gemm(false, true, c, c, dk, phi_q.data(), dk, phi_k, dk, 0.0f, scores.data(), c_max);
           for (int i = 0; i < c; ++i) {
             std::fill(scores.data() + i * c_max + i + 1, scores.data() + i * c_max + c, 0.0f);
           }
@@ -292,40 +300,37 @@ std::vector<torch::Tensor> causal_linear_attention_backward(torch::Tensor q, tor
             float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
             for (int d = 0; d < dv; ++d) dot += d_o[i * dv + d] * o[i * dv + d];
-            for (int d = 0; d < dv; ++d) d_numerator[i * dv + d] = d_o[i * dv + d] * inverse;
+            for (int d = 0; d < dv; ++d) d_numerator[i * width + d] = d_o[i * dv + d] * inverse;
             d_denominator[i] = -dot * inverse;
           }
           // dA = (dn V_cᵀ + dd 1ᵀ), lower triangle.
-          gemm(false, true, c, c, dv, d_numerator.data(), dv, chunk_values, dv, 0.0f, d_scores.data(), c_max);
+          gemm(false, true, c, c, dv, d_numerator, width, chunk_values, dv, 0.0f, d_scores, width);
           for (int i = 0; i < c; ++i) {
-            float* row = d_scores.data() + i * c_max;
+            float* row = d_scores + i * width;
             for (int j = 0; j <= i; ++j) row[j] += d_denominator[i];
             std::fill(row + i + 1, row + c, 0.0f);
           }
-          // dφ(Q_c) = dn S_cᵀ + dA φ(K_c) + dd z_cᵀ.
-          gemm(false, true, c, dk, dv, d_numerator.data(), dv, state, dv, 0.0f, d_phi_q.data(), dk);
-          gemm(false, false, c, dk, c, d_scores.data(), c_max, phi_k.data(), dk, 1.0f, d_phi_q.data(), dk);
+          // dφ(Q_c) = [dn | dA] [S_cᵀ ; φ(K_c)] + dd z_cᵀ, straight into dQ.
+          gemm(false, false, c, dk, dv + c, grads_side.data(), width, state_keys.data(), dk, 0.0f, d_queries, dk);
           for (int i = 0; i < c; ++i) {
-            for (int d = 0; d < dk; ++d) d_phi_q[i * dk + d] += d_denominator[i] * normaliser[d];
+            for (int d = 0; d < dk; ++d) d_queries[i * dk + d] += d_denominator[i] * normaliser[d];
           }
           // dφ(K_c) += dAᵀ φ(Q_c), dV_c += Aᵀ dn.
-          gemm(true, false, c, dk, c, d_scores.data(), c_max, phi_q.data(), dk, 1.0f, d_phi_k.data(), dk);
-          gemm(true, false, c, dv, c, scores.data(), c_max, d_numerator.data(), dv, 1.0f, d_values, dv);
+          gemm(true, false, c, dk, c, d_scores, width, phi_q.data(), dk, 1.0f, d_keys, dk);
+          gemm(true, false, c, dv, c, scores.data(), c_max, d_numerator, width, 1.0f, d_values, dv);
           // The earlier chunks' state is read by these queries: dS += φ(Q_c)ᵀ dn, dz += φ(Q_c)ᵀ dd.
-          gemm(true, false, dk, dv, c, phi_q.data(), dk, d_numerator.data(), dv, 1.0f, d_s, dv);
+          gemm(true, false, dk, dv, c, phi_q.data(), dk, d_numerator, width, 1.0f, d_s, dv);
           for (int i = 0; i < c; ++i) {
             for (int d = 0; d < dk; ++d) d_z[d] += phi_q[i * dk + d] * d_denominator[i];
           }
-          if (elu) chain_elu(queries, phi_q.data(), d_phi_q.data(), c * dk);
-          std::copy(d_phi_q.data(), d_phi_q.data() + c * dk, d_queries);
+          if (elu) chain_elu(queries, phi_q.data(), d_queries, c * dk);
         }
         if (keep_row != nullptr) {
           for (int i = 0; i < c; ++i) {
-            if (!keep_row[start + i]) std::fill(d_phi_k.data() + i * dk, d_phi_k.data() + (i + 1) * dk, 0.0f);
+            if (!keep_row[start + i]) std::fill(d_keys + i * dk, d_keys + (i + 1) * dk, 0.0f);
           }
         }
-        if (elu) chain_elu(chunk_keys, phi_k.data(), d_phi_k.data(), c * dk);
-        std::copy(d_phi_k.data(), d_phi_k.data() + c * dk, dk_data + (item * length + start) * dk);
+        if (elu) chain_elu(chunk_keys, phi_k, d_keys, c * dk);
       }
     }
   }
