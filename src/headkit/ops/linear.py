@@ -93,9 +93,10 @@ def linear_attention(
             None, a state this op returned.
         kernel: the causal forward's implementation: "chunked" (PyTorch, every device, dtype and autograd),
             "fused" (the compiled kernel of ``ops/csrc/causal_linear_attention.cpp``, forward and backward:
-            float32 on CPU, eager (not under torch.compile), each chunk's products kept in cache; its backward
-            is once differentiable, so a double backward raises; see :mod:`headkit.ops.extensions`), or "auto":
-            fused wherever it applies and the extension is available, else chunked. Ignored when not causal.
+            float32 on CPU, eager (not under torch.compile or a torch.func transform), each chunk's products
+            kept in cache; its backward is once differentiable, so a double backward raises; see
+            :mod:`headkit.ops.extensions`), or "auto": fused wherever it applies and the extension is
+            available, else chunked. Ignored when not causal.
 
     Returns:
         (out [B, H, Tq, Dv] in q's dtype, final :class:`LinearAttentionState` or None). Accumulation is
