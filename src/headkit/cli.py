@@ -200,9 +200,7 @@ def prune(
         help="Held-out texts or windows measured on (default 256 texts / 64 windows; 16 with --quick).",
     ),
     gradient_accumulation: int = typer.Option(1, min=1, help="Forwards per optimizer step."),
-    temperature: float = typer.Option(
-        1.0, min=0.0, help="Distillation temperature of the causal-LM objective."
-    ),
+    temperature: float = typer.Option(1.0, help="Distillation temperature of the causal-LM objective, > 0."),
     gate_lr: float = typer.Option(0.1, min=0.0, help="Learning rate of the gates' log alpha."),
     seed: int = typer.Option(0, help="Seed of the sampling, the gate noise and the training order."),
     out: Path = typer.Option(Path("results/pruned-model"), help="Output folder (never the input model)."),

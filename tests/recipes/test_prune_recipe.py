@@ -264,3 +264,64 @@ def test_held_out_defaults_to_the_model_kinds_count_and_the_corpus_provides_it()
     assert held_out_count(PruneSettings(held_out_texts=5), ENCODER) == 5
     train, held_out = text_chunks(load_text(None), 16, held_out_count(PruneSettings(), ENCODER))
     assert len(train) == 16 and len(held_out) == 256 and not set(train) & set(held_out)
+
+
+def test_a_model_changed_by_other_surgery_is_refused_before_any_work(
+    tiny_gpt2, text_folder, tmp_path, capsys
+):
+    import shutil
+
+    from headkit.surgery.collaborative import swap_to_collaborative
+
+    swapped = tmp_path / "collaborative"
+    model = transformers.AutoModelForCausalLM.from_pretrained(tiny_gpt2)
+    swap_to_collaborative(model, dim_shared_query_key=8, max_iter=3)
+    model.save_pretrained(swapped)
+    for tokenizer_file in tiny_gpt2.iterdir():
+        if "token" in tokenizer_file.name or tokenizer_file.suffix in (".txt", ".model"):
+            shutil.copy(tokenizer_file, swapped / tokenizer_file.name)
+    out = tmp_path / "out"
+    assert _run(["prune", str(swapped), "--data", str(text_folder), "--out", str(out), *FAST]) == 2
+    assert "prune before other surgery" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_an_out_folder_under_a_file_is_refused_before_any_work(tiny_llama, text_folder, tmp_path, capsys):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("mine")
+    out = a_file / "sub"
+    assert _run(["prune", str(tiny_llama), "--data", str(text_folder), "--out", str(out), *FAST]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err
+    assert a_file.read_text() == "mine"
+
+
+def test_the_report_of_a_model_without_a_kv_cache_prints():
+    from headkit.recipes.prune import format_report
+
+    report = {
+        "heads_before": {0: 4},
+        "heads_after": {0: 2},
+        "parameters_before": 100,
+        "parameters_after": 90,
+        "kind": "causal_lm",
+        "perplexity_original": 2.0,
+        "perplexity_pruned": 3.0,
+        "perplexity_recovered": 2.5,
+        "speed": {"prefill_tokens": 16, "prefill_ratio": 0.9, "decode_context": 64, "decode_ratio": 0.95},
+        "kv_cache_bytes_per_token_before": 0.0,
+        "kv_cache_bytes_per_token_after": 0.0,
+        "top1_agreement": 0.5,
+        "stock_architecture": False,
+        "sample_original": "a",
+        "sample_recovered": "b",
+    }
+    assert "recurrent state, no KV cache" in format_report(report)
+
+
+def test_a_held_out_count_below_the_batch_size_is_named(save_tiny_encoder, text_folder, tmp_path, capsys):
+    encoder = save_tiny_encoder(tmp_path / "encoder")
+    out = tmp_path / "out"
+    args = ["prune", str(encoder), "--data", str(text_folder), "--out", str(out), "--quick"]
+    assert _run([*args, "--train-texts", "8", "--held-out", "1", "--batch-size", "4"]) == 2
+    assert "--held-out or --train-texts" in capsys.readouterr().err
+    assert not out.exists()

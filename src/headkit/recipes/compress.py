@@ -143,7 +143,9 @@ def prepare_encoder_text(
     train_batches = tokenize_batches(teacher.tokenizer, train, batch_size, max_length)
     held_out_batches = tokenize_batches(teacher.tokenizer, held_out, batch_size, max_length)
     if not held_out_batches or (train_texts and not train_batches):
-        raise HeadkitError("--batch-size is larger than the corpus; lower it")
+        raise HeadkitError(
+            "--batch-size is larger than --held-out or --train-texts: each needs at least one full batch of texts"
+        )
     with torch.no_grad():
         teacher_held_out = [teacher.model(**batch).last_hidden_state for batch in held_out_batches]
     return EncoderText(train_batches, held_out_batches, teacher_held_out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -154,5 +155,11 @@ def check_output_folder(model_path: Path, out: Path, overwrite: bool) -> None:
         )
     if target.exists() and not target.is_dir():
         raise HeadkitError(f"--out {str(out)!r} exists and is not a folder")
+    # The folder is made only at the end, after the work: a parent that cannot hold it must fail now.
+    parent = next(p for p in target.parents if p.exists())
+    if not parent.is_dir():
+        raise HeadkitError(f"--out {str(out)!r} cannot be made: {str(parent)!r} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise HeadkitError(f"--out {str(out)!r} cannot be made: {str(parent)!r} is not writable")
     if target.is_dir() and any(target.iterdir()) and not overwrite:
         raise HeadkitError(f"--out {str(out)!r} is not empty; pass --overwrite to replace it")

@@ -71,6 +71,7 @@ from headkit.surgery.gating import (
     remove_head_gates,
 )
 from headkit.surgery.pruning import (
+    check_prunable,
     heads_per_layer,
     kv_heads_per_layer,
     prune_heads,
@@ -424,6 +425,7 @@ def _run(
     torch.manual_seed(settings.seed)
     loaded = loaded or load_model(model_path)
     adapter = get_adapter(loaded.model)  # an unsupported architecture fails here, before any work
+    check_prunable(adapter.sites(loaded.model))  # so does a layer that earlier surgery replaced
     if loaded.is_causal_lm:
         model, report = _prune_causal_lm(loaded, adapter, settings, echo)
     else:
@@ -614,7 +616,9 @@ def _prune_encoder(
     train = tokenize_batches(tokenizer, train_texts, settings.batch_size, settings.max_length)
     held_out = tokenize_batches(tokenizer, held_out_texts, settings.batch_size, settings.max_length)
     if not train or not held_out:
-        raise HeadkitError("--batch-size is larger than the corpus; lower it")
+        raise HeadkitError(
+            "--batch-size is larger than --held-out or --train-texts: each needs at least one full batch of texts"
+        )
     echo(f"{loaded.source}: {sum(heads_before.values())} heads in {len(heads_before)} layers; keeping {keep}")
     examples = split_batches(train)
     objective = EncoderObjective()
@@ -714,7 +718,8 @@ def format_report(report: dict[str, Any]) -> str:
         speed = report["speed"]
         kv_b, kv_a = report["kv_cache_bytes_per_token_before"], report["kv_cache_bytes_per_token_after"]
         lines += [
-            f"KV cache per token: {kv_b:,.0f} -> {kv_a:,.0f} bytes ({kv_a / kv_b - 1:+.0%})",
+            f"KV cache per token: {kv_b:,.0f} -> {kv_a:,.0f} bytes"
+            + (f" ({kv_a / kv_b - 1:+.0%})" if kv_b else " (a constant-size recurrent state, no KV cache)"),
             f"held-out perplexity: original {original:.3f}, pruned {report['perplexity_pruned']:.3f} "
             f"({report['perplexity_pruned'] / original:.2f}x), recovered {report['perplexity_recovered']:.3f} "
             f"({report['perplexity_recovered'] / original:.2f}x)",

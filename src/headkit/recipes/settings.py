@@ -38,8 +38,8 @@ def check_count(option: str, value: Any, minimum: int) -> None:
     """A setting that counts something: an integer ≥ ``minimum`` (0, or 1 and more), else a HeadkitError naming
     its command-line ``option``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = "a non-negative" if minimum == 0 else "a positive"
-        raise HeadkitError(f"{option} must be {kind} integer, got {value!r}")
+        kind = {0: "a non-negative integer", 1: "a positive integer"}.get(minimum, f"an integer ≥ {minimum}")
+        raise HeadkitError(f"{option} must be {kind}, got {value!r}")
 
 
 def check_data(data: Path | None) -> None:

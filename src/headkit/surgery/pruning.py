@@ -210,6 +210,21 @@ def _install_kv_gather(projection: nn.Module, kv_index: list[int], head_dim: int
     projection.register_forward_hook(KeyValueHeadGather(head_dim))
 
 
+def check_prunable(sites: list[AttentionSite]) -> None:
+    """Refuse, before any work, a model in which earlier surgery replaced a layer that still has heads (a
+    collaborative or linearized module): its heads are no longer the architecture's to slice."""
+    for index, site in enumerate(sites):
+        if site.is_headkit and site.num_heads:
+            _refuse_replaced(index, site)
+
+
+def _refuse_replaced(index: int, site: AttentionSite) -> None:
+    raise HeadkitError(
+        f"cannot prune heads of layer {index} ({site.name}): it is a {type(site.module).__name__} put in place "
+        "by earlier surgery; prune before other surgery"
+    )
+
+
 def query_to_kv_heads(site: AttentionSite) -> list[int]:
     """For each query head of the site, the index of the key/value head it reads."""
     if site.num_heads == 0:
@@ -259,10 +274,7 @@ def _plan(
             continue
         site = sites[index]
         if site.is_headkit:
-            raise HeadkitError(
-                f"cannot prune heads of layer {index} ({site.name}): it is a {type(site.module).__name__} put in "
-                "place by earlier surgery; prune before other surgery"
-            )
+            _refuse_replaced(index, site)
         removed = set(pruned)
         keep_query = [h for h in range(site.num_heads) if h not in removed]
         if not keep_query and not allow_empty_layers:
