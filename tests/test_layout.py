@@ -6,9 +6,9 @@ from pathlib import Path
 import pytest
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "headkit"
-# "analysis" also holds the tier-less helpers data and files; "top": bench, cli, demo, train and the package root.
+# "analysis" also holds the tier-less helpers data, devices and files; "top": bench, cli, demo, train and the package root.
 TIERS = ["ops", "layers", "models", "surgery", "analysis", "recipes", "top"]
-SUPPORT = {"data", "files"}
+SUPPORT = {"data", "devices", "files"}
 
 
 def _tier(module: str) -> str | None:

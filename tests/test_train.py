@@ -155,3 +155,171 @@ def test_cli_trains_a_hybrid_and_refuses_to_overwrite(corpus_dir, tmp_path, caps
         main(arguments)
     assert exit_info.value.code == 2
     assert "--overwrite" in capsys.readouterr().err
+
+
+# -- bad options of ``headkit train``: one-line errors, exit 2, before anything is loaded or trained ----------------
+
+QUICK_TINY = [
+    "train",
+    "--quick",
+    "--hidden-size",
+    "16",
+    "--layers",
+    "1",
+    "--set",
+    "intermediate_size=32",
+    "--steps",
+    "1",
+    "--seq-len",
+    "16",
+    "--eval-tokens",
+    "0",
+]
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Loading a tokenizer or a corpus fails the test: the options must be refused before."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("loaded before the options were checked")
+
+    monkeypatch.setattr("headkit.data.load_tokenizer", refuse)
+    monkeypatch.setattr("headkit.data.load_corpus", refuse)
+
+
+def _exit_2(arguments, capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(arguments)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+@pytest.mark.parametrize(
+    "device, message",
+    [
+        ("cuda", "--device 'cuda' asked for, but CUDA is not available here; use --device cpu"),
+        ("cuda:0", "--device 'cuda:0' asked for, but CUDA is not available here"),
+        ("foo", "--device must be 'cpu' or 'cuda' (or 'cuda:N'), got 'foo'"),
+        ("cpu:x", "--device must be"),
+    ],
+)
+def test_cli_refuses_a_device_that_is_not_there(
+    device, message, tmp_path, capsys, monkeypatch, nothing_loads
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    err = _exit_2(["train", "--quick", "--device", device, "--out", str(tmp_path / "m")], capsys)
+    assert message in err
+    assert not (tmp_path / "m").exists()
+
+
+def test_train_causal_lm_checks_the_device_first(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "foo", torch.device("cuda")):
+        with pytest.raises(HeadkitError, match="--device"):
+            train_causal_lm(TINY, "/nonexistent/corpus", steps=1, device=device, show_progress=False)
+
+
+def test_bench_and_train_share_one_device_check():
+    from headkit.bench import decode, speed
+    from headkit.devices import check_device
+
+    assert speed.check_device is check_device and decode.check_device is check_device
+    assert check_device("cpu") == torch.device("cpu")
+
+
+def test_cli_overwrite_replaces_the_folder_whole(corpus_dir, tmp_path, capsys):
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "notes.txt").write_text("old run\n")
+    (out / "old").mkdir()
+    (out / "old" / "weights.bin").write_bytes(b"x")
+    main([*QUICK_TINY, "--corpus", str(corpus_dir), "--out", str(out), "--overwrite"])
+    assert not (out / "notes.txt").exists() and not (out / "old").exists()
+    assert (out / "config.json").is_file() and (out / REPORT_FILE).is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "model"]  # no staging folder left
+
+
+def test_a_failed_save_leaves_the_old_folder_untouched(corpus_dir, tmp_path, monkeypatch):
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "notes.txt").write_text("old run\n")
+
+    def broken(self, folder, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(ByteTokenizer, "save_pretrained", broken)
+    with pytest.raises(OSError, match="disk full"):
+        train_causal_lm(
+            TINY,
+            corpus_dir,
+            steps=1,
+            seq_len=16,
+            eval_tokens=0,
+            out_dir=out,
+            overwrite=True,
+            show_progress=False,
+        )
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]  # the model's config.json never landed here
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "model"]
+
+
+def test_train_causal_lm_refuses_a_non_empty_out_dir_without_overwrite(corpus_dir, tmp_path):
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "notes.txt").write_text("old run\n")
+    with pytest.raises(HeadkitError, match="--overwrite"):
+        train_causal_lm(
+            TINY, corpus_dir, steps=1, seq_len=16, eval_tokens=0, out_dir=out, show_progress=False
+        )
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.parametrize("overwrite", [[], ["--overwrite"]])
+def test_cli_refuses_an_out_that_is_a_file_even_with_overwrite(overwrite, tmp_path, capsys, nothing_loads):
+    out = tmp_path / "results.txt"
+    out.write_text("keep me\n")
+    err = _exit_2([*QUICK_TINY, "--out", str(out), *overwrite], capsys)
+    assert f"--out {str(out)!r} exists and is not a folder" in err
+    assert out.read_text() == "keep me\n"
+
+
+@pytest.mark.parametrize("where", ["same", "parent", "inside"])
+def test_cli_refuses_an_out_that_would_replace_the_corpus(where, corpus_dir, capsys, nothing_loads):
+    out = {"same": corpus_dir, "parent": corpus_dir.parent, "inside": corpus_dir / "model"}[where]
+    before = sorted(p.name for p in corpus_dir.iterdir())
+    err = _exit_2([*QUICK_TINY, "--corpus", str(corpus_dir), "--out", str(out), "--overwrite"], capsys)
+    assert "--out" in err and "--corpus" in err
+    assert sorted(p.name for p in corpus_dir.iterdir()) == before
+
+
+def test_cli_refuses_an_unknown_set_field(tmp_path, capsys, nothing_loads):
+    err = _exit_2([*QUICK_TINY, "--set", "nonsense=3", "--out", str(tmp_path / "m")], capsys)
+    assert "--set" in err and "unknown HeadkitConfig field 'nonsense'" in err
+    assert not (tmp_path / "m").exists()
+
+
+def test_set_accepts_every_headkit_config_field():
+    import dataclasses
+
+    from headkit.models import HeadkitConfig
+    from headkit.train import check_config_fields, config_fields
+
+    fields = config_fields()
+    check_config_fields(fields)
+    expected = {f.name for f in dataclasses.fields(HeadkitConfig)} - {"transformers_version"}
+    assert set(fields) == expected
+    assert {"additive_window", "intermediate_size", "tie_word_embeddings", "rope_parameters"} <= set(fields)
+
+
+def test_cli_eval_tokens_names_the_option_and_its_minimum(tmp_path, capsys, nothing_loads):
+    arguments = [*QUICK_TINY[:-2], "--eval-tokens", "1", "--out", str(tmp_path / "m")]
+    err = _exit_2(arguments, capsys)
+    assert "--eval-tokens must be 0 (no evaluation) or at least 2" in err and "got 1" in err
+
+
+def test_train_causal_lm_eval_tokens_of_one_is_refused_up_front():
+    with pytest.raises(HeadkitError, match="eval_tokens must be 0 .* at least 2"):
+        train_causal_lm(TINY, "/nonexistent/corpus", steps=1, eval_tokens=1, show_progress=False)

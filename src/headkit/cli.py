@@ -322,20 +322,25 @@ def train(
     set_fields: list[str] = typer.Option(
         None,
         "--set",
-        help="Any HeadkitConfig field as KEY=VALUE (JSON value), e.g. --set additive_window=64.",
+        help="Any HeadkitConfig field as KEY=VALUE (JSON value), e.g. --set additive_window=64; "
+        "an unknown field is an error.",
     ),
     eval_tokens: int = typer.Option(
-        None, min=0, help="Held-out tokens for bits per byte (default 65536; 8192 with --quick; 0 = none)."
+        None,
+        min=0,
+        help="Held-out tokens for bits per byte (default 65536; 8192 with --quick; 0 = none, else ≥ 2).",
     ),
     max_corpus_bytes: int = typer.Option(
         None, min=1, help="Read at most this many bytes of the corpus (default all; 2 MB with --quick)."
     ),
     seed: int = typer.Option(0, help="Seed of the initialisation and the batch sampling."),
-    device: str = typer.Option("cpu", help="Device to train on."),
+    device: str = typer.Option("cpu", help="Device to train on: cpu or cuda (or cuda:N)."),
     out: Path = typer.Option(
         Path("results/train"), help="Output folder: model, tokenizer, training_report.json."
     ),
-    overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
+    overwrite: bool = typer.Option(
+        False, help="Replace a non-empty output folder (whole, once the new one is complete)."
+    ),
     quick: bool = typer.Option(
         False, help="A small model and a short run (well under a minute on 2 CPU cores)."
     ),
@@ -344,13 +349,24 @@ def train(
     import json
 
     from headkit.data import load_corpus, load_tokenizer
-    from headkit.train import default_config, train_causal_lm
+    from headkit.devices import check_device
+    from headkit.train import (
+        check_config_fields,
+        check_eval_tokens,
+        check_output_dir,
+        default_config,
+        train_causal_lm,
+    )
 
     def default(value, full, short):
         return value if value is not None else (short if quick else full)
 
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise HeadkitError(f"--out {str(out)!r} exists and is not empty; pass --overwrite to replace it")
+    # Every option is checked before anything is loaded or trained.
+    check_device(device)
+    inputs = {"corpus": corpus, "tokenizer": tokenizer}
+    check_output_dir(out, overwrite, {name: path for name, path in inputs.items() if path is not None})
+    eval_tokens = default(eval_tokens, 65_536, 8_192)
+    check_eval_tokens(eval_tokens)
     fields: dict = {}
     for item in set_fields or []:
         key, sep, value = item.partition("=")
@@ -360,6 +376,7 @@ def train(
             fields[key.strip()] = json.loads(value)
         except json.JSONDecodeError:
             fields[key.strip()] = value
+    check_config_fields(fields)
     per_layer = [name.strip() for name in layer_types.split(",") if name.strip()]
     seq_len = default(seq_len, 256, 128)
     loaded_tokenizer = load_tokenizer(tokenizer)
@@ -381,8 +398,9 @@ def train(
         seq_len=seq_len,
         lr=lr,
         tokenizer=loaded_tokenizer,
-        eval_tokens=default(eval_tokens, 65_536, 8_192),
+        eval_tokens=eval_tokens,
         out_dir=out,
+        overwrite=overwrite,
         seed=seed,
         device=device,
     )

@@ -21,11 +21,12 @@ batches, and only rank 0 shows progress, evaluates and saves.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,9 @@ from headkit.data import (
     sample_batch,
     special_token_ids,
 )
+from headkit.devices import check_device
 from headkit.errors import HeadkitError
+from headkit.files import staged_folder
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 from headkit.ops._validation import check_positive_int
 
@@ -114,6 +117,7 @@ def train_causal_lm(
     eval_batch_size: int = 8,
     eval_every: int | None = None,
     out_dir: str | os.PathLike[str] | None = None,
+    overwrite: bool = False,
     seed: int = 0,
     device: str | torch.device = "cpu",
     show_progress: bool = True,
@@ -130,17 +134,22 @@ def train_causal_lm(
         lr, weight_decay, warmup_steps, max_grad_norm: AdamW settings; warm-up defaults to min(100, steps/10)
             steps, then cosine decay to lr/10.
         tokenizer: a tokenizer object, a local folder, or None for :class:`~headkit.data.ByteTokenizer`.
-        eval_tokens: held-out tokens evaluated (from the start of the held-out stream); 0 skips evaluation.
+        eval_tokens: held-out tokens evaluated (windows spread over the held-out stream); 0 skips evaluation,
+            else at least 2 (one predicted token).
         eval_every: also evaluate every this many steps (None: before and after training only).
-        out_dir: where to save the model, tokenizer and report; None saves nothing.
+        out_dir: where to save the model, tokenizer and report; None saves nothing. The folder is written
+            atomically (:func:`headkit.files.staged_folder`): it appears, or replaces an existing one, only when
+            complete; a failure leaves what was there untouched.
+        overwrite: replace a non-empty ``out_dir`` (an existing file is never replaced).
         seed: model initialisation and batch sampling (each distributed rank adds its rank).
-        device: where to train.
+        device: where to train: cpu or an existing CUDA device (checked first).
         show_progress, console: the rich progress bar and where it goes.
         progress_label: the run's name on the progress bar (default: its attention mechanisms).
 
     Raises:
-        HeadkitError (a ValueError): bad settings, a vocabulary smaller than the tokenizer's, a corpus shorter
-        than one window, learned positions shorter than ``seq_len``.
+        HeadkitError (a ValueError): bad settings, a device that is not there, an ``out_dir`` that is a file
+        (or a non-empty folder without ``overwrite``), a vocabulary smaller than the tokenizer's, a corpus
+        shorter than one window, learned positions shorter than ``seq_len``.
     """
     for name, value in (("steps", steps), ("batch_size", batch_size), ("seq_len", seq_len)):
         check_positive_int(name, value)
@@ -149,13 +158,18 @@ def train_causal_lm(
             raise HeadkitError(f"{name} must be a positive number, got {value!r}")
     if eval_every is not None:
         check_positive_int("eval_every", eval_every)
-    if isinstance(eval_tokens, bool) or not isinstance(eval_tokens, int) or eval_tokens < 0:
-        raise HeadkitError(f"eval_tokens must be a non-negative integer, got {eval_tokens!r}")
-
+    check_eval_tokens(eval_tokens, flag="eval_tokens")
+    device = check_device(device)
     rank, world_size = _distributed_rank_and_size()
     is_main = rank == 0
+    if out_dir is not None and is_main:
+        inputs = {"corpus": corpus, "tokenizer": tokenizer}
+        check_output_dir(
+            out_dir,
+            overwrite,
+            {flag: path for flag, path in inputs.items() if isinstance(path, (str, os.PathLike))},
+        )
     console = console or Console()
-    device = torch.device(device)
     if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_tokenizer(tokenizer)
     if not isinstance(corpus, Corpus):
@@ -278,6 +292,56 @@ def train_causal_lm(
     return result
 
 
+MIN_EVAL_TOKENS = 2  # a window of 2 tokens predicts 1
+
+
+def check_eval_tokens(eval_tokens: Any, *, flag: str = "--eval-tokens") -> None:
+    """``eval_tokens`` must be 0 (no evaluation) or an integer ≥ 2, else an error naming ``flag``."""
+    if (
+        isinstance(eval_tokens, bool)
+        or not isinstance(eval_tokens, int)
+        or not (eval_tokens == 0 or eval_tokens >= MIN_EVAL_TOKENS)
+    ):
+        raise HeadkitError(
+            f"{flag} must be 0 (no evaluation) or at least {MIN_EVAL_TOKENS} (one predicted token), "
+            f"got {eval_tokens!r}"
+        )
+
+
+def check_output_dir(
+    out: str | os.PathLike[str], overwrite: bool, inputs: Mapping[str, str | os.PathLike[str]] | None = None
+) -> None:
+    """The folder a run saves to, named as ``--out``: never an existing file (even with ``overwrite``), a
+    non-empty folder only with ``overwrite``, and never one of ``inputs`` (option name → path, e.g. the
+    corpus), inside or around it: the finished folder replaces ``out`` whole."""
+    target = Path(out).resolve()
+    for name, path in (inputs or {}).items():
+        source = Path(path).resolve()
+        if target == source or target in source.parents or (source.is_dir() and source in target.parents):
+            raise HeadkitError(
+                f"--out {str(out)!r} must not be the --{name} {str(path)!r}, inside or around it"
+            )
+    if target.exists() and not target.is_dir():
+        raise HeadkitError(f"--out {str(out)!r} exists and is not a folder; name a folder to create")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise HeadkitError(f"--out {str(out)!r} exists and is not empty; pass --overwrite to replace it")
+
+
+def config_fields() -> list[str]:
+    """The fields of :class:`~headkit.models.HeadkitConfig` (its own and PreTrainedConfig's) ``--set`` takes."""
+    return [f.name for f in dataclasses.fields(HeadkitConfig) if f.init and f.name != "transformers_version"]
+
+
+def check_config_fields(names: Iterable[str], *, flag: str = "--set") -> None:
+    """Each name must be a HeadkitConfig field, else an error naming it and ``flag``."""
+    valid = config_fields()
+    for name in names:
+        if name not in valid:
+            raise HeadkitError(
+                f"{flag}: unknown HeadkitConfig field {name!r}; valid fields: {', '.join(valid)}"
+            )
+
+
 @torch.no_grad()
 def held_out_bits_per_byte(
     model: HeadkitForCausalLM,
@@ -392,9 +456,15 @@ def _bpb_label(bpb: float | None) -> str:
 
 
 def _save(result: TrainResult, out_dir: Path, corpus: Corpus, settings: dict[str, Any]) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result.model.save_pretrained(out_dir)
-    result.tokenizer.save_pretrained(out_dir)
+    """Write the model, tokenizer and report into a staging folder that becomes ``out_dir`` when complete."""
+    with staged_folder(out_dir) as staging:
+        _write_run(result, staging, corpus, settings)
+    return out_dir
+
+
+def _write_run(result: TrainResult, folder: Path, corpus: Corpus, settings: dict[str, Any]) -> None:
+    result.model.save_pretrained(folder)
+    result.tokenizer.save_pretrained(folder)
     report = {
         "settings": settings,
         "corpus": corpus.summary(),
@@ -410,13 +480,17 @@ def _save(result: TrainResult, out_dir: Path, corpus: Corpus, settings: dict[str
         "history": result.history,
         "losses": result.losses,
     }
-    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    return out_dir
+    (folder / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
 
 
 __all__ = [
+    "MIN_EVAL_TOKENS",
     "REPORT_FILE",
     "TrainResult",
+    "check_config_fields",
+    "check_eval_tokens",
+    "check_output_dir",
+    "config_fields",
     "default_config",
     "held_out_bits_per_byte",
     "lm_optimizer",

@@ -7,24 +7,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from headkit.errors import HeadkitError
-
-
-def check_device(device: str) -> torch.device:
-    """``device`` as a torch device: cpu or an existing CUDA device, else an error naming ``--device``."""
-    try:
-        torch_device = torch.device(device)
-    except (RuntimeError, TypeError):
-        torch_device = None
-    if torch_device is None or torch_device.type not in ("cpu", "cuda"):
-        raise HeadkitError(f"--device must be 'cpu' or 'cuda' (or 'cuda:N'), got {device!r}")
-    if torch_device.type == "cuda" and not torch.cuda.is_available():
-        raise HeadkitError(f"--device {device!r} asked for, but CUDA is not available here; use --device cpu")
-    if torch_device.type == "cuda" and (torch_device.index or 0) >= torch.cuda.device_count():
-        raise HeadkitError(f"--device {device!r} does not exist: {torch.cuda.device_count()} CUDA device(s)")
-    return torch_device
 
 
 def check_names(

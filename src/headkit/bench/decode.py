@@ -22,7 +22,7 @@ import torch
 from rich.console import Console
 
 from headkit.bench._measure import synchronize
-from headkit.bench._options import check_device, check_out_dir
+from headkit.bench._options import check_out_dir
 from headkit.bench._report import (
     column_rows,
     figure_axes,
@@ -38,6 +38,7 @@ from headkit.bench._report import (
 )
 from headkit.bench.registry import option, quick_preset, register_benchmark, run_as_script
 from headkit.data import ByteTokenizer
+from headkit.devices import check_device
 from headkit.layers import HeadkitCache, RecurrentStateLayer, attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 from headkit.train import default_config

@@ -20,7 +20,7 @@ import torch
 from rich.console import Console
 
 from headkit.bench._measure import matmul_rate, measure_peak_memory, time_call
-from headkit.bench._options import check_device, check_out_dir
+from headkit.bench._options import check_out_dir
 from headkit.bench._report import (
     bullet_list,
     column_rows,
@@ -36,6 +36,7 @@ from headkit.bench._report import (
     verdict,
 )
 from headkit.bench.registry import option, quick_preset, register_benchmark, run_as_script
+from headkit.devices import check_device
 from headkit.errors import HeadkitError
 from headkit.ops import KERNELS, KernelSpec
 from headkit.ops.registry import QKV_INPUTS
