@@ -150,3 +150,98 @@ def test_a_missing_model_or_an_encoder_is_a_one_line_error(save_tiny_encoder, tm
     with pytest.raises(SystemExit) as exit_info:
         main(["generate", str(encoder), "--prompt", "hi"])
     assert exit_info.value.code == 2 and "not a causal LM" in capsys.readouterr().err
+
+
+def _one_line_error(capsys, *arguments):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", *map(str, arguments)])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and len(err.strip().splitlines()) == 1, err
+    return err
+
+
+def test_a_prompt_beyond_learned_positions_is_a_one_line_error(save_tiny_causal_lm, tmp_path, capsys):
+    """GPT-2 learns 256 positions here (n_positions): a longer text is refused before generating, naming the
+    options and the limit; a text that fits still generates."""
+    import transformers
+
+    folder = save_tiny_causal_lm(tmp_path / "gpt2", "gpt2")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    prompt = " ".join(["cat"] * 300)
+    length = len(tokenizer(prompt)["input_ids"])
+    capsys.readouterr()  # the fixture's "Writing model shards" bar
+    err = _one_line_error(capsys, folder, "--prompt", prompt, "--max-new-tokens", 3)
+    assert f"--prompt is {length:,} tokens and --max-new-tokens 3 would reach position {length + 2:,}" in err
+    assert "256 positions (max_position_embeddings)" in err
+    fits = " ".join(["cat"] * 100)
+    fitting = len(tokenizer(fits)["input_ids"])
+    assert "--max-new-tokens 200" in _one_line_error(
+        capsys, folder, "--prompt", fits, "--max-new-tokens", 200
+    )
+    assert run(capsys, folder, "--prompt", fits, "--max-new-tokens", 256 - fitting)[1] == 256 - fitting
+
+
+def test_learned_positions_of_a_headkit_lm_are_a_limit_but_rotary_ones_are_not(
+    trained, save_tiny_causal_lm, tmp_path, capsys
+):
+    import shutil
+
+    from headkit.models import HeadkitConfig, HeadkitForCausalLM
+
+    tiny = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64)
+    config = HeadkitConfig(
+        vocab_size=259, **tiny, position_embedding_type="learned", max_position_embeddings=24
+    )
+    learned = tmp_path / "learned"
+    torch.manual_seed(0)
+    HeadkitForCausalLM(config).eval().save_pretrained(learned)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # the byte tokenizer headkit.train wrote
+        shutil.copy(trained / name, learned / name)
+    capsys.readouterr()
+    err = _one_line_error(capsys, learned, "--prompt", "the cat sat", "--max-new-tokens", 20)
+    assert "would reach position 30, beyond this model's 24 positions" in err
+    assert run(capsys, learned, "--prompt", "the cat sat", "--max-new-tokens", 13)[3] == 24
+    # RoPE: max_position_embeddings is no hard limit, for headkit models or LLaMA (256 positions here).
+    from headkit.cli import _position_limit
+
+    assert (
+        _position_limit(HeadkitForCausalLM(HeadkitConfig(vocab_size=259, **tiny, max_position_embeddings=24)))
+        is None
+    )
+    folder = save_tiny_causal_lm(tmp_path / "llama")
+    assert run(capsys, folder, "--prompt", " ".join(["cat"] * 300), "--max-new-tokens", 2)[1] == 2
+
+
+def test_the_gguf_reader_bar_is_silenced_while_loading_only(
+    save_tiny_causal_lm, tmp_path, monkeypatch, capsys
+):
+    """transformers' GGUF reader calls tqdm directly ("Converting and de-quantizing GGUF tensors"), outside
+    transformers' progress-bar switch: a stand-in loader draws that bar the way the reader does."""
+    import transformers
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    import headkit.recipes.models as models
+
+    folder = save_tiny_causal_lm(tmp_path / "llama")
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes(b"")
+    capsys.readouterr()  # the fixture's "Writing model shards" bar
+    bar_inside = []
+
+    def load_model(path, *, kind=None):
+        for _ in gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+        bar_inside.append(transformers.utils.logging.is_progress_bar_enabled())
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+        return models.LoadedModel(
+            model, transformers.AutoTokenizer.from_pretrained(folder), models.CAUSAL_LM, path
+        )
+
+    monkeypatch.setattr(models, "load_model", load_model)
+    original = gguf_utils.tqdm
+    assert transformers.utils.logging.is_progress_bar_enabled()
+    main(["generate", str(gguf), "--prompt", "hello world", "--max-new-tokens", "3"])
+    err = capsys.readouterr().err
+    assert "Converting and de-quantizing" not in err and STATS.search(err)[1] == "3"
+    assert bar_inside == [False]
+    assert gguf_utils.tqdm is original and transformers.utils.logging.is_progress_bar_enabled()

@@ -5,9 +5,11 @@ User errors (bad arguments, missing files, unsupported models) print one line an
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import sys
 import typing
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -543,19 +545,19 @@ def generate(
         raise HeadkitError(f"--top-k must be 0 (all tokens) or a positive integer, got {top_k}")
     if not sample and (temperature is not None or top_k is not None):
         raise HeadkitError("--temperature and --top-k shape sampling: add --sample")
-    from transformers.utils import logging as transformers_logging
-
-    bars = transformers_logging.is_progress_bar_enabled()
-    transformers_logging.disable_progress_bar()  # no "Loading weights" bar between the command and its text
-    try:
+    with _no_loading_bars():  # no "Loading weights" or GGUF bar between the command and its text
         network, tokenizer = _load_generator(model)
-    finally:
-        if bars:
-            transformers_logging.enable_progress_bar()
 
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     if ids.shape[1] == 0:
         raise HeadkitError(f"--prompt {prompt!r} encodes to no tokens with this model's tokenizer")
+    limit = _position_limit(network)
+    if limit is not None and ids.shape[1] + max_new_tokens > limit:
+        raise HeadkitError(
+            f"--prompt is {ids.shape[1]:,} tokens and --max-new-tokens {max_new_tokens} would reach position "
+            f"{ids.shape[1] + max_new_tokens - 1:,}, beyond this model's {limit:,} positions "
+            "(max_position_embeddings)"
+        )
     config = copy.deepcopy(network.generation_config)
     config.max_new_tokens, config.max_length, config.do_sample = max_new_tokens, None, sample
     if sample:
@@ -583,6 +585,46 @@ def generate(
         f"cache {cache:,} bytes for {output.shape[1]} tokens",
         highlight=False,
     )
+
+
+@contextlib.contextmanager
+def _no_loading_bars() -> Iterator[None]:
+    """Silence transformers' progress bars while a model loads, then restore their previous state: the ones
+    behind transformers' switch ("Loading weights") and the GGUF reader's "Converting and de-quantizing GGUF
+    tensors", which calls tqdm directly and obeys only tqdm's own ``disable``."""
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as transformers_logging
+
+    bars, gguf_tqdm = transformers_logging.is_progress_bar_enabled(), gguf_utils.tqdm
+    transformers_logging.disable_progress_bar()
+    gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = gguf_tqdm
+        if bars:
+            transformers_logging.enable_progress_bar()
+
+
+def _position_limit(model: Any) -> int | None:
+    """The number of positions `model` can embed when it learns absolute positions (a table of
+    ``config.max_position_embeddings`` rows besides the token embeddings: GPT-2's ``n_positions``, a headkit
+    model with ``position_embedding_type="learned"``), else None: rotary or ALiBi models extrapolate, so their
+    ``max_position_embeddings`` is no hard limit."""
+    import torch
+
+    limit = getattr(model.config, "max_position_embeddings", None)  # GPT-2's n_positions maps to this name
+    if not isinstance(limit, int):
+        return None
+    tokens = model.get_input_embeddings()
+    tables = (
+        module
+        for module in model.modules()
+        if isinstance(module, torch.nn.Embedding) and module is not tokens and module.num_embeddings == limit
+    )
+    return limit if any(tables) else None
 
 
 def _load_generator(path: Path) -> tuple:
