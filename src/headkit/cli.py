@@ -352,10 +352,10 @@ def train(
 
     from headkit.data import load_corpus, load_tokenizer
     from headkit.devices import check_device
+    from headkit.files import check_output_folder
     from headkit.train import (
         check_config_fields,
         check_eval_tokens,
-        check_output_dir,
         default_config,
         train_causal_lm,
     )
@@ -365,8 +365,8 @@ def train(
 
     # Every option is checked before anything is loaded or trained.
     check_device(device)
-    inputs = {"corpus": corpus, "tokenizer": tokenizer}
-    check_output_dir(out, overwrite, {name: path for name, path in inputs.items() if path is not None})
+    inputs = {"--corpus": corpus, "--tokenizer": tokenizer}
+    check_output_folder(out, overwrite, {name: path for name, path in inputs.items() if path is not None})
     eval_tokens = default(eval_tokens, 65_536, 8_192)
     check_eval_tokens(eval_tokens)
     fields: dict = {}

@@ -13,9 +13,11 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
+
+from headkit.errors import HeadkitError
 
 
 def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> Path:
@@ -103,3 +105,34 @@ def staged_folder(out: str | os.PathLike[str]) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def check_output_folder(
+    out: str | os.PathLike[str],
+    overwrite: bool,
+    inputs: Mapping[str, str | os.PathLike[str]] | None = None,
+) -> None:
+    """Check, before any work, the folder a run writes at its end (through :func:`staged_folder`), named as
+    ``--out``: never one of ``inputs`` (how a message names it → path: "model", "--corpus", …), inside or around it (a
+    file input may have a new folder beside it); never an existing file, even with ``overwrite``; a non-empty
+    folder only with ``overwrite`` (it is replaced whole); and its nearest existing parent must be a writable
+    folder, so that the save at the end cannot fail on it."""
+    target = Path(out).resolve()
+    for name, path in (inputs or {}).items():
+        source = Path(path).resolve()
+        if source.is_file():
+            if target == source or target in source.parents:
+                raise HeadkitError(f"--out {str(out)!r} must not be the {name} file {str(path)!r} or hold it")
+        elif target == source or source in target.parents or target in source.parents:
+            raise HeadkitError(
+                f"--out {str(out)!r} must not be the {name} folder {str(path)!r}, inside or around it"
+            )
+    if target.exists() and not target.is_dir():
+        raise HeadkitError(f"--out {str(out)!r} exists and is not a folder; name a folder to create")
+    if target.is_dir() and any(target.iterdir()) and not overwrite:
+        raise HeadkitError(f"--out {str(out)!r} is not empty; pass --overwrite to replace it")
+    parent = next(p for p in target.parents if p.exists())
+    if not parent.is_dir():
+        raise HeadkitError(f"--out {str(out)!r} cannot be made: {str(parent)!r} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise HeadkitError(f"--out {str(out)!r} cannot be made: {str(parent)!r} is not writable")

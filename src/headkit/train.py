@@ -56,7 +56,7 @@ from headkit.data import (
 )
 from headkit.devices import check_device
 from headkit.errors import HeadkitError
-from headkit.files import staged_folder
+from headkit.files import check_output_folder, staged_folder
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 from headkit.ops._validation import check_positive_int
 
@@ -163,8 +163,8 @@ def train_causal_lm(
     rank, world_size = _distributed_rank_and_size()
     is_main = rank == 0
     if out_dir is not None and is_main:
-        inputs = {"corpus": corpus, "tokenizer": tokenizer}
-        check_output_dir(
+        inputs = {"--corpus": corpus, "--tokenizer": tokenizer}
+        check_output_folder(
             out_dir,
             overwrite,
             {flag: path for flag, path in inputs.items() if isinstance(path, (str, os.PathLike))},
@@ -306,25 +306,6 @@ def check_eval_tokens(eval_tokens: Any, *, flag: str = "--eval-tokens") -> None:
             f"{flag} must be 0 (no evaluation) or at least {MIN_EVAL_TOKENS} (one predicted token), "
             f"got {eval_tokens!r}"
         )
-
-
-def check_output_dir(
-    out: str | os.PathLike[str], overwrite: bool, inputs: Mapping[str, str | os.PathLike[str]] | None = None
-) -> None:
-    """The folder a run saves to, named as ``--out``: never an existing file (even with ``overwrite``), a
-    non-empty folder only with ``overwrite``, and never one of ``inputs`` (option name → path, e.g. the
-    corpus), inside or around it: the finished folder replaces ``out`` whole."""
-    target = Path(out).resolve()
-    for name, path in (inputs or {}).items():
-        source = Path(path).resolve()
-        if target == source or target in source.parents or (source.is_dir() and source in target.parents):
-            raise HeadkitError(
-                f"--out {str(out)!r} must not be the --{name} {str(path)!r}, inside or around it"
-            )
-    if target.exists() and not target.is_dir():
-        raise HeadkitError(f"--out {str(out)!r} exists and is not a folder; name a folder to create")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise HeadkitError(f"--out {str(out)!r} exists and is not empty; pass --overwrite to replace it")
 
 
 def config_fields() -> list[str]:
@@ -489,7 +470,6 @@ __all__ = [
     "TrainResult",
     "check_config_fields",
     "check_eval_tokens",
-    "check_output_dir",
     "config_fields",
     "default_config",
     "held_out_bits_per_byte",

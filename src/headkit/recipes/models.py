@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from headkit.errors import HeadkitError
+from headkit.files import check_output_folder as check_writable_folder
 
 CAUSAL_LM, ENCODER = "causal_lm", "encoder"
 
@@ -142,24 +142,6 @@ def _forget_gguf_quantization(model: nn.Module) -> None:
 
 
 def check_output_folder(model_path: Path, out: Path, overwrite: bool) -> None:
-    """Refuse to write over the input model (or inside it, or around it) and over existing results."""
-    source, target = Path(model_path).resolve(), Path(out).resolve()
-    if source.is_file():  # a GGUF file: a new folder beside it is fine, its own folder or an ancestor is not
-        if target == source or target in source.parents:
-            raise HeadkitError(
-                f"--out {str(out)!r} must not be the model file {str(model_path)!r} or hold it"
-            )
-    elif target == source or source in target.parents or target in source.parents:
-        raise HeadkitError(
-            f"--out {str(out)!r} must not be the model folder {str(model_path)!r}, inside or around it"
-        )
-    if target.exists() and not target.is_dir():
-        raise HeadkitError(f"--out {str(out)!r} exists and is not a folder")
-    # The folder is made only at the end, after the work: a parent that cannot hold it must fail now.
-    parent = next(p for p in target.parents if p.exists())
-    if not parent.is_dir():
-        raise HeadkitError(f"--out {str(out)!r} cannot be made: {str(parent)!r} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise HeadkitError(f"--out {str(out)!r} cannot be made: {str(parent)!r} is not writable")
-    if target.is_dir() and any(target.iterdir()) and not overwrite:
-        raise HeadkitError(f"--out {str(out)!r} is not empty; pass --overwrite to replace it")
+    """Refuse to write over the input model (or inside it, or around it) and over existing results, before any
+    work (:func:`headkit.files.check_output_folder`)."""
+    check_writable_folder(out, overwrite, {"model": model_path})
