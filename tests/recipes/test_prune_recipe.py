@@ -90,6 +90,13 @@ def test_bad_counts_are_refused(keep, options, match):
         plan_pruning([torch.rand(4), torch.rand(4)], KV, keep, **options)
 
 
+def test_uniform_query_pruning_of_multi_head_attention_points_to_whole_groups():
+    one_head_per_group = [[0, 1, 2, 3], [0, 1, 2, 3]]  # GPT-2/BERT: every query head its own key/value head
+    with pytest.raises(HeadkitError, match="its own key/value head .* pass --unit group"):
+        plan_pruning([torch.rand(4), torch.rand(4)], one_head_per_group, 4, uniform=True)
+    assert plan_pruning([torch.rand(4), torch.rand(4)], one_head_per_group, 4, unit="group", uniform=True)
+
+
 # -- the recipe on causal LMs ----------------------------------------------------------------------------------
 
 

@@ -185,6 +185,11 @@ def plan_pruning(
                 f"of {group_size} query heads (use a multiple of {group_size * layers})"
             )
         if unit == "query" and per_layer % kv_heads:
+            if group_size == 1:  # multi-head attention: a query head is a whole key/value group
+                raise HeadkitError(
+                    f"--uniform: every query head has its own key/value head in this model, so keeping {per_layer} "
+                    f"of {heads} per layer removes whole groups: pass --unit group"
+                )
             raise HeadkitError(
                 f"--uniform: {per_layer} query heads per layer cannot be spread evenly over {kv_heads} key/value "
                 f"groups (use a multiple of {kv_heads * layers}, or --unit group)"
