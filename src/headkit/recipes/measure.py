@@ -6,6 +6,7 @@ sample. Times of two models are taken in alternation, round after round, so that
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
@@ -101,10 +102,11 @@ def compare_speed(
         prefill_seconds(model, prefill_ids[:, :8])
     models = {"original": original, "other": other}
     prefill = interleaved_values(
-        {name: _bound(prefill_seconds, m, prefill_ids) for name, m in models.items()}, rounds
+        {name: functools.partial(prefill_seconds, m, prefill_ids) for name, m in models.items()}, rounds
     )
     decode = interleaved_values(
-        {name: _bound(decode_seconds_per_token, m, decode_context) for name, m in models.items()}, rounds
+        {name: functools.partial(decode_seconds_per_token, m, decode_context) for name, m in models.items()},
+        rounds,
     )
     result = {
         "prefill_ms_original": 1000 * statistics.median(prefill["original"]),
@@ -119,10 +121,6 @@ def compare_speed(
     result["prefill_ratio"] = result["prefill_ms"] / result["prefill_ms_original"]
     result["decode_ratio"] = result["decode_ms_per_token"] / result["decode_ms_per_token_original"]
     return result
-
-
-def _bound(measure: Callable[..., float], *args: Any) -> Callable[[], float]:
-    return lambda: measure(*args)
 
 
 @torch.no_grad()
@@ -155,7 +153,9 @@ def interleaved_times(calls: dict[str, Callable[[], object]], rounds: int) -> di
     warm-up call of each."""
     for call in calls.values():
         call()  # lazy initialisation, allocator caches
-    return interleaved_values({name: _bound(median_seconds, call, 1) for name, call in calls.items()}, rounds)
+    return interleaved_values(
+        {name: functools.partial(median_seconds, call, 1) for name, call in calls.items()}, rounds
+    )
 
 
 def forward_times(models: dict[str, nn.Module], batch: dict, rounds: int) -> dict[str, list[float]]:
