@@ -314,14 +314,37 @@ def _fused_causal_linear_attention(
         return _FusedCausalLinearAttention.apply(
             extension, q, k, v, keep_bytes, kv, k_sum, chunk_size, eps, elu
         )
-    kv, k_sum = (
-        kv.clone(memory_format=torch.contiguous_format),
-        k_sum.clone(memory_format=torch.contiguous_format),
-    )
+    return _kernel_forward(extension, q, k, v, keep_bytes, kv, k_sum, chunk_size, eps, elu)
+
+
+def _kernel_forward(
+    extension: ModuleType,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keep_bytes: torch.Tensor,
+    kv: torch.Tensor,
+    k_sum: torch.Tensor,
+    chunk_size: int,
+    eps: float,
+    elu: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(out, final kv, final k_sum) from the kernel, which advances a contiguous copy of the state in place
+    (the caller's initial state is left as it was)."""
+    final_kv = kv.clone(memory_format=torch.contiguous_format)
+    final_k_sum = k_sum.clone(memory_format=torch.contiguous_format)
     out = extension.causal_linear_attention(
-        q.contiguous(), k.contiguous(), v.contiguous(), keep_bytes, kv, k_sum, chunk_size, float(eps), elu
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        keep_bytes,
+        final_kv,
+        final_k_sum,
+        chunk_size,
+        float(eps),
+        elu,
     )
-    return out, kv, k_sum
+    return out, final_kv, final_k_sum
 
 
 class _FusedCausalLinearAttention(torch.autograd.Function):
@@ -346,9 +369,8 @@ class _FusedCausalLinearAttention(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         kv, k_sum = kv.contiguous(), k_sum.contiguous()  # the initial state, kept for the backward
-        final_kv, final_k_sum = kv.clone(), k_sum.clone()
-        out = extension.causal_linear_attention(
-            q, k, v, keep_bytes, final_kv, final_k_sum, chunk_size, float(eps), elu
+        out, final_kv, final_k_sum = _kernel_forward(
+            extension, q, k, v, keep_bytes, kv, k_sum, chunk_size, eps, elu
         )
         ctx.save_for_backward(q, k, v, keep_bytes, kv, k_sum, out)
         ctx.extension, ctx.chunk_size, ctx.eps, ctx.elu = extension, chunk_size, float(eps), elu
