@@ -99,6 +99,11 @@ inline void chain_elu(const float* x, const float* phi, float* grad, int n) {
   for (int i = 0; i < n; ++i) grad[i] *= x[i] > 0.0f ? 1.0f : phi[i];
 }
 
+// Threads for `items` independent tasks: torch's thread count, at most one per task.
+inline int task_threads(int64_t items) {
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+}
+
 }  // namespace
 
 // q [B, H, T, Dk], k [B, Hkv, T, Dk], v [B, Hkv, T, Dv]: contiguous float32 (φ already applied unless elu); keep
@@ -124,7 +129,7 @@ torch::Tensor causal_linear_attention(torch::Tensor q, torch::Tensor k, torch::T
   // (its CPU wheels do), this region runs in torch's own OpenMP runtime, so the BLAS sees it and runs each small
   // product on the calling thread; a torch whose libgomp is renamed would add a second runtime (still correct).
   const int64_t items = static_cast<int64_t>(batch) * kv_heads;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+  const int threads = task_threads(items);
 #pragma omp parallel num_threads(threads)
   {
     // [φ(Q_c) | A] side by side and [S ; V_c] stacked: the output's two products are one, of depth Dk + C.
@@ -213,7 +218,7 @@ std::vector<torch::Tensor> causal_linear_attention_backward(torch::Tensor q, tor
   const float epsilon = static_cast<float>(eps);
 
   const int64_t items = static_cast<int64_t>(batch) * kv_heads;
-  const int threads = static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items)));
+  const int threads = task_threads(items);
 #pragma omp parallel num_threads(threads)
   {
     const int64_t state_size = static_cast<int64_t>(dk) * dv;
