@@ -113,10 +113,10 @@ def check_output_folder(
     inputs: Mapping[str, str | os.PathLike[str]] | None = None,
 ) -> None:
     """Check, before any work, the folder a run writes at its end (through :func:`staged_folder`), named as
-    ``--out``: never one of ``inputs`` (how a message names it → path: "model", "--corpus", …), inside or around it (a
-    file input may have a new folder beside it); never an existing file, even with ``overwrite``; a non-empty
-    folder only with ``overwrite`` (it is replaced whole); and its nearest existing parent must be a writable
-    folder, so that the save at the end cannot fail on it."""
+    ``--out``: never one of ``inputs`` (how a message names it → path: "model", "--corpus", …), inside or
+    around it (a file input may have a new folder beside it); never an existing file, even with ``overwrite``;
+    a non-empty folder only with ``overwrite`` (it is replaced whole); and its nearest existing parent must be
+    a writable folder, so that the save at the end cannot fail on it."""
     target = Path(out).resolve()
     for name, path in (inputs or {}).items():
         source = Path(path).resolve()

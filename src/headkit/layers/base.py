@@ -35,8 +35,8 @@ The contract, for every mechanism:
   (left padding does not shift them); None means ``past, …, past + T − 1``. They are validated once: by the
   layer's forward (:meth:`key_padding_mask`, :meth:`positions`), except when the caller says it has
   (``inputs_validated=True``: a :class:`~headkit.models.HeadkitModel`'s blocks, whose forward has validated them
-  for every layer; the same layer called on its own checks them again). The projections are right by construction, so the ops a layer calls skip their own checks
-  (``validate=False``).
+  for every layer; the same layer called on its own checks them again). The projections are right by
+  construction, so the ops a layer calls skip their own checks (``validate=False``).
 * **Per-head outputs** [B, H, T, Dv] go through :meth:`project_heads`, the single place where a head gate
   (``self.head_gate``, a :class:`headkit.layers.gates.HeadkitGate` or None) scales them before ``o_proj``.
 * **Caching**: ``past_key_values`` is a :class:`headkit.layers.cache.HeadkitCache` (or any transformers
