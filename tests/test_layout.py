@@ -9,6 +9,8 @@ SOURCE = Path(__file__).resolve().parents[1] / "src" / "headkit"
 # "analysis" also holds the tier-less helpers data, devices and files; "top": bench, cli, demo, train and the package root.
 TIERS = ["ops", "layers", "models", "surgery", "analysis", "recipes", "top"]
 SUPPORT = {"data", "devices", "files"}
+# Beneath every tier, importable by all: the error type, and the one module that meets transformers' releases.
+TIERLESS = {"errors", "compat"}
 
 
 def _tier(module: str) -> str | None:
@@ -20,7 +22,7 @@ def _tier(module: str) -> str | None:
         return head
     if head in SUPPORT:
         return "analysis"
-    return None if head == "errors" else "top"
+    return None if head in TIERLESS else "top"
 
 
 def _imports(path: Path) -> list[str]:
@@ -92,3 +94,65 @@ def test_public_class_names_are_unique():
         if len(places) > 1 and name not in ALLOWED_DUPLICATE_CLASS_NAMES
     }
     assert not duplicates, "\n".join(f"{name}: {', '.join(places)}" for name, places in duplicates.items())
+
+
+# transformers' public API: what its top level exports, and the modules it documents for extending it. Anything
+# else — an underscore name, a family's ``models.<family>.modeling_*`` file, loading internals — can change in any
+# release; headkit reaches such things only in headkit/compat.py, the one module exempt from this test.
+PUBLIC_TRANSFORMERS_MODULES = {
+    "transformers",
+    "transformers.activations",
+    "transformers.cache_utils",
+    "transformers.generation",
+    "transformers.integrations",
+    "transformers.masking_utils",
+    "transformers.modeling_outputs",
+}
+PRIVATE_ACCESS_MODULE = SOURCE / "compat.py"
+
+
+def private_transformers_imports(tree: ast.AST) -> list[str]:
+    """The imports in `tree` that reach past transformers' public API."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+            names: list[str] = []
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules, names = [node.module], [alias.name for alias in node.names]
+        else:
+            continue
+        for module in modules:
+            if module.split(".")[0] != "transformers":
+                continue
+            if module not in PUBLIC_TRANSFORMERS_MODULES or any(name.startswith("_") for name in names):
+                found.append(f"line {node.lineno}: {module} {names or ''}".rstrip())
+    return found
+
+
+def test_src_imports_only_public_transformers_api_outside_the_compat_module():
+    violations = []
+    for path in sorted(SOURCE.rglob("*.py")):
+        if path == PRIVATE_ACCESS_MODULE:
+            continue
+        violations += [
+            f"{path.relative_to(SOURCE)} {hit}"
+            for hit in private_transformers_imports(ast.parse(path.read_text()))
+        ]
+    assert not violations, "\n".join(violations)
+
+
+@pytest.mark.parametrize(
+    "source, private",
+    [
+        ("from transformers.utils.output_capturing import _active_collector", True),
+        ("from transformers.models.llama.modeling_llama import apply_rotary_pos_emb", True),
+        ("import transformers.core_model_loading", True),
+        ("from transformers import _something", True),
+        ("from transformers.cache_utils import Cache", False),
+        ("from transformers import AutoModel", False),
+        ("import numpy._core", False),
+    ],
+)
+def test_the_private_import_check_tells_private_from_public(source, private):
+    assert bool(private_transformers_imports(ast.parse(source))) is private

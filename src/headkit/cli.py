@@ -591,19 +591,18 @@ def generate(
 def _no_loading_bars() -> Iterator[None]:
     """Silence transformers' progress bars while a model loads, then restore their previous state: the ones
     behind transformers' switch ("Loading weights") and the GGUF reader's "Converting and de-quantizing GGUF
-    tensors", which calls tqdm directly and obeys only tqdm's own ``disable``."""
-    import functools
+    tensors", which calls tqdm directly and obeys no switch: tqdm writes to the stderr of the moment, so stderr is
+    held for the load (an error still reaches the user, as the exception it raises)."""
+    import io
 
-    from transformers import modeling_gguf_pytorch_utils as gguf_utils
-    from transformers.utils import logging as transformers_logging
+    from transformers import logging as transformers_logging
 
-    bars, gguf_tqdm = transformers_logging.is_progress_bar_enabled(), gguf_utils.tqdm
+    bars = transformers_logging.is_progress_bar_enabled()
     transformers_logging.disable_progress_bar()
-    gguf_utils.tqdm = functools.partial(gguf_tqdm, disable=True)
     try:
-        yield
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
     finally:
-        gguf_utils.tqdm = gguf_tqdm
         if bars:
             transformers_logging.enable_progress_bar()
 

@@ -153,10 +153,10 @@ def test_cached_decoding_equals_the_full_forward_with_a_constant_size_state(vari
     cache = HeadkitCache(layer.config)
     with torch.no_grad():
         full, _ = layer(x, attention_mask=mask)
-        pieces = [layer(x[:, :prefill], mask[:, :prefill], past_key_values=cache, use_cache=True)[0]]
+        pieces = [layer(x[:, :prefill], mask[:, :prefill], cache=cache, use_cache=True)[0]]
         state_shapes = set()
         for t in range(prefill, total):
-            pieces.append(layer(x[:, t : t + 1], mask[:, : t + 1], past_key_values=cache, use_cache=True)[0])
+            pieces.append(layer(x[:, t : t + 1], mask[:, : t + 1], cache=cache, use_cache=True)[0])
             state = cache.get_state(0)
             state_shapes.add(tuple(tuple(tensor.shape) for tensor in _tensors(state)))
     assert_close_to_scale(torch.cat(pieces, dim=1), full)
@@ -189,10 +189,7 @@ def test_decoding_from_the_first_token_matches_the_full_forward_and_its_gradient
     full, _ = layer(x, attention_mask=mask)
     cache = HeadkitCache(layer.config)
     stepped = torch.cat(
-        [
-            layer(x[:, t : t + 1], mask[:, : t + 1], past_key_values=cache, use_cache=True)[0]
-            for t in range(total)
-        ],
+        [layer(x[:, t : t + 1], mask[:, : t + 1], cache=cache, use_cache=True)[0] for t in range(total)],
         dim=1,
     )
     assert_close_to_scale(stepped, full)
@@ -276,6 +273,4 @@ def test_bad_settings_raise_value_error():
         make_layer(head_dim=4)  # 4 heads × 4 ≠ hidden 32
     bidirectional = make_layer(causal=False)
     with pytest.raises(ValueError, match="causal"):
-        bidirectional(
-            torch.randn(1, 3, HIDDEN), past_key_values=HeadkitCache(bidirectional.config), use_cache=True
-        )
+        bidirectional(torch.randn(1, 3, HIDDEN), cache=HeadkitCache(bidirectional.config), use_cache=True)

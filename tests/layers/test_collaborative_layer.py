@@ -101,9 +101,9 @@ def test_cached_decoding_equals_the_full_forward(variant):
     cache = HeadkitCache(layer.config)
     with torch.no_grad():
         full, _ = layer(x, attention_mask=mask)
-        pieces = [layer(x[:, :SEQ], mask[:, :SEQ], past_key_values=cache, use_cache=True)[0]]
+        pieces = [layer(x[:, :SEQ], mask[:, :SEQ], cache=cache, use_cache=True)[0]]
         for t in range(SEQ, total):
-            pieces.append(layer(x[:, t : t + 1], mask[:, : t + 1], past_key_values=cache, use_cache=True)[0])
+            pieces.append(layer(x[:, t : t + 1], mask[:, : t + 1], cache=cache, use_cache=True)[0])
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
     # Keys: one shared key of width D̃ plus one content-bias score per head; values per key/value head.
     dim_shared, heads = layer.dim_shared_query_key, layer.num_heads

@@ -131,10 +131,10 @@ def test_cached_decoding_equals_the_full_forward_with_a_fixed_size_state(variant
     assert isinstance(cache.layers[0], RecurrentStateLayer)
     with torch.no_grad():
         full, _ = layer(x, attention_mask=mask)
-        pieces = [layer(x[:, :prefill], mask[:, :prefill], past_key_values=cache, use_cache=True)[0]]
+        pieces = [layer(x[:, :prefill], mask[:, :prefill], cache=cache, use_cache=True)[0]]
         shapes = set()
         for t in range(prefill, total):
-            pieces.append(layer(x[:, t : t + 1], mask[:, : t + 1], past_key_values=cache, use_cache=True)[0])
+            pieces.append(layer(x[:, t : t + 1], mask[:, : t + 1], cache=cache, use_cache=True)[0])
             shapes.add(tuple(tuple(tensor.shape) for tensor in cache.get_state(0)))
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
     assert cache.get_seq_length() == total
@@ -148,8 +148,8 @@ def test_a_multi_token_continuation_continues_exactly():
     cache = HeadkitCache(layer.config)
     with torch.no_grad():
         full, _ = layer(x)
-        first, _ = layer(x[:, :9], past_key_values=cache, use_cache=True)  # 3 chunks, past the window
-        rest, _ = layer(x[:, 9:], past_key_values=cache, use_cache=True)
+        first, _ = layer(x[:, :9], cache=cache, use_cache=True)  # 3 chunks, past the window
+        rest, _ = layer(x[:, 9:], cache=cache, use_cache=True)
     torch.testing.assert_close(torch.cat([first, rest], dim=1), full, atol=1e-5, rtol=1e-5)
 
 
@@ -159,7 +159,7 @@ def test_the_state_size_does_not_grow_with_the_context():
     for length in (3, 40, 200):
         cache = HeadkitCache(layer.config)
         with torch.no_grad():
-            layer(torch.randn(1, length, HIDDEN), past_key_values=cache, use_cache=True)
+            layer(torch.randn(1, length, HIDDEN), cache=cache, use_cache=True)
         sizes.append([tuple(tensor.shape) for tensor in cache.get_state(0)])
     assert sizes[0] == sizes[1] == sizes[2]
     heads, head_dim, features = layer.num_key_value_heads, layer.head_dim, 2 * layer.head_dim

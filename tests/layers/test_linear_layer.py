@@ -113,10 +113,10 @@ def test_cached_decoding_equals_the_full_forward(variant):
     cache = HeadkitCache(layer.config)
     with torch.no_grad():
         full, _ = layer(x, attention_mask=mask)
-        pieces = [layer(x[:, :prefill], mask[:, :prefill], past_key_values=cache, use_cache=True)[0]]
+        pieces = [layer(x[:, :prefill], mask[:, :prefill], cache=cache, use_cache=True)[0]]
         state_shapes = set()
         for t in range(prefill, total):
-            pieces.append(layer(x[:, t : t + 1], mask[:, : t + 1], past_key_values=cache, use_cache=True)[0])
+            pieces.append(layer(x[:, t : t + 1], mask[:, : t + 1], cache=cache, use_cache=True)[0])
             state = cache.get_state(0)
             state_shapes.add((tuple(state.kv.shape), tuple(state.k_sum.shape)))
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
@@ -133,8 +133,8 @@ def test_a_prefill_of_several_chunks_continues_exactly():
     cache = HeadkitCache(layer.config)
     with torch.no_grad():
         full, _ = layer(x)
-        first, _ = layer(x[:, :9], past_key_values=cache, use_cache=True)  # 2 chunks and a partial one
-        rest, _ = layer(x[:, 9:], past_key_values=cache, use_cache=True)  # a multi-token continuation
+        first, _ = layer(x[:, :9], cache=cache, use_cache=True)  # 2 chunks and a partial one
+        rest, _ = layer(x[:, 9:], cache=cache, use_cache=True)  # a multi-token continuation
     torch.testing.assert_close(torch.cat([first, rest], dim=1), full, atol=1e-5, rtol=1e-5)
 
 
@@ -178,9 +178,7 @@ def test_bad_settings_and_inputs_raise_value_error():
         make_layer(feature_map="no_such_map")
     bidirectional = make_layer(causal=False)
     with pytest.raises(ValueError, match="causal"):
-        bidirectional(
-            torch.randn(1, 3, HIDDEN), past_key_values=HeadkitCache(bidirectional.config), use_cache=True
-        )
+        bidirectional(torch.randn(1, 3, HIDDEN), cache=HeadkitCache(bidirectional.config), use_cache=True)
     with pytest.raises(ValueError, match="attention_mask"):
         make_layer()(
             torch.randn(BATCH, SEQ, HIDDEN), attention_mask=torch.ones(BATCH, SEQ + 1, dtype=torch.bool)

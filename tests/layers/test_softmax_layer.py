@@ -120,15 +120,13 @@ def test_cached_decoding_equals_the_full_forward(variant):
     cache = HeadkitCache(layer.config)
     with torch.no_grad():
         full, _ = layer(x, attention_mask=mask, position_ids=positions)
-        pieces = [
-            layer(x[:, :SEQ], mask[:, :SEQ], positions[:, :SEQ], past_key_values=cache, use_cache=True)[0]
-        ]
+        pieces = [layer(x[:, :SEQ], mask[:, :SEQ], positions[:, :SEQ], cache=cache, use_cache=True)[0]]
         for t in range(SEQ, SEQ + 3):
             step, weights = layer(
                 x[:, t : t + 1],
                 mask[:, : t + 1],
                 positions[:, t : t + 1],
-                past_key_values=cache,
+                cache=cache,
                 use_cache=True,
                 output_attentions=True,
             )
@@ -145,8 +143,8 @@ def test_default_positions_continue_after_the_cache():
     with torch.no_grad():
         full, _ = layer(x)
         cache = HeadkitCache(layer.config)
-        layer(x[:, :3], past_key_values=cache, use_cache=True)
-        rest, _ = layer(x[:, 3:], past_key_values=cache, use_cache=True)
+        layer(x[:, :3], cache=cache, use_cache=True)
+        rest, _ = layer(x[:, 3:], cache=cache, use_cache=True)
     torch.testing.assert_close(rest, full[:, 3:], atol=1e-5, rtol=1e-5)
 
 

@@ -38,24 +38,24 @@ class RunningMeanAttention(HeadkitAttention):
         hidden_states,
         attention_mask=None,
         position_ids=None,
-        past_key_values=None,
+        cache=None,
         use_cache=False,
         output_attentions=False,
     ):
         batch, seq, _ = hidden_states.shape
         values = self.split_heads(self.v_proj(hidden_states), self.num_heads)
-        past = self.past_length(past_key_values)
+        past = self.past_length(cache)
         mask = self.key_padding_mask(attention_mask, batch, past + seq)
         real = torch.ones(batch, seq, dtype=values.dtype) if mask is None else mask[:, -seq:].to(values.dtype)
         weights = real[:, None, :, None]
         sums = (values * weights).cumsum(2)
         counts = weights.cumsum(2)
-        state = None if past_key_values is None else past_key_values.get_state(self.layer_idx)
+        state = None if cache is None else cache.get_state(self.layer_idx)
         if state is not None:
             sums = sums + state.value_sum[:, :, None]
             counts = counts + state.count[:, :, None]
-        if past_key_values is not None:
-            past_key_values.set_state(RunningMeanState(sums[:, :, -1], counts[:, :, -1]), self.layer_idx, seq)
+        if cache is not None:
+            cache.set_state(RunningMeanState(sums[:, :, -1], counts[:, :, -1]), self.layer_idx, seq)
         return self.project_heads(sums / counts.clamp(min=1.0)), None
 
 

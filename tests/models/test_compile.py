@@ -24,10 +24,10 @@ def capturing_backend(graphs: list):
 
 def decode(model, ids: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     cache = HeadkitCache(model.config)
-    output = model(input_ids=ids, past_key_values=cache, use_cache=True)
+    output = model(input_ids=ids, cache=cache, use_cache=True)
     logits, token = [output.logits], output.logits[:, -1:].argmax(-1)
     for _ in range(steps):
-        output = model(input_ids=token, past_key_values=cache, use_cache=True)
+        output = model(input_ids=token, cache=cache, use_cache=True)
         logits.append(output.logits)
         token = output.logits[:, -1:].argmax(-1)
     return torch.cat([x[:, -1] for x in logits]), logits
@@ -78,8 +78,8 @@ def test_model_compiles_to_one_graph_for_training_and_decoding(make_config, atte
     training = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
     cache = HeadkitCache(model.config)
     with torch.no_grad():
-        model(input_ids=ids, past_key_values=cache, use_cache=True)
+        model(input_ids=ids, cache=cache, use_cache=True)
         torch._dynamo.reset()
-        step = torch._dynamo.explain(model)(input_ids=ids[:, :1], past_key_values=cache, use_cache=True)
+        step = torch._dynamo.explain(model)(input_ids=ids[:, :1], cache=cache, use_cache=True)
     assert training.graph_break_count == 0, training.break_reasons
     assert step.graph_break_count == 0, step.break_reasons

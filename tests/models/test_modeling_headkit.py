@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, DynamicCache
 
+from headkit.compat import output_cache
 from headkit.layers import HeadkitCache, RecurrentStateLayer, get_attention_class
 from headkit.models import HeadkitForCausalLM, HeadkitForSequenceClassification
 
@@ -101,11 +102,9 @@ def test_incremental_decoding_equals_full_forward(variant_config, prefill, paddi
     with torch.no_grad():
         full = model(ids, attention_mask=mask, use_cache=False).logits
         cache = HeadkitCache(model.config)
-        steps = [model(ids[:, :prefill], attention_mask=mask[:, :prefill], past_key_values=cache).logits]
+        steps = [model(ids[:, :prefill], attention_mask=mask[:, :prefill], cache=cache).logits]
         for t in range(prefill, total):
-            steps.append(
-                model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache).logits
-            )
+            steps.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache).logits)
     incremental = torch.cat(steps, dim=1)
     assert cache.get_seq_length() == total
     torch.testing.assert_close(incremental, full, atol=1e-4, rtol=0)
@@ -116,7 +115,7 @@ def test_model_creates_and_returns_its_cache(variant_config):
     ids = torch.randint(1, variant_config.vocab_size, (2, 7))
     with torch.no_grad():
         output = model(ids, use_cache=True)
-    cache = output.past_key_values
+    cache = output_cache(output)
     assert isinstance(cache, HeadkitCache)
     assert cache.get_seq_length() == 7
     expected_recurrent = [
@@ -125,7 +124,7 @@ def test_model_creates_and_returns_its_cache(variant_config):
     ]
     assert cache.is_recurrent == expected_recurrent
     with torch.no_grad():
-        assert model(ids, use_cache=False).past_key_values is None
+        assert output_cache(model(ids, use_cache=False)) is None
 
 
 def test_a_dynamic_cache_serves_a_softmax_model(make_config):
@@ -133,10 +132,10 @@ def test_a_dynamic_cache_serves_a_softmax_model(make_config):
     ids = torch.randint(1, 97, (1, 8))
     with torch.no_grad():
         headkit_cache, dynamic_cache = HeadkitCache(model.config), DynamicCache()
-        model(ids[:, :6], past_key_values=headkit_cache)
-        model(ids[:, :6], past_key_values=dynamic_cache)
-        expected = model(ids[:, 6:], past_key_values=headkit_cache).logits
-        actual = model(ids[:, 6:], past_key_values=dynamic_cache).logits
+        model(ids[:, :6], cache=headkit_cache)
+        model(ids[:, :6], cache=dynamic_cache)
+        expected = model(ids[:, 6:], cache=headkit_cache).logits
+        actual = model(ids[:, 6:], cache=dynamic_cache).logits
     torch.testing.assert_close(actual, expected, atol=1e-6, rtol=0)
 
 
@@ -144,28 +143,28 @@ def test_recurrent_layers_refuse_other_caches(make_config, running_mean):
     model = make_model(make_config(layer_types=["softmax", running_mean]))
     ids = torch.randint(1, 97, (1, 4))
     with pytest.raises(ValueError, match="HeadkitCache"):
-        model(ids, past_key_values=DynamicCache())
+        model(ids, cache=DynamicCache())
     with pytest.raises(ValueError, match="layers"):
-        model(ids, past_key_values=HeadkitCache(make_config(num_hidden_layers=3)))
+        model(ids, cache=HeadkitCache(make_config(num_hidden_layers=3)))
     with pytest.raises(ValueError, match="RecurrentStateLayer"):
-        model(ids, past_key_values=HeadkitCache(make_config()))
+        model(ids, cache=HeadkitCache(make_config()))
 
 
 def test_decoding_masks_must_cover_the_cached_tokens(make_config):
     model = make_model(make_config())
     cache = HeadkitCache(model.config)
     with torch.no_grad():
-        model(torch.ones(1, 4, dtype=torch.long), past_key_values=cache)
+        model(torch.ones(1, 4, dtype=torch.long), cache=cache)
         with pytest.raises(
             ValueError, match="cover the 4 cached tokens and the 1 new ones: shape \\[1, 5\\]"
         ):
-            model(torch.ones(1, 1, dtype=torch.long), attention_mask=torch.ones(1, 1), past_key_values=cache)
+            model(torch.ones(1, 1, dtype=torch.long), attention_mask=torch.ones(1, 1), cache=cache)
 
 
 def test_cache_with_use_cache_false_is_an_error(make_config):
     model = make_model(make_config())
     with pytest.raises(ValueError, match="use_cache=False"):
-        model(torch.ones(1, 3, dtype=torch.long), past_key_values=HeadkitCache(model.config), use_cache=False)
+        model(torch.ones(1, 3, dtype=torch.long), cache=HeadkitCache(model.config), use_cache=False)
 
 
 # --- generate() ----------------------------------------------------------------------------------------------
@@ -189,9 +188,9 @@ def test_generation_continues_from_a_user_cache(variant_config):
     ids = torch.randint(1, variant_config.vocab_size, (2, 5))
     in_one_go = model.generate(ids, max_new_tokens=8, do_sample=False)
     cache = HeadkitCache(model.config)
-    first_half = model.generate(ids, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    first_half = model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)
     assert cache.get_seq_length() == 5 + 3  # the last generated token is not fed yet
-    continued = model.generate(first_half, past_key_values=cache, max_new_tokens=4, do_sample=False)
+    continued = model.generate(first_half, cache=cache, max_new_tokens=4, do_sample=False)
     assert torch.equal(continued, in_one_go)
 
 

@@ -104,15 +104,15 @@ class PlainForwardSoftmax(SoftmaxAttention):
         hidden_states,
         attention_mask=None,
         position_ids=None,
-        past_key_values=None,
+        cache=None,
         use_cache=False,
         output_attentions=False,
     ):
         batch, seq, _ = hidden_states.shape
-        past = self.past_length(past_key_values)
+        past = self.past_length(cache)
         mask = self.key_padding_mask(attention_mask, batch, past + seq)
         positions = self.positions(position_ids, batch, seq, past, hidden_states.device)
-        inputs = LayerInputs(batch, seq, past, mask, positions, past_key_values, output_attentions)
+        inputs = LayerInputs(batch, seq, past, mask, positions, cache, output_attentions)
         return self.attend(hidden_states, inputs)
 
 

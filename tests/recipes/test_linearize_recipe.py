@@ -12,6 +12,7 @@ import transformers
 
 import headkit
 from headkit.cli import main
+from headkit.compat import output_cache
 from headkit.recipes.distill import distill
 from headkit.recipes.linearize import (
     AttentionTransferObjective,
@@ -73,7 +74,7 @@ def test_cli_quick_end_to_end_reloads_and_decodes_in_constant_memory(tiny_llama,
     assert torch.equal(cached, uncached)
     sizes = [
         decoding_state_bytes(
-            model(input_ids=torch.ones(1, n, dtype=torch.long), use_cache=True).past_key_values
+            output_cache(model(input_ids=torch.ones(1, n, dtype=torch.long), use_cache=True))
         )
         for n in (20, 80, 200)
     ]

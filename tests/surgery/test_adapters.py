@@ -238,12 +238,12 @@ def test_bind_attention_call_reads_each_architectures_argument_order():
     call = bind_attention_call(
         signature, gpt2_attention, x, ("cache", mask), {"use_cache": True, "output_attentions": True}
     )
-    assert call.past_key_values == "cache" and call.attention_mask is mask and call.output_attentions
+    assert call.cache == "cache" and call.attention_mask is mask and call.output_attentions
     assert call.extra == {"use_cache": True}
     bert_attention = tiny_model("bert").encoder.layer[0].attention.self
     signature = inspect.signature(type(bert_attention).forward)
     call = bind_attention_call(signature, bert_attention, x, (mask,), {"encoder_hidden_states": None})
-    assert call.attention_mask is mask and call.past_key_values is None and not call.output_attentions
+    assert call.attention_mask is mask and call.cache is None and not call.output_attentions
 
 
 def test_attention_mask_forms_agree():

@@ -14,6 +14,7 @@ from collab_models import (
 )
 
 import headkit.surgery.collaborative as collaborative
+from headkit.compat import cache_keyword, output_cache
 from headkit.errors import HeadkitError
 from headkit.layers.collaborative import collaborative_head_outputs
 from headkit.ops.collaborative import naive_collaborative_attention
@@ -241,11 +242,11 @@ def test_gpt2_incremental_decoding_matches_a_full_forward(dim_shared):
     full = _forward(model, {"input_ids": input_ids}).last_hidden_state
     with torch.no_grad():
         prefix = model(input_ids[:, :6], use_cache=True)
-        steps, cache = [prefix.last_hidden_state], prefix.past_key_values
+        steps, cache = [prefix.last_hidden_state], output_cache(prefix)
         for t in range(6, 9):
-            step = model(input_ids[:, t : t + 1], past_key_values=cache, use_cache=True)
+            step = model(input_ids[:, t : t + 1], **cache_keyword(cache), use_cache=True)
             steps.append(step.last_hidden_state)
-            cache = step.past_key_values
+            cache = output_cache(step)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 

@@ -7,6 +7,7 @@ import torch
 import transformers
 
 import headkit
+from headkit.compat import cache_keyword, output_cache
 from headkit.errors import HeadkitError
 from headkit.surgery.io import SURGERY_KEY
 from headkit.surgery.linearize import (
@@ -132,9 +133,9 @@ def test_cached_generation_equals_uncached(architecture, layers):
     # Step by step the logits match the parallel form too.
     full = model(cached).logits
     out = model(cached[:, :9], use_cache=True)
-    cache, steps = out.past_key_values, [out.logits[:, -1]]
+    cache, steps = output_cache(out), [out.logits[:, -1]]
     for t in range(9, cached.shape[1] - 1):
-        out = model(cached[:, t : t + 1], past_key_values=cache, use_cache=True)
+        out = model(cached[:, t : t + 1], **cache_keyword(cache), use_cache=True)
         steps.append(out.logits[:, -1])
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 8:-1], atol=1e-4, rtol=1e-4)
     kinds = [type(layer).__name__ for layer in cache.layers]
@@ -170,11 +171,11 @@ def test_decoding_state_does_not_grow_with_the_context(architecture):
 
     def state_bytes(network, context):
         with torch.no_grad():
-            return decoding_state_bytes(network(ids(batch=1, length=context), use_cache=True).past_key_values)
+            return decoding_state_bytes(output_cache(network(ids(batch=1, length=context), use_cache=True)))
 
     assert state_bytes(model, 16) == state_bytes(model, 64) == state_bytes(model, 200) > 0
     assert state_bytes(original, 64) == 4 * state_bytes(original, 16)
-    cache = model(ids(batch=1, length=30), use_cache=True).past_key_values
+    cache = output_cache(model(ids(batch=1, length=30), use_cache=True))
     assert all(isinstance(layer, HybridStateCacheLayer) for layer in cache.layers)
     assert cache.get_seq_length() == 30
 

@@ -18,6 +18,7 @@ from tiny_models import (
 from torch import nn
 
 import headkit
+from headkit.compat import cache_keyword, output_cache
 from headkit.errors import HeadkitError
 from headkit.models import HeadkitForCausalLM
 from headkit.surgery.adapters import count_parameters, get_adapter, supported_architectures
@@ -185,10 +186,10 @@ def test_decoding_with_a_cache_after_uneven_and_empty_pruning(kind):
         full = model(prompt).logits
         torch.testing.assert_close(full, reference(prompt).logits, atol=1e-5, rtol=1e-5)
         step_by_step = model(prompt[:, :2], use_cache=True)
-        cache, logits = step_by_step.past_key_values, [step_by_step.logits]
+        cache, logits = output_cache(step_by_step), [step_by_step.logits]
         for t in range(2, 4):
-            step = model(prompt[:, t : t + 1], past_key_values=cache, use_cache=True)
-            cache = step.past_key_values
+            step = model(prompt[:, t : t + 1], **cache_keyword(cache), use_cache=True)
+            cache = output_cache(step)
             logits.append(step.logits)
         torch.testing.assert_close(torch.cat(logits, dim=1), full, atol=1e-5, rtol=1e-5)
     generated = model.generate(prompt, max_new_tokens=4, do_sample=False)
@@ -200,7 +201,7 @@ def test_an_uneven_llama_layer_caches_only_the_key_value_heads_it_reads():
     prompt = tiny_inputs("llama")["input_ids"][:1, :5]
     prune_heads(model, {0: [0, 1, 2, 5]})  # 1 + 3 query heads on the two key/value heads: uneven
     with torch.no_grad():
-        cache = model(prompt, use_cache=True).past_key_values
+        cache = output_cache(model(prompt, use_cache=True))
     # 2 key/value heads stored, not one per query head (4): the cache never grows by pruning.
     assert cache.layers[0].keys.shape[1] == 2 and cache.layers[1].keys.shape[1] == 2
 

@@ -272,7 +272,7 @@ def quiet_transformers() -> Iterator[None]:
     """🤗 transformers' warnings hidden for the duration (its errors still shown), the previous level restored:
     a benchmark that feeds a whole file to a tokenizer, or a model more positions than it was trained on, does
     so on purpose."""
-    from transformers.utils import logging
+    from transformers import logging
 
     previous = logging.get_verbosity()
     logging.set_verbosity_error()

@@ -37,6 +37,7 @@ from headkit.bench._report import (
     verdict,
 )
 from headkit.bench.registry import option, quick_preset, register_benchmark, run_as_script
+from headkit.compat import cache_keyword
 from headkit.data import ByteTokenizer
 from headkit.devices import check_device
 from headkit.layers import HeadkitCache, RecurrentStateLayer, attention_classes
@@ -69,14 +70,14 @@ def time_greedy_decoding(
     cache = HeadkitCache(model.config)
     synchronize(device)
     start = time.perf_counter()
-    logits = model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+    logits = model(prompt, **cache_keyword(cache), use_cache=True, logits_to_keep=1).logits
     next_ids = logits[:, -1].argmax(-1, keepdim=True)
     synchronize(device)
     prefill_s = time.perf_counter() - start
     generated, step_s = [next_ids], []
     for _ in range(new_tokens - 1):
         start = time.perf_counter()
-        logits = model(next_ids, past_key_values=cache, use_cache=True).logits
+        logits = model(next_ids, **cache_keyword(cache), use_cache=True).logits
         next_ids = logits[:, -1].argmax(-1, keepdim=True)
         synchronize(device)
         step_s.append(time.perf_counter() - start)

@@ -104,16 +104,14 @@ class AdditiveAttention(HeadkitAttention):
         init.normal_(self.key_score_weight, std=std)
 
     def attend(self, hidden_states: torch.Tensor, inputs: LayerInputs) -> tuple[torch.Tensor, None]:
-        batch, seq, past_key_values = inputs.batch, inputs.seq, inputs.cache
-        if past_key_values is not None and not self.causal:
-            raise ValueError(
-                "past_key_values needs a causal layer (config.causal=True): a state pools the past"
-            )
+        batch, seq, cache = inputs.batch, inputs.seq, inputs.cache
+        if cache is not None and not self.causal:
+            raise ValueError("a cache needs a causal layer (config.causal=True): a state pools the past")
         new_tokens_mask = inputs.new_tokens_mask
         state = self.recurrent_state(inputs)
         # A decoding step (one token, a cache) marks a padding token by a −inf score rather than taking the mask;
         # the mask is inverted here once for both poolings.
-        decoding = past_key_values is not None and seq == 1
+        decoding = cache is not None and seq == 1
         step_padding = None if not decoding or new_tokens_mask is None else ~new_tokens_mask[:, None, :]
 
         conv_inputs = None
@@ -128,7 +126,7 @@ class AdditiveAttention(HeadkitAttention):
 
         def pool(x: torch.Tensor, score_weight: torch.Tensor, previous: AdditivePoolState | None):
             scores = self._scores(x, score_weight)
-            return self._pool(x, scores, new_tokens_mask, step_padding, previous, past_key_values)
+            return self._pool(x, scores, new_tokens_mask, step_padding, previous, cache)
 
         global_query, query_pool = pool(
             queries, self.query_score_weight, None if state is None else state.query_pool

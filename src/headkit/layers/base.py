@@ -39,11 +39,11 @@ The contract, for every mechanism:
   construction, so the ops a layer calls skip their own checks (``validate=False``).
 * **Per-head outputs** [B, H, T, Dv] go through :meth:`project_heads`, the single place where a head gate
   (``self.head_gate``, a :class:`headkit.layers.gates.HeadkitGate` or None) scales them before ``o_proj``.
-* **Caching**: ``past_key_values`` is a :class:`headkit.layers.cache.HeadkitCache` (or any transformers
+* **Caching**: ``cache`` (also accepted as ``past_key_values``, transformers' name before 5.24) is a :class:`headkit.layers.cache.HeadkitCache` (or any transformers
   ``Cache`` for key/value layers) updated in place whenever it is given; ``use_cache`` is then True. Key/value
-  layers call ``past_key_values.update(keys, values, self.layer_idx)`` and attend over what it returns.
+  layers call ``cache.update(keys, values, self.layer_idx)`` and attend over what it returns.
   Recurrent layers set ``cache_layer_class = RecurrentStateLayer`` and use
-  ``past_key_values.get_state(self.layer_idx)`` / ``set_state(state, self.layer_idx, num_new_tokens)``.
+  ``cache.get_state(self.layer_idx)`` / ``set_state(state, self.layer_idx, num_new_tokens)``.
 * **Parameters** that are not inside ``nn.Linear`` / ``nn.Embedding`` / ``nn.Conv1d`` / RMSNorm modules (pooling
   vectors, mixing matrices, biases of their own) are initialised in :meth:`init_extra_parameters` with the
   ``transformers.initialization`` functions, which skip tensors loaded from a checkpoint.
@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headkit.compat import accepts_cache_alias
 from headkit.layers.cache import DynamicLayer
 from headkit.ops._validation import (
     check_batch_position_ids,
@@ -77,7 +78,7 @@ class LayerInputs(NamedTuple):
     past_length: int  # tokens the layer has seen before (0 without a cache)
     key_mask: torch.Tensor | None  # [B, past + T] bool on hidden_states' device (True = real token), or None
     positions: torch.Tensor | None  # [B or 1, T] positions of the current tokens; None unless use_rope
-    cache: Any  # past_key_values: updated in place, or None
+    cache: Any  # updated in place, or None
     output_attentions: bool
 
     @property
@@ -148,12 +149,13 @@ class HeadkitAttention(nn.Module):
         # The head-gating hook: None, or a module whose scale_heads([B, H, T, Dv]) multiplies each head's output.
         self.register_module("head_gate", None)
 
+    @accepts_cache_alias
     def forward(
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Any = None,
+        cache: Any = None,
         use_cache: bool = False,
         output_attentions: bool = False,
         inputs_validated: bool = False,
@@ -165,7 +167,7 @@ class HeadkitAttention(nn.Module):
         taken out of a model checks them again.
         """
         batch, seq, _ = hidden_states.shape
-        past_length = self.past_length(past_key_values)
+        past_length = self.past_length(cache)
         key_mask = self.key_padding_mask(attention_mask, batch, past_length + seq, validated=inputs_validated)
         if key_mask is not None:
             key_mask = key_mask.to(hidden_states.device)
@@ -174,7 +176,7 @@ class HeadkitAttention(nn.Module):
             positions = self.positions(
                 position_ids, batch, seq, past_length, hidden_states.device, validated=inputs_validated
             )
-        inputs = LayerInputs(batch, seq, past_length, key_mask, positions, past_key_values, output_attentions)
+        inputs = LayerInputs(batch, seq, past_length, key_mask, positions, cache, output_attentions)
         return self.attend(hidden_states, inputs)
 
     def attend(
@@ -222,9 +224,9 @@ class HeadkitAttention(nn.Module):
         merged = head_outputs.transpose(1, 2).reshape(batch, seq, heads * head_dim)
         return self.o_proj(merged)
 
-    def past_length(self, past_key_values: Any) -> int:
+    def past_length(self, cache: Any) -> int:
         """How many tokens this layer has already seen (0 without a cache)."""
-        return 0 if past_key_values is None else past_key_values.get_seq_length(self.layer_idx)
+        return 0 if cache is None else cache.get_seq_length(self.layer_idx)
 
     def positions(
         self,

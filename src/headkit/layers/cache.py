@@ -147,8 +147,8 @@ class HeadkitCache(Cache):
     Example::
 
         cache = HeadkitCache(model.config)
-        out = model(input_ids, past_key_values=cache, use_cache=True)   # prefill
-        out = model(next_ids, past_key_values=cache, use_cache=True)    # one more token
+        out = model(input_ids, cache=cache, use_cache=True)   # prefill
+        out = model(next_ids, cache=cache, use_cache=True)    # one more token
     """
 
     def __init__(self, config: Any = None, *, layers: list[Any] | None = None) -> None:

@@ -54,9 +54,7 @@ class LinearAttention(HeadkitAttention):
         new_keys_mask = inputs.new_tokens_mask
 
         if inputs.cache is not None and not self.causal:
-            raise ValueError(
-                "past_key_values needs a causal layer (config.causal=True): a state sums the past"
-            )
+            raise ValueError("a cache needs a causal layer (config.causal=True): a state sums the past")
         state = self.recurrent_state(inputs)
         if (
             inputs.cache is not None

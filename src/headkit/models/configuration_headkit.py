@@ -78,7 +78,7 @@ class HeadkitConfig(PreTrainedConfig):
     """
 
     model_type = "headkit"
-    keys_to_ignore_at_inference = ["past_key_values"]
+    keys_to_ignore_at_inference = ["cache", "past_key_values"]  # the output field, either name
 
     vocab_size: int = 32000
     hidden_size: int = 768

@@ -19,17 +19,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import GenerationMixin, PreTrainedModel
+from transformers import GenerationMixin, GradientCheckpointingLayer, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.cache_utils import Cache
-from transformers.modeling_layers import GradientCheckpointingLayer
 from transformers.modeling_outputs import (
     BaseModelOutputWithPast,
     CausalLMOutputWithPast,
     SequenceClassifierOutputWithPast,
 )
-from transformers.modeling_utils import slice_logits_to_keep
 
+from headkit.compat import CACHE_ARGUMENT_NAMES, accepts_cache_alias, cache_output, output_cache
 from headkit.layers import HeadkitAttention, HeadkitCache, RecurrentStateLayer, build_attention
 from headkit.models.configuration_headkit import HeadkitConfig
 from headkit.ops._validation import check_batch_position_ids, check_padding_mask, check_rank
@@ -86,12 +85,13 @@ class HeadkitDecoderLayer(GradientCheckpointingLayer):
         self.mlp = HeadkitMLP(config)
         self.dropout = nn.Dropout(config.hidden_dropout)
 
+    @accepts_cache_alias
     def forward(
         self,
         hidden_states: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         use_cache: bool = False,
         output_attentions: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -104,7 +104,7 @@ class HeadkitDecoderLayer(GradientCheckpointingLayer):
             self.input_layernorm(hidden_states),
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             use_cache=use_cache,
             output_attentions=output_attentions,
             **trusted,
@@ -126,7 +126,7 @@ class HeadkitPreTrainedModel(PreTrainedModel):
     base_model_prefix = "model"
     supports_gradient_checkpointing = True
     _no_split_modules = ["HeadkitDecoderLayer"]
-    _skip_keys_device_placement = ["past_key_values"]
+    _skip_keys_device_placement = list(CACHE_ARGUMENT_NAMES)
 
     def _init_weights(self, module: nn.Module) -> None:
         # Linear/Embedding/RMSNorm are handled by transformers (normal(0, initializer_range), ones, zeros);
@@ -170,12 +170,13 @@ class HeadkitModel(HeadkitPreTrainedModel):
         self.gradient_checkpointing = False
         self.post_init()
 
+    @accepts_cache_alias
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         use_cache: bool | None = None,
         output_attentions: bool | None = None,
@@ -188,7 +189,8 @@ class HeadkitModel(HeadkitPreTrainedModel):
             input_ids: token ids [B, T] (or ``inputs_embeds`` [B, T, hidden_size] instead).
             attention_mask: [B, past + T] bool or 0/1, 1 = real token, covering the cached tokens and the new ones.
             position_ids: [B or 1, T]; default: from the mask's cumulative sum, else past, …, past + T − 1.
-            past_key_values: a :class:`HeadkitCache`, updated in place; created when ``use_cache`` and None.
+            cache: a :class:`HeadkitCache`, updated in place; created when ``use_cache`` and None. Also taken
+                as ``past_key_values`` (transformers' name before 5.24).
             use_cache: default: True when a cache is given or, outside training, ``config.use_cache``.
             output_attentions: per layer, its attention weights [B, H, T, past + T] (None for mechanisms
                 without explicit weights).
@@ -212,11 +214,11 @@ class HeadkitModel(HeadkitPreTrainedModel):
         )
         return_dict = config.return_dict if return_dict is None else return_dict
 
-        use_cache = self._resolve_use_cache(use_cache, past_key_values)
-        if use_cache and past_key_values is None:
-            past_key_values = HeadkitCache(config)
-        self._check_cache(past_key_values)
-        past_length = 0 if past_key_values is None else past_key_values.get_seq_length()
+        use_cache = self._resolve_use_cache(use_cache, cache)
+        if use_cache and cache is None:
+            cache = HeadkitCache(config)
+        self._check_cache(cache)
+        past_length = 0 if cache is None else cache.get_seq_length()
 
         if past_length and isinstance(attention_mask, torch.Tensor) and attention_mask.shape[-1] == seq:
             raise ValueError(
@@ -250,7 +252,7 @@ class HeadkitModel(HeadkitPreTrainedModel):
                 hidden_states,
                 attention_mask=key_mask,
                 position_ids=position_ids,
-                past_key_values=past_key_values,
+                cache=cache,
                 use_cache=use_cache,
                 output_attentions=output_attentions,
             )
@@ -262,49 +264,43 @@ class HeadkitModel(HeadkitPreTrainedModel):
 
         output = BaseModelOutputWithPast(
             last_hidden_state=hidden_states,
-            past_key_values=past_key_values if use_cache else None,
+            **cache_output(cache if use_cache else None),
             hidden_states=all_hidden_states if output_hidden_states else None,
             attentions=all_attentions if output_attentions else None,
         )
         return output if return_dict else output.to_tuple()
 
-    def _resolve_use_cache(self, use_cache: bool | None, past_key_values: Any) -> bool:
+    def _resolve_use_cache(self, use_cache: bool | None, cache: Any) -> bool:
         if not self.config.causal:
-            if use_cache or past_key_values is not None:
-                raise ValueError("use_cache / past_key_values need a causal model (config.causal=True)")
+            if use_cache or cache is not None:
+                raise ValueError("use_cache / cache need a causal model (config.causal=True)")
             return False
         if use_cache is None:
-            return past_key_values is not None or (self.config.use_cache and not self.training)
-        if not use_cache and past_key_values is not None:
-            raise ValueError(
-                "past_key_values was given with use_cache=False; pass use_cache=True to use the cache"
-            )
+            return cache is not None or (self.config.use_cache and not self.training)
+        if not use_cache and cache is not None:
+            raise ValueError("a cache was given with use_cache=False; pass use_cache=True to use it")
         return bool(use_cache)
 
-    def _check_cache(self, past_key_values: Any) -> None:
-        if past_key_values is None:
+    def _check_cache(self, cache: Any) -> None:
+        if cache is None:
             return
-        if not isinstance(past_key_values, Cache):
-            raise ValueError(
-                f"past_key_values must be a headkit.layers.HeadkitCache, got {type(past_key_values).__name__}"
-            )
+        if not isinstance(cache, Cache):
+            raise ValueError(f"cache must be a headkit.layers.HeadkitCache, got {type(cache).__name__}")
         attention_layers = [layer.self_attn for layer in self.layers]
-        if isinstance(past_key_values, HeadkitCache):
-            if len(past_key_values.layers) != len(attention_layers):
-                raise ValueError(
-                    f"past_key_values has {len(past_key_values.layers)} layers, the model {len(attention_layers)}"
-                )
-            for attention, entry in zip(attention_layers, past_key_values.layers, strict=True):
+        if isinstance(cache, HeadkitCache):
+            if len(cache.layers) != len(attention_layers):
+                raise ValueError(f"cache has {len(cache.layers)} layers, the model {len(attention_layers)}")
+            for attention, entry in zip(attention_layers, cache.layers, strict=True):
                 if not isinstance(entry, attention.cache_layer_class):
                     raise ValueError(
-                        f"past_key_values layer {attention.layer_idx} is a {type(entry).__name__}, but "
+                        f"cache layer {attention.layer_idx} is a {type(entry).__name__}, but "
                         f"{type(attention).__name__} needs a {attention.cache_layer_class.__name__}; "
                         "build the cache with HeadkitCache(model.config)"
                     )
         elif any(issubclass(a.cache_layer_class, RecurrentStateLayer) for a in attention_layers):
             raise ValueError(
                 f"this model has recurrent attention layers, which need a headkit.layers.HeadkitCache; got "
-                f"{type(past_key_values).__name__}"
+                f"{type(cache).__name__}"
             )
 
     @staticmethod
@@ -338,12 +334,13 @@ class HeadkitForCausalLM(HeadkitPreTrainedModel, GenerationMixin):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
 
+    @accepts_cache_alias
     def forward(
         self,
         input_ids: torch.LongTensor | None = None,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.LongTensor | None = None,
-        past_key_values: Cache | None = None,
+        cache: Cache | None = None,
         inputs_embeds: torch.Tensor | None = None,
         labels: torch.LongTensor | None = None,
         use_cache: bool | None = None,
@@ -367,14 +364,14 @@ class HeadkitForCausalLM(HeadkitPreTrainedModel, GenerationMixin):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
+            cache=cache,
             inputs_embeds=inputs_embeds,
             use_cache=use_cache,
             output_attentions=output_attentions,
             output_hidden_states=output_hidden_states,
             return_dict=True,
         )
-        logits = self.lm_head(slice_logits_to_keep(outputs.last_hidden_state, logits_to_keep))
+        logits = self.lm_head(_last_positions(outputs.last_hidden_state, logits_to_keep))
 
         loss = None
         if labels is not None:
@@ -385,7 +382,7 @@ class HeadkitForCausalLM(HeadkitPreTrainedModel, GenerationMixin):
         output = CausalLMOutputWithPast(
             loss=loss,
             logits=logits,
-            past_key_values=outputs.past_key_values,
+            **cache_output(output_cache(outputs)),
             hidden_states=outputs.hidden_states,
             attentions=outputs.attentions,
         )
@@ -489,6 +486,14 @@ def causal_lm_loss(
     if num_items_in_batch is not None:
         loss = loss / num_items_in_batch
     return loss
+
+
+def _last_positions(hidden_states: torch.Tensor, logits_to_keep: int | torch.Tensor) -> torch.Tensor:
+    """The positions the LM head reads, as transformers' ``logits_to_keep`` means them: 0 keeps every position,
+    an int n the last n, a 1D tensor those sequence indices."""
+    if isinstance(logits_to_keep, int):
+        return hidden_states if logits_to_keep == 0 else hidden_states[:, -logits_to_keep:]
+    return hidden_states[:, logits_to_keep]
 
 
 def _check_labels(labels: Any, expected_shape: tuple[int, int]) -> None:

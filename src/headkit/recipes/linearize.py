@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headkit.compat import cache_keyword, output_cache
 from headkit.errors import HeadkitError
 from headkit.files import save_figure_atomic, staged_folder, write_json_atomic
 from headkit.layers.feature_maps import valid_feature_map_names
@@ -534,7 +535,7 @@ def decode_profile(
     prefilled = {}
     for name, model in models.items():
         output = model(input_ids=ids, use_cache=True)
-        prefilled[name] = (output.past_key_values, output.logits[:, -1:].argmax(-1))
+        prefilled[name] = (output_cache(output), output.logits[:, -1:].argmax(-1))
     points = []
     for batch_size in batch_sizes:
         caches, tokens, sizes = {}, {}, {}
@@ -548,9 +549,9 @@ def decode_profile(
         for step in range(steps + 1):
             for name, model in models.items():
                 started = time.perf_counter()
-                output = model(input_ids=tokens[name], past_key_values=caches[name], use_cache=True)
+                output = model(input_ids=tokens[name], **cache_keyword(caches[name]), use_cache=True)
                 elapsed = time.perf_counter() - started
-                caches[name], tokens[name] = output.past_key_values, output.logits[:, -1:].argmax(-1)
+                caches[name], tokens[name] = output_cache(output), output.logits[:, -1:].argmax(-1)
                 if step > 0:
                     times[name].append(elapsed)
         points.append(

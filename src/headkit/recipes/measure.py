@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headkit.compat import cache_keyword, output_cache
 from headkit.surgery.linearize import decoding_state_bytes
 
 
@@ -53,7 +54,7 @@ def top1_agreement(
 def cache_bytes(model: nn.Module, context: int) -> int:
     """Bytes of the decoding cache after a prompt of `context` tokens (batch 1)."""
     ids = torch.zeros(1, context, dtype=torch.long)
-    return decoding_state_bytes(model(input_ids=ids, use_cache=True).past_key_values)
+    return decoding_state_bytes(output_cache(model(input_ids=ids, use_cache=True)))
 
 
 def kv_cache_bytes_per_token(model: nn.Module, context: int = 64) -> float:
@@ -83,13 +84,13 @@ def decode_seconds_per_token(model: nn.Module, context: int, steps: int = 8) -> 
     """Median seconds of one greedy decoding step (batch 1) after a `context`-token prompt."""
     ids = torch.randint(0, 100, (1, context))
     output = model(input_ids=ids, use_cache=True)
-    cache, token = output.past_key_values, output.logits[:, -1:].argmax(-1)
+    cache, token = output_cache(output), output.logits[:, -1:].argmax(-1)
     times = []
     for _ in range(steps):
         started = time.perf_counter()
-        output = model(input_ids=token, past_key_values=cache, use_cache=True)
+        output = model(input_ids=token, **cache_keyword(cache), use_cache=True)
         times.append(time.perf_counter() - started)
-        cache, token = output.past_key_values, output.logits[:, -1:].argmax(-1)
+        cache, token = output_cache(output), output.logits[:, -1:].argmax(-1)
     return statistics.median(times)
 
 

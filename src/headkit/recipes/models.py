@@ -87,9 +87,18 @@ def model_kind(path: str | Path) -> str:
 
 def _is_causal_lm_class(name: str) -> bool:
     """``*ForCausalLM``, or a class transformers maps to causal language modelling (GPT-2's GPT2LMHeadModel)."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    import transformers
 
-    return name.endswith("ForCausalLM") or name in set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values())
+    if name.endswith("ForCausalLM"):
+        return True
+    model_class = getattr(transformers, name, None)
+    config_class = getattr(model_class, "config_class", None)
+    try:
+        return (
+            config_class is not None and transformers.MODEL_FOR_CAUSAL_LM_MAPPING[config_class] is model_class
+        )
+    except KeyError:
+        return False
 
 
 def load_model(path: str | Path, *, kind: str | None = None) -> LoadedModel:

@@ -119,7 +119,7 @@ class CollaborativeSelfAttention(ReplacementAttention):
         values = values.view(batch, q_len, self.num_heads, self.head_dim).transpose(1, 2)
         # The content-bias scores [B, T, H], scaled like the mixed dot products they are added to.
         key_bias = None if self.content_bias is None else self.scale * self.content_bias(hidden_states)
-        cache = call.past_key_values
+        cache = call.cache
         if cache is not None:
             if self.layer_idx is None:
                 raise HeadkitError("this attention module has no layer_idx, so it cannot use a KV cache")

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from headkit.compat import checkpoint_key_renamer
 from headkit.errors import HeadkitError
 
 SURGERY_KEY = "headkit_surgery"
@@ -89,7 +90,11 @@ def from_pretrained(
     if hasattr(model_class, "from_config"):  # AutoModel
         model = model_class.from_config(config, **load_options)
     else:
-        model = model_class._from_config(config, **load_options)
+        model = model_class(config)
+        if attn_implementation is not None:
+            model.set_attn_implementation(attn_implementation)
+        if isinstance(getattr(config, "dtype", None), torch.dtype):  # as from_config builds it
+            model.to(config.dtype)
     for entry in entries:
         _reapply_function(entry)(model, copy.deepcopy(entry))
     _load_weights(model, directory)
@@ -161,25 +166,17 @@ def _model_keys(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, t
     expected = model.state_dict()
     if state.keys() <= expected.keys():
         return state
-    try:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-    except ImportError:  # a transformers without conversion mappings saves the model's own names
+    rename = checkpoint_key_renamer(model)
+    if rename is None:  # a transformers without conversion mappings saves the model's own names
         return state
-    transforms = get_model_conversion_mapping(model)
-    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-    converters = [t for t in transforms if isinstance(t, WeightConverter)]
     renamed = {}
     for key, tensor in state.items():
         if key not in expected:
-            new_key, converter = rename_source_key(
-                key, renamings, converters, model.base_model_prefix, expected
-            )
-            if converter is not None:
+            key, needs_conversion = rename(key, expected)
+            if needs_conversion:
                 raise HeadkitError(
                     f"checkpoint tensor {key!r} needs a tensor conversion that headkit cannot replay"
                 )
-            key = new_key
         renamed[key] = tensor
     return renamed
 

@@ -17,7 +17,7 @@ a denominator ≥ 1). With ``window ≥ T`` the converted model equals the origi
 the linear term starts from the untrained feature maps, which is what the recovery recipe
 (:mod:`headkit.recipes.linearize`) trains.
 
-**Decoding cache.** A 🤗 decoder hands every attention module the same ``past_key_values`` (a ``DynamicCache``
+**Decoding cache.** A 🤗 decoder hands every attention module the same cache (``cache``, ``past_key_values`` before 5.24) (a ``DynamicCache``
 that ``generate()`` or the model creates), one entry per layer in ``cache.layers``. A converted module replaces
 its own entry, on first use, by a :class:`HybridStateCacheLayer` — headkit's constant-size
 :class:`~headkit.layers.cache.RecurrentStateLayer` holding a :class:`headkit.ops.HybridAttentionState` (the last
@@ -240,7 +240,7 @@ class LinearizedAttention(ReplacementAttention):
             heads(self.v_proj, self.num_kv_heads),
         )
         queries, keys = self.adapter.apply_rotary(queries, keys, call)
-        cache = call.past_key_values
+        cache = call.cache
         cache = getattr(cache, "self_attention_cache", cache)
         layer = None if cache is None else hybrid_cache_layer(cache, self.layer_idx)
         past = 0 if layer is None else layer.get_seq_length()

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from headkit.compat import CACHE_ARGUMENT, CACHE_ARGUMENT_NAMES, pop_cache_argument
 from headkit.errors import HeadkitError
 from headkit.layers.gates import FixedGate, HardConcreteGate
 from headkit.surgery.adapters import (
@@ -100,9 +101,9 @@ class EmptyAttention(ReplacementAttention):
         call = self.bind_call(hidden_states, args, kwargs)
         batch, q_len = hidden_states.shape[:2]
         kv_len = q_len
-        if call.past_key_values is not None and self.layer_idx is not None:
+        if call.cache is not None and self.layer_idx is not None:
             no_heads = hidden_states.new_zeros(batch, 0, q_len, self.head_dim)
-            cache = getattr(call.past_key_values, "self_attention_cache", call.past_key_values)
+            cache = getattr(call.cache, "self_attention_cache", call.cache)
             keys, _ = cache.update(no_heads, no_heads, self.layer_idx)
             kv_len = keys.shape[-2]
         output = hidden_states.new_zeros(batch, q_len, 0)
@@ -162,11 +163,14 @@ class GatheringCache:
 
 class CacheGather:
     """Forward pre-hook on an attention module (adapters with ``gathers_after_cache``): hands the module a
-    :class:`GatheringCache` around whatever cache it was given (``past_key_values``, keyword or positional)."""
+    :class:`GatheringCache` around whatever cache it was given (``cache`` or ``past_key_values``, keyword or positional)."""
 
     def __init__(self, module: nn.Module) -> None:
         parameters = list(inspect.signature(type(module).forward).parameters)
-        self.position = parameters.index("past_key_values") - 1 if "past_key_values" in parameters else None
+        # The module's own name for its cache parameter (``cache`` from transformers 5.24, ``past_key_values``
+        # before); its callers may use either, as its deprecation decorator accepts both.
+        self.name = next((name for name in CACHE_ARGUMENT_NAMES if name in parameters), CACHE_ARGUMENT)
+        self.position = parameters.index(self.name) - 1 if self.name in parameters else None
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         index = getattr(module, KV_HEAD_INDEX)
@@ -177,7 +181,7 @@ class CacheGather:
                 *args[self.position + 1 :],
             )
         else:
-            kwargs["past_key_values"] = GatheringCache(kwargs.get("past_key_values"), index)
+            kwargs[self.name] = GatheringCache(pop_cache_argument(kwargs), index)
         return args, kwargs
 
 

@@ -31,6 +31,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from headkit.compat import pop_cache_argument, recording_attentions
 from headkit.errors import HeadkitError
 
 
@@ -137,7 +138,7 @@ class AttentionCall:
     attention_mask: Any = (
         None  # None, [B, Tk] key padding, or [B, 1|H, Tq|1, Tk] bool (True = keep) / additive float
     )
-    past_key_values: Any = None  # a transformers Cache, or None
+    cache: Any = None  # a transformers Cache, or None (passed as cache, past_key_values or layer_past)
     encoder_hidden_states: torch.Tensor | None = None
     position_embeddings: Any = None  # (cos, sin) for rotary models
     output_attentions: bool = False
@@ -148,7 +149,7 @@ def bind_attention_call(
     signature: inspect.Signature, module: nn.Module, hidden_states: torch.Tensor, args: tuple, kwargs: dict
 ) -> AttentionCall:
     """Read a call made with the replaced module's signature (architectures order their arguments differently:
-    GPT-2 passes ``past_key_values`` second, BERT ``attention_mask``) into an :class:`AttentionCall`."""
+    GPT-2 passes its cache second, BERT ``attention_mask``) into an :class:`AttentionCall`."""
     arguments = _bind_quickly(signature, args, kwargs)
     if arguments is None:
         bound = signature.bind(module, hidden_states, *args, **kwargs)
@@ -167,15 +168,15 @@ def bind_attention_call(
         arguments.pop("self", None)
         first = next(iter(list(signature.parameters)[1:]))  # the hidden-states parameter, whatever its name
         arguments.pop(first, None)
-    past = arguments.pop("past_key_values", None)
+    past = pop_cache_argument(arguments)
     past = arguments.pop("layer_past", None) if past is None else past
     return AttentionCall(
         hidden_states=hidden_states,
         attention_mask=arguments.pop("attention_mask", None),
-        past_key_values=past,
+        cache=past,
         encoder_hidden_states=arguments.pop("encoder_hidden_states", None),
         position_embeddings=arguments.pop("position_embeddings", None),
-        output_attentions=bool(arguments.pop("output_attentions", False)) or _recording_attentions(),
+        output_attentions=bool(arguments.pop("output_attentions", False)) or recording_attentions(),
         extra=arguments,
     )
 
@@ -209,19 +210,6 @@ def _bind_quickly(signature: inspect.Signature, args: tuple, kwargs: dict) -> di
 
 # id(signature) → (the signature, kept alive so its id stays its own; what _bind_quickly needs to know of it)
 _SIGNATURES: dict[int, tuple[Any, ...]] = {}
-
-
-def _recording_attentions() -> bool:
-    """Whether the running 🤗 forward collects attention weights. Some models (GPT-2) drop the
-    ``output_attentions`` flag before it reaches their attention modules and rely on eager attention returning
-    weights unconditionally; a headkit module computes them only on request, so it asks transformers' output
-    collector directly."""
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:  # a transformers without output recorders passes the flag itself
-        return False
-    collected = _active_collector.get()
-    return bool(collected) and "attentions" in collected
 
 
 def checked_model_mask(attention_mask: Any, batch: int, q_len: int, kv_len: int) -> torch.Tensor | None:
@@ -309,7 +297,7 @@ class AttentionAdapter:
     head_dim_attribute: ClassVar[str] = "head_dim"
     epilogue_names: ClassVar[tuple[str | None, str | None, str | None] | tuple[()]] = ("o_proj", None, None)
     rotary: ClassVar[bool] = False
-    # The attention module takes the cache as ``past_key_values`` and calls its ``update(key, value, layer_idx)``
+    # The attention module takes the cache as ``cache`` (``past_key_values`` before transformers 5.24) and calls its ``update(key, value, layer_idx)``
     # once per forward: uneven grouped-query pruning can then gather key/value heads *after* the cache, which so
     # stores only the key/value heads still read (see headkit.surgery.pruning).
     gathers_after_cache: ClassVar[bool] = False

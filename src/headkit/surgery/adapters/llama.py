@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from headkit.errors import HeadkitError
+from headkit.ops import rotary
 from headkit.surgery.adapters.base import AttentionAdapter, AttentionCall, register_adapter
 
 
@@ -27,13 +28,16 @@ class LlamaAdapter(AttentionAdapter):
     def apply_rotary(
         self, query: torch.Tensor, key: torch.Tensor, call: AttentionCall
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # LlamaDecoderLayer passes the (cos, sin) its model's rotary embedding computed for these positions;
-        # LlamaAttention rotates with apply_rotary_pos_emb before the cache and the scores.
-        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
+        # LlamaDecoderLayer passes the (cos, sin) its model's rotary embedding computed for these positions, each
+        # [B, T, D] with the two halves equal (rotate-half convention); LlamaAttention rotates queries and keys
+        # before the cache and the scores.
         if call.position_embeddings is None:
             raise HeadkitError(
                 "LLaMA attention needs the position_embeddings (cos, sin) its decoder layer passes"
             )
         cos, sin = call.position_embeddings
-        return apply_rotary_pos_emb(query, key, cos, sin)
+        half = query.shape[-1] // 2
+        cos, sin = cos[..., :half], sin[..., :half]
+        return rotary.apply_rotary(query, cos, sin, validate=False), rotary.apply_rotary(
+            key, cos, sin, validate=False
+        )
