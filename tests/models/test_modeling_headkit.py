@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, DynamicCache
 
-from headkit.compat import output_cache
+from headkit.compat import cache_keyword, output_cache
 from headkit.layers import HeadkitCache, RecurrentStateLayer, get_attention_class
 from headkit.models import HeadkitForCausalLM, HeadkitForSequenceClassification
 
@@ -161,6 +161,23 @@ def test_decoding_masks_must_cover_the_cached_tokens(make_config):
             model(torch.ones(1, 1, dtype=torch.long), attention_mask=torch.ones(1, 1), cache=cache)
 
 
+def test_the_cache_is_taken_under_either_name_and_given_once(make_config):
+    # transformers 5.24 renamed past_key_values to cache; generate() of either release, and user code written for
+    # either, must reach the same cache. Both at once is ambiguous, as in transformers' own models.
+    model = make_model(make_config(layer_types=["softmax", "linear"]))
+    ids = torch.randint(1, 97, (2, 9))
+    with torch.no_grad():
+        new_name, old_name = HeadkitCache(model.config), HeadkitCache(model.config)
+        model(ids[:, :6], cache=new_name)
+        model(ids[:, :6], past_key_values=old_name)
+        assert new_name.get_seq_length() == old_name.get_seq_length() == 6
+        expected = model(ids[:, 6:], cache=new_name).logits
+        actual = model(ids[:, 6:], past_key_values=old_name).logits
+        torch.testing.assert_close(actual, expected, atol=0, rtol=0)
+        with pytest.raises(ValueError, match="not both"):
+            model(ids, cache=HeadkitCache(model.config), past_key_values=HeadkitCache(model.config))
+
+
 def test_cache_with_use_cache_false_is_an_error(make_config):
     model = make_model(make_config())
     with pytest.raises(ValueError, match="use_cache=False"):
@@ -188,9 +205,9 @@ def test_generation_continues_from_a_user_cache(variant_config):
     ids = torch.randint(1, variant_config.vocab_size, (2, 5))
     in_one_go = model.generate(ids, max_new_tokens=8, do_sample=False)
     cache = HeadkitCache(model.config)
-    first_half = model.generate(ids, cache=cache, max_new_tokens=4, do_sample=False)
+    first_half = model.generate(ids, **cache_keyword(cache), max_new_tokens=4, do_sample=False)
     assert cache.get_seq_length() == 5 + 3  # the last generated token is not fed yet
-    continued = model.generate(first_half, cache=cache, max_new_tokens=4, do_sample=False)
+    continued = model.generate(first_half, **cache_keyword(cache), max_new_tokens=4, do_sample=False)
     assert torch.equal(continued, in_one_go)
 
 
