@@ -43,7 +43,7 @@ CACHE_ARGUMENT_NAMES: tuple[str, ...] = ("cache", "past_key_values")
 
 def accepts_cache_alias(forward: Callable) -> Callable:
     """Let a ``forward(self, ..., cache=None, ...)`` also be called with ``past_key_values=`` — as transformers
-    5.0–5.23's ``generate()`` and older user code call it — the way transformers' own models take the
+    5.22–5.23's ``generate()`` and older user code call it — the way transformers' own models take the
     deprecated name (without the warning: headkit cannot know which release its caller was written for).
 
     Passing both names is an error naming both, as transformers' own decorator does.

@@ -109,6 +109,16 @@ def test_recurrent_states_cannot_be_cropped(hybrid_config):
         cache.crop(-1)
 
 
+def test_a_refused_crop_leaves_the_key_value_layers_as_they_were(hybrid_config):
+    cache = HeadkitCache(hybrid_config)
+    keys = torch.randn(1, 2, 3, 4)
+    cache.update(keys, keys, 0)
+    cache.set_state(nested_state(1), 1, num_new_tokens=3)
+    with pytest.raises(ValueError, match="cannot be rewound"):
+        cache.crop(-1)
+    assert cache.get_seq_length(0) == 3 and cache.get_seq_length(1) == 3
+
+
 def test_map_state_keeps_structure_and_none():
     state = nested_state(2)
     doubled = map_state(state, lambda tensor: tensor * 2)

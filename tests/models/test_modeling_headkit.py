@@ -413,7 +413,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(make_config):
     model.train()
     ids = torch.randint(1, 97, (2, 6))
     plain = torch.autograd.grad(model(ids, labels=ids).loss, list(model.parameters()))
-    model.activation_checkpointing_enable()
+    # activation_checkpointing_enable from transformers 5.24; gradient_checkpointing_enable, its old name, before
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     assert all(layer.gradient_checkpointing for layer in model.model.layers)
     checkpointed = torch.autograd.grad(model(ids, labels=ids).loss, list(model.parameters()))
     for expected, actual in zip(plain, checkpointed, strict=True):

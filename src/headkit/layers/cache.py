@@ -199,6 +199,14 @@ class HeadkitCache(Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
         return self._layer(layer_idx).get_mask_sizes(query_length)
 
+    def crop(self, *args: Any, **kwargs: Any) -> None:
+        # Every recurrent layer refuses a rewind before any key/value layer is cut: a refused crop leaves the
+        # whole cache as it was.
+        for layer in self.layers:
+            if isinstance(layer, RecurrentStateLayer):
+                layer.crop(*args, **kwargs)
+        super().crop(*args, **kwargs)
+
     @property
     def is_recurrent(self) -> list[bool]:
         """Per layer: whether it holds a recurrent state rather than keys and values."""
