@@ -105,6 +105,15 @@ def recording_attentions() -> bool:
     return bool(collected) and "attentions" in collected
 
 
+def attention_implementation(model: Any) -> str:
+    """The attention implementation a 🤗 model runs (``"sdpa"``, ``"eager"``, a registered name, …).
+
+    Private: transformers keeps it in ``config._attn_implementation`` and offers only the setter
+    (``model.set_attn_implementation``), no public getter.
+    """
+    return str(model.config._attn_implementation)
+
+
 def checkpoint_key_renamer(model: Any) -> Callable[[str, Mapping[str, Any]], tuple[str, bool]] | None:
     """A function mapping a checkpoint tensor name to the name `model` uses — ``rename(name, model_state_dict)``
     → ``(new_name, needs_conversion)`` — or None where the installed transformers has no renaming rules.
@@ -135,6 +144,7 @@ __all__ = [
     "CACHE_ARGUMENT_NAMES",
     "CACHE_OUTPUT_FIELD",
     "accepts_cache_alias",
+    "attention_implementation",
     "cache_keyword",
     "cache_output",
     "checkpoint_key_renamer",

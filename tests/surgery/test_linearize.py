@@ -12,7 +12,8 @@ from headkit.errors import HeadkitError
 from headkit.surgery.io import SURGERY_KEY
 from headkit.surgery.linearize import (
     HybridStateCacheLayer,
-    LinearizedAttention,
+    LinearizedHeads,
+    converted_attention_modules,
     decoding_state_bytes,
     key_padding_mask,
     linearized_modules,
@@ -89,18 +90,20 @@ def test_exact_with_biases_and_left_padding():
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
-def test_reuses_the_pretrained_projections(architecture):
+def test_the_stock_attention_module_stays_and_gains_only_the_mechanism(architecture):
     model = tiny(architecture, bias=True)
-    converted = copy.deepcopy(model)
-    headkit.linearize(converted, window=8)
     adapter = headkit.surgery.get_adapter(model)
-    original = adapter.read_projections(adapter.sites(model)[1])
-    module = linearized_modules(converted)[1]
-    weight = module.q_proj.weight if architecture == "llama" else module.q_proj.weight.T
-    torch.testing.assert_close(weight, original.q_weight)
-    if architecture == "gpt2":  # the fused c_attn is split; the output projection stays
-        torch.testing.assert_close(module.v_proj.bias, original.v_bias)
-        assert module.c_proj.weight.data_ptr() == converted.transformer.h[1].attn.c_proj.weight.data_ptr()
+    modules = [site.module for site in adapter.sites(model)]
+    before = state_snapshot(model)
+    headkit.linearize(model, window=8)
+    converted = converted_attention_modules(model)
+    assert [converted[i] for i in range(2)] == modules  # the same objects, of the family's own class
+    assert all(type(module).__module__.startswith("transformers.") for module in modules)
+    after = model.state_dict()
+    added = set(after) - set(before)
+    assert added and all(".headkit_attention." in name for name in added)
+    assert all(torch.equal(after[name], tensor) for name, tensor in before.items())
+    assert all(isinstance(module.headkit_attention, LinearizedHeads) for module in modules)
 
 
 @pytest.mark.parametrize("architecture", ARCHITECTURES)
@@ -241,7 +244,7 @@ def test_bad_arguments_leave_the_model_untouched(arguments, message):
 
 def test_unsupported_architectures_are_refused(save_tiny_encoder, tmp_path):
     encoder = transformers.AutoModel.from_pretrained(save_tiny_encoder(tmp_path / "bert"))
-    with pytest.raises(HeadkitError, match="linearize supports causal LMs"):
+    with pytest.raises(HeadkitError, match="converts causal self-attention; bert"):
         headkit.linearize(encoder)
     with pytest.raises(HeadkitError, match="unsupported architecture"):
         headkit.linearize(torch.nn.Linear(2, 2))
@@ -263,9 +266,63 @@ def test_key_padding_mask_reads_every_mask_form():
         key_padding_mask(keep, 2, 4)
 
 
-def test_module_is_recognised_as_the_original_attention_class():
+def test_attention_with_a_custom_forward_is_refused_before_any_work():
+    # A module that computes attention itself would never run the mechanism: found by probing, not guessed.
     model = tiny("llama")
-    headkit.linearize(model, layers=[0])
-    module = model.model.layers[0].self_attn
-    assert isinstance(module, LinearizedAttention)
-    assert isinstance(module, transformers.models.llama.modeling_llama.LlamaAttention)
+    module = model.model.layers[1].self_attn
+    stock_forward = type(module).forward
+
+    def custom_forward(self, hidden_states, *args, **kwargs):
+        kwargs.pop("headkit_probe", None)  # drops the keywords it was given, as a custom forward would
+        return stock_forward(
+            self, hidden_states, *args, **{k: v for k, v in kwargs.items() if k != "headkit_probe"}
+        )
+
+    module.forward = custom_forward.__get__(module)
+    before = state_snapshot(model)
+    with pytest.raises(
+        HeadkitError, match=r"model.layers.1.self_attn \(LlamaAttention\) do\(es\) not dispatch"
+    ):
+        headkit.linearize(model)
+    assert state_snapshot(model).keys() == before.keys() and not linearized_modules(model)
+    assert not getattr(model.config, SURGERY_KEY, None)
+
+
+def test_sliding_window_layers_are_kept_and_an_all_sliding_model_is_refused():
+    def mistral(sliding_window):
+        config = transformers.MistralConfig(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=256,
+            sliding_window=sliding_window,
+        )
+        return transformers.MistralForCausalLM(config).eval()
+
+    with pytest.raises(HeadkitError, match="every layer of this model attends through a sliding window"):
+        headkit.linearize(mistral(16), adapter="llama")
+    model = mistral(None)
+    assert headkit.linearize(model, window=8, adapter="llama").layers == [0, 1]
+    gemma = transformers.Gemma3ForCausalLM(
+        transformers.Gemma3TextConfig(
+            vocab_size=97,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+            max_position_embeddings=256,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        )
+    ).eval()
+    report = headkit.linearize(gemma, window=4, adapter="llama")
+    assert report.layers == [1] and report.sliding_layers == [0, 2]
+    assert report.sliding_cache_bytes == 2 * (2 * 2 * 8 * 8 * 4)
+    with pytest.raises(HeadkitError, match=r"layers \[0\] attend through a sliding window"):
+        headkit.linearize(gemma, layers=[0], adapter="llama")

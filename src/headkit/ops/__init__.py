@@ -13,7 +13,7 @@ from headkit.ops.hybrid import HybridAttentionState, hybrid_attention, hybrid_at
 from headkit.ops.linear import LinearAttentionState, linear_attention, linear_attention_step
 from headkit.ops.registry import KERNELS, KernelSpec, register_kernel
 from headkit.ops.rotary import apply_rotary, rope_inverse_frequencies, rotary_cos_sin
-from headkit.ops.softmax import softmax_attention
+from headkit.ops.softmax import eager_attention, softmax_attention
 
 __all__ = [
     "KERNELS",
@@ -38,5 +38,6 @@ __all__ = [
     "register_feature_map",
     "rope_inverse_frequencies",
     "rotary_cos_sin",
+    "eager_attention",
     "softmax_attention",
 ]

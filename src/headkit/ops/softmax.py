@@ -65,6 +65,49 @@ def softmax_attention(
     return out.masked_fill(empty_rows, 0.0)
 
 
+def eager_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    scale: float | None = None,
+    softcap: float | None = None,
+    dropout: float = 0.0,
+    training: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention written out, as 🤗 decoders' own "eager" attention computes it, for the layers a
+    converted model leaves softmax when the model ran eager (sdpa refuses Gemma 2's soft-capping).
+
+    scores = Q Kᵀ · scale; with ``softcap`` c, c · tanh(scores / c) (Gemma 2's logit soft-capping); plus the
+    additive mask, or −∞ where a bool mask is False; softmax in float32, cast back; dropout; times V.
+
+    Args:
+        query: [B, H, Tq, D]; key, value: [B, Hkv, Tk, D] / [B, Hkv, Tk, Dv], ``H % Hkv == 0``.
+        attention_mask: None, or [B, 1|H, Tq, ≥Tk] additive float or bool (True = keep); columns past Tk are
+            ignored (a static cache's mask may be longer).
+        scale: 1/√D by default.
+
+    Returns:
+        (output [B, Tq, H, Dv] — the layout 🤗 attention functions return —, weights [B, H, Tq, Tk]).
+    """
+    key = repeat_kv(key, query.shape[1] // key.shape[1])
+    value = repeat_kv(value, query.shape[1] // value.shape[1])
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    scores = torch.matmul(query, key.transpose(2, 3)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, : key.shape[-2]]
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask.to(scores.dtype)
+    weights = F.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    weights = F.dropout(weights, p=dropout, training=training)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), weights
+
+
 def _full_mask(
     attention_mask: torch.Tensor | None,
     batch: int,

@@ -50,9 +50,10 @@ from headkit.recipes.objectives import CausalLMObjective
 from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data, with_overrides
 from headkit.recipes.text import lm_windows, load_text
 from headkit.surgery.adapters import AttentionAdapter, get_adapter
+from headkit.surgery.attention import MECHANISM
 from headkit.surgery.linearize import (
+    converted_attention_modules,
     decoding_state_bytes,
-    linearized_modules,
     linearized_parameters,
     max_context,
 )
@@ -133,7 +134,7 @@ class AttentionTransferObjective:
     name: str = "attention_transfer"
 
     def __call__(self, student: nn.Module, teacher: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-        targets = {module.layer_idx: module for module in linearized_modules(student)}
+        targets = converted_attention_modules(student)
         if not targets:
             raise HeadkitError("attention transfer needs a student with linearized layers")
         sources = {
@@ -488,13 +489,19 @@ def _by_length(values: dict[int, float]) -> str:
 
 
 def attention_projection_names(model: nn.Module) -> list[str]:
-    """Qualified names of the converted layers' query/key/value/output projections."""
+    """Qualified names of the converted layers' projections: the stock attention module's own linear children
+    (query/key/value/output, fused or not), not its norms nor the headkit mechanism."""
+    converted = {id(m) for m in converted_attention_modules(model).values()}
     names = []
-    modules = {id(m) for m in linearized_modules(model)}
     for name, module in model.named_modules():
-        if id(module) in modules:
-            projection = module.epilogue_roles.get("projection")
-            names += [f"{name}.{child}" for child in ("q_proj", "k_proj", "v_proj", projection) if child]
+        if id(module) in converted:
+            names += [
+                f"{name}.{child_name}"
+                for child_name, child in module.named_children()
+                if child_name != MECHANISM
+                and isinstance(getattr(child, "weight", None), torch.Tensor)
+                and child.weight.dim() == 2
+            ]
     return names
 
 

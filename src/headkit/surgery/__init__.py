@@ -22,7 +22,7 @@ from headkit.surgery.adapters import (
 from headkit.surgery.collaborative import CollaborativeSelfAttention, SwapReport, swap_to_collaborative
 from headkit.surgery.decompose import decompose_query_key
 from headkit.surgery.io import from_pretrained, record_surgery, register_surgery_op
-from headkit.surgery.linearize import LinearizedAttention, LinearizeReport
+from headkit.surgery.linearize import LinearizedHeads, LinearizeReport
 
 __all__ = [
     "ALBERTCollaborativeAdapter",
@@ -32,7 +32,7 @@ __all__ = [
     "CollaborativeSelfAttention",
     "DistilBERTCollaborativeAdapter",
     "LinearizeReport",
-    "LinearizedAttention",
+    "LinearizedHeads",
     "ProjectionWeights",
     "SwapReport",
     "decompose_query_key",

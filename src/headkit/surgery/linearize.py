@@ -1,45 +1,50 @@
 """Linearize a pretrained causal LM: softmax attention → sliding-window softmax + linear attention (LoLCATs).
 
-Each chosen self-attention module of a LLaMA-family (RoPE, grouped-query attention; e.g. SmolLM2) or GPT-2 model
-becomes a :class:`LinearizedAttention`: exact softmax over the last ``window`` keys plus linear attention, through
-learnable feature maps (Hedgehog by default), over every earlier key, under one shared normaliser
-(:func:`headkit.ops.hybrid_attention`; Zhang et al. 2024, "LoLCATs", arXiv:2410.10254). It reuses the pretrained
-query/key/value/output projections and biases (GPT-2's fused ``c_attn`` is split into ``q_proj`` / ``k_proj`` /
-``v_proj`` of its own ``Conv1D`` kind), the module's own score scale, and the position encoding the model hands
-its attention: LLaMA's decoder layers pass the ``(cos, sin)`` of the model's rotary embedding, applied through the
-adapter (:meth:`~headkit.surgery.adapters.AttentionAdapter.apply_rotary`) exactly as the original module applies
-it. The learnable parts are the feature maps (``feature_map_q`` per query head, ``feature_map_k`` per key/value
-head) and the per-head balance γ_h = exp(``log_balance``).
+Each chosen self-attention layer of a decoder that dispatches through transformers' attention interface (every
+family in :mod:`headkit.surgery.adapters`: llama, mistral, qwen2/3, gemma2/3, phi3, gpt_neox, olmo2, granite,
+smollm3, starcoder2, GPT-2, …) computes exact softmax over the last ``window`` keys plus linear attention,
+through learnable feature maps (Hedgehog by default), over every earlier key, under one shared normaliser
+(:func:`headkit.ops.hybrid_attention`; Zhang et al. 2024, "LoLCATs", arXiv:2410.10254).
+
+The stock attention module stays: its projections, biases, q/k norms, rotary (full, partial or none — SmolLM3's
+NoPE layers), scaling and masks are the family's own. It gains a :class:`LinearizedHeads` submodule
+(``headkit_attention``: ``feature_map_q`` per query head, ``feature_map_k`` per key/value head, the per-head
+balance γ_h = exp(``log_balance``)), which the registered ``headkit_<base>`` attention function runs in place of
+softmax for that layer (:mod:`headkit.surgery.attention`); every other layer runs what it ran before.
 
 Exact at conversion where it can be: the window term of query i is exp(s_ij − m_i) over its last ``window`` keys,
 so a query whose whole past fits in the window gets the original softmax attention (up to the op's eps = 1e-6 in
 a denominator ≥ 1). With ``window ≥ T`` the converted model equals the original on T tokens; beyond the window
 the linear term starts from the untrained feature maps, which is what the recovery recipe
-(:mod:`headkit.recipes.linearize`) trains.
+(:mod:`headkit.recipes.linearize`) trains. Gemma 2's logit soft-capping is not applied by the window term: the
+report says so, and recovery absorbs it.
 
-**Decoding cache.** A 🤗 decoder hands every attention module the same cache (``cache``, ``past_key_values`` before 5.24) (a ``DynamicCache``
-that ``generate()`` or the model creates), one entry per layer in ``cache.layers``. A converted module replaces
-its own entry, on first use, by a :class:`HybridStateCacheLayer` — headkit's constant-size
+**Sliding-window layers** (Gemma 2/3, a Mistral or Qwen2 with ``sliding_window``) are already bounded: they keep
+softmax and their sliding key/value cache, and the report gives the bytes that cache holds. Their mask hides the
+padding of keys that left the window, which the linear term needs, so they are not converted; a model whose
+every layer slides is refused with that reason.
+
+**Decoding cache.** A 🤗 decoder hands every attention module the same cache (a ``DynamicCache`` that
+``generate()`` or the model creates), one entry per layer in ``cache.layers``. A converted layer's entry is
+replaced, on first use, by a :class:`HybridStateCacheLayer` — headkit's constant-size
 :class:`~headkit.layers.cache.RecurrentStateLayer` holding a :class:`headkit.ops.HybridAttentionState` (the last
-W − 1 rotated keys, values and key features, plus the linear sums of every older key), declared a transformers
-``CacheLayerMixin`` so that ``get_seq_length`` / ``get_mask_sizes`` count its tokens like a key/value layer.
-Softmax layers keep their ``DynamicLayer``. So one stock cache holds both kinds side by side, a partly converted
-(hybrid) model needs nothing special, ``generate()`` works unchanged, beam search reorders the states, and the
-cache of a fully converted model does not grow with the context. (A state cannot be rewound: assisted
-generation's ``crop`` is refused.)
+W − 1 keys, values and key features, plus the linear sums of every older key), declared a transformers
+``CacheLayerMixin`` so that ``get_seq_length`` / ``get_mask_sizes`` count its tokens like a key/value layer. Its
+``update`` hands the new keys and values straight through; the mechanism folds them into the state. So one stock
+cache holds key/value, sliding and linearized layers side by side, ``generate()``, beam search and batch
+reordering work unchanged, and the cache of a fully converted model does not grow with the context. (A state
+cannot be rewound: assisted generation's ``crop`` is refused.)
 
-The padding mask reaches the module as the model's 4D attention mask (or None); its last query row is the key
-padding mask over every token seen, which is all the hybrid op needs (it counts its window in token positions,
-so left padding leaves real tokens' windows unchanged).
+The padding mask reaches the mechanism as the model's own mask (4D or None); its last query row is the key
+padding mask over every token seen, which is all the hybrid op needs.
 
-:func:`linearize` validates everything and builds every new module before it replaces any, so a bad argument
+:func:`linearize` validates everything and builds every mechanism before it attaches any, so a bad argument
 leaves the model untouched; the conversion is recorded in ``config.headkit_surgery`` so that ``save_pretrained``
 + :func:`headkit.from_pretrained` rebuilds it.
 """
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -52,19 +57,11 @@ from headkit.errors import HeadkitError
 from headkit.layers.cache import RecurrentStateLayer, map_state
 from headkit.layers.feature_maps import build_feature_map, valid_feature_map_names
 from headkit.ops.hybrid import hybrid_attention, hybrid_attention_step
-from headkit.surgery.adapters import (
-    AttentionAdapter,
-    AttentionSite,
-    ReplacementAttention,
-    bind_attention_call,
-    count_parameters,
-    get_adapter,
-    new_linear,
-)
+from headkit.surgery.adapters import AttentionAdapter, AttentionSite, count_parameters, get_adapter
+from headkit.surgery.attention import attach_mechanisms, mechanism_of, modules_calling_the_interface
 from headkit.surgery.io import record_surgery, register_surgery_op
 
 SURGERY_OP = "linearize"
-LINEARIZABLE_ARCHITECTURES = ("llama", "gpt2")
 
 
 class HybridStateCacheLayer(RecurrentStateLayer, CacheLayerMixin):
@@ -81,6 +78,13 @@ class HybridStateCacheLayer(RecurrentStateLayer, CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to allocate ahead: the state is created by the layer's first forward."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The stock module's cache call: the new keys and values, unchanged; :class:`LinearizedHeads` folds them
+        into the state (it needs their feature maps, which only the module has)."""
+        return key_states, value_states
 
 
 def hybrid_cache_layer(cache: Any, layer_idx: int) -> HybridStateCacheLayer:
@@ -157,20 +161,16 @@ def key_padding_mask(attention_mask: Any, batch: int, kv_len: int) -> torch.Tens
     return attention_mask.bool().expand(batch, kv_len)
 
 
-class LinearizedAttention(ReplacementAttention):
-    """A pretrained softmax self-attention module turned into sliding-window softmax + linear attention.
-
-    Takes the replaced module's call (its signature, its masks, the model's cache, the rotary ``(cos, sin)``) and
-    returns what it returned, ``(output, None)`` (attention weights are never materialised). Children: ``q_proj``,
-    ``k_proj``, ``v_proj`` (the pretrained projections, ``nn.Linear`` or GPT-2's ``Conv1D``), ``feature_map_q`` /
-    ``feature_map_k`` (learnable, per query / key-value head), ``log_balance`` [heads], and what the replaced
-    module ran after its heads (output projection, dropout) under its original attribute names.
+class LinearizedHeads(nn.Module):
+    """The mechanism of a linearized layer (``<attention module>.headkit_attention``): sliding-window softmax +
+    linear attention over the queries, keys and values the stock module computed (rotary applied, keys and values
+    not repeated). Parameters: ``feature_map_q`` (per query head), ``feature_map_k`` (per key/value head),
+    ``log_balance`` [heads]. Called by the registered attention function; returns ``(output [B, T, H, D], None)``.
     """
 
     def __init__(
         self,
         *,
-        projections: dict[str, nn.Module],
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
@@ -180,23 +180,15 @@ class LinearizedAttention(ReplacementAttention):
         feature_dim: int | None,
         chunk_size: int,
         layer_idx: int,
-        adapter: AttentionAdapter,
-        call_signature: inspect.Signature,
-        epilogue: dict[str, tuple[str, nn.Module]],
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        nn.Module.__init__(self)  # not super(): replace_attention mixes the 🤗 class into this one's bases
+        super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.window, self.chunk_size = window, chunk_size
         self.feature_map_name, self.feature_dim = feature_map, feature_dim
         self.layer_idx = layer_idx
-        self.is_causal = True
-        self.adapter = adapter
-        self.call_signature = call_signature
-        for name in ("q_proj", "k_proj", "v_proj"):
-            self.add_module(name, projections[name])
         self.feature_map_q = build_feature_map(feature_map, num_heads, head_dim, feature_dim).to(
             dtype=dtype, device=device
         )
@@ -205,14 +197,6 @@ class LinearizedAttention(ReplacementAttention):
         )
         # γ_h = exp(log_balance_h) = 1 at conversion: window and linear terms on an equal footing.
         self.log_balance = nn.Parameter(torch.zeros(num_heads, dtype=dtype, device=device))
-        self.epilogue_roles: dict[str, str] = {}
-        for role, (name, module) in epilogue.items():
-            if role == "norm":
-                raise HeadkitError(
-                    "linearize converts decoder self-attention, which runs no residual norm itself"
-                )
-            self.epilogue_roles[role] = name
-            self.add_module(name, module)
 
     @property
     def balance(self) -> torch.Tensor:
@@ -223,54 +207,45 @@ class LinearizedAttention(ReplacementAttention):
         """What attention transfer trains: the feature maps and the balances."""
         return [*self.feature_map_q.parameters(), *self.feature_map_k.parameters(), self.log_balance]
 
-    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        call = bind_attention_call(self.call_signature, self, hidden_states, args, kwargs)
-        if call.encoder_hidden_states is not None:
-            raise HeadkitError(
-                "linearized attention replaces causal self-attention only; got encoder_hidden_states"
-            )
-        batch, seq, _ = hidden_states.shape
+    def cache_layer(self, cache: Any) -> HybridStateCacheLayer:
+        """This layer's entry in the model's cache (see :class:`headkit.surgery.attention.CacheLayerHook`)."""
+        return hybrid_cache_layer(cache, self.layer_idx)
 
-        def heads(module: nn.Module, count: int) -> torch.Tensor:
-            return module(hidden_states).view(batch, seq, count, self.head_dim).transpose(1, 2)
-
-        queries, keys, values = (
-            heads(self.q_proj, self.num_heads),
-            heads(self.k_proj, self.num_kv_heads),
-            heads(self.v_proj, self.num_kv_heads),
-        )
-        queries, keys = self.adapter.apply_rotary(queries, keys, call)
-        cache = call.cache
-        cache = getattr(cache, "self_attention_cache", cache)
-        layer = None if cache is None else hybrid_cache_layer(cache, self.layer_idx)
-        past = 0 if layer is None else layer.get_seq_length()
-        mask = key_padding_mask(call.attention_mask, batch, past + seq)
-        new_mask = None if mask is None else mask[:, past:].to(hidden_states.device)
+    def forward(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attention_mask: Any,
+        *,
+        scaling: float | None = None,
+        cache_layer: HybridStateCacheLayer | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        batch, _, seq, _ = queries.shape
+        past = 0 if cache_layer is None else cache_layer.get_seq_length()
+        mask = key_padding_mask(attention_mask, batch, past + seq)
+        new_mask = None if mask is None else mask[:, past:].to(queries.device)
         query_features, key_features = self.feature_map_q(queries), self.feature_map_k(keys)
+        scale = self.scale if scaling is None else scaling
         # The mask is checked above and states come from the op itself: its own checks would only repeat that.
-        options = {"window": self.window, "attention_mask": new_mask, "scale": self.scale, "validate": False}
+        options = {"window": self.window, "attention_mask": new_mask, "scale": scale, "validate": False}
         tensors = (queries, keys, values, query_features, key_features, self.balance)
-        if layer is None:
+        if cache_layer is None:
             outputs, _ = hybrid_attention(*tensors, chunk_size=self.chunk_size, **options)
         else:
             if seq == 1:
-                outputs, state = hybrid_attention_step(*tensors, layer.get_state(), **options)
+                outputs, state = hybrid_attention_step(*tensors, cache_layer.get_state(), **options)
             else:
                 outputs, state = hybrid_attention(
                     *tensors,
                     chunk_size=self.chunk_size,
-                    initial_state=layer.get_state(),
+                    initial_state=cache_layer.get_state(),
                     output_final_state=True,
                     **options,
                 )
-            layer.set_state(state, seq)
-        output = outputs.transpose(1, 2).reshape(batch, seq, self.num_heads * self.head_dim)
-        roles = self.epilogue_roles
-        if "projection" in roles:
-            output = getattr(self, roles["projection"])(output)
-        if "dropout" in roles:
-            output = getattr(self, roles["dropout"])(output)
-        return output, None
+            cache_layer.set_state(state, seq)
+        return outputs.transpose(1, 2).contiguous(), None
 
     def extra_repr(self) -> str:
         return (
@@ -297,16 +272,25 @@ class LinearizeReport:
     parameters_after: int
     trainable_parameters: int  # feature maps and balances added
     softmax_layers: list[int] = field(default_factory=list)
+    sliding_layers: list[int] = field(default_factory=list)  # kept: their cache is bounded already
+    sliding_cache_bytes: int = 0  # what those layers' caches hold at most, per sequence
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def __str__(self) -> str:
         kept = f"; softmax kept in layers {self.softmax_layers}" if self.softmax_layers else ""
+        if self.sliding_layers:
+            kept += (
+                f" (sliding-window layers {self.sliding_layers}: at most {self.sliding_cache_bytes:,} cache bytes "
+                "per sequence)"
+            )
+        notes = "".join(f"; {note}" for note in self.notes)
         return (
             f"linearized {len(self.layers)} {self.architecture} attention layers (window {self.window}, "
             f"{self.feature_map} features{kept}); parameters {self.parameters_before:,} -> "
-            f"{self.parameters_after:,} (+{self.trainable_parameters:,} feature-map and balance parameters)"
+            f"{self.parameters_after:,} (+{self.trainable_parameters:,} feature-map and balance parameters){notes}"
         )
 
 
@@ -318,6 +302,16 @@ def max_context(model: nn.Module) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def sliding_layers(config: Any, count: int) -> list[int]:
+    """The layers that attend through a sliding window: ``config.layer_types`` where the config lists them
+    (Gemma 2/3, Qwen2, SmolLM3, …), else every layer when ``config.sliding_window`` is set (Mistral)."""
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(layer_types, (list, tuple)) and len(layer_types) >= count:
+        return [i for i in range(count) if layer_types[i] in ("sliding_attention", "chunked_attention")]
+    window = getattr(config, "sliding_window", None)
+    return list(range(count)) if isinstance(window, int) and window > 0 else []
 
 
 def linearize(
@@ -333,28 +327,29 @@ def linearize(
     """Convert the softmax self-attention of a causal LM to sliding-window + linear attention, in place.
 
     Args:
-        model: a LLaMA-family (``*ForCausalLM`` / ``*Model``, model_type "llama") or GPT-2 model.
+        model: a causal LM (``*ForCausalLM`` / ``*Model``) of a family :mod:`headkit.surgery.adapters` knows,
+            whose attention modules dispatch through transformers' attention interface.
         window: W ≥ 1, the keys each query sees exactly (its own included), at most the model's context.
         feature_map: the linear term's feature map: a learnable one ("hedgehog") or a fixed one ("elu", …).
-        layers: the layer indices to convert; None converts every layer. Layers not listed keep their softmax
-            attention and key/value cache (a hybrid model).
+        layers: the layer indices to convert; None converts every global-attention layer. Layers not listed keep
+            their softmax attention and key/value cache (a hybrid model); sliding-window layers cannot be listed.
         feature_dim: the learnable map's projection width (None: head_dim; Hedgehog then has 2·head_dim features).
         chunk_size: queries per chunk of the parallel form (speed/memory only).
         adapter: the architecture's adapter; detected from the model when None.
 
-    Returns a :class:`LinearizeReport`. Raises :class:`HeadkitError` for an unsupported architecture, a window
-    out of range, an unknown feature map, layers out of range or already converted — the model is then untouched.
+    Returns a :class:`LinearizeReport`. Raises :class:`HeadkitError` for an unsupported architecture or one whose
+    attention does not go through the attention interface, a window out of range, an unknown feature map, layers
+    out of range, sliding or already converted — the model is then untouched.
     """
     adapter = get_adapter(model, adapter)
     sites = _check_sites(model, adapter)
-    chosen = _check_arguments(model, sites, window, feature_map, layers, feature_dim, chunk_size)
+    sliding = sliding_layers(model.config, len(sites))
+    chosen = _check_arguments(model, sites, sliding, window, feature_map, layers, feature_dim, chunk_size)
+    _check_interface(model, adapter, chosen)
     before = count_parameters(model)
-    planned = [
-        (site, _plan_site(adapter, site, window, feature_map, feature_dim, chunk_size)) for site in chosen
-    ]
-    # Everything is built: only now does the model change.
-    for site, module in planned:
-        adapter.replace_attention(model, site, module)
+    planned = [(site, _plan_site(site, window, feature_map, feature_dim, chunk_size)) for site in chosen]
+    # Everything is built and checked: only now does the model change.
+    attach_mechanisms(model, [(site.module, mechanism) for site, mechanism in planned])
     indices = [site.layers[0] for site in chosen]
     record_surgery(
         model,
@@ -369,7 +364,12 @@ def linearize(
             "sites": [site.name for site in chosen],
         },
     )
-    after = count_parameters(model)
+    notes = []
+    if getattr(model.config, "attn_logit_softcapping", None):
+        notes.append(
+            f"the converted layers' window term does not soft-cap logits (attn_logit_softcapping="
+            f"{model.config.attn_logit_softcapping}); recovery absorbs it"
+        )
     return LinearizeReport(
         architecture=adapter.name,
         layers=indices,
@@ -378,20 +378,28 @@ def linearize(
         feature_dim=feature_dim,
         chunk_size=chunk_size,
         parameters_before=before,
-        parameters_after=after,
+        parameters_after=count_parameters(model),
         trainable_parameters=sum(p.numel() for _, m in planned for p in m.trainable_parameters()),
-        softmax_layers=[
-            site.layers[0]
-            for site in adapter.sites(model)
-            if not isinstance(site.module, LinearizedAttention)
-        ],
+        softmax_layers=[site.layers[0] for site in sites if mechanism_of(site.module) is None],
+        sliding_layers=sliding,
+        sliding_cache_bytes=_sliding_cache_bytes(model, sites, sliding),
+        notes=notes,
     )
 
 
-def linearized_modules(model: nn.Module) -> list[LinearizedAttention]:
-    """The model's converted attention modules, in layer order."""
-    found = {id(m): m for m in model.modules() if isinstance(m, LinearizedAttention)}
+def linearized_modules(model: nn.Module) -> list[LinearizedHeads]:
+    """The mechanisms of the model's converted layers, in layer order."""
+    found = {id(m): m for m in model.modules() if isinstance(m, LinearizedHeads)}
     return sorted(found.values(), key=lambda module: module.layer_idx)
+
+
+def converted_attention_modules(model: nn.Module) -> dict[int, nn.Module]:
+    """Layer index → the stock attention module of each converted layer (the module a layer's call goes to)."""
+    return {
+        mechanism.layer_idx: module
+        for module in model.modules()
+        if isinstance(mechanism := mechanism_of(module), LinearizedHeads)
+    }
 
 
 def linearized_parameters(model: nn.Module) -> list[nn.Parameter]:
@@ -400,29 +408,41 @@ def linearized_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def _check_sites(model: nn.Module, adapter: AttentionAdapter) -> list[AttentionSite]:
-    if adapter.name not in LINEARIZABLE_ARCHITECTURES:
-        raise HeadkitError(
-            f"linearize supports causal LMs of the {', '.join(LINEARIZABLE_ARCHITECTURES)} architectures, got "
-            f"{adapter.name} ({type(model).__name__})"
-        )
     sites = adapter.sites(model)
     if not sites:
         raise HeadkitError(f"the {adapter.name} adapter found no attention module in this model")
+    if not all(site.causal for site in sites):
+        raise HeadkitError(
+            f"linearize converts causal self-attention; {adapter.name} ({type(model).__name__}) attends both ways"
+        )
     for site in sites:
         if len(site.layers) != 1:
             raise HeadkitError(
                 f"{site.name} is shared by layers {site.layers}; linearize needs one module per layer"
             )
-        if site.is_headkit and not isinstance(site.module, LinearizedAttention):
+        if site.is_headkit:
             raise HeadkitError(
                 f"{site.name} was already replaced by {type(site.module).__name__}; cannot linearize it"
             )
     return sites
 
 
+def _check_interface(model: nn.Module, adapter: AttentionAdapter, chosen: list[AttentionSite]) -> None:
+    """Refuse, before any work, layers whose attention would ignore a mechanism (a custom ``forward``)."""
+    calling = modules_calling_the_interface(model, [site.module for site in chosen])
+    custom = [site for site in chosen if id(site.module) not in calling]
+    if custom:
+        names = ", ".join(f"{site.name} ({type(site.module).__name__})" for site in custom[:3])
+        raise HeadkitError(
+            f"linearize plugs into transformers' attention interface, but {names} do(es) not dispatch through it "
+            f"(a custom forward) or drop(s) its keyword arguments: {adapter.name} cannot be linearized"
+        )
+
+
 def _check_arguments(
     model: nn.Module,
     sites: list[AttentionSite],
+    sliding: list[int],
     window: Any,
     feature_map: Any,
     layers: Iterable[int] | None,
@@ -447,7 +467,13 @@ def _check_arguments(
         raise HeadkitError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     count = len(sites)
     if layers is None:
-        indices: Sequence[int] = range(count)
+        indices: Sequence[int] = [i for i in range(count) if i not in sliding]
+        if not indices:
+            raise HeadkitError(
+                f"every layer of this model attends through a sliding window (sliding_window="
+                f"{getattr(model.config, 'sliding_window', None)}): its cache is bounded already, and a sliding "
+                "layer's mask hides the padding the linear term needs; nothing to linearize"
+            )
     else:
         indices = list(layers) if not isinstance(layers, (str, bytes)) else [layers]
         if not indices:
@@ -459,8 +485,14 @@ def _check_arguments(
             )
         if len(set(indices)) != len(indices):
             raise HeadkitError(f"layers lists a layer twice: {list(indices)}")
+        slides = [i for i in indices if i in sliding]
+        if slides:
+            raise HeadkitError(
+                f"layers {slides} attend through a sliding window: their cache is bounded already, and their mask "
+                "hides the padding the linear term needs; convert global-attention layers only"
+            )
     chosen = [sites[i] for i in sorted(indices)]
-    done = [site.layers[0] for site in chosen if isinstance(site.module, LinearizedAttention)]
+    done = [site.layers[0] for site in chosen if isinstance(mechanism_of(site.module), LinearizedHeads)]
     if done:
         raise HeadkitError(f"layers {done} are already linearized")
     try:  # the feature map's own checks (e.g. a fixed map keeps head_dim features)
@@ -471,23 +503,11 @@ def _check_arguments(
 
 
 def _plan_site(
-    adapter: AttentionAdapter,
-    site: AttentionSite,
-    window: int,
-    feature_map: str,
-    feature_dim: int | None,
-    chunk_size: int,
-) -> LinearizedAttention:
-    """The replacement of one site, built from its projections without touching the model."""
-    weights = adapter.read_projections(site)
-    like = site.module.get_submodule(adapter.query_name)
-    projections = {
-        "q_proj": new_linear(weights.q_weight.clone(), _clone(weights.q_bias), like=like),
-        "k_proj": new_linear(weights.k_weight.clone(), _clone(weights.k_bias), like=like),
-        "v_proj": new_linear(weights.v_weight.clone(), _clone(weights.v_bias), like=like),
-    }
-    return LinearizedAttention(
-        projections=projections,
+    site: AttentionSite, window: int, feature_map: str, feature_dim: int | None, chunk_size: int
+) -> LinearizedHeads:
+    """The mechanism of one site, built without touching the model."""
+    weight = next(site.module.parameters())
+    return LinearizedHeads(
         num_heads=site.num_heads,
         num_kv_heads=site.num_kv_heads,
         head_dim=site.head_dim,
@@ -497,30 +517,33 @@ def _plan_site(
         feature_dim=feature_dim,
         chunk_size=chunk_size,
         layer_idx=site.layers[0],
-        adapter=adapter,
-        call_signature=inspect.signature(type(site.module).forward),
-        epilogue=adapter.epilogue_modules(site),
-        dtype=weights.q_weight.dtype,
-        device=weights.q_weight.device,
+        dtype=weight.dtype,
+        device=weight.device,
     )
 
 
-def _clone(tensor: torch.Tensor | None) -> torch.Tensor | None:
-    return None if tensor is None else tensor.clone()
+def _sliding_cache_bytes(model: nn.Module, sites: list[AttentionSite], sliding: list[int]) -> int:
+    window = getattr(model.config, "sliding_window", None)
+    if not sliding or not isinstance(window, int):
+        return 0
+    size = next(model.parameters()).element_size()
+    return sum(2 * sites[i].num_kv_heads * sites[i].head_dim * window * size for i in sliding)
 
 
 def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
     """Rebuild the recorded conversion on a freshly built model (the weights are loaded afterwards)."""
     adapter = get_adapter(model, entry["adapter"])
     sites = _check_sites(model, adapter)
+    window, chunk_size = int(entry["window"]), int(entry.get("chunk_size", 64))
     chosen = _check_arguments(
         model,
         sites,
-        int(entry["window"]),
+        sliding_layers(model.config, len(sites)),
+        window,
         entry["feature_map"],
         [int(i) for i in entry["layers"]],
         entry.get("feature_dim"),
-        int(entry.get("chunk_size", 64)),
+        chunk_size,
     )
     if [site.name for site in chosen] != list(entry["sites"]):
         raise HeadkitError(
@@ -528,21 +551,10 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
             f"are {[site.name for site in chosen]}"
         )
     planned = [
-        (
-            site,
-            _plan_site(
-                adapter,
-                site,
-                int(entry["window"]),
-                entry["feature_map"],
-                entry.get("feature_dim"),
-                int(entry.get("chunk_size", 64)),
-            ),
-        )
+        (site.module, _plan_site(site, window, entry["feature_map"], entry.get("feature_dim"), chunk_size))
         for site in chosen
     ]
-    for site, module in planned:
-        adapter.replace_attention(model, site, module)
+    attach_mechanisms(model, planned)
 
 
 register_surgery_op(SURGERY_OP, _reapply)
@@ -550,7 +562,8 @@ register_surgery_op(SURGERY_OP, _reapply)
 __all__ = [
     "HybridStateCacheLayer",
     "LinearizeReport",
-    "LinearizedAttention",
+    "LinearizedHeads",
+    "converted_attention_modules",
     "decoding_state_bytes",
     "hybrid_cache_layer",
     "key_padding_mask",
@@ -558,4 +571,5 @@ __all__ = [
     "linearized_modules",
     "linearized_parameters",
     "max_context",
+    "sliding_layers",
 ]

@@ -1,0 +1,208 @@
+"""Surgery inside the stock attention modules, through transformers' own extension points.
+
+Nearly every 🤗 decoder (llama, mistral, qwen2/3, gemma2/3, phi3, gpt_neox, olmo2, granite, starcoder2, GPT-2, …)
+computes attention in three steps: its own preamble (projections, biases, q/k norms, rotary), the cache's
+``update``, then ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager)(module, q, k, v,
+mask, scaling=…, **kwargs)``. headkit converts a layer without replacing or copying its module:
+
+* the stock attention module gains one submodule, its **mechanism**, under the name ``headkit_attention``
+  (e.g. :class:`headkit.surgery.linearize.LinearizedHeads`); its parameters are saved with the model's;
+* the model's attention implementation becomes ``headkit_<base>``, a function registered with
+  ``AttentionInterface`` (:func:`headkit_attention_forward`): it runs a module's mechanism where the module has
+  one, and the implementation the model ran before (``<base>``: sdpa, flash, … from the registry; eager written
+  out by :func:`headkit.ops.eager_attention`, since each family's eager function is its own) for every other
+  layer, with the same arguments. The same name is registered with ``AttentionMaskInterface`` under the base's
+  mask function, so the model builds exactly the masks it built before;
+* a mechanism with a decoding state of its own gets its cache layer through :class:`CacheLayerHook`, a stateless
+  forward pre-hook: it reads the cache the decoder layer hands the module (``cache``, ``past_key_values``
+  before transformers 5.24, or positionally) and passes the mechanism's entry on as the keyword
+  ``headkit_cache_layer``, which the module's ``**kwargs`` carry to the attention function untouched.
+
+So each family keeps its own projections, biases, norms, rotary, scaling and masks. :func:`modules_calling_the_interface`
+checks, before any surgery, that a model's attention modules really dispatch through the interface (a module
+with a custom ``forward`` would silently ignore the mechanism).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AttentionInterface, AttentionMaskInterface
+
+from headkit.compat import CACHE_ARGUMENT_NAMES, attention_implementation
+from headkit.errors import HeadkitError
+from headkit.ops.softmax import eager_attention
+
+MECHANISM = "headkit_attention"
+CACHE_LAYER_KEYWORD = "headkit_cache_layer"
+PREFIX = "headkit_"
+_PROBE = "headkit_probe"
+
+
+def mechanism_of(module: nn.Module) -> nn.Module | None:
+    """The headkit mechanism a stock attention module runs, or None."""
+    return getattr(module, MECHANISM, None)
+
+
+def base_implementation(model: nn.Module) -> str:
+    """The implementation the model's unconverted layers run: what it ran before any headkit mechanism."""
+    current = attention_implementation(model)
+    return current[len(PREFIX) :] if current.startswith(PREFIX) else current
+
+
+def base_attention(base: str) -> Callable[..., tuple[torch.Tensor, torch.Tensor | None]]:
+    """The attention function of implementation `base` (eager: :func:`headkit.ops.eager_attention`)."""
+    if base == "eager":
+        return _eager
+    registry = AttentionInterface()
+    if base not in registry:
+        raise HeadkitError(
+            f"attention implementation {base!r} is not registered with transformers' AttentionInterface"
+        )
+    return registry[base]
+
+
+def _eager(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return eager_attention(
+        query,
+        key,
+        value,
+        attention_mask,
+        scale=scaling,
+        softcap=softcap,
+        dropout=dropout,
+        training=module.training,
+    )
+
+
+def headkit_attention_forward(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    base: str,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The registered ``headkit_<base>`` attention: the module's mechanism, else the base implementation."""
+    cache_layer = kwargs.pop(CACHE_LAYER_KEYWORD, None)
+    kwargs.pop(_PROBE, None)
+    mechanism = mechanism_of(module)
+    if mechanism is None:
+        return base_attention(base)(module, query, key, value, attention_mask, **kwargs)
+    return mechanism(query, key, value, attention_mask, cache_layer=cache_layer, **kwargs)
+
+
+def implementation_name(base: str) -> str:
+    """Register ``headkit_<base>`` (attention and mask functions) once; return the name."""
+    name = PREFIX + base
+    if name not in AttentionInterface():
+
+        def forward(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+            return headkit_attention_forward(*args, base=base, **kwargs)
+
+        AttentionInterface.register(name, forward)
+    masks = AttentionMaskInterface()
+    if name not in masks:
+        AttentionMaskInterface.register(name, masks[base] if base in masks else masks["sdpa"])
+    return name
+
+
+class CacheLayerHook:
+    """Forward pre-hook (``with_kwargs=True``) of a converted attention module whose mechanism keeps its own
+    decoding state: passes ``mechanism.cache_layer(cache)`` to the attention function as the keyword
+    ``headkit_cache_layer``. Holds only where the module's signature takes the cache, so it pickles and copies."""
+
+    def __init__(self, module: nn.Module) -> None:
+        parameters = list(inspect.signature(type(module).forward).parameters)
+        self.name = next((name for name in (*CACHE_ARGUMENT_NAMES, "layer_past") if name in parameters), None)
+        self.position = parameters.index(self.name) - 1 if self.name is not None else None
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        cache = next((kwargs[name] for name in CACHE_ARGUMENT_NAMES if kwargs.get(name) is not None), None)
+        if cache is None and self.position is not None and len(args) > self.position:
+            cache = args[self.position]
+        cache = getattr(cache, "self_attention_cache", cache)
+        if cache is not None:
+            kwargs[CACHE_LAYER_KEYWORD] = mechanism_of(module).cache_layer(cache)
+        return args, kwargs
+
+
+def attach_mechanisms(model: nn.Module, planned: Iterable[tuple[nn.Module, nn.Module]]) -> None:
+    """Give each attention module its mechanism and switch the model to ``headkit_<base>``. Call it once
+    everything is built and checked: it only assigns."""
+    name = implementation_name(base_implementation(model))
+    for module, mechanism in planned:
+        module.add_module(MECHANISM, mechanism)
+        if hasattr(mechanism, "cache_layer"):
+            module.register_forward_pre_hook(CacheLayerHook(module), with_kwargs=True)
+    if attention_implementation(model) != name:
+        model.set_attn_implementation(name)
+
+
+def modules_calling_the_interface(model: nn.Module, modules: list[nn.Module]) -> set[int]:
+    """The ids of those `modules` whose forward dispatches through transformers' attention interface and hands
+    it the keywords it was called with — what a mechanism needs. Found by running the model on two tokens
+    under a probe implementation; the model is left as it was."""
+    base = base_implementation(model)
+    seen: set[int] = set()
+
+    def probe(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if kwargs.pop(_PROBE, False):
+            seen.add(id(module))
+        kwargs.pop(CACHE_LAYER_KEYWORD, None)
+        return headkit_attention_forward(module, *args, base=base, **kwargs)
+
+    def mark(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return args, {**kwargs, _PROBE: True}
+
+    AttentionInterface.register(_PROBE, probe)
+    masks = AttentionMaskInterface()
+    AttentionMaskInterface.register(_PROBE, masks[base] if base in masks else masks["sdpa"])
+    previous = attention_implementation(model)
+    handles = [module.register_forward_pre_hook(mark, with_kwargs=True) for module in modules]
+    parameter = next(model.parameters())
+    try:
+        model.set_attn_implementation(_PROBE)
+        with torch.no_grad():
+            model(input_ids=torch.zeros(1, 2, dtype=torch.long, device=parameter.device), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+        if attention_implementation(model) != previous:
+            model.set_attn_implementation(previous)
+    return seen
+
+
+__all__ = [
+    "CACHE_LAYER_KEYWORD",
+    "CacheLayerHook",
+    "MECHANISM",
+    "attach_mechanisms",
+    "base_attention",
+    "base_implementation",
+    "headkit_attention_forward",
+    "implementation_name",
+    "mechanism_of",
+    "modules_calling_the_interface",
+]
+
+
+# Registered at import, so a pickled or reloaded model finds the implementation its config names.
+for _base in ("sdpa", "eager"):
+    implementation_name(_base)
