@@ -41,6 +41,8 @@ MECHANISM = "headkit_attention"
 CACHE_LAYER_KEYWORD = "headkit_cache_layer"
 PREFIX = "headkit_"
 _PROBE = "headkit_probe"
+# What attention modules call their cache parameter: transformers' name (either release), GPT-NeoX's own.
+CACHE_PARAMETER_NAMES = (*CACHE_ARGUMENT_NAMES, "layer_past")
 
 
 def mechanism_of(module: nn.Module) -> nn.Module | None:
@@ -130,11 +132,11 @@ class CacheLayerHook:
 
     def __init__(self, module: nn.Module) -> None:
         parameters = list(inspect.signature(type(module).forward).parameters)
-        self.name = next((name for name in (*CACHE_ARGUMENT_NAMES, "layer_past") if name in parameters), None)
+        self.name = next((name for name in CACHE_PARAMETER_NAMES if name in parameters), None)
         self.position = parameters.index(self.name) - 1 if self.name is not None else None
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        cache = next((kwargs[name] for name in CACHE_ARGUMENT_NAMES if kwargs.get(name) is not None), None)
+        cache = next((kwargs[name] for name in CACHE_PARAMETER_NAMES if kwargs.get(name) is not None), None)
         if cache is None and self.position is not None and len(args) > self.position:
             cache = args[self.position]
         cache = getattr(cache, "self_attention_cache", cache)

@@ -306,11 +306,14 @@ def max_context(model: nn.Module) -> int | None:
 
 def sliding_layers(config: Any, count: int) -> list[int]:
     """The layers that attend through a sliding window: ``config.layer_types`` where the config lists them
-    (Gemma 2/3, Qwen2, SmolLM3, …), else every layer when ``config.sliding_window`` is set (Mistral)."""
+    (Gemma 2/3, Qwen2, SmolLM3, …), else every layer when ``config.sliding_window`` is set (Mistral). None when
+    the window spans the model's whole context (``max_position_embeddings``): such a layer attends globally."""
+    window, context = getattr(config, "sliding_window", None), getattr(config, "max_position_embeddings", None)
+    if isinstance(window, int) and isinstance(context, int) and window >= context:
+        return []
     layer_types = getattr(config, "layer_types", None)
     if isinstance(layer_types, (list, tuple)) and len(layer_types) >= count:
         return [i for i in range(count) if layer_types[i] in ("sliding_attention", "chunked_attention")]
-    window = getattr(config, "sliding_window", None)
     return list(range(count)) if isinstance(window, int) and window > 0 else []
 
 
