@@ -52,7 +52,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     ),
     "phi3": dict(partial_rotary_factor=0.5),
     "gpt_neox": dict(num_key_value_heads=None, head_dim=None, partial_rotary_factor=0.5, attention_bias=True),
-    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=128),
+    "gpt2": dict(n_embd=64, n_layer=2, n_head=4, n_positions=512),  # learned positions: room to decode
     "headkit": dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2),
 }
 # Families whose config takes none of the common settings.
