@@ -197,9 +197,10 @@ def _remove_cache_gather(module: nn.Module) -> None:
 
 def _install_cache_gather(module: nn.Module, kv_index: list[int], device: torch.device) -> None:
     _remove_cache_gather(module)
-    # Not persistent: the index follows from the recorded pruning, which from_pretrained replays.
+    # Persistent: the checkpoint says which key/value head each query head reads (from_pretrained replays the
+    # recorded pruning, which registers the same buffer, then loads it strictly).
     module.register_buffer(
-        KV_HEAD_INDEX, torch.tensor(kv_index, dtype=torch.long, device=device), persistent=False
+        KV_HEAD_INDEX, torch.tensor(kv_index, dtype=torch.long, device=device), persistent=True
     )
     module.headkit_cache_gather_handle = module.register_forward_pre_hook(
         CacheGather(module), with_kwargs=True
@@ -208,9 +209,10 @@ def _install_cache_gather(module: nn.Module, kv_index: list[int], device: torch.
 
 def _install_kv_gather(projection: nn.Module, kv_index: list[int], head_dim: int) -> None:
     weight = linear_parameters(projection)[0]
-    # Not persistent: the index follows from the recorded pruning, which from_pretrained replays.
+    # Persistent: the checkpoint says which key/value head each query head reads (from_pretrained replays the
+    # recorded pruning, which registers the same buffer, then loads it strictly).
     projection.register_buffer(
-        KV_HEAD_INDEX, torch.tensor(kv_index, dtype=torch.long, device=weight.device), persistent=False
+        KV_HEAD_INDEX, torch.tensor(kv_index, dtype=torch.long, device=weight.device), persistent=True
     )
     projection.register_forward_hook(KeyValueHeadGather(head_dim))
 
