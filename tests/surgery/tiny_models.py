@@ -2,7 +2,8 @@
 
 Every model has at least two attention sites (ALBERT: one site shared by three layers) with 4 heads of width 4,
 except LLaMA and headkit, which use grouped-query attention with 8 query heads over 2 key/value heads so that
-uneven pruning within a key/value group is reachable. Text inputs carry a right-padded row, so masks matter.
+uneven pruning within a key/value group is reachable; the decoder families with an adapter of their own (OLMo 2,
+Phi-3, GPT-NeoX) come from family_models.py (4 heads of width 16, over 2 key/value heads for OLMo 2 and Phi-3). Text inputs carry a right-padded row, so masks matter.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Callable
 
 import torch
 import transformers as tr
+from family_models import family_model
 from torch import nn
 
 from headkit.models import HeadkitConfig, HeadkitModel
@@ -108,13 +110,22 @@ def _headkit() -> nn.Module:
     return HeadkitModel(headkit_config())
 
 
+def _family(model_type: str) -> Callable[[], nn.Module]:
+    """The base model of a decoder family's tiny causal LM (family_models.py): 4 query heads of width 16 over 2
+    key/value heads (GPT-NeoX: 4 heads), hidden 64."""
+    return lambda: family_model(model_type, base=True, vocab_size=VOCAB)
+
+
 TINY_MODELS: dict[str, Callable[[], nn.Module]] = {
     "albert": _albert,
     "bert": _bert,
     "distilbert": _distilbert,
     "gpt2": _gpt2,
+    "gpt_neox": _family("gpt_neox"),
     "headkit": _headkit,
     "llama": _llama,
+    "olmo2": _family("olmo2"),
+    "phi3": _family("phi3"),
     "roberta": _roberta,
     "vit": _vit,
 }

@@ -4,7 +4,8 @@ Sentence encoders (the default, all-MiniLM-L6-v2): Hard Concrete gates on every 
 under a Lagrangian L0 constraint towards ``heads`` open heads (Voita et al. 2019; Wang, Wohlwend & Lei 2020,
 Eq. 4), the top heads by log α kept, the gates folded in, and a short distillation of embeddings.
 
-Causal LMs (LLaMA-family with grouped-query attention, GPT-2; a folder or a GGUF file): heads are ranked by
+Causal LMs (every decoder family of :mod:`headkit.surgery.families`: LLaMA, Mistral, Qwen 2/3, Gemma 2/3, OLMo 2,
+Phi-3, GPT-NeoX, GPT-2, …; a folder or a GGUF file): heads are ranked by
 gradient importance of the language-model loss (Michel, Levy & Neubig 2019; the default: one backward pass per
 calibration batch) or by Hard Concrete gates trained alone under the L0 constraint with the distillation
 objective, then
@@ -63,6 +64,7 @@ from headkit.recipes.objectives import CausalLMObjective, EncoderObjective, mean
 from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data, with_overrides
 from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
 from headkit.surgery.adapters import count_parameters, get_adapter
+from headkit.surgery.families import PRUNE, DecoderFamily, get_family
 from headkit.surgery.gating import (
     add_head_gates,
     evaluation_gate_values,
@@ -429,7 +431,9 @@ def _run(
 ) -> tuple[nn.Module, dict[str, Any], LoadedModel]:
     torch.manual_seed(settings.seed)
     loaded = loaded or load_model(model_path)
-    adapter = get_adapter(loaded.model)  # an unsupported architecture fails here, before any work
+    if loaded.is_causal_lm:  # an unsupported decoder family fails here, in one line, before any work
+        get_family(loaded.model, PRUNE)
+    adapter = get_adapter(loaded.model)  # so does any other unsupported architecture
     check_prunable(adapter.sites(loaded.model))  # so does a layer that earlier surgery replaced
     if loaded.is_causal_lm:
         model, report = _prune_causal_lm(loaded, adapter, settings, echo)
@@ -569,9 +573,12 @@ def _prune_causal_lm(
         rounds=settings.timing_rounds,
     )
     kv_before, kv_after = kv_cache_bytes_per_token(teacher), kv_cache_bytes_per_token(student)
+    family = get_family(teacher, PRUNE)
     report = {
         "kind": loaded.kind,
         "architecture": adapter.name,
+        "family": family.model_type,
+        "notes": _family_notes(family),
         "unit": settings.unit,
         "uniform": settings.uniform,
         "stock_architecture": stock is not None,
@@ -600,6 +607,18 @@ def _prune_causal_lm(
         "recovery": recovery.to_dict(),
     }
     return student, report
+
+
+def _family_notes(family: DecoderFamily) -> list[str]:
+    """What the report must say about pruning this family beyond the numbers."""
+    if family.head_norm == "across_heads":
+        return [
+            f"{family.model_type} normalises queries and keys over all heads together (q_norm / k_norm): their "
+            "weights were sliced to the kept heads, but the kept heads' normalisation changed (its statistic now "
+            "spans fewer heads), so the pruned model is not exactly the original with those heads zeroed; "
+            "recovery absorbs the change"
+        ]
+    return []
 
 
 def _prune_encoder(
@@ -732,6 +751,7 @@ def format_report(report: dict[str, Any]) -> str:
             f"prefill ({speed['prefill_tokens']} tokens): {speed['prefill_ratio']:.2f}x the original; decode per "
             f"token at {speed['decode_context']}: {speed['decode_ratio']:.2f}x",
             f"stock architecture: {'yes (loads in plain transformers)' if report['stock_architecture'] else 'no (load with headkit.from_pretrained)'}",
+            *(f"note: {note}" for note in report.get("notes", [])),
             f"sample before: {report['sample_original']!r}",
             f"sample after:  {report['sample_recovered']!r}",
         ]

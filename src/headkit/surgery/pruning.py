@@ -50,6 +50,7 @@ from headkit.surgery.adapters import (
     linear_parameters,
 )
 from headkit.surgery.adapters.base import replace_linear
+from headkit.surgery.families import FAMILIES, UNIFORM, get_family
 from headkit.surgery.gating import (
     check_site_heads,
     evaluation_gate_values,
@@ -196,9 +197,10 @@ def _remove_cache_gather(module: nn.Module) -> None:
 
 def _install_cache_gather(module: nn.Module, kv_index: list[int], device: torch.device) -> None:
     _remove_cache_gather(module)
-    # Not persistent: the index follows from the recorded pruning, which from_pretrained replays.
+    # Persistent: the checkpoint says which key/value head each query head reads (from_pretrained replays the
+    # recorded pruning, which registers the same buffer, then loads it strictly).
     module.register_buffer(
-        KV_HEAD_INDEX, torch.tensor(kv_index, dtype=torch.long, device=device), persistent=False
+        KV_HEAD_INDEX, torch.tensor(kv_index, dtype=torch.long, device=device), persistent=True
     )
     module.headkit_cache_gather_handle = module.register_forward_pre_hook(
         CacheGather(module), with_kwargs=True
@@ -207,9 +209,10 @@ def _install_cache_gather(module: nn.Module, kv_index: list[int], device: torch.
 
 def _install_kv_gather(projection: nn.Module, kv_index: list[int], head_dim: int) -> None:
     weight = linear_parameters(projection)[0]
-    # Not persistent: the index follows from the recorded pruning, which from_pretrained replays.
+    # Persistent: the checkpoint says which key/value head each query head reads (from_pretrained replays the
+    # recorded pruning, which registers the same buffer, then loads it strictly).
     projection.register_buffer(
-        KV_HEAD_INDEX, torch.tensor(kv_index, dtype=torch.long, device=weight.device), persistent=False
+        KV_HEAD_INDEX, torch.tensor(kv_index, dtype=torch.long, device=weight.device), persistent=True
     )
     projection.register_forward_hook(KeyValueHeadGather(head_dim))
 
@@ -296,7 +299,8 @@ def _plan(
         kv_of_query = query_to_kv_heads(site)
         keep_kv = sorted({kv_of_query[h] for h in keep_query})
         plan = _SitePlan(site, keep_query, keep_kv, [keep_kv.index(kv_of_query[h]) for h in keep_query])
-        if not plan.empty and not plan.grouped_evenly and adapter.query_name == adapter.key_name:
+        fused = adapter.query_name == adapter.key_name
+        if not plan.empty and not plan.grouped_evenly and fused and not adapter.gathers_after_cache:
             raise HeadkitError(
                 f"layer {index} would keep unequal query heads per key/value head, which the {adapter.name} "
                 "adapter's fused projection cannot express"
@@ -341,6 +345,8 @@ def _apply(model: nn.Module, adapter: AttentionAdapter, plan: _SitePlan) -> None
         k_bias=rows(weights.k_bias, kv_rows),
         v_bias=rows(weights.v_bias, kv_rows),
         o_bias=None if weights.o_bias is None else weights.o_bias.clone(),
+        q_norm=rows(weights.q_norm, query_rows),
+        k_norm=rows(weights.k_norm, kv_rows),
     )
     if adapter.gathers_after_cache:
         _remove_cache_gather(site.module)
@@ -348,13 +354,9 @@ def _apply(model: nn.Module, adapter: AttentionAdapter, plan: _SitePlan) -> None
         adapter.write_projections(model, site, shrunk)  # new k/v projections: no gather hook left behind
     else:
         module = site.module
-        replace_linear(module, adapter.query_name, shrunk.q_weight, shrunk.q_bias)
-        replace_linear(module, adapter.key_name, shrunk.k_weight, shrunk.k_bias)
-        replace_linear(module, adapter.value_name, shrunk.v_weight, shrunk.v_bias)
-        replace_linear(model, site.output_projection_name, shrunk.o_weight, shrunk.o_bias)
-        heads = len(plan.keep_query)
+        adapter.write_linears(model, site, shrunk)
         # After the gather the module sees one key/value head per query head.
-        adapter.set_head_counts(module, heads, heads, site.head_dim)
+        adapter.set_gathered_head_counts(module, len(plan.keep_query), len(plan.keep_kv), site.head_dim)
         if adapter.gathers_after_cache:
             _install_cache_gather(module, plan.kv_index, device)
         else:
@@ -570,6 +572,9 @@ def to_stock_architecture(
     Raises :class:`~headkit.errors.HeadkitError`, with the model untouched, otherwise.
     """
     adapter = get_adapter(model, adapter)
+    family = FAMILIES.get(getattr(getattr(model, "config", None), "model_type", None))
+    if family is not None and not family.supports(UNIFORM):
+        get_family(model, UNIFORM)  # raises: the family's config cannot state other head counts
     other = sorted({str(entry.get("op")) for entry in recorded_surgery(model)} - {PRUNE_OP})
     if other:
         raise HeadkitError(

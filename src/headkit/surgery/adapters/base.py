@@ -33,6 +33,7 @@ from torch import nn
 
 from headkit.compat import pop_cache_argument, recording_attentions
 from headkit.errors import HeadkitError
+from headkit.surgery.families import supported_families
 
 
 @dataclass
@@ -41,7 +42,10 @@ class ProjectionWeights:
 
     Head h of the queries owns rows h·head_dim … (h+1)·head_dim of ``q_weight``; key/value head g likewise in
     ``k_weight`` / ``v_weight``; the output projection reads head h from columns h·head_dim … of ``o_weight``.
-    Biases are None where the model has none.
+    Biases are None where the model has none. ``q_norm`` / ``k_norm`` are the weights of a normalisation the
+    module applies to all query (key) heads together, one per row of ``q_weight`` (``k_weight``) — OLMo 2's
+    q/k RMSNorm; None where the module has none (or normalises each head over its own width, which pruning
+    leaves alone).
     """
 
     q_weight: torch.Tensor  # [num_heads·head_dim, hidden]
@@ -52,6 +56,8 @@ class ProjectionWeights:
     k_bias: torch.Tensor | None = None
     v_bias: torch.Tensor | None = None
     o_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # [num_heads·head_dim]
+    k_norm: torch.Tensor | None = None  # [num_kv_heads·head_dim]
 
 
 @dataclass
@@ -404,13 +410,28 @@ class AttentionAdapter:
         """
         self._require_original(site, "write its projections")
         num_heads, num_kv_heads = check_projection_weights(weights, site)
+        self.write_linears(model, site, weights)
+        self.set_head_counts(site.module, num_heads, num_kv_heads, site.head_dim)
+        return self.sites(model)[site.index]
+
+    def write_linears(self, model: nn.Module, site: AttentionSite, weights: ProjectionWeights) -> None:
+        """Put new projection modules holding `weights` in place (and whatever else the rows of the heads own, such
+        as a norm across heads), with no check of the head counts and no head-count attribute set: the step
+        :meth:`write_projections` and uneven grouped-query pruning share. A fused projection overrides this."""
         module = site.module
         replace_linear(module, self.query_name, weights.q_weight, weights.q_bias)
         replace_linear(module, self.key_name, weights.k_weight, weights.k_bias)
         replace_linear(module, self.value_name, weights.v_weight, weights.v_bias)
         replace_linear(model, site.output_projection_name, weights.o_weight, weights.o_bias)
-        self.set_head_counts(module, num_heads, num_kv_heads, site.head_dim)
-        return self.sites(model)[site.index]
+
+    def set_gathered_head_counts(
+        self, module: nn.Module, num_heads: int, num_stored_kv_heads: int, head_dim: int
+    ) -> None:
+        """Head-count attributes of a module whose key/value heads are gathered per query head after its cache
+        (uneven grouped-query pruning): its projections hold `num_stored_kv_heads` key/value heads, its
+        attention sees one per query head. By default the module is told it has as many key/value heads as
+        query heads; an adapter whose forward splits a fused projection by the key/value count overrides this."""
+        self.set_head_counts(module, num_heads, num_heads, head_dim)
 
     def stock_head_config(self, num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, int] | None:
         """Config fields that make the architecture's own class build attention with these head counts, or None
@@ -531,7 +552,9 @@ def get_adapter(
             f"unsupported architecture {type(model).__name__} (model_type={model_type!r}); supported: "
             f"{', '.join(supported_architectures())}. To add one, write a subclass of "
             "headkit.surgery.adapters.AttentionAdapter decorated with @register_adapter in a new file of "
-            "headkit/surgery/adapters/ (see API.md there), or pass an adapter explicitly"
+            "headkit/surgery/adapters/ (see API.md there), or pass an adapter explicitly; a decoder laid out "
+            f"like LLaMA needs only an entry in headkit/surgery/families.py (decoder families: "
+            f"{', '.join(supported_families())})"
         )
     raise HeadkitError(
         f"several adapters match {type(model).__name__} (model_type={model_type!r}): "
