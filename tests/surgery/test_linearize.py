@@ -244,9 +244,11 @@ def test_bad_arguments_leave_the_model_untouched(arguments, message):
 
 def test_unsupported_architectures_are_refused(save_tiny_encoder, tmp_path):
     encoder = transformers.AutoModel.from_pretrained(save_tiny_encoder(tmp_path / "bert"))
-    with pytest.raises(HeadkitError, match="converts causal self-attention; bert"):
+    with pytest.raises(HeadkitError, match="unsupported decoder family BertModel .* for linearize"):
         headkit.linearize(encoder)
-    with pytest.raises(HeadkitError, match="unsupported architecture"):
+    with pytest.raises(HeadkitError, match="converts causal self-attention; bert"):
+        headkit.linearize(encoder, adapter="bert")
+    with pytest.raises(HeadkitError, match="unsupported decoder family Linear"):
         headkit.linearize(torch.nn.Linear(2, 2))
     model = tiny("llama")
     headkit.linearize(model, layers=[0])
@@ -304,9 +306,9 @@ def test_sliding_window_layers_are_kept_and_an_all_sliding_model_is_refused():
         return transformers.MistralForCausalLM(config).eval()
 
     with pytest.raises(HeadkitError, match="every layer of this model attends through a sliding window"):
-        headkit.linearize(mistral(16), adapter="llama")
+        headkit.linearize(mistral(16))
     model = mistral(None)
-    assert headkit.linearize(model, window=8, adapter="llama").layers == [0, 1]
+    assert headkit.linearize(model, window=8).layers == [0, 1]
     gemma = transformers.Gemma3ForCausalLM(
         transformers.Gemma3TextConfig(
             vocab_size=97,
@@ -321,8 +323,8 @@ def test_sliding_window_layers_are_kept_and_an_all_sliding_model_is_refused():
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],
         )
     ).eval()
-    report = headkit.linearize(gemma, window=4, adapter="llama")
+    report = headkit.linearize(gemma, window=4)
     assert report.layers == [1] and report.sliding_layers == [0, 2]
     assert report.sliding_cache_bytes == 2 * (2 * 2 * 8 * 8 * 4)
     with pytest.raises(HeadkitError, match=r"layers \[0\] attend through a sliding window"):
-        headkit.linearize(gemma, layers=[0], adapter="llama")
+        headkit.linearize(gemma, layers=[0])

@@ -59,6 +59,7 @@ from headkit.layers.feature_maps import build_feature_map, valid_feature_map_nam
 from headkit.ops.hybrid import hybrid_attention, hybrid_attention_step
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite, count_parameters, get_adapter
 from headkit.surgery.attention import attach_mechanisms, mechanism_of, modules_calling_the_interface
+from headkit.surgery.families import LINEARIZE, get_family
 from headkit.surgery.io import record_surgery, register_surgery_op
 
 SURGERY_OP = "linearize"
@@ -308,7 +309,10 @@ def sliding_layers(config: Any, count: int) -> list[int]:
     """The layers that attend through a sliding window: ``config.layer_types`` where the config lists them
     (Gemma 2/3, Qwen2, SmolLM3, …), else every layer when ``config.sliding_window`` is set (Mistral). None when
     the window spans the model's whole context (``max_position_embeddings``): such a layer attends globally."""
-    window, context = getattr(config, "sliding_window", None), getattr(config, "max_position_embeddings", None)
+    window, context = (
+        getattr(config, "sliding_window", None),
+        getattr(config, "max_position_embeddings", None),
+    )
     if isinstance(window, int) and isinstance(context, int) and window >= context:
         return []
     layer_types = getattr(config, "layer_types", None)
@@ -344,6 +348,8 @@ def linearize(
     attention does not go through the attention interface, a window out of range, an unknown feature map, layers
     out of range, sliding or already converted — the model is then untouched.
     """
+    if adapter is None:  # an unregistered family, or one that cannot be linearized: one line, before any work
+        get_family(model, LINEARIZE)
     adapter = get_adapter(model, adapter)
     sites = _check_sites(model, adapter)
     sliding = sliding_layers(model.config, len(sites))

@@ -442,20 +442,6 @@ class AttentionAdapter:
     def set_head_counts(self, module: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         """Update the attributes the module's forward reads its head counts from (architecture-specific)."""
 
-    def apply_rotary(
-        self, query: torch.Tensor, key: torch.Tensor, call: AttentionCall
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queries [B, H, T, D] and keys [B, Hkv, T, D] with the position encoding the module applies to them
-        before the scores, from what the model passed it (``call.position_embeddings``). Identity for modules
-        without rotary embeddings; a rotary architecture overrides this with its own rotation (so that a
-        replacement rotates exactly as the original did)."""
-        if self.rotary:
-            raise HeadkitError(
-                f"the {self.name} adapter does not say how its attention applies rotary embeddings "
-                "(override AttentionAdapter.apply_rotary)"
-            )
-        return query, key
-
     # -- replacing the attention module -------------------------------------------------------------------------
 
     def replace_attention(

@@ -11,10 +11,8 @@ import torch
 from torch import nn
 
 from headkit.errors import HeadkitError
-from headkit.ops import rotary
 from headkit.surgery.adapters.base import (
     AttentionAdapter,
-    AttentionCall,
     AttentionSite,
     ProjectionWeights,
     ReplacementAttention,
@@ -79,20 +77,3 @@ class GPTNeoXAdapter(AttentionAdapter):
             ).reshape(heads * 3 * d)
         replace_linear(site.module, "query_key_value", fused_weight, fused_bias)
         replace_linear(model, site.output_projection_name, weights.o_weight, weights.o_bias)
-
-    def apply_rotary(
-        self, query: torch.Tensor, key: torch.Tensor, call: AttentionCall
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # GPTNeoXModel passes (cos, sin) of width rotary_ndims (rotate-half convention, halves equal); the
-        # module rotates those first features of every head and leaves the rest.
-        if call.position_embeddings is None:
-            raise HeadkitError("GPT-NeoX attention needs the position_embeddings (cos, sin) its layer passes")
-        cos, sin = call.position_embeddings
-        width = cos.shape[-1]
-        cos, sin = cos[..., : width // 2], sin[..., : width // 2]
-
-        def rotate(states: torch.Tensor) -> torch.Tensor:
-            rotated = rotary.apply_rotary(states[..., :width], cos, sin, validate=False)
-            return torch.cat([rotated, states[..., width:]], dim=-1)
-
-        return rotate(query), rotate(key)

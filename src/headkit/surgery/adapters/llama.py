@@ -10,12 +10,9 @@ so the kept heads are normalised exactly as before)."""
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from headkit.errors import HeadkitError
-from headkit.ops import rotary
-from headkit.surgery.adapters.base import AttentionAdapter, AttentionCall, register_adapter
+from headkit.surgery.adapters.base import AttentionAdapter, register_adapter
 from headkit.surgery.families import FAMILIES
 
 
@@ -33,20 +30,3 @@ class LlamaAdapter(AttentionAdapter):
     def set_head_counts(self, module: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         # Both eager and sdpa attention repeat each key/value head this many times.
         module.num_key_value_groups = num_heads // num_kv_heads
-
-    def apply_rotary(
-        self, query: torch.Tensor, key: torch.Tensor, call: AttentionCall
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        # LlamaDecoderLayer passes the (cos, sin) its model's rotary embedding computed for these positions, each
-        # [B, T, D] with the two halves equal (rotate-half convention); LlamaAttention rotates queries and keys
-        # before the cache and the scores.
-        if call.position_embeddings is None:
-            raise HeadkitError(
-                "LLaMA attention needs the position_embeddings (cos, sin) its decoder layer passes"
-            )
-        cos, sin = call.position_embeddings
-        half = query.shape[-1] // 2
-        cos, sin = cos[..., :half], sin[..., :half]
-        return rotary.apply_rotary(query, cos, sin, validate=False), rotary.apply_rotary(
-            key, cos, sin, validate=False
-        )

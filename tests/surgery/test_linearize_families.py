@@ -1,0 +1,80 @@
+"""headkit.linearize on every decoder family the registry marks linearizable, each a tiny random checkpoint of
+the family's real config class: exact while the window covers the sequence, cached == uncached, padded == alone,
+reload, and a decoding state that does not grow with the context."""
+
+import pytest
+import torch
+from family_models import family_inputs, family_model
+
+import headkit
+from headkit.compat import output_cache
+from headkit.surgery.families import FAMILIES, LINEARIZE
+from headkit.surgery.linearize import decoding_state_bytes, linearized_modules
+
+LINEARIZABLE = sorted(name for name, family in FAMILIES.items() if LINEARIZE in family.operations)
+
+
+def converted(model_type, window):
+    model = family_model(model_type)
+    report = headkit.linearize(model, window=window, chunk_size=4)
+    with torch.no_grad():  # the balances away from 1, so that the linear term matters
+        generator = torch.Generator().manual_seed(3)
+        for mechanism in linearized_modules(model):
+            mechanism.log_balance.copy_(torch.randn(mechanism.log_balance.shape, generator=generator))
+    return model, report
+
+
+def test_the_matrix_covers_the_required_families():
+    required = {"llama", "mistral", "qwen2", "qwen3", "granite", "smollm3", "gemma2", "gemma3_text", "olmo2"}
+    assert required | {"phi3", "gpt_neox", "starcoder2", "gpt2"} <= set(LINEARIZABLE)
+
+
+@pytest.mark.parametrize("model_type", LINEARIZABLE)
+def test_exact_while_the_window_covers_the_sequence(model_type):
+    model = family_model(model_type)
+    tokens = family_inputs(length=12)
+    with torch.no_grad():
+        reference = model(tokens).logits
+        report = headkit.linearize(model, window=32, chunk_size=4)
+        got = model(tokens).logits
+    assert report.layers and not set(report.layers) & set(report.sliding_layers)
+    if getattr(model.config, "attn_logit_softcapping", None):  # the window term does not soft-cap
+        assert any("soft-cap" in note for note in report.notes)
+        assert (got - reference).abs().max() < 0.5
+    else:
+        torch.testing.assert_close(got, reference, atol=5e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", LINEARIZABLE)
+def test_cached_decoding_equals_uncached_and_padded_rows_equal_each_alone(model_type):
+    model, _ = converted(model_type, window=3)
+    prompts = family_inputs(batch=2, length=7)
+    options = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        cached = model.generate(prompts, use_cache=True, **options)
+        uncached = model.generate(prompts, use_cache=False, **options)
+        assert torch.equal(cached, uncached)
+        # Row 0 left-padded by 3: its positions come from the mask, so it decodes as it does alone.
+        padded = prompts.clone()
+        padded[0, :3] = 0
+        mask = torch.ones_like(padded)
+        mask[0, :3] = 0
+        together = model.generate(padded, attention_mask=mask, **options)
+        alone = model.generate(padded[:1, 3:], **options)
+    assert torch.equal(together[0, 3:], alone[0])
+
+
+@pytest.mark.parametrize("model_type", LINEARIZABLE)
+def test_reload_gives_identical_logits_and_the_state_does_not_grow(model_type, tmp_path):
+    model, report = converted(model_type, window=3)
+    model.save_pretrained(tmp_path)
+    reloaded = headkit.from_pretrained(tmp_path)
+    tokens = family_inputs(length=10)
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, model(tokens).logits)
+        sizes = [
+            decoding_state_bytes(output_cache(model(family_inputs(batch=1, length=n), use_cache=True)))
+            for n in (12, 40)
+        ]
+    assert [m.layer_idx for m in linearized_modules(reloaded)] == report.layers
+    assert sizes[0] == sizes[1] > 0
