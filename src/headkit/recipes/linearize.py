@@ -51,6 +51,7 @@ from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, c
 from headkit.recipes.text import lm_windows, load_text
 from headkit.surgery.adapters import AttentionAdapter, get_adapter
 from headkit.surgery.attention import MECHANISM
+from headkit.surgery.families import LINEARIZE, get_family
 from headkit.surgery.linearize import (
     converted_attention_modules,
     decoding_state_bytes,
@@ -263,6 +264,7 @@ def _run(
     if not loaded.is_causal_lm:
         raise HeadkitError(f"MODEL {str(model_path)!r} is not a causal LM (*ForCausalLM or a GGUF file)")
     teacher, tokenizer = loaded.model, loaded.tokenizer
+    get_family(teacher, LINEARIZE)  # an unsupported family: one line, before the copy and any work
     adapter = get_adapter(teacher)
     student = copy.deepcopy(teacher)
     conversion = convert(  # validates architecture, window, feature map and layers before changing anything
