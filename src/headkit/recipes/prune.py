@@ -428,7 +428,7 @@ def _run(
     settings: PruneSettings, model_path: Path, echo: Callable[[str], None], loaded: LoadedModel | None = None
 ) -> tuple[nn.Module, dict[str, Any], LoadedModel]:
     torch.manual_seed(settings.seed)
-    loaded = loaded or load_model(model_path)
+    loaded = loaded or load_model(model_path, dtype=settings.dtype)
     adapter = get_adapter(loaded.model)  # an unsupported architecture fails here, before any work
     check_prunable(adapter.sites(loaded.model))  # so does a layer that earlier surgery replaced
     if loaded.is_causal_lm:
@@ -701,7 +701,9 @@ def _reload_difference(folder: Path, model: nn.Module, report: dict[str, Any], l
     if report.get("stock_architecture"):
         from transformers import AutoModelForCausalLM
 
-        reloaded = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+        reloaded = AutoModelForCausalLM.from_pretrained(
+            folder, local_files_only=True, dtype=model.dtype
+        ).eval()
     else:
         reloaded = from_pretrained(folder)
     ids = torch.arange(1, 17)[None] % 100
