@@ -228,7 +228,7 @@ def test_the_gguf_reader_bar_is_silenced_while_loading_only(
     capsys.readouterr()  # the fixture's "Writing model shards" bar
     bar_inside = []
 
-    def load_model(path, *, kind=None):
+    def load_model(path, *, kind=None, dtype=None):
         for _ in gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
             pass
         bar_inside.append(transformers.utils.logging.is_progress_bar_enabled())

@@ -133,6 +133,21 @@ def _given(**options: object) -> dict[str, object]:
     return {name: value for name, value in options.items() if value is not None}
 
 
+def _dtype_option() -> Any:
+    return typer.Option(
+        "float32",
+        "--dtype",
+        help="Precision the model is loaded (a GGUF file dequantized), trained and decoded in: float32 or bfloat16.",
+    )
+
+
+def _check_dtype(dtype: str) -> str:
+    """--dtype's value, checked before any work (a one-line error naming the accepted values)."""
+    from headkit.recipes.models import dtype_name
+
+    return dtype_name(dtype)
+
+
 def _parse_ints(name: str, text: str) -> list[int]:
     return list(parse_list(f"--{name}", text))
 
@@ -208,6 +223,7 @@ def prune(
     out: Path = typer.Option(Path("results/pruned-model"), help="Output folder (never the input model)."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
     quick: bool = typer.Option(False, help="Short run (a few minutes on 2 CPU cores)."),
+    dtype: str = _dtype_option(),
 ) -> None:
     """Prune attention heads, recover by distillation against the original, report and save (see
     headkit.recipes.prune)."""
@@ -235,6 +251,7 @@ def prune(
         gate_lr=gate_lr,
         seed=seed,
         overwrite=overwrite,
+        dtype=_check_dtype(dtype),
     )
     result = prune(PruneSettings.quick(**settings) if quick else PruneSettings(**settings), echo=typer.echo)
     typer.echo(str(result))
@@ -276,11 +293,13 @@ def compress(
     ),
     overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
     timing_repeats: int = typer.Option(5, min=1, help="Timed forward passes (the median is reported)."),
+    dtype: str = _dtype_option(),
 ) -> None:
     """Collaborative heads at --dim, optionally distilled; fidelity (or perplexity), size and speed."""
     from headkit.recipes.compress import CompressSettings, compress
 
     settings = CompressSettings(
+        dtype=_check_dtype(dtype),
         model=model,
         out=out,
         dim=dim,
@@ -469,13 +488,17 @@ def linearize_command(
     out: Path = typer.Option(Path("results/linearized-model"), help="Output folder (never the input model)."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
     quick: bool = typer.Option(False, help="Short run (a few minutes on 2 CPU cores)."),
+    dtype: str = _dtype_option(),
 ) -> None:
     """Linearize a causal LM: softmax → sliding-window + Hedgehog linear attention, attention transfer, LoRA;
     report perplexity, agreement, decode speed and memory, and save (see headkit.recipes.linearize)."""
     from headkit.recipes.linearize import linearize
+    from headkit.recipes.models import load_dtype
 
+    dtype = _check_dtype(dtype)
     settings = _linearize_settings(
         quick,
+        dtype=dtype,
         window=window,
         feature_map=feature_map,
         feature_dim=feature_dim,
@@ -500,7 +523,8 @@ def linearize_command(
         out=out,
         overwrite=overwrite or None,
     )
-    result = linearize(settings, echo=typer.echo)
+    with load_dtype(dtype):  # the model the recipe loads comes in --dtype
+        result = linearize(settings, echo=typer.echo)
     typer.echo(str(result))
 
 
@@ -524,6 +548,7 @@ def generate(
         help="Sample among the k most likely tokens; 0 = all (default: the model's, usually 50; needs --sample).",
     ),
     seed: int = typer.Option(0, help="Seed of the sampling."),
+    dtype: str = _dtype_option(),
 ) -> None:
     """Continue PROMPT with MODEL, streaming the text as it comes; then tokens per second and the size of the
     decoding cache (key/value cache or recurrent state) in bytes."""
@@ -535,6 +560,7 @@ def generate(
 
     from headkit.recipes.measure import cache_bytes
 
+    dtype = _check_dtype(dtype)
     if not prompt.strip():
         raise HeadkitError("--prompt must not be empty")
     if max_new_tokens < 1:
@@ -546,7 +572,7 @@ def generate(
     if not sample and (temperature is not None or top_k is not None):
         raise HeadkitError("--temperature and --top-k shape sampling: add --sample")
     with _no_loading_bars():  # no "Loading weights" or GGUF bar between the command and its text
-        network, tokenizer = _load_generator(model)
+        network, tokenizer = _load_generator(model, dtype)
 
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     if ids.shape[1] == 0:
@@ -626,11 +652,11 @@ def _position_limit(model: Any) -> int | None:
     return limit if any(tables) else None
 
 
-def _load_generator(path: Path) -> tuple:
-    """The causal LM at `path` and its tokenizer, offline (see headkit.recipes.models.load_model); a folder
-    trained by headkit before it wrote tokenizer.json gets its byte tokenizer from headkit."""
+def _load_generator(path: Path, dtype: str = "float32") -> tuple:
+    """The causal LM at `path` (in `dtype`) and its tokenizer, offline (see headkit.recipes.models.load_model); a
+    folder trained by headkit before it wrote tokenizer.json gets its byte tokenizer from headkit."""
     from headkit.data import TOKENIZER_FILE, load_tokenizer
-    from headkit.recipes.models import CAUSAL_LM, load_model, model_kind
+    from headkit.recipes.models import CAUSAL_LM, load_model, model_kind, resolve_dtype
     from headkit.surgery.io import from_pretrained
 
     if not path.exists():
@@ -638,6 +664,9 @@ def _load_generator(path: Path) -> tuple:
     if model_kind(path) != CAUSAL_LM:
         raise HeadkitError(f"MODEL {str(path)!r} is not a causal LM (no *ForCausalLM in config.json)")
     if path.is_dir() and (path / TOKENIZER_FILE).is_file():
-        return from_pretrained(path).float(), load_tokenizer(path).to_transformers()
-    loaded = load_model(path, kind=CAUSAL_LM)
+        torch_dtype = resolve_dtype(dtype)
+        return from_pretrained(path, dtype=torch_dtype).to(torch_dtype), load_tokenizer(
+            path
+        ).to_transformers()
+    loaded = load_model(path, kind=CAUSAL_LM, dtype=dtype)
     return loaded.model, loaded.tokenizer

@@ -158,3 +158,73 @@ def test_a_pruned_headkit_causal_lm_reloads_as_its_own_class_with_identical_logi
     assert type(reloaded) is HeadkitForCausalLM
     tokens = torch.randint(0, 50, (2, 7))
     assert torch.equal(reloaded(tokens).logits, model(tokens).logits)
+
+
+def _swapped_gpt2(dtype):
+    """A GPT-2 LM (head tied to the embeddings) after collaborative-heads surgery, in `dtype`."""
+    model = _with_head("gpt2")
+    swap_to_collaborative(model, dim_shared_query_key=32)
+    return model.to(dtype).eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sharded_save_after_surgery_reloads_identically_one_shard_at_a_time(tmp_path, monkeypatch, dtype):
+    import gc
+    import weakref
+
+    model = _swapped_gpt2(dtype)
+    inputs = model_inputs("gpt2")
+    expected = _outputs(model, inputs)
+    model.save_pretrained(tmp_path, max_shard_size="16KB")
+    shards = sorted(tmp_path.glob("model-*.safetensors"))
+    assert len(shards) >= 3 and (tmp_path / "model.safetensors.index.json").is_file()
+
+    read_shards, alive = [], []
+    original_read = io._read_shard
+
+    def counting_read(file, device):
+        gc.collect()
+        # every tensor of the shards read before has been released: one shard's tensors at a time
+        assert not [ref for ref in alive if ref() is not None]
+        tensors = original_read(file, device)
+        read_shards.append(file.name)
+        alive.extend(weakref.ref(tensor) for tensor in tensors.values())
+        return tensors
+
+    monkeypatch.setattr(io, "_read_shard", counting_read)
+    reloaded = headkit.from_pretrained(tmp_path)
+    assert sorted(read_shards) == [shard.name for shard in shards]  # each shard once
+    assert {p.dtype for p in reloaded.parameters()} == {dtype}  # the saved dtype
+    assert reloaded.lm_head.weight is reloaded.transformer.wte.weight  # the tied head, as before the save
+    assert torch.equal(_outputs(reloaded, inputs), expected)
+
+
+def test_a_model_after_surgery_reloads_in_the_dtype_asked_for(tmp_path):
+    model = _swapped_gpt2(torch.float32)
+    inputs = model_inputs("gpt2")
+    model.save_pretrained(tmp_path, max_shard_size="16KB")
+    reloaded = headkit.from_pretrained(tmp_path, dtype="bfloat16", device_map="cpu")
+    assert {p.dtype for p in reloaded.parameters()} == {torch.bfloat16}
+    assert torch.equal(_outputs(reloaded, inputs), _outputs(model.to(torch.bfloat16), inputs))
+    with pytest.raises(HeadkitError, match="one device"):
+        headkit.from_pretrained(tmp_path, device_map="auto")
+
+
+def test_a_plain_model_passes_dtype_and_device_map_to_transformers(tmp_path, monkeypatch):
+    model = _with_head("bert")
+    model.save_pretrained(tmp_path)
+    reloaded = headkit.from_pretrained(tmp_path, dtype=torch.bfloat16, device_map="cpu")
+    assert {p.dtype for p in reloaded.parameters()} == {torch.bfloat16}
+    assert reloaded.device == torch.device("cpu")
+
+
+def test_a_shard_that_misses_weights_is_refused(tmp_path):
+    model = _swapped_gpt2(torch.float32)
+    model.save_pretrained(tmp_path, max_shard_size="16KB")
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    dropped = {name: file for name, file in index["weight_map"].items() if file != first}
+    index["weight_map"] = dropped
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(HeadkitError, match="do not fit"):
+        headkit.from_pretrained(tmp_path)

