@@ -493,7 +493,6 @@ def linearize_command(
     """Linearize a causal LM: softmax → sliding-window + Hedgehog linear attention, attention transfer, LoRA;
     report perplexity, agreement, decode speed and memory, and save (see headkit.recipes.linearize)."""
     from headkit.recipes.linearize import linearize
-    from headkit.recipes.models import load_dtype
 
     dtype = _check_dtype(dtype)
     settings = _linearize_settings(
@@ -523,8 +522,7 @@ def linearize_command(
         out=out,
         overwrite=overwrite or None,
     )
-    with load_dtype(dtype):  # the model the recipe loads comes in --dtype
-        result = linearize(settings, echo=typer.echo)
+    result = linearize(settings, echo=typer.echo)
     typer.echo(str(result))
 
 

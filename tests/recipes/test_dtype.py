@@ -17,7 +17,7 @@ from headkit.errors import HeadkitError
 from headkit.recipes import models
 from headkit.recipes.compress import CompressSettings
 from headkit.recipes.linearize import LinearizeSettings
-from headkit.recipes.models import load_dtype, load_model
+from headkit.recipes.models import load_model
 from headkit.recipes.prune import PruneSettings
 
 transformers.logging.set_verbosity_error()
@@ -82,10 +82,6 @@ def test_load_model_loads_in_the_dtype_asked_for(tiny_llama):
     assert _dtypes(load_model(tiny_llama).model) == {torch.float32}  # the default, as before
     assert _dtypes(load_model(tiny_llama, dtype="bfloat16").model) == {torch.bfloat16}
     assert _dtypes(load_model(tiny_llama, dtype=torch.bfloat16).model) == {torch.bfloat16}
-    with load_dtype("bfloat16"):  # the default within the block, for code that loads by itself
-        assert _dtypes(load_model(tiny_llama).model) == {torch.bfloat16}
-        assert _dtypes(load_model(tiny_llama, dtype="float32").model) == {torch.float32}
-    assert _dtypes(load_model(tiny_llama).model) == {torch.float32}
     with pytest.raises(HeadkitError, match="--dtype must be one of float32, bfloat16, got 'float16'"):
         load_model(tiny_llama, dtype="float16")
 
@@ -198,3 +194,23 @@ def test_the_smollm2_gguf_dequantizes_to_bfloat16_and_generates(capsys):
         ]
     )
     assert "Paris" in capsys.readouterr().out
+
+
+def test_linearize_in_bfloat16_converts_decodes_and_reloads_in_bfloat16(tiny_llama, tmp_path):
+    import headkit
+    from headkit.surgery.linearize import linearized_modules
+
+    model = load_model(tiny_llama, dtype="bfloat16").model
+    headkit.linearize(model, window=4)
+    assert _dtypes(model) == {torch.bfloat16}
+    assert all(p.dtype == torch.bfloat16 for m in linearized_modules(model) for p in m.parameters())
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])
+    with torch.no_grad():
+        cached = model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=True)
+        uncached = model.generate(prompt, max_new_tokens=6, do_sample=False, use_cache=False)
+    assert torch.equal(cached, uncached)
+    model.save_pretrained(tmp_path)
+    reloaded = headkit.from_pretrained(tmp_path)
+    assert _dtypes(reloaded) == {torch.bfloat16}
+    with torch.no_grad():
+        assert torch.equal(reloaded(prompt).logits, model(prompt).logits)

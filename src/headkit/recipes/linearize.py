@@ -260,7 +260,7 @@ def _run(
 ) -> tuple[LinearizeResult, Any]:
     _check_against_config(settings, model_path)
     torch.manual_seed(settings.seed)
-    loaded = loaded or load_model(model_path)
+    loaded = loaded or load_model(model_path, dtype=settings.dtype)
     if not loaded.is_causal_lm:
         raise HeadkitError(f"MODEL {str(model_path)!r} is not a causal LM (*ForCausalLM or a GGUF file)")
     teacher, tokenizer = loaded.model, loaded.tokenizer

@@ -9,11 +9,8 @@ downloaded (``local_files_only``).
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
-from collections.abc import Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,20 +45,6 @@ def resolve_dtype(dtype: str | torch.dtype, option: str = "--dtype") -> torch.dt
 def dtype_name(dtype: str | torch.dtype) -> str:
     """The --dtype name of `dtype` ("float32", "bfloat16")."""
     return str(resolve_dtype(dtype)).removeprefix("torch.")
-
-
-_LOAD_DTYPE: ContextVar[str] = ContextVar("headkit_load_dtype", default=DEFAULT_DTYPE)
-
-
-@contextlib.contextmanager
-def load_dtype(dtype: str | torch.dtype) -> Iterator[None]:
-    """Within the block, :func:`load_model` called without a dtype loads in `dtype`: for a caller that runs code
-    which loads its model itself and does not pass one on."""
-    token = _LOAD_DTYPE.set(dtype_name(dtype))
-    try:
-        yield
-    finally:
-        _LOAD_DTYPE.reset(token)
 
 
 @dataclass
@@ -139,16 +122,15 @@ def _is_causal_lm_class(name: str) -> bool:
 
 
 def load_model(
-    path: str | Path, *, kind: str | None = None, dtype: str | torch.dtype | None = None
+    path: str | Path, *, kind: str | None = None, dtype: str | torch.dtype = DEFAULT_DTYPE
 ) -> LoadedModel:
     """Load MODEL (folder or GGUF file) and its tokenizer, offline, in evaluation mode and in `dtype` ("float32"
-    or "bfloat16", see :data:`DTYPES`; a GGUF file is dequantized to it). None: float32, or the dtype of an
-    enclosing :func:`load_dtype` block."""
+    or "bfloat16", see :data:`DTYPES`; a GGUF file is dequantized to it)."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     from headkit.surgery.io import SURGERY_KEY, from_pretrained
 
-    torch_dtype = resolve_dtype(_LOAD_DTYPE.get() if dtype is None else dtype)
+    torch_dtype = resolve_dtype(dtype)
     path = Path(path)
     kind = kind or model_kind(path)
     if path.is_file():  # GGUF
