@@ -31,16 +31,6 @@ SMALL = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def tiny_llama(save_tiny_causal_lm, tmp_path_factory):
-    return save_tiny_causal_lm(tmp_path_factory.mktemp("models") / "llama", "llama")
-
-
-@pytest.fixture(scope="module")
-def tiny_gpt2(save_tiny_causal_lm, tmp_path_factory):
-    return save_tiny_causal_lm(tmp_path_factory.mktemp("models") / "gpt2", "gpt2")
-
-
 def folder_digest(folder):
     return {
         p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir()) if p.is_file()

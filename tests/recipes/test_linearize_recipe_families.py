@@ -26,17 +26,6 @@ FAST = [
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def text_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("text")
-    words = "windows features states decode linear softmax heads keys values queries layers".split()
-    generator = torch.Generator().manual_seed(0)
-    for i in range(12):
-        picks = torch.randint(len(words), (80,), generator=generator).tolist()
-        (folder / f"doc{i}.txt").write_text(" ".join(words[j] for j in picks))
-    return folder
-
-
 def _save(model, folder):
     model.save_pretrained(folder)
     ByteTokenizer().save_pretrained(folder)

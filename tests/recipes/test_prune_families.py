@@ -22,17 +22,6 @@ FAST = ["--quick", "--window", "16", "--train-texts", "8", "--held-out", "4", "-
 FAST += ["--recovery-steps", "2"]
 
 
-@pytest.fixture(scope="module")
-def text_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("text")
-    words = "heads share keys values queries groups prune recover attention layers tokens".split()
-    generator = torch.Generator().manual_seed(0)
-    for i in range(12):
-        picks = torch.randint(len(words), (60,), generator=generator).tolist()
-        (folder / f"doc{i}.txt").write_text(" ".join(words[j] for j in picks))
-    return folder
-
-
 def _save(model_type, folder):
     tokenizer = ByteTokenizer()
     model = family_model(model_type, vocab_size=tokenizer.vocab_size, special_ids=(PAD_ID, BOS_ID, EOS_ID))

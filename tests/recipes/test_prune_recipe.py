@@ -17,27 +17,6 @@ transformers.logging.set_verbosity_error()
 FAST = ["--quick", "--window", "16", "--train-texts", "16", "--batch-size", "4", "--recovery-steps", "3"]
 
 
-@pytest.fixture(scope="module")
-def text_folder(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("text")
-    words = "heads share keys values queries groups prune recover distil attention layers tokens".split()
-    generator = torch.Generator().manual_seed(0)
-    for i in range(24):
-        picks = torch.randint(len(words), (200,), generator=generator).tolist()
-        (folder / f"doc{i}.txt").write_text(" ".join(words[j] for j in picks))
-    return folder
-
-
-@pytest.fixture(scope="module")
-def tiny_llama(tmp_path_factory, save_tiny_causal_lm):
-    return save_tiny_causal_lm(tmp_path_factory.mktemp("llama") / "model", "llama")
-
-
-@pytest.fixture(scope="module")
-def tiny_gpt2(tmp_path_factory, save_tiny_causal_lm):
-    return save_tiny_causal_lm(tmp_path_factory.mktemp("gpt2") / "model", "gpt2")
-
-
 def _run(args):
     with pytest.raises(SystemExit) as exit_info:
         main(args)
