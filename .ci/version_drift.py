@@ -26,7 +26,7 @@ def main(path: str) -> int:
     rows = []
     for name in sorted(expected.keys() | installed.keys()):
         before, now = expected.get(name), installed.get(name)
-        if before != now and name not in ("headkit", "torch"):
+        if before != now and name not in ("headkit", "torch", "pip", "setuptools", "wheel"):  # the project, TORCH, tools
             rows.append(f"  {name}: {before or '(not pinned)'} -> {now or '(not installed)'}")
     print(f"packages that differ from {path}:" if rows else f"every package is at its {path} version")
     print("\n".join(rows))
