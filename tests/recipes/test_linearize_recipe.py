@@ -214,7 +214,10 @@ def test_unsupported_architectures_and_encoders_are_refused(save_tiny_encoder, t
     transformers.OPTForCausalLM(config).save_pretrained(opt)
     tokenizer.save_pretrained(opt)
     encoder = save_tiny_encoder(tmp_path / "bert")
-    for model, message in ((opt, "unsupported decoder family OPTForCausalLM"), (encoder, "is not a causal LM")):
+    for model, message in (
+        (opt, "unsupported decoder family OPTForCausalLM"),
+        (encoder, "is not a causal LM"),
+    ):
         with pytest.raises(SystemExit) as exc:
             main(["linearize", str(model), *SMALL, "--out", str(tmp_path / "out")])
         assert exc.value.code == 2 and message in " ".join(capsys.readouterr().err.split())
