@@ -662,9 +662,6 @@ def _load_generator(path: Path, dtype: str = "float32") -> tuple:
     if model_kind(path) != CAUSAL_LM:
         raise HeadkitError(f"MODEL {str(path)!r} is not a causal LM (no *ForCausalLM in config.json)")
     if path.is_dir() and (path / TOKENIZER_FILE).is_file():
-        torch_dtype = resolve_dtype(dtype)
-        return from_pretrained(path, dtype=torch_dtype).to(torch_dtype), load_tokenizer(
-            path
-        ).to_transformers()
+        return from_pretrained(path, dtype=resolve_dtype(dtype)), load_tokenizer(path).to_transformers()
     loaded = load_model(path, kind=CAUSAL_LM, dtype=dtype)
     return loaded.model, loaded.tokenizer

@@ -86,6 +86,16 @@ def pop_cache_argument(arguments: dict[str, Any]) -> Any:
     return found
 
 
+def cache_parameter(
+    forward: Callable, names: tuple[str, ...] = CACHE_ARGUMENT_NAMES
+) -> tuple[str | None, int | None]:
+    """The name (the first of `names` it has) of a module ``forward``'s cache parameter, and its position among
+    the arguments after ``self``; ``(None, None)`` where it has none of them."""
+    parameters = list(inspect.signature(forward).parameters)
+    name = next((candidate for candidate in names if candidate in parameters), None)
+    return name, (None if name is None else parameters.index(name) - 1)
+
+
 # -- private access, fenced ------------------------------------------------------------------------------------
 
 
@@ -147,6 +157,7 @@ __all__ = [
     "attention_implementation",
     "cache_keyword",
     "cache_output",
+    "cache_parameter",
     "checkpoint_key_renamer",
     "output_cache",
     "pop_cache_argument",

@@ -25,7 +25,6 @@ with a custom ``forward`` would silently ignore the mechanism).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -33,7 +32,7 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface
 
-from headkit.compat import CACHE_ARGUMENT_NAMES, attention_implementation
+from headkit.compat import CACHE_ARGUMENT_NAMES, attention_implementation, cache_parameter
 from headkit.errors import HeadkitError
 from headkit.ops.softmax import eager_attention
 
@@ -103,7 +102,6 @@ def headkit_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The registered ``headkit_<base>`` attention: the module's mechanism, else the base implementation."""
     cache_layer = kwargs.pop(CACHE_LAYER_KEYWORD, None)
-    kwargs.pop(_PROBE, None)
     mechanism = mechanism_of(module)
     if mechanism is None:
         return base_attention(base)(module, query, key, value, attention_mask, **kwargs)
@@ -119,10 +117,16 @@ def implementation_name(base: str) -> str:
             return headkit_attention_forward(*args, base=base, **kwargs)
 
         AttentionInterface.register(name, forward)
-    masks = AttentionMaskInterface()
-    if name not in masks:
-        AttentionMaskInterface.register(name, masks[base] if base in masks else masks["sdpa"])
+    if name not in AttentionMaskInterface():
+        _register_base_mask(name, base)
     return name
+
+
+def _register_base_mask(name: str, base: str) -> None:
+    """Make the model build, under implementation `name`, the masks it built under `base` (sdpa's for a base
+    without a mask function of its own)."""
+    masks = AttentionMaskInterface()
+    AttentionMaskInterface.register(name, masks[base] if base in masks else masks["sdpa"])
 
 
 class CacheLayerHook:
@@ -131,9 +135,7 @@ class CacheLayerHook:
     ``headkit_cache_layer``. Holds only where the module's signature takes the cache, so it pickles and copies."""
 
     def __init__(self, module: nn.Module) -> None:
-        parameters = list(inspect.signature(type(module).forward).parameters)
-        self.name = next((name for name in CACHE_PARAMETER_NAMES if name in parameters), None)
-        self.position = parameters.index(self.name) - 1 if self.name is not None else None
+        self.name, self.position = cache_parameter(type(module).forward, CACHE_PARAMETER_NAMES)
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         cache = next((kwargs[name] for name in CACHE_PARAMETER_NAMES if kwargs.get(name) is not None), None)
@@ -167,15 +169,13 @@ def modules_calling_the_interface(model: nn.Module, modules: list[nn.Module]) ->
     def probe(module: nn.Module, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         if kwargs.pop(_PROBE, False):
             seen.add(id(module))
-        kwargs.pop(CACHE_LAYER_KEYWORD, None)
         return headkit_attention_forward(module, *args, base=base, **kwargs)
 
     def mark(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return args, {**kwargs, _PROBE: True}
 
     AttentionInterface.register(_PROBE, probe)
-    masks = AttentionMaskInterface()
-    AttentionMaskInterface.register(_PROBE, masks[base] if base in masks else masks["sdpa"])
+    _register_base_mask(_PROBE, base)
     previous = attention_implementation(model)
     handles = [module.register_forward_pre_hook(mark, with_kwargs=True) for module in modules]
     parameter = next(model.parameters())

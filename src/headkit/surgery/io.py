@@ -112,11 +112,9 @@ def from_pretrained(
         model = model_class(config)
         if attn_implementation is not None:
             model.set_attn_implementation(attn_implementation)
-        if build_dtype is not None:  # as from_config builds it
-            model.to(build_dtype)
     for entry in entries:
         _reapply_function(entry)(model, copy.deepcopy(entry))
-    if build_dtype is not None:  # what a re-applied op added follows the model's dtype
+    if build_dtype is not None:  # the built model and what the re-applied ops added, as from_config builds it
         model.to(build_dtype)
     if device is not None:
         model.to(device)

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from headkit.compat import CACHE_ARGUMENT, CACHE_ARGUMENT_NAMES, pop_cache_argument
+from headkit.compat import CACHE_ARGUMENT, cache_parameter, pop_cache_argument
 from headkit.errors import HeadkitError
 from headkit.layers.gates import FixedGate, HardConcreteGate
 from headkit.surgery.adapters import (
@@ -167,11 +167,10 @@ class CacheGather:
     :class:`GatheringCache` around whatever cache it was given (``cache`` or ``past_key_values``, keyword or positional)."""
 
     def __init__(self, module: nn.Module) -> None:
-        parameters = list(inspect.signature(type(module).forward).parameters)
         # The module's own name for its cache parameter (``cache`` from transformers 5.24, ``past_key_values``
         # before); its callers may use either, as its deprecation decorator accepts both.
-        self.name = next((name for name in CACHE_ARGUMENT_NAMES if name in parameters), CACHE_ARGUMENT)
-        self.position = parameters.index(self.name) - 1 if self.name in parameters else None
+        name, self.position = cache_parameter(type(module).forward)
+        self.name = name or CACHE_ARGUMENT
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         index = getattr(module, KV_HEAD_INDEX)
