@@ -31,6 +31,7 @@ from torch import nn
 
 from headkit.errors import HeadkitError
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite, get_adapter
+from headkit.surgery.attention import set_attention_implementation
 
 LossFunction = Callable[[nn.Module, Any], torch.Tensor]
 # Michel et al.'s reference code adds this to the layer norm so that a layer whose heads all score 0 stays 0.
@@ -225,7 +226,7 @@ def attention_statistics(
                     )
                 attentions = _attentions(model, batch, len(layer_to_site))
                 if attentions is None and not switched and _can_switch_to_eager(model):
-                    model.set_attn_implementation("eager")
+                    set_attention_implementation(model, "eager")
                     switched = True
                     attentions = _attentions(model, batch, len(layer_to_site))
                 if attentions is None:

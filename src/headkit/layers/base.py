@@ -69,6 +69,10 @@ from headkit.ops._validation import (
     repeat_kv,
 )
 
+# The buffer of an attention module pruned to uneven grouped-query heads (headkit's layers and, through the
+# registered attention function, stock ones): for each query head, the key/value head it reads.
+KV_HEAD_INDEX = "headkit_kv_head_index"
+
 
 class LayerInputs(NamedTuple):
     """What :meth:`HeadkitAttention.forward` hands :meth:`HeadkitAttention.attend`, validated."""
@@ -148,6 +152,9 @@ class HeadkitAttention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, self.hidden_size, bias=config.attention_bias)
         # The head-gating hook: None, or a module whose scale_heads([B, H, T, Dv]) multiplies each head's output.
         self.register_module("head_gate", None)
+        # Uneven grouped-query pruning: None, or for each query head the key/value head it reads (persistent,
+        # so a checkpoint says what the layer computes).
+        self.register_buffer(KV_HEAD_INDEX, None, persistent=True)
 
     @accepts_cache_alias
     def forward(
@@ -200,12 +207,19 @@ class HeadkitAttention(nn.Module):
     def project_queries_keys_values(
         self, hidden_states: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[B, T, hidden] → queries [B, H, T, D], keys and values [B, H_kv, T, D] (KV heads not repeated)."""
-        return (
-            self.split_heads(self.q_proj(hidden_states), self.num_heads),
-            self.split_heads(self.k_proj(hidden_states), self.num_key_value_heads),
-            self.split_heads(self.v_proj(hidden_states), self.num_key_value_heads),
-        )
+        """[B, T, hidden] → queries [B, H, T, D], keys and values [B, H_kv, T, D] (KV heads not repeated; after
+        uneven pruning, gathered to one per query head by ``headkit_kv_head_index``)."""
+        queries = self.split_heads(self.q_proj(hidden_states), self.num_heads)
+        index = getattr(self, KV_HEAD_INDEX)
+        if index is None:
+            return (
+                queries,
+                self.split_heads(self.k_proj(hidden_states), self.num_key_value_heads),
+                self.split_heads(self.v_proj(hidden_states), self.num_key_value_heads),
+            )
+        stored = self.k_proj.out_features // self.head_dim
+        keys = self.split_heads(self.k_proj(hidden_states), stored).index_select(1, index)
+        return queries, keys, self.split_heads(self.v_proj(hidden_states), stored).index_select(1, index)
 
     def project_heads(self, head_outputs: torch.Tensor) -> torch.Tensor:
         """Gate each head, merge the heads and apply ``o_proj``: [B, H, T, Dv] → [B, T, hidden_size].
@@ -219,7 +233,7 @@ class HeadkitAttention(nn.Module):
                 f"head_outputs must have shape [batch, {self.num_heads}, seq, {self.head_dim}] to match o_proj "
                 f"({self.o_proj.in_features} inputs), got {tuple(head_outputs.shape)}"
             )
-        if self.head_gate is not None:
+        if self.head_gate is not None and self.head_gate.num_heads:  # none: a layer pruned empty
             head_outputs = self.head_gate.scale_heads(head_outputs)
         merged = head_outputs.transpose(1, 2).reshape(batch, seq, heads * head_dim)
         return self.o_proj(merged)

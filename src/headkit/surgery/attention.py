@@ -31,12 +31,17 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.cache_utils import CacheLayerMixin
 
 from headkit.compat import CACHE_ARGUMENT_NAMES, attention_implementation, cache_parameter
 from headkit.errors import HeadkitError
+from headkit.layers.base import KV_HEAD_INDEX, HeadkitAttention
+from headkit.layers.cache import RecurrentStateLayer
 from headkit.ops.softmax import eager_attention
 
 MECHANISM = "headkit_attention"
+# A module's head gate (Voita et al. 2019): scales each head's output before the output projection.
+HEAD_GATE = "head_gate"
 CACHE_LAYER_KEYWORD = "headkit_cache_layer"
 PREFIX = "headkit_"
 _PROBE = "headkit_probe"
@@ -100,12 +105,56 @@ def headkit_attention_forward(
     base: str,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The registered ``headkit_<base>`` attention: the module's mechanism, else the base implementation."""
+    """The registered ``headkit_<base>`` attention, per module: key/value heads gathered for the query heads
+    (``headkit_kv_head_index``: uneven grouped-query pruning; the cache has stored only the heads still read),
+    then the module's mechanism, else the base implementation, then each head's output scaled by the module's
+    ``head_gate``. Outputs are [B, T, heads, head_dim], as every attention function returns them."""
     cache_layer = kwargs.pop(CACHE_LAYER_KEYWORD, None)
+    index = getattr(module, KV_HEAD_INDEX, None)
+    if index is not None:
+        key, value = key.index_select(1, index), value.index_select(1, index)
     mechanism = mechanism_of(module)
     if mechanism is None:
-        return base_attention(base)(module, query, key, value, attention_mask, **kwargs)
-    return mechanism(query, key, value, attention_mask, cache_layer=cache_layer, **kwargs)
+        output, weights = base_attention(base)(module, query, key, value, attention_mask, **kwargs)
+    else:
+        output, weights = mechanism(query, key, value, attention_mask, cache_layer=cache_layer, **kwargs)
+    gate = getattr(module, HEAD_GATE, None)
+    if (
+        gate is not None and gate.num_heads
+    ):  # a gate over no heads (a layer pruned empty) has nothing to scale
+        output = gate.scale_heads(output, head_dim=-2)
+    return output, weights
+
+
+def needs_dispatch(module: nn.Module) -> bool:
+    """Whether a stock attention module holds anything only ``headkit_<base>`` runs: a mechanism, a key/value
+    head index or a head gate (headkit's own layers apply theirs themselves)."""
+    if isinstance(module, HeadkitAttention):
+        return False
+    return any(getattr(module, name, None) is not None for name in (MECHANISM, KV_HEAD_INDEX, HEAD_GATE))
+
+
+def set_attention_implementation(model: nn.Module, implementation: str) -> None:
+    """``model.set_attn_implementation`` for a model headkit may have changed: the implementation the layers
+    run (``"eager"``, ``"sdpa"``, …), behind ``headkit_<implementation>`` wherever a module needs headkit's
+    registered function (a plain ``set_attn_implementation("eager")`` would bypass it)."""
+    base = implementation.removeprefix(PREFIX)
+    needed = any(needs_dispatch(module) for module in model.modules())
+    model.set_attn_implementation(implementation_name(base) if needed else base)
+
+
+def use_dispatcher(model: nn.Module) -> None:
+    """Switch the model to ``headkit_<base>`` (no-op when it runs it already)."""
+    name = implementation_name(base_implementation(model))
+    if attention_implementation(model) != name:
+        model.set_attn_implementation(name)
+
+
+def release_dispatcher(model: nn.Module) -> None:
+    """Give the model back its base implementation once no module needs ``headkit_<base>``."""
+    current = attention_implementation(model)
+    if current.startswith(PREFIX) and not any(needs_dispatch(module) for module in model.modules()):
+        model.set_attn_implementation(current[len(PREFIX) :])
 
 
 def implementation_name(base: str) -> str:
@@ -147,16 +196,64 @@ class CacheLayerHook:
         return args, kwargs
 
 
+class StateCacheLayer(RecurrentStateLayer, CacheLayerMixin):
+    """The entry in a 🤗 ``Cache`` of a layer whose mechanism keeps a state of its own instead of keys and values.
+
+    A :class:`~headkit.layers.cache.RecurrentStateLayer` (state, token count, beam-search reordering) that is also
+    a transformers ``CacheLayerMixin``, so the container counts its tokens (``get_seq_length``, mask sizes) even
+    when no layer of the model keeps keys and values. The stock module's ``update`` call gets its keys and values
+    back unchanged; the mechanism folds them into ``state`` (:meth:`set_state`)."""
+
+    is_compileable = False
+    is_croppable = False
+    is_sliding = False
+    supports_early_init = False
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to allocate ahead: the state is created by the layer's first forward."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return key_states, value_states
+
+
+def state_cache_layer(cache: Any, layer_idx: int, layer_class: type[StateCacheLayer], what: str) -> Any:
+    """The `layer_class` entry of ``layer_idx`` in ``cache``, put in place of the empty key/value entry the cache
+    made for it (or appended, for a cache that creates its layers lazily). `what` names the layer in errors."""
+    layers = getattr(cache, "layers", None)
+    if not isinstance(layers, list):
+        raise HeadkitError(
+            f"{what} needs a transformers Cache with per-layer entries, got {type(cache).__name__}"
+        )
+    if layer_idx < len(layers) and isinstance(layers[layer_idx], layer_class):
+        return layers[layer_idx]
+    if layer_idx >= len(layers):
+        make = getattr(cache, "layer_class_to_replicate", None)
+        if make is None:
+            raise HeadkitError(
+                f"the cache holds {len(layers)} layers and cannot grow to layer {layer_idx}; use a DynamicCache"
+            )
+        while len(layers) <= layer_idx:
+            layers.append(make())
+    existing = layers[layer_idx]
+    if existing.get_seq_length() > 0:
+        raise HeadkitError(
+            f"cache layer {layer_idx} already holds keys and values of {existing.get_seq_length()} tokens; "
+            f"{what} keeps a state of its own instead (start from an empty cache)"
+        )
+    layers[layer_idx] = layer_class()
+    return layers[layer_idx]
+
+
 def attach_mechanisms(model: nn.Module, planned: Iterable[tuple[nn.Module, nn.Module]]) -> None:
     """Give each attention module its mechanism and switch the model to ``headkit_<base>``. Call it once
     everything is built and checked: it only assigns."""
-    name = implementation_name(base_implementation(model))
     for module, mechanism in planned:
         module.add_module(MECHANISM, mechanism)
         if hasattr(mechanism, "cache_layer"):
             module.register_forward_pre_hook(CacheLayerHook(module), with_kwargs=True)
-    if attention_implementation(model) != name:
-        model.set_attn_implementation(name)
+    use_dispatcher(model)
 
 
 def modules_calling_the_interface(model: nn.Module, modules: list[nn.Module]) -> set[int]:
@@ -193,8 +290,11 @@ def modules_calling_the_interface(model: nn.Module, modules: list[nn.Module]) ->
 
 __all__ = [
     "CACHE_LAYER_KEYWORD",
+    "HEAD_GATE",
+    "KV_HEAD_INDEX",
     "CacheLayerHook",
     "MECHANISM",
+    "StateCacheLayer",
     "attach_mechanisms",
     "base_attention",
     "base_implementation",
@@ -202,6 +302,11 @@ __all__ = [
     "implementation_name",
     "mechanism_of",
     "modules_calling_the_interface",
+    "needs_dispatch",
+    "release_dispatcher",
+    "set_attention_implementation",
+    "state_cache_layer",
+    "use_dispatcher",
 ]
 
 

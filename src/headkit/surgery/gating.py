@@ -10,11 +10,12 @@ and the gates are Hard Concrete variables (:class:`headkit.layers.gates.HardConc
 relaxed L0 penalty Σ_h P(g_h ≠ 0) (Louizos et al. 2018, Eq. 12). A gate that ends at exactly 0 marks a head
 that :func:`headkit.surgery.pruning.prune_heads` can remove without changing the model's outputs.
 
-Where the gate acts. The output projection (BERT ``attention.output.dense``, GPT-2 ``c_proj``, LLaMA ``o_proj``,
-…) consumes the heads concatenated as [..., heads · head_dim]; a forward pre-hook on it views that input as
-[..., heads, head_dim] and scales head h by g_h. That one hook works for every architecture the adapters know
-(:mod:`headkit.surgery.adapters`), ALBERT's shared layer included. headkit's own attention layers gate heads
-themselves (their ``head_gate`` slot, applied in ``project_heads``), so they need no hook.
+Where the gate acts. A stock module calls transformers' attention interface, which returns the heads'
+outputs [B, T, heads, head_dim] before the module merges and projects them; the model's implementation becomes
+the registered ``headkit_<base>`` (:mod:`headkit.surgery.attention`), which scales head h's output by g_h
+there — the same for every architecture the adapters know (:mod:`headkit.surgery.adapters`), ALBERT's shared
+layer included. headkit's own attention layers gate heads themselves (their ``head_gate`` slot, applied in
+``project_heads``).
 
 Where the gate lives. The gate is the child ``head_gate`` of the site's attention module (e.g.
 ``encoder.layer.3.attention.self.head_gate``), so it is trained, saved, moved with ``.to()`` and copied with the
@@ -43,9 +44,10 @@ from headkit.layers.base import HeadkitAttention
 from headkit.layers.gates import GATES, FixedGate, HardConcreteGate, HeadkitGate, L0Controller
 from headkit.layers.gates import l0_penalty as _gates_l0_penalty
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite, get_adapter
+from headkit.surgery.attention import HEAD_GATE, release_dispatcher, use_dispatcher
 from headkit.surgery.io import record_surgery, register_surgery_op
 
-GATE_ATTRIBUTE = "head_gate"
+GATE_ATTRIBUTE = HEAD_GATE
 GATES_OP = "gates"
 REMOVE_GATES_OP = "remove_gates"
 # log α of a Hard Concrete gate that starts closed (a head outside ``alive_heads``): its evaluation gate is
@@ -54,73 +56,32 @@ CLOSED_LOG_ALPHA = -10.0
 _EMPTY = object()
 
 
-# -- the hook --------------------------------------------------------------------------------------------------
-
-
-def scale_concatenated_heads(gate: HeadkitGate, heads: torch.Tensor) -> torch.Tensor:
-    """Multiply head h's slice of ``heads`` [..., num_heads · head_dim] by gate h (Voita et al. 2019, §4.1)."""
-    width = heads.shape[-1]
-    if width % gate.num_heads:
-        raise HeadkitError(
-            f"the output projection's input must be [..., num_heads·head_dim] with num_heads={gate.num_heads}, "
-            f"got width {width}"
-        )
-    per_head = heads.unflatten(-1, (gate.num_heads, width // gate.num_heads))
-    return gate.scale_heads(per_head, head_dim=-2).flatten(-2)
-
-
-class HeadGateHook:
-    """Forward pre-hook on an output projection: gates the heads in its input with ``attention.head_gate``.
-
-    The hook reads the gate from the attention module at every call (rather than holding the gate), so that a
-    gate replaced or resliced by pruning is picked up, and so that ``copy.deepcopy(model)`` gives the copy's hook
-    the copy's module.
-    """
-
-    def __init__(self, attention: nn.Module) -> None:
-        self.attention = attention
-
-    def __call__(self, projection: nn.Module, args: tuple) -> tuple | None:
-        gate = getattr(self.attention, GATE_ATTRIBUTE, None)
-        if gate is None:
-            return None
-        return (scale_concatenated_heads(gate, args[0]), *args[1:])
+# -- where the gate acts ---------------------------------------------------------------------------------------
 
 
 def gates_natively(site: AttentionSite) -> bool:
-    """True when the site's module applies ``head_gate`` itself (headkit's own attention layers)."""
+    """True when the site's module applies ``head_gate`` itself (headkit's own attention layers); a stock module's
+    gate is applied by the registered ``headkit_<base>`` attention function."""
     return isinstance(site.module, HeadkitAttention)
-
-
-def install_gate_hook(site: AttentionSite) -> None:
-    """Make the site's output projection apply the site's gate (no-op for modules that gate natively)."""
-    remove_gate_hook(site.output_projection)
-    if not gates_natively(site):
-        site.output_projection.register_forward_pre_hook(HeadGateHook(site.module))
-
-
-def remove_gate_hook(projection: nn.Module) -> None:
-    for key, hook in list(projection._forward_pre_hooks.items()):
-        if isinstance(hook, HeadGateHook):
-            del projection._forward_pre_hooks[key]
 
 
 def site_gate(site: AttentionSite) -> HeadkitGate | None:
     """The gate on a site's attention module, or None."""
-    return getattr(site.module, GATE_ATTRIBUTE, None)
+    return getattr(site.module, HEAD_GATE, None)
 
 
-def _set_site_gate(site: AttentionSite, gate: HeadkitGate | None) -> None:
+def _set_site_gate(model: nn.Module, site: AttentionSite, gate: HeadkitGate | None) -> None:
     if gate is None:
         if isinstance(site.module, HeadkitAttention):
             site.module.head_gate = None  # the layer's slot stays, empty
-        elif GATE_ATTRIBUTE in site.module._modules:
-            del site.module._modules[GATE_ATTRIBUTE]
-        remove_gate_hook(site.output_projection)
+        elif HEAD_GATE in site.module._modules:
+            del site.module._modules[HEAD_GATE]
+            release_dispatcher(model)
         return
     gate.train(site.module.training)  # a gate added to a model in eval mode must not sample
-    site.module.add_module(GATE_ATTRIBUTE, gate)
-    install_gate_hook(site)
+    site.module.add_module(HEAD_GATE, gate)
+    if not gates_natively(site):
+        use_dispatcher(model)
 
 
 # -- validation shared with pruning ----------------------------------------------------------------------------
@@ -229,7 +190,7 @@ def add_head_gates(
         gates[site.index] = _build_gate(kind, site, alive.get(site.index), gate_options)
     for site in sites:
         if site.index in gates:
-            _set_site_gate(site, gates[site.index])
+            _set_site_gate(model, site, gates[site.index])
     record_surgery(
         model,
         {
@@ -301,7 +262,7 @@ def remove_head_gates(
         for site in sites:
             _fold_gate(site)
     for site in sites:
-        _set_site_gate(site, None)
+        _set_site_gate(model, site, None)
     record_surgery(model, {"op": REMOVE_GATES_OP, "adapter": adapter.name})
 
 
@@ -548,13 +509,15 @@ def _reapply_gates(model: nn.Module, entry: dict[str, Any]) -> None:
         )
     for site in sites:
         if site.index in recorded:
-            _set_site_gate(site, _build_gate(entry["kind"], site, None, dict(entry.get("options", {}))))
+            _set_site_gate(
+                model, site, _build_gate(entry["kind"], site, None, dict(entry.get("options", {})))
+            )
 
 
 def _reapply_remove_gates(model: nn.Module, entry: dict[str, Any]) -> None:
     for site in get_adapter(model, entry["adapter"]).sites(model):
         if site_gate(site) is not None:
-            _set_site_gate(site, None)
+            _set_site_gate(model, site, None)
 
 
 register_surgery_op(GATES_OP, _reapply_gates)

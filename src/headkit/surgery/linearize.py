@@ -51,69 +51,34 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.cache_utils import CacheLayerMixin
 
 from headkit.errors import HeadkitError
 from headkit.layers.cache import RecurrentStateLayer, map_state
 from headkit.layers.feature_maps import build_feature_map, valid_feature_map_names
 from headkit.ops.hybrid import hybrid_attention, hybrid_attention_step
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite, count_parameters, get_adapter
-from headkit.surgery.attention import attach_mechanisms, mechanism_of, modules_calling_the_interface
+from headkit.surgery.attention import (
+    StateCacheLayer,
+    attach_mechanisms,
+    mechanism_of,
+    modules_calling_the_interface,
+    state_cache_layer,
+)
 from headkit.surgery.families import LINEARIZE, get_family
 from headkit.surgery.io import record_surgery, register_surgery_op
 
 SURGERY_OP = "linearize"
 
 
-class HybridStateCacheLayer(RecurrentStateLayer, CacheLayerMixin):
-    """The entry of a converted layer in a 🤗 ``Cache``: one fixed-size :class:`headkit.ops.HybridAttentionState`.
-
-    A :class:`~headkit.layers.cache.RecurrentStateLayer` (state, token count, beam-search reordering) that is also
-    a transformers ``CacheLayerMixin``, so the container counts its tokens (``get_seq_length``, mask sizes) even when
-    no layer of the model keeps keys and values."""
-
-    is_compileable = False
-    is_croppable = False
-    is_sliding = False
-    supports_early_init = False
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Nothing to allocate ahead: the state is created by the layer's first forward."""
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The stock module's cache call: the new keys and values, unchanged; :class:`LinearizedHeads` folds them
-        into the state (it needs their feature maps, which only the module has)."""
-        return key_states, value_states
+class HybridStateCacheLayer(StateCacheLayer):
+    """The entry of a converted layer in a 🤗 ``Cache``: one fixed-size :class:`headkit.ops.HybridAttentionState`
+    (a :class:`~headkit.surgery.attention.StateCacheLayer`); :class:`LinearizedHeads` folds the new keys and
+    values into it."""
 
 
 def hybrid_cache_layer(cache: Any, layer_idx: int) -> HybridStateCacheLayer:
-    """The :class:`HybridStateCacheLayer` of ``layer_idx`` in ``cache``, put in place of the empty key/value entry
-    the cache made for it (or appended, for a cache that creates its layers lazily)."""
-    layers = getattr(cache, "layers", None)
-    if not isinstance(layers, list):
-        raise HeadkitError(
-            f"a linearized attention layer needs a transformers Cache with per-layer entries, got {type(cache).__name__}"
-        )
-    if layer_idx < len(layers) and isinstance(layers[layer_idx], HybridStateCacheLayer):
-        return layers[layer_idx]
-    if layer_idx >= len(layers):
-        make = getattr(cache, "layer_class_to_replicate", None)
-        if make is None:
-            raise HeadkitError(
-                f"the cache holds {len(layers)} layers and cannot grow to layer {layer_idx}; use a DynamicCache"
-            )
-        while len(layers) <= layer_idx:
-            layers.append(make())
-    existing = layers[layer_idx]
-    if existing.get_seq_length() > 0:
-        raise HeadkitError(
-            f"cache layer {layer_idx} already holds keys and values of {existing.get_seq_length()} tokens; a "
-            "linearized layer keeps a fixed-size state instead (start from an empty cache)"
-        )
-    layers[layer_idx] = HybridStateCacheLayer()
-    return layers[layer_idx]
+    """The :class:`HybridStateCacheLayer` of ``layer_idx`` in ``cache`` (see :func:`state_cache_layer`)."""
+    return state_cache_layer(cache, layer_idx, HybridStateCacheLayer, "a linearized attention layer")
 
 
 def decoding_state_bytes(cache: Any) -> int:

@@ -10,16 +10,19 @@ exactly what the full model computes with the pruned heads' outputs set to zero 
 Grouped-query attention (Ainslie et al. 2023). Query head h reads key/value head ⌊h / G⌋ (G query heads per
 key/value head); a key/value head is removed only when all its query heads are. When the query heads left per
 key/value head are unequal — say 3 and 1 — no G expresses the grouping, so ``repeat_kv`` cannot either. The
-layer then keeps only the key/value heads still used (no parameter is duplicated) and a forward hook on the
-key and value projections gathers, for each remaining query head, the head it reads (an index stored on the
-projection as ``headkit_kv_head_index``); the attention module then runs as plain multi-head attention
-(``num_key_value_groups = 1``). The gather happens before rotary embeddings, which rotate every head the same
-way, and before the KV cache, which then stores one key/value per query head for that layer. Every attention
-implementation (eager, sdpa, flash) and every mask works unchanged.
+layer then keeps only the key/value heads still used (no parameter is duplicated), and a persistent buffer on the
+attention module, ``headkit_kv_head_index``, says for each remaining query head which of them it reads. The
+module's own forward runs unchanged — projections, norms, rotary, and the KV cache, which so stores only the
+key/value heads still read — and the registered ``headkit_<base>`` attention function
+(:mod:`headkit.surgery.attention`) gathers the heads for the query heads before the base implementation (eager,
+sdpa, flash), which then sees plain multi-head attention (``num_key_value_groups = 1``). headkit's own layers
+gather in their projection step (the same buffer). The checkpoint so states what the layer computes.
 
-A layer may lose all its heads (``allow_empty_layers=True``): its attention module is replaced by
-:class:`EmptyAttention`, which contributes only what the output projection adds to zero heads (its bias) and
-whatever the replaced module ran after it (dropout, residual LayerNorm).
+A layer may lose all its heads (``allow_empty_layers=True``). Its module stays the stock one
+(:meth:`AttentionAdapter.write_empty`): its projections become parameter-free :class:`~headkit.surgery.adapters.NoHeads`
+placeholders of one zero head, its output projection :class:`~headkit.surgery.adapters.BiasOnly`, and its
+mechanism :class:`EmptyHeads` skips attention and keeps nothing in the cache. It contributes what the output
+projection adds to zero heads (its bias) and whatever the module runs after it (dropout, residual LayerNorm).
 
 Every call validates the whole plan before it changes anything, and records itself in
 ``config.headkit_surgery`` so that ``save_pretrained`` + :func:`headkit.from_pretrained` restore the pruned shapes.
@@ -28,8 +31,6 @@ Every call validates the whole plan before it changes anything, and records itse
 from __future__ import annotations
 
 import copy
-import inspect
-import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -37,183 +38,78 @@ from typing import Any
 import torch
 from torch import nn
 
-from headkit.compat import CACHE_ARGUMENT, cache_parameter, pop_cache_argument
 from headkit.errors import HeadkitError
+from headkit.layers.base import KV_HEAD_INDEX, HeadkitAttention
 from headkit.layers.gates import FixedGate, HardConcreteGate
 from headkit.surgery.adapters import (
     AttentionAdapter,
     AttentionSite,
     ProjectionWeights,
-    ReplacementAttention,
     count_parameters,
     get_adapter,
     linear_parameters,
 )
-from headkit.surgery.adapters.base import replace_linear
+from headkit.surgery.attention import StateCacheLayer, attach_mechanisms, state_cache_layer, use_dispatcher
 from headkit.surgery.families import FAMILIES, UNIFORM, get_family
-from headkit.surgery.gating import (
-    check_site_heads,
-    evaluation_gate_values,
-    install_gate_hook,
-    site_gate,
-)
+from headkit.surgery.gating import check_site_heads, evaluation_gate_values, site_gate
 from headkit.surgery.io import SURGERY_KEY, record_surgery, recorded_surgery, register_surgery_op
 
 PRUNE_OP = "prune"
-KV_HEAD_INDEX = "headkit_kv_head_index"
 
 
 # -- what remains of a layer with no head ----------------------------------------------------------------------
 
 
-class EmptyAttention(ReplacementAttention):
-    """Stands in for an attention module whose heads were all pruned.
+class EmptyHeadsCacheLayer(StateCacheLayer):
+    """The cache entry of a layer with no head: counts its tokens (so the layers after it see the right lengths)
+    and stores nothing."""
 
-    With no head, the concatenated heads are a [B, T, 0] tensor, so the output projection returns its bias
-    (zeros without one); the module then runs whatever the replaced module ran after its heads (dropout,
-    residual LayerNorm), kept under their original names so the state dict keeps its keys. In a KV cache it
-    records the new tokens with zero heads, so that sequence lengths stay right for the layers after it.
-    Returns ``(output, attention weights [B, 0, Tq, Tk] or None)`` like the replaced module.
-    """
 
-    def __init__(
-        self,
-        *,
-        head_dim: int,
-        scale: float,
-        causal: bool,
-        layer_idx: int | None,
-        call_signature: inspect.Signature,
-        epilogue: dict[str, tuple[str, nn.Module]],
-    ) -> None:
-        # Not super(): replace_attention mixes the replaced 🤗 class into this one's bases.
-        nn.Module.__init__(self)
-        self.num_heads = self.num_kv_heads = 0
-        self.head_dim = head_dim
-        self.scale = scale
-        self.is_causal = causal
+class EmptyHeads(nn.Module):
+    """The mechanism of a stock attention module whose heads were all pruned (:meth:`AttentionAdapter.write_empty`
+    leaves the module one placeholder head of zeros): skips attention, returns that head's zeros and, for
+    ``output_attentions``, weights over no head [B, 0, Tq, Tk]; the output projection then adds its bias."""
+
+    def __init__(self, layer_idx: int | None) -> None:
+        super().__init__()
         self.layer_idx = layer_idx
-        self.call_signature = call_signature
-        self.add_epilogue(epilogue)
+
+    def cache_layer(self, cache: Any) -> EmptyHeadsCacheLayer:
+        if self.layer_idx is None:
+            raise HeadkitError("this attention module has no layer_idx, so it cannot use a KV cache")
+        return state_cache_layer(cache, self.layer_idx, EmptyHeadsCacheLayer, "a layer with no heads")
 
     def forward(
-        self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        call = self.bind_call(hidden_states, args, kwargs)
-        batch, q_len = hidden_states.shape[:2]
-        kv_len = q_len
-        if call.cache is not None and self.layer_idx is not None:
-            no_heads = hidden_states.new_zeros(batch, 0, q_len, self.head_dim)
-            cache = getattr(call.cache, "self_attention_cache", call.cache)
-            keys, _ = cache.update(no_heads, no_heads, self.layer_idx)
-            kv_len = keys.shape[-2]
-        output = hidden_states.new_zeros(batch, q_len, 0)
-        roles = self.epilogue_roles
-        if "projection" in roles:
-            # The projection of zero heads is its bias; computed directly, as GPT-2's Conv1D cannot multiply a
-            # [B·T, 0] matrix (it reshapes with view(-1, 0)).
-            weight, bias = linear_parameters(getattr(self, roles["projection"]))
-            bias = weight.new_zeros(weight.shape[0]) if bias is None else bias
-            output = bias.to(hidden_states.dtype).expand(batch, q_len, -1)
-        if "dropout" in roles:
-            output = getattr(self, roles["dropout"])(output)
-        if "norm" in roles:
-            output = getattr(self, roles["norm"])(hidden_states + output)
-        weights = hidden_states.new_zeros(batch, 0, q_len, kv_len) if call.output_attentions else None
-        return output, weights
-
-    def extra_repr(self) -> str:
-        return f"heads=0, head_dim={self.head_dim}"
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attention_mask: Any,
+        *,
+        cache_layer: EmptyHeadsCacheLayer | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        batch, _, seq, head_dim = queries.shape
+        past = 0 if cache_layer is None else cache_layer.get_seq_length()
+        if cache_layer is not None:
+            cache_layer.set_state(None, seq)
+        return queries.new_zeros(batch, seq, 1, head_dim), queries.new_zeros(batch, 0, seq, past + seq)
 
 
 # -- uneven grouped-query attention ----------------------------------------------------------------------------
 
 
-class KeyValueHeadGather:
-    """Forward hook on a key or value projection: [..., kv_heads · d] → [..., query_heads · d], the slot of
-    query head i holding key/value head ``projection.headkit_kv_head_index[i]``."""
-
-    def __init__(self, head_dim: int) -> None:
-        self.head_dim = head_dim
-
-    def __call__(self, projection: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        index = getattr(projection, KV_HEAD_INDEX)
-        return output.unflatten(-1, (-1, self.head_dim)).index_select(-2, index).flatten(-2)
-
-
-class GatheringCache:
-    """Stands between an attention module and its KV cache (or no cache): the cache stores the layer's key/value
-    heads as projected — only those still read — and the attention module gets one per query head, query head i
-    holding key/value head ``index[i]``. Everything else is the wrapped cache's."""
-
-    def __init__(self, cache: Any, index: torch.Tensor) -> None:
-        self.cache, self.index = cache, index
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cache is not None:
-            key_states, value_states = self.cache.update(key_states, value_states, layer_idx, *args, **kwargs)
-        return key_states.index_select(1, self.index), value_states.index_select(1, self.index)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "cache":  # not set yet (a copy being built): no recursion through ourselves
-            raise AttributeError(name)
-        return getattr(self.cache, name)
-
-
-class CacheGather:
-    """Forward pre-hook on an attention module (adapters with ``gathers_after_cache``): hands the module a
-    :class:`GatheringCache` around whatever cache it was given (``cache`` or ``past_key_values``, keyword or positional)."""
-
-    def __init__(self, module: nn.Module) -> None:
-        # The module's own name for its cache parameter (``cache`` from transformers 5.24, ``past_key_values``
-        # before); its callers may use either, as its deprecation decorator accepts both.
-        name, self.position = cache_parameter(type(module).forward)
-        self.name = name or CACHE_ARGUMENT
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        index = getattr(module, KV_HEAD_INDEX)
-        if self.position is not None and len(args) > self.position:
-            args = (
-                *args[: self.position],
-                GatheringCache(args[self.position], index),
-                *args[self.position + 1 :],
-            )
-        else:
-            kwargs[self.name] = GatheringCache(pop_cache_argument(kwargs), index)
-        return args, kwargs
-
-
-def _remove_cache_gather(module: nn.Module) -> None:
-    handle = getattr(module, "headkit_cache_gather_handle", None)
-    if handle is not None:
-        handle.remove()
-        del module.headkit_cache_gather_handle
-    if KV_HEAD_INDEX in module._buffers:
-        del module._buffers[KV_HEAD_INDEX]
-
-
-def _install_cache_gather(module: nn.Module, kv_index: list[int], device: torch.device) -> None:
-    _remove_cache_gather(module)
-    # Persistent: the checkpoint says which key/value head each query head reads (from_pretrained replays the
-    # recorded pruning, which registers the same buffer, then loads it strictly).
-    module.register_buffer(
-        KV_HEAD_INDEX, torch.tensor(kv_index, dtype=torch.long, device=device), persistent=True
-    )
-    module.headkit_cache_gather_handle = module.register_forward_pre_hook(
-        CacheGather(module), with_kwargs=True
-    )
-
-
-def _install_kv_gather(projection: nn.Module, kv_index: list[int], head_dim: int) -> None:
-    weight = linear_parameters(projection)[0]
-    # Persistent: the checkpoint says which key/value head each query head reads (from_pretrained replays the
-    # recorded pruning, which registers the same buffer, then loads it strictly).
-    projection.register_buffer(
-        KV_HEAD_INDEX, torch.tensor(kv_index, dtype=torch.long, device=weight.device), persistent=True
-    )
-    projection.register_forward_hook(KeyValueHeadGather(head_dim))
+def _set_kv_index(module: nn.Module, kv_index: list[int] | None, device: torch.device) -> None:
+    """Set (or, with None, clear) the module's ``headkit_kv_head_index``: a persistent buffer, so the checkpoint
+    says which key/value head each query head reads (from_pretrained replays the recorded pruning, which
+    registers the same buffer, then loads it strictly)."""
+    index = None if kv_index is None else torch.tensor(kv_index, dtype=torch.long, device=device)
+    if isinstance(module, HeadkitAttention):
+        setattr(module, KV_HEAD_INDEX, index)  # the layer's own slot
+    elif index is None:
+        module._buffers.pop(KV_HEAD_INDEX, None)
+    else:
+        module.register_buffer(KV_HEAD_INDEX, index, persistent=True)
 
 
 def check_prunable(sites: list[AttentionSite]) -> None:
@@ -235,10 +131,7 @@ def query_to_kv_heads(site: AttentionSite) -> list[int]:
     """For each query head of the site, the index of the key/value head it reads."""
     if site.num_heads == 0:
         return []
-    key_projection = site.module.get_submodule(site.adapter.key_name)
     index = getattr(site.module, KV_HEAD_INDEX, None)
-    if index is None:
-        index = getattr(key_projection, KV_HEAD_INDEX, None)
     if index is not None:
         return [int(i) for i in index.tolist()]
     group = site.num_heads // site.num_kv_heads
@@ -298,12 +191,6 @@ def _plan(
         kv_of_query = query_to_kv_heads(site)
         keep_kv = sorted({kv_of_query[h] for h in keep_query})
         plan = _SitePlan(site, keep_query, keep_kv, [keep_kv.index(kv_of_query[h]) for h in keep_query])
-        fused = adapter.query_name == adapter.key_name
-        if not plan.empty and not plan.grouped_evenly and fused and not adapter.gathers_after_cache:
-            raise HeadkitError(
-                f"layer {index} would keep unequal query heads per key/value head, which the {adapter.name} "
-                "adapter's fused projection cannot express"
-            )
         gate = site_gate(site)
         if gate is not None and not isinstance(gate, (HardConcreteGate, FixedGate)):
             raise HeadkitError(
@@ -347,24 +234,20 @@ def _apply(model: nn.Module, adapter: AttentionAdapter, plan: _SitePlan) -> None
         q_norm=rows(weights.q_norm, query_rows),
         k_norm=rows(weights.k_norm, kv_rows),
     )
-    if adapter.gathers_after_cache:
-        _remove_cache_gather(site.module)
+    module = site.module
     if plan.grouped_evenly:
-        adapter.write_projections(model, site, shrunk)  # new k/v projections: no gather hook left behind
+        _set_kv_index(module, None, device)
+        adapter.write_projections(model, site, shrunk)
     else:
-        module = site.module
         adapter.write_linears(model, site, shrunk)
-        # After the gather the module sees one key/value head per query head.
+        # After the gather the attention sees one key/value head per query head.
         adapter.set_gathered_head_counts(module, len(plan.keep_query), len(plan.keep_kv), site.head_dim)
-        if adapter.gathers_after_cache:
-            _install_cache_gather(module, plan.kv_index, device)
-        else:
-            for name in (adapter.key_name, adapter.value_name):
-                _install_kv_gather(module.get_submodule(name), plan.kv_index, site.head_dim)
+        _set_kv_index(module, plan.kv_index, device)
+        if not isinstance(module, HeadkitAttention):
+            use_dispatcher(model)  # the registered attention function gathers after the cache
     gate = site_gate(site)
     if gate is not None:
         _slice_gate(gate, plan.keep_query)
-        install_gate_hook(adapter.sites(model)[site.index])  # the output projection is a new module
 
 
 def _slice_gate(gate: HardConcreteGate | FixedGate, keep: list[int]) -> None:
@@ -378,20 +261,13 @@ def _slice_gate(gate: HardConcreteGate | FixedGate, keep: list[int]) -> None:
 
 
 def _empty_site(model: nn.Module, adapter: AttentionAdapter, site: AttentionSite) -> None:
-    o_weight, o_bias = linear_parameters(site.output_projection)
-    with warnings.catch_warnings():  # nn.Linear warns that initialising its empty weight does nothing
-        warnings.filterwarnings("ignore", message="Initializing zero-element tensors")
-        replace_linear(model, site.output_projection_name, o_weight[:, :0], o_bias)
-    site = adapter.sites(model)[site.index]
-    empty = EmptyAttention(
-        head_dim=site.head_dim,
-        scale=site.scale,
-        causal=site.causal,
-        layer_idx=getattr(site.module, "layer_idx", None),
-        call_signature=inspect.signature(type(site.module).forward),
-        epilogue=adapter.epilogue_modules(site),
-    )
-    adapter.replace_attention(model, site, empty)  # the gate, a child of the old module, goes with it
+    gate = site_gate(site)
+    if gate is not None:
+        _slice_gate(gate, [])
+    _set_kv_index(site.module, None, linear_parameters(site.output_projection)[0].device)
+    adapter.write_empty(model, site)
+    if not isinstance(site.module, HeadkitAttention):  # headkit's layers run the placeholder head themselves
+        attach_mechanisms(model, [(site.module, EmptyHeads(getattr(site.module, "layer_idx", None)))])
 
 
 # -- public API ------------------------------------------------------------------------------------------------
@@ -497,11 +373,7 @@ def prune_heads(
 
 
 def _is_gathered(site: AttentionSite) -> bool:
-    if site.num_heads == 0:
-        return False
-    return hasattr(site.module, KV_HEAD_INDEX) or hasattr(
-        site.module.get_submodule(site.adapter.key_name), KV_HEAD_INDEX
-    )
+    return site.num_heads > 0 and getattr(site.module, KV_HEAD_INDEX, None) is not None
 
 
 def prune_dead_heads(

@@ -303,10 +303,6 @@ class AttentionAdapter:
     head_dim_attribute: ClassVar[str] = "head_dim"
     epilogue_names: ClassVar[tuple[str | None, str | None, str | None] | tuple[()]] = ("o_proj", None, None)
     rotary: ClassVar[bool] = False
-    # The attention module takes the cache as ``cache`` (``past_key_values`` before transformers 5.24) and calls its ``update(key, value, layer_idx)``
-    # once per forward: uneven grouped-query pruning can then gather key/value heads *after* the cache, which so
-    # stores only the key/value heads still read (see headkit.surgery.pruning).
-    gathers_after_cache: ClassVar[bool] = False
 
     # -- detection ----------------------------------------------------------------------------------------------
 
@@ -335,7 +331,11 @@ class AttentionAdapter:
             by_module[id(module)].append(layer_index)
         sites = []
         for index, (module, output_projection) in enumerate(found):
-            num_heads, num_kv_heads, head_dim = self.head_geometry(module)
+            if self.is_emptied(module):
+                num_heads = num_kv_heads = 0
+                head_dim = int(getattr(module, self.head_dim_attribute))
+            else:
+                num_heads, num_kv_heads, head_dim = self.head_geometry(module)
             sites.append(
                 AttentionSite(
                     index=index,
@@ -423,6 +423,27 @@ class AttentionAdapter:
         replace_linear(module, self.key_name, weights.k_weight, weights.k_bias)
         replace_linear(module, self.value_name, weights.v_weight, weights.v_bias)
         replace_linear(model, site.output_projection_name, weights.o_weight, weights.o_bias)
+
+    def is_emptied(self, module: nn.Module) -> bool:
+        """Whether every head of the attention module was pruned (:meth:`write_empty`)."""
+        return isinstance(getattr(module, self.query_name, None), NoHeads)
+
+    def write_empty(self, model: nn.Module, site: AttentionSite) -> None:
+        """Take every head out of the site's module, which stays the stock module: each projection becomes
+        :class:`NoHeads` (one placeholder head of zeros per role it serves), the output projection
+        :class:`BiasOnly`, and the module is told it has one head. The module's own forward then runs unchanged —
+        its views, norms, rotary and cache call act on zeros — and adds the output projection's bias; the caller
+        gives it a mechanism that skips the attention and stores nothing in the cache."""
+        module = site.module
+        names = [self.query_name, self.key_name, self.value_name]
+        for name in dict.fromkeys(names):
+            setattr(module, name, NoHeads(names.count(name) * site.head_dim))
+        _, o_bias = linear_parameters(site.output_projection)
+        parent_path, _, child = site.output_projection_name.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        out_features = int(linear_parameters(site.output_projection)[0].shape[0])
+        setattr(parent, child, BiasOnly(o_bias, in_features=site.head_dim, out_features=out_features))
+        self.set_head_counts(module, 1, 1, site.head_dim)
 
     def set_gathered_head_counts(
         self, module: nn.Module, num_heads: int, num_stored_kv_heads: int, head_dim: int
@@ -552,7 +573,12 @@ def get_adapter(
 
 
 def linear_parameters(module: nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight [out, in], bias or None) of an ``nn.Linear`` or a GPT-2 style ``Conv1D`` (which stores [in, out])."""
+    """(weight [out, in], bias or None) of an ``nn.Linear`` or a GPT-2 style ``Conv1D`` (which stores [in, out]);
+    a :class:`BiasOnly` projection's weight is zeros [out, in]."""
+    if isinstance(module, BiasOnly):
+        bias = None if module.bias is None else module.bias.detach()
+        reference = module.bias if module.bias is not None else torch.empty(0)
+        return reference.new_zeros(module.out_features, module.in_features), bias
     if isinstance(module, nn.Linear):
         return module.weight.detach(), None if module.bias is None else module.bias.detach()
     if _is_conv1d(module):
@@ -580,6 +606,44 @@ def new_linear(weight: torch.Tensor, bias: torch.Tensor | None, like: nn.Module 
         if bias is not None:
             linear.bias.copy_(bias)
     return linear
+
+
+class NoHeads(nn.Module):
+    """The projection of an attention module whose heads were all pruned: `width` zero features whatever its
+    input (a placeholder head per role: stock forwards view projections as [..., -1, head_dim], which cannot
+    infer zero heads). No parameters, so the checkpoint holds none."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.width = width
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return hidden_states.new_zeros(*hidden_states.shape[:-1], self.width)
+
+    def extra_repr(self) -> str:
+        return f"width={self.width}"
+
+
+class BiasOnly(nn.Module):
+    """The output projection of an attention module with no heads: what projecting zero heads gives, its bias
+    (zeros without one), broadcast over the input's leading dimensions."""
+
+    def __init__(self, bias: torch.Tensor | None, *, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        if bias is None:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        shape = (*inputs.shape[:-1], self.out_features)
+        if self.bias is None:
+            return inputs.new_zeros(shape)
+        return self.bias.to(inputs.dtype).expand(shape)
+
+    def extra_repr(self) -> str:
+        return f"out_features={self.out_features}, bias={self.bias is not None}"
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -21,7 +21,6 @@ class LlamaAdapter(AttentionAdapter):
     name = "llama"
     model_types = tuple(sorted(f.model_type for f in FAMILIES.values() if f.adapter == "llama"))
     rotary = True
-    gathers_after_cache = True
 
     def stock_head_config(self, num_heads: int, num_kv_heads: int, head_dim: int) -> dict[str, int] | None:
         # LlamaConfig carries head_dim explicitly, so fewer heads need not change their width.

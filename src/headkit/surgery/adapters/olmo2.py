@@ -48,5 +48,11 @@ class Olmo2Adapter(LlamaAdapter):
                     requires_grad=norm.weight.requires_grad,
                 )
 
+    def write_empty(self, model: nn.Module, site: AttentionSite) -> None:
+        super().write_empty(model, site)
+        # The norms would see only the placeholder head's zeros, which normalise to zeros: none is needed.
+        site.module.q_norm = nn.Identity()
+        site.module.k_norm = nn.Identity()
+
 
 __all__ = ["Olmo2Adapter"]
