@@ -100,12 +100,13 @@ def headkit_attention_forward(
     base: str,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The registered ``headkit_<base>`` attention: the module's mechanism, else the base implementation."""
+    """The registered ``headkit_<base>`` attention: the module's mechanism (told the base implementation as the
+    keyword ``base``: eager returns weights always, the others need not), else the base implementation."""
     cache_layer = kwargs.pop(CACHE_LAYER_KEYWORD, None)
     mechanism = mechanism_of(module)
     if mechanism is None:
         return base_attention(base)(module, query, key, value, attention_mask, **kwargs)
-    return mechanism(query, key, value, attention_mask, cache_layer=cache_layer, **kwargs)
+    return mechanism(query, key, value, attention_mask, cache_layer=cache_layer, base=base, **kwargs)
 
 
 def implementation_name(base: str) -> str:
