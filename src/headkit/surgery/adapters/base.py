@@ -385,16 +385,6 @@ class AttentionAdapter:
         """The score scale the module applies (every supported 🤗 module stores it as ``scaling``)."""
         return float(module.scaling)
 
-    def attention_dropout(self, module: nn.Module) -> float:
-        """Dropout probability on the attention weights (a Dropout module or a float, by architecture)."""
-        for name in ("attention_dropout", "attn_dropout", "dropout"):
-            value = getattr(module, name, None)
-            if isinstance(value, nn.Dropout):
-                return float(value.p)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-        return 0.0
-
     # -- reading and writing projections ------------------------------------------------------------------------
 
     def read_projections(self, site: AttentionSite) -> ProjectionWeights:
