@@ -56,7 +56,7 @@ def test_full_size_compress_is_exact_and_reloads(tiny_encoder, tmp_path, monkeyp
     saved = json.loads((out / "config.json").read_text())
     assert saved["headkit_surgery"][0]["op"] == "collaborative"
     reloaded = headkit.from_pretrained(out)
-    assert any(isinstance(m, headkit.surgery.CollaborativeSelfAttention) for m in reloaded.modules())
+    assert any(isinstance(m, headkit.surgery.CollaborativeHeads) for m in reloaded.modules())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no staging folder left behind
 
 

@@ -24,8 +24,11 @@ from headkit.surgery.adapters import (
     DistilBERTCollaborativeAdapter,
     get_adapter,
 )
+from headkit.surgery.attention import mechanism_of
 from headkit.surgery.collaborative import (
-    CollaborativeSelfAttention,
+    CollaborativeHeads,
+    FusedSharedProjection,
+    SharedProjection,
     model_attention_mask,
     swap_to_collaborative,
 )
@@ -62,16 +65,23 @@ def test_full_size_swap_is_exact(kind, attn_implementation):
         else swap_to_collaborative(model, dim_shared_query_key=32)
     )
     assert report.max_relative_error < 1e-6 and all(site.exact for site in report.sites)
-    assert all(
-        isinstance(site.module, CollaborativeSelfAttention) for site in get_adapter(model).sites(model)
-    )
+    stock = type(_eager_copy(tiny_model(kind)).get_submodule(report.sites[0].name))
+    for site in get_adapter(model).sites(model):  # the stock module, with its mechanism
+        assert type(site.module) is stock and isinstance(mechanism_of(site.module), CollaborativeHeads)
+        assert site.is_headkit and (site.num_heads, site.num_kv_heads, site.head_dim) == (4, 4, 8)
+    assert model.config._attn_implementation == f"headkit_{attn_implementation}"
 
     plain = _forward(model, inputs).last_hidden_state
     with_weights = _forward(model, inputs, output_attentions=True)
     keep = valid_positions(inputs, plain)
     assert (plain - expected.last_hidden_state)[keep].abs().max() < 1e-5
     assert (with_weights.last_hidden_state - expected.last_hidden_state)[keep].abs().max() < 1e-5
-    # output_attentions works under every attention implementation (🤗's own sdpa path returns none).
+    if kind == "gpt2" and attn_implementation == "sdpa":
+        # GPT-2 drops output_attentions before its attention modules, which return weights only where the base
+        # implementation does (eager), like the stock model under sdpa.
+        assert with_weights.attentions == () and _forward(tiny_model(kind, "sdpa"), inputs).attentions is None
+        return
+    # output_attentions works under every implementation for the encoders, which pass the flag on.
     assert len(with_weights.attentions) == len(expected.attentions) == (3 if kind == "albert" else 2)
     for got, want in zip(with_weights.attentions, expected.attentions, strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
@@ -250,6 +260,44 @@ def test_gpt2_incremental_decoding_matches_a_full_forward(dim_shared):
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dim_shared", [32, 12, 4])
+def test_gpt2_keeps_its_module_and_generates_the_same_with_and_without_cache(dim_shared):
+    model = transformers.GPT2LMHeadModel(tiny_model("gpt2", "sdpa").config).eval()
+    reference = copy.deepcopy(model)
+    swap_to_collaborative(model, dim_shared_query_key=dim_shared)
+    attention = model.transformer.h[0].attn
+    assert type(attention) is transformers.models.gpt2.modeling_gpt2.GPT2Attention
+    fused = attention.c_attn
+    assert isinstance(fused, FusedSharedProjection) and isinstance(fused.query, SharedProjection)
+    padded_key = -(-(dim_shared + 4) // 8) * 8  # shared key + one content logit per head, padded to head_dim
+    assert attention.split_size == [-(-dim_shared // 8) * 8, padded_key, 32]
+    assert type(fused.value) is type(reference.transformer.h[0].attn.c_attn)  # the stock Conv1D
+    prompt = model_inputs("gpt2")["input_ids"][:2, :5]
+    settings = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        cached = model.generate(prompt, use_cache=True, **settings)
+        uncached = model.generate(prompt, use_cache=False, **settings)
+        original = reference.generate(prompt, use_cache=True, **settings)
+    assert torch.equal(cached, uncached)
+    if dim_shared == 32:
+        assert torch.equal(cached, original)
+
+
+def test_a_linearized_model_is_refused_and_a_swapped_one_cannot_be_linearized():
+    import headkit
+
+    model = tiny_model("gpt2")
+    headkit.linearize(model, window=4, chunk_size=4)
+    state, surgery = model.state_dict(), list(model.config.headkit_surgery)
+    with pytest.raises(HeadkitError, match="already runs a headkit mechanism"):
+        swap_to_collaborative(model, dim_shared_query_key=16)
+    assert model.state_dict().keys() == state.keys() and model.config.headkit_surgery == surgery
+    swapped = tiny_model("gpt2")
+    swap_to_collaborative(swapped, dim_shared_query_key=16)
+    with pytest.raises(HeadkitError, match="already replaced"):
+        headkit.linearize(swapped, window=4)
+
+
 def test_training_mode_applies_attention_dropout():
     model = tiny_model("bert")
     swap_to_collaborative(model, dim_shared_query_key=32)
@@ -259,11 +307,9 @@ def test_training_mode_applies_attention_dropout():
     for module in model.modules():  # only layer 0's dropout on the attention weights stays on
         if isinstance(module, torch.nn.Dropout):
             module.p = 0.0
-        if isinstance(module, CollaborativeSelfAttention):
-            module.attention_dropout_p = 0.0
-    model.encoder.layer[0].attention.self.attention_dropout_p = 0.5
+    model.encoder.layer[0].attention.self.dropout.p = 0.5  # the stock module's own attention dropout
     dropped = _forward(model, inputs).last_hidden_state
-    model.encoder.layer[0].attention.self.attention_dropout_p = 0.0
+    model.encoder.layer[0].attention.self.dropout.p = 0.0
     undropped = _forward(model, inputs).last_hidden_state
     assert not torch.allclose(dropped, evaluated, atol=1e-3)
     torch.testing.assert_close(undropped, evaluated, atol=1e-5, rtol=1e-5)

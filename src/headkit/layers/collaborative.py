@@ -14,9 +14,10 @@ re-expresses (the paper's code divides by √(D̃/heads), the same at full size)
 
 The key/value cache keeps, per token, the shared key with the content-bias scores appended ([B, 1, T, D̃ + H]
 as its "keys") and the values ([B, Hkv, T, head_dim]). :func:`collaborative_head_outputs` is the one
-implementation of the heads, shared with :class:`headkit.surgery.CollaborativeSelfAttention`, which puts them
-into pretrained models. :meth:`CollaborativeAttention.from_weights` and
-:meth:`CollaborativeAttention.from_softmax_attention` build the layer from explicit weights.
+implementation of the heads, shared with :class:`headkit.surgery.CollaborativeHeads`, which puts them into
+pretrained models (there the stock module updates the cache, in a layout of its own).
+:meth:`CollaborativeAttention.from_weights` and :meth:`CollaborativeAttention.from_softmax_attention` build the
+layer from explicit weights.
 """
 
 from __future__ import annotations
@@ -251,7 +252,7 @@ def collaborative_head_outputs(
     """Per-head outputs [B, H, Tq, Dv] of collaborative heads, and their weights when asked for.
 
     The one implementation behind :class:`CollaborativeAttention` and the surgery module that puts collaborative
-    heads into a pretrained 🤗 model (:class:`headkit.surgery.CollaborativeSelfAttention`): cache update
+    heads into a pretrained 🤗 model (:class:`headkit.surgery.CollaborativeHeads`, without a cache): cache update
     (:func:`update_collaborative_cache`), grouped values, and the one "fused unless the weights are needed"
     choice: :func:`headkit.ops.collaborative_attention` (SDPA's fused kernels with no [Tq, Tk] tensor, or
     explicit scores for short sequences) unless ``output_attentions`` or dropout on the weights need

@@ -19,7 +19,7 @@ from headkit.surgery.adapters import (
     register_adapter,
     supported_architectures,
 )
-from headkit.surgery.collaborative import CollaborativeSelfAttention, SwapReport, swap_to_collaborative
+from headkit.surgery.collaborative import CollaborativeHeads, SwapReport, swap_to_collaborative
 from headkit.surgery.decompose import decompose_query_key
 from headkit.surgery.io import from_pretrained, record_surgery, register_surgery_op
 from headkit.surgery.linearize import LinearizedHeads, LinearizeReport
@@ -29,7 +29,7 @@ __all__ = [
     "AttentionAdapter",
     "AttentionSite",
     "BERTCollaborativeAdapter",
-    "CollaborativeSelfAttention",
+    "CollaborativeHeads",
     "DistilBERTCollaborativeAdapter",
     "LinearizeReport",
     "LinearizedHeads",

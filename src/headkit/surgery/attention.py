@@ -107,7 +107,8 @@ def headkit_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The registered ``headkit_<base>`` attention, per module: key/value heads gathered for the query heads
     (``headkit_kv_head_index``: uneven grouped-query pruning; the cache has stored only the heads still read),
-    then the module's mechanism, else the base implementation, then each head's output scaled by the module's
+    then the module's mechanism (told the base implementation as the keyword ``base``: eager returns weights
+    always, the others need not), else the base implementation, then each head's output scaled by the module's
     ``head_gate``. Outputs are [B, T, heads, head_dim], as every attention function returns them."""
     cache_layer = kwargs.pop(CACHE_LAYER_KEYWORD, None)
     index = getattr(module, KV_HEAD_INDEX, None)
@@ -117,11 +118,12 @@ def headkit_attention_forward(
     if mechanism is None:
         output, weights = base_attention(base)(module, query, key, value, attention_mask, **kwargs)
     else:
-        output, weights = mechanism(query, key, value, attention_mask, cache_layer=cache_layer, **kwargs)
+        output, weights = mechanism(
+            query, key, value, attention_mask, cache_layer=cache_layer, base=base, **kwargs
+        )
     gate = getattr(module, HEAD_GATE, None)
-    if (
-        gate is not None and gate.num_heads
-    ):  # a gate over no heads (a layer pruned empty) has nothing to scale
+    # A gate over no heads (a layer pruned empty) has nothing to scale.
+    if gate is not None and gate.num_heads:
         output = gate.scale_heads(output, head_dim=-2)
     return output, weights
 

@@ -14,23 +14,40 @@ vector m_h per head and a per-head content bias:
 
 given W_{Q,h}ᵀ W_{K,h} = W̃_Qᵀ diag(m_h) W̃_K for every head. At D̃ = heads·head_dim this holds exactly with the
 concatenated projections and a block 0/1 mixing; below it, :func:`headkit.surgery.decompose.decompose_query_key`
-finds the best rank-D̃ CP fit. The scale stays the model's own (1/√head_dim): the reference implementation's
-rescaling by √(D̃/H) changes every compressed model's attention temperature.
+finds the best rank-D̃ CP fit. The scale stays the model's own (the ``scaling`` its module passes; 1/√head_dim
+for most): the reference implementation's rescaling by √(D̃/H) changes every compressed model's attention
+temperature.
+
+**Through transformers' extension points** (:mod:`headkit.surgery.attention`). The stock attention module keeps
+its class, forward, value and output projections, dropout, KV cache handling and masks. Its forward projects,
+views each projection as ``[..., -1, head_dim]``, updates the cache and calls the attention interface; so:
+
+* its query projection becomes a :class:`SharedProjection` computing W̃_Q x, and its key projection one computing
+  [W̃_K x | C x] (C [heads, hidden]: row h = c_h, the content-bias logits), each zero-padded to a multiple of
+  head_dim so that the stock view takes it as "heads" of head_dim. The cache so stores, per token, the shared
+  key with its content logits (padded) as the keys and the stock values. GPT-2's fused ``c_attn`` becomes a
+  :class:`FusedSharedProjection` [q̃ | k̃ | v] whose split widths the adapter sets
+  (:meth:`~headkit.surgery.adapters.AttentionAdapter.set_fused_widths`);
+* the module gains the :class:`CollaborativeHeads` mechanism (``headkit_attention``, holding ``mixing``), which
+  the registered ``headkit_<base>`` attention runs in place of softmax: it flattens the views back, drops the
+  padding and computes the heads with :func:`headkit.layers.collaborative.collaborative_head_outputs`, under the
+  model's own mask, scale and dropout. It returns weights [B, H, Tq, Tk] where the base implementation would
+  (eager: always) or where the model passes ``output_attentions``.
 
 Values, the output projection and everything outside attention are untouched. :func:`swap_to_collaborative`
-validates everything and computes every new module before it replaces any, so a failure leaves the model as
-it was; the swap is recorded in ``config.headkit_surgery`` so that ``headkit.from_pretrained`` can reload a
-saved model.
+validates everything and computes every new module before it changes any, so a failure leaves the model as
+it was; the swap is recorded in ``config.headkit_surgery`` so that ``headkit.from_pretrained`` replays it on a
+freshly built model and loads the saved weights strictly.
 """
 
 from __future__ import annotations
 
-import inspect
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from headkit.errors import HeadkitError
@@ -39,124 +56,165 @@ from headkit.ops._validation import check_positive_int
 from headkit.surgery.adapters import (
     AttentionAdapter,
     AttentionSite,
-    ReplacementAttention,
     checked_model_mask,
     count_parameters,
     get_adapter,
     new_linear,
 )
+from headkit.surgery.attention import attach_mechanisms, mechanism_of, modules_calling_the_interface
 from headkit.surgery.decompose import decompose_query_key
 from headkit.surgery.io import record_surgery, register_surgery_op
 
 SURGERY_OP = "collaborative"
 
 
-class CollaborativeSelfAttention(ReplacementAttention):
-    """Collaborative heads standing in for one attention module of a 🤗 model.
+def padded_width(width: int, head_dim: int) -> int:
+    """`width` rounded up to a multiple of `head_dim` (what the stock view ``[..., -1, head_dim]`` takes)."""
+    return -(-width // head_dim) * head_dim
 
-    Takes the replaced module's call (its signature, any of the mask forms transformers sends, its KV cache) and
-    returns what it returned, ``(output, attention_weights or None)``; weights are computed only when the model
-    asks for them (``output_attentions``). Children: ``query_shared`` and ``key_shared`` (``nn.Linear`` hidden → D̃,
-    no bias), ``mixing`` [heads, D̃], ``content_bias`` (``nn.Linear`` hidden → heads, no bias, row h = c_h; None
-    when the model has no query bias), the value projection and, when the replaced module ran them, its output
-    projection / dropout / residual LayerNorm, all under the replaced module's attribute names.
 
-    The heads themselves — KV cache layout, fused kernel or explicit weights — are
-    :func:`headkit.layers.collaborative.collaborative_head_outputs`, the implementation behind headkit's own
-    :class:`headkit.layers.CollaborativeAttention`; this class only holds the weights under a pretrained model's
-    names and speaks its calling convention.
+class SharedProjection(nn.Module):
+    """A shared query or key projection in place of a stock one: x ↦ [x W̃ᵀ | x Cᵀ | 0].
+
+    ``weight`` [D̃, hidden] is W̃_Q or W̃_K; ``content_bias`` [heads, hidden] (key side only, None elsewhere) appends
+    each head's content-bias logit c_hᵀ x, unscaled; zeros pad the output to ``out_features``, a multiple of
+    head_dim, so that the stock module's view ``[..., -1, head_dim]`` and its KV cache take it unchanged. The
+    padding holds no parameter.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        dim_shared_query_key: int,
+        head_dim: int,
+        *,
+        content_heads: int = 0,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        factory = {"dtype": dtype, "device": device}
+        self.weight = nn.Parameter(torch.zeros(dim_shared_query_key, hidden_size, **factory))
+        self.content_bias = (
+            nn.Parameter(torch.zeros(content_heads, hidden_size, **factory)) if content_heads else None
+        )
+        self.in_features = hidden_size
+        self.out_features = padded_width(dim_shared_query_key + content_heads, head_dim)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        output = F.linear(hidden_states, self.weight)
+        if self.content_bias is not None:
+            output = torch.cat([output, F.linear(hidden_states, self.content_bias)], dim=-1)
+        padding = self.out_features - output.shape[-1]
+        return F.pad(output, (0, padding)) if padding else output
+
+    def extra_repr(self) -> str:
+        content = 0 if self.content_bias is None else self.content_bias.shape[0]
+        return (
+            f"in_features={self.in_features}, dim_shared_query_key={self.weight.shape[0]}, "
+            f"content_heads={content}, out_features={self.out_features}"
+        )
+
+
+class FusedSharedProjection(nn.Module):
+    """A fused query/key/value projection (GPT-2's ``c_attn``) rebuilt as [q̃ | k̃ | v]: ``query`` and ``key``
+    :class:`SharedProjection`, ``value`` the stock value projection carved out of the fused one. ``widths``
+    are the three parts' widths, which the adapter tells the stock module to split by."""
+
+    def __init__(
+        self, query: SharedProjection, key: SharedProjection, value: nn.Module, value_width: int
+    ) -> None:
+        super().__init__()
+        self.query, self.key, self.value = query, key, value
+        self.value_width = value_width
+
+    @property
+    def widths(self) -> tuple[int, int, int]:
+        return self.query.out_features, self.key.out_features, self.value_width
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return torch.cat(
+            [self.query(hidden_states), self.key(hidden_states), self.value(hidden_states)], dim=-1
+        )
+
+
+class CollaborativeHeads(nn.Module):
+    """The mechanism of a layer with collaborative heads (``<attention module>.headkit_attention``).
+
+    Called by the registered ``headkit_<base>`` attention with what the stock module computed: queries
+    [B, ⌈D̃/head_dim⌉, Tq, head_dim] (the padded shared queries), keys [B, ⌈(D̃ + H')/head_dim⌉, Tk, head_dim] (the
+    padded shared keys and content logits of every cached and current token; H' = heads with a content bias, 0
+    without), values [B, H, Tk, head_dim]; returns ``(output [B, Tq, H, head_dim], weights [B, H, Tq, Tk] or
+    None)``. Holds ``mixing`` [heads, D̃]; ``head_geometry`` tells the adapters the heads it defines.
     """
 
     def __init__(
         self,
         *,
-        hidden_size: int,
         num_heads: int,
         head_dim: int,
         dim_shared_query_key: int,
-        value_name: str,
-        value: nn.Module,
         has_content_bias: bool,
         scale: float,
         causal: bool,
-        attention_dropout: float,
-        layer_idx: int | None,
-        call_signature: inspect.Signature,
-        epilogue: dict[str, tuple[str, nn.Module]] | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
     ) -> None:
-        nn.Module.__init__(self)  # not super(): replace_attention may mix a 🤗 class into this one's bases
-        self.num_heads = self.num_kv_heads = num_heads
-        self.head_dim = head_dim
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, head_dim
         self.dim_shared_query_key = dim_shared_query_key
+        self.has_content_bias = has_content_bias
         self.scale = scale
         self.is_causal = causal
-        self.attention_dropout_p = attention_dropout
-        self.layer_idx = layer_idx
-        self.call_signature = call_signature
-        factory = {"dtype": dtype, "device": device}
-        self.query_shared = nn.Linear(hidden_size, dim_shared_query_key, bias=False, **factory)
-        self.key_shared = nn.Linear(hidden_size, dim_shared_query_key, bias=False, **factory)
-        self.mixing = nn.Parameter(torch.zeros(num_heads, dim_shared_query_key, **factory))
-        self.content_bias = (
-            nn.Linear(hidden_size, num_heads, bias=False, **factory) if has_content_bias else None
-        )
-        self.value_name = value_name
-        self.add_module(value_name, value)
-        self.add_epilogue(epilogue)  # output projection, dropout, residual norm: whatever ran after the heads
+        self.mixing = nn.Parameter(torch.zeros(num_heads, dim_shared_query_key, dtype=dtype, device=device))
+
+    @property
+    def head_geometry(self) -> tuple[int, int, int]:
+        """(num_heads, num_kv_heads, head_dim) of the heads this mechanism computes."""
+        return self.num_heads, self.num_heads, self.head_dim
 
     def forward(
-        self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attention_mask: Any,
+        *,
+        scaling: float | None = None,
+        dropout: float = 0.0,
+        base: str | None = None,
+        output_attentions: bool | None = False,
+        **kwargs: Any,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        call = self.bind_call(hidden_states, args, kwargs)
-        if call.encoder_hidden_states is not None:
-            raise HeadkitError(
-                "collaborative attention replaces self-attention only; got encoder_hidden_states"
-            )
-        batch, q_len, _ = hidden_states.shape
-        values = getattr(self, self.value_name)(hidden_states)
-        values = values.view(batch, q_len, self.num_heads, self.head_dim).transpose(1, 2)
-        # The content-bias scores [B, T, H], scaled like the mixed dot products they are added to.
-        key_bias = None if self.content_bias is None else self.scale * self.content_bias(hidden_states)
-        cache = call.cache
-        if cache is not None:
-            if self.layer_idx is None:
-                raise HeadkitError("this attention module has no layer_idx, so it cannot use a KV cache")
-            cache = getattr(cache, "self_attention_cache", cache)
-        kv_len = q_len + (0 if cache is None else cache.get_seq_length(self.layer_idx))
+        batch, _, q_len, _ = queries.shape
+        kv_len = keys.shape[2]
+        dim_shared = self.dim_shared_query_key
+        shared_queries = queries.transpose(1, 2).reshape(batch, q_len, -1)[..., :dim_shared]
+        keys = keys.transpose(1, 2).reshape(batch, kv_len, -1)
+        scale = self.scale if scaling is None else scaling
+        # The content-bias scores [B, Tk, H], scaled like the mixed dot products they are added to.
+        key_bias = (
+            scale * keys[..., dim_shared : dim_shared + self.num_heads] if self.has_content_bias else None
+        )
         heads, weights = collaborative_head_outputs(
-            self.query_shared(hidden_states),
-            self.key_shared(hidden_states),
+            shared_queries,
+            keys[..., :dim_shared],
             key_bias,
             values,
             self.mixing,
-            scale=self.scale,
+            scale=scale,
             causal=self.is_causal,
-            attention_mask=model_attention_mask(call.attention_mask, batch, q_len, kv_len),
-            cache=cache,
-            layer_idx=self.layer_idx,
-            dropout=self.attention_dropout_p if self.training else 0.0,
-            output_attentions=call.output_attentions,
+            attention_mask=model_attention_mask(attention_mask, batch, q_len, kv_len),
+            dropout=dropout,
+            # eager attention returns its weights always (GPT-2 drops the flag before its attention modules)
+            output_attentions=bool(output_attentions) or base == "eager",
         )
-        output = heads.transpose(1, 2).reshape(batch, q_len, self.num_heads * self.head_dim)
-        output = self._epilogue(output, hidden_states)
-        return output, weights
-
-    def _epilogue(self, output: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-        roles = self.epilogue_roles
-        if "projection" in roles:
-            output = getattr(self, roles["projection"])(output)
-        if "dropout" in roles:
-            output = getattr(self, roles["dropout"])(output)
-        if "norm" in roles:
-            output = getattr(self, roles["norm"])(hidden_states + output)
-        return output
+        return heads.transpose(1, 2), weights
 
     def extra_repr(self) -> str:
         return (
             f"heads={self.num_heads}, head_dim={self.head_dim}, dim_shared_query_key={self.dim_shared_query_key}, "
-            f"scale={self.scale:.6g}, causal={self.is_causal}"
+            f"content_bias={self.has_content_bias}, scale={self.scale:.6g}, causal={self.is_causal}"
         )
 
 
@@ -237,7 +295,8 @@ def swap_to_collaborative(
     """Re-express every self-attention module of `model` with collaborative heads, in place.
 
     Args:
-        model: a 🤗 model of a supported architecture (see :mod:`headkit.surgery.adapters`).
+        model: a 🤗 model of a supported architecture (see :mod:`headkit.surgery.adapters`) whose attention modules
+            dispatch through transformers' attention interface.
         adapter: the architecture's adapter (class, instance or name), as in the reference package's
             ``swap_to_collaborative(model, BERTCollaborativeAdapter, ...)``; detected from the model when None.
         dim_shared_query_key: D̃, the width of the shared query/key projections: heads·head_dim is exact,
@@ -248,8 +307,9 @@ def swap_to_collaborative(
         A :class:`SwapReport`: per-module relative reconstruction error, parameters before/after, time.
 
     Raises:
-        HeadkitError / ValueError: unsupported architecture, D̃ out of range, a model already swapped, rotary or
-        grouped-query attention. The model is then left untouched.
+        HeadkitError / ValueError: unsupported architecture, D̃ out of range, a model already swapped or converted
+        otherwise, rotary or grouped-query attention, attention that does not go through the interface. The model
+        is then left untouched.
     """
     start = time.perf_counter()
     adapter = get_adapter(model, adapter)
@@ -262,6 +322,7 @@ def swap_to_collaborative(
         raise ValueError(f"max_iter must be a non-negative integer, got {max_iter!r}")
     sites = adapter.sites(model)
     _check_swappable(adapter, sites, dim_shared_query_key)
+    _check_interface(model, adapter, sites)
 
     parameters_before = count_parameters(model)
     planned = [
@@ -270,9 +331,8 @@ def swap_to_collaborative(
         )
         for site in sites
     ]
-    # Everything is computed: only now does the model change.
-    for site, (module, _) in zip(sites, planned, strict=True):
-        adapter.replace_attention(model, site, module)
+    # Everything is computed and checked: only now does the model change.
+    _apply(model, adapter, planned)
     record_surgery(model, _surgery_entry(adapter, sites, dim_shared_query_key))
     return SwapReport(
         architecture=adapter.name,
@@ -280,7 +340,7 @@ def swap_to_collaborative(
         parameters_before=parameters_before,
         parameters_after=count_parameters(model),
         seconds=time.perf_counter() - start,
-        sites=[report for _, report in planned],
+        sites=[plan.report for plan in planned],
     )
 
 
@@ -292,9 +352,26 @@ def _check_swappable(adapter: AttentionAdapter, sites: list[AttentionSite], dim_
             f"{adapter.name} applies rotary position embeddings to queries and keys, so its scores are not a "
             "bilinear form of the hidden states and cannot be re-expressed with collaborative heads"
         )
+    fused = {adapter.query_name, adapter.key_name, adapter.value_name}
+    if len(fused) == 2:
+        raise HeadkitError(
+            f"the {adapter.name} adapter fuses some of the query/key/value projections ({adapter.query_name}, "
+            f"{adapter.key_name}, {adapter.value_name}) but not all: the collaborative swap needs all three "
+            "separate or all three fused"
+        )
+    if len(fused) == 1 and type(adapter).set_fused_widths is AttentionAdapter.set_fused_widths:
+        raise HeadkitError(
+            f"the {adapter.name} adapter cannot re-split its fused projection {adapter.query_name} "
+            "(it does not implement set_fused_widths), which the collaborative swap needs"
+        )
     for site in sites:
-        if isinstance(site.module, CollaborativeSelfAttention):
+        mechanism = mechanism_of(site.module)
+        if isinstance(mechanism, CollaborativeHeads):
             raise HeadkitError(f"the model is already swapped to collaborative attention ({site.name})")
+        if mechanism is not None:
+            raise HeadkitError(
+                f"{site.name} already runs a headkit mechanism ({type(mechanism).__name__}); cannot swap it"
+            )
         if site.is_headkit:
             raise HeadkitError(
                 f"{site.name} was already replaced by {type(site.module).__name__}; cannot swap it"
@@ -313,56 +390,104 @@ def _check_swappable(adapter: AttentionAdapter, sites: list[AttentionSite], dim_
             )
 
 
+def _check_interface(model: nn.Module, adapter: AttentionAdapter, sites: list[AttentionSite]) -> None:
+    """Refuse, before any work, attention modules that would ignore the mechanism (a custom ``forward``). The
+    probe runs the model on two tokens, so only a model that takes ``input_ids`` is probed (ViT takes images;
+    its attention dispatches through the interface)."""
+    if getattr(model, "main_input_name", "input_ids") != "input_ids":
+        return
+    calling = modules_calling_the_interface(model, [site.module for site in sites])
+    custom = [site for site in sites if id(site.module) not in calling]
+    if custom:
+        names = ", ".join(f"{site.name} ({type(site.module).__name__})" for site in custom[:3])
+        raise HeadkitError(
+            f"collaborative heads plug into transformers' attention interface, but {names} do(es) not dispatch "
+            f"through it (a custom forward) or drop(s) its keyword arguments: {adapter.name} cannot be swapped"
+        )
+
+
+@dataclass
+class _SitePlan:
+    """What one site becomes: its new projections (attribute path on the attention module → module), its
+    mechanism, and the report of the fit."""
+
+    site: AttentionSite
+    projections: dict[str, nn.Module]
+    mechanism: CollaborativeHeads
+    report: SiteReport
+
+
 def _plan_site(
     adapter: AttentionAdapter, site: AttentionSite, dim_shared: int, *, decompose: dict[str, Any] | None
-) -> tuple[CollaborativeSelfAttention, SiteReport]:
-    """Build the replacement for one site without touching the model. With `decompose` None the shared
-    projections are left at zero: the structure :func:`headkit.from_pretrained` loads saved weights into."""
+) -> _SitePlan:
+    """Build the new projections and mechanism of one site without touching the model. With `decompose` None
+    the shared projections are left at zero: the structure :func:`headkit.from_pretrained` loads saved weights
+    into."""
     start = time.perf_counter()
     weights = adapter.read_projections(site)
     heads, head_dim = site.num_heads, site.head_dim
     hidden = weights.q_weight.shape[1]
-    dtype, device = weights.q_weight.dtype, weights.q_weight.device
-
-    if adapter.value_name in (adapter.query_name, adapter.key_name):  # fused projection: carve the values out
-        value_name, value = "value", new_linear(weights.v_weight, weights.v_bias)
-    else:
-        value_name, value = adapter.value_name, site.module.get_submodule(adapter.value_name)
-    module = CollaborativeSelfAttention(
-        hidden_size=hidden,
+    has_content_bias = weights.q_bias is not None
+    factory = {"dtype": weights.q_weight.dtype, "device": weights.q_weight.device}
+    query = SharedProjection(hidden, dim_shared, head_dim, **factory)
+    key = SharedProjection(
+        hidden, dim_shared, head_dim, content_heads=heads if has_content_bias else 0, **factory
+    )
+    mechanism = CollaborativeHeads(
         num_heads=heads,
         head_dim=head_dim,
         dim_shared_query_key=dim_shared,
-        value_name=value_name,
-        value=value,
-        has_content_bias=weights.q_bias is not None,
+        has_content_bias=has_content_bias,
         scale=site.scale,
         causal=site.causal,
-        attention_dropout=adapter.attention_dropout(site.module),
-        layer_idx=getattr(site.module, "layer_idx", None),
-        call_signature=inspect.signature(type(site.module).forward),
-        epilogue=adapter.epilogue_modules(site),
-        dtype=dtype,
-        device=device,
+        **factory,
     )
+    if adapter.query_name == adapter.key_name:  # one fused projection: carve the values out, keep them stock
+        fused = site.module.get_submodule(adapter.query_name)
+        value = new_linear(weights.v_weight, weights.v_bias, like=fused)
+        projections: dict[str, nn.Module] = {
+            adapter.query_name: FusedSharedProjection(query, key, value, weights.v_weight.shape[0])
+        }
+    else:
+        projections = {adapter.query_name: query, adapter.key_name: key}
     report = SiteReport(site.name, site.layers, relative_error=0.0, iterations=0, exact=False, seconds=0.0)
     if decompose is not None:
         w_q_shared, mixing, w_k_shared, info = decompose_query_key(
             weights.q_weight, weights.k_weight, heads, dim_shared, return_info=True, **decompose
         )
         with torch.no_grad():
-            module.query_shared.weight.copy_(w_q_shared)
-            module.key_shared.weight.copy_(w_k_shared)
-            module.mixing.copy_(mixing)
-            if module.content_bias is not None:
-                module.content_bias.weight.copy_(content_bias_weight(weights.q_bias, weights.k_weight, heads))
+            query.weight.copy_(w_q_shared)
+            key.weight.copy_(w_k_shared)
+            mechanism.mixing.copy_(mixing)
+            if key.content_bias is not None:
+                key.content_bias.copy_(content_bias_weight(weights.q_bias, weights.k_weight, heads))
         report.relative_error, report.iterations, report.exact = (
             info.relative_error,
             info.iterations,
             info.exact,
         )
+    for module in (*projections.values(), mechanism):
+        module.train(site.module.training)
     report.seconds = time.perf_counter() - start
-    return module, report
+    return _SitePlan(site, projections, mechanism, report)
+
+
+def _apply(model: nn.Module, adapter: AttentionAdapter, planned: list[_SitePlan]) -> None:
+    """Put the planned projections in place and attach the mechanisms (assignments only: nothing can fail
+    halfway that the checks did not rule out)."""
+    for plan in planned:
+        module = plan.site.module
+        for path, projection in plan.projections.items():
+            parent_path, _, name = path.rpartition(".")
+            setattr(module.get_submodule(parent_path) if parent_path else module, name, projection)
+            if isinstance(projection, FusedSharedProjection):
+                adapter.set_fused_widths(module, projection.widths)
+    attach_mechanisms(model, [(plan.site.module, plan.mechanism) for plan in planned])
+
+
+def collaborative_mechanisms(model: nn.Module) -> list[CollaborativeHeads]:
+    """The :class:`CollaborativeHeads` mechanisms of a swapped model, in module order (shared modules once)."""
+    return list({id(m): m for m in model.modules() if isinstance(m, CollaborativeHeads)}.values())
 
 
 def content_bias_weight(q_bias: torch.Tensor, k_weight: torch.Tensor, num_heads: int) -> torch.Tensor:
@@ -394,9 +519,19 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
         )
     dim_shared = int(entry["dim_shared_query_key"])
     _check_swappable(adapter, sites, dim_shared)
-    planned = [_plan_site(adapter, site, dim_shared, decompose=None) for site in sites]
-    for site, (module, _) in zip(sites, planned, strict=True):
-        adapter.replace_attention(model, site, module)
+    _apply(model, adapter, [_plan_site(adapter, site, dim_shared, decompose=None) for site in sites])
 
 
 register_surgery_op(SURGERY_OP, _reapply)
+
+__all__ = [
+    "CollaborativeHeads",
+    "FusedSharedProjection",
+    "SharedProjection",
+    "SiteReport",
+    "SwapReport",
+    "collaborative_mechanisms",
+    "content_bias_weight",
+    "model_attention_mask",
+    "swap_to_collaborative",
+]

@@ -33,6 +33,7 @@ from torch import nn
 
 from headkit.compat import pop_cache_argument, recording_attentions
 from headkit.errors import HeadkitError
+from headkit.surgery.attention import mechanism_of
 from headkit.surgery.families import supported_families
 
 
@@ -92,8 +93,17 @@ class AttentionSite:
 
     @property
     def is_headkit(self) -> bool:
-        """True once surgery replaced the original attention module by a headkit module."""
-        return isinstance(self.module, ReplacementAttention)
+        """True once surgery replaced the original attention module by a headkit module, or gave it a mechanism
+        that re-expresses its heads (:func:`mechanism_heads`: collaborative heads), so that its projections are
+        no longer the architecture's."""
+        return isinstance(self.module, ReplacementAttention) or mechanism_heads(self.module) is not None
+
+
+def mechanism_heads(module: nn.Module) -> tuple[int, int, int] | None:
+    """(num_heads, num_kv_heads, head_dim) of a stock attention module whose headkit mechanism
+    (``module.headkit_attention``) defines its heads in place of its projections' shapes — a mechanism with a
+    ``head_geometry`` attribute, such as :class:`headkit.surgery.collaborative.CollaborativeHeads` — else None."""
+    return getattr(mechanism_of(module), "head_geometry", None)
 
 
 class ReplacementAttention(nn.Module):
@@ -335,7 +345,7 @@ class AttentionAdapter:
                 num_heads = num_kv_heads = 0
                 head_dim = int(getattr(module, self.head_dim_attribute))
             else:
-                num_heads, num_kv_heads, head_dim = self.head_geometry(module)
+                num_heads, num_kv_heads, head_dim = mechanism_heads(module) or self.head_geometry(module)
             sites.append(
                 AttentionSite(
                     index=index,
@@ -374,16 +384,6 @@ class AttentionAdapter:
     def scale(self, module: nn.Module) -> float:
         """The score scale the module applies (every supported 🤗 module stores it as ``scaling``)."""
         return float(module.scaling)
-
-    def attention_dropout(self, module: nn.Module) -> float:
-        """Dropout probability on the attention weights (a Dropout module or a float, by architecture)."""
-        for name in ("attention_dropout", "attn_dropout", "dropout"):
-            value = getattr(module, name, None)
-            if isinstance(value, nn.Dropout):
-                return float(value.p)
-            if isinstance(value, (int, float)) and not isinstance(value, bool):
-                return float(value)
-        return 0.0
 
     # -- reading and writing projections ------------------------------------------------------------------------
 
@@ -462,6 +462,12 @@ class AttentionAdapter:
 
     def set_head_counts(self, module: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         """Update the attributes the module's forward reads its head counts from (architecture-specific)."""
+
+    def set_fused_widths(self, module: nn.Module, widths: tuple[int, int, int]) -> None:
+        """Make a module whose one fused projection (``query_name == key_name == value_name``) is split into
+        queries, keys and values in its own forward split it into parts of these widths (collaborative heads:
+        shared queries and keys of their own widths). Architecture-specific; refused by default."""
+        raise HeadkitError(f"the {self.name} adapter cannot change how its fused projection is split")
 
     # -- replacing the attention module -------------------------------------------------------------------------
 

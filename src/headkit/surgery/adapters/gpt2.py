@@ -60,3 +60,9 @@ class GPT2Adapter(AttentionAdapter):
     def set_head_counts(self, module: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         module.num_heads = num_heads
         module.split_size = num_heads * head_dim  # c_attn's output is split into q, k, v of this width
+
+    def set_fused_widths(self, module: nn.Module, widths: tuple[int, int, int]) -> None:
+        # GPT2Attention.forward splits c_attn's output with Tensor.split(self.split_size), which takes a list of
+        # section widths as well as one width: a list lets the queries, keys and values differ in width without
+        # padding the values (nor their KV cache) to the widest part.
+        module.split_size = list(widths)
