@@ -15,7 +15,6 @@ from headkit.compat import (
     checkpoint_key_renamer,
     output_cache,
     pop_cache_argument,
-    recording_attentions,
 )
 
 
@@ -51,29 +50,6 @@ def test_pop_cache_argument_takes_either_name():
         arguments = {name: 1, "other": 2}
         assert pop_cache_argument(arguments) == 1 and arguments == {"other": 2}
     assert pop_cache_argument({}) is None
-
-
-def test_attention_recording_is_seen_inside_a_forward_that_records_it():
-    seen = []
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        attn_implementation="eager",
-    )
-    model = LlamaForCausalLM(config).eval()
-    model.model.layers[0].self_attn.register_forward_hook(lambda *_: seen.append(recording_attentions()))
-    with torch.no_grad():
-        model(torch.zeros(1, 3, dtype=torch.long))
-        model(torch.zeros(1, 3, dtype=torch.long), output_attentions=True)
-    assert seen[0] is False
-    assert seen[1] is True or not hasattr(
-        model, "_can_record_outputs"
-    )  # releases that pass the flag themselves
-    assert recording_attentions() is False
 
 
 def test_the_checkpoint_key_renamer_maps_saved_names_back_to_the_models_own(tmp_path):

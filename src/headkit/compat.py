@@ -99,22 +99,6 @@ def cache_parameter(
 # -- private access, fenced ------------------------------------------------------------------------------------
 
 
-def recording_attentions() -> bool:
-    """Whether the running 🤗 forward collects attention weights (``output_attentions=True``).
-
-    Some models (GPT-2) drop the ``output_attentions`` flag before it reaches their attention modules and rely on
-    eager attention returning weights unconditionally; a headkit module computes them only on request, so it has
-    to know. Private: transformers keeps the collector in ``utils.output_capturing._active_collector`` (5.x with
-    output recorders) and exposes no public query; releases without it pass the flag itself (False here).
-    """
-    try:
-        from transformers.utils.output_capturing import _active_collector
-    except ImportError:
-        return False
-    collected = _active_collector.get()
-    return bool(collected) and "attentions" in collected
-
-
 def attention_implementation(model: Any) -> str:
     """The attention implementation a 🤗 model runs (``"sdpa"``, ``"eager"``, a registered name, …).
 
@@ -161,5 +145,4 @@ __all__ = [
     "checkpoint_key_renamer",
     "output_cache",
     "pop_cache_argument",
-    "recording_attentions",
 ]

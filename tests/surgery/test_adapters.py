@@ -12,6 +12,7 @@ from collab_models import (
     tiny_model,
     valid_positions,
 )
+from transformers import AttentionInterface, AttentionMaskInterface
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from headkit.errors import HeadkitError
@@ -20,8 +21,6 @@ from headkit.surgery.adapters import (
     AlbertAdapter,
     BertAdapter,
     ProjectionWeights,
-    attention_mask_for_scores,
-    bind_attention_call,
     count_parameters,
     get_adapter,
     linear_parameters,
@@ -82,22 +81,28 @@ def test_sites_describe_the_attention_modules(kind):
 
 @pytest.mark.parametrize("kind", ARCHITECTURES)
 def test_read_projections_reproduce_the_attention_output(kind):
-    """Multi-head attention computed by hand from the adapter's nn.Linear-convention weights equals what the
-    model's output projection produces (checks the layouts: fused Conv1D, head order, GQA grouping)."""
+    """The queries, keys and values the model hands transformers' attention interface, and its output projection,
+    computed by hand from the adapter's nn.Linear-convention weights (checks the layouts: fused Conv1D, head
+    order, GQA grouping)."""
     model = tiny_model(kind)
     adapter = get_adapter(model)
     inputs = model_inputs(kind)
-    calls, outputs = [], []
+    calls, seen, outputs = [], [], []
     site = adapter.sites(model)[0]
+    name = "headkit_test_recording"
+
+    def recording_attention(module, query, key, value, attention_mask, **kwargs):
+        output, weights = AttentionInterface()["sdpa"](module, query, key, value, attention_mask, **kwargs)
+        if module is site.module:
+            seen.append((query, key, value, output))
+        return output, weights
+
+    AttentionInterface.register(name, recording_attention)
+    AttentionMaskInterface.register(name, AttentionMaskInterface()["sdpa"])
+    model.set_attn_implementation(name)
 
     def record_call(module, args, kwargs):
-        kwargs = dict(kwargs)
-        hidden_states, args = (
-            (args[0], args[1:]) if args else (kwargs.pop("hidden_states"), args)
-        )  # LLaMA: keyword
-        calls.append(
-            bind_attention_call(inspect.signature(type(module).forward), module, hidden_states, args, kwargs)
-        )
+        calls.append((args[0] if args else kwargs["hidden_states"], kwargs.get("position_embeddings")))
 
     handles = [
         site.module.register_forward_pre_hook(record_call, with_kwargs=True),
@@ -109,27 +114,23 @@ def test_read_projections_reproduce_the_attention_output(kind):
 
     w = adapter.read_projections(site)
     heads, kv_heads, head_dim = site.num_heads, site.num_kv_heads, site.head_dim
-    assert len(calls) == len(outputs) == len(site.layers)
-    for call, output in zip(calls, outputs, strict=True):
-        x = call.hidden_states
-        batch, seq, _ = x.shape
+    assert len(calls) == len(seen) == len(outputs) == len(site.layers)
+    for (x, position_embeddings), (query, key, value, context), output in zip(
+        calls, seen, outputs, strict=True
+    ):
 
         def split(t, n):
             return t.unflatten(-1, (n, head_dim)).transpose(1, 2)
 
         q = split(x @ w.q_weight.T + w.q_bias, heads)
         k = split(x @ w.k_weight.T + w.k_bias, kv_heads)
-        v = split(x @ w.v_weight.T + w.v_bias, kv_heads)
         if kind == "llama":
-            q, k = apply_rotary_pos_emb(q, k, *call.position_embeddings)
-        k = k.repeat_interleave(heads // kv_heads, dim=1)
-        v = v.repeat_interleave(heads // kv_heads, dim=1)
-        scores = site.scale * q @ k.transpose(-1, -2)
-        mask = attention_mask_for_scores(call.attention_mask, batch, seq, seq, scores.dtype)
-        if mask is not None:
-            scores = scores + mask
-        context = (scores.softmax(-1) @ v).transpose(1, 2).reshape(batch, seq, heads * head_dim)
-        torch.testing.assert_close(output, context @ w.o_weight.T + w.o_bias, atol=1e-5, rtol=1e-5)
+            q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        torch.testing.assert_close(query, q, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(key, k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(value, split(x @ w.v_weight.T + w.v_bias, kv_heads), atol=1e-5, rtol=1e-5)
+        merged = context.flatten(-2)
+        torch.testing.assert_close(output, merged @ w.o_weight.T + w.o_bias, atol=1e-5, rtol=1e-5)
 
 
 def _prune_plan(kind):
@@ -231,37 +232,6 @@ def test_linear_parameters_transposes_conv1d():
     torch.testing.assert_close(x @ weight.T + bias, conv(x))
 
 
-def test_bind_attention_call_reads_each_architectures_argument_order():
-    gpt2_attention = tiny_model("gpt2").h[0].attn
-    signature = inspect.signature(type(gpt2_attention).forward)
-    x, mask = torch.randn(1, 3, 32), torch.zeros(1, 1, 3, 3)
-    call = bind_attention_call(
-        signature, gpt2_attention, x, ("cache", mask), {"use_cache": True, "output_attentions": True}
-    )
-    assert call.cache == "cache" and call.attention_mask is mask and call.output_attentions
-    assert call.extra == {"use_cache": True}
-    bert_attention = tiny_model("bert").encoder.layer[0].attention.self
-    signature = inspect.signature(type(bert_attention).forward)
-    call = bind_attention_call(signature, bert_attention, x, (mask,), {"encoder_hidden_states": None})
-    assert call.attention_mask is mask and call.cache is None and not call.output_attentions
-
-
-def test_attention_mask_forms_agree():
-    keep = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
-    batch, q_len, kv_len = 2, 3, 4
-    additive = attention_mask_for_scores(keep, batch, q_len, kv_len, torch.float32)
-    assert additive.shape == (batch, 1, q_len, kv_len)
-    assert torch.equal(additive == 0, keep.bool()[:, None, None, :].expand(batch, 1, q_len, kv_len))
-    boolean = keep.bool()[:, None, None, :].expand(batch, 1, q_len, kv_len)
-    assert torch.equal(attention_mask_for_scores(boolean, batch, q_len, kv_len, torch.float32), additive)
-    assert torch.equal(attention_mask_for_scores(additive, batch, q_len, kv_len, torch.float32), additive)
-    assert attention_mask_for_scores(None, batch, q_len, kv_len, torch.float32) is None
-    with pytest.raises(HeadkitError, match="kv_len"):
-        attention_mask_for_scores(keep[:, :3], batch, q_len, kv_len, torch.float32)
-    with pytest.raises(HeadkitError, match="query dimension"):
-        attention_mask_for_scores(torch.zeros(batch, 1, 2, kv_len), batch, q_len, kv_len, torch.float32)
-
-
 def test_a_collaborative_swap_keeps_the_stock_module_and_its_hooks():
     model = tiny_model("bert")
     site = BertAdapter().sites(model)[0]
@@ -296,7 +266,6 @@ def test_albert_with_two_groups_has_two_sites():
 
 def _reference_arguments(signature, *args, **kwargs):
     """What Signature.bind reads from a call, after (self, hidden_states): the slow path, spelled out."""
-    import inspect
 
     bound = signature.bind(*args, **kwargs)
     arguments = {}
@@ -306,45 +275,3 @@ def _reference_arguments(signature, *args, **kwargs):
         else:
             arguments[name] = value
     return arguments
-
-
-def test_the_quick_binding_of_attention_calls_agrees_with_signature_bind_or_defers_to_it():
-    import inspect
-
-    from transformers.models.gpt2.modeling_gpt2 import GPT2Attention
-    from transformers.models.llama.modeling_llama import LlamaAttention
-
-    from headkit.surgery.adapters.base import _bind_quickly
-
-    def strict(self, hidden_states, attention_mask, layer_past=None, *, output_attentions=False):
-        pass
-
-    calls = [
-        ((1, 2), {"position_embeddings": 3, "attention_mask": 4}),
-        ((1, 2, 3, 4), {"past_key_values": 5, "position_ids": 6}),
-        ((1, 2, 3), {"use_cache": True}),
-        ((1, 2), {"attention_mask": 4, "output_attentions": True}),
-        ((1, 2, 3), {}),
-        ((1, 2), {"layer_past": 3}),
-    ]
-    for function in (LlamaAttention.forward, GPT2Attention.forward, strict):
-        signature = inspect.signature(function)
-        for args, kwargs in calls:
-            try:
-                expected = _reference_arguments(signature, *args, **kwargs)
-            except TypeError:
-                expected = None  # bind refuses: the quick path must defer (None), never accept
-            quick = _bind_quickly(signature, args[2:], kwargs)
-            assert quick is None or quick == expected, (function, args, kwargs)
-            if expected is not None and function is not strict:
-                assert quick == expected, (function, args, kwargs)
-    # Too many positionals, a duplicate, a missing required argument, an unknown keyword: deferred to bind.
-    signature = inspect.signature(strict)
-    assert _bind_quickly(signature, (1, 2, 3), {}) is None
-    assert _bind_quickly(signature, (1,), {"attention_mask": 1}) is None
-    assert _bind_quickly(signature, (), {}) is None
-    assert _bind_quickly(signature, (1,), {"unknown": 1}) is None
-    assert _bind_quickly(signature, (1,), {"output_attentions": True}) == {
-        "attention_mask": 1,
-        "output_attentions": True,
-    }

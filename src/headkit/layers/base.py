@@ -233,7 +233,8 @@ class HeadkitAttention(nn.Module):
                 f"head_outputs must have shape [batch, {self.num_heads}, seq, {self.head_dim}] to match o_proj "
                 f"({self.o_proj.in_features} inputs), got {tuple(head_outputs.shape)}"
             )
-        if self.head_gate is not None and self.head_gate.num_heads:  # none: a layer pruned empty
+        # A gate over no heads (a layer pruned empty, running a placeholder head) has nothing to scale.
+        if self.head_gate is not None and getattr(self.head_gate, "num_heads", None) != 0:
             head_outputs = self.head_gate.scale_heads(head_outputs)
         merged = head_outputs.transpose(1, 2).reshape(batch, seq, heads * head_dim)
         return self.o_proj(merged)

@@ -123,7 +123,7 @@ def headkit_attention_forward(
         )
     gate = getattr(module, HEAD_GATE, None)
     # A gate over no heads (a layer pruned empty) has nothing to scale.
-    if gate is not None and gate.num_heads:
+    if gate is not None and getattr(gate, "num_heads", None) != 0:
         output = gate.scale_heads(output, head_dim=-2)
     return output, weights
 

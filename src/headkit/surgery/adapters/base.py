@@ -24,14 +24,12 @@ with :func:`register_adapter`; see ``API.md`` beside this file.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from headkit.compat import pop_cache_argument, recording_attentions
 from headkit.errors import HeadkitError
 from headkit.surgery.attention import mechanism_of
 from headkit.surgery.families import supported_families
@@ -93,10 +91,9 @@ class AttentionSite:
 
     @property
     def is_headkit(self) -> bool:
-        """True once surgery replaced the original attention module by a headkit module, or gave it a mechanism
-        that re-expresses its heads (:func:`mechanism_heads`: collaborative heads), so that its projections are
-        no longer the architecture's."""
-        return isinstance(self.module, ReplacementAttention) or mechanism_heads(self.module) is not None
+        """True once surgery gave the module a headkit mechanism (linearized or collaborative heads, a layer
+        pruned empty): its heads are no longer plain slices of the architecture's projections."""
+        return mechanism_of(self.module) is not None
 
 
 def mechanism_heads(module: nn.Module) -> tuple[int, int, int] | None:
@@ -104,124 +101,6 @@ def mechanism_heads(module: nn.Module) -> tuple[int, int, int] | None:
     (``module.headkit_attention``) defines its heads in place of its projections' shapes — a mechanism with a
     ``head_geometry`` attribute, such as :class:`headkit.surgery.collaborative.CollaborativeHeads` — else None."""
     return getattr(mechanism_of(module), "head_geometry", None)
-
-
-class ReplacementAttention(nn.Module):
-    """Base of every headkit module that surgery puts in place of a model's own attention module.
-
-    Not to be confused with :class:`headkit.layers.HeadkitAttention`, the base of the attention layers of
-    headkit's own models (``model_type="headkit"``), which surgery adapts like any other model's attention.
-
-    Subclasses set ``num_heads``, ``num_kv_heads``, ``head_dim``, ``scale`` and ``call_signature`` (the signature of
-    the replaced module's forward, used by :func:`bind_attention_call` to read the model's call) and return what
-    the replaced module returned: ``(output, attention_weights or None)``. :meth:`AttentionAdapter.replace_attention`
-    sets ``replaced_class``, the 🤗 class the module stands in for.
-    """
-
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    scale: float
-    call_signature: inspect.Signature
-    replaced_class: type[nn.Module]
-
-    def add_epilogue(self, epilogue: dict[str, tuple[str, nn.Module]] | None) -> None:
-        """Hold what the replaced module ran after its heads (role → (attribute name, module)) under the same
-        names, so the state dict keeps its keys; ``epilogue_roles`` maps each role to its attribute name."""
-        self.epilogue_roles: dict[str, str] = {}
-        for role, (name, module) in (epilogue or {}).items():
-            self.epilogue_roles[role] = name
-            self.add_module(name, module)
-
-    def __reduce_ex__(self, protocol: int) -> Any:
-        # Swapped in, the module's class is made at run time (both the headkit class and the replaced one, so
-        # 🤗's output recorders still match it): pickle rebuilds it from those two instead of looking it up.
-        bases = _RECORDABLE_BASES.get(type(self))
-        if bases is None:
-            return super().__reduce_ex__(protocol)
-        return _new_recordable, bases, self.__getstate__()
-
-    def bind_call(self, hidden_states: torch.Tensor, args: tuple, kwargs: dict) -> AttentionCall:
-        """The model's call, read with the replaced module's signature (:func:`bind_attention_call`)."""
-        return bind_attention_call(self.call_signature, self, hidden_states, args, kwargs)
-
-
-@dataclass
-class AttentionCall:
-    """The arguments a model passed to its attention module, by meaning rather than by position."""
-
-    hidden_states: torch.Tensor
-    attention_mask: Any = (
-        None  # None, [B, Tk] key padding, or [B, 1|H, Tq|1, Tk] bool (True = keep) / additive float
-    )
-    cache: Any = None  # a transformers Cache, or None (passed as cache, past_key_values or layer_past)
-    encoder_hidden_states: torch.Tensor | None = None
-    position_embeddings: Any = None  # (cos, sin) for rotary models
-    output_attentions: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
-def bind_attention_call(
-    signature: inspect.Signature, module: nn.Module, hidden_states: torch.Tensor, args: tuple, kwargs: dict
-) -> AttentionCall:
-    """Read a call made with the replaced module's signature (architectures order their arguments differently:
-    GPT-2 passes its cache second, BERT ``attention_mask``) into an :class:`AttentionCall`."""
-    arguments = _bind_quickly(signature, args, kwargs)
-    if arguments is None:
-        bound = signature.bind(module, hidden_states, *args, **kwargs)
-        arguments = {}
-        for name, value in bound.arguments.items():
-            kind = signature.parameters[name].kind
-            if kind is inspect.Parameter.VAR_KEYWORD:
-                arguments.update(value)
-            elif kind is inspect.Parameter.VAR_POSITIONAL:
-                if value:
-                    raise HeadkitError(
-                        f"{type(module).__name__} got unexpected positional arguments {len(value)}"
-                    )
-            else:
-                arguments[name] = value
-        arguments.pop("self", None)
-        first = next(iter(list(signature.parameters)[1:]))  # the hidden-states parameter, whatever its name
-        arguments.pop(first, None)
-    past = pop_cache_argument(arguments)
-    past = arguments.pop("layer_past", None) if past is None else past
-    return AttentionCall(
-        hidden_states=hidden_states,
-        attention_mask=arguments.pop("attention_mask", None),
-        cache=past,
-        encoder_hidden_states=arguments.pop("encoder_hidden_states", None),
-        position_embeddings=arguments.pop("position_embeddings", None),
-        output_attentions=bool(arguments.pop("output_attentions", False)) or recording_attentions(),
-        extra=arguments,
-    )
-
-
-def _bind_quickly(signature: inspect.Signature, args: tuple, kwargs: dict) -> dict[str, Any] | None:
-    """The call's arguments after (self, hidden_states) by name, for a call ``Signature.bind`` would accept without
-    a question — positional ones within the named parameters, keywords named nowhere else, every required
-    parameter given — or None, leaving anything else to ``Signature.bind`` and its errors. (``Signature.bind``
-    costs tens of microseconds, which a decoding step pays in every layer.)"""
-    entry = _SIGNATURES.get(id(signature))
-    if entry is None or entry[0] is not signature:
-        parameters = signature.parameters.values()
-        positional = tuple(
-            p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-        )
-        variadic = {p.name for p in parameters if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
-        named = {p.name for p in parameters} - variadic - set(positional[:2])
-        required = {p.name for p in parameters if p.default is p.empty} - variadic - set(positional[:2])
-        any_keyword = any(p.kind is p.VAR_KEYWORD for p in parameters)
-        entry = _SIGNATURES[id(signature)] = (signature, positional, named, required, any_keyword)
-    _, positional, named, required, any_keyword = entry
-    if len(positional) < 2 or len(args) > len(positional) - 2:
-        return None
-    arguments = dict(zip(positional[2:], args, strict=False))
-    for name, value in kwargs.items():
-        if name in arguments or (name not in named and not any_keyword) or name in positional[:2]:
-            return None
-        arguments[name] = value
-    return arguments if required.issubset(arguments) else None
 
 
 # id(signature) → (the signature, kept alive so its id stays its own; what _bind_quickly needs to know of it)
@@ -260,23 +139,6 @@ def checked_model_mask(attention_mask: Any, batch: int, q_len: int, kv_len: int)
             f"attention_mask's query dimension must be 1 or {q_len}, got {attention_mask.shape[2]}"
         )
     return attention_mask
-
-
-def attention_mask_for_scores(
-    attention_mask: Any, batch: int, q_len: int, kv_len: int, dtype: torch.dtype
-) -> torch.Tensor | None:
-    """The model's attention mask (any form :func:`checked_model_mask` takes) as an additive float mask
-    [B, 1|H, Tq, Tk] (0 = keep, dtype-min = blocked), or None."""
-    attention_mask = checked_model_mask(attention_mask, batch, q_len, kv_len)
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() == 2:
-        attention_mask = attention_mask[:, None, None, :]
-    attention_mask = attention_mask.expand(batch, attention_mask.shape[1], q_len, kv_len)
-    if attention_mask.dtype == torch.bool:
-        blocked = torch.zeros(attention_mask.shape, dtype=dtype, device=attention_mask.device)
-        return blocked.masked_fill(~attention_mask, torch.finfo(dtype).min)
-    return attention_mask.to(dtype)
 
 
 class AttentionAdapter:
@@ -357,9 +219,7 @@ class AttentionAdapter:
                     num_heads=num_heads,
                     num_kv_heads=num_kv_heads,
                     head_dim=head_dim,
-                    scale=float(
-                        module.scale if isinstance(module, ReplacementAttention) else self.scale(module)
-                    ),
+                    scale=float(self.scale(module)),
                     causal=bool(getattr(module, "is_causal", False)),
                     adapter=self,
                 )
@@ -374,8 +234,6 @@ class AttentionAdapter:
     def head_geometry(self, module: nn.Module) -> tuple[int, int, int]:
         """(num_heads, num_kv_heads, head_dim) of an attention module, from its weights' shapes so that it stays
         right after pruning."""
-        if isinstance(module, ReplacementAttention):
-            return module.num_heads, module.num_kv_heads, module.head_dim
         head_dim = int(getattr(module, self.head_dim_attribute))
         query_rows = _linear_out_features(module.get_submodule(self.query_name))
         key_rows = _linear_out_features(module.get_submodule(self.key_name))
@@ -406,7 +264,7 @@ class AttentionAdapter:
 
         Head counts are read from the shapes: num_heads = rows(q)/head_dim, num_kv_heads = rows(k)/head_dim; the
         query heads must split evenly over the key/value heads. A layer left with no head at all cannot run the
-        original forward: replace its module instead (:meth:`replace_attention`).
+        original forward: empty it instead (:meth:`write_empty`).
         """
         self._require_original(site, "write its projections")
         num_heads, num_kv_heads = check_projection_weights(weights, site)
@@ -470,43 +328,6 @@ class AttentionAdapter:
         raise HeadkitError(f"the {self.name} adapter cannot change how its fused projection is split")
 
     # -- replacing the attention module -------------------------------------------------------------------------
-
-    def replace_attention(
-        self, model: nn.Module, site: AttentionSite, new_module: ReplacementAttention
-    ) -> None:
-        """Put `new_module` where the site's attention module is, in every layer that uses it.
-
-        The model's output recorders (``output_attentions``) find attention modules with ``isinstance`` on the
-        original class, so the replacement's class becomes a subclass of both its own class and the original's
-        (its own methods first); forward hooks already installed on the old module move to the new one.
-        """
-        old = site.module
-        if not isinstance(new_module, ReplacementAttention):
-            raise HeadkitError(f"new_module must be a ReplacementAttention, got {type(new_module).__name__}")
-        original_class = old.replaced_class if isinstance(old, ReplacementAttention) else type(old)
-        new_module.replaced_class = original_class
-        new_module.train(old.training)
-        if not isinstance(new_module, original_class):
-            new_module.__class__ = _recordable_class(type(new_module), original_class)
-        for hooks in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called"):
-            getattr(new_module, hooks).update(getattr(old, hooks))
-        for hooks in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs"):
-            getattr(new_module, hooks).update(getattr(old, hooks))
-        for _, parent in model.named_modules(remove_duplicate=False):
-            for child_name, child in list(parent.named_children()):
-                if child is old:
-                    setattr(parent, child_name, new_module)
-
-    def epilogue_modules(self, site: AttentionSite) -> dict[str, tuple[str, nn.Module]]:
-        """What the attention module runs after the heads, for a replacement to keep: role ("projection",
-        "dropout", "norm" — the latter applied as norm(hidden_states + output)) -> (attribute name, module).
-        Empty when the output projection lives outside the attention module."""
-        roles = ("projection", "dropout", "norm")
-        return {
-            role: (name, site.module.get_submodule(name))
-            for role, name in zip(roles, self.epilogue_names, strict=False)
-            if name is not None
-        }
 
     def _require_original(self, site: AttentionSite, action: str) -> None:
         if site.is_headkit:
@@ -721,22 +542,3 @@ def check_projection_weights(weights: ProjectionWeights, site: AttentionSite) ->
 
 
 _RECORDABLE_CLASSES: dict[tuple[type, type], type] = {}
-_RECORDABLE_BASES: dict[type, tuple[type, type]] = {}
-
-
-def _recordable_class(headkit_class: type, original_class: type) -> type:
-    key = (headkit_class, original_class)
-    if key not in _RECORDABLE_CLASSES:
-        name = headkit_class.__name__.removesuffix("Attention") + original_class.__name__
-        # takes_inputs_validated False: a replacement reads the call with the replaced module's signature and
-        # checks its inputs itself, so a headkit model must not pass it the keyword its own layers take.
-        namespace = {"__module__": headkit_class.__module__, "takes_inputs_validated": False}
-        made = type(name, (headkit_class, original_class), namespace)
-        _RECORDABLE_CLASSES[key], _RECORDABLE_BASES[made] = made, key
-    return _RECORDABLE_CLASSES[key]
-
-
-def _new_recordable(headkit_class: type, original_class: type) -> nn.Module:
-    """An empty instance of :func:`_recordable_class`'s class, for unpickling (the state is set after)."""
-    made = _recordable_class(headkit_class, original_class)
-    return made.__new__(made)

@@ -15,7 +15,6 @@ from headkit.surgery.adapters.base import (
     AttentionAdapter,
     AttentionSite,
     ProjectionWeights,
-    ReplacementAttention,
     check_projection_weights,
     linear_parameters,
     register_adapter,
@@ -33,7 +32,7 @@ class GPTNeoXAdapter(AttentionAdapter):
     rotary = True
 
     def head_geometry(self, module: nn.Module) -> tuple[int, int, int]:
-        if isinstance(module, ReplacementAttention) or not hasattr(module, "query_key_value"):
+        if not hasattr(module, "query_key_value"):
             return super().head_geometry(module)
         head_dim = int(module.head_size)
         heads = int(linear_parameters(module.query_key_value)[0].shape[0]) // (3 * head_dim)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import nn
 
 from headkit.layers.base import HeadkitAttention
-from headkit.surgery.adapters.base import AttentionAdapter, ReplacementAttention, register_adapter
+from headkit.surgery.adapters.base import AttentionAdapter, register_adapter
 
 
 @register_adapter
@@ -21,7 +21,7 @@ class HeadkitModelAdapter(AttentionAdapter):
     rotary = True
 
     def head_geometry(self, module: nn.Module) -> tuple[int, int, int]:
-        if isinstance(module, ReplacementAttention) or hasattr(module, self.query_name):
+        if hasattr(module, self.query_name):
             return super().head_geometry(module)  # from the weights' shapes, right after pruning too
         return module.num_heads, module.num_key_value_heads, module.head_dim
 

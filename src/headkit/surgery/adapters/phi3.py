@@ -16,7 +16,6 @@ from torch import nn
 from headkit.surgery.adapters.base import (
     AttentionSite,
     ProjectionWeights,
-    ReplacementAttention,
     linear_parameters,
     register_adapter,
     replace_linear,
@@ -54,7 +53,7 @@ class Phi3Adapter(LlamaAdapter):
     query_name = key_name = value_name = "qkv_proj"
 
     def head_geometry(self, module: nn.Module) -> tuple[int, int, int]:
-        if isinstance(module, ReplacementAttention) or not hasattr(module, "qkv_proj"):
+        if not hasattr(module, "qkv_proj"):
             return super().head_geometry(module)
         head_dim = int(module.head_dim)
         heads = int(linear_parameters(module.o_proj)[0].shape[1]) // head_dim
