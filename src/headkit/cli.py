@@ -463,6 +463,11 @@ def linearize_command(
         None, help="Learnable feature map's projection width (default head_dim)."
     ),
     layers: str = typer.Option("", help=_LINEARIZE_HELP["layers"]),
+    convert_sliding: bool = typer.Option(
+        None,
+        "--convert-sliding/--keep-sliding",
+        help="Convert sliding-window layers too (default: keep them, their cache is bounded already).",
+    ),
     chunk_size: int = typer.Option(None, help="Queries per chunk of the parallel form (default 64)."),
     transfer_steps: int = typer.Option(None, help=_LINEARIZE_HELP["transfer_steps"]),
     transfer_lr: float = typer.Option(None, help="Attention-transfer learning rate (default 1e-2)."),
@@ -502,6 +507,7 @@ def linearize_command(
         feature_map=feature_map,
         feature_dim=feature_dim,
         layers=layers,
+        convert_sliding=convert_sliding,
         chunk_size=chunk_size,
         transfer_steps=transfer_steps,
         transfer_lr=transfer_lr,

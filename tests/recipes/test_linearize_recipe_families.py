@@ -77,3 +77,37 @@ def test_an_unregistered_family_is_refused_in_one_line_with_nothing_written(tmp_
     errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line.lower()]
     assert len(errors) == 1 and errors[0].startswith("error: unsupported decoder family BloomForCausalLM")
     assert not out.exists()
+
+
+def test_convert_sliding_through_the_cli_converts_an_all_sliding_mistral(text_folder, tmp_path, capsys):
+    model = family_model(
+        "mistral",
+        vocab_size=ByteTokenizer().vocab_size,
+        special_ids=(PAD_ID, BOS_ID, EOS_ID),
+        sliding_window=16,
+    )
+    source = _save(model, tmp_path / "model")
+    refused = tmp_path / "refused"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["linearize", str(source), "--data", str(text_folder), *FAST, "--out", str(refused)])
+    assert exit_info.value.code == 2 and not refused.exists()
+    assert "--convert-sliding" in capsys.readouterr().err
+    out = tmp_path / "linearized"
+    with pytest.raises(SystemExit) as exit_info:
+        main(
+            [
+                "linearize",
+                str(source),
+                "--data",
+                str(text_folder),
+                *FAST,
+                "--convert-sliding",
+                "--out",
+                str(out),
+            ]
+        )
+        raise SystemExit(0)
+    assert exit_info.value.code == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["conversion"]["converted_sliding_layers"] == [0, 1] == report["conversion"]["layers"]
+    assert report["reload_max_abs_diff"] == 0.0

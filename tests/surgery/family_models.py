@@ -59,8 +59,14 @@ OVERRIDES: dict[str, dict[str, Any]] = {
 OWN_SETTINGS_ONLY = {"gpt2", "headkit"}
 
 
-def family_config(model_type: str, *, vocab_size: int = VOCAB, special_ids: tuple[int, int, int] = (0, 1, 2)):
-    """The tiny config of `model_type` (pad, bos, eos ids from `special_ids`)."""
+def family_config(
+    model_type: str,
+    *,
+    vocab_size: int = VOCAB,
+    special_ids: tuple[int, int, int] = (0, 1, 2),
+    **overrides: Any,
+):
+    """The tiny config of `model_type` (pad, bos, eos ids from `special_ids`; `overrides` set last)."""
     family = FAMILIES[model_type]
     if model_type == "headkit":
         from headkit.models import HeadkitConfig
@@ -73,7 +79,7 @@ def family_config(model_type: str, *, vocab_size: int = VOCAB, special_ids: tupl
     settings = {k: v for k, v in settings.items() if v is not None}
     pad, bos, eos = special_ids
     settings |= dict(vocab_size=vocab_size, pad_token_id=pad, bos_token_id=bos, eos_token_id=eos)
-    return config_class(**settings)
+    return config_class(**(settings | overrides))
 
 
 def family_model(model_type: str, *, base: bool = False, **config_options: Any) -> nn.Module:

@@ -245,7 +245,7 @@ def test_a_collaborative_swap_keeps_the_stock_module_and_its_hooks():
     _run(model, model_inputs("bert"))
     assert seen == [module]
     assert BertAdapter().sites(model)[0].is_headkit
-    with pytest.raises(HeadkitError, match="already replaced"):
+    with pytest.raises(HeadkitError, match="already runs CollaborativeHeads"):
         BertAdapter().read_projections(BertAdapter().sites(model)[0])
 
 

@@ -294,7 +294,7 @@ def test_a_linearized_model_is_refused_and_a_swapped_one_cannot_be_linearized():
     assert model.state_dict().keys() == state.keys() and model.config.headkit_surgery == surgery
     swapped = tiny_model("gpt2")
     swap_to_collaborative(swapped, dim_shared_query_key=16)
-    with pytest.raises(HeadkitError, match="already replaced"):
+    with pytest.raises(HeadkitError, match="already runs CollaborativeHeads"):
         headkit.linearize(swapped, window=4)
 
 

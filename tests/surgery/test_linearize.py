@@ -15,9 +15,9 @@ from headkit.surgery.linearize import (
     LinearizedHeads,
     converted_attention_modules,
     decoding_state_bytes,
-    key_padding_mask,
     linearized_modules,
     linearized_parameters,
+    new_key_padding_mask,
 )
 
 ARCHITECTURES = ["llama", "gpt2"]
@@ -257,15 +257,20 @@ def test_unsupported_architectures_are_refused(save_tiny_encoder, tmp_path):
     assert [m.layer_idx for m in linearized_modules(model)] == [0]
 
 
-def test_key_padding_mask_reads_every_mask_form():
-    keep = torch.tensor([[False, True, True], [True, True, True]])
-    causal = torch.ones(3, 3, dtype=torch.bool).tril()[None, None] & keep[:, None, None, :]
+def test_new_key_padding_mask_reads_every_mask_form_and_sliding_masks():
+    keep = torch.tensor([[False, True, True, True], [True, True, True, True]])
+    causal = torch.ones(4, 4, dtype=torch.bool).tril()[None, None] & keep[:, None, None, :]
+    # A window of 2: the last row no longer sees token 0, whose padding only the diagonal still tells.
+    sliding = causal & ~torch.ones(4, 4, dtype=torch.bool).tril(-2)[None, None]
     additive = torch.zeros(causal.shape).masked_fill(~causal, torch.finfo(torch.float32).min)
-    for mask in (keep.long(), causal, additive):
-        assert torch.equal(key_padding_mask(mask, 2, 3), keep)
-    assert key_padding_mask(None, 2, 3) is None
-    with pytest.raises(HeadkitError, match="must cover"):
-        key_padding_mask(keep, 2, 4)
+    for mask in (keep.long(), causal, sliding, additive):
+        assert torch.equal(new_key_padding_mask(mask, 2, 0, 4), keep)
+    # Two new tokens after two in the cache: their rows of the full mask, their columns of the padding.
+    assert torch.equal(new_key_padding_mask(causal[:, :, 2:], 2, 2, 2), keep[:, 2:])
+    assert torch.equal(new_key_padding_mask(keep, 2, 2, 2), keep[:, 2:])
+    assert new_key_padding_mask(None, 2, 0, 4) is None
+    with pytest.raises(HeadkitError, match="padding mask"):
+        new_key_padding_mask(keep, 2, 0, 5)
 
 
 def test_attention_with_a_custom_forward_is_refused_before_any_work():

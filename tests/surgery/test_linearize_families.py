@@ -8,8 +8,9 @@ from family_models import family_inputs, family_model
 
 import headkit
 from headkit.compat import output_cache
+from headkit.errors import HeadkitError
 from headkit.surgery.families import FAMILIES, LINEARIZE
-from headkit.surgery.linearize import decoding_state_bytes, linearized_modules
+from headkit.surgery.linearize import decoding_state_bytes, linearized_modules, sliding_layers
 
 LINEARIZABLE = sorted(name for name, family in FAMILIES.items() if LINEARIZE in family.operations)
 
@@ -78,3 +79,63 @@ def test_reload_gives_identical_logits_and_the_state_does_not_grow(model_type, t
         ]
     assert [m.layer_idx for m in linearized_modules(reloaded)] == report.layers
     assert sizes[0] == sizes[1] > 0
+
+
+SLIDING = [("gemma2", {}), ("gemma3_text", {}), ("mistral", {"sliding_window": 4})]
+
+
+@pytest.mark.parametrize(("model_type", "options"), SLIDING, ids=[name for name, _ in SLIDING])
+def test_sliding_layers_convert_on_request_and_decode_like_the_rest(model_type, options, tmp_path):
+    model = family_model(model_type, **options)
+    sliding = sliding_layers(model.config, model.config.num_hidden_layers)
+    assert sliding  # a 4-token window: shorter than the prompts below, so padding falls outside it
+    report = headkit.linearize(model, window=3, chunk_size=4, convert_sliding=True)
+    assert report.layers == list(range(model.config.num_hidden_layers))
+    assert report.converted_sliding_layers == sliding and report.sliding_layers == []
+    assert "converted too" in str(report)
+    with torch.no_grad():
+        generator = torch.Generator().manual_seed(3)
+        for mechanism in linearized_modules(model):
+            mechanism.log_balance.copy_(torch.randn(mechanism.log_balance.shape, generator=generator))
+    prompts = family_inputs(batch=2, length=9)
+    options = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        cached = model.generate(prompts, use_cache=True, **options)
+        assert torch.equal(cached, model.generate(prompts, use_cache=False, **options))
+        # Row 0 left-padded by 5, more than the 4-token sliding window: the padding is read from the diagonal.
+        padded = prompts.clone()
+        padded[0, :5] = 0
+        mask = torch.ones_like(padded)
+        mask[0, :5] = 0
+        together = model.generate(padded, attention_mask=mask, **options)
+        alone = model.generate(padded[:1, 5:], **options)
+        assert torch.equal(together[0, 5:], alone[0])
+        sizes = [
+            decoding_state_bytes(output_cache(model(family_inputs(batch=1, length=n), use_cache=True)))
+            for n in (12, 40)
+        ]
+    assert sizes[0] == sizes[1] > 0  # no key/value layer left: nothing grows
+    model.save_pretrained(tmp_path)
+    reloaded = headkit.from_pretrained(tmp_path)
+    tokens = family_inputs(length=10)
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, model(tokens).logits)
+
+
+def test_an_all_sliding_model_is_refused_with_the_option_named_and_a_partial_sliding_list_too():
+    model = family_model("mistral", sliding_window=4)
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    with pytest.raises(HeadkitError, match="convert_sliding=True"):
+        headkit.linearize(model, window=3)
+    gemma = family_model("gemma3_text")
+    sliding = sliding_layers(gemma.config, gemma.config.num_hidden_layers)
+    with pytest.raises(HeadkitError, match="convert_sliding"):
+        headkit.linearize(gemma, window=3, layers=sliding)
+    with pytest.raises(HeadkitError, match="every sliding-window layer"):
+        headkit.linearize(gemma, window=3, layers=[0], convert_sliding=True) if 0 not in sliding else (
+            headkit.linearize(gemma, window=3, layers=[1], convert_sliding=True)
+        )
+    with pytest.raises(HeadkitError, match="convert_sliding must be a bool"):
+        headkit.linearize(gemma, window=3, convert_sliding="yes")
+    assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())
+    assert not linearized_modules(model) and not linearized_modules(gemma)

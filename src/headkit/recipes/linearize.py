@@ -79,6 +79,7 @@ class LinearizeSettings(QuickSettings):
     feature_map: str = "hedgehog"
     feature_dim: int | None = None
     layers: tuple[int, ...] | None = None  # layers to convert; None: all
+    convert_sliding: bool = False  # convert sliding-window layers too (kept by default: already bounded)
     chunk_size: int = 64
     data: Path | None = None
     transfer_steps: int = 60
@@ -274,6 +275,7 @@ def _run(
         layers=settings.layers,
         feature_dim=settings.feature_dim,
         chunk_size=settings.chunk_size,
+        convert_sliding=settings.convert_sliding,
         adapter=adapter,
     )
     for parameter in teacher.parameters():

@@ -372,10 +372,6 @@ def _check_swappable(adapter: AttentionAdapter, sites: list[AttentionSite], dim_
             raise HeadkitError(
                 f"{site.name} already runs a headkit mechanism ({type(mechanism).__name__}); cannot swap it"
             )
-        if site.is_headkit:
-            raise HeadkitError(
-                f"{site.name} was already replaced by {type(site.module).__name__}; cannot swap it"
-            )
         if site.num_kv_heads != site.num_heads:
             raise HeadkitError(
                 f"{site.name} uses grouped-query attention ({site.num_heads} query, {site.num_kv_heads} key/value "

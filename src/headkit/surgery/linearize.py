@@ -20,9 +20,12 @@ the linear term starts from the untrained feature maps, which is what the recove
 report says so, and recovery absorbs it.
 
 **Sliding-window layers** (Gemma 2/3, a Mistral or Qwen2 with ``sliding_window``) are already bounded: they keep
-softmax and their sliding key/value cache, and the report gives the bytes that cache holds. Their mask hides the
-padding of keys that left the window, which the linear term needs, so they are not converted; a model whose
-every layer slides is refused with that reason.
+softmax and their sliding key/value cache by default, and the report gives the bytes that cache holds; a model whose
+every layer slides (a default Mistral) is refused with that reason unless ``convert_sliding=True``, which converts
+them too (all of them: the model builds one mask per layer type, sized from one layer's cache entry). A
+converted sliding layer gets the model's sliding mask, whose last row no longer reaches the early keys; the
+mechanism reads each new key's padding from the mask's diagonal instead (:func:`new_key_padding_mask`), which a
+causal and a sliding mask share, and its own window replaces the model's.
 
 **Decoding cache.** A 🤗 decoder hands every attention module the same cache (a ``DynamicCache`` that
 ``generate()`` or the model creates), one entry per layer in ``cache.layers``. A converted layer's entry is
@@ -100,10 +103,12 @@ def decoding_state_bytes(cache: Any) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def key_padding_mask(attention_mask: Any, batch: int, kv_len: int) -> torch.Tensor | None:
-    """The [B, kv_len] bool key padding mask (True = real token) behind any mask a 🤗 decoder hands its attention:
-    None, a [B, kv_len] padding mask, or a 4D causal mask [B, 1|H, Tq, kv_len] (bool, True = keep; or additive
-    float) whose last query row — the query that sees every earlier key — is exactly the key padding."""
+def new_key_padding_mask(attention_mask: Any, batch: int, past: int, seq: int) -> torch.Tensor | None:
+    """The [B, seq] bool padding mask (True = real token) of the `seq` new keys, behind any mask a 🤗 decoder
+    hands its attention: None, a [B, past + seq] padding mask, or a 4D mask [B, 1|H, seq, kv_len] (bool, True =
+    keep; or additive float) over kv_len ≥ past + seq keys. In a 4D mask new token r is a real token exactly
+    when query r may attend to itself — its diagonal entry — under a causal mask and a sliding-window one alike
+    (a sliding layer's last row no longer reaches the early keys; the diagonal always does)."""
     if attention_mask is None:
         return None
     if not isinstance(attention_mask, torch.Tensor):
@@ -111,20 +116,25 @@ def key_padding_mask(attention_mask: Any, batch: int, kv_len: int) -> torch.Tens
             f"attention_mask of type {type(attention_mask).__name__} is not supported by linearized attention; "
             "use attn_implementation='sdpa' or 'eager'"
         )
-    if attention_mask.dim() == 4:
-        attention_mask = attention_mask[:, 0, -1, :]
+    if (
+        attention_mask.dim() == 4
+        and attention_mask.shape[-2] == seq
+        and attention_mask.shape[-1] >= past + seq
+    ):
+        rows = torch.arange(seq, device=attention_mask.device)
+        attention_mask = attention_mask[:, 0, rows, past + rows]
         if attention_mask.dtype != torch.bool:
             attention_mask = attention_mask > torch.finfo(attention_mask.dtype).min / 2
-    if (
-        attention_mask.dim() != 2
-        or attention_mask.shape[0] not in (1, batch)
-        or attention_mask.shape[1] != kv_len
-    ):
+    elif attention_mask.dim() == 2 and attention_mask.shape[1] == past + seq:
+        attention_mask = attention_mask[:, past:]
+    else:
         raise HeadkitError(
-            f"attention_mask must cover [batch, past + new tokens] = [{batch}, {kv_len}] keys, got "
-            f"{tuple(attention_mask.shape)}"
+            f"attention_mask must be a [batch, {past + seq}] padding mask or a [batch, 1, {seq}, ≥ {past + seq}] "
+            f"mask over the past and new tokens, got {tuple(attention_mask.shape)}"
         )
-    return attention_mask.bool().expand(batch, kv_len)
+    if attention_mask.shape[0] not in (1, batch):
+        raise HeadkitError(f"attention_mask must have batch size 1 or {batch}, got {attention_mask.shape[0]}")
+    return attention_mask.bool().expand(batch, seq)
 
 
 class LinearizedHeads(nn.Module):
@@ -190,8 +200,8 @@ class LinearizedHeads(nn.Module):
     ) -> tuple[torch.Tensor, None]:
         batch, _, seq, _ = queries.shape
         past = 0 if cache_layer is None else cache_layer.get_seq_length()
-        mask = key_padding_mask(attention_mask, batch, past + seq)
-        new_mask = None if mask is None else mask[:, past:].to(queries.device)
+        new_mask = new_key_padding_mask(attention_mask, batch, past, seq)
+        new_mask = None if new_mask is None else new_mask.to(queries.device)
         query_features, key_features = self.feature_map_q(queries), self.feature_map_k(keys)
         scale = self.scale if scaling is None else scaling
         # The mask is checked above and states come from the op itself: its own checks would only repeat that.
@@ -240,6 +250,7 @@ class LinearizeReport:
     softmax_layers: list[int] = field(default_factory=list)
     sliding_layers: list[int] = field(default_factory=list)  # kept: their cache is bounded already
     sliding_cache_bytes: int = 0  # what those layers' caches hold at most, per sequence
+    converted_sliding_layers: list[int] = field(default_factory=list)  # with convert_sliding=True
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -252,6 +263,8 @@ class LinearizeReport:
                 f" (sliding-window layers {self.sliding_layers}: at most {self.sliding_cache_bytes:,} cache bytes "
                 "per sequence)"
             )
+        if self.converted_sliding_layers:
+            kept += f"; sliding-window layers {self.converted_sliding_layers} converted too"
         notes = "".join(f"; {note}" for note in self.notes)
         return (
             f"linearized {len(self.layers)} {self.architecture} attention layers (window {self.window}, "
@@ -294,6 +307,7 @@ def linearize(
     layers: Iterable[int] | None = None,
     feature_dim: int | None = None,
     chunk_size: int = 64,
+    convert_sliding: bool = False,
     adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
 ) -> LinearizeReport:
     """Convert the softmax self-attention of a causal LM to sliding-window + linear attention, in place.
@@ -307,6 +321,9 @@ def linearize(
             their softmax attention and key/value cache (a hybrid model); sliding-window layers cannot be listed.
         feature_dim: the learnable map's projection width (None: head_dim; Hedgehog then has 2·head_dim features).
         chunk_size: queries per chunk of the parallel form (speed/memory only).
+        convert_sliding: convert the sliding-window layers too (by default they keep softmax and their bounded
+            cache). Then `layers`, if given, must list every sliding layer: the model builds one mask per layer
+            type from one layer's cache entry, so the sliding layers are converted all or none.
         adapter: the architecture's adapter; detected from the model when None.
 
     Returns a :class:`LinearizeReport`. Raises :class:`HeadkitError` for an unsupported architecture or one whose
@@ -318,7 +335,9 @@ def linearize(
     adapter = get_adapter(model, adapter)
     sites = _check_sites(model, adapter)
     sliding = sliding_layers(model.config, len(sites))
-    chosen = _check_arguments(model, sites, sliding, window, feature_map, layers, feature_dim, chunk_size)
+    chosen = _check_arguments(
+        model, sites, sliding, window, feature_map, layers, feature_dim, chunk_size, convert_sliding
+    )
     _check_interface(model, adapter, chosen)
     before = count_parameters(model)
     planned = [(site, _plan_site(site, window, feature_map, feature_dim, chunk_size)) for site in chosen]
@@ -335,6 +354,7 @@ def linearize(
             "feature_map": feature_map,
             "feature_dim": feature_dim,
             "chunk_size": chunk_size,
+            "convert_sliding": convert_sliding,
             "sites": [site.name for site in chosen],
         },
     )
@@ -355,8 +375,9 @@ def linearize(
         parameters_after=count_parameters(model),
         trainable_parameters=sum(p.numel() for _, m in planned for p in m.trainable_parameters()),
         softmax_layers=[site.layers[0] for site in sites if mechanism_of(site.module) is None],
-        sliding_layers=sliding,
-        sliding_cache_bytes=_sliding_cache_bytes(model, sites, sliding),
+        sliding_layers=[] if convert_sliding else sliding,
+        sliding_cache_bytes=0 if convert_sliding else _sliding_cache_bytes(model, sites, sliding),
+        converted_sliding_layers=sliding if convert_sliding else [],
         notes=notes,
     )
 
@@ -394,9 +415,10 @@ def _check_sites(model: nn.Module, adapter: AttentionAdapter) -> list[AttentionS
             raise HeadkitError(
                 f"{site.name} is shared by layers {site.layers}; linearize needs one module per layer"
             )
-        if site.is_headkit:
+        mechanism = mechanism_of(site.module)
+        if mechanism is not None and not isinstance(mechanism, LinearizedHeads):
             raise HeadkitError(
-                f"{site.name} was already replaced by {type(site.module).__name__}; cannot linearize it"
+                f"{site.name} already runs {type(mechanism).__name__} (earlier surgery); cannot linearize it"
             )
     return sites
 
@@ -422,8 +444,11 @@ def _check_arguments(
     layers: Iterable[int] | None,
     feature_dim: Any,
     chunk_size: Any,
+    convert_sliding: Any = False,
 ) -> list[AttentionSite]:
     """Validate every argument; return the sites to convert."""
+    if not isinstance(convert_sliding, bool):
+        raise HeadkitError(f"convert_sliding must be a bool, got {convert_sliding!r}")
     context = max_context(model)
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise HeadkitError(f"window must be a positive integer, got {window!r}")
@@ -441,12 +466,12 @@ def _check_arguments(
         raise HeadkitError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     count = len(sites)
     if layers is None:
-        indices: Sequence[int] = [i for i in range(count) if i not in sliding]
+        indices: Sequence[int] = [i for i in range(count) if convert_sliding or i not in sliding]
         if not indices:
             raise HeadkitError(
                 f"every layer of this model attends through a sliding window (sliding_window="
                 f"{getattr(model.config, 'sliding_window', None)}): its cache is bounded already, and a sliding "
-                "layer's mask hides the padding the linear term needs; nothing to linearize"
+                "layer keeps its softmax by default; pass convert_sliding=True (--convert-sliding) to convert them"
             )
     else:
         indices = list(layers) if not isinstance(layers, (str, bytes)) else [layers]
@@ -460,10 +485,16 @@ def _check_arguments(
         if len(set(indices)) != len(indices):
             raise HeadkitError(f"layers lists a layer twice: {list(indices)}")
         slides = [i for i in indices if i in sliding]
-        if slides:
+        if slides and not convert_sliding:
             raise HeadkitError(
-                f"layers {slides} attend through a sliding window: their cache is bounded already, and their mask "
-                "hides the padding the linear term needs; convert global-attention layers only"
+                f"layers {slides} attend through a sliding window: their cache is bounded already; pass "
+                "convert_sliding=True (--convert-sliding) to convert them"
+            )
+        missing = [i for i in sliding if i not in indices]
+        if convert_sliding and missing:
+            raise HeadkitError(
+                f"with convert_sliding, layers must list every sliding-window layer (the model builds one mask "
+                f"per layer type from one layer's cache entry); missing {missing}"
             )
     chosen = [sites[i] for i in sorted(indices)]
     done = [site.layers[0] for site in chosen if isinstance(mechanism_of(site.module), LinearizedHeads)]
@@ -518,6 +549,7 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
         [int(i) for i in entry["layers"]],
         entry.get("feature_dim"),
         chunk_size,
+        bool(entry.get("convert_sliding", False)),
     )
     if [site.name for site in chosen] != list(entry["sites"]):
         raise HeadkitError(
@@ -540,7 +572,7 @@ __all__ = [
     "converted_attention_modules",
     "decoding_state_bytes",
     "hybrid_cache_layer",
-    "key_padding_mask",
+    "new_key_padding_mask",
     "linearize",
     "linearized_modules",
     "linearized_parameters",

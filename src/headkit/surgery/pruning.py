@@ -49,7 +49,13 @@ from headkit.surgery.adapters import (
     get_adapter,
     linear_parameters,
 )
-from headkit.surgery.attention import StateCacheLayer, attach_mechanisms, state_cache_layer, use_dispatcher
+from headkit.surgery.attention import (
+    StateCacheLayer,
+    attach_mechanisms,
+    mechanism_of,
+    state_cache_layer,
+    use_dispatcher,
+)
 from headkit.surgery.families import FAMILIES, UNIFORM, get_family
 from headkit.surgery.gating import check_site_heads, evaluation_gate_values, site_gate
 from headkit.surgery.io import SURGERY_KEY, record_surgery, recorded_surgery, register_surgery_op
@@ -122,8 +128,8 @@ def check_prunable(sites: list[AttentionSite]) -> None:
 
 def _refuse_replaced(index: int, site: AttentionSite) -> None:
     raise HeadkitError(
-        f"cannot prune heads of layer {index} ({site.name}): it is a {type(site.module).__name__} put in place "
-        "by earlier surgery; prune before other surgery"
+        f"cannot prune heads of layer {index} ({site.name}): it already runs "
+        f"{type(mechanism_of(site.module)).__name__} (earlier surgery); prune before other surgery"
     )
 
 

@@ -327,13 +327,11 @@ class AttentionAdapter:
         shared queries and keys of their own widths). Architecture-specific; refused by default."""
         raise HeadkitError(f"the {self.name} adapter cannot change how its fused projection is split")
 
-    # -- replacing the attention module -------------------------------------------------------------------------
-
     def _require_original(self, site: AttentionSite, action: str) -> None:
         if site.is_headkit:
             raise HeadkitError(
-                f"site {site.name!r} is a {type(site.module).__name__} (headkit surgery already replaced it); "
-                f"cannot {action} with the {self.name} adapter"
+                f"site {site.name!r} already runs {type(mechanism_of(site.module)).__name__} (earlier headkit "
+                f"surgery); cannot {action} with the {self.name} adapter"
             )
 
 
