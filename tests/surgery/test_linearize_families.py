@@ -50,19 +50,23 @@ def test_exact_while_the_window_covers_the_sequence(model_type):
 def test_cached_decoding_equals_uncached_and_padded_rows_equal_each_alone(model_type):
     model, _ = converted(model_type, window=3)
     prompts = family_inputs(batch=2, length=7)
+    assert_cached_and_padded_decoding_agree(model, prompts, padding=3)
+
+
+def assert_cached_and_padded_decoding_agree(model, prompts, padding):
+    """Greedy generate: cached == uncached, and row 0 left-padded by `padding` tokens (its positions from the
+    mask) decodes as it does alone."""
     options = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
         cached = model.generate(prompts, use_cache=True, **options)
-        uncached = model.generate(prompts, use_cache=False, **options)
-        assert torch.equal(cached, uncached)
-        # Row 0 left-padded by 3: its positions come from the mask, so it decodes as it does alone.
+        assert torch.equal(cached, model.generate(prompts, use_cache=False, **options))
         padded = prompts.clone()
-        padded[0, :3] = 0
+        padded[0, :padding] = 0
         mask = torch.ones_like(padded)
-        mask[0, :3] = 0
+        mask[0, :padding] = 0
         together = model.generate(padded, attention_mask=mask, **options)
-        alone = model.generate(padded[:1, 3:], **options)
-    assert torch.equal(together[0, 3:], alone[0])
+        alone = model.generate(padded[:1, padding:], **options)
+    assert torch.equal(together[0, padding:], alone[0])
 
 
 @pytest.mark.parametrize("model_type", LINEARIZABLE)
@@ -97,19 +101,9 @@ def test_sliding_layers_convert_on_request_and_decode_like_the_rest(model_type, 
         generator = torch.Generator().manual_seed(3)
         for mechanism in linearized_modules(model):
             mechanism.log_balance.copy_(torch.randn(mechanism.log_balance.shape, generator=generator))
-    prompts = family_inputs(batch=2, length=9)
-    options = {"max_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    # Row 0 left-padded by 5, more than the 4-token sliding window: the padding is read from the diagonal.
+    assert_cached_and_padded_decoding_agree(model, family_inputs(batch=2, length=9), padding=5)
     with torch.no_grad():
-        cached = model.generate(prompts, use_cache=True, **options)
-        assert torch.equal(cached, model.generate(prompts, use_cache=False, **options))
-        # Row 0 left-padded by 5, more than the 4-token sliding window: the padding is read from the diagonal.
-        padded = prompts.clone()
-        padded[0, :5] = 0
-        mask = torch.ones_like(padded)
-        mask[0, :5] = 0
-        together = model.generate(padded, attention_mask=mask, **options)
-        alone = model.generate(padded[:1, 5:], **options)
-        assert torch.equal(together[0, 5:], alone[0])
         sizes = [
             decoding_state_bytes(output_cache(model(family_inputs(batch=1, length=n), use_cache=True)))
             for n in (12, 40)
@@ -139,3 +133,27 @@ def test_an_all_sliding_model_is_refused_with_the_option_named_and_a_partial_sli
         headkit.linearize(gemma, window=3, convert_sliding="yes")
     assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())
     assert not linearized_modules(model) and not linearized_modules(gemma)
+
+
+def test_a_mixed_cache_of_sliding_full_and_linearized_layers_beam_searches_as_without_a_cache():
+    # Gemma 3: a sliding layer, a full one kept, a full one linearized — three kinds of entries in one Cache.
+    model = family_model(
+        "gemma3_text",
+        num_hidden_layers=3,
+        layer_types=["sliding_attention", "full_attention", "full_attention"],
+    )
+    headkit.linearize(model, window=3, chunk_size=4, layers=[2])
+    with torch.no_grad():
+        for mechanism in linearized_modules(model):
+            mechanism.log_balance.copy_(
+                torch.randn(mechanism.log_balance.shape, generator=torch.Generator().manual_seed(3))
+            )
+        prompts = family_inputs(batch=2, length=9)
+        cache = output_cache(model(prompts, use_cache=True))
+        kinds = [type(layer).__name__ for layer in cache.layers]
+        assert kinds[0] != kinds[1] != kinds[2] and kinds[2] == "HybridStateCacheLayer", kinds
+        options = {"max_new_tokens": 5, "num_beams": 3, "do_sample": False, "pad_token_id": 0}
+        # Beam search reorders every cache entry by beam at each step; without a cache nothing is reordered.
+        with_cache = model.generate(prompts, use_cache=True, **options)
+        without = model.generate(prompts, use_cache=False, **options)
+    assert torch.equal(with_cache, without)

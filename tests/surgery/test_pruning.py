@@ -334,3 +334,17 @@ def test_unsupported_models_and_earlier_surgery_are_refused():
 
 def test_every_registered_adapter_is_covered():
     assert set(ARCHITECTURES) <= set(TINY_MODELS)
+
+
+def test_beam_search_after_uneven_and_empty_pruning_matches_decoding_without_a_cache():
+    model = transformers.LlamaForCausalLM(llama_config(num_hidden_layers=3)).eval()
+    prune_heads(model, {0: [0, 1, 2, 5], 1: list(range(8))}, allow_empty_layers=True)
+    prompts = tiny_inputs("llama")["input_ids"][:2, :5]
+    options = {"max_new_tokens": 4, "num_beams": 3, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        cache = output_cache(model(prompts, use_cache=True))
+        assert cache.layers[1].get_seq_length() == 5 and cache.layers[1].get_state() is None  # stores nothing
+        assert torch.equal(
+            model.generate(prompts, use_cache=True, **options),
+            model.generate(prompts, use_cache=False, **options),
+        )
