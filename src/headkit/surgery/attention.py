@@ -204,7 +204,11 @@ class StateCacheLayer(RecurrentStateLayer, CacheLayerMixin):
     A :class:`~headkit.layers.cache.RecurrentStateLayer` (state, token count, beam-search reordering) that is also
     a transformers ``CacheLayerMixin``, so the container counts its tokens (``get_seq_length``, mask sizes) even
     when no layer of the model keeps keys and values. The stock module's ``update`` call gets its keys and values
-    back unchanged; the mechanism folds them into ``state`` (:meth:`set_state`)."""
+    back unchanged; the mechanism folds them into ``state`` (:meth:`set_state`).
+
+    Not transformers' ``LinearAttentionCacheLayerMixin`` (5.24): that one holds conv/recurrent tensors by index
+    and counts no tokens, while a linearized layer's state is a window of keys and values plus running sums, and
+    the masks of every later layer are sized from its token count; it is also absent before 5.24."""
 
     is_compileable = False
     is_croppable = False
