@@ -532,6 +532,25 @@ def linearize_command(
     typer.echo(str(result))
 
 
+@app.command("export")
+def export_command(
+    model: Path = typer.Argument(
+        ...,
+        help="A causal LM: a folder headkit wrote (stock or after head pruning), a stock 🤗 folder, or a GGUF file.",
+    ),
+    gguf: Path = typer.Option(..., "--gguf", help="The .gguf file to write (atomically; never the input)."),
+    type: str = typer.Option("f16", "--type", help="Weight type: f32, f16, bf16 or q8_0 (norms stay f32)."),
+    overwrite: bool = typer.Option(False, help="Replace an existing --gguf file."),
+) -> None:
+    """Write MODEL as a GGUF file for llama.cpp: its own family's architecture (llama, qwen2, qwen3), or deci
+    for LLaMA pruned unevenly across layers (see headkit.recipes.export)."""
+    from headkit.recipes.export import export_gguf
+
+    with _no_loading_bars():
+        report = export_gguf(model, gguf, type=type, overwrite=overwrite)
+    typer.echo(str(report))
+
+
 @app.command()
 def generate(
     model: Path = typer.Argument(
