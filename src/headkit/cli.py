@@ -542,8 +542,8 @@ def export_command(
     type: str = typer.Option("f16", "--type", help="Weight type: f32, f16, bf16 or q8_0 (norms stay f32)."),
     overwrite: bool = typer.Option(False, help="Replace an existing --gguf file."),
 ) -> None:
-    """Write MODEL as a GGUF file for llama.cpp: its own family's architecture (llama, qwen2, qwen3), or deci
-    for LLaMA pruned unevenly across layers (see headkit.recipes.export)."""
+    """Write MODEL as a GGUF file for llama.cpp: its own family's architecture (llama, qwen2, qwen3, gemma3),
+    or deci for LLaMA pruned unevenly across layers (see headkit.recipes.export)."""
     from headkit.recipes.export import export_gguf
 
     with _no_loading_bars():

@@ -52,9 +52,23 @@ def _tiny(family, tokenizer):
     )
     if family == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=True, **common))
-    else:
+    elif family == "qwen3":
         config = transformers.Qwen3Config(head_dim=16, tie_word_embeddings=False, **common)
         model = transformers.Qwen3ForCausalLM(config)
+    else:  # Gemma 3: a sliding-window layer (window 16 < the 48 tokens compared) then a global one
+        common["rope_parameters"] = {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+        }
+        config = transformers.Gemma3TextConfig(
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"],
+            tie_word_embeddings=True,
+            **common,
+        )
+        model = transformers.Gemma3ForCausalLM(config)
     with torch.no_grad():  # wide weights: peaked attention and logits far apart, so errors would show
         for parameter in model.parameters():
             if parameter.ndim > 1:
@@ -126,10 +140,11 @@ def test_uniform_llama_f32_matches_transformers(llama_cpp, tiny_llama_folder, sm
     _check_logits(llama_cpp, report.out, _reload(tiny_llama_folder), _tokens(smollm2_tokenizer))
 
 
-def test_qwen3_f32_matches_transformers(llama_cpp, smollm2_tokenizer, tmp_path):
-    model = _tiny("qwen3", smollm2_tokenizer)
-    report = export_gguf(model, tmp_path / "qwen3.gguf", type="f32", tokenizer=smollm2_tokenizer)
-    assert report.arch == "qwen3"
+@pytest.mark.parametrize("family, arch", [("qwen3", "qwen3"), ("gemma3", "gemma3")])
+def test_other_families_f32_match_transformers(llama_cpp, smollm2_tokenizer, tmp_path, family, arch):
+    model = _tiny(family, smollm2_tokenizer)
+    report = export_gguf(model, tmp_path / f"{family}.gguf", type="f32", tokenizer=smollm2_tokenizer)
+    assert report.arch == arch
     _check_logits(llama_cpp, report.out, model, _tokens(smollm2_tokenizer))
 
 

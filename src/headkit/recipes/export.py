@@ -8,7 +8,7 @@ Writing, tensor names and quantization are the ``gguf`` package's (:class:`gguf.
 What is exported, and as which llama.cpp architecture:
 
 * a result whose layers all keep the same query and key/value heads, grouped evenly, is written as its own
-  family's architecture (``llama``, ``qwen2``, ``qwen3``) with the head counts it has now, whatever its config
+  family's architecture (``llama``, ``qwen2``, ``qwen3``, ``gemma3``) with the head counts it has now, whatever its config
   says (a pruned model that was not turned back into the stock architecture still records the original counts);
 * a LLaMA result with different heads per layer is written as ``deci`` (llama.cpp's architecture for DeciLM and
   Nemotron-NAS), whose ``attention.head_count`` / ``attention.head_count_kv`` are per-layer arrays; a layer pruned
@@ -80,17 +80,20 @@ class _Mapping:
         reordered (as ``LlamaModel.permute`` in llama.cpp's converter does); the ``qwen2``/``qwen3`` graphs use
         the NeoX (halves) mode, so their rows are written as they are.
     uneven_arch: the llama.cpp architecture of a result with different heads per layer, if any.
+    norm_shift: added to every RMSNorm weight: Gemma's norms scale by (1 + weight), llama.cpp's by the weight.
     """
 
     arch: str
     permute_qk: bool
     uneven_arch: str | None = None
+    norm_shift: float = 0.0
 
 
 MAPPINGS: dict[str, _Mapping] = {
     "llama": _Mapping("llama", permute_qk=True, uneven_arch="deci"),
     "qwen2": _Mapping("qwen2", permute_qk=False),
     "qwen3": _Mapping("qwen3", permute_qk=False),
+    "gemma3_text": _Mapping("gemma3", permute_qk=False, norm_shift=1.0),
 }
 
 
@@ -277,9 +280,9 @@ def _load(model_path_or_model: Any, tokenizer: Any) -> tuple[nn.Module, Any, Pat
 # -- metadata --------------------------------------------------------------------------------------------------
 
 
-def _rope_theta(config: Any) -> float:
+def _rope_theta(config: Any, kind: str = "full_attention") -> float:
     rope = getattr(config, "rope_parameters", None) or {}
-    rope = rope.get("full_attention", rope)
+    rope = rope.get(kind, rope)
     rope_type = rope.get("rope_type", "default")
     if rope_type != "default":
         raise HeadkitError(
@@ -320,6 +323,27 @@ def _write_hparams(
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(int(config.vocab_size))
     writer.add_file_type(file_type)
+    if arch == "gemma3":
+        _write_gemma3_hparams(writer, config, head_dim)
+
+
+def _write_gemma3_hparams(writer: Any, config: Any, head_dim: int) -> None:
+    """Gemma 3's extras: sliding-window layers (which, and their own rotary base) and the final soft-cap.
+    llama.cpp scales scores by head_dim^-1/2 (1/sqrt(n_embd_head_k)); 🤗 by query_pre_attn_scalar^-1/2."""
+    if getattr(config, "attn_logit_softcapping", None):
+        raise HeadkitError("MODEL soft-caps attention logits, which llama.cpp's gemma3 does not")
+    if float(getattr(config, "query_pre_attn_scalar", head_dim)) != float(head_dim):
+        raise HeadkitError(
+            f"MODEL scales attention by query_pre_attn_scalar={config.query_pre_attn_scalar}, llama.cpp's "
+            f"gemma3 by the head width {head_dim}"
+        )
+    layer_types = list(getattr(config, "layer_types", None) or [])
+    if "sliding_attention" in layer_types:
+        writer.add_sliding_window(int(config.sliding_window))
+        writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in layer_types])
+        writer.add_rope_freq_base_swa(_rope_theta(config, "sliding_attention"))
+    if getattr(config, "final_logit_softcapping", None):
+        writer.add_final_logit_softcapping(float(config.final_logit_softcapping))
 
 
 def _copy_gguf_tokenizer(writer: Any, gguf: Any, source: Path) -> str:
@@ -433,8 +457,10 @@ def _file_type(gguf: Any, type: str) -> Any:
     }[type]
 
 
-def _add_tensor(writer: Any, gguf: Any, type: str, name: str, tensor: torch.Tensor) -> None:
-    data = tensor.detach().to(torch.float32).cpu().numpy()
+def _add_tensor(
+    writer: Any, gguf: Any, type: str, name: str, tensor: torch.Tensor, shift: float = 0.0
+) -> None:
+    data = (tensor.detach().to(torch.float32) + shift).cpu().numpy()
     qtype = _tensor_type(gguf, type, name, data)
     try:
         packed = gguf.quants.quantize(data, qtype)
@@ -602,7 +628,7 @@ def _write_tensors(
             continue  # deci: a layer without heads has no attention tensors and no attention norm
         for name, data in _layer_tensors(site, plan, head_dim, mapping.permute_qk).items():
             full = f"{module_name}.{name}"
-            _add_tensor(writer, gguf, type, _gguf_name(names, full), data)
+            _add_tensor(writer, gguf, type, _gguf_name(names, full), data, _shift(mapping, full))
             done.add(full)
             count += 1
     empty_norms = {
@@ -613,9 +639,13 @@ def _write_tensors(
             continue
         if full.endswith("lm_head.weight") and (tied or parameter is embeddings):
             continue
-        _add_tensor(writer, gguf, type, _gguf_name(names, full), parameter)
+        _add_tensor(writer, gguf, type, _gguf_name(names, full), parameter, _shift(mapping, full))
         count += 1
     return count
+
+
+def _shift(mapping: _Mapping, name: str) -> float:
+    return mapping.norm_shift if name.endswith("norm.weight") else 0.0
 
 
 def _gguf_name(names: Any, full: str) -> str:
