@@ -316,3 +316,21 @@ def test_bad_arguments_are_refused(tiny_llama_folder, tmp_path):
     with pytest.raises(HeadkitError, match="does not exist"):
         export_gguf(tmp_path / "missing", tmp_path / "a.gguf")
     assert list(tmp_path.iterdir()) == []
+
+
+# -- the command ------------------------------------------------------------------------------------------------
+
+
+def test_cli_export_writes_and_refuses_in_one_line(tiny_llama_folder, tmp_path, capsys):
+    from headkit.cli import main
+
+    out = tmp_path / "cli.gguf"
+    main(["export", str(tiny_llama_folder), "--gguf", str(out), "--type", "q8_0"])
+    assert "llama.cpp architecture llama, q8_0" in capsys.readouterr().out and out.is_file()
+    with pytest.raises(SystemExit) as exc:
+        main(["export", str(tiny_llama_folder), "--gguf", str(out)])
+    assert exc.value.code == 2
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(lines) == 1 and "--gguf" in lines[0] and "--overwrite" in lines[0]
+    main(["export", str(tiny_llama_folder), "--gguf", str(out), "--type", "f32", "--overwrite"])
+    assert "f32" in capsys.readouterr().out
