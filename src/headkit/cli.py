@@ -541,13 +541,18 @@ def export_command(
     gguf: Path = typer.Option(..., "--gguf", help="The .gguf file to write (atomically; never the input)."),
     type: str = typer.Option("f16", "--type", help="Weight type: f32, f16, bf16 or q8_0 (norms stay f32)."),
     overwrite: bool = typer.Option(False, help="Replace an existing --gguf file."),
+    uneven_groups: str = typer.Option(
+        "duplicate",
+        help="Unequal grouped-query groups after pruning: 'duplicate' key/value heads (more KV cache) or 'pad' "
+        "groups with zero query heads (more query work).",
+    ),
 ) -> None:
     """Write MODEL as a GGUF file for llama.cpp: its own family's architecture (llama, qwen2, qwen3, gemma3),
     or deci for LLaMA pruned unevenly across layers (see headkit.recipes.export)."""
     from headkit.recipes.export import export_gguf
 
     with _no_loading_bars():
-        report = export_gguf(model, gguf, type=type, overwrite=overwrite)
+        report = export_gguf(model, gguf, type=type, overwrite=overwrite, uneven_groups=uneven_groups)
     typer.echo(str(report))
 
 

@@ -182,6 +182,21 @@ def test_unevenly_pruned_llama_is_deci(llama_cpp, tiny_llama_folder, smollm2_tok
     _check_logits(llama_cpp, report.out, _reload(folder), _tokens(smollm2_tokenizer))
 
 
+def test_uneven_groups_padded_with_zero_query_heads(
+    llama_cpp, tiny_llama_folder, smollm2_tokenizer, tmp_path
+):
+    import headkit
+
+    model = _reload(tiny_llama_folder)
+    headkit.prune_heads(model, {0: [1], 1: [0]})  # both layers: 1 query head on one KV head, 2 on the other
+    report = export_gguf(
+        model, tmp_path / "padded.gguf", type="f32", tokenizer=smollm2_tokenizer, uneven_groups="pad"
+    )
+    assert report.arch == "llama" and report.heads == [4, 4] and report.kv_heads == [2, 2]
+    assert report.padded_query_heads == [1, 1] and report.extra_kv_cache_bytes_per_token == 0
+    _check_logits(llama_cpp, report.out, model, _tokens(smollm2_tokenizer))
+
+
 def test_different_even_layers_are_deci(llama_cpp, tiny_llama_folder, smollm2_tokenizer, tmp_path):
     import headkit
 
@@ -268,6 +283,8 @@ def test_plan_layer_equalizes_groups_with_fewest_duplicates():
     plan = plan_layer([0, 1, 0, 1, 1, 1])  # 2 and 4 readers: groups of 2, KV head 1 written twice
     assert plan.query_order == [0, 2, 1, 3, 4, 5] and plan.kv_order == [0, 1, 1]
     assert not plan_layer([0, 0, 1, 1]).duplicated
+    plan = plan_layer([1, 0, 1, 1], "pad")  # groups of 3: KV head 0's read by head 1 and two zero heads
+    assert plan.query_order == [1, None, None, 0, 2, 3] and plan.kv_order == [0, 1] and plan.padded == 2
 
 
 # -- refusals ---------------------------------------------------------------------------------------------------

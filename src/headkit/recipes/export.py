@@ -24,6 +24,11 @@ of its readers and g the greatest common divisor of those numbers, which is the 
 possible. Duplicating parameters costs file size and KV cache (reported in
 :attr:`ExportReport.extra_kv_cache_bytes_per_token`) but never accuracy; refusing would make the most useful
 pruning results — those that keep the important query heads wherever they are — impossible to deploy.
+Duplication is the default because it adds no query work; where the KV cache matters more (long contexts:
+with SmolLM2's groups of 3, removing one head of a group makes the counts 3, 3, 2, whose gcd is 1, so the
+layer's 3 key/value heads become 8), ``uneven_groups="pad"`` instead fills every group up to the largest with
+zero query heads: their output-projection columns are zero, so they add exactly nothing, and the KV cache
+stays at the key/value heads the model reads.
 
 The tokenizer comes from the source: copied field by field from a GGUF input (``tokenizer.*``: model, pre-tokenizer,
 tokens, types, merges, special token ids, chat template), converted from a 🤗 byte-level BPE tokenizer otherwise
@@ -110,8 +115,9 @@ class ExportReport:
     """What :func:`export_gguf` wrote.
 
     heads / kv_heads: per layer, the query and key/value heads in the file (kv_heads includes duplicates made to
-    equalize groups); kv_heads_read: the distinct key/value heads the model reads; extra_kv_cache_bytes_per_token:
-    what the duplicates add to llama.cpp's KV cache per token of context, at its default float16 cache.
+    equalize groups, heads the zero heads padded in); kv_heads_read: the distinct key/value heads the model
+    reads; extra_kv_cache_bytes_per_token: what the duplicates add to llama.cpp's KV cache per token of context,
+    at its default float16 cache; padded_query_heads: zero query heads written per layer.
     """
 
     source: str
@@ -127,6 +133,7 @@ class ExportReport:
     file_bytes: int
     tokenizer: str
     uneven_layers: list[int] = field(default_factory=list)
+    padded_query_heads: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"out": str(self.out)}
@@ -140,7 +147,12 @@ class ExportReport:
             lines.append(f"  {self.heads[0]} query heads, {self.kv_heads[0]} key/value heads per layer")
         else:
             lines.append(f"  query heads per layer {self.heads}; key/value heads {self.kv_heads}")
-        if self.uneven_layers:
+        if any(self.padded_query_heads):
+            lines.append(
+                f"  layers {self.uneven_layers} had unequal query groups: padded with zero query heads "
+                f"{self.padded_query_heads}, no extra KV cache"
+            )
+        elif self.uneven_layers:
             lines.append(
                 f"  layers {self.uneven_layers} had unequal query groups: key/value heads duplicated to "
                 f"equalize them, +{self.extra_kv_cache_bytes_per_token:,} bytes of float16 KV cache per token"
@@ -156,9 +168,13 @@ class _LayerPlan:
     """One layer as written: query heads in `query_order` (indices into the module's heads), key/value heads
     `kv_order` (indices into the module's key/value heads, repeated where duplicated)."""
 
-    query_order: list[int]
+    query_order: list[int | None]
     kv_order: list[int]
     kv_read: int
+
+    @property
+    def padded(self) -> int:
+        return sum(h is None for h in self.query_order)
 
     @property
     def heads(self) -> int:
@@ -170,26 +186,34 @@ class _LayerPlan:
 
     @property
     def duplicated(self) -> bool:
-        return self.kv_heads != self.kv_read
+        return self.kv_heads != self.kv_read or self.padded > 0
 
 
-def plan_layer(kv_index: list[int]) -> _LayerPlan:
-    """Equal groups for a layer whose query head h reads key/value head ``kv_index[h]``: readers made
-    contiguous, each key/value head repeated (its readers / g) times, g the gcd of the readers' counts."""
+def plan_layer(kv_index: list[int], uneven_groups: str = "duplicate") -> _LayerPlan:
+    """Equal groups for a layer whose query head h reads key/value head ``kv_index[h]``, readers made
+    contiguous. "duplicate": each key/value head repeated (its readers / g) times, g the gcd of the readers'
+    counts. "pad": every group filled up to the largest with zero query heads (None in ``query_order``)."""
     if not kv_index:
         return _LayerPlan([], [], 0)
     kv_heads = sorted(set(kv_index))
     readers = {kv: [h for h, k in enumerate(kv_index) if k == kv] for kv in kv_heads}
+    if uneven_groups == "pad":
+        group = max(len(r) for r in readers.values())
+        query_order = [h for kv in kv_heads for h in readers[kv] + [None] * (group - len(readers[kv]))]
+        return _LayerPlan(query_order, list(kv_heads), len(kv_heads))
     group = math.gcd(*(len(r) for r in readers.values()))
     query_order = [h for kv in kv_heads for h in readers[kv]]
     kv_order = [kv for kv in kv_heads for _ in range(len(readers[kv]) // group)]
     return _LayerPlan(query_order, kv_order, len(kv_heads))
 
 
-def _rows(weight: torch.Tensor, order: list[int], head_dim: int) -> torch.Tensor:
-    """The rows of heads `order` (each `head_dim` rows), in that order."""
-    heads = weight.reshape(-1, head_dim, *weight.shape[1:])
-    return heads[torch.tensor(order, dtype=torch.long)].reshape(len(order) * head_dim, *weight.shape[1:])
+def _rows(weight: torch.Tensor, order: list[int | None], head_dim: int) -> torch.Tensor:
+    """The rows of heads `order` (each `head_dim` rows), in that order; None: a head of zeros."""
+    heads = torch.cat(
+        [weight.reshape(-1, head_dim, *weight.shape[1:]), weight.new_zeros(1, head_dim, *weight.shape[1:])]
+    )
+    index = torch.tensor([len(heads) - 1 if h is None else h for h in order], dtype=torch.long)
+    return heads[index].reshape(len(order) * head_dim, *weight.shape[1:])
 
 
 def _rotary_pairs(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -491,7 +515,7 @@ def _layer_tensors(site: Any, plan: _LayerPlan, head_dim: int, permute: bool) ->
     return out
 
 
-def _plans(model: nn.Module) -> tuple[list[Any], list[_LayerPlan], int]:
+def _plans(model: nn.Module, uneven_groups: str) -> tuple[list[Any], list[_LayerPlan], int]:
     adapter = get_adapter(model)
     sites = adapter.sites(model)
     widths = {site.head_dim for site in sites}
@@ -507,7 +531,7 @@ def _plans(model: nn.Module) -> tuple[list[Any], list[_LayerPlan], int]:
                 )
             plans.append(_LayerPlan([], [], 0))
         else:
-            plans.append(plan_layer(query_to_kv_heads(site)))
+            plans.append(plan_layer(query_to_kv_heads(site), uneven_groups))
     return sites, plans, widths.pop()
 
 
@@ -518,6 +542,7 @@ def export_gguf(
     type: str = DEFAULT_TYPE,
     overwrite: bool = False,
     tokenizer: Any = None,
+    uneven_groups: str = "duplicate",
 ) -> ExportReport:
     """Write MODEL as a GGUF file that llama.cpp loads.
 
@@ -529,6 +554,10 @@ def export_gguf(
         type: "f32", "f16", "bf16" or "q8_0" for the 2-D weights (``gguf``'s own quantizers); norms stay f32.
         overwrite: replace an existing `out`.
         tokenizer: the tokenizer to write (default: the model's own; a GGUF input's is copied from the file).
+        uneven_groups: how a layer's unequal grouped-query groups are made equal (see the module docstring):
+            "duplicate" key/value heads (the default: no extra query work, more KV cache), or "pad" each group
+            with zero query heads up to the largest (no extra KV cache, extra query work; a zero query head
+            with a zero output-projection column adds exactly nothing).
 
     Returns:
         an :class:`ExportReport`. Unsupported models, an existing `out` without `overwrite`, or `out` equal to
@@ -536,12 +565,14 @@ def export_gguf(
     """
     gguf = _require_gguf()
     type = _check_type(type)
+    if uneven_groups not in ("duplicate", "pad"):
+        raise HeadkitError(f"--uneven-groups must be 'duplicate' or 'pad', got {uneven_groups!r}")
     out = Path(out)
     source = Path(model_path_or_model) if isinstance(model_path_or_model, (str, os.PathLike)) else None
     _check_out(out, source, overwrite)
     model, tokenizer, source = _load(model_path_or_model, tokenizer)
     mapping, config = _check_exportable(model)
-    sites, plans, head_dim = _plans(model)
+    sites, plans, head_dim = _plans(model, uneven_groups)
     layers = int(config.num_hidden_layers)
     if len(sites) != layers or [site.layers for site in sites] != [(i,) for i in range(layers)]:
         raise HeadkitError("MODEL's attention layers do not match config.num_hidden_layers")
@@ -596,6 +627,7 @@ def export_gguf(
         file_bytes=out.stat().st_size,
         tokenizer=tokenizer_note,
         uneven_layers=[i for i, plan in enumerate(plans) if plan.duplicated],
+        padded_query_heads=[plan.padded for plan in plans],
     )
 
 
