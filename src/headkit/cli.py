@@ -222,6 +222,12 @@ def prune(
     seed: int = typer.Option(0, help="Seed of the sampling, the gate noise and the training order."),
     out: Path = typer.Option(Path("results/pruned-model"), help="Output folder (never the input model)."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
+    export_gguf: Path = typer.Option(
+        None,
+        "--export-gguf",
+        help="Also write the result as a GGUF file for llama.cpp (see `headkit export`).",
+    ),
+    export_type: str = typer.Option("f16", help="Weight type of --export-gguf: f32, f16, bf16 or q8_0."),
     quick: bool = typer.Option(False, help="Short run (a few minutes on 2 CPU cores)."),
     dtype: str = _dtype_option(),
 ) -> None:
@@ -251,6 +257,8 @@ def prune(
         gate_lr=gate_lr,
         seed=seed,
         overwrite=overwrite,
+        export_gguf=export_gguf,
+        export_type=export_type,
         dtype=_check_dtype(dtype),
     )
     result = prune(PruneSettings.quick(**settings) if quick else PruneSettings(**settings), echo=typer.echo)

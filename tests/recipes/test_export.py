@@ -351,3 +351,28 @@ def test_cli_export_writes_and_refuses_in_one_line(tiny_llama_folder, tmp_path, 
     assert len(lines) == 1 and "--gguf" in lines[0] and "--overwrite" in lines[0]
     main(["export", str(tiny_llama_folder), "--gguf", str(out), "--type", "f32", "--overwrite"])
     assert "f32" in capsys.readouterr().out
+
+
+def test_prune_export_gguf_writes_the_pruned_model_for_llama_cpp(
+    llama_cpp, tiny_llama_folder, smollm2_tokenizer, text_folder, tmp_path, capsys
+):
+    import json
+
+    from headkit.cli import main
+
+    out, target = tmp_path / "pruned", tmp_path / "pruned.gguf"
+    fast = ["--quick", "--window", "16", "--train-texts", "16", "--batch-size", "4", "--recovery-steps", "2"]
+    args = ["prune", str(tiny_llama_folder), "--heads", "5", "--data", str(text_folder), "--out", str(out)]
+    main([*args, "--export-gguf", str(target), "--export-type", "f32", *fast])
+    report = json.loads((out / "report.json").read_text())
+    assert report["gguf"]["arch"] == "deci" and sum(report["gguf"]["heads"]) >= 5
+    _check_logits(llama_cpp, target, _reload(out), _tokens(smollm2_tokenizer))
+
+
+def test_prune_export_gguf_refuses_before_any_work(save_tiny_encoder, text_folder, tmp_path):
+    from headkit.recipes.prune import PruneSettings, prune
+
+    folder = save_tiny_encoder(tmp_path / "bert")
+    with pytest.raises(HeadkitError, match="--export-gguf: MODEL is a 'bert' model"):
+        prune(PruneSettings.quick(model=folder, out=tmp_path / "out", export_gguf=tmp_path / "b.gguf"))
+    assert not (tmp_path / "out").exists() and not (tmp_path / "b.gguf").exists()

@@ -236,6 +236,32 @@ def _require_gguf() -> Any:
     return gguf
 
 
+def check_export_target(
+    model_path: str | os.PathLike[str], out: str | os.PathLike[str], type: str, overwrite: bool
+) -> None:
+    """Everything :func:`export_gguf` can check before a recipe's work: the type, the target file, and that the
+    model at `model_path` (folder or GGUF file) is of a family with a llama.cpp mapping."""
+    gguf = _require_gguf()
+    _check_type(type)
+    model_path, out = Path(model_path), Path(out)
+    _check_out(out, model_path, overwrite)
+    if model_path.is_file():
+        field = gguf.GGUFReader(model_path).fields.get("general.architecture")
+        model_type = field.contents() if field is not None else None
+        known = {mapping.arch: name for name, mapping in MAPPINGS.items()}
+        model_type = known.get(model_type, model_type)
+    else:
+        try:
+            model_type = json.loads((model_path / "config.json").read_text()).get("model_type")
+        except (OSError, ValueError):
+            model_type = None
+    if model_type not in MAPPINGS:
+        raise HeadkitError(
+            f"--export-gguf: MODEL is a {model_type!r} model, which has no llama.cpp mapping here; can export: "
+            f"{exportable_families()}"
+        )
+
+
 def _check_out(out: Path, source: Path | None, overwrite: bool) -> None:
     if out.suffix != ".gguf":
         raise HeadkitError(f"--gguf must name a .gguf file, got {str(out)!r}")
@@ -543,6 +569,7 @@ def export_gguf(
     overwrite: bool = False,
     tokenizer: Any = None,
     uneven_groups: str = "duplicate",
+    tokenizer_from: str | os.PathLike[str] | None = None,
 ) -> ExportReport:
     """Write MODEL as a GGUF file that llama.cpp loads.
 
@@ -558,6 +585,7 @@ def export_gguf(
             "duplicate" key/value heads (the default: no extra query work, more KV cache), or "pad" each group
             with zero query heads up to the largest (no extra KV cache, extra query work; a zero query head
             with a zero output-projection column adds exactly nothing).
+        tokenizer_from: a GGUF file whose tokenizer keys are copied (a model object pruned from a GGUF input).
 
     Returns:
         an :class:`ExportReport`. Unsupported models, an existing `out` without `overwrite`, or `out` equal to
@@ -597,7 +625,9 @@ def export_gguf(
         if source is not None:
             writer.add_name(source.stem if source.is_file() else source.name)
         _write_hparams(writer, gguf, config, arch, plans, head_dim, _file_type(gguf, type), uniform)
-        if source is not None and source.is_file():
+        if tokenizer_from is not None:
+            tokenizer_note = _copy_gguf_tokenizer(writer, gguf, Path(tokenizer_from))
+        elif source is not None and source.is_file():
             tokenizer_note = _copy_gguf_tokenizer(writer, gguf, source)
         else:
             tokenizer_note = _convert_hf_tokenizer(writer, gguf, tokenizer, int(config.vocab_size))
