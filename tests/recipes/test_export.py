@@ -256,6 +256,9 @@ def test_tokenizer_round_trips_through_llama_cpp(llama_cpp, tiny_llama_folder, s
             expected = smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]
             assert llm.tokenize(text.encode(), add_bos=False, special=True) == expected, text
         assert llm.token_eos() == smollm2_tokenizer.eos_token_id
+        # with special tokens, as the 🤗 tokenizer adds them (SmolLM2's adds neither BOS nor EOS)
+        expected = smollm2_tokenizer(HELD_OUT)["input_ids"]
+        assert llm.tokenize(HELD_OUT.encode(), add_bos=True, special=False) == expected
     finally:
         llm.close()
 
@@ -376,3 +379,16 @@ def test_prune_export_gguf_refuses_before_any_work(save_tiny_encoder, text_folde
     with pytest.raises(HeadkitError, match="--export-gguf: MODEL is a 'bert' model"):
         prune(PruneSettings.quick(model=folder, out=tmp_path / "out", export_gguf=tmp_path / "b.gguf"))
     assert not (tmp_path / "out").exists() and not (tmp_path / "b.gguf").exists()
+
+
+def test_gated_model_is_refused_until_gates_are_folded(tiny_llama_folder, smollm2_tokenizer, tmp_path):
+    import headkit
+
+    model = _reload(tiny_llama_folder)
+    headkit.add_head_gates(model)
+    with pytest.raises(HeadkitError, match="head gates .*remove_head_gates"):
+        export_gguf(model, tmp_path / "gated.gguf", tokenizer=smollm2_tokenizer)
+    headkit.remove_head_gates(model, fold=True)
+    assert (
+        export_gguf(model, tmp_path / "folded.gguf", type="f32", tokenizer=smollm2_tokenizer).arch == "llama"
+    )

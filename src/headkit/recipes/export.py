@@ -74,6 +74,7 @@ UNEXPORTABLE_OPS = {
     "collaborative": "collaborative heads",
     "gates": "head gates (fold them first: headkit.remove_head_gates(model, fold=True))",
 }
+# headkit's own models (model_type "headkit": additive and other mechanisms) have no mapping in MAPPINGS.
 
 
 @dataclass(frozen=True)
@@ -286,19 +287,16 @@ def _check_type(type: str) -> str:
 def _check_exportable(model: nn.Module) -> tuple[_Mapping, Any]:
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
-    ops = [str(entry.get("op")) for entry in (getattr(config, SURGERY_KEY, None) or [])]
-    gated = "gates" in ops and ops[::-1].index("gates") < (ops[::-1] + ["remove_gates"]).index("remove_gates")
+    ops = {str(entry.get("op")) for entry in (getattr(config, SURGERY_KEY, None) or [])} - {"gates"}
+    # Gates still on the model (recorded, and not removed since) scale heads in a way no GGUF key states.
+    if any(name.split(".")[-1] == "head_gate" for name, _ in model.named_modules()):
+        ops.add("gates")
     for op, what in UNEXPORTABLE_OPS.items():
-        if op in ops and (op != "gates" or gated):
+        if op in ops:
             raise HeadkitError(
                 f"MODEL runs {what}, which llama.cpp has no architecture for; can export: "
                 f"{exportable_families()}"
             )
-    if any("additive" in type(module).__name__.lower() for module in model.modules()):
-        raise HeadkitError(
-            f"MODEL runs additive attention, which llama.cpp has no architecture for; can export: "
-            f"{exportable_families()}"
-        )
     if model_type not in MAPPINGS:
         raise HeadkitError(
             f"MODEL is a {model_type!r} model, which has no llama.cpp mapping here; can export: "
@@ -484,6 +482,20 @@ def _convert_hf_tokenizer(writer: Any, gguf: Any, tokenizer: Any, vocab_size: in
     with tempfile.TemporaryDirectory(prefix="headkit-tokenizer-") as folder:
         tokenizer.save_pretrained(folder)  # SpecialVocab reads tokenizer.json and tokenizer_config.json
         gguf.SpecialVocab(folder, load_merges=True, n_vocab=vocab_size).add_to_gguf(writer, quiet=True)
+    # Whether llama.cpp adds BOS/EOS when asked for special tokens: as the 🤗 tokenizer does, measured (its
+    # config may not say, and llama.cpp's default for gpt2 vocabularies need not match).
+    ids = tokenizer("a")["input_ids"]
+    flags = {
+        gguf.Keys.Tokenizer.ADD_BOS: tokenizer.bos_token_id is not None
+        and ids[:1] == [tokenizer.bos_token_id],
+        gguf.Keys.Tokenizer.ADD_EOS: tokenizer.eos_token_id is not None
+        and ids[-1:] == [tokenizer.eos_token_id],
+    }
+    for key, value in flags.items():
+        writer.kv_data[0].pop(
+            key, None
+        )  # SpecialVocab's value, if it wrote one, is replaced without a warning
+        writer.add_bool(key, value)
     return f"converted from 🤗 (gpt2 BPE, pre-tokenizer {pre})"
 
 
