@@ -36,7 +36,10 @@ tokens, types, merges, special token ids, chat template), converted from a 🤗 
 merges, special tokens and chat template through :class:`gguf.SpecialVocab`).
 
 Linearized, collaborative and additive models have no llama.cpp architecture and are refused in one line, as
-are encoders and families without a mapping.
+are models still carrying head gates, encoders and families without a mapping. Not exported yet, each refused
+in one line: rotary scaling other than plain (``rope_type`` llama3, linear, yarn), 🤗 tokenizers other than
+byte-level BPE (SentencePiece: export from a GGUF input, whose tokenizer is copied), and per-layer head counts
+outside the LLaMA family (llama.cpp's qwen2/qwen3/gemma3 read one count for all layers).
 """
 
 from __future__ import annotations
