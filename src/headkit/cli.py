@@ -222,6 +222,12 @@ def prune(
     seed: int = typer.Option(0, help="Seed of the sampling, the gate noise and the training order."),
     out: Path = typer.Option(Path("results/pruned-model"), help="Output folder (never the input model)."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
+    export_gguf: Path = typer.Option(
+        None,
+        "--export-gguf",
+        help="Also write the result as a GGUF file for llama.cpp (see `headkit export`).",
+    ),
+    export_type: str = typer.Option("f16", help="Weight type of --export-gguf: f32, f16, bf16 or q8_0."),
     quick: bool = typer.Option(False, help="Short run (a few minutes on 2 CPU cores)."),
     dtype: str = _dtype_option(),
 ) -> None:
@@ -251,6 +257,8 @@ def prune(
         gate_lr=gate_lr,
         seed=seed,
         overwrite=overwrite,
+        export_gguf=export_gguf,
+        export_type=export_type,
         dtype=_check_dtype(dtype),
     )
     result = prune(PruneSettings.quick(**settings) if quick else PruneSettings(**settings), echo=typer.echo)
@@ -530,6 +538,30 @@ def linearize_command(
     )
     result = linearize(settings, echo=typer.echo)
     typer.echo(str(result))
+
+
+@app.command("export")
+def export_command(
+    model: Path = typer.Argument(
+        ...,
+        help="A causal LM: a folder headkit wrote (stock or after head pruning), a stock 🤗 folder, or a GGUF file.",
+    ),
+    gguf: Path = typer.Option(..., "--gguf", help="The .gguf file to write (atomically; never the input)."),
+    type: str = typer.Option("f16", "--type", help="Weight type: f32, f16, bf16 or q8_0 (norms stay f32)."),
+    overwrite: bool = typer.Option(False, help="Replace an existing --gguf file."),
+    uneven_groups: str = typer.Option(
+        "duplicate",
+        help="Unequal grouped-query groups after pruning: 'duplicate' key/value heads (more KV cache) or 'pad' "
+        "groups with zero query heads (more query work).",
+    ),
+) -> None:
+    """Write MODEL as a GGUF file for llama.cpp: its own family's architecture (llama, qwen2, qwen3, gemma3),
+    or deci for LLaMA pruned unevenly across layers (see headkit.recipes.export)."""
+    from headkit.recipes.export import export_gguf
+
+    with _no_loading_bars():
+        report = export_gguf(model, gguf, type=type, overwrite=overwrite, uneven_groups=uneven_groups)
+    typer.echo(str(report))
 
 
 @app.command()

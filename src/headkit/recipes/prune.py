@@ -44,6 +44,7 @@ from headkit.errors import HeadkitError
 from headkit.files import staged_folder, write_json_atomic
 from headkit.layers.gates import L0Controller
 from headkit.recipes.distill import distill, split_batches
+from headkit.recipes.export import check_export_target, export_gguf
 from headkit.recipes.measure import (
     compare_speed,
     greedy_sample,
@@ -113,6 +114,8 @@ class PruneSettings(QuickSettings):
     hidden_weight: float = 0.0
     seed: int = 0
     overwrite: bool = False
+    export_gguf: Path | None = None  # also write the result as a GGUF file for llama.cpp (recipes.export)
+    export_type: str = "f16"
     timing_rounds: int = 3
     decode_context: int = 512
 
@@ -397,12 +400,24 @@ def prune(
     model_path = Path(settings.model) if settings.model is not None else default_encoder_path()
     out = Path(settings.out)
     check_output_folder(model_path, out, settings.overwrite)
+    if settings.export_gguf is not None:
+        check_export_target(model_path, settings.export_gguf, settings.export_type, settings.overwrite)
     model, report, loaded = _run(settings, model_path, echo)
     report["out"] = str(out)
     with staged_folder(out) as staging:
         model.save_pretrained(staging)
         loaded.tokenizer.save_pretrained(staging)
         report["reload_max_abs_diff"] = _reload_difference(staging, model, report, loaded)
+        if settings.export_gguf is not None:  # inside the staging: a failed export leaves no folder either
+            report["gguf"] = export_gguf(
+                model,
+                settings.export_gguf,
+                type=settings.export_type,
+                overwrite=settings.overwrite,
+                tokenizer=loaded.tokenizer,
+                tokenizer_from=model_path if model_path.is_file() else None,
+            ).to_dict()
+            echo(f"wrote {settings.export_gguf} ({report['gguf']['arch']}, {settings.export_type})")
         report["seconds"] = time.perf_counter() - started
         write_json_atomic(staging / "report.json", report)
     return PruneResult(model, report)
