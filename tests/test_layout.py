@@ -1,4 +1,5 @@
-"""The architecture as tests: each tier imports only from the tiers beneath it; test files have unique names."""
+"""The architecture as tests: no import circle, each tier imports only from the tiers beneath it; test files have
+unique names."""
 
 import ast
 from pathlib import Path
@@ -6,50 +7,224 @@ from pathlib import Path
 import pytest
 
 SOURCE = Path(__file__).resolve().parents[1] / "src" / "headkit"
-# "analysis" also holds the tier-less helpers data, devices and files; "top": bench, cli, demo, train and the package root.
-TIERS = ["ops", "layers", "models", "surgery", "analysis", "recipes", "top"]
-SUPPORT = {"data", "devices", "files"}
+
+# Each top-level module's tier, lowest first; a module imports only from its own tier and the tiers beneath it
+# (and from TIERLESS). Modules of one tier may import each other (no circle: test_the_import_graph_is_acyclic).
+TIERS: dict[str, int] = {
+    "ops": 0,
+    "layers": 1,
+    "models": 2,
+    "surgery": 3,
+    # Support of the tiers above: text and tokenizers, devices, output files (analysis' plots write files).
+    "data": 4,
+    "devices": 4,
+    "files": 4,
+    "analysis": 5,
+    # The workflows and the training command's loop, beside each other.
+    "recipes": 6,
+    "train": 6,
+    "bench": 7,
+    # The package root re-exports the library: it may import anything beneath the command line.
+    "headkit": 8,
+    # The command line and the demo it runs, beside each other; `python -m headkit` above both.
+    "cli": 9,
+    "demo": 9,
+    "__main__": 10,
+}
 # Beneath every tier, importable by all: the error type, and the one module that meets transformers' releases.
 TIERLESS = {"errors", "compat"}
 
 
-def _tier(module: str) -> str | None:
+def module_name(path: Path) -> str:
+    """The dotted name of a source file; a package's ``__init__`` is the package."""
+    parts = ("headkit", *path.relative_to(SOURCE).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(SOURCE.rglob("*.py"))}
+
+
+def tier_of(module: str) -> str | None:
+    """The tier a headkit module belongs to (its top-level module or package), None for a tierless one."""
     parts = module.split(".")
-    if parts[0] != "headkit" or len(parts) == 1:
-        return "top" if module == "headkit" else None
-    head = parts[1]
-    if head in TIERS:
-        return head
-    if head in SUPPORT:
-        return "analysis"
-    return None if head in TIERLESS else "top"
+    head = "headkit" if len(parts) == 1 else parts[1]
+    if head in TIERLESS:
+        return None
+    assert head in TIERS, f"{module} has no tier: add {head!r} to TIERS (or TIERLESS)"
+    return head
 
 
-def _imports(path: Path) -> list[str]:
+def resolve(name: str) -> str | None:
+    """The headkit module an imported name belongs to: ``headkit.x.y`` where ``y`` is a name in ``headkit.x``
+    (a function, a class) is ``headkit.x``; None outside headkit."""
+    if name.split(".")[0] != "headkit":
+        return None
+    while name not in MODULES and "." in name:
+        name = name.rsplit(".", 1)[0]
+    return name if name in MODULES else None
+
+
+def _is_main_guard(node: ast.AST) -> bool:
+    test = getattr(node, "test", None) if isinstance(node, ast.If) else None
+    return (
+        isinstance(test, ast.Compare)
+        and isinstance(test.left, ast.Name)
+        and test.left.id == "__name__"
+        and any(isinstance(c, ast.Constant) and c.value == "__main__" for c in test.comparators)
+    )
+
+
+def imported_names(source: str, module: str, *, package: bool = False) -> list[str]:
+    """Every name `source` (the text of `module`) imports: ``import a.b``, ``from a import b`` (absolute or
+    relative) at any depth — in functions, methods, ``TYPE_CHECKING`` blocks — and
+    ``importlib.import_module("literal")`` (a computed name: :data:`COMPUTED`); ``from a import b`` gives ``a.b`` (:func:`resolve` tells a module
+    from a name in it). The body of ``if __name__ == "__main__":`` is left out: it runs only when the file is
+    the program (``python -m``), as the module ``__main__``, which nothing imports, so no circle can pass
+    through it."""
+    base = module if package else module.rpartition(".")[0]
+    tree = ast.parse(source)
+    skipped = {id(n) for top in ast.walk(tree) if _is_main_guard(top) for n in ast.walk(top)}
     names = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
         if isinstance(node, ast.Import):
             names += [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.append(node.module)
+        elif isinstance(node, ast.ImportFrom):
+            origin = node.module or ""
+            if node.level:
+                anchor = base.rsplit(".", node.level - 1)[0] if node.level > 1 else base
+                origin = f"{anchor}.{origin}" if origin else anchor
+            names += [f"{origin}.{alias.name}" for alias in node.names]
+        elif _is_import_module_call(node):
+            argument = node.args[0] if node.args else None
+            literal = isinstance(argument, ast.Constant) and isinstance(argument.value, str)
+            names.append(argument.value if literal else COMPUTED)
     return names
 
 
-def _tier_files(tier: str) -> list[Path]:
-    files = sorted((SOURCE / tier).rglob("*.py")) if (SOURCE / tier).is_dir() else []
-    if tier == "analysis":
-        files += [SOURCE / f"{name}.py" for name in sorted(SUPPORT)]
-    return files
+# What imported_names gives for ``importlib.import_module(<a computed name>)``: import_graph reads it as the
+# package importing each of its own modules (the one use headkit makes of it, checked by a test).
+COMPUTED = "<computed>"
 
 
-@pytest.mark.parametrize("tier", TIERS[:-1])
-def test_each_tier_imports_only_from_the_tiers_beneath_it(tier):
+def _is_import_module_call(node: ast.AST) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and (getattr(node.func, "attr", None) or getattr(node.func, "id", None)) == "import_module"
+    )
+
+
+def import_graph() -> dict[str, set[str]]:
+    """headkit's modules and the headkit modules each imports (edges to itself left out)."""
+    graph = {}
+    for module, path in MODULES.items():
+        names = imported_names(path.read_text(), module, package=path.name == "__init__.py")
+        if COMPUTED in names:  # a package discovering its modules (pkgutil) imports every one of them
+            names += [name for name in MODULES if name.rpartition(".")[0] == module]
+        graph[module] = {target for target in map(resolve, names) if target not in (None, module)}
+    return graph
+
+
+def test_only_a_package_imports_modules_by_a_computed_name():
+    # import_graph can follow a computed importlib.import_module name only as "the package imports each of its
+    # own modules" (headkit.bench and headkit.surgery.adapters find theirs with pkgutil); anywhere else the
+    # edge would be invisible, so a module elsewhere names what it imports.
+    computed = [
+        str(path.relative_to(SOURCE))
+        for module, path in MODULES.items()
+        if COMPUTED in imported_names(path.read_text(), module) and path.name != "__init__.py"
+    ]
+    assert not computed, (
+        f"importlib.import_module with a computed name outside a package's __init__: {computed}"
+    )
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One circle of `graph` (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, str] = {}  # "open" while on the current path, "done" after
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = "open"
+        path.append(node)
+        for target in sorted(graph.get(node, ())):
+            if state.get(target) == "open":
+                return path[path.index(target) :] + [target]
+            if target not in state and (found := visit(target)):
+                return found
+        state[node] = "done"
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_the_import_graph_is_acyclic():
+    """No circle among headkit's modules, counting every import :func:`imported_names` sees (function-local and
+    importlib ones too). A package's ``__init__`` is the package's module: its imports of its own modules —
+    re-exports, or a computed import of each (pkgutil discovery) — are edges like any other. No module here
+    imports its package back (it imports the sibling module that defines what it needs, e.g. a benchmark
+    imports headkit.bench.registry, not headkit.bench), so a circle through an ``__init__`` is a real one:
+    it would leave a module reading a half-initialised package. Python's own implicit import of the parent
+    package before a submodule is not an edge: it runs the ``__init__`` first, whatever the submodule imports."""
+    graph = import_graph()
+    cycle = find_cycle(graph)
+    assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+@pytest.mark.parametrize(
+    "graph, acyclic",
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": set()}, True),
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, False),
+        ({"a": {"a2"}, "a2": set(), "b": {"a", "a2"}}, True),
+        ({"a": {"b"}, "b": {"b2"}, "b2": {"a"}}, False),
+    ],
+)
+def test_the_cycle_finder_finds_cycles(graph, acyclic):
+    assert (find_cycle(graph) is None) is acyclic
+
+
+def test_the_import_graph_follows_every_kind_of_import():
+    source = """
+import headkit.layers.cache
+from headkit.recipes.settings import QuickSettings
+from . import text
+from ..surgery import io
+import importlib
+from typing import TYPE_CHECKING
+if TYPE_CHECKING:
+    from headkit.models import HeadkitConfig
+def later():
+    from headkit.bench.registry import option
+    importlib.import_module("headkit.train")
+if __name__ == "__main__":
+    from headkit.cli import main
+"""
+    names = imported_names(source, "headkit.recipes.linearize")
+    assert sorted(filter(None, map(resolve, names))) == [
+        "headkit.bench.registry",
+        "headkit.layers.cache",
+        "headkit.models",
+        "headkit.recipes.settings",
+        "headkit.recipes.text",
+        "headkit.surgery.io",
+        "headkit.train",
+    ]
+
+
+def test_each_module_imports_only_from_its_own_tier_and_the_tiers_beneath_it():
     violations = []
-    for path in _tier_files(tier):
-        for name in _imports(path):
-            target = _tier(name)
-            if target is not None and TIERS.index(target) > TIERS.index(tier):
-                violations.append(f"{path.relative_to(SOURCE)} imports {name}")
+    for module, targets in import_graph().items():
+        tier = tier_of(module)
+        for target in sorted(targets):
+            beneath = tier_of(target)
+            if beneath is not None and (tier is None or TIERS[beneath] > TIERS[tier]):
+                violations.append(f"{module} ({tier or 'tierless'}) imports {target} ({beneath})")
     assert not violations, "\n".join(violations)
 
 

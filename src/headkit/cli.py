@@ -16,18 +16,19 @@ from typing import Any
 import typer
 from rich.console import Console
 
-from headkit.bench.linearize import LINEARIZE_HELP, parse_layer_indices
+from headkit.bench import load_benchmarks
+from headkit.bench.linearize import parse_layer_indices
 from headkit.bench.registry import (
     BENCHMARKS,
     Benchmark,
     field_types,
-    load_benchmarks,
     option_name,
     parse_list,
     parse_option,
 )
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes
+from headkit.recipes.linearize import LINEARIZE_HELP
 
 app = typer.Typer(
     name="headkit",
@@ -703,3 +704,9 @@ def _load_generator(path: Path, dtype: str = "float32") -> tuple:
         return from_pretrained(path, dtype=resolve_dtype(dtype)), load_tokenizer(path).to_transformers()
     loaded = load_model(path, kind=CAUSAL_LM, dtype=dtype)
     return loaded.model, loaded.tokenizer
+
+
+def run_as_script(name: str) -> None:
+    """``python -m headkit.bench.<module>``: ``headkit bench <name>`` with this process's arguments (called from
+    the benchmark module's ``__main__`` block, which runs only as the program and is imported by nothing)."""
+    main(["bench", name, *sys.argv[1:]])

@@ -9,7 +9,8 @@ import torch
 import typer.main
 from typer.testing import CliRunner
 
-from headkit.bench.registry import BENCHMARKS, load_benchmarks, option, parse_list, register_benchmark
+from headkit.bench import load_benchmarks
+from headkit.bench.registry import BENCHMARKS, option, parse_list, register_benchmark
 from headkit.cli import app, main
 from headkit.errors import HeadkitError
 

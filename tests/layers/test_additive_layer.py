@@ -150,7 +150,7 @@ def test_cached_decoding_equals_the_full_forward_with_a_constant_size_state(vari
     x = torch.randn(BATCH, total, HIDDEN)
     mask = torch.ones(BATCH, total, dtype=torch.long)
     mask[0, :3] = 0
-    cache = HeadkitCache(layer.config)
+    cache = HeadkitCache(layer)
     with torch.no_grad():
         full, _ = layer(x, attention_mask=mask)
         pieces = [layer(x[:, :prefill], mask[:, :prefill], cache=cache, use_cache=True)[0]]
@@ -187,7 +187,7 @@ def test_decoding_from_the_first_token_matches_the_full_forward_and_its_gradient
     mask[0, :3] = 0
     mask[1, 2] = 0
     full, _ = layer(x, attention_mask=mask)
-    cache = HeadkitCache(layer.config)
+    cache = HeadkitCache(layer)
     stepped = torch.cat(
         [layer(x[:, t : t + 1], mask[:, : t + 1], cache=cache, use_cache=True)[0] for t in range(total)],
         dim=1,
@@ -273,4 +273,4 @@ def test_bad_settings_raise_value_error():
         make_layer(head_dim=4)  # 4 heads × 4 ≠ hidden 32
     bidirectional = make_layer(causal=False)
     with pytest.raises(ValueError, match="causal"):
-        bidirectional(torch.randn(1, 3, HIDDEN), cache=HeadkitCache(bidirectional.config), use_cache=True)
+        bidirectional(torch.randn(1, 3, HIDDEN), cache=HeadkitCache(bidirectional), use_cache=True)

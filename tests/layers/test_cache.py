@@ -9,7 +9,7 @@ import torch
 from transformers.cache_utils import DynamicLayer
 
 from headkit.layers import ATTENTION_LAYERS, HeadkitCache, RecurrentStateLayer, SoftmaxAttention, map_state
-from headkit.models import HeadkitConfig
+from headkit.models import HeadkitConfig, HeadkitModel
 
 
 class PoolState(NamedTuple):
@@ -36,27 +36,31 @@ def nested_state(batch: int) -> LayerState:
 
 
 @pytest.fixture
-def hybrid_config(monkeypatch):
+def hybrid_model(monkeypatch):
     monkeypatch.setitem(ATTENTION_LAYERS, "test_recurrent", RecurrentDummy)
+    return HeadkitModel(config(layer_types=["softmax", "test_recurrent", "softmax"]))
+
+
+def config(**overrides) -> HeadkitConfig:
     return HeadkitConfig(
         vocab_size=11,
         hidden_size=16,
         num_hidden_layers=3,
         num_attention_heads=2,
-        layer_types=["softmax", "test_recurrent", "softmax"],
+        **overrides,
     )
 
 
-def test_cache_layers_follow_each_attention_class(hybrid_config):
-    cache = HeadkitCache(hybrid_config)
+def test_cache_layers_follow_each_attention_class(hybrid_model):
+    cache = HeadkitCache(hybrid_model)
     assert [type(layer) for layer in cache.layers] == [DynamicLayer, RecurrentStateLayer, DynamicLayer]
     assert cache.is_recurrent == [False, True, False]
     assert cache.get_seq_length() == 0 and cache.get_seq_length(1) == 0
     assert not cache.is_compileable  # generate() must keep passing 2D masks
 
 
-def test_key_value_entries_concatenate_and_count_tokens(hybrid_config):
-    cache = HeadkitCache(hybrid_config)
+def test_key_value_entries_concatenate_and_count_tokens(hybrid_model):
+    cache = HeadkitCache(hybrid_model)
     first_k, first_v = torch.randn(2, 1, 5, 8), torch.randn(2, 1, 5, 8)
     cache.update(first_k, first_v, 0)
     next_k, next_v = torch.randn(2, 1, 1, 8), torch.randn(2, 1, 1, 8)
@@ -66,8 +70,8 @@ def test_key_value_entries_concatenate_and_count_tokens(hybrid_config):
     assert cache.get_seq_length(0) == 6
 
 
-def test_recurrent_entries_store_states_and_count_tokens(hybrid_config):
-    cache = HeadkitCache(hybrid_config)
+def test_recurrent_entries_store_states_and_count_tokens(hybrid_model):
+    cache = HeadkitCache(hybrid_model)
     assert cache.get_state(1) is None
     state = nested_state(3)
     cache.set_state(state, 1, num_new_tokens=7)
@@ -78,8 +82,8 @@ def test_recurrent_entries_store_states_and_count_tokens(hybrid_config):
     assert cache.get_state(1) is None and cache.get_seq_length(1) == 0
 
 
-def test_beam_reordering_and_batch_selection_index_every_tensor(hybrid_config):
-    cache = HeadkitCache(hybrid_config)
+def test_beam_reordering_and_batch_selection_index_every_tensor(hybrid_model):
+    cache = HeadkitCache(hybrid_model)
     cache.set_state(nested_state(3), 1, num_new_tokens=4)
     keys = torch.arange(3, dtype=torch.float32).view(3, 1, 1, 1).expand(3, 1, 4, 8)
     cache.update(keys, keys.clone(), 0)
@@ -100,8 +104,8 @@ def test_beam_reordering_and_batch_selection_index_every_tensor(hybrid_config):
     assert cache.get_seq_length(1) == 4
 
 
-def test_recurrent_states_cannot_be_cropped(hybrid_config):
-    cache = HeadkitCache(hybrid_config)
+def test_recurrent_states_cannot_be_cropped(hybrid_model):
+    cache = HeadkitCache(hybrid_model)
     cache.set_state(nested_state(1), 1, num_new_tokens=2)
     cache.crop(0)
     assert not cache.is_croppable
@@ -109,8 +113,8 @@ def test_recurrent_states_cannot_be_cropped(hybrid_config):
         cache.crop(-1)
 
 
-def test_a_refused_crop_leaves_the_key_value_layers_as_they_were(hybrid_config):
-    cache = HeadkitCache(hybrid_config)
+def test_a_refused_crop_leaves_the_key_value_layers_as_they_were(hybrid_model):
+    cache = HeadkitCache(hybrid_model)
     keys = torch.randn(1, 2, 3, 4)
     cache.update(keys, keys, 0)
     cache.set_state(nested_state(1), 1, num_new_tokens=3)
@@ -140,12 +144,12 @@ def test_map_state_keeps_structure_and_none():
         (lambda cache: cache.set_state(torch.zeros(1), 1, -1), "num_new_tokens"),
     ],
 )
-def test_misuse_raises_value_error(hybrid_config, action, message):
+def test_misuse_raises_value_error(hybrid_model, action, message):
     with pytest.raises(ValueError, match=message):
-        action(HeadkitCache(hybrid_config))
+        action(HeadkitCache(hybrid_model))
 
 
-def test_cache_needs_a_config_or_layers():
+def test_cache_needs_a_model_or_layers():
     with pytest.raises(ValueError, match="exactly one"):
         HeadkitCache()
     cache = HeadkitCache(layers=[RecurrentStateLayer()])
@@ -153,10 +157,18 @@ def test_cache_needs_a_config_or_layers():
     assert cache.get_seq_length() == 5
 
 
-def test_unregistered_mechanism_cannot_get_a_cache(monkeypatch):
-    monkeypatch.delitem(ATTENTION_LAYERS, "linear", raising=False)
-    config = HeadkitConfig(
-        vocab_size=11, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, attention="linear"
-    )
-    with pytest.raises(ValueError, match="'linear'"):
-        HeadkitCache(config)
+def test_the_cache_takes_its_entries_from_the_models_layers_not_from_names():
+    # The model's layers declare their entries: a config (names only) is refused with the way to build one.
+    with pytest.raises(ValueError, match=r"HeadkitCache\(model\)"):
+        HeadkitCache(config())
+    layer = RecurrentDummy(config(), layer_idx=0)
+    assert HeadkitCache(layer).is_recurrent == [True]
+    second = RecurrentDummy(config(), layer_idx=1)
+    assert HeadkitCache(torch.nn.ModuleList([SoftmaxAttention(config(), 0), second])).is_recurrent == [
+        False,
+        True,
+    ]
+    with pytest.raises(ValueError, match="two attention layers with layer_idx 0"):
+        HeadkitCache(torch.nn.ModuleList([SoftmaxAttention(config(), 0), layer]))
+    with pytest.raises(ValueError, match="numbered 0, 1"):
+        HeadkitCache(second)

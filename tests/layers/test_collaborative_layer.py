@@ -98,7 +98,7 @@ def test_cached_decoding_equals_the_full_forward(variant):
     x = torch.randn(BATCH, total, HIDDEN)
     mask = torch.ones(BATCH, total, dtype=torch.long)
     mask[0, :2] = 0
-    cache = HeadkitCache(layer.config)
+    cache = HeadkitCache(layer)
     with torch.no_grad():
         full, _ = layer(x, attention_mask=mask)
         pieces = [layer(x[:, :SEQ], mask[:, :SEQ], cache=cache, use_cache=True)[0]]

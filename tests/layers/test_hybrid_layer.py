@@ -127,7 +127,7 @@ def test_cached_decoding_equals_the_full_forward_with_a_fixed_size_state(variant
     x = torch.randn(BATCH, total, HIDDEN)
     mask = torch.ones(BATCH, total, dtype=torch.long)
     mask[0, :3] = 0  # the prefill is all padding in row 0, and decoding step 1 feeds one more pad
-    cache = HeadkitCache(layer.config)
+    cache = HeadkitCache(layer)
     assert isinstance(cache.layers[0], RecurrentStateLayer)
     with torch.no_grad():
         full, _ = layer(x, attention_mask=mask)
@@ -145,7 +145,7 @@ def test_cached_decoding_equals_the_full_forward_with_a_fixed_size_state(variant
 def test_a_multi_token_continuation_continues_exactly():
     layer = make_layer(num_key_value_heads=2)
     x = torch.randn(BATCH, 17, HIDDEN)
-    cache = HeadkitCache(layer.config)
+    cache = HeadkitCache(layer)
     with torch.no_grad():
         full, _ = layer(x)
         first, _ = layer(x[:, :9], cache=cache, use_cache=True)  # 3 chunks, past the window
@@ -157,7 +157,7 @@ def test_the_state_size_does_not_grow_with_the_context():
     layer = make_layer()
     sizes = []
     for length in (3, 40, 200):
-        cache = HeadkitCache(layer.config)
+        cache = HeadkitCache(layer)
         with torch.no_grad():
             layer(torch.randn(1, length, HIDDEN), cache=cache, use_cache=True)
         sizes.append([tuple(tensor.shape) for tensor in cache.get_state(0)])

@@ -110,7 +110,7 @@ def test_cached_decoding_equals_the_full_forward(variant):
     x = torch.randn(BATCH, total, HIDDEN)
     mask = torch.ones(BATCH, total, dtype=torch.long)
     mask[0, :3] = 0  # the prefill is all padding in row 0, and decoding step 2 feeds one more pad
-    cache = HeadkitCache(layer.config)
+    cache = HeadkitCache(layer)
     with torch.no_grad():
         full, _ = layer(x, attention_mask=mask)
         pieces = [layer(x[:, :prefill], mask[:, :prefill], cache=cache, use_cache=True)[0]]
@@ -130,7 +130,7 @@ def test_cached_decoding_equals_the_full_forward(variant):
 def test_a_prefill_of_several_chunks_continues_exactly():
     layer = make_layer(chunk_size=4)
     x = torch.randn(BATCH, 13, HIDDEN)
-    cache = HeadkitCache(layer.config)
+    cache = HeadkitCache(layer)
     with torch.no_grad():
         full, _ = layer(x)
         first, _ = layer(x[:, :9], cache=cache, use_cache=True)  # 2 chunks and a partial one
@@ -178,7 +178,7 @@ def test_bad_settings_and_inputs_raise_value_error():
         make_layer(feature_map="no_such_map")
     bidirectional = make_layer(causal=False)
     with pytest.raises(ValueError, match="causal"):
-        bidirectional(torch.randn(1, 3, HIDDEN), cache=HeadkitCache(bidirectional.config), use_cache=True)
+        bidirectional(torch.randn(1, 3, HIDDEN), cache=HeadkitCache(bidirectional), use_cache=True)
     with pytest.raises(ValueError, match="attention_mask"):
         make_layer()(
             torch.randn(BATCH, SEQ, HIDDEN), attention_mask=torch.ones(BATCH, SEQ + 1, dtype=torch.bool)

@@ -117,7 +117,7 @@ def test_cached_decoding_equals_the_full_forward(variant):
     mask = torch.ones(BATCH, SEQ + 3, dtype=torch.long)
     mask[0, :2] = 0
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
-    cache = HeadkitCache(layer.config)
+    cache = HeadkitCache(layer)
     with torch.no_grad():
         full, _ = layer(x, attention_mask=mask, position_ids=positions)
         pieces = [layer(x[:, :SEQ], mask[:, :SEQ], positions[:, :SEQ], cache=cache, use_cache=True)[0]]
@@ -142,7 +142,7 @@ def test_default_positions_continue_after_the_cache():
     x = torch.randn(1, 5, HIDDEN)
     with torch.no_grad():
         full, _ = layer(x)
-        cache = HeadkitCache(layer.config)
+        cache = HeadkitCache(layer)
         layer(x[:, :3], cache=cache, use_cache=True)
         rest, _ = layer(x[:, 3:], cache=cache, use_cache=True)
     torch.testing.assert_close(rest, full[:, 3:], atol=1e-5, rtol=1e-5)

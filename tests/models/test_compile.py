@@ -23,7 +23,7 @@ def capturing_backend(graphs: list):
 
 
 def decode(model, ids: torch.Tensor, steps: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    cache = HeadkitCache(model.config)
+    cache = HeadkitCache(model)
     output = model(input_ids=ids, cache=cache, use_cache=True)
     logits, token = [output.logits], output.logits[:, -1:].argmax(-1)
     for _ in range(steps):
@@ -76,7 +76,7 @@ def test_model_compiles_to_one_graph_for_training_and_decoding(make_config, atte
     ids = torch.randint(1, model.config.vocab_size, (2, 12))
     torch._dynamo.reset()
     training = torch._dynamo.explain(model)(input_ids=ids, labels=ids)
-    cache = HeadkitCache(model.config)
+    cache = HeadkitCache(model)
     with torch.no_grad():
         model(input_ids=ids, cache=cache, use_cache=True)
         torch._dynamo.reset()

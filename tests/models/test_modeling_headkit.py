@@ -101,7 +101,7 @@ def test_incremental_decoding_equals_full_forward(variant_config, prefill, paddi
 
     with torch.no_grad():
         full = model(ids, attention_mask=mask, use_cache=False).logits
-        cache = HeadkitCache(model.config)
+        cache = HeadkitCache(model)
         steps = [model(ids[:, :prefill], attention_mask=mask[:, :prefill], cache=cache).logits]
         for t in range(prefill, total):
             steps.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], cache=cache).logits)
@@ -131,7 +131,7 @@ def test_a_dynamic_cache_serves_a_softmax_model(make_config):
     model = make_model(make_config(num_key_value_heads=2))
     ids = torch.randint(1, 97, (1, 8))
     with torch.no_grad():
-        headkit_cache, dynamic_cache = HeadkitCache(model.config), DynamicCache()
+        headkit_cache, dynamic_cache = HeadkitCache(model), DynamicCache()
         model(ids[:, :6], cache=headkit_cache)
         model(ids[:, :6], cache=dynamic_cache)
         expected = model(ids[:, 6:], cache=headkit_cache).logits
@@ -145,14 +145,14 @@ def test_recurrent_layers_refuse_other_caches(make_config, running_mean):
     with pytest.raises(ValueError, match="HeadkitCache"):
         model(ids, cache=DynamicCache())
     with pytest.raises(ValueError, match="layers"):
-        model(ids, cache=HeadkitCache(make_config(num_hidden_layers=3)))
+        model(ids, cache=HeadkitCache(make_model(make_config(num_hidden_layers=3))))
     with pytest.raises(ValueError, match="RecurrentStateLayer"):
-        model(ids, cache=HeadkitCache(make_config()))
+        model(ids, cache=HeadkitCache(make_model(make_config())))
 
 
 def test_decoding_masks_must_cover_the_cached_tokens(make_config):
     model = make_model(make_config())
-    cache = HeadkitCache(model.config)
+    cache = HeadkitCache(model)
     with torch.no_grad():
         model(torch.ones(1, 4, dtype=torch.long), cache=cache)
         with pytest.raises(
@@ -167,7 +167,7 @@ def test_the_cache_is_taken_under_either_name_and_given_once(make_config):
     model = make_model(make_config(layer_types=["softmax", "linear"]))
     ids = torch.randint(1, 97, (2, 9))
     with torch.no_grad():
-        new_name, old_name = HeadkitCache(model.config), HeadkitCache(model.config)
+        new_name, old_name = HeadkitCache(model), HeadkitCache(model)
         model(ids[:, :6], cache=new_name)
         model(ids[:, :6], past_key_values=old_name)
         assert new_name.get_seq_length() == old_name.get_seq_length() == 6
@@ -175,13 +175,13 @@ def test_the_cache_is_taken_under_either_name_and_given_once(make_config):
         actual = model(ids[:, 6:], past_key_values=old_name).logits
         torch.testing.assert_close(actual, expected, atol=0, rtol=0)
         with pytest.raises(ValueError, match="not both"):
-            model(ids, cache=HeadkitCache(model.config), past_key_values=HeadkitCache(model.config))
+            model(ids, cache=HeadkitCache(model), past_key_values=HeadkitCache(model))
 
 
 def test_cache_with_use_cache_false_is_an_error(make_config):
     model = make_model(make_config())
     with pytest.raises(ValueError, match="use_cache=False"):
-        model(torch.ones(1, 3, dtype=torch.long), cache=HeadkitCache(model.config), use_cache=False)
+        model(torch.ones(1, 3, dtype=torch.long), cache=HeadkitCache(model), use_cache=False)
 
 
 # --- generate() ----------------------------------------------------------------------------------------------
@@ -204,7 +204,7 @@ def test_generation_continues_from_a_user_cache(variant_config):
     model = make_model(variant_config)
     ids = torch.randint(1, variant_config.vocab_size, (2, 5))
     in_one_go = model.generate(ids, max_new_tokens=8, do_sample=False)
-    cache = HeadkitCache(model.config)
+    cache = HeadkitCache(model)
     first_half = model.generate(ids, **cache_keyword(cache), max_new_tokens=4, do_sample=False)
     assert cache.get_seq_length() == 5 + 3  # the last generated token is not fed yet
     continued = model.generate(first_half, **cache_keyword(cache), max_new_tokens=4, do_sample=False)

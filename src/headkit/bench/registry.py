@@ -3,7 +3,7 @@
 A benchmark is a settings dataclass (fields made by :func:`option` are command-line options, by :func:`setting`
 library settings, each checked as it declares: :func:`check_options`; ``quick = quick_preset(help)`` is the
 short run, each field's ``quick`` value) and a body decorated with :func:`register_benchmark`, in a module of
-``headkit.bench`` (found by :func:`load_benchmarks`)::
+``headkit.bench`` (found by :func:`headkit.bench.load_benchmarks`)::
 
     @dataclass
     class WidgetSettings:
@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import inspect
 import math
-import pkgutil
 import time
 import types
 import typing
@@ -40,6 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from headkit.errors import HeadkitError
+from headkit.recipes.settings import stated_defaults
 
 # The order in which `headkit bench --help` lists headkit's own benchmarks (modules); a module not named here is
 # found all the same and listed after them.
@@ -135,24 +134,6 @@ def register_benchmark(
     return register
 
 
-def load_benchmarks() -> dict[str, Benchmark]:
-    """Every registered benchmark: each public module of ``headkit.bench`` is imported (and so registers its
-    own) — adding a benchmark is adding a module — headkit's own in their order, then the others by module."""
-    import headkit.bench
-
-    found = sorted(info.name for info in pkgutil.iter_modules(headkit.bench.__path__))
-    names = [
-        *BUILTIN_BENCHMARKS,
-        *(n for n in found if n not in BUILTIN_BENCHMARKS and n[0] != "_" and n != "registry"),
-    ]
-    modules = [f"headkit.bench.{module}" for module in names]
-    for module in modules:
-        importlib.import_module(module)
-    rank = {module: index for index, module in enumerate(modules)}
-    ordered = sorted(BENCHMARKS.values(), key=lambda benchmark: rank.get(benchmark.run.__module__, len(rank)))
-    return {benchmark.name: benchmark for benchmark in ordered}
-
-
 def option(
     default: Any, help: str, *, flag: str | None = None, argument: bool = False, **declared: Any
 ) -> Any:
@@ -168,19 +149,6 @@ def option(
     if quick is not NO_QUICK and "(default" not in help:
         help = stated_defaults(help, default, quick)
     return setting(default, help=help, flag=flag, argument=argument, **declared)
-
-
-def stated_defaults(help: str, default: Any, quick: Any = NO_QUICK) -> str:
-    """``help`` ending with the values it defaults to: "(default D; Q with --quick)." (Q where it differs)."""
-    quick_value = "" if quick is NO_QUICK or quick == default else f"; {shown_value(quick)} with --quick"
-    return f"{help.removesuffix('.')} (default {shown_value(default)}{quick_value})."
-
-
-def shown_value(value: Any) -> str:
-    """A setting's value as its help and the command line write it: a tuple comma-separated, a float short."""
-    if isinstance(value, tuple):
-        return ",".join(map(shown_value, value))
-    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 CHECKS = ("min", "max", "distinct", "positive", "choices", "check")  # what check_options reads
@@ -283,12 +251,3 @@ def parse_option(field: dataclasses.Field, kind: Any, text: str) -> Any:
     if parse is not None:
         return parse(option_name(field), text)
     return parse_list(option_name(field), text, typing.get_args(kind)[0])
-
-
-def run_as_script(name: str) -> None:
-    """``python -m headkit.bench.<module>``: ``headkit bench <name>`` with this process's arguments."""
-    import sys
-
-    from headkit.cli import main
-
-    main(["bench", name, *sys.argv[1:]])

@@ -35,7 +35,7 @@ from headkit.bench._report import (
     rich_table,
     verdict,
 )
-from headkit.bench.registry import option, quick_preset, register_benchmark, run_as_script
+from headkit.bench.registry import option, quick_preset, register_benchmark
 from headkit.devices import check_device
 from headkit.errors import HeadkitError
 from headkit.ops import KERNELS, KernelSpec
@@ -452,5 +452,7 @@ def run_speed_benchmark(
     return sections
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # python -m headkit.bench.speed: the program is the command line's `bench speed`
+    from headkit.cli import run_as_script
+
     run_as_script("speed")

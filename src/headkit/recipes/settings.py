@@ -4,7 +4,7 @@ its report."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -41,6 +41,19 @@ class QuickSettings(ModelSettings):
     def quick(cls, **overrides: Any) -> Any:
         """The few-minute path on two CPU cores."""
         return cls(**(cls.QUICK | overrides))
+
+
+def stated_defaults(help: str, default: Any, quick: Any = MISSING) -> str:
+    """``help`` ending with the values it defaults to: "(default D; Q with --quick)." (Q where it differs)."""
+    quick_value = "" if quick is MISSING or quick == default else f"; {shown_value(quick)} with --quick"
+    return f"{help.removesuffix('.')} (default {shown_value(default)}{quick_value})."
+
+
+def shown_value(value: Any) -> str:
+    """A setting's value as its help and the command line write it: a tuple comma-separated, a float short."""
+    if isinstance(value, tuple):
+        return ",".join(map(shown_value, value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def with_overrides(settings_class: type[SettingsT], settings: Any, overrides: dict[str, Any]) -> SettingsT:

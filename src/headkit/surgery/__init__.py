@@ -5,7 +5,8 @@
 - :mod:`headkit.surgery.collaborative`: swap attention modules for collaborative heads.
 - :mod:`headkit.surgery.linearize`: softmax → sliding-window + linear attention in causal LMs (LoLCATs;
   :func:`headkit.linearize`, not re-exported here so that the module keeps its name).
-- :mod:`headkit.surgery.io`: record surgery in the config and reload saved models (:func:`from_pretrained`).
+- :mod:`headkit.surgery.records`: record surgery in the config (each op registers how to re-apply it).
+- :mod:`headkit.surgery.io`: reload saved models, surgery re-applied (:func:`from_pretrained`).
 """
 
 from headkit.surgery.adapters import (
@@ -21,8 +22,9 @@ from headkit.surgery.adapters import (
 )
 from headkit.surgery.collaborative import CollaborativeHeads, SwapReport, swap_to_collaborative
 from headkit.surgery.decompose import decompose_query_key
-from headkit.surgery.io import from_pretrained, record_surgery, register_surgery_op
+from headkit.surgery.io import from_pretrained
 from headkit.surgery.linearize import LinearizedHeads, LinearizeReport
+from headkit.surgery.records import record_surgery, register_surgery_op
 
 __all__ = [
     "ALBERTCollaborativeAdapter",

@@ -63,7 +63,7 @@ from headkit.surgery.adapters import (
 )
 from headkit.surgery.attention import attach_mechanisms, mechanism_of, modules_calling_the_interface
 from headkit.surgery.decompose import decompose_query_key
-from headkit.surgery.io import record_surgery, register_surgery_op
+from headkit.surgery.records import record_surgery, register_surgery_op
 
 SURGERY_OP = "collaborative"
 

@@ -45,7 +45,7 @@ from headkit.layers.gates import GATES, FixedGate, HardConcreteGate, HeadkitGate
 from headkit.layers.gates import l0_penalty as _gates_l0_penalty
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite, get_adapter
 from headkit.surgery.attention import HEAD_GATE, release_dispatcher, use_dispatcher
-from headkit.surgery.io import record_surgery, register_surgery_op
+from headkit.surgery.records import record_surgery, register_surgery_op
 
 GATE_ATTRIBUTE = HEAD_GATE
 GATES_OP = "gates"

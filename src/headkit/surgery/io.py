@@ -11,54 +11,29 @@ recorded entries in order and only then loads the weights, strictly.
 from __future__ import annotations
 
 import copy
-import importlib
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
+# Each op module registers its re-apply function(s) when imported: import them all, so that every op headkit
+# ships can be loaded (the ops import the record, headkit.surgery.records, not this loader).
+import headkit.surgery.collaborative
+import headkit.surgery.gating
+import headkit.surgery.linearize
+import headkit.surgery.pruning  # noqa: F401
 from headkit.compat import checkpoint_key_renamer
 from headkit.errors import HeadkitError
-
-SURGERY_KEY = "headkit_surgery"
-
-ReapplyFunction = Callable[[nn.Module, dict[str, Any]], None]
-SURGERY_OPS: dict[str, ReapplyFunction] = {}
-
-
-def register_surgery_op(name: str, reapply: ReapplyFunction) -> None:
-    """Make `reapply(model, entry)` the way :func:`from_pretrained` rebuilds entries ``{"op": name, ...}``.
-
-    `reapply` must rebuild the structure only (the weights are loaded afterwards) and must not record again.
-    """
-    if not isinstance(name, str) or not name:
-        raise HeadkitError(f"surgery op name must be a non-empty string, got {name!r}")
-    existing = SURGERY_OPS.get(name)
-    if existing is not None and existing is not reapply:
-        raise HeadkitError(f"a surgery op named {name!r} is already registered")
-    SURGERY_OPS[name] = reapply
-
-
-def recorded_surgery(model: nn.Module) -> list[dict[str, Any]]:
-    """The surgery entries recorded on `model` (a copy), oldest first."""
-    return copy.deepcopy(list(getattr(model.config, SURGERY_KEY, None) or []))
-
-
-def record_surgery(model: nn.Module, entry: dict[str, Any]) -> None:
-    """Append `entry` (``{"op": registered name, ...}``, JSON-serialisable) to ``model.config.headkit_surgery``."""
-    if not isinstance(entry, dict) or entry.get("op") not in SURGERY_OPS:
-        raise HeadkitError(
-            f"a surgery entry must be a dict whose 'op' is a registered surgery op "
-            f"({', '.join(sorted(SURGERY_OPS)) or 'none registered'}), got {entry!r}"
-        )
-    try:
-        entry = json.loads(json.dumps(entry))
-    except (TypeError, ValueError) as exc:
-        raise HeadkitError(f"a surgery entry must be JSON-serialisable: {exc}") from None
-    setattr(model.config, SURGERY_KEY, recorded_surgery(model) + [entry])
+from headkit.surgery.records import (
+    SURGERY_KEY,
+    SURGERY_OPS,
+    ReapplyFunction,
+    record_surgery,
+    recorded_surgery,
+    register_surgery_op,
+)
 
 
 def from_pretrained(
@@ -167,8 +142,6 @@ def _reapply_function(entry: Any) -> ReapplyFunction:
     if not isinstance(entry, dict) or "op" not in entry:
         raise HeadkitError(f"malformed {SURGERY_KEY} entry in config.json: {entry!r}")
     if entry["op"] not in SURGERY_OPS:
-        importlib.import_module("headkit")  # registers every op headkit ships
-    if entry["op"] not in SURGERY_OPS:
         raise HeadkitError(
             f"config.json records surgery op {entry['op']!r}, which no loaded module registers "
             f"(known: {', '.join(sorted(SURGERY_OPS))})"
@@ -253,3 +226,14 @@ def _parameter_groups(model: nn.Module) -> list[list[str]]:
     for name, buffer in model.named_buffers(remove_duplicate=False):
         groups.setdefault(id(buffer), []).append(name)
     return list(groups.values())
+
+
+__all__ = [
+    "SURGERY_KEY",
+    "SURGERY_OPS",
+    "ReapplyFunction",
+    "from_pretrained",
+    "record_surgery",
+    "recorded_surgery",
+    "register_surgery_op",
+]

@@ -68,7 +68,7 @@ from headkit.surgery.attention import (
     state_cache_layer,
 )
 from headkit.surgery.families import LINEARIZE, get_family
-from headkit.surgery.io import record_surgery, register_surgery_op
+from headkit.surgery.records import record_surgery, register_surgery_op
 
 SURGERY_OP = "linearize"
 

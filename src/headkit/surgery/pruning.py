@@ -58,7 +58,7 @@ from headkit.surgery.attention import (
 )
 from headkit.surgery.families import FAMILIES, UNIFORM, get_family
 from headkit.surgery.gating import check_site_heads, evaluation_gate_values, site_gate
-from headkit.surgery.io import SURGERY_KEY, record_surgery, recorded_surgery, register_surgery_op
+from headkit.surgery.records import SURGERY_KEY, record_surgery, recorded_surgery, register_surgery_op
 
 PRUNE_OP = "prune"
 
