@@ -69,6 +69,11 @@ def _check_folder(flag: str) -> Any:
     return check
 
 
+def _check_uneven_groups(value: str) -> None:
+    if value not in ("duplicate", "pad"):
+        raise HeadkitError(f"--uneven-groups must be 'duplicate' or 'pad', got {value!r}")
+
+
 @dataclass
 class ExportBenchSettings:
     """Settings of one ``headkit bench export`` run."""
@@ -104,6 +109,11 @@ class ExportBenchSettings:
     repeats: int = option(3, "Rounds of speed measurements, models alternated (median).", min=1, quick=1)
     quantized_speed: bool = option(
         True, "Measure quantized files' generation speed (their prompt fed one token at a time: slow)."
+    )
+    uneven_groups: str = option(
+        "duplicate",
+        "How the exporter equalizes uneven KV groups (headkit export --uneven-groups): duplicate or pad.",
+        check=_check_uneven_groups,
     )
     data: Path | None = option(None, "Held-out text (default: the standard library's source).")
     threads: int = option(2, "llama.cpp and torch threads.", min=1)
@@ -158,7 +168,13 @@ def run_export_benchmark(settings: ExportBenchSettings, console: Any) -> dict[st
         reference = perplexity(loaded.model, windows)
         del loaded
         for kind in settings.types:
-            report = export_gguf(path, out / "gguf" / f"{role}-{kind}.gguf", type=kind, overwrite=True)
+            report = export_gguf(
+                path,
+                out / "gguf" / f"{role}-{kind}.gguf",
+                type=kind,
+                overwrite=True,
+                uneven_groups=settings.uneven_groups,
+            )
             quantized = kind not in FLOAT_TYPES
             measured = llama_cpp_perplexity(
                 report.out, window_list, quantized=quantized, threads=settings.threads
@@ -340,8 +356,8 @@ def results_table(report: dict[str, Any]) -> str:
         f"llama.cpp (llama-cpp-python) on {machine.get('cpu_model', 'CPU')}, {report['settings']['threads']} threads; "
         f"perplexity on {held['windows']} held-out windows of {held['window']} tokens (transformers: float32); "
         f"speed: median of {report['settings']['repeats']} rounds, models alternated; generation = "
-        f"{report['settings']['gen_tokens']} single-token steps after the prompt; KV cache at llama.cpp's default "
-        "f16 cache.\n\n"
+        f"{report['settings']['gen_tokens']} single-token steps after the prompt; uneven KV groups: "
+        f"{report['settings'].get('uneven_groups', 'duplicate')}; KV cache at llama.cpp's default f16 cache.\n\n"
     )
     notes = ""
     if any("pp_note" in s for row in report["rows"] for s in row["speed"].values()):
