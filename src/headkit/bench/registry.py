@@ -43,7 +43,7 @@ from headkit.recipes.settings import stated_defaults
 # The order in which `headkit bench --help` lists headkit's own benchmarks (modules); a module not named here is
 # found all the same and listed after them.
 BUILTIN_BENCHMARKS = tuple(
-    "speed decode digits lora decompose lm extrapolate compress prune_curves linearize".split()
+    "speed decode digits lora decompose lm extrapolate compress prune_curves linearize export".split()
 )
 
 

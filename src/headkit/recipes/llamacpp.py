@@ -1,0 +1,180 @@
+"""Measuring a GGUF file in llama.cpp itself (llama-cpp-python, the ``llamacpp`` extra): held-out perplexity
+from llama.cpp's own logits, prompt-processing and generation tokens/s, and KV-cache bytes per token.
+
+Every measurement runs in a child process (``python -m headkit.recipes.llamacpp``): llama-cpp-python 0.3.36's
+ggml crashes (SIGSEGV in ``ggml_backend_amx_mul_mat``) when a batch of several tokens meets quantized weights on
+CPUs with AMX, and a crash must cost one measurement, not the run. Quantized files are therefore evaluated one
+token at a time (``n_batch=1``, which takes the plain dot-product kernels): their perplexity is exact, their
+generation speed is measured after a prompt fed token by token, and their prompt-processing speed is not
+measured (:data:`QUANTIZED_PP_SKIPPED`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from headkit.errors import HeadkitError
+
+LLAMA_CPP_INSTALL_HINT = "pip install 'headkit[llamacpp]' (llama-cpp-python)"
+FLOAT_TYPES = ("f32", "f16", "bf16")
+QUANTIZED_PP_SKIPPED = (
+    "not measured: llama-cpp-python 0.3.36 segfaults in ggml_backend_amx_mul_mat when a batch of tokens meets "
+    "quantized weights on this AMX CPU, so quantized files are evaluated one token at a time"
+)
+F16_CACHE_BYTES = 2  # llama.cpp's default KV cache type is f16
+
+
+def kv_cache_bytes_per_token(kv_heads: list[int], head_dim: int) -> int:
+    """llama.cpp's KV cache per token of context at its default f16 cache: K and V of every key/value head of
+    every layer, as the GGUF file declares them (duplicated heads included)."""
+    return sum(kv_heads) * head_dim * 2 * F16_CACHE_BYTES
+
+
+def _llama(path: str, *, n_ctx: int, n_batch: int, threads: int, logits_all: bool) -> Any:
+    import llama_cpp
+
+    return llama_cpp.Llama(
+        model_path=path,
+        n_ctx=n_ctx,
+        n_batch=n_batch,
+        n_ubatch=n_batch,
+        n_threads=threads,
+        n_threads_batch=threads,
+        logits_all=logits_all,
+        verbose=False,
+    )
+
+
+def _perplexity(path: str, windows: list[list[int]], n_batch: int, threads: int) -> dict[str, Any]:
+    """exp of the mean next-token NLL over every position of `windows` but the first, from llama.cpp's logits."""
+    import numpy as np
+
+    length = max(len(window) for window in windows)
+    llm = _llama(path, n_ctx=length, n_batch=min(n_batch, length), threads=threads, logits_all=True)
+    total, count = 0.0, 0
+    try:
+        for window in windows:
+            llm.reset()
+            llm.eval(window)
+            logits = np.array(llm.scores[: len(window) - 1], dtype=np.float64)
+            peak = logits.max(-1, keepdims=True)
+            log_z = np.log(np.exp(logits - peak).sum(-1)) + peak[:, 0]
+            targets = np.array(window[1:])
+            total += float((log_z - logits[np.arange(len(targets)), targets]).sum())
+            count += len(targets)
+    finally:
+        llm.close()
+    return {"perplexity": math.exp(total / count), "tokens": count}
+
+
+def _speed(
+    path: str, prompt: list[int], steps: int, n_batch: int, threads: int, token_by_token_prompt: bool
+) -> dict[str, Any]:
+    """Prompt-processing tokens/s (one ``eval`` of `prompt`) and generation tokens/s (`steps` single-token
+    ``eval`` calls after it), with the state size llama.cpp reports at the end."""
+    llm = _llama(path, n_ctx=len(prompt) + steps + 1, n_batch=n_batch, threads=threads, logits_all=False)
+    try:
+        started = time.perf_counter()
+        if token_by_token_prompt:
+            for token in prompt:
+                llm.eval([token])
+            pp = None
+        else:
+            llm.eval(prompt)
+            pp = len(prompt) / (time.perf_counter() - started)
+        token = prompt[-1]
+        started = time.perf_counter()
+        for _ in range(steps):
+            llm.eval([token])
+        generation = steps / (time.perf_counter() - started)
+        import llama_cpp
+
+        state = (
+            int(llama_cpp.llama_state_get_size(llm.ctx))
+            if hasattr(llama_cpp, "llama_state_get_size")
+            else None
+        )
+    finally:
+        llm.close()
+    return {"pp_tokens_per_s": pp, "gen_tokens_per_s": generation, "state_bytes": state}
+
+
+_FUNCTIONS = {"perplexity": _perplexity, "speed": _speed}
+
+
+def run_isolated(function: str, timeout: float | None = None, **kwargs: Any) -> dict[str, Any]:
+    """``function(**kwargs)`` of this module in a child process; a crash or a failure is returned as
+    ``{"error": "..."}`` (the signal or the exception), never raised."""
+    with tempfile.TemporaryDirectory(prefix="headkit-llamacpp-") as folder:
+        request, result = Path(folder) / "request.json", Path(folder) / "result.json"
+        request.write_text(json.dumps({"function": function, "kwargs": kwargs, "result": str(result)}))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(Path(__file__).parents[2]), env.get("PYTHONPATH")])
+        )
+        try:
+            done = subprocess.run(
+                [sys.executable, "-m", "headkit.recipes.llamacpp", str(request)],
+                capture_output=True,
+                text=True,
+                timeout=timeout,
+                env=env,
+            )
+        except subprocess.TimeoutExpired:
+            return {"error": f"timed out after {timeout:g} s"}
+        if done.returncode != 0 or not result.exists():
+            code = done.returncode
+            cause = f"killed by signal {-code}" if code < 0 else f"exit status {code}"
+            tail = done.stderr.strip().splitlines()[-1:] if done.stderr.strip() else []
+            return {"error": "; ".join([f"llama.cpp process {cause}", *tail])}
+        return json.loads(result.read_text())
+
+
+def llama_cpp_perplexity(
+    path: str | Path, windows: list[list[int]], *, quantized: bool, threads: int, n_batch: int = 512
+) -> dict[str, Any]:
+    """Held-out perplexity of the GGUF file through llama.cpp's logits (one token at a time if `quantized`)."""
+    return run_isolated(
+        "perplexity", path=str(path), windows=windows, n_batch=1 if quantized else n_batch, threads=threads
+    )
+
+
+def llama_cpp_speed(
+    path: str | Path, prompt: list[int], *, steps: int, quantized: bool, threads: int, n_batch: int = 512
+) -> dict[str, Any]:
+    """Prompt-processing and generation tokens/s at ``len(prompt)`` tokens of context (quantized files: the
+    prompt fed token by token and its speed not measured, see the module docstring)."""
+    return run_isolated(
+        "speed",
+        path=str(path),
+        prompt=prompt,
+        steps=steps,
+        n_batch=1 if quantized else n_batch,
+        threads=threads,
+        token_by_token_prompt=quantized,
+    )
+
+
+def require_llama_cpp() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise HeadkitError(f"measuring in llama.cpp needs llama-cpp-python: {LLAMA_CPP_INSTALL_HINT}")
+
+
+def _main(request_file: str) -> None:
+    request = json.loads(Path(request_file).read_text())
+    result = _FUNCTIONS[request["function"]](**request["kwargs"])
+    Path(request["result"]).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])
