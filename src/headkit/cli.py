@@ -556,8 +556,8 @@ def export_command(
         "groups with zero query heads (more query work).",
     ),
 ) -> None:
-    """Write MODEL as a GGUF file for llama.cpp: its own family's architecture (llama, qwen2, qwen3, gemma3),
-    or deci for LLaMA pruned unevenly across layers (see headkit.recipes.export)."""
+    """Write MODEL as a GGUF file for llama.cpp: its own family's architecture (llama, Mistral as llama, qwen2,
+    qwen3, gemma2, gemma3, phi3), or deci for LLaMA or Phi-3 pruned unevenly (see headkit.recipes.export)."""
     from headkit.recipes.export import export_gguf
 
     with _no_loading_bars():

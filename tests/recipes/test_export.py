@@ -33,7 +33,7 @@ def smollm2_tokenizer():
     return AutoTokenizer.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def _tiny(family, tokenizer):
+def _tiny(family, tokenizer, partial_rotary=0.5):
     import transformers
 
     torch.manual_seed(0)
@@ -52,9 +52,37 @@ def _tiny(family, tokenizer):
     )
     if family == "llama":
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(tie_word_embeddings=True, **common))
+    elif family == "mistral":  # a window longer than the 48 tokens compared: written as llama's context
+        config = transformers.MistralConfig(sliding_window=128, tie_word_embeddings=False, **common)
+        model = transformers.MistralForCausalLM(config)
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(tie_word_embeddings=False, **common)
+        model = transformers.Qwen2ForCausalLM(config)
     elif family == "qwen3":
         config = transformers.Qwen3Config(head_dim=16, tie_word_embeddings=False, **common)
         model = transformers.Qwen3ForCausalLM(config)
+    elif family == "phi3":  # fused projections, half the dimensions rotated
+        common["rope_parameters"] = {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "partial_rotary_factor": partial_rotary,
+        }
+        config = transformers.Phi3Config(
+            tie_word_embeddings=False, pad_token_id=tokenizer.eos_token_id, sliding_window=None, **common
+        )
+        model = transformers.Phi3ForCausalLM(config)
+    elif family == "gemma2":  # sliding on layer 0 (window 16 < 48 tokens), soft-capped scores and logits
+        config = transformers.Gemma2Config(
+            head_dim=16,
+            query_pre_attn_scalar=16,
+            sliding_window=16,
+            layer_types=["sliding_attention", "full_attention"],
+            attn_logit_softcapping=8.0,
+            final_logit_softcapping=12.0,
+            tie_word_embeddings=True,
+            **common,
+        )
+        model = transformers.Gemma2ForCausalLM(config)
     else:  # Gemma 3: a sliding-window layer (window 16 < the 48 tokens compared) then a global one
         common["rope_parameters"] = {
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
@@ -148,7 +176,17 @@ def test_uniform_llama_f32_matches_transformers(llama_cpp, tiny_llama_folder, sm
     _check_logits(llama_cpp, report.out, _reload(tiny_llama_folder), _tokens(smollm2_tokenizer))
 
 
-@pytest.mark.parametrize("family, arch", [("qwen3", "qwen3"), ("gemma3", "gemma3")])
+@pytest.mark.parametrize(
+    "family, arch",
+    [
+        ("mistral", "llama"),
+        ("qwen2", "qwen2"),
+        ("qwen3", "qwen3"),
+        ("gemma2", "gemma2"),
+        ("gemma3", "gemma3"),
+        ("phi3", "phi3"),
+    ],
+)
 def test_other_families_f32_match_transformers(llama_cpp, smollm2_tokenizer, tmp_path, family, arch):
     model = _tiny(family, smollm2_tokenizer)
     report = export_gguf(model, tmp_path / f"{family}.gguf", type="f32", tokenizer=smollm2_tokenizer)
@@ -165,6 +203,62 @@ def test_uniformly_pruned_llama_is_stock_llama(llama_cpp, tiny_llama_folder, smo
     report = export_gguf(folder, tmp_path / "pruned.gguf", type="f32")
     assert report.arch == "llama" and report.heads == [2, 2] and report.kv_heads == [1, 1]
     _check_logits(llama_cpp, report.out, _reload(folder), _tokens(smollm2_tokenizer))
+
+
+@pytest.mark.parametrize("family, arch", [("phi3", "llama"), ("gemma2", "gemma2")])
+def test_uniformly_pruned_families_keep_their_architecture(
+    llama_cpp, smollm2_tokenizer, tmp_path, family, arch
+):
+    import headkit
+
+    model = _tiny(family, smollm2_tokenizer, partial_rotary=1.0)
+    # One whole group per layer. llama.cpp's phi3 graph needs full-width queries: pruned Phi-3 is written as
+    # llama, its fused query/key/value and gate/up rows split.
+    headkit.prune_heads(model, {0: [0, 1], 1: [2, 3]})
+    report = export_gguf(model, tmp_path / f"{family}.gguf", type="f32", tokenizer=smollm2_tokenizer)
+    assert report.arch == arch and report.heads == [2, 2] and report.kv_heads == [1, 1]
+    _check_logits(llama_cpp, report.out, model, _tokens(smollm2_tokenizer))
+
+
+def test_unevenly_pruned_phi3_is_deci(llama_cpp, smollm2_tokenizer, tmp_path):
+    import headkit
+
+    model = _tiny("phi3", smollm2_tokenizer, partial_rotary=1.0)
+    headkit.prune_heads(model, {0: [1], 1: [0, 1]})  # layer 0 uneven (1 + 2 heads), layer 1 one group
+    report = export_gguf(model, tmp_path / "phi3.gguf", type="f32", tokenizer=smollm2_tokenizer)
+    assert report.arch == "deci" and report.heads == [3, 2] and report.kv_heads == [3, 1]
+    _check_logits(llama_cpp, report.out, model, _tokens(smollm2_tokenizer))
+
+
+def test_pruned_phi3_with_partial_rotary_is_refused(smollm2_tokenizer, tmp_path):
+    import headkit
+
+    model = _tiny("phi3", smollm2_tokenizer)  # half of each head rotates
+    headkit.prune_heads(model, {0: [0, 1], 1: [2, 3]})
+    with pytest.raises(HeadkitError, match="rotates 8 of its 16 head dimensions"):
+        export_gguf(model, tmp_path / "p.gguf", type="f32", tokenizer=smollm2_tokenizer)
+    assert not (tmp_path / "p.gguf").exists()
+
+
+def test_sliding_window_caps_the_llama_context(smollm2_tokenizer, tmp_path):
+    from headkit.recipes.export import context_length
+
+    model = _tiny("mistral", smollm2_tokenizer)
+    assert context_length(model.config, "llama") == 128  # the window: beyond it llama's graph would differ
+    model.config.sliding_window = None
+    assert context_length(model.config, "llama") == 256
+    gguf = pytest.importorskip("gguf")
+    model.config.sliding_window = 128
+    report = export_gguf(model, tmp_path / "m.gguf", type="f16", tokenizer=smollm2_tokenizer)
+    assert gguf.GGUFReader(report.out).fields["llama.context_length"].contents() == 128
+
+
+def test_gemma2_without_its_alternation_is_refused(smollm2_tokenizer, tmp_path):
+    model = _tiny("gemma2", smollm2_tokenizer)
+    model.config.layer_types = ["full_attention", "sliding_attention"]
+    with pytest.raises(HeadkitError, match="alternation"):
+        export_gguf(model, tmp_path / "g.gguf", type="f32", tokenizer=smollm2_tokenizer)
+    assert not (tmp_path / "g.gguf").exists()
 
 
 def test_unevenly_pruned_llama_is_deci(llama_cpp, tiny_llama_folder, smollm2_tokenizer, tmp_path):

@@ -8,8 +8,9 @@ Writing, tensor names and quantization are the ``gguf`` package's (:class:`gguf.
 What is exported, and as which llama.cpp architecture:
 
 * a result whose layers all keep the same query and key/value heads, grouped evenly, is written as its own
-  family's architecture (``llama``, ``qwen2``, ``qwen3``, ``gemma3``) with the head counts it has now, whatever its config
-  says (a pruned model that was not turned back into the stock architecture still records the original counts);
+  family's architecture (``llama`` — Mistral too, as llama.cpp's converter writes it —, ``qwen2``, ``qwen3``,
+  ``gemma2``, ``gemma3``, ``phi3``) with the head counts it has now, whatever its config says (a pruned model
+  that was not turned back into the stock architecture still records the original counts);
 * a LLaMA result with different heads per layer is written as ``deci`` (llama.cpp's architecture for DeciLM and
   Nemotron-NAS), whose ``attention.head_count`` / ``attention.head_count_kv`` are per-layer arrays; a layer pruned
   to no heads is a layer with 0 of both, which llama.cpp runs without attention (nor its norm).
@@ -39,7 +40,9 @@ Linearized, collaborative and additive models have no llama.cpp architecture and
 are models still carrying head gates, encoders and families without a mapping. Not exported yet, each refused
 in one line: rotary scaling other than plain (``rope_type`` llama3, linear, yarn), 🤗 tokenizers other than
 byte-level BPE (SentencePiece: export from a GGUF input, whose tokenizer is copied), and per-layer head counts
-outside the LLaMA family (llama.cpp's qwen2/qwen3/gemma3 read one count for all layers).
+outside the LLaMA and Phi-3 families (llama.cpp's qwen2/qwen3/gemma2/gemma3 read one count for all
+layers). Phi-3 with fewer query heads than its width is written as llama or deci, its fused projections split:
+llama.cpp's phi3 graph sizes its projections by the hidden width.
 """
 
 from __future__ import annotations
@@ -84,26 +87,38 @@ UNEXPORTABLE_OPS = {
 class _Mapping:
     """How a 🤗 model_type becomes a llama.cpp architecture.
 
-    permute_qk: llama.cpp's ``llama``/``deci`` graphs rotate adjacent pairs (ggml's "normal" rope mode) while 🤗
-        LLaMA rotates the two halves of each head (``rotate_half``), so the query and key rows of every head are
-        reordered (as ``LlamaModel.permute`` in llama.cpp's converter does); the ``qwen2``/``qwen3`` graphs use
-        the NeoX (halves) mode, so their rows are written as they are.
     uneven_arch: the llama.cpp architecture of a result with different heads per layer, if any.
+    narrow_arch: the architecture of a uniform result whose query heads no longer fill the hidden width, where
+        the family's own graph assumes they do (llama.cpp's phi3 sizes its projections n_embd × n_embd); Phi-3
+        is LLaMA's computation with fused projections, so it is written as llama with them split.
+
+    Whether query and key rows are permuted follows from the architecture written (:data:`PAIRED_ROTARY`).
     norm_shift: added to every RMSNorm weight: Gemma's norms scale by (1 + weight), llama.cpp's by the weight.
     """
 
     arch: str
-    permute_qk: bool
     uneven_arch: str | None = None
+    narrow_arch: str | None = None
     norm_shift: float = 0.0
 
 
 MAPPINGS: dict[str, _Mapping] = {
-    "llama": _Mapping("llama", permute_qk=True, uneven_arch="deci"),
-    "qwen2": _Mapping("qwen2", permute_qk=False),
-    "qwen3": _Mapping("qwen3", permute_qk=False),
-    "gemma3_text": _Mapping("gemma3", permute_qk=False, norm_shift=1.0),
+    "llama": _Mapping("llama", uneven_arch="deci"),
+    # Mistral is LLaMA's graph (llama.cpp's converter writes it as llama); its sliding window is handled by
+    # capping the context (see _context_length).
+    "mistral": _Mapping("llama", uneven_arch="deci"),
+    "qwen2": _Mapping("qwen2"),
+    "qwen3": _Mapping("qwen3"),
+    "gemma2": _Mapping("gemma2", norm_shift=1.0),
+    "gemma3_text": _Mapping("gemma3", norm_shift=1.0),
+    "phi3": _Mapping("phi3", uneven_arch="deci", narrow_arch="llama"),
 }
+# llama.cpp's ``llama``/``deci`` graphs rotate adjacent pairs (ggml's "normal" rope mode) while 🤗 rotates the two
+# halves of each head (``rotate_half``), so their query and key rows are reordered (as ``LlamaModel.permute`` in
+# llama.cpp's converter does); the other graphs use the NeoX (halves) mode and take the rows as they are.
+PAIRED_ROTARY = ("llama", "deci")
+# Fused 🤗 projections written as llama.cpp's separate tensors where the architecture has no fused one.
+FUSED_SPLITS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 
 
 def exportable_families() -> str:
@@ -220,13 +235,18 @@ def _rows(weight: torch.Tensor, order: list[int | None], head_dim: int) -> torch
     return heads[index].reshape(len(order) * head_dim, *weight.shape[1:])
 
 
-def _rotary_pairs(weight: torch.Tensor, heads: int) -> torch.Tensor:
+def _rotary_pairs(weight: torch.Tensor, heads: int, rotary: int | None = None) -> torch.Tensor:
     """Reorder each head's rows from 🤗's rotate-half layout (first half, second half) to llama.cpp's adjacent
-    pairs: row i of the first half and row i of the second half become rows 2i and 2i + 1."""
+    pairs: row i of the first half and row i of the second half become rows 2i and 2i + 1. With `rotary` set
+    (partial rotary: only each head's first `rotary` rows rotate) the rest of each head stays as it is."""
     if heads == 0:
         return weight
     shape = weight.shape
-    return weight.reshape(heads, 2, shape[0] // heads // 2, *shape[1:]).transpose(1, 2).reshape(shape)
+    per_head = weight.reshape(heads, shape[0] // heads, *shape[1:])
+    rotary = per_head.shape[1] if rotary is None else rotary
+    rotated = per_head[:, :rotary].reshape(heads, 2, rotary // 2, *shape[1:]).transpose(1, 2)
+    rotated = rotated.reshape(heads, rotary, *shape[1:])
+    return torch.cat([rotated, per_head[:, rotary:]], dim=1).reshape(shape)
 
 
 # -- inputs ----------------------------------------------------------------------------------------------------
@@ -252,7 +272,9 @@ def check_export_target(
     if model_path.is_file():
         field = gguf.GGUFReader(model_path).fields.get("general.architecture")
         model_type = field.contents() if field is not None else None
-        known = {mapping.arch: name for name, mapping in MAPPINGS.items()}
+        known: dict[str, str] = {}
+        for name, mapping in MAPPINGS.items():  # llama files come back as llama, not mistral
+            known.setdefault(mapping.arch, name)
         model_type = known.get(model_type, model_type)
     else:
         try:
@@ -355,7 +377,7 @@ def _write_hparams(
     """The hyperparameter keys llama.cpp reads (``{arch}.context_length``, ``.embedding_length``, …)."""
     hidden = int(config.hidden_size)
     writer.add_block_count(len(plans))
-    writer.add_context_length(int(config.max_position_embeddings))
+    writer.add_context_length(context_length(config, arch))
     writer.add_embedding_length(hidden)
     writer.add_feed_forward_length(int(config.intermediate_size))
     if uniform:
@@ -369,27 +391,60 @@ def _write_hparams(
     if not uniform or plans[0].heads * head_dim != hidden:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
+    writer.add_rope_dimension_count(_rotary_dims(config, head_dim))
     writer.add_rope_freq_base(_rope_theta(config))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     writer.add_vocab_size(int(config.vocab_size))
     writer.add_file_type(file_type)
-    if arch == "gemma3":
-        _write_gemma3_hparams(writer, config, head_dim)
+    if arch in ("gemma2", "gemma3"):
+        _write_gemma_hparams(writer, config, arch, head_dim)
 
 
-def _write_gemma3_hparams(writer: Any, config: Any, head_dim: int) -> None:
-    """Gemma 3's extras: sliding-window layers (which, and their own rotary base) and the final soft-cap.
-    llama.cpp scales scores by head_dim^-1/2 (1/sqrt(n_embd_head_k)); 🤗 by query_pre_attn_scalar^-1/2."""
-    if getattr(config, "attn_logit_softcapping", None):
+def context_length(config: Any, arch: str) -> int:
+    """The context written for llama.cpp. Its ``llama`` and ``phi3`` graphs attend over the whole context, so a
+    Mistral or Phi-3 config with a sliding window shorter than its context is written with the window as its
+    context: within it the two attentions are the same, beyond it llama.cpp would silently differ."""
+    context = int(config.max_position_embeddings)
+    window = getattr(config, "sliding_window", None)
+    if arch in ("llama", "phi3") and window:
+        return min(context, int(window))
+    return context
+
+
+def _rotary_dims(config: Any, head_dim: int) -> int:
+    """Rotated dimensions per head: all of them, or Phi-3's ``partial_rotary_factor`` of them (the first ones,
+    halves rotated together, as llama.cpp's NeoX mode does over its first ``rope_dimension_count``)."""
+    factor = float((getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0))
+    factor = float(getattr(config, "partial_rotary_factor", factor) or factor)
+    return int(head_dim * factor)
+
+
+def _write_gemma_hparams(writer: Any, config: Any, arch: str, head_dim: int) -> None:
+    """Gemma 2's and 3's extras: sliding-window layers, soft-caps, and (Gemma 3) the sliding layers' own rotary
+    base. llama.cpp scales scores by head_dim^-1/2 (1/sqrt(n_embd_head_k)); 🤗 by query_pre_attn_scalar^-1/2.
+    llama.cpp's gemma2 slides on every even layer (a fixed pattern); gemma3 reads the pattern per layer."""
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap and arch == "gemma3":
         raise HeadkitError("MODEL soft-caps attention logits, which llama.cpp's gemma3 does not")
+    if softcap:
+        writer.add_attn_logit_softcapping(float(softcap))
     if float(getattr(config, "query_pre_attn_scalar", head_dim)) != float(head_dim):
         raise HeadkitError(
             f"MODEL scales attention by query_pre_attn_scalar={config.query_pre_attn_scalar}, llama.cpp's "
-            f"gemma3 by the head width {head_dim}"
+            f"{arch} by the head width {head_dim}"
         )
     layer_types = list(getattr(config, "layer_types", None) or [])
-    if "sliding_attention" in layer_types:
+    if arch == "gemma2":
+        alternating = [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(len(layer_types))
+        ]
+        if layer_types != alternating:
+            raise HeadkitError(
+                f"MODEL's layer_types {layer_types} are not Gemma 2's alternation (sliding on even layers), the "
+                "only pattern llama.cpp's gemma2 runs"
+            )
+        writer.add_sliding_window(int(config.sliding_window))
+    elif "sliding_attention" in layer_types:
         writer.add_sliding_window(int(config.sliding_window))
         writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in layer_types])
         writer.add_rope_freq_base_swa(_rope_theta(config, "sliding_attention"))
@@ -535,21 +590,43 @@ def _add_tensor(
     writer.add_tensor(name, packed, raw_dtype=qtype)
 
 
-def _layer_tensors(site: Any, plan: _LayerPlan, head_dim: int, permute: bool) -> dict[str, torch.Tensor]:
+def _layer_tensors(
+    site: Any, plan: _LayerPlan, head_dim: int, permute: bool, rotary: int, split: bool
+) -> dict[str, torch.Tensor]:
     """The attention projections of one layer as written: reordered, duplicated and (for llama/deci) permuted
-    to llama.cpp's rotary pairs. Keys are the 🤗 names relative to the attention module."""
+    to llama.cpp's rotary pairs over the first `rotary` rows of each head; a fused projection split when
+    `split`. Keys are the 🤗 names relative to the attention module."""
     out: dict[str, torch.Tensor] = {}
     for name, parameter in site.module.named_parameters():
         data = parameter.detach()
         projection = name.split(".")[0]
         if projection == "q_proj":
             data = _rows(data, plan.query_order, head_dim)
-            data = _rotary_pairs(data, plan.heads) if permute else data
+            data = _rotary_pairs(data, plan.heads, rotary) if permute else data
         elif projection == "k_proj":
             data = _rows(data, plan.kv_order, head_dim)
-            data = _rotary_pairs(data, plan.kv_heads) if permute else data
+            data = _rotary_pairs(data, plan.kv_heads, rotary) if permute else data
         elif projection == "v_proj":
             data = _rows(data, plan.kv_order, head_dim)
+        elif projection == "qkv_proj":  # Phi-3's fused rows: queries, keys, values
+            query, key, value = data.split(
+                [len(data) - 2 * plan.kv_read * head_dim, *[plan.kv_read * head_dim] * 2]
+            )
+            query = _rows(query, plan.query_order, head_dim)
+            key, value = _rows(key, plan.kv_order, head_dim), _rows(value, plan.kv_order, head_dim)
+            if permute:
+                query = _rotary_pairs(query, plan.heads, rotary)
+                key = _rotary_pairs(key, plan.kv_heads, rotary)
+            if split:
+                suffix = name.removeprefix(projection)
+                out.update(
+                    {
+                        f"{part}{suffix}": t
+                        for part, t in zip(FUSED_SPLITS[projection], (query, key, value), strict=True)
+                    }
+                )
+                continue
+            data = torch.cat([query, key, value])
         elif projection == "o_proj" and name.endswith("weight"):
             data = _rows(data.t(), plan.query_order, head_dim).t()
         out[name] = data
@@ -621,7 +698,10 @@ def export_gguf(
         raise HeadkitError("MODEL's attention layers do not match config.num_hidden_layers")
     shapes = {(plan.heads, plan.kv_heads) for plan in plans}
     uniform = len(shapes) == 1 and 0 not in shapes.pop()
-    if uniform:
+    narrow = plans[0].heads * head_dim != int(config.hidden_size)
+    if uniform and narrow and mapping.narrow_arch is not None:
+        arch = mapping.narrow_arch
+    elif uniform:
         arch = mapping.arch
     elif mapping.uneven_arch is not None:
         arch = mapping.uneven_arch
@@ -629,6 +709,12 @@ def export_gguf(
         raise HeadkitError(
             f"MODEL ({config.model_type}) has different heads per layer; llama.cpp runs that only for the LLaMA "
             "family (deci). Prune uniformly (headkit prune --uniform) to export it"
+        )
+    if arch in PAIRED_ROTARY and _rotary_dims(config, head_dim) != head_dim:
+        raise HeadkitError(
+            f"MODEL rotates {_rotary_dims(config, head_dim)} of its {head_dim} head dimensions; pruned "
+            f"{config.model_type} is written as llama.cpp's {arch}, which rotates all of them. Prune it uniformly "
+            "with full-width query heads kept, or export it unpruned"
         )
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], layers)
 
@@ -646,7 +732,7 @@ def export_gguf(
             tokenizer_note = _copy_gguf_tokenizer(writer, gguf, source)
         else:
             tokenizer_note = _convert_hf_tokenizer(writer, gguf, tokenizer, int(config.vocab_size))
-        count = _write_tensors(writer, gguf, model, sites, plans, head_dim, mapping, names, type)
+        count = _write_tensors(writer, gguf, model, sites, plans, head_dim, mapping, arch, names, type)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -690,23 +776,27 @@ def _write_tensors(
     plans: list[_LayerPlan],
     head_dim: int,
     mapping: _Mapping,
+    arch: str,
     names: Any,
     type: str,
 ) -> int:
     """Every parameter under its llama.cpp name; the LM head only when it is not tied to the embeddings
-    (llama.cpp then reads ``token_embd.weight`` for the output, as its loader falls back to it)."""
+    (llama.cpp then reads ``token_embd.weight`` for the output, as its loader falls back to it). Fused
+    projections are split when `arch` is not the family's own (Phi-3 written as llama or deci)."""
     attention = {site.name: (site, plan) for site, plan in zip(sites, plans, strict=True)}
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     embeddings = model.get_input_embeddings().weight
     count = 0
     done: set[str] = set()
+    permute, split = arch in PAIRED_ROTARY, arch != mapping.arch
+    rotary = _rotary_dims(model.config, head_dim)
     for module_name, (site, plan) in attention.items():
+        done.update(f"{module_name}.{name}" for name, _ in site.module.named_parameters())
         if plan.heads == 0:
             continue  # deci: a layer without heads has no attention tensors and no attention norm
-        for name, data in _layer_tensors(site, plan, head_dim, mapping.permute_qk).items():
+        for name, data in _layer_tensors(site, plan, head_dim, permute, rotary, split).items():
             full = f"{module_name}.{name}"
             _add_tensor(writer, gguf, type, _gguf_name(names, full), data, _shift(mapping, full))
-            done.add(full)
             count += 1
     empty_norms = {
         f"model.layers.{i}.input_layernorm.weight" for i, plan in enumerate(plans) if plan.heads == 0
@@ -715,6 +805,14 @@ def _write_tensors(
         if full in done or full in empty_norms:
             continue
         if full.endswith("lm_head.weight") and (tied or parameter is embeddings):
+            continue
+        fused = full.split(".")[-2]
+        if split and fused in FUSED_SPLITS:  # Phi-3's gate_up_proj: gate rows first, then up
+            parts = parameter.detach().chunk(len(FUSED_SPLITS[fused]))
+            for part, data in zip(FUSED_SPLITS[fused], parts, strict=True):
+                name = full.replace(f".{fused}.", f".{part}.")
+                _add_tensor(writer, gguf, type, _gguf_name(names, name), data, _shift(mapping, name))
+                count += 1
             continue
         _add_tensor(writer, gguf, type, _gguf_name(names, full), parameter, _shift(mapping, full))
         count += 1
