@@ -42,7 +42,7 @@ from headkit.data import (
 from headkit.errors import HeadkitError
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 from headkit.recipes import evaluate
-from headkit.train import default_config, held_out_bits_per_byte, lm_optimizer
+from headkit.train import default_config, lm_optimizer
 
 MODELS = ("softmax", "coca")
 SCALINGS = ("none", "linear", "dynamic")
@@ -407,7 +407,9 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
             for n in config.lengths:
                 scaled = scaled_model(model, scaling, n, config)
                 batch = max(1, EVAL_BATCH_TOKENS // n)
-                bits = held_out_bits_per_byte(scaled, windows[n], ByteTokenizer(), SPECIAL_IDS, batch)
+                bits = evaluate.held_out_bits_per_byte(
+                    scaled, windows[n], ByteTokenizer(), SPECIAL_IDS, batch
+                )
                 point = {"attention": attention, "scaling": scaling, "length": n}
                 sizes = {"windows": len(windows[n]), "tokens": windows[n].numel()}
                 perplexities.append(point | {"bits_per_byte": bits, "perplexity": 2.0**bits} | sizes)

@@ -39,26 +39,67 @@ from torch import nn
 
 from headkit.analysis.plots import plot_passkey_heatmap
 from headkit.compat import cache_keyword, output_cache
-from headkit.data import Corpus
+from headkit.data import Corpus, count_text_bytes
 from headkit.errors import HeadkitError
 from headkit.files import check_output_folder, write_json_atomic
 from headkit.recipes.objectives import mean_pool, next_token_kl
 from headkit.surgery.linearize import decoding_state_bytes
 
 
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
 @torch.no_grad()
+def next_token_nats(
+    model: nn.Module, windows: torch.Tensor, batch_size: int = 4, ignored_ids: torch.Tensor | None = None
+) -> tuple[float, torch.Tensor]:
+    """The summed next-token negative log-likelihood (nats) of `model` over `windows` [N, T] — every token but
+    the first of each window predicted, except those in `ignored_ids` (special tokens: document separators) —
+    and the mask of the predicted targets [N, T − 1]: the one loss behind perplexity and bits per byte."""
+    device = _device(model)
+    total, predicted = 0.0, []
+    for chunk in windows.split(batch_size):
+        targets = chunk[:, 1:].to(device)
+        keep = torch.ones_like(targets, dtype=torch.bool)
+        if ignored_ids is not None and ignored_ids.numel():
+            keep = ~torch.isin(targets, ignored_ids.to(device))
+        logits = model(input_ids=chunk.to(device), use_cache=False).logits[:, :-1].float()
+        total += float(F.cross_entropy(logits[keep], targets[keep], reduction="sum"))
+        predicted.append(keep.cpu())
+    return total, torch.cat(predicted)
+
+
 def perplexity(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> float:
     """exp of the mean next-token negative log-likelihood over every position of `windows` [N, L] but the first."""
-    total_nll, count = 0.0, 0
-    for chunk in windows.split(batch_size):
-        logits = model(input_ids=chunk, use_cache=False).logits.float()
-        total_nll += float(
-            F.cross_entropy(
-                logits[:, :-1].reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum"
-            )
-        )
-        count += chunk[:, 1:].numel()
-    return math.exp(total_nll / count)
+    nats, predicted = next_token_nats(model, windows, batch_size)
+    return math.exp(nats / int(predicted.sum()))
+
+
+def held_out_bits_per_byte(
+    model: nn.Module,
+    windows: torch.Tensor,
+    tokenizer: Any,
+    ignored_ids: torch.Tensor | None = None,
+    batch_size: int = 8,
+) -> float:
+    """Bits per UTF-8 byte of the next-token loss over ``windows`` [N, T] (tokens 1… of each are predicted), in
+    evaluation mode (the model's mode restored after).
+
+    Tokens in ``ignored_ids`` (special tokens) are not predicted and their bytes are not counted.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        nats, predicted = next_token_nats(model, windows, batch_size, ignored_ids)
+    finally:
+        model.train(was_training)
+    total_bytes = sum(
+        count_text_bytes(tokenizer, row[1:][mask]) for row, mask in zip(windows, predicted, strict=True)
+    )
+    if total_bytes == 0:
+        raise HeadkitError("the held-out windows encode no text bytes; use a larger held-out split")
+    return nats / (math.log(2) * total_bytes)
 
 
 @dataclass(frozen=True)
@@ -192,10 +233,6 @@ def time_call(
         calls_per_repeat = min(max(wanted, 1), MAX_CALLS_PER_REPEAT)
     times = tuple(timed(calls_per_repeat) for _ in range(repeats))
     return Timing(median_s=statistics.median(times), times_s=times, calls_per_repeat=calls_per_repeat)
-
-
-def _device(model: nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 @torch.no_grad()
