@@ -50,7 +50,7 @@ def test_every_bench_command_and_option_of_before_still_exists():
 # Top-level commands whose options are snapshotted exactly: a change here is a change of the CLI, made on purpose.
 COMMANDS = {
     "eval": "MODEL --data --decode-contexts --depths --dtype --eval-tokens --lengths --out --passkey-lengths "
-    "--reference --seed --trials",
+    "--reference --seed --threads --trials",
 }
 
 

@@ -608,6 +608,9 @@ def eval_command(
     eval_tokens: int = typer.Option(8192, help="Held-out tokens scored at each perplexity length."),
     seed: int = typer.Option(0, help="Seed of the held-out windows, passkey keys, depths and filler."),
     dtype: str = _dtype_option(),
+    threads: int = typer.Option(
+        None, help="torch threads while measuring (default: torch's; 1 is faster on busy shared cores)."
+    ),
     out: Path = typer.Option(Path("results/eval"), help="Output folder for report.json and passkey.png."),
 ) -> None:
     """Evaluate MODEL: held-out perplexity by length, agreement and KL against --reference, passkey retrieval by
@@ -627,6 +630,7 @@ def eval_command(
         eval_tokens=eval_tokens,
         seed=seed,
         dtype=_check_dtype(dtype),
+        threads=threads,
         out=out,
     )
     check_eval_settings(settings)

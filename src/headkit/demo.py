@@ -31,12 +31,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from headkit.bench._measure import thread_limit
 from headkit.bench._report import command_line, machine_info, markdown_table
 from headkit.errors import HeadkitError
 from headkit.files import write_json_atomic, write_text_atomic
 from headkit.recipes.compress import encoder_fidelity
-from headkit.recipes.evaluate import forward_times
+from headkit.recipes.evaluate import forward_times, thread_limit
 from headkit.recipes.models import default_encoder_path, load_model
 from headkit.recipes.objectives import embedding_distillation_loss
 from headkit.recipes.prune import encoder_finetune, keep_top_gated_heads

@@ -190,7 +190,7 @@ def test_cuda_peak_of_allocate_free_allocate_is_the_larger_block():
 
 
 def test_thread_limit_sets_and_restores_torch_threads():
-    from headkit.bench._measure import thread_limit
+    from headkit.recipes.evaluate import thread_limit
 
     before = torch.get_num_threads()
     wanted = 1 if before != 1 else 2

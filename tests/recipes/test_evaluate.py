@@ -341,12 +341,15 @@ def test_headkit_eval_end_to_end_on_a_tiny_model(save_tiny_causal_lm, tmp_path):
     reference = save_tiny_causal_lm(tmp_path / "reference", architecture="llama")
     data = tmp_path / "prose.txt"
     data.write_text(
-        "\n".join(f"Sentence number {i} of the filler text is here. It reads as prose." for i in range(400))
+        "\n".join(
+            f"Filler sentence {chr(97 + i % 26)} of the text is here, and it reads as prose."
+            for i in range(400)
+        )
     )
     out = tmp_path / "eval"
     args = ["eval", str(model), "--reference", str(reference), "--data", str(data), "--lengths", "32,64"]
     args += ["--passkey-lengths", "128,256", "--depths", "0,1", "--trials", "4", "--decode-contexts", "16"]
-    args += ["--eval-tokens", "128", "--out", str(out)]
+    args += ["--eval-tokens", "128", "--threads", "1", "--out", str(out)]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     assert "| passkey length |" in result.output and "| 256 |" in result.output.replace(" 256 ", "| 256 |", 0)
@@ -374,7 +377,7 @@ def test_headkit_eval_names_bad_arguments(save_tiny_causal_lm, tmp_path, capsys,
 
     model = save_tiny_causal_lm(tmp_path / "model")
     data = tmp_path / "prose.txt"
-    data.write_text("\n".join(f"Sentence number {i} of the filler text is here." for i in range(50)))
+    data.write_text("\n".join(f"Filler sentence {chr(97 + i % 26)} of the text is here." for i in range(50)))
     with pytest.raises(SystemExit) as exit_info:
         main(["eval", str(model), "--data", str(data), "--out", str(tmp_path / "out"), *args])
     assert exit_info.value.code == 2

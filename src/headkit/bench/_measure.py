@@ -123,25 +123,3 @@ def _quiet_native_stderr() -> Iterator[None]:
         os.dup2(saved_fd, stderr_fd)
         os.close(saved_fd)
         os.close(devnull)
-
-
-@contextlib.contextmanager
-def thread_limit(threads: int | None) -> Iterator[None]:
-    """Run the block with ``threads`` torch threads (and BLAS threads, where threadpoolctl is installed),
-    restoring the previous setting after; None leaves everything as it is. (On two shared cores a second thread
-    spin-waiting in OpenMP can cost more than it brings.)"""
-    if threads is None:
-        yield
-        return
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        try:
-            from threadpoolctl import threadpool_limits
-        except ImportError:
-            yield
-        else:
-            with threadpool_limits(limits=threads):
-                yield
-    finally:
-        torch.set_num_threads(previous)

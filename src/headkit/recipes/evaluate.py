@@ -17,6 +17,7 @@ processes on shared cores) slows both alike and their ratio stays meaningful.
 from __future__ import annotations
 
 import ast
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -27,7 +28,7 @@ import re
 import statistics
 import time
 import tokenize
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,28 @@ from headkit.errors import HeadkitError
 from headkit.files import check_output_folder, write_json_atomic
 from headkit.recipes.objectives import mean_pool, next_token_kl
 from headkit.surgery.linearize import decoding_state_bytes
+
+
+@contextlib.contextmanager
+def thread_limit(threads: int | None) -> Iterator[None]:
+    """Run the block with ``threads`` torch threads (and BLAS threads, where threadpoolctl is installed),
+    restoring the previous setting after; None leaves everything as it is. (On two shared cores a second thread
+    spin-waiting in OpenMP can cost more than it brings.)"""
+    if threads is None:
+        yield
+        return
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:
+            yield
+        else:
+            with threadpool_limits(limits=threads):
+                yield
+    finally:
+        torch.set_num_threads(previous)
 
 
 def _device(model: nn.Module) -> torch.device:
@@ -429,8 +452,9 @@ def forward_times(models: dict[str, nn.Module], batch: dict, rounds: int) -> dic
 KEY_DIGITS = 5
 # z of a two-sided 95% interval.
 Z_95 = 1.959963984540054
-# A filler sentence from prose: letters, digits, spaces and plain punctuation only, so no code reads as prose.
-_PROSE_SENTENCE = re.compile(r"[A-Za-z][A-Za-z0-9 ,;:'()\-]*[.!?]")
+# A filler sentence from prose: letters, spaces and plain punctuation only, so no code reads as prose and the key
+# is the only number in the text.
+_PROSE_SENTENCE = re.compile(r"[A-Za-z][A-Za-z ,;:'()\-]*[.!?]")
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 MIN_SENTENCE_WORDS, MAX_SENTENCE_WORDS = 5, 40
 
@@ -475,7 +499,7 @@ def prose_sentences(corpus: Corpus, limit: int = 20_000, seed: int = 0) -> list[
     """Up to `limit` filler sentences from `corpus`'s held-out documents (then its training ones), in a seeded
     document order and in reading order within a document: of Python source, the prose of its docstrings and
     comments (:func:`python_prose`); of any other text, the text itself. Only sentences that read as prose are
-    kept: 5 to 40 words of letters, digits and plain punctuation."""
+    kept: 5 to 40 words of letters and plain punctuation (no digits: the key is the only number)."""
     documents = list(corpus.held_out) + list(corpus.train)
     random.Random(seed).shuffle(documents)
     sentences: list[str] = []
@@ -741,6 +765,7 @@ class EvalSettings:
     batch_tokens: int = 8192  # tokens per forward in perplexity and passkey batches
     seed: int = 0
     dtype: str = "float32"
+    threads: int | None = None  # torch threads while measuring (None: torch's setting)
     out: Path | None = Path("results/eval")  # None: write nothing
 
 
@@ -769,8 +794,10 @@ def _lengths(
 def check_eval_settings(settings: EvalSettings) -> None:
     """The checks that need no model, before anything loads."""
     check_depths(settings.depths)
-    for name in ("eval_tokens", "trials", "max_new_tokens", "decode_steps", "batch_tokens"):
+    for name in ("eval_tokens", "trials", "max_new_tokens", "decode_steps", "batch_tokens", "threads"):
         value = getattr(settings, name)
+        if name == "threads" and value is None:
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise HeadkitError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
     if not Path(settings.model).exists():
@@ -796,10 +823,17 @@ def evaluate(
     depth (exact match, Wilson 95% intervals); per-token decode time (batch 1) and decoding-state bytes at each
     context. `loaded` / `reference`: models already loaded (:class:`headkit.recipes.models.LoadedModel`).
     Writes report.json and the passkey heat map to `settings.out` (atomically) and returns the report."""
+    check_eval_settings(settings)
+    with thread_limit(settings.threads):
+        return _evaluate(settings, loaded, reference, echo)
+
+
+def _evaluate(
+    settings: EvalSettings, loaded: Any, reference: Any, echo: Callable[[str], None]
+) -> dict[str, Any]:
     from headkit.recipes.models import CAUSAL_LM, load_model
     from headkit.recipes.text import lm_windows, load_text
 
-    check_eval_settings(settings)
     started = time.perf_counter()
     loaded = loaded or load_model(settings.model, kind=CAUSAL_LM, dtype=settings.dtype)
     if settings.reference is not None and reference is None:
