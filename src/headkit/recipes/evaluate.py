@@ -472,8 +472,11 @@ class PasskeyFormat:
         "There is a pass key, a five-digit number, hidden inside a lot of irrelevant text. Find it and "
         "memorize it. I will quiz you about it."
     )
-    question: str = "What is the pass key?"
-    answer_prefix: str = "The pass key is"
+    # Calibrated on SmolLM2-135M-Instruct with the embedded corpus' prose (docs/benchmarks.md, headkit eval):
+    # "What is the pass key?" answered by "The pass key is" lets it define the term instead ("… is a string
+    # that …": 0-15% at 1,024 tokens); naming the five digits twice gets the number (9/10).
+    question: str = "What is the five-digit pass key?"
+    answer_prefix: str = "The five-digit pass key is"
     chat: bool = True
     separator: str = "\n\n"  # between the instruction, the document and the question
 
