@@ -1,9 +1,11 @@
 """The one evaluator: every measurement headkit reports about a model, each defined once here, which the recipes'
 reports, the benchmarks and ``headkit eval`` call.
 
-- held-out perplexity (:func:`perplexity`), top-1 agreement and KL against a reference (:func:`agreement`);
-- decoding: per-token decode time, CUDA-synchronised (:func:`decode_step_seconds`, :func:`decode_seconds_per_token`),
-  decoding-state bytes (:func:`cache_bytes`), prefill time and a greedy sample;
+- the next-token loss (:func:`next_token_nats`) behind held-out perplexity (:func:`perplexity`) and bits per byte
+  (:func:`held_out_bits_per_byte`); top-1 agreement and KL against a reference (:func:`agreement`);
+- timing, CUDA-synchronised: of any call (:func:`time_call`), of a greedy decoding step (:func:`decode_step_seconds`,
+  and on it :func:`time_greedy_decoding`, :func:`decode_seconds_per_token`, :func:`decode_profile`); the bytes of
+  the decoding state (:func:`cache_bytes`), a greedy sample;
 - encoders: cosine of mean-pooled embeddings (:func:`embedding_cosine`);
 - passkey retrieval (Mohtashami & Jaggi 2023, "Landmark Attention", arXiv:2305.16300, §4.2): a key stated once
   inside natural filler text, asked for at the end, scored by exact match of the greedy answer, with Wilson 95%
