@@ -46,7 +46,6 @@ from rich.progress import (
 from headkit.data import (
     ByteTokenizer,
     Corpus,
-    count_text_bytes,
     encode_corpus,
     evaluation_windows,
     load_corpus,
@@ -59,6 +58,7 @@ from headkit.errors import HeadkitError
 from headkit.files import check_output_folder, staged_folder
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 from headkit.ops._validation import check_positive_int
+from headkit.recipes.evaluate import held_out_bits_per_byte
 
 REPORT_FILE = "training_report.json"
 
@@ -321,42 +321,6 @@ def check_config_fields(names: Iterable[str], *, flag: str = "--set") -> None:
             raise HeadkitError(
                 f"{flag}: unknown HeadkitConfig field {name!r}; valid fields: {', '.join(valid)}"
             )
-
-
-@torch.no_grad()
-def held_out_bits_per_byte(
-    model: HeadkitForCausalLM,
-    windows: torch.Tensor,
-    tokenizer: Any,
-    ignored_ids: torch.Tensor | None = None,
-    batch_size: int = 8,
-) -> float:
-    """Bits per UTF-8 byte of the next-token loss over ``windows`` [N, T] (tokens 1… of each are predicted).
-
-    Tokens in ``ignored_ids`` (special tokens) are not predicted and their bytes are not counted.
-    """
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    ignored_ids = torch.empty(0, dtype=torch.long) if ignored_ids is None else ignored_ids
-    total_nats, total_bytes = 0.0, 0
-    for batch in windows.split(batch_size):
-        labels = _mask_special(batch, ignored_ids)
-        logits = model(input_ids=batch.to(device), use_cache=False).logits.float()
-        targets = labels[:, 1:].to(device)
-        nats = torch.nn.functional.cross_entropy(
-            logits[:, :-1].reshape(-1, logits.shape[-1]),
-            targets.reshape(-1),
-            ignore_index=-100,
-            reduction="sum",
-        )
-        total_nats += float(nats)
-        for row, row_labels in zip(batch, labels, strict=True):
-            total_bytes += count_text_bytes(tokenizer, row[1:][row_labels[1:] != -100])
-    model.train(was_training)
-    if total_bytes == 0:
-        raise HeadkitError("the held-out windows encode no text bytes; use a larger held-out split")
-    return total_nats / (math.log(2) * total_bytes)
 
 
 def _build_model(config_or_model: Any, tokenizer: Any, seq_len: int, seed: int) -> HeadkitForCausalLM:

@@ -18,9 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from headkit.bench._measure import time_call
 from headkit.bench._options import check_head_width
 from headkit.bench._report import TABLE_FILE, column_table, figure_axes
 from headkit.bench._training import generate, optimizer_steps, train_each
@@ -28,6 +26,7 @@ from headkit.bench.registry import option, quick_preset, register_benchmark, set
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
+from headkit.recipes.evaluate import next_token_nats, time_call
 
 PIXELS = 64  # 8 × 8
 SIDE = 8
@@ -161,9 +160,8 @@ def train_pixel_model(
 @torch.no_grad()
 def bits_per_pixel(model: HeadkitForCausalLM, sequences: torch.Tensor) -> float:
     """Mean negative log2-likelihood of the pixels of `sequences` (lower is better; log2(17) ≈ 4.09 is chance)."""
-    logits = model(input_ids=sequences).logits[:, :-1]
-    nats = F.cross_entropy(logits.reshape(-1, VOCAB_SIZE), sequences[:, 1:].reshape(-1))
-    return float(nats) / math.log(2)
+    nats, predicted = next_token_nats(model, sequences, batch_size=len(sequences))
+    return nats / (int(predicted.sum()) * math.log(2))
 
 
 @torch.no_grad()

@@ -113,8 +113,8 @@ def register_benchmark(
         def run(config: Any = None, console: Any = None, **extra: Any) -> dict[str, Any]:
             from rich.console import Console
 
-            from headkit.bench._measure import thread_limit
             from headkit.bench._report import finish_report
+            from headkit.recipes.evaluate import thread_limit
 
             config = settings() if config is None else config
             check_options(config)
