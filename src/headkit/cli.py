@@ -467,6 +467,8 @@ _LINEARIZE_HELP = LINEARIZE_HELP
 def linearize_command(
     model: Path = typer.Argument(None, help=_LINEARIZE_HELP["model"]),
     window: int = typer.Option(None, help=_LINEARIZE_HELP["window"]),
+    sinks: int = typer.Option(None, help=_LINEARIZE_HELP["sinks"]),
+    sparse_cache: int = typer.Option(None, help=_LINEARIZE_HELP["sparse_cache"]),
     feature_map: str = typer.Option(None, help=_LINEARIZE_HELP["feature_map"]),
     feature_dim: int = typer.Option(
         None, help="Learnable feature map's projection width (default head_dim)."
@@ -513,6 +515,8 @@ def linearize_command(
         quick,
         dtype=dtype,
         window=window,
+        sinks=sinks,
+        sparse_cache=sparse_cache,
         feature_map=feature_map,
         feature_dim=feature_dim,
         layers=layers,

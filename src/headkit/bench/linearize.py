@@ -42,6 +42,8 @@ class LinearizeBenchSettings:
 
     model: Path | None = option(None, LINEARIZE_HELP["model"])
     window: int | None = option(None, LINEARIZE_HELP["window"])
+    sinks: int | None = option(None, LINEARIZE_HELP["sinks"])
+    sparse_cache: int | None = option(None, LINEARIZE_HELP["sparse_cache"])
     layers: tuple[int, ...] | None = option(None, LINEARIZE_HELP["layers"], parse=parse_layer_indices)
     transfer_steps: int | None = option(None, LINEARIZE_HELP["transfer_steps"])
     lora_steps: int | None = option(None, LINEARIZE_HELP["lora_steps"])
@@ -63,7 +65,8 @@ class LinearizeBenchSettings:
         """The recipe's settings: the ones given here over its full or quick preset."""
         given = {
             name: getattr(self, name)
-            for name in ("model", "window", "layers", "transfer_steps", "lora_steps", "eval_lengths")
+            for name in ("model", "window", "sinks", "sparse_cache", "layers", "transfer_steps", "lora_steps")
+            + ("eval_lengths",)
             + ("decode_contexts", "decode_batch_sizes", "data", "seed")
             if getattr(self, name) is not None
         }
