@@ -280,7 +280,7 @@ def naive_sparse_hybrid_attention(
                     folded.append(j)
                     continue
                 recalled = (kf[b, h, j] @ reference_kv) / (kf[b, h, j] @ reference_k_sum + eps)
-                score = float((v[b, h, j] - recalled).square().sum())
+                score = float((v[b, h, j] - recalled).square().sum().detach())
                 reference_kv = reference_kv + torch.outer(kf[b, h, j], v[b, h, j])
                 reference_k_sum = reference_k_sum + kf[b, h, j]
                 cache.append((j, score))
