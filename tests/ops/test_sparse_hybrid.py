@@ -147,7 +147,7 @@ def test_decoding_token_by_token_and_in_pieces_continues_the_parallel_form(
     # uneven pieces: a prefill, a few tokens, the rest
     cuts = [0, seq // 2, seq // 2 + 3, seq]
     state, outputs = None, []
-    for a, b in zip(cuts, cuts[1:]):
+    for a, b in zip(cuts, cuts[1:], strict=False):
         if a == b:
             continue
         piece = [part(x, a, b) for x in (q, k, v, qf, kf)]
@@ -176,7 +176,7 @@ def test_gradients_equal_the_reference(window, sinks, budget):
     fast = torch.autograd.grad((out * weights).sum(), inputs)
     expected, _, _ = naive_sparse_hybrid_attention(*inputs, **options)
     slow = torch.autograd.grad((expected * weights).sum(), inputs)
-    for got, want in zip(fast, slow):
+    for got, want in zip(fast, slow, strict=True):
         assert_close(got, want)
     assert fast[1].abs().sum() > 0 and fast[4].abs().sum() > 0
 
@@ -190,7 +190,7 @@ def test_no_sinks_and_no_cache_is_the_plain_hybrid_exactly(padded):
     plain, plain_state = hybrid_attention(q, k, v, qf, kf, balance, **options)
     out, state = sparse_hybrid_attention(q, k, v, qf, kf, balance, sinks=0, budget=0, **options)
     assert torch.equal(out, plain)
-    for got, want in zip(state.window, plain_state):
+    for got, want in zip(state.window, plain_state, strict=True):
         assert torch.equal(got, want)
     step = [x[:, :, :1] for x in (q, k, v, qf, kf)]
     one = None if mask is None else mask[:, :1]

@@ -56,10 +56,10 @@ from headkit.ops._precision import autocast_disabled
 from headkit.ops._validation import check_positive_int
 from headkit.ops.hybrid import (
     HybridAttentionState,
-    _exclusive_cumsum,
-    _hybrid,
-    _hybrid_one_token,
-    _prepared,
+    exclusive_cumsum,
+    hybrid_chunked,
+    hybrid_one_token,
+    prepared_hybrid_inputs,
 )
 
 
@@ -122,7 +122,9 @@ def sparse_hybrid_attention(
     if validate:
         check_positive_int("chunk_size", chunk_size)
     if sinks == 0 and budget == 0:
-        out, final = _hybrid(q, k, v, qf, kf, balance, keep, state.window, window, chunk_size, scale, eps)
+        out, final = hybrid_chunked(
+            q, k, v, qf, kf, balance, keep, state.window, window, chunk_size, scale, eps
+        )
         return out, (state._replace(window=final) if output_final_state else None)
     out, final = _sparse_hybrid(
         q, k, v, qf, kf, balance, keep, state, window, sinks, budget, chunk_size, scale, eps
@@ -155,11 +157,13 @@ def sparse_hybrid_attention_step(
     if q.shape[2] != 1:
         chunk = max(1, q.shape[2])
         if sinks == 0 and budget == 0:
-            out, final = _hybrid(q, k, v, qf, kf, balance, keep, state.window, window, chunk, scale, eps)
+            out, final = hybrid_chunked(
+                q, k, v, qf, kf, balance, keep, state.window, window, chunk, scale, eps
+            )
             return out, state._replace(window=final)
         return _sparse_hybrid(q, k, v, qf, kf, balance, keep, state, window, sinks, budget, chunk, scale, eps)
     if sinks == 0 and budget == 0:
-        out, final = _hybrid_one_token(q, k, v, qf, kf, balance, keep, state.window, scale, eps)
+        out, final = hybrid_one_token(q, k, v, qf, kf, balance, keep, state.window, scale, eps)
         return out, state._replace(window=final)
     return _sparse_one_token(q, k, v, qf, kf, balance, keep, state, sinks, budget, scale, eps)
 
@@ -470,8 +474,8 @@ def _strictly_causal_linear(
     chunk_values = padded(values).view(batch, heads, n, 1, chunk, dv)
     chunk_kv = chunk_features.transpose(-1, -2) @ chunk_values  # [B, H, n, 1, F, Dv]
     chunk_k_sum = chunk_features.sum(dim=4)  # [B, H, n, 1, F]
-    kv_before = kv[:, :, None, None] + _exclusive_cumsum(chunk_kv)
-    k_sum_before = k_sum[:, :, None, None] + _exclusive_cumsum(chunk_k_sum)
+    kv_before = kv[:, :, None, None] + exclusive_cumsum(chunk_kv)
+    k_sum_before = k_sum[:, :, None, None] + exclusive_cumsum(chunk_k_sum)
     inside = (chunk_queries @ chunk_features.transpose(-1, -2)).tril(-1)  # [B, H, n, R, C, C]
     numerator = chunk_queries @ kv_before + inside @ chunk_values
     denominator = chunk_queries @ k_sum_before.unsqueeze(-1) + inside.sum(dim=-1, keepdim=True)
@@ -882,7 +886,7 @@ def _checked(
             raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
     if state is not None and not isinstance(state, SparseHybridState):
         raise ValueError(f"the state must be a SparseHybridState (from this op), got {type(state).__name__}")
-    keep, window_state, scale = _prepared(
+    keep, window_state, scale = prepared_hybrid_inputs(
         q, k, v, qf, kf, balance, window, attention_mask,
         None if state is None else state.window, "state.window", scale, eps, True,
     )  # fmt: skip
