@@ -34,7 +34,7 @@ when it beats the worst kept key, which is evicted and folded into the linear st
 folded). Ties go to the earlier key. This is LoLA's criterion with one change: LoLA re-scores the kept keys against
 the current, cache-less state at every step, which makes each decision depend on all earlier ones; against the
 reference memory the decisions are a function of the scores alone, so a long prefill finds every decision in
-parallel (a count of better-scored keys, :func:`_fold_events`) and reproduces token-by-token decoding exactly.
+parallel (a count of better-scored keys, scanned chunk by chunk, :func:`_fold_events`) and reproduces token-by-token decoding exactly.
 
 At each event at most one key is folded (the newcomer or the evicted key), so the linear term is causal linear
 attention over a *fold sequence* — one gathered key per event — with the hybrid's shifted visibility (event e is
@@ -415,38 +415,47 @@ def _plan(
         scores = (values - recalled).square().sum(dim=-1)
         scores = scores.masked_fill(~eligible[:, None, :], float("-inf"))
         candidates = torch.cat([state.sparse_keep, eligible[:, None, :].expand_as(scores)], dim=2)
-        fold_event = _fold_events(torch.cat([state.sparse_scores, scores], dim=2), candidates, budget)
+        fold_event = _fold_events(torch.cat([state.sparse_scores, scores], dim=2), candidates, budget, chunk)
     return _Plan(is_sink, eligible, scores, fold_event, reference_kv, reference_k_sum)
 
 
-def _fold_events(scores: torch.Tensor, real: torch.Tensor, budget: int) -> torch.Tensor:
+def _fold_events(scores: torch.Tensor, real: torch.Tensor, budget: int, chunk: int = 64) -> torch.Tensor:
     """[B, H, G + T] scores of the cache candidates in arrival order (the G kept ones first, arriving before
     event 0; new candidate G + e arrives at event e) → the event at which each is folded, T for never.
 
     After event e the cache holds the `budget` best of the arrived candidates (higher score, then earlier
-    arrival): candidate p is folded at the first event ≥ its arrival by which `budget` better ones arrived."""
+    arrival; a slot that holds no real key counts as −inf): candidate p is folded at the first event ≥ its
+    arrival by which `budget` better ones arrived. Scanned over chunks of `chunk` events, each a [G + C, G + C]
+    count among the cache at the chunk's start and the chunk's newcomers: O(T · (G + C)) work, not O(T²)."""
     batch, heads, pool = scores.shape
     events = pool - budget
     device = scores.device
-    arrival = torch.cat(
-        [torch.zeros(budget, dtype=torch.long, device=device), torch.arange(events, device=device)]
-    )
-    order = torch.arange(pool, device=device)
-    fold = torch.empty(batch, heads, pool, dtype=torch.long, device=device)
-    block = max(1, (1 << 24) // max(1, batch * heads * pool))
-    for start in range(0, pool, block):
-        columns = slice(start, min(pool, start + block))
-        column_scores = scores[:, :, None, columns]
-        row_scores = scores[:, :, :, None]
-        better = (row_scores > column_scores) | (
-            (row_scores == column_scores) & (order[:, None] < order[None, columns])
+    ranked = scores.masked_fill(~real, float("-inf"))
+    fold = torch.full((batch, heads, pool), events, dtype=torch.long, device=device)
+    cache = torch.arange(budget, device=device).expand(batch, heads, budget)  # pool indices, arrival order
+    for start in range(0, events, chunk):
+        size = min(chunk, events - start)
+        newcomers = torch.arange(budget + start, budget + start + size, device=device).expand(
+            batch, heads, size
         )
-        better &= real[:, :, :, None]
-        # better candidates arrived by event e: the G kept ones and new ones up to e.
-        arrived = better.to(torch.int32).cumsum(dim=2, dtype=torch.int32)[:, :, budget:]
-        reached = arrived >= budget  # [B, H, T, c]
+        candidates = torch.cat([cache, newcomers], dim=2)  # [B, H, K], increasing pool index = arrival order
+        candidate_scores = ranked.gather(2, candidates)
+        rows, columns = candidate_scores[..., :, None], candidate_scores[..., None, :]
+        earlier = candidates[..., :, None] < candidates[..., None, :]
+        better = (rows > columns) | ((rows == columns) & earlier)  # [B, H, K (better one), K]
+        # better candidates arrived by the chunk's event e: the cache and the newcomers up to e.
+        arrived = better.to(torch.int32).cumsum(dim=2, dtype=torch.int32)[:, :, budget:]  # [B, H, C, K]
+        reached = arrived >= budget
         first = torch.where(reached.any(dim=2), reached.to(torch.int8).argmax(dim=2), events)
-        fold[:, :, columns] = torch.maximum(first, arrival[columns])
+        arrival = torch.cat(
+            [torch.zeros(budget, dtype=torch.long, device=device), torch.arange(size, device=device)]
+        )
+        local = torch.maximum(first, arrival)
+        folded = local < size
+        fold.scatter_(2, candidates, torch.where(folded, start + local, events))
+        # Exactly one candidate leaves per event: the `budget` others stay, in arrival order.
+        stay = torch.sort(folded.to(torch.uint8), dim=2, stable=True).indices[:, :, :budget]
+        cache = candidates.gather(2, stay)
     return fold
 
 
