@@ -28,7 +28,7 @@ from headkit.bench.registry import (
 )
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes
-from headkit.recipes.linearize import LINEARIZE_HELP
+from headkit.recipes.linearize import LINEARIZE_HELP, quick_budget
 
 app = typer.Typer(
     name="headkit",
@@ -503,7 +503,7 @@ def linearize_command(
     seed: int = typer.Option(0, help="Seed of the sampling and the training order."),
     out: Path = typer.Option(Path("results/linearized-model"), help="Output folder (never the input model)."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
-    quick: bool = typer.Option(False, help="Short run (a few minutes on 2 CPU cores)."),
+    quick: bool = typer.Option(False, help=quick_budget()),
     dtype: str = _dtype_option(),
 ) -> None:
     """Linearize a causal LM: softmax → sliding-window + Hedgehog linear attention, attention transfer, LoRA;

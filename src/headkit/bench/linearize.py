@@ -26,6 +26,7 @@ from headkit.recipes.linearize import (
     LinearizeSettings,
     check_settings,
     plot_report,
+    quick_budget,
     run,
 )
 
@@ -59,7 +60,7 @@ class LinearizeBenchSettings:
     )
     quick_recipe: bool = setting(False, quick=True)  # the recipe's quick preset under the settings above
 
-    quick = quick_preset("The recipe's quick preset (a few minutes on 2 cores).")
+    quick = quick_preset(quick_budget())
 
     def recipe_settings(self) -> LinearizeSettings:
         """The recipe's settings: the ones given here over its full or quick preset."""
