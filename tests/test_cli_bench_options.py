@@ -45,3 +45,16 @@ def test_every_bench_command_and_option_of_before_still_exists():
     for name, parameters in BENCH_COMMANDS.items():
         missing = set(parameters.split()) - _parameters(bench.commands[name])
         assert not missing, f"headkit bench {name} lost {sorted(missing)}"
+
+
+# Top-level commands whose options are snapshotted exactly: a change here is a change of the CLI, made on purpose.
+COMMANDS = {
+    "eval": "MODEL --data --decode-contexts --depths --dtype --eval-tokens --lengths --out --passkey-lengths "
+    "--reference --seed --trials",
+}
+
+
+def test_snapshotted_commands_have_exactly_their_options():
+    commands = typer.main.get_command(app).commands
+    for name, parameters in COMMANDS.items():
+        assert _parameters(commands[name]) == set(parameters.split()), f"headkit {name} changed its options"

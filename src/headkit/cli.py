@@ -569,6 +569,88 @@ def export_command(
     typer.echo(str(report))
 
 
+def _measured_lengths(name: str, text: str | None) -> tuple[int, ...] | None:
+    """A list option of ``headkit eval``: None (the default lengths), "none" (skip), or integers ≥ 2."""
+    if text is None:
+        return None
+    if text.strip().lower() == "none":
+        return ()
+    return parse_list(f"--{name}", text, minimum=2)
+
+
+@app.command("eval")
+def eval_command(
+    model: Path = typer.Argument(
+        ...,
+        help="A causal LM: a folder headkit wrote (prune, compress, linearize, train), a stock 🤗 folder, or a "
+        "GGUF file such as SmolLM2's.",
+    ),
+    reference: Path = typer.Option(
+        None, help="The original to compare with: top-1 agreement, KL, and its own numbers beside MODEL's."
+    ),
+    data: Path = typer.Option(
+        None,
+        help="Text for perplexity and passkey filler: a file, a folder or JSON Lines (default: the standard "
+        "library's held-out source; its docstrings and comments as filler).",
+    ),
+    lengths: str = typer.Option(
+        None,
+        help="Comma-separated held-out perplexity lengths, or none (default: 256,512,1024,2048,4096,8192 up to "
+        "the model's context).",
+    ),
+    passkey_lengths: str = typer.Option(
+        None,
+        help="Comma-separated passkey prompt lengths, or none (default: 512,1024,2048,4096 up to the context).",
+    ),
+    depths: str = typer.Option("0,0.25,0.5,0.75,1", help="Comma-separated key depths in [0, 1]."),
+    trials: int = typer.Option(20, help="Passkey prompts per length, spread evenly over the depths."),
+    decode_contexts: str = typer.Option(
+        None,
+        help="Comma-separated contexts of the decode time and state size, or none (default: 256,1024,4096 up to "
+        "the context).",
+    ),
+    eval_tokens: int = typer.Option(8192, help="Held-out tokens scored at each perplexity length."),
+    seed: int = typer.Option(0, help="Seed of the held-out windows, passkey keys, depths and filler."),
+    dtype: str = _dtype_option(),
+    out: Path = typer.Option(Path("results/eval"), help="Output folder for report.json and passkey.png."),
+) -> None:
+    """Evaluate MODEL: held-out perplexity by length, agreement and KL against --reference, passkey retrieval by
+    length and depth (exact match, 95% intervals), decode time per token and decoding-state size; prints a
+    table, writes OUT/report.json and the heat map OUT/passkey.png."""
+    from headkit.recipes.evaluate import EvalSettings, check_eval_settings, evaluate, format_eval_table
+
+    settings = EvalSettings(
+        model=model,
+        reference=reference,
+        data=data,
+        lengths=_measured_lengths("lengths", lengths),
+        passkey_lengths=_measured_lengths("passkey-lengths", passkey_lengths),
+        depths=parse_list("--depths", depths, float),
+        trials=trials,
+        decode_contexts=_measured_lengths("decode-contexts", decode_contexts),
+        eval_tokens=eval_tokens,
+        seed=seed,
+        dtype=_check_dtype(dtype),
+        out=out,
+    )
+    check_eval_settings(settings)
+    with _no_loading_bars():
+        from headkit.recipes.models import CAUSAL_LM, load_model, model_kind
+
+        for name, path in (("MODEL", model), ("--reference", reference)):
+            if path is not None and model_kind(path) != CAUSAL_LM:
+                raise HeadkitError(
+                    f"{name} {str(path)!r} is not a causal LM (no *ForCausalLM in config.json)"
+                )
+        loaded = load_model(model, kind=CAUSAL_LM, dtype=settings.dtype)
+        original = load_model(reference, kind=CAUSAL_LM, dtype=settings.dtype) if reference else None
+    report = evaluate(settings, loaded=loaded, reference=original, echo=err_console.print)
+    typer.echo(format_eval_table(report))
+    typer.echo(
+        f"saved {out / 'report.json'} and {out / 'passkey.png'}" if report["passkey"] else f"saved {out}"
+    )
+
+
 @app.command()
 def generate(
     model: Path = typer.Argument(
@@ -599,7 +681,7 @@ def generate(
     import torch
     from transformers import TextStreamer
 
-    from headkit.recipes.measure import cache_bytes
+    from headkit.recipes.evaluate import cache_bytes
 
     dtype = _check_dtype(dtype)
     if not prompt.strip():

@@ -36,7 +36,7 @@ from headkit.bench._report import command_line, machine_info, markdown_table
 from headkit.errors import HeadkitError
 from headkit.files import write_json_atomic, write_text_atomic
 from headkit.recipes.compress import encoder_fidelity
-from headkit.recipes.measure import forward_times
+from headkit.recipes.evaluate import forward_times
 from headkit.recipes.models import default_encoder_path, load_model
 from headkit.recipes.objectives import embedding_distillation_loss
 from headkit.recipes.prune import encoder_finetune, keep_top_gated_heads
@@ -411,9 +411,9 @@ def run_decoder_act(config: DemoConfig, echo: Any) -> dict[str, Any]:
     sliding-window + Hedgehog linear attention with a constant-size decoding state, briefly trained
     (:mod:`headkit.recipes.linearize`). Each gets a greedy sample, held-out perplexity and the decode time per
     token and cache size after a long prompt, the three measured side by side in this function."""
+    from headkit.recipes.evaluate import cache_bytes, decode_seconds_per_token, greedy_sample, perplexity
     from headkit.recipes.linearize import LinearizeSettings
     from headkit.recipes.linearize import run as linearize_run
-    from headkit.recipes.measure import cache_bytes, decode_seconds_per_token, greedy_sample, perplexity
     from headkit.recipes.models import load_model, smollm2_gguf_path
     from headkit.recipes.prune import SAMPLE_PROMPT, PruneSettings
     from headkit.recipes.prune import run as prune_run

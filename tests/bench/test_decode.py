@@ -10,7 +10,7 @@ import torch
 from rich.console import Console
 
 from headkit.bench import decode
-from headkit.bench.decode import DecodeSettings, evaluate_targets, run_decode_benchmark, time_greedy_decoding
+from headkit.bench.decode import DecodeSettings, _time_decoding, evaluate_targets, run_decode_benchmark
 from headkit.cli import main
 from headkit.errors import HeadkitError
 from headkit.models import HeadkitForCausalLM
@@ -37,7 +37,7 @@ def test_timed_loop_generates_what_greedy_generate_generates(mechanism, tiny_mod
     for parameter in model.parameters():  # sharper logits than the default init: no near-ties in the argmax
         torch.nn.init.normal_(parameter, std=0.5)
     prompt = torch.randint(0, 256, (2, 9))
-    prefill_s, step_s, generated = time_greedy_decoding(model, prompt, 6, torch.device("cpu"))
+    prefill_s, step_s, generated = _time_decoding(model, prompt, 6)
     expected = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=256)
     assert torch.equal(generated, expected[:, 9:])
     assert len(step_s) == 5 and prefill_s > 0 and all(s > 0 for s in step_s)

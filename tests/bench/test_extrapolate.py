@@ -25,43 +25,50 @@ def tiny_config(**overrides):
     return extrapolate.ExtrapolateConfig(**(TINY | overrides))
 
 
+def _text(document) -> str:
+    return bytes(document.input_ids).decode("ascii")
+
+
 @pytest.mark.parametrize("length", [extrapolate.MIN_DOCUMENT_LENGTH, 128, 300, 2048])
-def test_passkey_document_has_exact_length_key_and_answer_after_question(length):
+def test_passkey_documents_have_exact_length_key_and_answer_after_question(length):
+    from headkit.recipes.evaluate import min_passkey_length
+
+    assert (
+        min_passkey_length(extrapolate.byte_tokenizer(), extrapolate.PASSKEY_FORMAT) + extrapolate.KEY_DIGITS
+        == extrapolate.MIN_DOCUMENT_LENGTH
+    )
     rng = np.random.default_rng(0)
-    for depth in (0.0, 0.3, 1.0):
-        document = extrapolate.passkey_document(length, "07314", depth, rng)
-        text = document.prompt + document.answer
-        assert len(text.encode("utf-8")) == length and text.isascii()
-        assert document.prompt.endswith("What is the pass key? The pass key is ")
-        assert document.answer == "07314" and text.endswith("The pass key is 07314")
+    for document in extrapolate.passkey_documents(length, 3, [0.0, 0.3, 1.0], rng):
+        prompt, key = _text(document), document.key
+        assert len(prompt) + len(key) == length and document.length == length and prompt.isascii()
+        assert prompt.endswith(" What is the pass key? The pass key is ") and key.isdigit() and len(key) == 5
         # The key is stated once in the body (twice in its sentence) before the question.
-        body = document.prompt[: -len(extrapolate.QUESTION)]
-        assert body.count("The pass key is 07314. Remember it. 07314 is the pass key.") == 1
-        assert body.index("The pass key is 07314") == document.key_offset + 1
+        body = prompt[: -len(" What is the pass key? The pass key is ")]
+        assert body.count(f"The pass key is {key}. Remember it. {key} is the pass key.") == 1
+        assert body.index(f"The pass key is {key}") == document.key_position + 1
 
 
 def test_passkey_depth_moves_the_key():
     rng = np.random.default_rng(1)
-    offsets = [extrapolate.passkey_document(1024, "12345", depth, rng).key_offset for depth in (0, 0.5, 1)]
+    offsets = [d.key_position for d in extrapolate.passkey_documents(1024, 3, [0.0, 0.5, 1.0], rng)]
     filler = 1024 - extrapolate.MIN_DOCUMENT_LENGTH
-    assert offsets == [0, round(0.5 * filler), filler]
+    # The key sentence goes between two filler sentences (each at most 22 bytes) nearest the depth.
+    assert offsets[0] == 0 and abs(offsets[1] - 0.5 * filler) <= 11 and offsets[2] == filler
     documents = extrapolate.passkey_trials(512, 8, seed=0)
-    depths = [doc.key_offset / (512 - extrapolate.MIN_DOCUMENT_LENGTH) for doc in documents]
+    depths = [doc.depth for doc in documents]
     # Stratified depths: one per eighth of the document, so they vary and cover it.
     assert [int(depth * 8) for depth in depths] == list(range(8))
-    assert len({doc.answer for doc in documents}) > 1
-    assert [d.prompt for d in documents] == [d.prompt for d in extrapolate.passkey_trials(512, 8, seed=0)]
-    assert [d.prompt for d in documents] != [d.prompt for d in extrapolate.passkey_trials(512, 8, seed=1)]
+    assert len({doc.key for doc in documents}) > 1
+    assert documents == extrapolate.passkey_trials(512, 8, seed=0)
+    assert [_text(d) for d in documents] != [_text(d) for d in extrapolate.passkey_trials(512, 8, seed=1)]
 
 
-def test_passkey_document_rejects_bad_input():
+def test_passkey_documents_reject_bad_input():
     rng = np.random.default_rng(0)
-    with pytest.raises(HeadkitError, match="length"):
-        extrapolate.passkey_document(extrapolate.MIN_DOCUMENT_LENGTH - 1, "12345", 0.5, rng)
-    with pytest.raises(HeadkitError, match="key"):
-        extrapolate.passkey_document(128, "1234", 0.5, rng)
-    with pytest.raises(HeadkitError, match="depth"):
-        extrapolate.passkey_document(128, "12345", 1.5, rng)
+    with pytest.raises(HeadkitError, match="lengths"):
+        extrapolate.passkey_documents(extrapolate.MIN_DOCUMENT_LENGTH - 1, 1, [0.5], rng)
+    with pytest.raises(HeadkitError, match="depths"):
+        extrapolate.passkey_documents(128, 1, [1.5], rng)
 
 
 def test_passkey_training_batch_decodes_to_documents():
@@ -160,13 +167,13 @@ def test_greedy_retrieval_is_the_argmax_of_the_full_forward():
     documents = extrapolate.passkey_trials(256, 2, seed=0)
     answers = extrapolate.retrieve_passkeys(model, documents)
     assert len(answers) == 2 and all(len(answer) == 5 for answer in answers)
-    prompt = torch.tensor([list(documents[0].prompt.encode("ascii"))])
+    prompt = torch.tensor([documents[0].input_ids])
     for _ in range(5):
         with torch.no_grad():
             token = model(input_ids=prompt).logits[0, -1].argmax()
         prompt = torch.cat([prompt, token.view(1, 1)], dim=1)
-    expected = "".join(extrapolate._answer_char(int(t)) for t in prompt[0, -5:])
-    assert answers[0] == expected
+    expected = extrapolate.byte_tokenizer().decode(prompt[0, -5:].tolist(), skip_special_tokens=True)
+    assert answers[0] == expected.ljust(5, "?")[:5]
 
 
 def test_benchmark_writes_finite_results(tmp_path):

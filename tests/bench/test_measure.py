@@ -9,13 +9,12 @@ import pytest
 import torch
 
 from headkit.bench._measure import (
-    MAX_CALLS_PER_REPEAT,
     cpu_peak_extra_bytes,
     measure_peak_memory,
     peak_of_running_total,
     tensor_bytes,
-    time_call,
 )
+from headkit.recipes.evaluate import MAX_CALLS_PER_REPEAT, time_call
 
 MB = 1_000_000
 
@@ -206,7 +205,7 @@ def test_thread_limit_sets_and_restores_torch_threads():
 
 
 def test_interleaved_times_warm_up_once_then_alternate_the_order_every_round():
-    from headkit.recipes.measure import interleaved_times
+    from headkit.recipes.evaluate import interleaved_times
 
     order: list[str] = []
     times = interleaved_times({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, rounds=3)

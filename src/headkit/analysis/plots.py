@@ -1,4 +1,5 @@
-"""Heatmaps of per-head scores (layer × head): importance, confidence, gate values, and gates over training.
+"""Heatmaps of per-head scores (layer × head): importance, confidence, gate values, and gates over training; and
+of passkey accuracy (key depth × prompt length).
 
 Figures are drawn on a bare :class:`matplotlib.figure.Figure` with the Agg canvas (pyplot's global backend is
 never touched) and written atomically (a temporary file moved into place), so an interrupted run never
@@ -141,3 +142,41 @@ def _annotate(axes, matrix: torch.Tensor, image) -> None:
             fontsize=6,
             color="white" if value < middle else "black",
         )
+
+
+def plot_passkey_heatmap(
+    panels: Mapping[str, Sequence[Mapping[str, float]]],
+    path: str | os.PathLike[str],
+    *,
+    title: str = "",
+) -> Path:
+    """Write the needle-in-a-haystack heat map of passkey accuracy — depth of the key (rows) by prompt length
+    (columns), one panel per model of `panels` (``{name: [{"length", "depth", "accuracy"}, …]}``), on one
+    [0, 1] colour scale — to the PNG `path` and return the path."""
+    from matplotlib.figure import Figure
+
+    if not panels or any(not cells for cells in panels.values()):
+        raise HeadkitError("panels must map each model to at least one passkey cell")
+    figure = Figure(figsize=(4.2 * len(panels) + 1.2, 3.6), layout="constrained")
+    grid = figure.subplots(1, len(panels), squeeze=False)[0]
+    image = None
+    for axes, (name, cells) in zip(grid, panels.items(), strict=True):
+        lengths = sorted({int(cell["length"]) for cell in cells})
+        depths = sorted({float(cell["depth"]) for cell in cells})
+        matrix = torch.full((len(depths), len(lengths)), float("nan"))
+        for cell in cells:
+            matrix[depths.index(float(cell["depth"])), lengths.index(int(cell["length"]))] = cell["accuracy"]
+        image = axes.imshow(matrix.numpy(), cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+        for row in range(len(depths)):
+            for column in range(len(lengths)):
+                value = float(matrix[row, column])
+                if not math.isnan(value):
+                    axes.text(column, row, f"{value:.0%}", ha="center", va="center", fontsize=8)
+        axes.set_xticks(range(len(lengths)), [str(n) for n in lengths])
+        axes.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        axes.set_xlabel("prompt length (tokens)")
+        axes.set_ylabel("key depth")
+        axes.set_title(name)
+    figure.suptitle(f"passkey retrieval{': ' + title if title else ''}")
+    figure.colorbar(image, ax=list(grid), label="exact-match accuracy")
+    return save_figure_atomic(figure, path)

@@ -1,19 +1,17 @@
-"""Timing and peak memory of one call, shared by every benchmark (the method: docs/benchmarks.md, speed).
+"""Peak memory of one call and the machine's matmul rate, for the benchmarks (the method: docs/benchmarks.md,
+speed); calls are timed by :func:`headkit.recipes.evaluate.time_call`, the evaluator's one timer.
 
-The median of timed repeats after warm-up calls; peak memory above what was allocated at the start, plus the
-call's inputs: ``torch.cuda.max_memory_allocated`` on CUDA, the running sum of the CPU allocator's ``[memory]``
-profiler events on CPU, so that numbers from both devices mean the same thing.
+Peak memory is what a call allocates above what was allocated at the start, plus the call's inputs:
+``torch.cuda.max_memory_allocated`` on CUDA, the running sum of the CPU allocator's ``[memory]`` profiler events
+on CPU, so that numbers from both devices mean the same thing.
 """
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import math
 import os
-import statistics
 import sys
-import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,19 +19,12 @@ from typing import Any
 import torch
 from torch.autograd import DeviceType
 
+from headkit.recipes.evaluate import synchronize, time_call
+
 # The kineto event name under which the profiler records allocator activity (torch/autograd/profiler_util.py).
 MEMORY_EVENT_NAME = "[memory]"
 # Memory that the CPU allocator hands out; torch.autograd.profiler counts the same device types as CPU memory.
 _CPU_MEMORY_DEVICE_TYPES = (DeviceType.CPU, DeviceType.MKLDNN, DeviceType.IDEEP)
-
-
-@dataclass(frozen=True)
-class Timing:
-    """Seconds per call measured by each timed repeat, their median, and the calls each repeat averaged."""
-
-    median_s: float
-    times_s: tuple[float, ...]
-    calls_per_repeat: int = 1
 
 
 @dataclass(frozen=True)
@@ -43,58 +34,6 @@ class PeakMemory:
     peak_bytes: int
     input_bytes: int
     extra_peak_bytes: int
-
-
-# A repeat never loops more than this, however fast the call: enough to average out a 1 ms scheduler hiccup.
-MAX_CALLS_PER_REPEAT = 100
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued kernels on ``device``: CUDA runs asynchronously, so a clock read must come after it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def time_call(
-    fn: Callable[[], object],
-    *,
-    repeats: int,
-    warmup: int = 1,
-    min_repeat_s: float = 0.0,
-    device: torch.device | str = "cpu",
-    clock: Callable[[], float] = time.perf_counter,
-) -> Timing:
-    """Median seconds per call of ``fn()`` over ``repeats`` timed repeats, after ``warmup`` untimed calls.
-
-    A repeat of a call faster than ``min_repeat_s`` loops over enough calls to last about that long (at most
-    :data:`MAX_CALLS_PER_REPEAT`, their count from the last warm-up call) and reports their mean, as :mod:`timeit`
-    does: one call of a millisecond is at the mercy of a single context switch."""
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats <= 0:
-        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
-    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
-        raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
-    if not min_repeat_s >= 0:
-        raise ValueError(f"min_repeat_s must be ≥ 0 seconds, got {min_repeat_s!r}")
-    device = torch.device(device)
-
-    def timed(calls: int) -> float:
-        start = clock()
-        for _ in range(calls):
-            fn()
-        synchronize(device)
-        return (clock() - start) / calls
-
-    last_call_s = 0.0
-    for _ in range(warmup):
-        last_call_s = timed(1)
-    calls_per_repeat = 1
-    if min_repeat_s > 0:
-        if warmup == 0:
-            last_call_s = timed(1)
-        wanted = math.ceil(min_repeat_s / last_call_s) if last_call_s > 0 else MAX_CALLS_PER_REPEAT
-        calls_per_repeat = min(max(wanted, 1), MAX_CALLS_PER_REPEAT)
-    times = tuple(timed(calls_per_repeat) for _ in range(repeats))
-    return Timing(median_s=statistics.median(times), times_s=times, calls_per_repeat=calls_per_repeat)
 
 
 def matmul_rate(size: int, device: torch.device | str = "cpu", **timing: Any) -> float:

@@ -22,7 +22,7 @@ from headkit.bench._report import column_table, figure_axes, progress_bar
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import Compressed, compress_and_distill, load_teacher, prepare_encoder_text
-from headkit.recipes.measure import forward_times
+from headkit.recipes.evaluate import forward_times
 from headkit.recipes.models import check_output_folder, default_encoder_path
 from headkit.surgery.adapters import count_parameters
 

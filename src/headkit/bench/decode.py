@@ -21,7 +21,6 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from headkit.bench._measure import synchronize
 from headkit.bench._options import check_out_dir
 from headkit.bench._report import (
     column_rows,
@@ -37,11 +36,11 @@ from headkit.bench._report import (
     verdict,
 )
 from headkit.bench.registry import option, quick_preset, register_benchmark
-from headkit.compat import cache_keyword
 from headkit.data import ByteTokenizer
 from headkit.devices import check_device
 from headkit.layers import HeadkitCache, RecurrentStateLayer, attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
+from headkit.recipes.evaluate import synchronize, time_greedy_decoding
 from headkit.train import default_config
 
 BASELINE = "softmax"
@@ -60,29 +59,11 @@ def model_config(mechanism: str, max_positions: int) -> HeadkitConfig:
     )
 
 
-@torch.no_grad()
-def time_greedy_decoding(
-    model: HeadkitForCausalLM, prompt: torch.Tensor, new_tokens: int, device: torch.device
+def _time_decoding(
+    model: HeadkitForCausalLM, prompt: torch.Tensor, new_tokens: int
 ) -> tuple[float, list[float], torch.Tensor]:
-    """Prefill ``prompt`` [B, P], then decode ``new_tokens`` greedily, one forward per token with the cache:
-    the loop of greedy ``generate()`` without its bookkeeping. Returns (prefill seconds, seconds of every
-    decoding step, the generated ids [B, new_tokens])."""
-    cache = HeadkitCache(model)
-    synchronize(device)
-    start = time.perf_counter()
-    logits = model(prompt, **cache_keyword(cache), use_cache=True, logits_to_keep=1).logits
-    next_ids = logits[:, -1].argmax(-1, keepdim=True)
-    synchronize(device)
-    prefill_s = time.perf_counter() - start
-    generated, step_s = [next_ids], []
-    for _ in range(new_tokens - 1):
-        start = time.perf_counter()
-        logits = model(next_ids, **cache_keyword(cache), use_cache=True).logits
-        next_ids = logits[:, -1].argmax(-1, keepdim=True)
-        synchronize(device)
-        step_s.append(time.perf_counter() - start)
-        generated.append(next_ids)
-    return prefill_s, step_s, torch.cat(generated, dim=1)
+    """:func:`headkit.recipes.evaluate.time_greedy_decoding` into a fresh :class:`HeadkitCache`."""
+    return time_greedy_decoding(model, prompt, new_tokens, cache=HeadkitCache(model))
 
 
 def constant_state_mechanisms() -> list[str]:
@@ -150,15 +131,15 @@ def _measure(
         n: torch.randint(0, 256, (settings.batch_size, n), generator=generator).to(device) for n in lengths
     }
     warm_up = prompts[lengths[0]][:, :WARMUP_PROMPT]
-    timed_decoding = partial(time_greedy_decoding, new_tokens=settings.new_tokens, device=device)
+    timed_decoding = partial(_time_decoding, new_tokens=settings.new_tokens)
     models, eager = {}, {}
     for mechanism in mechanisms:
         torch.manual_seed(SEED)
         models[mechanism] = HeadkitForCausalLM(model_config(mechanism, max_positions)).to(device).eval()
         if settings.compile:  # the eager model stays, timed beside its compiled self at the longest prompt
             eager[mechanism], models[mechanism] = models[mechanism], torch.compile(models[mechanism])
-            time_greedy_decoding(eager[mechanism], warm_up, WARMUP_STEPS, device)
-        time_greedy_decoding(models[mechanism], warm_up, WARMUP_STEPS, device)
+            _time_decoding(eager[mechanism], warm_up, WARMUP_STEPS)
+        _time_decoding(models[mechanism], warm_up, WARMUP_STEPS)
 
     keys = [(mechanism, length) for length in lengths for mechanism in mechanisms]
     eager_steps: dict[str, list[float]] = {mechanism: [] for mechanism in eager}

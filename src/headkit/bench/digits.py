@@ -20,7 +20,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from headkit.bench._measure import time_call
 from headkit.bench._options import check_head_width
 from headkit.bench._report import TABLE_FILE, column_table, figure_axes
 from headkit.bench._training import generate, optimizer_steps, train_each
@@ -28,6 +27,7 @@ from headkit.bench.registry import option, quick_preset, register_benchmark, set
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
+from headkit.recipes.evaluate import time_call
 
 PIXELS = 64  # 8 × 8
 SIDE = 8

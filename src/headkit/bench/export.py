@@ -5,7 +5,7 @@ Per model (the original; ``--query-pruned``: 25% of query heads pruned, uneven, 
 given is skipped) and per ``--types``: the file is written by :func:`headkit.recipes.export.export_gguf`, then
 measured in llama.cpp (:mod:`headkit.recipes.llamacpp`, each measurement in a child process): held-out
 perplexity from llama.cpp's own logits against transformers' float32 perplexity of the same model on the same
-windows (:func:`headkit.recipes.measure.perplexity`), prompt-processing and generation tokens/s at each
+windows (:func:`headkit.recipes.evaluate.perplexity`), prompt-processing and generation tokens/s at each
 ``--contexts`` (models alternated round by round, median of ``--repeats`` rounds), and KV-cache bytes per token
 at llama.cpp's default f16 cache. Quantized files (q8_0) are evaluated one token at a time and their
 prompt-processing speed is not measured: see :data:`headkit.recipes.llamacpp.QUANTIZED_PP_SKIPPED`.
@@ -27,6 +27,7 @@ from headkit.bench._options import check_out_dir
 from headkit.bench._report import markdown_table, verdict
 from headkit.bench.registry import option, parse_list, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
+from headkit.recipes.evaluate import perplexity
 from headkit.recipes.export import EXPORT_TYPES, export_gguf
 from headkit.recipes.llamacpp import (
     FLOAT_TYPES,
@@ -36,7 +37,6 @@ from headkit.recipes.llamacpp import (
     llama_cpp_speed,
     require_llama_cpp,
 )
-from headkit.recipes.measure import perplexity
 from headkit.recipes.models import load_model
 from headkit.recipes.text import lm_windows, load_text
 

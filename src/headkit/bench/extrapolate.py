@@ -10,6 +10,7 @@ same weights: held-out bits per byte and passkey accuracy. Method and results: d
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -28,10 +29,9 @@ from headkit.bench._report import (
     plot_series,
     quiet_transformers,
 )
-from headkit.bench._training import generate, optimizer_steps, train_each
+from headkit.bench._training import optimizer_steps, train_each
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.data import (
-    BYTE_VOCAB,
     ByteTokenizer,
     encode_corpus,
     evaluation_windows,
@@ -41,13 +41,22 @@ from headkit.data import (
 )
 from headkit.errors import HeadkitError
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
+from headkit.recipes import evaluate
 from headkit.train import default_config, held_out_bits_per_byte, lm_optimizer
 
 MODELS = ("softmax", "coca")
 SCALINGS = ("none", "linear", "dynamic")
-KEY_DIGITS = 5
-KEY_SENTENCE = " The pass key is {key}. Remember it. {key} is the pass key. "
-QUESTION = " What is the pass key? The pass key is "
+KEY_DIGITS = evaluate.KEY_DIGITS
+# The evaluator's passkey prompt as plain bytes, the layout the models train on: filler with the key sentence
+# inside, then " What is the pass key? The pass key is " and the key.
+PASSKEY_FORMAT = evaluate.PasskeyFormat(
+    key_sentence="The pass key is {key}. Remember it. {key} is the pass key.",
+    instruction="",
+    question=" What is the pass key?",
+    answer_prefix="The pass key is ",
+    chat=False,
+    separator="",
+)
 FILLER_SENTENCES = (
     "The grass is green.",
     "The sky is blue.",
@@ -55,8 +64,12 @@ FILLER_SENTENCES = (
     "Here we go.",
     "There and back again.",
 )
-# Bytes of a passkey document that are not filler: the shortest possible document.
-MIN_DOCUMENT_LENGTH = len(KEY_SENTENCE.format(key="0" * KEY_DIGITS)) + len(QUESTION) + KEY_DIGITS
+# Bytes of a passkey document that are not filler (key sentence, question, answer): the shortest document.
+MIN_DOCUMENT_LENGTH = (
+    len(f" {PASSKEY_FORMAT.key_sentence.format(key='0' * KEY_DIGITS)}")
+    + len(f"{PASSKEY_FORMAT.question} {PASSKEY_FORMAT.answer_prefix}")
+    + KEY_DIGITS
+)
 MAX_LENGTH = 65_536
 # Rows × length per forward pass in evaluation: bounds the memory of the longest windows.
 EVAL_BATCH_TOKENS = 16_384
@@ -105,59 +118,49 @@ class ExtrapolateConfig:
         return max(1.0, max(self.lengths) / self.train_length)
 
 
-@dataclass(frozen=True)
-class PasskeyDocument:
-    """A passkey document: ``prompt`` ends with the question, ``answer`` is the key; together exactly L bytes."""
-
-    prompt: str
-    answer: str
-    key_offset: int  # byte offset of the key sentence in the prompt
+@functools.cache
+def byte_tokenizer() -> Any:
+    """The byte tokenizer as a 🤗 tokenizer, the form the evaluator's passkey generator reads."""
+    return ByteTokenizer().to_transformers()
 
 
-def passkey_document(length: int, key: str, depth: float, rng: np.random.Generator) -> PasskeyDocument:
-    """Filler, the key sentence at ``depth`` (0 = start, 1 = just before the question), filler, question, key.
-
-    The filler is random sentences of :data:`FILLER_SENTENCES` cut to the exact byte count, so the document
-    (prompt + answer) is exactly ``length`` bytes (all ASCII)."""
-    if len(key) != KEY_DIGITS or not key.isdigit():
-        raise HeadkitError(f"key must be {KEY_DIGITS} decimal digits, got {key!r}")
-    if length < MIN_DOCUMENT_LENGTH:
-        raise HeadkitError(
-            f"a passkey document needs at least {MIN_DOCUMENT_LENGTH} bytes, got length={length}"
-        )
-    if not 0.0 <= depth <= 1.0:
-        raise HeadkitError(f"depth must be in [0, 1], got {depth!r}")
-    filler = _filler(length - MIN_DOCUMENT_LENGTH, rng)
-    before = round(depth * len(filler))
-    prompt = filler[:before] + KEY_SENTENCE.format(key=key) + filler[before:] + QUESTION
-    return PasskeyDocument(prompt=prompt, answer=key, key_offset=before)
+def _filler(length: int, rng: np.random.Generator) -> list[str]:
+    """Random :data:`FILLER_SENTENCES`, enough to fill `length` bytes (each is at least 11 bytes and a space)."""
+    return [FILLER_SENTENCES[int(i)] for i in rng.integers(len(FILLER_SENTENCES), size=length // 12 + 1)]
 
 
-def _filler(size: int, rng: np.random.Generator) -> str:
-    text = ""  # " sentence" after " sentence" until ``size`` bytes follow the leading space, cut to them
-    while len(text) <= size:
-        text += " " + FILLER_SENTENCES[int(rng.integers(len(FILLER_SENTENCES)))]
-    return text[1 : size + 1]
-
-
-def random_key(rng: np.random.Generator) -> str:
-    return f"{int(rng.integers(10**KEY_DIGITS)):0{KEY_DIGITS}d}"
+def passkey_documents(
+    length: int, count: int, depths: list[float], rng: np.random.Generator
+) -> list[evaluate.PasskeyTrial]:
+    """`count` passkey prompts of ``length`` − :data:`KEY_DIGITS` bytes (the key completes the document) from
+    :func:`headkit.recipes.evaluate.passkey_trials`, on random filler sentences, at `depths`."""
+    return evaluate.passkey_trials(
+        byte_tokenizer(),
+        _filler(length, rng),
+        length,
+        count,
+        depths,
+        seed=int(rng.integers(2**32)),
+        answer_tokens=KEY_DIGITS,
+        format=PASSKEY_FORMAT,
+    )
 
 
 def passkey_batch(count: int, length: int, rng: np.random.Generator) -> torch.Tensor:
     """``count`` whole passkey documents (prompt and answer) of ``length`` bytes at uniform depths: [count, L]."""
-    documents = (passkey_document(length, random_key(rng), float(rng.random()), rng) for _ in range(count))
-    rows = [list((document.prompt + document.answer).encode("ascii")) for document in documents]
+    if count == 0:
+        return torch.empty(0, length, dtype=torch.long)
+    documents = passkey_documents(length, count, [float(rng.random()) for _ in range(count)], rng)
+    rows = [list(document.input_ids) + list(document.key.encode("ascii")) for document in documents]
     return torch.tensor(rows, dtype=torch.long).reshape(count, length)
 
 
-def passkey_trials(length: int, trials: int, seed: int) -> list[PasskeyDocument]:
+def passkey_trials(length: int, trials: int, seed: int) -> list[evaluate.PasskeyTrial]:
     """The evaluation documents of one length: seeded by (seed, length), depths stratified over [0, 1]."""
     rng = np.random.default_rng([seed, length])
-    return [
-        passkey_document(length, random_key(rng), min(1.0, (trial + rng.random()) / trials), rng)
-        for trial in range(trials)
-    ]
+    return passkey_documents(
+        length, trials, [min(1.0, (t + rng.random()) / trials) for t in range(trials)], rng
+    )
 
 
 def model_config(
@@ -243,24 +246,16 @@ def held_out_windows(held_out_stream: torch.Tensor, length: int, eval_tokens: in
     return evaluation_windows(held_out_stream, length, eval_tokens)
 
 
-@torch.no_grad()
-def retrieve_passkeys(model: HeadkitForCausalLM, documents: list[PasskeyDocument]) -> list[str]:
-    """The model's greedy 5-token answers to the documents' prompts (same-length prompts, batched)."""
+def retrieve_passkeys(model: HeadkitForCausalLM, documents: list[evaluate.PasskeyTrial]) -> list[str]:
+    """The model's greedy 5-byte answers to the documents' prompts (:func:`headkit.recipes.evaluate.
+    retrieve_passkeys`), each padded with "?" to 5 characters (a special token is never a digit)."""
     if not documents:
         return []
-    answers = []
-    prompts = torch.tensor([list(doc.prompt.encode("ascii")) for doc in documents], dtype=torch.long)
-    rows = max(1, EVAL_BATCH_TOKENS // prompts.shape[1])
     with quiet_transformers():  # the input exceeds max_position_embeddings: that is the point
-        for chunk in prompts.split(rows):
-            generated = generate(model, chunk, KEY_DIGITS, ByteTokenizer.pad_token_id)[:, chunk.shape[1] :]
-            answers += ["".join(_answer_char(int(token)) for token in row) for row in generated]
-    return answers
-
-
-def _answer_char(token: int) -> str:
-    # A special token is never a digit; "?" keeps the answer 5 characters long and visibly wrong.
-    return chr(token) if token < BYTE_VOCAB and 32 <= token < 127 else "?"
+        answers = evaluate.retrieve_passkeys(
+            model, byte_tokenizer(), documents, max_new_tokens=KEY_DIGITS, batch_tokens=EVAL_BATCH_TOKENS
+        )
+    return [answer.ljust(KEY_DIGITS, "?")[:KEY_DIGITS] for answer in answers]
 
 
 def score_answers(answers: list[str], keys: list[str]) -> tuple[float, float]:
@@ -417,7 +412,7 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
                 sizes = {"windows": len(windows[n]), "tokens": windows[n].numel()}
                 perplexities.append(point | {"bits_per_byte": bits, "perplexity": 2.0**bits} | sizes)
                 answers = retrieve_passkeys(scaled, documents[n])
-                exact, digits = score_answers(answers, [doc.answer for doc in documents[n]])
+                exact, digits = score_answers(answers, [doc.key for doc in documents[n]])
                 scores = {"trials": len(answers), "accuracy": exact, "digit_accuracy": digits}
                 passkeys.append(point | scores | {"answers": answers})
                 bpb[scaling, n], accuracy[scaling, n] = bits, exact
@@ -441,5 +436,5 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
         "models": models,
         "perplexity": perplexities,
         "passkey": passkeys,
-        "passkey_keys": {str(n): [doc.answer for doc in docs] for n, docs in documents.items()},
+        "passkey_keys": {str(n): [doc.key for doc in docs] for n, docs in documents.items()},
     }

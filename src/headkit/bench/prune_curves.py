@@ -48,7 +48,7 @@ from headkit.bench.registry import option, quick_preset, register_benchmark, set
 from headkit.data import encode_corpus, evaluation_windows, load_corpus, sample_batch
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import encoder_fidelity, load_teacher
-from headkit.recipes.measure import forward_times, perplexity
+from headkit.recipes.evaluate import forward_times, perplexity
 from headkit.recipes.models import SMOLLM2_PACKAGE, default_encoder_path, load_model, smollm2_gguf_path
 from headkit.recipes.objectives import embedding_distillation_loss, mean_pool
 from headkit.recipes.prune import PruneSettings, encoder_finetune, keep_top_gated_heads, prune

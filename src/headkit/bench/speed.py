@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
-from headkit.bench._measure import matmul_rate, measure_peak_memory, time_call
+from headkit.bench._measure import matmul_rate, measure_peak_memory
 from headkit.bench._options import check_out_dir
 from headkit.bench._report import (
     bullet_list,
@@ -40,6 +40,7 @@ from headkit.devices import check_device
 from headkit.errors import HeadkitError
 from headkit.ops import KERNELS, KernelSpec
 from headkit.ops.registry import QKV_INPUTS
+from headkit.recipes.evaluate import time_call
 
 BASELINE = "sdpa_causal"
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
@@ -47,7 +48,7 @@ DTYPE = torch.float32
 MODES = ("forward", "forward_backward")
 MODE_LABELS = {"forward": "fwd", "forward_backward": "fwd+bwd"}
 PROBE_SEQ_LEN = 16  # of the tiny call that checks a kernel runs before any length is measured
-MIN_REPEAT_S = 0.05  # a timed repeat of a faster call loops over several (see _measure.time_call)
+MIN_REPEAT_S = 0.05  # a timed repeat of a faster call loops over several (see evaluate.time_call)
 SEED = 0
 MATMUL_SIZE = 1024  # the [n, n] @ [n, n] matmul whose rate FLOP-counting kernels are compared with
 ANCHOR = "fast_transformers_causal"

@@ -27,15 +27,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from headkit.errors import HeadkitError
 from headkit.files import staged_folder, write_json_atomic
 from headkit.recipes.distill import distill, split_batches
-from headkit.recipes.measure import compare_speed, median_seconds, perplexity, top1_agreement
+from headkit.recipes.evaluate import (
+    agreement,
+    compare_speed,
+    embedding_cosine,
+    last_hidden_states,
+    perplexity,
+    time_call,
+)
 from headkit.recipes.models import DEFAULT_DTYPE, check_output_folder, default_encoder_path, load_model
-from headkit.recipes.objectives import CausalLMObjective, EncoderObjective, mean_pool
+from headkit.recipes.objectives import CausalLMObjective, EncoderObjective
 from headkit.recipes.settings import ModelSettings, RecipeResult, check_count, check_data, with_overrides
 from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
 from headkit.surgery.adapters import AttentionAdapter, count_parameters, get_adapter
@@ -153,14 +159,12 @@ def prepare_encoder_text(
 
 def encoder_fidelity(student: nn.Module, batches: list[dict], teacher_states: list[torch.Tensor]) -> Fidelity:
     """Mean and min cosine of mean-pooled embeddings, and max |Δ| of hidden states at real tokens."""
-    cosines, max_diff = [], 0.0
-    with torch.no_grad():
-        for batch, expected in zip(batches, teacher_states, strict=True):
-            got = student(**batch).last_hidden_state
-            mask = batch["attention_mask"]
-            cosines.append(F.cosine_similarity(mean_pool(got, mask), mean_pool(expected, mask), dim=-1))
-            max_diff = max(max_diff, float((got - expected)[mask.bool()].abs().max()))
-    cosine = torch.cat(cosines)
+    states = last_hidden_states(student, batches)
+    cosine = embedding_cosine(states, teacher_states, batches)
+    max_diff = max(
+        float((got - expected)[batch["attention_mask"].bool()].abs().max())
+        for got, expected, batch in zip(states, teacher_states, batches, strict=True)
+    )
     return Fidelity(mean_cosine=float(cosine.mean()), min_cosine=float(cosine.min()), max_abs_diff=max_diff)
 
 
@@ -272,7 +276,9 @@ def _compress_encoder(
         settings.data,
     )
     batch = text.held_out[0]
-    forward_before = median_seconds(lambda: _no_grad(teacher.model, batch), settings.timing_repeats)
+    forward_before = time_call(
+        lambda: _no_grad(teacher.model, batch), repeats=settings.timing_repeats, warmup=0
+    ).median_s
     compressed = compress_and_distill(
         teacher,
         text,
@@ -286,7 +292,9 @@ def _compress_encoder(
         echo=echo,
     )
     student = compressed.student
-    forward_after = median_seconds(lambda: _no_grad(student, batch), settings.timing_repeats)
+    forward_after = time_call(
+        lambda: _no_grad(student, batch), repeats=settings.timing_repeats, warmup=0
+    ).median_s
     return student, {
         "fidelity_after_swap": asdict(compressed.fidelity_after_swap),
         "fidelity": asdict(compressed.fidelity),
@@ -353,7 +361,7 @@ def _compress_causal_lm(
         "perplexity_original": original,
         "perplexity_after_swap": after_swap,
         "perplexity_recovered": recovered,
-        "top1_agreement": top1_agreement(student, teacher.model, windows.held_out, eval_batch),
+        "top1_agreement": agreement(student, teacher.model, windows.held_out, eval_batch).top1,
         "max_relative_error": swap.max_relative_error,
         "speed": speed,
         "distill_losses": result.losses,

@@ -27,7 +27,6 @@ saved model reloads with :func:`headkit.from_pretrained`.
 from __future__ import annotations
 
 import copy
-import statistics
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -38,13 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headkit.compat import cache_keyword, output_cache
 from headkit.errors import HeadkitError
 from headkit.files import save_figure_atomic, staged_folder, write_json_atomic
 from headkit.layers.feature_maps import valid_feature_map_names
 from headkit.ops._validation import is_finite_number
 from headkit.recipes.distill import distill, with_lora
-from headkit.recipes.measure import greedy_sample, perplexity, top1_agreement
+from headkit.recipes.evaluate import agreement, decode_profile, greedy_sample, perplexity
 from headkit.recipes.models import LoadedModel, check_output_folder, load_model, smollm2_gguf_path
 from headkit.recipes.objectives import CausalLMObjective
 from headkit.recipes.settings import (
@@ -61,7 +59,6 @@ from headkit.surgery.attention import MECHANISM
 from headkit.surgery.families import LINEARIZE, get_family
 from headkit.surgery.linearize import (
     converted_attention_modules,
-    decoding_state_bytes,
     linearized_parameters,
     max_context,
 )
@@ -442,8 +439,8 @@ def _run(
     perplexity_converted = {n: perplexity(student, held_out[n], eval_batch) for n in eval_lengths}
     stages["after_lora"] = perplexity_converted[longest]
     echo("held-out perplexity of the linearized model: " + _by_length(perplexity_converted))
-    agreement = top1_agreement(student, teacher, held_out[longest], eval_batch)
-    echo(f"top-1 next-token agreement with the original at {longest} tokens: {agreement:.1%}")
+    top1 = agreement(student, teacher, held_out[longest], eval_batch).top1
+    echo(f"top-1 next-token agreement with the original at {longest} tokens: {top1:.1%}")
 
     decode, skipped_contexts = [], []
     for length in settings.decode_contexts:
@@ -483,7 +480,7 @@ def _run(
         "perplexity_linearized": {str(n): v for n, v in perplexity_converted.items()},
         "perplexity_ratio": {str(n): perplexity_converted[n] / perplexity_original[n] for n in eval_lengths},
         "perplexity_stages": {"length": longest, "original": perplexity_original[longest], **stages},
-        "top1_agreement": agreement,
+        "top1_agreement": top1,
         "top1_length": longest,
         "decode": decode,
         "decode_steps": settings.decode_steps,
@@ -571,61 +568,6 @@ def attention_lora(model: nn.Module, rank: int, alpha: float | None = None) -> n
 
 
 # -- measurements ------------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def decode_profile(
-    models: dict[str, nn.Module],
-    context: int,
-    steps: int,
-    seed: int = 0,
-    *,
-    batch_sizes: tuple[int, ...] = (1,),
-) -> list[dict[str, Any]]:
-    """Per batch size and model: the median milliseconds of one greedy decoding step after a `context`-token
-    prompt, and the bytes of its decoding cache after the prompt.
-
-    Each model prefills one prompt at batch 1; for a larger batch its cache is repeated along the batch
-    (``Cache.batch_repeat_interleave``, as beam search does), so every row holds a real `context`-token cache
-    without paying a batch-sized prefill. The models step in alternation (one untimed warm-up step, then `steps`
-    timed ones), so load that drifts on shared cores slows them alike. Returns one entry per batch size:
-    ``{"batch_size": b, name: {"ms_per_token": …, "cache_bytes": …}, …}``.
-    """
-    first = next(iter(models.values()))
-    vocabulary = min(int(getattr(first.config, "vocab_size", 1000)), 1000)
-    ids = torch.randint(0, vocabulary, (1, context), generator=torch.Generator().manual_seed(seed))
-    prefilled = {}
-    for name, model in models.items():
-        output = model(input_ids=ids, use_cache=True)
-        prefilled[name] = (output_cache(output), output.logits[:, -1:].argmax(-1))
-    points = []
-    for batch_size in batch_sizes:
-        caches, tokens, sizes = {}, {}, {}
-        for name, (cache, token) in prefilled.items():
-            caches[name] = copy.deepcopy(cache)  # every batch size decodes from the prompt's own cache
-            if batch_size > 1:
-                caches[name].batch_repeat_interleave(batch_size)
-            tokens[name] = token.expand(batch_size, 1)
-            sizes[name] = decoding_state_bytes(caches[name])
-        times: dict[str, list[float]] = {name: [] for name in models}
-        for step in range(steps + 1):
-            for name, model in models.items():
-                started = time.perf_counter()
-                output = model(input_ids=tokens[name], **cache_keyword(caches[name]), use_cache=True)
-                elapsed = time.perf_counter() - started
-                caches[name], tokens[name] = output_cache(output), output.logits[:, -1:].argmax(-1)
-                if step > 0:
-                    times[name].append(elapsed)
-        points.append(
-            {
-                "batch_size": batch_size,
-                **{
-                    name: {"ms_per_token": 1000 * statistics.median(times[name]), "cache_bytes": sizes[name]}
-                    for name in models
-                },
-            }
-        )
-    return points
 
 
 def _decode_line(point: dict[str, Any]) -> str:
@@ -731,7 +673,6 @@ __all__ = [
     "attention_lora",
     "attention_projection_names",
     "check_settings",
-    "decode_profile",
     "quick_budget",
     "format_report",
     "linearize",

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from headkit.analysis.importance import head_importance
@@ -44,15 +43,17 @@ from headkit.errors import HeadkitError
 from headkit.files import staged_folder, write_json_atomic
 from headkit.layers.gates import L0Controller
 from headkit.recipes.distill import distill, split_batches
-from headkit.recipes.export import check_export_target, export_gguf
-from headkit.recipes.measure import (
+from headkit.recipes.evaluate import (
+    agreement,
     compare_speed,
+    embedding_cosine,
     greedy_sample,
     kv_cache_bytes_per_token,
-    median_seconds,
+    last_hidden_states,
     perplexity,
-    top1_agreement,
+    time_call,
 )
+from headkit.recipes.export import check_export_target, export_gguf
 from headkit.recipes.models import (
     CAUSAL_LM,
     ENCODER,
@@ -61,7 +62,7 @@ from headkit.recipes.models import (
     default_encoder_path,
     load_model,
 )
-from headkit.recipes.objectives import CausalLMObjective, EncoderObjective, mean_pool
+from headkit.recipes.objectives import CausalLMObjective, EncoderObjective
 from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data, with_overrides
 from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
 from headkit.surgery.adapters import count_parameters, get_adapter
@@ -578,7 +579,7 @@ def _prune_causal_lm(
     echo(
         f"held-out perplexity after recovery: {perplexity_recovered:.3f} ({perplexity_recovered / perplexity_original:.2f}x)"
     )
-    agreement = top1_agreement(student, teacher, windows.held_out, eval_batch)
+    top1 = agreement(student, teacher, windows.held_out, eval_batch).top1
 
     speed = compare_speed(
         teacher,
@@ -611,7 +612,7 @@ def _prune_causal_lm(
         "perplexity_original": perplexity_original,
         "perplexity_pruned": perplexity_pruned,
         "perplexity_recovered": perplexity_recovered,
-        "top1_agreement": agreement,
+        "top1_agreement": top1,
         "speed": speed,
         "sample_original": greedy_sample(teacher, tokenizer, SAMPLE_PROMPT),
         "sample_pruned": sample_pruned,
@@ -661,7 +662,7 @@ def _prune_encoder(
     echo(f"{loaded.source}: {sum(heads_before.values())} heads in {len(heads_before)} layers; keeping {keep}")
     examples = split_batches(train)
     objective = EncoderObjective()
-    reference = _embeddings(teacher, held_out)
+    reference = last_hidden_states(teacher, held_out)  # once, for the pruned and the recovered student
 
     student, scores, gates_log = _gate_scores(
         teacher, examples, objective, keep, settings, train_weights=True, echo=echo
@@ -671,7 +672,7 @@ def _prune_encoder(
     prune_heads(student, plan, allow_empty_layers=True, adapter=adapter)
     if head_gates(student, adapter):
         remove_head_gates(student, fold=True, adapter=adapter)
-    cosine_pruned = _cosine(student, held_out, reference)
+    cosine_pruned = embedding_cosine(student, reference, held_out)
     student.requires_grad_(True)
     recovery = distill(
         student,
@@ -688,10 +689,14 @@ def _prune_encoder(
     )
     student = recovery.model
     student.requires_grad_(False)
-    cosine = _cosine(student, held_out, reference)
+    cosine = embedding_cosine(student, reference, held_out)
     batch = held_out[0]
-    forward_before = median_seconds(lambda: _forward(teacher, batch), 2 * settings.timing_rounds + 1)
-    forward_after = median_seconds(lambda: _forward(student, batch), 2 * settings.timing_rounds + 1)
+    forward_before = time_call(
+        lambda: _forward(teacher, batch), repeats=2 * settings.timing_rounds + 1, warmup=0
+    ).median_s
+    forward_after = time_call(
+        lambda: _forward(student, batch), repeats=2 * settings.timing_rounds + 1, warmup=0
+    ).median_s
     report = {
         "kind": loaded.kind,
         "architecture": adapter.name,
@@ -710,15 +715,6 @@ def _prune_encoder(
         "recovery": recovery.to_dict(),
     }
     return student, report
-
-
-@torch.no_grad()
-def _embeddings(model: nn.Module, batches: list[dict]) -> torch.Tensor:
-    return torch.cat([mean_pool(model(**b).last_hidden_state, b["attention_mask"]) for b in batches])
-
-
-def _cosine(model: nn.Module, batches: list[dict], reference: torch.Tensor) -> torch.Tensor:
-    return F.cosine_similarity(_embeddings(model, batches), reference, dim=-1)
 
 
 @torch.no_grad()

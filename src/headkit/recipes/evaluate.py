@@ -1,0 +1,947 @@
+"""The one evaluator: every measurement headkit reports about a model, each defined once here, which the recipes'
+reports, the benchmarks and ``headkit eval`` call.
+
+- held-out perplexity (:func:`perplexity`), top-1 agreement and KL against a reference (:func:`agreement`);
+- decoding: per-token decode time, CUDA-synchronised (:func:`decode_step_seconds`, :func:`decode_seconds_per_token`),
+  decoding-state bytes (:func:`cache_bytes`), prefill time and a greedy sample;
+- encoders: cosine of mean-pooled embeddings (:func:`embedding_cosine`);
+- passkey retrieval (Mohtashami & Jaggi 2023, "Landmark Attention", arXiv:2305.16300, §4.2): a key stated once
+  inside natural filler text, asked for at the end, scored by exact match of the greedy answer, with Wilson 95%
+  intervals (:func:`passkey_trials`, :func:`retrieve_passkeys`, :func:`score_passkeys`);
+- :func:`evaluate`: all of them on one model (and its reference), what ``headkit eval`` runs.
+
+Times of two models are taken in alternation, round after round, so that a machine whose load drifts (other
+processes on shared cores) slows both alike and their ratio stays meaningful.
+"""
+
+from __future__ import annotations
+
+import ast
+import copy
+import dataclasses
+import functools
+import io
+import math
+import random
+import re
+import statistics
+import time
+import tokenize
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headkit.analysis.plots import plot_passkey_heatmap
+from headkit.compat import cache_keyword, output_cache
+from headkit.data import Corpus
+from headkit.errors import HeadkitError
+from headkit.files import check_output_folder, write_json_atomic
+from headkit.recipes.objectives import mean_pool, next_token_kl
+from headkit.surgery.linearize import decoding_state_bytes
+
+
+@torch.no_grad()
+def perplexity(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> float:
+    """exp of the mean next-token negative log-likelihood over every position of `windows` [N, L] but the first."""
+    total_nll, count = 0.0, 0
+    for chunk in windows.split(batch_size):
+        logits = model(input_ids=chunk, use_cache=False).logits.float()
+        total_nll += float(
+            F.cross_entropy(
+                logits[:, :-1].reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1), reduction="sum"
+            )
+        )
+        count += chunk[:, 1:].numel()
+    return math.exp(total_nll / count)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How closely a model's next-token predictions follow a reference's on the same windows: the share of
+    positions whose most likely token is the same (``top1``), and the mean KL(reference ‖ model) of the
+    next-token distributions in nats (``kl``)."""
+
+    top1: float
+    kl: float
+
+
+@torch.no_grad()
+def agreement(
+    model: nn.Module, reference: nn.Module, windows: torch.Tensor, batch_size: int = 4
+) -> Agreement:
+    """Top-1 agreement and mean KL(reference ‖ model) (:func:`headkit.recipes.objectives.next_token_kl`, the
+    distillation loss at τ = 1) over every position of `windows` [N, L]."""
+    same, kl_sum, count = 0, 0.0, 0
+    for chunk in windows.split(batch_size):
+        chunk = chunk.to(next(model.parameters()).device)
+        got = model(input_ids=chunk, use_cache=False).logits.float()
+        expected = reference(input_ids=chunk.to(next(reference.parameters()).device), use_cache=False).logits
+        expected = expected.float().to(got.device)
+        same += int((got.argmax(-1) == expected.argmax(-1)).sum())
+        kl_sum += float(next_token_kl(got, expected)) * chunk.numel()
+        count += chunk.numel()
+    return Agreement(top1=same / count, kl=kl_sum / count)
+
+
+@torch.no_grad()
+def last_hidden_states(model: nn.Module, batches: Sequence[dict]) -> list[torch.Tensor]:
+    """An encoder's last hidden states [B, T, hidden] on each of `batches`."""
+    return [model(**batch).last_hidden_state for batch in batches]
+
+
+@torch.no_grad()
+def embedding_cosine(
+    model: nn.Module | Sequence[torch.Tensor],
+    reference: nn.Module | Sequence[torch.Tensor],
+    batches: Sequence[dict],
+) -> torch.Tensor:
+    """Per text of `batches`: the cosine of `model`'s and `reference`'s sentence embeddings (mean-pooled last
+    hidden states over real tokens, sentence-transformers' pooling) [texts]. Each of `model` and `reference` is
+    an encoder or its :func:`last_hidden_states` on `batches` (a reference's, computed once for many students)."""
+    states = [
+        last_hidden_states(side, batches) if isinstance(side, nn.Module) else list(side)
+        for side in (model, reference)
+    ]
+    return torch.cat(
+        [
+            F.cosine_similarity(
+                mean_pool(got, b["attention_mask"]), mean_pool(expected, b["attention_mask"]), dim=-1
+            )
+            for got, expected, b in zip(*states, batches, strict=True)
+        ]
+    )
+
+
+@torch.no_grad()
+def cache_bytes(model: nn.Module, context: int) -> int:
+    """Bytes of the decoding cache after a prompt of `context` tokens (batch 1)."""
+    ids = torch.zeros(1, context, dtype=torch.long)
+    return decoding_state_bytes(output_cache(model(input_ids=ids, use_cache=True)))
+
+
+def kv_cache_bytes_per_token(model: nn.Module, context: int = 64) -> float:
+    """Growth of the decoding cache per token of context (0 for a constant-size state)."""
+    return (cache_bytes(model, 2 * context) - cache_bytes(model, context)) / context
+
+
+def synchronize(device: torch.device | str) -> None:
+    """Wait for queued kernels on ``device``: CUDA runs asynchronously, so a clock read must come after it."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds per call measured by each timed repeat, their median, and the calls each repeat averaged."""
+
+    median_s: float
+    times_s: tuple[float, ...]
+    calls_per_repeat: int = 1
+
+
+# A repeat never loops more than this, however fast the call: enough to average out a 1 ms scheduler hiccup.
+MAX_CALLS_PER_REPEAT = 100
+
+
+def time_call(
+    fn: Callable[[], object],
+    *,
+    repeats: int,
+    warmup: int = 1,
+    min_repeat_s: float = 0.0,
+    device: torch.device | str = "cpu",
+    clock: Callable[[], float] = time.perf_counter,
+) -> Timing:
+    """Median seconds per call of ``fn()`` over ``repeats`` timed repeats, after ``warmup`` untimed calls, the
+    clock read after ``device``'s queued kernels finish (:func:`synchronize`): the one timer of calls.
+
+    A repeat of a call faster than ``min_repeat_s`` loops over enough calls to last about that long (at most
+    :data:`MAX_CALLS_PER_REPEAT`, their count from the last warm-up call) and reports their mean, as :mod:`timeit`
+    does: one call of a millisecond is at the mercy of a single context switch."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats <= 0:
+        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 0:
+        raise ValueError(f"warmup must be a non-negative integer, got {warmup!r}")
+    if not min_repeat_s >= 0:
+        raise ValueError(f"min_repeat_s must be ≥ 0 seconds, got {min_repeat_s!r}")
+    device = torch.device(device)
+
+    def timed(calls: int) -> float:
+        synchronize(device)
+        start = clock()
+        for _ in range(calls):
+            fn()
+        synchronize(device)
+        return (clock() - start) / calls
+
+    last_call_s = 0.0
+    for _ in range(warmup):
+        last_call_s = timed(1)
+    calls_per_repeat = 1
+    if min_repeat_s > 0:
+        if warmup == 0:
+            last_call_s = timed(1)
+        wanted = math.ceil(min_repeat_s / last_call_s) if last_call_s > 0 else MAX_CALLS_PER_REPEAT
+        calls_per_repeat = min(max(wanted, 1), MAX_CALLS_PER_REPEAT)
+    times = tuple(timed(calls_per_repeat) for _ in range(repeats))
+    return Timing(median_s=statistics.median(times), times_s=times, calls_per_repeat=calls_per_repeat)
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+@torch.no_grad()
+def prefill_seconds(model: nn.Module, ids: torch.Tensor) -> float:
+    """Seconds of one forward of `ids` without a cache."""
+    return time_call(
+        lambda: model(input_ids=ids, use_cache=False), repeats=1, warmup=0, device=ids.device
+    ).median_s
+
+
+@torch.no_grad()
+def decode_step_seconds(
+    model: nn.Module, cache: Any, token: torch.Tensor, steps: int
+) -> tuple[list[float], Any, torch.Tensor]:
+    """Seconds of each of `steps` greedy decoding steps (one forward of one token per row, with the cache) from
+    `cache` and the next input `token` [B, 1], the clock read after the device's kernels finish: the one timer
+    of a decoding step. Returns (seconds per step, the cache after them, the tokens chosen [B, steps])."""
+    times, chosen = [], []
+    for _ in range(steps):
+        synchronize(token.device)
+        started = time.perf_counter()
+        output = model(input_ids=token, **cache_keyword(cache), use_cache=True)
+        token = output.logits[:, -1:].argmax(-1)
+        synchronize(token.device)
+        times.append(time.perf_counter() - started)
+        cache = output_cache(output)
+        chosen.append(token)
+    return times, cache, torch.cat(chosen, dim=1) if chosen else token[:, :0]
+
+
+@torch.no_grad()
+def time_greedy_decoding(
+    model: nn.Module, prompt: torch.Tensor, new_tokens: int, *, cache: Any = None
+) -> tuple[float, list[float], torch.Tensor]:
+    """Prefill ``prompt`` [B, P] (into `cache`, or the model's default one), then decode greedily to
+    ``new_tokens`` tokens, one forward per token with the cache: the loop of greedy ``generate()`` without its
+    bookkeeping. Returns (prefill seconds, seconds of every decoding step after the first token, the generated
+    ids [B, new_tokens])."""
+    synchronize(prompt.device)
+    started = time.perf_counter()
+    output = model(input_ids=prompt, **cache_keyword(cache), use_cache=True, logits_to_keep=1)
+    token = output.logits[:, -1:].argmax(-1)
+    synchronize(prompt.device)
+    prefill_s = time.perf_counter() - started
+    step_s, _, generated = decode_step_seconds(model, output_cache(output), token, new_tokens - 1)
+    return prefill_s, step_s, torch.cat([token, generated], dim=1)
+
+
+def decode_seconds_per_token(model: nn.Module, context: int, steps: int = 8, seed: int = 0) -> float:
+    """Median seconds of one greedy decoding step (batch 1) after a seeded random `context`-token prompt."""
+    vocabulary = min(int(getattr(model.config, "vocab_size", 100)), 100)
+    ids = torch.randint(0, vocabulary, (1, context), generator=torch.Generator().manual_seed(seed))
+    return statistics.median(time_greedy_decoding(model, ids.to(_device(model)), steps + 1)[1])
+
+
+@torch.no_grad()
+def decode_profile(
+    models: dict[str, nn.Module],
+    context: int,
+    steps: int,
+    seed: int = 0,
+    *,
+    batch_sizes: tuple[int, ...] = (1,),
+) -> list[dict[str, Any]]:
+    """Per batch size and model: the median milliseconds of one greedy decoding step after a `context`-token
+    prompt, and the bytes of its decoding cache after the prompt.
+
+    Each model prefills one prompt at batch 1; for a larger batch its cache is repeated along the batch
+    (``Cache.batch_repeat_interleave``, as beam search does), so every row holds a real `context`-token cache
+    without paying a batch-sized prefill. The models step in alternation (one untimed warm-up step, then `steps`
+    timed ones), so load that drifts on shared cores slows them alike. Returns one entry per batch size:
+    ``{"batch_size": b, name: {"ms_per_token": …, "cache_bytes": …}, …}``.
+    """
+    first = next(iter(models.values()))
+    vocabulary = min(int(getattr(first.config, "vocab_size", 1000)), 1000)
+    ids = torch.randint(0, vocabulary, (1, context), generator=torch.Generator().manual_seed(seed))
+    prefilled = {}
+    for name, model in models.items():
+        output = model(input_ids=ids, use_cache=True)
+        prefilled[name] = (output_cache(output), output.logits[:, -1:].argmax(-1))
+    points = []
+    for batch_size in batch_sizes:
+        caches, tokens, sizes = {}, {}, {}
+        for name, (cache, token) in prefilled.items():
+            caches[name] = copy.deepcopy(cache)  # every batch size decodes from the prompt's own cache
+            if batch_size > 1:
+                caches[name].batch_repeat_interleave(batch_size)
+            tokens[name] = token.expand(batch_size, 1)
+            sizes[name] = decoding_state_bytes(caches[name])
+        times: dict[str, list[float]] = {name: [] for name in models}
+        for step in range(steps + 1):
+            for name, model in models.items():
+                (elapsed,), caches[name], chosen = decode_step_seconds(model, caches[name], tokens[name], 1)
+                tokens[name] = chosen[:, -1:]
+                if step > 0:
+                    times[name].append(elapsed)
+        points.append(
+            {
+                "batch_size": batch_size,
+                **{
+                    name: {"ms_per_token": 1000 * statistics.median(times[name]), "cache_bytes": sizes[name]}
+                    for name in models
+                },
+            }
+        )
+    return points
+
+
+def compare_speed(
+    original: nn.Module, other: nn.Module, *, prefill_ids: torch.Tensor, decode_context: int, rounds: int = 3
+) -> dict[str, float]:
+    """Prefill and per-token decode times of both models, alternated round after round (medians, ms; the
+    order reversed every other round, as in :func:`interleaved_times`)."""
+    for model in (original, other):  # warm-up outside the rounds: lazy initialisation, allocator caches
+        prefill_seconds(model, prefill_ids[:, :8])
+    models = {"original": original, "other": other}
+    prefill = interleaved_values(
+        {name: functools.partial(prefill_seconds, m, prefill_ids) for name, m in models.items()}, rounds
+    )
+    decode = interleaved_values(
+        {name: functools.partial(decode_seconds_per_token, m, decode_context) for name, m in models.items()},
+        rounds,
+    )
+    result = {
+        "prefill_ms_original": 1000 * statistics.median(prefill["original"]),
+        "prefill_ms": 1000 * statistics.median(prefill["other"]),
+        "decode_ms_per_token_original": 1000 * statistics.median(decode["original"]),
+        "decode_ms_per_token": 1000 * statistics.median(decode["other"]),
+        "prefill_tokens": int(prefill_ids.shape[1]),
+        "decode_context": decode_context,
+        "rounds": rounds,
+        "threads": torch.get_num_threads(),
+    }
+    result["prefill_ratio"] = result["prefill_ms"] / result["prefill_ms_original"]
+    result["decode_ratio"] = result["decode_ms_per_token"] / result["decode_ms_per_token_original"]
+    return result
+
+
+@torch.no_grad()
+def greedy_sample(model: nn.Module, tokenizer: Any, prompt: str, max_new_tokens: int = 24) -> str:
+    """The model's greedy continuation of `prompt` (the continuation only)."""
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    output = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=getattr(tokenizer, "pad_token_id", None) or getattr(tokenizer, "eos_token_id", None),
+    )
+    return tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def interleaved_values(measures: dict[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """What each of ``measures`` returns, round after round, the order reversed every other round (a call that
+    follows another can find the caches warm or the clock boosted): a machine whose load drifts slows every
+    call alike, so ratios within a round hold."""
+    values: dict[str, list[float]] = {name: [] for name in measures}
+    for round_ in range(rounds):
+        for name in list(measures) if round_ % 2 == 0 else list(reversed(measures)):
+            values[name].append(measures[name]())
+    return values
+
+
+def interleaved_times(calls: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of one call of each of ``calls``, round after round (see :func:`interleaved_values`), after one
+    warm-up call of each."""
+    for call in calls.values():
+        call()  # lazy initialisation, allocator caches
+    return interleaved_values(
+        {name: functools.partial(_seconds, call) for name, call in calls.items()}, rounds
+    )
+
+
+def _seconds(call: Callable[[], object]) -> float:
+    return time_call(call, repeats=1, warmup=0).median_s
+
+
+def forward_times(models: dict[str, nn.Module], batch: dict, rounds: int) -> dict[str, list[float]]:
+    """Seconds of one forward of each of ``models`` on ``batch`` (without gradients), round after round (see
+    :func:`interleaved_times`)."""
+
+    def forward(model: nn.Module) -> Callable[[], object]:
+        def call() -> object:
+            with torch.no_grad():
+                return model(**batch)
+
+        return call
+
+    return interleaved_times({name: forward(model) for name, model in models.items()}, rounds)
+
+
+# -- passkey retrieval -------------------------------------------------------------------------------------------
+
+KEY_DIGITS = 5
+# z of a two-sided 95% interval.
+Z_95 = 1.959963984540054
+# A filler sentence from prose: letters, digits, spaces and plain punctuation only, so no code reads as prose.
+_PROSE_SENTENCE = re.compile(r"[A-Za-z][A-Za-z0-9 ,;:'()\-]*[.!?]")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
+MIN_SENTENCE_WORDS, MAX_SENTENCE_WORDS = 5, 40
+
+
+@dataclass(frozen=True)
+class PasskeyFormat:
+    """How a passkey prompt reads: ``instruction``, the document (filler with ``key_sentence`` inside),
+    ``question``; then the answer starts with ``answer_prefix``. With ``chat`` and a tokenizer that has a chat
+    template, the instruction, document and question are the user's turn and the answer prefix opens the
+    assistant's (``apply_chat_template(..., add_generation_prompt=True)``); otherwise they are plain text, one
+    after the other."""
+
+    key_sentence: str = "The pass key is {key}. Remember it. {key} is the pass key."
+    instruction: str = (
+        "There is a pass key, a five-digit number, hidden inside a lot of irrelevant text. Find it and "
+        "memorize it. I will quiz you about it."
+    )
+    question: str = "What is the pass key?"
+    answer_prefix: str = "The pass key is"
+    chat: bool = True
+    separator: str = "\n\n"  # between the instruction, the document and the question
+
+
+# The format of instruction-tuned models (SmolLM2-135M-Instruct): the default of headkit eval.
+INSTRUCTION_FORMAT = PasskeyFormat()
+
+
+@dataclass(frozen=True)
+class PasskeyTrial:
+    """One passkey prompt: ``length`` tokens with the answer, the prompt ``input_ids`` the ``length −
+    answer_tokens`` before it; the key sentence starts at token ``key_position``, at ``depth`` (the share of the
+    filler before it: 0 = first, 1 = just before the question)."""
+
+    input_ids: tuple[int, ...]
+    key: str
+    depth: float
+    key_position: int
+    length: int
+
+
+def prose_sentences(corpus: Corpus, limit: int = 20_000, seed: int = 0) -> list[str]:
+    """Up to `limit` filler sentences from `corpus`'s held-out documents (then its training ones), in a seeded
+    document order and in reading order within a document: of Python source, the prose of its docstrings and
+    comments (:func:`python_prose`); of any other text, the text itself. Only sentences that read as prose are
+    kept: 5 to 40 words of letters, digits and plain punctuation."""
+    documents = list(corpus.held_out) + list(corpus.train)
+    random.Random(seed).shuffle(documents)
+    sentences: list[str] = []
+    for document in documents:
+        text = python_prose(document.text) if document.name.endswith(".py") else document.text
+        for paragraph in re.split(r"\n\s*\n", text):
+            for sentence in _SENTENCE_END.split(" ".join(paragraph.split())):
+                if (
+                    _PROSE_SENTENCE.fullmatch(sentence)
+                    and MIN_SENTENCE_WORDS <= len(sentence.split()) <= MAX_SENTENCE_WORDS
+                ):
+                    sentences.append(sentence)
+        if len(sentences) >= limit:
+            break
+    if len(sentences) < 10:
+        raise HeadkitError(
+            f"the text ({corpus.source}) holds {len(sentences)} prose sentences, too few for passkey filler: "
+            "give --data a text of sentences"
+        )
+    return sentences[:limit]
+
+
+def python_prose(source: str) -> str:
+    """The docstrings and comments of Python `source`, paragraphs apart ("" where it does not parse)."""
+    paragraphs = []
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return ""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            docstring = ast.get_docstring(node)
+            if docstring:
+                paragraphs.append(docstring)
+    comments = []
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(source).readline):
+            if token.type == tokenize.COMMENT:
+                comments.append(token.string.lstrip("#").strip())
+            elif (
+                token.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+                and comments
+            ):
+                paragraphs.append(" ".join(comments))  # a run of comment lines is one paragraph
+                comments = []
+    except (tokenize.TokenError, SyntaxError):
+        pass
+    return "\n\n".join(paragraphs)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+def passkey_frame(tokenizer: Any, format: PasskeyFormat = INSTRUCTION_FORMAT) -> tuple[list[int], list[int]]:
+    """(token ids before the document, token ids after it) of `format` with `tokenizer` (see
+    :class:`PasskeyFormat`)."""
+    marker = "\x00DOCUMENT\x00"
+    user = format.separator.join(part for part in (format.instruction, marker, format.question) if part)
+    if format.chat and getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": user}], tokenize=False, add_generation_prompt=True
+        )
+        text += format.answer_prefix
+    else:
+        text = user + (" " if format.question and format.answer_prefix else "") + format.answer_prefix
+    head, tail = text.split(marker)
+    # Plain text starts as the tokenizer starts any text (with its BOS, if it adds one); a chat template writes
+    # its own special tokens.
+    start: list[int] = []
+    if not uses_chat_template(tokenizer, format):
+        special, plain = list(tokenizer("a", add_special_tokens=True)["input_ids"]), _encode(tokenizer, "a")
+        start = next((special[:i] for i in range(len(special)) if special[i : i + len(plain)] == plain), [])
+    return start + _encode(tokenizer, head), _encode(tokenizer, tail)
+
+
+def uses_chat_template(tokenizer: Any, format: PasskeyFormat = INSTRUCTION_FORMAT) -> bool:
+    return bool(format.chat and getattr(tokenizer, "chat_template", None))
+
+
+def min_passkey_length(
+    tokenizer: Any, format: PasskeyFormat = INSTRUCTION_FORMAT, key_digits: int = KEY_DIGITS
+) -> int:
+    """Tokens of a passkey prompt with no filler: the frame, the key sentence and the question."""
+    head, tail = passkey_frame(tokenizer, format)
+    key = _encode(tokenizer, " " + format.key_sentence.format(key="9" * key_digits))
+    return len(head) + len(key) + len(tail)
+
+
+def random_key(rng: np.random.Generator, digits: int = KEY_DIGITS) -> str:
+    """A `digits`-digit decimal key without a leading zero (a model may rightly drop one)."""
+    return str(int(rng.integers(10 ** (digits - 1), 10**digits)))
+
+
+def passkey_trials(
+    tokenizer: Any,
+    sentences: Sequence[str],
+    length: int,
+    trials: int,
+    depths: Sequence[float],
+    *,
+    seed: int = 0,
+    answer_tokens: int = 8,
+    format: PasskeyFormat = INSTRUCTION_FORMAT,
+    key_digits: int = KEY_DIGITS,
+) -> list[PasskeyTrial]:
+    """`trials` passkey prompts of exactly `length` − `answer_tokens` tokens (so that prompt and answer fill
+    `length`), seeded by (`seed`, `length`): trial i puts its key at
+    ``depths[i % len(depths)]`` (stratified: every depth as often, ±1), its filler a run of consecutive
+    `sentences` from a random start, cut to the token. The key sentence goes between two filler sentences: the
+    boundary nearest the depth."""
+    check_depths(depths)
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise HeadkitError(f"--trials must be a positive integer, got {trials!r}")
+    shortest = min_passkey_length(tokenizer, format, key_digits) + answer_tokens
+    if length < shortest:
+        raise HeadkitError(
+            f"--passkey-lengths: {length} tokens cannot hold the key sentence and the question with this "
+            f"tokenizer ({shortest} tokens without filler, with a {answer_tokens}-token answer): use lengths of "
+            f"at least {shortest}"
+        )
+    if not sentences:
+        raise HeadkitError("passkey filler needs at least one sentence")
+    head, tail = passkey_frame(tokenizer, format)
+    rng = np.random.default_rng([seed, length])
+    encoded: dict[int, list[int]] = {}
+
+    def sentence_ids(index: int) -> list[int]:
+        index %= len(sentences)
+        if index not in encoded:
+            encoded[index] = _encode(tokenizer, " " + sentences[index])
+        return encoded[index]
+
+    result = []
+    for trial in range(trials):
+        key, depth = random_key(rng, key_digits), float(depths[trial % len(depths)])
+        key_ids = _encode(tokenizer, " " + format.key_sentence.format(key=key))
+        room = length - answer_tokens - len(head) - len(tail) - len(key_ids)
+        filler, boundaries, index = [], [0], int(rng.integers(len(sentences)))
+        while len(filler) < room:
+            filler += sentence_ids(index)
+            boundaries.append(min(len(filler), room))
+            index += 1
+        filler = filler[:room]
+        cut = min(boundaries, key=lambda boundary: abs(boundary - depth * room))
+        ids = head + filler[:cut] + key_ids + filler[cut:] + tail
+        result.append(PasskeyTrial(tuple(ids), key, depth, len(head) + cut, length))
+    return result
+
+
+def check_depths(depths: Sequence[float]) -> None:
+    if not depths or any(
+        isinstance(d, bool) or not isinstance(d, int | float) or not 0.0 <= d <= 1.0 for d in depths
+    ):
+        raise HeadkitError(
+            f"--depths must be numbers in [0, 1] (0: the key first, 1: last), got {list(depths)}"
+        )
+    if len(set(depths)) != len(depths):
+        raise HeadkitError(f"--depths must be distinct, got {list(depths)}")
+
+
+@torch.no_grad()
+def retrieve_passkeys(
+    model: nn.Module,
+    tokenizer: Any,
+    trials: Sequence[PasskeyTrial],
+    *,
+    max_new_tokens: int = 8,
+    batch_tokens: int = 8192,
+) -> list[str]:
+    """The model's greedy answers (decoded text, at most `max_new_tokens` tokens) to the trials' prompts,
+    prompts of equal length decoded together, about `batch_tokens` prompt tokens per batch."""
+    device = next(model.parameters()).device
+    pad = getattr(tokenizer, "pad_token_id", None)
+    pad = pad if pad is not None else getattr(tokenizer, "eos_token_id", None)
+    answers: dict[int, str] = {}
+    by_length: dict[int, list[int]] = {}
+    for index, trial in enumerate(trials):
+        by_length.setdefault(len(trial.input_ids), []).append(index)
+    for length, indices in by_length.items():
+        rows = max(1, batch_tokens // length)
+        for start in range(0, len(indices), rows):
+            chunk = indices[start : start + rows]
+            ids = torch.tensor([trials[i].input_ids for i in chunk], dtype=torch.long, device=device)
+            generated = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                pad_token_id=pad,
+            )[:, ids.shape[1] :]
+            for i, row in zip(chunk, generated, strict=True):
+                answers[i] = tokenizer.decode(row.tolist(), skip_special_tokens=True)
+    return [answers[i] for i in range(len(trials))]
+
+
+def passkey_answer(text: str) -> str:
+    """The key a generated answer gives: its first run of digits ("" if none)."""
+    found = re.search(r"\d+", text)
+    return found.group() if found else ""
+
+
+def wilson_interval(successes: int, trials: int, z: float = Z_95) -> tuple[float, float]:
+    """Wilson score interval of a binomial proportion (Wilson 1927; Brown, Cai & DasGupta 2001, eq. 4)."""
+    if trials <= 0 or not 0 <= successes <= trials:
+        raise HeadkitError(f"need 0 ≤ successes ≤ trials and trials ≥ 1, got {successes} of {trials}")
+    p, n = successes / trials, trials
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z / (1 + z * z / n) * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def score_passkeys(trials: Sequence[PasskeyTrial], answers: Sequence[str]) -> dict[str, Any]:
+    """Exact-match accuracy (the answer's first digits are the key) with its 95% Wilson interval, per length and
+    per (length, depth)."""
+    if len(trials) != len(answers) or not trials:
+        raise HeadkitError(f"need as many answers as trials (≥ 1), got {len(answers)} and {len(trials)}")
+    correct = [passkey_answer(a) == t.key for t, a in zip(trials, answers, strict=True)]
+
+    def cell(members: list[int]) -> dict[str, Any]:
+        hits = sum(correct[i] for i in members)
+        low, high = wilson_interval(hits, len(members))
+        return {"trials": len(members), "correct": hits, "accuracy": hits / len(members), "ci95": [low, high]}
+
+    lengths = sorted({t.length for t in trials})
+    by_length = [{"length": n} | cell([i for i, t in enumerate(trials) if t.length == n]) for n in lengths]
+    cells = [
+        {"length": n, "depth": d} | cell([i for i, t in enumerate(trials) if t.length == n and t.depth == d])
+        for n in lengths
+        for d in sorted({t.depth for t in trials if t.length == n})
+    ]
+    return {"by_length": by_length, "by_depth": cells, "correct": correct}
+
+
+# -- headkit eval ------------------------------------------------------------------------------------------------
+
+DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
+DEFAULT_PASSKEY_LENGTHS = (512, 1024, 2048, 4096)
+DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+DEFAULT_DECODE_CONTEXTS = (256, 1024, 4096)
+REPORT_FILE, PLOT_FILE = "report.json", "passkey.png"
+
+
+@dataclass
+class EvalSettings:
+    """What ``headkit eval`` measures. A length list left None is its default cut to the model's context (see
+    :func:`model_context`); an empty one skips that measurement."""
+
+    model: Path
+    reference: Path | None = None
+    data: Path | None = None
+    lengths: tuple[int, ...] | None = None  # held-out perplexity (and agreement with --reference)
+    eval_tokens: int = 8192  # held-out tokens scored at each length (at least one window)
+    passkey_lengths: tuple[int, ...] | None = None
+    depths: tuple[float, ...] = DEFAULT_DEPTHS
+    trials: int = 20  # passkey prompts per length, spread evenly over the depths
+    max_new_tokens: int = 8  # of each passkey answer
+    decode_contexts: tuple[int, ...] | None = None
+    decode_steps: int = 8
+    batch_tokens: int = 8192  # tokens per forward in perplexity and passkey batches
+    seed: int = 0
+    dtype: str = "float32"
+    out: Path | None = Path("results/eval")  # None: write nothing
+
+
+def model_context(model: nn.Module) -> int | None:
+    """The positions the model was trained for (``config.max_position_embeddings``), None if it says none."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
+
+
+def _lengths(
+    option: str, given: tuple[int, ...] | None, default: tuple[int, ...], context: int | None
+) -> list[int]:
+    if given is None:
+        return [n for n in default if context is None or n <= context]
+    if any(isinstance(n, bool) or not isinstance(n, int) or n < 2 for n in given):
+        raise HeadkitError(f"{option} must be integers ≥ 2, got {list(given)}")
+    beyond = [n for n in given if context is not None and n > context]
+    if beyond:
+        raise HeadkitError(
+            f"{option} {', '.join(map(str, beyond))} beyond the model's context of {context} tokens "
+            "(max_position_embeddings)"
+        )
+    return sorted(set(given))
+
+
+def check_eval_settings(settings: EvalSettings) -> None:
+    """The checks that need no model, before anything loads."""
+    check_depths(settings.depths)
+    for name in ("eval_tokens", "trials", "max_new_tokens", "decode_steps", "batch_tokens"):
+        value = getattr(settings, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise HeadkitError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
+    if not Path(settings.model).exists():
+        raise HeadkitError(f"MODEL {str(settings.model)!r} does not exist")
+    if settings.reference is not None and not Path(settings.reference).exists():
+        raise HeadkitError(f"--reference {str(settings.reference)!r} does not exist")
+    if settings.out is not None:
+        inputs = {"model": settings.model} | (
+            {"--reference": settings.reference} if settings.reference else {}
+        )
+        check_output_folder(settings.out, True, inputs)
+
+
+def evaluate(
+    settings: EvalSettings,
+    *,
+    loaded: Any = None,
+    reference: Any = None,
+    echo: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Everything ``headkit eval`` measures on `settings.model` (and `settings.reference` beside it): held-out
+    perplexity at each length; top-1 agreement and KL against the reference; passkey retrieval by length and
+    depth (exact match, Wilson 95% intervals); per-token decode time (batch 1) and decoding-state bytes at each
+    context. `loaded` / `reference`: models already loaded (:class:`headkit.recipes.models.LoadedModel`).
+    Writes report.json and the passkey heat map to `settings.out` (atomically) and returns the report."""
+    from headkit.recipes.models import CAUSAL_LM, load_model
+    from headkit.recipes.text import lm_windows, load_text
+
+    check_eval_settings(settings)
+    started = time.perf_counter()
+    loaded = loaded or load_model(settings.model, kind=CAUSAL_LM, dtype=settings.dtype)
+    if settings.reference is not None and reference is None:
+        reference = load_model(settings.reference, kind=CAUSAL_LM, dtype=settings.dtype)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    if reference is not None and reference.tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise HeadkitError(f"--reference {str(settings.reference)!r} has another tokenizer than MODEL")
+    context = model_context(model)
+    lengths = _lengths("--lengths", settings.lengths, DEFAULT_LENGTHS, context)
+    passkey_lengths = _lengths(
+        "--passkey-lengths", settings.passkey_lengths, DEFAULT_PASSKEY_LENGTHS, context
+    )
+    decode_contexts = _lengths(
+        "--decode-contexts", settings.decode_contexts, DEFAULT_DECODE_CONTEXTS, context
+    )
+    shortest = min_passkey_length(tokenizer) + settings.max_new_tokens
+    if passkey_lengths and passkey_lengths[0] < shortest:
+        raise HeadkitError(
+            f"--passkey-lengths: {passkey_lengths[0]} tokens cannot hold the key sentence and the question with "
+            f"this tokenizer ({shortest} tokens without filler, with a {settings.max_new_tokens}-token answer): "
+            f"use lengths of at least {shortest}"
+        )
+    models = {"model": model} | ({"reference": reference.model} if reference is not None else {})
+    corpus = load_text(settings.data)
+    echo(f"eval: {settings.model}" + (f" against {settings.reference}" if reference is not None else ""))
+
+    perplexities = []
+    for length in lengths:
+        windows = lm_windows(
+            tokenizer,
+            corpus,
+            length=length,
+            train_windows=0,
+            held_out_windows=max(1, settings.eval_tokens // length),
+            seed=settings.seed,
+        ).held_out
+        batch = max(1, settings.batch_tokens // length)
+        point: dict[str, Any] = {"length": length, "windows": int(windows.shape[0])}
+        for name, network in models.items():
+            point[f"{name}_perplexity"] = perplexity(network, windows, batch)
+        if reference is not None:
+            measured = agreement(model, reference.model, windows, batch)
+            point |= {"top1_agreement": measured.top1, "kl": measured.kl}
+        perplexities.append(point)
+        echo(_perplexity_line(point))
+
+    passkey: dict[str, Any] = {}
+    if passkey_lengths:
+        sentences = prose_sentences(corpus, seed=settings.seed)
+        trials = [
+            trial
+            for length in passkey_lengths
+            for trial in passkey_trials(
+                tokenizer,
+                sentences,
+                length,
+                settings.trials,
+                settings.depths,
+                seed=settings.seed,
+                answer_tokens=settings.max_new_tokens,
+            )
+        ]
+        passkey = {
+            "chat_template": uses_chat_template(tokenizer),
+            "example_prompt": tokenizer.decode(list(trials[0].input_ids)),
+            "keys": [t.key for t in trials],
+        }
+        for name, network in models.items():
+            answers = []
+            for length in passkey_lengths:
+                of_length = [t for t in trials if t.length == length]
+                answers += retrieve_passkeys(
+                    network,
+                    tokenizer,
+                    of_length,
+                    max_new_tokens=settings.max_new_tokens,
+                    batch_tokens=settings.batch_tokens,
+                )
+                scores = score_passkeys(of_length, answers[-len(of_length) :])["by_length"][0]
+                echo(f"passkey ({name}) at {length}: {_accuracy(scores)}")
+            passkey[name] = score_passkeys(trials, answers) | {"answers": answers}
+            del passkey[name]["correct"]
+
+    decode = []
+    for context_length in decode_contexts:
+        point = {"context": context_length}
+        for name, network in models.items():
+            point[f"{name}_ms_per_token"] = 1000 * decode_seconds_per_token(
+                network, context_length, settings.decode_steps
+            )
+            point[f"{name}_state_bytes"] = cache_bytes(network, context_length)
+        decode.append(point)
+        echo(_decode_line(point))
+
+    report = {
+        "model": str(settings.model),
+        "reference": None if settings.reference is None else str(settings.reference),
+        "data": corpus.source,
+        "context": context,
+        "settings": {
+            key: (str(value) if isinstance(value, Path) else value)
+            for key, value in dataclasses.asdict(settings).items()
+        }
+        | {"lengths": lengths, "passkey_lengths": passkey_lengths, "decode_contexts": decode_contexts},
+        "perplexity": perplexities,
+        "passkey": passkey,
+        "decode": decode,
+        "threads": torch.get_num_threads(),
+        "seconds": time.perf_counter() - started,
+    }
+    if settings.out is not None:
+        out = Path(settings.out)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(out / REPORT_FILE, report)
+        if passkey:
+            plot_passkey_heatmap(
+                {name: passkey[name]["by_depth"] for name in models},
+                out / PLOT_FILE,
+                title=Path(settings.model).name,
+            )
+    return report
+
+
+def _perplexity_line(point: dict[str, Any]) -> str:
+    line = f"perplexity at {point['length']} ({point['windows']} windows): {point['model_perplexity']:.3f}"
+    if "reference_perplexity" in point:
+        line += (
+            f", reference {point['reference_perplexity']:.3f}; top-1 agreement {point['top1_agreement']:.1%}, "
+            f"KL {point['kl']:.4f}"
+        )
+    return line
+
+
+def _decode_line(point: dict[str, Any]) -> str:
+    line = (
+        f"decode at {point['context']}: {point['model_ms_per_token']:.2f} ms/token, "
+        f"state {point['model_state_bytes'] / 2**20:.2f} MiB"
+    )
+    if "reference_ms_per_token" in point:
+        line += (
+            f"; reference {point['reference_ms_per_token']:.2f} ms/token, "
+            f"{point['reference_state_bytes'] / 2**20:.2f} MiB"
+        )
+    return line
+
+
+def _accuracy(cell: dict[str, Any]) -> str:
+    low, high = cell["ci95"]
+    return f"{cell['accuracy']:.0%} ({cell['correct']}/{cell['trials']}, 95% CI {low:.0%}–{high:.0%})"
+
+
+def format_eval_table(report: dict[str, Any]) -> str:
+    """The report as Markdown tables: perplexity (and agreement), passkey accuracy by length, decoding."""
+    names = ["model"] + (["reference"] if report["reference"] else [])
+    lines = []
+    if report["perplexity"]:
+        header = ["length", "windows"] + [f"{n} perplexity" for n in names]
+        header += ["top-1 agreement", "KL (nats)"] if report["reference"] else []
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for p in report["perplexity"]:
+            row = [str(p["length"]), str(p["windows"])] + [f"{p[f'{n}_perplexity']:.3f}" for n in names]
+            row += [f"{p['top1_agreement']:.1%}", f"{p['kl']:.4f}"] if report["reference"] else []
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    if report["passkey"]:
+        header = ["passkey length"] + [f"{n} accuracy (95% CI)" for n in names]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for index, cell in enumerate(report["passkey"]["model"]["by_length"]):
+            row = [str(cell["length"])] + [_accuracy(report["passkey"][n]["by_length"][index]) for n in names]
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    if report["decode"]:
+        header = ["context"] + [f"{n} {what}" for n in names for what in ("ms/token", "state MiB")]
+        lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for p in report["decode"]:
+            row = [str(p["context"])] + [
+                value
+                for n in names
+                for value in (f"{p[f'{n}_ms_per_token']:.2f}", f"{p[f'{n}_state_bytes'] / 2**20:.2f}")
+            ]
+            lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines).rstrip() + "\n"
