@@ -200,7 +200,7 @@ def sparse_hybrid_exact_sets(
             keys[:, :, :seq], values[:, :, :seq], features[:, :, :seq], keep_ext[:, :seq], state,
             sinks=sinks, budget=budget, chunk=chunk_size, eps=eps,
         )  # fmt: skip
-        arrival, departure = _exact_intervals(plan, state, seq, sinks, budget, chunk_size, eps)
+        arrival, departure = _exact_intervals(plan, state, seq, sinks, budget, chunk_size)
     # Extra pool entry p = S + G + e is extended key e = original key e − (W − 1).
     queries = torch.arange(seq, device=k.device)
     extra = (arrival[..., sinks + budget :, None] <= queries) & (
@@ -387,13 +387,12 @@ def _plan(
     leave_keep: torch.Tensor,
     state: SparseHybridState,
     *,
-    sinks: int | None = None,
-    budget: int | None = None,
-    chunk: int = 64,
-    eps: float = 1e-6,
+    sinks: int,
+    budget: int,
+    chunk: int,
+    eps: float,
 ) -> _Plan:
-    sinks = state.sink_keep.shape[1] if sinks is None else sinks
-    budget = state.sparse_keep.shape[2] if budget is None else budget
+    """Sinks, scores and fold events of the keys leaving the window in one call (each [B, Hkv, T, ·])."""
     with torch.no_grad():
         count = leave_keep.long()
         rank = state.sink_keep.sum(dim=1, keepdim=True) + torch.cumsum(count, dim=1) - count
@@ -501,7 +500,7 @@ def _strictly_causal_linear(
 
 
 def _exact_intervals(
-    plan: _Plan, state: SparseHybridState, seq: int, sinks: int, budget: int, chunk: int, eps: float
+    plan: _Plan, state: SparseHybridState, seq: int, sinks: int, budget: int, chunk: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """For the pool [S sink slots, G cache slots, T leaving keys]: the first query that sees each exactly beyond
     the window (arrival) and the first that no longer does (departure); arrival ≥ departure = never."""
@@ -598,7 +597,7 @@ def _sparse_hybrid(
         window_scores = window_scores.masked_fill(~visible, float("-inf"))
 
         # --- the exact extras: sinks and cached keys, at most S + G + C per chunk of queries ---
-        arrival, departure = _exact_intervals(plan, state, seq, sinks, budget, chunk, eps)
+        arrival, departure = _exact_intervals(plan, state, seq, sinks, budget, chunk)
         pool_keys = torch.cat([state.sink_keys.to(dtype), state.sparse_keys.to(dtype), leave_keys], dim=2)
         pool_values = torch.cat(
             [state.sink_values.to(dtype), state.sparse_values.to(dtype), leave_values], dim=2

@@ -41,6 +41,14 @@ cannot be rewound: assisted generation's ``crop`` is refused.)
 The padding mask reaches the mechanism as the model's own mask (4D or None); its last query row is the key
 padding mask over every token seen, which is all the hybrid op needs.
 
+**Keeping exact what the linear term cannot recall** (``sinks``, ``sparse_cache``): the first S tokens (attention
+sinks, StreamingLLM) and, per layer and key/value head, a budget of G keys chosen online as tokens leave the
+window — those the linear state recalls worst (LoLA's criterion) — stay exact under the same normaliser; evicted
+keys fold into the linear state (:mod:`headkit.ops.sparse_hybrid`). The state grows by S + G keys and values
+per head (plus the cached keys' features and scores and a reference memory), still constant in the context.
+The parallel form makes the decisions token-by-token decoding makes, so attention transfer trains the mechanism
+the model decodes with. With S = G = 0 (the default of :func:`linearize`) the layer is the plain hybrid.
+
 :func:`linearize` validates everything and builds every mechanism before it attaches any, so a bad argument
 leaves the model untouched; the conversion is recorded in ``config.headkit_surgery`` so that ``save_pretrained``
 + :func:`headkit.from_pretrained` rebuilds it.
@@ -143,6 +151,8 @@ class LinearizedHeads(nn.Module):
     linear attention over the queries, keys and values the stock module computed (rotary applied, keys and values
     not repeated). Parameters: ``feature_map_q`` (per query head), ``feature_map_k`` (per key/value head),
     ``log_balance`` [heads]. Called by the registered attention function; returns ``(output [B, T, H, D], None)``.
+    With ``sinks`` or ``sparse_cache`` it also keeps the first tokens and a budget of chosen keys exact beyond the
+    window (:func:`headkit.ops.sparse_hybrid_attention`), in its training, prefill and decoding forms alike.
     """
 
     def __init__(
