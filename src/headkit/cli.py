@@ -28,7 +28,7 @@ from headkit.bench.registry import (
 )
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes
-from headkit.recipes.linearize import LINEARIZE_HELP
+from headkit.recipes.linearize import LINEARIZE_HELP, quick_budget
 
 app = typer.Typer(
     name="headkit",
@@ -467,6 +467,8 @@ _LINEARIZE_HELP = LINEARIZE_HELP
 def linearize_command(
     model: Path = typer.Argument(None, help=_LINEARIZE_HELP["model"]),
     window: int = typer.Option(None, help=_LINEARIZE_HELP["window"]),
+    sinks: int = typer.Option(None, help=_LINEARIZE_HELP["sinks"]),
+    sparse_cache: int = typer.Option(None, help=_LINEARIZE_HELP["sparse_cache"]),
     feature_map: str = typer.Option(None, help=_LINEARIZE_HELP["feature_map"]),
     feature_dim: int = typer.Option(
         None, help="Learnable feature map's projection width (default head_dim)."
@@ -501,7 +503,7 @@ def linearize_command(
     seed: int = typer.Option(0, help="Seed of the sampling and the training order."),
     out: Path = typer.Option(Path("results/linearized-model"), help="Output folder (never the input model)."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
-    quick: bool = typer.Option(False, help="Short run (a few minutes on 2 CPU cores)."),
+    quick: bool = typer.Option(False, help=quick_budget()),
     dtype: str = _dtype_option(),
 ) -> None:
     """Linearize a causal LM: softmax → sliding-window + Hedgehog linear attention, attention transfer, LoRA;
@@ -513,6 +515,8 @@ def linearize_command(
         quick,
         dtype=dtype,
         window=window,
+        sinks=sinks,
+        sparse_cache=sparse_cache,
         feature_map=feature_map,
         feature_dim=feature_dim,
         layers=layers,

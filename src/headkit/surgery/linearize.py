@@ -41,6 +41,14 @@ cannot be rewound: assisted generation's ``crop`` is refused.)
 The padding mask reaches the mechanism as the model's own mask (4D or None); its last query row is the key
 padding mask over every token seen, which is all the hybrid op needs.
 
+**Keeping exact what the linear term cannot recall** (``sinks``, ``sparse_cache``): the first S tokens (attention
+sinks, StreamingLLM) and, per layer and key/value head, a budget of G keys chosen online as tokens leave the
+window — those the linear state recalls worst (LoLA's criterion) — stay exact under the same normaliser; evicted
+keys fold into the linear state (:mod:`headkit.ops.sparse_hybrid`). The state grows by S + G keys and values
+per head (plus the cached keys' features and scores and a reference memory), still constant in the context.
+The parallel form makes the decisions token-by-token decoding makes, so attention transfer trains the mechanism
+the model decodes with. With S = G = 0 (the default of :func:`linearize`) the layer is the plain hybrid.
+
 :func:`linearize` validates everything and builds every mechanism before it attaches any, so a bad argument
 leaves the model untouched; the conversion is recorded in ``config.headkit_surgery`` so that ``save_pretrained``
 + :func:`headkit.from_pretrained` rebuilds it.
@@ -59,6 +67,7 @@ from headkit.errors import HeadkitError
 from headkit.layers.cache import RecurrentStateLayer, map_state
 from headkit.layers.feature_maps import build_feature_map, valid_feature_map_names
 from headkit.ops.hybrid import hybrid_attention, hybrid_attention_step
+from headkit.ops.sparse_hybrid import sparse_hybrid_attention, sparse_hybrid_attention_step
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite, count_parameters, get_adapter
 from headkit.surgery.attention import (
     StateCacheLayer,
@@ -142,6 +151,8 @@ class LinearizedHeads(nn.Module):
     linear attention over the queries, keys and values the stock module computed (rotary applied, keys and values
     not repeated). Parameters: ``feature_map_q`` (per query head), ``feature_map_k`` (per key/value head),
     ``log_balance`` [heads]. Called by the registered attention function; returns ``(output [B, T, H, D], None)``.
+    With ``sinks`` or ``sparse_cache`` it also keeps the first tokens and a budget of chosen keys exact beyond the
+    window (:func:`headkit.ops.sparse_hybrid_attention`), in its training, prefill and decoding forms alike.
     """
 
     def __init__(
@@ -158,11 +169,16 @@ class LinearizedHeads(nn.Module):
         layer_idx: int,
         dtype: torch.dtype,
         device: torch.device,
+        sinks: int = 0,
+        sparse_cache: int = 0,
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.window, self.chunk_size = window, chunk_size
+        # Exact beyond the window (headkit.ops.sparse_hybrid): the first `sinks` tokens and `sparse_cache` keys
+        # per key/value head chosen by how badly the linear state recalls them. 0 and 0: the plain hybrid.
+        self.sinks, self.sparse_cache = sinks, sparse_cache
         self.feature_map_name, self.feature_dim = feature_map, feature_dim
         self.layer_idx = layer_idx
         self.feature_map_q = build_feature_map(feature_map, num_heads, head_dim, feature_dim).to(
@@ -182,6 +198,25 @@ class LinearizedHeads(nn.Module):
     def trainable_parameters(self) -> list[nn.Parameter]:
         """What attention transfer trains: the feature maps and the balances."""
         return [*self.feature_map_q.parameters(), *self.feature_map_k.parameters(), self.log_balance]
+
+    @torch.no_grad()
+    def state_bytes(self) -> int:
+        """Bytes of this layer's decoding state for one sequence (constant in the context): the state after one
+        token, whose tensors have their final sizes from the first token on."""
+        weight = self.log_balance
+        queries = weight.new_zeros(1, self.num_heads, 1, self.head_dim)
+        keys = weight.new_zeros(1, self.num_kv_heads, 1, self.head_dim)
+        tensors = (queries, keys, keys, self.feature_map_q(queries), self.feature_map_k(keys), self.balance)
+        options = {"window": self.window, "validate": False, "output_final_state": True}
+        if self.sinks or self.sparse_cache:
+            _, state = sparse_hybrid_attention(
+                *tensors, sinks=self.sinks, budget=self.sparse_cache, **options
+            )
+        else:
+            _, state = hybrid_attention(*tensors, **options)
+        sizes: list[int] = []
+        map_state(state, lambda t: sizes.append(t.numel() * t.element_size()) or t)
+        return sum(sizes)
 
     def cache_layer(self, cache: Any) -> HybridStateCacheLayer:
         """This layer's entry in the model's cache (see :class:`headkit.surgery.attention.CacheLayerHook`)."""
@@ -207,13 +242,17 @@ class LinearizedHeads(nn.Module):
         # The mask is checked above and states come from the op itself: its own checks would only repeat that.
         options = {"window": self.window, "attention_mask": new_mask, "scale": scale, "validate": False}
         tensors = (queries, keys, values, query_features, key_features, self.balance)
+        parallel, step = hybrid_attention, hybrid_attention_step
+        if self.sinks or self.sparse_cache:
+            parallel, step = sparse_hybrid_attention, sparse_hybrid_attention_step
+            options |= {"sinks": self.sinks, "budget": self.sparse_cache}
         if cache_layer is None:
-            outputs, _ = hybrid_attention(*tensors, chunk_size=self.chunk_size, **options)
+            outputs, _ = parallel(*tensors, chunk_size=self.chunk_size, **options)
         else:
             if seq == 1:
-                outputs, state = hybrid_attention_step(*tensors, cache_layer.get_state(), **options)
+                outputs, state = step(*tensors, cache_layer.get_state(), **options)
             else:
-                outputs, state = hybrid_attention(
+                outputs, state = parallel(
                     *tensors,
                     chunk_size=self.chunk_size,
                     initial_state=cache_layer.get_state(),
@@ -226,8 +265,8 @@ class LinearizedHeads(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"layer_idx={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, window={self.window}, feature_map={self.feature_map_name!r}, "
-            f"chunk_size={self.chunk_size}"
+            f"head_dim={self.head_dim}, window={self.window}, sinks={self.sinks}, "
+            f"sparse_cache={self.sparse_cache}, feature_map={self.feature_map_name!r}, chunk_size={self.chunk_size}"
         )
 
 
@@ -252,6 +291,9 @@ class LinearizeReport:
     sliding_cache_bytes: int = 0  # what those layers' caches hold at most, per sequence
     converted_sliding_layers: list[int] = field(default_factory=list)  # with convert_sliding=True
     notes: list[str] = field(default_factory=list)
+    sinks: int = 0  # first tokens kept exact in every converted layer
+    sparse_cache: int = 0  # exact keys kept per key/value head, chosen by the linear state's recall error
+    state_bytes: int = 0  # decoding state of the converted layers, per sequence, whatever the context
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -266,9 +308,14 @@ class LinearizeReport:
         if self.converted_sliding_layers:
             kept += f"; sliding-window layers {self.converted_sliding_layers} converted too"
         notes = "".join(f"; {note}" for note in self.notes)
+        exact = (
+            f", {self.sinks} sinks, sparse cache {self.sparse_cache}"
+            if self.sinks or self.sparse_cache
+            else ""
+        )
         return (
-            f"linearized {len(self.layers)} {self.architecture} attention layers (window {self.window}, "
-            f"{self.feature_map} features{kept}); parameters {self.parameters_before:,} -> "
+            f"linearized {len(self.layers)} {self.architecture} attention layers (window {self.window}{exact}, "
+            f"{self.feature_map} features{kept}); decoding state {self.state_bytes:,} bytes per sequence; parameters {self.parameters_before:,} -> "
             f"{self.parameters_after:,} (+{self.trainable_parameters:,} feature-map and balance parameters){notes}"
         )
 
@@ -309,6 +356,8 @@ def linearize(
     chunk_size: int = 64,
     convert_sliding: bool = False,
     adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+    sinks: int = 0,
+    sparse_cache: int = 0,
 ) -> LinearizeReport:
     """Convert the softmax self-attention of a causal LM to sliding-window + linear attention, in place.
 
@@ -325,6 +374,12 @@ def linearize(
             cache). Then `layers`, if given, must list every sliding layer: the model builds one mask per layer
             type from one layer's cache entry, so the sliding layers are converted all or none.
         adapter: the architecture's adapter; detected from the model when None.
+        sinks: S ≥ 0, the first S tokens of a sequence kept exact (softmax) in every converted layer once they
+            leave the window (attention sinks, StreamingLLM).
+        sparse_cache: G ≥ 0, exact keys and values kept per layer and key/value head beyond the window, chosen
+            online as tokens leave it by how badly the linear state recalls their values (LoLA); the others, and
+            those evicted, fold into the linear state (:mod:`headkit.ops.sparse_hybrid`). With S = G = 0 the
+            mechanism is the plain window + linear hybrid.
 
     Returns a :class:`LinearizeReport`. Raises :class:`HeadkitError` for an unsupported architecture or one whose
     attention does not go through the attention interface, a window out of range, an unknown feature map, layers
@@ -338,9 +393,13 @@ def linearize(
     chosen = _check_arguments(
         model, sites, sliding, window, feature_map, layers, feature_dim, chunk_size, convert_sliding
     )
+    _check_exact_sets(sinks, sparse_cache)
     _check_interface(model, adapter, chosen)
     before = count_parameters(model)
-    planned = [(site, _plan_site(site, window, feature_map, feature_dim, chunk_size)) for site in chosen]
+    planned = [
+        (site, _plan_site(site, window, feature_map, feature_dim, chunk_size, sinks, sparse_cache))
+        for site in chosen
+    ]
     # Everything is built and checked: only now does the model change.
     attach_mechanisms(model, [(site.module, mechanism) for site, mechanism in planned])
     indices = [site.layers[0] for site in chosen]
@@ -355,6 +414,8 @@ def linearize(
             "feature_dim": feature_dim,
             "chunk_size": chunk_size,
             "convert_sliding": convert_sliding,
+            "sinks": sinks,
+            "sparse_cache": sparse_cache,
             "sites": [site.name for site in chosen],
         },
     )
@@ -379,6 +440,9 @@ def linearize(
         sliding_cache_bytes=0 if convert_sliding else _sliding_cache_bytes(model, sites, sliding),
         converted_sliding_layers=sliding if convert_sliding else [],
         notes=notes,
+        sinks=sinks,
+        sparse_cache=sparse_cache,
+        state_bytes=sum(mechanism.state_bytes() for _, mechanism in planned),
     )
 
 
@@ -507,8 +571,20 @@ def _check_arguments(
     return chosen
 
 
+def _check_exact_sets(sinks: Any, sparse_cache: Any) -> None:
+    for name, value in (("sinks", sinks), ("sparse_cache", sparse_cache)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise HeadkitError(f"{name} must be a non-negative integer (0: none), got {value!r}")
+
+
 def _plan_site(
-    site: AttentionSite, window: int, feature_map: str, feature_dim: int | None, chunk_size: int
+    site: AttentionSite,
+    window: int,
+    feature_map: str,
+    feature_dim: int | None,
+    chunk_size: int,
+    sinks: int = 0,
+    sparse_cache: int = 0,
 ) -> LinearizedHeads:
     """The mechanism of one site, built without touching the model."""
     weight = next(site.module.parameters())
@@ -524,6 +600,8 @@ def _plan_site(
         layer_idx=site.layers[0],
         dtype=weight.dtype,
         device=weight.device,
+        sinks=sinks,
+        sparse_cache=sparse_cache,
     )
 
 
@@ -556,8 +634,16 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
             f"the recorded linearization covered {entry['sites']}, but the rebuilt model's layers {entry['layers']} "
             f"are {[site.name for site in chosen]}"
         )
+    # Records written before sinks and the sparse cache existed hold neither: the plain hybrid.
+    sinks, sparse_cache = int(entry.get("sinks", 0)), int(entry.get("sparse_cache", 0))
+    _check_exact_sets(sinks, sparse_cache)
     planned = [
-        (site.module, _plan_site(site, window, entry["feature_map"], entry.get("feature_dim"), chunk_size))
+        (
+            site.module,
+            _plan_site(
+                site, window, entry["feature_map"], entry.get("feature_dim"), chunk_size, sinks, sparse_cache
+            ),
+        )
         for site in chosen
     ]
     attach_mechanisms(model, planned)

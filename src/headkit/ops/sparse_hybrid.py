@@ -1,0 +1,931 @@
+"""Hybrid attention that keeps exact what the linear term cannot approximate: attention sinks and a sparse cache.
+
+The hybrid of :mod:`headkit.ops.hybrid` (LoLCATs, Zhang et al. 2024, arXiv:2410.10254) sees the last W keys
+exactly and every older key through linear attention; a fact stated once, far back, is folded into the linear
+state and retrieval beyond the window collapses (0.6% passkey at 4K for LoLCATs models, McDermott et al. 2025,
+"LoLA: Low-Rank Linear Attention With Sparse Caching", arXiv:2505.23666). This op keeps three exact sets besides
+the window, all under the one normaliser of the hybrid (module docstring of :mod:`headkit.ops.hybrid`):
+
+* **sinks** (Xiao et al. 2023, "StreamingLLM", arXiv:2309.17453): the first S real tokens stay exact forever;
+* **a sparse global cache** (LoLA): a fixed budget of G exact key/value pairs per key/value head, chosen online
+  as tokens leave the window, by how badly the linear memory represents them;
+* every other key that has left the window is folded into the linear state (S, z), as before.
+
+For query i, with E_i the exact set (window (i − W, i], sinks, the sparse cache after the decisions made before
+query i) and L_i the folded keys:
+
+    a_ij = exp(s_ij − m_i)          for j ∈ E_i          (m_i = max of the real scores over E_i)
+    a_ij = γ_h · φ(q_i)ᵀ φ(k_j)     for j ∈ L_i
+    y_i  = Σ_j a_ij v_j / (Σ_j a_ij + eps)
+
+With S = G = 0, E_i is the window and this is :func:`headkit.ops.hybrid_attention` exactly (that op is called).
+
+**The selection.** Key j leaves the window after query j + W − 1 (its *event*). A real key among the first S
+real tokens becomes a sink. Any other real key gets the LoLA score — the squared error of the linear memory at
+recalling its value (LoLA's "self-recall error", eq. 6):
+
+    e_j = ‖v_j − Mᵀφ(k_j) / (zᵀφ(k_j) + eps)‖²,   M = Σ φ(k_u) v_uᵀ, z = Σ φ(k_u) over the non-sink real keys u
+                                                 that left the window before j
+
+The memory (M, z) it is measured against is the *reference memory*: what the linear state would hold with no
+sparse cache (folded keys and cached keys alike). Scores are then fixed once computed, and the cache after each
+event is exactly the G best-scored keys that have left the window so far (a streaming top-G: a newcomer enters
+when it beats the worst kept key, which is evicted and folded into the linear state; otherwise the newcomer is
+folded). Ties go to the earlier key. This is LoLA's criterion with one change: LoLA re-scores the kept keys against
+the current, cache-less state at every step, which makes each decision depend on all earlier ones; against the
+reference memory the decisions are a function of the scores alone, so a long prefill finds every decision in
+parallel (a count of better-scored keys, scanned chunk by chunk, :func:`_fold_events`) and reproduces token-by-token decoding exactly.
+
+At each event at most one key is folded (the newcomer or the evicted key), so the linear term is causal linear
+attention over a *fold sequence* — one gathered key per event — with the hybrid's shifted visibility (event e is
+seen by the queries after it). The exact extras are gathered per chunk of C queries: at most S + G + C keys are
+exact beyond the window for some query of a chunk (the S + G at its start, plus one newcomer per event).
+
+State (:class:`SparseHybridState`): the hybrid's state (window W − 1, folded sums), S sink slots, G cache slots
+(keys, values, key features and scores; empty slots first, then the kept keys in the order they left the window)
+and the reference memory: fixed-size whatever the context.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from headkit.ops._precision import autocast_disabled
+from headkit.ops._validation import check_positive_int
+from headkit.ops.hybrid import (
+    HybridAttentionState,
+    exclusive_cumsum,
+    hybrid_chunked,
+    hybrid_one_token,
+    prepared_hybrid_inputs,
+)
+
+
+class SparseHybridState(NamedTuple):
+    """Decoding state of :func:`sparse_hybrid_attention`, fixed-size; every tensor has the batch as dim 0.
+
+    window: the :class:`~headkit.ops.HybridAttentionState` of the window (the last W − 1 keys, values, key
+        features, padding flags) and the folded linear sums (kv, k_sum).
+    sink_keys, sink_values: [B, Hkv, S, D] / [B, Hkv, S, Dv], the first S real keys once they left the window
+        (zeros in unfilled slots), in the inputs' dtypes. sink_keep: [B, S] bool, slots filled in order.
+    sparse_keys, sparse_values, sparse_key_features: [B, Hkv, G, ·], the kept keys: empty slots first, then the
+        kept keys oldest first (zeros in empty slots). sparse_keep: [B, Hkv, G] bool. sparse_scores: [B, Hkv, G]
+        float32 (float64 for float64 inputs), their scores (−inf in empty slots).
+    reference_kv, reference_k_sum: [B, Hkv, F, Dv] / [B, Hkv, F], the reference memory Σ φ(k) vᵀ, Σ φ(k) over
+        every non-sink real key that left the window (zeros when G = 0: no score is needed).
+    """
+
+    window: HybridAttentionState
+    sink_keys: torch.Tensor
+    sink_values: torch.Tensor
+    sink_keep: torch.Tensor
+    sparse_keys: torch.Tensor
+    sparse_values: torch.Tensor
+    sparse_key_features: torch.Tensor
+    sparse_keep: torch.Tensor
+    sparse_scores: torch.Tensor
+    reference_kv: torch.Tensor
+    reference_k_sum: torch.Tensor
+
+
+def sparse_hybrid_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    balance: torch.Tensor,
+    *,
+    window: int,
+    sinks: int,
+    budget: int,
+    attention_mask: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    scale: float | None = None,
+    initial_state: SparseHybridState | None = None,
+    output_final_state: bool = False,
+    eps: float = 1e-6,
+    validate: bool = True,
+) -> tuple[torch.Tensor, SparseHybridState | None]:
+    """Causal hybrid attention with S sinks and a sparse exact cache of G keys per key/value head (module
+    docstring), chunkwise-parallel; decisions reproduce token-by-token decoding.
+
+    Arguments as :func:`headkit.ops.hybrid_attention`, plus ``sinks`` (S ≥ 0) and ``budget`` (G ≥ 0). The
+    selection itself is not differentiated (it is discrete); gradients flow through every key, value and
+    feature that the chosen sets use. Returns (out [B, H, T, Dv] in q's dtype, the final state or None).
+    """
+    state, keep, scale = _checked(
+        q, k, v, qf, kf, balance, window, sinks, budget, attention_mask, initial_state, scale, eps, validate
+    )
+    if validate:
+        check_positive_int("chunk_size", chunk_size)
+    if sinks == 0 and budget == 0:
+        out, final = hybrid_chunked(
+            q, k, v, qf, kf, balance, keep, state.window, window, chunk_size, scale, eps
+        )
+        return out, (state._replace(window=final) if output_final_state else None)
+    out, final = _sparse_hybrid(
+        q, k, v, qf, kf, balance, keep, state, window, sinks, budget, chunk_size, scale, eps
+    )
+    return out, (final if output_final_state else None)
+
+
+def sparse_hybrid_attention_step(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    balance: torch.Tensor,
+    state: SparseHybridState | None,
+    *,
+    window: int,
+    sinks: int,
+    budget: int,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    eps: float = 1e-6,
+    validate: bool = True,
+) -> tuple[torch.Tensor, SparseHybridState]:
+    """Decode a few new tokens (usually one) from ``state``; see :func:`sparse_hybrid_attention`. One token:
+    O((S + G + W) · D + F · Dv + G) work, whatever the context."""
+    state, keep, scale = _checked(
+        q, k, v, qf, kf, balance, window, sinks, budget, attention_mask, state, scale, eps, validate
+    )
+    if q.shape[2] != 1:
+        chunk = max(1, q.shape[2])
+        if sinks == 0 and budget == 0:
+            out, final = hybrid_chunked(
+                q, k, v, qf, kf, balance, keep, state.window, window, chunk, scale, eps
+            )
+            return out, state._replace(window=final)
+        return _sparse_hybrid(q, k, v, qf, kf, balance, keep, state, window, sinks, budget, chunk, scale, eps)
+    if sinks == 0 and budget == 0:
+        out, final = hybrid_one_token(q, k, v, qf, kf, balance, keep, state.window, scale, eps)
+        return out, state._replace(window=final)
+    return _sparse_one_token(q, k, v, qf, kf, balance, keep, state, sinks, budget, scale, eps)
+
+
+def sparse_hybrid_exact_sets(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kf: torch.Tensor,
+    *,
+    window: int,
+    sinks: int,
+    budget: int,
+    attention_mask: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """For every query i and key j of one sequence (no earlier state), whether j is in i's exact set (window,
+    sink or sparse cache): [B, Hkv, T, T] bool, from the parallel selection the fast path uses. For tests and
+    analysis (which keys a retrieval kept exact); O(T²) memory."""
+    batch, kv_heads, seq = k.shape[:3]
+    keep = torch.ones(batch, seq, dtype=torch.bool, device=k.device)
+    if attention_mask is not None:
+        keep = attention_mask.to(device=k.device, dtype=torch.bool)
+    dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
+    with torch.no_grad(), autocast_disabled(k.device):
+        state = _initial(k, v, kf, window, sinks, budget, batch, dtype)
+        kept = window - 1
+        pad = (batch, kv_heads, kept)
+        keys = torch.cat([k.new_zeros(*pad, k.shape[3]), k], dim=2).to(dtype)
+        values = torch.cat([v.new_zeros(*pad, v.shape[3]), v], dim=2).to(dtype)
+        features = torch.cat([kf.new_zeros(*pad, kf.shape[3]), kf], dim=2).to(dtype)
+        keep_ext = torch.cat([keep.new_zeros(batch, kept), keep], dim=1)
+        plan = _plan(
+            keys[:, :, :seq], values[:, :, :seq], features[:, :, :seq], keep_ext[:, :seq], state,
+            sinks=sinks, budget=budget, chunk=chunk_size, eps=eps,
+        )  # fmt: skip
+        arrival, departure = _exact_intervals(plan, state, seq, sinks, budget, chunk_size)
+    # Extra pool entry p = S + G + e is extended key e = original key e − (W − 1).
+    queries = torch.arange(seq, device=k.device)
+    extra = (arrival[..., sinks + budget :, None] <= queries) & (
+        queries < departure[..., sinks + budget :, None]
+    )
+    exact = torch.zeros(batch, kv_heads, seq, seq, dtype=torch.bool, device=k.device)
+    # extended key e ≥ W − 1 is original key e − W + 1; extended keys before that are empty window slots.
+    old_keys = max(seq - kept, 0)
+    exact[..., :, :old_keys] = extra[..., kept : kept + old_keys, :].transpose(-1, -2)
+    j = queries[None, :]
+    i = queries[:, None]
+    in_window = (j <= i) & (j > i - window) & keep[:, None, None, :]
+    return exact | in_window
+
+
+def naive_sparse_hybrid_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    balance: torch.Tensor,
+    *,
+    window: int,
+    sinks: int,
+    budget: int,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    output_final_state: bool = False,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor, SparseHybridState | None]:
+    """Test reference: one token at a time, per sequence and key/value head, with Python lists for the sinks, the
+    cache and the folded keys, in the most direct way (module docstring). Computed in q's dtype.
+
+    Returns (out [B, H, T, Dv], exact [B, Hkv, T, T] bool — whether key j is in query i's exact set —, the final
+    state or None)."""
+    batch, q_heads, seq, _ = q.shape
+    kv_heads = k.shape[1]
+    groups = q_heads // kv_heads
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    keep = torch.ones(batch, seq, dtype=torch.bool) if attention_mask is None else attention_mask.bool().cpu()
+    rows, exact = [], torch.zeros(batch, kv_heads, seq, seq, dtype=torch.bool)
+    finals = []
+    for b in range(batch):
+        head_rows, head_finals = [], []
+        for h in range(kv_heads):
+            sink_list: list[int] = []
+            cache: list[tuple[int, float]] = []  # (key index, score), oldest first
+            folded: list[int] = []
+            reference_kv = q.new_zeros(kf.shape[3], v.shape[3])
+            reference_k_sum = q.new_zeros(kf.shape[3])
+            outputs = []
+            for i in range(seq):
+                in_window = [j for j in range(max(0, i - window + 1), i + 1) if keep[b, j]]
+                members = sorted(set(in_window) | set(sink_list) | {j for j, _ in cache})
+                exact[b, h, i, members] = True
+                per_head = []
+                for g in range(groups):
+                    head = h * groups + g
+                    numerator = q.new_zeros(v.shape[3])
+                    denominator = q.new_zeros(())
+                    if members:
+                        scores = (k[b, h, members] @ q[b, head, i]) * scale
+                        weights = torch.exp(scores - scores.max())
+                        numerator = numerator + weights @ v[b, h, members]
+                        denominator = denominator + weights.sum()
+                    if folded:
+                        linear = balance[head] * (kf[b, h, folded] @ qf[b, head, i])
+                        numerator = numerator + linear @ v[b, h, folded]
+                        denominator = denominator + linear.sum()
+                    per_head.append(numerator / (denominator + eps))
+                outputs.append(torch.stack(per_head))
+                # After query i, key i − W + 1 leaves the window.
+                j = i - window + 1
+                if j < 0 or not keep[b, j]:
+                    continue
+                if len(sink_list) < sinks:
+                    sink_list.append(j)
+                    continue
+                if budget == 0:
+                    folded.append(j)
+                    continue
+                recalled = (kf[b, h, j] @ reference_kv) / (kf[b, h, j] @ reference_k_sum + eps)
+                score = float((v[b, h, j] - recalled).square().sum().detach())
+                reference_kv = reference_kv + torch.outer(kf[b, h, j], v[b, h, j])
+                reference_k_sum = reference_k_sum + kf[b, h, j]
+                cache.append((j, score))
+                if len(cache) > budget:
+                    # The worst kept key: the lowest score, the latest among equal ones.
+                    worst = min(range(len(cache)), key=lambda n: (cache[n][1], -n))
+                    folded.append(cache.pop(worst)[0])
+            head_rows.append(torch.stack(outputs, dim=1))  # [G, T, Dv]
+            head_finals.append((sink_list, cache, folded, reference_kv, reference_k_sum))
+        rows.append(torch.cat(head_rows, dim=0))
+        finals.append(head_finals)
+    out = torch.stack(rows)
+    if not output_final_state:
+        return out, exact, None
+    return out, exact, _naive_state(k, v, kf, keep, window, sinks, budget, finals)
+
+
+def _naive_state(k, v, kf, keep, window, sinks, budget, finals) -> SparseHybridState:
+    """The final state from the reference's lists (layout of :class:`SparseHybridState`)."""
+    batch, kv_heads, seq = k.shape[:3]
+    dtype = k.dtype
+    kept = window - 1
+    left = max(seq - kept, 0)
+    missing = kept - (seq - left)
+
+    def last_tokens(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x.new_zeros(*x.shape[:2], missing, x.shape[3]), x[:, :, left:]], dim=2)
+
+    features, dv = kf.shape[3], v.shape[3]
+    kv = k.new_zeros(batch, kv_heads, features, dv)
+    k_sum = k.new_zeros(batch, kv_heads, features)
+    sink_keys = k.new_zeros(batch, kv_heads, sinks, k.shape[3])
+    sink_values = v.new_zeros(batch, kv_heads, sinks, dv)
+    sink_keep = torch.zeros(batch, sinks, dtype=torch.bool)
+    sparse_keys = k.new_zeros(batch, kv_heads, budget, k.shape[3])
+    sparse_values = v.new_zeros(batch, kv_heads, budget, dv)
+    sparse_features = kf.new_zeros(batch, kv_heads, budget, features)
+    sparse_keep = torch.zeros(batch, kv_heads, budget, dtype=torch.bool)
+    sparse_scores = torch.full((batch, kv_heads, budget), float("-inf"), dtype=dtype)
+    reference_kv = torch.zeros_like(kv)
+    reference_k_sum = torch.zeros_like(k_sum)
+    for b in range(batch):
+        for h in range(kv_heads):
+            sink_list, cache, folded, ref_kv, ref_k_sum = finals[b][h]
+            for slot, j in enumerate(sink_list):
+                sink_keys[b, h, slot], sink_values[b, h, slot] = k[b, h, j], v[b, h, j]
+                sink_keep[b, slot] = True
+            first = budget - len(cache)
+            for n, (j, score) in enumerate(cache):
+                slot = first + n
+                sparse_keys[b, h, slot], sparse_values[b, h, slot] = k[b, h, j], v[b, h, j]
+                sparse_features[b, h, slot] = kf[b, h, j]
+                sparse_keep[b, h, slot] = True
+                sparse_scores[b, h, slot] = score
+            for j in folded:
+                kv[b, h] += torch.outer(kf[b, h, j], v[b, h, j])
+                k_sum[b, h] += kf[b, h, j]
+            reference_kv[b, h], reference_k_sum[b, h] = ref_kv, ref_k_sum
+    window_state = HybridAttentionState(
+        keys=last_tokens(k),
+        values=last_tokens(v),
+        key_features=last_tokens(kf),
+        keep=torch.cat([keep.new_zeros(batch, missing), keep[:, left:]], dim=1),
+        kv=kv,
+        k_sum=k_sum,
+    )
+    return SparseHybridState(
+        window_state,
+        sink_keys,
+        sink_values,
+        sink_keep,
+        sparse_keys,
+        sparse_values,
+        sparse_features,
+        sparse_keep,
+        sparse_scores,
+        reference_kv,
+        reference_k_sum,
+    )
+
+
+# -- the fast path -------------------------------------------------------------------------------------------------
+
+
+class _Plan(NamedTuple):
+    """The decisions of one call's events (event e: extended key e leaves the window), computed without grad."""
+
+    is_sink: torch.Tensor  # [B, T] bool
+    eligible: torch.Tensor  # [B, T] bool: real, not a sink — a candidate of the cache
+    scores: torch.Tensor  # [B, Hkv, T], −inf for non-candidates
+    fold_event: torch.Tensor  # [B, Hkv, G + T]: the event at which each cache candidate is folded (T: never)
+    reference_kv: torch.Tensor
+    reference_k_sum: torch.Tensor
+
+
+def _plan(
+    leave_keys: torch.Tensor,
+    leave_values: torch.Tensor,
+    leave_features: torch.Tensor,
+    leave_keep: torch.Tensor,
+    state: SparseHybridState,
+    *,
+    sinks: int,
+    budget: int,
+    chunk: int,
+    eps: float,
+) -> _Plan:
+    """Sinks, scores and fold events of the keys leaving the window in one call (each [B, Hkv, T, ·])."""
+    with torch.no_grad():
+        count = leave_keep.long()
+        rank = state.sink_keep.sum(dim=1, keepdim=True) + torch.cumsum(count, dim=1) - count
+        is_sink = leave_keep & (rank < sinks)
+        eligible = leave_keep & ~is_sink
+        if budget == 0:
+            scores = torch.full(leave_keys.shape[:3], float("-inf"), dtype=state.sparse_scores.dtype)
+            scores = scores.to(leave_keys.device)
+            fold_event = torch.arange(leave_keys.shape[2], device=leave_keys.device)
+            fold_event = fold_event.expand(*leave_keys.shape[:2], -1)
+            return _Plan(is_sink, eligible, scores, fold_event, state.reference_kv, state.reference_k_sum)
+        features = leave_features.detach()
+        values = leave_values.detach()
+        written = features * eligible[:, None, :, None]
+        numerator, denominator, reference_kv, reference_k_sum = _strictly_causal_linear(
+            features.unsqueeze(2), written, values, state.reference_kv, state.reference_k_sum, chunk
+        )
+        recalled = numerator[:, :, 0] / (denominator[:, :, 0] + eps)
+        scores = (values - recalled).square().sum(dim=-1)
+        scores = scores.masked_fill(~eligible[:, None, :], float("-inf"))
+        candidates = torch.cat([state.sparse_keep, eligible[:, None, :].expand_as(scores)], dim=2)
+        fold_event = _fold_events(torch.cat([state.sparse_scores, scores], dim=2), candidates, budget, chunk)
+    return _Plan(is_sink, eligible, scores, fold_event, reference_kv, reference_k_sum)
+
+
+def _fold_events(scores: torch.Tensor, real: torch.Tensor, budget: int, chunk: int = 64) -> torch.Tensor:
+    """[B, H, G + T] scores of the cache candidates in arrival order (the G kept ones first, arriving before
+    event 0; new candidate G + e arrives at event e) → the event at which each is folded, T for never.
+
+    After event e the cache holds the `budget` best of the arrived candidates (higher score, then earlier
+    arrival; a slot that holds no real key counts as −inf): candidate p is folded at the first event ≥ its
+    arrival by which `budget` better ones arrived. Scanned over chunks of `chunk` events, each a [G + C, G + C]
+    count among the cache at the chunk's start and the chunk's newcomers: O(T · (G + C)) work, not O(T²)."""
+    batch, heads, pool = scores.shape
+    events = pool - budget
+    device = scores.device
+    ranked = scores.masked_fill(~real, float("-inf"))
+    fold = torch.full((batch, heads, pool), events, dtype=torch.long, device=device)
+    cache = torch.arange(budget, device=device).expand(batch, heads, budget)  # pool indices, arrival order
+    for start in range(0, events, chunk):
+        size = min(chunk, events - start)
+        newcomers = torch.arange(budget + start, budget + start + size, device=device).expand(
+            batch, heads, size
+        )
+        candidates = torch.cat([cache, newcomers], dim=2)  # [B, H, K], increasing pool index = arrival order
+        candidate_scores = ranked.gather(2, candidates)
+        rows, columns = candidate_scores[..., :, None], candidate_scores[..., None, :]
+        earlier = candidates[..., :, None] < candidates[..., None, :]
+        better = (rows > columns) | ((rows == columns) & earlier)  # [B, H, K (better one), K]
+        # better candidates arrived by the chunk's event e: the cache and the newcomers up to e.
+        arrived = better.to(torch.int32).cumsum(dim=2, dtype=torch.int32)[:, :, budget:]  # [B, H, C, K]
+        reached = arrived >= budget
+        first = torch.where(reached.any(dim=2), reached.to(torch.int8).argmax(dim=2), events)
+        arrival = torch.cat(
+            [torch.zeros(budget, dtype=torch.long, device=device), torch.arange(size, device=device)]
+        )
+        local = torch.maximum(first, arrival)
+        folded = local < size
+        fold.scatter_(2, candidates, torch.where(folded, start + local, events))
+        # Exactly one candidate leaves per event: the `budget` others stay, in arrival order.
+        stay = torch.sort(folded.to(torch.uint8), dim=2, stable=True).indices[:, :, :budget]
+        cache = candidates.gather(2, stay)
+    return fold
+
+
+def _strictly_causal_linear(
+    queries: torch.Tensor,
+    features: torch.Tensor,
+    values: torch.Tensor,
+    kv: torch.Tensor,
+    k_sum: torch.Tensor,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Linear attention of query t over the entries e < t and the initial sums: queries [B, H, R, L, F] (R rows
+    per head), features [B, H, L, F], values [B, H, L, Dv], sums [B, H, F, Dv] / [B, H, F]. Chunked like
+    :mod:`headkit.ops.linear`. Returns (numerator [B, H, R, L, Dv], denominator [B, H, R, L, 1], final sums)."""
+    batch, heads, rows, length, width = queries.shape
+    dv = values.shape[3]
+    n = max(1, -(-length // chunk))
+    tail = n * chunk - length
+
+    def padded(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, x.new_zeros(*x.shape[:-2], tail, x.shape[-1])], dim=-2)
+
+    chunk_queries = padded(queries).view(batch, heads, rows, n, chunk, width).transpose(2, 3)
+    chunk_features = padded(features).view(batch, heads, n, 1, chunk, width)
+    chunk_values = padded(values).view(batch, heads, n, 1, chunk, dv)
+    chunk_kv = chunk_features.transpose(-1, -2) @ chunk_values  # [B, H, n, 1, F, Dv]
+    chunk_k_sum = chunk_features.sum(dim=4)  # [B, H, n, 1, F]
+    kv_before = kv[:, :, None, None] + exclusive_cumsum(chunk_kv)
+    k_sum_before = k_sum[:, :, None, None] + exclusive_cumsum(chunk_k_sum)
+    inside = (chunk_queries @ chunk_features.transpose(-1, -2)).tril(-1)  # [B, H, n, R, C, C]
+    numerator = chunk_queries @ kv_before + inside @ chunk_values
+    denominator = chunk_queries @ k_sum_before.unsqueeze(-1) + inside.sum(dim=-1, keepdim=True)
+
+    def unchunked(x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(2, 3).reshape(batch, heads, rows, n * chunk, x.shape[-1])[:, :, :, :length]
+
+    return (
+        unchunked(numerator),
+        unchunked(denominator),
+        kv + chunk_kv.sum(dim=(2, 3)),
+        k_sum + chunk_k_sum.sum(dim=(2, 3)),
+    )
+
+
+def _exact_intervals(
+    plan: _Plan, state: SparseHybridState, seq: int, sinks: int, budget: int, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """For the pool [S sink slots, G cache slots, T leaving keys]: the first query that sees each exactly beyond
+    the window (arrival) and the first that no longer does (departure); arrival ≥ departure = never."""
+    batch, heads = plan.scores.shape[:2]
+    device = plan.scores.device
+    never = seq + chunk + 1
+    events = torch.arange(seq, device=device)
+    sink_departure = torch.where(state.sink_keep, never, 0)[:, None, :].expand(batch, heads, sinks)
+    folded_at = torch.where(plan.fold_event >= seq, never, plan.fold_event + 1)
+    cache_departure = torch.where(state.sparse_keep, folded_at[:, :, :budget], 0)
+    new_departure = torch.where(
+        plan.is_sink[:, None, :], never, torch.where(plan.eligible[:, None, :], folded_at[:, :, budget:], 0)
+    )
+    arrival = torch.cat([torch.zeros(sinks + budget, dtype=torch.long, device=device), events + 1]).expand(
+        batch, heads, -1
+    )
+    departure = torch.cat([sink_departure, cache_departure, new_departure], dim=2)
+    return arrival, departure
+
+
+def _sparse_hybrid(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    balance: torch.Tensor,
+    keep: torch.Tensor | None,
+    state: SparseHybridState,
+    window: int,
+    sinks: int,
+    budget: int,
+    chunk: int,
+    scale: float,
+    eps: float,
+) -> tuple[torch.Tensor, SparseHybridState]:
+    """The chunked computation on validated inputs (S + G > 0)."""
+    batch, q_heads, seq, head_dim = q.shape
+    kv_heads, head_dim_v, features = k.shape[1], v.shape[3], qf.shape[3]
+    groups = q_heads // kv_heads
+    kept = window - 1
+    base = state.window
+    dtype = base.kv.dtype
+    device = q.device
+    n_chunks = max(1, -(-seq // chunk))
+    padded = n_chunks * chunk
+    tail = padded - seq
+    block = chunk + kept
+    if keep is None:
+        keep = torch.ones(batch, seq, dtype=torch.bool, device=device)
+    keep = keep.to(device)
+
+    with autocast_disabled(device):
+
+        def extend(stored: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+            zeros = new.new_zeros(*new.shape[:2], tail, new.shape[3]).to(dtype)
+            return torch.cat([stored.to(dtype), new.to(dtype), zeros], dim=2)
+
+        keys, values, key_features = (
+            extend(base.keys, k),
+            extend(base.values, v),
+            extend(base.key_features, kf),
+        )
+        keep_ext = torch.cat(
+            [base.keep.to(device), keep, torch.zeros(batch, tail, dtype=torch.bool, device=device)], dim=1
+        )
+        # Event e (after query e − 1 … before query e + 1): extended key e leaves the window.
+        leave_keys, leave_values, leave_features = (
+            keys[:, :, :seq],
+            values[:, :, :seq],
+            key_features[:, :, :seq],
+        )
+        leave_keep = keep_ext[:, :seq]
+        plan = _plan(
+            leave_keys, leave_values, leave_features, leave_keep, state,
+            sinks=sinks, budget=budget, chunk=chunk, eps=eps,
+        )  # fmt: skip
+
+        def chunked_queries(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, X] -> [B, Hkv, n, G·C, X]
+            x = torch.cat([x.to(dtype), x.new_zeros(*x.shape[:2], tail, x.shape[3]).to(dtype)], dim=2)
+            x = x.view(batch, kv_heads, groups, n_chunks, chunk, x.shape[3]).transpose(2, 3)
+            return x.reshape(batch, kv_heads, n_chunks, groups * chunk, x.shape[5])
+
+        queries = chunked_queries(q)
+        # --- the window: one band-masked [C, C + W − 1] block per chunk (as in headkit.ops.hybrid) ---
+        window_keys = keys.unfold(2, block, chunk)
+        window_values = values.unfold(2, block, chunk).transpose(-1, -2)
+        window_keep = keep_ext.unfold(1, block, chunk)
+        offsets = torch.arange(block, device=device)[None, :] - torch.arange(chunk, device=device)[:, None]
+        band = (offsets >= 0) & (offsets <= kept)
+        visible = band & window_keep[:, None, :, None, None, :]
+        window_scores = (queries @ window_keys) * scale
+        window_scores = window_scores.view(batch, kv_heads, n_chunks, groups, chunk, block)
+        window_scores = window_scores.masked_fill(~visible, float("-inf"))
+
+        # --- the exact extras: sinks and cached keys, at most S + G + C per chunk of queries ---
+        arrival, departure = _exact_intervals(plan, state, seq, sinks, budget, chunk)
+        pool_keys = torch.cat([state.sink_keys.to(dtype), state.sparse_keys.to(dtype), leave_keys], dim=2)
+        pool_values = torch.cat(
+            [state.sink_values.to(dtype), state.sparse_values.to(dtype), leave_values], dim=2
+        )
+        pool = pool_keys.shape[2]
+        starts = torch.arange(n_chunks, device=device) * chunk
+        relevant = (
+            (arrival[:, :, None, :] < (starts + chunk)[:, None])
+            & (departure[:, :, None, :] > starts[:, None])
+            & (arrival < departure)[:, :, None, :]
+        )  # [B, Hkv, n, pool]
+        extras = min(pool, sinks + budget + chunk)
+        picked = torch.sort(relevant.to(torch.uint8), dim=-1, descending=True, stable=True).indices
+        picked = picked[..., :extras]  # [B, Hkv, n, K]
+
+        def gather_pool(x: torch.Tensor) -> torch.Tensor:  # [B, Hkv, pool, X] -> [B, Hkv, n, K, X]
+            expanded = x[:, :, None].expand(-1, -1, n_chunks, -1, -1)
+            return expanded.gather(3, picked[..., None].expand(-1, -1, -1, -1, x.shape[3]))
+
+        extra_keys, extra_values = gather_pool(pool_keys), gather_pool(pool_values)
+        extra_arrival = arrival[:, :, None].expand(-1, -1, n_chunks, -1).gather(3, picked)
+        extra_departure = departure[:, :, None].expand(-1, -1, n_chunks, -1).gather(3, picked)
+        times = (starts[:, None] + torch.arange(chunk, device=device))[None, None, :, :, None]  # [1,1,n,C,1]
+        member = (extra_arrival[:, :, :, None, :] <= times) & (times < extra_departure[:, :, :, None, :])
+        extra_scores = (queries @ extra_keys.transpose(-1, -2)) * scale  # [B, Hkv, n, G·C, K]
+        extra_scores = extra_scores.view(batch, kv_heads, n_chunks, groups, chunk, extras)
+        extra_scores = extra_scores.masked_fill(~member[:, :, :, None], float("-inf"))
+
+        m = torch.maximum(window_scores.amax(dim=-1, keepdim=True), extra_scores.amax(dim=-1, keepdim=True))
+        m = m.masked_fill(~torch.isfinite(m), 0.0)
+        window_weights = torch.exp(window_scores - m).view(batch, kv_heads, n_chunks, groups * chunk, block)
+        extra_weights = torch.exp(extra_scores - m).view(batch, kv_heads, n_chunks, groups * chunk, extras)
+        numerator = window_weights @ window_values + extra_weights @ extra_values
+        denominator = window_weights.sum(dim=-1, keepdim=True) + extra_weights.sum(dim=-1, keepdim=True)
+
+        def by_head(x: torch.Tensor) -> torch.Tensor:  # [B, Hkv, n, G·C, X] -> [B, Hkv, G, T, X]
+            x = x.view(batch, kv_heads, n_chunks, groups, chunk, x.shape[-1]).transpose(2, 3)
+            return x.reshape(batch, kv_heads, groups, padded, x.shape[-1])[:, :, :, :seq]
+
+        numerator, denominator = by_head(numerator), by_head(denominator)
+
+        # --- the linear term: causal linear attention over the fold sequence (one folded key per event) ---
+        pool_features = torch.cat([state.sparse_key_features.to(dtype), leave_features], dim=2)
+        cache_values = torch.cat([state.sparse_values.to(dtype), leave_values], dim=2)
+        candidates = torch.cat([state.sparse_keep, plan.eligible[:, None, :].expand(-1, kv_heads, -1)], dim=2)
+        folds = candidates & (plan.fold_event < seq)
+        slot = torch.where(folds, plan.fold_event, seq)  # events without a fold gather nothing
+        sources = torch.arange(budget + seq, device=device).expand(batch, kv_heads, -1)
+        fold_source = torch.zeros(batch, kv_heads, seq + 1, dtype=torch.long, device=device)
+        fold_source = fold_source.scatter(2, slot, sources)[:, :, :seq]
+        fold_keep = torch.zeros(batch, kv_heads, seq + 1, dtype=torch.bool, device=device)
+        fold_keep = fold_keep.scatter(2, slot, folds)[:, :, :seq]
+        folded_features = pool_features.gather(2, fold_source[..., None].expand(-1, -1, -1, features))
+        folded_features = folded_features * fold_keep[..., None]
+        folded_values = cache_values.gather(2, fold_source[..., None].expand(-1, -1, -1, head_dim_v))
+        query_features = qf.to(dtype).view(batch, kv_heads, groups, seq, features)
+        linear_numerator, linear_denominator, final_kv, final_k_sum = _strictly_causal_linear(
+            query_features, folded_features, folded_values, base.kv, base.k_sum, chunk
+        )
+
+        gamma = balance.to(dtype).view(1, kv_heads, groups, 1, 1)
+        out = (numerator + gamma * linear_numerator) / (denominator + gamma * linear_denominator + eps)
+        out = out.reshape(batch, q_heads, seq, head_dim_v).to(q.dtype)
+
+        # --- the next state ---
+        def last_window(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+            return x[:, :, seq : seq + kept].to(like.dtype)
+
+        window_state = HybridAttentionState(
+            keys=last_window(keys, k),
+            values=last_window(values, v),
+            key_features=last_window(key_features, kf),
+            keep=keep_ext[:, seq : seq + kept],
+            kv=final_kv,
+            k_sum=final_k_sum,
+        )
+        # Sinks: the first S flagged among [the sink slots, the leaving keys], in order; empty slots zero.
+        sink_flags = torch.cat([state.sink_keep, plan.is_sink], dim=1)
+        sink_order = torch.sort(sink_flags.to(torch.uint8), dim=1, descending=True, stable=True).indices[
+            :, :sinks
+        ]
+        sink_keep = sink_flags.gather(1, sink_order)
+
+        def sink_slots(stored: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+            both = torch.cat([stored.to(dtype), new], dim=2)
+            index = sink_order[:, None, :, None].expand(-1, kv_heads, -1, both.shape[3])
+            return (both.gather(2, index) * sink_keep[:, None, :, None]).to(stored.dtype)
+
+        # Cache: the candidates never folded, oldest first, behind the empty slots; empty slots zero, −inf.
+        remaining = candidates & (plan.fold_event >= seq)
+        cache_order = torch.sort(remaining.to(torch.uint8), dim=2, stable=True).indices
+        cache_order = cache_order[:, :, cache_order.shape[2] - budget :]
+        sparse_keep = remaining.gather(2, cache_order)
+
+        def cache_slots(stored: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+            both = torch.cat([stored.to(dtype), new], dim=2)
+            index = cache_order[..., None].expand(-1, -1, -1, both.shape[3])
+            return (both.gather(2, index) * sparse_keep[..., None]).to(stored.dtype)
+
+        all_scores = torch.cat([state.sparse_scores, plan.scores], dim=2)
+        final = SparseHybridState(
+            window=window_state,
+            sink_keys=sink_slots(state.sink_keys, leave_keys),
+            sink_values=sink_slots(state.sink_values, leave_values),
+            sink_keep=sink_keep,
+            sparse_keys=cache_slots(state.sparse_keys, leave_keys),
+            sparse_values=cache_slots(state.sparse_values, leave_values),
+            sparse_key_features=cache_slots(state.sparse_key_features, leave_features),
+            sparse_keep=sparse_keep,
+            sparse_scores=all_scores.gather(2, cache_order).masked_fill(~sparse_keep, float("-inf")),
+            reference_kv=plan.reference_kv,
+            reference_k_sum=plan.reference_k_sum,
+        )
+    return out, final
+
+
+def _sparse_one_token(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    balance: torch.Tensor,
+    keep: torch.Tensor | None,
+    state: SparseHybridState,
+    sinks: int,
+    budget: int,
+    scale: float,
+    eps: float,
+) -> tuple[torch.Tensor, SparseHybridState]:
+    """One decoding step: the query sees [sinks, cache, window] exactly and the folded sums linearly; then the
+    oldest window key leaves: it fills the next sink slot, or competes for the cache (the worst of the kept keys
+    and the newcomer is folded)."""
+    batch, q_heads = q.shape[:2]
+    kv_heads, head_dim_v, features = k.shape[1], v.shape[3], qf.shape[3]
+    groups = q_heads // kv_heads
+    base = state.window
+    dtype = base.kv.dtype
+    device = q.device
+    if keep is None:
+        keep = torch.ones(batch, 1, dtype=torch.bool, device=device)
+    with autocast_disabled(device):
+        window_keys = torch.cat([base.keys, k], dim=2)
+        window_values = torch.cat([base.values, v], dim=2)
+        window_features = torch.cat([base.key_features, kf], dim=2)
+        window_keep = torch.cat([base.keep, keep.to(base.keep.device)], dim=1)  # [B, W]
+        keys = torch.cat([state.sink_keys, state.sparse_keys, window_keys], dim=2).to(dtype)
+        values = torch.cat([state.sink_values, state.sparse_values, window_values], dim=2).to(dtype)
+        visible = torch.cat(
+            [
+                state.sink_keep[:, None].expand(-1, kv_heads, -1),
+                state.sparse_keep,
+                window_keep[:, None].expand(-1, kv_heads, -1),
+            ],
+            dim=2,
+        )
+        queries = q.reshape(batch, kv_heads, groups, q.shape[3]).to(dtype)
+        scores = (queries @ keys.transpose(-1, -2)) * scale
+        scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
+        m = scores.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).min)
+        weights = torch.exp(scores - m)
+        query_features = qf.reshape(batch, kv_heads, groups, features).to(dtype)
+        gamma = balance.to(dtype).view(1, kv_heads, groups, 1)
+        linear = query_features @ torch.cat([base.kv, base.k_sum.unsqueeze(-1)], dim=-1)
+        numerator = torch.addcmul(weights @ values, gamma, linear[..., :head_dim_v])
+        denominator = torch.addcmul(weights.sum(dim=-1, keepdim=True), gamma, linear[..., head_dim_v:])
+        out = (numerator / (denominator + eps)).view(batch, q_heads, 1, head_dim_v).to(q.dtype)
+
+        # The oldest window key leaves.
+        leaving_keep = window_keep[:, 0]
+        leaving_key, leaving_value = window_keys[:, :, 0], window_values[:, :, 0]
+        leaving_feature = window_features[:, :, 0].to(dtype)
+        filled = state.sink_keep.sum(dim=1)
+        is_sink = leaving_keep & (filled < sinks)
+        sink_slot = (torch.arange(sinks, device=device) == filled[:, None]) & is_sink[:, None]  # [B, S]
+        sink_keys = torch.where(sink_slot[:, None, :, None], leaving_key[:, :, None], state.sink_keys)
+        sink_values = torch.where(sink_slot[:, None, :, None], leaving_value[:, :, None], state.sink_values)
+        eligible = (leaving_keep & ~is_sink)[:, None].expand(-1, kv_heads)  # [B, Hkv]
+
+        kv, k_sum = base.kv, base.k_sum
+        reference_kv, reference_k_sum = state.reference_kv, state.reference_k_sum
+        if budget == 0:
+            folded = leaving_feature * eligible[..., None]
+            kv = torch.addcmul(kv, folded.unsqueeze(-1), leaving_value.to(dtype).unsqueeze(-2))
+            k_sum = k_sum + folded
+            sparse = (state.sparse_keys, state.sparse_values, state.sparse_key_features)
+            sparse_keep, sparse_scores = state.sparse_keep, state.sparse_scores
+        else:
+            value = leaving_value.to(dtype)
+            recalled = (leaving_feature.unsqueeze(-2) @ reference_kv).squeeze(-2) / (
+                (leaving_feature * reference_k_sum).sum(dim=-1, keepdim=True) + eps
+            )
+            score = (value - recalled).square().sum(dim=-1).masked_fill(~eligible, float("-inf"))
+            written = leaving_feature * eligible[..., None]
+            reference_kv = torch.addcmul(reference_kv, written.unsqueeze(-1), value.unsqueeze(-2))
+            reference_k_sum = reference_k_sum + written
+            # Candidates oldest first: the kept keys, then the newcomer; the worst (lowest score, latest among
+            # equal ones — argmin of the reversed list finds the last minimum) leaves the cache.
+            candidate_scores = torch.cat([state.sparse_scores, score[..., None]], dim=2)
+            candidate_keep = torch.cat([state.sparse_keep, eligible[..., None]], dim=2)
+            worst = budget - torch.argmin(candidate_scores.flip(-1), dim=-1)  # [B, Hkv]
+            candidates = [
+                torch.cat([state.sparse_keys, leaving_key[:, :, None]], dim=2),
+                torch.cat([state.sparse_values, leaving_value[:, :, None]], dim=2),
+                torch.cat([state.sparse_key_features, window_features[:, :, :1]], dim=2),
+            ]
+            worst_keep = candidate_keep.gather(2, worst[..., None])[..., 0]
+            index = worst[..., None, None]
+            worst_feature = candidates[2].gather(2, index.expand(-1, -1, 1, features))[:, :, 0].to(dtype)
+            worst_value = candidates[1].gather(2, index.expand(-1, -1, 1, head_dim_v))[:, :, 0].to(dtype)
+            worst_feature = worst_feature * worst_keep[..., None]
+            kv = torch.addcmul(kv, worst_feature.unsqueeze(-1), worst_value.unsqueeze(-2))
+            k_sum = k_sum + worst_feature
+            slots = torch.arange(budget, device=device)
+            kept_index = slots + (slots >= worst[..., None])  # [B, Hkv, G]: every candidate but the worst
+            sparse = tuple(
+                x.gather(2, kept_index[..., None].expand(-1, -1, -1, x.shape[3])) for x in candidates
+            )
+            sparse_keep = candidate_keep.gather(2, kept_index)
+            sparse_scores = candidate_scores.gather(2, kept_index)
+
+        window_state = HybridAttentionState(
+            keys=window_keys[:, :, 1:],
+            values=window_values[:, :, 1:],
+            key_features=window_features[:, :, 1:],
+            keep=window_keep[:, 1:],
+            kv=kv,
+            k_sum=k_sum,
+        )
+        final = SparseHybridState(
+            window_state,
+            sink_keys,
+            sink_values,
+            state.sink_keep | sink_slot,
+            *sparse,
+            sparse_keep,
+            sparse_scores,
+            reference_kv,
+            reference_k_sum,
+        )
+    return out, final
+
+
+# -- checks and the empty state -----------------------------------------------------------------------------------
+
+
+def _initial(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kf: torch.Tensor,
+    window: int,
+    sinks: int,
+    budget: int,
+    batch: int,
+    dtype,
+) -> SparseHybridState:
+    """The state before the first token: empty window, sinks and cache, zero sums."""
+    kv_heads, device = k.shape[1], k.device
+    kept, features, dv = window - 1, kf.shape[3], v.shape[3]
+    window_state = HybridAttentionState(
+        keys=k.new_zeros(batch, kv_heads, kept, k.shape[3]),
+        values=v.new_zeros(batch, kv_heads, kept, dv),
+        key_features=kf.new_zeros(batch, kv_heads, kept, features),
+        keep=torch.zeros(batch, kept, dtype=torch.bool, device=device),
+        kv=torch.zeros(batch, kv_heads, features, dv, dtype=dtype, device=device),
+        k_sum=torch.zeros(batch, kv_heads, features, dtype=dtype, device=device),
+    )
+    return SparseHybridState(
+        window_state,
+        sink_keys=k.new_zeros(batch, kv_heads, sinks, k.shape[3]),
+        sink_values=v.new_zeros(batch, kv_heads, sinks, dv),
+        sink_keep=torch.zeros(batch, sinks, dtype=torch.bool, device=device),
+        sparse_keys=k.new_zeros(batch, kv_heads, budget, k.shape[3]),
+        sparse_values=v.new_zeros(batch, kv_heads, budget, dv),
+        sparse_key_features=kf.new_zeros(batch, kv_heads, budget, features),
+        sparse_keep=torch.zeros(batch, kv_heads, budget, dtype=torch.bool, device=device),
+        sparse_scores=torch.full((batch, kv_heads, budget), float("-inf"), dtype=dtype, device=device),
+        reference_kv=torch.zeros(batch, kv_heads, features, dv, dtype=dtype, device=device),
+        reference_k_sum=torch.zeros(batch, kv_heads, features, dtype=dtype, device=device),
+    )
+
+
+def _checked(
+    q, k, v, qf, kf, balance, window, sinks, budget, attention_mask, state, scale, eps, validate
+) -> tuple[SparseHybridState, torch.Tensor | None, float]:
+    """(the state — empty when None —, the bool padding mask or None, the scale), checked when ``validate``."""
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if not validate:
+        if state is None:
+            state = _initial(k, v, kf, window, sinks, budget, q.shape[0], dtype)
+        return state, attention_mask, q.shape[-1] ** -0.5 if scale is None else scale
+    for name, value in (("sinks", sinks), ("budget", budget)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    if state is not None and not isinstance(state, SparseHybridState):
+        raise ValueError(f"the state must be a SparseHybridState (from this op), got {type(state).__name__}")
+    keep, window_state, scale = prepared_hybrid_inputs(
+        q, k, v, qf, kf, balance, window, attention_mask,
+        None if state is None else state.window, "state.window", scale, eps, True,
+    )  # fmt: skip
+    if state is None:
+        return _initial(k, v, kf, window, sinks, budget, q.shape[0], dtype), keep, scale
+    batch, kv_heads = k.shape[:2]
+    expected = {
+        "sink_keys": (batch, kv_heads, sinks, k.shape[3]),
+        "sink_values": (batch, kv_heads, sinks, v.shape[3]),
+        "sink_keep": (batch, sinks),
+        "sparse_keys": (batch, kv_heads, budget, k.shape[3]),
+        "sparse_values": (batch, kv_heads, budget, v.shape[3]),
+        "sparse_key_features": (batch, kv_heads, budget, kf.shape[3]),
+        "sparse_keep": (batch, kv_heads, budget),
+        "sparse_scores": (batch, kv_heads, budget),
+        "reference_kv": (batch, kv_heads, kf.shape[3], v.shape[3]),
+        "reference_k_sum": (batch, kv_heads, kf.shape[3]),
+    }
+    for field, shape in expected.items():
+        got = tuple(getattr(state, field).shape)
+        if got != shape:
+            raise ValueError(
+                f"state.{field} must have shape {list(shape)} (sinks {sinks}, budget {budget}), got {got}"
+            )
+    return state._replace(window=window_state), keep, scale
+
+
+__all__ = [
+    "SparseHybridState",
+    "naive_sparse_hybrid_attention",
+    "sparse_hybrid_attention",
+    "sparse_hybrid_attention_step",
+    "sparse_hybrid_exact_sets",
+]
