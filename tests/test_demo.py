@@ -1,3 +1,4 @@
+import importlib
 import json
 import math
 
@@ -45,11 +46,16 @@ TINY = dict(
 )
 
 
+# The module, not the function headkit.recipes re-exports under the same name.
+compress_recipe = importlib.import_module("headkit.recipes.compress")
+
+
 @pytest.fixture(scope="module")
 def report(tiny_encoder, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(demo, "load_text", lambda data: None)
-        patch.setattr(demo, "text_chunks", lambda corpus, a, b, seed=0: _small_corpus(a, b, seed))
+        # The demo reads its texts as the compress recipe does (prepare_encoder_text).
+        patch.setattr(compress_recipe, "load_text", lambda data: None)
+        patch.setattr(compress_recipe, "text_chunks", lambda corpus, a, b, seed=0: _small_corpus(a, b, seed))
         out = tmp_path_factory.mktemp("demo") / "demo"
         config = demo.DemoConfig(
             model=tiny_encoder,
@@ -103,8 +109,10 @@ def test_bad_settings_are_user_errors(tmp_path):
 def test_cli_runs_the_tour(tiny_encoder, tmp_path, monkeypatch):
     from headkit.cli import main
 
-    monkeypatch.setattr(demo, "load_text", lambda data: None)
-    monkeypatch.setattr(demo, "text_chunks", lambda corpus, a, b, seed=0: _small_corpus(a, b, seed))
+    monkeypatch.setattr(compress_recipe, "load_text", lambda data: None)
+    monkeypatch.setattr(
+        compress_recipe, "text_chunks", lambda corpus, a, b, seed=0: _small_corpus(a, b, seed)
+    )
     out = tmp_path / "cli"
     with pytest.raises(SystemExit) as exit_info:
         main(["demo", "--model", str(tiny_encoder), "--no-decoder", "--threads", "1", "--out", str(out)])

@@ -34,16 +34,20 @@ from torch import nn
 from headkit.bench._report import command_line, machine_info, markdown_table
 from headkit.errors import HeadkitError
 from headkit.files import write_json_atomic, write_text_atomic
-from headkit.recipes.compress import encoder_fidelity
+from headkit.recipes.compress import (
+    CompressSettings,
+    compress_and_distill,
+    encoder_fidelity,
+    load_teacher,
+    prepare_encoder_text,
+)
+from headkit.recipes.distill import encoder_finetune
 from headkit.recipes.evaluate import forward_times, thread_limit
-from headkit.recipes.models import default_encoder_path, load_model
-from headkit.recipes.objectives import embedding_distillation_loss
-from headkit.recipes.prune import encoder_finetune, keep_top_gated_heads
-from headkit.recipes.text import load_text, text_chunks, tokenize_batches
+from headkit.recipes.models import default_encoder_path
+from headkit.recipes.prune import echo_gate_progress, prune_encoder_heads
 from headkit.surgery.adapters import count_parameters, get_adapter
 from headkit.surgery.collaborative import swap_to_collaborative
-from headkit.surgery.gating import add_head_gates, gate_values, remove_head_gates, train_gates_to_budget
-from headkit.surgery.pruning import heads_per_layer, prune_heads
+from headkit.surgery.pruning import heads_per_layer
 
 
 @dataclass
@@ -119,22 +123,13 @@ def _run_demo(config: DemoConfig, console: Any) -> dict[str, Any]:
 
     model_path = Path(config.model) if config.model is not None else default_encoder_path()
     torch.manual_seed(config.seed)
-    loaded = load_model(model_path)
-    original, tokenizer = loaded.model, loaded.tokenizer
-    adapter = get_adapter(original)
-    original.requires_grad_(False)
-    site = adapter.sites(original)[0]
-    full_dim = site.num_heads * site.head_dim
+    teacher = load_teacher(model_path)  # frozen
+    original, adapter, full_dim = teacher.model, teacher.adapter, teacher.full_dim
     total_heads = sum(heads_per_layer(original, adapter).values())
-    train_texts, held_out_texts = text_chunks(
-        load_text(None), config.train_texts, config.held_out_texts, config.seed
+    text = prepare_encoder_text(
+        teacher, config.train_texts, config.held_out_texts, config.batch_size, config.max_length, config.seed
     )
-    train_batches = tokenize_batches(tokenizer, train_texts, config.batch_size, config.max_length)
-    held_out = tokenize_batches(tokenizer, held_out_texts, config.batch_size, config.max_length)
-    if not train_batches or not held_out:
-        raise HeadkitError("batch_size is larger than the demo's corpus; lower it")
-    with torch.no_grad():
-        original_held_out = [original(**batch).last_hidden_state for batch in held_out]
+    train_batches, held_out, original_held_out = text.train, text.held_out, text.teacher_held_out
     echo(
         f"{model_path}: {count_parameters(original):,} parameters, {total_heads} heads, "
         f"heads · head_dim = {full_dim}; {len(held_out) * config.batch_size} held-out texts"
@@ -168,28 +163,19 @@ def _run_demo(config: DemoConfig, console: Any) -> dict[str, Any]:
 
     half = full_dim // 2
     stage(2, f"collaborative heads at half size (D̃ = {half}), {config.distill_steps} distillation steps")
-    compressed = copy.deepcopy(original)
-    swap = swap_to_collaborative(
-        compressed, adapter, dim_shared_query_key=half, seed=config.seed, max_iter=config.als_iterations
-    )
-    after_swap = encoder_fidelity(compressed, held_out, original_held_out)
-    echo(
-        f"after {config.als_iterations} ALS sweeps: relative error {swap.max_relative_error:.3f}, "
-        f"mean cosine {after_swap.mean_cosine:.4f}"
-    )
-    losses = encoder_finetune(
-        compressed,
-        original,
-        train_batches,
-        steps=config.distill_steps,
+    distillation = CompressSettings(
+        distill_steps=config.distill_steps,
         lr=config.distill_lr,
         seed=config.seed,
-        echo=echo,
+        max_iter=config.als_iterations,
+        batch_size=config.batch_size,
     )
+    compressed = compress_and_distill(teacher, text, half, distillation, echo)
+    swap, after_swap, losses = compressed.swap, compressed.fidelity_after_swap, compressed.losses
     variants.append(
         measure(
             f"collaborative D̃={half} + distillation",
-            compressed,
+            compressed.student,
             {
                 "swap": swap.to_dict(),
                 "mean_cosine_before_distillation": after_swap.mean_cosine,
@@ -276,48 +262,30 @@ def _check_settings(config: DemoConfig) -> None:
 def _prune(
     original: nn.Module, adapter: Any, batches: list[dict], target: int, config: DemoConfig, echo: Any
 ) -> tuple[nn.Module, Any, dict]:
-    """The prune job's recipe (gates under an L0 budget, keep the top heads, fold, fine-tune) on a copy."""
-    with torch.no_grad():
-        teacher_states = [original(**batch).last_hidden_state for batch in batches]
-    student = copy.deepcopy(original)
-    student.requires_grad_(True)
-    add_head_gates(student, "hard_concrete")
-    items = list(zip(batches, teacher_states, strict=True))
-
-    def loss_fn(model: nn.Module, item: tuple[dict, torch.Tensor]) -> torch.Tensor:
-        batch, states = item
-        return embedding_distillation_loss(model(**batch).last_hidden_state, states, batch["attention_mask"])
-
-    report_every = max(1, config.prune_steps // 4)
-    log = train_gates_to_budget(
-        student,
-        loss_fn,
-        items,
-        target_heads=target,
-        steps=config.prune_steps,
+    """The prune recipe's encoder workflow (gates and weights under an L0 budget, keep the top heads, fold) on a
+    copy, then a fine-tuning of the pruned model."""
+    pruning = prune_encoder_heads(
+        original,
+        batches,
+        target,
+        gate_steps=config.prune_steps,
         gate_lr=config.gate_lr,
         weight_lr=config.weight_lr,
+        fold=True,
+        seed=config.seed,
         log_every=max(1, config.prune_steps // 10),
-        callback=lambda step, log: (
-            echo(
-                f"  gate step {step}/{config.prune_steps}: loss {log.task_losses[-1]:.4f}, "
-                f"expected heads {log.expected_heads[-1]:.1f} (target {log.targets[-1]:.1f})"
-            )
-            if step % report_every == 0
-            else None
-        ),
+        callback=echo_gate_progress(echo, config.prune_steps, every=max(1, config.prune_steps // 4)),
+        adapter=adapter,
     )
-    final_gates = gate_values(student, adapter)
-    prune_heads(
-        student, keep_top_gated_heads(student, target, adapter), allow_empty_layers=True, adapter=adapter
-    )
-    remove_head_gates(student, fold=True, adapter=adapter)
+    student = pruning.model
     losses = encoder_finetune(
         student, original, batches, steps=config.prune_finetune_steps, lr=config.weight_lr, seed=config.seed
-    )
+    ).losses
     if losses:
-        echo(f"  {len(losses)} fine-tuning steps after removal: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-    return student.eval(), log, final_gates
+        echo(
+            f"  {len(losses)} fine-tuning steps logged after removal: loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+        )
+    return student.eval(), pruning.gate_log, pruning.final_gates
 
 
 def _plot_gates(log: Any, final_gates: dict, target: int, out: Path) -> dict[str, Path]:
@@ -416,7 +384,7 @@ def run_decoder_act(config: DemoConfig, echo: Any) -> dict[str, Any]:
     from headkit.recipes.models import load_model, smollm2_gguf_path
     from headkit.recipes.prune import SAMPLE_PROMPT, PruneSettings
     from headkit.recipes.prune import run as prune_run
-    from headkit.recipes.text import lm_windows
+    from headkit.recipes.text import lm_windows, load_text
 
     model_path = Path(config.decoder_model) if config.decoder_model is not None else smollm2_gguf_path()
     started = time.perf_counter()

@@ -14,9 +14,10 @@ and its tokenizer are saved with ``save_pretrained`` next to ``training_report.j
 ``AutoModelForCausalLM`` (after ``import headkit``) and ``AutoTokenizer`` (the byte tokenizer is a stock
 ``tokenizer.json``), and ``headkit generate FOLDER --prompt …`` talks to it.
 
-Data parallelism: when ``torch.distributed`` is initialised with more than one process, the model is wrapped in
-``DistributedDataParallel`` (gradients averaged across processes after every backward), each rank draws its own
-batches, and only rank 0 shows progress, evaluates and saves.
+The steps run on headkit's one training loop (:func:`headkit.recipes.loop.train_loop`, 🤗 ``Trainer``), so the
+same call trains data-parallel under ``torchrun`` / ``accelerate launch`` (DDP: gradients averaged across
+processes after every backward; FSDP through accelerate's config) or in a process group the caller initialised:
+each rank draws its own batches, and only rank 0 shows progress, evaluates and saves.
 """
 
 from __future__ import annotations
@@ -26,13 +27,13 @@ import json
 import math
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from rich.console import Console
 from rich.progress import (
     BarColumn,
@@ -59,6 +60,7 @@ from headkit.files import check_output_folder, staged_folder
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 from headkit.ops._validation import check_positive_int
 from headkit.recipes.evaluate import held_out_bits_per_byte
+from headkit.recipes.loop import IndexedBatches, LoopResult, StepCallback, process_rank_and_count, train_loop
 
 REPORT_FILE = "training_report.json"
 
@@ -160,7 +162,7 @@ def train_causal_lm(
         check_positive_int("eval_every", eval_every)
     check_eval_tokens(eval_tokens, flag="eval_tokens")
     device = check_device(device)
-    rank, world_size = _distributed_rank_and_size()
+    rank, world_size = process_rank_and_count()
     is_main = rank == 0
     if out_dir is not None and is_main:
         inputs = {"--corpus": corpus, "--tokenizer": tokenizer}
@@ -175,6 +177,8 @@ def train_causal_lm(
     if not isinstance(corpus, Corpus):
         corpus = load_corpus(corpus)
     model = _build_model(config_or_model, tokenizer, seq_len, seed).to(device)
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)  # the accelerator Trainer trains on is the current one
 
     train_stream = encode_corpus(corpus.train, tokenizer)
     held_out_stream = encode_corpus(corpus.held_out, tokenizer)
@@ -182,14 +186,8 @@ def train_causal_lm(
     windows = evaluation_windows(held_out_stream, seq_len, eval_tokens, spread=True) if evaluate else None
     ignored_ids = torch.tensor(special_token_ids(tokenizer), dtype=torch.long)
 
-    trained = model
-    if world_size > 1:
-        # DDP broadcasts rank 0's parameters at construction and averages gradients in every backward.
-        trained = torch.nn.parallel.DistributedDataParallel(model)
     warmup = min(100, steps // 10) if warmup_steps is None else warmup_steps
-    optimizer, schedule = lm_optimizer(model, lr, weight_decay, steps, warmup, foreach=True)
-    generator = torch.Generator().manual_seed(seed + 1 + rank)
-
+    warmup = min(100, steps // 10) if warmup_steps is None else warmup_steps
     history: list[dict[str, float]] = []
     initial_bpb = (
         held_out_bits_per_byte(model, windows, tokenizer, ignored_ids, eval_batch_size) if evaluate else None
@@ -208,9 +206,7 @@ def train_causal_lm(
         console=console,
         disable=not (show_progress and is_main),
     )
-    losses: list[float] = []
-    step_seconds: list[float] = []
-    train_seconds = 0.0
+    clock = {"train_seconds": 0.0}
     started = time.perf_counter()
     with progress:
         task = progress.add_task(
@@ -220,25 +216,30 @@ def train_causal_lm(
             bpb=_bpb_label(initial_bpb),
             mechanism=progress_label or _mechanisms(model),
         )
-        for step in range(1, steps + 1):
-            step_started = time.perf_counter()
-            trained.train()
-            batch = sample_batch(train_stream, batch_size, seq_len, generator).to(device)
-            labels = _mask_special(batch, ignored_ids.to(device))
-            loss = trained(input_ids=batch, labels=labels, use_cache=False).loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-            optimizer.step()
-            schedule.step()
-            losses.append(loss.item())  # also waits for an accelerator, so the step's clock is complete
-            step_seconds.append(time.perf_counter() - step_started)
-            train_seconds += step_seconds[-1]
+
+        def after_step(step: int, loss: float, seconds: float) -> None:
+            clock["train_seconds"] += seconds
             if evaluate and eval_every is not None and step % eval_every == 0 and step < steps:
                 bpb = held_out_bits_per_byte(model, windows, tokenizer, ignored_ids, eval_batch_size)
-                history.append({"step": step, "held_out_bits_per_byte": bpb, "train_seconds": train_seconds})
+                history.append(
+                    {"step": step, "held_out_bits_per_byte": bpb, "train_seconds": clock["train_seconds"]}
+                )
                 progress.update(task, bpb=_bpb_label(bpb))
-            progress.update(task, advance=1, loss=losses[-1])
+            progress.update(task, advance=1, loss=loss)
+
+        loop = train_on_batches(
+            model,
+            lambda index, generator: _lm_batch(
+                sample_batch(train_stream, batch_size, seq_len, generator), ignored_ids
+            ),
+            steps=steps,
+            seed=seed,
+            on_step=after_step,
+            max_grad_norm=max_grad_norm,
+            use_cpu=device.type == "cpu",
+            **lm_optimization(model, lr, weight_decay, steps, warmup, foreach=True),
+        )
+        losses = loop.losses
         final_bpb = (
             held_out_bits_per_byte(model, windows, tokenizer, ignored_ids, eval_batch_size)
             if evaluate
@@ -246,7 +247,7 @@ def train_causal_lm(
         )
         if final_bpb is not None:
             history.append(
-                {"step": steps, "held_out_bits_per_byte": final_bpb, "train_seconds": train_seconds}
+                {"step": steps, "held_out_bits_per_byte": final_bpb, "train_seconds": clock["train_seconds"]}
             )
             progress.update(task, bpb=_bpb_label(final_bpb))
     seconds = time.perf_counter() - started
@@ -261,7 +262,7 @@ def train_causal_lm(
         seconds=seconds,
         tokens_seen=steps * batch_size * seq_len * world_size,
         history=history,
-        step_seconds=step_seconds,
+        step_seconds=loop.step_seconds,
     )
     if out_dir is not None and is_main:
         result.out_dir = _save(
@@ -361,19 +362,25 @@ def _mask_special(ids: torch.Tensor, ignored_ids: torch.Tensor) -> torch.Tensor:
     return ids.masked_fill(torch.isin(ids, ignored_ids.to(ids.device)), -100)
 
 
-def lm_optimizer(
+def lm_optimization(
     model: torch.nn.Module, lr: float, weight_decay: float, steps: int, warmup: int, **adamw: Any
-) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
-    """AdamW (betas 0.9, 0.95; ``adamw`` its other options) with ``weight_decay`` on the matrices of ``model``'s
-    trained parameters, and its schedule: linear warm-up over ``warmup`` steps, cosine decay to lr/10 at ``steps``."""
+) -> dict[str, Any]:
+    """The optimisation of a language model from scratch, as :func:`headkit.recipes.loop.train_loop`'s
+    ``param_groups``, ``optimizer_options`` and ``schedule``: AdamW (betas 0.9, 0.95; ``adamw`` its other options)
+    with ``weight_decay`` on the matrices of ``model``'s trained parameters at learning rate ``lr``, a linear
+    warm-up over ``warmup`` steps and a cosine decay to lr/10 at ``steps``."""
     # Weight decay on matrices only: decaying norm gains and biases towards 0 only fights the model.
     matrices = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     vectors = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    groups = [{"params": matrices, "weight_decay": weight_decay}, {"params": vectors, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), **adamw)
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: _lr_factor(step, warmup, steps)
-    )
+    groups = [
+        {"params": matrices, "lr": lr, "weight_decay": weight_decay},
+        {"params": vectors, "lr": lr, "weight_decay": 0.0},
+    ]
+    return {
+        "param_groups": groups,
+        "optimizer_options": {"betas": (0.9, 0.95)} | adamw,
+        "schedule": partial(_lr_factor, warmup=warmup, total=steps),
+    }
 
 
 def _lr_factor(step: int, warmup: int, total: int) -> float:
@@ -384,10 +391,40 @@ def _lr_factor(step: int, warmup: int, total: int) -> float:
     return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
 
 
-def _distributed_rank_and_size() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def train_on_batches(
+    model: torch.nn.Module,
+    draw: Callable[[int, torch.Generator], dict[str, torch.Tensor]],
+    *,
+    steps: int,
+    seed: int = 0,
+    on_step: StepCallback | None = None,
+    **optimization: Any,
+) -> LoopResult:
+    """``steps`` steps of a model's own loss (``model(**batch).loss``: next-token cross-entropy given ``labels``)
+    in training mode, on headkit's one loop (:func:`headkit.recipes.loop.train_loop`, which takes
+    ``optimization``: parameter groups, schedule, clipping, …). Batch i is ``draw(i, generator)`` with a generator
+    seeded from (``seed`` + 1, i) (:class:`~headkit.recipes.loop.IndexedBatches`): every process of a distributed
+    run draws its own ``steps`` batches, and a rerun, or another model trained alike, the same ones."""
+    _, processes = process_rank_and_count()
+    return train_loop(
+        model,
+        _causal_lm_loss,
+        IndexedBatches(steps * processes, draw, seed=seed + 1),
+        steps=steps,
+        dropout=True,
+        seed=seed,
+        on_step=on_step,
+        **optimization,
+    )
+
+
+def _lm_batch(ids: torch.Tensor, ignored_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {"input_ids": ids, "labels": _mask_special(ids, ignored_ids)}
+
+
+def _causal_lm_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor], step: int) -> torch.Tensor:
+    """The next-token cross-entropy of ``batch`` (its ``input_ids`` and ``labels``, special tokens −100)."""
+    return model(**batch, use_cache=False).loss
 
 
 def _mechanisms(model: HeadkitForCausalLM) -> str:
@@ -437,6 +474,7 @@ __all__ = [
     "config_fields",
     "default_config",
     "held_out_bits_per_byte",
-    "lm_optimizer",
+    "lm_optimization",
     "train_causal_lm",
+    "train_on_batches",
 ]

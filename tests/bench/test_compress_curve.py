@@ -6,6 +6,7 @@ import statistics
 
 import pytest
 import transformers
+from results_keys import assert_results_keys
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -38,6 +39,10 @@ def curve(tiny_encoder, tmp_path_factory):
     out = tmp_path_factory.mktemp("curve") / "compress"
     config = compress.CompressBenchmarkConfig(model=tiny_encoder, out=out, dims=(FULL, 8), **TINY)
     return compress.run_compress_benchmark(config, console=Console(quiet=True)), out
+
+
+def test_results_keys_stay(curve):
+    assert_results_keys("compress", curve[0])
 
 
 def _numbers(value):

@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from results_keys import assert_results_keys
 from rich.console import Console
 
 from headkit.bench import decode
@@ -55,6 +56,7 @@ def test_a_tiny_run_writes_results_table_and_plot(tiny_models, tmp_path):
     assert {(p["mechanism"], p["prompt_length"]) for p in results["points"]} == {
         (m, n) for m in MECHANISMS for n in (8, 24)
     }
+    assert_results_keys("decode", results)
     for point in results["points"]:
         assert len(point["step_s"]) == 2 * 2  # two repeats of new_tokens − 1 timed steps
         assert 0 < point["min_token_s"] <= point["median_token_s"] and point["prefill_s"] > 0

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from results_keys import assert_results_keys
 from rich.console import Console
 
 from headkit.bench.decompose import DecomposeSettings, load_query_key_weights, run_decompose_benchmark
@@ -50,6 +51,7 @@ def test_benchmark_writes_consistent_results(tiny_checkpoint, tmp_path):
     dims = [2, 6, HEADS * HEAD_DIM]
     settings = DecomposeSettings(model=tiny_checkpoint, dims=tuple(dims), max_iter=5, out=tmp_path)
     results = run_decompose_benchmark(settings, console=QUIET)
+    assert_results_keys("decompose", results)
 
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert on_disk == json.loads(json.dumps(results))

@@ -4,9 +4,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from results_keys import assert_results_keys
 
 from headkit.bench import digits
 from headkit.errors import HeadkitError
+from headkit.train import train_on_batches
 
 TINY = dict(steps=3, batch_size=8, hidden_size=16, layers=1, heads=2, image_counts=(4,), timing_repeats=1)
 
@@ -70,7 +72,7 @@ def test_models_have_the_same_size_and_training_lowers_the_loss():
     model = digits.build_model("linear", config)
     sequences = digits.to_sequences(digits.load_digit_data().train_pixels[:64])
     before = digits.bits_per_pixel(model.eval(), sequences)
-    digits.train_pixel_model(model, sequences, config)
+    train_on_batches(model, steps=config.steps, **digits.pixel_training(model, sequences, config))
     assert digits.bits_per_pixel(model, sequences) < before - 0.5
 
 
@@ -87,6 +89,7 @@ def test_benchmark_writes_finite_results(tmp_path):
 
     config = digits.DigitsConfig(**(TINY | {"out": tmp_path / "digits"}))
     report = digits.run_digits_benchmark(config, console=Console(quiet=True))
+    assert_results_keys("digits", report)
     saved = json.loads((tmp_path / "digits" / "results.json").read_text())
     assert [m["mechanism"] for m in saved["mechanisms"]] == list(digits.MECHANISMS)
     for result in saved["mechanisms"]:

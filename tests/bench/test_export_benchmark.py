@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from results_keys import assert_results_keys
 
 pytest.importorskip("gguf")
 pytest.importorskip("llama_cpp")
@@ -103,6 +104,7 @@ def test_quantized_files_are_measured_one_token_at_a_time(tiny_models, text_fold
         out=tmp_path / "out",
     )
     report = run_export_benchmark(settings)
+    assert_results_keys("export", report)
     (row,) = report["rows"]
     assert row["perplexity_error"] is None and abs(row["perplexity_ratio"] - 1) < 0.05
     speed = row["speed"]["32"]

@@ -4,9 +4,11 @@ import math
 import numpy as np
 import pytest
 import torch
+from results_keys import assert_results_keys
 
 from headkit.bench import extrapolate
 from headkit.errors import HeadkitError
+from headkit.train import train_on_batches
 
 TINY = dict(
     steps=3,
@@ -142,7 +144,8 @@ def test_models_have_the_same_shape_and_see_the_same_batches():
             return original(*args, **kwargs)
 
         model.forward = recording_forward
-        losses = extrapolate.train_model(model, stream, config)
+        training = extrapolate.lm_training(model, stream, config)
+        losses = train_on_batches(model, steps=config.steps, **training).losses
         assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
         first[attention] = seen
     assert all(torch.equal(a, b) for a, b in zip(first["softmax"], first["coca"], strict=True))
@@ -181,6 +184,7 @@ def test_benchmark_writes_finite_results(tmp_path):
 
     out = tmp_path / "extrapolate"
     report = extrapolate.run_extrapolate_benchmark(tiny_config(out=out), console=Console(quiet=True))
+    assert_results_keys("extrapolate", report)
     saved = json.loads((out / "results.json").read_text())
     assert saved["perplexity"] == report["perplexity"]
     combinations = {

@@ -3,6 +3,7 @@ import math
 
 import pytest
 import torch
+from results_keys import assert_results_keys
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -131,6 +132,7 @@ def test_tiny_run_writes_finite_results_table_and_plot(tmp_path, corpus_dir):
     config = tiny(tmp_path, corpus_dir, variants=("softmax", "additive"))
     report = lm.run_lm_benchmark(config, console=Console(quiet=True))
     out = tmp_path / "lm"
+    assert_results_keys("lm", report)
     saved = json.loads((out / "results.json").read_text())
     assert saved["variants"] == report["variants"]
     assert saved["settings"]["steps"] == 3 and saved["settings"]["variants"] == ["softmax", "additive"]

@@ -1,11 +1,19 @@
+import copy
 import json
 import math
 
 import pytest
 import torch
+from results_keys import assert_results_keys
 
 from headkit.bench import lora
 from headkit.errors import HeadkitError
+from headkit.recipes.distill import with_lora
+
+
+def _adapted(base, rank):
+    """A LoRA copy of `base` as the benchmark makes one (recipes' with_lora on its target modules)."""
+    return with_lora(copy.deepcopy(base), list(lora.TARGET_MODULES), rank=rank, alpha=lora.LORA_ALPHA)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +55,7 @@ def test_variants_do_what_they_say():
 @pytest.mark.parametrize("rank", [1, 2, 4, 8, 16, 32, 64])
 def test_lora_trainable_parameters_equal_the_formula(hidden_size, rank):
     base = lora.DigitClassifier(hidden_size)
-    adapted = lora.with_lora(base, rank)
+    adapted = _adapted(base, rank)
     expected = rank * ((64 + hidden_size) + (hidden_size + hidden_size) + (hidden_size + 10))
     assert lora.trainable_parameters(adapted) == expected
     # The base stays trainable (the adapted model is a copy) and the adapter starts as the identity (B = 0).
@@ -58,7 +66,7 @@ def test_lora_trainable_parameters_equal_the_formula(hidden_size, rank):
 
 def test_lora_training_moves_only_the_factors(split):
     base = lora.DigitClassifier(16)
-    adapted = lora.with_lora(base, 2)
+    adapted = _adapted(base, 2)
     frozen = {n: p.detach().clone() for n, p in adapted.named_parameters() if not p.requires_grad}
     losses = lora.train_classifier(
         adapted, split["train_x"][:256], split["train_y"][:256], epochs=3, batch_size=64, lr=1e-2, seed=0
@@ -83,6 +91,7 @@ def test_benchmark_writes_finite_results(tmp_path):
         out=tmp_path / "lora", ranks=(1, 4), hidden_size=16, pretrain_epochs=2, finetune_epochs=1
     )
     report = lora.run_lora_benchmark(config, console=Console(quiet=True))
+    assert_results_keys("lora", report)
     saved = json.loads((tmp_path / "lora" / "results.json").read_text())
     assert saved["pretrained_accuracy"] == report["pretrained_accuracy"]
     assert set(saved["variants"]) == set(lora.VARIANTS)

@@ -5,6 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from results_keys import assert_results_keys
 
 from headkit.bench import prune_curves
 from headkit.data import ByteTokenizer
@@ -89,13 +90,6 @@ def test_bad_recovery_cases_are_refused(cases):
         prune_curves.parse_recovery_cases(cases)
 
 
-def test_heads_to_keep_follows_the_unit():
-    heads, kv = dict.fromkeys(range(30), 9), dict.fromkeys(range(30), 3)
-    assert prune_curves.heads_to_keep(heads, kv, "query", 0.25, False) == 202
-    assert prune_curves.heads_to_keep(heads, kv, "group", 1 / 3, True) == 180
-    assert prune_curves.heads_to_keep(heads, kv, "query", 1 / 3, True) == 180
-
-
 @pytest.fixture(scope="module")
 def run(encoder_dir, tmp_path_factory):
     """One tiny end-to-end run: (config, report, the decoder it pruned)."""
@@ -111,6 +105,10 @@ def run(encoder_dir, tmp_path_factory):
     return config, report, decoder
 
 
+def test_results_keys_stay(run):
+    assert_results_keys("prune", run[1])
+
+
 def top_heads(scores: list[list[float]], keep: int) -> set[tuple[int, int]]:
     ranked = sorted(
         ((-score, layer, head) for layer, row in enumerate(scores) for head, score in enumerate(row)),
@@ -118,33 +116,16 @@ def top_heads(scores: list[list[float]], keep: int) -> set[tuple[int, int]]:
     return {(layer, head) for _, layer, head in ranked[:keep]}
 
 
-def test_text_halves_split_each_text_in_two():
-    firsts, seconds = prune_curves.text_halves(["a b c d e", "x y"])
-    assert firsts == ["a b", "x"] and seconds == ["c d e", "y"]
-    assert [f"{a} {b}" for a, b in zip(firsts, seconds, strict=True)] == ["a b c d e", "x y"]
-
-
-def test_contrastive_loss_is_cross_entropy_over_scaled_cosines():
-    torch.manual_seed(1)
-    anchors, positives = torch.randn(5, 7), torch.randn(5, 7)
-    loss = prune_curves.in_batch_contrastive_loss(anchors, positives)
-    normed_a, normed_p = F.normalize(anchors, dim=-1), F.normalize(positives, dim=-1)
-    logits = 20.0 * normed_a @ normed_p.T
-    reference = -torch.log_softmax(logits, dim=-1).diagonal().mean()
-    assert torch.allclose(loss, reference, atol=1e-5)
-    # Matching pairs score far better than mismatched ones.
-    assert prune_curves.in_batch_contrastive_loss(anchors, anchors) < loss
-
-
 def test_importance_plan_keeps_the_globally_top_heads(encoder_dir):
     from headkit.analysis.importance import head_importance
-    from headkit.recipes.text import load_text, text_chunks
+    from headkit.recipes.objectives import sentence_pair_contrastive_loss
+    from headkit.recipes.text import load_text, pair_batches, text_chunks
 
     loaded = load_model(encoder_dir)
     model, tokenizer = loaded.model, loaded.tokenizer
     texts, _ = text_chunks(load_text(None), 8, 1)
-    pairs = prune_curves.contrastive_pair_batches(tokenizer, texts, 4, 16)
-    importance = head_importance(model, pairs, prune_curves.contrastive_loss, attention_stats=False)
+    pairs = pair_batches(tokenizer, texts, 4, 16)
+    importance = head_importance(model, pairs, sentence_pair_contrastive_loss, attention_stats=False)
     assert all(
         torch.isfinite(scores).all() and scores.abs().sum() > 0 for scores in importance.raw_importance
     )

@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from results_keys import assert_results_keys
 from rich.console import Console
 
 from headkit.bench import speed
@@ -258,6 +259,7 @@ def test_quick_preset_shortens_lengths_and_repeats_and_the_run_always_measures_t
         console=Console(file=io.StringIO()),
         show_progress=False,
     )
+    assert_results_keys("speed", results)
     assert results["config"]["lengths"] == [32] and results["config"]["repeats"] == 3
     assert results["config"]["mechanisms"] == [speed.BASELINE, "softmax_noncausal"]
     assert {p["seq_len"] for p in results["points"]} == {32}

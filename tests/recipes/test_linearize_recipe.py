@@ -4,6 +4,7 @@ import copy
 import hashlib
 import json
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,9 @@ from headkit.recipes.linearize import (
 )
 from headkit.surgery.adapters import get_adapter
 from headkit.surgery.linearize import decoding_state_bytes, linearized_modules, linearized_parameters
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from results_keys import assert_results_keys  # noqa: E402
 
 # Small enough for seconds per run on the tiny models (context 256).
 SMALL = [
@@ -168,6 +172,7 @@ def test_bench_linearize_writes_results_table_and_plot(tiny_llama, tmp_path, cap
           "--transfer-steps", "2", "--lora-steps", "1", "--eval-lengths", "64", "--decode-contexts", "32"])  # fmt: skip
     results = json.loads((out / "results.json").read_text())
     assert results["machine"]["torch_threads"] == 1 and results["decode"][0]["context"] == 32
+    assert_results_keys("linearize", results)
     table = (out / "table.md").read_text()
     assert "attention transfer" in table and "ms/token" in table
     assert (out / "linearize.png").stat().st_size > 0

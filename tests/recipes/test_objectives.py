@@ -2,9 +2,10 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from headkit.errors import HeadkitError
-from headkit.recipes.objectives import embedding_distillation_loss, next_token_kl
+from headkit.recipes.objectives import embedding_distillation_loss, in_batch_contrastive_loss, next_token_kl
 
 
 def test_next_token_kl_matches_a_hand_computed_value():
@@ -42,3 +43,15 @@ def test_embedding_distillation_loss_is_zero_only_for_the_teacher():
     noisy[1, 4] += 100.0  # a padded position: ignored
     assert embedding_distillation_loss(noisy, states, mask).item() == pytest.approx(0.0, abs=1e-6)
     assert embedding_distillation_loss(states + 0.1 * torch.randn_like(states), states, mask).item() > 1e-4
+
+
+def test_contrastive_loss_is_cross_entropy_over_scaled_cosines():
+    torch.manual_seed(1)
+    anchors, positives = torch.randn(5, 7), torch.randn(5, 7)
+    loss = in_batch_contrastive_loss(anchors, positives)
+    normed_a, normed_p = F.normalize(anchors, dim=-1), F.normalize(positives, dim=-1)
+    logits = 20.0 * normed_a @ normed_p.T
+    reference = -torch.log_softmax(logits, dim=-1).diagonal().mean()
+    assert torch.allclose(loss, reference, atol=1e-5)
+    # Matching pairs score far better than mismatched ones.
+    assert in_batch_contrastive_loss(anchors, anchors) < loss

@@ -9,7 +9,7 @@ import transformers
 import headkit
 from headkit.cli import main
 from headkit.errors import HeadkitError
-from headkit.recipes.prune import plan_pruning
+from headkit.recipes.prune import heads_to_keep, plan_pruning
 
 transformers.logging.set_verbosity_error()
 
@@ -311,3 +311,10 @@ def test_a_held_out_count_below_the_batch_size_is_named(save_tiny_encoder, text_
     assert _run([*args, "--train-texts", "8", "--held-out", "1", "--batch-size", "4"]) == 2
     assert "--held-out or --train-texts" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_heads_to_keep_follows_the_unit():
+    heads, kv = dict.fromkeys(range(30), 9), dict.fromkeys(range(30), 3)
+    assert heads_to_keep(heads, kv, "query", 0.25, False) == 202
+    assert heads_to_keep(heads, kv, "group", 1 / 3, True) == 180
+    assert heads_to_keep(heads, kv, "query", 1 / 3, True) == 180

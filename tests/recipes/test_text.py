@@ -4,7 +4,7 @@ import pytest
 
 from headkit.data import load_corpus
 from headkit.errors import HeadkitError
-from headkit.recipes.text import lm_windows, load_text, text_chunks
+from headkit.recipes.text import lm_windows, load_text, text_chunks, text_halves
 
 
 def test_jsonl_documents_split_by_name_and_never_mix(tmp_path):
@@ -71,3 +71,9 @@ def test_jsonl_records_may_hold_unicode_line_separators(tmp_path):
     path.write_text("\n".join(json.dumps(row, ensure_ascii=False) for row in rows), encoding="utf-8")
     corpus = load_corpus(path)
     assert len(corpus.train) + len(corpus.held_out) == 10
+
+
+def test_text_halves_split_each_text_in_two():
+    firsts, seconds = text_halves(["a b c d e", "x y"])
+    assert firsts == ["a b", "x"] and seconds == ["c d e", "y"]
+    assert [f"{a} {b}" for a, b in zip(firsts, seconds, strict=True)] == ["a b c d e", "x y"]

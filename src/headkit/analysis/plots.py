@@ -82,7 +82,7 @@ def plot_gate_history(
 ) -> Path:
     """Write a row of layer × head heatmaps of the evaluation gate values at up to `snapshots` evenly spaced
     logged steps (first and last included), on one [0, 1] colour scale. `gate_values` / `steps` are
-    :class:`headkit.surgery.gating.GateTrainingLog`'s fields of the same names."""
+    :class:`headkit.recipes.gates.GateTrainingLog`'s fields of the same names."""
     from matplotlib.figure import Figure
 
     if len(gate_values) != len(steps) or not steps:

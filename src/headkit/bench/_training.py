@@ -1,4 +1,5 @@
-"""What the benchmarks training small models from scratch share: the optimisation loop, and generation."""
+"""What the benchmarks training small models from scratch share: training each of their models alike on headkit's
+one loop (:func:`headkit.train.train_on_batches`) under a progress bar, and generation."""
 
 from __future__ import annotations
 
@@ -11,58 +12,34 @@ import numpy as np
 import torch
 
 from headkit.bench._report import progress_bar
-
-
-def optimizer_steps(
-    model: torch.nn.Module,
-    optimizer: torch.optim.Optimizer,
-    schedule: Any,
-    steps: int,
-    loss_at: Callable[[int], torch.Tensor],
-    progress: Callable[[int, float], None] | None = None,
-    clip_norm: float | None = None,
-) -> list[float]:
-    """``steps`` steps of ``loss_at(step)`` in training mode: gradients zeroed, backward, the gradient norm
-    clipped to ``clip_norm`` (if given), an optimiser and a schedule step; ``progress(steps done, loss)`` after
-    each. Leaves the model in evaluation mode and returns the losses."""
-    model.train()
-    losses = []
-    for step in range(steps):
-        loss = loss_at(step)
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        if clip_norm is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
-        optimizer.step()
-        schedule.step()
-        losses.append(float(loss.detach()))
-        if progress is not None:
-            progress(step + 1, losses[-1])
-    model.eval()
-    return losses
+from headkit.train import train_on_batches
 
 
 def train_each(
     console: Any,
     names: Iterable[str],
     build: Callable[[str], torch.nn.Module],
-    train: Callable[..., list[float]],
+    training: Callable[[torch.nn.Module], dict[str, Any]],
     steps: int,
     evaluate: Callable[..., Any],
 ) -> list[Any]:
-    """Per name of ``names``: the model ``build(name)`` trained by ``train(model, progress=…)`` (``steps`` steps,
-    ``progress(steps done, loss)`` after each) under a transient progress bar "training <name>", then
-    ``evaluate(name, model, trained, update)``: ``trained`` how it trained (parameters, training seconds, the
-    mean of the last 20 losses, the losses), ``update(**fields)`` of the bar's task. The list of evaluations."""
+    """Per name of ``names``: the model ``build(name)`` trained for ``steps`` steps by
+    :func:`headkit.train.train_on_batches` with the options ``training(model)`` (its batches, seed, optimizer
+    groups, schedule) under a transient progress bar "training <name>", then ``evaluate(name, model, trained,
+    update)``: ``trained`` how it trained (parameters, training seconds, the mean of the last 20 losses, the
+    losses), ``update(**fields)`` of the bar's task. The list of evaluations."""
     evaluations = []
     with progress_bar(console, transient=True) as progress:
         for name in names:
             model = build(name)
             task = progress.add_task(f"training {name}", total=steps)
             started = time.perf_counter()
-            losses = train(
-                model, progress=lambda step, loss, task=task: progress.update(task, completed=step)
-            )
+            losses = train_on_batches(
+                model,
+                steps=steps,
+                on_step=lambda step, loss, seconds, task=task: progress.update(task, completed=step),
+                **training(model),
+            ).losses
             trained = {
                 "parameters": sum(p.numel() for p in model.parameters()),
                 "train_seconds": time.perf_counter() - started,

@@ -196,8 +196,6 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
         f"{config.batch_size} × {config.max_length} tokens; {torch.get_num_threads()} torch threads"
     )
     widths: list[dict[str, Any]] = []
-    names = ("distill_steps", "lr", "seed", "tol", "max_iter", "batch_size")  # the same for every width
-    recipe_settings = {name: getattr(config, name) for name in names}
     with progress_bar(console, transient=True) as progress:
         for dim in config.dims:
             task = progress.add_task(f"D̃={dim}: swap", total=max(config.distill_steps, 1))
@@ -209,7 +207,7 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
                         task, completed=step, description=f"D̃={dim}: distil, {line.split(': ')[-1]}"
                     )
 
-            compressed = compress_and_distill(teacher, corpus, dim, echo=advance, **recipe_settings)
+            compressed = compress_and_distill(teacher, corpus, dim, config, echo=advance)
             progress.update(task, description=f"D̃={dim}: timing")
             models = {"original": teacher.model, "student": compressed.student}
             times = forward_times(models, corpus.held_out[0], config.timing_repeats)

@@ -21,7 +21,7 @@ import torch
 
 from headkit.bench._options import check_head_width
 from headkit.bench._report import TABLE_FILE, column_table, figure_axes
-from headkit.bench._training import generate, optimizer_steps, train_each
+from headkit.bench._training import generate, train_each
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes
@@ -134,27 +134,23 @@ def build_model(mechanism: str, config: DigitsConfig) -> HeadkitForCausalLM:
     return HeadkitForCausalLM(model_config)
 
 
-def train_pixel_model(
-    model: HeadkitForCausalLM,
-    sequences: torch.Tensor,
-    config: DigitsConfig,
-    progress: Callable[[int, float], None] | None = None,
-) -> list[float]:
-    """``config.steps`` AdamW steps (cosine decay) of next-pixel cross-entropy on random batches of `sequences`.
+def pixel_training(
+    model: HeadkitForCausalLM, sequences: torch.Tensor, config: DigitsConfig
+) -> dict[str, Any]:
+    """How a pixel model trains (:func:`headkit.train.train_on_batches`' options but the step count): AdamW with
+    a cosine decay, next-pixel cross-entropy on batches of `sequences` drawn at random with replacement, seeded
+    with ``config.seed`` (every mechanism sees the same images in the same order)."""
 
-    The batches come from a generator seeded with ``config.seed``, so every mechanism sees the same images in the
-    same order."""
-    generator = torch.Generator().manual_seed(config.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=0.01)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / config.steps))
-    )
-
-    def loss_at(step: int) -> torch.Tensor:
+    def draw(index: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
         batch = sequences[torch.randint(len(sequences), (config.batch_size,), generator=generator)]
-        return model(input_ids=batch, labels=batch).loss
+        return {"input_ids": batch, "labels": batch}
 
-    return optimizer_steps(model, optimizer, schedule, config.steps, loss_at, progress)
+    return {
+        "draw": draw,
+        "seed": config.seed,
+        "param_groups": [{"params": list(model.parameters()), "lr": config.lr, "weight_decay": 0.01}],
+        "schedule": lambda step: 0.5 * (1 + math.cos(math.pi * step / config.steps)),
+    }
 
 
 @torch.no_grad()
@@ -282,7 +278,7 @@ def run_digits_benchmark(config: DigitsConfig, console: Any) -> dict[str, Any]:
         return result
 
     build = partial(build_model, config=config)
-    train = partial(train_pixel_model, sequences=train_sequences, config=config)
+    train = partial(pixel_training, sequences=train_sequences, config=config)
     results = train_each(console, config.mechanisms, build, train, config.steps, evaluate)
     return {
         "train_images": len(data.train_pixels),

@@ -29,7 +29,7 @@ from headkit.bench._report import (
     plot_series,
     quiet_transformers,
 )
-from headkit.bench._training import optimizer_steps, train_each
+from headkit.bench._training import train_each
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.data import (
     ByteTokenizer,
@@ -42,7 +42,7 @@ from headkit.data import (
 from headkit.errors import HeadkitError
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 from headkit.recipes import evaluate
-from headkit.train import default_config, lm_optimizer
+from headkit.train import default_config, lm_optimization
 
 MODELS = ("softmax", "coca")
 SCALINGS = ("none", "linear", "dynamic")
@@ -212,28 +212,24 @@ def scaled_model(
     return scaled.eval()
 
 
-def train_model(
-    model: HeadkitForCausalLM,
-    train_stream: torch.Tensor,
-    config: ExtrapolateConfig,
-    progress: Callable[[int, float], None] | None = None,
-) -> list[float]:
-    """``config.steps`` AdamW steps on batches of corpus windows and passkey documents (seeded: every mechanism
-    sees the same batches). Warm-up for 5 % of the steps, then cosine decay to a tenth of ``config.lr``."""
-    generator = torch.Generator().manual_seed(config.seed + 1)
-    rng = np.random.default_rng(config.seed + 1)
+def lm_training(
+    model: HeadkitForCausalLM, train_stream: torch.Tensor, config: ExtrapolateConfig
+) -> dict[str, Any]:
+    """How a model trains (:func:`headkit.train.train_on_batches`' options but the step count): batches of
+    corpus windows and passkey documents, seeded (every mechanism sees the same batches); AdamW warmed up for
+    5 % of the steps, then a cosine decay to a tenth of ``config.lr``, gradients clipped to norm 1."""
     passkey_rows = round(config.passkey_fraction * config.batch_size)
     corpus_rows = config.batch_size - passkey_rows
-    warmup = max(1, config.steps // 20)
-    optimizer, schedule = lm_optimizer(model, config.lr, 0.01, config.steps, warmup=warmup)
 
-    def loss_at(step: int) -> torch.Tensor:
+    def draw(index: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
         windows = sample_batch(train_stream, corpus_rows, config.train_length, generator)
+        rng = np.random.default_rng([config.seed + 1, index])
         batch = torch.cat([windows, passkey_batch(passkey_rows, config.train_length, rng)])
-        labels = batch.masked_fill(torch.isin(batch, SPECIAL_IDS), -100)
-        return model(input_ids=batch, labels=labels, use_cache=False).loss
+        return {"input_ids": batch, "labels": batch.masked_fill(torch.isin(batch, SPECIAL_IDS), -100)}
 
-    return optimizer_steps(model, optimizer, schedule, config.steps, loss_at, progress, clip_norm=1.0)
+    warmup = max(1, config.steps // 20)
+    optimization = lm_optimization(model, config.lr, 0.01, config.steps, warmup=warmup)
+    return {"draw": draw, "seed": config.seed, "max_grad_norm": 1.0} | optimization
 
 
 def held_out_windows(held_out_stream: torch.Tensor, length: int, eval_tokens: int) -> torch.Tensor:
@@ -398,7 +394,7 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
     # byte) and its passkey retrieval (accuracy: all digits right; answers: the generated keys).
     perplexities, passkeys = [], []
 
-    def evaluate(
+    def evaluate_model(
         attention: str, model: HeadkitForCausalLM, trained: dict, update: Callable
     ) -> dict[str, Any]:
         update(description=f"evaluating {attention}", completed=0, total=len(SCALINGS) * len(config.lengths))
@@ -430,8 +426,8 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
         return {"attention": attention} | trained
 
     build = partial(build_model, config=config)
-    train = partial(train_model, train_stream=train_stream, config=config)
-    models = train_each(console, MODELS, build, train, config.steps, evaluate)
+    train = partial(lm_training, train_stream=train_stream, config=config)
+    models = train_each(console, MODELS, build, train, config.steps, evaluate_model)
     return {
         "dynamic_factor": config.resolved_dynamic_factor(),
         "corpus": corpus.summary(),

@@ -23,6 +23,8 @@ from headkit.bench._report import figure_axes, markdown_table, progress_bar
 from headkit.bench.digits import DIGIT_IMAGES, LEVELS, PIXELS, SIDE, load_digit_data
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
+from headkit.recipes.distill import with_lora
+from headkit.recipes.loop import train_loop
 
 MAX_INTENSITY = LEVELS - 1  # load_digits intensities are integers 0..16
 RANKS = (1, 2, 4, 8, 16, 32, 64)
@@ -114,46 +116,36 @@ def train_classifier(
     lr: float,
     seed: int,
 ) -> list[float]:
-    """Adam on the cross-entropy of the parameters that require gradients; returns the loss per epoch."""
+    """``epochs`` passes of Adam on the cross-entropy of the parameters that require gradients, in shuffled
+    batches (seeded; the last incomplete batch of a pass left out), on headkit's one training loop; returns the
+    mean loss of each pass."""
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
         raise HeadkitError("the model has no trainable parameter")
-    optimizer = torch.optim.Adam(trainable, lr=lr)
-    generator = torch.Generator().manual_seed(seed)
-    inputs = pixels / MAX_INTENSITY
-    model.train()
-    losses = []
-    for _ in range(epochs):
-        order = torch.randperm(len(inputs), generator=generator)
-        total = 0.0
-        for start in range(0, len(inputs), batch_size):
-            batch = order[start : start + batch_size]
-            loss = F.cross_entropy(model(inputs[batch]), labels[batch])
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total += float(loss.detach()) * len(batch)
-        losses.append(total / len(inputs))
-    model.eval()
-    return losses
+    examples = [{"pixels": x, "labels": y} for x, y in zip(pixels / MAX_INTENSITY, labels, strict=True)]
+    per_epoch = max(1, len(examples) // batch_size)
+
+    def loss(model: nn.Module, batch: dict[str, torch.Tensor], step: int) -> torch.Tensor:
+        return F.cross_entropy(model(batch["pixels"]), batch["labels"])
+
+    trained = train_loop(
+        model,
+        loss,
+        examples,
+        steps=epochs * per_epoch,
+        batch_size=batch_size,
+        param_groups=[{"params": trainable, "lr": lr}],
+        dropout=True,
+        seed=seed,
+    )
+    losses = trained.losses
+    return [sum(losses[i : i + per_epoch]) / per_epoch for i in range(0, len(losses), per_epoch)]
 
 
 @torch.no_grad()
 def accuracy(model: nn.Module, pixels: torch.Tensor, labels: torch.Tensor) -> float:
     model.eval()
     return float((model(pixels / MAX_INTENSITY).argmax(-1) == labels).float().mean())
-
-
-def with_lora(model: nn.Module, rank: int, seed: int = 0) -> nn.Module:
-    """A PEFT copy of `model` with rank-`rank` LoRA factors on every linear layer; only the factors train."""
-    from peft import LoraConfig as PeftLoraConfig
-    from peft import get_peft_model
-
-    torch.manual_seed(seed)  # A's random initialisation
-    config = PeftLoraConfig(
-        r=rank, lora_alpha=LORA_ALPHA, lora_dropout=0.0, target_modules=list(TARGET_MODULES)
-    )
-    return get_peft_model(copy.deepcopy(model), config)
 
 
 def trainable_parameters(model: nn.Module) -> int:
@@ -238,7 +230,8 @@ def run_lora_benchmark(config: LoraConfig, console: Any) -> dict[str, Any]:
             """Per rank, a LoRA copy of `base` fitted to `variant`: its trainable parameters and accuracy."""
             rows = []
             for rank in config.ranks:
-                adapted = with_lora(base, rank, config.seed)
+                torch.manual_seed(config.seed)  # A's random initialisation
+                adapted = with_lora(copy.deepcopy(base), list(TARGET_MODULES), rank=rank, alpha=LORA_ALPHA)
                 parameters = trainable_parameters(adapted)
                 score = fit(adapted, variant, config.lora_lr, label.format(rank=rank))
                 rows.append({"rank": rank, "trainable_parameters": parameters, "accuracy": score})

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import math
-import random
 import re
 import statistics
 import tempfile
@@ -30,7 +29,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from headkit.analysis.importance import head_importance
@@ -42,25 +40,39 @@ from headkit.bench._report import (
     find_point,
     markdown_table,
     progress_bar,
-    quiet_transformers,
 )
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
-from headkit.data import encode_corpus, evaluation_windows, load_corpus, sample_batch
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import encoder_fidelity, load_teacher
+from headkit.recipes.distill import encoder_finetune
 from headkit.recipes.evaluate import forward_times, perplexity
-from headkit.recipes.models import SMOLLM2_PACKAGE, default_encoder_path, load_model, smollm2_gguf_path
-from headkit.recipes.objectives import embedding_distillation_loss, mean_pool
-from headkit.recipes.prune import PruneSettings, encoder_finetune, keep_top_gated_heads, prune
-from headkit.recipes.text import load_text, text_chunks, tokenize_batches
+from headkit.recipes.models import (
+    SMOLLM2_PACKAGE,
+    LoadedModel,
+    default_encoder_path,
+    load_model,
+    smollm2_gguf_path,
+)
+from headkit.recipes.objectives import CONTRASTIVE_SCALE, sentence_pair_contrastive_loss
+from headkit.recipes.prune import (
+    PruneSettings,
+    heads_to_keep,
+    prune,
+    prune_encoder_heads,
+)
+from headkit.recipes.text import (
+    calibration_batches,
+    lm_windows,
+    load_text,
+    pair_batches,
+    text_chunks,
+    tokenize_batches,
+)
 from headkit.surgery.adapters import count_parameters, get_adapter
-from headkit.surgery.gating import add_head_gates, remove_head_gates, train_gates_to_budget
 from headkit.surgery.pruning import heads_per_layer, kv_heads_per_layer, prune_heads
 
 DECODER_PACKAGE = SMOLLM2_PACKAGE
 DECODER_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)"
-# sentence-transformers' MultipleNegativesRankingLoss multiplies the cosine similarities by 20.
-CONTRASTIVE_SCALE = 20.0
 METHODS = ("l0", "importance")
 METHOD_LABELS = {"l0": "L0 gates", "importance": "importance"}
 CURVE_PLOT, DECODER_PLOT = "prune_curve.png", "prune_decoder.png"
@@ -180,13 +192,8 @@ def check_settings(config: PruneCurvesConfig) -> None:
         )
 
 
-def heads_for_fraction(total_heads: int, fraction: float) -> int:
-    """Heads kept when `fraction` of `total_heads` are pruned (rounded to the nearest head)."""
-    return round(total_heads * (1.0 - fraction))
-
-
 def check_fractions(fractions: tuple[float, ...], total_heads: int) -> None:
-    bad = [f for f in fractions if heads_for_fraction(total_heads, f) < 1]
+    bad = [f for f in fractions if round(total_heads * (1.0 - f)) < 1]
     if bad:
         raise HeadkitError(f"--fractions {bad} would leave no head of the decoder's {total_heads}")
 
@@ -211,38 +218,6 @@ def load_smollm2() -> tuple[nn.Module, Any]:
 # calibration texts belong together.
 
 
-def text_halves(texts: list[str]) -> tuple[list[str], list[str]]:
-    """(first halves, second halves) of each text's words: the positive pairs of the contrastive loss."""
-    firsts, seconds = [], []
-    for text in texts:
-        words = text.split()
-        cut = max(1, len(words) // 2)
-        firsts.append(" ".join(words[:cut]))
-        seconds.append(" ".join(words[cut:]) or " ".join(words))
-    return firsts, seconds
-
-
-def in_batch_contrastive_loss(
-    anchors: torch.Tensor, positives: torch.Tensor, scale: float = CONTRASTIVE_SCALE
-) -> torch.Tensor:
-    """MultipleNegativesRankingLoss: cross-entropy of picking positive i for anchor i among all the batch's
-    positives, by scaled cosine similarity (the objective all-MiniLM-L6-v2 was trained with)."""
-    similarities = scale * F.cosine_similarity(anchors[:, None], positives[None, :], dim=-1)
-    return F.cross_entropy(similarities, torch.arange(len(anchors), device=anchors.device))
-
-
-def contrastive_pair_batches(
-    tokenizer: Any, texts: list[str], batch_size: int, max_length: int
-) -> list[tuple[dict, dict]]:
-    halves = [tokenize_batches(tokenizer, half, batch_size, max_length) for half in text_halves(texts)]
-    return list(zip(*halves, strict=True))
-
-
-def contrastive_loss(model: nn.Module, pair: tuple[dict, dict]) -> torch.Tensor:
-    first, second = (mean_pool(model(**batch).last_hidden_state, batch["attention_mask"]) for batch in pair)
-    return in_batch_contrastive_loss(first, second)
-
-
 def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) -> dict[str, Any]:
     """Part (a): fidelity per heads kept for L0 and importance pruning, and the forward time of the models
     with half the heads left. Returns the report's ``encoder`` section."""
@@ -261,23 +236,18 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
         tokenize_batches(loaded.tokenizer, t, *shape) for t in (train_texts, held_out_texts)
     )
     calibration_texts = train_texts[: config.importance_batches * config.batch_size]
-    calibration = contrastive_pair_batches(loaded.tokenizer, calibration_texts, *shape)
+    calibration = pair_batches(loaded.tokenizer, calibration_texts, *shape)
     console.print(
         f"encoder {model_path}: {total_heads} heads in {len(heads_before)} layers; "
         f"{len(train_batches)} training and {len(held_out)} held-out batches of "
         f"{config.batch_size} × {config.max_length} tokens"
     )
-    with torch.no_grad():  # the teacher's states once: every step then runs the student only
-        items = [(batch, teacher(**batch).last_hidden_state) for batch in train_batches]
+    with torch.no_grad():
         reference = [teacher(**batch).last_hidden_state for batch in held_out]
-
-    def loss_fn(model: nn.Module, item: tuple[dict, torch.Tensor]) -> torch.Tensor:
-        batch, states = item
-        return embedding_distillation_loss(model(**batch).last_hidden_state, states, batch["attention_mask"])
 
     started = time.perf_counter()
     importance = head_importance(
-        teacher, calibration, contrastive_loss, attention_stats=False, adapter=adapter
+        teacher, calibration, sentence_pair_contrastive_loss, attention_stats=False, adapter=adapter
     )
     importance_seconds = time.perf_counter() - started
 
@@ -287,41 +257,39 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
     for keep in config.heads_kept:
         for method in METHODS:
             progress.update(task, description=f"{METHOD_LABELS[method]} to {keep} heads")
-            torch.manual_seed(config.seed)
-            student = copy.deepcopy(teacher)
             started = time.perf_counter()
-            selection = {}
-            if method == "l0":
-                add_head_gates(student, "hard_concrete", adapter=adapter)
-                log = train_gates_to_budget(
-                    student,
-                    loss_fn,
-                    items,
-                    target_heads=keep,
-                    steps=config.gate_steps,
-                    gate_lr=config.gate_lr,
-                    weight_lr=0.0,  # gates only: both methods get the same weight updates, after removal
-                    log_every=1,
-                    callback=lambda step, log: progress.advance(task),
-                )
-                plan = keep_top_gated_heads(student, keep, adapter)
-                selection = {
-                    "expected_heads_at_end": log.expected_heads[-1],
-                    "gate_loss": log.task_losses[-1],
-                }
+            pruning = prune_encoder_heads(
+                teacher,
+                train_batches,
+                keep,
+                method=method,
+                importance=importance,
+                gate_steps=config.gate_steps,
+                gate_lr=config.gate_lr,
+                weight_lr=0.0,  # gates only: both methods get the same weight updates, after removal
                 # Not folded: Hard Concrete samples are mostly exactly 0 or 1, and those masks are what the frozen
                 # model was trained under; the evaluation value of a gate that has not polarised yet (≈ 0.3 after
                 # a few hundred steps) would scale its head down instead (measured: cosine 0.73 folded, 0.79 not,
                 # 36 heads after 300 steps).
-                remove_head_gates(student, fold=False, adapter=adapter)
-            else:
-                plan = importance.pruning_plan(keep, allow_empty_layers=True)
-            pruned = prune_heads(student, plan, allow_empty_layers=True, adapter=adapter)
+                fold=False,
+                seed=config.seed,
+                log_every=1,
+                callback=lambda step, log: progress.advance(task),
+                adapter=adapter,
+            )
+            student, log = pruning.model, pruning.gate_log
+            selection = (
+                {}
+                if log is None
+                else {"expected_heads_at_end": log.expected_heads[-1], "gate_loss": log.task_losses[-1]}
+            )
             selection_seconds = time.perf_counter() - started
             before = encoder_fidelity(student, held_out, reference)
             started = time.perf_counter()
             steps, lr = config.distill_steps, config.weight_lr
-            losses = encoder_finetune(student, teacher, train_batches, steps=steps, lr=lr, seed=config.seed)
+            losses = encoder_finetune(
+                student, teacher, train_batches, steps=steps, lr=lr, seed=config.seed
+            ).losses
             distill_seconds = time.perf_counter() - started
             student.requires_grad_(False).eval()
             after = encoder_fidelity(student, held_out, reference)
@@ -332,7 +300,7 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
                     "heads_kept": keep,
                     "heads_after": sum(counted.values()),
                     "heads_per_layer": counted,
-                    "kept": pruned.kept,
+                    "kept": pruning.kept,
                     "parameters": count_parameters(student),
                     "cosine_before_distillation": before.mean_cosine,
                     "min_cosine_before_distillation": before.min_cosine,
@@ -385,36 +353,21 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
 # -- (b) the decoder -------------------------------------------------------------------------------------------
 
 
-def _encode_until(documents: list[Any], tokenizer: Any, tokens: int) -> torch.Tensor:
-    """One token stream from `documents` in order, stopping once it holds at least `tokens` tokens."""
-    pieces, count = [], 0
-    with quiet_transformers():  # a whole file is longer than the model's context: no warning
-        for document in documents:
-            pieces.append(encode_corpus([document], tokenizer))
-            count += pieces[-1].numel()
-            if count >= tokens:
-                break
-    return torch.cat(pieces) if pieces else torch.empty(0, dtype=torch.int32)
-
-
 def decoder_data(tokenizer: Any, config: PruneCurvesConfig) -> tuple[torch.Tensor, list[dict]]:
-    """(held-out windows [N, L] from the start of the held-out files, in file order; calibration batches of
-    random training windows, files drawn in a seeded order)."""
-    corpus, length = load_corpus(), config.decoder_window_length
-    wanted = config.decoder_windows * length
-    windows = evaluation_windows(
-        _encode_until(list(corpus.held_out), tokenizer, wanted), length, max_tokens=wanted
+    """(held-out windows [N, L], one per held-out file in a seeded order; calibration batches of random training
+    windows): :func:`headkit.recipes.text.lm_windows` of the standard library, as ``headkit prune`` draws them."""
+    windows = lm_windows(
+        tokenizer,
+        load_text(None),
+        length=config.decoder_window_length,
+        train_windows=config.calibration_batches * config.calibration_batch_size,
+        held_out_windows=config.decoder_windows,
+        seed=config.seed,
     )
-    train_documents = list(corpus.train)
-    random.Random(config.seed).shuffle(train_documents)
-    calibration_tokens = config.calibration_batches * config.calibration_batch_size * length
-    train_stream = _encode_until(train_documents, tokenizer, max(4 * calibration_tokens, length + 1))
-    generator = torch.Generator().manual_seed(config.seed)
-    batches = [
-        sample_batch(train_stream, config.calibration_batch_size, length, generator)
-        for _ in range(config.calibration_batches)
-    ]
-    return windows, [{"input_ids": batch, "labels": batch, "use_cache": False} for batch in batches]
+    calibration = calibration_batches(
+        windows.train, config.calibration_batch_size, config.calibration_batches
+    )
+    return windows.held_out, calibration
 
 
 def pruned_copy(model: nn.Module, plan: dict[int, list[int]], adapter: Any) -> nn.Module:
@@ -447,7 +400,7 @@ def run_decoder_curve(
 
     points = []
     for fraction in sorted(config.fractions):
-        keep = heads_for_fraction(total_heads, fraction)
+        keep = round(total_heads * (1.0 - fraction))
         progress.update(task, description=f"decoder, {keep} heads")
         plan = importance.pruning_plan(keep, allow_empty_layers=True)
         # The unpruned point measures the model itself.
@@ -497,55 +450,46 @@ def run_decoder_curve(
 # -- (c) the decoder with recovery -----------------------------------------------------------------------------
 
 
-def heads_to_keep(
-    heads: dict[int, int], kv_heads: dict[int, int], unit: str, fraction: float, uniform: bool
-) -> int:
-    """Query heads kept when `fraction` of them is pruned: whole key/value groups for ``unit="group"``, the same
-    count in every layer under `uniform` (rounded to whole groups, or to as many per group)."""
-    layers, total = len(heads), sum(heads.values())
-    per_layer, kv = max(heads.values()), max(kv_heads.values())
-    group = per_layer // kv
-    if unit == "group":
-        groups_kept = max(1, round(kv * (1 - fraction)))
-        return (
-            layers * groups_kept * group
-            if uniform
-            else max(group, round(total * (1 - fraction) / group) * group)
-        )
-    if uniform:
-        return layers * kv * max(1, round(per_layer * (1 - fraction) / kv))
-    return max(1, round(total * (1 - fraction)))
+# The prune recipe's settings (PruneSettings fields) each recovery case takes from this benchmark's options.
+RECOVERY_SETTINGS = {
+    "recovery_steps": "recovery_steps",
+    "batch_size": "recovery_batch_size",
+    "window": "decoder_window_length",
+    "train_texts": "recovery_train_windows",
+    "held_out_texts": "recovery_held_out_windows",
+    "lora_rank": "recovery_lora_rank",
+    "importance_batches": "importance_batches",
+    "seed": "seed",
+}
 
 
-def run_recovery_cases(config: PruneCurvesConfig, console: Any) -> dict[str, Any]:
+def run_recovery_cases(
+    config: PruneCurvesConfig, console: Any, loaded: LoadedModel | None = None
+) -> dict[str, Any]:
     """Part (c): :func:`headkit.recipes.prune.prune` per case — importance ranking, physical removal and
-    distillation against the original (KL on next-token distributions) — with its report per case."""
+    distillation against the original (KL on next-token distributions) — with its report per case. `loaded`:
+    the model of ``config.recovery_model`` (default SmolLM2) already loaded; else it is loaded once here, and
+    every case prunes a copy of it."""
     model_path = Path(config.recovery_model) if config.recovery_model is not None else smollm2_gguf_path()
-    model = load_model(model_path).model
-    heads, kv_heads = heads_per_layer(model), kv_heads_per_layer(model)
-    del model
+    loaded = loaded or load_model(model_path)
+    heads, kv_heads = heads_per_layer(loaded.model), kv_heads_per_layer(loaded.model)
     cases = []
     for unit, fraction, uniform in parse_recovery_cases(config.recovery_cases):
         keep = heads_to_keep(heads, kv_heads, unit, fraction, uniform)
         label = f"{unit} {fraction:.0%}{' uniform' if uniform else ''}"
         console.print(f"[bold]{label}[/]: keeping {keep} of {sum(heads.values())} query heads, then recovery")
         with tempfile.TemporaryDirectory(prefix="headkit-bench-prune-") as scratch:
+            recipe = {field: getattr(config, name) for field, name in RECOVERY_SETTINGS.items()}
             settings = PruneSettings(
                 model=model_path,
                 out=Path(scratch) / "model",
                 heads=keep,
                 unit=unit,
                 uniform=uniform,
-                recovery_steps=config.recovery_steps,
-                batch_size=config.recovery_batch_size,
-                window=config.decoder_window_length,
-                train_texts=config.recovery_train_windows,
-                held_out_texts=config.recovery_held_out_windows,
-                lora_rank=config.recovery_lora_rank,
-                importance_batches=config.importance_batches,
-                seed=config.seed,
+                **recipe,
             )
-            report = prune(settings, echo=lambda line: console.print(f"  {line}", highlight=False)).report
+            echo = lambda line: console.print(f"  {line}", highlight=False)  # noqa: E731
+            report = prune(settings, echo=echo, loaded=loaded).report
         report = {k: v for k, v in report.items() if k not in ("settings", "selection")}
         cases.append({"label": label, "unit": unit, "fraction": fraction, "uniform": uniform, **report})
     return {"model": str(model_path), "cases": cases}
@@ -699,16 +643,23 @@ def run_prune_curves(
         load_decoder = load_smollm2
     with progress_bar(console, transient=True) as progress:
         encoder = run_encoder_curve(config, console, progress)
-    decoder = None
+    decoder = shared = None
     if config.decoder:
         name = DECODER_NAME if load_decoder is load_smollm2 else None
         console.print(f"loading {name or 'the decoder'} …")
         load_started = time.perf_counter()
-        model, tokenizer = load_decoder()
+        if load_decoder is load_smollm2:  # the recovery cases prune copies of the same model: loaded once
+            shared = load_model(smollm2_path())
+            model, tokenizer = shared.model, shared.tokenizer
+        else:
+            model, tokenizer = load_decoder()
         load_seconds = time.perf_counter() - load_started
         with progress_bar(console, transient=True) as progress:
             decoder = run_decoder_curve(model, tokenizer, config, console, progress)
         decoder |= {"name": name or decoder["model"], "load_seconds": load_seconds}
-        del model  # before the recovery cases load their own copies
-    recovery = run_recovery_cases(config, console) if config.decoder and config.recovery else None
+        del model
+    recovery = None
+    if config.decoder and config.recovery:
+        reuse = shared is not None and config.recovery_model is None
+        recovery = run_recovery_cases(config, console, shared if reuse else None)
     return {"encoder": encoder, "decoder": decoder, "recovery": recovery}

@@ -1,8 +1,10 @@
 """headkit.recipes: end-to-end workflows on pretrained models, as a library API (what the CLI commands run).
 
-- :func:`distill`: teacher → student distillation on 🤗 ``Trainer`` — the one training loop of every recovery
-  (DDP/FSDP-ready, optional LoRA through PEFT merged afterwards), with the objectives of
-  :mod:`headkit.recipes.objectives`.
+- :func:`train_loop`: the one training loop of the library, on 🤗 ``Trainer`` (DDP/FSDP-ready): recovery,
+  head gates, ``headkit train`` and the from-scratch benchmarks all run through it.
+- :func:`distill`: teacher → student distillation on that loop — every recovery (optional LoRA through PEFT
+  merged afterwards), with the objectives of :mod:`headkit.recipes.objectives`.
+- :func:`train_gates_to_budget`: Hard Concrete head gates trained to a head budget under the L0 constraint.
 - :func:`prune`: choose heads (importance or L0 gates), remove them physically (GQA-aware, optionally to the
   stock architecture), recover by distillation, report and save.
 - :func:`compress`: collaborative heads at a shared query/key width, distilled and reported.
@@ -10,6 +12,8 @@
 
 from headkit.recipes.compress import CompressResult, CompressSettings, compress
 from headkit.recipes.distill import DistillResult, distill, lora_target_modules, split_batches
+from headkit.recipes.gates import GateTrainingLog, train_gates_to_budget
+from headkit.recipes.loop import LoopResult, train_loop
 from headkit.recipes.models import (
     LoadedModel,
     check_output_folder,
@@ -26,7 +30,9 @@ __all__ = [
     "CompressSettings",
     "DistillResult",
     "EncoderObjective",
+    "GateTrainingLog",
     "LoadedModel",
+    "LoopResult",
     "PruneResult",
     "PruneSettings",
     "check_output_folder",
@@ -40,4 +46,6 @@ __all__ = [
     "plan_pruning",
     "prune",
     "split_batches",
+    "train_gates_to_budget",
+    "train_loop",
 ]

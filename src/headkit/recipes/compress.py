@@ -31,7 +31,7 @@ from torch import nn
 
 from headkit.errors import HeadkitError
 from headkit.files import staged_folder, write_json_atomic
-from headkit.recipes.distill import distill, split_batches
+from headkit.recipes.distill import distill_run, encoder_finetune
 from headkit.recipes.evaluate import (
     agreement,
     compare_speed,
@@ -41,7 +41,7 @@ from headkit.recipes.evaluate import (
     time_call,
 )
 from headkit.recipes.models import DEFAULT_DTYPE, check_output_folder, default_encoder_path, load_model
-from headkit.recipes.objectives import CausalLMObjective, EncoderObjective
+from headkit.recipes.objectives import CausalLMObjective
 from headkit.recipes.settings import ModelSettings, RecipeResult, check_count, check_data, with_overrides
 from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
 from headkit.surgery.adapters import AttentionAdapter, count_parameters, get_adapter
@@ -169,40 +169,34 @@ def encoder_fidelity(student: nn.Module, batches: list[dict], teacher_states: li
 
 
 def compress_and_distill(
-    teacher: Teacher,
-    text: EncoderText,
-    dim: int,
-    *,
-    distill_steps: int,
-    lr: float,
-    seed: int,
-    tol: float,
-    max_iter: int,
-    batch_size: int | None = None,
-    echo: Callable[[str], None] = print,
+    teacher: Teacher, text: EncoderText, dim: int, settings: Any, echo: Callable[[str], None] = print
 ) -> Compressed:
     """Swap a fresh copy of the teacher (an encoder) to collaborative heads of width `dim`, measure its held-out
-    fidelity, distil it for `distill_steps` steps (:func:`~headkit.recipes.distill.distill`) and measure again.
-    The teacher is left untouched."""
+    fidelity, distil it (:func:`~headkit.recipes.distill.encoder_finetune`) and measure again. `settings`: a
+    :class:`CompressSettings`, or any object with its ``distill_steps``, ``lr``, ``seed``, ``tol``, ``max_iter``
+    and ``batch_size``. The teacher is left untouched."""
+    seed = settings.seed
     torch.manual_seed(seed)
     student = copy.deepcopy(teacher.model)
     swap = swap_to_collaborative(
-        student, teacher.adapter, dim_shared_query_key=dim, seed=seed, tol=tol, max_iter=max_iter
+        student,
+        teacher.adapter,
+        dim_shared_query_key=dim,
+        seed=seed,
+        tol=settings.tol,
+        max_iter=settings.max_iter,
     )
     echo(str(swap))
     after_swap = encoder_fidelity(student, text.held_out, text.teacher_held_out)
     echo(f"fidelity after the swap: mean cosine {after_swap.mean_cosine:.4f}")
-    student.requires_grad_(True)
-    result = distill(
+    result = encoder_finetune(
         student,
         teacher.model,
-        split_batches(text.train),
-        objective=EncoderObjective(),
-        steps=distill_steps,
-        lr=lr,
-        batch_size=batch_size or (len(text.train[0]["input_ids"]) if text.train else 1),
+        text.train,
+        steps=settings.distill_steps,
+        lr=settings.lr,
+        batch_size=settings.batch_size,
         seed=seed,
-        log_every=max(1, distill_steps // 5),
         echo=echo,
     )
     student = result.model
@@ -279,18 +273,7 @@ def _compress_encoder(
     forward_before = time_call(
         lambda: _no_grad(teacher.model, batch), repeats=settings.timing_repeats, warmup=0
     ).median_s
-    compressed = compress_and_distill(
-        teacher,
-        text,
-        dim,
-        distill_steps=settings.distill_steps,
-        lr=settings.lr,
-        seed=settings.seed,
-        tol=settings.tol,
-        max_iter=settings.max_iter,
-        batch_size=settings.batch_size,
-        echo=echo,
-    )
+    compressed = compress_and_distill(teacher, text, dim, settings, echo)
     student = compressed.student
     forward_after = time_call(
         lambda: _no_grad(student, batch), repeats=settings.timing_repeats, warmup=0
@@ -333,22 +316,19 @@ def _compress_causal_lm(
     original = perplexity(teacher.model, windows.held_out, eval_batch)
     after_swap = perplexity(student, windows.held_out, eval_batch)
     echo(f"held-out perplexity: original {original:.3f}, after the swap {after_swap:.3f}")
-    student.requires_grad_(True)
-    result = distill(
+    objective = CausalLMObjective(settings.temperature)
+    result = distill_run(
         student,
         teacher.model,
         windows.train,
-        objective=CausalLMObjective(settings.temperature),
+        objective,
+        settings,
         steps=settings.distill_steps,
         lr=settings.lr,
-        batch_size=settings.batch_size,
-        lora_rank=settings.lora_rank,
-        seed=settings.seed,
-        log_every=max(1, settings.distill_steps // 5),
+        logs=5,
         echo=echo,
     )
     student = result.model
-    student.requires_grad_(False)
     recovered = perplexity(student, windows.held_out, eval_batch)
     speed = compare_speed(
         teacher.model,

@@ -1,13 +1,9 @@
-"""One training loop for every recovery after surgery: teacher → student distillation on 🤗 ``Trainer``.
+"""Every recovery after surgery: teacher → student distillation on headkit's one training loop.
 
-:func:`distill` runs ``transformers.Trainer`` with its ``compute_loss`` overridden by an objective
-(:mod:`headkit.recipes.objectives`) that calls the frozen teacher and the student on the same batch. Trainer
-brings what a hand-written loop lacks: the same call runs unchanged under ``torchrun`` / ``accelerate launch``
-(DDP, gloo on CPU or nccl on GPUs) and FSDP, with gradient accumulation, seeding, a progress bar, logging and
-checkpoints to resume from.
-
-Extra trainable terms ride along through a :class:`Regularizer` (e.g. the L0 constraint of Hard Concrete head
-gates): its parameter groups join the optimizer, its loss is added to the objective's at every step.
+:func:`distill` runs :func:`headkit.recipes.loop.train_loop` (🤗 ``Trainer``) with an objective
+(:mod:`headkit.recipes.objectives`) that calls the frozen teacher and the student on the same batch as its loss,
+so it runs unchanged under ``torchrun`` / ``accelerate launch`` (DDP, gloo on CPU or nccl on GPUs) and FSDP, with
+gradient accumulation, seeding, logging and checkpoints to resume from.
 
 With ``lora_rank`` the student's linear layers are adapted by LoRA through PEFT (Hu et al. 2022) instead of
 trained in full, and the adapters are merged back into the weights before the student is returned — the saved
@@ -17,30 +13,20 @@ model is a plain model of its class.
 from __future__ import annotations
 
 import math
-import tempfile
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
-from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
 from headkit.errors import HeadkitError
+from headkit.recipes.loop import train_loop
+from headkit.recipes.objectives import EncoderObjective
 
 Objective = Callable[[nn.Module, nn.Module, dict[str, Any]], torch.Tensor]
-
-
-class Regularizer(Protocol):
-    """A trainable term added to the objective (see :class:`headkit.recipes.prune.L0Regularizer`)."""
-
-    def param_groups(self) -> list[dict[str, Any]]: ...
-
-    def loss(self, model: nn.Module, step: int) -> torch.Tensor: ...
-
-    # Optional: ``before_forward(model, step)``, called before each forward (e.g. to put gates in sampling mode).
 
 
 @dataclass
@@ -57,19 +43,6 @@ class DistillResult:
     def to_dict(self) -> dict[str, Any]:
         """Every field but the model."""
         return {name: value for name, value in vars(self).items() if name != "model"}
-
-
-class _ExampleDataset(torch.utils.data.Dataset):
-    """Examples (dicts of equal-shape tensors) for Trainer's DataLoader, which stacks them into batches."""
-
-    def __init__(self, examples: Sequence[dict[str, torch.Tensor]]) -> None:
-        self.examples = list(examples)
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return self.examples[index]
 
 
 def split_batches(batches: Sequence[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
@@ -112,7 +85,6 @@ def distill(
     gradient_accumulation_steps: int = 1,
     lora_rank: int | None = None,
     lora_alpha: float | None = None,
-    regularizer: Regularizer | None = None,
     scheduler: str = "constant",
     warmup_steps: int = 0,
     weight_decay: float = 0.0,
@@ -139,7 +111,6 @@ def distill(
         lr: learning rate of the student's weights (AdamW, or of the LoRA adapters).
         batch_size: examples per device per forward; ``gradient_accumulation_steps`` forwards per step.
         lora_rank: LoRA rank (PEFT) on :func:`lora_target_modules`; None trains the weights themselves.
-        regularizer: extra parameter groups and loss term, e.g. Hard Concrete gates under an L0 constraint.
         scheduler: Trainer's ``lr_scheduler_type`` ("constant", "linear", "cosine", …).
         output_dir: where Trainer writes checkpoints (one per 50 steps, the last two kept) when given; with
             ``resume=True`` a run picks up from the newest checkpoint there. None: a temporary folder, no
@@ -178,63 +149,43 @@ def distill(
     model = student
     if lora_rank is not None:
         model = _with_lora(student, lora_rank, lora_alpha)
-    model.eval()  # no dropout; Trainer calls model.train() each step, so an eval-mode wrapper keeps it off
     trainable = [p for p in model.parameters() if p.requires_grad]
-    extra_groups = regularizer.param_groups() if regularizer is not None else []
-    extra_ids = {id(p) for group in extra_groups for p in group["params"]}
-    weights = [p for p in trainable if id(p) not in extra_ids]
-    groups = (
-        [{"params": weights, "lr": lr, "weight_decay": weight_decay}] if weights and lr > 0 else []
-    ) + extra_groups
-    if not groups:
-        raise HeadkitError(
-            "nothing to train: the student has no trainable parameter (and lr is 0 or no regularizer)"
-        )
+    if not trainable or lr == 0:
+        raise HeadkitError("nothing to train: the student has no trainable parameter (or lr is 0)")
+    groups = [{"params": trainable, "lr": lr, "weight_decay": weight_decay}]
     # Trainer may move both models to an accelerator; the caller gets them back where they were.
     student_device = next(student.parameters()).device
     teacher_device = next(teacher.parameters()).device
 
-    with tempfile.TemporaryDirectory(prefix="headkit-distill-") as scratch:
-        directory = Path(output_dir) if output_dir is not None else Path(scratch)
-        arguments = TrainingArguments(
-            output_dir=str(directory),
-            per_device_train_batch_size=batch_size,
-            gradient_accumulation_steps=gradient_accumulation_steps,
-            max_steps=steps,
-            learning_rate=lr if lr > 0 else 1e-3,
-            lr_scheduler_type=scheduler,
-            warmup_steps=warmup_steps,
-            max_grad_norm=max_grad_norm,
-            logging_steps=log_every,
-            logging_strategy="steps",
-            save_strategy="steps" if output_dir is not None else "no",
-            save_steps=50,
-            save_total_limit=2,
-            report_to="none",
-            disable_tqdm=not progress_bar,
-            remove_unused_columns=False,
-            dataloader_drop_last=len(examples) >= batch_size,
-            dataloader_num_workers=0,
-            seed=seed,
-            data_seed=seed,
-            use_cpu=not torch.cuda.is_available(),
-            ddp_backend=ddp_backend,
-            log_level="warning",
-        )
-        recorder = _LossRecorder(echo, steps)
-        trainer = _DistillationTrainer(
-            teacher=teacher,
-            objective=objective,
-            regularizer=regularizer,
-            model=model,
-            args=arguments,
-            train_dataset=_ExampleDataset(examples),
-            callbacks=[recorder],
-            optimizer_groups=groups,
-        )
-        trainer.remove_callback(PrinterCallback)  # its raw log dicts; _LossRecorder prints a line per log
-        checkpoint = resume and output_dir is not None and any(Path(output_dir).glob("checkpoint-*"))
-        output = trainer.train(resume_from_checkpoint=True if checkpoint else None)
+    def loss_fn(model: nn.Module, batch: dict[str, Any], step: int) -> torch.Tensor:
+        return objective(model, teacher, batch)
+
+    def print_log(step: int, loss: float) -> None:
+        if echo is not None:
+            echo(f"  step {step}/{steps}: loss {loss:.5f}")
+
+    logged: list[float] = []
+    output = train_loop(
+        model,
+        loss_fn,
+        examples,
+        steps=steps,
+        param_groups=groups,
+        batch_size=batch_size,
+        lr=lr,
+        schedule=scheduler,
+        warmup_steps=warmup_steps,
+        max_grad_norm=max_grad_norm,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        seed=seed,
+        output_dir=output_dir,
+        resume=resume,
+        on_log=lambda step, loss: (logged.append(loss), print_log(step, loss)),
+        log_every=log_every,
+        ddp_backend=ddp_backend,
+        progress_bar=progress_bar,
+        companions=[teacher],
+    )
     if lora_rank is not None:
         model = model.merge_and_unload()
     if use_cache is not None:  # Trainer turns the cache off for training; generation wants it back
@@ -243,12 +194,49 @@ def distill(
     teacher.to(teacher_device)
     return DistillResult(
         model=model,
-        steps=int(output.global_step),
-        losses=recorder.losses,
-        seconds=float(output.metrics.get("train_runtime", 0.0)),
+        steps=output.steps,
+        losses=logged,
+        seconds=output.seconds,
         lora_rank=lora_rank,
         trainable_parameters=sum(p.numel() for p in trainable),
     )
+
+
+def distill_run(
+    student: nn.Module,
+    teacher: nn.Module,
+    examples: Sequence[dict[str, torch.Tensor]],
+    objective: Objective,
+    settings: Any,
+    *,
+    steps: int,
+    lr: float,
+    logs: int = 10,
+    echo: Callable[[str], None] | None = None,
+    **options: Any,
+) -> DistillResult:
+    """A recipe run's recovery: :func:`distill` of every weight of `student` (or LoRA adapters), with the run's
+    ``batch_size``, ``lora_rank``, ``seed`` and, where it has one, ``gradient_accumulation_steps`` from
+    `settings`, logged `logs` times; ``options``: :func:`distill`'s others. The result's model comes back
+    frozen (no gradients), ready to be measured."""
+    student.requires_grad_(True)
+    result = distill(
+        student,
+        teacher,
+        examples,
+        objective=objective,
+        steps=steps,
+        lr=lr,
+        batch_size=settings.batch_size,
+        gradient_accumulation_steps=getattr(settings, "gradient_accumulation_steps", 1),
+        lora_rank=settings.lora_rank,
+        seed=settings.seed,
+        log_every=max(1, steps // logs),
+        echo=echo,
+        **options,
+    )
+    result.model.requires_grad_(False)
+    return result
 
 
 def _with_lora(student: nn.Module, rank: int, alpha: float | None) -> nn.Module:
@@ -281,51 +269,35 @@ def with_lora(
         return get_peft_model(model, config)
 
 
-class _LossRecorder(TrainerCallback):
-    """Records each logged loss and echoes a progress line (on the main process only)."""
-
-    def __init__(self, echo: Callable[[str], None] | None, steps: int) -> None:
-        self.echo, self.steps = echo, steps
-        self.losses: list[float] = []
-
-    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
-        if logs and "loss" in logs:
-            self.losses.append(float(logs["loss"]))
-            if self.echo is not None and state.is_world_process_zero:
-                self.echo(f"  step {state.global_step}/{self.steps}: loss {logs['loss']:.5f}")
-
-
-class _DistillationTrainer(Trainer):
-    """Trainer whose loss is the objective against ``self.teacher`` (plus the regularizer's term)."""
-
-    def __init__(
-        self,
-        *,
-        teacher: nn.Module,
-        objective: Objective,
-        regularizer: Regularizer | None,
-        optimizer_groups: list[dict[str, Any]],
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        self.teacher, self.objective, self.regularizer = teacher, objective, regularizer
-        self.optimizer_groups = optimizer_groups
-
-    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
-        # Built here, not passed in: Trainer refuses a ready-made optimizer under FSDP. Each group carries its own
-        # learning rate (weights, gates, the L0 multipliers).
-        if self.optimizer is None:
-            self.optimizer = torch.optim.AdamW(self.optimizer_groups, lr=self.args.learning_rate)
-        return self.optimizer
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        model.eval()  # Trainer switched to train mode: dropout would make the target noisy
-        device = next(model.parameters()).device
-        if next(self.teacher.parameters()).device != device:
-            self.teacher = self.teacher.to(device)
-        if self.regularizer is not None and hasattr(self.regularizer, "before_forward"):
-            self.regularizer.before_forward(model, self.state.global_step)
-        loss = self.objective(model, self.teacher, inputs)
-        if self.regularizer is not None:
-            loss = loss + self.regularizer.loss(model, self.state.global_step)
-        return (loss, None) if return_outputs else loss
+def encoder_finetune(
+    student: nn.Module,
+    teacher: nn.Module,
+    batches: list[dict],
+    *,
+    steps: int,
+    lr: float,
+    lora_rank: int | None = None,
+    batch_size: int | None = None,
+    seed: int = 0,
+    echo: Callable[[str], None] | None = None,
+) -> DistillResult:
+    """`steps` distillation steps of an encoder `student` (every weight, in place; or LoRA adapters of
+    `lora_rank`, merged) against `teacher` on fixed-shape `batches` (re-batched at `batch_size`, default theirs)
+    with :class:`~headkit.recipes.objectives.EncoderObjective`, logged every steps/5; the result's model is the
+    student (the same object unless LoRA merged it). No step when `steps` or `lr` is 0."""
+    if steps <= 0 or lr <= 0:
+        return DistillResult(student, 0, lora_rank=lora_rank)
+    student.requires_grad_(True)
+    return distill(
+        student,
+        teacher,
+        split_batches(batches),
+        objective=EncoderObjective(),
+        steps=steps,
+        lr=lr,
+        batch_size=batch_size or (len(batches[0]["input_ids"]) if batches else 1),
+        lora_rank=lora_rank,
+        seed=seed,
+        log_every=max(1, steps // 5),
+        echo=echo,
+    )

@@ -6,6 +6,8 @@ data-parallel run where each process sees its own shard.
 
 - :class:`EncoderObjective`: sentence encoders — 1 − cos of the mean-pooled embeddings (the sentence-transformers
   pooling all-MiniLM-L6-v2 was trained with) plus the token states' squared error relative to the teacher's.
+- :func:`sentence_pair_contrastive_loss`: a sentence encoder's own objective on pairs of texts (in-batch
+  negatives), no teacher: what head importance ranks an encoder's heads by.
 - :class:`CausalLMObjective`: language models — KL(teacher ‖ student) of the next-token distributions at a
   temperature τ, times τ² (Hinton, Vinyals & Dean 2015, §2: the τ² keeps the gradient scale independent of τ),
   averaged over real tokens; optionally plus the last hidden state's relative squared error.
@@ -50,6 +52,28 @@ def embedding_distillation_loss(
         mean_pool(student_states, attention_mask), mean_pool(teacher_states, attention_mask), dim=-1
     )
     return (1.0 - cosine).mean() + relative_squared_error(student_states, teacher_states, attention_mask)
+
+
+# sentence-transformers' MultipleNegativesRankingLoss multiplies the cosine similarities by 20.
+CONTRASTIVE_SCALE = 20.0
+
+
+def in_batch_contrastive_loss(
+    anchors: torch.Tensor, positives: torch.Tensor, scale: float = CONTRASTIVE_SCALE
+) -> torch.Tensor:
+    """MultipleNegativesRankingLoss (Henderson et al. 2017, "Efficient Natural Language Response Suggestion for
+    Smart Reply", §4.4): cross-entropy of picking positive i for anchor i among all the batch's positives, by
+    scaled cosine similarity — the objective all-MiniLM-L6-v2 was trained with."""
+    similarities = scale * F.cosine_similarity(anchors[:, None], positives[None, :], dim=-1)
+    return F.cross_entropy(similarities, torch.arange(len(anchors), device=anchors.device))
+
+
+def sentence_pair_contrastive_loss(model: nn.Module, pair: tuple[dict, dict]) -> torch.Tensor:
+    """:func:`in_batch_contrastive_loss` of an encoder's mean-pooled embeddings of a batch pair (anchors,
+    positives): a sentence encoder's own training objective, with no teacher. Its gradient at the unpruned model
+    is not 0 (unlike a distillation loss's), so head importance (Michel et al. 2019) can rank heads by it."""
+    first, second = (mean_pool(model(**batch).last_hidden_state, batch["attention_mask"]) for batch in pair)
+    return in_batch_contrastive_loss(first, second)
 
 
 def next_token_kl(

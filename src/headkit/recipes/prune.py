@@ -41,8 +41,7 @@ from torch import nn
 from headkit.analysis.importance import head_importance
 from headkit.errors import HeadkitError
 from headkit.files import staged_folder, write_json_atomic
-from headkit.layers.gates import L0Controller
-from headkit.recipes.distill import distill, split_batches
+from headkit.recipes.distill import distill_run, encoder_finetune
 from headkit.recipes.evaluate import (
     agreement,
     compare_speed,
@@ -54,6 +53,7 @@ from headkit.recipes.evaluate import (
     time_call,
 )
 from headkit.recipes.export import check_export_target, export_gguf
+from headkit.recipes.gates import GateTrainingLog, train_gates_to_budget
 from headkit.recipes.models import (
     CAUSAL_LM,
     ENCODER,
@@ -64,14 +64,20 @@ from headkit.recipes.models import (
 )
 from headkit.recipes.objectives import CausalLMObjective, EncoderObjective
 from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data, with_overrides
-from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
+from headkit.recipes.text import (
+    calibration_batches,
+    lm_windows,
+    load_text,
+    text_chunks,
+    tokenize_batches,
+    window_batches,
+)
 from headkit.surgery.adapters import count_parameters, get_adapter
 from headkit.surgery.families import PRUNE, DecoderFamily, get_family
 from headkit.surgery.gating import (
     add_head_gates,
-    evaluation_gate_values,
+    gate_values,
     head_gates,
-    l0_penalty,
     remove_head_gates,
 )
 from headkit.surgery.pruning import (
@@ -257,93 +263,158 @@ def _groups(kv_of_query: list[int]) -> dict[int, torch.Tensor]:
     return {kv: torch.tensor(heads) for kv, heads in sorted(found.items())}
 
 
-class L0Regularizer:
-    """Hard Concrete gates under the Lagrangian L0 constraint (Wang et al. 2020, Eq. 4) as a
-    :class:`~headkit.recipes.distill.Regularizer`: the target is annealed from every head down to
-    `target_heads` over the first `anneal_fraction` of the steps; the gates sample while training."""
-
-    def __init__(
-        self,
-        model: nn.Module,
-        target_heads: float,
-        steps: int,
-        *,
-        gate_lr: float = 0.1,
-        controller_lr: float = 0.05,
-        anneal_fraction: float = 0.5,
-    ) -> None:
-        self.gates = list(head_gates(model).values())
-        if not self.gates:
-            raise HeadkitError("the model has no head gates; call headkit.add_head_gates(model) first")
-        self.total = sum(gate.num_heads for gate in self.gates)
-        self.target_heads = float(target_heads)
-        self.anneal_steps = max(1, round(anneal_fraction * steps))
-        self.gate_lr = gate_lr
-        self.controller = L0Controller(target_heads=self.total, lr=controller_lr)
-
-    def param_groups(self) -> list[dict[str, Any]]:
-        gate_group = {
-            "params": [gate.log_alpha for gate in self.gates],
-            "lr": self.gate_lr,
-            "weight_decay": 0.0,
-        }
-        return [gate_group, self.controller.param_group()]
-
-    def before_forward(self, model: nn.Module, step: int) -> None:
-        for gate in self.gates:
-            gate.train()
-        progress = min(1.0, (step + 1) / self.anneal_steps)
-        self.controller.target_heads = self.total + progress * (self.target_heads - self.total)
-
-    def loss(self, model: nn.Module, step: int) -> torch.Tensor:
-        return self.controller.penalty(self.gates)
-
-
-def _gate_scores(
+def train_head_gates(
     teacher: nn.Module,
-    examples: list[dict],
+    batches: list[dict],
     objective: Callable,
     keep: int,
-    settings: PruneSettings,
     *,
-    train_weights: bool,
-    echo: Callable[[str], None],
-) -> tuple[nn.Module, list[torch.Tensor], dict[str, Any]]:
-    """Train Hard Concrete gates on a copy of the teacher (and its weights when `train_weights`) towards `keep`
-    open heads; returns (the gated copy, log α per layer, a log)."""
+    weight_lr: float = 0.0,
+    seed: int = 0,
+    adapter: Any = None,
+    **training: Any,
+) -> tuple[nn.Module, GateTrainingLog]:
+    """A copy of `teacher` with Hard Concrete gates on every head, trained (and its weights when `weight_lr` > 0)
+    towards `keep` open heads under the L0 constraint with ``objective(student, teacher, batch)`` on `batches` as
+    the task loss (:func:`headkit.recipes.gates.train_gates_to_budget`, which takes the other ``training``
+    options: steps, gate_lr, log_every, …); returns (the gated copy, the log)."""
+    training["log_every"] = training.get("log_every") or max(1, training["steps"] // 6)
+    torch.manual_seed(seed)  # the gates' noise
     student = copy.deepcopy(teacher)
-    student.requires_grad_(train_weights)
-    add_head_gates(student, "hard_concrete")
-    regularizer = L0Regularizer(student, keep, settings.gate_steps, gate_lr=settings.gate_lr)
-    echo(f"training head gates for {settings.gate_steps} steps towards {keep} heads")
-    result = distill(
+    student.requires_grad_(weight_lr > 0)
+    add_head_gates(student, "hard_concrete", adapter=adapter)
+    log = train_gates_to_budget(
         student,
-        teacher,
-        examples,
-        objective=objective,
-        steps=settings.gate_steps,
-        lr=_weight_lr(settings) if train_weights else 0.0,
-        batch_size=settings.batch_size,
-        gradient_accumulation_steps=settings.gradient_accumulation_steps,
-        regularizer=regularizer,
-        max_grad_norm=0.0,
-        seed=settings.seed,
-        log_every=max(1, settings.gate_steps // 6),
-        echo=echo,
+        lambda model, batch: objective(model, teacher, batch),
+        batches,
+        target_heads=keep,
+        weight_lr=weight_lr,
+        seed=seed,
+        companions=[teacher],
+        **{"log_every": max(1, training["steps"] // 6)}
+        | {k: v for k, v in training.items() if v is not None},
     )
-    gates = head_gates(student)
-    # A layer without heads has no gate: its scores stay empty so that scores[i] is layer i's.
-    scores = [
-        gates[i].log_alpha.detach().clone() if i in gates else torch.zeros(0)
-        for i in range(len(get_adapter(student).sites(student)))
-    ]
-    log = {
-        "steps": result.steps,
-        "losses": result.losses,
-        "expected_heads_at_end": float(l0_penalty(regularizer.gates).detach()),
-        "gate_values": [evaluation_gate_values(g).tolist() for g in regularizer.gates],
+    return student, log
+
+
+def _gate_log(log: GateTrainingLog) -> dict[str, Any]:
+    """The report's record of a gate training: steps, losses, expected heads and gate values at the end."""
+    return {
+        "steps": log.steps[-1],
+        "losses": log.task_losses,
+        "expected_heads_at_end": log.expected_heads[-1],
+        "gate_values": [values for _, values in sorted(log.gate_values[-1].items())],
     }
-    return student, scores, log
+
+
+def echo_gate_progress(
+    echo: Callable[[str], None], steps: int, every: int = 1
+) -> Callable[[int, GateTrainingLog], None]:
+    """A :func:`train_gates_to_budget` callback that echoes the loss and the expected heads at logged steps that
+    are multiples of `every`."""
+
+    def report(step: int, log: GateTrainingLog) -> None:
+        if step % every:
+            return
+        echo(
+            f"  gate step {step}/{steps}: loss {log.task_losses[-1]:.4f}, expected heads "
+            f"{log.expected_heads[-1]:.1f} (target {log.targets[-1]:.1f})"
+        )
+
+    return report
+
+
+@dataclass
+class EncoderHeadPruning:
+    """What :func:`prune_encoder_heads` did: the pruned copy, the plan ({layer: heads removed}), the heads kept
+    per layer, and for L0 gates their training log and their values before removal."""
+
+    model: nn.Module
+    plan: dict[int, list[int]]
+    kept: dict[int, list[int]]
+    gate_log: GateTrainingLog | None = None
+    final_gates: dict[int, list[float]] | None = None
+
+
+def prune_encoder_heads(
+    teacher: nn.Module,
+    batches: list[dict],
+    keep: int,
+    *,
+    method: str = "l0",
+    importance: Any = None,
+    gate_steps: int = 300,
+    gate_lr: float = 0.1,
+    weight_lr: float = 0.0,
+    fold: bool = True,
+    seed: int = 0,
+    gradient_accumulation_steps: int = 1,
+    log_every: int | None = None,
+    callback: Callable[[int, GateTrainingLog], None] | None = None,
+    adapter: Any = None,
+) -> EncoderHeadPruning:
+    """The encoder prune workflow (``headkit prune``, the demo, ``headkit bench prune``): choose `keep` heads of a
+    sentence encoder and remove the rest physically from a copy of `teacher` (layers may empty).
+
+    ``method="l0"``: Hard Concrete gates trained under the L0 constraint (:func:`train_head_gates`, with
+    :class:`~headkit.recipes.objectives.EncoderObjective` on `batches`; the weights too when `weight_lr` > 0), the
+    top heads by log α kept, the gates then folded into the weights (`fold`) or dropped. ``method="importance"``:
+    the top heads of `importance` (:class:`headkit.analysis.importance.HeadImportance`). Recovery is the
+    caller's next step (:func:`headkit.recipes.distill.encoder_finetune`), after it measured the pruned model."""
+    adapter = get_adapter(teacher, adapter)
+    if method not in METHODS:
+        raise HeadkitError(f"method must be one of {METHODS}, got {method!r}")
+    log = final_gates = None
+    if method == "l0":
+        student, log = train_head_gates(
+            teacher,
+            batches,
+            EncoderObjective(),
+            keep,
+            steps=gate_steps,
+            gate_lr=gate_lr,
+            weight_lr=weight_lr,
+            seed=seed,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            log_every=log_every,
+            callback=callback,
+            adapter=adapter,
+        )
+        final_gates = gate_values(student, adapter)
+        plan = keep_top_gated_heads(student, keep, adapter)
+        # Off before the cut: folding scales whole heads' columns, so it commutes with removing heads, and a layer
+        # the cut empties has no projection columns left to fold into.
+        remove_head_gates(student, fold=fold, adapter=adapter)
+    else:
+        if importance is None:
+            raise HeadkitError(
+                "method='importance' needs the heads' importance (headkit.analysis.head_importance)"
+            )
+        student = copy.deepcopy(teacher)
+        plan = importance.pruning_plan(keep, allow_empty_layers=True)
+    pruned = prune_heads(student, plan, allow_empty_layers=True, adapter=adapter)
+    return EncoderHeadPruning(student, plan, pruned.kept, log, final_gates)
+
+
+def heads_to_keep(
+    heads: dict[int, int], kv_heads: dict[int, int], unit: str, fraction: float, uniform: bool
+) -> int:
+    """Query heads kept when `fraction` of them is pruned, as :func:`plan_pruning` can keep them: whole
+    key/value groups for ``unit="group"``, the same count in every layer under `uniform` (rounded to whole
+    groups, or to as many per group)."""
+    layers, total = len(heads), sum(heads.values())
+    per_layer, kv = max(heads.values()), max(kv_heads.values())
+    group = per_layer // kv
+    if unit == "group":
+        groups_kept = max(1, round(kv * (1 - fraction)))
+        return (
+            layers * groups_kept * group
+            if uniform
+            else max(group, round(total * (1 - fraction) / group) * group)
+        )
+    if uniform:
+        return layers * kv * max(1, round(per_layer * (1 - fraction) / kv))
+    return max(1, round(total * (1 - fraction)))
 
 
 def _weight_lr(settings: PruneSettings) -> float:
@@ -391,10 +462,15 @@ def check_settings(settings: PruneSettings) -> None:
 
 
 def prune(
-    settings: PruneSettings | None = None, echo: Callable[[str], None] = print, **overrides: Any
+    settings: PruneSettings | None = None,
+    echo: Callable[[str], None] = print,
+    *,
+    loaded: LoadedModel | None = None,
+    **overrides: Any,
 ) -> PruneResult:
     """Run the recipe (see the module docstring); the result's model is the pruned, recovered student, also saved
-    with its tokenizer and report.json to ``settings.out``. Nothing is written when any step fails."""
+    with its tokenizer and report.json to ``settings.out``. Nothing is written when any step fails. `loaded`: the
+    model already loaded from ``settings.model`` (left unchanged), to spare loading it again."""
     settings = with_overrides(PruneSettings, settings, overrides)
     started = time.perf_counter()
     check_settings(settings)
@@ -403,7 +479,7 @@ def prune(
     check_output_folder(model_path, out, settings.overwrite)
     if settings.export_gguf is not None:
         check_export_target(model_path, settings.export_gguf, settings.export_type, settings.overwrite)
-    model, report, loaded = _run(settings, model_path, echo)
+    model, report, loaded = _run(settings, model_path, echo, loaded)
     report["out"] = str(out)
     with staged_folder(out) as staging:
         model.save_pretrained(staging)
@@ -522,17 +598,30 @@ def _prune_causal_lm(
     selection_started = time.perf_counter()
     selection: dict[str, Any] = {"method": method}
     if method == "importance":
-        calibration = [
-            {"input_ids": ids, "labels": ids, "use_cache": False}
-            for ids in torch.stack([w["input_ids"] for w in windows.train]).split(settings.batch_size)
-        ][: settings.importance_batches]
+        calibration = calibration_batches(windows.train, settings.batch_size, settings.importance_batches)
         importance = head_importance(teacher, calibration, attention_stats=False, adapter=adapter)
         scores = importance.importance
         selection["importance_batches"] = len(calibration)
     else:
-        _, scores, selection["gates"] = _gate_scores(
-            teacher, windows.train, objective, keep, settings, train_weights=False, echo=echo
+        echo(f"training head gates for {settings.gate_steps} steps towards {keep} heads")
+        gated, log = train_head_gates(
+            teacher,
+            window_batches(windows.train, settings.batch_size),
+            objective,
+            keep,
+            steps=settings.gate_steps,
+            gate_lr=settings.gate_lr,
+            seed=settings.seed,
+            gradient_accumulation_steps=settings.gradient_accumulation_steps,
+            callback=echo_gate_progress(echo, settings.gate_steps),
+            adapter=adapter,
         )
+        gates = head_gates(gated, adapter)
+        # A layer without heads has no gate: its scores stay empty so that scores[i] is layer i's.
+        scores = [
+            gates[i].log_alpha.detach().clone() if i in gates else torch.zeros(0) for i in range(len(sites))
+        ]
+        selection["gates"] = _gate_log(log)
     selection["scores"] = [s.tolist() for s in scores]
     selection["seconds"] = time.perf_counter() - selection_started
     plan = plan_pruning(scores, kv_of_query, keep, unit=settings.unit, uniform=settings.uniform)
@@ -552,29 +641,23 @@ def _prune_causal_lm(
     )
     sample_pruned = greedy_sample(student, tokenizer, SAMPLE_PROMPT)
 
-    student.requires_grad_(True)
     echo(
         f"recovery: {settings.recovery_steps} distillation steps"
         + (f" (LoRA rank {settings.lora_rank})" if settings.lora_rank else "")
     )
-    recovery = distill(
+    recovery = distill_run(
         student,
         teacher,
         windows.train,
-        objective=objective,
+        objective,
+        settings,
         steps=settings.recovery_steps,
         lr=_weight_lr(settings),
-        batch_size=settings.batch_size,
-        gradient_accumulation_steps=settings.gradient_accumulation_steps,
-        lora_rank=settings.lora_rank,
+        echo=echo,
         scheduler="cosine" if settings.recovery_steps >= 10 else "constant",
         warmup_steps=min(10, settings.recovery_steps // 10),
-        seed=settings.seed,
-        log_every=max(1, settings.recovery_steps // 10),
-        echo=echo,
     )
     student = recovery.model
-    student.requires_grad_(False)
     perplexity_recovered = perplexity(student, windows.held_out, eval_batch)
     echo(
         f"held-out perplexity after recovery: {perplexity_recovered:.3f} ({perplexity_recovered / perplexity_original:.2f}x)"
@@ -660,31 +743,33 @@ def _prune_encoder(
             "--batch-size is larger than --held-out or --train-texts: each needs at least one full batch of texts"
         )
     echo(f"{loaded.source}: {sum(heads_before.values())} heads in {len(heads_before)} layers; keeping {keep}")
-    examples = split_batches(train)
-    objective = EncoderObjective()
     reference = last_hidden_states(teacher, held_out)  # once, for the pruned and the recovered student
-
-    student, scores, gates_log = _gate_scores(
-        teacher, examples, objective, keep, settings, train_weights=True, echo=echo
+    echo(f"training head gates and weights for {settings.gate_steps} steps towards {keep} heads")
+    pruning = prune_encoder_heads(
+        teacher,
+        train,
+        keep,
+        method=method,
+        gate_steps=settings.gate_steps,
+        gate_lr=settings.gate_lr,
+        weight_lr=_weight_lr(settings),
+        fold=True,
+        seed=settings.seed,
+        gradient_accumulation_steps=settings.gradient_accumulation_steps,
+        callback=echo_gate_progress(echo, settings.gate_steps),
+        adapter=adapter,
     )
-    selection: dict[str, Any] = {"method": method, "gates": gates_log}
-    plan = plan_pruning(scores, [query_to_kv_heads(site) for site in adapter.sites(teacher)], keep)
-    prune_heads(student, plan, allow_empty_layers=True, adapter=adapter)
-    if head_gates(student, adapter):
-        remove_head_gates(student, fold=True, adapter=adapter)
+    student, plan = pruning.model, pruning.plan
+    selection: dict[str, Any] = {"method": method, "gates": _gate_log(pruning.gate_log)}
     cosine_pruned = embedding_cosine(student, reference, held_out)
-    student.requires_grad_(True)
-    recovery = distill(
+    recovery = encoder_finetune(
         student,
         teacher,
-        examples,
-        objective=objective,
+        train,
         steps=settings.recovery_steps,
         lr=_weight_lr(settings),
-        batch_size=settings.batch_size,
         lora_rank=settings.lora_rank,
         seed=settings.seed,
-        log_every=max(1, settings.recovery_steps // 5),
         echo=echo,
     )
     student = recovery.model
@@ -792,33 +877,3 @@ def keep_top_gated_heads(model: nn.Module, keep: int, adapter: Any = None) -> di
         for i in range(len(adapter.sites(model)))
     ]
     return plan_pruning(scores, [query_to_kv_heads(site) for site in adapter.sites(model)], keep)
-
-
-def encoder_finetune(
-    student: nn.Module,
-    teacher: nn.Module,
-    batches: list[dict],
-    *,
-    steps: int,
-    lr: float,
-    seed: int = 0,
-    echo: Callable[[str], None] | None = None,
-) -> list[float]:
-    """`steps` distillation steps of an encoder `student` (in place, every weight) against `teacher` on
-    fixed-shape `batches` with :class:`~headkit.recipes.objectives.EncoderObjective`; returns the losses."""
-    if steps <= 0 or lr <= 0:
-        return []
-    student.requires_grad_(True)
-    result = distill(
-        student,
-        teacher,
-        split_batches(batches),
-        objective=EncoderObjective(),
-        steps=steps,
-        lr=lr,
-        batch_size=len(batches[0]["input_ids"]),
-        seed=seed,
-        log_every=max(1, steps // 5),
-        echo=echo,
-    )
-    return result.losses

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from headkit.data import Corpus, Document, load_corpus
+from headkit.data import ByteTokenizer, Corpus, Document, load_corpus
 from headkit.errors import HeadkitError
 
 LINES_PER_TEXT = 6
@@ -62,6 +62,26 @@ def text_chunks(
     return train[:train_texts], held_out[:held_out_texts]
 
 
+def text_halves(texts: list[str]) -> tuple[list[str], list[str]]:
+    """(first halves, second halves) of each text's words: positive pairs for a contrastive loss."""
+    firsts, seconds = [], []
+    for text in texts:
+        words = text.split()
+        cut = max(1, len(words) // 2)
+        firsts.append(" ".join(words[:cut]))
+        seconds.append(" ".join(words[cut:]) or " ".join(words))
+    return firsts, seconds
+
+
+def pair_batches(
+    tokenizer: Any, texts: list[str], batch_size: int, max_length: int
+) -> list[tuple[dict, dict]]:
+    """Batch pairs (first halves, second halves) of `texts` (:func:`text_halves`), tokenised as
+    :func:`tokenize_batches` does."""
+    halves = [tokenize_batches(tokenizer, half, batch_size, max_length) for half in text_halves(texts)]
+    return list(zip(*halves, strict=True))
+
+
 def tokenize_batches(tokenizer: Any, texts: list[str], batch_size: int, max_length: int) -> list[dict]:
     """Fixed-shape batches [batch_size, max_length] (padded), so every step and timing costs the same."""
     batches = []
@@ -95,6 +115,8 @@ class LMWindows:
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
+    if isinstance(tokenizer, ByteTokenizer):  # headkit's own (not callable like a 🤗 tokenizer)
+        return tokenizer.encode(text)
     import transformers
 
     verbosity = transformers.logging.get_verbosity()
@@ -162,3 +184,20 @@ def lm_windows(
             f"the held-out text ({corpus.source}) is shorter than one window of {length} tokens"
         )
     return LMWindows(train, torch.tensor(windows, dtype=torch.long), corpus.source)
+
+
+def window_batches(windows: list[dict[str, torch.Tensor]], batch_size: int) -> list[dict[str, torch.Tensor]]:
+    """Training windows (:attr:`LMWindows.train`) stacked into batches of `batch_size` (the last may be smaller)."""
+    ids = torch.stack([window["input_ids"] for window in windows])
+    return [{"input_ids": chunk, "attention_mask": torch.ones_like(chunk)} for chunk in ids.split(batch_size)]
+
+
+def calibration_batches(
+    windows: list[dict[str, torch.Tensor]], batch_size: int, count: int
+) -> list[dict[str, Any]]:
+    """The first `count` :func:`window_batches` as inputs of a language-model loss (labels: the inputs), what
+    :func:`headkit.analysis.importance.head_importance` ranks heads by."""
+    return [
+        {"input_ids": batch["input_ids"], "labels": batch["input_ids"], "use_cache": False}
+        for batch in window_batches(windows, batch_size)[:count]
+    ]

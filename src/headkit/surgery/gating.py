@@ -8,7 +8,9 @@ heads are concatenated and projected,
 
 and the gates are Hard Concrete variables (:class:`headkit.layers.gates.HardConcreteGate`) trained with the
 relaxed L0 penalty Σ_h P(g_h ≠ 0) (Louizos et al. 2018, Eq. 12). A gate that ends at exactly 0 marks a head
-that :func:`headkit.surgery.pruning.prune_heads` can remove without changing the model's outputs.
+that :func:`headkit.surgery.pruning.prune_heads` can remove without changing the model's outputs. This module is
+the gates' mechanics; training them to a head budget is a workflow, on headkit's one training loop:
+:func:`headkit.recipes.gates.train_gates_to_budget`.
 
 Where the gate acts. A stock module calls transformers' attention interface, which returns the heads'
 outputs [B, T, heads, head_dim] before the module merges and projects them; the model's implementation becomes
@@ -29,11 +31,8 @@ gated model saved with ``save_pretrained`` reloads with its gates through :func:
 
 from __future__ import annotations
 
-import itertools
-import math
 import operator
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -41,7 +40,7 @@ from torch import nn
 
 from headkit.errors import HeadkitError
 from headkit.layers.base import HeadkitAttention
-from headkit.layers.gates import GATES, FixedGate, HardConcreteGate, HeadkitGate, L0Controller
+from headkit.layers.gates import GATES, FixedGate, HardConcreteGate, HeadkitGate
 from headkit.layers.gates import l0_penalty as _gates_l0_penalty
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite, get_adapter
 from headkit.surgery.attention import HEAD_GATE, release_dispatcher, use_dispatcher
@@ -53,7 +52,6 @@ REMOVE_GATES_OP = "remove_gates"
 # log α of a Hard Concrete gate that starts closed (a head outside ``alive_heads``): its evaluation gate is
 # exactly 0 (σ(−10)·1.2 − 0.1 < 0) and P(g ≠ 0) = σ(−10 + 0.79) ≈ 1e-4.
 CLOSED_LOG_ALPHA = -10.0
-_EMPTY = object()
 
 
 # -- where the gate acts ---------------------------------------------------------------------------------------
@@ -347,151 +345,6 @@ def l0_penalty(model: nn.Module | HeadkitGate | Iterable[HeadkitGate]) -> torch.
             raise HeadkitError("the model has no head gates; call headkit.add_head_gates(model) first")
         return _gates_l0_penalty(gates)
     return _gates_l0_penalty(model)
-
-
-# -- training to a head budget ---------------------------------------------------------------------------------
-
-
-@dataclass
-class GateTrainingLog:
-    """What :func:`train_gates_to_budget` recorded, one entry per logged step.
-
-    ``gate_values[i]`` maps each layer to its evaluation-mode gate values at ``steps[i]`` (for heatmaps of gate
-    values over training, :func:`headkit.analysis.plots.plot_gate_history`).
-    """
-
-    target_heads: float
-    steps: list[int] = field(default_factory=list)
-    task_losses: list[float] = field(default_factory=list)
-    expected_heads: list[float] = field(default_factory=list)
-    targets: list[float] = field(default_factory=list)
-    gate_values: list[dict[int, list[float]]] = field(default_factory=list)
-
-    def to_dict(self) -> dict[str, Any]:
-        """Every field, the layers of ``gate_values`` as string keys (for JSON)."""
-        return vars(self) | {
-            "gate_values": [{str(k): v for k, v in values.items()} for values in self.gate_values]
-        }
-
-
-def train_gates_to_budget(
-    model: nn.Module,
-    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
-    batches: Iterable[Any],
-    *,
-    target_heads: float,
-    steps: int,
-    gate_lr: float = 0.1,
-    weight_lr: float = 0.0,
-    controller_lr: float = 0.05,
-    anneal_fraction: float = 0.5,
-    log_every: int = 10,
-    callback: Callable[[int, GateTrainingLog], None] | None = None,
-) -> GateTrainingLog:
-    """Train a model's Hard Concrete gates (and optionally its weights) until about `target_heads` stay open.
-
-    The objective is the Lagrangian relaxation of Wang, Wohlwend & Lei, "Structured Pruning of Large Language
-    Models" (EMNLP 2020), Eq. 4: task_loss + λ₁·(E[L0] − t) + λ₂·(E[L0] − t)², minimised in the gates and weights
-    and maximised in λ₁, λ₂ (:class:`headkit.layers.gates.L0Controller`), where E[L0] = :func:`l0_penalty` and the
-    target t is annealed linearly from the current number of gated heads down to `target_heads` over the first
-    ``anneal_fraction`` of the steps (as Wang et al. anneal it), so the model is not pushed off a cliff at step 0.
-
-    Args:
-        model: a model with Hard Concrete gates (:func:`add_head_gates`). Its gates sample (training mode) while
-            this runs and return to their previous mode after; the rest of the model keeps the mode the caller
-            set (call ``model.train()`` to train with dropout).
-        loss_fn: ``loss_fn(model, batch) -> scalar tensor``, the task loss (e.g. a distillation loss against the
-            unpruned model).
-        batches: re-iterable (a list, a DataLoader): it is cycled for `steps` steps.
-        target_heads: heads to keep, in [0, number of gated heads].
-        steps: optimisation steps.
-        gate_lr: Adam learning rate of the gates' log α.
-        weight_lr: AdamW learning rate of the model's own parameters; 0 trains the gates only.
-        controller_lr: learning rate of the multipliers λ₁, λ₂ (gradient ascent).
-        anneal_fraction: share of the steps over which the target goes from all heads to `target_heads`.
-        log_every: record the losses and gate values every this many steps (and at the last step).
-        callback: called as ``callback(step, log)`` after each logged step.
-    """
-    gates = [gate for gate in head_gates(model).values()]
-    if not gates:
-        raise HeadkitError("the model has no head gates; call headkit.add_head_gates(model) first")
-    if not all(isinstance(gate, HardConcreteGate) for gate in gates):
-        raise HeadkitError(
-            "train_gates_to_budget needs Hard Concrete gates: add_head_gates(model, 'hard_concrete')"
-        )
-    total_heads = sum(gate.num_heads for gate in gates)
-    _check_number("target_heads", target_heads, 0, total_heads)
-    steps = _check_count("steps", steps)
-    log_every = _check_count("log_every", log_every)
-    for name, value in (("gate_lr", gate_lr), ("controller_lr", controller_lr)):
-        _check_number(name, value, 0, math.inf, open_low=True)
-    _check_number("weight_lr", weight_lr, 0, math.inf)
-    _check_number("anneal_fraction", anneal_fraction, 0, 1)
-    if not isinstance(batches, Iterable) or iter(batches) is batches:
-        raise HeadkitError("batches must be re-iterable (a list or a DataLoader), not a one-shot iterator")
-    if next(iter(batches), _EMPTY) is _EMPTY:
-        raise HeadkitError("batches must hold at least one batch, got an empty iterable")
-
-    controller = L0Controller(target_heads=total_heads, lr=controller_lr)
-    gate_parameters = [gate.log_alpha for gate in gates]
-    gate_ids = {id(p) for p in gate_parameters}
-    groups: list[dict[str, Any]] = [{"params": gate_parameters, "lr": gate_lr}, controller.param_group()]
-    optimizer = torch.optim.Adam(groups)
-    weights = [p for p in model.parameters() if p.requires_grad and id(p) not in gate_ids]
-    weight_optimizer = torch.optim.AdamW(weights, lr=weight_lr) if weight_lr > 0 and weights else None
-
-    log = GateTrainingLog(target_heads=float(target_heads))
-    modes = [gate.training for gate in gates]
-    anneal_steps = max(1, round(anneal_fraction * steps))
-    batch_stream = itertools.chain.from_iterable(itertools.repeat(batches))
-    try:
-        for gate in gates:
-            gate.train()
-        for step in range(1, steps + 1):
-            progress = min(1.0, step / anneal_steps)
-            controller.target_heads = total_heads + progress * (target_heads - total_heads)
-            task_loss = loss_fn(model, next(batch_stream))
-            loss = task_loss + controller.penalty(gates)
-            optimizer.zero_grad(set_to_none=True)
-            if weight_optimizer is not None:
-                weight_optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            if weight_optimizer is not None:
-                weight_optimizer.step()
-            if step % log_every == 0 or step == steps:
-                log.steps.append(step)
-                log.task_losses.append(float(task_loss.detach()))
-                log.expected_heads.append(float(l0_penalty(gates).detach()))
-                log.targets.append(controller.target_heads)
-                log.gate_values.append(
-                    {
-                        index: evaluation_gate_values(gate).tolist()
-                        for index, gate in head_gates(model).items()
-                    }
-                )
-                if callback is not None:
-                    callback(step, log)
-    finally:
-        for gate, mode in zip(gates, modes, strict=True):
-            gate.train(mode)
-    return log
-
-
-def _check_number(name: str, value: Any, low: float, high: float, *, open_low: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
-        raise HeadkitError(
-            f"{name} must be a number in {'(' if open_low else '['}{low}, {high}], got {value!r}"
-        )
-    if value < low or value > high or (open_low and value == low):
-        raise HeadkitError(f"{name} must be in {'(' if open_low else '['}{low}, {high}], got {value!r}")
-    return float(value)
-
-
-def _check_count(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise HeadkitError(f"{name} must be a positive int, got {value!r}")
-    return value
 
 
 # -- reloading -------------------------------------------------------------------------------------------------

@@ -1,0 +1,322 @@
+"""The one training loop of headkit, on 🤗 ``Trainer``: every training in the library runs through :func:`train_loop`.
+
+- :func:`headkit.recipes.distill.distill` (recovery after surgery: teacher → student), with LoRA through PEFT;
+- :func:`headkit.recipes.gates.train_gates_to_budget` (Hard Concrete head gates under an L0 budget);
+- :func:`headkit.train.train_causal_lm` (``headkit train``: a causal LM from scratch);
+- the from-scratch benchmarks (``headkit bench lm``, ``digits``, ``extrapolate``, ``lora``).
+
+``Trainer`` brings what a hand-written loop lacks: the same call runs unchanged under ``torchrun`` /
+``accelerate launch`` (DDP: gloo on CPU, nccl on GPUs) and FSDP, with gradient accumulation, seeding, gradient
+clipping, schedules, and checkpoints to resume from. What each caller brings is a loss: ``loss_fn(model, batch,
+step)``, computed in :meth:`Trainer.compute_loss`, with its own parameter groups (each with its own learning
+rate: weights, gates, the L0 multipliers) and optionally its own schedule (a factor per step).
+
+Data. Either single examples (dicts of equal-shape tensors), which Trainer's sampler shuffles (seeded) and
+stacks into batches of ``batch_size`` per device, or, with ``batch_size=None``, items that are whole batches
+already (any structure the loss understands), one per step per device. A stream drawn at random per step (the
+from-scratch benchmarks' windows) is an :class:`IndexedBatches`: batch ``i`` is a pure function of ``i`` and
+the seed, so every process of a distributed run draws its own, and a rerun draws the same.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+
+from headkit.errors import HeadkitError
+
+LossFn = Callable[[nn.Module, Any, int], torch.Tensor]
+# on_step(steps done, that step's loss, that step's seconds)
+StepCallback = Callable[[int, float, float], None]
+
+
+@dataclass
+class LoopResult:
+    """What :func:`train_loop` did: optimizer steps taken, the training loss of each (the mean over its
+    gradient-accumulation forwards, on this process), the whole run's seconds, and each step's seconds alone
+    (data, forward, backward, update; ``on_step`` callbacks excluded)."""
+
+    steps: int
+    losses: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)
+
+
+class ExampleDataset(torch.utils.data.Dataset):
+    """A list of items as a Dataset (Trainer's DataLoader draws from it)."""
+
+    def __init__(self, examples: Sequence[Any]) -> None:
+        self.examples = list(examples)
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.examples[index]
+
+
+class IndexedBatches(torch.utils.data.Dataset):
+    """``count`` batches, batch ``i`` being ``make(i, generator)`` with a generator seeded by ``(seed, i)``: a
+    stream of random batches that any process can draw any part of, the same on every run."""
+
+    def __init__(self, count: int, make: Callable[[int, torch.Generator], Any], seed: int = 0) -> None:
+        self.count, self.make, self.seed = count, make, seed
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, index: int) -> Any:
+        # Distinct streams per index: the seed and the index mixed, never colliding for non-negative seeds.
+        generator = torch.Generator().manual_seed((self.seed * 1_000_003 + index) % (2**63))
+        return self.make(index, generator)
+
+
+WHOLE = "batch"  # where a whole-batch item rides through Trainer, which wants a non-empty dict
+
+
+def _whole_batch(items: list[Any]) -> dict[str, Any]:
+    return {WHOLE: items[0]}
+
+
+def check_count(name: str, value: Any, *, low: int = 1) -> int:
+    """``value`` must be an integer ≥ ``low``, else an error naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        kind = "positive" if low == 1 else f"≥ {low}"
+        raise HeadkitError(f"{name} must be a {kind} integer, got {value!r}")
+    return value
+
+
+def train_loop(
+    model: nn.Module,
+    loss_fn: LossFn,
+    data: Sequence[Any] | torch.utils.data.Dataset,
+    *,
+    steps: int,
+    param_groups: list[dict[str, Any]],
+    batch_size: int | None = None,
+    lr: float = 1e-3,
+    optimizer_options: dict[str, Any] | None = None,
+    schedule: str | Callable[[int], float] = "constant",
+    warmup_steps: int = 0,
+    max_grad_norm: float = 0.0,
+    gradient_accumulation_steps: int = 1,
+    dropout: bool = False,
+    seed: int = 0,
+    output_dir: str | Path | None = None,
+    resume: bool = False,
+    on_step: StepCallback | None = None,
+    on_log: Callable[[int, float], None] | None = None,
+    log_every: int = 1,
+    use_cpu: bool | None = None,
+    ddp_backend: str | None = None,
+    progress_bar: bool = False,
+    companions: Sequence[nn.Module] = (),
+) -> LoopResult:
+    """``steps`` AdamW steps (Loshchilov & Hutter 2019) of ``loss_fn(model, batch, step)`` on ``data``.
+
+    Args:
+        model: trained in place; Trainer may move it to an accelerator (it is left there, in evaluation mode).
+        loss_fn: the scalar loss of one batch; ``step`` is the optimizer steps done so far.
+        data: single examples, stacked by Trainer into ``batch_size`` per device; or with ``batch_size=None``
+            whole batches (one per forward). Shuffled with ``seed``, cycled as needed.
+        param_groups: AdamW's parameter groups, each with its own ``lr`` (and ``weight_decay``, else 0).
+        lr: the learning rate of groups without one.
+        optimizer_options: more AdamW options (``betas``, ``foreach``, ``maximize`` per group goes in the group).
+        schedule: Trainer's ``lr_scheduler_type`` ("constant", "linear", "cosine", …) with ``warmup_steps``, or a
+            function of the step giving the factor on every group's learning rate (``LambdaLR``).
+        max_grad_norm: clip the gradients' global norm to this (0: no clipping).
+        dropout: train in training mode (dropout on); False keeps the model in evaluation mode while it trains
+            (distillation: the target is the teacher's deterministic output).
+        output_dir: where Trainer writes checkpoints (one per 50 steps, the last two kept); with ``resume=True``
+            a run picks up from the newest there. None: a temporary folder, no checkpoints.
+        on_step: called as ``on_step(steps done, loss, the step's seconds)`` after every optimizer step, on every
+            process.
+        on_log: called as ``on_log(steps done, logged loss)`` every ``log_every`` steps, on the main process.
+        use_cpu: train on the CPU even where an accelerator is there (None: the CPU only without CUDA).
+        ddp_backend: Trainer's ``ddp_backend`` for multi-process runs (e.g. "gloo" on CPU); None: Trainer's choice.
+        progress_bar: Trainer's own progress bar.
+        companions: modules the loss calls beside the model (a frozen teacher): moved to the device Trainer trains
+            on (and left there: the caller moves them back).
+
+    Returns:
+        :class:`LoopResult`.
+
+    Raises:
+        HeadkitError: bad counts, no data, no trainable parameter.
+    """
+    check_count("steps", steps, low=0)
+    check_count("log_every", log_every)
+    check_count("gradient_accumulation_steps", gradient_accumulation_steps)
+    if batch_size is not None:
+        check_count("batch_size", batch_size)
+    if not (isinstance(lr, (int, float)) and not isinstance(lr, bool) and math.isfinite(lr) and lr >= 0):
+        raise HeadkitError(f"lr must be a non-negative number, got {lr!r}")
+    if steps == 0:
+        return LoopResult(0)
+    _join_process_group()
+    dataset = data if isinstance(data, torch.utils.data.Dataset) else ExampleDataset(data)
+    if len(dataset) == 0:
+        raise HeadkitError("the training data holds no example, got none")
+    if not any(p.requires_grad for group in param_groups for p in group["params"]):
+        raise HeadkitError("nothing to train: no parameter group holds a trainable parameter")
+
+    with tempfile.TemporaryDirectory(prefix="headkit-train-") as scratch:
+        directory = Path(output_dir) if output_dir is not None else Path(scratch)
+        arguments = TrainingArguments(
+            output_dir=str(directory),
+            per_device_train_batch_size=batch_size or 1,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            max_steps=steps,
+            learning_rate=lr if lr > 0 else 1e-3,  # Trainer refuses 0; every group carries its own rate
+            lr_scheduler_type=schedule if isinstance(schedule, str) else "constant",
+            warmup_steps=warmup_steps,
+            max_grad_norm=max_grad_norm,
+            logging_steps=log_every,
+            logging_strategy="steps",
+            save_strategy="steps" if output_dir is not None else "no",
+            save_steps=50,
+            save_total_limit=2,
+            report_to="none",
+            disable_tqdm=not progress_bar,
+            remove_unused_columns=False,
+            dataloader_drop_last=batch_size is not None and len(dataset) >= batch_size,
+            dataloader_num_workers=0,
+            seed=seed,
+            data_seed=seed,
+            use_cpu=(not torch.cuda.is_available()) if use_cpu is None else use_cpu,
+            ddp_backend=ddp_backend,
+            log_level="warning",
+        )
+        recorder = _StepRecorder(on_step, on_log)
+        trainer = _LoopTrainer(
+            loss_fn=loss_fn,
+            dropout=dropout,
+            recorder=recorder,
+            optimizer_groups=param_groups,
+            optimizer_options=optimizer_options or {},
+            schedule=None if isinstance(schedule, str) else schedule,
+            companions=list(companions),
+            model=model,
+            args=arguments,
+            train_dataset=dataset,
+            data_collator=_whole_batch if batch_size is None else None,
+            callbacks=[recorder],
+        )
+        trainer.remove_callback(PrinterCallback)  # its raw log dicts; callers print what they want via on_log
+        checkpoint = resume and output_dir is not None and any(Path(output_dir).glob("checkpoint-*"))
+        output = trainer.train(resume_from_checkpoint=True if checkpoint else None)
+    model.eval()
+    return LoopResult(
+        steps=int(output.global_step),
+        losses=recorder.losses,
+        seconds=float(output.metrics.get("train_runtime", 0.0)),
+        step_seconds=recorder.step_seconds,
+    )
+
+
+def _join_process_group() -> None:
+    """A process group the caller initialised (``torch.distributed.init_process_group`` without ``torchrun``) is
+    the one Trainer joins: accelerate reads the rank and size from the environment, where ``torchrun`` puts them."""
+    if not (dist.is_available() and dist.is_initialized()) or "LOCAL_RANK" in os.environ:
+        return
+    rank, size = str(dist.get_rank()), str(dist.get_world_size())
+    os.environ.update(RANK=rank, WORLD_SIZE=size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=size)
+
+
+def process_rank_and_count() -> tuple[int, int]:
+    """(this process's rank, the number of processes) of a distributed run — initialised, or launched by
+    ``torchrun`` / ``accelerate launch`` and about to be — else (0, 1)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+class _StepRecorder(TrainerCallback):
+    """Each step's loss (from the loop's forwards) and wall clock; the callers' per-step and per-log hooks."""
+
+    def __init__(self, on_step: StepCallback | None, on_log: Callable[[int, float], None] | None) -> None:
+        self.on_step_done, self.on_logged = on_step, on_log
+        self.losses: list[float] = []
+        self.step_seconds: list[float] = []
+        self.pending: list[torch.Tensor] = []
+        self.started = 0.0
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.started = time.perf_counter()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # float() waits for an accelerator, so the step's clock is complete.
+        loss = float(torch.stack(self.pending).float().mean()) if self.pending else math.nan
+        self.pending.clear()
+        self.step_seconds.append(time.perf_counter() - self.started)
+        self.losses.append(loss)
+        if self.on_step_done is not None:
+            self.on_step_done(state.global_step, loss, self.step_seconds[-1])
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
+        if self.on_logged is not None and logs and "loss" in logs and state.is_world_process_zero:
+            self.on_logged(state.global_step, float(logs["loss"]))
+
+
+class _LoopTrainer(Trainer):
+    """Trainer whose loss is the caller's, whose optimizer is AdamW on the caller's groups, and whose schedule
+    may be the caller's factor per step."""
+
+    def __init__(
+        self,
+        *,
+        loss_fn: LossFn,
+        dropout: bool,
+        recorder: _StepRecorder,
+        optimizer_groups: list[dict[str, Any]],
+        optimizer_options: dict[str, Any],
+        schedule: Callable[[int], float] | None,
+        companions: list[nn.Module],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(**kwargs)
+        self.companions = companions
+        self.loss_fn, self.dropout, self.recorder = loss_fn, dropout, recorder
+        self.optimizer_groups, self.optimizer_options = optimizer_groups, optimizer_options
+        self.schedule = schedule
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        # Built here, not passed in: Trainer refuses a ready-made optimizer under FSDP.
+        if self.optimizer is None:
+            groups = [{"weight_decay": 0.0} | group for group in self.optimizer_groups]
+            self.optimizer = torch.optim.AdamW(groups, lr=self.args.learning_rate, **self.optimizer_options)
+        return self.optimizer
+
+    def create_scheduler(
+        self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None
+    ) -> Any:
+        if self.schedule is not None and self.lr_scheduler is None:
+            self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, self.schedule)
+        return super().create_scheduler(num_training_steps, optimizer)
+
+    def floating_point_ops(self, inputs: Any) -> int:
+        # Items may be any structure the loss understands (not a model's input dict): no FLOP estimate.
+        return 0
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        device = next(model.parameters()).device
+        for companion in self.companions:
+            if next(companion.parameters()).device != device:
+                companion.to(device)
+        if not self.dropout:
+            model.eval()  # Trainer switched to training mode: dropout would make a distillation target noisy
+        batch = inputs[WHOLE] if self.data_collator is _whole_batch else inputs
+        loss = self.loss_fn(model, batch, self.state.global_step)
+        self.recorder.pending.append(loss.detach())
+        return (loss, None) if return_outputs else loss
