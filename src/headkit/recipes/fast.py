@@ -181,6 +181,11 @@ class FastDecoder:
         check_weights(weights)
         if not callable(getattr(model, "get_output_embeddings", None)) or not hasattr(model, "config"):
             raise HeadkitError(f"model must be a 🤗 causal LM, got {type(model).__name__}")
+        if getattr(model.config, "model_type", None) == "headkit":
+            raise HeadkitError(
+                "the fast path decodes stock 🤗 models and those headkit converted (pruned, compressed, "
+                "linearized); headkit's own HeadkitForCausalLM compiles as a whole: torch.compile(model)"
+            )
         if compile:
             check_compiler()
         else:
@@ -233,7 +238,12 @@ class FastDecoder:
         if step is None:
             step = self._decode_step
             if self.compiled:
-                step = torch.compile(step, **self.compile_config.to_dict())
+                config = self.compile_config  # its to_dict() deep-copies: a backend object would be a copy
+                options = {
+                    name: getattr(config, name)
+                    for name in ("fullgraph", "dynamic", "backend", "mode", "options")
+                }
+                step = torch.compile(step, **options)
             self._steps[bucket] = step
         return step
 
@@ -266,7 +276,7 @@ class FastDecoder:
         *,
         attention_mask: torch.Tensor | None = None,
         max_new_tokens: int = 32,
-        eos_token_id: int | None = None,
+        eos_token_id: int | list[int] | None = None,
         streamer: Any = None,
         step_seconds: list[float] | None = None,
     ) -> torch.Tensor:
@@ -303,7 +313,7 @@ class FastDecoder:
         position = positions[:, -1:].clone()
         finished = _finished(token, eos_token_id)
         step = self._step_function(bucket)
-        for index in range(max_new_tokens - 1):
+        for _ in range(max_new_tokens - 1):
             if finished is not None and bool(finished.all()):
                 break
             position += 1
@@ -315,7 +325,7 @@ class FastDecoder:
             if first:
                 self.compile_seconds[bucket] = seconds
                 if self.compiled:
-                    logger.warning(
+                    logger.info(
                         "compiled the decoding step for batch %d, cache %s in %.1f s (once per shape bucket)",
                         batch,
                         bucket[1] or "state only",
@@ -323,9 +333,9 @@ class FastDecoder:
                     )
             elif step_seconds is not None:
                 step_seconds.append(seconds)
-            if finished is not None:
-                token = token.masked_fill(finished, eos_token_id)
-                finished = finished | (token == eos_token_id)
+            if finished is not None:  # a finished row repeats its end token, as generate() pads it
+                token = torch.where(finished, generated[-1], token)
+                finished = finished | _finished(token, eos_token_id)
             generated.append(token)
             if streamer is not None:
                 streamer.put(token.cpu())
@@ -365,8 +375,11 @@ def _reset_ring(layer: RingHybridStateCacheLayer) -> None:
     layer.seen_tokens = 0
 
 
-def _finished(token: torch.Tensor, eos_token_id: int | None) -> torch.Tensor | None:
-    return None if eos_token_id is None else token == eos_token_id
+def _finished(token: torch.Tensor, eos_token_id: int | list[int] | None) -> torch.Tensor | None:
+    if eos_token_id is None:
+        return None
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    return torch.isin(token, torch.tensor(ids, device=token.device))
 
 
 @contextlib.contextmanager
@@ -384,7 +397,7 @@ def fast_generate(
     max_new_tokens: int = 32,
     weights: str = "float32",
     compile: bool = True,
-    eos_token_id: int | None = None,
+    eos_token_id: int | list[int] | None = None,
     streamer: Any = None,
 ) -> torch.Tensor:
     """Greedy decoding of ``model`` (stock or converted by headkit) through a compiled single-token step over
