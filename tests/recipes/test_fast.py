@@ -143,25 +143,32 @@ def test_fast_path_gives_eager_greedy_tokens_and_states(kind):
     assert kind == "stock" or any(isinstance(layer, RingHybridStateCacheLayer) for layer in cache.layers)
 
 
-@pytest.mark.parametrize("kind", ["stock", "linearized"])
-def test_compiled_step_is_one_graph_per_bucket_with_eager_tokens(kind):
+@pytest.mark.parametrize(
+    "kind, regions",
+    [("stock", True), ("linearized", True), ("linearized", False)],
+    ids=["stock", "linearized", "linearized-whole-step"],
+)
+def test_compiled_step_is_one_graph_per_bucket_with_eager_tokens(kind, regions):
     model = tiny_llama() if kind == "stock" else linearized()
+    graphs = 3 if regions else 1  # per decoder layer and the output layer, or the whole step
     ids, mask = prompts()
     expected = eager_greedy(model, ids, mask)
     torch._dynamo.reset()
     counter = CompileCounterWithBackend("aot_eager")
-    decoder = FastDecoder(model, compile_config=capture_config(counter))
+    decoder = FastDecoder(model, compile_config=capture_config(counter), regions=regions)
     assert torch.equal(decoder.generate(ids, attention_mask=mask, max_new_tokens=NEW), expected)
     # Another prompt in the same bucket: the caches are reset, not rebuilt, and the graph is reused.
     other = torch.randint(1, VOCAB, (2, PROMPT + 3), generator=torch.Generator().manual_seed(2))
     again = decoder.generate(other, max_new_tokens=NEW)
     assert torch.equal(again, eager_greedy(model, other, torch.ones_like(other)))
-    assert counter.frame_count == 1, f"{counter.frame_count} graphs for one bucket: a recompile or a break"
+    assert counter.frame_count == graphs, (
+        f"{counter.frame_count} graphs for one bucket: a recompile or a break"
+    )
     assert len(decoder.compile_seconds) == 1
     if kind == "linearized":  # the state does not depend on the context: one bucket for any length
         longer = torch.randint(1, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
         decoder.generate(longer, max_new_tokens=4)
-        assert counter.frame_count == 1 and list(decoder.compile_seconds) == [(2, 0)]
+        assert counter.frame_count == graphs and list(decoder.compile_seconds) == [(2, 0)]
 
 
 @pytest.mark.slow
@@ -199,7 +206,7 @@ def test_quantized_weights_keep_the_model_and_decode_as_their_eager_selves(weigh
     counter = CompileCounterWithBackend("aot_eager")
     compiled = FastDecoder(model, weights=weights, compile_config=capture_config(counter))
     assert torch.equal(compiled.generate(ids, attention_mask=mask, max_new_tokens=6), eager)
-    assert counter.frame_count == 1
+    assert counter.frame_count == 3
 
 
 def test_bad_input_is_named():

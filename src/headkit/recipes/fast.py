@@ -177,6 +177,7 @@ class FastDecoder:
         compile: bool = True,
         group_size: int = GROUP_SIZE,
         compile_config: CompileConfig | None = None,
+        regions: bool = True,
     ) -> None:
         check_weights(weights)
         if not callable(getattr(model, "get_output_embeddings", None)) or not hasattr(model, "config"):
@@ -202,6 +203,9 @@ class FastDecoder:
         self.all_linearized = len(self.linearized) == self.layer_count
         parameters = inspect.signature(self.model.forward).parameters
         self._takes_cache_position = "cache_position" in parameters
+        self.regions = regions and compile
+        if self.regions:
+            self._compile_regions()
         self.compile_seconds: dict[tuple[int, int], float] = {}
         self._caches: dict[tuple[int, int], Any] = {}
         self._steps: dict[tuple[int, int], Any] = {}
@@ -233,11 +237,31 @@ class FastDecoder:
             cache.layers[index].mask_length = length if length else prompt_length
         return cache
 
+    def _compile_options(self) -> dict[str, Any]:
+        config = self.compile_config  # its to_dict() deep-copies: a backend object would be a copy
+        return {
+            name: getattr(config, name) for name in ("fullgraph", "dynamic", "backend", "mode", "options")
+        }
+
+    def _compile_regions(self) -> None:
+        """Regional compilation (torch's recipe against cold-start time): each decoder layer and the output
+        layer compiled on its own (``nn.Module.compile``). The decoder layers share one code object, so
+        inductor builds one layer's kernels and its cache serves the others; the whole-model graph (30 layers
+        unrolled for SmolLM2) compiles for ten minutes on two cores. Between the regions run the embedding
+        lookup, the rotary angles and the mask: a few operations per step."""
+        layers = decoder_layers(self.model)
+        # torch's own modules are skipped as top frames by dynamo: the output layer is compiled inside a wrapper.
+        output = CompiledRegion(self.model.get_output_embeddings())
+        self.model.set_output_embeddings(output)
+        for module in [*layers, output]:
+            module.compile(**self._compile_options())
+        self._region_count = len(layers) + 1
+
     def _step_function(self, bucket: tuple[int, int]) -> Any:
         step = self._steps.get(bucket)
         if step is None:
             step = self._decode_step
-            if self.compiled:
+            if self.compiled and not self.regions:
                 config = self.compile_config  # its to_dict() deep-copies: a backend object would be a copy
                 options = {
                     name: getattr(config, name)
@@ -291,14 +315,16 @@ class FastDecoder:
         positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
         if streamer is not None:
             streamer.put(input_ids.cpu())
-        logits = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            use_cache=True,
-            logits_to_keep=1,
-            **self._forward_arguments(positions),
-            **cache_keyword(cache),
-        ).logits
+        # The prompt runs eagerly, as in transformers' generate(): one graph per prompt length would not pay.
+        with torch.compiler.set_stance("force_eager"):
+            logits = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                use_cache=True,
+                logits_to_keep=1,
+                **self._forward_arguments(positions),
+                **cache_keyword(cache),
+            ).logits
         token = logits[:, -1].argmax(-1, keepdim=True)
         generated = [token]
         if streamer is not None:
@@ -319,7 +345,7 @@ class FastDecoder:
             position += 1
             started = time.perf_counter()
             first = bucket not in self.compile_seconds
-            with contextlib.nullcontext() if first else _no_recompiles():
+            with _first_step(self) if first else torch.compiler.set_stance("fail_on_recompile"):
                 token = step(token, position.clone(), decode_mask, cache)
             seconds = time.perf_counter() - started
             if first:
@@ -382,10 +408,38 @@ def _finished(token: torch.Tensor, eos_token_id: int | list[int] | None) -> torc
     return torch.isin(token, torch.tensor(ids, device=token.device))
 
 
+class CompiledRegion(nn.Module):
+    """A module run through another one's forward, so that ``nn.Module.compile`` can compile a torch module
+    (dynamo does not start a frame inside torch's own modules)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(*args, **kwargs)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a 🤗 causal LM: the module list of ``num_hidden_layers`` modules of one class."""
+    count = _decoder_layer_count(model)
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == count and len({type(m) for m in module}) == 1:
+            return list(module)
+    raise HeadkitError(
+        f"found no list of {count} decoder layers in {type(model).__name__} to compile: pass regions=False"
+    )
+
+
 @contextlib.contextmanager
-def _no_recompiles() -> Iterator[None]:
-    """Steady state: a recompilation would mean a guard fails every step (an eager-speed hot path), so it raises."""
-    with torch._dynamo.config.patch(error_on_recompile=True):
+def _first_step(decoder: FastDecoder) -> Iterator[None]:
+    """The first step of a bucket compiles: with regions, every decoder layer is an entry of one code object's
+    cache (they differ in guards only), so dynamo's default budget of 8 per code object is raised to fit them."""
+    if not decoder.regions:
+        yield
+        return
+    limit = 64 * decoder._region_count
+    with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit):
         yield
 
 
