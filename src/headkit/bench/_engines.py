@@ -106,7 +106,12 @@ def run_engines(settings: Any, console: Any) -> dict[str, Any]:
             continue
         source, weights = name.split(" ")
         started = time.perf_counter()
-        decoders[name] = FastDecoder(sources[source], weights=weights, compile=settings.engine_compile)
+        try:
+            decoders[name] = FastDecoder(sources[source], weights=weights, compile=settings.engine_compile)
+        except HeadkitError as error:  # e.g. int4 on shapes its groups do not fit: one row lost, not the run
+            skipped[name] = str(error)
+            _echo(console, f"{name}: skipped: {error}")
+            continue
         prepare_s = time.perf_counter() - started
         with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             value = perplexity(decoders[name].model, windows)
@@ -138,6 +143,7 @@ def run_engines(settings: Any, console: Any) -> dict[str, Any]:
     }
     # Compile every bucket before the timed rounds: a point's steps are then all steady-state steps.
     compile_rows = []
+    engines = [name for name in engines if name in decoders or name in gguf_files]
     for name, decoder in decoders.items():
         for batch, context in points_wanted:
             bucket = decoder.bucket(batch, context + settings.engine_tokens)

@@ -208,6 +208,7 @@ class FastDecoder:
             self._compile_regions()
         self.compile_seconds: dict[tuple[int, int], float] = {}
         self._caches: dict[tuple[int, int], Any] = {}
+        self._compiled_for: set[tuple[tuple[int, int], int]] = set()
         self._steps: dict[tuple[int, int], Any] = {}
 
     # -- buckets and caches -------------------------------------------------------------------------------------
@@ -344,11 +345,13 @@ class FastDecoder:
                 break
             position += 1
             started = time.perf_counter()
-            first = bucket not in self.compile_seconds
+            # torch.compile guards on the thread count: a new count is a new graph, compiled like a new bucket.
+            first = (bucket, torch.get_num_threads()) not in self._compiled_for
             with _first_step(self) if first else torch.compiler.set_stance("fail_on_recompile"):
                 token = step(token, position.clone(), decode_mask, cache)
             seconds = time.perf_counter() - started
             if first:
+                self._compiled_for.add((bucket, torch.get_num_threads()))
                 self.compile_seconds[bucket] = seconds
                 if self.compiled:
                     logger.info(
