@@ -40,7 +40,14 @@ ENGINES = (
     *(f"linearized {weights}" for weights in FAST_WEIGHTS),
     PRUNED_LLAMA_CPP,
 )
-DEFAULT_ENGINES = (LLAMA_CPP, "fast float32", "fast bfloat16", "fast int8", "linearized bfloat16")
+DEFAULT_ENGINES = (
+    LLAMA_CPP,
+    "fast float32",
+    "fast bfloat16",
+    "fast int8",
+    "linearized bfloat16",
+    "linearized int8",
+)
 PERPLEXITY_WINDOW = 256
 SEED = 0
 
@@ -235,19 +242,23 @@ def engine_targets(
     def ppl(engine: str) -> float | None:
         return quality.get(engine, {}).get("perplexity")
 
-    rows = [
-        (
-            f"linearized bfloat16 @{long} vs llama.cpp Q4_1 @{long} (aim ≤ 0.5)",
-            ratio(_time(points, "linearized bfloat16", long), _time(points, LLAMA_CPP, long)),
-            "≤",
-            1.0,
-        ),
-        (
-            f"linearized bfloat16 flat: @{long} / @{short}",
-            ratio(_time(points, "linearized bfloat16", long), _time(points, "linearized bfloat16", short)),
-            "≤",
-            1.1,
-        ),
+    rows = []
+    for linearized in ("linearized bfloat16", "linearized int8"):
+        rows += [
+            (
+                f"{linearized} @{long} vs llama.cpp Q4_1 @{long} (aim ≤ 0.5)",
+                ratio(_time(points, linearized, long), _time(points, LLAMA_CPP, long)),
+                "≤",
+                1.0,
+            ),
+            (
+                f"{linearized} flat: @{long} / @{short}",
+                ratio(_time(points, linearized, long), _time(points, linearized, short)),
+                "≤",
+                1.1,
+            ),
+        ]
+    rows += [
         (
             f"fast int8 @{short} vs llama.cpp Q4_1 @{short}",
             ratio(_time(points, "fast int8", short), _time(points, LLAMA_CPP, short)),
