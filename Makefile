@@ -11,8 +11,9 @@ OLDEST_VENV ?= .venv-oldest
 LATEST_VENV ?= .venv-latest
 EXTRAS := .[dev,bench,demo]
 # make test also installs llama.cpp (llama-cpp-python, built from source; pip caches the wheel), which checks the
-# GGUF files `headkit export` writes; make demo does not need it.
-TEST_EXTRAS := .[dev,bench,demo,llamacpp]
+# GGUF files `headkit export` writes, and torchao (the fast extra: int8/int4 weights of headkit.fast_generate);
+# make demo needs neither.
+TEST_EXTRAS := .[dev,bench,demo,llamacpp,fast]
 NEWEST := constraints/newest.txt
 OLDEST := constraints/oldest.txt
 PYTEST := -m pytest -n 2 -q -p no:cacheprovider tests

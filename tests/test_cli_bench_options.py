@@ -11,7 +11,10 @@ BENCH_COMMANDS = {
     "compress": "--dims --distill-steps --model --out --quick/--no-quick --seed --threads",
     "decode": "--batch-size --compile/--no-compile --device --mechanisms --new-tokens --out --prompts "
     "--quick/--no-quick --repeats "
-    "--threads",
+    "--threads "
+    # issue 24: SmolLM2 side by side in llama.cpp and headkit's fast path
+    "--smollm2/--no-smollm2 --engines --contexts --engine-batches --max-batch-tokens --engine-tokens "
+    "--engine-repeats --engine-compile/--no-engine-compile --linearized --pruned --perplexity-windows",
     "decompose": "MODEL --dims --max-iter --out --quick/--no-quick --seed --tensorly/--no-tensorly --threads",
     "digits": "--batch-size --hidden-size --images --layers --out --quick/--no-quick --sample/--no-sample --seed "
     "--steps --threads",

@@ -104,6 +104,26 @@ def test_stock_pruned_and_linearized_llama_folders(save_tiny_causal_lm, tmp_path
     assert total == prompt_tokens + 6
 
 
+def test_fast_path_decodes_the_eager_tokens_and_states_its_step(
+    save_tiny_causal_lm, tmp_path, capsys, caplog
+):
+    import headkit
+
+    folder = save_tiny_causal_lm(tmp_path / "llama")
+    options = ["--prompt", "hello world", "--max-new-tokens", 6]
+    eager_text = run(capsys, folder, *options)[0]
+    main(["generate", str(folder), *options, "--fast", "--no-compile"])
+    captured = capsys.readouterr()
+    assert captured.out == eager_text
+    assert "fast path, float32 weights: decoding step ran eagerly (--no-compile) for batch 1" in captured.err
+    assert "fast decoding without compilation" in caplog.text  # announced by the library too
+    own = headkit.HeadkitForCausalLM(
+        headkit.HeadkitConfig(vocab_size=11, hidden_size=8, num_hidden_layers=1, num_attention_heads=2)
+    )
+    with pytest.raises(headkit.HeadkitError, match="headkit's own HeadkitForCausalLM"):
+        headkit.FastDecoder(own, compile=False)
+
+
 @pytest.mark.slow
 def test_a_gguf_file(capsys):
     from headkit.recipes.models import smollm2_gguf_path
@@ -125,6 +145,9 @@ def test_a_gguf_file(capsys):
         (["--prompt", "a", "--sample", "--temperature", "nan"], "--temperature"),
         (["--prompt", "a", "--sample", "--top-k", "-1"], "--top-k"),
         (["--prompt", "a", "--temperature", "0.5"], "add --sample"),
+        (["--prompt", "a", "--weights", "int8"], "--weights and --no-compile choose how --fast decodes"),
+        (["--prompt", "a", "--fast", "--sample"], "--fast decodes greedily"),
+        (["--prompt", "a", "--fast", "--weights", "int3"], "weights must be one of float32, bfloat16"),
     ],
 )
 def test_bad_options_are_one_line_errors(trained, capsys, options, message):

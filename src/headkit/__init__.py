@@ -13,6 +13,7 @@ from headkit.models import (  # importing registers model_type "headkit" with th
     HeadkitForSequenceClassification,
     HeadkitModel,
 )
+from headkit.recipes.fast import FastDecoder, fast_generate
 from headkit.surgery.adapters import (
     ALBERTCollaborativeAdapter,
     BERTCollaborativeAdapter,
@@ -33,3 +34,4 @@ __all__ += ["HardConcreteGate", "add_head_gates", "l0_penalty", "remove_head_gat
 __all__ += ["head_importance", "prune_dead_heads", "prune_heads"]
 __all__ += ["ALBERTCollaborativeAdapter", "BERTCollaborativeAdapter", "DistilBERTCollaborativeAdapter"]
 __all__ += ["decompose_query_key", "from_pretrained", "linearize", "swap_to_collaborative"]
+__all__ += ["FastDecoder", "fast_generate"]

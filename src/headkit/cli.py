@@ -676,9 +676,25 @@ def generate(
     ),
     seed: int = typer.Option(0, help="Seed of the sampling."),
     dtype: str = _dtype_option(),
+    fast: bool = typer.Option(
+        False,
+        "--fast",
+        help="Greedy decoding through headkit's compiled fixed-size step (headkit.fast_generate): the step is "
+        "compiled once per shape bucket (tens of seconds, reported), then each token is cheaper; worth it for "
+        "long generations.",
+    ),
+    weights: str = typer.Option(
+        None,
+        help="With --fast: float32, bfloat16, int8 or int4 (weight-only, one scale per 32 input features; int8 "
+        "and int4 need torchao: pip install 'headkit[fast]'). Default: --dtype.",
+    ),
+    compile: bool = typer.Option(
+        True, "--compile/--no-compile", help="With --fast: compile the step, or run it eagerly (announced)."
+    ),
 ) -> None:
     """Continue PROMPT with MODEL, streaming the text as it comes; then tokens per second and the size of the
-    decoding cache (key/value cache or recurrent state) in bytes."""
+    decoding cache (key/value cache or recurrent state) in bytes. --fast decodes through a compiled step over
+    fixed-size caches, in the weights --weights names."""
     import copy
     import time
 
@@ -698,6 +714,14 @@ def generate(
         raise HeadkitError(f"--top-k must be 0 (all tokens) or a positive integer, got {top_k}")
     if not sample and (temperature is not None or top_k is not None):
         raise HeadkitError("--temperature and --top-k shape sampling: add --sample")
+    if not fast and (weights is not None or not compile):
+        raise HeadkitError("--weights and --no-compile choose how --fast decodes: add --fast")
+    if fast:
+        from headkit.recipes.fast import check_weights
+
+        if sample:
+            raise HeadkitError("--fast decodes greedily: drop --sample")
+        weights = check_weights(dtype if weights is None else weights)
     with _no_loading_bars():  # no "Loading weights" or GGUF bar between the command and its text
         network, tokenizer = _load_generator(model, dtype)
 
@@ -724,11 +748,21 @@ def generate(
         )
     torch.manual_seed(seed)
     streamer = TextStreamer(tokenizer, skip_special_tokens=True)
+    decoder = None
+    if fast:
+        from headkit.recipes.fast import FastDecoder
+
+        decoder = FastDecoder(network, weights=weights, compile=compile)
     started = time.perf_counter()
     with torch.no_grad():
-        output = network.generate(
-            ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=streamer
-        )
+        if decoder is not None:
+            output = decoder.generate(
+                ids, max_new_tokens=max_new_tokens, eos_token_id=config.eos_token_id, streamer=streamer
+            )
+        else:
+            output = network.generate(
+                ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=streamer
+            )
     seconds = time.perf_counter() - started
     new_tokens = output.shape[1] - ids.shape[1]
     # The cache of the whole text (prompt and continuation): its size depends on the length only.
@@ -738,6 +772,16 @@ def generate(
         f"cache {cache:,} bytes for {output.shape[1]} tokens",
         highlight=False,
     )
+    if decoder is not None:
+        for (batch, length), first_step in decoder.compile_seconds.items():
+            what = "compiled" if decoder.compiled else "ran eagerly (--no-compile)"
+            err_console.print(
+                f"fast path, {weights} weights: decoding step {what} for batch {batch}, "
+                f"{f'cache {length} tokens' if length else 'fixed-size state'}: first step {first_step:.2f} s "
+                "(compilation is paid once per shape bucket)",
+                highlight=False,
+                soft_wrap=True,
+            )
 
 
 @contextlib.contextmanager

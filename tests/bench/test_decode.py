@@ -184,3 +184,26 @@ def test_compile_decodes_every_model_through_torch_compile(tiny_models, tmp_path
             assert row["speedup"] == pytest.approx(row["eager_s"] / row["compiled_s"])
     assert all(row["prompt_length"] == 8 for row in speedups["decode"])
     assert all(row["loss_difference"] < 1e-5 for row in speedups["train_step"])
+
+
+def test_smollm2_engine_targets_are_ratios_of_one_run_and_none_where_a_side_is_missing():
+    from headkit.bench._engines import LLAMA_CPP, engine_targets
+
+    points = [
+        {"engine": LLAMA_CPP, "batch": 1, "context": 512, "token_s": 0.010},
+        {"engine": LLAMA_CPP, "batch": 1, "context": 8192, "token_s": 0.030},
+        {"engine": "linearized bfloat16", "batch": 1, "context": 512, "token_s": 0.012},
+        {"engine": "linearized bfloat16", "batch": 1, "context": 8192, "token_s": 0.0126},
+        {"engine": "fast int8", "batch": 1, "context": 512, "token_s": 0.025},
+        {"engine": "fast int8", "batch": 8, "context": 512, "token_s": 0.001},  # another batch: not a target
+    ]
+    quality = {"fast float32": {"perplexity": 10.0}, "fast bfloat16": {"perplexity": 10.2}}
+    targets = {t["description"].split(" (")[0]: t for t in engine_targets(points, quality, (512, 2048, 8192))}
+    assert targets["linearized bfloat16 @8192 vs llama.cpp Q4_1 @8192"]["measured"] == pytest.approx(0.42)
+    assert targets["linearized bfloat16 @8192 vs llama.cpp Q4_1 @8192"]["passed"] is True
+    assert targets["linearized bfloat16 flat: @8192 / @512"]["measured"] == pytest.approx(1.05)
+    assert targets["fast int8 @512 vs llama.cpp Q4_1 @512"]["passed"] is False  # 2.5× > 2×
+    assert targets["bfloat16 held-out perplexity / float32"]["passed"] is False  # 2% > 1%
+    missing = targets["int8 held-out perplexity / float32"]
+    assert missing["measured"] is None and missing["passed"] is None
+    assert targets["fast bfloat16 speed-up over fast float32 @512"]["passed"] is None

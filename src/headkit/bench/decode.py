@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from rich.console import Console
 
+from headkit.bench._engines import DEFAULT_ENGINES, engine_names, run_engines
 from headkit.bench._options import check_out_dir
 from headkit.bench._report import (
     column_rows,
@@ -109,6 +110,42 @@ class DecodeSettings:
     train_length: int = option(256, "Tokens per sequence of the timed training step (with --compile).", min=2)
     out: Path = option(
         Path("results/decode"), "Output directory for results.json, plot and table.", check=check_out_dir
+    )
+    smollm2: bool = option(
+        False,
+        "Also decode SmolLM2-135M-Instruct side by side in llama.cpp (Q4_1 GGUF; skipped when llama-cpp-python "
+        "is absent) and in headkit's fast path (compiled step, fixed-size caches), engines alternated in every "
+        "round: per-token time, state bytes, compile time per shape bucket, held-out perplexity, targets.",
+    )
+    engines: tuple[str, ...] = option(
+        DEFAULT_ENGINES,
+        "With --smollm2: comma-separated engines.",
+        choices=engine_names,
+    )
+    contexts: tuple[int, ...] = option(
+        (512, 2048, 8192),
+        "With --smollm2: tokens of context before decoding.",
+        min=1,
+        distinct=True,
+        quick=(512,),
+    )
+    engine_batches: tuple[int, ...] = option(
+        (1, 8), "With --smollm2: batch sizes.", min=1, distinct=True, quick=(1,)
+    )
+    max_batch_tokens: int = option(
+        65536, "With --smollm2: skip (and list) batch × context points above this many prompt tokens.", min=1
+    )
+    engine_tokens: int = option(32, "With --smollm2: tokens generated per point.", min=4, quick=8)
+    engine_repeats: int = option(1, "With --smollm2: rounds, engines alternated in each.", min=1)
+    engine_compile: bool = option(
+        True, "With --smollm2: compile the fast path's step (--no-engine-compile: the same step eagerly)."
+    )
+    linearized: Path | None = option(None, "With --smollm2: a linearized SmolLM2 folder (headkit linearize).")
+    pruned: Path | None = option(
+        None, "With --smollm2: a pruned SmolLM2 folder, exported to Q4_1 and run in llama.cpp."
+    )
+    perplexity_windows: int = option(
+        8, "With --smollm2: held-out windows of 256 tokens for perplexity.", min=1
     )
 
     quick = quick_preset("Short run: prompts 256 and 1024, 32 new tokens.")
@@ -349,8 +386,66 @@ def render_markdown(results: dict[str, Any]) -> str:
             *((f"{title} (ms)", _grid(results, key)) for title, key in times),
             ("Targets", column_rows(TARGET_COLUMNS, results["targets"])),
             *((title, column_rows(SPEEDUP_COLUMNS, rows)) for title, rows in _compile_tables(results)),
+            *_engine_tables(results),
         ],
     )
+
+
+def _engine_tables(results: dict[str, Any]) -> list[tuple[str, tuple[list[str], list[list[object]]]]]:
+    """(title, (headers, rows)) of the SmolLM2 engines (--smollm2): per-token time, state bytes, compile time,
+    perplexity and targets; none without --smollm2."""
+    engines = results.get("smollm2")
+    if engines is None:
+        return []
+    points = engines["points"]
+    columns = sorted({(p["batch"], p["context"]) for p in points})
+    headers = ["engine", *(f"b{batch} @{context}" for batch, context in columns)]
+
+    def cell(engine: str, key: tuple[int, int], field: str, scale: float, spec: str) -> str:
+        for p in points:
+            if (p["engine"], p["batch"], p["context"]) == (engine, *key):
+                if p.get(field) is None:
+                    return p.get("error", "—")
+                return format(p[field] * scale, spec)
+        return "—"
+
+    times = [
+        [name, *(cell(name, key, "token_s", 1e3, ".1f") for key in columns)] for name in engines["engines"]
+    ]
+    memory = [
+        [name, *(cell(name, key, "state_bytes", 2**-20, ".1f") for key in columns)]
+        for name in engines["engines"]
+    ]
+    compiled = [
+        [row["engine"], row["batch"], row["cache"] or "state only", f"{row['first_step_s']:.1f}"]
+        for row in engines["compile"]
+    ]
+    quality = [[name, f"{q['perplexity']:.4f}"] for name, q in engines["perplexity"]["by_engine"].items()]
+    targets = [
+        [
+            t["description"],
+            "—" if t["measured"] is None else f"{t['measured']:.3g}",
+            t["required"],
+            verdict(t["passed"]),
+        ]
+        for t in engines["targets"]
+    ]
+    return [
+        (f"SmolLM2-135M: time per generated token (ms), {engines['threads']} threads", (headers, times)),
+        (
+            "SmolLM2-135M: decoding state (MiB: KV cache / fixed buffers; llama.cpp: its state)",
+            (headers, memory),
+        ),
+        (
+            "SmolLM2-135M: first decoding step per shape bucket, compilation included (s)",
+            (["engine", "batch", "cache", "seconds"], compiled),
+        ),
+        (
+            f"SmolLM2-135M: held-out perplexity ({engines['perplexity']['windows']} × {engines['perplexity']['window']} tokens)",
+            (["engine", "perplexity"], quality),
+        ),
+        ("SmolLM2-135M: targets", (["target", "measured", "required", "result"], targets)),
+    ]
 
 
 def plot_results(results: dict[str, Any]) -> Any:
@@ -409,6 +504,8 @@ def run_decode_benchmark(
         "statistic": "fastest decoding step (targets); median and mean reported too",
     }
     sections = {"config": config, "points": points, "targets": evaluate_targets(points, lengths)}
+    if settings.smollm2:
+        sections["smollm2"] = run_engines(settings, console)
     return sections if compile_report is None else sections | {"compile_speedup": compile_report}
 
 

@@ -9,7 +9,15 @@ from headkit.ops.additive import AdditivePoolState, additive_pool, additive_pool
 from headkit.ops.coca import coca_attention
 from headkit.ops.collaborative import collaborative_attention, collaborative_scores
 from headkit.ops.feature_maps import FEATURE_MAPS, get_feature_map, hedgehog_feature_map, register_feature_map
-from headkit.ops.hybrid import HybridAttentionState, hybrid_attention, hybrid_attention_step
+from headkit.ops.hybrid import (
+    HybridAttentionState,
+    HybridRingState,
+    hybrid_attention,
+    hybrid_attention_ring_step_,
+    hybrid_attention_step,
+    hybrid_ring_from_state,
+    hybrid_state_from_ring,
+)
 from headkit.ops.linear import LinearAttentionState, linear_attention, linear_attention_step
 from headkit.ops.registry import KERNELS, KernelSpec, register_kernel
 from headkit.ops.rotary import apply_rotary, rope_inverse_frequencies, rotary_cos_sin
@@ -28,6 +36,7 @@ __all__ = [
     "FEATURE_MAPS",
     "AdditivePoolState",
     "HybridAttentionState",
+    "HybridRingState",
     "LinearAttentionState",
     "additive_pool",
     "additive_pool_step",
@@ -38,7 +47,10 @@ __all__ = [
     "get_feature_map",
     "hedgehog_feature_map",
     "hybrid_attention",
+    "hybrid_attention_ring_step_",
     "hybrid_attention_step",
+    "hybrid_ring_from_state",
+    "hybrid_state_from_ring",
     "linear_attention",
     "linear_attention_step",
     "register_feature_map",

@@ -496,3 +496,121 @@ def _initial_state(
         kv=torch.zeros(batch, kv_heads, kf.shape[3], v.shape[3], dtype=dtype, device=q.device),
         k_sum=torch.zeros(batch, kv_heads, kf.shape[3], dtype=dtype, device=q.device),
     )
+
+
+# -- fixed-size decoding: the window as a ring buffer --------------------------------------------------------------
+
+
+class HybridRingState(NamedTuple):
+    """:class:`HybridAttentionState` as fixed buffers that a decoding step updates in place (no tensor is
+    allocated or re-concatenated per token, so a compiled step keeps one graph and its buffers' addresses).
+
+    keys, values, key_features, keep: the last W − 1 tokens as a ring: token p (0-based over the whole sequence)
+        sits in slot p mod (W − 1), so the slot the next token writes holds the oldest key, the one that leaves
+        the window in that step. Window order does not matter to softmax; :func:`hybrid_state_from_ring` gives
+        back the ordered state.
+    kv, k_sum: as in :class:`HybridAttentionState`.
+    seen: int64 scalar tensor, the number of tokens the state summarises (a tensor, not an int, so that a
+        compiled step reads it without being specialised on it).
+    """
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    key_features: torch.Tensor
+    keep: torch.Tensor
+    kv: torch.Tensor
+    k_sum: torch.Tensor
+    seen: torch.Tensor
+
+
+def hybrid_ring_from_state(state: HybridAttentionState, seen: int) -> HybridRingState:
+    """The ring buffers of an ordered state after ``seen`` tokens (new tensors; ``state`` is not touched)."""
+    kept = state.keys.shape[2]
+    shift = seen % kept if kept else 0
+
+    def ring(x: torch.Tensor, dim: int) -> torch.Tensor:
+        # Ordered index i holds token seen − kept + i, whose slot is (seen + i) mod kept.
+        return torch.roll(x, shifts=shift, dims=dim).contiguous()
+
+    return HybridRingState(
+        keys=ring(state.keys, 2),
+        values=ring(state.values, 2),
+        key_features=ring(state.key_features, 2),
+        keep=ring(state.keep, 1),
+        kv=state.kv.clone(),
+        k_sum=state.k_sum.clone(),
+        seen=torch.tensor(seen, dtype=torch.int64, device=state.kv.device),
+    )
+
+
+def hybrid_state_from_ring(ring: HybridRingState) -> HybridAttentionState:
+    """The ordered :class:`HybridAttentionState` (oldest first) the ring buffers hold (new tensors)."""
+    kept = ring.keys.shape[2]
+    shift = -(int(ring.seen) % kept) if kept else 0
+    return HybridAttentionState(
+        keys=torch.roll(ring.keys, shifts=shift, dims=2),
+        values=torch.roll(ring.values, shifts=shift, dims=2),
+        key_features=torch.roll(ring.key_features, shifts=shift, dims=2),
+        keep=torch.roll(ring.keep, shifts=shift, dims=1),
+        kv=ring.kv.clone(),
+        k_sum=ring.k_sum.clone(),
+    )
+
+
+def hybrid_attention_ring_step_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    balance: torch.Tensor,
+    ring: HybridRingState,
+    *,
+    scale: float,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """One decoding step of one real token [B, H, 1, ·] on ring buffers, updated in place; returns out
+    [B, H, 1, Dv]. The arithmetic of :func:`hybrid_attention_step` for one token (its reference, tested to give
+    the same outputs and states): the window is the ring's W − 1 keys plus the new one; then the oldest key (in
+    the slot the new token takes) moves into the linear sums. Nothing is validated: a fast path for a caller
+    that built the ring itself (:func:`hybrid_ring_from_state`)."""
+    batch, q_heads, _, _ = q.shape
+    kv_heads, head_dim_v, features = k.shape[1], v.shape[3], qf.shape[3]
+    groups, kept = q_heads // kv_heads, ring.keys.shape[2]
+    dtype = ring.kv.dtype
+    with autocast_disabled(q.device):
+        queries = q.reshape(batch, kv_heads, groups, q.shape[3]).to(dtype)
+        new_key, new_value = k.to(dtype), v.to(dtype)  # [B, Hkv, 1, ·]
+        own_score = (queries @ new_key.transpose(-1, -2)) * scale  # [B, Hkv, G, 1]: always a real key
+        query_features = qf.reshape(batch, kv_heads, groups, features).to(dtype)
+        gamma = balance.to(dtype).view(1, kv_heads, groups, 1)
+        linear = query_features @ torch.cat([ring.kv, ring.k_sum.unsqueeze(-1)], dim=-1)
+        if kept:
+            scores = (queries @ ring.keys.to(dtype).transpose(-1, -2)) * scale  # [B, Hkv, G, W − 1]
+            scores = scores.masked_fill(~ring.keep[:, None, None, :], float("-inf"))
+            m = torch.maximum(scores.amax(dim=-1, keepdim=True), own_score)
+            weights, own_weight = torch.exp(scores - m), torch.exp(own_score - m)
+            window_numerator = weights @ ring.values.to(dtype) + own_weight * new_value
+            window_denominator = weights.sum(dim=-1, keepdim=True) + own_weight
+        else:  # a window of one: the query's own key, whose weight is exp(0) = 1
+            window_numerator = new_value.expand(batch, kv_heads, groups, head_dim_v)
+            window_denominator = torch.ones_like(linear[..., head_dim_v:])
+        numerator = torch.addcmul(window_numerator, gamma, linear[..., :head_dim_v])
+        denominator = torch.addcmul(window_denominator, gamma, linear[..., head_dim_v:])
+        out = (numerator / (denominator + eps)).view(batch, q_heads, 1, head_dim_v).to(q.dtype)
+
+        if kept:
+            slot = (ring.seen % kept).view(1)
+            leaving_keep = ring.keep.index_select(1, slot)  # [B, 1]
+            leaving = ring.key_features.index_select(2, slot).squeeze(2).to(dtype) * leaving_keep[:, None, :]
+            leaving_value = ring.values.index_select(2, slot).squeeze(2).to(dtype)  # [B, Hkv, Dv]
+            ring.keys.index_copy_(2, slot, k.to(ring.keys.dtype))
+            ring.values.index_copy_(2, slot, v.to(ring.values.dtype))
+            ring.key_features.index_copy_(2, slot, kf.to(ring.key_features.dtype))
+            ring.keep.index_fill_(1, slot, True)
+        else:  # the new key leaves the window at once
+            leaving, leaving_value = kf[:, :, 0].to(dtype), v[:, :, 0].to(dtype)
+        ring.kv.addcmul_(leaving.unsqueeze(-1), leaving_value.unsqueeze(-2))
+        ring.k_sum.add_(leaving)
+        ring.seen.add_(1)
+    return out

@@ -66,7 +66,14 @@ from torch import nn
 from headkit.errors import HeadkitError
 from headkit.layers.cache import RecurrentStateLayer, map_state
 from headkit.layers.feature_maps import build_feature_map, valid_feature_map_names
-from headkit.ops.hybrid import hybrid_attention, hybrid_attention_step
+from headkit.ops.hybrid import (
+    HybridRingState,
+    hybrid_attention,
+    hybrid_attention_ring_step_,
+    hybrid_attention_step,
+    hybrid_ring_from_state,
+    hybrid_state_from_ring,
+)
 from headkit.ops.sparse_hybrid import sparse_hybrid_attention, sparse_hybrid_attention_step
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite, count_parameters, get_adapter
 from headkit.surgery.attention import (
@@ -86,6 +93,60 @@ class HybridStateCacheLayer(StateCacheLayer):
     """The entry of a converted layer in a 🤗 ``Cache``: one fixed-size :class:`headkit.ops.HybridAttentionState`
     (a :class:`~headkit.surgery.attention.StateCacheLayer`); :class:`LinearizedHeads` folds the new keys and
     values into it."""
+
+
+class RingHybridStateCacheLayer(HybridStateCacheLayer):
+    """A :class:`HybridStateCacheLayer` whose state lives in fixed buffers updated in place
+    (:class:`headkit.ops.HybridRingState`: the window as a ring buffer), for a compiled decoding step
+    (:mod:`headkit.recipes.fast`): one graph, no tensor allocated or re-concatenated per token.
+
+    A prompt (several tokens) runs the ordinary eager path: :meth:`get_state` hands it the ordered state and
+    :meth:`set_state` copies the result into the buffers. A step of one token runs
+    :func:`headkit.ops.hybrid_attention_ring_step_` on the buffers (:meth:`LinearizedHeads.forward`); the fast
+    decoder feeds only real tokens there, so no padding mask is read.
+
+    ``mask_length``: the key length it reports to the model's mask builder (``get_mask_sizes``), as transformers'
+    ``StaticLayer`` reports its ``max_cache_len``: the static cache's length beside key/value layers, anything
+    once the prompt is in when every layer is linearized (the mask is then read by no layer). The token count is
+    a tensor under compilation (as ``StaticLayer``'s), so that a compiled step is not specialised on it."""
+
+    is_compileable = True
+
+    def __init__(self, mask_length: int = 1) -> None:
+        super().__init__()
+        self.mask_length = mask_length
+
+    def get_state(self) -> Any:
+        return None if self.state is None else hybrid_state_from_ring(self.state)
+
+    def set_state(self, state: Any, num_new_tokens: int) -> None:
+        if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be a non-negative integer, got {num_new_tokens!r}")
+        ring = hybrid_ring_from_state(state, self.get_seq_length() + num_new_tokens)
+        if self.state is None:
+            self.state = ring
+        else:  # in place: a compiled step holds these buffers
+            for buffer, value in zip(self.state, ring, strict=True):
+                buffer.copy_(value)
+        self.seen_tokens = int(ring.seen)
+
+    def ring_state(self) -> HybridRingState:
+        return self.state
+
+    def get_seq_length(self) -> Any:
+        if self.state is None:
+            return 0
+        if torch.compiler.is_compiling():
+            return self.state.seen
+        return int(self.state.seen)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.mask_length, 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise HeadkitError("the fast decoder's fixed-size hybrid state decodes greedily: no beam search")
+
+    batch_select_indices = batch_repeat_interleave = reorder_cache
 
 
 def hybrid_cache_layer(cache: Any, layer_idx: int) -> HybridStateCacheLayer:
@@ -234,6 +295,20 @@ class LinearizedHeads(nn.Module):
         **kwargs: Any,
     ) -> tuple[torch.Tensor, None]:
         batch, _, seq, _ = queries.shape
+        ring = isinstance(cache_layer, RingHybridStateCacheLayer) and not (self.sinks or self.sparse_cache)
+        if seq == 1 and ring and cache_layer.is_initialized:
+            # The fast decoder's compiled step: one real token, fixed buffers updated in place.
+            outputs = hybrid_attention_ring_step_(
+                queries,
+                keys,
+                values,
+                self.feature_map_q(queries),
+                self.feature_map_k(keys),
+                self.balance,
+                cache_layer.ring_state(),
+                scale=self.scale if scaling is None else scaling,
+            )
+            return outputs.transpose(1, 2).contiguous(), None
         past = 0 if cache_layer is None else cache_layer.get_seq_length()
         new_mask = new_key_padding_mask(attention_mask, batch, past, seq)
         new_mask = None if new_mask is None else new_mask.to(queries.device)

@@ -1,0 +1,493 @@
+"""Fast greedy decoding on CPU: a compiled single-token step over fixed-size caches, with bfloat16, int8 or int4
+weights — :func:`fast_generate` and :class:`FastDecoder` (``headkit generate --fast --weights …``).
+
+What it does, following transformers' own recipe for compiled generation (a static cache and
+``torch.compile`` of the decoding forward, ``CompileConfig(fullgraph=True, dynamic=False)``; prefill eager):
+
+* **Fixed-size buffers.** Key/value layers get transformers' ``StaticCache`` entries (keys and values
+  preallocated for the whole bucket, written in place; sliding-window layers its fixed sliding entries).
+  Linearized layers (:func:`headkit.linearize`) get a :class:`~headkit.surgery.linearize.RingHybridStateCacheLayer`:
+  the LoLCATs window as a ring buffer and the linear sums, updated in place by one fused step
+  (:func:`headkit.ops.hybrid_attention_ring_step_`) — no window re-concatenated per token.
+* **One graph per shape bucket.** The step (model forward on one token per row and the argmax) is compiled with
+  ``fullgraph=True`` — a graph break is an error, not a silent eager fallback — once per bucket: (batch,
+  cache length rounded up to :data:`CACHE_BUCKET` tokens), or (batch) alone when every layer is linearized (the
+  state does not depend on the context). After the first step of a bucket every step runs under dynamo's
+  ``error_on_recompile``: a steady-state recompile raises. :attr:`FastDecoder.compile_seconds` records what
+  each bucket's first step cost (compilation included), and :func:`fast_generate` logs it: compilation takes
+  tens of seconds on a small CPU, so the path is opt-in (``--fast``), worth it for long generations or many
+  calls of one decoder.
+* **Weights.** ``float32`` (as loaded), ``bfloat16`` (the model cast; AVX-512 BF16 / AMX CPUs run it natively),
+  ``int8`` / ``int4``: weight-only quantization of every ``nn.Linear`` outside the attention mechanisms headkit
+  adds, with one scale per group of :data:`GROUP_SIZE` input features, through torchao (the optional extra
+  ``headkit[fast]``; PyTorch's own packed kernels are private aten ops), computing in bfloat16. A tied output
+  projection is untied first (the quantized copy is the output layer's; the embedding stays exact).
+
+The decoded tokens are the eager model's in the same dtype (tests compare them on tiny models, and the
+buffers' states with the eager cache's); bfloat16 and int8 are judged against float32 by held-out perplexity in
+``headkit bench decode``. Without a C++ compiler (inductor's CPU backend needs one) asking for compilation is a
+one-line error; ``compile=False`` runs the same fixed-size step eagerly, announced in the log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+import logging
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import CompileConfig, StaticCache
+
+from headkit.compat import cache_keyword
+from headkit.errors import HeadkitError
+from headkit.surgery.attention import mechanism_of
+from headkit.surgery.linearize import LinearizedHeads, RingHybridStateCacheLayer
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS = ("float32", "bfloat16", "int8", "int4")
+GROUP_SIZE = 32  # input features per quantization scale (int8, int4): llama.cpp's Q4_1/Q8_0 use 32 as well
+CACHE_BUCKET = 256  # static cache lengths are rounded up to a multiple of this: one compiled graph per bucket
+# transformers' conventions for a compiled decoding forward, strict: a graph break is an error, shapes static.
+COMPILE_CONFIG = CompileConfig(fullgraph=True, dynamic=False, mode="default")
+
+
+def check_weights(weights: str) -> str:
+    if weights not in WEIGHTS:
+        raise HeadkitError(f"weights must be one of {', '.join(WEIGHTS)}, got {weights!r}")
+    return weights
+
+
+def check_compiler() -> None:
+    """A one-line error unless torch.compile can build CPU code here (inductor compiles C++)."""
+    candidates = [os.environ.get("CXX"), "g++", "c++", "clang++"]
+    if not any(name and shutil.which(name) for name in candidates):
+        raise HeadkitError(
+            "the fast path compiles its decoding step with torch.compile, which needs a C++ compiler on CPU: "
+            "none found (CXX, g++, c++, clang++); install one, or pass compile=False (--no-compile) for an "
+            "eager run of the same fixed-size path"
+        )
+
+
+def quantizable_linears(model: nn.Module) -> dict[str, nn.Linear]:
+    """The ``nn.Linear`` layers weight-only quantization replaces: all but those inside a headkit mechanism
+    (a linearized layer's feature maps stay exact: they are tiny and shape the attention weights)."""
+    inside = {
+        id(sub)
+        for module in model.modules()
+        if (mechanism := mechanism_of(module)) is not None
+        for sub in mechanism.modules()
+    }
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and id(module) not in inside
+    }
+
+
+def check_group_size(model: nn.Module, weights: str, group_size: int = GROUP_SIZE) -> None:
+    """A HeadkitError naming every layer whose input features are not a multiple of ``group_size`` (int8 and
+    int4 weights hold one scale per group of input features)."""
+    if weights not in ("int8", "int4"):
+        return
+    misfits = [
+        f"{name} (in_features {module.in_features}, weight {tuple(module.weight.shape)})"
+        for name, module in quantizable_linears(model).items()
+        if module.in_features % group_size
+    ]
+    if misfits:
+        shown = "; ".join(misfits[:5]) + (f"; … {len(misfits) - 5} more" if len(misfits) > 5 else "")
+        raise HeadkitError(
+            f"--weights {weights} quantizes in groups of {group_size} input features, which these layers' "
+            f"shapes do not fit: {shown}"
+        )
+
+
+def _torchao() -> Any:
+    try:
+        import torchao.quantization as quantization
+    except ImportError as error:
+        raise HeadkitError(
+            "int8 and int4 weights need torchao: pip install 'headkit[fast]' (or torchao)"
+        ) from error
+    return quantization
+
+
+def prepare_weights(model: nn.Module, weights: str, group_size: int = GROUP_SIZE) -> nn.Module:
+    """A copy of ``model`` (left untouched) with ``weights``: float32, bfloat16, or int8 / int4 weight-only
+    quantized per group of ``group_size`` input features (torchao), computing in bfloat16."""
+    check_weights(weights)
+    check_group_size(model, weights, group_size)
+    quantization = _torchao() if weights in ("int8", "int4") else None
+    prepared = copy.deepcopy(model).eval()
+    if weights == "float32":
+        return prepared.float()
+    prepared = prepared.to(torch.bfloat16)
+    if quantization is None:
+        return prepared
+    output, embedding = prepared.get_output_embeddings(), prepared.get_input_embeddings()
+    if output is not None and embedding is not None and output.weight is embedding.weight:
+        # Tied: the output layer gets its own (quantized) copy; the embedding lookup stays exact.
+        output.weight = nn.Parameter(embedding.weight.detach().clone(), requires_grad=False)
+        prepared.config.tie_word_embeddings = False
+    chosen = {id(module) for module in quantizable_linears(prepared).values()}
+    granularity = quantization.PerGroup(group_size) if hasattr(quantization, "PerGroup") else None
+    if granularity is None:
+        from torchao.quantization.granularity import PerGroup
+
+        granularity = PerGroup(group_size)
+    bits = torch.int8 if weights == "int8" else torch.int4
+    config = quantization.IntxWeightOnlyConfig(weight_dtype=bits, granularity=granularity)
+    quantization.quantize_(prepared, config, filter_fn=lambda module, name: id(module) in chosen)
+    return prepared
+
+
+def _decoder_layer_count(model: nn.Module) -> int:
+    config = model.config.get_text_config(decoder=True)
+    return int(config.num_hidden_layers)
+
+
+def linearized_layer_indices(model: nn.Module) -> list[int]:
+    """The ``layer_idx`` of every attention layer the model runs through :class:`LinearizedHeads`."""
+    return sorted(module.layer_idx for module in model.modules() if isinstance(module, LinearizedHeads))
+
+
+class FastDecoder:
+    """Greedy decoding of one model through compiled single-token steps over fixed-size caches (see the module
+    docstring). Build it once and call :meth:`generate` as often as needed: each shape bucket is compiled on
+    its first use and reused after; the caches are reset, not rebuilt, between calls.
+
+    ``weights``: float32, bfloat16, int8 or int4 (:func:`prepare_weights`; the model passed in is not changed).
+    ``compile``: False runs the same steps eagerly (announced in the log). ``compile_config``: transformers'
+    ``CompileConfig`` for ``torch.compile`` (default :data:`COMPILE_CONFIG`; ``fullgraph`` must stay True).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        weights: str = "float32",
+        compile: bool = True,
+        group_size: int = GROUP_SIZE,
+        compile_config: CompileConfig | None = None,
+        regions: bool = True,
+    ) -> None:
+        check_weights(weights)
+        if not callable(getattr(model, "get_output_embeddings", None)) or not hasattr(model, "config"):
+            raise HeadkitError(f"model must be a 🤗 causal LM, got {type(model).__name__}")
+        if getattr(model.config, "model_type", None) == "headkit":
+            raise HeadkitError(
+                "the fast path decodes stock 🤗 models and those headkit converted (pruned, compressed, "
+                "linearized); headkit's own HeadkitForCausalLM compiles as a whole: torch.compile(model)"
+            )
+        exact = [
+            name
+            for name, module in model.named_modules()
+            if getattr(module, "sinks", 0) or getattr(module, "sparse_cache", 0)
+        ]
+        if exact:
+            # The fixed-size step is the plain window + linear hybrid (a ring buffer); sinks and the sparse exact
+            # cache choose keys per token, which that step does not do. Refused rather than decoded differently.
+            raise HeadkitError(
+                f"{exact[0]} keeps sinks or a sparse exact cache (headkit linearize --sinks/--sparse-cache), which "
+                "the fast path's fixed-size step does not run yet; decode it with model.generate"
+            )
+        if compile:
+            check_compiler()
+        else:
+            logger.warning("fast decoding without compilation: the fixed-size step runs eagerly")
+        self.weights, self.compiled = weights, compile
+        self.compile_config = COMPILE_CONFIG if compile_config is None else compile_config
+        if not self.compile_config.fullgraph:
+            raise HeadkitError(
+                "compile_config.fullgraph must be True: a graph break would hide eager code in the step"
+            )
+        self.model = prepare_weights(model, weights, group_size)
+        self.linearized = linearized_layer_indices(self.model)
+        self.layer_count = _decoder_layer_count(self.model)
+        self.all_linearized = len(self.linearized) == self.layer_count
+        parameters = inspect.signature(self.model.forward).parameters
+        self._takes_cache_position = "cache_position" in parameters
+        self.regions = regions and compile
+        if self.regions:
+            self._compile_regions()
+        self.compile_seconds: dict[tuple[int, int], float] = {}
+        self._caches: dict[tuple[int, int], Any] = {}
+        self._compiled_for: set[tuple[tuple[int, int], int]] = set()
+        self._steps: dict[tuple[int, int], Any] = {}
+
+    # -- buckets and caches -------------------------------------------------------------------------------------
+
+    def bucket(self, batch: int, total_length: int) -> tuple[int, int]:
+        """(batch, static cache length) of a generation; the length is 0 when every layer is linearized."""
+        if self.all_linearized:
+            return batch, 0
+        return batch, -(-total_length // CACHE_BUCKET) * CACHE_BUCKET
+
+    def _cache(self, bucket: tuple[int, int], prompt_length: int) -> Any:
+        batch, length = bucket
+        cache = self._caches.get(bucket)
+        if cache is None:
+            cache = StaticCache(config=self.model.config, max_cache_len=max(length, 1))
+            for index in self.linearized:
+                cache.layers[index] = RingHybridStateCacheLayer()
+            self._caches[bucket] = cache
+        else:
+            for layer in cache.layers:
+                if isinstance(layer, RingHybridStateCacheLayer):
+                    _reset_ring(layer)
+                else:
+                    layer.reset()
+        # Mask sizes during the prompt: the static length, or the prompt itself when nothing else is cached.
+        for index in self.linearized:
+            cache.layers[index].mask_length = length if length else prompt_length
+        return cache
+
+    def _compile_options(self) -> dict[str, Any]:
+        config = self.compile_config  # its to_dict() deep-copies: a backend object would be a copy
+        return {
+            name: getattr(config, name) for name in ("fullgraph", "dynamic", "backend", "mode", "options")
+        }
+
+    def _compile_regions(self) -> None:
+        """Regional compilation (torch's recipe against cold-start time): each decoder layer and the output
+        layer compiled on its own (``nn.Module.compile``). The decoder layers share one code object, so
+        inductor builds one layer's kernels and its cache serves the others; the whole-model graph (30 layers
+        unrolled for SmolLM2) compiles for ten minutes on two cores. Between the regions run the embedding
+        lookup, the rotary angles and the mask: a few operations per step."""
+        layers = decoder_layers(self.model)
+        # torch's own modules are skipped as top frames by dynamo: the output layer is compiled inside a wrapper.
+        output = CompiledRegion(self.model.get_output_embeddings())
+        self.model.set_output_embeddings(output)
+        for module in [*layers, output]:
+            module.compile(**self._compile_options())
+        self._region_count = len(layers) + 1
+
+    def _step_function(self, bucket: tuple[int, int]) -> Any:
+        step = self._steps.get(bucket)
+        if step is None:
+            step = self._decode_step
+            if self.compiled and not self.regions:
+                config = self.compile_config  # its to_dict() deep-copies: a backend object would be a copy
+                options = {
+                    name: getattr(config, name)
+                    for name in ("fullgraph", "dynamic", "backend", "mode", "options")
+                }
+                step = torch.compile(step, **options)
+            self._steps[bucket] = step
+        return step
+
+    def _forward_arguments(self, positions: torch.Tensor) -> dict[str, Any]:
+        arguments = {"position_ids": positions}
+        if self._takes_cache_position:  # transformers < 5.24 places new keys by cache_position
+            arguments["cache_position"] = positions[0]
+        return arguments
+
+    def _decode_step(
+        self, token: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None, cache: Any
+    ) -> torch.Tensor:
+        """One token per row in, the greedy next token per row out [B, 1]: the compiled hot path."""
+        logits = self.model(
+            input_ids=token,
+            attention_mask=attention_mask,
+            use_cache=True,
+            logits_to_keep=1,
+            **self._forward_arguments(positions),
+            **cache_keyword(cache),
+        ).logits
+        return logits[:, -1].argmax(-1, keepdim=True)
+
+    # -- generation ---------------------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        max_new_tokens: int = 32,
+        eos_token_id: int | list[int] | None = None,
+        streamer: Any = None,
+        step_seconds: list[float] | None = None,
+    ) -> torch.Tensor:
+        """Greedy continuation of ``input_ids`` [B, P] (left padding marked by ``attention_mask`` [B, P]):
+        [B, P + n] ids, n ≤ ``max_new_tokens`` (fewer when every row has produced ``eos_token_id``).
+        ``streamer``: a transformers streamer (``put``/``end``). ``step_seconds``: appended the wall time of
+        every decoding step after the first token (for benchmarks)."""
+        input_ids, attention_mask = self._check_inputs(input_ids, attention_mask, max_new_tokens)
+        batch, prompt_length = input_ids.shape
+        bucket = self.bucket(batch, prompt_length + max_new_tokens)
+        cache = self._cache(bucket, prompt_length)
+        positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
+        if streamer is not None:
+            streamer.put(input_ids.cpu())
+        # The prompt runs eagerly, as in transformers' generate(): one graph per prompt length would not pay.
+        with torch.compiler.set_stance("force_eager"):
+            logits = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                use_cache=True,
+                logits_to_keep=1,
+                **self._forward_arguments(positions),
+                **cache_keyword(cache),
+            ).logits
+        token = logits[:, -1].argmax(-1, keepdim=True)
+        generated = [token]
+        if streamer is not None:
+            streamer.put(token.cpu())
+        if self.all_linearized:
+            decode_mask = None  # no layer reads a mask in a step: every new token is real
+            for index in self.linearized:
+                cache.layers[index].mask_length = 1
+        else:
+            decode_mask = torch.ones(batch, bucket[1], dtype=torch.long)
+            decode_mask[:, :prompt_length] = attention_mask
+        position = positions[:, -1:].clone()
+        finished = _finished(token, eos_token_id)
+        step = self._step_function(bucket)
+        for _ in range(max_new_tokens - 1):
+            if finished is not None and bool(finished.all()):
+                break
+            position += 1
+            started = time.perf_counter()
+            # torch.compile guards on the thread count: a new count is a new graph, compiled like a new bucket.
+            first = (bucket, torch.get_num_threads()) not in self._compiled_for
+            with _first_step(self) if first else torch.compiler.set_stance("fail_on_recompile"):
+                token = step(token, position.clone(), decode_mask, cache)
+            seconds = time.perf_counter() - started
+            if first:
+                self._compiled_for.add((bucket, torch.get_num_threads()))
+                self.compile_seconds[bucket] = seconds
+                if self.compiled:
+                    logger.info(
+                        "compiled the decoding step for batch %d, cache %s in %.1f s (once per shape bucket)",
+                        batch,
+                        bucket[1] or "state only",
+                        seconds,
+                    )
+            elif step_seconds is not None:
+                step_seconds.append(seconds)
+            if finished is not None:  # a finished row repeats its end token, as generate() pads it
+                token = torch.where(finished, generated[-1], token)
+                finished = finished | _finished(token, eos_token_id)
+            generated.append(token)
+            if streamer is not None:
+                streamer.put(token.cpu())
+        if streamer is not None:
+            streamer.end()
+        return torch.cat([input_ids, *generated], dim=1)
+
+    def _check_inputs(
+        self, input_ids: Any, attention_mask: Any, max_new_tokens: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+            got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+            raise HeadkitError(
+                f"input_ids must be a [batch, prompt length ≥ 1] tensor of token ids, got {got}"
+            )
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise HeadkitError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+            got = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
+            raise HeadkitError(
+                f"attention_mask must be a [batch, prompt length] = {list(input_ids.shape)} padding mask, got {got}"
+            )
+        if not bool(attention_mask[:, -1].all()):
+            raise HeadkitError(
+                "attention_mask: the fast decoder takes left padding only (each row's last token real)"
+            )
+        return input_ids, attention_mask.long()
+
+
+def _reset_ring(layer: RingHybridStateCacheLayer) -> None:
+    """Empty a ring layer in place (its buffers keep their addresses: compiled steps hold them)."""
+    if layer.state is not None:
+        for buffer in layer.state:
+            buffer.zero_()
+    layer.seen_tokens = 0
+
+
+def _finished(token: torch.Tensor, eos_token_id: int | list[int] | None) -> torch.Tensor | None:
+    if eos_token_id is None:
+        return None
+    ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    return torch.isin(token, torch.tensor(ids, device=token.device))
+
+
+class CompiledRegion(nn.Module):
+    """A module run through another one's forward, so that ``nn.Module.compile`` can compile a torch module
+    (dynamo does not start a frame inside torch's own modules)."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner(*args, **kwargs)
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a 🤗 causal LM: the module list of ``num_hidden_layers`` modules of one class."""
+    count = _decoder_layer_count(model)
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == count and len({type(m) for m in module}) == 1:
+            return list(module)
+    raise HeadkitError(
+        f"found no list of {count} decoder layers in {type(model).__name__} to compile: pass regions=False"
+    )
+
+
+@contextlib.contextmanager
+def _first_step(decoder: FastDecoder) -> Iterator[None]:
+    """The first step of a bucket compiles: with regions, every decoder layer is an entry of one code object's
+    cache (they differ in guards only), so dynamo's default budget of 8 per code object is raised to fit them."""
+    if not decoder.regions:
+        yield
+        return
+    limit = 64 * decoder._region_count
+    with torch._dynamo.config.patch(recompile_limit=limit, accumulated_recompile_limit=limit):
+        yield
+
+
+def fast_generate(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    max_new_tokens: int = 32,
+    weights: str = "float32",
+    compile: bool = True,
+    eos_token_id: int | list[int] | None = None,
+    streamer: Any = None,
+) -> torch.Tensor:
+    """Greedy decoding of ``model`` (stock or converted by headkit) through a compiled single-token step over
+    fixed-size caches, with ``weights`` float32 / bfloat16 / int8 / int4: [B, P + n] ids (see
+    :class:`FastDecoder`, which keeps compiled steps between calls — this builds a new one every call)."""
+    decoder = FastDecoder(model, weights=weights, compile=compile)
+    return decoder.generate(
+        input_ids,
+        attention_mask=attention_mask,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos_token_id,
+        streamer=streamer,
+    )
+
+
+__all__ = [
+    "CACHE_BUCKET",
+    "GROUP_SIZE",
+    "WEIGHTS",
+    "FastDecoder",
+    "check_group_size",
+    "fast_generate",
+    "prepare_weights",
+]

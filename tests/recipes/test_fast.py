@@ -1,0 +1,240 @@
+"""headkit.fast_generate / FastDecoder: the compiled fixed-size decoding path against the eager model.
+
+Greedy tokens equal eager ``generate()``'s in the same dtype (stock, fully linearized and hybrid tiny LLaMAs,
+left padding included); the fixed buffers end in the eager cache's state; the step is one graph per shape bucket
+(no graph break: fullgraph; no recompile across steps and calls); bad input gets a clear error. Most compiled
+checks use the aot_eager backend (dynamo capture + functionalization, what compiling needs from the code, in
+seconds); one test runs inductor itself."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+
+import pytest
+import torch
+import transformers
+from torch._dynamo.testing import CompileCounterWithBackend
+from transformers import CompileConfig, DynamicCache
+
+from headkit import HeadkitError, fast_generate, linearize
+from headkit.compat import cache_keyword
+from headkit.ops import (
+    hybrid_attention,
+    hybrid_attention_ring_step_,
+    hybrid_attention_step,
+    hybrid_ring_from_state,
+    hybrid_state_from_ring,
+)
+from headkit.recipes.fast import FastDecoder, prepare_weights
+from headkit.surgery.linearize import RingHybridStateCacheLayer, hybrid_cache_layer
+
+VOCAB, PROMPT, NEW = 61, 9, 10
+has_torchao = importlib.util.find_spec("torchao") is not None
+
+
+def tiny_llama(layers: int = 2, hidden: int = 32) -> transformers.LlamaForCausalLM:
+    # Wide initial weights: peaked, prompt-dependent logits, so that greedy tokens vary and an error would show.
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        max_position_embeddings=256,
+        initializer_range=0.3,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def linearized(layers: list[int] | None = None, window: int = 4) -> transformers.LlamaForCausalLM:
+    model = tiny_llama()
+    linearize(model, window=window, layers=layers)
+    with torch.no_grad():  # a linear term that matters (trained balances are not 1 either)
+        for name, parameter in model.named_parameters():
+            if name.endswith("log_balance"):
+                parameter.uniform_(-0.5, 0.5)
+    return model
+
+
+def prompts() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(1, VOCAB, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0  # left padding in the first row
+    return ids, mask
+
+
+def eager_greedy(model, ids, mask) -> torch.Tensor:
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+
+
+def capture_config(counter) -> CompileConfig:
+    return CompileConfig(fullgraph=True, dynamic=False, backend=counter, mode=None)
+
+
+@pytest.mark.parametrize("window", [1, 2, 5])
+def test_ring_step_matches_the_hybrid_step_in_outputs_and_states(window):
+    torch.manual_seed(0)
+    batch, heads, kv_heads, dim, features, length = 2, 4, 2, 8, 6, 9
+    q, k, v = (torch.randn(batch, h, length, dim) for h in (heads, kv_heads, kv_heads))
+    qf, kf = torch.rand(batch, heads, length, features), torch.rand(batch, kv_heads, length, features)
+    balance = torch.rand(heads)
+    mask = torch.ones(batch, 3, dtype=torch.bool)
+    mask[0, :2] = False
+    _, state = hybrid_attention(
+        *(x[:, :, :3] for x in (q, k, v, qf, kf)),
+        balance,
+        window=window,
+        attention_mask=mask,
+        output_final_state=True,
+    )
+    ring = hybrid_ring_from_state(state, 3)
+    for t in range(3, length):
+        inputs = [x[:, :, t : t + 1] for x in (q, k, v, qf, kf)]
+        expected, state = hybrid_attention_step(*inputs, balance, state, window=window)
+        out = hybrid_attention_ring_step_(*inputs, balance, ring, scale=dim**-0.5)
+        torch.testing.assert_close(out, expected)
+        for got, want in zip(hybrid_state_from_ring(ring), state, strict=True):
+            torch.testing.assert_close(got, want)
+    assert int(ring.seen) == length
+
+
+@pytest.mark.parametrize("kind", ["stock", "linearized", "hybrid"])
+def test_fast_path_gives_eager_greedy_tokens_and_states(kind):
+    model = {"stock": tiny_llama, "linearized": linearized, "hybrid": lambda: linearized(layers=[1])}[kind]()
+    ids, mask = prompts()
+    expected = eager_greedy(model, ids, mask)
+    assert len(set(expected[:, PROMPT:].flatten().tolist())) > 2, (
+        "degenerate model: tokens would prove little"
+    )
+    decoder = FastDecoder(model, compile=False)
+    generated = decoder.generate(ids, attention_mask=mask, max_new_tokens=NEW)
+    assert torch.equal(generated, expected)
+
+    # The fixed buffers hold what the eager cache holds after the same tokens (all but the last generated).
+    (cache,) = decoder._caches.values()
+    eager_cache = DynamicCache(config=model.config)
+    seen = generated[:, :-1]
+    full_mask = torch.cat([mask, torch.ones(2, seen.shape[1] - PROMPT, dtype=mask.dtype)], dim=1)
+    with torch.no_grad():
+        positions = (full_mask.cumsum(-1) - 1).clamp_min(0)  # as generate() places left-padded rows
+        model(
+            input_ids=seen,
+            attention_mask=full_mask,
+            position_ids=positions,
+            use_cache=True,
+            **cache_keyword(eager_cache),
+        )
+    for index, layer in enumerate(cache.layers):
+        if isinstance(layer, RingHybridStateCacheLayer):
+            want = hybrid_cache_layer(eager_cache, index).get_state()
+            for got, expected_tensor in zip(layer.get_state(), want, strict=True):
+                torch.testing.assert_close(got, expected_tensor, atol=1e-5, rtol=1e-5)
+            assert layer.get_seq_length() == seen.shape[1]
+        else:
+            stored = seen.shape[1]
+            torch.testing.assert_close(layer.keys[:, :, :stored], eager_cache.layers[index].keys)
+            torch.testing.assert_close(layer.values[:, :, :stored], eager_cache.layers[index].values)
+    assert kind == "stock" or any(isinstance(layer, RingHybridStateCacheLayer) for layer in cache.layers)
+
+
+@pytest.mark.parametrize(
+    "kind, regions",
+    [("stock", True), ("linearized", True), ("linearized", False)],
+    ids=["stock", "linearized", "linearized-whole-step"],
+)
+def test_compiled_step_is_one_graph_per_bucket_with_eager_tokens(kind, regions):
+    model = tiny_llama() if kind == "stock" else linearized()
+    graphs = 3 if regions else 1  # per decoder layer and the output layer, or the whole step
+    ids, mask = prompts()
+    expected = eager_greedy(model, ids, mask)
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    decoder = FastDecoder(model, compile_config=capture_config(counter), regions=regions)
+    assert torch.equal(decoder.generate(ids, attention_mask=mask, max_new_tokens=NEW), expected)
+    # Another prompt in the same bucket: the caches are reset, not rebuilt, and the graph is reused.
+    other = torch.randint(1, VOCAB, (2, PROMPT + 3), generator=torch.Generator().manual_seed(2))
+    again = decoder.generate(other, max_new_tokens=NEW)
+    assert torch.equal(again, eager_greedy(model, other, torch.ones_like(other)))
+    assert counter.frame_count == graphs, (
+        f"{counter.frame_count} graphs for one bucket: a recompile or a break"
+    )
+    assert len(decoder.compile_seconds) == 1
+    if kind == "linearized":  # the state does not depend on the context: one bucket for any length
+        longer = torch.randint(1, VOCAB, (2, 40), generator=torch.Generator().manual_seed(3))
+        decoder.generate(longer, max_new_tokens=4)
+        assert counter.frame_count == graphs and list(decoder.compile_seconds) == [(2, 0)]
+
+
+@pytest.mark.slow
+def test_inductor_compiled_linearized_step_gives_eager_tokens():
+    if not any(shutil.which(name) for name in ("g++", "c++", "clang++")):
+        pytest.skip("no C++ compiler for inductor")
+    model = linearized()
+    ids, mask = prompts()
+    torch._dynamo.reset()
+    assert torch.equal(
+        fast_generate(model, ids, attention_mask=mask, max_new_tokens=NEW), eager_greedy(model, ids, mask)
+    )
+
+
+@pytest.mark.skipif(not has_torchao, reason="torchao (headkit[fast]) is not installed")
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_quantized_weights_keep_the_model_and_decode_as_their_eager_selves(weights):
+    model = tiny_llama()
+    reference = {name: p.clone() for name, p in model.state_dict().items()}
+    quantized = prepare_weights(model, weights)
+    for name, tensor in model.state_dict().items():  # the model passed in is untouched
+        assert torch.equal(tensor, reference[name])
+    assert quantized.get_input_embeddings().weight is not quantized.get_output_embeddings().weight
+    # Each quantized layer against its exact self: one scale per group of 32 input features.
+    inputs = torch.randn(16, 32)
+    with torch.no_grad():
+        exact = model.model.layers[0].self_attn.q_proj(inputs)
+        approximate = quantized.model.layers[0].self_attn.q_proj(inputs.bfloat16()).float()
+    error = ((approximate - exact).norm() / exact.norm()).item()
+    assert error < (0.02 if weights == "int8" else 0.2), error
+    ids, mask = prompts()
+    eager = FastDecoder(model, weights=weights, compile=False).generate(
+        ids, attention_mask=mask, max_new_tokens=6
+    )
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = FastDecoder(model, weights=weights, compile_config=capture_config(counter))
+    assert torch.equal(compiled.generate(ids, attention_mask=mask, max_new_tokens=6), eager)
+    assert counter.frame_count == 3
+
+
+def test_bad_input_is_named():
+    model = tiny_llama(hidden=40)  # in_features 40 and 80: no group of 32 fits
+    with pytest.raises(HeadkitError, match="weights must be one of float32, bfloat16, int8, int4"):
+        FastDecoder(model, weights="int3", compile=False)
+    with pytest.raises(
+        HeadkitError,
+        match=r"groups of 32 input features.*model\.layers\.0\.self_attn\.q_proj "
+        r"\(in_features 40, weight \(32, 40\)\)",
+    ):
+        FastDecoder(model, weights="int4", compile=False)
+    decoder = FastDecoder(tiny_llama(), compile=False)
+    ids = torch.ones(1, 4, dtype=torch.long)
+    with pytest.raises(HeadkitError, match="left padding only"):
+        decoder.generate(ids, attention_mask=torch.tensor([[1, 1, 1, 0]]))
+    with pytest.raises(HeadkitError, match="max_new_tokens must be a positive integer"):
+        decoder.generate(ids, max_new_tokens=0)
+    with pytest.raises(HeadkitError, match="fullgraph must be True"):
+        FastDecoder(tiny_llama(), compile_config=CompileConfig(fullgraph=False))
+    exact = tiny_llama()
+    linearize(exact, window=4, sinks=1, sparse_cache=2)
+    with pytest.raises(HeadkitError, match="sinks or a sparse exact cache.*model.generate"):
+        FastDecoder(exact, compile=False)
+
+
+def test_missing_compiler_is_one_line(monkeypatch):
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    with pytest.raises(HeadkitError, match="needs a C\\+\\+ compiler on CPU: none found") as error:
+        FastDecoder(tiny_llama())
+    assert "\n" not in str(error.value)
