@@ -8,7 +8,9 @@ from family_models import family_inputs, family_model
 from test_linearize_families import assert_cached_and_padded_decoding_agree
 
 import headkit
+import headkit.surgery.attention
 import headkit.surgery.pruning
+from headkit.compat import cache_keyword, output_cache
 from headkit.errors import HeadkitError
 from headkit.ops.latent import latent_attention, naive_latent_attention
 from headkit.surgery.attention import MECHANISM
@@ -137,7 +139,7 @@ def test_the_cache_holds_the_latent_and_the_rotary_keys_only():
     tokens = family_inputs(batch=2, length=7)
     with torch.no_grad():
         out = model(tokens, use_cache=True)
-    cache = out.past_key_values
+    cache = output_cache(out)
     layers = cache.layers
     assert all(isinstance(layer, LatentCacheLayer) for layer in layers)
     assert [tuple(layer.state.shape) for layer in layers] == [(2, 7, 20 + KV_HEADS * 4)] * 2
@@ -198,3 +200,16 @@ def test_linearized_and_unevenly_pruned_models_are_refused_before_any_work():
     with pytest.raises(HeadkitError, match="pruned unevenly"):
         compress_kv_to_latent(model, kv_rank=8, rope_dims=4)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_a_prompt_fed_in_two_chunks_equals_one_pass(implementation):
+    model = converted("llama")
+    headkit.surgery.attention.set_attention_implementation(model, implementation)
+    tokens = family_inputs(batch=2, length=9)
+    with torch.no_grad():
+        whole = model(tokens).logits
+        first = model(tokens[:, :5], use_cache=True)
+        second = model(tokens[:, 5:], **cache_keyword(output_cache(first)), use_cache=True)
+    torch.testing.assert_close(torch.cat((first.logits, second.logits), dim=1), whole, atol=1e-5, rtol=1e-5)
+    assert output_cache(second).layers[0].state.shape[1] == 9

@@ -205,7 +205,7 @@ class LatentKVHeads(nn.Module):
             past = cache_layer.get_seq_length()
             rows = rows if previous is None else torch.cat((previous, rows), dim=1)
             cache_layer.set_state(rows, length)
-        mask, is_causal = attention_mask_for(attention_mask, batch, length, past)
+        mask, is_causal = attention_mask_for(attention_mask, batch, length, past, queries.device)
         per_head = heads // groups
         rope_index = self.rope_index.repeat_interleave(per_head, dim=0)[None, :, None]
         nope_index = self.nope_index.repeat_interleave(per_head, dim=0)[None, :, None]
@@ -250,7 +250,7 @@ class LatentKVHeads(nn.Module):
 
 
 def attention_mask_for(
-    attention_mask: Any, batch: int, length: int, past: int
+    attention_mask: Any, batch: int, length: int, past: int, device: torch.device | None = None
 ) -> tuple[torch.Tensor | None, bool]:
     """The model's mask as (bool [B, 1, T, S] with True = attend, or None; is_causal) over S = past + T keys.
 
@@ -262,8 +262,8 @@ def attention_mask_for(
             return None, False
         if past == 0:
             return None, True
-        keys = torch.arange(total)
-        return (keys[None] <= past + torch.arange(length)[:, None])[None, None], False
+        keys = torch.arange(total, device=device)
+        return (keys[None] <= past + torch.arange(length, device=device)[:, None])[None, None], False
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
         raise HeadkitError(
             "latent key/value attention takes the 4D masks of attn_implementation 'sdpa' or 'eager', got "
