@@ -8,7 +8,8 @@ from headkit.cli import app
 
 # The commands and their parameters as cli.py declared them by hand (issue 13); "--x/--no-x" is one flag.
 BENCH_COMMANDS = {
-    "compress": "--dims --distill-steps --model --out --quick/--no-quick --seed --threads",
+    "compress": "--contexts --decode-batches --dims --distill-steps --kv-ranks --model --out --quick/--no-quick "
+    "--rope-dims --seed --students --threads",
     "decode": "--batch-size --compile/--no-compile --device --mechanisms --new-tokens --out --prompts "
     "--quick/--no-quick --repeats "
     "--threads "

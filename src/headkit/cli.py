@@ -302,9 +302,29 @@ def compress(
     ),
     overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
     timing_repeats: int = typer.Option(5, min=1, help="Timed forward passes (the median is reported)."),
+    kv_rank: int = typer.Option(
+        None,
+        "--kv-rank",
+        min=1,
+        help="Rotary decoders (LLaMA, SmolLM2, Mistral, Qwen 2): latent width R of the shared key/value latent "
+        "per layer (MHA2MLA; default: half the KV cache, kv_heads × (head_dim − rope dims)).",
+    ),
+    rope_dims: int = typer.Option(
+        None,
+        "--rope-dims",
+        min=0,
+        help="Rotary decoders: rotary dimensions kept per key/value head, whole pairs (default head_dim / 4).",
+    ),
+    calibration_windows: int = typer.Option(
+        16, min=1, help="Rotary decoders: training windows the rotary ranking and the SVD are calibrated on."
+    ),
+    eval_window: int = typer.Option(
+        None, min=2, help="Rotary decoders: tokens per held-out window (default --window)."
+    ),
     dtype: str = _dtype_option(),
 ) -> None:
-    """Collaborative heads at --dim, optionally distilled; fidelity (or perplexity), size and speed."""
+    """Collaborative heads at --dim (or, on a rotary decoder, latent keys/values at --kv-rank), optionally
+    distilled; fidelity (or perplexity), size and speed."""
     from headkit.recipes.compress import CompressSettings, compress
 
     settings = CompressSettings(
@@ -325,6 +345,10 @@ def compress(
         max_iter=max_iter,
         overwrite=overwrite,
         timing_repeats=timing_repeats,
+        kv_rank=kv_rank,
+        rope_dims=rope_dims,
+        calibration_windows=calibration_windows,
+        eval_window=eval_window,
     )
     typer.echo(str(compress(settings, echo=typer.echo)))
 

@@ -53,9 +53,54 @@ def test_full_width_gpt2_is_exact(save_tiny_causal_lm, text_folder, tmp_path):
     assert report["perplexity_after_swap"] == pytest.approx(report["perplexity_original"], rel=1e-4)
 
 
-def test_rotary_models_are_refused_and_nothing_is_written(save_tiny_causal_lm, text_folder, tmp_path, capsys):
+def test_rotary_models_refuse_collaborative_widths_and_nothing_is_written(
+    save_tiny_causal_lm, text_folder, tmp_path, capsys
+):
     model_dir = save_tiny_causal_lm(tmp_path / "llama", "llama")
     out = tmp_path / "out"
-    assert _run(["compress", str(model_dir), "--data", str(text_folder), "--out", str(out), *FAST]) == 2
-    assert "rotary" in capsys.readouterr().err.lower()
-    assert not out.exists()
+    args = ["compress", str(model_dir), "--dim", "16", "--data", str(text_folder), "--out", str(out), *FAST]
+    assert _run(args) == 2
+    assert "--kv-rank" in capsys.readouterr().err and not out.exists()
+    args = ["compress", str(model_dir), "--kv-rank", "29", "--rope-dims", "2", "--data", str(text_folder)]
+    assert _run([*args, "--out", str(out), *FAST]) == 2
+    assert (
+        "kv_rank must be an integer in [1, 28]" in " ".join(capsys.readouterr().err.split())
+        and not out.exists()
+    )
+
+
+def test_a_llama_gets_latent_keys_values_distils_reloads_and_generates(
+    save_tiny_causal_lm, text_folder, tmp_path
+):
+    model_dir = save_tiny_causal_lm(tmp_path / "llama", "llama")
+    out = tmp_path / "out"
+    args = ["compress", str(model_dir), "--kv-rank", "6", "--rope-dims", "2", "--distill-steps", "2"]
+    args += ["--data", str(text_folder), "--calibration-windows", "4", "--eval-window", "24"]
+    assert _run([*args, "--out", str(out), *FAST]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["method"] == "latent" and report["kv_rank"] == 6 and report["rope_dims"] == 2
+    # 2 layers × (6 + 2 kv heads × 2 rotary dims) float32 numbers, against 2 × 2 × 2 × 8.
+    assert report["kv_bytes_per_token"] == 2 * 10 * 4 and report["kv_bytes_per_token_original"] == 2 * 32 * 4
+    assert report["data"]["eval_window"] == 24 and len(report["distill_losses"]) == 2
+    for key in (
+        "perplexity_original",
+        "perplexity_partial_rope",
+        "perplexity_after_swap",
+        "perplexity_recovered",
+    ):
+        assert report[key] > 0
+    assert report["reload_max_abs_diff"] == 0.0
+    model = headkit.from_pretrained(out)
+    ids = torch.tensor([[3, 9, 27, 81]])
+    assert model.generate(ids, max_new_tokens=4, do_sample=False).shape == (1, 8)
+
+
+def test_a_full_size_latent_llama_is_exact(save_tiny_causal_lm, text_folder, tmp_path):
+    model_dir = save_tiny_causal_lm(tmp_path / "llama", "llama")
+    out = tmp_path / "out"
+    args = ["compress", str(model_dir), "--kv-rank", "16", "--rope-dims", "8", "--data", str(text_folder)]
+    assert _run([*args, "--out", str(out), "--calibration-windows", "4", *FAST]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["perplexity_after_swap"] == pytest.approx(report["perplexity_original"], rel=1e-5)
+    assert report["perplexity_partial_rope"] == pytest.approx(report["perplexity_original"], rel=1e-5)
+    assert report["kv_cache_fraction"] == 1.0

@@ -1,4 +1,5 @@
-"""``headkit bench compress``: the fidelity curve of collaborative heads on a sentence encoder, offline.
+"""``headkit bench compress``: the fidelity curve of collaborative heads on a sentence encoder, offline; on a
+rotary decoder (``--model`` SmolLM2, LLaMA, …), latent keys/values (MHA2MLA) instead.
 
 Cordonnier, Loukas & Jaggi, "Multi-Head Attention: Collaborate Instead of Concatenate" (2020), Sec. 4: per shared
 query/key width D̃, the ``headkit compress`` recipe (:func:`~headkit.recipes.compress.compress_and_distill`) on a
@@ -6,6 +7,14 @@ fresh copy of the encoder with the same distillation budget, batches and seed, s
 nothing but D̃; then the forward time against the original's, alternated round by round (median of the per-round
 ratios, so that load drifting on shared cores cancels out). Method and results: docs/benchmarks.md. Writes
 ``results.json``, ``table.md`` and ``compress_curve.png`` to ``--out`` and nothing else there.
+
+**Rotary decoders** (:func:`run_latent_benchmark`): the curve over the latent width R (``--kv-ranks``, each a
+fresh calibrated conversion at ``--rope-dims``, not distilled: held-out perplexity, top-1 agreement, KV bytes per
+token), and, for each model ``headkit compress --kv-rank`` saved (``--students``, recovered by distillation),
+held-out perplexity and top-1 agreement against the original, decode time per token at each of ``--contexts`` and
+``--decode-batches`` (caches filled to the context with random numbers: :func:`~headkit.recipes.evaluate.filled_cache`;
+original and student alternated round by round, the ratio the median of the per-round ratios), and the process's
+peak resident memory while each decodes one token from the longest context.
 """
 
 from __future__ import annotations
@@ -19,12 +28,32 @@ from typing import Any
 import torch
 
 from headkit.bench._report import column_table, figure_axes, progress_bar
-from headkit.bench.registry import option, quick_preset, register_benchmark, setting
+from headkit.bench.registry import option, parse_list, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
-from headkit.recipes.compress import Compressed, compress_and_distill, load_teacher, prepare_encoder_text
-from headkit.recipes.evaluate import forward_times
+from headkit.recipes.compress import (
+    Compressed,
+    Teacher,
+    calibration_batches,
+    compress_and_distill,
+    kv_bytes_per_token,
+    latent_defaults,
+    latent_student,
+    load_teacher,
+    prepare_encoder_text,
+)
+from headkit.recipes.evaluate import (
+    agreement,
+    decode_peak_bytes,
+    decode_seconds_after_filled_cache,
+    forward_times,
+    interleaved_values,
+    perplexity,
+)
 from headkit.recipes.models import check_output_folder, default_encoder_path
+from headkit.recipes.text import lm_windows, load_text
 from headkit.surgery.adapters import count_parameters
+from headkit.surgery.io import from_pretrained
+from headkit.surgery.latent import latent_mechanisms
 
 PLOT_FILE = "compress_curve.png"
 
@@ -60,6 +89,27 @@ class CompressBenchmarkConfig:
     # On two cores shared with other work a second thread spin-waits more than it helps (the ALS sweeps of
     # one width took 13 s with one thread and 270 s with two, measured); one thread also makes the ratios steady.
     threads: int = option(1, "torch threads (on 2 shared cores, 1 is fastest).", min=1)
+    # Rotary decoders: latent keys/values (MHA2MLA).
+    kv_ranks: tuple[int, ...] = option(
+        (),
+        "Rotary --model: latent widths R of the curve over R (calibrated, not distilled).",
+        parse=lambda f, t: parse_list(f, t),
+    )
+    rope_dims: int | None = option(
+        None, "Rotary --model: rotary dims per key/value head (default head_dim/4)."
+    )
+    students: tuple[str, ...] = option(
+        (),
+        "Rotary --model: folders `headkit compress --kv-rank` saved, measured against --model.",
+        parse=lambda f, t: parse_list(f, t, str),
+    )
+    contexts: tuple[int, ...] = option((512, 2048, 8192), "Rotary --model: decode contexts.", quick=(256,))
+    decode_batches: tuple[int, ...] = option((1, 8), "Rotary --model: decode batch sizes.", quick=(1,))
+    eval_window: int = setting(1024, min=2, quick=64)
+    lm_held_out: int = setting(16, min=1, quick=2)  # held-out windows of eval_window tokens
+    calibration_windows: int = setting(16, min=1, quick=2)  # training windows of 256 tokens
+    decode_steps: int = setting(3, min=1, quick=1)
+    data: Path | None = setting(None)  # text of the rotary decoder's windows (default: the standard library)
 
     quick = quick_preset("Three widths, short texts, 30 steps (< 3 minutes on 2 cores).")
 
@@ -109,6 +159,8 @@ def _check_finite(where: str, name: str, data: Any) -> None:
 
 def render_markdown(report: dict[str, Any]) -> str:
     """Per D̃: the decomposition's error, fidelity after the swap and after distillation, size, forward time."""
+    if report.get("latent"):
+        return render_latent_markdown(report)
     settings, machine = report["settings"], report["machine"]
     steps = settings["distill_steps"]
 
@@ -141,7 +193,10 @@ def render_markdown(report: dict[str, Any]) -> str:
 
 def plot_curve(report: dict[str, Any]) -> Any:
     """Cosine after the swap and after distillation against D̃ (left); forward-time and parameter ratios to the
-    original against D̃ (right)."""
+    original against D̃ (right). On a rotary decoder: perplexity ratio and top-1 agreement against the KV cache
+    kept, over R."""
+    if report.get("latent"):
+        return plot_latent_curve(report)
     widths = sorted(report["widths"], key=lambda width: width["dim"])
     dims = [width["dim"] for width in widths]
     figure, (cosine_axis, ratio_axis) = figure_axes((10, 4), 1, 2, "constrained")
@@ -180,6 +235,12 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
     Returns the dictionary written to ``results.json``."""
     model_path = _model_path(config)
     teacher = load_teacher(model_path)
+    if teacher.adapter.rotary:
+        return run_latent_benchmark(config, teacher, model_path, console)
+    if config.kv_ranks or config.students:
+        raise HeadkitError(
+            "--kv-ranks and --students measure rotary decoders; this --model has no rotary embeddings"
+        )
     too_wide = [dim for dim in config.dims if dim > teacher.full_dim]
     if too_wide:
         raise HeadkitError(
@@ -234,3 +295,208 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
         "held_out_texts": sum(len(batch["input_ids"]) for batch in corpus.held_out),
         "widths": widths,
     }
+
+
+# -- rotary decoders: latent keys/values --------------------------------------------------------------------------
+
+
+def run_latent_benchmark(
+    config: CompressBenchmarkConfig, teacher: Teacher, model_path: Path, console: Any
+) -> dict[str, Any]:
+    """The latent part of ``headkit bench compress`` (module docstring); the encoder keys stay, ``widths`` empty."""
+    if not config.kv_ranks and not config.students:
+        raise HeadkitError(
+            "a rotary --model needs --kv-ranks (the curve over R) and/or --students to measure"
+        )
+    torch.set_num_threads(config.threads)
+    ranks = [latent_defaults(teacher, rank, config.rope_dims) for rank in config.kv_ranks]  # checked first
+    students = {Path(path).name: from_pretrained(path) for path in config.students}
+    for name, student in students.items():
+        if not latent_mechanisms(student):
+            raise HeadkitError(
+                f"--students {name!r} has no latent keys/values (saved by headkit compress --kv-rank?)"
+            )
+        student.requires_grad_(False)
+    corpus = load_text(config.data)
+    train = lm_windows(
+        teacher.tokenizer,
+        corpus,
+        length=256,
+        train_windows=config.calibration_windows,
+        held_out_windows=1,
+        seed=config.seed,
+    ).train
+    held_out = lm_windows(
+        teacher.tokenizer,
+        corpus,
+        length=config.eval_window,
+        train_windows=1,
+        held_out_windows=config.lm_held_out,
+        seed=config.seed,
+    ).held_out
+    calibration = calibration_batches(train, config.calibration_windows)
+    eval_batch = 4
+    original = perplexity(teacher.model, held_out, eval_batch)
+    console.print(f"{model_path}: held-out perplexity @{config.eval_window} {original:.3f}")
+    curve = []
+    for kv_rank, rope_dims in ranks:
+        student, report = latent_student(teacher, kv_rank, rope_dims, calibration)
+        point = {
+            "kv_rank": kv_rank,
+            "rope_dims": rope_dims,
+            "kv_bytes_per_token": kv_bytes_per_token(student, report),
+            "kv_cache_fraction": report.cache_fraction,
+            "perplexity": perplexity(student, held_out, eval_batch),
+            "top1_agreement": agreement(student, teacher.model, held_out, eval_batch).top1,
+            "max_key_error": report.max_key_error,
+            "max_value_error": report.max_value_error,
+        }
+        curve.append(point)
+        console.print(
+            f"R={kv_rank} D={rope_dims}: cache {point['kv_cache_fraction']:.1%}, perplexity {point['perplexity']:.3f} "
+            f"({point['perplexity'] / original:.2f}x), top-1 {point['top1_agreement']:.1%}"
+        )
+        del student
+    measured = []
+    for name, student in students.items():
+        mechanism = latent_mechanisms(student)[0]
+        entry: dict[str, Any] = {
+            "name": name,
+            "kv_rank": mechanism.rank,
+            "rope_dims": mechanism.rope_dims,
+            "kv_bytes_per_token": student.config.num_hidden_layers * mechanism.cache_width * 4,
+            "perplexity": perplexity(student, held_out, eval_batch),
+            "top1_agreement": agreement(student, teacher.model, held_out, eval_batch).top1,
+            "decode": [],
+        }
+        console.print(f"{name}: perplexity {entry['perplexity']:.3f} ({entry['perplexity'] / original:.2f}x)")
+        for context in config.contexts:
+            for batch in config.decode_batches:
+                times = interleaved_values(
+                    {
+                        "original": lambda b=batch, c=context: min(
+                            decode_seconds_after_filled_cache(teacher.model, b, c, config.decode_steps)
+                        ),
+                        "student": lambda b=batch, c=context, s=student: min(
+                            decode_seconds_after_filled_cache(s, b, c, config.decode_steps)
+                        ),
+                    },
+                    config.timing_repeats,
+                )
+                ratios = [o / s for o, s in zip(times["original"], times["student"], strict=True)]
+                row = {
+                    "context": context,
+                    "batch": batch,
+                    "ms_per_token_original": 1000 * statistics.median(times["original"]),
+                    "ms_per_token": 1000 * statistics.median(times["student"]),
+                    "speedup": statistics.median(ratios),
+                    "original_rounds_ms": [1000 * t for t in times["original"]],
+                    "rounds_ms": [1000 * t for t in times["student"]],
+                }
+                entry["decode"].append(row)
+                console.print(
+                    f"{name} decode @{context} batch {batch}: {row['ms_per_token']:.1f} ms vs "
+                    f"{row['ms_per_token_original']:.1f} ms ({row['speedup']:.2f}x faster)"
+                )
+        longest, widest = max(config.contexts), max(config.decode_batches)
+        entry["peak_memory"] = {
+            "context": longest,
+            "batch": widest,
+            "bytes_original": decode_peak_bytes(teacher.model, widest, longest),
+            "bytes": decode_peak_bytes(student, widest, longest),
+        }
+        measured.append(entry)
+    return {
+        "model": str(model_path),
+        "model_name": model_path.name,
+        "full_dim": teacher.full_dim,
+        "num_heads": teacher.adapter.sites(teacher.model)[0].num_heads,
+        "parameters_original": count_parameters(teacher.model),
+        "train_batches": len(calibration),
+        "held_out_texts": int(held_out.shape[0]),
+        "widths": [],
+        "latent": {
+            "eval_window": config.eval_window,
+            "perplexity_original": original,
+            "kv_bytes_per_token_original": kv_bytes_per_token(teacher.model),
+            "curve": curve,
+            "students": measured,
+        },
+    }
+
+
+def render_latent_markdown(report: dict[str, Any]) -> str:
+    """The curve over R, then each recovered student's perplexity, decode speed-ups and peak memory."""
+    latent = report["latent"]
+    original = latent["perplexity_original"]
+    header = (
+        f"Latent keys/values (MHA2MLA) on {report['model_name']}: held-out perplexity @{latent['eval_window']} "
+        f"over {report['held_out_texts']} windows, original {original:.3f}; KV cache "
+        f"{latent['kv_bytes_per_token_original']:,} bytes per token; {report['machine']['cpu_model']}, "
+        f"{report['machine']['torch_threads']} torch threads.\n\n"
+    )
+    curve = column_table(
+        {
+            "R": lambda p: p["kv_rank"],
+            "rope dims": lambda p: p["rope_dims"],
+            "KV bytes/token (kept)": lambda p: f"{p['kv_bytes_per_token']:,} ({p['kv_cache_fraction']:.1%})",
+            "perplexity, converted": lambda p: f"{p['perplexity']:.3f} ({p['perplexity'] / original:.2f}x)",
+            "top-1 agreement": lambda p: f"{p['top1_agreement']:.1%}",
+            "max rel. error K / V": lambda p: f"{p['max_key_error']:.3f} / {p['max_value_error']:.3f}",
+        },
+        latent["curve"],
+    )
+    parts = [header, curve] if latent["curve"] else [header]
+    for student in latent["students"]:
+        peak = student["peak_memory"]
+        mib = 2**20
+        parts.append(
+            f"\n\n**{student['name']}** (R={student['kv_rank']}, D={student['rope_dims']}, "
+            f"{student['kv_bytes_per_token']:,} KV bytes per token): perplexity {student['perplexity']:.3f} "
+            f"({student['perplexity'] / original:.2f}x), top-1 {student['top1_agreement']:.1%}; peak resident "
+            f"memory decoding @{peak['context']} × {peak['batch']}: "
+            + (
+                f"{peak['bytes'] / mib:,.0f} MiB vs {peak['bytes_original'] / mib:,.0f} MiB"
+                if peak["bytes"] and peak["bytes_original"]
+                else "not measured"
+            )
+            + "\n\n"
+        )
+        parts.append(
+            column_table(
+                {
+                    "context": lambda r: r["context"],
+                    "batch": lambda r: r["batch"],
+                    "ms/token original": lambda r: f"{r['ms_per_token_original']:.1f}",
+                    "ms/token latent": lambda r: f"{r['ms_per_token']:.1f}",
+                    "speed-up (median of rounds)": lambda r: f"{r['speedup']:.2f}x",
+                },
+                student["decode"],
+            )
+        )
+    return "".join(parts)
+
+
+def plot_latent_curve(report: dict[str, Any]) -> Any:
+    """Perplexity ratio to the original (left) and top-1 agreement (right) against the share of the KV cache kept."""
+    latent = report["latent"]
+    points = sorted(latent["curve"], key=lambda p: p["kv_cache_fraction"])
+    figure, (ppl_axis, top1_axis) = figure_axes((10, 4), 1, 2, "constrained")
+    kept = [p["kv_cache_fraction"] for p in points]
+    ppl_axis.plot(
+        kept, [p["perplexity"] / latent["perplexity_original"] for p in points], marker="o", label="converted"
+    )
+    top1_axis.plot(kept, [p["top1_agreement"] for p in points], marker="o", label="converted")
+    for student in latent["students"]:
+        fraction = student["kv_bytes_per_token"] / latent["kv_bytes_per_token_original"]
+        ppl_axis.plot(
+            [fraction], [student["perplexity"] / latent["perplexity_original"]], "s", label=student["name"]
+        )
+        top1_axis.plot([fraction], [student["top1_agreement"]], "s", label=student["name"])
+    ppl_axis.set(xlabel="KV cache kept", ylabel="perplexity / original", yscale="log")
+    top1_axis.set(xlabel="KV cache kept", ylabel="top-1 agreement with the original")
+    for axis in (ppl_axis, top1_axis):
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    figure.suptitle(f"latent keys/values on {report['model_name']}")
+    return figure

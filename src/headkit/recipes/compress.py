@@ -10,8 +10,13 @@ the model is then distilled against the original to win back what the lower rank
   text, the objective :class:`~headkit.recipes.objectives.EncoderObjective`.
 - Causal LMs without rotary embeddings (GPT-2): the LM head is kept, the objective is KL on next-token
   distributions (:class:`~headkit.recipes.objectives.CausalLMObjective`) and the report gives held-out perplexity
-  before and after, top-1 agreement and prefill/decode times. Rotary and grouped-query models are refused by the
-  swap with a clear error (their scores are not a bilinear form of the inputs).
+  before and after, top-1 agreement and prefill/decode times.
+- Rotary, grouped-query decoders (LLaMA, SmolLM2, Mistral, Qwen 2, …): their scores are not a bilinear form of
+  the inputs, so the collaborative idea takes the form it has in multi-head latent attention — every head's keys
+  and values out of one shared latent of width ``--kv-rank`` per layer, rotary kept on ``--rope-dims`` dimensions
+  per key/value head (MHA2MLA, Ji et al. 2025; :func:`headkit.surgery.latent.compress_kv_to_latent`), calibrated
+  on training windows, then distilled the same way. The report separates the two lossy steps (partial RoPE at
+  full rank, then the rank) and gives the KV-cache bytes per token.
 
 The output folder (model, tokenizer, report.json) is written atomically and reloads with
 :func:`headkit.from_pretrained`.
@@ -47,6 +52,7 @@ from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_ba
 from headkit.surgery.adapters import AttentionAdapter, count_parameters, get_adapter
 from headkit.surgery.collaborative import SwapReport, swap_to_collaborative
 from headkit.surgery.io import from_pretrained
+from headkit.surgery.latent import LatentReport, check_latent_arguments, compress_kv_to_latent, full_rank
 
 
 @dataclass
@@ -72,6 +78,11 @@ class CompressSettings(ModelSettings):
     max_iter: int = 100
     overwrite: bool = False
     timing_repeats: int = 5
+    # Rotary decoders (latent keys/values): R, D, calibration windows, held-out window length.
+    kv_rank: int | None = None  # default: half the key/value cache, R = G·(head_dim − D)
+    rope_dims: int | None = None  # default: head_dim / 4 (whole pairs)
+    calibration_windows: int = 16
+    eval_window: int | None = None  # default: window
 
 
 @dataclass
@@ -212,6 +223,12 @@ def check_settings(settings: CompressSettings) -> None:
         raise HeadkitError(f"--lr must be positive, got {settings.lr!r}")
     if settings.dim is not None:
         check_count("--dim", settings.dim, 1)
+    for name in ("kv_rank", "eval_window"):
+        if getattr(settings, name) is not None:
+            check_count(f"--{name.replace('_', '-')}", getattr(settings, name), 1)
+    if settings.rope_dims is not None:
+        check_count("--rope-dims", settings.rope_dims, 0)
+    check_count("--calibration-windows", settings.calibration_windows, 1)
     check_data(settings.data)
 
 
@@ -228,7 +245,20 @@ def compress(
     torch.manual_seed(settings.seed)
     teacher = load_teacher(model_path, settings.dtype)
     dim = teacher.full_dim // 2 if settings.dim is None else settings.dim
-    if teacher.kind == "causal_lm":
+    latent = teacher.adapter.rotary
+    if not latent and (settings.kv_rank is not None or settings.rope_dims is not None):
+        raise HeadkitError(
+            f"--kv-rank and --rope-dims compress rotary decoders; {teacher.adapter.name} has no rotary embeddings "
+            "and takes collaborative heads (--dim)"
+        )
+    if latent and settings.dim is not None:
+        raise HeadkitError(
+            f"{teacher.adapter.name} applies rotary embeddings: --dim (collaborative heads) does not apply; "
+            "use --kv-rank and --rope-dims (latent keys/values)"
+        )
+    if latent:
+        student, report = _compress_latent(teacher, settings, echo)
+    elif teacher.kind == "causal_lm":
         student, report = _compress_causal_lm(teacher, dim, settings, echo)
     else:
         student, report = _compress_encoder(teacher, dim, settings, echo)
@@ -236,7 +266,7 @@ def compress(
         "model": str(model_path),
         "out": str(out),
         "kind": teacher.kind,
-        "dim_shared_query_key": dim,
+        "dim_shared_query_key": None if latent else dim,
         "full_dim": teacher.full_dim,
         "distill_steps": settings.distill_steps,
         "parameters_before": count_parameters(teacher.model),
@@ -350,6 +380,155 @@ def _compress_causal_lm(
     }
 
 
+def latent_defaults(teacher: Teacher, kv_rank: int | None, rope_dims: int | None) -> tuple[int, int]:
+    """(R, D), checked against the model (the valid ranges named): D defaults to head_dim / 4 rounded to whole
+    pairs, R to half the key/value cache, G·head_dim − G·D."""
+    site = teacher.adapter.sites(teacher.model)[0]
+    if rope_dims is None:
+        rope_dims = 2 * max(1, site.head_dim // 8)
+    if kv_rank is None:
+        kv_rank = max(1, site.num_kv_heads * (site.head_dim - rope_dims))
+    hidden = teacher.adapter.read_projections(site).k_weight.shape[1]
+    check_latent_arguments(site, hidden, kv_rank, rope_dims)
+    return kv_rank, rope_dims
+
+
+def latent_student(
+    teacher: Teacher, kv_rank: int, rope_dims: int, calibration: list[dict]
+) -> tuple[nn.Module, LatentReport]:
+    """A fresh copy of the teacher with latent keys/values (calibrated on `calibration`); the teacher untouched."""
+    student = copy.deepcopy(teacher.model)
+    report = compress_kv_to_latent(student, kv_rank=kv_rank, rope_dims=rope_dims, calibration=calibration)
+    return student, report
+
+
+def calibration_batches(windows: list[dict], count: int, batch_size: int = 4) -> list[dict]:
+    """The first `count` training windows as batches of `batch_size` (what the conversion is calibrated on)."""
+    chosen = windows[:count]
+    return [
+        {"input_ids": torch.stack([w["input_ids"] for w in chosen[i : i + batch_size]])}
+        for i in range(0, len(chosen), batch_size)
+    ]
+
+
+def latent_windows(
+    teacher: Teacher, settings: CompressSettings
+) -> tuple[list[dict], torch.Tensor, dict[str, Any]]:
+    """Training windows of ``window`` tokens and held-out windows of ``eval_window`` (default ``window``) tokens,
+    from disjoint documents."""
+    corpus = load_text(settings.data)
+    eval_window = settings.eval_window or settings.window
+    train = lm_windows(
+        teacher.tokenizer,
+        corpus,
+        length=settings.window,
+        train_windows=max(settings.train_texts, settings.calibration_windows),
+        held_out_windows=1,
+        seed=settings.seed,
+    )
+    held_out = lm_windows(
+        teacher.tokenizer,
+        corpus,
+        length=eval_window,
+        train_windows=1,
+        held_out_windows=settings.held_out_texts,
+        seed=settings.seed,
+    )
+    summary = {"train": train.summary(), "held_out": held_out.summary(), "eval_window": eval_window}
+    return train.train, held_out.held_out, summary
+
+
+def kv_bytes_per_token(model: nn.Module, report: LatentReport | None = None) -> int:
+    """Bytes the decoding cache grows by per token (all layers): 2·G·head_dim numbers per layer for the original,
+    R + G·D for a latent model (``report``)."""
+    element = next(model.parameters()).element_size()
+    layers = model.config.num_hidden_layers
+    if report is not None:
+        return layers * report.cache_numbers_after * element
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return layers * 2 * kv_heads * head_dim * element
+
+
+def _compress_latent(
+    teacher: Teacher, settings: CompressSettings, echo: Callable[[str], None]
+) -> tuple[nn.Module, dict[str, Any]]:
+    kv_rank, rope_dims = latent_defaults(teacher, settings.kv_rank, settings.rope_dims)
+    if teacher.kind != "causal_lm":
+        raise HeadkitError("latent keys/values (--kv-rank) convert causal LMs")
+    train, held_out, data = latent_windows(teacher, settings)
+    train = train[: settings.train_texts]
+    calibration = calibration_batches(train, settings.calibration_windows)
+    eval_batch = max(1, min(settings.batch_size, 8))
+    original = perplexity(teacher.model, held_out, eval_batch)
+    # The two lossy steps apart: partial RoPE alone (at full rank), then the rank.
+    rope_only, rope_report = latent_student(
+        teacher, rope_report_rank(teacher, rope_dims), rope_dims, calibration
+    )
+    after_rope = perplexity(rope_only, held_out, eval_batch)
+    del rope_only
+    torch.manual_seed(settings.seed)
+    student, conversion = latent_student(teacher, kv_rank, rope_dims, calibration)
+    echo(str(conversion))
+    converted = perplexity(student, held_out, eval_batch)
+    echo(
+        f"held-out perplexity @{data['eval_window']}: original {original:.3f}, partial RoPE (D={rope_dims}, full "
+        f"rank) {after_rope:.3f}, converted (R={kv_rank}) {converted:.3f}"
+    )
+    result = distill_run(
+        student,
+        teacher.model,
+        train,
+        CausalLMObjective(settings.temperature),
+        settings,
+        steps=settings.distill_steps,
+        lr=settings.lr,
+        echo=echo,
+    )
+    student = result.model
+    recovered = perplexity(student, held_out, eval_batch) if result.steps else converted
+    speed = compare_speed(
+        teacher.model,
+        student,
+        prefill_ids=held_out[:1, : settings.window],
+        decode_context=min(128, settings.window),
+        rounds=settings.timing_repeats,
+    )
+    before_bytes, after_bytes = kv_bytes_per_token(teacher.model), kv_bytes_per_token(student, conversion)
+    return student, {
+        "method": "latent",
+        "kv_rank": kv_rank,
+        "rope_dims": rope_dims,
+        "kv_bytes_per_token_original": before_bytes,
+        "kv_bytes_per_token": after_bytes,
+        "kv_cache_fraction": after_bytes / before_bytes,
+        "perplexity_original": original,
+        "perplexity_partial_rope": after_rope,
+        "perplexity_after_swap": converted,
+        "perplexity_recovered": recovered,
+        "top1_agreement": agreement(student, teacher.model, held_out, eval_batch).top1,
+        "max_relative_error": max(conversion.max_key_error, conversion.max_value_error),
+        "speed": speed,
+        "distill_losses": result.losses,
+        "distill_seconds": result.seconds,
+        "data": data,
+        "conversion": conversion.to_dict(),
+        "partial_rope_conversion": {
+            "kv_rank": rope_report.kv_rank,
+            "max_key_error": rope_report.max_key_error,
+            "max_value_error": rope_report.max_value_error,
+        },
+    }
+
+
+def rope_report_rank(teacher: Teacher, rope_dims: int) -> int:
+    """The full latent width at `rope_dims` (exact in rank: only the partial RoPE loses information)."""
+    site = teacher.adapter.sites(teacher.model)[0]
+    hidden = teacher.adapter.read_projections(site).k_weight.shape[1]
+    return full_rank(hidden, site.num_kv_heads, site.head_dim, rope_dims)
+
+
 def _no_grad(model: nn.Module, batch: dict) -> Any:
     with torch.no_grad():
         return model(**batch)
@@ -357,6 +536,8 @@ def _no_grad(model: nn.Module, batch: dict) -> Any:
 
 def format_report(report: dict[str, Any]) -> str:
     """The printed table of a compression report."""
+    if report.get("method") == "latent":
+        return _format_latent(report)
     lines = [
         f"collaborative heads at D̃={report['dim_shared_query_key']} (full size {report['full_dim']}); "
         f"decomposition relative error ≤ {report['max_relative_error']:.3g}"
@@ -391,6 +572,29 @@ def format_report(report: dict[str, Any]) -> str:
         f"parameters: {report['parameters_before']:,} -> {report['parameters_after']:,} "
         f"({report['parameters_after'] / report['parameters_before']:.1%})"
     )
+    if "seconds" in report:
+        lines.append(f"saved to {report['out']} in {report['seconds']:.0f} s")
+    return "\n".join(lines)
+
+
+def _format_latent(report: dict[str, Any]) -> str:
+    original = report["perplexity_original"]
+
+    def ratio(key: str) -> str:
+        return f"{report[key]:.3f} ({report[key] / original:.2f}x)"
+
+    lines = [
+        f"latent keys/values: rank {report['kv_rank']}, {report['rope_dims']} rotary dims per key/value head; "
+        f"KV cache {report['kv_bytes_per_token_original']:,} -> {report['kv_bytes_per_token']:,} bytes per token "
+        f"({report['kv_cache_fraction']:.1%})",
+        f"held-out perplexity @{report['data']['eval_window']}: original {original:.3f}; partial RoPE only "
+        f"{ratio('perplexity_partial_rope')}; converted {ratio('perplexity_after_swap')}; after "
+        f"{report['distill_steps']} distillation steps {ratio('perplexity_recovered')}",
+        f"top-1 next-token agreement with the original: {report['top1_agreement']:.1%}",
+        f"prefill: {report['speed']['prefill_ratio']:.2f}x the original; decode per token "
+        f"(context {report['speed']['decode_context']}): {report['speed']['decode_ratio']:.2f}x",
+        f"parameters: {report['parameters_before']:,} -> {report['parameters_after']:,}",
+    ]
     if "seconds" in report:
         lines.append(f"saved to {report['out']} in {report['seconds']:.0f} s")
     return "\n".join(lines)

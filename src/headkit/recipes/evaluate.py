@@ -46,6 +46,7 @@ from headkit.data import Corpus, count_text_bytes
 from headkit.errors import HeadkitError
 from headkit.files import check_output_folder, write_json_atomic
 from headkit.recipes.objectives import mean_pool, next_token_kl
+from headkit.surgery.latent import LatentCacheLayer
 from headkit.surgery.linearize import decoding_state_bytes
 
 
@@ -286,6 +287,72 @@ def decode_step_seconds(
         cache = output_cache(output)
         chosen.append(token)
     return times, cache, torch.cat(chosen, dim=1) if chosen else token[:, :0]
+
+
+def filled_cache(model: nn.Module, batch: int, context: int, seed: int = 0) -> Any:
+    """The model's decoding cache for `batch` sequences of `context` tokens, without running a `context`-token
+    prefill: a two-token prefill builds the entries the model's layers use, then every key/value entry (keys and
+    values [B, G, T, D]) and every latent entry (:class:`~headkit.surgery.latent.LatentCacheLayer`, [B, T, W]) is
+    filled with `context` tokens of random numbers. Decoding time and memory depend on the sizes, not the values;
+    a constant-size state is left as the prefill made it."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.zeros(batch, 2, dtype=torch.long, device=_device(model))
+    cache = output_cache(model(input_ids=ids, use_cache=True))
+
+    def random(tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        shape = list(tensor.shape)
+        shape[dim] = context
+        return torch.randn(shape, generator=generator, dtype=tensor.dtype).to(tensor.device)
+
+    for layer in cache.layers:
+        if isinstance(layer, LatentCacheLayer):
+            layer.state, layer.seen_tokens = random(layer.state, 1), context
+        elif getattr(layer, "keys", None) is not None and layer.keys.dim() == 4:
+            layer.keys, layer.values = random(layer.keys, 2), random(layer.values, 2)
+            if hasattr(layer, "cumulative_length"):
+                layer.cumulative_length = context
+    return cache
+
+
+@torch.no_grad()
+def decode_seconds_after_filled_cache(
+    model: nn.Module, batch: int, context: int, steps: int = 3
+) -> list[float]:
+    """Seconds of each of `steps` greedy decoding steps (:func:`decode_step_seconds`) of `batch` sequences after
+    a `context`-token cache (:func:`filled_cache`), after one untimed step."""
+    token = torch.ones(batch, 1, dtype=torch.long, device=_device(model))
+    _, cache, chosen = decode_step_seconds(model, filled_cache(model, batch, context), token, 1)
+    return decode_step_seconds(model, cache, chosen[:, -1:], steps)[0]
+
+
+def peak_resident_bytes(fn: Callable[[], object]) -> int | None:
+    """The process's peak resident memory (VmHWM) while `fn` runs, the peak reset before it (Linux
+    ``/proc/self/clear_refs``); None where the kernel offers neither."""
+    try:
+        with open("/proc/self/clear_refs", "w") as handle:
+            handle.write("5")
+    except OSError:
+        return None
+    fn()
+    with open("/proc/self/status") as handle:
+        for line in handle:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+@torch.no_grad()
+def decode_peak_bytes(model: nn.Module, batch: int, context: int) -> int | None:
+    """Peak resident memory of the process while `model` fills a `context`-token cache for `batch` sequences and
+    decodes one token from it (the weights of every model the process holds included)."""
+    token = torch.ones(batch, 1, dtype=torch.long, device=_device(model))
+
+    def run() -> None:
+        cache = filled_cache(model, batch, context)
+        model(input_ids=token, **cache_keyword(cache), use_cache=True)
+        del cache
+
+    return peak_resident_bytes(run)
 
 
 @torch.no_grad()

@@ -14,6 +14,9 @@ Operations
     ``linearize``: the family's attention modules call transformers' attention interface, which linearization
         replaces.
     ``compress``: the collaborative re-parametrisation, only for families without rotary embeddings.
+    ``latent``: keys and values compressed into a shared latent with partial RoPE (MHA2MLA,
+        :mod:`headkit.surgery.latent`; what ``headkit compress`` runs on a rotary decoder): the LLaMA layout with
+        full rotary and no per-head key norm.
 
 ``head_norm`` says whether the family normalises queries and keys inside attention: ``"per_head"`` (over each
 head's width; pruning heads leaves the kept heads exactly as they were) or ``"across_heads"`` (over all heads
@@ -30,11 +33,12 @@ from typing import Any
 
 from headkit.errors import HeadkitError
 
-PRUNE, UNIFORM, LINEARIZE, COMPRESS = "prune", "uniform", "linearize", "compress"
-OPERATIONS = (PRUNE, UNIFORM, LINEARIZE, COMPRESS)
+PRUNE, UNIFORM, LINEARIZE, COMPRESS, LATENT = "prune", "uniform", "linearize", "compress", "latent"
+OPERATIONS = (PRUNE, UNIFORM, LINEARIZE, COMPRESS, LATENT)
 HEAD_NORMS = (None, "per_head", "across_heads")
 
 _ROTARY_DECODER = frozenset({PRUNE, UNIFORM, LINEARIZE})
+_LATENT_DECODER = _ROTARY_DECODER | {LATENT}
 
 
 @dataclass(frozen=True)
@@ -79,13 +83,17 @@ def register_family(family: DecoderFamily) -> DecoderFamily:
 
 
 for _family in (
-    DecoderFamily("llama", "LlamaConfig", note="grouped-query attention, rotary"),
-    DecoderFamily("mistral", "MistralConfig", note="sliding-window attention"),
-    DecoderFamily("qwen2", "Qwen2Config", note="query/key/value biases"),
+    DecoderFamily("llama", "LlamaConfig", operations=_LATENT_DECODER, note="grouped-query attention, rotary"),
+    DecoderFamily("mistral", "MistralConfig", operations=_LATENT_DECODER, note="sliding-window attention"),
+    DecoderFamily("qwen2", "Qwen2Config", operations=_LATENT_DECODER, note="query/key/value biases"),
     DecoderFamily("qwen3", "Qwen3Config", head_norm="per_head", note="per-head q/k RMSNorm"),
-    DecoderFamily("granite", "GraniteConfig", note="score scale attention_multiplier"),
+    DecoderFamily(
+        "granite", "GraniteConfig", operations=_LATENT_DECODER, note="score scale attention_multiplier"
+    ),
     DecoderFamily("smollm3", "SmolLM3Config", note="NoPE layers (no rotary in every fourth layer)"),
-    DecoderFamily("starcoder2", "Starcoder2Config", note="biases, residual dropout"),
+    DecoderFamily(
+        "starcoder2", "Starcoder2Config", operations=_LATENT_DECODER, note="biases, residual dropout"
+    ),
     DecoderFamily("gemma2", "Gemma2Config", note="logit soft-capping, sliding layers, query_pre_attn_scalar"),
     DecoderFamily(
         "gemma3_text", "Gemma3TextConfig", head_norm="per_head", note="per-head q/k RMSNorm, sliding/global"
@@ -168,6 +176,13 @@ def _missing(family: DecoderFamily, operation: str) -> str:
         return "a config that states num_attention_heads, num_key_value_heads and head_dim"
     if operation == COMPRESS:
         return "attention without rotary embeddings (queries and keys linear in the hidden states)"
+    if operation == LATENT:
+        if family.head_norm == "per_head":
+            return (
+                "keys without a per-head norm after the projection: k_norm of [k_rope ; K c] is not linear in the "
+                "latent, so the key up-projection cannot be absorbed into the query"
+            )
+        return "the LLaMA attention layout with full rotary on every layer (separate q/k/v projections)"
     if operation == LINEARIZE:
         return "attention modules that call transformers' attention interface"
     return f"an adapter for {family.model_type}'s attention layout"

@@ -22,6 +22,7 @@ from torch import nn
 # ships can be loaded (the ops import the record, headkit.surgery.records, not this loader).
 import headkit.surgery.collaborative
 import headkit.surgery.gating
+import headkit.surgery.latent
 import headkit.surgery.linearize
 import headkit.surgery.pruning  # noqa: F401
 from headkit.compat import checkpoint_key_renamer

@@ -1,0 +1,159 @@
+"""Attention over a shared key/value latent with a few rotary key dimensions (multi-head latent attention, MLA).
+
+DeepSeek-V2 (arXiv:2405.04434, Sec. 2.1.2–2.1.3) caches, per token, one latent c ∈ ℝ^R shared by every head plus a
+few rotary key dimensions; head h's key and value are up-projections of it:
+
+    k_h = [k_rope,g(h) ; K_g(h) c],        v_h = V_g(h) c + b_g(h)
+
+(g(h) the key/value group of query head h, K_g [n, R], V_g [head_dim, R]). MHA2MLA (Ji et al. 2025,
+arXiv:2502.14837, Eq. 4–7) converts a trained grouped-query model to this form: partial RoPE leaves D rotary
+dimensions per key/value head and makes the other n = head_dim − D rotary-free, and a joint SVD of the rotary-free
+key and the value projections gives the latent.
+
+The score of query head h against token s is q_rope,h · k_rope,g,s + q_nope,h · K_g c_s = q_rope,h · k_rope,g,s +
+(K_gᵀ q_nope,h) · c_s, and its output V_g (Σ_s a_s c_s) + b_g: with the key up-projection absorbed into the query
+and the value up-projection applied after the weighted sum (equivalently, absorbed into the output projection),
+attention reads only the cache — never the per-head keys and values expanded from it.
+
+:func:`latent_attention` computes this absorbed form as attention of every head against a single shared key
+``[c ; k_rope,1 ; … ; k_rope,G]`` (the cache row as it is stored): each query head carries its absorbed query in
+the latent part and its rotary query in its own group's block, zeros elsewhere, so the zeros cancel the other
+groups' rotary keys and every head reads the one cache. :func:`naive_latent_attention`
+is its obviously-correct twin: expand every head's keys and values from the latent, then softmax attention.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from headkit.ops.softmax import eager_attention
+
+
+def rotate_half_inverse(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Undo the rotary embedding of the 🤗 layout (pairs (i, i + D/2); ``cos``/``sin`` [B, T, D] with both halves
+    equal, as LLaMA's ``apply_rotary_pos_emb`` takes them): rotate every pair back by its angle.
+
+    y = x cos + rot(x) sin with rot(x) = [−x₂, x₁] is inverted by x = y cos − rot(y) sin. x: [B, H, T, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos - rotated * sin).to(x.dtype)
+
+
+def latent_queries(query_nope: torch.Tensor, query_rope: torch.Tensor, key_up: torch.Tensor) -> torch.Tensor:
+    """The absorbed queries [B, H, T, R + G·D]: head h's (K_gᵀ q_nope,h) then its rotary query in block g(h).
+
+    query_nope [B, H, T, n] (rotary-free part), query_rope [B, H, T, D], key_up [G, n, R]; H a multiple of G."""
+    batch, heads, length, nope = query_nope.shape
+    groups, _, rank = key_up.shape
+    per_group = heads // groups
+    absorbed = query_nope.reshape(batch, groups, per_group * length, nope) @ key_up.unsqueeze(0)
+    rope = query_rope.shape[-1]
+    blocks = query_rope.new_zeros(batch, groups, per_group * length, groups, rope)
+    index = torch.arange(groups, device=query_rope.device)
+    blocks[:, index, :, index] = query_rope.reshape(batch, groups, per_group * length, rope).transpose(0, 1)
+    packed = torch.cat((absorbed, blocks.flatten(-2)), dim=-1)
+    return packed.reshape(batch, heads, length, rank + groups * rope)
+
+
+def latent_attention(
+    query_nope: torch.Tensor,
+    query_rope: torch.Tensor,
+    cache: torch.Tensor,
+    key_up: torch.Tensor,
+    value_up: torch.Tensor,
+    value_bias: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    *,
+    scale: float,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """Absorbed latent attention (see the module docstring). Returns [B, H, T, head_dim].
+
+    Every head and query is one row of a single batched product against the cache, so the cache is read once
+    per product and never copied per head (on CPU this beats ``scaled_dot_product_attention``, whose kernel
+    handles a few long rows poorly); softmax in float32.
+
+    Args:
+        query_nope: [B, H, T, n], the rotary-free queries; query_rope: [B, H, T, D], the rotary queries.
+        cache: [B, S, R + G·D], per token the latent c then each group's D rotary key dimensions.
+        key_up: [G, n, R]; value_up: [G, head_dim, R]; value_bias: [G, head_dim] or None.
+        attention_mask: None or bool [B or 1, 1, T, S] (True = attend; every row attends somewhere); is_causal:
+            a causal mask over T = S instead.
+        scale: the score scale.
+    """
+    batch, heads, length, _ = query_nope.shape
+    groups, head_dim, rank = value_up.shape
+    per_group = heads // groups
+    keys_total = cache.shape[1]
+    queries = latent_queries(query_nope, query_rope, key_up).reshape(batch, heads * length, -1)
+    scores = (queries @ cache.transpose(1, 2)).view(batch, heads, length, keys_total) * scale
+    if is_causal:
+        attention_mask = torch.ones(length, keys_total, dtype=torch.bool, device=cache.device).tril()
+    if attention_mask is not None:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(cache.dtype)
+    mixed = weights.view(batch, heads * length, keys_total) @ cache[..., :rank]
+    output = mixed.view(batch, groups, per_group * length, rank) @ value_up.transpose(1, 2).unsqueeze(0)
+    if value_bias is not None:
+        output = output + value_bias[None, :, None]
+    return output.reshape(batch, heads, length, head_dim)
+
+
+def expand_latent(
+    cache: torch.Tensor,
+    key_up: torch.Tensor,
+    value_up: torch.Tensor,
+    value_bias: torch.Tensor | None,
+    rope_index: torch.Tensor,
+    nope_index: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every key/value head's keys and values [B, G, S, head_dim] from the cache [B, S, R + G·D]: key dims
+    ``rope_index[g]`` hold the stored rotary keys, dims ``nope_index[g]`` the up-projected latent."""
+    groups, head_dim, rank = value_up.shape
+    batch, length, _ = cache.shape
+    latent = cache[..., :rank].unsqueeze(1)  # [B, 1, S, R]
+    rope = cache[..., rank:].reshape(batch, length, groups, -1).transpose(1, 2)  # [B, G, S, D]
+    nope = latent @ key_up.transpose(1, 2).unsqueeze(0)  # [B, G, S, n]
+    keys = cache.new_zeros(batch, groups, length, head_dim)
+    keys = keys.scatter(-1, rope_index[None, :, None].expand_as(rope), rope)
+    keys = keys.scatter(-1, nope_index[None, :, None].expand_as(nope), nope)
+    values = latent @ value_up.transpose(1, 2).unsqueeze(0)
+    if value_bias is not None:
+        values = values + value_bias[None, :, None]
+    return keys, values
+
+
+def naive_latent_attention(
+    queries: torch.Tensor,
+    cache: torch.Tensor,
+    key_up: torch.Tensor,
+    value_up: torch.Tensor,
+    value_bias: torch.Tensor | None,
+    rope_index: torch.Tensor,
+    nope_index: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    scale: float,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """Reference for :func:`latent_attention`: expand every head's keys and values from the latent
+    (:func:`expand_latent`), then plain softmax attention. queries: [B, H, T, head_dim], each head's rotary
+    dims rotated and its rotary-free dims not. Returns [B, H, T, head_dim]."""
+    keys, values = expand_latent(cache, key_up, value_up, value_bias, rope_index, nope_index)
+    if is_causal:
+        length = queries.shape[2]
+        attention_mask = torch.ones(length, length, dtype=torch.bool, device=queries.device).tril()[
+            None, None
+        ]
+    output, _ = eager_attention(queries, keys, values, attention_mask, scale=scale)
+    return output.transpose(1, 2)
+
+
+__all__ = [
+    "expand_latent",
+    "latent_attention",
+    "latent_queries",
+    "naive_latent_attention",
+    "rotate_half_inverse",
+]

@@ -1,0 +1,774 @@
+"""Compress a rotary, grouped-query decoder's keys and values into a shared latent (multi-head latent attention).
+
+MHA2MLA (Ji et al. 2025, "Towards Economical Inference: Enabling DeepSeek's Multi-Head Latent Attention in Any
+Transformer-based LLMs", arXiv:2502.14837), on the stock modules of a 🤗 decoder, per layer:
+
+1. **Partial RoPE** (their Sec. 3.2, "S_2-norm"): per key/value head g, rotary stays on the D/2 frequency pairs
+   (i, i + head_dim/2) whose query-key contribution is largest — the score Σ_{h∈g} E‖q_{h,i}‖ · E‖k_{g,i}‖ of the
+   pair's 2-norms over calibration tokens (without calibration text, the Frobenius norms of the pair's projection
+   rows stand in). The other n = head_dim − D dimensions become rotary-free.
+2. **Joint low rank** (their Sec. 3.3, "SVD_joint"): the rotary-free key rows and the value rows of every
+   key/value head, stacked into W = [W_K,nope ; W_V] (G·(n + head_dim) rows), are factored as W ≈ U_R (U_Rᵀ W):
+   the down-projection W_down = U_Rᵀ W [R, hidden] writes the latent c = W_down x, the up-projections are
+   U_R's rows (K_g [n, R], V_g [head_dim, R]). U_R are the leading left singular vectors of W Σ^{1/2}, Σ the
+   second moment of the layer's attention inputs on calibration text (ASVD/SVD-LLM-style activation weighting: it
+   minimises ‖(W − U_R U_Rᵀ W) X‖, the error of the keys and values the layer actually computes; with
+   Σ = I it is MHA2MLA's plain joint SVD). At R = G·(n + head_dim) ≤ hidden, U_R U_Rᵀ = I: exact.
+
+The key bias of the rotary-free dimensions adds q · b to every score of a query: constant over the keys, it
+cancels in the softmax and is dropped. The value bias is added after the weighted sum (the weights sum to one).
+
+**Through transformers' extension points** (:mod:`headkit.surgery.attention`), like the collaborative swap:
+
+* ``v_proj`` becomes a :class:`~headkit.surgery.collaborative.SharedProjection` writing the latent c (zero-padded to
+  a multiple of head_dim, so that the stock view takes it as "heads");
+* ``k_proj`` becomes a :class:`RotaryKeyProjection` writing only the D rotary dimensions of each key/value head
+  (zeros elsewhere, so that the stock rotary embedding and view apply unchanged);
+* the module gains the :class:`LatentKVHeads` mechanism (``headkit_attention``: K_g, V_g, the value bias), run
+  by the registered ``headkit_<base>`` attention. It undoes the stock rotation of the queries' rotary-free
+  dimensions (the stock module rotates every dimension; :func:`headkit.ops.latent.rotate_half_inverse`, with the
+  cos/sin a :class:`PositionEmbeddingsHook` hands it), keeps in its :class:`LatentCacheLayer` one row
+  [c ; k_rope] of R + G·D numbers per token — instead of 2·G·head_dim — and attends with the key up-projection
+  absorbed into the queries and the value up-projection applied to the weighted latent
+  (:func:`headkit.ops.latent.latent_attention`), so the cache is never expanded. ``absorbed = False`` runs the
+  expanded reference (:func:`headkit.ops.latent.naive_latent_attention`).
+
+Refused, with the reason, before any work: families whose keys are normalised per head after the projection
+(Qwen 3, Gemma 3's ``k_norm``: the norm of [k_rope ; K_g c] is not linear in the latent, so K_g cannot be absorbed
+into the query), and those whose attention is not the LLaMA layout with full rotary (see
+:data:`headkit.surgery.families.FAMILIES`, operation ``latent``); a model already carrying a headkit mechanism,
+uneven key/value pruning or head gates. A model pruned uniformly is a stock model and is supported.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headkit.errors import HeadkitError
+from headkit.layers.base import KV_HEAD_INDEX
+from headkit.ops.latent import latent_attention, naive_latent_attention, rotate_half_inverse
+from headkit.surgery.adapters import AttentionAdapter, AttentionSite, count_parameters, get_adapter
+from headkit.surgery.attention import (
+    HEAD_GATE,
+    StateCacheLayer,
+    attach_mechanisms,
+    mechanism_of,
+    modules_calling_the_interface,
+    state_cache_layer,
+)
+from headkit.surgery.collaborative import SharedProjection
+from headkit.surgery.families import LATENT, get_family
+from headkit.surgery.records import record_surgery, register_surgery_op
+
+SURGERY_OP = "latent_kv"
+POSITION_EMBEDDINGS_KEYWORD = "headkit_position_embeddings"
+
+
+class LatentCacheLayer(StateCacheLayer):
+    """The entry of a latent layer in a 🤗 ``Cache``: one tensor [B, S, R + G·D] (per token the latent, then each
+    key/value head's rotary key dimensions), grown by :class:`LatentKVHeads`."""
+
+
+def latent_cache_layer(cache: Any, layer_idx: int) -> LatentCacheLayer:
+    """The :class:`LatentCacheLayer` of ``layer_idx`` in ``cache`` (see :func:`state_cache_layer`)."""
+    return state_cache_layer(cache, layer_idx, LatentCacheLayer, "a latent key/value attention layer")
+
+
+class PositionEmbeddingsHook:
+    """Forward pre-hook (``with_kwargs=True``): hands the (cos, sin) the decoder layer gives the attention module
+    to the attention function as ``headkit_position_embeddings``, so the mechanism can undo the rotation of the
+    rotary-free query dimensions. Stateless, so it pickles and copies."""
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        embeddings = kwargs.get("position_embeddings")
+        if embeddings is None and len(args) > 1:
+            embeddings = args[1]
+        kwargs[POSITION_EMBEDDINGS_KEYWORD] = embeddings
+        return args, kwargs
+
+
+class RotaryKeyProjection(nn.Module):
+    """The key projection of a latent layer: x ↦ the D rotary dimensions of each key/value head, written at their
+    places ``rope_index[g]`` of a [G·head_dim] output whose other entries are zero (the stock module rotates and
+    views it unchanged). ``weight`` [G·D, hidden] and ``bias`` are the original key rows of those dimensions."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        rope_index: torch.Tensor,
+        head_dim: int,
+        *,
+        bias: bool,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        groups, rope = rope_index.shape
+        factory = {"dtype": dtype, "device": device}
+        self.weight = nn.Parameter(torch.zeros(groups * rope, hidden_size, **factory))
+        self.bias = nn.Parameter(torch.zeros(groups * rope, **factory)) if bias else None
+        self.register_buffer("rope_index", rope_index.to(device), persistent=False)
+        self.head_dim, self.in_features = head_dim, hidden_size
+        self.out_features = groups * head_dim
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        groups, rope = self.rope_index.shape
+        rotary = F.linear(hidden_states, self.weight, self.bias).unflatten(-1, (groups, rope))
+        index = self.rope_index.expand(*rotary.shape[:-2], groups, rope)
+        full = rotary.new_zeros(*rotary.shape[:-2], groups, self.head_dim).scatter(-1, index, rotary)
+        return full.flatten(-2)
+
+    def extra_repr(self) -> str:
+        groups, rope = self.rope_index.shape
+        return (
+            f"in_features={self.in_features}, kv_heads={groups}, rope_dims={rope}, head_dim={self.head_dim}"
+        )
+
+
+class LatentKVHeads(nn.Module):
+    """The mechanism of a latent layer (``<attention module>.headkit_attention``).
+
+    Called by the registered attention with what the stock module computed: queries [B, H, T, head_dim] (every
+    dimension rotated), keys [B, G, T, head_dim] (rotated rotary dimensions, zeros elsewhere), values
+    [B, ⌈R/head_dim⌉, T, head_dim] (the padded latent); returns ``(output [B, T, H, head_dim], None)``.
+    Parameters: ``key_up`` [G, n, R], ``value_up`` [G, head_dim, R], ``value_bias`` [G, head_dim] or None.
+    """
+
+    def __init__(
+        self,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rank: int,
+        rope_index: torch.Tensor,
+        value_bias: bool,
+        scale: float,
+        layer_idx: int,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.rank, self.rope_dims = rank, rope_index.shape[1]
+        self.scale, self.layer_idx = scale, layer_idx
+        self.absorbed = True
+        factory = {"dtype": dtype, "device": device}
+        nope = head_dim - self.rope_dims
+        self.key_up = nn.Parameter(torch.zeros(num_kv_heads, nope, rank, **factory))
+        self.value_up = nn.Parameter(torch.zeros(num_kv_heads, head_dim, rank, **factory))
+        self.value_bias = nn.Parameter(torch.zeros(num_kv_heads, head_dim, **factory)) if value_bias else None
+        self.register_buffer("rope_index", rope_index.to(device), persistent=False)
+        self.register_buffer("nope_index", nope_indices(rope_index, head_dim).to(device), persistent=False)
+
+    @property
+    def cache_width(self) -> int:
+        """Numbers cached per token: the latent and every key/value head's rotary key dimensions."""
+        return self.rank + self.num_kv_heads * self.rope_dims
+
+    def cache_layer(self, cache: Any) -> LatentCacheLayer:
+        """This layer's entry in the model's cache (see :class:`headkit.surgery.attention.CacheLayerHook`)."""
+        return latent_cache_layer(cache, self.layer_idx)
+
+    def forward(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        attention_mask: Any,
+        *,
+        scaling: float | None = None,
+        cache_layer: LatentCacheLayer | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        embeddings = kwargs.get(POSITION_EMBEDDINGS_KEYWORD)
+        if embeddings is None:
+            raise HeadkitError(
+                f"latent layer {self.layer_idx} needs the rotary cos/sin of its attention module (its "
+                "PositionEmbeddingsHook is missing: rebuild the model with headkit.from_pretrained)"
+            )
+        batch, heads, length, _ = queries.shape
+        groups, rope = self.num_kv_heads, self.rope_dims
+        latent = values.transpose(1, 2).reshape(batch, length, -1)[..., : self.rank]
+        rope_keys = keys.gather(-1, self.rope_index[None, :, None].expand(batch, groups, length, rope))
+        rows = torch.cat((latent, rope_keys.transpose(1, 2).reshape(batch, length, groups * rope)), dim=-1)
+        past = 0
+        if cache_layer is not None:
+            previous = cache_layer.get_state()
+            past = cache_layer.get_seq_length()
+            rows = rows if previous is None else torch.cat((previous, rows), dim=1)
+            cache_layer.set_state(rows, length)
+        mask, is_causal = attention_mask_for(attention_mask, batch, length, past, queries.device)
+        per_head = heads // groups
+        rope_index = self.rope_index.repeat_interleave(per_head, dim=0)[None, :, None]
+        nope_index = self.nope_index.repeat_interleave(per_head, dim=0)[None, :, None]
+        unrotated = rotate_half_inverse(queries, *embeddings)
+        scale = self.scale if scaling is None else scaling
+        if self.absorbed:
+            query_rope = queries.gather(-1, rope_index.expand(batch, heads, length, rope))
+            query_nope = unrotated.gather(-1, nope_index.expand(batch, heads, length, -1))
+            output = latent_attention(
+                query_nope,
+                query_rope,
+                rows,
+                self.key_up,
+                self.value_up,
+                self.value_bias,
+                mask,
+                scale=scale,
+                is_causal=is_causal,
+            )
+        else:
+            index = rope_index.expand(batch, heads, length, rope)
+            mixed = unrotated.scatter(-1, index, queries.gather(-1, index))
+            output = naive_latent_attention(
+                mixed,
+                rows,
+                self.key_up,
+                self.value_up,
+                self.value_bias,
+                self.rope_index,
+                self.nope_index,
+                mask,
+                scale=scale,
+                is_causal=is_causal,
+            )
+        return output.transpose(1, 2).contiguous(), None
+
+    def extra_repr(self) -> str:
+        return (
+            f"layer_idx={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
+            f"head_dim={self.head_dim}, rank={self.rank}, rope_dims={self.rope_dims}, absorbed={self.absorbed}"
+        )
+
+
+def attention_mask_for(
+    attention_mask: Any, batch: int, length: int, past: int, device: torch.device | None = None
+) -> tuple[torch.Tensor | None, bool]:
+    """The model's mask as (bool [B, 1, T, S] with True = attend, or None; is_causal) over S = past + T keys.
+
+    None means causal (a 🤗 decoder passes None to sdpa when nothing is padded); a query row with no key left
+    (a left-padding position) attends to all keys instead, so that it stays finite (its output is unused)."""
+    total = past + length
+    if attention_mask is None:
+        if length == 1:
+            return None, False
+        if past == 0:
+            return None, True
+        keys = torch.arange(total, device=device)
+        return (keys[None] <= past + torch.arange(length, device=device)[:, None])[None, None], False
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+        raise HeadkitError(
+            "latent key/value attention takes the 4D masks of attn_implementation 'sdpa' or 'eager', got "
+            f"{type(attention_mask).__name__} of shape {tuple(getattr(attention_mask, 'shape', ()))}"
+        )
+    mask = attention_mask[..., :total]
+    if mask.dtype != torch.bool:
+        mask = mask > torch.finfo(mask.dtype).min / 2
+    if mask.shape[-1] != total or mask.shape[0] not in (1, batch):
+        raise HeadkitError(
+            f"attention_mask must cover the {total} keys of a batch of {batch}, got {tuple(attention_mask.shape)}"
+        )
+    empty = ~mask.any(dim=-1, keepdim=True)
+    return mask | empty, False
+
+
+def nope_indices(rope_index: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[G, head_dim − D]: per key/value head, the dimensions not in ``rope_index`` [G, D], ascending."""
+    keep = torch.ones(rope_index.shape[0], head_dim, dtype=torch.bool, device=rope_index.device)
+    keep.scatter_(1, rope_index, False)
+    return torch.stack([torch.nonzero(row).flatten() for row in keep])
+
+
+def rope_indices(pairs: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """[G, 2P]: the dimensions of the kept frequency pairs ``pairs`` [G, P] (pair i is dims i and i + head_dim/2),
+    ascending."""
+    return torch.cat((pairs, pairs + head_dim // 2), dim=1).sort(dim=1).values
+
+
+# -- calibration ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SiteStatistics:
+    """What the conversion of one layer measures on calibration text."""
+
+    input_moment: torch.Tensor  # [hidden, hidden] float64: E[x xᵀ] of the attention inputs
+    query_pair_norms: torch.Tensor  # [H, head_dim/2]: E‖(q_i, q_{i+head_dim/2})‖ per query head
+    key_pair_norms: torch.Tensor  # [G, head_dim/2]
+    tokens: int
+
+
+def pair_norms(projected: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
+    """[..., heads·head_dim] → [heads, head_dim/2]: the 2-norm of each rotary pair, averaged over the leading
+    dimensions (rotation keeps it, so the unrotated projection gives the rotated pair's norm)."""
+    per_head = projected.reshape(-1, heads, 2, head_dim // 2)
+    return per_head.double().norm(dim=2).mean(dim=0)
+
+
+def collect_statistics(
+    model: nn.Module, sites: list[AttentionSite], adapter: AttentionAdapter, batches: Iterable[dict]
+) -> list[SiteStatistics]:
+    """Run `model` on the calibration `batches` (dicts of model inputs) and return each site's statistics, read
+    by forward hooks on its projections (their inputs: the attention inputs; their outputs: queries and keys
+    before rotary). Padding tokens are counted too (calibration windows have none)."""
+    sums: list[dict[str, Any]] = [{"moment": 0.0, "q": 0.0, "k": 0.0, "tokens": 0, "calls": 0} for _ in sites]
+    handles = []
+
+    def hook(index: int, which: str, heads: int, head_dim: int):
+        def record(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+            entry = sums[index]
+            if which == "v":
+                x = inputs[0].detach().reshape(-1, inputs[0].shape[-1]).double()
+                entry["moment"] = entry["moment"] + x.T @ x
+                entry["tokens"] += x.shape[0]
+            else:
+                entry[which] = entry[which] + pair_norms(output.detach(), heads, head_dim)
+                if which == "q":
+                    entry["calls"] += 1
+
+        return record
+
+    for index, site in enumerate(sites):
+        module = site.module
+        for which, name, heads in (
+            ("q", adapter.query_name, site.num_heads),
+            ("k", adapter.key_name, site.num_kv_heads),
+            ("v", adapter.value_name, site.num_kv_heads),
+        ):
+            projection = module.get_submodule(name)
+            handles.append(projection.register_forward_hook(hook(index, which, heads, site.head_dim)))
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                model(
+                    **{k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")},
+                    use_cache=False,
+                )
+    finally:
+        for handle in handles:
+            handle.remove()
+    if not sums or sums[0]["tokens"] == 0:
+        raise HeadkitError("calibration needs at least one batch of text")
+    return [
+        SiteStatistics(
+            input_moment=entry["moment"] / entry["tokens"],
+            query_pair_norms=entry["q"] / entry["calls"],
+            key_pair_norms=entry["k"] / entry["calls"],
+            tokens=entry["tokens"],
+        )
+        for entry in sums
+    ]
+
+
+def weight_statistics(adapter: AttentionAdapter, site: AttentionSite) -> SiteStatistics:
+    """Data-free stand-in for :func:`collect_statistics`: pair norms of the projection rows (‖W_{q,i}‖_F for the
+    pair's two rows) and an identity input moment (plain joint SVD, MHA2MLA's own)."""
+    weights = adapter.read_projections(site)
+    hidden = weights.q_weight.shape[1]
+    q = weights.q_weight.detach().double().reshape(site.num_heads, 2, site.head_dim // 2, hidden)
+    k = weights.k_weight.detach().double().reshape(site.num_kv_heads, 2, site.head_dim // 2, hidden)
+    return SiteStatistics(
+        input_moment=torch.eye(hidden, dtype=torch.float64),
+        query_pair_norms=q.pow(2).sum(dim=(1, 3)).sqrt(),
+        key_pair_norms=k.pow(2).sum(dim=(1, 3)).sqrt(),
+        tokens=0,
+    )
+
+
+def select_rotary_pairs(statistics: SiteStatistics, pairs: int) -> torch.Tensor:
+    """[G, pairs]: per key/value head, the frequency pairs with the largest Σ_{h∈g} E‖q_{h,i}‖ · E‖k_{g,i}‖
+    (MHA2MLA's 2-norm criterion), ascending. Ties go to the lower (faster-rotating) frequency."""
+    queries, keys = statistics.query_pair_norms, statistics.key_pair_norms
+    groups = keys.shape[0]
+    contribution = queries.reshape(groups, -1, queries.shape[-1]).sum(dim=1) * keys
+    order = torch.argsort(-contribution, dim=1, stable=True)
+    return order[:, :pairs].sort(dim=1).values
+
+
+# -- the factorization ------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LatentFactors:
+    """W ≈ up @ down for the stacked rotary-free key and value rows W [G·(n + head_dim), hidden]."""
+
+    down: torch.Tensor  # [R, hidden]
+    key_up: torch.Tensor  # [G, n, R]
+    value_up: torch.Tensor  # [G, head_dim, R]
+    key_error: float  # ‖(W_K,nope − K̂) Σ^{1/2}‖ / ‖W_K,nope Σ^{1/2}‖ (0 when no dimension is rotary-free)
+    value_error: float  # the same for the values
+
+
+def joint_latent_factors(
+    key_nope: torch.Tensor, value: torch.Tensor, rank: int, input_moment: torch.Tensor
+) -> LatentFactors:
+    """MHA2MLA's joint SVD (their Eq. 7), weighted by the input moment Σ (module docstring): U_R the leading left
+    singular vectors of [W_K,nope ; W_V] Σ^{1/2}, down = U_Rᵀ W, up = U_R. key_nope [G, n, hidden], value
+    [G, head_dim, hidden]; computed in float64, returned in value's dtype."""
+    groups, nope, hidden = key_nope.shape
+    head_dim = value.shape[1]
+    stacked = torch.cat((key_nope.reshape(-1, hidden), value.reshape(-1, hidden)), dim=0).double()
+    moment = input_moment.double()
+    # Σ^{1/2}, regularised so that directions no calibration token spanned keep a little weight.
+    eigenvalues, eigenvectors = torch.linalg.eigh(
+        moment + 1e-6 * moment.diagonal().mean() * torch.eye(hidden)
+    )
+    root = (eigenvectors * eigenvalues.clamp_min(0).sqrt()) @ eigenvectors.T
+    weighted = stacked @ root
+    left, _, _ = torch.linalg.svd(weighted, full_matrices=False)
+    up = left[:, :rank]
+    down = up.T @ stacked
+    residual = (weighted - up @ (up.T @ weighted)).reshape(-1, hidden)
+    split = groups * nope
+
+    def relative(rows: slice) -> float:
+        total = weighted[rows].norm()
+        return float(residual[rows].norm() / total) if total > 0 else 0.0
+
+    dtype = value.dtype
+    return LatentFactors(
+        down=down.to(dtype),
+        key_up=up[:split].reshape(groups, nope, rank).to(dtype),
+        value_up=up[split:].reshape(groups, head_dim, rank).to(dtype),
+        key_error=relative(slice(0, split)),
+        value_error=relative(slice(split, None)),
+    )
+
+
+def full_rank(hidden: int, num_kv_heads: int, head_dim: int, rope_dims: int) -> int:
+    """The largest useful latent width: the rank of [W_K,nope ; W_V], at most G·(2·head_dim − D) and hidden."""
+    return min(hidden, num_kv_heads * (2 * head_dim - rope_dims))
+
+
+# -- the conversion ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LatentSiteReport:
+    name: str
+    layer: int
+    rope_pairs: list[list[int]]  # per key/value head, the frequency pairs kept rotary
+    key_error: float
+    value_error: float
+
+
+@dataclass
+class LatentReport:
+    """What :func:`compress_kv_to_latent` did."""
+
+    architecture: str
+    kv_rank: int
+    rope_dims: int
+    full_rank: int
+    calibrated: bool
+    cache_numbers_before: int  # per token per layer: 2·G·head_dim
+    cache_numbers_after: int  # R + G·D
+    parameters_before: int
+    parameters_after: int
+    seconds: float
+    sites: list[LatentSiteReport] = field(default_factory=list)
+
+    @property
+    def cache_fraction(self) -> float:
+        return self.cache_numbers_after / self.cache_numbers_before
+
+    @property
+    def max_key_error(self) -> float:
+        return max((site.key_error for site in self.sites), default=0.0)
+
+    @property
+    def max_value_error(self) -> float:
+        return max((site.value_error for site in self.sites), default=0.0)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {
+            "cache_fraction": self.cache_fraction,
+            "max_key_error": self.max_key_error,
+            "max_value_error": self.max_value_error,
+        }
+
+    def __str__(self) -> str:
+        return (
+            f"latent keys/values ({self.architecture}): rank {self.kv_rank} of {self.full_rank}, {self.rope_dims} "
+            f"rotary dims per key/value head ({'calibrated' if self.calibrated else 'weight norms'}), "
+            f"{len(self.sites)} layers in {self.seconds:.1f} s; cache per token and layer "
+            f"{self.cache_numbers_before} -> {self.cache_numbers_after} numbers ({self.cache_fraction:.1%}); "
+            f"max relative error: keys {self.max_key_error:.3g}, values {self.max_value_error:.3g}; parameters "
+            f"{self.parameters_before:,} -> {self.parameters_after:,}"
+        )
+
+
+def check_latent_arguments(site: AttentionSite, hidden: int, kv_rank: Any, rope_dims: Any) -> None:
+    """Name the valid range of `rope_dims` (whole rotary pairs) and of `kv_rank` (given rope_dims)."""
+    head_dim = site.head_dim
+    if isinstance(rope_dims, bool) or not isinstance(rope_dims, int) or not 0 <= rope_dims <= head_dim:
+        raise HeadkitError(f"rope_dims must be an integer in [0, {head_dim}] (head_dim), got {rope_dims!r}")
+    if rope_dims % 2:
+        raise HeadkitError(
+            f"rope_dims must be a whole number of rotary pairs (even: 0, 2, …, {head_dim}), got {rope_dims}"
+        )
+    top = full_rank(hidden, site.num_kv_heads, head_dim, rope_dims)
+    if isinstance(kv_rank, bool) or not isinstance(kv_rank, int) or not 1 <= kv_rank <= top:
+        raise HeadkitError(
+            f"kv_rank must be an integer in [1, {top}] (the full width min(hidden {hidden}, kv_heads "
+            f"{site.num_kv_heads} × (2·head_dim {2 * head_dim} − rope_dims {rope_dims}))), got {kv_rank!r}"
+        )
+
+
+def _check_not_latent(model: nn.Module) -> None:
+    # Before the adapter reads the projections: a latent layer's are no longer nn.Linear.
+    converted = [m.layer_idx for m in latent_mechanisms(model)]
+    if converted:
+        raise HeadkitError(f"the model's keys and values are already latent (layers {converted})")
+
+
+def _check_sites(model: nn.Module, adapter: AttentionAdapter) -> list[AttentionSite]:
+    sites = adapter.sites(model)
+    if not sites:
+        raise HeadkitError(f"the {adapter.name} adapter found no attention module in this model")
+    for site in sites:
+        mechanism = mechanism_of(site.module)
+        if isinstance(mechanism, LatentKVHeads):
+            raise HeadkitError(f"the model's keys and values are already latent ({site.name})")
+        if mechanism is not None:
+            raise HeadkitError(
+                f"{site.name} already runs {type(mechanism).__name__} (earlier surgery: linearized or swapped); "
+                "latent keys/values need the stock softmax attention"
+            )
+        if getattr(site.module, KV_HEAD_INDEX, None) is not None or getattr(site.module, HEAD_GATE, None):
+            raise HeadkitError(
+                f"{site.name} is pruned unevenly (a key/value head index) or gated: latent keys/values need "
+                "every layer's stock key/value heads; prune uniformly (a stock architecture) instead"
+            )
+        if len(site.layers) != 1 or site.head_dim % 2 or site.num_heads % site.num_kv_heads:
+            raise HeadkitError(
+                f"{site.name} is not one layer of grouped-query attention with an even head_dim"
+            )
+        for name in ("k_norm", "q_norm"):
+            if isinstance(getattr(site.module, name, None), nn.Module):
+                raise HeadkitError(
+                    f"{site.name} normalises each head's {name[0]} after the projection ({name}): the norm of "
+                    "[k_rope ; K c] is not linear in the latent, so the key up-projection cannot be absorbed"
+                )
+    return sites
+
+
+def _check_interface(model: nn.Module, adapter: AttentionAdapter, sites: list[AttentionSite]) -> None:
+    calling = modules_calling_the_interface(model, [site.module for site in sites])
+    custom = [site for site in sites if id(site.module) not in calling]
+    if custom:
+        raise HeadkitError(
+            f"latent keys/values plug into transformers' attention interface, but {custom[0].name} "
+            f"({type(custom[0].module).__name__}) does not dispatch through it: {adapter.name} cannot be converted"
+        )
+
+
+@dataclass
+class _SitePlan:
+    site: AttentionSite
+    key: RotaryKeyProjection
+    value: SharedProjection
+    mechanism: LatentKVHeads
+    report: LatentSiteReport
+
+
+def _plan_site(
+    adapter: AttentionAdapter,
+    site: AttentionSite,
+    kv_rank: int,
+    pairs: torch.Tensor,
+    statistics: SiteStatistics | None,
+) -> _SitePlan:
+    """The new projections and mechanism of one site; with `statistics` None, left at zero (the structure
+    :func:`headkit.from_pretrained` loads saved weights into)."""
+    weights = adapter.read_projections(site)
+    groups, head_dim = site.num_kv_heads, site.head_dim
+    hidden = weights.k_weight.shape[1]
+    factory = {"dtype": weights.k_weight.dtype, "device": weights.k_weight.device}
+    rope_index = rope_indices(pairs, head_dim)
+    key = RotaryKeyProjection(hidden, rope_index, head_dim, bias=weights.k_bias is not None, **factory)
+    value = SharedProjection(hidden, kv_rank, head_dim, **factory)
+    mechanism = LatentKVHeads(
+        num_heads=site.num_heads,
+        num_kv_heads=groups,
+        head_dim=head_dim,
+        rank=kv_rank,
+        rope_index=rope_index,
+        value_bias=weights.v_bias is not None,
+        scale=site.scale,
+        layer_idx=site.layers[0],
+        **factory,
+    )
+    report = LatentSiteReport(site.name, site.layers[0], pairs.tolist(), 0.0, 0.0)
+    if statistics is not None:
+        k_weight = weights.k_weight.detach().reshape(groups, head_dim, hidden)
+        nope_index = mechanism.nope_index.cpu()
+        gather = lambda index: k_weight.gather(1, index[..., None].expand(-1, -1, hidden))  # noqa: E731
+        factors = joint_latent_factors(
+            gather(nope_index),
+            weights.v_weight.detach().reshape(groups, head_dim, hidden),
+            kv_rank,
+            statistics.input_moment,
+        )
+        with torch.no_grad():
+            key.weight.copy_(gather(rope_index).reshape(-1, hidden))
+            if key.bias is not None:
+                key.bias.copy_(
+                    weights.k_bias.detach().reshape(groups, head_dim).gather(1, rope_index).flatten()
+                )
+            value.weight.copy_(factors.down)
+            mechanism.key_up.copy_(factors.key_up)
+            mechanism.value_up.copy_(factors.value_up)
+            if mechanism.value_bias is not None:
+                mechanism.value_bias.copy_(weights.v_bias.detach().reshape(groups, head_dim))
+        report.key_error, report.value_error = factors.key_error, factors.value_error
+    for module in (key, value, mechanism):
+        module.train(site.module.training)
+    return _SitePlan(site, key, value, mechanism, report)
+
+
+def _apply(model: nn.Module, adapter: AttentionAdapter, planned: list[_SitePlan]) -> None:
+    """Put the planned projections in place and attach the mechanisms (assignments only)."""
+    for plan in planned:
+        setattr(plan.site.module, adapter.key_name, plan.key)
+        setattr(plan.site.module, adapter.value_name, plan.value)
+    attach_mechanisms(model, [(plan.site.module, plan.mechanism) for plan in planned])
+    for plan in planned:
+        plan.site.module.register_forward_pre_hook(PositionEmbeddingsHook(), with_kwargs=True)
+
+
+def compress_kv_to_latent(
+    model: nn.Module,
+    *,
+    kv_rank: int,
+    rope_dims: int,
+    calibration: Iterable[dict] | None = None,
+    adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+) -> LatentReport:
+    """Convert every attention layer of a rotary, grouped-query causal LM to latent keys and values, in place.
+
+    Args:
+        model: a causal LM of a family registered for ``latent`` (:mod:`headkit.surgery.families`).
+        kv_rank: R, the latent width per layer, in [1, min(hidden, G·(2·head_dim − rope_dims))]; the top is exact.
+        rope_dims: D, rotary dimensions kept per key/value head (whole pairs: even, ≤ head_dim); head_dim keeps
+            every one (exact).
+        calibration: batches (dicts with ``input_ids``, optionally ``attention_mask``) on which the rotary pairs
+            are ranked and the SVD weighted; None ranks by weight norms and uses the plain joint SVD.
+        adapter: the architecture's adapter; detected when None.
+
+    Returns a :class:`LatentReport`. Raises :class:`HeadkitError` for an unsupported family, an argument out of
+    range, a model already converted or pruned unevenly — the model is then untouched.
+    """
+    start = time.perf_counter()
+    _check_not_latent(model)
+    if adapter is None:
+        get_family(model, LATENT)
+    adapter = get_adapter(model, adapter)
+    sites = _check_sites(model, adapter)
+    hidden = adapter.read_projections(sites[0]).k_weight.shape[1]
+    for site in sites:
+        check_latent_arguments(site, hidden, kv_rank, rope_dims)
+    _check_interface(model, adapter, sites)
+    before = count_parameters(model)
+    statistics = (
+        [weight_statistics(adapter, site) for site in sites]
+        if calibration is None
+        else collect_statistics(model, sites, adapter, calibration)
+    )
+    planned = [
+        _plan_site(adapter, site, kv_rank, select_rotary_pairs(stats, rope_dims // 2), stats)
+        for site, stats in zip(sites, statistics, strict=True)
+    ]
+    # Everything is computed and checked: only now does the model change.
+    _apply(model, adapter, planned)
+    record_surgery(
+        model,
+        {
+            "op": SURGERY_OP,
+            "adapter": adapter.name,
+            "kv_rank": kv_rank,
+            "rope_dims": rope_dims,
+            "sites": [site.name for site in sites],
+            "rope_pairs": [plan.report.rope_pairs for plan in planned],
+        },
+    )
+    site = sites[0]
+    return LatentReport(
+        architecture=adapter.name,
+        kv_rank=kv_rank,
+        rope_dims=rope_dims,
+        full_rank=full_rank(hidden, site.num_kv_heads, site.head_dim, rope_dims),
+        calibrated=calibration is not None,
+        cache_numbers_before=2 * site.num_kv_heads * site.head_dim,
+        cache_numbers_after=kv_rank + site.num_kv_heads * rope_dims,
+        parameters_before=before,
+        parameters_after=count_parameters(model),
+        seconds=time.perf_counter() - start,
+        sites=[plan.report for plan in planned],
+    )
+
+
+def latent_mechanisms(model: nn.Module) -> list[LatentKVHeads]:
+    """The model's :class:`LatentKVHeads`, in layer order."""
+    found = {id(m): m for m in model.modules() if isinstance(m, LatentKVHeads)}
+    return sorted(found.values(), key=lambda mechanism: mechanism.layer_idx)
+
+
+def set_absorbed(model: nn.Module, absorbed: bool) -> None:
+    """Run every latent layer absorbed (True, the default) or through the expanded reference (False)."""
+    for mechanism in latent_mechanisms(model):
+        mechanism.absorbed = bool(absorbed)
+
+
+def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
+    """Rebuild the recorded conversion on a freshly built model (the weights are loaded afterwards)."""
+    adapter = get_adapter(model, entry["adapter"])
+    sites = _check_sites(model, adapter)
+    if [site.name for site in sites] != list(entry["sites"]):
+        raise HeadkitError(
+            f"the recorded latent conversion covered {entry['sites']}, but the rebuilt model has attention modules "
+            f"{[site.name for site in sites]}"
+        )
+    kv_rank, rope_dims = int(entry["kv_rank"]), int(entry["rope_dims"])
+    hidden = adapter.read_projections(sites[0]).k_weight.shape[1]
+    for site in sites:
+        check_latent_arguments(site, hidden, kv_rank, rope_dims)
+    planned = [
+        _plan_site(
+            adapter, site, kv_rank, torch.tensor(pairs, dtype=torch.long).reshape(site.num_kv_heads, -1), None
+        )
+        for site, pairs in zip(sites, entry["rope_pairs"], strict=True)
+    ]
+    _apply(model, adapter, planned)
+
+
+register_surgery_op(SURGERY_OP, _reapply)
+
+__all__ = [
+    "LatentCacheLayer",
+    "LatentFactors",
+    "LatentKVHeads",
+    "LatentReport",
+    "PositionEmbeddingsHook",
+    "RotaryKeyProjection",
+    "SiteStatistics",
+    "attention_mask_for",
+    "check_latent_arguments",
+    "collect_statistics",
+    "compress_kv_to_latent",
+    "full_rank",
+    "joint_latent_factors",
+    "latent_cache_layer",
+    "latent_mechanisms",
+    "select_rotary_pairs",
+    "set_absorbed",
+    "weight_statistics",
+]

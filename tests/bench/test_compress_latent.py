@@ -1,0 +1,62 @@
+"""``headkit bench compress`` on a rotary decoder: the curve over R and a saved latent student, side by side with
+the original (tiny llama, seconds)."""
+
+import json
+
+import pytest
+import torch
+import transformers
+
+from headkit.bench.compress import CompressBenchmarkConfig, render_latent_markdown, run_latent_benchmark
+from headkit.recipes.compress import load_teacher
+from headkit.surgery.latent import compress_kv_to_latent
+
+transformers.logging.set_verbosity_error()
+
+
+class _Console:
+    def print(self, *args, **kwargs):
+        pass
+
+
+@pytest.fixture(scope="module")
+def text_folder(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("text")
+    for i in range(16):
+        (folder / f"doc{i}.txt").write_text(" ".join(f"w{(i * 7 + j) % 31}" for j in range(400)))
+    return folder
+
+
+def test_the_curve_over_r_and_a_student_side_by_side(save_tiny_causal_lm, text_folder, tmp_path):
+    model_dir = save_tiny_causal_lm(tmp_path / "llama", "llama")
+    teacher = load_teacher(model_dir)
+    student_dir = tmp_path / "student"
+    student = load_teacher(model_dir).model
+    compress_kv_to_latent(
+        student, kv_rank=6, rope_dims=2, calibration=[{"input_ids": torch.randint(3, 90, (2, 16))}]
+    )
+    student.save_pretrained(student_dir)
+    config = CompressBenchmarkConfig.quick(
+        model=model_dir,
+        kv_ranks=(28, 6),
+        rope_dims=2,
+        students=(str(student_dir),),
+        contexts=(12,),
+        decode_batches=(1, 2),
+        eval_window=16,
+        timing_repeats=2,
+        data=text_folder,
+    )
+    report = run_latent_benchmark(config, teacher, model_dir, _Console())
+    latent = report["latent"]
+    full, low = latent["curve"]
+    assert full["max_key_error"] < 1e-6 and low["max_key_error"] > 1e-3
+    # 2 layers × (R + 2 kv heads × 2 rotary dims) float32 numbers per token.
+    assert (full["kv_bytes_per_token"], low["kv_bytes_per_token"]) == (2 * 32 * 4, 2 * 10 * 4)
+    (measured,) = latent["students"]
+    assert measured["kv_rank"] == 6 and measured["kv_bytes_per_token"] == 2 * 10 * 4
+    assert [(row["context"], row["batch"]) for row in measured["decode"]] == [(12, 1), (12, 2)]
+    assert all(row["speedup"] > 0 and len(row["rounds_ms"]) == 2 for row in measured["decode"])
+    json.dumps(report)
+    report["machine"] = {"cpu_model": "cpu", "torch_threads": 1}
+    assert "speed-up" in render_latent_markdown(report)

@@ -1,0 +1,215 @@
+"""headkit's latent keys/values (MHA2MLA partial RoPE + joint K/V SVD, multi-head latent attention) on the tiny
+decoder families the registry marks ``latent``: exact at full size, each lossy step visible, absorbed == expanded
+(outputs and gradients), cached == uncached, padded == alone, reload, refusals before any work."""
+
+import pytest
+import torch
+from family_models import family_inputs, family_model
+from test_linearize_families import assert_cached_and_padded_decoding_agree
+
+import headkit
+import headkit.surgery.attention
+import headkit.surgery.pruning
+from headkit.compat import cache_keyword, output_cache
+from headkit.errors import HeadkitError
+from headkit.ops.latent import latent_attention, naive_latent_attention
+from headkit.surgery.attention import MECHANISM
+from headkit.surgery.families import FAMILIES, LATENT
+from headkit.surgery.latent import (
+    LatentCacheLayer,
+    compress_kv_to_latent,
+    latent_mechanisms,
+    set_absorbed,
+)
+
+LATENT_FAMILIES = sorted(name for name, family in FAMILIES.items() if LATENT in family.operations)
+HEAD_DIM, KV_HEADS = 16, 2
+
+
+def calibration():
+    return [{"input_ids": family_inputs(batch=4, length=16)}]
+
+
+def test_the_families_include_llama():
+    assert {"llama", "mistral", "qwen2"} <= set(LATENT_FAMILIES)
+
+
+@pytest.mark.parametrize("model_type", LATENT_FAMILIES)
+def test_exact_at_full_rank_with_every_dimension_rotary(model_type):
+    model = family_model(model_type)
+    tokens = family_inputs(length=12)
+    with torch.no_grad():
+        reference = model(tokens).logits
+        report = compress_kv_to_latent(model, kv_rank=KV_HEADS * HEAD_DIM, rope_dims=HEAD_DIM)
+        got = model(tokens).logits
+    assert report.cache_numbers_after == report.cache_numbers_before and report.max_value_error < 1e-6
+    assert (got - reference).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_full_rank_with_partial_rope_is_exact_in_rank_and_each_lossy_step_shows(model_type):
+    tokens = family_inputs(length=12)
+    errors = {}
+    for rope_dims, rank in ((HEAD_DIM, 32), (4, KV_HEADS * (2 * HEAD_DIM - 4)), (4, 20)):
+        model = family_model(model_type)
+        with torch.no_grad():
+            reference = model(tokens).logits
+            report = compress_kv_to_latent(
+                model, kv_rank=rank, rope_dims=rope_dims, calibration=calibration()
+            )
+            errors[rope_dims, rank] = float((model(tokens).logits - reference).abs().max())
+        if rank == report.full_rank:
+            assert report.max_key_error < 1e-6 and report.max_value_error < 1e-6
+        else:
+            assert report.max_key_error > 1e-3 or report.max_value_error > 1e-3
+    assert errors[HEAD_DIM, 32] < 1e-5  # nothing dropped
+    assert errors[4, 56] > 1e-4  # rotary dropped from 12 of 16 dimensions: a different model
+    assert errors[4, 20] > 1e-4
+
+
+def test_the_calibrated_rotary_pairs_follow_the_query_key_norms():
+    model = family_model("llama")
+    with torch.no_grad():  # make pair 5 of key/value head 1 dominate in layer 0
+        k_proj = model.model.layers[0].self_attn.k_proj
+        k_proj.weight[HEAD_DIM + 5] *= 50
+        k_proj.weight[HEAD_DIM + 5 + HEAD_DIM // 2] *= 50
+    report = compress_kv_to_latent(model, kv_rank=24, rope_dims=2, calibration=calibration())
+    assert report.sites[0].rope_pairs[1] == [5]
+
+
+def converted(model_type, rank=20, rope_dims=4):
+    model = family_model(model_type)
+    compress_kv_to_latent(model, kv_rank=rank, rope_dims=rope_dims, calibration=calibration())
+    return model
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])
+def test_absorbed_equals_expanded_outputs_and_gradients(model_type):
+    model = converted(model_type)
+    tokens = family_inputs(length=9)
+    results = {}
+    for absorbed in (True, False):
+        set_absorbed(model, absorbed)
+        model.zero_grad()
+        logits = model(tokens).logits
+        logits.square().mean().backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        results[absorbed] = (logits.detach(), grads)
+    torch.testing.assert_close(results[True][0], results[False][0], atol=1e-5, rtol=1e-5)
+    assert results[True][1].keys() == results[False][1].keys()
+    assert any("key_up" in name for name in results[True][1])
+    for name, grad in results[True][1].items():
+        torch.testing.assert_close(grad, results[False][1][name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_the_op_equals_its_naive_twin_with_a_padding_mask_and_one_new_token():
+    generator = torch.Generator().manual_seed(0)
+    batch, heads, groups, head_dim, rope, rank, past = 2, 4, 2, 8, 2, 6, 5
+    rope_index = torch.tensor([[0, 4], [3, 7]])
+    nope_index = torch.tensor([[1, 2, 3, 5, 6, 7], [0, 1, 2, 4, 5, 6]])
+    cache = torch.randn(batch, past + 1, rank + groups * rope, generator=generator)
+    key_up = torch.randn(groups, head_dim - rope, rank, generator=generator)
+    value_up = torch.randn(groups, head_dim, rank, generator=generator)
+    bias = torch.randn(groups, head_dim, generator=generator)
+    queries = torch.randn(batch, heads, 1, head_dim, generator=generator)
+    mask = torch.ones(batch, 1, 1, past + 1, dtype=torch.bool)
+    mask[0, ..., :2] = False
+    per_head = heads // groups
+    q_rope = queries.gather(
+        -1, rope_index.repeat_interleave(per_head, 0)[None, :, None].expand(batch, -1, 1, -1)
+    )
+    q_nope = queries.gather(
+        -1, nope_index.repeat_interleave(per_head, 0)[None, :, None].expand(batch, -1, 1, -1)
+    )
+    got = latent_attention(q_nope, q_rope, cache, key_up, value_up, bias, mask, scale=0.3)
+    expected = naive_latent_attention(
+        queries, cache, key_up, value_up, bias, rope_index, nope_index, mask, scale=0.3
+    )
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
+def test_cached_equals_uncached_and_padded_equals_alone(model_type):
+    model = converted(model_type)
+    assert_cached_and_padded_decoding_agree(model, family_inputs(batch=2, length=7), padding=3)
+
+
+def test_the_cache_holds_the_latent_and_the_rotary_keys_only():
+    model = converted("llama", rank=20, rope_dims=4)
+    tokens = family_inputs(batch=2, length=7)
+    with torch.no_grad():
+        out = model(tokens, use_cache=True)
+    cache = output_cache(out)
+    layers = cache.layers
+    assert all(isinstance(layer, LatentCacheLayer) for layer in layers)
+    assert [tuple(layer.state.shape) for layer in layers] == [(2, 7, 20 + KV_HEADS * 4)] * 2
+    assert cache.get_seq_length() == 7
+
+
+def test_reload_gives_identical_logits_and_generates(tmp_path):
+    model = converted("qwen2")
+    model.save_pretrained(tmp_path)
+    reloaded = headkit.from_pretrained(tmp_path)
+    tokens = family_inputs(length=10)
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, model(tokens).logits)
+        options = {"max_new_tokens": 4, "do_sample": False, "pad_token_id": 0}
+        assert torch.equal(reloaded.generate(tokens, **options), model.generate(tokens, **options))
+    assert len(latent_mechanisms(reloaded)) == 2
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])
+def test_families_with_a_per_head_key_norm_are_refused_with_the_reason(model_type):
+    model = family_model(model_type)
+    with pytest.raises(HeadkitError, match="not linear in the latent"):
+        compress_kv_to_latent(model, kv_rank=16, rope_dims=4)
+    with pytest.raises(HeadkitError, match="k_norm"):
+        compress_kv_to_latent(model, kv_rank=16, rope_dims=4, adapter="llama")
+    assert not hasattr(model.model.layers[0].self_attn, MECHANISM)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"kv_rank": 61, "rope_dims": 2}, r"kv_rank must be an integer in \[1, 60\]"),
+        ({"kv_rank": 0, "rope_dims": 2}, r"\[1, 60\]"),
+        ({"kv_rank": 8, "rope_dims": 3}, "whole number of rotary pairs"),
+        ({"kv_rank": 8, "rope_dims": 18}, r"\[0, 16\]"),
+    ],
+)
+def test_bad_arguments_name_the_valid_range_and_leave_the_model_untouched(options, message):
+    model = family_model("llama")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(HeadkitError, match=message):
+        compress_kv_to_latent(model, **options)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_linearized_and_unevenly_pruned_models_are_refused_before_any_work():
+    model = family_model("llama")
+    headkit.linearize(model, window=4)
+    with pytest.raises(HeadkitError, match="LinearizedHeads"):
+        compress_kv_to_latent(model, kv_rank=8, rope_dims=4)
+    model = converted("llama")
+    with pytest.raises(HeadkitError, match="already latent"):
+        compress_kv_to_latent(model, kv_rank=8, rope_dims=4)
+    model = family_model("llama")
+    headkit.surgery.pruning.prune_heads(model, {0: [0]})  # 2 query heads of one group, 1 of the other
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(HeadkitError, match="pruned unevenly"):
+        compress_kv_to_latent(model, kv_rank=8, rope_dims=4)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_a_prompt_fed_in_two_chunks_equals_one_pass(implementation):
+    model = converted("llama")
+    headkit.surgery.attention.set_attention_implementation(model, implementation)
+    tokens = family_inputs(batch=2, length=9)
+    with torch.no_grad():
+        whole = model(tokens).logits
+        first = model(tokens[:, :5], use_cache=True)
+        second = model(tokens[:, 5:], **cache_keyword(output_cache(first)), use_cache=True)
+    torch.testing.assert_close(torch.cat((first.logits, second.logits), dim=1), whole, atol=1e-5, rtol=1e-5)
+    assert output_cache(second).layers[0].state.shape[1] == 9
