@@ -42,6 +42,7 @@ from headkit.data import (
 from headkit.errors import HeadkitError
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 from headkit.recipes import evaluate
+from headkit.recipes.evaluate import held_out_bits_per_byte
 from headkit.train import default_config, lm_optimizer
 
 MODELS = ("softmax", "coca")
@@ -398,7 +399,7 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
     # byte) and its passkey retrieval (accuracy: all digits right; answers: the generated keys).
     perplexities, passkeys = [], []
 
-    def evaluate(
+    def evaluate_model(
         attention: str, model: HeadkitForCausalLM, trained: dict, update: Callable
     ) -> dict[str, Any]:
         update(description=f"evaluating {attention}", completed=0, total=len(SCALINGS) * len(config.lengths))
@@ -407,9 +408,7 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
             for n in config.lengths:
                 scaled = scaled_model(model, scaling, n, config)
                 batch = max(1, EVAL_BATCH_TOKENS // n)
-                bits = evaluate.held_out_bits_per_byte(
-                    scaled, windows[n], ByteTokenizer(), SPECIAL_IDS, batch
-                )
+                bits = held_out_bits_per_byte(scaled, windows[n], ByteTokenizer(), SPECIAL_IDS, batch)
                 point = {"attention": attention, "scaling": scaling, "length": n}
                 sizes = {"windows": len(windows[n]), "tokens": windows[n].numel()}
                 perplexities.append(point | {"bits_per_byte": bits, "perplexity": 2.0**bits} | sizes)
@@ -431,7 +430,7 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
 
     build = partial(build_model, config=config)
     train = partial(train_model, train_stream=train_stream, config=config)
-    models = train_each(console, MODELS, build, train, config.steps, evaluate)
+    models = train_each(console, MODELS, build, train, config.steps, evaluate_model)
     return {
         "dynamic_factor": config.resolved_dynamic_factor(),
         "corpus": corpus.summary(),
