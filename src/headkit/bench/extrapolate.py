@@ -42,6 +42,7 @@ from headkit.data import (
 from headkit.errors import HeadkitError
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 from headkit.recipes import evaluate
+from headkit.recipes.evaluate import held_out_bits_per_byte
 from headkit.train import default_config, lm_optimization
 
 MODELS = ("softmax", "coca")
@@ -403,9 +404,7 @@ def run_extrapolate_benchmark(config: ExtrapolateConfig, console: Any) -> dict[s
             for n in config.lengths:
                 scaled = scaled_model(model, scaling, n, config)
                 batch = max(1, EVAL_BATCH_TOKENS // n)
-                bits = evaluate.held_out_bits_per_byte(
-                    scaled, windows[n], ByteTokenizer(), SPECIAL_IDS, batch
-                )
+                bits = held_out_bits_per_byte(scaled, windows[n], ByteTokenizer(), SPECIAL_IDS, batch)
                 point = {"attention": attention, "scaling": scaling, "length": n}
                 sizes = {"windows": len(windows[n]), "tokens": windows[n].numel()}
                 perplexities.append(point | {"bits_per_byte": bits, "perplexity": 2.0**bits} | sizes)
