@@ -709,8 +709,8 @@ def generate(
     ),
     weights: str = typer.Option(
         None,
-        help="With --fast: float32, bfloat16, int8 or int4 (weight-only, one scale per 32 input features; int8 "
-        "and int4 need torchao: pip install 'headkit[fast]'). Default: --dtype.",
+        help="With --fast: float32, bfloat16, int8 or int4 (weight-only: int8 one scale per output row, int4 one "
+        "per 32 input features; both need torchao: pip install 'headkit[fast]'). Default: --dtype.",
     ),
     compile: bool = typer.Option(
         True, "--compile/--no-compile", help="With --fast: compile the step, or run it eagerly (announced)."

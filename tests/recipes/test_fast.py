@@ -192,7 +192,7 @@ def test_quantized_weights_keep_the_model_and_decode_as_their_eager_selves(weigh
     for name, tensor in model.state_dict().items():  # the model passed in is untouched
         assert torch.equal(tensor, reference[name])
     assert quantized.get_input_embeddings().weight is not quantized.get_output_embeddings().weight
-    # Each quantized layer against its exact self: one scale per group of 32 input features.
+    # Each quantized layer against its exact self (int8: a scale per row; int4: per 32 input features).
     inputs = torch.randn(16, 32)
     with torch.no_grad():
         exact = model.model.layers[0].self_attn.q_proj(inputs)

@@ -19,7 +19,9 @@ What it does, following transformers' own recipe for compiled generation (a stat
   calls of one decoder.
 * **Weights.** ``float32`` (as loaded), ``bfloat16`` (the model cast; AVX-512 BF16 / AMX CPUs run it natively),
   ``int8`` / ``int4``: weight-only quantization of every ``nn.Linear`` outside the attention mechanisms headkit
-  adds, with one scale per group of :data:`GROUP_SIZE` input features, through torchao (the optional extra
+  adds — int8 with one scale per output row (torchao's fused int8 matmul; per-group int8 dequantized the whole
+  weight every step, 8× slower on this CPU), int4 with one per group of :data:`GROUP_SIZE` input features —
+  through torchao (the optional extra
   ``headkit[fast]``; PyTorch's own packed kernels are private aten ops), computing in bfloat16. A tied output
   projection is untied first (the quantized copy is the output layer's; the embedding stays exact).
 
@@ -93,9 +95,9 @@ def quantizable_linears(model: nn.Module) -> dict[str, nn.Linear]:
 
 
 def check_group_size(model: nn.Module, weights: str, group_size: int = GROUP_SIZE) -> None:
-    """A HeadkitError naming every layer whose input features are not a multiple of ``group_size`` (int8 and
-    int4 weights hold one scale per group of input features)."""
-    if weights not in ("int8", "int4"):
+    """A HeadkitError naming every layer whose input features are not a multiple of ``group_size`` (int4
+    weights hold one scale per group of input features; int8 one per output row)."""
+    if weights != "int4":  # int8 scales whole rows
         return
     misfits = [
         f"{name} (in_features {module.in_features}, weight {tuple(module.weight.shape)})"
@@ -121,8 +123,9 @@ def _torchao() -> Any:
 
 
 def prepare_weights(model: nn.Module, weights: str, group_size: int = GROUP_SIZE) -> nn.Module:
-    """A copy of ``model`` (left untouched) with ``weights``: float32, bfloat16, or int8 / int4 weight-only
-    quantized per group of ``group_size`` input features (torchao), computing in bfloat16."""
+    """A copy of ``model`` (left untouched) with ``weights``: float32, bfloat16, or weight-only quantized
+    through torchao, computing in bfloat16: int8 with one scale per output row, int4 with one per group of
+    ``group_size`` input features."""
     check_weights(weights)
     check_group_size(model, weights, group_size)
     quantization = _torchao() if weights in ("int8", "int4") else None
@@ -143,8 +146,12 @@ def prepare_weights(model: nn.Module, weights: str, group_size: int = GROUP_SIZE
         from torchao.quantization.granularity import PerGroup
 
         granularity = PerGroup(group_size)
-    bits = torch.int8 if weights == "int8" else torch.int4
-    config = quantization.IntxWeightOnlyConfig(weight_dtype=bits, granularity=granularity)
+    if weights == "int8":
+        # One scale per output row: torchao lowers it to the fused int8 weight-only matmul (per-group int8
+        # dequantizes the whole weight every step on CPU: ~8× slower per token than this, measured).
+        config = quantization.Int8WeightOnlyConfig()
+    else:
+        config = quantization.IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=granularity)
     quantization.quantize_(prepared, config, filter_fn=lambda module, name: id(module) in chosen)
     return prepared
 
