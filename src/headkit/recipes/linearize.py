@@ -81,10 +81,11 @@ class LinearizeSettings(QuickSettings):
     # training, W = 64 gives 25.6× the original's perplexity at 1,024 tokens, W = 256 6.2×.
     window: int = 256
     # Exact beyond the window: attention sinks and a sparse cache of the keys the linear state recalls worst
-    # (headkit.ops.sparse_hybrid); 0 and 0 give the plain window + linear hybrid. S = 4, G = 128 at W = 256: a
+    # (headkit.ops.sparse_hybrid); 0 and 0 give the plain window + linear hybrid. They stay 0 until a trained run
+    # measures them (defaults are the measured configuration); S = 4, G = 128 at W = 256 is the candidate: a
     # decoding state of 39.6 MiB, 1/9 of the original's KV cache at 8,192 tokens (docs/benchmarks.md).
-    sinks: int = 4
-    sparse_cache: int = 128
+    sinks: int = 0
+    sparse_cache: int = 0
     feature_map: str = "hedgehog"
     feature_dim: int | None = None
     layers: tuple[int, ...] | None = None  # layers to convert; None: all
@@ -112,7 +113,6 @@ class LinearizeSettings(QuickSettings):
 
     QUICK: ClassVar[dict[str, Any]] = {
         "window": 64,
-        "sparse_cache": 32,
         "transfer_steps": 20,
         "lora_steps": 10,
         "batch_size": 4,
