@@ -32,7 +32,7 @@ TIERS: dict[str, int] = {
     "__main__": 10,
 }
 # Beneath every tier, importable by all: the error type, and the one module that meets transformers' releases.
-TIERLESS = {"errors", "compat"}
+TIERLESS = {"errors", "compat", "logs"}
 
 
 def module_name(path: Path) -> str:

@@ -4,6 +4,7 @@ Efficient attention you can train and decode with (softmax, linear, additive, Co
 surgery on pretrained models (collaborative heads, head gates and pruning).
 """
 
+from headkit import logs  # noqa: F401  (first: quiets torchao's import-time noise before transformers loads it)
 from headkit.analysis.importance import head_importance
 from headkit.errors import HeadkitError
 from headkit.layers.gates import HardConcreteGate
