@@ -49,6 +49,10 @@ def _llama(path: str, *, n_ctx: int, n_batch: int, threads: int, logits_all: boo
         n_threads=threads,
         n_threads_batch=threads,
         logits_all=logits_all,
+        # llama.cpp's own tools default to flash attention on CPU (`-fa auto`); llama-cpp-python's wrapper to
+        # off. Without it a deci model's per-layer KV widths make attention over a long cache 2-3x slower than
+        # llama's (measured at 4,096 tokens: docs/benchmarks.md), which is the wrapper, not what users run.
+        flash_attn=True,
         verbose=False,
     )
 
