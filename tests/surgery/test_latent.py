@@ -12,7 +12,7 @@ import headkit.surgery.attention
 import headkit.surgery.pruning
 from headkit.compat import cache_keyword, output_cache
 from headkit.errors import HeadkitError
-from headkit.ops.latent import latent_attention, naive_latent_attention
+from headkit.ops.latent import LatentProjection, latent_attention, naive_latent_attention
 from headkit.surgery.attention import MECHANISM
 from headkit.surgery.families import FAMILIES, LATENT
 from headkit.surgery.latent import (
@@ -121,10 +121,9 @@ def test_the_op_equals_its_naive_twin_with_a_padding_mask_and_one_new_token():
     q_nope = queries.gather(
         -1, nope_index.repeat_interleave(per_head, 0)[None, :, None].expand(batch, -1, 1, -1)
     )
-    got = latent_attention(q_nope, q_rope, cache, key_up, value_up, bias, mask, scale=0.3)
-    expected = naive_latent_attention(
-        queries, cache, key_up, value_up, bias, rope_index, nope_index, mask, scale=0.3
-    )
+    projection = LatentProjection(key_up, value_up, bias, rope_index, nope_index)
+    got = latent_attention(q_nope, q_rope, cache, projection, mask, scale=0.3)
+    expected = naive_latent_attention(queries, cache, projection, mask, scale=0.3)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 

@@ -48,21 +48,3 @@ def train_each(
             }
             evaluations.append(evaluate(name, model, trained, partial(progress.update, task)))
     return evaluations
-
-
-def generate(
-    model: Any, prompts: torch.Tensor, new_tokens: int, pad_token_id: int, **options: Any
-) -> torch.Tensor:
-    """``model.generate`` of exactly ``new_tokens`` more tokens after each of ``prompts`` [N, P] (no padding),
-    greedy unless ``do_sample=True``, none of the generation config's top-k, top-p or temperature applied."""
-    return model.generate(
-        prompts,
-        attention_mask=torch.ones_like(prompts),
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        top_k=None,
-        top_p=None,
-        temperature=None,
-        pad_token_id=pad_token_id,
-        **({"do_sample": False} | options),
-    )

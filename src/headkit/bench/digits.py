@@ -21,12 +21,12 @@ import torch
 
 from headkit.bench._options import check_head_width
 from headkit.bench._report import TABLE_FILE, column_table, figure_axes
-from headkit.bench._training import generate, train_each
+from headkit.bench._training import train_each
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
-from headkit.recipes.evaluate import next_token_nats, time_call
+from headkit.recipes.evaluate import generate_tokens, next_token_nats, time_call
 
 PIXELS = 64  # 8 × 8
 SIDE = 8
@@ -171,7 +171,9 @@ def complete_images(
     if prompts.ndim != 2 or prompts.shape[1] != 1 + VISIBLE:
         raise HeadkitError(f"prompts must have shape [N, {1 + VISIBLE}], got {tuple(prompts.shape)}")
     torch.manual_seed(seed)
-    return generate(model, prompts, PIXELS - VISIBLE, BOS, do_sample=sample, suppress_tokens=[BOS])[:, 1:]
+    return generate_tokens(
+        model, prompts, PIXELS - VISIBLE, BOS, exact=True, do_sample=sample, suppress_tokens=[BOS]
+    )[:, 1:]
 
 
 def train_classifier(pixels: np.ndarray, labels: np.ndarray) -> Any:

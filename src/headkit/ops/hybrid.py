@@ -233,56 +233,25 @@ def hybrid_chunked(
     eps: float,
 ) -> tuple[torch.Tensor, HybridAttentionState]:
     """The chunked computation on validated inputs; ``state`` is never None here (zeros for no past)."""
-    batch, q_heads, seq, head_dim = q.shape
-    kv_heads, head_dim_v, features = k.shape[1], v.shape[3], qf.shape[3]
-    groups = q_heads // kv_heads
-    kept = window - 1  # keys carried in the state: the window minus the query's own key
-    dtype = state.kv.dtype  # float32, or float64 for float64 inputs
-    n_chunks = max(1, -(-seq // chunk))
-    padded = n_chunks * chunk
-    tail = padded - seq  # queries past the end, computed and dropped (they see only zero keys)
-    block = chunk + kept  # window keys of one chunk of queries
-    device = q.device
-    if keep is None:
-        keep = torch.ones(batch, seq, dtype=torch.bool, device=device)
-    keep = keep.to(device)
+    grid = chunk_grid(q, k, window, chunk, state.kv.dtype)
+    batch, kv_heads, groups, n_chunks, padded = (
+        grid.batch,
+        grid.kv_heads,
+        grid.groups,
+        grid.n_chunks,
+        grid.padded,
+    )
+    seq, kept, dtype, device = q.shape[2], window - 1, grid.dtype, q.device
+    q_heads, head_dim_v, features = q.shape[1], v.shape[3], qf.shape[3]
 
     with autocast_disabled(device):
-        # The "extended" sequence: the stored window, the new tokens, zeros for the tail. Query t (0-based among
-        # the new tokens) is extended position t + W − 1; it sees extended keys [t, t + W − 1] through the
-        # window and extended keys < t (plus the state's sums) through the linear term.
-        def extend(stored: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-            zeros = new.new_zeros(*new.shape[:2], tail, new.shape[3]).to(dtype)
-            return torch.cat([stored.to(dtype), new.to(dtype), zeros], dim=2)
-
-        keys, values, key_features = (
-            extend(state.keys, k),
-            extend(state.values, v),
-            extend(state.key_features, kf),
-        )
-        no_tail = torch.zeros(batch, tail, dtype=torch.bool, device=device)
-        keep_ext = torch.cat([state.keep.to(device), keep, no_tail], dim=1)  # [B, W − 1 + padded]
-
-        def chunked_queries(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, X] -> [B, Hkv, n, G·C, X]
-            x = torch.cat([x.to(dtype), x.new_zeros(*x.shape[:2], tail, x.shape[3]).to(dtype)], dim=2)
-            x = x.view(batch, kv_heads, groups, n_chunks, chunk, x.shape[3]).transpose(2, 3)
-            return x.reshape(batch, kv_heads, n_chunks, groups * chunk, x.shape[5])
-
-        # --- the window: one band-masked [C, C + W − 1] block of scores per chunk ---
-        window_keys = keys.unfold(2, block, chunk)  # [B, Hkv, n, D, C + W − 1], overlapping views
-        window_values = values.unfold(2, block, chunk).transpose(-1, -2)  # [B, Hkv, n, C + W − 1, Dv]
-        window_keep = keep_ext.unfold(1, block, chunk)  # [B, n, C + W − 1]
-        offsets = torch.arange(block, device=device)[None, :] - torch.arange(chunk, device=device)[:, None]
-        band = (offsets >= 0) & (offsets <= kept)  # query r sees block keys r … r + W − 1
-        # [B, 1, n, 1, C, C + W − 1]: in the band and a real token (neither padding nor an empty state slot)
-        visible = band & window_keep[:, None, :, None, None, :]
-        scores = (chunked_queries(q) @ window_keys) * scale  # [B, Hkv, n, G·C, C + W − 1]
-        scores = scores.view(batch, kv_heads, n_chunks, groups, chunk, block).masked_fill(
-            ~visible, float("-inf")
+        keys, values, key_features, keep_ext = extended_inputs(state, k, v, kf, keep, grid)
+        scores, window_values = window_block_scores(
+            chunked_queries(q, grid), keys, values, keep_ext, grid, scale
         )
         m = scores.amax(dim=-1, keepdim=True)
         m = m.masked_fill(~torch.isfinite(m), 0.0)  # a query whose window holds no real key
-        window_weights = torch.exp(scores - m).view(batch, kv_heads, n_chunks, groups * chunk, block)
+        window_weights = torch.exp(scores - m).view(batch, kv_heads, n_chunks, groups * chunk, grid.block)
         numerator = window_weights @ window_values  # [B, Hkv, n, G·C, Dv]
         denominator = window_weights.sum(dim=-1, keepdim=True)
 
@@ -300,7 +269,7 @@ def hybrid_chunked(
         final_kv = state.kv + chunk_kv.sum(dim=2)
         final_k_sum = state.k_sum + chunk_k_sum.sum(dim=2)
 
-        query_features = chunked_queries(qf)  # [B, Hkv, n, G·C, F]
+        query_features = chunked_queries(qf, grid)  # [B, Hkv, n, G·C, F]
         # Inside the chunk, query r sees the extended keys u < r of its chunk: one strictly lower [C, C] triangle
         # per stacked query head.
         linear_scores = query_features @ shifted_features.transpose(-1, -2)  # [B, Hkv, n, G·C, C]
@@ -318,17 +287,8 @@ def hybrid_chunked(
         out = out.view(batch, kv_heads, n_chunks, groups, chunk, head_dim_v).transpose(2, 3)
         out = out.reshape(batch, q_heads, padded, head_dim_v)[:, :, :seq].to(q.dtype)
 
-        # The next state: the last W − 1 extended tokens (the tail starts after them) and the shifted sums.
-        def last_window(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-            return x[:, :, seq : seq + kept].to(like.dtype)
-
-        final = HybridAttentionState(
-            keys=last_window(keys, k),
-            values=last_window(values, v),
-            key_features=last_window(key_features, kf),
-            keep=keep_ext[:, seq : seq + kept],
-            kv=final_kv,
-            k_sum=final_k_sum,
+        final = window_state_after(
+            keys, values, key_features, keep_ext, seq, kept, final_kv, final_k_sum, k, v, kf
         )
     return out, final
 
@@ -352,44 +312,16 @@ def hybrid_one_token(
     operations, not by their size, so this is what decoding speed is made of. The stored W − 1 keys and the new
     one are exactly the query's window; the oldest of them then leaves it for the linear state.
     """
-    batch, q_heads, _, _ = q.shape
-    kv_heads, head_dim_v, features = k.shape[1], v.shape[3], qf.shape[3]
-    groups = q_heads // kv_heads
     dtype = state.kv.dtype
-    if keep is None:
-        keep = torch.ones(batch, 1, dtype=torch.bool, device=q.device)
     with autocast_disabled(q.device):
-        keys = torch.cat([state.keys, k], dim=2)  # [B, Hkv, W, D]: the whole window, in the inputs' dtype
-        values = torch.cat([state.values, v], dim=2)
-        key_features = torch.cat([state.key_features, kf], dim=2)
-        window_keep = torch.cat([state.keep, keep.to(state.keep.device)], dim=1)  # [B, W]
-
-        # The G query heads of a key/value head stacked as G rows: [B, Hkv, G, ·].
-        queries = q.reshape(batch, kv_heads, groups, q.shape[3]).to(dtype)
-        scores = (queries @ keys.to(dtype).transpose(-1, -2)) * scale  # [B, Hkv, G, W]
-        scores = scores.masked_fill(~window_keep[:, None, None, :], float("-inf"))
-        # A window with no real key has max −inf; clamping it to a finite number leaves every weight exp(−inf) = 0.
-        m = scores.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).min)
-        weights = torch.exp(scores - m)
-        query_features = qf.reshape(batch, kv_heads, groups, features).to(dtype)
-        gamma = balance.to(dtype).view(1, kv_heads, groups, 1)
-        # The linear term's numerator and denominator in one matmul: [S | z] is [B, Hkv, F, Dv + 1].
-        linear = query_features @ torch.cat([state.kv, state.k_sum.unsqueeze(-1)], dim=-1)
-        numerator = torch.addcmul(weights @ values.to(dtype), gamma, linear[..., :head_dim_v])
-        denominator = torch.addcmul(weights.sum(dim=-1, keepdim=True), gamma, linear[..., head_dim_v:])
-        out = (numerator / (denominator + eps)).view(batch, q_heads, 1, head_dim_v).to(q.dtype)
-
+        keys, values, key_features, window_keep = window_with_new_token(state, k, v, kf, keep)
+        visible = window_keep[:, None, None, :]
+        out = attend_one_token(q, qf, balance, keys, values, visible, state.kv, state.k_sum, scale, eps)
         # The oldest key of the window (if real) moves into the linear sums; the rest is the next state. Its
         # outer product φ(k)vᵀ is a broadcast multiply: a [F, 1] @ [1, Dv] matmul costs more in dispatch.
         leaving = key_features[:, :, 0].to(dtype) * window_keep[:, None, :1]  # [B, Hkv, F]
-        final = HybridAttentionState(
-            keys=keys[:, :, 1:],
-            values=values[:, :, 1:],
-            key_features=key_features[:, :, 1:],
-            keep=window_keep[:, 1:],
-            kv=torch.addcmul(state.kv, leaving.unsqueeze(-1), values[:, :, 0].to(dtype).unsqueeze(-2)),
-            k_sum=state.k_sum + leaving,
-        )
+        kv = torch.addcmul(state.kv, leaving.unsqueeze(-1), values[:, :, 0].to(dtype).unsqueeze(-2))
+        final = window_after_one_token(keys, values, key_features, window_keep, kv, state.k_sum + leaving)
     return out, final
 
 
@@ -397,6 +329,187 @@ def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     """Σ over earlier chunks (dim 2), the first chunk getting zeros."""
     before = torch.zeros_like(x[:, :, :1])
     return torch.cat([before, x[:, :, :-1].cumsum(dim=2)], dim=2)
+
+
+# -- the pieces of the chunked and one-token forms, shared with headkit.ops.sparse_hybrid ------------------------
+
+
+class ChunkGrid(NamedTuple):
+    """How the chunked form lays out T new queries: ``n_chunks`` chunks of ``chunk`` (``padded`` = n · C, the
+    last ``tail`` queries past the end computed and dropped), each seeing a ``block`` of C + W − 1 window keys;
+    accumulation in ``dtype``."""
+
+    batch: int
+    kv_heads: int
+    groups: int
+    chunk: int
+    n_chunks: int
+    padded: int
+    tail: int
+    block: int
+    dtype: torch.dtype
+
+
+def chunk_grid(q: torch.Tensor, k: torch.Tensor, window: int, chunk: int, dtype: torch.dtype) -> ChunkGrid:
+    n_chunks = max(1, -(-q.shape[2] // chunk))
+    padded = n_chunks * chunk
+    return ChunkGrid(
+        q.shape[0], k.shape[1], q.shape[1] // k.shape[1], chunk, n_chunks, padded, padded - q.shape[2],
+        chunk + window - 1, dtype,
+    )  # fmt: skip
+
+
+def extended_inputs(
+    state: HybridAttentionState,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kf: torch.Tensor,
+    keep: torch.Tensor | None,
+    grid: ChunkGrid,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The "extended" sequence: the stored window, the new tokens, zeros for the tail (keys, values, key
+    features in ``grid.dtype``; keep flags [B, W − 1 + padded]). Query t (0-based among the new tokens) is
+    extended position t + W − 1; it sees extended keys [t, t + W − 1] through the window and extended keys < t
+    (plus the state's sums) through the linear term."""
+    batch, seq, device = k.shape[0], k.shape[2], k.device
+    keep = torch.ones(batch, seq, dtype=torch.bool, device=device) if keep is None else keep.to(device)
+
+    def extend(stored: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        zeros = new.new_zeros(*new.shape[:2], grid.tail, new.shape[3]).to(grid.dtype)
+        return torch.cat([stored.to(grid.dtype), new.to(grid.dtype), zeros], dim=2)
+
+    no_tail = torch.zeros(batch, grid.tail, dtype=torch.bool, device=device)
+    keep_ext = torch.cat([state.keep.to(device), keep, no_tail], dim=1)
+    return extend(state.keys, k), extend(state.values, v), extend(state.key_features, kf), keep_ext
+
+
+def chunked_queries(x: torch.Tensor, grid: ChunkGrid) -> torch.Tensor:
+    """[B, H, T, X] -> [B, Hkv, n, G·C, X]: the G query heads of a key/value head stacked per chunk."""
+    x = torch.cat([x.to(grid.dtype), x.new_zeros(*x.shape[:2], grid.tail, x.shape[3]).to(grid.dtype)], dim=2)
+    x = x.view(grid.batch, grid.kv_heads, grid.groups, grid.n_chunks, grid.chunk, x.shape[3]).transpose(2, 3)
+    return x.reshape(grid.batch, grid.kv_heads, grid.n_chunks, grid.groups * grid.chunk, x.shape[5])
+
+
+def window_block_scores(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    keep_ext: torch.Tensor,
+    grid: ChunkGrid,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The window: one band-masked [C, C + W − 1] block of scores per chunk, from overlapping (unfolded) views of
+    the extended keys. Returns (scores [B, Hkv, n, G, C, C + W − 1], −inf off the band and on padding; the
+    block's values [B, Hkv, n, C + W − 1, Dv])."""
+    chunk, block, kept = grid.chunk, grid.block, grid.block - grid.chunk
+    window_keys = keys.unfold(2, block, chunk)  # [B, Hkv, n, D, C + W − 1]
+    window_values = values.unfold(2, block, chunk).transpose(-1, -2)
+    window_keep = keep_ext.unfold(1, block, chunk)  # [B, n, C + W − 1]
+    offsets = (
+        torch.arange(block, device=keys.device)[None, :] - torch.arange(chunk, device=keys.device)[:, None]
+    )
+    band = (offsets >= 0) & (offsets <= kept)  # query r sees block keys r … r + W − 1
+    # In the band and a real token (neither padding nor an empty state slot).
+    visible = band & window_keep[:, None, :, None, None, :]
+    scores = (queries @ window_keys) * scale
+    scores = scores.view(grid.batch, grid.kv_heads, grid.n_chunks, grid.groups, chunk, block)
+    return scores.masked_fill(~visible, float("-inf")), window_values
+
+
+def window_state_after(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_features: torch.Tensor,
+    keep_ext: torch.Tensor,
+    seq: int,
+    kept: int,
+    kv: torch.Tensor,
+    k_sum: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kf: torch.Tensor,
+) -> HybridAttentionState:
+    """The next state of the chunked form: the last W − 1 extended tokens (the tail starts after them), in the
+    inputs' dtypes, and the sums (kv, k_sum)."""
+
+    def last_window(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        return x[:, :, seq : seq + kept].to(like.dtype)
+
+    return HybridAttentionState(
+        keys=last_window(keys, k),
+        values=last_window(values, v),
+        key_features=last_window(key_features, kf),
+        keep=keep_ext[:, seq : seq + kept],
+        kv=kv,
+        k_sum=k_sum,
+    )
+
+
+def window_with_new_token(
+    state: HybridAttentionState, k: torch.Tensor, v: torch.Tensor, kf: torch.Tensor, keep: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The whole window of a one-token step: the stored W − 1 keys, values and features and the new one
+    ([B, Hkv, W, ·], the inputs' dtypes), and its keep flags [B, W]."""
+    if keep is None:
+        keep = torch.ones(k.shape[0], 1, dtype=torch.bool, device=k.device)
+    return (
+        torch.cat([state.keys, k], dim=2),
+        torch.cat([state.values, v], dim=2),
+        torch.cat([state.key_features, kf], dim=2),
+        torch.cat([state.keep, keep.to(state.keep.device)], dim=1),
+    )
+
+
+def attend_one_token(
+    q: torch.Tensor,
+    qf: torch.Tensor,
+    balance: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    visible: torch.Tensor,
+    kv: torch.Tensor,
+    k_sum: torch.Tensor,
+    scale: float,
+    eps: float,
+) -> torch.Tensor:
+    """One query token [B, H, 1, D] over exact keys/values [B, Hkv, N, ·] (``visible`` [B, Hkv or 1, 1, N]) and
+    the linear sums (kv, k_sum), under one normaliser; accumulated in kv's dtype, returned [B, H, 1, Dv] in q's.
+    The G query heads of a key/value head are stacked as G rows."""
+    batch, q_heads = q.shape[:2]
+    kv_heads, head_dim_v, features = keys.shape[1], values.shape[3], qf.shape[3]
+    groups, dtype = q_heads // kv_heads, kv.dtype
+    queries = q.reshape(batch, kv_heads, groups, q.shape[3]).to(dtype)
+    scores = (queries @ keys.to(dtype).transpose(-1, -2)) * scale  # [B, Hkv, G, N]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    # No visible key gives max −inf; clamping it to a finite number leaves every weight exp(−inf) = 0.
+    m = scores.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).min)
+    weights = torch.exp(scores - m)
+    query_features = qf.reshape(batch, kv_heads, groups, features).to(dtype)
+    gamma = balance.to(dtype).view(1, kv_heads, groups, 1)
+    # The linear term's numerator and denominator in one matmul: [S | z] is [B, Hkv, F, Dv + 1].
+    linear = query_features @ torch.cat([kv, k_sum.unsqueeze(-1)], dim=-1)
+    numerator = torch.addcmul(weights @ values.to(dtype), gamma, linear[..., :head_dim_v])
+    denominator = torch.addcmul(weights.sum(dim=-1, keepdim=True), gamma, linear[..., head_dim_v:])
+    return (numerator / (denominator + eps)).view(batch, q_heads, 1, head_dim_v).to(q.dtype)
+
+
+def window_after_one_token(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_features: torch.Tensor,
+    window_keep: torch.Tensor,
+    kv: torch.Tensor,
+    k_sum: torch.Tensor,
+) -> HybridAttentionState:
+    """The state after a one-token step: the window without its oldest key, and the sums."""
+    return HybridAttentionState(
+        keys=keys[:, :, 1:],
+        values=values[:, :, 1:],
+        key_features=key_features[:, :, 1:],
+        keep=window_keep[:, 1:],
+        kv=kv,
+        k_sum=k_sum,
+    )
 
 
 def prepared_hybrid_inputs(
@@ -416,7 +529,7 @@ def prepared_hybrid_inputs(
 ) -> tuple[torch.Tensor | None, HybridAttentionState, float]:
     """(bool padding mask or None, the state — zeros when None —, the score scale), checked when ``validate``."""
     if not validate:
-        state = _initial_state(q, k, v, kf, window) if state is None else state
+        state = empty_hybrid_state(k, v, kf, window, accumulation_dtype(q)) if state is None else state
         return attention_mask, state, q.shape[-1] ** -0.5 if scale is None else scale
     batch, q_heads, kv_heads, kv_len = check_qkv(q, k, v)
     seq, head_dim, head_dim_v = q.shape[2], k.shape[3], v.shape[3]
@@ -444,10 +557,10 @@ def prepared_hybrid_inputs(
     scale = checked_scale(scale, head_dim)
     check_eps(eps)
 
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = accumulation_dtype(q)
     kept, device = window - 1, q.device
     if state is None:
-        return keep, _initial_state(q, k, v, kf, window), scale
+        return keep, empty_hybrid_state(k, v, kf, window, dtype), scale
     if not (isinstance(state, tuple) and len(state) == 6 and all(isinstance(t, torch.Tensor) for t in state)):
         raise ValueError(
             f"{state_name} must be a HybridAttentionState(keys, values, key_features, keep, kv, k_sum) of tensors, "
@@ -482,20 +595,24 @@ def prepared_hybrid_inputs(
     return keep, state, scale
 
 
-def _initial_state(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kf: torch.Tensor, window: int
+def empty_hybrid_state(
+    k: torch.Tensor, v: torch.Tensor, kf: torch.Tensor, window: int, dtype: torch.dtype
 ) -> HybridAttentionState:
-    """The state before the first token: an empty window (keep all False) and zero sums."""
-    batch, kv_heads, kept = k.shape[0], k.shape[1], window - 1
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    """The state before the first token: an empty window (keep all False) and zero sums in ``dtype``."""
+    batch, kv_heads, kept, device = k.shape[0], k.shape[1], window - 1, k.device
     return HybridAttentionState(
         keys=k.new_zeros(batch, kv_heads, kept, k.shape[3]),
         values=v.new_zeros(batch, kv_heads, kept, v.shape[3]),
         key_features=kf.new_zeros(batch, kv_heads, kept, kf.shape[3]),
-        keep=torch.zeros(batch, kept, dtype=torch.bool, device=q.device),
-        kv=torch.zeros(batch, kv_heads, kf.shape[3], v.shape[3], dtype=dtype, device=q.device),
-        k_sum=torch.zeros(batch, kv_heads, kf.shape[3], dtype=dtype, device=q.device),
+        keep=torch.zeros(batch, kept, dtype=torch.bool, device=device),
+        kv=torch.zeros(batch, kv_heads, kf.shape[3], v.shape[3], dtype=dtype, device=device),
+        k_sum=torch.zeros(batch, kv_heads, kf.shape[3], dtype=dtype, device=device),
     )
+
+
+def accumulation_dtype(q: torch.Tensor) -> torch.dtype:
+    """float64 for float64 inputs, float32 otherwise (also under autocast)."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
 # -- fixed-size decoding: the window as a ring buffer --------------------------------------------------------------

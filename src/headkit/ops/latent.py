@@ -24,9 +24,25 @@ is its obviously-correct twin: expand every head's keys and values from the late
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from headkit.ops.softmax import eager_attention
+
+
+class LatentProjection(NamedTuple):
+    """How a layer's keys and values come out of its cache row [c ; k_rope,1 ; … ; k_rope,G] (G key/value groups).
+
+    key_up: K_g [G, n, R], the rotary-free key dims from the latent; value_up: V_g [G, head_dim, R]; value_bias:
+    b_g [G, head_dim] or None; rope_index [G, D] / nope_index [G, n]: the head dims that are rotary (stored) and
+    rotary-free (up-projected) in each group's keys."""
+
+    key_up: torch.Tensor
+    value_up: torch.Tensor
+    value_bias: torch.Tensor | None
+    rope_index: torch.Tensor
+    nope_index: torch.Tensor
 
 
 def rotate_half_inverse(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -60,9 +76,7 @@ def latent_attention(
     query_nope: torch.Tensor,
     query_rope: torch.Tensor,
     cache: torch.Tensor,
-    key_up: torch.Tensor,
-    value_up: torch.Tensor,
-    value_bias: torch.Tensor | None,
+    projection: LatentProjection,
     attention_mask: torch.Tensor | None,
     *,
     scale: float,
@@ -77,11 +91,12 @@ def latent_attention(
     Args:
         query_nope: [B, H, T, n], the rotary-free queries; query_rope: [B, H, T, D], the rotary queries.
         cache: [B, S, R + G·D], per token the latent c then each group's D rotary key dimensions.
-        key_up: [G, n, R]; value_up: [G, head_dim, R]; value_bias: [G, head_dim] or None.
+        projection: the layer's up-projections (:class:`LatentProjection`; its indices are not needed here).
         attention_mask: None or bool [B or 1, 1, T, S] (True = attend; every row attends somewhere); is_causal:
             a causal mask over T = S instead.
         scale: the score scale.
     """
+    key_up, value_up, value_bias = projection.key_up, projection.value_up, projection.value_bias
     batch, heads, length, _ = query_nope.shape
     groups, head_dim, rank = value_up.shape
     per_group = heads // groups
@@ -100,16 +115,10 @@ def latent_attention(
     return output.reshape(batch, heads, length, head_dim)
 
 
-def expand_latent(
-    cache: torch.Tensor,
-    key_up: torch.Tensor,
-    value_up: torch.Tensor,
-    value_bias: torch.Tensor | None,
-    rope_index: torch.Tensor,
-    nope_index: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def expand_latent(cache: torch.Tensor, projection: LatentProjection) -> tuple[torch.Tensor, torch.Tensor]:
     """Every key/value head's keys and values [B, G, S, head_dim] from the cache [B, S, R + G·D]: key dims
     ``rope_index[g]`` hold the stored rotary keys, dims ``nope_index[g]`` the up-projected latent."""
+    key_up, value_up, value_bias, rope_index, nope_index = projection
     groups, head_dim, rank = value_up.shape
     batch, length, _ = cache.shape
     latent = cache[..., :rank].unsqueeze(1)  # [B, 1, S, R]
@@ -127,11 +136,7 @@ def expand_latent(
 def naive_latent_attention(
     queries: torch.Tensor,
     cache: torch.Tensor,
-    key_up: torch.Tensor,
-    value_up: torch.Tensor,
-    value_bias: torch.Tensor | None,
-    rope_index: torch.Tensor,
-    nope_index: torch.Tensor,
+    projection: LatentProjection,
     attention_mask: torch.Tensor | None,
     *,
     scale: float,
@@ -140,7 +145,7 @@ def naive_latent_attention(
     """Reference for :func:`latent_attention`: expand every head's keys and values from the latent
     (:func:`expand_latent`), then plain softmax attention. queries: [B, H, T, head_dim], each head's rotary
     dims rotated and its rotary-free dims not. Returns [B, H, T, head_dim]."""
-    keys, values = expand_latent(cache, key_up, value_up, value_bias, rope_index, nope_index)
+    keys, values = expand_latent(cache, projection)
     if is_causal:
         length = queries.shape[2]
         attention_mask = torch.ones(length, length, dtype=torch.bool, device=queries.device).tril()[
@@ -151,6 +156,7 @@ def naive_latent_attention(
 
 
 __all__ = [
+    "LatentProjection",
     "expand_latent",
     "latent_attention",
     "latent_queries",

@@ -56,10 +56,20 @@ from headkit.ops._precision import autocast_disabled
 from headkit.ops._validation import check_positive_int
 from headkit.ops.hybrid import (
     HybridAttentionState,
+    accumulation_dtype,
+    attend_one_token,
+    chunk_grid,
+    chunked_queries,
+    empty_hybrid_state,
     exclusive_cumsum,
+    extended_inputs,
     hybrid_chunked,
     hybrid_one_token,
     prepared_hybrid_inputs,
+    window_after_one_token,
+    window_block_scores,
+    window_state_after,
+    window_with_new_token,
 )
 
 
@@ -187,7 +197,7 @@ def sparse_hybrid_exact_sets(
     keep = torch.ones(batch, seq, dtype=torch.bool, device=k.device)
     if attention_mask is not None:
         keep = attention_mask.to(device=k.device, dtype=torch.bool)
-    dtype = torch.float64 if k.dtype == torch.float64 else torch.float32
+    dtype = accumulation_dtype(k)
     with torch.no_grad(), autocast_disabled(k.device):
         state = _initial(k, v, kf, window, sinks, budget, batch, dtype)
         kept = window - 1
@@ -538,35 +548,16 @@ def _sparse_hybrid(
     eps: float,
 ) -> tuple[torch.Tensor, SparseHybridState]:
     """The chunked computation on validated inputs (S + G > 0)."""
-    batch, q_heads, seq, head_dim = q.shape
-    kv_heads, head_dim_v, features = k.shape[1], v.shape[3], qf.shape[3]
-    groups = q_heads // kv_heads
-    kept = window - 1
     base = state.window
-    dtype = base.kv.dtype
-    device = q.device
-    n_chunks = max(1, -(-seq // chunk))
-    padded = n_chunks * chunk
-    tail = padded - seq
-    block = chunk + kept
-    if keep is None:
-        keep = torch.ones(batch, seq, dtype=torch.bool, device=device)
-    keep = keep.to(device)
+    grid = chunk_grid(q, k, window, chunk, base.kv.dtype)
+    batch, kv_heads, groups, n_chunks, padded, block = (
+        grid.batch, grid.kv_heads, grid.groups, grid.n_chunks, grid.padded, grid.block
+    )  # fmt: skip
+    seq, kept, dtype, device = q.shape[2], window - 1, grid.dtype, q.device
+    q_heads, head_dim_v, features = q.shape[1], v.shape[3], qf.shape[3]
 
     with autocast_disabled(device):
-
-        def extend(stored: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-            zeros = new.new_zeros(*new.shape[:2], tail, new.shape[3]).to(dtype)
-            return torch.cat([stored.to(dtype), new.to(dtype), zeros], dim=2)
-
-        keys, values, key_features = (
-            extend(base.keys, k),
-            extend(base.values, v),
-            extend(base.key_features, kf),
-        )
-        keep_ext = torch.cat(
-            [base.keep.to(device), keep, torch.zeros(batch, tail, dtype=torch.bool, device=device)], dim=1
-        )
+        keys, values, key_features, keep_ext = extended_inputs(base, k, v, kf, keep, grid)
         # Event e (after query e − 1 … before query e + 1): extended key e leaves the window.
         leave_keys, leave_values, leave_features = (
             keys[:, :, :seq],
@@ -578,23 +569,8 @@ def _sparse_hybrid(
             leave_keys, leave_values, leave_features, leave_keep, state,
             sinks=sinks, budget=budget, chunk=chunk, eps=eps,
         )  # fmt: skip
-
-        def chunked_queries(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, X] -> [B, Hkv, n, G·C, X]
-            x = torch.cat([x.to(dtype), x.new_zeros(*x.shape[:2], tail, x.shape[3]).to(dtype)], dim=2)
-            x = x.view(batch, kv_heads, groups, n_chunks, chunk, x.shape[3]).transpose(2, 3)
-            return x.reshape(batch, kv_heads, n_chunks, groups * chunk, x.shape[5])
-
-        queries = chunked_queries(q)
-        # --- the window: one band-masked [C, C + W − 1] block per chunk (as in headkit.ops.hybrid) ---
-        window_keys = keys.unfold(2, block, chunk)
-        window_values = values.unfold(2, block, chunk).transpose(-1, -2)
-        window_keep = keep_ext.unfold(1, block, chunk)
-        offsets = torch.arange(block, device=device)[None, :] - torch.arange(chunk, device=device)[:, None]
-        band = (offsets >= 0) & (offsets <= kept)
-        visible = band & window_keep[:, None, :, None, None, :]
-        window_scores = (queries @ window_keys) * scale
-        window_scores = window_scores.view(batch, kv_heads, n_chunks, groups, chunk, block)
-        window_scores = window_scores.masked_fill(~visible, float("-inf"))
+        queries = chunked_queries(q, grid)
+        window_scores, window_values = window_block_scores(queries, keys, values, keep_ext, grid, scale)
 
         # --- the exact extras: sinks and cached keys, at most S + G + C per chunk of queries ---
         arrival, departure = _exact_intervals(plan, state, seq, sinks, budget, chunk)
@@ -663,16 +639,8 @@ def _sparse_hybrid(
         out = out.reshape(batch, q_heads, seq, head_dim_v).to(q.dtype)
 
         # --- the next state ---
-        def last_window(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-            return x[:, :, seq : seq + kept].to(like.dtype)
-
-        window_state = HybridAttentionState(
-            keys=last_window(keys, k),
-            values=last_window(values, v),
-            key_features=last_window(key_features, kf),
-            keep=keep_ext[:, seq : seq + kept],
-            kv=final_kv,
-            k_sum=final_k_sum,
+        window_state = window_state_after(
+            keys, values, key_features, keep_ext, seq, kept, final_kv, final_k_sum, k, v, kf
         )
         # Sinks: the first S flagged among [the sink slots, the leaving keys], in order; empty slots zero.
         sink_flags = torch.cat([state.sink_keep, plan.is_sink], dim=1)
@@ -731,19 +699,12 @@ def _sparse_one_token(
     """One decoding step: the query sees [sinks, cache, window] exactly and the folded sums linearly; then the
     oldest window key leaves: it fills the next sink slot, or competes for the cache (the worst of the kept keys
     and the newcomer is folded)."""
-    batch, q_heads = q.shape[:2]
     kv_heads, head_dim_v, features = k.shape[1], v.shape[3], qf.shape[3]
-    groups = q_heads // kv_heads
     base = state.window
     dtype = base.kv.dtype
     device = q.device
-    if keep is None:
-        keep = torch.ones(batch, 1, dtype=torch.bool, device=device)
     with autocast_disabled(device):
-        window_keys = torch.cat([base.keys, k], dim=2)
-        window_values = torch.cat([base.values, v], dim=2)
-        window_features = torch.cat([base.key_features, kf], dim=2)
-        window_keep = torch.cat([base.keep, keep.to(base.keep.device)], dim=1)  # [B, W]
+        window_keys, window_values, window_features, window_keep = window_with_new_token(base, k, v, kf, keep)
         keys = torch.cat([state.sink_keys, state.sparse_keys, window_keys], dim=2).to(dtype)
         values = torch.cat([state.sink_values, state.sparse_values, window_values], dim=2).to(dtype)
         visible = torch.cat(
@@ -754,17 +715,9 @@ def _sparse_one_token(
             ],
             dim=2,
         )
-        queries = q.reshape(batch, kv_heads, groups, q.shape[3]).to(dtype)
-        scores = (queries @ keys.transpose(-1, -2)) * scale
-        scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
-        m = scores.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).min)
-        weights = torch.exp(scores - m)
-        query_features = qf.reshape(batch, kv_heads, groups, features).to(dtype)
-        gamma = balance.to(dtype).view(1, kv_heads, groups, 1)
-        linear = query_features @ torch.cat([base.kv, base.k_sum.unsqueeze(-1)], dim=-1)
-        numerator = torch.addcmul(weights @ values, gamma, linear[..., :head_dim_v])
-        denominator = torch.addcmul(weights.sum(dim=-1, keepdim=True), gamma, linear[..., head_dim_v:])
-        out = (numerator / (denominator + eps)).view(batch, q_heads, 1, head_dim_v).to(q.dtype)
+        out = attend_one_token(
+            q, qf, balance, keys, values, visible[:, :, None, :], base.kv, base.k_sum, scale, eps
+        )
 
         # The oldest window key leaves.
         leaving_keep = window_keep[:, 0]
@@ -819,16 +772,8 @@ def _sparse_one_token(
             sparse_keep = candidate_keep.gather(2, kept_index)
             sparse_scores = candidate_scores.gather(2, kept_index)
 
-        window_state = HybridAttentionState(
-            keys=window_keys[:, :, 1:],
-            values=window_values[:, :, 1:],
-            key_features=window_features[:, :, 1:],
-            keep=window_keep[:, 1:],
-            kv=kv,
-            k_sum=k_sum,
-        )
         final = SparseHybridState(
-            window_state,
+            window_after_one_token(window_keys, window_values, window_features, window_keep, kv, k_sum),
             sink_keys,
             sink_values,
             state.sink_keep | sink_slot,
@@ -856,15 +801,8 @@ def _initial(
 ) -> SparseHybridState:
     """The state before the first token: empty window, sinks and cache, zero sums."""
     kv_heads, device = k.shape[1], k.device
-    kept, features, dv = window - 1, kf.shape[3], v.shape[3]
-    window_state = HybridAttentionState(
-        keys=k.new_zeros(batch, kv_heads, kept, k.shape[3]),
-        values=v.new_zeros(batch, kv_heads, kept, dv),
-        key_features=kf.new_zeros(batch, kv_heads, kept, features),
-        keep=torch.zeros(batch, kept, dtype=torch.bool, device=device),
-        kv=torch.zeros(batch, kv_heads, features, dv, dtype=dtype, device=device),
-        k_sum=torch.zeros(batch, kv_heads, features, dtype=dtype, device=device),
-    )
+    features, dv = kf.shape[3], v.shape[3]
+    window_state = empty_hybrid_state(k, v, kf, window, dtype)
     return SparseHybridState(
         window_state,
         sink_keys=k.new_zeros(batch, kv_heads, sinks, k.shape[3]),
@@ -884,7 +822,7 @@ def _checked(
     q, k, v, qf, kf, balance, window, sinks, budget, attention_mask, state, scale, eps, validate
 ) -> tuple[SparseHybridState, torch.Tensor | None, float]:
     """(the state — empty when None —, the bool padding mask or None, the scale), checked when ``validate``."""
-    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = accumulation_dtype(q)
     if not validate:
         if state is None:
             state = _initial(k, v, kf, window, sinks, budget, q.shape[0], dtype)

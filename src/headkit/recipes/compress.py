@@ -236,9 +236,8 @@ def compress(
     settings: CompressSettings | None = None, echo: Callable[[str], None] = print, **overrides: Any
 ) -> CompressResult:
     """Run the recipe (see the module docstring); nothing is written when any step fails."""
-    settings = with_overrides(CompressSettings, settings, overrides)
     started = time.perf_counter()
-    check_settings(settings)
+    settings = with_overrides(CompressSettings, settings, overrides, check_settings)
     model_path = Path(settings.model) if settings.model is not None else default_encoder_path()
     out = Path(settings.out)
     check_output_folder(model_path, out, settings.overwrite)

@@ -33,7 +33,7 @@ import tokenize
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -48,6 +48,8 @@ from headkit.files import check_output_folder, write_json_atomic
 from headkit.recipes.objectives import mean_pool, next_token_kl
 from headkit.surgery.latent import LatentCacheLayer
 from headkit.surgery.linearize import decoding_state_bytes
+
+T = TypeVar("T")
 
 
 @contextlib.contextmanager
@@ -204,6 +206,16 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed_call(fn: Callable[[], T], device: torch.device | str = "cpu") -> tuple[T, float]:
+    """(``fn()``, its wall seconds), the clock read after ``device``'s queued kernels finish: the one clock of
+    every timer in headkit (:func:`time_call`, :func:`decode_step_seconds`, the fast decoder's steps)."""
+    synchronize(device)
+    started = time.perf_counter()
+    result = fn()
+    synchronize(device)
+    return result, time.perf_counter() - started
+
+
 @dataclass(frozen=True)
 class Timing:
     """Seconds per call measured by each timed repeat, their median, and the calls each repeat averaged."""
@@ -278,13 +290,13 @@ def decode_step_seconds(
     of a decoding step. Returns (seconds per step, the cache after them, the tokens chosen [B, steps])."""
     times, chosen = [], []
     for _ in range(steps):
-        synchronize(token.device)
-        started = time.perf_counter()
-        output = model(input_ids=token, **cache_keyword(cache), use_cache=True)
-        token = output.logits[:, -1:].argmax(-1)
-        synchronize(token.device)
-        times.append(time.perf_counter() - started)
-        cache = output_cache(output)
+
+        def step(token: torch.Tensor = token, cache: Any = cache) -> tuple[torch.Tensor, Any]:
+            output = model(input_ids=token, **cache_keyword(cache), use_cache=True)
+            return output.logits[:, -1:].argmax(-1), output_cache(output)
+
+        (token, cache), seconds = timed_call(step, token.device)
+        times.append(seconds)
         chosen.append(token)
     return times, cache, torch.cat(chosen, dim=1) if chosen else token[:, :0]
 
@@ -463,17 +475,42 @@ def compare_speed(
     return result
 
 
+def generate_tokens(
+    model: Any,
+    prompts: torch.Tensor,
+    max_new_tokens: int,
+    pad_token_id: int | None,
+    *,
+    exact: bool = False,
+    **options: Any,
+) -> torch.Tensor:
+    """``model.generate`` after each of ``prompts`` [N, P] (no padding): greedy unless ``do_sample=True``, none
+    of the generation config's top-k, top-p or temperature applied; exactly ``max_new_tokens`` new tokens with
+    ``exact``, else up to them. Returns the whole sequences [N, P + n]."""
+    lengths = {"max_new_tokens": max_new_tokens} | ({"min_new_tokens": max_new_tokens} if exact else {})
+    return model.generate(
+        prompts,
+        attention_mask=torch.ones_like(prompts),
+        top_k=None,
+        top_p=None,
+        temperature=None,
+        pad_token_id=pad_token_id,
+        **lengths,
+        **({"do_sample": False} | options),
+    )
+
+
+def pad_token_of(tokenizer: Any) -> int | None:
+    """The tokenizer's padding token, else its end token (what generate() pads finished rows with)."""
+    pad = getattr(tokenizer, "pad_token_id", None)
+    return pad if pad is not None else getattr(tokenizer, "eos_token_id", None)
+
+
 @torch.no_grad()
 def greedy_sample(model: nn.Module, tokenizer: Any, prompt: str, max_new_tokens: int = 24) -> str:
     """The model's greedy continuation of `prompt` (the continuation only)."""
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-    output = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=False,
-        pad_token_id=getattr(tokenizer, "pad_token_id", None) or getattr(tokenizer, "eos_token_id", None),
-    )
+    output = generate_tokens(model, ids, max_new_tokens, pad_token_of(tokenizer))
     return tokenizer.decode(output[0, ids.shape[1] :], skip_special_tokens=True)
 
 
@@ -745,8 +782,7 @@ def retrieve_passkeys(
     """The model's greedy answers (decoded text, at most `max_new_tokens` tokens) to the trials' prompts,
     prompts of equal length decoded together, about `batch_tokens` prompt tokens per batch."""
     device = next(model.parameters()).device
-    pad = getattr(tokenizer, "pad_token_id", None)
-    pad = pad if pad is not None else getattr(tokenizer, "eos_token_id", None)
+    pad = pad_token_of(tokenizer)
     answers: dict[int, str] = {}
     by_length: dict[int, list[int]] = {}
     for index, trial in enumerate(trials):
@@ -756,16 +792,7 @@ def retrieve_passkeys(
         for start in range(0, len(indices), rows):
             chunk = indices[start : start + rows]
             ids = torch.tensor([trials[i].input_ids for i in chunk], dtype=torch.long, device=device)
-            generated = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=max_new_tokens,
-                do_sample=False,
-                temperature=None,
-                top_p=None,
-                top_k=None,
-                pad_token_id=pad,
-            )[:, ids.shape[1] :]
+            generated = generate_tokens(model, ids, max_new_tokens, pad)[:, ids.shape[1] :]
             for i, row in zip(chunk, generated, strict=True):
                 answers[i] = tokenizer.decode(row.tolist(), skip_special_tokens=True)
     return [answers[i] for i in range(len(trials))]
@@ -950,7 +977,7 @@ def _evaluate(
             measured = agreement(model, reference.model, windows, batch)
             point |= {"top1_agreement": measured.top1, "kl": measured.kl}
         perplexities.append(point)
-        echo(_perplexity_line(point))
+        echo(_point_line(point, PERPLEXITY_LINE))
 
     passkey: dict[str, Any] = {}
     if passkey_lengths:
@@ -998,7 +1025,7 @@ def _evaluate(
             )
             point[f"{name}_state_bytes"] = cache_bytes(network, context_length)
         decode.append(point)
-        echo(_decode_line(point))
+        echo(_point_line(point, DECODE_LINE))
 
     report = {
         "model": str(settings.model),
@@ -1029,27 +1056,27 @@ def _evaluate(
     return report
 
 
-def _perplexity_line(point: dict[str, Any]) -> str:
-    line = f"perplexity at {point['length']} ({point['windows']} windows): {point['model_perplexity']:.3f}"
-    if "reference_perplexity" in point:
-        line += (
-            f", reference {point['reference_perplexity']:.3f}; top-1 agreement {point['top1_agreement']:.1%}, "
-            f"KL {point['kl']:.4f}"
-        )
-    return line
+# How a perplexity or decode point prints: its own part, then the reference's where it was measured against one.
+PERPLEXITY_LINE = (
+    "perplexity at {length} ({windows} windows): {model_perplexity:.3f}",
+    ", reference {reference_perplexity:.3f}; top-1 agreement {top1_agreement:.1%}, KL {kl:.4f}",
+)
+DECODE_LINE = (
+    "decode at {context}: {model_ms_per_token:.2f} ms/token, state {model_state_mib:.2f} MiB",
+    "; reference {reference_ms_per_token:.2f} ms/token, {reference_state_mib:.2f} MiB",
+)
 
 
-def _decode_line(point: dict[str, Any]) -> str:
-    line = (
-        f"decode at {point['context']}: {point['model_ms_per_token']:.2f} ms/token, "
-        f"state {point['model_state_bytes'] / 2**20:.2f} MiB"
+def _point_line(point: dict[str, Any], line: tuple[str, str]) -> str:
+    fields = point | {
+        key.removesuffix("_bytes") + "_mib": value / 2**20
+        for key, value in point.items()
+        if key.endswith("_bytes")
+    }
+    own, reference = line
+    return own.format(**fields) + (
+        reference.format(**fields) if any(k.startswith("reference_") for k in point) else ""
     )
-    if "reference_ms_per_token" in point:
-        line += (
-            f"; reference {point['reference_ms_per_token']:.2f} ms/token, "
-            f"{point['reference_state_bytes'] / 2**20:.2f} MiB"
-        )
-    return line
 
 
 def _accuracy(cell: dict[str, Any]) -> str:

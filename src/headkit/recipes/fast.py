@@ -39,7 +39,6 @@ import inspect
 import logging
 import os
 import shutil
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -49,6 +48,7 @@ from transformers import CompileConfig, StaticCache
 
 from headkit.compat import cache_keyword
 from headkit.errors import HeadkitError
+from headkit.recipes.evaluate import timed_call
 from headkit.surgery.attention import mechanism_of
 from headkit.surgery.linearize import LinearizedHeads, RingHybridStateCacheLayer
 
@@ -282,31 +282,33 @@ class FastDecoder:
         if step is None:
             step = self._decode_step
             if self.compiled and not self.regions:
-                config = self.compile_config  # its to_dict() deep-copies: a backend object would be a copy
-                options = {
-                    name: getattr(config, name)
-                    for name in ("fullgraph", "dynamic", "backend", "mode", "options")
-                }
-                step = torch.compile(step, **options)
+                step = torch.compile(step, **self._compile_options())
             self._steps[bucket] = step
         return step
-
-    def _forward_arguments(self, positions: torch.Tensor) -> dict[str, Any]:
-        arguments = {"position_ids": positions}
-        if self._takes_cache_position:  # transformers < 5.24 places new keys by cache_position
-            arguments["cache_position"] = positions[0]
-        return arguments
 
     def _decode_step(
         self, token: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None, cache: Any
     ) -> torch.Tensor:
         """One token per row in, the greedy next token per row out [B, 1]: the compiled hot path."""
+        return self._next_token(token, positions, attention_mask, cache)
+
+    def _next_token(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        cache: Any,
+    ) -> torch.Tensor:
+        """The greedy next token [B, 1] after ``input_ids`` (one forward with the cache, the last logits only)."""
+        arguments = {"position_ids": positions}
+        if self._takes_cache_position:  # transformers < 5.24 places new keys by cache_position
+            arguments["cache_position"] = positions[0]
         logits = self.model(
-            input_ids=token,
+            input_ids=input_ids,
             attention_mask=attention_mask,
             use_cache=True,
             logits_to_keep=1,
-            **self._forward_arguments(positions),
+            **arguments,
             **cache_keyword(cache),
         ).logits
         return logits[:, -1].argmax(-1, keepdim=True)
@@ -337,15 +339,7 @@ class FastDecoder:
             streamer.put(input_ids.cpu())
         # The prompt runs eagerly, as in transformers' generate(): one graph per prompt length would not pay.
         with torch.compiler.set_stance("force_eager"):
-            logits = self.model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                use_cache=True,
-                logits_to_keep=1,
-                **self._forward_arguments(positions),
-                **cache_keyword(cache),
-            ).logits
-        token = logits[:, -1].argmax(-1, keepdim=True)
+            token = self._next_token(input_ids, positions, attention_mask, cache)
         generated = [token]
         if streamer is not None:
             streamer.put(token.cpu())
@@ -363,12 +357,13 @@ class FastDecoder:
             if finished is not None and bool(finished.all()):
                 break
             position += 1
-            started = time.perf_counter()
             # torch.compile guards on the thread count: a new count is a new graph, compiled like a new bucket.
             first = (bucket, torch.get_num_threads()) not in self._compiled_for
             with _first_step(self) if first else torch.compiler.set_stance("fail_on_recompile"):
-                token = step(token, position.clone(), decode_mask, cache)
-            seconds = time.perf_counter() - started
+                token, seconds = timed_call(
+                    lambda token=token, position=position: step(token, position.clone(), decode_mask, cache),
+                    token.device,
+                )
             if first:
                 self._compiled_for.add((bucket, torch.get_num_threads()))
                 self.compile_seconds[bucket] = seconds

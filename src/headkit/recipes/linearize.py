@@ -259,9 +259,8 @@ def linearize(
     """Run the recipe (see the module docstring); the result's model is the converted, recovered student, also
     saved with its tokenizer, report.json and the plot to ``settings.out``. Nothing is written when any step
     fails, and an existing ``out`` is only replaced (with ``overwrite``) once everything succeeded."""
-    settings = with_overrides(LinearizeSettings, settings, overrides)
     started = time.perf_counter()
-    check_settings(settings)
+    settings = with_overrides(LinearizeSettings, settings, overrides, check_settings)
     model_path = _model_path(settings)
     out = Path(settings.out)
     check_output_folder(model_path, out, settings.overwrite)
@@ -287,9 +286,8 @@ def run(
 ) -> LinearizeResult:
     """Convert, recover and measure like :func:`linearize`, but write nothing (``settings.out`` is unused).
     `loaded`: the model already loaded from ``settings.model`` (left unchanged), to spare loading it again."""
-    settings = with_overrides(LinearizeSettings, settings, overrides)
     started = time.perf_counter()
-    check_settings(settings)
+    settings = with_overrides(LinearizeSettings, settings, overrides, check_settings)
     result, _ = _run(settings, _model_path(settings), echo, loaded)
     result.report["seconds"] = time.perf_counter() - started
     return result

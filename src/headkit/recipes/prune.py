@@ -471,9 +471,8 @@ def prune(
     """Run the recipe (see the module docstring); the result's model is the pruned, recovered student, also saved
     with its tokenizer and report.json to ``settings.out``. Nothing is written when any step fails. `loaded`: the
     model already loaded from ``settings.model`` (left unchanged), to spare loading it again."""
-    settings = with_overrides(PruneSettings, settings, overrides)
     started = time.perf_counter()
-    check_settings(settings)
+    settings = with_overrides(PruneSettings, settings, overrides, check_settings)
     model_path = Path(settings.model) if settings.model is not None else default_encoder_path()
     out = Path(settings.out)
     check_output_folder(model_path, out, settings.overwrite)
@@ -509,9 +508,8 @@ def run(
 ) -> PruneResult:
     """Prune, recover and measure like :func:`prune`, but write nothing (``settings.out`` is unused).
     `loaded`: the model already loaded from ``settings.model`` (left unchanged), to spare loading it again."""
-    settings = with_overrides(PruneSettings, settings, overrides)
     started = time.perf_counter()
-    check_settings(settings)
+    settings = with_overrides(PruneSettings, settings, overrides, check_settings)
     model_path = Path(settings.model) if settings.model is not None else default_encoder_path()
     model, report, _ = _run(settings, model_path, echo, loaded)
     report["seconds"] = time.perf_counter() - started

@@ -4,6 +4,7 @@ its report."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import MISSING, asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
@@ -56,11 +57,21 @@ def shown_value(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def with_overrides(settings_class: type[SettingsT], settings: Any, overrides: dict[str, Any]) -> SettingsT:
-    """``settings`` (the defaults of ``settings_class`` when None) with ``overrides`` replacing its fields."""
+def with_overrides(
+    settings_class: type[SettingsT],
+    settings: Any,
+    overrides: dict[str, Any],
+    check: Callable[[SettingsT], None] | None = None,
+) -> SettingsT:
+    """``settings`` (the defaults of ``settings_class`` when None) with ``overrides`` replacing its fields, passed
+    through ``check`` (the recipe's own validation, which raises on a bad field) when given."""
     if settings is None:
-        return settings_class(**overrides)
-    return settings_class(**(asdict(settings) | overrides)) if overrides else settings
+        settings = settings_class(**overrides)
+    elif overrides:
+        settings = settings_class(**(asdict(settings) | overrides))
+    if check is not None:
+        check(settings)
+    return settings
 
 
 def check_count(option: str, value: Any, minimum: int) -> None:

@@ -26,7 +26,7 @@ with a custom ``forward`` would silently ignore the mechanism).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -95,6 +95,31 @@ def _eager(
     )
 
 
+class AttentionCall(NamedTuple):
+    """One call of the registered attention function, as a mechanism receives it from
+    :func:`headkit_attention_forward` (every mechanism's ``forward`` takes one).
+
+    queries [B, H, T, D]; keys and values [B, Hkv, S, ·], as the module's cache update returned them;
+    attention_mask: the model's mask, or None; cache_layer: the mechanism's own entry in the cache
+    (``mechanism.cache_layer(cache)``), None without a cache; base: the implementation unconverted layers run;
+    scaling, dropout: the module's; options: every other keyword the module passed (position embeddings,
+    ``output_attentions``, …)."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    values: torch.Tensor
+    attention_mask: Any
+    cache_layer: Any
+    base: str
+    scaling: float | None
+    dropout: float
+    options: dict[str, Any]
+
+    def scale(self, default: float) -> float:
+        """The module's score scale where it passed one, else the mechanism's ``default``."""
+        return default if self.scaling is None else self.scaling
+
+
 def headkit_attention_forward(
     module: nn.Module,
     query: torch.Tensor,
@@ -107,8 +132,8 @@ def headkit_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The registered ``headkit_<base>`` attention, per module: key/value heads gathered for the query heads
     (``headkit_kv_head_index``: uneven grouped-query pruning; the cache has stored only the heads still read),
-    then the module's mechanism (told the base implementation as the keyword ``base``: eager returns weights
-    always, the others need not), else the base implementation, then each head's output scaled by the module's
+    then the module's mechanism (given an :class:`AttentionCall`, which tells it the base implementation: eager
+    returns weights always, the others need not), else the base implementation, then each head's output scaled by the module's
     ``head_gate``. Outputs are [B, T, heads, head_dim], as every attention function returns them."""
     cache_layer = kwargs.pop(CACHE_LAYER_KEYWORD, None)
     index = getattr(module, KV_HEAD_INDEX, None)
@@ -118,9 +143,9 @@ def headkit_attention_forward(
     if mechanism is None:
         output, weights = base_attention(base)(module, query, key, value, attention_mask, **kwargs)
     else:
-        output, weights = mechanism(
-            query, key, value, attention_mask, cache_layer=cache_layer, base=base, **kwargs
-        )
+        scaling, dropout = kwargs.pop("scaling", None), kwargs.pop("dropout", 0.0)
+        call = AttentionCall(query, key, value, attention_mask, cache_layer, base, scaling, dropout, kwargs)
+        output, weights = mechanism(call)
     gate = getattr(module, HEAD_GATE, None)
     # A gate over no heads (a layer pruned empty) has nothing to scale.
     if gate is not None and getattr(gate, "num_heads", None) != 0:
@@ -262,6 +287,25 @@ def attach_mechanisms(model: nn.Module, planned: Iterable[tuple[nn.Module, nn.Mo
     use_dispatcher(model)
 
 
+def refuse_modules_off_the_interface(
+    model: nn.Module, named_modules: list[tuple[str, nn.Module]], what: str
+) -> None:
+    """Refuse, before any work, attention modules that would silently ignore a mechanism: a custom ``forward``
+    that does not dispatch through the interface, or one that drops its keyword arguments. `what` ends the
+    error (e.g. "llama cannot be linearized"). The probe runs the model on two tokens, so only a model that
+    takes ``input_ids`` is probed (ViT takes images; its attention dispatches through the interface)."""
+    if getattr(model, "main_input_name", "input_ids") != "input_ids":
+        return
+    calling = modules_calling_the_interface(model, [module for _, module in named_modules])
+    custom = [(name, module) for name, module in named_modules if id(module) not in calling]
+    if custom:
+        names = ", ".join(f"{name} ({type(module).__name__})" for name, module in custom[:3])
+        raise HeadkitError(
+            f"headkit plugs into transformers' attention interface, but {names} do(es) not dispatch through it "
+            f"(a custom forward) or drop(s) its keyword arguments: {what}"
+        )
+
+
 def modules_calling_the_interface(model: nn.Module, modules: list[nn.Module]) -> set[int]:
     """The ids of those `modules` whose forward dispatches through transformers' attention interface and hands
     it the keywords it was called with — what a mechanism needs. Found by running the model on two tokens
@@ -295,6 +339,7 @@ def modules_calling_the_interface(model: nn.Module, modules: list[nn.Module]) ->
 
 
 __all__ = [
+    "AttentionCall",
     "CACHE_LAYER_KEYWORD",
     "HEAD_GATE",
     "KV_HEAD_INDEX",
@@ -308,6 +353,7 @@ __all__ = [
     "implementation_name",
     "mechanism_of",
     "modules_calling_the_interface",
+    "refuse_modules_off_the_interface",
     "needs_dispatch",
     "release_dispatcher",
     "set_attention_implementation",

@@ -61,7 +61,12 @@ from headkit.surgery.adapters import (
     get_adapter,
     new_linear,
 )
-from headkit.surgery.attention import attach_mechanisms, mechanism_of, modules_calling_the_interface
+from headkit.surgery.attention import (
+    AttentionCall,
+    attach_mechanisms,
+    mechanism_of,
+    refuse_modules_off_the_interface,
+)
 from headkit.surgery.decompose import decompose_query_key
 from headkit.surgery.records import record_surgery, register_surgery_op
 
@@ -173,25 +178,14 @@ class CollaborativeHeads(nn.Module):
         """(num_heads, num_kv_heads, head_dim) of the heads this mechanism computes."""
         return self.num_heads, self.num_heads, self.head_dim
 
-    def forward(
-        self,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        attention_mask: Any,
-        *,
-        scaling: float | None = None,
-        dropout: float = 0.0,
-        base: str | None = None,
-        output_attentions: bool | None = False,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
+        queries, keys, values = call.queries, call.keys, call.values
         batch, _, q_len, _ = queries.shape
         kv_len = keys.shape[2]
         dim_shared = self.dim_shared_query_key
         shared_queries = queries.transpose(1, 2).reshape(batch, q_len, -1)[..., :dim_shared]
         keys = keys.transpose(1, 2).reshape(batch, kv_len, -1)
-        scale = self.scale if scaling is None else scaling
+        scale = call.scale(self.scale)
         # The content-bias scores [B, Tk, H], scaled like the mixed dot products they are added to.
         key_bias = (
             scale * keys[..., dim_shared : dim_shared + self.num_heads] if self.has_content_bias else None
@@ -204,10 +198,10 @@ class CollaborativeHeads(nn.Module):
             self.mixing,
             scale=scale,
             causal=self.is_causal,
-            attention_mask=model_attention_mask(attention_mask, batch, q_len, kv_len),
-            dropout=dropout,
+            attention_mask=model_attention_mask(call.attention_mask, batch, q_len, kv_len),
+            dropout=call.dropout,
             # eager attention returns its weights always (GPT-2 drops the flag before its attention modules)
-            output_attentions=bool(output_attentions) or base == "eager",
+            output_attentions=bool(call.options.get("output_attentions")) or call.base == "eager",
         )
         return heads.transpose(1, 2), weights
 
@@ -322,7 +316,9 @@ def swap_to_collaborative(
         raise ValueError(f"max_iter must be a non-negative integer, got {max_iter!r}")
     sites = adapter.sites(model)
     _check_swappable(adapter, sites, dim_shared_query_key)
-    _check_interface(model, adapter, sites)
+    refuse_modules_off_the_interface(
+        model, [(s.name, s.module) for s in sites], f"{adapter.name} cannot be swapped"
+    )
 
     parameters_before = count_parameters(model)
     planned = [
@@ -384,22 +380,6 @@ def _check_swappable(adapter: AttentionAdapter, sites: list[AttentionSite], dim_
                 f"dim_shared_query_key must be at most the hidden size {hidden} (or heads·head_dim = {full}, "
                 f"the exact size), got {dim_shared}"
             )
-
-
-def _check_interface(model: nn.Module, adapter: AttentionAdapter, sites: list[AttentionSite]) -> None:
-    """Refuse, before any work, attention modules that would ignore the mechanism (a custom ``forward``). The
-    probe runs the model on two tokens, so only a model that takes ``input_ids`` is probed (ViT takes images;
-    its attention dispatches through the interface)."""
-    if getattr(model, "main_input_name", "input_ids") != "input_ids":
-        return
-    calling = modules_calling_the_interface(model, [site.module for site in sites])
-    custom = [site for site in sites if id(site.module) not in calling]
-    if custom:
-        names = ", ".join(f"{site.name} ({type(site.module).__name__})" for site in custom[:3])
-        raise HeadkitError(
-            f"collaborative heads plug into transformers' attention interface, but {names} do(es) not dispatch "
-            f"through it (a custom forward) or drop(s) its keyword arguments: {adapter.name} cannot be swapped"
-        )
 
 
 @dataclass

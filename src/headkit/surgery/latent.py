@@ -53,14 +53,15 @@ from torch import nn
 
 from headkit.errors import HeadkitError
 from headkit.layers.base import KV_HEAD_INDEX
-from headkit.ops.latent import latent_attention, naive_latent_attention, rotate_half_inverse
+from headkit.ops.latent import LatentProjection, latent_attention, naive_latent_attention, rotate_half_inverse
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite, count_parameters, get_adapter
 from headkit.surgery.attention import (
     HEAD_GATE,
+    AttentionCall,
     StateCacheLayer,
     attach_mechanisms,
     mechanism_of,
-    modules_calling_the_interface,
+    refuse_modules_off_the_interface,
     state_cache_layer,
 )
 from headkit.surgery.collaborative import SharedProjection
@@ -177,18 +178,9 @@ class LatentKVHeads(nn.Module):
         """This layer's entry in the model's cache (see :class:`headkit.surgery.attention.CacheLayerHook`)."""
         return latent_cache_layer(cache, self.layer_idx)
 
-    def forward(
-        self,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        attention_mask: Any,
-        *,
-        scaling: float | None = None,
-        cache_layer: LatentCacheLayer | None = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
-        embeddings = kwargs.get(POSITION_EMBEDDINGS_KEYWORD)
+    def forward(self, call: AttentionCall) -> tuple[torch.Tensor, None]:
+        queries, keys, values, cache_layer = call.queries, call.keys, call.values, call.cache_layer
+        embeddings = call.options.get(POSITION_EMBEDDINGS_KEYWORD)
         if embeddings is None:
             raise HeadkitError(
                 f"latent layer {self.layer_idx} needs the rotary cos/sin of its attention module (its "
@@ -205,42 +197,30 @@ class LatentKVHeads(nn.Module):
             past = cache_layer.get_seq_length()
             rows = rows if previous is None else torch.cat((previous, rows), dim=1)
             cache_layer.set_state(rows, length)
-        mask, is_causal = attention_mask_for(attention_mask, batch, length, past, queries.device)
+        mask, is_causal = attention_mask_for(call.attention_mask, batch, length, past, queries.device)
         per_head = heads // groups
         rope_index = self.rope_index.repeat_interleave(per_head, dim=0)[None, :, None]
         nope_index = self.nope_index.repeat_interleave(per_head, dim=0)[None, :, None]
         unrotated = rotate_half_inverse(queries, *embeddings)
-        scale = self.scale if scaling is None else scaling
+        scale = call.scale(self.scale)
         if self.absorbed:
             query_rope = queries.gather(-1, rope_index.expand(batch, heads, length, rope))
             query_nope = unrotated.gather(-1, nope_index.expand(batch, heads, length, -1))
             output = latent_attention(
-                query_nope,
-                query_rope,
-                rows,
-                self.key_up,
-                self.value_up,
-                self.value_bias,
-                mask,
-                scale=scale,
-                is_causal=is_causal,
+                query_nope, query_rope, rows, self.projection, mask, scale=scale, is_causal=is_causal
             )
         else:
             index = rope_index.expand(batch, heads, length, rope)
             mixed = unrotated.scatter(-1, index, queries.gather(-1, index))
             output = naive_latent_attention(
-                mixed,
-                rows,
-                self.key_up,
-                self.value_up,
-                self.value_bias,
-                self.rope_index,
-                self.nope_index,
-                mask,
-                scale=scale,
-                is_causal=is_causal,
+                mixed, rows, self.projection, mask, scale=scale, is_causal=is_causal
             )
         return output.transpose(1, 2).contiguous(), None
+
+    @property
+    def projection(self) -> LatentProjection:
+        """The up-projections from this layer's cache rows (see :class:`headkit.ops.latent.LatentProjection`)."""
+        return LatentProjection(self.key_up, self.value_up, self.value_bias, self.rope_index, self.nope_index)
 
     def extra_repr(self) -> str:
         return (
@@ -561,16 +541,6 @@ def _check_sites(model: nn.Module, adapter: AttentionAdapter) -> list[AttentionS
     return sites
 
 
-def _check_interface(model: nn.Module, adapter: AttentionAdapter, sites: list[AttentionSite]) -> None:
-    calling = modules_calling_the_interface(model, [site.module for site in sites])
-    custom = [site for site in sites if id(site.module) not in calling]
-    if custom:
-        raise HeadkitError(
-            f"latent keys/values plug into transformers' attention interface, but {custom[0].name} "
-            f"({type(custom[0].module).__name__}) does not dispatch through it: {adapter.name} cannot be converted"
-        )
-
-
 @dataclass
 class _SitePlan:
     site: AttentionSite
@@ -676,7 +646,9 @@ def compress_kv_to_latent(
     hidden = adapter.read_projections(sites[0]).k_weight.shape[1]
     for site in sites:
         check_latent_arguments(site, hidden, kv_rank, rope_dims)
-    _check_interface(model, adapter, sites)
+    refuse_modules_off_the_interface(
+        model, [(s.name, s.module) for s in sites], f"{adapter.name} cannot be converted"
+    )
     before = count_parameters(model)
     statistics = (
         [weight_statistics(adapter, site) for site in sites]

@@ -77,10 +77,11 @@ from headkit.ops.hybrid import (
 from headkit.ops.sparse_hybrid import sparse_hybrid_attention, sparse_hybrid_attention_step
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite, count_parameters, get_adapter
 from headkit.surgery.attention import (
+    AttentionCall,
     StateCacheLayer,
     attach_mechanisms,
     mechanism_of,
-    modules_calling_the_interface,
+    refuse_modules_off_the_interface,
     state_cache_layer,
 )
 from headkit.surgery.families import LINEARIZE, get_family
@@ -283,17 +284,8 @@ class LinearizedHeads(nn.Module):
         """This layer's entry in the model's cache (see :class:`headkit.surgery.attention.CacheLayerHook`)."""
         return hybrid_cache_layer(cache, self.layer_idx)
 
-    def forward(
-        self,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        attention_mask: Any,
-        *,
-        scaling: float | None = None,
-        cache_layer: HybridStateCacheLayer | None = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, None]:
+    def forward(self, call: AttentionCall) -> tuple[torch.Tensor, None]:
+        queries, keys, values, cache_layer = call.queries, call.keys, call.values, call.cache_layer
         batch, _, seq, _ = queries.shape
         ring = isinstance(cache_layer, RingHybridStateCacheLayer) and not (self.sinks or self.sparse_cache)
         if seq == 1 and ring and cache_layer.is_initialized:
@@ -306,14 +298,14 @@ class LinearizedHeads(nn.Module):
                 self.feature_map_k(keys),
                 self.balance,
                 cache_layer.ring_state(),
-                scale=self.scale if scaling is None else scaling,
+                scale=call.scale(self.scale),
             )
             return outputs.transpose(1, 2).contiguous(), None
         past = 0 if cache_layer is None else cache_layer.get_seq_length()
-        new_mask = new_key_padding_mask(attention_mask, batch, past, seq)
+        new_mask = new_key_padding_mask(call.attention_mask, batch, past, seq)
         new_mask = None if new_mask is None else new_mask.to(queries.device)
         query_features, key_features = self.feature_map_q(queries), self.feature_map_k(keys)
-        scale = self.scale if scaling is None else scaling
+        scale = call.scale(self.scale)
         # The mask is checked above and states come from the op itself: its own checks would only repeat that.
         options = {"window": self.window, "attention_mask": new_mask, "scale": scale, "validate": False}
         tensors = (queries, keys, values, query_features, key_features, self.balance)
@@ -469,7 +461,9 @@ def linearize(
         model, sites, sliding, window, feature_map, layers, feature_dim, chunk_size, convert_sliding
     )
     _check_exact_sets(sinks, sparse_cache)
-    _check_interface(model, adapter, chosen)
+    refuse_modules_off_the_interface(
+        model, [(s.name, s.module) for s in chosen], f"{adapter.name} cannot be linearized"
+    )
     before = count_parameters(model)
     planned = [
         (site, _plan_site(site, window, feature_map, feature_dim, chunk_size, sinks, sparse_cache))
@@ -560,18 +554,6 @@ def _check_sites(model: nn.Module, adapter: AttentionAdapter) -> list[AttentionS
                 f"{site.name} already runs {type(mechanism).__name__} (earlier surgery); cannot linearize it"
             )
     return sites
-
-
-def _check_interface(model: nn.Module, adapter: AttentionAdapter, chosen: list[AttentionSite]) -> None:
-    """Refuse, before any work, layers whose attention would ignore a mechanism (a custom ``forward``)."""
-    calling = modules_calling_the_interface(model, [site.module for site in chosen])
-    custom = [site for site in chosen if id(site.module) not in calling]
-    if custom:
-        names = ", ".join(f"{site.name} ({type(site.module).__name__})" for site in custom[:3])
-        raise HeadkitError(
-            f"linearize plugs into transformers' attention interface, but {names} do(es) not dispatch through it "
-            f"(a custom forward) or drop(s) its keyword arguments: {adapter.name} cannot be linearized"
-        )
 
 
 def _check_arguments(

@@ -50,6 +50,7 @@ from headkit.surgery.adapters import (
     linear_parameters,
 )
 from headkit.surgery.attention import (
+    AttentionCall,
     StateCacheLayer,
     attach_mechanisms,
     mechanism_of,
@@ -85,16 +86,8 @@ class EmptyHeads(nn.Module):
             raise HeadkitError("this attention module has no layer_idx, so it cannot use a KV cache")
         return state_cache_layer(cache, self.layer_idx, EmptyHeadsCacheLayer, "a layer with no heads")
 
-    def forward(
-        self,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        attention_mask: Any,
-        *,
-        cache_layer: EmptyHeadsCacheLayer | None = None,
-        **kwargs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
+        queries, cache_layer = call.queries, call.cache_layer
         batch, _, seq, head_dim = queries.shape
         past = 0 if cache_layer is None else cache_layer.get_seq_length()
         if cache_layer is not None:
