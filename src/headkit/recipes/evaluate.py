@@ -78,6 +78,12 @@ def _device(model: nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
+def summed_nats(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """Σ −log softmax(logits)[target] in nats over rows ([N, V] logits, [N] targets), in float32 at least: the
+    one next-token loss behind perplexity and bits per byte, headkit's models' and llama.cpp's alike."""
+    return float(F.cross_entropy(logits.float(), targets, reduction="sum"))
+
+
 @torch.no_grad()
 def next_token_nats(
     model: nn.Module, windows: torch.Tensor, batch_size: int = 4, ignored_ids: torch.Tensor | None = None
@@ -92,8 +98,8 @@ def next_token_nats(
         keep = torch.ones_like(targets, dtype=torch.bool)
         if ignored_ids is not None and ignored_ids.numel():
             keep = ~torch.isin(targets, ignored_ids.to(device))
-        logits = model(input_ids=chunk.to(device), use_cache=False).logits[:, :-1].float()
-        total += float(F.cross_entropy(logits[keep], targets[keep], reduction="sum"))
+        logits = model(input_ids=chunk.to(device), use_cache=False).logits[:, :-1]
+        total += summed_nats(logits[keep], targets[keep])
         predicted.append(keep.cpu())
     return total, torch.cat(predicted)
 

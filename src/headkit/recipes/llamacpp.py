@@ -17,11 +17,13 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from headkit.errors import HeadkitError
+from headkit.recipes.evaluate import summed_nats, timed_call
 
 LLAMA_CPP_INSTALL_HINT = "pip install 'headkit[llamacpp]' (llama-cpp-python)"
 FLOAT_TYPES = ("f32", "f16", "bf16")
@@ -68,12 +70,9 @@ def _perplexity(path: str, windows: list[list[int]], n_batch: int, threads: int)
         for window in windows:
             llm.reset()
             llm.eval(window)
-            logits = np.array(llm.scores[: len(window) - 1], dtype=np.float64)
-            peak = logits.max(-1, keepdims=True)
-            log_z = np.log(np.exp(logits - peak).sum(-1)) + peak[:, 0]
-            targets = np.array(window[1:])
-            total += float((log_z - logits[np.arange(len(targets)), targets]).sum())
-            count += len(targets)
+            logits = torch.from_numpy(np.array(llm.scores[: len(window) - 1], dtype=np.float32))
+            total += summed_nats(logits, torch.tensor(window[1:]))
+            count += len(window) - 1
     finally:
         llm.close()
     return {"perplexity": math.exp(total / count), "tokens": count}
@@ -86,19 +85,16 @@ def _speed(
     ``eval`` calls after it), with the state size llama.cpp reports at the end."""
     llm = _llama(path, n_ctx=len(prompt) + steps + 1, n_batch=n_batch, threads=threads, logits_all=False)
     try:
-        started = time.perf_counter()
         if token_by_token_prompt:
             for token in prompt:
                 llm.eval([token])
             pp = None
         else:
-            llm.eval(prompt)
-            pp = len(prompt) / (time.perf_counter() - started)
+            _, seconds = timed_call(lambda: llm.eval(prompt))
+            pp = len(prompt) / seconds
         token = prompt[-1]
-        started = time.perf_counter()
-        for _ in range(steps):
-            llm.eval([token])
-        generation = steps / (time.perf_counter() - started)
+        _, seconds = timed_call(lambda: [llm.eval([token]) for _ in range(steps)])
+        generation = steps / seconds
         import llama_cpp
 
         state = (

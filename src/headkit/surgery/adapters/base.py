@@ -162,6 +162,8 @@ class AttentionAdapter:
             the module (``output_projection_path`` then names it).
         rotary: the module applies rotary position embeddings to queries and keys (they are then no longer
             linear in the hidden states, which rules out the collaborative re-parametrisation).
+        multi_head_only: the family's display name where its module computes exactly one key/value head per
+            query head (no grouped-query attention: fused GPT-2, GPT-NeoX); None otherwise.
     """
 
     name: ClassVar[str] = ""
@@ -175,6 +177,7 @@ class AttentionAdapter:
     head_dim_attribute: ClassVar[str] = "head_dim"
     epilogue_names: ClassVar[tuple[str | None, str | None, str | None] | tuple[()]] = ("o_proj", None, None)
     rotary: ClassVar[bool] = False
+    multi_head_only: ClassVar[str | None] = None
 
     # -- detection ----------------------------------------------------------------------------------------------
 
@@ -267,7 +270,9 @@ class AttentionAdapter:
         original forward: empty it instead (:meth:`write_empty`).
         """
         self._require_original(site, "write its projections")
-        num_heads, num_kv_heads = check_projection_weights(weights, site)
+        num_heads, num_kv_heads = check_projection_weights(
+            weights, site, multi_head_only=self.multi_head_only
+        )
         self.write_linears(model, site, weights)
         self.set_head_counts(site.module, num_heads, num_kv_heads, site.head_dim)
         return self.sites(model)[site.index]
@@ -497,7 +502,11 @@ def replace_linear(root: nn.Module, path: str, weight: torch.Tensor, bias: torch
     setattr(parent, child_name, new_linear(weight.to(linear_parameters(old)[0].dtype), bias, like=old))
 
 
-def check_projection_weights(weights: ProjectionWeights, site: AttentionSite) -> tuple[int, int]:
+def check_projection_weights(
+    weights: ProjectionWeights, site: AttentionSite, *, multi_head_only: str | None = None
+) -> tuple[int, int]:
+    """(query heads, key/value heads) of `weights`, checked against `site`'s geometry. `multi_head_only`: the
+    family's name where its module has exactly one key/value head per query head (fused-qkv GPT-2, GPT-NeoX)."""
     head_dim = site.head_dim
     hidden = site.module.get_submodule(site.adapter.query_name)
     hidden_size = linear_parameters(hidden)[0].shape[1]
@@ -536,6 +545,10 @@ def check_projection_weights(weights: ProjectionWeights, site: AttentionSite) ->
     ):
         if bias is not None and tuple(bias.shape) != (rows,):
             raise HeadkitError(f"{name} must have shape [{rows}], got {tuple(bias.shape)}")
+    if multi_head_only is not None and num_kv_heads != num_heads:
+        raise HeadkitError(
+            f"{multi_head_only} has as many key/value heads as query heads: got {num_heads} and {num_kv_heads}"
+        )
     return num_heads, num_kv_heads
 
 

@@ -10,7 +10,6 @@ from headkit.surgery.adapters.base import (
     AttentionAdapter,
     AttentionSite,
     ProjectionWeights,
-    check_projection_weights,
     linear_parameters,
     new_linear,
     register_adapter,
@@ -25,6 +24,7 @@ class GPT2Adapter(AttentionAdapter):
     attention_path = "attn"
     query_name = key_name = value_name = "c_attn"
     epilogue_names = ("c_proj", "resid_dropout", None)
+    multi_head_only = "GPT-2"
 
     def head_geometry(self, module: nn.Module) -> tuple[int, int, int]:
         if not hasattr(module, "c_attn"):
@@ -40,22 +40,12 @@ class GPT2Adapter(AttentionAdapter):
         o_weight, o_bias = linear_parameters(site.output_projection)
         return ProjectionWeights(q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_bias, o_bias)
 
-    def write_projections(
-        self, model: nn.Module, site: AttentionSite, weights: ProjectionWeights
-    ) -> AttentionSite:
-        self._require_original(site, "write its projections")
-        num_heads, num_kv_heads = check_projection_weights(weights, site)
-        if num_kv_heads != num_heads:
-            raise ValueError(
-                f"GPT-2 has as many key/value heads as query heads: got {num_heads} and {num_kv_heads}"
-            )
+    def write_linears(self, model: nn.Module, site: AttentionSite, weights: ProjectionWeights) -> None:
         module = site.module
         fused_weight = torch.cat([weights.q_weight, weights.k_weight, weights.v_weight])
         fused_bias = torch.cat([weights.q_bias, weights.k_bias, weights.v_bias])
         module.c_attn = new_linear(fused_weight, fused_bias, like=module.c_attn)
         replace_linear(model, site.output_projection_name, weights.o_weight, weights.o_bias)
-        self.set_head_counts(module, num_heads, num_kv_heads, site.head_dim)
-        return self.sites(model)[site.index]
 
     def set_head_counts(self, module: nn.Module, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         module.num_heads = num_heads

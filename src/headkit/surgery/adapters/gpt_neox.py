@@ -10,12 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headkit.errors import HeadkitError
 from headkit.surgery.adapters.base import (
     AttentionAdapter,
     AttentionSite,
     ProjectionWeights,
-    check_projection_weights,
     linear_parameters,
     register_adapter,
     replace_linear,
@@ -29,6 +27,7 @@ class GPTNeoXAdapter(AttentionAdapter):
     query_name = key_name = value_name = "query_key_value"
     head_dim_attribute = "head_size"
     epilogue_names = ("dense", None, None)
+    multi_head_only = "GPT-NeoX"
     rotary = True
 
     def head_geometry(self, module: nn.Module) -> tuple[int, int, int]:
@@ -50,18 +49,6 @@ class GPTNeoXAdapter(AttentionAdapter):
             q_bias, k_bias, v_bias = (b.reshape(heads * d) for b in bias.view(heads, 3, d).unbind(1))
         o_weight, o_bias = linear_parameters(site.output_projection)
         return ProjectionWeights(q_weight, k_weight, v_weight, o_weight, q_bias, k_bias, v_bias, o_bias)
-
-    def write_projections(
-        self, model: nn.Module, site: AttentionSite, weights: ProjectionWeights
-    ) -> AttentionSite:
-        self._require_original(site, "write its projections")
-        num_heads, num_kv_heads = check_projection_weights(weights, site)
-        if num_kv_heads != num_heads:
-            raise HeadkitError(
-                f"GPT-NeoX has as many key/value heads as query heads: got {num_heads} and {num_kv_heads}"
-            )
-        self.write_linears(model, site, weights)
-        return self.sites(model)[site.index]
 
     def write_linears(self, model: nn.Module, site: AttentionSite, weights: ProjectionWeights) -> None:
         d = site.head_dim
