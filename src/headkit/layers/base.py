@@ -108,6 +108,8 @@ class HeadkitAttention(nn.Module):
     # Whether forward takes ``inputs_validated`` (a subclass that overrides forward with the plain signature does
     # not): set per class, so a model reads one attribute per call to know whether it may pass it.
     takes_inputs_validated: ClassVar[bool] = True
+    # Attributes a mechanism adds to the layer's repr (after the head geometry).
+    repr_fields: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -268,6 +270,14 @@ class HeadkitAttention(nn.Module):
         if inputs.cache is not None:
             inputs.cache.set_state(state, self.layer_idx, inputs.seq)
 
+    def finish_recurrent(
+        self, inputs: LayerInputs, state: Any, head_outputs: torch.Tensor
+    ) -> tuple[torch.Tensor, None]:
+        """The end of a recurrent layer's ``attend``: its state kept (:meth:`store_state`), its heads projected
+        (:meth:`project_heads`); no attention weights."""
+        self.store_state(inputs, state)
+        return self.project_heads(head_outputs), None
+
     def key_padding_mask(
         self, attention_mask: torch.Tensor | None, batch: int, total_length: int, *, validated: bool = False
     ) -> torch.Tensor | None:
@@ -286,9 +296,10 @@ class HeadkitAttention(nn.Module):
         """
 
     def extra_repr(self) -> str:
+        fields = "".join(f", {name}={getattr(self, name)!r}" for name in self.repr_fields)
         return (
             f"layer_idx={self.layer_idx}, num_heads={self.num_heads}, "
-            f"num_key_value_heads={self.num_key_value_heads}, head_dim={self.head_dim}"
+            f"num_key_value_heads={self.num_key_value_heads}, head_dim={self.head_dim}{fields}"
         )
 
 

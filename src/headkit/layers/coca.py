@@ -47,6 +47,8 @@ class CoCAAttention(HeadkitAttention):
     ``output_attentions`` or dropout.
     """
 
+    repr_fields = ("t_activation",)
+
     def __init__(self, config: Any, layer_idx: int, **head_overrides: int) -> None:
         super().__init__(config, layer_idx, **head_overrides)
         if self.head_dim % 2:
@@ -100,9 +102,6 @@ class CoCAAttention(HeadkitAttention):
             output_attentions=inputs.output_attentions,
         )
         return self.project_heads(head_outputs), weights
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, t_activation={self.t_activation!r}"
 
 
 def cached_key_positions(

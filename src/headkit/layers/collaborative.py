@@ -63,6 +63,8 @@ class CollaborativeAttention(HeadkitAttention):
     ``output_attentions``, dropout, or keys no more than D̃ (where they are no larger than the mixed queries).
     """
 
+    repr_fields = ("dim_shared_query_key",)
+
     def __init__(
         self,
         config: Any,
@@ -228,9 +230,6 @@ class CollaborativeAttention(HeadkitAttention):
             v_bias=None if layer.v_proj.bias is None else layer.v_proj.bias.detach(),
             o_bias=None if layer.o_proj.bias is None else layer.o_proj.bias.detach(),
         )
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, dim_shared_query_key={self.dim_shared_query_key}"
 
 
 def collaborative_head_outputs(

@@ -52,6 +52,8 @@ class HybridAttention(HeadkitAttention):
 
     cache_layer_class = RecurrentStateLayer
 
+    repr_fields = ("window", "chunk_size")
+
     def __init__(self, config: Any, layer_idx: int, **head_overrides: int) -> None:
         super().__init__(config, layer_idx, **head_overrides)
         if not self.causal:
@@ -120,8 +122,4 @@ class HybridAttention(HeadkitAttention):
                 output_final_state=inputs.cache is not None,
                 validate=False,
             )
-        self.store_state(inputs, state)
-        return self.project_heads(head_outputs), None
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, window={self.window}, chunk_size={self.chunk_size}"
+        return self.finish_recurrent(inputs, state, head_outputs)

@@ -41,6 +41,8 @@ class LinearAttention(HeadkitAttention):
 
     cache_layer_class = RecurrentStateLayer
 
+    repr_fields = ("feature_map", "chunk_size")
+
     def __init__(self, config: Any, layer_idx: int, **head_overrides: int) -> None:
         super().__init__(config, layer_idx, **head_overrides)
         self.add_query_key_value_projections(config.attention_bias)
@@ -78,8 +80,4 @@ class LinearAttention(HeadkitAttention):
                 output_final_state=inputs.cache is not None,
                 validate=False,
             )
-        self.store_state(inputs, state)
-        return self.project_heads(head_outputs), None
-
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, feature_map={self.feature_map!r}, chunk_size={self.chunk_size}"
+        return self.finish_recurrent(inputs, state, head_outputs)

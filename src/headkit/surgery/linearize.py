@@ -75,7 +75,13 @@ from headkit.ops.hybrid import (
     hybrid_state_from_ring,
 )
 from headkit.ops.sparse_hybrid import sparse_hybrid_attention, sparse_hybrid_attention_step
-from headkit.surgery.adapters import AttentionAdapter, AttentionSite, count_parameters, get_adapter
+from headkit.surgery.adapters import (
+    AttentionAdapter,
+    AttentionSite,
+    check_mask_is_tensor,
+    count_parameters,
+    get_adapter,
+)
 from headkit.surgery.attention import (
     AttentionCall,
     StateCacheLayer,
@@ -182,11 +188,7 @@ def new_key_padding_mask(attention_mask: Any, batch: int, past: int, seq: int) -
     (a sliding layer's last row no longer reaches the early keys; the diagonal always does)."""
     if attention_mask is None:
         return None
-    if not isinstance(attention_mask, torch.Tensor):
-        raise HeadkitError(
-            f"attention_mask of type {type(attention_mask).__name__} is not supported by linearized attention; "
-            "use attn_implementation='sdpa' or 'eager'"
-        )
+    check_mask_is_tensor(attention_mask, "linearized attention")
     if (
         attention_mask.dim() == 4
         and attention_mask.shape[-2] == seq

@@ -107,6 +107,15 @@ def mechanism_heads(module: nn.Module) -> tuple[int, int, int] | None:
 _SIGNATURES: dict[int, tuple[Any, ...]] = {}
 
 
+def check_mask_is_tensor(attention_mask: Any, reader: str) -> None:
+    """Refuse a mask that is not a tensor (an implementation's own mask object): `reader` cannot read it."""
+    if not isinstance(attention_mask, torch.Tensor):
+        raise HeadkitError(
+            f"attention_mask of type {type(attention_mask).__name__} is not supported by {reader}; "
+            "use attn_implementation='sdpa' or 'eager'"
+        )
+
+
 def checked_model_mask(attention_mask: Any, batch: int, q_len: int, kv_len: int) -> torch.Tensor | None:
     """The mask a 🤗 model hands its attention module, validated: None, a [B, Tk] key padding mask (returned as
     bool), or a 4D mask [B, 1|H, 1|Tq, Tk] (bool True = keep, or additive float; returned as it is).
@@ -117,11 +126,7 @@ def checked_model_mask(attention_mask: Any, batch: int, q_len: int, kv_len: int)
     """
     if attention_mask is None:
         return None
-    if not isinstance(attention_mask, torch.Tensor):
-        raise HeadkitError(
-            f"attention_mask of type {type(attention_mask).__name__} is not supported by headkit attention modules; "
-            "use attn_implementation='eager' or 'sdpa'"
-        )
+    check_mask_is_tensor(attention_mask, "headkit attention modules")
     if attention_mask.dim() == 2:
         if tuple(attention_mask.shape) != (batch, kv_len):
             raise HeadkitError(
