@@ -26,7 +26,7 @@ with a custom ``forward`` would silently ignore the mechanism).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 from torch import nn
@@ -239,6 +239,12 @@ class StateCacheLayer(RecurrentStateLayer, CacheLayerMixin):
     is_croppable = False
     is_sliding = False
     supports_early_init = False
+    describes: ClassVar[str] = "a layer with a state of its own"  # what errors call the layer
+
+    @classmethod
+    def in_cache(cls, cache: Any, layer_idx: int) -> Any:
+        """This class's entry of ``layer_idx`` in ``cache`` (see :func:`state_cache_layer`)."""
+        return state_cache_layer(cache, layer_idx, cls, cls.describes)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Nothing to allocate ahead: the state is created by the layer's first forward."""

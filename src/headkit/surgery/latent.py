@@ -62,7 +62,6 @@ from headkit.surgery.attention import (
     attach_mechanisms,
     mechanism_of,
     refuse_modules_off_the_interface,
-    state_cache_layer,
 )
 from headkit.surgery.collaborative import SharedProjection
 from headkit.surgery.families import LATENT, get_family
@@ -76,10 +75,12 @@ class LatentCacheLayer(StateCacheLayer):
     """The entry of a latent layer in a 🤗 ``Cache``: one tensor [B, S, R + G·D] (per token the latent, then each
     key/value head's rotary key dimensions), grown by :class:`LatentKVHeads`."""
 
+    describes = "a latent key/value attention layer"
+
 
 def latent_cache_layer(cache: Any, layer_idx: int) -> LatentCacheLayer:
-    """The :class:`LatentCacheLayer` of ``layer_idx`` in ``cache`` (see :func:`state_cache_layer`)."""
-    return state_cache_layer(cache, layer_idx, LatentCacheLayer, "a latent key/value attention layer")
+    """The :class:`LatentCacheLayer` of ``layer_idx`` in ``cache``."""
+    return LatentCacheLayer.in_cache(cache, layer_idx)
 
 
 class PositionEmbeddingsHook:

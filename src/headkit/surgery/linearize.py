@@ -88,7 +88,6 @@ from headkit.surgery.attention import (
     attach_mechanisms,
     mechanism_of,
     refuse_modules_off_the_interface,
-    state_cache_layer,
 )
 from headkit.surgery.families import LINEARIZE, get_family
 from headkit.surgery.records import record_surgery, register_surgery_op
@@ -100,6 +99,8 @@ class HybridStateCacheLayer(StateCacheLayer):
     """The entry of a converted layer in a 🤗 ``Cache``: one fixed-size :class:`headkit.ops.HybridAttentionState`
     (a :class:`~headkit.surgery.attention.StateCacheLayer`); :class:`LinearizedHeads` folds the new keys and
     values into it."""
+
+    describes = "a linearized attention layer"
 
 
 class RingHybridStateCacheLayer(HybridStateCacheLayer):
@@ -157,8 +158,8 @@ class RingHybridStateCacheLayer(HybridStateCacheLayer):
 
 
 def hybrid_cache_layer(cache: Any, layer_idx: int) -> HybridStateCacheLayer:
-    """The :class:`HybridStateCacheLayer` of ``layer_idx`` in ``cache`` (see :func:`state_cache_layer`)."""
-    return state_cache_layer(cache, layer_idx, HybridStateCacheLayer, "a linearized attention layer")
+    """The :class:`HybridStateCacheLayer` of ``layer_idx`` in ``cache``."""
+    return HybridStateCacheLayer.in_cache(cache, layer_idx)
 
 
 def decoding_state_bytes(cache: Any) -> int:

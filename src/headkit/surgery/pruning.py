@@ -54,7 +54,6 @@ from headkit.surgery.attention import (
     StateCacheLayer,
     attach_mechanisms,
     mechanism_of,
-    state_cache_layer,
     use_dispatcher,
 )
 from headkit.surgery.families import FAMILIES, UNIFORM, get_family
@@ -71,6 +70,8 @@ class EmptyHeadsCacheLayer(StateCacheLayer):
     """The cache entry of a layer with no head: counts its tokens (so the layers after it see the right lengths)
     and stores nothing."""
 
+    describes = "a layer with no heads"
+
 
 class EmptyHeads(nn.Module):
     """The mechanism of a stock attention module whose heads were all pruned (:meth:`AttentionAdapter.write_empty`
@@ -84,7 +85,7 @@ class EmptyHeads(nn.Module):
     def cache_layer(self, cache: Any) -> EmptyHeadsCacheLayer:
         if self.layer_idx is None:
             raise HeadkitError("this attention module has no layer_idx, so it cannot use a KV cache")
-        return state_cache_layer(cache, self.layer_idx, EmptyHeadsCacheLayer, "a layer with no heads")
+        return EmptyHeadsCacheLayer.in_cache(cache, self.layer_idx)
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor]:
         queries, cache_layer = call.queries, call.cache_layer
