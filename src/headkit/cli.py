@@ -194,6 +194,7 @@ def prune(
     steps: int = typer.Option(None, min=0, help="Gate training steps (default 300; 60 with --quick)."),
     recovery_steps: int = typer.Option(
         None,
+        "--recovery-steps",
         "--finetune-steps",
         min=0,
         help="Distillation steps after removal (default 100; 20 with --quick).",
