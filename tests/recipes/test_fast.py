@@ -49,9 +49,8 @@ def tiny_llama(layers: int = 2, hidden: int = 32, seed: int = 0) -> transformers
     )
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(config).eval()
-    model.generation_config.eos_token_id = (
-        None  # eager generate() runs its NEW tokens, as the fast path is asked to
-    )
+    # No end token: eager generate() runs all its NEW tokens, as the fast path is asked to.
+    model.generation_config.eos_token_id = None
     return model
 
 

@@ -24,7 +24,7 @@ import torch
 from headkit.errors import HeadkitError
 from headkit.recipes.evaluate import perplexity
 from headkit.recipes.export import export_gguf
-from headkit.recipes.fast import FastDecoder
+from headkit.recipes.fast import WEIGHTS, FastDecoder
 from headkit.recipes.llamacpp import llama_cpp_speed
 from headkit.recipes.models import load_model, smollm2_gguf_path
 from headkit.recipes.text import lm_windows, load_text
@@ -33,11 +33,10 @@ from headkit.surgery.linearize import decoding_state_bytes
 
 LLAMA_CPP = "llama.cpp Q4_1"
 PRUNED_LLAMA_CPP = "pruned, llama.cpp Q4_1"
-FAST_WEIGHTS = ("float32", "bfloat16", "int8", "int4")
 ENGINES = (
     LLAMA_CPP,
-    *(f"fast {weights}" for weights in FAST_WEIGHTS),
-    *(f"linearized {weights}" for weights in FAST_WEIGHTS),
+    *(f"fast {weights}" for weights in WEIGHTS),
+    *(f"linearized {weights}" for weights in WEIGHTS),
     PRUNED_LLAMA_CPP,
 )
 DEFAULT_ENGINES = (

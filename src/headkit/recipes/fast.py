@@ -57,6 +57,7 @@ from headkit.surgery.linearize import LinearizedHeads, RingHybridStateCacheLayer
 logger = logging.getLogger(__name__)
 
 WEIGHTS = ("float32", "bfloat16", "int8", "int4")
+QUANTIZED_WEIGHTS = ("int8", "int4")  # weight-only, through torchao
 GROUP_SIZE = 32  # input features per quantization scale (int8, int4): llama.cpp's Q4_1/Q8_0 use 32 as well
 CACHE_BUCKET = 256  # static cache lengths are rounded up to a multiple of this: one compiled graph per bucket
 # Inductor's options for the step, measured on SmolLM2 (docs/benchmarks.md, "Decoding at the speed CPU users already
@@ -75,7 +76,7 @@ QUANTIZED_INDUCTOR_OPTIONS: dict[str, Any] = {
 def compile_config_for(weights: str) -> CompileConfig:
     """transformers' conventions for a compiled decoding forward, strict (a graph break is an error, shapes
     static), with the inductor options measured best for ``weights``."""
-    options = QUANTIZED_INDUCTOR_OPTIONS if check_weights(weights) in ("int8", "int4") else INDUCTOR_OPTIONS
+    options = QUANTIZED_INDUCTOR_OPTIONS if check_weights(weights) in QUANTIZED_WEIGHTS else INDUCTOR_OPTIONS
     return CompileConfig(fullgraph=True, dynamic=False, mode=None, options=dict(options))
 
 
@@ -146,7 +147,7 @@ def prepare_weights(model: nn.Module, weights: str, group_size: int = GROUP_SIZE
     ``group_size`` input features."""
     check_weights(weights)
     check_group_size(model, weights, group_size)
-    quantization = _torchao() if weights in ("int8", "int4") else None
+    quantization = _torchao() if weights in QUANTIZED_WEIGHTS else None
     prepared = copy.deepcopy(model).eval()
     if weights == "float32":
         return prepared.float()
