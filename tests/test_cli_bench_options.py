@@ -9,7 +9,9 @@ from headkit.cli import app
 # The commands and their parameters as cli.py declared them by hand (issue 13); "--x/--no-x" is one flag.
 BENCH_COMMANDS = {
     "compress": "--contexts --decode-batches --dims --distill-steps --kv-ranks --model --out --quick/--no-quick "
-    "--rope-dims --seed --students --threads",
+    "--rope-dims --seed --students --threads "
+    # issue 26: MHA2MLA's rotary-pair ranking beside the fitted one
+    "--rope-selections",
     "decode": "--batch-size --compile/--no-compile --device --mechanisms --new-tokens --out --prompts "
     "--quick/--no-quick --repeats "
     "--threads "

@@ -309,6 +309,11 @@ def compress(
         min=0,
         help="Rotary decoders: rotary dimensions kept per key/value head, whole pairs (default head_dim / 4).",
     ),
+    rope_selection: str = typer.Option(
+        "fitted",
+        help="Rotary decoders: 'fitted' keeps rotary where a fixed rotation fitted on the calibration text errs "
+        "most and folds that rotation into the other pairs' keys; 'norms' is MHA2MLA's 2-norm ranking.",
+    ),
     calibration_windows: int = typer.Option(
         16, min=1, help="Rotary decoders: training windows the rotary ranking and the SVD are calibrated on."
     ),
@@ -341,6 +346,7 @@ def compress(
         timing_repeats=timing_repeats,
         kv_rank=kv_rank,
         rope_dims=rope_dims,
+        rope_selection=rope_selection,
         calibration_windows=calibration_windows,
         eval_window=eval_window,
     )

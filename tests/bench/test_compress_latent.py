@@ -40,6 +40,7 @@ def test_the_curve_over_r_and_a_student_side_by_side(save_tiny_causal_lm, text_f
         model=model_dir,
         kv_ranks=(28, 6),
         rope_dims=2,
+        rope_selections=("fitted", "norms"),
         students=(str(student_dir),),
         contexts=(12,),
         decode_batches=(1, 2),
@@ -49,8 +50,11 @@ def test_the_curve_over_r_and_a_student_side_by_side(save_tiny_causal_lm, text_f
     )
     report = run_latent_benchmark(config, teacher, model_dir, _Console())
     latent = report["latent"]
-    full, low = latent["curve"]
+    full, full_norms, low, low_norms = latent["curve"]
+    assert [p["rope_selection"] for p in latent["curve"]] == ["fitted", "norms"] * 2
     assert full["max_key_error"] < 1e-6 and low["max_key_error"] > 1e-3
+    # The fitted selection minimises the score-term error the partial RoPE leaves on the calibration text.
+    assert 0 < full["max_rope_error"] <= full_norms["max_rope_error"]
     # 2 layers × (R + 2 kv heads × 2 rotary dims) float32 numbers per token.
     assert (full["kv_bytes_per_token"], low["kv_bytes_per_token"]) == (2 * 32 * 4, 2 * 10 * 4)
     (measured,) = latent["students"]

@@ -486,3 +486,25 @@ def test_gated_model_is_refused_until_gates_are_folded(tiny_llama_folder, smollm
     assert (
         export_gguf(model, tmp_path / "folded.gguf", type="f32", tokenizer=smollm2_tokenizer).arch == "llama"
     )
+
+
+@pytest.mark.parametrize("flash_attn", [False, True])
+def test_llama_cpp_speed_runs_with_and_without_flash_attention(
+    llama_cpp, tiny_llama_folder, smollm2_tokenizer, tmp_path, flash_attn
+):
+    # The decode benchmark's reference row turns flash attention off, its second row on: both must run in the
+    # child process and report a rate and llama.cpp's state size (an unknown keyword would come back as "error").
+    from headkit.recipes.llamacpp import llama_cpp_speed
+
+    report = export_gguf(tiny_llama_folder, tmp_path / "tiny.gguf", type="f32")
+    measured = llama_cpp_speed(
+        report.out,
+        _tokens(smollm2_tokenizer)[:16],
+        steps=2,
+        quantized=False,
+        threads=1,
+        flash_attn=flash_attn,
+    )
+    assert "error" not in measured, measured
+    assert measured["gen_tokens_per_s"] > 0 and measured["pp_tokens_per_s"] > 0
+    assert measured["state_bytes"] > 0

@@ -18,7 +18,10 @@ from headkit.surgery.families import FAMILIES, LATENT
 from headkit.surgery.latent import (
     LatentCacheLayer,
     compress_kv_to_latent,
+    expected_rotation,
+    fold_rotation,
     latent_mechanisms,
+    rotation_moments,
     set_absorbed,
 )
 
@@ -73,8 +76,103 @@ def test_the_calibrated_rotary_pairs_follow_the_query_key_norms():
         k_proj = model.model.layers[0].self_attn.k_proj
         k_proj.weight[HEAD_DIM + 5] *= 50
         k_proj.weight[HEAD_DIM + 5 + HEAD_DIM // 2] *= 50
-    report = compress_kv_to_latent(model, kv_rank=24, rope_dims=2, calibration=calibration())
+    report = compress_kv_to_latent(
+        model, kv_rank=24, rope_dims=2, calibration=calibration(), rope_selection="norms"
+    )
     assert report.sites[0].rope_pairs[1] == [5]
+    assert report.rope_selection == "norms"
+
+
+def test_a_slow_pair_with_a_large_norm_is_left_rotary_free_by_the_fitted_selection():
+    # The slowest pair turns by ~0.005 rad over 16 tokens (rope_theta 10,000, head_dim 16): dropping its rotation
+    # loses almost nothing however large it is. MHA2MLA's norms keep it rotary; the fitted residual does not.
+    slowest = HEAD_DIM // 2 - 1
+    chosen = {}
+    for selection in ("norms", "fitted"):
+        model = family_model("llama")
+        with torch.no_grad():
+            k_proj = model.model.layers[0].self_attn.k_proj
+            k_proj.weight[HEAD_DIM + slowest] *= 50
+            k_proj.weight[HEAD_DIM + slowest + HEAD_DIM // 2] *= 50
+        report = compress_kv_to_latent(
+            model, kv_rank=24, rope_dims=2, calibration=calibration(), rope_selection=selection
+        )
+        chosen[selection] = report.sites[0].rope_pairs[1]
+        assert report.sites[0].rope_error is not None and 0 < report.sites[0].rope_error < 1
+    assert chosen["norms"] == [slowest]
+    assert chosen["fitted"] != [slowest]
+
+
+def _pair_inputs(batch=2, length=7, heads=4, groups=2, head_dim=8, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, length, heads, head_dim, generator=generator, dtype=torch.float64)
+    k = torch.randn(batch, length, groups, head_dim, generator=generator, dtype=torch.float64)
+    theta = torch.rand(head_dim // 2, generator=generator, dtype=torch.float64)
+    angles = torch.arange(length, dtype=torch.float64)[:, None] * theta
+    cos = torch.cat((angles.cos(), angles.cos()), -1).expand(batch, length, head_dim)
+    sin = torch.cat((angles.sin(), angles.sin()), -1).expand(batch, length, head_dim)
+    return q, k, cos, sin
+
+
+def test_rotation_moments_equal_the_attention_weighted_score_terms_as_complex_numbers():
+    q, k, cos, sin = _pair_inputs()
+    heads, groups, pairs, scale = q.shape[2], k.shape[2], q.shape[-1] // 2, 0.3
+    got = rotation_moments(q, k, cos, sin, scale)
+    # Reference: each pair as a complex number; z = q·conj(k) unrotated, s = Re(z e^{iθ(m−n)}) rotated.
+    qc, kc = torch.complex(q[..., :pairs], q[..., pairs:]), torch.complex(k[..., :pairs], k[..., pairs:])
+    turn = torch.complex(cos[..., :pairs], sin[..., :pairs])
+    causal = torch.ones(q.shape[1], q.shape[1], dtype=torch.bool).tril()
+    expected = torch.zeros(groups, pairs, 3, 3, dtype=torch.float64)
+    for head in range(heads):
+        group = head // (heads // groups)
+        z = qc[:, :, None, head] * kc[:, None, :, group].conj()
+        rotated = (z * turn[:, :, None] * turn[:, None, :].conj()).real
+        weights = (rotated.sum(-1) * scale).masked_fill(~causal, float("-inf")).softmax(-1)
+        terms = torch.stack((z.real, -z.imag, rotated), dim=-1)
+        expected[group] += torch.einsum("bmn,bmnpx,bmnpy->pxy", weights, terms, terms)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6 * expected.abs().max().item())
+
+
+def test_the_fitted_rotation_is_the_least_squares_optimum_and_folds_into_the_keys():
+    q, k, cos, sin = _pair_inputs(heads=2, groups=1)
+    moments = rotation_moments(q, k, cos, sin, 0.3)
+    fit = expected_rotation(moments)
+    assert (fit.residual <= fit.unrotated_residual + 1e-9).all() and (fit.residual <= fit.energy + 1e-9).all()
+    for pair in range(q.shape[-1] // 2):  # a nearby (a, b) leaves a larger weighted error
+        for da, db in ((1e-3, 0), (0, 1e-3), (-1e-3, 0), (0, -1e-3)):
+            a, b = fit.cos[0, pair] + da, fit.sin[0, pair] + db
+            m = moments[0, pair]
+            error = (
+                m[2, 2]
+                - 2 * (a * m[0, 2] + b * m[1, 2])
+                + a * a * m[0, 0]
+                + 2 * a * b * m[0, 1]
+                + b * b * m[1, 1]
+            )
+            assert error >= fit.residual[0, pair] - 1e-9
+    # Folded keys, unrotated, give Re(z·c) = a·Re z + b·(−Im z) for every query and key.
+    folded = fold_rotation(k.permute(2, 3, 0, 1), fit.cos, fit.sin).permute(2, 3, 0, 1)
+    half = q.shape[-1] // 2
+    z = (
+        torch.complex(q[..., :half], q[..., half:])[:, :, None, 0]
+        * torch.complex(k[..., :half], k[..., half:])[:, None, :, 0].conj()
+    )
+    zf = (
+        torch.complex(q[..., :half], q[..., half:])[:, :, None, 0]
+        * torch.complex(folded[..., :half], folded[..., half:])[:, None, :, 0].conj()
+    )
+    torch.testing.assert_close(zf.real, fit.cos[0] * z.real - fit.sin[0] * z.imag)
+
+
+def test_the_fitted_selection_leaves_less_score_error_than_leaving_pairs_unrotated():
+    reports = {}
+    for selection in ("norms", "fitted"):
+        model = family_model("llama")
+        reports[selection] = compress_kv_to_latent(
+            model, kv_rank=56, rope_dims=4, calibration=calibration(), rope_selection=selection
+        )
+    for fitted, norms in zip(reports["fitted"].sites, reports["norms"].sites, strict=True):
+        assert fitted.rope_error <= norms.rope_error + 1e-12
 
 
 def converted(model_type, rank=20, rope_dims=4):
@@ -174,6 +272,11 @@ def test_families_with_a_per_head_key_norm_are_refused_with_the_reason(model_typ
         ({"kv_rank": 0, "rope_dims": 2}, r"\[1, 60\]"),
         ({"kv_rank": 8, "rope_dims": 3}, "whole number of rotary pairs"),
         ({"kv_rank": 8, "rope_dims": 18}, r"\[0, 16\]"),
+        (
+            {"kv_rank": 8, "rope_dims": 4, "rope_selection": "best"},
+            r"rope_selection must be one of \('fitted'",
+        ),
+        ({"kv_rank": 8, "rope_dims": 4, "rope_selection": "fitted"}, "needs calibration|pass calibration"),
     ],
 )
 def test_bad_arguments_name_the_valid_range_and_leave_the_model_untouched(options, message):

@@ -19,6 +19,7 @@ peak resident memory while each decodes one token from the longest context.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from dataclasses import asdict, dataclass
@@ -97,6 +98,11 @@ class CompressBenchmarkConfig:
     )
     rope_dims: int | None = option(
         None, "Rotary --model: rotary dims per key/value head (default head_dim/4)."
+    )
+    rope_selections: tuple[str, ...] = option(
+        ("fitted",),
+        "Rotary --model: rotary-pair selections of the curve over R (fitted, norms: MHA2MLA's), each a curve.",
+        parse=lambda f, t: parse_list(f, t, str),
     )
     students: tuple[str, ...] = option(
         (),
@@ -339,11 +345,13 @@ def run_latent_benchmark(
     original = perplexity(teacher.model, held_out, eval_batch)
     console.print(f"{model_path}: held-out perplexity @{config.eval_window} {original:.3f}")
     curve = []
-    for kv_rank, rope_dims in ranks:
-        student, report = latent_student(teacher, kv_rank, rope_dims, calibration)
+    for (kv_rank, rope_dims), selection in itertools.product(ranks, config.rope_selections):
+        student, report = latent_student(teacher, kv_rank, rope_dims, calibration, selection)
         point = {
             "kv_rank": kv_rank,
             "rope_dims": rope_dims,
+            "rope_selection": selection,
+            "max_rope_error": report.max_rope_error,
             "kv_bytes_per_token": kv_bytes_per_token(student, report),
             "kv_cache_fraction": report.cache_fraction,
             "perplexity": perplexity(student, held_out, eval_batch),
@@ -353,7 +361,7 @@ def run_latent_benchmark(
         }
         curve.append(point)
         console.print(
-            f"R={kv_rank} D={rope_dims}: cache {point['kv_cache_fraction']:.1%}, perplexity {point['perplexity']:.3f} "
+            f"R={kv_rank} D={rope_dims} {selection}: cache {point['kv_cache_fraction']:.1%}, perplexity {point['perplexity']:.3f} "
             f"({point['perplexity'] / original:.2f}x), top-1 {point['top1_agreement']:.1%}"
         )
         del student
@@ -439,6 +447,10 @@ def render_latent_markdown(report: dict[str, Any]) -> str:
         {
             "R": lambda p: p["kv_rank"],
             "rope dims": lambda p: p["rope_dims"],
+            "selection": lambda p: p["rope_selection"],
+            "score-term error": lambda p: (
+                "—" if p["max_rope_error"] is None else f"{p['max_rope_error']:.3f}"
+            ),
             "KV bytes/token (kept)": lambda p: f"{p['kv_bytes_per_token']:,} ({p['kv_cache_fraction']:.1%})",
             "perplexity, converted": lambda p: f"{p['perplexity']:.3f} ({p['perplexity'] / original:.2f}x)",
             "top-1 agreement": lambda p: f"{p['top1_agreement']:.1%}",
@@ -480,13 +492,16 @@ def render_latent_markdown(report: dict[str, Any]) -> str:
 def plot_latent_curve(report: dict[str, Any]) -> Any:
     """Perplexity ratio to the original (left) and top-1 agreement (right) against the share of the KV cache kept."""
     latent = report["latent"]
-    points = sorted(latent["curve"], key=lambda p: p["kv_cache_fraction"])
     figure, (ppl_axis, top1_axis) = figure_axes((10, 4), 1, 2, "constrained")
-    kept = [p["kv_cache_fraction"] for p in points]
-    ppl_axis.plot(
-        kept, [p["perplexity"] / latent["perplexity_original"] for p in points], marker="o", label="converted"
-    )
-    top1_axis.plot(kept, [p["top1_agreement"] for p in points], marker="o", label="converted")
+    for selection in dict.fromkeys(p["rope_selection"] for p in latent["curve"]):
+        points = sorted(
+            (p for p in latent["curve"] if p["rope_selection"] == selection),
+            key=lambda p: p["kv_cache_fraction"],
+        )
+        kept, label = [p["kv_cache_fraction"] for p in points], f"converted ({selection})"
+        ratios = [p["perplexity"] / latent["perplexity_original"] for p in points]
+        ppl_axis.plot(kept, ratios, marker="o", label=label)
+        top1_axis.plot(kept, [p["top1_agreement"] for p in points], marker="o", label=label)
     for student in latent["students"]:
         fraction = student["kv_bytes_per_token"] / latent["kv_bytes_per_token_original"]
         ppl_axis.plot(

@@ -52,7 +52,13 @@ from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_ba
 from headkit.surgery.adapters import AttentionAdapter, count_parameters, get_adapter
 from headkit.surgery.collaborative import SwapReport, swap_to_collaborative
 from headkit.surgery.io import from_pretrained
-from headkit.surgery.latent import LatentReport, check_latent_arguments, compress_kv_to_latent, full_rank
+from headkit.surgery.latent import (
+    ROPE_SELECTIONS,
+    LatentReport,
+    check_latent_arguments,
+    compress_kv_to_latent,
+    full_rank,
+)
 
 
 @dataclass
@@ -81,6 +87,9 @@ class CompressSettings(ModelSettings):
     # Rotary decoders (latent keys/values): R, D, calibration windows, held-out window length.
     kv_rank: int | None = None  # default: half the key/value cache, R = G·(head_dim − D)
     rope_dims: int | None = None  # default: head_dim / 4 (whole pairs)
+    rope_selection: str = (
+        "fitted"  # which pairs stay rotary; "fitted" also folds a fixed rotation into the rest
+    )
     calibration_windows: int = 16
     eval_window: int | None = None  # default: window
 
@@ -229,6 +238,10 @@ def check_settings(settings: CompressSettings) -> None:
     if settings.rope_dims is not None:
         check_count("--rope-dims", settings.rope_dims, 0)
     check_count("--calibration-windows", settings.calibration_windows, 1)
+    if settings.rope_selection not in ROPE_SELECTIONS:
+        raise HeadkitError(
+            f"--rope-selection must be one of {', '.join(ROPE_SELECTIONS)}, got {settings.rope_selection!r}"
+        )
     check_data(settings.data)
 
 
@@ -393,11 +406,17 @@ def latent_defaults(teacher: Teacher, kv_rank: int | None, rope_dims: int | None
 
 
 def latent_student(
-    teacher: Teacher, kv_rank: int, rope_dims: int, calibration: list[dict]
+    teacher: Teacher, kv_rank: int, rope_dims: int, calibration: list[dict], rope_selection: str = "fitted"
 ) -> tuple[nn.Module, LatentReport]:
     """A fresh copy of the teacher with latent keys/values (calibrated on `calibration`); the teacher untouched."""
     student = copy.deepcopy(teacher.model)
-    report = compress_kv_to_latent(student, kv_rank=kv_rank, rope_dims=rope_dims, calibration=calibration)
+    report = compress_kv_to_latent(
+        student,
+        kv_rank=kv_rank,
+        rope_dims=rope_dims,
+        calibration=calibration,
+        rope_selection=rope_selection,
+    )
     return student, report
 
 
@@ -463,12 +482,12 @@ def _compress_latent(
     original = perplexity(teacher.model, held_out, eval_batch)
     # The two lossy steps apart: partial RoPE alone (at full rank), then the rank.
     rope_only, rope_report = latent_student(
-        teacher, rope_report_rank(teacher, rope_dims), rope_dims, calibration
+        teacher, rope_report_rank(teacher, rope_dims), rope_dims, calibration, settings.rope_selection
     )
     after_rope = perplexity(rope_only, held_out, eval_batch)
     del rope_only
     torch.manual_seed(settings.seed)
-    student, conversion = latent_student(teacher, kv_rank, rope_dims, calibration)
+    student, conversion = latent_student(teacher, kv_rank, rope_dims, calibration, settings.rope_selection)
     echo(str(conversion))
     converted = perplexity(student, held_out, eval_batch)
     echo(
@@ -499,6 +518,7 @@ def _compress_latent(
         "method": "latent",
         "kv_rank": kv_rank,
         "rope_dims": rope_dims,
+        "rope_selection": settings.rope_selection,
         "kv_bytes_per_token_original": before_bytes,
         "kv_bytes_per_token": after_bytes,
         "kv_cache_fraction": after_bytes / before_bytes,
@@ -516,6 +536,7 @@ def _compress_latent(
         "partial_rope_conversion": {
             "kv_rank": rope_report.kv_rank,
             "max_key_error": rope_report.max_key_error,
+            "max_rope_error": rope_report.max_rope_error,
             "max_value_error": rope_report.max_value_error,
         },
     }
@@ -583,7 +604,8 @@ def _format_latent(report: dict[str, Any]) -> str:
         return f"{report[key]:.3f} ({report[key] / original:.2f}x)"
 
     lines = [
-        f"latent keys/values: rank {report['kv_rank']}, {report['rope_dims']} rotary dims per key/value head; "
+        f"latent keys/values: rank {report['kv_rank']}, {report['rope_dims']} rotary dims per key/value head "
+        f"({report['rope_selection']}); "
         f"KV cache {report['kv_bytes_per_token_original']:,} -> {report['kv_bytes_per_token']:,} bytes per token "
         f"({report['kv_cache_fraction']:.1%})",
         f"held-out perplexity @{report['data']['eval_window']}: original {original:.3f}; partial RoPE only "

@@ -40,7 +40,9 @@ def kv_cache_bytes_per_token(kv_heads: list[int], head_dim: int) -> int:
     return sum(kv_heads) * head_dim * 2 * F16_CACHE_BYTES
 
 
-def _llama(path: str, *, n_ctx: int, n_batch: int, threads: int, logits_all: bool) -> Any:
+def _llama(
+    path: str, *, n_ctx: int, n_batch: int, threads: int, logits_all: bool, flash_attn: bool = True
+) -> Any:
     import llama_cpp
 
     return llama_cpp.Llama(
@@ -53,8 +55,9 @@ def _llama(path: str, *, n_ctx: int, n_batch: int, threads: int, logits_all: boo
         logits_all=logits_all,
         # llama.cpp's own tools default to flash attention on CPU (`-fa auto`); llama-cpp-python's wrapper to
         # off. Without it a deci model's per-layer KV widths make attention over a long cache 2-3x slower than
-        # llama's (measured at 4,096 tokens: docs/benchmarks.md), which is the wrapper, not what users run.
-        flash_attn=True,
+        # llama's (measured at 4,096 tokens: docs/benchmarks.md), which is the wrapper, not what users run. A
+        # plain llama model decodes 1.5-2.3x faster without it on this CPU (docs/benchmarks.md): callers choose.
+        flash_attn=flash_attn,
         verbose=False,
     )
 
@@ -79,11 +82,24 @@ def _perplexity(path: str, windows: list[list[int]], n_batch: int, threads: int)
 
 
 def _speed(
-    path: str, prompt: list[int], steps: int, n_batch: int, threads: int, token_by_token_prompt: bool
+    path: str,
+    prompt: list[int],
+    steps: int,
+    n_batch: int,
+    threads: int,
+    token_by_token_prompt: bool,
+    flash_attn: bool = True,
 ) -> dict[str, Any]:
     """Prompt-processing tokens/s (one ``eval`` of `prompt`) and generation tokens/s (`steps` single-token
     ``eval`` calls after it), with the state size llama.cpp reports at the end."""
-    llm = _llama(path, n_ctx=len(prompt) + steps + 1, n_batch=n_batch, threads=threads, logits_all=False)
+    llm = _llama(
+        path,
+        n_ctx=len(prompt) + steps + 1,
+        n_batch=n_batch,
+        threads=threads,
+        logits_all=False,
+        flash_attn=flash_attn,
+    )
     try:
         if token_by_token_prompt:
             for token in prompt:
@@ -148,10 +164,18 @@ def llama_cpp_perplexity(
 
 
 def llama_cpp_speed(
-    path: str | Path, prompt: list[int], *, steps: int, quantized: bool, threads: int, n_batch: int = 512
+    path: str | Path,
+    prompt: list[int],
+    *,
+    steps: int,
+    quantized: bool,
+    threads: int,
+    n_batch: int = 512,
+    flash_attn: bool = True,
 ) -> dict[str, Any]:
     """Prompt-processing and generation tokens/s at ``len(prompt)`` tokens of context (quantized files: the
-    prompt fed token by token and its speed not measured, see the module docstring)."""
+    prompt fed token by token and its speed not measured, see the module docstring), with llama.cpp's flash
+    attention on (its own tools' default on CPU) or off (llama-cpp-python's)."""
     return run_isolated(
         "speed",
         path=str(path),
@@ -160,6 +184,7 @@ def llama_cpp_speed(
         n_batch=1 if quantized else n_batch,
         threads=threads,
         token_by_token_prompt=quantized,
+        flash_attn=flash_attn,
     )
 
 

@@ -285,6 +285,7 @@ class SiteStatistics:
     query_pair_norms: torch.Tensor  # [H, head_dim/2]: E‖(q_i, q_{i+head_dim/2})‖ per query head
     key_pair_norms: torch.Tensor  # [G, head_dim/2]
     tokens: int
+    rotation_moments: torch.Tensor | None = None  # [G, head_dim/2, 3, 3] (rotation_moments); None: no text
 
 
 def pair_norms(projected: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
@@ -294,14 +295,113 @@ def pair_norms(projected: torch.Tensor, heads: int, head_dim: int) -> torch.Tens
     return per_head.double().norm(dim=2).mean(dim=0)
 
 
+# The score terms of one frequency pair, as bilinear forms in the query features (q1, q2, q̂1, q̂2) at m and the key
+# features (k1, k2, k̂1, k̂2) at n (hats: rotated; pair i is dims i and i + head_dim/2): Re z = q1k1 + q2k2 and
+# −Im z = q1k2 − q2k1 for z = q·conj(k) unrotated, and the rotated score term s = q̂1k̂1 + q̂2k̂2.
+_SCORE_TERMS = torch.zeros(3, 4, 4, dtype=torch.float64)
+_SCORE_TERMS[0, 0, 0] = _SCORE_TERMS[0, 1, 1] = 1.0
+_SCORE_TERMS[1, 0, 1], _SCORE_TERMS[1, 1, 0] = 1.0, -1.0
+_SCORE_TERMS[2, 2, 2] = _SCORE_TERMS[2, 3, 3] = 1.0
+
+
+def _pair_features(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """[B, T, heads, head_dim] → [B, T, heads, P, 4]: each pair's (x1, x2) and its rotated (x̂1, x̂2) in 🤗's
+    layout (x̂1 = x1 cos − x2 sin, x̂2 = x2 cos + x1 sin)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[..., :half].unsqueeze(2), sin[..., :half].unsqueeze(2)
+    return torch.stack((x1, x2, x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def rotation_moments(
+    queries: torch.Tensor, keys: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """[G, P, 3, 3] float64: per key/value group and frequency pair, Σ_h∈g Σ_{m ≥ n} a_h,mn t tᵀ with
+    t = (Re z, −Im z, s) the pair's score terms (:data:`_SCORE_TERMS`) and a_h,mn the model's own attention
+    probabilities — the normal equations of the attention-weighted least-squares fit in :func:`expected_rotation`.
+
+    queries [B, T, H, head_dim] and keys [B, T, G, head_dim] as the projections write them (before rotary);
+    cos/sin [B, T, head_dim] as the decoder layer hands them to attention. Causal, every position attended."""
+    batch, length, heads, head_dim = queries.shape
+    groups, pairs = keys.shape[2], head_dim // 2
+    per_group = heads // groups
+    query_features = _pair_features(queries.float(), cos.float(), sin.float())  # [B, T, H, P, 4]
+    key_features = _pair_features(keys.float(), cos.float(), sin.float())  # [B, T, G, P, 4]
+    rotated_q = query_features[..., 2:].transpose(-1, -2).reshape(batch, length, heads, head_dim)
+    rotated_k = key_features[..., 2:].transpose(-1, -2).reshape(batch, length, groups, head_dim)
+    rotated_k = rotated_k.repeat_interleave(per_group, dim=2)
+    scores = torch.einsum("bmhd,bnhd->bhmn", rotated_q, rotated_k) * scale
+    causal = torch.ones(length, length, dtype=torch.bool, device=queries.device).tril()
+    weights = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1)  # [B, H, T, T]
+    key_products = (key_features[..., :, None] * key_features[..., None, :]).flatten(-2)  # [B, T, G, P, 16]
+    key_products = key_products.repeat_interleave(per_group, dim=2).permute(0, 2, 1, 3, 4)
+    weighted = weights @ key_products.reshape(batch, heads, length, pairs * 16)  # Σ_n a_mn B_j B_j'(n)
+    query_products = (query_features[..., :, None] * query_features[..., None, :]).flatten(-2)
+    moments = torch.einsum(
+        "bmhpx,bhmpy->hpxy", query_products.double(), weighted.view(batch, heads, length, pairs, 16).double()
+    ).view(heads, pairs, 4, 4, 4, 4)  # [h, p, i, i', j, j']: Σ a (A_i A_i')(m) (B_j B_j')(n)
+    terms = _SCORE_TERMS.to(moments.device)
+    per_head = torch.einsum("xij,yab,hpiajb->hpxy", terms, terms, moments)
+    return per_head.view(groups, per_group, pairs, 3, 3).sum(dim=1)
+
+
+@dataclass
+class RotationFit:
+    """:func:`expected_rotation`'s result, per key/value group g and frequency pair i ([G, P] each)."""
+
+    cos: torch.Tensor  # a: the fixed rotation's cosine part (scaled)
+    sin: torch.Tensor  # b
+    residual: torch.Tensor  # the pair's weighted squared score error with the fitted (a, b)
+    unrotated_residual: torch.Tensor  # … with (a, b) = (1, 0): the pair merely left unrotated
+    energy: torch.Tensor  # … with (a, b) = (0, 0): the pair dropped; Σ a s²
+
+
+def expected_rotation(moments: torch.Tensor) -> RotationFit:
+    """Replace a rotary pair's relative rotation e^{iθ(m−n)} by the one fixed complex factor c = a + ib that best
+    reproduces its score terms: (a, b) minimise Σ a_mn (s − a·Re z − b·(−Im z))², the attention-weighted squared
+    error of the pair's contribution to the scores (``moments`` from :func:`rotation_moments`).
+
+    Why: a rotary-free pair of partial RoPE (MHA2MLA) contributes Re z = q·k unrotated to every score — exact only
+    at distance 0. A slow pair is well served by c ≈ 1 (what MHA2MLA does), but a fast one whose rotation averages
+    out over the distances attention looks at wants c ≈ 0, and anything in between a damped, turned factor.
+    c folds into the key projection (:func:`fold_rotation`), so it costs nothing at run time; the residual is
+    the error the pair leaves, the criterion for which pairs stay rotary."""
+    normal = moments[..., :2, :2]
+    target = moments[..., :2, 2]
+    ridge = 1e-12 * normal.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(1e-300)[..., None, None]
+    solution = torch.linalg.solve(normal + ridge * torch.eye(2, dtype=normal.dtype), target)
+    energy = moments[..., 2, 2]
+    return RotationFit(
+        cos=solution[..., 0],
+        sin=solution[..., 1],
+        residual=(energy - (solution * target).sum(-1)).clamp_min(0),
+        unrotated_residual=(energy - 2 * moments[..., 0, 2] + moments[..., 0, 0]).clamp_min(0),
+        energy=energy,
+    )
+
+
+def fold_rotation(rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Key rows [G, head_dim, …] (weight rows or bias) with every pair i multiplied by conj(a_i + i b_i), so that
+    q·k' unrotated equals Re(q·conj(k)·c) (:func:`expected_rotation`). cos/sin [G, P]; pairs to keep as they
+    are get (1, 0)."""
+    half = rows.shape[1] // 2
+    shape = (*cos.shape, *([1] * (rows.dim() - 2)))
+    a, b = cos.reshape(shape).to(rows.dtype), sin.reshape(shape).to(rows.dtype)
+    first, second = rows[:, :half], rows[:, half:]
+    return torch.cat((a * first + b * second, a * second - b * first), dim=1)
+
+
 def collect_statistics(
     model: nn.Module, sites: list[AttentionSite], adapter: AttentionAdapter, batches: Iterable[dict]
 ) -> list[SiteStatistics]:
     """Run `model` on the calibration `batches` (dicts of model inputs) and return each site's statistics, read
     by forward hooks on its projections (their inputs: the attention inputs; their outputs: queries and keys
     before rotary). Padding tokens are counted too (calibration windows have none)."""
-    sums: list[dict[str, Any]] = [{"moment": 0.0, "q": 0.0, "k": 0.0, "tokens": 0, "calls": 0} for _ in sites]
+    sums: list[dict[str, Any]] = [
+        {"moment": 0.0, "q": 0.0, "k": 0.0, "rotation": 0.0, "tokens": 0, "calls": 0} for _ in sites
+    ]
     handles = []
+    seen: list[dict[str, Any]] = [{} for _ in sites]  # this call's queries, keys and cos/sin, per site
 
     def hook(index: int, which: str, heads: int, head_dim: int):
         def record(module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
@@ -311,14 +411,36 @@ def collect_statistics(
                 entry["moment"] = entry["moment"] + x.T @ x
                 entry["tokens"] += x.shape[0]
             else:
+                seen[index][which] = output.detach().unflatten(-1, (heads, head_dim))
                 entry[which] = entry[which] + pair_norms(output.detach(), heads, head_dim)
                 if which == "q":
                     entry["calls"] += 1
 
         return record
 
+    def embeddings(index: int):
+        def record(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            found = kwargs.get("position_embeddings")
+            seen[index]["rotary"] = args[1] if found is None and len(args) > 1 else found
+
+        return record
+
+    def moments(index: int, scale: float):
+        def record(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            # The stock module has run its projections: the rotation fit reads what they wrote.
+            call = seen[index]
+            if call.get("rotary") is not None and "q" in call and "k" in call:
+                sums[index]["rotation"] = sums[index]["rotation"] + rotation_moments(
+                    call["q"], call["k"], *call["rotary"], scale
+                )
+            call.clear()
+
+        return record
+
     for index, site in enumerate(sites):
         module = site.module
+        handles.append(module.register_forward_pre_hook(embeddings(index), with_kwargs=True))
+        handles.append(module.register_forward_hook(moments(index, site.scale), with_kwargs=True))
         for which, name, heads in (
             ("q", adapter.query_name, site.num_heads),
             ("k", adapter.key_name, site.num_kv_heads),
@@ -344,6 +466,7 @@ def collect_statistics(
             query_pair_norms=entry["q"] / entry["calls"],
             key_pair_norms=entry["k"] / entry["calls"],
             tokens=entry["tokens"],
+            rotation_moments=entry["rotation"] if isinstance(entry["rotation"], torch.Tensor) else None,
         )
         for entry in sums
     ]
@@ -364,12 +487,25 @@ def weight_statistics(adapter: AttentionAdapter, site: AttentionSite) -> SiteSta
     )
 
 
-def select_rotary_pairs(statistics: SiteStatistics, pairs: int) -> torch.Tensor:
-    """[G, pairs]: per key/value head, the frequency pairs with the largest Σ_{h∈g} E‖q_{h,i}‖ · E‖k_{g,i}‖
-    (MHA2MLA's 2-norm criterion), ascending. Ties go to the lower (faster-rotating) frequency."""
-    queries, keys = statistics.query_pair_norms, statistics.key_pair_norms
-    groups = keys.shape[0]
-    contribution = queries.reshape(groups, -1, queries.shape[-1]).sum(dim=1) * keys
+FITTED, NORMS = "fitted", "norms"
+ROPE_SELECTIONS = (FITTED, NORMS)
+
+
+def select_rotary_pairs(statistics: SiteStatistics, pairs: int, selection: str = NORMS) -> torch.Tensor:
+    """[G, pairs]: per key/value head, the frequency pairs to keep rotary, ascending. Ties go to the lower
+    (faster-rotating) frequency.
+
+    ``"norms"``: the largest Σ_{h∈g} E‖q_{h,i}‖ · E‖k_{g,i}‖ (MHA2MLA's 2-norm criterion). ``"fitted"``: the largest
+    residual of :func:`expected_rotation` — the score error a pair would leave rotary-free, after its fixed
+    rotation is folded into the keys (needs ``statistics.rotation_moments``)."""
+    if selection == FITTED:
+        if statistics.rotation_moments is None:
+            raise HeadkitError("rope_selection 'fitted' needs calibration text (calibration=...)")
+        contribution = expected_rotation(statistics.rotation_moments).residual
+    else:
+        queries, keys = statistics.query_pair_norms, statistics.key_pair_norms
+        groups = keys.shape[0]
+        contribution = queries.reshape(groups, -1, queries.shape[-1]).sum(dim=1) * keys
     order = torch.argsort(-contribution, dim=1, stable=True)
     return order[:, :pairs].sort(dim=1).values
 
@@ -439,6 +575,9 @@ class LatentSiteReport:
     rope_pairs: list[list[int]]  # per key/value head, the frequency pairs kept rotary
     key_error: float
     value_error: float
+    # The rotary-free pairs' share of the score terms' energy that the partial RoPE loses (attention-weighted
+    # squared error / Σ a s² over every pair, on calibration text); None without calibration.
+    rope_error: float | None = None
 
 
 @dataclass
@@ -450,6 +589,7 @@ class LatentReport:
     rope_dims: int
     full_rank: int
     calibrated: bool
+    rope_selection: str
     cache_numbers_before: int  # per token per layer: 2·G·head_dim
     cache_numbers_after: int  # R + G·D
     parameters_before: int
@@ -469,22 +609,35 @@ class LatentReport:
     def max_value_error(self) -> float:
         return max((site.value_error for site in self.sites), default=0.0)
 
+    @property
+    def max_rope_error(self) -> float | None:
+        errors = [site.rope_error for site in self.sites if site.rope_error is not None]
+        return max(errors) if errors else None
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {
             "cache_fraction": self.cache_fraction,
             "max_key_error": self.max_key_error,
             "max_value_error": self.max_value_error,
+            "max_rope_error": self.max_rope_error,
         }
 
     def __str__(self) -> str:
         return (
             f"latent keys/values ({self.architecture}): rank {self.kv_rank} of {self.full_rank}, {self.rope_dims} "
-            f"rotary dims per key/value head ({'calibrated' if self.calibrated else 'weight norms'}), "
+            f"rotary dims per key/value head ({self._selection_words()}), "
             f"{len(self.sites)} layers in {self.seconds:.1f} s; cache per token and layer "
             f"{self.cache_numbers_before} -> {self.cache_numbers_after} numbers ({self.cache_fraction:.1%}); "
             f"max relative error: keys {self.max_key_error:.3g}, values {self.max_value_error:.3g}; parameters "
             f"{self.parameters_before:,} -> {self.parameters_after:,}"
         )
+
+    def _selection_words(self) -> str:
+        if not self.calibrated:
+            return "weight norms"
+        if self.max_rope_error is None:
+            return f"calibrated, {self.rope_selection}"
+        return f"calibrated, {self.rope_selection}: score-term error up to {self.max_rope_error:.3g}"
 
 
 def check_latent_arguments(site: AttentionSite, hidden: int, kv_rank: Any, rope_dims: Any) -> None:
@@ -557,9 +710,11 @@ def _plan_site(
     kv_rank: int,
     pairs: torch.Tensor,
     statistics: SiteStatistics | None,
+    fold: bool = False,
 ) -> _SitePlan:
     """The new projections and mechanism of one site; with `statistics` None, left at zero (the structure
-    :func:`headkit.from_pretrained` loads saved weights into)."""
+    :func:`headkit.from_pretrained` loads saved weights into). `fold`: the rotary-free pairs' keys carry their
+    fitted fixed rotation (:func:`expected_rotation`, :func:`fold_rotation`) into the factorization."""
     weights = adapter.read_projections(site)
     groups, head_dim = site.num_kv_heads, site.head_dim
     hidden = weights.k_weight.shape[1]
@@ -581,6 +736,16 @@ def _plan_site(
     report = LatentSiteReport(site.name, site.layers[0], pairs.tolist(), 0.0, 0.0)
     if statistics is not None:
         k_weight = weights.k_weight.detach().reshape(groups, head_dim, hidden)
+        kept = torch.zeros(groups, head_dim // 2, dtype=torch.bool).scatter_(1, pairs, True)
+        if statistics.rotation_moments is not None:
+            fit = expected_rotation(statistics.rotation_moments)
+            lost = torch.where(kept, 0.0, fit.residual if fold else fit.unrotated_residual)
+            report.rope_error = float(lost.sum() / fit.energy.sum().clamp_min(1e-300))
+            if fold:
+                # Kept pairs stay as they are (their rotation is applied at run time, exactly).
+                cos = torch.where(kept, 1.0, fit.cos)
+                sin = torch.where(kept, 0.0, fit.sin)
+                k_weight = fold_rotation(k_weight.double(), cos, sin).to(k_weight.dtype)
         nope_index = mechanism.nope_index.cpu()
         gather = lambda index: k_weight.gather(1, index[..., None].expand(-1, -1, hidden))  # noqa: E731
         factors = joint_latent_factors(
@@ -623,6 +788,7 @@ def compress_kv_to_latent(
     rope_dims: int,
     calibration: Iterable[dict] | None = None,
     adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+    rope_selection: str | None = None,
 ) -> LatentReport:
     """Convert every attention layer of a rotary, grouped-query causal LM to latent keys and values, in place.
 
@@ -634,11 +800,24 @@ def compress_kv_to_latent(
         calibration: batches (dicts with ``input_ids``, optionally ``attention_mask``) on which the rotary pairs
             are ranked and the SVD weighted; None ranks by weight norms and uses the plain joint SVD.
         adapter: the architecture's adapter; detected when None.
+        rope_selection: ``"fitted"`` (the default with calibration): keep rotary where the fitted fixed rotation
+            leaves the largest score error, and fold that rotation into the rotary-free keys
+            (:func:`expected_rotation`); ``"norms"`` (the default without): MHA2MLA's 2-norm criterion, rotary-free
+            pairs left unrotated.
 
     Returns a :class:`LatentReport`. Raises :class:`HeadkitError` for an unsupported family, an argument out of
     range, a model already converted or pruned unevenly — the model is then untouched.
     """
     start = time.perf_counter()
+    if rope_selection is None:
+        rope_selection = NORMS if calibration is None else FITTED
+    if rope_selection not in ROPE_SELECTIONS:
+        raise HeadkitError(f"rope_selection must be one of {ROPE_SELECTIONS}, got {rope_selection!r}")
+    if rope_selection == FITTED and calibration is None:
+        raise HeadkitError(
+            "rope_selection 'fitted' fits each rotary-free pair's rotation on calibration text: pass "
+            "calibration=..., or rope_selection='norms'"
+        )
     _check_not_latent(model)
     if adapter is None:
         get_family(model, LATENT)
@@ -657,7 +836,14 @@ def compress_kv_to_latent(
         else collect_statistics(model, sites, adapter, calibration)
     )
     planned = [
-        _plan_site(adapter, site, kv_rank, select_rotary_pairs(stats, rope_dims // 2), stats)
+        _plan_site(
+            adapter,
+            site,
+            kv_rank,
+            select_rotary_pairs(stats, rope_dims // 2, rope_selection),
+            stats,
+            fold=rope_selection == FITTED,
+        )
         for site, stats in zip(sites, statistics, strict=True)
     ]
     # Everything is computed and checked: only now does the model change.
@@ -669,6 +855,7 @@ def compress_kv_to_latent(
             "adapter": adapter.name,
             "kv_rank": kv_rank,
             "rope_dims": rope_dims,
+            "rope_selection": rope_selection,
             "sites": [site.name for site in sites],
             "rope_pairs": [plan.report.rope_pairs for plan in planned],
         },
@@ -680,6 +867,7 @@ def compress_kv_to_latent(
         rope_dims=rope_dims,
         full_rank=full_rank(hidden, site.num_kv_heads, site.head_dim, rope_dims),
         calibrated=calibration is not None,
+        rope_selection=rope_selection,
         cache_numbers_before=2 * site.num_kv_heads * site.head_dim,
         cache_numbers_after=kv_rank + site.num_kv_heads * rope_dims,
         parameters_before=before,
@@ -731,16 +919,21 @@ __all__ = [
     "LatentKVHeads",
     "LatentReport",
     "PositionEmbeddingsHook",
+    "ROPE_SELECTIONS",
     "RotaryKeyProjection",
+    "RotationFit",
     "SiteStatistics",
     "attention_mask_for",
     "check_latent_arguments",
     "collect_statistics",
     "compress_kv_to_latent",
+    "expected_rotation",
+    "fold_rotation",
     "full_rank",
     "joint_latent_factors",
     "latent_cache_layer",
     "latent_mechanisms",
+    "rotation_moments",
     "select_rotary_pairs",
     "set_absorbed",
     "weight_statistics",
