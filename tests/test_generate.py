@@ -116,6 +116,11 @@ def test_fast_path_decodes_the_eager_tokens_and_states_its_step(
     captured = capsys.readouterr()
     assert captured.out == eager_text
     assert "fast path, float32 weights: decoding step ran eagerly (--no-compile) for batch 1" in captured.err
+    # The rate without the first step (the one that compiles): the 4 steps after it, 6 tokens in all.
+    assert re.search(
+        r"fast path after the first step: median [\d.]+ ms per token \([\d.]+ tokens/s\) over 4 steps",
+        captured.err,
+    )
     assert "fast decoding without compilation" in caplog.text  # announced by the library too
     own = headkit.HeadkitForCausalLM(
         headkit.HeadkitConfig(vocab_size=11, hidden_size=8, num_hidden_layers=1, num_attention_heads=2)

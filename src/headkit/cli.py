@@ -720,6 +720,7 @@ def generate(
     decoding cache (key/value cache or recurrent state) in bytes. --fast decodes through a compiled step over
     fixed-size caches, in the weights --weights names."""
     import copy
+    import statistics
     import time
 
     import torch
@@ -778,10 +779,15 @@ def generate(
 
         decoder = FastDecoder(network, weights=weights, compile=compile)
     started = time.perf_counter()
+    steady: list[float] = []  # the fast path's steps after each bucket's first (which compiles)
     with torch.no_grad():
         if decoder is not None:
             output = decoder.generate(
-                ids, max_new_tokens=max_new_tokens, eos_token_id=config.eos_token_id, streamer=streamer
+                ids,
+                max_new_tokens=max_new_tokens,
+                eos_token_id=config.eos_token_id,
+                streamer=streamer,
+                step_seconds=steady,
             )
         else:
             output = network.generate(
@@ -803,6 +809,14 @@ def generate(
                 f"fast path, {weights} weights: decoding step {what} for batch {batch}, "
                 f"{f'cache {length} tokens' if length else 'fixed-size state'}: first step {first_step:.2f} s "
                 "(compilation is paid once per shape bucket)",
+                highlight=False,
+                soft_wrap=True,
+            )
+        if steady:
+            median = statistics.median(steady)
+            err_console.print(
+                f"fast path after the first step: median {median * 1e3:.1f} ms per token "
+                f"({1 / median:.1f} tokens/s) over {len(steady)} steps",
                 highlight=False,
                 soft_wrap=True,
             )
