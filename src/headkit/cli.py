@@ -278,7 +278,11 @@ def compress(
         help="Shared query/key width D̃ (default: half of heads × head_dim; full size is exact).",
     ),
     distill_steps: int = typer.Option(0, min=0, help="Distillation steps against the original."),
-    lr: float = typer.Option(1e-4, min=0.0, help="Distillation learning rate (AdamW, every weight)."),
+    lr: float = typer.Option(
+        1e-4,
+        min=0.0,
+        help="Distillation learning rate (AdamW, every weight; on a rotary decoder the peak of a cosine decay after a 5% warm-up).",
+    ),
     lora_rank: int = typer.Option(None, min=1, help="Distil through LoRA of this rank (PEFT), merged after."),
     batch_size: int = typer.Option(
         16, min=1, help="Texts (windows) per distillation step and held-out batch."
