@@ -8,6 +8,7 @@ import torch
 import transformers
 
 from headkit.bench.compress import CompressBenchmarkConfig, render_latent_markdown, run_latent_benchmark
+from headkit.errors import HeadkitError
 from headkit.recipes.compress import load_teacher
 from headkit.surgery.latent import compress_kv_to_latent
 
@@ -64,3 +65,12 @@ def test_the_curve_over_r_and_a_student_side_by_side(save_tiny_causal_lm, text_f
     json.dumps(report)
     report["machine"] = {"cpu_model": "cpu", "torch_threads": 1}
     assert "speed-up" in render_latent_markdown(report)
+
+
+def test_an_unknown_rope_selection_is_named_before_any_work(save_tiny_causal_lm, text_folder, tmp_path):
+    model_dir = save_tiny_causal_lm(tmp_path / "llama", "llama")
+    config = CompressBenchmarkConfig.quick(
+        model=model_dir, kv_ranks=(6,), rope_dims=2, rope_selections=("best",)
+    )
+    with pytest.raises(HeadkitError, match=r"--rope-selections takes fitted, norms, got \['best'\]"):
+        run_latent_benchmark(config, load_teacher(model_dir), model_dir, _Console())

@@ -54,7 +54,7 @@ from headkit.recipes.models import check_output_folder, default_encoder_path
 from headkit.recipes.text import lm_windows, load_text
 from headkit.surgery.adapters import count_parameters
 from headkit.surgery.io import from_pretrained
-from headkit.surgery.latent import latent_mechanisms
+from headkit.surgery.latent import ROPE_SELECTIONS, latent_mechanisms
 
 PLOT_FILE = "compress_curve.png"
 
@@ -313,6 +313,11 @@ def run_latent_benchmark(
     if not config.kv_ranks and not config.students:
         raise HeadkitError(
             "a rotary --model needs --kv-ranks (the curve over R) and/or --students to measure"
+        )
+    unknown = [name for name in config.rope_selections if name not in ROPE_SELECTIONS]
+    if unknown or not config.rope_selections:
+        raise HeadkitError(
+            f"--rope-selections takes {', '.join(ROPE_SELECTIONS)}, got {list(config.rope_selections)}"
         )
     torch.set_num_threads(config.threads)
     ranks = [latent_defaults(teacher, rank, config.rope_dims) for rank in config.kv_ranks]  # checked first

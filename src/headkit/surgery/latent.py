@@ -379,7 +379,8 @@ def expected_rotation(moments: torch.Tensor) -> RotationFit:
     normal = moments[..., :2, :2]
     target = moments[..., :2, 2]
     ridge = 1e-12 * normal.diagonal(dim1=-2, dim2=-1).sum(-1).clamp_min(1e-300)[..., None, None]
-    solution = torch.linalg.solve(normal + ridge * torch.eye(2, dtype=normal.dtype), target)
+    identity = torch.eye(2, dtype=normal.dtype, device=normal.device)
+    solution = torch.linalg.solve(normal + ridge * identity, target)
     energy = moments[..., 2, 2]
     return RotationFit(
         cos=solution[..., 0],
@@ -396,7 +397,7 @@ def fold_rotation(rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
     are get (1, 0)."""
     half = rows.shape[1] // 2
     shape = (*cos.shape, *([1] * (rows.dim() - 2)))
-    a, b = cos.reshape(shape).to(rows.dtype), sin.reshape(shape).to(rows.dtype)
+    a, b = (part.reshape(shape).to(rows.device, rows.dtype) for part in (cos, sin))
     first, second = rows[:, :half], rows[:, half:]
     return torch.cat((a * first + b * second, a * second - b * first), dim=1)
 
@@ -440,8 +441,9 @@ def collect_statistics(
             # The stock module has run its projections: the rotation fit reads what they wrote.
             call = seen[index]
             if call.get("rotary") is not None and "q" in call and "k" in call:
-                sums[index]["rotation"] = sums[index]["rotation"] + rotation_moments(
-                    call["q"], call["k"], *call["rotary"], scale
+                sums[index]["rotation"] = (
+                    sums[index]["rotation"]
+                    + rotation_moments(call["q"], call["k"], *call["rotary"], scale).cpu()
                 )
             call.clear()
 
@@ -746,7 +748,7 @@ def _plan_site(
     report = LatentSiteReport(site.name, site.layers[0], pairs.tolist(), 0.0, 0.0)
     if statistics is not None:
         k_weight = weights.k_weight.detach().reshape(groups, head_dim, hidden)
-        kept = torch.zeros(groups, head_dim // 2, dtype=torch.bool).scatter_(1, pairs, True)
+        kept = torch.zeros(groups, head_dim // 2, dtype=torch.bool).scatter_(1, pairs.cpu(), True)
         if statistics.rotation_moments is not None:
             fit = expected_rotation(statistics.rotation_moments)
             lost = torch.where(kept, 0.0, fit.residual if fold else fit.unrotated_residual)
