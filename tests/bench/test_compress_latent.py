@@ -37,12 +37,14 @@ def test_the_curve_over_r_and_a_student_side_by_side(save_tiny_causal_lm, text_f
         student, kv_rank=6, rope_dims=2, calibration=[{"input_ids": torch.randint(3, 90, (2, 16))}]
     )
     student.save_pretrained(student_dir)
+    twin_dir = tmp_path / "twin" / "student"  # the same folder name: both measured, told apart by their paths
+    student.save_pretrained(twin_dir)
     config = CompressBenchmarkConfig.quick(
         model=model_dir,
         kv_ranks=(28, 6),
         rope_dims=2,
         rope_selections=("fitted", "norms"),
-        students=(str(student_dir),),
+        students=(str(student_dir), str(twin_dir)),
         contexts=(12,),
         decode_batches=(1, 2),
         eval_window=16,
@@ -58,7 +60,9 @@ def test_the_curve_over_r_and_a_student_side_by_side(save_tiny_causal_lm, text_f
     assert 0 < full["max_rope_error"] <= full_norms["max_rope_error"]
     # 2 layers × (R + 2 kv heads × 2 rotary dims) float32 numbers per token.
     assert (full["kv_bytes_per_token"], low["kv_bytes_per_token"]) == (2 * 32 * 4, 2 * 10 * 4)
-    (measured,) = latent["students"]
+    measured, twin = latent["students"]
+    assert (measured["name"], twin["name"]) == (str(student_dir), str(twin_dir))
+    assert twin["perplexity"] == pytest.approx(measured["perplexity"])
     assert measured["kv_rank"] == 6 and measured["kv_bytes_per_token"] == 2 * 10 * 4
     assert [(row["context"], row["batch"]) for row in measured["decode"]] == [(12, 1), (12, 2)]
     assert all(row["speedup"] > 0 and len(row["rounds_ms"]) == 2 for row in measured["decode"])

@@ -321,7 +321,12 @@ def run_latent_benchmark(
         )
     torch.set_num_threads(config.threads)
     ranks = [latent_defaults(teacher, rank, config.rope_dims) for rank in config.kv_ranks]  # checked first
-    students = {Path(path).name: from_pretrained(path) for path in config.students}
+    # A student is named by its folder, or by its path where two folders share a name (runs/a/model, runs/b/model).
+    names = [Path(path).name for path in config.students]
+    students = {
+        (name if names.count(name) == 1 else str(path)): from_pretrained(path)
+        for name, path in zip(names, config.students, strict=True)
+    }
     for name, student in students.items():
         if not latent_mechanisms(student):
             raise HeadkitError(
