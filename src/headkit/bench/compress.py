@@ -54,7 +54,7 @@ from headkit.recipes.models import check_output_folder, default_encoder_path
 from headkit.recipes.text import lm_windows, load_text
 from headkit.surgery.adapters import count_parameters
 from headkit.surgery.io import from_pretrained
-from headkit.surgery.latent import ROPE_SELECTIONS, latent_mechanisms
+from headkit.surgery.latent import FITTED, ROPE_SELECTIONS, latent_mechanisms
 
 PLOT_FILE = "compress_curve.png"
 
@@ -100,7 +100,7 @@ class CompressBenchmarkConfig:
         None, "Rotary --model: rotary dims per key/value head (default head_dim/4)."
     )
     rope_selections: tuple[str, ...] = option(
-        ("fitted",),
+        (FITTED,),
         "Rotary --model: rotary-pair selections of the curve over R (fitted, norms: MHA2MLA's), each a curve.",
         parse=lambda f, t: parse_list(f, t, str),
     )

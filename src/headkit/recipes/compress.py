@@ -53,6 +53,7 @@ from headkit.surgery.adapters import AttentionAdapter, count_parameters, get_ada
 from headkit.surgery.collaborative import SwapReport, swap_to_collaborative
 from headkit.surgery.io import from_pretrained
 from headkit.surgery.latent import (
+    FITTED,
     ROPE_SELECTIONS,
     LatentReport,
     check_latent_arguments,
@@ -87,9 +88,7 @@ class CompressSettings(ModelSettings):
     # Rotary decoders (latent keys/values): R, D, calibration windows, held-out window length.
     kv_rank: int | None = None  # default: half the key/value cache, R = G·(head_dim − D)
     rope_dims: int | None = None  # default: head_dim / 4 (whole pairs)
-    rope_selection: str = (
-        "fitted"  # which pairs stay rotary; "fitted" also folds a fixed rotation into the rest
-    )
+    rope_selection: str = FITTED  # which pairs stay rotary; FITTED also folds a fixed rotation into the rest
     calibration_windows: int = 16
     eval_window: int | None = None  # default: window
 
@@ -406,7 +405,7 @@ def latent_defaults(teacher: Teacher, kv_rank: int | None, rope_dims: int | None
 
 
 def latent_student(
-    teacher: Teacher, kv_rank: int, rope_dims: int, calibration: list[dict], rope_selection: str = "fitted"
+    teacher: Teacher, kv_rank: int, rope_dims: int, calibration: list[dict], rope_selection: str = FITTED
 ) -> tuple[nn.Module, LatentReport]:
     """A fresh copy of the teacher with latent keys/values (calibrated on `calibration`); the teacher untouched."""
     student = copy.deepcopy(teacher.model)

@@ -52,6 +52,7 @@ uneven key/value pruning or head gates. A model pruned uniformly is a stock mode
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -64,6 +65,7 @@ from torch import nn
 from headkit.errors import HeadkitError
 from headkit.layers.base import KV_HEAD_INDEX
 from headkit.ops.latent import LatentProjection, latent_attention, naive_latent_attention, rotate_half_inverse
+from headkit.ops.rotary import apply_rotary
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite, count_parameters, get_adapter
 from headkit.surgery.attention import (
     HEAD_GATE,
@@ -297,6 +299,11 @@ class SiteStatistics:
     tokens: int
     rotation_moments: torch.Tensor | None = None  # [G, head_dim/2, 3, 3] (rotation_moments); None: no text
 
+    @functools.cached_property
+    def rotation_fit(self) -> RotationFit | None:
+        """:func:`expected_rotation` of the moments, once for the pair selection and the fold; None without text."""
+        return None if self.rotation_moments is None else expected_rotation(self.rotation_moments)
+
 
 def pair_norms(projected: torch.Tensor, heads: int, head_dim: int) -> torch.Tensor:
     """[..., heads·head_dim] → [heads, head_dim/2]: the 2-norm of each rotary pair, averaged over the leading
@@ -314,13 +321,10 @@ _SCORE_TERMS[1, 0, 1], _SCORE_TERMS[1, 1, 0] = 1.0, -1.0
 _SCORE_TERMS[2, 2, 2] = _SCORE_TERMS[2, 3, 3] = 1.0
 
 
-def _pair_features(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """[B, T, heads, head_dim] → [B, T, heads, P, 4]: each pair's (x1, x2) and its rotated (x̂1, x̂2) in 🤗's
-    layout (x̂1 = x1 cos − x2 sin, x̂2 = x2 cos + x1 sin)."""
+def _pair_features(x: torch.Tensor, rotated: torch.Tensor) -> torch.Tensor:
+    """[B, T, heads, head_dim] (unrotated and rotated) → [B, T, heads, P, 4]: each pair's (x1, x2, x̂1, x̂2)."""
     half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[..., :half].unsqueeze(2), sin[..., :half].unsqueeze(2)
-    return torch.stack((x1, x2, x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+    return torch.stack((x[..., :half], x[..., half:], rotated[..., :half], rotated[..., half:]), dim=-1)
 
 
 def rotation_moments(
@@ -335,10 +339,14 @@ def rotation_moments(
     batch, length, heads, head_dim = queries.shape
     groups, pairs = keys.shape[2], head_dim // 2
     per_group = heads // groups
-    query_features = _pair_features(queries.float(), cos.float(), sin.float())  # [B, T, H, P, 4]
-    key_features = _pair_features(keys.float(), cos.float(), sin.float())  # [B, T, G, P, 4]
-    rotated_q = query_features[..., 2:].transpose(-1, -2).reshape(batch, length, heads, head_dim)
-    rotated_k = key_features[..., 2:].transpose(-1, -2).reshape(batch, length, groups, head_dim)
+    # 🤗's cos/sin repeat the pair angles in both halves; apply_rotary takes them once.
+    cos, sin = cos[..., :pairs].float(), sin[..., :pairs].float()
+    queries, keys = queries.float(), keys.float()
+    rotated_q, rotated_k = (
+        apply_rotary(x.transpose(1, 2), cos, sin, validate=False).transpose(1, 2) for x in (queries, keys)
+    )
+    query_features = _pair_features(queries, rotated_q)  # [B, T, H, P, 4]
+    key_features = _pair_features(keys, rotated_k)  # [B, T, G, P, 4]
     rotated_k = rotated_k.repeat_interleave(per_group, dim=2)
     scores = torch.einsum("bmhd,bnhd->bhmn", rotated_q, rotated_k) * scale
     causal = torch.ones(length, length, dtype=torch.bool, device=queries.device).tril()
@@ -511,9 +519,9 @@ def select_rotary_pairs(statistics: SiteStatistics, pairs: int, selection: str =
     residual of :func:`expected_rotation` — the score error a pair would leave rotary-free, after its fixed
     rotation is folded into the keys (needs ``statistics.rotation_moments``)."""
     if selection == FITTED:
-        if statistics.rotation_moments is None:
+        if statistics.rotation_fit is None:
             raise HeadkitError("rope_selection 'fitted' needs calibration text (calibration=...)")
-        contribution = expected_rotation(statistics.rotation_moments).residual
+        contribution = statistics.rotation_fit.residual
     else:
         queries, keys = statistics.query_pair_norms, statistics.key_pair_norms
         groups = keys.shape[0]
@@ -749,8 +757,8 @@ def _plan_site(
     if statistics is not None:
         k_weight = weights.k_weight.detach().reshape(groups, head_dim, hidden)
         kept = torch.zeros(groups, head_dim // 2, dtype=torch.bool).scatter_(1, pairs.cpu(), True)
-        if statistics.rotation_moments is not None:
-            fit = expected_rotation(statistics.rotation_moments)
+        fit = statistics.rotation_fit
+        if fit is not None:
             lost = torch.where(kept, 0.0, fit.residual if fold else fit.unrotated_residual)
             report.rope_error = float(lost.sum() / fit.energy.sum().clamp_min(1e-300))
             if fold:
@@ -926,10 +934,12 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
 register_surgery_op(SURGERY_OP, _reapply)
 
 __all__ = [
+    "FITTED",
     "LatentCacheLayer",
     "LatentFactors",
     "LatentKVHeads",
     "LatentReport",
+    "NORMS",
     "PositionEmbeddingsHook",
     "ROPE_SELECTIONS",
     "RotaryKeyProjection",
