@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import sys
 import typing
 from collections.abc import Iterator
@@ -154,11 +155,25 @@ def _parse_ints(name: str, text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the app; user errors become one line on stderr and exit status 2."""
+    """Entry point: run the app; user errors become one line on stderr and exit status 2.
+
+    Under ``torchrun`` / ``accelerate launch`` every process runs the command (headkit.recipes.skeleton) and only
+    the main one prints: the others' standard output is discarded, and a user error — the same on every process,
+    or met by the main process and replicated — is printed once, by the main process, while every process exits
+    with its status."""
+    from headkit.recipes.skeleton import ReplicatedError, is_main_process
+
+    main_process = is_main_process()
     try:
-        app(args=argv, standalone_mode=False)
+        with contextlib.ExitStack() as stack:
+            if not main_process:
+                stack.enter_context(contextlib.redirect_stdout(stack.enter_context(open(os.devnull, "w"))))
+            app(args=argv, standalone_mode=False)
+    except ReplicatedError as exc:  # the main process printed it
+        sys.exit(exc.exit_code)
     except (ValueError, FileNotFoundError, NotADirectoryError) as exc:  # HeadkitError is a ValueError
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        if main_process:
+            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)

@@ -63,10 +63,11 @@ def family_config(
     model_type: str,
     *,
     vocab_size: int = VOCAB,
-    special_ids: tuple[int, int, int] = (0, 1, 2),
+    special_ids: tuple[int, int, int] | None = (0, 1, 2),
     **overrides: Any,
 ):
-    """The tiny config of `model_type` (pad, bos, eos ids from `special_ids`; `overrides` set last)."""
+    """The tiny config of `model_type` (pad, bos, eos ids from `special_ids`, or the family's own defaults with
+    None; `overrides` set last)."""
     family = FAMILIES[model_type]
     if model_type == "headkit":
         from headkit.models import HeadkitConfig
@@ -77,8 +78,10 @@ def family_config(
     settings = {} if model_type in OWN_SETTINGS_ONLY else dict(COMMON)
     settings |= OVERRIDES.get(model_type, {})
     settings = {k: v for k, v in settings.items() if v is not None}
-    pad, bos, eos = special_ids
-    settings |= dict(vocab_size=vocab_size, pad_token_id=pad, bos_token_id=bos, eos_token_id=eos)
+    settings["vocab_size"] = vocab_size
+    if special_ids is not None:
+        pad, bos, eos = special_ids
+        settings |= dict(pad_token_id=pad, bos_token_id=bos, eos_token_id=eos)
     return config_class(**(settings | overrides))
 
 

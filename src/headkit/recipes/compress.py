@@ -35,7 +35,6 @@ import torch
 from torch import nn
 
 from headkit.errors import HeadkitError
-from headkit.files import staged_folder, write_json_atomic
 from headkit.recipes.distill import distill_run, encoder_finetune
 from headkit.recipes.evaluate import (
     agreement,
@@ -48,10 +47,10 @@ from headkit.recipes.evaluate import (
 from headkit.recipes.models import DEFAULT_DTYPE, check_output_folder, default_encoder_path, load_model
 from headkit.recipes.objectives import CausalLMObjective
 from headkit.recipes.settings import ModelSettings, RecipeResult, check_count, check_data, with_overrides
+from headkit.recipes.skeleton import main_process_echo, save_result
 from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
 from headkit.surgery.adapters import AttentionAdapter, count_parameters, get_adapter
 from headkit.surgery.collaborative import SwapReport, swap_to_collaborative
-from headkit.surgery.io import from_pretrained
 from headkit.surgery.latent import (
     FITTED,
     ROPE_SELECTIONS,
@@ -253,6 +252,7 @@ def compress(
     model_path = Path(settings.model) if settings.model is not None else default_encoder_path()
     out = Path(settings.out)
     check_output_folder(model_path, out, settings.overwrite)
+    echo = main_process_echo(echo)
     torch.manual_seed(settings.seed)
     teacher = load_teacher(model_path, settings.dtype)
     dim = teacher.full_dim // 2 if settings.dim is None else settings.dim
@@ -284,17 +284,7 @@ def compress(
         "parameters_after": count_parameters(student),
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
     }
-    with staged_folder(out) as staging:
-        student.save_pretrained(staging)
-        teacher.tokenizer.save_pretrained(staging)
-        reloaded = from_pretrained(staging)
-        ids = torch.arange(1, 17)[None] % 100
-        name = "logits" if teacher.kind == "causal_lm" else "last_hidden_state"
-        with torch.no_grad():
-            first, second = getattr(student(input_ids=ids), name), getattr(reloaded(input_ids=ids), name)
-        report["reload_max_abs_diff"] = float((first - second).abs().max())
-        report["seconds"] = time.perf_counter() - started
-        write_json_atomic(staging / "report.json", report)
+    save_result(out, student, teacher.tokenizer, report, started=started)
     return CompressResult(student, report)
 
 

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from headkit.errors import HeadkitError
-from headkit.files import save_figure_atomic, staged_folder, write_json_atomic
+from headkit.files import save_figure_atomic
 from headkit.layers.feature_maps import valid_feature_map_names
 from headkit.ops._validation import is_finite_number
 from headkit.recipes.distill import distill, with_lora
@@ -53,6 +53,7 @@ from headkit.recipes.settings import (
     stated_defaults,
     with_overrides,
 )
+from headkit.recipes.skeleton import main_process_echo, save_result
 from headkit.recipes.text import lm_windows, load_text
 from headkit.surgery.adapters import AttentionAdapter, get_adapter
 from headkit.surgery.attention import MECHANISM
@@ -264,16 +265,15 @@ def linearize(
     model_path = _model_path(settings)
     out = Path(settings.out)
     check_output_folder(model_path, out, settings.overwrite)
+    echo = main_process_echo(echo)
     result, tokenizer = _run(settings, model_path, echo)
     report = result.report
     report["out"] = str(out)
-    with staged_folder(out) as staging:
-        result.model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        report["reload_max_abs_diff"] = _reload_difference(staging, result.model)
+
+    def plot(staging: Path, report: dict[str, Any]) -> None:
         save_figure_atomic(plot_report(report), staging / PLOT_FILE)
-        report["seconds"] = time.perf_counter() - started
-        write_json_atomic(staging / "report.json", report)
+
+    save_result(out, result.model, tokenizer, report, started=started, extras=[plot])
     return result
 
 
@@ -577,16 +577,6 @@ def _decode_line(point: dict[str, Any]) -> str:
         f"({point['linearized_cache_bytes'] / 2**20:.2f} MiB); "
         f"{point['original_ms_per_token'] / point['linearized_ms_per_token']:.2f}x"
     )
-
-
-@torch.no_grad()
-def _reload_difference(folder: Path, model: nn.Module) -> float:
-    """Max |Δ| of the logits of `model` and its saved copy reloaded with :func:`headkit.from_pretrained`."""
-    from headkit.surgery.io import from_pretrained
-
-    reloaded = from_pretrained(folder)
-    ids = torch.arange(1, 17)[None] % 100
-    return float((model(input_ids=ids).logits - reloaded(input_ids=ids).logits).abs().max())
 
 
 # -- report ------------------------------------------------------------------------------------------------------

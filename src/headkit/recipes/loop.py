@@ -128,8 +128,10 @@ def train_loop(
     Args:
         model: trained in place; Trainer may move it to an accelerator (it is left there, in evaluation mode).
         loss_fn: the scalar loss of one batch; ``step`` is the optimizer steps done so far.
-        data: single examples, stacked by Trainer into ``batch_size`` per device; or with ``batch_size=None``
-            whole batches (one per forward). Shuffled with ``seed``, cycled as needed.
+        data: single examples, stacked by Trainer into batches of ``batch_size`` — the global batch: under
+            ``torchrun`` / ``accelerate launch`` each of N processes takes ``batch_size / N`` of every batch, so N
+            processes take the same optimizer steps as one (up to reduction order); or with ``batch_size=None``
+            whole batches (one per forward and process). Shuffled with ``seed``, cycled as needed.
         param_groups: AdamW's parameter groups, each with its own ``lr`` (and ``weight_decay``, else 0).
         lr: the learning rate of groups without one.
         optimizer_options: more AdamW options (``betas``, ``foreach``, ``maximize`` per group goes in the group).
@@ -165,6 +167,7 @@ def train_loop(
     if steps == 0:
         return LoopResult(0)
     _join_process_group()
+    per_process_batch = _per_process_batch(batch_size)
     dataset = data if isinstance(data, torch.utils.data.Dataset) else ExampleDataset(data)
     if len(dataset) == 0:
         raise HeadkitError("the training data holds no example, got none")
@@ -175,7 +178,7 @@ def train_loop(
         directory = Path(output_dir) if output_dir is not None else Path(scratch)
         arguments = TrainingArguments(
             output_dir=str(directory),
-            per_device_train_batch_size=batch_size or 1,
+            per_device_train_batch_size=per_process_batch,
             gradient_accumulation_steps=gradient_accumulation_steps,
             max_steps=steps,
             learning_rate=lr if lr > 0 else 1e-3,  # Trainer refuses 0; every group carries its own rate
@@ -232,6 +235,19 @@ def _join_process_group() -> None:
         return
     rank, size = str(dist.get_rank()), str(dist.get_world_size())
     os.environ.update(RANK=rank, WORLD_SIZE=size, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=size)
+
+
+def _per_process_batch(batch_size: int | None) -> int:
+    """Each process's share of the global `batch_size` (1 whole batch when None), refused when the processes
+    cannot share it evenly."""
+    if batch_size is None:
+        return 1
+    _, processes = process_rank_and_count()
+    if batch_size % processes:
+        raise HeadkitError(
+            f"batch_size (the global batch) must be a multiple of the {processes} processes, got {batch_size}"
+        )
+    return batch_size // processes
 
 
 def process_rank_and_count() -> tuple[int, int]:

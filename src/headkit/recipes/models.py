@@ -147,6 +147,7 @@ def load_model(
             path.parent, gguf_file=path.name, local_files_only=True, dtype=torch_dtype
         )
         _forget_gguf_quantization(model)
+        check_token_ids(tokenizer, model, f"MODEL {str(path)!r}")
         return LoadedModel(model.to(torch_dtype).eval(), tokenizer, CAUSAL_LM, path)
     config = json.loads((path / "config.json").read_text())
     if config.get(SURGERY_KEY):
@@ -161,8 +162,73 @@ def load_model(
         raise HeadkitError(
             f"MODEL {str(path)!r}: no tokenizer could be loaded from the folder ({exc})"
         ) from None
+    tokenizer = _declared_tokenizer_if_auto_overflows(path, tokenizer, model)
+    check_token_ids(tokenizer, model, f"MODEL {str(path)!r}")
     # Every weight in `dtype`, even those a class keeps in float32 (a checkpoint's own dtype never leaks through).
     return LoadedModel(model.to(torch_dtype).eval(), tokenizer, kind, path)
+
+
+def _ids_outside(tokenizer: Any, rows: int) -> list[tuple[int, str]]:
+    """(id, token) of every token `tokenizer` can produce — its vocabulary and added tokens — at or beyond
+    `rows`, the model's embedding rows."""
+    vocabulary = tokenizer.get_vocab() if hasattr(tokenizer, "get_vocab") else {}
+    return sorted((index, token) for token, index in vocabulary.items() if index >= rows)
+
+
+def _declared_tokenizer_if_auto_overflows(path: Path, tokenizer: Any, model: nn.Module) -> Any:
+    """The tokenizer the folder's own ``tokenizer_config.json`` declares, when AutoTokenizer chose another class
+    whose defaults add tokens beyond the model's vocabulary.
+
+    transformers overrides the declared class for some model types (Qwen 2, Phi-3: their Hub files are known to
+    declare a wrong one) and loads the family's own tokenizer class over the files. On a checkpoint saved with a
+    foreign tokenizer (a WordPiece vocabulary under a Qwen 2 model), that class adds its default special tokens
+    (Qwen 2's eos ``<|endoftext|>``) after the vocabulary: ids the embedding has no row for. The files' own class
+    adds nothing."""
+    rows = model.get_input_embeddings().num_embeddings
+    if not _ids_outside(tokenizer, rows):
+        return tokenizer
+    import transformers
+
+    try:
+        declared = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        return tokenizer
+    declared_class = getattr(transformers, str(declared), None) if declared else None
+    if declared_class is None or declared_class is type(tokenizer):
+        return tokenizer
+    try:
+        files_tokenizer = declared_class.from_pretrained(path, local_files_only=True)
+    except (
+        Exception
+    ):  # the declared class cannot read the files: keep AutoTokenizer's, which check_token_ids names
+        return tokenizer
+    return files_tokenizer if not _ids_outside(files_tokenizer, rows) else tokenizer
+
+
+def check_token_ids(tokenizer: Any, model: nn.Module, source: str) -> None:
+    """Refuse, before any work, a tokenizer that can produce an id the model has no embedding row for: the first
+    step that met one would end in an ``IndexError`` deep inside the embedding. The message names the id, the
+    token (and its role: eos, pad, …), the vocabulary size and where the tokenizer came from."""
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    rows = getattr(embeddings, "num_embeddings", None)
+    if rows is None:
+        return
+    outside = _ids_outside(tokenizer, rows)
+    if not outside:
+        return
+    index, token = outside[0]
+    roles = [
+        name.removesuffix("_token")
+        for name, value in (getattr(tokenizer, "special_tokens_map", None) or {}).items()
+        if value == token
+    ]
+    role = f"its {'/'.join(roles)} token " if roles else "token "
+    more = f" (and {len(outside) - 1} more)" if len(outside) > 1 else ""
+    raise HeadkitError(
+        f"{source}: the tokenizer ({type(tokenizer).__name__}) gives {role}{token!r} the id {index}{more}, outside "
+        f"the model's vocabulary of {rows} embeddings; save the tokenizer the model was trained with, or resize "
+        "the embeddings (model.resize_token_embeddings(len(tokenizer)))"
+    )
 
 
 def _forget_gguf_quantization(model: nn.Module) -> None:

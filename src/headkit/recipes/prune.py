@@ -40,7 +40,6 @@ from torch import nn
 
 from headkit.analysis.importance import head_importance
 from headkit.errors import HeadkitError
-from headkit.files import staged_folder, write_json_atomic
 from headkit.recipes.distill import distill_run, encoder_finetune
 from headkit.recipes.evaluate import (
     agreement,
@@ -64,6 +63,7 @@ from headkit.recipes.models import (
 )
 from headkit.recipes.objectives import CausalLMObjective, EncoderObjective
 from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data, with_overrides
+from headkit.recipes.skeleton import main_process_echo, save_result
 from headkit.recipes.text import (
     calibration_batches,
     lm_windows,
@@ -478,24 +478,26 @@ def prune(
     check_output_folder(model_path, out, settings.overwrite)
     if settings.export_gguf is not None:
         check_export_target(model_path, settings.export_gguf, settings.export_type, settings.overwrite)
+    echo = main_process_echo(echo)
     model, report, loaded = _run(settings, model_path, echo, loaded)
     report["out"] = str(out)
-    with staged_folder(out) as staging:
-        model.save_pretrained(staging)
-        loaded.tokenizer.save_pretrained(staging)
-        report["reload_max_abs_diff"] = _reload_difference(staging, model, report, loaded)
-        if settings.export_gguf is not None:  # inside the staging: a failed export leaves no folder either
-            report["gguf"] = export_gguf(
-                model,
-                settings.export_gguf,
-                type=settings.export_type,
-                overwrite=settings.overwrite,
-                tokenizer=loaded.tokenizer,
-                tokenizer_from=model_path if model_path.is_file() else None,
-            ).to_dict()
-            echo(f"wrote {settings.export_gguf} ({report['gguf']['arch']}, {settings.export_type})")
-        report["seconds"] = time.perf_counter() - started
-        write_json_atomic(staging / "report.json", report)
+
+    def export(
+        staging: Path, report: dict[str, Any]
+    ) -> None:  # inside the staging: a failed export leaves no folder
+        report["gguf"] = export_gguf(
+            model,
+            settings.export_gguf,
+            type=settings.export_type,
+            overwrite=settings.overwrite,
+            tokenizer=loaded.tokenizer,
+            tokenizer_from=model_path if model_path.is_file() else None,
+        ).to_dict()
+        echo(f"wrote {settings.export_gguf} ({report['gguf']['arch']}, {settings.export_type})")
+
+    extras = [export] if settings.export_gguf is not None else []
+    stock = bool(report.get("stock_architecture"))
+    save_result(out, model, loaded.tokenizer, report, started=started, stock=stock, extras=extras)
     return PruneResult(model, report)
 
 
@@ -803,26 +805,6 @@ def _prune_encoder(
 @torch.no_grad()
 def _forward(model: nn.Module, batch: dict) -> Any:
     return model(**batch)
-
-
-@torch.no_grad()
-def _reload_difference(folder: Path, model: nn.Module, report: dict[str, Any], loaded: LoadedModel) -> float:
-    """Max |Δ| of the outputs of `model` and its saved copy, reloaded the way a user would: plain transformers
-    for a stock architecture, :func:`headkit.from_pretrained` otherwise."""
-    from headkit.surgery.io import from_pretrained
-
-    if report.get("stock_architecture"):
-        from transformers import AutoModelForCausalLM
-
-        reloaded = AutoModelForCausalLM.from_pretrained(
-            folder, local_files_only=True, dtype=model.dtype
-        ).eval()
-    else:
-        reloaded = from_pretrained(folder)
-    ids = torch.arange(1, 17)[None] % 100
-    first, second = model(input_ids=ids), reloaded(input_ids=ids)
-    name = "logits" if loaded.is_causal_lm else "last_hidden_state"
-    return float((getattr(first, name) - getattr(second, name)).abs().max())
 
 
 def format_report(report: dict[str, Any]) -> str:
