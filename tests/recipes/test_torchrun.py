@@ -1,0 +1,111 @@
+"""Every recipe under ``torchrun`` (two CPU processes, gloo): one writer, one report, the same model as one process.
+
+The run is the user's command unchanged (``torchrun --nproc_per_node 2 -m headkit prune …``); --batch-size is the
+global batch, so two processes take half of each batch and the same optimizer steps as one process taking it
+whole: the saved weights agree up to the order of the gradient all-reduce."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="needs torch.distributed with gloo",
+)
+
+PRUNE = ["prune", "--heads", "5", "--quick", "--window", "16", "--train-texts", "16", "--held-out", "2"]
+PRUNE += ["--batch-size", "4", "--recovery-steps", "3", "--timing-rounds", "1", "--decode-context", "8"]
+LINEARIZE = [
+    "linearize", "--quick", "--window", "8", "--train-length", "32", "--train-windows", "8", "--batch-size", "4",
+    "--transfer-steps", "2", "--lora-steps", "2", "--eval-lengths", "32", "--held-out-windows", "2",
+    "--decode-contexts", "48", "--decode-steps", "2", "--decode-batch-sizes", "1",
+]  # fmt: skip
+COMPRESS = ["compress", "--kv-rank", "8", "--rope-dims", "4", "--distill-steps", "3", "--window", "16"]
+COMPRESS += ["--batch-size", "4", "--held-out", "2", "--timing-repeats", "1", "--calibration-windows", "2"]
+COMPRESS += ["--eval-window", "16"]
+
+
+def _environment() -> dict[str, str]:
+    launched = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_", "TORCHELASTIC")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(launched)}
+    return env | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _headkit(args: list[str], processes: int) -> subprocess.CompletedProcess:
+    if processes == 1:
+        command = [sys.executable, "-m", "headkit"]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+        command += ["-m", "headkit"]
+    return subprocess.run(
+        [*command, *args], capture_output=True, text=True, timeout=600, env=_environment(), check=False
+    )
+
+
+def _weights(folder) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        weights |= load_file(shard)
+    return weights
+
+
+def _one_and_two_processes(recipe: list[str], model, data, tmp_path):
+    outputs = {}
+    for processes in (1, 2):
+        out = tmp_path / f"out{processes}"
+        args = [recipe[0], str(model), *recipe[1:], "--data", str(data), "--seed", "3", "--out", str(out)]
+        result = _headkit(args, processes)
+        assert result.returncode == 0, result.stderr[-4000:]
+        outputs[processes] = (out, result)
+    return outputs
+
+
+def _assert_same_model_one_writer(outputs, tmp_path, saved_line: str):
+    (one, _), (two, result) = outputs[1], outputs[2]
+    # One writer: one output folder, no staging folder left by a second rank, each report line printed once.
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))) == ["out1", "out2"]
+    assert result.stdout.count(saved_line) == 1, result.stdout
+    assert json.loads((two / "report.json").read_text())["reload_max_abs_diff"] <= 1e-5
+    first, second = _weights(one), _weights(two)
+    assert first.keys() == second.keys() and first
+    difference = max(float((first[name] - second[name]).abs().max()) for name in first)
+    assert difference <= 1e-5, difference
+
+
+@pytest.mark.slow
+def test_prune_under_torchrun_saves_once_the_model_one_process_saves(tiny_llama, text_folder, tmp_path):
+    outputs = _one_and_two_processes(PRUNE, tiny_llama, text_folder, tmp_path)
+    _assert_same_model_one_writer(outputs, tmp_path, "saved to")
+    import headkit
+
+    reloaded = headkit.from_pretrained(tmp_path / "out2")
+    assert reloaded.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False).shape == (1, 6)
+
+
+@pytest.mark.slow
+def test_linearize_under_torchrun_saves_once_the_model_one_process_saves(tiny_llama, text_folder, tmp_path):
+    outputs = _one_and_two_processes(LINEARIZE, tiny_llama, text_folder, tmp_path)
+    _assert_same_model_one_writer(outputs, tmp_path, "saved to")
+
+
+@pytest.mark.slow
+def test_compress_under_torchrun_saves_once_the_model_one_process_saves(tiny_llama, text_folder, tmp_path):
+    outputs = _one_and_two_processes(COMPRESS, tiny_llama, text_folder, tmp_path)
+    _assert_same_model_one_writer(outputs, tmp_path, "saved to")
+
+
+def test_a_bad_argument_under_torchrun_exits_2_on_every_rank_with_one_line(tiny_llama, tmp_path):
+    out = tmp_path / "out"
+    result = _headkit(["prune", str(tiny_llama), "--heads", "999", "--quick", "--out", str(out)], 2)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "--heads must be in [1, 8]" in errors[0], result.stderr[-3000:]
+    # torchrun reports each failed rank with its exit code: both ranks, both 2.
+    assert result.stderr.count("exitcode  : 2") == 2 or result.stderr.count("exitcode: 2") == 2, result.stderr
+    assert "Traceback" not in result.stderr.split("torch.distributed.elastic")[0]
+    assert not out.exists()
