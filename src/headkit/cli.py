@@ -39,7 +39,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 bench_app = typer.Typer(
-    help="Benchmarks: rerun the measurements behind docs/benchmarks.md.", no_args_is_help=True
+    help="Benchmarks: rerun the measurements behind the docs/ pages (docs/index.md).", no_args_is_help=True
 )
 app.add_typer(bench_app, name="bench")
 

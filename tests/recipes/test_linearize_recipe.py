@@ -230,9 +230,9 @@ def test_unsupported_architectures_and_encoders_are_refused(save_tiny_encoder, t
 
 
 def test_defaults_are_the_measured_configuration():
-    # docs/benchmarks.md reports the quality of one command; a user running `headkit linearize` with no options
+    # docs/linearize.md reports the quality of one command; a user running `headkit linearize` with no options
     # must get that configuration, so every option of the documented command is the recipe's default.
-    docs = (Path(__file__).parents[2] / "docs" / "benchmarks.md").read_text()
+    docs = (Path(__file__).parents[2] / "docs" / "linearize.md").read_text()
     start = docs.index("headkit linearize $GGUF")
     command = shlex.split(
         docs[start : docs.index("\n", docs.index("--decode-batch-sizes", start))].replace("\\\n", " ")

@@ -1,4 +1,4 @@
-"""headkit.bench: the measurements behind docs/benchmarks.md, one ``headkit bench`` command per module.
+"""headkit.bench: the measurements behind the docs/ pages, one ``headkit bench`` command per module.
 
 Each benchmark module registers itself with :mod:`headkit.bench.registry` when imported; :func:`load_benchmarks`
 imports them all, so adding a benchmark is adding a module. The registry imports no benchmark: the package does.

@@ -1,5 +1,5 @@
-"""Peak memory of one call and the machine's matmul rate, for the benchmarks (the method: docs/benchmarks.md,
-speed); calls are timed by :func:`headkit.recipes.evaluate.time_call`, the evaluator's one timer.
+"""Peak memory of one call and the machine's matmul rate, for the benchmarks (the method: docs/kernels.md,
+``bench speed``); calls are timed by :func:`headkit.recipes.evaluate.time_call`, the evaluator's one timer.
 
 Peak memory is what a call allocates above what was allocated at the start, plus the call's inputs:
 ``torch.cuda.max_memory_allocated`` on CUDA, the running sum of the CPU allocator's ``[memory]`` profiler events

@@ -5,7 +5,7 @@ Cordonnier, Loukas & Jaggi, "Multi-Head Attention: Collaborate Instead of Concat
 query/key width D̃, the ``headkit compress`` recipe (:func:`~headkit.recipes.compress.compress_and_distill`) on a
 fresh copy of the encoder with the same distillation budget, batches and seed, so that the widths differ in
 nothing but D̃; then the forward time against the original's, alternated round by round (median of the per-round
-ratios, so that load drifting on shared cores cancels out). Method and results: docs/benchmarks.md. Writes
+ratios, so that load drifting on shared cores cancels out). Results: docs/collaborative.md. Writes
 ``results.json``, ``table.md`` and ``compress_curve.png`` to ``--out`` and nothing else there.
 
 **Rotary decoders** (:func:`run_latent_benchmark`): the curve over the latent width R (``--kv-ranks``, each a

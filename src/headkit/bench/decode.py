@@ -4,7 +4,7 @@ Same-size :class:`~headkit.models.HeadkitForCausalLM` models (4 layers, hidden 2
 seed) decode greedily after prompts of P tokens: ``softmax`` (Vaswani et al. 2017, RoPE) attends over a KV
 cache that grows with P; ``linear`` (Katharopoulos et al. 2020, Eq. 16–20) and ``additive`` (Wu et al. 2021,
 Fastformer, causal) update a state of constant size. Each decoding step is timed on its own; the targets are
-judged on the fastest step (load only ever adds time), medians reported beside. Method: docs/benchmarks.md.
+judged on the fastest step (load only ever adds time), medians reported beside. Method: docs/decoding.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Collaborative heads (Cordonnier, Loukas & Jaggi 2020, Sec. 4) rest on a rank-D̃
 T[:, h, :] = W_{Q,h} W_{K,h}ᵀ (:func:`headkit.surgery.decompose.decompose_query_key`). Per layer of a BERT-style
 checkpoint (default: the bundled all-MiniLM-L6-v2) and per D̃, both methods get the same rank and sweeps (tol 0:
 every sweep runs); recorded are the relative error ‖T − T̂‖_F / ‖T‖_F from the dense tensor and the wall time of
-the call. Method and results: docs/benchmarks.md. Writes results.json, table.md and decompose.png.
+the call. Method and results: docs/collaborative.md. Writes results.json, table.md and decompose.png.
 """
 
 from __future__ import annotations

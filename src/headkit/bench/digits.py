@@ -4,7 +4,7 @@ Katharopoulos et al. 2020, "Transformers are RNNs" (ICML), Sec. 4.2 (MNIST gener
 scikit-learn's 8×8 ``load_digits`` as the images: pixel models of the same size and budget complete the hidden
 bottom half of held-out digits (linear attention with its recurrent state, softmax with its KV cache); the
 completion is timed, and a logistic-regression classifier trained on real digits judges it. Method and results:
-docs/benchmarks.md.
+docs/from-scratch.md.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ windows (:func:`headkit.recipes.evaluate.perplexity`), prompt-processing and gen
 ``--contexts`` (models alternated round by round, median of ``--repeats`` rounds), and KV-cache bytes per token
 at llama.cpp's default f16 cache. Quantized files (q8_0) are evaluated one token at a time and their
 prompt-processing speed is not measured: see :data:`headkit.recipes.llamacpp.QUANTIZED_PP_SKIPPED`.
-Method and results: docs/benchmarks.md. Writes ``results.json``, ``table.md`` and the GGUF files (``gguf/``) to
+Method and results: docs/export.md. Writes ``results.json``, ``table.md`` and the GGUF files (``gguf/``) to
 ``--out``.
 """
 

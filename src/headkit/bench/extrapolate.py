@@ -5,7 +5,7 @@ The length-extrapolation experiment of Zhu et al. 2023, "CoCA: Collinear Constra
 mixed with passkey documents (Mohtashami & Jaggi 2023, arXiv:2305.16300, §4.2), are evaluated at longer lengths
 as they are, under linear position interpolation (Chen et al. 2023, arXiv:2306.15595) and under dynamic NTK
 scaling (transformers' ``rope_type="dynamic"``), rebuilt from a config with other ``rope_parameters`` and the
-same weights: held-out bits per byte and passkey accuracy. Method and results: docs/benchmarks.md.
+same weights: held-out bits per byte and passkey accuracy. Results: docs/from-scratch.md.
 """
 
 from __future__ import annotations

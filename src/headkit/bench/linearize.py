@@ -2,7 +2,7 @@
 
 Runs :mod:`headkit.recipes.linearize` (conversion, attention transfer, LoRA) without saving the model and writes
 ``results.json`` (the recipe's report, the machine, the command), ``table.md`` and ``linearize.png`` to ``--out``.
-Method and results: docs/benchmarks.md.
+Method and results: docs/linearize.md.
 """
 
 from __future__ import annotations

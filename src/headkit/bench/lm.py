@@ -7,7 +7,7 @@ convolution), linear (Katharopoulos et al. 2020, arXiv:2006.16236), CoCA (Zhu et
 collaborative heads (Cordonnier et al. 2020, arXiv:2006.16362). Each is trained by
 :func:`headkit.train.train_causal_lm` with the same budget, batches and seed; held-out bits per byte is recorded
 against steps and training seconds. Mechanisms without positions of their own get learned absolute positions.
-Method and results: docs/benchmarks.md.
+Method and results: docs/from-scratch.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ Hu et al., "LoRA: Low-Rank Adaptation of Large Language Models" (ICLR 2022), Eq.
 W₀ frozen, so a layer trains r·(d_in + d_out) parameters instead of d_in·d_out. An MLP classifier of scikit-learn's
 ``load_digits`` is pretrained, then on three shifted variants of the digits (quantized, rotated, inverted)
 evaluated as is, fully fine-tuned and adapted with LoRA per rank; and, per rank, LoRA alone on a random frozen
-MLP. Method and results: docs/benchmarks.md. Writes ``results.json``, ``table.md`` and ``lora.png``.
+MLP. Method and results: docs/from-scratch.md. Writes ``results.json``, ``table.md`` and ``lora.png``.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Michel, Levy & Neubig, "Are Sixteen Heads Really Better than One?" (NeurIPS 2019
     by importance, without fine-tuning.
 (c) SmolLM2 pruned with recovery, per case, by :func:`headkit.recipes.prune.prune`.
 
-Method and results: docs/benchmarks.md. Writes ``results.json``, ``table.md``, ``prune_curve.png`` (fidelity
+Method and results: docs/pruning.md. Writes ``results.json``, ``table.md``, ``prune_curve.png`` (fidelity
 against heads kept) and ``prune_decoder.png`` (perplexity against the fraction pruned).
 """
 

@@ -5,7 +5,7 @@ head_dim=64, fp32: the forward call, and forward+backward against a fixed random
 peak memory measured by :mod:`headkit.bench._measure`. Ratios are to ``sdpa_causal`` (softmax attention,
 Vaswani et al. 2017) at the same length in the same run. Where ``fast_transformers`` is installed, the anchor
 ``fast_transformers_causal`` (Katharopoulos et al. 2020's own compiled kernel) is measured too. Method, targets
-and outputs: docs/benchmarks.md.
+and outputs: docs/kernels.md.
 """
 
 from __future__ import annotations

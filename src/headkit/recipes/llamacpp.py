@@ -55,8 +55,8 @@ def _llama(
         logits_all=logits_all,
         # llama.cpp's own tools default to flash attention on CPU (`-fa auto`); llama-cpp-python's wrapper to
         # off. Without it a deci model's per-layer KV widths make attention over a long cache 2-3x slower than
-        # llama's (measured at 4,096 tokens: docs/benchmarks.md), which is the wrapper, not what users run. A
-        # plain llama model decodes 1.5-2.3x faster without it on this CPU (docs/benchmarks.md): callers choose.
+        # llama's (measured at 4,096 tokens: docs/export.md), which is the wrapper, not what users run. A
+        # plain llama model decodes 1.5-2.3x faster without it on this CPU (docs/decoding.md): callers choose.
         flash_attn=flash_attn,
         verbose=False,
     )

@@ -16,7 +16,7 @@ Transformer-based LLMs", arXiv:2502.14837), on the stock modules of a 🤗 decod
      distances attention looks at). c is folded into the rotary-free key rows before the factorization
      (:func:`fold_rotation`: free at run time), and the pairs kept rotary are those whose residual error is
      largest. On SmolLM2-135M at D = 16 it takes the partial-RoPE perplexity from 7.2x to 1.9x the original
-     (docs/benchmarks.md).
+     (docs/latent-kv.md).
 2. **Joint low rank** (their Sec. 3.3, "SVD_joint"): the rotary-free key rows and the value rows of every
    key/value head, stacked into W = [W_K,nope ; W_V] (G·(n + head_dim) rows), are factored as W ≈ U_R (U_Rᵀ W):
    the down-projection W_down = U_Rᵀ W [R, hidden] writes the latent c = W_down x, the up-projections are
