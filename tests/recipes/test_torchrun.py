@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 PRUNE = ["prune", "--heads", "5", "--quick", "--window", "16", "--train-texts", "16", "--held-out", "2"]
-PRUNE += ["--batch-size", "4", "--recovery-steps", "3", "--timing-rounds", "1", "--decode-context", "8"]
+PRUNE += ["--batch-size", "4", "--recovery-steps", "3"]
 LINEARIZE = [
     "linearize", "--quick", "--window", "8", "--train-length", "32", "--train-windows", "8", "--batch-size", "4",
     "--transfer-steps", "2", "--lora-steps", "2", "--eval-lengths", "32", "--held-out-windows", "2",
@@ -105,7 +105,8 @@ def test_a_bad_argument_under_torchrun_exits_2_on_every_rank_with_one_line(tiny_
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "--heads must be in [1, 8]" in errors[0], result.stderr[-3000:]
-    # torchrun reports each failed rank with its exit code: both ranks, both 2.
-    assert result.stderr.count("exitcode  : 2") == 2 or result.stderr.count("exitcode: 2") == 2, result.stderr
-    assert "Traceback" not in result.stderr.split("torch.distributed.elastic")[0]
+    # Every rank refuses the argument before any collective (no rank can wait for another); torchrun ends the
+    # group at the first exit and names its status.
+    assert "exitcode: 2" in result.stderr and "exitcode: 1" not in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr.split("exitcode: 2")[0]
     assert not out.exists()

@@ -73,6 +73,22 @@ def lora_target_modules(model: nn.Module) -> list[str]:
     return names
 
 
+class ObjectiveForward(nn.Module):
+    """The student with an objective as its forward (``forward(batch)`` → the objective's loss), for objectives
+    that call the student's submodules rather than its forward (attention transfer): wrapped by DDP, the
+    objective then runs inside DDP's forward, which is what makes DDP average its gradients across processes.
+    The teacher is held outside the module tree: it is neither trained, nor broadcast, nor saved."""
+
+    def __init__(self, student: nn.Module, teacher: nn.Module, objective: Objective) -> None:
+        super().__init__()
+        self.student = student
+        self.frozen = (teacher, objective)
+
+    def forward(self, batch: dict[str, Any]) -> torch.Tensor:
+        teacher, objective = self.frozen
+        return objective(self.student, teacher, batch)
+
+
 def distill(
     student: nn.Module,
     teacher: nn.Module,
@@ -160,13 +176,22 @@ def distill(
     def loss_fn(model: nn.Module, batch: dict[str, Any], step: int) -> torch.Tensor:
         return objective(model, teacher, batch)
 
+    trained: nn.Module = model
+    if not getattr(objective, "calls_student_forward", True):
+        # DDP synchronises gradients only of what ran through its forward: an objective that calls the student's
+        # submodules directly runs inside one, or each process would step on its own share of the batch.
+        trained = ObjectiveForward(model, teacher, objective)
+
+        def loss_fn(model: nn.Module, batch: dict[str, Any], step: int) -> torch.Tensor:
+            return model(batch)
+
     def print_log(step: int, loss: float) -> None:
         if echo is not None:
             echo(f"  step {step}/{steps}: loss {loss:.5f}")
 
     logged: list[float] = []
     output = train_loop(
-        model,
+        trained,
         loss_fn,
         examples,
         steps=steps,

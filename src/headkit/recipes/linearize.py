@@ -181,6 +181,8 @@ class AttentionTransferObjective:
 
     adapter: AttentionAdapter
     name: str = "attention_transfer"
+    # It calls the converted modules, not the student's forward: distill runs it inside one (ObjectiveForward).
+    calls_student_forward = False
 
     def __call__(self, student: nn.Module, teacher: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
         targets = converted_attention_modules(student)

@@ -163,7 +163,8 @@ def load_model(
             f"MODEL {str(path)!r}: no tokenizer could be loaded from the folder ({exc})"
         ) from None
     tokenizer = _declared_tokenizer_if_auto_overflows(path, tokenizer, model)
-    check_token_ids(tokenizer, model, f"MODEL {str(path)!r}")
+    if kind == CAUSAL_LM:  # an encoder's recipes refuse an unsupported architecture first, by its name
+        check_token_ids(tokenizer, model, f"MODEL {str(path)!r}")
     # Every weight in `dtype`, even those a class keeps in float32 (a checkpoint's own dtype never leaks through).
     return LoadedModel(model.to(torch_dtype).eval(), tokenizer, kind, path)
 

@@ -50,7 +50,9 @@ def _process_state() -> Any | None:
         return None
     from accelerate import PartialState
 
-    return PartialState()
+    # The device choice train_loop gives Trainer (the CPU without CUDA): accelerate's state is one per process,
+    # and without cpu=True it does not see the processes of a CPU-only launch.
+    return PartialState(cpu=not torch.cuda.is_available())
 
 
 def is_main_process() -> bool:
