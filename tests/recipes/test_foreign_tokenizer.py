@@ -102,7 +102,11 @@ def test_every_family_with_a_foreign_tokenizer_and_its_own_special_ids_prunes(
 ):
     # The family's own config defaults for bos/eos/pad (only the sizes are made tiny), MiniLM's vocabulary.
     config = family_config(model_type, vocab_size=len(minilm_tokenizer), special_ids=None)
-    for name, own in (("pad", "pad"), ("bos", "cls"), ("eos", "sep")):  # a default past this vocabulary (Phi-3's
+    for name, own in (
+        ("pad", "pad"),
+        ("bos", "cls"),
+        ("eos", "sep"),
+    ):  # a default past this vocabulary (Phi-3's
         value = getattr(config, f"{name}_token_id", None)  # pad 32000) cannot even build the embedding
         if isinstance(value, int) and value >= config.vocab_size:
             setattr(config, f"{name}_token_id", getattr(minilm_tokenizer, f"{own}_token_id"))

@@ -40,7 +40,14 @@ def _headkit(args: list[str], processes: int) -> subprocess.CompletedProcess:
     if processes == 1:
         command = [sys.executable, "-m", "headkit"]
     else:
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(processes)]
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(processes),
+        ]
         command += ["-m", "headkit"]
     return subprocess.run(
         [*command, *args], capture_output=True, text=True, timeout=600, env=_environment(), check=False
@@ -68,7 +75,10 @@ def _one_and_two_processes(recipe: list[str], model, data, tmp_path):
 def _assert_same_model_one_writer(outputs, tmp_path, saved_line: str):
     (one, _), (two, result) = outputs[1], outputs[2]
     # One writer: one output folder, no staging folder left by a second rank, each report line printed once.
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))) == ["out1", "out2"]
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))) == [
+        "out1",
+        "out2",
+    ]
     assert result.stdout.count(saved_line) == 1, result.stdout
     assert json.loads((two / "report.json").read_text())["reload_max_abs_diff"] <= 1e-5
     first, second = _weights(one), _weights(two)
