@@ -36,8 +36,10 @@ def _environment() -> dict[str, str]:
     return env | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _headkit(args: list[str], processes: int) -> subprocess.CompletedProcess:
-    if processes == 1:
+def _headkit(args: list[str], processes: int, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    if launcher:
+        command = [*launcher, "--num_processes", str(processes), "-m", "headkit"]
+    elif processes == 1:
         command = [sys.executable, "-m", "headkit"]
     else:
         command = [
@@ -61,12 +63,12 @@ def _weights(folder) -> dict[str, torch.Tensor]:
     return weights
 
 
-def _one_and_two_processes(recipe: list[str], model, data, tmp_path):
+def _one_and_two_processes(recipe: list[str], model, data, tmp_path, launcher: tuple[str, ...] = ()):
     outputs = {}
     for processes in (1, 2):
         out = tmp_path / f"out{processes}"
         args = [recipe[0], str(model), *recipe[1:], "--data", str(data), "--seed", "3", "--out", str(out)]
-        result = _headkit(args, processes)
+        result = _headkit(args, processes, launcher if processes == 2 else ())
         assert result.returncode == 0, result.stderr[-4000:]
         outputs[processes] = (out, result)
     return outputs
@@ -106,6 +108,28 @@ def test_linearize_under_torchrun_saves_once_the_model_one_process_saves(tiny_ll
 @pytest.mark.slow
 def test_compress_under_torchrun_saves_once_the_model_one_process_saves(tiny_llama, text_folder, tmp_path):
     outputs = _one_and_two_processes(COMPRESS, tiny_llama, text_folder, tmp_path)
+    _assert_same_model_one_writer(outputs, tmp_path, "saved to")
+
+
+ACCELERATE = (sys.executable, "-m", "accelerate.commands.launch")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "options",
+    [
+        # accelerate's route to several processes on one machine (torchrun underneath; on the CPU, DDP over gloo)
+        ("--multi_gpu",),
+        # FSDP asked for: accelerate runs a CPU launch as DDP (MULTI_CPU) and ignores the FSDP plugin, so the
+        # recipe gives the same model; on GPUs the same command shards it (docs/distributed.md)
+        ("--use_fsdp", "--fsdp_version", "2", "--fsdp_state_dict_type", "FULL_STATE_DICT"),
+    ],
+    ids=["ddp", "fsdp-on-cpu"],
+)
+def test_prune_under_accelerate_launch_saves_once_the_model_one_process_saves(
+    options, tiny_llama, text_folder, tmp_path
+):
+    outputs = _one_and_two_processes(PRUNE, tiny_llama, text_folder, tmp_path, (*ACCELERATE, *options))
     _assert_same_model_one_writer(outputs, tmp_path, "saved to")
 
 

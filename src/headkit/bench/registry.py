@@ -115,6 +115,7 @@ def register_benchmark(
 
             from headkit.bench._report import finish_report
             from headkit.recipes.evaluate import thread_limit
+            from headkit.recipes.skeleton import on_main_process
 
             config = settings() if config is None else config
             check_options(config)
@@ -125,7 +126,10 @@ def register_benchmark(
                 sections = body(config, console, **extra)
                 if render is None:
                     return sections
-                return finish_report(name, config, started, sections, files, render, plots, console, tables)
+                # Written once under torchrun / accelerate launch: by the main process, the others waiting.
+                return on_main_process(
+                    lambda: finish_report(name, config, started, sections, files, render, plots, console, tables)
+                )
 
         help = (inspect.getdoc(body) or "").split("\n\n")[0].replace("\n", " ")
         BENCHMARKS[name] = Benchmark(name, settings, run, help)
