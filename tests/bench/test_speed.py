@@ -76,10 +76,7 @@ def test_registry_inputs_are_reproducible_from_the_seed(name):
 @pytest.mark.parametrize("name", REAL_MECHANISMS)
 def test_registry_run_returns_one_output_per_query(name):
     spec = MECHANISMS[name]
-    try:
-        output = spec.run(**make_inputs(spec, seq_len=T, batch=B, heads=H, head_dim=D))
-    except NotImplementedError:
-        pytest.skip(f"{name}: kernel not implemented yet")
+    output = spec.run(**make_inputs(spec, seq_len=T, batch=B, heads=H, head_dim=D))
     assert isinstance(output, torch.Tensor)
     # one output row per query, as wide as the values (all heads' width for the wide SDPA anchor)
     value_width = DOCUMENTED_INPUT_SHAPES[name].get("v", (B, H, T, D))[-1]
@@ -98,8 +95,8 @@ TINY_LENGTHS = [32, 64, 128]
 OOM_FROM = 64
 
 
-def _not_ready(q: torch.Tensor) -> torch.Tensor:
-    raise NotImplementedError("kernel being written")
+def _not_installed(q: torch.Tensor) -> torch.Tensor:
+    raise ImportError("No module named 'fake_kernels'")  # an anchor whose library is not installed
 
 
 def _runs_out_of_memory_from_64(q: torch.Tensor) -> torch.Tensor:
@@ -122,8 +119,8 @@ def tiny_run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setitem(
             MECHANISMS,
-            "not_ready",
-            KernelSpec("fake", {"q": ("B", "H", "T", "D")}, _not_ready),
+            "not_installed",
+            KernelSpec("fake", {"q": ("B", "H", "T", "D")}, _not_installed),
         )
         patch.setitem(
             MECHANISMS,
@@ -200,14 +197,14 @@ def test_tiny_run_ratios_are_taken_against_the_baseline_at_the_same_point(tiny_r
     assert all(p["time_ratio"] == 1.0 and p["memory_ratio"] == 1.0 for p in baseline.values())
 
 
-def test_tiny_run_skips_an_unimplemented_mechanism_with_a_note(tiny_run):
+def test_tiny_run_skips_a_mechanism_whose_library_is_missing_with_a_note(tiny_run):
     out_dir, results, console_text = tiny_run
-    assert results["mechanisms"]["not_ready"]["available"] is False
-    assert "not implemented" in results["mechanisms"]["not_ready"]["note"]
-    assert _points(results, "not_ready") == []
-    assert "skipped not_ready" in console_text
+    assert results["mechanisms"]["not_installed"]["available"] is False
+    assert "not installed" in results["mechanisms"]["not_installed"]["note"]
+    assert _points(results, "not_installed") == []
+    assert "skipped not_installed" in console_text
     table = (out_dir / "table.md").read_text()
-    assert "## Not measured" in table and "- not_ready: not implemented" in table
+    assert "## Not measured" in table and "- not_installed: not installed" in table
 
 
 def test_tiny_run_records_out_of_memory_and_skips_longer_lengths(tiny_run):

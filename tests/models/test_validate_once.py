@@ -18,9 +18,6 @@ from headkit.models import HeadkitForCausalLM
 from headkit.ops import _validation, rotary
 from headkit.surgery.pruning import prune_heads
 
-# ops.linear and ops.hybrid still check the mask their layer has checked (those modules are being changed apart).
-STILL_CHECKED_TWICE: set[str] = set()
-
 
 def count_calls(monkeypatch, module, name: str) -> list:
     """Wrap ``module.name`` in every headkit module that imported it; return the list its calls go to."""
@@ -41,18 +38,7 @@ def count_calls(monkeypatch, module, name: str) -> list:
     return calls
 
 
-@pytest.mark.parametrize(
-    "attention",
-    [
-        pytest.param(
-            name,
-            marks=pytest.mark.xfail(strict=True, reason="the op checks the mask again")
-            if name in STILL_CHECKED_TWICE
-            else (),
-        )
-        for name in BUILTIN_ATTENTION_NAMES
-    ],
-)
+@pytest.mark.parametrize("attention", BUILTIN_ATTENTION_NAMES)
 def test_a_model_forward_checks_the_mask_and_the_positions_once(make_config, monkeypatch, attention):
     torch.manual_seed(0)
     model = HeadkitForCausalLM(make_config(attention=attention, num_hidden_layers=3)).eval()

@@ -38,6 +38,7 @@ from headkit.recipes.compress import (
     compress_and_distill,
     kv_bytes_per_token,
     latent_defaults,
+    latent_statistics,
     latent_student,
     load_teacher,
     prepare_encoder_text,
@@ -354,9 +355,10 @@ def run_latent_benchmark(
     eval_batch = 4
     original = perplexity(teacher.model, held_out, eval_batch)
     console.print(f"{model_path}: held-out perplexity @{config.eval_window} {original:.3f}")
+    statistics = latent_statistics(teacher, calibration)  # once: they depend on no point of the curve
     curve = []
     for (kv_rank, rope_dims), selection in itertools.product(ranks, config.rope_selections):
-        student, report = latent_student(teacher, kv_rank, rope_dims, calibration, selection)
+        student, report = latent_student(teacher, kv_rank, rope_dims, calibration, selection, statistics)
         point = {
             "kv_rank": kv_rank,
             "rope_dims": rope_dims,

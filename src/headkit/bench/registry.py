@@ -128,7 +128,9 @@ def register_benchmark(
                     return sections
                 # Written once under torchrun / accelerate launch: by the main process, the others waiting.
                 return on_main_process(
-                    lambda: finish_report(name, config, started, sections, files, render, plots, console, tables)
+                    lambda: finish_report(
+                        name, config, started, sections, files, render, plots, console, tables
+                    )
                 )
 
         help = (inspect.getdoc(body) or "").split("\n\n")[0].replace("\n", " ")

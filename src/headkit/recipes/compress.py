@@ -51,11 +51,15 @@ from headkit.recipes.skeleton import main_process_echo, save_result
 from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
 from headkit.surgery.adapters import AttentionAdapter, count_parameters, get_adapter
 from headkit.surgery.collaborative import SwapReport, swap_to_collaborative
+from headkit.surgery.families import COMPRESS, get_family
 from headkit.surgery.latent import (
     FITTED,
     ROPE_SELECTIONS,
+    LatentKVConfig,
     LatentReport,
+    SiteStatistics,
     check_latent_arguments,
+    collect_statistics,
     compress_kv_to_latent,
     full_rank,
 )
@@ -267,7 +271,15 @@ def compress(
             f"{teacher.adapter.name} applies rotary embeddings: --dim (collaborative heads) does not apply; "
             "use --kv-rank and --rope-dims (latent keys/values)"
         )
-    if latent:
+    if (
+        not latent and teacher.kind == "causal_lm"
+    ):  # the registry says which decoders take collaborative heads
+        get_family(teacher.model, COMPRESS)
+    if latent:  # everything that can refuse the conversion, before any text is read
+        if teacher.kind != "causal_lm":
+            raise HeadkitError("latent keys/values (--kv-rank) convert causal LMs")
+        kv_rank, rope_dims = latent_defaults(teacher, settings.kv_rank, settings.rope_dims)
+        LatentKVConfig(kv_rank, rope_dims, settings.rope_selection).check(teacher.model, teacher.adapter)
         student, report = _compress_latent(teacher, settings, echo)
     elif teacher.kind == "causal_lm":
         student, report = _compress_causal_lm(teacher, dim, settings, echo)
@@ -394,18 +406,27 @@ def latent_defaults(teacher: Teacher, kv_rank: int | None, rope_dims: int | None
     return kv_rank, rope_dims
 
 
+def latent_statistics(teacher: Teacher, calibration: list[dict]) -> list[SiteStatistics]:
+    """The calibration statistics of every layer of the teacher, collected once: they depend on neither R nor D,
+    so every student of a run (partial RoPE alone, the rank cut, each point of a curve) reuses them."""
+    sites = teacher.adapter.sites(teacher.model)
+    with torch.no_grad():
+        return collect_statistics(teacher.model, sites, teacher.adapter, calibration)
+
+
 def latent_student(
-    teacher: Teacher, kv_rank: int, rope_dims: int, calibration: list[dict], rope_selection: str = FITTED
+    teacher: Teacher,
+    kv_rank: int,
+    rope_dims: int,
+    calibration: list[dict],
+    rope_selection: str = FITTED,
+    statistics: list[SiteStatistics] | None = None,
 ) -> tuple[nn.Module, LatentReport]:
-    """A fresh copy of the teacher with latent keys/values (calibrated on `calibration`); the teacher untouched."""
+    """A fresh copy of the teacher with latent keys/values (calibrated on `calibration`, or on its `statistics`
+    from :func:`latent_statistics`); the teacher untouched."""
     student = copy.deepcopy(teacher.model)
-    report = compress_kv_to_latent(
-        student,
-        kv_rank=kv_rank,
-        rope_dims=rope_dims,
-        calibration=calibration,
-        rope_selection=rope_selection,
-    )
+    config = LatentKVConfig(kv_rank=kv_rank, rope_dims=rope_dims, rope_selection=rope_selection)
+    report = compress_kv_to_latent(student, config, calibration=calibration, statistics=statistics)
     return student, report
 
 
@@ -467,16 +488,24 @@ def _compress_latent(
     train, held_out, data = latent_windows(teacher, settings)
     train = train[: settings.train_texts]
     calibration = calibration_batches(train, settings.calibration_windows)
+    statistics = latent_statistics(teacher, calibration)
     eval_batch = max(1, min(settings.batch_size, 8))
     original = perplexity(teacher.model, held_out, eval_batch)
     # The two lossy steps apart: partial RoPE alone (at full rank), then the rank.
     rope_only, rope_report = latent_student(
-        teacher, rope_report_rank(teacher, rope_dims), rope_dims, calibration, settings.rope_selection
+        teacher,
+        rope_report_rank(teacher, rope_dims),
+        rope_dims,
+        calibration,
+        settings.rope_selection,
+        statistics,
     )
     after_rope = perplexity(rope_only, held_out, eval_batch)
     del rope_only
     torch.manual_seed(settings.seed)
-    student, conversion = latent_student(teacher, kv_rank, rope_dims, calibration, settings.rope_selection)
+    student, conversion = latent_student(
+        teacher, kv_rank, rope_dims, calibration, settings.rope_selection, statistics
+    )
     echo(str(conversion))
     converted = perplexity(student, held_out, eval_batch)
     echo(

@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -39,11 +39,16 @@ from torch import nn
 
 from headkit.errors import HeadkitError
 from headkit.files import save_figure_atomic
-from headkit.layers.feature_maps import valid_feature_map_names
 from headkit.ops._validation import is_finite_number
 from headkit.recipes.distill import distill, with_lora
 from headkit.recipes.evaluate import agreement, decode_profile, greedy_sample, perplexity
-from headkit.recipes.models import LoadedModel, check_output_folder, load_model, smollm2_gguf_path
+from headkit.recipes.models import (
+    LoadedModel,
+    check_output_folder,
+    load_model,
+    read_model_config,
+    smollm2_gguf_path,
+)
 from headkit.recipes.objectives import CausalLMObjective
 from headkit.recipes.settings import (
     QuickSettings,
@@ -59,6 +64,7 @@ from headkit.surgery.adapters import AttentionAdapter, get_adapter
 from headkit.surgery.attention import MECHANISM
 from headkit.surgery.families import LINEARIZE, get_family
 from headkit.surgery.linearize import (
+    LinearizeConfig,
     converted_attention_modules,
     linearized_parameters,
     max_context,
@@ -111,6 +117,11 @@ class LinearizeSettings(QuickSettings):
     temperature: float = 1.0
     seed: int = 0
     overwrite: bool = False
+
+    @property
+    def conversion(self) -> LinearizeConfig:
+        """The surgery's config from these settings' fields of the same names (validated when built)."""
+        return LinearizeConfig(**{f.name: getattr(self, f.name) for f in fields(LinearizeConfig)})
 
     QUICK: ClassVar[dict[str, Any]] = {
         "window": 64,
@@ -226,14 +237,16 @@ def check_settings(settings: LinearizeSettings) -> None:
     def integer(name: str, minimum: int) -> None:
         check_count(f"--{name.replace('_', '-')}", getattr(settings, name), minimum)
 
-    for name in ("window", "chunk_size", "batch_size", "train_windows", "held_out_windows", "decode_steps"):
+    _ = (
+        settings.conversion
+    )  # the surgery's own options, checked by its config (window, feature map, layers, …)
+    for name in ("batch_size", "train_windows", "held_out_windows", "decode_steps"):
         integer(name, 1)
     integer("train_length", 2)
-    for name in ("transfer_steps", "lora_steps", "sinks", "sparse_cache"):
+    for name in ("transfer_steps", "lora_steps"):
         integer(name, 0)
-    for name in ("feature_dim", "lora_rank"):
-        if getattr(settings, name) is not None:
-            integer(name, 1)
+    if settings.lora_rank is not None:
+        integer("lora_rank", 1)
     for name in ("transfer_lr", "lora_lr", "temperature"):
         value = getattr(settings, name)
         if not is_finite_number(value) or value <= 0:
@@ -246,10 +259,6 @@ def check_settings(settings: LinearizeSettings) -> None:
             or any(isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in values)
         ):
             raise HeadkitError(f"--{name.replace('_', '-')} must be integers ≥ {minimum}, got {values!r}")
-    if settings.layers is not None and (
-        not isinstance(settings.layers, (tuple, list)) or not settings.layers
-    ):
-        raise HeadkitError(f"--layers must list at least one layer index, got {settings.layers!r}")
     check_data(settings.data)
 
 
@@ -314,18 +323,9 @@ def _run(
     get_family(teacher, LINEARIZE)  # an unsupported family: one line, before the copy and any work
     adapter = get_adapter(teacher)
     student = copy.deepcopy(teacher)
-    conversion = convert(  # validates architecture, window, feature map and layers before changing anything
-        student,
-        window=settings.window,
-        feature_map=settings.feature_map,
-        layers=settings.layers,
-        feature_dim=settings.feature_dim,
-        chunk_size=settings.chunk_size,
-        convert_sliding=settings.convert_sliding,
-        adapter=adapter,
-        sinks=settings.sinks,
-        sparse_cache=settings.sparse_cache,
-    )
+    conversion = convert(
+        student, settings.conversion, adapter=adapter
+    )  # checks it all before changing anything
     for parameter in teacher.parameters():
         parameter.requires_grad_(False)
     context = max_context(teacher)
@@ -497,40 +497,21 @@ def _run(
 
 
 def _check_against_config(settings: LinearizeSettings, model_path: Path) -> None:
-    """For a model folder, the checks its config.json answers, before any weight is loaded: the feature map,
-    the window and the training and evaluation lengths against the context, the layer indices. (The conversion
-    checks them all again on the loaded model, GGUF files included.)"""
-    if settings.feature_map not in valid_feature_map_names():
-        raise HeadkitError(
-            f"unknown feature map {settings.feature_map!r}; valid: {', '.join(valid_feature_map_names())}"
-        )
-    if not (model_path / "config.json").is_file():
-        return
-    from transformers import AutoConfig
-
-    try:
-        config = AutoConfig.from_pretrained(model_path, local_files_only=True)
-    except (OSError, ValueError, KeyError):
+    """Before any weight or text is loaded: the surgery's config (window, layers, sliding layers) and the training
+    and evaluation lengths against the model's 🤗 config — a folder's config.json or a GGUF file's metadata. (The
+    conversion checks the config again on the loaded model.)"""
+    config = read_model_config(model_path)
+    if config is None:
         return  # load_model reports it
-    context = getattr(config, "max_position_embeddings", None)
-    layers = getattr(config, "num_hidden_layers", None)
-    if isinstance(context, int):
-        if settings.window > context:
-            raise HeadkitError(
-                f"window must be at most the model's context of {context} tokens, got {settings.window}"
-            )
+    settings.conversion.check(config)
+    context = max_context(config)
+    if context is not None:
         if settings.train_length > context:
             raise HeadkitError(
                 f"--train-length must be at most the model's context of {context}, got {settings.train_length}"
             )
         if all(n > context for n in settings.eval_lengths):
             raise HeadkitError(f"--eval-lengths: none fits the model's context of {context} tokens")
-    if isinstance(layers, int) and settings.layers is not None:
-        bad = [i for i in settings.layers if not 0 <= i < layers]
-        if bad:
-            raise HeadkitError(
-                f"layers must be indices in [0, {layers}) (the model has {layers} layers), got {bad}"
-            )
 
 
 def _by_length(values: dict[int, float]) -> str:

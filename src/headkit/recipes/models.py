@@ -121,6 +121,22 @@ def _is_causal_lm_class(name: str) -> bool:
         return False
 
 
+def read_model_config(path: str | Path) -> Any | None:
+    """MODEL's 🤗 config without its weights — a folder's config.json, or a GGUF file's metadata — for the checks
+    that run before anything is loaded; None when it cannot be read (loading the model then says why)."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    try:
+        if path.is_file() and path.suffix == ".gguf":
+            if importlib.util.find_spec("gguf") is None:
+                return None
+            return AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def load_model(
     path: str | Path, *, kind: str | None = None, dtype: str | torch.dtype = DEFAULT_DTYPE
 ) -> LoadedModel:

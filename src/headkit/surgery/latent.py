@@ -801,60 +801,118 @@ def _apply(model: nn.Module, adapter: AttentionAdapter, planned: list[_SitePlan]
         plan.site.module.register_forward_pre_hook(PositionEmbeddingsHook(), with_kwargs=True)
 
 
+@dataclass(frozen=True)
+class LatentKVConfig:
+    """How :func:`compress_kv_to_latent` converts a model: the one declaration of each option.
+
+    Built, it checks its types and ranges; :meth:`check` checks it against a model (family, attention modules,
+    the ranks their widths allow) before any calibration text is read or weight changed. The model's
+    ``config.headkit_surgery`` records it, with the rotary pairs each layer kept.
+
+    Attributes:
+        kv_rank: R, the latent width per layer, in [1, min(hidden, G·(2·head_dim − rope_dims))]; the top is exact.
+        rope_dims: D, rotary dimensions kept per key/value head (whole pairs: even, ≤ head_dim); head_dim keeps
+            every one (exact).
+        rope_selection: ``"fitted"`` (the default with calibration): keep rotary where the fitted fixed rotation
+            leaves the largest score error, and fold that rotation into the rotary-free keys
+            (:func:`expected_rotation`); ``"norms"`` (the default without): MHA2MLA's 2-norm criterion,
+            rotary-free pairs left unrotated. None: the default for the calibration given.
+    """
+
+    kv_rank: int
+    rope_dims: int
+    rope_selection: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.kv_rank, bool) or not isinstance(self.kv_rank, int) or self.kv_rank < 1:
+            raise HeadkitError(f"kv_rank must be a positive integer, got {self.kv_rank!r}")
+        if isinstance(self.rope_dims, bool) or not isinstance(self.rope_dims, int) or self.rope_dims < 0:
+            raise HeadkitError(f"rope_dims must be a non-negative integer, got {self.rope_dims!r}")
+        if self.rope_dims % 2:
+            raise HeadkitError(
+                f"rope_dims must be a whole number of rotary pairs (even), got {self.rope_dims}"
+            )
+        if self.rope_selection is not None and self.rope_selection not in ROPE_SELECTIONS:
+            raise HeadkitError(
+                f"rope_selection must be one of {ROPE_SELECTIONS}, got {self.rope_selection!r}"
+            )
+
+    def selection(self, calibrated: bool) -> str:
+        """The rotary-pair selection for a conversion with (`calibrated`) or without calibration text."""
+        selection = self.rope_selection or (FITTED if calibrated else NORMS)
+        if selection == FITTED and not calibrated:
+            raise HeadkitError(
+                "rope_selection 'fitted' fits each rotary-free pair's rotation on calibration text: pass "
+                "calibration=..., or rope_selection='norms'"
+            )
+        return selection
+
+    def check(
+        self, model: nn.Module, adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None
+    ) -> tuple[AttentionAdapter, list[AttentionSite]]:
+        """Everything that can refuse this conversion of `model`, before any work: its family, its attention
+        modules (stock softmax, one layer of grouped-query attention each, no per-head k/q norm) and the ranks
+        their widths allow. Returns the adapter and the sites to convert."""
+        _check_not_latent(model)
+        if adapter is None:
+            get_family(model, LATENT)
+        adapter = get_adapter(model, adapter)
+        sites = _check_sites(model, adapter)
+        hidden = adapter.read_projections(sites[0]).k_weight.shape[1]
+        for site in sites:
+            check_latent_arguments(site, hidden, self.kv_rank, self.rope_dims)
+        return adapter, sites
+
+
 def compress_kv_to_latent(
     model: nn.Module,
+    config: LatentKVConfig | None = None,
     *,
-    kv_rank: int,
-    rope_dims: int,
     calibration: Iterable[dict] | None = None,
     adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
-    rope_selection: str | None = None,
+    statistics: list[SiteStatistics] | None = None,
+    **options: Any,
 ) -> LatentReport:
     """Convert every attention layer of a rotary, grouped-query causal LM to latent keys and values, in place.
 
     Args:
         model: a causal LM of a family registered for ``latent`` (:mod:`headkit.surgery.families`).
-        kv_rank: R, the latent width per layer, in [1, min(hidden, G·(2·head_dim − rope_dims))]; the top is exact.
-        rope_dims: D, rotary dimensions kept per key/value head (whole pairs: even, ≤ head_dim); head_dim keeps
-            every one (exact).
+        config: how (:class:`LatentKVConfig`); or its fields as keywords (``kv_rank=…, rope_dims=…``).
         calibration: batches (dicts with ``input_ids``, optionally ``attention_mask``) on which the rotary pairs
             are ranked and the SVD weighted; None ranks by weight norms and uses the plain joint SVD.
         adapter: the architecture's adapter; detected when None.
-        rope_selection: ``"fitted"`` (the default with calibration): keep rotary where the fitted fixed rotation
-            leaves the largest score error, and fold that rotation into the rotary-free keys
-            (:func:`expected_rotation`); ``"norms"`` (the default without): MHA2MLA's 2-norm criterion, rotary-free
-            pairs left unrotated.
+        statistics: the calibration's per-layer statistics already collected (:func:`collect_statistics` on this
+            model, or on a model with the same weights): they do not depend on the rank, so a curve over R
+            collects them once. Given, `calibration` is not run again (it still says the conversion is
+            calibrated).
 
     Returns a :class:`LatentReport`. Raises :class:`HeadkitError` for an unsupported family, an argument out of
     range, a model already converted or pruned unevenly — the model is then untouched.
     """
     start = time.perf_counter()
-    if rope_selection is None:
-        rope_selection = NORMS if calibration is None else FITTED
-    if rope_selection not in ROPE_SELECTIONS:
-        raise HeadkitError(f"rope_selection must be one of {ROPE_SELECTIONS}, got {rope_selection!r}")
-    if rope_selection == FITTED and calibration is None:
-        raise HeadkitError(
-            "rope_selection 'fitted' fits each rotary-free pair's rotation on calibration text: pass "
-            "calibration=..., or rope_selection='norms'"
-        )
-    _check_not_latent(model)
-    if adapter is None:
-        get_family(model, LATENT)
-    adapter = get_adapter(model, adapter)
-    sites = _check_sites(model, adapter)
+    if config is None:
+        config = LatentKVConfig(**options)
+    elif options:
+        raise HeadkitError(f"pass the options in the config or as keywords, not both: got {sorted(options)}")
+    calibrated = calibration is not None or statistics is not None
+    rope_selection = config.selection(calibrated)
+    kv_rank, rope_dims = config.kv_rank, config.rope_dims
+    adapter, sites = config.check(model, adapter)
     hidden = adapter.read_projections(sites[0]).k_weight.shape[1]
-    for site in sites:
-        check_latent_arguments(site, hidden, kv_rank, rope_dims)
+    if statistics is not None and len(statistics) != len(sites):
+        raise HeadkitError(
+            f"statistics must hold one entry per attention layer ({len(sites)}), got {len(statistics)}"
+        )
     refuse_modules_off_the_interface(
         model, [(s.name, s.module) for s in sites], f"{adapter.name} cannot be converted"
     )
     before = count_parameters(model)
-    statistics = (
-        [weight_statistics(adapter, site) for site in sites]
-        if calibration is None
-        else collect_statistics(model, sites, adapter, calibration)
-    )
+    if statistics is None:
+        statistics = (
+            [weight_statistics(adapter, site) for site in sites]
+            if calibration is None
+            else collect_statistics(model, sites, adapter, calibration)
+        )
     planned = [
         _plan_site(
             adapter,
@@ -886,7 +944,7 @@ def compress_kv_to_latent(
         kv_rank=kv_rank,
         rope_dims=rope_dims,
         full_rank=full_rank(hidden, site.num_kv_heads, site.head_dim, rope_dims),
-        calibrated=calibration is not None,
+        calibrated=calibrated,
         rope_selection=rope_selection,
         cache_numbers_before=2 * site.num_kv_heads * site.head_dim,
         cache_numbers_after=kv_rank + site.num_kv_heads * rope_dims,
@@ -935,6 +993,7 @@ register_surgery_op(SURGERY_OP, _reapply)
 
 __all__ = [
     "FITTED",
+    "LatentKVConfig",
     "LatentCacheLayer",
     "LatentFactors",
     "LatentKVHeads",

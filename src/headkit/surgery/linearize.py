@@ -56,8 +56,8 @@ leaves the model untouched; the conversion is recorded in ``config.headkit_surge
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -390,14 +390,10 @@ class LinearizeReport:
         )
 
 
-def max_context(model: nn.Module) -> int | None:
-    """The longest context the model's config allows (``max_position_embeddings``; GPT-2's ``n_positions``)."""
-    config = getattr(model, "config", None)
-    for name in ("max_position_embeddings", "n_positions"):
-        value = getattr(config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+def max_context(model: nn.Module | Any) -> int | None:
+    """The longest context a model's config (or the config itself) allows (``max_position_embeddings``; GPT-2's
+    ``n_positions``)."""
+    return _config_context(getattr(model, "config", model))
 
 
 def sliding_layers(config: Any, count: int) -> list[int]:
@@ -416,24 +412,17 @@ def sliding_layers(config: Any, count: int) -> list[int]:
     return list(range(count)) if isinstance(window, int) and window > 0 else []
 
 
-def linearize(
-    model: nn.Module,
-    *,
-    window: int = 64,
-    feature_map: str = "hedgehog",
-    layers: Iterable[int] | None = None,
-    feature_dim: int | None = None,
-    chunk_size: int = 64,
-    convert_sliding: bool = False,
-    adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
-    sinks: int = 0,
-    sparse_cache: int = 0,
-) -> LinearizeReport:
-    """Convert the softmax self-attention of a causal LM to sliding-window + linear attention, in place.
+@dataclass(frozen=True)
+class LinearizeConfig:
+    """Everything that says how :func:`linearize` converts a model: the one declaration of each option.
 
-    Args:
-        model: a causal LM (``*ForCausalLM`` / ``*Model``) of a family :mod:`headkit.surgery.adapters` knows,
-            whose attention modules dispatch through transformers' attention interface.
+    It validates itself when it is built (types and ranges, no model needed) and against a model with
+    :meth:`check` (its context, its layers, its sliding-window layers: what the 🤗 config answers, so a recipe
+    runs it before any weight or text is loaded). The model's ``config.headkit_surgery`` records it
+    (:meth:`record`), and :func:`headkit.from_pretrained` rebuilds the model from that record
+    (:meth:`from_record`), records written before a field existed included.
+
+    Attributes:
         window: W ≥ 1, the keys each query sees exactly (its own included), at most the model's context.
         feature_map: the linear term's feature map: a learnable one ("hedgehog") or a fixed one ("elu", …).
         layers: the layer indices to convert; None converts every global-attention layer. Layers not listed keep
@@ -443,53 +432,165 @@ def linearize(
         convert_sliding: convert the sliding-window layers too (by default they keep softmax and their bounded
             cache). Then `layers`, if given, must list every sliding layer: the model builds one mask per layer
             type from one layer's cache entry, so the sliding layers are converted all or none.
-        adapter: the architecture's adapter; detected from the model when None.
         sinks: S ≥ 0, the first S tokens of a sequence kept exact (softmax) in every converted layer once they
             leave the window (attention sinks, StreamingLLM).
         sparse_cache: G ≥ 0, exact keys and values kept per layer and key/value head beyond the window, chosen
             online as tokens leave it by how badly the linear state recalls their values (LoLA); the others, and
             those evicted, fold into the linear state (:mod:`headkit.ops.sparse_hybrid`). With S = G = 0 the
             mechanism is the plain window + linear hybrid.
+    """
+
+    window: int = 64
+    feature_map: str = "hedgehog"
+    layers: tuple[int, ...] | None = None
+    feature_dim: int | None = None
+    chunk_size: int = 64
+    convert_sliding: bool = False
+    sinks: int = 0
+    sparse_cache: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.convert_sliding, bool):
+            raise HeadkitError(f"convert_sliding must be a bool, got {self.convert_sliding!r}")
+        _check_count("window", self.window, 1)
+        if not isinstance(self.feature_map, str) or self.feature_map not in valid_feature_map_names():
+            raise HeadkitError(
+                f"unknown feature map {self.feature_map!r}; valid: {', '.join(valid_feature_map_names())}"
+            )
+        if self.feature_dim is not None:
+            _check_count("feature_dim", self.feature_dim, 1, "a positive integer or None")
+        _check_count("chunk_size", self.chunk_size, 1)
+        for name in ("sinks", "sparse_cache"):
+            _check_count(name, getattr(self, name), 0, "a non-negative integer (0: none)")
+        if self.layers is not None:
+            indices = [self.layers] if isinstance(self.layers, (int, str, bytes)) else list(self.layers)
+            if not indices:
+                raise HeadkitError("layers must name at least one layer to convert (None converts all)")
+            bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int) or i < 0]
+            if bad:
+                raise HeadkitError(f"layers must be non-negative layer indices, got {bad}")
+            if len(set(indices)) != len(indices):
+                raise HeadkitError(f"layers lists a layer twice: {indices}")
+            object.__setattr__(self, "layers", tuple(indices))
+
+    def check(self, model_or_config: Any, count: int | None = None) -> list[int]:
+        """The checks a model's 🤗 config answers (a model, or its config; `count`: its layer count, read from
+        the config when None): the window against the context, the layers against the layer count and the
+        sliding-window layers. Returns the indices of the layers to convert, sorted."""
+        config = getattr(model_or_config, "config", model_or_config)
+        context = _config_context(config)
+        if context is not None and self.window > context:
+            raise HeadkitError(
+                f"window must be at most the model's context of {context} tokens, got {self.window}"
+            )
+        count = count if count is not None else _config_layer_count(config)
+        if count is None:
+            return list(self.layers or ())
+        sliding = sliding_layers(config, count)
+        if self.layers is None:
+            indices = [i for i in range(count) if self.convert_sliding or i not in sliding]
+            if not indices:
+                raise HeadkitError(
+                    f"every layer of this model attends through a sliding window (sliding_window="
+                    f"{getattr(config, 'sliding_window', None)}): its cache is bounded already, and a sliding "
+                    "layer keeps its softmax by default; pass convert_sliding=True (--convert-sliding) to convert "
+                    "them"
+                )
+            return indices
+        bad = [i for i in self.layers if i >= count]
+        if bad:
+            raise HeadkitError(
+                f"layers must be indices in [0, {count}) (the model has {count} layers), got {bad}"
+            )
+        slides = [i for i in self.layers if i in sliding]
+        if slides and not self.convert_sliding:
+            raise HeadkitError(
+                f"layers {slides} attend through a sliding window: their cache is bounded already; pass "
+                "convert_sliding=True (--convert-sliding) to convert them"
+            )
+        missing = [i for i in sliding if i not in self.layers]
+        if self.convert_sliding and missing:
+            raise HeadkitError(
+                f"with convert_sliding, layers must list every sliding-window layer (the model builds one mask "
+                f"per layer type from one layer's cache entry); missing {missing}"
+            )
+        return sorted(self.layers)
+
+    def record(self, layers: Sequence[int]) -> dict[str, Any]:
+        """The fields as ``config.headkit_surgery`` keeps them, with the layers actually converted."""
+        return asdict(self) | {"layers": list(layers)}
+
+    @classmethod
+    def from_record(cls, entry: dict[str, Any]) -> LinearizeConfig:
+        """The config a record was written from (a field the record predates takes its default: a record
+        written before sinks and the sparse cache existed is the plain hybrid)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{name: value for name, value in entry.items() if name in names})
+
+
+def _check_count(name: str, value: Any, minimum: int, expected: str | None = None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        expected = expected or ("a positive integer" if minimum == 1 else f"an integer ≥ {minimum}")
+        raise HeadkitError(f"{name} must be {expected}, got {value!r}")
+
+
+def _config_context(config: Any) -> int | None:
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _config_layer_count(config: Any) -> int | None:
+    getter = getattr(config, "get_text_config", None)
+    text = getter() if callable(getter) else config
+    for name in ("num_hidden_layers", "n_layer"):
+        value = getattr(text, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def linearize(
+    model: nn.Module,
+    config: LinearizeConfig | None = None,
+    *,
+    adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+    **options: Any,
+) -> LinearizeReport:
+    """Convert the softmax self-attention of a causal LM to sliding-window + linear attention, in place.
+
+    Args:
+        model: a causal LM (``*ForCausalLM`` / ``*Model``) of a family :mod:`headkit.surgery.adapters` knows,
+            whose attention modules dispatch through transformers' attention interface.
+        config: how to convert (:class:`LinearizeConfig`); or its fields as keywords (``window=256, …``).
+        adapter: the architecture's adapter; detected from the model when None.
 
     Returns a :class:`LinearizeReport`. Raises :class:`HeadkitError` for an unsupported architecture or one whose
     attention does not go through the attention interface, a window out of range, an unknown feature map, layers
     out of range, sliding or already converted — the model is then untouched.
     """
+    config = _config_of(config, options)
     if adapter is None:  # an unregistered family, or one that cannot be linearized: one line, before any work
         get_family(model, LINEARIZE)
     adapter = get_adapter(model, adapter)
     sites = _check_sites(model, adapter)
     sliding = sliding_layers(model.config, len(sites))
-    chosen = _check_arguments(
-        model, sites, sliding, window, feature_map, layers, feature_dim, chunk_size, convert_sliding
-    )
-    _check_exact_sets(sinks, sparse_cache)
+    chosen = _chosen_sites(model, sites, config)
     refuse_modules_off_the_interface(
         model, [(s.name, s.module) for s in chosen], f"{adapter.name} cannot be linearized"
     )
     before = count_parameters(model)
-    planned = [
-        (site, _plan_site(site, window, feature_map, feature_dim, chunk_size, sinks, sparse_cache))
-        for site in chosen
-    ]
+    planned = [(site, _plan_site(site, config)) for site in chosen]
     # Everything is built and checked: only now does the model change.
     attach_mechanisms(model, [(site.module, mechanism) for site, mechanism in planned])
     indices = [site.layers[0] for site in chosen]
     record_surgery(
         model,
-        {
-            "op": SURGERY_OP,
-            "adapter": adapter.name,
-            "layers": indices,
-            "window": window,
-            "feature_map": feature_map,
-            "feature_dim": feature_dim,
-            "chunk_size": chunk_size,
-            "convert_sliding": convert_sliding,
-            "sinks": sinks,
-            "sparse_cache": sparse_cache,
-            "sites": [site.name for site in chosen],
-        },
+        {"op": SURGERY_OP, "adapter": adapter.name}
+        | config.record(indices)
+        | {"sites": [site.name for site in chosen]},
     )
     notes = []
     if getattr(model.config, "attn_logit_softcapping", None):
@@ -500,20 +601,20 @@ def linearize(
     return LinearizeReport(
         architecture=adapter.name,
         layers=indices,
-        window=window,
-        feature_map=feature_map,
-        feature_dim=feature_dim,
-        chunk_size=chunk_size,
+        window=config.window,
+        feature_map=config.feature_map,
+        feature_dim=config.feature_dim,
+        chunk_size=config.chunk_size,
         parameters_before=before,
         parameters_after=count_parameters(model),
         trainable_parameters=sum(p.numel() for _, m in planned for p in m.trainable_parameters()),
         softmax_layers=[site.layers[0] for site in sites if mechanism_of(site.module) is None],
-        sliding_layers=[] if convert_sliding else sliding,
-        sliding_cache_bytes=0 if convert_sliding else _sliding_cache_bytes(model, sites, sliding),
-        converted_sliding_layers=sliding if convert_sliding else [],
+        sliding_layers=[] if config.convert_sliding else sliding,
+        sliding_cache_bytes=0 if config.convert_sliding else _sliding_cache_bytes(model, sites, sliding),
+        converted_sliding_layers=sliding if config.convert_sliding else [],
         notes=notes,
-        sinks=sinks,
-        sparse_cache=sparse_cache,
+        sinks=config.sinks,
+        sparse_cache=config.sparse_cache,
         state_bytes=sum(mechanism.state_bytes() for _, mechanism in planned),
     )
 
@@ -559,93 +660,32 @@ def _check_sites(model: nn.Module, adapter: AttentionAdapter) -> list[AttentionS
     return sites
 
 
-def _check_arguments(
-    model: nn.Module,
-    sites: list[AttentionSite],
-    sliding: list[int],
-    window: Any,
-    feature_map: Any,
-    layers: Iterable[int] | None,
-    feature_dim: Any,
-    chunk_size: Any,
-    convert_sliding: Any = False,
+def _config_of(config: LinearizeConfig | None, options: dict[str, Any]) -> LinearizeConfig:
+    if config is None:
+        return LinearizeConfig(**options)
+    if not isinstance(config, LinearizeConfig):
+        raise HeadkitError(f"config must be a LinearizeConfig, got {type(config).__name__}")
+    if options:
+        raise HeadkitError(f"pass the options in the config or as keywords, not both: got {sorted(options)}")
+    return config
+
+
+def _chosen_sites(
+    model: nn.Module, sites: list[AttentionSite], config: LinearizeConfig
 ) -> list[AttentionSite]:
-    """Validate every argument; return the sites to convert."""
-    if not isinstance(convert_sliding, bool):
-        raise HeadkitError(f"convert_sliding must be a bool, got {convert_sliding!r}")
-    context = max_context(model)
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise HeadkitError(f"window must be a positive integer, got {window!r}")
-    if context is not None and window > context:
-        raise HeadkitError(f"window must be at most the model's context of {context} tokens, got {window}")
-    if not isinstance(feature_map, str) or feature_map not in valid_feature_map_names():
-        raise HeadkitError(
-            f"unknown feature map {feature_map!r}; valid: {', '.join(valid_feature_map_names())}"
-        )
-    if feature_dim is not None and (
-        isinstance(feature_dim, bool) or not isinstance(feature_dim, int) or feature_dim < 1
-    ):
-        raise HeadkitError(f"feature_dim must be a positive integer or None, got {feature_dim!r}")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise HeadkitError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-    count = len(sites)
-    if layers is None:
-        indices: Sequence[int] = [i for i in range(count) if convert_sliding or i not in sliding]
-        if not indices:
-            raise HeadkitError(
-                f"every layer of this model attends through a sliding window (sliding_window="
-                f"{getattr(model.config, 'sliding_window', None)}): its cache is bounded already, and a sliding "
-                "layer keeps its softmax by default; pass convert_sliding=True (--convert-sliding) to convert them"
-            )
-    else:
-        indices = list(layers) if not isinstance(layers, (str, bytes)) else [layers]
-        if not indices:
-            raise HeadkitError("layers must name at least one layer to convert (None converts all)")
-        bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < count]
-        if bad:
-            raise HeadkitError(
-                f"layers must be indices in [0, {count}) (the model has {count} layers), got {bad}"
-            )
-        if len(set(indices)) != len(indices):
-            raise HeadkitError(f"layers lists a layer twice: {list(indices)}")
-        slides = [i for i in indices if i in sliding]
-        if slides and not convert_sliding:
-            raise HeadkitError(
-                f"layers {slides} attend through a sliding window: their cache is bounded already; pass "
-                "convert_sliding=True (--convert-sliding) to convert them"
-            )
-        missing = [i for i in sliding if i not in indices]
-        if convert_sliding and missing:
-            raise HeadkitError(
-                f"with convert_sliding, layers must list every sliding-window layer (the model builds one mask "
-                f"per layer type from one layer's cache entry); missing {missing}"
-            )
-    chosen = [sites[i] for i in sorted(indices)]
+    """The sites to convert: the config checked against the model, then what only its modules answer."""
+    chosen = [sites[i] for i in config.check(model, len(sites))]
     done = [site.layers[0] for site in chosen if isinstance(mechanism_of(site.module), LinearizedHeads)]
     if done:
         raise HeadkitError(f"layers {done} are already linearized")
     try:  # the feature map's own checks (e.g. a fixed map keeps head_dim features)
-        build_feature_map(feature_map, 1, sites[0].head_dim, feature_dim)
+        build_feature_map(config.feature_map, 1, sites[0].head_dim, config.feature_dim)
     except ValueError as exc:
         raise HeadkitError(str(exc)) from None
     return chosen
 
 
-def _check_exact_sets(sinks: Any, sparse_cache: Any) -> None:
-    for name, value in (("sinks", sinks), ("sparse_cache", sparse_cache)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise HeadkitError(f"{name} must be a non-negative integer (0: none), got {value!r}")
-
-
-def _plan_site(
-    site: AttentionSite,
-    window: int,
-    feature_map: str,
-    feature_dim: int | None,
-    chunk_size: int,
-    sinks: int = 0,
-    sparse_cache: int = 0,
-) -> LinearizedHeads:
+def _plan_site(site: AttentionSite, config: LinearizeConfig) -> LinearizedHeads:
     """The mechanism of one site, built without touching the model."""
     weight = next(site.module.parameters())
     return LinearizedHeads(
@@ -653,15 +693,15 @@ def _plan_site(
         num_kv_heads=site.num_kv_heads,
         head_dim=site.head_dim,
         scale=site.scale,
-        window=window,
-        feature_map=feature_map,
-        feature_dim=feature_dim,
-        chunk_size=chunk_size,
+        window=config.window,
+        feature_map=config.feature_map,
+        feature_dim=config.feature_dim,
+        chunk_size=config.chunk_size,
         layer_idx=site.layers[0],
         dtype=weight.dtype,
         device=weight.device,
-        sinks=sinks,
-        sparse_cache=sparse_cache,
+        sinks=config.sinks,
+        sparse_cache=config.sparse_cache,
     )
 
 
@@ -677,42 +717,21 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
     """Rebuild the recorded conversion on a freshly built model (the weights are loaded afterwards)."""
     adapter = get_adapter(model, entry["adapter"])
     sites = _check_sites(model, adapter)
-    window, chunk_size = int(entry["window"]), int(entry.get("chunk_size", 64))
-    chosen = _check_arguments(
-        model,
-        sites,
-        sliding_layers(model.config, len(sites)),
-        window,
-        entry["feature_map"],
-        [int(i) for i in entry["layers"]],
-        entry.get("feature_dim"),
-        chunk_size,
-        bool(entry.get("convert_sliding", False)),
-    )
+    config = LinearizeConfig.from_record(entry)
+    chosen = _chosen_sites(model, sites, config)
     if [site.name for site in chosen] != list(entry["sites"]):
         raise HeadkitError(
             f"the recorded linearization covered {entry['sites']}, but the rebuilt model's layers {entry['layers']} "
             f"are {[site.name for site in chosen]}"
         )
-    # Records written before sinks and the sparse cache existed hold neither: the plain hybrid.
-    sinks, sparse_cache = int(entry.get("sinks", 0)), int(entry.get("sparse_cache", 0))
-    _check_exact_sets(sinks, sparse_cache)
-    planned = [
-        (
-            site.module,
-            _plan_site(
-                site, window, entry["feature_map"], entry.get("feature_dim"), chunk_size, sinks, sparse_cache
-            ),
-        )
-        for site in chosen
-    ]
-    attach_mechanisms(model, planned)
+    attach_mechanisms(model, [(site.module, _plan_site(site, config)) for site in chosen])
 
 
 register_surgery_op(SURGERY_OP, _reapply)
 
 __all__ = [
     "HybridStateCacheLayer",
+    "LinearizeConfig",
     "LinearizeReport",
     "LinearizedHeads",
     "converted_attention_modules",

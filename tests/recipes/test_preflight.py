@@ -1,0 +1,71 @@
+"""A refused family or setting exits 2 with one line before any text is read or weight changed: the surgery's
+config is checked against the model (or only its config.json) first."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "surgery"))
+from family_models import family_model  # noqa: E402
+
+from headkit.cli import main  # noqa: E402
+from headkit.data import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer  # noqa: E402
+
+
+def _save(model_type, folder):
+    tokenizer = ByteTokenizer()
+    model = family_model(model_type, vocab_size=tokenizer.vocab_size, special_ids=(PAD_ID, BOS_ID, EOS_ID))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _refused(args, capsys) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1
+    return errors[0]
+
+
+def _no_text(*args, **kwargs):
+    raise AssertionError("text was read before the refusal")
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])
+def test_compress_kv_rank_refuses_a_per_head_key_norm_before_reading_text(
+    model_type, tmp_path, monkeypatch, capsys
+):
+    import headkit.recipes.compress as recipe
+
+    monkeypatch.setattr(recipe, "load_text", _no_text)
+    folder = _save(model_type, tmp_path / "model")
+    error = _refused(
+        ["compress", str(folder), "--kv-rank", "8", "--rope-dims", "4", "--out", str(tmp_path / "o")], capsys
+    )
+    assert "k_norm" in error or "not registered for latent" in error or "latent" in error
+    assert not (tmp_path / "o").exists()
+
+
+def test_linearize_refuses_a_window_beyond_the_context_before_loading_weights(tmp_path, monkeypatch, capsys):
+    import headkit.recipes.linearize as recipe
+
+    def no_weights(*args, **kwargs):
+        raise AssertionError("weights were loaded before the refusal")
+
+    monkeypatch.setattr(recipe, "load_model", no_weights)
+    folder = _save("llama", tmp_path / "model")  # context 128
+    error = _refused(["linearize", str(folder), "--window", "129", "--out", str(tmp_path / "o")], capsys)
+    assert "window must be at most the model's context of 128 tokens, got 129" in error
+
+
+def test_prune_refuses_more_heads_than_the_model_has_before_reading_text(tmp_path, monkeypatch, capsys):
+    import headkit.recipes.prune as recipe
+
+    monkeypatch.setattr(recipe, "load_text", _no_text)
+    folder = _save("llama", tmp_path / "model")  # 2 layers × 4 query heads
+    error = _refused(["prune", str(folder), "--heads", "9", "--out", str(tmp_path / "o")], capsys)
+    assert "--heads must be in [1, 8]" in error
