@@ -39,7 +39,7 @@ def _no_text(*args, **kwargs):
 def test_compress_kv_rank_refuses_a_per_head_key_norm_before_reading_text(
     model_type, tmp_path, monkeypatch, capsys
 ):
-    import headkit.recipes.compress as recipe
+    recipe = sys.modules["headkit.recipes.compress"]  # the package exports a function of the same name
 
     monkeypatch.setattr(recipe, "load_text", _no_text)
     folder = _save(model_type, tmp_path / "model")
@@ -51,7 +51,7 @@ def test_compress_kv_rank_refuses_a_per_head_key_norm_before_reading_text(
 
 
 def test_linearize_refuses_a_window_beyond_the_context_before_loading_weights(tmp_path, monkeypatch, capsys):
-    import headkit.recipes.linearize as recipe
+    recipe = sys.modules["headkit.recipes.linearize"]  # the package exports a function of the same name
 
     def no_weights(*args, **kwargs):
         raise AssertionError("weights were loaded before the refusal")
@@ -63,7 +63,7 @@ def test_linearize_refuses_a_window_beyond_the_context_before_loading_weights(tm
 
 
 def test_prune_refuses_more_heads_than_the_model_has_before_reading_text(tmp_path, monkeypatch, capsys):
-    import headkit.recipes.prune as recipe
+    recipe = sys.modules["headkit.recipes.prune"]  # the package exports a function of the same name
 
     monkeypatch.setattr(recipe, "load_text", _no_text)
     folder = _save("llama", tmp_path / "model")  # 2 layers × 4 query heads

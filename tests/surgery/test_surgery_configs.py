@@ -27,7 +27,7 @@ from headkit.surgery.linearize import linearize
         ({"sparse_cache": 1.5}, "sparse_cache must be a non-negative integer"),
         ({"layers": ()}, "layers must name at least one layer"),
         ({"layers": (0, 0)}, "layers lists a layer twice"),
-        ({"layers": (-1,)}, "layers must be non-negative layer indices"),
+        ({"layers": (0.5,)}, r"layers must be layer indices \(integers\)"),
         ({"convert_sliding": 1}, "convert_sliding must be a bool"),
     ],
 )
@@ -53,6 +53,8 @@ def test_linearize_config_checks_a_models_config_without_its_weights():
         LinearizeConfig(window=129).check(config)
     with pytest.raises(HeadkitError, match=r"layers must be indices in \[0, 2\) .* got \[2\]"):
         LinearizeConfig(layers=(0, 2)).check(config)
+    with pytest.raises(HeadkitError, match=r"layers must be indices in \[0, 2\) .* got \[-1\]"):
+        LinearizeConfig(layers=(-1,)).check(config)
     gemma = family_config("gemma2")  # layer 0 slides
     assert LinearizeConfig(window=8).check(gemma) == [1]
     with pytest.raises(HeadkitError, match="attend through a sliding window"):
@@ -92,9 +94,9 @@ def test_a_record_written_before_a_field_existed_rebuilds_with_its_default(tmp_p
 @pytest.mark.parametrize(
     "fields, message",
     [
-        ({"kv_rank": 0, "rope_dims": 4}, "kv_rank must be a positive integer"),
-        ({"kv_rank": 8, "rope_dims": 3}, "whole number of rotary pairs"),
-        ({"kv_rank": 8, "rope_dims": -2}, "rope_dims must be a non-negative integer"),
+        ({"kv_rank": 1.5, "rope_dims": 4}, "kv_rank must be an integer"),
+        ({"kv_rank": True, "rope_dims": 4}, "kv_rank must be an integer"),
+        ({"kv_rank": 8, "rope_dims": "4"}, "rope_dims must be an integer"),
         ({"kv_rank": 8, "rope_dims": 4, "rope_selection": "best"}, "rope_selection must be one of"),
     ],
 )
@@ -110,6 +112,14 @@ def test_latent_config_refuses_a_per_head_key_norm_before_any_work(model_type):
     with pytest.raises(HeadkitError):
         LatentKVConfig(kv_rank=8, rope_dims=4).check(model)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_latent_config_check_names_the_models_ranges():
+    model = family_model("llama")  # hidden 64, 2 key/value heads of 16
+    with pytest.raises(HeadkitError, match=r"kv_rank must be an integer in \[1, "):
+        LatentKVConfig(kv_rank=0, rope_dims=4).check(model)
+    with pytest.raises(HeadkitError, match="whole number of rotary pairs"):
+        LatentKVConfig(kv_rank=8, rope_dims=3).check(model)
 
 
 def test_latent_conversion_from_collected_statistics_equals_one_from_calibration():

@@ -466,9 +466,9 @@ class LinearizeConfig:
             indices = [self.layers] if isinstance(self.layers, (int, str, bytes)) else list(self.layers)
             if not indices:
                 raise HeadkitError("layers must name at least one layer to convert (None converts all)")
-            bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int) or i < 0]
-            if bad:
-                raise HeadkitError(f"layers must be non-negative layer indices, got {bad}")
+            bad = [i for i in indices if isinstance(i, bool) or not isinstance(i, int)]
+            if bad:  # the range is the model's: check() names it
+                raise HeadkitError(f"layers must be layer indices (integers), got {bad}")
             if len(set(indices)) != len(indices):
                 raise HeadkitError(f"layers lists a layer twice: {indices}")
             object.__setattr__(self, "layers", tuple(indices))
@@ -497,7 +497,7 @@ class LinearizeConfig:
                     "them"
                 )
             return indices
-        bad = [i for i in self.layers if i >= count]
+        bad = [i for i in self.layers if not 0 <= i < count]
         if bad:
             raise HeadkitError(
                 f"layers must be indices in [0, {count}) (the model has {count} layers), got {bad}"
