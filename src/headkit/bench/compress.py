@@ -355,10 +355,10 @@ def run_latent_benchmark(
     eval_batch = 4
     original = perplexity(teacher.model, held_out, eval_batch)
     console.print(f"{model_path}: held-out perplexity @{config.eval_window} {original:.3f}")
-    statistics = latent_statistics(teacher, calibration)  # once: they depend on no point of the curve
+    collected = latent_statistics(teacher, calibration)  # once: they depend on no point of the curve
     curve = []
     for (kv_rank, rope_dims), selection in itertools.product(ranks, config.rope_selections):
-        student, report = latent_student(teacher, kv_rank, rope_dims, calibration, selection, statistics)
+        student, report = latent_student(teacher, kv_rank, rope_dims, calibration, selection, collected)
         point = {
             "kv_rank": kv_rank,
             "rope_dims": rope_dims,
