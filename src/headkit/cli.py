@@ -150,6 +150,15 @@ def _check_dtype(dtype: str) -> str:
     return dtype_name(dtype)
 
 
+def _deprecated(old_flag: str, old_value: Any, new_flag: str, new_value: Any) -> Any:
+    """The value of an option given by its old name (one line on stderr says so), else of its new name: one flag
+    name per idea across commands — recovery steps are --recovery-steps in prune, compress and linearize."""
+    if old_value is None:
+        return new_value
+    err_console.print(f"{old_flag} is deprecated: use {new_flag}", highlight=False, soft_wrap=True)
+    return old_value
+
+
 def _parse_ints(name: str, text: str) -> list[int]:
     return list(parse_list(f"--{name}", text))
 
@@ -245,8 +254,13 @@ def prune(
     export_type: str = typer.Option("f16", help="Weight type of --export-gguf: f32, f16, bf16 or q8_0."),
     quick: bool = typer.Option(False, help="Short run (a few minutes on 2 CPU cores)."),
     dtype: str = _dtype_option(),
+    repair: bool = typer.Option(
+        True,
+        help="Causal LMs: refit each pruned layer's output projection by least squares on calibration text "
+        "before recovery (--no-repair keeps the sliced projections, to compare).",
+    ),
 ) -> None:
-    """Prune attention heads, recover by distillation against the original, report and save (see
+    """Prune attention heads, repair, recover by distillation against the original, report and save (see
     headkit.recipes.prune)."""
     from headkit.recipes.prune import PruneSettings, prune
 
@@ -275,6 +289,7 @@ def prune(
         export_gguf=export_gguf,
         export_type=export_type,
         dtype=_check_dtype(dtype),
+        repair=repair,
     )
     result = prune(PruneSettings.quick(**settings) if quick else PruneSettings(**settings), echo=typer.echo)
     typer.echo(str(result))
@@ -292,7 +307,10 @@ def compress(
         min=1,
         help="Shared query/key width D̃ (default: half of heads × head_dim; full size is exact).",
     ),
-    distill_steps: int = typer.Option(0, min=0, help="Distillation steps against the original."),
+    distill_steps: int = typer.Option(
+        0, "--recovery-steps", min=0, help="Recovery: distillation steps against the original."
+    ),
+    old_distill_steps: int = typer.Option(None, "--distill-steps", min=0, hidden=True),
     lr: float = typer.Option(
         1e-4,
         min=0.0,
@@ -350,7 +368,7 @@ def compress(
         model=model,
         out=out,
         dim=dim,
-        distill_steps=distill_steps,
+        distill_steps=_deprecated("--distill-steps", old_distill_steps, "--recovery-steps", distill_steps),
         lr=lr,
         lora_rank=lora_rank,
         batch_size=batch_size,
@@ -525,7 +543,8 @@ def linearize_command(
     chunk_size: int = typer.Option(None, help="Queries per chunk of the parallel form (default 64)."),
     transfer_steps: int = typer.Option(None, help=_LINEARIZE_HELP["transfer_steps"]),
     transfer_lr: float = typer.Option(None, help="Attention-transfer learning rate (default 1e-2)."),
-    lora_steps: int = typer.Option(None, help=_LINEARIZE_HELP["lora_steps"]),
+    lora_steps: int = typer.Option(None, "--recovery-steps", help=_LINEARIZE_HELP["lora_steps"]),
+    old_lora_steps: int = typer.Option(None, "--lora-steps", hidden=True),
     lora_rank: int = typer.Option(None, help=_LINEARIZE_HELP["lora_rank"]),
     lora_lr: float = typer.Option(None, help="LoRA learning rate (default 1e-3)."),
     batch_size: int = typer.Option(None, help="Windows per training step (default 2; 4 with --quick)."),
@@ -567,7 +586,7 @@ def linearize_command(
         chunk_size=chunk_size,
         transfer_steps=transfer_steps,
         transfer_lr=transfer_lr,
-        lora_steps=lora_steps,
+        lora_steps=_deprecated("--lora-steps", old_lora_steps, "--recovery-steps", lora_steps),
         lora_rank=lora_rank,
         lora_lr=lora_lr,
         batch_size=batch_size,

@@ -31,7 +31,7 @@ FAST = ["--window", "16", "--batch-size", "4", "--held-out", "2", "--timing-repe
 def test_a_gpt2_language_model_keeps_its_lm_head_and_generates(save_tiny_causal_lm, text_folder, tmp_path):
     model_dir = save_tiny_causal_lm(tmp_path / "gpt2", "gpt2")
     out = tmp_path / "out"
-    args = ["compress", str(model_dir), "--dim", "16", "--distill-steps", "3", "--data", str(text_folder)]
+    args = ["compress", str(model_dir), "--dim", "16", "--recovery-steps", "3", "--data", str(text_folder)]
     assert _run([*args, "--out", str(out), *FAST]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["kind"] == "causal_lm" and report["dim_shared_query_key"] == 16
@@ -86,7 +86,7 @@ def test_a_llama_gets_latent_keys_values_distils_reloads_and_generates(
 ):
     model_dir = save_tiny_causal_lm(tmp_path / "llama", "llama")
     out = tmp_path / "out"
-    args = ["compress", str(model_dir), "--kv-rank", "6", "--rope-dims", "2", "--distill-steps", "2"]
+    args = ["compress", str(model_dir), "--kv-rank", "6", "--rope-dims", "2", "--recovery-steps", "2"]
     args += ["--data", str(text_folder), "--calibration-windows", "4", "--eval-window", "24"]
     assert _run([*args, "--out", str(out), *FAST]) == 0
     report = json.loads((out / "report.json").read_text())

@@ -111,7 +111,7 @@ def test_prune_in_bfloat16_trains_saves_and_reloads_in_bfloat16(tiny_llama, text
 
 def test_compress_in_bfloat16(tiny_gpt2, text_folder, tmp_path):
     out = tmp_path / "compressed"
-    args = ["compress", str(tiny_gpt2), "--dim", "16", "--distill-steps", "2", "--data", str(text_folder)]
+    args = ["compress", str(tiny_gpt2), "--dim", "16", "--recovery-steps", "2", "--data", str(text_folder)]
     assert _exit_code([*args, "--out", str(out), *COMPRESS, "--dtype", "bfloat16"]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["settings"]["dtype"] == "bfloat16" and report["reload_max_abs_diff"] == 0.0

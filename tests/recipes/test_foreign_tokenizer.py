@@ -25,7 +25,7 @@ PRUNE_FAST = ["--quick", "--window", "16", "--train-texts", "8", "--held-out", "
 PRUNE_FAST += ["--recovery-steps", "2"]
 LINEARIZE_FAST = [
     "--quick", "--window", "8", "--train-length", "32", "--train-windows", "4", "--batch-size", "4",
-    "--transfer-steps", "2", "--lora-steps", "1", "--eval-lengths", "32", "--held-out-windows", "2",
+    "--transfer-steps", "2", "--recovery-steps", "1", "--eval-lengths", "32", "--held-out-windows", "2",
     "--decode-contexts", "48", "--decode-steps", "2", "--decode-batch-sizes", "1",
 ]  # fmt: skip
 

@@ -30,7 +30,7 @@ from results_keys import assert_results_keys  # noqa: E402
 # Small enough for seconds per run on the tiny models (context 256).
 SMALL = [
     "--window", "8", "--train-length", "64", "--train-windows", "8", "--batch-size", "4",
-    "--transfer-steps", "3", "--lora-steps", "2", "--eval-lengths", "64", "--held-out-windows", "2",
+    "--transfer-steps", "3", "--recovery-steps", "2", "--eval-lengths", "64", "--held-out-windows", "2",
     "--decode-contexts", "32,96", "--decode-steps", "2", "--decode-batch-sizes", "1,3",
 ]  # fmt: skip
 
@@ -169,7 +169,7 @@ def test_lora_stage_is_merged_into_a_plain_model(tiny_llama, tmp_path, capsys):
 def test_bench_linearize_writes_results_table_and_plot(tiny_llama, tmp_path, capsys):
     out = tmp_path / "bench"
     main(["bench", "linearize", "--model", str(tiny_llama), "--quick", "--threads", "1", "--out", str(out),
-          "--transfer-steps", "2", "--lora-steps", "1", "--eval-lengths", "64", "--decode-contexts", "32"])  # fmt: skip
+          "--transfer-steps", "2", "--recovery-steps", "1", "--eval-lengths", "64", "--decode-contexts", "32"])  # fmt: skip
     results = json.loads((out / "results.json").read_text())
     assert results["machine"]["torch_threads"] == 1 and results["decode"][0]["context"] == 32
     assert_results_keys("linearize", results)
@@ -241,7 +241,23 @@ def test_defaults_are_the_measured_configuration():
     defaults = LinearizeSettings()
     assert len(options) >= 10
     for flag, value in options.items():
-        default = getattr(defaults, flag.removeprefix("--").replace("-", "_"))
+        field = {"--recovery-steps": "lora_steps"}.get(flag, flag.removeprefix("--").replace("-", "_"))
+        default = getattr(defaults, field)
         if isinstance(default, tuple):
             default = ",".join(map(str, default))
         assert str(default) == value, f"{flag}: documented {value}, default {default}"
+
+
+def test_old_flag_names_still_work_with_one_deprecation_line(tiny_llama, text_folder, tmp_path, capsys):
+    # One flag name per idea across commands: recovery steps are --recovery-steps in prune, compress and
+    # linearize; linearize's --lora-steps (and compress's --distill-steps) remain, hidden, and say so once.
+    args = ["linearize", str(tiny_llama), "--data", str(text_folder), *SMALL, "--out", str(tmp_path / "new")]
+    main(args)
+    new_report = json.loads((tmp_path / "new" / "report.json").read_text())
+    capsys.readouterr()
+    old = [a if a != "--recovery-steps" else "--lora-steps" for a in args[:-1]] + [str(tmp_path / "old")]
+    main(old)
+    err = capsys.readouterr().err
+    assert err.count("--lora-steps is deprecated: use --recovery-steps") == 1
+    old_report = json.loads((tmp_path / "old" / "report.json").read_text())
+    assert old_report["settings"]["lora_steps"] == new_report["settings"]["lora_steps"] == 2

@@ -7,18 +7,11 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "surgery"))
-from family_models import family_model  # noqa: E402
+from family_models import save_family_model  # noqa: E402
 
 from headkit.cli import main  # noqa: E402
-from headkit.data import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer  # noqa: E402
 
-
-def _save(model_type, folder):
-    tokenizer = ByteTokenizer()
-    model = family_model(model_type, vocab_size=tokenizer.vocab_size, special_ids=(PAD_ID, BOS_ID, EOS_ID))
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+_save = save_family_model
 
 
 def _refused(args, capsys) -> str:

@@ -10,11 +10,11 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "surgery"))
-from family_models import family_model  # noqa: E402
+from family_models import save_family_model  # noqa: E402
 
 import headkit  # noqa: E402
 from headkit.cli import main  # noqa: E402
-from headkit.data import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer  # noqa: E402
+from headkit.data import ByteTokenizer  # noqa: E402
 from headkit.surgery.families import FAMILIES, PRUNE, UNIFORM, supported_families  # noqa: E402
 
 # A handful of 16-byte windows, two recovery steps: the run, not the numbers, is tested.
@@ -22,12 +22,7 @@ FAST = ["--quick", "--window", "16", "--train-texts", "8", "--held-out", "4", "-
 FAST += ["--recovery-steps", "2"]
 
 
-def _save(model_type, folder):
-    tokenizer = ByteTokenizer()
-    model = family_model(model_type, vocab_size=tokenizer.vocab_size, special_ids=(PAD_ID, BOS_ID, EOS_ID))
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+_save = save_family_model
 
 
 def _run(args):

@@ -318,3 +318,29 @@ def test_heads_to_keep_follows_the_unit():
     assert heads_to_keep(heads, kv, "query", 0.25, False) == 202
     assert heads_to_keep(heads, kv, "group", 1 / 3, True) == 180
     assert heads_to_keep(heads, kv, "query", 1 / 3, True) == 180
+
+
+def test_the_repair_refits_the_output_projections_before_recovery_and_keeps_a_stock_model(
+    tiny_llama, text_folder, tmp_path
+):
+    common = ["--data", str(text_folder), "--unit", "group", "--uniform", "--heads", "4", *FAST]
+    common += ["--recovery-steps", "0"]
+    repaired, sliced = tmp_path / "repaired", tmp_path / "sliced"
+    assert _run(["prune", str(tiny_llama), "--out", str(repaired), *common]) == 0
+    assert _run(["prune", str(tiny_llama), "--no-repair", "--out", str(sliced), *common]) == 0
+    with_repair = json.loads((repaired / "report.json").read_text())
+    without = json.loads((sliced / "report.json").read_text())
+    assert without["repair"] is None
+    repair = with_repair["repair"]
+    assert repair["layers"] == [0, 1] and repair["tokens"] > 0 and repair["seconds"] >= 0
+    assert all(r <= s for r, s in zip(repair["error_refit"], repair["error_sliced"], strict=True))
+    # the same heads were removed; only the output projections differ, and the result is still stock
+    assert with_repair["pruned"] == without["pruned"]
+    assert with_repair["perplexity_pruned"] == without["perplexity_pruned"]
+    assert with_repair["stock_architecture"] and with_repair["reload_max_abs_diff"] == 0.0
+    assert with_repair["perplexity_recovered"] == repair["perplexity"]  # no recovery step: the repaired model
+    from safetensors.torch import load_file
+
+    first, second = load_file(repaired / "model.safetensors"), load_file(sliced / "model.safetensors")
+    changed = {name for name in first if not torch.equal(first[name], second[name])}
+    assert changed and all("o_proj" in name for name in changed)

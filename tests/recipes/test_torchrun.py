@@ -22,10 +22,10 @@ PRUNE = ["prune", "--heads", "5", "--quick", "--window", "16", "--train-texts", 
 PRUNE += ["--batch-size", "4", "--recovery-steps", "3"]
 LINEARIZE = [
     "linearize", "--quick", "--window", "8", "--train-length", "32", "--train-windows", "8", "--batch-size", "4",
-    "--transfer-steps", "2", "--lora-steps", "2", "--eval-lengths", "32", "--held-out-windows", "2",
+    "--transfer-steps", "2", "--recovery-steps", "2", "--eval-lengths", "32", "--held-out-windows", "2",
     "--decode-contexts", "48", "--decode-steps", "2", "--decode-batch-sizes", "1",
 ]  # fmt: skip
-COMPRESS = ["compress", "--kv-rank", "8", "--rope-dims", "4", "--distill-steps", "3", "--window", "16"]
+COMPRESS = ["compress", "--kv-rank", "8", "--rope-dims", "4", "--recovery-steps", "3", "--window", "16"]
 COMPRESS += ["--batch-size", "4", "--held-out", "2", "--timing-repeats", "1", "--calibration-windows", "2"]
 COMPRESS += ["--eval-window", "16"]
 

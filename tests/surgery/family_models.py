@@ -114,3 +114,15 @@ def _spread_norms(model: nn.Module) -> None:
 def family_inputs(batch: int = 2, length: int = 7, vocab_size: int = VOCAB) -> torch.Tensor:
     generator = torch.Generator().manual_seed(1)
     return torch.randint(3, vocab_size, (batch, length), generator=generator)
+
+
+def save_family_model(model_type: str, folder):
+    """The tiny model of `model_type` with headkit's byte tokenizer (ids fit its 259-row embedding), saved to
+    `folder` as a recipe's MODEL."""
+    from headkit.data import BOS_ID, EOS_ID, PAD_ID, ByteTokenizer
+
+    tokenizer = ByteTokenizer()
+    model = family_model(model_type, vocab_size=tokenizer.vocab_size, special_ids=(PAD_ID, BOS_ID, EOS_ID))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

@@ -32,9 +32,9 @@ from headkit.recipes.export import EXPORT_TYPES, export_gguf
 from headkit.recipes.llamacpp import (
     FLOAT_TYPES,
     QUANTIZED_PP_SKIPPED,
-    kv_cache_bytes_per_token,
     llama_cpp_perplexity,
     llama_cpp_speed,
+    llamacpp_kv_cache_bytes_per_token,
     require_llama_cpp,
 )
 from headkit.recipes.models import load_model
@@ -188,7 +188,9 @@ def run_export_benchmark(settings: ExportBenchSettings, console: Any) -> dict[st
                 "file_bytes": report.file_bytes,
                 "heads": sum(report.heads),
                 "kv_heads": sum(report.kv_heads),
-                "kv_cache_bytes_per_token": kv_cache_bytes_per_token(report.kv_heads, report.head_dim),
+                "kv_cache_bytes_per_token": llamacpp_kv_cache_bytes_per_token(
+                    report.kv_heads, report.head_dim
+                ),
                 "perplexity_transformers": reference,
                 "perplexity_llama_cpp": measured.get("perplexity"),
                 "perplexity_error": measured.get("error"),

@@ -40,6 +40,7 @@ from headkit.recipes.evaluate import (
     agreement,
     compare_speed,
     embedding_cosine,
+    kv_cache_bytes_per_token,
     last_hidden_states,
     perplexity,
     time_call,
@@ -229,7 +230,7 @@ def compress_and_distill(
 def check_settings(settings: CompressSettings) -> None:
     for name in ("batch_size", "max_length", "window", "held_out_texts", "timing_repeats", "train_texts"):
         check_count(f"--{name.replace('_', '-')}", getattr(settings, name), 1)
-    check_count("--distill-steps", settings.distill_steps, 0)
+    check_count("--recovery-steps", settings.distill_steps, 0)
     if not settings.lr > 0:
         raise HeadkitError(f"--lr must be positive, got {settings.lr!r}")
     if settings.dim is not None:
@@ -466,17 +467,11 @@ def latent_windows(
     return train.train, held_out.held_out, summary
 
 
-def kv_bytes_per_token(model: nn.Module, report: LatentReport | None = None) -> int:
-    """Bytes the decoding cache grows by per token (all layers): 2·G·head_dim numbers per layer for the original,
-    R + G·D for a latent model (``report``)."""
-    element = next(model.parameters()).element_size()
-    layers = model.config.num_hidden_layers
-    if report is not None:
-        return layers * report.cache_numbers_after * element
-    config = model.config
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return layers * 2 * kv_heads * head_dim * element
+def kv_bytes_per_token(model: nn.Module) -> int:
+    """Bytes the decoding cache grows by per token, all layers: the evaluator's one measure
+    (:func:`headkit.recipes.evaluate.kv_cache_bytes_per_token`, the growth of the model's own cache), which is
+    2·G·head_dim numbers per layer for the original and R + G·D for a latent model."""
+    return round(kv_cache_bytes_per_token(model))
 
 
 def _compress_latent(
@@ -535,7 +530,7 @@ def _compress_latent(
         decode_context=min(128, settings.window),
         rounds=settings.timing_repeats,
     )
-    before_bytes, after_bytes = kv_bytes_per_token(teacher.model), kv_bytes_per_token(student, conversion)
+    before_bytes, after_bytes = kv_bytes_per_token(teacher.model), kv_bytes_per_token(student)
     return student, {
         "method": "latent",
         "kv_rank": kv_rank,

@@ -165,7 +165,8 @@ LINEARIZE_HELP = {
         "sparse_cache": "Exact keys kept beyond the window per layer and key/value head, chosen online by how "
         "badly the linear state recalls them (LoLA); the others fold into the linear state.",
         "transfer_steps": "Attention-transfer steps, feature maps and balances only.",
-        "lora_steps": "LoRA steps with the KL objective.",
+        "lora_steps": "Recovery steps with the KL objective: LoRA on the converted layers' attention projections (full "
+        "training with --lora-rank 0).",
         "lora_rank": "LoRA rank on the converted attention projections, 0 trains them in full.",
         "eval_lengths": "Comma-separated held-out window lengths for perplexity.",
         "decode_contexts": "Comma-separated contexts for decode timing and memory.",

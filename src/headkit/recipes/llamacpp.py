@@ -34,7 +34,7 @@ QUANTIZED_PP_SKIPPED = (
 F16_CACHE_BYTES = 2  # llama.cpp's default KV cache type is f16
 
 
-def kv_cache_bytes_per_token(kv_heads: list[int], head_dim: int) -> int:
+def llamacpp_kv_cache_bytes_per_token(kv_heads: list[int], head_dim: int) -> int:
     """llama.cpp's KV cache per token of context at its default f16 cache: K and V of every key/value head of
     every layer, as the GGUF file declares them (duplicated heads included)."""
     return sum(kv_heads) * head_dim * 2 * F16_CACHE_BYTES

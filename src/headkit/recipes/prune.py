@@ -88,6 +88,7 @@ from headkit.surgery.pruning import (
     query_to_kv_heads,
     to_stock_architecture,
 )
+from headkit.surgery.repair import output_statistics, refit_output_projections
 
 UNITS = ("query", "group")
 METHODS = ("importance", "l0")
@@ -125,6 +126,9 @@ class PruneSettings(QuickSettings):
     export_type: str = "f16"
     timing_rounds: int = 3
     decode_context: int = 512
+    # Causal LMs: refit each pruned layer's output projection by least squares on calibration text before recovery
+    # (headkit.surgery.repair); False keeps the sliced projections, to compare.
+    repair: bool = True
 
     QUICK: ClassVar[dict[str, Any]] = {
         "gate_steps": 60,
@@ -639,6 +643,19 @@ def _prune_causal_lm(
     echo(
         f"held-out perplexity after pruning: {perplexity_pruned:.3f} ({perplexity_pruned / perplexity_original:.2f}x)"
     )
+    repair = None
+    if settings.repair:  # closed form before any training: the projections see what the removed heads said
+        calibration = calibration_batches(windows.train, settings.batch_size, settings.importance_batches)
+        started = time.perf_counter()
+        statistics = output_statistics(teacher, calibration, adapter)
+        repair = refit_output_projections(student, statistics, plan, adapter)
+        repair.seconds = time.perf_counter() - started
+        echo(str(repair))
+        repair_report = repair.to_dict() | {"perplexity": perplexity(student, windows.held_out, eval_batch)}
+        echo(
+            f"held-out perplexity after repair: {repair_report['perplexity']:.3f} "
+            f"({repair_report['perplexity'] / perplexity_original:.2f}x)"
+        )
     sample_pruned = greedy_sample(student, tokenizer, SAMPLE_PROMPT)
 
     echo(
@@ -694,6 +711,7 @@ def _prune_causal_lm(
         "kv_cache_bytes_per_token_after": kv_after,
         "perplexity_original": perplexity_original,
         "perplexity_pruned": perplexity_pruned,
+        "repair": repair_report if repair is not None else None,
         "perplexity_recovered": perplexity_recovered,
         "top1_agreement": top1,
         "speed": speed,
@@ -823,8 +841,13 @@ def format_report(report: dict[str, Any]) -> str:
             f"KV cache per token: {kv_b:,.0f} -> {kv_a:,.0f} bytes"
             + (f" ({kv_a / kv_b - 1:+.0%})" if kv_b else " (a constant-size recurrent state, no KV cache)"),
             f"held-out perplexity: original {original:.3f}, pruned {report['perplexity_pruned']:.3f} "
-            f"({report['perplexity_pruned'] / original:.2f}x), recovered {report['perplexity_recovered']:.3f} "
-            f"({report['perplexity_recovered'] / original:.2f}x)",
+            f"({report['perplexity_pruned'] / original:.2f}x), "
+            + (
+                f"repaired {report['repair']['perplexity']:.3f} ({report['repair']['perplexity'] / original:.2f}x), "
+                if report.get("repair")
+                else ""
+            )
+            + f"recovered {report['perplexity_recovered']:.3f} ({report['perplexity_recovered'] / original:.2f}x)",
             f"top-1 next-token agreement with the original: {report['top1_agreement']:.1%}",
             f"prefill ({speed['prefill_tokens']} tokens): {speed['prefill_ratio']:.2f}x the original; decode per "
             f"token at {speed['decode_context']}: {speed['decode_ratio']:.2f}x",

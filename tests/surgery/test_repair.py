@@ -1,0 +1,111 @@
+"""The closed-form repair after head removal: each output projection refit by least squares equals a plain
+least-squares solve on the original's captured activations, never reconstructs worse than slicing, and keeps
+the pruned checkpoint's shapes."""
+
+import copy
+
+import pytest
+import torch
+from family_models import family_inputs, family_model
+
+from headkit.errors import HeadkitError
+from headkit.surgery import prune_heads
+from headkit.surgery.adapters import get_adapter, linear_parameters
+from headkit.surgery.repair import output_statistics, refit_output_projections
+
+REMOVED = {0: [1], 1: [0, 3]}
+
+
+def _captured_inputs(model):
+    """Layer → the original's output-projection inputs [tokens, heads·head_dim] on the calibration batches."""
+    sites = get_adapter(model).sites(model)
+    captured = {}
+    handles = [
+        site.output_projection.register_forward_pre_hook(
+            lambda module, args, i=i: captured.setdefault(i, []).append(
+                args[0].reshape(-1, args[0].shape[-1])
+            )
+        )
+        for i, site in enumerate(sites)
+    ]
+    with torch.no_grad():
+        for batch in _batches():
+            model(**batch)
+    for handle in handles:
+        handle.remove()
+    return {i: torch.cat(chunks).double() for i, chunks in captured.items()}
+
+
+def _batches():
+    return [
+        {"input_ids": family_inputs(batch=2, length=24)},
+        {"input_ids": family_inputs(batch=1, length=24) + 1},
+    ]
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "qwen2"])
+def test_the_refit_is_the_least_squares_solution_on_the_originals_activations(model_type):
+    teacher = family_model(model_type)
+    statistics = output_statistics(teacher, _batches())
+    inputs = _captured_inputs(teacher)
+    student = copy.deepcopy(teacher)
+    prune_heads(student, REMOVED)
+    report = refit_output_projections(student, statistics, REMOVED)
+    assert report.layers == [0, 1] and report.tokens == 72
+    sites_before, sites_after = get_adapter(teacher).sites(teacher), get_adapter(student).sites(student)
+    for layer, removed in REMOVED.items():
+        d = sites_before[layer].head_dim
+        kept = [h for h in range(sites_before[layer].num_heads) if h not in removed]
+        columns = torch.cat([torch.arange(h * d, (h + 1) * d) for h in kept])
+        original = linear_parameters(sites_before[layer].output_projection)[0].double()
+        target = inputs[layer] @ original.T
+        expected = torch.linalg.lstsq(inputs[layer][:, columns], target).solution.T
+        got = linear_parameters(sites_after[layer].output_projection)[0].double()
+        # Heads of one key/value group output vectors of one value subspace: H_K can be rank-deficient, so the
+        # minimiser is not unique — what must agree is the residual it reaches (the least-squares optimum).
+        residual = (inputs[layer][:, columns] @ got.T - target).pow(2).sum()
+        optimum = (inputs[layer][:, columns] @ expected.T - target).pow(2).sum()
+        assert residual <= optimum + 1e-6 * target.pow(2).sum(), (model_type, layer)
+        # the report's errors are the layer-local errors measured on the activations themselves
+        sliced = (inputs[layer][:, columns] @ original[:, columns].T - target).pow(2).sum() / target.pow(
+            2
+        ).sum()
+        refit = (inputs[layer][:, columns] @ got.T - target).pow(2).sum() / target.pow(2).sum()
+        index = report.layers.index(layer)
+        assert report.error_sliced[index] == pytest.approx(float(sliced), rel=1e-6)
+        assert report.error_refit[index] == pytest.approx(float(refit), rel=1e-3, abs=1e-9)
+        assert report.error_refit[index] <= report.error_sliced[index]
+
+
+def test_untouched_and_emptied_layers_are_left_as_they_are():
+    teacher = family_model("llama")
+    statistics = output_statistics(teacher, _batches())
+    student = copy.deepcopy(teacher)
+    removed = {0: [0, 1, 2, 3]}
+    prune_heads(student, removed, allow_empty_layers=True)
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    report = refit_output_projections(student, statistics, removed)
+    assert report.layers == []
+    assert all(torch.equal(before[k], v) for k, v in student.state_dict().items())
+
+
+def test_a_refit_model_decodes_closer_to_the_original_than_a_sliced_one():
+    teacher = family_model("llama")
+    statistics = output_statistics(teacher, _batches())
+    sliced, refit = copy.deepcopy(teacher), copy.deepcopy(teacher)
+    prune_heads(sliced, REMOVED)
+    prune_heads(refit, REMOVED)
+    refit_output_projections(refit, statistics, REMOVED)
+    ids = torch.cat([batch["input_ids"] for batch in _batches()])
+    with torch.no_grad():
+        target = teacher(ids).logits
+        assert (refit(ids).logits - target).pow(2).mean() < (sliced(ids).logits - target).pow(2).mean()
+
+
+def test_statistics_of_another_model_are_refused():
+    teacher = family_model("llama")
+    statistics = output_statistics(teacher, _batches())
+    with pytest.raises(HeadkitError, match="one entry per attention layer"):
+        refit_output_projections(family_model("llama", num_hidden_layers=3), statistics, REMOVED)
+    with pytest.raises(HeadkitError, match="at least one batch"):
+        output_statistics(teacher, [])
