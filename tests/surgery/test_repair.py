@@ -11,7 +11,7 @@ from family_models import family_inputs, family_model
 from headkit.errors import HeadkitError
 from headkit.surgery import prune_heads
 from headkit.surgery.adapters import get_adapter, linear_parameters
-from headkit.surgery.repair import output_statistics, refit_output_projections
+from headkit.surgery.repair import output_statistics, refit_output_projections, refit_sequentially
 
 REMOVED = {0: [1], 1: [0, 3]}
 
@@ -50,7 +50,7 @@ def test_the_refit_is_the_least_squares_solution_on_the_originals_activations(mo
     inputs = _captured_inputs(teacher)
     student = copy.deepcopy(teacher)
     prune_heads(student, REMOVED)
-    report = refit_output_projections(student, statistics, REMOVED)
+    report = refit_output_projections(student, statistics, REMOVED, ridge=1e-9)  # λ → 0: least squares
     assert report.layers == [0, 1] and report.tokens == 72
     sites_before, sites_after = get_adapter(teacher).sites(teacher), get_adapter(student).sites(student)
     for layer, removed in REMOVED.items():
@@ -75,6 +75,28 @@ def test_the_refit_is_the_least_squares_solution_on_the_originals_activations(mo
         assert report.error_sliced[index] == pytest.approx(float(sliced), rel=1e-6)
         assert report.error_refit[index] == pytest.approx(float(refit), rel=1e-3, abs=1e-9)
         assert report.error_refit[index] <= report.error_sliced[index]
+
+
+def test_the_ridge_pulls_the_refit_towards_the_sliced_projection():
+    # W' = argmin ‖H_K Wᵀ − H W_Oᵀ‖² + λ‖W − W_K‖², solved here as the augmented least-squares problem.
+    teacher = family_model("llama")
+    statistics = output_statistics(teacher, _batches())
+    inputs = _captured_inputs(teacher)
+    for ridge, layer in ((0.1, 0), (10.0, 1)):
+        student = copy.deepcopy(teacher)
+        prune_heads(student, REMOVED)
+        refit_output_projections(student, statistics, REMOVED, ridge=ridge)
+        site = get_adapter(teacher).sites(teacher)[layer]
+        d, kept = site.head_dim, [h for h in range(site.num_heads) if h not in REMOVED[layer]]
+        columns = torch.cat([torch.arange(h * d, (h + 1) * d) for h in kept])
+        original = linear_parameters(site.output_projection)[0].double()
+        h_k = inputs[layer][:, columns]
+        damping = ridge * float((h_k.T @ h_k).diagonal().mean())
+        system = torch.cat([h_k, damping**0.5 * torch.eye(len(columns), dtype=h_k.dtype)])
+        wanted = torch.cat([inputs[layer] @ original.T, damping**0.5 * original[:, columns].T])
+        expected = torch.linalg.lstsq(system, wanted).solution.T
+        got = linear_parameters(get_adapter(student).sites(student)[layer].output_projection)[0].double()
+        assert torch.allclose(got, expected, atol=1e-5), (ridge, layer)
 
 
 def test_untouched_and_emptied_layers_are_left_as_they_are():
@@ -109,3 +131,16 @@ def test_statistics_of_another_model_are_refused():
         refit_output_projections(family_model("llama", num_hidden_layers=3), statistics, REMOVED)
     with pytest.raises(HeadkitError, match="at least one batch"):
         output_statistics(teacher, [])
+
+
+def test_the_sequential_refit_fits_each_layer_on_the_pruned_models_own_inputs():
+    teacher = family_model("llama")
+    student = copy.deepcopy(teacher)
+    prune_heads(student, REMOVED)
+    report = refit_sequentially(student, teacher, _batches(), REMOVED, ridge=1e-9)
+    assert report.layers == [0, 1] and report.tokens == 72
+    assert all(r <= s for r, s in zip(report.error_refit, report.error_sliced, strict=True))
+    # layer 1 was fitted on what the student (layer 0 pruned and refit) gives it: refitting again changes nothing
+    again = copy.deepcopy(student)
+    second = refit_sequentially(again, teacher, _batches(), {1: REMOVED[1]}, ridge=1e-9)
+    assert second.error_refit[0] == pytest.approx(report.error_refit[1], rel=1e-4, abs=1e-9)
