@@ -49,6 +49,7 @@ from headkit.recipes.objectives import mean_pool, next_token_kl
 from headkit.recipes.tasks import (
     LoadedTasks,
     TaskSettings,
+    as_task_names,
     check_task_settings,
     format_task_table,
     load_tasks,
@@ -891,7 +892,7 @@ class EvalSettings:
     @property
     def task_settings(self) -> TaskSettings:
         return TaskSettings(
-            tasks=tuple(self.tasks),
+            tasks=as_task_names(self.tasks),
             include_path=self.include_path,
             num_fewshot=self.num_fewshot,
             limit=self.limit,

@@ -92,7 +92,7 @@ def recipe_task_settings(settings: Any) -> TaskSettings:
     """The tasks of a recipe's settings (``eval_tasks``, ``eval_include_path``), named as its options are."""
     include = settings.eval_include_path
     return TaskSettings(
-        tasks=tuple(settings.eval_tasks),
+        tasks=as_task_names(settings.eval_tasks, "--eval-tasks"),
         include_path=None if include is None else Path(include),
         prefix="--eval-",
     )
@@ -248,18 +248,19 @@ def _folder_signature(folder: Path | None) -> tuple:
 
 
 @functools.lru_cache(maxsize=8)
-def _task_manager(include_path: str | None, defaults: bool, signature: tuple) -> Any:
-    # Indexing lm-eval's ~15,000 built-in YAML files takes seconds: a recipe's check and its measure step share
-    # one index (`signature` makes a changed --include-path folder a new one).
+def _folder_tasks(folder: str, signature: tuple) -> Any:
+    # A recipe's check and its measure step share one index of the folder; `signature` makes a changed folder a
+    # new one.
     from lm_eval.tasks import TaskManager
 
     with quiet_lm_eval():
-        return TaskManager(include_path=include_path, include_defaults=defaults)
+        return TaskManager(include_path=folder, include_defaults=False)
 
 
 @functools.cache
 def _built_in_tasks() -> Any:
-    """lm-eval's own tasks, indexed once per process (and only when a name is not in --include-path)."""
+    """lm-eval's own tasks, indexed once per process (~15,000 YAML files: seconds), and only when a name is not
+    in --include-path."""
     from lm_eval.tasks import TaskManager
 
     with quiet_lm_eval():
@@ -273,11 +274,12 @@ def load_tasks(settings: TaskSettings) -> LoadedTasks:
 
     A name found in the --include-path folder is built from the folder alone (it shadows a built-in task of the
     same name, as in lm-eval), so a run on local tasks never indexes lm-eval's built-in ones; any other name is
-    looked up among those."""
+    looked up among those. (A group in the folder is therefore made of the folder's tasks: name built-in tasks
+    in --tasks itself.)"""
     check_task_settings(settings)
     folder = None if settings.include_path is None else Path(settings.include_path).resolve()
     signature = _folder_signature(folder)
-    local = None if folder is None else _task_manager(str(folder), False, signature)
+    local = None if folder is None else _folder_tasks(str(folder), signature)
     chosen = {}
     for name in settings.tasks:
         if local is not None and (name in local.all_tasks or _is_task_file(name)):
@@ -290,13 +292,7 @@ def load_tasks(settings: TaskSettings) -> LoadedTasks:
     with quiet_lm_eval(), _no_dataset_bars():
         for name, manager in chosen.items():
             try:
-                try:
-                    built = manager.load([name])
-                except KeyError:
-                    if manager is not local:
-                        raise
-                    # A folder task that includes or groups built-in ones: the folder and lm-eval's together.
-                    built = _task_manager(str(folder), True, signature).load([name])
+                built = manager.load([name])
             except Exception as exc:  # lm-eval and datasets raise anything from KeyError to ConnectionError
                 raise HeadkitError(_unloadable_task(name, exc, settings)) from None
             groups = built.get("groups") or {}
@@ -362,8 +358,8 @@ def special_token_options(tokenizer: Any) -> dict[str, Any]:
 
     lm-eval encodes a context and the context with its continuation and takes the tokens past the first as the
     continuation: right for a tokenizer that adds nothing or a BOS, wrong for one that appends a token (BERT's
-    [SEP], an EOS), whose every continuation would start with that token and lose its last. Such a tokenizer
-    encodes without special tokens (``add_bos_token=False``). A text with no context starts with
+    [SEP], an EOS), whose every continuation would lose its first token and end with the appended one. Such a
+    tokenizer encodes without special tokens (``add_bos_token=False``). A text with no context starts with
     ``prefix_token_id``, lm-eval's BOS or else EOS; a tokenizer with neither starts with the token it puts
     before any text ([CLS]), as headkit's passkey prompts do."""
     with_special = list(tokenizer("a", add_special_tokens=True)["input_ids"])
@@ -386,7 +382,7 @@ def _kept_generators_and_mode(model: nn.Module) -> Iterator[None]:
     both are restored after, so a recipe's later steps draw and train as they would have without tasks."""
     python_state, numpy_state, was_training = random.getstate(), np.random.get_state(), model.training
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng():  # the CPU's generator and each CUDA device's
             yield
     finally:
         random.setstate(python_state)
@@ -599,3 +595,11 @@ def task_names(text: str, option: str = "--tasks") -> tuple[str, ...]:
     if not names:
         raise HeadkitError(f"{option} must name at least one task, got {text!r}")
     return names
+
+
+def as_task_names(value: Any, option: str = "--tasks") -> tuple[str, ...]:
+    """A settings field of task names as a tuple: a sequence of names, or one comma-separated string (a bare
+    string is not split into its letters)."""
+    if isinstance(value, str):
+        return task_names(value, option) if value.strip() else ()
+    return tuple(value or ())
