@@ -11,9 +11,9 @@ OLDEST_VENV ?= .venv-oldest
 LATEST_VENV ?= .venv-latest
 EXTRAS := .[dev,bench,demo]
 # make test also installs llama.cpp (llama-cpp-python, built from source; pip caches the wheel), which checks the
-# GGUF files `headkit export` writes, and torchao (the fast extra: int8/int4 weights of headkit.fast_generate);
-# make demo needs neither.
-TEST_EXTRAS := .[dev,bench,demo,llamacpp,fast]
+# GGUF files `headkit export` writes, torchao (the fast extra: int8/int4 weights of headkit.fast_generate) and
+# lm-evaluation-harness (the eval extra: `headkit eval --tasks`); make demo needs none of them.
+TEST_EXTRAS := .[dev,bench,demo,llamacpp,fast,eval]
 NEWEST := constraints/newest.txt
 OLDEST := constraints/oldest.txt
 PYTEST := -m pytest -n 2 -q -p no:cacheprovider tests

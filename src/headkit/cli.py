@@ -6,6 +6,7 @@ User errors (bad arguments, missing files, unsupported models) print one line an
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import os
 import sys
@@ -16,6 +17,7 @@ from typing import Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from headkit.bench import load_benchmarks
 from headkit.bench.linearize import parse_layer_indices
@@ -30,6 +32,7 @@ from headkit.bench.registry import (
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes
 from headkit.recipes.linearize import LINEARIZE_HELP, quick_budget
+from headkit.recipes.tasks import EVAL_INCLUDE_PATH_HELP, EVAL_TASKS_HELP
 
 app = typer.Typer(
     name="headkit",
@@ -163,6 +166,23 @@ def _parse_ints(name: str, text: str) -> list[int]:
     return list(parse_list(f"--{name}", text))
 
 
+# Help text is rich markup: "headkit[eval]" would lose its "[eval]" as a tag.
+def _eval_tasks_option() -> Any:
+    return typer.Option(None, help=escape(EVAL_TASKS_HELP))
+
+
+def _eval_include_path_option() -> Any:
+    return typer.Option(None, help=escape(EVAL_INCLUDE_PATH_HELP))
+
+
+def _eval_task_fields(eval_tasks: str | None, eval_include_path: Path | None) -> dict[str, Any]:
+    """A recipe's settings fields for --eval-tasks and --eval-include-path (checked by the recipe)."""
+    from headkit.recipes.tasks import task_names
+
+    names = () if eval_tasks is None else task_names(eval_tasks, "--eval-tasks")
+    return {"eval_tasks": names, "eval_include_path": eval_include_path}
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app; user errors become one line on stderr and exit status 2.
 
@@ -182,7 +202,8 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code)
     except (ValueError, FileNotFoundError, NotADirectoryError) as exc:  # HeadkitError is a ValueError
         if main_process:
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            # The message is text, not markup: "headkit[eval]" keeps its brackets.
+            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
         sys.exit(2)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
@@ -259,6 +280,8 @@ def prune(
         help="Causal LMs: refit each pruned layer's output projection by least squares on calibration text "
         "before recovery (--no-repair keeps the sliced projections, to compare).",
     ),
+    eval_tasks: str = _eval_tasks_option(),
+    eval_include_path: Path = _eval_include_path_option(),
 ) -> None:
     """Prune attention heads, repair, recover by distillation against the original, report and save (see
     headkit.recipes.prune)."""
@@ -291,6 +314,7 @@ def prune(
         dtype=_check_dtype(dtype),
         repair=repair,
     )
+    settings |= _eval_task_fields(eval_tasks, eval_include_path)
     result = prune(PruneSettings.quick(**settings) if quick else PruneSettings(**settings), echo=typer.echo)
     typer.echo(str(result))
 
@@ -358,6 +382,8 @@ def compress(
         None, min=2, help="Rotary decoders: tokens per held-out window (default --window)."
     ),
     dtype: str = _dtype_option(),
+    eval_tasks: str = _eval_tasks_option(),
+    eval_include_path: Path = _eval_include_path_option(),
 ) -> None:
     """Collaborative heads at --dim (or, on a rotary decoder, latent keys/values at --kv-rank), optionally
     distilled; fidelity (or perplexity), size and speed."""
@@ -387,6 +413,7 @@ def compress(
         calibration_windows=calibration_windows,
         eval_window=eval_window,
     )
+    settings = dataclasses.replace(settings, **_eval_task_fields(eval_tasks, eval_include_path))
     typer.echo(str(compress(settings, echo=typer.echo)))
 
 
@@ -567,6 +594,8 @@ def linearize_command(
     overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
     quick: bool = typer.Option(False, help=quick_budget()),
     dtype: str = _dtype_option(),
+    eval_tasks: str = _eval_tasks_option(),
+    eval_include_path: Path = _eval_include_path_option(),
 ) -> None:
     """Linearize a causal LM: softmax → sliding-window + Hedgehog linear attention, attention transfer, LoRA;
     report perplexity, agreement, decode speed and memory, and save (see headkit.recipes.linearize)."""
@@ -603,6 +632,7 @@ def linearize_command(
         out=out,
         overwrite=overwrite or None,
     )
+    settings = dataclasses.replace(settings, **_eval_task_fields(eval_tasks, eval_include_path))
     result = linearize(settings, echo=typer.echo)
     typer.echo(str(result))
 
@@ -678,11 +708,28 @@ def eval_command(
         None, help="torch threads while measuring (default: torch's; 1 is faster on busy shared cores)."
     ),
     out: Path = typer.Option(Path("results/eval"), help="Output folder for report.json and passkey.png."),
+    tasks: str = typer.Option(
+        None,
+        help=escape(
+            "lm-evaluation-harness tasks, NAME[,NAME…] (needs pip install 'headkit[eval]'): their scores "
+            "instead of the default measurements; --lengths, --passkey-lengths or --decode-contexts given run "
+            "beside them. Data is downloaded only with the hub online; offline, use --include-path with local "
+            "files."
+        ),
+    ),
+    include_path: Path = typer.Option(
+        None, help="A folder of lm-eval task YAML files (data local: dataset_path: json, data_files)."
+    ),
+    num_fewshot: int = typer.Option(None, help="Few-shot examples per prompt (default: each task's own)."),
+    limit: int = typer.Option(None, help="Examples per task at most (default: all)."),
+    batch_size: int = typer.Option(None, help="Requests per forward in the tasks (default 1)."),
 ) -> None:
     """Evaluate MODEL: held-out perplexity by length, agreement and KL against --reference, passkey retrieval by
-    length and depth (exact match, 95% intervals), decode time per token and decoding-state size; prints a
-    table, writes OUT/report.json and the heat map OUT/passkey.png."""
+    length and depth (exact match, 95% intervals), decode time per token and decoding-state size — or, with
+    --tasks, lm-evaluation-harness task scores beside --reference's; prints a table, writes OUT/report.json
+    (and the heat map OUT/passkey.png)."""
     from headkit.recipes.evaluate import EvalSettings, check_eval_settings, evaluate, format_eval_table
+    from headkit.recipes.tasks import load_tasks, task_names
 
     settings = EvalSettings(
         model=model,
@@ -698,8 +745,19 @@ def eval_command(
         dtype=_check_dtype(dtype),
         threads=threads,
         out=out,
+        tasks=task_names(tasks) if tasks is not None else (),
+        include_path=include_path,
+        num_fewshot=num_fewshot,
+        limit=limit,
+        batch_size=1 if batch_size is None else batch_size,
     )
+    if not settings.tasks and (include_path, num_fewshot, limit, batch_size) != (None,) * 4:
+        raise HeadkitError(
+            "--include-path, --num-fewshot, --limit and --batch-size shape --tasks: add --tasks"
+        )
     check_eval_settings(settings)
+    # Every task and its data before any model loads: a wrong name or missing data costs nothing.
+    loaded_tasks = load_tasks(settings.task_settings) if settings.tasks else None
     with _no_loading_bars():
         from headkit.recipes.models import CAUSAL_LM, load_model, model_kind
 
@@ -710,7 +768,7 @@ def eval_command(
                 )
         loaded = load_model(model, kind=CAUSAL_LM, dtype=settings.dtype)
         original = load_model(reference, kind=CAUSAL_LM, dtype=settings.dtype) if reference else None
-    report = evaluate(settings, loaded=loaded, reference=original, echo=err_console.print)
+    report = evaluate(settings, loaded=loaded, reference=original, tasks=loaded_tasks, echo=err_console.print)
     typer.echo(format_eval_table(report))
     typer.echo(
         f"saved {out / 'report.json'} and {out / 'passkey.png'}" if report["passkey"] else f"saved {out}"

@@ -49,6 +49,7 @@ from headkit.recipes.models import DEFAULT_DTYPE, check_output_folder, default_e
 from headkit.recipes.objectives import CausalLMObjective
 from headkit.recipes.settings import ModelSettings, RecipeResult, check_count, check_data, with_overrides
 from headkit.recipes.skeleton import main_process_echo, save_result
+from headkit.recipes.tasks import check_recipe_tasks, recipe_tasks, with_task_table
 from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
 from headkit.surgery.adapters import AttentionAdapter, count_parameters, get_adapter
 from headkit.surgery.collaborative import SwapReport, swap_to_collaborative
@@ -95,6 +96,9 @@ class CompressSettings(ModelSettings):
     rope_selection: str = FITTED  # which pairs stay rotary; FITTED also folds a fixed rotation into the rest
     calibration_windows: int = 16
     eval_window: int | None = None  # default: window
+    # lm-evaluation-harness tasks scored on the original and the result (headkit.recipes.tasks): none by default.
+    eval_tasks: tuple[str, ...] = ()
+    eval_include_path: Path | None = None
 
 
 @dataclass
@@ -143,7 +147,7 @@ class CompressResult(RecipeResult):
     """What :func:`compress` did; ``report`` is what report.json holds."""
 
     def __str__(self) -> str:
-        return format_report(self.report)
+        return with_task_table(format_report(self.report), self.report)
 
 
 def load_teacher(model_path: Path, dtype: str = DEFAULT_DTYPE) -> Teacher:
@@ -246,6 +250,7 @@ def check_settings(settings: CompressSettings) -> None:
             f"--rope-selection must be one of {', '.join(ROPE_SELECTIONS)}, got {settings.rope_selection!r}"
         )
     check_data(settings.data)
+    check_recipe_tasks(settings, default_is_causal_lm=False)
 
 
 def compress(
@@ -297,6 +302,10 @@ def compress(
         "parameters_after": count_parameters(student),
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
     }
+    if settings.eval_tasks:
+        report["tasks"] = recipe_tasks(
+            settings, teacher.model, student, teacher.tokenizer, "compressed", echo
+        )
     save_result(out, student, teacher.tokenizer, report, started=started)
     return CompressResult(student, report)
 

@@ -46,6 +46,15 @@ from headkit.data import Corpus, count_text_bytes
 from headkit.errors import HeadkitError
 from headkit.files import check_output_folder, write_json_atomic
 from headkit.recipes.objectives import mean_pool, next_token_kl
+from headkit.recipes.tasks import (
+    LoadedTasks,
+    TaskSettings,
+    as_task_names,
+    check_task_settings,
+    format_task_table,
+    load_tasks,
+    measure_tasks,
+)
 from headkit.surgery.latent import LatentCacheLayer
 from headkit.surgery.linearize import decoding_state_bytes
 
@@ -872,6 +881,23 @@ class EvalSettings:
     dtype: str = "float32"
     threads: int | None = None  # torch threads while measuring (None: torch's setting)
     out: Path | None = Path("results/eval")  # None: write nothing
+    # lm-eval tasks (headkit.recipes.tasks), with lm-eval's option names. With tasks, a measurement above whose
+    # lengths are left None is skipped: --tasks replaces the default measurements, and runs beside those asked for.
+    tasks: tuple[str, ...] = ()
+    include_path: Path | None = None
+    num_fewshot: int | None = None
+    limit: int | None = None
+    batch_size: int = 1
+
+    @property
+    def task_settings(self) -> TaskSettings:
+        return TaskSettings(
+            tasks=as_task_names(self.tasks),
+            include_path=self.include_path,
+            num_fewshot=self.num_fewshot,
+            limit=self.limit,
+            batch_size=self.batch_size,
+        )
 
 
 def model_context(model: nn.Module) -> int | None:
@@ -909,6 +935,8 @@ def check_eval_settings(settings: EvalSettings) -> None:
         raise HeadkitError(f"MODEL {str(settings.model)!r} does not exist")
     if settings.reference is not None and not Path(settings.reference).exists():
         raise HeadkitError(f"--reference {str(settings.reference)!r} does not exist")
+    if settings.tasks:
+        check_task_settings(settings.task_settings)
     if settings.out is not None:
         inputs = {"model": settings.model} | (
             {"--reference": settings.reference} if settings.reference else {}
@@ -921,20 +949,29 @@ def evaluate(
     *,
     loaded: Any = None,
     reference: Any = None,
+    tasks: LoadedTasks | None = None,
     echo: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Everything ``headkit eval`` measures on `settings.model` (and `settings.reference` beside it): held-out
     perplexity at each length; top-1 agreement and KL against the reference; passkey retrieval by length and
     depth (exact match, Wilson 95% intervals); per-token decode time (batch 1) and decoding-state bytes at each
-    context. `loaded` / `reference`: models already loaded (:class:`headkit.recipes.models.LoadedModel`).
-    Writes report.json and the passkey heat map to `settings.out` (atomically) and returns the report."""
+    context; lm-eval task scores (`settings.tasks`). `loaded` / `reference`: models already loaded
+    (:class:`headkit.recipes.models.LoadedModel`); `tasks`: the tasks already loaded (:func:`load_tasks`, which
+    runs here, before any model loads, when None). Writes report.json and the passkey heat map to `settings.out`
+    (atomically) and returns the report."""
     check_eval_settings(settings)
+    if settings.tasks and tasks is None:
+        tasks = load_tasks(settings.task_settings)
     with thread_limit(settings.threads):
-        return _evaluate(settings, loaded, reference, echo)
+        return _evaluate(settings, loaded, reference, echo, tasks)
 
 
 def _evaluate(
-    settings: EvalSettings, loaded: Any, reference: Any, echo: Callable[[str], None]
+    settings: EvalSettings,
+    loaded: Any,
+    reference: Any,
+    echo: Callable[[str], None],
+    tasks: LoadedTasks | None = None,
 ) -> dict[str, Any]:
     from headkit.recipes.models import CAUSAL_LM, load_model
     from headkit.recipes.text import lm_windows, load_text
@@ -947,12 +984,14 @@ def _evaluate(
     if reference is not None and reference.tokenizer.get_vocab() != tokenizer.get_vocab():
         raise HeadkitError(f"--reference {str(settings.reference)!r} has another tokenizer than MODEL")
     context = model_context(model)
-    lengths = _lengths("--lengths", settings.lengths, DEFAULT_LENGTHS, context)
+    # With tasks, the defaults are no measurement: only the lengths given run beside them.
+    alone = bool(settings.tasks)
+    lengths = _lengths("--lengths", settings.lengths, () if alone else DEFAULT_LENGTHS, context)
     passkey_lengths = _lengths(
-        "--passkey-lengths", settings.passkey_lengths, DEFAULT_PASSKEY_LENGTHS, context
+        "--passkey-lengths", settings.passkey_lengths, () if alone else DEFAULT_PASSKEY_LENGTHS, context
     )
     decode_contexts = _lengths(
-        "--decode-contexts", settings.decode_contexts, DEFAULT_DECODE_CONTEXTS, context
+        "--decode-contexts", settings.decode_contexts, () if alone else DEFAULT_DECODE_CONTEXTS, context
     )
     shortest = min_passkey_length(tokenizer) + settings.max_new_tokens
     if passkey_lengths and passkey_lengths[0] < shortest:
@@ -962,7 +1001,8 @@ def _evaluate(
             f"use lengths of at least {shortest}"
         )
     models = {"model": model} | ({"reference": reference.model} if reference is not None else {})
-    corpus = load_text(settings.data)
+    # Tasks alone read no text: the corpus is for perplexity and passkey filler.
+    corpus = load_text(settings.data) if lengths or passkey_lengths or not settings.tasks else None
     echo(f"eval: {settings.model}" + (f" against {settings.reference}" if reference is not None else ""))
 
     perplexities = []
@@ -1033,10 +1073,23 @@ def _evaluate(
         decode.append(point)
         echo(_point_line(point, DECODE_LINE))
 
+    task_report = None
+    if settings.tasks:
+        tokenizers = {"model": tokenizer} | (
+            {"reference": reference.tokenizer} if reference is not None else {}
+        )
+        task_report = measure_tasks(
+            {name: (network, tokenizers[name]) for name, network in models.items()},
+            settings.task_settings,
+            reference="reference" if reference is not None else None,
+            tasks=tasks,
+            echo=echo,
+        )
+
     report = {
         "model": str(settings.model),
         "reference": None if settings.reference is None else str(settings.reference),
-        "data": corpus.source,
+        "data": None if corpus is None else corpus.source,
         "context": context,
         "settings": {
             key: (str(value) if isinstance(value, Path) else value)
@@ -1049,6 +1102,8 @@ def _evaluate(
         "threads": torch.get_num_threads(),
         "seconds": time.perf_counter() - started,
     }
+    if task_report is not None:
+        report["tasks"] = task_report
     if settings.out is not None:
         out = Path(settings.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -1120,4 +1175,7 @@ def format_eval_table(report: dict[str, Any]) -> str:
                 for value in (f"{p[f'{n}_ms_per_token']:.2f}", f"{p[f'{n}_state_bytes'] / 2**20:.2f}")
             ]
             lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    if report.get("tasks"):
+        lines.append(format_task_table(report["tasks"]))
     return "\n".join(lines).rstrip() + "\n"

@@ -59,6 +59,7 @@ from headkit.recipes.settings import (
     with_overrides,
 )
 from headkit.recipes.skeleton import main_process_echo, save_result
+from headkit.recipes.tasks import check_recipe_tasks, recipe_tasks, with_task_table
 from headkit.recipes.text import lm_windows, load_text
 from headkit.surgery.adapters import AttentionAdapter, get_adapter
 from headkit.surgery.attention import MECHANISM
@@ -117,6 +118,9 @@ class LinearizeSettings(QuickSettings):
     temperature: float = 1.0
     seed: int = 0
     overwrite: bool = False
+    # lm-evaluation-harness tasks scored on the original and the result (headkit.recipes.tasks): none by default.
+    eval_tasks: tuple[str, ...] = ()
+    eval_include_path: Path | None = None
 
     @property
     def conversion(self) -> LinearizeConfig:
@@ -179,7 +183,7 @@ class LinearizeResult(RecipeResult):
     """What :func:`linearize` did and measured; ``report`` is what report.json holds."""
 
     def __str__(self) -> str:
-        return format_report(self.report)
+        return with_task_table(format_report(self.report), self.report)
 
 
 @dataclass
@@ -261,6 +265,7 @@ def check_settings(settings: LinearizeSettings) -> None:
         ):
             raise HeadkitError(f"--{name.replace('_', '-')} must be integers ≥ {minimum}, got {values!r}")
     check_data(settings.data)
+    check_recipe_tasks(settings, default_is_causal_lm=True)
 
 
 # -- the recipe --------------------------------------------------------------------------------------------------
@@ -494,6 +499,8 @@ def _run(
         "data": windows.summary() | {"held_out": {str(n): int(held_out[n].shape[0]) for n in eval_lengths}},
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
     }
+    if settings.eval_tasks:
+        report["tasks"] = recipe_tasks(settings, teacher, student, tokenizer, "linearized", echo)
     return LinearizeResult(student, report), tokenizer
 
 

@@ -64,6 +64,7 @@ from headkit.recipes.models import (
 from headkit.recipes.objectives import CausalLMObjective, EncoderObjective
 from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data, with_overrides
 from headkit.recipes.skeleton import main_process_echo, save_result
+from headkit.recipes.tasks import check_recipe_tasks, recipe_tasks, with_task_table
 from headkit.recipes.text import (
     calibration_batches,
     lm_windows,
@@ -129,6 +130,9 @@ class PruneSettings(QuickSettings):
     # Causal LMs: refit each pruned layer's output projection by least squares on calibration text before recovery
     # (headkit.surgery.repair); False keeps the sliced projections, to compare.
     repair: bool = True
+    # lm-evaluation-harness tasks scored on the original and the result (headkit.recipes.tasks): none by default.
+    eval_tasks: tuple[str, ...] = ()
+    eval_include_path: Path | None = None
 
     QUICK: ClassVar[dict[str, Any]] = {
         "gate_steps": 60,
@@ -148,7 +152,7 @@ class PruneResult(RecipeResult):
     """What :func:`prune` did and measured; ``report`` is what report.json holds."""
 
     def __str__(self) -> str:
-        return format_report(self.report)
+        return with_task_table(format_report(self.report), self.report)
 
 
 # -- choosing heads ----------------------------------------------------------------------------------------------
@@ -463,6 +467,7 @@ def check_settings(settings: PruneSettings) -> None:
     if not settings.temperature > 0:
         raise HeadkitError(f"--temperature must be positive, got {settings.temperature!r}")
     check_data(settings.data)
+    check_recipe_tasks(settings, default_is_causal_lm=False)
 
 
 def prune(
@@ -723,6 +728,8 @@ def _prune_causal_lm(
         "selection": selection,
         "recovery": recovery.to_dict(),
     }
+    if settings.eval_tasks:
+        report["tasks"] = recipe_tasks(settings, teacher, student, tokenizer, "pruned", echo)
     return student, report
 
 
