@@ -55,8 +55,9 @@ def test_every_bench_command_and_option_of_before_still_exists():
 
 # Top-level commands whose options are snapshotted exactly: a change here is a change of the CLI, made on purpose.
 COMMANDS = {
-    "eval": "MODEL --data --decode-contexts --depths --dtype --eval-tokens --lengths --out --passkey-lengths "
-    "--reference --seed --threads --trials",
+    # --tasks and lm-eval's own flags (--include-path, --num-fewshot, --limit, --batch-size): issue 37
+    "eval": "MODEL --batch-size --data --decode-contexts --depths --dtype --eval-tokens --include-path --lengths "
+    "--limit --num-fewshot --out --passkey-lengths --reference --seed --tasks --threads --trials",
 }
 
 
