@@ -28,6 +28,10 @@ def _no_text(*args, **kwargs):
     raise AssertionError("text was read before the refusal")
 
 
+def _no_weights(*args, **kwargs):
+    raise AssertionError("weights were loaded before the refusal")
+
+
 @pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])
 def test_compress_kv_rank_refuses_a_per_head_key_norm_before_reading_text(
     model_type, tmp_path, monkeypatch, capsys
@@ -35,6 +39,7 @@ def test_compress_kv_rank_refuses_a_per_head_key_norm_before_reading_text(
     recipe = sys.modules["headkit.recipes.compress"]  # the package exports a function of the same name
 
     monkeypatch.setattr(recipe, "load_text", _no_text)
+    monkeypatch.setattr(recipe, "load_model", _no_weights)  # the family is refused from config.json alone
     folder = _save(model_type, tmp_path / "model")
     error = _refused(
         ["compress", str(folder), "--kv-rank", "8", "--rope-dims", "4", "--out", str(tmp_path / "o")], capsys
@@ -46,10 +51,7 @@ def test_compress_kv_rank_refuses_a_per_head_key_norm_before_reading_text(
 def test_linearize_refuses_a_window_beyond_the_context_before_loading_weights(tmp_path, monkeypatch, capsys):
     recipe = sys.modules["headkit.recipes.linearize"]  # the package exports a function of the same name
 
-    def no_weights(*args, **kwargs):
-        raise AssertionError("weights were loaded before the refusal")
-
-    monkeypatch.setattr(recipe, "load_model", no_weights)
+    monkeypatch.setattr(recipe, "load_model", _no_weights)
     folder = _save("llama", tmp_path / "model")  # context 128
     error = _refused(["linearize", str(folder), "--window", "129", "--out", str(tmp_path / "o")], capsys)
     assert "window must be at most the model's context of 128 tokens, got 129" in error
@@ -59,6 +61,23 @@ def test_prune_refuses_more_heads_than_the_model_has_before_reading_text(tmp_pat
     recipe = sys.modules["headkit.recipes.prune"]  # the package exports a function of the same name
 
     monkeypatch.setattr(recipe, "load_text", _no_text)
+    monkeypatch.setattr(recipe, "load_model", _no_weights)  # layers × heads from config.json
     folder = _save("llama", tmp_path / "model")  # 2 layers × 4 query heads
     error = _refused(["prune", str(folder), "--heads", "9", "--out", str(tmp_path / "o")], capsys)
     assert "--heads must be in [1, 8]" in error
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (["--kv-rank", "999", "--rope-dims", "4"], r"kv_rank must be an integer in [1, "),
+        (["--kv-rank", "8", "--rope-dims", "3"], "whole number of rotary pairs"),
+    ],
+)
+def test_compress_kv_rank_out_of_range_is_refused_before_loading_weights(
+    options, message, tmp_path, monkeypatch, capsys
+):
+    recipe = sys.modules["headkit.recipes.compress"]
+    monkeypatch.setattr(recipe, "load_model", _no_weights)
+    folder = _save("llama", tmp_path / "model")
+    assert message in _refused(["compress", str(folder), *options, "--out", str(tmp_path / "o")], capsys)

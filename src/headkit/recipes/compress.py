@@ -45,7 +45,13 @@ from headkit.recipes.evaluate import (
     perplexity,
     time_call,
 )
-from headkit.recipes.models import DEFAULT_DTYPE, check_output_folder, default_encoder_path, load_model
+from headkit.recipes.models import (
+    DEFAULT_DTYPE,
+    check_output_folder,
+    default_encoder_path,
+    load_model,
+    read_model_config,
+)
 from headkit.recipes.objectives import CausalLMObjective
 from headkit.recipes.settings import ModelSettings, RecipeResult, check_count, check_data, with_overrides
 from headkit.recipes.skeleton import main_process_echo, save_result
@@ -53,7 +59,7 @@ from headkit.recipes.tasks import check_recipe_tasks, recipe_tasks, with_task_ta
 from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
 from headkit.surgery.adapters import AttentionAdapter, count_parameters, get_adapter
 from headkit.surgery.collaborative import SwapReport, swap_to_collaborative
-from headkit.surgery.families import COMPRESS, get_family
+from headkit.surgery.families import COMPRESS, FAMILIES, get_family, model_type_of
 from headkit.surgery.latent import (
     FITTED,
     ROPE_SELECTIONS,
@@ -262,6 +268,7 @@ def compress(
     model_path = Path(settings.model) if settings.model is not None else default_encoder_path()
     out = Path(settings.out)
     check_output_folder(model_path, out, settings.overwrite)
+    check_latent_before_loading(settings, model_path)
     echo = main_process_echo(echo)
     torch.manual_seed(settings.seed)
     teacher = load_teacher(model_path, settings.dtype)
@@ -407,13 +414,41 @@ def latent_defaults(teacher: Teacher, kv_rank: int | None, rope_dims: int | None
     """(R, D), checked against the model (the valid ranges named): D defaults to head_dim / 4 rounded to whole
     pairs, R to half the key/value cache, G·head_dim − G·D."""
     site = teacher.adapter.sites(teacher.model)[0]
-    if rope_dims is None:
-        rope_dims = 2 * max(1, site.head_dim // 8)
-    if kv_rank is None:
-        kv_rank = max(1, site.num_kv_heads * (site.head_dim - rope_dims))
+    kv_rank, rope_dims = default_ranks(site.head_dim, site.num_kv_heads, kv_rank, rope_dims)
     hidden = teacher.adapter.read_projections(site).k_weight.shape[1]
     check_latent_arguments(site, hidden, kv_rank, rope_dims)
     return kv_rank, rope_dims
+
+
+def default_ranks(
+    head_dim: int, kv_heads: int, kv_rank: int | None, rope_dims: int | None
+) -> tuple[int, int]:
+    """(R, D) with the defaults of :func:`latent_defaults` filled in."""
+    if rope_dims is None:
+        rope_dims = 2 * max(1, head_dim // 8)
+    if kv_rank is None:
+        kv_rank = max(1, kv_heads * (head_dim - rope_dims)) if isinstance(rope_dims, int) else 1
+    return kv_rank, rope_dims
+
+
+def check_latent_before_loading(settings: CompressSettings, model_path: Path) -> None:
+    """--kv-rank / --rope-dims checked against MODEL's 🤗 config (a folder's config.json, a GGUF file's metadata)
+    before any weight is loaded: the family must take latent keys/values (Qwen 3 and Gemma 3 do not) and R, D must
+    fit its widths. A model after headkit surgery, or one without such a config, is checked once loaded."""
+    if settings.kv_rank is None and settings.rope_dims is None:
+        return
+    config = read_model_config(model_path)
+    if config is None or getattr(config, "headkit_surgery", None) or model_type_of(config) not in FAMILIES:
+        return
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    heads = getattr(text, "num_attention_heads", None)
+    if not isinstance(heads, int) or not isinstance(getattr(text, "hidden_size", None), int):
+        return
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_rank, rope_dims = default_ranks(
+        head_dim, getattr(text, "num_key_value_heads", None) or heads, settings.kv_rank, settings.rope_dims
+    )
+    LatentKVConfig(kv_rank, rope_dims, settings.rope_selection).check_config(config)
 
 
 def latent_statistics(teacher: Teacher, calibration: list[dict]) -> list[SiteStatistics]:

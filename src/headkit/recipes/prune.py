@@ -60,6 +60,8 @@ from headkit.recipes.models import (
     check_output_folder,
     default_encoder_path,
     load_model,
+    model_kind,
+    read_model_config,
 )
 from headkit.recipes.objectives import CausalLMObjective, EncoderObjective
 from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data, with_overrides
@@ -485,6 +487,7 @@ def prune(
     model_path = Path(settings.model) if settings.model is not None else default_encoder_path()
     out = Path(settings.out)
     check_output_folder(model_path, out, settings.overwrite)
+    check_heads_before_loading(settings, model_path)
     if settings.export_gguf is not None:
         check_export_target(model_path, settings.export_gguf, settings.export_type, settings.overwrite)
     echo = main_process_echo(echo)
@@ -554,6 +557,22 @@ def held_out_count(settings: PruneSettings, kind: str) -> int:
     """How many held-out texts (encoders) or windows (causal LMs) measure the model: --held-out, or the default
     of the model's kind."""
     return DEFAULT_HELD_OUT[kind] if settings.held_out_texts is None else settings.held_out_texts
+
+
+def check_heads_before_loading(settings: PruneSettings, model_path: Path) -> None:
+    """--heads checked against MODEL's 🤗 config (layers × heads; a folder's config.json or a GGUF file's metadata)
+    before any weight is loaded; a model after headkit surgery (its heads no longer what the config states), or
+    one without such a config, is checked once loaded."""
+    if settings.heads is None or model_kind(model_path) != CAUSAL_LM:  # an encoder may share a layer (ALBERT)
+        return
+    config = read_model_config(model_path)
+    if config is None or getattr(config, "headkit_surgery", None):
+        return
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None)
+    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None)
+    if isinstance(layers, int) and isinstance(heads, int):
+        _total_target(layers * heads, settings)
 
 
 def _total_target(total: int, settings: PruneSettings) -> int:

@@ -662,18 +662,22 @@ class LatentReport:
 
 def check_latent_arguments(site: AttentionSite, hidden: int, kv_rank: Any, rope_dims: Any) -> None:
     """Name the valid range of `rope_dims` (whole rotary pairs) and of `kv_rank` (given rope_dims)."""
-    head_dim = site.head_dim
+    check_latent_ranks(site.head_dim, site.num_kv_heads, hidden, kv_rank, rope_dims)
+
+
+def check_latent_ranks(head_dim: int, num_kv_heads: int, hidden: int, kv_rank: Any, rope_dims: Any) -> None:
+    """:func:`check_latent_arguments` from the widths alone (a model's 🤗 config is enough)."""
     if isinstance(rope_dims, bool) or not isinstance(rope_dims, int) or not 0 <= rope_dims <= head_dim:
         raise HeadkitError(f"rope_dims must be an integer in [0, {head_dim}] (head_dim), got {rope_dims!r}")
     if rope_dims % 2:
         raise HeadkitError(
             f"rope_dims must be a whole number of rotary pairs (even: 0, 2, …, {head_dim}), got {rope_dims}"
         )
-    top = full_rank(hidden, site.num_kv_heads, head_dim, rope_dims)
+    top = full_rank(hidden, num_kv_heads, head_dim, rope_dims)
     if isinstance(kv_rank, bool) or not isinstance(kv_rank, int) or not 1 <= kv_rank <= top:
         raise HeadkitError(
             f"kv_rank must be an integer in [1, {top}] (the full width min(hidden {hidden}, kv_heads "
-            f"{site.num_kv_heads} × (2·head_dim {2 * head_dim} − rope_dims {rope_dims}))), got {kv_rank!r}"
+            f"{num_kv_heads} × (2·head_dim {2 * head_dim} − rope_dims {rope_dims}))), got {kv_rank!r}"
         )
 
 
@@ -844,6 +848,16 @@ class LatentKVConfig:
             )
         return selection
 
+    def check_config(self, config: Any) -> None:
+        """What a model's 🤗 config answers, before its weights are loaded: the family takes latent keys/values,
+        and R and D fit the widths it states (:meth:`check` checks the loaded model's modules again)."""
+        get_family(config, LATENT)
+        text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+        hidden, heads = text.hidden_size, text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or hidden // heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        check_latent_ranks(head_dim, kv_heads, hidden, self.kv_rank, self.rope_dims)
+
     def check(
         self, model: nn.Module, adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None
     ) -> tuple[AttentionAdapter, list[AttentionSite]]:
@@ -1003,6 +1017,7 @@ __all__ = [
     "SiteStatistics",
     "attention_mask_for",
     "check_latent_arguments",
+    "check_latent_ranks",
     "collect_statistics",
     "compress_kv_to_latent",
     "expected_rotation",
