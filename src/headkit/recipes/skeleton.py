@@ -12,6 +12,7 @@ racing for the folder, never a rank left waiting in a barrier.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -41,8 +42,6 @@ class ReplicatedError(HeadkitError):
 def _process_state() -> Any | None:
     """accelerate's state of this process when a launcher started several of them (or a process group exists),
     else None: a single process never initialises a process group for nothing."""
-    import os
-
     import torch.distributed as dist
 
     launched = int(os.environ.get("WORLD_SIZE", "1")) > 1
@@ -56,9 +55,18 @@ def _process_state() -> Any | None:
 
 
 def is_main_process() -> bool:
-    """True in a single process, and in the main process of a distributed run (accelerate's ``is_main_process``)."""
-    state = _process_state()
-    return state is None or state.is_main_process
+    """True in a single process, and in the main process of a distributed run (accelerate's ``is_main_process``
+    once the process group exists).
+
+    Before it exists the launcher's ``RANK`` says, as accelerate itself reads it: creating the group this early
+    would change how transformers loads the weights (with FSDP's ``cpu_ram_efficient_loading`` only the main
+    process would get them), while every process of a recipe converts its own full copy of the model."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        state = _process_state()
+        return state is None or state.is_main_process
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def main_process_echo(echo: Callable[[str], None]) -> Callable[[str], None]:
