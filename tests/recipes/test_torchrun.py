@@ -75,6 +75,8 @@ def _one_and_two_processes(recipe: list[str], model, data, tmp_path, launcher: t
 
 
 def _assert_same_model_one_writer(outputs, tmp_path, saved_line: str):
+    import headkit
+
     (one, _), (two, result) = outputs[1], outputs[2]
     # One writer: one output folder, no staging folder left by a second rank, each report line printed once.
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))) == [
@@ -87,16 +89,14 @@ def _assert_same_model_one_writer(outputs, tmp_path, saved_line: str):
     assert first.keys() == second.keys() and first
     difference = max(float((first[name] - second[name]).abs().max()) for name in first)
     assert difference <= 1e-5, difference
+    reloaded = headkit.from_pretrained(two)  # the two-process output reloads and generates
+    assert reloaded.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False).shape == (1, 6)
 
 
 @pytest.mark.slow
 def test_prune_under_torchrun_saves_once_the_model_one_process_saves(tiny_llama, text_folder, tmp_path):
     outputs = _one_and_two_processes(PRUNE, tiny_llama, text_folder, tmp_path)
     _assert_same_model_one_writer(outputs, tmp_path, "saved to")
-    import headkit
-
-    reloaded = headkit.from_pretrained(tmp_path / "out2")
-    assert reloaded.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False).shape == (1, 6)
 
 
 @pytest.mark.slow
