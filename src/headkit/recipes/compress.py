@@ -66,6 +66,7 @@ from headkit.surgery.latent import (
     LatentKVConfig,
     LatentReport,
     SiteStatistics,
+    attention_widths,
     check_latent_arguments,
     collect_statistics,
     compress_kv_to_latent,
@@ -284,16 +285,14 @@ def compress(
             f"{teacher.adapter.name} applies rotary embeddings: --dim (collaborative heads) does not apply; "
             "use --kv-rank and --rope-dims (latent keys/values)"
         )
-    if (
-        not latent and teacher.kind == "causal_lm"
-    ):  # the registry says which decoders take collaborative heads
-        get_family(teacher.model, COMPRESS)
+    if not latent and teacher.kind == "causal_lm":
+        get_family(teacher.model, COMPRESS)  # the registry says which decoders take collaborative heads
     if latent:  # everything that can refuse the conversion, before any text is read
         if teacher.kind != "causal_lm":
             raise HeadkitError("latent keys/values (--kv-rank) convert causal LMs")
         kv_rank, rope_dims = latent_defaults(teacher, settings.kv_rank, settings.rope_dims)
         LatentKVConfig(kv_rank, rope_dims, settings.rope_selection).check(teacher.model, teacher.adapter)
-        student, report = _compress_latent(teacher, settings, echo)
+        student, report = _compress_latent(teacher, settings, kv_rank, rope_dims, echo)
     elif teacher.kind == "causal_lm":
         student, report = _compress_causal_lm(teacher, dim, settings, echo)
     else:
@@ -440,14 +439,11 @@ def check_latent_before_loading(settings: CompressSettings, model_path: Path) ->
     config = read_model_config(model_path)
     if config is None or getattr(config, "headkit_surgery", None) or model_type_of(config) not in FAMILIES:
         return
-    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
-    heads = getattr(text, "num_attention_heads", None)
-    if not isinstance(heads, int) or not isinstance(getattr(text, "hidden_size", None), int):
+    try:
+        _, kv_heads, head_dim = attention_widths(config)
+    except (AttributeError, TypeError):  # a config that states no decoder widths: checked once loaded
         return
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_rank, rope_dims = default_ranks(
-        head_dim, getattr(text, "num_key_value_heads", None) or heads, settings.kv_rank, settings.rope_dims
-    )
+    kv_rank, rope_dims = default_ranks(head_dim, kv_heads, settings.kv_rank, settings.rope_dims)
     LatentKVConfig(kv_rank, rope_dims, settings.rope_selection).check_config(config)
 
 
@@ -519,11 +515,9 @@ def kv_bytes_per_token(model: nn.Module) -> int:
 
 
 def _compress_latent(
-    teacher: Teacher, settings: CompressSettings, echo: Callable[[str], None]
+    teacher: Teacher, settings: CompressSettings, kv_rank: int, rope_dims: int, echo: Callable[[str], None]
 ) -> tuple[nn.Module, dict[str, Any]]:
-    kv_rank, rope_dims = latent_defaults(teacher, settings.kv_rank, settings.rope_dims)
-    if teacher.kind != "causal_lm":
-        raise HeadkitError("latent keys/values (--kv-rank) convert causal LMs")
+    """Latent keys/values at (R, D), already checked against the teacher by :func:`compress`."""
     train, held_out, data = latent_windows(teacher, settings)
     train = train[: settings.train_texts]
     calibration = calibration_batches(train, settings.calibration_windows)

@@ -242,9 +242,8 @@ def check_settings(settings: LinearizeSettings) -> None:
     def integer(name: str, minimum: int) -> None:
         check_count(f"--{name.replace('_', '-')}", getattr(settings, name), minimum)
 
-    _ = (
-        settings.conversion
-    )  # the surgery's own options, checked by its config (window, feature map, layers, …)
+    # The surgery's own options (window, feature map, layers, …) are checked by its config, when it is built.
+    _ = settings.conversion
     for name in ("batch_size", "train_windows", "held_out_windows", "decode_steps"):
         integer(name, 1)
     integer("train_length", 2)
@@ -329,9 +328,8 @@ def _run(
     get_family(teacher, LINEARIZE)  # an unsupported family: one line, before the copy and any work
     adapter = get_adapter(teacher)
     student = copy.deepcopy(teacher)
-    conversion = convert(
-        student, settings.conversion, adapter=adapter
-    )  # checks it all before changing anything
+    # convert checks everything before it changes anything
+    conversion = convert(student, settings.conversion, adapter=adapter)
     for parameter in teacher.parameters():
         parameter.requires_grad_(False)
     context = max_context(teacher)

@@ -215,10 +215,8 @@ def _declared_tokenizer_if_auto_overflows(path: Path, tokenizer: Any, model: nn.
         return tokenizer
     try:
         files_tokenizer = declared_class.from_pretrained(path, local_files_only=True)
-    except (
-        Exception
-    ):  # the declared class cannot read the files: keep AutoTokenizer's, which check_token_ids names
-        return tokenizer
+    except Exception:
+        return tokenizer  # the declared class cannot read the files: AutoTokenizer's stays, check_token_ids names it
     return files_tokenizer if not _ids_outside(files_tokenizer, rows) else tokenizer
 
 

@@ -494,9 +494,8 @@ def prune(
     model, report, loaded = _run(settings, model_path, echo, loaded)
     report["out"] = str(out)
 
-    def export(
-        staging: Path, report: dict[str, Any]
-    ) -> None:  # inside the staging: a failed export leaves no folder
+    # Inside the staging: a failed export leaves no folder either.
+    def export(staging: Path, report: dict[str, Any]) -> None:
         report["gguf"] = export_gguf(
             model,
             settings.export_gguf,
@@ -667,7 +666,7 @@ def _prune_causal_lm(
     echo(
         f"held-out perplexity after pruning: {perplexity_pruned:.3f} ({perplexity_pruned / perplexity_original:.2f}x)"
     )
-    repair = None
+    repair_report = None
     if settings.repair:  # closed form before any training: the projections see what the removed heads said
         calibration = calibration_batches(windows.train, settings.batch_size, settings.importance_batches)
         started = time.perf_counter()
@@ -735,7 +734,7 @@ def _prune_causal_lm(
         "kv_cache_bytes_per_token_after": kv_after,
         "perplexity_original": perplexity_original,
         "perplexity_pruned": perplexity_pruned,
-        "repair": repair_report if repair is not None else None,
+        "repair": repair_report,
         "perplexity_recovered": perplexity_recovered,
         "top1_agreement": top1,
         "speed": speed,

@@ -55,18 +55,17 @@ def _process_state() -> Any | None:
 
 
 def is_main_process() -> bool:
-    """True in a single process, and in the main process of a distributed run (accelerate's ``is_main_process``
-    once the process group exists).
+    """True in a single process, and in the main process (rank 0) of a distributed run.
 
-    Before it exists the launcher's ``RANK`` says, as accelerate itself reads it: creating the group this early
-    would change how transformers loads the weights (with FSDP's ``cpu_ram_efficient_loading`` only the main
-    process would get them), while every process of a recipe converts its own full copy of the model."""
-    import torch.distributed as dist
+    :func:`~headkit.recipes.loop.process_rank_and_count` answers without creating the process group (the launcher's
+    ``RANK`` until it exists): creating it this early would change how transformers loads the weights (with FSDP's
+    ``cpu_ram_efficient_loading`` only the main process would get them), while every process of a recipe converts
+    its own full copy of the model."""
+    # Imported here: recipes.loop imports Trainer, and this runs first in every command.
+    from headkit.recipes.loop import process_rank_and_count
 
-    if dist.is_available() and dist.is_initialized():
-        state = _process_state()
-        return state is None or state.is_main_process
-    return int(os.environ.get("RANK", "0")) == 0
+    rank, _ = process_rank_and_count()
+    return rank == 0
 
 
 def main_process_echo(echo: Callable[[str], None]) -> Callable[[str], None]:

@@ -665,6 +665,17 @@ def check_latent_arguments(site: AttentionSite, hidden: int, kv_rank: Any, rope_
     check_latent_ranks(site.head_dim, site.num_kv_heads, hidden, kv_rank, rope_dims)
 
 
+def attention_widths(config: Any) -> tuple[int, int, int]:
+    """(hidden size, key/value heads, head_dim) as a decoder's 🤗 config states them (its text config)."""
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    heads = text.num_attention_heads
+    return (
+        text.hidden_size,
+        getattr(text, "num_key_value_heads", None) or heads,
+        getattr(text, "head_dim", None) or text.hidden_size // heads,
+    )
+
+
 def check_latent_ranks(head_dim: int, num_kv_heads: int, hidden: int, kv_rank: Any, rope_dims: Any) -> None:
     """:func:`check_latent_arguments` from the widths alone (a model's 🤗 config is enough)."""
     if isinstance(rope_dims, bool) or not isinstance(rope_dims, int) or not 0 <= rope_dims <= head_dim:
@@ -852,10 +863,7 @@ class LatentKVConfig:
         """What a model's 🤗 config answers, before its weights are loaded: the family takes latent keys/values,
         and R and D fit the widths it states (:meth:`check` checks the loaded model's modules again)."""
         get_family(config, LATENT)
-        text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
-        hidden, heads = text.hidden_size, text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or hidden // heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        hidden, kv_heads, head_dim = attention_widths(config)
         check_latent_ranks(head_dim, kv_heads, hidden, self.kv_rank, self.rope_dims)
 
     def check(
@@ -1016,6 +1024,7 @@ __all__ = [
     "RotationFit",
     "SiteStatistics",
     "attention_mask_for",
+    "attention_widths",
     "check_latent_arguments",
     "check_latent_ranks",
     "collect_statistics",
