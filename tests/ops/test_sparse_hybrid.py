@@ -249,3 +249,94 @@ def test_a_state_of_other_sizes_is_refused():
         sparse_hybrid_attention_step(
             *(x[:, :, :1] for x in (q, k, v, qf, kf)), balance, state, window=3, sinks=1, budget=3
         )
+
+
+# -- given scores (the question's choice, headkit.ops.key_selection) --
+
+
+def given_scores(batch, kv_heads, seq, seed=3):
+    return torch.rand(
+        batch, kv_heads, seq, generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+    )
+
+
+@pytest.mark.parametrize(("window", "sinks", "budget", "seq", "heads", "kv_heads", "padded"), CASES)
+def test_given_scores_chunked_equal_the_reference(window, sinks, budget, seq, heads, kv_heads, padded):
+    q, k, v, qf, kf, balance = make_inputs(heads=heads, kv_heads=kv_heads, seq=seq)
+    mask = padding_mask(2, seq) if padded else None
+    scores = given_scores(2, kv_heads, seq)
+    options = {
+        "window": window,
+        "sinks": sinks,
+        "budget": budget,
+        "attention_mask": mask,
+        "key_scores": scores,
+    }
+    expected, _, expected_state = naive_sparse_hybrid_attention(
+        q, k, v, qf, kf, balance, output_final_state=True, **options
+    )
+    real = torch.ones(2, 1, seq, 1, dtype=torch.bool) if mask is None else mask[:, None, :, None]
+    for chunk in (1, 5, 64):
+        out, state = sparse_hybrid_attention(
+            q, k, v, qf, kf, balance, chunk_size=chunk, output_final_state=True, **options
+        )
+        assert_close(out, expected, where=real)
+        assert_states_close(state, expected_state)
+    if budget:
+        # The cache holds the best-scored real keys that left the window (sinks aside).
+        keep = torch.ones(2, seq, dtype=torch.bool) if mask is None else mask
+        for b in range(2):
+            real_keys = keep[b].nonzero().flatten().tolist()
+            left = [j for j in real_keys[sinks:] if j <= seq - window]
+            for h in range(kv_heads):
+                best = sorted(left, key=lambda j: -float(scores[b, h, j]))[:budget]
+                kept = state.sparse_keys[b, h][state.sparse_keep[b, h]]
+                assert kept.shape[0] == len(best)
+                assert torch.equal(kept, k[b, h, sorted(best)])
+
+
+@pytest.mark.parametrize(("window", "sinks", "budget"), [(4, 2, 3), (1, 0, 2), (3, 1, 6)])
+def test_a_prompt_with_given_scores_then_decoding_continues_as_the_reference(window, sinks, budget):
+    # The prompt's keys carry the question's scores; the keys still in its window at its end and every decoded
+    # key score 0: they fill empty slots only, the question's choice stays.
+    seq, prompt = 26, 19
+    q, k, v, qf, kf, balance = make_inputs(seq=seq)
+    scores = given_scores(2, 2, seq)
+    scores[:, :, prompt - (window - 1) :] = 0
+    options = {"window": window, "sinks": sinks, "budget": budget}
+    expected, _, expected_state = naive_sparse_hybrid_attention(
+        q, k, v, qf, kf, balance, output_final_state=True, key_scores=scores, **options
+    )
+    out, state = sparse_hybrid_attention(
+        *(x[:, :, :prompt] for x in (q, k, v, qf, kf)), balance, chunk_size=4, output_final_state=True,
+        key_scores=scores[:, :, :prompt], **options,
+    )  # fmt: skip
+    outputs = [out]
+    for t in range(prompt, seq):
+        out, state = sparse_hybrid_attention_step(
+            *(x[:, :, t : t + 1] for x in (q, k, v, qf, kf)), balance, state,
+            key_scores=torch.zeros(2, 2, 1, dtype=torch.float64), **options,
+        )  # fmt: skip
+        outputs.append(out)
+    assert_close(torch.cat(outputs, 2), expected)
+    assert_states_close(state, expected_state)
+
+
+def test_gradients_with_given_scores_equal_the_reference():
+    inputs = [x.clone().requires_grad_(True) for x in make_inputs(seq=21)]
+    options = {"window": 3, "sinks": 1, "budget": 4, "key_scores": given_scores(2, 2, 21)}
+    weights = torch.randn(2, 4, 21, 6, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    out, _ = sparse_hybrid_attention(*inputs, chunk_size=4, **options)
+    fast = torch.autograd.grad((out * weights).sum(), inputs)
+    expected, _, _ = naive_sparse_hybrid_attention(*inputs, **options)
+    slow = torch.autograd.grad((expected * weights).sum(), inputs)
+    for got, want in zip(fast, slow, strict=True):
+        assert_close(got, want)
+
+
+def test_key_scores_of_the_wrong_shape_are_refused():
+    q, k, v, qf, kf, balance = make_inputs(seq=8)
+    with pytest.raises(ValueError, match="key_scores must be a tensor of shape"):
+        sparse_hybrid_attention(
+            q, k, v, qf, kf, balance, window=2, sinks=0, budget=2, key_scores=torch.zeros(2, 2, 7)
+        )

@@ -36,6 +36,13 @@ the current, cache-less state at every step, which makes each decision depend on
 reference memory the decisions are a function of the scores alone, so a long prefill finds every decision in
 parallel (a count of better-scored keys, scanned chunk by chunk, :func:`_fold_events`) and reproduces token-by-token decoding exactly.
 
+**Given scores** (``key_scores``): the caller scores the keys instead — SnapKV's question-chosen keys
+(:mod:`headkit.ops.key_selection`): the prompt's last queries say which keys they attend to. A key's score is
+fixed when it arrives, in the call that brings it; a key that arrived in an earlier call and is still in the
+window when this call starts scores 0 (the caller scored it with the queries of its own call, or not at all),
+so a decoding step passing zeros fills empty slots only and folds its keys otherwise: the question's choice
+stays. The same streaming top-G then decides, and no reference memory is kept.
+
 At each event at most one key is folded (the newcomer or the evicted key), so the linear term is causal linear
 attention over a *fold sequence* — one gathered key per event — with the hybrid's shifted visibility (event e is
 seen by the queries after it). The exact extras are gathered per chunk of C queries: at most S + G + C keys are
@@ -118,6 +125,7 @@ def sparse_hybrid_attention(
     output_final_state: bool = False,
     eps: float = 1e-6,
     validate: bool = True,
+    key_scores: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, SparseHybridState | None]:
     """Causal hybrid attention with S sinks and a sparse exact cache of G keys per key/value head (module
     docstring), chunkwise-parallel; decisions reproduce token-by-token decoding.
@@ -125,10 +133,16 @@ def sparse_hybrid_attention(
     Arguments as :func:`headkit.ops.hybrid_attention`, plus ``sinks`` (S ≥ 0) and ``budget`` (G ≥ 0). The
     selection itself is not differentiated (it is discrete); gradients flow through every key, value and
     feature that the chosen sets use. Returns (out [B, H, T, Dv] in q's dtype, the final state or None).
+
+    ``key_scores`` [B, Hkv, T]: the cache's score of each new key, given (the question's choice:
+    :func:`headkit.ops.key_selection.observation_scores`) instead of LoLA's recall error ("Given scores" in the
+    module docstring).
     """
     state, keep, scale = _checked(
         q, k, v, qf, kf, balance, window, sinks, budget, attention_mask, initial_state, scale, eps, validate
     )
+    if validate:
+        _check_key_scores(key_scores, k)
     if validate:
         check_positive_int("chunk_size", chunk_size)
     if sinks == 0 and budget == 0:
@@ -137,7 +151,7 @@ def sparse_hybrid_attention(
         )
         return out, (state._replace(window=final) if output_final_state else None)
     out, final = _sparse_hybrid(
-        q, k, v, qf, kf, balance, keep, state, window, sinks, budget, chunk_size, scale, eps
+        q, k, v, qf, kf, balance, keep, state, window, sinks, budget, chunk_size, scale, eps, key_scores
     )
     return out, (final if output_final_state else None)
 
@@ -158,12 +172,15 @@ def sparse_hybrid_attention_step(
     scale: float | None = None,
     eps: float = 1e-6,
     validate: bool = True,
+    key_scores: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, SparseHybridState]:
     """Decode a few new tokens (usually one) from ``state``; see :func:`sparse_hybrid_attention`. One token:
     O((S + G + W) · D + F · Dv + G) work, whatever the context."""
     state, keep, scale = _checked(
         q, k, v, qf, kf, balance, window, sinks, budget, attention_mask, state, scale, eps, validate
     )
+    if validate:
+        _check_key_scores(key_scores, k)
     if q.shape[2] != 1:
         chunk = max(1, q.shape[2])
         if sinks == 0 and budget == 0:
@@ -171,11 +188,13 @@ def sparse_hybrid_attention_step(
                 q, k, v, qf, kf, balance, keep, state.window, window, chunk, scale, eps
             )
             return out, state._replace(window=final)
-        return _sparse_hybrid(q, k, v, qf, kf, balance, keep, state, window, sinks, budget, chunk, scale, eps)
+        return _sparse_hybrid(
+            q, k, v, qf, kf, balance, keep, state, window, sinks, budget, chunk, scale, eps, key_scores
+        )
     if sinks == 0 and budget == 0:
         out, final = hybrid_one_token(q, k, v, qf, kf, balance, keep, state.window, scale, eps)
         return out, state._replace(window=final)
-    return _sparse_one_token(q, k, v, qf, kf, balance, keep, state, sinks, budget, scale, eps)
+    return _sparse_one_token(q, k, v, qf, kf, balance, keep, state, sinks, budget, scale, eps, key_scores)
 
 
 def sparse_hybrid_exact_sets(
@@ -241,6 +260,7 @@ def naive_sparse_hybrid_attention(
     scale: float | None = None,
     output_final_state: bool = False,
     eps: float = 1e-6,
+    key_scores: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, SparseHybridState | None]:
     """Test reference: one token at a time, per sequence and key/value head, with Python lists for the sinks, the
     cache and the folded keys, in the most direct way (module docstring). Computed in q's dtype.
@@ -293,10 +313,13 @@ def naive_sparse_hybrid_attention(
                 if budget == 0:
                     folded.append(j)
                     continue
-                recalled = (kf[b, h, j] @ reference_kv) / (kf[b, h, j] @ reference_k_sum + eps)
-                score = float((v[b, h, j] - recalled).square().sum().detach())
-                reference_kv = reference_kv + torch.outer(kf[b, h, j], v[b, h, j])
-                reference_k_sum = reference_k_sum + kf[b, h, j]
+                if key_scores is not None:
+                    score = float(key_scores[b, h, j])
+                else:
+                    recalled = (kf[b, h, j] @ reference_kv) / (kf[b, h, j] @ reference_k_sum + eps)
+                    score = float((v[b, h, j] - recalled).square().sum().detach())
+                    reference_kv = reference_kv + torch.outer(kf[b, h, j], v[b, h, j])
+                    reference_k_sum = reference_k_sum + kf[b, h, j]
                 cache.append((j, score))
                 if len(cache) > budget:
                     # The worst kept key: the lowest score, the latest among equal ones.
@@ -401,6 +424,7 @@ def _plan(
     budget: int,
     chunk: int,
     eps: float,
+    given_scores: torch.Tensor | None = None,
 ) -> _Plan:
     """Sinks, scores and fold events of the keys leaving the window in one call (each [B, Hkv, T, ·])."""
     with torch.no_grad():
@@ -414,14 +438,19 @@ def _plan(
             fold_event = torch.arange(leave_keys.shape[2], device=leave_keys.device)
             fold_event = fold_event.expand(*leave_keys.shape[:2], -1)
             return _Plan(is_sink, eligible, scores, fold_event, state.reference_kv, state.reference_k_sum)
-        features = leave_features.detach()
-        values = leave_values.detach()
-        written = features * eligible[:, None, :, None]
-        numerator, denominator, reference_kv, reference_k_sum = _strictly_causal_linear(
-            features.unsqueeze(2), written, values, state.reference_kv, state.reference_k_sum, chunk
-        )
-        recalled = numerator[:, :, 0] / (denominator[:, :, 0] + eps)
-        scores = (values - recalled).square().sum(dim=-1)
+        if given_scores is not None:
+            # The question's choice: no recall error, so no reference memory to keep.
+            scores = given_scores.to(state.sparse_scores.dtype)
+            reference_kv, reference_k_sum = state.reference_kv, state.reference_k_sum
+        else:
+            features = leave_features.detach()
+            values = leave_values.detach()
+            written = features * eligible[:, None, :, None]
+            numerator, denominator, reference_kv, reference_k_sum = _strictly_causal_linear(
+                features.unsqueeze(2), written, values, state.reference_kv, state.reference_k_sum, chunk
+            )
+            recalled = numerator[:, :, 0] / (denominator[:, :, 0] + eps)
+            scores = (values - recalled).square().sum(dim=-1)
         scores = scores.masked_fill(~eligible[:, None, :], float("-inf"))
         candidates = torch.cat([state.sparse_keep, eligible[:, None, :].expand_as(scores)], dim=2)
         fold_event = _fold_events(torch.cat([state.sparse_scores, scores], dim=2), candidates, budget, chunk)
@@ -546,6 +575,7 @@ def _sparse_hybrid(
     chunk: int,
     scale: float,
     eps: float,
+    key_scores: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, SparseHybridState]:
     """The chunked computation on validated inputs (S + G > 0)."""
     base = state.window
@@ -565,9 +595,13 @@ def _sparse_hybrid(
             key_features[:, :, :seq],
         )
         leave_keep = keep_ext[:, :seq]
+        given = None
+        if key_scores is not None:
+            # Extended key e < W − 1 is a key of the state's window: it scores 0 (module docstring).
+            given = torch.cat([key_scores.new_zeros(batch, kv_heads, kept), key_scores], dim=2)[:, :, :seq]
         plan = _plan(
             leave_keys, leave_values, leave_features, leave_keep, state,
-            sinks=sinks, budget=budget, chunk=chunk, eps=eps,
+            sinks=sinks, budget=budget, chunk=chunk, eps=eps, given_scores=given,
         )  # fmt: skip
         queries = chunked_queries(q, grid)
         window_scores, window_values = window_block_scores(queries, keys, values, keep_ext, grid, scale)
@@ -695,6 +729,7 @@ def _sparse_one_token(
     budget: int,
     scale: float,
     eps: float,
+    key_scores: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, SparseHybridState]:
     """One decoding step: the query sees [sinks, cache, window] exactly and the folded sums linearly; then the
     oldest window key leaves: it fills the next sink slot, or competes for the cache (the worst of the kept keys
@@ -740,13 +775,19 @@ def _sparse_one_token(
             sparse_keep, sparse_scores = state.sparse_keep, state.sparse_scores
         else:
             value = leaving_value.to(dtype)
-            recalled = (leaving_feature.unsqueeze(-2) @ reference_kv).squeeze(-2) / (
-                (leaving_feature * reference_k_sum).sum(dim=-1, keepdim=True) + eps
-            )
-            score = (value - recalled).square().sum(dim=-1).masked_fill(~eligible, float("-inf"))
-            written = leaving_feature * eligible[..., None]
-            reference_kv = torch.addcmul(reference_kv, written.unsqueeze(-1), value.unsqueeze(-2))
-            reference_k_sum = reference_k_sum + written
+            if key_scores is not None:
+                # Given scores: the leaving key is the new one only with W = 1; a key of the window scores 0.
+                new_leaves = base.keys.shape[2] == 0
+                score = key_scores[:, :, 0].to(dtype) if new_leaves else value.new_zeros(value.shape[:2])
+            else:
+                recalled = (leaving_feature.unsqueeze(-2) @ reference_kv).squeeze(-2) / (
+                    (leaving_feature * reference_k_sum).sum(dim=-1, keepdim=True) + eps
+                )
+                score = (value - recalled).square().sum(dim=-1)
+                written = leaving_feature * eligible[..., None]
+                reference_kv = torch.addcmul(reference_kv, written.unsqueeze(-1), value.unsqueeze(-2))
+                reference_k_sum = reference_k_sum + written
+            score = score.masked_fill(~eligible, float("-inf"))
             # Candidates oldest first: the kept keys, then the newcomer; the worst (lowest score, latest among
             # equal ones — argmin of the reversed list finds the last minimum) leaves the cache.
             candidate_scores = torch.cat([state.sparse_scores, score[..., None]], dim=2)
@@ -787,6 +828,19 @@ def _sparse_one_token(
 
 
 # -- checks and the empty state -----------------------------------------------------------------------------------
+
+
+def _check_key_scores(key_scores: torch.Tensor | None, k: torch.Tensor) -> None:
+    if key_scores is None:
+        return
+    expected = tuple(k.shape[:3])
+    if not isinstance(key_scores, torch.Tensor) or tuple(key_scores.shape) != expected:
+        got = tuple(key_scores.shape) if isinstance(key_scores, torch.Tensor) else type(key_scores).__name__
+        raise ValueError(
+            f"key_scores must be a tensor of shape {list(expected)} (one per new key), got {got}"
+        )
+    if torch.isnan(key_scores).any():
+        raise ValueError("key_scores must not hold NaN")
 
 
 def _initial(

@@ -1,0 +1,162 @@
+"""Which prompt keys the question asks for: the observation-window score of SnapKV.
+
+SnapKV (Li et al. 2024, "SnapKV: LLM Knows What You are Looking for Before Generation", arXiv:2404.14469, §4.2)
+observes that the last queries of a prompt (the *observation window*, where the question is) attend to the same
+few earlier keys that generation will attend to. It scores every key j of the prompt by the attention those
+queries give it, summed over the window and pooled over a small neighbourhood of positions so that a kept key
+keeps its context (eq. 1–2 of §4.2; pooling as in the paper's code and NVIDIA's kvpress ``SnapKVPress``):
+
+    s_hj = Σ_{i ∈ window} Σ_{g ∈ group(h)} softmax_j(q_gi · k_hj · scale)       (causal: j ≤ i; padding excluded)
+    score_hj = average of s_h over positions j − ⌊K/2⌋ … j + ⌊K/2⌋                 (K = ``kernel``, zeros beyond)
+
+One score per key/value head: the group's query heads are summed, as a key/value head serves all of them.
+
+:func:`observation_scores` never forms the T × T matrix, nor even window × T at once: it scans the keys in chunks
+twice (the log-sum-exp of each window query, then the normalised mass), O(window · chunk) memory.
+:func:`naive_observation_scores` is its test reference: the softmax rows written out.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from headkit.ops._precision import autocast_disabled
+from headkit.ops._validation import check_positive_int
+
+# The pooling neighbourhood of SnapKV's code and of kvpress' SnapKVPress (5 positions).
+DEFAULT_KERNEL = 5
+
+
+def observation_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    observation: int,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    kernel: int = DEFAULT_KERNEL,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """SnapKV scores of every key (module docstring), [B, Hkv, T] float32 (float64 for float64 inputs).
+
+    Args:
+        q: [B, H, T, D] the queries of the same T positions as the keys (only the last ``observation`` are read).
+        k: [B, Hkv, T, D] keys, H a multiple of Hkv (grouped-query attention).
+        observation: the window of last queries that vote, ≥ 1 (the whole prompt when it is shorter).
+        attention_mask: [B, T] bool/0-1, True for real tokens; a padded key gets no mass and a padded query no
+            vote.
+        kernel: odd pooling width ≥ 1 (1: no pooling).
+        chunk_size: keys per chunk (memory only).
+    """
+    batch, q_heads, seq, dim = _check(q, k, observation, attention_mask, kernel)
+    check_positive_int("chunk_size", chunk_size)
+    kv_heads = k.shape[1]
+    groups = q_heads // kv_heads
+    scale = dim**-0.5 if scale is None else scale
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    window = min(observation, seq)
+    keep = _keep(attention_mask, batch, seq, q.device)
+    with torch.no_grad(), autocast_disabled(q.device):
+        voters = q[:, :, seq - window :].to(dtype).reshape(batch, kv_heads, groups * window, dim)
+        positions = torch.arange(seq - window, seq, device=q.device).repeat(groups)  # [G·window]
+        voting = keep[:, seq - window :].repeat(1, groups)  # [B, G·window]
+
+        def logits(start: int, stop: int) -> torch.Tensor:  # [B, Hkv, G·window, stop − start]
+            block = (voters @ k[:, :, start:stop].to(dtype).transpose(-1, -2)) * scale
+            columns = torch.arange(start, stop, device=q.device)
+            visible = (columns <= positions[:, None])[None] & keep[:, None, start:stop]  # [B, G·window, C]
+            return block.masked_fill(~visible[:, None], float("-inf"))
+
+        chunks = [(start, min(start + chunk_size, seq)) for start in range(0, seq, chunk_size)]
+        peak = torch.full((batch, kv_heads, groups * window, 1), float("-inf"), dtype=dtype, device=q.device)
+        for start, stop in chunks:
+            peak = torch.maximum(peak, logits(start, stop).amax(dim=-1, keepdim=True))
+        peak = peak.masked_fill(~torch.isfinite(peak), 0.0)
+        total = torch.zeros_like(peak)
+        for start, stop in chunks:
+            total += torch.exp(logits(start, stop) - peak).sum(dim=-1, keepdim=True)
+        weight = voting[:, None, :, None].to(dtype) / total.clamp_min(torch.finfo(dtype).tiny)
+        scores = torch.cat(
+            [(torch.exp(logits(start, stop) - peak) * weight).sum(dim=2) for start, stop in chunks], dim=-1
+        )
+        return _pooled(scores, kernel)
+
+
+def naive_observation_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    observation: int,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    kernel: int = DEFAULT_KERNEL,
+) -> torch.Tensor:
+    """Test reference of :func:`observation_scores`: every window query's softmax row over all T keys, per
+    query head, then summed per key/value head and pooled with an explicit loop."""
+    batch, q_heads, seq, dim = _check(q, k, observation, attention_mask, kernel)
+    kv_heads = k.shape[1]
+    groups = q_heads // kv_heads
+    scale = dim**-0.5 if scale is None else scale
+    keep = _keep(attention_mask, batch, seq, q.device)
+    window = min(observation, seq)
+    dtype = torch.float64
+    sums = torch.zeros(batch, kv_heads, seq, dtype=dtype)
+    for b in range(batch):
+        for head in range(q_heads):
+            h = head // groups
+            for i in range(seq - window, seq):
+                if not keep[b, i]:
+                    continue
+                visible = [j for j in range(i + 1) if keep[b, j]]
+                row = (k[b, h, visible].to(dtype) @ q[b, head, i].to(dtype)) * scale
+                sums[b, h, visible] += torch.softmax(row, dim=0)
+    half = kernel // 2
+    pooled = torch.zeros_like(sums)
+    for j in range(seq):
+        for offset in range(-half, half + 1):
+            if 0 <= j + offset < seq:
+                pooled[..., j] += sums[..., j + offset]
+    return pooled / kernel
+
+
+def _pooled(scores: torch.Tensor, kernel: int) -> torch.Tensor:
+    if kernel == 1:
+        return scores
+    batch, heads, seq = scores.shape
+    # count_include_pad: the ends are averaged over K positions too, zeros beyond the sequence (as kvpress).
+    pooled = F.avg_pool1d(scores.reshape(batch * heads, 1, seq), kernel, stride=1, padding=kernel // 2)
+    return pooled.view(batch, heads, seq)
+
+
+def _keep(attention_mask: torch.Tensor | None, batch: int, seq: int, device: torch.device) -> torch.Tensor:
+    if attention_mask is None:
+        return torch.ones(batch, seq, dtype=torch.bool, device=device)
+    return attention_mask.to(device=device, dtype=torch.bool).expand(batch, seq)
+
+
+def _check(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    observation: int,
+    attention_mask: torch.Tensor | None,
+    kernel: int,
+) -> tuple[int, int, int, int]:
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(f"q and k must be [B, H, T, D], got {tuple(q.shape)} and {tuple(k.shape)}")
+    batch, q_heads, seq, dim = q.shape
+    if k.shape[0] != batch or k.shape[2] != seq or k.shape[3] != dim:
+        raise ValueError(
+            f"k must be [{batch}, Hkv, {seq}, {dim}] (q's batch, length and width), got {tuple(k.shape)}"
+        )
+    if q_heads % k.shape[1]:
+        raise ValueError(f"q's {q_heads} heads must be a multiple of k's {k.shape[1]}")
+    check_positive_int("observation", observation)
+    if isinstance(kernel, bool) or not isinstance(kernel, int) or kernel < 1 or kernel % 2 == 0:
+        raise ValueError(f"kernel must be an odd positive integer, got {kernel!r}")
+    if attention_mask is not None and tuple(attention_mask.shape) not in ((batch, seq), (1, seq)):
+        raise ValueError(f"attention_mask must be [{batch}, {seq}], got {tuple(attention_mask.shape)}")
+    return batch, q_heads, seq, dim
+
+
+__all__ = ["DEFAULT_KERNEL", "naive_observation_scores", "observation_scores"]

@@ -1,0 +1,66 @@
+"""Question-chosen exact keys (SnapKV): the observation-window score against its written-out reference, over
+chunks, padding, grouped heads and pooling widths (the sparse hybrid with given scores: test_sparse_hybrid)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headkit.ops.key_selection import naive_observation_scores, observation_scores
+
+
+def make_inputs(heads=4, kv_heads=2, seq=23, head_dim=8, batch=2):
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(batch, heads, seq, head_dim, generator=generator, dtype=torch.float64)
+    k = torch.randn(batch, kv_heads, seq, head_dim, generator=generator, dtype=torch.float64)
+    return q, k
+
+
+def padding_mask(batch, seq):
+    mask = torch.ones(batch, seq, dtype=torch.bool)
+    mask[-1, : min(5, seq - 1)] = False
+    mask[0, seq // 3] = False
+    return mask
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "seq", "observation", "kernel", "padded"),
+    [(4, 2, 23, 5, 5, False), (3, 3, 17, 40, 1, True), (4, 1, 30, 1, 3, True), (2, 2, 9, 9, 7, False)],
+)
+def test_observation_scores_equal_the_reference(heads, kv_heads, seq, observation, kernel, padded):
+    q, k = make_inputs(heads=heads, kv_heads=kv_heads, seq=seq)
+    mask = padding_mask(2, seq) if padded else None
+    options = {"observation": observation, "kernel": kernel, "attention_mask": mask}
+    expected = naive_observation_scores(q, k, **options)
+    for chunk in (1, 4, 1024):
+        torch.testing.assert_close(
+            observation_scores(q, k, chunk_size=chunk, **options), expected, rtol=1e-12, atol=1e-14
+        )
+    if mask is not None and kernel == 1:
+        assert (observation_scores(q, k, **options)[~mask[:, None].expand(-1, kv_heads, -1)] == 0).all()
+
+
+def test_the_question_finds_the_key_it_attends_to():
+    # The last query is built to point at key 7: its score is the largest after pooling.
+    q, k = make_inputs(heads=2, kv_heads=1, seq=32)
+    q, k = q * 0.1, k * 0.1
+    k[:, :, 7] = 1.0
+    q[:, :, -1] = 5.0
+    scores = observation_scores(q, k, observation=1, kernel=1)
+    assert (scores.argmax(-1) == 7).all()
+
+
+@pytest.mark.parametrize("change", ["observation", "kernel", "mask", "shape"])
+def test_bad_arguments_are_named(change):
+    q, k = make_inputs(seq=8)
+    options = {"observation": 4}
+    if change == "observation":
+        options["observation"] = 0
+    elif change == "kernel":
+        options["kernel"] = 4
+    elif change == "mask":
+        options["attention_mask"] = torch.ones(2, 7, dtype=torch.bool)
+    else:
+        k = k[:, :, :5]
+    with pytest.raises(ValueError, match=change if change != "shape" else "k must be"):
+        observation_scores(q, k, **options)
