@@ -58,7 +58,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -74,6 +74,7 @@ from headkit.ops.hybrid import (
     hybrid_ring_from_state,
     hybrid_state_from_ring,
 )
+from headkit.ops.key_selection import observation_scores
 from headkit.ops.sparse_hybrid import sparse_hybrid_attention, sparse_hybrid_attention_step
 from headkit.surgery.adapters import (
     AttentionAdapter,
@@ -211,13 +212,37 @@ def new_key_padding_mask(attention_mask: Any, batch: int, past: int, seq: int) -
     return attention_mask.bool().expand(batch, seq)
 
 
+class SplitHeadsState(NamedTuple):
+    """The decoding state of a layer whose retrieval heads keep softmax (:class:`LinearizedHeads` with
+    ``exact_heads``): the converted heads' constant state, and the full key/value cache of the exact heads
+    ([B, E, T, D] keys and values, [B, T] padding flags: True = real token)."""
+
+    linear: Any
+    keys: torch.Tensor
+    values: torch.Tensor
+    keep: torch.Tensor
+
+
+SELECTIONS = ("recall", "question")
+
+
 class LinearizedHeads(nn.Module):
     """The mechanism of a linearized layer (``<attention module>.headkit_attention``): sliding-window softmax +
     linear attention over the queries, keys and values the stock module computed (rotary applied, keys and values
     not repeated). Parameters: ``feature_map_q`` (per query head), ``feature_map_k`` (per key/value head),
     ``log_balance`` [heads]. Called by the registered attention function; returns ``(output [B, T, H, D], None)``.
+
     With ``sinks`` or ``sparse_cache`` it also keeps the first tokens and a budget of chosen keys exact beyond the
-    window (:func:`headkit.ops.sparse_hybrid_attention`), in its training, prefill and decoding forms alike.
+    window (:func:`headkit.ops.sparse_hybrid_attention`), in its training, prefill and decoding forms alike. The
+    budget's keys are chosen by ``selection``: ``"recall"`` — online, those the linear state recalls worst (LoLA);
+    ``"question"`` — when a prompt is prefilled into a cache, those its last ``observation`` queries attend to
+    most (SnapKV, :mod:`headkit.ops.key_selection`); a forward without a cache (training, perplexity) is causal
+    and has no question yet: the budget then takes the first keys that leave the window, and a decoding step's
+    keys fill empty slots only. ``fold=False`` drops what is not kept instead of folding it into a linear state
+    (no feature maps, γ = 0; a first prompt attends to itself in full, as SnapKV's prefill does): the original
+    model with a compressed key/value cache, the baseline the linear state must beat. ``exact_heads`` lists the
+    key/value heads (with their query heads) that keep softmax with a full cache (retrieval heads, DuoAttention):
+    one attention call splits the heads, the layer's cache entry holds a :class:`SplitHeadsState`.
     """
 
     def __init__(
@@ -236,42 +261,79 @@ class LinearizedHeads(nn.Module):
         device: torch.device,
         sinks: int = 0,
         sparse_cache: int = 0,
+        selection: str = "recall",
+        observation: int = 32,
+        fold: bool = True,
+        exact_heads: Sequence[int] = (),
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.scale = scale
         self.window, self.chunk_size = window, chunk_size
         # Exact beyond the window (headkit.ops.sparse_hybrid): the first `sinks` tokens and `sparse_cache` keys
-        # per key/value head chosen by how badly the linear state recalls them. 0 and 0: the plain hybrid.
+        # per key/value head, chosen by `selection`. 0 and 0: the plain hybrid.
         self.sinks, self.sparse_cache = sinks, sparse_cache
+        self.selection, self.observation, self.fold = selection, observation, fold
+        self.exact_heads = tuple(sorted(exact_heads))
+        self.linear_heads = tuple(h for h in range(num_kv_heads) if h not in self.exact_heads)
+        groups = num_heads // num_kv_heads
+        self._exact_query_heads = [h * groups + g for h in self.exact_heads for g in range(groups)]
+        self._linear_query_heads = [h * groups + g for h in self.linear_heads for g in range(groups)]
         self.feature_map_name, self.feature_dim = feature_map, feature_dim
         self.layer_idx = layer_idx
-        self.feature_map_q = build_feature_map(feature_map, num_heads, head_dim, feature_dim).to(
-            dtype=dtype, device=device
-        )
-        self.feature_map_k = build_feature_map(feature_map, num_kv_heads, head_dim, feature_dim).to(
-            dtype=dtype, device=device
-        )
+        self.feature_map_q: nn.Module | None = None
+        self.feature_map_k: nn.Module | None = None
+        if fold:
+            self.feature_map_q = build_feature_map(feature_map, num_heads, head_dim, feature_dim).to(
+                dtype=dtype, device=device
+            )
+            self.feature_map_k = build_feature_map(feature_map, num_kv_heads, head_dim, feature_dim).to(
+                dtype=dtype, device=device
+            )
         # γ_h = exp(log_balance_h) = 1 at conversion: window and linear terms on an equal footing.
-        self.log_balance = nn.Parameter(torch.zeros(num_heads, dtype=dtype, device=device))
+        self.log_balance = nn.Parameter(
+            torch.zeros(num_heads, dtype=dtype, device=device), requires_grad=fold
+        )
 
     @property
     def balance(self) -> torch.Tensor:
-        """γ_h per query head, [num_heads]."""
-        return self.log_balance.exp()
+        """γ_h per query head, [num_heads] (zeros when nothing folds)."""
+        balance = self.log_balance.exp()
+        return balance if self.fold else torch.zeros_like(balance)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
-        """What attention transfer trains: the feature maps and the balances."""
+        """What attention transfer trains: the feature maps and the balances (nothing when nothing folds)."""
+        if not self.fold:
+            return []
         return [*self.feature_map_q.parameters(), *self.feature_map_k.parameters(), self.log_balance]
 
+    def features(self, queries: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """φ(q), φ(k) of the linear term; one zero feature when nothing folds (γ = 0 makes it unused)."""
+        if self.fold:
+            return self.feature_map_q(queries), self.feature_map_k(keys)
+        return queries.new_zeros(*queries.shape[:3], 1), keys.new_zeros(*keys.shape[:3], 1)
+
     @torch.no_grad()
-    def state_bytes(self) -> int:
-        """Bytes of this layer's decoding state for one sequence (constant in the context): the state after one
-        token, whose tensors have their final sizes from the first token on."""
+    def state_bytes(self, context: int = 1) -> int:
+        """Bytes of this layer's decoding state for one sequence after `context` tokens: constant for the
+        converted heads (their tensors have their final sizes from the first token on), growing with the context
+        for the exact heads."""
         weight = self.log_balance
-        queries = weight.new_zeros(1, self.num_heads, 1, self.head_dim)
-        keys = weight.new_zeros(1, self.num_kv_heads, 1, self.head_dim)
-        tensors = (queries, keys, keys, self.feature_map_q(queries), self.feature_map_k(keys), self.balance)
+        queries = weight.new_zeros(1, len(self._linear_query_heads), 1, self.head_dim)
+        keys = weight.new_zeros(1, len(self.linear_heads), 1, self.head_dim)
+        # The exact heads' keys and values, and one padding flag per token.
+        exact = (2 * len(self.exact_heads) * self.head_dim * weight.element_size() + 1) * context
+        exact = exact if self.exact_heads else 0
+        if not self.linear_heads:
+            return exact
+        query_features, key_features = self.features(
+            weight.new_zeros(1, self.num_heads, 1, self.head_dim),
+            weight.new_zeros(1, self.num_kv_heads, 1, self.head_dim),
+        )
+        tensors = (
+            queries, keys, keys, query_features[:, self._linear_query_heads], key_features[:, list(self.linear_heads)],
+            self.balance[self._linear_query_heads],
+        )  # fmt: skip
         options = {"window": self.window, "validate": False, "output_final_state": True}
         if self.sinks or self.sparse_cache:
             _, state = sparse_hybrid_attention(
@@ -281,7 +343,7 @@ class LinearizedHeads(nn.Module):
             _, state = hybrid_attention(*tensors, **options)
         sizes: list[int] = []
         map_state(state, lambda t: sizes.append(t.numel() * t.element_size()) or t)
-        return sum(sizes)
+        return sum(sizes) + exact
 
     def cache_layer(self, cache: Any) -> HybridStateCacheLayer:
         """This layer's entry in the model's cache (see :class:`headkit.surgery.attention.CacheLayerHook`)."""
@@ -290,53 +352,153 @@ class LinearizedHeads(nn.Module):
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, None]:
         queries, keys, values, cache_layer = call.queries, call.keys, call.values, call.cache_layer
         batch, _, seq, _ = queries.shape
-        ring = isinstance(cache_layer, RingHybridStateCacheLayer) and not (self.sinks or self.sparse_cache)
+        plain = not (self.sinks or self.sparse_cache or self.exact_heads) and self.fold
+        ring = isinstance(cache_layer, RingHybridStateCacheLayer) and plain
         if seq == 1 and ring and cache_layer.is_initialized:
             # The fast decoder's compiled step: one real token, fixed buffers updated in place.
             outputs = hybrid_attention_ring_step_(
-                queries,
-                keys,
-                values,
-                self.feature_map_q(queries),
-                self.feature_map_k(keys),
-                self.balance,
-                cache_layer.ring_state(),
+                queries, keys, values, *self.features(queries, keys), self.balance, cache_layer.ring_state(),
                 scale=call.scale(self.scale),
-            )
+            )  # fmt: skip
             return outputs.transpose(1, 2).contiguous(), None
         past = 0 if cache_layer is None else cache_layer.get_seq_length()
         new_mask = new_key_padding_mask(call.attention_mask, batch, past, seq)
         new_mask = None if new_mask is None else new_mask.to(queries.device)
-        query_features, key_features = self.feature_map_q(queries), self.feature_map_k(keys)
         scale = call.scale(self.scale)
+        state = None if cache_layer is None else cache_layer.get_state()
+        if not self.exact_heads:
+            outputs, state = self._converted(queries, keys, values, new_mask, scale, cache_layer, state)
+        else:
+            split = state if isinstance(state, SplitHeadsState) else None
+            exact_q, linear_q = self._exact_query_heads, self._linear_query_heads
+            exact_kv, linear_kv = list(self.exact_heads), list(self.linear_heads)
+            exact_out, exact_state = self._softmax(
+                queries[:, exact_q], keys[:, exact_kv], values[:, exact_kv], new_mask, scale, split
+            )
+            outputs = queries.new_empty(batch, self.num_heads, seq, values.shape[-1])
+            outputs[:, exact_q] = exact_out
+            linear_state = None
+            if linear_kv:
+                outputs[:, linear_q], linear_state = self._converted(
+                    queries[:, linear_q], keys[:, linear_kv], values[:, linear_kv], new_mask, scale, cache_layer,
+                    None if split is None else split.linear,
+                )  # fmt: skip
+            state = SplitHeadsState(linear_state, *exact_state)
+        if cache_layer is not None:
+            cache_layer.set_state(state, seq)
+        return outputs.transpose(1, 2).contiguous(), None
+
+    def _converted(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        scale: float,
+        cache_layer: Any,
+        state: Any,
+    ) -> tuple[torch.Tensor, Any]:
+        """The converted heads (all of them, or those beside the exact heads): outputs, and the next state when
+        there is a cache."""
+        seq = queries.shape[2]
+        heads = self._linear_query_heads if self.exact_heads else list(range(self.num_heads))
+        kv_heads = list(self.linear_heads) if self.exact_heads else list(range(self.num_kv_heads))
+        query_features, key_features = self._head_features(queries, keys, heads, kv_heads)
         # The mask is checked above and states come from the op itself: its own checks would only repeat that.
         options = {"window": self.window, "attention_mask": new_mask, "scale": scale, "validate": False}
-        tensors = (queries, keys, values, query_features, key_features, self.balance)
+        tensors = (queries, keys, values, query_features, key_features, self.balance[heads])
         parallel, step = hybrid_attention, hybrid_attention_step
         if self.sinks or self.sparse_cache:
             parallel, step = sparse_hybrid_attention, sparse_hybrid_attention_step
             options |= {"sinks": self.sinks, "budget": self.sparse_cache}
+            if self.selection == "question":
+                options["key_scores"] = self._question_scores(queries, keys, new_mask, scale, cache_layer)
         if cache_layer is None:
             outputs, _ = parallel(*tensors, chunk_size=self.chunk_size, **options)
-        else:
-            if seq == 1:
-                outputs, state = step(*tensors, cache_layer.get_state(), **options)
-            else:
-                outputs, state = parallel(
-                    *tensors,
-                    chunk_size=self.chunk_size,
-                    initial_state=cache_layer.get_state(),
-                    output_final_state=True,
-                    **options,
-                )
-            cache_layer.set_state(state, seq)
-        return outputs.transpose(1, 2).contiguous(), None
+            return outputs, None
+        if seq == 1:
+            return step(*tensors, state, **options)
+        outputs, state_after = parallel(
+            *tensors, chunk_size=self.chunk_size, initial_state=state, output_final_state=True, **options
+        )
+        if not self.fold and state is None:
+            # The compressed-cache baseline prefills as the original model does (SnapKV): in full.
+            outputs, _ = self._softmax(queries, keys, values, new_mask, scale, None)
+        return outputs, state_after
+
+    def _head_features(
+        self, queries: torch.Tensor, keys: torch.Tensor, heads: list[int], kv_heads: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.exact_heads:
+            return self.features(queries, keys)
+        # The feature maps hold one map per head of the layer: place the converted heads at their indices.
+        full_q = queries.new_zeros(queries.shape[0], self.num_heads, *queries.shape[2:])
+        full_k = keys.new_zeros(keys.shape[0], self.num_kv_heads, *keys.shape[2:])
+        full_q[:, heads], full_k[:, kv_heads] = queries, keys
+        query_features, key_features = self.features(full_q, full_k)
+        return query_features[:, heads], key_features[:, kv_heads]
+
+    def _question_scores(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        scale: float,
+        cache_layer: Any,
+    ) -> torch.Tensor:
+        """The question's score of each new key (SnapKV) for a prompt prefilled into a cache; zeros otherwise —
+        a forward without a cache is causal (no question asked yet) and a decoding step asks none."""
+        batch, _, seq, _ = keys.shape
+        if cache_layer is None or seq == 1:
+            return keys.new_zeros(batch, keys.shape[1], seq, dtype=torch.float32)
+        return observation_scores(
+            queries, keys, observation=self.observation, attention_mask=new_mask, scale=scale
+        )
+
+    def _softmax(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        scale: float,
+        state: SplitHeadsState | None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Causal softmax attention over the cached and new keys of these heads: (outputs, (keys, values, keep))."""
+        batch, _, seq, _ = queries.shape
+        new_keep = (
+            torch.ones(batch, seq, dtype=torch.bool, device=queries.device) if new_mask is None else new_mask
+        )
+        if state is not None:
+            keys = torch.cat([state.keys, keys], dim=2)
+            values = torch.cat([state.values, values], dim=2)
+            new_keep = torch.cat([state.keep, new_keep], dim=1)
+        total = keys.shape[2]
+        if keys.shape[1] == 0:
+            return queries.new_zeros(batch, 0, seq, values.shape[-1]), (keys, values, new_keep)
+        rows = torch.arange(total - seq, total, device=queries.device)[:, None]
+        columns = torch.arange(total, device=queries.device)[None]
+        # A padded query sees itself (its output is never used), so that no row is empty.
+        visible = ((columns <= rows) & new_keep[:, None, None, :]) | (columns == rows)
+        groups = queries.shape[1] // keys.shape[1]
+        outputs = torch.nn.functional.scaled_dot_product_attention(
+            queries,
+            keys.repeat_interleave(groups, dim=1),
+            values.repeat_interleave(groups, dim=1),
+            attn_mask=visible,
+            scale=scale,
+        )
+        return outputs, (keys, values, new_keep)
 
     def extra_repr(self) -> str:
+        extra = f", selection={self.selection!r}, observation={self.observation}" if self.sparse_cache else ""
+        extra += "" if self.fold else ", fold=False"
+        extra += f", exact_heads={list(self.exact_heads)}" if self.exact_heads else ""
         return (
             f"layer_idx={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, window={self.window}, sinks={self.sinks}, "
-            f"sparse_cache={self.sparse_cache}, feature_map={self.feature_map_name!r}, chunk_size={self.chunk_size}"
+            f"sparse_cache={self.sparse_cache}{extra}, feature_map={self.feature_map_name!r}, "
+            f"chunk_size={self.chunk_size}"
         )
 
 
@@ -438,6 +600,16 @@ class LinearizeConfig:
             online as tokens leave it by how badly the linear state recalls their values (LoLA); the others, and
             those evicted, fold into the linear state (:mod:`headkit.ops.sparse_hybrid`). With S = G = 0 the
             mechanism is the plain window + linear hybrid.
+        selection: how the sparse cache's keys are chosen: "recall" (online, LoLA's criterion above) or
+            "question" (SnapKV: when a prompt is prefilled, the keys its last `observation` queries attend to
+            most; :class:`LinearizedHeads`).
+        observation: the queries at the end of a prompt that choose its keys under selection="question".
+        fold: False drops the keys that are not kept instead of folding them into a linear state: the original
+            model with a compressed key/value cache of the same mechanism (no feature maps, nothing to train) —
+            the baseline a linear state must beat at equal bytes.
+        retrieval_heads: (layer, key/value head) pairs that keep softmax attention with a full key/value cache
+            (retrieval heads, DuoAttention; chosen by :func:`headkit.analysis.retrieval.retrieval_head_scores`);
+            their query heads follow them. Their cache grows with the context and counts in the state.
     """
 
     window: int = 64
@@ -448,6 +620,10 @@ class LinearizeConfig:
     convert_sliding: bool = False
     sinks: int = 0
     sparse_cache: int = 0
+    selection: str = "recall"
+    observation: int = 32
+    fold: bool = True
+    retrieval_heads: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         if not isinstance(self.convert_sliding, bool):
@@ -462,6 +638,25 @@ class LinearizeConfig:
         _check_count("chunk_size", self.chunk_size, 1)
         for name in ("sinks", "sparse_cache"):
             _check_count(name, getattr(self, name), 0, "a non-negative integer (0: none)")
+        if self.selection not in SELECTIONS:
+            raise HeadkitError(f"selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
+        _check_count("observation", self.observation, 1)
+        if not isinstance(self.fold, bool):
+            raise HeadkitError(f"fold must be a bool, got {self.fold!r}")
+        pairs = []
+        for pair in self.retrieval_heads or ():
+            if (
+                not isinstance(pair, (tuple, list))
+                or len(pair) != 2
+                or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in pair)
+            ):
+                raise HeadkitError(
+                    f"retrieval_heads must be (layer, key/value head) pairs of non-negative integers, got {pair!r}"
+                )
+            pairs.append((pair[0], pair[1]))
+        if len(set(pairs)) != len(pairs):
+            raise HeadkitError(f"retrieval_heads lists a head twice: {pairs}")
+        object.__setattr__(self, "retrieval_heads", tuple(sorted(pairs)))
         if self.layers is not None:
             indices = [self.layers] if isinstance(self.layers, (int, str, bytes)) else list(self.layers)
             if not indices:
@@ -479,11 +674,24 @@ class LinearizeConfig:
         sliding-window layers. Returns the indices of the layers to convert, sorted."""
         config = getattr(model_or_config, "config", model_or_config)
         context = _config_context(config)
-        if context is not None and self.window > context:
+        for name in ("window", "sparse_cache", "observation"):
+            if context is not None and getattr(self, name) > context:
+                raise HeadkitError(
+                    f"{name} must be at most the model's context of {context} tokens, got {getattr(self, name)}"
+                )
+        kv_heads = _config_kv_heads(config)
+        bad = [pair for pair in self.retrieval_heads if kv_heads is not None and pair[1] >= kv_heads]
+        if bad:
             raise HeadkitError(
-                f"window must be at most the model's context of {context} tokens, got {self.window}"
+                f"retrieval_heads must name key/value heads in [0, {kv_heads}) (the model has {kv_heads} per "
+                f"layer), got {bad}"
             )
         count = count if count is not None else _config_layer_count(config)
+        if count is not None and any(layer >= count for layer, _ in self.retrieval_heads):
+            raise HeadkitError(
+                f"retrieval_heads must name layers in [0, {count}), got "
+                f"{[pair for pair in self.retrieval_heads if pair[0] >= count]}"
+            )
         if count is None:
             return list(self.layers or ())
         sliding = sliding_layers(config, count)
@@ -496,7 +704,7 @@ class LinearizeConfig:
                     "layer keeps its softmax by default; pass convert_sliding=True (--convert-sliding) to convert "
                     "them"
                 )
-            return indices
+            return self._converted_with_retrieval_heads(indices)
         bad = [i for i in self.layers if not 0 <= i < count]
         if bad:
             raise HeadkitError(
@@ -514,11 +722,22 @@ class LinearizeConfig:
                 f"with convert_sliding, layers must list every sliding-window layer (the model builds one mask "
                 f"per layer type from one layer's cache entry); missing {missing}"
             )
-        return sorted(self.layers)
+        return self._converted_with_retrieval_heads(sorted(self.layers))
+
+    def _converted_with_retrieval_heads(self, chosen: list[int]) -> list[int]:
+        outside = [pair for pair in self.retrieval_heads if pair[0] not in chosen]
+        if outside:
+            raise HeadkitError(
+                f"retrieval_heads must name heads of converted layers ({chosen}), got {outside}"
+            )
+        return chosen
 
     def record(self, layers: Sequence[int]) -> dict[str, Any]:
         """The fields as ``config.headkit_surgery`` keeps them, with the layers actually converted."""
-        return asdict(self) | {"layers": list(layers)}
+        return asdict(self) | {
+            "layers": list(layers),
+            "retrieval_heads": [list(pair) for pair in self.retrieval_heads],
+        }
 
     @classmethod
     def from_record(cls, entry: dict[str, Any]) -> LinearizeConfig:
@@ -537,6 +756,16 @@ def _check_count(name: str, value: Any, minimum: int, expected: str | None = Non
 def _config_context(config: Any) -> int | None:
     for name in ("max_position_embeddings", "n_positions"):
         value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _config_kv_heads(config: Any) -> int | None:
+    getter = getattr(config, "get_text_config", None)
+    text = getter() if callable(getter) else config
+    for name in ("num_key_value_heads", "num_attention_heads", "n_head"):
+        value = getattr(text, name, None)
         if isinstance(value, int) and value > 0:
             return value
     return None
@@ -702,6 +931,10 @@ def _plan_site(site: AttentionSite, config: LinearizeConfig) -> LinearizedHeads:
         device=weight.device,
         sinks=config.sinks,
         sparse_cache=config.sparse_cache,
+        selection=config.selection,
+        observation=config.observation,
+        fold=config.fold,
+        exact_heads=[head for layer, head in config.retrieval_heads if layer == site.layers[0]],
     )
 
 
