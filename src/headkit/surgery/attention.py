@@ -194,11 +194,11 @@ def implementation_name(base: str) -> str:
 
         AttentionInterface.register(name, forward)
     if name not in AttentionMaskInterface():
-        _register_base_mask(name, base)
+        register_base_mask(name, base)
     return name
 
 
-def _register_base_mask(name: str, base: str) -> None:
+def register_base_mask(name: str, base: str) -> None:
     """Make the model build, under implementation `name`, the masks it built under `base` (sdpa's for a base
     without a mask function of its own)."""
     masks = AttentionMaskInterface()
@@ -328,7 +328,7 @@ def modules_calling_the_interface(model: nn.Module, modules: list[nn.Module]) ->
         return args, {**kwargs, _PROBE: True}
 
     AttentionInterface.register(_PROBE, probe)
-    _register_base_mask(_PROBE, base)
+    register_base_mask(_PROBE, base)
     previous = attention_implementation(model)
     handles = [module.register_forward_pre_hook(mark, with_kwargs=True) for module in modules]
     parameter = next(model.parameters())
