@@ -440,14 +440,48 @@ class LinearizeConfig:
             mechanism is the plain window + linear hybrid.
     """
 
-    window: int = 64
-    feature_map: str = "hedgehog"
-    layers: tuple[int, ...] | None = None
-    feature_dim: int | None = None
-    chunk_size: int = 64
-    convert_sliding: bool = False
-    sinks: int = 0
-    sparse_cache: int = 0
+    # Each field's metadata makes it an option of `headkit linearize` and `headkit bench linearize`
+    # (headkit.recipes.options): help, and the command line's name and parsing where they are not the default's.
+    window: int = field(
+        default=64, metadata={"help": "Tokens each query sees exactly through softmax, its own included."}
+    )
+    feature_map: str = field(
+        default="hedgehog",
+        metadata={
+            "help": "Feature map of the linear term: 'hedgehog' (learnable, default) or a fixed one ('elu', …)."
+        },
+    )
+    layers: tuple[int, ...] | None = field(
+        default=None,
+        metadata={
+            "help": "Comma-separated layer indices to convert (default: all; the others keep softmax).",
+            "min": 0,
+        },
+    )
+    feature_dim: int | None = field(
+        default=None, metadata={"help": "Learnable feature map's projection width (default head_dim)."}
+    )
+    chunk_size: int = field(default=64, metadata={"help": "Queries per chunk of the parallel form."})
+    convert_sliding: bool = field(
+        default=False,
+        metadata={
+            "help": "Convert sliding-window layers too (default: keep them, their cache is bounded already).",
+            "flag": "--convert-sliding/--keep-sliding",
+        },
+    )
+    sinks: int = field(
+        default=0,
+        metadata={
+            "help": "First tokens of a sequence kept exact (attention sinks) in every converted layer."
+        },
+    )
+    sparse_cache: int = field(
+        default=0,
+        metadata={
+            "help": "Exact keys kept beyond the window per layer and key/value head, chosen online by how badly "
+            "the linear state recalls them (LoLA); the others fold into the linear state."
+        },
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.convert_sliding, bool):
