@@ -32,7 +32,7 @@ import inspect
 import sys
 import types
 import typing
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from headkit.errors import HeadkitError
@@ -290,8 +290,3 @@ def settings_command(
         return wrapper
 
     return decorate
-
-
-def flags(parameters: Iterable[Any]) -> set[str]:
-    """Every option name of click parameters (a test's view of a command)."""
-    return {name for parameter in parameters for name in (*parameter.opts, *parameter.secondary_opts)}
