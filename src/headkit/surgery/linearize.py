@@ -612,18 +612,78 @@ class LinearizeConfig:
             their query heads follow them. Their cache grows with the context and counts in the state.
     """
 
-    window: int = 64
-    feature_map: str = "hedgehog"
-    layers: tuple[int, ...] | None = None
-    feature_dim: int | None = None
-    chunk_size: int = 64
-    convert_sliding: bool = False
-    sinks: int = 0
-    sparse_cache: int = 0
-    selection: str = "recall"
-    observation: int = 32
-    fold: bool = True
-    retrieval_heads: tuple[tuple[int, int], ...] = ()
+    # Each field's metadata makes it an option of `headkit linearize` and `headkit bench linearize`
+    # (headkit.recipes.options): help, and the command line's name and parsing where they are not the default's.
+    window: int = field(
+        default=64, metadata={"help": "Tokens each query sees exactly through softmax, its own included."}
+    )
+    feature_map: str = field(
+        default="hedgehog",
+        metadata={
+            "help": "Feature map of the linear term: 'hedgehog' (learnable, default) or a fixed one ('elu', …)."
+        },
+    )
+    layers: tuple[int, ...] | None = field(
+        default=None,
+        metadata={
+            "help": "Comma-separated layer indices to convert (default: all; the others keep softmax).",
+            "min": 0,
+        },
+    )
+    feature_dim: int | None = field(
+        default=None, metadata={"help": "Learnable feature map's projection width (default head_dim)."}
+    )
+    chunk_size: int = field(default=64, metadata={"help": "Queries per chunk of the parallel form."})
+    convert_sliding: bool = field(
+        default=False,
+        metadata={
+            "help": "Convert sliding-window layers too (default: keep them, their cache is bounded already).",
+            "flag": "--convert-sliding/--keep-sliding",
+        },
+    )
+    sinks: int = field(
+        default=0,
+        metadata={
+            "help": "First tokens of a sequence kept exact (attention sinks) in every converted layer."
+        },
+    )
+    sparse_cache: int = field(
+        default=0,
+        metadata={
+            "help": "Exact keys kept beyond the window per layer and key/value head, chosen online by how badly "
+            "the linear state recalls them (LoLA); the others fold into the linear state."
+        },
+    )
+    selection: str = field(
+        default="recall",
+        metadata={
+            "help": "How the sparse cache's keys are chosen: 'recall' (online, those the linear state recalls "
+            "worst; LoLA) or 'question' (when a prompt is prefilled, those its last --observation queries "
+            "attend to most; SnapKV)."
+        },
+    )
+    observation: int = field(
+        default=32,
+        metadata={
+            "help": "Queries at the end of a prompt that choose its exact keys (--selection question)."
+        },
+    )
+    fold: bool = field(
+        default=True,
+        metadata={
+            "help": "Fold the keys not kept exact into the linear state; --drop discards them: the original "
+            "model with a compressed key/value cache (nothing to train), the baseline at equal bytes.",
+            "flag": "--fold/--drop",
+        },
+    )
+    retrieval_heads: tuple[tuple[int, int], ...] = field(
+        default=(),
+        metadata={
+            "help": "Key/value heads kept softmax with a full cache, as layer:head pairs ('3:0,7:2'); the "
+            "recipe's --retrieval-head-count chooses them instead.",
+            "parse": lambda flag, text: parse_head_pairs(flag, text),
+        },
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.convert_sliding, bool):
@@ -759,6 +819,19 @@ def _config_context(config: Any) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
+
+
+def parse_head_pairs(flag: str, text: str) -> tuple[tuple[int, int], ...]:
+    """``"3:0,7:2"`` → ((3, 0), (7, 2)): (layer, key/value head) pairs from the command line."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        layer, _, head = item.partition(":")
+        if not (layer.strip().isdigit() and head.strip().isdigit()):
+            raise HeadkitError(
+                f"{flag} must be layer:head pairs of non-negative integers ('3:0,7:2'), got {item!r}"
+            )
+        pairs.append((int(layer), int(head)))
+    return tuple(pairs)
 
 
 def _config_kv_heads(config: Any) -> int | None:

@@ -1,0 +1,292 @@
+"""Command-line options declared once, on the fields of the settings dataclasses (the surgeries' configs, the
+recipes' settings, the benchmarks'): ``headkit linearize``, ``prune``, ``compress`` and every ``headkit bench``
+command are generated from them, so a field with help is an option with no other edit.
+
+A field is an option when its ``metadata`` has ``help``; the vocabulary (every key optional but ``help``)::
+
+    help        the option's help; "(default D; Q with --quick)." is appended from the declaration unless it
+                words its default itself (contains "(default")
+    flag        its name: "--name", or "--on/--off" for a switch (default: --field-name-with-dashes, a bool
+                --x/--no-x)
+    deprecated  old names: hidden options that still work and print one line, "--old is deprecated: use --new"
+    quick       its value under --quick (:meth:`headkit.recipes.settings.QuickSettings.quick`)
+    parse       parse(flag, text): a list option's value from its text (default: comma-separated values of the
+                tuple's type, integers each ≥ ``min``, or 1)
+    convert     convert(value): the field's value from the option's (e.g. --lora-rank 0 → None), applied by
+                :func:`settings_from`
+    min         the lowest value the command line accepts (and a benchmark's checks, headkit.bench.registry)
+    argument    a positional argument instead of an option
+
+Plain ``dataclasses.field(metadata={...})`` declares one (a surgery's config, beneath the recipes, does so);
+:func:`option` is the short form. :func:`with_fields_of` gives a settings class the fields of another (a
+recipe's settings the fields of its surgery's config; a benchmark's settings the options of its recipe),
+:func:`command_parameters` makes the typer parameters of a class's options and :func:`given_options` reads them
+back; :func:`settings_command` does both around a command function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import sys
+import types
+import typing
+from collections.abc import Callable
+from typing import Any
+
+from headkit.errors import HeadkitError
+from headkit.recipes.settings import stated_defaults
+
+NO_QUICK = dataclasses.MISSING  # a field whose quick value is its default
+VOCABULARY = frozenset({"help", "flag", "deprecated", "quick", "parse", "convert", "min", "argument"})
+
+
+def option(default: Any, help: str, **declared: Any) -> Any:
+    """A settings field that is a command-line option: ``default``, ``help`` and the rest of the vocabulary."""
+    unknown = set(declared) - VOCABULARY
+    if unknown:
+        raise TypeError(f"unknown option declarations: {sorted(unknown)}")
+    return dataclasses.field(default=default, metadata={"help": help, **declared})
+
+
+def option_fields(settings: type | Any) -> list[dataclasses.Field]:
+    """The fields of a settings class that are command-line options (those with help), in declaration order."""
+    return [field for field in dataclasses.fields(settings) if field.metadata.get("help")]
+
+
+def option_name(field: dataclasses.Field) -> str:
+    """The command-line spelling of a settings field: ``--flag`` (its first name) or ``--name-with-dashes``."""
+    flag = field.metadata.get("flag") or f"--{field.name.replace('_', '-')}"
+    return flag.split("/")[0]
+
+
+def field_types(settings: type) -> dict[str, Any]:
+    """Each field's type with ``None`` taken out of optional ones (``int | None`` → int)."""
+    hints = {}
+    for name, hint in typing.get_type_hints(settings).items():
+        args = [arg for arg in typing.get_args(hint) if arg is not type(None)]
+        optional = typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1
+        hints[name] = args[0] if optional else hint
+    return hints
+
+
+def quick_value(field: dataclasses.Field) -> Any:
+    """A field's value under --quick (its default where it declares none)."""
+    quick = field.metadata.get("quick", NO_QUICK)
+    return field.default if quick is NO_QUICK else quick
+
+
+def stated_help(field: dataclasses.Field, *, always: bool = False) -> str:
+    """An option's help, ending with its default and --quick's value where --quick changes it (or ``always``,
+    where its default is not None), unless the help words its default itself; otherwise the command line shows
+    the default ("[default: …]")."""
+    help, quick = field.metadata["help"], field.metadata.get("quick", NO_QUICK)
+    if "(default" in help or field.default in (dataclasses.MISSING, None):
+        return help
+    if quick is NO_QUICK and not always:
+        return help
+    return stated_defaults(help, field.default, quick)
+
+
+def parse_list(flag: str, text: str, kind: type = int, *, minimum: int = 1) -> tuple:
+    """A comma-separated option as a tuple of ``kind``: integers ≥ ``minimum``, numbers or non-empty names."""
+    parts = [part.strip() for part in text.split(",") if part.strip()]
+    if kind is str:
+        if not parts:
+            raise HeadkitError(f"{flag} must name at least one, got {text!r}")
+        return tuple(parts)
+    word = "integers" if kind is int else "numbers"
+    try:
+        values = tuple(kind(part) for part in parts)
+    except ValueError:
+        raise HeadkitError(f"{flag} must be comma-separated {word}, got {text!r}") from None
+    if not values or (kind is int and any(value < minimum for value in values)):
+        adjective = "positive" if minimum == 1 else f"≥ {minimum}"
+        raise HeadkitError(f"{flag} must be {adjective} {word}, got {text!r}")
+    return values
+
+
+def parse_option(field: dataclasses.Field, kind: Any, text: str) -> Any:
+    """The value of a list option given as text on the command line."""
+    parse = field.metadata.get("parse")
+    if parse is not None:
+        return parse(option_name(field), text)
+    minimum = field.metadata.get("min")
+    return parse_list(
+        option_name(field), text, typing.get_args(kind)[0], minimum=1 if minimum is None else minimum
+    )
+
+
+def is_list(kind: Any) -> bool:
+    return typing.get_origin(kind) is tuple
+
+
+# -- settings classes made of others' fields --------------------------------------------------------------------
+
+
+def with_fields_of(source: type, *, unset: bool = False) -> Callable[[type], type]:
+    """Class decorator, beneath ``@dataclass``: the class gains the fields of ``source`` it does not declare.
+
+    By default every field of ``source`` (a recipe's settings take its surgery's config whole: a field added to
+    the config is a setting and, with help, an option), each field the class redeclares keeping the source's
+    metadata beneath its own (a recipe's other default and quick value, the config's help). With ``unset``, only
+    the source's options, each None by default ("the source's default, full or quick": a benchmark running a
+    recipe), its help stating the source's defaults and its ``quick`` left to the source."""
+
+    def decorate(cls: type) -> type:
+        hints = typing.get_type_hints(source)
+        sources = option_fields(source) if unset else dataclasses.fields(source)
+        annotations = dict(cls.__dict__.get("__annotations__", {}))
+        for field in sources:
+            metadata = dict(field.metadata)
+            if unset:
+                metadata.pop("quick", None)
+                metadata["help"] = stated_help(field, always=True)
+            declared = cls.__dict__.get(field.name)
+            if field.name in annotations:
+                if isinstance(declared, dataclasses.Field):
+                    declared.metadata = types.MappingProxyType(metadata | dict(declared.metadata))
+                elif metadata:
+                    default = dataclasses.MISSING if field.name not in cls.__dict__ else declared
+                    setattr(cls, field.name, dataclasses.field(default=default, metadata=metadata))
+                continue
+            annotations[field.name] = hints[field.name] | None if unset else hints[field.name]
+            if unset:
+                made = dataclasses.field(default=None, metadata=metadata)
+            elif field.default_factory is not dataclasses.MISSING:
+                made = dataclasses.field(default_factory=field.default_factory, metadata=metadata)
+            else:
+                made = dataclasses.field(default=field.default, metadata=metadata)
+            setattr(cls, field.name, made)
+        cls.__annotations__ = annotations
+        return cls
+
+    return decorate
+
+
+def settings_from(settings_class: type, quick: bool = False, given: dict[str, Any] | None = None) -> Any:
+    """The settings of a run: ``given`` (each passed through its field's ``convert``) over the quick preset
+    (``quick``) or the full run's defaults."""
+    given = dict(given or {})
+    for field in dataclasses.fields(settings_class):
+        convert = field.metadata.get("convert")
+        if convert is not None and field.name in given:
+            given[field.name] = convert(given[field.name])
+    return settings_class.quick(**given) if quick else settings_class(**given)
+
+
+# -- typer parameters ------------------------------------------------------------------------------------------
+
+
+def _old_name(field: dataclasses.Field, index: int) -> str:
+    return f"{field.name}__deprecated_{index}"
+
+
+def command_parameters(settings_class: type) -> list[inspect.Parameter]:
+    """One keyword-only typer parameter per option of ``settings_class`` (see the module docstring), defaults
+    the full run's, and a hidden one per deprecated name."""
+    import typer
+
+    kinds = field_types(settings_class)
+    parameters = []
+    for field in option_fields(settings_class):
+        kind, default, meta = kinds[field.name], field.default, field.metadata
+        if default is dataclasses.MISSING:
+            default = ... if field.default_factory is dataclasses.MISSING else field.default_factory()
+        if is_list(kind):
+            # a list option: comma-separated text
+            kind, default = str, ",".join(map(str, default)) if default else ""
+        help = stated_help(field)
+        # Help that states its defaults (full and quick) says it best: no second [default: …] after it.
+        shown = "(default" not in help and default is not None
+        if meta.get("argument"):
+            declared = typer.Argument(default, help=help, show_default=shown)
+        else:
+            flag = meta.get("flag") or option_name(field)
+            if kind is bool and "/" not in flag:
+                flag = f"{flag}/--no-{flag[2:]}"
+            # a list's minimum is of each of its numbers
+            minimum = None if kind is str else meta.get("min")
+            declared = typer.Option(default, flag, help=help, min=minimum, show_default=shown)
+        parameters.append(
+            inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=declared, annotation=kind)
+        )
+        for index, old in enumerate(meta.get("deprecated") or ()):
+            hidden = typer.Option(None, old, hidden=True)
+            parameters.append(
+                inspect.Parameter(
+                    _old_name(field, index), inspect.Parameter.KEYWORD_ONLY, default=hidden, annotation=kind
+                )
+            )
+    return parameters
+
+
+def _warn(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def given_options(
+    settings_class: type, ctx: Any, values: dict[str, Any], warn: Callable[[str], None] = _warn
+) -> dict[str, Any]:
+    """The options of ``settings_class`` the command line gave (not their defaults: those are the chosen mode's,
+    full or --quick), lists parsed; an old name given wins over the new one, and says so with one line."""
+    kinds = field_types(settings_class)
+    given = {}
+    for field in option_fields(settings_class):
+        kind = kinds[field.name]
+        source = ctx.get_parameter_source(field.name)
+        names = [field.name] if source is not None and source.name != "DEFAULT" else []
+        for index, old in enumerate(field.metadata.get("deprecated") or ()):
+            if values.get(_old_name(field, index)) is not None:
+                warn(f"{old} is deprecated: use {option_name(field)}")
+                names = [_old_name(field, index)]
+        if names:
+            value = values[names[0]]
+            given[field.name] = parse_option(field, kind, value) if is_list(kind) else value
+    return given
+
+
+def settings_command(
+    settings_class: type, warn: Callable[[str], None] = _warn
+) -> Callable[[Callable], Callable]:
+    """Decorator of a command function whose own parameters are the options not in ``settings_class`` and which
+    takes ``**options``: the command gains an option per option field of ``settings_class``
+    (:func:`command_parameters`), and the function receives those the command line gave
+    (:func:`given_options`) as ``options``."""
+    import typer
+
+    def decorate(command: Callable) -> Callable:
+        hints = typing.get_type_hints(command)
+        own = [
+            parameter.replace(annotation=hints.get(name, parameter.annotation))
+            for name, parameter in inspect.signature(command).parameters.items()
+            if parameter.kind is not inspect.Parameter.VAR_KEYWORD
+        ]
+        context = inspect.Parameter("_ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)
+        generated = command_parameters(settings_class)
+        names = [parameter.name for parameter in own]
+        clash = set(names) & {parameter.name for parameter in generated}
+        if clash:
+            raise TypeError(
+                f"{command.__name__} declares options of {settings_class.__name__}: {sorted(clash)}"
+            )
+
+        @functools.wraps(command)
+        def wrapper(_ctx: Any, **values: Any) -> Any:
+            given = given_options(settings_class, _ctx, values, warn)
+            return command(**{name: values[name] for name in names}, **given)
+
+        # The command's arguments, the settings' options, then its own options (all passed by keyword).
+        own = [parameter.replace(kind=inspect.Parameter.KEYWORD_ONLY) for parameter in own]
+        arguments = [
+            parameter for parameter in own if isinstance(parameter.default, typer.models.ArgumentInfo)
+        ]
+        rest = [parameter for parameter in own if parameter not in arguments]
+        parameters = [*arguments, *generated, *rest, context]
+        wrapper.__signature__ = inspect.Signature(parameters)
+        wrapper.__annotations__ = {p.name: p.annotation for p in parameters} | {"return": None}
+        del wrapper.__wrapped__
+        return wrapper
+
+    return decorate
