@@ -189,6 +189,12 @@ def test_bench_linearize_writes_results_table_and_plot(tiny_llama, tmp_path, cap
         (["--feature-map", "nope"], "unknown feature map 'nope'"),
         (["--eval-lengths", "512"], "none fits the model's context"),
         (["--transfer-steps", "-1"], "--transfer-steps must be a non-negative integer"),
+        (["--retrieval-head-count", "99"], r"--retrieval-head-count must be in \[0, \d+\]"),
+        (["--retrieval-heads", "0:99"], r"retrieval_heads must name key/value heads in \[0, \d+\)"),
+        (["--retrieval-heads", "0-1"], "--retrieval-heads must be layer:head pairs"),
+        (["--sparse-cache", "300"], "sparse_cache must be at most the model's context of 256"),
+        (["--observation", "300"], "observation must be at most the model's context of 256"),
+        (["--selection", "oracle"], "selection must be one of recall, question"),
     ],
 )
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(tiny_llama, tmp_path, capsys, arguments, message):
@@ -227,6 +233,44 @@ def test_unsupported_architectures_and_encoders_are_refused(save_tiny_encoder, t
             main(["linearize", str(model), *SMALL, "--out", str(tmp_path / "out")])
         assert exc.value.code == 2 and message in " ".join(capsys.readouterr().err.split())
         assert not (tmp_path / "out").exists()
+
+
+def test_retrieval_heads_chosen_on_passkeys_then_question_selection_reload(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "linearized"
+    main([
+        "linearize", str(tiny_llama), *SMALL, "--retrieval-head-count", "2", "--sinks", "1", "--sparse-cache", "4",
+        "--selection", "question", "--observation", "8", "--out", str(out),
+    ])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "retrieval heads (passkey attention mass, 16 prompts of 256 tokens" in printed
+    conversion = json.loads((out / "report.json").read_text())["conversion"]
+    assert len(conversion["retrieval_heads"]) == 2 and conversion["selection"] == "question"
+    model = headkit.from_pretrained(out)
+    exact = [(m.layer_idx, head) for m in linearized_modules(model) for head in m.exact_heads]
+    assert exact == [tuple(pair) for pair in conversion["retrieval_heads"]]
+    assert all(m.selection == "question" and m.observation == 8 for m in linearized_modules(model))
+
+
+def test_the_compressed_cache_baseline_trains_nothing(tiny_llama, tmp_path, capsys):
+    out = tmp_path / "baseline"
+    main(
+        [
+            "linearize",
+            str(tiny_llama),
+            *SMALL,
+            "--drop",
+            "--sinks",
+            "1",
+            "--sparse-cache",
+            "4",
+            "--out",
+            str(out),
+        ]
+    )
+    assert "--drop: the original model with a compressed cache, no training" in capsys.readouterr().out
+    report = json.loads((out / "report.json").read_text())
+    assert report["transfer"]["steps"] == 0 and report["recovery"]["steps"] == 0
+    assert report["conversion"]["fold"] is False
 
 
 def test_defaults_are_the_measured_configuration():

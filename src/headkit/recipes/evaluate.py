@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from headkit.analysis.plots import plot_passkey_heatmap
+from headkit.analysis.retrieval import RetrievalExample
 from headkit.compat import cache_keyword, output_cache
 from headkit.data import Corpus, count_text_bytes
 from headkit.errors import HeadkitError
@@ -772,6 +773,33 @@ def passkey_trials(
         ids = head + filler[:cut] + key_ids + filler[cut:] + tail
         result.append(PasskeyTrial(tuple(ids), key, depth, len(head) + cut, length))
     return result
+
+
+def passkey_examples(
+    tokenizer: Any,
+    sentences: Sequence[str],
+    length: int,
+    count: int,
+    *,
+    seed: int = 0,
+    depths: Sequence[float] = (0.0, 0.25, 0.5, 0.75),
+    format: PasskeyFormat = INSTRUCTION_FORMAT,
+) -> list[RetrievalExample]:
+    """`count` passkey prompts of `length` tokens followed by their right answer, with the key sentence's token
+    span: what :func:`headkit.analysis.retrieval.retrieval_head_scores` reads the retrieval heads from."""
+    examples = []
+    for trial in passkey_trials(tokenizer, sentences, length, count, depths, seed=seed, format=format):
+        key_tokens = len(_encode(tokenizer, " " + format.key_sentence.format(key=trial.key)))
+        answer = _encode(tokenizer, " " + trial.key)
+        examples.append(
+            RetrievalExample(
+                trial.input_ids + tuple(answer),
+                trial.key_position,
+                trial.key_position + key_tokens,
+                len(trial.input_ids),
+            )
+        )
+    return examples
 
 
 def check_depths(depths: Sequence[float]) -> None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,11 +37,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headkit.analysis.retrieval import retrieval_head_scores, top_heads
 from headkit.errors import HeadkitError
 from headkit.files import save_figure_atomic
 from headkit.ops._validation import is_finite_number
 from headkit.recipes.distill import distill, with_lora
-from headkit.recipes.evaluate import agreement, decode_profile, greedy_sample, perplexity
+from headkit.recipes.evaluate import (
+    agreement,
+    decode_profile,
+    greedy_sample,
+    passkey_examples,
+    perplexity,
+    prose_sentences,
+)
 from headkit.recipes.models import (
     LoadedModel,
     check_output_folder,
@@ -66,6 +74,7 @@ from headkit.surgery.attention import MECHANISM
 from headkit.surgery.families import LINEARIZE, get_family
 from headkit.surgery.linearize import (
     LinearizeConfig,
+    config_kv_heads,
     converted_attention_modules,
     linearized_parameters,
     max_context,
@@ -137,6 +146,13 @@ class LinearizeSettings(QuickSettings):
     # batch sizes timed at each context: batch 1 is weight-bound, larger batches read more cache per weight
     decode_batch_sizes: tuple[int, ...] = option(
         (1, 8), "Comma-separated batch sizes timed at each context.", quick=(1,)
+    )
+    retrieval_head_count: int = option(
+        0,
+        "Key/value heads kept softmax with a full cache (retrieval heads, DuoAttention): those whose attention "
+        "finds a planted passkey while the original writes the answer, scored before conversion "
+        "(--retrieval-heads names them instead).",
+        min=0,
     )
     temperature: float = 1.0
     seed: int = option(0, "Seed of the sampling and the training order.")
@@ -232,8 +248,10 @@ def check_settings(settings: LinearizeSettings) -> None:
     for name in ("batch_size", "train_windows", "held_out_windows", "decode_steps"):
         integer(name, 1)
     integer("train_length", 2)
-    for name in ("transfer_steps", "lora_steps"):
+    for name in ("transfer_steps", "lora_steps", "retrieval_head_count"):
         integer(name, 0)
+    if settings.retrieval_head_count and settings.retrieval_heads:
+        raise HeadkitError("give --retrieval-heads or --retrieval-head-count, not both")
     if settings.lora_rank is not None:
         integer("lora_rank", 1)
     for name in ("transfer_lr", "lora_lr", "temperature"):
@@ -312,9 +330,13 @@ def _run(
     teacher, tokenizer = loaded.model, loaded.tokenizer
     get_family(teacher, LINEARIZE)  # an unsupported family: one line, before the copy and any work
     adapter = get_adapter(teacher)
+    config = settings.conversion
+    corpus = load_text(settings.data)
+    if settings.retrieval_head_count:
+        config = _with_retrieval_heads(teacher, tokenizer, corpus, config, settings, echo)
     student = copy.deepcopy(teacher)
     # convert checks everything before it changes anything
-    conversion = convert(student, settings.conversion, adapter=adapter)
+    conversion = convert(student, config, adapter=adapter)
     for parameter in teacher.parameters():
         parameter.requires_grad_(False)
     context = max_context(teacher)
@@ -335,7 +357,6 @@ def _run(
     if skipped:
         echo(f"perplexity at {skipped} tokens skipped: longer than the model's context of {context}")
 
-    corpus = load_text(settings.data)
     windows = lm_windows(
         tokenizer,
         corpus,
@@ -369,22 +390,27 @@ def _run(
     stages = {"converted": perplexity(student, held_out[longest], eval_batch)}
     echo(f"after conversion: perplexity {stages['converted']:.3f} at {longest} tokens")
 
+    transfer_steps, recovery_steps = settings.transfer_steps, settings.lora_steps
+    if not config.fold:
+        # The compressed-cache baseline is the original model's attention over fewer keys: nothing to train.
+        transfer_steps = recovery_steps = 0
+        echo("--drop: the original model with a compressed cache, no training")
     # (a) attention transfer: only the feature maps and balances train.
     for parameter in student.parameters():
         parameter.requires_grad_(False)
     for parameter in linearized_parameters(student):
         parameter.requires_grad_(True)
-    echo(f"attention transfer: {settings.transfer_steps} steps on the feature maps and balances")
+    echo(f"attention transfer: {transfer_steps} steps on the feature maps and balances")
     transfer = distill(
         student,
         teacher,
         windows.train,
         objective=AttentionTransferObjective(adapter),
-        steps=settings.transfer_steps,
+        steps=transfer_steps,
         lr=settings.transfer_lr,
         batch_size=settings.batch_size,
         seed=settings.seed,
-        log_every=max(1, settings.transfer_steps // 10),
+        log_every=max(1, transfer_steps // 10),
         echo=echo,
     )
     student = transfer.model
@@ -395,14 +421,14 @@ def _run(
     for parameter in student.parameters():
         parameter.requires_grad_(False)
     trained = student
-    if settings.lora_steps > 0:
+    if recovery_steps > 0:
         if settings.lora_rank is not None:
             trained = attention_lora(student, settings.lora_rank)
         else:
             for parameter in attention_projection_parameters(student):
                 parameter.requires_grad_(True)
     echo(
-        f"{'LoRA' if settings.lora_rank else 'fine-tuning'}: {settings.lora_steps} steps on the converted layers' "
+        f"{'LoRA' if settings.lora_rank else 'fine-tuning'}: {recovery_steps} steps on the converted layers' "
         "attention projections" + (f" (rank {settings.lora_rank})" if settings.lora_rank else "")
     )
     recovery = distill(
@@ -410,16 +436,16 @@ def _run(
         teacher,
         windows.train,
         objective=CausalLMObjective(settings.temperature),
-        steps=settings.lora_steps,
+        steps=recovery_steps,
         lr=settings.lora_lr,
         batch_size=settings.batch_size,
-        scheduler="cosine" if settings.lora_steps >= 10 else "constant",
+        scheduler="cosine" if recovery_steps >= 10 else "constant",
         seed=settings.seed,
-        log_every=max(1, settings.lora_steps // 10),
+        log_every=max(1, recovery_steps // 10),
         echo=echo,
     )
     student = recovery.model
-    if settings.lora_steps > 0 and settings.lora_rank is not None:
+    if recovery_steps > 0 and settings.lora_rank is not None:
         student = student.merge_and_unload()
     student.eval()
     for parameter in student.parameters():
@@ -494,7 +520,13 @@ def _check_against_config(settings: LinearizeSettings, model_path: Path) -> None
     config = read_model_config(model_path)
     if config is None:
         return  # load_model reports it
-    settings.conversion.check(config)
+    layers = settings.conversion.check(config)
+    kv_heads = config_kv_heads(config)
+    if kv_heads is not None and layers and settings.retrieval_head_count > len(layers) * kv_heads:
+        raise HeadkitError(
+            f"--retrieval-head-count must be in [0, {len(layers) * kv_heads}] (the converted layers' key/value "
+            f"heads: {len(layers)} × {kv_heads}), got {settings.retrieval_head_count}"
+        )
     context = max_context(config)
     if context is not None:
         if settings.train_length > context:
@@ -503,6 +535,45 @@ def _check_against_config(settings: LinearizeSettings, model_path: Path) -> None
             )
         if all(n > context for n in settings.eval_lengths):
             raise HeadkitError(f"--eval-lengths: none fits the model's context of {context} tokens")
+
+
+# Passkey prompts that score the retrieval heads: their own seed, so that no measured prompt is among them.
+RETRIEVAL_SCORING_PROMPTS = 16
+RETRIEVAL_SCORING_LENGTH = 1024
+RETRIEVAL_SCORING_SEED = 1_000_003
+
+
+def _with_retrieval_heads(
+    teacher: nn.Module,
+    tokenizer: Any,
+    corpus: Any,
+    config: LinearizeConfig,
+    settings: LinearizeSettings,
+    echo: Callable[[str], None],
+) -> LinearizeConfig:
+    """`config` with the retrieval heads the original model shows on passkey prompts (headkit.analysis.retrieval):
+    the `settings.retrieval_head_count` best-scored key/value heads of the converted layers."""
+    started = time.perf_counter()
+    context = max_context(teacher)
+    length = min(RETRIEVAL_SCORING_LENGTH, context or RETRIEVAL_SCORING_LENGTH)
+    examples = passkey_examples(
+        tokenizer,
+        prose_sentences(corpus, seed=settings.seed),
+        length,
+        RETRIEVAL_SCORING_PROMPTS,
+        seed=RETRIEVAL_SCORING_SEED + settings.seed,
+    )
+    scores = retrieval_head_scores(teacher, examples)
+    converted = config.check(teacher)
+    eligible = torch.full_like(scores, float("-inf"))
+    eligible[converted] = scores[converted]
+    heads = top_heads(eligible, settings.retrieval_head_count)
+    echo(
+        f"retrieval heads (passkey attention mass, {len(examples)} prompts of {length} tokens, "
+        f"{time.perf_counter() - started:.0f} s): "
+        + ", ".join(f"{layer}:{head} {float(scores[layer, head]):.2f}" for layer, head in heads)
+    )
+    return replace(config, retrieval_heads=heads)
 
 
 def _by_length(values: dict[int, float]) -> str:

@@ -525,7 +525,12 @@ class LinearizeReport:
     notes: list[str] = field(default_factory=list)
     sinks: int = 0  # first tokens kept exact in every converted layer
     sparse_cache: int = 0  # exact keys kept per key/value head, chosen by the linear state's recall error
-    state_bytes: int = 0  # decoding state of the converted layers, per sequence, whatever the context
+    state_bytes: int = 0  # decoding state of the converted layers, per sequence, after one token
+    selection: str = "recall"  # how the sparse cache's keys are chosen
+    observation: int = 32  # the prompt's last queries that choose them (selection "question")
+    fold: bool = True  # False: the keys not kept exact are dropped (the compressed-cache baseline)
+    retrieval_heads: list[list[int]] = field(default_factory=list)  # (layer, key/value head) kept softmax
+    state_bytes_8192: int = 0  # the same after 8,192 tokens: the retrieval heads' full cache grows
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -545,9 +550,15 @@ class LinearizeReport:
             if self.sinks or self.sparse_cache
             else ""
         )
+        if self.sparse_cache and self.selection == "question":
+            exact += f" chosen by the prompt's last {self.observation} queries"
+        if self.retrieval_heads:
+            exact += f", {len(self.retrieval_heads)} retrieval heads kept softmax"
+        if not self.fold:
+            exact += ", the rest dropped (no linear state)"
         return (
             f"linearized {len(self.layers)} {self.architecture} attention layers (window {self.window}{exact}, "
-            f"{self.feature_map} features{kept}); decoding state {self.state_bytes:,} bytes per sequence; parameters {self.parameters_before:,} -> "
+            f"{self.feature_map} features{kept}); decoding state {self.state_bytes:,} bytes per sequence ({self.state_bytes_8192:,} at 8,192 tokens); parameters {self.parameters_before:,} -> "
             f"{self.parameters_after:,} (+{self.trainable_parameters:,} feature-map and balance parameters){notes}"
         )
 
@@ -739,7 +750,7 @@ class LinearizeConfig:
                 raise HeadkitError(
                     f"{name} must be at most the model's context of {context} tokens, got {getattr(self, name)}"
                 )
-        kv_heads = _config_kv_heads(config)
+        kv_heads = config_kv_heads(config)
         bad = [pair for pair in self.retrieval_heads if kv_heads is not None and pair[1] >= kv_heads]
         if bad:
             raise HeadkitError(
@@ -834,7 +845,7 @@ def parse_head_pairs(flag: str, text: str) -> tuple[tuple[int, int], ...]:
     return tuple(pairs)
 
 
-def _config_kv_heads(config: Any) -> int | None:
+def config_kv_heads(config: Any) -> int | None:
     getter = getattr(config, "get_text_config", None)
     text = getter() if callable(getter) else config
     for name in ("num_key_value_heads", "num_attention_heads", "n_head"):
@@ -918,6 +929,11 @@ def linearize(
         sinks=config.sinks,
         sparse_cache=config.sparse_cache,
         state_bytes=sum(mechanism.state_bytes() for _, mechanism in planned),
+        selection=config.selection,
+        observation=config.observation,
+        fold=config.fold,
+        retrieval_heads=[list(pair) for pair in config.retrieval_heads],
+        state_bytes_8192=sum(mechanism.state_bytes(8192) for _, mechanism in planned),
     )
 
 
