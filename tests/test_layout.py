@@ -20,9 +20,15 @@ TIERS: dict[str, int] = {
     "devices": 4,
     "files": 4,
     "analysis": 5,
-    # The workflows and the training command's loop, beside each other.
+    # The workflows and the training command's loop, beside each other; beside them the measurements the recipes
+    # report (evaluation), the fast decoder and text generation (runtime), and the GGUF export and llama.cpp
+    # measurements (export): these read models and text through recipes' loading modules (recipes.models,
+    # recipes.text, recipes.objectives, recipes.skeleton), and the recipes call them, so they share its tier.
     "recipes": 6,
     "train": 6,
+    "evaluation": 6,
+    "runtime": 6,
+    "export": 6,
     "bench": 7,
     # The package root re-exports the library: it may import anything beneath the command line.
     "headkit": 8,

@@ -30,9 +30,9 @@ from headkit.bench.registry import (
     parse_option,
 )
 from headkit.errors import HeadkitError
+from headkit.evaluation.tasks import EVAL_INCLUDE_PATH_HELP, EVAL_TASKS_HELP
 from headkit.layers import attention_classes
 from headkit.recipes.linearize import LINEARIZE_HELP, quick_budget
-from headkit.recipes.tasks import EVAL_INCLUDE_PATH_HELP, EVAL_TASKS_HELP
 
 app = typer.Typer(
     name="headkit",
@@ -177,7 +177,7 @@ def _eval_include_path_option() -> Any:
 
 def _eval_task_fields(eval_tasks: str | None, eval_include_path: Path | None) -> dict[str, Any]:
     """A recipe's settings fields for --eval-tasks and --eval-include-path (checked by the recipe)."""
-    from headkit.recipes.tasks import task_names
+    from headkit.evaluation.tasks import task_names
 
     names = () if eval_tasks is None else task_names(eval_tasks, "--eval-tasks")
     return {"eval_tasks": names, "eval_include_path": eval_include_path}
@@ -653,8 +653,8 @@ def export_command(
     ),
 ) -> None:
     """Write MODEL as a GGUF file for llama.cpp: its own family's architecture (llama, Mistral as llama, qwen2,
-    qwen3, gemma2, gemma3, phi3), or deci for LLaMA or Phi-3 pruned unevenly (see headkit.recipes.export)."""
-    from headkit.recipes.export import export_gguf
+    qwen3, gemma2, gemma3, phi3), or deci for LLaMA or Phi-3 pruned unevenly (see headkit.export.gguf)."""
+    from headkit.export.gguf import export_gguf
 
     with _no_loading_bars():
         report = export_gguf(model, gguf, type=type, overwrite=overwrite, uneven_groups=uneven_groups)
@@ -728,8 +728,8 @@ def eval_command(
     length and depth (exact match, 95% intervals), decode time per token and decoding-state size — or, with
     --tasks, lm-evaluation-harness task scores beside --reference's; prints a table, writes OUT/report.json
     (and the heat map OUT/passkey.png)."""
-    from headkit.recipes.evaluate import EvalSettings, check_eval_settings, evaluate, format_eval_table
-    from headkit.recipes.tasks import load_tasks, task_names
+    from headkit.evaluation.report import EvalSettings, check_eval_settings, evaluate, format_eval_table
+    from headkit.evaluation.tasks import load_tasks, task_names
 
     settings = EvalSettings(
         model=model,
@@ -822,7 +822,7 @@ def generate(
     import torch
     from transformers import TextStreamer
 
-    from headkit.recipes.evaluate import cache_bytes
+    from headkit.evaluation.memory import cache_bytes
 
     dtype = _check_dtype(dtype)
     if not prompt.strip():
@@ -838,7 +838,7 @@ def generate(
     if not fast and (weights is not None or not compile):
         raise HeadkitError("--weights and --no-compile choose how --fast decodes: add --fast")
     if fast:
-        from headkit.recipes.fast import check_weights
+        from headkit.runtime.fast import check_weights
 
         if sample:
             raise HeadkitError("--fast decodes greedily: drop --sample")
@@ -871,7 +871,7 @@ def generate(
     streamer = TextStreamer(tokenizer, skip_special_tokens=True)
     decoder = None
     if fast:
-        from headkit.recipes.fast import FastDecoder
+        from headkit.runtime.fast import FastDecoder
 
         decoder = FastDecoder(network, weights=weights, compile=compile)
     started = time.perf_counter()

@@ -38,10 +38,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from headkit.errors import HeadkitError
+from headkit.evaluation.quality import agreement, perplexity
+from headkit.evaluation.sampling import greedy_sample
+from headkit.evaluation.tasks import check_recipe_tasks, recipe_tasks, with_task_table
+from headkit.evaluation.timing import decode_profile
 from headkit.files import save_figure_atomic
 from headkit.ops._validation import is_finite_number
 from headkit.recipes.distill import distill, with_lora
-from headkit.recipes.evaluate import agreement, decode_profile, greedy_sample, perplexity
 from headkit.recipes.models import (
     LoadedModel,
     check_output_folder,
@@ -59,7 +62,6 @@ from headkit.recipes.settings import (
     with_overrides,
 )
 from headkit.recipes.skeleton import main_process_echo, save_result
-from headkit.recipes.tasks import check_recipe_tasks, recipe_tasks, with_task_table
 from headkit.recipes.text import lm_windows, load_text
 from headkit.surgery.adapters import AttentionAdapter, get_adapter
 from headkit.surgery.attention import MECHANISM
@@ -118,7 +120,7 @@ class LinearizeSettings(QuickSettings):
     temperature: float = 1.0
     seed: int = 0
     overwrite: bool = False
-    # lm-evaluation-harness tasks scored on the original and the result (headkit.recipes.tasks): none by default.
+    # lm-evaluation-harness tasks scored on the original and the result (headkit.evaluation.tasks): none by default.
     eval_tasks: tuple[str, ...] = ()
     eval_include_path: Path | None = None
 
