@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
 from headkit.analysis.plots import plot_passkey_heatmap
 from headkit.errors import HeadkitError
@@ -39,6 +38,7 @@ from headkit.evaluation.tasks import (
 )
 from headkit.evaluation.timing import decode_seconds_per_token, thread_limit
 from headkit.files import check_output_folder, write_json_atomic
+from headkit.surgery.linearize import max_context
 
 DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_PASSKEY_LENGTHS = (512, 1024, 2048, 4096)
@@ -50,7 +50,7 @@ REPORT_FILE, PLOT_FILE = "report.json", "passkey.png"
 @dataclass
 class EvalSettings:
     """What ``headkit eval`` measures. A length list left None is its default cut to the model's context (see
-    :func:`model_context`); an empty one skips that measurement."""
+    :func:`headkit.surgery.linearize.max_context`); an empty one skips that measurement."""
 
     model: Path
     reference: Path | None = None
@@ -85,12 +85,6 @@ class EvalSettings:
             limit=self.limit,
             batch_size=self.batch_size,
         )
-
-
-def model_context(model: nn.Module) -> int | None:
-    """The positions the model was trained for (``config.max_position_embeddings``), None if it says none."""
-    limit = getattr(model.config, "max_position_embeddings", None)
-    return limit if isinstance(limit, int) and not isinstance(limit, bool) else None
 
 
 def _lengths(
@@ -170,7 +164,7 @@ def _evaluate(
     model, tokenizer = loaded.model, loaded.tokenizer
     if reference is not None and reference.tokenizer.get_vocab() != tokenizer.get_vocab():
         raise HeadkitError(f"--reference {str(settings.reference)!r} has another tokenizer than MODEL")
-    context = model_context(model)
+    context = max_context(model)
     # With tasks, the defaults are no measurement: only the lengths given run beside them.
     alone = bool(settings.tasks)
     lengths = _lengths("--lengths", settings.lengths, () if alone else DEFAULT_LENGTHS, context)
