@@ -31,7 +31,7 @@ import torch
 from headkit.bench._report import column_table, figure_axes, progress_bar
 from headkit.bench.registry import option, parse_list, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
-from headkit.evaluation.memory import decode_peak_bytes
+from headkit.evaluation.memory import decode_peak_bytes, kv_cache_bytes_per_token
 from headkit.evaluation.quality import agreement, perplexity
 from headkit.evaluation.timing import decode_seconds_after_filled_cache, forward_times, interleaved_values
 from headkit.recipes.compress import (
@@ -39,7 +39,6 @@ from headkit.recipes.compress import (
     Teacher,
     calibration_batches,
     compress_and_distill,
-    kv_bytes_per_token,
     latent_defaults,
     latent_statistics,
     latent_student,
@@ -359,7 +358,7 @@ def run_latent_benchmark(
             "rope_dims": rope_dims,
             "rope_selection": selection,
             "max_rope_error": report.max_rope_error,
-            "kv_bytes_per_token": kv_bytes_per_token(student),
+            "kv_bytes_per_token": round(kv_cache_bytes_per_token(student)),
             "kv_cache_fraction": report.cache_fraction,
             "perplexity": perplexity(student, held_out, eval_batch),
             "top1_agreement": agreement(student, teacher.model, held_out, eval_batch).top1,
@@ -379,7 +378,7 @@ def run_latent_benchmark(
             "name": name,
             "kv_rank": mechanism.rank,
             "rope_dims": mechanism.rope_dims,
-            "kv_bytes_per_token": kv_bytes_per_token(student),
+            "kv_bytes_per_token": round(kv_cache_bytes_per_token(student)),
             "perplexity": perplexity(student, held_out, eval_batch),
             "top1_agreement": agreement(student, teacher.model, held_out, eval_batch).top1,
             "decode": [],
@@ -433,7 +432,7 @@ def run_latent_benchmark(
         "latent": {
             "eval_window": config.eval_window,
             "perplexity_original": original,
-            "kv_bytes_per_token_original": kv_bytes_per_token(teacher.model),
+            "kv_bytes_per_token_original": round(kv_cache_bytes_per_token(teacher.model)),
             "curve": curve,
             "students": measured,
         },

@@ -25,7 +25,9 @@ def cache_bytes(model: nn.Module, context: int) -> int:
 
 
 def kv_cache_bytes_per_token(model: nn.Module, context: int = 64) -> float:
-    """Growth of the decoding cache per token of context (0 for a constant-size state)."""
+    """Growth of the decoding cache per token of context, all layers: 2·G·head_dim numbers per layer for a
+    key/value cache, R + G·D for a latent one (:class:`~headkit.surgery.latent.LatentCacheLayer`), 0 for a
+    constant-size state. The one measure of KV bytes per token (reports that show whole bytes round it)."""
     return (cache_bytes(model, 2 * context) - cache_bytes(model, context)) / context
 
 

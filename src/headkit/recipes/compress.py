@@ -501,13 +501,6 @@ def latent_windows(
     return train.train, held_out.held_out, summary
 
 
-def kv_bytes_per_token(model: nn.Module) -> int:
-    """Bytes the decoding cache grows by per token, all layers: the evaluator's one measure
-    (:func:`headkit.evaluation.memory.kv_cache_bytes_per_token`, the growth of the model's own cache), which is
-    2·G·head_dim numbers per layer for the original and R + G·D for a latent model."""
-    return round(kv_cache_bytes_per_token(model))
-
-
 def _compress_latent(
     teacher: Teacher, settings: CompressSettings, kv_rank: int, rope_dims: int, echo: Callable[[str], None]
 ) -> tuple[nn.Module, dict[str, Any]]:
@@ -562,7 +555,8 @@ def _compress_latent(
         decode_context=min(128, settings.window),
         rounds=settings.timing_repeats,
     )
-    before_bytes, after_bytes = kv_bytes_per_token(teacher.model), kv_bytes_per_token(student)
+    before_bytes = round(kv_cache_bytes_per_token(teacher.model))
+    after_bytes = round(kv_cache_bytes_per_token(student))
     return student, {
         "method": "latent",
         "kv_rank": kv_rank,
