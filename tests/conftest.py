@@ -14,6 +14,18 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(scope="module")
+def text_folder(tmp_path_factory):
+    """A folder of text to train and measure on (the recipe, evaluation and export tests')."""
+    folder = tmp_path_factory.mktemp("text")
+    words = "heads share keys values queries groups prune recover distil attention layers tokens".split()
+    generator = torch.Generator().manual_seed(0)
+    for i in range(24):
+        picks = torch.randint(len(words), (200,), generator=generator).tolist()
+        (folder / f"doc{i}.txt").write_text(" ".join(words[j] for j in picks))
+    return folder
+
+
 @pytest.fixture(scope="session")
 def save_tiny_encoder():
     """Factory: a 2-layer BERT (hidden 32, 4 heads of 8) with MiniLM's tokenizer, saved to a folder, standing in

@@ -230,10 +230,10 @@ def test_learned_positions_of_a_headkit_lm_are_a_limit_but_rotary_ones_are_not(
     assert "would reach position 30, beyond this model's 24 positions" in err
     assert run(capsys, learned, "--prompt", "the cat sat", "--max-new-tokens", 13)[3] == 24
     # RoPE: max_position_embeddings is no hard limit, for headkit models or LLaMA (256 positions here).
-    from headkit.cli import _position_limit
+    from headkit.runtime.generation import position_limit
 
     assert (
-        _position_limit(HeadkitForCausalLM(HeadkitConfig(vocab_size=259, **tiny, max_position_embeddings=24)))
+        position_limit(HeadkitForCausalLM(HeadkitConfig(vocab_size=259, **tiny, max_position_embeddings=24)))
         is None
     )
     folder = save_tiny_causal_lm(tmp_path / "llama")

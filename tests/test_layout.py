@@ -2,6 +2,8 @@
 unique names."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,9 +22,15 @@ TIERS: dict[str, int] = {
     "devices": 4,
     "files": 4,
     "analysis": 5,
-    # The workflows and the training command's loop, beside each other.
+    # The workflows and the training command's loop, beside each other; beside them the measurements the recipes
+    # report (evaluation), the fast decoder and text generation (runtime), and the GGUF export and llama.cpp
+    # measurements (export): these read models and text through recipes' loading modules (recipes.models,
+    # recipes.text, recipes.objectives, recipes.skeleton), and the recipes call them, so they share its tier.
     "recipes": 6,
     "train": 6,
+    "evaluation": 6,
+    "runtime": 6,
+    "export": 6,
     "bench": 7,
     # The package root re-exports the library: it may import anything beneath the command line.
     "headkit": 8,
@@ -174,6 +182,20 @@ def test_the_import_graph_is_acyclic():
     graph = import_graph()
     cycle = find_cycle(graph)
     assert cycle is None, "import circle: " + " -> ".join(cycle)
+
+
+# The packages beside recipes import recipes' modules, and recipes' __init__ imports recipes that import them:
+# each must import first in a fresh interpreter, so none imports headkit.recipes at its top (Python runs the
+# recipes package's __init__ before the module, and it would meet the importing module half-initialised).
+# The import graph cannot see this (a parent package's implicit import is no edge): these imports check it.
+@pytest.mark.parametrize(
+    "module", ["headkit.evaluation.quality", "headkit.evaluation.tasks", "headkit.runtime", "headkit.export"]
+)
+def test_a_package_beside_recipes_imports_first_in_a_fresh_interpreter(module):
+    done = subprocess.run(
+        [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr.strip().splitlines()[-1:]
 
 
 @pytest.mark.parametrize(

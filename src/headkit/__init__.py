@@ -14,7 +14,7 @@ from headkit.models import (  # importing registers model_type "headkit" with th
     HeadkitForSequenceClassification,
     HeadkitModel,
 )
-from headkit.recipes.fast import FastDecoder, fast_generate
+from headkit.runtime.fast import FastDecoder, fast_generate
 from headkit.surgery.adapters import (
     ALBERTCollaborativeAdapter,
     BERTCollaborativeAdapter,

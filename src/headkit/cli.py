@@ -9,7 +9,6 @@ import contextlib
 import inspect
 import os
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +19,13 @@ from rich.markup import escape
 from headkit.bench import load_benchmarks
 from headkit.bench.registry import BENCHMARKS, Benchmark, parse_list
 from headkit.errors import HeadkitError
+from headkit.evaluation.tasks import EVAL_INCLUDE_PATH_HELP, EVAL_TASKS_HELP
 from headkit.layers import attention_classes
 from headkit.recipes.compress import CompressSettings
 from headkit.recipes.linearize import MODEL_HELP as LINEARIZE_MODEL_HELP
 from headkit.recipes.linearize import LinearizeSettings, quick_budget
 from headkit.recipes.options import command_parameters, given_options, settings_command, settings_from
 from headkit.recipes.prune import PruneSettings
-from headkit.recipes.tasks import EVAL_INCLUDE_PATH_HELP, EVAL_TASKS_HELP
 
 app = typer.Typer(
     name="headkit",
@@ -134,7 +133,7 @@ def _eval_include_path_option() -> Any:
 
 def _eval_task_fields(eval_tasks: str | None, eval_include_path: Path | None) -> dict[str, Any]:
     """A recipe's settings fields for --eval-tasks and --eval-include-path (checked by the recipe)."""
-    from headkit.recipes.tasks import task_names
+    from headkit.evaluation.tasks import task_names
 
     names = () if eval_tasks is None else task_names(eval_tasks, "--eval-tasks")
     return {"eval_tasks": names, "eval_include_path": eval_include_path}
@@ -376,10 +375,11 @@ def export_command(
     ),
 ) -> None:
     """Write MODEL as a GGUF file for llama.cpp: its own family's architecture (llama, Mistral as llama, qwen2,
-    qwen3, gemma2, gemma3, phi3), or deci for LLaMA or Phi-3 pruned unevenly (see headkit.recipes.export)."""
-    from headkit.recipes.export import export_gguf
+    qwen3, gemma2, gemma3, phi3), or deci for LLaMA or Phi-3 pruned unevenly (see headkit.export.gguf)."""
+    from headkit.export.gguf import export_gguf
+    from headkit.recipes.models import no_loading_bars
 
-    with _no_loading_bars():
+    with no_loading_bars():
         report = export_gguf(model, gguf, type=type, overwrite=overwrite, uneven_groups=uneven_groups)
     typer.echo(str(report))
 
@@ -451,8 +451,9 @@ def eval_command(
     length and depth (exact match, 95% intervals), decode time per token and decoding-state size — or, with
     --tasks, lm-evaluation-harness task scores beside --reference's; prints a table, writes OUT/report.json
     (and the heat map OUT/passkey.png)."""
-    from headkit.recipes.evaluate import EvalSettings, check_eval_settings, evaluate, format_eval_table
-    from headkit.recipes.tasks import load_tasks, task_names
+    from headkit.evaluation.report import EvalSettings, check_eval_settings, evaluate, format_eval_table
+    from headkit.evaluation.tasks import load_tasks, task_names
+    from headkit.recipes.models import no_loading_bars
 
     settings = EvalSettings(
         model=model,
@@ -481,7 +482,7 @@ def eval_command(
     check_eval_settings(settings)
     # Every task and its data before any model loads: a wrong name or missing data costs nothing.
     loaded_tasks = load_tasks(settings.task_settings) if settings.tasks else None
-    with _no_loading_bars():
+    with no_loading_bars():
         from headkit.recipes.models import CAUSAL_LM, load_model, model_kind
 
         for name, path in (("MODEL", model), ("--reference", reference)):
@@ -537,164 +538,23 @@ def generate(
 ) -> None:
     """Continue PROMPT with MODEL, streaming the text as it comes; then tokens per second and the size of the
     decoding cache (key/value cache or recurrent state) in bytes. --fast decodes through a compiled step over
-    fixed-size caches, in the weights --weights names."""
-    import copy
-    import statistics
-    import time
+    fixed-size caches, in the weights --weights names (see headkit.runtime.generation)."""
+    from headkit.runtime.generation import generate as generate_text
 
-    import torch
-    from transformers import TextStreamer
-
-    from headkit.recipes.evaluate import cache_bytes
-
-    dtype = _check_dtype(dtype)
-    if not prompt.strip():
-        raise HeadkitError("--prompt must not be empty")
-    if max_new_tokens < 1:
-        raise HeadkitError(f"--max-new-tokens must be a positive integer, got {max_new_tokens}")
-    if temperature is not None and not temperature > 0:  # not > 0: NaN is refused too
-        raise HeadkitError(f"--temperature must be a positive number, got {temperature}")
-    if top_k is not None and top_k < 0:
-        raise HeadkitError(f"--top-k must be 0 (all tokens) or a positive integer, got {top_k}")
-    if not sample and (temperature is not None or top_k is not None):
-        raise HeadkitError("--temperature and --top-k shape sampling: add --sample")
-    if not fast and (weights is not None or not compile):
-        raise HeadkitError("--weights and --no-compile choose how --fast decodes: add --fast")
-    if fast:
-        from headkit.recipes.fast import check_weights
-
-        if sample:
-            raise HeadkitError("--fast decodes greedily: drop --sample")
-        weights = check_weights(dtype if weights is None else weights)
-    with _no_loading_bars():  # no "Loading weights" or GGUF bar between the command and its text
-        network, tokenizer = _load_generator(model, dtype)
-
-    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
-    if ids.shape[1] == 0:
-        raise HeadkitError(f"--prompt {prompt!r} encodes to no tokens with this model's tokenizer")
-    limit = _position_limit(network)
-    if limit is not None and ids.shape[1] + max_new_tokens > limit:
-        raise HeadkitError(
-            f"--prompt is {ids.shape[1]:,} tokens and --max-new-tokens {max_new_tokens} would reach position "
-            f"{ids.shape[1] + max_new_tokens - 1:,}, beyond this model's {limit:,} positions "
-            "(max_position_embeddings)"
-        )
-    config = copy.deepcopy(network.generation_config)
-    config.max_new_tokens, config.max_length, config.do_sample = max_new_tokens, None, sample
-    if sample:
-        config.temperature = 1.0 if temperature is None else temperature
-        config.top_k = top_k if top_k is not None else config.top_k
-    else:  # greedy: the model's own sampling defaults would only draw warnings
-        config.temperature = config.top_k = config.top_p = config.min_p = None
-    if config.pad_token_id is None:
-        config.pad_token_id = (
-            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        )
-    torch.manual_seed(seed)
-    streamer = TextStreamer(tokenizer, skip_special_tokens=True)
-    decoder = None
-    if fast:
-        from headkit.recipes.fast import FastDecoder
-
-        decoder = FastDecoder(network, weights=weights, compile=compile)
-    started = time.perf_counter()
-    steady: list[float] = []  # the fast path's steps after each bucket's first (which compiles)
-    with torch.no_grad():
-        if decoder is not None:
-            output = decoder.generate(
-                ids,
-                max_new_tokens=max_new_tokens,
-                eos_token_id=config.eos_token_id,
-                streamer=streamer,
-                step_seconds=steady,
-            )
-        else:
-            output = network.generate(
-                ids, attention_mask=torch.ones_like(ids), generation_config=config, streamer=streamer
-            )
-    seconds = time.perf_counter() - started
-    new_tokens = output.shape[1] - ids.shape[1]
-    # The cache of the whole text (prompt and continuation): its size depends on the length only.
-    cache = cache_bytes(network, int(output.shape[1]))
-    err_console.print(
-        f"{new_tokens} tokens in {seconds:.2f} s: {new_tokens / seconds:.1f} tokens/s; "
-        f"cache {cache:,} bytes for {output.shape[1]} tokens",
-        highlight=False,
+    generate_text(
+        model,
+        prompt,
+        dtype=_check_dtype(dtype),
+        max_new_tokens=max_new_tokens,
+        sample=sample,
+        temperature=temperature,
+        top_k=top_k,
+        seed=seed,
+        fast=fast,
+        weights=weights,
+        compile=compile,
+        echo=lambda line: err_console.print(line, highlight=False, soft_wrap=True),
     )
-    if decoder is not None:
-        for (batch, length), first_step in decoder.compile_seconds.items():
-            what = "compiled" if decoder.compiled else "ran eagerly (--no-compile)"
-            err_console.print(
-                f"fast path, {weights} weights: decoding step {what} for batch {batch}, "
-                f"{f'cache {length} tokens' if length else 'fixed-size state'}: first step {first_step:.2f} s "
-                "(compilation is paid once per shape bucket)",
-                highlight=False,
-                soft_wrap=True,
-            )
-        if steady:
-            median = statistics.median(steady)
-            err_console.print(
-                f"fast path after the first step: median {median * 1e3:.1f} ms per token "
-                f"({1 / median:.1f} tokens/s) over {len(steady)} steps",
-                highlight=False,
-                soft_wrap=True,
-            )
-
-
-@contextlib.contextmanager
-def _no_loading_bars() -> Iterator[None]:
-    """Silence transformers' progress bars while a model loads, then restore their previous state: the ones
-    behind transformers' switch ("Loading weights") and the GGUF reader's "Converting and de-quantizing GGUF
-    tensors", which calls tqdm directly and obeys no switch: tqdm writes to the stderr of the moment, so stderr is
-    held for the load (an error still reaches the user, as the exception it raises)."""
-    import io
-
-    from transformers import logging as transformers_logging
-
-    bars = transformers_logging.is_progress_bar_enabled()
-    transformers_logging.disable_progress_bar()
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            yield
-    finally:
-        if bars:
-            transformers_logging.enable_progress_bar()
-
-
-def _position_limit(model: Any) -> int | None:
-    """The number of positions `model` can embed when it learns absolute positions (a table of
-    ``config.max_position_embeddings`` rows besides the token embeddings: GPT-2's ``n_positions``, a headkit
-    model with ``position_embedding_type="learned"``), else None: rotary or ALiBi models extrapolate, so their
-    ``max_position_embeddings`` is no hard limit."""
-    import torch
-
-    limit = getattr(model.config, "max_position_embeddings", None)  # GPT-2's n_positions maps to this name
-    if not isinstance(limit, int):
-        return None
-    tokens = model.get_input_embeddings()
-    tables = (
-        module
-        for module in model.modules()
-        if isinstance(module, torch.nn.Embedding) and module is not tokens and module.num_embeddings == limit
-    )
-    return limit if any(tables) else None
-
-
-def _load_generator(path: Path, dtype: str = "float32") -> tuple:
-    """The causal LM at `path` (in `dtype`) and its tokenizer, offline (see headkit.recipes.models.load_model); a
-    folder trained by headkit before it wrote tokenizer.json gets its byte tokenizer from headkit."""
-    from headkit.data import TOKENIZER_FILE, load_tokenizer
-    from headkit.recipes.models import CAUSAL_LM, load_model, model_kind, resolve_dtype
-    from headkit.surgery.io import from_pretrained
-
-    if not path.exists():
-        raise HeadkitError(f"MODEL {str(path)!r} does not exist")
-    if model_kind(path) != CAUSAL_LM:
-        raise HeadkitError(f"MODEL {str(path)!r} is not a causal LM (no *ForCausalLM in config.json)")
-    if path.is_dir() and (path / TOKENIZER_FILE).is_file():
-        return from_pretrained(path, dtype=resolve_dtype(dtype)), load_tokenizer(path).to_transformers()
-    loaded = load_model(path, kind=CAUSAL_LM, dtype=dtype)
-    return loaded.model, loaded.tokenizer
 
 
 def run_as_script(name: str) -> None:

@@ -33,6 +33,7 @@ from torch import nn
 
 from headkit.bench._report import command_line, machine_info, markdown_table
 from headkit.errors import HeadkitError
+from headkit.evaluation.timing import forward_times, thread_limit
 from headkit.files import write_json_atomic, write_text_atomic
 from headkit.recipes.compress import (
     CompressSettings,
@@ -42,7 +43,6 @@ from headkit.recipes.compress import (
     prepare_encoder_text,
 )
 from headkit.recipes.distill import encoder_finetune
-from headkit.recipes.evaluate import forward_times, thread_limit
 from headkit.recipes.models import default_encoder_path
 from headkit.recipes.prune import echo_gate_progress, prune_encoder_heads
 from headkit.surgery.adapters import count_parameters, get_adapter
@@ -378,7 +378,10 @@ def run_decoder_act(config: DemoConfig, echo: Any) -> dict[str, Any]:
     sliding-window + Hedgehog linear attention with a constant-size decoding state, briefly trained
     (:mod:`headkit.recipes.linearize`). Each gets a greedy sample, held-out perplexity and the decode time per
     token and cache size after a long prompt, the three measured side by side in this function."""
-    from headkit.recipes.evaluate import cache_bytes, decode_seconds_per_token, greedy_sample, perplexity
+    from headkit.evaluation.memory import cache_bytes
+    from headkit.evaluation.quality import perplexity
+    from headkit.evaluation.sampling import greedy_sample
+    from headkit.evaluation.timing import decode_seconds_per_token
     from headkit.recipes.linearize import LinearizeSettings
     from headkit.recipes.linearize import run as linearize_run
     from headkit.recipes.models import load_model, smollm2_gguf_path

@@ -1,7 +1,8 @@
-"""Checking a device a command is asked to run on, worded as the ``--device`` option it comes from.
+"""Devices: checking one a command is asked to run on, worded as the ``--device`` option it comes from, and
+the one a model's weights are on.
 
-Shared by ``headkit train`` (:mod:`headkit.train`) and the benchmarks (:mod:`headkit.bench`): one check, one
-wording, validated before any work or loading.
+The check is shared by ``headkit train`` (:mod:`headkit.train`) and the benchmarks (:mod:`headkit.bench`): one
+check, one wording, validated before any work or loading.
 """
 
 from __future__ import annotations
@@ -30,4 +31,9 @@ def check_device(device: str | torch.device) -> torch.device:
     return torch_device
 
 
-__all__ = ["check_device"]
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of `model`'s (first) parameters: where its inputs go."""
+    return next(model.parameters()).device
+
+
+__all__ = ["check_device", "model_device"]

@@ -56,10 +56,10 @@ from headkit.data import (
 )
 from headkit.devices import check_device
 from headkit.errors import HeadkitError
+from headkit.evaluation.quality import held_out_bits_per_byte
 from headkit.files import check_output_folder, staged_folder
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 from headkit.ops._validation import check_positive_int
-from headkit.recipes.evaluate import held_out_bits_per_byte
 from headkit.recipes.loop import IndexedBatches, LoopResult, StepCallback, process_rank_and_count, train_loop
 
 REPORT_FILE = "training_report.json"

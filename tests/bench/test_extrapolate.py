@@ -33,7 +33,7 @@ def _text(document) -> str:
 
 @pytest.mark.parametrize("length", [extrapolate.MIN_DOCUMENT_LENGTH, 128, 300, 2048])
 def test_passkey_documents_have_exact_length_key_and_answer_after_question(length):
-    from headkit.recipes.evaluate import min_passkey_length
+    from headkit.evaluation.retrieval import min_passkey_length
 
     assert (
         min_passkey_length(extrapolate.byte_tokenizer(), extrapolate.PASSKEY_FORMAT) + extrapolate.KEY_DIGITS

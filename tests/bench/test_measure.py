@@ -14,7 +14,7 @@ from headkit.bench._measure import (
     peak_of_running_total,
     tensor_bytes,
 )
-from headkit.recipes.evaluate import MAX_CALLS_PER_REPEAT, time_call
+from headkit.evaluation.timing import MAX_CALLS_PER_REPEAT, time_call
 
 MB = 1_000_000
 
@@ -190,7 +190,7 @@ def test_cuda_peak_of_allocate_free_allocate_is_the_larger_block():
 
 
 def test_thread_limit_sets_and_restores_torch_threads():
-    from headkit.recipes.evaluate import thread_limit
+    from headkit.evaluation.timing import thread_limit
 
     before = torch.get_num_threads()
     wanted = 1 if before != 1 else 2
@@ -205,7 +205,7 @@ def test_thread_limit_sets_and_restores_torch_threads():
 
 
 def test_interleaved_times_warm_up_once_then_alternate_the_order_every_round():
-    from headkit.recipes.evaluate import interleaved_times
+    from headkit.evaluation.timing import interleaved_times
 
     order: list[str] = []
     times = interleaved_times({"a": lambda: order.append("a"), "b": lambda: order.append("b")}, rounds=3)

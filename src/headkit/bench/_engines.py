@@ -1,12 +1,12 @@
 """``headkit bench decode --smollm2``: SmolLM2-135M-Instruct decoded by the engines a CPU user compares, side by
 side in one run — llama.cpp (the Q4_1 GGUF, through llama-cpp-python in a child process) and headkit's fast path
-(:class:`headkit.recipes.fast.FastDecoder`: compiled step, fixed-size caches) on the original model and on a
+(:class:`headkit.runtime.fast.FastDecoder`: compiled step, fixed-size caches) on the original model and on a
 linearized one (``--linearized``), at several contexts and batch sizes; per-token time, decoding-state bytes,
 compile time per shape bucket, held-out perplexity per weight format, and the issue's targets.
 
 Engines alternate inside every round (same threads, same moment of the machine's load); ratios are read from one
 run. llama.cpp decodes one sequence (llama-cpp-python's ``Llama``): its rows are batch 1 only. Its Q4_1 prompt is
-fed one token at a time (:data:`headkit.recipes.llamacpp.QUANTIZED_PP_SKIPPED`), so its prompt time is not
+fed one token at a time (:data:`headkit.export.llamacpp.QUANTIZED_PP_SKIPPED`), so its prompt time is not
 compared; its per-token time is the mean over the timed steps, headkit's the median step (both reported).
 """
 
@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from headkit.errors import HeadkitError
-from headkit.recipes.evaluate import perplexity
-from headkit.recipes.export import export_gguf
-from headkit.recipes.fast import WEIGHTS, FastDecoder
-from headkit.recipes.llamacpp import llama_cpp_speed
+from headkit.evaluation.quality import perplexity
+from headkit.export.gguf import export_gguf
+from headkit.export.llamacpp import llama_cpp_speed
 from headkit.recipes.models import load_model, smollm2_gguf_path
 from headkit.recipes.text import lm_windows, load_text
+from headkit.runtime.fast import WEIGHTS, FastDecoder
 from headkit.surgery.io import from_pretrained
 from headkit.surgery.linearize import decoding_state_bytes
 

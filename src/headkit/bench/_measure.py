@@ -1,5 +1,5 @@
 """Peak memory of one call and the machine's matmul rate, for the benchmarks (the method: docs/kernels.md,
-``bench speed``); calls are timed by :func:`headkit.recipes.evaluate.time_call`, the evaluator's one timer.
+``bench speed``); calls are timed by :func:`headkit.evaluation.timing.time_call`, the evaluator's one timer.
 
 Peak memory is what a call allocates above what was allocated at the start, plus the call's inputs:
 ``torch.cuda.max_memory_allocated`` on CUDA, the running sum of the CPU allocator's ``[memory]`` profiler events
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.autograd import DeviceType
 
-from headkit.recipes.evaluate import synchronize, time_call
+from headkit.evaluation.timing import synchronize, time_call
 
 # The kineto event name under which the profiler records allocator activity (torch/autograd/profiler_util.py).
 MEMORY_EVENT_NAME = "[memory]"

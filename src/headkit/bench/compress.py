@@ -12,7 +12,7 @@ ratios, so that load drifting on shared cores cancels out). Results: docs/collab
 fresh calibrated conversion at ``--rope-dims``, not distilled: held-out perplexity, top-1 agreement, KV bytes per
 token), and, for each model ``headkit compress --kv-rank`` saved (``--students``, recovered by distillation),
 held-out perplexity and top-1 agreement against the original, decode time per token at each of ``--contexts`` and
-``--decode-batches`` (caches filled to the context with random numbers: :func:`~headkit.recipes.evaluate.filled_cache`;
+``--decode-batches`` (caches filled to the context with random numbers: :func:`~headkit.evaluation.memory.filled_cache`;
 original and student alternated round by round, the ratio the median of the per-round ratios), and the process's
 peak resident memory while each decodes one token from the longest context.
 """
@@ -31,25 +31,19 @@ import torch
 from headkit.bench._report import column_table, figure_axes, progress_bar
 from headkit.bench.registry import option, parse_list, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
+from headkit.evaluation.memory import decode_peak_bytes, kv_cache_bytes_per_token
+from headkit.evaluation.quality import agreement, perplexity
+from headkit.evaluation.timing import decode_seconds_after_filled_cache, forward_times, interleaved_values
 from headkit.recipes.compress import (
     Compressed,
     Teacher,
     calibration_batches,
     compress_and_distill,
-    kv_bytes_per_token,
     latent_defaults,
     latent_statistics,
     latent_student,
     load_teacher,
     prepare_encoder_text,
-)
-from headkit.recipes.evaluate import (
-    agreement,
-    decode_peak_bytes,
-    decode_seconds_after_filled_cache,
-    forward_times,
-    interleaved_values,
-    perplexity,
 )
 from headkit.recipes.models import check_output_folder, default_encoder_path
 from headkit.recipes.text import lm_windows, load_text
@@ -364,7 +358,7 @@ def run_latent_benchmark(
             "rope_dims": rope_dims,
             "rope_selection": selection,
             "max_rope_error": report.max_rope_error,
-            "kv_bytes_per_token": kv_bytes_per_token(student),
+            "kv_bytes_per_token": round(kv_cache_bytes_per_token(student)),
             "kv_cache_fraction": report.cache_fraction,
             "perplexity": perplexity(student, held_out, eval_batch),
             "top1_agreement": agreement(student, teacher.model, held_out, eval_batch).top1,
@@ -384,7 +378,7 @@ def run_latent_benchmark(
             "name": name,
             "kv_rank": mechanism.rank,
             "rope_dims": mechanism.rope_dims,
-            "kv_bytes_per_token": kv_bytes_per_token(student),
+            "kv_bytes_per_token": round(kv_cache_bytes_per_token(student)),
             "perplexity": perplexity(student, held_out, eval_batch),
             "top1_agreement": agreement(student, teacher.model, held_out, eval_batch).top1,
             "decode": [],
@@ -438,7 +432,7 @@ def run_latent_benchmark(
         "latent": {
             "eval_window": config.eval_window,
             "perplexity_original": original,
-            "kv_bytes_per_token_original": kv_bytes_per_token(teacher.model),
+            "kv_bytes_per_token_original": round(kv_cache_bytes_per_token(teacher.model)),
             "curve": curve,
             "students": measured,
         },

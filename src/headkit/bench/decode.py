@@ -39,9 +39,9 @@ from headkit.bench._report import (
 from headkit.bench.registry import option, quick_preset, register_benchmark
 from headkit.data import ByteTokenizer
 from headkit.devices import check_device
+from headkit.evaluation.timing import synchronize, time_greedy_decoding
 from headkit.layers import HeadkitCache, RecurrentStateLayer, attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
-from headkit.recipes.evaluate import synchronize, time_greedy_decoding
 from headkit.train import default_config
 
 BASELINE = "softmax"
@@ -63,7 +63,7 @@ def model_config(mechanism: str, max_positions: int) -> HeadkitConfig:
 def _time_decoding(
     model: HeadkitForCausalLM, prompt: torch.Tensor, new_tokens: int
 ) -> tuple[float, list[float], torch.Tensor]:
-    """:func:`headkit.recipes.evaluate.time_greedy_decoding` into a fresh :class:`HeadkitCache`."""
+    """:func:`headkit.evaluation.timing.time_greedy_decoding` into a fresh :class:`HeadkitCache`."""
     return time_greedy_decoding(model, prompt, new_tokens, cache=HeadkitCache(model))
 
 

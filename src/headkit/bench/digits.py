@@ -24,9 +24,11 @@ from headkit.bench._report import TABLE_FILE, column_table, figure_axes
 from headkit.bench._training import train_each
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
+from headkit.evaluation.quality import next_token_nats
+from headkit.evaluation.sampling import generate_tokens
+from headkit.evaluation.timing import time_call
 from headkit.layers import attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
-from headkit.recipes.evaluate import generate_tokens, next_token_nats, time_call
 
 PIXELS = 64  # 8 × 8
 SIDE = 8

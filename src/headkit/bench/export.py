@@ -2,13 +2,13 @@
 
 Per model (the original; ``--query-pruned``: 25% of query heads pruned, uneven, exported as ``deci``;
 ``--group-pruned``: one KV group per layer pruned, uniform, exported as ``llama``; a model whose folder is not
-given is skipped) and per ``--types``: the file is written by :func:`headkit.recipes.export.export_gguf`, then
-measured in llama.cpp (:mod:`headkit.recipes.llamacpp`, each measurement in a child process): held-out
+given is skipped) and per ``--types``: the file is written by :func:`headkit.export.gguf.export_gguf`, then
+measured in llama.cpp (:mod:`headkit.export.llamacpp`, each measurement in a child process): held-out
 perplexity from llama.cpp's own logits against transformers' float32 perplexity of the same model on the same
-windows (:func:`headkit.recipes.evaluate.perplexity`), prompt-processing and generation tokens/s at each
+windows (:func:`headkit.evaluation.quality.perplexity`), prompt-processing and generation tokens/s at each
 ``--contexts`` (models alternated round by round, median of ``--repeats`` rounds), and KV-cache bytes per token
 at llama.cpp's default f16 cache. Quantized files (q8_0) are evaluated one token at a time and their
-prompt-processing speed is not measured: see :data:`headkit.recipes.llamacpp.QUANTIZED_PP_SKIPPED`.
+prompt-processing speed is not measured: see :data:`headkit.export.llamacpp.QUANTIZED_PP_SKIPPED`.
 Method and results: docs/export.md. Writes ``results.json``, ``table.md`` and the GGUF files (``gguf/``) to
 ``--out``.
 """
@@ -27,9 +27,9 @@ from headkit.bench._options import check_out_dir
 from headkit.bench._report import markdown_table, verdict
 from headkit.bench.registry import option, parse_list, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
-from headkit.recipes.evaluate import perplexity
-from headkit.recipes.export import EXPORT_TYPES, export_gguf
-from headkit.recipes.llamacpp import (
+from headkit.evaluation.quality import perplexity
+from headkit.export.gguf import EXPORT_TYPES, export_gguf
+from headkit.export.llamacpp import (
     FLOAT_TYPES,
     QUANTIZED_PP_SKIPPED,
     llama_cpp_perplexity,

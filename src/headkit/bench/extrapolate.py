@@ -40,9 +40,9 @@ from headkit.data import (
     special_token_ids,
 )
 from headkit.errors import HeadkitError
+from headkit.evaluation import retrieval as evaluate
+from headkit.evaluation.quality import held_out_bits_per_byte
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
-from headkit.recipes import evaluate
-from headkit.recipes.evaluate import held_out_bits_per_byte
 from headkit.train import default_config, lm_optimization
 
 MODELS = ("softmax", "coca")
@@ -134,7 +134,7 @@ def passkey_documents(
     length: int, count: int, depths: list[float], rng: np.random.Generator
 ) -> list[evaluate.PasskeyTrial]:
     """`count` passkey prompts of ``length`` − :data:`KEY_DIGITS` bytes (the key completes the document) from
-    :func:`headkit.recipes.evaluate.passkey_trials`, on random filler sentences, at `depths`."""
+    :func:`headkit.evaluation.retrieval.passkey_trials`, on random filler sentences, at `depths`."""
     return evaluate.passkey_trials(
         byte_tokenizer(),
         _filler(length, rng),
@@ -244,7 +244,7 @@ def held_out_windows(held_out_stream: torch.Tensor, length: int, eval_tokens: in
 
 
 def retrieve_passkeys(model: HeadkitForCausalLM, documents: list[evaluate.PasskeyTrial]) -> list[str]:
-    """The model's greedy 5-byte answers to the documents' prompts (:func:`headkit.recipes.evaluate.
+    """The model's greedy 5-byte answers to the documents' prompts (:func:`headkit.evaluation.retrieval.
     retrieve_passkeys`), each padded with "?" to 5 characters (a special token is never a digit)."""
     if not documents:
         return []

@@ -43,9 +43,10 @@ from headkit.bench._report import (
 )
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
+from headkit.evaluation.quality import perplexity
+from headkit.evaluation.timing import forward_times
 from headkit.recipes.compress import encoder_fidelity, load_teacher
 from headkit.recipes.distill import encoder_finetune
-from headkit.recipes.evaluate import forward_times, perplexity
 from headkit.recipes.models import (
     SMOLLM2_PACKAGE,
     LoadedModel,

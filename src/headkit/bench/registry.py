@@ -123,7 +123,7 @@ def register_benchmark(
             from rich.console import Console
 
             from headkit.bench._report import finish_report
-            from headkit.recipes.evaluate import thread_limit
+            from headkit.evaluation.timing import thread_limit
             from headkit.recipes.skeleton import on_main_process
 
             config = settings() if config is None else config

@@ -38,9 +38,9 @@ from headkit.bench._report import (
 from headkit.bench.registry import option, quick_preset, register_benchmark
 from headkit.devices import check_device
 from headkit.errors import HeadkitError
+from headkit.evaluation.timing import time_call
 from headkit.ops import KERNELS, KernelSpec
 from headkit.ops.registry import QKV_INPUTS
-from headkit.recipes.evaluate import time_call
 
 BASELINE = "sdpa_causal"
 BATCH, HEADS, HEAD_DIM = 1, 8, 64

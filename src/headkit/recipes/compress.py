@@ -35,16 +35,11 @@ import torch
 from torch import nn
 
 from headkit.errors import HeadkitError
+from headkit.evaluation.memory import kv_cache_bytes_per_token
+from headkit.evaluation.quality import agreement, embedding_cosine, last_hidden_states, perplexity
+from headkit.evaluation.tasks import check_recipe_tasks, recipe_tasks, with_task_table
+from headkit.evaluation.timing import compare_speed, time_call
 from headkit.recipes.distill import distill_run, encoder_finetune
-from headkit.recipes.evaluate import (
-    agreement,
-    compare_speed,
-    embedding_cosine,
-    kv_cache_bytes_per_token,
-    last_hidden_states,
-    perplexity,
-    time_call,
-)
 from headkit.recipes.models import (
     DEFAULT_DTYPE,
     check_output_folder,
@@ -56,7 +51,6 @@ from headkit.recipes.objectives import CausalLMObjective
 from headkit.recipes.options import option
 from headkit.recipes.settings import ModelSettings, RecipeResult, check_count, check_data, with_overrides
 from headkit.recipes.skeleton import main_process_echo, save_result
-from headkit.recipes.tasks import check_recipe_tasks, recipe_tasks, with_task_table
 from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
 from headkit.surgery.adapters import AttentionAdapter, count_parameters, get_adapter
 from headkit.surgery.collaborative import SwapReport, swap_to_collaborative
@@ -145,7 +139,7 @@ class CompressSettings(ModelSettings):
     eval_window: int | None = option(
         None, "Rotary decoders: tokens per held-out window (default --window).", min=2
     )
-    # lm-evaluation-harness tasks scored on the original and the result (headkit.recipes.tasks): none by default.
+    # lm-evaluation-harness tasks scored on the original and the result (headkit.evaluation.tasks): none by default.
     eval_tasks: tuple[str, ...] = ()
     eval_include_path: Path | None = None
 
@@ -549,13 +543,6 @@ def latent_windows(
     return train.train, held_out.held_out, summary
 
 
-def kv_bytes_per_token(model: nn.Module) -> int:
-    """Bytes the decoding cache grows by per token, all layers: the evaluator's one measure
-    (:func:`headkit.recipes.evaluate.kv_cache_bytes_per_token`, the growth of the model's own cache), which is
-    2·G·head_dim numbers per layer for the original and R + G·D for a latent model."""
-    return round(kv_cache_bytes_per_token(model))
-
-
 def _compress_latent(
     teacher: Teacher, settings: CompressSettings, kv_rank: int, rope_dims: int, echo: Callable[[str], None]
 ) -> tuple[nn.Module, dict[str, Any]]:
@@ -610,7 +597,8 @@ def _compress_latent(
         decode_context=min(128, settings.window),
         rounds=settings.timing_repeats,
     )
-    before_bytes, after_bytes = kv_bytes_per_token(teacher.model), kv_bytes_per_token(student)
+    before_bytes = round(kv_cache_bytes_per_token(teacher.model))
+    after_bytes = round(kv_cache_bytes_per_token(student))
     return student, {
         "method": "latent",
         "kv_rank": kv_rank,

@@ -39,17 +39,14 @@ from torch import nn
 
 from headkit.analysis.retrieval import retrieval_head_scores, top_heads
 from headkit.errors import HeadkitError
+from headkit.evaluation.quality import agreement, perplexity
+from headkit.evaluation.retrieval import passkey_examples, prose_sentences
+from headkit.evaluation.sampling import greedy_sample
+from headkit.evaluation.tasks import check_recipe_tasks, recipe_tasks, with_task_table
+from headkit.evaluation.timing import decode_profile
 from headkit.files import save_figure_atomic
 from headkit.ops._validation import is_finite_number
 from headkit.recipes.distill import distill, with_lora
-from headkit.recipes.evaluate import (
-    agreement,
-    decode_profile,
-    greedy_sample,
-    passkey_examples,
-    perplexity,
-    prose_sentences,
-)
 from headkit.recipes.models import (
     LoadedModel,
     check_output_folder,
@@ -67,7 +64,6 @@ from headkit.recipes.settings import (
     with_overrides,
 )
 from headkit.recipes.skeleton import main_process_echo, save_result
-from headkit.recipes.tasks import check_recipe_tasks, recipe_tasks, with_task_table
 from headkit.recipes.text import lm_windows, load_text
 from headkit.surgery.adapters import AttentionAdapter, get_adapter
 from headkit.surgery.attention import MECHANISM
@@ -157,7 +153,7 @@ class LinearizeSettings(QuickSettings):
     temperature: float = 1.0
     seed: int = option(0, "Seed of the sampling and the training order.")
     overwrite: bool = False
-    # lm-evaluation-harness tasks scored on the original and the result (headkit.recipes.tasks): none by default.
+    # lm-evaluation-harness tasks scored on the original and the result (headkit.evaluation.tasks): none by default.
     eval_tasks: tuple[str, ...] = ()
     eval_include_path: Path | None = None
 

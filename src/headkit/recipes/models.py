@@ -4,13 +4,17 @@ A recipe's MODEL is a local folder (``config.json`` + weights, a stock 🤗 chec
 surgery) or a GGUF file, whose tokenizer is read from the same file. A causal LM — ``*ForCausalLM`` in the
 config's ``architectures``, or any GGUF file — is loaded with ``AutoModelForCausalLM`` so that its LM head comes
 along and the result can ``generate()``; anything else is an encoder loaded with ``AutoModel``. Nothing is
-downloaded (``local_files_only``).
+downloaded (``local_files_only``); :func:`no_loading_bars` keeps transformers' progress bars out of a command's
+output while it loads.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -262,3 +266,21 @@ def check_output_folder(model_path: Path, out: Path, overwrite: bool) -> None:
     """Refuse to write over the input model (or inside it, or around it) and over existing results, before any
     work (:func:`headkit.files.check_output_folder`)."""
     check_writable_folder(out, overwrite, {"model": model_path})
+
+
+@contextlib.contextmanager
+def no_loading_bars() -> Iterator[None]:
+    """Silence transformers' progress bars while a model loads, then restore their previous state: the ones
+    behind transformers' switch ("Loading weights") and the GGUF reader's "Converting and de-quantizing GGUF
+    tensors", which calls tqdm directly and obeys no switch: tqdm writes to the stderr of the moment, so stderr is
+    held for the load (an error still reaches the user, as the exception it raises)."""
+    from transformers import logging as transformers_logging
+
+    bars = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        if bars:
+            transformers_logging.enable_progress_bar()

@@ -40,18 +40,13 @@ from torch import nn
 
 from headkit.analysis.importance import head_importance
 from headkit.errors import HeadkitError
+from headkit.evaluation.memory import kv_cache_bytes_per_token
+from headkit.evaluation.quality import agreement, embedding_cosine, last_hidden_states, perplexity
+from headkit.evaluation.sampling import greedy_sample
+from headkit.evaluation.tasks import check_recipe_tasks, recipe_tasks, with_task_table
+from headkit.evaluation.timing import compare_speed, time_call
+from headkit.export.gguf import check_export_target, export_gguf
 from headkit.recipes.distill import distill_run, encoder_finetune
-from headkit.recipes.evaluate import (
-    agreement,
-    compare_speed,
-    embedding_cosine,
-    greedy_sample,
-    kv_cache_bytes_per_token,
-    last_hidden_states,
-    perplexity,
-    time_call,
-)
-from headkit.recipes.export import check_export_target, export_gguf
 from headkit.recipes.gates import GateTrainingLog, train_gates_to_budget
 from headkit.recipes.models import (
     CAUSAL_LM,
@@ -67,7 +62,6 @@ from headkit.recipes.objectives import CausalLMObjective, EncoderObjective
 from headkit.recipes.options import option, option_name
 from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data, with_overrides
 from headkit.recipes.skeleton import main_process_echo, save_result
-from headkit.recipes.tasks import check_recipe_tasks, recipe_tasks, with_task_table
 from headkit.recipes.text import (
     calibration_batches,
     lm_windows,
@@ -148,7 +142,7 @@ class PruneSettings(QuickSettings):
     hidden_weight: float = 0.0
     seed: int = option(0, "Seed of the sampling, the gate noise and the training order.")
     overwrite: bool = False
-    # also write the result as a GGUF file for llama.cpp (recipes.export)
+    # also write the result as a GGUF file for llama.cpp (export.gguf)
     export_gguf: Path | None = option(
         None, "Also write the result as a GGUF file for llama.cpp (see `headkit export`)."
     )
@@ -160,7 +154,7 @@ class PruneSettings(QuickSettings):
         "Causal LMs: refit each pruned layer's output projection by least squares on calibration text before "
         "recovery (--no-repair keeps the sliced projections, to compare).",
     )
-    # lm-evaluation-harness tasks scored on the original and the result (headkit.recipes.tasks): none by default.
+    # lm-evaluation-harness tasks scored on the original and the result (headkit.evaluation.tasks): none by default.
     eval_tasks: tuple[str, ...] = ()
     eval_include_path: Path | None = None
 

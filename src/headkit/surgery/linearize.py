@@ -107,7 +107,7 @@ class HybridStateCacheLayer(StateCacheLayer):
 class RingHybridStateCacheLayer(HybridStateCacheLayer):
     """A :class:`HybridStateCacheLayer` whose state lives in fixed buffers updated in place
     (:class:`headkit.ops.HybridRingState`: the window as a ring buffer), for a compiled decoding step
-    (:mod:`headkit.recipes.fast`): one graph, no tensor allocated or re-concatenated per token.
+    (:mod:`headkit.runtime.fast`): one graph, no tensor allocated or re-concatenated per token.
 
     A prompt (several tokens) runs the ordinary eager path: :meth:`get_state` hands it the ordered state and
     :meth:`set_state` copies the result into the buffers. A step of one token runs

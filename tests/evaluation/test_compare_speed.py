@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from headkit.recipes import evaluate as measure
+from headkit.evaluation import timing as measure
 
 
 def test_compare_speed_reverses_the_order_every_other_round(monkeypatch):

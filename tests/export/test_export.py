@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("gguf")
 
 from headkit.errors import HeadkitError  # noqa: E402
-from headkit.recipes.export import export_gguf, plan_layer  # noqa: E402
+from headkit.export.gguf import export_gguf, plan_layer  # noqa: E402
 
 HELD_OUT = "Pruned heads still read their keys: 12 layers, 3.5x faster, naïve café — done."
 TOKENS = 48
@@ -241,7 +241,7 @@ def test_pruned_phi3_with_partial_rotary_is_refused(smollm2_tokenizer, tmp_path)
 
 
 def test_sliding_window_caps_the_llama_context(smollm2_tokenizer, tmp_path):
-    from headkit.recipes.export import context_length
+    from headkit.export.gguf import context_length
 
     model = _tiny("mistral", smollm2_tokenizer)
     assert context_length(model.config, "llama") == 128  # the window: beyond it llama's graph would differ
@@ -494,7 +494,7 @@ def test_llama_cpp_speed_runs_with_and_without_flash_attention(
 ):
     # The decode benchmark's reference row turns flash attention off, its second row on: both must run in the
     # child process and report a rate and llama.cpp's state size (an unknown keyword would come back as "error").
-    from headkit.recipes.llamacpp import llama_cpp_speed
+    from headkit.export.llamacpp import llama_cpp_speed
 
     report = export_gguf(tiny_llama_folder, tmp_path / "tiny.gguf", type="f32")
     measured = llama_cpp_speed(

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+from headkit import evaluation as ev
 from headkit.errors import HeadkitError
-from headkit.recipes import evaluate as ev
 
 FILLER = [
     "the grass is green .",

@@ -50,7 +50,7 @@ from transformers import CompileConfig, StaticCache
 
 from headkit.compat import cache_keyword
 from headkit.errors import HeadkitError
-from headkit.recipes.evaluate import timed_call
+from headkit.evaluation.timing import timed_call
 from headkit.surgery.attention import mechanism_of
 from headkit.surgery.linearize import LinearizedHeads, RingHybridStateCacheLayer
 

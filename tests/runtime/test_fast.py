@@ -26,7 +26,7 @@ from headkit.ops import (
     hybrid_ring_from_state,
     hybrid_state_from_ring,
 )
-from headkit.recipes.fast import FastDecoder, prepare_weights
+from headkit.runtime.fast import FastDecoder, prepare_weights
 from headkit.surgery.linearize import RingHybridStateCacheLayer, hybrid_cache_layer
 
 VOCAB, PROMPT, NEW = 61, 9, 10

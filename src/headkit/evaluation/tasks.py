@@ -41,7 +41,6 @@ import torch
 from torch import nn
 
 from headkit.errors import HeadkitError
-from headkit.recipes.skeleton import on_main_process
 
 INSTALL_HINT = "pip install 'headkit[eval]'"
 # The first release that runs on transformers 5 (headkit's range); pyproject.toml pins the one tested.
@@ -492,6 +491,10 @@ def measure_tasks(
     ``results`` per model, the shared ``n-shot``, ``n-samples``, ``versions``, ``higher_is_better`` and
     ``configs``, and ``rows``: one per task and metric, each model's value and standard error and, with
     `reference` (one of the names), each other model's difference from it."""
+    # Imported here, not at the top: headkit.recipes' own modules import this one, so importing headkit.recipes
+    # while this module loads would meet it half-initialised.
+    from headkit.recipes.skeleton import on_main_process
+
     version = require_lm_eval()
     tasks = tasks or load_tasks(settings)
     summaries: dict[str, dict[str, Any]] = {}

@@ -1,7 +1,7 @@
 """Measuring a GGUF file in llama.cpp itself (llama-cpp-python, the ``llamacpp`` extra): held-out perplexity
 from llama.cpp's own logits, prompt-processing and generation tokens/s, and KV-cache bytes per token.
 
-Every measurement runs in a child process (``python -m headkit.recipes.llamacpp``): llama-cpp-python 0.3.36's
+Every measurement runs in a child process (``python -m headkit.export.llamacpp``): llama-cpp-python 0.3.36's
 ggml crashes (SIGSEGV in ``ggml_backend_amx_mul_mat``) when a batch of several tokens meets quantized weights on
 CPUs with AMX, and a crash must cost one measurement, not the run. Quantized files are therefore evaluated one
 token at a time (``n_batch=1``, which takes the plain dot-product kernels): their perplexity is exact, their
@@ -23,7 +23,8 @@ from typing import Any
 import torch
 
 from headkit.errors import HeadkitError
-from headkit.recipes.evaluate import summed_nats, timed_call
+from headkit.evaluation.quality import summed_nats
+from headkit.evaluation.timing import timed_call
 
 LLAMA_CPP_INSTALL_HINT = "pip install 'headkit[llamacpp]' (llama-cpp-python)"
 FLOAT_TYPES = ("f32", "f16", "bf16")
@@ -138,7 +139,7 @@ def run_isolated(function: str, timeout: float | None = None, **kwargs: Any) -> 
         )
         try:
             done = subprocess.run(
-                [sys.executable, "-m", "headkit.recipes.llamacpp", str(request)],
+                [sys.executable, "-m", "headkit.export.llamacpp", str(request)],
                 capture_output=True,
                 text=True,
                 timeout=timeout,

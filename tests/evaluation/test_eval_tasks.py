@@ -18,7 +18,7 @@ pytest.importorskip("lm_eval", reason="the eval extra: pip install 'headkit[eval
 
 import headkit  # noqa: E402
 from headkit.cli import main  # noqa: E402
-from headkit.recipes import tasks as tk  # noqa: E402
+from headkit.evaluation import tasks as tk  # noqa: E402
 from headkit.surgery.latent import compress_kv_to_latent  # noqa: E402
 
 transformers.logging.set_verbosity_error()

@@ -1,0 +1,140 @@
+"""Quality of a model's predictions: the next-token loss (:func:`next_token_nats`) behind held-out perplexity
+(:func:`perplexity`) and bits per byte (:func:`held_out_bits_per_byte`); top-1 agreement and KL against a
+reference (:func:`agreement`); for encoders, the cosine of mean-pooled embeddings (:func:`embedding_cosine`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headkit.data import count_text_bytes
+from headkit.devices import model_device
+from headkit.errors import HeadkitError
+
+
+def summed_nats(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    """Σ −log softmax(logits)[target] in nats over rows ([N, V] logits, [N] targets), in float32 at least: the
+    one next-token loss behind perplexity and bits per byte, headkit's models' and llama.cpp's alike."""
+    return float(F.cross_entropy(logits.float(), targets, reduction="sum"))
+
+
+@torch.no_grad()
+def next_token_nats(
+    model: nn.Module, windows: torch.Tensor, batch_size: int = 4, ignored_ids: torch.Tensor | None = None
+) -> tuple[float, torch.Tensor]:
+    """The summed next-token negative log-likelihood (nats) of `model` over `windows` [N, T] — every token but
+    the first of each window predicted, except those in `ignored_ids` (special tokens: document separators) —
+    and the mask of the predicted targets [N, T − 1]: the one loss behind perplexity and bits per byte."""
+    device = model_device(model)
+    total, predicted = 0.0, []
+    for chunk in windows.split(batch_size):
+        targets = chunk[:, 1:].to(device)
+        keep = torch.ones_like(targets, dtype=torch.bool)
+        if ignored_ids is not None and ignored_ids.numel():
+            keep = ~torch.isin(targets, ignored_ids.to(device))
+        logits = model(input_ids=chunk.to(device), use_cache=False).logits[:, :-1]
+        total += summed_nats(logits[keep], targets[keep])
+        predicted.append(keep.cpu())
+    return total, torch.cat(predicted)
+
+
+def perplexity(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> float:
+    """exp of the mean next-token negative log-likelihood over every position of `windows` [N, L] but the first."""
+    nats, predicted = next_token_nats(model, windows, batch_size)
+    return math.exp(nats / int(predicted.sum()))
+
+
+def held_out_bits_per_byte(
+    model: nn.Module,
+    windows: torch.Tensor,
+    tokenizer: Any,
+    ignored_ids: torch.Tensor | None = None,
+    batch_size: int = 8,
+) -> float:
+    """Bits per UTF-8 byte of the next-token loss over ``windows`` [N, T] (tokens 1… of each are predicted), in
+    evaluation mode (the model's mode restored after).
+
+    Tokens in ``ignored_ids`` (special tokens) are not predicted and their bytes are not counted.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        nats, predicted = next_token_nats(model, windows, batch_size, ignored_ids)
+    finally:
+        model.train(was_training)
+    total_bytes = sum(
+        count_text_bytes(tokenizer, row[1:][mask]) for row, mask in zip(windows, predicted, strict=True)
+    )
+    if total_bytes == 0:
+        raise HeadkitError("the held-out windows encode no text bytes; use a larger held-out split")
+    return nats / (math.log(2) * total_bytes)
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How closely a model's next-token predictions follow a reference's on the same windows: the share of
+    positions whose most likely token is the same (``top1``), and the mean KL(reference ‖ model) of the
+    next-token distributions in nats (``kl``)."""
+
+    top1: float
+    kl: float
+
+
+@torch.no_grad()
+def agreement(
+    model: nn.Module, reference: nn.Module, windows: torch.Tensor, batch_size: int = 4
+) -> Agreement:
+    """Top-1 agreement and mean KL(reference ‖ model) (:func:`headkit.recipes.objectives.next_token_kl`, the
+    distillation loss at τ = 1) over every position of `windows` [N, L]."""
+    # Imported here, not at the top: headkit.recipes' own modules import this one, so importing headkit.recipes
+    # while this module loads would meet it half-initialised.
+    from headkit.recipes.objectives import next_token_kl
+
+    same, kl_sum, count = 0, 0.0, 0
+    for chunk in windows.split(batch_size):
+        chunk = chunk.to(model_device(model))
+        got = model(input_ids=chunk, use_cache=False).logits.float()
+        expected = reference(input_ids=chunk.to(model_device(reference)), use_cache=False).logits
+        expected = expected.float().to(got.device)
+        same += int((got.argmax(-1) == expected.argmax(-1)).sum())
+        kl_sum += float(next_token_kl(got, expected)) * chunk.numel()
+        count += chunk.numel()
+    return Agreement(top1=same / count, kl=kl_sum / count)
+
+
+@torch.no_grad()
+def last_hidden_states(model: nn.Module, batches: Sequence[dict]) -> list[torch.Tensor]:
+    """An encoder's last hidden states [B, T, hidden] on each of `batches`."""
+    return [model(**batch).last_hidden_state for batch in batches]
+
+
+@torch.no_grad()
+def embedding_cosine(
+    model: nn.Module | Sequence[torch.Tensor],
+    reference: nn.Module | Sequence[torch.Tensor],
+    batches: Sequence[dict],
+) -> torch.Tensor:
+    """Per text of `batches`: the cosine of `model`'s and `reference`'s sentence embeddings (mean-pooled last
+    hidden states over real tokens, sentence-transformers' pooling) [texts]. Each of `model` and `reference` is
+    an encoder or its :func:`last_hidden_states` on `batches` (a reference's, computed once for many students)."""
+    # Imported here for the reason agreement gives.
+    from headkit.recipes.objectives import mean_pool
+
+    states = [
+        last_hidden_states(side, batches) if isinstance(side, nn.Module) else list(side)
+        for side in (model, reference)
+    ]
+    return torch.cat(
+        [
+            F.cosine_similarity(
+                mean_pool(got, b["attention_mask"]), mean_pool(expected, b["attention_mask"]), dim=-1
+            )
+            for got, expected, b in zip(*states, batches, strict=True)
+        ]
+    )
