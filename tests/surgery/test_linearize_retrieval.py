@@ -16,6 +16,7 @@ from headkit.surgery.linearize import (
     decoding_state_bytes,
     linearized_modules,
     linearized_parameters,
+    reconfigure,
 )
 
 
@@ -199,3 +200,42 @@ def test_bad_retrieval_options_leave_the_model_untouched(arguments, message):
         headkit.linearize(model, window=4, **arguments)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert not linearized_modules(model) and not getattr(model.config, SURGERY_KEY, None)
+
+
+def test_reconfigure_changes_the_budget_selection_and_heads_in_place_and_reloads(tmp_path):
+    model, _ = converted(sinks=1, sparse_cache=2)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    config = reconfigure(model, sparse_cache=5, selection="question", retrieval_heads=[(1, 1)])
+    assert config.sparse_cache == 5 and config.retrieval_heads == ((1, 1),)
+    assert [(m.sparse_cache, m.selection, m.exact_heads) for m in linearized_modules(model)] == [
+        (5, "question", ()),
+        (5, "question", (1,)),
+    ]
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    fresh, _ = converted(sinks=1, sparse_cache=5, selection="question", retrieval_heads=[(1, 1)])
+    fresh.load_state_dict(model.state_dict())
+    prompt = ids(batch=1, length=20)
+    with torch.no_grad():
+        torch.testing.assert_close(model(prompt).logits, fresh(prompt).logits)
+    model.save_pretrained(tmp_path)
+    reloaded = headkit.from_pretrained(tmp_path)
+    assert [m.exact_heads for m in linearized_modules(reloaded)] == [(), (1,)]
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(prompt).logits, model(prompt).logits)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"window": 8}, "reconfigure changes only"),
+        ({"retrieval_heads": [(0, 5)]}, r"retrieval_heads must name key/value heads in \[0, 2\)"),
+        ({"sparse_cache": -1}, "sparse_cache must be a non-negative integer"),
+    ],
+)
+def test_a_bad_reconfiguration_leaves_the_model_as_it_was(changes, message):
+    model, _ = converted(sinks=1, sparse_cache=2)
+    record = model.config.to_dict()[SURGERY_KEY]
+    with pytest.raises(HeadkitError, match=message):
+        reconfigure(model, **changes)
+    assert model.config.to_dict()[SURGERY_KEY] == record
+    assert [m.sparse_cache for m in linearized_modules(model)] == [2, 2]

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from headkit.analysis.retrieval import RetrievalExample
+from headkit.compat import cache_keyword, output_cache
 from headkit.data import Corpus
 from headkit.devices import model_device
 from headkit.errors import HeadkitError
@@ -65,13 +66,14 @@ INSTRUCTION_FORMAT = PasskeyFormat()
 class PasskeyTrial:
     """One passkey prompt: ``length`` tokens with the answer, the prompt ``input_ids`` the ``length −
     answer_tokens`` before it; the key sentence starts at token ``key_position``, at ``depth`` (the share of the
-    filler before it: 0 = first, 1 = just before the question)."""
+    filler before it: 0 = first, 1 = just before the question) and is ``key_tokens`` long."""
 
     input_ids: tuple[int, ...]
     key: str
     depth: float
     key_position: int
     length: int
+    key_tokens: int = 0
 
 
 def prose_sentences(corpus: Corpus, limit: int = 20_000, seed: int = 0) -> list[str]:
@@ -225,7 +227,7 @@ def passkey_trials(
         filler = filler[:room]
         cut = min(boundaries, key=lambda boundary: abs(boundary - depth * room))
         ids = head + filler[:cut] + key_ids + filler[cut:] + tail
-        result.append(PasskeyTrial(tuple(ids), key, depth, len(head) + cut, length))
+        result.append(PasskeyTrial(tuple(ids), key, depth, len(head) + cut, length, len(key_ids)))
     return result
 
 
@@ -243,7 +245,7 @@ def passkey_examples(
     span: what :func:`headkit.analysis.retrieval.retrieval_head_scores` reads the retrieval heads from."""
     examples = []
     for trial in passkey_trials(tokenizer, sentences, length, count, depths, seed=seed, format=format):
-        key_tokens = len(_encode(tokenizer, " " + format.key_sentence.format(key=trial.key)))
+        key_tokens = trial.key_tokens
         answer = _encode(tokenizer, " " + trial.key)
         examples.append(
             RetrievalExample(
@@ -293,6 +295,50 @@ def retrieve_passkeys(
             for i, row in zip(chunk, generated, strict=True):
                 answers[i] = tokenizer.decode(row.tolist(), skip_special_tokens=True)
     return [answers[i] for i in range(len(trials))]
+
+
+@torch.no_grad()
+def second_turn_passkeys(
+    model: nn.Module,
+    tokenizer: Any,
+    trials: Sequence[PasskeyTrial],
+    *,
+    gap: int,
+    max_new_tokens: int = 8,
+    batch_tokens: int = 8192,
+) -> list[str]:
+    """As :func:`retrieve_passkeys`, in two turns: every prompt but its last `gap` tokens (the key inside) is
+    prefilled first, as a turn that asks nothing; the last `gap` tokens (other text, then the question) follow
+    from the cache as a second turn. A mechanism that chooses what to keep when a prompt is prefilled (the
+    question's choice) must then have kept the key before the question came."""
+    for trial in trials:
+        if trial.key_position + trial.key_tokens > len(trial.input_ids) - gap:
+            raise HeadkitError(
+                f"a second turn of {gap} tokens must start after the key (at token {trial.key_position} of "
+                f"{len(trial.input_ids)}): use shallower depths or a shorter gap"
+            )
+    device = model_device(model)
+    pad = pad_token_of(tokenizer)
+    answers: dict[int, str] = {}
+    by_length: dict[int, list[int]] = {}
+    for index, trial in enumerate(trials):
+        by_length.setdefault(len(trial.input_ids), []).append(index)
+    for length, indices in by_length.items():
+        rows = max(1, batch_tokens // length)
+        for start in range(0, len(indices), rows):
+            chunk = indices[start : start + rows]
+            ids = torch.tensor([trials[i].input_ids for i in chunk], dtype=torch.long, device=device)
+            cache = output_cache(model(input_ids=ids[:, : length - gap], use_cache=True))
+            generated = generate_tokens(model, ids, max_new_tokens, pad, **cache_keyword(cache))
+            for i, row in zip(chunk, generated[:, length:], strict=True):
+                answers[i] = tokenizer.decode(row.tolist(), skip_special_tokens=True)
+    return [answers[i] for i in range(len(trials))]
+
+
+def key_beyond_window(trial: PasskeyTrial, window: int, answer_tokens: int = 8) -> bool:
+    """Whether the trial's key sentence has left a `window`-token attention window by the time the answer is
+    written (its last token more than `window` tokens before the prompt's end)."""
+    return trial.key_position + trial.key_tokens <= len(trial.input_ids) - window
 
 
 def passkey_answer(text: str) -> str:

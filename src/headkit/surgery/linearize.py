@@ -56,8 +56,9 @@ leaves the model untouched; the conversion is recorded in ``config.headkit_surge
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, NamedTuple
 
 import torch
@@ -91,7 +92,7 @@ from headkit.surgery.attention import (
     refuse_modules_off_the_interface,
 )
 from headkit.surgery.families import LINEARIZE, get_family
-from headkit.surgery.records import record_surgery, register_surgery_op
+from headkit.surgery.records import SURGERY_KEY, record_surgery, recorded_surgery, register_surgery_op
 
 SURGERY_OP = "linearize"
 
@@ -273,12 +274,11 @@ class LinearizedHeads(nn.Module):
         # Exact beyond the window (headkit.ops.sparse_hybrid): the first `sinks` tokens and `sparse_cache` keys
         # per key/value head, chosen by `selection`. 0 and 0: the plain hybrid.
         self.sinks, self.sparse_cache = sinks, sparse_cache
-        self.selection, self.observation, self.fold = selection, observation, fold
-        self.exact_heads = tuple(sorted(exact_heads))
-        self.linear_heads = tuple(h for h in range(num_kv_heads) if h not in self.exact_heads)
-        groups = num_heads // num_kv_heads
-        self._exact_query_heads = [h * groups + g for h in self.exact_heads for g in range(groups)]
-        self._linear_query_heads = [h * groups + g for h in self.linear_heads for g in range(groups)]
+        self.fold = fold
+        self.configure(
+            sinks=sinks, sparse_cache=sparse_cache, selection=selection, observation=observation,
+            exact_heads=exact_heads,
+        )  # fmt: skip
         self.feature_map_name, self.feature_dim = feature_map, feature_dim
         self.layer_idx = layer_idx
         self.feature_map_q: nn.Module | None = None
@@ -294,6 +294,19 @@ class LinearizedHeads(nn.Module):
         self.log_balance = nn.Parameter(
             torch.zeros(num_heads, dtype=dtype, device=device), requires_grad=fold
         )
+
+    def configure(
+        self, *, sinks: int, sparse_cache: int, selection: str, observation: int, exact_heads: Sequence[int]
+    ) -> None:
+        """Set what is kept exact (sinks, budget, its selection, the exact heads): none of it has parameters, so
+        a trained layer takes another budget or other retrieval heads as it is (:func:`reconfigure`)."""
+        self.sinks, self.sparse_cache = sinks, sparse_cache
+        self.selection, self.observation = selection, observation
+        self.exact_heads = tuple(sorted(exact_heads))
+        self.linear_heads = tuple(h for h in range(self.num_kv_heads) if h not in self.exact_heads)
+        groups = self.num_heads // self.num_kv_heads
+        self._exact_query_heads = [h * groups + g for h in self.exact_heads for g in range(groups)]
+        self._linear_query_heads = [h * groups + g for h in self.linear_heads for g in range(groups)]
 
     @property
     def balance(self) -> torch.Tensor:
@@ -937,6 +950,42 @@ def linearize(
     )
 
 
+# What a trained linearized model can change without retraining: nothing with parameters.
+RECONFIGURABLE = ("sinks", "sparse_cache", "selection", "observation", "retrieval_heads")
+
+
+def reconfigure(model: nn.Module, **changes: Any) -> LinearizeConfig:
+    """Change what a linearized model keeps exact — ``sinks``, ``sparse_cache``, ``selection``, ``observation``,
+    ``retrieval_heads`` (:class:`LinearizeConfig`) — in place, without retraining: none of them has parameters.
+    The new config is validated against the model first (a bad change leaves it untouched) and replaces the
+    model's record, so ``save_pretrained`` + :func:`headkit.from_pretrained` rebuild it. Returns the new config.
+    (A retrieval head's feature maps are kept, unused; one turned back into a linear head uses the maps it
+    had.)"""
+    unknown = sorted(set(changes) - set(RECONFIGURABLE))
+    if unknown:
+        raise HeadkitError(f"reconfigure changes only {', '.join(RECONFIGURABLE)}; got {', '.join(unknown)}")
+    entries = recorded_surgery(model)
+    index = next((i for i in reversed(range(len(entries))) if entries[i].get("op") == SURGERY_OP), None)
+    modules = linearized_modules(model)
+    if index is None or not modules:
+        raise HeadkitError("reconfigure needs a linearized model (headkit.linearize)")
+    config = replace(LinearizeConfig.from_record(entries[index]), **changes)
+    layers = config.check(model)
+    if layers != [module.layer_idx for module in modules]:
+        raise HeadkitError(
+            f"the model's linearized layers {[m.layer_idx for m in modules]} differ from its record"
+        )
+    for module in modules:
+        module.configure(
+            sinks=config.sinks, sparse_cache=config.sparse_cache, selection=config.selection,
+            observation=config.observation,
+            exact_heads=[head for layer, head in config.retrieval_heads if layer == module.layer_idx],
+        )  # fmt: skip
+    entries[index] = entries[index] | config.record(layers)
+    setattr(model.config, SURGERY_KEY, json.loads(json.dumps(entries)))
+    return config
+
+
 def linearized_modules(model: nn.Module) -> list[LinearizedHeads]:
     """The mechanisms of the model's converted layers, in layer order."""
     found = {id(m): m for m in model.modules() if isinstance(m, LinearizedHeads)}
@@ -1064,5 +1113,6 @@ __all__ = [
     "linearized_modules",
     "linearized_parameters",
     "max_context",
+    "reconfigure",
     "sliding_layers",
 ]

@@ -1,0 +1,326 @@
+"""``headkit bench retrieval``: what a constant decoding state remembers, against a compressed cache of the same size.
+
+For each point of a budget grid — G exact keys per layer and key/value head chosen by the prompt's question
+(SnapKV), R retrieval heads kept softmax with a full cache (DuoAttention) — it measures, side by side in one run:
+
+* **the linearized model** (``--linearized``, a ``headkit linearize`` output of MODEL), reconfigured in place to
+  the point (:func:`headkit.surgery.linearize.reconfigure`: none of G, R or the selection has parameters);
+* **the honest baseline**: MODEL itself with the same mechanism and no linear state (``fold=False``: what leaves
+  the exact sets is dropped), its budget the largest whose state at ``--state-context`` tokens is no larger than
+  the linearized point's — the original with a SnapKV-style compressed cache of equal bytes;
+* **the original** with its full key/value cache, once.
+
+Each gets: passkey accuracy on prompts whose key has left the window (Wilson 95% intervals), the same key asked
+for in a second turn (the key's turn prefilled first, then ``--second-turn-gap`` tokens of other text and the
+question), held-out perplexity at ``--perplexity-length`` (causal: without a cache no question has been asked,
+so the budget holds the first keys that left the window), and the decoding state's bytes at
+``--state-context`` tokens, batch 1. Method and results: docs/linearize.md.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from headkit.analysis.retrieval import retrieval_head_scores, top_heads
+from headkit.bench._options import check_out_dir
+from headkit.bench._report import markdown_table
+from headkit.bench.registry import option, quick_preset, register_benchmark
+from headkit.errors import HeadkitError
+from headkit.evaluation.memory import cache_bytes
+from headkit.evaluation.quality import perplexity
+from headkit.evaluation.retrieval import (
+    key_beyond_window,
+    passkey_answer,
+    passkey_examples,
+    passkey_trials,
+    prose_sentences,
+    retrieve_passkeys,
+    second_turn_passkeys,
+    wilson_interval,
+)
+from headkit.recipes.models import CAUSAL_LM, load_model, smollm2_gguf_path
+from headkit.recipes.text import lm_windows, load_text
+from headkit.surgery.linearize import (
+    LinearizeConfig,
+    linearize,
+    linearized_modules,
+    max_context,
+    reconfigure,
+)
+
+# Depths whose keys leave a 256-token window at 1,024 tokens and beyond (0: the key first).
+BEYOND_DEPTHS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
+ANSWER_TOKENS = 8
+SCORING_PROMPTS, SCORING_SEED = 16, 1_000_003
+
+
+@dataclass
+class RetrievalBenchSettings:
+    model: Path | None = option(None, "The original causal LM (default: SmolLM2-135M-Instruct's GGUF).")
+    linearized: Path | None = option(
+        None,
+        "A linearized model of MODEL (a `headkit linearize` output folder), reconfigured to each point; none: "
+        "the original and its compressed-cache baseline alone.",
+    )
+    lengths: tuple[int, ...] = option((1024, 2048), "Passkey prompt lengths.", quick=(512,))
+    trials: int = option(20, "Passkey prompts per length, every key beyond the window.", min=1, quick=4)
+    budgets: tuple[int, ...] = option(
+        (32, 128, 512), "Exact keys per layer and key/value head (G), chosen by the question.", quick=(16,)
+    )
+    retrieval_head_counts: tuple[int, ...] = option(
+        (0, 4, 8, 16), "Retrieval heads kept softmax with a full cache (R).", min=0, quick=(0, 2)
+    )
+    window: int = option(256, "Window of the baseline when no linearized model is given.", quick=64)
+    sinks: int = option(4, "Sinks of the baseline when no linearized model is given.", min=0)
+    observation: int = option(32, "Queries at the end of a prompt that choose its keys.", quick=8)
+    second_turn_gap: int = option(
+        512, "Tokens of other text between the key's turn and the question's (the second turn).", quick=128
+    )
+    perplexity_length: int = option(4096, "Held-out window length for perplexity.", min=2, quick=512)
+    held_out_windows: int = option(2, "Held-out windows for perplexity.", min=1, quick=1)
+    state_context: int = option(8192, "Context at which the decoding state's bytes are counted.", min=1)
+    data: Path | None = option(None, "Text for filler and perplexity (default: the Python standard library).")
+    threads: int = option(2, "torch threads.", min=1)
+    seed: int = option(0, "Seed of the prompts and keys.")
+    out: Path = option(
+        Path("results/retrieval"), "Output directory for results.json and table.md.", check=check_out_dir
+    )
+
+    quick = quick_preset("One budget, R ∈ {0, 2}, 4 prompts of 512 tokens (a smoke test of the grid).")
+
+
+def _check(settings: RetrievalBenchSettings) -> None:
+    for name in ("lengths", "budgets", "retrieval_head_counts"):
+        if not getattr(settings, name):
+            raise HeadkitError(f"--{name.replace('_', '-')} must list at least one value")
+    for path, flag in ((settings.model, "MODEL"), (settings.linearized, "--linearized")):
+        if path is not None and not Path(path).exists():
+            raise HeadkitError(f"{flag} {str(path)!r} does not exist")
+
+
+def _state_bytes(model: nn.Module, context: int) -> int:
+    """Decoding-state bytes at `context` tokens, batch 1: the converted layers' (their exact heads' cache
+    included) plus the key/value cache of layers left softmax."""
+    modules = linearized_modules(model)
+    converted = sum(module.state_bytes(context) for module in modules)
+    layers = model.config.get_text_config().num_hidden_layers
+    if len(modules) == layers:
+        return converted
+    per_layer = cache_bytes(model, 16) / 16 / layers  # every layer's KV per token, measured on a short prompt
+    return converted + int(per_layer * context * (layers - len(modules)))
+
+
+def _equal_budget(model: nn.Module, target: int, context: int) -> int:
+    """The largest budget G′ whose state at `context` tokens (every converted layer, its window, sinks and exact
+    heads as they are) is at most `target` bytes: the state is affine in G′."""
+    probes = [copy.deepcopy(module) for module in linearized_modules(model)]
+
+    def total(budget: int) -> int:
+        for probe in probes:
+            probe.configure(
+                sinks=probe.sinks, sparse_cache=budget, selection=probe.selection, observation=probe.observation,
+                exact_heads=probe.exact_heads,
+            )  # fmt: skip
+        return sum(probe.state_bytes(context) for probe in probes)
+
+    base = total(0)
+    return max(0, (target - base) // max(total(1) - base, 1))
+
+
+def _measure(
+    name: str, model: nn.Module, settings: RetrievalBenchSettings, shared: dict[str, Any], echo: Any
+) -> dict[str, Any]:
+    started = time.perf_counter()
+    tokenizer, trials, window = shared["tokenizer"], shared["trials"], shared["window"]
+    point: dict[str, Any] = {"model": name, "state_bytes": _state_bytes(model, settings.state_context)}
+    correct = []
+    for length in settings.lengths:
+        of_length = [t for t in trials if t.length == length]
+        answers = retrieve_passkeys(model, tokenizer, of_length, max_new_tokens=ANSWER_TOKENS)
+        hits = sum(passkey_answer(a) == t.key for a, t in zip(answers, of_length, strict=True))
+        point[f"passkey_{length}"] = _rate(hits, len(of_length))
+        correct.append(hits)
+    turns = shared["second_turn"]
+    answers = second_turn_passkeys(
+        model, tokenizer, turns, gap=settings.second_turn_gap, max_new_tokens=ANSWER_TOKENS
+    )
+    point["second_turn"] = _rate(
+        sum(passkey_answer(a) == t.key for a, t in zip(answers, turns, strict=True)), len(turns)
+    )
+    point["perplexity"] = perplexity(model, shared["held_out"], 1)
+    point["seconds"] = time.perf_counter() - started
+    echo(_line(point, settings, window))
+    return point
+
+
+def _rate(hits: int, trials: int) -> dict[str, Any]:
+    low, high = wilson_interval(hits, trials)
+    return {"correct": hits, "trials": trials, "accuracy": hits / trials, "wilson_95": [low, high]}
+
+
+def _line(point: dict[str, Any], settings: RetrievalBenchSettings, window: int) -> str:
+    passkeys = ", ".join(
+        f"{point[f'passkey_{n}']['correct']}/{point[f'passkey_{n}']['trials']} at {n}"
+        for n in settings.lengths
+    )
+    turn = point["second_turn"]
+    return (
+        f"{point['model']}: state {point['state_bytes'] / 2**20:.1f} MiB at {settings.state_context}; passkey "
+        f"beyond a {window}-token window {passkeys}; second turn {turn['correct']}/{turn['trials']}; perplexity "
+        f"{point['perplexity']:.3f} at {settings.perplexity_length} ({point['seconds']:.0f} s)"
+    )
+
+
+def results_table(report: dict[str, Any]) -> str:
+    """table.md: one row per model and point."""
+    lengths = report["lengths"]
+    original = report["points"][0]
+    rows = []
+    for point in report["points"]:
+        cells = [
+            point["model"],
+            f"{point['state_bytes'] / 2**20:.1f} MiB",
+            f"1/{original['state_bytes'] / point['state_bytes']:.1f}",
+        ]
+        for length in lengths:
+            cell = point[f"passkey_{length}"]
+            low, high = cell["wilson_95"]
+            cells.append(f"{cell['accuracy']:.0%} [{low:.0%}, {high:.0%}]")
+        turn = point["second_turn"]
+        cells.append(f"{turn['accuracy']:.0%} ({turn['correct']}/{turn['trials']})")
+        cells.append(f"{point['perplexity'] / original['perplexity']:.2f}×")
+        rows.append(cells)
+    header = (
+        f"{report['model']}: passkey with the key beyond a {report['window']}-token window "
+        f"({report['trials']} prompts per length), second turn after {report['second_turn_gap']} tokens, "
+        f"perplexity at {report['perplexity_length']} tokens; state at {report['state_context']} tokens, batch 1."
+    )
+    columns = [
+        "model",
+        "state",
+        "of the KV cache",
+        *(f"passkey @{n}" for n in lengths),
+        "second turn",
+        "perplexity",
+    ]
+    return f"{header}\n\n" + markdown_table(columns, rows)
+
+
+@register_benchmark("retrieval", RetrievalBenchSettings, check=_check, render=results_table)
+def run_retrieval_benchmark(settings: RetrievalBenchSettings, console: Any) -> dict[str, Any]:
+    """Passkey (key beyond the window, and asked in a second turn), perplexity and decoding-state bytes of a
+    linearized model over a budget grid (G question-chosen exact keys, R retrieval heads), beside the original
+    with a compressed cache of equal bytes and the original itself.
+
+    Returns the dictionary written to ``results.json``."""
+
+    def echo(text: str) -> None:
+        console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+    model_path = Path(settings.model) if settings.model is not None else smollm2_gguf_path()
+    loaded = load_model(model_path, kind=CAUSAL_LM)
+    original, tokenizer = loaded.model, loaded.tokenizer
+    trained = None
+    if settings.linearized is not None:
+        trained = load_model(settings.linearized, kind=CAUSAL_LM).model
+        if not linearized_modules(trained):
+            raise HeadkitError(f"--linearized {str(settings.linearized)!r} has no linearized layer")
+    reference = linearized_modules(trained)[0] if trained is not None else None
+    window = reference.window if reference is not None else settings.window
+    sinks = reference.sinks if reference is not None else settings.sinks
+    context = max_context(original)
+    longest = max([*settings.lengths, settings.perplexity_length])
+    if context is not None and longest > context:
+        raise HeadkitError(f"lengths must be at most the model's context of {context}, got {longest}")
+
+    corpus = load_text(settings.data)
+    sentences = prose_sentences(corpus, seed=settings.seed)
+    trials = []
+    for length in settings.lengths:
+        made = passkey_trials(
+            tokenizer, sentences, length, settings.trials * 4, BEYOND_DEPTHS, seed=settings.seed,
+            answer_tokens=ANSWER_TOKENS,
+        )  # fmt: skip
+        beyond = [t for t in made if key_beyond_window(t, window)]
+        if len(beyond) < settings.trials:
+            raise HeadkitError(
+                f"too few passkey prompts of {length} tokens hold their key beyond the window {window}"
+            )
+        trials += beyond[: settings.trials]
+    shortest = min(settings.lengths)
+    second_turn = [t for t in trials if t.length == max(settings.lengths)]
+    second_turn = [t for t in second_turn if key_beyond_window(t, settings.second_turn_gap)]
+    held_out = lm_windows(
+        tokenizer, corpus, length=settings.perplexity_length, train_windows=1,
+        held_out_windows=settings.held_out_windows, seed=settings.seed,
+    ).held_out  # fmt: skip
+    shared = {
+        "tokenizer": tokenizer,
+        "trials": trials,
+        "window": window,
+        "second_turn": second_turn,
+        "held_out": held_out,
+    }
+
+    examples = passkey_examples(
+        tokenizer, sentences, min(1024, shortest * 2, context or 1024), SCORING_PROMPTS,
+        seed=SCORING_SEED + settings.seed,
+    )  # fmt: skip
+    scores = retrieval_head_scores(original, examples)
+    echo(
+        "retrieval heads (best 16): "
+        + ", ".join(
+            f"{layer}:{head} {float(scores[layer, head]):.2f}"
+            for layer, head in top_heads(scores, min(16, scores.numel()))
+        )
+    )
+
+    points = [_measure("original (full KV cache)", original, settings, shared, echo)]
+    for count in settings.retrieval_head_counts:
+        heads = top_heads(scores, count)
+        for budget in settings.budgets:
+            label = f"G={budget} R={count}"
+            target = None
+            if trained is not None:
+                reconfigure(
+                    trained,
+                    sparse_cache=budget,
+                    selection="question",
+                    observation=settings.observation,
+                    retrieval_heads=heads,
+                )
+                linear = _measure(f"linearized {label}", trained, settings, shared, echo)
+                points.append(linear)
+                target = linear["state_bytes"]
+            baseline = copy.deepcopy(original)
+            config = LinearizeConfig(
+                window=window, sinks=sinks, sparse_cache=budget, selection="question",
+                observation=settings.observation, fold=False, retrieval_heads=heads,
+            )  # fmt: skip
+            linearize(baseline, config)
+            if target is not None:
+                equal = _equal_budget(baseline, target, settings.state_context)
+                reconfigure(baseline, sparse_cache=equal)
+                label = f"G′={equal} R={count} (equal bytes)"
+            points.append(_measure(f"compressed cache {label}", baseline, settings, shared, echo))
+            del baseline
+    return {
+        "model": str(model_path),
+        "linearized": None if settings.linearized is None else str(settings.linearized),
+        "window": window,
+        "sinks": sinks,
+        "lengths": list(settings.lengths),
+        "trials": settings.trials,
+        "second_turn_gap": settings.second_turn_gap,
+        "second_turn_trials": len(second_turn),
+        "perplexity_length": settings.perplexity_length,
+        "state_context": settings.state_context,
+        "retrieval_head_scores": scores.tolist(),
+        "points": points,
+    }
