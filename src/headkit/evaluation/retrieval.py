@@ -280,8 +280,24 @@ def retrieve_passkeys(
 ) -> list[str]:
     """The model's greedy answers (decoded text, at most `max_new_tokens` tokens) to the trials' prompts,
     prompts of equal length decoded together, about `batch_tokens` prompt tokens per batch."""
-    device = model_device(model)
     pad = pad_token_of(tokenizer)
+
+    def answer(ids: torch.Tensor) -> torch.Tensor:
+        return generate_tokens(model, ids, max_new_tokens, pad)
+
+    return _answers(model, tokenizer, trials, batch_tokens, answer)
+
+
+def _answers(
+    model: nn.Module,
+    tokenizer: Any,
+    trials: Sequence[PasskeyTrial],
+    batch_tokens: int,
+    answer: Any,
+) -> list[str]:
+    """`answer(ids [N, L]) → [N, L + n]` over the trials' prompts, those of equal length together (about
+    `batch_tokens` prompt tokens per batch), decoded in the trials' order."""
+    device = model_device(model)
     answers: dict[int, str] = {}
     by_length: dict[int, list[int]] = {}
     for index, trial in enumerate(trials):
@@ -291,8 +307,7 @@ def retrieve_passkeys(
         for start in range(0, len(indices), rows):
             chunk = indices[start : start + rows]
             ids = torch.tensor([trials[i].input_ids for i in chunk], dtype=torch.long, device=device)
-            generated = generate_tokens(model, ids, max_new_tokens, pad)[:, ids.shape[1] :]
-            for i, row in zip(chunk, generated, strict=True):
+            for i, row in zip(chunk, answer(ids)[:, length:], strict=True):
                 answers[i] = tokenizer.decode(row.tolist(), skip_special_tokens=True)
     return [answers[i] for i in range(len(trials))]
 
@@ -317,25 +332,16 @@ def second_turn_passkeys(
                 f"a second turn of {gap} tokens must start after the key (at token {trial.key_position} of "
                 f"{len(trial.input_ids)}): use shallower depths or a shorter gap"
             )
-    device = model_device(model)
     pad = pad_token_of(tokenizer)
-    answers: dict[int, str] = {}
-    by_length: dict[int, list[int]] = {}
-    for index, trial in enumerate(trials):
-        by_length.setdefault(len(trial.input_ids), []).append(index)
-    for length, indices in by_length.items():
-        rows = max(1, batch_tokens // length)
-        for start in range(0, len(indices), rows):
-            chunk = indices[start : start + rows]
-            ids = torch.tensor([trials[i].input_ids for i in chunk], dtype=torch.long, device=device)
-            cache = output_cache(model(input_ids=ids[:, : length - gap], use_cache=True))
-            generated = generate_tokens(model, ids, max_new_tokens, pad, **cache_keyword(cache))
-            for i, row in zip(chunk, generated[:, length:], strict=True):
-                answers[i] = tokenizer.decode(row.tolist(), skip_special_tokens=True)
-    return [answers[i] for i in range(len(trials))]
+
+    def answer(ids: torch.Tensor) -> torch.Tensor:
+        cache = output_cache(model(input_ids=ids[:, : ids.shape[1] - gap], use_cache=True))
+        return generate_tokens(model, ids, max_new_tokens, pad, **cache_keyword(cache))
+
+    return _answers(model, tokenizer, trials, batch_tokens, answer)
 
 
-def key_beyond_window(trial: PasskeyTrial, window: int, answer_tokens: int = 8) -> bool:
+def key_beyond_window(trial: PasskeyTrial, window: int) -> bool:
     """Whether the trial's key sentence has left a `window`-token attention window by the time the answer is
     written (its last token more than `window` tokens before the prompt's end)."""
     return trial.key_position + trial.key_tokens <= len(trial.input_ids) - window
