@@ -5,7 +5,7 @@ import copy
 
 import pytest
 import torch
-import transformers
+from tiny_models import peaked_llama
 
 import headkit
 from headkit.compat import cache_keyword, output_cache
@@ -16,25 +16,8 @@ from headkit.surgery.linearize import decoding_state_bytes, linearized_modules, 
 
 
 def tiny(architecture="llama", layers=2):
-    """A tiny LLaMA (grouped-query attention, RoPE) with peaked attention, so that a wrong score shows."""
     assert architecture == "llama"
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=97,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        max_position_embeddings=256,
-    )
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if name.endswith(("q_proj.weight", "k_proj.weight")):
-                parameter.normal_(std=0.3)
-    return model.eval()
+    return peaked_llama(layers)
 
 
 def ids(batch=2, length=24, seed=1):

@@ -93,6 +93,22 @@ def _llama() -> nn.Module:
     return tr.LlamaModel(llama_config())
 
 
+def peaked_llama(layers: int = 2, vocab: int = 97) -> tr.LlamaForCausalLM:
+    """A tiny LLaMA causal LM (4 query heads over 2 key/value heads of width 8, RoPE, context 256) whose query
+    and key projections are drawn large, so that attention is peaked and a wrong choice of keys shows."""
+    torch.manual_seed(0)
+    config = tr.LlamaConfig(
+        vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
+    )  # fmt: skip
+    model = tr.LlamaForCausalLM(config)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                parameter.normal_(std=0.3)
+    return model.eval()
+
+
 def headkit_config(**overrides) -> HeadkitConfig:
     settings = dict(
         vocab_size=VOCAB,
