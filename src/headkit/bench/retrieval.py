@@ -77,7 +77,9 @@ class RetrievalBenchSettings:
         (0, 4, 8, 16), "Retrieval heads kept softmax with a full cache (R).", min=0, quick=(0, 2)
     )
     window: int = option(256, "Window of the baseline when no linearized model is given.", quick=64)
-    sinks: int = option(4, "Sinks of the baseline when no linearized model is given.", min=0)
+    sinks: int | None = option(
+        None, "Sinks kept exact (default: the linearized model's own; 4 without one).", min=0
+    )
     observation: int = option(32, "Queries at the end of a prompt that choose its keys.", quick=8)
     second_turn_gap: int = option(
         512, "Tokens of other text between the key's turn and the question's (the second turn).", quick=128
@@ -233,7 +235,9 @@ def run_retrieval_benchmark(settings: RetrievalBenchSettings, console: Any) -> d
             raise HeadkitError(f"--linearized {str(settings.linearized)!r} has no linearized layer")
     reference = linearized_modules(trained)[0] if trained is not None else None
     window = reference.window if reference is not None else settings.window
-    sinks = reference.sinks if reference is not None else settings.sinks
+    sinks = (
+        settings.sinks if settings.sinks is not None else (reference.sinks if reference is not None else 4)
+    )
     context = max_context(original)
     longest = max([*settings.lengths, settings.perplexity_length])
     if context is not None and longest > context:
@@ -290,6 +294,7 @@ def run_retrieval_benchmark(settings: RetrievalBenchSettings, console: Any) -> d
             if trained is not None:
                 reconfigure(
                     trained,
+                    sinks=sinks,
                     sparse_cache=budget,
                     selection="question",
                     observation=settings.observation,

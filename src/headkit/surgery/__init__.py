@@ -30,7 +30,7 @@ from headkit.surgery.decompose import decompose_query_key
 from headkit.surgery.gating import add_head_gates, l0_penalty, remove_head_gates
 from headkit.surgery.io import from_pretrained
 from headkit.surgery.latent import LatentKVConfig, LatentReport, compress_kv_to_latent
-from headkit.surgery.linearize import LinearizeConfig, LinearizedHeads, LinearizeReport
+from headkit.surgery.linearize import LinearizeConfig, LinearizedHeads, LinearizeReport, reconfigure
 from headkit.surgery.pruning import prune_dead_heads, prune_heads
 from headkit.surgery.records import record_surgery, register_surgery_op
 
@@ -45,6 +45,7 @@ __all__ = [
     "LatentReport",
     "LinearizeConfig",
     "LinearizeReport",
+    "reconfigure",
     "LinearizedHeads",
     "ProjectionWeights",
     "SwapReport",
