@@ -262,10 +262,13 @@ def test_bad_input_is_named():
         decoder.generate(ids, max_new_tokens=0)
     with pytest.raises(HeadkitError, match="fullgraph must be True"):
         FastDecoder(tiny_llama(), compile_config=CompileConfig(fullgraph=False))
-    exact = tiny_llama()
-    linearize(exact, window=4, sinks=1, sparse_cache=2)
-    with pytest.raises(HeadkitError, match="sinks or a sparse exact cache.*model.generate"):
-        FastDecoder(exact, compile=False)
+    for options in ({"sinks": 1, "sparse_cache": 2}, {"retrieval_heads": [(0, 1)]}, {"fold": False}):
+        exact = tiny_llama()
+        linearize(exact, window=4, **options)
+        with pytest.raises(
+            HeadkitError, match="sinks, a sparse exact cache or retrieval heads.*model.generate"
+        ):
+            FastDecoder(exact, compile=False)
 
 
 def test_missing_compiler_is_one_line(monkeypatch):

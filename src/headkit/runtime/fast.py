@@ -217,14 +217,19 @@ class FastDecoder:
         exact = [
             name
             for name, module in model.named_modules()
-            if getattr(module, "sinks", 0) or getattr(module, "sparse_cache", 0)
+            if getattr(module, "sinks", 0)
+            or getattr(module, "sparse_cache", 0)
+            or getattr(module, "exact_heads", ())
+            or getattr(module, "fold", True) is False
         ]
         if exact:
-            # The fixed-size step is the plain window + linear hybrid (a ring buffer); sinks and the sparse exact
-            # cache choose keys per token, which that step does not do. Refused rather than decoded differently.
+            # The fixed-size step is the plain window + linear hybrid (a ring buffer); sinks, the sparse exact
+            # cache, retrieval heads and the dropping baseline keep other states. Refused rather than decoded
+            # differently.
             raise HeadkitError(
-                f"{exact[0]} keeps sinks or a sparse exact cache (headkit linearize --sinks/--sparse-cache), which "
-                "the fast path's fixed-size step does not run yet; decode it with model.generate"
+                f"{exact[0]} keeps sinks, a sparse exact cache or retrieval heads, or drops what it does not keep "
+                "(headkit linearize --sinks/--sparse-cache/--retrieval-heads/--drop), which the fast path's "
+                "fixed-size step does not run yet; decode it with model.generate"
             )
         if compile:
             check_compiler()
