@@ -42,14 +42,7 @@ from torch import nn
 
 from headkit.errors import HeadkitError
 from headkit.layers.base import HeadkitAttention
-from headkit.layers.gates import (
-    GATES,
-    FixedGate,
-    HardConcreteGate,
-    HeadkitGate,
-    _check_positive_float,
-    _check_stretch,
-)
+from headkit.layers.gates import GATES, FixedGate, HardConcreteGate, HeadkitGate
 from headkit.layers.gates import l0_penalty as _gates_l0_penalty
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite, get_adapter
 from headkit.surgery.attention import HEAD_GATE, release_dispatcher, use_dispatcher
@@ -288,13 +281,12 @@ class GateConfig:
             raise HeadkitError(f"bad Hard Concrete gate option: init_log_alpha must be finite, got {init!r}")
         if not isinstance(self.hard, bool):
             raise HeadkitError(f"bad Hard Concrete gate option: hard must be a bool, got {self.hard!r}")
-        try:
-            temperature = _check_positive_float("temperature", self.temperature)
-            stretch = _check_stretch(self.stretch)
-        except ValueError as exc:
+        try:  # the gate's own checks (and its normalised values): one gate of one head
+            gate = HardConcreteGate(1, temperature=self.temperature, stretch=self.stretch, hard=self.hard)
+        except (TypeError, ValueError) as exc:
             raise HeadkitError(f"bad Hard Concrete gate option: {exc}") from None
-        object.__setattr__(self, "temperature", temperature)
-        object.__setattr__(self, "stretch", stretch)
+        object.__setattr__(self, "temperature", gate.temperature)
+        object.__setattr__(self, "stretch", gate.stretch)
         object.__setattr__(self, "init_log_alpha", float(init))
 
     def check(
