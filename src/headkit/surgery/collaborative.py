@@ -35,9 +35,11 @@ views each projection as ``[..., -1, head_dim]``, updates the cache and calls th
   (eager: always) or where the model passes ``output_attentions``.
 
 Values, the output projection and everything outside attention are untouched. :func:`swap_to_collaborative`
-validates everything and computes every new module before it changes any, so a failure leaves the model as
-it was; the swap is recorded in ``config.headkit_surgery`` so that ``headkit.from_pretrained`` replays it on a
-freshly built model and loads the saved weights strictly.
+validates everything (its :class:`CollaborativeConfig`, checked against the model; :meth:`CollaborativeConfig.check`
+also takes a 🤗 config, before the weights are loaded) and computes every new module before it changes any, so a
+failure leaves the model as it was; the swap is recorded in ``config.headkit_surgery`` (the config, and the
+modules swapped) so that ``headkit.from_pretrained`` replays it on a freshly built model and loads the saved
+weights strictly.
 """
 
 from __future__ import annotations

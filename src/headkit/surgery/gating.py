@@ -25,8 +25,12 @@ model. A module shared by several layers (ALBERT) has one gate, used by every la
 head of a shared module removes it everywhere. Gates are indexed by *site* (distinct attention module, see
 :meth:`AttentionAdapter.sites`), which is the layer index for every model without shared layers.
 
-Saving. :func:`add_head_gates` and :func:`remove_head_gates` record themselves in ``config.headkit_surgery``, so a
-gated model saved with ``save_pretrained`` reloads with its gates through :func:`headkit.from_pretrained`.
+Options. :class:`GateConfig` declares them once (kind, alive heads, the Hard Concrete options), validates them
+when built and checks them against a model or its 🤗 config (:meth:`GateConfig.check`) before any gate is attached.
+
+Saving. :func:`add_head_gates` (its :class:`GateConfig`) and :func:`remove_head_gates` record themselves in
+``config.headkit_surgery``, so a gated model saved with ``save_pretrained`` reloads with its gates through
+:func:`headkit.from_pretrained`.
 """
 
 from __future__ import annotations

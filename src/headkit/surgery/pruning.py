@@ -24,7 +24,8 @@ placeholders of one zero head, its output projection :class:`~headkit.surgery.ad
 mechanism :class:`EmptyHeads` skips attention and keeps nothing in the cache. It contributes what the output
 projection adds to zero heads (its bias) and whatever the module runs after it (dropout, residual LayerNorm).
 
-Every call validates the whole plan before it changes anything, and records itself in
+Every call validates the whole plan before it changes anything (:class:`PruneConfig`: built, then checked against
+the model, or only its 🤗 config, with :meth:`PruneConfig.check`), and records itself in
 ``config.headkit_surgery`` so that ``save_pretrained`` + :func:`headkit.from_pretrained` restore the pruned shapes.
 """
 
