@@ -51,7 +51,11 @@ def test_swapped_model_reloads_with_identical_outputs(tmp_path, kind, dim_shared
         {
             "op": "collaborative",
             "adapter": kind,
+            # the CollaborativeConfig's fields (headkit.surgery.collaborative.CollaborativeConfig.record)
             "dim_shared_query_key": dim_shared,
+            "seed": 0,
+            "tol": 1e-7,
+            "max_iter": 500,
             "sites": [site["name"] for site in _site_names(model)],
         }
     ]

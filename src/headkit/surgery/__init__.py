@@ -2,14 +2,15 @@
 
 - :mod:`headkit.surgery.adapters`: where attention lives in each architecture (shared by every surgery).
 - :mod:`headkit.surgery.decompose`: CP decomposition of query/key projections into shared ones.
-- :mod:`headkit.surgery.collaborative`: swap attention modules for collaborative heads.
+- :mod:`headkit.surgery.collaborative`: swap attention modules for collaborative heads
+  (:func:`swap_to_collaborative` with a :class:`CollaborativeConfig`).
 - :mod:`headkit.surgery.linearize`: softmax → sliding-window + linear attention in causal LMs (LoLCATs;
   :func:`headkit.linearize` with a :class:`LinearizeConfig`; the function is not re-exported here so that the
   module keeps its name).
 - :mod:`headkit.surgery.latent`: latent keys/values in rotary decoders (MHA2MLA; :func:`compress_kv_to_latent`
   with a :class:`LatentKVConfig`).
 - :mod:`headkit.surgery.gating`, :mod:`headkit.surgery.pruning`: Hard Concrete head gates and physical head
-  removal (:func:`add_head_gates`, :func:`prune_heads`).
+  removal (:func:`add_head_gates` with a :class:`GateConfig`, :func:`prune_heads` with a :class:`PruneConfig`).
 - :mod:`headkit.surgery.records`: record surgery in the config (each op registers how to re-apply it).
 - :mod:`headkit.surgery.io`: reload saved models, surgery re-applied (:func:`from_pretrained`).
 """
@@ -25,13 +26,18 @@ from headkit.surgery.adapters import (
     register_adapter,
     supported_architectures,
 )
-from headkit.surgery.collaborative import CollaborativeHeads, SwapReport, swap_to_collaborative
+from headkit.surgery.collaborative import (
+    CollaborativeConfig,
+    CollaborativeHeads,
+    SwapReport,
+    swap_to_collaborative,
+)
 from headkit.surgery.decompose import decompose_query_key
-from headkit.surgery.gating import add_head_gates, l0_penalty, remove_head_gates
+from headkit.surgery.gating import GateConfig, add_head_gates, l0_penalty, remove_head_gates
 from headkit.surgery.io import from_pretrained
 from headkit.surgery.latent import LatentKVConfig, LatentReport, compress_kv_to_latent
 from headkit.surgery.linearize import LinearizeConfig, LinearizedHeads, LinearizeReport, reconfigure
-from headkit.surgery.pruning import prune_dead_heads, prune_heads
+from headkit.surgery.pruning import PruneConfig, prune_dead_heads, prune_heads
 from headkit.surgery.records import record_surgery, register_surgery_op
 
 __all__ = [
@@ -39,8 +45,10 @@ __all__ = [
     "AttentionAdapter",
     "AttentionSite",
     "BERTCollaborativeAdapter",
+    "CollaborativeConfig",
     "CollaborativeHeads",
     "DistilBERTCollaborativeAdapter",
+    "GateConfig",
     "LatentKVConfig",
     "LatentReport",
     "LinearizeConfig",
@@ -48,6 +56,7 @@ __all__ = [
     "reconfigure",
     "LinearizedHeads",
     "ProjectionWeights",
+    "PruneConfig",
     "SwapReport",
     "add_head_gates",
     "compress_kv_to_latent",

@@ -35,15 +35,17 @@ views each projection as ``[..., -1, head_dim]``, updates the cache and calls th
   (eager: always) or where the model passes ``output_attentions``.
 
 Values, the output projection and everything outside attention are untouched. :func:`swap_to_collaborative`
-validates everything and computes every new module before it changes any, so a failure leaves the model as
-it was; the swap is recorded in ``config.headkit_surgery`` so that ``headkit.from_pretrained`` replays it on a
-freshly built model and loads the saved weights strictly.
+validates everything (its :class:`CollaborativeConfig`, checked against the model; :meth:`CollaborativeConfig.check`
+also takes a 🤗 config, before the weights are loaded) and computes every new module before it changes any, so a
+failure leaves the model as it was; the swap is recorded in ``config.headkit_surgery`` (the config, and the
+modules swapped) so that ``headkit.from_pretrained`` replays it on a freshly built model and loads the saved
+weights strictly.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -52,7 +54,6 @@ from torch import nn
 
 from headkit.errors import HeadkitError
 from headkit.layers.collaborative import collaborative_head_outputs
-from headkit.ops._validation import check_positive_int
 from headkit.surgery.adapters import (
     AttentionAdapter,
     AttentionSite,
@@ -68,6 +69,7 @@ from headkit.surgery.attention import (
     refuse_modules_off_the_interface,
 )
 from headkit.surgery.decompose import decompose_query_key
+from headkit.surgery.families import COMPRESS, FAMILIES, get_family
 from headkit.surgery.records import record_surgery, register_surgery_op
 
 SURGERY_OP = "collaborative"
@@ -277,14 +279,135 @@ class SwapReport:
         return "\n".join(lines)
 
 
+@dataclass(frozen=True)
+class CollaborativeConfig:
+    """How :func:`swap_to_collaborative` re-expresses a model's attention: the one declaration of each option.
+
+    Built, it checks its types and ranges; :meth:`check` checks it against a model, or only its 🤗 config (no
+    rotary or grouped-query attention, D̃ within the hidden size), before any decomposition or weight change. The
+    model's ``config.headkit_surgery`` records it (:meth:`record`), and :func:`headkit.from_pretrained` rebuilds
+    the structure from that record (:meth:`from_record`), records written before the fit's fields were recorded
+    included.
+
+    Attributes:
+        dim_shared_query_key: D̃ ≥ 1, the width of the shared query/key projections: heads·head_dim is exact,
+            smaller compresses the query/key projections (by CP decomposition). At most the hidden size.
+        seed, tol, max_iter: the fit's (:func:`headkit.surgery.decompose.decompose_query_key`): its random
+            start, its relative-improvement tolerance (≥ 0) and its most ALS sweeps (≥ 0).
+    """
+
+    # Each field's metadata makes it a command-line option where a command takes this config's fields
+    # (headkit.recipes.options).
+    dim_shared_query_key: int = field(
+        metadata={
+            "help": "Width D̃ of the shared query/key projections (heads·head_dim is exact; smaller compresses).",
+            "min": 1,
+        }
+    )
+    seed: int = field(default=0, metadata={"help": "Seed of the CP decomposition's start."})
+    tol: float = field(
+        default=1e-7, metadata={"help": "Relative-improvement tolerance of the CP decomposition.", "min": 0.0}
+    )
+    max_iter: int = field(
+        default=500, metadata={"help": "Most ALS sweeps of the CP decomposition.", "min": 0}
+    )
+
+    def __post_init__(self) -> None:
+        dim = self.dim_shared_query_key
+        if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+            raise HeadkitError(f"dim_shared_query_key must be a positive integer, got {dim!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise HeadkitError(f"seed must be an integer, got {self.seed!r}")
+        tol = self.tol
+        if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
+            raise HeadkitError(f"tol must be a non-negative number, got {tol!r}")
+        if isinstance(self.max_iter, bool) or not isinstance(self.max_iter, int) or self.max_iter < 0:
+            raise HeadkitError(f"max_iter must be a non-negative integer, got {self.max_iter!r}")
+
+    def check(
+        self,
+        model_or_config: Any,
+        adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+    ) -> None:
+        """Everything that can refuse this swap, before any work: on a model, its adapter, attention modules (not
+        swapped or converted already, no rotary, no grouped-query attention, projections all separate or all
+        fused, through the attention interface) and D̃ against its hidden size; on a 🤗 config (before the
+        weights are loaded), what it states: a registered decoder family that supports ``compress`` (none with
+        rotary does), heads = key/value heads, D̃ against its hidden size."""
+        if isinstance(model_or_config, nn.Module):
+            self._check_model(model_or_config, adapter)
+            return
+        config = model_or_config
+        if getattr(config, "model_type", None) in FAMILIES:
+            # a registered decoder family: every one with rotary lacks ``compress``
+            get_family(config, COMPRESS)
+        hidden = getattr(config, "hidden_size", None)
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads != heads:
+            raise HeadkitError(
+                f"the model uses grouped-query attention ({heads} query, {kv_heads} key/value heads), which the "
+                "collaborative swap does not support"
+            )
+        if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0:
+            return
+        head_dim = getattr(config, "head_dim", None) or hidden // heads
+        _check_width(self.dim_shared_query_key, hidden, heads * head_dim)
+
+    def _check_model(
+        self, model: nn.Module, adapter: AttentionAdapter | type[AttentionAdapter] | str | None
+    ) -> tuple[AttentionAdapter, list[AttentionSite]]:
+        adapter = get_adapter(model, adapter)
+        sites = adapter.sites(model)
+        _check_swappable(adapter, sites, self.dim_shared_query_key)
+        refuse_modules_off_the_interface(
+            model, [(s.name, s.module) for s in sites], f"{adapter.name} cannot be swapped"
+        )
+        return adapter, sites
+
+    @property
+    def decompose(self) -> dict[str, Any]:
+        """The keywords of :func:`headkit.surgery.decompose.decompose_query_key` (the fit)."""
+        return {"seed": self.seed, "tol": self.tol, "max_iter": self.max_iter}
+
+    def record(self) -> dict[str, Any]:
+        """The fields as ``config.headkit_surgery`` keeps them."""
+        return asdict(self)
+
+    @classmethod
+    def from_record(cls, entry: dict[str, Any]) -> CollaborativeConfig:
+        """The config a record was written from (a field the record predates takes its default: a record written
+        before the fit's fields were recorded holds D̃ only)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{name: value for name, value in entry.items() if name in names})
+
+
+def _collaborative_config_of(
+    adapter: CollaborativeConfig | AttentionAdapter | type[AttentionAdapter] | str | None,
+    config: CollaborativeConfig | None,
+    options: dict[str, Any],
+) -> tuple[CollaborativeConfig, AttentionAdapter | type[AttentionAdapter] | str | None]:
+    """The config of a :func:`swap_to_collaborative` call (given in the adapter's place or as ``config=``, or
+    built from the keywords: the call's API before the config) and the adapter."""
+    if isinstance(adapter, CollaborativeConfig):
+        if config is not None:
+            raise HeadkitError("pass the config once (positionally or as config=), not both")
+        adapter, config = None, adapter
+    if config is None:
+        return CollaborativeConfig(**options), adapter
+    if not isinstance(config, CollaborativeConfig):
+        raise HeadkitError(f"config must be a CollaborativeConfig, got {type(config).__name__}")
+    if options:
+        raise HeadkitError(f"pass the options in the config or as keywords, not both: got {sorted(options)}")
+    return config, adapter
+
+
 def swap_to_collaborative(
     model: nn.Module,
-    adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+    adapter: CollaborativeConfig | AttentionAdapter | type[AttentionAdapter] | str | None = None,
     *,
-    dim_shared_query_key: int,
-    seed: int = 0,
-    tol: float = 1e-7,
-    max_iter: int = 500,
+    config: CollaborativeConfig | None = None,
+    **options: Any,
 ) -> SwapReport:
     """Re-express every self-attention module of `model` with collaborative heads, in place.
 
@@ -292,52 +415,47 @@ def swap_to_collaborative(
         model: a 🤗 model of a supported architecture (see :mod:`headkit.surgery.adapters`) whose attention modules
             dispatch through transformers' attention interface.
         adapter: the architecture's adapter (class, instance or name), as in the reference package's
-            ``swap_to_collaborative(model, BERTCollaborativeAdapter, ...)``; detected from the model when None.
-        dim_shared_query_key: D̃, the width of the shared query/key projections: heads·head_dim is exact,
-            smaller compresses the query/key projections (by CP decomposition). At most the hidden size.
-        seed, tol, max_iter: passed to :func:`headkit.surgery.decompose.decompose_query_key`.
+            ``swap_to_collaborative(model, BERTCollaborativeAdapter, ...)``; detected from the model when None. A
+            :class:`CollaborativeConfig` in its place is the config (``swap_to_collaborative(model, config)``).
+        config: how (:class:`CollaborativeConfig`); or its fields as keywords, not both:
+            ``dim_shared_query_key`` (D̃, the width of the shared query/key projections: heads·head_dim is exact,
+            smaller compresses the query/key projections by CP decomposition; at most the hidden size) and
+            ``seed``, ``tol``, ``max_iter`` (passed to :func:`headkit.surgery.decompose.decompose_query_key`).
 
     Returns:
         A :class:`SwapReport`: per-module relative reconstruction error, parameters before/after, time.
 
     Raises:
-        HeadkitError / ValueError: unsupported architecture, D̃ out of range, a model already swapped or converted
-        otherwise, rotary or grouped-query attention, attention that does not go through the interface. The model
-        is then left untouched.
+        HeadkitError: unsupported architecture, D̃ out of range, a model already swapped or converted otherwise,
+        rotary or grouped-query attention, attention that does not go through the interface. The model is then
+        left untouched.
     """
     start = time.perf_counter()
-    adapter = get_adapter(model, adapter)
-    check_positive_int("dim_shared_query_key", dim_shared_query_key)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
-    if isinstance(tol, bool) or not isinstance(tol, (int, float)) or not tol >= 0:
-        raise ValueError(f"tol must be a non-negative number, got {tol!r}")
-    if isinstance(max_iter, bool) or not isinstance(max_iter, int) or max_iter < 0:
-        raise ValueError(f"max_iter must be a non-negative integer, got {max_iter!r}")
-    sites = adapter.sites(model)
-    _check_swappable(adapter, sites, dim_shared_query_key)
-    refuse_modules_off_the_interface(
-        model, [(s.name, s.module) for s in sites], f"{adapter.name} cannot be swapped"
-    )
+    config, adapter = _collaborative_config_of(adapter, config, options)
+    adapter, sites = config._check_model(model, adapter)
+    dim_shared = config.dim_shared_query_key
 
     parameters_before = count_parameters(model)
-    planned = [
-        _plan_site(
-            adapter, site, dim_shared_query_key, decompose={"seed": seed, "tol": tol, "max_iter": max_iter}
-        )
-        for site in sites
-    ]
+    planned = [_plan_site(adapter, site, dim_shared, decompose=config.decompose) for site in sites]
     # Everything is computed and checked: only now does the model change.
     _apply(model, adapter, planned)
-    record_surgery(model, _surgery_entry(adapter, sites, dim_shared_query_key))
+    record_surgery(model, _surgery_entry(adapter, sites, config))
     return SwapReport(
         architecture=adapter.name,
-        dim_shared_query_key=dim_shared_query_key,
+        dim_shared_query_key=dim_shared,
         parameters_before=parameters_before,
         parameters_after=count_parameters(model),
         seconds=time.perf_counter() - start,
         sites=[plan.report for plan in planned],
     )
+
+
+def _check_width(dim_shared: int, hidden: int, full: int) -> None:
+    if dim_shared > hidden and dim_shared != full:
+        raise HeadkitError(
+            f"dim_shared_query_key must be at most the hidden size {hidden} (or heads·head_dim = {full}, "
+            f"the exact size), got {dim_shared}"
+        )
 
 
 def _check_swappable(adapter: AttentionAdapter, sites: list[AttentionSite], dim_shared: int) -> None:
@@ -374,12 +492,7 @@ def _check_swappable(adapter: AttentionAdapter, sites: list[AttentionSite], dim_
                 "heads), which the collaborative swap does not support"
             )
         hidden = adapter.read_projections(site).q_weight.shape[1]
-        full = site.num_heads * site.head_dim
-        if dim_shared > hidden and dim_shared != full:
-            raise HeadkitError(
-                f"dim_shared_query_key must be at most the hidden size {hidden} (or heads·head_dim = {full}, "
-                f"the exact size), got {dim_shared}"
-            )
+        _check_width(dim_shared, hidden, site.num_heads * site.head_dim)
 
 
 @dataclass
@@ -475,13 +588,14 @@ def content_bias_weight(q_bias: torch.Tensor, k_weight: torch.Tensor, num_heads:
     return torch.einsum("hd,hdi->hi", per_head_bias, per_head_key).to(k_weight.dtype)
 
 
-def _surgery_entry(adapter: AttentionAdapter, sites: list[AttentionSite], dim_shared: int) -> dict[str, Any]:
-    return {
-        "op": SURGERY_OP,
-        "adapter": adapter.name,
-        "dim_shared_query_key": dim_shared,
-        "sites": [site.name for site in sites],
-    }
+def _surgery_entry(
+    adapter: AttentionAdapter, sites: list[AttentionSite], config: CollaborativeConfig
+) -> dict[str, Any]:
+    return (
+        {"op": SURGERY_OP, "adapter": adapter.name}
+        | config.record()
+        | {"sites": [site.name for site in sites]}
+    )
 
 
 def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
@@ -493,7 +607,7 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
             f"the recorded collaborative swap covered {entry['sites']}, but the rebuilt model has attention "
             f"modules {[site.name for site in sites]}"
         )
-    dim_shared = int(entry["dim_shared_query_key"])
+    dim_shared = CollaborativeConfig.from_record(entry).dim_shared_query_key
     _check_swappable(adapter, sites, dim_shared)
     _apply(model, adapter, [_plan_site(adapter, site, dim_shared, decompose=None) for site in sites])
 
@@ -501,6 +615,7 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
 register_surgery_op(SURGERY_OP, _reapply)
 
 __all__ = [
+    "CollaborativeConfig",
     "CollaborativeHeads",
     "FusedSharedProjection",
     "SharedProjection",

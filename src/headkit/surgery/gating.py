@@ -25,14 +25,20 @@ model. A module shared by several layers (ALBERT) has one gate, used by every la
 head of a shared module removes it everywhere. Gates are indexed by *site* (distinct attention module, see
 :meth:`AttentionAdapter.sites`), which is the layer index for every model without shared layers.
 
-Saving. :func:`add_head_gates` and :func:`remove_head_gates` record themselves in ``config.headkit_surgery``, so a
-gated model saved with ``save_pretrained`` reloads with its gates through :func:`headkit.from_pretrained`.
+Options. :class:`GateConfig` declares them once (kind, alive heads, the Hard Concrete options), validates them
+when built and checks them against a model or its 🤗 config (:meth:`GateConfig.check`) before any gate is attached.
+
+Saving. :func:`add_head_gates` (its :class:`GateConfig`) and :func:`remove_head_gates` record themselves in
+``config.headkit_surgery``, so a gated model saved with ``save_pretrained`` reloads with its gates through
+:func:`headkit.from_pretrained`.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -44,7 +50,7 @@ from headkit.layers.gates import GATES, FixedGate, HardConcreteGate, HeadkitGate
 from headkit.layers.gates import l0_penalty as _gates_l0_penalty
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite, get_adapter
 from headkit.surgery.attention import HEAD_GATE, release_dispatcher, use_dispatcher
-from headkit.surgery.records import record_surgery, register_surgery_op
+from headkit.surgery.records import SURGERY_KEY, record_surgery, register_surgery_op
 
 GATE_ATTRIBUTE = HEAD_GATE
 GATES_OP = "gates"
@@ -84,41 +90,106 @@ def _set_site_gate(model: nn.Module, site: AttentionSite, gate: HeadkitGate | No
 
 # -- validation shared with pruning ----------------------------------------------------------------------------
 
+# ``{layer: [head indices]}`` as a config holds it: ((layer, (head, …)), …), layers and heads sorted.
+LayerHeads = tuple[tuple[int, tuple[int, ...]], ...]
+
+
+def layer_heads(argument: str, heads: Any) -> LayerHeads:
+    """Validate ``{site index: [head indices]}`` without a model: a mapping (or its items, a tuple of ``(layer,
+    heads)`` pairs, as a config holds it), every index a non-negative integer (a recorded plan's string keys read
+    as integers), no layer named twice. Returns ((layer, (head, …)), …), heads sorted and de-duplicated; the
+    ranges are the model's (:func:`check_layer_heads`)."""
+    if isinstance(heads, tuple) and all(isinstance(item, tuple) and len(item) == 2 for item in heads):
+        items = list(heads)
+    elif isinstance(heads, Mapping):
+        items = list(heads.items())
+    else:
+        raise HeadkitError(
+            f"{argument} must be a mapping {{layer: [head indices]}}, got {type(heads).__name__}"
+        )
+    checked: dict[int, tuple[int, ...]] = {}
+    for layer, heads_of_layer in items:
+        layer_index = _as_index(argument, "layer index", layer)
+        if layer_index < 0:
+            raise HeadkitError(f"{argument} names layer {layer!r}, out of range: layer indices are ≥ 0")
+        if layer_index in checked:
+            raise HeadkitError(f"{argument} names layer {layer_index} twice")
+        if isinstance(heads_of_layer, (str, bytes)) or not isinstance(heads_of_layer, Iterable):
+            raise HeadkitError(
+                f"{argument}[{layer!r}] must be an iterable of head indices, got {type(heads_of_layer).__name__}"
+            )
+        indices = set()
+        for head in heads_of_layer:
+            head_index = _as_index(argument, f"head index of layer {layer_index}", head)
+            if head_index < 0:
+                raise HeadkitError(
+                    f"{argument}[{layer_index}] holds head {head!r}, out of range: head indices are ≥ 0"
+                )
+            indices.add(head_index)
+        checked[layer_index] = tuple(sorted(indices))
+    return tuple(sorted(checked.items()))
+
+
+def check_layer_heads(argument: str, heads: LayerHeads, counts: list[int]) -> dict[int, list[int]]:
+    """Check validated ``heads`` (:func:`layer_heads`) against the query heads of each site (`counts`); returns
+    ``{site index: [head indices]}``."""
+    checked: dict[int, list[int]] = {}
+    for layer, heads_of_layer in heads:
+        if layer >= len(counts):
+            raise HeadkitError(
+                f"{argument} names layer {layer!r}, out of range: the model has {len(counts)} attention layers "
+                f"(0 … {len(counts) - 1})"
+            )
+        num_heads = counts[layer]
+        outside = [head for head in heads_of_layer if head >= num_heads]
+        if outside:
+            raise HeadkitError(
+                f"{argument}[{layer}] holds head {outside[0]!r}, out of range: layer {layer} has {num_heads} "
+                f"heads (0 … {num_heads - 1})"
+            )
+        checked[layer] = list(heads_of_layer)
+    return checked
+
 
 def check_site_heads(
     argument: str, heads: Mapping[int, Iterable[int]], sites: list[AttentionSite]
 ) -> dict[int, list[int]]:
     """Validate ``{site index: [head indices]}`` against the model's sites; sorted, de-duplicated lists."""
-    if not isinstance(heads, Mapping):
-        raise HeadkitError(
-            f"{argument} must be a mapping {{layer: [head indices]}}, got {type(heads).__name__}"
-        )
-    checked: dict[int, list[int]] = {}
-    for layer, layer_heads in heads.items():
-        layer_index = _as_index(argument, "layer index", layer)
-        if not 0 <= layer_index < len(sites):
+    return check_layer_heads(argument, layer_heads(argument, heads), [site.num_heads for site in sites])
+
+
+def config_head_counts(config: Any) -> list[int] | None:
+    """The query heads of each attention site as a model's 🤗 config states them, the pruning it records applied
+    (what :meth:`AttentionAdapter.sites` finds once the model is built); None where the config does not say
+    (a model without ``num_attention_heads`` / ``num_hidden_layers``)."""
+    heads = getattr(config, "num_attention_heads", None)
+    layers = getattr(config, "num_hidden_layers", None)
+    if getattr(config, "model_type", None) == "albert":
+        # every layer runs the AlbertLayers of its group: one site per distinct layer
+        layers = getattr(config, "num_hidden_groups", 1) * getattr(config, "inner_group_num", 1)
+    if any(isinstance(value, bool) or not isinstance(value, int) or value < 0 for value in (heads, layers)):
+        return None
+    counts = [heads] * layers
+    for entry in getattr(config, SURGERY_KEY, None) or []:
+        # pruning's entries (headkit.surgery.pruning.PRUNE_OP): the heads each named layer lost
+        if isinstance(entry, dict) and entry.get("op") == "prune":
+            for index, removed in (entry.get("heads") or {}).items():
+                if 0 <= int(index) < layers:
+                    counts[int(index)] -= len(removed)
+    return counts
+
+
+def parse_layer_heads(flag: str, text: str) -> LayerHeads:
+    """``"0:1,0:2,3:0"`` → ((0, (1, 2)), (3, (0,))): layer:head pairs from the command line, grouped by layer."""
+    grouped: dict[int, list[int]] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        layer, separator, head = (part.strip() for part in item.partition(":"))
+        if not separator or not layer.isdigit() or not head.isdigit():
             raise HeadkitError(
-                f"{argument} names layer {layer!r}, out of range: the model has {len(sites)} attention layers "
-                f"(0 … {len(sites) - 1})"
+                f"{flag} must be layer:head pairs of non-negative integers (e.g. '0:1,3:0'), got {text!r}"
             )
-        if layer_index in checked:
-            raise HeadkitError(f"{argument} names layer {layer_index} twice")
-        if isinstance(layer_heads, (str, bytes)) or not isinstance(layer_heads, Iterable):
-            raise HeadkitError(
-                f"{argument}[{layer!r}] must be an iterable of head indices, got {type(layer_heads).__name__}"
-            )
-        num_heads = sites[layer_index].num_heads
-        indices = set()
-        for head in layer_heads:
-            head_index = _as_index(argument, f"head index of layer {layer_index}", head)
-            if not 0 <= head_index < num_heads:
-                raise HeadkitError(
-                    f"{argument}[{layer_index}] holds head {head!r}, out of range: layer {layer_index} has "
-                    f"{num_heads} heads (0 … {num_heads - 1})"
-                )
-            indices.add(head_index)
-        checked[layer_index] = sorted(indices)
-    return checked
+        grouped.setdefault(int(layer), []).append(int(head))
+    return layer_heads(flag, grouped)
 
 
 def _as_index(argument: str, what: str, value: Any) -> int:
@@ -133,110 +204,285 @@ def _as_index(argument: str, what: str, value: Any) -> int:
         raise HeadkitError(f"{argument}: {what} must be an int, got {value!r}") from None
 
 
+# -- the config ------------------------------------------------------------------------------------------------
+
+# The Hard Concrete gate's options (HardConcreteGate's arguments, its defaults the config's): a fixed gate takes
+# none of them.
+HARD_CONCRETE_OPTIONS = ("temperature", "stretch", "init_log_alpha", "hard")
+
+
+@dataclass(frozen=True)
+class GateConfig:
+    """How :func:`add_head_gates` gates a model: the one declaration of each option.
+
+    Built, it checks its types and ranges; :meth:`check` checks it against a model, or only its 🤗 config (the
+    heads ``alive_heads`` names, gates already there), before any gate is attached. The model's
+    ``config.headkit_surgery`` records it (:meth:`record`), and :func:`headkit.from_pretrained` rebuilds the gates
+    from that record (:meth:`from_record`), records written before the config (the Hard Concrete options under
+    ``"options"``) included.
+
+    Attributes:
+        kind: ``"hard_concrete"`` (learned :class:`~headkit.layers.gates.HardConcreteGate`, Voita et al. 2019) or
+            ``"fixed"`` (constant 0/1 :class:`~headkit.layers.gates.FixedGate`).
+        alive_heads: ``{layer: [heads kept]}`` (held as its sorted items); layers not named keep every head.
+            Fixed gates are 1 on kept heads and 0 elsewhere; Hard Concrete gates of the other heads start closed
+            (log α = −10, evaluation gate exactly 0). None: every head open.
+        temperature: β > 0 of the Hard Concrete gates (lower: samples closer to 0/1).
+        stretch: (l, r) with l < 0 < 1 < r, the interval the Hard Concrete samples are stretched to before
+            clipping.
+        init_log_alpha: the initial log α of every open Hard Concrete gate (3.0: almost every sample 1).
+        hard: straight-through Hard Concrete gates (forward 0/1, gradient of the soft gate).
+    The last four are the Hard Concrete gate's; a fixed gate takes none of them (they must keep their defaults).
+    """
+
+    # Each field's metadata makes it a command-line option where a command takes this config's fields
+    # (headkit.recipes.options).
+    kind: str = field(
+        default="hard_concrete",
+        metadata={"help": "Gate kind: 'hard_concrete' (learned, L0-trained) or 'fixed' (constant 0/1)."},
+    )
+    alive_heads: LayerHeads | None = field(
+        default=None,
+        metadata={
+            "help": "Heads whose gate starts open, as layer:head pairs ('0:1,3:0'); layers not named keep every "
+            "head (default: every head open).",
+            "parse": lambda flag, text: parse_layer_heads(flag, text),
+        },
+    )
+    temperature: float = field(
+        default=0.33, metadata={"help": "Hard Concrete temperature β > 0 (lower: samples closer to 0/1)."}
+    )
+    stretch: tuple[float, float] = field(
+        default=(-0.1, 1.1),
+        metadata={"help": "Hard Concrete stretch interval l,r with l < 0 < 1 < r."},
+    )
+    init_log_alpha: float = field(
+        default=3.0, metadata={"help": "Initial log alpha of every open Hard Concrete gate."}
+    )
+    hard: bool = field(
+        default=False,
+        metadata={
+            "help": "Straight-through Hard Concrete gates: 0/1 forward, the soft gate's gradient.",
+            "flag": "--hard/--soft",
+        },
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kind, str) or self.kind not in GATES:
+            raise HeadkitError(f"kind must be one of {sorted(GATES)}, got {self.kind!r}")
+        if self.alive_heads is not None:
+            object.__setattr__(self, "alive_heads", layer_heads("alive_heads", self.alive_heads))
+        if self.kind == "fixed":
+            given = [name for name in HARD_CONCRETE_OPTIONS if not _is_default(name, getattr(self, name))]
+            if given:
+                raise HeadkitError(f"fixed gates take no options, got {given}")
+        init = self.init_log_alpha
+        if isinstance(init, bool) or not isinstance(init, (int, float)):
+            raise HeadkitError(
+                f"init_log_alpha must be a float for add_head_gates (one value for every head), got {init!r}"
+            )
+        if not math.isfinite(init):
+            raise HeadkitError(f"bad Hard Concrete gate option: init_log_alpha must be finite, got {init!r}")
+        if not isinstance(self.hard, bool):
+            raise HeadkitError(f"bad Hard Concrete gate option: hard must be a bool, got {self.hard!r}")
+        try:  # the gate's own checks (and its normalised values): one gate of one head
+            gate = HardConcreteGate(1, temperature=self.temperature, stretch=self.stretch, hard=self.hard)
+        except (TypeError, ValueError) as exc:
+            raise HeadkitError(f"bad Hard Concrete gate option: {exc}") from None
+        object.__setattr__(self, "temperature", gate.temperature)
+        object.__setattr__(self, "stretch", gate.stretch)
+        object.__setattr__(self, "init_log_alpha", float(init))
+
+    def check(
+        self,
+        model_or_config: Any,
+        adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+    ) -> dict[int, list[int]]:
+        """What a model (or only its 🤗 config) answers, before any gate is attached: it has no gates yet, and
+        ``alive_heads`` names its layers and heads (a config's head counts are those it states, the pruning it
+        records applied). Returns ``{layer: [heads kept]}`` for the layers named."""
+        if isinstance(model_or_config, nn.Module):
+            return self._check_model(model_or_config, adapter)[2]
+        config = model_or_config
+        entries = [entry for entry in getattr(config, SURGERY_KEY, None) or [] if isinstance(entry, dict)]
+        gating = [entry["op"] for entry in entries if entry.get("op") in (GATES_OP, REMOVE_GATES_OP)]
+        if gating and gating[-1] == GATES_OP:
+            raise HeadkitError(
+                "the model already has head gates (its config records them); call remove_head_gates(model) first"
+            )
+        counts = config_head_counts(config)
+        if self.alive_heads is None:
+            return {}
+        if counts is None:
+            return {layer: list(heads) for layer, heads in self.alive_heads}
+        return check_layer_heads("alive_heads", self.alive_heads, counts)
+
+    def _check_model(
+        self, model: nn.Module, adapter: AttentionAdapter | type[AttentionAdapter] | str | None
+    ) -> tuple[AttentionAdapter, list[AttentionSite], dict[int, list[int]]]:
+        adapter = get_adapter(model, adapter)
+        sites = adapter.sites(model)
+        gated = [site.index for site in sites if site_gate(site) is not None]
+        if gated:
+            raise HeadkitError(
+                f"the model already has head gates on layers {gated}; call remove_head_gates(model) first"
+            )
+        counts = [site.num_heads for site in sites]
+        alive = {} if self.alive_heads is None else check_layer_heads("alive_heads", self.alive_heads, counts)
+        return adapter, sites, alive
+
+    def record(self) -> dict[str, Any]:
+        """The fields as ``config.headkit_surgery`` keeps them (JSON: lists, string layer keys)."""
+        return {
+            "kind": self.kind,
+            "alive_heads": None
+            if self.alive_heads is None
+            else {str(layer): list(heads) for layer, heads in self.alive_heads},
+            "temperature": self.temperature,
+            "stretch": list(self.stretch),
+            "init_log_alpha": self.init_log_alpha,
+            "hard": self.hard,
+        }
+
+    @classmethod
+    def from_record(cls, entry: dict[str, Any]) -> GateConfig:
+        """The config a record was written from. A record written before the config existed holds the Hard
+        Concrete options given under ``"options"`` (temperature, stretch, hard); the others take their
+        defaults (the initial log α and the alive heads are in the saved weights)."""
+        names = {f.name for f in fields(cls)}
+        values = {name: value for name, value in (entry.get("options") or {}).items() if name in names}
+        values |= {name: value for name, value in entry.items() if name in names}
+        return cls(**values)
+
+
+def _is_default(name: str, value: Any) -> bool:
+    default = next(f.default for f in fields(GateConfig) if f.name == name)
+    try:
+        return value == default or (name == "stretch" and tuple(value) == default)
+    except TypeError:
+        return False
+
+
+def _gate_config_of(
+    kind: GateConfig | str | None,
+    alive_heads: Mapping[int, Iterable[int]] | None,
+    config: GateConfig | None,
+    options: dict[str, Any],
+) -> GateConfig:
+    """The config of an :func:`add_head_gates` call: given (positionally or as ``config=``), or built from the
+    keywords (the call's API before the config)."""
+    if isinstance(kind, GateConfig):
+        if config is not None:
+            raise HeadkitError("pass the config once (positionally or as config=), not both")
+        kind, config = None, kind
+    if config is not None:
+        if not isinstance(config, GateConfig):
+            raise HeadkitError(f"config must be a GateConfig, got {type(config).__name__}")
+        given = sorted(options) + [
+            name for name, value in (("alive_heads", alive_heads), ("kind", kind)) if value is not None
+        ]
+        if given:
+            raise HeadkitError(
+                f"pass the options in the config or as keywords, not both: got {sorted(given)}"
+            )
+        return config
+    values = dict(options)
+    if kind is not None:
+        values["kind"] = kind
+    if alive_heads is not None:
+        values["alive_heads"] = alive_heads
+    unknown = sorted(set(options) - {f.name for f in fields(GateConfig)})
+    if unknown:
+        if values.get("kind") == "fixed":
+            raise HeadkitError(f"fixed gates take no options, got {sorted(options)}")
+        raise HeadkitError(
+            f"bad Hard Concrete gate option: unknown {unknown}; the options are "
+            f"{', '.join(HARD_CONCRETE_OPTIONS)} and generator"
+        )
+    return GateConfig(**values)
+
+
 # -- adding and removing gates ---------------------------------------------------------------------------------
 
 
 def add_head_gates(
     model: nn.Module,
-    kind: str = "hard_concrete",
+    kind: GateConfig | str | None = None,
     alive_heads: Mapping[int, Iterable[int]] | None = None,
     *,
+    config: GateConfig | None = None,
     adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
-    **gate_options: Any,
+    generator: torch.Generator | None = None,
+    **options: Any,
 ) -> dict[int, HeadkitGate]:
     """Gate every attention head of `model`: head h's output is multiplied by g_h before the output projection.
 
     Args:
         model: a supported 🤗 model (BERT, RoBERTa, DistilBERT, ALBERT, GPT-2, LLaMA family, ViT) or a headkit
             model; see :func:`headkit.surgery.adapters.supported_architectures`.
-        kind: ``"hard_concrete"`` (learned :class:`~headkit.layers.gates.HardConcreteGate`, Voita et al. 2019) or
-            ``"fixed"`` (constant 0/1 :class:`~headkit.layers.gates.FixedGate`).
-        alive_heads: ``{layer: [heads kept]}``; layers not named keep every head. Fixed gates are 1 on kept heads
-            and 0 elsewhere; Hard Concrete gates of the other heads start closed (log α = −10, evaluation gate
-            exactly 0). None: every head open.
+        kind: a :class:`GateConfig` (how to gate: ``add_head_gates(model, GateConfig(...))``), or its ``kind``:
+            ``"hard_concrete"`` (the default; learned :class:`~headkit.layers.gates.HardConcreteGate`, Voita et
+            al. 2019) or ``"fixed"`` (constant 0/1 :class:`~headkit.layers.gates.FixedGate`).
+        alive_heads: ``{layer: [heads kept]}`` (:attr:`GateConfig.alive_heads`); None: every head open.
+        config: the :class:`GateConfig`, as a keyword; or its fields as keywords (``temperature``, ``stretch``,
+            ``init_log_alpha`` (a float), ``hard``), not both.
         adapter: the architecture adapter; by default the one matching ``model.config.model_type``.
-        gate_options: passed to every gate's constructor (Hard Concrete: ``temperature``, ``stretch``,
-            ``init_log_alpha`` (a float), ``hard``, ``generator``).
+        generator: the Hard Concrete gates' random source (torch's global one when None).
 
     Returns:
         ``{layer: gate}``. Layers whose attention has no head left (pruned to zero) get no gate. The model is
         left untouched on any error; gates already present are an error (:func:`remove_head_gates` first).
     """
-    if kind not in GATES:
-        raise HeadkitError(f"kind must be one of {sorted(GATES)}, got {kind!r}")
-    adapter = get_adapter(model, adapter)
-    sites = adapter.sites(model)
-    gated = [site.index for site in sites if site_gate(site) is not None]
-    if gated:
-        raise HeadkitError(
-            f"the model already has head gates on layers {gated}; call remove_head_gates(model) first"
-        )
-    alive = {} if alive_heads is None else check_site_heads("alive_heads", alive_heads, sites)
-    init_log_alpha = gate_options.get("init_log_alpha", 3.0)
-    if kind == "hard_concrete" and (
-        isinstance(init_log_alpha, bool) or not isinstance(init_log_alpha, (int, float))
-    ):
-        raise HeadkitError(
-            f"init_log_alpha must be a float for add_head_gates (one value for every head), got {init_log_alpha!r}"
-        )
+    config = _gate_config_of(kind, alive_heads, config, options)
+    if generator is not None and config.kind == "fixed":
+        raise HeadkitError("fixed gates take no options, got ['generator']")
+    adapter, sites, alive = config._check_model(model, adapter)
     # Every gate is built (and its options validated) before any is attached: a bad option leaves the model as
     # it was.
     gates: dict[int, HeadkitGate] = {}
     for site in sites:
         if site.num_heads == 0:
             continue
-        gates[site.index] = _build_gate(kind, site, alive.get(site.index), gate_options)
+        gates[site.index] = _build_gate(config, site, alive.get(site.index), generator)
     for site in sites:
         if site.index in gates:
             _set_site_gate(model, site, gates[site.index])
     record_surgery(
         model,
-        {
-            "op": GATES_OP,
-            "adapter": adapter.name,
-            "kind": kind,
-            "num_heads": {str(index): gate.num_heads for index, gate in gates.items()},
-            "options": _recordable_options(gate_options),
-        },
+        {"op": GATES_OP, "adapter": adapter.name}
+        | config.record()
+        | {"num_heads": {str(index): gate.num_heads for index, gate in gates.items()}},
     )
     return gates
 
 
 def _build_gate(
-    kind: str, site: AttentionSite, alive: list[int] | None, gate_options: dict[str, Any]
+    config: GateConfig, site: AttentionSite, alive: list[int] | None, generator: torch.Generator | None
 ) -> HeadkitGate:
     reference = next(site.module.parameters(), None)
-    if kind == "fixed":
-        if gate_options:
-            raise HeadkitError(f"fixed gates take no options, got {sorted(gate_options)}")
+    if config.kind == "fixed":
         gate: HeadkitGate = FixedGate(site.num_heads, alive)
     else:
-        options = dict(gate_options)
-        init = float(options.pop("init_log_alpha", 3.0))
-        log_alpha = torch.full((site.num_heads,), init)
+        log_alpha = torch.full((site.num_heads,), config.init_log_alpha)
         if alive is not None:
             closed = torch.ones(site.num_heads, dtype=torch.bool)
             closed[alive] = False
             log_alpha[closed] = CLOSED_LOG_ALPHA
         try:
-            gate = HardConcreteGate(site.num_heads, init_log_alpha=log_alpha, **options)
+            gate = HardConcreteGate(
+                site.num_heads,
+                temperature=config.temperature,
+                stretch=config.stretch,
+                init_log_alpha=log_alpha,
+                hard=config.hard,
+                generator=generator,
+            )
         except (TypeError, ValueError) as exc:
             raise HeadkitError(f"bad Hard Concrete gate option: {exc}") from None
     if reference is not None:
         # Built in float32 whatever the model's dtype (log α needs the precision); only moved to its device.
         gate.to(reference.device)
     return gate
-
-
-def _recordable_options(gate_options: dict[str, Any]) -> dict[str, Any]:
-    """The options a reloaded gate needs to behave the same (what is not in its state dict)."""
-    options = {}
-    for name in ("temperature", "hard"):
-        if name in gate_options:
-            options[name] = gate_options[name]
-    if "stretch" in gate_options:
-        options["stretch"] = [float(bound) for bound in gate_options["stretch"]]
-    return options
 
 
 def remove_head_gates(
@@ -360,11 +606,10 @@ def _reapply_gates(model: nn.Module, entry: dict[str, Any]) -> None:
         raise HeadkitError(
             f"the recorded head gates cover heads {recorded} per layer, but the rebuilt model has {actual}"
         )
+    config = GateConfig.from_record(entry)
     for site in sites:
         if site.index in recorded:
-            _set_site_gate(
-                model, site, _build_gate(entry["kind"], site, None, dict(entry.get("options", {})))
-            )
+            _set_site_gate(model, site, _build_gate(config, site, None, None))
 
 
 def _reapply_remove_gates(model: nn.Module, entry: dict[str, Any]) -> None:

@@ -24,7 +24,8 @@ placeholders of one zero head, its output projection :class:`~headkit.surgery.ad
 mechanism :class:`EmptyHeads` skips attention and keeps nothing in the cache. It contributes what the output
 projection adds to zero heads (its bias) and whatever the module runs after it (dropout, residual LayerNorm).
 
-Every call validates the whole plan before it changes anything, and records itself in
+Every call validates the whole plan before it changes anything (:class:`PruneConfig`: built, then checked against
+the model, or only its 🤗 config, with :meth:`PruneConfig.check`), and records itself in
 ``config.headkit_surgery`` so that ``save_pretrained`` + :func:`headkit.from_pretrained` restore the pruned shapes.
 """
 
@@ -32,7 +33,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -57,7 +58,15 @@ from headkit.surgery.attention import (
     use_dispatcher,
 )
 from headkit.surgery.families import FAMILIES, UNIFORM, get_family
-from headkit.surgery.gating import check_site_heads, evaluation_gate_values, site_gate
+from headkit.surgery.gating import (
+    LayerHeads,
+    check_layer_heads,
+    config_head_counts,
+    evaluation_gate_values,
+    layer_heads,
+    parse_layer_heads,
+    site_gate,
+)
 from headkit.surgery.records import SURGERY_KEY, record_surgery, recorded_surgery, register_surgery_op
 
 PRUNE_OP = "prune"
@@ -176,11 +185,8 @@ def _plan(
             _refuse_replaced(index, site)
         removed = set(pruned)
         keep_query = [h for h in range(site.num_heads) if h not in removed]
-        if not keep_query and not allow_empty_layers:
-            raise HeadkitError(
-                f"pruning heads {pruned} removes every head of layer {index}; pass allow_empty_layers=True to "
-                "allow it (the layer's attention then adds only its output projection's bias)"
-            )
+        if not keep_query:
+            _check_not_emptied(index, pruned, allow_empty_layers)
         try:
             adapter.read_projections(site)  # every site must be readable before the first one is rewritten
         except (AttributeError, TypeError) as exc:
@@ -270,6 +276,127 @@ def _empty_site(model: nn.Module, adapter: AttentionAdapter, site: AttentionSite
         attach_mechanisms(model, [(site.module, EmptyHeads(getattr(site.module, "layer_idx", None)))])
 
 
+# -- the config ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PruneConfig:
+    """Which heads :func:`prune_heads` removes: the one declaration of each option.
+
+    Built, it checks its types (indices are non-negative integers, no layer named twice); :meth:`check` checks it
+    against a model, or only its 🤗 config, before any weight changes (the layers and heads exist, a layer is
+    emptied only with `allow_empty_layers`). The model's ``config.headkit_surgery`` records it (:meth:`record`:
+    the layers actually pruned), and :func:`headkit.from_pretrained` replays that record (:meth:`from_record`).
+
+    Attributes:
+        heads: ``{layer: [heads to remove]}``, held as its sorted items ((layer, (head, …)), …), indices as the
+            model is now (after earlier pruning, heads are renumbered 0 … remaining − 1). Layers are attention
+            sites: the layer index for every model except ALBERT, whose shared module is site 0.
+        allow_empty_layers: allow removing every head of a layer; its attention then contributes only its output
+            projection's bias (and whatever the module runs after it, e.g. a residual LayerNorm).
+    """
+
+    # Each field's metadata makes it a command-line option where a command takes this config's fields
+    # (headkit.recipes.options).
+    heads: LayerHeads = field(
+        default=(),
+        metadata={
+            "help": "Heads to remove, as layer:head pairs ('0:1,0:2,3:0'), indices as the model is now.",
+            "parse": lambda flag, text: parse_layer_heads(flag, text),
+        },
+    )
+    allow_empty_layers: bool = field(
+        default=False,
+        metadata={
+            "help": "Allow removing every head of a layer (its attention then adds only its output bias).",
+            "flag": "--allow-empty-layers/--keep-a-head",
+        },
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "heads", layer_heads("heads", self.heads))
+        if not isinstance(self.allow_empty_layers, bool):
+            raise HeadkitError(f"allow_empty_layers must be a bool, got {self.allow_empty_layers!r}")
+
+    @property
+    def plan(self) -> dict[int, list[int]]:
+        """``{layer: [heads to remove]}``."""
+        return {layer: list(heads) for layer, heads in self.heads}
+
+    def check(
+        self,
+        model_or_config: Any,
+        adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+    ) -> dict[int, list[int]]:
+        """Everything that can refuse this pruning, before any weight changes: the layers and heads named exist
+        (a 🤗 config's head counts are those it states, the pruning it records applied) and no layer is emptied
+        without `allow_empty_layers`; a model's layers must also still be the architecture's to slice (no earlier
+        surgery replaced them) and gated by gates pruning can slice. Returns ``{layer: [heads to remove]}``."""
+        if isinstance(model_or_config, nn.Module):
+            return self._check_model(model_or_config, adapter)[0]
+        counts = config_head_counts(model_or_config)
+        if counts is None:
+            return self.plan
+        checked = check_layer_heads("heads", self.heads, counts)
+        for layer, pruned in sorted(checked.items()):
+            if pruned and len(pruned) == counts[layer]:
+                _check_not_emptied(layer, pruned, self.allow_empty_layers)
+        return checked
+
+    def _check_model(
+        self, model: nn.Module, adapter: AttentionAdapter | type[AttentionAdapter] | str | None
+    ) -> tuple[dict[int, list[int]], AttentionAdapter, list[AttentionSite], list[_SitePlan]]:
+        adapter = get_adapter(model, adapter)
+        sites = adapter.sites(model)
+        checked = check_layer_heads("heads", self.heads, [site.num_heads for site in sites])
+        return checked, adapter, sites, _plan(adapter, sites, checked, self.allow_empty_layers)
+
+    def record(self, pruned: Mapping[int, Iterable[int]]) -> dict[str, Any]:
+        """The fields as ``config.headkit_surgery`` keeps them, with the layers actually pruned (`pruned`:
+        ``{layer: [heads removed]}``, those with none left out)."""
+        return {
+            "heads": {str(layer): sorted(heads) for layer, heads in sorted(pruned.items()) if heads},
+            "allow_empty_layers": self.allow_empty_layers,
+        }
+
+    @classmethod
+    def from_record(cls, entry: dict[str, Any]) -> PruneConfig:
+        """The config a record was written from (its string layer keys read as integers; a field the record
+        predates takes its default)."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{name: value for name, value in entry.items() if name in names})
+
+
+def _check_not_emptied(layer: int, pruned: list[int], allow_empty_layers: bool) -> None:
+    """Refuse pruning every head of `layer` (`pruned`) unless `allow_empty_layers`."""
+    if not allow_empty_layers:
+        raise HeadkitError(
+            f"pruning heads {pruned} removes every head of layer {layer}; pass allow_empty_layers=True to "
+            "allow it (the layer's attention then adds only its output projection's bias)"
+        )
+
+
+def _prune_config_of(
+    heads: PruneConfig | Mapping[int, Iterable[int]] | None,
+    config: PruneConfig | None,
+    options: dict[str, Any],
+) -> PruneConfig:
+    """The config of a :func:`prune_heads` call: given (positionally or as ``config=``), or built from the
+    keywords (the call's API before the config)."""
+    if isinstance(heads, PruneConfig):
+        if config is not None:
+            raise HeadkitError("pass the config once (positionally or as config=), not both")
+        heads, config = None, heads
+    if config is None:
+        return PruneConfig(**options) if heads is None else PruneConfig(heads=heads, **options)
+    if not isinstance(config, PruneConfig):
+        raise HeadkitError(f"config must be a PruneConfig, got {type(config).__name__}")
+    given = sorted(options) + (["heads"] if heads is not None else [])
+    if given:
+        raise HeadkitError(f"pass the options in the config or as keywords, not both: got {sorted(given)}")
+    return config
+
+
 # -- public API ------------------------------------------------------------------------------------------------
 
 
@@ -312,20 +439,23 @@ class PruneReport:
 
 def prune_heads(
     model: nn.Module,
-    heads: Mapping[int, Iterable[int]],
+    heads: PruneConfig | Mapping[int, Iterable[int]] | None = None,
     *,
-    allow_empty_layers: bool = False,
+    config: PruneConfig | None = None,
     adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+    **options: Any,
 ) -> PruneReport:
     """Remove attention heads from `model` in place.
 
     Args:
         model: a supported 🤗 model or a headkit model (see :func:`headkit.surgery.adapters.get_adapter`).
-        heads: ``{layer: [heads to remove]}``, indices as the model is now (after earlier pruning, heads are
+        heads: a :class:`PruneConfig` (``prune_heads(model, PruneConfig(...))``), or its ``heads``:
+            ``{layer: [heads to remove]}``, indices as the model is now (after earlier pruning, heads are
             renumbered 0 … remaining − 1). Layers are attention sites: the layer index for every model except
             ALBERT, whose shared module is site 0 (removing its heads removes them from every layer).
-        allow_empty_layers: allow removing every head of a layer; its attention then contributes only its output
-            projection's bias (and whatever the module ran after it, e.g. a residual LayerNorm).
+        config: the :class:`PruneConfig`, as a keyword; or its other field as a keyword, not both:
+            ``allow_empty_layers``, allow removing every head of a layer; its attention then contributes only its
+            output projection's bias (and whatever the module ran after it, e.g. a residual LayerNorm).
         adapter: the architecture adapter; by default the one matching the model.
 
     Returns:
@@ -333,25 +463,18 @@ def prune_heads(
         surviving heads. Out-of-range layers or heads, an emptied layer without `allow_empty_layers`, or an
         unsupported model raise :class:`~headkit.errors.HeadkitError` with the model untouched.
     """
-    if not isinstance(allow_empty_layers, bool):
-        raise HeadkitError(f"allow_empty_layers must be a bool, got {allow_empty_layers!r}")
-    adapter = get_adapter(model, adapter)
-    sites = adapter.sites(model)
-    checked = check_site_heads("heads", heads, sites)
-    plans = _plan(adapter, sites, checked, allow_empty_layers)
+    config = _prune_config_of(heads, config, options)
+    checked, adapter, sites, plans = config._check_model(model, adapter)
     parameters_before = count_parameters(model)
+    # Everything is checked: only now does the model change.
     for plan in plans:
         _apply(model, adapter, plan)
     if plans:
         record_surgery(
             model,
-            {
-                "op": PRUNE_OP,
-                "adapter": adapter.name,
-                "heads": {str(plan.site.index): sorted(checked[plan.site.index]) for plan in plans},
-                "num_heads": {str(plan.site.index): plan.site.num_heads for plan in plans},
-                "allow_empty_layers": allow_empty_layers,
-            },
+            {"op": PRUNE_OP, "adapter": adapter.name}
+            | config.record({plan.site.index: checked[plan.site.index] for plan in plans})
+            | {"num_heads": {str(plan.site.index): plan.site.num_heads for plan in plans}},
         )
     after = {site.index: site for site in adapter.sites(model)}
     by_site = {plan.site.index: plan for plan in plans}
@@ -500,8 +623,9 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
         raise HeadkitError(
             f"the recorded pruning expects {expected} heads per layer before it, the rebuilt model has {actual}"
         )
-    checked = check_site_heads("heads", entry["heads"], sites)
-    for plan in _plan(adapter, sites, checked, bool(entry["allow_empty_layers"])):
+    config = PruneConfig.from_record(entry)
+    checked = check_layer_heads("heads", config.heads, [site.num_heads for site in sites])
+    for plan in _plan(adapter, sites, checked, config.allow_empty_layers):
         _apply(model, adapter, plan)
 
 
