@@ -7,7 +7,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 import headkit
 from headkit.cli import main
@@ -87,6 +86,7 @@ def test_without_a_linearized_model_the_baseline_points_are_measured(tiny_pair, 
     [
         (["--lengths", "9000"], "at most the model's context of 256"),
         (["--linearized", "/nope"], "does not exist"),
+        (["--observation", "200"], r"--observation must be shorter than the shortest prompt \(160 tokens\)"),
     ],
 )
 def test_bad_settings_are_refused(tiny_pair, tmp_path, capsys, arguments, message):
@@ -94,4 +94,3 @@ def test_bad_settings_are_refused(tiny_pair, tmp_path, capsys, arguments, messag
     with pytest.raises(SystemExit) as exc:
         main(["bench", "retrieval", "--model", str(folder), *TINY, *arguments, "--out", str(tmp_path / "o")])
     assert exc.value.code == 2 and message in " ".join(capsys.readouterr().err.split())
-    assert torch.is_tensor(torch.zeros(1))

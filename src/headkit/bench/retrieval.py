@@ -101,6 +101,11 @@ def _check(settings: RetrievalBenchSettings) -> None:
     for name in ("lengths", "budgets", "retrieval_head_counts"):
         if not getattr(settings, name):
             raise HeadkitError(f"--{name.replace('_', '-')} must list at least one value")
+    if settings.observation >= min(settings.lengths):
+        raise HeadkitError(
+            f"--observation must be shorter than the shortest prompt ({min(settings.lengths)} tokens), got "
+            f"{settings.observation}"
+        )
     for path, flag in ((settings.model, "MODEL"), (settings.linearized, "--linearized")):
         if path is not None and not Path(path).exists():
             raise HeadkitError(f"{flag} {str(path)!r} does not exist")
