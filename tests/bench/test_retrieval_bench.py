@@ -86,7 +86,7 @@ def test_without_a_linearized_model_the_baseline_points_are_measured(tiny_pair, 
     [
         (["--lengths", "9000"], "at most the model's context of 256"),
         (["--linearized", "/nope"], "does not exist"),
-        (["--observation", "200"], r"--observation must be shorter than the shortest prompt \(160 tokens\)"),
+        (["--observation", "200"], "--observation must be shorter than the shortest prompt (160 tokens)"),
     ],
 )
 def test_bad_settings_are_refused(tiny_pair, tmp_path, capsys, arguments, message):
