@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from headkit.analysis.retrieval import retrieval_head_scores, top_heads
+from headkit.analysis.retrieval import top_heads
 from headkit.bench._options import check_out_dir
 from headkit.bench._report import markdown_table
 from headkit.bench.registry import option, quick_preset, register_benchmark
@@ -37,7 +37,7 @@ from headkit.evaluation.quality import perplexity
 from headkit.evaluation.retrieval import (
     key_beyond_window,
     passkey_answer,
-    passkey_examples,
+    passkey_retrieval_scores,
     passkey_trials,
     prose_sentences,
     retrieve_passkeys,
@@ -57,7 +57,6 @@ from headkit.surgery.linearize import (
 # Depths whose keys leave a 256-token window at 1,024 tokens and beyond (0: the key first).
 BEYOND_DEPTHS = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5)
 ANSWER_TOKENS = 8
-SCORING_PROMPTS, SCORING_SEED = 16, 1_000_003
 
 
 @dataclass
@@ -262,9 +261,11 @@ def run_retrieval_benchmark(settings: RetrievalBenchSettings, console: Any) -> d
                 f"too few passkey prompts of {length} tokens hold their key beyond the window {window}"
             )
         trials += beyond[: settings.trials]
-    shortest = min(settings.lengths)
-    second_turn = [t for t in trials if t.length == max(settings.lengths)]
-    second_turn = [t for t in second_turn if key_beyond_window(t, settings.second_turn_gap)]
+    second_turn = [
+        t
+        for t in trials
+        if t.length == max(settings.lengths) and key_beyond_window(t, settings.second_turn_gap)
+    ]
     held_out = lm_windows(
         tokenizer, corpus, length=settings.perplexity_length, train_windows=1,
         held_out_windows=settings.held_out_windows, seed=settings.seed,
@@ -277,11 +278,7 @@ def run_retrieval_benchmark(settings: RetrievalBenchSettings, console: Any) -> d
         "held_out": held_out,
     }
 
-    examples = passkey_examples(
-        tokenizer, sentences, min(1024, shortest * 2, context or 1024), SCORING_PROMPTS,
-        seed=SCORING_SEED + settings.seed,
-    )  # fmt: skip
-    scores = retrieval_head_scores(original, examples)
+    scores, _ = passkey_retrieval_scores(original, tokenizer, sentences, context=context, seed=settings.seed)
     echo(
         "retrieval heads (best 16): "
         + ", ".join(

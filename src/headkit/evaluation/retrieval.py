@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from headkit.analysis.retrieval import RetrievalExample
+from headkit.analysis.retrieval import RetrievalExample, retrieval_head_scores
 from headkit.compat import cache_keyword, output_cache
 from headkit.data import Corpus
 from headkit.devices import model_device
@@ -256,6 +256,25 @@ def passkey_examples(
             )
         )
     return examples
+
+
+# Passkey prompts that score the retrieval heads: their own seed, so that no measured prompt is among them.
+RETRIEVAL_SCORING_PROMPTS = 16
+RETRIEVAL_SCORING_LENGTH = 1024
+RETRIEVAL_SCORING_SEED = 1_000_003
+
+
+def passkey_retrieval_scores(
+    model: nn.Module, tokenizer: Any, sentences: Sequence[str], *, context: int | None, seed: int = 0
+) -> tuple[torch.Tensor, int]:
+    """The retrieval-head scores of `model` (:func:`headkit.analysis.retrieval.retrieval_head_scores`, [layers,
+    kv_heads]) on :data:`RETRIEVAL_SCORING_PROMPTS` passkey prompts of their own seed, 1,024 tokens or the
+    model's `context` if shorter; returns (scores, the prompts' length)."""
+    length = min(RETRIEVAL_SCORING_LENGTH, context or RETRIEVAL_SCORING_LENGTH)
+    examples = passkey_examples(
+        tokenizer, sentences, length, RETRIEVAL_SCORING_PROMPTS, seed=RETRIEVAL_SCORING_SEED + seed
+    )
+    return retrieval_head_scores(model, examples), length
 
 
 def check_depths(depths: Sequence[float]) -> None:

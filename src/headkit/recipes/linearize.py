@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headkit.analysis.retrieval import retrieval_head_scores, top_heads
+from headkit.analysis.retrieval import top_heads
 from headkit.errors import HeadkitError
 from headkit.evaluation.quality import agreement, perplexity
-from headkit.evaluation.retrieval import passkey_examples, prose_sentences
+from headkit.evaluation.retrieval import RETRIEVAL_SCORING_PROMPTS, passkey_retrieval_scores, prose_sentences
 from headkit.evaluation.sampling import greedy_sample
 from headkit.evaluation.tasks import check_recipe_tasks, recipe_tasks, with_task_table
 from headkit.evaluation.timing import decode_profile
@@ -533,12 +533,6 @@ def _check_against_config(settings: LinearizeSettings, model_path: Path) -> None
             raise HeadkitError(f"--eval-lengths: none fits the model's context of {context} tokens")
 
 
-# Passkey prompts that score the retrieval heads: their own seed, so that no measured prompt is among them.
-RETRIEVAL_SCORING_PROMPTS = 16
-RETRIEVAL_SCORING_LENGTH = 1024
-RETRIEVAL_SCORING_SEED = 1_000_003
-
-
 def _with_retrieval_heads(
     teacher: nn.Module,
     tokenizer: Any,
@@ -550,22 +544,16 @@ def _with_retrieval_heads(
     """`config` with the retrieval heads the original model shows on passkey prompts (headkit.analysis.retrieval):
     the `settings.retrieval_head_count` best-scored key/value heads of the converted layers."""
     started = time.perf_counter()
-    context = max_context(teacher)
-    length = min(RETRIEVAL_SCORING_LENGTH, context or RETRIEVAL_SCORING_LENGTH)
-    examples = passkey_examples(
-        tokenizer,
-        prose_sentences(corpus, seed=settings.seed),
-        length,
-        RETRIEVAL_SCORING_PROMPTS,
-        seed=RETRIEVAL_SCORING_SEED + settings.seed,
+    sentences = prose_sentences(corpus, seed=settings.seed)
+    scores, length = passkey_retrieval_scores(
+        teacher, tokenizer, sentences, context=max_context(teacher), seed=settings.seed
     )
-    scores = retrieval_head_scores(teacher, examples)
     converted = config.check(teacher)
     eligible = torch.full_like(scores, float("-inf"))
     eligible[converted] = scores[converted]
     heads = top_heads(eligible, settings.retrieval_head_count)
     echo(
-        f"retrieval heads (passkey attention mass, {len(examples)} prompts of {length} tokens, "
+        f"retrieval heads (passkey attention mass, {RETRIEVAL_SCORING_PROMPTS} prompts of {length} tokens, "
         f"{time.perf_counter() - started:.0f} s): "
         + ", ".join(f"{layer}:{head} {float(scores[layer, head]):.2f}" for layer, head in heads)
     )

@@ -179,16 +179,24 @@ def config_head_counts(config: Any) -> list[int] | None:
     return counts
 
 
-def parse_layer_heads(flag: str, text: str) -> LayerHeads:
-    """``"0:1,0:2,3:0"`` → ((0, (1, 2)), (3, (0,))): layer:head pairs from the command line, grouped by layer."""
-    grouped: dict[int, list[int]] = {}
+def parse_head_pairs(flag: str, text: str) -> tuple[tuple[int, int], ...]:
+    """``"0:1,0:2,3:0"`` → ((0, 1), (0, 2), (3, 0)): (layer, head) pairs from the command line, in order."""
+    pairs = []
     for item in filter(None, (part.strip() for part in text.split(","))):
         layer, separator, head = (part.strip() for part in item.partition(":"))
         if not separator or not layer.isdigit() or not head.isdigit():
             raise HeadkitError(
                 f"{flag} must be layer:head pairs of non-negative integers (e.g. '0:1,3:0'), got {text!r}"
             )
-        grouped.setdefault(int(layer), []).append(int(head))
+        pairs.append((int(layer), int(head)))
+    return tuple(pairs)
+
+
+def parse_layer_heads(flag: str, text: str) -> LayerHeads:
+    """``"0:1,0:2,3:0"`` → ((0, (1, 2)), (3, (0,))): layer:head pairs from the command line, grouped by layer."""
+    grouped: dict[int, list[int]] = {}
+    for layer, head in parse_head_pairs(flag, text):
+        grouped.setdefault(layer, []).append(head)
     return layer_heads(flag, grouped)
 
 

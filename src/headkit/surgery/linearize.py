@@ -92,6 +92,7 @@ from headkit.surgery.attention import (
     refuse_modules_off_the_interface,
 )
 from headkit.surgery.families import LINEARIZE, get_family
+from headkit.surgery.gating import parse_head_pairs
 from headkit.surgery.records import SURGERY_KEY, record_surgery, recorded_surgery, register_surgery_op
 
 SURGERY_OP = "linearize"
@@ -705,7 +706,7 @@ class LinearizeConfig:
         metadata={
             "help": "Key/value heads kept softmax with a full cache, as layer:head pairs ('3:0,7:2'); the "
             "recipe's --retrieval-head-count chooses them instead.",
-            "parse": lambda flag, text: parse_head_pairs(flag, text),
+            "parse": parse_head_pairs,
         },
     )
 
@@ -843,19 +844,6 @@ def _config_context(config: Any) -> int | None:
         if isinstance(value, int) and value > 0:
             return value
     return None
-
-
-def parse_head_pairs(flag: str, text: str) -> tuple[tuple[int, int], ...]:
-    """``"3:0,7:2"`` → ((3, 0), (7, 2)): (layer, key/value head) pairs from the command line."""
-    pairs = []
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        layer, _, head = item.partition(":")
-        if not (layer.strip().isdigit() and head.strip().isdigit()):
-            raise HeadkitError(
-                f"{flag} must be layer:head pairs of non-negative integers ('3:0,7:2'), got {item!r}"
-            )
-        pairs.append((int(layer), int(head)))
-    return tuple(pairs)
 
 
 def config_kv_heads(config: Any) -> int | None:

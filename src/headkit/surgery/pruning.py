@@ -302,7 +302,7 @@ class PruneConfig:
         default=(),
         metadata={
             "help": "Heads to remove, as layer:head pairs ('0:1,0:2,3:0'), indices as the model is now.",
-            "parse": lambda flag, text: parse_layer_heads(flag, text),
+            "parse": parse_layer_heads,
         },
     )
     allow_empty_layers: bool = field(
