@@ -6,12 +6,19 @@ import copy
 
 import pytest
 import torch
-from family_models import family_inputs, family_model
+from family_models import VOCAB, family_inputs, family_model
 
 from headkit.errors import HeadkitError
 from headkit.surgery import prune_heads
 from headkit.surgery.adapters import get_adapter, linear_parameters
-from headkit.surgery.repair import output_statistics, refit_output_projections, refit_sequentially
+from headkit.surgery.latent import compress_kv_to_latent
+from headkit.surgery.repair import (
+    capture_attention_calls,
+    output_statistics,
+    reconstruct_attention,
+    refit_output_projections,
+    refit_sequentially,
+)
 
 REMOVED = {0: [1], 1: [0, 3]}
 
@@ -144,3 +151,88 @@ def test_the_sequential_refit_fits_each_layer_on_the_pruned_models_own_inputs():
     again = copy.deepcopy(student)
     second = refit_sequentially(again, teacher, _batches(), {1: REMOVED[1]}, ridge=1e-9)
     assert second.error_refit[0] == pytest.approx(report.error_refit[1], rel=1e-4, abs=1e-9)
+
+
+def _latent_pair(rank=12, rope_dims=4):
+    """(original, the original with latent keys/values at a lossy rank)."""
+    teacher = family_model("llama")
+    student = copy.deepcopy(teacher)
+    compress_kv_to_latent(student, kv_rank=rank, rope_dims=rope_dims, calibration=_batches())
+    return teacher, student
+
+
+def _windows(seed, count):
+    """`count` batches of 4 random windows of 32 tokens: the fit's calibration or its held-out check."""
+    generator = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(3, VOCAB, (4, 32), generator=generator)} for _ in range(count)]
+
+
+def _held_out():
+    return _windows(1, 2)
+
+
+def test_layer_local_reconstruction_lowers_each_layers_held_out_error_and_trains_only_attention():
+    teacher, student = _latent_pair()
+    original = {k: v.clone() for k, v in teacher.state_dict().items()}
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    report = reconstruct_attention(student, teacher, _windows(0, 8), _held_out(), steps=60, lr=1e-3)
+    assert report.layers == [0, 1] and report.tokens == 8 * 4 * 32
+    for layer, (b, a) in enumerate(zip(report.error_before, report.error_after, strict=True)):
+        assert a < b or layer in report.skipped
+    assert report.skipped == [] and all(
+        a < 0.9 * b for b, a in zip(report.error_before, report.error_after, strict=True)
+    )
+    # the error it reports is the module's error on the original's inputs, recomputed here
+    calls = capture_attention_calls(teacher, _held_out(), [0])[0]
+    module = student.get_submodule(get_adapter(teacher).sites(teacher)[0].name)
+    with torch.no_grad():
+        errors = [(module(*c.args, **c.kwargs)[0] - c.output).pow(2).sum() for c in calls]
+    expected = sum(errors) / sum(c.output.pow(2).sum() for c in calls)
+    assert float(expected) == pytest.approx(report.error_after[0], rel=1e-4)
+    changed = {k for k, v in student.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and all(".self_attn." in k for k in changed)
+    assert all(torch.equal(v, original[k]) for k, v in teacher.state_dict().items())
+    assert all(not p.requires_grad for p in student.parameters()) == all(
+        not p.requires_grad for p in teacher.parameters()
+    )
+
+
+def test_reconstruction_trains_only_the_parameters_named_and_only_the_layers_given():
+    teacher, student = _latent_pair()
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    reconstruct_attention(
+        student,
+        teacher,
+        _batches(),
+        _held_out(),
+        layers=[1],
+        trainable=lambda n: n.startswith("v_proj"),
+        steps=5,
+    )
+    changed = {k for k, v in student.state_dict().items() if not torch.equal(v, before[k])}
+    assert changed and all(k.startswith("model.layers.1.self_attn.v_proj") for k in changed)
+
+
+def test_a_fit_that_diverges_is_undone_and_reported():
+    teacher, student = _latent_pair()
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    report = reconstruct_attention(student, teacher, _batches(), _held_out(), steps=3, lr=1e6)
+    assert report.skipped == [0, 1] and report.error_after == report.error_before
+    assert all(torch.equal(v, before[k]) for k, v in student.state_dict().items())
+    assert all(torch.isfinite(v).all() for v in student.state_dict().values())
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"steps": 0}, "steps must be"),
+        ({"lr": -1.0}, "lr must be"),
+        ({"layers": [2]}, r"layers must be in \[0, 1\]"),
+    ],
+)
+def test_bad_reconstruction_arguments_are_refused_before_any_work(options, message):
+    teacher, student = _latent_pair()
+    before = {k: v.clone() for k, v in student.state_dict().items()}
+    with pytest.raises(HeadkitError, match=message):
+        reconstruct_attention(student, teacher, _batches(), _held_out(), **options)
+    assert all(torch.equal(v, before[k]) for k, v in student.state_dict().items())

@@ -25,11 +25,12 @@ perplexity; sliced 38.27): λ = 10⁻⁶·mean diag(G_KK) 58.52 (worse than slic
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from headkit.errors import HeadkitError
@@ -266,8 +267,198 @@ def refit_sequentially(
     return report
 
 
+@dataclass
+class ReconstructionReport:
+    """What :func:`reconstruct_attention` did: per layer, the relative error E‖f'(x) − f(x)‖² / E‖f(x)‖² of the
+    converted attention's output f' against the original's f, on the original's own inputs x from held-out
+    calibration windows, before and after the fit. A layer whose fit made that error worse (or not finite) is
+    restored and listed in `skipped`."""
+
+    layers: list[int] = field(default_factory=list)
+    error_before: list[float] = field(default_factory=list)
+    error_after: list[float] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    steps: int = 0
+    lr: float = 0.0
+    tokens: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def __str__(self) -> str:
+        if not self.layers:
+            return "layer-local reconstruction: no layer to fit"
+        before = sum(self.error_before) / len(self.layers)
+        after = sum(self.error_after) / len(self.layers)
+        skipped = (
+            f"; {len(self.skipped)} layers kept as converted (the fit did not help)" if self.skipped else ""
+        )
+        return (
+            f"layer-local reconstruction: {len(self.layers)} attention layers, {self.steps} steps each on "
+            f"{self.tokens:,} tokens of the original's inputs, in {self.seconds:.1f} s; held-out error "
+            f"{before:.3g} -> {after:.3g} (mean){skipped}"
+        )
+
+
+@dataclass
+class AttentionCallRecord:
+    """One call of an attention module in the original model: its arguments and its output."""
+
+    args: tuple
+    kwargs: dict[str, Any]
+    output: torch.Tensor
+
+
+@torch.no_grad()
+def capture_attention_calls(
+    model: nn.Module,
+    batches: Iterable[Mapping[str, Any]],
+    layers: Iterable[int],
+    adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+) -> dict[int, list[AttentionCallRecord]]:
+    """Run `model` once over `batches` and keep, for each of `layers`, every call of its attention module (the
+    hidden states, rotary embeddings and mask it was given, and what it returned)."""
+    adapter = get_adapter(model, adapter)
+    sites = adapter.sites(model)
+    calls: dict[int, list[AttentionCallRecord]] = {index: [] for index in layers}
+
+    def hook(index: int):
+        def keep(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+            result = output[0] if isinstance(output, tuple) else output
+            calls[index].append(AttentionCallRecord(args, kwargs, result.detach()))
+
+        return keep
+
+    handles = [sites[i].module.register_forward_hook(hook(i), with_kwargs=True) for i in calls]
+    try:
+        for batch in batches:
+            inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+            model(**inputs, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    if calls and not next(iter(calls.values())):
+        raise HeadkitError("calibration needs at least one batch of text, got none")
+    return calls
+
+
+def _relative_error(module: nn.Module, calls: list[AttentionCallRecord]) -> float:
+    with torch.no_grad():
+        error = sum(
+            float(F.mse_loss(_output(module, c).float(), c.output.float(), reduction="sum")) for c in calls
+        )
+        energy = sum(float(c.output.float().pow(2).sum()) for c in calls)
+    return error / max(energy, 1e-30)
+
+
+def _output(module: nn.Module, call: AttentionCallRecord) -> torch.Tensor:
+    output = module(*call.args, **call.kwargs)
+    return output[0] if isinstance(output, tuple) else output
+
+
+def reconstruct_attention(
+    student: nn.Module,
+    teacher: nn.Module,
+    batches: Iterable[Mapping[str, Any]],
+    held_out: Iterable[Mapping[str, Any]],
+    layers: Iterable[int] | None = None,
+    *,
+    trainable: Callable[[str], bool] | None = None,
+    steps: int = 100,
+    lr: float = 1e-3,
+    adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+) -> ReconstructionReport:
+    """Fit, in place, each converted attention layer of `student` to reproduce the original's attention output
+    from the original's own inputs (mean-squared error, relative to the output's energy): LoLCATs' attention
+    transfer (Zhang et al. 2025, "LoLCATs", §3.1) as a repair any surgery can run before training through the
+    model.
+
+    One pass of `teacher` over `batches` captures every layer's inputs and outputs; each layer then trains alone
+    on them (Adam, cosine decay over `steps`, one captured batch a step), so no gradient crosses layers and the
+    student's forward never runs. It is a per-layer fit on cached activations, like the least-squares refit
+    above, not a training of the model: that is why it does not go through 🤗 Trainer.
+
+    Args:
+        student: the converted model; its attention modules are found by the teacher's module names, so a
+            surgery may replace their projections.
+        teacher: the original, untouched.
+        batches: calibration windows (model inputs without padding) to fit on; `held_out` windows to judge the
+            fit: a layer whose held-out error rises (or is not finite) gets its parameters back.
+        layers: the layers to fit (default: all).
+        trainable: which of a layer's attention parameters train, by their name inside the attention module
+            (default: all of them).
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise HeadkitError(f"steps must be a positive integer, got {steps!r}")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not 0 < lr < float("inf"):
+        raise HeadkitError(f"lr must be a positive number, got {lr!r}")
+    started = time.perf_counter()
+    adapter = get_adapter(teacher, adapter)
+    sites = adapter.sites(teacher)
+    layers = list(range(len(sites))) if layers is None else sorted(set(layers))
+    if any(not 0 <= layer < len(sites) for layer in layers):
+        raise HeadkitError(f"layers must be in [0, {len(sites) - 1}], got {layers}")
+    modules = {layer: student.get_submodule(sites[layer].name) for layer in layers}
+    train_calls = capture_attention_calls(teacher, batches, layers, adapter)
+    check_calls = capture_attention_calls(teacher, held_out, layers, adapter)
+    report = ReconstructionReport(steps=steps, lr=float(lr))
+    if layers:
+        report.tokens = sum(call.output.shape[:-1].numel() for call in train_calls[layers[0]])
+    requires_grad = {name: p.requires_grad for name, p in student.named_parameters()}
+    student.requires_grad_(False)
+    try:
+        for layer in layers:
+            module = modules[layer]
+            parameters = [p for name, p in module.named_parameters() if trainable is None or trainable(name)]
+            before = _relative_error(module, check_calls[layer])
+            after = before
+            if parameters:
+                saved = [p.detach().clone() for p in parameters]
+                _fit(module, parameters, train_calls.pop(layer), steps, lr)
+                after = _relative_error(module, check_calls.pop(layer))
+                if not after < before:  # worse, or NaN: the converted layer stays as it was
+                    with torch.no_grad():
+                        for parameter, value in zip(parameters, saved, strict=True):
+                            parameter.copy_(value)
+                    report.skipped.append(layer)
+                    after = before
+            report.layers.append(layer)
+            report.error_before.append(before)
+            report.error_after.append(after)
+    finally:
+        for name, parameter in student.named_parameters():
+            parameter.requires_grad_(requires_grad.get(name, False))
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _fit(
+    module: nn.Module, parameters: list[nn.Parameter], calls: list[AttentionCallRecord], steps: int, lr: float
+) -> None:
+    for parameter in parameters:
+        parameter.requires_grad_(True)
+    optimizer = torch.optim.Adam(parameters, lr=lr)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)
+    with torch.enable_grad():
+        for step in range(steps):
+            call = calls[step % len(calls)]
+            target = call.output.float()
+            loss = F.mse_loss(_output(module, call).float(), target) / target.pow(2).mean().clamp_min(1e-30)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            schedule.step()
+    for parameter in parameters:
+        parameter.requires_grad_(False)
+
+
 __all__ = [
+    "AttentionCallRecord",
     "OutputStatistics",
+    "ReconstructionReport",
+    "capture_attention_calls",
+    "reconstruct_attention",
     "RepairReport",
     "output_statistics",
     "refit_output_projections",
