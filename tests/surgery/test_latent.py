@@ -2,6 +2,8 @@
 decoder families the registry marks ``latent``: exact at full size, each lossy step visible, absorbed == expanded
 (outputs and gradients), cached == uncached, padded == alone, reload, refusals before any work."""
 
+import itertools
+
 import pytest
 import torch
 from family_models import family_inputs, family_model
@@ -17,6 +19,7 @@ from headkit.surgery.attention import MECHANISM
 from headkit.surgery.families import FAMILIES, LATENT
 from headkit.surgery.latent import (
     LatentCacheLayer,
+    allocate_ranks,
     compress_kv_to_latent,
     expected_rotation,
     fold_rotation,
@@ -315,3 +318,43 @@ def test_a_prompt_fed_in_two_chunks_equals_one_pass(implementation):
         second = model(tokens[:, 5:], **cache_keyword(output_cache(first)), use_cache=True)
     torch.testing.assert_close(torch.cat((first.logits, second.logits), dim=1), whole, atol=1e-5, rtol=1e-5)
     assert output_cache(second).layers[0].state.shape[1] == 9
+
+
+def test_allocated_ranks_minimise_the_summed_relative_error_under_the_same_total():
+    generator = torch.Generator().manual_seed(0)
+    spectra = [
+        torch.sort(torch.rand(6, generator=generator) * scale, descending=True).values for scale in (1, 5, 2)
+    ]
+    ranks = allocate_ranks(spectra, 9)
+    assert sum(ranks) == 9 and all(1 <= r <= 6 for r in ranks)
+
+    def left(choice):
+        return sum(float(s[r:].pow(2).sum() / s.pow(2).sum()) for s, r in zip(spectra, choice, strict=True))
+
+    every = [c for c in itertools.product(range(1, 7), repeat=3) if sum(c) == 9]
+    assert left(ranks) == pytest.approx(min(left(c) for c in every))
+    with pytest.raises(HeadkitError, match=r"total must be in \[3, 18\]"):
+        allocate_ranks(spectra, 2)
+
+
+def test_spectrum_allocation_keeps_the_total_varies_the_ranks_and_reloads(tmp_path):
+    model = family_model("llama")
+    with torch.no_grad():  # layer 0's keys and values read few input directions: a low rank serves it
+        for name in ("k_proj", "v_proj"):
+            getattr(model.model.layers[0].self_attn, name).weight[:, 6:] *= 1e-3
+    report = compress_kv_to_latent(
+        model, kv_rank=12, rope_dims=4, calibration=calibration(), rank_allocation="spectrum"
+    )
+    assert sum(report.kv_ranks) == 12 * len(report.kv_ranks) and report.kv_ranks[0] < 12 < report.kv_ranks[1]
+    assert [m.rank for m in latent_mechanisms(model)] == report.kv_ranks
+    # each layer's cache holds its own rank plus the rotary keys
+    assert [m.cache_width for m in latent_mechanisms(model)] == [r + KV_HEADS * 4 for r in report.kv_ranks]
+    model.save_pretrained(tmp_path)
+    reloaded = headkit.from_pretrained(tmp_path)
+    tokens = family_inputs(length=10)
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, model(tokens).logits)
+    with pytest.raises(HeadkitError, match="rank_allocation 'spectrum'"):
+        compress_kv_to_latent(family_model("llama"), kv_rank=12, rope_dims=4, rank_allocation="spectrum")
+    with pytest.raises(HeadkitError, match="rank_allocation must be one of"):
+        compress_kv_to_latent(family_model("llama"), kv_rank=12, rope_dims=4, rank_allocation="greedy")

@@ -509,6 +509,8 @@ def weight_statistics(adapter: AttentionAdapter, site: AttentionSite) -> SiteSta
 
 FITTED, NORMS = "fitted", "norms"
 ROPE_SELECTIONS = (FITTED, NORMS)
+UNIFORM, SPECTRUM = "uniform", "spectrum"
+RANK_ALLOCATIONS = (UNIFORM, SPECTRUM)
 
 
 def select_rotary_pairs(statistics: SiteStatistics, pairs: int, selection: str = NORMS) -> torch.Tensor:
@@ -544,6 +546,45 @@ class LatentFactors:
     value_error: float  # the same for the values
 
 
+def _weighted_rows(
+    key_nope: torch.Tensor, value: torch.Tensor, input_moment: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W, W Σ^{1/2}) in float64: the stacked rotary-free key and value rows, and the same weighted by the
+    square root of the input moment (what the joint SVD factors)."""
+    hidden = key_nope.shape[-1]
+    stacked = torch.cat((key_nope.reshape(-1, hidden), value.reshape(-1, hidden)), dim=0).double()
+    moment = input_moment.double()
+    # Σ^{1/2}, regularised so that directions no calibration token spanned keep a little weight.
+    eigenvalues, eigenvectors = torch.linalg.eigh(
+        moment + 1e-6 * moment.diagonal().mean() * torch.eye(hidden)
+    )
+    root = (eigenvectors * eigenvalues.clamp_min(0).sqrt()) @ eigenvectors.T
+    return stacked, stacked @ root
+
+
+def allocate_ranks(spectra: list[torch.Tensor], total: int) -> list[int]:
+    """Share `total` latent dimensions out over the layers whose weighted key/value singular values are
+    `spectra`, so that the sum over layers of the relative error each layer is left with,
+    Σ_{j>R_ℓ} σ_{ℓj}² / Σ_j σ_{ℓj}² (the activation-weighted key/value error of :func:`joint_latent_factors`), is
+    smallest. The error is convex in R_ℓ (the σ are sorted), so taking the largest normalised σ² over all layers
+    is optimal; every layer keeps at least one dimension and at most as many as its spectrum has."""
+    if not 1 <= len(spectra) <= total <= sum(len(s) for s in spectra):
+        raise HeadkitError(
+            f"total must be in [{len(spectra)}, {sum(len(s) for s in spectra)}] (at least one dimension per layer, "
+            f"at most every one), got {total}"
+        )
+    gains = []
+    for layer, spectrum in enumerate(spectra):
+        energy = spectrum.double().pow(2)
+        share = energy / energy.sum().clamp_min(1e-300)
+        # The first dimension is every layer's, whatever its share: a layer cannot have rank 0.
+        gains += [(float(share[j]), layer) for j in range(1, len(spectrum))]
+    ranks = [1] * len(spectra)
+    for _, layer in sorted(gains, key=lambda gain: -gain[0])[: total - len(spectra)]:
+        ranks[layer] += 1
+    return ranks
+
+
 def joint_latent_factors(
     key_nope: torch.Tensor, value: torch.Tensor, rank: int, input_moment: torch.Tensor
 ) -> LatentFactors:
@@ -552,14 +593,7 @@ def joint_latent_factors(
     [G, head_dim, hidden]; computed in float64, returned in value's dtype."""
     groups, nope, hidden = key_nope.shape
     head_dim = value.shape[1]
-    stacked = torch.cat((key_nope.reshape(-1, hidden), value.reshape(-1, hidden)), dim=0).double()
-    moment = input_moment.double()
-    # Σ^{1/2}, regularised so that directions no calibration token spanned keep a little weight.
-    eigenvalues, eigenvectors = torch.linalg.eigh(
-        moment + 1e-6 * moment.diagonal().mean() * torch.eye(hidden)
-    )
-    root = (eigenvectors * eigenvalues.clamp_min(0).sqrt()) @ eigenvectors.T
-    weighted = stacked @ root
+    stacked, weighted = _weighted_rows(key_nope, value, input_moment)
     left, _, _ = torch.linalg.svd(weighted, full_matrices=False)
     up = left[:, :rank]
     down = up.T @ stacked
@@ -605,7 +639,8 @@ class LatentReport:
     """What :func:`compress_kv_to_latent` did."""
 
     architecture: str
-    kv_rank: int
+    kv_rank: int  # the mean over layers
+    kv_ranks: list[int]  # per layer (all kv_rank unless the ranks were allocated)
     rope_dims: int
     full_rank: int
     calibrated: bool
@@ -644,13 +679,19 @@ class LatentReport:
 
     def __str__(self) -> str:
         return (
-            f"latent keys/values ({self.architecture}): rank {self.kv_rank} of {self.full_rank}, {self.rope_dims} "
+            f"latent keys/values ({self.architecture}): rank {self.kv_rank} of {self.full_rank}{self._allocation()}, "
+            f"{self.rope_dims} "
             f"rotary dims per key/value head ({self._selection_words()}), "
             f"{len(self.sites)} layers in {self.seconds:.1f} s; cache per token and layer "
             f"{self.cache_numbers_before} -> {self.cache_numbers_after} numbers ({self.cache_fraction:.1%}); "
             f"max relative error: keys {self.max_key_error:.3g}, values {self.max_value_error:.3g}; parameters "
             f"{self.parameters_before:,} -> {self.parameters_after:,}"
         )
+
+    def _allocation(self) -> str:
+        if len(set(self.kv_ranks)) <= 1:
+            return ""
+        return f" (mean; per layer {min(self.kv_ranks)}–{max(self.kv_ranks)}, by the spectra)"
 
     def _selection_words(self) -> str:
         if not self.calibrated:
@@ -739,6 +780,50 @@ class _SitePlan:
     report: LatentSiteReport
 
 
+def _key_rows(
+    k_weight: torch.Tensor, pairs: torch.Tensor, statistics: SiteStatistics, fold: bool
+) -> tuple[torch.Tensor, float | None]:
+    """The key projection's rows per key/value head [G, head_dim, hidden], with the fitted fixed rotation folded
+    into the rotary-free pairs when `fold` (:func:`fold_rotation`), and the score-term error the rotary-free
+    pairs leave (None without a rotation fit)."""
+    groups, hidden = pairs.shape[0], k_weight.shape[1]
+    k_weight = k_weight.detach().reshape(groups, -1, hidden)
+    kept = torch.zeros(groups, k_weight.shape[1] // 2, dtype=torch.bool).scatter_(1, pairs.cpu(), True)
+    fit = statistics.rotation_fit
+    if fit is None:
+        return k_weight, None
+    lost = torch.where(kept, 0.0, fit.residual if fold else fit.unrotated_residual)
+    if fold:
+        # Kept pairs stay as they are (their rotation is applied at run time, exactly).
+        cos = torch.where(kept, 1.0, fit.cos)
+        sin = torch.where(kept, 0.0, fit.sin)
+        k_weight = fold_rotation(k_weight.double(), cos, sin).to(k_weight.dtype)
+    return k_weight, float(lost.sum() / fit.energy.sum().clamp_min(1e-300))
+
+
+def _gather_rows(k_weight: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` [G, n] of each key/value head's key rows k_weight [G, head_dim, hidden]."""
+    return k_weight.gather(1, index[..., None].expand(-1, -1, k_weight.shape[-1]))
+
+
+def latent_spectrum(
+    adapter: AttentionAdapter,
+    site: AttentionSite,
+    pairs: torch.Tensor,
+    statistics: SiteStatistics,
+    fold: bool,
+) -> torch.Tensor:
+    """The singular values of one site's weighted rotary-free key and value rows [W_K,nope ; W_V] Σ^{1/2} (what
+    :func:`joint_latent_factors` cuts at R), with `pairs` kept rotary: the error each rank leaves."""
+    weights = adapter.read_projections(site)
+    groups, head_dim = site.num_kv_heads, site.head_dim
+    k_weight, _ = _key_rows(weights.k_weight, pairs, statistics, fold)
+    nope = nope_indices(rope_indices(pairs, head_dim), head_dim)
+    value = weights.v_weight.detach().reshape(groups, head_dim, -1)
+    _, weighted = _weighted_rows(_gather_rows(k_weight, nope), value, statistics.input_moment)
+    return torch.linalg.svdvals(weighted)
+
+
 def _plan_site(
     adapter: AttentionAdapter,
     site: AttentionSite,
@@ -770,21 +855,10 @@ def _plan_site(
     )
     report = LatentSiteReport(site.name, site.layers[0], pairs.tolist(), 0.0, 0.0)
     if statistics is not None:
-        k_weight = weights.k_weight.detach().reshape(groups, head_dim, hidden)
-        kept = torch.zeros(groups, head_dim // 2, dtype=torch.bool).scatter_(1, pairs.cpu(), True)
-        fit = statistics.rotation_fit
-        if fit is not None:
-            lost = torch.where(kept, 0.0, fit.residual if fold else fit.unrotated_residual)
-            report.rope_error = float(lost.sum() / fit.energy.sum().clamp_min(1e-300))
-            if fold:
-                # Kept pairs stay as they are (their rotation is applied at run time, exactly).
-                cos = torch.where(kept, 1.0, fit.cos)
-                sin = torch.where(kept, 0.0, fit.sin)
-                k_weight = fold_rotation(k_weight.double(), cos, sin).to(k_weight.dtype)
-        nope_index = mechanism.nope_index.cpu()
-        gather = lambda index: k_weight.gather(1, index[..., None].expand(-1, -1, hidden))  # noqa: E731
+        k_weight, report.rope_error = _key_rows(weights.k_weight, pairs, statistics, fold)
+        gather = functools.partial(_gather_rows, k_weight)
         factors = joint_latent_factors(
-            gather(nope_index),
+            gather(mechanism.nope_index.cpu()),
             weights.v_weight.detach().reshape(groups, head_dim, hidden),
             kv_rank,
             statistics.input_moment,
@@ -832,11 +906,15 @@ class LatentKVConfig:
             leaves the largest score error, and fold that rotation into the rotary-free keys
             (:func:`expected_rotation`); ``"norms"`` (the default without): MHA2MLA's 2-norm criterion,
             rotary-free pairs left unrotated. None: the default for the calibration given.
+        rank_allocation: ``"uniform"``: every layer gets R. ``"spectrum"`` (needs calibration): the same total,
+            L·R, shared out by the error each choice leaves (:func:`allocate_ranks`: the layers whose keys and
+            values are hardest to compress get more of it).
     """
 
     kv_rank: int
     rope_dims: int
     rope_selection: str | None = None
+    rank_allocation: str = UNIFORM
 
     def __post_init__(self) -> None:
         # Types here; the ranges are the model's (its head_dim and widths), which check() names.
@@ -844,6 +922,10 @@ class LatentKVConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise HeadkitError(f"{name} must be an integer, got {value!r}")
+        if self.rank_allocation not in RANK_ALLOCATIONS:
+            raise HeadkitError(
+                f"rank_allocation must be one of {RANK_ALLOCATIONS}, got {self.rank_allocation!r}"
+            )
         if self.rope_selection is not None and self.rope_selection not in ROPE_SELECTIONS:
             raise HeadkitError(
                 f"rope_selection must be one of {ROPE_SELECTIONS}, got {self.rope_selection!r}"
@@ -851,6 +933,11 @@ class LatentKVConfig:
 
     def selection(self, calibrated: bool) -> str:
         """The rotary-pair selection for a conversion with (`calibrated`) or without calibration text."""
+        if self.rank_allocation == SPECTRUM and not calibrated:
+            raise HeadkitError(
+                "rank_allocation 'spectrum' shares the ranks out by the calibration text's key/value spectra: pass "
+                "calibration=..., or rank_allocation='uniform'"
+            )
         selection = self.rope_selection or (FITTED if calibrated else NORMS)
         if selection == FITTED and not calibrated:
             raise HeadkitError(
@@ -932,16 +1019,18 @@ def compress_kv_to_latent(
             if calibration is None
             else collect_statistics(model, sites, adapter, calibration)
         )
+    pairs = [select_rotary_pairs(stats, rope_dims // 2, rope_selection) for stats in statistics]
+    fold = rope_selection == FITTED
+    ranks = [kv_rank] * len(sites)
+    if config.rank_allocation == SPECTRUM:
+        spectra = [
+            latent_spectrum(adapter, site, chosen, stats, fold)
+            for site, chosen, stats in zip(sites, pairs, statistics, strict=True)
+        ]
+        ranks = allocate_ranks(spectra, kv_rank * len(sites))
     planned = [
-        _plan_site(
-            adapter,
-            site,
-            kv_rank,
-            select_rotary_pairs(stats, rope_dims // 2, rope_selection),
-            stats,
-            fold=rope_selection == FITTED,
-        )
-        for site, stats in zip(sites, statistics, strict=True)
+        _plan_site(adapter, site, rank, chosen, stats, fold=fold)
+        for site, rank, chosen, stats in zip(sites, ranks, pairs, statistics, strict=True)
     ]
     # Everything is computed and checked: only now does the model change.
     _apply(model, adapter, planned)
@@ -953,6 +1042,8 @@ def compress_kv_to_latent(
             "kv_rank": kv_rank,
             "rope_dims": rope_dims,
             "rope_selection": rope_selection,
+            "rank_allocation": config.rank_allocation,
+            "kv_ranks": ranks,
             "sites": [site.name for site in sites],
             "rope_pairs": [plan.report.rope_pairs for plan in planned],
         },
@@ -961,6 +1052,7 @@ def compress_kv_to_latent(
     return LatentReport(
         architecture=adapter.name,
         kv_rank=kv_rank,
+        kv_ranks=ranks,
         rope_dims=rope_dims,
         full_rank=full_rank(hidden, site.num_kv_heads, site.head_dim, rope_dims),
         calibrated=calibrated,
@@ -995,15 +1087,17 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
             f"the recorded latent conversion covered {entry['sites']}, but the rebuilt model has attention modules "
             f"{[site.name for site in sites]}"
         )
-    kv_rank, rope_dims = int(entry["kv_rank"]), int(entry["rope_dims"])
+    rope_dims = int(entry["rope_dims"])
+    # Records written before ranks could be allocated per layer hold one rank for all.
+    ranks = [int(rank) for rank in entry.get("kv_ranks") or [entry["kv_rank"]] * len(sites)]
     hidden = adapter.read_projections(sites[0]).k_weight.shape[1]
-    for site in sites:
-        check_latent_arguments(site, hidden, kv_rank, rope_dims)
+    for site, rank in zip(sites, ranks, strict=True):
+        check_latent_arguments(site, hidden, rank, rope_dims)
     planned = [
         _plan_site(
-            adapter, site, kv_rank, torch.tensor(pairs, dtype=torch.long).reshape(site.num_kv_heads, -1), None
+            adapter, site, rank, torch.tensor(pairs, dtype=torch.long).reshape(site.num_kv_heads, -1), None
         )
-        for site, pairs in zip(sites, entry["rope_pairs"], strict=True)
+        for site, rank, pairs in zip(sites, ranks, entry["rope_pairs"], strict=True)
     ]
     _apply(model, adapter, planned)
 
@@ -1018,8 +1112,12 @@ __all__ = [
     "LatentKVHeads",
     "LatentReport",
     "NORMS",
+    "RANK_ALLOCATIONS",
     "PositionEmbeddingsHook",
     "ROPE_SELECTIONS",
+    "SPECTRUM",
+    "UNIFORM",
+    "allocate_ranks",
     "RotaryKeyProjection",
     "RotationFit",
     "SiteStatistics",
@@ -1035,6 +1133,7 @@ __all__ = [
     "joint_latent_factors",
     "latent_cache_layer",
     "latent_mechanisms",
+    "latent_spectrum",
     "rotation_moments",
     "select_rotary_pairs",
     "set_absorbed",
