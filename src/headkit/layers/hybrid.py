@@ -18,7 +18,7 @@ rotated vectors. The window is counted in token positions of the input (padding 
 padding — the only padding of batched generation — leaves every real token's window and linear sums unchanged.
 
 Decoding keeps a fixed-size :class:`headkit.ops.HybridAttentionState` per layer in a
-:class:`~headkit.layers.cache.RecurrentStateLayer` (the last W − 1 rotated keys, values and key features, and
+:class:`~headkit.layers.cache.StateCacheLayer` (the last W − 1 rotated keys, values and key features, and
 the linear sums of everything older): its size does not grow with the context.
 """
 
@@ -31,7 +31,7 @@ from torch import nn
 from transformers import initialization as init
 
 from headkit.layers.base import HeadkitAttention, LayerInputs
-from headkit.layers.cache import RecurrentStateLayer
+from headkit.layers.cache import StateCacheLayer
 from headkit.layers.feature_maps import build_feature_map
 from headkit.layers.registry import register_attention
 from headkit.ops.hybrid import hybrid_attention, hybrid_attention_step
@@ -50,7 +50,7 @@ class HybridAttention(HeadkitAttention):
     are never materialised as a T × T matrix.
     """
 
-    cache_layer_class = RecurrentStateLayer
+    cache_layer_class = StateCacheLayer
 
     repr_fields = ("window", "chunk_size")
 

@@ -273,10 +273,7 @@ class FastDecoder:
             self._caches[bucket] = cache
         else:
             for layer in cache.layers:
-                if isinstance(layer, RingHybridStateCacheLayer):
-                    _reset_ring(layer)
-                else:
-                    layer.reset()
+                layer.reset()
         # Mask sizes during the prompt: the static length, or the prompt itself when nothing else is cached.
         for index in self.linearized:
             cache.layers[index].mask_length = length if length else prompt_length
@@ -433,14 +430,6 @@ class FastDecoder:
                 "attention_mask: the fast decoder takes left padding only (each row's last token real)"
             )
         return input_ids, attention_mask.long()
-
-
-def _reset_ring(layer: RingHybridStateCacheLayer) -> None:
-    """Empty a ring layer in place (its buffers keep their addresses: compiled steps hold them)."""
-    if layer.state is not None:
-        for buffer in layer.state:
-            buffer.zero_()
-    layer.seen_tokens = 0
 
 
 def _finished(token: torch.Tensor, eos_token_id: int | list[int] | None) -> torch.Tensor | None:

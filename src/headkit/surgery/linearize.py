@@ -29,10 +29,11 @@ causal and a sliding mask share, and its own window replaces the model's.
 
 **Decoding cache.** A 🤗 decoder hands every attention module the same cache (a ``DynamicCache`` that
 ``generate()`` or the model creates), one entry per layer in ``cache.layers``. A converted layer's entry is
-replaced, on first use, by a :class:`HybridStateCacheLayer` — headkit's constant-size
-:class:`~headkit.layers.cache.RecurrentStateLayer` holding a :class:`headkit.ops.HybridAttentionState` (the last
-W − 1 keys, values and key features, plus the linear sums of every older key), declared a transformers
-``CacheLayerMixin`` so that ``get_seq_length`` / ``get_mask_sizes`` count its tokens like a key/value layer. Its
+replaced, on first use, by a :class:`HybridStateCacheLayer` — a :class:`~headkit.layers.cache.StateCacheLayer`
+(the transformers ``CacheLayerMixin`` of every headkit decoding state, so that ``get_seq_length`` /
+``get_mask_sizes`` count its tokens like a key/value layer's) holding a constant-size
+:class:`headkit.ops.HybridAttentionState` (the last W − 1 keys, values and key features, plus the linear sums of
+every older key). Its
 ``update`` hands the new keys and values straight through; the mechanism folds them into the state. So one stock
 cache holds key/value, sliding and linearized layers side by side, ``generate()``, beam search and batch
 reordering work unchanged, and the cache of a fully converted model does not grow with the context. (A state
@@ -65,7 +66,7 @@ import torch
 from torch import nn
 
 from headkit.errors import HeadkitError
-from headkit.layers.cache import RecurrentStateLayer, map_state
+from headkit.layers.cache import StateCacheLayer, map_state
 from headkit.layers.feature_maps import build_feature_map, valid_feature_map_names
 from headkit.ops.hybrid import (
     HybridRingState,
@@ -86,7 +87,6 @@ from headkit.surgery.adapters import (
 )
 from headkit.surgery.attention import (
     AttentionCall,
-    StateCacheLayer,
     attach_mechanisms,
     mechanism_of,
     refuse_modules_off_the_interface,
@@ -100,7 +100,7 @@ SURGERY_OP = "linearize"
 
 class HybridStateCacheLayer(StateCacheLayer):
     """The entry of a converted layer in a 🤗 ``Cache``: one fixed-size :class:`headkit.ops.HybridAttentionState`
-    (a :class:`~headkit.surgery.attention.StateCacheLayer`); :class:`LinearizedHeads` folds the new keys and
+    (a :class:`~headkit.layers.cache.StateCacheLayer`); :class:`LinearizedHeads` folds the new keys and
     values into it."""
 
     describes = "a linearized attention layer"
@@ -139,7 +139,15 @@ class RingHybridStateCacheLayer(HybridStateCacheLayer):
         else:  # in place: a compiled step holds these buffers
             for buffer, value in zip(self.state, ring, strict=True):
                 buffer.copy_(value)
+        self.is_initialized = True
         self.seen_tokens = int(ring.seen)
+
+    def reset(self) -> None:
+        # In place: the buffers keep their addresses, which compiled steps hold.
+        if self.state is not None:
+            for buffer in self.state:
+                buffer.zero_()
+        self.seen_tokens = 0
 
     def ring_state(self) -> HybridRingState:
         return self.state
@@ -175,7 +183,7 @@ def decoding_state_bytes(cache: Any) -> int:
         return tensor
 
     for layer in getattr(cache, "layers", []):
-        if isinstance(layer, RecurrentStateLayer):
+        if isinstance(layer, StateCacheLayer):
             map_state(layer.state, collect)
         else:
             tensors += [

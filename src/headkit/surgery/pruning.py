@@ -41,6 +41,7 @@ from torch import nn
 
 from headkit.errors import HeadkitError
 from headkit.layers.base import KV_HEAD_INDEX, HeadkitAttention
+from headkit.layers.cache import StateCacheLayer
 from headkit.layers.gates import FixedGate, HardConcreteGate
 from headkit.surgery.adapters import (
     AttentionAdapter,
@@ -52,7 +53,6 @@ from headkit.surgery.adapters import (
 )
 from headkit.surgery.attention import (
     AttentionCall,
-    StateCacheLayer,
     attach_mechanisms,
     mechanism_of,
     use_dispatcher,
