@@ -110,6 +110,10 @@ class HeadkitAttention(nn.Module):
     takes_inputs_validated: ClassVar[bool] = True
     # Attributes a mechanism adds to the layer's repr (after the head geometry).
     repr_fields: ClassVar[tuple[str, ...]] = ()
+    # Attention is computed here, not through transformers' attention interface: the layer applies its head gate
+    # (project_heads), key/value head index (project_queries_keys_values) and a pruned-empty layer's placeholder
+    # head itself, in slots it declares, so surgery sets those and attaches no mechanism of its own.
+    computes_attention_itself: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

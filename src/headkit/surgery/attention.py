@@ -34,7 +34,7 @@ from transformers import AttentionInterface, AttentionMaskInterface
 
 from headkit.compat import CACHE_ARGUMENT_NAMES, attention_implementation, cache_parameter
 from headkit.errors import HeadkitError
-from headkit.layers.base import KV_HEAD_INDEX, HeadkitAttention
+from headkit.layers.base import KV_HEAD_INDEX
 from headkit.ops.softmax import eager_attention
 
 MECHANISM = "headkit_attention"
@@ -151,10 +151,18 @@ def headkit_attention_forward(
     return output, weights
 
 
+def computes_attention_itself(module: nn.Module) -> bool:
+    """Whether an attention module computes attention in its own forward rather than through transformers'
+    attention interface (headkit's own layers declare ``computes_attention_itself``): it applies its ``head_gate``
+    and key/value head index itself, in slots it declares, where a stock module's are applied by the registered
+    ``headkit_<base>`` attention function."""
+    return bool(getattr(module, "computes_attention_itself", False))
+
+
 def needs_dispatch(module: nn.Module) -> bool:
     """Whether a stock attention module holds anything only ``headkit_<base>`` runs: a mechanism, a key/value
-    head index or a head gate (headkit's own layers apply theirs themselves)."""
-    if isinstance(module, HeadkitAttention):
+    head index or a head gate (a module that applies them natively runs none of them through it)."""
+    if computes_attention_itself(module):
         return False
     return any(getattr(module, name, None) is not None for name in (MECHANISM, KV_HEAD_INDEX, HEAD_GATE))
 
@@ -289,6 +297,7 @@ __all__ = [
     "KV_HEAD_INDEX",
     "CacheLayerHook",
     "MECHANISM",
+    "computes_attention_itself",
     "attach_mechanisms",
     "base_attention",
     "base_implementation",
