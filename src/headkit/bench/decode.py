@@ -72,7 +72,7 @@ def constant_state_mechanisms() -> list[str]:
     return [
         name
         for name, layer in attention_classes().items()
-        if layer.compared and layer.cache_layer_class is StateCacheLayer
+        if layer.compared and issubclass(layer.cache_layer_class, StateCacheLayer)
     ]
 
 

@@ -6,7 +6,7 @@ What it does, following transformers' own recipe for compiled generation (a stat
 
 * **Fixed-size buffers.** Key/value layers get transformers' ``StaticCache`` entries (keys and values
   preallocated for the whole bucket, written in place; sliding-window layers its fixed sliding entries).
-  Linearized layers (:func:`headkit.linearize`) get a :class:`~headkit.surgery.linearize.RingHybridStateCacheLayer`:
+  Linearized layers (:func:`headkit.linearize`) get a :class:`~headkit.layers.hybrid.RingHybridStateCacheLayer`:
   the LoLCATs window as a ring buffer and the linear sums, updated in place by one fused step
   (:func:`headkit.ops.hybrid_attention_ring_step_`) — no window re-concatenated per token.
 * **One graph per shape bucket.** The step (model forward on one token per row and the argmax) is compiled with
@@ -51,8 +51,9 @@ from transformers import CompileConfig, StaticCache
 from headkit.compat import cache_keyword
 from headkit.errors import HeadkitError
 from headkit.evaluation.timing import timed_call
+from headkit.layers.hybrid import RingHybridStateCacheLayer
 from headkit.surgery.attention import mechanism_of
-from headkit.surgery.linearize import LinearizedHeads, RingHybridStateCacheLayer
+from headkit.surgery.linearize import LinearizedHeads
 
 logger = logging.getLogger(__name__)
 
