@@ -157,7 +157,7 @@ def test_cached_decoding_equals_the_full_forward_with_a_constant_size_state(vari
         state_shapes = set()
         for t in range(prefill, total):
             pieces.append(layer(x[:, t : t + 1], mask[:, : t + 1], cache=cache, use_cache=True)[0])
-            state = cache.get_state(0)
+            state = cache.layers[0].get_state()
             state_shapes.add(tuple(tuple(tensor.shape) for tensor in _tensors(state)))
     assert_close_to_scale(torch.cat(pieces, dim=1), full)
     assert cache.get_seq_length() == total

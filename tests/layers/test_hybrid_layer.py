@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headkit.layers import HeadkitCache, HedgehogFeatureMap, HybridAttention, RecurrentStateLayer
+from headkit.layers import HeadkitCache, HedgehogFeatureMap, HybridAttention, StateCacheLayer
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 from headkit.ops import FEATURE_MAPS, HybridAttentionState
 from headkit.ops.hybrid import naive_hybrid_attention
@@ -128,17 +128,17 @@ def test_cached_decoding_equals_the_full_forward_with_a_fixed_size_state(variant
     mask = torch.ones(BATCH, total, dtype=torch.long)
     mask[0, :3] = 0  # the prefill is all padding in row 0, and decoding step 1 feeds one more pad
     cache = HeadkitCache(layer)
-    assert isinstance(cache.layers[0], RecurrentStateLayer)
+    assert isinstance(cache.layers[0], StateCacheLayer)
     with torch.no_grad():
         full, _ = layer(x, attention_mask=mask)
         pieces = [layer(x[:, :prefill], mask[:, :prefill], cache=cache, use_cache=True)[0]]
         shapes = set()
         for t in range(prefill, total):
             pieces.append(layer(x[:, t : t + 1], mask[:, : t + 1], cache=cache, use_cache=True)[0])
-            shapes.add(tuple(tuple(tensor.shape) for tensor in cache.get_state(0)))
+            shapes.add(tuple(tuple(tensor.shape) for tensor in cache.layers[0].get_state()))
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
     assert cache.get_seq_length() == total
-    assert isinstance(cache.get_state(0), HybridAttentionState)
+    assert isinstance(cache.layers[0].get_state(), HybridAttentionState)
     assert len(shapes) == 1
 
 
@@ -160,7 +160,7 @@ def test_the_state_size_does_not_grow_with_the_context():
         cache = HeadkitCache(layer)
         with torch.no_grad():
             layer(torch.randn(1, length, HIDDEN), cache=cache, use_cache=True)
-        sizes.append([tuple(tensor.shape) for tensor in cache.get_state(0)])
+        sizes.append([tuple(tensor.shape) for tensor in cache.layers[0].get_state()])
     assert sizes[0] == sizes[1] == sizes[2]
     heads, head_dim, features = layer.num_key_value_heads, layer.head_dim, 2 * layer.head_dim
     assert sizes[0][0] == (1, heads, layer.window - 1, head_dim)  # the window's keys

@@ -117,14 +117,14 @@ def test_cached_decoding_equals_the_full_forward(variant):
         state_shapes = set()
         for t in range(prefill, total):
             pieces.append(layer(x[:, t : t + 1], mask[:, : t + 1], cache=cache, use_cache=True)[0])
-            state = cache.get_state(0)
+            state = cache.layers[0].get_state()
             state_shapes.add((tuple(state.kv.shape), tuple(state.k_sum.shape)))
     torch.testing.assert_close(torch.cat(pieces, dim=1), full, atol=1e-5, rtol=1e-5)
     assert cache.get_seq_length() == total
     # One constant-size state, whatever the number of tokens seen.
     kv_heads, head_dim = layer.num_key_value_heads, layer.head_dim
     assert state_shapes == {((BATCH, kv_heads, head_dim, head_dim), (BATCH, kv_heads, head_dim))}
-    assert isinstance(cache.get_state(0), LinearAttentionState)
+    assert isinstance(cache.layers[0].get_state(), LinearAttentionState)
 
 
 def test_a_prefill_of_several_chunks_continues_exactly():

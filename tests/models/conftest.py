@@ -2,7 +2,7 @@
 
 ``running_mean`` registers a minimal recurrent mechanism (each head outputs the running mean of its values
 over the real tokens so far, with a constant-size (sum, count) state). It exercises the whole recurrent path —
-``RecurrentStateLayer`` entries, ``get_state``/``set_state``, left padding, beam reordering — independently of
+``StateCacheLayer`` entries, ``get_state``/``set_state``, left padding, beam reordering — independently of
 the real linear/additive layers.
 """
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from headkit.layers import ATTENTION_LAYERS, HeadkitAttention, RecurrentStateLayer
+from headkit.layers import ATTENTION_LAYERS, HeadkitAttention, StateCacheLayer
 from headkit.models import HeadkitConfig
 
 RUNNING_MEAN = "test_running_mean"
@@ -26,7 +26,7 @@ class RunningMeanState(NamedTuple):
 
 
 class RunningMeanAttention(HeadkitAttention):
-    cache_layer_class = RecurrentStateLayer
+    cache_layer_class = StateCacheLayer
     attention_name = RUNNING_MEAN
 
     def __init__(self, config, layer_idx, **head_overrides):
@@ -50,12 +50,13 @@ class RunningMeanAttention(HeadkitAttention):
         weights = real[:, None, :, None]
         sums = (values * weights).cumsum(2)
         counts = weights.cumsum(2)
-        state = None if cache is None else cache.get_state(self.layer_idx)
+        entry = self.state_entry(cache)
+        state = None if entry is None else entry.get_state()
         if state is not None:
             sums = sums + state.value_sum[:, :, None]
             counts = counts + state.count[:, :, None]
-        if cache is not None:
-            cache.set_state(RunningMeanState(sums[:, :, -1], counts[:, :, -1]), self.layer_idx, seq)
+        if entry is not None:
+            entry.set_state(RunningMeanState(sums[:, :, -1], counts[:, :, -1]), seq)
         return self.project_heads(sums / counts.clamp(min=1.0)), None
 
 

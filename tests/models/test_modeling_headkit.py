@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification, DynamicCache
 
 from headkit.compat import cache_keyword, output_cache
-from headkit.layers import HeadkitCache, RecurrentStateLayer, get_attention_class
+from headkit.layers import HeadkitCache, StateCacheLayer, get_attention_class
 from headkit.models import HeadkitForCausalLM, HeadkitForSequenceClassification
 
 RUNNING_MEAN = "test_running_mean"  # the toy recurrent layer registered by the running_mean fixture
@@ -119,10 +119,10 @@ def test_model_creates_and_returns_its_cache(variant_config):
     assert isinstance(cache, HeadkitCache)
     assert cache.get_seq_length() == 7
     expected_recurrent = [
-        get_attention_class(variant_config.attention_type(i)).cache_layer_class is RecurrentStateLayer
+        issubclass(get_attention_class(variant_config.attention_type(i)).cache_layer_class, StateCacheLayer)
         for i in range(2)
     ]
-    assert cache.is_recurrent == expected_recurrent
+    assert [isinstance(layer, StateCacheLayer) for layer in cache.layers] == expected_recurrent
     with torch.no_grad():
         assert output_cache(model(ids, use_cache=False)) is None
 
@@ -146,7 +146,7 @@ def test_recurrent_layers_refuse_other_caches(make_config, running_mean):
         model(ids, cache=DynamicCache())
     with pytest.raises(ValueError, match="layers"):
         model(ids, cache=HeadkitCache(make_model(make_config(num_hidden_layers=3))))
-    with pytest.raises(ValueError, match="RecurrentStateLayer"):
+    with pytest.raises(ValueError, match="StateCacheLayer"):
         model(ids, cache=HeadkitCache(make_model(make_config())))
 
 

@@ -19,6 +19,7 @@ from transformers import CompileConfig, DynamicCache
 
 from headkit import HeadkitError, fast_generate, linearize
 from headkit.compat import cache_keyword
+from headkit.layers.hybrid import RingHybridStateCacheLayer
 from headkit.ops import (
     hybrid_attention,
     hybrid_attention_ring_step_,
@@ -27,7 +28,7 @@ from headkit.ops import (
     hybrid_state_from_ring,
 )
 from headkit.runtime.fast import FastDecoder, prepare_weights
-from headkit.surgery.linearize import RingHybridStateCacheLayer, hybrid_cache_layer
+from headkit.surgery.linearize import hybrid_cache_layer
 
 VOCAB, PROMPT, NEW = 61, 9, 10
 has_torchao = importlib.util.find_spec("torchao") is not None

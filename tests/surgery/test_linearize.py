@@ -9,9 +9,9 @@ import transformers
 import headkit
 from headkit.compat import cache_keyword, output_cache
 from headkit.errors import HeadkitError
+from headkit.layers.hybrid import HybridStateCacheLayer
 from headkit.surgery.io import SURGERY_KEY
 from headkit.surgery.linearize import (
-    HybridStateCacheLayer,
     LinearizedHeads,
     converted_attention_modules,
     decoding_state_bytes,

@@ -40,7 +40,7 @@ from headkit.bench.registry import option, quick_preset, register_benchmark
 from headkit.data import ByteTokenizer
 from headkit.devices import check_device
 from headkit.evaluation.timing import synchronize, time_greedy_decoding
-from headkit.layers import HeadkitCache, RecurrentStateLayer, attention_classes
+from headkit.layers import HeadkitCache, StateCacheLayer, attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 from headkit.train import default_config
 
@@ -72,7 +72,7 @@ def constant_state_mechanisms() -> list[str]:
     return [
         name
         for name, layer in attention_classes().items()
-        if layer.compared and layer.cache_layer_class is RecurrentStateLayer
+        if layer.compared and issubclass(layer.cache_layer_class, StateCacheLayer)
     ]
 
 

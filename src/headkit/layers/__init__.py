@@ -1,13 +1,13 @@
 """Attention layers: one ``nn.Module`` per mechanism behind one interface (:class:`HeadkitAttention`).
 
 Mechanisms are looked up by name in :data:`ATTENTION_LAYERS`; importing this package registers the ones
-headkit ships. :class:`HeadkitCache` holds their generation state (key/value caches or recurrent states).
+headkit ships. :class:`HeadkitCache` holds their generation state (key/value caches or :class:`StateCacheLayer` states).
 Learnable feature maps (Hedgehog) are looked up by name in :data:`LEARNABLE_FEATURE_MAPS`.
 """
 
 from headkit.layers.additive import AdditiveAttention, AdditiveState
 from headkit.layers.base import HeadkitAttention, LayerInputs
-from headkit.layers.cache import HeadkitCache, RecurrentStateLayer, map_state
+from headkit.layers.cache import HeadkitCache, StateCacheLayer, map_state
 from headkit.layers.coca import CoCAAttention
 from headkit.layers.collaborative import CollaborativeAttention
 from headkit.layers.feature_maps import (
@@ -46,8 +46,8 @@ __all__ = [
     "HybridAttention",
     "LayerInputs",
     "LinearAttention",
-    "RecurrentStateLayer",
     "SoftmaxAttention",
+    "StateCacheLayer",
     "attention_classes",
     "build_attention",
     "build_feature_map",

@@ -33,7 +33,7 @@ from torch import nn
 from transformers import initialization as init
 
 from headkit.layers.base import HeadkitAttention, LayerInputs
-from headkit.layers.cache import RecurrentStateLayer
+from headkit.layers.cache import StateCacheLayer
 from headkit.layers.registry import register_attention
 from headkit.ops._validation import repeat_kv
 from headkit.ops.additive import AdditivePoolState, additive_pool, additive_pool_step
@@ -66,7 +66,7 @@ class AdditiveAttention(HeadkitAttention):
     ``key_score_weight`` (w_k), [num_heads, head_dim] each, and ``conv`` when ``convolve``.
     """
 
-    cache_layer_class = RecurrentStateLayer
+    cache_layer_class = StateCacheLayer
 
     def __init__(self, config: Any, layer_idx: int, **head_overrides: int) -> None:
         super().__init__(config, layer_idx, **head_overrides)

@@ -42,8 +42,8 @@ The contract, for every mechanism:
 * **Caching**: ``cache`` (also accepted as ``past_key_values``, transformers' name before 5.24) is a :class:`headkit.layers.cache.HeadkitCache` (or any transformers
   ``Cache`` for key/value layers) updated in place whenever it is given; ``use_cache`` is then True. Key/value
   layers call ``cache.update(keys, values, self.layer_idx)`` and attend over what it returns.
-  Recurrent layers set ``cache_layer_class = RecurrentStateLayer`` and use
-  ``cache.get_state(self.layer_idx)`` / ``set_state(state, self.layer_idx, num_new_tokens)``.
+  Recurrent layers set ``cache_layer_class = StateCacheLayer`` (the entry surgery's mechanisms use too) and
+  read and keep their state with :meth:`recurrent_state` / :meth:`store_state`.
 * **Parameters** that are not inside ``nn.Linear`` / ``nn.Embedding`` / ``nn.Conv1d`` / RMSNorm modules (pooling
   vectors, mixing matrices, biases of their own) are initialised in :meth:`init_extra_parameters` with the
   ``transformers.initialization`` functions, which skip tensors loaded from a checkpoint.
@@ -103,13 +103,17 @@ class HeadkitAttention(nn.Module):
     attention_name: ClassVar[str] = ""  # set by @register_attention, with the two facts below
     rotary: ClassVar[bool] = False  # applies rotary positions inside attention
     compared: ClassVar[bool] = True  # in the default runs of the benchmarks that compare mechanisms
-    # The per-layer cache entry this mechanism needs; recurrent mechanisms use RecurrentStateLayer.
+    # The per-layer cache entry this mechanism needs; recurrent mechanisms use StateCacheLayer (or a subclass).
     cache_layer_class: ClassVar[type] = DynamicLayer
     # Whether forward takes ``inputs_validated`` (a subclass that overrides forward with the plain signature does
     # not): set per class, so a model reads one attribute per call to know whether it may pass it.
     takes_inputs_validated: ClassVar[bool] = True
     # Attributes a mechanism adds to the layer's repr (after the head geometry).
     repr_fields: ClassVar[tuple[str, ...]] = ()
+    # Attention is computed here, not through transformers' attention interface: the layer applies its head gate
+    # (project_heads), key/value head index (project_queries_keys_values) and a pruned-empty layer's placeholder
+    # head itself, in slots it declares, so surgery sets those and attaches no mechanism of its own.
+    computes_attention_itself: ClassVar[bool] = True
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -261,14 +265,21 @@ class HeadkitAttention(nn.Module):
             return torch.arange(past_length, past_length + seq, device=device)[None]
         return position_ids if validated else check_batch_position_ids(position_ids, batch, seq)
 
+    def state_entry(self, cache: Any) -> Any:
+        """A recurrent layer's entry in ``cache`` (its ``cache_layer_class``, a
+        :class:`~headkit.layers.cache.StateCacheLayer`), or None without a cache."""
+        return None if cache is None else self.cache_layer_class.in_cache(cache, self.layer_idx)
+
     def recurrent_state(self, inputs: LayerInputs) -> Any:
         """A recurrent layer's state from the cache: None without a cache, or before its first token."""
-        return None if inputs.cache is None else inputs.cache.get_state(self.layer_idx)
+        entry = self.state_entry(inputs.cache)
+        return None if entry is None else entry.get_state()
 
     def store_state(self, inputs: LayerInputs, state: Any) -> None:
         """Keep a recurrent layer's state after this call's tokens in the cache (if there is one)."""
-        if inputs.cache is not None:
-            inputs.cache.set_state(state, self.layer_idx, inputs.seq)
+        entry = self.state_entry(inputs.cache)
+        if entry is not None:
+            entry.set_state(state, inputs.seq)
 
     def finish_recurrent(
         self, inputs: LayerInputs, state: Any, head_outputs: torch.Tensor

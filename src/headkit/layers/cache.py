@@ -1,33 +1,39 @@
-"""The generation cache of headkit models: key/value caches and constant-size recurrent states, one API.
+"""The cache entries headkit adds to transformers' :class:`~transformers.Cache`: one class for every decoding
+state that is not a key/value cache, and the cache of headkit's own models.
 
-A :class:`HeadkitCache` is a :class:`transformers.Cache` holding one entry per decoder layer, of the kind the
-layer's class asks for in its ``cache_layer_class`` attribute (the model hands its attention layers to the
-cache, which builds what each declares; the cache knows no mechanism by name):
+Every attention layer — of headkit's own models and of a stock 🤗 model after surgery — keeps its decoding state
+in one entry of a transformers ``Cache`` (``cache.layers[layer_idx]``), of one of two kinds:
 
 * :class:`transformers.cache_utils.DynamicLayer` (softmax, CoCA, collaborative attention): the keys and
   values of every past token, [B, Hkv, T, D]. Layers call ``cache.update(keys, values, layer_idx)`` — the
   standard transformers API — and attend over what it returns.
-* :class:`RecurrentStateLayer` (linear, additive attention): one state object of constant size, whatever
-  the layer needs (a NamedTuple of tensors, possibly nested, with the batch as dim 0 of every tensor).
-  Layers call ``cache.get_state(layer_idx)`` (None before the first token) and
-  ``cache.set_state(state, layer_idx, num_new_tokens)``.
+* :class:`StateCacheLayer` (linear, additive, hybrid attention; a linearized, latent or emptied stock layer):
+  one state object of whatever the mechanism needs (a NamedTuple of tensors, possibly nested, with the batch as
+  dim 0 of every tensor). A mechanism takes its entry with ``StateCacheLayer.in_cache(cache, layer_idx)`` (or a
+  subclass's, which swaps it in for the empty key/value entry a stock cache made) and calls ``get_state()``
+  (None before the first token) and ``set_state(state, num_new_tokens)``.
 
-``get_seq_length()`` counts the tokens a layer has seen for both kinds, so ``generate()`` and the models'
-position bookkeeping work unchanged, and beam search / batch selection (``reorder_cache``,
-``batch_select_indices``, ``batch_repeat_interleave``) index dim 0 of every tensor of every state.
-A recurrent state cannot be rewound: ``crop`` (assisted generation) raises for it.
+A ``StateCacheLayer`` is a transformers ``CacheLayerMixin``, so the container counts its tokens
+(``get_seq_length``, mask sizes) like a key/value layer's, and beam search / batch selection (``reorder_cache``,
+``batch_select_indices``, ``batch_repeat_interleave``) index dim 0 of every tensor of every state. A state
+cannot be rewound: ``crop`` (assisted generation) raises for it.
+
+:class:`HeadkitCache` is the transformers ``Cache`` of a headkit model, built with the entry each of its
+attention layers declares in ``cache_layer_class`` (the cache knows no mechanism by name).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
-# A recurrent state: a tensor, None, or a (Named)tuple of states; every tensor has the batch as dim 0.
+from headkit.errors import HeadkitError
+
+# A decoding state: a tensor, None, or a (Named)tuple of states; every tensor has the batch as dim 0.
 State = Any
 
 
@@ -42,51 +48,85 @@ def map_state(state: State, fn: Callable[[torch.Tensor], torch.Tensor]) -> State
         # NamedTuples are rebuilt field by field; plain tuples from the list.
         return type(state)(*mapped) if hasattr(state, "_fields") else tuple(mapped)
     raise ValueError(
-        f"a recurrent state must be a tensor, None, or a (Named)tuple of those, got {type(state).__name__}"
+        f"a decoding state must be a tensor, None, or a (Named)tuple of those, got {type(state).__name__}"
     )
 
 
-class RecurrentStateLayer:
-    """The cache entry of a recurrent layer: one constant-size state and the number of tokens it summarises.
+class StateCacheLayer(CacheLayerMixin):
+    """The entry in a 🤗 ``Cache`` of a layer that keeps a state of its own instead of keys and values: the state
+    and the number of tokens it summarises.
 
-    Duck-types the per-layer API of :class:`transformers.Cache` (as transformers' own ``DummyLayer`` does),
-    so the container's beam-search and batch methods work on it.
-    """
+    A stock module's ``update`` call gets its keys and values back unchanged (surgery's mechanisms read them from
+    the attention call and fold them into the state; headkit's own recurrent layers do not call it).
 
-    is_compileable = False  # a compilable cache would make generate() build 4D masks we do not use
+    Not transformers' ``LinearAttentionCacheLayerMixin`` (5.24): that one holds conv/recurrent tensors by index
+    and counts no tokens, while these states are anything from a window of keys and values plus running sums to
+    a latent per token, and the masks of every later layer are sized from their token count; it is also absent
+    before 5.24."""
+
+    is_compileable = (
+        False  # a compilable cache would make generate() build 4D masks headkit's models do not use
+    )
     is_croppable = False
     is_sliding = False
-    supports_early_init = False
+    supports_early_init = False  # the state is created by the layer's first forward
+    describes: ClassVar[str] = "a layer with a state of its own"  # what errors call the layer
 
     def __init__(self) -> None:
+        super().__init__()
         self.state: State = None
         self.seen_tokens = 0
-        # transformers' exporters and DDP helpers read these on every cache layer.
-        self.keys = None
-        self.values = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(seen_tokens={self.seen_tokens})"
 
-    @property
-    def is_initialized(self) -> bool:
-        return self.state is not None
+    @classmethod
+    def in_cache(cls, cache: Any, layer_idx: int) -> Any:
+        """This class's entry of ``layer_idx`` in ``cache``, put in place of the empty key/value entry the cache
+        made for it (or appended, for a cache that creates its layers lazily)."""
+        layers = getattr(cache, "layers", None)
+        if not isinstance(layers, list):
+            raise HeadkitError(
+                f"{cls.describes} needs a transformers Cache with per-layer entries, got {type(cache).__name__}"
+            )
+        if layer_idx < len(layers) and isinstance(layers[layer_idx], cls):
+            return layers[layer_idx]
+        if layer_idx >= len(layers):
+            make = getattr(cache, "layer_class_to_replicate", None)
+            if make is None:
+                raise HeadkitError(
+                    f"the cache holds {len(layers)} layers and cannot grow to layer {layer_idx}; use a DynamicCache"
+                )
+            while len(layers) <= layer_idx:
+                layers.append(make())
+        existing = layers[layer_idx]
+        if existing.get_seq_length() > 0:
+            raise HeadkitError(
+                f"cache layer {layer_idx} already holds keys and values of {existing.get_seq_length()} tokens; "
+                f"{cls.describes} keeps a state of its own instead (start from an empty cache)"
+            )
+        layers[layer_idx] = cls()
+        return layers[layer_idx]
 
     def get_state(self) -> State:
         return self.state
 
     def set_state(self, state: State, num_new_tokens: int) -> None:
+        """Store the state after the layer consumed ``num_new_tokens`` more tokens."""
         if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be a non-negative integer, got {num_new_tokens!r}")
         _tensors(state)  # rejects anything that is not a state now, not at the next beam reorder
         self.state = state
+        self.is_initialized = state is not None
         self.seen_tokens += num_new_tokens
 
-    def update(self, *args: Any, **kwargs: Any):
-        raise ValueError(
-            "this cache layer holds the constant-size state of a recurrent attention layer, not keys and values: "
-            "use cache.get_state(layer_idx) / cache.set_state(state, layer_idx, num_new_tokens)"
-        )
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Nothing to allocate ahead: the state is created by the layer's first forward."""
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return key_states, value_states
 
     def get_seq_length(self) -> int:
         return self.seen_tokens
@@ -99,6 +139,7 @@ class RecurrentStateLayer:
 
     def reset(self) -> None:
         self.state = None
+        self.is_initialized = False
         self.seen_tokens = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -113,7 +154,7 @@ class RecurrentStateLayer:
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove != 0:
             raise ValueError(
-                "a recurrent state cannot be rewound (crop): it summarises every past token in constant size"
+                "a decoding state cannot be rewound (crop): it summarises every past token in its own form"
             )
 
     def offload(self) -> None:
@@ -126,7 +167,7 @@ class RecurrentStateLayer:
             self.state = map_state(self.state, lambda tensor: tensor.to(device, non_blocking=True))
 
 
-def cache_layers(model: nn.Module) -> list[Any]:
+def cache_layers(model: nn.Module) -> list[CacheLayerMixin]:
     """New cache entries for `model`: one per attention layer (a module with ``cache_layer_class`` and
     ``layer_idx``, searched outermost first), of the class it declares, in ``layer_idx`` order 0, 1, …"""
     if not isinstance(model, nn.Module):
@@ -169,10 +210,8 @@ def _tensors(state: State) -> list[torch.Tensor]:
 
 
 class HeadkitCache(Cache):
-    """Per-layer generation cache for a headkit model: key/value caches and recurrent states side by side.
-
-    Build it from the model (each of its attention layers gets the cache entry its class declares in
-    ``cache_layer_class``; a single attention layer is a model of one), or from a list of entries.
+    """The generation cache of a headkit model: a transformers ``Cache`` with, per attention layer, the entry its
+    class declares in ``cache_layer_class`` (a single attention layer is a model of one), or the given entries.
     ``HeadkitForCausalLM`` creates one itself when ``use_cache`` is on and none is passed, so ``generate()``
     needs nothing special.
 
@@ -183,63 +222,19 @@ class HeadkitCache(Cache):
         out = model(next_ids, cache=cache, use_cache=True)    # one more token
     """
 
-    def __init__(self, model: nn.Module | None = None, *, layers: list[Any] | None = None) -> None:
+    def __init__(
+        self, model: nn.Module | None = None, *, layers: list[CacheLayerMixin] | None = None
+    ) -> None:
         if (model is None) == (layers is None):
             raise ValueError("HeadkitCache needs exactly one of model (a headkit model) or layers (a list)")
-        if layers is None:
-            layers = cache_layers(model)
-        super().__init__(layers=list(layers))
+        super().__init__(layers=cache_layers(model) if layers is None else list(layers))
 
-    def _layer(self, layer_idx: int) -> Any:
-        if not 0 <= layer_idx < len(self.layers):
-            raise ValueError(f"layer_idx must be in [0, {len(self.layers)}), got {layer_idx}")
-        return self.layers[layer_idx]
-
-    def _recurrent_layer(self, layer_idx: int) -> RecurrentStateLayer:
-        layer = self._layer(layer_idx)
-        if not isinstance(layer, RecurrentStateLayer):
-            raise ValueError(
-                f"cache layer {layer_idx} is a {type(layer).__name__} (keys and values): use "
-                "cache.update(keys, values, layer_idx); get_state/set_state are for recurrent layers"
-            )
-        return layer
-
-    def get_state(self, layer_idx: int) -> State:
-        """The recurrent state of layer ``layer_idx``, or None before its first token."""
-        return self._recurrent_layer(layer_idx).get_state()
-
-    def set_state(self, state: State, layer_idx: int, num_new_tokens: int) -> None:
-        """Store the state of layer ``layer_idx`` after it consumed ``num_new_tokens`` more tokens."""
-        self._recurrent_layer(layer_idx).set_state(state, num_new_tokens)
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Append keys/values [B, Hkv, T, D] for layer ``layer_idx``; return all of them so far."""
-        self._layer(layer_idx)
-        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """The number of tokens layer ``layer_idx`` has seen (cached keys, or tokens folded into its state)."""
-        if layer_idx >= len(self.layers):
-            return 0
-        return self.layers[layer_idx].get_seq_length()
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
-        return self._layer(layer_idx).get_mask_sizes(query_length)
-
-    def crop(self, *args: Any, **kwargs: Any) -> None:
-        # Every recurrent layer refuses a rewind before any key/value layer is cut: a refused crop leaves the
-        # whole cache as it was.
+    def crop(self, tokens_to_remove: int) -> None:
+        # The states refuse before any key/value entry is cut: a refused crop leaves the whole cache as it was.
         for layer in self.layers:
-            if isinstance(layer, RecurrentStateLayer):
-                layer.crop(*args, **kwargs)
-        super().crop(*args, **kwargs)
-
-    @property
-    def is_recurrent(self) -> list[bool]:
-        """Per layer: whether it holds a recurrent state rather than keys and values."""
-        return [isinstance(layer, RecurrentStateLayer) for layer in self.layers]
+            if isinstance(layer, StateCacheLayer):
+                layer.crop(tokens_to_remove)
+        super().crop(tokens_to_remove)
 
 
-__all__ = ["DynamicLayer", "HeadkitCache", "RecurrentStateLayer", "map_state"]
+__all__ = ["DynamicLayer", "HeadkitCache", "StateCacheLayer", "map_state"]

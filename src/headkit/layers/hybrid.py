@@ -18,28 +18,186 @@ rotated vectors. The window is counted in token positions of the input (padding 
 padding — the only padding of batched generation — leaves every real token's window and linear sums unchanged.
 
 Decoding keeps a fixed-size :class:`headkit.ops.HybridAttentionState` per layer in a
-:class:`~headkit.layers.cache.RecurrentStateLayer` (the last W − 1 rotated keys, values and key features, and
+:class:`HybridStateCacheLayer` (the last W − 1 rotated keys, values and key features, and
 the linear sums of everything older): its size does not grow with the context.
+
+The mechanism itself — the feature maps, the balance and the choice between the parallel form and the decoding
+step — is :class:`HybridHeads`, the one implementation that this layer and a linearized pretrained layer
+(:class:`headkit.surgery.linearize.LinearizedHeads`, which configures it for a stock attention module) are built
+from.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 from transformers import initialization as init
 
+from headkit.errors import HeadkitError
 from headkit.layers.base import HeadkitAttention, LayerInputs
-from headkit.layers.cache import RecurrentStateLayer
+from headkit.layers.cache import StateCacheLayer
 from headkit.layers.feature_maps import build_feature_map
 from headkit.layers.registry import register_attention
-from headkit.ops.hybrid import hybrid_attention, hybrid_attention_step
+from headkit.ops.hybrid import (
+    HybridRingState,
+    hybrid_attention,
+    hybrid_attention_step,
+    hybrid_ring_from_state,
+    hybrid_state_from_ring,
+)
 from headkit.ops.rotary import apply_rotary, rotary_cos_sin
 
 
+class HybridStateCacheLayer(StateCacheLayer):
+    """The cache entry of the hybrid mechanism (:class:`HybridHeads`: a :class:`HybridAttention` layer, a linearized
+    stock layer): one fixed-size :class:`headkit.ops.HybridAttentionState` (or a larger state of the same
+    mechanism keeping more keys exact) in a :class:`~headkit.layers.cache.StateCacheLayer`."""
+
+    describes = "a hybrid (sliding-window + linear) attention layer"
+
+
+class RingHybridStateCacheLayer(HybridStateCacheLayer):
+    """A :class:`HybridStateCacheLayer` whose state lives in fixed buffers updated in place
+    (:class:`headkit.ops.HybridRingState`: the window as a ring buffer), for a compiled decoding step
+    (:mod:`headkit.runtime.fast`): one graph, no tensor allocated or re-concatenated per token.
+
+    A prompt (several tokens) runs the ordinary eager path: :meth:`get_state` hands it the ordered state and
+    :meth:`set_state` copies the result into the buffers. A step of one token runs
+    :func:`headkit.ops.hybrid_attention_ring_step_` on the buffers (:meth:`headkit.surgery.linearize.LinearizedHeads.forward`); the fast
+    decoder feeds only real tokens there, so no padding mask is read.
+
+    ``mask_length``: the key length it reports to the model's mask builder (``get_mask_sizes``), as transformers'
+    ``StaticLayer`` reports its ``max_cache_len``: the static cache's length beside key/value layers, anything
+    once the prompt is in when every layer is linearized (the mask is then read by no layer). The token count is
+    a tensor under compilation (as ``StaticLayer``'s), so that a compiled step is not specialised on it."""
+
+    is_compileable = True
+
+    def __init__(self, mask_length: int = 1) -> None:
+        super().__init__()
+        self.mask_length = mask_length
+
+    def get_state(self) -> Any:
+        return None if self.state is None else hybrid_state_from_ring(self.state)
+
+    def set_state(self, state: Any, num_new_tokens: int) -> None:
+        if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be a non-negative integer, got {num_new_tokens!r}")
+        ring = hybrid_ring_from_state(state, self.get_seq_length() + num_new_tokens)
+        if self.state is None:
+            self.state = ring
+        else:  # in place: a compiled step holds these buffers
+            for buffer, value in zip(self.state, ring, strict=True):
+                buffer.copy_(value)
+        self.is_initialized = True
+        self.seen_tokens = int(ring.seen)
+
+    def reset(self) -> None:
+        # In place: the buffers keep their addresses, which compiled steps hold.
+        if self.state is not None:
+            for buffer in self.state:
+                buffer.zero_()
+        self.seen_tokens = 0
+
+    def ring_state(self) -> HybridRingState:
+        return self.state
+
+    def get_seq_length(self) -> Any:
+        if self.state is None:
+            return 0
+        if torch.compiler.is_compiling():
+            return self.state.seen
+        return int(self.state.seen)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.mask_length, 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise HeadkitError("the fast decoder's fixed-size hybrid state decodes greedily: no beam search")
+
+    batch_select_indices = batch_repeat_interleave = reorder_cache
+
+
+class HybridHeads(nn.Module):
+    """Sliding-window softmax + linear attention over given queries, keys and values (LoLCATs; Zhang et al. 2024,
+    arXiv:2410.10254): its parameters and its forms, whoever projects and rotates the inputs.
+
+    :meth:`build_hybrid_heads` adds the parameters — ``feature_map_q`` (one map per query head), ``feature_map_k``
+    (one per key/value head) and the per-head balance γ_h = exp(``log_balance``) — under these names in the module
+    that is the mechanism (a :class:`HybridAttention` layer, a linearized layer's mechanism), so checkpoints of
+    either keep their keys. ``fold=False`` builds no feature maps and fixes γ = 0: nothing leaves the window for
+    a linear state (the compressed-cache baseline of a linearized model).
+    """
+
+    def build_hybrid_heads(
+        self,
+        *,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        window: int,
+        chunk_size: int,
+        scale: float,
+        feature_map: str,
+        feature_dim: int | None,
+        fold: bool = True,
+        dtype: torch.dtype | None = None,
+        device: torch.device | None = None,
+    ) -> None:
+        self.window, self.chunk_size, self.scale, self.fold = window, chunk_size, scale, fold
+        self.feature_map_q: nn.Module | None = None
+        self.feature_map_k: nn.Module | None = None
+        if fold:
+            self.feature_map_q = build_feature_map(feature_map, num_heads, head_dim, feature_dim).to(
+                dtype=dtype, device=device
+            )
+            self.feature_map_k = build_feature_map(feature_map, num_kv_heads, head_dim, feature_dim).to(
+                dtype=dtype, device=device
+            )
+        # γ_h = exp(log_balance_h) = 1 at first: window and linear terms on an equal footing (LoLCATs starts from
+        # a comparable 2); positive, so the shared normaliser stays positive for non-negative features.
+        self.log_balance = nn.Parameter(
+            torch.zeros(num_heads, dtype=dtype, device=device), requires_grad=fold
+        )
+
+    @property
+    def balance(self) -> torch.Tensor:
+        """γ_h per query head, [num_heads] (zeros when nothing folds)."""
+        balance = self.log_balance.exp()
+        return balance if self.fold else torch.zeros_like(balance)
+
+    def features(self, queries: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """φ(q), φ(k) of the linear term; one zero feature when nothing folds (γ = 0 makes it unused)."""
+        if self.fold:
+            return self.feature_map_q(queries), self.feature_map_k(keys)
+        return queries.new_zeros(*queries.shape[:3], 1), keys.new_zeros(*keys.shape[:3], 1)
+
+    def hybrid_heads(
+        self,
+        tensors: tuple[torch.Tensor, ...],
+        state: Any,
+        *,
+        cached: bool,
+        parallel: Callable[..., tuple[torch.Tensor, Any]] = hybrid_attention,
+        step: Callable[..., tuple[torch.Tensor, Any]] = hybrid_attention_step,
+        **options: Any,
+    ) -> tuple[torch.Tensor, Any]:
+        """(per-head outputs, the state after these tokens, None without a cache) of ``tensors`` = (queries, keys,
+        values, φ(q), φ(k), γ): one token into a cache takes the decoding step, anything else the chunkwise
+        parallel form, continuing ``state``. ``parallel``/``step`` and ``options`` (window, mask, scale, …) are
+        the op's: the plain hybrid, or :mod:`headkit.ops.sparse_hybrid` with its sinks and budget."""
+        if cached and tensors[0].shape[2] == 1:
+            return step(*tensors, state, **options)
+        return parallel(
+            *tensors, chunk_size=self.chunk_size, initial_state=state, output_final_state=cached, **options
+        )
+
+
 @register_attention("hybrid", rotary=True, compared=False)
-class HybridAttention(HeadkitAttention):
+class HybridAttention(HeadkitAttention, HybridHeads):
     """Sliding-window softmax + linear attention with learnable feature maps (``attention="hybrid"``).
 
     Uses the config's ``hybrid_window`` (W, tokens seen exactly, the query's own included),
@@ -50,7 +208,7 @@ class HybridAttention(HeadkitAttention):
     are never materialised as a T × T matrix.
     """
 
-    cache_layer_class = RecurrentStateLayer
+    cache_layer_class = HybridStateCacheLayer
 
     repr_fields = ("window", "chunk_size")
 
@@ -62,31 +220,25 @@ class HybridAttention(HeadkitAttention):
                 "left it); set config.causal=True or use another mechanism for a bidirectional model"
             )
         self.add_query_key_value_projections(config.attention_bias)
-        self.window = config.hybrid_window
-        self.chunk_size = config.chunk_size
-        self.scale = self.head_dim**-0.5
         self.use_rope = config.position_embedding_type == "rope"
         self.rope_kwargs = config.rope_kwargs() if self.use_rope else {}
-        feature_map, feature_dim = config.hybrid_feature_map, config.hybrid_feature_dim
-        self.feature_map_q = build_feature_map(feature_map, self.num_heads, self.head_dim, feature_dim)
-        self.feature_map_k = build_feature_map(
-            feature_map, self.num_key_value_heads, self.head_dim, feature_dim
+        self.build_hybrid_heads(
+            num_heads=self.num_heads,
+            num_kv_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            window=config.hybrid_window,
+            chunk_size=config.chunk_size,
+            scale=self.head_dim**-0.5,
+            feature_map=config.hybrid_feature_map,
+            feature_dim=config.hybrid_feature_dim,
         )
-        # γ_h = exp(log_balance_h): positive, so the shared normaliser stays positive for non-negative features.
-        self.log_balance = nn.Parameter(torch.empty(self.num_heads))
         # A standalone layer is usable at once; inside a model, _init_weights initialises again.
         self.init_extra_parameters(config.initializer_range)
 
     def init_extra_parameters(self, std: float) -> None:
-        # γ = 1: window and linear terms start on an equal footing (LoLCATs starts from a comparable 2).
         init.zeros_(self.log_balance)
         self.feature_map_q.reset_parameters()
         self.feature_map_k.reset_parameters()
-
-    @property
-    def balance(self) -> torch.Tensor:
-        """γ_h per query head, [num_heads]."""
-        return self.log_balance.exp()
 
     def attend(self, hidden_states: torch.Tensor, inputs: LayerInputs) -> tuple[torch.Tensor, None]:
         queries, keys, values = self.project_queries_keys_values(hidden_states)
@@ -96,30 +248,13 @@ class HybridAttention(HeadkitAttention):
             queries = apply_rotary(queries, cos, sin, validate=False)
             keys = apply_rotary(keys, cos, sin, validate=False)
         # The state carries the padding flags of the past tokens: only the new ones are passed.
-        new_keys_mask = inputs.new_tokens_mask
-        query_features = self.feature_map_q(queries)
-        key_features = self.feature_map_k(keys)
-
-        state = self.recurrent_state(inputs)
-        tensors = (queries, keys, values, query_features, key_features, self.balance)
-        if inputs.cache is not None and inputs.seq == 1:
-            head_outputs, state = hybrid_attention_step(
-                *tensors,
-                state,
-                window=self.window,
-                attention_mask=new_keys_mask,
-                scale=self.scale,
-                validate=False,
-            )
-        else:
-            head_outputs, state = hybrid_attention(
-                *tensors,
-                window=self.window,
-                attention_mask=new_keys_mask,
-                chunk_size=self.chunk_size,
-                scale=self.scale,
-                initial_state=state,
-                output_final_state=inputs.cache is not None,
-                validate=False,
-            )
+        head_outputs, state = self.hybrid_heads(
+            (queries, keys, values, *self.features(queries, keys), self.balance),
+            self.recurrent_state(inputs),
+            cached=inputs.cache is not None,
+            window=self.window,
+            attention_mask=inputs.new_tokens_mask,
+            scale=self.scale,
+            validate=False,
+        )
         return self.finish_recurrent(inputs, state, head_outputs)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from headkit.layers.base import HeadkitAttention, LayerInputs
-from headkit.layers.cache import RecurrentStateLayer
+from headkit.layers.cache import StateCacheLayer
 from headkit.layers.registry import register_attention
 from headkit.ops.feature_maps import get_feature_map
 from headkit.ops.linear import linear_attention, linear_attention_step
@@ -39,7 +39,7 @@ class LinearAttention(HeadkitAttention):
     (``output_attentions`` gives None): the T × T matrix is never formed.
     """
 
-    cache_layer_class = RecurrentStateLayer
+    cache_layer_class = StateCacheLayer
 
     repr_fields = ("feature_map", "chunk_size")
 

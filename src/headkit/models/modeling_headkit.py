@@ -29,7 +29,7 @@ from transformers.modeling_outputs import (
 )
 
 from headkit.compat import CACHE_ARGUMENT_NAMES, accepts_cache_alias, cache_output, output_cache
-from headkit.layers import HeadkitAttention, HeadkitCache, RecurrentStateLayer, build_attention
+from headkit.layers import HeadkitAttention, HeadkitCache, StateCacheLayer, build_attention
 from headkit.models.configuration_headkit import HeadkitConfig
 from headkit.ops._validation import check_batch_position_ids, check_padding_mask, check_rank
 
@@ -145,7 +145,7 @@ class HeadkitPreTrainedModel(PreTrainedModel):
     def _is_stateful(self) -> bool:
         # Recurrent states cannot be rolled back, which rules out assisted generation.
         return any(
-            issubclass(module.cache_layer_class, RecurrentStateLayer)
+            issubclass(module.cache_layer_class, StateCacheLayer)
             for module in self.modules()
             if isinstance(module, HeadkitAttention)
         )
@@ -297,7 +297,7 @@ class HeadkitModel(HeadkitPreTrainedModel):
                         f"{type(attention).__name__} needs a {attention.cache_layer_class.__name__}; "
                         "build the cache with HeadkitCache(model)"
                     )
-        elif any(issubclass(a.cache_layer_class, RecurrentStateLayer) for a in attention_layers):
+        elif any(issubclass(a.cache_layer_class, StateCacheLayer) for a in attention_layers):
             raise ValueError(
                 f"this model has recurrent attention layers, which need a headkit.layers.HeadkitCache; got "
                 f"{type(cache).__name__}"

@@ -61,8 +61,8 @@ class HybridAttentionState(NamedTuple):
         float64 inputs).
     k_sum: Σ φ(k_j) over the same keys, [B, Hkv, F].
 
-    A NamedTuple, like the other ops' states, so that :class:`headkit.layers.HeadkitCache` can reorder and select
-    it for beam search.
+    A NamedTuple, like the other ops' states, so that :class:`headkit.layers.StateCacheLayer` can reorder and
+    select it for beam search.
     """
 
     keys: torch.Tensor

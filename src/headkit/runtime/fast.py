@@ -6,7 +6,7 @@ What it does, following transformers' own recipe for compiled generation (a stat
 
 * **Fixed-size buffers.** Key/value layers get transformers' ``StaticCache`` entries (keys and values
   preallocated for the whole bucket, written in place; sliding-window layers its fixed sliding entries).
-  Linearized layers (:func:`headkit.linearize`) get a :class:`~headkit.surgery.linearize.RingHybridStateCacheLayer`:
+  Linearized layers (:func:`headkit.linearize`) get a :class:`~headkit.layers.hybrid.RingHybridStateCacheLayer`:
   the LoLCATs window as a ring buffer and the linear sums, updated in place by one fused step
   (:func:`headkit.ops.hybrid_attention_ring_step_`) — no window re-concatenated per token.
 * **One graph per shape bucket.** The step (model forward on one token per row and the argmax) is compiled with
@@ -51,8 +51,9 @@ from transformers import CompileConfig, StaticCache
 from headkit.compat import cache_keyword
 from headkit.errors import HeadkitError
 from headkit.evaluation.timing import timed_call
+from headkit.layers.hybrid import RingHybridStateCacheLayer
 from headkit.surgery.attention import mechanism_of
-from headkit.surgery.linearize import LinearizedHeads, RingHybridStateCacheLayer
+from headkit.surgery.linearize import LinearizedHeads
 
 logger = logging.getLogger(__name__)
 
@@ -273,10 +274,7 @@ class FastDecoder:
             self._caches[bucket] = cache
         else:
             for layer in cache.layers:
-                if isinstance(layer, RingHybridStateCacheLayer):
-                    _reset_ring(layer)
-                else:
-                    layer.reset()
+                layer.reset()
         # Mask sizes during the prompt: the static length, or the prompt itself when nothing else is cached.
         for index in self.linearized:
             cache.layers[index].mask_length = length if length else prompt_length
@@ -433,14 +431,6 @@ class FastDecoder:
                 "attention_mask: the fast decoder takes left padding only (each row's last token real)"
             )
         return input_ids, attention_mask.long()
-
-
-def _reset_ring(layer: RingHybridStateCacheLayer) -> None:
-    """Empty a ring layer in place (its buffers keep their addresses: compiled steps hold them)."""
-    if layer.state is not None:
-        for buffer in layer.state:
-            buffer.zero_()
-    layer.seen_tokens = 0
 
 
 def _finished(token: torch.Tensor, eos_token_id: int | list[int] | None) -> torch.Tensor | None:

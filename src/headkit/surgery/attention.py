@@ -26,17 +26,15 @@ with a custom ``forward`` would silently ignore the mechanism).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from transformers import AttentionInterface, AttentionMaskInterface
-from transformers.cache_utils import CacheLayerMixin
 
 from headkit.compat import CACHE_ARGUMENT_NAMES, attention_implementation, cache_parameter
 from headkit.errors import HeadkitError
-from headkit.layers.base import KV_HEAD_INDEX, HeadkitAttention
-from headkit.layers.cache import RecurrentStateLayer
+from headkit.layers.base import KV_HEAD_INDEX
 from headkit.ops.softmax import eager_attention
 
 MECHANISM = "headkit_attention"
@@ -153,10 +151,18 @@ def headkit_attention_forward(
     return output, weights
 
 
+def computes_attention_itself(module: nn.Module) -> bool:
+    """Whether an attention module computes attention in its own forward rather than through transformers'
+    attention interface (headkit's own layers declare ``computes_attention_itself``): it applies its ``head_gate``
+    and key/value head index itself, in slots it declares, where a stock module's are applied by the registered
+    ``headkit_<base>`` attention function."""
+    return bool(getattr(module, "computes_attention_itself", False))
+
+
 def needs_dispatch(module: nn.Module) -> bool:
     """Whether a stock attention module holds anything only ``headkit_<base>`` runs: a mechanism, a key/value
-    head index or a head gate (headkit's own layers apply theirs themselves)."""
-    if isinstance(module, HeadkitAttention):
+    head index or a head gate (a module that applies them natively runs none of them through it)."""
+    if computes_attention_itself(module):
         return False
     return any(getattr(module, name, None) is not None for name in (MECHANISM, KV_HEAD_INDEX, HEAD_GATE))
 
@@ -221,66 +227,6 @@ class CacheLayerHook:
         if cache is not None:
             kwargs[CACHE_LAYER_KEYWORD] = mechanism_of(module).cache_layer(cache)
         return args, kwargs
-
-
-class StateCacheLayer(RecurrentStateLayer, CacheLayerMixin):
-    """The entry in a 🤗 ``Cache`` of a layer whose mechanism keeps a state of its own instead of keys and values.
-
-    A :class:`~headkit.layers.cache.RecurrentStateLayer` (state, token count, beam-search reordering) that is also
-    a transformers ``CacheLayerMixin``, so the container counts its tokens (``get_seq_length``, mask sizes) even
-    when no layer of the model keeps keys and values. The stock module's ``update`` call gets its keys and values
-    back unchanged; the mechanism folds them into ``state`` (:meth:`set_state`).
-
-    Not transformers' ``LinearAttentionCacheLayerMixin`` (5.24): that one holds conv/recurrent tensors by index
-    and counts no tokens, while a linearized layer's state is a window of keys and values plus running sums, and
-    the masks of every later layer are sized from its token count; it is also absent before 5.24."""
-
-    is_compileable = False
-    is_croppable = False
-    is_sliding = False
-    supports_early_init = False
-    describes: ClassVar[str] = "a layer with a state of its own"  # what errors call the layer
-
-    @classmethod
-    def in_cache(cls, cache: Any, layer_idx: int) -> Any:
-        """This class's entry of ``layer_idx`` in ``cache`` (see :func:`state_cache_layer`)."""
-        return state_cache_layer(cache, layer_idx, cls, cls.describes)
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Nothing to allocate ahead: the state is created by the layer's first forward."""
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return key_states, value_states
-
-
-def state_cache_layer(cache: Any, layer_idx: int, layer_class: type[StateCacheLayer], what: str) -> Any:
-    """The `layer_class` entry of ``layer_idx`` in ``cache``, put in place of the empty key/value entry the cache
-    made for it (or appended, for a cache that creates its layers lazily). `what` names the layer in errors."""
-    layers = getattr(cache, "layers", None)
-    if not isinstance(layers, list):
-        raise HeadkitError(
-            f"{what} needs a transformers Cache with per-layer entries, got {type(cache).__name__}"
-        )
-    if layer_idx < len(layers) and isinstance(layers[layer_idx], layer_class):
-        return layers[layer_idx]
-    if layer_idx >= len(layers):
-        make = getattr(cache, "layer_class_to_replicate", None)
-        if make is None:
-            raise HeadkitError(
-                f"the cache holds {len(layers)} layers and cannot grow to layer {layer_idx}; use a DynamicCache"
-            )
-        while len(layers) <= layer_idx:
-            layers.append(make())
-    existing = layers[layer_idx]
-    if existing.get_seq_length() > 0:
-        raise HeadkitError(
-            f"cache layer {layer_idx} already holds keys and values of {existing.get_seq_length()} tokens; "
-            f"{what} keeps a state of its own instead (start from an empty cache)"
-        )
-    layers[layer_idx] = layer_class()
-    return layers[layer_idx]
 
 
 def attach_mechanisms(model: nn.Module, planned: Iterable[tuple[nn.Module, nn.Module]]) -> None:
@@ -351,7 +297,7 @@ __all__ = [
     "KV_HEAD_INDEX",
     "CacheLayerHook",
     "MECHANISM",
-    "StateCacheLayer",
+    "computes_attention_itself",
     "attach_mechanisms",
     "base_attention",
     "base_implementation",
@@ -363,7 +309,6 @@ __all__ = [
     "needs_dispatch",
     "release_dispatcher",
     "set_attention_implementation",
-    "state_cache_layer",
     "use_dispatcher",
 ]
 

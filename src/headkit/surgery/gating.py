@@ -45,11 +45,10 @@ import torch
 from torch import nn
 
 from headkit.errors import HeadkitError
-from headkit.layers.base import HeadkitAttention
 from headkit.layers.gates import GATES, FixedGate, HardConcreteGate, HeadkitGate
 from headkit.layers.gates import l0_penalty as _gates_l0_penalty
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite, get_adapter
-from headkit.surgery.attention import HEAD_GATE, release_dispatcher, use_dispatcher
+from headkit.surgery.attention import HEAD_GATE, computes_attention_itself, release_dispatcher, use_dispatcher
 from headkit.surgery.records import SURGERY_KEY, record_surgery, register_surgery_op
 
 GATE_ATTRIBUTE = HEAD_GATE
@@ -63,12 +62,6 @@ CLOSED_LOG_ALPHA = -10.0
 # -- where the gate acts ---------------------------------------------------------------------------------------
 
 
-def gates_natively(site: AttentionSite) -> bool:
-    """True when the site's module applies ``head_gate`` itself (headkit's own attention layers); a stock module's
-    gate is applied by the registered ``headkit_<base>`` attention function."""
-    return isinstance(site.module, HeadkitAttention)
-
-
 def site_gate(site: AttentionSite) -> HeadkitGate | None:
     """The gate on a site's attention module, or None."""
     return getattr(site.module, HEAD_GATE, None)
@@ -76,7 +69,7 @@ def site_gate(site: AttentionSite) -> HeadkitGate | None:
 
 def _set_site_gate(model: nn.Module, site: AttentionSite, gate: HeadkitGate | None) -> None:
     if gate is None:
-        if isinstance(site.module, HeadkitAttention):
+        if computes_attention_itself(site.module):
             site.module.head_gate = None  # the layer's slot stays, empty
         elif HEAD_GATE in site.module._modules:
             del site.module._modules[HEAD_GATE]
@@ -84,7 +77,7 @@ def _set_site_gate(model: nn.Module, site: AttentionSite, gate: HeadkitGate | No
         return
     gate.train(site.module.training)  # a gate added to a model in eval mode must not sample
     site.module.add_module(HEAD_GATE, gate)
-    if not gates_natively(site):
+    if not computes_attention_itself(site.module):
         use_dispatcher(model)
 
 

@@ -64,13 +64,13 @@ from torch import nn
 
 from headkit.errors import HeadkitError
 from headkit.layers.base import KV_HEAD_INDEX
+from headkit.layers.cache import StateCacheLayer
 from headkit.ops.latent import LatentProjection, latent_attention, naive_latent_attention, rotate_half_inverse
 from headkit.ops.rotary import apply_rotary
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite, count_parameters, get_adapter
 from headkit.surgery.attention import (
     HEAD_GATE,
     AttentionCall,
-    StateCacheLayer,
     attach_mechanisms,
     mechanism_of,
     refuse_modules_off_the_interface,

@@ -29,10 +29,11 @@ causal and a sliding mask share, and its own window replaces the model's.
 
 **Decoding cache.** A 🤗 decoder hands every attention module the same cache (a ``DynamicCache`` that
 ``generate()`` or the model creates), one entry per layer in ``cache.layers``. A converted layer's entry is
-replaced, on first use, by a :class:`HybridStateCacheLayer` — headkit's constant-size
-:class:`~headkit.layers.cache.RecurrentStateLayer` holding a :class:`headkit.ops.HybridAttentionState` (the last
-W − 1 keys, values and key features, plus the linear sums of every older key), declared a transformers
-``CacheLayerMixin`` so that ``get_seq_length`` / ``get_mask_sizes`` count its tokens like a key/value layer. Its
+replaced, on first use, by a :class:`HybridStateCacheLayer` — a :class:`~headkit.layers.cache.StateCacheLayer`
+(the transformers ``CacheLayerMixin`` of every headkit decoding state, so that ``get_seq_length`` /
+``get_mask_sizes`` count its tokens like a key/value layer's) holding a constant-size
+:class:`headkit.ops.HybridAttentionState` (the last W − 1 keys, values and key features, plus the linear sums of
+every older key). Its
 ``update`` hands the new keys and values straight through; the mechanism folds them into the state. So one stock
 cache holds key/value, sliding and linearized layers side by side, ``generate()``, beam search and batch
 reordering work unchanged, and the cache of a fully converted model does not grow with the context. (A state
@@ -65,15 +66,12 @@ import torch
 from torch import nn
 
 from headkit.errors import HeadkitError
-from headkit.layers.cache import RecurrentStateLayer, map_state
+from headkit.layers.cache import StateCacheLayer, map_state
 from headkit.layers.feature_maps import build_feature_map, valid_feature_map_names
+from headkit.layers.hybrid import HybridHeads, HybridStateCacheLayer, RingHybridStateCacheLayer
 from headkit.ops.hybrid import (
-    HybridRingState,
     hybrid_attention,
     hybrid_attention_ring_step_,
-    hybrid_attention_step,
-    hybrid_ring_from_state,
-    hybrid_state_from_ring,
 )
 from headkit.ops.key_selection import observation_scores
 from headkit.ops.sparse_hybrid import sparse_hybrid_attention, sparse_hybrid_attention_step
@@ -86,7 +84,6 @@ from headkit.surgery.adapters import (
 )
 from headkit.surgery.attention import (
     AttentionCall,
-    StateCacheLayer,
     attach_mechanisms,
     mechanism_of,
     refuse_modules_off_the_interface,
@@ -96,68 +93,6 @@ from headkit.surgery.gating import parse_head_pairs
 from headkit.surgery.records import SURGERY_KEY, record_surgery, recorded_surgery, register_surgery_op
 
 SURGERY_OP = "linearize"
-
-
-class HybridStateCacheLayer(StateCacheLayer):
-    """The entry of a converted layer in a 🤗 ``Cache``: one fixed-size :class:`headkit.ops.HybridAttentionState`
-    (a :class:`~headkit.surgery.attention.StateCacheLayer`); :class:`LinearizedHeads` folds the new keys and
-    values into it."""
-
-    describes = "a linearized attention layer"
-
-
-class RingHybridStateCacheLayer(HybridStateCacheLayer):
-    """A :class:`HybridStateCacheLayer` whose state lives in fixed buffers updated in place
-    (:class:`headkit.ops.HybridRingState`: the window as a ring buffer), for a compiled decoding step
-    (:mod:`headkit.runtime.fast`): one graph, no tensor allocated or re-concatenated per token.
-
-    A prompt (several tokens) runs the ordinary eager path: :meth:`get_state` hands it the ordered state and
-    :meth:`set_state` copies the result into the buffers. A step of one token runs
-    :func:`headkit.ops.hybrid_attention_ring_step_` on the buffers (:meth:`LinearizedHeads.forward`); the fast
-    decoder feeds only real tokens there, so no padding mask is read.
-
-    ``mask_length``: the key length it reports to the model's mask builder (``get_mask_sizes``), as transformers'
-    ``StaticLayer`` reports its ``max_cache_len``: the static cache's length beside key/value layers, anything
-    once the prompt is in when every layer is linearized (the mask is then read by no layer). The token count is
-    a tensor under compilation (as ``StaticLayer``'s), so that a compiled step is not specialised on it."""
-
-    is_compileable = True
-
-    def __init__(self, mask_length: int = 1) -> None:
-        super().__init__()
-        self.mask_length = mask_length
-
-    def get_state(self) -> Any:
-        return None if self.state is None else hybrid_state_from_ring(self.state)
-
-    def set_state(self, state: Any, num_new_tokens: int) -> None:
-        if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be a non-negative integer, got {num_new_tokens!r}")
-        ring = hybrid_ring_from_state(state, self.get_seq_length() + num_new_tokens)
-        if self.state is None:
-            self.state = ring
-        else:  # in place: a compiled step holds these buffers
-            for buffer, value in zip(self.state, ring, strict=True):
-                buffer.copy_(value)
-        self.seen_tokens = int(ring.seen)
-
-    def ring_state(self) -> HybridRingState:
-        return self.state
-
-    def get_seq_length(self) -> Any:
-        if self.state is None:
-            return 0
-        if torch.compiler.is_compiling():
-            return self.state.seen
-        return int(self.state.seen)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.mask_length, 0
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        raise HeadkitError("the fast decoder's fixed-size hybrid state decodes greedily: no beam search")
-
-    batch_select_indices = batch_repeat_interleave = reorder_cache
 
 
 def hybrid_cache_layer(cache: Any, layer_idx: int) -> HybridStateCacheLayer:
@@ -175,7 +110,7 @@ def decoding_state_bytes(cache: Any) -> int:
         return tensor
 
     for layer in getattr(cache, "layers", []):
-        if isinstance(layer, RecurrentStateLayer):
+        if isinstance(layer, StateCacheLayer):
             map_state(layer.state, collect)
         else:
             tensors += [
@@ -228,11 +163,12 @@ class SplitHeadsState(NamedTuple):
 SELECTIONS = ("recall", "question")
 
 
-class LinearizedHeads(nn.Module):
-    """The mechanism of a linearized layer (``<attention module>.headkit_attention``): sliding-window softmax +
-    linear attention over the queries, keys and values the stock module computed (rotary applied, keys and values
-    not repeated). Parameters: ``feature_map_q`` (per query head), ``feature_map_k`` (per key/value head),
-    ``log_balance`` [heads]. Called by the registered attention function; returns ``(output [B, T, H, D], None)``.
+class LinearizedHeads(HybridHeads):
+    """The mechanism of a linearized layer (``<attention module>.headkit_attention``): headkit's hybrid mechanism
+    (:class:`headkit.layers.hybrid.HybridHeads`, which :class:`headkit.layers.HybridAttention` is built from too)
+    over the queries, keys and values the stock module computed (rotary applied, keys and values not repeated).
+    Parameters: ``feature_map_q`` (per query head), ``feature_map_k`` (per key/value head), ``log_balance``
+    [heads]. Called by the registered attention function; returns ``(output [B, T, H, D], None)``.
 
     With ``sinks`` or ``sparse_cache`` it also keeps the first tokens and a budget of chosen keys exact beyond the
     window (:func:`headkit.ops.sparse_hybrid_attention`), in its training, prefill and decoding forms alike. The
@@ -270,31 +206,18 @@ class LinearizedHeads(nn.Module):
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        self.scale = scale
-        self.window, self.chunk_size = window, chunk_size
         # Exact beyond the window (headkit.ops.sparse_hybrid): the first `sinks` tokens and `sparse_cache` keys
         # per key/value head, chosen by `selection`. 0 and 0: the plain hybrid.
-        self.sinks, self.sparse_cache = sinks, sparse_cache
-        self.fold = fold
         self.configure(
             sinks=sinks, sparse_cache=sparse_cache, selection=selection, observation=observation,
             exact_heads=exact_heads,
         )  # fmt: skip
         self.feature_map_name, self.feature_dim = feature_map, feature_dim
         self.layer_idx = layer_idx
-        self.feature_map_q: nn.Module | None = None
-        self.feature_map_k: nn.Module | None = None
-        if fold:
-            self.feature_map_q = build_feature_map(feature_map, num_heads, head_dim, feature_dim).to(
-                dtype=dtype, device=device
-            )
-            self.feature_map_k = build_feature_map(feature_map, num_kv_heads, head_dim, feature_dim).to(
-                dtype=dtype, device=device
-            )
-        # γ_h = exp(log_balance_h) = 1 at conversion: window and linear terms on an equal footing.
-        self.log_balance = nn.Parameter(
-            torch.zeros(num_heads, dtype=dtype, device=device), requires_grad=fold
-        )
+        self.build_hybrid_heads(
+            num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, window=window, chunk_size=chunk_size,
+            scale=scale, feature_map=feature_map, feature_dim=feature_dim, fold=fold, dtype=dtype, device=device,
+        )  # fmt: skip
 
     def configure(
         self, *, sinks: int, sparse_cache: int, selection: str, observation: int, exact_heads: Sequence[int]
@@ -309,23 +232,11 @@ class LinearizedHeads(nn.Module):
         self._exact_query_heads = [h * groups + g for h in self.exact_heads for g in range(groups)]
         self._linear_query_heads = [h * groups + g for h in self.linear_heads for g in range(groups)]
 
-    @property
-    def balance(self) -> torch.Tensor:
-        """γ_h per query head, [num_heads] (zeros when nothing folds)."""
-        balance = self.log_balance.exp()
-        return balance if self.fold else torch.zeros_like(balance)
-
     def trainable_parameters(self) -> list[nn.Parameter]:
         """What attention transfer trains: the feature maps and the balances (nothing when nothing folds)."""
         if not self.fold:
             return []
         return [*self.feature_map_q.parameters(), *self.feature_map_k.parameters(), self.log_balance]
-
-    def features(self, queries: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """φ(q), φ(k) of the linear term; one zero feature when nothing folds (γ = 0 makes it unused)."""
-        if self.fold:
-            return self.feature_map_q(queries), self.feature_map_k(keys)
-        return queries.new_zeros(*queries.shape[:3], 1), keys.new_zeros(*keys.shape[:3], 1)
 
     @torch.no_grad()
     def state_bytes(self, context: int = 1) -> int:
@@ -421,21 +332,13 @@ class LinearizedHeads(nn.Module):
         # The mask is checked above and states come from the op itself: its own checks would only repeat that.
         options = {"window": self.window, "attention_mask": new_mask, "scale": scale, "validate": False}
         tensors = (queries, keys, values, query_features, key_features, self.balance[heads])
-        parallel, step = hybrid_attention, hybrid_attention_step
         if self.sinks or self.sparse_cache:
-            parallel, step = sparse_hybrid_attention, sparse_hybrid_attention_step
             options |= {"sinks": self.sinks, "budget": self.sparse_cache}
+            options |= {"parallel": sparse_hybrid_attention, "step": sparse_hybrid_attention_step}
             if self.selection == "question":
                 options["key_scores"] = self._question_scores(queries, keys, new_mask, scale, cache_layer)
-        if cache_layer is None:
-            outputs, _ = parallel(*tensors, chunk_size=self.chunk_size, **options)
-            return outputs, None
-        if seq == 1:
-            return step(*tensors, state, **options)
-        outputs, state_after = parallel(
-            *tensors, chunk_size=self.chunk_size, initial_state=state, output_final_state=True, **options
-        )
-        if not self.fold and state is None:
+        outputs, state_after = self.hybrid_heads(tensors, state, cached=cache_layer is not None, **options)
+        if cache_layer is not None and seq > 1 and not self.fold and state is None:
             # The compressed-cache baseline prefills as the original model does (SnapKV): in full.
             outputs, _ = self._softmax(queries, keys, values, new_mask, scale, None)
         return outputs, state_after
@@ -1089,7 +992,6 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
 register_surgery_op(SURGERY_OP, _reapply)
 
 __all__ = [
-    "HybridStateCacheLayer",
     "LinearizeConfig",
     "LinearizeReport",
     "LinearizedHeads",

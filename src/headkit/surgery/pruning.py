@@ -40,7 +40,8 @@ import torch
 from torch import nn
 
 from headkit.errors import HeadkitError
-from headkit.layers.base import KV_HEAD_INDEX, HeadkitAttention
+from headkit.layers.base import KV_HEAD_INDEX
+from headkit.layers.cache import StateCacheLayer
 from headkit.layers.gates import FixedGate, HardConcreteGate
 from headkit.surgery.adapters import (
     AttentionAdapter,
@@ -52,9 +53,10 @@ from headkit.surgery.adapters import (
 )
 from headkit.surgery.attention import (
     AttentionCall,
-    StateCacheLayer,
     attach_mechanisms,
+    computes_attention_itself,
     mechanism_of,
+    needs_dispatch,
     use_dispatcher,
 )
 from headkit.surgery.families import FAMILIES, UNIFORM, get_family
@@ -113,7 +115,7 @@ def _set_kv_index(module: nn.Module, kv_index: list[int] | None, device: torch.d
     says which key/value head each query head reads (from_pretrained replays the recorded pruning, which
     registers the same buffer, then loads it strictly)."""
     index = None if kv_index is None else torch.tensor(kv_index, dtype=torch.long, device=device)
-    if isinstance(module, HeadkitAttention):
+    if computes_attention_itself(module):
         setattr(module, KV_HEAD_INDEX, index)  # the layer's own slot
     elif index is None:
         module._buffers.pop(KV_HEAD_INDEX, None)
@@ -249,7 +251,7 @@ def _apply(model: nn.Module, adapter: AttentionAdapter, plan: _SitePlan) -> None
         # After the gather the attention sees one key/value head per query head.
         adapter.set_gathered_head_counts(module, len(plan.keep_query), len(plan.keep_kv), site.head_dim)
         _set_kv_index(module, plan.kv_index, device)
-        if not isinstance(module, HeadkitAttention):
+        if needs_dispatch(module):
             use_dispatcher(model)  # the registered attention function gathers after the cache
     gate = site_gate(site)
     if gate is not None:
@@ -272,7 +274,7 @@ def _empty_site(model: nn.Module, adapter: AttentionAdapter, site: AttentionSite
         _slice_gate(gate, [])
     _set_kv_index(site.module, None, linear_parameters(site.output_projection)[0].device)
     adapter.write_empty(model, site)
-    if not isinstance(site.module, HeadkitAttention):  # headkit's layers run the placeholder head themselves
+    if not computes_attention_itself(site.module):
         attach_mechanisms(model, [(site.module, EmptyHeads(getattr(site.module, "layer_idx", None)))])
 
 
