@@ -215,7 +215,7 @@ def test_bad_settings_name_the_option(encoder_dir, tmp_path):
         ({"fractions": (1.0,)}, "--fractions"),
         ({"fractions": (-0.1, 0.5)}, "--fractions"),
         ({"gate_steps": 0}, "--gate-steps"),
-        ({"distill_steps": -1}, "--distill-steps"),
+        ({"distill_steps": -1}, "--encoder-recovery-steps"),
         ({"threads": 0}, "--threads"),
     ):
         with pytest.raises(HeadkitError, match=option):
@@ -270,7 +270,7 @@ def test_cli_runs_without_the_decoder(encoder_dir, tmp_path, capsys):
             "4",
             "--gate-steps",
             "2",
-            "--distill-steps",
+            "--encoder-recovery-steps",
             "1",
             "--fractions",
             "0, 0.25,0.5",

@@ -72,7 +72,14 @@ class CompressBenchmarkConfig:
         quick=(384, 192, 96),
     )
     # A MiniLM step on 16 × 64 tokens takes 1.5–2 s on one thread: five widths of 150 steps fill ≈ 20–25 minutes.
-    distill_steps: int = option(150, "Distillation steps per width, the same for all.", min=0, quick=30)
+    distill_steps: int = option(
+        150,
+        "Recovery: distillation steps per width, the same for all.",
+        flag="--recovery-steps",
+        deprecated=("--distill-steps",),
+        min=0,
+        quick=30,
+    )
     lr: float = setting(1e-4, positive=True)
     batch_size: int = setting(16, min=1, quick=8)
     max_length: int = setting(64, min=1, quick=48)

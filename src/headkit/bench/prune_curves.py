@@ -137,7 +137,14 @@ class PruneCurvesConfig:
         distinct=True,
     )
     gate_steps: int = option(300, "L0 gate steps per head count.", min=1, quick=30)
-    distill_steps: int = option(100, "Distillation steps after removal, both methods.", min=0, quick=10)
+    distill_steps: int = option(
+        100,
+        "Encoder recovery: distillation steps after removal, both methods.",
+        flag="--encoder-recovery-steps",
+        deprecated=("--distill-steps",),
+        min=0,
+        quick=10,
+    )
     batch_size: int = setting(16, min=1, quick=8)
     max_length: int = setting(64, min=1, quick=48)
     train_texts: int = setting(1024, min=1, quick=128)
