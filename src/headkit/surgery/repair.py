@@ -51,29 +51,48 @@ class OutputStatistics:
 
 
 @dataclass
-class RepairReport:
-    """What :func:`refit_output_projections` did: per repaired layer, the layer-local relative error
-    E‖W h_K − W_O h‖² / E‖W_O h‖² on the calibration activations with the sliced projection (`error_sliced`) and
-    with the refit one (`error_refit`)."""
+class _LayerwiseReport:
+    """Per-layer errors of a repair, the calibration tokens it saw and its seconds."""
 
     layers: list[int] = field(default_factory=list)
-    error_sliced: list[float] = field(default_factory=list)
-    error_refit: list[float] = field(default_factory=list)
     tokens: int = 0
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def mean(self, errors: list[float]) -> float:
+        return sum(errors) / max(len(errors), 1)
+
+
+@dataclass
+class RepairReport(_LayerwiseReport):
+    """What :func:`refit_output_projections` did: per repaired layer, the layer-local relative error
+    E‖W h_K − W_O h‖² / E‖W_O h‖² on the calibration activations with the sliced projection (`error_sliced`) and
+    with the refit one (`error_refit`)."""
+
+    error_sliced: list[float] = field(default_factory=list)
+    error_refit: list[float] = field(default_factory=list)
+
     def __str__(self) -> str:
         if not self.layers:
             return "repair: no layer lost a head; nothing to refit"
-        sliced = sum(self.error_sliced) / len(self.layers)
-        refit = sum(self.error_refit) / len(self.layers)
+        sliced, refit = self.mean(self.error_sliced), self.mean(self.error_refit)
         return (
             f"repair: {len(self.layers)} output projections refit by least squares on {self.tokens:,} calibration "
             f"tokens in {self.seconds:.1f} s; layer-local error {sliced:.3g} sliced -> {refit:.3g} refit (mean)"
         )
+
+
+def _run_hooked(model: nn.Module, handles: list[Any], batches: Iterable[Mapping[str, Any]]) -> None:
+    """Run `model` over `batches` (their ids and mask; no cache), then remove the hooks `handles`, also on error."""
+    try:
+        for batch in batches:
+            inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+            model(**inputs, use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 @torch.no_grad()
@@ -99,13 +118,7 @@ def output_statistics(
         return accumulate
 
     handles = [site.output_projection.register_forward_pre_hook(hook(i)) for i, site in enumerate(sites)]
-    try:
-        for batch in batches:
-            inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
-            model(**inputs, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    _run_hooked(model, handles, batches)
     if any(gram is None for gram in grams):
         raise HeadkitError("calibration needs at least one batch of text, got none")
     return [
@@ -268,29 +281,22 @@ def refit_sequentially(
 
 
 @dataclass
-class ReconstructionReport:
+class ReconstructionReport(_LayerwiseReport):
     """What :func:`reconstruct_attention` did: per layer, the relative error E‖f'(x) − f(x)‖² / E‖f(x)‖² of the
     converted attention's output f' against the original's f, on the original's own inputs x from held-out
     calibration windows, before and after the fit. A layer whose fit made that error worse (or not finite) is
     restored and listed in `skipped`."""
 
-    layers: list[int] = field(default_factory=list)
     error_before: list[float] = field(default_factory=list)
     error_after: list[float] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
     steps: int = 0
     lr: float = 0.0
-    tokens: int = 0
-    seconds: float = 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     def __str__(self) -> str:
         if not self.layers:
             return "layer-local reconstruction: no layer to fit"
-        before = sum(self.error_before) / len(self.layers)
-        after = sum(self.error_after) / len(self.layers)
+        before, after = self.mean(self.error_before), self.mean(self.error_after)
         skipped = (
             f"; {len(self.skipped)} layers kept as converted (the fit did not help)" if self.skipped else ""
         )
@@ -331,13 +337,7 @@ def capture_attention_calls(
         return keep
 
     handles = [sites[i].module.register_forward_hook(hook(i), with_kwargs=True) for i in calls]
-    try:
-        for batch in batches:
-            inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
-            model(**inputs, use_cache=False)
-    finally:
-        for handle in handles:
-            handle.remove()
+    _run_hooked(model, handles, batches)
     if calls and not next(iter(calls.values())):
         raise HeadkitError("calibration needs at least one batch of text, got none")
     return calls
