@@ -10,7 +10,7 @@ from torch import nn
 
 from headkit.errors import HeadkitError
 from headkit.recipes.models import LoadedModel
-from headkit.recipes.skeleton import STAGES, Recipe, Steps, run_recipe
+from headkit.recipes.steps import STAGES, Recipe, Steps, run_recipe
 
 
 @dataclass
@@ -67,7 +67,7 @@ def test_the_stages_run_in_order_each_timed_and_repair_is_reported_as_a_no_op():
 
 
 def test_a_refused_setting_stops_before_loading(monkeypatch):
-    import headkit.recipes.skeleton as skeleton
+    import headkit.recipes.steps as skeleton
 
     def no_loading(*args, **kwargs):
         raise AssertionError("loaded before the refusal")

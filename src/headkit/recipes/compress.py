@@ -50,7 +50,7 @@ from headkit.recipes.models import (
 from headkit.recipes.objectives import CausalLMObjective
 from headkit.recipes.options import option
 from headkit.recipes.settings import ModelSettings, RecipeResult, check_count, check_data, with_overrides
-from headkit.recipes.skeleton import Recipe, Steps, run_recipe
+from headkit.recipes.steps import Recipe, Steps, run_recipe
 from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
 from headkit.surgery.adapters import AttentionAdapter, count_parameters, get_adapter
 from headkit.surgery.collaborative import CollaborativeConfig, SwapReport, swap_to_collaborative

@@ -60,7 +60,7 @@ from headkit.recipes.settings import (
     check_data,
     with_overrides,
 )
-from headkit.recipes.skeleton import Recipe, Steps, run_recipe
+from headkit.recipes.steps import Recipe, Steps, run_recipe
 from headkit.recipes.text import lm_windows, load_text
 from headkit.surgery.adapters import AttentionAdapter, get_adapter
 from headkit.surgery.attention import MECHANISM

@@ -58,7 +58,7 @@ from headkit.recipes.models import (
 from headkit.recipes.objectives import CausalLMObjective, EncoderObjective
 from headkit.recipes.options import option, option_name
 from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data, with_overrides
-from headkit.recipes.skeleton import Recipe, Steps, run_recipe
+from headkit.recipes.steps import Recipe, Steps, run_recipe
 from headkit.recipes.text import (
     calibration_batches,
     lm_windows,
