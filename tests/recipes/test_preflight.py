@@ -9,7 +9,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "surgery"))
 from family_models import save_family_model  # noqa: E402
 
+import headkit.recipes.steps as steps  # noqa: E402
 from headkit.cli import main  # noqa: E402
+from headkit.errors import HeadkitError  # noqa: E402
+from headkit.recipes.models import smollm2_gguf_path  # noqa: E402
 
 _save = save_family_model
 
@@ -39,7 +42,7 @@ def test_compress_kv_rank_refuses_a_per_head_key_norm_before_reading_text(
     recipe = sys.modules["headkit.recipes.compress"]  # the package exports a function of the same name
 
     monkeypatch.setattr(recipe, "load_text", _no_text)
-    monkeypatch.setattr(recipe, "load_model", _no_weights)  # the family is refused from config.json alone
+    monkeypatch.setattr(steps, "load_model", _no_weights)  # the family is refused from config.json alone
     folder = _save(model_type, tmp_path / "model")
     error = _refused(
         ["compress", str(folder), "--kv-rank", "8", "--rope-dims", "4", "--out", str(tmp_path / "o")], capsys
@@ -51,7 +54,8 @@ def test_compress_kv_rank_refuses_a_per_head_key_norm_before_reading_text(
 def test_linearize_refuses_a_window_beyond_the_context_before_loading_weights(tmp_path, monkeypatch, capsys):
     recipe = sys.modules["headkit.recipes.linearize"]  # the package exports a function of the same name
 
-    monkeypatch.setattr(recipe, "load_model", _no_weights)
+    monkeypatch.setattr(recipe, "load_text", _no_text)
+    monkeypatch.setattr(steps, "load_model", _no_weights)
     folder = _save("llama", tmp_path / "model")  # context 128
     error = _refused(["linearize", str(folder), "--window", "129", "--out", str(tmp_path / "o")], capsys)
     assert "window must be at most the model's context of 128 tokens, got 129" in error
@@ -61,7 +65,7 @@ def test_prune_refuses_more_heads_than_the_model_has_before_reading_text(tmp_pat
     recipe = sys.modules["headkit.recipes.prune"]  # the package exports a function of the same name
 
     monkeypatch.setattr(recipe, "load_text", _no_text)
-    monkeypatch.setattr(recipe, "load_model", _no_weights)  # layers × heads from config.json
+    monkeypatch.setattr(steps, "load_model", _no_weights)  # layers × heads from config.json
     folder = _save("llama", tmp_path / "model")  # 2 layers × 4 query heads
     error = _refused(["prune", str(folder), "--heads", "9", "--out", str(tmp_path / "o")], capsys)
     assert "--heads must be in [1, 8]" in error
@@ -78,6 +82,27 @@ def test_compress_kv_rank_out_of_range_is_refused_before_loading_weights(
     options, message, tmp_path, monkeypatch, capsys
 ):
     recipe = sys.modules["headkit.recipes.compress"]
-    monkeypatch.setattr(recipe, "load_model", _no_weights)
+    monkeypatch.setattr(recipe, "load_text", _no_text)
+    monkeypatch.setattr(steps, "load_model", _no_weights)
     folder = _save("llama", tmp_path / "model")
     assert message in _refused(["compress", str(folder), *options, "--out", str(tmp_path / "o")], capsys)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["prune", "--heads", "271"], "--heads must be in [1, 270]"),
+        (["linearize", "--window", "8193"], "window must be at most the model's context of 8192 tokens"),
+    ],
+)
+def test_the_smollm2_gguf_is_refused_from_its_metadata_alone(args, message, tmp_path, monkeypatch, capsys):
+    try:
+        path = smollm2_gguf_path()
+    except HeadkitError as exc:
+        pytest.skip(str(exc))
+    recipe = sys.modules[f"headkit.recipes.{args[0]}"]
+    monkeypatch.setattr(recipe, "load_text", _no_text)
+    monkeypatch.setattr(steps, "load_model", _no_weights)
+    command, *options = args
+    assert message in _refused([command, str(path), *options, "--out", str(tmp_path / "o")], capsys)
+    assert not (tmp_path / "o").exists()

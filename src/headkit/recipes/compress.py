@@ -37,23 +37,23 @@ from torch import nn
 from headkit.errors import HeadkitError
 from headkit.evaluation.memory import kv_cache_bytes_per_token
 from headkit.evaluation.quality import agreement, embedding_cosine, last_hidden_states, perplexity
-from headkit.evaluation.tasks import check_recipe_tasks, recipe_tasks, with_task_table
+from headkit.evaluation.tasks import check_recipe_tasks, with_task_table
 from headkit.evaluation.timing import compare_speed, time_call
-from headkit.recipes.distill import distill_run, encoder_finetune
+from headkit.recipes.distill import DistillResult, distill_run, encoder_finetune
 from headkit.recipes.models import (
+    CAUSAL_LM,
     DEFAULT_DTYPE,
-    check_output_folder,
+    LoadedModel,
     default_encoder_path,
     load_model,
-    read_model_config,
 )
 from headkit.recipes.objectives import CausalLMObjective
 from headkit.recipes.options import option
 from headkit.recipes.settings import ModelSettings, RecipeResult, check_count, check_data, with_overrides
-from headkit.recipes.skeleton import main_process_echo, save_result
+from headkit.recipes.steps import Recipe, Steps, run_recipe
 from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
 from headkit.surgery.adapters import AttentionAdapter, count_parameters, get_adapter
-from headkit.surgery.collaborative import SwapReport, swap_to_collaborative
+from headkit.surgery.collaborative import CollaborativeConfig, SwapReport, swap_to_collaborative
 from headkit.surgery.families import COMPRESS, FAMILIES, get_family, model_type_of
 from headkit.surgery.latent import (
     FITTED,
@@ -195,12 +195,16 @@ class CompressResult(RecipeResult):
 
 def load_teacher(model_path: Path, dtype: str = DEFAULT_DTYPE) -> Teacher:
     """Load the model (in `dtype`) and freeze it; an unsupported architecture fails here, before any work."""
-    loaded = load_model(model_path, dtype=dtype)
+    return teacher_of(load_model(model_path, dtype=dtype))
+
+
+def teacher_of(loaded: LoadedModel) -> Teacher:
+    """The loaded model, frozen, with its adapter (an unsupported architecture fails here) and full width."""
     adapter = get_adapter(loaded.model)
     site = adapter.sites(loaded.model)[0]
     loaded.model.requires_grad_(False)
     return Teacher(
-        model_path, loaded.model, loaded.tokenizer, adapter, site.num_heads * site.head_dim, loaded.kind
+        loaded.source, loaded.model, loaded.tokenizer, adapter, site.num_heads * site.head_dim, loaded.kind
     )
 
 
@@ -238,27 +242,38 @@ def encoder_fidelity(student: nn.Module, batches: list[dict], teacher_states: li
     return Fidelity(mean_cosine=float(cosine.mean()), min_cosine=float(cosine.min()), max_abs_diff=max_diff)
 
 
-def compress_and_distill(
+def swap_encoder(
     teacher: Teacher, text: EncoderText, dim: int, settings: Any, echo: Callable[[str], None] = print
-) -> Compressed:
-    """Swap a fresh copy of the teacher (an encoder) to collaborative heads of width `dim`, measure its held-out
-    fidelity, distil it (:func:`~headkit.recipes.distill.encoder_finetune`) and measure again. `settings`: a
-    :class:`CompressSettings`, or any object with its ``distill_steps``, ``lr``, ``seed``, ``tol``, ``max_iter``
-    and ``batch_size``. The teacher is left untouched."""
-    seed = settings.seed
-    torch.manual_seed(seed)
+) -> tuple[nn.Module, SwapReport, Fidelity]:
+    """A fresh copy of the teacher swapped to collaborative heads of width `dim`, what the swap did, and the copy's
+    held-out fidelity. `settings`: any object with ``seed``, ``tol`` and ``max_iter``."""
+    torch.manual_seed(settings.seed)
     student = copy.deepcopy(teacher.model)
     swap = swap_to_collaborative(
         student,
         teacher.adapter,
         dim_shared_query_key=dim,
-        seed=seed,
+        seed=settings.seed,
         tol=settings.tol,
         max_iter=settings.max_iter,
     )
     echo(str(swap))
     after_swap = encoder_fidelity(student, text.held_out, text.teacher_held_out)
     echo(f"fidelity after the swap: mean cosine {after_swap.mean_cosine:.4f}")
+    return student, swap, after_swap
+
+
+def distill_encoder(
+    teacher: Teacher,
+    student: nn.Module,
+    text: EncoderText,
+    after_swap: Fidelity,
+    settings: Any,
+    echo: Callable[[str], None] = print,
+) -> tuple[DistillResult, Fidelity]:
+    """The swapped `student` distilled (:func:`~headkit.recipes.distill.encoder_finetune`) and its held-out
+    fidelity (`after_swap` when no step ran). `settings`: any object with ``distill_steps``, ``lr``, ``seed`` and
+    ``batch_size``."""
     result = encoder_finetune(
         student,
         teacher.model,
@@ -266,12 +281,25 @@ def compress_and_distill(
         steps=settings.distill_steps,
         lr=settings.lr,
         batch_size=settings.batch_size,
-        seed=seed,
+        seed=settings.seed,
         echo=echo,
     )
-    student = result.model
-    fidelity = encoder_fidelity(student, text.held_out, text.teacher_held_out) if result.steps else after_swap
-    return Compressed(student, swap, after_swap, fidelity, result.losses, result.seconds)
+    fidelity = (
+        encoder_fidelity(result.model, text.held_out, text.teacher_held_out) if result.steps else after_swap
+    )
+    return result, fidelity
+
+
+def compress_and_distill(
+    teacher: Teacher, text: EncoderText, dim: int, settings: Any, echo: Callable[[str], None] = print
+) -> Compressed:
+    """Swap a fresh copy of the teacher (an encoder) to collaborative heads of width `dim`, measure its held-out
+    fidelity, distil it and measure again (:func:`swap_encoder`, :func:`distill_encoder`: the recipe's convert
+    and recover steps). `settings`: a :class:`CompressSettings`, or any object with its ``distill_steps``, ``lr``,
+    ``seed``, ``tol``, ``max_iter`` and ``batch_size``. The teacher is left untouched."""
+    student, swap, after_swap = swap_encoder(teacher, text, dim, settings, echo)
+    result, fidelity = distill_encoder(teacher, student, text, after_swap, settings, echo)
+    return Compressed(result.model, swap, after_swap, fidelity, result.losses, result.seconds)
 
 
 def check_settings(settings: CompressSettings) -> None:
@@ -303,146 +331,327 @@ def compress(
     started = time.perf_counter()
     settings = with_overrides(CompressSettings, settings, overrides, check_settings)
     model_path = Path(settings.model) if settings.model is not None else default_encoder_path()
-    out = Path(settings.out)
-    check_output_folder(model_path, out, settings.overwrite)
-    check_latent_before_loading(settings, model_path)
-    echo = main_process_echo(echo)
-    torch.manual_seed(settings.seed)
-    teacher = load_teacher(model_path, settings.dtype)
-    dim = teacher.full_dim // 2 if settings.dim is None else settings.dim
-    latent = teacher.adapter.rotary
-    if not latent and (settings.kv_rank is not None or settings.rope_dims is not None):
-        raise HeadkitError(
-            f"--kv-rank and --rope-dims compress rotary decoders; {teacher.adapter.name} has no rotary embeddings "
-            "and takes collaborative heads (--dim)"
+    steps, report = run_recipe(RECIPE, settings, model_path, echo, out=Path(settings.out), started=started)
+    return CompressResult(steps.student, report)
+
+
+def preflight(settings: CompressSettings, model_path: Path, config: Any | None, out: Path | None) -> None:
+    """--kv-rank / --rope-dims checked against MODEL's 🤗 config (a folder's config.json, a GGUF file's metadata)
+    before any weight is loaded: the family must take latent keys/values (Qwen 3 and Gemma 3 do not) and R, D must
+    fit its widths. A model after headkit surgery, or one without such a config, is checked once loaded."""
+    if settings.kv_rank is None and settings.rope_dims is None:
+        return
+    if config is None or getattr(config, "headkit_surgery", None) or model_type_of(config) not in FAMILIES:
+        return
+    try:
+        _, kv_heads, head_dim = attention_widths(config)
+    except (AttributeError, TypeError):  # a config that states no decoder widths: checked once loaded
+        return
+    kv_rank, rope_dims = default_ranks(head_dim, kv_heads, settings.kv_rank, settings.rope_dims)
+    LatentKVConfig(kv_rank, rope_dims, settings.rope_selection).check_config(config)
+
+
+class _CompressSteps(Steps):
+    """What every compression shares: the frozen original (:class:`Teacher`), the refusal of options that do not
+    fit its attention, and the report's common figures. No closed-form repair yet."""
+
+    result_name = "compressed"
+    dim: int | None = None  # collaborative heads' D̃; None for latent keys/values
+
+    def __init__(
+        self, settings: CompressSettings, model_path: Path, loaded: LoadedModel, echo: Callable[[str], None]
+    ) -> None:
+        super().__init__(settings, model_path, loaded, echo)
+        self.original = teacher_of(loaded)
+
+    def check(self) -> None:
+        settings, original = self.settings, self.original
+        latent = original.adapter.rotary
+        if not latent and (settings.kv_rank is not None or settings.rope_dims is not None):
+            raise HeadkitError(
+                f"--kv-rank and --rope-dims compress rotary decoders; {original.adapter.name} has no rotary "
+                "embeddings and takes collaborative heads (--dim)"
+            )
+        if latent and settings.dim is not None:
+            raise HeadkitError(
+                f"{original.adapter.name} applies rotary embeddings: --dim (collaborative heads) does not apply; "
+                "use --kv-rank and --rope-dims (latent keys/values)"
+            )
+        if not latent and original.kind == CAUSAL_LM:
+            get_family(original.model, COMPRESS)  # the registry says which decoders take collaborative heads
+
+    def measure(self) -> None:
+        self.report |= {
+            "kind": self.original.kind,
+            "dim_shared_query_key": self.dim,
+            "full_dim": self.original.full_dim,
+            "distill_steps": self.settings.distill_steps,
+            "parameters_before": count_parameters(self.original.model),
+            "parameters_after": count_parameters(self.student),
+        }
+
+
+class _CollaborativeSteps(_CompressSteps):
+    """Collaborative heads at the shared query/key width D̃ (--dim)."""
+
+    def check(self) -> None:
+        super().check()
+        settings = self.settings
+        self.dim = self.original.full_dim // 2 if settings.dim is None else settings.dim
+        CollaborativeConfig(self.dim, settings.seed, settings.tol, settings.max_iter).check(
+            self.original.model, self.original.adapter
         )
-    if latent and settings.dim is not None:
-        raise HeadkitError(
-            f"{teacher.adapter.name} applies rotary embeddings: --dim (collaborative heads) does not apply; "
-            "use --kv-rank and --rope-dims (latent keys/values)"
+
+
+class EncoderCompressSteps(_CollaborativeSteps):
+    """An encoder: fidelity is the cosine of held-out embeddings."""
+
+    def data(self) -> None:
+        settings, original = self.settings, self.original
+        self.text = prepare_encoder_text(
+            original,
+            settings.train_texts if settings.distill_steps else 0,
+            settings.held_out_texts,
+            settings.batch_size,
+            settings.max_length,
+            settings.seed,
+            settings.data,
         )
-    if not latent and teacher.kind == "causal_lm":
-        get_family(teacher.model, COMPRESS)  # the registry says which decoders take collaborative heads
-    if latent:  # everything that can refuse the conversion, before any text is read
-        if teacher.kind != "causal_lm":
+        self.forward_before = self._forward_seconds(original.model)
+
+    def _forward_seconds(self, model: nn.Module) -> float:
+        batch = self.text.held_out[0]
+        return time_call(
+            lambda: _no_grad(model, batch), repeats=self.settings.timing_repeats, warmup=0
+        ).median_s
+
+    def convert(self) -> None:
+        self.student, self.swap, self.after_swap = swap_encoder(
+            self.original, self.text, self.dim, self.settings, self.echo
+        )
+
+    def recover(self) -> None:
+        self.recovery, self.fidelity = distill_encoder(
+            self.original, self.student, self.text, self.after_swap, self.settings, self.echo
+        )
+        self.student = self.recovery.model
+
+    def measure(self) -> None:
+        forward_after = self._forward_seconds(self.student)
+        self.report |= {
+            "fidelity_after_swap": asdict(self.after_swap),
+            "fidelity": asdict(self.fidelity),
+            "max_relative_error": self.swap.max_relative_error,
+            "forward_ms_before": 1000 * self.forward_before,
+            "forward_ms_after": 1000 * forward_after,
+            "distill_losses": self.recovery.losses,
+            "swap": self.swap.to_dict(),
+        }
+        super().measure()
+
+
+class CausalLMCompressSteps(_CollaborativeSteps):
+    """A causal LM without rotary embeddings (GPT-2): the LM head kept, KL on next-token distributions."""
+
+    def data(self) -> None:
+        settings = self.settings
+        self.windows = lm_windows(
+            self.tokenizer,
+            load_text(settings.data),
+            length=settings.window,
+            train_windows=settings.train_texts,
+            held_out_windows=settings.held_out_texts,
+            seed=settings.seed,
+        )
+        self.eval_batch = max(1, min(settings.batch_size, 8))
+        self.perplexity_original = perplexity(self.original.model, self.windows.held_out, self.eval_batch)
+
+    def convert(self) -> None:
+        settings = self.settings
+        torch.manual_seed(settings.seed)
+        self.student = copy.deepcopy(self.original.model)
+        self.swap = swap_to_collaborative(
+            self.student,
+            self.original.adapter,
+            dim_shared_query_key=self.dim,
+            seed=settings.seed,
+            tol=settings.tol,
+            max_iter=settings.max_iter,
+        )
+        self.echo(str(self.swap))
+        self.perplexity_after_swap = perplexity(self.student, self.windows.held_out, self.eval_batch)
+        self.echo(
+            f"held-out perplexity: original {self.perplexity_original:.3f}, after the swap "
+            f"{self.perplexity_after_swap:.3f}"
+        )
+
+    def recover(self) -> None:
+        settings = self.settings
+        self.recovery = distill_run(
+            self.student,
+            self.original.model,
+            self.windows.train,
+            CausalLMObjective(settings.temperature),
+            settings,
+            steps=settings.distill_steps,
+            lr=settings.lr,
+            logs=5,
+            echo=self.echo,
+        )
+        self.student = self.recovery.model
+
+    def measure(self) -> None:
+        settings, teacher, student, held_out = (
+            self.settings,
+            self.original.model,
+            self.student,
+            self.windows.held_out,
+        )
+        recovered = perplexity(student, held_out, self.eval_batch)
+        speed = compare_speed(
+            teacher,
+            student,
+            prefill_ids=held_out[:1],
+            decode_context=min(128, settings.window),
+            rounds=settings.timing_repeats,
+        )
+        self.report |= {
+            "perplexity_original": self.perplexity_original,
+            "perplexity_after_swap": self.perplexity_after_swap,
+            "perplexity_recovered": recovered,
+            "top1_agreement": agreement(student, teacher, held_out, self.eval_batch).top1,
+            "max_relative_error": self.swap.max_relative_error,
+            "speed": speed,
+            "distill_losses": self.recovery.losses,
+            "data": self.windows.summary(),
+            "swap": self.swap.to_dict(),
+        }
+        super().measure()
+
+
+class LatentSteps(_CompressSteps):
+    """A rotary decoder: latent keys/values at (R, D), calibrated once on training windows; the report separates
+    the two lossy steps (partial RoPE at full rank, then the rank)."""
+
+    def check(self) -> None:
+        super().check()
+        settings, original = self.settings, self.original
+        if original.kind != CAUSAL_LM:
             raise HeadkitError("latent keys/values (--kv-rank) convert causal LMs")
-        kv_rank, rope_dims = latent_defaults(teacher, settings.kv_rank, settings.rope_dims)
-        LatentKVConfig(kv_rank, rope_dims, settings.rope_selection).check(teacher.model, teacher.adapter)
-        student, report = _compress_latent(teacher, settings, kv_rank, rope_dims, echo)
-    elif teacher.kind == "causal_lm":
-        student, report = _compress_causal_lm(teacher, dim, settings, echo)
-    else:
-        student, report = _compress_encoder(teacher, dim, settings, echo)
-    report |= {
-        "model": str(model_path),
-        "out": str(out),
-        "kind": teacher.kind,
-        "dim_shared_query_key": None if latent else dim,
-        "full_dim": teacher.full_dim,
-        "distill_steps": settings.distill_steps,
-        "parameters_before": count_parameters(teacher.model),
-        "parameters_after": count_parameters(student),
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
-    }
-    if settings.eval_tasks:
-        report["tasks"] = recipe_tasks(
-            settings, teacher.model, student, teacher.tokenizer, "compressed", echo
+        self.kv_rank, self.rope_dims = latent_defaults(original, settings.kv_rank, settings.rope_dims)
+        LatentKVConfig(self.kv_rank, self.rope_dims, settings.rope_selection).check(
+            original.model, original.adapter
         )
-    save_result(out, student, teacher.tokenizer, report, started=started)
-    return CompressResult(student, report)
+
+    def data(self) -> None:
+        settings = self.settings
+        train, self.held_out, self.data_summary = latent_windows(self.original, settings)
+        self.train = train[: settings.train_texts]
+        self.calibration = calibration_batches(self.train, settings.calibration_windows)
+        # Once per model: they depend on neither R nor D.
+        self.statistics = latent_statistics(self.original, self.calibration)
+        self.eval_batch = max(1, min(settings.batch_size, 8))
+        self.perplexity_original = perplexity(self.original.model, self.held_out, self.eval_batch)
+
+    def convert(self) -> None:
+        settings, original, rope_dims = self.settings, self.original, self.rope_dims
+        # The two lossy steps apart: partial RoPE alone (at full rank), then the rank.
+        rope_only, self.rope_report = latent_student(
+            original,
+            rope_report_rank(original, rope_dims),
+            rope_dims,
+            self.calibration,
+            settings.rope_selection,
+            self.statistics,
+        )
+        self.perplexity_partial_rope = perplexity(rope_only, self.held_out, self.eval_batch)
+        del rope_only
+        torch.manual_seed(settings.seed)
+        self.student, self.conversion = latent_student(
+            original, self.kv_rank, rope_dims, self.calibration, settings.rope_selection, self.statistics
+        )
+        self.echo(str(self.conversion))
+        self.perplexity_converted = perplexity(self.student, self.held_out, self.eval_batch)
+        self.echo(
+            f"held-out perplexity @{self.data_summary['eval_window']}: original {self.perplexity_original:.3f}, "
+            f"partial RoPE (D={rope_dims}, full rank) {self.perplexity_partial_rope:.3f}, converted "
+            f"(R={self.kv_rank}) {self.perplexity_converted:.3f}"
+        )
+
+    def recover(self) -> None:
+        settings = self.settings
+        self.recovery = distill_run(
+            self.student,
+            self.original.model,
+            self.train,
+            CausalLMObjective(settings.temperature),
+            settings,
+            steps=settings.distill_steps,
+            lr=settings.lr,
+            echo=self.echo,
+            # The conversion starts far from the teacher: a short warm-up, then a decay that lets the last steps
+            # settle instead of hovering at the constant rate's noise floor.
+            scheduler="cosine" if settings.distill_steps >= 10 else "constant",
+            warmup_steps=settings.distill_steps // 20,
+        )
+        self.student = self.recovery.model
+
+    def measure(self) -> None:
+        settings, teacher, student, held_out = self.settings, self.original.model, self.student, self.held_out
+        recovered = (
+            perplexity(student, held_out, self.eval_batch)
+            if self.recovery.steps
+            else self.perplexity_converted
+        )
+        speed = compare_speed(
+            teacher,
+            student,
+            prefill_ids=held_out[:1, : settings.window],
+            decode_context=min(128, settings.window),
+            rounds=settings.timing_repeats,
+        )
+        before_bytes = round(kv_cache_bytes_per_token(teacher))
+        after_bytes = round(kv_cache_bytes_per_token(student))
+        conversion, rope_report = self.conversion, self.rope_report
+        self.report |= {
+            "method": "latent",
+            "kv_rank": self.kv_rank,
+            "rope_dims": self.rope_dims,
+            "rope_selection": settings.rope_selection,
+            "kv_bytes_per_token_original": before_bytes,
+            "kv_bytes_per_token": after_bytes,
+            "kv_cache_fraction": after_bytes / before_bytes,
+            "perplexity_original": self.perplexity_original,
+            "perplexity_partial_rope": self.perplexity_partial_rope,
+            "perplexity_after_swap": self.perplexity_converted,
+            "perplexity_recovered": recovered,
+            "top1_agreement": agreement(student, teacher, held_out, self.eval_batch).top1,
+            "max_relative_error": max(conversion.max_key_error, conversion.max_value_error),
+            "speed": speed,
+            "distill_losses": self.recovery.losses,
+            "distill_seconds": self.recovery.seconds,
+            "data": self.data_summary,
+            "conversion": conversion.to_dict(),
+            "partial_rope_conversion": {
+                "kv_rank": rope_report.kv_rank,
+                "max_key_error": rope_report.max_key_error,
+                "max_rope_error": rope_report.max_rope_error,
+                "max_value_error": rope_report.max_value_error,
+            },
+        }
+        super().measure()
 
 
-def _compress_encoder(
-    teacher: Teacher, dim: int, settings: CompressSettings, echo: Callable[[str], None]
-) -> tuple[nn.Module, dict[str, Any]]:
-    text = prepare_encoder_text(
-        teacher,
-        settings.train_texts if settings.distill_steps else 0,
-        settings.held_out_texts,
-        settings.batch_size,
-        settings.max_length,
-        settings.seed,
-        settings.data,
-    )
-    batch = text.held_out[0]
-    forward_before = time_call(
-        lambda: _no_grad(teacher.model, batch), repeats=settings.timing_repeats, warmup=0
-    ).median_s
-    compressed = compress_and_distill(teacher, text, dim, settings, echo)
-    student = compressed.student
-    forward_after = time_call(
-        lambda: _no_grad(student, batch), repeats=settings.timing_repeats, warmup=0
-    ).median_s
-    return student, {
-        "fidelity_after_swap": asdict(compressed.fidelity_after_swap),
-        "fidelity": asdict(compressed.fidelity),
-        "max_relative_error": compressed.swap.max_relative_error,
-        "forward_ms_before": 1000 * forward_before,
-        "forward_ms_after": 1000 * forward_after,
-        "distill_losses": compressed.losses,
-        "swap": compressed.swap.to_dict(),
-    }
+def _steps(
+    settings: CompressSettings, model_path: Path, loaded: LoadedModel, echo: Callable[[str], None]
+) -> _CompressSteps:
+    """The steps that fit the model: latent keys/values for rotary attention, else collaborative heads."""
+    rotary = get_adapter(loaded.model).rotary
+    steps = LatentSteps if rotary else CausalLMCompressSteps if loaded.is_causal_lm else EncoderCompressSteps
+    return steps(settings, model_path, loaded, echo)
 
 
-def _compress_causal_lm(
-    teacher: Teacher, dim: int, settings: CompressSettings, echo: Callable[[str], None]
-) -> tuple[nn.Module, dict[str, Any]]:
-    torch.manual_seed(settings.seed)
-    student = copy.deepcopy(teacher.model)
-    # Refuses rotary and grouped-query attention before any data is read.
-    swap = swap_to_collaborative(
-        student,
-        teacher.adapter,
-        dim_shared_query_key=dim,
-        seed=settings.seed,
-        tol=settings.tol,
-        max_iter=settings.max_iter,
-    )
-    echo(str(swap))
-    windows = lm_windows(
-        teacher.tokenizer,
-        load_text(settings.data),
-        length=settings.window,
-        train_windows=settings.train_texts,
-        held_out_windows=settings.held_out_texts,
-        seed=settings.seed,
-    )
-    eval_batch = max(1, min(settings.batch_size, 8))
-    original = perplexity(teacher.model, windows.held_out, eval_batch)
-    after_swap = perplexity(student, windows.held_out, eval_batch)
-    echo(f"held-out perplexity: original {original:.3f}, after the swap {after_swap:.3f}")
-    objective = CausalLMObjective(settings.temperature)
-    result = distill_run(
-        student,
-        teacher.model,
-        windows.train,
-        objective,
-        settings,
-        steps=settings.distill_steps,
-        lr=settings.lr,
-        logs=5,
-        echo=echo,
-    )
-    student = result.model
-    recovered = perplexity(student, windows.held_out, eval_batch)
-    speed = compare_speed(
-        teacher.model,
-        student,
-        prefill_ids=windows.held_out[:1],
-        decode_context=min(128, settings.window),
-        rounds=settings.timing_repeats,
-    )
-    return student, {
-        "perplexity_original": original,
-        "perplexity_after_swap": after_swap,
-        "perplexity_recovered": recovered,
-        "top1_agreement": agreement(student, teacher.model, windows.held_out, eval_batch).top1,
-        "max_relative_error": swap.max_relative_error,
-        "speed": speed,
-        "distill_losses": result.losses,
-        "data": windows.summary(),
-        "swap": swap.to_dict(),
-    }
+RECIPE = Recipe(preflight=preflight, steps=_steps)
 
 
 def latent_defaults(teacher: Teacher, kv_rank: int | None, rope_dims: int | None) -> tuple[int, int]:
@@ -464,23 +673,6 @@ def default_ranks(
     if kv_rank is None:
         kv_rank = max(1, kv_heads * (head_dim - rope_dims)) if isinstance(rope_dims, int) else 1
     return kv_rank, rope_dims
-
-
-def check_latent_before_loading(settings: CompressSettings, model_path: Path) -> None:
-    """--kv-rank / --rope-dims checked against MODEL's 🤗 config (a folder's config.json, a GGUF file's metadata)
-    before any weight is loaded: the family must take latent keys/values (Qwen 3 and Gemma 3 do not) and R, D must
-    fit its widths. A model after headkit surgery, or one without such a config, is checked once loaded."""
-    if settings.kv_rank is None and settings.rope_dims is None:
-        return
-    config = read_model_config(model_path)
-    if config is None or getattr(config, "headkit_surgery", None) or model_type_of(config) not in FAMILIES:
-        return
-    try:
-        _, kv_heads, head_dim = attention_widths(config)
-    except (AttributeError, TypeError):  # a config that states no decoder widths: checked once loaded
-        return
-    kv_rank, rope_dims = default_ranks(head_dim, kv_heads, settings.kv_rank, settings.rope_dims)
-    LatentKVConfig(kv_rank, rope_dims, settings.rope_selection).check_config(config)
 
 
 def latent_statistics(teacher: Teacher, calibration: list[dict]) -> list[SiteStatistics]:
@@ -541,90 +733,6 @@ def latent_windows(
     )
     summary = {"train": train.summary(), "held_out": held_out.summary(), "eval_window": eval_window}
     return train.train, held_out.held_out, summary
-
-
-def _compress_latent(
-    teacher: Teacher, settings: CompressSettings, kv_rank: int, rope_dims: int, echo: Callable[[str], None]
-) -> tuple[nn.Module, dict[str, Any]]:
-    """Latent keys/values at (R, D), already checked against the teacher by :func:`compress`."""
-    train, held_out, data = latent_windows(teacher, settings)
-    train = train[: settings.train_texts]
-    calibration = calibration_batches(train, settings.calibration_windows)
-    statistics = latent_statistics(teacher, calibration)
-    eval_batch = max(1, min(settings.batch_size, 8))
-    original = perplexity(teacher.model, held_out, eval_batch)
-    # The two lossy steps apart: partial RoPE alone (at full rank), then the rank.
-    rope_only, rope_report = latent_student(
-        teacher,
-        rope_report_rank(teacher, rope_dims),
-        rope_dims,
-        calibration,
-        settings.rope_selection,
-        statistics,
-    )
-    after_rope = perplexity(rope_only, held_out, eval_batch)
-    del rope_only
-    torch.manual_seed(settings.seed)
-    student, conversion = latent_student(
-        teacher, kv_rank, rope_dims, calibration, settings.rope_selection, statistics
-    )
-    echo(str(conversion))
-    converted = perplexity(student, held_out, eval_batch)
-    echo(
-        f"held-out perplexity @{data['eval_window']}: original {original:.3f}, partial RoPE (D={rope_dims}, full "
-        f"rank) {after_rope:.3f}, converted (R={kv_rank}) {converted:.3f}"
-    )
-    result = distill_run(
-        student,
-        teacher.model,
-        train,
-        CausalLMObjective(settings.temperature),
-        settings,
-        steps=settings.distill_steps,
-        lr=settings.lr,
-        echo=echo,
-        # The conversion starts far from the teacher: a short warm-up, then a decay that lets the last steps
-        # settle instead of hovering at the constant rate's noise floor.
-        scheduler="cosine" if settings.distill_steps >= 10 else "constant",
-        warmup_steps=settings.distill_steps // 20,
-    )
-    student = result.model
-    recovered = perplexity(student, held_out, eval_batch) if result.steps else converted
-    speed = compare_speed(
-        teacher.model,
-        student,
-        prefill_ids=held_out[:1, : settings.window],
-        decode_context=min(128, settings.window),
-        rounds=settings.timing_repeats,
-    )
-    before_bytes = round(kv_cache_bytes_per_token(teacher.model))
-    after_bytes = round(kv_cache_bytes_per_token(student))
-    return student, {
-        "method": "latent",
-        "kv_rank": kv_rank,
-        "rope_dims": rope_dims,
-        "rope_selection": settings.rope_selection,
-        "kv_bytes_per_token_original": before_bytes,
-        "kv_bytes_per_token": after_bytes,
-        "kv_cache_fraction": after_bytes / before_bytes,
-        "perplexity_original": original,
-        "perplexity_partial_rope": after_rope,
-        "perplexity_after_swap": converted,
-        "perplexity_recovered": recovered,
-        "top1_agreement": agreement(student, teacher.model, held_out, eval_batch).top1,
-        "max_relative_error": max(conversion.max_key_error, conversion.max_value_error),
-        "speed": speed,
-        "distill_losses": result.losses,
-        "distill_seconds": result.seconds,
-        "data": data,
-        "conversion": conversion.to_dict(),
-        "partial_rope_conversion": {
-            "kv_rank": rope_report.kv_rank,
-            "max_key_error": rope_report.max_key_error,
-            "max_rope_error": rope_report.max_rope_error,
-            "max_value_error": rope_report.max_value_error,
-        },
-    }
 
 
 def rope_report_rank(teacher: Teacher, rope_dims: int) -> int:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,16 +42,13 @@ from headkit.errors import HeadkitError
 from headkit.evaluation.quality import agreement, perplexity
 from headkit.evaluation.retrieval import RETRIEVAL_SCORING_PROMPTS, passkey_retrieval_scores, prose_sentences
 from headkit.evaluation.sampling import greedy_sample
-from headkit.evaluation.tasks import check_recipe_tasks, recipe_tasks, with_task_table
+from headkit.evaluation.tasks import check_recipe_tasks, with_task_table
 from headkit.evaluation.timing import decode_profile
 from headkit.files import save_figure_atomic
 from headkit.ops._validation import is_finite_number
 from headkit.recipes.distill import distill, with_lora
 from headkit.recipes.models import (
     LoadedModel,
-    check_output_folder,
-    load_model,
-    read_model_config,
     smollm2_gguf_path,
 )
 from headkit.recipes.objectives import CausalLMObjective
@@ -63,7 +60,7 @@ from headkit.recipes.settings import (
     check_data,
     with_overrides,
 )
-from headkit.recipes.skeleton import main_process_echo, save_result
+from headkit.recipes.steps import Recipe, Steps, run_recipe
 from headkit.recipes.text import lm_windows, load_text
 from headkit.surgery.adapters import AttentionAdapter, get_adapter
 from headkit.surgery.attention import MECHANISM
@@ -277,19 +274,10 @@ def linearize(
     fails, and an existing ``out`` is only replaced (with ``overwrite``) once everything succeeded."""
     started = time.perf_counter()
     settings = with_overrides(LinearizeSettings, settings, overrides, check_settings)
-    model_path = _model_path(settings)
-    out = Path(settings.out)
-    check_output_folder(model_path, out, settings.overwrite)
-    echo = main_process_echo(echo)
-    result, tokenizer = _run(settings, model_path, echo)
-    report = result.report
-    report["out"] = str(out)
-
-    def plot(staging: Path, report: dict[str, Any]) -> None:
-        save_figure_atomic(plot_report(report), staging / PLOT_FILE)
-
-    save_result(out, result.model, tokenizer, report, started=started, extras=[plot])
-    return result
+    steps, report = run_recipe(
+        RECIPE, settings, _model_path(settings), echo, out=Path(settings.out), started=started
+    )
+    return LinearizeResult(steps.student, report)
 
 
 def run(
@@ -303,39 +291,33 @@ def run(
     `loaded`: the model already loaded from ``settings.model`` (left unchanged), to spare loading it again."""
     started = time.perf_counter()
     settings = with_overrides(LinearizeSettings, settings, overrides, check_settings)
-    result, _ = _run(settings, _model_path(settings), echo, loaded)
-    result.report["seconds"] = time.perf_counter() - started
-    return result
+    steps, report = run_recipe(RECIPE, settings, _model_path(settings), echo, loaded=loaded, started=started)
+    return LinearizeResult(steps.student, report)
 
 
 def _model_path(settings: LinearizeSettings) -> Path:
     return Path(settings.model) if settings.model is not None else smollm2_gguf_path()
 
 
-def _run(
-    settings: LinearizeSettings,
-    model_path: Path,
-    echo: Callable[[str], None],
-    loaded: LoadedModel | None = None,
-) -> tuple[LinearizeResult, Any]:
-    _check_against_config(settings, model_path)
-    torch.manual_seed(settings.seed)
-    loaded = loaded or load_model(model_path, dtype=settings.dtype)
-    if not loaded.is_causal_lm:
-        raise HeadkitError(f"MODEL {str(model_path)!r} is not a causal LM (*ForCausalLM or a GGUF file)")
-    teacher, tokenizer = loaded.model, loaded.tokenizer
-    get_family(teacher, LINEARIZE)  # an unsupported family: one line, before the copy and any work
-    adapter = get_adapter(teacher)
-    config = settings.conversion
-    corpus = load_text(settings.data)
-    if settings.retrieval_head_count:
-        config = _with_retrieval_heads(teacher, tokenizer, corpus, config, settings, echo)
-    student = copy.deepcopy(teacher)
-    # convert checks everything before it changes anything
-    conversion = convert(student, config, adapter=adapter)
-    for parameter in teacher.parameters():
-        parameter.requires_grad_(False)
-    context = max_context(teacher)
+def preflight(settings: LinearizeSettings, model_path: Path, config: Any | None, out: Path | None) -> None:
+    """Before any weight or text is loaded: the surgery's config (window, layers, sliding layers) and the training
+    and evaluation lengths against the model's 🤗 config — a folder's config.json or a GGUF file's metadata. (The
+    check step checks them again on the loaded model.)"""
+    if config is None:
+        return  # loading the model says why
+    layers = settings.conversion.check(config)
+    kv_heads = config_kv_heads(config)
+    if kv_heads is not None and layers and settings.retrieval_head_count > len(layers) * kv_heads:
+        raise HeadkitError(
+            f"--retrieval-head-count must be in [0, {len(layers) * kv_heads}] (the converted layers' key/value "
+            f"heads: {len(layers)} × {kv_heads}), got {settings.retrieval_head_count}"
+        )
+    _check_context(settings, max_context(config))
+
+
+def _check_context(settings: LinearizeSettings, context: int | None) -> list[int]:
+    """The held-out lengths that fit the model's `context` (None: no limit); a training length or decoding steps
+    beyond it are refused, and so are lengths none of which fits."""
     if context is not None and settings.train_length > context:
         raise HeadkitError(
             f"--train-length must be at most the model's context of {context}, got {settings.train_length}"
@@ -348,189 +330,212 @@ def _run(
     eval_lengths = [n for n in settings.eval_lengths if context is None or n <= context]
     if not eval_lengths:
         raise HeadkitError(f"--eval-lengths: none fits the model's context of {context} tokens")
-    skipped = sorted(set(settings.eval_lengths) - set(eval_lengths))
-    echo(str(conversion))
-    if skipped:
-        echo(f"perplexity at {skipped} tokens skipped: longer than the model's context of {context}")
+    return eval_lengths
 
-    windows = lm_windows(
-        tokenizer,
-        corpus,
-        length=settings.train_length,
-        train_windows=settings.train_windows,
-        held_out_windows=1,
-        seed=settings.seed,
-    )
-    held_out = {
-        length: lm_windows(
+
+class LinearizeSteps(Steps):
+    """Conversion, then attention transfer and LoRA (the two recovery stages); no closed-form repair yet."""
+
+    result_name = "linearized"
+
+    def check(self) -> None:
+        settings, teacher = self.settings, self.teacher
+        if not self.loaded.is_causal_lm:
+            raise HeadkitError(
+                f"MODEL {str(self.model_path)!r} is not a causal LM (*ForCausalLM or a GGUF file)"
+            )
+        get_family(teacher, LINEARIZE)  # an unsupported family: one line, before the copy and any work
+        self.adapter = get_adapter(teacher)
+        self.config = settings.conversion
+        self.config.check(teacher)
+        self.context = max_context(teacher)
+        self.eval_lengths = _check_context(settings, self.context)
+
+    def data(self) -> None:
+        settings, tokenizer, echo = self.settings, self.tokenizer, self.echo
+        self.corpus = corpus = load_text(settings.data)
+        self.windows = lm_windows(
             tokenizer,
             corpus,
-            length=length,
-            train_windows=1,
-            held_out_windows=settings.held_out_windows,
+            length=settings.train_length,
+            train_windows=settings.train_windows,
+            held_out_windows=1,
             seed=settings.seed,
-        ).held_out
-        for length in eval_lengths
-    }
-    # Stages and agreement at the longest window: a short one may lie wholly inside the softmax window, where the
-    # linear term is never used and the converted model equals the original.
-    longest = max(eval_lengths)
-    eval_batch = max(1, min(settings.batch_size, 4))
-    echo(
-        f"{loaded.source}: {len(windows.train)} training windows of {settings.train_length} tokens, held-out windows "
-        + ", ".join(f"{len(held_out[n])} × {n}" for n in eval_lengths)
-        + f" ({corpus.source})"
-    )
-    perplexity_original = {n: perplexity(teacher, held_out[n], eval_batch) for n in eval_lengths}
-    echo("held-out perplexity of the original: " + _by_length(perplexity_original))
-    stages = {"converted": perplexity(student, held_out[longest], eval_batch)}
-    echo(f"after conversion: perplexity {stages['converted']:.3f} at {longest} tokens")
-
-    transfer_steps, recovery_steps = settings.transfer_steps, settings.lora_steps
-    if not config.fold:
-        # The compressed-cache baseline is the original model's attention over fewer keys: nothing to train.
-        transfer_steps = recovery_steps = 0
-        echo("--drop: the original model with a compressed cache, no training")
-    # (a) attention transfer: only the feature maps and balances train.
-    for parameter in student.parameters():
-        parameter.requires_grad_(False)
-    for parameter in linearized_parameters(student):
-        parameter.requires_grad_(True)
-    echo(f"attention transfer: {transfer_steps} steps on the feature maps and balances")
-    transfer = distill(
-        student,
-        teacher,
-        windows.train,
-        objective=AttentionTransferObjective(adapter),
-        steps=transfer_steps,
-        lr=settings.transfer_lr,
-        batch_size=settings.batch_size,
-        seed=settings.seed,
-        log_every=max(1, transfer_steps // 10),
-        echo=echo,
-    )
-    student = transfer.model
-    stages["after_transfer"] = perplexity(student, held_out[longest], eval_batch)
-    echo(f"after attention transfer: perplexity {stages['after_transfer']:.3f} at {longest} tokens")
-
-    # (b) LoRA (or full training) of the converted layers' attention projections, with the KL objective.
-    for parameter in student.parameters():
-        parameter.requires_grad_(False)
-    trained = student
-    if recovery_steps > 0:
-        if settings.lora_rank is not None:
-            trained = attention_lora(student, settings.lora_rank)
-        else:
-            for parameter in attention_projection_parameters(student):
-                parameter.requires_grad_(True)
-    echo(
-        f"{'LoRA' if settings.lora_rank else 'fine-tuning'}: {recovery_steps} steps on the converted layers' "
-        "attention projections" + (f" (rank {settings.lora_rank})" if settings.lora_rank else "")
-    )
-    recovery = distill(
-        trained,
-        teacher,
-        windows.train,
-        objective=CausalLMObjective(settings.temperature),
-        steps=recovery_steps,
-        lr=settings.lora_lr,
-        batch_size=settings.batch_size,
-        scheduler="cosine" if recovery_steps >= 10 else "constant",
-        seed=settings.seed,
-        log_every=max(1, recovery_steps // 10),
-        echo=echo,
-    )
-    student = recovery.model
-    if recovery_steps > 0 and settings.lora_rank is not None:
-        student = student.merge_and_unload()
-    student.eval()
-    for parameter in student.parameters():
-        parameter.requires_grad_(False)
-
-    perplexity_converted = {n: perplexity(student, held_out[n], eval_batch) for n in eval_lengths}
-    stages["after_lora"] = perplexity_converted[longest]
-    echo("held-out perplexity of the linearized model: " + _by_length(perplexity_converted))
-    top1 = agreement(student, teacher, held_out[longest], eval_batch).top1
-    echo(f"top-1 next-token agreement with the original at {longest} tokens: {top1:.1%}")
-
-    decode, skipped_contexts = [], []
-    for length in settings.decode_contexts:
-        if context is not None and length > context:
-            skipped_contexts.append(length)
-            continue
-        # A context at the model's limit is timed on the last steps before it: the prompt is shortened by the steps.
-        prompt = length if context is None else min(length, context - settings.decode_steps - 1)
-        points = decode_profile(
-            {"original": teacher, "linearized": student},
-            prompt,
-            settings.decode_steps,
-            settings.seed,
-            batch_sizes=settings.decode_batch_sizes,
         )
-        for point in points:
-            decode.append(
-                {
-                    "context": length,
-                    "prompt_tokens": prompt,
-                    "batch_size": point["batch_size"],
-                    "original_ms_per_token": point["original"]["ms_per_token"],
-                    "linearized_ms_per_token": point["linearized"]["ms_per_token"],
-                    "original_cache_bytes": point["original"]["cache_bytes"],
-                    "linearized_cache_bytes": point["linearized"]["cache_bytes"],
-                }
-            )
-            echo(_decode_line(decode[-1]))
-    if skipped_contexts:
-        echo(f"decoding at {skipped_contexts} skipped: beyond the model's context of {context}")
-
-    report = {
-        "model": str(model_path),
-        "architecture": adapter.name,
-        "conversion": conversion.to_dict(),
-        "perplexity_original": {str(n): v for n, v in perplexity_original.items()},
-        "perplexity_linearized": {str(n): v for n, v in perplexity_converted.items()},
-        "perplexity_ratio": {str(n): perplexity_converted[n] / perplexity_original[n] for n in eval_lengths},
-        "perplexity_stages": {"length": longest, "original": perplexity_original[longest], **stages},
-        "top1_agreement": top1,
-        "top1_length": longest,
-        "decode": decode,
-        "decode_steps": settings.decode_steps,
-        "threads": torch.get_num_threads(),
-        "transfer": transfer.to_dict(),
-        "recovery": recovery.to_dict(),
-        "sample_prompt": SAMPLE_PROMPT,
-        "sample_original": greedy_sample(teacher, tokenizer, SAMPLE_PROMPT),
-        "sample_linearized": greedy_sample(student, tokenizer, SAMPLE_PROMPT),
-        "data": windows.summary() | {"held_out": {str(n): int(held_out[n].shape[0]) for n in eval_lengths}},
-        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()},
-    }
-    if settings.eval_tasks:
-        report["tasks"] = recipe_tasks(settings, teacher, student, tokenizer, "linearized", echo)
-    return LinearizeResult(student, report), tokenizer
-
-
-def _check_against_config(settings: LinearizeSettings, model_path: Path) -> None:
-    """Before any weight or text is loaded: the surgery's config (window, layers, sliding layers) and the training
-    and evaluation lengths against the model's 🤗 config — a folder's config.json or a GGUF file's metadata. (The
-    conversion checks the config again on the loaded model.)"""
-    config = read_model_config(model_path)
-    if config is None:
-        return  # load_model reports it
-    layers = settings.conversion.check(config)
-    kv_heads = config_kv_heads(config)
-    if kv_heads is not None and layers and settings.retrieval_head_count > len(layers) * kv_heads:
-        raise HeadkitError(
-            f"--retrieval-head-count must be in [0, {len(layers) * kv_heads}] (the converted layers' key/value "
-            f"heads: {len(layers)} × {kv_heads}), got {settings.retrieval_head_count}"
+        self.held_out = {
+            length: lm_windows(
+                tokenizer,
+                corpus,
+                length=length,
+                train_windows=1,
+                held_out_windows=settings.held_out_windows,
+                seed=settings.seed,
+            ).held_out
+            for length in self.eval_lengths
+        }
+        skipped = sorted(set(settings.eval_lengths) - set(self.eval_lengths))
+        if skipped:
+            echo(f"perplexity at {skipped} tokens skipped: longer than the model's context of {self.context}")
+        # Stages and agreement at the longest window: a short one may lie wholly inside the softmax window, where
+        # the linear term is never used and the converted model equals the original.
+        self.longest = max(self.eval_lengths)
+        self.eval_batch = max(1, min(settings.batch_size, 4))
+        echo(
+            f"{self.loaded.source}: {len(self.windows.train)} training windows of {settings.train_length} tokens, "
+            "held-out windows "
+            + ", ".join(f"{len(self.held_out[n])} × {n}" for n in self.eval_lengths)
+            + f" ({corpus.source})"
         )
-    context = max_context(config)
-    if context is not None:
-        if settings.train_length > context:
-            raise HeadkitError(
-                f"--train-length must be at most the model's context of {context}, got {settings.train_length}"
+        self.perplexity_original = {
+            n: perplexity(self.teacher, self.held_out[n], self.eval_batch) for n in self.eval_lengths
+        }
+        echo("held-out perplexity of the original: " + _by_length(self.perplexity_original))
+
+    def convert(self) -> None:
+        settings, teacher = self.settings, self.teacher
+        if settings.retrieval_head_count:
+            self.config = _with_retrieval_heads(
+                teacher, self.tokenizer, self.corpus, self.config, settings, self.echo
             )
-        if all(n > context for n in settings.eval_lengths):
-            raise HeadkitError(f"--eval-lengths: none fits the model's context of {context} tokens")
+        self.student = copy.deepcopy(teacher)
+        self.conversion = convert(self.student, self.config, adapter=self.adapter)
+        teacher.requires_grad_(False)
+        self.echo(str(self.conversion))
+        self.stages = {"converted": perplexity(self.student, self.held_out[self.longest], self.eval_batch)}
+        self.echo(f"after conversion: perplexity {self.stages['converted']:.3f} at {self.longest} tokens")
+
+    def recover(self) -> None:
+        settings, teacher, echo, longest = self.settings, self.teacher, self.echo, self.longest
+        student, stages = self.student, self.stages
+        transfer_steps, recovery_steps = settings.transfer_steps, settings.lora_steps
+        if not self.config.fold:
+            # The compressed-cache baseline is the original model's attention over fewer keys: nothing to train.
+            transfer_steps = recovery_steps = 0
+            echo("--drop: the original model with a compressed cache, no training")
+        # (a) attention transfer: only the feature maps and balances train.
+        student.requires_grad_(False)
+        for parameter in linearized_parameters(student):
+            parameter.requires_grad_(True)
+        echo(f"attention transfer: {transfer_steps} steps on the feature maps and balances")
+        self.transfer = distill(
+            student,
+            teacher,
+            self.windows.train,
+            objective=AttentionTransferObjective(self.adapter),
+            steps=transfer_steps,
+            lr=settings.transfer_lr,
+            batch_size=settings.batch_size,
+            seed=settings.seed,
+            log_every=max(1, transfer_steps // 10),
+            echo=echo,
+        )
+        student = self.transfer.model
+        stages["after_transfer"] = perplexity(student, self.held_out[longest], self.eval_batch)
+        echo(f"after attention transfer: perplexity {stages['after_transfer']:.3f} at {longest} tokens")
+
+        # (b) LoRA (or full training) of the converted layers' attention projections, with the KL objective.
+        student.requires_grad_(False)
+        trained = student
+        if recovery_steps > 0:
+            if settings.lora_rank is not None:
+                trained = attention_lora(student, settings.lora_rank)
+            else:
+                for parameter in attention_projection_parameters(student):
+                    parameter.requires_grad_(True)
+        echo(
+            f"{'LoRA' if settings.lora_rank else 'fine-tuning'}: {recovery_steps} steps on the converted layers' "
+            "attention projections" + (f" (rank {settings.lora_rank})" if settings.lora_rank else "")
+        )
+        self.recovery = distill(
+            trained,
+            teacher,
+            self.windows.train,
+            objective=CausalLMObjective(settings.temperature),
+            steps=recovery_steps,
+            lr=settings.lora_lr,
+            batch_size=settings.batch_size,
+            scheduler="cosine" if recovery_steps >= 10 else "constant",
+            seed=settings.seed,
+            log_every=max(1, recovery_steps // 10),
+            echo=echo,
+        )
+        student = self.recovery.model
+        if recovery_steps > 0 and settings.lora_rank is not None:
+            student = student.merge_and_unload()
+        student.eval()
+        student.requires_grad_(False)
+        self.student = student
+
+    def measure(self) -> None:
+        settings, teacher, student, echo = self.settings, self.teacher, self.student, self.echo
+        longest, context = self.longest, self.context
+        converted = {n: perplexity(student, self.held_out[n], self.eval_batch) for n in self.eval_lengths}
+        self.stages["after_lora"] = converted[longest]
+        echo("held-out perplexity of the linearized model: " + _by_length(converted))
+        top1 = agreement(student, teacher, self.held_out[longest], self.eval_batch).top1
+        echo(f"top-1 next-token agreement with the original at {longest} tokens: {top1:.1%}")
+
+        decode, skipped_contexts = [], []
+        for length in settings.decode_contexts:
+            if context is not None and length > context:
+                skipped_contexts.append(length)
+                continue
+            # A context at the model's limit is timed on the last steps before it: the prompt is shortened by the
+            # steps.
+            prompt = length if context is None else min(length, context - settings.decode_steps - 1)
+            points = decode_profile(
+                {"original": teacher, "linearized": student},
+                prompt,
+                settings.decode_steps,
+                settings.seed,
+                batch_sizes=settings.decode_batch_sizes,
+            )
+            for point in points:
+                decode.append(
+                    {
+                        "context": length,
+                        "prompt_tokens": prompt,
+                        "batch_size": point["batch_size"],
+                        "original_ms_per_token": point["original"]["ms_per_token"],
+                        "linearized_ms_per_token": point["linearized"]["ms_per_token"],
+                        "original_cache_bytes": point["original"]["cache_bytes"],
+                        "linearized_cache_bytes": point["linearized"]["cache_bytes"],
+                    }
+                )
+                echo(_decode_line(decode[-1]))
+        if skipped_contexts:
+            echo(f"decoding at {skipped_contexts} skipped: beyond the model's context of {context}")
+
+        original = self.perplexity_original
+        self.report |= {
+            "architecture": self.adapter.name,
+            "conversion": self.conversion.to_dict(),
+            "perplexity_original": {str(n): v for n, v in original.items()},
+            "perplexity_linearized": {str(n): v for n, v in converted.items()},
+            "perplexity_ratio": {str(n): converted[n] / original[n] for n in self.eval_lengths},
+            "perplexity_stages": {"length": longest, "original": original[longest], **self.stages},
+            "top1_agreement": top1,
+            "top1_length": longest,
+            "decode": decode,
+            "decode_steps": settings.decode_steps,
+            "threads": torch.get_num_threads(),
+            "transfer": self.transfer.to_dict(),
+            "recovery": self.recovery.to_dict(),
+            "sample_prompt": SAMPLE_PROMPT,
+            "sample_original": greedy_sample(teacher, self.tokenizer, SAMPLE_PROMPT),
+            "sample_linearized": greedy_sample(student, self.tokenizer, SAMPLE_PROMPT),
+            "data": self.windows.summary()
+            | {"held_out": {str(n): int(self.held_out[n].shape[0]) for n in self.eval_lengths}},
+        }
+
+    def extras(self) -> list[Callable[[Path, dict[str, Any]], None]]:
+        def plot(staging: Path, report: dict[str, Any]) -> None:
+            save_figure_atomic(plot_report(report), staging / PLOT_FILE)
+
+        return [plot]
+
+
+RECIPE = Recipe(preflight=preflight, steps=LinearizeSteps)
 
 
 def _with_retrieval_heads(

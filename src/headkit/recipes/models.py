@@ -14,6 +14,7 @@ import contextlib
 import importlib.util
 import io
 import json
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,7 +138,8 @@ def read_model_config(path: str | Path) -> Any | None:
                 return None
             return AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
         return AutoConfig.from_pretrained(path, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError):
+    # struct.error: a GGUF file cut short (its header unreadable)
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
         return None
 
 

@@ -31,7 +31,7 @@ import copy
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +43,7 @@ from headkit.errors import HeadkitError
 from headkit.evaluation.memory import kv_cache_bytes_per_token
 from headkit.evaluation.quality import agreement, embedding_cosine, last_hidden_states, perplexity
 from headkit.evaluation.sampling import greedy_sample
-from headkit.evaluation.tasks import check_recipe_tasks, recipe_tasks, with_task_table
+from headkit.evaluation.tasks import check_recipe_tasks, with_task_table
 from headkit.evaluation.timing import compare_speed, time_call
 from headkit.export.gguf import check_export_target, export_gguf
 from headkit.recipes.distill import distill_run, encoder_finetune
@@ -52,16 +52,13 @@ from headkit.recipes.models import (
     CAUSAL_LM,
     ENCODER,
     LoadedModel,
-    check_output_folder,
     default_encoder_path,
-    load_model,
     model_kind,
-    read_model_config,
 )
 from headkit.recipes.objectives import CausalLMObjective, EncoderObjective
 from headkit.recipes.options import option, option_name
 from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data, with_overrides
-from headkit.recipes.skeleton import main_process_echo, save_result
+from headkit.recipes.steps import Recipe, Steps, run_recipe
 from headkit.recipes.text import (
     calibration_batches,
     lm_windows,
@@ -486,32 +483,10 @@ def prune(
     model already loaded from ``settings.model`` (left unchanged), to spare loading it again."""
     started = time.perf_counter()
     settings = with_overrides(PruneSettings, settings, overrides, check_settings)
-    model_path = Path(settings.model) if settings.model is not None else default_encoder_path()
-    out = Path(settings.out)
-    check_output_folder(model_path, out, settings.overwrite)
-    check_heads_before_loading(settings, model_path)
-    if settings.export_gguf is not None:
-        check_export_target(model_path, settings.export_gguf, settings.export_type, settings.overwrite)
-    echo = main_process_echo(echo)
-    model, report, loaded = _run(settings, model_path, echo, loaded)
-    report["out"] = str(out)
-
-    # Inside the staging: a failed export leaves no folder either.
-    def export(staging: Path, report: dict[str, Any]) -> None:
-        report["gguf"] = export_gguf(
-            model,
-            settings.export_gguf,
-            type=settings.export_type,
-            overwrite=settings.overwrite,
-            tokenizer=loaded.tokenizer,
-            tokenizer_from=model_path if model_path.is_file() else None,
-        ).to_dict()
-        echo(f"wrote {settings.export_gguf} ({report['gguf']['arch']}, {settings.export_type})")
-
-    extras = [export] if settings.export_gguf is not None else []
-    stock = bool(report.get("stock_architecture"))
-    save_result(out, model, loaded.tokenizer, report, started=started, stock=stock, extras=extras)
-    return PruneResult(model, report)
+    steps, report = run_recipe(
+        RECIPE, settings, _model_path(settings), echo, loaded=loaded, out=Path(settings.out), started=started
+    )
+    return PruneResult(steps.student, report)
 
 
 def run(
@@ -525,30 +500,12 @@ def run(
     `loaded`: the model already loaded from ``settings.model`` (left unchanged), to spare loading it again."""
     started = time.perf_counter()
     settings = with_overrides(PruneSettings, settings, overrides, check_settings)
-    model_path = Path(settings.model) if settings.model is not None else default_encoder_path()
-    model, report, _ = _run(settings, model_path, echo, loaded)
-    report["seconds"] = time.perf_counter() - started
-    return PruneResult(model, report)
+    steps, report = run_recipe(RECIPE, settings, _model_path(settings), echo, loaded=loaded, started=started)
+    return PruneResult(steps.student, report)
 
 
-def _run(
-    settings: PruneSettings, model_path: Path, echo: Callable[[str], None], loaded: LoadedModel | None = None
-) -> tuple[nn.Module, dict[str, Any], LoadedModel]:
-    torch.manual_seed(settings.seed)
-    loaded = loaded or load_model(model_path, dtype=settings.dtype)
-    if loaded.is_causal_lm:  # an unsupported decoder family fails here, in one line, before any work
-        get_family(loaded.model, PRUNE)
-    adapter = get_adapter(loaded.model)  # so does any other unsupported architecture
-    check_prunable(adapter.sites(loaded.model))  # so does a layer that earlier surgery replaced
-    if loaded.is_causal_lm:
-        model, report = _prune_causal_lm(loaded, adapter, settings, echo)
-    else:
-        if settings.unit != "query" or settings.uniform:
-            raise HeadkitError("--unit group and --uniform are for causal LMs with grouped-query attention")
-        model, report = _prune_encoder(loaded, adapter, settings, echo)
-    report["model"] = str(model_path)
-    report["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()}
-    return model, report, loaded
+def _model_path(settings: PruneSettings) -> Path:
+    return Path(settings.model) if settings.model is not None else default_encoder_path()
 
 
 DEFAULT_HELD_OUT = {ENCODER: 256, CAUSAL_LM: 64}  # encoder texts, causal-LM windows
@@ -560,14 +517,16 @@ def held_out_count(settings: PruneSettings, kind: str) -> int:
     return DEFAULT_HELD_OUT[kind] if settings.held_out_texts is None else settings.held_out_texts
 
 
-def check_heads_before_loading(settings: PruneSettings, model_path: Path) -> None:
-    """--heads checked against MODEL's 🤗 config (layers × heads; a folder's config.json or a GGUF file's metadata)
-    before any weight is loaded; a model after headkit surgery (its heads no longer what the config states), or
-    one without such a config, is checked once loaded."""
-    if settings.heads is None or model_kind(model_path) != CAUSAL_LM:  # an encoder may share a layer (ALBERT)
+def preflight(settings: PruneSettings, model_path: Path, config: Any | None, out: Path | None) -> None:
+    """Before any weight is loaded: --heads against MODEL's 🤗 config (layers × heads; a folder's config.json or a
+    GGUF file's metadata), and --export-gguf's target when the result is saved. A model after headkit surgery
+    (its heads no longer what the config states), or one without such a config, is checked once loaded; so is an
+    encoder, which may share a layer (ALBERT)."""
+    if out is not None and settings.export_gguf is not None:
+        check_export_target(model_path, settings.export_gguf, settings.export_type, settings.overwrite)
+    if settings.heads is None or config is None or getattr(config, "headkit_surgery", None):
         return
-    config = read_model_config(model_path)
-    if config is None or getattr(config, "headkit_surgery", None):
+    if model_kind(model_path) != CAUSAL_LM:
         return
     text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
     layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None)
@@ -585,172 +544,232 @@ def _total_target(total: int, settings: PruneSettings) -> int:
     return keep
 
 
-def _prune_causal_lm(
-    loaded: LoadedModel, adapter: Any, settings: PruneSettings, echo: Callable[[str], None]
-) -> tuple[nn.Module, dict[str, Any]]:
-    teacher, tokenizer = loaded.model, loaded.tokenizer
-    sites = adapter.sites(teacher)
-    kv_of_query = [query_to_kv_heads(site) for site in sites]
-    heads_before = heads_per_layer(teacher, adapter)
-    keep = _total_target(sum(heads_before.values()), settings)
-    method = settings.method or "importance"
-    # Validate the plan's shape before any work: random scores exercise every count check.
-    plan_pruning(
-        [torch.zeros(len(kv)) for kv in kv_of_query],
-        kv_of_query,
-        keep,
-        unit=settings.unit,
-        uniform=settings.uniform,
-    )
-    teacher.requires_grad_(False)
+class _PruneSteps(Steps):
+    """What both kinds of model share: the checks of the loaded model, the kept count and the export extra."""
 
-    corpus = load_text(settings.data)
-    windows = lm_windows(
-        tokenizer,
-        corpus,
-        length=settings.window,
-        train_windows=settings.train_texts,
-        held_out_windows=held_out_count(settings, CAUSAL_LM),
-        seed=settings.seed,
-    )
-    echo(
-        f"{loaded.source}: {sum(heads_before.values())} query heads in {len(sites)} layers "
-        f"({sum(len(set(kv)) for kv in kv_of_query)} key/value heads); keeping {keep} "
-        f"({settings.unit} unit{', uniform' if settings.uniform else ''}), ranked by {method}; "
-        f"{len(windows.train)} training and {len(windows.held_out)} held-out windows of {settings.window} tokens"
-    )
-    objective = CausalLMObjective(settings.temperature, settings.hidden_weight)
-    eval_batch = max(1, min(settings.batch_size, 8))
-    perplexity_original = perplexity(teacher, windows.held_out, eval_batch)
-    echo(f"held-out perplexity of the original: {perplexity_original:.3f}")
+    result_name = "pruned"
 
-    selection_started = time.perf_counter()
-    selection: dict[str, Any] = {"method": method}
-    if method == "importance":
-        calibration = calibration_batches(windows.train, settings.batch_size, settings.importance_batches)
-        importance = head_importance(teacher, calibration, attention_stats=False, adapter=adapter)
-        scores = importance.importance
-        selection["importance_batches"] = len(calibration)
-    else:
-        echo(f"training head gates for {settings.gate_steps} steps towards {keep} heads")
-        gated, log = train_head_gates(
-            teacher,
-            window_batches(windows.train, settings.batch_size),
-            objective,
-            keep,
-            steps=settings.gate_steps,
-            gate_lr=settings.gate_lr,
+    def check(self) -> None:
+        if self.loaded.is_causal_lm:  # an unsupported decoder family fails here, in one line, before any work
+            get_family(self.teacher, PRUNE)
+        self.adapter = get_adapter(self.teacher)  # so does any other unsupported architecture
+        check_prunable(self.adapter.sites(self.teacher))  # so does a layer that earlier surgery replaced
+        self.heads_before = heads_per_layer(self.teacher, self.adapter)
+        self.keep = _total_target(sum(self.heads_before.values()), self.settings)
+
+    def extras(self) -> list[Callable[[Path, dict[str, Any]], None]]:
+        settings, model_path = self.settings, self.model_path
+        if settings.export_gguf is None:
+            return []
+
+        # Inside the staging: a failed export leaves no folder either.
+        def export(staging: Path, report: dict[str, Any]) -> None:
+            report["gguf"] = export_gguf(
+                self.student,
+                settings.export_gguf,
+                type=settings.export_type,
+                overwrite=settings.overwrite,
+                tokenizer=self.tokenizer,
+                tokenizer_from=model_path if model_path.is_file() else None,
+            ).to_dict()
+            self.echo(f"wrote {settings.export_gguf} ({report['gguf']['arch']}, {settings.export_type})")
+
+        return [export]
+
+
+class CausalLMPruneSteps(_PruneSteps):
+    """Heads ranked by importance or gates, removed, the output projections refit, recovered by distillation."""
+
+    def check(self) -> None:
+        super().check()
+        settings = self.settings
+        sites = self.adapter.sites(self.teacher)
+        self.kv_of_query = [query_to_kv_heads(site) for site in sites]
+        self.method = settings.method or "importance"
+        # Validate the plan's shape before any work: random scores exercise every count check.
+        plan_pruning(
+            [torch.zeros(len(kv)) for kv in self.kv_of_query],
+            self.kv_of_query,
+            self.keep,
+            unit=settings.unit,
+            uniform=settings.uniform,
+        )
+        self.teacher.requires_grad_(False)
+
+    def data(self) -> None:
+        settings, teacher = self.settings, self.teacher
+        self.windows = lm_windows(
+            self.tokenizer,
+            load_text(settings.data),
+            length=settings.window,
+            train_windows=settings.train_texts,
+            held_out_windows=held_out_count(settings, CAUSAL_LM),
             seed=settings.seed,
-            gradient_accumulation_steps=settings.gradient_accumulation_steps,
-            callback=echo_gate_progress(echo, settings.gate_steps),
-            adapter=adapter,
         )
-        gates = head_gates(gated, adapter)
-        # A layer without heads has no gate: its scores stay empty so that scores[i] is layer i's.
-        scores = [
-            gates[i].log_alpha.detach().clone() if i in gates else torch.zeros(0) for i in range(len(sites))
-        ]
-        selection["gates"] = _gate_log(log)
-    selection["scores"] = [s.tolist() for s in scores]
-    selection["seconds"] = time.perf_counter() - selection_started
-    plan = plan_pruning(scores, kv_of_query, keep, unit=settings.unit, uniform=settings.uniform)
+        self.echo(
+            f"{self.loaded.source}: {sum(self.heads_before.values())} query heads in {len(self.kv_of_query)} layers "
+            f"({sum(len(set(kv)) for kv in self.kv_of_query)} key/value heads); keeping {self.keep} "
+            f"({settings.unit} unit{', uniform' if settings.uniform else ''}), ranked by {self.method}; "
+            f"{len(self.windows.train)} training and {len(self.windows.held_out)} held-out windows of "
+            f"{settings.window} tokens"
+        )
+        self.objective = CausalLMObjective(settings.temperature, settings.hidden_weight)
+        self.eval_batch = max(1, min(settings.batch_size, 8))
+        self.perplexity_original = perplexity(teacher, self.windows.held_out, self.eval_batch)
+        self.echo(f"held-out perplexity of the original: {self.perplexity_original:.3f}")
 
-    student = copy.deepcopy(teacher)
-    pruned = prune_heads(student, plan, allow_empty_layers=not settings.uniform, adapter=adapter)
-    stock = None
-    if settings.uniform:
-        try:
-            stock = to_stock_architecture(student, adapter)
-        except HeadkitError as exc:
-            echo(f"not the stock architecture ({exc}); reload with headkit.from_pretrained")
-    echo(str(pruned))
-    perplexity_pruned = perplexity(student, windows.held_out, eval_batch)
-    echo(
-        f"held-out perplexity after pruning: {perplexity_pruned:.3f} ({perplexity_pruned / perplexity_original:.2f}x)"
-    )
-    repair_report = None
-    if settings.repair:  # closed form before any training: the projections see what the removed heads said
-        calibration = calibration_batches(windows.train, settings.batch_size, settings.importance_batches)
-        started = time.perf_counter()
-        statistics = output_statistics(teacher, calibration, adapter)
-        repair = refit_output_projections(student, statistics, plan, adapter)
-        repair.seconds = time.perf_counter() - started
-        echo(str(repair))
-        repair_report = repair.to_dict() | {"perplexity": perplexity(student, windows.held_out, eval_batch)}
+    def convert(self) -> None:
+        settings, teacher, adapter, echo = self.settings, self.teacher, self.adapter, self.echo
+        selection_started = time.perf_counter()
+        selection: dict[str, Any] = {"method": self.method}
+        if self.method == "importance":
+            calibration = calibration_batches(
+                self.windows.train, settings.batch_size, settings.importance_batches
+            )
+            importance = head_importance(teacher, calibration, attention_stats=False, adapter=adapter)
+            scores = importance.importance
+            selection["importance_batches"] = len(calibration)
+        else:
+            echo(f"training head gates for {settings.gate_steps} steps towards {self.keep} heads")
+            gated, log = train_head_gates(
+                teacher,
+                window_batches(self.windows.train, settings.batch_size),
+                self.objective,
+                self.keep,
+                steps=settings.gate_steps,
+                gate_lr=settings.gate_lr,
+                seed=settings.seed,
+                gradient_accumulation_steps=settings.gradient_accumulation_steps,
+                callback=echo_gate_progress(echo, settings.gate_steps),
+                adapter=adapter,
+            )
+            gates = head_gates(gated, adapter)
+            # A layer without heads has no gate: its scores stay empty so that scores[i] is layer i's.
+            scores = [
+                gates[i].log_alpha.detach().clone() if i in gates else torch.zeros(0)
+                for i in range(len(self.kv_of_query))
+            ]
+            selection["gates"] = _gate_log(log)
+        selection["scores"] = [s.tolist() for s in scores]
+        selection["seconds"] = time.perf_counter() - selection_started
+        self.selection = selection
+        self.plan = plan_pruning(
+            scores, self.kv_of_query, self.keep, unit=settings.unit, uniform=settings.uniform
+        )
+
+        self.student = copy.deepcopy(teacher)
+        self.pruned = prune_heads(
+            self.student, self.plan, allow_empty_layers=not settings.uniform, adapter=adapter
+        )
+        self.stock_config = None
+        if settings.uniform:
+            try:
+                self.stock_config = to_stock_architecture(self.student, adapter)
+            except HeadkitError as exc:
+                echo(f"not the stock architecture ({exc}); reload with headkit.from_pretrained")
+        echo(str(self.pruned))
+        self.perplexity_pruned = perplexity(self.student, self.windows.held_out, self.eval_batch)
         echo(
-            f"held-out perplexity after repair: {repair_report['perplexity']:.3f} "
-            f"({repair_report['perplexity'] / perplexity_original:.2f}x)"
+            f"held-out perplexity after pruning: {self.perplexity_pruned:.3f} "
+            f"({self.perplexity_pruned / self.perplexity_original:.2f}x)"
         )
-    sample_pruned = greedy_sample(student, tokenizer, SAMPLE_PROMPT)
 
-    echo(
-        f"recovery: {settings.recovery_steps} distillation steps"
-        + (f" (LoRA rank {settings.lora_rank})" if settings.lora_rank else "")
-    )
-    recovery = distill_run(
-        student,
-        teacher,
-        windows.train,
-        objective,
-        settings,
-        steps=settings.recovery_steps,
-        lr=_weight_lr(settings),
-        echo=echo,
-        scheduler="cosine" if settings.recovery_steps >= 10 else "constant",
-        warmup_steps=min(10, settings.recovery_steps // 10),
-    )
-    student = recovery.model
-    perplexity_recovered = perplexity(student, windows.held_out, eval_batch)
-    echo(
-        f"held-out perplexity after recovery: {perplexity_recovered:.3f} ({perplexity_recovered / perplexity_original:.2f}x)"
-    )
-    top1 = agreement(student, teacher, windows.held_out, eval_batch).top1
+    def repair(self) -> dict[str, Any] | None:
+        """Closed form before any training: the projections see what the removed heads said."""
+        settings = self.settings
+        if not settings.repair:
+            return None
+        calibration = calibration_batches(
+            self.windows.train, settings.batch_size, settings.importance_batches
+        )
+        started = time.perf_counter()
+        statistics = output_statistics(self.teacher, calibration, self.adapter)
+        repair = refit_output_projections(self.student, statistics, self.plan, self.adapter)
+        repair.seconds = time.perf_counter() - started
+        self.echo(str(repair))
+        report = repair.to_dict() | {
+            "perplexity": perplexity(self.student, self.windows.held_out, self.eval_batch)
+        }
+        self.echo(
+            f"held-out perplexity after repair: {report['perplexity']:.3f} "
+            f"({report['perplexity'] / self.perplexity_original:.2f}x)"
+        )
+        return report
 
-    speed = compare_speed(
-        teacher,
-        student,
-        prefill_ids=windows.held_out[:1],
-        decode_context=settings.decode_context,
-        rounds=settings.timing_rounds,
-    )
-    kv_before, kv_after = kv_cache_bytes_per_token(teacher), kv_cache_bytes_per_token(student)
-    family = get_family(teacher, PRUNE)
-    report = {
-        "kind": loaded.kind,
-        "architecture": adapter.name,
-        "family": family.model_type,
-        "notes": _family_notes(family),
-        "unit": settings.unit,
-        "uniform": settings.uniform,
-        "stock_architecture": stock is not None,
-        "stock_config": stock,
-        "heads_before": heads_before,
-        "heads_after": heads_per_layer(student, adapter),
-        "kv_heads_before": pruned.kv_heads_before,
-        "kv_heads_after": kv_heads_per_layer(student, adapter),
-        "target_heads": keep,
-        "pruned": {str(k): v for k, v in plan.items()},
-        "parameters_before": count_parameters(teacher),
-        "parameters_after": count_parameters(student),
-        "kv_cache_bytes_per_token_before": kv_before,
-        "kv_cache_bytes_per_token_after": kv_after,
-        "perplexity_original": perplexity_original,
-        "perplexity_pruned": perplexity_pruned,
-        "repair": repair_report,
-        "perplexity_recovered": perplexity_recovered,
-        "top1_agreement": top1,
-        "speed": speed,
-        "sample_original": greedy_sample(teacher, tokenizer, SAMPLE_PROMPT),
-        "sample_pruned": sample_pruned,
-        "sample_recovered": greedy_sample(student, tokenizer, SAMPLE_PROMPT),
-        "sample_prompt": SAMPLE_PROMPT,
-        "data": windows.summary(),
-        "selection": selection,
-        "recovery": recovery.to_dict(),
-    }
-    if settings.eval_tasks:
-        report["tasks"] = recipe_tasks(settings, teacher, student, tokenizer, "pruned", echo)
-    return student, report
+    def recover(self) -> None:
+        settings = self.settings
+        self.sample_pruned = greedy_sample(self.student, self.tokenizer, SAMPLE_PROMPT)
+        self.echo(
+            f"recovery: {settings.recovery_steps} distillation steps"
+            + (f" (LoRA rank {settings.lora_rank})" if settings.lora_rank else "")
+        )
+        self.recovery = distill_run(
+            self.student,
+            self.teacher,
+            self.windows.train,
+            self.objective,
+            settings,
+            steps=settings.recovery_steps,
+            lr=_weight_lr(settings),
+            echo=self.echo,
+            scheduler="cosine" if settings.recovery_steps >= 10 else "constant",
+            warmup_steps=min(10, settings.recovery_steps // 10),
+        )
+        self.student = self.recovery.model
+
+    def measure(self) -> None:
+        settings, teacher, student, adapter = self.settings, self.teacher, self.student, self.adapter
+        held_out, original = self.windows.held_out, self.perplexity_original
+        perplexity_recovered = perplexity(student, held_out, self.eval_batch)
+        self.echo(
+            f"held-out perplexity after recovery: {perplexity_recovered:.3f} "
+            f"({perplexity_recovered / original:.2f}x)"
+        )
+        top1 = agreement(student, teacher, held_out, self.eval_batch).top1
+        speed = compare_speed(
+            teacher,
+            student,
+            prefill_ids=held_out[:1],
+            decode_context=settings.decode_context,
+            rounds=settings.timing_rounds,
+        )
+        family = get_family(teacher, PRUNE)
+        self.report |= {
+            "kind": self.loaded.kind,
+            "architecture": adapter.name,
+            "family": family.model_type,
+            "notes": _family_notes(family),
+            "unit": settings.unit,
+            "uniform": settings.uniform,
+            "stock_architecture": self.stock,
+            "stock_config": self.stock_config,
+            "heads_before": self.heads_before,
+            "heads_after": heads_per_layer(student, adapter),
+            "kv_heads_before": self.pruned.kv_heads_before,
+            "kv_heads_after": kv_heads_per_layer(student, adapter),
+            "target_heads": self.keep,
+            "pruned": {str(k): v for k, v in self.plan.items()},
+            "parameters_before": count_parameters(teacher),
+            "parameters_after": count_parameters(student),
+            "kv_cache_bytes_per_token_before": kv_cache_bytes_per_token(teacher),
+            "kv_cache_bytes_per_token_after": kv_cache_bytes_per_token(student),
+            "perplexity_original": original,
+            "perplexity_pruned": self.perplexity_pruned,
+            "perplexity_recovered": perplexity_recovered,
+            "top1_agreement": top1,
+            "speed": speed,
+            "sample_original": greedy_sample(teacher, self.tokenizer, SAMPLE_PROMPT),
+            "sample_pruned": self.sample_pruned,
+            "sample_recovered": greedy_sample(student, self.tokenizer, SAMPLE_PROMPT),
+            "sample_prompt": SAMPLE_PROMPT,
+            "data": self.windows.summary(),
+            "selection": self.selection,
+            "recovery": self.recovery.to_dict(),
+        }
+
+    @property
+    def stock(self) -> bool:
+        return self.stock_config is not None
 
 
 def _family_notes(family: DecoderFamily) -> list[str]:
@@ -765,86 +784,113 @@ def _family_notes(family: DecoderFamily) -> list[str]:
     return []
 
 
-def _prune_encoder(
-    loaded: LoadedModel, adapter: Any, settings: PruneSettings, echo: Callable[[str], None]
-) -> tuple[nn.Module, dict[str, Any]]:
-    teacher, tokenizer = loaded.model, loaded.tokenizer
-    heads_before = heads_per_layer(teacher, adapter)
-    keep = _total_target(sum(heads_before.values()), settings)
-    method = settings.method or "l0"
-    if method != "l0":
-        raise HeadkitError(
-            "--method importance is for causal LMs; encoders are pruned with L0 gates (--method l0)"
+class EncoderPruneSteps(_PruneSteps):
+    """Hard Concrete gates trained with the weights towards the kept count, folded in and cut, then a short
+    distillation of embeddings; no closed-form repair (the gates trained the weights around the cut)."""
+
+    def check(self) -> None:
+        super().check()
+        settings = self.settings
+        if settings.unit != "query" or settings.uniform:
+            raise HeadkitError("--unit group and --uniform are for causal LMs with grouped-query attention")
+        self.method = settings.method or "l0"
+        if self.method != "l0":
+            raise HeadkitError(
+                "--method importance is for causal LMs; encoders are pruned with L0 gates (--method l0)"
+            )
+        self.teacher.requires_grad_(False)
+
+    def data(self) -> None:
+        settings, tokenizer = self.settings, self.tokenizer
+        train_texts, held_out_texts = text_chunks(
+            load_text(settings.data), settings.train_texts, held_out_count(settings, ENCODER), settings.seed
         )
-    teacher.requires_grad_(False)
-    corpus = load_text(settings.data)
-    train_texts, held_out_texts = text_chunks(
-        corpus, settings.train_texts, held_out_count(settings, ENCODER), settings.seed
-    )
-    train = tokenize_batches(tokenizer, train_texts, settings.batch_size, settings.max_length)
-    held_out = tokenize_batches(tokenizer, held_out_texts, settings.batch_size, settings.max_length)
-    if not train or not held_out:
-        raise HeadkitError(
-            "--batch-size is larger than --held-out or --train-texts: each needs at least one full batch of texts"
+        self.train = tokenize_batches(tokenizer, train_texts, settings.batch_size, settings.max_length)
+        self.held_out = tokenize_batches(tokenizer, held_out_texts, settings.batch_size, settings.max_length)
+        if not self.train or not self.held_out:
+            raise HeadkitError(
+                "--batch-size is larger than --held-out or --train-texts: each needs at least one full batch of "
+                "texts"
+            )
+        self.echo(
+            f"{self.loaded.source}: {sum(self.heads_before.values())} heads in {len(self.heads_before)} layers; "
+            f"keeping {self.keep}"
         )
-    echo(f"{loaded.source}: {sum(heads_before.values())} heads in {len(heads_before)} layers; keeping {keep}")
-    reference = last_hidden_states(teacher, held_out)  # once, for the pruned and the recovered student
-    echo(f"training head gates and weights for {settings.gate_steps} steps towards {keep} heads")
-    pruning = prune_encoder_heads(
-        teacher,
-        train,
-        keep,
-        method=method,
-        gate_steps=settings.gate_steps,
-        gate_lr=settings.gate_lr,
-        weight_lr=_weight_lr(settings),
-        fold=True,
-        seed=settings.seed,
-        gradient_accumulation_steps=settings.gradient_accumulation_steps,
-        callback=echo_gate_progress(echo, settings.gate_steps),
-        adapter=adapter,
-    )
-    student, plan = pruning.model, pruning.plan
-    selection: dict[str, Any] = {"method": method, "gates": _gate_log(pruning.gate_log)}
-    cosine_pruned = embedding_cosine(student, reference, held_out)
-    recovery = encoder_finetune(
-        student,
-        teacher,
-        train,
-        steps=settings.recovery_steps,
-        lr=_weight_lr(settings),
-        lora_rank=settings.lora_rank,
-        seed=settings.seed,
-        echo=echo,
-    )
-    student = recovery.model
-    student.requires_grad_(False)
-    cosine = embedding_cosine(student, reference, held_out)
-    batch = held_out[0]
-    forward_before = time_call(
-        lambda: _forward(teacher, batch), repeats=2 * settings.timing_rounds + 1, warmup=0
-    ).median_s
-    forward_after = time_call(
-        lambda: _forward(student, batch), repeats=2 * settings.timing_rounds + 1, warmup=0
-    ).median_s
-    report = {
-        "kind": loaded.kind,
-        "architecture": adapter.name,
-        "heads_before": heads_before,
-        "heads_after": heads_per_layer(student, adapter),
-        "target_heads": keep,
-        "pruned": {str(k): v for k, v in plan.items()},
-        "fidelity_mean_cosine_pruned": float(cosine_pruned.mean()),
-        "fidelity_mean_cosine": float(cosine.mean()),
-        "fidelity_min_cosine": float(cosine.min()),
-        "parameters_before": count_parameters(teacher),
-        "parameters_after": count_parameters(student),
-        "forward_ms_before": 1000 * forward_before,
-        "forward_ms_after": 1000 * forward_after,
-        "selection": selection,
-        "recovery": recovery.to_dict(),
-    }
-    return student, report
+        # once, for the pruned and the recovered student
+        self.reference = last_hidden_states(self.teacher, self.held_out)
+
+    def convert(self) -> None:
+        settings = self.settings
+        self.echo(
+            f"training head gates and weights for {settings.gate_steps} steps towards {self.keep} heads"
+        )
+        pruning = prune_encoder_heads(
+            self.teacher,
+            self.train,
+            self.keep,
+            method=self.method,
+            gate_steps=settings.gate_steps,
+            gate_lr=settings.gate_lr,
+            weight_lr=_weight_lr(settings),
+            fold=True,
+            seed=settings.seed,
+            gradient_accumulation_steps=settings.gradient_accumulation_steps,
+            callback=echo_gate_progress(self.echo, settings.gate_steps),
+            adapter=self.adapter,
+        )
+        self.student, self.plan = pruning.model, pruning.plan
+        self.selection = {"method": self.method, "gates": _gate_log(pruning.gate_log)}
+        self.cosine_pruned = embedding_cosine(self.student, self.reference, self.held_out)
+
+    def recover(self) -> None:
+        settings = self.settings
+        self.recovery = encoder_finetune(
+            self.student,
+            self.teacher,
+            self.train,
+            steps=settings.recovery_steps,
+            lr=_weight_lr(settings),
+            lora_rank=settings.lora_rank,
+            seed=settings.seed,
+            echo=self.echo,
+        )
+        self.student = self.recovery.model
+        self.student.requires_grad_(False)
+
+    def measure(self) -> None:
+        settings, teacher, student = self.settings, self.teacher, self.student
+        cosine = embedding_cosine(student, self.reference, self.held_out)
+        batch = self.held_out[0]
+        repeats = 2 * settings.timing_rounds + 1
+        forward_before = time_call(lambda: _forward(teacher, batch), repeats=repeats, warmup=0).median_s
+        forward_after = time_call(lambda: _forward(student, batch), repeats=repeats, warmup=0).median_s
+        self.report |= {
+            "kind": self.loaded.kind,
+            "architecture": self.adapter.name,
+            "heads_before": self.heads_before,
+            "heads_after": heads_per_layer(student, self.adapter),
+            "target_heads": self.keep,
+            "pruned": {str(k): v for k, v in self.plan.items()},
+            "fidelity_mean_cosine_pruned": float(self.cosine_pruned.mean()),
+            "fidelity_mean_cosine": float(cosine.mean()),
+            "fidelity_min_cosine": float(cosine.min()),
+            "parameters_before": count_parameters(teacher),
+            "parameters_after": count_parameters(student),
+            "forward_ms_before": 1000 * forward_before,
+            "forward_ms_after": 1000 * forward_after,
+            "selection": self.selection,
+            "recovery": self.recovery.to_dict(),
+        }
+
+
+def _steps(
+    settings: PruneSettings, model_path: Path, loaded: LoadedModel, echo: Callable[[str], None]
+) -> Steps:
+    steps = CausalLMPruneSteps if loaded.is_causal_lm else EncoderPruneSteps
+    return steps(settings, model_path, loaded, echo)
+
+
+RECIPE = Recipe(preflight=preflight, steps=_steps)
 
 
 @torch.no_grad()

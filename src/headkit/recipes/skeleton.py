@@ -1,5 +1,6 @@
-"""What every recipe shares, written once: the save step (staging folder, reload check, report, atomic move) and
-what makes a recipe correct when ``torchrun`` or ``accelerate launch`` starts it in several processes.
+"""What every recipe shares, written once: the save step (staging folder, reload check, report, atomic move),
+which :func:`headkit.recipes.steps.run_recipe` ends with, and what makes a recipe correct when ``torchrun`` or
+``accelerate launch`` starts it in several processes.
 
 Under a launcher every process runs the whole recipe: the same checks, the same seeded data and the same
 measurements (evaluation is replicated, not sharded: every rank measures the same held-out windows and gets the
@@ -137,12 +138,15 @@ def save_result(
     report, completed, is returned on every process (and `report` updated in place)."""
 
     def write() -> dict[str, Any]:
+        save_started = time.perf_counter()
         with staged_folder(out) as staging:
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
             report["reload_max_abs_diff"] = reload_difference(staging, model, stock=stock)
             for extra in extras:
                 extra(staging, report)
+            if "stage_seconds" in report:
+                report["stage_seconds"]["save"] = time.perf_counter() - save_started
             report["seconds"] = time.perf_counter() - started
             write_json_atomic(staging / REPORT_FILE, report)
         return report

@@ -1,0 +1,156 @@
+"""The one skeleton of prune, linearize and compress (:func:`run_recipe`), written once: the settings checked
+against MODEL's 🤗 config (a folder's config.json or a GGUF file's metadata) before any weight or text is read (the
+recipe's ``preflight``), then ``load`` → ``check`` → ``data`` → ``convert`` → ``repair`` → ``recover`` →
+``measure`` (each recipe's :class:`Steps`), the report, and the save step
+(:func:`headkit.recipes.skeleton.save_result`). Each stage's seconds are in the report (``stage_seconds``);
+``repair`` is the closed-form fix between the surgery and any training, a no-op (the report's ``"repair": null``)
+where a surgery has none yet.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+
+from headkit.evaluation.tasks import recipe_tasks
+from headkit.recipes.models import LoadedModel, check_output_folder, load_model, read_model_config
+from headkit.recipes.skeleton import main_process_echo, save_result
+
+T = TypeVar("T")
+STAGES = ("load", "check", "data", "convert", "repair", "recover", "measure")
+
+
+class Steps(ABC):
+    """A recipe's steps on one loaded model, which :func:`run_recipe` calls in the order of :data:`STAGES`. Each
+    records its figures in :attr:`report` as it goes; ``convert`` sets :attr:`student`, which the later steps
+    change in place or replace."""
+
+    #: The result's name in the task table ("pruned", "linearized", "compressed").
+    result_name: str = "result"
+
+    def __init__(
+        self, settings: Any, model_path: Path, loaded: LoadedModel, echo: Callable[[str], None]
+    ) -> None:
+        self.settings, self.model_path, self.loaded, self.echo = settings, model_path, loaded, echo
+        self.teacher, self.tokenizer = loaded.model, loaded.tokenizer
+        self.student: nn.Module | None = None
+        self.report: dict[str, Any] = {}
+
+    @abstractmethod
+    def check(self) -> None:
+        """Everything that can refuse the run against the loaded model (the surgery config's ``check``), before
+        any text is read or any weight changed."""
+
+    @abstractmethod
+    def data(self) -> None:
+        """Read the text: training and held-out windows or texts, and the original's figures on them."""
+
+    @abstractmethod
+    def convert(self) -> None:
+        """The surgery, on a copy of the original: :attr:`student`."""
+
+    def repair(self) -> dict[str, Any] | None:
+        """The closed-form fix of the student before any training, and what it did (the report's ``repair``);
+        None where the surgery has none (or it is switched off)."""
+        return None
+
+    @abstractmethod
+    def recover(self) -> None:
+        """Train the student back towards the original."""
+
+    @abstractmethod
+    def measure(self) -> None:
+        """The result's figures against the original's."""
+
+    @property
+    def stock(self) -> bool:
+        """Whether the result reloads in plain transformers (how the save step's reload check loads it)."""
+        return False
+
+    def extras(self) -> list[Callable[[Path, dict[str, Any]], None]]:
+        """What the save step writes beside the model (:func:`save_result`'s `extras`)."""
+        return []
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What a recipe supplies the skeleton: ``preflight(settings, model_path, config, out)``, its settings checked
+    against MODEL's 🤗 config (None where none could be read: the loaded model is checked instead) and, when it
+    saves, against `out`; and ``steps(settings, model_path, loaded, echo)``, the :class:`Steps` that fit the loaded
+    model."""
+
+    preflight: Callable[[Any, Path, Any | None, Path | None], None]
+    steps: Callable[[Any, Path, LoadedModel, Callable[[str], None]], Steps]
+
+
+def run_recipe(
+    recipe: Recipe,
+    settings: Any,
+    model_path: Path,
+    echo: Callable[[str], None],
+    *,
+    loaded: LoadedModel | None = None,
+    out: Path | None = None,
+    started: float | None = None,
+) -> tuple[Steps, dict[str, Any]]:
+    """Run `recipe` on MODEL (`model_path`; `loaded`: already loaded from it, left unchanged) and return its steps
+    (the result is ``steps.student``) and the report; with `out`, save the result there (:func:`save_result`),
+    refused before any work where it would overwrite the model or, without ``settings.overwrite``, a result.
+
+    Every check that MODEL's 🤗 config can answer runs first, so a refused setting costs one line and no weight or
+    text read; then the stages, each timed, with the global RNG seeded once before loading (every recipe's figures
+    depend on what consumes it, in this order)."""
+    started = time.perf_counter() if started is None else started
+    echo = main_process_echo(echo)
+    if out is not None:
+        check_output_folder(model_path, out, settings.overwrite)
+    recipe.preflight(settings, model_path, read_model_config(model_path), out)
+    seconds: dict[str, float] = {}
+
+    def timed(stage: str, work: Callable[[], T]) -> T:
+        stage_started = time.perf_counter()
+        result = work()
+        seconds[stage] = time.perf_counter() - stage_started
+        return result
+
+    torch.manual_seed(settings.seed)
+    loaded = timed("load", lambda: loaded or load_model(model_path, dtype=settings.dtype))
+    steps = timed("check", lambda: _checked_steps(recipe, settings, model_path, loaded, echo))
+    for stage in STAGES[2:]:
+        outcome = timed(stage, getattr(steps, stage))
+        if stage == "repair":
+            steps.report["repair"] = outcome
+    report = steps.report
+    if settings.eval_tasks:
+        report["tasks"] = timed(
+            "tasks",
+            lambda: recipe_tasks(
+                settings, steps.teacher, steps.student, steps.tokenizer, steps.result_name, echo
+            ),
+        )
+    report["model"] = str(model_path)
+    report["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()}
+    report["stage_seconds"] = seconds
+    if out is None:
+        report["seconds"] = time.perf_counter() - started
+        return steps, report
+    report["out"] = str(out)
+    save_result(
+        out, steps.student, steps.tokenizer, report, started=started, stock=steps.stock, extras=steps.extras()
+    )
+    return steps, report
+
+
+def _checked_steps(
+    recipe: Recipe, settings: Any, model_path: Path, loaded: LoadedModel, echo: Callable[[str], None]
+) -> Steps:
+    steps = recipe.steps(settings, model_path, loaded, echo)
+    steps.check()
+    return steps
