@@ -1,3 +1,4 @@
+import importlib
 import json
 
 import pytest
@@ -6,6 +7,10 @@ import transformers
 
 import headkit
 from headkit.cli import main
+from headkit.errors import HeadkitError
+
+# The module, not the function the package exports under the same name.
+compress_recipe = importlib.import_module("headkit.recipes.compress")
 
 transformers.logging.set_verbosity_error()
 
@@ -117,3 +122,50 @@ def test_a_full_size_latent_llama_is_exact(save_tiny_causal_lm, text_folder, tmp
     assert report["perplexity_after_swap"] == pytest.approx(report["perplexity_original"], rel=1e-5)
     assert report["perplexity_partial_rope"] == pytest.approx(report["perplexity_original"], rel=1e-5)
     assert report["kv_cache_fraction"] == 1.0
+
+
+def test_latent_repair_fits_each_layer_before_recovery_and_no_repair_skips_it(
+    save_tiny_causal_lm, text_folder, tmp_path
+):
+    model_dir = save_tiny_causal_lm(tmp_path / "llama", "llama")
+    args = ["compress", str(model_dir), "--kv-rank", "6", "--rope-dims", "2", "--recovery-steps", "0"]
+    args += [
+        "--data",
+        str(text_folder),
+        "--calibration-windows",
+        "4",
+        "--repair-windows",
+        "8",
+        "--repair-steps",
+        "20",
+    ]
+    args += ["--rank-allocation", "spectrum", *FAST]
+    assert _run([*args, "--out", str(tmp_path / "on")]) == 0
+    report = json.loads((tmp_path / "on" / "report.json").read_text())
+    repair = report["repair"]
+    assert repair["layers"] == [0, 1] and repair["steps"] == 20 and repair["tokens"] == 8 * 16
+    assert all(a <= b for a, b in zip(repair["error_after"], repair["error_before"], strict=True))
+    # no recovery step: the result is the repaired model
+    assert report["perplexity_recovered"] == pytest.approx(repair["perplexity"])
+    assert "repair" in report["stage_seconds"] and report["reload_max_abs_diff"] == 0.0
+    assert report["rank_allocation"] == "spectrum" and sum(report["kv_ranks"]) == 2 * 6
+    assert _run([*args, "--out", str(tmp_path / "off"), "--no-repair"]) == 0
+    off = json.loads((tmp_path / "off" / "report.json").read_text())
+    assert off["repair"] is None and off["perplexity_recovered"] == off["perplexity_after_swap"]
+    assert off["perplexity_after_swap"] == report["perplexity_after_swap"]
+
+
+def test_too_few_training_windows_for_the_repair_are_refused_before_any_text_is_read(
+    save_tiny_causal_lm, tmp_path, monkeypatch
+):
+    model_dir = save_tiny_causal_lm(tmp_path / "llama", "llama")
+
+    def no_text(*args, **kwargs):
+        raise AssertionError("text was read")
+
+    monkeypatch.setattr(compress_recipe, "load_text", no_text)
+    with pytest.raises(HeadkitError, match="--repair-windows 64 needs 72 training windows"):
+        compress_recipe.compress(
+            model=model_dir, kv_rank=6, rope_dims=2, train_texts=10, out=tmp_path / "out"
+        )
+    assert not (tmp_path / "out").exists()

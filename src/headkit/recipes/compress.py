@@ -39,6 +39,7 @@ from headkit.evaluation.memory import kv_cache_bytes_per_token
 from headkit.evaluation.quality import agreement, embedding_cosine, last_hidden_states, perplexity
 from headkit.evaluation.tasks import check_recipe_tasks, with_task_table
 from headkit.evaluation.timing import compare_speed, time_call
+from headkit.ops._validation import is_finite_number
 from headkit.recipes.distill import DistillResult, distill_run, encoder_finetune
 from headkit.recipes.models import (
     CAUSAL_LM,
@@ -57,7 +58,9 @@ from headkit.surgery.collaborative import CollaborativeConfig, SwapReport, swap_
 from headkit.surgery.families import COMPRESS, FAMILIES, get_family, model_type_of
 from headkit.surgery.latent import (
     FITTED,
+    RANK_ALLOCATIONS,
     ROPE_SELECTIONS,
+    UNIFORM,
     LatentKVConfig,
     LatentReport,
     SiteStatistics,
@@ -67,6 +70,10 @@ from headkit.surgery.latent import (
     compress_kv_to_latent,
     full_rank,
 )
+from headkit.surgery.repair import reconstruct_attention
+
+# Training windows after the reconstruction's own that judge its fit, layer by layer (a worse layer is restored).
+REPAIR_CHECK_WINDOWS = 8
 
 
 @dataclass
@@ -134,6 +141,25 @@ class CompressSettings(ModelSettings):
     )
     calibration_windows: int = option(
         16, "Rotary decoders: training windows the rotary ranking and the SVD are calibrated on.", min=1
+    )
+    rank_allocation: str = option(
+        UNIFORM,
+        "Rotary decoders: 'uniform' gives every layer R; 'spectrum' shares the same total out by each layer's "
+        "key/value spectrum on the calibration text (the error each rank leaves).",
+    )
+    repair: bool = option(
+        True,
+        "Rotary decoders: before recovery, fit each latent layer to the original's attention output from the "
+        "original's own inputs (layer-local reconstruction; --no-repair to compare).",
+    )
+    repair_steps: int = option(200, "Rotary decoders: reconstruction steps per layer.", min=1, quick=50)
+    repair_lr: float = option(2e-3, "Rotary decoders: reconstruction learning rate (Adam, cosine decay).")
+    repair_windows: int = option(
+        64,
+        f"Rotary decoders: training windows the reconstruction fits on (the {REPAIR_CHECK_WINDOWS} after them "
+        "judge each layer's fit).",
+        min=1,
+        quick=16,
     )
     # default: window
     eval_window: int | None = option(
@@ -320,6 +346,14 @@ def check_settings(settings: CompressSettings) -> None:
         raise HeadkitError(
             f"--rope-selection must be one of {', '.join(ROPE_SELECTIONS)}, got {settings.rope_selection!r}"
         )
+    if settings.rank_allocation not in RANK_ALLOCATIONS:
+        raise HeadkitError(
+            f"--rank-allocation must be one of {', '.join(RANK_ALLOCATIONS)}, got {settings.rank_allocation!r}"
+        )
+    check_count("--repair-steps", settings.repair_steps, 1)
+    check_count("--repair-windows", settings.repair_windows, 1)
+    if not is_finite_number(settings.repair_lr) or settings.repair_lr <= 0:
+        raise HeadkitError(f"--repair-lr must be a positive number, got {settings.repair_lr!r}")
     check_data(settings.data)
     check_recipe_tasks(settings, default_is_causal_lm=False)
 
@@ -539,9 +573,16 @@ class LatentSteps(_CompressSteps):
         if original.kind != CAUSAL_LM:
             raise HeadkitError("latent keys/values (--kv-rank) convert causal LMs")
         self.kv_rank, self.rope_dims = latent_defaults(original, settings.kv_rank, settings.rope_dims)
-        LatentKVConfig(self.kv_rank, self.rope_dims, settings.rope_selection).check(
+        LatentKVConfig(self.kv_rank, self.rope_dims, settings.rope_selection, settings.rank_allocation).check(
             original.model, original.adapter
         )
+        needed = settings.repair_windows + REPAIR_CHECK_WINDOWS
+        if settings.repair and settings.train_texts < needed:
+            raise HeadkitError(
+                f"--repair-windows {settings.repair_windows} needs {needed} training windows (its own and "
+                f"{REPAIR_CHECK_WINDOWS} to judge the fit), more than the run's {settings.train_texts} "
+                "(train_texts): lower --repair-windows, or --no-repair"
+            )
 
     def data(self) -> None:
         settings = self.settings
@@ -568,15 +609,47 @@ class LatentSteps(_CompressSteps):
         del rope_only
         torch.manual_seed(settings.seed)
         self.student, self.conversion = latent_student(
-            original, self.kv_rank, rope_dims, self.calibration, settings.rope_selection, self.statistics
+            original,
+            self.kv_rank,
+            rope_dims,
+            self.calibration,
+            settings.rope_selection,
+            self.statistics,
+            settings.rank_allocation,
         )
         self.echo(str(self.conversion))
         self.perplexity_converted = perplexity(self.student, self.held_out, self.eval_batch)
+        self.perplexity_before_recovery = self.perplexity_converted
         self.echo(
             f"held-out perplexity @{self.data_summary['eval_window']}: original {self.perplexity_original:.3f}, "
             f"partial RoPE (D={rope_dims}, full rank) {self.perplexity_partial_rope:.3f}, converted "
             f"(R={self.kv_rank}) {self.perplexity_converted:.3f}"
         )
+
+    def repair(self) -> dict[str, Any] | None:
+        """Layer-local reconstruction (:func:`headkit.surgery.repair.reconstruct_attention`): every latent
+        layer's parameters fit to the original's attention output from the original's inputs, one teacher pass."""
+        settings = self.settings
+        if not settings.repair:
+            return None
+        fit_windows = self.train[: settings.repair_windows]
+        check_windows = self.train[settings.repair_windows : settings.repair_windows + REPAIR_CHECK_WINDOWS]
+        reconstruction = reconstruct_attention(
+            self.student,
+            self.original.model,
+            calibration_batches(fit_windows, len(fit_windows)),
+            calibration_batches(check_windows, len(check_windows)),
+            steps=settings.repair_steps,
+            lr=settings.repair_lr,
+            adapter=self.original.adapter,
+        )
+        self.echo(str(reconstruction))
+        self.perplexity_before_recovery = perplexity(self.student, self.held_out, self.eval_batch)
+        self.echo(
+            f"held-out perplexity after repair: {self.perplexity_before_recovery:.3f} "
+            f"({self.perplexity_before_recovery / self.perplexity_original:.2f}x)"
+        )
+        return reconstruction.to_dict() | {"perplexity": self.perplexity_before_recovery}
 
     def recover(self) -> None:
         settings = self.settings
@@ -601,7 +674,7 @@ class LatentSteps(_CompressSteps):
         recovered = (
             perplexity(student, held_out, self.eval_batch)
             if self.recovery.steps
-            else self.perplexity_converted
+            else self.perplexity_before_recovery
         )
         speed = compare_speed(
             teacher,
@@ -618,6 +691,8 @@ class LatentSteps(_CompressSteps):
             "kv_rank": self.kv_rank,
             "rope_dims": self.rope_dims,
             "rope_selection": settings.rope_selection,
+            "rank_allocation": settings.rank_allocation,
+            "kv_ranks": conversion.kv_ranks,
             "kv_bytes_per_token_original": before_bytes,
             "kv_bytes_per_token": after_bytes,
             "kv_cache_fraction": after_bytes / before_bytes,
@@ -690,11 +765,12 @@ def latent_student(
     calibration: list[dict],
     rope_selection: str = FITTED,
     statistics: list[SiteStatistics] | None = None,
+    rank_allocation: str = UNIFORM,
 ) -> tuple[nn.Module, LatentReport]:
     """A fresh copy of the teacher with latent keys/values (calibrated on `calibration`, or on its `statistics`
     from :func:`latent_statistics`); the teacher untouched."""
     student = copy.deepcopy(teacher.model)
-    config = LatentKVConfig(kv_rank=kv_rank, rope_dims=rope_dims, rope_selection=rope_selection)
+    config = LatentKVConfig(kv_rank, rope_dims, rope_selection, rank_allocation)
     report = compress_kv_to_latent(student, config, calibration=calibration, statistics=statistics)
     return student, report
 
@@ -802,8 +878,14 @@ def _format_latent(report: dict[str, Any]) -> str:
         f"KV cache {report['kv_bytes_per_token_original']:,} -> {report['kv_bytes_per_token']:,} bytes per token "
         f"({report['kv_cache_fraction']:.1%})",
         f"held-out perplexity @{report['data']['eval_window']}: original {original:.3f}; partial RoPE only "
-        f"{ratio('perplexity_partial_rope')}; converted {ratio('perplexity_after_swap')}; after "
-        f"{report['distill_steps']} distillation steps {ratio('perplexity_recovered')}",
+        f"{ratio('perplexity_partial_rope')}; converted {ratio('perplexity_after_swap')}; "
+        + (
+            f"repaired {report['repair']['perplexity']:.3f} ({report['repair']['perplexity'] / original:.2f}x, "
+            f"{report['repair']['seconds']:.0f} s); "
+            if report.get("repair")
+            else ""
+        )
+        + f"after {report['distill_steps']} distillation steps {ratio('perplexity_recovered')}",
         f"top-1 next-token agreement with the original: {report['top1_agreement']:.1%}",
         f"prefill: {report['speed']['prefill_ratio']:.2f}x the original; decode per token "
         f"(context {report['speed']['decode_context']}): {report['speed']['decode_ratio']:.2f}x",
