@@ -1,6 +1,7 @@
 """``headkit prune`` end to end on a tiny checkpoint of every registered decoder family (the registry drives the
 matrix): query-head pruning, and uniform group pruning that gives the stock architecture where the family's
-config can state it. An unsupported decoder family is refused in one line before anything is written."""
+config can state it; ``headkit compress --kv-rank`` with its repair on every family that takes latent keys/values.
+An unsupported decoder family is refused in one line before anything is written."""
 
 import json
 import sys
@@ -15,7 +16,7 @@ from family_models import save_family_model  # noqa: E402
 import headkit  # noqa: E402
 from headkit.cli import main  # noqa: E402
 from headkit.data import ByteTokenizer  # noqa: E402
-from headkit.surgery.families import FAMILIES, PRUNE, UNIFORM, supported_families  # noqa: E402
+from headkit.surgery.families import FAMILIES, LATENT, PRUNE, UNIFORM, supported_families  # noqa: E402
 
 # A handful of 16-byte windows, two recovery steps: the run, not the numbers, is tested.
 FAST = ["--quick", "--window", "16", "--train-texts", "8", "--held-out", "4", "--batch-size", "4"]
@@ -84,3 +85,27 @@ def test_an_unsupported_decoder_family_is_refused_in_one_line(text_folder, tmp_p
     error = errors[0]
     assert "'bloom'" in error and "supported families: " in error and "qwen3" in error and "missing:" in error
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["bloom"]
+
+
+@pytest.mark.parametrize("model_type", supported_families(LATENT))
+def test_compress_kv_rank_with_repair_runs_end_to_end(model_type, text_folder, tmp_path):
+    """Latent keys/values with the repair stage on (its default) on every family that takes them."""
+    model_folder = _save(model_type, tmp_path / "model")
+    out = tmp_path / "latent"
+    args = ["compress", str(model_folder), "--kv-rank", "12", "--rope-dims", "4", "--recovery-steps", "1"]
+    args += ["--data", str(text_folder), "--window", "16", "--batch-size", "4", "--held-out", "2"]
+    args += [
+        "--calibration-windows",
+        "4",
+        "--repair-windows",
+        "4",
+        "--repair-steps",
+        "3",
+        "--timing-repeats",
+        "1",
+    ]
+    assert _run([*args, "--out", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["repair"]["layers"] == [0, 1] and report["reload_max_abs_diff"] == 0.0
+    reloaded = headkit.from_pretrained(out)
+    assert reloaded.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=3, do_sample=False).shape == (1, 6)
