@@ -58,7 +58,6 @@ from headkit.surgery.collaborative import CollaborativeConfig, SwapReport, swap_
 from headkit.surgery.families import COMPRESS, FAMILIES, get_family, model_type_of
 from headkit.surgery.latent import (
     FITTED,
-    RANK_ALLOCATIONS,
     ROPE_SELECTIONS,
     UNIFORM,
     LatentKVConfig,
@@ -345,10 +344,6 @@ def check_settings(settings: CompressSettings) -> None:
     if settings.rope_selection not in ROPE_SELECTIONS:
         raise HeadkitError(
             f"--rope-selection must be one of {', '.join(ROPE_SELECTIONS)}, got {settings.rope_selection!r}"
-        )
-    if settings.rank_allocation not in RANK_ALLOCATIONS:
-        raise HeadkitError(
-            f"--rank-allocation must be one of {', '.join(RANK_ALLOCATIONS)}, got {settings.rank_allocation!r}"
         )
     check_count("--repair-steps", settings.repair_steps, 1)
     check_count("--repair-windows", settings.repair_windows, 1)
