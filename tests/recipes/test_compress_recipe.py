@@ -164,8 +164,13 @@ def test_too_few_training_windows_for_the_repair_are_refused_before_any_text_is_
         raise AssertionError("text was read")
 
     monkeypatch.setattr(compress_recipe, "load_text", no_text)
-    with pytest.raises(HeadkitError, match="--repair-windows 64 needs 72 training windows"):
+    with pytest.raises(HeadkitError, match="--repair-windows must be below the run's 10 training windows"):
         compress_recipe.compress(
-            model=model_dir, kv_rank=6, rope_dims=2, train_texts=10, out=tmp_path / "out"
+            model=model_dir, kv_rank=6, rope_dims=2, train_texts=10, repair_windows=10, out=tmp_path / "out"
         )
+    with pytest.raises(HeadkitError, match="the repair needs at least 2 training windows"):
+        compress_recipe.compress(model=model_dir, kv_rank=6, rope_dims=2, train_texts=1, out=tmp_path / "out")
     assert not (tmp_path / "out").exists()
+    # without --repair-windows, the training windows are shared out: 64 to fit and 8 to judge of the default 512
+    assert compress_recipe.repair_split(compress_recipe.CompressSettings()) == (64, 8)
+    assert compress_recipe.repair_split(compress_recipe.CompressSettings(train_texts=8)) == (4, 4)

@@ -153,10 +153,10 @@ class CompressSettings(ModelSettings):
     )
     repair_steps: int = option(200, "Rotary decoders: reconstruction steps per layer.", min=1, quick=50)
     repair_lr: float = option(2e-3, "Rotary decoders: reconstruction learning rate (Adam, cosine decay).")
-    repair_windows: int = option(
-        64,
-        f"Rotary decoders: training windows the reconstruction fits on (the {REPAIR_CHECK_WINDOWS} after them "
-        "judge each layer's fit).",
+    repair_windows: int | None = option(
+        None,
+        f"Rotary decoders: training windows the reconstruction fits on (up to {REPAIR_CHECK_WINDOWS} after them "
+        "judge each layer's fit; default 64, or what the training windows leave).",
         min=1,
         quick=16,
     )
@@ -346,7 +346,8 @@ def check_settings(settings: CompressSettings) -> None:
             f"--rope-selection must be one of {', '.join(ROPE_SELECTIONS)}, got {settings.rope_selection!r}"
         )
     check_count("--repair-steps", settings.repair_steps, 1)
-    check_count("--repair-windows", settings.repair_windows, 1)
+    if settings.repair_windows is not None:
+        check_count("--repair-windows", settings.repair_windows, 1)
     if not is_finite_number(settings.repair_lr) or settings.repair_lr <= 0:
         raise HeadkitError(f"--repair-lr must be a positive number, got {settings.repair_lr!r}")
     check_data(settings.data)
@@ -571,13 +572,8 @@ class LatentSteps(_CompressSteps):
         LatentKVConfig(self.kv_rank, self.rope_dims, settings.rope_selection, settings.rank_allocation).check(
             original.model, original.adapter
         )
-        needed = settings.repair_windows + REPAIR_CHECK_WINDOWS
-        if settings.repair and settings.train_texts < needed:
-            raise HeadkitError(
-                f"--repair-windows {settings.repair_windows} needs {needed} training windows (its own and "
-                f"{REPAIR_CHECK_WINDOWS} to judge the fit), more than the run's {settings.train_texts} "
-                "(train_texts): lower --repair-windows, or --no-repair"
-            )
+        if settings.repair:
+            self.repair_split = repair_split(settings)
 
     def data(self) -> None:
         settings = self.settings
@@ -627,8 +623,8 @@ class LatentSteps(_CompressSteps):
         settings = self.settings
         if not settings.repair:
             return None
-        fit_windows = self.train[: settings.repair_windows]
-        check_windows = self.train[settings.repair_windows : settings.repair_windows + REPAIR_CHECK_WINDOWS]
+        fit, check = self.repair_split
+        fit_windows, check_windows = self.train[:fit], self.train[fit : fit + check]
         reconstruction = reconstruct_attention(
             self.student,
             self.original.model,
@@ -722,6 +718,28 @@ def _steps(
 
 
 RECIPE = Recipe(preflight=preflight, steps=_steps)
+
+
+def repair_split(settings: CompressSettings) -> tuple[int, int]:
+    """(windows the reconstruction fits on, windows after them that judge it), out of the run's training windows:
+    --repair-windows (default 64, or what is left after the judging windows) and up to
+    :data:`REPAIR_CHECK_WINDOWS`; refused when --repair-windows leaves none to judge."""
+    total = settings.train_texts
+    if total < 2:
+        raise HeadkitError(
+            f"the repair needs at least 2 training windows (one to fit, one to judge), the run has {total} "
+            "(train_texts): --no-repair"
+        )
+    if settings.repair_windows is None:
+        check = min(REPAIR_CHECK_WINDOWS, total // 2)
+        return min(64, total - check), check
+    check = min(REPAIR_CHECK_WINDOWS, total - settings.repair_windows)
+    if check < 1:
+        raise HeadkitError(
+            f"--repair-windows must be below the run's {total} training windows (train_texts), so that some are "
+            f"left to judge the fit, got {settings.repair_windows}: lower it, or --no-repair"
+        )
+    return settings.repair_windows, check
 
 
 def latent_defaults(teacher: Teacher, kv_rank: int | None, rope_dims: int | None) -> tuple[int, int]:
