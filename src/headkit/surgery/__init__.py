@@ -39,6 +39,7 @@ from headkit.surgery.latent import LatentKVConfig, LatentReport, compress_kv_to_
 from headkit.surgery.linearize import LinearizeConfig, LinearizedHeads, LinearizeReport, reconfigure
 from headkit.surgery.pruning import PruneConfig, prune_dead_heads, prune_heads
 from headkit.surgery.records import record_surgery, register_surgery_op
+from headkit.surgery.repair import output_statistics, reconstruct_attention, refit_output_projections
 
 __all__ = [
     "ALBERTCollaborativeAdapter",
@@ -64,9 +65,12 @@ __all__ = [
     "from_pretrained",
     "get_adapter",
     "l0_penalty",
+    "output_statistics",
     "prune_dead_heads",
     "prune_heads",
+    "reconstruct_attention",
     "record_surgery",
+    "refit_output_projections",
     "register_adapter",
     "register_surgery_op",
     "remove_head_gates",
