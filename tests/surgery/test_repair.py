@@ -235,4 +235,6 @@ def test_bad_reconstruction_arguments_are_refused_before_any_work(options, messa
     before = {k: v.clone() for k, v in student.state_dict().items()}
     with pytest.raises(HeadkitError, match=message):
         reconstruct_attention(student, teacher, _batches(), _held_out(), **options)
+    with pytest.raises(HeadkitError, match="converted copy of teacher"):
+        reconstruct_attention(family_model("llama", num_hidden_layers=1), teacher, _batches(), _held_out())
     assert all(torch.equal(v, before[k]) for k, v in student.state_dict().items())

@@ -399,7 +399,12 @@ def reconstruct_attention(
     layers = list(range(len(sites))) if layers is None else sorted(set(layers))
     if any(not 0 <= layer < len(sites) for layer in layers):
         raise HeadkitError(f"layers must be in [0, {len(sites) - 1}], got {layers}")
-    modules = {layer: student.get_submodule(sites[layer].name) for layer in layers}
+    try:
+        modules = {layer: student.get_submodule(sites[layer].name) for layer in layers}
+    except AttributeError as error:
+        raise HeadkitError(
+            f"student must be a converted copy of teacher, with its attention modules: {error}"
+        ) from None
     train_calls = capture_attention_calls(teacher, batches, layers, adapter)
     check_calls = capture_attention_calls(teacher, held_out, layers, adapter)
     report = ReconstructionReport(steps=steps, lr=float(lr))
