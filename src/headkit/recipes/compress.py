@@ -151,14 +151,13 @@ class CompressSettings(ModelSettings):
         "Rotary decoders: before recovery, fit each latent layer to the original's attention output from the "
         "original's own inputs (layer-local reconstruction; --no-repair to compare).",
     )
-    repair_steps: int = option(200, "Rotary decoders: reconstruction steps per layer.", min=1, quick=50)
+    repair_steps: int = option(200, "Rotary decoders: reconstruction steps per layer.", min=1)
     repair_lr: float = option(2e-3, "Rotary decoders: reconstruction learning rate (Adam, cosine decay).")
     repair_windows: int | None = option(
         None,
         f"Rotary decoders: training windows the reconstruction fits on (up to {REPAIR_CHECK_WINDOWS} after them "
         "judge each layer's fit; default 64, or what the training windows leave).",
         min=1,
-        quick=16,
     )
     # default: window
     eval_window: int | None = option(
