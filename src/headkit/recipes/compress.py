@@ -71,8 +71,9 @@ from headkit.surgery.latent import (
 )
 from headkit.surgery.repair import reconstruct_attention
 
-# Training windows after the reconstruction's own that judge its fit, layer by layer (a worse layer is restored).
-REPAIR_CHECK_WINDOWS = 8
+# The windows the reconstruction fits on by default, and up to how many after them judge its fit, layer by layer
+# (a worse layer is restored).
+REPAIR_WINDOWS, REPAIR_CHECK_WINDOWS = 64, 8
 
 
 @dataclass
@@ -156,7 +157,7 @@ class CompressSettings(ModelSettings):
     repair_windows: int | None = option(
         None,
         f"Rotary decoders: training windows the reconstruction fits on (up to {REPAIR_CHECK_WINDOWS} after them "
-        "judge each layer's fit; default 64, or what the training windows leave).",
+        f"judge each layer's fit; default {REPAIR_WINDOWS}, or what the training windows leave).",
         min=1,
     )
     # default: window
@@ -382,7 +383,8 @@ def preflight(settings: CompressSettings, model_path: Path, config: Any | None, 
 
 class _CompressSteps(Steps):
     """What every compression shares: the frozen original (:class:`Teacher`), the refusal of options that do not
-    fit its attention, and the report's common figures. No closed-form repair yet."""
+    fit its attention, and the report's common figures. Collaborative heads have no repair; latent keys/values
+    do (:meth:`LatentSteps.repair`)."""
 
     result_name = "compressed"
     dim: int | None = None  # collaborative heads' D̃; None for latent keys/values
@@ -623,12 +625,11 @@ class LatentSteps(_CompressSteps):
         if not settings.repair:
             return None
         fit, check = self.repair_split
-        fit_windows, check_windows = self.train[:fit], self.train[fit : fit + check]
         reconstruction = reconstruct_attention(
             self.student,
             self.original.model,
-            calibration_batches(fit_windows, len(fit_windows)),
-            calibration_batches(check_windows, len(check_windows)),
+            calibration_batches(self.train, fit),
+            calibration_batches(self.train[fit:], check),
             steps=settings.repair_steps,
             lr=settings.repair_lr,
             adapter=self.original.adapter,
@@ -721,7 +722,7 @@ RECIPE = Recipe(preflight=preflight, steps=_steps)
 
 def repair_split(settings: CompressSettings) -> tuple[int, int]:
     """(windows the reconstruction fits on, windows after them that judge it), out of the run's training windows:
-    --repair-windows (default 64, or what is left after the judging windows) and up to
+    --repair-windows (default :data:`REPAIR_WINDOWS`, or what is left after the judging windows) and up to
     :data:`REPAIR_CHECK_WINDOWS`; refused when --repair-windows leaves none to judge."""
     total = settings.train_texts
     if total < 2:
@@ -731,7 +732,7 @@ def repair_split(settings: CompressSettings) -> tuple[int, int]:
         )
     if settings.repair_windows is None:
         check = min(REPAIR_CHECK_WINDOWS, total // 2)
-        return min(64, total - check), check
+        return min(REPAIR_WINDOWS, total - check), check
     check = min(REPAIR_CHECK_WINDOWS, total - settings.repair_windows)
     if check < 1:
         raise HeadkitError(

@@ -3,8 +3,8 @@ against MODEL's 🤗 config (a folder's config.json or a GGUF file's metadata) b
 recipe's ``preflight``), then ``load`` → ``check`` → ``data`` → ``convert`` → ``repair`` → ``recover`` →
 ``measure`` (each recipe's :class:`Steps`), the report, and the save step
 (:func:`headkit.recipes.skeleton.save_result`). Each stage's seconds are in the report (``stage_seconds``);
-``repair`` is the closed-form fix between the surgery and any training, a no-op (the report's ``"repair": null``)
-where a surgery has none yet.
+``repair`` is the fix between the surgery and any training through the model (prune's closed-form refit,
+compress's layer-local reconstruction), a no-op (the report's ``"repair": null``) where a surgery has none.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ class Steps(ABC):
         """The surgery, on a copy of the original: :attr:`student`."""
 
     def repair(self) -> dict[str, Any] | None:
-        """The closed-form fix of the student before any training, and what it did (the report's ``repair``);
-        None where the surgery has none (or it is switched off)."""
+        """The fix of the student before any training through the model, and what it did (the report's
+        ``repair``); None where the surgery has none (or it is switched off)."""
         return None
 
     @abstractmethod
