@@ -17,7 +17,8 @@ LINEARIZABLE = sorted(name for name, family in FAMILIES.items() if LINEARIZE in 
 
 def converted(model_type, window):
     model = family_model(model_type)
-    report = headkit.linearize(model, window=window, chunk_size=4)
+    # feature_wavelength 8: the slow rotary pairs reach the feature maps rotated back by the module's own tables.
+    report = headkit.linearize(model, window=window, chunk_size=4, feature_wavelength=8)
     with torch.no_grad():  # the balances away from 1, so that the linear term matters
         generator = torch.Generator().manual_seed(3)
         for mechanism in linearized_modules(model):

@@ -48,7 +48,7 @@ from headkit.ops.hybrid import (
     hybrid_ring_from_state,
     hybrid_state_from_ring,
 )
-from headkit.ops.rotary import apply_rotary, rotary_cos_sin
+from headkit.ops.rotary import apply_rotary, rotary_cos_sin, unrotate_pairs
 
 
 class HybridStateCacheLayer(StateCacheLayer):
@@ -148,6 +148,8 @@ class HybridHeads(nn.Module):
         device: torch.device | None = None,
     ) -> None:
         self.window, self.chunk_size, self.scale, self.fold = window, chunk_size, scale, fold
+        # Rotary pairs the feature maps read rotated back to angle 0 (None: every pair as rotated; see features).
+        self.register_buffer("unrotated_pairs", None, persistent=False)
         self.feature_map_q: nn.Module | None = None
         self.feature_map_k: nn.Module | None = None
         if fold:
@@ -169,9 +171,27 @@ class HybridHeads(nn.Module):
         balance = self.log_balance.exp()
         return balance if self.fold else torch.zeros_like(balance)
 
-    def features(self, queries: torch.Tensor, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """φ(q), φ(k) of the linear term; one zero feature when nothing folds (γ = 0 makes it unused)."""
+    def features(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """φ(q), φ(k) of the linear term; one zero feature when nothing folds (γ = 0 makes it unused).
+
+        With ``unrotated_pairs`` set, the maps read the queries and keys with those rotary pairs rotated back to
+        angle 0 by ``rotary`` (the attention module's own cos and sin): the slow pairs, whose angles a model
+        trained on short windows never saw beyond its training length (:class:`headkit.surgery.LinearizeConfig`'s
+        ``feature_wavelength``). The window term keeps every rotation."""
         if self.fold:
+            if self.unrotated_pairs is not None:
+                if rotary is None:
+                    raise HeadkitError(
+                        "this hybrid layer's feature maps read some rotary pairs rotated back, which needs the "
+                        "attention module's cos and sin (rebuild the model with headkit.from_pretrained)"
+                    )
+                queries = unrotate_pairs(queries, *rotary, self.unrotated_pairs)
+                keys = unrotate_pairs(keys, *rotary, self.unrotated_pairs)
             return self.feature_map_q(queries), self.feature_map_k(keys)
         return queries.new_zeros(*queries.shape[:3], 1), keys.new_zeros(*keys.shape[:3], 1)
 

@@ -160,6 +160,29 @@ def apply_rotary(
     return rotated.to(x.dtype)
 
 
+def unrotate_pairs(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, pairs: torch.Tensor
+) -> torch.Tensor:
+    """Undo the rotation of the chosen rotary pairs of already-rotated queries or keys; leave the others rotated.
+
+    Args:
+        x: [B, H, T, D], rotated by the attention module.
+        cos, sin: the module's own tables, [B or 1, T, R] in 🤗 Transformers' layout (the R/2 angles twice,
+            R ≤ D: partial rotary rotates the first R dimensions, pairs (i, i + R/2)).
+        pairs: bool [R/2], True for the pairs to rotate back to angle 0.
+
+    Returns [B, H, T, D] in x's dtype. Rotating back is rotating by the negative angle (RoFormer Eq. 34), so with
+    the module's own tables the result is exact whatever its positions were (left padding included).
+    """
+    rotary = cos.shape[-1]
+    half = rotary // 2
+    # Angle 0 (cos 1, sin 0) on the pairs that stay rotated; the negative angle on the others.
+    cos_half = torch.where(pairs, cos[..., :half], torch.ones_like(cos[..., :half]))
+    sin_half = torch.where(pairs, -sin[..., :half], torch.zeros_like(sin[..., :half]))
+    back = apply_rotary(x[..., :rotary], cos_half, sin_half, validate=False)
+    return back if rotary == x.shape[-1] else torch.cat((back, x[..., rotary:]), dim=-1)
+
+
 def _check_rotary_inputs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     check_rank("x", x, 4, "[batch, heads, seq, head_dim]")
     batch, _, seq, head_dim = x.shape

@@ -105,6 +105,16 @@ class LinearizeSettings(QuickSettings):
     # linear hybrid) until a trained run measures them; S = 4, G = 128 at W = 256 is the candidate: a decoding
     # state of 39.6 MiB, 1/9 of the original's KV cache at 8,192 tokens (docs/linearize.md).
     window: int = field(default=256, metadata={"quick": 64})
+    # The training length, unless given: no position the model meets after training shows its feature maps a
+    # rotary angle they did not see (LinearizeConfig.feature_wavelength; measured in docs/linearize.md).
+    feature_wavelength: int | None = field(
+        default=None,
+        metadata={
+            "help": "The linear term's feature maps read rotary pairs whose wavelength exceeds this many tokens "
+            "rotated back to angle 0, so that positions beyond training show them no angle they were not "
+            "trained on (default: --train-length; 0: every pair as rotated, LoLCATs)."
+        },
+    )
     data: Path | None = option(
         None, "Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field."
     )
@@ -157,7 +167,10 @@ class LinearizeSettings(QuickSettings):
     @property
     def conversion(self) -> LinearizeConfig:
         """The surgery's config from these settings' fields of the same names (validated when built)."""
-        return LinearizeConfig(**{f.name: getattr(self, f.name) for f in fields(LinearizeConfig)})
+        values = {f.name: getattr(self, f.name) for f in fields(LinearizeConfig)}
+        if values["feature_wavelength"] is None:
+            values["feature_wavelength"] = self.train_length
+        return LinearizeConfig(**values)
 
 
 def quick_budget() -> str:

@@ -40,6 +40,7 @@ from headkit.ops.softmax import eager_attention
 MECHANISM = "headkit_attention"
 # A module's head gate (Voita et al. 2019): scales each head's output before the output projection.
 HEAD_GATE = "head_gate"
+POSITION_EMBEDDINGS_KEYWORD = "headkit_position_embeddings"
 CACHE_LAYER_KEYWORD = "headkit_cache_layer"
 PREFIX = "headkit_"
 _PROBE = "headkit_probe"
@@ -229,13 +230,30 @@ class CacheLayerHook:
         return args, kwargs
 
 
+class PositionEmbeddingsHook:
+    """Forward pre-hook (``with_kwargs=True``) of a converted attention module whose mechanism reads the rotary
+    tables (``needs_position_embeddings``): hands the (cos, sin) the decoder layer gives the module to the
+    attention function as ``headkit_position_embeddings``, so the mechanism can undo rotations the module
+    applied. Stateless, so it pickles and copies."""
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        embeddings = kwargs.get("position_embeddings")
+        if embeddings is None and len(args) > 1:
+            embeddings = args[1]
+        kwargs[POSITION_EMBEDDINGS_KEYWORD] = embeddings
+        return args, kwargs
+
+
 def attach_mechanisms(model: nn.Module, planned: Iterable[tuple[nn.Module, nn.Module]]) -> None:
     """Give each attention module its mechanism and switch the model to ``headkit_<base>``. Call it once
-    everything is built and checked: it only assigns."""
+    everything is built and checked: it only assigns (and adds the hooks that hand a mechanism its cache entry
+    and, where it asks for them, the module's rotary tables)."""
     for module, mechanism in planned:
         module.add_module(MECHANISM, mechanism)
         if hasattr(mechanism, "cache_layer"):
             module.register_forward_pre_hook(CacheLayerHook(module), with_kwargs=True)
+        if getattr(mechanism, "needs_position_embeddings", False):
+            module.register_forward_pre_hook(PositionEmbeddingsHook(), with_kwargs=True)
     use_dispatcher(model)
 
 

@@ -70,7 +70,9 @@ from headkit.ops.rotary import apply_rotary
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite, count_parameters, get_adapter
 from headkit.surgery.attention import (
     HEAD_GATE,
+    POSITION_EMBEDDINGS_KEYWORD,
     AttentionCall,
+    PositionEmbeddingsHook,
     attach_mechanisms,
     mechanism_of,
     refuse_modules_off_the_interface,
@@ -80,7 +82,6 @@ from headkit.surgery.families import LATENT, get_family
 from headkit.surgery.records import record_surgery, register_surgery_op
 
 SURGERY_OP = "latent_kv"
-POSITION_EMBEDDINGS_KEYWORD = "headkit_position_embeddings"
 
 
 class LatentCacheLayer(StateCacheLayer):
@@ -93,19 +94,6 @@ class LatentCacheLayer(StateCacheLayer):
 def latent_cache_layer(cache: Any, layer_idx: int) -> LatentCacheLayer:
     """The :class:`LatentCacheLayer` of ``layer_idx`` in ``cache``."""
     return LatentCacheLayer.in_cache(cache, layer_idx)
-
-
-class PositionEmbeddingsHook:
-    """Forward pre-hook (``with_kwargs=True``): hands the (cos, sin) the decoder layer gives the attention module
-    to the attention function as ``headkit_position_embeddings``, so the mechanism can undo the rotation of the
-    rotary-free query dimensions. Stateless, so it pickles and copies."""
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        embeddings = kwargs.get("position_embeddings")
-        if embeddings is None and len(args) > 1:
-            embeddings = args[1]
-        kwargs[POSITION_EMBEDDINGS_KEYWORD] = embeddings
-        return args, kwargs
 
 
 class RotaryKeyProjection(nn.Module):
@@ -154,6 +142,9 @@ class LatentKVHeads(nn.Module):
     [B, ⌈R/head_dim⌉, T, head_dim] (the padded latent); returns ``(output [B, T, H, head_dim], None)``.
     Parameters: ``key_up`` [G, n, R], ``value_up`` [G, head_dim, R], ``value_bias`` [G, head_dim] or None.
     """
+
+    # The rotary-free query dimensions are rotated back with the module's own tables (attach_mechanisms).
+    needs_position_embeddings = True
 
     def __init__(
         self,
@@ -886,8 +877,6 @@ def _apply(model: nn.Module, adapter: AttentionAdapter, planned: list[_SitePlan]
         setattr(plan.site.module, adapter.key_name, plan.key)
         setattr(plan.site.module, adapter.value_name, plan.value)
     attach_mechanisms(model, [(plan.site.module, plan.mechanism) for plan in planned])
-    for plan in planned:
-        plan.site.module.register_forward_pre_hook(PositionEmbeddingsHook(), with_kwargs=True)
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ leaves the model untouched; the conversion is recorded in ``config.headkit_surge
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, NamedTuple
@@ -83,6 +84,7 @@ from headkit.surgery.adapters import (
     get_adapter,
 )
 from headkit.surgery.attention import (
+    POSITION_EMBEDDINGS_KEYWORD,
     AttentionCall,
     attach_mechanisms,
     mechanism_of,
@@ -232,6 +234,12 @@ class LinearizedHeads(HybridHeads):
         self._exact_query_heads = [h * groups + g for h in self.exact_heads for g in range(groups)]
         self._linear_query_heads = [h * groups + g for h in self.linear_heads for g in range(groups)]
 
+    @property
+    def needs_position_embeddings(self) -> bool:
+        """Whether the feature maps read rotary pairs rotated back (the module's cos and sin are then handed to
+        the attention function: :func:`headkit.surgery.attention.attach_mechanisms`)."""
+        return self.unrotated_pairs is not None
+
     def trainable_parameters(self) -> list[nn.Parameter]:
         """What attention transfer trains: the feature maps and the balances (nothing when nothing folds)."""
         if not self.fold:
@@ -251,9 +259,12 @@ class LinearizedHeads(HybridHeads):
         exact = exact if self.exact_heads else 0
         if not self.linear_heads:
             return exact
+        rotary_pairs = self.head_dim // 2 if self.unrotated_pairs is None else len(self.unrotated_pairs)
         query_features, key_features = self.features(
             weight.new_zeros(1, self.num_heads, 1, self.head_dim),
             weight.new_zeros(1, self.num_kv_heads, 1, self.head_dim),
+            # Angle-0 tables as wide as the rotary part: only the features' shapes matter here.
+            (weight.new_ones(1, 1, 2 * rotary_pairs), weight.new_zeros(1, 1, 2 * rotary_pairs)),
         )
         tensors = (
             queries, keys, keys, query_features[:, self._linear_query_heads], key_features[:, list(self.linear_heads)],
@@ -276,13 +287,14 @@ class LinearizedHeads(HybridHeads):
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, None]:
         queries, keys, values, cache_layer = call.queries, call.keys, call.values, call.cache_layer
+        rotary = call.options.get(POSITION_EMBEDDINGS_KEYWORD)
         batch, _, seq, _ = queries.shape
         plain = not (self.sinks or self.sparse_cache or self.exact_heads) and self.fold
         ring = isinstance(cache_layer, RingHybridStateCacheLayer) and plain
         if seq == 1 and ring and cache_layer.is_initialized:
             # The fast decoder's compiled step: one real token, fixed buffers updated in place.
             outputs = hybrid_attention_ring_step_(
-                queries, keys, values, *self.features(queries, keys), self.balance, cache_layer.ring_state(),
+                queries, keys, values, *self.features(queries, keys, rotary), self.balance, cache_layer.ring_state(),
                 scale=call.scale(self.scale),
             )  # fmt: skip
             return outputs.transpose(1, 2).contiguous(), None
@@ -292,7 +304,9 @@ class LinearizedHeads(HybridHeads):
         scale = call.scale(self.scale)
         state = None if cache_layer is None else cache_layer.get_state()
         if not self.exact_heads:
-            outputs, state = self._converted(queries, keys, values, new_mask, scale, cache_layer, state)
+            outputs, state = self._converted(
+                queries, keys, values, new_mask, scale, cache_layer, state, rotary
+            )
         else:
             split = state if isinstance(state, SplitHeadsState) else None
             exact_q, linear_q = self._exact_query_heads, self._linear_query_heads
@@ -306,7 +320,7 @@ class LinearizedHeads(HybridHeads):
             if linear_kv:
                 outputs[:, linear_q], linear_state = self._converted(
                     queries[:, linear_q], keys[:, linear_kv], values[:, linear_kv], new_mask, scale, cache_layer,
-                    None if split is None else split.linear,
+                    None if split is None else split.linear, rotary,
                 )  # fmt: skip
             state = SplitHeadsState(linear_state, *exact_state)
         if cache_layer is not None:
@@ -322,13 +336,14 @@ class LinearizedHeads(HybridHeads):
         scale: float,
         cache_layer: Any,
         state: Any,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, Any]:
         """The converted heads (all of them, or those beside the exact heads): outputs, and the next state when
         there is a cache."""
         seq = queries.shape[2]
         heads = self._linear_query_heads if self.exact_heads else list(range(self.num_heads))
         kv_heads = list(self.linear_heads) if self.exact_heads else list(range(self.num_kv_heads))
-        query_features, key_features = self._head_features(queries, keys, heads, kv_heads)
+        query_features, key_features = self._head_features(queries, keys, heads, kv_heads, rotary)
         # The mask is checked above and states come from the op itself: its own checks would only repeat that.
         options = {"window": self.window, "attention_mask": new_mask, "scale": scale, "validate": False}
         tensors = (queries, keys, values, query_features, key_features, self.balance[heads])
@@ -344,15 +359,20 @@ class LinearizedHeads(HybridHeads):
         return outputs, state_after
 
     def _head_features(
-        self, queries: torch.Tensor, keys: torch.Tensor, heads: list[int], kv_heads: list[int]
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        heads: list[int],
+        kv_heads: list[int],
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.exact_heads:
-            return self.features(queries, keys)
+            return self.features(queries, keys, rotary)
         # The feature maps hold one map per head of the layer: place the converted heads at their indices.
         full_q = queries.new_zeros(queries.shape[0], self.num_heads, *queries.shape[2:])
         full_k = keys.new_zeros(keys.shape[0], self.num_kv_heads, *keys.shape[2:])
         full_q[:, heads], full_k[:, kv_heads] = queries, keys
-        query_features, key_features = self.features(full_q, full_k)
+        query_features, key_features = self.features(full_q, full_k, rotary)
         return query_features[:, heads], key_features[:, kv_heads]
 
     def _question_scores(
@@ -448,6 +468,9 @@ class LinearizeReport:
     fold: bool = True  # False: the keys not kept exact are dropped (the compressed-cache baseline)
     retrieval_heads: list[list[int]] = field(default_factory=list)  # (layer, key/value head) kept softmax
     state_bytes_8192: int = 0  # the same after 8,192 tokens: the retrieval heads' full cache grows
+    feature_wavelength: int = 0  # rotary pairs slower than this read rotated back by the feature maps
+    unrotated_pairs: int = 0  # how many pairs that is (per layer, the most of any layer)
+    rotary_pairs: int = 0  # of how many rotary pairs
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -473,6 +496,11 @@ class LinearizeReport:
             exact += f", {len(self.retrieval_heads)} retrieval heads kept softmax"
         if not self.fold:
             exact += ", the rest dropped (no linear state)"
+        if self.unrotated_pairs:
+            exact += (
+                f", features read {self.unrotated_pairs} of {self.rotary_pairs} rotary pairs (wavelength > "
+                f"{self.feature_wavelength} tokens) rotated back"
+            )
         return (
             f"linearized {len(self.layers)} {self.architecture} attention layers (window {self.window}{exact}, "
             f"{self.feature_map} features{kept}); decoding state {self.state_bytes:,} bytes per sequence ({self.state_bytes_8192:,} at 8,192 tokens); parameters {self.parameters_before:,} -> "
@@ -538,6 +566,12 @@ class LinearizeConfig:
         retrieval_heads: (layer, key/value head) pairs that keep softmax attention with a full key/value cache
             (retrieval heads, DuoAttention; chosen by :func:`headkit.analysis.retrieval.retrieval_head_scores`);
             their query heads follow them. Their cache grows with the context and counts in the state.
+        feature_wavelength: L ≥ 0 tokens. The feature maps of the linear term read the queries and keys with
+            every rotary pair whose wavelength 2π/θ_i exceeds L rotated back to angle 0 (the window term keeps
+            every rotation). Trained on windows of L tokens, a slow pair's angle covers less than one turn, and
+            beyond L the maps would meet angles they never saw: measured on SmolLM2 (docs/linearize.md), that is
+            what breaks a model trained at 1,024 tokens at 4,096. The recipe sets L to its training length; 0
+            keeps every pair rotated (LoLCATs). A model without rotary embeddings is unaffected.
     """
 
     # Each field's metadata makes it an option of `headkit linearize` and `headkit bench linearize`
@@ -604,6 +638,14 @@ class LinearizeConfig:
             "flag": "--fold/--drop",
         },
     )
+    feature_wavelength: int = field(
+        default=0,
+        metadata={
+            "help": "The linear term's feature maps read rotary pairs whose wavelength exceeds this many tokens "
+            "rotated back to angle 0, so that no position beyond training shows them an angle they were not "
+            "trained on (0: every pair as rotated, LoLCATs)."
+        },
+    )
     retrieval_heads: tuple[tuple[int, int], ...] = field(
         default=(),
         metadata={
@@ -629,6 +671,7 @@ class LinearizeConfig:
         if self.selection not in SELECTIONS:
             raise HeadkitError(f"selection must be one of {', '.join(SELECTIONS)}, got {self.selection!r}")
         _check_count("observation", self.observation, 1)
+        _check_count("feature_wavelength", self.feature_wavelength, 0, "a non-negative integer (0: off)")
         if not isinstance(self.fold, bool):
             raise HeadkitError(f"fold must be a bool, got {self.fold!r}")
         pairs = []
@@ -799,7 +842,12 @@ def linearize(
         model, [(s.name, s.module) for s in chosen], f"{adapter.name} cannot be linearized"
     )
     before = count_parameters(model)
-    planned = [(site, _plan_site(site, config)) for site in chosen]
+    unrotated = unrotated_rotary_pairs(model, [site.layers[0] for site in chosen], config.feature_wavelength)
+    pair_count = _rotary_pair_count(model)
+    planned = [
+        (site, _plan_site(site, config, pairs, pair_count))
+        for site, pairs in zip(chosen, unrotated, strict=True)
+    ]
     # Everything is built and checked: only now does the model change.
     attach_mechanisms(model, [(site.module, mechanism) for site, mechanism in planned])
     indices = [site.layers[0] for site in chosen]
@@ -807,7 +855,7 @@ def linearize(
         model,
         {"op": SURGERY_OP, "adapter": adapter.name}
         | config.record(indices)
-        | {"sites": [site.name for site in chosen]},
+        | {"sites": [site.name for site in chosen], "unrotated_pairs": unrotated, "rotary_pairs": pair_count},
     )
     notes = []
     if getattr(model.config, "attn_logit_softcapping", None):
@@ -838,6 +886,9 @@ def linearize(
         fold=config.fold,
         retrieval_heads=[list(pair) for pair in config.retrieval_heads],
         state_bytes_8192=sum(mechanism.state_bytes(8192) for _, mechanism in planned),
+        feature_wavelength=config.feature_wavelength,
+        unrotated_pairs=max((len(pairs or ()) for pairs in unrotated), default=0),
+        rotary_pairs=pair_count,
     )
 
 
@@ -943,10 +994,13 @@ def _chosen_sites(
     return chosen
 
 
-def _plan_site(site: AttentionSite, config: LinearizeConfig) -> LinearizedHeads:
-    """The mechanism of one site, built without touching the model."""
+def _plan_site(
+    site: AttentionSite, config: LinearizeConfig, unrotated: list[int] | None = None, pair_count: int = 0
+) -> LinearizedHeads:
+    """The mechanism of one site, built without touching the model (`unrotated`: the rotary pairs, of the
+    model's `pair_count`, that its feature maps read rotated back; None for none)."""
     weight = next(site.module.parameters())
-    return LinearizedHeads(
+    mechanism = LinearizedHeads(
         num_heads=site.num_heads,
         num_kv_heads=site.num_kv_heads,
         head_dim=site.head_dim,
@@ -965,6 +1019,46 @@ def _plan_site(site: AttentionSite, config: LinearizeConfig) -> LinearizedHeads:
         fold=config.fold,
         exact_heads=[head for layer, head in config.retrieval_heads if layer == site.layers[0]],
     )
+    if unrotated:
+        pairs = torch.zeros(pair_count, dtype=torch.bool, device=weight.device)
+        pairs[list(unrotated)] = True
+        mechanism.unrotated_pairs = pairs
+    return mechanism
+
+
+def _rotary_inverse_frequencies(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The rotary modules' inverse frequencies θ_i by layer type ("" for a model with one table; Gemma 3 keeps
+    one per layer type, as ``<type>_inv_freq``)."""
+    found: dict[str, torch.Tensor] = {}
+    for module in model.modules():
+        for name, buffer in module.named_buffers(recurse=False):
+            if name.endswith("inv_freq") and not name.endswith("original_inv_freq") and buffer is not None:
+                found.setdefault(name[: -len("inv_freq")].rstrip("_"), buffer.detach().double().cpu())
+    return found
+
+
+def _rotary_pair_count(model: nn.Module) -> int:
+    tables = _rotary_inverse_frequencies(model)
+    return max((len(table) for table in tables.values()), default=0)
+
+
+def unrotated_rotary_pairs(
+    model: nn.Module, layers: Sequence[int], wavelength: int
+) -> list[list[int] | None]:
+    """Per layer, the rotary pairs whose wavelength 2π/θ_i exceeds `wavelength` tokens (what
+    :class:`LinearizeConfig`'s ``feature_wavelength`` rotates back before the feature maps); None where there are
+    none, the option is off (0) or the model has no rotary embeddings."""
+    tables = _rotary_inverse_frequencies(model) if wavelength else {}
+    if not tables:
+        return [None] * len(layers)
+    layer_types = getattr(model.config, "layer_types", None) or []
+    chosen = []
+    for layer in layers:
+        kind = layer_types[layer] if layer < len(layer_types) else ""
+        table = tables.get(kind, tables.get("", next(iter(tables.values()))))
+        pairs = torch.nonzero(2 * math.pi / table > wavelength).flatten().tolist()
+        chosen.append(pairs or None)
+    return chosen
 
 
 def _sliding_cache_bytes(model: nn.Module, sites: list[AttentionSite], sliding: list[int]) -> int:
@@ -986,7 +1080,11 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
             f"the recorded linearization covered {entry['sites']}, but the rebuilt model's layers {entry['layers']} "
             f"are {[site.name for site in chosen]}"
         )
-    attach_mechanisms(model, [(site.module, _plan_site(site, config)) for site in chosen])
+    unrotated, count = entry.get("unrotated_pairs") or [None] * len(chosen), entry.get("rotary_pairs", 0)
+    planned = [
+        (site, _plan_site(site, config, pairs, count)) for site, pairs in zip(chosen, unrotated, strict=True)
+    ]
+    attach_mechanisms(model, [(site.module, mechanism) for site, mechanism in planned])
 
 
 register_surgery_op(SURGERY_OP, _reapply)
