@@ -341,7 +341,6 @@ class CollaborativeConfig:
         if getattr(config, "model_type", None) in FAMILIES:
             # a registered decoder family: every one with rotary lacks ``compress``
             get_family(config, COMPRESS)
-        hidden = getattr(config, "hidden_size", None)
         heads = getattr(config, "num_attention_heads", None)
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads != heads:
@@ -349,10 +348,9 @@ class CollaborativeConfig:
                 f"the model uses grouped-query attention ({heads} query, {kv_heads} key/value heads), which the "
                 "collaborative swap does not support"
             )
-        if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0:
-            return
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
-        _check_width(self.dim_shared_query_key, hidden, heads * head_dim)
+        widths = config_widths(config)
+        if widths is not None:
+            _check_width(self.dim_shared_query_key, *widths)
 
     def _check_model(
         self, model: nn.Module, adapter: AttentionAdapter | type[AttentionAdapter] | str | None
@@ -448,6 +446,16 @@ def swap_to_collaborative(
         seconds=time.perf_counter() - start,
         sites=[plan.report for plan in planned],
     )
+
+
+def config_widths(config: Any) -> tuple[int, int] | None:
+    """(hidden size, heads·head_dim — the exact D̃) as a model's 🤗 config states them; None where it does not
+    say."""
+    hidden = getattr(config, "hidden_size", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0:
+        return None
+    return hidden, heads * (getattr(config, "head_dim", None) or hidden // heads)
 
 
 def _check_width(dim_shared: int, hidden: int, full: int) -> None:
