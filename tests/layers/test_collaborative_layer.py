@@ -7,7 +7,12 @@ import pytest
 import torch
 
 from headkit.layers import CollaborativeAttention, HeadkitCache, SoftmaxAttention
-from headkit.layers.collaborative import concatenated_mixing
+from headkit.layers.collaborative import (
+    concatenated_mixing,
+    content_bias_weight,
+    pack_shared_keys,
+    unpack_shared_keys,
+)
 from headkit.layers.gates import FixedGate
 from headkit.models import HeadkitConfig
 
@@ -109,6 +114,11 @@ def test_cached_decoding_equals_the_full_forward(variant):
     dim_shared, heads = layer.dim_shared_query_key, layer.num_heads
     assert cache.layers[0].keys.shape == (BATCH, 1, total, dim_shared + heads)
     assert cache.layers[0].values.shape == (BATCH, layer.num_key_value_heads, total, layer.head_dim)
+    # the cache holds the content logits c_hᵀ x unscaled: the heads scale them with the dot products
+    with torch.no_grad():
+        shared, logits = unpack_shared_keys(cache.layers[0].keys[:, 0], dim_shared, heads)
+        torch.testing.assert_close(shared, layer.k_proj(x))
+        torch.testing.assert_close(logits, layer.content_bias(x))
 
 
 def test_concatenate_init_at_full_size_is_exactly_multi_head_attention():
@@ -149,6 +159,36 @@ def test_from_softmax_attention_reproduces_the_softmax_layer(overrides):
     assert collaborative.content_bias.weight.abs().max() > 0
     torch.testing.assert_close(weights, expected_weights, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_content_bias_of_a_query_bias_is_one_function():
+    config = HeadkitConfig(
+        **SETTINGS, position_embedding_type="none", num_key_value_heads=2, attention_bias=True
+    )
+    softmax = SoftmaxAttention(config, layer_idx=0)
+    with torch.no_grad():
+        for parameter in softmax.parameters():
+            parameter.normal_(std=0.3)
+    collaborative = CollaborativeAttention.from_softmax_attention(softmax)
+    heads, head_dim = softmax.num_heads, softmax.head_dim
+    keys = softmax.k_proj.weight.detach().view(2, head_dim, HIDDEN).repeat_interleave(2, dim=0)
+    query_bias = softmax.q_proj.bias.detach().view(heads, head_dim)
+    expected = torch.stack(
+        [keys[h].double().T @ query_bias[h].double() for h in range(heads)]
+    )  # W_{K,h}ᵀ b_{Q,h}
+    weight = content_bias_weight(softmax.q_proj.bias, keys.reshape(heads * head_dim, HIDDEN), heads)
+    assert torch.equal(collaborative.content_bias.weight.detach(), weight)
+    torch.testing.assert_close(weight, expected.float(), atol=1e-6, rtol=1e-6)
+
+
+def test_shared_keys_pack_with_their_content_logits_and_unpack():
+    shared, logits = torch.randn(2, 5, 7), torch.randn(2, 5, 3)
+    packed = pack_shared_keys(shared, logits)
+    padded = torch.cat([packed, torch.zeros(2, 5, 2)], dim=-1)  # as surgery's key projection pads it
+    for keys in (packed, padded):
+        unpacked = unpack_shared_keys(keys, 7, 3)
+        assert torch.equal(unpacked[0], shared) and torch.equal(unpacked[1], logits)
+    assert pack_shared_keys(shared, None) is shared and unpack_shared_keys(shared, 7, 0)[1] is None
 
 
 def test_from_softmax_attention_refuses_rotary_layers():

@@ -12,7 +12,7 @@ from family_models import save_family_model  # noqa: E402
 import headkit.recipes.steps as steps  # noqa: E402
 from headkit.cli import main  # noqa: E402
 from headkit.errors import HeadkitError  # noqa: E402
-from headkit.recipes.models import smollm2_gguf_path  # noqa: E402
+from headkit.recipes.models import read_model_config, smollm2_gguf_path  # noqa: E402
 
 _save = save_family_model
 
@@ -86,6 +86,42 @@ def test_compress_kv_rank_out_of_range_is_refused_before_loading_weights(
     monkeypatch.setattr(steps, "load_model", _no_weights)
     folder = _save("llama", tmp_path / "model")
     assert message in _refused(["compress", str(folder), *options, "--out", str(tmp_path / "o")], capsys)
+
+
+def test_compress_dim_on_an_encoder_is_refused_from_config_json_before_loading(
+    save_tiny_encoder, tmp_path, monkeypatch, capsys
+):
+    recipe = sys.modules["headkit.recipes.compress"]
+    monkeypatch.setattr(recipe, "load_text", _no_text)
+    monkeypatch.setattr(steps, "load_model", _no_weights)  # the widths come from config.json
+    folder = save_tiny_encoder(tmp_path / "model")  # hidden 32 = heads·head_dim
+    out = tmp_path / "o"
+    error = _refused(["compress", str(folder), "--dim", "33", "--out", str(out)], capsys)
+    assert "dim_shared_query_key must be at most the hidden size 32 (or heads·head_dim = 32" in error
+    assert not out.exists() and sorted(path.name for path in tmp_path.iterdir()) == ["model"]
+    # the exact width, a smaller one and the default (half) pass the preflight
+    config = read_model_config(folder)
+    for dim in (32, 8, None):
+        settings = recipe.CompressSettings(model=folder, dim=dim)
+        recipe.preflight(settings, folder, config, out)
+
+
+@pytest.mark.parametrize(
+    "model_type, options, message",
+    [
+        ("gpt2", ["--dim", "999"], "dim_shared_query_key must be at most the hidden size"),
+        ("llama", ["--dim", "16"], "llama applies rotary embeddings: --dim"),
+    ],
+)
+def test_compress_dim_on_a_decoder_is_refused_from_config_json_before_loading(
+    model_type, options, message, tmp_path, monkeypatch, capsys
+):
+    recipe = sys.modules["headkit.recipes.compress"]
+    monkeypatch.setattr(recipe, "load_text", _no_text)
+    monkeypatch.setattr(steps, "load_model", _no_weights)
+    folder = _save(model_type, tmp_path / "model")
+    assert message in _refused(["compress", str(folder), *options, "--out", str(tmp_path / "o")], capsys)
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize(

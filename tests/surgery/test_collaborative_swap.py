@@ -211,7 +211,7 @@ def test_fast_heads_match_the_naive_reference(causal, with_bias, mask_kind):
         leaf(batch, heads, seq, head_dim),
         leaf(heads, dim_shared),
     )
-    key_bias = leaf(batch, seq, heads) if with_bias else None
+    content_logits = leaf(batch, seq, heads) if with_bias else None
     keep = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0]])
     rows = keep.bool()[:, None, None, :].expand(batch, 1, seq, seq)
     raw_mask = {
@@ -225,17 +225,18 @@ def test_fast_heads_match_the_naive_reference(causal, with_bias, mask_kind):
     if mask_kind in ("bool", "float"):
         assert mask.shape == (batch, 1, 1, seq)  # reduced to one row: no [Tq, Tk] mask reaches the kernel
     settings = dict(scale=0.4, causal=causal, attention_mask=mask)
-    fast, no_weights = collaborative_head_outputs(q, k, key_bias, v, mixing, **settings)
+    fast, no_weights = collaborative_head_outputs(q, k, content_logits, v, mixing, **settings)
     explicit, weights = collaborative_head_outputs(
-        q, k, key_bias, v, mixing, output_attentions=True, **settings
+        q, k, content_logits, v, mixing, output_attentions=True, **settings
     )
-    content_bias = None if key_bias is None else key_bias.transpose(1, 2)
+    # the logits are scaled like the mixed dot products: the op adds its content bias as it is
+    content_bias = None if content_logits is None else settings["scale"] * content_logits.transpose(1, 2)
     naive = naive_collaborative_attention(q, k, v, mixing, content_bias=content_bias, **settings)
     assert no_weights is None
     torch.testing.assert_close(fast, naive, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(explicit, naive, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(weights.sum(-1), torch.ones(batch, heads, seq))
-    leaves = [t for t in (q, k, v, mixing, key_bias) if t is not None]
+    leaves = [t for t in (q, k, v, mixing, content_logits) if t is not None]
     cotangent = torch.randn(fast.shape, generator=generator)
     want = torch.autograd.grad(naive, leaves, cotangent)
     for result in (fast, explicit):
@@ -372,3 +373,21 @@ def test_a_failure_midway_leaves_the_model_untouched(monkeypatch):
         swap_to_collaborative(model, dim_shared_query_key=8)
     assert len(calls) == 2
     assert_untouched(model, snapshot, types)
+
+
+def test_the_swap_uses_the_layers_content_bias_and_key_layout():
+    """One content bias c_h = W_{K,h}ᵀ b_{Q,h} and one packed key layout for the layer and the swap."""
+    import headkit.layers.collaborative as layers
+
+    assert collaborative.content_bias_weight is layers.content_bias_weight
+    model = tiny_model("bert", "sdpa")
+    attention = model.encoder.layer[0].attention.self
+    q_bias, k_weight = attention.query.bias.detach().clone(), attention.key.weight.detach().clone()
+    swap_to_collaborative(model, dim_shared_query_key=32)
+    key = attention.key
+    assert torch.equal(key.content_bias.detach(), layers.content_bias_weight(q_bias, k_weight, 4))
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        shared, logits = layers.unpack_shared_keys(key(x), 32, 4)
+        torch.testing.assert_close(shared, x @ key.weight.T)
+        torch.testing.assert_close(logits, x @ key.content_bias.T)

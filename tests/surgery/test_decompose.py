@@ -5,6 +5,7 @@ import warnings
 import pytest
 import torch
 
+from headkit.layers.collaborative import concatenated_mixing
 from headkit.surgery.decompose import DecompositionInfo, decompose_query_key, naive_decompose_query_key
 
 
@@ -90,6 +91,8 @@ def test_exact_path_pads_extra_columns_with_zeros():
         and mixing[:, 12:].abs().max() == 0
     )
     assert dense_relative_error(w_q, w_k, heads, (w_q_shared, mixing, w_k_shared)) < 1e-12
+    # the concatenate mixing of collaborative layers, over the heads' own rows
+    assert torch.equal(mixing[:, :12], concatenated_mixing(heads, heads * head_dim))
 
 
 # ------------------------------------------------------------------------------------ against the naive twin

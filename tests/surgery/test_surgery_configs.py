@@ -20,6 +20,7 @@ from headkit.surgery import (
     PruneConfig,
     add_head_gates,
     compress_kv_to_latent,
+    prune_dead_heads,
     prune_heads,
     remove_head_gates,
     swap_to_collaborative,
@@ -196,6 +197,11 @@ def _hidden(model):
         ({"heads": {0: 1}}, "must be an iterable of head indices"),
         ({"heads": {0: [0], "0": [1]}}, "heads names layer 0 twice"),
         ({"allow_empty_layers": "yes"}, "allow_empty_layers must be a bool"),
+        ({"dead_threshold": -0.1}, r"dead_threshold must be a gate value in \[0, 1\), got -0.1"),
+        ({"dead_threshold": 1.0}, "dead_threshold must be a gate value"),
+        ({"dead_threshold": math.nan}, "dead_threshold must be a gate value"),
+        ({"dead_threshold": True}, "dead_threshold must be a gate value"),
+        ({"dead_threshold": "0"}, "dead_threshold must be a gate value"),
     ],
 )
 def test_prune_config_names_a_bad_field_when_built(fields, message):
@@ -258,8 +264,8 @@ def test_prune_heads_with_a_config_equals_prune_heads_with_keywords_and_is_recor
     assert first.config.headkit_surgery == second.config.headkit_surgery == third.config.headkit_surgery
     assert _same_state(first, _state(second)) and _same_state(first, _state(third))
     (entry,) = first.config.headkit_surgery
-    # the keys a record had before the config: old records replay unchanged
-    assert set(entry) == {"op", "adapter", "heads", "num_heads", "allow_empty_layers"}
+    # the keys a record had before the config, and the config's later field: old records replay unchanged
+    assert set(entry) == {"op", "adapter", "heads", "num_heads", "allow_empty_layers", "dead_threshold"}
     assert PruneConfig.from_record(entry) == PruneConfig(heads={0: [1, 2]})
     with pytest.raises(HeadkitError, match="not both"):
         prune_heads(_bert(), config, allow_empty_layers=True)
@@ -280,9 +286,49 @@ def test_a_prune_record_written_before_the_config_replays(tmp_path):
             "allow_empty_layers": False,
         }
     ]
+    assert PruneConfig.from_record(model.config.headkit_surgery[0]).dead_threshold is None
     model.save_pretrained(tmp_path)
     reloaded = headkit.from_pretrained(tmp_path)
     assert torch.equal(_hidden(reloaded), _hidden(model))
+
+
+def _gated_bert():
+    model = _bert()
+    gates = add_head_gates(model, "hard_concrete")
+    with torch.no_grad():
+        gates[0].log_alpha.copy_(torch.tensor([-10.0, 3.0, -1.0, 0.5]))  # closed, open, 0.22, 0.65
+        gates[1].log_alpha.copy_(torch.tensor([2.0, -5.0, 3.0, 3.0]))
+    return model
+
+
+def test_the_dead_threshold_is_the_configs_and_prune_dead_heads_is_prune_heads_with_it(tmp_path):
+    first, second = _gated_bert(), _gated_bert()
+    config = PruneConfig(dead_threshold=0.3)
+    assert config.check(first) == {0: [0, 2], 1: [1]}
+    report = prune_heads(first, config)
+    assert prune_dead_heads(second, 0.3).pruned == report.pruned == {0: [0, 2], 1: [1]}
+    assert first.config.headkit_surgery == second.config.headkit_surgery
+    entry = first.config.headkit_surgery[-1]
+    assert entry["dead_threshold"] == 0.3 and entry["heads"] == {"0": [0, 2], "1": [1]}
+    assert PruneConfig.from_record(entry) == PruneConfig(heads={0: [0, 2], 1: [1]}, dead_threshold=0.3)
+    # the listed heads and the dead ones together
+    assert PruneConfig(heads={1: [3]}, dead_threshold=0.0).check(_gated_bert()) == {0: [0], 1: [1, 3]}
+    # a reload replays the heads recorded, without reading the gates (their values load afterwards)
+    first.save_pretrained(tmp_path)
+    assert torch.equal(_hidden(headkit.from_pretrained(tmp_path)), _hidden(first))
+
+
+def test_the_dead_threshold_needs_gates_which_a_config_alone_tells():
+    model = _bert()
+    with pytest.raises(HeadkitError, match="the model has no head gates"):
+        PruneConfig(dead_threshold=0.0).check(model.config)
+    with pytest.raises(HeadkitError, match="the model has no head gates"):
+        prune_heads(model, dead_threshold=0.0)
+    assert not getattr(model.config, "headkit_surgery", None)
+    gated = _gated_bert()
+    assert PruneConfig(heads={1: [2]}, dead_threshold=0.0).check(gated.config) == {1: [2]}
+    with pytest.raises(HeadkitError, match="out of range"):
+        PruneConfig(heads={2: [0]}, dead_threshold=0.0).check(gated)
 
 
 @pytest.mark.parametrize(
@@ -477,12 +523,13 @@ def test_a_collaborative_record_written_before_the_config_replays(tmp_path):
 
 
 def test_the_configs_fields_are_command_line_options():
-    from headkit.recipes.options import command_parameters, option_fields, parse_option
+    from headkit.recipes.options import command_parameters, option_fields, option_name, parse_option
 
     for config in (PruneConfig, GateConfig, CollaborativeConfig):
         names = [parameter.name for parameter in command_parameters(config)]
         assert names == [f.name for f in dataclasses.fields(config)], config
-    (heads, _) = option_fields(PruneConfig)
+    (heads, _, dead_threshold) = option_fields(PruneConfig)
+    assert option_name(dead_threshold) == "--dead-threshold"
     assert parse_option(heads, str, "0:1,3:0,0:2") == ((0, (1, 2)), (3, (0,)))
     with pytest.raises(HeadkitError, match="--heads must be layer:head pairs"):
         parse_option(heads, str, "0-1")

@@ -12,10 +12,13 @@ shares key/query dimensions across heads. The content bias is ``nn.Linear(hidden
 key inputs, as in the paper's code; the scale is the per-head 1/√head_dim of the multi-head model it
 re-expresses (the paper's code divides by √(D̃/heads), the same at full size).
 
-The key/value cache keeps, per token, the shared key with the content-bias scores appended ([B, 1, T, D̃ + H]
-as its "keys") and the values ([B, Hkv, T, head_dim]). :func:`collaborative_head_outputs` is the one
-implementation of the heads, shared with :class:`headkit.surgery.CollaborativeHeads`, which puts them into
-pretrained models (there the stock module updates the cache, in a layout of its own).
+The key/value cache keeps, per token, the shared key with the unscaled content logits c_hᵀ x appended
+([B, 1, T, D̃ + H] as its "keys": :func:`pack_shared_keys`) and the values ([B, Hkv, T, head_dim]).
+:func:`collaborative_head_outputs` is the one implementation of the heads, shared with
+:class:`headkit.surgery.CollaborativeHeads`, which puts them into pretrained models (there the stock module
+updates the cache: its key projection writes the same packed layout, zero-padded to whole heads).
+:func:`concatenated_mixing` and :func:`content_bias_weight` (a query bias as a content bias) are the exact
+re-expression of multi-head attention, which surgery's decomposition uses too.
 :meth:`CollaborativeAttention.from_weights` and :meth:`CollaborativeAttention.from_softmax_attention` build the
 layer from explicit weights.
 """
@@ -30,7 +33,7 @@ from transformers import initialization as init
 
 from headkit.layers.base import HeadkitAttention, LayerInputs, fused_unless_weights_needed
 from headkit.layers.registry import register_attention
-from headkit.ops._validation import check_positive_int, repeat_kv
+from headkit.ops._validation import check_positive_int, check_rank, repeat_kv
 from headkit.ops.collaborative import collaborative_attention, collaborative_attention_weights
 
 # The "normal" mixing initialisation's standard deviation, that of the paper's reference implementation.
@@ -48,6 +51,17 @@ def concatenated_mixing(num_heads: int, dim_shared_query_key: int) -> torch.Tens
     for head in range(num_heads):
         mixing[head, head * block : (head + 1) * block] = 1.0
     return mixing
+
+
+def content_bias_weight(q_bias: torch.Tensor, k_weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """The content bias [heads, hidden] that re-expresses a query bias: row h is c_h = W_{K,h}ᵀ b_{Q,h}, the
+    part of head h's score that the query bias adds and that varies over the keys (the key bias only adds terms
+    constant over the keys, which the softmax cancels: paper §4). `k_weight` [heads · head_dim, hidden] (one key
+    head per query head); computed in float64, returned in its dtype."""
+    hidden = k_weight.shape[1]
+    per_head_bias = q_bias.detach().to(torch.float64).view(num_heads, -1)
+    per_head_key = k_weight.detach().to(torch.float64).view(num_heads, -1, hidden)
+    return torch.einsum("hd,hdi->hi", per_head_bias, per_head_key).to(k_weight.dtype)
 
 
 @register_attention("collaborative")
@@ -102,13 +116,11 @@ class CollaborativeAttention(HeadkitAttention):
     def attend(
         self, hidden_states: torch.Tensor, inputs: LayerInputs
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # Scaled here, so that it adds to the already scaled mixed dot products (the op adds it unscaled).
-        key_bias = self.scale * self.content_bias(hidden_states)  # [B, T, H]
         values = self.split_heads(self.v_proj(hidden_states), self.num_key_value_heads)
         head_outputs, weights = collaborative_head_outputs(
             self.q_proj(hidden_states),
             self.k_proj(hidden_states),
-            key_bias,
+            self.content_bias(hidden_states),  # [B, T, H]
             values,
             self.mixing,
             scale=self.scale,
@@ -147,7 +159,8 @@ class CollaborativeAttention(HeadkitAttention):
             content_bias_weight: [heads, hidden] (row h = c_h, unscaled); None = no content bias (zeros).
             v_bias, o_bias: needed exactly when ``config.attention_bias`` (None then means zeros).
         """
-        num_heads, dim_shared = _shape_of("mixing", mixing, 2, "[heads, dim_shared_query_key]")
+        check_rank("mixing", mixing, 2, "[heads, dim_shared_query_key]")
+        num_heads, dim_shared = mixing.shape
         hidden = config.hidden_size
         _expect_shape("q_weight", q_weight, (dim_shared, hidden), "[dim_shared_query_key, hidden_size]")
         _expect_shape("k_weight", k_weight, (dim_shared, hidden), "[dim_shared_query_key, hidden_size]")
@@ -213,20 +226,18 @@ class CollaborativeAttention(HeadkitAttention):
         hidden = layer.hidden_size
         q_weight = layer.q_proj.weight.detach()
         k_weight = layer.k_proj.weight.detach().view(layer.num_key_value_heads, head_dim, hidden)
-        k_weight = k_weight.repeat_interleave(groups, dim=0)  # [heads, head_dim, hidden]
-        content_bias_weight = None
-        if layer.q_proj.bias is not None:
-            query_bias = layer.q_proj.bias.detach().view(heads, head_dim)
-            content_bias_weight = torch.einsum("hdc,hd->hc", k_weight, query_bias)
+        # [heads · head_dim, hidden]: each head's key rows, grouped key/value heads repeated
+        k_weight = k_weight.repeat_interleave(groups, dim=0).reshape(heads * head_dim, hidden)
+        q_bias = layer.q_proj.bias
         return cls.from_weights(
             layer.config,
             layer.layer_idx,
             q_weight=q_weight,
-            k_weight=k_weight.reshape(heads * head_dim, hidden),
+            k_weight=k_weight,
             mixing=concatenated_mixing(heads, heads * head_dim).to(q_weight),
             v_weight=layer.v_proj.weight.detach(),
             o_weight=layer.o_proj.weight.detach(),
-            content_bias_weight=content_bias_weight,
+            content_bias_weight=None if q_bias is None else content_bias_weight(q_bias, k_weight, heads),
             v_bias=None if layer.v_proj.bias is None else layer.v_proj.bias.detach(),
             o_bias=None if layer.o_proj.bias is None else layer.o_proj.bias.detach(),
         )
@@ -235,7 +246,7 @@ class CollaborativeAttention(HeadkitAttention):
 def collaborative_head_outputs(
     shared_queries: torch.Tensor,
     shared_keys: torch.Tensor,
-    key_bias: torch.Tensor | None,
+    content_logits: torch.Tensor | None,
     values: torch.Tensor,
     mixing: torch.Tensor,
     *,
@@ -259,7 +270,8 @@ def collaborative_head_outputs(
 
     Args:
         shared_queries, shared_keys: X W̃_Q and X W̃_K of the current tokens, [B, T, D̃].
-        key_bias: the current tokens' content-bias scores, already scaled, [B, T, H]; or None (no content bias).
+        content_logits: the current tokens' content-bias logits c_hᵀ x, unscaled, [B, T, H]; or None (no
+            content bias). They are scaled here, like the mixed dot products they are added to.
         values: the current tokens' values [B, Hkv, T, Dv], Hkv dividing H.
         mixing: [H, D̃] (cast to the queries' dtype).
         scale: multiplies the mixed dot products.
@@ -272,12 +284,13 @@ def collaborative_head_outputs(
             projections and validated key padding mask are right by construction.
     """
     if cache is not None:
-        shared_keys, key_bias, values = update_collaborative_cache(
-            cache, layer_idx, shared_keys, key_bias, values
+        shared_keys, content_logits, values = update_collaborative_cache(
+            cache, layer_idx, shared_keys, content_logits, values
         )
     heads = mixing.shape[0]
     values = repeat_kv(values, heads // values.shape[1])
-    content_bias = None if key_bias is None else key_bias.transpose(1, 2)  # [B, H, Tk]
+    # [B, H, Tk], scaled like the mixed dot products (the op adds it as it is)
+    content_bias = None if content_logits is None else (scale * content_logits).transpose(1, 2)
     mixing = mixing.to(shared_queries.dtype)
     kwargs = {
         "content_bias": content_bias,
@@ -299,33 +312,43 @@ def update_collaborative_cache(
     cache: Any,
     layer_idx: int | None,
     shared_keys: torch.Tensor,
-    key_bias: torch.Tensor | None,
+    content_logits: torch.Tensor | None,
     values: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Append the current tokens to a key/value cache; return the whole history: shared keys [B, Tk, D̃], key
-    bias [B, Tk, H] (None when there is none) and values [B, Hkv, Tk, Dv].
+    """Append the current tokens to a key/value cache; return the whole history: shared keys [B, Tk, D̃], content
+    logits [B, Tk, H] (None when there are none) and values [B, Hkv, Tk, Dv].
 
-    The one cache layout of collaborative heads: the cache's "keys" are a single head [B, 1, T, D̃ (+ H)], each
-    token's shared key with its content-bias scores appended, and its values are the values. Any cache that
-    concatenates along the sequence dimension holds it (:class:`headkit.layers.HeadkitCache`, 🤗
-    ``DynamicCache``).
+    The cache's "keys" are a single head [B, 1, T, D̃ (+ H)], each token's shared key with its content logits
+    appended (:func:`pack_shared_keys`), and its values are the values. Any cache that concatenates along the
+    sequence dimension holds it (:class:`headkit.layers.HeadkitCache`, 🤗 ``DynamicCache``).
     """
     if layer_idx is None:
         raise ValueError("a collaborative attention module without a layer_idx cannot use a key/value cache")
-    dim_shared = shared_keys.shape[-1]
-    packed = shared_keys if key_bias is None else torch.cat([shared_keys, key_bias.to(shared_keys.dtype)], -1)
-    keys, values = cache.update(packed[:, None], values, layer_idx)
-    keys = keys[:, 0]
-    if key_bias is None:
-        return keys, None, values
-    return keys[..., :dim_shared], keys[..., dim_shared:], values
+    keys, values = cache.update(pack_shared_keys(shared_keys, content_logits)[:, None], values, layer_idx)
+    heads = 0 if content_logits is None else content_logits.shape[-1]
+    return *unpack_shared_keys(keys[:, 0], shared_keys.shape[-1], heads), values
 
 
-def _shape_of(name: str, tensor: torch.Tensor, rank: int, layout: str) -> tuple[int, ...]:
-    if not isinstance(tensor, torch.Tensor) or tensor.dim() != rank:
-        got = tuple(tensor.shape) if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-        raise ValueError(f"{name} must be a tensor of shape {layout}, got {got}")
-    return tuple(tensor.shape)
+def pack_shared_keys(shared_keys: torch.Tensor, content_logits: torch.Tensor | None) -> torch.Tensor:
+    """The one key layout of collaborative heads, as a cache holds it: each token's shared key [.., D̃] with its
+    content logits [.., H] appended (in the keys' dtype), [.., D̃ + H]. Surgery's key projection writes it
+    (:class:`headkit.surgery.collaborative.SharedProjection`, zero-padded for the stock module's view)."""
+    return (
+        shared_keys
+        if content_logits is None
+        else torch.cat([shared_keys, content_logits.to(shared_keys.dtype)], -1)
+    )
+
+
+def unpack_shared_keys(
+    keys: torch.Tensor, dim_shared_query_key: int, content_heads: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(shared keys [.., D̃], content logits [.., H] or None without content heads) of keys packed by
+    :func:`pack_shared_keys`; what follows them (a padding) is left out."""
+    shared = keys[..., :dim_shared_query_key]
+    if not content_heads:
+        return shared, None
+    return shared, keys[..., dim_shared_query_key : dim_shared_query_key + content_heads]
 
 
 def _expect_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...], layout: str) -> None:

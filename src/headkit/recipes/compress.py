@@ -44,9 +44,11 @@ from headkit.recipes.distill import DistillResult, distill_run, encoder_finetune
 from headkit.recipes.models import (
     CAUSAL_LM,
     DEFAULT_DTYPE,
+    ENCODER,
     LoadedModel,
     default_encoder_path,
     load_model,
+    model_kind,
 )
 from headkit.recipes.objectives import CausalLMObjective
 from headkit.recipes.options import option
@@ -54,7 +56,12 @@ from headkit.recipes.settings import ModelSettings, RecipeResult, check_count, c
 from headkit.recipes.steps import Recipe, Steps, run_recipe
 from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
 from headkit.surgery.adapters import AttentionAdapter, count_parameters, get_adapter
-from headkit.surgery.collaborative import CollaborativeConfig, SwapReport, swap_to_collaborative
+from headkit.surgery.collaborative import (
+    CollaborativeConfig,
+    SwapReport,
+    config_widths,
+    swap_to_collaborative,
+)
 from headkit.surgery.families import COMPRESS, FAMILIES, get_family, model_type_of
 from headkit.surgery.latent import (
     FITTED,
@@ -366,12 +373,32 @@ def compress(
 
 
 def preflight(settings: CompressSettings, model_path: Path, config: Any | None, out: Path | None) -> None:
-    """--kv-rank / --rope-dims checked against MODEL's 🤗 config (a folder's config.json, a GGUF file's metadata)
-    before any weight is loaded: the family must take latent keys/values (Qwen 3 and Gemma 3 do not) and R, D must
-    fit its widths. A model after headkit surgery, or one without such a config, is checked once loaded."""
-    if settings.kv_rank is None and settings.rope_dims is None:
+    """The settings checked against MODEL's 🤗 config (a folder's config.json, a GGUF file's metadata) before any
+    weight is loaded: --dim refused on a rotary decoder family (it takes latent keys/values); --kv-rank /
+    --rope-dims as :func:`_preflight_latent` checks them; otherwise, for an encoder or a registered decoder family
+    that takes collaborative heads, D̃ (--dim, or its default) and the attention as
+    :meth:`CollaborativeConfig.check` checks them on a config. A model after headkit surgery, or one without such a
+    config, is checked once loaded."""
+    if config is None or getattr(config, "headkit_surgery", None):
         return
-    if config is None or getattr(config, "headkit_surgery", None) or model_type_of(config) not in FAMILIES:
+    family = FAMILIES.get(model_type_of(config))
+    # the registry's decoder families without ``compress`` are those with rotary embeddings
+    rotary = family is not None and not family.supports(COMPRESS)
+    if rotary and settings.dim is not None:
+        raise _dim_on_rotary(family.adapter)
+    if settings.kv_rank is not None or settings.rope_dims is not None:
+        _preflight_latent(settings, config)
+    elif not rotary and (family is not None or model_kind(model_path) == ENCODER):
+        widths = config_widths(config)
+        dim = settings.dim if settings.dim is not None or widths is None else widths[1] // 2
+        if dim is not None:
+            CollaborativeConfig(dim, settings.seed, settings.tol, settings.max_iter).check(config)
+
+
+def _preflight_latent(settings: CompressSettings, config: Any) -> None:
+    """--kv-rank / --rope-dims against a decoder's config: the family must take latent keys/values (Qwen 3 and
+    Gemma 3 do not) and R, D must fit its widths."""
+    if model_type_of(config) not in FAMILIES:
         return
     try:
         _, kv_heads, head_dim = attention_widths(config)
@@ -379,6 +406,13 @@ def preflight(settings: CompressSettings, model_path: Path, config: Any | None, 
         return
     kv_rank, rope_dims = default_ranks(head_dim, kv_heads, settings.kv_rank, settings.rope_dims)
     LatentKVConfig(kv_rank, rope_dims, settings.rope_selection).check_config(config)
+
+
+def _dim_on_rotary(adapter_name: str) -> HeadkitError:
+    return HeadkitError(
+        f"{adapter_name} applies rotary embeddings: --dim (collaborative heads) does not apply; "
+        "use --kv-rank and --rope-dims (latent keys/values)"
+    )
 
 
 class _CompressSteps(Steps):
@@ -404,10 +438,7 @@ class _CompressSteps(Steps):
                 "embeddings and takes collaborative heads (--dim)"
             )
         if latent and settings.dim is not None:
-            raise HeadkitError(
-                f"{original.adapter.name} applies rotary embeddings: --dim (collaborative heads) does not apply; "
-                "use --kv-rank and --rope-dims (latent keys/values)"
-            )
+            raise _dim_on_rotary(original.adapter.name)
         if not latent and original.kind == CAUSAL_LM:
             get_family(original.model, COMPRESS)  # the registry says which decoders take collaborative heads
 

@@ -53,7 +53,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from headkit.errors import HeadkitError
-from headkit.layers.collaborative import collaborative_head_outputs
+from headkit.layers.collaborative import (
+    collaborative_head_outputs,
+    content_bias_weight,
+    pack_shared_keys,
+    unpack_shared_keys,
+)
 from headkit.surgery.adapters import (
     AttentionAdapter,
     AttentionSite,
@@ -109,9 +114,8 @@ class SharedProjection(nn.Module):
         self.out_features = padded_width(dim_shared_query_key + content_heads, head_dim)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        output = F.linear(hidden_states, self.weight)
-        if self.content_bias is not None:
-            output = torch.cat([output, F.linear(hidden_states, self.content_bias)], dim=-1)
+        content = None if self.content_bias is None else F.linear(hidden_states, self.content_bias)
+        output = pack_shared_keys(F.linear(hidden_states, self.weight), content)
         padding = self.out_features - output.shape[-1]
         return F.pad(output, (0, padding)) if padding else output
 
@@ -186,19 +190,18 @@ class CollaborativeHeads(nn.Module):
         kv_len = keys.shape[2]
         dim_shared = self.dim_shared_query_key
         shared_queries = queries.transpose(1, 2).reshape(batch, q_len, -1)[..., :dim_shared]
-        keys = keys.transpose(1, 2).reshape(batch, kv_len, -1)
-        scale = call.scale(self.scale)
-        # The content-bias scores [B, Tk, H], scaled like the mixed dot products they are added to.
-        key_bias = (
-            scale * keys[..., dim_shared : dim_shared + self.num_heads] if self.has_content_bias else None
+        shared_keys, content_logits = unpack_shared_keys(
+            keys.transpose(1, 2).reshape(batch, kv_len, -1),
+            dim_shared,
+            self.num_heads if self.has_content_bias else 0,
         )
         heads, weights = collaborative_head_outputs(
             shared_queries,
-            keys[..., :dim_shared],
-            key_bias,
+            shared_keys,
+            content_logits,
             values,
             self.mixing,
-            scale=scale,
+            scale=call.scale(self.scale),
             causal=self.is_causal,
             attention_mask=model_attention_mask(call.attention_mask, batch, q_len, kv_len),
             dropout=call.dropout,
@@ -341,7 +344,6 @@ class CollaborativeConfig:
         if getattr(config, "model_type", None) in FAMILIES:
             # a registered decoder family: every one with rotary lacks ``compress``
             get_family(config, COMPRESS)
-        hidden = getattr(config, "hidden_size", None)
         heads = getattr(config, "num_attention_heads", None)
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         if isinstance(heads, int) and isinstance(kv_heads, int) and kv_heads != heads:
@@ -349,10 +351,9 @@ class CollaborativeConfig:
                 f"the model uses grouped-query attention ({heads} query, {kv_heads} key/value heads), which the "
                 "collaborative swap does not support"
             )
-        if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0:
-            return
-        head_dim = getattr(config, "head_dim", None) or hidden // heads
-        _check_width(self.dim_shared_query_key, hidden, heads * head_dim)
+        widths = config_widths(config)
+        if widths is not None:
+            _check_width(self.dim_shared_query_key, *widths)
 
     def _check_model(
         self, model: nn.Module, adapter: AttentionAdapter | type[AttentionAdapter] | str | None
@@ -448,6 +449,16 @@ def swap_to_collaborative(
         seconds=time.perf_counter() - start,
         sites=[plan.report for plan in planned],
     )
+
+
+def config_widths(config: Any) -> tuple[int, int] | None:
+    """(hidden size, heads·head_dim — the exact D̃) as a model's 🤗 config states them; None where it does not
+    say."""
+    hidden = getattr(config, "hidden_size", None)
+    heads = getattr(config, "num_attention_heads", None)
+    if not isinstance(hidden, int) or not isinstance(heads, int) or heads <= 0:
+        return None
+    return hidden, heads * (getattr(config, "head_dim", None) or hidden // heads)
 
 
 def _check_width(dim_shared: int, hidden: int, full: int) -> None:
@@ -577,15 +588,6 @@ def _apply(model: nn.Module, adapter: AttentionAdapter, planned: list[_SitePlan]
 def collaborative_mechanisms(model: nn.Module) -> list[CollaborativeHeads]:
     """The :class:`CollaborativeHeads` mechanisms of a swapped model, in module order (shared modules once)."""
     return list({id(m): m for m in model.modules() if isinstance(m, CollaborativeHeads)}.values())
-
-
-def content_bias_weight(q_bias: torch.Tensor, k_weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """[heads, hidden]: row h is c_h = W_{K,h}ᵀ b_{Q,h}, the part of head h's score that the query bias adds and
-    that varies over keys (computed in float64, returned in the weights' dtype)."""
-    hidden = k_weight.shape[1]
-    per_head_bias = q_bias.detach().to(torch.float64).view(num_heads, -1)
-    per_head_key = k_weight.detach().to(torch.float64).view(num_heads, -1, hidden)
-    return torch.einsum("hd,hdi->hi", per_head_bias, per_head_key).to(k_weight.dtype)
 
 
 def _surgery_entry(

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 
 import torch
 
+from headkit.layers.collaborative import concatenated_mixing
 from headkit.ops._validation import check_positive_int
 
 # Ridge added to the normal equations, relative to their mean diagonal: keeps rank-deficient solves finite
@@ -184,7 +185,7 @@ def _decompose(
         return w_q_shared, mixing, w_k_shared, info
 
     if rank >= heads * head_dim:
-        return finish(_exact_factors(w_q, w_k, heads, head_dim, rank), 0.0, 0, True, "exact", (0.0,))
+        return finish(_exact_factors(w_q, w_k, heads, rank), 0.0, 0, True, "exact", (0.0,))
 
     tensor = tensor_class(w_q.detach().to(torch.float64), w_k.detach().to(torch.float64), heads)
     if tensor.norm_sq == 0.0:
@@ -501,12 +502,12 @@ def _real_basis(values: torch.Tensor, vectors: torch.Tensor) -> torch.Tensor:
     return torch.where(values.imag[None, :] >= 0, vectors.real, vectors.imag)
 
 
-def _exact_factors(w_q: torch.Tensor, w_k: torch.Tensor, heads: int, head_dim: int, rank: int) -> Factors:
+def _exact_factors(w_q: torch.Tensor, w_k: torch.Tensor, heads: int, rank: int) -> Factors:
     # Component r = h·d + i is row i of head h: summed over head h's rows, w_q[r]ᵀ w_k[r] is W_{Q,h} W_{K,h}ᵀ.
     rows, hidden = w_q.shape
     padding = w_q.new_zeros(rank - rows, hidden)
     mixing = w_q.new_zeros(heads, rank)
-    mixing[:, :rows] = torch.block_diag(*[w_q.new_ones(1, head_dim)] * heads)
+    mixing[:, :rows] = concatenated_mixing(heads, rows)  # head h owns rows h·d … (h+1)·d − 1
     return torch.cat([w_q.detach(), padding]), mixing, torch.cat([w_k.detach(), padding])
 
 

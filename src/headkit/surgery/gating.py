@@ -172,6 +172,14 @@ def config_head_counts(config: Any) -> list[int] | None:
     return counts
 
 
+def config_records_gates(config: Any) -> bool:
+    """Whether a model's 🤗 config records head gates still on it (:func:`add_head_gates` last, not undone by
+    :func:`remove_head_gates`)."""
+    entries = [entry for entry in getattr(config, SURGERY_KEY, None) or [] if isinstance(entry, dict)]
+    gating = [entry["op"] for entry in entries if entry.get("op") in (GATES_OP, REMOVE_GATES_OP)]
+    return bool(gating) and gating[-1] == GATES_OP
+
+
 def parse_head_pairs(flag: str, text: str) -> tuple[tuple[int, int], ...]:
     """``"0:1,0:2,3:0"`` → ((0, 1), (0, 2), (3, 0)): (layer, head) pairs from the command line, in order."""
     pairs = []
@@ -305,9 +313,7 @@ class GateConfig:
         if isinstance(model_or_config, nn.Module):
             return self._check_model(model_or_config, adapter)[2]
         config = model_or_config
-        entries = [entry for entry in getattr(config, SURGERY_KEY, None) or [] if isinstance(entry, dict)]
-        gating = [entry["op"] for entry in entries if entry.get("op") in (GATES_OP, REMOVE_GATES_OP)]
-        if gating and gating[-1] == GATES_OP:
+        if config_records_gates(config):
             raise HeadkitError(
                 "the model already has head gates (its config records them); call remove_head_gates(model) first"
             )

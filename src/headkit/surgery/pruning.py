@@ -64,6 +64,7 @@ from headkit.surgery.gating import (
     LayerHeads,
     check_layer_heads,
     config_head_counts,
+    config_records_gates,
     evaluation_gate_values,
     layer_heads,
     parse_layer_heads,
@@ -296,6 +297,10 @@ class PruneConfig:
             sites: the layer index for every model except ALBERT, whose shared module is site 0.
         allow_empty_layers: allow removing every head of a layer; its attention then contributes only its output
             projection's bias (and whatever the module runs after it, e.g. a residual LayerNorm).
+        dead_threshold: also remove every head whose evaluation-mode gate value (:func:`add_head_gates`) is at
+            most this, in [0, 1); None: only the heads listed. 0 removes only exactly closed gates, so the model's
+            evaluation-mode outputs do not change (:func:`prune_dead_heads`). The record holds the heads it
+            chose, so a reload replays them without reading the gates.
     """
 
     # Each field's metadata makes it a command-line option where a command takes this config's fields
@@ -314,11 +319,28 @@ class PruneConfig:
             "flag": "--allow-empty-layers/--keep-a-head",
         },
     )
+    dead_threshold: float | None = field(
+        default=None,
+        metadata={
+            "help": "Also remove every head whose evaluation gate value is at most this, in [0, 1) (needs head "
+            "gates; 0: only closed gates). Default: only the heads listed.",
+        },
+    )
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "heads", layer_heads("heads", self.heads))
         if not isinstance(self.allow_empty_layers, bool):
             raise HeadkitError(f"allow_empty_layers must be a bool, got {self.allow_empty_layers!r}")
+        threshold = self.dead_threshold
+        if threshold is None:
+            return
+        if (
+            isinstance(threshold, bool)
+            or not isinstance(threshold, (int, float))
+            or not 0.0 <= threshold < 1.0
+        ):
+            raise HeadkitError(f"dead_threshold must be a gate value in [0, 1), got {threshold!r}")
+        object.__setattr__(self, "dead_threshold", float(threshold))
 
     @property
     def plan(self) -> dict[int, list[int]]:
@@ -332,10 +354,14 @@ class PruneConfig:
     ) -> dict[int, list[int]]:
         """Everything that can refuse this pruning, before any weight changes: the layers and heads named exist
         (a 🤗 config's head counts are those it states, the pruning it records applied) and no layer is emptied
-        without `allow_empty_layers`; a model's layers must also still be the architecture's to slice (no earlier
-        surgery replaced them) and gated by gates pruning can slice. Returns ``{layer: [heads to remove]}``."""
+        without `allow_empty_layers`; with `dead_threshold`, the model has head gates; a model's layers must also
+        still be the architecture's to slice (no earlier surgery replaced them) and gated by gates pruning can
+        slice. Returns ``{layer: [heads to remove]}``: from a 🤗 config alone, without the heads whose gates are
+        at most `dead_threshold` (their values are weights)."""
         if isinstance(model_or_config, nn.Module):
             return self._check_model(model_or_config, adapter)[0]
+        if self.dead_threshold is not None and not config_records_gates(model_or_config):
+            _refuse_ungated()
         counts = config_head_counts(model_or_config)
         if counts is None:
             return self.plan
@@ -351,6 +377,9 @@ class PruneConfig:
         adapter = get_adapter(model, adapter)
         sites = adapter.sites(model)
         checked = check_layer_heads("heads", self.heads, [site.num_heads for site in sites])
+        if self.dead_threshold is not None:
+            for index, dead in _dead_heads(sites, self.dead_threshold).items():
+                checked[index] = sorted(set(checked.get(index, [])) | set(dead))
         return checked, adapter, sites, _plan(adapter, sites, checked, self.allow_empty_layers)
 
     def record(self, pruned: Mapping[int, Iterable[int]]) -> dict[str, Any]:
@@ -359,6 +388,7 @@ class PruneConfig:
         return {
             "heads": {str(layer): sorted(heads) for layer, heads in sorted(pruned.items()) if heads},
             "allow_empty_layers": self.allow_empty_layers,
+            "dead_threshold": self.dead_threshold,
         }
 
     @classmethod
@@ -367,6 +397,23 @@ class PruneConfig:
         predates takes its default)."""
         names = {f.name for f in fields(cls)}
         return cls(**{name: value for name, value in entry.items() if name in names})
+
+
+def _dead_heads(sites: list[AttentionSite], threshold: float) -> dict[int, list[int]]:
+    """``{site: [heads whose evaluation-mode gate value is at most threshold]}`` over the gated sites."""
+    dead: dict[int, list[int]] = {}
+    for site in sites:
+        gate = site_gate(site)
+        if gate is not None:
+            values = evaluation_gate_values(gate)
+            dead[site.index] = [head for head in range(gate.num_heads) if float(values[head]) <= threshold]
+    if not dead:
+        _refuse_ungated()
+    return dead
+
+
+def _refuse_ungated() -> None:
+    raise HeadkitError("the model has no head gates; call headkit.add_head_gates(model) and train them first")
 
 
 def _check_not_emptied(layer: int, pruned: list[int], allow_empty_layers: bool) -> None:
@@ -508,33 +555,22 @@ def prune_dead_heads(
     allow_empty_layers: bool = False,
     adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
 ) -> PruneReport:
-    """Remove every head whose evaluation-mode gate value is at most `threshold`.
+    """Remove every head whose evaluation-mode gate value is at most `threshold`: :func:`prune_heads` with
+    ``PruneConfig(dead_threshold=threshold, allow_empty_layers=allow_empty_layers)``.
 
     With the default threshold 0 only heads whose gate is exactly closed go, so the model's evaluation-mode
     outputs do not change at all (a Hard Concrete gate is exactly 0 in evaluation once σ(log α)·(r − l) + l ≤ 0,
     Louizos et al. 2018, §4.2). A larger threshold also removes heads that were only scaled down.
 
     Args:
-        threshold: in [0, 1).
+        threshold: in [0, 1) (:attr:`PruneConfig.dead_threshold`).
         allow_empty_layers: as in :func:`prune_heads`.
 
     The gates of the surviving heads stay on the model (:func:`headkit.surgery.gating.remove_head_gates` with
     ``fold=True`` bakes their values into the output projections).
     """
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 <= threshold < 1.0:
-        raise HeadkitError(f"threshold must be a gate value in [0, 1), got {threshold!r}")
-    adapter = get_adapter(model, adapter)
-    dead: dict[int, list[int]] = {}
-    for site in adapter.sites(model):
-        gate = site_gate(site)
-        if gate is not None:
-            values = evaluation_gate_values(gate)
-            dead[site.index] = [head for head in range(gate.num_heads) if float(values[head]) <= threshold]
-    if not dead:
-        raise HeadkitError(
-            "the model has no head gates; call headkit.add_head_gates(model) and train them first"
-        )
-    return prune_heads(model, dead, allow_empty_layers=allow_empty_layers, adapter=adapter)
+    config = PruneConfig(dead_threshold=threshold, allow_empty_layers=allow_empty_layers)
+    return prune_heads(model, config, adapter=adapter)
 
 
 def heads_per_layer(
