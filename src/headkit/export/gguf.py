@@ -265,15 +265,13 @@ def check_export_target(
 ) -> None:
     """Everything :func:`export_gguf` can check before a recipe's work: the type, the target file, and that the
     model at `model_path` (folder or GGUF file) is of a family with a llama.cpp mapping."""
-    _require_gguf()  # export writes with it
+    gguf = _require_gguf()
     _check_type(type)
     model_path, out = Path(model_path), Path(out)
     _check_out(out, model_path, overwrite)
     if model_path.is_file():
-        # here, not at the top: importing headkit.recipes runs its __init__, whose recipes import this module
-        from headkit.recipes.models import read_gguf_header
-
-        model_type = read_gguf_header(model_path).metadata.get("general.architecture")
+        field = gguf.GGUFReader(model_path).fields.get("general.architecture")
+        model_type = field.contents() if field is not None else None
         known: dict[str, str] = {}
         for name, mapping in MAPPINGS.items():  # llama files come back as llama, not mistral
             known.setdefault(mapping.arch, name)

@@ -14,7 +14,6 @@ import contextlib
 import importlib.util
 import io
 import json
-import mmap
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -128,9 +127,8 @@ def _is_causal_lm_class(name: str) -> bool:
 
 
 def read_model_config(path: str | Path) -> Any | None:
-    """MODEL's 🤗 config without its weights — a folder's config.json, or a GGUF file's metadata
-    (:func:`gguf_config`) — for the checks that run before anything is loaded; None when it cannot be read
-    (loading the model then says why)."""
+    """MODEL's 🤗 config without its weights — a folder's config.json, or a GGUF file's metadata — for the checks
+    that run before anything is loaded; None when it cannot be read (loading the model then says why)."""
     from transformers import AutoConfig
 
     path = Path(path)
@@ -138,145 +136,11 @@ def read_model_config(path: str | Path) -> Any | None:
         if path.is_file() and path.suffix == ".gguf":
             if importlib.util.find_spec("gguf") is None:
                 return None
-            return gguf_config(path)
+            return AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
         return AutoConfig.from_pretrained(path, local_files_only=True)
     # struct.error: a GGUF file cut short (its header unreadable)
     except (OSError, ValueError, KeyError, TypeError, struct.error):
         return None
-
-
-# -- a GGUF file's metadata, without its vocabulary or tensors ---------------------------------------------------
-
-# The GGUF format (github.com/ggml-org/ggml, docs/gguf.md): "GGUF", version (u32), tensor count and metadata count
-# (u64 from version 2), then each metadata key (a u64-length string), its value type (u32) and value, then each
-# tensor's name, dimensions, type and offset. Value types 0-7 and 10-12 are fixed-size scalars, 8 a string, 9 an
-# array (element type u32, count u64, elements).
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-# The architectures whose 🤗 config transformers' GGUF reader builds from the metadata keys alone (its mapping
-# table, defaults, the mistral name and gemma3 → gemma3_text); others are read by transformers itself.
-GGUF_METADATA_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "starcoder2", "phi3")
-
-
-@dataclass(frozen=True)
-class StringArray:
-    """A GGUF string array left unread (the vocabulary, the merges): its length only."""
-
-    length: int
-
-
-@dataclass(frozen=True)
-class GGUFHeader:
-    """A GGUF file's metadata (``{key: value}``, in the file's order: numbers, strings, lists of numbers, and a
-    :class:`StringArray` for a list of strings) and its tensors' names."""
-
-    metadata: dict[str, Any]
-    tensor_names: tuple[str, ...]
-
-
-def read_gguf_header(path: str | Path) -> GGUFHeader:
-    """The metadata and tensor names of a GGUF file, reading neither its string arrays nor its tensor data
-    (``gguf.GGUFReader`` reads every vocabulary entry: seconds for a 49k-token vocabulary, this milliseconds).
-    A file that is not GGUF v2 or v3 raises ValueError; one cut short, struct.error."""
-    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as blob:
-        if blob[:4] != b"GGUF":
-            raise ValueError(f"{path} is not a GGUF file")
-        version, tensor_count, metadata_count = struct.unpack_from("<IQQ", blob, 4)
-        if version not in (2, 3):
-            raise ValueError(f"{path} is GGUF version {version}; headkit reads versions 2 and 3")
-        position = 24
-
-        def string() -> str:
-            nonlocal position
-            (length,) = struct.unpack_from("<Q", blob, position)
-            position += 8 + length
-            return bytes(blob[position - length : position]).decode("utf-8")
-
-        def value(kind: int) -> Any:
-            nonlocal position
-            if kind in _GGUF_SCALARS:
-                (result,) = struct.unpack_from("<" + _GGUF_SCALARS[kind], blob, position)
-                position += struct.calcsize(_GGUF_SCALARS[kind])
-                return result
-            if kind == _GGUF_STRING:
-                return string()
-            if kind != _GGUF_ARRAY:
-                raise ValueError(f"{path}: unknown GGUF value type {kind}")
-            element, count = struct.unpack_from("<IQ", blob, position)
-            position += 12
-            if element in _GGUF_SCALARS:
-                items = list(struct.unpack_from(f"<{count}{_GGUF_SCALARS[element]}", blob, position))
-                position += count * struct.calcsize(_GGUF_SCALARS[element])
-                return items
-            if element == _GGUF_STRING:
-                for _ in range(count):
-                    (length,) = struct.unpack_from("<Q", blob, position)
-                    position += 8 + length
-                return StringArray(count)
-            return [value(element) for _ in range(count)]
-
-        metadata = {}
-        for _ in range(metadata_count):
-            key = string()
-            (kind,) = struct.unpack_from("<I", blob, position)
-            position += 4
-            metadata[key] = value(kind)
-        names = []
-        for _ in range(tensor_count):
-            names.append(string())
-            (dimensions,) = struct.unpack_from("<I", blob, position)
-            position += 4 + 8 * dimensions + 4 + 8  # the dimensions, the tensor type, the data offset
-        return GGUFHeader(metadata, tuple(names))
-
-
-def gguf_config(path: str | Path) -> Any:
-    """The 🤗 config of a GGUF file, as ``AutoConfig.from_pretrained(folder, gguf_file=name)`` builds it, from the
-    metadata alone (:func:`read_gguf_header`) for :data:`GGUF_METADATA_ARCHITECTURES` — transformers' own
-    reader parses the vocabulary first — and by transformers for the others."""
-    from transformers import CONFIG_MAPPING, AutoConfig
-
-    path = Path(path)
-    config = _gguf_config_dict(read_gguf_header(path))
-    if config is None:
-        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
-    return CONFIG_MAPPING[config["model_type"]].from_dict(config, name_or_path=str(path.parent))
-
-
-def _gguf_config_dict(header: GGUFHeader) -> dict[str, Any] | None:
-    """The config dict transformers' GGUF reader (``load_gguf_checkpoint``) builds for `header`, by its mapping
-    table (``GGUF_CONFIG_MAPPING``) and defaults; None for an architecture outside
-    :data:`GGUF_METADATA_ARCHITECTURES` or a config key read from a string array."""
-    from transformers.integrations import GGUF_CONFIG_DEFAULTS_MAPPING, GGUF_CONFIG_MAPPING
-
-    metadata = header.metadata
-    architecture = metadata.get("general.architecture")
-    if architecture not in GGUF_METADATA_ARCHITECTURES or architecture not in GGUF_CONFIG_MAPPING:
-        return None
-    # llama.cpp writes Mistral models as llama: transformers reads them as mistral when general.name says so
-    named = architecture == "llama" and metadata.get("general.name") == "mistral"
-    updated = "mistral" if named else architecture
-    config: dict[str, Any] = {"tie_word_embeddings": "output.weight" not in header.tensor_names}
-    defaults = GGUF_CONFIG_DEFAULTS_MAPPING.get(updated, GGUF_CONFIG_DEFAULTS_MAPPING.get(architecture) or {})
-    for key, default in defaults.items():
-        config.setdefault(key, default)
-    for key, value in metadata.items():
-        prefix, _, name = key.replace(architecture, updated).partition(".")
-        if isinstance(value, list) and len(value) == 1:
-            value = value[0]
-        if isinstance(value, str) and architecture in value:
-            value = value.replace(architecture, updated)
-        renamed = GGUF_CONFIG_MAPPING.get(prefix, {}).get(name)
-        if renamed is None or renamed == -1:
-            continue
-        if isinstance(value, StringArray):
-            return None
-        config[renamed] = value
-    if config.get("model_type") == "gemma3":
-        config["model_type"] = "gemma3_text"  # the GGUF holds the text backbone only
-    tokens = metadata.get("tokenizer.ggml.tokens")
-    if "vocab_size" not in config and isinstance(tokens, StringArray):
-        config["vocab_size"] = tokens.length
-    return config
 
 
 def load_model(
