@@ -55,9 +55,9 @@ def tiny_llama(layers: int = 2, hidden: int = 32, seed: int = 0) -> transformers
     return model
 
 
-def linearized(layers: list[int] | None = None, window: int = 4) -> transformers.LlamaForCausalLM:
+def linearized(layers: list[int] | None = None, window: int = 4, **options) -> transformers.LlamaForCausalLM:
     model = tiny_llama()
-    linearize(model, window=window, layers=layers)
+    linearize(model, window=window, layers=layers, **options)
     with torch.no_grad():  # a linear term that matters (trained balances are not 1 either)
         for name, parameter in model.named_parameters():
             if name.endswith("log_balance"):
@@ -108,9 +108,18 @@ def test_ring_step_matches_the_hybrid_step_in_outputs_and_states(window):
     assert int(ring.seen) == length
 
 
-@pytest.mark.parametrize("kind", ["stock", "linearized", "hybrid"])
+FAST_MODELS = {
+    "stock": tiny_llama,
+    "linearized": linearized,
+    "hybrid": lambda: linearized(layers=[1]),
+    # the feature maps reading the slow rotary pairs rotated back: the module's tables reach the compiled step
+    "rotated-back": lambda: linearized(feature_wavelength=8),
+}
+
+
+@pytest.mark.parametrize("kind", list(FAST_MODELS))
 def test_fast_path_gives_eager_greedy_tokens_and_states(kind):
-    model = {"stock": tiny_llama, "linearized": linearized, "hybrid": lambda: linearized(layers=[1])}[kind]()
+    model = FAST_MODELS[kind]()
     ids, mask = prompts()
     expected = eager_greedy(model, ids, mask)
     assert len(set(expected[:, PROMPT:].flatten().tolist())) > 2, (
