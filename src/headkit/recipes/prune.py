@@ -57,8 +57,8 @@ from headkit.recipes.models import (
 )
 from headkit.recipes.objectives import CausalLMObjective, EncoderObjective
 from headkit.recipes.options import option, option_name
-from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data, with_overrides
-from headkit.recipes.steps import Recipe, Steps, run_recipe
+from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data
+from headkit.recipes.steps import Recipe, Steps, run_settings
 from headkit.recipes.text import (
     calibration_batches,
     lm_windows,
@@ -481,12 +481,7 @@ def prune(
     """Run the recipe (see the module docstring); the result's model is the pruned, recovered student, also saved
     with its tokenizer and report.json to ``settings.out``. Nothing is written when any step fails. `loaded`: the
     model already loaded from ``settings.model`` (left unchanged), to spare loading it again."""
-    started = time.perf_counter()
-    settings = with_overrides(PruneSettings, settings, overrides, check_settings)
-    steps, report = run_recipe(
-        RECIPE, settings, _model_path(settings), echo, loaded=loaded, out=Path(settings.out), started=started
-    )
-    return PruneResult(steps.student, report)
+    return PruneResult(*run_settings(RECIPE, settings, overrides, echo, loaded=loaded, save=True))
 
 
 def run(
@@ -498,14 +493,7 @@ def run(
 ) -> PruneResult:
     """Prune, recover and measure like :func:`prune`, but write nothing (``settings.out`` is unused).
     `loaded`: the model already loaded from ``settings.model`` (left unchanged), to spare loading it again."""
-    started = time.perf_counter()
-    settings = with_overrides(PruneSettings, settings, overrides, check_settings)
-    steps, report = run_recipe(RECIPE, settings, _model_path(settings), echo, loaded=loaded, started=started)
-    return PruneResult(steps.student, report)
-
-
-def _model_path(settings: PruneSettings) -> Path:
-    return Path(settings.model) if settings.model is not None else default_encoder_path()
+    return PruneResult(*run_settings(RECIPE, settings, overrides, echo, loaded=loaded))
 
 
 DEFAULT_HELD_OUT = {ENCODER: 256, CAUSAL_LM: 64}  # encoder texts, causal-LM windows
@@ -890,7 +878,7 @@ def _steps(
     return steps(settings, model_path, loaded, echo)
 
 
-RECIPE = Recipe(preflight=preflight, steps=_steps)
+RECIPE = Recipe(preflight, _steps, PruneSettings, check_settings, default_encoder_path)
 
 
 @torch.no_grad()
