@@ -92,7 +92,13 @@ from headkit.surgery.attention import (
 )
 from headkit.surgery.families import LINEARIZE, get_family
 from headkit.surgery.gating import parse_head_pairs
-from headkit.surgery.records import SURGERY_KEY, record_surgery, recorded_surgery, register_surgery_op
+from headkit.surgery.records import (
+    SURGERY_KEY,
+    given_config,
+    record_surgery,
+    recorded_surgery,
+    register_surgery_op,
+)
 
 SURGERY_OP = "linearize"
 
@@ -972,11 +978,7 @@ def _check_sites(model: nn.Module, adapter: AttentionAdapter) -> list[AttentionS
 def _config_of(config: LinearizeConfig | None, options: dict[str, Any]) -> LinearizeConfig:
     if config is None:
         return LinearizeConfig(**options)
-    if not isinstance(config, LinearizeConfig):
-        raise HeadkitError(f"config must be a LinearizeConfig, got {type(config).__name__}")
-    if options:
-        raise HeadkitError(f"pass the options in the config or as keywords, not both: got {sorted(options)}")
-    return config
+    return given_config(LinearizeConfig, config, options)
 
 
 def _chosen_sites(
