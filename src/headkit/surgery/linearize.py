@@ -790,32 +790,30 @@ def _check_count(name: str, value: Any, minimum: int, expected: str | None = Non
         raise HeadkitError(f"{name} must be {expected}, got {value!r}")
 
 
-def _config_context(config: Any) -> int | None:
-    for name in ("max_position_embeddings", "n_positions"):
+def _first_positive_int(config: Any, names: Sequence[str]) -> int | None:
+    """The first of the `names` attributes of `config` that is a positive integer; None where none is."""
+    for name in names:
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
             return value
     return None
 
 
-def config_kv_heads(config: Any) -> int | None:
+def _text_config(config: Any) -> Any:
     getter = getattr(config, "get_text_config", None)
-    text = getter() if callable(getter) else config
-    for name in ("num_key_value_heads", "num_attention_heads", "n_head"):
-        value = getattr(text, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    return getter() if callable(getter) else config
+
+
+def _config_context(config: Any) -> int | None:
+    return _first_positive_int(config, ("max_position_embeddings", "n_positions"))
+
+
+def config_kv_heads(config: Any) -> int | None:
+    return _first_positive_int(_text_config(config), ("num_key_value_heads", "num_attention_heads", "n_head"))
 
 
 def _config_layer_count(config: Any) -> int | None:
-    getter = getattr(config, "get_text_config", None)
-    text = getter() if callable(getter) else config
-    for name in ("num_hidden_layers", "n_layer"):
-        value = getattr(text, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    return _first_positive_int(_text_config(config), ("num_hidden_layers", "n_layer"))
 
 
 def linearize(
