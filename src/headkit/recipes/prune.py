@@ -68,7 +68,7 @@ from headkit.recipes.text import (
     window_batches,
 )
 from headkit.surgery.adapters import count_parameters, get_adapter
-from headkit.surgery.families import PRUNE, DecoderFamily, get_family
+from headkit.surgery.families import PRUNE, DecoderFamily, get_family, text_config
 from headkit.surgery.gating import (
     add_head_gates,
     gate_values,
@@ -516,7 +516,7 @@ def preflight(settings: PruneSettings, model_path: Path, config: Any | None, out
         return
     if model_kind(model_path) != CAUSAL_LM:
         return
-    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    text = text_config(config)
     layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None)
     heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None)
     if isinstance(layers, int) and isinstance(heads, int):

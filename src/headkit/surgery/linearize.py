@@ -90,7 +90,7 @@ from headkit.surgery.attention import (
     mechanism_of,
     refuse_modules_off_the_interface,
 )
-from headkit.surgery.families import LINEARIZE, get_family
+from headkit.surgery.families import LINEARIZE, get_family, text_config
 from headkit.surgery.gating import parse_head_pairs
 from headkit.surgery.records import (
     SURGERY_KEY,
@@ -799,21 +799,16 @@ def _first_positive_int(config: Any, names: Sequence[str]) -> int | None:
     return None
 
 
-def _text_config(config: Any) -> Any:
-    getter = getattr(config, "get_text_config", None)
-    return getter() if callable(getter) else config
-
-
 def _config_context(config: Any) -> int | None:
     return _first_positive_int(config, ("max_position_embeddings", "n_positions"))
 
 
 def config_kv_heads(config: Any) -> int | None:
-    return _first_positive_int(_text_config(config), ("num_key_value_heads", "num_attention_heads", "n_head"))
+    return _first_positive_int(text_config(config), ("num_key_value_heads", "num_attention_heads", "n_head"))
 
 
 def _config_layer_count(config: Any) -> int | None:
-    return _first_positive_int(_text_config(config), ("num_hidden_layers", "n_layer"))
+    return _first_positive_int(text_config(config), ("num_hidden_layers", "n_layer"))
 
 
 def linearize(
