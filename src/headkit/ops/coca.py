@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from headkit.ops._validation import check_padding_mask, check_qkv, check_rank, is_finite_number, repeat_kv
-from headkit.ops.rotary import check_position_ids, dynamic_rope_length, rope_inverse_frequencies
+from headkit.ops.rotary import angle_frequencies, check_position_ids, dynamic_rope_length, naive_rotations
 
 # Without autograd, the scratch memory of one group of heads (its collinear keys, its SDPA output, and its collinear
 # queries unless they live in the output buffer) may take this share of the memory the call holds anyway (inputs
@@ -171,20 +171,16 @@ def naive_coca_scores(
     query_positions = query_positions if query_positions.dim() == 2 else query_positions[None]
     key_positions = key_positions if key_positions.dim() == 2 else key_positions[None]
 
-    seq_len = max(int(query_positions.max()), int(key_positions.max())) + 1
-    theta = rope_inverse_frequencies(
-        head_dim,
+    rope = dict(
+        seq_len=max(int(query_positions.max()), int(key_positions.max())) + 1,
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        seq_len=seq_len,
         max_position_embeddings=max_position_embeddings,
-        dtype=torch.float64,
     )
     complex_dtype = torch.complex128 if q.dtype == torch.float64 else torch.complex64
-    query_angles = query_positions.double()[:, None, :, None, None] * theta  # [B|1, 1, Tq, 1, D/2]
-    key_angles = key_positions.double()[:, None, None, :, None] * theta  # [B|1, 1, 1, Tk, D/2]
-    rotate_query = torch.polar(torch.ones_like(query_angles), query_angles).to(complex_dtype)
-    rotate_key = torch.polar(torch.ones_like(key_angles), key_angles).to(complex_dtype)
+    # [B|1, 1, Tq, 1, D/2] and [B|1, 1, 1, Tk, D/2]
+    rotate_query = naive_rotations(query_positions, head_dim, **rope)[:, :, :, None].to(complex_dtype)
+    rotate_key = naive_rotations(key_positions, head_dim, **rope)[:, :, None].to(complex_dtype)
 
     real_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     query = torch.complex(q[..., :half].to(real_dtype), q[..., half:].to(real_dtype))[:, :, :, None, :]
@@ -310,16 +306,15 @@ def _rotation_tables(
         rope_scaling, rope_theta, max_position_embeddings, query_positions, key_positions
     )
     # Angles in float64, as in headkit.ops.rotary (MPS has no float64).
-    angle_dtype = torch.float32 if device.type == "mps" else torch.float64
-    frequencies = rope_inverse_frequencies(
+    frequencies = angle_frequencies(
         head_dim,
+        device,
+        seq_len,
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
-        seq_len=seq_len,
         max_position_embeddings=max_position_embeddings,
-        dtype=angle_dtype,
-        device=device,
     )
+    angle_dtype = frequencies.dtype
     # sin x = cos(x − π/2): one cosine over the angles shifted by [0, −π/2] gives both rows of the table.
     phases = torch.tensor([[0.0], [-math.pi / 2]], dtype=angle_dtype, device=device)
 

@@ -122,20 +122,39 @@ def rotary_cos_sin(
         check_position_ids("position_ids", position_ids)
     if seq_len is None:
         seq_len = dynamic_rope_length(rope_scaling, rope_theta, max_position_embeddings, position_ids)
-    # MPS has no float64; everywhere else the angles are formed in float64 (see the module docstring).
-    angle_dtype = torch.float32 if position_ids.device.type == "mps" else torch.float64
-    inverse_frequencies = rope_inverse_frequencies(
+    inverse_frequencies = angle_frequencies(
+        head_dim,
+        position_ids.device,
+        seq_len,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_position_embeddings,
+    )
+    positions = position_ids if position_ids.dim() == 2 else position_ids[None]
+    angles = positions.to(inverse_frequencies.dtype)[..., None] * inverse_frequencies
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def angle_frequencies(
+    head_dim: int,
+    device: torch.device,
+    seq_len: int | None,
+    *,
+    rope_theta: float,
+    rope_scaling: Mapping[str, Any] | None,
+    max_position_embeddings: int | None,
+) -> torch.Tensor:
+    """:func:`rope_inverse_frequencies` [D/2] on `device`, in the dtype the angles m·θ_i are formed in: float64
+    (see the module docstring), float32 on MPS, which has no float64."""
+    return rope_inverse_frequencies(
         head_dim,
         rope_theta=rope_theta,
         rope_scaling=rope_scaling,
         seq_len=seq_len,
         max_position_embeddings=max_position_embeddings,
-        dtype=angle_dtype,
-        device=position_ids.device,
+        dtype=torch.float32 if device.type == "mps" else torch.float64,
+        device=device,
     )
-    positions = position_ids if position_ids.dim() == 2 else position_ids[None]
-    angles = positions.to(angle_dtype)[..., None] * inverse_frequencies
-    return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
 def apply_rotary(
@@ -215,8 +234,32 @@ def naive_rotary(
     """
     head_dim = x.shape[-1]
     half = head_dim // 2
+    rotations = naive_rotations(
+        position_ids,
+        head_dim,
+        rope_theta=rope_theta,
+        rope_scaling=rope_scaling,
+        max_position_embeddings=max_position_embeddings,
+    )
+    z = torch.complex(x[..., :half].double(), x[..., half:].double())
+    z = z * rotations
+    return torch.cat((z.real, z.imag), dim=-1).to(x.dtype)
+
+
+def naive_rotations(
+    position_ids: torch.Tensor,
+    head_dim: int,
+    *,
+    rope_theta: float,
+    rope_scaling: Mapping[str, Any] | None,
+    max_position_embeddings: int | None,
+    seq_len: int | None = None,
+) -> torch.Tensor:
+    """The test references' RoPE (RoFormer §3.2.2): e^{j·m·θ_i} for every position m of `position_ids` ([T] or
+    [B, T]) and pair i, complex128 [B or 1, 1, T, D/2]; `seq_len` (dynamic NTK) is 1 + the largest position by
+    default."""
     positions = position_ids if position_ids.dim() == 2 else position_ids[None]
-    seq_len = int(positions.max()) + 1
+    seq_len = int(positions.max()) + 1 if seq_len is None else seq_len
     frequencies = rope_inverse_frequencies(
         head_dim,
         rope_theta=rope_theta,
@@ -226,9 +269,7 @@ def naive_rotary(
         dtype=torch.float64,
     )
     angles = positions.double()[:, None, :, None] * frequencies  # [B or 1, 1, T, D/2]
-    z = torch.complex(x[..., :half].double(), x[..., half:].double())
-    z = z * torch.polar(torch.ones_like(angles), angles)
-    return torch.cat((z.real, z.imag), dim=-1).to(x.dtype)
+    return torch.polar(torch.ones_like(angles), angles)
 
 
 def _parse_rope_scaling(

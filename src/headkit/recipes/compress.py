@@ -25,7 +25,6 @@ The output folder (model, tokenizer, report.json) is written atomically and relo
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,8 +51,8 @@ from headkit.recipes.models import (
 )
 from headkit.recipes.objectives import CausalLMObjective
 from headkit.recipes.options import option
-from headkit.recipes.settings import ModelSettings, RecipeResult, check_count, check_data, with_overrides
-from headkit.recipes.steps import Recipe, Steps, run_recipe
+from headkit.recipes.settings import ModelSettings, RecipeResult, check_count, check_data
+from headkit.recipes.steps import Recipe, Steps, run_settings
 from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
 from headkit.surgery.adapters import AttentionAdapter, count_parameters, get_adapter
 from headkit.surgery.collaborative import (
@@ -365,11 +364,7 @@ def compress(
     settings: CompressSettings | None = None, echo: Callable[[str], None] = print, **overrides: Any
 ) -> CompressResult:
     """Run the recipe (see the module docstring); nothing is written when any step fails."""
-    started = time.perf_counter()
-    settings = with_overrides(CompressSettings, settings, overrides, check_settings)
-    model_path = Path(settings.model) if settings.model is not None else default_encoder_path()
-    steps, report = run_recipe(RECIPE, settings, model_path, echo, out=Path(settings.out), started=started)
-    return CompressResult(steps.student, report)
+    return CompressResult(*run_settings(RECIPE, settings, overrides, echo, save=True))
 
 
 def preflight(settings: CompressSettings, model_path: Path, config: Any | None, out: Path | None) -> None:
@@ -748,7 +743,7 @@ def _steps(
     return steps(settings, model_path, loaded, echo)
 
 
-RECIPE = Recipe(preflight=preflight, steps=_steps)
+RECIPE = Recipe(preflight, _steps, CompressSettings, check_settings, default_encoder_path)
 
 
 def repair_split(settings: CompressSettings) -> tuple[int, int]:

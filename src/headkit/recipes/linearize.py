@@ -58,9 +58,8 @@ from headkit.recipes.settings import (
     RecipeResult,
     check_count,
     check_data,
-    with_overrides,
 )
-from headkit.recipes.steps import Recipe, Steps, run_recipe
+from headkit.recipes.steps import Recipe, Steps, run_settings
 from headkit.recipes.text import lm_windows, load_text
 from headkit.surgery.adapters import AttentionAdapter, get_adapter
 from headkit.surgery.attention import MECHANISM
@@ -285,12 +284,7 @@ def linearize(
     """Run the recipe (see the module docstring); the result's model is the converted, recovered student, also
     saved with its tokenizer, report.json and the plot to ``settings.out``. Nothing is written when any step
     fails, and an existing ``out`` is only replaced (with ``overwrite``) once everything succeeded."""
-    started = time.perf_counter()
-    settings = with_overrides(LinearizeSettings, settings, overrides, check_settings)
-    steps, report = run_recipe(
-        RECIPE, settings, _model_path(settings), echo, out=Path(settings.out), started=started
-    )
-    return LinearizeResult(steps.student, report)
+    return LinearizeResult(*run_settings(RECIPE, settings, overrides, echo, save=True))
 
 
 def run(
@@ -302,14 +296,7 @@ def run(
 ) -> LinearizeResult:
     """Convert, recover and measure like :func:`linearize`, but write nothing (``settings.out`` is unused).
     `loaded`: the model already loaded from ``settings.model`` (left unchanged), to spare loading it again."""
-    started = time.perf_counter()
-    settings = with_overrides(LinearizeSettings, settings, overrides, check_settings)
-    steps, report = run_recipe(RECIPE, settings, _model_path(settings), echo, loaded=loaded, started=started)
-    return LinearizeResult(steps.student, report)
-
-
-def _model_path(settings: LinearizeSettings) -> Path:
-    return Path(settings.model) if settings.model is not None else smollm2_gguf_path()
+    return LinearizeResult(*run_settings(RECIPE, settings, overrides, echo, loaded=loaded))
 
 
 def preflight(settings: LinearizeSettings, model_path: Path, config: Any | None, out: Path | None) -> None:
@@ -548,7 +535,7 @@ class LinearizeSteps(Steps):
         return [plot]
 
 
-RECIPE = Recipe(preflight=preflight, steps=LinearizeSteps)
+RECIPE = Recipe(preflight, LinearizeSteps, LinearizeSettings, check_settings, smollm2_gguf_path)
 
 
 def _with_retrieval_heads(

@@ -57,8 +57,8 @@ from headkit.recipes.models import (
 )
 from headkit.recipes.objectives import CausalLMObjective, EncoderObjective
 from headkit.recipes.options import option, option_name
-from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data, with_overrides
-from headkit.recipes.steps import Recipe, Steps, run_recipe
+from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data
+from headkit.recipes.steps import Recipe, Steps, run_settings
 from headkit.recipes.text import (
     calibration_batches,
     lm_windows,
@@ -68,7 +68,7 @@ from headkit.recipes.text import (
     window_batches,
 )
 from headkit.surgery.adapters import count_parameters, get_adapter
-from headkit.surgery.families import PRUNE, DecoderFamily, get_family
+from headkit.surgery.families import PRUNE, DecoderFamily, get_family, text_config
 from headkit.surgery.gating import (
     add_head_gates,
     gate_values,
@@ -481,12 +481,7 @@ def prune(
     """Run the recipe (see the module docstring); the result's model is the pruned, recovered student, also saved
     with its tokenizer and report.json to ``settings.out``. Nothing is written when any step fails. `loaded`: the
     model already loaded from ``settings.model`` (left unchanged), to spare loading it again."""
-    started = time.perf_counter()
-    settings = with_overrides(PruneSettings, settings, overrides, check_settings)
-    steps, report = run_recipe(
-        RECIPE, settings, _model_path(settings), echo, loaded=loaded, out=Path(settings.out), started=started
-    )
-    return PruneResult(steps.student, report)
+    return PruneResult(*run_settings(RECIPE, settings, overrides, echo, loaded=loaded, save=True))
 
 
 def run(
@@ -498,14 +493,7 @@ def run(
 ) -> PruneResult:
     """Prune, recover and measure like :func:`prune`, but write nothing (``settings.out`` is unused).
     `loaded`: the model already loaded from ``settings.model`` (left unchanged), to spare loading it again."""
-    started = time.perf_counter()
-    settings = with_overrides(PruneSettings, settings, overrides, check_settings)
-    steps, report = run_recipe(RECIPE, settings, _model_path(settings), echo, loaded=loaded, started=started)
-    return PruneResult(steps.student, report)
-
-
-def _model_path(settings: PruneSettings) -> Path:
-    return Path(settings.model) if settings.model is not None else default_encoder_path()
+    return PruneResult(*run_settings(RECIPE, settings, overrides, echo, loaded=loaded))
 
 
 DEFAULT_HELD_OUT = {ENCODER: 256, CAUSAL_LM: 64}  # encoder texts, causal-LM windows
@@ -528,7 +516,7 @@ def preflight(settings: PruneSettings, model_path: Path, config: Any | None, out
         return
     if model_kind(model_path) != CAUSAL_LM:
         return
-    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    text = text_config(config)
     layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None)
     heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None)
     if isinstance(layers, int) and isinstance(heads, int):
@@ -890,7 +878,7 @@ def _steps(
     return steps(settings, model_path, loaded, echo)
 
 
-RECIPE = Recipe(preflight=preflight, steps=_steps)
+RECIPE = Recipe(preflight, _steps, PruneSettings, check_settings, default_encoder_path)
 
 
 @torch.no_grad()

@@ -21,6 +21,7 @@ from torch import nn
 
 from headkit.evaluation.tasks import recipe_tasks
 from headkit.recipes.models import LoadedModel, check_output_folder, load_model, read_model_config
+from headkit.recipes.settings import with_overrides
 from headkit.recipes.skeleton import main_process_echo, save_result
 
 T = TypeVar("T")
@@ -84,10 +85,34 @@ class Recipe:
     """What a recipe supplies the skeleton: ``preflight(settings, model_path, config, out)``, its settings checked
     against MODEL's 🤗 config (None where none could be read: the loaded model is checked instead) and, when it
     saves, against `out`; and ``steps(settings, model_path, loaded, echo)``, the :class:`Steps` that fit the loaded
-    model."""
+    model. For :func:`run_settings`, also its settings class, ``check`` (the settings' own validation) and
+    ``default_model``, the MODEL path when ``settings.model`` is None."""
 
     preflight: Callable[[Any, Path, Any | None, Path | None], None]
     steps: Callable[[Any, Path, LoadedModel, Callable[[str], None]], Steps]
+    settings_class: type | None = None
+    check: Callable[[Any], None] | None = None
+    default_model: Callable[[], Path] | None = None
+
+
+def run_settings(
+    recipe: Recipe,
+    settings: Any,
+    overrides: dict[str, Any],
+    echo: Callable[[str], None],
+    *,
+    loaded: LoadedModel | None = None,
+    save: bool = False,
+) -> tuple[nn.Module, dict[str, Any]]:
+    """A recipe's entry point, written once: ``settings`` (``recipe.settings_class``'s defaults when None) with
+    ``overrides``, checked by ``recipe.check``, run by :func:`run_recipe` on ``settings.model`` (or
+    ``recipe.default_model()``), saved to ``settings.out`` when `save`; returns (the result's model, the report)."""
+    started = time.perf_counter()
+    settings = with_overrides(recipe.settings_class, settings, overrides, recipe.check)
+    model_path = Path(settings.model) if settings.model is not None else recipe.default_model()
+    out = Path(settings.out) if save else None
+    steps, report = run_recipe(recipe, settings, model_path, echo, loaded=loaded, out=out, started=started)
+    return steps.student, report
 
 
 def run_recipe(

@@ -75,7 +75,7 @@ from headkit.surgery.attention import (
 )
 from headkit.surgery.decompose import decompose_query_key
 from headkit.surgery.families import COMPRESS, FAMILIES, get_family
-from headkit.surgery.records import record_surgery, register_surgery_op
+from headkit.surgery.records import config_in_place_of, given_config, record_surgery, register_surgery_op
 
 SURGERY_OP = "collaborative"
 
@@ -390,17 +390,10 @@ def _collaborative_config_of(
 ) -> tuple[CollaborativeConfig, AttentionAdapter | type[AttentionAdapter] | str | None]:
     """The config of a :func:`swap_to_collaborative` call (given in the adapter's place or as ``config=``, or
     built from the keywords: the call's API before the config) and the adapter."""
-    if isinstance(adapter, CollaborativeConfig):
-        if config is not None:
-            raise HeadkitError("pass the config once (positionally or as config=), not both")
-        adapter, config = None, adapter
+    adapter, config = config_in_place_of(CollaborativeConfig, adapter, config)
     if config is None:
         return CollaborativeConfig(**options), adapter
-    if not isinstance(config, CollaborativeConfig):
-        raise HeadkitError(f"config must be a CollaborativeConfig, got {type(config).__name__}")
-    if options:
-        raise HeadkitError(f"pass the options in the config or as keywords, not both: got {sorted(options)}")
-    return config, adapter
+    return given_config(CollaborativeConfig, config, options), adapter
 
 
 def swap_to_collaborative(

@@ -142,6 +142,13 @@ def model_type_of(model: Any) -> str | None:
     return getattr(config, "model_type", None)
 
 
+def text_config(config: Any) -> Any:
+    """The decoder's part of a 🤗 config: ``get_text_config()`` where the config has it (a multimodal model's
+    holds the text model's), else the config itself."""
+    getter = getattr(config, "get_text_config", None)
+    return getter() if callable(getter) else config
+
+
 def get_family(model: Any, operation: str | None = None) -> DecoderFamily:
     """The registered family of `model` (a model or its config), checked to support `operation` when given.
 

@@ -49,7 +49,13 @@ from headkit.layers.gates import GATES, FixedGate, HardConcreteGate, HeadkitGate
 from headkit.layers.gates import l0_penalty as _gates_l0_penalty
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite, get_adapter
 from headkit.surgery.attention import HEAD_GATE, computes_attention_itself, release_dispatcher, use_dispatcher
-from headkit.surgery.records import SURGERY_KEY, record_surgery, register_surgery_op
+from headkit.surgery.records import (
+    SURGERY_KEY,
+    config_in_place_of,
+    given_config,
+    record_surgery,
+    register_surgery_op,
+)
 
 GATE_ATTRIBUTE = HEAD_GATE
 GATES_OP = "gates"
@@ -378,21 +384,10 @@ def _gate_config_of(
 ) -> GateConfig:
     """The config of an :func:`add_head_gates` call: given (positionally or as ``config=``), or built from the
     keywords (the call's API before the config)."""
-    if isinstance(kind, GateConfig):
-        if config is not None:
-            raise HeadkitError("pass the config once (positionally or as config=), not both")
-        kind, config = None, kind
+    kind, config = config_in_place_of(GateConfig, kind, config)
     if config is not None:
-        if not isinstance(config, GateConfig):
-            raise HeadkitError(f"config must be a GateConfig, got {type(config).__name__}")
-        given = sorted(options) + [
-            name for name, value in (("alive_heads", alive_heads), ("kind", kind)) if value is not None
-        ]
-        if given:
-            raise HeadkitError(
-                f"pass the options in the config or as keywords, not both: got {sorted(given)}"
-            )
-        return config
+        given = [name for name, value in (("alive_heads", alive_heads), ("kind", kind)) if value is not None]
+        return given_config(GateConfig, config, options, given)
     values = dict(options)
     if kind is not None:
         values["kind"] = kind

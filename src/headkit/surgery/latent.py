@@ -78,7 +78,7 @@ from headkit.surgery.attention import (
     refuse_modules_off_the_interface,
 )
 from headkit.surgery.collaborative import SharedProjection
-from headkit.surgery.families import LATENT, get_family
+from headkit.surgery.families import LATENT, get_family, text_config
 from headkit.surgery.records import record_surgery, register_surgery_op
 
 SURGERY_OP = "latent_kv"
@@ -699,7 +699,7 @@ def check_latent_arguments(site: AttentionSite, hidden: int, kv_rank: Any, rope_
 
 def attention_widths(config: Any) -> tuple[int, int, int]:
     """(hidden size, key/value heads, head_dim) as a decoder's 🤗 config states them (its text config)."""
-    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    text = text_config(config)
     heads = text.num_attention_heads
     return (
         text.hidden_size,

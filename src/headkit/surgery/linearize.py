@@ -90,9 +90,15 @@ from headkit.surgery.attention import (
     mechanism_of,
     refuse_modules_off_the_interface,
 )
-from headkit.surgery.families import LINEARIZE, get_family
+from headkit.surgery.families import LINEARIZE, get_family, text_config
 from headkit.surgery.gating import parse_head_pairs
-from headkit.surgery.records import SURGERY_KEY, record_surgery, recorded_surgery, register_surgery_op
+from headkit.surgery.records import (
+    SURGERY_KEY,
+    given_config,
+    record_surgery,
+    recorded_surgery,
+    register_surgery_op,
+)
 
 SURGERY_OP = "linearize"
 
@@ -784,32 +790,25 @@ def _check_count(name: str, value: Any, minimum: int, expected: str | None = Non
         raise HeadkitError(f"{name} must be {expected}, got {value!r}")
 
 
-def _config_context(config: Any) -> int | None:
-    for name in ("max_position_embeddings", "n_positions"):
+def _first_positive_int(config: Any, names: Sequence[str]) -> int | None:
+    """The first of the `names` attributes of `config` that is a positive integer; None where none is."""
+    for name in names:
         value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
             return value
     return None
 
 
+def _config_context(config: Any) -> int | None:
+    return _first_positive_int(config, ("max_position_embeddings", "n_positions"))
+
+
 def config_kv_heads(config: Any) -> int | None:
-    getter = getattr(config, "get_text_config", None)
-    text = getter() if callable(getter) else config
-    for name in ("num_key_value_heads", "num_attention_heads", "n_head"):
-        value = getattr(text, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    return _first_positive_int(text_config(config), ("num_key_value_heads", "num_attention_heads", "n_head"))
 
 
 def _config_layer_count(config: Any) -> int | None:
-    getter = getattr(config, "get_text_config", None)
-    text = getter() if callable(getter) else config
-    for name in ("num_hidden_layers", "n_layer"):
-        value = getattr(text, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
+    return _first_positive_int(text_config(config), ("num_hidden_layers", "n_layer"))
 
 
 def linearize(
@@ -972,11 +971,7 @@ def _check_sites(model: nn.Module, adapter: AttentionAdapter) -> list[AttentionS
 def _config_of(config: LinearizeConfig | None, options: dict[str, Any]) -> LinearizeConfig:
     if config is None:
         return LinearizeConfig(**options)
-    if not isinstance(config, LinearizeConfig):
-        raise HeadkitError(f"config must be a LinearizeConfig, got {type(config).__name__}")
-    if options:
-        raise HeadkitError(f"pass the options in the config or as keywords, not both: got {sorted(options)}")
-    return config
+    return given_config(LinearizeConfig, config, options)
 
 
 def _chosen_sites(

@@ -70,7 +70,14 @@ from headkit.surgery.gating import (
     parse_layer_heads,
     site_gate,
 )
-from headkit.surgery.records import SURGERY_KEY, record_surgery, recorded_surgery, register_surgery_op
+from headkit.surgery.records import (
+    SURGERY_KEY,
+    config_in_place_of,
+    given_config,
+    record_surgery,
+    recorded_surgery,
+    register_surgery_op,
+)
 
 PRUNE_OP = "prune"
 
@@ -432,18 +439,10 @@ def _prune_config_of(
 ) -> PruneConfig:
     """The config of a :func:`prune_heads` call: given (positionally or as ``config=``), or built from the
     keywords (the call's API before the config)."""
-    if isinstance(heads, PruneConfig):
-        if config is not None:
-            raise HeadkitError("pass the config once (positionally or as config=), not both")
-        heads, config = None, heads
+    heads, config = config_in_place_of(PruneConfig, heads, config)
     if config is None:
         return PruneConfig(**options) if heads is None else PruneConfig(heads=heads, **options)
-    if not isinstance(config, PruneConfig):
-        raise HeadkitError(f"config must be a PruneConfig, got {type(config).__name__}")
-    given = sorted(options) + (["heads"] if heads is not None else [])
-    if given:
-        raise HeadkitError(f"pass the options in the config or as keywords, not both: got {sorted(given)}")
-    return config
+    return given_config(PruneConfig, config, options, ["heads"] if heads is not None else [])
 
 
 # -- public API ------------------------------------------------------------------------------------------------
