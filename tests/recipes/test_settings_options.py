@@ -203,8 +203,9 @@ def test_linearize_passes_config_and_recipe_options_through(recipes, capsys):
     main(["linearize", "--quick", "--window", "9", "--layers", "0,3", "--convert-sliding", "--lora-rank", "0",
           "--feature-dim", "8", "--decode-contexts", "64,128", "--lora-steps", "4"])  # fmt: skip
     settings = recipes["linearize"]
+    # feature_wavelength: the recipe's default is its training length (256 under --quick)
     assert settings.conversion == LinearizeConfig(
-        window=9, layers=(0, 3), convert_sliding=True, feature_dim=8
+        window=9, layers=(0, 3), convert_sliding=True, feature_dim=8, feature_wavelength=256
     )
     assert (settings.lora_rank, settings.lora_steps, settings.decode_contexts) == (None, 4, (64, 128))
     assert settings.transfer_steps == LinearizeSettings.quick().transfer_steps

@@ -109,9 +109,8 @@ class LinearizeSettings(QuickSettings):
     feature_wavelength: int | None = field(
         default=None,
         metadata={
-            "help": "The linear term's feature maps read rotary pairs whose wavelength exceeds this many tokens "
-            "rotated back to angle 0, so that positions beyond training show them no angle they were not "
-            "trained on (default: --train-length; 0: every pair as rotated, LoLCATs)."
+            "help": LinearizeConfig.__dataclass_fields__["feature_wavelength"].metadata["help"]
+            + " Default: the training length (--train-length)."
         },
     )
     data: Path | None = option(

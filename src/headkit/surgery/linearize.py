@@ -648,8 +648,8 @@ class LinearizeConfig:
         default=0,
         metadata={
             "help": "The linear term's feature maps read rotary pairs whose wavelength exceeds this many tokens "
-            "rotated back to angle 0, so that no position beyond training shows them an angle they were not "
-            "trained on (0: every pair as rotated, LoLCATs)."
+            "rotated back to angle 0, so that positions beyond training show them no angle they were not trained "
+            "on (0: every pair as rotated, LoLCATs)."
         },
     )
     retrieval_heads: tuple[tuple[int, int], ...] = field(
