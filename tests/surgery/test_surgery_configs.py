@@ -137,6 +137,16 @@ def test_latent_config_check_names_the_models_ranges():
         LatentKVConfig(kv_rank=8, rope_dims=3).check(model)
 
 
+def test_latent_conversion_refuses_a_config_of_another_surgery_and_a_config_with_keywords():
+    model = family_model("llama")
+    before = _state(model)
+    with pytest.raises(HeadkitError, match="config must be a LatentKVConfig, got PruneConfig"):
+        compress_kv_to_latent(model, PruneConfig(heads={0: [0]}))
+    with pytest.raises(HeadkitError, match="not both"):
+        compress_kv_to_latent(model, LatentKVConfig(kv_rank=20, rope_dims=4), rope_dims=8)
+    assert _same_state(model, before)
+
+
 def test_latent_conversion_from_collected_statistics_equals_one_from_calibration():
     calibration = [{"input_ids": family_inputs(batch=2, length=16)}]
     first, second = family_model("llama"), family_model("llama")

@@ -79,7 +79,7 @@ from headkit.surgery.attention import (
 )
 from headkit.surgery.collaborative import SharedProjection
 from headkit.surgery.families import LATENT, get_family, text_config
-from headkit.surgery.records import record_surgery, register_surgery_op
+from headkit.surgery.records import given_config, record_surgery, register_surgery_op
 
 SURGERY_OP = "latent_kv"
 
@@ -985,10 +985,7 @@ def compress_kv_to_latent(
     range, a model already converted or pruned unevenly — the model is then untouched.
     """
     start = time.perf_counter()
-    if config is None:
-        config = LatentKVConfig(**options)
-    elif options:
-        raise HeadkitError(f"pass the options in the config or as keywords, not both: got {sorted(options)}")
+    config = LatentKVConfig(**options) if config is None else given_config(LatentKVConfig, config, options)
     calibrated = calibration is not None or statistics is not None
     rope_selection = config.selection(calibrated)
     kv_rank, rope_dims = config.kv_rank, config.rope_dims
