@@ -104,3 +104,28 @@ def test_float_mask_with_causal_and_empty_rows_is_finite():
     out = softmax_attention(q, k, v, causal=True, attention_mask=additive)
     ref = naive_softmax_attention(q, k, v, causal=True, key_mask=torch.tensor([[0, 0, 1, 1]]))
     torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_static_step_matches_softmax_over_the_held_keys():
+    from headkit.ops.softmax import softmax_attention_static_step_
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, dim, length, capacity, prompt = 2, 6, 2, 8, 11, 16, 4
+    q = torch.randn(batch, heads, length, dim, dtype=torch.float64)
+    k, v = (torch.randn(batch, kv_heads, length, dim, dtype=torch.float64) for _ in range(2))
+    real = torch.ones(batch, length, dtype=torch.bool)
+    real[0, :2] = False  # a left-padded prompt
+    keys = torch.zeros(batch, kv_heads, capacity, dim, dtype=torch.float64)
+    values, keep = torch.zeros_like(keys), torch.zeros(batch, capacity, dtype=torch.bool)
+    keys[:, :, :prompt], values[:, :, :prompt], keep[:, :prompt] = k[:, :, :prompt], v[:, :, :prompt], real[:, :prompt]
+    seen = torch.tensor(prompt)
+    for t in range(prompt, length):
+        out = softmax_attention_static_step_(
+            q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], keys, values, keep, seen, scale=0.3
+        )
+        expected = softmax_attention(
+            q[:, :, t : t + 1], k[:, :, : t + 1], v[:, :, : t + 1], attention_mask=real[:, : t + 1], scale=0.3
+        )
+        torch.testing.assert_close(out, expected)
+    assert int(seen) == length and torch.equal(keep[:, :length], real) and not keep[:, length:].any()
+    torch.testing.assert_close(keys[:, :, :length], k)

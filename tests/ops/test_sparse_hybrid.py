@@ -12,8 +12,11 @@ from headkit.ops.sparse_hybrid import (
     SparseHybridState,
     naive_sparse_hybrid_attention,
     sparse_hybrid_attention,
+    sparse_hybrid_attention_ring_step_,
     sparse_hybrid_attention_step,
     sparse_hybrid_exact_sets,
+    sparse_ring_from_state,
+    sparse_state_from_ring,
 )
 
 # (window, sinks, budget, seq, heads, kv_heads, padded)
@@ -340,3 +343,44 @@ def test_key_scores_of_the_wrong_shape_are_refused():
         sparse_hybrid_attention(
             q, k, v, qf, kf, balance, window=2, sinks=0, budget=2, key_scores=torch.zeros(2, 2, 7)
         )
+
+
+# (window, sinks, budget, prompt, selection): prompts that leave the sink and cache slots partly empty, and ones
+# that fill them; the question's scores (ties at 0 while decoding) and LoLA's recall error.
+RING_CASES = [
+    (4, 2, 3, 19, "recall"),
+    (4, 2, 3, 19, "question"),
+    (1, 0, 2, 3, "recall"),  # window 1: the new key leaves at once; slots still empty
+    (1, 1, 2, 9, "question"),
+    (3, 2, 0, 4, "recall"),  # sinks only, filled while decoding
+    (2, 0, 5, 5, "question"),  # empty cache slots filled by decoded keys (score 0 beats −inf)
+    (6, 3, 6, 14, "recall"),
+]
+
+
+@pytest.mark.parametrize(("window", "sinks", "budget", "prompt", "selection"), RING_CASES)
+def test_ring_step_matches_the_step_in_outputs_and_states(window, sinks, budget, prompt, selection):
+    seq = 30
+    q, k, v, qf, kf, balance = make_inputs(seq=seq)
+    mask = padding_mask(2, prompt)
+    options = {"window": window, "sinks": sinks, "budget": budget}
+    prefill = {"key_scores": given_scores(2, 2, prompt)} if selection == "question" else {}
+    _, state = sparse_hybrid_attention(
+        *(x[:, :, :prompt] for x in (q, k, v, qf, kf)), balance, chunk_size=4, output_final_state=True,
+        attention_mask=mask, **options, **prefill,
+    )  # fmt: skip
+    ring = sparse_ring_from_state(state, prompt)
+    assert_states_close(sparse_state_from_ring(ring), state, rel=0)
+    step = {"key_scores": torch.zeros(2, 2, 1, dtype=torch.float64)} if selection == "question" else {}
+    for t in range(prompt, seq):
+        inputs = [x[:, :, t : t + 1] for x in (q, k, v, qf, kf)]
+        expected, state = sparse_hybrid_attention_step(*inputs, balance, state, **options, **step)
+        out = sparse_hybrid_attention_ring_step_(
+            *inputs, balance, ring, sinks=sinks, budget=budget, scale=8**-0.5, recall=selection == "recall"
+        )
+        assert_close(out, expected)
+        assert_states_close(sparse_state_from_ring(ring), state)
+    assert int(ring.window.seen) == seq
+    # The slots were replaced in place: some kept key sits out of the order it entered in.
+    if budget and selection == "recall":
+        assert bool((ring.sparse_order.diff(dim=2) < 0).any())

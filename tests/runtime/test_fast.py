@@ -19,6 +19,7 @@ from transformers import CompileConfig, DynamicCache
 
 from headkit import HeadkitError, fast_generate, linearize
 from headkit.compat import cache_keyword
+from headkit.layers.cache import map_state
 from headkit.layers.hybrid import RingHybridStateCacheLayer
 from headkit.ops import (
     hybrid_attention,
@@ -114,6 +115,14 @@ FAST_MODELS = {
     "hybrid": lambda: linearized(layers=[1]),
     # the feature maps reading the slow rotary pairs rotated back: the module's tables reach the compiled step
     "rotated-back": lambda: linearized(feature_wavelength=8),
+    # what is kept exact beyond the window: sinks and the sparse cache's slots, chosen by recall error or by the
+    # question; retrieval heads' key/value buffers (a whole layer of them too); the dropping baseline
+    "sinks-recall": lambda: linearized(sinks=2, sparse_cache=3),
+    "question-retrieval": lambda: linearized(
+        sinks=1, sparse_cache=4, selection="question", observation=4, retrieval_heads=[(0, 1)]
+    ),
+    "exact-layer": lambda: linearized(sparse_cache=2, retrieval_heads=[(1, 0), (1, 1)], feature_wavelength=8),
+    "drop": lambda: linearized(sinks=1, sparse_cache=3, selection="question", fold=False),
 }
 
 
@@ -129,25 +138,28 @@ def test_fast_path_gives_eager_greedy_tokens_and_states(kind):
     generated = decoder.generate(ids, attention_mask=mask, max_new_tokens=NEW)
     assert torch.equal(generated, expected)
 
-    # The fixed buffers hold what the eager cache holds after the same tokens (all but the last generated).
+    # The fixed buffers hold what the eager cache holds after the same tokens (all but the last generated), fed
+    # as generate() feeds them: the prompt, then one token per step.
     (cache,) = decoder._caches.values()
     eager_cache = DynamicCache(config=model.config)
     seen = generated[:, :-1]
     full_mask = torch.cat([mask, torch.ones(2, seen.shape[1] - PROMPT, dtype=mask.dtype)], dim=1)
+    positions = (full_mask.cumsum(-1) - 1).clamp_min(0)  # as generate() places left-padded rows
     with torch.no_grad():
-        positions = (full_mask.cumsum(-1) - 1).clamp_min(0)  # as generate() places left-padded rows
-        model(
-            input_ids=seen,
-            attention_mask=full_mask,
-            position_ids=positions,
-            use_cache=True,
-            **cache_keyword(eager_cache),
-        )
+        for start, stop in [(0, PROMPT), *((t, t + 1) for t in range(PROMPT, seen.shape[1]))]:
+            model(
+                input_ids=seen[:, start:stop],
+                attention_mask=full_mask[:, :stop],
+                position_ids=positions[:, start:stop],
+                use_cache=True,
+                **cache_keyword(eager_cache),
+            )
     for index, layer in enumerate(cache.layers):
         if isinstance(layer, RingHybridStateCacheLayer):
-            want = hybrid_cache_layer(eager_cache, index).get_state()
-            for got, expected_tensor in zip(layer.get_state(), want, strict=True):
-                torch.testing.assert_close(got, expected_tensor, atol=1e-5, rtol=1e-5)
+            got, want = flat(layer.get_state()), flat(hybrid_cache_layer(eager_cache, index).get_state())
+            assert len(got) == len(want)
+            for got_tensor, want_tensor in zip(got, want, strict=True):
+                torch.testing.assert_close(got_tensor, want_tensor, atol=1e-5, rtol=1e-5)
             assert layer.get_seq_length() == seen.shape[1]
         else:
             stored = seen.shape[1]
@@ -156,13 +168,25 @@ def test_fast_path_gives_eager_greedy_tokens_and_states(kind):
     assert kind == "stock" or any(isinstance(layer, RingHybridStateCacheLayer) for layer in cache.layers)
 
 
+def flat(state) -> list[torch.Tensor]:
+    tensors: list[torch.Tensor] = []
+    map_state(state, lambda tensor: tensors.append(tensor) or tensor)
+    return tensors
+
+
 @pytest.mark.parametrize(
     "kind, regions",
-    [("stock", True), ("linearized", True), ("linearized", False)],
-    ids=["stock", "linearized", "linearized-whole-step"],
+    [
+        ("stock", True),
+        ("linearized", True),
+        ("linearized", False),
+        ("question-retrieval", True),
+        ("exact-layer", False),
+    ],
+    ids=["stock", "linearized", "linearized-whole-step", "sparse-retrieval", "sparse-exact-layer-whole-step"],
 )
 def test_compiled_step_is_one_graph_per_bucket_with_eager_tokens(kind, regions):
-    model = tiny_llama() if kind == "stock" else linearized()
+    model = FAST_MODELS[kind]()
     graphs = 3 if regions else 1  # per decoder layer and the output layer, or the whole step
     ids, mask = prompts()
     expected = eager_greedy(model, ids, mask)
@@ -195,7 +219,12 @@ def test_inductor_steps_decode_each_model_with_its_own_weights():
     torch._dynamo.reset()
     ids, mask = prompts()
     other = torch.randint(1, VOCAB, (2, PROMPT + 2), generator=torch.Generator().manual_seed(2))
-    models = {"first": tiny_llama(), "second": tiny_llama(seed=1), "linearized": linearized()}
+    models = {
+        "first": tiny_llama(),
+        "second": tiny_llama(seed=1),
+        "linearized": linearized(),
+        "question-retrieval": FAST_MODELS["question-retrieval"](),
+    }
     decoders = {name: FastDecoder(model) for name, model in models.items()}
     expected = {name: eager_greedy(model, ids, mask) for name, model in models.items()}
     assert not torch.equal(expected["first"], expected["second"])  # the two weight sets decode differently
@@ -272,13 +301,6 @@ def test_bad_input_is_named():
         decoder.generate(ids, max_new_tokens=0)
     with pytest.raises(HeadkitError, match="fullgraph must be True"):
         FastDecoder(tiny_llama(), compile_config=CompileConfig(fullgraph=False))
-    for options in ({"sinks": 1, "sparse_cache": 2}, {"retrieval_heads": [(0, 1)]}, {"fold": False}):
-        exact = tiny_llama()
-        linearize(exact, window=4, **options)
-        with pytest.raises(
-            HeadkitError, match="sinks, a sparse exact cache or retrieval heads.*model.generate"
-        ):
-            FastDecoder(exact, compile=False)
 
 
 def test_missing_compiler_is_one_line(monkeypatch):

@@ -30,7 +30,7 @@ from.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -38,10 +38,11 @@ from transformers import initialization as init
 
 from headkit.errors import HeadkitError
 from headkit.layers.base import HeadkitAttention, LayerInputs
-from headkit.layers.cache import StateCacheLayer
+from headkit.layers.cache import StateCacheLayer, map_state
 from headkit.layers.feature_maps import build_feature_map
 from headkit.layers.registry import register_attention
 from headkit.ops.hybrid import (
+    HybridAttentionState,
     HybridRingState,
     hybrid_attention,
     hybrid_attention_step,
@@ -49,6 +50,12 @@ from headkit.ops.hybrid import (
     hybrid_state_from_ring,
 )
 from headkit.ops.rotary import apply_rotary, rotary_cos_sin, unrotate_pairs
+from headkit.ops.sparse_hybrid import (
+    SparseHybridRingState,
+    SparseHybridState,
+    sparse_ring_from_state,
+    sparse_state_from_ring,
+)
 
 
 class HybridStateCacheLayer(StateCacheLayer):
@@ -59,58 +66,140 @@ class HybridStateCacheLayer(StateCacheLayer):
     describes = "a hybrid (sliding-window + linear) attention layer"
 
 
+class SplitHeadsState(NamedTuple):
+    """The decoding state of a hybrid layer whose retrieval heads keep softmax
+    (:class:`headkit.surgery.linearize.LinearizedHeads` with ``exact_heads``): the converted heads' constant
+    state (None when every head is exact), and the full key/value cache of the exact heads ([B, E, T, D] keys and
+    values, [B, T] padding flags: True = real token)."""
+
+    linear: Any
+    keys: torch.Tensor
+    values: torch.Tensor
+    keep: torch.Tensor
+
+
+class SplitHeadsRing(NamedTuple):
+    """:class:`SplitHeadsState` as fixed buffers: the converted heads' ring state, and the exact heads' keys and
+    values in buffers of a fixed capacity L ([B, E, L, ·], keep [B, L]) written in place at slot ``seen``
+    (:func:`headkit.ops.softmax.softmax_attention_static_step_`)."""
+
+    linear: Any
+    keys: torch.Tensor
+    values: torch.Tensor
+    keep: torch.Tensor
+    seen: torch.Tensor
+
+
+def ring_from_state(state: Any, seen: int, capacity: int) -> Any:
+    """The fixed buffers of a hybrid layer's ordered state after ``seen`` tokens (new tensors): the window as a
+    ring, sinks and sparse cache as slots, the exact heads' keys and values in buffers of ``capacity`` tokens."""
+    if isinstance(state, HybridAttentionState):
+        return hybrid_ring_from_state(state, seen)
+    if isinstance(state, SparseHybridState):
+        return sparse_ring_from_state(state, seen)
+    if isinstance(state, SplitHeadsState):
+        held = state.keys.shape[2]
+        if held > capacity:
+            raise HeadkitError(
+                f"the exact heads hold {held} tokens, more than the fixed buffers' capacity of {capacity}"
+            )
+
+        def buffer(x: torch.Tensor, dim: int) -> torch.Tensor:
+            shape = list(x.shape)
+            shape[dim] = capacity
+            room = x.new_zeros(shape)
+            room.narrow(dim, 0, held).copy_(x)
+            return room
+
+        linear = None if state.linear is None else ring_from_state(state.linear, seen, capacity)
+        seen_tensor = torch.tensor(held, dtype=torch.int64, device=state.keys.device)
+        return SplitHeadsRing(
+            linear, buffer(state.keys, 2), buffer(state.values, 2), buffer(state.keep, 1), seen_tensor
+        )
+    raise HeadkitError(f"no fixed-size form of a {type(state).__name__} decoding state")
+
+
+def state_from_ring(ring: Any) -> Any:
+    """The ordered state the fixed buffers hold (new tensors): the inverse of :func:`ring_from_state`."""
+    if isinstance(ring, HybridRingState):
+        return hybrid_state_from_ring(ring)
+    if isinstance(ring, SparseHybridRingState):
+        return sparse_state_from_ring(ring)
+    held = int(ring.seen)
+    return SplitHeadsState(
+        None if ring.linear is None else state_from_ring(ring.linear),
+        ring.keys[:, :, :held].clone(),
+        ring.values[:, :, :held].clone(),
+        ring.keep[:, :held].clone(),
+    )
+
+
+def _ring_seen(ring: Any) -> torch.Tensor:
+    return ring.window.seen if isinstance(ring, SparseHybridRingState) else ring.seen
+
+
 class RingHybridStateCacheLayer(HybridStateCacheLayer):
-    """A :class:`HybridStateCacheLayer` whose state lives in fixed buffers updated in place
-    (:class:`headkit.ops.HybridRingState`: the window as a ring buffer), for a compiled decoding step
-    (:mod:`headkit.runtime.fast`): one graph, no tensor allocated or re-concatenated per token.
+    """A :class:`HybridStateCacheLayer` whose state lives in fixed buffers updated in place, for a compiled
+    decoding step (:mod:`headkit.runtime.fast`): one graph, no tensor allocated or re-concatenated per token.
+    The window is a ring buffer (:class:`headkit.ops.HybridRingState`), sinks and the sparse cache are slots
+    that keys enter in place (:class:`headkit.ops.sparse_hybrid.SparseHybridRingState`), and retrieval heads
+    keep their keys and values in buffers of ``capacity`` tokens (:class:`SplitHeadsRing`).
 
     A prompt (several tokens) runs the ordinary eager path: :meth:`get_state` hands it the ordered state and
-    :meth:`set_state` copies the result into the buffers. A step of one token runs
-    :func:`headkit.ops.hybrid_attention_ring_step_` on the buffers (:meth:`headkit.surgery.linearize.LinearizedHeads.forward`); the fast
-    decoder feeds only real tokens there, so no padding mask is read.
+    :meth:`set_state` copies the result into the buffers. A step of one token runs the in-place step ops on the
+    buffers (:meth:`headkit.surgery.linearize.LinearizedHeads.forward`); the fast decoder feeds only real tokens
+    there, so no padding mask is read.
 
     ``mask_length``: the key length it reports to the model's mask builder (``get_mask_sizes``), as transformers'
     ``StaticLayer`` reports its ``max_cache_len``: the static cache's length beside key/value layers, anything
-    once the prompt is in when every layer is linearized (the mask is then read by no layer). The token count is
-    a tensor under compilation (as ``StaticLayer``'s), so that a compiled step is not specialised on it."""
+    once the prompt is in when no layer reads a mask. ``capacity``: the tokens the exact heads' buffers hold (the
+    static length of the fast decoder's bucket). The token count is a tensor under compilation (as
+    ``StaticLayer``'s), so that a compiled step is not specialised on it."""
 
     is_compileable = True
 
-    def __init__(self, mask_length: int = 1) -> None:
+    def __init__(self, mask_length: int = 1, capacity: int = 0) -> None:
         super().__init__()
-        self.mask_length = mask_length
+        self.mask_length, self.capacity = mask_length, capacity
 
     def get_state(self) -> Any:
-        return None if self.state is None else hybrid_state_from_ring(self.state)
+        # An empty layer has no state (zeroed buffers are not the empty state of a sparse cache: −inf scores).
+        return None if self.state is None or not self.seen_tokens else state_from_ring(self.state)
 
     def set_state(self, state: Any, num_new_tokens: int) -> None:
         if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be a non-negative integer, got {num_new_tokens!r}")
-        ring = hybrid_ring_from_state(state, self.get_seq_length() + num_new_tokens)
-        if self.state is None:
-            self.state = ring
-        else:  # in place: a compiled step holds these buffers
-            for buffer, value in zip(self.state, ring, strict=True):
+        seen = self.seen_tokens + num_new_tokens
+        ring = ring_from_state(state, seen, self.capacity)
+        current = [] if self.state is None else _flat(self.state)
+        new = _flat(ring)
+        if [t.shape for t in current] == [t.shape for t in new] and type(self.state) is type(ring):
+            for buffer, value in zip(
+                current, new, strict=True
+            ):  # in place: a compiled step holds these buffers
                 buffer.copy_(value)
+        else:
+            self.state = ring
         self.is_initialized = True
-        self.seen_tokens = int(ring.seen)
+        self.seen_tokens = seen
 
     def reset(self) -> None:
         # In place: the buffers keep their addresses, which compiled steps hold.
         if self.state is not None:
-            for buffer in self.state:
+            for buffer in _flat(self.state):
                 buffer.zero_()
+        self.is_initialized = False
         self.seen_tokens = 0
 
-    def ring_state(self) -> HybridRingState:
+    def ring_state(self) -> Any:
         return self.state
 
     def get_seq_length(self) -> Any:
         if self.state is None:
             return 0
         if torch.compiler.is_compiling():
-            return self.state.seen
-        return int(self.state.seen)
+            return _ring_seen(self.state)
+        return int(_ring_seen(self.state))
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.mask_length, 0
@@ -119,6 +208,12 @@ class RingHybridStateCacheLayer(HybridStateCacheLayer):
         raise HeadkitError("the fast decoder's fixed-size hybrid state decodes greedily: no beam search")
 
     batch_select_indices = batch_repeat_interleave = reorder_cache
+
+
+def _flat(state: Any) -> list[torch.Tensor]:
+    tensors: list[torch.Tensor] = []
+    map_state(state, lambda tensor: tensors.append(tensor) or tensor)
+    return tensors
 
 
 class HybridHeads(nn.Module):

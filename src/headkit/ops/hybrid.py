@@ -691,43 +691,86 @@ def hybrid_attention_ring_step_(
     the same outputs and states): the window is the ring's W − 1 keys plus the new one; then the oldest key (in
     the slot the new token takes) moves into the linear sums. Nothing is validated: a fast path for a caller
     that built the ring itself (:func:`hybrid_ring_from_state`)."""
-    batch, q_heads, _, _ = q.shape
-    kv_heads, head_dim_v, features = k.shape[1], v.shape[3], qf.shape[3]
-    groups, kept = q_heads // kv_heads, ring.keys.shape[2]
-    dtype = ring.kv.dtype
+    kept, dtype = ring.keys.shape[2], ring.kv.dtype
     with autocast_disabled(q.device):
-        queries = q.reshape(batch, kv_heads, groups, q.shape[3]).to(dtype)
-        new_key, new_value = k.to(dtype), v.to(dtype)  # [B, Hkv, 1, ·]
-        own_score = (queries @ new_key.transpose(-1, -2)) * scale  # [B, Hkv, G, 1]: always a real key
-        query_features = qf.reshape(batch, kv_heads, groups, features).to(dtype)
-        gamma = balance.to(dtype).view(1, kv_heads, groups, 1)
-        linear = query_features @ torch.cat([ring.kv, ring.k_sum.unsqueeze(-1)], dim=-1)
-        if kept:
-            scores = (queries @ ring.keys.to(dtype).transpose(-1, -2)) * scale  # [B, Hkv, G, W − 1]
-            scores = scores.masked_fill(~ring.keep[:, None, None, :], float("-inf"))
-            m = torch.maximum(scores.amax(dim=-1, keepdim=True), own_score)
-            weights, own_weight = torch.exp(scores - m), torch.exp(own_score - m)
-            window_numerator = weights @ ring.values.to(dtype) + own_weight * new_value
-            window_denominator = weights.sum(dim=-1, keepdim=True) + own_weight
-        else:  # a window of one: the query's own key, whose weight is exp(0) = 1
-            window_numerator = new_value.expand(batch, kv_heads, groups, head_dim_v)
-            window_denominator = torch.ones_like(linear[..., head_dim_v:])
-        numerator = torch.addcmul(window_numerator, gamma, linear[..., :head_dim_v])
-        denominator = torch.addcmul(window_denominator, gamma, linear[..., head_dim_v:])
-        out = (numerator / (denominator + eps)).view(batch, q_heads, 1, head_dim_v).to(q.dtype)
-
-        if kept:
-            slot = (ring.seen % kept).view(1)
-            leaving_keep = ring.keep.index_select(1, slot)  # [B, 1]
-            leaving = ring.key_features.index_select(2, slot).squeeze(2).to(dtype) * leaving_keep[:, None, :]
-            leaving_value = ring.values.index_select(2, slot).squeeze(2).to(dtype)  # [B, Hkv, Dv]
-            ring.keys.index_copy_(2, slot, k.to(ring.keys.dtype))
-            ring.values.index_copy_(2, slot, v.to(ring.values.dtype))
-            ring.key_features.index_copy_(2, slot, kf.to(ring.key_features.dtype))
-            ring.keep.index_fill_(1, slot, True)
-        else:  # the new key leaves the window at once
-            leaving, leaving_value = kf[:, :, 0].to(dtype), v[:, :, 0].to(dtype)
-        ring.kv.addcmul_(leaving.unsqueeze(-1), leaving_value.unsqueeze(-2))
+        window = [(ring.keys, ring.values, ring.keep[:, None, None, :])] if kept else []
+        out = attend_exact_sets_and_own_key(
+            q, k, v, qf, balance, window, ring.kv, ring.k_sum, scale=scale, eps=eps
+        )
+        leaving_keep, _, leaving_value, leaving_feature = advance_ring_window_(ring, k, v, kf)
+        leaving = leaving_feature.to(dtype) * leaving_keep[:, None, None]
+        ring.kv.addcmul_(leaving.unsqueeze(-1), leaving_value.to(dtype).unsqueeze(-2))
         ring.k_sum.add_(leaving)
         ring.seen.add_(1)
     return out
+
+
+def advance_ring_window_(
+    ring: HybridRingState, k: torch.Tensor, v: torch.Tensor, kf: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Write one real token's key, value and key features [B, Hkv, 1, ·] into the ring's oldest slot, in place,
+    and return the token that left the window: (keep [B] bool, key [B, Hkv, D], value [B, Hkv, Dv], key
+    features [B, Hkv, F]), copies in the stored dtypes. A window of one keeps nothing: the new token leaves at
+    once. ``ring.seen`` and the sums are left to the caller."""
+    kept = ring.keys.shape[2]
+    if not kept:
+        keep = torch.ones(k.shape[0], dtype=torch.bool, device=k.device)
+        return keep, k[:, :, 0], v[:, :, 0], kf[:, :, 0]
+    slot = (ring.seen % kept).view(1)
+    leaving = (
+        ring.keep.index_select(1, slot)[:, 0],
+        ring.keys.index_select(2, slot)[:, :, 0],
+        ring.values.index_select(2, slot)[:, :, 0],
+        ring.key_features.index_select(2, slot)[:, :, 0],
+    )
+    ring.keys.index_copy_(2, slot, k.to(ring.keys.dtype))
+    ring.values.index_copy_(2, slot, v.to(ring.values.dtype))
+    ring.key_features.index_copy_(2, slot, kf.to(ring.key_features.dtype))
+    ring.keep.index_fill_(1, slot, True)
+    return leaving
+
+
+def attend_exact_sets_and_own_key(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qf: torch.Tensor,
+    balance: torch.Tensor,
+    exact_sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    kv: torch.Tensor,
+    k_sum: torch.Tensor,
+    *,
+    scale: float,
+    eps: float,
+) -> torch.Tensor:
+    """One real query token [B, H, 1, D] over its own key and value [B, Hkv, 1, ·], the exact sets (keys
+    [B, Hkv, N, D], values [B, Hkv, N, Dv], visible [B, Hkv or 1, 1, N] bool) and the linear sums (kv, k_sum),
+    under one normaliser: out [B, H, 1, Dv] in q's dtype, accumulated in kv's. The sets are scored apart, never
+    concatenated: a fixed-size step reads its buffers where they are (the ring window, sinks, a sparse cache)."""
+    batch, q_heads = q.shape[:2]
+    kv_heads, head_dim_v, features = k.shape[1], v.shape[3], qf.shape[3]
+    groups, dtype = q_heads // kv_heads, kv.dtype
+    queries = q.reshape(batch, kv_heads, groups, q.shape[3]).to(dtype)
+    new_value = v.to(dtype)
+    own_score = (queries @ k.to(dtype).transpose(-1, -2)) * scale  # [B, Hkv, G, 1]: always a real key
+    scores = [
+        ((queries @ keys.to(dtype).transpose(-1, -2)) * scale).masked_fill(~visible, float("-inf"))
+        for keys, _, visible in exact_sets
+        if keys.shape[2]
+    ]
+    m = own_score
+    for block in scores:
+        m = torch.maximum(m, block.amax(dim=-1, keepdim=True))
+    own_weight = torch.exp(own_score - m)
+    numerator, denominator = own_weight * new_value, own_weight
+    for block, (_, values, _) in zip(scores, [s for s in exact_sets if s[0].shape[2]], strict=True):
+        weights = torch.exp(block - m)
+        numerator = numerator + weights @ values.to(dtype)
+        denominator = denominator + weights.sum(dim=-1, keepdim=True)
+    query_features = qf.reshape(batch, kv_heads, groups, features).to(dtype)
+    gamma = balance.to(dtype).view(1, kv_heads, groups, 1)
+    # The linear term's numerator and denominator in one matmul: [S | z] is [B, Hkv, F, Dv + 1].
+    linear = query_features @ torch.cat([kv, k_sum.unsqueeze(-1)], dim=-1)
+    numerator = torch.addcmul(numerator, gamma, linear[..., :head_dim_v])
+    denominator = torch.addcmul(denominator, gamma, linear[..., head_dim_v:])
+    return (numerator / (denominator + eps)).view(batch, q_heads, 1, head_dim_v).to(q.dtype)

@@ -65,6 +65,37 @@ def softmax_attention(
     return out.masked_fill(empty_rows, 0.0)
 
 
+def softmax_attention_static_step_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    keep: torch.Tensor,
+    seen: torch.Tensor,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """One decoding step of one real token per row over a fixed-size key/value buffer, updated in place (a
+    compiled step keeps one graph and the buffers' addresses, as transformers' ``StaticCache`` does).
+
+    q [B, H, 1, D]; k, v [B, Hkv, 1, ·] the new key and value; keys [B, Hkv, L, D], values [B, Hkv, L, Dv] and
+    keep [B, L] (True = a real token) the buffer, ``seen`` an int64 scalar tensor, the tokens it holds. The new
+    token is written at slot ``seen``, which then advances. Returns out [B, H, 1, Dv]: softmax over the real
+    keys, :func:`softmax_attention` of the query over the held keys and the new one (its reference in tests).
+    The G query heads of a key/value head are the G query rows of one SDPA call: keys are never repeated."""
+    slot = seen.view(1)
+    keys.index_copy_(2, slot, k.to(keys.dtype))
+    values.index_copy_(2, slot, v.to(values.dtype))
+    keep.index_fill_(1, slot, True)
+    seen.add_(1)
+    batch, q_heads, _, head_dim = q.shape
+    kv_heads = keys.shape[1]
+    queries = q.reshape(batch, kv_heads, q_heads // kv_heads, head_dim).to(keys.dtype)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=keep[:, None, None, :], scale=scale)
+    return out.reshape(batch, q_heads, 1, values.shape[3]).to(q.dtype)
+
+
 def eager_attention(
     query: torch.Tensor,
     key: torch.Tensor,

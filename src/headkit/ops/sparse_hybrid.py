@@ -63,7 +63,10 @@ from headkit.ops._precision import autocast_disabled
 from headkit.ops._validation import check_positive_int
 from headkit.ops.hybrid import (
     HybridAttentionState,
+    HybridRingState,
     accumulation_dtype,
+    advance_ring_window_,
+    attend_exact_sets_and_own_key,
     attend_one_token,
     chunk_grid,
     chunked_queries,
@@ -72,6 +75,8 @@ from headkit.ops.hybrid import (
     extended_inputs,
     hybrid_chunked,
     hybrid_one_token,
+    hybrid_ring_from_state,
+    hybrid_state_from_ring,
     prepared_hybrid_inputs,
     window_after_one_token,
     window_block_scores,
@@ -827,6 +832,172 @@ def _sparse_one_token(
     return out, final
 
 
+# -- fixed-size decoding: in-place slots ---------------------------------------------------------------------------
+
+
+class SparseHybridRingState(NamedTuple):
+    """:class:`SparseHybridState` as fixed buffers that a decoding step updates in place, for a compiled step
+    (:mod:`headkit.runtime.fast`): the window as a :class:`~headkit.ops.HybridRingState`; sinks and the sparse
+    cache as slots that a key enters where it stays until evicted — no re-gathering of the whole cache per token.
+
+    Fields as :class:`SparseHybridState`'s, except that the sparse slots are in no particular order: a kept
+    key's place in the streaming top-G's order (which breaks ties between equal scores: the latest key leaves
+    first) is ``sparse_order`` [B, Hkv, G] int64, increasing with the time a key entered the cache.
+    """
+
+    window: HybridRingState
+    sink_keys: torch.Tensor
+    sink_values: torch.Tensor
+    sink_keep: torch.Tensor
+    sparse_keys: torch.Tensor
+    sparse_values: torch.Tensor
+    sparse_key_features: torch.Tensor
+    sparse_keep: torch.Tensor
+    sparse_scores: torch.Tensor
+    sparse_order: torch.Tensor
+    reference_kv: torch.Tensor
+    reference_k_sum: torch.Tensor
+
+
+def sparse_ring_from_state(state: SparseHybridState, seen: int) -> SparseHybridRingState:
+    """The fixed buffers of an ordered state after ``seen`` tokens (new tensors; ``state`` is not touched)."""
+    batch, kv_heads, budget = state.sparse_keep.shape
+    order = torch.arange(budget, device=state.sparse_keep.device).expand(batch, kv_heads, budget)
+    copied = [tensor.clone() for tensor in state[1:]]
+    return SparseHybridRingState(
+        hybrid_ring_from_state(state.window, seen), *copied[:8], order.clone(), *copied[8:]
+    )
+
+
+def sparse_state_from_ring(ring: SparseHybridRingState) -> SparseHybridState:
+    """The ordered :class:`SparseHybridState` the buffers hold (new tensors): the sparse slots sorted as the
+    state keeps them, empty slots first, then the kept keys in the order they entered."""
+    rank = torch.where(ring.sparse_keep, ring.sparse_order, -1)
+    index = torch.sort(rank, dim=2, stable=True).indices
+
+    def ordered(x: torch.Tensor) -> torch.Tensor:
+        return x.gather(2, index[..., None].expand(-1, -1, -1, x.shape[3]) if x.dim() == 4 else index)
+
+    return SparseHybridState(
+        hybrid_state_from_ring(ring.window),
+        ring.sink_keys.clone(),
+        ring.sink_values.clone(),
+        ring.sink_keep.clone(),
+        *(ordered(x) for x in (ring.sparse_keys, ring.sparse_values, ring.sparse_key_features)),
+        ordered(ring.sparse_keep),
+        ordered(ring.sparse_scores),
+        ring.reference_kv.clone(),
+        ring.reference_k_sum.clone(),
+    )
+
+
+def sparse_hybrid_attention_ring_step_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    qf: torch.Tensor,
+    kf: torch.Tensor,
+    balance: torch.Tensor,
+    ring: SparseHybridRingState,
+    *,
+    sinks: int,
+    budget: int,
+    scale: float,
+    recall: bool,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """One decoding step of one real token [B, H, 1, ·] on fixed buffers, updated in place; returns out
+    [B, H, 1, Dv]. The arithmetic and decisions of :func:`sparse_hybrid_attention_step` for one token (its
+    reference, tested to give the same outputs and, reordered, the same states): the query sees sinks, the
+    sparse cache and the window exactly and the folded sums linearly; then the key leaving the window takes the
+    next sink slot, or competes for the cache by its score — LoLA's recall error against the reference memory
+    when ``recall``, else 0 (given scores: a decoding step asks no question, so its keys fill empty slots only).
+    The worst candidate (lowest score; the latest among equal ones) is folded; when it is a kept key, the
+    newcomer is written into its slot. Nothing is validated (:func:`sparse_ring_from_state` built the buffers)."""
+    base = ring.window
+    kv_heads, dtype = k.shape[1], base.kv.dtype
+    with autocast_disabled(q.device):
+        exact = [
+            (ring.sink_keys, ring.sink_values, ring.sink_keep[:, None, None, :]),
+            (ring.sparse_keys, ring.sparse_values, ring.sparse_keep[:, :, None, :]),
+            (base.keys, base.values, base.keep[:, None, None, :]),
+        ]
+        out = attend_exact_sets_and_own_key(
+            q, k, v, qf, balance, exact, base.kv, base.k_sum, scale=scale, eps=eps
+        )
+        order = base.seen + budget  # above every slot's: the newcomer is the latest candidate
+        leaving_keep, leaving_key, leaving_value, leaving_feature = advance_ring_window_(base, k, v, kf)
+        is_sink = torch.zeros_like(leaving_keep)
+        if sinks:
+            filled = ring.sink_keep.sum(dim=1)  # [B]: sink slots fill in order
+            is_sink = leaving_keep & (filled < sinks)
+            slot = filled.clamp(max=sinks - 1)[:, None]
+            _write_slot_(
+                ring.sink_keys, slot[:, None].expand(-1, kv_heads, -1), leaving_key, is_sink[:, None]
+            )
+            _write_slot_(
+                ring.sink_values, slot[:, None].expand(-1, kv_heads, -1), leaving_value, is_sink[:, None]
+            )
+            ring.sink_keep.scatter_(1, slot, ring.sink_keep.gather(1, slot) | is_sink[:, None])
+        eligible = (leaving_keep & ~is_sink)[:, None].expand(-1, kv_heads)  # [B, Hkv]
+        feature, value = leaving_feature.to(dtype), leaving_value.to(dtype)
+        if budget == 0:
+            folded, folded_value = feature * eligible[..., None], value
+        else:
+            if recall:
+                recalled = (feature.unsqueeze(-2) @ ring.reference_kv).squeeze(-2) / (
+                    (feature * ring.reference_k_sum).sum(dim=-1, keepdim=True) + eps
+                )
+                score = (value - recalled).square().sum(dim=-1)
+                written = feature * eligible[..., None]
+                ring.reference_kv.addcmul_(written.unsqueeze(-1), value.unsqueeze(-2))
+                ring.reference_k_sum.add_(written)
+            else:
+                score = value.new_zeros(value.shape[:2])
+            score = score.masked_fill(~eligible, float("-inf"))
+            candidate_scores = torch.cat([ring.sparse_scores, score[..., None]], dim=2)  # [B, Hkv, G + 1]
+            candidate_order = torch.cat([ring.sparse_order, order.expand(*score.shape, 1)], dim=2)
+            lowest = candidate_scores.amin(dim=-1, keepdim=True)
+            worst = torch.where(candidate_scores == lowest, candidate_order, -1).argmax(dim=-1)  # [B, Hkv]
+            enters = worst < budget  # the newcomer takes the worst kept key's slot
+            slot = worst.clamp(max=budget - 1)[..., None]  # [B, Hkv, 1]
+            evicted_keep = ring.sparse_keep.gather(2, slot)[..., 0]
+            evicted_feature = _read_slot(ring.sparse_key_features, slot).to(dtype) * evicted_keep[..., None]
+            evicted_value = _read_slot(ring.sparse_values, slot).to(dtype)
+            folded = torch.where(enters[..., None], evicted_feature, feature * eligible[..., None])
+            folded_value = torch.where(enters[..., None], evicted_value, value)
+            _write_slot_(ring.sparse_keys, slot, leaving_key, enters)
+            _write_slot_(ring.sparse_values, slot, leaving_value, enters)
+            _write_slot_(ring.sparse_key_features, slot, leaving_feature, enters)
+            for buffer, new in (
+                (ring.sparse_keep, eligible),
+                (ring.sparse_scores, score),
+                (ring.sparse_order, order),
+            ):
+                buffer.scatter_(
+                    2,
+                    slot,
+                    torch.where(enters, new.to(buffer.dtype), buffer.gather(2, slot)[..., 0])[..., None],
+                )
+        base.kv.addcmul_(folded.unsqueeze(-1), folded_value.unsqueeze(-2))
+        base.k_sum.add_(folded)
+        base.seen.add_(1)
+    return out
+
+
+def _read_slot(buffer: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
+    """[B, Hkv, X] of ``buffer`` [B, Hkv, N, X] at ``slot`` [B, Hkv, 1]."""
+    return buffer.gather(2, slot[..., None].expand(-1, -1, -1, buffer.shape[3]))[:, :, 0]
+
+
+def _write_slot_(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor, write: torch.Tensor) -> None:
+    """Write ``new`` [B, Hkv, X] into ``buffer`` [B, Hkv, N, X] at ``slot`` [B, Hkv, 1] where ``write`` [B, Hkv]
+    (its own content back elsewhere): one row per head, in place."""
+    index = slot[..., None].expand(-1, -1, -1, buffer.shape[3])
+    kept = buffer.gather(2, index)
+    buffer.scatter_(2, index, torch.where(write[..., None, None], new[:, :, None].to(buffer.dtype), kept))
+
+
 # -- checks and the empty state -----------------------------------------------------------------------------------
 
 
@@ -915,9 +1086,13 @@ def _checked(
 
 
 __all__ = [
+    "SparseHybridRingState",
     "SparseHybridState",
     "naive_sparse_hybrid_attention",
     "sparse_hybrid_attention",
+    "sparse_hybrid_attention_ring_step_",
     "sparse_hybrid_attention_step",
     "sparse_hybrid_exact_sets",
+    "sparse_ring_from_state",
+    "sparse_state_from_ring",
 ]

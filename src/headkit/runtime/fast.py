@@ -215,23 +215,6 @@ class FastDecoder:
                 "the fast path decodes stock 🤗 models and those headkit converted (pruned, compressed, "
                 "linearized); headkit's own HeadkitForCausalLM compiles as a whole: torch.compile(model)"
             )
-        exact = [
-            name
-            for name, module in model.named_modules()
-            if getattr(module, "sinks", 0)
-            or getattr(module, "sparse_cache", 0)
-            or getattr(module, "exact_heads", ())
-            or getattr(module, "fold", True) is False
-        ]
-        if exact:
-            # The fixed-size step is the plain window + linear hybrid (a ring buffer); sinks, the sparse exact
-            # cache, retrieval heads and the dropping baseline keep other states. Refused rather than decoded
-            # differently.
-            raise HeadkitError(
-                f"{exact[0]} keeps sinks, a sparse exact cache or retrieval heads, or drops what it does not keep "
-                "(headkit linearize --sinks/--sparse-cache/--retrieval-heads/--drop), which the fast path's "
-                "fixed-size step does not run yet; decode it with model.generate"
-            )
         if compile:
             check_compiler()
         else:
@@ -246,6 +229,10 @@ class FastDecoder:
         self.linearized = linearized_layer_indices(self.model)
         self.layer_count = _decoder_layer_count(self.model)
         self.all_linearized = len(self.linearized) == self.layer_count
+        # Retrieval heads keep a key/value buffer as long as the context: a static length per bucket again.
+        self.context_free = self.all_linearized and not any(
+            getattr(module, "exact_heads", ()) for module in self.model.modules()
+        )
         parameters = inspect.signature(self.model.forward).parameters
         self._takes_cache_position = "cache_position" in parameters
         self.regions = regions and compile
@@ -259,8 +246,9 @@ class FastDecoder:
     # -- buckets and caches -------------------------------------------------------------------------------------
 
     def bucket(self, batch: int, total_length: int) -> tuple[int, int]:
-        """(batch, static cache length) of a generation; the length is 0 when every layer is linearized."""
-        if self.all_linearized:
+        """(batch, static cache length) of a generation; the length is 0 when no layer's state grows with the
+        context (every layer linearized, no retrieval heads)."""
+        if self.context_free:
             return batch, 0
         return batch, -(-total_length // CACHE_BUCKET) * CACHE_BUCKET
 
@@ -278,6 +266,7 @@ class FastDecoder:
         # Mask sizes during the prompt: the static length, or the prompt itself when nothing else is cached.
         for index in self.linearized:
             cache.layers[index].mask_length = length if length else prompt_length
+            cache.layers[index].capacity = length
         return cache
 
     def _compile_options(self) -> dict[str, Any]:

@@ -61,7 +61,7 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import nn
@@ -69,13 +69,25 @@ from torch import nn
 from headkit.errors import HeadkitError
 from headkit.layers.cache import StateCacheLayer, map_state
 from headkit.layers.feature_maps import build_feature_map, valid_feature_map_names
-from headkit.layers.hybrid import HybridHeads, HybridStateCacheLayer, RingHybridStateCacheLayer
+from headkit.layers.hybrid import (
+    HybridHeads,
+    HybridStateCacheLayer,
+    RingHybridStateCacheLayer,
+    SplitHeadsRing,
+    SplitHeadsState,
+)
 from headkit.ops.hybrid import (
     hybrid_attention,
     hybrid_attention_ring_step_,
 )
 from headkit.ops.key_selection import observation_scores
-from headkit.ops.sparse_hybrid import sparse_hybrid_attention, sparse_hybrid_attention_step
+from headkit.ops.softmax import softmax_attention_static_step_
+from headkit.ops.sparse_hybrid import (
+    SparseHybridRingState,
+    sparse_hybrid_attention,
+    sparse_hybrid_attention_ring_step_,
+    sparse_hybrid_attention_step,
+)
 from headkit.surgery.adapters import (
     AttentionAdapter,
     AttentionSite,
@@ -155,17 +167,6 @@ def new_key_padding_mask(attention_mask: Any, batch: int, past: int, seq: int) -
     if attention_mask.shape[0] not in (1, batch):
         raise HeadkitError(f"attention_mask must have batch size 1 or {batch}, got {attention_mask.shape[0]}")
     return attention_mask.bool().expand(batch, seq)
-
-
-class SplitHeadsState(NamedTuple):
-    """The decoding state of a layer whose retrieval heads keep softmax (:class:`LinearizedHeads` with
-    ``exact_heads``): the converted heads' constant state, and the full key/value cache of the exact heads
-    ([B, E, T, D] keys and values, [B, T] padding flags: True = real token)."""
-
-    linear: Any
-    keys: torch.Tensor
-    values: torch.Tensor
-    keep: torch.Tensor
 
 
 SELECTIONS = ("recall", "question")
@@ -295,14 +296,11 @@ class LinearizedHeads(HybridHeads):
         queries, keys, values, cache_layer = call.queries, call.keys, call.values, call.cache_layer
         rotary = call.options.get(POSITION_EMBEDDINGS_KEYWORD)
         batch, _, seq, _ = queries.shape
-        plain = not (self.sinks or self.sparse_cache or self.exact_heads) and self.fold
-        ring = isinstance(cache_layer, RingHybridStateCacheLayer) and plain
-        if seq == 1 and ring and cache_layer.is_initialized:
+        if seq == 1 and isinstance(cache_layer, RingHybridStateCacheLayer) and cache_layer.is_initialized:
             # The fast decoder's compiled step: one real token, fixed buffers updated in place.
-            outputs = hybrid_attention_ring_step_(
-                queries, keys, values, *self.features(queries, keys, rotary), self.balance, cache_layer.ring_state(),
-                scale=call.scale(self.scale),
-            )  # fmt: skip
+            outputs = self._fixed_size_step(
+                queries, keys, values, rotary, call.scale(self.scale), cache_layer.ring_state()
+            )
             return outputs.transpose(1, 2).contiguous(), None
         past = 0 if cache_layer is None else cache_layer.get_seq_length()
         new_mask = new_key_padding_mask(call.attention_mask, batch, past, seq)
@@ -332,6 +330,55 @@ class LinearizedHeads(HybridHeads):
         if cache_layer is not None:
             cache_layer.set_state(state, seq)
         return outputs.transpose(1, 2).contiguous(), None
+
+    def _fixed_size_step(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        scale: float,
+        ring: Any,
+    ) -> torch.Tensor:
+        """One real token on the fixed buffers of a :class:`RingHybridStateCacheLayer`, updated in place: the
+        exact heads over their key/value buffers, the converted heads through the in-place step of the plain
+        hybrid or of the one with sinks and a sparse cache. Out [B, H, 1, Dv]; the same arithmetic as the
+        eager step (tests compare tokens and states)."""
+        if not isinstance(ring, SplitHeadsRing):
+            return self._converted_step(queries, keys, values, rotary, scale, ring)
+        exact_q, linear_q = self._exact_query_heads, self._linear_query_heads
+        exact_kv, linear_kv = list(self.exact_heads), list(self.linear_heads)
+        outputs = queries.new_empty(*queries.shape[:3], values.shape[-1])
+        outputs[:, exact_q] = softmax_attention_static_step_(
+            queries[:, exact_q], keys[:, exact_kv], values[:, exact_kv], ring.keys, ring.values, ring.keep,
+            ring.seen, scale=scale,
+        )  # fmt: skip
+        if linear_kv:
+            outputs[:, linear_q] = self._converted_step(
+                queries[:, linear_q], keys[:, linear_kv], values[:, linear_kv], rotary, scale, ring.linear
+            )
+        return outputs
+
+    def _converted_step(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        scale: float,
+        ring: Any,
+    ) -> torch.Tensor:
+        heads = self._linear_query_heads if self.exact_heads else list(range(self.num_heads))
+        kv_heads = list(self.linear_heads) if self.exact_heads else list(range(self.num_kv_heads))
+        tensors = (
+            queries, keys, values, *self._head_features(queries, keys, heads, kv_heads, rotary), self.balance[heads]
+        )  # fmt: skip
+        if isinstance(ring, SparseHybridRingState):
+            return sparse_hybrid_attention_ring_step_(
+                *tensors, ring, sinks=self.sinks, budget=self.sparse_cache, scale=scale,
+                recall=self.selection == "recall",
+            )  # fmt: skip
+        return hybrid_attention_ring_step_(*tensors, ring, scale=scale)
 
     def _converted(
         self,
