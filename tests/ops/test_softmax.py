@@ -117,7 +117,11 @@ def test_static_step_matches_softmax_over_the_held_keys():
     real[0, :2] = False  # a left-padded prompt
     keys = torch.zeros(batch, kv_heads, capacity, dim, dtype=torch.float64)
     values, keep = torch.zeros_like(keys), torch.zeros(batch, capacity, dtype=torch.bool)
-    keys[:, :, :prompt], values[:, :, :prompt], keep[:, :prompt] = k[:, :, :prompt], v[:, :, :prompt], real[:, :prompt]
+    keys[:, :, :prompt], values[:, :, :prompt], keep[:, :prompt] = (
+        k[:, :, :prompt],
+        v[:, :, :prompt],
+        real[:, :prompt],
+    )
     seen = torch.tensor(prompt)
     for t in range(prompt, length):
         out = softmax_attention_static_step_(
