@@ -13,11 +13,14 @@ from headkit.surgery import prune_heads
 from headkit.surgery.adapters import get_adapter, linear_parameters
 from headkit.surgery.latent import compress_kv_to_latent
 from headkit.surgery.repair import (
+    OutputStatistics,
     capture_attention_calls,
     output_statistics,
     reconstruct_attention,
+    refit_error_scores,
     refit_output_projections,
     refit_sequentially,
+    refit_weight,
 )
 
 REMOVED = {0: [1], 1: [0, 3]}
@@ -238,3 +241,32 @@ def test_bad_reconstruction_arguments_are_refused_before_any_work(options, messa
     with pytest.raises(HeadkitError, match="converted copy of teacher"):
         reconstruct_attention(family_model("llama", num_hidden_layers=1), teacher, _batches(), _held_out())
     assert all(torch.equal(v, before[k]) for k, v in student.state_dict().items())
+
+
+def _statistics(heads=4, head_dim=3, out=5, seed=0, silent=()):
+    generator = torch.Generator().manual_seed(seed)
+    activations = torch.randn(200, heads * head_dim, generator=generator, dtype=torch.float64)
+    weight = torch.randn(out, heads * head_dim, generator=generator, dtype=torch.float64)
+    for head in silent:  # a head whose output the projection ignores: removing it costs nothing
+        weight[:, head * head_dim : (head + 1) * head_dim] = 0
+    return OutputStatistics(gram=activations.T @ activations, tokens=200, weight=weight, head_dim=head_dim)
+
+
+def test_refit_error_scores_rank_each_layer_by_the_error_left_after_the_repair():
+    layers = [_statistics(seed=0, silent=(2,)), _statistics(seed=1)]
+    kv = [[0, 0, 1, 1], [0, 0, 1, 1]]
+    scores = refit_error_scores(layers, kv)
+    assert scores[0][2] == 0 and scores[0].argmin() == 2  # the silent head goes first, for free
+    # The first head each layer gives up is the one whose removal alone leaves the least refit error.
+    for stats, layer_scores in zip(layers, scores, strict=True):
+        alone = [refit_weight(stats, [h for h in range(4) if h != gone])[2] for gone in range(4)]
+        assert layer_scores.argmin() == min(range(4), key=alone.__getitem__)
+        assert layer_scores.min() == pytest.approx(min(alone))
+    # Increments along each layer's order never fall: a ranking across layers keeps each layer's order.
+    ordered = [sorted(s.tolist()) for s in scores]
+    assert all(a <= b for row in ordered for a, b in zip(row, row[1:], strict=False))
+    # Groups: every query head of a group shares its group's score.
+    grouped = refit_error_scores(layers, kv, unit="group")
+    assert all(s[0] == s[1] and s[2] == s[3] for s in grouped)
+    with pytest.raises(HeadkitError, match="weighting must be"):
+        refit_error_scores(layers, kv, weighting="loss")

@@ -83,10 +83,10 @@ from headkit.surgery.pruning import (
     query_to_kv_heads,
     to_stock_architecture,
 )
-from headkit.surgery.repair import output_statistics, refit_output_projections
+from headkit.surgery.repair import output_statistics, refit_error_scores, refit_output_projections
 
 UNITS = ("query", "group")
-METHODS = ("importance", "l0")
+METHODS = ("importance", "l0", "refit")
 SAMPLE_PROMPT = "def fibonacci(n):\n"
 
 
@@ -103,7 +103,9 @@ class PruneSettings(QuickSettings):
     )
     # None: "l0" for encoders, "importance" for causal LMs
     method: str | None = option(
-        None, "Head ranking: 'importance' (default for causal LMs) or 'l0' gates (encoders)."
+        None,
+        "Head ranking: 'importance' (default for causal LMs), 'refit' (causal LMs: the error each removal leaves "
+        "after the least-squares repair, measured per layer) or 'l0' gates (encoders).",
     )
     data: Path | None = option(
         None, "Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field."
@@ -617,6 +619,12 @@ class CausalLMPruneSteps(_PruneSteps):
             importance = head_importance(teacher, calibration, attention_stats=False, adapter=adapter)
             scores = importance.importance
             selection["importance_batches"] = len(calibration)
+        elif self.method == "refit":
+            calibration = calibration_batches(
+                self.windows.train, settings.batch_size, settings.importance_batches
+            )
+            self.statistics = output_statistics(teacher, calibration, adapter)
+            scores = refit_error_scores(self.statistics, self.kv_of_query, unit=settings.unit)
         else:
             echo(f"training head gates for {settings.gate_steps} steps towards {self.keep} heads")
             gated, log = train_head_gates(
@@ -671,7 +679,10 @@ class CausalLMPruneSteps(_PruneSteps):
             self.windows.train, settings.batch_size, settings.importance_batches
         )
         started = time.perf_counter()
-        statistics = output_statistics(self.teacher, calibration, self.adapter)
+        # The refit ranking measured the same statistics already.
+        statistics = getattr(self, "statistics", None) or output_statistics(
+            self.teacher, calibration, self.adapter
+        )
         repair = refit_output_projections(self.student, statistics, self.plan, self.adapter)
         repair.seconds = time.perf_counter() - started
         self.echo(str(repair))
@@ -784,7 +795,7 @@ class EncoderPruneSteps(_PruneSteps):
         self.method = settings.method or "l0"
         if self.method != "l0":
             raise HeadkitError(
-                "--method importance is for causal LMs; encoders are pruned with L0 gates (--method l0)"
+                f"--method {self.method} is for causal LMs; encoders are pruned with L0 gates (--method l0)"
             )
         self.teacher.requires_grad_(False)
 

@@ -8,11 +8,15 @@ What it does, following transformers' own recipe for compiled generation (a stat
   preallocated for the whole bucket, written in place; sliding-window layers its fixed sliding entries).
   Linearized layers (:func:`headkit.linearize`) get a :class:`~headkit.layers.hybrid.RingHybridStateCacheLayer`:
   the LoLCATs window as a ring buffer and the linear sums, updated in place by one fused step
-  (:func:`headkit.ops.hybrid_attention_ring_step_`) — no window re-concatenated per token.
+  (:func:`headkit.ops.hybrid_attention_ring_step_`) — no window re-concatenated per token. What such a layer
+  keeps exact beyond its window is fixed buffers too: sinks and the sparse cache are slots that a key enters in
+  place, evicting the worst kept key (:func:`headkit.ops.sparse_hybrid.sparse_hybrid_attention_ring_step_`, no
+  re-gathering of the cache per token), and retrieval heads write their keys and values into buffers of the
+  bucket's length (:func:`headkit.ops.softmax.softmax_attention_static_step_`).
 * **One graph per shape bucket.** The step (model forward on one token per row and the argmax) is compiled with
   ``fullgraph=True`` — a graph break is an error, not a silent eager fallback — once per bucket: (batch,
-  cache length rounded up to :data:`CACHE_BUCKET` tokens), or (batch) alone when every layer is linearized (the
-  state does not depend on the context). Inductor freezes the weights into the graphs and writes a C++ wrapper;
+  cache length rounded up to :data:`CACHE_BUCKET` tokens), or (batch) alone when every layer is linearized
+  without retrieval heads (the state does not depend on the context). Inductor freezes the weights into the graphs and writes a C++ wrapper;
   quantized weights get its autotuned C++ GEMM templates (:func:`compile_config_for`). After the first step of a
   bucket every step runs under dynamo's ``fail_on_recompile`` stance (a steady-state recompile raises), checking
   only the guards that tell its graphs apart (:func:`_steady_state`). :attr:`FastDecoder.compile_seconds` records what

@@ -163,6 +163,64 @@ def refit_weight(
     return refit, error(weight[:, kept]), error(refit)
 
 
+def refit_error_scores(
+    statistics: list[OutputStatistics],
+    kv_of_query: list[list[int]],
+    *,
+    unit: str = "query",
+    ridge: float = RIDGE,
+    weighting: str = "relative",
+) -> list[torch.Tensor]:
+    """Per-layer head scores from the error each removal leaves *after* the repair: the sensitivity of every layer
+    to every choice, measured with the closed form itself (issue: "the budget where it matters").
+
+    Within each layer the units (query heads, or key/value groups with ``unit="group"``) are removed greedily:
+    at each step the one whose removal leaves the smallest refit error (:func:`refit_weight`, from the Gram
+    matrix alone: no forward pass) given the ones already removed. A unit's score is the error increment its
+    removal costs, made non-decreasing along the layer's order (so a ranking across layers removes each layer's
+    units in its greedy order); every query head of a group gets the group's score. Larger: more important —
+    :func:`headkit.recipes.prune.plan_pruning` then allocates the budget across layers by these increments.
+    ``weighting``: "relative" scores the error relative to the layer's attention-output energy E‖W_O h‖²;
+    "absolute" leaves it in the units of the residual stream."""
+    if unit not in ("query", "group"):
+        raise HeadkitError(f"unit must be 'query' or 'group', got {unit!r}")
+    if weighting not in ("relative", "absolute"):
+        raise HeadkitError(f"weighting must be 'relative' or 'absolute', got {weighting!r}")
+    scores: list[torch.Tensor] = []
+    for stats, kv in zip(statistics, kv_of_query, strict=True):
+        heads = len(kv)
+        units = (
+            [[h] for h in range(heads)]
+            if unit == "query"
+            else [[h for h in range(heads) if kv[h] == group] for group in sorted(set(kv))]
+        )
+        energy = 1.0
+        if weighting == "absolute":
+            energy = float(torch.einsum("oi,ij,oj->", stats.weight, stats.gram, stats.weight)) / max(
+                stats.tokens, 1
+            )
+        removed: list[int] = []
+        previous, increment = 0.0, 0.0
+        layer_scores = torch.zeros(heads, dtype=torch.float64)
+        remaining = list(range(len(units)))
+        while remaining:
+            best = None
+            for candidate in remaining:
+                gone = set(removed) | set(units[candidate])
+                kept = [h for h in range(heads) if h not in gone]
+                error = refit_weight(stats, kept, ridge)[2] if kept else 1.0
+                if best is None or error < best[1]:
+                    best = (candidate, error)
+            candidate, error = best
+            increment = max(increment, (error - previous) * energy)
+            layer_scores[units[candidate]] = increment
+            previous = error
+            removed += units[candidate]
+            remaining.remove(candidate)
+        scores.append(layer_scores)
+    return scores
+
+
 @torch.no_grad()
 def refit_output_projections(
     model: nn.Module,
@@ -467,6 +525,7 @@ __all__ = [
     "RepairReport",
     "output_statistics",
     "refit_output_projections",
+    "refit_error_scores",
     "refit_sequentially",
     "refit_weight",
 ]
