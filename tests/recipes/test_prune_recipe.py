@@ -71,10 +71,13 @@ def test_scores_within_layers_keep_the_plans_counts_and_choose_by_the_other_rank
 
 def test_the_refit_method_prunes_and_repairs(tiny_llama, text_folder, tmp_path):
     out = tmp_path / "refit"
-    args = ["prune", str(tiny_llama), "--data", str(text_folder), "--heads", "5", "--method", "refit", *FAST]
+    args = ["prune", str(tiny_llama), "--data", str(text_folder), "--heads", "5", *FAST]
     assert _run([*args, "--recovery-steps", "0", "--out", str(out)]) == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["selection"]["method"] == "refit"
+    assert report["selection"]["method"] == "refit"  # the default with the repair
+    sliced = tmp_path / "sliced"
+    assert _run([*args, "--recovery-steps", "0", "--no-repair", "--out", str(sliced)]) == 0
+    assert json.loads((sliced / "report.json").read_text())["selection"]["method"] == "importance"
     assert report["repair"]["perplexity"] <= report["perplexity_pruned"]
 
 
@@ -350,7 +353,7 @@ def test_the_repair_refits_the_output_projections_before_recovery_and_keeps_a_st
     tiny_llama, text_folder, tmp_path
 ):
     common = ["--data", str(text_folder), "--unit", "group", "--uniform", "--heads", "4", *FAST]
-    common += ["--recovery-steps", "0"]
+    common += ["--recovery-steps", "0", "--method", "importance"]  # the same heads: only the repair differs
     repaired, sliced = tmp_path / "repaired", tmp_path / "sliced"
     assert _run(["prune", str(tiny_llama), "--out", str(repaired), *common]) == 0
     assert _run(["prune", str(tiny_llama), "--no-repair", "--out", str(sliced), *common]) == 0

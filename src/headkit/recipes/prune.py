@@ -101,11 +101,12 @@ class PruneSettings(QuickSettings):
     uniform: bool = option(
         False, "The same heads in every layer: a LLaMA-family result is the stock architecture."
     )
-    # None: "l0" for encoders, "importance" for causal LMs
+    # None: "l0" for encoders; for causal LMs "refit" with the repair, "importance" without
     method: str | None = option(
         None,
-        "Head ranking: 'importance' (default for causal LMs), 'refit' (causal LMs: the error each removal leaves "
-        "after the least-squares repair, measured per layer) or 'l0' gates (encoders).",
+        "Head ranking: 'refit' (causal LMs, the default with the repair: importance sets how many heads each "
+        "layer gives up, the error each removal leaves after the least-squares repair which ones), 'importance' "
+        "(causal LMs, the default with --no-repair) or 'l0' gates (encoders).",
     )
     data: Path | None = option(
         None, "Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field."
@@ -596,7 +597,8 @@ class CausalLMPruneSteps(_PruneSteps):
         settings = self.settings
         sites = self.adapter.sites(self.teacher)
         self.kv_of_query = [query_to_kv_heads(site) for site in sites]
-        self.method = settings.method or "importance"
+        # The refit ranking chooses heads for the repair that follows; a sliced model is ranked by importance.
+        self.method = settings.method or ("refit" if settings.repair else "importance")
         # Validate the plan's shape before any work: random scores exercise every count check.
         plan_pruning(
             [torch.zeros(len(kv)) for kv in self.kv_of_query],
