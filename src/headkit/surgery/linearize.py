@@ -344,41 +344,32 @@ class LinearizedHeads(HybridHeads):
         exact heads over their key/value buffers, the converted heads through the in-place step of the plain
         hybrid or of the one with sinks and a sparse cache. Out [B, H, 1, Dv]; the same arithmetic as the
         eager step (tests compare tokens and states)."""
-        if not isinstance(ring, SplitHeadsRing):
-            return self._converted_step(queries, keys, values, rotary, scale, ring)
-        exact_q, linear_q = self._exact_query_heads, self._linear_query_heads
-        exact_kv, linear_kv = list(self.exact_heads), list(self.linear_heads)
+        split = isinstance(ring, SplitHeadsRing)
+        heads = self._linear_query_heads if split else list(range(self.num_heads))
+        kv_heads = list(self.linear_heads) if split else list(range(self.num_kv_heads))
+
+        def converted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any) -> torch.Tensor:
+            tensors = (q, k, v, *self._head_features(q, k, heads, kv_heads, rotary), self.balance[heads])
+            if isinstance(state, SparseHybridRingState):
+                return sparse_hybrid_attention_ring_step_(
+                    *tensors, state, sinks=self.sinks, budget=self.sparse_cache, scale=scale,
+                    recall=self.selection == "recall",
+                )  # fmt: skip
+            return hybrid_attention_ring_step_(*tensors, state, scale=scale)
+
+        if not split:
+            return converted(queries, keys, values, ring)
+        exact_q, exact_kv = self._exact_query_heads, list(self.exact_heads)
         outputs = queries.new_empty(*queries.shape[:3], values.shape[-1])
         outputs[:, exact_q] = softmax_attention_static_step_(
             queries[:, exact_q], keys[:, exact_kv], values[:, exact_kv], ring.keys, ring.values, ring.keep,
             ring.seen, scale=scale,
         )  # fmt: skip
-        if linear_kv:
-            outputs[:, linear_q] = self._converted_step(
-                queries[:, linear_q], keys[:, linear_kv], values[:, linear_kv], rotary, scale, ring.linear
+        if kv_heads:
+            outputs[:, heads] = converted(
+                queries[:, heads], keys[:, kv_heads], values[:, kv_heads], ring.linear
             )
         return outputs
-
-    def _converted_step(
-        self,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None,
-        scale: float,
-        ring: Any,
-    ) -> torch.Tensor:
-        heads = self._linear_query_heads if self.exact_heads else list(range(self.num_heads))
-        kv_heads = list(self.linear_heads) if self.exact_heads else list(range(self.num_kv_heads))
-        tensors = (
-            queries, keys, values, *self._head_features(queries, keys, heads, kv_heads, rotary), self.balance[heads]
-        )  # fmt: skip
-        if isinstance(ring, SparseHybridRingState):
-            return sparse_hybrid_attention_ring_step_(
-                *tensors, ring, sinks=self.sinks, budget=self.sparse_cache, scale=scale,
-                recall=self.selection == "recall",
-            )  # fmt: skip
-        return hybrid_attention_ring_step_(*tensors, ring, scale=scale)
 
     def _converted(
         self,
