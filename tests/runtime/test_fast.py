@@ -308,3 +308,17 @@ def test_missing_compiler_is_one_line(monkeypatch):
     with pytest.raises(HeadkitError, match="needs a C\\+\\+ compiler on CPU: none found") as error:
         FastDecoder(tiny_llama())
     assert "\n" not in str(error.value)
+
+
+def test_a_model_loaded_from_gguf_is_decoded_and_left_as_loaded():
+    # transformers marks a model loaded with gguf_file= as quantized (dequantized on load, plain float tensors)
+    # and refuses .float()/.to(dtype) on it: the decoder's copy is told it is a plain model, the user's is not.
+    model = tiny_llama()
+    ids, mask = prompts()
+    expected = eager_greedy(model, ids, mask)
+    model.is_quantized, model.quantization_method = True, "gguf"
+    for weights in ("float32", "bfloat16"):
+        decoder = FastDecoder(model, weights=weights, compile=False)
+        if weights == "float32":
+            assert torch.equal(decoder.generate(ids, attention_mask=mask, max_new_tokens=NEW), expected)
+    assert model.is_quantized and model.quantization_method == "gguf"

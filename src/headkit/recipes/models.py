@@ -168,7 +168,7 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(
             path.parent, gguf_file=path.name, local_files_only=True, dtype=torch_dtype
         )
-        _forget_gguf_quantization(model)
+        forget_gguf_quantization(model)
         check_token_ids(tokenizer, model, f"MODEL {str(path)!r}")
         return LoadedModel(model.to(torch_dtype).eval(), tokenizer, CAUSAL_LM, path)
     config = json.loads((path / "config.json").read_text())
@@ -252,7 +252,7 @@ def check_token_ids(tokenizer: Any, model: nn.Module, source: str) -> None:
     )
 
 
-def _forget_gguf_quantization(model: nn.Module) -> None:
+def forget_gguf_quantization(model: nn.Module) -> None:
     """The GGUF weights are dequantized on load, but the model still says it is quantized: Trainer then refuses
     to train it and save_pretrained writes a quantization config that no loader can honour. It is a plain
     (float32 or bfloat16) model; say so."""

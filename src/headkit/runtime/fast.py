@@ -56,6 +56,7 @@ from headkit.compat import cache_keyword
 from headkit.errors import HeadkitError
 from headkit.evaluation.timing import timed_call
 from headkit.layers.hybrid import RingHybridStateCacheLayer
+from headkit.recipes.models import forget_gguf_quantization
 from headkit.surgery.attention import mechanism_of
 from headkit.surgery.linearize import LinearizedHeads
 
@@ -154,6 +155,10 @@ def prepare_weights(model: nn.Module, weights: str, group_size: int = GROUP_SIZE
     check_group_size(model, weights, group_size)
     quantization = _torchao() if weights in QUANTIZED_WEIGHTS else None
     prepared = copy.deepcopy(model).eval()
+    if str(getattr(prepared, "quantization_method", "")).lower().endswith("gguf"):
+        # Loaded with gguf_file=: dequantized on load, plain float tensors, though transformers still calls the
+        # model quantized and refuses to cast it.
+        forget_gguf_quantization(prepared)
     if weights == "float32":
         return prepared.float()
     prepared = prepared.to(torch.bfloat16)
