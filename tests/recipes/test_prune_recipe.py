@@ -373,3 +373,24 @@ def test_the_repair_refits_the_output_projections_before_recovery_and_keeps_a_st
     first, second = load_file(repaired / "model.safetensors"), load_file(sliced / "model.safetensors")
     changed = {name for name in first if not torch.equal(first[name], second[name])}
     assert changed and all("o_proj" in name for name in changed)
+
+
+def test_an_encoders_pruned_layers_are_refit_on_its_own_inputs_before_recovery(save_tiny_encoder, tmp_path):
+    encoder = save_tiny_encoder(tmp_path / "encoder")
+    # The embedded corpus: the text folder is too short for an encoder's held-out texts.
+    common = ["prune", str(encoder), "--heads", "4", "--steps", "4", *FAST]
+    common += ["--recovery-steps", "0", "--train-texts", "16", "--held-out", "8"]
+    repaired, plain = tmp_path / "repaired", tmp_path / "plain"
+    assert _run([*common, "--out", str(repaired)]) == 0
+    assert _run([*common, "--no-repair", "--out", str(plain)]) == 0
+    report, without = (json.loads((path / "report.json").read_text()) for path in (repaired, plain))
+    assert without["repair"] is None
+    repair = report["repair"]
+    assert repair["layers"] and repair["tokens"] > 0
+    assert all(r <= s for r, s in zip(repair["error_refit"], repair["error_sliced"], strict=True))
+    # Kept only where it helps the held-out texts; either way the report says which.
+    if "skipped" in repair:
+        assert report["fidelity_mean_cosine"] == pytest.approx(without["fidelity_mean_cosine"])
+    else:
+        assert repair["fidelity_mean_cosine"] >= report["fidelity_mean_cosine_pruned"]
+        assert report["fidelity_mean_cosine"] == pytest.approx(repair["fidelity_mean_cosine"])

@@ -24,6 +24,7 @@ perplexity; sliced 38.27): λ = 10⁻⁶·mean diag(G_KK) 58.52 (worse than slic
 
 from __future__ import annotations
 
+import inspect
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -41,13 +42,16 @@ RIDGE = 0.1  # λ relative to the mean diagonal of the kept heads' second moment
 
 @dataclass
 class OutputStatistics:
-    """The second moment G = Σ h hᵀ (float64) of one layer's output-projection input, over `tokens` tokens, and the
-    projection's weight W_O [out, heads·head_dim] as the original had it."""
+    """The second moment G = Σ h hᵀ (float64) of one layer's output-projection input over `tokens` tokens, its sum
+    Σ h, and the projection's weight W_O [out, heads·head_dim] as the original had it."""
 
     gram: torch.Tensor
     tokens: int
     weight: torch.Tensor
     head_dim: int
+    total: torch.Tensor | None = (
+        None  # Σ h (float64): the mean's numerator, for a bias that absorbs the removed heads'
+    )
 
 
 @dataclass
@@ -84,12 +88,17 @@ class RepairReport(_LayerwiseReport):
         )
 
 
+def _no_cache(model: nn.Module) -> dict[str, Any]:
+    """``use_cache=False`` for a model whose forward takes it (a decoder); nothing for an encoder's."""
+    return {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
+
+
 def _run_hooked(model: nn.Module, handles: list[Any], batches: Iterable[Mapping[str, Any]]) -> None:
     """Run `model` over `batches` (their ids and mask; no cache), then remove the hooks `handles`, also on error."""
     try:
         for batch in batches:
             inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
-            model(**inputs, use_cache=False)
+            model(**inputs, **_no_cache(model))
     finally:
         for handle in handles:
             handle.remove()
@@ -106,13 +115,15 @@ def output_statistics(
     adapter = get_adapter(model, adapter)
     sites = adapter.sites(model)
     grams: list[torch.Tensor | None] = [None] * len(sites)
+    totals: list[torch.Tensor | None] = [None] * len(sites)
     tokens = [0] * len(sites)
 
     def hook(index: int):
         def accumulate(module: nn.Module, args: tuple) -> None:
             inputs = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-            gram = inputs.T @ inputs
+            gram, total = inputs.T @ inputs, inputs.sum(dim=0)
             grams[index] = gram if grams[index] is None else grams[index] + gram
+            totals[index] = total if totals[index] is None else totals[index] + total
             tokens[index] += inputs.shape[0]
 
         return accumulate
@@ -127,40 +138,65 @@ def output_statistics(
             tokens=count,
             weight=linear_parameters(site.output_projection)[0].detach().double().cpu().clone(),
             head_dim=site.head_dim,
+            total=total.cpu(),
         )
-        for gram, count, site in zip(grams, tokens, sites, strict=True)
+        for gram, total, count, site in zip(grams, totals, tokens, sites, strict=True)
     ]
 
 
 def refit_weight(
-    statistics: OutputStatistics, kept_heads: list[int], ridge: float = RIDGE
+    statistics: OutputStatistics, kept_heads: list[int], ridge: float = RIDGE, intercept: bool = False
 ) -> tuple[torch.Tensor, float, float]:
     """(W' [out, |K|·head_dim], sliced error, refit error) for the kept heads of one layer (the closed form of
-    the module docstring)."""
+    the module docstring). ``intercept``: the projection has a bias that moves too (FLAP's bias compensation,
+    An et al. 2024): the fit is on the centred second moment C = E[h hᵀ] − μμᵀ, and :func:`bias_shift` gives the
+    bias's change, b' − b = W_O μ − W' μ_K, which absorbs the removed heads' mean contribution."""
     d = statistics.head_dim
     total = statistics.gram.shape[0]
-    kept = torch.cat([torch.arange(h * d, (h + 1) * d) for h in kept_heads])
+    kept = (
+        torch.cat([torch.arange(h * d, (h + 1) * d) for h in kept_heads])
+        if kept_heads
+        else torch.zeros(0, dtype=torch.long)
+    )
     removed = torch.tensor(sorted(set(range(total)) - set(kept.tolist())), dtype=torch.long)
-    gram, weight = statistics.gram, statistics.weight
-    g_kk = gram[kept][:, kept]
+    second_moment, weight = statistics.gram / max(statistics.tokens, 1), statistics.weight
+    moment = second_moment
+    if intercept:
+        if statistics.total is None:
+            raise HeadkitError("a bias refit needs the activations' mean: statistics from output_statistics")
+        mean = statistics.total / max(statistics.tokens, 1)
+        moment = second_moment - torch.outer(mean, mean)
+    g_kk = moment[kept][:, kept]
     ridge = ridge * float(g_kk.diagonal().mean()) if len(kept) else 0.0
     refit = weight[:, kept].clone()
-    if len(removed):
-        g_kr = gram[kept][:, removed]
+    if len(removed) and len(kept):
+        g_kr = moment[kept][:, removed]
         # W_R G_RK (G_KK + λI)⁻¹, solved rather than inverted: (G_KK + λI) Xᵀ = G_KR W_Rᵀ
         solve = torch.linalg.solve(
-            g_kk + ridge * torch.eye(len(kept), dtype=gram.dtype), g_kr @ weight[:, removed].T
+            g_kk + ridge * torch.eye(len(kept), dtype=moment.dtype), g_kr @ weight[:, removed].T
         )
         refit += solve.T
+    reference = torch.einsum("oi,ij,oj->", weight, second_moment, weight).clamp_min(1e-300)
 
-    def error(candidate: torch.Tensor) -> float:
-        # E‖[candidate | 0] h − W h‖² from G alone: Δ G Δᵀ with Δ = [candidate on K, 0 on R] − W.
+    def error(candidate: torch.Tensor, moment: torch.Tensor) -> float:
+        # E‖[candidate | 0] h − W h‖² from the moments alone: Δ M Δᵀ with Δ = [candidate on K, 0 on R] − W (the
+        # centred moment when the bias absorbs the mean difference).
         delta = -weight.clone()
         delta[:, kept] += candidate
-        reference = torch.einsum("oi,ij,oj->", weight, gram, weight)
-        return float(torch.einsum("oi,ij,oj->", delta, gram, delta) / reference.clamp_min(1e-300))
+        return float(torch.einsum("oi,ij,oj->", delta, moment, delta) / reference)
 
-    return refit, error(weight[:, kept]), error(refit)
+    return refit, error(weight[:, kept], second_moment), error(refit, moment)
+
+
+def bias_shift(statistics: OutputStatistics, kept_heads: list[int], refit: torch.Tensor) -> torch.Tensor:
+    """b' − b = W_O μ − W' μ_K [out] (float64): what the bias adds so that the refit projection's mean output is
+    the original's (:func:`refit_weight` with ``intercept``)."""
+    if statistics.total is None:
+        raise HeadkitError("a bias refit needs the activations' mean: statistics from output_statistics")
+    d = statistics.head_dim
+    kept = torch.cat([torch.arange(h * d, (h + 1) * d) for h in kept_heads])
+    mean = statistics.total / max(statistics.tokens, 1)
+    return statistics.weight @ mean - refit @ mean[kept]
 
 
 def refit_error_scores(
@@ -247,14 +283,18 @@ def refit_output_projections(
         kept = [h for h in range(total) if h not in gone]
         if not gone or not kept:
             continue  # untouched, or emptied: no projection left to refit
-        weight, _ = linear_parameters(sites[layer].output_projection)
-        refit, sliced, error = refit_weight(stats, kept, ridge)
+        weight, bias = linear_parameters(sites[layer].output_projection)
+        # A projection with a bias (BERT, GPT-2, GPT-NeoX, …) absorbs the removed heads' mean output in it.
+        intercept = bias is not None and stats.total is not None
+        refit, sliced, error = refit_weight(stats, kept, ridge, intercept=intercept)
         if tuple(weight.shape) != tuple(refit.shape):
             raise HeadkitError(
                 f"layer {layer}: the pruned output projection reads {weight.shape[1]} features, but the kept heads "
                 f"{kept} give {refit.shape[1]}"
             )
         weight.copy_(refit.to(weight.dtype))  # a view of the module's own weight (a Conv1D's transposed)
+        if intercept:
+            bias.add_(bias_shift(stats, kept, refit).to(bias.dtype))
         report.layers.append(layer)
         report.error_sliced.append(sliced)
         report.error_refit.append(error)
@@ -270,16 +310,22 @@ def _inputs_at(model: nn.Module, projection: nn.Module, batches: list[Mapping[st
     """The inputs [tokens, features] of `projection` over `batches`, running `model` only up to it."""
     chunks: list[torch.Tensor] = []
 
+    real: list[torch.Tensor | None] = [None]
+
     def capture(module: nn.Module, args: tuple) -> None:
-        chunks.append(args[0].detach().reshape(-1, args[0].shape[-1]))
+        rows = args[0].detach().reshape(-1, args[0].shape[-1])
+        # Padding slots (texts of unequal length) say nothing the model is asked: only real tokens are fitted.
+        chunks.append(rows if real[0] is None else rows[real[0].reshape(-1)])
         raise _Captured
 
     handle = projection.register_forward_pre_hook(capture)
     try:
         for batch in batches:
             inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+            mask = inputs.get("attention_mask")
+            real[0] = None if mask is None or mask.dim() != 2 else mask.bool()
             try:
-                model(**inputs, use_cache=False)
+                model(**inputs, **_no_cache(model))
             except _Captured:
                 pass
     finally:
@@ -318,11 +364,16 @@ def refit_sequentially(
         kept = [h for h in range(original.num_heads) if h not in gone]
         if not gone or not kept:
             continue
-        target_weight = linear_parameters(original.output_projection)[0].double()
-        target = _inputs_at(teacher, original.output_projection, batches).double() @ target_weight.T
+        target_weight, target_bias = linear_parameters(original.output_projection)
+        target = _inputs_at(teacher, original.output_projection, batches).double() @ target_weight.double().T
         inputs = _inputs_at(model, site.output_projection, batches).double()
-        weight, _ = linear_parameters(site.output_projection)
+        weight, bias = linear_parameters(site.output_projection)
         sliced = weight.double()
+        if bias is not None:  # an intercept: the bias is fitted with the weight (a column of ones)
+            if target_bias is not None:
+                target = target + target_bias.double()
+            inputs = torch.cat([inputs, inputs.new_ones(inputs.shape[0], 1)], dim=1)
+            sliced = torch.cat([sliced, bias.double()[:, None]], dim=1)
         gram = inputs.T @ inputs
         damping = ridge * float(gram.diagonal().mean())
         # (W_O C + λ W_K)(G_s + λI)⁻¹: the same pull towards the sliced projection as the one-pass fit
@@ -331,6 +382,9 @@ def refit_sequentially(
         energy = target.pow(2).sum().clamp_min(1e-300)
         report.error_sliced.append(float((inputs @ sliced.T - target).pow(2).sum() / energy))
         report.error_refit.append(float((inputs @ refit.T - target).pow(2).sum() / energy))
+        if bias is not None:
+            refit, new_bias = refit[:, :-1], refit[:, -1]
+            bias.copy_(new_bias.to(bias.dtype))
         weight.copy_(refit.to(weight.dtype))
         report.layers.append(layer)
         report.tokens = inputs.shape[0]
@@ -523,6 +577,7 @@ __all__ = [
     "capture_attention_calls",
     "reconstruct_attention",
     "RepairReport",
+    "bias_shift",
     "output_statistics",
     "refit_output_projections",
     "refit_error_scores",
