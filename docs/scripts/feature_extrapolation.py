@@ -35,7 +35,9 @@ torch.manual_seed(0)
 loaded = load_model(smollm2_gguf_path(), kind=CAUSAL_LM)
 model, tokenizer = loaded.model.eval(), loaded.tokenizer
 corpus = load_text(None)
-train = lm_windows(tokenizer, corpus, length=arguments.train_length, train_windows=8, held_out_windows=1).train
+train = lm_windows(
+    tokenizer, corpus, length=arguments.train_length, train_windows=8, held_out_windows=1
+).train
 test = lm_windows(tokenizer, corpus, length=4096, train_windows=1, held_out_windows=2).held_out
 
 captured: dict[int, tuple] = {}
@@ -110,10 +112,14 @@ for layer in layers:
                 for calls in testing:
                     query, key, value, target = calls[layer]
                     difference = hybrid(maps, query, key, value, rotated_back) - target
-                    error += difference[:, low:high].pow(2).sum().item() / target[:, low:high].pow(2).sum().item()
+                    error += (
+                        difference[:, low:high].pow(2).sum().item() / target[:, low:high].pow(2).sum().item()
+                    )
                 errors.append(error / len(testing))
         name = "slow pairs rotated back" if rotated_back else "every pair rotated"
         print(
             f"layer {layer:2d} {name:24s} relative error "
-            + "  ".join(f"[{low},{high}) {error:.3f}" for (low, high), error in zip(buckets, errors, strict=True))
+            + "  ".join(
+                f"[{low},{high}) {error:.3f}" for (low, high), error in zip(buckets, errors, strict=True)
+            )
         )
