@@ -93,11 +93,21 @@ def _no_cache(model: nn.Module) -> dict[str, Any]:
     return {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
 
 
-def _run_hooked(model: nn.Module, handles: list[Any], batches: Iterable[Mapping[str, Any]]) -> None:
-    """Run `model` over `batches` (their ids and mask; no cache), then remove the hooks `handles`, also on error."""
+def _run_hooked(
+    model: nn.Module,
+    handles: list[Any],
+    batches: Iterable[Mapping[str, Any]],
+    real: list[torch.Tensor | None] | None = None,
+) -> None:
+    """Run `model` over `batches` (their ids and mask; no cache), then remove the hooks `handles`, also on error.
+    `real`: a one-item holder the hooks read, set to each batch's [B, T] bool mask of real tokens (None without
+    padding)."""
     try:
         for batch in batches:
             inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+            if real is not None:
+                mask = inputs.get("attention_mask")
+                real[0] = None if mask is None or mask.dim() != 2 else mask.bool()
             model(**inputs, **_no_cache(model))
     finally:
         for handle in handles:
@@ -110,17 +120,21 @@ def output_statistics(
     batches: Iterable[Mapping[str, Any]],
     adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
 ) -> list[OutputStatistics]:
-    """Run `model` (the original, before any head is removed) on calibration `batches` (model inputs; every token
-    counts, so give windows without padding) and return each attention site's :class:`OutputStatistics`."""
+    """Run `model` (the original, before any head is removed) on calibration `batches` (model inputs; padding slots,
+    marked by their attention mask, are left out) and return each attention site's :class:`OutputStatistics`."""
     adapter = get_adapter(model, adapter)
     sites = adapter.sites(model)
     grams: list[torch.Tensor | None] = [None] * len(sites)
     totals: list[torch.Tensor | None] = [None] * len(sites)
     tokens = [0] * len(sites)
 
+    real: list[torch.Tensor | None] = [None]
+
     def hook(index: int):
         def accumulate(module: nn.Module, args: tuple) -> None:
             inputs = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            if real[0] is not None:  # padding slots (texts of unequal length) are not what the model is asked
+                inputs = inputs[real[0].reshape(-1)]
             gram, total = inputs.T @ inputs, inputs.sum(dim=0)
             grams[index] = gram if grams[index] is None else grams[index] + gram
             totals[index] = total if totals[index] is None else totals[index] + total
@@ -129,7 +143,7 @@ def output_statistics(
         return accumulate
 
     handles = [site.output_projection.register_forward_pre_hook(hook(i)) for i, site in enumerate(sites)]
-    _run_hooked(model, handles, batches)
+    _run_hooked(model, handles, batches, real)
     if any(gram is None for gram in grams):
         raise HeadkitError("calibration needs at least one batch of text, got none")
     return [
@@ -319,17 +333,12 @@ def _inputs_at(model: nn.Module, projection: nn.Module, batches: list[Mapping[st
         raise _Captured
 
     handle = projection.register_forward_pre_hook(capture)
-    try:
-        for batch in batches:
-            inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
-            mask = inputs.get("attention_mask")
-            real[0] = None if mask is None or mask.dim() != 2 else mask.bool()
-            try:
-                model(**inputs, **_no_cache(model))
-            except _Captured:
-                pass
-    finally:
-        handle.remove()
+    for batch in batches:
+        try:
+            _run_hooked(model, [], [batch], real)
+        except _Captured:
+            pass
+    handle.remove()
     if not chunks:
         raise HeadkitError("calibration needs at least one batch of text, got none")
     return torch.cat(chunks)
