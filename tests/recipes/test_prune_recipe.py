@@ -71,14 +71,19 @@ def test_scores_within_layers_keep_the_plans_counts_and_choose_by_the_other_rank
 
 def test_the_refit_method_prunes_and_repairs(tiny_llama, text_folder, tmp_path):
     out = tmp_path / "refit"
-    args = ["prune", str(tiny_llama), "--data", str(text_folder), "--heads", "5", *FAST]
-    assert _run([*args, "--recovery-steps", "0", "--out", str(out)]) == 0
+    args = ["prune", str(tiny_llama), "--data", str(text_folder), *FAST, "--recovery-steps", "0"]
+    uniform = [*args, "--heads", "4", "--unit", "group", "--uniform"]
+    assert _run([*uniform, "--out", str(out)]) == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["selection"]["method"] == "refit"  # the default with the repair
-    sliced = tmp_path / "sliced"
-    assert _run([*args, "--recovery-steps", "0", "--no-repair", "--out", str(sliced)]) == 0
-    assert json.loads((sliced / "report.json").read_text())["selection"]["method"] == "importance"
+    assert report["selection"]["method"] == "refit"  # the default with --uniform and the repair
     assert report["repair"]["perplexity"] <= report["perplexity_pruned"]
+    for name, extra, method in (
+        ("sliced", [*uniform, "--no-repair"], "importance"),
+        ("uneven", [*args, "--heads", "5"], "importance"),
+        ("uneven-refit", [*args, "--heads", "5", "--method", "refit"], "refit"),
+    ):
+        assert _run([*extra, "--out", str(tmp_path / name)]) == 0
+        assert json.loads((tmp_path / name / "report.json").read_text())["selection"]["method"] == method
 
 
 @pytest.mark.parametrize(
