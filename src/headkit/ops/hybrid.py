@@ -476,20 +476,38 @@ def attend_one_token(
     the linear sums (kv, k_sum), under one normaliser; accumulated in kv's dtype, returned [B, H, 1, Dv] in q's.
     The G query heads of a key/value head are stacked as G rows."""
     batch, q_heads = q.shape[:2]
-    kv_heads, head_dim_v, features = keys.shape[1], values.shape[3], qf.shape[3]
-    groups, dtype = q_heads // kv_heads, kv.dtype
-    queries = q.reshape(batch, kv_heads, groups, q.shape[3]).to(dtype)
+    kv_heads, dtype = keys.shape[1], kv.dtype
+    queries = q.reshape(batch, kv_heads, q_heads // kv_heads, q.shape[3]).to(dtype)
     scores = (queries @ keys.to(dtype).transpose(-1, -2)) * scale  # [B, Hkv, G, N]
     scores = scores.masked_fill(~visible, float("-inf"))
     # No visible key gives max −inf; clamping it to a finite number leaves every weight exp(−inf) = 0.
     m = scores.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).min)
     weights = torch.exp(scores - m)
-    query_features = qf.reshape(batch, kv_heads, groups, features).to(dtype)
-    gamma = balance.to(dtype).view(1, kv_heads, groups, 1)
+    return _with_linear_term(
+        weights @ values.to(dtype), weights.sum(dim=-1, keepdim=True), q, qf, balance, kv, k_sum, eps
+    )
+
+
+def _with_linear_term(
+    numerator: torch.Tensor,
+    denominator: torch.Tensor,
+    q: torch.Tensor,
+    qf: torch.Tensor,
+    balance: torch.Tensor,
+    kv: torch.Tensor,
+    k_sum: torch.Tensor,
+    eps: float,
+) -> torch.Tensor:
+    """The one-token output [B, H, 1, Dv] in q's dtype from the exact terms' numerator [B, Hkv, G, Dv] and
+    denominator [B, Hkv, G, 1] (already in kv's dtype), plus γ_h times the linear term φ(q)ᵀ[S | z]."""
+    batch, q_heads = q.shape[:2]
+    kv_heads, groups, head_dim_v = numerator.shape[1], numerator.shape[2], numerator.shape[3]
+    query_features = qf.reshape(batch, kv_heads, groups, qf.shape[3]).to(kv.dtype)
+    gamma = balance.to(kv.dtype).view(1, kv_heads, groups, 1)
     # The linear term's numerator and denominator in one matmul: [S | z] is [B, Hkv, F, Dv + 1].
     linear = query_features @ torch.cat([kv, k_sum.unsqueeze(-1)], dim=-1)
-    numerator = torch.addcmul(weights @ values.to(dtype), gamma, linear[..., :head_dim_v])
-    denominator = torch.addcmul(weights.sum(dim=-1, keepdim=True), gamma, linear[..., head_dim_v:])
+    numerator = torch.addcmul(numerator, gamma, linear[..., :head_dim_v])
+    denominator = torch.addcmul(denominator, gamma, linear[..., head_dim_v:])
     return (numerator / (denominator + eps)).view(batch, q_heads, 1, head_dim_v).to(q.dtype)
 
 
@@ -748,29 +766,22 @@ def attend_exact_sets_and_own_key(
     under one normaliser: out [B, H, 1, Dv] in q's dtype, accumulated in kv's. The sets are scored apart, never
     concatenated: a fixed-size step reads its buffers where they are (the ring window, sinks, a sparse cache)."""
     batch, q_heads = q.shape[:2]
-    kv_heads, head_dim_v, features = k.shape[1], v.shape[3], qf.shape[3]
-    groups, dtype = q_heads // kv_heads, kv.dtype
-    queries = q.reshape(batch, kv_heads, groups, q.shape[3]).to(dtype)
+    kv_heads, dtype = k.shape[1], kv.dtype
+    queries = q.reshape(batch, kv_heads, q_heads // kv_heads, q.shape[3]).to(dtype)
     new_value = v.to(dtype)
     own_score = (queries @ k.to(dtype).transpose(-1, -2)) * scale  # [B, Hkv, G, 1]: always a real key
+    present = [(keys, values, visible) for keys, values, visible in exact_sets if keys.shape[2]]
     scores = [
         ((queries @ keys.to(dtype).transpose(-1, -2)) * scale).masked_fill(~visible, float("-inf"))
-        for keys, _, visible in exact_sets
-        if keys.shape[2]
+        for keys, _, visible in present
     ]
     m = own_score
     for block in scores:
         m = torch.maximum(m, block.amax(dim=-1, keepdim=True))
     own_weight = torch.exp(own_score - m)
     numerator, denominator = own_weight * new_value, own_weight
-    for block, (_, values, _) in zip(scores, [s for s in exact_sets if s[0].shape[2]], strict=True):
+    for block, (_, values, _) in zip(scores, present, strict=True):
         weights = torch.exp(block - m)
         numerator = numerator + weights @ values.to(dtype)
         denominator = denominator + weights.sum(dim=-1, keepdim=True)
-    query_features = qf.reshape(batch, kv_heads, groups, features).to(dtype)
-    gamma = balance.to(dtype).view(1, kv_heads, groups, 1)
-    # The linear term's numerator and denominator in one matmul: [S | z] is [B, Hkv, F, Dv + 1].
-    linear = query_features @ torch.cat([kv, k_sum.unsqueeze(-1)], dim=-1)
-    numerator = torch.addcmul(numerator, gamma, linear[..., :head_dim_v])
-    denominator = torch.addcmul(denominator, gamma, linear[..., head_dim_v:])
-    return (numerator / (denominator + eps)).view(batch, q_heads, 1, head_dim_v).to(q.dtype)
+    return _with_linear_term(numerator, denominator, q, qf, balance, kv, k_sum, eps)

@@ -932,12 +932,11 @@ def sparse_hybrid_attention_ring_step_(
             filled = ring.sink_keep.sum(dim=1)  # [B]: sink slots fill in order
             is_sink = leaving_keep & (filled < sinks)
             slot = filled.clamp(max=sinks - 1)[:, None]
-            _write_slot_(
-                ring.sink_keys, slot[:, None].expand(-1, kv_heads, -1), leaving_key, is_sink[:, None]
-            )
-            _write_slot_(
-                ring.sink_values, slot[:, None].expand(-1, kv_heads, -1), leaving_value, is_sink[:, None]
-            )
+            head_slot = slot[:, None].expand(
+                -1, kv_heads, -1
+            )  # [B, Hkv, 1]: every head's sink, the same slot
+            _write_slot_(ring.sink_keys, head_slot, leaving_key, is_sink[:, None])
+            _write_slot_(ring.sink_values, head_slot, leaving_value, is_sink[:, None])
             ring.sink_keep.scatter_(1, slot, ring.sink_keep.gather(1, slot) | is_sink[:, None])
         eligible = (leaving_keep & ~is_sink)[:, None].expand(-1, kv_heads)  # [B, Hkv]
         feature, value = leaving_feature.to(dtype), leaving_value.to(dtype)
@@ -966,19 +965,15 @@ def sparse_hybrid_attention_ring_step_(
             evicted_value = _read_slot(ring.sparse_values, slot).to(dtype)
             folded = torch.where(enters[..., None], evicted_feature, feature * eligible[..., None])
             folded_value = torch.where(enters[..., None], evicted_value, value)
-            _write_slot_(ring.sparse_keys, slot, leaving_key, enters)
-            _write_slot_(ring.sparse_values, slot, leaving_value, enters)
-            _write_slot_(ring.sparse_key_features, slot, leaving_feature, enters)
             for buffer, new in (
+                (ring.sparse_keys, leaving_key),
+                (ring.sparse_values, leaving_value),
+                (ring.sparse_key_features, leaving_feature),
                 (ring.sparse_keep, eligible),
                 (ring.sparse_scores, score),
-                (ring.sparse_order, order),
+                (ring.sparse_order, order.expand(*score.shape)),
             ):
-                buffer.scatter_(
-                    2,
-                    slot,
-                    torch.where(enters, new.to(buffer.dtype), buffer.gather(2, slot)[..., 0])[..., None],
-                )
+                _write_slot_(buffer, slot, new, enters)
         base.kv.addcmul_(folded.unsqueeze(-1), folded_value.unsqueeze(-2))
         base.k_sum.add_(folded)
         base.seen.add_(1)
@@ -992,7 +987,10 @@ def _read_slot(buffer: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
 
 def _write_slot_(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor, write: torch.Tensor) -> None:
     """Write ``new`` [B, Hkv, X] into ``buffer`` [B, Hkv, N, X] at ``slot`` [B, Hkv, 1] where ``write`` [B, Hkv]
-    (its own content back elsewhere): one row per head, in place."""
+    (its own content back elsewhere): one row per head, in place. A buffer of one value per slot [B, Hkv, N]
+    takes ``new`` [B, Hkv]."""
+    if buffer.dim() == 3:  # a view with a trailing dim of one: the scatter writes through to the buffer
+        buffer, new = buffer.unsqueeze(-1), new[..., None]
     index = slot[..., None].expand(-1, -1, -1, buffer.shape[3])
     kept = buffer.gather(2, index)
     buffer.scatter_(2, index, torch.where(write[..., None, None], new[:, :, None].to(buffer.dtype), kept))
