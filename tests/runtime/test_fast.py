@@ -19,7 +19,7 @@ from transformers import CompileConfig, DynamicCache
 
 from headkit import HeadkitError, fast_generate, linearize
 from headkit.compat import cache_keyword
-from headkit.layers.cache import map_state
+from headkit.layers.cache import state_tensors
 from headkit.layers.hybrid import RingHybridStateCacheLayer
 from headkit.ops import (
     hybrid_attention,
@@ -156,7 +156,8 @@ def test_fast_path_gives_eager_greedy_tokens_and_states(kind):
             )
     for index, layer in enumerate(cache.layers):
         if isinstance(layer, RingHybridStateCacheLayer):
-            got, want = flat(layer.get_state()), flat(hybrid_cache_layer(eager_cache, index).get_state())
+            got = state_tensors(layer.get_state())
+            want = state_tensors(hybrid_cache_layer(eager_cache, index).get_state())
             assert len(got) == len(want)
             for got_tensor, want_tensor in zip(got, want, strict=True):
                 torch.testing.assert_close(got_tensor, want_tensor, atol=1e-5, rtol=1e-5)
@@ -166,12 +167,6 @@ def test_fast_path_gives_eager_greedy_tokens_and_states(kind):
             torch.testing.assert_close(layer.keys[:, :, :stored], eager_cache.layers[index].keys)
             torch.testing.assert_close(layer.values[:, :, :stored], eager_cache.layers[index].values)
     assert kind == "stock" or any(isinstance(layer, RingHybridStateCacheLayer) for layer in cache.layers)
-
-
-def flat(state) -> list[torch.Tensor]:
-    tensors: list[torch.Tensor] = []
-    map_state(state, lambda tensor: tensors.append(tensor) or tensor)
-    return tensors
 
 
 @pytest.mark.parametrize(

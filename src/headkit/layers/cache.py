@@ -115,7 +115,7 @@ class StateCacheLayer(CacheLayerMixin):
         """Store the state after the layer consumed ``num_new_tokens`` more tokens."""
         if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be a non-negative integer, got {num_new_tokens!r}")
-        _tensors(state)  # rejects anything that is not a state now, not at the next beam reorder
+        state_tensors(state)  # rejects anything that is not a state now, not at the next beam reorder
         self.state = state
         self.is_initialized = state is not None
         self.seen_tokens += num_new_tokens
@@ -158,7 +158,7 @@ class StateCacheLayer(CacheLayerMixin):
             )
 
     def offload(self) -> None:
-        self._device = next((t.device for t in _tensors(self.state)), None)
+        self._device = next((t.device for t in state_tensors(self.state)), None)
         self.state = map_state(self.state, lambda tensor: tensor.to("cpu", non_blocking=True))
 
     def prefetch(self) -> None:
@@ -198,7 +198,8 @@ def _attention_layers(module: nn.Module) -> Iterator[nn.Module]:
         yield from _attention_layers(child)
 
 
-def _tensors(state: State) -> list[torch.Tensor]:
+def state_tensors(state: State) -> list[torch.Tensor]:
+    """Every tensor of a (nested) state, in order (none for None)."""
     found: list[torch.Tensor] = []
 
     def collect(tensor: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ from transformers import initialization as init
 
 from headkit.errors import HeadkitError
 from headkit.layers.base import HeadkitAttention, LayerInputs
-from headkit.layers.cache import StateCacheLayer, map_state
+from headkit.layers.cache import StateCacheLayer, state_tensors
 from headkit.layers.feature_maps import build_feature_map
 from headkit.layers.registry import register_attention
 from headkit.ops.hybrid import (
@@ -171,8 +171,7 @@ class RingHybridStateCacheLayer(HybridStateCacheLayer):
             raise ValueError(f"num_new_tokens must be a non-negative integer, got {num_new_tokens!r}")
         seen = self.seen_tokens + num_new_tokens
         ring = ring_from_state(state, seen, self.capacity)
-        current = [] if self.state is None else _flat(self.state)
-        new = _flat(ring)
+        current, new = state_tensors(self.state), state_tensors(ring)
         if [t.shape for t in current] == [t.shape for t in new] and type(self.state) is type(ring):
             for buffer, value in zip(
                 current, new, strict=True
@@ -186,7 +185,7 @@ class RingHybridStateCacheLayer(HybridStateCacheLayer):
     def reset(self) -> None:
         # In place: the buffers keep their addresses, which compiled steps hold.
         if self.state is not None:
-            for buffer in _flat(self.state):
+            for buffer in state_tensors(self.state):
                 buffer.zero_()
         self.is_initialized = False
         self.seen_tokens = 0
@@ -208,12 +207,6 @@ class RingHybridStateCacheLayer(HybridStateCacheLayer):
         raise HeadkitError("the fast decoder's fixed-size hybrid state decodes greedily: no beam search")
 
     batch_select_indices = batch_repeat_interleave = reorder_cache
-
-
-def _flat(state: Any) -> list[torch.Tensor]:
-    tensors: list[torch.Tensor] = []
-    map_state(state, lambda tensor: tensors.append(tensor) or tensor)
-    return tensors
 
 
 class HybridHeads(nn.Module):

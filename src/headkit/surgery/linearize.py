@@ -67,7 +67,7 @@ import torch
 from torch import nn
 
 from headkit.errors import HeadkitError
-from headkit.layers.cache import StateCacheLayer, map_state
+from headkit.layers.cache import StateCacheLayer, state_tensors
 from headkit.layers.feature_maps import build_feature_map, valid_feature_map_names
 from headkit.layers.hybrid import (
     HybridHeads,
@@ -124,14 +124,9 @@ def decoding_state_bytes(cache: Any) -> int:
     """Bytes of every tensor a 🤗 cache holds: keys and values of key/value layers, the states of converted
     layers (the memory decoding needs besides the weights)."""
     tensors: list[torch.Tensor] = []
-
-    def collect(tensor: torch.Tensor) -> torch.Tensor:
-        tensors.append(tensor)
-        return tensor
-
     for layer in getattr(cache, "layers", []):
         if isinstance(layer, StateCacheLayer):
-            map_state(layer.state, collect)
+            tensors += state_tensors(layer.state)
         else:
             tensors += [
                 t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None
@@ -284,9 +279,7 @@ class LinearizedHeads(HybridHeads):
             )
         else:
             _, state = hybrid_attention(*tensors, **options)
-        sizes: list[int] = []
-        map_state(state, lambda t: sizes.append(t.numel() * t.element_size()) or t)
-        return sum(sizes) + exact
+        return sum(t.numel() * t.element_size() for t in state_tensors(state)) + exact
 
     def cache_layer(self, cache: Any) -> HybridStateCacheLayer:
         """This layer's entry in the model's cache (see :class:`headkit.surgery.attention.CacheLayerHook`)."""
