@@ -252,6 +252,12 @@ def check_token_ids(tokenizer: Any, model: nn.Module, source: str) -> None:
     )
 
 
+def dequantized_from_gguf(model: nn.Module) -> bool:
+    """Whether transformers loaded `model` with ``gguf_file=``: dequantized on load, plain float tensors, though it
+    still calls itself quantized (and refuses ``.float()`` / ``.to(dtype)``) until :func:`forget_gguf_quantization`."""
+    return str(getattr(model, "quantization_method", "")).lower().endswith("gguf")
+
+
 def forget_gguf_quantization(model: nn.Module) -> None:
     """The GGUF weights are dequantized on load, but the model still says it is quantized: Trainer then refuses
     to train it and save_pretrained writes a quantization config that no loader can honour. It is a plain

@@ -607,6 +607,9 @@ class CausalLMPruneSteps(_PruneSteps):
         # on both held-out sets tried (one KV group: 1.61× → 1.52×, 1.89× → 1.65× repaired); where importance also
         # sets the counts, it won one of two for a quarter of the query heads and lost at half of them.
         self.method = settings.method or ("refit" if settings.repair and settings.uniform else "importance")
+        self.statistics = (
+            None  # the repair's calibration statistics, once measured (the refit ranking needs them)
+        )
         # Validate the plan's shape before any work: random scores exercise every count check.
         plan_pruning(
             [torch.zeros(len(kv)) for kv in self.kv_of_query],
@@ -721,9 +724,7 @@ class CausalLMPruneSteps(_PruneSteps):
         )
         started = time.perf_counter()
         # The refit ranking measured the same statistics already.
-        statistics = getattr(self, "statistics", None) or output_statistics(
-            self.teacher, calibration, self.adapter
-        )
+        statistics = self.statistics or output_statistics(self.teacher, calibration, self.adapter)
         repair = refit_output_projections(self.student, statistics, self.plan, self.adapter)
         repair.seconds = time.perf_counter() - started
         self.echo(str(repair))

@@ -56,7 +56,7 @@ from headkit.compat import cache_keyword
 from headkit.errors import HeadkitError
 from headkit.evaluation.timing import timed_call
 from headkit.layers.hybrid import RingHybridStateCacheLayer
-from headkit.recipes.models import forget_gguf_quantization
+from headkit.recipes.models import dequantized_from_gguf, forget_gguf_quantization
 from headkit.surgery.attention import mechanism_of
 from headkit.surgery.linearize import LinearizedHeads
 
@@ -155,9 +155,7 @@ def prepare_weights(model: nn.Module, weights: str, group_size: int = GROUP_SIZE
     check_group_size(model, weights, group_size)
     quantization = _torchao() if weights in QUANTIZED_WEIGHTS else None
     prepared = copy.deepcopy(model).eval()
-    if str(getattr(prepared, "quantization_method", "")).lower().endswith("gguf"):
-        # Loaded with gguf_file=: dequantized on load, plain float tensors, though transformers still calls the
-        # model quantized and refuses to cast it.
+    if dequantized_from_gguf(prepared):  # cast below, which transformers refuses a "quantized" model
         forget_gguf_quantization(prepared)
     if weights == "float32":
         return prepared.float()

@@ -165,20 +165,13 @@ def refit_weight(
     the module docstring). ``intercept``: the projection has a bias that moves too (FLAP's bias compensation,
     An et al. 2024): the fit is on the centred second moment C = E[h hᵀ] − μμᵀ, and :func:`bias_shift` gives the
     bias's change, b' − b = W_O μ − W' μ_K, which absorbs the removed heads' mean contribution."""
-    d = statistics.head_dim
     total = statistics.gram.shape[0]
-    kept = (
-        torch.cat([torch.arange(h * d, (h + 1) * d) for h in kept_heads])
-        if kept_heads
-        else torch.zeros(0, dtype=torch.long)
-    )
+    kept = _head_columns(kept_heads, statistics.head_dim)
     removed = torch.tensor(sorted(set(range(total)) - set(kept.tolist())), dtype=torch.long)
     second_moment, weight = statistics.gram / max(statistics.tokens, 1), statistics.weight
     moment = second_moment
     if intercept:
-        if statistics.total is None:
-            raise HeadkitError("a bias refit needs the activations' mean: statistics from output_statistics")
-        mean = statistics.total / max(statistics.tokens, 1)
+        mean = _mean(statistics)
         moment = second_moment - torch.outer(mean, mean)
     g_kk = moment[kept][:, kept]
     ridge = ridge * float(g_kk.diagonal().mean()) if len(kept) else 0.0
@@ -205,12 +198,21 @@ def refit_weight(
 def bias_shift(statistics: OutputStatistics, kept_heads: list[int], refit: torch.Tensor) -> torch.Tensor:
     """b' − b = W_O μ − W' μ_K [out] (float64): what the bias adds so that the refit projection's mean output is
     the original's (:func:`refit_weight` with ``intercept``)."""
+    mean = _mean(statistics)
+    return statistics.weight @ mean - refit @ mean[_head_columns(kept_heads, statistics.head_dim)]
+
+
+def _head_columns(heads: list[int], head_dim: int) -> torch.Tensor:
+    """The columns of the output projection's input that `heads` write (each head's ``head_dim`` in order)."""
+    if not heads:
+        return torch.zeros(0, dtype=torch.long)
+    return torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in heads])
+
+
+def _mean(statistics: OutputStatistics) -> torch.Tensor:
     if statistics.total is None:
         raise HeadkitError("a bias refit needs the activations' mean: statistics from output_statistics")
-    d = statistics.head_dim
-    kept = torch.cat([torch.arange(h * d, (h + 1) * d) for h in kept_heads])
-    mean = statistics.total / max(statistics.tokens, 1)
-    return statistics.weight @ mean - refit @ mean[kept]
+    return statistics.total / max(statistics.tokens, 1)
 
 
 def refit_error_scores(
@@ -333,12 +335,14 @@ def _inputs_at(model: nn.Module, projection: nn.Module, batches: list[Mapping[st
         raise _Captured
 
     handle = projection.register_forward_pre_hook(capture)
-    for batch in batches:
-        try:
-            _run_hooked(model, [], [batch], real)
-        except _Captured:
-            pass
-    handle.remove()
+    try:
+        for batch in batches:
+            try:
+                _run_hooked(model, [], [batch], real)
+            except _Captured:
+                pass
+    finally:  # any other error leaves the model without the hook
+        handle.remove()
     if not chunks:
         raise HeadkitError("calibration needs at least one batch of text, got none")
     return torch.cat(chunks)
