@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from transformers import AutoTokenizer
+
 from headkit import from_pretrained
 from headkit.surgery import reconfigure
 
@@ -47,6 +49,7 @@ def main() -> None:
         retrieval_heads=args.retrieval_heads,
     )
     model.save_pretrained(args.out)
+    AutoTokenizer.from_pretrained(args.linearized).save_pretrained(args.out)  # a folder headkit generate runs
     print(f"saved {args.out}: {config}")
 
 
