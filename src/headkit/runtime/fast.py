@@ -45,7 +45,9 @@ import inspect
 import logging
 import os
 import shutil
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -57,6 +59,7 @@ from headkit.errors import HeadkitError
 from headkit.evaluation.timing import timed_call
 from headkit.layers.hybrid import RingHybridStateCacheLayer
 from headkit.recipes.models import dequantized_from_gguf, forget_gguf_quantization
+from headkit.runtime.packaged import cache_buffers
 from headkit.surgery.attention import mechanism_of
 from headkit.surgery.linearize import LinearizedHeads
 
@@ -213,6 +216,8 @@ class FastDecoder:
         group_size: int = GROUP_SIZE,
         compile_config: CompileConfig | None = None,
         regions: bool = True,
+        ahead_of_time: bool = True,
+        artifacts: str | os.PathLike[str] | None = None,
     ) -> None:
         check_weights(weights)
         if not callable(getattr(model, "get_output_embeddings", None)) or not hasattr(model, "config"):
@@ -242,13 +247,20 @@ class FastDecoder:
         )
         parameters = inspect.signature(self.model.forward).parameters
         self._takes_cache_position = "cache_position" in parameters
-        self.regions = regions and compile
+        self.ahead_of_time = ahead_of_time and compile
+        self.artifacts = None if artifacts is None else Path(artifacts)
+        self.regions = regions and compile and not self.ahead_of_time
         if self.regions:
             self._compile_regions()
         self.compile_seconds: dict[tuple[int, int], float] = {}
+        # Ahead of time: how each bucket's step was found ("loaded", "compiled", "compiled in memory").
+        self.step_sources: dict[tuple[int, int], str] = {}
+        # perf_counter() when the last generate() had its first token from the decoding step (None: it had none).
+        self.step_ready_at: float | None = None
         self._caches: dict[tuple[int, int], Any] = {}
         self._compiled_for: set[tuple[tuple[int, int], int]] = set()
-        self._steps: dict[tuple[int, int], Any] = {}
+        self._steps: dict[Any, Any] = {}
+        self._weights_digest: str | None = None
 
     # -- buckets and caches -------------------------------------------------------------------------------------
 
@@ -296,14 +308,53 @@ class FastDecoder:
             module.compile(**self._compile_options())
         self._region_count = len(layers) + 1
 
-    def _step_function(self, bucket: tuple[int, int]) -> Any:
-        step = self._steps.get(bucket)
-        if step is None:
-            step = self._decode_step
-            if self.compiled and not self.regions:
-                step = torch.compile(step, **self._compile_options())
-            self._steps[bucket] = step
+    def _step_function(
+        self, bucket: tuple[int, int], token: torch.Tensor, position: torch.Tensor, mask: Any, cache: Any
+    ) -> Any:
+        """The step of ``bucket`` as ``step(token, position, mask, cache)``: compiled in this process, or, ahead
+        of time, a packaged step loaded (or built and saved once per machine) on the bucket's first call."""
+        if not self.ahead_of_time:
+            step = self._steps.get(bucket)
+            if step is None:
+                step = self._decode_step
+                if self.compiled and not self.regions:
+                    step = torch.compile(step, **self._compile_options())
+                self._steps[bucket] = step
+            return step
+        threads = torch.get_num_threads()  # inductor writes the thread count into its parallel loops
+        packaged = self._steps.get((bucket, threads))
+        if packaged is None:
+            packaged = self._packaged_step(bucket, token, position, mask, cache)
+            self._steps[(bucket, threads)] = packaged
+            self.step_sources[bucket] = packaged.source
+
+        buffers = cache_buffers(cache)  # the same tensors for the whole generation: written in place
+
+        def step(token: torch.Tensor, position: torch.Tensor, mask: Any, cache: Any) -> torch.Tensor:
+            masks = () if mask is None else (mask,)
+            return packaged(token, position, *masks, *buffers)
+
         return step
+
+    def _packaged_step(
+        self, bucket: tuple[int, int], token: torch.Tensor, position: torch.Tensor, mask: Any, cache: Any
+    ) -> Any:
+        from headkit.runtime.packaged import StepWithStateInputs, artifact_key, packaged_step, weights_digest
+
+        if self._weights_digest is None:
+            self._weights_digest = weights_digest(self.model)
+        buffers = cache_buffers(cache)
+        step = StepWithStateInputs(self.model, cache, self._decode_step, takes_mask=mask is not None)
+        description = {
+            "weight_type": self.weights,
+            "bucket": list(bucket),
+            "mask": mask is not None,
+            "inductor": self.compile_config.options or {},
+        }
+        key = artifact_key(self.model, buffers, description, weights=self._weights_digest)
+        inputs = [token, position.clone(), *(() if mask is None else (mask,)), *buffers]
+        # The export runs the step once on fake tensors: the cache's buffers are neither read nor written.
+        return packaged_step(step, inputs, key, dict(self.compile_config.options or {}), self.artifacts)
 
     def _decode_step(
         self, token: torch.Tensor, positions: torch.Tensor, attention_mask: torch.Tensor | None, cache: Any
@@ -371,22 +422,30 @@ class FastDecoder:
             decode_mask[:, :prompt_length] = attention_mask
         position = positions[:, -1:].clone()
         finished = _finished(token, eos_token_id)
-        step = self._step_function(bucket)
+        self.step_ready_at = None
+        step = None
         for _ in range(max_new_tokens - 1):
             if finished is not None and bool(finished.all()):
                 break
             position += 1
             # torch.compile guards on the thread count: a new count is a new graph, compiled like a new bucket.
             first = (bucket, torch.get_num_threads()) not in self._compiled_for
+            prepared = 0.0  # finding or building a packaged step, counted in the bucket's first step
+            if step is None or first:
+                step, prepared = timed_call(
+                    lambda: self._step_function(bucket, token, position, decode_mask, cache), token.device
+                )
             with _first_step(self) if first else _steady_state():
                 token, seconds = timed_call(
                     lambda token=token, position=position: step(token, position.clone(), decode_mask, cache),
                     token.device,
                 )
+            if self.step_ready_at is None:
+                self.step_ready_at = time.perf_counter()
             if first:
                 self._compiled_for.add((bucket, torch.get_num_threads()))
-                self.compile_seconds[bucket] = seconds
-                if self.compiled:
+                self.compile_seconds[bucket] = seconds + prepared
+                if self.compiled and not self.ahead_of_time:
                     logger.info(
                         "compiled the decoding step for batch %d, cache %s in %.1f s (once per shape bucket)",
                         batch,
