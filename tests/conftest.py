@@ -1,4 +1,5 @@
 import os
+import tempfile
 
 import pytest
 import torch
@@ -7,6 +8,8 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(1)
+# Compiled decoding steps go to a folder of this run's own, never the user's cache.
+os.environ["HEADKIT_CACHE"] = tempfile.mkdtemp(prefix="headkit-test-cache-")
 
 
 @pytest.fixture(autouse=True)

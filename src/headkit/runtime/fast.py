@@ -33,8 +33,8 @@ What it does, following transformers' own recipe for compiled generation (a stat
 
 The decoded tokens are the eager model's in the same dtype (tests compare them on tiny models, and the
 buffers' states with the eager cache's); bfloat16 and int8 are judged against float32 by held-out perplexity in
-``headkit bench decode``. Without a C++ compiler (inductor's CPU backend needs one) asking for compilation is a
-one-line error; ``compile=False`` runs the same fixed-size step eagerly, announced in the log.
+``headkit bench decode``. Without a C++ compiler (inductor's CPU backend needs one) the same fixed-size step runs
+eagerly, announced in one line, as with ``compile=False``.
 """
 
 from __future__ import annotations
@@ -95,15 +95,10 @@ def check_weights(weights: str) -> str:
     return weights
 
 
-def check_compiler() -> None:
-    """A one-line error unless torch.compile can build CPU code here (inductor compiles C++)."""
+def compiler_found() -> bool:
+    """Whether torch.compile / AOTInductor can build CPU code here (inductor compiles C++)."""
     candidates = [os.environ.get("CXX"), "g++", "c++", "clang++"]
-    if not any(name and shutil.which(name) for name in candidates):
-        raise HeadkitError(
-            "the fast path compiles its decoding step with torch.compile, which needs a C++ compiler on CPU: "
-            "none found (CXX, g++, c++, clang++); install one, or pass compile=False (--no-compile) for an "
-            "eager run of the same fixed-size path"
-        )
+    return any(name and shutil.which(name) for name in candidates)
 
 
 def quantizable_linears(model: nn.Module) -> dict[str, nn.Linear]:
@@ -227,9 +222,13 @@ class FastDecoder:
                 "the fast path decodes stock 🤗 models and those headkit converted (pruned, compressed, "
                 "linearized); headkit's own HeadkitForCausalLM compiles as a whole: torch.compile(model)"
             )
-        if compile:
-            check_compiler()
-        else:
+        if compile and not compiler_found():
+            logger.warning(
+                "no C++ compiler found (CXX, g++, c++, clang++), which compiling the decoding step needs on CPU: "
+                "the fixed-size step runs eagerly"
+            )
+            compile = False
+        elif not compile:
             logger.warning("fast decoding without compilation: the fixed-size step runs eagerly")
         self.weights, self.compiled = weights, compile
         self.compile_config = compile_config_for(weights) if compile_config is None else compile_config
@@ -433,11 +432,16 @@ class FastDecoder:
             prepared = 0.0  # finding or building a packaged step, counted in the bucket's first step
             if step is None or first:
                 step, prepared = timed_call(
-                    lambda: self._step_function(bucket, token, position, decode_mask, cache), token.device
+                    lambda token=token, position=position: self._step_function(
+                        bucket, token, position, decode_mask, cache
+                    ),
+                    token.device,
                 )
             with _first_step(self) if first else _steady_state():
                 token, seconds = timed_call(
-                    lambda token=token, position=position: step(token, position.clone(), decode_mask, cache),
+                    lambda token=token, position=position, step=step: step(
+                        token, position.clone(), decode_mask, cache
+                    ),
                     token.device,
                 )
             if self.step_ready_at is None:

@@ -44,7 +44,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from headkit.errors import HeadkitError
 from headkit.layers.cache import map_state, state_tensors
 from headkit.layers.hybrid import RingHybridStateCacheLayer
 
@@ -275,9 +274,7 @@ def _stored(folder: Path, name: str, key: dict[str, Any]) -> tuple[Path | None, 
     return package, None
 
 
-def _write_artifact(
-    folder: Path, name: str, key: dict[str, Any], build: Callable[[Path], None]
-) -> Path:
+def _write_artifact(folder: Path, name: str, key: dict[str, Any], build: Callable[[Path], None]) -> Path:
     """Build into temporary files in ``folder`` and rename them into place, the package first."""
     folder.mkdir(parents=True, exist_ok=True)
     handle, partial = tempfile.mkstemp(dir=folder, prefix=f".{name}.partial-", suffix=".pt2")
@@ -326,16 +323,13 @@ def packaged_step(
         _export_and_package(step, inputs, path, inductor_options)
 
     try:
-        writable = _writable(folder)
-        if writable:
-            package = _write_artifact(folder, name, key, build)
-    except OSError as error:
-        raise HeadkitError(f"could not save the compiled decoding step in {folder}: {error}") from error
-    if not writable:
+        package = _write_artifact(folder, name, key, build)
+    except OSError as error:  # a read-only or full folder: this process compiles for itself
         logger.warning(
-            "the compiled-step folder %s cannot be written: compiling in memory for this process only "
+            "the compiled-step folder %s cannot be written (%s): compiling in memory for this process only "
             "(set %s to a writable folder to keep it)",
             folder,
+            error.strerror or error,
             CACHE_ENVIRONMENT,
         )
         with tempfile.TemporaryDirectory(prefix="headkit-step-") as scratch:
@@ -350,14 +344,6 @@ def packaged_step(
         "compiled the decoding step in %.1f s and saved it to %s (later processes load it)", seconds, package
     )
     return PackagedStep(runner, "compiled", package, seconds)
-
-
-def _writable(folder: Path) -> bool:
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        return False
-    return os.access(folder, os.W_OK | os.X_OK)
 
 
 __all__ = [
