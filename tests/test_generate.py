@@ -7,6 +7,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -115,7 +116,8 @@ def test_fast_path_decodes_the_eager_tokens_and_states_its_step(
     main(["generate", str(folder), *options, "--fast", "--no-compile"])
     captured = capsys.readouterr()
     assert captured.out == eager_text
-    assert "fast path, float32 weights: decoding step ran eagerly (--no-compile) for batch 1" in captured.err
+    assert "fast path, float32 weights, batch 1, cache 256 tokens: decoding step run eagerly" in captured.err
+    assert re.search(r"model loaded in [\d.]+ s; ready [\d.]+ s later", captured.err)
     # The rate without the first step (the one that compiles): the 4 steps after it, 6 tokens in all.
     assert re.search(
         r"fast path after the first step: median [\d.]+ ms per token \([\d.]+ tokens/s\) over 4 steps",
@@ -127,6 +129,31 @@ def test_fast_path_decodes_the_eager_tokens_and_states_its_step(
     )
     with pytest.raises(headkit.HeadkitError, match="headkit's own HeadkitForCausalLM"):
         headkit.FastDecoder(own, compile=False)
+
+
+def test_the_fast_step_is_compiled_once_then_loaded(save_tiny_causal_lm, tmp_path, capsys, monkeypatch):
+    import shutil
+
+    if not any(shutil.which(name) for name in ("g++", "c++", "clang++")):
+        pytest.skip("no C++ compiler for AOTInductor")
+    monkeypatch.setenv("HEADKIT_CACHE", str(tmp_path / "cache"))
+    folder = save_tiny_causal_lm(tmp_path / "llama")
+    options = ["--prompt", "hello world", "--max-new-tokens", 4]
+    eager_text = run(capsys, folder, *options)[0]
+    compiled = tmp_path / "cache" / "compiled"
+    for said in (
+        r"compiled in [\d.]+ s and saved to (\S+\.pt2) \(once per machine",
+        r"loaded from (\S+\.pt2) in",
+    ):
+        main(["generate", str(folder), *options, "--fast"])
+        captured = capsys.readouterr()
+        assert captured.out == eager_text
+        found = re.search(said, captured.err)
+        assert found and Path(found.group(1)).parent == compiled, captured.err
+        assert re.search(r"model loaded in [\d.]+ s; ready [\d.]+ s later", captured.err)
+    main(["cache", "--clear"])
+    assert "removed 2 files" in capsys.readouterr().err
+    assert not list(compiled.iterdir())
 
 
 @pytest.mark.slow

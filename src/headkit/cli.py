@@ -524,8 +524,8 @@ def generate(
         False,
         "--fast",
         help="Greedy decoding through headkit's compiled fixed-size step (headkit.fast_generate): the step is "
-        "compiled once per shape bucket (tens of seconds, reported), then each token is cheaper; worth it for "
-        "long generations.",
+        "compiled once per machine and shape bucket (a minute or more, reported) and saved; later runs load it "
+        "in about a second (`headkit cache` shows the folder).",
     ),
     weights: str = typer.Option(
         None,
@@ -554,6 +554,27 @@ def generate(
         weights=weights,
         compile=compile,
         echo=lambda line: err_console.print(line, highlight=False, soft_wrap=True),
+    )
+
+
+@app.command()
+def cache(
+    clear: bool = typer.Option(False, "--clear", help="Delete every compiled step in the folder."),
+) -> None:
+    """The folder where `headkit generate --fast` keeps its compiled decoding steps (one per model, shape bucket,
+    weight type, thread count, CPU and torch version; $HEADKIT_CACHE/compiled, else ~/.cache/headkit/compiled):
+    what it holds, or --clear to empty it (the next --fast run compiles again)."""
+    from headkit.runtime.packaged import artifact_folder, clear_artifacts
+
+    folder = artifact_folder()
+    if clear:
+        files, size = clear_artifacts(folder)
+        err_console.print(f"{folder}: removed {files} files ({size / 2**20:,.1f} MiB)", highlight=False)
+        return
+    packages = sorted(folder.glob("*.pt2")) if folder.is_dir() else []
+    size = sum(path.stat().st_size for path in packages)
+    err_console.print(
+        f"{folder}: {len(packages)} compiled steps, {size / 2**20:,.1f} MiB", highlight=False, soft_wrap=True
     )
 
 

@@ -252,14 +252,19 @@ class FastDecoder:
         if self.regions:
             self._compile_regions()
         self.compile_seconds: dict[tuple[int, int], float] = {}
-        # Ahead of time: how each bucket's step was found ("loaded", "compiled", "compiled in memory").
-        self.step_sources: dict[tuple[int, int], str] = {}
+        # Ahead of time: each bucket's packaged step, as found or built (its source, path and seconds).
+        self.packaged_steps: dict[tuple[int, int], Any] = {}
         # perf_counter() when the last generate() had its first token from the decoding step (None: it had none).
         self.step_ready_at: float | None = None
         self._caches: dict[tuple[int, int], Any] = {}
         self._compiled_for: set[tuple[tuple[int, int], int]] = set()
         self._steps: dict[Any, Any] = {}
         self._weights_digest: str | None = None
+
+    @property
+    def step_sources(self) -> dict[tuple[int, int], str]:
+        """How each bucket's packaged step was found: "loaded", "compiled" (and saved) or "compiled in memory"."""
+        return {bucket: step.source for bucket, step in self.packaged_steps.items()}
 
     # -- buckets and caches -------------------------------------------------------------------------------------
 
@@ -325,7 +330,7 @@ class FastDecoder:
         if packaged is None:
             packaged = self._packaged_step(bucket, token, position, mask, cache)
             self._steps[(bucket, threads)] = packaged
-            self.step_sources[bucket] = packaged.source
+            self.packaged_steps[bucket] = packaged
 
         buffers = cache_buffers(cache)  # the same tensors for the whole generation: written in place
 

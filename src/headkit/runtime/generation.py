@@ -29,8 +29,10 @@ from headkit.surgery.linearize import max_context
 class GeneratedText:
     """What :func:`generate` produced: the token ids of the whole text (prompt and continuation) [1, P + n], the
     new tokens among them, the seconds they took, and the bytes of the decoding cache of the whole text. On the
-    fast path: each shape bucket's first step in seconds (compilation included), keyed by (batch, cache length),
-    and the seconds of every step after each bucket's first."""
+    fast path: each shape bucket's first step in seconds (compilation or loading included), keyed by (batch, cache
+    length), and the seconds of every step after each bucket's first. ``load_seconds``: loading the model;
+    ``ready_seconds`` (fast path): from the model loaded to the first token out of the decoding step (the prompt,
+    the decoder's set-up and finding or compiling the step included)."""
 
     ids: torch.Tensor
     new_tokens: int
@@ -38,6 +40,8 @@ class GeneratedText:
     cache_bytes: int
     compile_seconds: dict[tuple[int, int], float] = field(default_factory=dict)
     step_seconds: list[float] = field(default_factory=list)
+    load_seconds: float = 0.0
+    ready_seconds: float | None = None
 
 
 def position_limit(model: nn.Module) -> int | None:
@@ -149,8 +153,10 @@ def generate(
 
         weights = check_weights(dtype if weights is None else weights)
     # no "Loading weights" or GGUF bar between the command and its text
+    loading = time.perf_counter()
     with no_loading_bars():
         network, tokenizer = load_generator(Path(model), dtype)
+    loaded = time.perf_counter()
 
     ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
     if ids.shape[1] == 0:
@@ -203,13 +209,20 @@ def generate(
         f"{new_tokens} tokens in {seconds:.2f} s: {new_tokens / seconds:.1f} tokens/s; "
         f"cache {cache:,} bytes for {output.shape[1]} tokens"
     )
+    ready = None
     if decoder is not None:
-        for (batch, length), first_step in decoder.compile_seconds.items():
-            what = "compiled" if decoder.compiled else "ran eagerly (--no-compile)"
+        for bucket, first_step in decoder.compile_seconds.items():
+            batch, length = bucket
             echo(
-                f"fast path, {weights} weights: decoding step {what} for batch {batch}, "
-                f"{f'cache {length} tokens' if length else 'fixed-size state'}: first step {first_step:.2f} s "
-                "(compilation is paid once per shape bucket)"
+                f"fast path, {weights} weights, batch {batch}, "
+                f"{f'cache {length} tokens' if length else 'fixed-size state'}: {_step_origin(decoder, bucket)}; "
+                f"first step {first_step:.2f} s"
+            )
+        if decoder.step_ready_at is not None:
+            ready = decoder.step_ready_at - loaded
+            echo(
+                f"model loaded in {loaded - loading:.1f} s; ready {ready:.1f} s later "
+                "(the first token out of the decoding step)"
             )
         if steady:
             median = statistics.median(steady)
@@ -224,4 +237,23 @@ def generate(
         cache_bytes=cache,
         compile_seconds=dict(decoder.compile_seconds) if decoder is not None else {},
         step_seconds=steady,
+        load_seconds=loaded - loading,
+        ready_seconds=ready,
     )
+
+
+def _step_origin(decoder: Any, bucket: tuple[int, int]) -> str:
+    """Where the fast decoder's step for ``bucket`` came from, in words."""
+    if not decoder.compiled:
+        return "decoding step run eagerly (not compiled)"
+    packaged = decoder.packaged_steps.get(bucket)
+    if packaged is None:
+        return "decoding step compiled in this process (once per shape bucket)"
+    if packaged.source == "loaded":
+        return f"decoding step loaded from {packaged.path} in {packaged.seconds:.1f} s (compiled once per machine)"
+    if packaged.source == "compiled":
+        return (
+            f"decoding step compiled in {packaged.seconds:.1f} s and saved to {packaged.path} "
+            "(once per machine: later processes load it)"
+        )
+    return f"decoding step compiled in memory in {packaged.seconds:.1f} s (the cache folder could not be written)"
