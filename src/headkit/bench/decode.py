@@ -137,6 +137,12 @@ class DecodeSettings:
     )
     engine_tokens: int = option(32, "With --smollm2: tokens generated per point.", min=4, quick=8)
     engine_repeats: int = option(1, "With --smollm2: rounds, engines alternated in each.", min=1)
+    first_token: tuple[str, ...] = option(
+        ("fast float32",),
+        "With --smollm2: engines whose first token is timed in fresh processes (headkit generate --fast), cold "
+        "(an empty compiled-step folder: it compiles) then warm (it loads what the cold one saved); empty: none.",
+        choices=engine_names,
+    )
     engine_compile: bool = option(
         True, "With --smollm2: compile the fast path's step (--no-engine-compile: the same step eagerly)."
     )
@@ -417,8 +423,23 @@ def _engine_tables(results: dict[str, Any]) -> list[tuple[str, tuple[list[str], 
         for name in engines["engines"]
     ]
     compiled = [
-        [row["engine"], row["batch"], row["cache"] or "state only", f"{row['first_step_s']:.1f}"]
+        [
+            row["engine"],
+            row["batch"],
+            row["cache"] or "state only",
+            row.get("step", "—"),
+            f"{row['first_step_s']:.1f}",
+        ]
         for row in engines["compile"]
+    ]
+    first_token = [
+        [
+            row["engine"],
+            row.get("start", "—"),
+            row.get("step", "—"),
+            *([row["error"], ""] if "error" in row else [f"{row['load_s']:.1f}", f"{row['ready_s']:.1f}"]),
+        ]
+        for row in engines.get("first_token", [])
     ]
     quality = [[name, f"{q['perplexity']:.4f}"] for name, q in engines["perplexity"]["by_engine"].items()]
     targets = [
@@ -437,8 +458,12 @@ def _engine_tables(results: dict[str, Any]) -> list[tuple[str, tuple[list[str], 
             (headers, memory),
         ),
         (
-            "SmolLM2-135M: first decoding step per shape bucket, compilation included (s)",
-            (["engine", "batch", "cache", "seconds"], compiled),
+            "SmolLM2-135M: first decoding step per shape bucket, finding or compiling the step included (s)",
+            (["engine", "batch", "cache", "step", "seconds"], compiled),
+        ),
+        (
+            "SmolLM2-135M: a fresh process's first token (headkit generate --fast), cold and warm (s)",
+            (["engine", "start", "step", "model loaded", "ready after"], first_token),
         ),
         (
             f"SmolLM2-135M: held-out perplexity ({engines['perplexity']['windows']} × {engines['perplexity']['window']} tokens)",
