@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from headkit.files import regular_file_mode
 from headkit.runtime import packaged
 from headkit.runtime.fast import FastDecoder
 from headkit.runtime.packaged import (
@@ -50,6 +52,8 @@ def built(tmp_path_factory):
     got = decoder.generate(ids, attention_mask=mask, max_new_tokens=NEW)
     assert torch.equal(got, eager_greedy(model, ids, mask))
     assert list(decoder.step_sources.values()) == ["compiled"]
+    (package,) = folder.glob("*.pt2")
+    assert stat.S_IMODE(package.stat().st_mode) == regular_file_mode()  # not the temporary file's 0600
     return folder
 
 

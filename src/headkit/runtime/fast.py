@@ -13,16 +13,22 @@ What it does, following transformers' own recipe for compiled generation (a stat
   place, evicting the worst kept key (:func:`headkit.ops.sparse_hybrid.sparse_hybrid_attention_ring_step_`, no
   re-gathering of the cache per token), and retrieval heads write their keys and values into buffers of the
   bucket's length (:func:`headkit.ops.softmax.softmax_attention_static_step_`).
-* **One graph per shape bucket.** The step (model forward on one token per row and the argmax) is compiled with
-  ``fullgraph=True`` — a graph break is an error, not a silent eager fallback — once per bucket: (batch,
-  cache length rounded up to :data:`CACHE_BUCKET` tokens), or (batch) alone when every layer is linearized
-  without retrieval heads (the state does not depend on the context). Inductor freezes the weights into the graphs and writes a C++ wrapper;
-  quantized weights get its autotuned C++ GEMM templates (:func:`compile_config_for`). After the first step of a
-  bucket every step runs under dynamo's ``fail_on_recompile`` stance (a steady-state recompile raises), checking
-  only the guards that tell its graphs apart (:func:`_steady_state`). :attr:`FastDecoder.compile_seconds` records what
-  each bucket's first step cost (compilation included), and :func:`fast_generate` logs it: compilation takes
-  tens of seconds on a small CPU, so the path is opt-in (``--fast``), worth it for long generations or many
-  calls of one decoder.
+* **Compiled once per machine, one graph per step.** By default (``ahead_of_time=True``) the step — the model's
+  forward on one token per row and the argmax — is exported with the cache's buffers as inputs it writes in
+  place, compiled by AOTInductor into one graph (weights frozen in as constants, a C++ wrapper) and saved as a
+  packaged ``.pt2`` in a per-machine folder (:mod:`headkit.runtime.packaged`), keyed by the weights, the shape
+  bucket, the weight type, the thread count, the CPU and the library versions. The first process compiles (about
+  a minute for SmolLM2); every later one loads the package in about a second and runs no tracing and no
+  compiler. A bucket is (batch, cache length rounded up to :data:`CACHE_BUCKET` tokens), or (batch) alone when
+  every layer is linearized without retrieval heads (the state does not depend on the context).
+  ``ahead_of_time=False`` compiles in the process instead, with ``torch.compile`` (``fullgraph=True``: a graph
+  break is an error, not a silent eager fallback), each decoder layer and the output layer as a region
+  (``regions=True``) or the whole step as one graph; after a bucket's first step every step runs under dynamo's
+  ``fail_on_recompile`` stance, checking only the guards that tell its graphs apart (:func:`_steady_state`).
+  Either way inductor freezes the weights and writes a C++ wrapper; quantized weights get its autotuned C++ GEMM
+  templates (:func:`compile_config_for`). :attr:`FastDecoder.compile_seconds` records what each bucket's first
+  step cost (finding or compiling the step included), and ``headkit generate --fast`` says whether it loaded or
+  compiled.
 * **Weights.** ``float32`` (as loaded), ``bfloat16`` (the model cast; AVX-512 BF16 / AMX CPUs run it natively),
   ``int8`` / ``int4``: weight-only quantization of every ``nn.Linear`` outside the attention mechanisms headkit
   adds — int8 with one scale per output row (torchao's fused int8 matmul; per-group int8 dequantized the whole
@@ -197,9 +203,13 @@ class FastDecoder:
     its first use and reused after; the caches are reset, not rebuilt, between calls.
 
     ``weights``: float32, bfloat16, int8 or int4 (:func:`prepare_weights`; the model passed in is not changed).
-    ``compile``: False runs the same steps eagerly (announced in the log). ``compile_config``: transformers'
-    ``CompileConfig`` for ``torch.compile`` (default :func:`compile_config_for` the weights; ``fullgraph`` must
-    stay True). The weights are frozen into the compiled graphs: build a new decoder after changing the model.
+    ``compile``: False runs the same steps eagerly (announced in the log; so does a machine without a C++
+    compiler). ``ahead_of_time``: the step compiled once per machine and loaded by later processes (AOTInductor
+    packages in ``artifacts``, default :func:`headkit.runtime.packaged.artifact_folder`); False compiles it in this
+    process with ``torch.compile``, as regions (``regions``) or as one graph. ``compile_config``: transformers'
+    ``CompileConfig`` (default :func:`compile_config_for` the weights; ``fullgraph`` must stay True); ahead of
+    time only its inductor ``options`` apply. The weights are frozen into the compiled step: build a new decoder
+    after changing the model (a changed model is another package, never the old one).
     """
 
     def __init__(

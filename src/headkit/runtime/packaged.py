@@ -44,6 +44,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from headkit.files import regular_file_mode, write_json_atomic
 from headkit.layers.cache import map_state, state_tensors
 from headkit.layers.hybrid import RingHybridStateCacheLayer
 
@@ -282,11 +283,10 @@ def _write_artifact(folder: Path, name: str, key: dict[str, Any], build: Callabl
     partial_path = Path(partial)
     try:
         build(partial_path)
+        partial_path.chmod(regular_file_mode())  # mkstemp's 0600 is for the unfinished file only
         record = {"key": key, "bytes": partial_path.stat().st_size, "sha256": _file_sha256(partial_path)}
         package = folder / f"{name}.pt2"
         os.replace(partial_path, package)
-        from headkit.files import write_json_atomic
-
         write_json_atomic(folder / f"{name}.json", record)
         return package
     finally:
