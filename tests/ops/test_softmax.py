@@ -133,3 +133,41 @@ def test_static_step_matches_softmax_over_the_held_keys():
         torch.testing.assert_close(out, expected)
     assert int(seen) == length and torch.equal(keep[:, :length], real) and not keep[:, length:].any()
     torch.testing.assert_close(keys[:, :, :length], k)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(6, 2), (4, 1), (3, 3)])
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+def test_grouped_query_step_matches_repeated_keys_outputs_and_gradients(heads, kv_heads, mask_kind):
+    from headkit.ops.softmax import grouped_query_step_attention
+
+    q = torch.randn(2, heads, 1, 8, requires_grad=True)
+    k = torch.randn(2, kv_heads, 11, 8, requires_grad=True)
+    v = torch.randn(2, kv_heads, 11, 5, requires_grad=True)
+    keep = torch.ones(2, 11, dtype=torch.bool)
+    keep[1, :4] = False  # left padding of the second row
+    keep[0, 9:] = False  # static-cache slots not written yet
+    mask = None
+    if mask_kind == "bool":
+        mask = keep[:, None, None, :]
+    elif mask_kind == "additive":
+        mask = torch.zeros(2, 1, 1, 11).masked_fill(~keep[:, None, None, :], float("-inf"))
+    out = grouped_query_step_attention(q, k, v, mask, scale=0.3)
+    ref = naive_softmax_attention(q, k, v, key_mask=None if mask is None else keep, scale=0.3)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    cotangent = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), cotangent)
+    want = torch.autograd.grad(ref, (q, k, v), cotangent)
+    for got_grad, want_grad in zip(grads, want, strict=True):
+        torch.testing.assert_close(got_grad, want_grad, atol=1e-5, rtol=1e-5)
+
+
+def test_grouped_query_step_refuses_what_it_cannot_group():
+    from headkit.ops.softmax import grouped_query_step_attention
+
+    k = v = torch.randn(1, 2, 5, 8)
+    with pytest.raises(ValueError, match="one token per row"):
+        grouped_query_step_attention(torch.randn(1, 4, 2, 8), k, v, None)
+    with pytest.raises(ValueError, match="multiple of the 2 key/value heads"):
+        grouped_query_step_attention(torch.randn(1, 3, 1, 8), k, v, None)
+    with pytest.raises(ValueError, match="same for every head"):
+        grouped_query_step_attention(torch.randn(1, 4, 1, 8), k, v, torch.ones(1, 4, 1, 5, dtype=torch.bool))

@@ -300,6 +300,20 @@ def test_bad_input_is_named():
         FastDecoder(tiny_llama(), compile_config=CompileConfig(fullgraph=False))
 
 
+def test_one_token_attention_groups_query_heads_instead_of_repeating_keys():
+    from headkit.compat import attention_implementation
+
+    model, hybrid = tiny_llama(), FAST_MODELS["hybrid"]()
+    before = attention_implementation(model), attention_implementation(hybrid)
+    decoder, hybrid_decoder = FastDecoder(model, compile=False), FastDecoder(hybrid, compile=False)
+    assert attention_implementation(decoder.model) == "grouped_query_decode"
+    assert attention_implementation(hybrid_decoder.model) == "headkit_grouped_query_decode"
+    assert (attention_implementation(model), attention_implementation(hybrid)) == before  # theirs untouched
+    ids, mask = prompts()
+    got = decoder.generate(ids, attention_mask=mask, max_new_tokens=NEW)
+    assert torch.equal(got, eager_greedy(model, ids, mask))
+
+
 def test_without_a_compiler_the_step_runs_eagerly_after_one_line(monkeypatch, caplog):
     monkeypatch.setattr(shutil, "which", lambda name: None)
     monkeypatch.delenv("CXX", raising=False)

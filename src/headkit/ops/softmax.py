@@ -89,11 +89,39 @@ def softmax_attention_static_step_(
     values.index_copy_(2, slot, v.to(values.dtype))
     keep.index_fill_(1, slot, True)
     seen.add_(1)
-    batch, q_heads, _, head_dim = q.shape
-    kv_heads = keys.shape[1]
-    queries = q.reshape(batch, kv_heads, q_heads // kv_heads, head_dim).to(keys.dtype)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=keep[:, None, None, :], scale=scale)
-    return out.reshape(batch, q_heads, 1, values.shape[3]).to(q.dtype)
+    return grouped_query_step_attention(
+        q.to(keys.dtype), keys, values, keep[:, None, None, :], scale=scale
+    ).to(q.dtype)
+
+
+def grouped_query_step_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Softmax attention of one query token per row over a grouped-query key/value cache, keys never repeated
+    (Ainslie et al. 2023, GQA): the G = H / Hkv query heads that share a key/value head are the G query rows of
+    one SDPA call over that head's keys. Repeating the keys (transformers' ``repeat_kv`` before SDPA when a mask
+    is given) copies the whole cache G times per step: at 8,192 tokens most of a small model's decoding step.
+
+    q [B, H, 1, D]; k [B, Hkv, L, D], v [B, Hkv, L, Dv]; mask None, or [B, 1, 1, L] (True = attend, or additive:
+    the same for every head). Returns [B, H, 1, Dv], equal to :func:`softmax_attention` over the keys repeated
+    per query head (its reference in tests)."""
+    batch, q_heads, length, head_dim = q.shape
+    kv_heads = k.shape[1]
+    if length != 1 or q_heads % kv_heads:
+        raise ValueError(
+            f"q must be one token per row [B, H, 1, D] with H a multiple of the {kv_heads} key/value heads, "
+            f"got {list(q.shape)}"
+        )
+    if mask is not None and mask.dim() == 4 and mask.shape[1] != 1:
+        raise ValueError(f"mask must be the same for every head, [B, 1, 1, L]; got {list(mask.shape)}")
+    rows = q.reshape(batch, kv_heads, q_heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask, scale=scale)
+    return out.reshape(batch, q_heads, 1, v.shape[3])
 
 
 def eager_attention(

@@ -58,15 +58,21 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers import CompileConfig, StaticCache
+from transformers import AttentionInterface, CompileConfig, StaticCache
 
 from headkit.compat import cache_keyword
 from headkit.errors import HeadkitError
 from headkit.evaluation.timing import timed_call
 from headkit.layers.hybrid import RingHybridStateCacheLayer
+from headkit.ops.softmax import grouped_query_step_attention
 from headkit.recipes.models import dequantized_from_gguf, forget_gguf_quantization
 from headkit.runtime.packaged import cache_buffers
-from headkit.surgery.attention import mechanism_of
+from headkit.surgery.attention import (
+    base_implementation,
+    mechanism_of,
+    register_base_mask,
+    set_attention_implementation,
+)
 from headkit.surgery.linearize import LinearizedHeads
 
 logger = logging.getLogger(__name__)
@@ -187,6 +193,43 @@ def prepare_weights(model: nn.Module, weights: str, group_size: int = GROUP_SIZE
     return prepared
 
 
+GROUPED_QUERY_DECODE = "grouped_query_decode"
+
+
+def grouped_query_decode_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa attention, except for one query token per row over grouped key/value heads: there the
+    query heads of a group attend as rows of one SDPA call (:func:`headkit.ops.softmax.grouped_query_step_attention`)
+    instead of over keys repeated per query head, a copy of the whole static cache per layer and step (measured:
+    the packaged SmolLM2 step at 8,192 tokens, see docs/decoding.md)."""
+    one_token = query.shape[2] == 1 and query.shape[1] != key.shape[1]
+    shared_mask = attention_mask is None or (attention_mask.dim() == 4 and attention_mask.shape[1] == 1)
+    if one_token and shared_mask and not (module.training and dropout) and kwargs.get("softcap") is None:
+        output = grouped_query_step_attention(query, key, value, attention_mask, scale=scaling)
+        return output.transpose(1, 2).contiguous(), None
+    sdpa = AttentionInterface()["sdpa"]
+    return sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def use_grouped_query_decode(model: nn.Module) -> None:
+    """Run a model whose layers use sdpa through :func:`grouped_query_decode_attention` (the decoder's own copy
+    of the model; headkit's mechanisms keep dispatching through ``headkit_<base>`` with it as the base)."""
+    if base_implementation(model) != "sdpa":  # eager or flash attention: left as chosen
+        return
+    if GROUPED_QUERY_DECODE not in AttentionInterface():
+        AttentionInterface.register(GROUPED_QUERY_DECODE, grouped_query_decode_attention)
+        register_base_mask(GROUPED_QUERY_DECODE, "sdpa")
+    set_attention_implementation(model, GROUPED_QUERY_DECODE)
+
+
 def _decoder_layer_count(model: nn.Module) -> int:
     config = model.config.get_text_config(decoder=True)
     return int(config.num_hidden_layers)
@@ -247,6 +290,7 @@ class FastDecoder:
                 "compile_config.fullgraph must be True: a graph break would hide eager code in the step"
             )
         self.model = prepare_weights(model, weights, group_size)
+        use_grouped_query_decode(self.model)
         self.linearized = linearized_layer_indices(self.model)
         self.layer_count = _decoder_layer_count(self.model)
         self.all_linearized = len(self.linearized) == self.layer_count
