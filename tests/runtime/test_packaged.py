@@ -146,6 +146,12 @@ def test_the_key_follows_weights_versions_cpu_and_threads(monkeypatch):
     assert artifact_key(changed, buffers, {"bucket": [1, 256]}) != base
     assert artifact_key(model, buffers, {"bucket": [1, 512]}) != base
     assert artifact_key(model, [torch.zeros(2, 4)], {"bucket": [1, 256]}) != base
+    eager = one_layer()
+    eager.set_attn_implementation("eager")  # the same weights and config, other attention code
+    assert artifact_key(eager, buffers, {"bucket": [1, 256]}) != base
+    monkeypatch.setattr(packaged, "headkit_source_digest", lambda: "edited")
+    assert artifact_key(model, buffers, {"bucket": [1, 256]}) != base
+    monkeypatch.undo()
     monkeypatch.setattr(torch, "__version__", "0.0.0-another")
     assert artifact_key(model, buffers, {"bucket": [1, 256]}) != base
     monkeypatch.undo()

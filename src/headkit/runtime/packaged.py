@@ -13,10 +13,11 @@ tracing and no compiler.
   process hands it its own cache. The whole step is one graph: weights frozen in as constants (inductor's
   ``freezing``), a C++ wrapper, no Python between kernels.
 * **Keyed, never stale.** An artifact is named by a hash of everything its code depends on (:func:`artifact_key`):
-  the weights' bytes, the model's class and config, the cache's buffers (shapes, dtypes), the shape bucket, the
-  weight type, the thread count (inductor writes it into its parallel loops), the CPU (model and instruction
-  flags), and the versions of torch, transformers and headkit. Another torch, another CPU or changed weights is
-  another key: that artifact is built, the foreign one never loaded.
+  the weights' bytes, the model's class, config and attention implementation, the cache's buffers (shapes,
+  dtypes), the shape bucket, the weight type, the thread count (inductor writes it into its parallel loops), the
+  CPU (model and instruction flags), the versions of torch, transformers and headkit, and headkit's sources.
+  Another torch, another CPU or changed weights is another key: that artifact is built, the foreign one never
+  loaded.
 * **Checked.** Beside each ``<key>.pt2`` a ``<key>.json`` records its SHA-256 and size. A package whose bytes do
   not match (truncated, corrupted) is rebuilt, with one line saying so. Both are written to temporary files and
   renamed into place, the package first, so a reader never sees half an artifact.
@@ -29,6 +30,7 @@ tracing and no compiler.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -44,6 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from headkit.compat import attention_implementation
 from headkit.files import regular_file_mode, write_json_atomic
 from headkit.layers.cache import map_state, state_tensors
 from headkit.layers.hybrid import RingHybridStateCacheLayer
@@ -203,6 +206,8 @@ def artifact_key(
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "headkit": headkit.__version__,
+        "headkit_source": headkit_source_digest(),  # a changed headkit (not yet a new version) writes other code
+        "attention": attention_implementation(model),
         "cpu": cpu_identity(),
         "threads": torch.get_num_threads(),
         "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
@@ -211,6 +216,17 @@ def artifact_key(
         "buffers": [[str(buffer.dtype), list(buffer.shape)] for buffer in buffers],
         **description,
     }
+
+
+@functools.cache
+def headkit_source_digest() -> str:
+    """A hash of headkit's own Python sources: the step's code is theirs as much as the model's."""
+    root = Path(__file__).resolve().parents[1]
+    digest = hashlib.blake2b(digest_size=16)
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode())
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
 
 
 def _digest_of(key: dict[str, Any]) -> str:
