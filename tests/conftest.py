@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -8,8 +10,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(1)
-# Compiled decoding steps go to a folder of this run's own, never the user's cache.
+# Compiled decoding steps go to a folder of this run's own, never the user's cache, removed at the end.
 os.environ["HEADKIT_CACHE"] = tempfile.mkdtemp(prefix="headkit-test-cache-")
+atexit.register(shutil.rmtree, os.environ["HEADKIT_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
