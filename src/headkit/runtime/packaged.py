@@ -15,7 +15,7 @@ tracing and no compiler.
 * **Keyed, never stale.** An artifact is named by a hash of everything its code depends on (:func:`artifact_key`):
   the weights' bytes, the model's class, config and attention implementation, the cache's buffers (shapes,
   dtypes), the shape bucket, the weight type, the thread count (inductor writes it into its parallel loops), the
-  CPU (model and instruction flags), the versions of torch, transformers and headkit, and headkit's sources.
+  CPU (model and instruction flags), the versions of torch and transformers, and headkit's own sources.
   Another torch, another CPU or changed weights is another key: that artifact is built, the foreign one never
   loaded.
 * **Checked.** Beside each ``<key>.pt2`` a ``<key>.json`` records its SHA-256 and size. A package whose bytes do
@@ -200,14 +200,11 @@ def artifact_key(
     :func:`weights_digest`, when already computed."""
     import transformers
 
-    import headkit
-
     return {
         "format": ARTIFACT_FORMAT,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "headkit": headkit.__version__,
-        "headkit_source": headkit_source_digest(),  # a changed headkit (not yet a new version) writes other code
+        "headkit_source": headkit_source_digest(),  # any change to headkit, released or not, writes other code
         "attention": attention_implementation(model),
         "cpu": cpu_identity(),
         "threads": torch.get_num_threads(),
