@@ -161,6 +161,33 @@ def test_grouped_query_step_matches_repeated_keys_outputs_and_gradients(heads, k
         torch.testing.assert_close(got_grad, want_grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
+def test_grouped_query_step_in_bfloat16_matches_the_float32_reference(mask_kind):
+    # Reduced precision takes the written-out form (scores and softmax in float32): within bfloat16's rounding of
+    # the float32 reference over repeated keys, gradients included.
+    from headkit.ops.softmax import grouped_query_step_attention
+
+    q, k, v = torch.randn(2, 6, 1, 8), torch.randn(2, 2, 300, 8), torch.randn(2, 2, 300, 5)
+    keep = torch.ones(2, 300, dtype=torch.bool)
+    keep[1, :40] = False
+    mask = {"none": None, "bool": keep[:, None, None, :]}.get(mask_kind)
+    if mask_kind == "additive":
+        mask = torch.zeros(2, 1, 1, 300, dtype=torch.bfloat16).masked_fill(
+            ~keep[:, None, None, :], float("-inf")
+        )
+    low = [t.bfloat16().requires_grad_() for t in (q, k, v)]
+    out = grouped_query_step_attention(*low, mask, scale=0.3)
+    assert out.dtype == torch.bfloat16
+    full = [t.bfloat16().float().requires_grad_() for t in (q, k, v)]
+    ref = naive_softmax_attention(*full, key_mask=None if mask is None else keep, scale=0.3)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    cotangent = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, low, cotangent.bfloat16())
+    want = torch.autograd.grad(ref, full, cotangent)
+    for got_grad, want_grad in zip(grads, want, strict=True):
+        torch.testing.assert_close(got_grad.float(), want_grad, atol=3e-2, rtol=3e-2)
+
+
 def test_grouped_query_step_refuses_what_it_cannot_group():
     from headkit.ops.softmax import grouped_query_step_attention
 
