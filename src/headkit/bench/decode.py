@@ -140,7 +140,7 @@ class DecodeSettings:
     first_token: tuple[str, ...] = option(
         ("fast float32",),
         "With --smollm2: engines whose first token is timed in fresh processes (headkit generate --fast), cold "
-        "(an empty compiled-step folder: it compiles) then warm (it loads what the cold one saved); empty: none.",
+        "(an empty compiled-step folder: it compiles) then warm (it loads what the cold one saved).",
         choices=engine_names,
     )
     engine_compile: bool = option(
