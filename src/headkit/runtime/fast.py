@@ -380,13 +380,12 @@ class FastDecoder:
                 self._steps[bucket] = step
             return step
         threads = torch.get_num_threads()  # inductor writes the thread count into its parallel loops
+        buffers = cache_buffers(cache)  # the same tensors for the whole generation: written in place
         packaged = self._steps.get((bucket, threads))
         if packaged is None:
-            packaged = self._packaged_step(bucket, token, position, mask, cache)
+            packaged = self._packaged_step(bucket, token, position, mask, cache, buffers)
             self._steps[(bucket, threads)] = packaged
             self.packaged_steps[bucket] = packaged
-
-        buffers = cache_buffers(cache)  # the same tensors for the whole generation: written in place
 
         def step(token: torch.Tensor, position: torch.Tensor, mask: Any, cache: Any) -> torch.Tensor:
             masks = () if mask is None else (mask,)
@@ -395,13 +394,18 @@ class FastDecoder:
         return step
 
     def _packaged_step(
-        self, bucket: tuple[int, int], token: torch.Tensor, position: torch.Tensor, mask: Any, cache: Any
+        self,
+        bucket: tuple[int, int],
+        token: torch.Tensor,
+        position: torch.Tensor,
+        mask: Any,
+        cache: Any,
+        buffers: list[torch.Tensor],
     ) -> Any:
         from headkit.runtime.packaged import StepWithStateInputs, artifact_key, packaged_step, weights_digest
 
         if self._weights_digest is None:
             self._weights_digest = weights_digest(self.model)
-        buffers = cache_buffers(cache)
         step = StepWithStateInputs(self.model, cache, self._decode_step, takes_mask=mask is not None)
         description = {
             "weight_type": self.weights,
