@@ -19,7 +19,9 @@ from headkit.surgery.attention import MECHANISM
 from headkit.surgery.families import FAMILIES, LATENT
 from headkit.surgery.latent import (
     LatentCacheLayer,
+    allocate_by_error,
     allocate_ranks,
+    candidate_ranks,
     compress_kv_to_latent,
     expected_rotation,
     fold_rotation,
@@ -335,6 +337,79 @@ def test_allocated_ranks_minimise_the_summed_relative_error_under_the_same_total
     assert left(ranks) == pytest.approx(min(left(c) for c in every))
     with pytest.raises(HeadkitError, match=r"total must be in \[3, 18\]"):
         allocate_ranks(spectra, 2)
+
+
+def test_allocation_by_error_curves_is_optimal_for_convex_curves_on_uneven_candidate_ranks():
+    """Against every choice on the curves, linear between candidates: the error at each layer's rank."""
+    curves = [
+        ([2, 4, 8, 12], [9.0, 4.0, 1.0, 0.5]),
+        ([2, 4, 8, 12], [3.0, 2.0, 1.5, 1.4]),
+        ([1, 3, 9], [20.0, 5.0, 0.0]),
+    ]
+
+    def error(curve, rank):
+        for (r0, e0), (r1, e1) in itertools.pairwise(zip(*curve, strict=True)):
+            if r0 <= rank <= r1:
+                return e0 + (e1 - e0) * (rank - r0) / (r1 - r0)
+        raise AssertionError(rank)
+
+    for total in (5, 12, 20, 33):
+        ranks = allocate_by_error(curves, total)
+        assert sum(ranks) == total and all(
+            c[0][0] <= r <= c[0][-1] for c, r in zip(curves, ranks, strict=True)
+        )
+        choices = itertools.product(*(range(c[0][0], c[0][-1] + 1) for c in curves))
+        best = min(
+            sum(error(c, r) for c, r in zip(curves, choice, strict=True))
+            for choice in choices
+            if sum(choice) == total
+        )
+        assert sum(error(c, r) for c, r in zip(curves, ranks, strict=True)) == pytest.approx(best)
+    # A curve that rises somewhere (noise) is followed along its lower convex hull: the units still add up.
+    bumpy = [([2, 4, 6], [5.0, 6.0, 1.0]), ([2, 4, 6], [5.0, 3.0, 2.0])]
+    assert sum(allocate_by_error(bumpy, 9)) == 9
+    with pytest.raises(HeadkitError, match=r"total must be in \[5, 33\]"):
+        allocate_by_error(curves, 34)
+    assert candidate_ranks(48, 336) == [12, 24, 36, 48, 72, 96, 144]
+    assert candidate_ranks(120, 312) == [30, 60, 90, 120, 180, 240, 312]
+
+
+def test_sensitivity_allocation_gives_the_rank_to_the_layer_the_loss_feels(tmp_path):
+    model = family_model("llama")
+    with (
+        torch.no_grad()
+    ):  # layer 0's attention output barely reaches the residual stream: its errors cost little
+        model.model.layers[0].self_attn.o_proj.weight.mul_(1e-3)
+    before = {n: p.requires_grad for n, p in model.named_parameters()}
+    report = compress_kv_to_latent(
+        model, kv_rank=12, rope_dims=4, calibration=iter(calibration()), rank_allocation="sensitivity"
+    )
+    assert sum(report.kv_ranks) == 24 and report.kv_ranks[0] < 12 < report.kv_ranks[1]
+    assert report.candidate_ranks == candidate_ranks(12, 56) and len(report.rank_errors) == 2
+    # Each curve falls with the rank, and the layer the loss barely feels costs far less at every rank.
+    for errors in report.rank_errors:
+        assert errors[0] > errors[-1] >= 0
+    assert all(a < 1e-3 * b for a, b in zip(*report.rank_errors, strict=True))
+    assert [m.rank for m in latent_mechanisms(model)] == report.kv_ranks
+    assert "by the loss-weighted output errors" in str(report)
+    # The gradient pass leaves the flags of the parameters the conversion kept as they were.
+    assert all(p.requires_grad == before[n] for n, p in model.named_parameters() if n in before)
+    model.save_pretrained(tmp_path)
+    reloaded = headkit.from_pretrained(tmp_path)
+    tokens = family_inputs(length=10)
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, model(tokens).logits)
+    untouched = family_model("llama")
+    state = {k: v.clone() for k, v in untouched.state_dict().items()}
+    for options, message in (
+        ({}, "rank_allocation 'sensitivity' measures"),
+        ({"statistics": []}, "not only statistics"),
+    ):
+        with pytest.raises(HeadkitError, match=message):
+            compress_kv_to_latent(
+                untouched, kv_rank=12, rope_dims=4, rank_allocation="sensitivity", **options
+            )
+    assert all(torch.equal(v, state[k]) for k, v in untouched.state_dict().items())
 
 
 def test_spectrum_allocation_keeps_the_total_varies_the_ranks_and_reloads(tmp_path):

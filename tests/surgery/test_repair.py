@@ -15,6 +15,7 @@ from headkit.surgery.latent import compress_kv_to_latent
 from headkit.surgery.repair import (
     OutputStatistics,
     capture_attention_calls,
+    fisher_weighted_error,
     output_statistics,
     reconstruct_attention,
     refit_error_scores,
@@ -286,3 +287,65 @@ def test_refit_error_scores_rank_each_layer_by_the_error_left_after_the_repair()
     assert all(s[0] == s[1] and s[2] == s[3] for s in grouped)
     with pytest.raises(HeadkitError, match="weighting must be"):
         refit_error_scores(layers, kv, weighting="loss")
+
+
+def _next_token_loss(model, batches):
+    total = 0.0
+    for batch in batches:
+        logits = model(**batch).logits[:, :-1].double()
+        total += float(
+            torch.nn.functional.cross_entropy(
+                logits.flatten(0, 1), batch["input_ids"][:, 1:].flatten(), reduction="sum"
+            )
+        )
+    return total
+
+
+def test_captured_gradients_are_the_losss_derivative_by_each_attention_output():
+    """Checked against the loss itself: adding ε·δ to layer 1's attention output moves the summed next-token loss
+    by ε Σ_t g_t·δ_t to first order (central difference, float64)."""
+    model = family_model("llama").double()
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    batches = _windows(3, 2)
+    calls = capture_attention_calls(model, batches, [0, 1], gradients=True)
+    assert all(c.gradient is not None and c.gradient.shape == c.output.shape for c in calls[1])
+    assert {n: p.requires_grad for n, p in model.named_parameters()} == flags
+    assert all(p.grad is None for p in model.parameters())
+    generator = torch.Generator().manual_seed(0)
+    directions = [torch.randn(c.output.shape, generator=generator, dtype=torch.float64) for c in calls[1]]
+    module = get_adapter(model).sites(model)[1].module
+    epsilon = 1e-4
+
+    def shifted_loss(scale):
+        batch_index = iter(range(len(batches)))
+
+        def shift(mod, args, output):
+            return (output[0] + scale * directions[next(batch_index)], *output[1:])
+
+        handle = module.register_forward_hook(shift)
+        try:
+            with torch.no_grad():
+                return _next_token_loss(model, batches)
+        finally:
+            handle.remove()
+
+    measured = (shifted_loss(epsilon) - shifted_loss(-epsilon)) / (2 * epsilon)
+    predicted = sum(float((c.gradient * d).sum()) for c, d in zip(calls[1], directions, strict=True))
+    assert measured == pytest.approx(predicted, rel=1e-5)
+    # Without gradients the records carry none, and the weighted error refuses them.
+    plain = capture_attention_calls(model, batches, [1])[1]
+    assert all(c.gradient is None for c in plain)
+    with pytest.raises(HeadkitError, match="gradients=True"):
+        fisher_weighted_error(module, plain)
+
+
+def test_the_fisher_weighted_error_is_the_squared_first_order_loss_change_per_token():
+    teacher, student = _latent_pair()
+    calls = capture_attention_calls(teacher, _windows(4, 1), [0], gradients=True)[0]
+    module = student.get_submodule(get_adapter(teacher).sites(teacher)[0].name)
+    with torch.no_grad():
+        per_token = [((module(*c.args, **c.kwargs)[0] - c.output) * c.gradient).sum(-1) for c in calls]
+    expected = sum(float(t.double().pow(2).sum()) for t in per_token)
+    assert fisher_weighted_error(module, calls) == pytest.approx(expected, rel=1e-5) and expected > 0
+    # The original's own module leaves no error.
+    assert fisher_weighted_error(get_adapter(teacher).sites(teacher)[0].module, calls) == 0.0

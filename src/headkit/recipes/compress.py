@@ -151,7 +151,9 @@ class CompressSettings(ModelSettings):
     rank_allocation: str = option(
         UNIFORM,
         "Rotary decoders: 'uniform' gives every layer R; 'spectrum' shares the same total out by each layer's "
-        "key/value spectrum on the calibration text (the error each rank leaves).",
+        "key/value spectrum on the calibration text (the error each rank leaves in the keys and values); "
+        "'sensitivity' by what each rank costs the model (each layer's attention-output error at 7 candidate "
+        "ranks, weighted by the loss gradient).",
     )
     repair: bool = option(
         True,

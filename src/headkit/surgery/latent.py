@@ -52,7 +52,10 @@ uneven key/value pruning or head gates. A model pruned uniformly is a stock mode
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import functools
+import itertools
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -80,6 +83,7 @@ from headkit.surgery.attention import (
 from headkit.surgery.collaborative import SharedProjection
 from headkit.surgery.families import LATENT, get_family, text_config
 from headkit.surgery.records import given_config, record_surgery, register_surgery_op
+from headkit.surgery.repair import capture_attention_calls, fisher_weighted_error
 
 SURGERY_OP = "latent_kv"
 
@@ -500,8 +504,8 @@ def weight_statistics(adapter: AttentionAdapter, site: AttentionSite) -> SiteSta
 
 FITTED, NORMS = "fitted", "norms"
 ROPE_SELECTIONS = (FITTED, NORMS)
-UNIFORM, SPECTRUM = "uniform", "spectrum"
-RANK_ALLOCATIONS = (UNIFORM, SPECTRUM)
+UNIFORM, SPECTRUM, SENSITIVITY = "uniform", "spectrum", "sensitivity"
+RANK_ALLOCATIONS = (UNIFORM, SPECTRUM, SENSITIVITY)
 
 
 def select_rotary_pairs(statistics: SiteStatistics, pairs: int, selection: str = NORMS) -> torch.Tensor:
@@ -553,27 +557,87 @@ def _weighted_rows(
     return stacked, stacked @ root
 
 
+def allocate_by_error(curves: list[tuple[list[int], list[float]]], total: int) -> list[int]:
+    """Share `total` latent dimensions out over the layers so that Σ_ℓ e_ℓ(R_ℓ) is smallest, where curve ℓ gives
+    the error e_ℓ at candidate ranks (ascending) and is taken linear between them; each layer's rank stays within
+    its candidates' range. Every layer starts at its smallest candidate, then the unit steps that lower the
+    summed error most are taken first, along each curve's lower convex hull: optimal for convex curves (where
+    the hull is the curve), and for the hull otherwise. Ties go to the earlier layer."""
+    low = sum(ranks[0] for ranks, _ in curves)
+    high = sum(ranks[-1] for ranks, _ in curves)
+    if not curves or not low <= total <= high:
+        raise HeadkitError(
+            f"total must be in [{low}, {high}] (every layer between its smallest and largest candidate rank), "
+            f"got {total}"
+        )
+    steps = []
+    for layer, (ranks, errors) in enumerate(curves):
+        hull: list[tuple[int, float]] = []
+        for point in zip(ranks, errors, strict=True):
+            # Lower hull, left to right: drop the last point while it lies on or above the chord to this one.
+            while len(hull) > 1 and (hull[-1][0] - hull[-2][0]) * (point[1] - hull[-2][1]) <= (
+                hull[-1][1] - hull[-2][1]
+            ) * (point[0] - hull[-2][0]):
+                hull.pop()
+            hull.append(point)
+        for (r0, e0), (r1, e1) in itertools.pairwise(hull):
+            steps += [((e0 - e1) / (r1 - r0), layer)] * (r1 - r0)
+    allocated = [ranks[0] for ranks, _ in curves]
+    for _, layer in sorted(steps, key=lambda step: -step[0])[: total - low]:
+        allocated[layer] += 1
+    return allocated
+
+
 def allocate_ranks(spectra: list[torch.Tensor], total: int) -> list[int]:
     """Share `total` latent dimensions out over the layers whose weighted key/value singular values are
     `spectra`, so that the sum over layers of the relative error each layer is left with,
     Σ_{j>R_ℓ} σ_{ℓj}² / Σ_j σ_{ℓj}² (the activation-weighted key/value error of :func:`joint_latent_factors`), is
-    smallest. The error is convex in R_ℓ (the σ are sorted), so taking the largest normalised σ² over all layers
-    is optimal; every layer keeps at least one dimension and at most as many as its spectrum has."""
-    if not 1 <= len(spectra) <= total <= sum(len(s) for s in spectra):
-        raise HeadkitError(
-            f"total must be in [{len(spectra)}, {sum(len(s) for s in spectra)}] (at least one dimension per layer, "
-            f"at most every one), got {total}"
-        )
-    gains = []
-    for layer, spectrum in enumerate(spectra):
+    smallest (:func:`allocate_by_error`; the error is convex in R_ℓ, the σ being sorted). Every layer keeps at
+    least one dimension and at most as many as its spectrum has."""
+    curves = []
+    for spectrum in spectra:
         energy = spectrum.double().pow(2)
         share = energy / energy.sum().clamp_min(1e-300)
-        # The first dimension is every layer's, whatever its share: a layer cannot have rank 0.
-        gains += [(float(share[j]), layer) for j in range(1, len(spectrum))]
-    ranks = [1] * len(spectra)
-    for _, layer in sorted(gains, key=lambda gain: -gain[0])[: total - len(spectra)]:
-        ranks[layer] += 1
-    return ranks
+        left = share.flip(0).cumsum(0).flip(0).tolist()  # left[r] = Σ_{j≥r} share_j: the error at rank r
+        curves.append((list(range(1, len(spectrum) + 1)), left[1:] + [0.0]))
+    return allocate_by_error(curves, total)
+
+
+# The candidate ranks whose errors :func:`rank_error_curves` measures, as multiples of the uniform rank R.
+SENSITIVITY_MULTIPLES = (0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
+
+
+def candidate_ranks(kv_rank: int, top: int) -> list[int]:
+    """The ranks (ascending, within [1, top]) at which each layer's sensitivity is measured: R itself and
+    :data:`SENSITIVITY_MULTIPLES` of it."""
+    return sorted({min(top, max(1, round(kv_rank * multiple))) for multiple in SENSITIVITY_MULTIPLES})
+
+
+def rank_error_curves(
+    model: nn.Module,
+    config: LatentKVConfig,
+    calibration: list[dict],
+    statistics: list[SiteStatistics],
+    adapter: AttentionAdapter,
+    ranks: list[int],
+) -> list[list[float]]:
+    """Per layer, the loss-weighted error its attention output is left with at each of `ranks`
+    (:func:`headkit.surgery.repair.fisher_weighted_error` on `calibration`): what each choice costs the model,
+    in the loss's units, so layers compare. Each rank converts a copy of `model` (every layer at that rank;
+    `model` untouched), and each layer is judged on the original's own inputs, so no error crosses layers."""
+    sites = adapter.sites(model)
+    calls = capture_attention_calls(model, calibration, range(len(sites)), adapter, gradients=True)
+    curves: list[list[float]] = [[] for _ in sites]
+    uniform = dataclasses.replace(config, rank_allocation=UNIFORM)
+    for rank in ranks:
+        candidate = copy.deepcopy(model)
+        compress_kv_to_latent(
+            candidate, dataclasses.replace(uniform, kv_rank=rank), statistics=statistics, adapter=adapter
+        )
+        for layer, site in enumerate(sites):
+            curves[layer].append(fisher_weighted_error(candidate.get_submodule(site.name), calls[layer]))
+        del candidate
+    return curves
 
 
 def joint_latent_factors(
@@ -642,6 +706,10 @@ class LatentReport:
     parameters_after: int
     seconds: float
     sites: list[LatentSiteReport] = field(default_factory=list)
+    rank_allocation: str = UNIFORM
+    # "sensitivity": the candidate ranks and, per layer, the loss-weighted error at each (rank_error_curves)
+    candidate_ranks: list[int] | None = None
+    rank_errors: list[list[float]] | None = None
 
     @property
     def cache_fraction(self) -> float:
@@ -682,7 +750,8 @@ class LatentReport:
     def _allocation(self) -> str:
         if len(set(self.kv_ranks)) <= 1:
             return ""
-        return f" (mean; per layer {min(self.kv_ranks)}–{max(self.kv_ranks)}, by the spectra)"
+        by = "the loss-weighted output errors" if self.rank_allocation == SENSITIVITY else "the spectra"
+        return f" (mean; per layer {min(self.kv_ranks)}–{max(self.kv_ranks)}, by {by})"
 
     def _selection_words(self) -> str:
         if not self.calibrated:
@@ -896,8 +965,11 @@ class LatentKVConfig:
             (:func:`expected_rotation`); ``"norms"`` (the default without): MHA2MLA's 2-norm criterion,
             rotary-free pairs left unrotated. None: the default for the calibration given.
         rank_allocation: ``"uniform"``: every layer gets R. ``"spectrum"`` (needs calibration): the same total,
-            L·R, shared out by the error each choice leaves (:func:`allocate_ranks`: the layers whose keys and
-            values are hardest to compress get more of it).
+            L·R, shared out by the error each choice leaves in the keys and values (:func:`allocate_ranks`: the
+            layers whose keys and values are hardest to compress get more of it). ``"sensitivity"`` (needs
+            calibration batches): shared out by what each choice costs the model — each layer's attention-output
+            error at candidate ranks, weighted by the loss gradient (:func:`rank_error_curves`,
+            :func:`allocate_by_error`).
     """
 
     kv_rank: int
@@ -925,6 +997,11 @@ class LatentKVConfig:
         if self.rank_allocation == SPECTRUM and not calibrated:
             raise HeadkitError(
                 "rank_allocation 'spectrum' shares the ranks out by the calibration text's key/value spectra: pass "
+                "calibration=..., or rank_allocation='uniform'"
+            )
+        if self.rank_allocation == SENSITIVITY and not calibrated:
+            raise HeadkitError(
+                "rank_allocation 'sensitivity' measures each layer's cost on calibration text: pass "
                 "calibration=..., or rank_allocation='uniform'"
             )
         selection = self.rope_selection or (FITTED if calibrated else NORMS)
@@ -978,8 +1055,8 @@ def compress_kv_to_latent(
         adapter: the architecture's adapter; detected when None.
         statistics: the calibration's per-layer statistics already collected (:func:`collect_statistics` on this
             model, or on a model with the same weights): they do not depend on the rank, so a curve over R
-            collects them once. Given, `calibration` is not run again (it still says the conversion is
-            calibrated).
+            collects them once. Given, `calibration` is not run again for them (it still says the conversion is
+            calibrated; ``rank_allocation="sensitivity"`` runs it, with gradients).
 
     Returns a :class:`LatentReport`. Raises :class:`HeadkitError` for an unsupported family, an argument out of
     range, a model already converted or pruned unevenly — the model is then untouched.
@@ -988,6 +1065,12 @@ def compress_kv_to_latent(
     config = LatentKVConfig(**options) if config is None else given_config(LatentKVConfig, config, options)
     calibrated = calibration is not None or statistics is not None
     rope_selection = config.selection(calibrated)
+    if config.rank_allocation == SENSITIVITY and calibration is None:
+        raise HeadkitError(
+            "rank_allocation 'sensitivity' runs the calibration batches with gradients: pass calibration=..., "
+            "not only statistics"
+        )
+    calibration = None if calibration is None else list(calibration)  # read twice for 'sensitivity'
     kv_rank, rope_dims = config.kv_rank, config.rope_dims
     adapter, sites = config.check(model, adapter)
     hidden = adapter.read_projections(sites[0]).k_weight.shape[1]
@@ -1008,12 +1091,19 @@ def compress_kv_to_latent(
     pairs = [select_rotary_pairs(stats, rope_dims // 2, rope_selection) for stats in statistics]
     fold = rope_selection == FITTED
     ranks = [kv_rank] * len(sites)
+    candidates, rank_errors = None, None
     if config.rank_allocation == SPECTRUM:
         spectra = [
             latent_spectrum(adapter, site, chosen, stats, fold)
             for site, chosen, stats in zip(sites, pairs, statistics, strict=True)
         ]
         ranks = allocate_ranks(spectra, kv_rank * len(sites))
+    elif config.rank_allocation == SENSITIVITY:
+        site = sites[0]
+        top = full_rank(hidden, site.num_kv_heads, site.head_dim, rope_dims)
+        candidates = candidate_ranks(kv_rank, top)
+        rank_errors = rank_error_curves(model, config, calibration, statistics, adapter, candidates)
+        ranks = allocate_by_error([(candidates, errors) for errors in rank_errors], kv_rank * len(sites))
     planned = [
         _plan_site(adapter, site, rank, chosen, stats, fold=fold)
         for site, rank, chosen, stats in zip(sites, ranks, pairs, statistics, strict=True)
@@ -1049,6 +1139,9 @@ def compress_kv_to_latent(
         parameters_after=count_parameters(model),
         seconds=time.perf_counter() - start,
         sites=[plan.report for plan in planned],
+        rank_allocation=config.rank_allocation,
+        candidate_ranks=candidates,
+        rank_errors=rank_errors,
     )
 
 
@@ -1099,11 +1192,15 @@ __all__ = [
     "LatentReport",
     "NORMS",
     "RANK_ALLOCATIONS",
+    "SENSITIVITY",
     "PositionEmbeddingsHook",
     "ROPE_SELECTIONS",
     "SPECTRUM",
     "UNIFORM",
+    "allocate_by_error",
     "allocate_ranks",
+    "candidate_ranks",
+    "rank_error_curves",
     "RotaryKeyProjection",
     "RotationFit",
     "SiteStatistics",

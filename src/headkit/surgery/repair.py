@@ -434,22 +434,39 @@ class ReconstructionReport(_LayerwiseReport):
 
 @dataclass
 class AttentionCallRecord:
-    """One call of an attention module in the original model: its arguments and its output."""
+    """One call of an attention module in the original model: its arguments and its output; with
+    ``gradients=True``, also the gradient of the summed next-token loss with respect to that output."""
 
     args: tuple
     kwargs: dict[str, Any]
     output: torch.Tensor
+    gradient: torch.Tensor | None = None
 
 
-@torch.no_grad()
+def _detached(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(item) for item in value)
+    if isinstance(value, dict):
+        return {key: _detached(item) for key, item in value.items()}
+    return value
+
+
 def capture_attention_calls(
     model: nn.Module,
     batches: Iterable[Mapping[str, Any]],
     layers: Iterable[int],
     adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+    *,
+    gradients: bool = False,
 ) -> dict[int, list[AttentionCallRecord]]:
     """Run `model` once over `batches` and keep, for each of `layers`, every call of its attention module (the
-    hidden states, rotary embeddings and mask it was given, and what it returned)."""
+    hidden states, rotary embeddings and mask it was given, and what it returned).
+
+    `gradients` (a causal LM): also back-propagate the batches' summed next-token cross-entropy and keep, per
+    call, its gradient with respect to the attention output — what :func:`fisher_weighted_error` weighs an
+    output's error by. No parameter gradient is computed, and the model's ``requires_grad`` flags are restored."""
     adapter = get_adapter(model, adapter)
     sites = adapter.sites(model)
     calls: dict[int, list[AttentionCallRecord]] = {index: [] for index in layers}
@@ -457,15 +474,50 @@ def capture_attention_calls(
     def hook(index: int):
         def keep(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             result = output[0] if isinstance(output, tuple) else output
-            calls[index].append(AttentionCallRecord(args, kwargs, result.detach()))
+            record = AttentionCallRecord(_detached(args), _detached(kwargs), result.detach())
+            calls[index].append(record)
+            if gradients and result.requires_grad:
+                result.register_hook(lambda gradient: setattr(record, "gradient", gradient.detach()))
 
         return keep
 
     handles = [sites[i].module.register_forward_hook(hook(i), with_kwargs=True) for i in calls]
-    _run_hooked(model, handles, batches)
+    if gradients:
+        _run_backward(model, handles, batches)
+    else:
+        with torch.no_grad():
+            _run_hooked(model, handles, batches)
     if calls and not next(iter(calls.values())):
         raise HeadkitError("calibration needs at least one batch of text, got none")
     return calls
+
+
+def _run_backward(model: nn.Module, handles: list[Any], batches: Iterable[Mapping[str, Any]]) -> None:
+    """Run `model` over `batches` and back-propagate each batch's summed next-token cross-entropy (padding slots
+    excluded) to the activations only, then remove the hooks `handles`; parameters' flags restored, also on
+    error."""
+    flags = {name: parameter.requires_grad for name, parameter in model.named_parameters()}
+    # The graph starts at the embeddings' output, so that no parameter needs a gradient.
+    handles = [
+        *handles,
+        model.get_input_embeddings().register_forward_hook(lambda m, a, out: out.detach().requires_grad_(True)),
+    ]
+    model.requires_grad_(False)
+    try:
+        with torch.enable_grad():
+            for batch in batches:
+                ids, mask = batch["input_ids"], batch.get("attention_mask")
+                logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                labels = ids[:, 1:] if mask is None else ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
+                loss = F.cross_entropy(
+                    logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
+                )
+                loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+        for name, parameter in model.named_parameters():
+            parameter.requires_grad_(flags[name])
 
 
 def _relative_error(module: nn.Module, calls: list[AttentionCallRecord]) -> float:
@@ -475,6 +527,23 @@ def _relative_error(module: nn.Module, calls: list[AttentionCallRecord]) -> floa
         )
         energy = sum(float(c.output.float().pow(2).sum()) for c in calls)
     return error / max(energy, 1e-30)
+
+
+def fisher_weighted_error(module: nn.Module, calls: list[AttentionCallRecord]) -> float:
+    """Σ_t (g_tᵀ (f'(x_t) − f(x_t)))²: the error of `module`'s attention output f' against the original's f on the
+    recorded calls, weighted by the recorded loss gradients g (``gradients=True``). Half of it is the
+    second-order estimate of the loss increase the error causes, with the Hessian replaced by the empirical
+    Fisher E[g gᵀ] (Fisher pruning: Theis et al. 2018, "Faster gaze prediction with dense networks and Fisher
+    pruning"; the squared Taylor term of Molchanov et al. 2019, "Importance Estimation for Neural Network
+    Pruning"), one perturbation per token. Unlike an error relative to each layer's own output, it is in the
+    loss's units, so layers compare."""
+    if any(call.gradient is None for call in calls):
+        raise HeadkitError("fisher_weighted_error needs calls captured with gradients=True")
+    with torch.no_grad():
+        return sum(
+            float(((_output(module, c).float() - c.output.float()) * c.gradient.float()).sum(-1).pow(2).sum())
+            for c in calls
+        )
 
 
 def _output(module: nn.Module, call: AttentionCallRecord) -> torch.Tensor:
@@ -588,6 +657,7 @@ __all__ = [
     "OutputStatistics",
     "ReconstructionReport",
     "capture_attention_calls",
+    "fisher_weighted_error",
     "reconstruct_attention",
     "RepairReport",
     "bias_shift",
