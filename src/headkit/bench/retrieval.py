@@ -8,7 +8,12 @@ For each point of a budget grid — G exact keys per layer and key/value head ch
 * **the honest baseline**: MODEL itself with the same mechanism and no linear state (``fold=False``: what leaves
   the exact sets is dropped), its budget the largest whose state at ``--state-context`` tokens is no larger than
   the linearized point's — the original with a SnapKV-style compressed cache of equal bytes;
-* **the original** with its full key/value cache, once.
+* **the original** with its full key/value cache, once;
+* with ``--kvpress-python``, **NVIDIA kvpress' ``SnapKVPress``** on the original beside each baseline without
+  retrieval heads, keeping as many tokens per key/value head as that baseline (equal bytes): the reference
+  implementation users know, run in a child process of its own venv (kvpress pins ``transformers<5.3``;
+  :mod:`headkit.bench._kvpress_reference`). Passkey rows only: kvpress compresses a prefill, so neither the second
+  turn nor a cached perplexity has its counterpart there.
 
 Each gets: passkey accuracy on prompts whose key has left the window (Wilson 95% intervals), the same key asked
 for in a second turn (the key's turn prefilled first, then ``--second-turn-gap`` tokens of other text and the
@@ -20,6 +25,9 @@ so the budget holds the first keys that left the window), and the decoding state
 from __future__ import annotations
 
 import copy
+import json
+import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -87,6 +95,12 @@ class RetrievalBenchSettings:
     held_out_windows: int = option(2, "Held-out windows for perplexity.", min=1, quick=1)
     state_context: int = option(8192, "Context at which the decoding state's bytes are counted.", min=1)
     data: Path | None = option(None, "Text for filler and perplexity (default: the Python standard library).")
+    kvpress_python: Path | None = option(
+        None,
+        "A Python interpreter with NVIDIA's kvpress installed (`make kvpress` makes .venv-kvpress/bin/python; "
+        "kvpress pins transformers<5.3, so it lives in a venv of its own): adds kvpress' SnapKVPress, keeping "
+        "the tokens per head of each baseline without retrieval heads, as a reference row (passkey only).",
+    )
     threads: int = option(2, "torch threads.", min=1)
     seed: int = option(0, "Seed of the prompts and keys.")
     out: Path = option(
@@ -108,6 +122,61 @@ def _check(settings: RetrievalBenchSettings) -> None:
     for path, flag in ((settings.model, "MODEL"), (settings.linearized, "--linearized")):
         if path is not None and not Path(path).exists():
             raise HeadkitError(f"{flag} {str(path)!r} does not exist")
+    if settings.kvpress_python is not None:
+        _check_kvpress(Path(settings.kvpress_python))
+
+
+KVPRESS_CHILD = Path(__file__).with_name("_kvpress_reference.py")
+
+
+def _check_kvpress(python: Path) -> None:
+    """--kvpress-python runs and imports kvpress, transformers and torch: refused before any work otherwise."""
+    if not python.is_file():
+        raise HeadkitError(
+            f"--kvpress-python must be a Python interpreter with kvpress installed (make kvpress), got "
+            f"{str(python)!r}, which is not a file"
+        )
+    try:
+        probe = subprocess.run(
+            [str(python), "-c", "import kvpress, transformers, torch"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+    except OSError as error:
+        raise HeadkitError(f"--kvpress-python {str(python)!r} does not run: {error}") from None
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["(no message)"])[-1]
+        raise HeadkitError(f"--kvpress-python {str(python)!r} cannot import kvpress: {last}")
+
+
+def kvpress_answers(
+    python: Path, model: Path, prompts: list[tuple[int, ...]], kept: int, observation: int, threads: int
+) -> dict[str, Any]:
+    """kvpress' SnapKVPress's greedy answer ids ({"answers", "seconds", "versions"}) to `prompts`, each prompt's
+    cache compressed to `kept` tokens per key/value head, from a child process of `python`
+    (:mod:`headkit.bench._kvpress_reference`)."""
+    with tempfile.TemporaryDirectory(prefix="headkit-kvpress-") as folder:
+        request, answer = Path(folder) / "request.json", Path(folder) / "answer.json"
+        request.write_text(
+            json.dumps(
+                {
+                    "model": str(model),
+                    "prompts": [list(p) for p in prompts],
+                    "kept": kept,
+                    "observation": observation,
+                    "max_new_tokens": ANSWER_TOKENS,
+                    "threads": threads,
+                }
+            )
+        )
+        done = subprocess.run(
+            [str(python), str(KVPRESS_CHILD), str(request), str(answer)], capture_output=True, text=True
+        )
+        if done.returncode != 0 or not answer.exists():
+            tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+            raise HeadkitError(f"the kvpress reference run failed (exit {done.returncode}):\n{tail}")
+        return json.loads(answer.read_text())
 
 
 def _state_bytes(model: nn.Module, context: int) -> int:
@@ -165,6 +234,37 @@ def _measure(
     return point
 
 
+def _measure_kvpress(
+    kept: int, model_path: Path, settings: RetrievalBenchSettings, shared: dict[str, Any], echo: Any
+) -> dict[str, Any]:
+    """kvpress' SnapKVPress on the original, `kept` tokens per key/value head: passkey rows and its cache's bytes
+    (`kept` tokens of the original's key/value cache, whatever the context)."""
+    trials, tokenizer = shared["trials"], shared["tokenizer"]
+    run = kvpress_answers(
+        Path(settings.kvpress_python), model_path, [t.input_ids for t in trials], kept, settings.observation,
+        settings.threads,
+    )  # fmt: skip
+    versions = run["versions"]
+    point: dict[str, Any] = {
+        "model": f"kvpress {versions['kvpress']} SnapKVPress, {kept} tokens per head (equal bytes)",
+        "state_bytes": round(shared["kv_bytes_per_token"] * kept),
+        "kept_tokens": kept,
+        "versions": versions,
+        "second_turn": None,
+        "perplexity": None,
+        "seconds": run["seconds"],
+    }
+    for length in settings.lengths:
+        hits = [
+            passkey_answer(tokenizer.decode(ids, skip_special_tokens=True)) == t.key
+            for ids, t in zip(run["answers"], trials, strict=True)
+            if t.length == length
+        ]
+        point[f"passkey_{length}"] = _rate(sum(hits), len(hits))
+    echo(_line(point, settings, shared["window"]))
+    return point
+
+
 def _rate(hits: int, trials: int) -> dict[str, Any]:
     low, high = wilson_interval(hits, trials)
     return {"correct": hits, "trials": trials, "accuracy": hits / trials, "wilson_95": [low, high]}
@@ -175,11 +275,13 @@ def _line(point: dict[str, Any], settings: RetrievalBenchSettings, window: int) 
         f"{point[f'passkey_{n}']['correct']}/{point[f'passkey_{n}']['trials']} at {n}"
         for n in settings.lengths
     )
-    turn = point["second_turn"]
+    turn, ppl = point["second_turn"], point["perplexity"]
+    turn = "not measured" if turn is None else f"{turn['correct']}/{turn['trials']}"
+    ppl = "not measured" if ppl is None else f"{ppl:.3f} at {settings.perplexity_length}"
     return (
         f"{point['model']}: state {point['state_bytes'] / 2**20:.1f} MiB at {settings.state_context}; passkey "
-        f"beyond a {window}-token window {passkeys}; second turn {turn['correct']}/{turn['trials']}; perplexity "
-        f"{point['perplexity']:.3f} at {settings.perplexity_length} ({point['seconds']:.0f} s)"
+        f"beyond a {window}-token window {passkeys}; second turn {turn}; perplexity {ppl} "
+        f"({point['seconds']:.0f} s)"
     )
 
 
@@ -198,9 +300,9 @@ def results_table(report: dict[str, Any]) -> str:
             cell = point[f"passkey_{length}"]
             low, high = cell["wilson_95"]
             cells.append(f"{cell['accuracy']:.0%} [{low:.0%}, {high:.0%}]")
-        turn = point["second_turn"]
-        cells.append(f"{turn['accuracy']:.0%} ({turn['correct']}/{turn['trials']})")
-        cells.append(f"{point['perplexity'] / original['perplexity']:.2f}×")
+        turn, ppl = point["second_turn"], point["perplexity"]
+        cells.append("—" if turn is None else f"{turn['accuracy']:.0%} ({turn['correct']}/{turn['trials']})")
+        cells.append("—" if ppl is None else f"{ppl / original['perplexity']:.2f}×")
         rows.append(cells)
     header = (
         f"{report['model']}: passkey with the key beyond a {report['window']}-token window "
@@ -276,6 +378,7 @@ def run_retrieval_benchmark(settings: RetrievalBenchSettings, console: Any) -> d
         "window": window,
         "second_turn": second_turn,
         "held_out": held_out,
+        "kv_bytes_per_token": cache_bytes(original, 16) / 16,  # every layer's keys and values, one sequence
     }
 
     scores, _ = passkey_retrieval_scores(original, tokenizer, sentences, context=context, seed=settings.seed)
@@ -316,6 +419,10 @@ def run_retrieval_benchmark(settings: RetrievalBenchSettings, console: Any) -> d
                 reconfigure(baseline, sparse_cache=equal)
                 label = f"G′={equal} R={count} (equal bytes)"
             points.append(_measure(f"compressed cache {label}", baseline, settings, shared, echo))
+            if settings.kvpress_python is not None and not count:
+                module = linearized_modules(baseline)[0]
+                kept = module.sinks + module.window + module.sparse_cache
+                points.append(_measure_kvpress(kept, model_path, settings, shared, echo))
             del baseline
     return {
         "model": str(model_path),
