@@ -4,6 +4,17 @@ import torch
 from headkit.ops import softmax_attention
 
 
+def assert_outputs_and_gradients_close(out, inputs, ref, ref_inputs, *, outputs=1e-5, gradients=1e-5):
+    """`out` against the reference `ref` (in the reference's dtype), and their gradients with respect to `inputs`
+    and `ref_inputs` under one random cotangent, each within its tolerance (absolute and relative)."""
+    torch.testing.assert_close(out.to(ref.dtype), ref, atol=outputs, rtol=outputs)
+    cotangent = torch.randn_like(ref)
+    grads = torch.autograd.grad(out, inputs, cotangent.to(out.dtype))
+    want = torch.autograd.grad(ref, ref_inputs, cotangent)
+    for got_grad, want_grad in zip(grads, want, strict=True):
+        torch.testing.assert_close(got_grad.to(want_grad.dtype), want_grad, atol=gradients, rtol=gradients)
+
+
 def naive_softmax_attention(q, k, v, *, causal=False, key_mask=None, scale=None):
     """Explicit scores, masks and softmax, with key/value heads repeated by hand."""
     groups = q.shape[1] // k.shape[1]
@@ -36,12 +47,7 @@ def test_matches_naive_reference_outputs_and_gradients(causal, heads, kv_heads, 
         mask[1, :4] = 0  # left padding of the second sample
     out = softmax_attention(q, k, v, causal=causal, attention_mask=mask)
     ref = naive_softmax_attention(q, k, v, causal=causal, key_mask=mask)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    cotangent = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), cotangent)
-    ref_grads = torch.autograd.grad(ref, (q, k, v), cotangent)
-    for g, r in zip(grads, ref_grads, strict=True):
-        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+    assert_outputs_and_gradients_close(out, (q, k, v), ref, (q, k, v))
 
 
 def test_fully_masked_rows_are_zero_not_nan():
@@ -153,12 +159,7 @@ def test_grouped_query_step_matches_repeated_keys_outputs_and_gradients(heads, k
         mask = torch.zeros(2, 1, 1, 11).masked_fill(~keep[:, None, None, :], float("-inf"))
     out = grouped_query_step_attention(q, k, v, mask, scale=0.3)
     ref = naive_softmax_attention(q, k, v, key_mask=None if mask is None else keep, scale=0.3)
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
-    cotangent = torch.randn_like(out)
-    grads = torch.autograd.grad(out, (q, k, v), cotangent)
-    want = torch.autograd.grad(ref, (q, k, v), cotangent)
-    for got_grad, want_grad in zip(grads, want, strict=True):
-        torch.testing.assert_close(got_grad, want_grad, atol=1e-5, rtol=1e-5)
+    assert_outputs_and_gradients_close(out, (q, k, v), ref, (q, k, v))
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "bool", "additive"])
@@ -180,12 +181,7 @@ def test_grouped_query_step_in_bfloat16_matches_the_float32_reference(mask_kind)
     assert out.dtype == torch.bfloat16
     full = [t.bfloat16().float().requires_grad_() for t in (q, k, v)]
     ref = naive_softmax_attention(*full, key_mask=None if mask is None else keep, scale=0.3)
-    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
-    cotangent = torch.randn_like(ref)
-    grads = torch.autograd.grad(out, low, cotangent.bfloat16())
-    want = torch.autograd.grad(ref, full, cotangent)
-    for got_grad, want_grad in zip(grads, want, strict=True):
-        torch.testing.assert_close(got_grad.float(), want_grad, atol=3e-2, rtol=3e-2)
+    assert_outputs_and_gradients_close(out, low, ref, full, outputs=2e-2, gradients=3e-2)
 
 
 def test_grouped_query_step_refuses_what_it_cannot_group():
