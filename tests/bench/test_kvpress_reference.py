@@ -40,6 +40,21 @@ TINY = [
 ]  # fmt: skip
 
 
+def _bench(folder, python, out):
+    """`headkit bench retrieval` on the tiny model with kvpress' row from `python`."""
+    return [
+        "bench",
+        "retrieval",
+        "--model",
+        str(folder),
+        *TINY,
+        "--kvpress-python",
+        str(python),
+        "--out",
+        str(out),
+    ]
+
+
 @pytest.fixture
 def stand_in(tmp_path, monkeypatch):
     package = tmp_path / "site" / "kvpress"
@@ -85,19 +100,7 @@ def test_the_child_decodes_greedily_from_the_pressed_prefill_at_the_true_positio
 def test_the_reference_row_keeps_the_baselines_tokens_per_head(stand_in, tmp_path, save_tiny_causal_lm):
     folder = save_tiny_causal_lm(tmp_path / "llama")
     out = tmp_path / "retrieval"
-    main(
-        [
-            "bench",
-            "retrieval",
-            "--model",
-            str(folder),
-            *TINY,
-            "--kvpress-python",
-            sys.executable,
-            "--out",
-            str(out),
-        ]
-    )
+    main(_bench(folder, sys.executable, out))
     results = json.loads((out / "results.json").read_text())
     names = [p["model"] for p in results["points"]]
     # Beside the baseline without retrieval heads only: 4 sinks + the 16-token window + G = 4.
@@ -130,18 +133,6 @@ def test_an_interpreter_without_kvpress_is_refused_before_any_work(
     monkeypatch.delenv("PYTHONPATH", raising=False)
     folder = save_tiny_causal_lm(tmp_path / "llama")
     with pytest.raises(SystemExit) as exc:
-        main(
-            [
-                "bench",
-                "retrieval",
-                "--model",
-                str(folder),
-                *TINY,
-                "--kvpress-python",
-                python,
-                "--out",
-                str(tmp_path / "o"),
-            ]
-        )
+        main(_bench(folder, python, tmp_path / "o"))
     assert exc.value.code == 2 and message in " ".join(capsys.readouterr().err.split())
     assert not (tmp_path / "o").exists()

@@ -500,7 +500,9 @@ def _run_backward(model: nn.Module, handles: list[Any], batches: Iterable[Mappin
     # The graph starts at the embeddings' output, so that no parameter needs a gradient.
     handles = [
         *handles,
-        model.get_input_embeddings().register_forward_hook(lambda m, a, out: out.detach().requires_grad_(True)),
+        model.get_input_embeddings().register_forward_hook(
+            lambda m, a, out: out.detach().requires_grad_(True)
+        ),
     ]
     model.requires_grad_(False)
     try:
