@@ -214,20 +214,13 @@ def _measure(
     started = time.perf_counter()
     tokenizer, trials, window = shared["tokenizer"], shared["trials"], shared["window"]
     point: dict[str, Any] = {"model": name, "state_bytes": _state_bytes(model, settings.state_context)}
-    correct = []
-    for length in settings.lengths:
-        of_length = [t for t in trials if t.length == length]
-        answers = retrieve_passkeys(model, tokenizer, of_length, max_new_tokens=ANSWER_TOKENS)
-        hits = sum(passkey_answer(a) == t.key for a, t in zip(answers, of_length, strict=True))
-        point[f"passkey_{length}"] = _rate(hits, len(of_length))
-        correct.append(hits)
+    answers = retrieve_passkeys(model, tokenizer, trials, max_new_tokens=ANSWER_TOKENS)
+    point |= _passkey_rates(answers, trials, settings.lengths)
     turns = shared["second_turn"]
     answers = second_turn_passkeys(
         model, tokenizer, turns, gap=settings.second_turn_gap, max_new_tokens=ANSWER_TOKENS
     )
-    point["second_turn"] = _rate(
-        sum(passkey_answer(a) == t.key for a, t in zip(answers, turns, strict=True)), len(turns)
-    )
+    point["second_turn"] = _scored(answers, turns)
     point["perplexity"] = perplexity(model, shared["held_out"], 1)
     point["seconds"] = time.perf_counter() - started
     echo(_line(point, settings, window))
@@ -254,15 +247,26 @@ def _measure_kvpress(
         "perplexity": None,
         "seconds": run["seconds"],
     }
-    for length in settings.lengths:
-        hits = [
-            passkey_answer(tokenizer.decode(ids, skip_special_tokens=True)) == t.key
-            for ids, t in zip(run["answers"], trials, strict=True)
-            if t.length == length
-        ]
-        point[f"passkey_{length}"] = _rate(sum(hits), len(hits))
+    answers = [tokenizer.decode(ids, skip_special_tokens=True) for ids in run["answers"]]
+    point |= _passkey_rates(answers, trials, settings.lengths)
     echo(_line(point, settings, shared["window"]))
     return point
+
+
+def _scored(answers: list[str], trials: list[Any]) -> dict[str, Any]:
+    """The share of `answers` that hold their trial's key, with its Wilson interval."""
+    return _rate(sum(passkey_answer(a) == t.key for a, t in zip(answers, trials, strict=True)), len(trials))
+
+
+def _passkey_rates(answers: list[str], trials: list[Any], lengths: tuple[int, ...]) -> dict[str, Any]:
+    """``passkey_<length>``: each length's share of `answers` (in the trials' order) that hold their key."""
+    return {
+        f"passkey_{length}": _scored(
+            [a for a, t in zip(answers, trials, strict=True) if t.length == length],
+            [t for t in trials if t.length == length],
+        )
+        for length in lengths
+    }
 
 
 def _rate(hits: int, trials: int) -> dict[str, Any]:
