@@ -19,8 +19,9 @@ What it does, following transformers' own recipe for compiled generation (a stat
   packaged ``.pt2`` in a per-machine folder (:mod:`headkit.runtime.packaged`), keyed by the weights, the shape
   bucket, the weight type, the thread count, the CPU, the library versions and headkit's sources. The first
   process compiles (about a minute for SmolLM2); every later one loads the package in about a second and runs no
-  tracing and no compiler. A bucket is (batch, cache length rounded up to :data:`CACHE_BUCKET` tokens), or (batch) alone when
-  every layer is linearized without retrieval heads (the state does not depend on the context).
+  tracing and no compiler. A bucket is (batch, cache length rounded up to :data:`CACHE_BUCKET` tokens), or
+  (batch) alone when every layer is linearized without retrieval heads (the state does not depend on the
+  context).
   ``ahead_of_time=False`` compiles in the process instead, with ``torch.compile`` (``fullgraph=True``: a graph
   break is an error, not a silent eager fallback), each decoder layer and the output layer as a region
   (``regions=True``) or the whole step as one graph; after a bucket's first step every step runs under dynamo's

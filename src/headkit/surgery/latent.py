@@ -1088,6 +1088,7 @@ def compress_kv_to_latent(
             if calibration is None
             else collect_statistics(model, sites, adapter, calibration)
         )
+    top = full_rank(hidden, sites[0].num_kv_heads, sites[0].head_dim, rope_dims)
     pairs = [select_rotary_pairs(stats, rope_dims // 2, rope_selection) for stats in statistics]
     fold = rope_selection == FITTED
     ranks = [kv_rank] * len(sites)
@@ -1099,8 +1100,6 @@ def compress_kv_to_latent(
         ]
         ranks = allocate_ranks(spectra, kv_rank * len(sites))
     elif config.rank_allocation == SENSITIVITY:
-        site = sites[0]
-        top = full_rank(hidden, site.num_kv_heads, site.head_dim, rope_dims)
         candidates = candidate_ranks(kv_rank, top)
         rank_errors = rank_error_curves(model, config, calibration, statistics, adapter, candidates)
         ranks = allocate_by_error([(candidates, errors) for errors in rank_errors], kv_rank * len(sites))
@@ -1130,7 +1129,7 @@ def compress_kv_to_latent(
         kv_rank=kv_rank,
         kv_ranks=ranks,
         rope_dims=rope_dims,
-        full_rank=full_rank(hidden, site.num_kv_heads, site.head_dim, rope_dims),
+        full_rank=top,
         calibrated=calibrated,
         rope_selection=rope_selection,
         cache_numbers_before=2 * site.num_kv_heads * site.head_dim,

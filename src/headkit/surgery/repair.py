@@ -509,12 +509,10 @@ def _run_backward(model: nn.Module, handles: list[Any], batches: Iterable[Mappin
         with torch.enable_grad():
             for batch in batches:
                 ids, mask = batch["input_ids"], batch.get("attention_mask")
-                logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-                labels = ids[:, 1:] if mask is None else ids[:, 1:].masked_fill(mask[:, 1:] == 0, -100)
-                loss = F.cross_entropy(
-                    logits[:, :-1].flatten(0, 1).float(), labels.flatten(), ignore_index=-100, reduction="sum"
-                )
-                loss.backward()
+                labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
+                # The model's own loss (shifted, padding ignored) is the mean: times the tokens, the sum.
+                loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+                (loss * (labels[:, 1:] != -100).sum()).backward()
     finally:
         for handle in handles:
             handle.remove()
