@@ -84,6 +84,22 @@ def test_rotary_models_refuse_collaborative_widths_and_nothing_is_written(
     ]
     assert _run([*args, "--out", str(out), *FAST]) == 2
     assert "--rope-selection must be one of fitted, norms" in capsys.readouterr().err and not out.exists()
+    args[args.index("--rope-selection") : args.index("--rope-selection") + 2] = ["--repair-precision", "half"]
+    assert _run([*args, "--out", str(out), *FAST]) == 2
+    assert (
+        "--repair-precision must be one of auto, bfloat16, float32" in capsys.readouterr().err
+        and not out.exists()
+    )
+
+
+def test_auto_repairs_in_bfloat16_only_where_the_device_computes_it_natively(monkeypatch):
+    model = torch.nn.Linear(2, 2)
+    for native in (True, False):
+        monkeypatch.setattr(compress_recipe, "native_bfloat16", lambda device, native=native: native)
+        expected = torch.bfloat16 if native else None
+        assert compress_recipe.repair_precision("auto", model) == expected
+        assert compress_recipe.repair_precision("bfloat16", model) == torch.bfloat16
+        assert compress_recipe.repair_precision("float32", model) is None
 
 
 def test_a_llama_gets_latent_keys_values_distils_reloads_and_generates(
@@ -139,11 +155,12 @@ def test_latent_repair_fits_each_layer_before_recovery_and_no_repair_skips_it(
         "--repair-steps",
         "20",
     ]
-    args += ["--rank-allocation", "spectrum", *FAST]
+    args += ["--rank-allocation", "spectrum", "--repair-precision", "bfloat16", *FAST]
     assert _run([*args, "--out", str(tmp_path / "on")]) == 0
     report = json.loads((tmp_path / "on" / "report.json").read_text())
     repair = report["repair"]
     assert repair["layers"] == [0, 1] and repair["steps"] == 20 and repair["tokens"] == 8 * 16
+    assert repair["precision"] == "bfloat16"
     assert all(a <= b for a, b in zip(repair["error_after"], repair["error_before"], strict=True))
     # no recovery step: the result is the repaired model
     assert report["perplexity_recovered"] == pytest.approx(repair["perplexity"])

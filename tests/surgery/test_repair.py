@@ -217,6 +217,29 @@ def test_layer_local_reconstruction_lowers_each_layers_held_out_error_and_trains
     )
 
 
+def test_a_bfloat16_fit_computes_its_products_in_bfloat16_and_keeps_float32_weights():
+    teacher, student = _latent_pair()
+    reference = copy.deepcopy(student)
+    seen = []
+    site = get_adapter(teacher).sites(teacher)[0].name
+    handle = student.get_submodule(f"{site}.o_proj").register_forward_hook(
+        lambda module, args, output: seen.append(output.dtype)
+    )
+    mixed = reconstruct_attention(
+        student, teacher, _windows(0, 8), _held_out(), steps=60, lr=1e-3, precision=torch.bfloat16
+    )
+    handle.remove()
+    plain = reconstruct_attention(reference, teacher, _windows(0, 8), _held_out(), steps=60, lr=1e-3)
+    # layer 0's 2 held-out calls before the fit and after it in float32, its 60 fit steps under autocast
+    assert seen == [torch.float32] * 2 + [torch.bfloat16] * 60 + [torch.float32] * 2
+    assert all(p.dtype == torch.float32 for p in student.parameters())
+    assert mixed.precision == "bfloat16" and plain.precision == "float32" and "(bfloat16)" in str(mixed)
+    for mixed_after, plain_after, before in zip(
+        mixed.error_after, plain.error_after, plain.error_before, strict=True
+    ):
+        assert mixed_after < 0.9 * before and mixed_after == pytest.approx(plain_after, rel=0.1)
+
+
 def test_reconstruction_trains_only_the_parameters_named_and_only_the_layers_given():
     teacher, student = _latent_pair()
     before = {k: v.clone() for k, v in student.state_dict().items()}
@@ -248,6 +271,7 @@ def test_a_fit_that_diverges_is_undone_and_reported():
         ({"steps": 0}, "steps must be"),
         ({"lr": -1.0}, "lr must be"),
         ({"layers": [2]}, r"layers must be in \[0, 1\]"),
+        ({"precision": torch.float32}, "precision must be torch.bfloat16, torch.float16 or None"),
     ],
 )
 def test_bad_reconstruction_arguments_are_refused_before_any_work(options, message):

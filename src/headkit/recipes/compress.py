@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from headkit.devices import model_device, native_bfloat16
 from headkit.errors import HeadkitError
 from headkit.evaluation.memory import kv_cache_bytes_per_token
 from headkit.evaluation.quality import agreement, embedding_cosine, last_hidden_states, perplexity
@@ -80,6 +81,8 @@ from headkit.surgery.repair import reconstruct_attention
 # The windows the reconstruction fits on by default, and up to how many after them judge its fit, layer by layer
 # (a worse layer is restored).
 REPAIR_WINDOWS, REPAIR_CHECK_WINDOWS = 64, 8
+AUTO, BFLOAT16, FLOAT32 = "auto", "bfloat16", "float32"
+REPAIR_PRECISIONS = (AUTO, BFLOAT16, FLOAT32)
 
 
 @dataclass
@@ -162,6 +165,12 @@ class CompressSettings(ModelSettings):
     )
     repair_steps: int = option(200, "Rotary decoders: reconstruction steps per layer.", min=1)
     repair_lr: float = option(2e-3, "Rotary decoders: reconstruction learning rate (Adam, cosine decay).")
+    repair_precision: str = option(
+        AUTO,
+        "Rotary decoders: what the reconstruction's products compute in: 'bfloat16' (autocast; the weights and "
+        "their updates stay float32), 'float32', or 'auto': bfloat16 where the device has bfloat16 instructions "
+        "(AVX-512 BF16, AMX, CUDA), which halves the repair's time, else float32.",
+    )
     repair_windows: int | None = option(
         None,
         f"Rotary decoders: training windows the reconstruction fits on (up to {REPAIR_CHECK_WINDOWS} after them "
@@ -354,6 +363,10 @@ def check_settings(settings: CompressSettings) -> None:
             f"--rope-selection must be one of {', '.join(ROPE_SELECTIONS)}, got {settings.rope_selection!r}"
         )
     check_count("--repair-steps", settings.repair_steps, 1)
+    if settings.repair_precision not in REPAIR_PRECISIONS:
+        raise HeadkitError(
+            f"--repair-precision must be one of {', '.join(REPAIR_PRECISIONS)}, got {settings.repair_precision!r}"
+        )
     if settings.repair_windows is not None:
         check_count("--repair-windows", settings.repair_windows, 1)
     if not is_finite_number(settings.repair_lr) or settings.repair_lr <= 0:
@@ -660,6 +673,7 @@ class LatentSteps(_CompressSteps):
             calibration_batches(self.train[fit:], check),
             steps=settings.repair_steps,
             lr=settings.repair_lr,
+            precision=repair_precision(settings.repair_precision, self.student),
             adapter=self.original.adapter,
         )
         self.echo(str(reconstruction))
@@ -746,6 +760,15 @@ def _steps(
 
 
 RECIPE = Recipe(preflight, _steps, CompressSettings, check_settings, default_encoder_path)
+
+
+def repair_precision(choice: str, model: nn.Module) -> torch.dtype | None:
+    """The autocast dtype of the reconstruction for `choice` (:data:`REPAIR_PRECISIONS`): bfloat16 for
+    'bfloat16', and for 'auto' where `model`'s device has bfloat16 instructions; None (the weights' own dtype)
+    otherwise."""
+    if choice == BFLOAT16 or (choice == AUTO and native_bfloat16(model_device(model))):
+        return torch.bfloat16
+    return None
 
 
 def repair_split(settings: CompressSettings) -> tuple[int, int]:
