@@ -87,7 +87,7 @@ def test_rotary_models_refuse_collaborative_widths_and_nothing_is_written(
     args[args.index("--rope-selection") : args.index("--rope-selection") + 2] = ["--repair-precision", "half"]
     assert _run([*args, "--out", str(out), *FAST]) == 2
     assert (
-        "--repair-precision must be one of auto, bfloat16, float32" in capsys.readouterr().err
+        "--repair-precision must be one of auto, float32, bfloat16" in capsys.readouterr().err
         and not out.exists()
     )
 

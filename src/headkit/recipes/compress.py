@@ -44,6 +44,7 @@ from headkit.recipes.distill import DistillResult, distill_run, encoder_finetune
 from headkit.recipes.models import (
     CAUSAL_LM,
     DEFAULT_DTYPE,
+    DTYPES,
     ENCODER,
     LoadedModel,
     default_encoder_path,
@@ -81,8 +82,9 @@ from headkit.surgery.repair import reconstruct_attention
 # The windows the reconstruction fits on by default, and up to how many after them judge its fit, layer by layer
 # (a worse layer is restored).
 REPAIR_WINDOWS, REPAIR_CHECK_WINDOWS = 64, 8
-AUTO, BFLOAT16, FLOAT32 = "auto", "bfloat16", "float32"
-REPAIR_PRECISIONS = (AUTO, BFLOAT16, FLOAT32)
+# The reconstruction's precision: a --dtype name, or bfloat16 where the device has the instructions.
+AUTO = "auto"
+REPAIR_PRECISIONS = (AUTO, *DTYPES)
 
 
 @dataclass
@@ -767,9 +769,9 @@ def repair_precision(choice: str, model: nn.Module) -> torch.dtype | None:
     """The autocast dtype of the reconstruction for `choice` (:data:`REPAIR_PRECISIONS`): bfloat16 for
     'bfloat16', and for 'auto' where `model`'s device has bfloat16 instructions; None (the weights' own dtype)
     otherwise."""
-    if choice == BFLOAT16 or (choice == AUTO and native_bfloat16(model_device(model))):
-        return torch.bfloat16
-    return None
+    if choice == AUTO:
+        return torch.bfloat16 if native_bfloat16(model_device(model)) else None
+    return None if DTYPES[choice] == torch.float32 else DTYPES[choice]
 
 
 def repair_split(settings: CompressSettings) -> tuple[int, int]:

@@ -428,8 +428,8 @@ class ReconstructionReport(_LayerwiseReport):
         )
         return (
             f"layer-local reconstruction: {len(self.layers)} attention layers, {self.steps} steps each on "
-            f"{self.tokens:,} tokens of the original's inputs ({self.precision}), in {self.seconds:.1f} s; held-out error "
-            f"{before:.3g} -> {after:.3g} (mean){skipped}"
+            f"{self.tokens:,} tokens of the original's inputs ({self.precision}), in {self.seconds:.1f} s; "
+            f"held-out error {before:.3g} -> {after:.3g} (mean){skipped}"
         )
 
 
@@ -660,7 +660,7 @@ def _fit(
         for step in range(steps):
             call = calls[step % len(calls)]
             target = call.output.float()
-            with torch.autocast(device, dtype=precision or torch.bfloat16, enabled=precision is not None):
+            with torch.autocast(device, dtype=precision, enabled=precision is not None):
                 output = _output(module, call)
             loss = F.mse_loss(output.float(), target) / target.pow(2).mean().clamp_min(1e-30)
             optimizer.zero_grad(set_to_none=True)
