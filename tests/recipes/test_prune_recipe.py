@@ -9,7 +9,7 @@ import transformers
 import headkit
 from headkit.cli import main
 from headkit.errors import HeadkitError
-from headkit.recipes.prune import heads_to_keep, plan_pruning, scores_within_layers
+from headkit.recipes.prune import heads_to_keep, plan_pruning
 
 transformers.logging.set_verbosity_error()
 
@@ -52,35 +52,19 @@ def test_group_plans_remove_whole_key_value_groups():
     assert plan_pruning(scores, KV, 6, unit="group") == {1: [0, 1]}
 
 
-def test_scores_within_layers_keep_the_plans_counts_and_choose_by_the_other_ranking():
-    importance = [torch.tensor([0.9, 0.1, 0.5, 0.2]), torch.tensor([0.3, 0.8, 0.05, 0.7])]
-    counts = plan_pruning(importance, KV, 5)  # three heads go: two from layer 0, one from layer 1
-    assert {layer: len(heads) for layer, heads in counts.items()} == {0: 2, 1: 1}
-    refit = [torch.tensor([0.1, 0.4, 0.2, 0.3]), torch.tensor([0.9, 0.05, 0.8, 0.7])]
-    assert plan_pruning(scores_within_layers(refit, counts, KV), KV, 5) == {0: [0, 2], 1: [1]}
-    grouped = [torch.tensor([0.1, 0.1, 0.6, 0.6]), torch.tensor([0.5, 0.5, 0.2, 0.2])]
-    group_counts = plan_pruning(importance, KV, 6, unit="group")
-    plan = plan_pruning(scores_within_layers(grouped, group_counts, KV), KV, 6, unit="group")
-    assert {layer: len(heads) for layer, heads in plan.items()} == {
-        layer: len(heads) for layer, heads in group_counts.items()
-    }
-    assert group_counts == {0: [2, 3]} and plan == {
-        0: [0, 1]
-    }  # layer 0 gives up a group: its lower-scored one
-
-
 def test_the_refit_method_prunes_and_repairs(tiny_llama, text_folder, tmp_path):
     out = tmp_path / "refit"
     args = ["prune", str(tiny_llama), "--data", str(text_folder), *FAST, "--recovery-steps", "0"]
     uniform = [*args, "--heads", "4", "--unit", "group", "--uniform"]
     assert _run([*uniform, "--out", str(out)]) == 0
     report = json.loads((out / "report.json").read_text())
-    assert report["selection"]["method"] == "refit"  # the default with --uniform and the repair
+    assert report["selection"]["method"] == "refit"  # the default with the repair
+    assert report["selection"]["weighting"] == "loss"
     assert report["repair"]["perplexity"] <= report["perplexity_pruned"]
     for name, extra, method in (
         ("sliced", [*uniform, "--no-repair"], "importance"),
-        ("uneven", [*args, "--heads", "5"], "importance"),
-        ("uneven-refit", [*args, "--heads", "5", "--method", "refit"], "refit"),
+        ("uneven", [*args, "--heads", "5"], "refit"),  # the loss-weighted scores set the counts too
+        ("uneven-importance", [*args, "--heads", "5", "--method", "importance"], "importance"),
     ):
         assert _run([*extra, "--out", str(tmp_path / name)]) == 0
         assert json.loads((tmp_path / name / "report.json").read_text())["selection"]["method"] == method

@@ -27,7 +27,7 @@ from headkit.surgery.repair import (
 REMOVED = {0: [1], 1: [0, 3]}
 
 
-def _captured_inputs(model):
+def _captured_inputs(model, batches=None):
     """Layer → the original's output-projection inputs [tokens, heads·head_dim] on the calibration batches."""
     sites = get_adapter(model).sites(model)
     captured = {}
@@ -40,7 +40,7 @@ def _captured_inputs(model):
         for i, site in enumerate(sites)
     ]
     with torch.no_grad():
-        for batch in _batches():
+        for batch in batches or _batches():
             model(**batch)
     for handle in handles:
         handle.remove()
@@ -309,8 +309,50 @@ def test_refit_error_scores_rank_each_layer_by_the_error_left_after_the_repair()
     # Groups: every query head of a group shares its group's score.
     grouped = refit_error_scores(layers, kv, unit="group")
     assert all(s[0] == s[1] and s[2] == s[3] for s in grouped)
-    with pytest.raises(HeadkitError, match="weighting must be"):
+    with pytest.raises(HeadkitError, match="weighting must be one of relative, absolute, loss"):
+        refit_error_scores(layers, kv, weighting="fisher")
+    with pytest.raises(HeadkitError, match="gradients=True"):
         refit_error_scores(layers, kv, weighting="loss")
+
+
+def _with_gradients(stats, seed=0, deaf=()):
+    """`stats` with per-token activations and the gradients g of a made-up loss at the projection's output, as
+    the input gradients W_Oᵀ g; `deaf` output rows get no gradient (the loss ignores them)."""
+    generator = torch.Generator().manual_seed(seed)
+    activations = torch.randn(stats.tokens, stats.gram.shape[0], generator=generator, dtype=torch.float64)
+    gradients = torch.randn(stats.tokens, stats.weight.shape[0], generator=generator, dtype=torch.float64)
+    gradients[:, list(deaf)] = 0
+    stats.gram = activations.T @ activations
+    stats.activations, stats.input_gradients = activations, gradients @ stats.weight
+    return stats, gradients
+
+
+def test_loss_weighted_scores_are_the_squared_first_order_loss_change_of_the_repaired_removal():
+    stats, gradients = _with_gradients(_statistics(seed=2))
+    kv = [[0, 0, 1, 1]]
+    scores = refit_error_scores([stats], kv, weighting="loss")[0]
+
+    def direct(kept):  # Σ_t (g_tᵀ Δ h_t)², Δ = [W' on K, 0 on R] − W_O, from the refit itself
+        delta = -stats.weight.clone()
+        delta[:, [c for h in kept for c in range(h * 3, h * 3 + 3)]] += refit_weight(stats, kept)[0]
+        return float(((gradients @ delta) * stats.activations).sum(-1).pow(2).sum())
+
+    first = min(range(4), key=lambda gone: direct([h for h in range(4) if h != gone]))
+    assert scores.argmin() == first
+    assert float(scores.min()) == pytest.approx(direct([h for h in range(4) if h != first]), rel=1e-4)
+
+
+def test_loss_weighting_keeps_the_head_the_loss_needs_where_the_relative_error_would_not():
+    # Head 0 writes only to output rows the loss ignores; head 3 only to the rows it reads, and faintly.
+    stats = _statistics(seed=3, out=4)
+    stats.weight[:, 0:3] = 0
+    stats.weight[:2, 0:3] = 5.0  # large, but into rows 0-1
+    stats.weight[2:, 9:12] *= 0.05  # small, into rows 2-3
+    stats.weight[:2, 9:12] = 0
+    stats, _ = _with_gradients(stats, seed=3, deaf=(0, 1))
+    relative = refit_error_scores([stats], [[0, 1, 2, 3]], weighting="relative")[0]
+    loss = refit_error_scores([stats], [[0, 1, 2, 3]], weighting="loss")[0]
+    assert relative.argmin() != 0 and loss.argmin() == 0
 
 
 def _next_token_loss(model, batches):
@@ -361,6 +403,29 @@ def test_captured_gradients_are_the_losss_derivative_by_each_attention_output():
     assert all(c.gradient is None for c in plain)
     with pytest.raises(HeadkitError, match="gradients=True"):
         fisher_weighted_error(module, plain)
+
+
+def test_output_statistics_with_gradients_keep_each_tokens_input_and_its_loss_gradient():
+    model = family_model("llama").double()
+    batches = _windows(3, 2)
+    plain = output_statistics(model, batches)
+    stats = output_statistics(model, batches, gradients=True)
+    calls = capture_attention_calls(model, batches, [0, 1], gradients=True)
+    inputs = _captured_inputs(model, batches)
+    assert all(p.grad is None for p in model.parameters())
+    for layer in (0, 1):
+        assert torch.allclose(stats[layer].gram, plain[layer].gram)  # the same moments as without
+        weight = get_adapter(model).sites(model)[layer].output_projection.weight.detach().double()
+        expected = torch.cat([c.gradient.reshape(-1, c.gradient.shape[-1]) for c in calls[layer]]) @ weight
+        assert stats[layer].input_gradients.dtype == torch.bfloat16
+        assert torch.allclose(
+            stats[layer].input_gradients.double(),
+            expected,
+            rtol=1e-2,
+            atol=1e-3 * float(expected.abs().max()),
+        )
+        assert torch.allclose(stats[layer].activations.double(), inputs[layer], rtol=1e-2, atol=1e-2)
+    assert plain[0].activations is None and plain[0].input_gradients is None
 
 
 def test_the_fisher_weighted_error_is_the_squared_first_order_loss_change_per_token():

@@ -105,13 +105,13 @@ class PruneSettings(QuickSettings):
     uniform: bool = option(
         False, "The same heads in every layer: a LLaMA-family result is the stock architecture."
     )
-    # None: "l0" for encoders; for causal LMs "refit" with --uniform and the repair, "importance" otherwise
+    # None: "l0" for encoders; for causal LMs "refit" with the repair, "importance" without (--no-repair)
     method: str | None = option(
         None,
-        "Head ranking: 'refit' (causal LMs, the default with --uniform and the repair: the error each removal "
-        "leaves after the least-squares repair chooses within each layer; without --uniform importance sets how "
-        "many heads each layer gives up), 'importance' (the default otherwise for causal LMs) or 'l0' gates "
-        "(encoders).",
+        "Head ranking: 'refit' (causal LMs, the default with the repair: the error each removal leaves after the "
+        "least-squares repair, weighed token by token by the loss's gradient, chooses the heads and how many each "
+        "layer gives up), 'importance' (gradient importance; the default for causal LMs with --no-repair) or "
+        "'l0' gates (encoders).",
     )
     data: Path | None = option(
         None, "Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field."
@@ -279,27 +279,6 @@ def plan_pruning(
     if kept != keep:  # a guard: every branch above must keep exactly `keep`
         raise HeadkitError(f"the plan would keep {kept} query heads, not the {keep} asked for")
     return plan
-
-
-def scores_within_layers(
-    scores: list[torch.Tensor], counts: dict[int, list[int]], kv_of_query: list[list[int]]
-) -> list[torch.Tensor]:
-    """Scores that make :func:`plan_pruning` remove from each layer as many heads as the plan `counts` does, and
-    the ones `scores` rank lowest within the layer: a layer's heads ranked by `scores`, offset so that every
-    head it gives up ranks below every head any layer keeps. Whole groups stay whole (`scores` share a group's
-    value under ``unit="group"``)."""
-    ranked: list[torch.Tensor] = []
-    for layer, layer_scores in enumerate(scores):
-        removed = len(counts.get(layer, []))
-        order = sorted(
-            range(len(layer_scores)), key=lambda h: (float(layer_scores[h]), kv_of_query[layer][h], h)
-        )
-        ranks = torch.empty(len(layer_scores), dtype=torch.float64)
-        for position, head in enumerate(order):
-            # Removed heads in [0, 1), kept ones in [2, 3): below and above every layer's threshold alike.
-            ranks[head] = position / len(order) + (0.0 if position < removed else 2.0)
-        ranked.append(ranks)
-    return ranked
 
 
 def _groups(kv_of_query: list[int]) -> dict[int, torch.Tensor]:
@@ -603,10 +582,10 @@ class CausalLMPruneSteps(_PruneSteps):
         settings = self.settings
         sites = self.adapter.sites(self.teacher)
         self.kv_of_query = [query_to_kv_heads(site) for site in sites]
-        # Measured on SmolLM2 (docs/pruning.md): with the same count in every layer the refit ranking is better
-        # on both held-out sets tried (one KV group: 1.61× → 1.52×, 1.89× → 1.65× repaired); where importance also
-        # sets the counts, it won one of two for a quarter of the query heads and lost at half of them.
-        self.method = settings.method or ("refit" if settings.repair and settings.uniform else "importance")
+        # Measured on SmolLM2 (docs/pruning.md), repaired, before any training: the loss-weighted refit ranking
+        # 1.09× / 1.46× / 1.31× for a quarter of the query heads, half of them, one KV group per layer, against
+        # importance's 1.20× / 2.20× / 1.61×. Without the repair there is no refit to rank by.
+        self.method = settings.method or ("refit" if settings.repair else "importance")
         self.statistics = (
             None  # the repair's calibration statistics, once measured (the refit ranking needs them)
         )
@@ -657,17 +636,15 @@ class CausalLMPruneSteps(_PruneSteps):
             calibration = calibration_batches(
                 self.windows.train, settings.batch_size, settings.importance_batches
             )
-            self.statistics = output_statistics(teacher, calibration, adapter)
-            scores = refit_error_scores(self.statistics, self.kv_of_query, unit=settings.unit)
-            if not settings.uniform:
-                # Layer-local errors do not compare across layers (SmolLM2, a quarter of the query heads: 1.86× by
-                # relative error, 66.9× by absolute, against importance's 1.25×): how many heads each layer gives
-                # up comes from the loss's importance, which ones from the refit error.
-                importance = head_importance(teacher, calibration, attention_stats=False, adapter=adapter)
-                counts = plan_pruning(
-                    importance.importance, self.kv_of_query, self.keep, unit=settings.unit, uniform=False
-                )
-                scores = scores_within_layers(scores, counts, self.kv_of_query)
+            # Each removal's error after the repair, weighed token by token by the loss's gradient: in the loss's
+            # units, so it also sets how many heads each layer gives up (docs/pruning.md: on SmolLM2 a quarter of
+            # the query heads repaired to 1.09× against importance's 1.20×, one key/value group to 1.31× against
+            # the layer-local error's 1.52×).
+            self.statistics = output_statistics(teacher, calibration, adapter, gradients=True)
+            scores = refit_error_scores(
+                self.statistics, self.kv_of_query, unit=settings.unit, weighting="loss"
+            )
+            selection["weighting"] = "loss"
             selection["importance_batches"] = len(calibration)
         else:
             echo(f"training head gates for {settings.gate_steps} steps towards {self.keep} heads")
@@ -723,8 +700,9 @@ class CausalLMPruneSteps(_PruneSteps):
             self.windows.train, settings.batch_size, settings.importance_batches
         )
         started = time.perf_counter()
-        # The refit ranking measured the same statistics already.
+        # The refit ranking measured the same statistics already; its per-token samples are not needed after it.
         statistics = self.statistics or output_statistics(self.teacher, calibration, self.adapter)
+        self.statistics = None
         repair = refit_output_projections(self.student, statistics, self.plan, self.adapter)
         repair.seconds = time.perf_counter() - started
         self.echo(str(repair))
