@@ -5,9 +5,11 @@ under a Lagrangian L0 constraint towards ``heads`` open heads (Voita et al. 2019
 Eq. 4), the top heads by log α kept, the gates folded in, and a short distillation of embeddings.
 
 Causal LMs (every decoder family of :mod:`headkit.surgery.families`: LLaMA, Mistral, Qwen 2/3, Gemma 2/3, OLMo 2,
-Phi-3, GPT-NeoX, GPT-2, …; a folder or a GGUF file): heads are ranked by
-gradient importance of the language-model loss (Michel, Levy & Neubig 2019; the default: one backward pass per
-calibration batch) or by Hard Concrete gates trained alone under the L0 constraint with the distillation
+Phi-3, GPT-NeoX, GPT-2, …; a folder or a GGUF file): heads are ranked by what removing them costs the loss
+after the closed-form repair (the default with the repair: the refit's error weighed token by token by the loss's
+gradient, :func:`headkit.surgery.repair.refit_error_scores`, one forward and backward pass over the calibration
+batches), by gradient importance of the language-model loss (Michel, Levy & Neubig 2019; the default with
+``repair=False``) or by Hard Concrete gates trained alone under the L0 constraint with the distillation
 objective, then
 
 - ``unit="query"`` removes query heads (a key/value head goes with the last query head that reads it);
@@ -575,7 +577,8 @@ class _PruneSteps(Steps):
 
 
 class CausalLMPruneSteps(_PruneSteps):
-    """Heads ranked by importance or gates, removed, the output projections refit, recovered by distillation."""
+    """Heads ranked by the repaired removal's cost, importance or gates, removed, the output projections refit,
+    recovered by distillation."""
 
     def check(self) -> None:
         super().check()

@@ -174,6 +174,9 @@ def output_statistics(
         _run_hooked(model, handles, batches, real)
     if any(gram is None for gram in grams):
         raise HeadkitError("calibration needs at least one batch of text, got none")
+    if gradients and not all(samples):
+        missing = [i for i, pairs in enumerate(samples) if not pairs]
+        raise HeadkitError(f"the loss's gradient never reached the output projections of layers {missing}")
     return [
         OutputStatistics(
             gram=gram.cpu(),
