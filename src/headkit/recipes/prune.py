@@ -640,9 +640,7 @@ class CausalLMPruneSteps(_PruneSteps):
                 self.windows.train, settings.batch_size, settings.importance_batches
             )
             # Each removal's error after the repair, weighed token by token by the loss's gradient: in the loss's
-            # units, so it also sets how many heads each layer gives up (docs/pruning.md: on SmolLM2 a quarter of
-            # the query heads repaired to 1.09× against importance's 1.20×, one key/value group to 1.31× against
-            # the layer-local error's 1.52×).
+            # units, so it also sets how many heads each layer gives up.
             self.statistics = output_statistics(teacher, calibration, adapter, gradients=True)
             scores = refit_error_scores(
                 self.statistics, self.kv_of_query, unit=settings.unit, weighting="loss"
