@@ -99,6 +99,11 @@ def _no_cache(model: nn.Module) -> dict[str, Any]:
     return {"use_cache": False} if "use_cache" in inspect.signature(model.forward).parameters else {}
 
 
+def _real_tokens(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A batch's [B, T] bool mask of real tokens, or None where its attention mask says nothing of padding."""
+    return None if mask is None or mask.dim() != 2 else mask.bool()
+
+
 def _run_hooked(
     model: nn.Module,
     handles: list[Any],
@@ -112,8 +117,7 @@ def _run_hooked(
         for batch in batches:
             inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
             if real is not None:
-                mask = inputs.get("attention_mask")
-                real[0] = None if mask is None or mask.dim() != 2 else mask.bool()
+                real[0] = _real_tokens(inputs.get("attention_mask"))
             model(**inputs, **_no_cache(model))
     finally:
         for handle in handles:
@@ -198,9 +202,7 @@ def refit_weight(
     the module docstring). ``intercept``: the projection has a bias that moves too (FLAP's bias compensation,
     An et al. 2024): the fit is on the centred second moment C = E[h hᵀ] − μμᵀ, and :func:`bias_shift` gives the
     bias's change, b' − b = W_O μ − W' μ_K, which absorbs the removed heads' mean contribution."""
-    total = statistics.gram.shape[0]
-    kept = _head_columns(kept_heads, statistics.head_dim)
-    removed = torch.tensor(sorted(set(range(total)) - set(kept.tolist())), dtype=torch.long)
+    kept, removed = _split_columns(statistics, kept_heads)
     second_moment, weight = statistics.gram / max(statistics.tokens, 1), statistics.weight
     moment = second_moment
     if intercept:
@@ -238,6 +240,13 @@ def bias_shift(statistics: OutputStatistics, kept_heads: list[int], refit: torch
     the original's (:func:`refit_weight` with ``intercept``)."""
     mean = _mean(statistics)
     return statistics.weight @ mean - refit @ mean[_head_columns(kept_heads, statistics.head_dim)]
+
+
+def _split_columns(statistics: OutputStatistics, kept_heads: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The output projection's input columns that `kept_heads` write, and the rest (the removed heads')."""
+    kept = _head_columns(kept_heads, statistics.head_dim)
+    removed = sorted(set(range(statistics.gram.shape[0])) - set(kept.tolist()))
+    return kept, torch.tensor(removed, dtype=torch.long)
 
 
 def _head_columns(heads: list[int], head_dim: int) -> torch.Tensor:
@@ -336,9 +345,7 @@ def _loss_weighted_error(
     """Σ_t (g_tᵀ Δ h_t)² for the repair that keeps `kept_heads` (none: the layer's whole output lost). With
     W' = W_K + W_R X, Δ h = W_R (X h_K − h_R), so g_tᵀ Δ h_t = u_R·(X h_K − h_R) with u = W_Oᵀ g the gradient with
     respect to h: |K|·|R| products per token instead of the projection's out·in."""
-    total = statistics.gram.shape[0]
-    kept = _head_columns(kept_heads, statistics.head_dim)
-    removed = torch.tensor(sorted(set(range(total)) - set(kept.tolist())), dtype=torch.long)
+    kept, removed = _split_columns(statistics, kept_heads)
     coefficients = _refit_coefficients(
         statistics.gram / max(statistics.tokens, 1), kept, removed, ridge
     ).float()
@@ -591,7 +598,7 @@ def _run_backward(
             for batch in batches:
                 ids, mask = batch["input_ids"], batch.get("attention_mask")
                 if real is not None:
-                    real[0] = None if mask is None or mask.dim() != 2 else mask.bool()
+                    real[0] = _real_tokens(mask)
                 labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
                 # The model's own loss (shifted, padding ignored) is the mean: times the tokens, the sum.
                 loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
