@@ -937,7 +937,8 @@ def sparse_hybrid_attention_ring_step_(
             )  # [B, Hkv, 1]: every head's sink, the same slot
             _write_slot_(ring.sink_keys, head_slot, leaving_key, is_sink[:, None])
             _write_slot_(ring.sink_values, head_slot, leaving_value, is_sink[:, None])
-            ring.sink_keep.scatter_(1, slot, ring.sink_keep.gather(1, slot) | is_sink[:, None])
+            rows = torch.arange(slot.shape[0], device=slot.device)
+            ring.sink_keep[rows, slot[:, 0]] = ring.sink_keep[rows, slot[:, 0]] | is_sink
         eligible = (leaving_keep & ~is_sink)[:, None].expand(-1, kv_heads)  # [B, Hkv]
         feature, value = leaving_feature.to(dtype), leaving_value.to(dtype)
         if budget == 0:
@@ -980,20 +981,32 @@ def sparse_hybrid_attention_ring_step_(
     return out
 
 
+def _slot_index(buffer: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Advanced indices (batch, head, slot) [B, Hkv] selecting, per row and head, ``slot`` [B, Hkv, 1] of
+    ``buffer`` [B, Hkv, N, ...]."""
+    batch, heads = slot.shape[:2]
+    rows = torch.arange(batch, device=slot.device)[:, None].expand(batch, heads)
+    head_index = torch.arange(heads, device=slot.device)[None, :].expand(batch, heads)
+    return rows, head_index, slot[..., 0]
+
+
 def _read_slot(buffer: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """[B, Hkv, X] of ``buffer`` [B, Hkv, N, X] at ``slot`` [B, Hkv, 1]."""
-    return buffer.gather(2, slot[..., None].expand(-1, -1, -1, buffer.shape[3]))[:, :, 0]
+    return buffer[_slot_index(buffer, slot)]
 
 
 def _write_slot_(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor, write: torch.Tensor) -> None:
     """Write ``new`` [B, Hkv, X] into ``buffer`` [B, Hkv, N, X] at ``slot`` [B, Hkv, 1] where ``write`` [B, Hkv]
     (its own content back elsewhere): one row per head, in place. A buffer of one value per slot [B, Hkv, N]
-    takes ``new`` [B, Hkv]."""
-    if buffer.dim() == 3:  # a view with a trailing dim of one: the scatter writes through to the buffer
-        buffer, new = buffer.unsqueeze(-1), new[..., None]
-    index = slot[..., None].expand(-1, -1, -1, buffer.shape[3])
-    kept = buffer.gather(2, index)
-    buffer.scatter_(2, index, torch.where(write[..., None, None], new[:, :, None].to(buffer.dtype), kept))
+    takes ``new`` [B, Hkv].
+
+    Written as an indexed assignment (``index_put_``), not a ``scatter_``: a compiled step (torch.export and
+    inductor) turns the assignment back into an in-place write of the B·Hkv rows, where a scatter becomes a
+    copy of the whole buffer plus a copy back into the input every step (docs/decoding.md)."""
+    index = _slot_index(buffer, slot)
+    kept = buffer[index]
+    mask = write if kept.dim() == 2 else write[..., None]
+    buffer[index] = torch.where(mask, new.to(buffer.dtype), kept)
 
 
 # -- checks and the empty state -----------------------------------------------------------------------------------

@@ -87,7 +87,10 @@ CACHE_BUCKET = 256  # static cache lengths are rounded up to a multiple of this:
 # Python between a graph's kernels) — float32 46.0 ms/token against 53.2 with inductor's defaults, both with the
 # steady-state guards below; quantized weights add max-autotune's C++ GEMM templates (torchao's int8 weight-only
 # matmul as one AVX-512/AMX micro-kernel): 38.5 ms against 43.7.
-INDUCTOR_OPTIONS: dict[str, Any] = {"freezing": True, "cpp_wrapper": True}
+# reorder_for_locality off: that pass moves each read of a state buffer next to its use, after the step's
+# indexed write into the same buffer, and inductor then cannot write in place: the linearized model's step
+# copied its whole window and sparse cache twice per token (docs/decoding.md).
+INDUCTOR_OPTIONS: dict[str, Any] = {"freezing": True, "cpp_wrapper": True, "reorder_for_locality": False}
 QUANTIZED_INDUCTOR_OPTIONS: dict[str, Any] = {
     **INDUCTOR_OPTIONS,
     "max_autotune": True,
