@@ -9,12 +9,14 @@ seconds); one test runs inductor itself."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 
 import pytest
 import torch
 import transformers
 from torch._dynamo.testing import CompileCounterWithBackend
+from torch._inductor.utils import run_and_get_code
 from transformers import CompileConfig, DynamicCache
 
 from headkit import HeadkitError, fast_generate, linearize
@@ -27,8 +29,14 @@ from headkit.ops import (
     hybrid_attention_step,
     hybrid_ring_from_state,
     hybrid_state_from_ring,
+    sparse_hybrid_attention,
 )
-from headkit.runtime.fast import FastDecoder, prepare_weights
+from headkit.ops.sparse_hybrid import (
+    sparse_hybrid_attention_ring_step_,
+    sparse_ring_from_state,
+    sparse_state_from_ring,
+)
+from headkit.runtime.fast import INDUCTOR_OPTIONS, FastDecoder, prepare_weights
 from headkit.surgery.linearize import hybrid_cache_layer
 
 VOCAB, PROMPT, NEW = 61, 9, 10
@@ -107,6 +115,50 @@ def test_ring_step_matches_the_hybrid_step_in_outputs_and_states(window):
         for got, want in zip(hybrid_state_from_ring(ring), state, strict=True):
             torch.testing.assert_close(got, want)
     assert int(ring.seen) == length
+
+
+@pytest.mark.parametrize("recall", [False, True])
+def test_the_compiled_sparse_ring_step_writes_its_slots_in_place(recall):
+    # Under the fast path's inductor options the window, sink and cache slots are written row by row into the
+    # caller's buffers: the generated code allocates no temporary of a slot buffer's shape (a whole copy of it,
+    # made every token). With inductor's locality reordering back on, it does: the reason the option is off.
+    torch.manual_seed(0)
+    batch, heads, kv_heads, dim, features, window, sinks, budget, prompt = 2, 4, 2, 8, 6, 6, 2, 3, 12
+    q, k, v = (torch.randn(batch, h, prompt + 4, dim) for h in (heads, kv_heads, kv_heads))
+    qf, kf = torch.rand(batch, heads, prompt + 4, features), torch.rand(batch, kv_heads, prompt + 4, features)
+    balance = torch.rand(heads)
+    options = {"window": window, "sinks": sinks, "budget": budget}
+    _, state = sparse_hybrid_attention(
+        *(x[:, :, :prompt] for x in (q, k, v, qf, kf)), balance, output_final_state=True, **options
+    )
+    ring = sparse_ring_from_state(state, prompt)
+    slot_buffers = [ring.window.keys, ring.window.key_features, ring.window.keep]
+    slot_buffers += [ring.sink_keys, ring.sparse_keys, ring.sparse_key_features]
+    slot_shapes = {", ".join(map(str, buffer.shape)) for buffer in slot_buffers}
+
+    def step(q, k, v, qf, kf, ring):
+        return sparse_hybrid_attention_ring_step_(
+            q, k, v, qf, kf, balance, ring, sinks=sinks, budget=budget, scale=dim**-0.5, recall=recall
+        )
+
+    def temporaries(inductor: dict) -> set[str]:
+        torch._dynamo.reset()
+        ring, eager_ring = sparse_ring_from_state(state, prompt), sparse_ring_from_state(state, prompt)
+        compiled = torch.compile(step, backend="inductor", fullgraph=True, options=inductor)
+        shapes: set[str] = set()
+        for t in range(prompt, prompt + 3):
+            inputs = [x[:, :, t : t + 1] for x in (q, k, v, qf, kf)]
+            out, code = run_and_get_code(compiled, *inputs, ring)
+            torch.testing.assert_close(out, step(*inputs, eager_ring))
+            shapes |= set(re.findall(r"empty_strided_cpu\(\((\d+(?:, \d+)*)\)", "".join(code)))
+        for got, want in zip(sparse_state_from_ring(ring), sparse_state_from_ring(eager_ring), strict=True):
+            torch.testing.assert_close(got, want)
+        return shapes
+
+    # cpp_wrapper only changes the host code around the kernels: off, for Python code to read and a faster test
+    fast = {**INDUCTOR_OPTIONS, "cpp_wrapper": False}
+    assert not temporaries(fast) & slot_shapes
+    assert temporaries({**fast, "reorder_for_locality": True}) & slot_shapes
 
 
 FAST_MODELS = {
