@@ -981,9 +981,9 @@ def sparse_hybrid_attention_ring_step_(
     return out
 
 
-def _slot_index(buffer: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Advanced indices (batch, head, slot) [B, Hkv] selecting, per row and head, ``slot`` [B, Hkv, 1] of
-    ``buffer`` [B, Hkv, N, ...]."""
+def _slot_index(slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Advanced indices (batch, head, slot) [B, Hkv] that select, per row and head, ``slot`` [B, Hkv, 1] of a
+    buffer [B, Hkv, N, ...]."""
     batch, heads = slot.shape[:2]
     rows = torch.arange(batch, device=slot.device)[:, None].expand(batch, heads)
     head_index = torch.arange(heads, device=slot.device)[None, :].expand(batch, heads)
@@ -992,7 +992,7 @@ def _slot_index(buffer: torch.Tensor, slot: torch.Tensor) -> tuple[torch.Tensor,
 
 def _read_slot(buffer: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
     """[B, Hkv, X] of ``buffer`` [B, Hkv, N, X] at ``slot`` [B, Hkv, 1]."""
-    return buffer[_slot_index(buffer, slot)]
+    return buffer[_slot_index(slot)]
 
 
 def _write_slot_(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor, write: torch.Tensor) -> None:
@@ -1003,7 +1003,7 @@ def _write_slot_(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor, wr
     Written as an indexed assignment (``index_put_``), not a ``scatter_``: a compiled step (torch.export and
     inductor) turns the assignment back into an in-place write of the B·Hkv rows, where a scatter becomes a
     copy of the whole buffer plus a copy back into the input every step (docs/decoding.md)."""
-    index = _slot_index(buffer, slot)
+    index = _slot_index(slot)
     kept = buffer[index]
     mask = write if kept.dim() == 2 else write[..., None]
     buffer[index] = torch.where(mask, new.to(buffer.dtype), kept)
