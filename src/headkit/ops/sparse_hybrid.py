@@ -935,8 +935,9 @@ def sparse_hybrid_attention_ring_step_(
             head_slot = slot[:, None].expand(
                 -1, kv_heads, -1
             )  # [B, Hkv, 1]: every head's sink, the same slot
-            _write_slot_(ring.sink_keys, head_slot, leaving_key, is_sink[:, None])
-            _write_slot_(ring.sink_values, head_slot, leaving_value, is_sink[:, None])
+            sink_index = _slot_index(head_slot)
+            _write_slot_(ring.sink_keys, sink_index, leaving_key, is_sink[:, None])
+            _write_slot_(ring.sink_values, sink_index, leaving_value, is_sink[:, None])
             rows = torch.arange(slot.shape[0], device=slot.device)
             ring.sink_keep[rows, slot[:, 0]] = ring.sink_keep[rows, slot[:, 0]] | is_sink
         eligible = (leaving_keep & ~is_sink)[:, None].expand(-1, kv_heads)  # [B, Hkv]
@@ -960,10 +961,10 @@ def sparse_hybrid_attention_ring_step_(
             lowest = candidate_scores.amin(dim=-1, keepdim=True)
             worst = torch.where(candidate_scores == lowest, candidate_order, -1).argmax(dim=-1)  # [B, Hkv]
             enters = worst < budget  # the newcomer takes the worst kept key's slot
-            slot = worst.clamp(max=budget - 1)[..., None]  # [B, Hkv, 1]
-            evicted_keep = ring.sparse_keep.gather(2, slot)[..., 0]
-            evicted_feature = _read_slot(ring.sparse_key_features, slot).to(dtype) * evicted_keep[..., None]
-            evicted_value = _read_slot(ring.sparse_values, slot).to(dtype)
+            index = _slot_index(worst.clamp(max=budget - 1)[..., None])  # each head's slot, read and written
+            evicted_keep = ring.sparse_keep[index]
+            evicted_feature = ring.sparse_key_features[index].to(dtype) * evicted_keep[..., None]
+            evicted_value = ring.sparse_values[index].to(dtype)
             folded = torch.where(enters[..., None], evicted_feature, feature * eligible[..., None])
             folded_value = torch.where(enters[..., None], evicted_value, value)
             for buffer, new in (
@@ -974,7 +975,7 @@ def sparse_hybrid_attention_ring_step_(
                 (ring.sparse_scores, score),
                 (ring.sparse_order, order.expand(*score.shape)),
             ):
-                _write_slot_(buffer, slot, new, enters)
+                _write_slot_(buffer, index, new, enters)
         base.kv.addcmul_(folded.unsqueeze(-1), folded_value.unsqueeze(-2))
         base.k_sum.add_(folded)
         base.seen.add_(1)
@@ -990,20 +991,19 @@ def _slot_index(slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return rows, head_index, slot[..., 0]
 
 
-def _read_slot(buffer: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:
-    """[B, Hkv, X] of ``buffer`` [B, Hkv, N, X] at ``slot`` [B, Hkv, 1]."""
-    return buffer[_slot_index(slot)]
-
-
-def _write_slot_(buffer: torch.Tensor, slot: torch.Tensor, new: torch.Tensor, write: torch.Tensor) -> None:
-    """Write ``new`` [B, Hkv, X] into ``buffer`` [B, Hkv, N, X] at ``slot`` [B, Hkv, 1] where ``write`` [B, Hkv]
-    (its own content back elsewhere): one row per head, in place. A buffer of one value per slot [B, Hkv, N]
-    takes ``new`` [B, Hkv].
+def _write_slot_(
+    buffer: torch.Tensor,
+    index: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    new: torch.Tensor,
+    write: torch.Tensor,
+) -> None:
+    """Write ``new`` [B, Hkv, X] into ``buffer`` [B, Hkv, N, X] at each head's slot (``index``, from
+    :func:`_slot_index`) where ``write`` [B, Hkv] (its own content back elsewhere): one row per head, in place. A
+    buffer of one value per slot [B, Hkv, N] takes ``new`` [B, Hkv].
 
     Written as an indexed assignment (``index_put_``), not a ``scatter_``: a compiled step (torch.export and
     inductor) turns the assignment back into an in-place write of the B·Hkv rows, where a scatter becomes a
     copy of the whole buffer plus a copy back into the input every step (docs/decoding.md)."""
-    index = _slot_index(slot)
     kept = buffer[index]
     mask = write if kept.dim() == 2 else write[..., None]
     buffer[index] = torch.where(mask, new.to(buffer.dtype), kept)
