@@ -20,16 +20,19 @@ from headkit.surgery.adapters import (
     BERTCollaborativeAdapter,
     DistilBERTCollaborativeAdapter,
 )
-from headkit.surgery.collaborative import swap_to_collaborative
+from headkit.surgery.apply import apply_
+from headkit.surgery.collaborative import CollaborativeConfig, swap_to_collaborative
 from headkit.surgery.decompose import decompose_query_key
-from headkit.surgery.gating import add_head_gates, l0_penalty, remove_head_gates
+from headkit.surgery.gating import GateConfig, add_head_gates, l0_penalty, remove_head_gates
 from headkit.surgery.io import from_pretrained
-from headkit.surgery.linearize import linearize
-from headkit.surgery.pruning import prune_dead_heads, prune_heads
+from headkit.surgery.latent import LatentKVConfig
+from headkit.surgery.linearize import LinearizeConfig, linearize
+from headkit.surgery.pruning import PruneConfig, prune_dead_heads, prune_heads
 
 __version__ = "0.1.0"
 
-__all__ = ["HeadkitError", "__version__"]
+__all__ = ["HeadkitError", "__version__", "apply_"]
+__all__ += ["CollaborativeConfig", "GateConfig", "LatentKVConfig", "LinearizeConfig", "PruneConfig"]
 __all__ += ["HeadkitConfig", "HeadkitForCausalLM", "HeadkitForSequenceClassification", "HeadkitModel"]
 __all__ += ["HardConcreteGate", "add_head_gates", "l0_penalty", "remove_head_gates"]
 __all__ += ["head_importance", "prune_dead_heads", "prune_heads"]

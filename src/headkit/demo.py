@@ -46,7 +46,8 @@ from headkit.recipes.distill import encoder_finetune
 from headkit.recipes.models import default_encoder_path
 from headkit.recipes.prune import echo_gate_progress, prune_encoder_heads
 from headkit.surgery.adapters import count_parameters, get_adapter
-from headkit.surgery.collaborative import swap_to_collaborative
+from headkit.surgery.apply import apply_
+from headkit.surgery.collaborative import CollaborativeConfig
 from headkit.surgery.pruning import heads_per_layer
 
 
@@ -153,7 +154,7 @@ def _run_demo(config: DemoConfig, console: Any) -> dict[str, Any]:
     variants: list[VariantResult] = []
     stage(1, f"collaborative heads at full size (D̃ = {full_dim}): exact")
     exact = copy.deepcopy(original)
-    swap = swap_to_collaborative(exact, adapter, dim_shared_query_key=full_dim, seed=config.seed)
+    swap = apply_(exact, CollaborativeConfig(full_dim, seed=config.seed), adapter=adapter)
     variants.append(measure(f"collaborative D̃={full_dim}", exact, {"swap": swap.to_dict()}))
     echo(
         f"max |Δ| of the token states against the original: [bold]{variants[-1].max_abs_diff:.3g}[/] "

@@ -60,8 +60,8 @@ def test_linearize_config_is_frozen_and_normalises_layers():
 
 def test_linearize_config_checks_a_models_config_without_its_weights():
     config = family_config("llama")  # context 128, 2 layers
-    assert LinearizeConfig(window=8).check(config) == [0, 1]
-    assert LinearizeConfig(window=8, layers=(1,)).check(config) == [1]
+    assert LinearizeConfig(window=8).layers_to_convert(config) == [0, 1]
+    assert LinearizeConfig(window=8, layers=(1,)).layers_to_convert(config) == [1]
     with pytest.raises(
         HeadkitError, match="window must be at most the model's context of 128 tokens, got 129"
     ):
@@ -71,10 +71,10 @@ def test_linearize_config_checks_a_models_config_without_its_weights():
     with pytest.raises(HeadkitError, match=r"layers must be indices in \[0, 2\) .* got \[-1\]"):
         LinearizeConfig(layers=(-1,)).check(config)
     gemma = family_config("gemma2")  # layer 0 slides
-    assert LinearizeConfig(window=8).check(gemma) == [1]
+    assert LinearizeConfig(window=8).layers_to_convert(gemma) == [1]
     with pytest.raises(HeadkitError, match="attend through a sliding window"):
         LinearizeConfig(window=8, layers=(0,)).check(gemma)
-    assert LinearizeConfig(window=8, convert_sliding=True).check(gemma) == [0, 1]
+    assert LinearizeConfig(window=8, convert_sliding=True).layers_to_convert(gemma) == [0, 1]
 
 
 def test_linearize_with_a_config_equals_linearize_with_keywords_and_is_recorded():
@@ -151,7 +151,7 @@ def test_latent_conversion_from_collected_statistics_equals_one_from_calibration
     calibration = [{"input_ids": family_inputs(batch=2, length=16)}]
     first, second = family_model("llama"), family_model("llama")
     config = LatentKVConfig(kv_rank=20, rope_dims=4)
-    adapter, sites = config.check(second)
+    adapter, sites = config.sites_to_convert(second)
     statistics = collect_statistics(second, sites, adapter, calibration)
     report = compress_kv_to_latent(first, config, calibration=calibration)
     again = compress_kv_to_latent(second, config, statistics=statistics)
@@ -230,7 +230,7 @@ def test_prune_config_holds_its_heads_sorted_and_frozen():
 def test_prune_config_checks_a_models_config_without_its_weights():
     model = _bert()
     config = model.config  # 2 layers of 4 heads
-    assert PruneConfig(heads={1: [3, 0]}).check(config) == {1: [0, 3]}
+    assert PruneConfig(heads={1: [3, 0]}).heads_to_remove(config) == {1: [0, 3]}
     with pytest.raises(
         HeadkitError, match=r"heads names layer 2, out of range: the model has 2 attention layers"
     ):
@@ -239,7 +239,7 @@ def test_prune_config_checks_a_models_config_without_its_weights():
         PruneConfig(heads={0: [4]}).check(config)
     with pytest.raises(HeadkitError, match="removes every head of layer 0; pass allow_empty_layers=True"):
         PruneConfig(heads={0: [0, 1, 2, 3]}).check(config)
-    assert PruneConfig(heads={0: [0, 1, 2, 3]}, allow_empty_layers=True).check(config) == {0: [0, 1, 2, 3]}
+    assert PruneConfig(heads={0: [0, 1, 2, 3]}, allow_empty_layers=True).heads_to_remove(config) == {0: [0, 1, 2, 3]}
     # the pruning a config records counts: layer 0 has 3 heads left
     prune_heads(model, {0: [1]})
     with pytest.raises(HeadkitError, match=r"holds head 3, out of range: layer 0 has 3 heads"):
@@ -314,7 +314,7 @@ def _gated_bert():
 def test_the_dead_threshold_is_the_configs_and_prune_dead_heads_is_prune_heads_with_it(tmp_path):
     first, second = _gated_bert(), _gated_bert()
     config = PruneConfig(dead_threshold=0.3)
-    assert config.check(first) == {0: [0, 2], 1: [1]}
+    assert config.heads_to_remove(first) == {0: [0, 2], 1: [1]}
     report = prune_heads(first, config)
     assert prune_dead_heads(second, 0.3).pruned == report.pruned == {0: [0, 2], 1: [1]}
     assert first.config.headkit_surgery == second.config.headkit_surgery
@@ -322,7 +322,7 @@ def test_the_dead_threshold_is_the_configs_and_prune_dead_heads_is_prune_heads_w
     assert entry["dead_threshold"] == 0.3 and entry["heads"] == {"0": [0, 2], "1": [1]}
     assert PruneConfig.from_record(entry) == PruneConfig(heads={0: [0, 2], 1: [1]}, dead_threshold=0.3)
     # the listed heads and the dead ones together
-    assert PruneConfig(heads={1: [3]}, dead_threshold=0.0).check(_gated_bert()) == {0: [0], 1: [1, 3]}
+    assert PruneConfig(heads={1: [3]}, dead_threshold=0.0).heads_to_remove(_gated_bert()) == {0: [0], 1: [1, 3]}
     # a reload replays the heads recorded, without reading the gates (their values load afterwards)
     first.save_pretrained(tmp_path)
     assert torch.equal(_hidden(headkit.from_pretrained(tmp_path)), _hidden(first))
@@ -336,7 +336,7 @@ def test_the_dead_threshold_needs_gates_which_a_config_alone_tells():
         prune_heads(model, dead_threshold=0.0)
     assert not getattr(model.config, "headkit_surgery", None)
     gated = _gated_bert()
-    assert PruneConfig(heads={1: [2]}, dead_threshold=0.0).check(gated.config) == {1: [2]}
+    assert PruneConfig(heads={1: [2]}, dead_threshold=0.0).heads_to_remove(gated.config) == {1: [2]}
     with pytest.raises(HeadkitError, match="out of range"):
         PruneConfig(heads={2: [0]}, dead_threshold=0.0).check(gated)
 
@@ -377,7 +377,7 @@ def test_gate_config_defaults_are_the_hard_concrete_gates():
 
 def test_gate_config_checks_a_models_config_without_its_weights():
     model = _bert()
-    assert GateConfig(alive_heads={1: [3, 1]}).check(model.config) == {1: [1, 3]}
+    assert GateConfig(alive_heads={1: [3, 1]}).alive(model.config) == {1: [1, 3]}
     with pytest.raises(HeadkitError, match=r"alive_heads names layer 2, out of range"):
         GateConfig(alive_heads={2: [0]}).check(model.config)
     with pytest.raises(HeadkitError, match=r"alive_heads\[0\] holds head 4, out of range"):
@@ -388,7 +388,7 @@ def test_gate_config_checks_a_models_config_without_its_weights():
     with pytest.raises(HeadkitError, match="already has head gates"):
         GateConfig().check(model)
     remove_head_gates(model)
-    assert GateConfig().check(model.config) == {}
+    assert GateConfig().alive(model.config) == {}
 
 
 def test_gate_config_check_refuses_before_any_gate_is_attached():

@@ -70,7 +70,8 @@ from headkit.recipes.text import (
     tokenize_batches,
 )
 from headkit.surgery.adapters import count_parameters, get_adapter
-from headkit.surgery.pruning import heads_per_layer, kv_heads_per_layer, prune_heads
+from headkit.surgery.apply import apply_
+from headkit.surgery.pruning import PruneConfig, heads_per_layer, kv_heads_per_layer
 
 DECODER_PACKAGE = SMOLLM2_PACKAGE
 DECODER_NAME = "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to float32)"
@@ -381,7 +382,7 @@ def decoder_data(tokenizer: Any, config: PruneCurvesConfig) -> tuple[torch.Tenso
 def pruned_copy(model: nn.Module, plan: dict[int, list[int]], adapter: Any) -> nn.Module:
     """A copy of `model` without the heads of `plan` (layers may lose every head)."""
     model = copy.deepcopy(model)
-    prune_heads(model, plan, allow_empty_layers=True, adapter=adapter)
+    apply_(model, PruneConfig(heads=plan, allow_empty_layers=True), adapter=adapter)
     return model
 
 

@@ -54,9 +54,9 @@ from headkit.evaluation.retrieval import (
 )
 from headkit.recipes.models import CAUSAL_LM, load_model, smollm2_gguf_path
 from headkit.recipes.text import lm_windows, load_text
+from headkit.surgery.apply import apply_
 from headkit.surgery.linearize import (
     LinearizeConfig,
-    linearize,
     linearized_modules,
     max_context,
     reconfigure,
@@ -417,7 +417,7 @@ def run_retrieval_benchmark(settings: RetrievalBenchSettings, console: Any) -> d
                 window=window, sinks=sinks, sparse_cache=budget, selection="question",
                 observation=settings.observation, fold=False, retrieval_heads=heads,
             )  # fmt: skip
-            linearize(baseline, config)
+            apply_(baseline, config)
             if target is not None:
                 equal = _equal_budget(baseline, target, settings.state_context)
                 reconfigure(baseline, sparse_cache=equal)

@@ -57,11 +57,11 @@ from headkit.recipes.settings import ModelSettings, RecipeResult, check_count, c
 from headkit.recipes.steps import Recipe, Steps, run_settings
 from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
 from headkit.surgery.adapters import AttentionAdapter, count_parameters, get_adapter
+from headkit.surgery.apply import apply_
 from headkit.surgery.collaborative import (
     CollaborativeConfig,
     SwapReport,
     config_widths,
-    swap_to_collaborative,
 )
 from headkit.surgery.families import COMPRESS, FAMILIES, get_family, model_type_of
 from headkit.surgery.latent import (
@@ -74,7 +74,6 @@ from headkit.surgery.latent import (
     attention_widths,
     check_latent_arguments,
     collect_statistics,
-    compress_kv_to_latent,
     full_rank,
 )
 from headkit.surgery.repair import reconstruct_attention
@@ -294,14 +293,8 @@ def swap_encoder(
     held-out fidelity. `settings`: any object with ``seed``, ``tol`` and ``max_iter``."""
     torch.manual_seed(settings.seed)
     student = copy.deepcopy(teacher.model)
-    swap = swap_to_collaborative(
-        student,
-        teacher.adapter,
-        dim_shared_query_key=dim,
-        seed=settings.seed,
-        tol=settings.tol,
-        max_iter=settings.max_iter,
-    )
+    config = CollaborativeConfig(dim, seed=settings.seed, tol=settings.tol, max_iter=settings.max_iter)
+    swap = apply_(student, config, adapter=teacher.adapter)
     echo(str(swap))
     after_swap = encoder_fidelity(student, text.held_out, text.teacher_held_out)
     echo(f"fidelity after the swap: mean cosine {after_swap.mean_cosine:.4f}")
@@ -418,7 +411,7 @@ def _preflight_latent(settings: CompressSettings, config: Any) -> None:
     except (AttributeError, TypeError):  # a config that states no decoder widths: checked once loaded
         return
     kv_rank, rope_dims = default_ranks(head_dim, kv_heads, settings.kv_rank, settings.rope_dims)
-    LatentKVConfig(kv_rank, rope_dims, settings.rope_selection).check_config(config)
+    LatentKVConfig(kv_rank, rope_dims, settings.rope_selection).check(config)
 
 
 def _dim_on_rotary(adapter_name: str) -> HeadkitError:
@@ -545,14 +538,10 @@ class CausalLMCompressSteps(_CollaborativeSteps):
         settings = self.settings
         torch.manual_seed(settings.seed)
         self.student = copy.deepcopy(self.original.model)
-        self.swap = swap_to_collaborative(
-            self.student,
-            self.original.adapter,
-            dim_shared_query_key=self.dim,
-            seed=settings.seed,
-            tol=settings.tol,
-            max_iter=settings.max_iter,
+        config = CollaborativeConfig(
+            self.dim, seed=settings.seed, tol=settings.tol, max_iter=settings.max_iter
         )
+        self.swap = apply_(self.student, config, adapter=self.original.adapter)
         self.echo(str(self.swap))
         self.perplexity_after_swap = perplexity(self.student, self.windows.held_out, self.eval_batch)
         self.echo(
@@ -838,7 +827,7 @@ def latent_student(
     from :func:`latent_statistics`); the teacher untouched."""
     student = copy.deepcopy(teacher.model)
     config = LatentKVConfig(kv_rank, rope_dims, rope_selection, rank_allocation)
-    report = compress_kv_to_latent(student, config, calibration=calibration, statistics=statistics)
+    report = apply_(student, config, calibration=calibration, statistics=statistics)
     return student, report
 
 

@@ -62,6 +62,7 @@ from headkit.recipes.settings import (
 from headkit.recipes.steps import Recipe, Steps, run_settings
 from headkit.recipes.text import lm_windows, load_text
 from headkit.surgery.adapters import AttentionAdapter, get_adapter
+from headkit.surgery.apply import apply_
 from headkit.surgery.attention import MECHANISM
 from headkit.surgery.families import LINEARIZE, get_family
 from headkit.surgery.linearize import (
@@ -70,9 +71,6 @@ from headkit.surgery.linearize import (
     converted_attention_modules,
     linearized_parameters,
     max_context,
-)
-from headkit.surgery.linearize import (
-    linearize as convert,
 )
 
 SAMPLE_PROMPT = "def fibonacci(n):\n"
@@ -304,7 +302,7 @@ def preflight(settings: LinearizeSettings, model_path: Path, config: Any | None,
     check step checks them again on the loaded model.)"""
     if config is None:
         return  # loading the model says why
-    layers = settings.conversion.check(config)
+    layers = settings.conversion.layers_to_convert(config)
     kv_heads = config_kv_heads(config)
     if kv_heads is not None and layers and settings.retrieval_head_count > len(layers) * kv_heads:
         raise HeadkitError(
@@ -397,7 +395,7 @@ class LinearizeSteps(Steps):
                 teacher, self.tokenizer, self.corpus, self.config, settings, self.echo
             )
         self.student = copy.deepcopy(teacher)
-        self.conversion = convert(self.student, self.config, adapter=self.adapter)
+        self.conversion = apply_(self.student, self.config, adapter=self.adapter)
         teacher.requires_grad_(False)
         self.echo(str(self.conversion))
         self.stages = {"converted": perplexity(self.student, self.held_out[self.longest], self.eval_batch)}
@@ -552,7 +550,7 @@ def _with_retrieval_heads(
     scores, length = passkey_retrieval_scores(
         teacher, tokenizer, sentences, context=max_context(teacher), seed=settings.seed
     )
-    converted = config.check(teacher)
+    converted = config.layers_to_convert(teacher)
     eligible = torch.full_like(scores, float("-inf"))
     eligible[converted] = scores[converted]
     heads = top_heads(eligible, settings.retrieval_head_count)

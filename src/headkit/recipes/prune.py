@@ -70,18 +70,19 @@ from headkit.recipes.text import (
     window_batches,
 )
 from headkit.surgery.adapters import count_parameters, get_adapter
+from headkit.surgery.apply import apply_
 from headkit.surgery.families import PRUNE, DecoderFamily, get_family, text_config
 from headkit.surgery.gating import (
-    add_head_gates,
+    GateConfig,
     gate_values,
     head_gates,
     remove_head_gates,
 )
 from headkit.surgery.pruning import (
+    PruneConfig,
     check_prunable,
     heads_per_layer,
     kv_heads_per_layer,
-    prune_heads,
     query_to_kv_heads,
     to_stock_architecture,
 )
@@ -309,7 +310,7 @@ def train_head_gates(
     torch.manual_seed(seed)  # the gates' noise
     student = copy.deepcopy(teacher)
     student.requires_grad_(weight_lr > 0)
-    add_head_gates(student, "hard_concrete", adapter=adapter)
+    apply_(student, GateConfig(kind="hard_concrete"), adapter=adapter)
     log = train_gates_to_budget(
         student,
         lambda model, batch: objective(model, teacher, batch),
@@ -419,7 +420,7 @@ def prune_encoder_heads(
             )
         student = copy.deepcopy(teacher)
         plan = importance.pruning_plan(keep, allow_empty_layers=True)
-    pruned = prune_heads(student, plan, allow_empty_layers=True, adapter=adapter)
+    pruned = apply_(student, PruneConfig(heads=plan, allow_empty_layers=True), adapter=adapter)
     return EncoderHeadPruning(student, plan, pruned.kept, log, final_gates)
 
 
@@ -676,8 +677,10 @@ class CausalLMPruneSteps(_PruneSteps):
         )
 
         self.student = copy.deepcopy(teacher)
-        self.pruned = prune_heads(
-            self.student, self.plan, allow_empty_layers=not settings.uniform, adapter=adapter
+        self.pruned = apply_(
+            self.student,
+            PruneConfig(heads=self.plan, allow_empty_layers=not settings.uniform),
+            adapter=adapter,
         )
         self.stock_config = None
         if settings.uniform:
@@ -876,7 +879,7 @@ class EncoderPruneSteps(_PruneSteps):
         calibration = self.train[: settings.importance_batches]
         statistics = output_statistics(self.teacher, calibration, self.adapter)
         candidate = copy.deepcopy(self.teacher)
-        prune_heads(candidate, self.plan, allow_empty_layers=True, adapter=self.adapter)
+        apply_(candidate, PruneConfig(heads=self.plan, allow_empty_layers=True), adapter=self.adapter)
         repair = refit_output_projections(candidate, statistics, self.plan, self.adapter)
         repair.seconds = time.perf_counter() - started
         self.echo(str(repair))

@@ -11,7 +11,9 @@
   with a :class:`LatentKVConfig`).
 - :mod:`headkit.surgery.gating`, :mod:`headkit.surgery.pruning`: Hard Concrete head gates and physical head
   removal (:func:`add_head_gates` with a :class:`GateConfig`, :func:`prune_heads` with a :class:`PruneConfig`).
-- :mod:`headkit.surgery.records`: record surgery in the config (each op registers how to re-apply it).
+- :mod:`headkit.surgery.records`: record surgery in the config (each op registers how to re-apply it), the protocol
+  every surgery's config implements (:class:`SurgeryConfig`).
+- :mod:`headkit.surgery.apply`: :func:`apply_`, one entry point for every config (or a list of them, in order).
 - :mod:`headkit.surgery.io`: reload saved models, surgery re-applied (:func:`from_pretrained`).
 """
 
@@ -26,6 +28,7 @@ from headkit.surgery.adapters import (
     register_adapter,
     supported_architectures,
 )
+from headkit.surgery.apply import apply_, bytes_per_token
 from headkit.surgery.collaborative import (
     CollaborativeConfig,
     CollaborativeHeads,
@@ -38,7 +41,7 @@ from headkit.surgery.io import from_pretrained
 from headkit.surgery.latent import LatentKVConfig, LatentReport, compress_kv_to_latent
 from headkit.surgery.linearize import LinearizeConfig, LinearizedHeads, LinearizeReport, reconfigure
 from headkit.surgery.pruning import PruneConfig, prune_dead_heads, prune_heads
-from headkit.surgery.records import record_surgery, register_surgery_op
+from headkit.surgery.records import SurgeryConfig, record_surgery, recorded_configs, register_surgery_op
 from headkit.surgery.repair import output_statistics, reconstruct_attention, refit_output_projections
 
 __all__ = [
@@ -58,7 +61,11 @@ __all__ = [
     "LinearizedHeads",
     "ProjectionWeights",
     "PruneConfig",
+    "SurgeryConfig",
     "SwapReport",
+    "apply_",
+    "bytes_per_token",
+    "recorded_configs",
     "add_head_gates",
     "compress_kv_to_latent",
     "decompose_query_key",

@@ -75,7 +75,13 @@ from headkit.surgery.attention import (
 )
 from headkit.surgery.decompose import decompose_query_key
 from headkit.surgery.families import COMPRESS, FAMILIES, get_family
-from headkit.surgery.records import config_in_place_of, given_config, record_surgery, register_surgery_op
+from headkit.surgery.records import (
+    config_in_place_of,
+    given_config,
+    record_surgery,
+    register_conversion,
+    say_deprecated,
+)
 
 SURGERY_OP = "collaborative"
 
@@ -424,8 +430,19 @@ def swap_to_collaborative(
         rotary or grouped-query attention, attention that does not go through the interface. The model is then
         left untouched.
     """
-    start = time.perf_counter()
+    say_deprecated("swap_to_collaborative", CollaborativeConfig)
     config, adapter = _collaborative_config_of(adapter, config, options)
+    return _swap(model, config, adapter=adapter)
+
+
+def _swap(
+    model: nn.Module,
+    config: CollaborativeConfig,
+    *,
+    adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+) -> SwapReport:
+    """:func:`headkit.apply_` of a :class:`CollaborativeConfig` (see :func:`swap_to_collaborative`)."""
+    start = time.perf_counter()
     adapter, sites = config._check_model(model, adapter)
     dim_shared = config.dim_shared_query_key
 
@@ -607,7 +624,7 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
     _apply(model, adapter, [_plan_site(adapter, site, dim_shared, decompose=None) for site in sites])
 
 
-register_surgery_op(SURGERY_OP, _reapply)
+register_conversion(CollaborativeConfig, SURGERY_OP, _swap, _reapply, replaces_attention=True)
 
 __all__ = [
     "CollaborativeConfig",

@@ -35,6 +35,7 @@ Saving. :func:`add_head_gates` (its :class:`GateConfig`) and :func:`remove_head_
 
 from __future__ import annotations
 
+import collections
 import math
 import operator
 from collections.abc import Iterable, Mapping
@@ -54,7 +55,9 @@ from headkit.surgery.records import (
     config_in_place_of,
     given_config,
     record_surgery,
+    register_conversion,
     register_surgery_op,
+    say_deprecated,
 )
 
 GATE_ATTRIBUTE = HEAD_GATE
@@ -176,6 +179,52 @@ def config_head_counts(config: Any) -> list[int] | None:
                 if 0 <= int(index) < layers:
                     counts[int(index)] -= len(removed)
     return counts
+
+
+def config_head_dim(config: Any) -> int | None:
+    """The width of one attention head as a 🤗 config states it (``head_dim``, else hidden / heads)."""
+    head_dim = getattr(config, "head_dim", None)
+    if isinstance(head_dim, int) and head_dim > 0:
+        return head_dim
+    hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+    if isinstance(hidden, int) and isinstance(heads, int) and heads > 0:
+        return hidden // heads
+    return None
+
+
+def kv_head_counts(config: Any) -> list[int] | None:
+    """The key/value heads each layer keeps as a 🤗 config states them, the pruning it records applied: a
+    key/value head stays while a query head of its group does; None where the config does not state its heads."""
+    groups = config_query_groups(config)
+    return None if groups is None else [len(set(layer)) for layer in groups]
+
+
+def config_query_groups(config: Any) -> list[list[int]] | None:
+    """Per layer, the key/value group of each query head still there, as a 🤗 config states them with the pruning
+    it records applied (query head h reads key/value head h // (H / G); each pruning entry indexes the heads as it
+    found them); None where the config does not state its heads."""
+    heads = config_head_counts(config)
+    kv = getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", None)
+    total = getattr(config, "num_attention_heads", None)
+    if heads is None or not isinstance(kv, int) or not isinstance(total, int) or kv <= 0 or total % kv:
+        return None
+    group = total // kv
+    groups = [[head // group for head in range(total)] for _ in heads]
+    for entry in getattr(config, SURGERY_KEY, None) or []:
+        if isinstance(entry, dict) and entry.get("op") == "prune":
+            for index, removed in (entry.get("heads") or {}).items():
+                layer = int(index)
+                if 0 <= layer < len(groups):
+                    gone = set(removed)
+                    groups[layer] = [g for h, g in enumerate(groups[layer]) if h not in gone]
+    return groups
+
+
+def config_prunes_unevenly(config: Any) -> list[int]:
+    """The layers whose recorded pruning leaves their key/value groups with unequal numbers of query heads (the
+    layer then gathers key/value heads per query head: no stock grouping expresses it)."""
+    groups = config_query_groups(config) or []
+    return [i for i, layer in enumerate(groups) if len(set(collections.Counter(layer).values())) > 1]
 
 
 def config_records_gates(config: Any) -> bool:
@@ -312,10 +361,18 @@ class GateConfig:
         self,
         model_or_config: Any,
         adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+    ) -> None:
+        """What a model (or only its 🤗 config) answers, before any gate is attached (:meth:`alive`)."""
+        self.alive(model_or_config, adapter)
+
+    def alive(
+        self,
+        model_or_config: Any,
+        adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
     ) -> dict[int, list[int]]:
-        """What a model (or only its 🤗 config) answers, before any gate is attached: it has no gates yet, and
+        """``{layer: [heads kept]}`` for the layers named, checked: the model has no gates yet, and
         ``alive_heads`` names its layers and heads (a config's head counts are those it states, the pruning it
-        records applied). Returns ``{layer: [heads kept]}`` for the layers named."""
+        records applied)."""
         if isinstance(model_or_config, nn.Module):
             return self._check_model(model_or_config, adapter)[2]
         config = model_or_config
@@ -435,7 +492,20 @@ def add_head_gates(
         ``{layer: gate}``. Layers whose attention has no head left (pruned to zero) get no gate. The model is
         left untouched on any error; gates already present are an error (:func:`remove_head_gates` first).
     """
-    config = _gate_config_of(kind, alive_heads, config, options)
+    say_deprecated("add_head_gates", GateConfig)
+    return _add_gates(
+        model, _gate_config_of(kind, alive_heads, config, options), adapter=adapter, generator=generator
+    )
+
+
+def _add_gates(
+    model: nn.Module,
+    config: GateConfig,
+    *,
+    adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[int, HeadkitGate]:
+    """:func:`headkit.apply_` of a :class:`GateConfig`: gate every head (see :func:`add_head_gates`)."""
     if generator is not None and config.kind == "fixed":
         raise HeadkitError("fixed gates take no options, got ['generator']")
     adapter, sites, alive = config._check_model(model, adapter)
@@ -620,5 +690,5 @@ def _reapply_remove_gates(model: nn.Module, entry: dict[str, Any]) -> None:
             _set_site_gate(model, site, None)
 
 
-register_surgery_op(GATES_OP, _reapply_gates)
+register_conversion(GateConfig, GATES_OP, _add_gates, _reapply_gates)
 register_surgery_op(REMOVE_GATES_OP, _reapply_remove_gates)

@@ -82,7 +82,8 @@ from headkit.surgery.attention import (
 )
 from headkit.surgery.collaborative import SharedProjection
 from headkit.surgery.families import LATENT, get_family, text_config
-from headkit.surgery.records import given_config, record_surgery, register_surgery_op
+from headkit.surgery.gating import config_prunes_unevenly, config_records_gates, kv_head_counts
+from headkit.surgery.records import given_config, record_surgery, register_conversion, say_deprecated
 from headkit.surgery.repair import capture_attention_calls, fisher_weighted_error
 
 SURGERY_OP = "latent_kv"
@@ -631,7 +632,7 @@ def rank_error_curves(
     uniform = dataclasses.replace(config, rank_allocation=UNIFORM)
     for rank in ranks:
         candidate = copy.deepcopy(model)
-        compress_kv_to_latent(
+        _compress(
             candidate, dataclasses.replace(uniform, kv_rank=rank), statistics=statistics, adapter=adapter
         )
         for layer, site in enumerate(sites):
@@ -1012,19 +1013,52 @@ class LatentKVConfig:
             )
         return selection
 
-    def check_config(self, config: Any) -> None:
-        """What a model's 🤗 config answers, before its weights are loaded: the family takes latent keys/values,
-        and R and D fit the widths it states (:meth:`check` checks the loaded model's modules again)."""
-        get_family(config, LATENT)
-        hidden, kv_heads, head_dim = attention_widths(config)
+    def check(
+        self,
+        model_or_config: Any,
+        adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+    ) -> None:
+        """Everything that can refuse this conversion, before any work. On a 🤗 config (before the weights are
+        loaded): the family takes latent keys/values, and R and D fit the widths it states. On a model also its
+        attention modules (:meth:`sites_to_convert`)."""
+        if isinstance(model_or_config, nn.Module):
+            self.sites_to_convert(model_or_config, adapter)
+            return
+        get_family(model_or_config, LATENT)
+        if config_records_gates(model_or_config) or config_prunes_unevenly(model_or_config):
+            uneven = config_prunes_unevenly(model_or_config)
+            raise HeadkitError(
+                f"the model is {f'pruned unevenly in layers {uneven}' if uneven else 'gated'}: latent keys/values "
+                "need every layer's stock key/value heads; prune whole key/value groups, or remove the gates first"
+            )
+        hidden, kv_heads, head_dim = attention_widths(model_or_config)
         check_latent_ranks(head_dim, kv_heads, hidden, self.kv_rank, self.rope_dims)
 
-    def check(
+    def record(self) -> dict[str, Any]:
+        """The fields as JSON (``config.headkit_surgery`` keeps them, ``rope_selection`` there being the one
+        used, with the ranks, sites and rotary pairs the conversion chose)."""
+        return asdict(self)
+
+    @classmethod
+    def from_record(cls, entry: dict[str, Any]) -> LatentKVConfig:
+        """The config a record was written from (a field the record predates takes its default)."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{name: value for name, value in entry.items() if name in names})
+
+    def bytes_per_token(self, config: Any, *, bytes_per_number: int = 2) -> int | None:
+        """The latent cache's bytes per token of context for a model with the 🤗 `config`: per layer R latent
+        numbers and D rotary ones per key/value head (the pruning the config records applied)."""
+        counts = kv_head_counts(config)
+        if counts is None:
+            return None
+        return sum(self.kv_rank + kv * self.rope_dims for kv in counts) * bytes_per_number
+
+    def sites_to_convert(
         self, model: nn.Module, adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None
     ) -> tuple[AttentionAdapter, list[AttentionSite]]:
-        """Everything that can refuse this conversion of `model`, before any work: its family, its attention
-        modules (stock softmax, one layer of grouped-query attention each, no per-head k/q norm) and the ranks
-        their widths allow. Returns the adapter and the sites to convert."""
+        """The adapter and the attention sites to convert, checked: the model's family, its attention modules
+        (stock softmax, one layer of grouped-query attention each, no per-head k/q norm) and the ranks their
+        widths allow."""
         _check_not_latent(model)
         if adapter is None:
             get_family(model, LATENT)
@@ -1061,8 +1095,21 @@ def compress_kv_to_latent(
     Returns a :class:`LatentReport`. Raises :class:`HeadkitError` for an unsupported family, an argument out of
     range, a model already converted or pruned unevenly — the model is then untouched.
     """
-    start = time.perf_counter()
+    say_deprecated("compress_kv_to_latent", LatentKVConfig)
     config = LatentKVConfig(**options) if config is None else given_config(LatentKVConfig, config, options)
+    return _compress(model, config, calibration=calibration, adapter=adapter, statistics=statistics)
+
+
+def _compress(
+    model: nn.Module,
+    config: LatentKVConfig,
+    *,
+    calibration: Iterable[dict] | None = None,
+    adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+    statistics: list[SiteStatistics] | None = None,
+) -> LatentReport:
+    """:func:`headkit.apply_` of a :class:`LatentKVConfig` (see :func:`compress_kv_to_latent`)."""
+    start = time.perf_counter()
     calibrated = calibration is not None or statistics is not None
     rope_selection = config.selection(calibrated)
     if config.rank_allocation == SENSITIVITY and calibration is None:
@@ -1072,7 +1119,7 @@ def compress_kv_to_latent(
         )
     calibration = None if calibration is None else list(calibration)  # read twice for 'sensitivity'
     kv_rank, rope_dims = config.kv_rank, config.rope_dims
-    adapter, sites = config.check(model, adapter)
+    adapter, sites = config.sites_to_convert(model, adapter)
     hidden = adapter.read_projections(sites[0]).k_weight.shape[1]
     if statistics is not None and len(statistics) != len(sites):
         raise HeadkitError(
@@ -1111,13 +1158,10 @@ def compress_kv_to_latent(
     _apply(model, adapter, planned)
     record_surgery(
         model,
-        {
-            "op": SURGERY_OP,
-            "adapter": adapter.name,
-            "kv_rank": kv_rank,
-            "rope_dims": rope_dims,
+        {"op": SURGERY_OP, "adapter": adapter.name}
+        | config.record()
+        | {
             "rope_selection": rope_selection,
-            "rank_allocation": config.rank_allocation,
             "kv_ranks": ranks,
             "sites": [site.name for site in sites],
             "rope_pairs": [plan.report.rope_pairs for plan in planned],
@@ -1165,9 +1209,10 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
             f"the recorded latent conversion covered {entry['sites']}, but the rebuilt model has attention modules "
             f"{[site.name for site in sites]}"
         )
-    rope_dims = int(entry["rope_dims"])
+    config = LatentKVConfig.from_record(entry)
+    rope_dims = config.rope_dims
     # Records written before ranks could be allocated per layer hold one rank for all.
-    ranks = [int(rank) for rank in entry.get("kv_ranks") or [entry["kv_rank"]] * len(sites)]
+    ranks = [int(rank) for rank in entry.get("kv_ranks") or [config.kv_rank] * len(sites)]
     hidden = adapter.read_projections(sites[0]).k_weight.shape[1]
     for site, rank in zip(sites, ranks, strict=True):
         check_latent_arguments(site, hidden, rank, rope_dims)
@@ -1180,7 +1225,7 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
     _apply(model, adapter, planned)
 
 
-register_surgery_op(SURGERY_OP, _reapply)
+register_conversion(LatentKVConfig, SURGERY_OP, _compress, _reapply, replaces_attention=True)
 
 __all__ = [
     "FITTED",

@@ -109,7 +109,8 @@ from headkit.surgery.records import (
     given_config,
     record_surgery,
     recorded_surgery,
-    register_surgery_op,
+    register_conversion,
+    say_deprecated,
 )
 
 SURGERY_OP = "linearize"
@@ -736,10 +737,16 @@ class LinearizeConfig:
                 raise HeadkitError(f"layers lists a layer twice: {indices}")
             object.__setattr__(self, "layers", tuple(indices))
 
-    def check(self, model_or_config: Any, count: int | None = None) -> list[int]:
-        """The checks a model's 🤗 config answers (a model, or its config; `count`: its layer count, read from
-        the config when None): the window against the context, the layers against the layer count and the
-        sliding-window layers. Returns the indices of the layers to convert, sorted."""
+    def check(self, model_or_config: Any) -> None:
+        """The checks a model's 🤗 config answers (a model, or its config), before any weight is loaded
+        (:meth:`layers_to_convert`)."""
+        self.layers_to_convert(model_or_config)
+
+    def layers_to_convert(self, model_or_config: Any, count: int | None = None) -> list[int]:
+        """The indices of the layers to convert, sorted, checked against what a model's 🤗 config answers (a
+        model, or its config; `count`: its layer count, read from the config when None): the window against the
+        context, the layers against the layer count and the sliding-window layers, the retrieval heads against
+        the key/value heads."""
         config = getattr(model_or_config, "config", model_or_config)
         context = _config_context(config)
         for name in ("window", "sparse_cache", "observation"):
@@ -800,10 +807,11 @@ class LinearizeConfig:
             )
         return chosen
 
-    def record(self, layers: Sequence[int]) -> dict[str, Any]:
-        """The fields as ``config.headkit_surgery`` keeps them, with the layers actually converted."""
+    def record(self) -> dict[str, Any]:
+        """The fields as JSON (``config.headkit_surgery`` keeps them, ``layers`` there being the layers actually
+        converted)."""
         return asdict(self) | {
-            "layers": list(layers),
+            "layers": None if self.layers is None else list(self.layers),
             "retrieval_heads": [list(pair) for pair in self.retrieval_heads],
         }
 
@@ -861,7 +869,17 @@ def linearize(
     attention does not go through the attention interface, a window out of range, an unknown feature map, layers
     out of range, sliding or already converted — the model is then untouched.
     """
-    config = _config_of(config, options)
+    say_deprecated("linearize", LinearizeConfig)
+    return _linearize(model, _config_of(config, options), adapter=adapter)
+
+
+def _linearize(
+    model: nn.Module,
+    config: LinearizeConfig,
+    *,
+    adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+) -> LinearizeReport:
+    """:func:`headkit.apply_` of a :class:`LinearizeConfig` (see :func:`linearize`)."""
     if adapter is None:  # an unregistered family, or one that cannot be linearized: one line, before any work
         get_family(model, LINEARIZE)
     adapter = get_adapter(model, adapter)
@@ -884,7 +902,8 @@ def linearize(
     record_surgery(
         model,
         {"op": SURGERY_OP, "adapter": adapter.name}
-        | config.record(indices)
+        | config.record()
+        | {"layers": indices}
         | {"sites": [site.name for site in chosen], "unrotated_pairs": unrotated, "rotary_pairs": pair_count},
     )
     notes = []
@@ -942,7 +961,7 @@ def reconfigure(model: nn.Module, **changes: Any) -> LinearizeConfig:
     if index is None or not modules:
         raise HeadkitError("reconfigure needs a linearized model (headkit.linearize)")
     config = replace(LinearizeConfig.from_record(entries[index]), **changes)
-    layers = config.check(model)
+    layers = config.layers_to_convert(model)
     if layers != [module.layer_idx for module in modules]:
         raise HeadkitError(
             f"the model's linearized layers {[m.layer_idx for m in modules]} differ from its record"
@@ -953,7 +972,7 @@ def reconfigure(model: nn.Module, **changes: Any) -> LinearizeConfig:
             observation=config.observation,
             exact_heads=[head for layer, head in config.retrieval_heads if layer == module.layer_idx],
         )  # fmt: skip
-    entries[index] = entries[index] | config.record(layers)
+    entries[index] = entries[index] | config.record() | {"layers": layers}
     setattr(model.config, SURGERY_KEY, json.loads(json.dumps(entries)))
     return config
 
@@ -1009,7 +1028,7 @@ def _chosen_sites(
     model: nn.Module, sites: list[AttentionSite], config: LinearizeConfig
 ) -> list[AttentionSite]:
     """The sites to convert: the config checked against the model, then what only its modules answer."""
-    chosen = [sites[i] for i in config.check(model, len(sites))]
+    chosen = [sites[i] for i in config.layers_to_convert(model, len(sites))]
     done = [site.layers[0] for site in chosen if isinstance(mechanism_of(site.module), LinearizedHeads)]
     if done:
         raise HeadkitError(f"layers {done} are already linearized")
@@ -1113,7 +1132,7 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
     attach_mechanisms(model, [(site.module, mechanism) for site, mechanism in planned])
 
 
-register_surgery_op(SURGERY_OP, _reapply)
+register_conversion(LinearizeConfig, SURGERY_OP, _linearize, _reapply, replaces_attention=True)
 
 __all__ = [
     "LinearizeConfig",

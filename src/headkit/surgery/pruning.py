@@ -64,8 +64,10 @@ from headkit.surgery.gating import (
     LayerHeads,
     check_layer_heads,
     config_head_counts,
+    config_head_dim,
     config_records_gates,
     evaluation_gate_values,
+    kv_head_counts,
     layer_heads,
     parse_layer_heads,
     site_gate,
@@ -76,7 +78,8 @@ from headkit.surgery.records import (
     given_config,
     record_surgery,
     recorded_surgery,
-    register_surgery_op,
+    register_conversion,
+    say_deprecated,
 )
 
 PRUNE_OP = "prune"
@@ -358,13 +361,22 @@ class PruneConfig:
         self,
         model_or_config: Any,
         adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+    ) -> None:
+        """Everything that can refuse this pruning, before any weight changes (:meth:`heads_to_remove` says
+        which heads go)."""
+        self.heads_to_remove(model_or_config, adapter)
+
+    def heads_to_remove(
+        self,
+        model_or_config: Any,
+        adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
     ) -> dict[int, list[int]]:
-        """Everything that can refuse this pruning, before any weight changes: the layers and heads named exist
-        (a 🤗 config's head counts are those it states, the pruning it records applied) and no layer is emptied
-        without `allow_empty_layers`; with `dead_threshold`, the model has head gates; a model's layers must also
-        still be the architecture's to slice (no earlier surgery replaced them) and gated by gates pruning can
-        slice. Returns ``{layer: [heads to remove]}``: from a 🤗 config alone, without the heads whose gates are
-        at most `dead_threshold` (their values are weights)."""
+        """``{layer: [heads to remove]}``, checked: the layers and heads named exist (a 🤗 config's head counts
+        are those it states, the pruning it records applied) and no layer is emptied without
+        `allow_empty_layers`; with `dead_threshold`, the model has head gates; a model's layers must also still be
+        the architecture's to slice (no earlier surgery replaced them) and gated by gates pruning can slice. From
+        a 🤗 config alone, without the heads whose gates are at most `dead_threshold` (their values are
+        weights)."""
         if isinstance(model_or_config, nn.Module):
             return self._check_model(model_or_config, adapter)[0]
         if self.dead_threshold is not None and not config_records_gates(model_or_config):
@@ -389,14 +401,25 @@ class PruneConfig:
                 checked[index] = sorted(set(checked.get(index, [])) | set(dead))
         return checked, adapter, sites, _plan(adapter, sites, checked, self.allow_empty_layers)
 
-    def record(self, pruned: Mapping[int, Iterable[int]]) -> dict[str, Any]:
-        """The fields as ``config.headkit_surgery`` keeps them, with the layers actually pruned (`pruned`:
-        ``{layer: [heads removed]}``, those with none left out)."""
+    def record(self) -> dict[str, Any]:
+        """The fields as JSON (``config.headkit_surgery`` keeps them, ``heads`` there being the heads actually
+        removed, those `dead_threshold` chose included)."""
         return {
-            "heads": {str(layer): sorted(heads) for layer, heads in sorted(pruned.items()) if heads},
+            "heads": _heads_record(self.plan),
             "allow_empty_layers": self.allow_empty_layers,
             "dead_threshold": self.dead_threshold,
         }
+
+    def bytes_per_token(self, config: Any, *, bytes_per_number: int = 2) -> int | None:
+        """The key/value cache's bytes per token of a model with the 🤗 `config` once these heads are removed
+        (a key/value head goes when every query head of its group does); None where the config does not state
+        its heads."""
+        entry = {"op": PRUNE_OP} | self.record()
+        counts = kv_head_counts(_with_entry(config, entry))
+        head_dim = config_head_dim(config)
+        if counts is None or head_dim is None:
+            return None
+        return 2 * sum(counts) * head_dim * bytes_per_number
 
     @classmethod
     def from_record(cls, entry: dict[str, Any]) -> PruneConfig:
@@ -404,6 +427,18 @@ class PruneConfig:
         predates takes its default)."""
         names = {f.name for f in fields(cls)}
         return cls(**{name: value for name, value in entry.items() if name in names})
+
+
+def _heads_record(pruned: Mapping[int, Iterable[int]]) -> dict[str, list[int]]:
+    """``{layer: [heads]}`` as JSON: string layer keys, sorted, layers with none left out."""
+    return {str(layer): sorted(heads) for layer, heads in sorted(pruned.items()) if heads}
+
+
+def _with_entry(config: Any, entry: dict[str, Any]) -> Any:
+    """A copy of a 🤗 `config` whose surgery record ends with `entry`."""
+    candidate = copy.copy(config)
+    setattr(candidate, SURGERY_KEY, list(getattr(config, SURGERY_KEY, None) or []) + [entry])
+    return candidate
 
 
 def _dead_heads(sites: list[AttentionSite], threshold: float) -> dict[int, list[int]]:
@@ -511,7 +546,17 @@ def prune_heads(
         surviving heads. Out-of-range layers or heads, an emptied layer without `allow_empty_layers`, or an
         unsupported model raise :class:`~headkit.errors.HeadkitError` with the model untouched.
     """
-    config = _prune_config_of(heads, config, options)
+    say_deprecated("prune_heads", PruneConfig)
+    return _prune(model, _prune_config_of(heads, config, options), adapter=adapter)
+
+
+def _prune(
+    model: nn.Module,
+    config: PruneConfig,
+    *,
+    adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+) -> PruneReport:
+    """:func:`headkit.apply_` of a :class:`PruneConfig`: remove the heads it names (see :func:`prune_heads`)."""
     checked, adapter, sites, plans = config._check_model(model, adapter)
     parameters_before = count_parameters(model)
     # Everything is checked: only now does the model change.
@@ -521,7 +566,8 @@ def prune_heads(
         record_surgery(
             model,
             {"op": PRUNE_OP, "adapter": adapter.name}
-            | config.record({plan.site.index: checked[plan.site.index] for plan in plans})
+            | config.record()
+            | {"heads": _heads_record({plan.site.index: checked[plan.site.index] for plan in plans})}
             | {"num_heads": {str(plan.site.index): plan.site.num_heads for plan in plans}},
         )
     after = {site.index: site for site in adapter.sites(model)}
@@ -569,7 +615,7 @@ def prune_dead_heads(
     ``fold=True`` bakes their values into the output projections).
     """
     config = PruneConfig(dead_threshold=threshold, allow_empty_layers=allow_empty_layers)
-    return prune_heads(model, config, adapter=adapter)
+    return _prune(model, config, adapter=adapter)
 
 
 def heads_per_layer(
@@ -666,4 +712,4 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
         _apply(model, adapter, plan)
 
 
-register_surgery_op(PRUNE_OP, _reapply)
+register_conversion(PruneConfig, PRUNE_OP, _prune, _reapply)
