@@ -239,7 +239,9 @@ def test_prune_config_checks_a_models_config_without_its_weights():
         PruneConfig(heads={0: [4]}).check(config)
     with pytest.raises(HeadkitError, match="removes every head of layer 0; pass allow_empty_layers=True"):
         PruneConfig(heads={0: [0, 1, 2, 3]}).check(config)
-    assert PruneConfig(heads={0: [0, 1, 2, 3]}, allow_empty_layers=True).heads_to_remove(config) == {0: [0, 1, 2, 3]}
+    assert PruneConfig(heads={0: [0, 1, 2, 3]}, allow_empty_layers=True).heads_to_remove(config) == {
+        0: [0, 1, 2, 3]
+    }
     # the pruning a config records counts: layer 0 has 3 heads left
     prune_heads(model, {0: [1]})
     with pytest.raises(HeadkitError, match=r"holds head 3, out of range: layer 0 has 3 heads"):
@@ -322,7 +324,10 @@ def test_the_dead_threshold_is_the_configs_and_prune_dead_heads_is_prune_heads_w
     assert entry["dead_threshold"] == 0.3 and entry["heads"] == {"0": [0, 2], "1": [1]}
     assert PruneConfig.from_record(entry) == PruneConfig(heads={0: [0, 2], 1: [1]}, dead_threshold=0.3)
     # the listed heads and the dead ones together
-    assert PruneConfig(heads={1: [3]}, dead_threshold=0.0).heads_to_remove(_gated_bert()) == {0: [0], 1: [1, 3]}
+    assert PruneConfig(heads={1: [3]}, dead_threshold=0.0).heads_to_remove(_gated_bert()) == {
+        0: [0],
+        1: [1, 3],
+    }
     # a reload replays the heads recorded, without reading the gates (their values load afterwards)
     first.save_pretrained(tmp_path)
     assert torch.equal(_hidden(headkit.from_pretrained(tmp_path)), _hidden(first))
