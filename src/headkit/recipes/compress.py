@@ -41,7 +41,10 @@ from headkit.evaluation.tasks import check_recipe_tasks, with_task_table
 from headkit.evaluation.timing import compare_speed, time_call
 from headkit.ops._validation import is_finite_number
 from headkit.recipes.distill import DistillResult, distill_run, encoder_finetune
-from headkit.recipes.models import (
+from headkit.recipes.options import option
+from headkit.recipes.settings import ModelSettings, RecipeResult, check_count, check_data
+from headkit.recipes.steps import Recipe, Steps, run_settings
+from headkit.runs.models import (
     CAUSAL_LM,
     DEFAULT_DTYPE,
     DTYPES,
@@ -51,11 +54,8 @@ from headkit.recipes.models import (
     load_model,
     model_kind,
 )
-from headkit.recipes.objectives import CausalLMObjective
-from headkit.recipes.options import option
-from headkit.recipes.settings import ModelSettings, RecipeResult, check_count, check_data
-from headkit.recipes.steps import Recipe, Steps, run_settings
-from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
+from headkit.runs.objectives import CausalLMObjective
+from headkit.runs.text import lm_windows, load_text, text_chunks, tokenize_batches
 from headkit.surgery.adapters import AttentionAdapter, count_parameters, get_adapter
 from headkit.surgery.collaborative import (
     CollaborativeConfig,

@@ -47,11 +47,6 @@ from headkit.evaluation.timing import decode_profile
 from headkit.files import save_figure_atomic
 from headkit.ops._validation import is_finite_number
 from headkit.recipes.distill import distill, with_lora
-from headkit.recipes.models import (
-    LoadedModel,
-    smollm2_gguf_path,
-)
-from headkit.recipes.objectives import CausalLMObjective
 from headkit.recipes.options import option, with_fields_of
 from headkit.recipes.settings import (
     QuickSettings,
@@ -60,7 +55,12 @@ from headkit.recipes.settings import (
     check_data,
 )
 from headkit.recipes.steps import Recipe, Steps, run_settings
-from headkit.recipes.text import lm_windows, load_text
+from headkit.runs.models import (
+    LoadedModel,
+    smollm2_gguf_path,
+)
+from headkit.runs.objectives import CausalLMObjective
+from headkit.runs.text import lm_windows, load_text
 from headkit.surgery.adapters import AttentionAdapter, get_adapter
 from headkit.surgery.attention import MECHANISM
 from headkit.surgery.families import LINEARIZE, get_family

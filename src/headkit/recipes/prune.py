@@ -50,18 +50,18 @@ from headkit.evaluation.timing import compare_speed, time_call
 from headkit.export.gguf import check_export_target, export_gguf
 from headkit.recipes.distill import distill_run, encoder_finetune
 from headkit.recipes.gates import GateTrainingLog, train_gates_to_budget
-from headkit.recipes.models import (
+from headkit.recipes.options import option, option_name
+from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data
+from headkit.recipes.steps import Recipe, Steps, run_settings
+from headkit.runs.models import (
     CAUSAL_LM,
     ENCODER,
     LoadedModel,
     default_encoder_path,
     model_kind,
 )
-from headkit.recipes.objectives import CausalLMObjective, EncoderObjective
-from headkit.recipes.options import option, option_name
-from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data
-from headkit.recipes.steps import Recipe, Steps, run_settings
-from headkit.recipes.text import (
+from headkit.runs.objectives import CausalLMObjective, EncoderObjective
+from headkit.runs.text import (
     calibration_batches,
     lm_windows,
     load_text,
