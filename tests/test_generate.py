@@ -158,7 +158,7 @@ def test_the_fast_step_is_compiled_once_then_loaded(save_tiny_causal_lm, tmp_pat
 
 @pytest.mark.slow
 def test_a_gguf_file(capsys):
-    from headkit.recipes.models import smollm2_gguf_path
+    from headkit.runs.models import smollm2_gguf_path
 
     try:
         path = smollm2_gguf_path()
@@ -275,7 +275,7 @@ def test_the_gguf_reader_bar_is_silenced_while_loading_only(
     import transformers
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    import headkit.recipes.models as models
+    import headkit.runs.models as models
 
     folder = save_tiny_causal_lm(tmp_path / "llama")
     gguf = tmp_path / "tiny.gguf"

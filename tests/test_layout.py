@@ -22,22 +22,28 @@ TIERS: dict[str, int] = {
     "devices": 4,
     "files": 4,
     "analysis": 5,
-    # The workflows and the training command's loop, beside each other; beside them the measurements the recipes
-    # report (evaluation), the fast decoder and text generation (runtime), and the GGUF export and llama.cpp
-    # measurements (export): these read models and text through recipes' loading modules (recipes.models,
-    # recipes.text, recipes.objectives, recipes.skeleton), and the recipes call them, so they share its tier.
-    "recipes": 6,
-    "train": 6,
-    "evaluation": 6,
-    "runtime": 6,
-    "export": 6,
-    "bench": 7,
+    # What every run stands on: loading a model (a folder or a GGUF file) and its dtype, text and windows, the
+    # losses, the main-process helpers of a launched run, and a command line's errors and exit statuses.
+    "runs": 6,
+    # What is not a workflow, each package by what it does, beside each other (runtime's fast decoder times its
+    # steps with evaluation's clock): the measurements (evaluation), the fast decoder and text generation
+    # (runtime), the GGUF export and llama.cpp measurements (export). They read models and text through runs.
+    "evaluation": 7,
+    "runtime": 7,
+    "export": 7,
+    # The workflows, which report those measurements and export, and the training command beside them (both
+    # train through recipes.loop).
+    "recipes": 8,
+    "train": 8,
+    # Measurement only: the benchmarks run the recipes and the packages beneath them, never the command line
+    # (`python -m headkit.bench.<module>` is headkit.bench.registry.run_as_script).
+    "bench": 9,
     # The package root re-exports the library: it may import anything beneath the command line.
-    "headkit": 8,
+    "headkit": 10,
     # The command line and the demo it runs, beside each other; `python -m headkit` above both.
-    "cli": 9,
-    "demo": 9,
-    "__main__": 10,
+    "cli": 11,
+    "demo": 11,
+    "__main__": 12,
 }
 # Beneath every tier, importable by all: the error type, and the one module that meets transformers' releases.
 TIERLESS = {"errors", "compat", "logs"}
@@ -82,16 +88,23 @@ def _is_main_guard(node: ast.AST) -> bool:
     )
 
 
-def imported_names(source: str, module: str, *, package: bool = False) -> list[str]:
+def imported_names(
+    source: str, module: str, *, package: bool = False, main_blocks: bool = False
+) -> list[str]:
     """Every name `source` (the text of `module`) imports: ``import a.b``, ``from a import b`` (absolute or
     relative) at any depth — in functions, methods, ``TYPE_CHECKING`` blocks — and
-    ``importlib.import_module("literal")`` (a computed name: :data:`COMPUTED`); ``from a import b`` gives ``a.b`` (:func:`resolve` tells a module
-    from a name in it). The body of ``if __name__ == "__main__":`` is left out: it runs only when the file is
-    the program (``python -m``), as the module ``__main__``, which nothing imports, so no circle can pass
-    through it."""
+    ``importlib.import_module("literal")`` (a computed name: :data:`COMPUTED`); ``from a import b`` gives ``a.b``
+    (:func:`resolve` tells a module from a name in it). The body of ``if __name__ == "__main__":`` is left out
+    unless `main_blocks`: it runs only when the file is the program (``python -m``), as the module ``__main__``,
+    which nothing imports, so no circle can pass through it — but what it imports is still the module's
+    dependency, which the tiers count."""
     base = module if package else module.rpartition(".")[0]
     tree = ast.parse(source)
-    skipped = {id(n) for top in ast.walk(tree) if _is_main_guard(top) for n in ast.walk(top)}
+    skipped = (
+        set()
+        if main_blocks
+        else {id(n) for top in ast.walk(tree) if _is_main_guard(top) for n in ast.walk(top)}
+    )
     names = []
     for node in ast.walk(tree):
         if id(node) in skipped:
@@ -123,11 +136,13 @@ def _is_import_module_call(node: ast.AST) -> bool:
     )
 
 
-def import_graph() -> dict[str, set[str]]:
-    """headkit's modules and the headkit modules each imports (edges to itself left out)."""
+def import_graph(*, main_blocks: bool = False) -> dict[str, set[str]]:
+    """headkit's modules and the headkit modules each imports (edges to itself left out; the imports of
+    ``__main__`` blocks too with `main_blocks`)."""
     graph = {}
     for module, path in MODULES.items():
-        names = imported_names(path.read_text(), module, package=path.name == "__init__.py")
+        package = path.name == "__init__.py"
+        names = imported_names(path.read_text(), module, package=package, main_blocks=main_blocks)
         if COMPUTED in names:  # a package discovering its modules (pkgutil) imports every one of them
             names += [name for name in MODULES if name.rpartition(".")[0] == module]
         graph[module] = {target for target in map(resolve, names) if target not in (None, module)}
@@ -184,14 +199,15 @@ def test_the_import_graph_is_acyclic():
     assert cycle is None, "import circle: " + " -> ".join(cycle)
 
 
-# The packages beside recipes import recipes' modules, and recipes' __init__ imports recipes that import them:
-# each must import first in a fresh interpreter, so none imports headkit.recipes at its top (Python runs the
-# recipes package's __init__ before the module, and it would meet the importing module half-initialised).
-# The import graph cannot see this (a parent package's implicit import is no edge): these imports check it.
+# What the import graph cannot see: Python runs a package's __init__ before any module in it (an implicit
+# import, no edge), so a module that imports a module of a package whose __init__ leads back to the importer
+# would meet it half-initialised. Across tiers the tier test rules that out (the __init__ imports only from its
+# tier and beneath, the importer's or lower); within a tier only these imports, each first in a fresh
+# interpreter, check it: the packages beside each other in the tier beneath the recipes.
 @pytest.mark.parametrize(
     "module", ["headkit.evaluation.quality", "headkit.evaluation.tasks", "headkit.runtime", "headkit.export"]
 )
-def test_a_package_beside_recipes_imports_first_in_a_fresh_interpreter(module):
+def test_a_package_beside_others_imports_first_in_a_fresh_interpreter(module):
     done = subprocess.run(
         [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=300
     )
@@ -215,7 +231,7 @@ def test_the_import_graph_follows_every_kind_of_import():
     source = """
 import headkit.layers.cache
 from headkit.recipes.settings import QuickSettings
-from . import text
+from . import steps
 from ..surgery import io
 import importlib
 from typing import TYPE_CHECKING
@@ -228,26 +244,69 @@ if __name__ == "__main__":
     from headkit.cli import main
 """
     names = imported_names(source, "headkit.recipes.linearize")
-    assert sorted(filter(None, map(resolve, names))) == [
+    expected = [
         "headkit.bench.registry",
         "headkit.layers.cache",
         "headkit.models",
         "headkit.recipes.settings",
-        "headkit.recipes.text",
+        "headkit.recipes.steps",
         "headkit.surgery.io",
         "headkit.train",
     ]
+    assert sorted(filter(None, map(resolve, names))) == expected
+    with_main = imported_names(source, "headkit.recipes.linearize", main_blocks=True)
+    assert sorted(filter(None, map(resolve, with_main))) == sorted([*expected, "headkit.cli"])
 
 
-def test_each_module_imports_only_from_its_own_tier_and_the_tiers_beneath_it():
+def tier_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Each edge of `graph` from a module to a module of a higher tier (a tierless module: beneath every tier)."""
     violations = []
-    for module, targets in import_graph().items():
+    for module, targets in graph.items():
         tier = tier_of(module)
         for target in sorted(targets):
             beneath = tier_of(target)
             if beneath is not None and (tier is None or TIERS[beneath] > TIERS[tier]):
                 violations.append(f"{module} ({tier or 'tierless'}) imports {target} ({beneath})")
+    return violations
+
+
+def test_each_module_imports_only_from_its_own_tier_and_the_tiers_beneath_it():
+    # Function-local imports count, and a `__main__` block's too: what a module needs to run as the program is
+    # its dependency as much as what it needs when imported (a benchmark's never reaches the command line).
+    violations = tier_violations(import_graph(main_blocks=True))
     assert not violations, "\n".join(violations)
+
+
+@pytest.mark.parametrize(
+    "module, source",
+    [
+        # the infrastructure reaching up, at its top or inside a function
+        ("headkit.runs.models", "from headkit.recipes.settings import QuickSettings"),
+        ("headkit.evaluation.quality", "def f():\n    from headkit.recipes.distill import distill"),
+        ("headkit.runtime.generation", "def f():\n    import headkit.train"),
+        # a benchmark reaching the command line, even only as the program
+        ("headkit.bench.speed", "if __name__ == '__main__':\n    from headkit.cli import main"),
+        ("headkit.bench.registry", "def f():\n    import headkit.cli"),
+    ],
+)
+def test_an_upward_import_is_a_violation(module, source):
+    names = imported_names(source, module, main_blocks=True)
+    graph = {module: {target for target in map(resolve, names) if target not in (None, module)}}
+    assert tier_violations(graph), source
+
+
+def test_no_benchmark_imports_the_command_line():
+    # bench's own guard, whatever the tiers' numbers become: `python -m headkit.bench.<module>` runs its command
+    # through headkit.bench.registry.run_as_script, not through headkit.cli.
+    graph = import_graph(main_blocks=True)
+    reached = sorted(
+        f"{module} imports {target}"
+        for module, targets in graph.items()
+        if module.startswith("headkit.bench")
+        for target in targets
+        if tier_of(target) in ("cli", "demo", "__main__")
+    )
+    assert not reached, "\n".join(reached)
 
 
 def test_test_file_names_are_unique():

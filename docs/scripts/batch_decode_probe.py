@@ -15,7 +15,7 @@ import torch
 from transformers import DynamicCache
 
 from headkit.compat import cache_keyword
-from headkit.recipes.models import load_model, smollm2_gguf_path
+from headkit.runs.models import load_model, smollm2_gguf_path
 from headkit.runtime.fast import FastDecoder
 
 STEPS = 16

@@ -11,7 +11,7 @@ started = time.perf_counter()
 import torch  # noqa: E402
 from torch._dynamo.utils import compile_times, counters  # noqa: E402
 
-from headkit.recipes.models import load_model, smollm2_gguf_path  # noqa: E402
+from headkit.runs.models import load_model, smollm2_gguf_path  # noqa: E402
 from headkit.runtime.fast import FastDecoder  # noqa: E402
 
 weights = sys.argv[1] if len(sys.argv) > 1 else "float32"

@@ -20,8 +20,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from headkit.layers.feature_maps import build_feature_map
 from headkit.ops.hybrid import hybrid_attention
 from headkit.ops.rotary import unrotate_pairs
-from headkit.recipes.models import CAUSAL_LM, load_model, smollm2_gguf_path
-from headkit.recipes.text import lm_windows, load_text
+from headkit.runs.models import CAUSAL_LM, load_model, smollm2_gguf_path
+from headkit.runs.text import lm_windows, load_text
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--layers", default="4,7,12,20")

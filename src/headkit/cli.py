@@ -5,10 +5,6 @@ User errors (bad arguments, missing files, unsupported models) print one line an
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-import os
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +13,16 @@ from rich.console import Console
 from rich.markup import escape
 
 from headkit.bench import load_benchmarks
-from headkit.bench.registry import BENCHMARKS, Benchmark, parse_list
+from headkit.bench.registry import add_command, parse_list
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import EVAL_INCLUDE_PATH_HELP, EVAL_TASKS_HELP
 from headkit.layers import attention_classes
 from headkit.recipes.compress import CompressSettings
 from headkit.recipes.linearize import MODEL_HELP as LINEARIZE_MODEL_HELP
 from headkit.recipes.linearize import LinearizeSettings, quick_budget
-from headkit.recipes.options import command_parameters, given_options, settings_command, settings_from
+from headkit.recipes.options import settings_command, settings_from
 from headkit.recipes.prune import PruneSettings
+from headkit.runs.command_line import run_command_line
 
 app = typer.Typer(
     name="headkit",
@@ -82,29 +79,8 @@ def demo(
     run_demo(DemoConfig(model=model, out=out, decoder=decoder, speed=speed, seed=seed, threads=threads))
 
 
-def _bench_command(benchmark: Benchmark) -> None:
-    """Add ``headkit bench <name>`` to the app: an option per settings field with help
-    (headkit.recipes.options), and ``--quick``."""
-    parameters = [inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)]
-    parameters += command_parameters(benchmark.settings)
-    quick_option = typer.Option(False, "--quick/--no-quick", help=benchmark.quick_help())
-    parameters.append(inspect.Parameter("quick", inspect.Parameter.KEYWORD_ONLY, default=quick_option))
-
-    def command(ctx: typer.Context, quick: bool = False, **values: Any) -> None:
-        # the options given; the others take the chosen mode's value (full or --quick)
-        given = given_options(benchmark.settings, ctx, values, warn=_warn)
-        registered = BENCHMARKS[benchmark.name]  # looked up when run: the registry's entry is the benchmark
-        registered.run(registered.make_settings(quick, **given))
-
-    command.__signature__ = inspect.Signature(parameters)
-    command.__annotations__ = {p.name: p.annotation for p in parameters} | {"quick": bool, "return": None}
-    command.__doc__ = benchmark.help
-    command.__name__ = f"bench_{benchmark.name}"
-    bench_app.command(benchmark.name)(command)
-
-
 for _benchmark in load_benchmarks().values():
-    _bench_command(_benchmark)
+    add_command(bench_app, _benchmark, warn=_warn)
 
 
 def _dtype_option() -> Any:
@@ -117,7 +93,7 @@ def _dtype_option() -> Any:
 
 def _check_dtype(dtype: str) -> str:
     """--dtype's value, checked before any work (a one-line error naming the accepted values)."""
-    from headkit.recipes.models import dtype_name
+    from headkit.runs.models import dtype_name
 
     return dtype_name(dtype)
 
@@ -140,38 +116,9 @@ def _eval_task_fields(eval_tasks: str | None, eval_include_path: Path | None) ->
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the app; user errors become one line on stderr and exit status 2.
-
-    Under ``torchrun`` / ``accelerate launch`` every process runs the command (headkit.recipes.skeleton) and only
-    the main one prints: the others' standard output is discarded, and a user error — the same on every process,
-    or met by the main process and replicated — is printed once, by the main process, while every process exits
-    with its status."""
-    from headkit.recipes.skeleton import ReplicatedError, is_main_process
-
-    main_process = is_main_process()
-    try:
-        with contextlib.ExitStack() as stack:
-            if not main_process:
-                stack.enter_context(contextlib.redirect_stdout(stack.enter_context(open(os.devnull, "w"))))
-            app(args=argv, standalone_mode=False)
-    except ReplicatedError as exc:  # the main process printed it
-        sys.exit(exc.exit_code)
-    except (ValueError, FileNotFoundError, NotADirectoryError) as exc:  # HeadkitError is a ValueError
-        if main_process:
-            # The message is text, not markup: "headkit[eval]" keeps its brackets.
-            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-        sys.exit(2)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        err_console.print("aborted")
-        sys.exit(1)
-    except Exception as exc:
-        # Usage errors of the click that typer vendors: typer prints them itself, exit status 2.
-        if hasattr(exc, "show") and hasattr(exc, "exit_code"):
-            exc.show()
-            sys.exit(exc.exit_code)
-        raise
+    """Entry point: run the app; user errors become one line on stderr and exit status 2, printed once under
+    ``torchrun`` / ``accelerate launch`` (:func:`headkit.runs.command_line.run_command_line`)."""
+    run_command_line(app, argv)
 
 
 @app.command()
@@ -377,7 +324,7 @@ def export_command(
     """Write MODEL as a GGUF file for llama.cpp: its own family's architecture (llama, Mistral as llama, qwen2,
     qwen3, gemma2, gemma3, phi3), or deci for LLaMA or Phi-3 pruned unevenly (see headkit.export.gguf)."""
     from headkit.export.gguf import export_gguf
-    from headkit.recipes.models import no_loading_bars
+    from headkit.runs.models import no_loading_bars
 
     with no_loading_bars():
         report = export_gguf(model, gguf, type=type, overwrite=overwrite, uneven_groups=uneven_groups)
@@ -453,7 +400,7 @@ def eval_command(
     (and the heat map OUT/passkey.png)."""
     from headkit.evaluation.report import EvalSettings, check_eval_settings, evaluate, format_eval_table
     from headkit.evaluation.tasks import load_tasks, task_names
-    from headkit.recipes.models import no_loading_bars
+    from headkit.runs.models import no_loading_bars
 
     settings = EvalSettings(
         model=model,
@@ -483,7 +430,7 @@ def eval_command(
     # Every task and its data before any model loads: a wrong name or missing data costs nothing.
     loaded_tasks = load_tasks(settings.task_settings) if settings.tasks else None
     with no_loading_bars():
-        from headkit.recipes.models import CAUSAL_LM, load_model, model_kind
+        from headkit.runs.models import CAUSAL_LM, load_model, model_kind
 
         for name, path in (("MODEL", model), ("--reference", reference)):
             if path is not None and model_kind(path) != CAUSAL_LM:
@@ -576,9 +523,3 @@ def cache(
     err_console.print(
         f"{folder}: {len(packages)} compiled steps, {size / 2**20:,.1f} MiB", highlight=False, soft_wrap=True
     )
-
-
-def run_as_script(name: str) -> None:
-    """``python -m headkit.bench.<module>``: ``headkit bench <name>`` with this process's arguments (called from
-    the benchmark module's ``__main__`` block, which runs only as the program and is imported by nothing)."""
-    main(["bench", name, *sys.argv[1:]])

@@ -43,8 +43,8 @@ from headkit.recipes.compress import (
     prepare_encoder_text,
 )
 from headkit.recipes.distill import encoder_finetune
-from headkit.recipes.models import default_encoder_path
 from headkit.recipes.prune import echo_gate_progress, prune_encoder_heads
+from headkit.runs.models import default_encoder_path
 from headkit.surgery.adapters import count_parameters, get_adapter
 from headkit.surgery.apply import apply_
 from headkit.surgery.collaborative import CollaborativeConfig
@@ -385,10 +385,10 @@ def run_decoder_act(config: DemoConfig, echo: Any) -> dict[str, Any]:
     from headkit.evaluation.timing import decode_seconds_per_token
     from headkit.recipes.linearize import LinearizeSettings
     from headkit.recipes.linearize import run as linearize_run
-    from headkit.recipes.models import load_model, smollm2_gguf_path
     from headkit.recipes.prune import SAMPLE_PROMPT, PruneSettings
     from headkit.recipes.prune import run as prune_run
-    from headkit.recipes.text import lm_windows, load_text
+    from headkit.runs.models import load_model, smollm2_gguf_path
+    from headkit.runs.text import lm_windows, load_text
 
     model_path = Path(config.decoder_model) if config.decoder_model is not None else smollm2_gguf_path()
     started = time.perf_counter()

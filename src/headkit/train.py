@@ -60,7 +60,8 @@ from headkit.evaluation.quality import held_out_bits_per_byte
 from headkit.files import check_output_folder, staged_folder
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 from headkit.ops._validation import check_positive_int
-from headkit.recipes.loop import IndexedBatches, LoopResult, StepCallback, process_rank_and_count, train_loop
+from headkit.recipes.loop import IndexedBatches, LoopResult, StepCallback, train_loop
+from headkit.runs.processes import process_rank_and_count
 
 REPORT_FILE = "training_report.json"
 

@@ -10,7 +10,7 @@ from results_keys import assert_results_keys
 from headkit.bench import prune_curves
 from headkit.data import ByteTokenizer
 from headkit.errors import HeadkitError
-from headkit.recipes.models import load_model
+from headkit.runs.models import load_model
 
 TINY = dict(
     heads_kept=(6, 4, 2),
@@ -118,8 +118,8 @@ def top_heads(scores: list[list[float]], keep: int) -> set[tuple[int, int]]:
 
 def test_importance_plan_keeps_the_globally_top_heads(encoder_dir):
     from headkit.analysis.importance import head_importance
-    from headkit.recipes.objectives import sentence_pair_contrastive_loss
-    from headkit.recipes.text import load_text, pair_batches, text_chunks
+    from headkit.runs.objectives import sentence_pair_contrastive_loss
+    from headkit.runs.text import load_text, pair_batches, text_chunks
 
     loaded = load_model(encoder_dir)
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -239,7 +239,7 @@ def test_a_saved_model_in_the_output_folder_is_not_mixed_with_results(encoder_di
 def test_missing_decoder_package_is_a_clear_error(encoder_dir, tmp_path, monkeypatch):
     import importlib.util
 
-    from headkit.recipes.models import SMOLLM2_INSTALL_HINT
+    from headkit.runs.models import SMOLLM2_INSTALL_HINT
 
     real_find_spec = importlib.util.find_spec
 

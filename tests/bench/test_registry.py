@@ -99,6 +99,22 @@ def test_bad_list_options_exit_2_naming_the_option(arguments, flag, captured, ca
     assert not captured
 
 
+def test_a_benchmark_run_as_the_program_is_its_bench_command(captured, monkeypatch, capsys):
+    # `python -m headkit.bench.<module>` (run_as_script): the same options, the same one-line errors and status
+    from headkit.bench.registry import run_as_script
+
+    monkeypatch.setattr("sys.argv", ["digits", "--quick", "--steps", "7"])
+    run_as_script("digits")
+    from headkit.bench.digits import DigitsConfig
+
+    assert captured.pop("digits") == DigitsConfig.quick(steps=7)
+    monkeypatch.setattr("sys.argv", ["digits", "--images", "1,x"])
+    with pytest.raises(SystemExit) as exit_info:
+        run_as_script("digits")
+    assert exit_info.value.code == 2 and "--images" in capsys.readouterr().err
+    assert not captured
+
+
 def test_the_help_of_an_option_that_quick_changes_is_written_from_its_values():
     assert option(100, "Steps.", quick=10).metadata["help"] == "Steps (default 100; 10 with --quick)."
     assert option((1, 2), "Sizes", quick=(1,)).metadata["help"] == "Sizes (default 1,2; 1 with --quick)."

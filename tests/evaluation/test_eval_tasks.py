@@ -303,12 +303,12 @@ def _refused(args, capsys) -> str:
 
 @pytest.fixture
 def no_model_loads(monkeypatch):
-    import headkit.recipes.models
+    import headkit.runs.models
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the refusal")
 
-    monkeypatch.setattr(headkit.recipes.models, "load_model", refuse)
+    monkeypatch.setattr(headkit.runs.models, "load_model", refuse)
 
 
 def test_an_unknown_task_is_named_with_close_matches(

@@ -7,7 +7,7 @@ import torch
 import transformers
 
 from headkit.recipes.distill import distill
-from headkit.recipes.objectives import CausalLMObjective
+from headkit.runs.objectives import CausalLMObjective
 
 
 def main(out: str) -> None:

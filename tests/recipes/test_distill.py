@@ -10,7 +10,7 @@ import transformers
 
 from headkit.errors import HeadkitError
 from headkit.recipes.distill import distill, lora_target_modules, split_batches
-from headkit.recipes.objectives import CausalLMObjective
+from headkit.runs.objectives import CausalLMObjective
 
 transformers.logging.set_verbosity_error()
 

@@ -14,11 +14,11 @@ import transformers
 import headkit
 from headkit.cli import main
 from headkit.errors import HeadkitError
-from headkit.recipes import models
 from headkit.recipes.compress import CompressSettings
 from headkit.recipes.linearize import LinearizeSettings
-from headkit.recipes.models import load_model
 from headkit.recipes.prune import PruneSettings
+from headkit.runs import models
+from headkit.runs.models import load_model
 
 transformers.logging.set_verbosity_error()
 

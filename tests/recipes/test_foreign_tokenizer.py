@@ -18,7 +18,7 @@ from family_models import family_config  # noqa: E402
 
 from headkit.cli import main  # noqa: E402
 from headkit.errors import HeadkitError  # noqa: E402
-from headkit.recipes.models import check_token_ids, load_model  # noqa: E402
+from headkit.runs.models import check_token_ids, load_model  # noqa: E402
 from headkit.surgery.families import PRUNE, supported_families  # noqa: E402
 
 PRUNE_FAST = ["--quick", "--window", "16", "--train-texts", "8", "--held-out", "2", "--batch-size", "4"]

@@ -12,7 +12,7 @@ from family_models import save_family_model  # noqa: E402
 import headkit.recipes.steps as steps  # noqa: E402
 from headkit.cli import main  # noqa: E402
 from headkit.errors import HeadkitError  # noqa: E402
-from headkit.recipes.models import read_model_config, smollm2_gguf_path  # noqa: E402
+from headkit.runs.models import read_model_config, smollm2_gguf_path  # noqa: E402
 
 _save = save_family_model
 

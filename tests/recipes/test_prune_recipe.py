@@ -259,9 +259,9 @@ def test_stock_conversion_refuses_head_counts_the_config_rejects():
 def test_held_out_defaults_to_the_model_kinds_count_and_the_corpus_provides_it():
     """Without --held-out, encoders measure on 256 texts and causal LMs on 64 windows (a full-budget run once
     crashed comparing the unset count); the embedded corpus has the held-out texts an encoder run asks for."""
-    from headkit.recipes.models import CAUSAL_LM, ENCODER
     from headkit.recipes.prune import PruneSettings, held_out_count
-    from headkit.recipes.text import load_text, text_chunks
+    from headkit.runs.models import CAUSAL_LM, ENCODER
+    from headkit.runs.text import load_text, text_chunks
 
     assert held_out_count(PruneSettings(), ENCODER) == 256
     assert held_out_count(PruneSettings(), CAUSAL_LM) == 64

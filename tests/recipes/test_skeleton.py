@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from headkit.errors import HeadkitError
-from headkit.recipes.models import LoadedModel
 from headkit.recipes.steps import STAGES, Recipe, Steps, run_recipe
+from headkit.runs.models import LoadedModel
 
 
 @dataclass

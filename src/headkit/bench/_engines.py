@@ -29,8 +29,8 @@ from headkit.errors import HeadkitError
 from headkit.evaluation.quality import perplexity
 from headkit.export.gguf import export_gguf
 from headkit.export.llamacpp import llama_cpp_speed
-from headkit.recipes.models import load_model, smollm2_gguf_path
-from headkit.recipes.text import lm_windows, load_text
+from headkit.runs.models import load_model, smollm2_gguf_path
+from headkit.runs.text import lm_windows, load_text
 from headkit.runtime.fast import WEIGHTS, FastDecoder
 from headkit.surgery.io import from_pretrained
 from headkit.surgery.linearize import decoding_state_bytes

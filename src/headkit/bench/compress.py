@@ -45,8 +45,8 @@ from headkit.recipes.compress import (
     load_teacher,
     prepare_encoder_text,
 )
-from headkit.recipes.models import check_output_folder, default_encoder_path
-from headkit.recipes.text import lm_windows, load_text
+from headkit.runs.models import check_output_folder, default_encoder_path
+from headkit.runs.text import lm_windows, load_text
 from headkit.surgery.adapters import count_parameters
 from headkit.surgery.io import from_pretrained
 from headkit.surgery.latent import FITTED, ROPE_SELECTIONS, latent_mechanisms

@@ -535,6 +535,6 @@ def run_decode_benchmark(
 
 
 if __name__ == "__main__":  # python -m headkit.bench.decode: the program is the command line's `bench decode`
-    from headkit.cli import run_as_script
+    from headkit.bench.registry import run_as_script
 
     run_as_script("decode")

@@ -22,7 +22,7 @@ import torch
 from headkit.bench._report import figure_axes, markdown_table, plot_series
 from headkit.bench.registry import option, quick_preset, register_benchmark, setting
 from headkit.errors import HeadkitError
-from headkit.recipes.models import default_encoder_path
+from headkit.runs.models import default_encoder_path
 from headkit.surgery.decompose import decompose_query_key
 
 PLOT_FILE = "decompose.png"

@@ -37,8 +37,8 @@ from headkit.export.llamacpp import (
     llamacpp_kv_cache_bytes_per_token,
     require_llama_cpp,
 )
-from headkit.recipes.models import load_model
-from headkit.recipes.text import lm_windows, load_text
+from headkit.runs.models import load_model
+from headkit.runs.text import lm_windows, load_text
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 ROLES = {

@@ -47,21 +47,21 @@ from headkit.evaluation.quality import perplexity
 from headkit.evaluation.timing import forward_times
 from headkit.recipes.compress import encoder_fidelity, load_teacher
 from headkit.recipes.distill import encoder_finetune
-from headkit.recipes.models import (
-    SMOLLM2_PACKAGE,
-    LoadedModel,
-    default_encoder_path,
-    load_model,
-    smollm2_gguf_path,
-)
-from headkit.recipes.objectives import CONTRASTIVE_SCALE, sentence_pair_contrastive_loss
 from headkit.recipes.prune import (
     PruneSettings,
     heads_to_keep,
     prune,
     prune_encoder_heads,
 )
-from headkit.recipes.text import (
+from headkit.runs.models import (
+    SMOLLM2_PACKAGE,
+    LoadedModel,
+    default_encoder_path,
+    load_model,
+    smollm2_gguf_path,
+)
+from headkit.runs.objectives import CONTRASTIVE_SCALE, sentence_pair_contrastive_loss
+from headkit.runs.text import (
     calibration_batches,
     lm_windows,
     load_text,
@@ -208,7 +208,7 @@ def check_fractions(fractions: tuple[float, ...], total_heads: int) -> None:
 
 
 def smollm2_path() -> Path:
-    """SmolLM2's GGUF file (:func:`headkit.recipes.models.smollm2_gguf_path`), checked before the encoder part."""
+    """SmolLM2's GGUF file (:func:`headkit.runs.models.smollm2_gguf_path`), checked before the encoder part."""
     try:
         return smollm2_gguf_path()
     except HeadkitError as exc:
@@ -364,7 +364,7 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
 
 def decoder_data(tokenizer: Any, config: PruneCurvesConfig) -> tuple[torch.Tensor, list[dict]]:
     """(held-out windows [N, L], one per held-out file in a seeded order; calibration batches of random training
-    windows): :func:`headkit.recipes.text.lm_windows` of the standard library, as ``headkit prune`` draws them."""
+    windows): :func:`headkit.runs.text.lm_windows` of the standard library, as ``headkit prune`` draws them."""
     windows = lm_windows(
         tokenizer,
         load_text(None),

@@ -19,9 +19,10 @@ short run, each field's ``quick`` value) and a body decorated with :func:`regist
 The body returns the sections of its report; the run writes them to ``settings.out`` with the header every
 benchmark shares (results.json), ``widget_table(report)`` (table.md) and ``plot_widgets(report)``.
 
-:func:`headkit.cli` makes ``headkit bench widget [--steps N] [--quick] [--out DIR]`` of it: ``--name-with-dashes``
-(or ``flag``) per option, a tuple a comma-separated list (``parse`` reads the text), a bool a ``--x/--no-x``
-switch, ``argument=True`` a positional argument.
+:func:`add_command` makes ``headkit bench widget [--steps N] [--quick] [--out DIR]`` of it (:mod:`headkit.cli`
+adds every benchmark's): ``--name-with-dashes`` (or ``flag``) per option, a tuple a comma-separated list (``parse``
+reads the text), a bool a ``--x/--no-x`` switch, ``argument=True`` a positional argument. :func:`run_as_script`
+runs the same command as ``python -m headkit.bench.widget``, without the command line's module.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import sys
 import time
 import typing
 from collections.abc import Callable, Mapping, Sequence
@@ -39,7 +41,9 @@ from typing import Any
 from headkit.errors import HeadkitError
 from headkit.recipes.options import (
     NO_QUICK,
+    command_parameters,
     field_types,
+    given_options,
     option_fields,
     option_name,
     parse_list,
@@ -124,7 +128,7 @@ def register_benchmark(
 
             from headkit.bench._report import finish_report
             from headkit.evaluation.timing import thread_limit
-            from headkit.recipes.skeleton import on_main_process
+            from headkit.runs.processes import on_main_process
 
             config = settings() if config is None else config
             check_options(config)
@@ -147,6 +151,45 @@ def register_benchmark(
         return run
 
     return register
+
+
+def add_command(app: Any, benchmark: Benchmark, warn: Callable[[str], None] | None = None) -> None:
+    """Add ``<name> [options] [--quick]`` of `benchmark` to the typer `app`: an option per settings field with help
+    (:mod:`headkit.recipes.options`), and ``--quick``; `warn` prints the line an old option name given gets
+    (default: stderr)."""
+    import typer
+
+    parameters = [inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)]
+    parameters += command_parameters(benchmark.settings)
+    quick_option = typer.Option(False, "--quick/--no-quick", help=benchmark.quick_help())
+    parameters.append(inspect.Parameter("quick", inspect.Parameter.KEYWORD_ONLY, default=quick_option))
+    warnings = {} if warn is None else {"warn": warn}
+
+    def command(ctx: typer.Context, quick: bool = False, **values: Any) -> None:
+        # the options given; the others take the chosen mode's value (full or --quick)
+        given = given_options(benchmark.settings, ctx, values, **warnings)
+        registered = BENCHMARKS[benchmark.name]  # looked up when run: the registry's entry is the benchmark
+        registered.run(registered.make_settings(quick, **given))
+
+    command.__signature__ = inspect.Signature(parameters)
+    command.__annotations__ = {p.name: p.annotation for p in parameters} | {"quick": bool, "return": None}
+    command.__doc__ = benchmark.help
+    command.__name__ = f"bench_{benchmark.name}"
+    app.command(benchmark.name)(command)
+
+
+def run_as_script(name: str) -> None:
+    """``python -m headkit.bench.<module>``: the command of the benchmark registered as `name` with this process's
+    arguments, as ``headkit bench <name>`` runs it (the same options, errors and exit statuses:
+    :func:`headkit.runs.command_line.run_command_line`). Called from the benchmark module's ``__main__`` block,
+    which runs only as the program and is imported by nothing."""
+    import typer
+
+    from headkit.runs.command_line import run_command_line
+
+    app = typer.Typer(add_completion=False, pretty_exceptions_enable=False)
+    add_command(app, BENCHMARKS[name])  # one command: the program is that command, no name to give
+    run_command_line(app, sys.argv[1:])
 
 
 def option(

@@ -52,8 +52,8 @@ from headkit.evaluation.retrieval import (
     second_turn_passkeys,
     wilson_interval,
 )
-from headkit.recipes.models import CAUSAL_LM, load_model, smollm2_gguf_path
-from headkit.recipes.text import lm_windows, load_text
+from headkit.runs.models import CAUSAL_LM, load_model, smollm2_gguf_path
+from headkit.runs.text import lm_windows, load_text
 from headkit.surgery.apply import apply_
 from headkit.surgery.linearize import (
     LinearizeConfig,

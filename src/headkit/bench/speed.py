@@ -452,6 +452,6 @@ def run_speed_benchmark(
 
 
 if __name__ == "__main__":  # python -m headkit.bench.speed: the program is the command line's `bench speed`
-    from headkit.cli import run_as_script
+    from headkit.bench.registry import run_as_script
 
     run_as_script("speed")

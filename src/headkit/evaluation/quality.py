@@ -16,6 +16,7 @@ from torch import nn
 from headkit.data import count_text_bytes
 from headkit.devices import model_device
 from headkit.errors import HeadkitError
+from headkit.runs.objectives import mean_pool, next_token_kl
 
 
 def summed_nats(logits: torch.Tensor, targets: torch.Tensor) -> float:
@@ -90,12 +91,8 @@ class Agreement:
 def agreement(
     model: nn.Module, reference: nn.Module, windows: torch.Tensor, batch_size: int = 4
 ) -> Agreement:
-    """Top-1 agreement and mean KL(reference ‖ model) (:func:`headkit.recipes.objectives.next_token_kl`, the
+    """Top-1 agreement and mean KL(reference ‖ model) (:func:`headkit.runs.objectives.next_token_kl`, the
     distillation loss at τ = 1) over every position of `windows` [N, L]."""
-    # Imported here, not at the top: headkit.recipes' own modules import this one, so importing headkit.recipes
-    # while this module loads would meet it half-initialised.
-    from headkit.recipes.objectives import next_token_kl
-
     same, kl_sum, count = 0, 0.0, 0
     for chunk in windows.split(batch_size):
         chunk = chunk.to(model_device(model))
@@ -123,9 +120,6 @@ def embedding_cosine(
     """Per text of `batches`: the cosine of `model`'s and `reference`'s sentence embeddings (mean-pooled last
     hidden states over real tokens, sentence-transformers' pooling) [texts]. Each of `model` and `reference` is
     an encoder or its :func:`last_hidden_states` on `batches` (a reference's, computed once for many students)."""
-    # Imported here for the reason agreement gives.
-    from headkit.recipes.objectives import mean_pool
-
     states = [
         last_hidden_states(side, batches) if isinstance(side, nn.Module) else list(side)
         for side in (model, reference)

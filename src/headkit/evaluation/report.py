@@ -137,7 +137,7 @@ def evaluate(
     perplexity at each length; top-1 agreement and KL against the reference; passkey retrieval by length and
     depth (exact match, Wilson 95% intervals); per-token decode time (batch 1) and decoding-state bytes at each
     context; lm-eval task scores (`settings.tasks`). `loaded` / `reference`: models already loaded
-    (:class:`headkit.recipes.models.LoadedModel`); `tasks`: the tasks already loaded (:func:`load_tasks`, which
+    (:class:`headkit.runs.models.LoadedModel`); `tasks`: the tasks already loaded (:func:`load_tasks`, which
     runs here, before any model loads, when None). Writes report.json and the passkey heat map to `settings.out`
     (atomically) and returns the report."""
     check_eval_settings(settings)
@@ -154,8 +154,8 @@ def _evaluate(
     echo: Callable[[str], None],
     tasks: LoadedTasks | None = None,
 ) -> dict[str, Any]:
-    from headkit.recipes.models import CAUSAL_LM, load_model
-    from headkit.recipes.text import lm_windows, load_text
+    from headkit.runs.models import CAUSAL_LM, load_model
+    from headkit.runs.text import lm_windows, load_text
 
     started = time.perf_counter()
     loaded = loaded or load_model(settings.model, kind=CAUSAL_LM, dtype=settings.dtype)

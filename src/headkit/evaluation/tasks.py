@@ -41,6 +41,7 @@ import torch
 from torch import nn
 
 from headkit.errors import HeadkitError
+from headkit.runs.processes import on_main_process
 
 INSTALL_HINT = "pip install 'headkit[eval]'"
 # The first release that runs on transformers 5 (headkit's range); pyproject.toml pins the one tested.
@@ -102,7 +103,7 @@ def check_recipe_tasks(settings: Any, *, default_is_causal_lm: bool) -> None:
     recipe's default model when None: an encoder for prune and compress, SmolLM2 for linearize), lm-eval, each
     task's name and its data (:func:`load_tasks`; the measure step loads them again, from lm-eval's cached index
     and 🤗 datasets' cache)."""
-    from headkit.recipes.models import CAUSAL_LM, model_kind
+    from headkit.runs.models import CAUSAL_LM, model_kind
 
     if settings.eval_include_path is not None and not settings.eval_tasks:
         raise HeadkitError("--eval-include-path holds tasks for --eval-tasks: add --eval-tasks")
@@ -491,10 +492,6 @@ def measure_tasks(
     ``results`` per model, the shared ``n-shot``, ``n-samples``, ``versions``, ``higher_is_better`` and
     ``configs``, and ``rows``: one per task and metric, each model's value and standard error and, with
     `reference` (one of the names), each other model's difference from it."""
-    # Imported here, not at the top: headkit.recipes' own modules import this one, so importing headkit.recipes
-    # while this module loads would meet it half-initialised.
-    from headkit.recipes.skeleton import on_main_process
-
     version = require_lm_eval()
     tasks = tasks or load_tasks(settings)
     summaries: dict[str, dict[str, Any]] = {}

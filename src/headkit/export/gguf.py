@@ -333,7 +333,7 @@ def _check_exportable(model: nn.Module) -> tuple[_Mapping, Any]:
 
 
 def _load(model_path_or_model: Any, tokenizer: Any) -> tuple[nn.Module, Any, Path | None]:
-    from headkit.recipes.models import CAUSAL_LM, load_model, model_kind
+    from headkit.runs.models import CAUSAL_LM, load_model, model_kind
 
     if isinstance(model_path_or_model, nn.Module):
         if tokenizer is None:

@@ -7,9 +7,9 @@ per head, fitted by a CP decomposition of the heads' bilinear forms (:func:`head
 the model is then distilled against the original to win back what the lower rank lost.
 
 - Sentence encoders (default all-MiniLM-L6-v2): fidelity is the mean cosine of mean-pooled embeddings on held-out
-  text, the objective :class:`~headkit.recipes.objectives.EncoderObjective`.
+  text, the objective :class:`~headkit.runs.objectives.EncoderObjective`.
 - Causal LMs without rotary embeddings (GPT-2): the LM head is kept, the objective is KL on next-token
-  distributions (:class:`~headkit.recipes.objectives.CausalLMObjective`) and the report gives held-out perplexity
+  distributions (:class:`~headkit.runs.objectives.CausalLMObjective`) and the report gives held-out perplexity
   before and after, top-1 agreement and prefill/decode times.
 - Rotary, grouped-query decoders (LLaMA, SmolLM2, Mistral, Qwen 2, …): their scores are not a bilinear form of
   the inputs, so the collaborative idea takes the form it has in multi-head latent attention — every head's keys
@@ -41,7 +41,10 @@ from headkit.evaluation.tasks import check_recipe_tasks, with_task_table
 from headkit.evaluation.timing import compare_speed, time_call
 from headkit.ops._validation import is_finite_number
 from headkit.recipes.distill import DistillResult, distill_run, encoder_finetune
-from headkit.recipes.models import (
+from headkit.recipes.options import option
+from headkit.recipes.settings import ModelSettings, RecipeResult, check_count, check_data
+from headkit.recipes.steps import Recipe, Steps, run_settings
+from headkit.runs.models import (
     CAUSAL_LM,
     DEFAULT_DTYPE,
     DTYPES,
@@ -51,11 +54,8 @@ from headkit.recipes.models import (
     load_model,
     model_kind,
 )
-from headkit.recipes.objectives import CausalLMObjective
-from headkit.recipes.options import option
-from headkit.recipes.settings import ModelSettings, RecipeResult, check_count, check_data
-from headkit.recipes.steps import Recipe, Steps, run_settings
-from headkit.recipes.text import lm_windows, load_text, text_chunks, tokenize_batches
+from headkit.runs.objectives import CausalLMObjective
+from headkit.runs.text import lm_windows, load_text, text_chunks, tokenize_batches
 from headkit.surgery.adapters import AttentionAdapter, count_parameters, get_adapter
 from headkit.surgery.apply import apply_
 from headkit.surgery.collaborative import (

@@ -1,7 +1,7 @@
 """Every recovery after surgery: teacher → student distillation on headkit's one training loop.
 
 :func:`distill` runs :func:`headkit.recipes.loop.train_loop` (🤗 ``Trainer``) with an objective
-(:mod:`headkit.recipes.objectives`) that calls the frozen teacher and the student on the same batch as its loss,
+(:mod:`headkit.runs.objectives`) that calls the frozen teacher and the student on the same batch as its loss,
 so it runs unchanged under ``torchrun`` / ``accelerate launch`` (DDP, gloo on CPU or nccl on GPUs) and FSDP, with
 gradient accumulation, seeding, logging and checkpoints to resume from.
 
@@ -24,7 +24,7 @@ from torch import nn
 
 from headkit.errors import HeadkitError
 from headkit.recipes.loop import train_loop
-from headkit.recipes.objectives import EncoderObjective
+from headkit.runs.objectives import EncoderObjective
 
 Objective = Callable[[nn.Module, nn.Module, dict[str, Any]], torch.Tensor]
 
@@ -122,7 +122,7 @@ def distill(
         teacher: the frozen reference (its parameters are never updated).
         examples: single examples ({"input_ids": [T], "attention_mask": [T]}, equal shapes), e.g.
             :func:`split_batches` of fixed-shape batches; shuffled by Trainer with `seed`, cycled as needed.
-        objective: ``objective(student, teacher, batch) -> loss`` (:mod:`headkit.recipes.objectives`).
+        objective: ``objective(student, teacher, batch) -> loss`` (:mod:`headkit.runs.objectives`).
         steps: optimizer steps (0 returns the student unchanged).
         lr: learning rate of the student's weights (AdamW, or of the LoRA adapters).
         batch_size: examples per device per forward; ``gradient_accumulation_steps`` forwards per step.
@@ -308,7 +308,7 @@ def encoder_finetune(
 ) -> DistillResult:
     """`steps` distillation steps of an encoder `student` (every weight, in place; or LoRA adapters of
     `lora_rank`, merged) against `teacher` on fixed-shape `batches` (re-batched at `batch_size`, default theirs)
-    with :class:`~headkit.recipes.objectives.EncoderObjective`, logged every steps/5; the result's model is the
+    with :class:`~headkit.runs.objectives.EncoderObjective`, logged every steps/5; the result's model is the
     student (the same object unless LoRA merged it). No step when `steps` or `lr` is 0."""
     if steps <= 0 or lr <= 0:
         return DistillResult(student, 0, lora_rank=lora_rank)

@@ -12,7 +12,7 @@ recovered in two stages, measured and saved.
    (:class:`AttentionTransferObjective`).
 3. **LoRA** (LoLCATs stage 2): low-rank adapters (PEFT) on the converted layers' attention projections (query,
    key, value, output), trained with the KL distillation objective on next-token distributions
-   (:class:`~headkit.recipes.objectives.CausalLMObjective`) and merged afterwards; with ``lora_rank=None`` those
+   (:class:`~headkit.runs.objectives.CausalLMObjective`) and merged afterwards; with ``lora_rank=None`` those
    projections are trained in full instead.
 
 Both stages run on :func:`headkit.recipes.distill.distill` (🤗 ``Trainer``). The report holds held-out perplexity
@@ -47,11 +47,6 @@ from headkit.evaluation.timing import decode_profile
 from headkit.files import save_figure_atomic
 from headkit.ops._validation import is_finite_number
 from headkit.recipes.distill import distill, with_lora
-from headkit.recipes.models import (
-    LoadedModel,
-    smollm2_gguf_path,
-)
-from headkit.recipes.objectives import CausalLMObjective
 from headkit.recipes.options import option, with_fields_of
 from headkit.recipes.settings import (
     QuickSettings,
@@ -60,7 +55,12 @@ from headkit.recipes.settings import (
     check_data,
 )
 from headkit.recipes.steps import Recipe, Steps, run_settings
-from headkit.recipes.text import lm_windows, load_text
+from headkit.runs.models import (
+    LoadedModel,
+    smollm2_gguf_path,
+)
+from headkit.runs.objectives import CausalLMObjective
+from headkit.runs.text import lm_windows, load_text
 from headkit.surgery.adapters import AttentionAdapter, get_adapter
 from headkit.surgery.apply import apply_
 from headkit.surgery.attention import MECHANISM

@@ -35,6 +35,7 @@ from torch import nn
 from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
 from headkit.errors import HeadkitError
+from headkit.runs.processes import process_rank_and_count
 
 LossFn = Callable[[nn.Module, Any, int], torch.Tensor]
 # on_step(steps done, that step's loss, that step's seconds)
@@ -248,14 +249,6 @@ def _per_process_batch(batch_size: int | None) -> int:
             f"batch_size (the global batch) must be a multiple of the {processes} processes, got {batch_size}"
         )
     return batch_size // processes
-
-
-def process_rank_and_count() -> tuple[int, int]:
-    """(this process's rank, the number of processes) of a distributed run — initialised, or launched by
-    ``torchrun`` / ``accelerate launch`` and about to be — else (0, 1)."""
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
 class _StepRecorder(TrainerCallback):

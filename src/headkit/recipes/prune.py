@@ -20,7 +20,7 @@ objective, then
   otherwise the most important heads over all layers are kept (layers may empty) and the model reloads with
   :func:`headkit.from_pretrained`.
 
-Recovery: KL(teacher ‖ student) on next-token distributions (:class:`~headkit.recipes.objectives.CausalLMObjective`)
+Recovery: KL(teacher ‖ student) on next-token distributions (:class:`~headkit.runs.objectives.CausalLMObjective`)
 through :func:`~headkit.recipes.distill.distill`, on every weight or on LoRA adapters (``lora_rank``) merged
 afterwards — LLM-Pruner's recipe (Ma, Fang & Wang 2023: structural pruning, then LoRA recovery).
 The report holds parameters, KV-cache bytes per token, held-out perplexity (original, pruned, recovered), prefill
@@ -50,18 +50,18 @@ from headkit.evaluation.timing import compare_speed, time_call
 from headkit.export.gguf import check_export_target, export_gguf
 from headkit.recipes.distill import distill_run, encoder_finetune
 from headkit.recipes.gates import GateTrainingLog, train_gates_to_budget
-from headkit.recipes.models import (
+from headkit.recipes.options import option, option_name
+from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data
+from headkit.recipes.steps import Recipe, Steps, run_settings
+from headkit.runs.models import (
     CAUSAL_LM,
     ENCODER,
     LoadedModel,
     default_encoder_path,
     model_kind,
 )
-from headkit.recipes.objectives import CausalLMObjective, EncoderObjective
-from headkit.recipes.options import option, option_name
-from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data
-from headkit.recipes.steps import Recipe, Steps, run_settings
-from headkit.recipes.text import (
+from headkit.runs.objectives import CausalLMObjective, EncoderObjective
+from headkit.runs.text import (
     calibration_batches,
     lm_windows,
     load_text,
@@ -385,7 +385,7 @@ def prune_encoder_heads(
     sentence encoder and remove the rest physically from a copy of `teacher` (layers may empty).
 
     ``method="l0"``: Hard Concrete gates trained under the L0 constraint (:func:`train_head_gates`, with
-    :class:`~headkit.recipes.objectives.EncoderObjective` on `batches`; the weights too when `weight_lr` > 0), the
+    :class:`~headkit.runs.objectives.EncoderObjective` on `batches`; the weights too when `weight_lr` > 0), the
     top heads by log α kept, the gates then folded into the weights (`fold`) or dropped. ``method="importance"``:
     the top heads of `importance` (:class:`headkit.analysis.importance.HeadImportance`). Recovery is the
     caller's next step (:func:`headkit.recipes.distill.encoder_finetune`), after it measured the pruned model."""

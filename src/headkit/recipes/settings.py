@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from headkit.errors import HeadkitError
-from headkit.recipes.models import DEFAULT_DTYPE, dtype_name
+from headkit.runs.models import DEFAULT_DTYPE, dtype_name
 
 SettingsT = TypeVar("SettingsT")
 

@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from headkit.evaluation.tasks import recipe_tasks
-from headkit.recipes.models import LoadedModel, check_output_folder, load_model, read_model_config
 from headkit.recipes.settings import with_overrides
-from headkit.recipes.skeleton import main_process_echo, save_result
+from headkit.recipes.skeleton import save_result
+from headkit.runs.models import LoadedModel, check_output_folder, load_model, read_model_config
+from headkit.runs.processes import main_process_echo
 
 T = TypeVar("T")
 STAGES = ("load", "check", "data", "convert", "repair", "recover", "measure")

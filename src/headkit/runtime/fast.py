@@ -66,7 +66,7 @@ from headkit.errors import HeadkitError
 from headkit.evaluation.timing import timed_call
 from headkit.layers.hybrid import RingHybridStateCacheLayer
 from headkit.ops.softmax import grouped_query_step_attention
-from headkit.recipes.models import dequantized_from_gguf, forget_gguf_quantization
+from headkit.runs.models import dequantized_from_gguf, forget_gguf_quantization
 from headkit.runtime.packaged import cache_buffers
 from headkit.surgery.attention import (
     base_implementation,

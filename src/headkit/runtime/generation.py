@@ -62,10 +62,10 @@ def position_limit(model: nn.Module) -> int | None:
 
 
 def load_generator(path: Path, dtype: str = "float32") -> tuple[nn.Module, Any]:
-    """The causal LM at `path` (in `dtype`) and its tokenizer, offline (see headkit.recipes.models.load_model); a
+    """The causal LM at `path` (in `dtype`) and its tokenizer, offline (see headkit.runs.models.load_model); a
     folder trained by headkit before it wrote tokenizer.json gets its byte tokenizer from headkit."""
     from headkit.data import TOKENIZER_FILE, load_tokenizer
-    from headkit.recipes.models import CAUSAL_LM, load_model, model_kind, resolve_dtype
+    from headkit.runs.models import CAUSAL_LM, load_model, model_kind, resolve_dtype
     from headkit.surgery.io import from_pretrained
 
     path = Path(path)
@@ -136,7 +136,7 @@ def generate(
     generating."""
     from transformers import TextStreamer
 
-    from headkit.recipes.models import no_loading_bars
+    from headkit.runs.models import no_loading_bars
 
     check_generate_options(
         prompt,

@@ -1,6 +1,6 @@
-"""Text for the recipes: the user's own (``--data``: a text file, a folder of them, or JSON Lines with a
-``"text"`` field) or, by default, the running Python's standard-library source, split by
-:func:`headkit.data.load_corpus` into training and held-out documents. Held-out documents are never trained on:
+"""Text for the recipes, the measurements and the benchmarks: the user's own (``--data``: a text file, a folder
+of them, or JSON Lines with a ``"text"`` field) or, by default, the running Python's standard-library source,
+split by :func:`headkit.data.load_corpus` into training and held-out documents. Held-out documents are never trained on:
 every measurement of fidelity or perplexity is on them.
 
 - Encoders see short texts: chunks of a few non-blank lines (:func:`text_chunks`), tokenised into fixed-shape

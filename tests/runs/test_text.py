@@ -4,7 +4,7 @@ import pytest
 
 from headkit.data import load_corpus
 from headkit.errors import HeadkitError
-from headkit.recipes.text import lm_windows, load_text, text_chunks, text_halves
+from headkit.runs.text import lm_windows, load_text, text_chunks, text_halves
 
 
 def test_jsonl_documents_split_by_name_and_never_mix(tmp_path):

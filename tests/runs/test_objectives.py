@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from headkit.errors import HeadkitError
-from headkit.recipes.objectives import embedding_distillation_loss, in_batch_contrastive_loss, next_token_kl
+from headkit.runs.objectives import embedding_distillation_loss, in_batch_contrastive_loss, next_token_kl
 
 
 def test_next_token_kl_matches_a_hand_computed_value():
