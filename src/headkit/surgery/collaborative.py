@@ -45,7 +45,7 @@ weights strictly.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -77,6 +77,7 @@ from headkit.surgery.decompose import decompose_query_key
 from headkit.surgery.families import COMPRESS, FAMILIES, get_family
 from headkit.surgery.records import (
     config_in_place_of,
+    fields_of_record,
     given_config,
     record_surgery,
     register_conversion,
@@ -385,8 +386,7 @@ class CollaborativeConfig:
     def from_record(cls, entry: dict[str, Any]) -> CollaborativeConfig:
         """The config a record was written from (a field the record predates takes its default: a record written
         before the fit's fields were recorded holds D̃ only)."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{name: value for name, value in entry.items() if name in names})
+        return cls(**fields_of_record(cls, entry))
 
 
 def _collaborative_config_of(

@@ -153,13 +153,6 @@ def check_layer_heads(argument: str, heads: LayerHeads, counts: list[int]) -> di
     return checked
 
 
-def check_site_heads(
-    argument: str, heads: Mapping[int, Iterable[int]], sites: list[AttentionSite]
-) -> dict[int, list[int]]:
-    """Validate ``{site index: [head indices]}`` against the model's sites; sorted, de-duplicated lists."""
-    return check_layer_heads(argument, layer_heads(argument, heads), [site.num_heads for site in sites])
-
-
 def config_head_counts(config: Any) -> list[int] | None:
     """The query heads of each attention site as a model's 🤗 config states them, the pruning it records applied
     (what :meth:`AttentionAdapter.sites` finds once the model is built); None where the config does not say

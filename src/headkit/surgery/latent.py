@@ -83,7 +83,13 @@ from headkit.surgery.attention import (
 from headkit.surgery.collaborative import SharedProjection
 from headkit.surgery.families import LATENT, get_family, text_config
 from headkit.surgery.gating import config_prunes_unevenly, config_records_gates, kv_head_counts
-from headkit.surgery.records import given_config, record_surgery, register_conversion, say_deprecated
+from headkit.surgery.records import (
+    fields_of_record,
+    given_config,
+    record_surgery,
+    register_conversion,
+    say_deprecated,
+)
 from headkit.surgery.repair import capture_attention_calls, fisher_weighted_error
 
 SURGERY_OP = "latent_kv"
@@ -1042,8 +1048,7 @@ class LatentKVConfig:
     @classmethod
     def from_record(cls, entry: dict[str, Any]) -> LatentKVConfig:
         """The config a record was written from (a field the record predates takes its default)."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{name: value for name, value in entry.items() if name in names})
+        return cls(**fields_of_record(cls, entry))
 
     def bytes_per_token(self, config: Any, *, bytes_per_number: int = 2) -> int | None:
         """The latent cache's bytes per token of context for a model with the 🤗 `config`: per layer R latent

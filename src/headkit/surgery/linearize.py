@@ -60,7 +60,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -106,6 +106,7 @@ from headkit.surgery.families import LINEARIZE, get_family, text_config
 from headkit.surgery.gating import parse_head_pairs
 from headkit.surgery.records import (
     SURGERY_KEY,
+    fields_of_record,
     given_config,
     record_surgery,
     recorded_surgery,
@@ -819,8 +820,7 @@ class LinearizeConfig:
     def from_record(cls, entry: dict[str, Any]) -> LinearizeConfig:
         """The config a record was written from (a field the record predates takes its default: a record
         written before sinks and the sparse cache existed is the plain hybrid)."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{name: value for name, value in entry.items() if name in names})
+        return cls(**fields_of_record(cls, entry))
 
 
 def _check_count(name: str, value: Any, minimum: int, expected: str | None = None) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -75,6 +75,7 @@ from headkit.surgery.gating import (
 from headkit.surgery.records import (
     SURGERY_KEY,
     config_in_place_of,
+    fields_of_record,
     given_config,
     record_surgery,
     recorded_surgery,
@@ -425,8 +426,7 @@ class PruneConfig:
     def from_record(cls, entry: dict[str, Any]) -> PruneConfig:
         """The config a record was written from (its string layer keys read as integers; a field the record
         predates takes its default)."""
-        names = {f.name for f in fields(cls)}
-        return cls(**{name: value for name, value in entry.items() if name in names})
+        return cls(**fields_of_record(cls, entry))
 
 
 def _heads_record(pruned: Mapping[int, Iterable[int]]) -> dict[str, list[int]]:

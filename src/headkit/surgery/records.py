@@ -15,6 +15,7 @@ not both: :func:`config_in_place_of` and :func:`given_config` check that once fo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import inspect
 import json
 import warnings
@@ -123,6 +124,14 @@ def conversion_of(config: Any) -> Conversion:
         known = ", ".join(sorted(c.__name__ for c in CONVERSIONS)) or "none registered"
         raise HeadkitError(f"config must be a surgery config ({known}), got {type(config).__name__}")
     return conversion
+
+
+def fields_of_record(config_class: type, entry: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a record that are fields of `config_class` (a dataclass): what its ``from_record`` builds the
+    config from — a field the record predates takes its default, and what the op resolved beside the fields (its
+    sites, layers, ranks) is left out."""
+    names = {f.name for f in dataclasses.fields(config_class)}
+    return {name: value for name, value in entry.items() if name in names}
 
 
 _DEPRECATIONS_SAID: set[str] = set()
