@@ -29,7 +29,7 @@ import headkit.surgery.linearize
 import headkit.surgery.pruning  # noqa: F401
 from headkit.errors import HeadkitError
 from headkit.surgery.gating import config_head_dim, kv_head_counts
-from headkit.surgery.records import SURGERY_KEY, Conversion, conversion_of
+from headkit.surgery.records import SURGERY_KEY, Conversion, conversion_of, recorded_configs
 
 
 def apply_(model: nn.Module, config: Any, **context: Any) -> Any:
@@ -87,20 +87,25 @@ def config_after(model_config: Any, config: Any) -> Any:
 
 
 def bytes_per_token(model_config: Any, configs: Any = (), *, bytes_per_number: int = 2) -> int | None:
-    """The decoding cache's bytes per token of context of a model with the 🤗 `model_config` after the surgeries
-    `configs` (a config or a list, in order): the original's keys and values (2 · key/value heads · head width
-    per layer, the pruning the config records applied) until a step that changes the cache says what it keeps
+    """The decoding cache's bytes per token of context of a model with the 🤗 `model_config`, after the surgeries
+    it records and then `configs` (a config or a list, in order): the original's keys and values (2 · key/value
+    heads · head width per layer, the pruning applied) until a step that changes the cache says what it keeps
     (its ``bytes_per_token``). `bytes_per_number`: 2 for bfloat16/float16 (what engines keep), 4 for float32.
-    None where the config does not state its widths."""
-    steps = list(configs) if isinstance(configs, (list, tuple)) else [configs]
+    None where the config does not state its widths, or a step replaces the attention without saying what it
+    caches."""
+    given = list(configs) if isinstance(configs, (list, tuple)) else [configs]
+    steps = recorded_configs(model_config) + given
     check_composition(steps)
-    counts, head_dim = kv_head_counts(model_config), config_head_dim(model_config)
+    current = copy.copy(model_config)
+    setattr(current, SURGERY_KEY, [])
+    counts, head_dim = kv_head_counts(current), config_head_dim(current)
     value = None if counts is None or head_dim is None else 2 * sum(counts) * head_dim * bytes_per_number
-    current = model_config
     for step in steps:
         per_token = getattr(step, "bytes_per_token", None)
         if per_token is not None:
             value = per_token(current, bytes_per_number=bytes_per_number)
+        elif conversion_of(step).replaces_attention:
+            value = None
         current = config_after(current, step)
     return value
 
