@@ -180,7 +180,9 @@ def test_bytes_per_token_from_the_configs_is_the_measured_cache_growth():
         assert bytes_per_token(original.config, steps) == measured / 2  # bfloat16, what engines keep
         assert bytes_per_token(model.config) == measured / 2  # the surgery the model's config records
     assert bytes_per_token(original.config) == 2 * 2 * 2 * 16 * 2  # layers · (K, V) · G · head_dim · 2 bytes
-    assert bytes_per_token(original.config, LinearizeConfig(window=4)) is None  # says nothing of its state yet
+    assert (
+        bytes_per_token(original.config, LinearizeConfig(window=4)) is None
+    )  # says nothing of its state yet
 
 
 def test_a_composition_is_refused_before_any_work():
