@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from headkit.evaluation.tasks import check_recipe_tasks, with_task_table
 from headkit.evaluation.timing import compare_speed, time_call
 from headkit.ops._validation import is_finite_number
 from headkit.recipes.distill import DistillResult, distill_run, encoder_finetune
-from headkit.recipes.options import option
+from headkit.recipes.options import option, with_fields_of
 from headkit.recipes.settings import ModelSettings, RecipeResult, check_count, check_data
 from headkit.recipes.steps import Recipe, Steps, run_settings
 from headkit.runs.models import (
@@ -87,6 +87,7 @@ REPAIR_PRECISIONS = (AUTO, *DTYPES)
 
 
 @dataclass
+@with_fields_of(LatentKVConfig)
 class CompressSettings(ModelSettings):
     """Settings of one ``headkit compress`` run (see the command's --help)."""
 
@@ -129,35 +130,17 @@ class CompressSettings(ModelSettings):
     max_iter: int = option(100, "ALS sweeps of the query/key decomposition, at most.", min=0)
     overwrite: bool = False
     timing_repeats: int = option(5, "Timed forward passes (the median is reported).", min=1)
-    # Rotary decoders (latent keys/values): R, D, calibration windows, held-out window length.
+    # Rotary decoders (latent keys/values): the fields of LatentKVConfig (R, D, the rotary selection, the rank
+    # allocation: their help is the config's), with the recipe's defaults where it has its own.
     # default: half the key/value cache, R = G·(head_dim − D)
-    kv_rank: int | None = option(
-        None,
-        "Rotary decoders (LLaMA, SmolLM2, Mistral, Qwen 2): latent width R of the shared key/value latent per "
-        "layer (MHA2MLA; default: half the KV cache, kv_heads × (head_dim − rope dims)).",
-        min=1,
+    kv_rank: int | None = field(
+        default=None, metadata={"default_help": "half the KV cache, kv_heads × (head_dim − rope dims)"}
     )
-    # default: head_dim / 4 (whole pairs)
-    rope_dims: int | None = option(
-        None,
-        "Rotary decoders: rotary dimensions kept per key/value head, whole pairs (default head_dim / 4).",
-        min=0,
-    )
-    # which pairs stay rotary; FITTED also folds a fixed rotation into the rest
-    rope_selection: str = option(
-        FITTED,
-        "Rotary decoders: 'fitted' keeps rotary where a fixed rotation fitted on the calibration text errs most "
-        "and folds that rotation into the other pairs' keys; 'norms' is MHA2MLA's 2-norm ranking.",
-    )
+    rope_dims: int | None = field(default=None, metadata={"default_help": "head_dim / 4"})
+    # with calibration text (the recipe always has it) the fitted selection measured better
+    rope_selection: str = FITTED
     calibration_windows: int = option(
         16, "Rotary decoders: training windows the rotary ranking and the SVD are calibrated on.", min=1
-    )
-    rank_allocation: str = option(
-        UNIFORM,
-        "Rotary decoders: 'uniform' gives every layer R; 'spectrum' shares the same total out by each layer's "
-        "key/value spectrum on the calibration text (the error each rank leaves in the keys and values); "
-        "'sensitivity' by what each rank costs the model (each layer's attention-output error at 7 candidate "
-        "ranks, weighted by the loss gradient).",
     )
     repair: bool = option(
         True,
@@ -411,7 +394,12 @@ def _preflight_latent(settings: CompressSettings, config: Any) -> None:
     except (AttributeError, TypeError):  # a config that states no decoder widths: checked once loaded
         return
     kv_rank, rope_dims = default_ranks(head_dim, kv_heads, settings.kv_rank, settings.rope_dims)
-    LatentKVConfig(kv_rank, rope_dims, settings.rope_selection).check(config)
+    LatentKVConfig(
+        kv_rank=kv_rank,
+        rope_dims=rope_dims,
+        rope_selection=settings.rope_selection,
+        rank_allocation=settings.rank_allocation,
+    ).check(config)
 
 
 def _dim_on_rotary(adapter_name: str) -> HeadkitError:
@@ -603,9 +591,12 @@ class LatentSteps(_CompressSteps):
         if original.kind != CAUSAL_LM:
             raise HeadkitError("latent keys/values (--kv-rank) convert causal LMs")
         self.kv_rank, self.rope_dims = latent_defaults(original, settings.kv_rank, settings.rope_dims)
-        LatentKVConfig(self.kv_rank, self.rope_dims, settings.rope_selection, settings.rank_allocation).check(
-            original.model, original.adapter
-        )
+        LatentKVConfig(
+            kv_rank=self.kv_rank,
+            rope_dims=self.rope_dims,
+            rope_selection=settings.rope_selection,
+            rank_allocation=settings.rank_allocation,
+        ).check(original.model, original.adapter)
         if settings.repair:
             self.repair_split = repair_split(settings)
 
@@ -826,7 +817,9 @@ def latent_student(
     """A fresh copy of the teacher with latent keys/values (calibrated on `calibration`, or on its `statistics`
     from :func:`latent_statistics`); the teacher untouched."""
     student = copy.deepcopy(teacher.model)
-    config = LatentKVConfig(kv_rank, rope_dims, rope_selection, rank_allocation)
+    config = LatentKVConfig(
+        kv_rank=kv_rank, rope_dims=rope_dims, rope_selection=rope_selection, rank_allocation=rank_allocation
+    )
     report = apply_(student, config, calibration=calibration, statistics=statistics)
     return student, report
 

@@ -15,6 +15,8 @@ A field is an option when its ``metadata`` has ``help``; the vocabulary (every k
     convert     convert(value): the field's value from the option's (e.g. --lora-rank 0 → None), applied by
                 :func:`settings_from`
     min         the lowest value the command line accepts (and a benchmark's checks, headkit.bench.registry)
+    default_help  the words for a default the recipe computes (a None default): "(default WORDS)." is appended
+                to the help — what a recipe's redeclaration of a config's field adds to the config's help
     argument    a positional argument instead of an option
 
 Plain ``dataclasses.field(metadata={...})`` declares one (a surgery's config, beneath the recipes, does so);
@@ -39,7 +41,9 @@ from headkit.errors import HeadkitError
 from headkit.recipes.settings import stated_defaults
 
 NO_QUICK = dataclasses.MISSING  # a field whose quick value is its default
-VOCABULARY = frozenset({"help", "flag", "deprecated", "quick", "parse", "convert", "min", "argument"})
+VOCABULARY = frozenset(
+    {"help", "flag", "deprecated", "quick", "parse", "convert", "min", "argument", "default_help"}
+)
 
 
 def option(default: Any, help: str, **declared: Any) -> Any:
@@ -82,6 +86,8 @@ def stated_help(field: dataclasses.Field, *, always: bool = False) -> str:
     where its default is not None), unless the help words its default itself; otherwise the command line shows
     the default ("[default: …]")."""
     help, quick = field.metadata["help"], field.metadata.get("quick", NO_QUICK)
+    if "default_help" in field.metadata:
+        return f"{help.removesuffix('.')} (default {field.metadata['default_help']})."
     if "(default" in help or field.default in (dataclasses.MISSING, None):
         return help
     if quick is NO_QUICK and not always:

@@ -26,6 +26,7 @@ from torch import nn
 
 from headkit.errors import HeadkitError
 from headkit.files import check_output_folder as check_writable_folder
+from headkit.runs.gguf_metadata import gguf_config
 
 CAUSAL_LM, ENCODER = "causal_lm", "encoder"
 
@@ -137,7 +138,9 @@ def read_model_config(path: str | Path) -> Any | None:
         if path.is_file() and path.suffix == ".gguf":
             if importlib.util.find_spec("gguf") is None:
                 return None
-            return AutoConfig.from_pretrained(path.parent, gguf_file=path.name, local_files_only=True)
+            return gguf_config(
+                path
+            )  # the metadata alone: milliseconds, where transformers' reading takes seconds
         return AutoConfig.from_pretrained(path, local_files_only=True)
     # struct.error: a GGUF file cut short (its header unreadable)
     except (OSError, ValueError, KeyError, TypeError, struct.error):

@@ -979,10 +979,37 @@ class LatentKVConfig:
             :func:`allocate_by_error`).
     """
 
-    kv_rank: int
-    rope_dims: int
-    rope_selection: str | None = None
-    rank_allocation: str = UNIFORM
+    # Each field's metadata makes it a command-line option where a command takes this config's fields
+    # (headkit.recipes.options: `headkit compress`).
+    kv_rank: int = field(
+        metadata={
+            "help": "Rotary decoders (LLaMA, SmolLM2, Mistral, Qwen 2): latent width R of the shared key/value "
+            "latent per layer (MHA2MLA).",
+            "min": 1,
+        }
+    )
+    rope_dims: int = field(
+        metadata={
+            "help": "Rotary decoders: rotary dimensions kept per key/value head, whole pairs.",
+            "min": 0,
+        }
+    )
+    rope_selection: str | None = field(
+        default=None,
+        metadata={
+            "help": "Rotary decoders: 'fitted' keeps rotary where a fixed rotation fitted on the calibration text "
+            "errs most and folds that rotation into the other pairs' keys; 'norms' is MHA2MLA's 2-norm ranking."
+        },
+    )
+    rank_allocation: str = field(
+        default=UNIFORM,
+        metadata={
+            "help": "Rotary decoders: 'uniform' gives every layer R; 'spectrum' shares the same total out by each "
+            "layer's key/value spectrum on the calibration text (the error each rank leaves in the keys and "
+            "values); 'sensitivity' by what each rank costs the model (each layer's attention-output error at 7 "
+            "candidate ranks, weighted by the loss gradient)."
+        },
+    )
 
     def __post_init__(self) -> None:
         # Types here; the ranges are the model's (its head_dim and widths), which check() names.
