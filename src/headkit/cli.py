@@ -39,12 +39,6 @@ app.add_typer(bench_app, name="bench")
 err_console = Console(stderr=True)
 
 
-def _warn(line: str) -> None:
-    """One line on stderr: an old option name given (one flag name per idea across commands — recovery steps are
-    --recovery-steps in prune, compress and linearize; the old names stay, hidden, and say so)."""
-    err_console.print(line, highlight=False, soft_wrap=True)
-
-
 @app.command()
 def version() -> None:
     """Print headkit's version and those of torch and transformers."""
@@ -80,7 +74,7 @@ def demo(
 
 
 for _benchmark in load_benchmarks().values():
-    add_command(bench_app, _benchmark, warn=_warn)
+    add_command(bench_app, _benchmark)
 
 
 def _dtype_option() -> Any:
@@ -122,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 @app.command()
-@settings_command(PruneSettings, warn=_warn)
+@settings_command(PruneSettings)
 def prune(
     model: Path = typer.Argument(
         None,
@@ -148,7 +142,7 @@ def prune(
 
 
 @app.command()
-@settings_command(CompressSettings, warn=_warn)
+@settings_command(CompressSettings)
 def compress(
     model: Path = typer.Argument(
         None,
@@ -285,7 +279,7 @@ def train(
 
 
 @app.command("linearize")
-@settings_command(LinearizeSettings, warn=_warn)
+@settings_command(LinearizeSettings)
 def linearize_command(
     model: Path = typer.Argument(None, help=LINEARIZE_MODEL_HELP),
     out: Path = typer.Option(Path("results/linearized-model"), help="Output folder (never the input model)."),

@@ -62,7 +62,7 @@ class DemoConfig:
     batch_size: int = 8
     max_length: int = 48
     als_iterations: int = 10  # sweeps of the half-size decomposition; the distillation does the rest
-    distill_steps: int = 16
+    recovery_steps: int = 16
     distill_lr: float = 1e-4
     prune_steps: int = 32
     prune_finetune_steps: int = 8
@@ -74,7 +74,7 @@ class DemoConfig:
     decoder_model: Path | None = None  # None: SmolLM2's GGUF; any LLaMA-family causal LM folder works
     decoder_recovery_steps: int = 6
     decoder_transfer_steps: int = 8
-    decoder_lora_steps: int = 3
+    decoder_linearized_recovery_steps: int = 3
     decoder_window: int = 128  # tokens per training and held-out window
     decoder_held_out: int = 8
     decode_context: int = 1024
@@ -163,9 +163,9 @@ def _run_demo(config: DemoConfig, console: Any) -> dict[str, Any]:
     del exact
 
     half = full_dim // 2
-    stage(2, f"collaborative heads at half size (D̃ = {half}), {config.distill_steps} distillation steps")
+    stage(2, f"collaborative heads at half size (D̃ = {half}), {config.recovery_steps} distillation steps")
     distillation = CompressSettings(
-        distill_steps=config.distill_steps,
+        recovery_steps=config.recovery_steps,
         lr=config.distill_lr,
         seed=config.seed,
         max_iter=config.als_iterations,
@@ -245,7 +245,7 @@ def _run_demo(config: DemoConfig, console: Any) -> dict[str, Any]:
 
 def _check_settings(config: DemoConfig) -> None:
     positive = ("train_texts", "held_out_texts", "batch_size", "max_length", "prune_steps", "timing_repeats")
-    non_negative = ("als_iterations", "distill_steps", "prune_finetune_steps")
+    non_negative = ("als_iterations", "recovery_steps", "prune_finetune_steps")
     for name in positive + non_negative:
         value = getattr(config, name)
         low = 1 if name in positive else 0
@@ -421,7 +421,7 @@ def run_decoder_act(config: DemoConfig, echo: Any) -> dict[str, Any]:
         LinearizeSettings.quick(
             model=model_path,
             transfer_steps=config.decoder_transfer_steps,
-            lora_steps=config.decoder_lora_steps,
+            recovery_steps=config.decoder_linearized_recovery_steps,
             batch_size=4,
             train_length=config.decoder_window,
             train_windows=8 * config.decoder_window,
@@ -434,7 +434,9 @@ def run_decoder_act(config: DemoConfig, echo: Any) -> dict[str, Any]:
         echo=quiet,
         loaded=loaded,
     ).model
-    echo(f"linearized, {config.decoder_transfer_steps} transfer + {config.decoder_lora_steps} LoRA steps")
+    echo(
+        f"linearized, {config.decoder_transfer_steps} transfer + {config.decoder_linearized_recovery_steps} recovery steps"
+    )
     windows = lm_windows(
         loaded.tokenizer,
         load_text(None),

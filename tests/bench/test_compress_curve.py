@@ -19,7 +19,7 @@ transformers.logging.set_verbosity_error()
 FULL = 32  # the tiny encoder: 4 heads of 8
 LAYERS = 2
 TINY = dict(
-    distill_steps=3,
+    recovery_steps=3,
     batch_size=4,
     max_length=16,
     train_texts=12,
@@ -90,7 +90,7 @@ def test_fidelity_is_a_cosine_and_the_compressed_width_loses_some(curve):
 def test_same_budget_for_every_width_and_sizes_match_a_plain_count(curve):
     report, _ = curve
     for width in report["widths"]:
-        assert len(width["distill_losses"]) == TINY["distill_steps"]
+        assert len(width["distill_losses"]) == TINY["recovery_steps"]
         assert width["parameter_ratio"] == pytest.approx(width["parameters"] / report["parameters_original"])
         assert width["forward_ms"] > 0 and width["forward_ms_original"] > 0
         rounds = zip(width["forward_ms_original_rounds"], width["forward_ms_rounds"], strict=True)
@@ -125,7 +125,7 @@ def test_bad_dims_are_named(dims, tiny_encoder, tmp_path):
     ("setting", "value", "flag"),
     [
         ("threads", 0, "--threads"),
-        ("distill_steps", -1, "--recovery-steps"),
+        ("recovery_steps", -1, "--recovery-steps"),
         ("batch_size", 0, "--batch-size"),
         ("lr", 0.0, "--lr"),
     ],
@@ -169,7 +169,7 @@ def test_cli_runs_the_quick_curve_with_overrides(tiny_encoder, tmp_path):
     result = CliRunner().invoke(app, [*args, "--quick", "--out", str(out), "--seed", "3"])
     assert result.exit_code == 0, result.output
     saved = json.loads((out / "results.json").read_text())
-    assert saved["settings"]["dims"] == [FULL, 4] and saved["settings"]["distill_steps"] == 2
+    assert saved["settings"]["dims"] == [FULL, 4] and saved["settings"]["recovery_steps"] == 2
     assert saved["settings"]["seed"] == 3 and saved["settings"]["threads"] == 1
     assert saved["settings"]["batch_size"] == compress.CompressBenchmarkConfig.quick().batch_size
     assert (out / compress.PLOT_FILE).is_file()

@@ -15,7 +15,7 @@ from headkit.runs.models import load_model
 TINY = dict(
     heads_kept=(6, 4, 2),
     gate_steps=3,
-    distill_steps=2,
+    encoder_recovery_steps=2,
     batch_size=4,
     max_length=16,
     train_texts=16,
@@ -147,7 +147,7 @@ def test_encoder_curve_has_one_point_per_head_count_and_method(run):
         for name in ("cosine_before_distillation", "cosine", "min_cosine"):
             assert math.isfinite(point[name]) and -1.0 <= point[name] <= 1.0 + 1e-6, (method, keep, name)
         assert point["min_cosine"] <= point["cosine"] + 1e-6
-        assert len(point["distill_losses"]) == config.distill_steps
+        assert len(point["distill_losses"]) == config.encoder_recovery_steps
         assert point["parameters"] < encoder["parameters"]
         if method == "importance":
             kept = {(layer, head) for layer, heads in point["kept"].items() for head in heads}
@@ -215,7 +215,7 @@ def test_bad_settings_name_the_option(encoder_dir, tmp_path):
         ({"fractions": (1.0,)}, "--fractions"),
         ({"fractions": (-0.1, 0.5)}, "--fractions"),
         ({"gate_steps": 0}, "--gate-steps"),
-        ({"distill_steps": -1}, "--encoder-recovery-steps"),
+        ({"encoder_recovery_steps": -1}, "--encoder-recovery-steps"),
         ({"threads": 0}, "--threads"),
     ):
         with pytest.raises(HeadkitError, match=option):

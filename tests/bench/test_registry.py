@@ -73,7 +73,7 @@ def test_given_options_override_the_mode_and_lists_are_parsed(captured, tmp_path
     assert captured["digits"] == DigitsConfig.quick(steps=7, image_counts=(5, 6), sample=True, out=tmp_path)
     # An option given with its default value is still given: --quick does not replace it.
     CliRunner().invoke(app, ["bench", "prune", "--quick", "--gate-steps", "300", "--fractions", "0,0.5"])
-    assert captured["prune"].gate_steps == 300 and captured["prune"].distill_steps == 10
+    assert captured["prune"].gate_steps == 300 and captured["prune"].encoder_recovery_steps == 10
     assert captured["prune"].fractions == (0.0, 0.5)
 
 

@@ -400,7 +400,7 @@ def test_linearize_and_compress_report_task_accuracy(tiny_folder, task_folder, t
             train_windows=4,
             batch_size=4,
             transfer_steps=1,
-            lora_steps=1,
+            recovery_steps=1,
             eval_lengths=(32,),
             held_out_windows=1,
             decode_contexts=(16,),

@@ -125,7 +125,7 @@ def test_recovery_touches_only_the_converted_attention(tiny_gpt2, tmp_path):
         train_windows=8,
         batch_size=4,
         transfer_steps=2,
-        lora_steps=3,
+        recovery_steps=3,
         lora_rank=None,  # full training of the attention projections: every change is visible
         lora_lr=1e-2,
         eval_lengths=(64,),
@@ -285,23 +285,8 @@ def test_defaults_are_the_measured_configuration():
     defaults = LinearizeSettings()
     assert len(options) >= 10
     for flag, value in options.items():
-        field = {"--recovery-steps": "lora_steps"}.get(flag, flag.removeprefix("--").replace("-", "_"))
+        field = {"--recovery-steps": "recovery_steps"}.get(flag, flag.removeprefix("--").replace("-", "_"))
         default = getattr(defaults, field)
         if isinstance(default, tuple):
             default = ",".join(map(str, default))
         assert str(default) == value, f"{flag}: documented {value}, default {default}"
-
-
-def test_old_flag_names_still_work_with_one_deprecation_line(tiny_llama, text_folder, tmp_path, capsys):
-    # One flag name per idea across commands: recovery steps are --recovery-steps in prune, compress and
-    # linearize; linearize's --lora-steps (and compress's --distill-steps) remain, hidden, and say so once.
-    args = ["linearize", str(tiny_llama), "--data", str(text_folder), *SMALL, "--out", str(tmp_path / "new")]
-    main(args)
-    new_report = json.loads((tmp_path / "new" / "report.json").read_text())
-    capsys.readouterr()
-    old = [a if a != "--recovery-steps" else "--lora-steps" for a in args[:-1]] + [str(tmp_path / "old")]
-    main(old)
-    err = capsys.readouterr().err
-    assert err.count("--lora-steps is deprecated: use --recovery-steps") == 1
-    old_report = json.loads((tmp_path / "old" / "report.json").read_text())
-    assert old_report["settings"]["lora_steps"] == new_report["settings"]["lora_steps"] == 2

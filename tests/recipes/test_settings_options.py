@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 from headkit.bench import load_benchmarks
 from headkit.bench.registry import BENCHMARKS
 from headkit.cli import app, main
+from headkit.errors import HeadkitError
 from headkit.recipes.compress import CompressSettings
 from headkit.recipes.linearize import LinearizeSettings
 from headkit.recipes.options import (
@@ -71,7 +72,7 @@ def _widget_app(config: type) -> tuple[typer.Typer, list]:
     @dataclass
     @with_fields_of(config)
     class WidgetSettings(QuickSettings):
-        steps: int = option(10, "Steps.", flag="--recovery-steps", deprecated=("--widget-steps",), quick=2)
+        steps: int = option(10, "Steps.", flag="--recovery-steps", removed=("--widget-steps",), quick=2)
         rank: int | None = option(8, "Rank, 0 none.", convert=lambda rank: rank or None)
 
     seen = []
@@ -118,14 +119,14 @@ def test_a_field_added_to_a_config_is_an_option_with_no_other_edit(capsys):
     assert (seen[-1].depth, seen[-1].steps, seen[-1].rank) == (3, 10, 8)
 
 
-def test_an_old_name_is_hidden_works_and_says_so_once(capsys):
+def test_an_old_name_is_hidden_and_refused_in_one_line_naming_the_new_one():
     widget_app, seen = _widget_app(WidgetConfig)
     command = typer.main.get_command(widget_app).commands["widget"]
     hidden = [parameter for parameter in command.params if "--widget-steps" in parameter.opts]
     assert len(hidden) == 1 and hidden[0].hidden
-    assert widget_app(["widget", "--widget-steps", "5"], standalone_mode=False) is None
-    assert seen.pop().steps == 5
-    assert capsys.readouterr().err.count("--widget-steps is deprecated: use --recovery-steps") == 1
+    with pytest.raises(HeadkitError, match="^--widget-steps was removed: use --recovery-steps$"):
+        widget_app(["widget", "--widget-steps", "5"], standalone_mode=False)
+    assert not seen
 
 
 def test_the_quick_default_is_stated_in_the_help():
@@ -171,7 +172,7 @@ def test_every_option_field_of_a_recipe_is_an_option_of_its_command(path, settin
     command = _command(*path)
     for settings_field in option_fields(settings):
         assert option_name(settings_field) in _flags(command), settings_field.name
-        for old in settings_field.metadata.get("deprecated") or ():
+        for old in settings_field.metadata.get("removed") or ():
             assert old in _flags(command)
 
 
@@ -201,30 +202,35 @@ def test_left_out_options_are_the_recipes_defaults(recipes):
 
 def test_linearize_passes_config_and_recipe_options_through(recipes, capsys):
     main(["linearize", "--quick", "--window", "9", "--layers", "0,3", "--convert-sliding", "--lora-rank", "0",
-          "--feature-dim", "8", "--decode-contexts", "64,128", "--lora-steps", "4"])  # fmt: skip
+          "--feature-dim", "8", "--decode-contexts", "64,128", "--recovery-steps", "4"])  # fmt: skip
     settings = recipes["linearize"]
     # feature_wavelength: the recipe's default is its training length (256 under --quick)
     assert settings.conversion == LinearizeConfig(
         window=9, layers=(0, 3), convert_sliding=True, feature_dim=8, feature_wavelength=256
     )
-    assert (settings.lora_rank, settings.lora_steps, settings.decode_contexts) == (None, 4, (64, 128))
+    assert (settings.lora_rank, settings.recovery_steps, settings.decode_contexts) == (None, 4, (64, 128))
     assert settings.transfer_steps == LinearizeSettings.quick().transfer_steps
-    assert capsys.readouterr().err.count("--lora-steps is deprecated: use --recovery-steps") == 1
 
 
 def test_prune_and_compress_keep_their_flag_names(recipes, capsys):
     main(
-        ["prune", "--steps", "7", "--held-out", "3", "--gradient-accumulation", "2", "--finetune-steps", "5"]
+        ["prune", "--steps", "7", "--held-out", "3", "--gradient-accumulation", "2", "--recovery-steps", "5"]
     )
     settings = recipes["prune"]
     assert (settings.gate_steps, settings.held_out_texts, settings.gradient_accumulation_steps) == (7, 3, 2)
     assert settings.recovery_steps == 5
-    main(["compress", "--distill-steps", "4", "--held-out", "9", "--kv-rank", "6"])
+    main(["compress", "--recovery-steps", "4", "--held-out", "9", "--kv-rank", "6"])
     settings = recipes["compress"]
-    assert (settings.distill_steps, settings.held_out_texts, settings.kv_rank) == (4, 9, 6)
-    err = capsys.readouterr().err
-    assert "--finetune-steps is deprecated: use --recovery-steps" in err
-    assert "--distill-steps is deprecated: use --recovery-steps" in err
+    assert (settings.recovery_steps, settings.held_out_texts, settings.kv_rank) == (4, 9, 6)
+    for command, old in [
+        ("prune", "--finetune-steps"),
+        ("compress", "--distill-steps"),
+        ("linearize", "--lora-steps"),
+    ]:
+        with pytest.raises(SystemExit) as exit:
+            main([command, old, "5"])
+        assert exit.value.code == 2
+        assert capsys.readouterr().err.strip() == f"error: {old} was removed: use --recovery-steps"
 
 
 def test_bench_linearize_passes_every_recipe_option_through(monkeypatch):

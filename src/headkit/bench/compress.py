@@ -72,11 +72,11 @@ class CompressBenchmarkConfig:
         quick=(384, 192, 96),
     )
     # A MiniLM step on 16 × 64 tokens takes 1.5–2 s on one thread: five widths of 150 steps fill ≈ 20–25 minutes.
-    distill_steps: int = option(
+    recovery_steps: int = option(
         150,
         "Recovery: distillation steps per width, the same for all.",
         flag="--recovery-steps",
-        deprecated=("--distill-steps",),
+        removed=("--distill-steps",),
         min=0,
         quick=30,
     )
@@ -170,7 +170,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     if report.get("latent"):
         return render_latent_markdown(report)
     settings, machine = report["settings"], report["machine"]
-    steps = settings["distill_steps"]
+    steps = settings["recovery_steps"]
 
     def cosine(fidelity: dict[str, float]) -> str:
         return f"{fidelity['mean_cosine']:.4f} ({fidelity['min_cosine']:.3f})"
@@ -210,7 +210,7 @@ def plot_curve(report: dict[str, Any]) -> Any:
     figure, (cosine_axis, ratio_axis) = figure_axes((10, 4), 1, 2, "constrained")
     for key, label in (
         ("fidelity_after_swap", "after the swap"),
-        ("fidelity_after_distillation", f"after {report['settings']['distill_steps']} distillation steps"),
+        ("fidelity_after_distillation", f"after {report['settings']['recovery_steps']} distillation steps"),
     ):
         cosine_axis.plot(dims, [w[key]["mean_cosine"] for w in widths], marker="o", label=label)
     cosine_axis.set(xlabel="shared query/key width D̃", ylabel="mean cosine with the original (held out)")
@@ -254,7 +254,7 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
         raise HeadkitError(
             f"--dims must be at most heads × head_dim = {teacher.full_dim} for this model, got {too_wide}"
         )
-    train_texts = config.train_texts if config.distill_steps else 0
+    train_texts = config.train_texts if config.recovery_steps else 0
     corpus = prepare_encoder_text(
         teacher, train_texts, config.held_out_texts, config.batch_size, config.max_length, config.seed
     )
@@ -267,7 +267,7 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
     widths: list[dict[str, Any]] = []
     with progress_bar(console, transient=True) as progress:
         for dim in config.dims:
-            task = progress.add_task(f"D̃={dim}: swap", total=max(config.distill_steps, 1))
+            task = progress.add_task(f"D̃={dim}: swap", total=max(config.recovery_steps, 1))
 
             def advance(line: str, task: Any = task, dim: int = dim) -> None:
                 if line.lstrip().startswith("step "):  # "step k/n: loss x", from the distillation
@@ -285,7 +285,7 @@ def run_compress_benchmark(config: CompressBenchmarkConfig, console: Any) -> dic
             console.print(
                 f"D̃={dim}: relative error {width['decomposition_max_relative_error']:.3f}, mean cosine "
                 f"{compressed.fidelity_after_swap.mean_cosine:.4f} after the swap, "
-                f"{compressed.fidelity.mean_cosine:.4f} after {config.distill_steps} distillation steps; "
+                f"{compressed.fidelity.mean_cosine:.4f} after {config.recovery_steps} distillation steps; "
                 f"parameters {width['parameter_ratio']:.1%} of the original, forward time "
                 f"{width['forward_time_ratio']:.2f}x"
             )

@@ -138,11 +138,11 @@ class PruneCurvesConfig:
         distinct=True,
     )
     gate_steps: int = option(300, "L0 gate steps per head count.", min=1, quick=30)
-    distill_steps: int = option(
+    encoder_recovery_steps: int = option(
         100,
         "Encoder recovery: distillation steps after removal, both methods.",
         flag="--encoder-recovery-steps",
-        deprecated=("--distill-steps",),
+        removed=("--distill-steps",),
         min=0,
         quick=10,
     )
@@ -295,7 +295,7 @@ def run_encoder_curve(config: PruneCurvesConfig, console: Any, progress: Any) ->
             selection_seconds = time.perf_counter() - started
             before = encoder_fidelity(student, held_out, reference)
             started = time.perf_counter()
-            steps, lr = config.distill_steps, config.weight_lr
+            steps, lr = config.encoder_recovery_steps, config.weight_lr
             losses = encoder_finetune(
                 student, teacher, train_batches, steps=steps, lr=lr, seed=config.seed
             ).losses
@@ -535,7 +535,7 @@ def render_recovery(section: dict[str, Any]) -> str:
 def render_markdown(report: dict[str, Any]) -> str:
     """Both parts' tables: fidelity per heads kept and method; perplexity per fraction pruned."""
     settings, encoder, machine = report["settings"], report["encoder"], report["machine"]
-    steps = settings["distill_steps"]
+    steps = settings["encoder_recovery_steps"]
     columns = {
         "heads kept": lambda p: p["heads_after"],
         "method": lambda p: METHOD_LABELS[p["method"]],

@@ -153,21 +153,19 @@ def register_benchmark(
     return register
 
 
-def add_command(app: Any, benchmark: Benchmark, warn: Callable[[str], None] | None = None) -> None:
+def add_command(app: Any, benchmark: Benchmark) -> None:
     """Add ``<name> [options] [--quick]`` of `benchmark` to the typer `app`: an option per settings field with help
-    (:mod:`headkit.recipes.options`), and ``--quick``; `warn` prints the line an old option name given gets
-    (default: stderr)."""
+    (:mod:`headkit.recipes.options`), and ``--quick``."""
     import typer
 
     parameters = [inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)]
     parameters += command_parameters(benchmark.settings)
     quick_option = typer.Option(False, "--quick/--no-quick", help=benchmark.quick_help())
     parameters.append(inspect.Parameter("quick", inspect.Parameter.KEYWORD_ONLY, default=quick_option))
-    warnings = {} if warn is None else {"warn": warn}
 
     def command(ctx: typer.Context, quick: bool = False, **values: Any) -> None:
         # the options given; the others take the chosen mode's value (full or --quick)
-        given = given_options(benchmark.settings, ctx, values, **warnings)
+        given = given_options(benchmark.settings, ctx, values)
         registered = BENCHMARKS[benchmark.name]  # looked up when run: the registry's entry is the benchmark
         registered.run(registered.make_settings(quick, **given))
 
@@ -215,7 +213,7 @@ CHECKS = ("min", "max", "distinct", "positive", "choices", "check")  # what chec
 def setting(default: Any, *, quick: Any = NO_QUICK, **declared: Any) -> Any:
     """A settings field, with its value in the short run (``quick``) and its ``CHECKS`` (:func:`check_options`)
     — checked like an option, named like one in errors, whether or not it is one."""
-    unknown = set(declared) - {*CHECKS, "help", "flag", "argument", "parse", "deprecated"}
+    unknown = set(declared) - {*CHECKS, "help", "flag", "argument", "parse", "removed"}
     if unknown:
         raise TypeError(f"unknown settings field declarations: {sorted(unknown)}")
     return dataclasses.field(default=default, metadata=dict.fromkeys(CHECKS) | declared | {"quick": quick})

@@ -97,11 +97,11 @@ class CompressSettings(ModelSettings):
     dim: int | None = option(
         None, "Shared query/key width D̃ (default: half of heads × head_dim; full size is exact).", min=1
     )
-    distill_steps: int = option(
+    recovery_steps: int = option(
         0,
         "Recovery: distillation steps against the original.",
         flag="--recovery-steps",
-        deprecated=("--distill-steps",),
+        removed=("--distill-steps",),
         min=0,
     )
     lr: float = option(
@@ -293,13 +293,13 @@ def distill_encoder(
     echo: Callable[[str], None] = print,
 ) -> tuple[DistillResult, Fidelity]:
     """The swapped `student` distilled (:func:`~headkit.recipes.distill.encoder_finetune`) and its held-out
-    fidelity (`after_swap` when no step ran). `settings`: any object with ``distill_steps``, ``lr``, ``seed`` and
+    fidelity (`after_swap` when no step ran). `settings`: any object with ``recovery_steps``, ``lr``, ``seed`` and
     ``batch_size``."""
     result = encoder_finetune(
         student,
         teacher.model,
         text.train,
-        steps=settings.distill_steps,
+        steps=settings.recovery_steps,
         lr=settings.lr,
         batch_size=settings.batch_size,
         seed=settings.seed,
@@ -316,7 +316,7 @@ def compress_and_distill(
 ) -> Compressed:
     """Swap a fresh copy of the teacher (an encoder) to collaborative heads of width `dim`, measure its held-out
     fidelity, distil it and measure again (:func:`swap_encoder`, :func:`distill_encoder`: the recipe's convert
-    and recover steps). `settings`: a :class:`CompressSettings`, or any object with its ``distill_steps``, ``lr``,
+    and recover steps). `settings`: a :class:`CompressSettings`, or any object with its ``recovery_steps``, ``lr``,
     ``seed``, ``tol``, ``max_iter`` and ``batch_size``. The teacher is left untouched."""
     student, swap, after_swap = swap_encoder(teacher, text, dim, settings, echo)
     result, fidelity = distill_encoder(teacher, student, text, after_swap, settings, echo)
@@ -326,7 +326,7 @@ def compress_and_distill(
 def check_settings(settings: CompressSettings) -> None:
     for name in ("batch_size", "max_length", "window", "held_out_texts", "timing_repeats", "train_texts"):
         check_count(f"--{name.replace('_', '-')}", getattr(settings, name), 1)
-    check_count("--recovery-steps", settings.distill_steps, 0)
+    check_count("--recovery-steps", settings.recovery_steps, 0)
     if not settings.lr > 0:
         raise HeadkitError(f"--lr must be positive, got {settings.lr!r}")
     if settings.dim is not None:
@@ -441,7 +441,7 @@ class _CompressSteps(Steps):
             "kind": self.original.kind,
             "dim_shared_query_key": self.dim,
             "full_dim": self.original.full_dim,
-            "distill_steps": self.settings.distill_steps,
+            "recovery_steps": self.settings.recovery_steps,
             "parameters_before": count_parameters(self.original.model),
             "parameters_after": count_parameters(self.student),
         }
@@ -466,7 +466,7 @@ class EncoderCompressSteps(_CollaborativeSteps):
         settings, original = self.settings, self.original
         self.text = prepare_encoder_text(
             original,
-            settings.train_texts if settings.distill_steps else 0,
+            settings.train_texts if settings.recovery_steps else 0,
             settings.held_out_texts,
             settings.batch_size,
             settings.max_length,
@@ -545,7 +545,7 @@ class CausalLMCompressSteps(_CollaborativeSteps):
             self.windows.train,
             CausalLMObjective(settings.temperature),
             settings,
-            steps=settings.distill_steps,
+            steps=settings.recovery_steps,
             lr=settings.lr,
             logs=5,
             echo=self.echo,
@@ -675,13 +675,13 @@ class LatentSteps(_CompressSteps):
             self.train,
             CausalLMObjective(settings.temperature),
             settings,
-            steps=settings.distill_steps,
+            steps=settings.recovery_steps,
             lr=settings.lr,
             echo=self.echo,
             # The conversion starts far from the teacher: a short warm-up, then a decay that lets the last steps
             # settle instead of hovering at the constant rate's noise floor.
-            scheduler="cosine" if settings.distill_steps >= 10 else "constant",
-            warmup_steps=settings.distill_steps // 20,
+            scheduler="cosine" if settings.recovery_steps >= 10 else "constant",
+            warmup_steps=settings.recovery_steps // 20,
         )
         self.student = self.recovery.model
 
@@ -884,7 +884,7 @@ def format_report(report: dict[str, Any]) -> str:
         original = report["perplexity_original"]
         lines += [
             f"held-out perplexity: original {original:.3f}, after the swap {report['perplexity_after_swap']:.3f} "
-            f"({report['perplexity_after_swap'] / original:.2f}x), after {report['distill_steps']} distillation "
+            f"({report['perplexity_after_swap'] / original:.2f}x), after {report['recovery_steps']} distillation "
             f"steps {report['perplexity_recovered']:.3f} ({report['perplexity_recovered'] / original:.2f}x)",
             f"top-1 next-token agreement with the original: {report['top1_agreement']:.1%}",
             f"prefill: {report['speed']['prefill_ratio']:.2f}x the original; decode per token: "
@@ -896,9 +896,9 @@ def format_report(report: dict[str, Any]) -> str:
             f"fidelity after the swap: mean cosine {swap['mean_cosine']:.4f} (min {swap['min_cosine']:.4f}), "
             f"max |Δ| {swap['max_abs_diff']:.4g}"
         )
-        if report["distill_steps"]:
+        if report["recovery_steps"]:
             lines.append(
-                f"fidelity after {report['distill_steps']} distillation steps: mean cosine "
+                f"fidelity after {report['recovery_steps']} distillation steps: mean cosine "
                 f"{fidelity['mean_cosine']:.4f} (min {fidelity['min_cosine']:.4f}), max |Δ| "
                 f"{fidelity['max_abs_diff']:.4g}"
             )
@@ -934,7 +934,7 @@ def _format_latent(report: dict[str, Any]) -> str:
             if report.get("repair")
             else ""
         )
-        + f"after {report['distill_steps']} distillation steps {ratio('perplexity_recovered')}",
+        + f"after {report['recovery_steps']} distillation steps {ratio('perplexity_recovered')}",
         f"top-1 next-token agreement with the original: {report['top1_agreement']:.1%}",
         f"prefill: {report['speed']['prefill_ratio']:.2f}x the original; decode per token "
         f"(context {report['speed']['decode_context']}): {report['speed']['decode_ratio']:.2f}x",

@@ -116,12 +116,12 @@ class LinearizeSettings(QuickSettings):
     )
     transfer_steps: int = option(60, "Attention-transfer steps, feature maps and balances only.", quick=20)
     transfer_lr: float = option(1e-2, "Attention-transfer learning rate.")
-    lora_steps: int = option(
+    recovery_steps: int = option(
         30,
         "Recovery steps with the KL objective: LoRA on the converted layers' attention projections (full "
         "training with --lora-rank 0).",
         flag="--recovery-steps",
-        deprecated=("--lora-steps",),
+        removed=("--lora-steps",),
         quick=10,
     )
     # None: the converted layers' attention projections train in full
@@ -176,7 +176,7 @@ def quick_budget() -> str:
     return (
         f"Smoke test of the whole pipeline, not the measured configuration: window {quick.window}, "
         f"{quick.sinks} sinks, sparse cache {quick.sparse_cache}; {quick.transfer_steps} transfer + "
-        f"{quick.lora_steps} LoRA steps of {quick.batch_size} × {quick.train_length} tokens; perplexity at "
+        f"{quick.recovery_steps} LoRA steps of {quick.batch_size} × {quick.train_length} tokens; perplexity at "
         f"{','.join(map(str, quick.eval_lengths))} tokens on {quick.held_out_windows} held-out windows; decoding at "
         f"{','.join(map(str, quick.decode_contexts))} (a few minutes on 2 CPU cores)."
     )
@@ -250,7 +250,7 @@ def check_settings(settings: LinearizeSettings) -> None:
     for name in ("batch_size", "train_windows", "held_out_windows", "decode_steps"):
         integer(name, 1)
     integer("train_length", 2)
-    for name in ("transfer_steps", "lora_steps", "retrieval_head_count"):
+    for name in ("transfer_steps", "recovery_steps", "retrieval_head_count"):
         integer(name, 0)
     if settings.retrieval_head_count and settings.retrieval_heads:
         raise HeadkitError("give --retrieval-heads or --retrieval-head-count, not both")
@@ -404,7 +404,7 @@ class LinearizeSteps(Steps):
     def recover(self) -> None:
         settings, teacher, echo, longest = self.settings, self.teacher, self.echo, self.longest
         student, stages = self.student, self.stages
-        transfer_steps, recovery_steps = settings.transfer_steps, settings.lora_steps
+        transfer_steps, recovery_steps = settings.transfer_steps, settings.recovery_steps
         if not self.config.fold:
             # The compressed-cache baseline is the original model's attention over fewer keys: nothing to train.
             transfer_steps = recovery_steps = 0

@@ -8,7 +8,7 @@ A field is an option when its ``metadata`` has ``help``; the vocabulary (every k
                 words its default itself (contains "(default")
     flag        its name: "--name", or "--on/--off" for a switch (default: --field-name-with-dashes, a bool
                 --x/--no-x)
-    deprecated  old names: hidden options that still work and print one line, "--old is deprecated: use --new"
+    removed     old names: hidden options that refuse in one line, "--old was removed: use --new" (exit 2)
     quick       its value under --quick (:meth:`headkit.recipes.settings.QuickSettings.quick`)
     parse       parse(flag, text): a list option's value from its text (default: comma-separated values of the
                 tuple's type, integers each ≥ ``min``, or 1)
@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import sys
 import types
 import typing
 from collections.abc import Callable
@@ -42,7 +41,7 @@ from headkit.recipes.settings import stated_defaults
 
 NO_QUICK = dataclasses.MISSING  # a field whose quick value is its default
 VOCABULARY = frozenset(
-    {"help", "flag", "deprecated", "quick", "parse", "convert", "min", "argument", "default_help"}
+    {"help", "flag", "removed", "quick", "parse", "convert", "min", "argument", "default_help", "choices"}
 )
 
 
@@ -186,12 +185,12 @@ def settings_from(settings_class: type, quick: bool = False, given: dict[str, An
 
 
 def _old_name(field: dataclasses.Field, index: int) -> str:
-    return f"{field.name}__deprecated_{index}"
+    return f"{field.name}__removed_{index}"
 
 
 def command_parameters(settings_class: type) -> list[inspect.Parameter]:
     """One keyword-only typer parameter per option of ``settings_class`` (see the module docstring), defaults
-    the full run's, and a hidden one per deprecated name."""
+    the full run's, and a hidden one per removed name (which refuses, naming the new one)."""
     import typer
 
     kinds = field_types(settings_class)
@@ -218,7 +217,7 @@ def command_parameters(settings_class: type) -> list[inspect.Parameter]:
         parameters.append(
             inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=declared, annotation=kind)
         )
-        for index, old in enumerate(meta.get("deprecated") or ()):
+        for index, old in enumerate(meta.get("removed") or ()):
             hidden = typer.Option(None, old, hidden=True)
             parameters.append(
                 inspect.Parameter(
@@ -228,13 +227,7 @@ def command_parameters(settings_class: type) -> list[inspect.Parameter]:
     return parameters
 
 
-def _warn(line: str) -> None:
-    print(line, file=sys.stderr)
-
-
-def given_options(
-    settings_class: type, ctx: Any, values: dict[str, Any], warn: Callable[[str], None] = _warn
-) -> dict[str, Any]:
+def given_options(settings_class: type, ctx: Any, values: dict[str, Any]) -> dict[str, Any]:
     """The options of ``settings_class`` the command line gave (not their defaults: those are the chosen mode's,
     full or --quick), lists parsed; an old name given wins over the new one, and says so with one line."""
     kinds = field_types(settings_class)
@@ -243,10 +236,9 @@ def given_options(
         kind = kinds[field.name]
         source = ctx.get_parameter_source(field.name)
         names = [field.name] if source is not None and source.name != "DEFAULT" else []
-        for index, old in enumerate(field.metadata.get("deprecated") or ()):
+        for index, old in enumerate(field.metadata.get("removed") or ()):
             if values.get(_old_name(field, index)) is not None:
-                warn(f"{old} is deprecated: use {option_name(field)}")
-                names = [_old_name(field, index)]
+                raise HeadkitError(f"{old} was removed: use {option_name(field)}")
         if names:
             value = values[names[0]]
             given[field.name] = parse_option(field, kind, value) if is_list(kind) else value
@@ -254,7 +246,7 @@ def given_options(
 
 
 def settings_command(
-    settings_class: type, warn: Callable[[str], None] = _warn
+    settings_class: type,
 ) -> Callable[[Callable], Callable]:
     """Decorator of a command function whose own parameters are the options not in ``settings_class`` and which
     takes ``**options``: the command gains an option per option field of ``settings_class``
@@ -280,7 +272,7 @@ def settings_command(
 
         @functools.wraps(command)
         def wrapper(_ctx: Any, **values: Any) -> Any:
-            given = given_options(settings_class, _ctx, values, warn)
+            given = given_options(settings_class, _ctx, values)
             return command(**{name: values[name] for name in names}, **given)
 
         # The command's arguments, the settings' options, then its own options (all passed by keyword).

@@ -121,7 +121,7 @@ class PruneSettings(QuickSettings):
     )
     gate_steps: int = option(300, "Gate training steps.", flag="--steps", min=0, quick=60)
     recovery_steps: int = option(
-        100, "Distillation steps after removal.", min=0, deprecated=("--finetune-steps",), quick=20
+        100, "Distillation steps after removal.", min=0, removed=("--finetune-steps",), quick=20
     )
     lora_rank: int | None = option(None, "Recover through LoRA of this rank (PEFT), merged after.", min=1)
     # None: 1e-4 full fine-tuning, 1e-3 LoRA
