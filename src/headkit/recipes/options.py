@@ -41,7 +41,7 @@ from headkit.recipes.settings import stated_defaults
 
 NO_QUICK = dataclasses.MISSING  # a field whose quick value is its default
 VOCABULARY = frozenset(
-    {"help", "flag", "removed", "quick", "parse", "convert", "min", "argument", "default_help", "choices"}
+    {"help", "flag", "removed", "quick", "parse", "convert", "min", "argument", "default_help"}
 )
 
 
@@ -130,8 +130,11 @@ def is_list(kind: Any) -> bool:
 # -- settings classes made of others' fields --------------------------------------------------------------------
 
 
-def with_fields_of(source: type, *, unset: bool = False) -> Callable[[type], type]:
-    """Class decorator, beneath ``@dataclass``: the class gains the fields of ``source`` it does not declare.
+def with_fields_of(
+    source: type, *, unset: bool = False, names: tuple[str, ...] | None = None
+) -> Callable[[type], type]:
+    """Class decorator, beneath ``@dataclass``: the class gains the fields of ``source`` it does not declare (of
+    `names` only, where given: a recipe whose own field of the same name means something else).
 
     By default every field of ``source`` (a recipe's settings take its surgery's config whole: a field added to
     the config is a setting and, with help, an option), each field the class redeclares keeping the source's
@@ -142,6 +145,8 @@ def with_fields_of(source: type, *, unset: bool = False) -> Callable[[type], typ
     def decorate(cls: type) -> type:
         hints = typing.get_type_hints(source)
         sources = option_fields(source) if unset else dataclasses.fields(source)
+        if names is not None:
+            sources = [field for field in sources if field.name in names]
         annotations = dict(cls.__dict__.get("__annotations__", {}))
         for field in sources:
             metadata = dict(field.metadata)

@@ -50,7 +50,7 @@ from headkit.evaluation.timing import compare_speed, time_call
 from headkit.export.gguf import check_export_target, export_gguf
 from headkit.recipes.distill import distill_run, encoder_finetune
 from headkit.recipes.gates import GateTrainingLog, train_gates_to_budget
-from headkit.recipes.options import option, option_name
+from headkit.recipes.options import option, option_name, with_fields_of
 from headkit.recipes.settings import QuickSettings, RecipeResult, check_count, check_data
 from headkit.recipes.steps import Recipe, Steps, run_settings
 from headkit.runs.models import (
@@ -92,22 +92,19 @@ from headkit.surgery.repair import (
     refit_output_projections,
 )
 
-UNITS = ("query", "group")
 METHODS = ("importance", "l0", "refit")
 SAMPLE_PROMPT = "def fibonacci(n):\n"
 
 
 @dataclass
+@with_fields_of(PruneConfig, names=("unit", "uniform"))
 class PruneSettings(QuickSettings):
     """Settings of one pruning run (``headkit prune --help`` documents each)."""
 
     model: Path | None = None
     out: Path = Path("results/pruned-model")
     heads: int | None = option(None, "Query heads to keep in all (default: half of them).")
-    unit: str = option("query", "What is removed: 'query' heads, or whole key/value 'group's.")
-    uniform: bool = option(
-        False, "The same heads in every layer: a LLaMA-family result is the stock architecture."
-    )
+    # unit, uniform: PruneConfig's fields (with_fields_of), recorded with the pruning
     # None: "l0" for encoders; for causal LMs "refit" with the repair, "importance" without (--no-repair)
     method: str | None = option(
         None,
@@ -192,8 +189,7 @@ def plan_pruning(
     `kv_of_query[l][h]` is the key/value head it reads. ``unit="group"`` scores a key/value group by its query
     heads' mean and removes whole groups. ``uniform`` keeps ``keep / layers`` heads in every layer, as many in
     each key/value group. Ties go to the lower layer and head. Invalid counts raise HeadkitError."""
-    if unit not in UNITS:
-        raise HeadkitError(f"unit must be one of {UNITS}, got {unit!r}")
+    PruneConfig(unit=unit, uniform=uniform)  # the config checks its own fields
     layers = len(scores)
     total = sum(len(s) for s in scores)
     if isinstance(keep, bool) or not isinstance(keep, int) or not 1 <= keep <= total:
@@ -461,8 +457,7 @@ def _option(name: str) -> str:
 
 def check_settings(settings: PruneSettings) -> None:
     """Every option checked before any work (a bad one names itself)."""
-    if settings.unit not in UNITS:
-        raise HeadkitError(f"--unit must be one of {', '.join(UNITS)}, got {settings.unit!r}")
+    PruneConfig(unit=settings.unit, uniform=settings.uniform)  # the config checks its own fields
     if settings.method is not None and settings.method not in METHODS:
         raise HeadkitError(f"--method must be one of {', '.join(METHODS)}, got {settings.method!r}")
     positive = ["batch_size", "max_length", "window", "train_texts", "importance_batches"]
@@ -677,11 +672,13 @@ class CausalLMPruneSteps(_PruneSteps):
         )
 
         self.student = copy.deepcopy(teacher)
-        self.pruned = apply_(
-            self.student,
-            PruneConfig(heads=self.plan, allow_empty_layers=not settings.uniform),
-            adapter=adapter,
+        config = PruneConfig(
+            heads=self.plan,
+            allow_empty_layers=not settings.uniform,
+            unit=settings.unit,
+            uniform=settings.uniform,
         )
+        self.pruned = apply_(self.student, config, adapter=adapter)
         self.stock_config = None
         if settings.uniform:
             try:

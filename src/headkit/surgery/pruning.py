@@ -31,6 +31,7 @@ the model, or only its 🤗 config, with :meth:`PruneConfig.check`), and records
 
 from __future__ import annotations
 
+import collections
 import copy
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -65,6 +66,7 @@ from headkit.surgery.gating import (
     check_layer_heads,
     config_head_counts,
     config_head_dim,
+    config_query_groups,
     config_records_gates,
     evaluation_gate_values,
     kv_head_counts,
@@ -84,6 +86,9 @@ from headkit.surgery.records import (
 )
 
 PRUNE_OP = "prune"
+# What a pruning removes: query heads, or whole key/value groups.
+QUERY, GROUP = "query", "group"
+UNITS = (QUERY, GROUP)
 
 
 # -- what remains of a layer with no head ----------------------------------------------------------------------
@@ -338,8 +343,27 @@ class PruneConfig:
         },
     )
 
+    unit: str = field(
+        default=QUERY,
+        metadata={
+            "help": "What is removed: 'query' heads (a key/value head goes with the last query head reading it), "
+            "or whole key/value 'group's (a key/value head with every query head reading it)."
+        },
+    )
+    uniform: bool = field(
+        default=False,
+        metadata={
+            "help": "The same number of heads removed in every layer, as many from each key/value group: a "
+            "LLaMA-family result is the stock architecture."
+        },
+    )
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "heads", layer_heads("heads", self.heads))
+        if self.unit not in UNITS:
+            raise HeadkitError(f"unit must be one of {', '.join(UNITS)}, got {self.unit!r}")
+        if not isinstance(self.uniform, bool):
+            raise HeadkitError(f"uniform must be a bool, got {self.uniform!r}")
         if not isinstance(self.allow_empty_layers, bool):
             raise HeadkitError(f"allow_empty_layers must be a bool, got {self.allow_empty_layers!r}")
         threshold = self.dead_threshold
@@ -389,7 +413,41 @@ class PruneConfig:
         for layer, pruned in sorted(checked.items()):
             if pruned and len(pruned) == counts[layer]:
                 _check_not_emptied(layer, pruned, self.allow_empty_layers)
+        groups = config_query_groups(model_or_config)
+        if groups is not None:
+            self._check_unit(checked, groups)
         return checked
+
+    def _check_unit(self, checked: dict[int, list[int]], groups: list[list[int]]) -> None:
+        """`checked` (``{layer: [heads removed]}``) against :attr:`unit` and :attr:`uniform`, each layer's
+        `groups` being the key/value group of each of its query heads."""
+        for layer, pruned in sorted(checked.items()):
+            if self.unit == GROUP:
+                gone = {groups[layer][head] for head in pruned}
+                whole = {head for head, group in enumerate(groups[layer]) if group in gone}
+                if whole != set(pruned):
+                    raise HeadkitError(
+                        f"unit 'group' removes whole key/value groups: layer {layer}'s heads {pruned} leave part of "
+                        f"groups {sorted(gone)} (their query heads are {sorted(whole)})"
+                    )
+        if self.uniform:
+            removed = {len(checked.get(layer, [])) for layer in range(len(groups))}
+            left = {
+                tuple(
+                    sorted(
+                        collections.Counter(
+                            g for h, g in enumerate(heads) if h not in checked.get(layer, [])
+                        ).values()
+                    )
+                )
+                for layer, heads in enumerate(groups)
+            }
+            if len(removed) != 1 or any(len(set(counts)) > 1 for counts in left) or len(left) != 1:
+                raise HeadkitError(
+                    "uniform pruning removes the same number of heads from every layer, leaving every key/value "
+                    f"group as many query heads; got {[len(checked.get(layer, [])) for layer in range(len(groups))]} "
+                    "heads removed per layer"
+                )
 
     def _check_model(
         self, model: nn.Module, adapter: AttentionAdapter | type[AttentionAdapter] | str | None
@@ -400,6 +458,7 @@ class PruneConfig:
         if self.dead_threshold is not None:
             for index, dead in _dead_heads(sites, self.dead_threshold).items():
                 checked[index] = sorted(set(checked.get(index, [])) | set(dead))
+        self._check_unit(checked, [query_to_kv_heads(site) for site in sites])
         return checked, adapter, sites, _plan(adapter, sites, checked, self.allow_empty_layers)
 
     def record(self) -> dict[str, Any]:
@@ -409,6 +468,8 @@ class PruneConfig:
             "heads": _heads_record(self.plan),
             "allow_empty_layers": self.allow_empty_layers,
             "dead_threshold": self.dead_threshold,
+            "unit": self.unit,
+            "uniform": self.uniform,
         }
 
     def bytes_per_token(self, config: Any, *, bytes_per_number: int = 2) -> int | None:
