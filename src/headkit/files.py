@@ -4,6 +4,10 @@ Every file is written to a temporary file in the destination folder and moved ov
 :func:`os.replace`, which is atomic on POSIX and Windows when both paths are on the same file system; a folder is
 built under a temporary name beside its destination and renamed into place (:func:`move_into_place`). An
 interrupted run (Ctrl-C, out of memory, a crash in a plot) never leaves a half-written file or folder.
+
+Which process writes can be observed (:func:`record_write`): with ``HEADKIT_WRITE_LOG`` naming a folder, every path
+these writers create or move into place is appended to that process's list there — how the tests see that only
+the main process of a ``torchrun`` run writes (:mod:`headkit.runs.processes`).
 """
 
 from __future__ import annotations
@@ -18,6 +22,23 @@ from pathlib import Path
 from typing import IO, Any
 
 from headkit.errors import HeadkitError
+
+#: The environment variable naming a folder where each process lists the paths it writes (:func:`record_write`).
+WRITE_LOG_ENVIRONMENT = "HEADKIT_WRITE_LOG"
+
+
+def record_write(path: str | os.PathLike[str]) -> None:
+    """Append `path` (a file or folder just created or moved into place) to ``rank-<RANK>.paths`` in the folder
+    ``$HEADKIT_WRITE_LOG`` names, one path a line: a test's view of which process of a launched run wrote what
+    (``RANK``: the rank ``torchrun`` / ``accelerate launch`` gave the process, 0 in a single process). Unset, as
+    in every ordinary run, it does nothing: one look-up in the environment, no file touched."""
+    folder = os.environ.get(WRITE_LOG_ENVIRONMENT)
+    if not folder:
+        return
+    os.makedirs(folder, exist_ok=True)
+    rank = os.environ.get("RANK", "0")
+    with open(os.path.join(folder, f"rank-{rank}.paths"), "a", encoding="utf-8") as log:
+        log.write(f"{os.fspath(path)}\n")
 
 
 def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> Path:
@@ -40,6 +61,7 @@ def write_atomic(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
         raise
+    record_write(path)
     return path
 
 
@@ -81,6 +103,7 @@ def move_into_place(staging: Path, out: Path) -> None:
     os.chmod(staging, 0o755)
     if not out.exists():
         os.replace(staging, out)
+        record_write(out)
         return
     retired = out.parent / f".{out.name}.old-{os.getpid()}"
     os.replace(out, retired)
@@ -89,6 +112,7 @@ def move_into_place(staging: Path, out: Path) -> None:
     except BaseException:
         os.replace(retired, out)
         raise
+    record_write(out)
     shutil.rmtree(retired, ignore_errors=True)
 
 
@@ -100,6 +124,7 @@ def staged_folder(out: str | os.PathLike[str]) -> Iterator[Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
     try:
+        record_write(staging)
         yield staging
         move_into_place(staging, out)
     except BaseException:

@@ -227,6 +227,14 @@ def test_headkit_eval_reports_the_models_own_scores(model_folder, task_folder, t
     assert results["tiny_ll"]["perplexity,none"] == pytest.approx(expected["tiny_ll"]["perplexity"], rel=1e-4)
     acc = next(row for row in tasks["rows"] if row["task"] == "tiny_mc")
     assert acc["model"] == results["tiny_mc"]["acc,none"] and acc["model_stderr"] > 0
+    # The figures behind the scores, per example: the model's own log-likelihood of every choice / continuation.
+    loglikelihoods = tasks["loglikelihoods"]["model"]
+    assert loglikelihoods["tiny_mc"] == [
+        pytest.approx(row, abs=1e-4) for row in expected["loglikelihoods"]["tiny_mc"]
+    ]
+    assert loglikelihoods["tiny_ll"] == [
+        [pytest.approx(ll, abs=1e-4)] for ll in expected["loglikelihoods"]["tiny_ll"]
+    ]
 
 
 def test_a_reference_is_scored_on_the_same_examples_and_subtracted(
@@ -370,6 +378,25 @@ def _own_accuracy(model, folder):
     return own_scores(model, transformers.AutoTokenizer.from_pretrained(folder))["tiny_mc"]["acc"]
 
 
+def assert_each_models_own_loglikelihoods_and_a_changed_model(tasks, name, original, result, folder):
+    """The report's per-example log-likelihoods of tiny_mc: the original's are the stock model's own, the
+    result's (`name`) those of the model saved in `folder`, and the two differ. Equal accuracies cannot show that
+    the result was measured at all (12 questions: a changed model often picks the same choices); the figures
+    behind them can. Each agrees with the model's own to 1e-4 (measured: ~2e-6, float32 rounding of other
+    matmul shapes), so a result that is the original (measured twice, or left unconverted) would differ from it
+    by 2e-4 at most; these recipes' results differ by 0.04 or more (measured), and the bound 1e-3 lies between.
+    """
+    tokenizer = transformers.AutoTokenizer.from_pretrained(folder)
+    figures = tasks["loglikelihoods"]
+    for model_name, model in (("original", original), (name, result)):
+        own = own_scores(model, tokenizer)["loglikelihoods"]["tiny_mc"]
+        assert figures[model_name]["tiny_mc"] == [pytest.approx(row, abs=1e-4) for row in own], model_name
+    first, second = (torch.tensor(figures[key]["tiny_mc"]) for key in ("original", name))
+    assert first.shape == second.shape == (12, 4)
+    difference = float((first - second).abs().max())
+    assert difference > 1e-3, f"{name}: the original's log-likelihoods, to {difference:.2g}"
+
+
 def test_prune_reports_task_accuracy_before_and_after(
     tiny_folder, task_folder, text_folder, tmp_path, capsys
 ):
@@ -381,9 +408,11 @@ def test_prune_reports_task_accuracy_before_and_after(
     tasks = json.loads((out / "report.json").read_text())["tasks"]
     assert set(tasks["results"]) == {"original", "pruned"} and tasks["reference"] == "original"
     row = tasks["rows"][0]
-    assert row["original"] == pytest.approx(_own_accuracy(reloaded(tiny_folder, "stock"), tiny_folder))
-    assert row["pruned"] == pytest.approx(_own_accuracy(headkit.from_pretrained(out).eval(), out))
+    original, pruned = reloaded(tiny_folder, "stock"), headkit.from_pretrained(out).eval()
+    assert row["original"] == pytest.approx(_own_accuracy(original, tiny_folder))
+    assert row["pruned"] == pytest.approx(_own_accuracy(pruned, out))
     assert row["pruned_minus_original"] == pytest.approx(row["pruned"] - row["original"])
+    assert_each_models_own_loglikelihoods_and_a_changed_model(tasks, "pruned", original, pruned, out)
 
 
 def test_linearize_and_compress_report_task_accuracy(tiny_folder, task_folder, text_folder, tmp_path):
@@ -424,14 +453,17 @@ def test_linearize_and_compress_report_task_accuracy(tiny_folder, task_folder, t
         echo=lambda line: None,
         **options,
     )
-    original = _own_accuracy(reloaded(tiny_folder, "stock"), tiny_folder)
+    stock = reloaded(tiny_folder, "stock")
+    original = _own_accuracy(stock, tiny_folder)
     for result, name in ((linearized, "linearized"), (compressed, "compressed")):
         out = tmp_path / name
         tasks = json.loads((out / "report.json").read_text())["tasks"]
         row = tasks["rows"][0]
+        converted = headkit.from_pretrained(out).eval()
         assert row["original"] == pytest.approx(original)
-        assert row[name] == pytest.approx(_own_accuracy(headkit.from_pretrained(out).eval(), out))
+        assert row[name] == pytest.approx(_own_accuracy(converted, out))
         assert f"{name} − original" in str(result)
+        assert_each_models_own_loglikelihoods_and_a_changed_model(tasks, name, stock, converted, out)
 
 
 def test_recipes_refuse_unknown_tasks_and_encoders_before_any_work(

@@ -13,6 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from headkit.files import WRITE_LOG_ENVIRONMENT
+
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
     reason="needs torch.distributed with gloo",
@@ -36,7 +38,9 @@ def _environment() -> dict[str, str]:
     return env | {"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _headkit(args: list[str], processes: int, launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def _headkit(
+    args: list[str], processes: int, launcher: tuple[str, ...] = (), writes=None
+) -> subprocess.CompletedProcess:
     if launcher:
         command = [*launcher, "--num_processes", str(processes), "-m", "headkit"]
     elif processes == 1:
@@ -51,8 +55,10 @@ def _headkit(args: list[str], processes: int, launcher: tuple[str, ...] = ()) ->
             str(processes),
         ]
         command += ["-m", "headkit"]
+    # Each process lists in `writes` every path it creates or moves into place (headkit.files.record_write).
+    env = _environment() | ({WRITE_LOG_ENVIRONMENT: str(writes)} if writes is not None else {})
     return subprocess.run(
-        [*command, *args], capture_output=True, text=True, timeout=600, env=_environment(), check=False
+        [*command, *args], capture_output=True, text=True, timeout=600, env=env, check=False
     )
 
 
@@ -68,17 +74,24 @@ def _one_and_two_processes(recipe: list[str], model, data, tmp_path, launcher: t
     for processes in (1, 2):
         out = tmp_path / f"out{processes}"
         args = [recipe[0], str(model), *recipe[1:], "--data", str(data), "--seed", "3", "--out", str(out)]
-        result = _headkit(args, processes, launcher if processes == 2 else ())
+        writes = tmp_path / f"writes{processes}"
+        result = _headkit(args, processes, launcher if processes == 2 else (), writes)
         assert result.returncode == 0, result.stderr[-4000:]
-        outputs[processes] = (out, result)
+        outputs[processes] = (out, result, writes)
     return outputs
 
 
 def _assert_same_model_one_writer(outputs, tmp_path, saved_line: str):
     import headkit
 
-    (one, _), (two, result) = outputs[1], outputs[2]
-    # One writer: one output folder, no staging folder left by a second rank, each report line printed once.
+    (one, _, _), (two, result, writes) = outputs[1], outputs[2]
+    # One writer, observed: each process listed every path it created or moved into place (the staging folder,
+    # the report, the output folder), and only rank 0 has a list — a second rank writing its own folder and
+    # moving it into place, even one that leaves no trace beside `out`, would have one too.
+    lists = {log.name: log.read_text().splitlines() for log in writes.iterdir()}
+    assert list(lists) == ["rank-0.paths"], lists
+    assert str(two) in lists["rank-0.paths"], lists
+    # One output folder, no staging folder left behind, each report line printed once.
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith((".out", "out"))) == [
         "out1",
         "out2",
@@ -144,3 +157,22 @@ def test_a_bad_argument_under_torchrun_exits_2_on_every_rank_with_one_line(tiny_
     assert "exitcode: 2" in result.stderr and "exitcode: 1" not in result.stderr, result.stderr[-3000:]
     assert "Traceback" not in result.stderr.split("exitcode: 2")[0]
     assert not out.exists()
+
+
+def test_the_write_log_lists_each_path_per_rank_and_nothing_when_unset(tmp_path, monkeypatch):
+    from headkit.files import staged_folder, write_json_atomic
+
+    def save(out):
+        with staged_folder(out) as staging:
+            write_json_atomic(staging / "report.json", {"a": 1})
+            return staging
+
+    monkeypatch.delenv(WRITE_LOG_ENVIRONMENT, raising=False)
+    save(tmp_path / "plain")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plain"]  # unset: nothing beside the output
+    monkeypatch.setenv(WRITE_LOG_ENVIRONMENT, str(tmp_path / "writes"))
+    monkeypatch.setenv("RANK", "1")
+    staging = save(tmp_path / "out")
+    lines = (tmp_path / "writes" / "rank-1.paths").read_text().splitlines()
+    assert lines == [str(staging), str(staging / "report.json"), str(tmp_path / "out")]
+    assert [p.name for p in (tmp_path / "writes").iterdir()] == ["rank-1.paths"]

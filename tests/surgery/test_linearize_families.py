@@ -42,7 +42,13 @@ def test_exact_while_the_window_covers_the_sequence(model_type):
     assert report.layers and not set(report.layers) & set(report.sliding_layers)
     if getattr(model.config, "attn_logit_softcapping", None):  # the window term does not soft-cap
         assert any("soft-cap" in note for note in report.notes)
-        assert (got - reference).abs().max() < 0.5
+        # Not exact, so bounded — against the logits' own scale: a tiny model's logits are small (Gemma 2's:
+        # std ~0.18, max |.| ~0.66), so a fixed bound like 0.5 would pass a model whose logits are unrelated.
+        # The cap tanh(s/c)·c bends these small scores s by ~s³/(3c²): measured, the error is ~1e-5 of the
+        # logits' std, while a model seeded differently differs by ~4 stds and this one converted with a window
+        # shorter than the sequence (window 4) by ~2.5. 1% of the std lies far from both.
+        error = float((got - reference).abs().max())
+        assert error < 0.01 * float(reference.std()), (error, float(reference.std()))
     else:
         torch.testing.assert_close(got, reference, atol=5e-5, rtol=1e-4)
 

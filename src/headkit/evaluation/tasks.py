@@ -490,16 +490,18 @@ def measure_tasks(
     """Every model of `models` (name → (model, tokenizer)) on the tasks of `settings` (`tasks`: already loaded by
     :func:`load_tasks`), and what a report holds under ``tasks``: lm-eval's version, the settings, lm-eval's
     ``results`` per model, the shared ``n-shot``, ``n-samples``, ``versions``, ``higher_is_better`` and
-    ``configs``, and ``rows``: one per task and metric, each model's value and standard error and, with
-    `reference` (one of the names), each other model's difference from it."""
+    ``configs``, ``loglikelihoods`` (per model, :func:`example_loglikelihoods`: the figures behind the scores,
+    so that two models can be compared example by example), and ``rows``: one per task and metric, each model's
+    value and standard error and, with `reference` (one of the names), each other model's difference from it."""
     version = require_lm_eval()
     tasks = tasks or load_tasks(settings)
     summaries: dict[str, dict[str, Any]] = {}
     for name, (model, tokenizer) in models.items():
 
         def work(model: nn.Module = model, tokenizer: Any = tokenizer) -> dict[str, Any]:
-            result = run_tasks(model, tokenizer, tasks)
-            return {key: _json_ready(result.get(key, {})) for key in SUMMARY_KEYS}
+            result = run_tasks(model, tokenizer, tasks, log_samples=True)
+            summary = {key: _json_ready(result.get(key, {})) for key in SUMMARY_KEYS}
+            return summary | {"loglikelihoods": example_loglikelihoods(result.get("samples", {}))}
 
         # Under torchrun / accelerate launch lm-eval answers on local rank 0 only: the main process runs the
         # tasks and the others receive its figures, so every process ends with the same report.
@@ -514,11 +516,30 @@ def measure_tasks(
         "settings": settings.to_dict(),
         "reference": reference,
         "results": {name: summary["results"] for name, summary in summaries.items()},
+        "loglikelihoods": {name: summary["loglikelihoods"] for name, summary in summaries.items()},
     }
     for key in SUMMARY_KEYS[1:]:
         report[key] = first[key]
     report["rows"] = task_rows(report)
     return report
+
+
+def example_loglikelihoods(samples: dict[str, list[dict[str, Any]]]) -> dict[str, list[list[float | None]]]:
+    """Per task of lm-eval's ``samples`` (``log_samples=True``), each example's log-likelihoods in ``doc_id``
+    order: one per request lm-eval scored (a multiple-choice question: one per choice; a log-likelihood or
+    rolling-perplexity task: one), None for a non-finite one. A task whose answers are generated text has none.
+    """
+    found: dict[str, list[list[float | None]]] = {}
+    for task, examples in samples.items():
+        # resps: per request, lm-eval's answers (one per repeat) — (log-likelihood, greedy) for a loglikelihood
+        # request, a float for a rolling one, a string for generated text.
+        answers = [
+            [resp[0][0] if isinstance(resp[0], (tuple, list)) else resp[0] for resp in example["resps"]]
+            for example in sorted(examples, key=lambda example: example["doc_id"])
+        ]
+        if all(isinstance(value, (int, float)) for row in answers for value in row):
+            found[task] = [[_number(value) for value in row] for row in answers]
+    return found
 
 
 def _score(results: dict[str, Any], task: str) -> str:

@@ -62,6 +62,7 @@ import torch
 from torch import nn
 
 from headkit.errors import HeadkitError
+from headkit.files import record_write
 from headkit.surgery.adapters import get_adapter
 from headkit.surgery.io import SURGERY_KEY
 from headkit.surgery.pruning import query_to_kv_heads
@@ -743,6 +744,7 @@ def export_gguf(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp_name)
         raise
+    record_write(out)
     extra = sum((plan.kv_heads - plan.kv_read) for plan in plans) * head_dim * 2 * 2  # K and V, float16
     return ExportReport(
         source=str(source) if source is not None else model.__class__.__name__,

@@ -56,7 +56,9 @@ def save_result(
     tokenizer into a staging folder beside `out`, ``reload_max_abs_diff`` (:func:`reload_difference`), each of
     `extras` (``extra(staging, report)``: a plot, a GGUF export — inside the staging, so a failure leaves no
     folder), ``seconds`` since `started`, ``report.json``; then the staging folder becomes `out` atomically. The
-    report, completed, is returned on every process (and `report` updated in place)."""
+    report, completed, is returned on every process (and `report` updated in place). The staging folder, each
+    file written atomically and `out` are listed under ``$HEADKIT_WRITE_LOG`` when it is set
+    (:func:`headkit.files.record_write`), in the main process's list only."""
 
     def write() -> dict[str, Any]:
         save_started = time.perf_counter()

@@ -8,7 +8,9 @@ Only the main process prints (:func:`main_process_echo`), and only it writes (:f
 step of :mod:`headkit.recipes.skeleton`, a benchmark's report, an lm-evaluation-harness run), while the others
 wait. What it returns, or the error it met, is broadcast, so every process ends with the same report or the same
 one-line error and exit status (:class:`ReplicatedError`) — never a second writer racing for a folder, never a
-rank left waiting in a barrier.
+rank left waiting in a barrier. That only the main process writes can be observed: with ``HEADKIT_WRITE_LOG``
+naming a folder, each process lists there every path headkit's writers create or move into place
+(:func:`headkit.files.record_write`; nothing is recorded when it is unset).
 """
 
 from __future__ import annotations
