@@ -30,6 +30,7 @@ from headkit.surgery.records import CONVERSIONS
 # One config of each surgery, with values other than the defaults wherever a field has one.
 CONFIGS = [
     PruneConfig(heads={0: [1, 3], 1: [0]}, allow_empty_layers=True, dead_threshold=0.25),
+    PruneConfig(heads={0: [0, 1], 1: [2, 3]}, unit="group", uniform=True),
     GateConfig(alive_heads={1: [0, 2]}, temperature=0.5, stretch=(-0.2, 1.2), init_log_alpha=2.0, hard=True),
     GateConfig(kind="fixed", alive_heads={0: [1]}),
     CollaborativeConfig(24, seed=3, tol=1e-5, max_iter=40),
@@ -220,3 +221,25 @@ def test_checkpoints_recorded_before_the_protocol_still_load(tmp_path):
     tokens = family_inputs(length=6)
     with torch.no_grad():
         assert torch.equal(reloaded(tokens).logits, model(tokens).logits)
+
+
+def test_the_pruning_unit_and_uniformity_are_checked_on_the_config_and_the_model():
+    model = family_model("llama")  # 2 layers of 4 query heads in 2 key/value groups
+    before = state_of(model)
+    for config in [
+        PruneConfig(heads={0: [0]}, unit="group"),  # half of group 0
+        PruneConfig(heads={0: [0, 1]}, uniform=True),  # layer 1 keeps every head
+        PruneConfig(heads={0: [0, 2], 1: [0, 1]}, uniform=True),  # one head per group, then a whole group
+    ]:
+        for target in (model.config, model):
+            with pytest.raises(HeadkitError, match="unit 'group'|uniform pruning"):
+                config.check(target)
+        with pytest.raises(HeadkitError):
+            headkit.apply_(model, config)
+    with pytest.raises(HeadkitError, match="unit must be one of query, group"):
+        PruneConfig(unit="layer")
+    after = state_of(model)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    report = headkit.apply_(model, PruneConfig(heads={0: [0, 2], 1: [1, 3]}, uniform=True))
+    assert report.kv_heads_after == {0: 2, 1: 2} and report.heads_after == {0: 2, 1: 2}
+    assert recorded_configs(model)[0].uniform

@@ -277,7 +277,10 @@ def test_prune_heads_with_a_config_equals_prune_heads_with_keywords_and_is_recor
     assert _same_state(first, _state(second)) and _same_state(first, _state(third))
     (entry,) = first.config.headkit_surgery
     # the keys a record had before the config, and the config's later field: old records replay unchanged
-    assert set(entry) == {"op", "adapter", "heads", "num_heads", "allow_empty_layers", "dead_threshold"}
+    assert set(entry) == {"op", "adapter", "heads", "num_heads", "allow_empty_layers", "dead_threshold"} | {
+        "unit",
+        "uniform",
+    }
     assert PruneConfig.from_record(entry) == PruneConfig(heads={0: [1, 2]})
     with pytest.raises(HeadkitError, match="not both"):
         prune_heads(_bert(), config, allow_empty_layers=True)
@@ -543,7 +546,7 @@ def test_the_configs_fields_are_command_line_options():
     for config in (PruneConfig, GateConfig, CollaborativeConfig):
         names = [parameter.name for parameter in command_parameters(config)]
         assert names == [f.name for f in dataclasses.fields(config)], config
-    (heads, _, dead_threshold) = option_fields(PruneConfig)
+    (heads, _, dead_threshold, _, _) = option_fields(PruneConfig)
     assert option_name(dead_threshold) == "--dead-threshold"
     assert parse_option(heads, str, "0:1,3:0,0:2") == ((0, (1, 2)), (3, (0,)))
     with pytest.raises(HeadkitError, match="--heads must be layer:head pairs"):
