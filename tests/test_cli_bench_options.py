@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import typer.main
 
-from headkit.cli import app
+from headkit.app import app
 
 # The commands and their parameters as cli.py declared them by hand (issue 13); "--x/--no-x" is one flag.
 BENCH_COMMANDS = {

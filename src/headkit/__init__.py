@@ -1,41 +1,85 @@
 """headkit: engineering attention heads on PyTorch and 🤗 Transformers.
 
 Efficient attention you can train and decode with (softmax, linear, additive, CoCA, collaborative), and
-surgery on pretrained models (collaborative heads, head gates and pruning).
+surgery on pretrained models (``headkit.apply_`` with one config per operation: pruning, gates, collaborative
+heads, latent keys/values, linearization).
+
+The names below are imported when first used (PEP 562), so that ``import headkit`` — and ``headkit --help`` —
+does not pay for torch and transformers until something needs them. headkit's own model type registers with the
+transformers Auto classes when :mod:`headkit.models` is imported: by any of these names, or explicitly.
 """
 
+import importlib
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
 from headkit import logs  # noqa: F401  (first: quiets torchao's import-time noise before transformers loads it)
-from headkit.analysis.importance import head_importance
 from headkit.errors import HeadkitError
-from headkit.layers.gates import HardConcreteGate
-from headkit.models import (  # importing registers model_type "headkit" with the transformers Auto classes
-    HeadkitConfig,
-    HeadkitForCausalLM,
-    HeadkitForSequenceClassification,
-    HeadkitModel,
-)
-from headkit.runtime.fast import FastDecoder, fast_generate
-from headkit.surgery.adapters import (
-    ALBERTCollaborativeAdapter,
-    BERTCollaborativeAdapter,
-    DistilBERTCollaborativeAdapter,
-)
-from headkit.surgery.apply import apply_
-from headkit.surgery.collaborative import CollaborativeConfig, swap_to_collaborative
-from headkit.surgery.decompose import decompose_query_key
-from headkit.surgery.gating import GateConfig, add_head_gates, l0_penalty, remove_head_gates
-from headkit.surgery.io import from_pretrained
-from headkit.surgery.latent import LatentKVConfig
-from headkit.surgery.linearize import LinearizeConfig, linearize
-from headkit.surgery.pruning import PruneConfig, prune_dead_heads, prune_heads
 
 __version__ = "0.1.0"
 
-__all__ = ["HeadkitError", "__version__", "apply_"]
-__all__ += ["CollaborativeConfig", "GateConfig", "LatentKVConfig", "LinearizeConfig", "PruneConfig"]
-__all__ += ["HeadkitConfig", "HeadkitForCausalLM", "HeadkitForSequenceClassification", "HeadkitModel"]
-__all__ += ["HardConcreteGate", "add_head_gates", "l0_penalty", "remove_head_gates"]
-__all__ += ["head_importance", "prune_dead_heads", "prune_heads"]
-__all__ += ["ALBERTCollaborativeAdapter", "BERTCollaborativeAdapter", "DistilBERTCollaborativeAdapter"]
-__all__ += ["decompose_query_key", "from_pretrained", "linearize", "swap_to_collaborative"]
-__all__ += ["FastDecoder", "fast_generate"]
+# Where each public name lives: a literal import per module, so that the import graph (tests/test_layout.py) sees
+# every edge the package root can take.
+_MODULES: dict[tuple[str, ...], Callable[[], ModuleType]] = {
+    ("apply_",): lambda: importlib.import_module("headkit.surgery.apply"),
+    ("CollaborativeConfig", "swap_to_collaborative"): lambda: importlib.import_module(
+        "headkit.surgery.collaborative"
+    ),
+    ("GateConfig", "add_head_gates", "l0_penalty", "remove_head_gates"): lambda: importlib.import_module(
+        "headkit.surgery.gating"
+    ),
+    ("LatentKVConfig",): lambda: importlib.import_module("headkit.surgery.latent"),
+    ("LinearizeConfig", "linearize"): lambda: importlib.import_module("headkit.surgery.linearize"),
+    ("PruneConfig", "prune_dead_heads", "prune_heads"): lambda: importlib.import_module(
+        "headkit.surgery.pruning"
+    ),
+    ("from_pretrained",): lambda: importlib.import_module("headkit.surgery.io"),
+    ("decompose_query_key",): lambda: importlib.import_module("headkit.surgery.decompose"),
+    (
+        "ALBERTCollaborativeAdapter",
+        "BERTCollaborativeAdapter",
+        "DistilBERTCollaborativeAdapter",
+    ): lambda: importlib.import_module("headkit.surgery.adapters"),
+    (
+        "HeadkitConfig",
+        "HeadkitForCausalLM",
+        "HeadkitForSequenceClassification",
+        "HeadkitModel",
+    ): lambda: importlib.import_module("headkit.models"),
+    ("HardConcreteGate",): lambda: importlib.import_module("headkit.layers.gates"),
+    ("head_importance",): lambda: importlib.import_module("headkit.analysis.importance"),
+    ("FastDecoder", "fast_generate"): lambda: importlib.import_module("headkit.runtime.fast"),
+}
+# The subpackages, as attributes (``headkit.surgery.bytes_per_token``) without importing them first.
+_SUBPACKAGES: dict[str, Callable[[], ModuleType]] = {
+    "ops": lambda: importlib.import_module("headkit.ops"),
+    "layers": lambda: importlib.import_module("headkit.layers"),
+    "models": lambda: importlib.import_module("headkit.models"),
+    "surgery": lambda: importlib.import_module("headkit.surgery"),
+    "analysis": lambda: importlib.import_module("headkit.analysis"),
+    "runs": lambda: importlib.import_module("headkit.runs"),
+    "evaluation": lambda: importlib.import_module("headkit.evaluation"),
+    "runtime": lambda: importlib.import_module("headkit.runtime"),
+    "export": lambda: importlib.import_module("headkit.export"),
+    "recipes": lambda: importlib.import_module("headkit.recipes"),
+}
+_WHERE = {name: load for names, load in _MODULES.items() for name in names}
+
+__all__ = ["HeadkitError", "__version__", *_WHERE]
+
+
+def __getattr__(name: str) -> Any:
+    load = _WHERE.get(name)
+    if load is not None:
+        value = getattr(load(), name)
+    elif name in _SUBPACKAGES:
+        value = _SUBPACKAGES[name]()
+    else:
+        raise AttributeError(f"module 'headkit' has no attribute {name!r}")
+    globals()[name] = value  # imported once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE) | set(_SUBPACKAGES))

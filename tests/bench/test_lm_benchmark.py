@@ -221,7 +221,7 @@ def test_bad_settings_raise_before_any_work(tmp_path, corpus_dir, monkeypatch, o
 
 
 def test_cli_runs_the_benchmark(tmp_path, corpus_dir):
-    from headkit.cli import app
+    from headkit.app import app
 
     out = tmp_path / "cli"
     arguments = ["bench", "lm", "--variants", "softmax, additive_window", "--steps", "2", "--seq-len", "16"]

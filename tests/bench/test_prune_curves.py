@@ -258,7 +258,8 @@ def test_missing_decoder_package_is_a_clear_error(encoder_dir, tmp_path, monkeyp
 def test_cli_runs_without_the_decoder(encoder_dir, tmp_path, capsys):
     from typer.testing import CliRunner
 
-    from headkit.cli import app, main
+    from headkit.app import app
+    from headkit.cli import main
 
     out = tmp_path / "cli"
     arguments = ["bench", "prune", "--model", str(encoder_dir), "--out", str(out), "--quick", "--no-decoder"]

@@ -9,9 +9,10 @@ import torch
 import typer.main
 from typer.testing import CliRunner
 
+from headkit.app import app
 from headkit.bench import load_benchmarks
 from headkit.bench.registry import BENCHMARKS, option, parse_list, register_benchmark
-from headkit.cli import app, main
+from headkit.cli import main
 from headkit.errors import HeadkitError
 
 load_benchmarks()

@@ -335,7 +335,7 @@ def test_embedding_cosine_of_mean_pooled_states(save_tiny_encoder, tmp_path):
 def test_headkit_eval_end_to_end_on_a_tiny_model(save_tiny_causal_lm, tmp_path):
     from typer.testing import CliRunner
 
-    from headkit.cli import app
+    from headkit.app import app
 
     model = save_tiny_causal_lm(tmp_path / "model")
     reference = save_tiny_causal_lm(tmp_path / "reference", architecture="llama")

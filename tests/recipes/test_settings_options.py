@@ -13,9 +13,10 @@ import typer
 import typer.main
 from typer.testing import CliRunner
 
+from headkit.app import app
 from headkit.bench import load_benchmarks
 from headkit.bench.registry import BENCHMARKS
-from headkit.cli import app, main
+from headkit.cli import main
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import CompressSettings
 from headkit.recipes.linearize import LinearizeSettings

@@ -19,7 +19,7 @@ short run, each field's ``quick`` value) and a body decorated with :func:`regist
 The body returns the sections of its report; the run writes them to ``settings.out`` with the header every
 benchmark shares (results.json), ``widget_table(report)`` (table.md) and ``plot_widgets(report)``.
 
-:func:`add_command` makes ``headkit bench widget [--steps N] [--quick] [--out DIR]`` of it (:mod:`headkit.cli`
+:func:`add_command` makes ``headkit bench widget [--steps N] [--quick] [--out DIR]`` of it (:mod:`headkit.app`
 adds every benchmark's): ``--name-with-dashes`` (or ``flag``) per option, a tuple a comma-separated list (``parse``
 reads the text), a bool a ``--x/--no-x`` switch, ``argument=True`` a positional argument. :func:`run_as_script`
 runs the same command as ``python -m headkit.bench.widget``, without the command line's module.
