@@ -14,9 +14,10 @@ from tiny_models import outputs, state_of, tiny_inputs, tiny_model
 import headkit
 import headkit.surgery.records
 from headkit.errors import HeadkitError
-from headkit.evaluation.memory import kv_cache_bytes_per_token
+from headkit.evaluation.memory import cache_bytes, kv_cache_bytes_per_token
 from headkit.surgery import (
     CollaborativeConfig,
+    CompressedCacheConfig,
     GateConfig,
     LatentKVConfig,
     LinearizeConfig,
@@ -35,6 +36,7 @@ CONFIGS = [
     GateConfig(kind="fixed", alive_heads={0: [1]}),
     CollaborativeConfig(24, seed=3, tol=1e-5, max_iter=40),
     LatentKVConfig(kv_rank=20, rope_dims=4, rope_selection="norms", rank_allocation="spectrum"),
+    CompressedCacheConfig(window=8, sinks=2, budget=3, observation=4, retrieval_heads=((1, 0),), layers=(1,)),
     LinearizeConfig(
         window=8,
         feature_map="elu",
@@ -243,3 +245,41 @@ def test_the_pruning_unit_and_uniformity_are_checked_on_the_config_and_the_model
     report = headkit.apply_(model, PruneConfig(heads={0: [0, 2], 1: [1, 3]}, uniform=True))
     assert report.kv_heads_after == {0: 2, 1: 2} and report.heads_after == {0: 2, 1: 2}
     assert recorded_configs(model)[0].uniform
+
+
+def test_the_compressed_cache_is_the_linearized_layer_with_nothing_folded_and_counts_its_bytes(tmp_path):
+    config = CompressedCacheConfig(window=8, sinks=2, budget=4, observation=4)
+    first, second = family_model("llama"), family_model("llama")
+    headkit.apply_(first, config)
+    headkit.apply_(second, config.linearize_config())  # the same mechanism, recorded as a linearization
+    tokens = family_inputs(length=40)
+    with torch.no_grad():
+        assert torch.equal(first(tokens).logits, second(tokens).logits)
+    assert first.config.headkit_surgery[0]["op"] == "compressed_cache"
+    assert recorded_configs(first) == [dataclasses.replace(config, layers=(0, 1))]  # the layers it resolved
+    assert not any(
+        p.requires_grad and "feature_map" in n for n, p in first.named_parameters()
+    )  # nothing to train
+    first.save_pretrained(tmp_path)
+    with torch.no_grad():
+        assert torch.equal(headkit.from_pretrained(tmp_path)(tokens).logits, first(tokens).logits)
+    # bytes from the config against the cache a prompt leaves, at two lengths (the state does not grow)
+    for context in (32, 64):
+        measured = cache_bytes(first, context) / context
+        counted = bytes_per_token(first.config, bytes_per_number=4, context=context)
+        assert counted <= measured <= 1.05 * counted, (context, counted, measured)  # + slot positions, flags
+    retrieval = family_model("llama")
+    headkit.apply_(retrieval, CompressedCacheConfig(window=8, sinks=2, budget=4, retrieval_heads=((0, 1),)))
+    growth = (cache_bytes(retrieval, 64) - cache_bytes(retrieval, 32)) / 32
+    assert growth == pytest.approx(2 * 16 * 4, abs=1)  # one head's key and value per token (+ a padding flag)
+
+
+def test_the_compressed_cache_refuses_by_its_own_names():
+    model = family_model("llama")  # context 128
+    with pytest.raises(HeadkitError, match="budget must be at most the model's context"):
+        CompressedCacheConfig(window=8, budget=1000).check(model.config)
+    with pytest.raises(HeadkitError, match="budget must be"):
+        CompressedCacheConfig(budget=-1)
+    with pytest.raises(HeadkitError, match="retrieval_heads must name key/value heads in \\[0, 2\\)"):
+        headkit.apply_(model, CompressedCacheConfig(window=8, retrieval_heads=((0, 5),)))
+    assert not getattr(model.config, "headkit_surgery", None)

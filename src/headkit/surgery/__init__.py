@@ -35,6 +35,7 @@ from headkit.surgery.collaborative import (
     SwapReport,
     swap_to_collaborative,
 )
+from headkit.surgery.compressed_cache import CompressedCacheConfig
 from headkit.surgery.decompose import decompose_query_key
 from headkit.surgery.gating import GateConfig, add_head_gates, l0_penalty, remove_head_gates
 from headkit.surgery.io import from_pretrained
@@ -50,6 +51,7 @@ __all__ = [
     "AttentionSite",
     "BERTCollaborativeAdapter",
     "CollaborativeConfig",
+    "CompressedCacheConfig",
     "CollaborativeHeads",
     "DistilBERTCollaborativeAdapter",
     "GateConfig",

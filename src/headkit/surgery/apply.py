@@ -23,6 +23,7 @@ from torch import nn
 
 # Each surgery module registers its config's conversion when imported.
 import headkit.surgery.collaborative
+import headkit.surgery.compressed_cache
 import headkit.surgery.gating
 import headkit.surgery.latent
 import headkit.surgery.linearize
@@ -86,11 +87,14 @@ def config_after(model_config: Any, config: Any) -> Any:
     return candidate
 
 
-def bytes_per_token(model_config: Any, configs: Any = (), *, bytes_per_number: int = 2) -> int | None:
+def bytes_per_token(
+    model_config: Any, configs: Any = (), *, bytes_per_number: int = 2, context: int = 8192
+) -> float | None:
     """The decoding cache's bytes per token of context of a model with the 🤗 `model_config`, after the surgeries
     it records and then `configs` (a config or a list, in order): the original's keys and values (2 · key/value
     heads · head width per layer, the pruning applied) until a step that changes the cache says what it keeps
-    (its ``bytes_per_token``). `bytes_per_number`: 2 for bfloat16/float16 (what engines keep), 4 for float32.
+    (its ``bytes_per_token``). `bytes_per_number`: 2 for bfloat16/float16 (what engines keep), 4 for float32;
+    `context`: the sequence's length (a cache of constant size costs less per token of a longer one).
     None where the config does not state its widths, or a step replaces the attention without saying what it
     caches."""
     given = list(configs) if isinstance(configs, (list, tuple)) else [configs]
@@ -103,7 +107,7 @@ def bytes_per_token(model_config: Any, configs: Any = (), *, bytes_per_number: i
     for step in steps:
         per_token = getattr(step, "bytes_per_token", None)
         if per_token is not None:
-            value = per_token(current, bytes_per_number=bytes_per_number)
+            value = per_token(current, bytes_per_number=bytes_per_number, context=context)
         elif conversion_of(step).replaces_attention:
             value = None
         current = config_after(current, step)

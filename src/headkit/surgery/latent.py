@@ -1077,7 +1077,7 @@ class LatentKVConfig:
         """The config a record was written from (a field the record predates takes its default)."""
         return cls(**fields_of_record(cls, entry))
 
-    def bytes_per_token(self, config: Any, *, bytes_per_number: int = 2) -> int | None:
+    def bytes_per_token(self, config: Any, *, bytes_per_number: int = 2, context: int = 8192) -> int | None:
         """The latent cache's bytes per token of context for a model with the 🤗 `config`: per layer R latent
         numbers and D rotary ones per key/value head (the pruning the config records applied)."""
         counts = kv_head_counts(config)

@@ -472,10 +472,10 @@ class PruneConfig:
             "uniform": self.uniform,
         }
 
-    def bytes_per_token(self, config: Any, *, bytes_per_number: int = 2) -> int | None:
+    def bytes_per_token(self, config: Any, *, bytes_per_number: int = 2, context: int = 8192) -> int | None:
         """The key/value cache's bytes per token of a model with the 🤗 `config` once these heads are removed
-        (a key/value head goes when every query head of its group does); None where the config does not state
-        its heads."""
+        (a key/value head goes when every query head of its group does; the same at any `context`); None where
+        the config does not state its heads."""
         entry = {"op": PRUNE_OP} | self.record()
         counts = kv_head_counts(_with_entry(config, entry))
         head_dim = config_head_dim(config)
