@@ -36,7 +36,7 @@ cancels in the softmax and is dropped. The value bias is added after the weighte
   (zeros elsewhere, so that the stock rotary embedding and view apply unchanged);
 * the module gains the :class:`LatentKVHeads` mechanism (``headkit_attention``: K_g, V_g, the value bias), run
   by the registered ``headkit_<base>`` attention. It undoes the stock rotation of the queries' rotary-free
-  dimensions (the stock module rotates every dimension; :func:`headkit.ops.latent.rotate_half_inverse`, with the
+  dimensions (the stock module rotates every dimension; :func:`headkit.ops.rotary.unrotate_pairs`, with the
   cos/sin a :class:`PositionEmbeddingsHook` hands it), keeps in its :class:`LatentCacheLayer` one row
   [c ; k_rope] of R + G·D numbers per token — instead of 2·G·head_dim — and attends with the key up-projection
   absorbed into the queries and the value up-projection applied to the weighted latent
@@ -68,8 +68,8 @@ from torch import nn
 from headkit.errors import HeadkitError
 from headkit.layers.base import KV_HEAD_INDEX
 from headkit.layers.cache import StateCacheLayer
-from headkit.ops.latent import LatentProjection, latent_attention, naive_latent_attention, rotate_half_inverse
-from headkit.ops.rotary import apply_rotary
+from headkit.ops.latent import LatentProjection, latent_attention, naive_latent_attention
+from headkit.ops.rotary import apply_rotary, unrotate_pairs
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite, count_parameters, get_adapter
 from headkit.surgery.attention import (
     HEAD_GATE,
@@ -216,7 +216,8 @@ class LatentKVHeads(nn.Module):
         per_head = heads // groups
         rope_index = self.rope_index.repeat_interleave(per_head, dim=0)[None, :, None]
         nope_index = self.nope_index.repeat_interleave(per_head, dim=0)[None, :, None]
-        unrotated = rotate_half_inverse(queries, *embeddings)
+        every_pair = torch.ones(self.head_dim // 2, dtype=torch.bool, device=queries.device)
+        unrotated = unrotate_pairs(queries, *embeddings, every_pair)
         scale = call.scale(self.scale)
         if self.absorbed:
             query_rope = queries.gather(-1, rope_index.expand(batch, heads, length, rope))
