@@ -43,7 +43,8 @@ from headkit.recipes.compress import (
     prepare_encoder_text,
 )
 from headkit.recipes.distill import encoder_finetune
-from headkit.recipes.prune import echo_gate_progress, prune_encoder_heads
+from headkit.recipes.prune_encoder import prune_encoder_heads
+from headkit.recipes.prune_gates import echo_gate_progress
 from headkit.runs.models import default_encoder_path
 from headkit.surgery.adapters import count_parameters, get_adapter
 from headkit.surgery.apply import apply_
@@ -385,8 +386,9 @@ def run_decoder_act(config: DemoConfig, echo: Any) -> dict[str, Any]:
     from headkit.evaluation.timing import decode_seconds_per_token
     from headkit.recipes.linearize import LinearizeSettings
     from headkit.recipes.linearize import run as linearize_run
-    from headkit.recipes.prune import SAMPLE_PROMPT, PruneSettings
+    from headkit.recipes.prune import PruneSettings
     from headkit.recipes.prune import run as prune_run
+    from headkit.recipes.prune_causal import SAMPLE_PROMPT
     from headkit.runs.models import load_model, smollm2_gguf_path
     from headkit.runs.text import lm_windows, load_text
 

@@ -1,6 +1,7 @@
 """A refused family or setting exits 2 with one line before any text is read or weight changed: the surgery's
 config is checked against the model (or only its config.json) first."""
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -62,9 +63,9 @@ def test_linearize_refuses_a_window_beyond_the_context_before_loading_weights(tm
 
 
 def test_prune_refuses_more_heads_than_the_model_has_before_reading_text(tmp_path, monkeypatch, capsys):
-    recipe = sys.modules["headkit.recipes.prune"]  # the package exports a function of the same name
+    import headkit.recipes.prune_causal as causal_steps  # where a causal LM's pruning reads its text
 
-    monkeypatch.setattr(recipe, "load_text", _no_text)
+    monkeypatch.setattr(causal_steps, "load_text", _no_text)
     monkeypatch.setattr(steps, "load_model", _no_weights)  # layers × heads from config.json
     folder = _save("llama", tmp_path / "model")  # 2 layers × 4 query heads
     error = _refused(["prune", str(folder), "--heads", "9", "--out", str(tmp_path / "o")], capsys)
@@ -136,8 +137,9 @@ def test_the_smollm2_gguf_is_refused_from_its_metadata_alone(args, message, tmp_
         path = smollm2_gguf_path()
     except HeadkitError as exc:
         pytest.skip(str(exc))
-    recipe = sys.modules[f"headkit.recipes.{args[0]}"]
-    monkeypatch.setattr(recipe, "load_text", _no_text)
+    # The module whose steps read a causal LM's text (a module, not the function the package exports).
+    reader = {"prune": "headkit.recipes.prune_causal", "linearize": "headkit.recipes.linearize"}[args[0]]
+    monkeypatch.setattr(importlib.import_module(reader), "load_text", _no_text)
     monkeypatch.setattr(steps, "load_model", _no_weights)
     command, *options = args
     assert message in _refused([command, str(path), *options, "--out", str(tmp_path / "o")], capsys)

@@ -9,7 +9,7 @@ import transformers
 import headkit
 from headkit.cli import main
 from headkit.errors import HeadkitError
-from headkit.recipes.prune import heads_to_keep, plan_pruning
+from headkit.recipes.prune_plan import heads_to_keep, plan_pruning
 
 transformers.logging.set_verbosity_error()
 
@@ -226,7 +226,8 @@ def test_bad_inputs_name_the_problem(tiny_llama, tmp_path, capsys):
 
 
 def test_default_settings_are_valid():
-    from headkit.recipes.prune import PruneSettings, check_settings
+    from headkit.recipes.prune import PruneSettings
+    from headkit.recipes.prune_settings import check_settings
 
     check_settings(PruneSettings())  # held-out count and LoRA rank default to "not set"
     check_settings(PruneSettings.quick())
@@ -259,7 +260,8 @@ def test_stock_conversion_refuses_head_counts_the_config_rejects():
 def test_held_out_defaults_to_the_model_kinds_count_and_the_corpus_provides_it():
     """Without --held-out, encoders measure on 256 texts and causal LMs on 64 windows (a full-budget run once
     crashed comparing the unset count); the embedded corpus has the held-out texts an encoder run asks for."""
-    from headkit.recipes.prune import PruneSettings, held_out_count
+    from headkit.recipes.prune import PruneSettings
+    from headkit.recipes.prune_settings import held_out_count
     from headkit.runs.models import CAUSAL_LM, ENCODER
     from headkit.runs.text import load_text, text_chunks
 
@@ -300,7 +302,7 @@ def test_an_out_folder_under_a_file_is_refused_before_any_work(tiny_llama, text_
 
 
 def test_the_report_of_a_model_without_a_kv_cache_prints():
-    from headkit.recipes.prune import format_report
+    from headkit.recipes.prune_report import format_report
 
     report = {
         "heads_before": {0: 4},

@@ -17,18 +17,16 @@ from headkit.errors import HeadkitError
 from headkit.ops.latent import LatentProjection, latent_attention, naive_latent_attention
 from headkit.surgery.attention import MECHANISM
 from headkit.surgery.families import FAMILIES, LATENT
-from headkit.surgery.latent import (
-    LatentCacheLayer,
+from headkit.surgery.latent import compress_kv_to_latent, latent_mechanisms, set_absorbed
+from headkit.surgery.latent_fit import (
     allocate_by_error,
     allocate_ranks,
     candidate_ranks,
-    compress_kv_to_latent,
     expected_rotation,
     fold_rotation,
-    latent_mechanisms,
     rotation_moments,
-    set_absorbed,
 )
+from headkit.surgery.latent_heads import LatentCacheLayer
 
 LATENT_FAMILIES = sorted(name for name, family in FAMILIES.items() if LATENT in family.operations)
 HEAD_DIM, KV_HEADS = 16, 2

@@ -26,7 +26,7 @@ from headkit.surgery import (
     swap_to_collaborative,
 )
 from headkit.surgery.gating import head_gates
-from headkit.surgery.latent import collect_statistics
+from headkit.surgery.latent_fit import collect_statistics
 from headkit.surgery.linearize import linearize
 
 

@@ -49,7 +49,8 @@ from headkit.runs.models import check_output_folder, default_encoder_path
 from headkit.runs.text import lm_windows, load_text
 from headkit.surgery.adapters import count_parameters
 from headkit.surgery.io import from_pretrained
-from headkit.surgery.latent import FITTED, ROPE_SELECTIONS, latent_mechanisms
+from headkit.surgery.latent import latent_mechanisms
+from headkit.surgery.latent_fit import FITTED, ROPE_SELECTIONS
 
 PLOT_FILE = "compress_curve.png"
 

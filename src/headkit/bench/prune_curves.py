@@ -47,12 +47,9 @@ from headkit.evaluation.quality import perplexity
 from headkit.evaluation.timing import forward_times
 from headkit.recipes.compress import encoder_fidelity, load_teacher
 from headkit.recipes.distill import encoder_finetune
-from headkit.recipes.prune import (
-    PruneSettings,
-    heads_to_keep,
-    prune,
-    prune_encoder_heads,
-)
+from headkit.recipes.prune import PruneSettings, prune
+from headkit.recipes.prune_encoder import prune_encoder_heads
+from headkit.recipes.prune_plan import heads_to_keep
 from headkit.runs.models import (
     SMOLLM2_PACKAGE,
     LoadedModel,

@@ -13,7 +13,7 @@ from torch import nn
 
 from headkit.compat import cache_keyword, output_cache
 from headkit.devices import model_device
-from headkit.surgery.latent import LatentCacheLayer
+from headkit.surgery.latent_heads import LatentCacheLayer
 from headkit.surgery.linearize import decoding_state_bytes
 
 
@@ -26,7 +26,7 @@ def cache_bytes(model: nn.Module, context: int) -> int:
 
 def kv_cache_bytes_per_token(model: nn.Module, context: int = 64) -> float:
     """Growth of the decoding cache per token of context, all layers: 2·G·head_dim numbers per layer for a
-    key/value cache, R + G·D for a latent one (:class:`~headkit.surgery.latent.LatentCacheLayer`), 0 for a
+    key/value cache, R + G·D for a latent one (:class:`~headkit.surgery.latent_heads.LatentCacheLayer`), 0 for a
     constant-size state. The one measure of KV bytes per token (reports that show whole bytes round it)."""
     return (cache_bytes(model, 2 * context) - cache_bytes(model, context)) / context
 
@@ -34,7 +34,7 @@ def kv_cache_bytes_per_token(model: nn.Module, context: int = 64) -> float:
 def filled_cache(model: nn.Module, batch: int, context: int, seed: int = 0) -> Any:
     """The model's decoding cache for `batch` sequences of `context` tokens, without running a `context`-token
     prefill: a two-token prefill builds the entries the model's layers use, then every key/value entry (keys and
-    values [B, G, T, D]) and every latent entry (:class:`~headkit.surgery.latent.LatentCacheLayer`, [B, T, W]) is
+    values [B, G, T, D]) and every latent entry (:class:`~headkit.surgery.latent_heads.LatentCacheLayer`, [B, T, W]) is
     filled with `context` tokens of random numbers. Decoding time and memory depend on the sizes, not the values;
     a constant-size state is left as the prefill made it."""
     generator = torch.Generator().manual_seed(seed)

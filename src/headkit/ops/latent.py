@@ -45,17 +45,6 @@ class LatentProjection(NamedTuple):
     nope_index: torch.Tensor
 
 
-def rotate_half_inverse(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Undo the rotary embedding of the 🤗 layout (pairs (i, i + D/2); ``cos``/``sin`` [B, T, D] with both halves
-    equal, as LLaMA's ``apply_rotary_pos_emb`` takes them): rotate every pair back by its angle.
-
-    y = x cos + rot(x) sin with rot(x) = [−x₂, x₁] is inverted by x = y cos − rot(y) sin. x: [B, H, T, D]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return (x * cos - rotated * sin).to(x.dtype)
-
-
 def latent_queries(query_nope: torch.Tensor, query_rope: torch.Tensor, key_up: torch.Tensor) -> torch.Tensor:
     """The absorbed queries [B, H, T, R + G·D]: head h's (K_gᵀ q_nope,h) then its rotary query in block g(h).
 
@@ -161,5 +150,4 @@ __all__ = [
     "latent_attention",
     "latent_queries",
     "naive_latent_attention",
-    "rotate_half_inverse",
 ]

@@ -17,7 +17,8 @@ from headkit.recipes.compress import CompressResult, CompressSettings, compress
 from headkit.recipes.distill import DistillResult, distill, lora_target_modules, split_batches
 from headkit.recipes.gates import GateTrainingLog, train_gates_to_budget
 from headkit.recipes.loop import LoopResult, train_loop
-from headkit.recipes.prune import PruneResult, PruneSettings, plan_pruning, prune
+from headkit.recipes.prune import PruneResult, PruneSettings, prune
+from headkit.recipes.prune_plan import plan_pruning
 
 __all__ = [
     "CompressResult",

@@ -65,14 +65,16 @@ from headkit.surgery.collaborative import (
 )
 from headkit.surgery.families import COMPRESS, FAMILIES, get_family, model_type_of
 from headkit.surgery.latent import (
-    FITTED,
-    ROPE_SELECTIONS,
     UNIFORM,
     LatentKVConfig,
     LatentReport,
-    SiteStatistics,
     attention_widths,
     check_latent_arguments,
+)
+from headkit.surgery.latent_fit import (
+    FITTED,
+    ROPE_SELECTIONS,
+    SiteStatistics,
     collect_statistics,
     full_rank,
 )

@@ -8,7 +8,8 @@
   :func:`headkit.linearize` with a :class:`LinearizeConfig`; the function is not re-exported here so that the
   module keeps its name).
 - :mod:`headkit.surgery.latent`: latent keys/values in rotary decoders (MHA2MLA; :func:`compress_kv_to_latent`
-  with a :class:`LatentKVConfig`).
+  with a :class:`LatentKVConfig`); the mechanism and its cache in :mod:`headkit.surgery.latent_heads`, the
+  calibration and factorization in :mod:`headkit.surgery.latent_fit`.
 - :mod:`headkit.surgery.gating`, :mod:`headkit.surgery.pruning`: Hard Concrete head gates and physical head
   removal (:func:`add_head_gates` with a :class:`GateConfig`, :func:`prune_heads` with a :class:`PruneConfig`).
 - :mod:`headkit.surgery.records`: record surgery in the config (each op registers how to re-apply it), the protocol

@@ -278,7 +278,7 @@ def refit_error_scores(
     matrix alone: no forward pass) given the ones already removed. A unit's score is the error increment its
     removal costs, made non-decreasing along the layer's order (so a ranking across layers removes each layer's
     units in its greedy order); every query head of a group gets the group's score. Larger: more important —
-    :func:`headkit.recipes.prune.plan_pruning` then allocates the budget across layers by these increments.
+    :func:`headkit.recipes.prune_plan.plan_pruning` then allocates the budget across layers by these increments.
     ``weighting``: "relative" scores the error relative to the layer's attention-output energy E‖W_O h‖²;
     "absolute" leaves it in the units of the residual stream; "loss" (statistics from ``output_statistics(...,
     gradients=True)``) weighs each token's error by the loss's gradient there, Σ_t (g_tᵀ Δ h_t)² with
