@@ -193,7 +193,7 @@ def test_l0_gates_select_heads_of_a_gpt2_language_model(tiny_gpt2, text_folder, 
         (["--heads", "0"], "--heads must be in"),
         (["--heads", "3", "--unit", "group"], "whole number of key/value groups"),
         (["--heads", "6", "--unit", "group", "--uniform"], "whole number of key/value groups"),
-        (["--unit", "layer"], "--unit must be one of"),
+        (["--unit", "layer"], "unit must be one of query, group"),
     ],
 )
 def test_bad_options_fail_before_any_work(tiny_llama, text_folder, tmp_path, capsys, extra, match):
