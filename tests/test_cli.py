@@ -67,7 +67,7 @@ def test_bench_decompose_bad_dims_is_a_one_line_error(capsys):
 
 
 def test_the_list_of_commands_is_the_apps_and_needs_no_torch():
-    # `headkit --help` answers from headkit.cli.COMMANDS without importing the app (torch, transformers, the
+    # `headkit --help` answers from headkit_entry.COMMANDS without importing headkit (torch, transformers, the
     # recipes: seconds); the table must say what the app says.
     import subprocess
     import sys
@@ -75,13 +75,13 @@ def test_the_list_of_commands_is_the_apps_and_needs_no_torch():
     import typer
 
     from headkit.app import app
-    from headkit.cli import COMMANDS, top_level_help
+    from headkit_entry import COMMANDS, top_level_help
 
     commands = typer.main.get_command(app).commands
     assert [name for name, _ in COMMANDS] == list(commands)
     for name, text in COMMANDS:
         assert text == " ".join((commands[name].help or "").split("\n\n")[0].split()), name
-    probe = "import sys; from headkit.cli import main; main(['--help']); print(sorted(m for m in ('torch', 'transformers', 'headkit.app') if m in sys.modules))"
+    probe = "import sys; from headkit_entry import main; main(['--help']); print(sorted(m for m in ('torch', 'transformers', 'headkit') if m in sys.modules))"
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith("[]") and done.stdout.startswith(top_level_help())

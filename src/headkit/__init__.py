@@ -4,9 +4,9 @@ Efficient attention you can train and decode with (softmax, linear, additive, Co
 surgery on pretrained models (``headkit.apply_`` with one config per operation: pruning, gates, collaborative
 heads, latent keys/values, linearization).
 
-The names below are imported when first used (PEP 562), so that ``import headkit`` — and ``headkit --help`` —
-does not pay for torch and transformers until something needs them. headkit's own model type registers with the
-transformers Auto classes when :mod:`headkit.models` is imported: by any of these names, or explicitly.
+Importing headkit registers its own model type with the transformers Auto classes (:mod:`headkit.models`); the
+other names below are imported when first used (PEP 562). The ``headkit`` command lists its commands without
+importing the package at all (the console script is :mod:`headkit_entry`).
 """
 
 import importlib
@@ -14,7 +14,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from headkit import logs  # noqa: F401  (first: quiets torchao's import-time noise before transformers loads it)
+from headkit import (
+    logs,  # noqa: F401  (first: quiets torchao's import-time noise before transformers loads it)
+    models,  # noqa: F401  (registers model_type "headkit" with the transformers Auto classes)
+)
 from headkit.errors import HeadkitError
 
 __version__ = "0.1.0"

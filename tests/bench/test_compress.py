@@ -69,7 +69,7 @@ def test_distillation_recovers_fidelity_of_a_compressed_model(tiny_encoder, tmp_
         str(tiny_encoder),
         "--dim",
         "6",
-        "--distill-steps",
+        "--recovery-steps",
         "40",
         "--lr",
         "1e-3",

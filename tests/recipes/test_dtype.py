@@ -37,7 +37,7 @@ COMPRESS = [
 ]
 LINEARIZE = [
     "--window", "8", "--train-length", "64", "--train-windows", "8", "--batch-size", "4",
-    "--transfer-steps", "3", "--lora-steps", "2", "--eval-lengths", "64", "--held-out-windows", "2",
+    "--transfer-steps", "3", "--recovery-steps", "2", "--eval-lengths", "64", "--held-out-windows", "2",
     "--decode-contexts", "32", "--decode-steps", "2", "--decode-batch-sizes", "1",
 ]  # fmt: skip
 STATS = re.compile(r"(\d+) tokens in [\d.]+ s")

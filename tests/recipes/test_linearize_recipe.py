@@ -169,7 +169,7 @@ def test_lora_stage_is_merged_into_a_plain_model(tiny_llama, tmp_path, capsys):
 def test_bench_linearize_writes_results_table_and_plot(tiny_llama, tmp_path, capsys):
     out = tmp_path / "bench"
     main(["bench", "linearize", "--model", str(tiny_llama), "--quick", "--threads", "1", "--out", str(out),
-          "--transfer-steps", "2", "--lora-steps", "1", "--eval-lengths", "64", "--decode-contexts", "32"])  # fmt: skip
+          "--transfer-steps", "2", "--recovery-steps", "1", "--eval-lengths", "64", "--decode-contexts", "32"])  # fmt: skip
     results = json.loads((out / "results.json").read_text())
     assert results["machine"]["torch_threads"] == 1 and results["decode"][0]["context"] == 32
     assert_results_keys("linearize", results)
