@@ -21,6 +21,7 @@ from headkit.surgery import (
     LatentKVConfig,
     LinearizeConfig,
     PruneConfig,
+    QuantizedKVConfig,
     SurgeryConfig,
     bytes_per_token,
     recorded_configs,
@@ -49,6 +50,7 @@ CONFIGS = [
         feature_wavelength=32,
         retrieval_heads=((1, 0),),
     ),  # fmt: skip
+    QuantizedKVConfig(bits=4, group_size=8, residual=16),
 ]
 
 
