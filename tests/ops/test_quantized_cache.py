@@ -32,7 +32,7 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16]
 def kv(dtype=torch.float32, batch=2, heads=3, tokens=12, width=16, seed=0):
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(batch, heads, tokens, width, generator=generator, dtype=torch.float64)
-    x[..., 3] += 6.0  # an outlier channel, as keys have (KIVI Fig. 2)
+    x[..., 3] += 6.0  # an outlier channel, as keys have (KIVI's motivation)
     return x.to(dtype)
 
 

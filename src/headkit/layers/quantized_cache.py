@@ -1,6 +1,6 @@
 """A key/value cache layer that keeps keys and values quantized (KIVI), behind a full-precision residual.
 
-KIVI (Liu et al. 2024, arXiv:2402.02750, Sec. 3.3, Algorithm 1): keys quantized per channel over groups of
+KIVI (Liu et al. 2024, arXiv:2402.02750, Algorithm 1 and Fig. 3): keys quantized per channel over groups of
 ``group_size`` tokens, values per token over groups of ``group_size`` channels (:mod:`headkit.ops.quantized_cache`),
 and the most recent tokens kept in full precision — a key group can only be quantized once its ``group_size``
 tokens are there. :class:`QuantizedKVCacheLayer` is that cache as one entry of a transformers ``Cache``:

@@ -3,17 +3,17 @@
 KIVI (Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache", arXiv:2402.02750)
 observes that a few key *channels* carry large magnitudes across every token while values have no such
 structure, and so quantizes keys per channel and values per token. Every group of numbers X is quantized with
-its own zero point and scale (their Sec. 3.1, Eq. 1):
+its own zero point and scale — the asymmetric round-to-nearest quantizer the paper builds on (Eq. Q below):
 
-    z = min X,   s = (max X − min X) / (2^B − 1),   Q(X) = round((X − z) / s),   X' = Q(X) · s + z
+    (Q)   z = min X,   s = (max X − min X) / (2^B − 1),   Q(X) = round((X − z) / s),   X' = Q(X) · s + z
 
 so that each element comes back within s/2 of itself (:func:`dequantize_keys` / :func:`dequantize_values`). The
-groups (their Sec. 3.2–3.3, Fig. 2):
+groups (the paper's per-channel / per-token grouping, its Fig. 3 and Algorithm 1):
 
 * **keys, per channel**: a group is one channel over ``group_size`` consecutive tokens; keys [..., T, D] give
-  codes [..., T, D] and scales / zero points [..., T / group_size, D] — one pair per channel per group of tokens.
+  codes [..., T, D · B / 8] and scales / zero points [..., T / group_size, D] — one pair per channel per group of tokens.
 * **values, per token**: a group is ``group_size`` consecutive channels of one token; values [..., T, D] give
-  codes [..., T, D] and scales / zero points [..., T, D / group_size].
+  codes [..., T, D · B / 8] and scales / zero points [..., T, D / group_size].
 
 Codes are unsigned B-bit integers (B = 8 or 4) stored in uint8, two 4-bit codes per byte (:func:`pack_codes`: the
 even channel in the low nibble). Scales and zero points are kept in the dtype of the tensor quantized (what the
@@ -22,9 +22,12 @@ scale is rounded *up* to that dtype, so that the codes, computed against the sto
 clamp: |X − X'| ≤ s/2 for every element, s the stored scale, before X' is rounded to the output dtype.
 
 Because a key group spans ``group_size`` tokens, the newest tokens cannot be quantized until their group is
-full; KIVI keeps a full-precision *residual* of the most recent tokens (their Sec. 3.3, Algorithm 1).
+full; KIVI keeps a full-precision *residual* of the most recent tokens (its Algorithm 1, "The KIVI Prefill &
+Decoding Algorithm").
 :func:`tokens_to_quantize` says how many of the oldest residual tokens a cache moves into the quantized part: whole
-groups, while at least ``residual`` tokens stay behind. :func:`quantized_bytes_per_token` is the cost per token and
+groups, while at least ``residual`` tokens stay behind — a sliding residual of ``residual`` to
+``residual + group_size − 1`` tokens (``residual = 0``: only the incomplete newest group), rather than one emptied
+whenever it fills. :func:`quantized_bytes_per_token` is the cost per token and
 key/value head, scales and zero points included.
 
 Each fast path has its obviously correct twin (``naive_*``: loops over the groups, element by element for the
@@ -124,7 +127,7 @@ def _dequantize(
 
 def quantize_keys(keys: torch.Tensor, *, bits: int, group_size: int) -> QuantizedTensor:
     """Keys [..., T, D] quantized per channel over groups of `group_size` tokens (T a multiple of it): codes
-    [..., T, D · bits / 8], scale and zero [..., T / group_size, D] (KIVI's per-channel key quantization, Eq. 1)."""
+    [..., T, D · bits / 8], scale and zero [..., T / group_size, D] (KIVI's per-channel key quantization, Eq. Q)."""
     _check_input("keys", keys, bits, group_size)
     tokens = keys.shape[-2]
     if tokens % group_size:
@@ -147,7 +150,7 @@ def dequantize_keys(
 
 def quantize_values(values: torch.Tensor, *, bits: int, group_size: int) -> QuantizedTensor:
     """Values [..., T, D] quantized per token over groups of `group_size` channels (D a multiple of it): codes
-    [..., T, D · bits / 8], scale and zero [..., T, D / group_size] (KIVI's per-token value quantization, Eq. 1)."""
+    [..., T, D · bits / 8], scale and zero [..., T, D / group_size] (KIVI's per-token value quantization, Eq. Q)."""
     _check_input("values", values, bits, group_size)
     width = values.shape[-1]
     if width % group_size:
@@ -226,7 +229,7 @@ def naive_pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _naive_group(values: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One group (a 1-D tensor) by Eq. 1, written out: z = min, s = (max − min) / (2^B − 1), round((x − z) / s)."""
+    """One group (a 1-D tensor) by Eq. Q, written out: z = min, s = (max − min) / (2^B − 1), round((x − z) / s)."""
     work = torch.float64 if values.dtype == torch.float64 else torch.float32
     zero = values.min().to(values.dtype)
     exact = (values.max().to(work) - zero.to(work)) / levels(bits)
