@@ -22,6 +22,7 @@ from headkit.surgery import (
     LatentKVConfig,
     LinearizeConfig,
     PruneConfig,
+    QuantizedKVConfig,
     SurgeryConfig,
     bytes_per_token,
     recorded_configs,
@@ -52,6 +53,7 @@ CONFIGS = [
         feature_wavelength=32,
         retrieval_heads=((1, 0),),
     ),  # fmt: skip
+    QuantizedKVConfig(bits=4, group_size=8, residual=16),
 ]
 
 

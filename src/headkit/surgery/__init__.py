@@ -43,6 +43,7 @@ from headkit.surgery.io import from_pretrained
 from headkit.surgery.latent import LatentKVConfig, LatentReport, compress_kv_to_latent
 from headkit.surgery.linearize import LinearizeConfig, LinearizedHeads, LinearizeReport, reconfigure
 from headkit.surgery.pruning import PruneConfig, prune_dead_heads, prune_heads
+from headkit.surgery.quantized_cache import QuantizedKVConfig
 from headkit.surgery.records import SurgeryConfig, record_surgery, recorded_configs, register_surgery_op
 from headkit.surgery.repair import output_statistics, reconstruct_attention, refit_output_projections
 
@@ -64,6 +65,7 @@ __all__ = [
     "LinearizedHeads",
     "ProjectionWeights",
     "PruneConfig",
+    "QuantizedKVConfig",
     "SurgeryConfig",
     "SwapReport",
     "apply_",

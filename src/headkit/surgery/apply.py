@@ -27,7 +27,8 @@ import headkit.surgery.compressed_cache
 import headkit.surgery.gating
 import headkit.surgery.latent
 import headkit.surgery.linearize
-import headkit.surgery.pruning  # noqa: F401
+import headkit.surgery.pruning
+import headkit.surgery.quantized_cache  # noqa: F401
 from headkit.errors import HeadkitError
 from headkit.surgery.gating import config_head_dim, kv_head_counts
 from headkit.surgery.records import SURGERY_KEY, Conversion, conversion_of, recorded_configs

@@ -102,7 +102,7 @@ class AttentionCall(NamedTuple):
     attention_mask: the model's mask, or None; cache_layer: the mechanism's own entry in the cache
     (``mechanism.cache_layer(cache)``), None without a cache; base: the implementation unconverted layers run;
     scaling, dropout: the module's; options: every other keyword the module passed (position embeddings,
-    ``output_attentions``, …)."""
+    ``output_attentions``, …); module: the stock attention module (what ``base_attention(base)`` takes first)."""
 
     queries: torch.Tensor
     keys: torch.Tensor
@@ -113,6 +113,7 @@ class AttentionCall(NamedTuple):
     scaling: float | None
     dropout: float
     options: dict[str, Any]
+    module: nn.Module | None = None
 
     def scale(self, default: float) -> float:
         """The module's score scale where it passed one, else the mechanism's ``default``."""
@@ -143,7 +144,9 @@ def headkit_attention_forward(
         output, weights = base_attention(base)(module, query, key, value, attention_mask, **kwargs)
     else:
         scaling, dropout = kwargs.pop("scaling", None), kwargs.pop("dropout", 0.0)
-        call = AttentionCall(query, key, value, attention_mask, cache_layer, base, scaling, dropout, kwargs)
+        call = AttentionCall(
+            query, key, value, attention_mask, cache_layer, base, scaling, dropout, kwargs, module
+        )
         output, weights = mechanism(call)
     gate = getattr(module, HEAD_GATE, None)
     # A gate over no heads (a layer pruned empty) has nothing to scale.

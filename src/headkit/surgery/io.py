@@ -25,7 +25,8 @@ import headkit.surgery.compressed_cache
 import headkit.surgery.gating
 import headkit.surgery.latent
 import headkit.surgery.linearize
-import headkit.surgery.pruning  # noqa: F401
+import headkit.surgery.pruning
+import headkit.surgery.quantized_cache  # noqa: F401
 from headkit.compat import checkpoint_key_renamer
 from headkit.errors import HeadkitError
 from headkit.surgery.records import (

@@ -1,0 +1,147 @@
+"""A key/value cache layer that keeps keys and values quantized (KIVI), behind a full-precision residual.
+
+KIVI (Liu et al. 2024, arXiv:2402.02750, Algorithm 1 and Fig. 3): keys quantized per channel over groups of
+``group_size`` tokens, values per token over groups of ``group_size`` channels (:mod:`headkit.ops.quantized_cache`),
+and the most recent tokens kept in full precision — a key group can only be quantized once its ``group_size``
+tokens are there. :class:`QuantizedKVCacheLayer` is that cache as one entry of a transformers ``Cache``:
+
+* ``update(keys, values)`` — what a stock attention module calls — returns the keys and values attention reads
+  now: the quantized part dequantized, then the residual, then the new tokens as they came (in full precision, as
+  KIVI's prefill attends in full precision); *then* the new tokens join the residual, and while the residual holds
+  at least ``residual + group_size`` tokens its oldest ``group_size`` are quantized (between ``residual`` and
+  ``residual + group_size − 1`` stay in full precision). A query so reads quantized keys and values only of tokens
+  before it, grouped with tokens before it: the quantization never lets a token see later ones.
+* The state is one :class:`QuantizedKVState` — codes, scales and zero points of keys and values, and the residual
+  keys and values [B, Hkv, ·, ·] — whose every tensor has the batch first, so that
+  :class:`~headkit.layers.cache.StateCacheLayer`'s beam search and batch selection (``reorder_cache``,
+  ``batch_select_indices``, ``batch_repeat_interleave``) index the codes themselves, without a dequantize /
+  quantize round trip, and :func:`~headkit.surgery.linearize.decoding_state_bytes` counts every byte kept.
+* Padding is the model's mask's business, as in transformers' ``DynamicLayer``: padded tokens are stored like the
+  others and masked out of attention. A row left-padded by a multiple of ``group_size`` tokens groups its real
+  tokens as it would alone (the groups start at the first position), so it decodes as it would alone.
+* Like every state, it cannot be cropped (assisted generation); sliding-window layers keep every token and rely on
+  their mask (the memory a window would save is not saved).
+
+The layer is created by :meth:`StateCacheLayer.in_cache` in place of the stock entry and told its settings with
+:meth:`QuantizedKVCacheLayer.configure` (the surgery's mechanism does both,
+:class:`headkit.surgery.quantized_cache.QuantizedKVHeads`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+from headkit.errors import HeadkitError
+from headkit.layers.cache import StateCacheLayer
+from headkit.ops.quantized_cache import (
+    QuantizedTensor,
+    append_quantized,
+    dequantize_keys,
+    dequantize_values,
+    empty_quantized,
+    quantize_keys,
+    quantize_values,
+    tokens_to_quantize,
+)
+
+
+class QuantizedKVState(NamedTuple):
+    """A quantized key/value cache: keys [B, Hkv, Tq, ·] quantized per channel, values quantized per token (both
+    :class:`~headkit.ops.quantized_cache.QuantizedTensor`), then the full-precision residual keys and values
+    [B, Hkv, Tr, D] of the newest Tr tokens."""
+
+    keys: QuantizedTensor
+    values: QuantizedTensor
+    residual_keys: torch.Tensor
+    residual_values: torch.Tensor
+
+
+class QuantizedKVCacheLayer(StateCacheLayer):
+    """The entry of a layer whose keys and values are kept quantized (module docstring)."""
+
+    describes = "a layer with a quantized key/value cache"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bits: int | None = None
+        self.group_size: int | None = None
+        self.residual: int | None = None
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(seen_tokens={self.seen_tokens}, bits={self.bits}, "
+            f"group_size={self.group_size}, residual={self.residual})"
+        )
+
+    def configure(self, *, bits: int, group_size: int, residual: int) -> QuantizedKVCacheLayer:
+        """Set the quantization (once: a layer holding tokens keeps the settings it stored them with)."""
+        settings = (bits, group_size, residual)
+        if self.bits is None:
+            self.bits, self.group_size, self.residual = settings
+        elif (self.bits, self.group_size, self.residual) != settings:
+            raise HeadkitError(
+                f"this cache layer quantizes with bits={self.bits}, group_size={self.group_size}, "
+                f"residual={self.residual}; it cannot switch to {settings} (start from an empty cache)"
+            )
+        return self
+
+    def _empty(self, keys: torch.Tensor, values: torch.Tensor) -> QuantizedKVState:
+        options = {"bits": self.bits, "group_size": self.group_size}
+        return QuantizedKVState(
+            empty_quantized(keys, per_channel=True, **options),
+            empty_quantized(values, per_channel=False, **options),
+            keys.new_empty(*keys.shape[:-2], 0, keys.shape[-1]),
+            values.new_empty(*values.shape[:-2], 0, values.shape[-1]),
+        )
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [B, Hkv, S, D] for attention over every token so far (the quantized ones dequantized,
+        the residual and the `key_states` / `value_states` [B, Hkv, T, D] given as they are); then store the new
+        tokens, quantizing whole groups of the oldest residual tokens."""
+        if self.bits is None:
+            raise HeadkitError(
+                "a quantized key/value cache layer needs its settings (QuantizedKVCacheLayer.configure) first"
+            )
+        if key_states.dim() != 4 or value_states.dim() != 4:
+            raise HeadkitError(
+                f"a quantized key/value cache stores keys and values [batch, heads, tokens, head_dim], got "
+                f"{tuple(key_states.shape)} and {tuple(value_states.shape)}"
+            )
+        state = self.state if self.state is not None else self._empty(key_states, value_states)
+        options = {"bits": self.bits, "group_size": self.group_size}
+        past_keys = dequantize_keys(state.keys, dtype=key_states.dtype, **options)
+        past_values = dequantize_values(state.values, dtype=value_states.dtype, **options)
+        keys = torch.cat((past_keys, state.residual_keys, key_states), dim=-2)
+        values = torch.cat((past_values, state.residual_values, value_states), dim=-2)
+
+        residual_keys = torch.cat((state.residual_keys, key_states), dim=-2)
+        residual_values = torch.cat((state.residual_values, value_states), dim=-2)
+        count = tokens_to_quantize(
+            residual_keys.shape[-2], group_size=self.group_size, residual=self.residual
+        )
+        quantized_keys, quantized_values = state.keys, state.values
+        if count:
+            quantized_keys = append_quantized(
+                quantized_keys, quantize_keys(residual_keys[..., :count, :], **options)
+            )
+            quantized_values = append_quantized(
+                quantized_values, quantize_values(residual_values[..., :count, :], **options)
+            )
+            # copies: a view would keep the whole concatenation alive
+            residual_keys = residual_keys[..., count:, :].clone()
+            residual_values = residual_values[..., count:, :].clone()
+        new_state = QuantizedKVState(quantized_keys, quantized_values, residual_keys, residual_values)
+        self.set_state(new_state, key_states.shape[-2])
+        return keys, values
+
+    @property
+    def quantized_tokens(self) -> int:
+        """Tokens kept quantized (the others are the residual)."""
+        return 0 if self.state is None else self.state.keys.codes.shape[-2]
+
+
+__all__ = ["QuantizedKVCacheLayer", "QuantizedKVState"]

@@ -1,0 +1,189 @@
+"""KIVI quantization of keys (per channel) and values (per token): the fast paths equal their written-out twins
+exactly, every element comes back within half its group's scale, 4-bit codes pack two per byte, and the bytes per
+token are those the tensors hold."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from headkit.ops.quantized_cache import (
+    append_quantized,
+    dequantize_keys,
+    dequantize_values,
+    empty_quantized,
+    naive_dequantize_keys,
+    naive_dequantize_values,
+    naive_pack_codes,
+    naive_quantize_keys,
+    naive_quantize_values,
+    pack_codes,
+    quantize_keys,
+    quantize_values,
+    quantized_bytes_per_token,
+    stored_scale,
+    tokens_to_quantize,
+    unpack_codes,
+)
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16]
+
+
+def kv(dtype=torch.float32, batch=2, heads=3, tokens=12, width=16, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, heads, tokens, width, generator=generator, dtype=torch.float64)
+    x[..., 3] += 6.0  # an outlier channel, as keys have (KIVI's motivation)
+    return x.to(dtype)
+
+
+def same(first, second):
+    return all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group_size", [1, 4, 16])
+def test_quantize_and_dequantize_equal_their_naive_twins_exactly(bits, dtype, group_size):
+    x = kv(dtype, tokens=16)
+    keys = quantize_keys(x, bits=bits, group_size=group_size)
+    assert same(keys, naive_quantize_keys(x, bits=bits, group_size=group_size))
+    assert torch.equal(
+        dequantize_keys(keys, bits=bits, group_size=group_size),
+        naive_dequantize_keys(keys, bits=bits, group_size=group_size),
+    )
+    values = quantize_values(x, bits=bits, group_size=group_size)
+    assert same(values, naive_quantize_values(x, bits=bits, group_size=group_size))
+    assert torch.equal(
+        dequantize_values(values, bits=bits, group_size=group_size),
+        naive_dequantize_values(values, bits=bits, group_size=group_size),
+    )
+    # shapes: codes packed along the channels, one (scale, zero) per channel per token group / per token group
+    assert keys.codes.shape == (2, 3, 16, 16 * bits // 8) and keys.codes.dtype == torch.uint8
+    assert keys.scale.shape == keys.zero.shape == (2, 3, 16 // group_size, 16)
+    assert values.scale.shape == values.zero.shape == (2, 3, 16, 16 // group_size)
+    assert keys.scale.dtype == values.zero.dtype == dtype
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_every_element_comes_back_within_half_its_groups_scale(bits, dtype):
+    x = kv(dtype, tokens=24)
+    group = 8
+    keys = quantize_keys(x, bits=bits, group_size=group)
+    values = quantize_values(x, bits=bits, group_size=group)
+    cases = [
+        (dequantize_keys(keys, bits=bits, group_size=group), keys.scale.repeat_interleave(group, dim=-2)),
+        (
+            dequantize_values(values, bits=bits, group_size=group),
+            values.scale.repeat_interleave(group, dim=-1),
+        ),
+    ]
+    for restored, scale in cases:
+        error = (restored.double() - x.double()).abs()
+        # |X − X'| ≤ s/2 in the working precision (float32 rounding allowed for), then X' is rounded to the output
+        # dtype: half its ulp on top in bfloat16 (2⁻⁹ relative).
+        rounding = 0.0 if dtype != torch.bfloat16 else restored.double().abs() * 2.0**-8
+        bound = scale.double() / 2 * (1 + 1e-6) + 1e-6 * x.double().abs() + rounding
+        assert (error <= bound).all()
+        assert error.max() > 0  # something was quantized
+    if dtype == torch.float32:  # 16 times finer with 4 more bits
+        fine = (
+            dequantize_keys(quantize_keys(x, bits=8, group_size=group), bits=8, group_size=group) - x
+        ).abs()
+        coarse = (
+            dequantize_keys(quantize_keys(x, bits=4, group_size=group), bits=4, group_size=group) - x
+        ).abs()
+        assert fine.max() * 8 < coarse.max()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_each_group_spans_the_whole_code_range_and_a_constant_group_is_exact(bits):
+    x = kv(tokens=8)
+    keys = quantize_keys(x, bits=bits, group_size=4)
+    codes = unpack_codes(keys.codes, bits).unflatten(-2, (2, 4))  # [B, H, groups, 4 tokens, D]
+    assert (codes.amin(dim=-2) == 0).all() and (codes.amax(dim=-2) == 2**bits - 1).all()
+    constant = torch.full((1, 1, 4, 8), 0.37)
+    for quantize, dequantize in [(quantize_keys, dequantize_keys), (quantize_values, dequantize_values)]:
+        quantized = quantize(constant, bits=bits, group_size=4)
+        assert (quantized.scale == 0).all()
+        assert torch.equal(dequantize(quantized, bits=bits, group_size=4), constant)
+
+
+def test_a_stored_scale_is_rounded_up_so_the_largest_code_does_not_clamp():
+    exact = torch.tensor([1.0 / 3.0, 0.1, 2.0**-20], dtype=torch.float32)
+    stored = stored_scale(exact, torch.bfloat16)
+    assert stored.dtype == torch.bfloat16 and (stored.float() >= exact).all()
+    assert ((stored.float() - exact) / exact < 2.0**-7).all()  # one bfloat16 step at most
+    assert torch.equal(stored_scale(exact, torch.float32), exact)
+
+
+def test_four_bit_codes_pack_two_per_byte_low_nibble_first():
+    generator = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (3, 5, 10), generator=generator, dtype=torch.uint8)
+    packed = pack_codes(codes, 4)
+    assert packed.shape == (3, 5, 5) and packed.dtype == torch.uint8
+    assert torch.equal(packed, naive_pack_codes(codes, 4))
+    assert torch.equal(unpack_codes(packed, 4), codes)
+    assert pack_codes(torch.tensor([[1, 2]]), 4).item() == 1 + 16 * 2
+    wide = torch.randint(0, 256, (4, 6), generator=generator).to(torch.uint8)
+    assert torch.equal(unpack_codes(pack_codes(wide, 8), 8), wide)
+
+
+def test_appending_quantized_tokens_equals_quantizing_them_together():
+    x = kv(tokens=12)
+    for quantize, options in [
+        (quantize_keys, {"per_channel": True}),
+        (quantize_values, {"per_channel": False}),
+    ]:
+        start = empty_quantized(x, bits=4, group_size=4, **options)
+        grown = append_quantized(start, quantize(x[..., :8, :], bits=4, group_size=4))
+        grown = append_quantized(grown, quantize(x[..., 8:, :], bits=4, group_size=4))
+        assert same(grown, quantize(x, bits=4, group_size=4))
+
+
+@pytest.mark.parametrize(
+    ("tokens", "group_size", "residual", "expected"),
+    [(0, 4, 0, 0), (3, 4, 0, 0), (4, 4, 0, 4), (11, 4, 0, 8), (11, 4, 3, 8), (11, 4, 4, 4), (7, 4, 4, 0)],
+)
+def test_tokens_to_quantize_moves_whole_groups_and_keeps_the_residual(tokens, group_size, residual, expected):
+    assert tokens_to_quantize(tokens, group_size=group_size, residual=residual) == expected
+    left = tokens - expected
+    assert left < residual + group_size and (left >= residual or expected == 0)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(("dtype", "bytes_per_number"), [(torch.float32, 4), (torch.bfloat16, 2)])
+def test_bytes_per_token_are_the_bytes_the_quantized_tensors_hold(bits, dtype, bytes_per_number):
+    tokens, width, group = 32, 16, 8
+    x = kv(dtype, batch=1, heads=1, tokens=tokens, width=width)
+    held = sum(
+        t.numel() * t.element_size()
+        for quantized in (
+            quantize_keys(x, bits=bits, group_size=group),
+            quantize_values(x, bits=bits, group_size=group),
+        )
+        for t in quantized
+    )
+    per_token = quantized_bytes_per_token(
+        width, bits=bits, group_size=group, bytes_per_number=bytes_per_number
+    )
+    assert per_token * tokens == held
+    # SmolLM2's head (64 wide) in groups of 32, bfloat16: 144 bytes at 8 bits, 80 at 4, against 256 unquantized
+    assert quantized_bytes_per_token(64, bits=8, group_size=32) == 144
+    assert quantized_bytes_per_token(64, bits=4, group_size=32) == 80
+
+
+def test_bad_arguments_are_named():
+    x = kv(tokens=6)
+    with pytest.raises(ValueError, match=r"bits must be one of \{4, 8\}, got 3"):
+        quantize_keys(x, bits=3, group_size=2)
+    with pytest.raises(ValueError, match="whole groups of 4 tokens, got 6"):
+        quantize_keys(x, bits=8, group_size=4)
+    with pytest.raises(ValueError, match="groups of 5 channels, which must divide 16"):
+        quantize_values(x, bits=8, group_size=5)
+    with pytest.raises(ValueError, match="even width"):
+        quantize_values(x[..., :15], bits=4, group_size=5)
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_values(x, bits=8, group_size=0)
+    with pytest.raises(ValueError, match="residual must be a non-negative integer"):
+        tokens_to_quantize(4, group_size=2, residual=-1)
