@@ -205,7 +205,7 @@ class QuantizedKVConfig:
         """The config a record was written from (a field the record predates takes its default)."""
         return cls(**fields_of_record(cls, entry))
 
-    def bytes_per_token(self, config: Any, *, bytes_per_number: int = 2) -> int | None:
+    def bytes_per_token(self, config: Any, *, bytes_per_number: int = 2, context: int = 8192) -> float | None:
         """The quantized cache's bytes per token of context for a model with the 🤗 `config` (the pruning it
         records applied): per layer and key/value head, the codes of a key and a value and their scales and
         zero points (`bytes_per_number` each) amortised over their group
