@@ -34,6 +34,7 @@ _MODULES: dict[tuple[str, ...], Callable[[], ModuleType]] = {
     ),
     ("LatentKVConfig",): lambda: importlib.import_module("headkit.surgery.latent"),
     ("CompressedCacheConfig",): lambda: importlib.import_module("headkit.surgery.compressed_cache"),
+    ("QuantizedKVConfig",): lambda: importlib.import_module("headkit.surgery.quantized_cache"),
     ("LinearizeConfig", "linearize"): lambda: importlib.import_module("headkit.surgery.linearize"),
     ("PruneConfig", "prune_dead_heads", "prune_heads"): lambda: importlib.import_module(
         "headkit.surgery.pruning"
