@@ -182,7 +182,7 @@ def test_bad_settings_are_refused_in_one_line_naming_the_field_before_any_work()
         headkit.apply_(model, QuantizedKVConfig(bits=4, group_size=32))
     with pytest.raises(HeadkitError, match="LatentKVConfig replaces the attention mechanism"):
         headkit.apply_(model, [LatentKVConfig(kv_rank=12, rope_dims=4), INT8])
-    with pytest.raises(HeadkitError, match="already quantized"):
+    with pytest.raises(HeadkitError, match="QuantizedKVConfig replaces the attention mechanism"):
         headkit.apply_(model, [INT8, INT4])
     assert not getattr(model.config, "headkit_surgery", None)
     assert state_of(model).keys() == before.keys() and not quantized_mechanisms(model)

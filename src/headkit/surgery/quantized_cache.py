@@ -309,7 +309,7 @@ def quantized_mechanisms(model: nn.Module) -> list[QuantizedKVHeads]:
     return sorted(found.values(), key=lambda mechanism: mechanism.layer_idx)
 
 
-register_conversion(QuantizedKVConfig, SURGERY_OP, _quantize, _reapply)
+register_conversion(QuantizedKVConfig, SURGERY_OP, _quantize, _reapply, replaces_attention=True)
 
 __all__ = [
     "QuantizedKVConfig",
