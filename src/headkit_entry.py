@@ -4,7 +4,7 @@ Importing headkit registers its models with transformers and imports torch (seco
 (:mod:`headkit.app`) declares each command's options from the configs and settings it runs, which imports every
 recipe. The list of commands needs neither, so this module — outside the package, so that the package's
 ``__init__`` does not run — prints it from :data:`COMMANDS` (the first paragraph of each command's own help, which
-the tests hold equal to the app's) and hands everything else to :func:`headkit.cli.main`.
+the tests hold equal to the app's) and hands everything else to :func:`headkit.app.main`.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     if not args or args == ["--help"]:
         print(top_level_help())
         return
-    from headkit.cli import main as run
+    from headkit.app import main as run
 
     run(args)
 

@@ -1,24 +1,15 @@
-"""The ``headkit`` command run from the package (``python -m headkit``, tests): the list of commands from
-:mod:`headkit_entry`'s table, anything else run by the app (:mod:`headkit.app`), which declares each command's
-options from the configs and settings it runs."""
+"""The ``headkit`` command run from the package (``python -m headkit``, tests): the console script's own entry
+point, :func:`headkit_entry.main` (the list of commands from its table; anything else run by :mod:`headkit.app`)."""
 
 from __future__ import annotations
 
-import sys
-
-from headkit_entry import top_level_help
-
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point: the list of commands without importing the app; anything else run by it (user errors become one
-    line on stderr and exit status 2, printed once under ``torchrun`` / ``accelerate launch``)."""
-    args = sys.argv[1:] if argv is None else list(argv)
-    if not args or args == ["--help"]:
-        print(top_level_help())
-        return
-    from headkit.app import main as run
+    """Run ``headkit`` with `argv` (default: the command line); user errors become one line on stderr and exit
+    status 2, printed once under ``torchrun`` / ``accelerate launch``."""
+    from headkit_entry import main as entry
 
-    run(args)
+    entry(argv)
 
 
 __all__ = ["main"]

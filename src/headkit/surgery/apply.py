@@ -8,8 +8,9 @@ model: one entry point, one handler per config type — and a list of configs ap
 
 A composition is checked before any work: every config is of a registered type, every keyword reaches a step that
 takes it, no step follows one that replaced the attention mechanism (collaborative, latent or linearized heads:
-the others read the stock attention module), each step after the first against the model's 🤗 config as the steps before it leave it (their records appended). What only a converted model's
-modules can answer is checked by each step just before it runs.
+the others read the stock attention module), each step after the first against the model's 🤗 config as the steps
+before it leave it (their records appended). What only a converted model's modules can answer is checked by each
+step just before it runs.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ import headkit.surgery.linearize
 import headkit.surgery.pruning
 import headkit.surgery.quantized_cache  # noqa: F401
 from headkit.errors import HeadkitError
-from headkit.surgery.gating import config_head_dim, kv_head_counts
-from headkit.surgery.records import SURGERY_KEY, Conversion, conversion_of, recorded_configs
+from headkit.surgery.gating import config_kv_bytes_per_token
+from headkit.surgery.records import SURGERY_KEY, Conversion, config_after, conversion_of, recorded_configs
 
 
 def apply_(model: nn.Module, config: Any, **context: Any) -> Any:
@@ -41,7 +42,8 @@ def apply_(model: nn.Module, config: Any, **context: Any) -> Any:
         model: a 🤗 or headkit model the surgery supports.
         config: a surgery config (:class:`~headkit.surgery.PruneConfig`, :class:`~headkit.surgery.GateConfig`,
             :class:`~headkit.surgery.CollaborativeConfig`, :class:`~headkit.surgery.LatentKVConfig`,
-            :class:`~headkit.surgery.LinearizeConfig`), or a list of them, applied in order.
+            :class:`~headkit.surgery.LinearizeConfig`, :class:`~headkit.surgery.CompressedCacheConfig`,
+            :class:`~headkit.surgery.QuantizedKVConfig`), or a list of them, applied in order.
         context: what a step needs beside its config, given to every step that takes it: ``adapter`` (the
             architecture's adapter), ``calibration`` and ``statistics`` (latent keys/values), ``generator``
             (Hard Concrete gates).
@@ -79,15 +81,6 @@ def check_composition(configs: Sequence[Any]) -> None:
             )
 
 
-def config_after(model_config: Any, config: Any) -> Any:
-    """A copy of a 🤗 `model_config` whose surgery record ends with `config`'s (what the checks of a later step
-    read: e.g. the heads an earlier pruning removed)."""
-    candidate = copy.copy(model_config)
-    entries = list(getattr(model_config, SURGERY_KEY, None) or [])
-    setattr(candidate, SURGERY_KEY, entries + [{"op": conversion_of(config).op} | config.record()])
-    return candidate
-
-
 def bytes_per_token(
     model_config: Any, configs: Any = (), *, bytes_per_number: int = 2, context: int = 8192
 ) -> float | None:
@@ -103,8 +96,7 @@ def bytes_per_token(
     check_composition(steps)
     current = copy.copy(model_config)
     setattr(current, SURGERY_KEY, [])
-    counts, head_dim = kv_head_counts(current), config_head_dim(current)
-    value = None if counts is None or head_dim is None else 2 * sum(counts) * head_dim * bytes_per_number
+    value = config_kv_bytes_per_token(current, bytes_per_number)
     for step in steps:
         per_token = getattr(step, "bytes_per_token", None)
         if per_token is not None:
@@ -124,4 +116,4 @@ def _check_context(conversions: list[Conversion], context: dict[str, Any]) -> No
         )
 
 
-__all__ = ["apply_", "bytes_per_token", "check_composition", "config_after"]
+__all__ = ["apply_", "bytes_per_token", "check_composition"]

@@ -192,6 +192,13 @@ def kv_head_counts(config: Any) -> list[int] | None:
     return None if groups is None else [len(set(layer)) for layer in groups]
 
 
+def config_kv_bytes_per_token(config: Any, bytes_per_number: int = 2) -> int | None:
+    """The stock key/value cache's bytes per token of a model with the 🤗 `config`, the pruning it records applied:
+    a key and a value of head_dim numbers per key/value head and layer; None where the config does not say."""
+    counts, head_dim = kv_head_counts(config), config_head_dim(config)
+    return None if counts is None or head_dim is None else 2 * sum(counts) * head_dim * bytes_per_number
+
+
 def config_query_groups(config: Any) -> list[list[int]] | None:
     """Per layer, the key/value group of each query head still there, as a 🤗 config states them with the pruning
     it records applied (query head h reads key/value head h // (H / G); each pruning entry indexes the heads as it

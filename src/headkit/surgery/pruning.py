@@ -65,17 +65,17 @@ from headkit.surgery.gating import (
     LayerHeads,
     check_layer_heads,
     config_head_counts,
-    config_head_dim,
+    config_kv_bytes_per_token,
     config_query_groups,
     config_records_gates,
     evaluation_gate_values,
-    kv_head_counts,
     layer_heads,
     parse_layer_heads,
     site_gate,
 )
 from headkit.surgery.records import (
     SURGERY_KEY,
+    config_after,
     config_in_place_of,
     fields_of_record,
     given_config,
@@ -431,22 +431,21 @@ class PruneConfig:
                         f"groups {sorted(gone)} (their query heads are {sorted(whole)})"
                     )
         if self.uniform:
-            removed = {len(checked.get(layer, [])) for layer in range(len(groups))}
-            left = {
-                tuple(
-                    sorted(
-                        collections.Counter(
-                            g for h, g in enumerate(heads) if h not in checked.get(layer, [])
-                        ).values()
-                    )
+            removed = [set(checked.get(layer, [])) for layer in range(len(groups))]
+            # per layer: how many heads go, and how many query heads each key/value group keeps
+            shapes = {
+                (
+                    len(gone),
+                    tuple(
+                        sorted(collections.Counter(g for h, g in enumerate(heads) if h not in gone).values())
+                    ),
                 )
-                for layer, heads in enumerate(groups)
+                for gone, heads in zip(removed, groups, strict=True)
             }
-            if len(removed) != 1 or any(len(set(counts)) > 1 for counts in left) or len(left) != 1:
+            if len(shapes) != 1 or len(set(next(iter(shapes))[1])) > 1:
                 raise HeadkitError(
                     "uniform pruning removes the same number of heads from every layer, leaving every key/value "
-                    f"group as many query heads; got {[len(checked.get(layer, [])) for layer in range(len(groups))]} "
-                    "heads removed per layer"
+                    f"group as many query heads; got {[len(gone) for gone in removed]} heads removed per layer"
                 )
 
     def _check_model(
@@ -476,12 +475,7 @@ class PruneConfig:
         """The key/value cache's bytes per token of a model with the 🤗 `config` once these heads are removed
         (a key/value head goes when every query head of its group does; the same at any `context`); None where
         the config does not state its heads."""
-        entry = {"op": PRUNE_OP} | self.record()
-        counts = kv_head_counts(_with_entry(config, entry))
-        head_dim = config_head_dim(config)
-        if counts is None or head_dim is None:
-            return None
-        return 2 * sum(counts) * head_dim * bytes_per_number
+        return config_kv_bytes_per_token(config_after(config, self), bytes_per_number)
 
     @classmethod
     def from_record(cls, entry: dict[str, Any]) -> PruneConfig:
@@ -493,13 +487,6 @@ class PruneConfig:
 def _heads_record(pruned: Mapping[int, Iterable[int]]) -> dict[str, list[int]]:
     """``{layer: [heads]}`` as JSON: string layer keys, sorted, layers with none left out."""
     return {str(layer): sorted(heads) for layer, heads in sorted(pruned.items()) if heads}
-
-
-def _with_entry(config: Any, entry: dict[str, Any]) -> Any:
-    """A copy of a 🤗 `config` whose surgery record ends with `entry`."""
-    candidate = copy.copy(config)
-    setattr(candidate, SURGERY_KEY, list(getattr(config, SURGERY_KEY, None) or []) + [entry])
-    return candidate
 
 
 def _dead_heads(sites: list[AttentionSite], threshold: float) -> dict[int, list[int]]:

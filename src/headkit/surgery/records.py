@@ -150,6 +150,15 @@ def say_deprecated(old: str, config_class: type) -> None:
     )
 
 
+def config_after(model_config: Any, config: Any) -> Any:
+    """A copy of a 🤗 `model_config` whose surgery record ends with `config`'s (what the checks of a later step
+    read: e.g. the heads an earlier pruning removed)."""
+    candidate = copy.copy(model_config)
+    entries = list(getattr(model_config, SURGERY_KEY, None) or [])
+    setattr(candidate, SURGERY_KEY, entries + [{"op": conversion_of(config).op} | config.record()])
+    return candidate
+
+
 def recorded_configs(model_or_config: Any) -> list[Any]:
     """The configs of the conversions recorded on a model (or in its 🤗 config), oldest first (entries of ops
     without a config, such as removing gates, are left out)."""
