@@ -17,7 +17,9 @@ runs it as it runs a linearized model.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -39,6 +41,15 @@ from headkit.surgery.records import (
 SURGERY_OP = "compressed_cache"
 # What the linearized layer's record holds beside its config's fields: the sites and rotary pairs it resolved.
 RESOLVED = ("adapter", "layers", "sites", "unrotated_pairs", "rotary_pairs")
+
+
+@contextlib.contextmanager
+def _said_in_these_names() -> Iterator[None]:
+    """The linearized layer's refusals, its budget's field (``sparse_cache``) named as this config's (``budget``)."""
+    try:
+        yield
+    except HeadkitError as exc:
+        raise HeadkitError(str(exc).replace("sparse_cache", "budget")) from None
 
 
 @dataclass(frozen=True)
@@ -90,21 +101,17 @@ class CompressedCacheConfig:
 
     def linearize_config(self) -> LinearizeConfig:
         """The mechanism this cache is: the linearized layer's, nothing folded (a :class:`LinearizeConfig`)."""
-        try:
+        with _said_in_these_names():
             return LinearizeConfig(
                 window=self.window, sinks=self.sinks, sparse_cache=self.budget, selection="question",
                 observation=self.observation, fold=False, retrieval_heads=self.retrieval_heads, layers=self.layers,
             )  # fmt: skip
-        except HeadkitError as exc:
-            raise HeadkitError(str(exc).replace("sparse_cache", "budget")) from None
 
     def check(self, model_or_config: Any) -> None:
         """What a model, or its 🤗 config, answers before any work: the window, budget and observation within its
         context, the layers and retrieval heads it has."""
-        try:
+        with _said_in_these_names():
             self.linearize_config().check(model_or_config)
-        except HeadkitError as exc:
-            raise HeadkitError(str(exc).replace("sparse_cache", "budget")) from None
 
     def record(self) -> dict[str, Any]:
         """The fields as JSON."""
@@ -149,11 +156,9 @@ def _compress_cache(
 ) -> LinearizeReport:
     """:func:`headkit.apply_` of a :class:`CompressedCacheConfig`: each layer's mechanism is the linearized
     layer's with nothing folded; the record is this config's, with what the conversion resolved."""
-    linearize = conversion_of(config.linearize_config())
-    try:
-        report = linearize.apply(model, config.linearize_config(), adapter=adapter)
-    except HeadkitError as exc:
-        raise HeadkitError(str(exc).replace("sparse_cache", "budget")) from None
+    mechanism = config.linearize_config()
+    with _said_in_these_names():
+        report = conversion_of(mechanism).apply(model, mechanism, adapter=adapter)
     entries = list(getattr(model.config, SURGERY_KEY))
     resolved = entries[-1]
     entries[-1] = (
