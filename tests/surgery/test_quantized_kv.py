@@ -15,7 +15,7 @@ from tiny_models import state_of
 import headkit
 from headkit.compat import cache_keyword, output_cache
 from headkit.errors import HeadkitError
-from headkit.evaluation.memory import kv_cache_bytes_per_token
+from headkit.evaluation.memory import cache_bytes, kv_cache_bytes_per_token
 from headkit.layers.quantized_cache import QuantizedKVCacheLayer
 from headkit.surgery import LatentKVConfig, PruneConfig, QuantizedKVConfig, bytes_per_token, recorded_configs
 from headkit.surgery.families import LINEARIZE, supported_families
@@ -145,18 +145,31 @@ def test_save_and_reload_give_identical_logits_and_caches(tmp_path):
     ],
     ids=["int8", "int4", "int4-g16-r0", "prune-int4", "uneven-int8", "empty-layer-int4"],
 )
-def test_bytes_per_token_from_the_configs_is_the_measured_cache_growth(steps):
+def test_bytes_per_token_from_the_configs_is_the_measured_cache(steps):
     original = family_model("llama")
     model = copy.deepcopy(original)
     headkit.apply_(model, steps)
-    measured = kv_cache_bytes_per_token(model)  # float32: the scales and zero points are 4 bytes
-    assert bytes_per_token(original.config, steps, bytes_per_number=4) == measured
-    assert bytes_per_token(model.config, bytes_per_number=4) == measured
-    assert bytes_per_token(model.config) == kv_cache_bytes_per_token(copy.deepcopy(model).to(torch.bfloat16))
+    # float32: the scales, zero points and residual are 4 bytes; 5 tokens are all residual, 100 mostly codes
+    for context in (5, 64, 100):
+        measured = cache_bytes(model, context)
+        assert bytes_per_token(original.config, steps, bytes_per_number=4, context=context) * context == (
+            pytest.approx(measured)
+        )
+        assert bytes_per_token(model.config, bytes_per_number=4, context=context) * context == pytest.approx(
+            measured
+        )
+    assert bytes_per_token(model.config, context=100) * 100 == pytest.approx(
+        cache_bytes(copy.deepcopy(model).to(torch.bfloat16), 100)
+    )
     unquantized = bytes_per_token(original.config, steps[:-1])
     assert bytes_per_token(model.config) < unquantized
-    # llama, bfloat16: 2 layers · 2 key/value heads · (2·16 codes + 2·16·2/8 key scales + 2·2·2 value scales)
-    assert bytes_per_token(original.config, INT8) == 2 * 2 * (32 + 8 + 8) == 192  # against 256 unquantized
+    # the growth per token once the residual is full: the codes and their scales alone
+    assert bytes_per_token(original.config, steps, bytes_per_number=4, context=10**6) == pytest.approx(
+        kv_cache_bytes_per_token(model), rel=1e-4
+    )
+    # llama, bfloat16, 104 tokens (96 quantized, 8 residual): 2 layers · 2 key/value heads · per token
+    # (96 · (2·16 codes + 2·16·2/8 key scales + 2·2·2 value scales) + 8 · 2·16·2 residual) / 104
+    assert bytes_per_token(original.config, INT8, context=104) * 104 == 2 * 2 * (96 * 48 + 8 * 64)
 
 
 def test_bad_settings_are_refused_in_one_line_naming_the_field_before_any_work():

@@ -31,7 +31,7 @@ from torch import nn
 
 from headkit.errors import HeadkitError
 from headkit.layers.quantized_cache import QuantizedKVCacheLayer
-from headkit.ops.quantized_cache import BITS, quantized_bytes_per_token
+from headkit.ops.quantized_cache import BITS, quantized_bytes_per_token, tokens_to_quantize
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite, get_adapter
 from headkit.surgery.attention import (
     AttentionCall,
@@ -206,18 +206,24 @@ class QuantizedKVConfig:
         return cls(**fields_of_record(cls, entry))
 
     def bytes_per_token(self, config: Any, *, bytes_per_number: int = 2, context: int = 8192) -> float | None:
-        """The quantized cache's bytes per token of context for a model with the 🤗 `config` (the pruning it
-        records applied): per layer and key/value head, the codes of a key and a value and their scales and
-        zero points (`bytes_per_number` each) amortised over their group
-        (:func:`headkit.ops.quantized_cache.quantized_bytes_per_token`); the full-precision residual, a constant,
-        is not per token. None where the config does not state its heads."""
+        """The quantized cache's bytes per token of a `context`-token sequence for a model with the 🤗 `config`
+        (the pruning it records applied): per layer and key/value head, the codes of the tokens quantized by then
+        with their scales and zero points (`bytes_per_number` each) amortised over their group
+        (:func:`headkit.ops.quantized_cache.quantized_bytes_per_token`), and the full-precision residual — the
+        tokens :func:`~headkit.ops.quantized_cache.tokens_to_quantize` leaves — spread over the `context` tokens.
+        None where the config does not state its heads."""
         counts, head_dim = kv_head_counts(config), config_head_dim(text_config(config))
         if counts is None or head_dim is None:
             return None
-        per_head = quantized_bytes_per_token(
-            head_dim, bits=self.bits, group_size=self.group_size, bytes_per_number=bytes_per_number
+        quantized = tokens_to_quantize(context, group_size=self.group_size, residual=self.residual)
+        per_head = (
+            quantized
+            * quantized_bytes_per_token(
+                head_dim, bits=self.bits, group_size=self.group_size, bytes_per_number=bytes_per_number
+            )
+            + (context - quantized) * 2 * head_dim * bytes_per_number
         )
-        return sum(counts) * per_head
+        return sum(counts) * per_head / context
 
 
 @dataclass
