@@ -123,13 +123,13 @@ def _check(settings: RetrievalBenchSettings) -> None:
         if path is not None and not Path(path).exists():
             raise HeadkitError(f"{flag} {str(path)!r} does not exist")
     if settings.kvpress_python is not None:
-        _check_kvpress(Path(settings.kvpress_python))
+        check_kvpress(Path(settings.kvpress_python))
 
 
 KVPRESS_CHILD = Path(__file__).with_name("_kvpress_reference.py")
 
 
-def _check_kvpress(python: Path) -> None:
+def check_kvpress(python: Path) -> None:
     """--kvpress-python runs and imports kvpress, transformers and torch: refused before any work otherwise."""
     if not python.is_file():
         raise HeadkitError(
@@ -148,6 +148,32 @@ def _check_kvpress(python: Path) -> None:
     if probe.returncode != 0:
         last = (probe.stderr.strip().splitlines() or ["(no message)"])[-1]
         raise HeadkitError(f"--kvpress-python {str(python)!r} cannot import kvpress: {last}")
+
+
+def beyond_window_trials(
+    tokenizer: Any,
+    sentences: list[str],
+    lengths: tuple[int, ...],
+    count: int,
+    window: int,
+    gap: int,
+    seed: int,
+) -> tuple[list[Any], list[Any]]:
+    """`count` passkey prompts per length whose key has left a `window`-token window by the question, and those
+    of the longest length that a second turn of `gap` tokens can ask (the key before the turn)."""
+    trials = []
+    for length in lengths:
+        made = passkey_trials(
+            tokenizer, sentences, length, count * 4, BEYOND_DEPTHS, seed=seed, answer_tokens=ANSWER_TOKENS
+        )
+        beyond = [t for t in made if key_beyond_window(t, window)]
+        if len(beyond) < count:
+            raise HeadkitError(
+                f"too few passkey prompts of {length} tokens hold their key beyond the window {window}"
+            )
+        trials += beyond[:count]
+    second_turn = [t for t in trials if t.length == max(lengths) and key_beyond_window(t, gap)]
+    return trials, second_turn
 
 
 def kvpress_answers(
@@ -215,12 +241,12 @@ def _measure(
     tokenizer, trials, window = shared["tokenizer"], shared["trials"], shared["window"]
     point: dict[str, Any] = {"model": name, "state_bytes": _state_bytes(model, settings.state_context)}
     answers = retrieve_passkeys(model, tokenizer, trials, max_new_tokens=ANSWER_TOKENS)
-    point |= _passkey_rates(answers, trials, settings.lengths)
+    point |= passkey_rates(answers, trials, settings.lengths)
     turns = shared["second_turn"]
     answers = second_turn_passkeys(
         model, tokenizer, turns, gap=settings.second_turn_gap, max_new_tokens=ANSWER_TOKENS
     )
-    point["second_turn"] = _scored(answers, turns)
+    point["second_turn"] = scored_answers(answers, turns)
     point["perplexity"] = perplexity(model, shared["held_out"], 1)
     point["seconds"] = time.perf_counter() - started
     echo(_line(point, settings, window))
@@ -248,20 +274,20 @@ def _measure_kvpress(
         "seconds": run["seconds"],
     }
     answers = [tokenizer.decode(ids, skip_special_tokens=True) for ids in run["answers"]]
-    point |= _passkey_rates(answers, trials, settings.lengths)
+    point |= passkey_rates(answers, trials, settings.lengths)
     echo(_line(point, settings, shared["window"]))
     return point
 
 
-def _scored(answers: list[str], trials: list[Any]) -> dict[str, Any]:
+def scored_answers(answers: list[str], trials: list[Any]) -> dict[str, Any]:
     """The share of `answers` that hold their trial's key, with its Wilson interval."""
     return _rate(sum(passkey_answer(a) == t.key for a, t in zip(answers, trials, strict=True)), len(trials))
 
 
-def _passkey_rates(answers: list[str], trials: list[Any], lengths: tuple[int, ...]) -> dict[str, Any]:
+def passkey_rates(answers: list[str], trials: list[Any], lengths: tuple[int, ...]) -> dict[str, Any]:
     """``passkey_<length>``: each length's share of `answers` (in the trials' order) that hold their key."""
     return {
-        f"passkey_{length}": _scored(
+        f"passkey_{length}": scored_answers(
             [a for a, t in zip(answers, trials, strict=True) if t.length == length],
             [t for t in trials if t.length == length],
         )
@@ -355,23 +381,15 @@ def run_retrieval_benchmark(settings: RetrievalBenchSettings, console: Any) -> d
 
     corpus = load_text(settings.data)
     sentences = prose_sentences(corpus, seed=settings.seed)
-    trials = []
-    for length in settings.lengths:
-        made = passkey_trials(
-            tokenizer, sentences, length, settings.trials * 4, BEYOND_DEPTHS, seed=settings.seed,
-            answer_tokens=ANSWER_TOKENS,
-        )  # fmt: skip
-        beyond = [t for t in made if key_beyond_window(t, window)]
-        if len(beyond) < settings.trials:
-            raise HeadkitError(
-                f"too few passkey prompts of {length} tokens hold their key beyond the window {window}"
-            )
-        trials += beyond[: settings.trials]
-    second_turn = [
-        t
-        for t in trials
-        if t.length == max(settings.lengths) and key_beyond_window(t, settings.second_turn_gap)
-    ]
+    trials, second_turn = beyond_window_trials(
+        tokenizer,
+        sentences,
+        settings.lengths,
+        settings.trials,
+        window,
+        settings.second_turn_gap,
+        settings.seed,
+    )
     held_out = lm_windows(
         tokenizer, corpus, length=settings.perplexity_length, train_windows=1,
         held_out_windows=settings.held_out_windows, seed=settings.seed,

@@ -25,6 +25,7 @@ from headkit.evaluation.memory import (
 from headkit.evaluation.quality import (
     Agreement,
     agreement,
+    continuation_perplexity,
     embedding_cosine,
     held_out_bits_per_byte,
     last_hidden_states,
@@ -80,6 +81,7 @@ __all__ = [
     "TaskSettings",
     "Timing",
     "agreement",
+    "continuation_perplexity",
     "cache_bytes",
     "check_eval_settings",
     "compare_speed",

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headkit.compat import cache_keyword, output_cache
 from headkit.data import count_text_bytes
 from headkit.devices import model_device
 from headkit.errors import HeadkitError
@@ -49,6 +50,38 @@ def perplexity(model: nn.Module, windows: torch.Tensor, batch_size: int = 4) -> 
     """exp of the mean next-token negative log-likelihood over every position of `windows` [N, L] but the first."""
     nats, predicted = next_token_nats(model, windows, batch_size)
     return math.exp(nats / int(predicted.sum()))
+
+
+@torch.no_grad()
+def continuation_perplexity(
+    model: nn.Module, windows: torch.Tensor, *, scored: int, chunk: int = 16
+) -> float:
+    """Perplexity of the last `scored` tokens of each window [N, L], read through the model's own cache: the first
+    L − `scored` tokens are prefilled at once (a cache that compresses a prompt does so then), and the rest fed
+    `chunk` tokens at a time, each chunk attending to the cache as it stands (a cache that quantizes, drops or
+    selects what it keeps is what the continuation reads). Every continuation token is predicted, the first of them
+    by the prefill's last logits."""
+    length = windows.shape[1]
+    if isinstance(scored, bool) or not isinstance(scored, int) or not 1 <= scored < length:
+        raise HeadkitError(
+            f"scored must be an integer in [1, {length - 1}] (the windows' length − 1), got {scored!r}"
+        )
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        raise HeadkitError(f"chunk must be a positive integer, got {chunk!r}")
+    device = model_device(model)
+    prefix = length - scored
+    total = 0.0
+    for window in windows.to(device):
+        ids = window[None]
+        out = model(input_ids=ids[:, :prefix], use_cache=True)
+        cache, last = output_cache(out), out.logits[:, -1]
+        for start in range(prefix, length, chunk):
+            piece = ids[:, start : start + chunk]
+            total += summed_nats(last, piece[:, 0])
+            out = model(input_ids=piece, use_cache=True, **cache_keyword(cache))
+            cache, last = output_cache(out), out.logits[:, -1]
+            total += summed_nats(out.logits[0, :-1], piece[0, 1:])
+    return math.exp(total / (scored * windows.shape[0]))
 
 
 def held_out_bits_per_byte(

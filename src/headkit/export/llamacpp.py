@@ -33,6 +33,9 @@ QUANTIZED_PP_SKIPPED = (
     "quantized weights on this AMX CPU, so quantized files are evaluated one token at a time"
 )
 F16_CACHE_BYTES = 2  # llama.cpp's default KV cache type is f16
+# llama.cpp's KV cache types (`--cache-type-k/v`) and their bytes per number: q8_0 keeps 32 numbers in 34 bytes (an
+# f16 scale), q4_0 in 18. A quantized value cache needs flash attention.
+CACHE_TYPE_BYTES = {"f16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
 
 
 def llamacpp_kv_cache_bytes_per_token(kv_heads: list[int], head_dim: int) -> int:
@@ -41,12 +44,31 @@ def llamacpp_kv_cache_bytes_per_token(kv_heads: list[int], head_dim: int) -> int
     return sum(kv_heads) * head_dim * 2 * F16_CACHE_BYTES
 
 
+def _cache_type(name: str) -> int:
+    import llama_cpp
+
+    return {
+        "f16": llama_cpp.GGML_TYPE_F16,
+        "q8_0": llama_cpp.GGML_TYPE_Q8_0,
+        "q4_0": llama_cpp.GGML_TYPE_Q4_0,
+    }[name]
+
+
 def _llama(
-    path: str, *, n_ctx: int, n_batch: int, threads: int, logits_all: bool, flash_attn: bool = True
+    path: str,
+    *,
+    n_ctx: int,
+    n_batch: int,
+    threads: int,
+    logits_all: bool,
+    flash_attn: bool = True,
+    cache_type: str = "f16",
 ) -> Any:
     import llama_cpp
 
     return llama_cpp.Llama(
+        type_k=_cache_type(cache_type),
+        type_v=_cache_type(cache_type),
         model_path=path,
         n_ctx=n_ctx,
         n_batch=n_batch,
@@ -63,23 +85,69 @@ def _llama(
     )
 
 
-def _perplexity(path: str, windows: list[list[int]], n_batch: int, threads: int) -> dict[str, Any]:
-    """exp of the mean next-token NLL over every position of `windows` but the first, from llama.cpp's logits."""
+def _perplexity(
+    path: str,
+    windows: list[list[int]],
+    n_batch: int,
+    threads: int,
+    cache_type: str = "f16",
+    scored: int | None = None,
+) -> dict[str, Any]:
+    """exp of the mean next-token NLL from llama.cpp's logits over every position of `windows` but the first, or
+    over each window's last `scored` tokens; the KV cache kept as `cache_type`."""
     import numpy as np
 
     length = max(len(window) for window in windows)
-    llm = _llama(path, n_ctx=length, n_batch=min(n_batch, length), threads=threads, logits_all=True)
+    llm = _llama(
+        path,
+        n_ctx=length,
+        n_batch=min(n_batch, length),
+        threads=threads,
+        logits_all=True,
+        cache_type=cache_type,
+    )
     total, count = 0.0, 0
     try:
         for window in windows:
+            first = 1 if scored is None else len(window) - scored
             llm.reset()
             llm.eval(window)
-            logits = torch.from_numpy(np.array(llm.scores[: len(window) - 1], dtype=np.float32))
-            total += summed_nats(logits, torch.tensor(window[1:]))
-            count += len(window) - 1
+            logits = torch.from_numpy(np.array(llm.scores[first - 1 : len(window) - 1], dtype=np.float32))
+            total += summed_nats(logits, torch.tensor(window[first:]))
+            count += len(window) - first
     finally:
         llm.close()
     return {"perplexity": math.exp(total / count), "tokens": count}
+
+
+def _answers(
+    path: str,
+    prompts: list[list[int]],
+    max_new_tokens: int,
+    n_batch: int,
+    threads: int,
+    cache_type: str = "f16",
+) -> dict[str, Any]:
+    """llama.cpp's greedy continuation (token ids, at most `max_new_tokens`) of each prompt, the KV cache kept as
+    `cache_type`."""
+    length = max(len(prompt) for prompt in prompts) + max_new_tokens
+    llm = _llama(
+        path, n_ctx=length, n_batch=n_batch, threads=threads, logits_all=False, cache_type=cache_type
+    )
+    answers = []
+    try:
+        for prompt in prompts:
+            tokens = []
+            for token in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+                if llm.token_eos() == token:
+                    break
+                tokens.append(int(token))
+                if len(tokens) == max_new_tokens:
+                    break
+            answers.append(tokens)
+    finally:
+        llm.close()
+    return {"answers": answers}
 
 
 def _speed(
@@ -124,7 +192,7 @@ def _speed(
     return {"pp_tokens_per_s": pp, "gen_tokens_per_s": generation, "state_bytes": state}
 
 
-_FUNCTIONS = {"perplexity": _perplexity, "speed": _speed}
+_FUNCTIONS = {"perplexity": _perplexity, "speed": _speed, "answers": _answers}
 
 
 def run_isolated(function: str, timeout: float | None = None, **kwargs: Any) -> dict[str, Any]:
@@ -156,12 +224,40 @@ def run_isolated(function: str, timeout: float | None = None, **kwargs: Any) -> 
 
 
 def llama_cpp_perplexity(
-    path: str | Path, windows: list[list[int]], *, quantized: bool, threads: int, n_batch: int = 512
+    path: str | Path,
+    windows: list[list[int]],
+    *,
+    quantized: bool,
+    threads: int,
+    n_batch: int = 512,
+    cache_type: str = "f16",
+    scored: int | None = None,
 ) -> dict[str, Any]:
-    """Held-out perplexity of the GGUF file through llama.cpp's logits (one token at a time if `quantized`)."""
+    """Held-out perplexity of the GGUF file through llama.cpp's logits (one token at a time if `quantized`), of
+    every token but each window's first or of its last `scored`, the KV cache kept as `cache_type` (a key of
+    :data:`CACHE_TYPE_BYTES`)."""
     return run_isolated(
-        "perplexity", path=str(path), windows=windows, n_batch=1 if quantized else n_batch, threads=threads
-    )
+        "perplexity", path=str(path), windows=windows, n_batch=1 if quantized else n_batch, threads=threads,
+        cache_type=cache_type, scored=scored,
+    )  # fmt: skip
+
+
+def llama_cpp_answers(
+    path: str | Path,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    quantized: bool,
+    threads: int,
+    n_batch: int = 512,
+    cache_type: str = "f16",
+) -> dict[str, Any]:
+    """llama.cpp's greedy answers ({"answers": token ids per prompt}) to `prompts`, the KV cache kept as
+    `cache_type`; a crash is returned as {"error": ...} (:func:`run_isolated`)."""
+    return run_isolated(
+        "answers", path=str(path), prompts=prompts, max_new_tokens=max_new_tokens,
+        n_batch=1 if quantized else n_batch, threads=threads, cache_type=cache_type,
+    )  # fmt: skip
 
 
 def llama_cpp_speed(

@@ -40,6 +40,13 @@ from headkit.evaluation.quality import agreement, embedding_cosine, last_hidden_
 from headkit.evaluation.tasks import check_recipe_tasks, with_task_table
 from headkit.evaluation.timing import compare_speed, time_call
 from headkit.ops._validation import is_finite_number
+from headkit.recipes.cache_budget import (
+    CacheBudgetSteps,
+    budget_context,
+    cache_plan,
+    format_budget_report,
+    parse_fraction,
+)
 from headkit.recipes.distill import DistillResult, distill_run, encoder_finetune
 from headkit.recipes.options import option, with_fields_of
 from headkit.recipes.settings import ModelSettings, RecipeResult, check_count, check_data
@@ -78,6 +85,7 @@ from headkit.surgery.latent_fit import (
     collect_statistics,
     full_rank,
 )
+from headkit.surgery.quantized_cache import QuantizedKVConfig
 from headkit.surgery.repair import reconstruct_attention
 
 # The windows the reconstruction fits on by default, and up to how many after them judge its fit, layer by layer
@@ -167,6 +175,19 @@ class CompressSettings(ModelSettings):
     # default: window
     eval_window: int | None = option(
         None, "Rotary decoders: tokens per held-out window (default --window).", min=2
+    )
+    kv_budget: str | None = option(
+        None,
+        "Causal LMs: keep the key/value cache within this fraction of the original's bfloat16 bytes (1/8 or "
+        "0.125), no training: quantized storage or the compressed cache, whichever measured best at that budget "
+        "(headkit.recipes.cache_budget).",
+    )
+    kv_budget_context: int | None = option(
+        None, "The context at which --kv-budget counts bytes (default: the model's context).", min=1
+    )
+    kv_bits: int | None = option(
+        None,
+        "With --kv-budget: quantized storage at 8 or 4 bits, whatever the budget would choose.",
     )
     # lm-evaluation-harness tasks scored on the original and the result (headkit.evaluation.tasks): none by default.
     eval_tasks: tuple[str, ...] = ()
@@ -354,6 +375,23 @@ def check_settings(settings: CompressSettings) -> None:
         raise HeadkitError(f"--repair-lr must be a positive number, got {settings.repair_lr!r}")
     check_data(settings.data)
     check_recipe_tasks(settings, default_is_causal_lm=False)
+    if settings.kv_budget is None:
+        for name in ("kv_budget_context", "kv_bits"):
+            if getattr(settings, name) is not None:
+                raise HeadkitError(f"--{name.replace('_', '-')} goes with --kv-budget")
+        return
+    parse_fraction(settings.kv_budget)
+    if settings.kv_bits is not None:
+        QuantizedKVConfig(bits=settings.kv_bits)
+    others = [
+        flag for flag, given in (("--dim", settings.dim), ("--kv-rank", settings.kv_rank),
+                                  ("--rope-dims", settings.rope_dims), ("--recovery-steps", settings.recovery_steps))
+        if given
+    ]  # fmt: skip
+    if others:
+        raise HeadkitError(
+            f"--kv-budget chooses the cache itself, without training: drop {', '.join(others)}"
+        )
 
 
 def compress(
@@ -371,6 +409,14 @@ def preflight(settings: CompressSettings, model_path: Path, config: Any | None, 
     :meth:`CollaborativeConfig.check` checks them on a config. A model after headkit surgery, or one without such a
     config, is checked once loaded."""
     if config is None or getattr(config, "headkit_surgery", None):
+        return
+    if settings.kv_budget is not None:
+        cache_plan(
+            config,
+            parse_fraction(settings.kv_budget),
+            budget_context(settings, config),
+            bits=settings.kv_bits,
+        )
         return
     family = FAMILIES.get(model_type_of(config))
     # the registry's decoder families without ``compress`` are those with rotary embeddings
@@ -738,7 +784,10 @@ class LatentSteps(_CompressSteps):
 def _steps(
     settings: CompressSettings, model_path: Path, loaded: LoadedModel, echo: Callable[[str], None]
 ) -> _CompressSteps:
-    """The steps that fit the model: latent keys/values for rotary attention, else collaborative heads."""
+    """The steps that fit the model: the cache budget's where --kv-budget is given, latent keys/values for rotary
+    attention, else collaborative heads."""
+    if settings.kv_budget is not None:
+        return CacheBudgetSteps(settings, model_path, loaded, echo)
     rotary = get_adapter(loaded.model).rotary
     steps = LatentSteps if rotary else CausalLMCompressSteps if loaded.is_causal_lm else EncoderCompressSteps
     return steps(settings, model_path, loaded, echo)
@@ -876,6 +925,8 @@ def _no_grad(model: nn.Module, batch: dict) -> Any:
 
 def format_report(report: dict[str, Any]) -> str:
     """The printed table of a compression report."""
+    if report.get("method") == "kv_budget":
+        return format_budget_report(report)
     if report.get("method") == "latent":
         return _format_latent(report)
     lines = [

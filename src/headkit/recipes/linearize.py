@@ -60,7 +60,7 @@ from headkit.runs.models import (
     smollm2_gguf_path,
 )
 from headkit.runs.objectives import CausalLMObjective
-from headkit.runs.text import lm_windows, load_text
+from headkit.runs.text import held_out_by_length, lm_windows, load_text
 from headkit.surgery.adapters import AttentionAdapter, get_adapter
 from headkit.surgery.apply import apply_
 from headkit.surgery.attention import MECHANISM
@@ -359,17 +359,9 @@ class LinearizeSteps(Steps):
             held_out_windows=1,
             seed=settings.seed,
         )
-        self.held_out = {
-            length: lm_windows(
-                tokenizer,
-                corpus,
-                length=length,
-                train_windows=1,
-                held_out_windows=settings.held_out_windows,
-                seed=settings.seed,
-            ).held_out
-            for length in self.eval_lengths
-        }
+        self.held_out = held_out_by_length(
+            tokenizer, corpus, self.eval_lengths, settings.held_out_windows, settings.seed
+        )
         skipped = sorted(set(settings.eval_lengths) - set(self.eval_lengths))
         if skipped:
             echo(f"perplexity at {skipped} tokens skipped: longer than the model's context of {self.context}")

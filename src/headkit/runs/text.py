@@ -186,6 +186,18 @@ def lm_windows(
     return LMWindows(train, torch.tensor(windows, dtype=torch.long), corpus.source)
 
 
+def held_out_by_length(
+    tokenizer: Any, corpus: Any, lengths: Any, windows: int, seed: int = 0
+) -> dict[int, torch.Tensor]:
+    """`windows` held-out windows [N, length] of `corpus` for each of `lengths` (:func:`lm_windows`)."""
+    return {
+        length: lm_windows(
+            tokenizer, corpus, length=length, train_windows=1, held_out_windows=windows, seed=seed
+        ).held_out
+        for length in lengths
+    }
+
+
 def window_batches(windows: list[dict[str, torch.Tensor]], batch_size: int) -> list[dict[str, torch.Tensor]]:
     """Training windows (:attr:`LMWindows.train`) stacked into batches of `batch_size` (the last may be smaller)."""
     ids = torch.stack([window["input_ids"] for window in windows])

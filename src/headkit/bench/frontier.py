@@ -1,0 +1,639 @@
+"""``headkit bench frontier``: long context in a fraction of the memory — every way of shrinking the key/value
+cache of one model, side by side at equal bytes, in one run.
+
+Three orthogonal axes: which tokens are kept (:class:`~headkit.surgery.compressed_cache.CompressedCacheConfig`:
+sinks, a window, keys chosen by the question — SnapKV — and retrieval heads with a full cache), how many numbers
+per token (:class:`~headkit.surgery.latent.LatentKVConfig`, training-free), and how many bits per number
+(:class:`~headkit.surgery.quantized_cache.QuantizedKVConfig`, KIVI). Each row is a list of configs applied with
+:func:`headkit.apply_` to the original; its bytes are :func:`headkit.surgery.bytes_per_token` of the configs, in
+bfloat16 (what engines keep), at ``--state-context`` tokens (and at 4× that). For each budget 1/N of the
+original's bytes, each method's row is the largest configuration that fits.
+
+External rows in the same run, on the same prompts and text: **llama.cpp** with its own quantized KV cache
+(``--cache-type-k/v`` f16, q8_0, q4_0; llama-cpp-python, the model exported to an f16 GGUF by
+:func:`headkit.export.gguf.export_gguf`, so its weights are headkit's), and with ``--kvpress-python`` NVIDIA
+kvpress' ``SnapKVPress`` at the compressed cache's tokens per head (passkey only).
+
+Columns: passkey accuracy with the key beyond the window at each ``--lengths`` (Wilson 95% intervals), the same
+key asked in a second turn, perplexity of the last ``--scored-tokens`` of held-out windows of each
+``--perplexity-lengths`` read through the cache (:func:`headkit.evaluation.quality.continuation_perplexity`:
+the prefix prefilled, the continuation fed ``--chunk`` tokens at a time, so a quantized or compressed cache is what
+it reads), and the conversion's seconds. Two plots: bytes against perplexity, bytes against passkey.
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+from headkit.analysis.retrieval import top_heads
+from headkit.bench._options import check_out_dir
+from headkit.bench._report import TABLE_FILE, markdown_table
+from headkit.bench.registry import option, quick_preset, register_benchmark
+from headkit.bench.retrieval import (
+    ANSWER_TOKENS,
+    beyond_window_trials,
+    check_kvpress,
+    kvpress_answers,
+    passkey_rates,
+    scored_answers,
+)
+from headkit.errors import HeadkitError
+from headkit.evaluation.quality import continuation_perplexity
+from headkit.evaluation.retrieval import (
+    passkey_retrieval_scores,
+    prose_sentences,
+    retrieve_passkeys,
+    second_turn_passkeys,
+)
+from headkit.export.gguf import export_gguf
+from headkit.export.llamacpp import CACHE_TYPE_BYTES, llama_cpp_answers, llama_cpp_perplexity
+from headkit.runs.models import CAUSAL_LM, load_model, smollm2_gguf_path
+from headkit.runs.text import held_out_by_length, lm_windows, load_text, window_batches
+from headkit.surgery.apply import apply_, bytes_per_token
+from headkit.surgery.compressed_cache import CompressedCacheConfig
+from headkit.surgery.gating import config_head_dim, kv_head_counts
+from headkit.surgery.latent import LatentKVConfig
+from headkit.surgery.linearize import max_context
+from headkit.surgery.quantized_cache import QuantizedKVConfig
+
+QUANTIZED, COMPRESSED, LATENT, LLAMA_CPP, KVPRESS = (
+    "quantized",
+    "compressed",
+    "latent",
+    "llama.cpp",
+    "kvpress",
+)
+METHODS = (QUANTIZED, COMPRESSED, LATENT, LLAMA_CPP, KVPRESS)
+LLAMA_CPP_CACHE_TYPES = tuple(CACHE_TYPE_BYTES)
+LONGER = 4  # the bytes are also stated at this many times --state-context
+
+
+@dataclass
+class FrontierBenchSettings:
+    model: Path | None = option(None, "A causal LM (default: SmolLM2-135M-Instruct's GGUF).")
+    budgets: tuple[int, ...] = option(
+        (2, 4, 8, 16, 32),
+        "Budgets N: 1/N of the original's bfloat16 key/value bytes at --state-context.",
+        min=2,
+        distinct=True,
+        quick=(4,),
+    )
+    methods: tuple[str, ...] = option(
+        METHODS[:-1],
+        f"Methods measured: {', '.join(METHODS)} (kvpress needs --kvpress-python).",
+        choices=lambda: METHODS,
+        distinct=True,
+        quick=(QUANTIZED, COMPRESSED, LATENT),
+    )
+    bits: tuple[int, ...] = option((8, 4), "Bits of the quantized key/value cache rows.", distinct=True)
+    group_size: int = option(
+        32, "Group size of the quantized rows (KIVI's 32); divides the head width.", min=1
+    )
+    residual: int = option(128, "Full-precision residual of the quantized rows (KIVI's 128).", min=0)
+    retrieval_head_counts: tuple[int, ...] = option(
+        (0, 8), "Retrieval heads of the compressed cache rows (full cache, DuoAttention).", min=0, quick=(0,)
+    )
+    window: int = option(256, "Largest window of the compressed cache.", min=1, quick=64)
+    sinks: int = option(4, "Sinks of the compressed cache.", min=0)
+    observation: int = option(32, "Queries at the end of a prompt that choose its keys.", min=1, quick=8)
+    lengths: tuple[int, ...] = option((1024, 2048, 4096), "Passkey prompt lengths.", min=64, quick=(512,))
+    trials: int = option(50, "Passkey prompts per length, every key beyond the window.", min=1, quick=4)
+    second_turn_gap: int = option(
+        512, "Tokens of other text between the key's turn and the question's (the second turn).", quick=128
+    )
+    perplexity_lengths: tuple[int, ...] = option(
+        (1024, 4096), "Held-out window lengths for perplexity.", min=2, quick=(512,)
+    )
+    scored_tokens: int = option(
+        512,
+        "Tokens at the end of each held-out window whose perplexity is read through the cache.",
+        min=1,
+        quick=64,
+    )
+    chunk: int = option(16, "Tokens fed at a time after the prefill when reading through the cache.", min=1)
+    held_out_windows: int = option(2, "Held-out windows per perplexity length.", min=1, quick=1)
+    calibration_windows: int = option(
+        8, "Windows of 512 training tokens that calibrate the latent rows.", min=1, quick=2
+    )
+    state_context: int = option(8192, "Context at which bytes are counted (and at 4× it).", min=1)
+    data: Path | None = option(None, "Text for filler and perplexity (default: the Python standard library).")
+    kvpress_python: Path | None = option(
+        None,
+        "A Python interpreter with NVIDIA's kvpress installed (`make kvpress`): the kvpress rows (passkey only).",
+    )
+    threads: int = option(2, "torch threads (and llama.cpp's).", min=1)
+    seed: int = option(0, "Seed of the prompts, keys and windows.")
+    out: Path = option(
+        Path("results/frontier"),
+        "Output directory for results.json, table.md and the plots.",
+        check=check_out_dir,
+    )
+
+    quick = quick_preset(
+        "One budget (1/4), 4 prompts of 512 tokens, 64 scored tokens: a smoke test of the grid."
+    )
+
+
+def _check(settings: FrontierBenchSettings) -> None:
+    if settings.model is not None and not Path(settings.model).exists():
+        raise HeadkitError(f"MODEL {str(settings.model)!r} does not exist")
+    if KVPRESS in settings.methods:
+        if settings.kvpress_python is None:
+            raise HeadkitError("--methods lists kvpress: give its interpreter with --kvpress-python")
+        check_kvpress(Path(settings.kvpress_python))
+    for bits in settings.bits:
+        _quantized(settings, bits)  # refuses bits other than 4 and 8 in one line naming them
+    if settings.observation >= min(settings.lengths):
+        raise HeadkitError(
+            f"--observation must be shorter than the shortest prompt ({min(settings.lengths)} tokens), got "
+            f"{settings.observation}"
+        )
+    if settings.scored_tokens >= min(settings.perplexity_lengths):
+        raise HeadkitError(
+            f"--scored-tokens must be shorter than the shortest --perplexity-lengths "
+            f"({min(settings.perplexity_lengths)}), got {settings.scored_tokens}"
+        )
+
+
+def _quantized(settings: FrontierBenchSettings, bits: int) -> QuantizedKVConfig:
+    return QuantizedKVConfig(bits=bits, group_size=settings.group_size, residual=settings.residual)
+
+
+@dataclass
+class Row:
+    """One configuration: its method, label, configs (applied in order to the original) and the budget it was
+    chosen for (None: the method's only point)."""
+
+    method: str
+    label: str
+    configs: list[Any]
+    budget: int | None = None
+
+
+def largest_fitting(
+    make: Callable[[int], list[Any]], bytes_of: Callable[[list[Any]], float], target: float, top: int
+):
+    """The largest n in [0, top] whose configs `make(n)` take at most `target` bytes (`bytes_of` grows with n),
+    or None if not even n = 0 fits."""
+    if bytes_of(make(0)) > target:
+        return None
+    low, high = 0, top
+    while low < high:
+        middle = (low + high + 1) // 2
+        if bytes_of(make(middle)) <= target:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
+def compressed_rows(
+    config: Any,
+    settings: FrontierBenchSettings,
+    retrieval_heads: dict[int, list[tuple[int, int]]],
+    bytes_of: Any,
+) -> list[Row]:
+    """Per budget and retrieval-head count, the most tokens per head whose compressed cache fits: the window
+    up to ``--window`` (half the tokens while they are fewer than twice that), the rest chosen by the question."""
+    rows = []
+    for count, heads in retrieval_heads.items():
+        for budget in settings.budgets:
+            target = bytes_of([]) / budget
+
+            def make(tokens: int, heads: list[tuple[int, int]] = heads) -> list[Any]:
+                window = max(1, min(settings.window, tokens // 2))
+                return [
+                    CompressedCacheConfig(
+                        window=window, sinks=settings.sinks, budget=max(0, tokens - window),
+                        observation=settings.observation, retrieval_heads=tuple(heads),
+                    )
+                ]  # fmt: skip
+
+            tokens = largest_fitting(make, bytes_of, target, settings.state_context)
+            if tokens is None or tokens < 1:
+                continue
+            made = make(tokens)[0]
+            label = f"W={made.window} S={made.sinks} B={made.budget} R={count}"
+            rows.append(Row(COMPRESSED, label, [made], budget))
+    return rows
+
+
+def latent_rows(config: Any, settings: FrontierBenchSettings, bytes_of: Any) -> list[Row]:
+    """Per budget, latent keys/values of R + G·D numbers per token and layer: D the even number nearest N/(2G)
+    below 3/8 of the head width (D = 24, 16, 8, 4, 2 for SmolLM2 at 1/2 … 1/32), R the rest of the budget."""
+    counts, head_dim = kv_head_counts(config), config_head_dim(config)
+    if not counts or head_dim is None:
+        return []
+    groups = max(counts)
+    rows = []
+    for budget in settings.budgets:
+        numbers = 2 * groups * head_dim // budget
+        rope = min(3 * head_dim // 8, numbers // (2 * groups)) // 2 * 2
+        rank = numbers - groups * rope
+        if rope < 2 or rank < 1:
+            continue
+        try:
+            made = LatentKVConfig(kv_rank=rank, rope_dims=rope)
+            made.check(config)
+        except HeadkitError:
+            continue
+        if bytes_of([made]) <= bytes_of([]) / budget + 1e-6:
+            rows.append(Row(LATENT, f"R={rank} D={rope}", [made], budget))
+    return rows
+
+
+def _rate_line(point: dict[str, Any], settings: FrontierBenchSettings) -> str:
+    cells = []
+    for length in settings.lengths:
+        cell = point.get(f"passkey_{length}")
+        cells.append("—" if cell is None else f"{cell['correct']}/{cell['trials']}@{length}")
+    for length in settings.perplexity_lengths:
+        value = point.get(f"perplexity_{length}")
+        cells.append("—" if value is None else f"ppl@{length} {value:.3f}")
+    return (
+        f"{point['method']} {point['label']}: {point['bytes'] / 2**20:.1f} MiB at {settings.state_context} "
+        f"(1/{point['fraction_inverse']:.1f}); {'; '.join(cells)} ({point['seconds']:.0f} s)"
+    )
+
+
+def _measure(
+    row: Row, original: nn.Module, settings: FrontierBenchSettings, shared: dict[str, Any], echo: Any
+) -> dict[str, Any]:
+    """One headkit row: the original converted by the row's configs, then every column."""
+    started = time.perf_counter()
+    model = original
+    if row.configs:
+        model = copy.deepcopy(original)
+        context = {"calibration": shared["calibration"]} if row.method == LATENT else {}
+        apply_(model, row.configs, **context)
+    converted = time.perf_counter() - started
+    point = _point(row, shared, settings)
+    point["conversion_seconds"] = converted
+    trials, tokenizer = shared["trials"], shared["tokenizer"]
+    answers = retrieve_passkeys(model, tokenizer, trials, max_new_tokens=ANSWER_TOKENS)
+    point |= passkey_rates(answers, trials, settings.lengths)
+    turns = shared["second_turn"]
+    answers = second_turn_passkeys(
+        model, tokenizer, turns, gap=settings.second_turn_gap, max_new_tokens=ANSWER_TOKENS
+    )
+    point["second_turn"] = scored_answers(answers, turns)
+    for length, windows in shared["held_out"].items():
+        point[f"perplexity_{length}"] = continuation_perplexity(
+            model, windows, scored=settings.scored_tokens, chunk=settings.chunk
+        )
+    point["seconds"] = time.perf_counter() - started
+    echo(_rate_line(point, settings))
+    return point
+
+
+def _point(row: Row, shared: dict[str, Any], settings: FrontierBenchSettings) -> dict[str, Any]:
+    full = shared["bytes_of"]([])
+    value = shared["bytes_of"](row.configs)
+    return {
+        "method": row.method,
+        "label": row.label,
+        "budget": row.budget,
+        "configs": [type(config).__name__ for config in row.configs],
+        "records": [config.record() for config in row.configs],
+        "bytes": value,
+        "bytes_longer": shared["bytes_of_at"](row.configs, LONGER * settings.state_context),
+        "fraction_inverse": full / value,
+    }
+
+
+def _llama_cpp_points(
+    settings: FrontierBenchSettings, shared: dict[str, Any], echo: Any
+) -> list[dict[str, Any]]:
+    """llama.cpp's rows: the original exported to an f16 GGUF (headkit's weights), its KV cache kept as f16, q8_0
+    and q4_0; passkey and perplexity on the same prompts and windows (no second turn: one prefill per prompt)."""
+    numbers = shared["bytes_of"]([]) / 2  # the original's numbers per token at --state-context
+    trials, tokenizer = shared["trials"], shared["tokenizer"]
+    points = []
+    with tempfile.TemporaryDirectory(prefix="headkit-frontier-") as folder:
+        saved = Path(folder) / "original"
+        shared["original"].save_pretrained(saved)
+        tokenizer.save_pretrained(saved)
+        gguf = export_gguf(saved, Path(folder) / "original-f16.gguf", type="f16").out
+        for cache_type, per_number in CACHE_TYPE_BYTES.items():
+            started = time.perf_counter()
+            value = numbers * per_number
+            point = {
+                "method": LLAMA_CPP,
+                "label": f"KV {cache_type}",
+                "budget": None,
+                "configs": [],
+                "records": [{"cache_type_k": cache_type, "cache_type_v": cache_type}],
+                "bytes": value,
+                "bytes_longer": value,
+                "fraction_inverse": shared["bytes_of"]([]) / value,
+                "second_turn": None,
+            }
+            run = llama_cpp_answers(
+                gguf, [list(t.input_ids) for t in trials], max_new_tokens=ANSWER_TOKENS, quantized=False,
+                threads=settings.threads, cache_type=cache_type,
+            )  # fmt: skip
+            if "error" in run:
+                echo(f"llama.cpp KV {cache_type}: skipped: {run['error']}")
+                continue
+            answers = [tokenizer.decode(ids, skip_special_tokens=True) for ids in run["answers"]]
+            point |= passkey_rates(answers, trials, settings.lengths)
+            for length, windows in shared["held_out"].items():
+                measured = llama_cpp_perplexity(
+                    gguf, windows.tolist(), quantized=False, threads=settings.threads, cache_type=cache_type,
+                    scored=settings.scored_tokens,
+                )  # fmt: skip
+                point[f"perplexity_{length}"] = measured.get("perplexity")
+            point["seconds"] = time.perf_counter() - started
+            echo(_rate_line(point, settings))
+            points.append(point)
+    return points
+
+
+def _kvpress_points(
+    rows: list[Row], model_path: Path, settings: FrontierBenchSettings, shared: dict[str, Any], echo: Any
+) -> list[dict[str, Any]]:
+    """kvpress' SnapKVPress keeping each compressed row's tokens per head (rows without retrieval heads)."""
+    points = []
+    trials, tokenizer = shared["trials"], shared["tokenizer"]
+    for row in rows:
+        made = row.configs[0]
+        if row.method != COMPRESSED or made.retrieval_heads:
+            continue
+        kept = made.sinks + made.window + made.budget
+        started = time.perf_counter()
+        run = kvpress_answers(
+            Path(settings.kvpress_python), model_path, [t.input_ids for t in trials], kept, settings.observation,
+            settings.threads,
+        )  # fmt: skip
+        answers = [tokenizer.decode(ids, skip_special_tokens=True) for ids in run["answers"]]
+        point = _point(
+            Row(KVPRESS, f"SnapKVPress {kept} tokens per head", row.configs, row.budget), shared, settings
+        )
+        point |= {"records": [{"kept": kept, "versions": run["versions"]}], "second_turn": None}
+        point |= passkey_rates(answers, trials, settings.lengths)
+        point["seconds"] = time.perf_counter() - started
+        echo(_rate_line(point, settings))
+        points.append(point)
+    return points
+
+
+def best_per_budget(report: dict[str, Any]) -> list[dict[str, Any]]:
+    """Per budget, the measured row of at most 1/N of the original's bytes with the lowest perplexity at the
+    longest length (ties: the higher passkey accuracy at the longest length)."""
+    longest = f"perplexity_{max(report['perplexity_lengths'])}"
+    passkey = f"passkey_{max(report['lengths'])}"
+    full = report["points"][0]["bytes"]
+    best = []
+    for budget in report["budgets"]:
+        fitting = [
+            p for p in report["points"] if p["bytes"] <= full / budget + 1e-6 and p.get(longest) is not None
+        ]
+        if not fitting:
+            best.append({"budget": budget, "point": None})
+            continue
+        chosen = min(fitting, key=lambda p: (p[longest], -(p.get(passkey) or {}).get("accuracy", 0.0)))
+        best.append({"budget": budget, "point": chosen})
+    return best
+
+
+def frontier_table(report: dict[str, Any]) -> str:
+    """table.md: every row, then the best per budget."""
+    original = report["points"][0]
+    lengths, perplexities = report["lengths"], report["perplexity_lengths"]
+
+    def cells(point: dict[str, Any]) -> list[str]:
+        out = [
+            f"{point['method']} {point['label']}",
+            f"{point['bytes'] / 2**20:.1f} MiB",
+            f"{point['bytes_longer'] / 2**20:.1f} MiB",
+            f"1/{point['fraction_inverse']:.1f}",
+        ]
+        for length in perplexities:
+            value, base = point.get(f"perplexity_{length}"), original[f"perplexity_{length}"]
+            out.append("—" if value is None else f"{value / base:.3f}×")
+        for length in lengths:
+            cell = point.get(f"passkey_{length}")
+            out.append(
+                "—"
+                if cell is None
+                else f"{cell['accuracy']:.0%} [{cell['wilson_95'][0]:.0%}, {cell['wilson_95'][1]:.0%}]"
+            )
+        turn = point.get("second_turn")
+        out.append("—" if turn is None else f"{turn['accuracy']:.0%}")
+        out.append(f"{point.get('conversion_seconds', 0.0):.0f} s")
+        return out
+
+    columns = [
+        "method",
+        f"bytes @{report['state_context']}",
+        f"@{LONGER * report['state_context']}",
+        "of the original",
+        *(f"ppl @{n}" for n in perplexities),
+        *(f"passkey @{n}" for n in lengths),
+        "second turn",
+        "conversion",
+    ]
+    header = (
+        f"{report['model']}: bfloat16 bytes of the decoding cache, batch 1; perplexity of the last "
+        f"{report['scored_tokens']} tokens of {report['held_out_windows']} held-out windows read through the cache "
+        f"({report['chunk']} tokens at a time), against the original's; passkey with the key beyond a "
+        f"{report['window']}-token window ({report['trials']} prompts per length, Wilson 95%)."
+    )
+    best_rows = []
+    for entry in best_per_budget(report):
+        point = entry["point"]
+        best_rows.append(
+            [f"1/{entry['budget']}", "—" if point is None else f"{point['method']} {point['label']}"]
+        )
+    return (
+        f"{header}\n\n"
+        + markdown_table(columns, [cells(p) for p in report["points"]])
+        + "\n\nBest measured per budget (lowest perplexity at the longest length):\n\n"
+        + markdown_table(["budget", "configuration"], best_rows)
+    )
+
+
+def _plot(report: dict[str, Any], column: Callable[[dict[str, Any]], float | None], ylabel: str) -> Any:
+    from matplotlib.figure import Figure
+
+    figure = Figure(figsize=(7, 4.5))
+    axes = figure.add_subplot()
+    full = report["points"][0]["bytes"]
+    by_method: dict[str, list[tuple[float, float]]] = {}
+    for point in report["points"]:
+        value = column(point)
+        if value is not None:
+            by_method.setdefault(point["method"], []).append((point["bytes"] / full, value))
+    for method, values in by_method.items():
+        values.sort()
+        axes.plot([x for x, _ in values], [y for _, y in values], marker="o", label=method)
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel(f"bytes of the original's bfloat16 KV cache at {report['state_context']} tokens")
+    axes.set_ylabel(ylabel)
+    axes.legend()
+    axes.grid(alpha=0.3)
+    return figure
+
+
+def plot_perplexity(report: dict[str, Any]) -> Any:
+    length = max(report["perplexity_lengths"])
+    base = report["points"][0][f"perplexity_{length}"]
+    return _plot(
+        report,
+        lambda p: None if p.get(f"perplexity_{length}") is None else p[f"perplexity_{length}"] / base,
+        f"perplexity @{length} (× the original's)",
+    )
+
+
+def plot_passkey(report: dict[str, Any]) -> Any:
+    length = max(report["lengths"])
+    return _plot(
+        report,
+        lambda p: None if p.get(f"passkey_{length}") is None else p[f"passkey_{length}"]["accuracy"],
+        f"passkey accuracy @{length}, key beyond the window",
+    )
+
+
+@register_benchmark(
+    "frontier",
+    FrontierBenchSettings,
+    check=_check,
+    render=frontier_table,
+    files={"table": TABLE_FILE, "perplexity_plot": "perplexity.png", "passkey_plot": "passkey.png"},
+    plots={"perplexity.png": plot_perplexity, "passkey.png": plot_passkey},
+)
+def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dict[str, Any]:
+    """Every way of shrinking the key/value cache at equal bytes, in one run: quantized storage, the compressed
+    cache, latent keys/values and llama.cpp's quantized cache at budgets of 1/N of the original's bfloat16 bytes;
+    passkey beyond the window, second turn, perplexity read through the cache; two plots."""
+
+    def echo(text: str) -> None:
+        console.print(text, highlight=False, markup=False, soft_wrap=True)
+
+    model_path = Path(settings.model) if settings.model is not None else smollm2_gguf_path()
+    loaded = load_model(model_path, kind=CAUSAL_LM)
+    original, tokenizer = loaded.model.eval(), loaded.tokenizer
+    config = original.config
+    context = max_context(original)
+    longest = max([*settings.lengths, *settings.perplexity_lengths])
+    if context is not None and longest > context:
+        raise HeadkitError(f"lengths must be at most the model's context of {context}, got {longest}")
+
+    def bytes_of_at(configs: list[Any], at: int) -> float:
+        value = bytes_per_token(config, configs, bytes_per_number=2, context=at)
+        if value is None:
+            raise HeadkitError(f"the bytes of {configs} are not stated by their configs")
+        return value * at
+
+    def bytes_of(configs: list[Any]) -> float:
+        return bytes_of_at(configs, settings.state_context)
+
+    corpus = load_text(settings.data)
+    sentences = prose_sentences(corpus, seed=settings.seed)
+    trials, second_turn = beyond_window_trials(
+        tokenizer, sentences, settings.lengths, settings.trials, settings.window, settings.second_turn_gap,
+        settings.seed,
+    )  # fmt: skip
+    held_out = held_out_by_length(
+        tokenizer, corpus, settings.perplexity_lengths, settings.held_out_windows, settings.seed
+    )
+    calibration = None
+    if LATENT in settings.methods:
+        windows = lm_windows(
+            tokenizer, corpus, length=512, train_windows=settings.calibration_windows, held_out_windows=1,
+            seed=settings.seed,
+        ).train  # fmt: skip
+        calibration = window_batches(windows, 4)
+    shared = {
+        "tokenizer": tokenizer,
+        "trials": trials,
+        "second_turn": second_turn,
+        "held_out": held_out,
+        "calibration": calibration,
+        "bytes_of": bytes_of,
+        "bytes_of_at": bytes_of_at,
+        "original": original,
+    }
+
+    rows = [Row("original", "full KV cache", [])]
+    if QUANTIZED in settings.methods:
+        rows += [
+            Row(QUANTIZED, f"int{bits} (KIVI, groups of 32, residual 128)", [QuantizedKVConfig(bits=bits)])
+            for bits in settings.bits
+        ]
+    retrieval_heads: dict[int, list[tuple[int, int]]] = {}
+    if COMPRESSED in settings.methods or KVPRESS in settings.methods:
+        counts = (
+            [count for count in settings.retrieval_head_counts if count]
+            if COMPRESSED in settings.methods
+            else []
+        )
+        if counts:
+            scores, _ = passkey_retrieval_scores(
+                original, tokenizer, sentences, context=context, seed=settings.seed
+            )
+            retrieval_heads = {count: top_heads(scores, count) for count in counts}
+        if 0 in settings.retrieval_head_counts or KVPRESS in settings.methods:
+            retrieval_heads = {0: []} | retrieval_heads
+        compressed = compressed_rows(config, settings, retrieval_heads, bytes_of)
+        rows += compressed if COMPRESSED in settings.methods else []
+    if LATENT in settings.methods:
+        rows += latent_rows(config, settings, bytes_of)
+
+    points = [_measure(row, original, settings, shared, echo) for row in rows]
+    if LLAMA_CPP in settings.methods:
+        points += _llama_cpp_points(settings, shared, echo)
+    if KVPRESS in settings.methods:
+        points += _kvpress_points(compressed, model_path, settings, shared, echo)
+    return {
+        "model": str(model_path),
+        "budgets": list(settings.budgets),
+        "window": settings.window,
+        "lengths": list(settings.lengths),
+        "trials": settings.trials,
+        "second_turn_gap": settings.second_turn_gap,
+        "second_turn_trials": len(second_turn),
+        "perplexity_lengths": list(settings.perplexity_lengths),
+        "scored_tokens": settings.scored_tokens,
+        "chunk": settings.chunk,
+        "held_out_windows": settings.held_out_windows,
+        "state_context": settings.state_context,
+        "points": points,
+        "best_per_budget": [
+            {
+                "budget": entry["budget"],
+                "method": None if entry["point"] is None else entry["point"]["method"],
+                "label": None if entry["point"] is None else entry["point"]["label"],
+            }
+            for entry in best_per_budget(
+                {
+                    "points": points,
+                    "budgets": list(settings.budgets),
+                    "perplexity_lengths": list(settings.perplexity_lengths),
+                    "lengths": list(settings.lengths),
+                }
+            )
+        ],  # fmt: skip
+    }
+
+
+if __name__ == "__main__":
+    from headkit.bench.registry import run_as_script
+
+    run_as_script("frontier")
+
+__all__ = [
+    "FrontierBenchSettings",
+    "best_per_budget",
+    "frontier_table",
+    "largest_fitting",
+    "run_frontier_benchmark",
+]

@@ -1,0 +1,270 @@
+"""``headkit compress MODEL --kv-budget 1/8``: the model's key/value cache in a fraction of its bytes, no training.
+
+The budget is a fraction of the original's bfloat16 key/value bytes at ``--kv-budget-context`` tokens (the
+model's context by default). :func:`cache_plan` chooses the configuration from the 🤗 config alone — before any
+weight is read — in the order the measurements rank them (``headkit bench frontier``; docs/compressed-cache.md):
+
+1. 8-bit storage (:class:`~headkit.surgery.quantized_cache.QuantizedKVConfig`, KIVI), where it fits: perplexity
+   1.000× on SmolLM2 at 0.56 of the bytes;
+2. 4-bit storage, where it fits: 1.006× at 0.31;
+3. below that, the compressed cache (:class:`~headkit.surgery.compressed_cache.CompressedCacheConfig`): sinks, a
+   window of at most 256 tokens and the most question-chosen keys per head that fit.
+
+``--kv-bits`` asks for quantized storage whatever the budget (refused where it alone does not fit: the compressed
+cache's own quantized storage is not built yet). The conversion is checked on the loaded model, applied with
+:func:`headkit.apply_`, measured — perplexity of held-out text read through the cache against the original's — and
+saved with its record, so :func:`headkit.from_pretrained` rebuilds it; the report states the configuration and
+its bytes per token at 8,192 tokens.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from headkit.errors import HeadkitError
+from headkit.evaluation.quality import continuation_perplexity
+from headkit.recipes.steps import Steps
+from headkit.runs.models import CAUSAL_LM
+from headkit.runs.text import held_out_by_length, load_text
+from headkit.surgery.apply import apply_, bytes_per_token
+from headkit.surgery.compressed_cache import CompressedCacheConfig
+from headkit.surgery.quantized_cache import QuantizedKVConfig
+
+REPORTED_CONTEXT = 8192  # the report's bytes per token are stated at this context, whatever the budget's
+LARGEST_WINDOW, SINKS, OBSERVATION = 256, 4, 32
+# the measurement: the last tokens (at most 256, half the window) of two held-out windows, fed 16 at a time
+SCORED_TOKENS, CHUNK = 256, 16
+
+
+def parse_fraction(text: Any) -> float:
+    """``"1/8"``, ``"0.125"`` or a number in (0, 1]: the budget as a float; anything else refused naming
+    --kv-budget."""
+    try:
+        value = float(Fraction(str(text).strip()))
+    except (ValueError, ZeroDivisionError):
+        raise HeadkitError(
+            f"--kv-budget must be a fraction in (0, 1] such as 1/8 or 0.125, got {text!r}"
+        ) from None
+    if not 0 < value <= 1:
+        raise HeadkitError(f"--kv-budget must be a fraction in (0, 1] such as 1/8 or 0.125, got {text!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class CachePlan:
+    """The configuration chosen for a budget: the configs applied in order, their bfloat16 bytes per token at the
+    budget's context and at :data:`REPORTED_CONTEXT`, the original's at both, and why it was chosen."""
+
+    configs: tuple[Any, ...]
+    budget: float
+    context: int
+    bytes_per_token: float
+    original_bytes_per_token: float
+    bytes_per_token_8192: float
+    original_bytes_per_token_8192: float
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "configs": [{"config": type(c).__name__} | c.record() for c in self.configs],
+            "budget": self.budget,
+            "context": self.context,
+            "bytes_per_token": self.bytes_per_token,
+            "original_bytes_per_token": self.original_bytes_per_token,
+            "fraction": self.bytes_per_token / self.original_bytes_per_token,
+            "bytes_per_token_8192": self.bytes_per_token_8192,
+            "original_bytes_per_token_8192": self.original_bytes_per_token_8192,
+            "reason": self.reason,
+        }
+
+
+def _compressed(tokens: int) -> CompressedCacheConfig:
+    """The compressed cache keeping `tokens` per head beyond the sinks: a window of half of them (at most
+    :data:`LARGEST_WINDOW`), the rest chosen by the question."""
+    window = max(1, min(LARGEST_WINDOW, tokens // 2))
+    return CompressedCacheConfig(
+        window=window, sinks=SINKS, budget=max(0, tokens - window), observation=min(OBSERVATION, window)
+    )
+
+
+def cache_plan(model_config: Any, budget: float, context: int, *, bits: int | None = None) -> CachePlan:
+    """The configuration for `budget` (a fraction of the original's bfloat16 KV bytes at `context` tokens) of a
+    model with the 🤗 `model_config` (module docstring); refused in one line naming --kv-budget (or --kv-bits)
+    where nothing fits."""
+
+    def per_token(configs: list[Any], at: int = context) -> float:
+        value = bytes_per_token(model_config, configs, bytes_per_number=2, context=at)
+        if value is None:
+            raise HeadkitError("--kv-budget needs a config that states its attention widths")
+        return value
+
+    original = per_token([])
+    target = budget * original
+    if bits is not None:
+        chosen = [QuantizedKVConfig(bits=bits)]
+        chosen[0].check(model_config)
+        if per_token(chosen) > target:
+            raise HeadkitError(
+                f"--kv-bits {bits} alone keeps {per_token(chosen) / original:.3f} of the bytes, more than --kv-budget "
+                f"{budget:.4g}; leave --kv-bits out (the compressed cache fits) or raise the budget"
+            )
+        reason = f"--kv-bits {bits}"
+    else:
+        chosen, reason = None, ""
+        for bits_tried in (8, 4):
+            candidate = [QuantizedKVConfig(bits=bits_tried)]
+            try:
+                candidate[0].check(model_config)
+            except HeadkitError:
+                continue
+            if per_token(candidate) <= target:
+                chosen, reason = (
+                    candidate,
+                    f"{bits_tried}-bit storage fits the budget (measured the best there)",
+                )
+                break
+        if chosen is None:
+            chosen = _largest_compressed(per_token, target, context, budget, original)
+            made = chosen[0]
+            reason = (
+                f"below what 4-bit storage keeps: the compressed cache, {made.sinks + made.window + made.budget} "
+                f"tokens per head of {context}"
+            )
+    for config in chosen:
+        config.check(model_config)
+    return CachePlan(
+        configs=tuple(chosen),
+        budget=budget,
+        context=context,
+        bytes_per_token=per_token(chosen),
+        original_bytes_per_token=original,
+        bytes_per_token_8192=per_token(chosen, REPORTED_CONTEXT),
+        original_bytes_per_token_8192=per_token([], REPORTED_CONTEXT),
+        reason=reason,
+    )
+
+
+def _largest_compressed(
+    per_token: Callable[[list[Any]], float], target: float, context: int, budget: float, original: float
+) -> list[Any]:
+    """The compressed cache with the most tokens per head within `target` bytes per token (the bytes grow with
+    the tokens kept)."""
+    low, high = 1, context
+    if per_token([_compressed(low)]) > target:
+        smallest = per_token([_compressed(low)]) / original
+        raise HeadkitError(
+            f"--kv-budget {budget:.4g} is below the smallest cache this model can keep at {context} tokens "
+            f"({smallest:.4g} of its bytes: {SINKS} sinks and one token per head); raise it or "
+            "--kv-budget-context"
+        )
+    while low < high:
+        middle = (low + high + 1) // 2
+        if per_token([_compressed(middle)]) <= target:
+            low = middle
+        else:
+            high = middle - 1
+    return [_compressed(low)]
+
+
+def budget_context(settings: Any, model_config: Any) -> int:
+    """--kv-budget-context, or the model's context (its ``max_position_embeddings``), or 8,192."""
+    if settings.kv_budget_context is not None:
+        return settings.kv_budget_context
+    text = model_config.get_text_config() if hasattr(model_config, "get_text_config") else model_config
+    return int(getattr(text, "max_position_embeddings", None) or REPORTED_CONTEXT)
+
+
+class CacheBudgetSteps(Steps):
+    """``headkit compress --kv-budget``: the plan checked on the loaded model, applied, measured; no repair and no
+    training (nothing is learned)."""
+
+    result_name = "compressed"
+
+    def check(self) -> None:
+        settings = self.settings
+        if not self.loaded.is_causal_lm:
+            raise HeadkitError("--kv-budget compresses the key/value cache of a causal LM")
+        config = self.teacher.config
+        self.plan = cache_plan(
+            config,
+            parse_fraction(settings.kv_budget),
+            budget_context(settings, config),
+            bits=settings.kv_bits,
+        )
+        for step in self.plan.configs:
+            step.check(self.teacher)
+
+    def data(self) -> None:
+        settings = self.settings
+        length = settings.eval_window or min(2048, self.plan.context)
+        corpus = load_text(settings.data)
+        self.held_out = held_out_by_length(self.tokenizer, corpus, (length,), 2, settings.seed)[length]
+        self.length, self.scored = length, min(SCORED_TOKENS, length // 2)
+        self.perplexity_original = self._perplexity(self.teacher)
+
+    def _perplexity(self, model: Any) -> float:
+        return continuation_perplexity(model, self.held_out, scored=self.scored, chunk=CHUNK)
+
+    def convert(self) -> None:
+        started = time.perf_counter()
+        self.student = copy.deepcopy(self.teacher)
+        apply_(self.student, list(self.plan.configs))
+        self.convert_seconds = time.perf_counter() - started
+        self.echo(f"{self.plan.reason}: {', '.join(type(c).__name__ for c in self.plan.configs)}")
+
+    def recover(self) -> None:
+        return None
+
+    def measure(self) -> None:
+        converted = self._perplexity(self.student)
+        plan = self.plan
+        self.report |= {
+            "method": "kv_budget",
+            "kind": CAUSAL_LM,
+            "plan": plan.to_dict(),
+            "kv_bytes_per_token_8192": plan.bytes_per_token_8192,
+            "kv_bytes_per_token_8192_original": plan.original_bytes_per_token_8192,
+            "perplexity_window": self.length,
+            "perplexity_scored_tokens": self.scored,
+            "perplexity_original": self.perplexity_original,
+            "perplexity": converted,
+            "perplexity_ratio": converted / self.perplexity_original,
+            "convert_seconds": self.convert_seconds,
+            "recovery_steps": 0,
+        }
+
+
+def format_budget_report(report: dict[str, Any]) -> str:
+    """The printed lines of a --kv-budget report."""
+    plan = report["plan"]
+    lines = [
+        f"KV budget {plan['budget']:.4g} of the original's bfloat16 bytes at {plan['context']} tokens: "
+        + "; ".join(
+            f"{entry['config']}({', '.join(f'{k}={v}' for k, v in entry.items() if k not in ('config', 'op'))})"
+            for entry in plan["configs"]
+        ),
+        f"why: {plan['reason']}",
+        f"bytes per token at 8,192 tokens: {plan['original_bytes_per_token_8192']:,.0f} -> "
+        f"{plan['bytes_per_token_8192']:,.0f} ({plan['bytes_per_token_8192'] / plan['original_bytes_per_token_8192']:.3f})",
+        f"perplexity of the last {report['perplexity_scored_tokens']} tokens of {report['perplexity_window']}-token "
+        f"held-out windows, read through the cache: original {report['perplexity_original']:.3f}, compressed "
+        f"{report['perplexity']:.3f} ({report['perplexity_ratio']:.3f}x)",
+    ]
+    if "seconds" in report:
+        lines.append(f"saved to {report['out']} in {report['seconds']:.0f} s")
+    return "\n".join(lines)
+
+
+__all__ = [
+    "CacheBudgetSteps",
+    "CachePlan",
+    "budget_context",
+    "cache_plan",
+    "format_budget_report",
+    "parse_fraction",
+]

@@ -1,0 +1,115 @@
+"""`headkit bench frontier` on a tiny causal LM: every method's rows at the budgets they reach, bytes from the
+configs within each budget, the best per budget, results keys, table, plots — and the refusals before any work."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from headkit.bench.frontier import largest_fitting
+from headkit.cli import main
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from results_keys import assert_results_keys  # noqa: E402
+
+TINY = [
+    "--budgets", "2,4", "--lengths", "160", "--trials", "2", "--retrieval-head-counts", "0,1", "--window", "16",
+    "--observation", "8", "--second-turn-gap", "40", "--perplexity-lengths", "64", "--scored-tokens", "16",
+    "--chunk", "4", "--held-out-windows", "1", "--calibration-windows", "2", "--group-size", "8",
+    "--residual", "8", "--state-context", "200", "--threads", "1",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, save_tiny_causal_lm):
+    return save_tiny_causal_lm(tmp_path_factory.mktemp("tiny") / "llama")
+
+
+def test_every_method_fits_its_budget_and_the_best_is_chosen_among_them(tiny, tmp_path, capsys):
+    out = tmp_path / "frontier"
+    main(
+        [
+            "bench",
+            "frontier",
+            "--model",
+            str(tiny),
+            "--methods",
+            "quantized,compressed,latent",
+            *TINY,
+            "--out",
+            str(out),
+        ]
+    )
+    results = json.loads((out / "results.json").read_text())
+    points = results["points"]
+    original = points[0]
+    assert original["method"] == "original" and original["fraction_inverse"] == 1
+    methods = [p["method"] for p in points]
+    assert methods.count("quantized") == 2  # int8, int4: one point each, whatever the budgets
+    # compressed: per budget and retrieval-head count; latent: per budget it reaches
+    assert methods.count("compressed") == 4 and methods.count("latent") == 2
+    for point in points[1:]:
+        assert point["bytes"] < original["bytes"]
+        if point["budget"] is not None:
+            assert point["bytes"] <= original["bytes"] / point["budget"] + 1e-6, point["label"]
+        assert point["perplexity_64"] > 1 and 0 <= point["passkey_160"]["accuracy"] <= 1
+    int8, int4 = (p for p in points if p["method"] == "quantized")
+    assert int4["bytes"] < int8["bytes"]
+    with_heads = [p for p in points if p["method"] == "compressed" and p["label"].endswith("R=1")]
+    without = [p for p in points if p["method"] == "compressed" and p["label"].endswith("R=0")]
+    for one, none in zip(
+        with_heads, without, strict=True
+    ):  # a retrieval head's full cache leaves fewer tokens
+        assert one["records"][0]["budget"] < none["records"][0]["budget"]
+    for entry in results["best_per_budget"]:
+        fitting = [p for p in points if p["bytes"] <= original["bytes"] / entry["budget"] + 1e-6]
+        best = min(fitting, key=lambda p: p["perplexity_64"])
+        assert (entry["method"], entry["label"]) == (best["method"], best["label"])
+    table = (out / "table.md").read_text()
+    assert "Best measured per budget" in table and "ppl @64" in table
+    assert (out / "perplexity.png").stat().st_size > 0 and (out / "passkey.png").stat().st_size > 0
+    assert_results_keys("frontier", results)
+    assert "latent R=" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python (the llamacpp extra)"
+)
+def test_llama_cpp_rows_keep_its_cache_at_f16_q8_0_and_q4_0(tiny, tmp_path):
+    out = tmp_path / "frontier"
+    main(["bench", "frontier", "--model", str(tiny), "--methods", "llama.cpp", *TINY, "--out", str(out)])
+    points = json.loads((out / "results.json").read_text())["points"]
+    assert [p["label"] for p in points] == ["full KV cache", "KV f16", "KV q8_0", "KV q4_0"]
+    original, f16, q8, q4 = points
+    assert f16["bytes"] == original["bytes"] and q8["bytes"] == original["bytes"] * 34 / 64
+    assert q4["bytes"] == original["bytes"] * 18 / 64
+    # llama.cpp at f16 reads the same weights: its perplexity is headkit's float32 one within f16's rounding
+    assert f16["perplexity_64"] == pytest.approx(original["perplexity_64"], rel=0.02)
+    assert all(p["passkey_160"]["trials"] == 2 for p in points)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--bits", "3"], "bits must be one of"),
+        (["--methods", "kvpress"], "--kvpress-python"),
+        (["--methods", "telepathy"], "--methods"),
+        (["--scored-tokens", "64"], "--scored-tokens must be shorter"),
+        (["--budgets", "1"], "--budgets"),
+    ],
+)
+def test_bad_options_are_refused_in_one_line_before_any_work(tiny, tmp_path, capsys, options, message):
+    out = tmp_path / "frontier"
+    with pytest.raises(SystemExit) as exited:
+        main(["bench", "frontier", "--model", str(tiny), *TINY, *options, "--out", str(out)])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_largest_fitting_is_the_largest_n_within_the_target():
+    assert largest_fitting(lambda n: [n], lambda c: 10 + 3 * c[0], 40, 100) == 10
+    assert largest_fitting(lambda n: [n], lambda c: 10 + 3 * c[0], 9, 100) is None
+    assert largest_fitting(lambda n: [n], lambda c: 10 + 3 * c[0], 10**6, 100) == 100

@@ -1,0 +1,117 @@
+"""`headkit compress --kv-budget`: the configuration chosen from the 🤗 config for a budget (8-bit, then 4-bit
+storage, then the largest compressed cache that fits), refused before any weight where nothing fits; the run
+applies it, measures it, and saves a folder that headkit.from_pretrained reloads with the same logits."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+import headkit
+from headkit.cli import main
+from headkit.errors import HeadkitError
+from headkit.recipes.cache_budget import cache_plan, parse_fraction
+from headkit.surgery import CompressedCacheConfig, QuantizedKVConfig, bytes_per_token
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "surgery"))
+from family_models import save_family_model  # noqa: E402
+
+CONFIG = LlamaConfig(
+    hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=64, vocab_size=128, max_position_embeddings=8192,
+)  # fmt: skip
+
+
+def test_fractions_are_read_and_bad_ones_refused_naming_the_option():
+    assert parse_fraction("1/8") == 0.125 and parse_fraction("0.5") == 0.5 and parse_fraction(1) == 1.0
+    for bad in ("0", "3/2", "x", "1/0", "-1/4"):
+        with pytest.raises(HeadkitError, match=r"--kv-budget must be a fraction in \(0, 1\]"):
+            parse_fraction(bad)
+
+
+def test_the_plan_is_8_bits_then_4_bits_then_the_largest_compressed_cache_that_fits():
+    original = bytes_per_token(CONFIG, context=8192)
+    plan = cache_plan(CONFIG, 0.6, 8192)
+    assert plan.configs == (QuantizedKVConfig(bits=8),) and plan.bytes_per_token <= 0.6 * original
+    plan = cache_plan(CONFIG, 0.4, 8192)
+    assert plan.configs == (QuantizedKVConfig(bits=4),) and plan.bytes_per_token <= 0.4 * original
+    plan = cache_plan(CONFIG, 1 / 8, 8192)
+    (made,) = plan.configs
+    assert isinstance(made, CompressedCacheConfig)
+    assert plan.bytes_per_token <= original / 8
+    kept = made.sinks + made.window + made.budget
+    assert kept == 1024  # 1/8 of 8,192 tokens, every head compressed alike
+    bigger = CompressedCacheConfig(window=made.window, sinks=made.sinks, budget=made.budget + 1)
+    assert bytes_per_token(CONFIG, bigger, context=8192) > original / 8  # the most that fits
+    assert plan.bytes_per_token_8192 == plan.bytes_per_token and plan.to_dict()["fraction"] <= 1 / 8
+    # at a shorter context the same fraction keeps fewer tokens
+    (short,) = cache_plan(CONFIG, 1 / 8, 2048).configs
+    assert short.sinks + short.window + short.budget == 256
+
+
+def test_budgets_nothing_fits_and_bits_that_do_not_fit_are_refused():
+    with pytest.raises(HeadkitError, match=r"--kv-budget 1e-05 is below the smallest cache"):
+        cache_plan(CONFIG, 1e-5, 8192)
+    with pytest.raises(
+        HeadkitError, match=r"--kv-bits 8 alone keeps 0\.5\d+ of the bytes, more than --kv-budget"
+    ):
+        cache_plan(CONFIG, 1 / 8, 8192, bits=8)
+    assert cache_plan(CONFIG, 0.4, 8192, bits=4).configs == (QuantizedKVConfig(bits=4),)
+
+
+def _refused(args, capsys) -> str:
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    assert exited.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1
+    return errors[0]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        (["--kv-budget", "3"], "--kv-budget must be a fraction in (0, 1]"),
+        (
+            ["--kv-budget", "1/8", "--kv-rank", "8"],
+            "--kv-budget chooses the cache itself, without training: drop --kv-rank",
+        ),
+        (["--kv-bits", "8"], "--kv-bits goes with --kv-budget"),
+        (["--kv-budget", "1/8", "--kv-bits", "5"], "bits must be one of {4, 8}"),
+        (["--kv-budget", "1/100000"], "is below the smallest cache"),
+    ],
+)
+def test_bad_budgets_exit_2_in_one_line_before_loading_weights(
+    tmp_path, capsys, monkeypatch, options, message
+):
+    folder = save_family_model("llama", tmp_path / "llama")
+    recipe = sys.modules["headkit.recipes.steps"]
+    monkeypatch.setattr(
+        recipe, "load_model", lambda *a, **k: pytest.fail("weights were loaded before the refusal")
+    )
+    out = tmp_path / "out"
+    assert message in _refused(["compress", str(folder), *options, "--out", str(out)], capsys)
+    assert not out.exists()
+
+
+def test_a_budget_run_saves_what_from_pretrained_reloads(save_tiny_causal_lm, tmp_path, capsys):
+    folder = save_tiny_causal_lm(tmp_path / "tiny")
+    out = tmp_path / "budget"
+    main(["compress", str(folder), "--kv-budget", "1/4", "--eval-window", "200", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "KV budget 0.25" in printed and "compressed cache" in printed
+    report = json.loads((out / "report.json").read_text())
+    plan = report["plan"]
+    assert plan["configs"][0]["config"] == "CompressedCacheConfig" and plan["fraction"] <= 0.25
+    assert report["perplexity"] > 1 and report["perplexity_original"] > 1
+    reloaded = headkit.from_pretrained(out)
+    assert [entry["op"] for entry in reloaded.config.headkit_surgery] == ["compressed_cache"]
+    tokens = torch.randint(3, reloaded.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    fresh = headkit.from_pretrained(folder)
+    headkit.apply_(fresh, CompressedCacheConfig.from_record(plan["configs"][0]))
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, fresh(tokens).logits)
