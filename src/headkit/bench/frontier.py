@@ -565,10 +565,10 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
 
     rows = [Row("original", "full KV cache", [])]
     if QUANTIZED in settings.methods:
-        rows += [
-            Row(QUANTIZED, f"int{bits} (KIVI, groups of 32, residual 128)", [QuantizedKVConfig(bits=bits)])
-            for bits in settings.bits
-        ]
+        for bits in settings.bits:
+            made = _quantized(settings, bits)
+            made.check(config)
+            rows.append(Row(QUANTIZED, f"int{bits} g{made.group_size} r{made.residual}", [made]))
     retrieval_heads: dict[int, list[tuple[int, int]]] = {}
     if COMPRESSED in settings.methods or KVPRESS in settings.methods:
         counts = (
