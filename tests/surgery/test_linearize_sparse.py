@@ -52,7 +52,7 @@ def test_step_by_step_decoding_equals_the_parallel_form_and_generate_agrees():
             out = model(tokens[:, t : t + 1], **cache_keyword(cache), use_cache=True)
             steps.append(out.logits[:, -1])
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 10:-1], atol=1e-4, rtol=1e-4)
-    assert isinstance(cache.layers[0].state, SparseHybridState)
+    assert isinstance(cache.layers[0].get_state(), SparseHybridState)
     prompt = tokens[:1, :9]
     cached = model.generate(prompt, max_new_tokens=25, do_sample=False, use_cache=True)
     uncached = model.generate(prompt, max_new_tokens=25, do_sample=False, use_cache=False)

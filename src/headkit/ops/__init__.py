@@ -13,10 +13,7 @@ from headkit.ops.hybrid import (
     HybridAttentionState,
     HybridRingState,
     hybrid_attention,
-    hybrid_attention_ring_step_,
-    hybrid_attention_step,
-    hybrid_ring_from_state,
-    hybrid_state_from_ring,
+    hybrid_attention_step_,
 )
 from headkit.ops.linear import LinearAttentionState, linear_attention, linear_attention_step
 from headkit.ops.registry import KERNELS, KernelSpec, register_kernel
@@ -24,9 +21,11 @@ from headkit.ops.rotary import apply_rotary, rope_inverse_frequencies, rotary_co
 from headkit.ops.softmax import eager_attention, softmax_attention
 from headkit.ops.sparse_hybrid import (
     SparseHybridState,
+    ring_from_state,
     sparse_hybrid_attention,
-    sparse_hybrid_attention_step,
+    sparse_hybrid_attention_step_,
     sparse_hybrid_exact_sets,
+    state_from_ring,
 )
 
 __all__ = [
@@ -47,10 +46,7 @@ __all__ = [
     "get_feature_map",
     "hedgehog_feature_map",
     "hybrid_attention",
-    "hybrid_attention_ring_step_",
-    "hybrid_attention_step",
-    "hybrid_ring_from_state",
-    "hybrid_state_from_ring",
+    "hybrid_attention_step_",
     "linear_attention",
     "linear_attention_step",
     "register_feature_map",
@@ -60,6 +56,8 @@ __all__ = [
     "softmax_attention",
     "SparseHybridState",
     "sparse_hybrid_attention",
-    "sparse_hybrid_attention_step",
+    "sparse_hybrid_attention_step_",
+    "ring_from_state",
+    "state_from_ring",
     "sparse_hybrid_exact_sets",
 ]

@@ -26,10 +26,11 @@ linear attention over the keys delayed by W − 1 positions, strictly before the
 when j + W − 1 < i, i.e. j ≤ i − W): an exclusive prefix sum of per-chunk states S = Σ φ(k) vᵀ, z = Σ φ(k)
 plus a strictly lower [C, C] block inside the chunk, as in :mod:`headkit.ops.linear`. Memory O(T · (C + W)) per head, time O(T · (C + W) · D + T · F · Dv).
 
-Decoding, :func:`hybrid_attention_step`: the state (:class:`HybridAttentionState`) is the last W − 1 keys,
+Decoding, :func:`hybrid_attention_step_`: the state (:class:`HybridAttentionState`) is the last W − 1 keys,
 values and key features with their padding flags, plus (S, z) over every earlier key — fixed-size whatever the
-context length. A step prepends the stored window to the new tokens and runs the same computation, so decoding
-continues the parallel form exactly.
+context length. The one decoding step keeps it as a ring (:class:`HybridRingState`; token p in slot
+p mod (W − 1)) that it updates in place: the new token takes the oldest key's slot and the oldest key moves into
+(S, z). The eager cache and the compiled decoder run the same step; decoding continues the parallel form exactly.
 """
 
 from __future__ import annotations
@@ -105,7 +106,7 @@ def hybrid_attention(
         chunk_size: queries per chunk of the parallel form (a speed/memory knob; results agree up to rounding).
         scale: score scale of the window, 1/√D by default.
         initial_state: the state after earlier tokens (from ``output_final_state=True`` or
-            :func:`hybrid_attention_step`); None = no earlier token.
+            :func:`headkit.ops.sparse_hybrid.state_from_ring` after decoding steps); None = no earlier token.
         output_final_state: also return the state after the last token.
         eps: added to the denominator; a query that sees no real key returns zeros.
         validate: False skips the checks, for a caller (a layer) that built the inputs itself: a bool mask or
@@ -121,38 +122,6 @@ def hybrid_attention(
         check_positive_int("chunk_size", chunk_size)
     out, final = hybrid_chunked(q, k, v, qf, kf, balance, keep, state, window, chunk_size, scale, eps)
     return out, (final if output_final_state else None)
-
-
-def hybrid_attention_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    qf: torch.Tensor,
-    kf: torch.Tensor,
-    balance: torch.Tensor,
-    state: HybridAttentionState | None,
-    *,
-    window: int,
-    attention_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    eps: float = 1e-6,
-    validate: bool = True,
-) -> tuple[torch.Tensor, HybridAttentionState]:
-    """Decode a few new tokens (usually one) from ``state``: [B, H, n, ·] inputs as in :func:`hybrid_attention`.
-
-    The stored W − 1 keys and the n new ones form one chunk: O(n · (n + W) · D + n · F · Dv) work, whatever the
-    context length. Returns (out [B, H, n, Dv], the state including the new tokens); decoding a sequence step by
-    step gives the parallel form's output.
-
-    ``validate=False`` skips every check, for a caller that built the inputs itself and passes a state this
-    op returned (or None), a bool mask or None, and a float ``scale``: a decoding step of a small model is made
-    of per-call overheads.
-    """
-    inputs = (q, k, v, qf, kf, balance, window, attention_mask)
-    keep, state, scale = prepared_hybrid_inputs(*inputs, state, "state", scale, eps, validate)
-    if q.shape[2] == 1:
-        return hybrid_one_token(q, k, v, qf, kf, balance, keep, state, scale, eps)
-    return hybrid_chunked(q, k, v, qf, kf, balance, keep, state, window, max(1, q.shape[2]), scale, eps)
 
 
 def naive_hybrid_attention(
@@ -293,38 +262,6 @@ def hybrid_chunked(
     return out, final
 
 
-def hybrid_one_token(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    qf: torch.Tensor,
-    kf: torch.Tensor,
-    balance: torch.Tensor,
-    keep: torch.Tensor | None,
-    state: HybridAttentionState,
-    scale: float,
-    eps: float,
-) -> tuple[torch.Tensor, HybridAttentionState]:
-    """One decoding step on validated inputs: :func:`_hybrid` specialised to a single new token.
-
-    The same arithmetic as a chunk of one query, without the chunking machinery (padding to whole chunks,
-    unfolded views, band masks, prefix sums): at batch 1 a step of a small model is bound by the number of
-    operations, not by their size, so this is what decoding speed is made of. The stored W − 1 keys and the new
-    one are exactly the query's window; the oldest of them then leaves it for the linear state.
-    """
-    dtype = state.kv.dtype
-    with autocast_disabled(q.device):
-        keys, values, key_features, window_keep = window_with_new_token(state, k, v, kf, keep)
-        visible = window_keep[:, None, None, :]
-        out = attend_one_token(q, qf, balance, keys, values, visible, state.kv, state.k_sum, scale, eps)
-        # The oldest key of the window (if real) moves into the linear sums; the rest is the next state. Its
-        # outer product φ(k)vᵀ is a broadcast multiply: a [F, 1] @ [1, Dv] matmul costs more in dispatch.
-        leaving = key_features[:, :, 0].to(dtype) * window_keep[:, None, :1]  # [B, Hkv, F]
-        kv = torch.addcmul(state.kv, leaving.unsqueeze(-1), values[:, :, 0].to(dtype).unsqueeze(-2))
-        final = window_after_one_token(keys, values, key_features, window_keep, kv, state.k_sum + leaving)
-    return out, final
-
-
 def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     """Σ over earlier chunks (dim 2), the first chunk getting zeros."""
     before = torch.zeros_like(x[:, :, :1])
@@ -445,91 +382,6 @@ def window_state_after(
     )
 
 
-def window_with_new_token(
-    state: HybridAttentionState, k: torch.Tensor, v: torch.Tensor, kf: torch.Tensor, keep: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The whole window of a one-token step: the stored W − 1 keys, values and features and the new one
-    ([B, Hkv, W, ·], the inputs' dtypes), and its keep flags [B, W]."""
-    if keep is None:
-        keep = torch.ones(k.shape[0], 1, dtype=torch.bool, device=k.device)
-    return (
-        torch.cat([state.keys, k], dim=2),
-        torch.cat([state.values, v], dim=2),
-        torch.cat([state.key_features, kf], dim=2),
-        torch.cat([state.keep, keep.to(state.keep.device)], dim=1),
-    )
-
-
-def attend_one_token(
-    q: torch.Tensor,
-    qf: torch.Tensor,
-    balance: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    visible: torch.Tensor,
-    kv: torch.Tensor,
-    k_sum: torch.Tensor,
-    scale: float,
-    eps: float,
-) -> torch.Tensor:
-    """One query token [B, H, 1, D] over exact keys/values [B, Hkv, N, ·] (``visible`` [B, Hkv or 1, 1, N]) and
-    the linear sums (kv, k_sum), under one normaliser; accumulated in kv's dtype, returned [B, H, 1, Dv] in q's.
-    The G query heads of a key/value head are stacked as G rows."""
-    batch, q_heads = q.shape[:2]
-    kv_heads, dtype = keys.shape[1], kv.dtype
-    queries = q.reshape(batch, kv_heads, q_heads // kv_heads, q.shape[3]).to(dtype)
-    scores = (queries @ keys.to(dtype).transpose(-1, -2)) * scale  # [B, Hkv, G, N]
-    scores = scores.masked_fill(~visible, float("-inf"))
-    # No visible key gives max −inf; clamping it to a finite number leaves every weight exp(−inf) = 0.
-    m = scores.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(dtype).min)
-    weights = torch.exp(scores - m)
-    return _with_linear_term(
-        weights @ values.to(dtype), weights.sum(dim=-1, keepdim=True), q, qf, balance, kv, k_sum, eps
-    )
-
-
-def _with_linear_term(
-    numerator: torch.Tensor,
-    denominator: torch.Tensor,
-    q: torch.Tensor,
-    qf: torch.Tensor,
-    balance: torch.Tensor,
-    kv: torch.Tensor,
-    k_sum: torch.Tensor,
-    eps: float,
-) -> torch.Tensor:
-    """The one-token output [B, H, 1, Dv] in q's dtype from the exact terms' numerator [B, Hkv, G, Dv] and
-    denominator [B, Hkv, G, 1] (already in kv's dtype), plus γ_h times the linear term φ(q)ᵀ[S | z]."""
-    batch, q_heads = q.shape[:2]
-    kv_heads, groups, head_dim_v = numerator.shape[1], numerator.shape[2], numerator.shape[3]
-    query_features = qf.reshape(batch, kv_heads, groups, qf.shape[3]).to(kv.dtype)
-    gamma = balance.to(kv.dtype).view(1, kv_heads, groups, 1)
-    # The linear term's numerator and denominator in one matmul: [S | z] is [B, Hkv, F, Dv + 1].
-    linear = query_features @ torch.cat([kv, k_sum.unsqueeze(-1)], dim=-1)
-    numerator = torch.addcmul(numerator, gamma, linear[..., :head_dim_v])
-    denominator = torch.addcmul(denominator, gamma, linear[..., head_dim_v:])
-    return (numerator / (denominator + eps)).view(batch, q_heads, 1, head_dim_v).to(q.dtype)
-
-
-def window_after_one_token(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    key_features: torch.Tensor,
-    window_keep: torch.Tensor,
-    kv: torch.Tensor,
-    k_sum: torch.Tensor,
-) -> HybridAttentionState:
-    """The state after a one-token step: the window without its oldest key, and the sums."""
-    return HybridAttentionState(
-        keys=keys[:, :, 1:],
-        values=values[:, :, 1:],
-        key_features=key_features[:, :, 1:],
-        keep=window_keep[:, 1:],
-        kv=kv,
-        k_sum=k_sum,
-    )
-
-
 def prepared_hybrid_inputs(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -642,8 +494,8 @@ class HybridRingState(NamedTuple):
 
     keys, values, key_features, keep: the last W − 1 tokens as a ring: token p (0-based over the whole sequence)
         sits in slot p mod (W − 1), so the slot the next token writes holds the oldest key, the one that leaves
-        the window in that step. Window order does not matter to softmax; :func:`hybrid_state_from_ring` gives
-        back the ordered state.
+        the window in that step. Window order does not matter to softmax;
+        :func:`headkit.ops.sparse_hybrid.state_from_ring` gives back the ordered state.
     kv, k_sum: as in :class:`HybridAttentionState`.
     seen: int64 scalar tensor, the number of tokens the state summarises (a tensor, not an int, so that a
         compiled step reads it without being specialised on it).
@@ -658,8 +510,9 @@ class HybridRingState(NamedTuple):
     seen: torch.Tensor
 
 
-def hybrid_ring_from_state(state: HybridAttentionState, seen: int) -> HybridRingState:
-    """The ring buffers of an ordered state after ``seen`` tokens (new tensors; ``state`` is not touched)."""
+def window_ring(state: HybridAttentionState, seen: int) -> HybridRingState:
+    """The ring buffers of an ordered window state after ``seen`` tokens (new tensors; ``state`` is not
+    touched). The public pair is :func:`headkit.ops.sparse_hybrid.ring_from_state` / ``state_from_ring``."""
     kept = state.keys.shape[2]
     shift = seen % kept if kept else 0
 
@@ -678,7 +531,7 @@ def hybrid_ring_from_state(state: HybridAttentionState, seen: int) -> HybridRing
     )
 
 
-def hybrid_state_from_ring(ring: HybridRingState) -> HybridAttentionState:
+def window_state(ring: HybridRingState) -> HybridAttentionState:
     """The ordered :class:`HybridAttentionState` (oldest first) the ring buffers hold (new tensors)."""
     kept = ring.keys.shape[2]
     shift = -(int(ring.seen) % kept) if kept else 0
@@ -692,7 +545,7 @@ def hybrid_state_from_ring(ring: HybridRingState) -> HybridAttentionState:
     )
 
 
-def hybrid_attention_ring_step_(
+def hybrid_attention_step_(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -701,57 +554,78 @@ def hybrid_attention_ring_step_(
     balance: torch.Tensor,
     ring: HybridRingState,
     *,
-    scale: float,
+    window: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
     eps: float = 1e-6,
+    validate: bool = True,
 ) -> torch.Tensor:
-    """One decoding step of one real token [B, H, 1, ·] on ring buffers, updated in place; returns out
-    [B, H, 1, Dv]. The arithmetic of :func:`hybrid_attention_step` for one token (its reference, tested to give
-    the same outputs and states): the window is the ring's W − 1 keys plus the new one; then the oldest key (in
-    the slot the new token takes) moves into the linear sums. Nothing is validated: a fast path for a caller
-    that built the ring itself (:func:`hybrid_ring_from_state`)."""
-    kept, dtype = ring.keys.shape[2], ring.kv.dtype
+    """The decoding step of :func:`hybrid_attention`: one new token [B, H, 1, ·] (inputs as there), on the ring
+    buffers of :func:`headkit.ops.sparse_hybrid.ring_from_state`, updated in place; returns out [B, H, 1, Dv].
+
+    The query sees its window — the ring's W − 1 keys and its own — exactly and the sums (S, z) linearly, under
+    one normaliser (module docstring); then the oldest key (in the slot the new token takes) moves into the
+    sums, if real. O(W · D + F · Dv) work and no tensor re-concatenated, whatever the context: the same step
+    serves the eager cache and a compiled decoder (one graph, buffers at fixed addresses). Decoding token by
+    token gives the parallel form's outputs and state (tests). ``attention_mask`` [B, 1]: whether the new token
+    is real. ``window``: checked against the ring's when given. ``validate=False`` skips every check, for a
+    caller that built the ring itself."""
+    if validate:
+        check_step_inputs((q, k, v, qf, kf, balance), ring, window, attention_mask, scale, eps)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     with autocast_disabled(q.device):
-        window = [(ring.keys, ring.values, ring.keep[:, None, None, :])] if kept else []
-        out = attend_exact_sets_and_own_key(
-            q, k, v, qf, balance, window, ring.kv, ring.k_sum, scale=scale, eps=eps
-        )
-        leaving_keep, _, leaving_value, leaving_feature = advance_ring_window_(ring, k, v, kf)
-        leaving = leaving_feature.to(dtype) * leaving_keep[:, None, None]
-        ring.kv.addcmul_(leaving.unsqueeze(-1), leaving_value.to(dtype).unsqueeze(-2))
-        ring.k_sum.add_(leaving)
-        ring.seen.add_(1)
+        window, leaving = enter_window_(ring, k, v, kf, attention_mask)
+        out = attend_one_token(q, qf, balance, window, ring.kv, ring.k_sum, scale=scale, eps=eps)
+        leaving_keep, _, leaving_value, leaving_feature = leaving
+        fold_(ring, leaving_feature * leaving_keep[:, None, None], leaving_value)
     return out
 
 
-def advance_ring_window_(
-    ring: HybridRingState, k: torch.Tensor, v: torch.Tensor, kf: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Write one real token's key, value and key features [B, Hkv, 1, ·] into the ring's oldest slot, in place,
-    and return the token that left the window: (keep [B] bool, key [B, Hkv, D], value [B, Hkv, Dv], key
-    features [B, Hkv, F]), copies in the stored dtypes. A window of one keeps nothing: the new token leaves at
-    once. ``ring.seen`` and the sums are left to the caller."""
-    kept = ring.keys.shape[2]
-    if not kept:
-        keep = torch.ones(k.shape[0], dtype=torch.bool, device=k.device)
-        return keep, k[:, :, 0], v[:, :, 0], kf[:, :, 0]
-    slot = (ring.seen % kept).view(1)
-    leaving = (
-        ring.keep.index_select(1, slot)[:, 0],
-        ring.keys.index_select(2, slot)[:, :, 0],
-        ring.values.index_select(2, slot)[:, :, 0],
-        ring.key_features.index_select(2, slot)[:, :, 0],
-    )
-    ring.keys.index_copy_(2, slot, k.to(ring.keys.dtype))
-    ring.values.index_copy_(2, slot, v.to(ring.values.dtype))
-    ring.key_features.index_copy_(2, slot, kf.to(ring.key_features.dtype))
-    ring.keep.index_fill_(1, slot, True)
-    return leaving
-
-
-def attend_exact_sets_and_own_key(
-    q: torch.Tensor,
+def enter_window_(
+    ring: HybridRingState,
     k: torch.Tensor,
     v: torch.Tensor,
+    kf: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], tuple[torch.Tensor, ...]]:
+    """Write one token's key, value and key features [B, Hkv, 1, ·] into the ring's oldest slot, in place.
+
+    Returns (the query's window as exact sets for :func:`attend_one_token` — the ring after the write and the
+    key that leaves —, the leaving token: keep [B] bool, key [B, Hkv, D], value [B, Hkv, Dv] and key features
+    [B, Hkv, F] in the accumulation dtype). The leaving token is read before the write and its copies are what
+    the query scores, so the buffers are written before they are read (autograd keeps no overwritten tensor).
+    A window of one keeps nothing: the new token leaves at once. ``ring.seen`` and the sums are left to
+    :func:`fold_`."""
+    dtype, kept = ring.kv.dtype, ring.keys.shape[2]
+    keep = torch.ones(k.shape[0], 1, dtype=torch.bool, device=k.device)
+    keep = keep if attention_mask is None else attention_mask.to(device=k.device, dtype=torch.bool)
+    if kept:
+        slot = (ring.seen % kept).view(1)
+        key, value, feature = (x.index_select(2, slot) for x in (ring.keys, ring.values, ring.key_features))
+        leaving_keep = ring.keep.index_select(1, slot)
+        ring.keys.index_copy_(2, slot, k.to(ring.keys.dtype))
+        ring.values.index_copy_(2, slot, v.to(ring.values.dtype))
+        ring.key_features.index_copy_(2, slot, kf.to(ring.key_features.dtype))
+        ring.keep.index_copy_(1, slot, keep)
+    else:
+        key, value, feature, leaving_keep = k, v, kf, keep
+    window = [(ring.keys, ring.values, ring.keep[:, None, None, :])] if kept else []
+    window.append((key, value, leaving_keep[:, None, None, :]))
+    leaving = (leaving_keep[:, 0], key[:, :, 0], value[:, :, 0].to(dtype), feature[:, :, 0].to(dtype))
+    return window, leaving
+
+
+def fold_(ring: HybridRingState, feature: torch.Tensor, value: torch.Tensor) -> None:
+    """Add one key per head to the linear sums, in place: φ(k) [B, Hkv, F] (zeros for none) with its value
+    [B, Hkv, Dv]; the ring has then seen one more token. The outer product φ(k)vᵀ is a broadcast multiply: a
+    [F, 1] @ [1, Dv] matmul costs more in dispatch."""
+    ring.kv.addcmul_(feature.unsqueeze(-1), value.unsqueeze(-2))
+    ring.k_sum.add_(feature)
+    ring.seen.add_(1)
+
+
+def attend_one_token(
+    q: torch.Tensor,
     qf: torch.Tensor,
     balance: torch.Tensor,
     exact_sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
@@ -761,27 +635,61 @@ def attend_exact_sets_and_own_key(
     scale: float,
     eps: float,
 ) -> torch.Tensor:
-    """One real query token [B, H, 1, D] over its own key and value [B, Hkv, 1, ·], the exact sets (keys
-    [B, Hkv, N, D], values [B, Hkv, N, Dv], visible [B, Hkv or 1, 1, N] bool) and the linear sums (kv, k_sum),
-    under one normaliser: out [B, H, 1, Dv] in q's dtype, accumulated in kv's. The sets are scored apart, never
-    concatenated: a fixed-size step reads its buffers where they are (the ring window, sinks, a sparse cache)."""
+    """One query token [B, H, 1, D] over exact sets (keys [B, Hkv, N, D], values [B, Hkv, N, Dv], visible
+    [B, Hkv or 1, 1, N] bool) and the linear sums (kv, k_sum), under one normaliser: out [B, H, 1, Dv] in q's
+    dtype, accumulated in kv's. The G query heads of a key/value head are stacked as G rows. The sets are scored
+    apart, never concatenated: a fixed-size step reads its buffers where they are (the ring window, sinks, a
+    sparse cache)."""
     batch, q_heads = q.shape[:2]
-    kv_heads, dtype = k.shape[1], kv.dtype
-    queries = q.reshape(batch, kv_heads, q_heads // kv_heads, q.shape[3]).to(dtype)
-    new_value = v.to(dtype)
-    own_score = (queries @ k.to(dtype).transpose(-1, -2)) * scale  # [B, Hkv, G, 1]: always a real key
+    dtype = kv.dtype
+    kv_heads, head_dim_v = kv.shape[1], kv.shape[3]
+    groups = q_heads // kv_heads
+    queries = q.reshape(batch, kv_heads, groups, q.shape[3]).to(dtype)
     present = [(keys, values, visible) for keys, values, visible in exact_sets if keys.shape[2]]
     scores = [
         ((queries @ keys.to(dtype).transpose(-1, -2)) * scale).masked_fill(~visible, float("-inf"))
         for keys, _, visible in present
-    ]
-    m = own_score
-    for block in scores:
+    ]  # each [B, Hkv, G, N]
+    m = scores[0].amax(dim=-1, keepdim=True)
+    for block in scores[1:]:
         m = torch.maximum(m, block.amax(dim=-1, keepdim=True))
-    own_weight = torch.exp(own_score - m)
-    numerator, denominator = own_weight * new_value, own_weight
+    # No visible key gives max −inf; clamping it to a finite number leaves every weight exp(−inf) = 0.
+    m = m.clamp_min(torch.finfo(dtype).min)
+    numerator, denominator = 0, 0
     for block, (_, values, _) in zip(scores, present, strict=True):
         weights = torch.exp(block - m)
         numerator = numerator + weights @ values.to(dtype)
         denominator = denominator + weights.sum(dim=-1, keepdim=True)
-    return _with_linear_term(numerator, denominator, q, qf, balance, kv, k_sum, eps)
+    query_features = qf.reshape(batch, kv_heads, groups, qf.shape[3]).to(dtype)
+    gamma = balance.to(dtype).view(1, kv_heads, groups, 1)
+    # The linear term's numerator and denominator in one matmul: [S | z] is [B, Hkv, F, Dv + 1].
+    linear = query_features @ torch.cat([kv, k_sum.unsqueeze(-1)], dim=-1)
+    numerator = torch.addcmul(numerator, gamma, linear[..., :head_dim_v])
+    denominator = torch.addcmul(denominator, gamma, linear[..., head_dim_v:])
+    return (numerator / (denominator + eps)).view(batch, q_heads, 1, head_dim_v).to(q.dtype)
+
+
+def check_step_inputs(
+    tensors: tuple[torch.Tensor, ...],
+    ring: HybridRingState,
+    window: int | None,
+    attention_mask: torch.Tensor | None,
+    scale: float | None,
+    eps: float,
+) -> None:
+    """The checks of :func:`hybrid_attention` on one token's inputs ``tensors`` = (q, k, v, φ(q), φ(k), γ) and
+    on the ring's window fields (named ``state.<field>``)."""
+    check_one_token(tensors[0])
+    if not isinstance(ring, HybridRingState):
+        raise ValueError(f"the state must be a HybridRingState (ring_from_state), got {type(ring).__name__}")
+    window = ring.keys.shape[2] + 1 if window is None else window
+    prepared_hybrid_inputs(
+        *tensors, window, attention_mask, HybridAttentionState(*ring[:6]), "state", scale, eps, True
+    )
+
+
+def check_one_token(q: torch.Tensor) -> None:
+    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] != 1:
+        raise ValueError(
+            f"a decoding step takes one new token, got {q.shape[2]} (the parallel form takes more)"
+        )

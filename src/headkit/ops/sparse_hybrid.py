@@ -65,23 +65,22 @@ from headkit.ops.hybrid import (
     HybridAttentionState,
     HybridRingState,
     accumulation_dtype,
-    advance_ring_window_,
-    attend_exact_sets_and_own_key,
     attend_one_token,
+    check_one_token,
     chunk_grid,
     chunked_queries,
     empty_hybrid_state,
+    enter_window_,
     exclusive_cumsum,
     extended_inputs,
+    fold_,
+    hybrid_attention_step_,
     hybrid_chunked,
-    hybrid_one_token,
-    hybrid_ring_from_state,
-    hybrid_state_from_ring,
     prepared_hybrid_inputs,
-    window_after_one_token,
     window_block_scores,
+    window_ring,
+    window_state,
     window_state_after,
-    window_with_new_token,
 )
 
 
@@ -159,47 +158,6 @@ def sparse_hybrid_attention(
         q, k, v, qf, kf, balance, keep, state, window, sinks, budget, chunk_size, scale, eps, key_scores
     )
     return out, (final if output_final_state else None)
-
-
-def sparse_hybrid_attention_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    qf: torch.Tensor,
-    kf: torch.Tensor,
-    balance: torch.Tensor,
-    state: SparseHybridState | None,
-    *,
-    window: int,
-    sinks: int,
-    budget: int,
-    attention_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    eps: float = 1e-6,
-    validate: bool = True,
-    key_scores: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, SparseHybridState]:
-    """Decode a few new tokens (usually one) from ``state``; see :func:`sparse_hybrid_attention`. One token:
-    O((S + G + W) · D + F · Dv + G) work, whatever the context."""
-    state, keep, scale = _checked(
-        q, k, v, qf, kf, balance, window, sinks, budget, attention_mask, state, scale, eps, validate
-    )
-    if validate:
-        _check_key_scores(key_scores, k)
-    if q.shape[2] != 1:
-        chunk = max(1, q.shape[2])
-        if sinks == 0 and budget == 0:
-            out, final = hybrid_chunked(
-                q, k, v, qf, kf, balance, keep, state.window, window, chunk, scale, eps
-            )
-            return out, state._replace(window=final)
-        return _sparse_hybrid(
-            q, k, v, qf, kf, balance, keep, state, window, sinks, budget, chunk, scale, eps, key_scores
-        )
-    if sinks == 0 and budget == 0:
-        out, final = hybrid_one_token(q, k, v, qf, kf, balance, keep, state.window, scale, eps)
-        return out, state._replace(window=final)
-    return _sparse_one_token(q, k, v, qf, kf, balance, keep, state, sinks, budget, scale, eps, key_scores)
 
 
 def sparse_hybrid_exact_sets(
@@ -721,117 +679,6 @@ def _sparse_hybrid(
     return out, final
 
 
-def _sparse_one_token(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    qf: torch.Tensor,
-    kf: torch.Tensor,
-    balance: torch.Tensor,
-    keep: torch.Tensor | None,
-    state: SparseHybridState,
-    sinks: int,
-    budget: int,
-    scale: float,
-    eps: float,
-    key_scores: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, SparseHybridState]:
-    """One decoding step: the query sees [sinks, cache, window] exactly and the folded sums linearly; then the
-    oldest window key leaves: it fills the next sink slot, or competes for the cache (the worst of the kept keys
-    and the newcomer is folded)."""
-    kv_heads, head_dim_v, features = k.shape[1], v.shape[3], qf.shape[3]
-    base = state.window
-    dtype = base.kv.dtype
-    device = q.device
-    with autocast_disabled(device):
-        window_keys, window_values, window_features, window_keep = window_with_new_token(base, k, v, kf, keep)
-        keys = torch.cat([state.sink_keys, state.sparse_keys, window_keys], dim=2).to(dtype)
-        values = torch.cat([state.sink_values, state.sparse_values, window_values], dim=2).to(dtype)
-        visible = torch.cat(
-            [
-                state.sink_keep[:, None].expand(-1, kv_heads, -1),
-                state.sparse_keep,
-                window_keep[:, None].expand(-1, kv_heads, -1),
-            ],
-            dim=2,
-        )
-        out = attend_one_token(
-            q, qf, balance, keys, values, visible[:, :, None, :], base.kv, base.k_sum, scale, eps
-        )
-
-        # The oldest window key leaves.
-        leaving_keep = window_keep[:, 0]
-        leaving_key, leaving_value = window_keys[:, :, 0], window_values[:, :, 0]
-        leaving_feature = window_features[:, :, 0].to(dtype)
-        filled = state.sink_keep.sum(dim=1)
-        is_sink = leaving_keep & (filled < sinks)
-        sink_slot = (torch.arange(sinks, device=device) == filled[:, None]) & is_sink[:, None]  # [B, S]
-        sink_keys = torch.where(sink_slot[:, None, :, None], leaving_key[:, :, None], state.sink_keys)
-        sink_values = torch.where(sink_slot[:, None, :, None], leaving_value[:, :, None], state.sink_values)
-        eligible = (leaving_keep & ~is_sink)[:, None].expand(-1, kv_heads)  # [B, Hkv]
-
-        kv, k_sum = base.kv, base.k_sum
-        reference_kv, reference_k_sum = state.reference_kv, state.reference_k_sum
-        if budget == 0:
-            folded = leaving_feature * eligible[..., None]
-            kv = torch.addcmul(kv, folded.unsqueeze(-1), leaving_value.to(dtype).unsqueeze(-2))
-            k_sum = k_sum + folded
-            sparse = (state.sparse_keys, state.sparse_values, state.sparse_key_features)
-            sparse_keep, sparse_scores = state.sparse_keep, state.sparse_scores
-        else:
-            value = leaving_value.to(dtype)
-            if key_scores is not None:
-                # Given scores: the leaving key is the new one only with W = 1; a key of the window scores 0.
-                new_leaves = base.keys.shape[2] == 0
-                score = key_scores[:, :, 0].to(dtype) if new_leaves else value.new_zeros(value.shape[:2])
-            else:
-                recalled = (leaving_feature.unsqueeze(-2) @ reference_kv).squeeze(-2) / (
-                    (leaving_feature * reference_k_sum).sum(dim=-1, keepdim=True) + eps
-                )
-                score = (value - recalled).square().sum(dim=-1)
-                written = leaving_feature * eligible[..., None]
-                reference_kv = torch.addcmul(reference_kv, written.unsqueeze(-1), value.unsqueeze(-2))
-                reference_k_sum = reference_k_sum + written
-            score = score.masked_fill(~eligible, float("-inf"))
-            # Candidates oldest first: the kept keys, then the newcomer; the worst (lowest score, latest among
-            # equal ones — argmin of the reversed list finds the last minimum) leaves the cache.
-            candidate_scores = torch.cat([state.sparse_scores, score[..., None]], dim=2)
-            candidate_keep = torch.cat([state.sparse_keep, eligible[..., None]], dim=2)
-            worst = budget - torch.argmin(candidate_scores.flip(-1), dim=-1)  # [B, Hkv]
-            candidates = [
-                torch.cat([state.sparse_keys, leaving_key[:, :, None]], dim=2),
-                torch.cat([state.sparse_values, leaving_value[:, :, None]], dim=2),
-                torch.cat([state.sparse_key_features, window_features[:, :, :1]], dim=2),
-            ]
-            worst_keep = candidate_keep.gather(2, worst[..., None])[..., 0]
-            index = worst[..., None, None]
-            worst_feature = candidates[2].gather(2, index.expand(-1, -1, 1, features))[:, :, 0].to(dtype)
-            worst_value = candidates[1].gather(2, index.expand(-1, -1, 1, head_dim_v))[:, :, 0].to(dtype)
-            worst_feature = worst_feature * worst_keep[..., None]
-            kv = torch.addcmul(kv, worst_feature.unsqueeze(-1), worst_value.unsqueeze(-2))
-            k_sum = k_sum + worst_feature
-            slots = torch.arange(budget, device=device)
-            kept_index = slots + (slots >= worst[..., None])  # [B, Hkv, G]: every candidate but the worst
-            sparse = tuple(
-                x.gather(2, kept_index[..., None].expand(-1, -1, -1, x.shape[3])) for x in candidates
-            )
-            sparse_keep = candidate_keep.gather(2, kept_index)
-            sparse_scores = candidate_scores.gather(2, kept_index)
-
-        final = SparseHybridState(
-            window_after_one_token(window_keys, window_values, window_features, window_keep, kv, k_sum),
-            sink_keys,
-            sink_values,
-            state.sink_keep | sink_slot,
-            *sparse,
-            sparse_keep,
-            sparse_scores,
-            reference_kv,
-            reference_k_sum,
-        )
-    return out, final
-
-
 # -- fixed-size decoding: in-place slots ---------------------------------------------------------------------------
 
 
@@ -859,19 +706,27 @@ class SparseHybridRingState(NamedTuple):
     reference_k_sum: torch.Tensor
 
 
-def sparse_ring_from_state(state: SparseHybridState, seen: int) -> SparseHybridRingState:
-    """The fixed buffers of an ordered state after ``seen`` tokens (new tensors; ``state`` is not touched)."""
+def ring_from_state(
+    state: HybridAttentionState | SparseHybridState, seen: int
+) -> HybridRingState | SparseHybridRingState:
+    """The fixed buffers of an ordered state (of :func:`headkit.ops.hybrid_attention` or of this op) after
+    ``seen`` tokens, for the decoding steps (new tensors; ``state`` is not touched)."""
+    if isinstance(state, HybridAttentionState):
+        return window_ring(state, seen)
     batch, kv_heads, budget = state.sparse_keep.shape
     order = torch.arange(budget, device=state.sparse_keep.device).expand(batch, kv_heads, budget)
     copied = [tensor.clone() for tensor in state[1:]]
-    return SparseHybridRingState(
-        hybrid_ring_from_state(state.window, seen), *copied[:8], order.clone(), *copied[8:]
-    )
+    return SparseHybridRingState(window_ring(state.window, seen), *copied[:8], order.clone(), *copied[8:])
 
 
-def sparse_state_from_ring(ring: SparseHybridRingState) -> SparseHybridState:
-    """The ordered :class:`SparseHybridState` the buffers hold (new tensors): the sparse slots sorted as the
-    state keeps them, empty slots first, then the kept keys in the order they entered."""
+def state_from_ring(
+    ring: HybridRingState | SparseHybridRingState,
+) -> HybridAttentionState | SparseHybridState:
+    """The ordered state the buffers hold (new tensors), the inverse of :func:`ring_from_state`: the window oldest
+    first; the sparse slots sorted as the state keeps them, empty slots first, then the kept keys in the order
+    they entered."""
+    if isinstance(ring, HybridRingState):
+        return window_state(ring)
     rank = torch.where(ring.sparse_keep, ring.sparse_order, -1)
     index = torch.sort(rank, dim=2, stable=True).indices
 
@@ -879,7 +734,7 @@ def sparse_state_from_ring(ring: SparseHybridRingState) -> SparseHybridState:
         return x.gather(2, index[..., None].expand(-1, -1, -1, x.shape[3]) if x.dim() == 4 else index)
 
     return SparseHybridState(
-        hybrid_state_from_ring(ring.window),
+        window_state(ring.window),
         ring.sink_keys.clone(),
         ring.sink_values.clone(),
         ring.sink_keep.clone(),
@@ -891,42 +746,59 @@ def sparse_state_from_ring(ring: SparseHybridRingState) -> SparseHybridState:
     )
 
 
-def sparse_hybrid_attention_ring_step_(
+def sparse_hybrid_attention_step_(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
     qf: torch.Tensor,
     kf: torch.Tensor,
     balance: torch.Tensor,
-    ring: SparseHybridRingState,
+    ring: HybridRingState | SparseHybridRingState,
     *,
     sinks: int,
     budget: int,
-    scale: float,
-    recall: bool,
+    window: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
     eps: float = 1e-6,
+    validate: bool = True,
+    key_scores: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One decoding step of one real token [B, H, 1, ·] on fixed buffers, updated in place; returns out
-    [B, H, 1, Dv]. The arithmetic and decisions of :func:`sparse_hybrid_attention_step` for one token (its
-    reference, tested to give the same outputs and, reordered, the same states): the query sees sinks, the
-    sparse cache and the window exactly and the folded sums linearly; then the key leaving the window takes the
-    next sink slot, or competes for the cache by its score — LoLA's recall error against the reference memory
-    when ``recall``, else 0 (given scores: a decoding step asks no question, so its keys fill empty slots only).
-    The worst candidate (lowest score; the latest among equal ones) is folded; when it is a kept key, the
-    newcomer is written into its slot. Nothing is validated (:func:`sparse_ring_from_state` built the buffers)."""
+    """The decoding step of :func:`sparse_hybrid_attention`: one new token [B, H, 1, ·] (inputs as there) on
+    the fixed buffers of :func:`ring_from_state`, updated in place; returns out [B, H, 1, Dv]. With S = G = 0
+    this is :func:`headkit.ops.hybrid_attention_step_` (on the buffers' window). ``window``, ``validate`` as
+    there.
+
+    The query sees sinks, the sparse cache and its window exactly and the folded sums linearly; then the key
+    leaving the window takes the next sink slot, or competes for the cache by its score — LoLA's recall error
+    against the reference memory without ``key_scores``; with them, the new key's own score if it leaves at once
+    (W = 1), else 0 (given scores: a decoding step asks no question, so its keys fill empty slots only). The
+    worst candidate (lowest score; the latest among equal ones) is folded; when it is a kept key, the newcomer is
+    written into its slot. O((S + G + W) · D + F · Dv + G) work, whatever the context; decoding token by token
+    makes the parallel form's decisions (tests)."""
+    if sinks == 0 and budget == 0:
+        base = ring.window if isinstance(ring, SparseHybridRingState) else ring
+        return hybrid_attention_step_(
+            q, k, v, qf, kf, balance, base, window=window, attention_mask=attention_mask, scale=scale, eps=eps,
+            validate=validate,
+        )  # fmt: skip
+    if validate:
+        _check_ring(
+            q, k, v, qf, kf, balance, ring, window, sinks, budget, attention_mask, scale, eps, key_scores
+        )
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     base = ring.window
-    kv_heads, dtype = k.shape[1], base.kv.dtype
+    kv_heads = k.shape[1]
     with autocast_disabled(q.device):
+        window, leaving = enter_window_(base, k, v, kf, attention_mask)
         exact = [
             (ring.sink_keys, ring.sink_values, ring.sink_keep[:, None, None, :]),
             (ring.sparse_keys, ring.sparse_values, ring.sparse_keep[:, :, None, :]),
-            (base.keys, base.values, base.keep[:, None, None, :]),
+            *window,
         ]
-        out = attend_exact_sets_and_own_key(
-            q, k, v, qf, balance, exact, base.kv, base.k_sum, scale=scale, eps=eps
-        )
+        out = attend_one_token(q, qf, balance, exact, base.kv, base.k_sum, scale=scale, eps=eps)
         order = base.seen + budget  # above every slot's: the newcomer is the latest candidate
-        leaving_keep, leaving_key, leaving_value, leaving_feature = advance_ring_window_(base, k, v, kf)
+        leaving_keep, leaving_key, value, feature = leaving
         is_sink = torch.zeros_like(leaving_keep)
         if sinks:
             filled = ring.sink_keep.sum(dim=1)  # [B]: sink slots fill in order
@@ -937,15 +809,14 @@ def sparse_hybrid_attention_ring_step_(
             )  # [B, Hkv, 1]: every head's sink, the same slot
             sink_index = _slot_index(head_slot)
             _write_slot_(ring.sink_keys, sink_index, leaving_key, is_sink[:, None])
-            _write_slot_(ring.sink_values, sink_index, leaving_value, is_sink[:, None])
+            _write_slot_(ring.sink_values, sink_index, value, is_sink[:, None])
             rows = torch.arange(slot.shape[0], device=slot.device)
             ring.sink_keep[rows, slot[:, 0]] = ring.sink_keep[rows, slot[:, 0]] | is_sink
         eligible = (leaving_keep & ~is_sink)[:, None].expand(-1, kv_heads)  # [B, Hkv]
-        feature, value = leaving_feature.to(dtype), leaving_value.to(dtype)
         if budget == 0:
             folded, folded_value = feature * eligible[..., None], value
         else:
-            if recall:
+            if key_scores is None:
                 recalled = (feature.unsqueeze(-2) @ ring.reference_kv).squeeze(-2) / (
                     (feature * ring.reference_k_sum).sum(dim=-1, keepdim=True) + eps
                 )
@@ -953,8 +824,10 @@ def sparse_hybrid_attention_ring_step_(
                 written = feature * eligible[..., None]
                 ring.reference_kv.addcmul_(written.unsqueeze(-1), value.unsqueeze(-2))
                 ring.reference_k_sum.add_(written)
+            elif base.keys.shape[2] == 0:
+                score = key_scores[:, :, 0].to(value.dtype)  # window 1: the leaving key is the new one
             else:
-                score = value.new_zeros(value.shape[:2])
+                score = value.new_zeros(value.shape[:2])  # a key of the window scores 0 (module docstring)
             score = score.masked_fill(~eligible, float("-inf"))
             candidate_scores = torch.cat([ring.sparse_scores, score[..., None]], dim=2)  # [B, Hkv, G + 1]
             candidate_order = torch.cat([ring.sparse_order, order.expand(*score.shape, 1)], dim=2)
@@ -963,22 +836,20 @@ def sparse_hybrid_attention_ring_step_(
             enters = worst < budget  # the newcomer takes the worst kept key's slot
             index = _slot_index(worst.clamp(max=budget - 1)[..., None])  # each head's slot, read and written
             evicted_keep = ring.sparse_keep[index]
-            evicted_feature = ring.sparse_key_features[index].to(dtype) * evicted_keep[..., None]
-            evicted_value = ring.sparse_values[index].to(dtype)
+            evicted_feature = ring.sparse_key_features[index].to(value.dtype) * evicted_keep[..., None]
+            evicted_value = ring.sparse_values[index].to(value.dtype)
             folded = torch.where(enters[..., None], evicted_feature, feature * eligible[..., None])
             folded_value = torch.where(enters[..., None], evicted_value, value)
             for buffer, new in (
                 (ring.sparse_keys, leaving_key),
-                (ring.sparse_values, leaving_value),
-                (ring.sparse_key_features, leaving_feature),
+                (ring.sparse_values, value),
+                (ring.sparse_key_features, feature),
                 (ring.sparse_keep, eligible),
                 (ring.sparse_scores, score),
                 (ring.sparse_order, order.expand(*score.shape)),
             ):
                 _write_slot_(buffer, index, new, enters)
-        base.kv.addcmul_(folded.unsqueeze(-1), folded_value.unsqueeze(-2))
-        base.k_sum.add_(folded)
-        base.seen.add_(1)
+        fold_(base, folded, folded_value)
     return out
 
 
@@ -1054,6 +925,22 @@ def _initial(
     )
 
 
+def _check_ring(
+    q, k, v, qf, kf, balance, ring, window, sinks, budget, attention_mask, scale, eps, key_scores
+) -> None:
+    """The checks of :func:`_checked` for one token and the buffers of :func:`ring_from_state`."""
+    if not isinstance(ring, SparseHybridRingState):
+        raise ValueError(
+            f"the state must be a SparseHybridRingState (ring_from_state), got {type(ring).__name__}"
+        )
+    check_one_token(q)
+    fields = {name: getattr(ring, name) for name in SparseHybridState._fields[1:]}
+    state = SparseHybridState(HybridAttentionState(*ring.window[:6]), **fields)
+    window = ring.window.keys.shape[2] + 1 if window is None else window
+    _checked(q, k, v, qf, kf, balance, window, sinks, budget, attention_mask, state, scale, eps, True)
+    _check_key_scores(key_scores, k)
+
+
 def _checked(
     q, k, v, qf, kf, balance, window, sinks, budget, attention_mask, state, scale, eps, validate
 ) -> tuple[SparseHybridState, torch.Tensor | None, float]:
@@ -1100,10 +987,9 @@ __all__ = [
     "SparseHybridRingState",
     "SparseHybridState",
     "naive_sparse_hybrid_attention",
+    "ring_from_state",
     "sparse_hybrid_attention",
-    "sparse_hybrid_attention_ring_step_",
-    "sparse_hybrid_attention_step",
+    "sparse_hybrid_attention_step_",
     "sparse_hybrid_exact_sets",
-    "sparse_ring_from_state",
-    "sparse_state_from_ring",
+    "state_from_ring",
 ]

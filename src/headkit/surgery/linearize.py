@@ -69,25 +69,11 @@ from torch import nn
 from headkit.errors import HeadkitError
 from headkit.layers.cache import StateCacheLayer, state_tensors
 from headkit.layers.feature_maps import build_feature_map, valid_feature_map_names
-from headkit.layers.hybrid import (
-    HybridHeads,
-    HybridStateCacheLayer,
-    RingHybridStateCacheLayer,
-    SplitHeadsRing,
-    SplitHeadsState,
-)
-from headkit.ops.hybrid import (
-    hybrid_attention,
-    hybrid_attention_ring_step_,
-)
+from headkit.layers.hybrid import HybridHeads, HybridStateCacheLayer, SplitHeadsRing, SplitHeadsState
+from headkit.ops.hybrid import hybrid_attention
 from headkit.ops.key_selection import observation_scores
 from headkit.ops.softmax import softmax_attention_static_step_
-from headkit.ops.sparse_hybrid import (
-    SparseHybridRingState,
-    sparse_hybrid_attention,
-    sparse_hybrid_attention_ring_step_,
-    sparse_hybrid_attention_step,
-)
+from headkit.ops.sparse_hybrid import sparse_hybrid_attention, sparse_hybrid_attention_step_
 from headkit.surgery.adapters import (
     AttentionAdapter,
     AttentionSite,
@@ -125,15 +111,14 @@ def hybrid_cache_layer(cache: Any, layer_idx: int) -> HybridStateCacheLayer:
 def decoding_state_bytes(cache: Any) -> int:
     """Bytes of every tensor a 🤗 cache holds: keys and values of key/value layers, the states of converted
     layers (the memory decoding needs besides the weights)."""
-    tensors: list[torch.Tensor] = []
+    total = 0
     for layer in getattr(cache, "layers", []):
         if isinstance(layer, StateCacheLayer):
-            tensors += state_tensors(layer.state)
+            total += layer.state_bytes()
         else:
-            tensors += [
-                t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None
-            ]
-    return sum(t.numel() * t.element_size() for t in tensors)
+            tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+            total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return total
 
 
 def new_key_padding_mask(attention_mask: Any, batch: int, past: int, seq: int) -> torch.Tensor | None:
@@ -291,94 +276,67 @@ class LinearizedHeads(HybridHeads):
         queries, keys, values, cache_layer = call.queries, call.keys, call.values, call.cache_layer
         rotary = call.options.get(POSITION_EMBEDDINGS_KEYWORD)
         batch, _, seq, _ = queries.shape
-        if seq == 1 and isinstance(cache_layer, RingHybridStateCacheLayer) and cache_layer.is_initialized:
-            # The fast decoder's compiled step: one real token, fixed buffers updated in place.
-            outputs = self._fixed_size_step(
-                queries, keys, values, rotary, call.scale(self.scale), cache_layer.ring_state()
-            )
-            return outputs.transpose(1, 2).contiguous(), None
-        past = 0 if cache_layer is None else cache_layer.get_seq_length()
-        new_mask = new_key_padding_mask(call.attention_mask, batch, past, seq)
-        new_mask = None if new_mask is None else new_mask.to(queries.device)
         scale = call.scale(self.scale)
-        state = None if cache_layer is None else cache_layer.get_state()
+        state, stepping = self.cached_state(cache_layer, seq)
+        new_mask = None
+        if not (stepping and cache_layer.real_tokens_only):  # the fast decoder's steps read no mask
+            past = 0 if cache_layer is None else cache_layer.get_seq_length()
+            new_mask = new_key_padding_mask(call.attention_mask, batch, past, seq)
+            new_mask = None if new_mask is None else new_mask.to(queries.device)
+        options = (new_mask, scale, cache_layer, stepping, rotary)
         if not self.exact_heads:
-            outputs, state = self._converted(
-                queries, keys, values, new_mask, scale, cache_layer, state, rotary
-            )
+            outputs, state = self._converted(queries, keys, values, state, *options)
         else:
-            split = state if isinstance(state, SplitHeadsState) else None
+            split = state if isinstance(state, SplitHeadsState | SplitHeadsRing) else None
             exact_q, linear_q = self._exact_query_heads, self._linear_query_heads
             exact_kv, linear_kv = list(self.exact_heads), list(self.linear_heads)
-            exact_out, exact_state = self._softmax(
+            outputs = queries.new_empty(batch, self.num_heads, seq, values.shape[-1])
+            outputs[:, exact_q], state = self._exact(
                 queries[:, exact_q], keys[:, exact_kv], values[:, exact_kv], new_mask, scale, split
             )
-            outputs = queries.new_empty(batch, self.num_heads, seq, values.shape[-1])
-            outputs[:, exact_q] = exact_out
-            linear_state = None
             if linear_kv:
                 outputs[:, linear_q], linear_state = self._converted(
-                    queries[:, linear_q], keys[:, linear_kv], values[:, linear_kv], new_mask, scale, cache_layer,
-                    None if split is None else split.linear, rotary,
+                    queries[:, linear_q], keys[:, linear_kv], values[:, linear_kv],
+                    None if split is None else split.linear, *options,
                 )  # fmt: skip
-            state = SplitHeadsState(linear_state, *exact_state)
-        if cache_layer is not None:
-            cache_layer.set_state(state, seq)
+                state = state._replace(linear=linear_state)
+        self.keep_state(cache_layer, state, seq, stepping)
         return outputs.transpose(1, 2).contiguous(), None
 
-    def _fixed_size_step(
-        self,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None,
-        scale: float,
-        ring: Any,
-    ) -> torch.Tensor:
-        """One real token on the fixed buffers of a :class:`RingHybridStateCacheLayer`, updated in place: the
-        exact heads over their key/value buffers, the converted heads through the in-place step of the plain
-        hybrid or of the one with sinks and a sparse cache. Out [B, H, 1, Dv]; the same arithmetic as the
-        eager step (tests compare tokens and states)."""
-        split = isinstance(ring, SplitHeadsRing)
-        heads = self._linear_query_heads if split else list(range(self.num_heads))
-        kv_heads = list(self.linear_heads) if split else list(range(self.num_kv_heads))
-
-        def converted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any) -> torch.Tensor:
-            tensors = (q, k, v, *self._head_features(q, k, heads, kv_heads, rotary), self.balance[heads])
-            if isinstance(state, SparseHybridRingState):
-                return sparse_hybrid_attention_ring_step_(
-                    *tensors, state, sinks=self.sinks, budget=self.sparse_cache, scale=scale,
-                    recall=self.selection == "recall",
-                )  # fmt: skip
-            return hybrid_attention_ring_step_(*tensors, state, scale=scale)
-
-        if not split:
-            return converted(queries, keys, values, ring)
-        exact_q, exact_kv = self._exact_query_heads, list(self.exact_heads)
-        outputs = queries.new_empty(*queries.shape[:3], values.shape[-1])
-        outputs[:, exact_q] = softmax_attention_static_step_(
-            queries[:, exact_q], keys[:, exact_kv], values[:, exact_kv], ring.keys, ring.values, ring.keep,
-            ring.seen, scale=scale,
-        )  # fmt: skip
-        if kv_heads:
-            outputs[:, heads] = converted(
-                queries[:, heads], keys[:, kv_heads], values[:, kv_heads], ring.linear
-            )
-        return outputs
-
-    def _converted(
+    def _exact(
         self,
         queries: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
         new_mask: torch.Tensor | None,
         scale: float,
-        cache_layer: Any,
+        split: SplitHeadsState | SplitHeadsRing | None,
+    ) -> tuple[torch.Tensor, SplitHeadsState | SplitHeadsRing]:
+        """The exact heads' outputs, and the split state with their keys and values after these tokens (the
+        converted heads' part as it was): the fast decoder's fixed buffers written in place, or the eager cache
+        grown."""
+        if isinstance(split, SplitHeadsRing):
+            outputs = softmax_attention_static_step_(
+                queries, keys, values, split.keys, split.values, split.keep, split.seen, scale=scale
+            )
+            return outputs, split
+        outputs, exact_state = self._softmax(queries, keys, values, new_mask, scale, split)
+        return outputs, SplitHeadsState(None if split is None else split.linear, *exact_state)
+
+    def _converted(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
         state: Any,
+        new_mask: torch.Tensor | None,
+        scale: float,
+        cache_layer: Any,
+        stepping: bool,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, Any]:
         """The converted heads (all of them, or those beside the exact heads): outputs, and the next state when
-        there is a cache."""
+        there is a cache (the buffers ``state``, written in place, for a decoding step)."""
         seq = queries.shape[2]
         heads = self._linear_query_heads if self.exact_heads else list(range(self.num_heads))
         kv_heads = list(self.linear_heads) if self.exact_heads else list(range(self.num_kv_heads))
@@ -388,10 +346,12 @@ class LinearizedHeads(HybridHeads):
         tensors = (queries, keys, values, query_features, key_features, self.balance[heads])
         if self.sinks or self.sparse_cache:
             options |= {"sinks": self.sinks, "budget": self.sparse_cache}
-            options |= {"parallel": sparse_hybrid_attention, "step": sparse_hybrid_attention_step}
+            options |= {"parallel": sparse_hybrid_attention, "decode": sparse_hybrid_attention_step_}
             if self.selection == "question":
                 options["key_scores"] = self._question_scores(queries, keys, new_mask, scale, cache_layer)
-        outputs, state_after = self.hybrid_heads(tensors, state, cached=cache_layer is not None, **options)
+        outputs, state_after = self.hybrid_heads(
+            tensors, state, cached=cache_layer is not None, stepping=stepping, **options
+        )
         if cache_layer is not None and seq > 1 and not self.fold and state is None:
             # The compressed-cache baseline prefills as the original model does (SnapKV): in full.
             outputs, _ = self._softmax(queries, keys, values, new_mask, scale, None)
