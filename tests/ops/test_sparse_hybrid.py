@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headkit.ops.hybrid import hybrid_attention, hybrid_attention_step_
-from headkit.ops.sparse_hybrid import (
+from headkit.ops.hybrid import (
     SparseHybridState,
+    hybrid_attention,
+    hybrid_attention_step_,
     naive_sparse_hybrid_attention,
     ring_from_state,
     sparse_hybrid_attention,

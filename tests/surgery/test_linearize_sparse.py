@@ -10,7 +10,7 @@ from tiny_models import peaked_llama
 import headkit
 from headkit.compat import cache_keyword, output_cache
 from headkit.errors import HeadkitError
-from headkit.ops.sparse_hybrid import SparseHybridState
+from headkit.ops.hybrid import SparseHybridState
 from headkit.surgery.io import SURGERY_KEY
 from headkit.surgery.linearize import decoding_state_bytes, linearized_modules, linearized_parameters
 

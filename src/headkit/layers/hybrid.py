@@ -41,9 +41,14 @@ from headkit.layers.base import HeadkitAttention, LayerInputs
 from headkit.layers.cache import StateCacheLayer, state_tensors
 from headkit.layers.feature_maps import build_feature_map
 from headkit.layers.registry import register_attention
-from headkit.ops.hybrid import hybrid_attention, hybrid_attention_step_
+from headkit.ops.hybrid import (
+    SparseHybridRingState,
+    hybrid_attention,
+    hybrid_attention_step_,
+    ring_from_state,
+    state_from_ring,
+)
 from headkit.ops.rotary import apply_rotary, rotary_cos_sin, unrotate_pairs
-from headkit.ops.sparse_hybrid import SparseHybridRingState, ring_from_state, state_from_ring
 
 
 class SplitHeadsState(NamedTuple):
@@ -76,7 +81,7 @@ class HybridStateCacheLayer(StateCacheLayer):
     mechanism keeping more keys exact) in a :class:`~headkit.layers.cache.StateCacheLayer`.
 
     The state is held as the buffers the op's one decoding step updates in place
-    (:func:`headkit.ops.sparse_hybrid.ring_from_state`: the window as a ring); :meth:`get_state` gives the
+    (:func:`headkit.ops.hybrid.ring_from_state`: the window as a ring); :meth:`get_state` gives the
     ordered state a prompt continues from (None before the first token) and :meth:`set_state` takes one back. A
     retrieval layer's exact heads keep a growing key/value cache beside the ring (:class:`SplitHeadsState`)."""
 
@@ -345,7 +350,7 @@ class HybridHeads(nn.Module):
         values, φ(q), φ(k), γ): a decoding step (``stepping``, :meth:`cached_state`) runs the op's one step on
         the buffers ``state``, in place, and returns them; anything else the chunkwise parallel form, continuing
         the ordered ``state``. ``parallel``/``decode`` and ``options`` (window, mask, scale, …) are the op's: the
-        plain hybrid, or :mod:`headkit.ops.sparse_hybrid` with its sinks and budget."""
+        plain hybrid, or :mod:`headkit.ops.hybrid.sparse` with its sinks and budget."""
         if stepping:
             return decode(*tensors, state, **options), state
         return parallel(

@@ -12,21 +12,19 @@ from headkit.ops.feature_maps import FEATURE_MAPS, get_feature_map, hedgehog_fea
 from headkit.ops.hybrid import (
     HybridAttentionState,
     HybridRingState,
+    SparseHybridState,
     hybrid_attention,
     hybrid_attention_step_,
-)
-from headkit.ops.linear import LinearAttentionState, linear_attention, linear_attention_step
-from headkit.ops.registry import KERNELS, KernelSpec, register_kernel
-from headkit.ops.rotary import apply_rotary, rope_inverse_frequencies, rotary_cos_sin
-from headkit.ops.softmax import eager_attention, softmax_attention
-from headkit.ops.sparse_hybrid import (
-    SparseHybridState,
     ring_from_state,
     sparse_hybrid_attention,
     sparse_hybrid_attention_step_,
     sparse_hybrid_exact_sets,
     state_from_ring,
 )
+from headkit.ops.linear import LinearAttentionState, linear_attention, linear_attention_step
+from headkit.ops.registry import KERNELS, KernelSpec, register_kernel
+from headkit.ops.rotary import apply_rotary, rope_inverse_frequencies, rotary_cos_sin
+from headkit.ops.softmax import eager_attention, softmax_attention
 
 __all__ = [
     "KERNELS",

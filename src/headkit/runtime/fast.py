@@ -10,7 +10,7 @@ What it does, following transformers' own recipe for compiled generation (a stat
   the LoLCATs window as a ring buffer and the linear sums, updated in place by the op's one decoding step
   (:func:`headkit.ops.hybrid_attention_step_`, the eager cache's too) — no window re-concatenated per token. What
   such a layer keeps exact beyond its window is fixed buffers too: sinks and the sparse cache are slots that a key
-  enters in place, evicting the worst kept key (:func:`headkit.ops.sparse_hybrid.sparse_hybrid_attention_step_`,
+  enters in place, evicting the worst kept key (:func:`headkit.ops.hybrid.sparse_hybrid_attention_step_`,
   no re-gathering of the cache per token), and retrieval heads write their keys and values into buffers of the
   bucket's length (:func:`headkit.ops.softmax.softmax_attention_static_step_`).
 * **Compiled once per machine, one graph per step.** By default (``ahead_of_time=True``) the step — the model's

@@ -45,7 +45,7 @@ padding mask over every token seen, which is all the hybrid op needs.
 **Keeping exact what the linear term cannot recall** (``sinks``, ``sparse_cache``): the first S tokens (attention
 sinks, StreamingLLM) and, per layer and key/value head, a budget of G keys chosen online as tokens leave the
 window — those the linear state recalls worst (LoLA's criterion) — stay exact under the same normaliser; evicted
-keys fold into the linear state (:mod:`headkit.ops.sparse_hybrid`). The state grows by S + G keys and values
+keys fold into the linear state (:mod:`headkit.ops.hybrid.sparse`). The state grows by S + G keys and values
 per head (plus the cached keys' features and scores and a reference memory), still constant in the context.
 The parallel form makes the decisions token-by-token decoding makes, so attention transfer trains the mechanism
 the model decodes with. With S = G = 0 (the default of :func:`linearize`) the layer is the plain hybrid.
@@ -70,10 +70,9 @@ from headkit.errors import HeadkitError
 from headkit.layers.cache import StateCacheLayer, state_tensors
 from headkit.layers.feature_maps import build_feature_map, valid_feature_map_names
 from headkit.layers.hybrid import HybridHeads, HybridStateCacheLayer, SplitHeadsRing, SplitHeadsState
-from headkit.ops.hybrid import hybrid_attention
+from headkit.ops.hybrid import hybrid_attention, sparse_hybrid_attention, sparse_hybrid_attention_step_
 from headkit.ops.key_selection import observation_scores
 from headkit.ops.softmax import softmax_attention_static_step_
-from headkit.ops.sparse_hybrid import sparse_hybrid_attention, sparse_hybrid_attention_step_
 from headkit.surgery.adapters import (
     AttentionAdapter,
     AttentionSite,
@@ -197,7 +196,7 @@ class LinearizedHeads(HybridHeads):
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        # Exact beyond the window (headkit.ops.sparse_hybrid): the first `sinks` tokens and `sparse_cache` keys
+        # Exact beyond the window (headkit.ops.hybrid.sparse): the first `sinks` tokens and `sparse_cache` keys
         # per key/value head, chosen by `selection`. 0 and 0: the plain hybrid.
         self.configure(
             sinks=sinks, sparse_cache=sparse_cache, selection=selection, observation=observation,
@@ -553,7 +552,7 @@ class LinearizeConfig:
             leave the window (attention sinks, StreamingLLM).
         sparse_cache: G ≥ 0, exact keys and values kept per layer and key/value head beyond the window, chosen
             online as tokens leave it by how badly the linear state recalls their values (LoLA); the others, and
-            those evicted, fold into the linear state (:mod:`headkit.ops.sparse_hybrid`). With S = G = 0 the
+            those evicted, fold into the linear state (:mod:`headkit.ops.hybrid.sparse`). With S = G = 0 the
             mechanism is the plain window + linear hybrid.
         selection: how the sparse cache's keys are chosen: "recall" (online, LoLA's criterion above) or
             "question" (SnapKV: when a prompt is prefilled, the keys its last `observation` queries attend to

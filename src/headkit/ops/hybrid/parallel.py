@@ -1,36 +1,17 @@
-"""Hybrid sliding-window softmax + linear attention, the attention of LoLCATs.
-
-Zhang et al. 2024, "LoLCATs: On Low-Rank Linearizing of Large Language Models" (arXiv:2410.10254): each query
-attends exactly (softmax) to the last ``window`` keys and through a linear-attention kernel φ(q)ᵀφ(k) to every
-earlier key, under one shared normaliser. For query i (window W, scores s_ij = q_i·k_j · scale):
-
-    a_ij = exp(s_ij − m_i)              for j ∈ (i − W, i]      (the window; m_i = max of its real scores)
-    a_ij = γ_h · φ(q_i)ᵀ φ(k_j)         for j ≤ i − W           (everything that has left the window)
-    y_i  = Σ_j a_ij v_j / (Σ_j a_ij + eps)
-
-with γ_h ≥ 0 a per-head balance (LoLCATs' linear_factor / window_factor). Padded keys get a_ij = 0.
-
-The convention for m_i is the one of the authors' reference implementation (``hybrid_attention_quadratic`` in
-HazyResearch/lolcats): the window scores are stabilised by their own maximum and the linear terms are *not*
-multiplied by exp(−m_i). It is a model choice, not only a rounding trick — the linear terms are measured against
-the window's largest weight, which is exactly 1, so γ_h sets the linear share on a fixed scale — and it is
-stable: every window weight lies in (0, 1], the denominator is ≥ 1 for a query that sees a real key in its
-window (its own), and nothing overflows however large the scores. (Scaling the linear terms by exp(−m_i) would
-make y the exact mixture exp(s) + γ φᵀφ, but exp(−m_i) overflows for very negative window maxima.) Because
-m_i does not cancel, it is part of the function: its gradient flows, it is not detached.
+"""The parallel (training / prefill) form of the hybrid attention of :mod:`headkit.ops.hybrid` (LoLCATs, Zhang et
+al. 2024, arXiv:2410.10254), and the pieces of it that the sparse variant (:mod:`headkit.ops.hybrid.sparse`)
+reuses.
 
 Parallel (training / prefill) form, :func:`hybrid_attention`: the queries are cut into chunks of C. A chunk's
 window keys are the C + W − 1 keys ending at its last query — one band-masked [C, C + W − 1] score block per
 chunk, taken from overlapping (unfolded) views of the keys, never a T × T tensor. The linear term is causal
 linear attention over the keys delayed by W − 1 positions, strictly before the query (key j reaches query i
 when j + W − 1 < i, i.e. j ≤ i − W): an exclusive prefix sum of per-chunk states S = Σ φ(k) vᵀ, z = Σ φ(k)
-plus a strictly lower [C, C] block inside the chunk, as in :mod:`headkit.ops.linear`. Memory O(T · (C + W)) per head, time O(T · (C + W) · D + T · F · Dv).
+plus a strictly lower [C, C] block inside the chunk, as in :mod:`headkit.ops.linear`. Memory O(T · (C + W)) per
+head, time O(T · (C + W) · D + T · F · Dv).
 
-Decoding, :func:`hybrid_attention_step_`: the state (:class:`HybridAttentionState`) is the last W − 1 keys,
-values and key features with their padding flags, plus (S, z) over every earlier key — fixed-size whatever the
-context length. The one decoding step keeps it as a ring (:class:`HybridRingState`; token p in slot
-p mod (W − 1)) that it updates in place: the new token takes the oldest key's slot and the oldest key moves into
-(S, z). The eager cache and the compiled decoder run the same step; decoding continues the parallel form exactly.
+The state it starts from and returns (:class:`HybridAttentionState`) is ordered, oldest key first; a prefill
+followed by more tokens in a second call gives the outputs of one call.
 """
 
 from __future__ import annotations
@@ -47,7 +28,6 @@ from headkit.ops._validation import (
     check_qkv,
     check_rank,
     checked_scale,
-    repeat_kv,
 )
 
 
@@ -91,7 +71,7 @@ def hybrid_attention(
     eps: float = 1e-6,
     validate: bool = True,
 ) -> tuple[torch.Tensor, HybridAttentionState | None]:
-    """Causal sliding-window softmax + linear attention (LoLCATs), chunkwise-parallel; see the module docstring.
+    """Causal sliding-window softmax + linear attention (LoLCATs), chunkwise-parallel; see :mod:`headkit.ops.hybrid`.
 
     Args:
         q: queries [B, H, T, D], rotary embeddings already applied.
@@ -106,7 +86,7 @@ def hybrid_attention(
         chunk_size: queries per chunk of the parallel form (a speed/memory knob; results agree up to rounding).
         scale: score scale of the window, 1/√D by default.
         initial_state: the state after earlier tokens (from ``output_final_state=True`` or
-            :func:`headkit.ops.sparse_hybrid.state_from_ring` after decoding steps); None = no earlier token.
+            :func:`headkit.ops.hybrid.state_from_ring` after decoding steps); None = no earlier token.
         output_final_state: also return the state after the last token.
         eps: added to the denominator; a query that sees no real key returns zeros.
         validate: False skips the checks, for a caller (a layer) that built the inputs itself: a bool mask or
@@ -122,69 +102,6 @@ def hybrid_attention(
         check_positive_int("chunk_size", chunk_size)
     out, final = hybrid_chunked(q, k, v, qf, kf, balance, keep, state, window, chunk_size, scale, eps)
     return out, (final if output_final_state else None)
-
-
-def naive_hybrid_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    qf: torch.Tensor,
-    kf: torch.Tensor,
-    balance: torch.Tensor,
-    *,
-    window: int,
-    attention_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    output_final_state: bool = False,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, HybridAttentionState | None]:
-    """Test reference for :func:`hybrid_attention` (no initial state): the dense O(T²) weights with explicit masks.
-
-    Computed in q's dtype (pass float64 for a high-precision reference); the state, when asked for, is built
-    from its definition (the last W − 1 tokens, and the sums over the others) in that dtype too.
-    """
-    batch, q_heads, kv_heads, seq = check_qkv(q, k, v)
-    groups = q_heads // kv_heads
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    keep = check_padding_mask(attention_mask, batch, seq)
-    if keep is None:
-        keep = torch.ones(batch, seq, dtype=torch.bool, device=q.device)
-
-    i = torch.arange(seq, device=q.device)[:, None]
-    j = torch.arange(seq, device=q.device)[None, :]
-    real = keep[:, None, None, :]
-    in_window = (j <= i) & (j > i - window) & real  # [B, 1, T, T]
-    in_linear = (j <= i - window) & real
-
-    scores = (q @ repeat_kv(k, groups).transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~in_window, float("-inf"))
-    m = scores.amax(dim=-1, keepdim=True)
-    m = m.masked_fill(~torch.isfinite(m), 0.0)  # a window with no real key: no weight to stabilise
-    window_weights = torch.exp(scores - m)  # exp(−inf) = 0 off the window
-    linear_weights = (qf @ repeat_kv(kf, groups).transpose(-1, -2)) * in_linear
-    weights = window_weights + balance.to(q.dtype)[None, :, None, None] * linear_weights
-    out = (weights @ repeat_kv(v, groups)) / (weights.sum(dim=-1, keepdim=True) + eps)
-
-    if not output_final_state:
-        return out, None
-    # The state from its definition: the last W − 1 tokens (zeros and keep=False in front when fewer), and the
-    # sums over the real tokens before them.
-    kept, left = window - 1, max(seq - (window - 1), 0)
-    missing = kept - (seq - left)
-
-    def last_tokens(x: torch.Tensor) -> torch.Tensor:  # [B, H, T, X] -> [B, H, W − 1, X]
-        return torch.cat([x.new_zeros(*x.shape[:2], missing, x.shape[3]), x[:, :, left:]], dim=2)
-
-    old_features = kf[:, :, :left] * keep[:, None, :left, None]
-    state = HybridAttentionState(
-        keys=last_tokens(k),
-        values=last_tokens(v),
-        key_features=last_tokens(kf),
-        keep=torch.cat([keep.new_zeros(batch, missing), keep[:, left:]], dim=1),
-        kv=old_features.transpose(-1, -2) @ v[:, :, :left],
-        k_sum=old_features.sum(dim=2),
-    )
-    return out, state
 
 
 def hybrid_chunked(
@@ -266,9 +183,6 @@ def exclusive_cumsum(x: torch.Tensor) -> torch.Tensor:
     """Σ over earlier chunks (dim 2), the first chunk getting zeros."""
     before = torch.zeros_like(x[:, :, :1])
     return torch.cat([before, x[:, :, :-1].cumsum(dim=2)], dim=2)
-
-
-# -- the pieces of the chunked and one-token forms, shared with headkit.ops.sparse_hybrid ------------------------
 
 
 class ChunkGrid(NamedTuple):
@@ -485,211 +399,7 @@ def accumulation_dtype(q: torch.Tensor) -> torch.dtype:
     return torch.float64 if q.dtype == torch.float64 else torch.float32
 
 
-# -- fixed-size decoding: the window as a ring buffer --------------------------------------------------------------
-
-
-class HybridRingState(NamedTuple):
-    """:class:`HybridAttentionState` as fixed buffers that a decoding step updates in place (no tensor is
-    allocated or re-concatenated per token, so a compiled step keeps one graph and its buffers' addresses).
-
-    keys, values, key_features, keep: the last W − 1 tokens as a ring: token p (0-based over the whole sequence)
-        sits in slot p mod (W − 1), so the slot the next token writes holds the oldest key, the one that leaves
-        the window in that step. Window order does not matter to softmax;
-        :func:`headkit.ops.sparse_hybrid.state_from_ring` gives back the ordered state.
-    kv, k_sum: as in :class:`HybridAttentionState`.
-    seen: int64 scalar tensor, the number of tokens the state summarises (a tensor, not an int, so that a
-        compiled step reads it without being specialised on it).
-    """
-
-    keys: torch.Tensor
-    values: torch.Tensor
-    key_features: torch.Tensor
-    keep: torch.Tensor
-    kv: torch.Tensor
-    k_sum: torch.Tensor
-    seen: torch.Tensor
-
-
-def window_ring(state: HybridAttentionState, seen: int) -> HybridRingState:
-    """The ring buffers of an ordered window state after ``seen`` tokens (new tensors; ``state`` is not
-    touched). The public pair is :func:`headkit.ops.sparse_hybrid.ring_from_state` / ``state_from_ring``."""
-    kept = state.keys.shape[2]
-    shift = seen % kept if kept else 0
-
-    def ring(x: torch.Tensor, dim: int) -> torch.Tensor:
-        # Ordered index i holds token seen − kept + i, whose slot is (seen + i) mod kept.
-        return torch.roll(x, shifts=shift, dims=dim).contiguous()
-
-    return HybridRingState(
-        keys=ring(state.keys, 2),
-        values=ring(state.values, 2),
-        key_features=ring(state.key_features, 2),
-        keep=ring(state.keep, 1),
-        kv=state.kv.clone(),
-        k_sum=state.k_sum.clone(),
-        seen=torch.tensor(seen, dtype=torch.int64, device=state.kv.device),
-    )
-
-
-def window_state(ring: HybridRingState) -> HybridAttentionState:
-    """The ordered :class:`HybridAttentionState` (oldest first) the ring buffers hold (new tensors)."""
-    kept = ring.keys.shape[2]
-    shift = -(int(ring.seen) % kept) if kept else 0
-    return HybridAttentionState(
-        keys=torch.roll(ring.keys, shifts=shift, dims=2),
-        values=torch.roll(ring.values, shifts=shift, dims=2),
-        key_features=torch.roll(ring.key_features, shifts=shift, dims=2),
-        keep=torch.roll(ring.keep, shifts=shift, dims=1),
-        kv=ring.kv.clone(),
-        k_sum=ring.k_sum.clone(),
-    )
-
-
-def hybrid_attention_step_(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    qf: torch.Tensor,
-    kf: torch.Tensor,
-    balance: torch.Tensor,
-    ring: HybridRingState,
-    *,
-    window: int | None = None,
-    attention_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    eps: float = 1e-6,
-    validate: bool = True,
-) -> torch.Tensor:
-    """The decoding step of :func:`hybrid_attention`: one new token [B, H, 1, ·] (inputs as there), on the ring
-    buffers of :func:`headkit.ops.sparse_hybrid.ring_from_state`, updated in place; returns out [B, H, 1, Dv].
-
-    The query sees its window — the ring's W − 1 keys and its own — exactly and the sums (S, z) linearly, under
-    one normaliser (module docstring); then the oldest key (in the slot the new token takes) moves into the
-    sums, if real. O(W · D + F · Dv) work and no tensor re-concatenated, whatever the context: the same step
-    serves the eager cache and a compiled decoder (one graph, buffers at fixed addresses). Decoding token by
-    token gives the parallel form's outputs and state (tests). ``attention_mask`` [B, 1]: whether the new token
-    is real. ``window``: checked against the ring's when given. ``validate=False`` skips every check, for a
-    caller that built the ring itself."""
-    if validate:
-        check_step_inputs((q, k, v, qf, kf, balance), ring, window, attention_mask, scale, eps)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    with autocast_disabled(q.device):
-        window, leaving = enter_window_(ring, k, v, kf, attention_mask)
-        out = attend_one_token(q, qf, balance, window, ring.kv, ring.k_sum, scale=scale, eps=eps)
-        leaving_keep, _, leaving_value, leaving_feature = leaving
-        fold_(ring, leaving_feature * leaving_keep[:, None, None], leaving_value)
-    return out
-
-
-def enter_window_(
-    ring: HybridRingState,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    kf: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-) -> tuple[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]], tuple[torch.Tensor, ...]]:
-    """Write one token's key, value and key features [B, Hkv, 1, ·] into the ring's oldest slot, in place.
-
-    Returns (the query's window as exact sets for :func:`attend_one_token` — the ring after the write and the
-    key that leaves —, the leaving token: keep [B] bool, key [B, Hkv, D], value [B, Hkv, Dv] and key features
-    [B, Hkv, F] in the accumulation dtype). The leaving token is read before the write and its copies are what
-    the query scores, so the buffers are written before they are read (autograd keeps no overwritten tensor).
-    A window of one keeps nothing: the new token leaves at once. ``ring.seen`` and the sums are left to
-    :func:`fold_`."""
-    dtype, kept = ring.kv.dtype, ring.keys.shape[2]
-    keep = torch.ones(k.shape[0], 1, dtype=torch.bool, device=k.device)
-    keep = keep if attention_mask is None else attention_mask.to(device=k.device, dtype=torch.bool)
-    if kept:
-        slot = (ring.seen % kept).view(1)
-        key, value, feature = (x.index_select(2, slot) for x in (ring.keys, ring.values, ring.key_features))
-        leaving_keep = ring.keep.index_select(1, slot)
-        ring.keys.index_copy_(2, slot, k.to(ring.keys.dtype))
-        ring.values.index_copy_(2, slot, v.to(ring.values.dtype))
-        ring.key_features.index_copy_(2, slot, kf.to(ring.key_features.dtype))
-        ring.keep.index_copy_(1, slot, keep)
-    else:
-        key, value, feature, leaving_keep = k, v, kf, keep
-    window = [(ring.keys, ring.values, ring.keep[:, None, None, :])] if kept else []
-    window.append((key, value, leaving_keep[:, None, None, :]))
-    leaving = (leaving_keep[:, 0], key[:, :, 0], value[:, :, 0].to(dtype), feature[:, :, 0].to(dtype))
-    return window, leaving
-
-
-def fold_(ring: HybridRingState, feature: torch.Tensor, value: torch.Tensor) -> None:
-    """Add one key per head to the linear sums, in place: φ(k) [B, Hkv, F] (zeros for none) with its value
-    [B, Hkv, Dv]; the ring has then seen one more token. The outer product φ(k)vᵀ is a broadcast multiply: a
-    [F, 1] @ [1, Dv] matmul costs more in dispatch."""
-    ring.kv.addcmul_(feature.unsqueeze(-1), value.unsqueeze(-2))
-    ring.k_sum.add_(feature)
-    ring.seen.add_(1)
-
-
-def attend_one_token(
-    q: torch.Tensor,
-    qf: torch.Tensor,
-    balance: torch.Tensor,
-    exact_sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    kv: torch.Tensor,
-    k_sum: torch.Tensor,
-    *,
-    scale: float,
-    eps: float,
-) -> torch.Tensor:
-    """One query token [B, H, 1, D] over exact sets (keys [B, Hkv, N, D], values [B, Hkv, N, Dv], visible
-    [B, Hkv or 1, 1, N] bool) and the linear sums (kv, k_sum), under one normaliser: out [B, H, 1, Dv] in q's
-    dtype, accumulated in kv's. The G query heads of a key/value head are stacked as G rows. The sets are scored
-    apart, never concatenated: a fixed-size step reads its buffers where they are (the ring window, sinks, a
-    sparse cache)."""
-    batch, q_heads = q.shape[:2]
-    dtype = kv.dtype
-    kv_heads, head_dim_v = kv.shape[1], kv.shape[3]
-    groups = q_heads // kv_heads
-    queries = q.reshape(batch, kv_heads, groups, q.shape[3]).to(dtype)
-    present = [(keys, values, visible) for keys, values, visible in exact_sets if keys.shape[2]]
-    scores = [
-        ((queries @ keys.to(dtype).transpose(-1, -2)) * scale).masked_fill(~visible, float("-inf"))
-        for keys, _, visible in present
-    ]  # each [B, Hkv, G, N]
-    m = scores[0].amax(dim=-1, keepdim=True)
-    for block in scores[1:]:
-        m = torch.maximum(m, block.amax(dim=-1, keepdim=True))
-    # No visible key gives max −inf; clamping it to a finite number leaves every weight exp(−inf) = 0.
-    m = m.clamp_min(torch.finfo(dtype).min)
-    numerator, denominator = 0, 0
-    for block, (_, values, _) in zip(scores, present, strict=True):
-        weights = torch.exp(block - m)
-        numerator = numerator + weights @ values.to(dtype)
-        denominator = denominator + weights.sum(dim=-1, keepdim=True)
-    query_features = qf.reshape(batch, kv_heads, groups, qf.shape[3]).to(dtype)
-    gamma = balance.to(dtype).view(1, kv_heads, groups, 1)
-    # The linear term's numerator and denominator in one matmul: [S | z] is [B, Hkv, F, Dv + 1].
-    linear = query_features @ torch.cat([kv, k_sum.unsqueeze(-1)], dim=-1)
-    numerator = torch.addcmul(numerator, gamma, linear[..., :head_dim_v])
-    denominator = torch.addcmul(denominator, gamma, linear[..., head_dim_v:])
-    return (numerator / (denominator + eps)).view(batch, q_heads, 1, head_dim_v).to(q.dtype)
-
-
-def check_step_inputs(
-    tensors: tuple[torch.Tensor, ...],
-    ring: HybridRingState,
-    window: int | None,
-    attention_mask: torch.Tensor | None,
-    scale: float | None,
-    eps: float,
-) -> None:
-    """The checks of :func:`hybrid_attention` on one token's inputs ``tensors`` = (q, k, v, φ(q), φ(k), γ) and
-    on the ring's window fields (named ``state.<field>``)."""
-    check_one_token(tensors[0])
-    if not isinstance(ring, HybridRingState):
-        raise ValueError(f"the state must be a HybridRingState (ring_from_state), got {type(ring).__name__}")
-    window = ring.keys.shape[2] + 1 if window is None else window
-    prepared_hybrid_inputs(
-        *tensors, window, attention_mask, HybridAttentionState(*ring[:6]), "state", scale, eps, True
-    )
-
-
-def check_one_token(q: torch.Tensor) -> None:
-    if isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[2] != 1:
-        raise ValueError(
-            f"a decoding step takes one new token, got {q.shape[2]} (the parallel form takes more)"
-        )
+__all__ = [
+    "HybridAttentionState",
+    "hybrid_attention",
+]
