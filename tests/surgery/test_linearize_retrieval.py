@@ -103,7 +103,7 @@ def test_a_left_padded_row_with_retrieval_heads_decodes_as_it_does_alone():
 def test_the_question_chooses_the_cache_of_a_prefilled_prompt(monkeypatch):
     model, _ = converted(sinks=1, sparse_cache=3, selection="question", observation=4)
     seen = []
-    module = __import__("headkit.surgery.linearize", fromlist=["observation_scores"])
+    module = __import__("headkit.layers.kept_exact", fromlist=["observation_scores"])
 
     def recording(q, k, **options):
         scores = observation_scores(q, k, **options)

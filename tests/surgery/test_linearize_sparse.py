@@ -63,7 +63,7 @@ def test_the_mechanism_differs_from_the_plain_hybrid_beyond_the_window():
     model, _ = converted()
     plain = copy.deepcopy(model)
     for module in linearized_modules(plain):
-        module.sinks = module.sparse_cache = 0
+        module.configure(sinks=0, sparse_cache=0, selection="recall", observation=32, exact_heads=())
     tokens = ids(length=30)
     with torch.no_grad():
         same = (model(tokens[:, :4]).logits - plain(tokens[:, :4]).logits).abs().max()
