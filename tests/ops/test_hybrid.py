@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headkit.ops import HybridAttentionState, hybrid_attention, hybrid_attention_step, softmax_attention
+from headkit.ops import (
+    HybridAttentionState,
+    hybrid_attention,
+    hybrid_attention_step_,
+    ring_from_state,
+    softmax_attention,
+    state_from_ring,
+)
 from headkit.ops.hybrid import naive_hybrid_attention
 
 REL_TOL = 1e-5
@@ -145,27 +152,26 @@ def test_prefill_then_step_by_step_decoding_equals_the_full_forward(window, padd
     def part(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         return x[:, :, start:stop]
 
-    pieces, state = [], None
-    if prefill:
-        first, state = hybrid_attention(
-            *(part(x, 0, prefill) for x in (q, k, v, qf, kf)),
-            balance,
-            window=window,
-            chunk_size=4,
-            attention_mask=mask[:, :prefill],
-            output_final_state=True,
-        )
-        pieces.append(first)
-    shapes = set()
+    # No prefill: the empty state, which the parallel form gives for no token.
+    first, state = hybrid_attention(
+        *(part(x, 0, prefill) for x in (q, k, v, qf, kf)),
+        balance,
+        window=window,
+        chunk_size=4,
+        attention_mask=mask[:, :prefill],
+        output_final_state=True,
+    )
+    pieces, ring, shapes = [first], ring_from_state(state, prefill), set()
     for t in range(prefill, seq):
-        out, state = hybrid_attention_step(
+        out = hybrid_attention_step_(
             *(part(x, t, t + 1) for x in (q, k, v, qf, kf)),
             balance,
-            state,
+            ring,
             window=window,
             attention_mask=mask[:, t : t + 1],
         )
         pieces.append(out)
+        state = state_from_ring(ring)
         shapes.add(tuple(tuple(tensor.shape) for tensor in state))
     assert_close_scaled(torch.cat(pieces, dim=2), full)
     assert_states_close(state, full_state)
@@ -243,9 +249,9 @@ def test_gradients_flow_through_the_initial_state():
 def test_the_one_token_step_matches_the_parallel_form_in_outputs_states_and_gradients(
     window, padded, validate
 ):
-    """The decoding step has its own lean path: same output, state and gradients (inputs and state) as the
-    chunked form given the same single token, including windows that hold padding or no real key — also
-    without its checks (``validate=False``, what a layer passes for a state it got from the op)."""
+    """The decoding step, in place on the ring buffers: same output, state and gradients (inputs and state) as
+    the chunked form given the same single token, including windows that hold padding or no real key — also
+    without its checks (``validate=False``, what a layer passes for buffers it holds)."""
     q, k, v, qf, kf, balance = make_inputs(seq=12, dtype=torch.float64)
     mask = make_padding_mask(2, 12) if padded else torch.ones(2, 12, dtype=torch.bool)
     _, state = hybrid_attention(
@@ -262,9 +268,11 @@ def test_the_one_token_step_matches_the_parallel_form_in_outputs_states_and_grad
     def run(step: bool):
         initial = HybridAttentionState(*carried)
         if step:
-            return hybrid_attention_step(
-                *token, gamma, initial, window=window, attention_mask=mask[:, 11:], validate=validate
+            ring = ring_from_state(initial, 11)
+            out = hybrid_attention_step_(
+                *token, gamma, ring, window=window, attention_mask=mask[:, 11:], validate=validate
             )
+            return out, state_from_ring(ring)
         return hybrid_attention(
             *token,
             gamma,
@@ -444,7 +452,26 @@ def test_a_state_from_another_window_is_rejected_by_the_step():
     _, state = call(output_final_state=True)
     one = {name: tensor[:, :, :1] for name, tensor in GOOD.items() if name != "balance"}
     with pytest.raises(ValueError, match=r"state.keys must have shape .*window 5"):
-        hybrid_attention_step(**one, balance=GOOD["balance"], state=state, window=5)
+        hybrid_attention_step_(**one, balance=GOOD["balance"], ring=ring_from_state(state, 5), window=5)
+
+
+def test_the_step_takes_one_token_and_the_ring_buffers():
+    _, state = call(output_final_state=True)
+    two = {name: tensor[:, :, :2] for name, tensor in GOOD.items() if name != "balance"}
+    with pytest.raises(ValueError, match="one new token"):
+        hybrid_attention_step_(**two, balance=GOOD["balance"], ring=ring_from_state(state, 5))
+    one = {name: tensor[:, :, :1] for name, tensor in GOOD.items() if name != "balance"}
+    with pytest.raises(ValueError, match="HybridRingState"):
+        hybrid_attention_step_(**one, balance=GOOD["balance"], ring=state)
+
+
+def test_the_ring_converters_round_trip_at_any_phase():
+    _, state = call(output_final_state=True)
+    for seen in (2, 5, 6, 11):
+        ring = ring_from_state(state, seen)
+        assert int(ring.seen) == seen
+        for got, want in zip(state_from_ring(ring), state, strict=True):
+            assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("padded", [False, True])

@@ -7,16 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headkit.ops.hybrid import hybrid_attention, hybrid_attention_step
-from headkit.ops.sparse_hybrid import (
+from headkit.ops.hybrid import (
     SparseHybridState,
+    hybrid_attention,
+    hybrid_attention_step_,
     naive_sparse_hybrid_attention,
+    ring_from_state,
     sparse_hybrid_attention,
-    sparse_hybrid_attention_ring_step_,
-    sparse_hybrid_attention_step,
+    sparse_hybrid_attention_step_,
     sparse_hybrid_exact_sets,
-    sparse_ring_from_state,
-    sparse_state_from_ring,
+    state_from_ring,
 )
 
 # (window, sinks, budget, seq, heads, kv_heads, padded)
@@ -137,16 +137,19 @@ def test_decoding_token_by_token_and_in_pieces_continues_the_parallel_form(
     def part(x, a, b):
         return x[:, :, a:b]
 
-    # one token at a time
-    state, outputs = None, []
+    # one token at a time, from the empty state (the parallel form's for no token)
+    _, empty = sparse_hybrid_attention(
+        *(part(x, 0, 0) for x in (q, k, v, qf, kf)), balance, output_final_state=True, **options
+    )
+    ring, outputs = ring_from_state(empty, 0), []
     for t in range(seq):
         piece = [part(x, t, t + 1) for x in (q, k, v, qf, kf)]
-        out, state = sparse_hybrid_attention_step(
-            *piece, balance, state, attention_mask=None if mask is None else mask[:, t : t + 1], **options
+        out = sparse_hybrid_attention_step_(
+            *piece, balance, ring, attention_mask=None if mask is None else mask[:, t : t + 1], **options
         )
         outputs.append(out)
     assert_close(torch.cat(outputs, 2), whole, where=real)
-    assert_states_close(state, whole_state)
+    assert_states_close(state_from_ring(ring), whole_state)
     # uneven pieces: a prefill, a few tokens, the rest
     cuts = [0, seq // 2, seq // 2 + 3, seq]
     state, outputs = None, []
@@ -197,11 +200,14 @@ def test_no_sinks_and_no_cache_is_the_plain_hybrid_exactly(padded):
         assert torch.equal(got, want)
     step = [x[:, :, :1] for x in (q, k, v, qf, kf)]
     one = None if mask is None else mask[:, :1]
-    plain_step, _ = hybrid_attention_step(*step, balance, plain_state, window=5, attention_mask=one)
-    sparse_step, _ = sparse_hybrid_attention_step(
-        *step, balance, state, window=5, sinks=0, budget=0, attention_mask=one
+    plain_ring, ring = ring_from_state(plain_state, 25), ring_from_state(state, 25)
+    plain_step = hybrid_attention_step_(*step, balance, plain_ring, window=5, attention_mask=one)
+    sparse_step = sparse_hybrid_attention_step_(
+        *step, balance, ring, window=5, sinks=0, budget=0, attention_mask=one
     )
     assert torch.equal(plain_step, sparse_step)
+    for got, want in zip(ring.window, plain_ring, strict=True):
+        assert torch.equal(got, want)
 
 
 def test_the_cache_keeps_what_the_linear_state_recalls_worst():
@@ -249,8 +255,13 @@ def test_a_state_of_other_sizes_is_refused():
         q, k, v, qf, kf, balance, window=3, sinks=1, budget=2, output_final_state=True
     )
     with pytest.raises(ValueError, match="sparse_keys must have shape"):
-        sparse_hybrid_attention_step(
-            *(x[:, :, :1] for x in (q, k, v, qf, kf)), balance, state, window=3, sinks=1, budget=3
+        sparse_hybrid_attention_step_(
+            *(x[:, :, :1] for x in (q, k, v, qf, kf)), balance, ring_from_state(state, 6), window=3, sinks=1,
+            budget=3,
+        )  # fmt: skip
+    with pytest.raises(ValueError, match="SparseHybridRingState"):
+        sparse_hybrid_attention_step_(
+            *(x[:, :, :1] for x in (q, k, v, qf, kf)), balance, state, window=3, sinks=1, budget=2
         )
 
 
@@ -314,15 +325,19 @@ def test_a_prompt_with_given_scores_then_decoding_continues_as_the_reference(win
         *(x[:, :, :prompt] for x in (q, k, v, qf, kf)), balance, chunk_size=4, output_final_state=True,
         key_scores=scores[:, :, :prompt], **options,
     )  # fmt: skip
-    outputs = [out]
+    outputs, ring = [out], ring_from_state(state, prompt)
     for t in range(prompt, seq):
-        out, state = sparse_hybrid_attention_step(
-            *(x[:, :, t : t + 1] for x in (q, k, v, qf, kf)), balance, state,
-            key_scores=torch.zeros(2, 2, 1, dtype=torch.float64), **options,
-        )  # fmt: skip
-        outputs.append(out)
+        outputs.append(
+            sparse_hybrid_attention_step_(
+                *(x[:, :, t : t + 1] for x in (q, k, v, qf, kf)),
+                balance,
+                ring,
+                key_scores=torch.zeros(2, 2, 1, dtype=torch.float64),
+                **options,
+            )  # fmt: skip
+        )
     assert_close(torch.cat(outputs, 2), expected)
-    assert_states_close(state, expected_state)
+    assert_states_close(state_from_ring(ring), expected_state)
 
 
 def test_gradients_with_given_scores_equal_the_reference():
@@ -359,27 +374,31 @@ RING_CASES = [
 
 
 @pytest.mark.parametrize(("window", "sinks", "budget", "prompt", "selection"), RING_CASES)
-def test_ring_step_matches_the_step_in_outputs_and_states(window, sinks, budget, prompt, selection):
+def test_the_step_continues_a_padded_prompt_as_the_reference(window, sinks, budget, prompt, selection):
     seq = 30
     q, k, v, qf, kf, balance = make_inputs(seq=seq)
-    mask = padding_mask(2, prompt)
+    mask = torch.cat([padding_mask(2, prompt), torch.ones(2, seq - prompt, dtype=torch.bool)], dim=1)
     options = {"window": window, "sinks": sinks, "budget": budget}
-    prefill = {"key_scores": given_scores(2, 2, prompt)} if selection == "question" else {}
+    scores = given_scores(2, 2, seq)
+    scores[:, :, prompt - (window - 1) :] = 0  # what is still in the window at the prompt's end scores 0
+    prefill = {"key_scores": scores[:, :, :prompt]} if selection == "question" else {}
+    expected, _, expected_state = naive_sparse_hybrid_attention(
+        q, k, v, qf, kf, balance, attention_mask=mask, output_final_state=True, **options,
+        **({"key_scores": scores} if selection == "question" else {}),
+    )  # fmt: skip
     _, state = sparse_hybrid_attention(
         *(x[:, :, :prompt] for x in (q, k, v, qf, kf)), balance, chunk_size=4, output_final_state=True,
-        attention_mask=mask, **options, **prefill,
+        attention_mask=mask[:, :prompt], **options, **prefill,
     )  # fmt: skip
-    ring = sparse_ring_from_state(state, prompt)
-    assert_states_close(sparse_state_from_ring(ring), state, rel=0)
+    ring = ring_from_state(state, prompt)
+    assert_states_close(state_from_ring(ring), state, rel=0)
     step = {"key_scores": torch.zeros(2, 2, 1, dtype=torch.float64)} if selection == "question" else {}
+    outputs = []
     for t in range(prompt, seq):
         inputs = [x[:, :, t : t + 1] for x in (q, k, v, qf, kf)]
-        expected, state = sparse_hybrid_attention_step(*inputs, balance, state, **options, **step)
-        out = sparse_hybrid_attention_ring_step_(
-            *inputs, balance, ring, sinks=sinks, budget=budget, scale=8**-0.5, recall=selection == "recall"
-        )
-        assert_close(out, expected)
-        assert_states_close(sparse_state_from_ring(ring), state)
+        outputs.append(sparse_hybrid_attention_step_(*inputs, balance, ring, **options, **step))
+    assert_close(torch.cat(outputs, 2), expected[:, :, prompt:])
+    assert_states_close(state_from_ring(ring), expected_state)
     assert int(ring.window.seen) == seq
     # The slots were replaced in place: some kept key sits out of the order it entered in.
     if budget and selection == "recall":

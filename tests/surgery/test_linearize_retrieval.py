@@ -56,7 +56,7 @@ def test_retrieval_heads_decode_as_the_parallel_form_and_their_cache_grows():
     assert [m.exact_heads for m in linearized_modules(model)] == [(1,), (0,)]
     stepped, whole, cache = steps_and_whole(model, ids(length=30), prefill=9)
     torch.testing.assert_close(stepped, whole, atol=1e-5, rtol=1e-5)
-    state = cache.layers[0].state
+    state = cache.layers[0].get_state()
     assert isinstance(state, SplitHeadsState) and state.keys.shape == (2, 1, 30, 8)
     prompt = ids(batch=1, length=9)
     cached = model.generate(prompt, max_new_tokens=20, do_sample=False, use_cache=True)
@@ -103,7 +103,7 @@ def test_a_left_padded_row_with_retrieval_heads_decodes_as_it_does_alone():
 def test_the_question_chooses_the_cache_of_a_prefilled_prompt(monkeypatch):
     model, _ = converted(sinks=1, sparse_cache=3, selection="question", observation=4)
     seen = []
-    module = __import__("headkit.surgery.linearize", fromlist=["observation_scores"])
+    module = __import__("headkit.layers.kept_exact", fromlist=["observation_scores"])
 
     def recording(q, k, **options):
         scores = observation_scores(q, k, **options)
@@ -115,7 +115,7 @@ def test_the_question_chooses_the_cache_of_a_prefilled_prompt(monkeypatch):
     with torch.no_grad():
         cache = output_cache(model(tokens, use_cache=True))
     keys, scores = seen[0]  # layer 0
-    state = cache.layers[0].state
+    state = cache.layers[0].get_state()
     # The keys that left the window (positions 1 … 26 − 4; position 0 is the sink), best 3 by the question's score.
     for head in range(2):
         best = sorted(range(1, 23), key=lambda j: -float(scores[0, head, j]))[:3]

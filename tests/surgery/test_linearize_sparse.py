@@ -10,7 +10,7 @@ from tiny_models import peaked_llama
 import headkit
 from headkit.compat import cache_keyword, output_cache
 from headkit.errors import HeadkitError
-from headkit.ops.sparse_hybrid import SparseHybridState
+from headkit.ops.hybrid import SparseHybridState
 from headkit.surgery.io import SURGERY_KEY
 from headkit.surgery.linearize import decoding_state_bytes, linearized_modules, linearized_parameters
 
@@ -52,7 +52,7 @@ def test_step_by_step_decoding_equals_the_parallel_form_and_generate_agrees():
             out = model(tokens[:, t : t + 1], **cache_keyword(cache), use_cache=True)
             steps.append(out.logits[:, -1])
     torch.testing.assert_close(torch.stack(steps, 1), full[:, 10:-1], atol=1e-4, rtol=1e-4)
-    assert isinstance(cache.layers[0].state, SparseHybridState)
+    assert isinstance(cache.layers[0].get_state(), SparseHybridState)
     prompt = tokens[:1, :9]
     cached = model.generate(prompt, max_new_tokens=25, do_sample=False, use_cache=True)
     uncached = model.generate(prompt, max_new_tokens=25, do_sample=False, use_cache=False)
@@ -63,7 +63,7 @@ def test_the_mechanism_differs_from_the_plain_hybrid_beyond_the_window():
     model, _ = converted()
     plain = copy.deepcopy(model)
     for module in linearized_modules(plain):
-        module.sinks = module.sparse_cache = 0
+        module.configure(sinks=0, sparse_cache=0, selection="recall", observation=32, exact_heads=())
     tokens = ids(length=30)
     with torch.no_grad():
         same = (model(tokens[:, :4]).logits - plain(tokens[:, :4]).logits).abs().max()

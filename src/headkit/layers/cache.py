@@ -15,7 +15,8 @@ in one entry of a transformers ``Cache`` (``cache.layers[layer_idx]``), of one o
 
 A ``StateCacheLayer`` is a transformers ``CacheLayerMixin``, so the container counts its tokens
 (``get_seq_length``, mask sizes) like a key/value layer's, and beam search / batch selection (``reorder_cache``,
-``batch_select_indices``, ``batch_repeat_interleave``) index dim 0 of every tensor of every state. A state
+``batch_select_indices``, ``batch_repeat_interleave``) index dim 0 of every tensor of every state (a scalar
+tensor, a count shared by the batch, stays). A state
 cannot be rewound: ``crop`` (assisted generation) raises for it.
 
 :class:`HeadkitCache` is the transformers ``Cache`` of a headkit model, built with the entry each of its
@@ -143,13 +144,21 @@ class StateCacheLayer(CacheLayerMixin):
         self.seen_tokens = 0
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self.state = map_state(self.state, lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
+        self._map_rows(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.state = map_state(self.state, lambda tensor: tensor[indices])
+        self._map_rows(lambda tensor: tensor[indices])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self.state = map_state(self.state, lambda tensor: tensor.repeat_interleave(repeats, dim=0))
+        self._map_rows(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
+
+    def _map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        # A scalar (a ring buffer's token count) is shared by every row: it stays as it is.
+        self.state = map_state(self.state, lambda tensor: fn(tensor) if tensor.dim() else tensor)
+
+    def state_bytes(self) -> int:
+        """Bytes of the state this entry holds."""
+        return sum(t.numel() * t.element_size() for t in state_tensors(self.state))
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove != 0:

@@ -42,28 +42,13 @@ from headkit.layers.cache import StateCacheLayer, state_tensors
 from headkit.layers.feature_maps import build_feature_map
 from headkit.layers.registry import register_attention
 from headkit.ops.hybrid import (
-    HybridAttentionState,
-    HybridRingState,
+    SparseHybridRingState,
     hybrid_attention,
-    hybrid_attention_step,
-    hybrid_ring_from_state,
-    hybrid_state_from_ring,
+    hybrid_attention_step_,
+    ring_from_state,
+    state_from_ring,
 )
 from headkit.ops.rotary import apply_rotary, rotary_cos_sin, unrotate_pairs
-from headkit.ops.sparse_hybrid import (
-    SparseHybridRingState,
-    SparseHybridState,
-    sparse_ring_from_state,
-    sparse_state_from_ring,
-)
-
-
-class HybridStateCacheLayer(StateCacheLayer):
-    """The cache entry of the hybrid mechanism (:class:`HybridHeads`: a :class:`HybridAttention` layer, a linearized
-    stock layer): one fixed-size :class:`headkit.ops.HybridAttentionState` (or a larger state of the same
-    mechanism keeping more keys exact) in a :class:`~headkit.layers.cache.StateCacheLayer`."""
-
-    describes = "a hybrid (sliding-window + linear) attention layer"
 
 
 class SplitHeadsState(NamedTuple):
@@ -90,48 +75,69 @@ class SplitHeadsRing(NamedTuple):
     seen: torch.Tensor
 
 
-def ring_from_state(state: Any, seen: int, capacity: int) -> Any:
-    """The fixed buffers of a hybrid layer's ordered state after ``seen`` tokens (new tensors): the window as a
-    ring, sinks and sparse cache as slots, the exact heads' keys and values in buffers of ``capacity`` tokens."""
-    if isinstance(state, HybridAttentionState):
-        return hybrid_ring_from_state(state, seen)
-    if isinstance(state, SparseHybridState):
-        return sparse_ring_from_state(state, seen)
-    if isinstance(state, SplitHeadsState):
-        held = state.keys.shape[2]
-        if held > capacity:
-            raise HeadkitError(
-                f"the exact heads hold {held} tokens, more than the fixed buffers' capacity of {capacity}"
+class HybridStateCacheLayer(StateCacheLayer):
+    """The cache entry of the hybrid mechanism (:class:`HybridHeads`: a :class:`HybridAttention` layer, a linearized
+    stock layer): one fixed-size :class:`headkit.ops.HybridAttentionState` (or a larger state of the same
+    mechanism keeping more keys exact) in a :class:`~headkit.layers.cache.StateCacheLayer`.
+
+    The state is held as the buffers the op's one decoding step updates in place
+    (:func:`headkit.ops.hybrid.ring_from_state`: the window as a ring); :meth:`get_state` gives the
+    ordered state a prompt continues from (None before the first token) and :meth:`set_state` takes one back. A
+    retrieval layer's exact heads keep a growing key/value cache beside the ring (:class:`SplitHeadsState`)."""
+
+    describes = "a hybrid (sliding-window + linear) attention layer"
+    # Whether a decoding step's token may be padding (the eager path reads the mask; the fast decoder does not).
+    real_tokens_only = False
+
+    def get_state(self) -> Any:
+        # An empty layer has no state (zeroed buffers are not the empty state of a sparse cache: −inf scores).
+        return None if self.state is None or not self.is_initialized else self._ordered(self.state)
+
+    def set_state(self, state: Any, num_new_tokens: int) -> None:
+        if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be a non-negative integer, got {num_new_tokens!r}")
+        seen = self.seen_tokens + num_new_tokens
+        self._store(self._buffers(state, seen))
+        self.is_initialized = True
+        self.seen_tokens = seen
+
+    def buffers(self) -> Any:
+        """What the decoding step updates in place (the ring; a retrieval layer's :class:`SplitHeadsState` or
+        :class:`SplitHeadsRing`)."""
+        return self.state
+
+    def stepped(self, buffers: Any) -> None:
+        """Count the token a decoding step just wrote into :meth:`buffers`; ``buffers``: what it holds now (the
+        same ring; a retrieval layer's exact heads grow)."""
+        self.state = buffers
+        self.seen_tokens += 1
+
+    def _store(self, buffers: Any) -> None:
+        self.state = buffers
+
+    def _buffers(self, state: Any, seen: int) -> Any:
+        if isinstance(state, SplitHeadsState):
+            linear = None if state.linear is None else ring_from_state(state.linear, seen)
+            return state._replace(linear=linear)
+        return ring_from_state(state, seen)
+
+    def _ordered(self, buffers: Any) -> Any:
+        if isinstance(buffers, SplitHeadsState):
+            return buffers._replace(
+                linear=None if buffers.linear is None else state_from_ring(buffers.linear)
             )
+        return state_from_ring(buffers)
 
-        def buffer(x: torch.Tensor, dim: int) -> torch.Tensor:
-            shape = list(x.shape)
-            shape[dim] = capacity
-            room = x.new_zeros(shape)
-            room.narrow(dim, 0, held).copy_(x)
-            return room
-
-        linear = None if state.linear is None else ring_from_state(state.linear, seen, capacity)
-        seen_tensor = torch.tensor(held, dtype=torch.int64, device=state.keys.device)
-        return SplitHeadsRing(
-            linear, buffer(state.keys, 2), buffer(state.values, 2), buffer(state.keep, 1), seen_tensor
-        )
-    raise HeadkitError(f"no fixed-size form of a {type(state).__name__} decoding state")
+    def state_bytes(self) -> int:
+        """Bytes of the state as the op defines it (:meth:`get_state`, what the conversion report counts): the
+        ring's counters are bookkeeping of the eager cache."""
+        return sum(t.numel() * t.element_size() for t in state_tensors(self.get_state()))
 
 
-def state_from_ring(ring: Any) -> Any:
-    """The ordered state the fixed buffers hold (new tensors): the inverse of :func:`ring_from_state`."""
-    if isinstance(ring, HybridRingState):
-        return hybrid_state_from_ring(ring)
-    if isinstance(ring, SparseHybridRingState):
-        return sparse_state_from_ring(ring)
-    held = int(ring.seen)
-    return SplitHeadsState(
-        None if ring.linear is None else state_from_ring(ring.linear),
-        ring.keys[:, :, :held].clone(),
-        ring.values[:, :, :held].clone(),
-        ring.keep[:, :held].clone(),
-    )
+def _same_kind(old: Any, new: Any) -> bool:
+    if type(old) is not type(new):
+        return False
+    return not isinstance(new, SplitHeadsState | SplitHeadsRing) or type(old.linear) is type(new.linear)
 
 
 def _ring_seen(ring: Any) -> torch.Tensor:
@@ -139,14 +145,12 @@ def _ring_seen(ring: Any) -> torch.Tensor:
 
 
 class RingHybridStateCacheLayer(HybridStateCacheLayer):
-    """A :class:`HybridStateCacheLayer` whose state lives in fixed buffers updated in place, for a compiled
-    decoding step (:mod:`headkit.runtime.fast`): one graph, no tensor allocated or re-concatenated per token.
-    The window is a ring buffer (:class:`headkit.ops.HybridRingState`), sinks and the sparse cache are slots
-    that keys enter in place (:class:`headkit.ops.sparse_hybrid.SparseHybridRingState`), and retrieval heads
-    keep their keys and values in buffers of ``capacity`` tokens (:class:`SplitHeadsRing`).
+    """A :class:`HybridStateCacheLayer` for a compiled decoding step (:mod:`headkit.runtime.fast`): one graph, no
+    tensor allocated or re-concatenated per token; retrieval heads keep their keys and values in buffers of
+    ``capacity`` tokens (:class:`SplitHeadsRing`), and its token count is the buffers' own tensor.
 
     A prompt (several tokens) runs the ordinary eager path: :meth:`get_state` hands it the ordered state and
-    :meth:`set_state` copies the result into the buffers. A step of one token runs the in-place step ops on the
+    :meth:`set_state` copies the result into the buffers. A step of one token runs the in-place steps on the
     buffers (:meth:`headkit.surgery.linearize.LinearizedHeads.forward`); the fast decoder feeds only real tokens
     there, so no padding mask is read.
 
@@ -157,30 +161,59 @@ class RingHybridStateCacheLayer(HybridStateCacheLayer):
     ``StaticLayer``'s), so that a compiled step is not specialised on it."""
 
     is_compileable = True
+    real_tokens_only = True
 
     def __init__(self, mask_length: int = 1, capacity: int = 0) -> None:
         super().__init__()
         self.mask_length, self.capacity = mask_length, capacity
 
-    def get_state(self) -> Any:
-        # An empty layer has no state (zeroed buffers are not the empty state of a sparse cache: −inf scores).
-        return None if self.state is None or not self.seen_tokens else state_from_ring(self.state)
+    def stepped(self, buffers: Any) -> None:
+        """Nothing: the step wrote the buffers in place, and the count is their ``seen`` (a Python counter would
+        specialise a compiled step on it)."""
 
-    def set_state(self, state: Any, num_new_tokens: int) -> None:
-        if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be a non-negative integer, got {num_new_tokens!r}")
-        seen = self.seen_tokens + num_new_tokens
-        ring = ring_from_state(state, seen, self.capacity)
-        current, new = state_tensors(self.state), state_tensors(ring)
-        if [t.shape for t in current] == [t.shape for t in new] and type(self.state) is type(ring):
-            for buffer, value in zip(
-                current, new, strict=True
-            ):  # in place: a compiled step holds these buffers
+    def _store(self, buffers: Any) -> None:
+        current, new = state_tensors(self.state), state_tensors(buffers)
+        if [t.shape for t in current] == [t.shape for t in new] and _same_kind(self.state, buffers):
+            # In place: a compiled step holds these buffers.
+            for buffer, value in zip(current, new, strict=True):
                 buffer.copy_(value)
         else:
-            self.state = ring
-        self.is_initialized = True
-        self.seen_tokens = seen
+            self.state = buffers
+
+    def _buffers(self, state: Any, seen: int) -> Any:
+        if not isinstance(state, SplitHeadsState):
+            return super()._buffers(state, seen)
+        held = state.keys.shape[2]
+        if held > self.capacity:
+            raise HeadkitError(
+                f"the exact heads hold {held} tokens, more than the fixed buffers' capacity of {self.capacity}"
+            )
+
+        def buffer(x: torch.Tensor, dim: int) -> torch.Tensor:
+            shape = list(x.shape)
+            shape[dim] = self.capacity
+            room = x.new_zeros(shape)
+            room.narrow(dim, 0, held).copy_(x)
+            return room
+
+        linear = None if state.linear is None else ring_from_state(state.linear, seen)
+        seen_tensor = torch.tensor(held, dtype=torch.int64, device=state.keys.device)
+        return SplitHeadsRing(
+            linear, buffer(state.keys, 2), buffer(state.values, 2), buffer(state.keep, 1), seen_tensor
+        )
+
+    def _ordered(self, buffers: Any) -> Any:
+        if not isinstance(buffers, SplitHeadsRing):
+            return super()._ordered(buffers)
+        held = int(buffers.seen)
+        return SplitHeadsState(
+            None if buffers.linear is None else state_from_ring(buffers.linear),
+            buffers.keys[:, :, :held].clone(),
+            buffers.values[:, :, :held].clone(),
+            buffers.keep[:, :held].clone(),
+        )
+
+    state_bytes = StateCacheLayer.state_bytes  # the buffers as allocated: the exact heads' whole capacity
 
     def reset(self) -> None:
         # In place: the buffers keep their addresses, which compiled steps hold.
@@ -189,9 +222,6 @@ class RingHybridStateCacheLayer(HybridStateCacheLayer):
                 buffer.zero_()
         self.is_initialized = False
         self.seen_tokens = 0
-
-    def ring_state(self) -> Any:
-        return self.state
 
     def get_seq_length(self) -> Any:
         if self.state is None:
@@ -283,22 +313,46 @@ class HybridHeads(nn.Module):
             return self.feature_map_q(queries), self.feature_map_k(keys)
         return queries.new_zeros(*queries.shape[:3], 1), keys.new_zeros(*keys.shape[:3], 1)
 
+    @staticmethod
+    def cached_state(entry: HybridStateCacheLayer | None, seq: int) -> tuple[Any, bool]:
+        """(the state these ``seq`` tokens continue, whether they are a decoding step) of a cache entry: one token
+        after the first takes the step on the entry's buffers (:meth:`HybridStateCacheLayer.buffers`), anything
+        else the parallel form from the ordered state (None without a cache or before the first token)."""
+        if entry is None:
+            return None, False
+        if seq == 1 and entry.is_initialized:
+            return entry.buffers(), True
+        return entry.get_state(), False
+
+    @staticmethod
+    def keep_state(entry: HybridStateCacheLayer | None, state: Any, seq: int, stepping: bool) -> None:
+        """Keep the state after this call in the cache entry (if any): the buffers a step wrote, or the parallel
+        form's ordered state."""
+        if entry is None:
+            return
+        if stepping:
+            entry.stepped(state)
+        else:
+            entry.set_state(state, seq)
+
     def hybrid_heads(
         self,
         tensors: tuple[torch.Tensor, ...],
         state: Any,
         *,
         cached: bool,
+        stepping: bool = False,
         parallel: Callable[..., tuple[torch.Tensor, Any]] = hybrid_attention,
-        step: Callable[..., tuple[torch.Tensor, Any]] = hybrid_attention_step,
+        decode: Callable[..., torch.Tensor] = hybrid_attention_step_,
         **options: Any,
     ) -> tuple[torch.Tensor, Any]:
         """(per-head outputs, the state after these tokens, None without a cache) of ``tensors`` = (queries, keys,
-        values, φ(q), φ(k), γ): one token into a cache takes the decoding step, anything else the chunkwise
-        parallel form, continuing ``state``. ``parallel``/``step`` and ``options`` (window, mask, scale, …) are
-        the op's: the plain hybrid, or :mod:`headkit.ops.sparse_hybrid` with its sinks and budget."""
-        if cached and tensors[0].shape[2] == 1:
-            return step(*tensors, state, **options)
+        values, φ(q), φ(k), γ): a decoding step (``stepping``, :meth:`cached_state`) runs the op's one step on
+        the buffers ``state``, in place, and returns them; anything else the chunkwise parallel form, continuing
+        the ordered ``state``. ``parallel``/``decode`` and ``options`` (window, mask, scale, …) are the op's: the
+        plain hybrid, or :mod:`headkit.ops.hybrid.sparse` with its sinks and budget."""
+        if stepping:
+            return decode(*tensors, state, **options), state
         return parallel(
             *tensors, chunk_size=self.chunk_size, initial_state=state, output_final_state=cached, **options
         )
@@ -355,14 +409,18 @@ class HybridAttention(HeadkitAttention, HybridHeads):
             cos, sin = rotary_cos_sin(inputs.positions, self.head_dim, **self.rope_kwargs, validate=False)
             queries = apply_rotary(queries, cos, sin, validate=False)
             keys = apply_rotary(keys, cos, sin, validate=False)
+        entry = self.state_entry(inputs.cache)
+        state, stepping = self.cached_state(entry, inputs.seq)
         # The state carries the padding flags of the past tokens: only the new ones are passed.
         head_outputs, state = self.hybrid_heads(
             (queries, keys, values, *self.features(queries, keys), self.balance),
-            self.recurrent_state(inputs),
-            cached=inputs.cache is not None,
+            state,
+            cached=entry is not None,
+            stepping=stepping,
             window=self.window,
             attention_mask=inputs.new_tokens_mask,
             scale=self.scale,
             validate=False,
         )
-        return self.finish_recurrent(inputs, state, head_outputs)
+        self.keep_state(entry, state, inputs.seq, stepping)
+        return self.project_heads(head_outputs), None

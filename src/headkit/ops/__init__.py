@@ -12,22 +12,19 @@ from headkit.ops.feature_maps import FEATURE_MAPS, get_feature_map, hedgehog_fea
 from headkit.ops.hybrid import (
     HybridAttentionState,
     HybridRingState,
+    SparseHybridState,
     hybrid_attention,
-    hybrid_attention_ring_step_,
-    hybrid_attention_step,
-    hybrid_ring_from_state,
-    hybrid_state_from_ring,
+    hybrid_attention_step_,
+    ring_from_state,
+    sparse_hybrid_attention,
+    sparse_hybrid_attention_step_,
+    sparse_hybrid_exact_sets,
+    state_from_ring,
 )
 from headkit.ops.linear import LinearAttentionState, linear_attention, linear_attention_step
 from headkit.ops.registry import KERNELS, KernelSpec, register_kernel
 from headkit.ops.rotary import apply_rotary, rope_inverse_frequencies, rotary_cos_sin
 from headkit.ops.softmax import eager_attention, softmax_attention
-from headkit.ops.sparse_hybrid import (
-    SparseHybridState,
-    sparse_hybrid_attention,
-    sparse_hybrid_attention_step,
-    sparse_hybrid_exact_sets,
-)
 
 __all__ = [
     "KERNELS",
@@ -47,10 +44,7 @@ __all__ = [
     "get_feature_map",
     "hedgehog_feature_map",
     "hybrid_attention",
-    "hybrid_attention_ring_step_",
-    "hybrid_attention_step",
-    "hybrid_ring_from_state",
-    "hybrid_state_from_ring",
+    "hybrid_attention_step_",
     "linear_attention",
     "linear_attention_step",
     "register_feature_map",
@@ -60,6 +54,8 @@ __all__ = [
     "softmax_attention",
     "SparseHybridState",
     "sparse_hybrid_attention",
-    "sparse_hybrid_attention_step",
+    "sparse_hybrid_attention_step_",
+    "ring_from_state",
+    "state_from_ring",
     "sparse_hybrid_exact_sets",
 ]

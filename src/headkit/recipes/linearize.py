@@ -98,7 +98,7 @@ class LinearizeSettings(QuickSettings):
     # The defaults are the configuration measured in docs/linearize.md (≈ 25 minutes on two CPU cores:
     # perplexity within 1.5× of the original at 1,024 tokens); the window is the lever — converted without
     # training, W = 64 gives 25.6× the original's perplexity at 1,024 tokens, W = 256 6.2×. The config's other
-    # fields keep its defaults: sinks and the sparse cache (headkit.ops.sparse_hybrid) stay 0 (the plain window +
+    # fields keep its defaults: sinks and the sparse cache (headkit.ops.hybrid.sparse) stay 0 (the plain window +
     # linear hybrid) until a trained run measures them; S = 4, G = 128 at W = 256 is the candidate: a decoding
     # state of 39.6 MiB, 1/9 of the original's KV cache at 8,192 tokens (docs/linearize.md).
     window: int = field(default=256, metadata={"quick": 64})

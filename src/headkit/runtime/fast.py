@@ -7,11 +7,11 @@ What it does, following transformers' own recipe for compiled generation (a stat
 * **Fixed-size buffers.** Key/value layers get transformers' ``StaticCache`` entries (keys and values
   preallocated for the whole bucket, written in place; sliding-window layers its fixed sliding entries).
   Linearized layers (:func:`headkit.linearize`) get a :class:`~headkit.layers.hybrid.RingHybridStateCacheLayer`:
-  the LoLCATs window as a ring buffer and the linear sums, updated in place by one fused step
-  (:func:`headkit.ops.hybrid_attention_ring_step_`) — no window re-concatenated per token. What such a layer
-  keeps exact beyond its window is fixed buffers too: sinks and the sparse cache are slots that a key enters in
-  place, evicting the worst kept key (:func:`headkit.ops.sparse_hybrid.sparse_hybrid_attention_ring_step_`, no
-  re-gathering of the cache per token), and retrieval heads write their keys and values into buffers of the
+  the LoLCATs window as a ring buffer and the linear sums, updated in place by the op's one decoding step
+  (:func:`headkit.ops.hybrid_attention_step_`, the eager cache's too) — no window re-concatenated per token. What
+  such a layer keeps exact beyond its window is fixed buffers too: sinks and the sparse cache are slots that a key
+  enters in place, evicting the worst kept key (:func:`headkit.ops.hybrid.sparse_hybrid_attention_step_`,
+  no re-gathering of the cache per token), and retrieval heads write their keys and values into buffers of the
   bucket's length (:func:`headkit.ops.softmax.softmax_attention_static_step_`).
 * **Compiled once per machine, one graph per step.** By default (``ahead_of_time=True``) the step — the model's
   forward on one token per row and the argmax — is exported with the cache's buffers as inputs it writes in

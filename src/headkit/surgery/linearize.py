@@ -45,7 +45,7 @@ padding mask over every token seen, which is all the hybrid op needs.
 **Keeping exact what the linear term cannot recall** (``sinks``, ``sparse_cache``): the first S tokens (attention
 sinks, StreamingLLM) and, per layer and key/value head, a budget of G keys chosen online as tokens leave the
 window — those the linear state recalls worst (LoLA's criterion) — stay exact under the same normaliser; evicted
-keys fold into the linear state (:mod:`headkit.ops.sparse_hybrid`). The state grows by S + G keys and values
+keys fold into the linear state (:mod:`headkit.ops.hybrid.sparse`). The state grows by S + G keys and values
 per head (plus the cached keys' features and scores and a reference memory), still constant in the context.
 The parallel form makes the decisions token-by-token decoding makes, so attention transfer trains the mechanism
 the model decodes with. With S = G = 0 (the default of :func:`linearize`) the layer is the plain hybrid.
@@ -69,25 +69,9 @@ from torch import nn
 from headkit.errors import HeadkitError
 from headkit.layers.cache import StateCacheLayer, state_tensors
 from headkit.layers.feature_maps import build_feature_map, valid_feature_map_names
-from headkit.layers.hybrid import (
-    HybridHeads,
-    HybridStateCacheLayer,
-    RingHybridStateCacheLayer,
-    SplitHeadsRing,
-    SplitHeadsState,
-)
-from headkit.ops.hybrid import (
-    hybrid_attention,
-    hybrid_attention_ring_step_,
-)
-from headkit.ops.key_selection import observation_scores
-from headkit.ops.softmax import softmax_attention_static_step_
-from headkit.ops.sparse_hybrid import (
-    SparseHybridRingState,
-    sparse_hybrid_attention,
-    sparse_hybrid_attention_ring_step_,
-    sparse_hybrid_attention_step,
-)
+from headkit.layers.hybrid import HybridHeads, HybridStateCacheLayer, SplitHeadsRing, SplitHeadsState
+from headkit.layers.kept_exact import SELECTIONS, ExactHeads, KeptKeys, causal_softmax
+from headkit.ops.hybrid import hybrid_attention, sparse_hybrid_attention
 from headkit.surgery.adapters import (
     AttentionAdapter,
     AttentionSite,
@@ -125,15 +109,14 @@ def hybrid_cache_layer(cache: Any, layer_idx: int) -> HybridStateCacheLayer:
 def decoding_state_bytes(cache: Any) -> int:
     """Bytes of every tensor a 🤗 cache holds: keys and values of key/value layers, the states of converted
     layers (the memory decoding needs besides the weights)."""
-    tensors: list[torch.Tensor] = []
+    total = 0
     for layer in getattr(cache, "layers", []):
         if isinstance(layer, StateCacheLayer):
-            tensors += state_tensors(layer.state)
+            total += layer.state_bytes()
         else:
-            tensors += [
-                t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if t is not None
-            ]
-    return sum(t.numel() * t.element_size() for t in tensors)
+            tensors = [getattr(layer, "keys", None), getattr(layer, "values", None)]
+            total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    return total
 
 
 def new_key_padding_mask(attention_mask: Any, batch: int, past: int, seq: int) -> torch.Tensor | None:
@@ -166,9 +149,6 @@ def new_key_padding_mask(attention_mask: Any, batch: int, past: int, seq: int) -
     return attention_mask.bool().expand(batch, seq)
 
 
-SELECTIONS = ("recall", "question")
-
-
 class LinearizedHeads(HybridHeads):
     """The mechanism of a linearized layer (``<attention module>.headkit_attention``): headkit's hybrid mechanism
     (:class:`headkit.layers.hybrid.HybridHeads`, which :class:`headkit.layers.HybridAttention` is built from too)
@@ -187,6 +167,10 @@ class LinearizedHeads(HybridHeads):
     model with a compressed key/value cache, the baseline the linear state must beat. ``exact_heads`` lists the
     key/value heads (with their query heads) that keep softmax with a full cache (retrieval heads, DuoAttention):
     one attention call splits the heads, the layer's cache entry holds a :class:`SplitHeadsState`.
+
+    Each of these is a piece of :mod:`headkit.layers.kept_exact` (``kept``: sinks and the budget with its
+    selection; ``exact``: the exact heads), set by :meth:`configure`; the layer only routes the heads and the
+    options through them.
     """
 
     def __init__(
@@ -212,7 +196,7 @@ class LinearizedHeads(HybridHeads):
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        # Exact beyond the window (headkit.ops.sparse_hybrid): the first `sinks` tokens and `sparse_cache` keys
+        # Exact beyond the window (headkit.ops.hybrid.sparse): the first `sinks` tokens and `sparse_cache` keys
         # per key/value head, chosen by `selection`. 0 and 0: the plain hybrid.
         self.configure(
             sinks=sinks, sparse_cache=sparse_cache, selection=selection, observation=observation,
@@ -228,15 +212,18 @@ class LinearizedHeads(HybridHeads):
     def configure(
         self, *, sinks: int, sparse_cache: int, selection: str, observation: int, exact_heads: Sequence[int]
     ) -> None:
-        """Set what is kept exact (sinks, budget, its selection, the exact heads): none of it has parameters, so
-        a trained layer takes another budget or other retrieval heads as it is (:func:`reconfigure`)."""
-        self.sinks, self.sparse_cache = sinks, sparse_cache
-        self.selection, self.observation = selection, observation
-        self.exact_heads = tuple(sorted(exact_heads))
-        self.linear_heads = tuple(h for h in range(self.num_kv_heads) if h not in self.exact_heads)
-        groups = self.num_heads // self.num_kv_heads
-        self._exact_query_heads = [h * groups + g for h in self.exact_heads for g in range(groups)]
-        self._linear_query_heads = [h * groups + g for h in self.linear_heads for g in range(groups)]
+        """Set what is kept exact, as pieces (:mod:`headkit.layers.kept_exact`): the sinks and the budget with its
+        selection, the exact heads. None of it has parameters, so a trained layer takes another budget or other
+        retrieval heads as it is (:func:`reconfigure`)."""
+        self.kept = KeptKeys(sinks, sparse_cache, SELECTIONS[selection](observation))
+        self.exact = ExactHeads(exact_heads, self.num_heads, self.num_kv_heads)
+
+    sinks = property(lambda self: self.kept.sinks)
+    sparse_cache = property(lambda self: self.kept.budget)
+    selection = property(lambda self: self.kept.selection.name)
+    observation = property(lambda self: self.kept.selection.observation)
+    exact_heads = property(lambda self: self.exact.heads)
+    linear_heads = property(lambda self: self.exact.linear_heads)
 
     @property
     def needs_position_embeddings(self) -> bool:
@@ -256,12 +243,11 @@ class LinearizedHeads(HybridHeads):
         converted heads (their tensors have their final sizes from the first token on), growing with the context
         for the exact heads."""
         weight = self.log_balance
-        queries = weight.new_zeros(1, len(self._linear_query_heads), 1, self.head_dim)
-        keys = weight.new_zeros(1, len(self.linear_heads), 1, self.head_dim)
-        # The exact heads' keys and values, and one padding flag per token.
-        exact = (2 * len(self.exact_heads) * self.head_dim * weight.element_size() + 1) * context
-        exact = exact if self.exact_heads else 0
-        if not self.linear_heads:
+        heads, kv_heads = self.exact.linear_query_heads, list(self.linear_heads)
+        queries = weight.new_zeros(1, len(heads), 1, self.head_dim)
+        keys = weight.new_zeros(1, len(kv_heads), 1, self.head_dim)
+        exact = self.exact.state_bytes(context, self.head_dim, weight.element_size())
+        if not kv_heads:
             return exact
         rotary_pairs = self.head_dim // 2 if self.unrotated_pairs is None else len(self.unrotated_pairs)
         query_features, key_features = self.features(
@@ -271,11 +257,10 @@ class LinearizedHeads(HybridHeads):
             (weight.new_ones(1, 1, 2 * rotary_pairs), weight.new_zeros(1, 1, 2 * rotary_pairs)),
         )
         tensors = (
-            queries, keys, keys, query_features[:, self._linear_query_heads], key_features[:, list(self.linear_heads)],
-            self.balance[self._linear_query_heads],
+            queries, keys, keys, query_features[:, heads], key_features[:, kv_heads], self.balance[heads],
         )  # fmt: skip
         options = {"window": self.window, "validate": False, "output_final_state": True}
-        if self.sinks or self.sparse_cache:
+        if self.kept:
             _, state = sparse_hybrid_attention(
                 *tensors, sinks=self.sinks, budget=self.sparse_cache, **options
             )
@@ -291,110 +276,60 @@ class LinearizedHeads(HybridHeads):
         queries, keys, values, cache_layer = call.queries, call.keys, call.values, call.cache_layer
         rotary = call.options.get(POSITION_EMBEDDINGS_KEYWORD)
         batch, _, seq, _ = queries.shape
-        if seq == 1 and isinstance(cache_layer, RingHybridStateCacheLayer) and cache_layer.is_initialized:
-            # The fast decoder's compiled step: one real token, fixed buffers updated in place.
-            outputs = self._fixed_size_step(
-                queries, keys, values, rotary, call.scale(self.scale), cache_layer.ring_state()
-            )
-            return outputs.transpose(1, 2).contiguous(), None
-        past = 0 if cache_layer is None else cache_layer.get_seq_length()
-        new_mask = new_key_padding_mask(call.attention_mask, batch, past, seq)
-        new_mask = None if new_mask is None else new_mask.to(queries.device)
         scale = call.scale(self.scale)
-        state = None if cache_layer is None else cache_layer.get_state()
-        if not self.exact_heads:
-            outputs, state = self._converted(
-                queries, keys, values, new_mask, scale, cache_layer, state, rotary
-            )
+        state, stepping = self.cached_state(cache_layer, seq)
+        new_mask = None
+        if not (stepping and cache_layer.real_tokens_only):  # the fast decoder's steps read no mask
+            past = 0 if cache_layer is None else cache_layer.get_seq_length()
+            new_mask = new_key_padding_mask(call.attention_mask, batch, past, seq)
+            new_mask = None if new_mask is None else new_mask.to(queries.device)
+        options = (new_mask, scale, cache_layer, stepping, rotary)
+        if not self.exact:
+            outputs, state = self._converted(queries, keys, values, state, *options)
         else:
-            split = state if isinstance(state, SplitHeadsState) else None
-            exact_q, linear_q = self._exact_query_heads, self._linear_query_heads
-            exact_kv, linear_kv = list(self.exact_heads), list(self.linear_heads)
-            exact_out, exact_state = self._softmax(
-                queries[:, exact_q], keys[:, exact_kv], values[:, exact_kv], new_mask, scale, split
-            )
+            split = state if isinstance(state, SplitHeadsState | SplitHeadsRing) else None
             outputs = queries.new_empty(batch, self.num_heads, seq, values.shape[-1])
-            outputs[:, exact_q] = exact_out
-            linear_state = None
-            if linear_kv:
-                outputs[:, linear_q], linear_state = self._converted(
-                    queries[:, linear_q], keys[:, linear_kv], values[:, linear_kv], new_mask, scale, cache_layer,
-                    None if split is None else split.linear, rotary,
-                )  # fmt: skip
-            state = SplitHeadsState(linear_state, *exact_state)
-        if cache_layer is not None:
-            cache_layer.set_state(state, seq)
-        return outputs.transpose(1, 2).contiguous(), None
-
-    def _fixed_size_step(
-        self,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        rotary: tuple[torch.Tensor, torch.Tensor] | None,
-        scale: float,
-        ring: Any,
-    ) -> torch.Tensor:
-        """One real token on the fixed buffers of a :class:`RingHybridStateCacheLayer`, updated in place: the
-        exact heads over their key/value buffers, the converted heads through the in-place step of the plain
-        hybrid or of the one with sinks and a sparse cache. Out [B, H, 1, Dv]; the same arithmetic as the
-        eager step (tests compare tokens and states)."""
-        split = isinstance(ring, SplitHeadsRing)
-        heads = self._linear_query_heads if split else list(range(self.num_heads))
-        kv_heads = list(self.linear_heads) if split else list(range(self.num_kv_heads))
-
-        def converted(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state: Any) -> torch.Tensor:
-            tensors = (q, k, v, *self._head_features(q, k, heads, kv_heads, rotary), self.balance[heads])
-            if isinstance(state, SparseHybridRingState):
-                return sparse_hybrid_attention_ring_step_(
-                    *tensors, state, sinks=self.sinks, budget=self.sparse_cache, scale=scale,
-                    recall=self.selection == "recall",
-                )  # fmt: skip
-            return hybrid_attention_ring_step_(*tensors, state, scale=scale)
-
-        if not split:
-            return converted(queries, keys, values, ring)
-        exact_q, exact_kv = self._exact_query_heads, list(self.exact_heads)
-        outputs = queries.new_empty(*queries.shape[:3], values.shape[-1])
-        outputs[:, exact_q] = softmax_attention_static_step_(
-            queries[:, exact_q], keys[:, exact_kv], values[:, exact_kv], ring.keys, ring.values, ring.keep,
-            ring.seen, scale=scale,
-        )  # fmt: skip
-        if kv_heads:
-            outputs[:, heads] = converted(
-                queries[:, heads], keys[:, kv_heads], values[:, kv_heads], ring.linear
+            outputs[:, self.exact.query_heads], state = self.exact.attend(
+                queries, keys, values, new_mask, scale, split
             )
-        return outputs
+            if self.linear_heads:
+                linear_q, linear_kv = self.exact.linear_query_heads, list(self.linear_heads)
+                outputs[:, linear_q], linear_state = self._converted(
+                    queries[:, linear_q], keys[:, linear_kv], values[:, linear_kv],
+                    None if split is None else split.linear, *options,
+                )  # fmt: skip
+                state = state._replace(linear=linear_state)
+        self.keep_state(cache_layer, state, seq, stepping)
+        return outputs.transpose(1, 2).contiguous(), None
 
     def _converted(
         self,
         queries: torch.Tensor,
         keys: torch.Tensor,
         values: torch.Tensor,
+        state: Any,
         new_mask: torch.Tensor | None,
         scale: float,
         cache_layer: Any,
-        state: Any,
+        stepping: bool,
         rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, Any]:
         """The converted heads (all of them, or those beside the exact heads): outputs, and the next state when
-        there is a cache."""
+        there is a cache (the buffers ``state``, written in place, for a decoding step)."""
         seq = queries.shape[2]
-        heads = self._linear_query_heads if self.exact_heads else list(range(self.num_heads))
-        kv_heads = list(self.linear_heads) if self.exact_heads else list(range(self.num_kv_heads))
+        heads, kv_heads = self.exact.linear_query_heads, list(self.linear_heads)
         query_features, key_features = self._head_features(queries, keys, heads, kv_heads, rotary)
         # The mask is checked above and states come from the op itself: its own checks would only repeat that.
         options = {"window": self.window, "attention_mask": new_mask, "scale": scale, "validate": False}
         tensors = (queries, keys, values, query_features, key_features, self.balance[heads])
-        if self.sinks or self.sparse_cache:
-            options |= {"sinks": self.sinks, "budget": self.sparse_cache}
-            options |= {"parallel": sparse_hybrid_attention, "step": sparse_hybrid_attention_step}
-            if self.selection == "question":
-                options["key_scores"] = self._question_scores(queries, keys, new_mask, scale, cache_layer)
-        outputs, state_after = self.hybrid_heads(tensors, state, cached=cache_layer is not None, **options)
+        # A prompt prefilled into a cache is the only call that asks a question.
+        options |= self.kept.options(queries, keys, new_mask, scale, cache_layer is not None and seq != 1)
+        outputs, state_after = self.hybrid_heads(
+            tensors, state, cached=cache_layer is not None, stepping=stepping, **options
+        )
         if cache_layer is not None and seq > 1 and not self.fold and state is None:
             # The compressed-cache baseline prefills as the original model does (SnapKV): in full.
-            outputs, _ = self._softmax(queries, keys, values, new_mask, scale, None)
+            outputs, _ = causal_softmax(queries, keys, values, new_mask, scale, None)
         return outputs, state_after
 
     def _head_features(
@@ -405,7 +340,7 @@ class LinearizedHeads(HybridHeads):
         kv_heads: list[int],
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if not self.exact_heads:
+        if not self.exact:
             return self.features(queries, keys, rotary)
         # The feature maps hold one map per head of the layer: place the converted heads at their indices.
         full_q = queries.new_zeros(queries.shape[0], self.num_heads, *queries.shape[2:])
@@ -413,58 +348,6 @@ class LinearizedHeads(HybridHeads):
         full_q[:, heads], full_k[:, kv_heads] = queries, keys
         query_features, key_features = self.features(full_q, full_k, rotary)
         return query_features[:, heads], key_features[:, kv_heads]
-
-    def _question_scores(
-        self,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        new_mask: torch.Tensor | None,
-        scale: float,
-        cache_layer: Any,
-    ) -> torch.Tensor:
-        """The question's score of each new key (SnapKV) for a prompt prefilled into a cache; zeros otherwise —
-        a forward without a cache is causal (no question asked yet) and a decoding step asks none."""
-        batch, _, seq, _ = keys.shape
-        if cache_layer is None or seq == 1:
-            return keys.new_zeros(batch, keys.shape[1], seq, dtype=torch.float32)
-        return observation_scores(
-            queries, keys, observation=self.observation, attention_mask=new_mask, scale=scale
-        )
-
-    def _softmax(
-        self,
-        queries: torch.Tensor,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        new_mask: torch.Tensor | None,
-        scale: float,
-        state: SplitHeadsState | None,
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-        """Causal softmax attention over the cached and new keys of these heads: (outputs, (keys, values, keep))."""
-        batch, _, seq, _ = queries.shape
-        new_keep = (
-            torch.ones(batch, seq, dtype=torch.bool, device=queries.device) if new_mask is None else new_mask
-        )
-        if state is not None:
-            keys = torch.cat([state.keys, keys], dim=2)
-            values = torch.cat([state.values, values], dim=2)
-            new_keep = torch.cat([state.keep, new_keep], dim=1)
-        total = keys.shape[2]
-        if keys.shape[1] == 0:
-            return queries.new_zeros(batch, 0, seq, values.shape[-1]), (keys, values, new_keep)
-        rows = torch.arange(total - seq, total, device=queries.device)[:, None]
-        columns = torch.arange(total, device=queries.device)[None]
-        # A padded query sees itself (its output is never used), so that no row is empty.
-        visible = ((columns <= rows) & new_keep[:, None, None, :]) | (columns == rows)
-        groups = queries.shape[1] // keys.shape[1]
-        outputs = torch.nn.functional.scaled_dot_product_attention(
-            queries,
-            keys.repeat_interleave(groups, dim=1),
-            values.repeat_interleave(groups, dim=1),
-            attn_mask=visible,
-            scale=scale,
-        )
-        return outputs, (keys, values, new_keep)
 
     def extra_repr(self) -> str:
         extra = f", selection={self.selection!r}, observation={self.observation}" if self.sparse_cache else ""
@@ -593,7 +476,7 @@ class LinearizeConfig:
             leave the window (attention sinks, StreamingLLM).
         sparse_cache: G ≥ 0, exact keys and values kept per layer and key/value head beyond the window, chosen
             online as tokens leave it by how badly the linear state recalls their values (LoLA); the others, and
-            those evicted, fold into the linear state (:mod:`headkit.ops.sparse_hybrid`). With S = G = 0 the
+            those evicted, fold into the linear state (:mod:`headkit.ops.hybrid.sparse`). With S = G = 0 the
             mechanism is the plain window + linear hybrid.
         selection: how the sparse cache's keys are chosen: "recall" (online, LoLA's criterion above) or
             "question" (SnapKV: when a prompt is prefilled, the keys its last `observation` queries attend to

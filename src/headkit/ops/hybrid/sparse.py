@@ -18,7 +18,8 @@ query i) and L_i the folded keys:
     a_ij = γ_h · φ(q_i)ᵀ φ(k_j)     for j ∈ L_i
     y_i  = Σ_j a_ij v_j / (Σ_j a_ij + eps)
 
-With S = G = 0, E_i is the window and this is :func:`headkit.ops.hybrid_attention` exactly (that op is called).
+With S = G = 0, E_i is the window and this is :func:`headkit.ops.hybrid_attention` exactly (that op's chunked form
+is called).
 
 **The selection.** Key j leaves the window after query j + W − 1 (its *event*). A real key among the first S
 real tokens becomes a sink. Any other real key gets the LoLA score — the squared error of the linear memory at
@@ -34,7 +35,8 @@ when it beats the worst kept key, which is evicted and folded into the linear st
 folded). Ties go to the earlier key. This is LoLA's criterion with one change: LoLA re-scores the kept keys against
 the current, cache-less state at every step, which makes each decision depend on all earlier ones; against the
 reference memory the decisions are a function of the scores alone, so a long prefill finds every decision in
-parallel (a count of better-scored keys, scanned chunk by chunk, :func:`_fold_events`) and reproduces token-by-token decoding exactly.
+parallel (a count of better-scored keys, scanned chunk by chunk, :func:`_fold_events`) and reproduces
+token-by-token decoding exactly.
 
 **Given scores** (``key_scores``): the caller scores the keys instead — SnapKV's question-chosen keys
 (:mod:`headkit.ops.key_selection`): the prompt's last queries say which keys they attend to. A key's score is
@@ -60,28 +62,21 @@ from typing import NamedTuple
 import torch
 
 from headkit.ops._precision import autocast_disabled
-from headkit.ops._validation import check_positive_int
-from headkit.ops.hybrid import (
+from headkit.ops._validation import (
+    check_positive_int,
+)
+from headkit.ops.hybrid.parallel import (
     HybridAttentionState,
-    HybridRingState,
     accumulation_dtype,
-    advance_ring_window_,
-    attend_exact_sets_and_own_key,
-    attend_one_token,
     chunk_grid,
     chunked_queries,
     empty_hybrid_state,
     exclusive_cumsum,
     extended_inputs,
     hybrid_chunked,
-    hybrid_one_token,
-    hybrid_ring_from_state,
-    hybrid_state_from_ring,
     prepared_hybrid_inputs,
-    window_after_one_token,
     window_block_scores,
     window_state_after,
-    window_with_new_token,
 )
 
 
@@ -143,11 +138,11 @@ def sparse_hybrid_attention(
     :func:`headkit.ops.key_selection.observation_scores`) instead of LoLA's recall error ("Given scores" in the
     module docstring).
     """
-    state, keep, scale = _checked(
+    state, keep, scale = checked_sparse_inputs(
         q, k, v, qf, kf, balance, window, sinks, budget, attention_mask, initial_state, scale, eps, validate
     )
     if validate:
-        _check_key_scores(key_scores, k)
+        check_key_scores(key_scores, k)
     if validate:
         check_positive_int("chunk_size", chunk_size)
     if sinks == 0 and budget == 0:
@@ -159,47 +154,6 @@ def sparse_hybrid_attention(
         q, k, v, qf, kf, balance, keep, state, window, sinks, budget, chunk_size, scale, eps, key_scores
     )
     return out, (final if output_final_state else None)
-
-
-def sparse_hybrid_attention_step(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    qf: torch.Tensor,
-    kf: torch.Tensor,
-    balance: torch.Tensor,
-    state: SparseHybridState | None,
-    *,
-    window: int,
-    sinks: int,
-    budget: int,
-    attention_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    eps: float = 1e-6,
-    validate: bool = True,
-    key_scores: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, SparseHybridState]:
-    """Decode a few new tokens (usually one) from ``state``; see :func:`sparse_hybrid_attention`. One token:
-    O((S + G + W) · D + F · Dv + G) work, whatever the context."""
-    state, keep, scale = _checked(
-        q, k, v, qf, kf, balance, window, sinks, budget, attention_mask, state, scale, eps, validate
-    )
-    if validate:
-        _check_key_scores(key_scores, k)
-    if q.shape[2] != 1:
-        chunk = max(1, q.shape[2])
-        if sinks == 0 and budget == 0:
-            out, final = hybrid_chunked(
-                q, k, v, qf, kf, balance, keep, state.window, window, chunk, scale, eps
-            )
-            return out, state._replace(window=final)
-        return _sparse_hybrid(
-            q, k, v, qf, kf, balance, keep, state, window, sinks, budget, chunk, scale, eps, key_scores
-        )
-    if sinks == 0 and budget == 0:
-        out, final = hybrid_one_token(q, k, v, qf, kf, balance, keep, state.window, scale, eps)
-        return out, state._replace(window=final)
-    return _sparse_one_token(q, k, v, qf, kf, balance, keep, state, sinks, budget, scale, eps, key_scores)
 
 
 def sparse_hybrid_exact_sets(
@@ -223,7 +177,7 @@ def sparse_hybrid_exact_sets(
         keep = attention_mask.to(device=k.device, dtype=torch.bool)
     dtype = accumulation_dtype(k)
     with torch.no_grad(), autocast_disabled(k.device):
-        state = _initial(k, v, kf, window, sinks, budget, batch, dtype)
+        state = empty_sparse_state(k, v, kf, window, sinks, budget, batch, dtype)
         kept = window - 1
         pad = (batch, kv_heads, kept)
         keys = torch.cat([k.new_zeros(*pad, k.shape[3]), k], dim=2).to(dtype)
@@ -248,163 +202,6 @@ def sparse_hybrid_exact_sets(
     i = queries[:, None]
     in_window = (j <= i) & (j > i - window) & keep[:, None, None, :]
     return exact | in_window
-
-
-def naive_sparse_hybrid_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    qf: torch.Tensor,
-    kf: torch.Tensor,
-    balance: torch.Tensor,
-    *,
-    window: int,
-    sinks: int,
-    budget: int,
-    attention_mask: torch.Tensor | None = None,
-    scale: float | None = None,
-    output_final_state: bool = False,
-    eps: float = 1e-6,
-    key_scores: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, SparseHybridState | None]:
-    """Test reference: one token at a time, per sequence and key/value head, with Python lists for the sinks, the
-    cache and the folded keys, in the most direct way (module docstring). Computed in q's dtype.
-
-    Returns (out [B, H, T, Dv], exact [B, Hkv, T, T] bool — whether key j is in query i's exact set —, the final
-    state or None)."""
-    batch, q_heads, seq, _ = q.shape
-    kv_heads = k.shape[1]
-    groups = q_heads // kv_heads
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    keep = torch.ones(batch, seq, dtype=torch.bool) if attention_mask is None else attention_mask.bool().cpu()
-    rows, exact = [], torch.zeros(batch, kv_heads, seq, seq, dtype=torch.bool)
-    finals = []
-    for b in range(batch):
-        head_rows, head_finals = [], []
-        for h in range(kv_heads):
-            sink_list: list[int] = []
-            cache: list[tuple[int, float]] = []  # (key index, score), oldest first
-            folded: list[int] = []
-            reference_kv = q.new_zeros(kf.shape[3], v.shape[3])
-            reference_k_sum = q.new_zeros(kf.shape[3])
-            outputs = []
-            for i in range(seq):
-                in_window = [j for j in range(max(0, i - window + 1), i + 1) if keep[b, j]]
-                members = sorted(set(in_window) | set(sink_list) | {j for j, _ in cache})
-                exact[b, h, i, members] = True
-                per_head = []
-                for g in range(groups):
-                    head = h * groups + g
-                    numerator = q.new_zeros(v.shape[3])
-                    denominator = q.new_zeros(())
-                    if members:
-                        scores = (k[b, h, members] @ q[b, head, i]) * scale
-                        weights = torch.exp(scores - scores.max())
-                        numerator = numerator + weights @ v[b, h, members]
-                        denominator = denominator + weights.sum()
-                    if folded:
-                        linear = balance[head] * (kf[b, h, folded] @ qf[b, head, i])
-                        numerator = numerator + linear @ v[b, h, folded]
-                        denominator = denominator + linear.sum()
-                    per_head.append(numerator / (denominator + eps))
-                outputs.append(torch.stack(per_head))
-                # After query i, key i − W + 1 leaves the window.
-                j = i - window + 1
-                if j < 0 or not keep[b, j]:
-                    continue
-                if len(sink_list) < sinks:
-                    sink_list.append(j)
-                    continue
-                if budget == 0:
-                    folded.append(j)
-                    continue
-                if key_scores is not None:
-                    score = float(key_scores[b, h, j])
-                else:
-                    recalled = (kf[b, h, j] @ reference_kv) / (kf[b, h, j] @ reference_k_sum + eps)
-                    score = float((v[b, h, j] - recalled).square().sum().detach())
-                    reference_kv = reference_kv + torch.outer(kf[b, h, j], v[b, h, j])
-                    reference_k_sum = reference_k_sum + kf[b, h, j]
-                cache.append((j, score))
-                if len(cache) > budget:
-                    # The worst kept key: the lowest score, the latest among equal ones.
-                    worst = min(range(len(cache)), key=lambda n: (cache[n][1], -n))
-                    folded.append(cache.pop(worst)[0])
-            head_rows.append(torch.stack(outputs, dim=1))  # [G, T, Dv]
-            head_finals.append((sink_list, cache, folded, reference_kv, reference_k_sum))
-        rows.append(torch.cat(head_rows, dim=0))
-        finals.append(head_finals)
-    out = torch.stack(rows)
-    if not output_final_state:
-        return out, exact, None
-    return out, exact, _naive_state(k, v, kf, keep, window, sinks, budget, finals)
-
-
-def _naive_state(k, v, kf, keep, window, sinks, budget, finals) -> SparseHybridState:
-    """The final state from the reference's lists (layout of :class:`SparseHybridState`)."""
-    batch, kv_heads, seq = k.shape[:3]
-    dtype = k.dtype
-    kept = window - 1
-    left = max(seq - kept, 0)
-    missing = kept - (seq - left)
-
-    def last_tokens(x: torch.Tensor) -> torch.Tensor:
-        return torch.cat([x.new_zeros(*x.shape[:2], missing, x.shape[3]), x[:, :, left:]], dim=2)
-
-    features, dv = kf.shape[3], v.shape[3]
-    kv = k.new_zeros(batch, kv_heads, features, dv)
-    k_sum = k.new_zeros(batch, kv_heads, features)
-    sink_keys = k.new_zeros(batch, kv_heads, sinks, k.shape[3])
-    sink_values = v.new_zeros(batch, kv_heads, sinks, dv)
-    sink_keep = torch.zeros(batch, sinks, dtype=torch.bool)
-    sparse_keys = k.new_zeros(batch, kv_heads, budget, k.shape[3])
-    sparse_values = v.new_zeros(batch, kv_heads, budget, dv)
-    sparse_features = kf.new_zeros(batch, kv_heads, budget, features)
-    sparse_keep = torch.zeros(batch, kv_heads, budget, dtype=torch.bool)
-    sparse_scores = torch.full((batch, kv_heads, budget), float("-inf"), dtype=dtype)
-    reference_kv = torch.zeros_like(kv)
-    reference_k_sum = torch.zeros_like(k_sum)
-    for b in range(batch):
-        for h in range(kv_heads):
-            sink_list, cache, folded, ref_kv, ref_k_sum = finals[b][h]
-            for slot, j in enumerate(sink_list):
-                sink_keys[b, h, slot], sink_values[b, h, slot] = k[b, h, j], v[b, h, j]
-                sink_keep[b, slot] = True
-            first = budget - len(cache)
-            for n, (j, score) in enumerate(cache):
-                slot = first + n
-                sparse_keys[b, h, slot], sparse_values[b, h, slot] = k[b, h, j], v[b, h, j]
-                sparse_features[b, h, slot] = kf[b, h, j]
-                sparse_keep[b, h, slot] = True
-                sparse_scores[b, h, slot] = score
-            for j in folded:
-                kv[b, h] += torch.outer(kf[b, h, j], v[b, h, j])
-                k_sum[b, h] += kf[b, h, j]
-            reference_kv[b, h], reference_k_sum[b, h] = ref_kv, ref_k_sum
-    window_state = HybridAttentionState(
-        keys=last_tokens(k),
-        values=last_tokens(v),
-        key_features=last_tokens(kf),
-        keep=torch.cat([keep.new_zeros(batch, missing), keep[:, left:]], dim=1),
-        kv=kv,
-        k_sum=k_sum,
-    )
-    return SparseHybridState(
-        window_state,
-        sink_keys,
-        sink_values,
-        sink_keep,
-        sparse_keys,
-        sparse_values,
-        sparse_features,
-        sparse_keep,
-        sparse_scores,
-        reference_kv,
-        reference_k_sum,
-    )
-
-
-# -- the fast path -------------------------------------------------------------------------------------------------
 
 
 class _Plan(NamedTuple):
@@ -721,298 +518,7 @@ def _sparse_hybrid(
     return out, final
 
 
-def _sparse_one_token(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    qf: torch.Tensor,
-    kf: torch.Tensor,
-    balance: torch.Tensor,
-    keep: torch.Tensor | None,
-    state: SparseHybridState,
-    sinks: int,
-    budget: int,
-    scale: float,
-    eps: float,
-    key_scores: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, SparseHybridState]:
-    """One decoding step: the query sees [sinks, cache, window] exactly and the folded sums linearly; then the
-    oldest window key leaves: it fills the next sink slot, or competes for the cache (the worst of the kept keys
-    and the newcomer is folded)."""
-    kv_heads, head_dim_v, features = k.shape[1], v.shape[3], qf.shape[3]
-    base = state.window
-    dtype = base.kv.dtype
-    device = q.device
-    with autocast_disabled(device):
-        window_keys, window_values, window_features, window_keep = window_with_new_token(base, k, v, kf, keep)
-        keys = torch.cat([state.sink_keys, state.sparse_keys, window_keys], dim=2).to(dtype)
-        values = torch.cat([state.sink_values, state.sparse_values, window_values], dim=2).to(dtype)
-        visible = torch.cat(
-            [
-                state.sink_keep[:, None].expand(-1, kv_heads, -1),
-                state.sparse_keep,
-                window_keep[:, None].expand(-1, kv_heads, -1),
-            ],
-            dim=2,
-        )
-        out = attend_one_token(
-            q, qf, balance, keys, values, visible[:, :, None, :], base.kv, base.k_sum, scale, eps
-        )
-
-        # The oldest window key leaves.
-        leaving_keep = window_keep[:, 0]
-        leaving_key, leaving_value = window_keys[:, :, 0], window_values[:, :, 0]
-        leaving_feature = window_features[:, :, 0].to(dtype)
-        filled = state.sink_keep.sum(dim=1)
-        is_sink = leaving_keep & (filled < sinks)
-        sink_slot = (torch.arange(sinks, device=device) == filled[:, None]) & is_sink[:, None]  # [B, S]
-        sink_keys = torch.where(sink_slot[:, None, :, None], leaving_key[:, :, None], state.sink_keys)
-        sink_values = torch.where(sink_slot[:, None, :, None], leaving_value[:, :, None], state.sink_values)
-        eligible = (leaving_keep & ~is_sink)[:, None].expand(-1, kv_heads)  # [B, Hkv]
-
-        kv, k_sum = base.kv, base.k_sum
-        reference_kv, reference_k_sum = state.reference_kv, state.reference_k_sum
-        if budget == 0:
-            folded = leaving_feature * eligible[..., None]
-            kv = torch.addcmul(kv, folded.unsqueeze(-1), leaving_value.to(dtype).unsqueeze(-2))
-            k_sum = k_sum + folded
-            sparse = (state.sparse_keys, state.sparse_values, state.sparse_key_features)
-            sparse_keep, sparse_scores = state.sparse_keep, state.sparse_scores
-        else:
-            value = leaving_value.to(dtype)
-            if key_scores is not None:
-                # Given scores: the leaving key is the new one only with W = 1; a key of the window scores 0.
-                new_leaves = base.keys.shape[2] == 0
-                score = key_scores[:, :, 0].to(dtype) if new_leaves else value.new_zeros(value.shape[:2])
-            else:
-                recalled = (leaving_feature.unsqueeze(-2) @ reference_kv).squeeze(-2) / (
-                    (leaving_feature * reference_k_sum).sum(dim=-1, keepdim=True) + eps
-                )
-                score = (value - recalled).square().sum(dim=-1)
-                written = leaving_feature * eligible[..., None]
-                reference_kv = torch.addcmul(reference_kv, written.unsqueeze(-1), value.unsqueeze(-2))
-                reference_k_sum = reference_k_sum + written
-            score = score.masked_fill(~eligible, float("-inf"))
-            # Candidates oldest first: the kept keys, then the newcomer; the worst (lowest score, latest among
-            # equal ones — argmin of the reversed list finds the last minimum) leaves the cache.
-            candidate_scores = torch.cat([state.sparse_scores, score[..., None]], dim=2)
-            candidate_keep = torch.cat([state.sparse_keep, eligible[..., None]], dim=2)
-            worst = budget - torch.argmin(candidate_scores.flip(-1), dim=-1)  # [B, Hkv]
-            candidates = [
-                torch.cat([state.sparse_keys, leaving_key[:, :, None]], dim=2),
-                torch.cat([state.sparse_values, leaving_value[:, :, None]], dim=2),
-                torch.cat([state.sparse_key_features, window_features[:, :, :1]], dim=2),
-            ]
-            worst_keep = candidate_keep.gather(2, worst[..., None])[..., 0]
-            index = worst[..., None, None]
-            worst_feature = candidates[2].gather(2, index.expand(-1, -1, 1, features))[:, :, 0].to(dtype)
-            worst_value = candidates[1].gather(2, index.expand(-1, -1, 1, head_dim_v))[:, :, 0].to(dtype)
-            worst_feature = worst_feature * worst_keep[..., None]
-            kv = torch.addcmul(kv, worst_feature.unsqueeze(-1), worst_value.unsqueeze(-2))
-            k_sum = k_sum + worst_feature
-            slots = torch.arange(budget, device=device)
-            kept_index = slots + (slots >= worst[..., None])  # [B, Hkv, G]: every candidate but the worst
-            sparse = tuple(
-                x.gather(2, kept_index[..., None].expand(-1, -1, -1, x.shape[3])) for x in candidates
-            )
-            sparse_keep = candidate_keep.gather(2, kept_index)
-            sparse_scores = candidate_scores.gather(2, kept_index)
-
-        final = SparseHybridState(
-            window_after_one_token(window_keys, window_values, window_features, window_keep, kv, k_sum),
-            sink_keys,
-            sink_values,
-            state.sink_keep | sink_slot,
-            *sparse,
-            sparse_keep,
-            sparse_scores,
-            reference_kv,
-            reference_k_sum,
-        )
-    return out, final
-
-
-# -- fixed-size decoding: in-place slots ---------------------------------------------------------------------------
-
-
-class SparseHybridRingState(NamedTuple):
-    """:class:`SparseHybridState` as fixed buffers that a decoding step updates in place, for a compiled step
-    (:mod:`headkit.runtime.fast`): the window as a :class:`~headkit.ops.HybridRingState`; sinks and the sparse
-    cache as slots that a key enters where it stays until evicted — no re-gathering of the whole cache per token.
-
-    Fields as :class:`SparseHybridState`'s, except that the sparse slots are in no particular order: a kept
-    key's place in the streaming top-G's order (which breaks ties between equal scores: the latest key leaves
-    first) is ``sparse_order`` [B, Hkv, G] int64, increasing with the time a key entered the cache.
-    """
-
-    window: HybridRingState
-    sink_keys: torch.Tensor
-    sink_values: torch.Tensor
-    sink_keep: torch.Tensor
-    sparse_keys: torch.Tensor
-    sparse_values: torch.Tensor
-    sparse_key_features: torch.Tensor
-    sparse_keep: torch.Tensor
-    sparse_scores: torch.Tensor
-    sparse_order: torch.Tensor
-    reference_kv: torch.Tensor
-    reference_k_sum: torch.Tensor
-
-
-def sparse_ring_from_state(state: SparseHybridState, seen: int) -> SparseHybridRingState:
-    """The fixed buffers of an ordered state after ``seen`` tokens (new tensors; ``state`` is not touched)."""
-    batch, kv_heads, budget = state.sparse_keep.shape
-    order = torch.arange(budget, device=state.sparse_keep.device).expand(batch, kv_heads, budget)
-    copied = [tensor.clone() for tensor in state[1:]]
-    return SparseHybridRingState(
-        hybrid_ring_from_state(state.window, seen), *copied[:8], order.clone(), *copied[8:]
-    )
-
-
-def sparse_state_from_ring(ring: SparseHybridRingState) -> SparseHybridState:
-    """The ordered :class:`SparseHybridState` the buffers hold (new tensors): the sparse slots sorted as the
-    state keeps them, empty slots first, then the kept keys in the order they entered."""
-    rank = torch.where(ring.sparse_keep, ring.sparse_order, -1)
-    index = torch.sort(rank, dim=2, stable=True).indices
-
-    def ordered(x: torch.Tensor) -> torch.Tensor:
-        return x.gather(2, index[..., None].expand(-1, -1, -1, x.shape[3]) if x.dim() == 4 else index)
-
-    return SparseHybridState(
-        hybrid_state_from_ring(ring.window),
-        ring.sink_keys.clone(),
-        ring.sink_values.clone(),
-        ring.sink_keep.clone(),
-        *(ordered(x) for x in (ring.sparse_keys, ring.sparse_values, ring.sparse_key_features)),
-        ordered(ring.sparse_keep),
-        ordered(ring.sparse_scores),
-        ring.reference_kv.clone(),
-        ring.reference_k_sum.clone(),
-    )
-
-
-def sparse_hybrid_attention_ring_step_(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    qf: torch.Tensor,
-    kf: torch.Tensor,
-    balance: torch.Tensor,
-    ring: SparseHybridRingState,
-    *,
-    sinks: int,
-    budget: int,
-    scale: float,
-    recall: bool,
-    eps: float = 1e-6,
-) -> torch.Tensor:
-    """One decoding step of one real token [B, H, 1, ·] on fixed buffers, updated in place; returns out
-    [B, H, 1, Dv]. The arithmetic and decisions of :func:`sparse_hybrid_attention_step` for one token (its
-    reference, tested to give the same outputs and, reordered, the same states): the query sees sinks, the
-    sparse cache and the window exactly and the folded sums linearly; then the key leaving the window takes the
-    next sink slot, or competes for the cache by its score — LoLA's recall error against the reference memory
-    when ``recall``, else 0 (given scores: a decoding step asks no question, so its keys fill empty slots only).
-    The worst candidate (lowest score; the latest among equal ones) is folded; when it is a kept key, the
-    newcomer is written into its slot. Nothing is validated (:func:`sparse_ring_from_state` built the buffers)."""
-    base = ring.window
-    kv_heads, dtype = k.shape[1], base.kv.dtype
-    with autocast_disabled(q.device):
-        exact = [
-            (ring.sink_keys, ring.sink_values, ring.sink_keep[:, None, None, :]),
-            (ring.sparse_keys, ring.sparse_values, ring.sparse_keep[:, :, None, :]),
-            (base.keys, base.values, base.keep[:, None, None, :]),
-        ]
-        out = attend_exact_sets_and_own_key(
-            q, k, v, qf, balance, exact, base.kv, base.k_sum, scale=scale, eps=eps
-        )
-        order = base.seen + budget  # above every slot's: the newcomer is the latest candidate
-        leaving_keep, leaving_key, leaving_value, leaving_feature = advance_ring_window_(base, k, v, kf)
-        is_sink = torch.zeros_like(leaving_keep)
-        if sinks:
-            filled = ring.sink_keep.sum(dim=1)  # [B]: sink slots fill in order
-            is_sink = leaving_keep & (filled < sinks)
-            slot = filled.clamp(max=sinks - 1)[:, None]
-            head_slot = slot[:, None].expand(
-                -1, kv_heads, -1
-            )  # [B, Hkv, 1]: every head's sink, the same slot
-            sink_index = _slot_index(head_slot)
-            _write_slot_(ring.sink_keys, sink_index, leaving_key, is_sink[:, None])
-            _write_slot_(ring.sink_values, sink_index, leaving_value, is_sink[:, None])
-            rows = torch.arange(slot.shape[0], device=slot.device)
-            ring.sink_keep[rows, slot[:, 0]] = ring.sink_keep[rows, slot[:, 0]] | is_sink
-        eligible = (leaving_keep & ~is_sink)[:, None].expand(-1, kv_heads)  # [B, Hkv]
-        feature, value = leaving_feature.to(dtype), leaving_value.to(dtype)
-        if budget == 0:
-            folded, folded_value = feature * eligible[..., None], value
-        else:
-            if recall:
-                recalled = (feature.unsqueeze(-2) @ ring.reference_kv).squeeze(-2) / (
-                    (feature * ring.reference_k_sum).sum(dim=-1, keepdim=True) + eps
-                )
-                score = (value - recalled).square().sum(dim=-1)
-                written = feature * eligible[..., None]
-                ring.reference_kv.addcmul_(written.unsqueeze(-1), value.unsqueeze(-2))
-                ring.reference_k_sum.add_(written)
-            else:
-                score = value.new_zeros(value.shape[:2])
-            score = score.masked_fill(~eligible, float("-inf"))
-            candidate_scores = torch.cat([ring.sparse_scores, score[..., None]], dim=2)  # [B, Hkv, G + 1]
-            candidate_order = torch.cat([ring.sparse_order, order.expand(*score.shape, 1)], dim=2)
-            lowest = candidate_scores.amin(dim=-1, keepdim=True)
-            worst = torch.where(candidate_scores == lowest, candidate_order, -1).argmax(dim=-1)  # [B, Hkv]
-            enters = worst < budget  # the newcomer takes the worst kept key's slot
-            index = _slot_index(worst.clamp(max=budget - 1)[..., None])  # each head's slot, read and written
-            evicted_keep = ring.sparse_keep[index]
-            evicted_feature = ring.sparse_key_features[index].to(dtype) * evicted_keep[..., None]
-            evicted_value = ring.sparse_values[index].to(dtype)
-            folded = torch.where(enters[..., None], evicted_feature, feature * eligible[..., None])
-            folded_value = torch.where(enters[..., None], evicted_value, value)
-            for buffer, new in (
-                (ring.sparse_keys, leaving_key),
-                (ring.sparse_values, leaving_value),
-                (ring.sparse_key_features, leaving_feature),
-                (ring.sparse_keep, eligible),
-                (ring.sparse_scores, score),
-                (ring.sparse_order, order.expand(*score.shape)),
-            ):
-                _write_slot_(buffer, index, new, enters)
-        base.kv.addcmul_(folded.unsqueeze(-1), folded_value.unsqueeze(-2))
-        base.k_sum.add_(folded)
-        base.seen.add_(1)
-    return out
-
-
-def _slot_index(slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Advanced indices (batch, head, slot) [B, Hkv] that select, per row and head, ``slot`` [B, Hkv, 1] of a
-    buffer [B, Hkv, N, ...]."""
-    batch, heads = slot.shape[:2]
-    rows = torch.arange(batch, device=slot.device)[:, None].expand(batch, heads)
-    head_index = torch.arange(heads, device=slot.device)[None, :].expand(batch, heads)
-    return rows, head_index, slot[..., 0]
-
-
-def _write_slot_(
-    buffer: torch.Tensor,
-    index: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
-    new: torch.Tensor,
-    write: torch.Tensor,
-) -> None:
-    """Write ``new`` [B, Hkv, X] into ``buffer`` [B, Hkv, N, X] at each head's slot (``index``, from
-    :func:`_slot_index`) where ``write`` [B, Hkv] (its own content back elsewhere): one row per head, in place. A
-    buffer of one value per slot [B, Hkv, N] takes ``new`` [B, Hkv].
-
-    Written as an indexed assignment (``index_put_``), not a ``scatter_``: a compiled step (torch.export and
-    inductor) turns the assignment back into an in-place write of the B·Hkv rows, where a scatter becomes a
-    copy of the whole buffer plus a copy back into the input every step (docs/decoding.md)."""
-    kept = buffer[index]
-    mask = write if kept.dim() == 2 else write[..., None]
-    buffer[index] = torch.where(mask, new.to(buffer.dtype), kept)
-
-
-# -- checks and the empty state -----------------------------------------------------------------------------------
-
-
-def _check_key_scores(key_scores: torch.Tensor | None, k: torch.Tensor) -> None:
+def check_key_scores(key_scores: torch.Tensor | None, k: torch.Tensor) -> None:
     if key_scores is None:
         return
     expected = tuple(k.shape[:3])
@@ -1025,7 +531,7 @@ def _check_key_scores(key_scores: torch.Tensor | None, k: torch.Tensor) -> None:
         raise ValueError("key_scores must not hold NaN")
 
 
-def _initial(
+def empty_sparse_state(
     k: torch.Tensor,
     v: torch.Tensor,
     kf: torch.Tensor,
@@ -1054,14 +560,14 @@ def _initial(
     )
 
 
-def _checked(
+def checked_sparse_inputs(
     q, k, v, qf, kf, balance, window, sinks, budget, attention_mask, state, scale, eps, validate
 ) -> tuple[SparseHybridState, torch.Tensor | None, float]:
     """(the state — empty when None —, the bool padding mask or None, the scale), checked when ``validate``."""
     dtype = accumulation_dtype(q)
     if not validate:
         if state is None:
-            state = _initial(k, v, kf, window, sinks, budget, q.shape[0], dtype)
+            state = empty_sparse_state(k, v, kf, window, sinks, budget, q.shape[0], dtype)
         return state, attention_mask, q.shape[-1] ** -0.5 if scale is None else scale
     for name, value in (("sinks", sinks), ("budget", budget)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
@@ -1073,7 +579,7 @@ def _checked(
         None if state is None else state.window, "state.window", scale, eps, True,
     )  # fmt: skip
     if state is None:
-        return _initial(k, v, kf, window, sinks, budget, q.shape[0], dtype), keep, scale
+        return empty_sparse_state(k, v, kf, window, sinks, budget, q.shape[0], dtype), keep, scale
     batch, kv_heads = k.shape[:2]
     expected = {
         "sink_keys": (batch, kv_heads, sinks, k.shape[3]),
@@ -1097,13 +603,7 @@ def _checked(
 
 
 __all__ = [
-    "SparseHybridRingState",
     "SparseHybridState",
-    "naive_sparse_hybrid_attention",
     "sparse_hybrid_attention",
-    "sparse_hybrid_attention_ring_step_",
-    "sparse_hybrid_attention_step",
     "sparse_hybrid_exact_sets",
-    "sparse_ring_from_state",
-    "sparse_state_from_ring",
 ]

@@ -1,0 +1,182 @@
+"""What a hybrid layer keeps exact beyond its window, one small class per method (kvpress's layout): the pieces
+that plug into a linearized layer's mechanism (:class:`headkit.surgery.linearize.LinearizedHeads`).
+
+* :class:`KeptKeys`: attention sinks (Xiao et al. 2023, "StreamingLLM", arXiv:2309.17453) and a budget of keys
+  per key/value head, exact under the hybrid's one normaliser — the sparse variant of the op
+  (:mod:`headkit.ops.hybrid.sparse`); the budget's keys are chosen by a selection:
+* :class:`RecallSelection`: online, those the linear state recalls worst (McDermott et al. 2025, "LoLA",
+  arXiv:2505.23666, eq. 6; the op scores them);
+* :class:`QuestionSelection`: those the prompt's last queries attend to most (Li et al. 2024, "SnapKV",
+  arXiv:2404.14469; :func:`headkit.ops.key_selection.observation_scores`);
+* :class:`ExactHeads`: key/value heads that keep softmax with a full cache (retrieval heads; Xiao et al. 2024,
+  "DuoAttention", arXiv:2410.10819), beside the converted heads of the same layer.
+
+None of them has parameters: a trained layer takes other pieces as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from headkit.layers.hybrid import SplitHeadsRing, SplitHeadsState
+from headkit.ops.hybrid import sparse_hybrid_attention, sparse_hybrid_attention_step_
+from headkit.ops.key_selection import observation_scores
+from headkit.ops.softmax import softmax_attention_static_step_
+
+
+class RecallSelection:
+    """The budget keeps the keys the linear state recalls worst (LoLA's self-recall error): the op scores each
+    key as it leaves the window, so no score is given."""
+
+    name: ClassVar[str] = "recall"
+
+    def __init__(self, observation: int = 32) -> None:
+        self.observation = observation  # unused: kept so that a layer can switch selections as it is
+
+    def key_scores(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        scale: float,
+        prefill: bool,
+    ) -> torch.Tensor | None:
+        return None
+
+
+class QuestionSelection(RecallSelection):
+    """The budget keeps the keys that the last ``observation`` queries of a prompt prefilled into a cache attend
+    to most (SnapKV). A forward without a cache (training, perplexity) is causal and has no question yet, and a
+    decoding step asks none: their keys score 0, so they fill empty slots only and the question's choice stays."""
+
+    name: ClassVar[str] = "question"
+
+    def key_scores(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        scale: float,
+        prefill: bool,
+    ) -> torch.Tensor:
+        if not prefill:
+            return keys.new_zeros(*keys.shape[:3], dtype=torch.float32)
+        return observation_scores(
+            queries, keys, observation=self.observation, attention_mask=new_mask, scale=scale
+        )
+
+
+SELECTIONS = {selection.name: selection for selection in (RecallSelection, QuestionSelection)}
+
+
+class KeptKeys:
+    """The first ``sinks`` tokens and ``budget`` keys per key/value head chosen by ``selection``, exact beyond the
+    window in the training, prefill and decoding forms alike (:func:`headkit.ops.hybrid.sparse_hybrid_attention`).
+    Neither: the plain hybrid."""
+
+    def __init__(self, sinks: int, budget: int, selection: RecallSelection) -> None:
+        self.sinks, self.budget, self.selection = sinks, budget, selection
+
+    def __bool__(self) -> bool:
+        return bool(self.sinks or self.budget)
+
+    def options(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        scale: float,
+        prefill: bool,
+    ) -> dict[str, Any]:
+        """The op's options for these tokens (:meth:`headkit.layers.hybrid.HybridHeads.hybrid_heads`): the sparse
+        variant with its sizes and the selection's scores; nothing for the plain hybrid."""
+        if not self:
+            return {}
+        options = {"sinks": self.sinks, "budget": self.budget}
+        options |= {"parallel": sparse_hybrid_attention, "decode": sparse_hybrid_attention_step_}
+        scores = self.selection.key_scores(queries, keys, new_mask, scale, prefill)
+        return options if scores is None else options | {"key_scores": scores}
+
+
+class ExactHeads:
+    """Key/value heads ``heads`` (with their query heads) that keep causal softmax over a full key/value cache,
+    beside the converted heads: one attention call splits the heads, the layer's cache entry holds a
+    :class:`~headkit.layers.hybrid.SplitHeadsState` (the fast decoder's: a
+    :class:`~headkit.layers.hybrid.SplitHeadsRing`)."""
+
+    def __init__(self, heads: Sequence[int], num_heads: int, num_kv_heads: int) -> None:
+        self.heads = tuple(sorted(heads))
+        self.linear_heads = tuple(h for h in range(num_kv_heads) if h not in self.heads)
+        groups = num_heads // num_kv_heads
+        self.query_heads = [h * groups + g for h in self.heads for g in range(groups)]
+        self.linear_query_heads = [h * groups + g for h in self.linear_heads for g in range(groups)]
+
+    def __bool__(self) -> bool:
+        return bool(self.heads)
+
+    def attend(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        scale: float,
+        split: SplitHeadsState | SplitHeadsRing | None,
+    ) -> tuple[torch.Tensor, SplitHeadsState | SplitHeadsRing]:
+        """These heads' outputs (inputs: every head of the layer), and the split state with their keys and values
+        after these tokens (the converted heads' part as it was): the fast decoder's fixed buffers written in
+        place, or the eager cache grown."""
+        queries, keys, values = (
+            queries[:, self.query_heads],
+            keys[:, list(self.heads)],
+            values[:, list(self.heads)],
+        )
+        if isinstance(split, SplitHeadsRing):
+            outputs = softmax_attention_static_step_(
+                queries, keys, values, split.keys, split.values, split.keep, split.seen, scale=scale
+            )
+            return outputs, split
+        outputs, exact_state = causal_softmax(queries, keys, values, new_mask, scale, split)
+        return outputs, SplitHeadsState(None if split is None else split.linear, *exact_state)
+
+    def state_bytes(self, context: int, head_dim: int, element_size: int) -> int:
+        """Bytes of these heads' cache for one sequence after ``context`` tokens: keys, values, one flag a token."""
+        return (2 * len(self.heads) * head_dim * element_size + 1) * context if self.heads else 0
+
+
+def causal_softmax(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    new_mask: torch.Tensor | None,
+    scale: float,
+    state: SplitHeadsState | None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Causal softmax attention over the cached and new keys of some heads: (outputs, (keys, values, keep))."""
+    batch, _, seq, _ = queries.shape
+    new_keep = (
+        torch.ones(batch, seq, dtype=torch.bool, device=queries.device) if new_mask is None else new_mask
+    )
+    if state is not None:
+        keys = torch.cat([state.keys, keys], dim=2)
+        values = torch.cat([state.values, values], dim=2)
+        new_keep = torch.cat([state.keep, new_keep], dim=1)
+    total = keys.shape[2]
+    if keys.shape[1] == 0:
+        return queries.new_zeros(batch, 0, seq, values.shape[-1]), (keys, values, new_keep)
+    rows = torch.arange(total - seq, total, device=queries.device)[:, None]
+    columns = torch.arange(total, device=queries.device)[None]
+    # A padded query sees itself (its output is never used), so that no row is empty.
+    visible = ((columns <= rows) & new_keep[:, None, None, :]) | (columns == rows)
+    groups = queries.shape[1] // keys.shape[1]
+    outputs = torch.nn.functional.scaled_dot_product_attention(
+        queries,
+        keys.repeat_interleave(groups, dim=1),
+        values.repeat_interleave(groups, dim=1),
+        attn_mask=visible,
+        scale=scale,
+    )
+    return outputs, (keys, values, new_keep)
