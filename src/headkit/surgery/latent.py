@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -77,17 +76,17 @@ from headkit.surgery.latent_fit import (
     FITTED,
     NORMS,
     ROPE_SELECTIONS,
+    ROROPE,
+    SiteKeys,
     SiteStatistics,
     allocate_by_error,
     allocate_ranks,
     candidate_ranks,
     collect_statistics,
     full_rank,
-    gather_rows,
     joint_latent_factors,
-    key_rows,
     latent_spectrum,
-    select_rotary_pairs,
+    site_keys,
     weight_statistics,
 )
 from headkit.surgery.latent_heads import LatentKVHeads, RotaryKeyProjection, rope_indices
@@ -189,9 +188,12 @@ class LatentReport:
         return f"calibrated, {self.rope_selection}: score-term error up to {self.max_rope_error:.3g}"
 
 
-def check_latent_arguments(site: AttentionSite, hidden: int, kv_rank: Any, rope_dims: Any) -> None:
-    """Name the valid range of `rope_dims` (whole rotary pairs) and of `kv_rank` (given rope_dims)."""
-    check_latent_ranks(site.head_dim, site.num_kv_heads, hidden, kv_rank, rope_dims)
+def check_latent_arguments(
+    site: AttentionSite, hidden: int, kv_rank: Any, rope_dims: Any, rope_fold: int = 1
+) -> None:
+    """Name the valid range of `rope_dims` (whole rotary pairs), of `rope_fold` (FreqFold) and of `kv_rank` (given
+    rope_dims: with RoRoPE too the rotary-free keys span G·(head_dim − D) dimensions)."""
+    check_latent_ranks(site.head_dim, site.num_kv_heads, hidden, kv_rank, rope_dims, rope_fold)
 
 
 def attention_widths(config: Any) -> tuple[int, int, int]:
@@ -205,8 +207,20 @@ def attention_widths(config: Any) -> tuple[int, int, int]:
     )
 
 
-def check_latent_ranks(head_dim: int, num_kv_heads: int, hidden: int, kv_rank: Any, rope_dims: Any) -> None:
+def check_latent_ranks(
+    head_dim: int,
+    num_kv_heads: int,
+    hidden: int,
+    kv_rank: Any,
+    rope_dims: Any,
+    rope_fold: int = 1,
+) -> None:
     """:func:`check_latent_arguments` from the widths alone (a model's 🤗 config is enough)."""
+    if (head_dim // 2) % rope_fold:
+        divisors = [d for d in range(1, head_dim // 2 + 1) if (head_dim // 2) % d == 0]
+        raise HeadkitError(
+            f"rope_fold must divide head_dim/2 = {head_dim // 2} (one of {divisors}), got {rope_fold}"
+        )
     if isinstance(rope_dims, bool) or not isinstance(rope_dims, int) or not 0 <= rope_dims <= head_dim:
         raise HeadkitError(f"rope_dims must be an integer in [0, {head_dim}] (head_dim), got {rope_dims!r}")
     if rope_dims % 2:
@@ -274,12 +288,16 @@ def _plan_site(
     kv_rank: int,
     pairs: torch.Tensor,
     statistics: SiteStatistics | None,
-    fold: bool = False,
+    keys: SiteKeys | None = None,
+    *,
+    mixed: bool = False,
+    balance: bool = False,
 ) -> _SitePlan:
     """The new projections and mechanism of one site; with `statistics` None, left at zero (the structure
-    :func:`headkit.from_pretrained` loads saved weights into). `fold`: the rotary-free pairs' keys carry their
-    fitted fixed rotation (:func:`~headkit.surgery.latent_fit.expected_rotation`,
-    :func:`~headkit.surgery.latent_fit.fold_rotation`) into the factorization."""
+    :func:`headkit.from_pretrained` loads saved weights into). `keys`: the site's key rows split into the rotary
+    and the rotary-free ones (:func:`~headkit.surgery.latent_fit.site_keys`, with `pairs` its kept pairs); `mixed`:
+    RoRoPE's (their rotary keys mixed across the key/value heads); `balance`: TransMLA's balanced joint
+    factorization (:func:`~headkit.surgery.latent_fit.joint_latent_factors`)."""
     weights = adapter.read_projections(site)
     groups, head_dim = site.num_kv_heads, site.head_dim
     hidden = weights.k_weight.shape[1]
@@ -296,29 +314,30 @@ def _plan_site(
         value_bias=weights.v_bias is not None,
         scale=site.scale,
         layer_idx=site.layers[0],
+        mixed=mixed,
         **factory,
     )
     report = LatentSiteReport(site.name, site.layers[0], pairs.tolist(), 0.0, 0.0)
-    if statistics is not None:
-        k_weight, report.rope_error = key_rows(weights.k_weight, pairs, statistics, fold)
-        gather = functools.partial(gather_rows, k_weight)
+    if statistics is not None and keys is not None:
+        report.rope_error = keys.rope_error
         factors = joint_latent_factors(
-            gather(mechanism.nope_index.cpu()),
+            keys.nope_rows,
             weights.v_weight.detach().reshape(groups, head_dim, hidden),
             kv_rank,
             statistics.input_moment,
+            balance,
         )
         with torch.no_grad():
-            key.weight.copy_(gather(rope_index).reshape(-1, hidden))
+            key.weight.copy_(keys.rope_rows)
             if key.bias is not None:
-                key.bias.copy_(
-                    weights.k_bias.detach().reshape(groups, head_dim).gather(1, rope_index).flatten()
-                )
+                key.bias.copy_(keys.rope_bias)
             value.weight.copy_(factors.down)
             mechanism.key_up.copy_(factors.key_up)
             mechanism.value_up.copy_(factors.value_up)
             if mechanism.value_bias is not None:
                 mechanism.value_bias.copy_(weights.v_bias.detach().reshape(groups, head_dim))
+            if mechanism.rope_mix is not None:
+                mechanism.rope_mix.copy_(keys.mixing.query_mix())
         report.key_error, report.value_error = factors.key_error, factors.value_error
     for module in (key, value, mechanism):
         module.train(site.module.training)
@@ -348,7 +367,18 @@ class LatentKVConfig:
         rope_selection: ``"fitted"`` (the default with calibration): keep rotary where the fitted fixed rotation
             leaves the largest score error, and fold that rotation into the rotary-free keys
             (:func:`~headkit.surgery.latent_fit.expected_rotation`); ``"norms"`` (the default without): MHA2MLA's
-            2-norm criterion, rotary-free pairs left unrotated. None: the default for the calibration given.
+            2-norm criterion, rotary-free pairs left unrotated; ``"rorope"``: TransMLA's RoRoPE (Meng et al. 2025,
+            arXiv:2502.07864, Sec. 4.2, Eq. 19): per frequency one orthogonal matrix mixes the key/value heads'
+            2-D components (the same for both coordinates, so it commutes with the rotation), chosen by PCA, and
+            the G·D/2 principal components of largest key energy stay rotary
+            (:func:`~headkit.surgery.latent_fit.rotary_mixing`; the queries get the matching mix). None: the
+            default for the calibration given.
+        rope_fold: TransMLA's FreqFold (their App. C), with ``rope_selection="rorope"`` only: that many neighbouring
+            frequencies share one PCA, so the kept rotary dims gather more of the keys' energy; a merged dim is
+            rotated at its slot's frequency, so the scores change even before the cut (1: none, exact).
+        balance_kv: TransMLA's BKV (their Sec. 4.3, Eq. 20): the joint factorization of the rotary-free keys and
+            the values sees the keys scaled to the values' norm, and the scale is folded back into the key
+            up-projection (:func:`~headkit.surgery.latent_fit.joint_latent_factors`).
         rank_allocation: ``"uniform"``: every layer gets R. ``"spectrum"`` (needs calibration): the same total,
             L·R, shared out by the error each choice leaves in the keys and values
             (:func:`~headkit.surgery.latent_fit.allocate_ranks`: the layers whose keys and values are hardest to
@@ -377,7 +407,25 @@ class LatentKVConfig:
         default=None,
         metadata={
             "help": "Rotary decoders: 'fitted' keeps rotary where a fixed rotation fitted on the calibration text "
-            "errs most and folds that rotation into the other pairs' keys; 'norms' is MHA2MLA's 2-norm ranking."
+            "errs most and folds that rotation into the other pairs' keys; 'norms' is MHA2MLA's 2-norm ranking; "
+            "'rorope' is TransMLA's RoRoPE (per frequency, a PCA across the key/value heads concentrates their "
+            "rotary energy into the dims kept rotary; scores unchanged before the cut)."
+        },
+    )
+    rope_fold: int = field(
+        default=1,
+        metadata={
+            "help": "Rotary decoders, with rope_selection 'rorope': TransMLA's FreqFold, this many neighbouring "
+            "frequencies share one PCA (1: none; must divide head_dim/2); each merged dim is rotated at its "
+            "slot's frequency, an approximation.",
+            "min": 1,
+        },
+    )
+    balance_kv: bool = field(
+        default=False,
+        metadata={
+            "help": "Rotary decoders: TransMLA's balanced key/value PCA: the rotary-free keys scaled to the "
+            "values' norm before the joint factorization, the scale folded back into the key up-projection."
         },
     )
     rank_allocation: str = field(
@@ -392,10 +440,21 @@ class LatentKVConfig:
 
     def __post_init__(self) -> None:
         # Types here; the ranges are the model's (its head_dim and widths), which check() names.
-        for name in ("kv_rank", "rope_dims"):
+        for name in ("kv_rank", "rope_dims", "rope_fold"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise HeadkitError(f"{name} must be an integer, got {value!r}")
+        if self.rope_fold < 1:
+            raise HeadkitError(
+                f"rope_fold must be an integer ≥ 1 (a divisor of head_dim/2), got {self.rope_fold}"
+            )
+        if self.rope_fold > 1 and self.rope_selection != ROROPE:
+            raise HeadkitError(
+                f"rope_fold {self.rope_fold} folds frequencies for RoRoPE's PCA: it needs rope_selection 'rorope', "
+                f"got {self.rope_selection!r}; or rope_fold=1"
+            )
+        if not isinstance(self.balance_kv, bool):
+            raise HeadkitError(f"balance_kv must be True or False, got {self.balance_kv!r}")
         if self.rank_allocation not in RANK_ALLOCATIONS:
             raise HeadkitError(
                 f"rank_allocation must be one of {RANK_ALLOCATIONS}, got {self.rank_allocation!r}"
@@ -404,6 +463,11 @@ class LatentKVConfig:
             raise HeadkitError(
                 f"rope_selection must be one of {ROPE_SELECTIONS}, got {self.rope_selection!r}"
             )
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the conversion mixes the key/value heads' rotary keys (RoRoPE)."""
+        return self.rope_selection == ROROPE
 
     def selection(self, calibrated: bool) -> str:
         """The rotary-pair selection for a conversion with (`calibrated`) or without calibration text."""
@@ -444,7 +508,7 @@ class LatentKVConfig:
                 "need every layer's stock key/value heads; prune whole key/value groups, or remove the gates first"
             )
         hidden, kv_heads, head_dim = attention_widths(model_or_config)
-        check_latent_ranks(head_dim, kv_heads, hidden, self.kv_rank, self.rope_dims)
+        check_latent_ranks(head_dim, kv_heads, hidden, self.kv_rank, self.rope_dims, self.rope_fold)
 
     def record(self) -> dict[str, Any]:
         """The fields as JSON (``config.headkit_surgery`` keeps them, ``rope_selection`` there being the one
@@ -477,7 +541,7 @@ class LatentKVConfig:
         sites = _check_sites(model, adapter)
         hidden = adapter.read_projections(sites[0]).k_weight.shape[1]
         for site in sites:
-            check_latent_arguments(site, hidden, self.kv_rank, self.rope_dims)
+            check_latent_arguments(site, hidden, self.kv_rank, self.rope_dims, self.rope_fold)
         return adapter, sites
 
 
@@ -548,14 +612,30 @@ def _compress(
             else collect_statistics(model, sites, adapter, calibration)
         )
     top = full_rank(hidden, sites[0].num_kv_heads, sites[0].head_dim, rope_dims)
-    pairs = [select_rotary_pairs(stats, rope_dims // 2, rope_selection) for stats in statistics]
-    fold = rope_selection == FITTED
+    keys = [
+        site_keys(
+            adapter.read_projections(site).k_weight,
+            adapter.read_projections(site).k_bias,
+            stats,
+            rope_dims,
+            rope_selection,
+            config.rope_fold,
+        )
+        for site, stats in zip(sites, statistics, strict=True)
+    ]
     ranks = [kv_rank] * len(sites)
     candidates, rank_errors = None, None
     if config.rank_allocation == SPECTRUM:
         spectra = [
-            latent_spectrum(adapter, site, chosen, stats, fold)
-            for site, chosen, stats in zip(sites, pairs, statistics, strict=True)
+            latent_spectrum(
+                split.nope_rows,
+                adapter.read_projections(site)
+                .v_weight.detach()
+                .reshape(site.num_kv_heads, site.head_dim, -1),
+                stats,
+                config.balance_kv,
+            )
+            for site, split, stats in zip(sites, keys, statistics, strict=True)
         ]
         ranks = allocate_ranks(spectra, kv_rank * len(sites))
     elif config.rank_allocation == SENSITIVITY:
@@ -563,8 +643,10 @@ def _compress(
         rank_errors = rank_error_curves(model, config, calibration, statistics, adapter, candidates)
         ranks = allocate_by_error([(candidates, errors) for errors in rank_errors], kv_rank * len(sites))
     planned = [
-        _plan_site(adapter, site, rank, chosen, stats, fold=fold)
-        for site, rank, chosen, stats in zip(sites, ranks, pairs, statistics, strict=True)
+        _plan_site(
+            adapter, site, rank, split.pairs, stats, split, mixed=config.mixed, balance=config.balance_kv
+        )
+        for site, rank, split, stats in zip(sites, ranks, keys, statistics, strict=True)
     ]
     # Everything is computed and checked: only now does the model change.
     _apply(model, adapter, planned)
@@ -654,10 +736,15 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
     ranks = [int(rank) for rank in entry.get("kv_ranks") or [config.kv_rank] * len(sites)]
     hidden = adapter.read_projections(sites[0]).k_weight.shape[1]
     for site, rank in zip(sites, ranks, strict=True):
-        check_latent_arguments(site, hidden, rank, rope_dims)
+        check_latent_arguments(site, hidden, rank, rope_dims, config.rope_fold)
     planned = [
         _plan_site(
-            adapter, site, rank, torch.tensor(pairs, dtype=torch.long).reshape(site.num_kv_heads, -1), None
+            adapter,
+            site,
+            rank,
+            torch.tensor(pairs, dtype=torch.long).reshape(site.num_kv_heads, rope_dims // 2),
+            None,
+            mixed=config.mixed,
         )
         for site, rank, pairs in zip(sites, ranks, entry["rope_pairs"], strict=True)
     ]
