@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 
@@ -25,6 +26,7 @@ from headkit.recipes.compress import (
     latent_student,
     latent_windows,
     load_teacher,
+    rope_report_rank,
 )
 from headkit.runs.models import smollm2_gguf_path
 
@@ -38,6 +40,10 @@ VARIANTS = {
     "rorope+fold2": ("rorope", 2, False),
     "rorope+fold2+bkv": ("rorope", 2, True),
     "rorope+fold4+bkv": ("rorope", 4, True),
+    "rorope_fitted": ("rorope_fitted", 1, False),
+    "rorope_fitted+bkv": ("rorope_fitted", 1, True),
+    "rorope_fitted+fold2": ("rorope_fitted", 2, False),
+    "rorope_fitted+fold2+bkv": ("rorope_fitted", 2, True),
 }
 
 
@@ -49,6 +55,8 @@ def main() -> None:
     parser.add_argument("--calibration-windows", type=int, default=16)
     parser.add_argument("--rank", type=int, help="override R (with a single --fraction)")
     parser.add_argument("--rope-dims", type=int, help="override D (with a single --fraction)")
+    parser.add_argument("--full-rank", action="store_true", help="R at its full width: the rotary step alone")
+    parser.add_argument("--statistics", help="a file to keep the calibration statistics in between runs")
     args = parser.parse_args()
     torch.set_num_threads(1)
     start = time.perf_counter()
@@ -61,12 +69,19 @@ def main() -> None:
     teacher = load_teacher(smollm2_gguf_path(), "float32")
     train, held_out, _ = latent_windows(teacher, settings)
     calibration = calibration_batches(train, settings.calibration_windows)
-    statistics = latent_statistics(teacher, calibration)
-    original = perplexity(teacher.model, held_out, 8)
+    if args.statistics and Path(args.statistics).exists():
+        statistics, original = torch.load(args.statistics, weights_only=False)
+    else:
+        statistics = latent_statistics(teacher, calibration)
+        original = perplexity(teacher.model, held_out, 8)
+        if args.statistics:
+            torch.save((statistics, original), args.statistics)
     print(f"original {original:.3f} ({time.perf_counter() - start:.0f} s)", flush=True)
     for fraction in args.fraction:
         rank, rope_dims = FRACTIONS[fraction]
         rank, rope_dims = args.rank or rank, args.rope_dims or rope_dims
+        if args.full_rank:
+            rank = rope_report_rank(teacher, rope_dims)
         for name in args.variants:
             selection, fold, balance = VARIANTS[name]
             began = time.perf_counter()

@@ -24,6 +24,7 @@ from headkit.surgery.latent_fit import (
     key_pair_moments,
     naive_rotary_mixing,
     rotary_mixing,
+    rotation_residual_shares,
     select_rotary_pairs,
 )
 
@@ -34,8 +35,8 @@ def calibration():
     return [{"input_ids": family_inputs(batch=4, length=16)}]
 
 
-def rorope(rank, rope_dims, **options):
-    return LatentKVConfig(kv_rank=rank, rope_dims=rope_dims, rope_selection="rorope", **options)
+def rorope(rank, rope_dims, selection="rorope", **options):
+    return LatentKVConfig(kv_rank=rank, rope_dims=rope_dims, rope_selection=selection, **options)
 
 
 def captured(model, tokens):
@@ -182,28 +183,34 @@ def test_rorope_keeps_more_key_energy_than_any_per_head_choice_and_the_fold_more
     )
 
 
-@pytest.mark.parametrize("model_type", ["llama", "qwen2", "mistral"])
-def test_rorope_at_full_width_gives_the_original_logits(model_type):
+@pytest.mark.parametrize(
+    ("model_type", "selection"), [("llama", "rorope"), ("qwen2", "rorope"), ("mistral", "rorope_fitted")]
+)
+def test_rorope_at_full_width_gives_the_original_logits(model_type, selection):
     model = family_model(model_type)
     tokens = family_inputs(length=12)
     with torch.no_grad():
         reference = model(tokens).logits
-        report = headkit.apply_(model, rorope(KV_HEADS * HEAD_DIM, HEAD_DIM), calibration=calibration())
+        report = headkit.apply_(
+            model, rorope(KV_HEADS * HEAD_DIM, HEAD_DIM, selection), calibration=calibration()
+        )
         got = model(tokens).logits
-    assert report.rope_selection == "rorope" and report.max_value_error < 1e-6
+    assert report.rope_selection == selection and report.max_value_error < 1e-6
     assert (got - reference).abs().max() < 1e-5
     assert all(m.rope_mix is not None for m in latent_mechanisms(model))
 
 
-def converted(model_type, **options):
+def converted(model_type, selection="rorope", **options):
     model = family_model(model_type)
-    headkit.apply_(model, rorope(20, 4, **options), calibration=calibration())
+    headkit.apply_(model, rorope(20, 4, selection, **options), calibration=calibration())
     return model
 
 
-@pytest.mark.parametrize(("model_type", "fold"), [("llama", 1), ("qwen2", 2)])
-def test_rorope_absorbed_equals_expanded_outputs_and_gradients(model_type, fold):
-    model = converted(model_type, rope_fold=fold, balance_kv=True)
+@pytest.mark.parametrize(
+    ("model_type", "selection", "fold"), [("llama", "rorope", 1), ("qwen2", "rorope_fitted", 2)]
+)
+def test_rorope_absorbed_equals_expanded_outputs_and_gradients(model_type, selection, fold):
+    model = converted(model_type, selection, rope_fold=fold, balance_kv=True)
     tokens = family_inputs(length=9)
     results = {}
     for absorbed in (True, False):
@@ -239,7 +246,7 @@ def test_the_shared_rope_op_equals_its_naive_twin_with_a_padding_mask_and_one_ne
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])
 def test_rorope_cached_equals_uncached_and_padded_equals_alone(model_type):
-    model = converted(model_type, rope_fold=2)
+    model = converted(model_type, "rorope_fitted", rope_fold=2)
     assert_cached_and_padded_decoding_agree(model, family_inputs(batch=2, length=7), padding=3)
 
 
@@ -300,7 +307,10 @@ def test_balanced_factors_fold_the_scale_back_and_ignore_how_keys_and_values_are
         ),
         ({"rope_selection": "rorope", "rope_fold": 0}, r"rope_fold must be an integer ≥ 1"),
         ({"balance_kv": "yes"}, "balance_kv must be True or False"),
-        ({"rope_selection": "twist"}, r"rope_selection must be one of \('fitted', 'norms', 'rorope'\)"),
+        (
+            {"rope_selection": "twist"},
+            r"rope_selection must be one of \('fitted', 'norms', 'rorope', 'rorope_fitted'\)",
+        ),
     ],
 )
 def test_bad_options_name_the_field_and_its_range_before_any_work(options, message):
@@ -321,3 +331,21 @@ def test_the_options_are_command_line_options_with_help():
     for name in ("rope_fold", "balance_kv"):
         assert name in parameters
         assert "TransMLA" in str(parameters[name].default.help)
+
+
+def test_the_fitted_rorope_keeps_rotary_where_a_fixed_rotation_errs_and_needs_calibration():
+    """rorope_fitted ranks the principal components by energy × their frequency's residual share
+    (rotation_residual_shares), so the slow frequencies a fixed rotation serves give their slots up."""
+    model = family_model("llama")
+    adapter = get_adapter(model)
+    statistics = collect_statistics(model, adapter.sites(model), adapter, calibration())[0]
+    rows = model.model.layers[0].self_attn.k_proj.weight.detach().reshape(KV_HEADS, HEAD_DIM, -1)
+    shares = rotation_residual_shares(statistics.rotation_fit)
+    plain = rotary_mixing(rows, statistics.input_moment, 4)
+    fitted = rotary_mixing(rows, statistics.input_moment, 4, 1, shares)
+    slots = lambda m: set(map(tuple, torch.nonzero(m.kept).tolist()))  # noqa: E731
+    assert slots(plain) != slots(fitted)
+    weight = lambda m: float((m.energy * shares)[m.kept].sum())  # noqa: E731
+    assert weight(fitted) >= weight(plain)
+    with pytest.raises(HeadkitError, match="rorope_fitted.*calibration"):
+        headkit.apply_(family_model("llama"), rorope(20, 4, "rorope_fitted"))

@@ -74,9 +74,10 @@ from headkit.surgery.families import LATENT, get_family, text_config
 from headkit.surgery.gating import config_prunes_unevenly, config_records_gates, kv_head_counts
 from headkit.surgery.latent_fit import (
     FITTED,
+    MIXED_SELECTIONS,
     NORMS,
     ROPE_SELECTIONS,
-    ROROPE,
+    ROROPE_FITTED,
     SiteKeys,
     SiteStatistics,
     allocate_by_error,
@@ -448,10 +449,10 @@ class LatentKVConfig:
             raise HeadkitError(
                 f"rope_fold must be an integer ≥ 1 (a divisor of head_dim/2), got {self.rope_fold}"
             )
-        if self.rope_fold > 1 and self.rope_selection != ROROPE:
+        if self.rope_fold > 1 and not self.mixed:
             raise HeadkitError(
-                f"rope_fold {self.rope_fold} folds frequencies for RoRoPE's PCA: it needs rope_selection 'rorope', "
-                f"got {self.rope_selection!r}; or rope_fold=1"
+                f"rope_fold {self.rope_fold} folds frequencies for RoRoPE's PCA: it needs rope_selection 'rorope' "
+                f"or 'rorope_fitted', got {self.rope_selection!r}; or rope_fold=1"
             )
         if not isinstance(self.balance_kv, bool):
             raise HeadkitError(f"balance_kv must be True or False, got {self.balance_kv!r}")
@@ -467,7 +468,7 @@ class LatentKVConfig:
     @property
     def mixed(self) -> bool:
         """Whether the conversion mixes the key/value heads' rotary keys (RoRoPE)."""
-        return self.rope_selection == ROROPE
+        return self.rope_selection in MIXED_SELECTIONS
 
     def selection(self, calibrated: bool) -> str:
         """The rotary-pair selection for a conversion with (`calibrated`) or without calibration text."""
@@ -482,10 +483,10 @@ class LatentKVConfig:
                 "calibration=..., or rank_allocation='uniform'"
             )
         selection = self.rope_selection or (FITTED if calibrated else NORMS)
-        if selection == FITTED and not calibrated:
+        if selection in (FITTED, ROROPE_FITTED) and not calibrated:
             raise HeadkitError(
-                "rope_selection 'fitted' fits each rotary-free pair's rotation on calibration text: pass "
-                "calibration=..., or rope_selection='norms'"
+                f"rope_selection {selection!r} fits each rotary-free pair's rotation on calibration text: pass "
+                "calibration=..., or rope_selection='norms' / 'rorope'"
             )
         return selection
 

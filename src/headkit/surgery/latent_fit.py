@@ -29,8 +29,9 @@ from headkit.ops.rotary import apply_rotary
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite
 from headkit.surgery.latent_heads import nope_indices, rope_indices
 
-FITTED, NORMS, ROROPE = "fitted", "norms", "rorope"
-ROPE_SELECTIONS = (FITTED, NORMS, ROROPE)
+FITTED, NORMS, ROROPE, ROROPE_FITTED = "fitted", "norms", "rorope", "rorope_fitted"
+ROPE_SELECTIONS = (FITTED, NORMS, ROROPE, ROROPE_FITTED)
+MIXED_SELECTIONS = (ROROPE, ROROPE_FITTED)
 
 
 # -- calibration ------------------------------------------------------------------------------------------------
@@ -532,7 +533,11 @@ def key_pair_moments(rows: torch.Tensor, input_moment: torch.Tensor) -> torch.Te
 
 
 def rotary_mixing(
-    rows: torch.Tensor, input_moment: torch.Tensor, rope_dims: int, fold: int = 1
+    rows: torch.Tensor,
+    input_moment: torch.Tensor,
+    rope_dims: int,
+    fold: int = 1,
+    frequency_weights: torch.Tensor | None = None,
 ) -> RotaryMixing:
     """TransMLA's RoRoPE (+ FreqFold) for one layer (see :class:`RotaryMixing`), from the key rows
     [G, head_dim, hidden] and the input moment (:func:`key_pair_moments`).
@@ -543,7 +548,11 @@ def rotary_mixing(
     layer keeps rotary where its keys' energy is (not D/2 pairs of each original head). To keep D dims per virtual
     head (the cache's layout), a block's kept components are spread evenly over its frequencies and those over
     the virtual heads cyclically; the component-to-slot assignment is free (any permutation keeps the mix
-    orthogonal), so this costs nothing."""
+    orthogonal), so this costs nothing.
+
+    `frequency_weights` [P] (None: all 1): the kept components are those of largest energy × weight of their
+    block (the mean over its frequencies) — with :func:`rotation_residual_shares`, the score error a component
+    would leave rotary-free once its fitted rotation is folded in, instead of its energy."""
     groups, head_dim, _ = rows.shape
     half = head_dim // 2
     if fold < 1 or half % fold:
@@ -560,7 +569,10 @@ def rotary_mixing(
         vectors.append(eigenvectors[:, order])  # columns: components (g, f in block) → principal component j
     # The G·D/2 components of largest energy stay rotary: a prefix of each block's (its values are sorted).
     energies = torch.stack(values)  # [blocks, G·fold]
-    flat = torch.argsort(-energies.flatten(), stable=True)[: groups * rope_dims // 2]
+    criterion = energies
+    if frequency_weights is not None:
+        criterion = energies * frequency_weights.double().reshape(blocks, fold).mean(dim=1, keepdim=True)
+    flat = torch.argsort(-criterion.flatten(), stable=True)[: groups * rope_dims // 2]
     kept_per_block = torch.bincount(flat // (groups * fold), minlength=blocks).tolist()
     mix = torch.zeros(groups * half, groups * half, dtype=torch.float64)
     energy = torch.zeros(groups, half, dtype=torch.float64)
@@ -624,6 +636,13 @@ class SiteKeys:
     mixing: RotaryMixing | None = None
 
 
+def rotation_residual_shares(fit: RotationFit) -> torch.Tensor:
+    """[P]: per frequency, the share of its score terms' energy that a fixed rotation leaves as error
+    (Σ_g residual / Σ_g energy of :func:`expected_rotation`): near 0 for the slow pairs a fixed factor serves, near
+    1 for the fast ones whose rotation matters at every distance."""
+    return (fit.residual.sum(0) / fit.energy.sum(0).clamp_min(1e-300)).clamp(0, 1)
+
+
 def site_keys(
     k_weight: torch.Tensor,
     k_bias: torch.Tensor | None,
@@ -641,15 +660,25 @@ def site_keys(
     rows = k_weight.detach().reshape(groups, -1, hidden)
     head_dim = rows.shape[1]
     bias = None if k_bias is None else k_bias.detach().reshape(groups, head_dim)
-    if selection == ROROPE:
-        mixing = rotary_mixing(rows, statistics.input_moment, rope_dims, fold)
+    if selection in MIXED_SELECTIONS:
+        fit = statistics.rotation_fit if selection == ROROPE_FITTED else None
+        if selection == ROROPE_FITTED and fit is None:
+            raise HeadkitError("rope_selection 'rorope_fitted' needs calibration text (calibration=...)")
+        weights = None if fit is None else rotation_residual_shares(fit)
+        mixing = rotary_mixing(rows, statistics.input_moment, rope_dims, fold, weights)
+        rest = mixing.rest_rows(rows)
+        if fit is not None:
+            # The rotary-free part of each head's keys gets that head's fitted rotation per pair
+            # (fold_rotation): what the kept slots leave of a pair is served as the "fitted" selection serves a
+            # whole pair.
+            rest = fold_rotation(rest.double(), fit.cos, fit.sin).to(rest.dtype)
         rope_index = rope_indices(mixing.pairs, head_dim)
         virtual = mixing.key_rows(rows)
         return SiteKeys(
             pairs=mixing.pairs,
             rope_rows=gather_rows(virtual, rope_index).reshape(-1, hidden),
             rope_bias=None if bias is None else mixing.key_rows(bias).gather(1, rope_index).flatten(),
-            nope_rows=mixing.rest_rows(rows),
+            nope_rows=rest,
             rope_error=mixing.lost_energy,
             mixing=mixing,
         )
@@ -670,7 +699,9 @@ __all__ = [
     "LatentFactors",
     "NORMS",
     "ROPE_SELECTIONS",
+    "MIXED_SELECTIONS",
     "ROROPE",
+    "ROROPE_FITTED",
     "RotaryMixing",
     "RotationFit",
     "SENSITIVITY_MULTIPLES",
@@ -693,6 +724,7 @@ __all__ = [
     "pair_norms",
     "rotary_mixing",
     "rotation_moments",
+    "rotation_residual_shares",
     "select_rotary_pairs",
     "site_keys",
     "weight_statistics",
