@@ -15,11 +15,15 @@ The score of query head h against token s is q_rope,h · k_rope,g,s + q_nope,h �
 and the value up-projection applied after the weighted sum (equivalently, absorbed into the output projection),
 attention reads only the cache — never the per-head keys and values expanded from it.
 
+With TransMLA's RoRoPE (Meng et al. 2025, arXiv:2502.07864, Sec. 4.2) the rotary keys are mixed across the
+groups, so a head's rotary query spans every group's block (``shared_rope``) rather than its own.
+
 :func:`latent_attention` computes this absorbed form as attention of every head against a single shared key
 ``[c ; k_rope,1 ; … ; k_rope,G]`` (the cache row as it is stored): each query head carries its absorbed query in
 the latent part and its rotary query in its own group's block, zeros elsewhere, so the zeros cancel the other
 groups' rotary keys and every head reads the one cache. :func:`naive_latent_attention`
-is its obviously-correct twin: expand every head's keys and values from the latent, then softmax attention.
+is its obviously-correct twin: expand every head's keys and values from the latent, then softmax attention
+(:func:`naive_shared_rope_latent_attention` with ``shared_rope``).
 """
 
 from __future__ import annotations

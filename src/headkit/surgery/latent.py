@@ -17,6 +17,20 @@ Transformer-based LLMs", arXiv:2502.14837), on the stock modules of a 🤗 decod
      into the rotary-free key rows before the factorization (:func:`~headkit.surgery.latent_fit.fold_rotation`:
      free at run time), and the pairs kept rotary are those whose residual error is largest. On SmolLM2-135M at D = 16 it takes the partial-RoPE perplexity from 7.2x to 1.9x the original
      (docs/latent-kv.md).
+   * ``"rorope"`` — TransMLA's RoRoPE (Meng et al. 2025, "TransMLA: Multi-Head Latent Attention Is All You Need",
+     arXiv:2502.07864, Sec. 4.2, Eq. 19, App. B): rotary stays not on pairs of each head but on principal
+     components across the key/value heads. Per frequency, one orthogonal G×G matrix mixes the heads' 2-D
+     components, the same for both coordinates, so it commutes with the rotation and leaves every score unchanged;
+     chosen by PCA of the keys, it concentrates their energy, and the G·D/2 components of largest energy (over all
+     frequencies) stay rotary in G "virtual" heads of D dims (:func:`~headkit.surgery.latent_fit.rotary_mixing`).
+     Every query head reads every virtual head's rotary keys through the matching mix of its query
+     (:class:`~headkit.surgery.latent_heads.LatentKVHeads` ``rope_mix``); the rest of each head's keys (the
+     components left unrotated, in the head's own coordinates) goes to the latent. ``rope_fold`` > 1 is their
+     FreqFold (App. C): the PCA over that many neighbouring frequencies at once, each merged component rotated at
+     its slot's frequency (an approximation: the scores change before any cut).
+   * ``"rorope_fitted"`` (headkit's): RoRoPE's mix, with the components kept rotary ranked by energy × their
+     frequency's share of score error that a fixed rotation leaves (:func:`~headkit.surgery.latent_fit.
+     rotation_residual_shares`), and the fitted rotation folded into what stays unrotated, as ``"fitted"`` does.
 2. **Joint low rank** (their Sec. 3.3, "SVD_joint"): the rotary-free key rows and the value rows of every
    key/value head, stacked into W = [W_K,nope ; W_V] (G·(n + head_dim) rows), are factored as W ≈ U_R (U_Rᵀ W):
    the down-projection W_down = U_Rᵀ W [R, hidden] writes the latent c = W_down x, the up-projections are
@@ -24,6 +38,8 @@ Transformer-based LLMs", arXiv:2502.14837), on the stock modules of a 🤗 decod
    second moment of the layer's attention inputs on calibration text (ASVD/SVD-LLM-style activation weighting: it
    minimises ‖(W − U_R U_Rᵀ W) X‖, the error of the keys and values the layer actually computes; with
    Σ = I it is MHA2MLA's plain joint SVD). At R = G·(n + head_dim) ≤ hidden, U_R U_Rᵀ = I: exact.
+   ``balance_kv`` is TransMLA's BKV (their Sec. 4.3, Eq. 20): the key rows scaled to the values' weighted norm
+   before the SVD, the scale divided back out of the key up-projection.
 
 The key bias of the rotary-free dimensions adds q · b to every score of a query: constant over the keys, it
 cancels in the softmax and is dropped. The value bias is added after the weighted sum (the weights sum to one).
