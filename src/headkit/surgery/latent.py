@@ -129,7 +129,8 @@ class LatentSiteReport:
     key_error: float
     value_error: float
     # The rotary-free pairs' share of the score terms' energy that the partial RoPE loses (attention-weighted
-    # squared error / Σ a s² over every pair, on calibration text); None without calibration.
+    # squared error / Σ a s² over every pair, on calibration text); None without calibration. RoRoPE
+    # ("rorope", "rorope_fitted"): the share of the keys' energy left without rotation (RotaryMixing.lost_energy).
     rope_error: float | None = None
 
 
