@@ -141,7 +141,7 @@ def test_a_llama_gets_latent_keys_values_distils_reloads_and_generates(
     assert _run([*args, "--out", str(out), *FAST]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["method"] == "latent" and report["kv_rank"] == 6 and report["rope_dims"] == 2
-    assert report["rope_selection"] == "fitted" and report["conversion"]["max_rope_error"] > 0
+    assert report["rope_selection"] == "rorope_fitted" and report["conversion"]["max_rope_error"] > 0
     # 2 layers × (6 + 2 kv heads × 2 rotary dims) float32 numbers, against 2 × 2 × 2 × 8.
     assert report["kv_bytes_per_token"] == 2 * 10 * 4 and report["kv_bytes_per_token_original"] == 2 * 32 * 4
     assert report["data"]["eval_window"] == 24 and len(report["distill_losses"]) == 2

@@ -302,7 +302,7 @@ def test_balanced_factors_fold_the_scale_back_and_ignore_how_keys_and_values_are
             r"rope_fold must divide head_dim/2 = 8 \(one of \[1, 2, 4, 8\]\)",
         ),
         (
-            {"rope_fold": 2},
+            {"rope_fold": 2, "rope_selection": "fitted"},
             "rope_fold 2 folds frequencies for RoRoPE's PCA: it needs rope_selection 'rorope'",
         ),
         ({"rope_selection": "rorope", "rope_fold": 0}, r"rope_fold must be an integer ≥ 1"),
@@ -349,3 +349,15 @@ def test_the_fitted_rorope_keeps_rotary_where_a_fixed_rotation_errs_and_needs_ca
     assert weight(fitted) >= weight(plain)
     with pytest.raises(HeadkitError, match="rorope_fitted.*calibration"):
         headkit.apply_(family_model("llama"), rorope(20, 4, "rorope_fitted"))
+
+
+def test_a_fold_with_the_default_selection_needs_calibration_text_to_be_rorope():
+    model = family_model("llama")
+    config = LatentKVConfig(
+        kv_rank=20, rope_dims=4, rope_fold=2
+    )  # the default: rorope_fitted with calibration
+    with pytest.raises(HeadkitError, match="without calibration text the rotary selection is 'norms'"):
+        headkit.apply_(model, config)
+    report = headkit.apply_(model, config, calibration=calibration())
+    assert report.rope_selection == "rorope_fitted"
+    assert model.config.headkit_surgery[-1]["rope_fold"] == 2

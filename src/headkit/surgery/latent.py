@@ -9,7 +9,7 @@ Transformer-based LLMs", arXiv:2502.14837), on the stock modules of a 🤗 decod
    * ``"norms"`` — MHA2MLA's (their Sec. 3.2, "S_2-norm"): the largest query-key contribution
      Σ_{h∈g} E‖q_{h,i}‖ · E‖k_{g,i}‖ of the pair's 2-norms over calibration tokens (without calibration text,
      the Frobenius norms of the pair's projection rows), the rest left unrotated (q·k at every distance).
-   * ``"fitted"`` (headkit's, the default with calibration text): a pair's score term Re(q·conj(k)·e^{iθ(m−n)})
+   * ``"fitted"`` (headkit's): a pair's score term Re(q·conj(k)·e^{iθ(m−n)})
      is replaced by Re(q·conj(k)·c) with the one complex factor c that minimises its squared error weighted by
      the model's own attention probabilities on calibration text
      (:func:`~headkit.surgery.latent_fit.expected_rotation`: c ≈ 1 for slow pairs, as MHA2MLA assumes, but damped
@@ -28,7 +28,7 @@ Transformer-based LLMs", arXiv:2502.14837), on the stock modules of a 🤗 decod
      components left unrotated, in the head's own coordinates) goes to the latent. ``rope_fold`` > 1 is their
      FreqFold (App. C): the PCA over that many neighbouring frequencies at once, each merged component rotated at
      its slot's frequency (an approximation: the scores change before any cut).
-   * ``"rorope_fitted"`` (headkit's): RoRoPE's mix, with the components kept rotary ranked by energy × their
+   * ``"rorope_fitted"`` (headkit's, the default with calibration text): RoRoPE's mix, with the components kept rotary ranked by energy × their
      frequency's share of score error that a fixed rotation leaves (:func:`~headkit.surgery.latent_fit.
      rotation_residual_shares`), and the fitted rotation folded into what stays unrotated, as ``"fitted"`` does.
 2. **Joint low rank** (their Sec. 3.3, "SVD_joint"): the rotary-free key rows and the value rows of every
@@ -382,15 +382,17 @@ class LatentKVConfig:
         kv_rank: R, the latent width per layer, in [1, min(hidden, G·(2·head_dim − rope_dims))]; the top is exact.
         rope_dims: D, rotary dimensions kept per key/value head (whole pairs: even, ≤ head_dim); head_dim keeps
             every one (exact).
-        rope_selection: ``"fitted"`` (the default with calibration): keep rotary where the fitted fixed rotation
+        rope_selection: ``"fitted"``: keep rotary where the fitted fixed rotation
             leaves the largest score error, and fold that rotation into the rotary-free keys
             (:func:`~headkit.surgery.latent_fit.expected_rotation`); ``"norms"`` (the default without): MHA2MLA's
             2-norm criterion, rotary-free pairs left unrotated; ``"rorope"``: TransMLA's RoRoPE (Meng et al. 2025,
             arXiv:2502.07864, Sec. 4.2, Eq. 19): per frequency one orthogonal matrix mixes the key/value heads'
             2-D components (the same for both coordinates, so it commutes with the rotation), chosen by PCA, and
             the G·D/2 principal components of largest key energy stay rotary
-            (:func:`~headkit.surgery.latent_fit.rotary_mixing`; the queries get the matching mix). None: the
-            default for the calibration given.
+            (:func:`~headkit.surgery.latent_fit.rotary_mixing`; the queries get the matching mix);
+            ``"rorope_fitted"`` (the default with calibration): RoRoPE's mix, the components kept rotary ranked by
+            energy × their frequency's fixed-rotation residual share, the fitted rotation folded into the rest.
+            None: the default for the calibration given.
         rope_fold: TransMLA's FreqFold (their App. C), with ``rope_selection="rorope"`` only: that many neighbouring
             frequencies share one PCA, so the kept rotary dims gather more of the keys' energy; a merged dim is
             rotated at its slot's frequency, so the scores change even before the cut (1: none, exact).
@@ -427,7 +429,9 @@ class LatentKVConfig:
             "help": "Rotary decoders: 'fitted' keeps rotary where a fixed rotation fitted on the calibration text "
             "errs most and folds that rotation into the other pairs' keys; 'norms' is MHA2MLA's 2-norm ranking; "
             "'rorope' is TransMLA's RoRoPE (per frequency, a PCA across the key/value heads concentrates their "
-            "rotary energy into the dims kept rotary; scores unchanged before the cut)."
+            "rotary energy into the dims kept rotary; scores unchanged before the cut); 'rorope_fitted' (the "
+            "default with calibration text) ranks RoRoPE's components by the error a fixed rotation would leave "
+            "and folds that rotation into the rest."
         },
     )
     rope_fold: int = field(
@@ -466,7 +470,7 @@ class LatentKVConfig:
             raise HeadkitError(
                 f"rope_fold must be an integer ≥ 1 (a divisor of head_dim/2), got {self.rope_fold}"
             )
-        if self.rope_fold > 1 and not self.mixed:
+        if self.rope_fold > 1 and self.rope_selection is not None and not self.mixed:
             raise HeadkitError(
                 f"rope_fold {self.rope_fold} folds frequencies for RoRoPE's PCA: it needs rope_selection 'rorope' "
                 f"or 'rorope_fitted', got {self.rope_selection!r}; or rope_fold=1"
@@ -484,7 +488,8 @@ class LatentKVConfig:
 
     @property
     def mixed(self) -> bool:
-        """Whether the conversion mixes the key/value heads' rotary keys (RoRoPE)."""
+        """Whether the conversion mixes the key/value heads' rotary keys (RoRoPE), as far as the config says (a
+        record always does: it holds the selection used)."""
         return self.rope_selection in MIXED_SELECTIONS
 
     def selection(self, calibrated: bool) -> str:
@@ -499,11 +504,17 @@ class LatentKVConfig:
                 "rank_allocation 'sensitivity' measures each layer's cost on calibration text: pass "
                 "calibration=..., or rank_allocation='uniform'"
             )
-        selection = self.rope_selection or (FITTED if calibrated else NORMS)
+        # With calibration, RoRoPE with the fitted criterion measured best (SmolLM2, docs/latent-kv.md).
+        selection = self.rope_selection or (ROROPE_FITTED if calibrated else NORMS)
         if selection in (FITTED, ROROPE_FITTED) and not calibrated:
             raise HeadkitError(
                 f"rope_selection {selection!r} fits each rotary-free pair's rotation on calibration text: pass "
                 "calibration=..., or rope_selection='norms' / 'rorope'"
+            )
+        if self.rope_fold > 1 and selection not in MIXED_SELECTIONS:
+            raise HeadkitError(
+                f"rope_fold {self.rope_fold} folds frequencies for RoRoPE's PCA, but without calibration text the "
+                f"rotary selection is {selection!r}: pass rope_selection='rorope', or rope_fold=1"
             )
         return selection
 
@@ -613,6 +624,7 @@ def _compress(
         )
     calibration = None if calibration is None else list(calibration)  # read twice for 'sensitivity'
     kv_rank, rope_dims = config.kv_rank, config.rope_dims
+    mixed = rope_selection in MIXED_SELECTIONS
     adapter, sites = config.sites_to_convert(model, adapter)
     hidden = adapter.read_projections(sites[0]).k_weight.shape[1]
     if statistics is not None and len(statistics) != len(sites):
@@ -662,7 +674,7 @@ def _compress(
         ranks = allocate_by_error([(candidates, errors) for errors in rank_errors], kv_rank * len(sites))
     planned = [
         _plan_site(
-            adapter, site, rank, split.pairs, stats, split, mixed=config.mixed, balance=config.balance_kv
+            adapter, site, rank, split.pairs, stats, split, mixed=mixed, balance=config.balance_kv
         )
         for site, rank, split, stats in zip(sites, ranks, keys, statistics, strict=True)
     ]
