@@ -203,6 +203,8 @@ class LatentReport:
             return "weight norms"
         if self.max_rope_error is None:
             return f"calibrated, {self.rope_selection}"
+        if self.rope_selection in MIXED_SELECTIONS:
+            return f"calibrated, {self.rope_selection}: up to {self.max_rope_error:.3g} of the keys' energy unrotated"
         return f"calibrated, {self.rope_selection}: score-term error up to {self.max_rope_error:.3g}"
 
 
@@ -673,9 +675,7 @@ def _compress(
         rank_errors = rank_error_curves(model, config, calibration, statistics, adapter, candidates)
         ranks = allocate_by_error([(candidates, errors) for errors in rank_errors], kv_rank * len(sites))
     planned = [
-        _plan_site(
-            adapter, site, rank, split.pairs, stats, split, mixed=mixed, balance=config.balance_kv
-        )
+        _plan_site(adapter, site, rank, split.pairs, stats, split, mixed=mixed, balance=config.balance_kv)
         for site, rank, split, stats in zip(sites, ranks, keys, statistics, strict=True)
     ]
     # Everything is computed and checked: only now does the model change.
