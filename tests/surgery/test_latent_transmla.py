@@ -361,3 +361,13 @@ def test_a_fold_with_the_default_selection_needs_calibration_text_to_be_rorope()
     report = headkit.apply_(model, config, calibration=calibration())
     assert report.rope_selection == "rorope_fitted"
     assert model.config.headkit_surgery[-1]["rope_fold"] == 2
+
+
+def test_rorope_needs_no_calibration_text_its_pca_then_reads_the_weights_alone():
+    model = family_model("llama")
+    tokens = family_inputs(length=12)
+    with torch.no_grad():
+        reference = model(tokens).logits
+        report = headkit.apply_(model, rorope(KV_HEADS * HEAD_DIM, HEAD_DIM))
+        exact = float((model(tokens).logits - reference).abs().max())
+    assert not report.calibrated and report.rope_selection == "rorope" and exact < 1e-5
