@@ -76,5 +76,7 @@ def test_an_unknown_rope_selection_is_named_before_any_work(save_tiny_causal_lm,
     config = CompressBenchmarkConfig.quick(
         model=model_dir, kv_ranks=(6,), rope_dims=2, rope_selections=("best",)
     )
-    with pytest.raises(HeadkitError, match=r"--rope-selections takes fitted, norms, got \['best'\]"):
+    with pytest.raises(
+        HeadkitError, match=r"--rope-selections takes fitted, norms, rorope, rorope_fitted, got \['best'\]"
+    ):
         run_latent_benchmark(config, load_teacher(model_dir), model_dir, _Console())

@@ -84,12 +84,41 @@ def test_rotary_models_refuse_collaborative_widths_and_nothing_is_written(
     ]
     assert _run([*args, "--out", str(out), *FAST]) == 2
     assert "--rope-selection must be one of fitted, norms" in capsys.readouterr().err and not out.exists()
+    fold = [*args[:4], "--rope-dims", "2", "--rope-selection", "rorope", "--rope-fold", "3", *args[6:]]
+    assert _run([*fold, "--out", str(out), *FAST]) == 2
+    message = "rope_fold must divide head_dim/2 = 4 (one of [1, 2, 4]), got 3"
+    assert message in " ".join(capsys.readouterr().err.split())
+    assert not out.exists()
     args[args.index("--rope-selection") : args.index("--rope-selection") + 2] = ["--repair-precision", "half"]
     assert _run([*args, "--out", str(out), *FAST]) == 2
     assert (
         "--repair-precision must be one of auto, float32, bfloat16" in capsys.readouterr().err
         and not out.exists()
     )
+
+
+def test_transmla_options_pass_through_to_the_conversion_and_its_report(
+    save_tiny_causal_lm, text_folder, tmp_path
+):
+    model_dir = save_tiny_causal_lm(tmp_path / "llama", "llama")
+    out = tmp_path / "out"
+    args = [
+        "compress",
+        str(model_dir),
+        "--kv-rank",
+        "6",
+        "--rope-dims",
+        "2",
+        "--rope-selection",
+        "rorope_fitted",
+    ]
+    args += ["--rope-fold", "2", "--balance-kv", "--no-repair", "--data", str(text_folder)]
+    args += ["--calibration-windows", "4", "--eval-window", "24"]
+    assert _run([*args, "--out", str(out), *FAST]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert (report["rope_selection"], report["rope_fold"], report["balance_kv"]) == ("rorope_fitted", 2, True)
+    entry = headkit.from_pretrained(out).config.headkit_surgery[-1]
+    assert (entry["rope_selection"], entry["rope_fold"], entry["balance_kv"]) == ("rorope_fitted", 2, True)
 
 
 def test_auto_repairs_in_bfloat16_only_where_the_device_computes_it_natively(monkeypatch):
@@ -112,7 +141,7 @@ def test_a_llama_gets_latent_keys_values_distils_reloads_and_generates(
     assert _run([*args, "--out", str(out), *FAST]) == 0
     report = json.loads((out / "report.json").read_text())
     assert report["method"] == "latent" and report["kv_rank"] == 6 and report["rope_dims"] == 2
-    assert report["rope_selection"] == "fitted" and report["conversion"]["max_rope_error"] > 0
+    assert report["rope_selection"] == "rorope_fitted" and report["conversion"]["max_rope_error"] > 0
     # 2 layers × (6 + 2 kv heads × 2 rotary dims) float32 numbers, against 2 × 2 × 2 × 8.
     assert report["kv_bytes_per_token"] == 2 * 10 * 4 and report["kv_bytes_per_token_original"] == 2 * 32 * 4
     assert report["data"]["eval_window"] == 24 and len(report["distill_losses"]) == 2

@@ -37,6 +37,7 @@ CONFIGS = [
     GateConfig(kind="fixed", alive_heads={0: [1]}),
     CollaborativeConfig(24, seed=3, tol=1e-5, max_iter=40),
     LatentKVConfig(kv_rank=20, rope_dims=4, rope_selection="norms", rank_allocation="spectrum"),
+    LatentKVConfig(kv_rank=20, rope_dims=4, rope_selection="rorope", rope_fold=2, balance_kv=True),
     CompressedCacheConfig(window=8, sinks=2, budget=3, observation=4, retrieval_heads=((1, 0),), layers=(1,)),
     LinearizeConfig(
         window=8,

@@ -156,7 +156,9 @@ def test_latent_conversion_from_collected_statistics_equals_one_from_calibration
     report = compress_kv_to_latent(first, config, calibration=calibration)
     again = compress_kv_to_latent(second, config, statistics=statistics)
     assert (
-        report.calibrated and again.calibrated and report.rope_selection == again.rope_selection == "fitted"
+        report.calibrated
+        and again.calibrated
+        and report.rope_selection == again.rope_selection == "rorope_fitted"
     )
     for (name, value), (_, other) in zip(
         first.state_dict().items(), second.state_dict().items(), strict=True

@@ -50,7 +50,7 @@ from headkit.runs.text import lm_windows, load_text
 from headkit.surgery.adapters import count_parameters
 from headkit.surgery.io import from_pretrained
 from headkit.surgery.latent import latent_mechanisms
-from headkit.surgery.latent_fit import FITTED, ROPE_SELECTIONS
+from headkit.surgery.latent_fit import ROPE_SELECTIONS, ROROPE_FITTED
 
 PLOT_FILE = "compress_curve.png"
 
@@ -103,8 +103,9 @@ class CompressBenchmarkConfig:
         None, "Rotary --model: rotary dims per key/value head (default head_dim/4)."
     )
     rope_selections: tuple[str, ...] = option(
-        (FITTED,),
-        "Rotary --model: rotary-pair selections of the curve over R (fitted, norms: MHA2MLA's), each a curve.",
+        (ROROPE_FITTED,),
+        "Rotary --model: rotary selections of the curve over R (rorope_fitted, rorope: TransMLA's RoRoPE, "
+        "fitted, norms: MHA2MLA's), each a curve.",
         parse=lambda f, t: parse_list(f, t, str),
     )
     students: tuple[str, ...] = option(

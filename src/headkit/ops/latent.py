@@ -15,11 +15,15 @@ The score of query head h against token s is q_rope,h · k_rope,g,s + q_nope,h �
 and the value up-projection applied after the weighted sum (equivalently, absorbed into the output projection),
 attention reads only the cache — never the per-head keys and values expanded from it.
 
+With TransMLA's RoRoPE (Meng et al. 2025, arXiv:2502.07864, Sec. 4.2) the rotary keys are mixed across the
+groups, so a head's rotary query spans every group's block (``shared_rope``) rather than its own.
+
 :func:`latent_attention` computes this absorbed form as attention of every head against a single shared key
 ``[c ; k_rope,1 ; … ; k_rope,G]`` (the cache row as it is stored): each query head carries its absorbed query in
 the latent part and its rotary query in its own group's block, zeros elsewhere, so the zeros cancel the other
 groups' rotary keys and every head reads the one cache. :func:`naive_latent_attention`
-is its obviously-correct twin: expand every head's keys and values from the latent, then softmax attention.
+is its obviously-correct twin: expand every head's keys and values from the latent, then softmax attention
+(:func:`naive_shared_rope_latent_attention` with ``shared_rope``).
 """
 
 from __future__ import annotations
@@ -45,14 +49,21 @@ class LatentProjection(NamedTuple):
     nope_index: torch.Tensor
 
 
-def latent_queries(query_nope: torch.Tensor, query_rope: torch.Tensor, key_up: torch.Tensor) -> torch.Tensor:
+def latent_queries(
+    query_nope: torch.Tensor, query_rope: torch.Tensor, key_up: torch.Tensor, *, shared_rope: bool = False
+) -> torch.Tensor:
     """The absorbed queries [B, H, T, R + G·D]: head h's (K_gᵀ q_nope,h) then its rotary query in block g(h).
 
-    query_nope [B, H, T, n] (rotary-free part), query_rope [B, H, T, D], key_up [G, n, R]; H a multiple of G."""
+    query_nope [B, H, T, n] (rotary-free part), query_rope [B, H, T, D], key_up [G, n, R]; H a multiple of G.
+    With ``shared_rope``, query_rope [B, H, T, G·D] is already head h's query against every group's rotary keys
+    (TransMLA's RoRoPE mixes the groups' rotary keys, so a head reads all of them) and is taken as it is."""
     batch, heads, length, nope = query_nope.shape
     groups, _, rank = key_up.shape
     per_group = heads // groups
     absorbed = query_nope.reshape(batch, groups, per_group * length, nope) @ key_up.unsqueeze(0)
+    if shared_rope:
+        packed = torch.cat((absorbed.reshape(batch, heads, length, rank), query_rope), dim=-1)
+        return packed
     rope = query_rope.shape[-1]
     blocks = query_rope.new_zeros(batch, groups, per_group * length, groups, rope)
     index = torch.arange(groups, device=query_rope.device)
@@ -70,6 +81,7 @@ def latent_attention(
     *,
     scale: float,
     is_causal: bool = False,
+    shared_rope: bool = False,
 ) -> torch.Tensor:
     """Absorbed latent attention (see the module docstring). Returns [B, H, T, head_dim].
 
@@ -78,7 +90,8 @@ def latent_attention(
     handles a few long rows poorly); softmax in float32.
 
     Args:
-        query_nope: [B, H, T, n], the rotary-free queries; query_rope: [B, H, T, D], the rotary queries.
+        query_nope: [B, H, T, n], the rotary-free queries; query_rope: [B, H, T, D], the rotary queries (with
+            ``shared_rope``, [B, H, T, G·D]: each head's query against every group's rotary keys).
         cache: [B, S, R + G·D], per token the latent c then each group's D rotary key dimensions.
         projection: the layer's up-projections (:class:`LatentProjection`; its indices are not needed here).
         attention_mask: None or bool [B or 1, 1, T, S] (True = attend; every row attends somewhere); is_causal:
@@ -90,7 +103,8 @@ def latent_attention(
     groups, head_dim, rank = value_up.shape
     per_group = heads // groups
     keys_total = cache.shape[1]
-    queries = latent_queries(query_nope, query_rope, key_up).reshape(batch, heads * length, -1)
+    queries = latent_queries(query_nope, query_rope, key_up, shared_rope=shared_rope)
+    queries = queries.reshape(batch, heads * length, -1)
     scores = (queries @ cache.transpose(1, 2)).view(batch, heads, length, keys_total) * scale
     if is_causal:
         attention_mask = torch.ones(length, keys_total, dtype=torch.bool, device=cache.device).tril()
@@ -144,10 +158,42 @@ def naive_latent_attention(
     return output.transpose(1, 2)
 
 
+def naive_shared_rope_latent_attention(
+    query_nope: torch.Tensor,
+    query_rope: torch.Tensor,
+    cache: torch.Tensor,
+    projection: LatentProjection,
+    attention_mask: torch.Tensor | None,
+    *,
+    scale: float,
+    is_causal: bool = False,
+) -> torch.Tensor:
+    """Reference for :func:`latent_attention` with ``shared_rope`` (RoRoPE): group g's keys written out as
+    [k_rope,1 ; … ; k_rope,G ; K_g c] (every group's stored rotary keys, then its own up-projected latent), its
+    values V_g c + b_g, and head h's query [query_rope,h ; query_nope,h]; then plain softmax attention.
+    query_nope [B, H, T, n], query_rope [B, H, T, G·D]. Returns [B, H, T, head_dim]."""
+    key_up, value_up, value_bias = projection.key_up, projection.value_up, projection.value_bias
+    groups, _, rank = value_up.shape
+    batch, length, _ = cache.shape
+    latent = cache[..., :rank].unsqueeze(1)  # [B, 1, S, R]
+    rope = cache[..., rank:].unsqueeze(1).expand(batch, groups, length, -1)  # [B, G, S, G·D]
+    keys = torch.cat((rope, latent @ key_up.transpose(1, 2).unsqueeze(0)), dim=-1)
+    values = latent @ value_up.transpose(1, 2).unsqueeze(0)
+    if value_bias is not None:
+        values = values + value_bias[None, :, None]
+    queries = torch.cat((query_rope, query_nope), dim=-1)
+    if is_causal:
+        steps = queries.shape[2]
+        attention_mask = torch.ones(steps, steps, dtype=torch.bool, device=queries.device).tril()[None, None]
+    output, _ = eager_attention(queries, keys, values, attention_mask, scale=scale)
+    return output.transpose(1, 2)
+
+
 __all__ = [
     "LatentProjection",
     "expand_latent",
     "latent_attention",
     "latent_queries",
     "naive_latent_attention",
+    "naive_shared_rope_latent_attention",
 ]

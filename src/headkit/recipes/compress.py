@@ -79,8 +79,8 @@ from headkit.surgery.latent import (
     check_latent_arguments,
 )
 from headkit.surgery.latent_fit import (
-    FITTED,
     ROPE_SELECTIONS,
+    ROROPE_FITTED,
     SiteStatistics,
     collect_statistics,
     full_rank,
@@ -147,8 +147,9 @@ class CompressSettings(ModelSettings):
         default=None, metadata={"default_help": "half the KV cache, kv_heads × (head_dim − rope dims)"}
     )
     rope_dims: int | None = field(default=None, metadata={"default_help": "head_dim / 4"})
-    # with calibration text (the recipe always has it) the fitted selection measured better
-    rope_selection: str = FITTED
+    # with calibration text (the recipe always has it) RoRoPE with the fitted criterion measured best
+    # (SmolLM2 at 1/2 and 1/4 of the cache: docs/latent-kv.md)
+    rope_selection: str = ROROPE_FITTED
     calibration_windows: int = option(
         16, "Rotary decoders: training windows the rotary ranking and the SVD are calibrated on.", min=1
     )
@@ -442,12 +443,7 @@ def _preflight_latent(settings: CompressSettings, config: Any) -> None:
     except (AttributeError, TypeError):  # a config that states no decoder widths: checked once loaded
         return
     kv_rank, rope_dims = default_ranks(head_dim, kv_heads, settings.kv_rank, settings.rope_dims)
-    LatentKVConfig(
-        kv_rank=kv_rank,
-        rope_dims=rope_dims,
-        rope_selection=settings.rope_selection,
-        rank_allocation=settings.rank_allocation,
-    ).check(config)
+    latent_config(settings, kv_rank, rope_dims).check(config)
 
 
 def _dim_on_rotary(adapter_name: str) -> HeadkitError:
@@ -639,12 +635,7 @@ class LatentSteps(_CompressSteps):
         if original.kind != CAUSAL_LM:
             raise HeadkitError("latent keys/values (--kv-rank) convert causal LMs")
         self.kv_rank, self.rope_dims = latent_defaults(original, settings.kv_rank, settings.rope_dims)
-        LatentKVConfig(
-            kv_rank=self.kv_rank,
-            rope_dims=self.rope_dims,
-            rope_selection=settings.rope_selection,
-            rank_allocation=settings.rank_allocation,
-        ).check(original.model, original.adapter)
+        latent_config(settings, self.kv_rank, self.rope_dims).check(original.model, original.adapter)
         if settings.repair:
             self.repair_split = repair_split(settings)
 
@@ -668,6 +659,7 @@ class LatentSteps(_CompressSteps):
             self.calibration,
             settings.rope_selection,
             self.statistics,
+            **latent_options(settings),
         )
         self.perplexity_partial_rope = perplexity(rope_only, self.held_out, self.eval_batch)
         del rope_only
@@ -680,6 +672,7 @@ class LatentSteps(_CompressSteps):
             settings.rope_selection,
             self.statistics,
             settings.rank_allocation,
+            **latent_options(settings),
         )
         self.echo(str(self.conversion))
         self.perplexity_converted = perplexity(self.student, self.held_out, self.eval_batch)
@@ -756,6 +749,7 @@ class LatentSteps(_CompressSteps):
             "rope_dims": self.rope_dims,
             "rope_selection": settings.rope_selection,
             "rank_allocation": settings.rank_allocation,
+            **latent_options(settings),
             "kv_ranks": conversion.kv_ranks,
             "kv_bytes_per_token_original": before_bytes,
             "kv_bytes_per_token": after_bytes,
@@ -856,20 +850,46 @@ def latent_statistics(teacher: Teacher, calibration: list[dict]) -> list[SiteSta
         return collect_statistics(teacher.model, sites, teacher.adapter, calibration)
 
 
+# LatentKVConfig's fields that a settings object passes through as they are (latent_options)
+_PASSED_THROUGH = ("rope_fold", "balance_kv")
+
+
+def latent_options(settings: Any) -> dict[str, Any]:
+    """The LatentKVConfig fields of `settings` that the recipe passes on unchanged (RoRoPE's fold, BKV)."""
+    return {name: getattr(settings, name) for name in _PASSED_THROUGH if hasattr(settings, name)}
+
+
+def latent_config(settings: Any, kv_rank: int, rope_dims: int) -> LatentKVConfig:
+    """The LatentKVConfig `settings` ask for at (R, D)."""
+    return LatentKVConfig(
+        kv_rank=kv_rank,
+        rope_dims=rope_dims,
+        rope_selection=settings.rope_selection,
+        rank_allocation=settings.rank_allocation,
+        **latent_options(settings),
+    )
+
+
 def latent_student(
     teacher: Teacher,
     kv_rank: int,
     rope_dims: int,
     calibration: list[dict],
-    rope_selection: str = FITTED,
+    rope_selection: str = ROROPE_FITTED,
     statistics: list[SiteStatistics] | None = None,
     rank_allocation: str = UNIFORM,
+    **options: Any,
 ) -> tuple[nn.Module, LatentReport]:
     """A fresh copy of the teacher with latent keys/values (calibrated on `calibration`, or on its `statistics`
-    from :func:`latent_statistics`); the teacher untouched."""
+    from :func:`latent_statistics`); the teacher untouched. `options`: LatentKVConfig's other fields
+    (``rope_fold``, ``balance_kv``)."""
     student = copy.deepcopy(teacher.model)
     config = LatentKVConfig(
-        kv_rank=kv_rank, rope_dims=rope_dims, rope_selection=rope_selection, rank_allocation=rank_allocation
+        kv_rank=kv_rank,
+        rope_dims=rope_dims,
+        rope_selection=rope_selection,
+        rank_allocation=rank_allocation,
+        **options,
     )
     report = apply_(student, config, calibration=calibration, statistics=statistics)
     return student, report

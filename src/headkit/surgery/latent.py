@@ -9,7 +9,7 @@ Transformer-based LLMs", arXiv:2502.14837), on the stock modules of a 🤗 decod
    * ``"norms"`` — MHA2MLA's (their Sec. 3.2, "S_2-norm"): the largest query-key contribution
      Σ_{h∈g} E‖q_{h,i}‖ · E‖k_{g,i}‖ of the pair's 2-norms over calibration tokens (without calibration text,
      the Frobenius norms of the pair's projection rows), the rest left unrotated (q·k at every distance).
-   * ``"fitted"`` (headkit's, the default with calibration text): a pair's score term Re(q·conj(k)·e^{iθ(m−n)})
+   * ``"fitted"`` (headkit's): a pair's score term Re(q·conj(k)·e^{iθ(m−n)})
      is replaced by Re(q·conj(k)·c) with the one complex factor c that minimises its squared error weighted by
      the model's own attention probabilities on calibration text
      (:func:`~headkit.surgery.latent_fit.expected_rotation`: c ≈ 1 for slow pairs, as MHA2MLA assumes, but damped
@@ -17,6 +17,20 @@ Transformer-based LLMs", arXiv:2502.14837), on the stock modules of a 🤗 decod
      into the rotary-free key rows before the factorization (:func:`~headkit.surgery.latent_fit.fold_rotation`:
      free at run time), and the pairs kept rotary are those whose residual error is largest. On SmolLM2-135M at D = 16 it takes the partial-RoPE perplexity from 7.2x to 1.9x the original
      (docs/latent-kv.md).
+   * ``"rorope"`` — TransMLA's RoRoPE (Meng et al. 2025, "TransMLA: Multi-Head Latent Attention Is All You Need",
+     arXiv:2502.07864, Sec. 4.2, Eq. 19, App. B): rotary stays not on pairs of each head but on principal
+     components across the key/value heads. Per frequency, one orthogonal G×G matrix mixes the heads' 2-D
+     components, the same for both coordinates, so it commutes with the rotation and leaves every score unchanged;
+     chosen by PCA of the keys, it concentrates their energy, and the G·D/2 components of largest energy (over all
+     frequencies) stay rotary in G "virtual" heads of D dims (:func:`~headkit.surgery.latent_fit.rotary_mixing`).
+     Every query head reads every virtual head's rotary keys through the matching mix of its query
+     (:class:`~headkit.surgery.latent_heads.LatentKVHeads` ``rope_mix``); the rest of each head's keys (the
+     components left unrotated, in the head's own coordinates) goes to the latent. ``rope_fold`` > 1 is their
+     FreqFold (App. C): the PCA over that many neighbouring frequencies at once, each merged component rotated at
+     its slot's frequency (an approximation: the scores change before any cut).
+   * ``"rorope_fitted"`` (headkit's, the default with calibration text): RoRoPE's mix, with the components kept rotary ranked by energy × their
+     frequency's share of score error that a fixed rotation leaves (:func:`~headkit.surgery.latent_fit.
+     rotation_residual_shares`), and the fitted rotation folded into what stays unrotated, as ``"fitted"`` does.
 2. **Joint low rank** (their Sec. 3.3, "SVD_joint"): the rotary-free key rows and the value rows of every
    key/value head, stacked into W = [W_K,nope ; W_V] (G·(n + head_dim) rows), are factored as W ≈ U_R (U_Rᵀ W):
    the down-projection W_down = U_Rᵀ W [R, hidden] writes the latent c = W_down x, the up-projections are
@@ -24,6 +38,8 @@ Transformer-based LLMs", arXiv:2502.14837), on the stock modules of a 🤗 decod
    second moment of the layer's attention inputs on calibration text (ASVD/SVD-LLM-style activation weighting: it
    minimises ‖(W − U_R U_Rᵀ W) X‖, the error of the keys and values the layer actually computes; with
    Σ = I it is MHA2MLA's plain joint SVD). At R = G·(n + head_dim) ≤ hidden, U_R U_Rᵀ = I: exact.
+   ``balance_kv`` is TransMLA's BKV (their Sec. 4.3, Eq. 20): the key rows scaled to the values' weighted norm
+   before the SVD, the scale divided back out of the key up-projection.
 
 The key bias of the rotary-free dimensions adds q · b to every score of a query: constant over the keys, it
 cancels in the softmax and is dropped. The value bias is added after the weighted sum (the weights sum to one).
@@ -52,7 +68,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import time
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -75,19 +90,20 @@ from headkit.surgery.families import LATENT, get_family, text_config
 from headkit.surgery.gating import config_prunes_unevenly, config_records_gates, kv_head_counts
 from headkit.surgery.latent_fit import (
     FITTED,
+    MIXED_SELECTIONS,
     NORMS,
     ROPE_SELECTIONS,
+    ROROPE_FITTED,
+    SiteKeys,
     SiteStatistics,
     allocate_by_error,
     allocate_ranks,
     candidate_ranks,
     collect_statistics,
     full_rank,
-    gather_rows,
     joint_latent_factors,
-    key_rows,
     latent_spectrum,
-    select_rotary_pairs,
+    site_keys,
     weight_statistics,
 )
 from headkit.surgery.latent_heads import LatentKVHeads, RotaryKeyProjection, rope_indices
@@ -113,7 +129,8 @@ class LatentSiteReport:
     key_error: float
     value_error: float
     # The rotary-free pairs' share of the score terms' energy that the partial RoPE loses (attention-weighted
-    # squared error / Σ a s² over every pair, on calibration text); None without calibration.
+    # squared error / Σ a s² over every pair, on calibration text); None without calibration. RoRoPE
+    # ("rorope", "rorope_fitted"): the share of the keys' energy left without rotation (RotaryMixing.lost_energy).
     rope_error: float | None = None
 
 
@@ -186,12 +203,17 @@ class LatentReport:
             return "weight norms"
         if self.max_rope_error is None:
             return f"calibrated, {self.rope_selection}"
+        if self.rope_selection in MIXED_SELECTIONS:
+            return f"calibrated, {self.rope_selection}: up to {self.max_rope_error:.3g} of the keys' energy unrotated"
         return f"calibrated, {self.rope_selection}: score-term error up to {self.max_rope_error:.3g}"
 
 
-def check_latent_arguments(site: AttentionSite, hidden: int, kv_rank: Any, rope_dims: Any) -> None:
-    """Name the valid range of `rope_dims` (whole rotary pairs) and of `kv_rank` (given rope_dims)."""
-    check_latent_ranks(site.head_dim, site.num_kv_heads, hidden, kv_rank, rope_dims)
+def check_latent_arguments(
+    site: AttentionSite, hidden: int, kv_rank: Any, rope_dims: Any, rope_fold: int = 1
+) -> None:
+    """Name the valid range of `rope_dims` (whole rotary pairs), of `rope_fold` (FreqFold) and of `kv_rank` (given
+    rope_dims: with RoRoPE too the rotary-free keys span G·(head_dim − D) dimensions)."""
+    check_latent_ranks(site.head_dim, site.num_kv_heads, hidden, kv_rank, rope_dims, rope_fold)
 
 
 def attention_widths(config: Any) -> tuple[int, int, int]:
@@ -205,8 +227,20 @@ def attention_widths(config: Any) -> tuple[int, int, int]:
     )
 
 
-def check_latent_ranks(head_dim: int, num_kv_heads: int, hidden: int, kv_rank: Any, rope_dims: Any) -> None:
+def check_latent_ranks(
+    head_dim: int,
+    num_kv_heads: int,
+    hidden: int,
+    kv_rank: Any,
+    rope_dims: Any,
+    rope_fold: int = 1,
+) -> None:
     """:func:`check_latent_arguments` from the widths alone (a model's 🤗 config is enough)."""
+    if (head_dim // 2) % rope_fold:
+        divisors = [d for d in range(1, head_dim // 2 + 1) if (head_dim // 2) % d == 0]
+        raise HeadkitError(
+            f"rope_fold must divide head_dim/2 = {head_dim // 2} (one of {divisors}), got {rope_fold}"
+        )
     if isinstance(rope_dims, bool) or not isinstance(rope_dims, int) or not 0 <= rope_dims <= head_dim:
         raise HeadkitError(f"rope_dims must be an integer in [0, {head_dim}] (head_dim), got {rope_dims!r}")
     if rope_dims % 2:
@@ -274,12 +308,16 @@ def _plan_site(
     kv_rank: int,
     pairs: torch.Tensor,
     statistics: SiteStatistics | None,
-    fold: bool = False,
+    keys: SiteKeys | None = None,
+    *,
+    mixed: bool = False,
+    balance: bool = False,
 ) -> _SitePlan:
     """The new projections and mechanism of one site; with `statistics` None, left at zero (the structure
-    :func:`headkit.from_pretrained` loads saved weights into). `fold`: the rotary-free pairs' keys carry their
-    fitted fixed rotation (:func:`~headkit.surgery.latent_fit.expected_rotation`,
-    :func:`~headkit.surgery.latent_fit.fold_rotation`) into the factorization."""
+    :func:`headkit.from_pretrained` loads saved weights into). `keys`: the site's key rows split into the rotary
+    and the rotary-free ones (:func:`~headkit.surgery.latent_fit.site_keys`, with `pairs` its kept pairs); `mixed`:
+    RoRoPE's (their rotary keys mixed across the key/value heads); `balance`: TransMLA's balanced joint
+    factorization (:func:`~headkit.surgery.latent_fit.joint_latent_factors`)."""
     weights = adapter.read_projections(site)
     groups, head_dim = site.num_kv_heads, site.head_dim
     hidden = weights.k_weight.shape[1]
@@ -296,29 +334,30 @@ def _plan_site(
         value_bias=weights.v_bias is not None,
         scale=site.scale,
         layer_idx=site.layers[0],
+        mixed=mixed,
         **factory,
     )
     report = LatentSiteReport(site.name, site.layers[0], pairs.tolist(), 0.0, 0.0)
-    if statistics is not None:
-        k_weight, report.rope_error = key_rows(weights.k_weight, pairs, statistics, fold)
-        gather = functools.partial(gather_rows, k_weight)
+    if statistics is not None and keys is not None:
+        report.rope_error = keys.rope_error
         factors = joint_latent_factors(
-            gather(mechanism.nope_index.cpu()),
+            keys.nope_rows,
             weights.v_weight.detach().reshape(groups, head_dim, hidden),
             kv_rank,
             statistics.input_moment,
+            balance,
         )
         with torch.no_grad():
-            key.weight.copy_(gather(rope_index).reshape(-1, hidden))
+            key.weight.copy_(keys.rope_rows)
             if key.bias is not None:
-                key.bias.copy_(
-                    weights.k_bias.detach().reshape(groups, head_dim).gather(1, rope_index).flatten()
-                )
+                key.bias.copy_(keys.rope_bias)
             value.weight.copy_(factors.down)
             mechanism.key_up.copy_(factors.key_up)
             mechanism.value_up.copy_(factors.value_up)
             if mechanism.value_bias is not None:
                 mechanism.value_bias.copy_(weights.v_bias.detach().reshape(groups, head_dim))
+            if mechanism.rope_mix is not None:
+                mechanism.rope_mix.copy_(keys.mixing.query_mix())
         report.key_error, report.value_error = factors.key_error, factors.value_error
     for module in (key, value, mechanism):
         module.train(site.module.training)
@@ -345,10 +384,23 @@ class LatentKVConfig:
         kv_rank: R, the latent width per layer, in [1, min(hidden, G·(2·head_dim − rope_dims))]; the top is exact.
         rope_dims: D, rotary dimensions kept per key/value head (whole pairs: even, ≤ head_dim); head_dim keeps
             every one (exact).
-        rope_selection: ``"fitted"`` (the default with calibration): keep rotary where the fitted fixed rotation
+        rope_selection: ``"fitted"``: keep rotary where the fitted fixed rotation
             leaves the largest score error, and fold that rotation into the rotary-free keys
             (:func:`~headkit.surgery.latent_fit.expected_rotation`); ``"norms"`` (the default without): MHA2MLA's
-            2-norm criterion, rotary-free pairs left unrotated. None: the default for the calibration given.
+            2-norm criterion, rotary-free pairs left unrotated; ``"rorope"``: TransMLA's RoRoPE (Meng et al. 2025,
+            arXiv:2502.07864, Sec. 4.2, Eq. 19): per frequency one orthogonal matrix mixes the key/value heads'
+            2-D components (the same for both coordinates, so it commutes with the rotation), chosen by PCA, and
+            the G·D/2 principal components of largest key energy stay rotary
+            (:func:`~headkit.surgery.latent_fit.rotary_mixing`; the queries get the matching mix);
+            ``"rorope_fitted"`` (the default with calibration): RoRoPE's mix, the components kept rotary ranked by
+            energy × their frequency's fixed-rotation residual share, the fitted rotation folded into the rest.
+            None: the default for the calibration given.
+        rope_fold: TransMLA's FreqFold (their App. C), with ``rope_selection="rorope"`` only: that many neighbouring
+            frequencies share one PCA, so the kept rotary dims gather more of the keys' energy; a merged dim is
+            rotated at its slot's frequency, so the scores change even before the cut (1: none, exact).
+        balance_kv: TransMLA's BKV (their Sec. 4.3, Eq. 20): the joint factorization of the rotary-free keys and
+            the values sees the keys scaled to the values' norm, and the scale is folded back into the key
+            up-projection (:func:`~headkit.surgery.latent_fit.joint_latent_factors`).
         rank_allocation: ``"uniform"``: every layer gets R. ``"spectrum"`` (needs calibration): the same total,
             L·R, shared out by the error each choice leaves in the keys and values
             (:func:`~headkit.surgery.latent_fit.allocate_ranks`: the layers whose keys and values are hardest to
@@ -377,7 +429,27 @@ class LatentKVConfig:
         default=None,
         metadata={
             "help": "Rotary decoders: 'fitted' keeps rotary where a fixed rotation fitted on the calibration text "
-            "errs most and folds that rotation into the other pairs' keys; 'norms' is MHA2MLA's 2-norm ranking."
+            "errs most and folds that rotation into the other pairs' keys; 'norms' is MHA2MLA's 2-norm ranking; "
+            "'rorope' is TransMLA's RoRoPE (per frequency, a PCA across the key/value heads concentrates their "
+            "rotary energy into the dims kept rotary; scores unchanged before the cut); 'rorope_fitted' (the "
+            "default with calibration text) ranks RoRoPE's components by the error a fixed rotation would leave "
+            "and folds that rotation into the rest."
+        },
+    )
+    rope_fold: int = field(
+        default=1,
+        metadata={
+            "help": "Rotary decoders, with rope_selection 'rorope': TransMLA's FreqFold, this many neighbouring "
+            "frequencies share one PCA (1: none; must divide head_dim/2); each merged dim is rotated at its "
+            "slot's frequency, an approximation.",
+            "min": 1,
+        },
+    )
+    balance_kv: bool = field(
+        default=False,
+        metadata={
+            "help": "Rotary decoders: TransMLA's balanced key/value PCA: the rotary-free keys scaled to the "
+            "values' norm before the joint factorization, the scale folded back into the key up-projection."
         },
     )
     rank_allocation: str = field(
@@ -392,10 +464,21 @@ class LatentKVConfig:
 
     def __post_init__(self) -> None:
         # Types here; the ranges are the model's (its head_dim and widths), which check() names.
-        for name in ("kv_rank", "rope_dims"):
+        for name in ("kv_rank", "rope_dims", "rope_fold"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise HeadkitError(f"{name} must be an integer, got {value!r}")
+        if self.rope_fold < 1:
+            raise HeadkitError(
+                f"rope_fold must be an integer ≥ 1 (a divisor of head_dim/2), got {self.rope_fold}"
+            )
+        if self.rope_fold > 1 and self.rope_selection is not None and not self.mixed:
+            raise HeadkitError(
+                f"rope_fold {self.rope_fold} folds frequencies for RoRoPE's PCA: it needs rope_selection 'rorope' "
+                f"or 'rorope_fitted', got {self.rope_selection!r}; or rope_fold=1"
+            )
+        if not isinstance(self.balance_kv, bool):
+            raise HeadkitError(f"balance_kv must be True or False, got {self.balance_kv!r}")
         if self.rank_allocation not in RANK_ALLOCATIONS:
             raise HeadkitError(
                 f"rank_allocation must be one of {RANK_ALLOCATIONS}, got {self.rank_allocation!r}"
@@ -404,6 +487,12 @@ class LatentKVConfig:
             raise HeadkitError(
                 f"rope_selection must be one of {ROPE_SELECTIONS}, got {self.rope_selection!r}"
             )
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the conversion mixes the key/value heads' rotary keys (RoRoPE), as far as the config says (a
+        record always does: it holds the selection used)."""
+        return self.rope_selection in MIXED_SELECTIONS
 
     def selection(self, calibrated: bool) -> str:
         """The rotary-pair selection for a conversion with (`calibrated`) or without calibration text."""
@@ -417,11 +506,17 @@ class LatentKVConfig:
                 "rank_allocation 'sensitivity' measures each layer's cost on calibration text: pass "
                 "calibration=..., or rank_allocation='uniform'"
             )
-        selection = self.rope_selection or (FITTED if calibrated else NORMS)
-        if selection == FITTED and not calibrated:
+        # With calibration, RoRoPE with the fitted criterion measured best (SmolLM2, docs/latent-kv.md).
+        selection = self.rope_selection or (ROROPE_FITTED if calibrated else NORMS)
+        if selection in (FITTED, ROROPE_FITTED) and not calibrated:
             raise HeadkitError(
-                "rope_selection 'fitted' fits each rotary-free pair's rotation on calibration text: pass "
-                "calibration=..., or rope_selection='norms'"
+                f"rope_selection {selection!r} fits each rotary-free pair's rotation on calibration text: pass "
+                "calibration=..., or rope_selection='norms' / 'rorope'"
+            )
+        if self.rope_fold > 1 and selection not in MIXED_SELECTIONS:
+            raise HeadkitError(
+                f"rope_fold {self.rope_fold} folds frequencies for RoRoPE's PCA, but without calibration text the "
+                f"rotary selection is {selection!r}: pass rope_selection='rorope', or rope_fold=1"
             )
         return selection
 
@@ -444,7 +539,7 @@ class LatentKVConfig:
                 "need every layer's stock key/value heads; prune whole key/value groups, or remove the gates first"
             )
         hidden, kv_heads, head_dim = attention_widths(model_or_config)
-        check_latent_ranks(head_dim, kv_heads, hidden, self.kv_rank, self.rope_dims)
+        check_latent_ranks(head_dim, kv_heads, hidden, self.kv_rank, self.rope_dims, self.rope_fold)
 
     def record(self) -> dict[str, Any]:
         """The fields as JSON (``config.headkit_surgery`` keeps them, ``rope_selection`` there being the one
@@ -477,7 +572,7 @@ class LatentKVConfig:
         sites = _check_sites(model, adapter)
         hidden = adapter.read_projections(sites[0]).k_weight.shape[1]
         for site in sites:
-            check_latent_arguments(site, hidden, self.kv_rank, self.rope_dims)
+            check_latent_arguments(site, hidden, self.kv_rank, self.rope_dims, self.rope_fold)
         return adapter, sites
 
 
@@ -531,6 +626,7 @@ def _compress(
         )
     calibration = None if calibration is None else list(calibration)  # read twice for 'sensitivity'
     kv_rank, rope_dims = config.kv_rank, config.rope_dims
+    mixed = rope_selection in MIXED_SELECTIONS
     adapter, sites = config.sites_to_convert(model, adapter)
     hidden = adapter.read_projections(sites[0]).k_weight.shape[1]
     if statistics is not None and len(statistics) != len(sites):
@@ -548,14 +644,30 @@ def _compress(
             else collect_statistics(model, sites, adapter, calibration)
         )
     top = full_rank(hidden, sites[0].num_kv_heads, sites[0].head_dim, rope_dims)
-    pairs = [select_rotary_pairs(stats, rope_dims // 2, rope_selection) for stats in statistics]
-    fold = rope_selection == FITTED
+    keys = [
+        site_keys(
+            adapter.read_projections(site).k_weight,
+            adapter.read_projections(site).k_bias,
+            stats,
+            rope_dims,
+            rope_selection,
+            config.rope_fold,
+        )
+        for site, stats in zip(sites, statistics, strict=True)
+    ]
     ranks = [kv_rank] * len(sites)
     candidates, rank_errors = None, None
     if config.rank_allocation == SPECTRUM:
         spectra = [
-            latent_spectrum(adapter, site, chosen, stats, fold)
-            for site, chosen, stats in zip(sites, pairs, statistics, strict=True)
+            latent_spectrum(
+                split.nope_rows,
+                adapter.read_projections(site)
+                .v_weight.detach()
+                .reshape(site.num_kv_heads, site.head_dim, -1),
+                stats,
+                config.balance_kv,
+            )
+            for site, split, stats in zip(sites, keys, statistics, strict=True)
         ]
         ranks = allocate_ranks(spectra, kv_rank * len(sites))
     elif config.rank_allocation == SENSITIVITY:
@@ -563,8 +675,8 @@ def _compress(
         rank_errors = rank_error_curves(model, config, calibration, statistics, adapter, candidates)
         ranks = allocate_by_error([(candidates, errors) for errors in rank_errors], kv_rank * len(sites))
     planned = [
-        _plan_site(adapter, site, rank, chosen, stats, fold=fold)
-        for site, rank, chosen, stats in zip(sites, ranks, pairs, statistics, strict=True)
+        _plan_site(adapter, site, rank, split.pairs, stats, split, mixed=mixed, balance=config.balance_kv)
+        for site, rank, split, stats in zip(sites, ranks, keys, statistics, strict=True)
     ]
     # Everything is computed and checked: only now does the model change.
     _apply(model, adapter, planned)
@@ -654,10 +766,15 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
     ranks = [int(rank) for rank in entry.get("kv_ranks") or [config.kv_rank] * len(sites)]
     hidden = adapter.read_projections(sites[0]).k_weight.shape[1]
     for site, rank in zip(sites, ranks, strict=True):
-        check_latent_arguments(site, hidden, rank, rope_dims)
+        check_latent_arguments(site, hidden, rank, rope_dims, config.rope_fold)
     planned = [
         _plan_site(
-            adapter, site, rank, torch.tensor(pairs, dtype=torch.long).reshape(site.num_kv_heads, -1), None
+            adapter,
+            site,
+            rank,
+            torch.tensor(pairs, dtype=torch.long).reshape(site.num_kv_heads, rope_dims // 2),
+            None,
+            mixed=config.mixed,
         )
         for site, rank, pairs in zip(sites, ranks, entry["rope_pairs"], strict=True)
     ]

@@ -29,8 +29,9 @@ from headkit.ops.rotary import apply_rotary
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite
 from headkit.surgery.latent_heads import nope_indices, rope_indices
 
-FITTED, NORMS = "fitted", "norms"
-ROPE_SELECTIONS = (FITTED, NORMS)
+FITTED, NORMS, ROROPE, ROROPE_FITTED = "fitted", "norms", "rorope", "rorope_fitted"
+ROPE_SELECTIONS = (FITTED, NORMS, ROROPE, ROROPE_FITTED)
+MIXED_SELECTIONS = (ROROPE, ROROPE_FITTED)
 
 
 # -- calibration ------------------------------------------------------------------------------------------------
@@ -360,20 +361,45 @@ def candidate_ranks(kv_rank: int, top: int) -> list[int]:
     return sorted({min(top, max(1, round(kv_rank * multiple))) for multiple in SENSITIVITY_MULTIPLES})
 
 
+def balance_scale(weighted: torch.Tensor, split: int) -> float:
+    """TransMLA's balanced key/value PCA (BKV; Meng et al. 2025, arXiv:2502.07864, Sec. 4.3, Eq. 20): the factor
+    α = ‖W_V Σ^{1/2}‖_F / ‖W_K,nope Σ^{1/2}‖_F that gives the weighted key rows (the first `split` rows of
+    `weighted`) the values' norm — the root mean square of the keys and values the layer computes on the
+    calibration text —, so that the joint factorization does not spend the rank on whichever is larger.
+    1 where either part is zero."""
+    keys, values = weighted[:split].norm(), weighted[split:].norm()
+    return float(values / keys) if keys > 0 and values > 0 else 1.0
+
+
 def joint_latent_factors(
-    key_nope: torch.Tensor, value: torch.Tensor, rank: int, input_moment: torch.Tensor
+    key_nope: torch.Tensor,
+    value: torch.Tensor,
+    rank: int,
+    input_moment: torch.Tensor,
+    balance: bool = False,
 ) -> LatentFactors:
     """MHA2MLA's joint SVD (their Eq. 7), weighted by the input moment Σ (:mod:`headkit.surgery.latent`): U_R the leading left
     singular vectors of [W_K,nope ; W_V] Σ^{1/2}, down = U_Rᵀ W, up = U_R. key_nope [G, n, hidden], value
-    [G, head_dim, hidden]; computed in float64, returned in value's dtype."""
+    [G, head_dim, hidden]; computed in float64, returned in value's dtype.
+
+    With `balance` (TransMLA's BKV, :func:`balance_scale`): the SVD of [α W_K,nope ; W_V] Σ^{1/2} instead, down =
+    U_Rᵀ [α W_K,nope ; W_V] and the key up-projection U_R,K / α — the scale folded back exactly (at full rank the
+    product is W again); only which rank-R subspace is kept changes."""
     groups, nope, hidden = key_nope.shape
     head_dim = value.shape[1]
     stacked, weighted = _weighted_rows(key_nope, value, input_moment)
+    split = groups * nope
+    alpha = balance_scale(weighted, split) if balance else 1.0
+    if alpha != 1.0:
+        stacked, weighted = stacked.clone(), weighted.clone()
+        stacked[:split] *= alpha
+        weighted[:split] *= alpha
     left, _, _ = torch.linalg.svd(weighted, full_matrices=False)
     up = left[:, :rank]
     down = up.T @ stacked
+    # Relative errors per part: the same whether measured on the balanced rows or on the original ones.
     residual = (weighted - up @ (up.T @ weighted)).reshape(-1, hidden)
-    split = groups * nope
+    up = torch.cat((up[:split] / alpha, up[split:]), dim=0)
 
     def relative(rows: slice) -> float:
         total = weighted[rows].norm()
@@ -421,21 +447,251 @@ def gather_rows(k_weight: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 
 def latent_spectrum(
-    adapter: AttentionAdapter,
-    site: AttentionSite,
-    pairs: torch.Tensor,
-    statistics: SiteStatistics,
-    fold: bool,
+    key_nope: torch.Tensor, value: torch.Tensor, statistics: SiteStatistics, balance: bool = False
 ) -> torch.Tensor:
     """The singular values of one site's weighted rotary-free key and value rows [W_K,nope ; W_V] Σ^{1/2} (what
-    :func:`joint_latent_factors` cuts at R), with `pairs` kept rotary: the error each rank leaves."""
-    weights = adapter.read_projections(site)
-    groups, head_dim = site.num_kv_heads, site.head_dim
-    k_weight, _ = key_rows(weights.k_weight, pairs, statistics, fold)
-    nope = nope_indices(rope_indices(pairs, head_dim), head_dim)
-    value = weights.v_weight.detach().reshape(groups, head_dim, -1)
-    _, weighted = _weighted_rows(gather_rows(k_weight, nope), value, statistics.input_moment)
+    :func:`joint_latent_factors` cuts at R; with `balance`, the keys scaled by :func:`balance_scale`): the error
+    each rank leaves. key_nope [G, n, hidden] (:attr:`SiteKeys.nope_rows`), value [G, head_dim, hidden]."""
+    _, weighted = _weighted_rows(key_nope, value, statistics.input_moment)
+    if balance:
+        split = key_nope.shape[0] * key_nope.shape[1]
+        weighted = weighted.clone()
+        weighted[:split] *= balance_scale(weighted, split)
     return torch.linalg.svdvals(weighted)
+
+
+# -- RoRoPE and FreqFold (TransMLA) ------------------------------------------------------------------------------
+
+
+@dataclass
+class RotaryMixing:
+    """TransMLA's RoRoPE, with FreqFold (Meng et al. 2025, arXiv:2502.07864, Sec. 4.2, Eq. 19, App. B–C), for one
+    layer of G key/value heads with P = head_dim/2 frequency pairs (:func:`rotary_mixing`).
+
+    Pair component (g, f) — key head g's 2-D vector (k_{g,f}, k_{g,f+P}) at frequency f — is indexed g·P + f, and
+    so is slot (c, p): "virtual" key head c's pair at frequency p. ``mix`` [G·P, G·P] is orthogonal and maps
+    components to slots, the same coefficient for both coordinates of a pair: k'_{c,p} = Σ_{g,f} mix[(c,p),(g,f)]
+    k_{g,f}. Without folding it mixes each frequency's components among themselves only (f = p), so it commutes
+    with the rotation and every score is unchanged (Eq. 19); with a fold of F it mixes the F neighbouring
+    frequencies of a block too, and slot (c, p) is rotated at θ_p (the approximation FreqFold makes)."""
+
+    mix: torch.Tensor  # [G·P, G·P] float64, rows slots (c, p), columns components (g, f)
+    pairs: torch.Tensor  # [G, D/2]: per virtual head c, the frequencies p of its slots kept rotary, ascending
+    energy: torch.Tensor  # [G, P] float64: each slot's key energy E‖k'_{c,p}‖² on the calibration text
+    fold: int
+
+    @property
+    def kept(self) -> torch.Tensor:
+        """[G, P] bool: the slots kept rotary."""
+        groups, pairs = self.energy.shape
+        return torch.zeros(groups, pairs, dtype=torch.bool).scatter_(1, self.pairs, True)
+
+    @property
+    def lost_energy(self) -> float:
+        """The share of the keys' energy left without rotation (the rotary-free slots')."""
+        return float(self.energy[~self.kept].sum() / self.energy.sum().clamp_min(1e-300))
+
+    def key_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Key rows [G, head_dim, …] (weight rows or bias) → the virtual heads' rows k' (same shape)."""
+        groups, head_dim = rows.shape[:2]
+        half = head_dim // 2
+        split = rows.double().reshape(groups, 2, half, -1).transpose(0, 1).reshape(2, groups * half, -1)
+        mixed = (self.mix @ split).reshape(2, groups, half, -1).transpose(0, 1)
+        return mixed.reshape(rows.shape).to(rows.dtype)
+
+    def rest_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """The part of key rows [G, head_dim, …] that the rotary-free slots carry, in the original heads'
+        coordinates: mixᵀ (1 − kept) mix k. Head g's query dotted with it is exactly the rotary-free slots' share
+        of the scores against head g (the mix is orthogonal), so it is what the latent must reproduce."""
+        groups, head_dim = rows.shape[:2]
+        half = head_dim // 2
+        free = (~self.kept).flatten().to(self.mix.dtype)
+        projector = self.mix.T @ (free[:, None] * self.mix)
+        split = rows.double().reshape(groups, 2, half, -1).transpose(0, 1).reshape(2, groups * half, -1)
+        rest = (projector @ split).reshape(2, groups, half, -1).transpose(0, 1)
+        return rest.reshape(rows.shape).to(rows.dtype)
+
+    def query_mix(self) -> torch.Tensor:
+        """[G, D/2, G, P]: per kept slot (c, s) — virtual head c's s-th rotary pair —, the coefficient of query
+        group g's pair f in the query against it (mix[(c, pairs[c, s]), (g, f)]); the query is mixed before it is
+        rotated at the slot's frequency."""
+        groups, half = self.energy.shape
+        grid = self.mix.reshape(groups, half, groups, half)
+        index = self.pairs[:, :, None, None].expand(-1, -1, groups, half)
+        return grid.gather(1, index)
+
+
+def key_pair_moments(rows: torch.Tensor, input_moment: torch.Tensor) -> torch.Tensor:
+    """[G·P, G·P] float64: E[Σ_coord k_{g,f,coord} k_{g',f',coord}] of the key pair components (indexed g·P + f,
+    both coordinates summed) from the key rows [G, head_dim, hidden] and the input moment Σ = E[x xᵀ] (the bias
+    is not counted: the PCA's criterion only, the mix stays exact)."""
+    groups, head_dim, hidden = rows.shape
+    half = head_dim // 2
+    split = rows.double().reshape(groups, 2, half, hidden).transpose(0, 1).reshape(2, groups * half, hidden)
+    moment = input_moment.double().to(split.device)
+    return torch.einsum("xah,hk,xbk->ab", split, moment, split)
+
+
+def rotary_mixing(
+    rows: torch.Tensor,
+    input_moment: torch.Tensor,
+    rope_dims: int,
+    fold: int = 1,
+    frequency_weights: torch.Tensor | None = None,
+) -> RotaryMixing:
+    """TransMLA's RoRoPE (+ FreqFold) for one layer (see :class:`RotaryMixing`), from the key rows
+    [G, head_dim, hidden] and the input moment (:func:`key_pair_moments`).
+
+    Per block of `fold` neighbouring frequencies, the PCA of its G·fold pair components (the eigenvectors of their
+    second moment, largest first): the principal components carry the keys' rotary energy in as few slots as the
+    spectrum allows. The G·D/2 slots kept rotary are the components of largest energy over all blocks, so each
+    layer keeps rotary where its keys' energy is (not D/2 pairs of each original head). To keep D dims per virtual
+    head (the cache's layout), a block's kept components are spread evenly over its frequencies and those over
+    the virtual heads cyclically; the component-to-slot assignment is free (any permutation keeps the mix
+    orthogonal), so this costs nothing.
+
+    `frequency_weights` [P] (None: all 1): the kept components are those of largest energy × weight of their
+    block (the mean over its frequencies) — with :func:`rotation_residual_shares`, the score error a component
+    would leave rotary-free once its fitted rotation is folded in, instead of its energy."""
+    groups, head_dim, _ = rows.shape
+    half = head_dim // 2
+    if fold < 1 or half % fold:
+        raise HeadkitError(f"rope_fold must divide head_dim/2 = {half}, got {fold}")
+    moments = key_pair_moments(rows, input_moment).reshape(groups, half, groups, half)
+    blocks = half // fold
+    vectors, values = [], []
+    for block in range(blocks):
+        span = slice(block * fold, (block + 1) * fold)
+        local = moments[:, span, :, span].reshape(groups * fold, groups * fold)
+        eigenvalues, eigenvectors = torch.linalg.eigh(local)
+        order = torch.argsort(eigenvalues, descending=True, stable=True)
+        values.append(eigenvalues[order].clamp_min(0))
+        vectors.append(eigenvectors[:, order])  # columns: components (g, f in block) → principal component j
+    # The G·D/2 components of largest energy stay rotary: a prefix of each block's (its values are sorted).
+    energies = torch.stack(values)  # [blocks, G·fold]
+    criterion = energies
+    if frequency_weights is not None:
+        criterion = energies * frequency_weights.double().reshape(blocks, fold).mean(dim=1, keepdim=True)
+    flat = torch.argsort(-criterion.flatten(), stable=True)[: groups * rope_dims // 2]
+    kept_per_block = torch.bincount(flat // (groups * fold), minlength=blocks).tolist()
+    mix = torch.zeros(groups * half, groups * half, dtype=torch.float64)
+    energy = torch.zeros(groups, half, dtype=torch.float64)
+    kept_slots: list[list[int]] = [[] for _ in range(groups)]
+    head = 0
+    for block, count in enumerate(kept_per_block):
+        frequencies = range(block * fold, (block + 1) * fold)
+        per_frequency = [count // fold + (i < count % fold) for i in range(fold)]
+        kept, free = [], []
+        for frequency, many in zip(frequencies, per_frequency, strict=True):
+            chosen = {(head + j) % groups for j in range(many)}
+            head = (head + many) % groups
+            kept += [(c, frequency) for c in sorted(chosen)]
+            free += [(c, frequency) for c in range(groups) if c not in chosen]
+        columns = torch.tensor([g * half + f for g in range(groups) for f in frequencies])
+        for component, (c, p) in enumerate(kept + free):
+            mix[c * half + p, columns] = vectors[block][:, component]
+            energy[c, p] = values[block][component]
+        for c, p in kept:
+            kept_slots[c].append(p)
+    pairs = torch.tensor([sorted(slots) for slots in kept_slots], dtype=torch.long).reshape(
+        groups, rope_dims // 2
+    )
+    return RotaryMixing(mix=mix, pairs=pairs, energy=energy, fold=fold)
+
+
+def naive_rotary_mixing(
+    keys: torch.Tensor, rope_dims: int, fold: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference for :func:`rotary_mixing`'s PCA from key samples keys [N, G, head_dim] (before rotary): per block
+    of `fold` frequencies, loop by loop, the sample matrix of its pair components with both coordinates as
+    separate samples, its eigen-decomposition, the energies sorted. Returns (energies [P/fold, G·fold] largest
+    first, and the kept count per block) — what the fast path must reproduce from E[x xᵀ]."""
+    samples, groups, head_dim = keys.shape
+    half = head_dim // 2
+    energies, counts = [], []
+    for block in range(half // fold):
+        columns = []
+        for g in range(groups):
+            for f in range(block * fold, (block + 1) * fold):
+                columns.append(torch.cat((keys[:, g, f], keys[:, g, f + half])).double())
+        matrix = torch.stack(columns, dim=1)  # [2N, G·fold]
+        energies.append(torch.linalg.eigvalsh(matrix.T @ matrix / samples).flip(0).clamp_min(0))
+    stacked = torch.stack(energies)
+    chosen = torch.argsort(-stacked.flatten(), stable=True)[: groups * rope_dims // 2]
+    counts = torch.bincount(chosen // stacked.shape[1], minlength=stacked.shape[0])
+    return stacked, counts
+
+
+@dataclass
+class SiteKeys:
+    """One layer's key rows split for the latent form (:func:`site_keys`)."""
+
+    pairs: torch.Tensor  # [G, D/2]: per (virtual, with RoRoPE) key head, the frequency pairs kept rotary
+    rope_rows: torch.Tensor  # [G·D, hidden]: the rotary key rows the cache stores, head by head
+    rope_bias: torch.Tensor | None  # [G·D]
+    nope_rows: (
+        torch.Tensor
+    )  # [G, n, hidden]: what the latent reproduces (n = head_dim − D; head_dim with RoRoPE)
+    rope_error: float | None  # see LatentSiteReport.rope_error
+    mixing: RotaryMixing | None = None
+
+
+def rotation_residual_shares(fit: RotationFit) -> torch.Tensor:
+    """[P]: per frequency, the share of its score terms' energy that a fixed rotation leaves as error
+    (Σ_g residual / Σ_g energy of :func:`expected_rotation`): near 0 for the slow pairs a fixed factor serves, near
+    1 for the fast ones whose rotation matters at every distance."""
+    return (fit.residual.sum(0) / fit.energy.sum(0).clamp_min(1e-300)).clamp(0, 1)
+
+
+def site_keys(
+    k_weight: torch.Tensor,
+    k_bias: torch.Tensor | None,
+    statistics: SiteStatistics,
+    rope_dims: int,
+    selection: str,
+    fold: int = 1,
+) -> SiteKeys:
+    """The key rows of one layer (k_weight [G·head_dim, hidden], k_bias [G·head_dim] or None) split into the rotary
+    ones the cache keeps and the rotary-free ones the latent reproduces, by the rotary `selection`: per head
+    (``"fitted"``, ``"norms"``: :func:`select_rotary_pairs`, :func:`key_rows`), or across heads (``"rorope"``:
+    :func:`rotary_mixing` with a fold of `fold`)."""
+    groups = statistics.key_pair_norms.shape[0]
+    hidden = k_weight.shape[1]
+    rows = k_weight.detach().reshape(groups, -1, hidden)
+    head_dim = rows.shape[1]
+    bias = None if k_bias is None else k_bias.detach().reshape(groups, head_dim)
+    if selection in MIXED_SELECTIONS:
+        fit = statistics.rotation_fit if selection == ROROPE_FITTED else None
+        if selection == ROROPE_FITTED and fit is None:
+            raise HeadkitError("rope_selection 'rorope_fitted' needs calibration text (calibration=...)")
+        weights = None if fit is None else rotation_residual_shares(fit)
+        mixing = rotary_mixing(rows, statistics.input_moment, rope_dims, fold, weights)
+        rest = mixing.rest_rows(rows)
+        if fit is not None:
+            # The rotary-free part of each head's keys gets that head's fitted rotation per pair
+            # (fold_rotation): what the kept slots leave of a pair is served as the "fitted" selection serves a
+            # whole pair.
+            rest = fold_rotation(rest.double(), fit.cos, fit.sin).to(rest.dtype)
+        rope_index = rope_indices(mixing.pairs, head_dim)
+        virtual = mixing.key_rows(rows)
+        return SiteKeys(
+            pairs=mixing.pairs,
+            rope_rows=gather_rows(virtual, rope_index).reshape(-1, hidden),
+            rope_bias=None if bias is None else mixing.key_rows(bias).gather(1, rope_index).flatten(),
+            nope_rows=rest,
+            rope_error=mixing.lost_energy,
+            mixing=mixing,
+        )
+    pairs = select_rotary_pairs(statistics, rope_dims // 2, selection)
+    folded, rope_error = key_rows(k_weight, pairs, statistics, selection == FITTED)
+    rope_index = rope_indices(pairs, head_dim)
+    return SiteKeys(
+        pairs=pairs,
+        rope_rows=gather_rows(folded, rope_index).reshape(-1, hidden),
+        rope_bias=None if bias is None else bias.gather(1, rope_index).flatten(),
+        nope_rows=gather_rows(folded, nope_indices(rope_index, head_dim)),
+        rope_error=rope_error,
+    )
 
 
 __all__ = [
@@ -443,11 +699,17 @@ __all__ = [
     "LatentFactors",
     "NORMS",
     "ROPE_SELECTIONS",
+    "MIXED_SELECTIONS",
+    "ROROPE",
+    "ROROPE_FITTED",
+    "RotaryMixing",
     "RotationFit",
     "SENSITIVITY_MULTIPLES",
+    "SiteKeys",
     "SiteStatistics",
     "allocate_by_error",
     "allocate_ranks",
+    "balance_scale",
     "candidate_ranks",
     "collect_statistics",
     "expected_rotation",
@@ -455,10 +717,15 @@ __all__ = [
     "full_rank",
     "gather_rows",
     "joint_latent_factors",
+    "key_pair_moments",
     "key_rows",
     "latent_spectrum",
+    "naive_rotary_mixing",
     "pair_norms",
+    "rotary_mixing",
     "rotation_moments",
+    "rotation_residual_shares",
     "select_rotary_pairs",
+    "site_keys",
     "weight_statistics",
 ]

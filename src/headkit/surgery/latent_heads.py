@@ -32,7 +32,12 @@ from torch import nn
 
 from headkit.errors import HeadkitError
 from headkit.layers.cache import StateCacheLayer
-from headkit.ops.latent import LatentProjection, latent_attention, naive_latent_attention
+from headkit.ops.latent import (
+    LatentProjection,
+    latent_attention,
+    naive_latent_attention,
+    naive_shared_rope_latent_attention,
+)
 from headkit.ops.rotary import unrotate_pairs
 from headkit.surgery.attention import POSITION_EMBEDDINGS_KEYWORD, AttentionCall
 
@@ -110,6 +115,7 @@ class LatentKVHeads(nn.Module):
         value_bias: bool,
         scale: float,
         layer_idx: int,
+        mixed: bool = False,
         dtype: torch.dtype | None = None,
         device: torch.device | None = None,
     ) -> None:
@@ -119,12 +125,23 @@ class LatentKVHeads(nn.Module):
         self.scale, self.layer_idx = scale, layer_idx
         self.absorbed = True
         factory = {"dtype": dtype, "device": device}
-        nope = head_dim - self.rope_dims
+        # RoRoPE (mixed): the rotary keys are the virtual heads' (mixed across the key/value heads), each query
+        # head reads all of them through rope_mix, and the rotary-free part is every dimension of the head's own
+        # query against K_g c (the rest of its keys after the rotary slots, headkit.surgery.latent_fit.RotaryMixing).
+        nope = head_dim if mixed else head_dim - self.rope_dims
         self.key_up = nn.Parameter(torch.zeros(num_kv_heads, nope, rank, **factory))
         self.value_up = nn.Parameter(torch.zeros(num_kv_heads, head_dim, rank, **factory))
         self.value_bias = nn.Parameter(torch.zeros(num_kv_heads, head_dim, **factory)) if value_bias else None
+        pairs = self.rope_dims // 2
+        self.rope_mix = (
+            nn.Parameter(torch.zeros(num_kv_heads, pairs, num_kv_heads, head_dim // 2, **factory))
+            if mixed
+            else None
+        )
         self.register_buffer("rope_index", rope_index.to(device), persistent=False)
-        self.register_buffer("nope_index", nope_indices(rope_index, head_dim).to(device), persistent=False)
+        every = torch.arange(head_dim, device=device).expand(num_kv_heads, -1)
+        nope_index = every if mixed else nope_indices(rope_index, head_dim).to(device)
+        self.register_buffer("nope_index", nope_index, persistent=False)
 
     @property
     def cache_width(self) -> int:
@@ -161,7 +178,15 @@ class LatentKVHeads(nn.Module):
         every_pair = torch.ones(self.head_dim // 2, dtype=torch.bool, device=queries.device)
         unrotated = unrotate_pairs(queries, *embeddings, every_pair)
         scale = call.scale(self.scale)
-        if self.absorbed:
+        if self.rope_mix is not None:
+            query_rope = self.mixed_rotary_queries(unrotated, *embeddings)
+            arguments = (unrotated, query_rope, rows, self.projection, mask)
+            options = {"scale": scale, "is_causal": is_causal}
+            if self.absorbed:
+                output = latent_attention(*arguments, **options, shared_rope=True)
+            else:
+                output = naive_shared_rope_latent_attention(*arguments, **options)
+        elif self.absorbed:
             query_rope = queries.gather(-1, rope_index.expand(batch, heads, length, rope))
             query_nope = unrotated.gather(-1, nope_index.expand(batch, heads, length, -1))
             output = latent_attention(
@@ -175,6 +200,26 @@ class LatentKVHeads(nn.Module):
             )
         return output.transpose(1, 2).contiguous(), None
 
+    def mixed_rotary_queries(
+        self, unrotated: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        """RoRoPE's rotary queries [B, H, T, G·D] from the unrotated queries [B, H, T, head_dim]: head h's pairs
+        mixed into every kept slot (c, s) by ``rope_mix[c, s, g(h)]``, then rotated at the slot's frequency
+        (rotate-half: x₁ cos − x₂ sin, x₂ cos + x₁ sin), laid out as the cache stores the virtual heads' rotary keys
+        (per head c its first coordinates, then its second ones)."""
+        batch, heads, length, head_dim = unrotated.shape
+        groups, pairs, half = self.num_kv_heads, self.rope_dims // 2, head_dim // 2
+        mix = self.rope_mix.repeat_interleave(heads // groups, dim=2).to(unrotated.dtype)  # [G, S, H, P]
+        first = torch.einsum("bhtf,cshf->bhtcs", unrotated[..., :half], mix)
+        second = torch.einsum("bhtf,cshf->bhtcs", unrotated[..., half:], mix)
+        frequencies = self.rope_index[
+            :, :pairs
+        ]  # [G, S]: the kept pairs' first dimensions are their frequencies
+        cos = cos[..., :half][:, None, :, frequencies].to(unrotated.dtype)  # [B, 1, T, G, S]
+        sin = sin[..., :half][:, None, :, frequencies].to(unrotated.dtype)
+        rotated = torch.cat((first * cos - second * sin, second * cos + first * sin), dim=-1)
+        return rotated.reshape(batch, heads, length, groups * 2 * pairs)
+
     @property
     def projection(self) -> LatentProjection:
         """The up-projections from this layer's cache rows (see :class:`headkit.ops.latent.LatentProjection`)."""
@@ -183,7 +228,8 @@ class LatentKVHeads(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"layer_idx={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
-            f"head_dim={self.head_dim}, rank={self.rank}, rope_dims={self.rope_dims}, absorbed={self.absorbed}"
+            f"head_dim={self.head_dim}, rank={self.rank}, rope_dims={self.rope_dims}, absorbed={self.absorbed}, "
+            f"mixed={self.rope_mix is not None}"
         )
 
 
