@@ -48,6 +48,25 @@ def high_water_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # bytes on macOS, KiB elsewhere
 
 
+def machine_memory_bytes() -> int | None:
+    """The memory this process may use: the machine's physical memory, or its control group's limit where lower
+    (a container's); None where neither can be read."""
+    import os
+
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as handle:
+            limit = handle.read().strip()
+        if limit.isdigit():
+            total = min(total, int(limit)) if total else int(limit)
+    except OSError:
+        pass
+    return total
+
+
 def _device_peak() -> int:
     return torch.cuda.max_memory_allocated() if torch.cuda.is_initialized() else 0
 
@@ -127,6 +146,7 @@ __all__ = [
     "GIB",
     "Peak",
     "high_water_bytes",
+    "machine_memory_bytes",
     "peak_memory_line",
     "resident_bytes",
     "stage_peaks",
