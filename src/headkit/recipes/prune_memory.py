@@ -27,11 +27,13 @@ from headkit.runs.resident import GIB, machine_memory_bytes
 from headkit.surgery.families import text_config
 from headkit.surgery.repair import PASS_TOKENS
 
-# What the process holds before any model: Python, torch, transformers and the tokenizer (measured: ~0.5 GiB).
-RUNTIME_BYTES = int(0.5 * GIB)
-# Saved activations per token and layer, in numbers: the norms' inputs, queries, keys, values and the attention's
-# output, and the MLP's three intermediate tensors (SmolLM2: 6·576 + 3·1,536 ≈ 8,064).
-HIDDEN_ACTIVATIONS, MLP_ACTIVATIONS = 6, 3
+# What the process holds beside the weights: Python, torch, transformers, the tokenizer and the text (measured on
+# SmolLM2 after loading: 1.13 GiB with its 0.5 GiB of float32 weights).
+RUNTIME_BYTES = int(0.65 * GIB)
+# Saved activations per token and layer, in numbers: the norms' inputs, queries, keys, values, the attention's
+# output and its backward's workspace, and the MLP's intermediate tensors (SmolLM2: 8·576 + 4·1,536 ≈ 10,752;
+# fitted to the gradient pass measured there, 2.2 GiB).
+HIDDEN_ACTIVATIONS, MLP_ACTIVATIONS = 8, 4
 
 
 @dataclass(frozen=True)
