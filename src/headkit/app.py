@@ -109,6 +109,16 @@ def _eval_task_fields(eval_tasks: str | None, eval_include_path: Path | None) ->
     return {"eval_tasks": names, "eval_include_path": eval_include_path}
 
 
+def _echo_result(result: Any) -> None:
+    """A recipe's report, then its peak resident memory and the stage that reached it, on the last line."""
+    from headkit.runs.resident import peak_memory_line
+
+    typer.echo(str(result))
+    line = peak_memory_line(result.report)
+    if line is not None:
+        typer.echo(line)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app; user errors become one line on stderr and exit status 2, printed once under
     ``torchrun`` / ``accelerate launch`` (:func:`headkit.runs.command_line.run_command_line`)."""
@@ -137,8 +147,7 @@ def prune(
 
     given = options | dict(model=model, out=out, overwrite=overwrite, dtype=_check_dtype(dtype))
     given |= _eval_task_fields(eval_tasks, eval_include_path)
-    result = prune(settings_from(PruneSettings, quick, given), echo=typer.echo)
-    typer.echo(str(result))
+    _echo_result(prune(settings_from(PruneSettings, quick, given), echo=typer.echo))
 
 
 @app.command()
@@ -165,7 +174,7 @@ def compress(
 
     given = options | dict(model=model, out=out, overwrite=overwrite, dtype=_check_dtype(dtype))
     given |= _eval_task_fields(eval_tasks, eval_include_path)
-    typer.echo(str(compress(settings_from(CompressSettings, False, given), echo=typer.echo)))
+    _echo_result(compress(settings_from(CompressSettings, False, given), echo=typer.echo))
 
 
 @app.command()
@@ -296,8 +305,7 @@ def linearize_command(
 
     given = options | dict(model=model, out=out, overwrite=overwrite, dtype=_check_dtype(dtype))
     given |= _eval_task_fields(eval_tasks, eval_include_path)
-    result = linearize(settings_from(LinearizeSettings, quick, given), echo=typer.echo)
-    typer.echo(str(result))
+    _echo_result(linearize(settings_from(LinearizeSettings, quick, given), echo=typer.echo))
 
 
 @app.command("export")

@@ -144,3 +144,33 @@ def test_the_smollm2_gguf_is_refused_from_its_metadata_alone(args, message, tmp_
     command, *options = args
     assert message in _refused([command, str(path), *options, "--out", str(tmp_path / "o")], capsys)
     assert not (tmp_path / "o").exists()
+
+
+def test_prune_max_memory_below_the_estimate_refuses_in_one_line_before_loading(
+    tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(steps, "load_model", _no_weights)
+    error = _refused(
+        ["prune", str(smollm2_gguf_path()), "--max-memory", "0.5", "--out", str(tmp_path / "o")], capsys
+    )
+    assert "--max-memory" in error and "GiB (stage" in error and "is 0.50 GiB" in error
+    assert not (tmp_path / "o").exists()
+
+
+def test_prune_max_memory_must_be_positive(tmp_path, capsys):
+    error = _refused(
+        ["prune", str(smollm2_gguf_path()), "--max-memory", "0", "--out", str(tmp_path / "o")], capsys
+    )
+    assert "--max-memory" in error
+
+
+def test_the_memory_estimate_grows_with_the_run():
+    from headkit.recipes.prune_memory import estimate_prune_memory
+    from headkit.recipes.prune_settings import PruneSettings
+
+    config = read_model_config(smollm2_gguf_path())
+    plain = estimate_prune_memory(PruneSettings(recovery_steps=0), config)
+    trained = estimate_prune_memory(PruneSettings(recovery_steps=10), config)
+    half = estimate_prune_memory(PruneSettings(recovery_steps=0, dtype="bfloat16"), config)
+    assert trained.stage == "recover" and trained.total > plain.total > half.total
+    assert set(plain.stages) == {"load", "convert", "measure"}

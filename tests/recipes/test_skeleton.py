@@ -92,3 +92,23 @@ def test_a_repair_step_reports_what_it_did():
         loaded=LOADED,
     )
     assert report["repair"] == {"layers": 2}
+
+
+def test_each_stage_states_its_peak_resident_memory():
+    class Allocating(RecordingSteps):
+        def convert(self):
+            super().convert()
+            block = torch.ones(64 * 1024**2)  # 256 MiB, touched
+            del block
+
+    _, report = run_recipe(
+        Recipe(preflight=_preflight, steps=Allocating),
+        Settings(),
+        Path("nowhere"),
+        lambda line: None,
+        loaded=LOADED,
+    )
+    peak = report["peak_memory"]
+    assert list(peak["stages"]) == list(STAGES)
+    assert peak["stage"] == "convert" and peak["resident_bytes"] == max(peak["stages"].values())
+    assert peak["stages"]["convert"] > peak["stages"]["measure"] + 200 * 1024**2

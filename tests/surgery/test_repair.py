@@ -417,15 +417,39 @@ def test_output_statistics_with_gradients_keep_each_tokens_input_and_its_loss_gr
         assert torch.allclose(stats[layer].gram, plain[layer].gram)  # the same moments as without
         weight = get_adapter(model).sites(model)[layer].output_projection.weight.detach().double()
         expected = torch.cat([c.gradient.reshape(-1, c.gradient.shape[-1]) for c in calls[layer]]) @ weight
-        assert stats[layer].input_gradients.dtype == torch.bfloat16
+        activations, input_gradients = stats[layer].loss_samples()  # read back from the files, one layer
+        assert input_gradients.dtype == torch.bfloat16
         assert torch.allclose(
-            stats[layer].input_gradients.double(),
+            input_gradients.double(),
             expected,
             rtol=1e-2,
             atol=1e-3 * float(expected.abs().max()),
         )
-        assert torch.allclose(stats[layer].activations.double(), inputs[layer], rtol=1e-2, atol=1e-2)
-    assert plain[0].activations is None and plain[0].input_gradients is None
+        assert torch.allclose(activations.double(), inputs[layer], rtol=1e-2, atol=1e-2)
+    assert not plain[0].has_loss_samples
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gpt2"])
+def test_the_chunked_gradient_pass_equals_the_plain_losss(model_type, monkeypatch):
+    """The calibration's gradient pass, its loss computed from the LM head's input a chunk of tokens at a time and
+    its batches in slices, gives every layer the gradients the model's own loss gives (Gemma 2's soft-capped
+    logits included), with padding."""
+    import headkit.surgery.repair as repair
+
+    model = family_model(model_type).double()
+    batches = _windows(3, 2)
+    batches[1] = dict(batches[1], attention_mask=torch.ones_like(batches[1]["input_ids"]))
+    batches[1]["attention_mask"][0, -3:] = 0
+    assert repair._next_token_head(model) is not None  # the head's loss is reproduced: the chunked path runs
+    monkeypatch.setattr(repair, "PASS_TOKENS", 5)  # slices of one row
+    chunked = output_statistics(model, batches, gradients=True)
+    monkeypatch.setattr(repair, "_next_token_head", lambda model: None)
+    monkeypatch.setattr(repair, "PASS_TOKENS", 10**9)
+    plain = output_statistics(model, batches, gradients=True)
+    for got, want in zip(chunked, plain, strict=True):
+        torch.testing.assert_close(got.gram, want.gram)
+        for a, b in zip(got.loss_samples(), want.loss_samples(), strict=True):
+            torch.testing.assert_close(a.double(), b.double(), rtol=1e-2, atol=1e-3 * float(b.abs().max()))
 
 
 def test_the_fisher_weighted_error_is_the_squared_first_order_loss_change_per_token():

@@ -5,6 +5,7 @@ while a model decodes from a filled cache (:func:`decode_peak_bytes`)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ from torch import nn
 
 from headkit.compat import cache_keyword, output_cache
 from headkit.devices import model_device
+from headkit.runs.resident import tracking_peak
 from headkit.surgery.latent_heads import LatentCacheLayer
 from headkit.surgery.linearize import decoding_state_bytes
 
@@ -57,19 +59,14 @@ def filled_cache(model: nn.Module, batch: int, context: int, seed: int = 0) -> A
 
 
 def peak_resident_bytes(fn: Callable[[], object]) -> int | None:
-    """The process's peak resident memory (VmHWM) while `fn` runs, the peak reset before it (Linux
-    ``/proc/self/clear_refs``); None where the kernel offers neither."""
-    try:
-        with open("/proc/self/clear_refs", "w") as handle:
-            handle.write("5")
-    except OSError:
+    """The process's peak resident memory (VmHWM) while `fn` runs, the peak reset before it
+    (:func:`headkit.runs.resident.tracking_peak`: a recipe stage around it still sees it); None where the kernel
+    cannot reset it."""
+    if not os.path.exists("/proc/self/clear_refs"):
         return None
-    fn()
-    with open("/proc/self/status") as handle:
-        for line in handle:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return None
+    with tracking_peak() as peak:
+        fn()
+    return peak.resident
 
 
 @torch.no_grad()

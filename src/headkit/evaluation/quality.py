@@ -19,6 +19,22 @@ from headkit.devices import model_device
 from headkit.errors import HeadkitError
 from headkit.runs.objectives import mean_pool, next_token_kl
 
+# Logit entries one forward of the measurements may produce (float32: 128 MiB): the rows a forward takes are capped
+# so that [rows, T, vocabulary] stays within it (SmolLM2, 256-token windows: 2 rows), whatever the batch size asked.
+LOGIT_ENTRIES = 1 << 25
+
+
+def _row_chunks(model: nn.Module, windows: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, ...]:
+    """`windows` split into forwards of at most `batch_size` rows and :data:`LOGIT_ENTRIES` logits (one row at
+    least); the sums over them are the same."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    vocabulary = getattr(head, "out_features", None) or getattr(
+        getattr(model, "config", None), "vocab_size", 0
+    )
+    if vocabulary and windows.dim() == 2:
+        batch_size = max(1, min(batch_size, LOGIT_ENTRIES // (windows.shape[1] * vocabulary)))
+    return windows.split(batch_size)
+
 
 def summed_nats(logits: torch.Tensor, targets: torch.Tensor) -> float:
     """Σ −log softmax(logits)[target] in nats over rows ([N, V] logits, [N] targets), in float32 at least: the
@@ -35,7 +51,7 @@ def next_token_nats(
     and the mask of the predicted targets [N, T − 1]: the one loss behind perplexity and bits per byte."""
     device = model_device(model)
     total, predicted = 0.0, []
-    for chunk in windows.split(batch_size):
+    for chunk in _row_chunks(model, windows, batch_size):
         targets = chunk[:, 1:].to(device)
         keep = torch.ones_like(targets, dtype=torch.bool)
         if ignored_ids is not None and ignored_ids.numel():
@@ -127,7 +143,7 @@ def agreement(
     """Top-1 agreement and mean KL(reference ‖ model) (:func:`headkit.runs.objectives.next_token_kl`, the
     distillation loss at τ = 1) over every position of `windows` [N, L]."""
     same, kl_sum, count = 0, 0.0, 0
-    for chunk in windows.split(batch_size):
+    for chunk in _row_chunks(model, windows, batch_size):
         chunk = chunk.to(model_device(model))
         got = model(input_ids=chunk, use_cache=False).logits.float()
         expected = reference(input_ids=chunk.to(model_device(reference)), use_cache=False).logits

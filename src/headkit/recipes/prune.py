@@ -43,6 +43,7 @@ from headkit.evaluation.tasks import with_task_table
 from headkit.export.gguf import check_export_target
 from headkit.recipes.prune_causal import CausalLMPruneSteps
 from headkit.recipes.prune_encoder import EncoderPruneSteps
+from headkit.recipes.prune_memory import check_max_memory
 from headkit.recipes.prune_report import format_report
 from headkit.recipes.prune_settings import PruneSettings, check_settings, target_heads
 from headkit.recipes.settings import RecipeResult
@@ -85,14 +86,16 @@ def run(
 
 def preflight(settings: PruneSettings, model_path: Path, config: Any | None, out: Path | None) -> None:
     """Before any weight is loaded: --heads against MODEL's 🤗 config (layers × heads; a folder's config.json or a
-    GGUF file's metadata), and --export-gguf's target when the result is saved. A model after headkit surgery
+    GGUF file's metadata), the estimated peak memory against --max-memory (a causal LM;
+    :func:`~headkit.recipes.prune_memory.check_max_memory`), and --export-gguf's target when the result is saved. A model after headkit surgery
     (its heads no longer what the config states), or one without such a config, is checked once loaded; so is an
     encoder, which may share a layer (ALBERT)."""
     if out is not None and settings.export_gguf is not None:
         check_export_target(model_path, settings.export_gguf, settings.export_type, settings.overwrite)
-    if settings.heads is None or config is None or getattr(config, "headkit_surgery", None):
+    if config is None or getattr(config, "headkit_surgery", None) or model_kind(model_path) != CAUSAL_LM:
         return
-    if model_kind(model_path) != CAUSAL_LM:
+    check_max_memory(settings, config)
+    if settings.heads is None:
         return
     text = text_config(config)
     layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None)

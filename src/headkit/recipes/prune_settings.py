@@ -83,6 +83,12 @@ class PruneSettings(QuickSettings):
         "calibration text before recovery; encoders: on the original's weights, kept where closer than the gated "
         "ones (--no-repair keeps the sliced projections, to compare).",
     )
+    max_memory: float | None = option(
+        None,
+        "Refuse before any weight is loaded when the run's peak resident memory, estimated from the model's "
+        "config, exceeds this many GiB (causal LMs; default: the machine's memory).",
+        min=0.0,
+    )
     # lm-evaluation-harness tasks scored on the original and the result (headkit.evaluation.tasks): none by default.
     eval_tasks: tuple[str, ...] = ()
     eval_include_path: Path | None = None
@@ -110,6 +116,13 @@ def check_settings(settings: PruneSettings) -> None:
         isinstance(settings.lr, (int, float)) and math.isfinite(settings.lr) and settings.lr >= 0
     ):
         raise HeadkitError(f"--lr must be a non-negative number, got {settings.lr!r}")
+    if settings.max_memory is not None and not (
+        isinstance(settings.max_memory, (int, float))
+        and not isinstance(settings.max_memory, bool)
+        and math.isfinite(settings.max_memory)
+        and settings.max_memory > 0
+    ):
+        raise HeadkitError(f"--max-memory must be a positive number of GiB, got {settings.max_memory!r}")
     if not settings.temperature > 0:
         raise HeadkitError(f"--temperature must be positive, got {settings.temperature!r}")
     check_data(settings.data)

@@ -18,6 +18,7 @@ from torch import nn
 
 from headkit.files import staged_folder, write_json_atomic
 from headkit.runs.processes import on_main_process
+from headkit.runs.resident import Peak, stage_peaks
 
 REPORT_FILE = "report.json"
 # An input every model of any vocabulary can embed (ids below 100), for the reload check.
@@ -51,14 +52,16 @@ def save_result(
     started: float,
     stock: bool = False,
     extras: Iterable[Callable[[Path, dict[str, Any]], None]] = (),
+    peaks: dict[str, Peak] | None = None,
 ) -> dict[str, Any]:
     """The save step of every recipe, on the main process only (:func:`on_main_process`): the model and its
-    tokenizer into a staging folder beside `out`, ``reload_max_abs_diff`` (:func:`reload_difference`), each of
-    `extras` (``extra(staging, report)``: a plot, a GGUF export — inside the staging, so a failure leaves no
-    folder), ``seconds`` since `started`, ``report.json``; then the staging folder becomes `out` atomically. The
-    report, completed, is returned on every process (and `report` updated in place). The staging folder, each
-    file written atomically and `out` are listed under ``$HEADKIT_WRITE_LOG`` when it is set
-    (:func:`headkit.files.record_write`), in the main process's list only."""
+        tokenizer into a staging folder beside `out`, ``reload_max_abs_diff`` (:func:`reload_difference`), each of
+        `extras` (``extra(staging, report)``: a plot, a GGUF export — inside the staging, so a failure leaves no
+        folder), ``seconds`` since `started`, ``peak_memory`` (`peaks`: each stage's :class:`~headkit.runs.resident.Peak`, the
+    save's so far), ``report.json``; then the staging folder becomes `out` atomically. The
+        report, completed, is returned on every process (and `report` updated in place). The staging folder, each
+        file written atomically and `out` are listed under ``$HEADKIT_WRITE_LOG`` when it is set
+        (:func:`headkit.files.record_write`), in the main process's list only."""
 
     def write() -> dict[str, Any]:
         save_started = time.perf_counter()
@@ -71,6 +74,10 @@ def save_result(
             if "stage_seconds" in report:
                 report["stage_seconds"]["save"] = time.perf_counter() - save_started
             report["seconds"] = time.perf_counter() - started
+            if peaks is not None:
+                if "save" in peaks:
+                    peaks["save"].update()  # the save's peak so far
+                report["peak_memory"] = stage_peaks(peaks)
             write_json_atomic(staging / REPORT_FILE, report)
         return report
 

@@ -2,7 +2,9 @@
 against MODEL's 🤗 config (a folder's config.json or a GGUF file's metadata) before any weight or text is read (the
 recipe's ``preflight``), then ``load`` → ``check`` → ``data`` → ``convert`` → ``repair`` → ``recover`` →
 ``measure`` (each recipe's :class:`Steps`), the report, and the save step
-(:func:`headkit.recipes.skeleton.save_result`). Each stage's seconds are in the report (``stage_seconds``);
+(:func:`headkit.recipes.skeleton.save_result`). Each stage's seconds are in the report (``stage_seconds``), and
+its peak resident memory (``peak_memory``: the run's peak, the stage that reached it, every stage's;
+:mod:`headkit.runs.resident`);
 ``repair`` is the fix between the surgery and any training through the model (prune's closed-form refit,
 compress's layer-local reconstruction), a no-op (the report's ``"repair": null``) where a surgery has none.
 """
@@ -24,6 +26,7 @@ from headkit.recipes.settings import with_overrides
 from headkit.recipes.skeleton import save_result
 from headkit.runs.models import LoadedModel, check_output_folder, load_model, read_model_config
 from headkit.runs.processes import main_process_echo
+from headkit.runs.resident import Peak, stage_peaks, tracking_peak
 
 T = TypeVar("T")
 STAGES = ("load", "check", "data", "convert", "repair", "recover", "measure")
@@ -139,10 +142,12 @@ def run_recipe(
         check_output_folder(model_path, out, settings.overwrite)
     recipe.preflight(settings, model_path, read_model_config(model_path), out)
     seconds: dict[str, float] = {}
+    peaks: dict[str, Peak] = {}
 
     def timed(stage: str, work: Callable[[], T]) -> T:
         stage_started = time.perf_counter()
-        result = work()
+        with tracking_peak() as peaks[stage]:
+            result = work()
         seconds[stage] = time.perf_counter() - stage_started
         return result
 
@@ -164,13 +169,23 @@ def run_recipe(
     report["model"] = str(model_path)
     report["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()}
     report["stage_seconds"] = seconds
+    report["peak_memory"] = stage_peaks(peaks)
     if out is None:
         report["seconds"] = time.perf_counter() - started
         return steps, report
     report["out"] = str(out)
-    save_result(
-        out, steps.student, steps.tokenizer, report, started=started, stock=steps.stock, extras=steps.extras()
-    )
+    with tracking_peak() as peaks["save"]:
+        save_result(
+            out,
+            steps.student,
+            steps.tokenizer,
+            report,
+            started=started,
+            stock=steps.stock,
+            extras=steps.extras(),
+            peaks=peaks,
+        )
+    report["peak_memory"] = stage_peaks(peaks)
     return steps, report
 
 

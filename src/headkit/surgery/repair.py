@@ -25,6 +25,7 @@ perplexity; sliced 38.27): λ = 10⁻⁶·mean diag(G_KK) 58.52 (worse than slic
 from __future__ import annotations
 
 import inspect
+import tempfile
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -35,9 +36,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from headkit.errors import HeadkitError
+from headkit.ops.chunked_loss import IGNORE_INDEX, chunked_cross_entropy
 from headkit.surgery.adapters import AttentionAdapter, get_adapter, linear_parameters
 
 RIDGE = 0.1  # λ relative to the mean diagonal of the kept heads' second moment (see above)
+# Tokens one forward (and backward) of a calibration pass holds at most: a batch runs in slices of whole rows, so the
+# activations autograd keeps are bounded (SmolLM2: ~1 MB a token) whatever the batch size. The sums are the same.
+PASS_TOKENS = 512
 WEIGHTINGS = ("relative", "absolute", "loss")  # how refit_error_scores weighs a removal's error
 
 
@@ -58,6 +63,53 @@ class OutputStatistics:
     # W_Oᵀ g — what ``refit_error_scores(..., weighting="loss")`` weighs errors by.
     activations: torch.Tensor | None = None
     input_gradients: torch.Tensor | None = None
+    # Or the same samples in files (:class:`SampleFiles`), read one layer at a time by :meth:`loss_samples`.
+    sample_files: SampleFiles | None = None
+    layer: int = 0
+
+    @property
+    def has_loss_samples(self) -> bool:
+        return self.input_gradients is not None or self.sample_files is not None
+
+    def loss_samples(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h, W_Oᵀ g) per real token, [tokens, heads·head_dim] each: in memory, or read from the files."""
+        if self.input_gradients is not None and self.activations is not None:
+            return self.activations, self.input_gradients
+        if self.sample_files is None:
+            raise HeadkitError("no per-token samples: output_statistics(..., gradients=True)")
+        return self.sample_files.load(self.layer)
+
+
+class SampleFiles:
+    """Per-token samples of every layer — the output projection's input h and the loss's gradient there, bfloat16
+    — appended batch by batch to two files per layer in a temporary folder (``$TMPDIR``), so that memory holds one
+    layer's at a time when they are read (:meth:`load`) instead of every layer's at once (SmolLM2, 32,768
+    calibration tokens: 2.3 GB). The folder goes when the object does."""
+
+    def __init__(self, layers: int) -> None:
+        self._folder = tempfile.TemporaryDirectory(prefix="headkit-samples-")
+        self.rows = [0] * layers
+        self.widths = [0] * layers
+
+    def _path(self, layer: int, kind: str) -> str:
+        return f"{self._folder.name}/{kind}{layer}.bin"
+
+    def append(self, layer: int, activations: torch.Tensor, gradients: torch.Tensor) -> None:
+        for kind, rows in (("h", activations), ("u", gradients)):
+            with open(self._path(layer, kind), "ab") as handle:
+                handle.write(rows.to(torch.bfloat16).contiguous().cpu().view(torch.int16).numpy().tobytes())
+        self.rows[layer] += activations.shape[0]
+        self.widths[layer] = activations.shape[1]
+
+    def load(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(activations, gradients) of `layer`, [tokens, width] bfloat16 each, read into memory."""
+        size, shape = self.rows[layer] * self.widths[layer], (self.rows[layer], self.widths[layer])
+        return tuple(  # type: ignore[return-value]
+            torch.from_file(self._path(layer, kind), shared=False, size=size, dtype=torch.bfloat16).view(
+                shape
+            )
+            for kind in ("h", "u")
+        )
 
 
 @dataclass
@@ -104,21 +156,51 @@ def _real_tokens(mask: torch.Tensor | None) -> torch.Tensor | None:
     return None if mask is None or mask.dim() != 2 else mask.bool()
 
 
+def _slices(batch: Mapping[str, Any]) -> Iterable[dict[str, torch.Tensor]]:
+    """A batch's ids and mask in slices of whole rows of at most :data:`PASS_TOKENS` tokens (at least one row)."""
+    inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
+    ids = inputs["input_ids"]
+    rows = max(1, PASS_TOKENS // max(ids.shape[-1], 1)) if ids.dim() == 2 else len(ids)
+    for start in range(0, len(ids), rows):
+        yield {k: v[start : start + rows] for k, v in inputs.items()}
+
+
+def _skipping_head(model: nn.Module) -> Any:
+    """A hook that stops `model`'s forward at its LM head (its logits unused: :class:`_Captured`), or None where the
+    model has none."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Module):
+        return None
+
+    def stop(module: nn.Module, args: tuple) -> None:
+        raise _Captured
+
+    return head.register_forward_pre_hook(stop)
+
+
 def _run_hooked(
     model: nn.Module,
     handles: list[Any],
     batches: Iterable[Mapping[str, Any]],
     real: list[torch.Tensor | None] | None = None,
+    *,
+    skip_head: bool = False,
 ) -> None:
     """Run `model` over `batches` (their ids and mask; no cache), then remove the hooks `handles`, also on error.
     `real`: a one-item holder the hooks read, set to each batch's [B, T] bool mask of real tokens (None without
-    padding)."""
+    padding). `skip_head`: the hooks need nothing from the LM head, so the forward stops before it (no [tokens,
+    vocabulary] logits)."""
+    if skip_head:
+        handles = [*handles, *filter(None, [_skipping_head(model)])]
     try:
         for batch in batches:
             inputs = {k: v for k, v in batch.items() if k in ("input_ids", "attention_mask")}
             if real is not None:
                 real[0] = _real_tokens(inputs.get("attention_mask"))
-            model(**inputs, **_no_cache(model))
+            try:
+                model(**inputs, **_no_cache(model))
+            except _Captured:
+                pass
     finally:
         for handle in handles:
             handle.remove()
@@ -138,13 +220,17 @@ def output_statistics(
     `gradients` (a causal LM): also back-propagate the batches' summed next-token cross-entropy and keep, per real
     token, each output projection's input and the loss's gradient with respect to it (``activations``,
     ``input_gradients``), for ``refit_error_scores(..., weighting="loss")``. They take 2 × 2 bytes per token,
-    layer and feature (SmolLM2, 8,192 calibration tokens: 566 MB); no parameter gradient is computed."""
+    layer and feature (SmolLM2, 32,768 calibration tokens: 2.3 GB), written batch by batch to files
+    (:class:`SampleFiles`, ``sample_files``), which the scores read one layer at a time; no parameter gradient is
+    computed. The next-token loss is computed in chunks of tokens (:func:`headkit.ops.chunked_loss.chunked_cross_entropy`)
+    and the batches run in slices of :data:`PASS_TOKENS` tokens, so neither the logits nor the activations of a
+    whole batch are held at once."""
     adapter = get_adapter(model, adapter)
     sites = adapter.sites(model)
     grams: list[torch.Tensor | None] = [None] * len(sites)
     totals: list[torch.Tensor | None] = [None] * len(sites)
     tokens = [0] * len(sites)
-    samples: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in sites]
+    files = SampleFiles(len(sites)) if gradients else None
 
     real: list[torch.Tensor | None] = [None]
 
@@ -160,7 +246,7 @@ def output_statistics(
                 def pair(gradient: torch.Tensor) -> None:
                     rows = gradient.detach().reshape(-1, gradient.shape[-1])
                     rows = rows if mask is None else rows[mask.reshape(-1)]
-                    samples[index].append((kept, rows.to(torch.bfloat16)))
+                    files.append(index, kept, rows)
 
                 args[0].register_hook(pair)
             inputs = inputs.double()
@@ -171,15 +257,16 @@ def output_statistics(
 
         return accumulate
 
+    head = _next_token_head(model) if gradients else None  # before the hooks: its check reaches none of them
     handles = [site.output_projection.register_forward_pre_hook(hook(i)) for i, site in enumerate(sites)]
     if gradients:
-        _run_backward(model, handles, batches, real)
+        _run_backward(model, handles, batches, real, head=head)
     else:
-        _run_hooked(model, handles, batches, real)
+        _run_hooked(model, handles, batches, real, skip_head=True)
     if any(gram is None for gram in grams):
         raise HeadkitError("calibration needs at least one batch of text, got none")
-    if gradients and not all(samples):
-        missing = [i for i, pairs in enumerate(samples) if not pairs]
+    if files is not None and not all(files.rows):
+        missing = [i for i, rows in enumerate(files.rows) if not rows]
         raise HeadkitError(f"the loss's gradient never reached the output projections of layers {missing}")
     return [
         OutputStatistics(
@@ -188,10 +275,10 @@ def output_statistics(
             weight=linear_parameters(site.output_projection)[0].detach().double().cpu().clone(),
             head_dim=site.head_dim,
             total=total.cpu(),
-            activations=torch.cat([h for h, _ in pairs]).cpu() if gradients else None,
-            input_gradients=torch.cat([u for _, u in pairs]).cpu() if gradients else None,
+            sample_files=files,
+            layer=index,
         )
-        for gram, total, count, site, pairs in zip(grams, totals, tokens, sites, samples, strict=True)
+        for index, (gram, total, count, site) in enumerate(zip(grams, totals, tokens, sites, strict=True))
     ]
 
 
@@ -292,7 +379,7 @@ def refit_error_scores(
         raise HeadkitError(f"unit must be 'query' or 'group', got {unit!r}")
     if weighting not in WEIGHTINGS:
         raise HeadkitError(f"weighting must be one of {', '.join(WEIGHTINGS)}, got {weighting!r}")
-    if weighting == "loss" and any(stats.input_gradients is None for stats in statistics):
+    if weighting == "loss" and not all(stats.has_loss_samples for stats in statistics):
         raise HeadkitError(
             "weighting='loss' needs statistics with the loss's gradients: output_statistics(..., gradients=True)"
         )
@@ -305,8 +392,8 @@ def refit_error_scores(
             else [[h for h in range(heads) if kv[h] == group] for group in sorted(set(kv))]
         )
         energy = 1.0
-        if weighting == "loss":
-            samples = (stats.activations.float(), stats.input_gradients.float())
+        if weighting == "loss":  # one layer's samples in memory at a time, float32 for the products
+            samples = tuple(t.float() for t in stats.loss_samples())
         if weighting == "absolute":
             energy = float(torch.einsum("oi,ij,oj->", stats.weight, stats.gram, stats.weight)) / max(
                 stats.tokens, 1
@@ -564,9 +651,10 @@ def capture_attention_calls(
 
         return keep
 
+    head = _next_token_head(model) if gradients else None  # before the hooks: its check reaches none of them
     handles = [sites[i].module.register_forward_hook(hook(i), with_kwargs=True) for i in calls]
     if gradients:
-        _run_backward(model, handles, batches)
+        _run_backward(model, handles, batches, head=head)
     else:
         with torch.no_grad():
             _run_hooked(model, handles, batches)
@@ -575,16 +663,68 @@ def capture_attention_calls(
     return calls
 
 
+def _next_token_head(model: nn.Module) -> tuple[nn.Linear, float | None] | None:
+    """The LM head of `model` and its logits' soft-cap (Gemma 2/3's ``final_logit_softcapping``) when the model's
+    own next-token loss is the cross-entropy of ``cap·tanh(head(h)/cap)`` (or plain ``head(h)``) on the head's
+    input h — checked on a few tokens against the model's own loss — so that :func:`_run_backward` can compute it
+    in chunks; None otherwise (the model's own loss is used, logits whole)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear):
+        return None
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    softcap = getattr(text, "final_logit_softcapping", None) or None
+    ids = (torch.arange(2, 10)[None] % head.out_features).to(head.weight.device)
+    with torch.no_grad():
+        expected = model(input_ids=ids, labels=ids, use_cache=False).loss
+        hidden = _head_input(model, head, {"input_ids": ids})
+        got = chunked_cross_entropy(
+            hidden[0, :-1], head.weight, ids[0, 1:], bias=head.bias, softcap=softcap, chunk=3
+        ) / (ids.shape[1] - 1)
+    tolerance = 1e-4 if head.weight.dtype == torch.float32 or head.weight.dtype == torch.float64 else 2e-2
+    if expected is None or not torch.isclose(got, expected.float(), rtol=tolerance, atol=tolerance):
+        return None
+    return head, softcap
+
+
+def _head_input(model: nn.Module, head: nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
+    """The LM head's input [B, T, hidden] for `inputs`, the forward stopped there (no logits computed)."""
+    captured: list[torch.Tensor] = []
+
+    def capture(module: nn.Module, args: tuple) -> None:
+        captured.append(args[0])
+        raise _Captured
+
+    handle = head.register_forward_pre_hook(capture)
+    try:
+        model(**inputs, use_cache=False)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    if not captured:
+        raise HeadkitError(f"{type(model).__name__}'s forward never reached its LM head")
+    return captured[0]
+
+
 def _run_backward(
     model: nn.Module,
     handles: list[Any],
     batches: Iterable[Mapping[str, Any]],
     real: list[torch.Tensor | None] | None = None,
+    *,
+    head: tuple[nn.Linear, float | None] | None = None,
 ) -> None:
     """Run `model` over `batches` and back-propagate each batch's summed next-token cross-entropy (padding slots
     excluded) to the activations only, then remove the hooks `handles`; parameters' flags restored, also on
-    error. `real`: as :func:`_run_hooked`'s."""
+    error. `real`: as :func:`_run_hooked`'s. Each batch runs in slices of whole rows (:data:`PASS_TOKENS` tokens),
+    and with `head` (:func:`_next_token_head`, found by the caller before its hooks were registered, so that its
+    check's few tokens reach none of them) the loss is computed from the head's input a chunk of tokens at a time
+    (:func:`chunked_cross_entropy`): the gradients are the plain loss's, without [tokens, vocabulary] logits and
+    their gradient held whole. Without it, the model's own loss."""
     flags = {name: parameter.requires_grad for name, parameter in model.named_parameters()}
+    model.requires_grad_(False)
+    found = head
     # The graph starts at the embeddings' output, so that no parameter needs a gradient.
     handles = [
         *handles,
@@ -592,17 +732,29 @@ def _run_backward(
             lambda m, a, out: out.detach().requires_grad_(True)
         ),
     ]
-    model.requires_grad_(False)
     try:
         with torch.enable_grad():
             for batch in batches:
-                ids, mask = batch["input_ids"], batch.get("attention_mask")
-                if real is not None:
-                    real[0] = _real_tokens(mask)
-                labels = ids if mask is None else ids.masked_fill(mask == 0, -100)
-                # The model's own loss (shifted, padding ignored) is the mean: times the tokens, the sum.
-                loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
-                (loss * (labels[:, 1:] != -100).sum()).backward()
+                for inputs in _slices(batch):
+                    ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+                    if real is not None:
+                        real[0] = _real_tokens(mask)
+                    labels = ids if mask is None else ids.masked_fill(mask == 0, IGNORE_INDEX)
+                    if found is None:
+                        # The model's own loss (shifted, padding ignored) is the mean: times the tokens, the sum.
+                        loss = model(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False).loss
+                        loss = loss * (labels[:, 1:] != IGNORE_INDEX).sum()
+                    else:
+                        head, softcap = found
+                        hidden = _head_input(model, head, {"input_ids": ids, "attention_mask": mask})
+                        loss = chunked_cross_entropy(
+                            hidden[:, :-1].reshape(-1, hidden.shape[-1]),
+                            head.weight,
+                            labels[:, 1:].reshape(-1),
+                            bias=head.bias,
+                            softcap=softcap,
+                        )
+                    loss.backward()
     finally:
         for handle in handles:
             handle.remove()
