@@ -32,9 +32,7 @@ def captured(monkeypatch):
 
 
 def test_headkits_benchmarks_are_registered_each_under_one_convention():
-    order = (
-        "speed decode digits lora decompose lm extrapolate compress prune linearize retrieval export".split()
-    )
+    order = "speed decode digits lora decompose lm extrapolate compress prune linearize retrieval frontier export".split()
     assert list(load_benchmarks()) == order  # BUILTIN_BENCHMARKS' order, which `headkit bench --help` keeps
     assert list(typer.main.get_command(app).commands["bench"].commands) == list(load_benchmarks())
     for benchmark in BENCHMARKS.values():
