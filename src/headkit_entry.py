@@ -11,6 +11,11 @@ from __future__ import annotations
 
 import sys
 
+# Set by :func:`main` before it imports the package: ``headkit/__init__`` then leaves the Auto-class registration
+# (headkit.models: transformers' model code, seconds) to the paths that read a checkpoint, so that a command
+# refusing a bad option imports only its settings and the model's config.
+defer_models = False
+
 USAGE = "Usage: headkit [OPTIONS] COMMAND [ARGS]..."
 SUMMARY = "Engineering attention heads: efficient attention, collaborative heads, head pruning."
 # (command, the first paragraph of its help), in the app's order.
@@ -71,6 +76,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args or args == ["--help"]:
         print(top_level_help())
         return
+    global defer_models
+    defer_models = True
     from headkit.app import main as run
 
     run(args)
