@@ -134,7 +134,11 @@ def _refusal(args: list[str]) -> tuple[str, list[str]]:
         (
             ["prune", "--heads", "100000"],
             "error: --heads must be in [1, 270] (the model has 270 query heads), got 100000",
-        )
+        ),
+        (
+            ["linearize", "--window", "1000000"],
+            "error: window must be at most the model's context of 8192 tokens, got 1000000",
+        ),
     ],
 )
 def test_a_bad_option_on_the_smollm2_gguf_is_refused_without_model_code(args, message, tmp_path):

@@ -16,6 +16,8 @@ from rich.markup import escape
 from headkit.bench.registry import add_command, parse_list
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import EVAL_INCLUDE_PATH_HELP, EVAL_TASKS_HELP
+from headkit.recipes.linearize_settings import MODEL_HELP as LINEARIZE_MODEL_HELP
+from headkit.recipes.linearize_settings import LinearizeSettings, quick_budget
 from headkit.recipes.options import settings_command, settings_from
 from headkit.recipes.prune_settings import PruneSettings
 from headkit.runs.command_line import run_command_line
@@ -146,7 +148,7 @@ def main(argv: list[str] | None = None) -> None:
 
 # The commands declared when named (each imports what its options are declared from), and the order of all the
 # commands in the app (that of ``headkit --help``, headkit_entry.COMMANDS).
-LATE = ("compress", "train", "linearize", "bench")
+LATE = ("compress", "train", "bench")
 ORDER = ("version", "demo", "prune", "compress", "train", "linearize", "export", "eval", "generate", "cache")
 _DECLARED: set[str] = set()
 
@@ -167,7 +169,7 @@ def _declare(command: str | None) -> typer.Typer:
             for benchmark in load_benchmarks().values():
                 add_command(bench_app, benchmark)
         else:
-            {"compress": _declare_compress, "train": _declare_train, "linearize": _declare_linearize}[name]()
+            {"compress": _declare_compress, "train": _declare_train}[name]()
     _app.registered_commands.sort(key=lambda info: ORDER.index(info.name or info.callback.__name__))
     return _app
 
@@ -360,33 +362,33 @@ def _declare_train() -> None:
     _app.command()(train)
 
 
-def _declare_linearize() -> None:
-    """Declare ``linearize``, its options from :class:`~headkit.recipes.linearize.LinearizeSettings`."""
-    from headkit.recipes.linearize import MODEL_HELP as LINEARIZE_MODEL_HELP
-    from headkit.recipes.linearize import LinearizeSettings, quick_budget
+# -- linearize (softmax → sliding-window + linear attention) ------------------------------------------------------
 
-    @settings_command(LinearizeSettings)
-    def linearize_command(
-        model: Path = typer.Argument(None, help=LINEARIZE_MODEL_HELP),
-        out: Path = typer.Option(
-            Path("results/linearized-model"), help="Output folder (never the input model)."
-        ),
-        overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
-        quick: bool = typer.Option(False, help=quick_budget()),
-        dtype: str = _dtype_option(),
-        eval_tasks: str = _eval_tasks_option(),
-        eval_include_path: Path = _eval_include_path_option(),
-        **options: Any,
-    ) -> None:
-        """Linearize a causal LM: softmax → sliding-window + Hedgehog linear attention, attention transfer, LoRA;
-        report perplexity, agreement, decode speed and memory, and save (see headkit.recipes.linearize)."""
-        from headkit.recipes.linearize import linearize
 
-        given = options | dict(model=model, out=out, overwrite=overwrite, dtype=_check_dtype(dtype))
-        given |= _eval_task_fields(eval_tasks, eval_include_path)
-        _echo_result(linearize(settings_from(LinearizeSettings, quick, given), echo=typer.echo))
+@_app.command("linearize")
+@settings_command(LinearizeSettings)
+def linearize_command(
+    model: Path = typer.Argument(None, help=LINEARIZE_MODEL_HELP),
+    out: Path = typer.Option(Path("results/linearized-model"), help="Output folder (never the input model)."),
+    overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
+    quick: bool = typer.Option(False, help=quick_budget()),
+    dtype: str = _dtype_option(),
+    eval_tasks: str = _eval_tasks_option(),
+    eval_include_path: Path = _eval_include_path_option(),
+    **options: Any,
+) -> None:
+    """Linearize a causal LM: softmax → sliding-window + Hedgehog linear attention, attention transfer, LoRA;
+    report perplexity, agreement, decode speed and memory, and save (see headkit.recipes.linearize)."""
+    from headkit.recipes.linearize_settings import check_settings, preflight
+    from headkit.runs.models import smollm2_gguf_path
 
-    _app.command("linearize")(linearize_command)
+    given = options | dict(model=model, out=out, overwrite=overwrite, dtype=_check_dtype(dtype))
+    given |= _eval_task_fields(eval_tasks, eval_include_path)
+    settings = settings_from(LinearizeSettings, quick, given)
+    _refuse_early(settings, check_settings, preflight, smollm2_gguf_path)
+    from headkit.recipes.linearize import linearize
+
+    _echo_result(linearize(settings, echo=typer.echo))
 
 
 @_app.command("export")
