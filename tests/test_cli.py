@@ -102,6 +102,9 @@ HEAVY = (
     "headkit.recipes.compress",
     "headkit.recipes.linearize",
     "headkit.recipes.distill",
+    "headkit.surgery.pruning",
+    "headkit.surgery.latent",
+    "headkit.surgery.linearize",
     "headkit.bench.lm",
 )
 # The console script's path in a fresh interpreter: the refusal's exit status, its stderr, and which of HEAVY were
@@ -134,6 +137,11 @@ def _refusal(args: list[str]) -> tuple[str, list[str]]:
         (
             ["prune", "--heads", "100000"],
             "error: --heads must be in [1, 270] (the model has 270 query heads), got 100000",
+        ),
+        (
+            ["compress", "--kv-rank", "100000"],
+            "error: kv_rank must be an integer in [1, 336] (the full width min(hidden 576, kv_heads 3 × (2·head_dim "
+            "128 − rope_dims 16))), got 100000",
         ),
         (
             ["linearize", "--window", "1000000"],

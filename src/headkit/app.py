@@ -16,6 +16,7 @@ from rich.markup import escape
 from headkit.bench.registry import add_command, parse_list
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import EVAL_INCLUDE_PATH_HELP, EVAL_TASKS_HELP
+from headkit.recipes.compress_settings import CompressSettings
 from headkit.recipes.linearize_settings import MODEL_HELP as LINEARIZE_MODEL_HELP
 from headkit.recipes.linearize_settings import LinearizeSettings, quick_budget
 from headkit.recipes.options import settings_command, settings_from
@@ -148,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
 
 # The commands declared when named (each imports what its options are declared from), and the order of all the
 # commands in the app (that of ``headkit --help``, headkit_entry.COMMANDS).
-LATE = ("compress", "train", "bench")
+LATE = ("train", "bench")
 ORDER = ("version", "demo", "prune", "compress", "train", "linearize", "export", "eval", "generate", "cache")
 _DECLARED: set[str] = set()
 
@@ -169,7 +170,7 @@ def _declare(command: str | None) -> typer.Typer:
             for benchmark in load_benchmarks().values():
                 add_command(bench_app, benchmark)
         else:
-            {"compress": _declare_compress, "train": _declare_train}[name]()
+            _declare_train()
     _app.registered_commands.sort(key=lambda info: ORDER.index(info.name or info.callback.__name__))
     return _app
 
@@ -211,36 +212,36 @@ def prune(
     _echo_result(prune(settings, echo=typer.echo))
 
 
-def _declare_compress() -> None:
-    """Declare ``compress``, its options from :class:`~headkit.recipes.compress.CompressSettings`."""
-    from headkit.recipes.compress import CompressSettings
+@_app.command()
+@settings_command(CompressSettings)
+def compress(
+    model: Path = typer.Argument(
+        None,
+        help="Model folder or GGUF file (default: the bundled all-MiniLM-L6-v2). A causal LM without rotary "
+        "embeddings (GPT-2) keeps its LM head and is distilled on next-token distributions.",
+    ),
+    out: Path = typer.Option(
+        Path("results/compressed-model"),
+        help="Output folder (never the input model; results/compress holds `headkit bench compress`).",
+    ),
+    overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
+    dtype: str = _dtype_option(),
+    eval_tasks: str = _eval_tasks_option(),
+    eval_include_path: Path = _eval_include_path_option(),
+    **options: Any,
+) -> None:
+    """Collaborative heads at --dim (or, on a rotary decoder, latent keys/values at --kv-rank), optionally
+    distilled; fidelity (or perplexity), size and speed."""
+    from headkit.recipes.compress_settings import check_settings, preflight
+    from headkit.runs.models import default_encoder_path
 
-    @settings_command(CompressSettings)
-    def compress(
-        model: Path = typer.Argument(
-            None,
-            help="Model folder or GGUF file (default: the bundled all-MiniLM-L6-v2). A causal LM without rotary "
-            "embeddings (GPT-2) keeps its LM head and is distilled on next-token distributions.",
-        ),
-        out: Path = typer.Option(
-            Path("results/compressed-model"),
-            help="Output folder (never the input model; results/compress holds `headkit bench compress`).",
-        ),
-        overwrite: bool = typer.Option(False, help="Replace a non-empty output folder."),
-        dtype: str = _dtype_option(),
-        eval_tasks: str = _eval_tasks_option(),
-        eval_include_path: Path = _eval_include_path_option(),
-        **options: Any,
-    ) -> None:
-        """Collaborative heads at --dim (or, on a rotary decoder, latent keys/values at --kv-rank), optionally
-        distilled; fidelity (or perplexity), size and speed."""
-        from headkit.recipes.compress import compress
+    given = options | dict(model=model, out=out, overwrite=overwrite, dtype=_check_dtype(dtype))
+    given |= _eval_task_fields(eval_tasks, eval_include_path)
+    settings = settings_from(CompressSettings, False, given)
+    _refuse_early(settings, check_settings, preflight, default_encoder_path)
+    from headkit.recipes.compress import compress
 
-        given = options | dict(model=model, out=out, overwrite=overwrite, dtype=_check_dtype(dtype))
-        given |= _eval_task_fields(eval_tasks, eval_include_path)
-        _echo_result(compress(settings_from(CompressSettings, False, given), echo=typer.echo))
-
-    _app.command()(compress)
+    _echo_result(compress(settings, echo=typer.echo))
 
 
 def _declare_train() -> None:
