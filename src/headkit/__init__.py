@@ -4,8 +4,9 @@ Efficient attention you can train and decode with (softmax, linear, additive, Co
 surgery on pretrained models (``headkit.apply_`` with one config per operation: pruning, gates, collaborative
 heads, latent keys/values, linearization).
 
-Importing headkit registers its own model type with the transformers Auto classes (:mod:`headkit.models`); the
-other names below are imported when first used (PEP 562). The ``headkit`` command lists its commands without
+Importing headkit registers its own model type with the transformers Auto classes (:mod:`headkit.models`; the
+console script defers it to the paths that read a checkpoint); the other names below are imported when first used
+(PEP 562). The ``headkit`` command lists its commands without
 importing the package at all (the console script is :mod:`headkit_entry`).
 """
 
