@@ -1,15 +1,22 @@
 """The ``headkit`` console script: ``headkit --help`` answered without importing headkit.
 
-Importing headkit registers its models with transformers and imports torch (seconds); the app
-(:mod:`headkit.app`) declares each command's options from the configs and settings it runs, which imports every
-recipe. The list of commands needs neither, so this module — outside the package, so that the package's
-``__init__`` does not run — prints it from :data:`COMMANDS` (the first paragraph of each command's own help, which
-the tests hold equal to the app's) and hands everything else to :func:`headkit.app.main`.
+Importing headkit registers its models with transformers; the app (:mod:`headkit.app`) declares each command's
+options from the configs and settings it runs, which imports torch (seconds). The list of commands needs neither,
+so this module — outside the package, so that the package's ``__init__`` does not run — prints it from
+:data:`COMMANDS` (the first paragraph of each command's own help, which the tests hold equal to the app's) and
+hands everything else to :func:`headkit.app.main`, after telling the package to defer the registration
+(:data:`defer_models`): a command that refuses a bad option then imports its light settings, torch and the
+model's config, not transformers' model code.
 """
 
 from __future__ import annotations
 
 import sys
+
+# Set by :func:`main` before it imports the package: ``headkit/__init__`` then leaves the Auto-class registration
+# (headkit.models: transformers' model code, seconds) to the paths that read a checkpoint, so that a command
+# refusing a bad option imports only its settings and the model's config.
+defer_models = False
 
 USAGE = "Usage: headkit [OPTIONS] COMMAND [ARGS]..."
 SUMMARY = "Engineering attention heads: efficient attention, collaborative heads, head pruning."
@@ -71,6 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args or args == ["--help"]:
         print(top_level_help())
         return
+    global defer_models
+    defer_models = True
     from headkit.app import main as run
 
     run(args)

@@ -85,3 +85,102 @@ def test_the_list_of_commands_is_the_apps_and_needs_no_torch():
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().endswith("[]") and done.stdout.startswith(top_level_help())
+
+
+# What a refusal of a bad option must not import: transformers' model code, torch's compiler, the training and
+# data stacks, the recipes' own modules, headkit's models and layers, the benchmarks.
+HEAVY = (
+    "transformers.modeling_utils",
+    "transformers.trainer",
+    "torch._dynamo",
+    "datasets",
+    "pandas",
+    "peft",
+    "headkit.models",
+    "headkit.layers",
+    "headkit.recipes.prune",
+    "headkit.recipes.compress",
+    "headkit.recipes.linearize",
+    "headkit.recipes.distill",
+    "headkit.surgery.pruning",
+    "headkit.surgery.latent",
+    "headkit.surgery.linearize",
+    "headkit.bench.lm",
+)
+# The console script's path in a fresh interpreter: the refusal's exit status, its stderr, and which of HEAVY were
+# imported by the time it exited.
+REFUSAL_PROBE = """
+import sys
+from headkit_entry import main
+try:
+    main(sys.argv[1:])
+except SystemExit as exit:
+    code = exit.code
+else:
+    code = 0
+print(code, sorted(name for name in {heavy!r} if name in sys.modules))
+"""
+
+
+def _refusal(args: list[str]) -> tuple[str, list[str]]:
+    """Run the ``headkit`` console script's entry point with `args` in a fresh interpreter: (stdout, the error
+    lines of stderr)."""
+    probe = REFUSAL_PROBE.format(heavy=HEAVY)
+    done = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, timeout=300)
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]
+    return done.stdout.strip(), errors
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["prune", "--heads", "100000"],
+            "error: --heads must be in [1, 270] (the model has 270 query heads), got 100000",
+        ),
+        (
+            ["compress", "--kv-rank", "100000"],
+            "error: kv_rank must be an integer in [1, 336] (the full width min(hidden 576, kv_heads 3 × (2·head_dim "
+            "128 − rope_dims 16))), got 100000",
+        ),
+        (
+            ["linearize", "--window", "1000000"],
+            "error: window must be at most the model's context of 8192 tokens, got 1000000",
+        ),
+    ],
+)
+def test_a_bad_option_on_the_smollm2_gguf_is_refused_without_model_code(args, message, tmp_path):
+    # The refusal reads the GGUF header and the settings only: none of HEAVY imported (seconds of imports that
+    # would make a one-line refusal take ten).
+    from headkit.errors import HeadkitError
+    from headkit.runs.models import smollm2_gguf_path
+
+    try:
+        path = smollm2_gguf_path()
+    except HeadkitError as exc:
+        pytest.skip(str(exc))
+    command, *options = args
+    stdout, errors = _refusal([command, str(path), *options, "--out", str(tmp_path / "o")])
+    assert errors == [message]
+    assert stdout == "2 []"
+    assert not (tmp_path / "o").exists()
+
+
+def test_import_headkit_still_registers_its_models_and_the_console_script_reads_their_configs(tmp_path):
+    # `import headkit` registers model_type "headkit" with the Auto classes at once; under the console script,
+    # which defers it, reading a checkpoint's config registers them first (headkit.runs.models).
+    import headkit
+
+    config = headkit.HeadkitConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2)
+    config.save_pretrained(tmp_path)
+    eager = "import headkit, transformers; print(transformers.AutoConfig.for_model('headkit').model_type)"
+    done = subprocess.run([sys.executable, "-c", eager], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "headkit", done.stderr
+    deferred = (
+        "import sys, headkit_entry; headkit_entry.defer_models = True; import headkit;"
+        "before = 'headkit.models' in sys.modules;"
+        "from headkit.runs.models import read_model_config;"
+        f"print(before, type(read_model_config({str(tmp_path)!r})).__name__)"
+    )
+    done = subprocess.run([sys.executable, "-c", deferred], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "False HeadkitConfig", done.stderr

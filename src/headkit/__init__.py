@@ -4,21 +4,27 @@ Efficient attention you can train and decode with (softmax, linear, additive, Co
 surgery on pretrained models (``headkit.apply_`` with one config per operation: pruning, gates, collaborative
 heads, latent keys/values, linearization).
 
-Importing headkit registers its own model type with the transformers Auto classes (:mod:`headkit.models`); the
-other names below are imported when first used (PEP 562). The ``headkit`` command lists its commands without
+Importing headkit registers its own model type with the transformers Auto classes (:mod:`headkit.models`; the
+console script defers it to the paths that read a checkpoint); the other names below are imported when first used
+(PEP 562). The ``headkit`` command lists its commands without
 importing the package at all (the console script is :mod:`headkit_entry`).
 """
 
 import importlib
+import sys
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from headkit import (
-    logs,  # noqa: F401  (first: quiets torchao's import-time noise before transformers loads it)
-    models,  # noqa: F401  (registers model_type "headkit" with the transformers Auto classes)
-)
+from headkit import logs  # noqa: F401  (first: quiets torchao's import-time noise before transformers loads it)
 from headkit.errors import HeadkitError
+
+# Registers model_type "headkit" with the transformers Auto classes: eager for every ``import headkit``, except
+# under the ``headkit`` console script (:mod:`headkit_entry`, which says so before importing the package), whose
+# refusals of a bad option must not pay seconds of model code first; there every path that reads a checkpoint
+# imports headkit.models itself (headkit.runs.models, headkit.surgery.io).
+if not getattr(sys.modules.get("headkit_entry"), "defer_models", False):
+    from headkit import models  # noqa: F401
 
 __version__ = "0.1.0"
 

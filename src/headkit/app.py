@@ -5,6 +5,7 @@ User errors (bad arguments, missing files, unsupported models) print one line an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,19 +13,22 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from headkit.bench import load_benchmarks
 from headkit.bench.registry import add_command, parse_list
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import EVAL_INCLUDE_PATH_HELP, EVAL_TASKS_HELP
-from headkit.layers import attention_classes
-from headkit.recipes.compress import CompressSettings
-from headkit.recipes.linearize import MODEL_HELP as LINEARIZE_MODEL_HELP
-from headkit.recipes.linearize import LinearizeSettings, quick_budget
+from headkit.recipes.compress_settings import CompressSettings
+from headkit.recipes.linearize_settings import MODEL_HELP as LINEARIZE_MODEL_HELP
+from headkit.recipes.linearize_settings import LinearizeSettings, quick_budget
 from headkit.recipes.options import settings_command, settings_from
-from headkit.recipes.prune import PruneSettings
+from headkit.recipes.prune_settings import PruneSettings
 from headkit.runs.command_line import run_command_line
 
-app = typer.Typer(
+# Declared from the light settings modules (headkit.recipes.prune_settings, ...): each command imports its recipe in
+# its callback, after the checks that MODEL's config can answer, so that a refused option costs the settings, torch
+# and the config, not the recipes' model code, training and measurement stacks. The benchmarks (every module of
+# headkit.bench) and ``train`` (its help lists the registered attention layers: headkit.layers) are declared when
+# the command line names them, or when the app is asked for whole (``from headkit.app import app``).
+_app = typer.Typer(
     name="headkit",
     help="Engineering attention heads: efficient attention, collaborative heads, head pruning.",
     no_args_is_help=True,
@@ -34,12 +38,12 @@ app = typer.Typer(
 bench_app = typer.Typer(
     help="Benchmarks: rerun the measurements behind the docs/ pages (docs/index.md).", no_args_is_help=True
 )
-app.add_typer(bench_app, name="bench")
+_app.add_typer(bench_app, name="bench")
 
 err_console = Console(stderr=True)
 
 
-@app.command()
+@_app.command()
 def version() -> None:
     """Print headkit's version and those of torch and transformers."""
     import torch
@@ -52,7 +56,7 @@ def version() -> None:
     )
 
 
-@app.command()
+@_app.command()
 def demo(
     out: Path = typer.Option(Path("results/demo"), help="Output directory."),
     model: Path = typer.Option(
@@ -71,10 +75,6 @@ def demo(
     from headkit.demo import DemoConfig, run_demo
 
     run_demo(DemoConfig(model=model, out=out, decoder=decoder, speed=speed, seed=seed, threads=threads))
-
-
-for _benchmark in load_benchmarks().values():
-    add_command(bench_app, _benchmark)
 
 
 def _dtype_option() -> Any:
@@ -109,6 +109,23 @@ def _eval_task_fields(eval_tasks: str | None, eval_include_path: Path | None) ->
     return {"eval_tasks": names, "eval_include_path": eval_include_path}
 
 
+def _refuse_early(
+    settings: Any,
+    check: Callable[[Any], None],
+    preflight: Callable[[Any, Path, Any | None, Path | None], None],
+    default_model: Callable[[], Path],
+) -> None:
+    """A recipe's settings checked (``check``) and, against MODEL's 🤗 config, by its ``preflight``
+    (:func:`headkit.recipes.settings.check_before_loading`), from the light settings module, before the command
+    imports the recipe: a bad option is refused in one line without the recipe's model code (which checks them
+    again, in milliseconds)."""
+    from headkit.recipes.settings import check_before_loading
+
+    check(settings)
+    model_path = Path(settings.model) if settings.model is not None else default_model()
+    check_before_loading(preflight, settings, model_path, Path(settings.out))
+
+
 def _echo_result(result: Any) -> None:
     """A recipe's report, then its peak resident memory and the stage that reached it, on the last line."""
     from headkit.runs.resident import peak_memory_line
@@ -121,11 +138,51 @@ def _echo_result(result: Any) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: run the app; user errors become one line on stderr and exit status 2, printed once under
-    ``torchrun`` / ``accelerate launch`` (:func:`headkit.runs.command_line.run_command_line`)."""
-    run_command_line(app, argv)
+    ``torchrun`` / ``accelerate launch`` (:func:`headkit.runs.command_line.run_command_line`). Only the command
+    named is completed (:func:`_declare`): a refusal of ``headkit prune`` imports no benchmark."""
+    import sys
+
+    args = sys.argv[1:] if argv is None else list(argv)
+    _declare(args[0] if args else None)
+    run_command_line(_app, argv)
 
 
-@app.command()
+# The commands declared when named (each imports what its options are declared from), and the order of all the
+# commands in the app (that of ``headkit --help``, headkit_entry.COMMANDS).
+LATE = ("train", "bench")
+ORDER = ("version", "demo", "prune", "compress", "train", "linearize", "export", "eval", "generate", "cache")
+_DECLARED: set[str] = set()
+
+
+def _declare(command: str | None) -> typer.Typer:
+    """The app, with the commands declared late (:data:`LATE`) that `command` may need: none for a command declared
+    up front, its own for one of them, all of them otherwise (None: the whole app; an unknown name or an option:
+    the list of commands)."""
+    if command not in LATE and command in ORDER:
+        return _app
+    for name in [command] if command in LATE else LATE:
+        if name in _DECLARED:
+            continue
+        _DECLARED.add(name)
+        if name == "bench":
+            from headkit.bench import load_benchmarks
+
+            for benchmark in load_benchmarks().values():
+                add_command(bench_app, benchmark)
+        else:
+            _declare_train()
+    _app.registered_commands.sort(key=lambda info: ORDER.index(info.name or info.callback.__name__))
+    return _app
+
+
+def __getattr__(name: str) -> Any:
+    """``app``: the whole app, every command and benchmark declared (what the tests and ``typer`` tools read)."""
+    if name == "app":
+        return _declare(None)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@_app.command()
 @settings_command(PruneSettings)
 def prune(
     model: Path = typer.Argument(
@@ -143,14 +200,19 @@ def prune(
 ) -> None:
     """Prune attention heads, repair, recover by distillation against the original, report and save (see
     headkit.recipes.prune)."""
-    from headkit.recipes.prune import prune
+    from headkit.recipes.prune_settings import check_settings, preflight
+    from headkit.runs.models import default_encoder_path
 
     given = options | dict(model=model, out=out, overwrite=overwrite, dtype=_check_dtype(dtype))
     given |= _eval_task_fields(eval_tasks, eval_include_path)
-    _echo_result(prune(settings_from(PruneSettings, quick, given), echo=typer.echo))
+    settings = settings_from(PruneSettings, quick, given)
+    _refuse_early(settings, check_settings, preflight, default_encoder_path)
+    from headkit.recipes.prune import prune
+
+    _echo_result(prune(settings, echo=typer.echo))
 
 
-@app.command()
+@_app.command()
 @settings_command(CompressSettings)
 def compress(
     model: Path = typer.Argument(
@@ -170,124 +232,141 @@ def compress(
 ) -> None:
     """Collaborative heads at --dim (or, on a rotary decoder, latent keys/values at --kv-rank), optionally
     distilled; fidelity (or perplexity), size and speed."""
-    from headkit.recipes.compress import compress
+    from headkit.recipes.compress_settings import check_settings, preflight
+    from headkit.runs.models import default_encoder_path
 
     given = options | dict(model=model, out=out, overwrite=overwrite, dtype=_check_dtype(dtype))
     given |= _eval_task_fields(eval_tasks, eval_include_path)
-    _echo_result(compress(settings_from(CompressSettings, False, given), echo=typer.echo))
+    settings = settings_from(CompressSettings, False, given)
+    _refuse_early(settings, check_settings, preflight, default_encoder_path)
+    from headkit.recipes.compress import compress
+
+    _echo_result(compress(settings, echo=typer.echo))
 
 
-@app.command()
-def train(
-    attention: str = typer.Option(
-        "linear", help=f"Mechanism of every layer, one of those registered: {', '.join(attention_classes())}."
-    ),
-    layer_types: str = typer.Option(
-        "",
-        help="Comma-separated mechanism per layer, for a hybrid (sets the layer count; overrides --attention).",
-    ),
-    corpus: Path = typer.Option(
-        None, help="A text file or a folder of text files (default: this Python's standard-library source)."
-    ),
-    tokenizer: Path = typer.Option(None, help="A tokenizer saved in a local folder (default: byte-level)."),
-    steps: int = typer.Option(None, min=1, help="Optimiser steps (default 300; 100 with --quick)."),
-    batch_size: int = typer.Option(8, min=1, help="Windows per step."),
-    seq_len: int = typer.Option(None, min=2, help="Tokens per window (default 256; 128 with --quick)."),
-    lr: float = typer.Option(1e-3, min=0.0, help="Peak learning rate (AdamW, warm-up then cosine decay)."),
-    hidden_size: int = typer.Option(None, min=1, help="Model width (default 256; 64 with --quick)."),
-    layers: int = typer.Option(None, min=1, help="Decoder layers (default 4; 2 with --quick)."),
-    heads: int = typer.Option(4, min=1, help="Attention heads per layer."),
-    set_fields: list[str] = typer.Option(
-        None,
-        "--set",
-        help="Any HeadkitConfig field as KEY=VALUE (JSON value), e.g. --set additive_window=64; "
-        "an unknown field is an error.",
-    ),
-    eval_tokens: int = typer.Option(
-        None,
-        min=0,
-        help="Held-out tokens for bits per byte (default 65536; 8192 with --quick; 0 = none, else ≥ 2).",
-    ),
-    max_corpus_bytes: int = typer.Option(
-        None, min=1, help="Read at most this many bytes of the corpus (default all; 2 MB with --quick)."
-    ),
-    seed: int = typer.Option(0, help="Seed of the initialisation and the batch sampling."),
-    device: str = typer.Option("cpu", help="Device to train on: cpu or cuda (or cuda:N)."),
-    out: Path = typer.Option(
-        Path("results/train"), help="Output folder: model, tokenizer, training_report.json."
-    ),
-    overwrite: bool = typer.Option(
-        False, help="Replace a non-empty output folder (whole, once the new one is complete)."
-    ),
-    quick: bool = typer.Option(
-        False, help="A small model and a short run (well under a minute on 2 CPU cores)."
-    ),
-) -> None:
-    """Train a causal LM with any attention mechanism on a text corpus; report held-out bits per byte."""
-    import json
+def _declare_train() -> None:
+    """Declare ``train`` (between compress and linearize, the order of ``headkit --help``): its --attention help
+    lists the attention layers registered, which importing headkit.layers registers."""
+    from headkit.layers import attention_classes
 
-    from headkit.data import load_corpus, load_tokenizer
-    from headkit.devices import check_device
-    from headkit.files import check_output_folder
-    from headkit.train import (
-        check_config_fields,
-        check_eval_tokens,
-        default_config,
-        train_causal_lm,
-    )
+    def train(
+        attention: str = typer.Option(
+            "linear",
+            help=f"Mechanism of every layer, one of those registered: {', '.join(attention_classes())}.",
+        ),
+        layer_types: str = typer.Option(
+            "",
+            help="Comma-separated mechanism per layer, for a hybrid (sets the layer count; overrides --attention).",
+        ),
+        corpus: Path = typer.Option(
+            None,
+            help="A text file or a folder of text files (default: this Python's standard-library source).",
+        ),
+        tokenizer: Path = typer.Option(
+            None, help="A tokenizer saved in a local folder (default: byte-level)."
+        ),
+        steps: int = typer.Option(None, min=1, help="Optimiser steps (default 300; 100 with --quick)."),
+        batch_size: int = typer.Option(8, min=1, help="Windows per step."),
+        seq_len: int = typer.Option(None, min=2, help="Tokens per window (default 256; 128 with --quick)."),
+        lr: float = typer.Option(
+            1e-3, min=0.0, help="Peak learning rate (AdamW, warm-up then cosine decay)."
+        ),
+        hidden_size: int = typer.Option(None, min=1, help="Model width (default 256; 64 with --quick)."),
+        layers: int = typer.Option(None, min=1, help="Decoder layers (default 4; 2 with --quick)."),
+        heads: int = typer.Option(4, min=1, help="Attention heads per layer."),
+        set_fields: list[str] = typer.Option(
+            None,
+            "--set",
+            help="Any HeadkitConfig field as KEY=VALUE (JSON value), e.g. --set additive_window=64; "
+            "an unknown field is an error.",
+        ),
+        eval_tokens: int = typer.Option(
+            None,
+            min=0,
+            help="Held-out tokens for bits per byte (default 65536; 8192 with --quick; 0 = none, else ≥ 2).",
+        ),
+        max_corpus_bytes: int = typer.Option(
+            None, min=1, help="Read at most this many bytes of the corpus (default all; 2 MB with --quick)."
+        ),
+        seed: int = typer.Option(0, help="Seed of the initialisation and the batch sampling."),
+        device: str = typer.Option("cpu", help="Device to train on: cpu or cuda (or cuda:N)."),
+        out: Path = typer.Option(
+            Path("results/train"), help="Output folder: model, tokenizer, training_report.json."
+        ),
+        overwrite: bool = typer.Option(
+            False, help="Replace a non-empty output folder (whole, once the new one is complete)."
+        ),
+        quick: bool = typer.Option(
+            False, help="A small model and a short run (well under a minute on 2 CPU cores)."
+        ),
+    ) -> None:
+        """Train a causal LM with any attention mechanism on a text corpus; report held-out bits per byte."""
+        import json
 
-    def default(value, full, short):
-        return value if value is not None else (short if quick else full)
+        from headkit.data import load_corpus, load_tokenizer
+        from headkit.devices import check_device
+        from headkit.files import check_output_folder
+        from headkit.train import (
+            check_config_fields,
+            check_eval_tokens,
+            default_config,
+            train_causal_lm,
+        )
 
-    # Every option is checked before anything is loaded or trained.
-    check_device(device)
-    inputs = {"--corpus": corpus, "--tokenizer": tokenizer}
-    check_output_folder(out, overwrite, {name: path for name, path in inputs.items() if path is not None})
-    eval_tokens = default(eval_tokens, 65_536, 8_192)
-    check_eval_tokens(eval_tokens)
-    fields: dict = {}
-    for item in set_fields or []:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise HeadkitError(f"--set takes KEY=VALUE, got {item!r}")
-        try:
-            fields[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            fields[key.strip()] = value
-    check_config_fields(fields)
-    per_layer = [name.strip() for name in layer_types.split(",") if name.strip()]
-    seq_len = default(seq_len, 256, 128)
-    loaded_tokenizer = load_tokenizer(tokenizer)
-    settings = dict(
-        attention=attention,
-        hidden_size=default(hidden_size, 256, 64),
-        num_hidden_layers=len(per_layer) or default(layers, 4, 2),
-        num_attention_heads=heads,
-        max_position_embeddings=max(2048, seq_len),
-        **({"layer_types": per_layer} if per_layer else {}),
-    )
-    settings.update(fields)
-    config = default_config(loaded_tokenizer, **settings)
-    train_causal_lm(
-        config,
-        load_corpus(corpus, max_bytes=default(max_corpus_bytes, None, 2_000_000)),
-        steps=default(steps, 300, 100),
-        batch_size=batch_size,
-        seq_len=seq_len,
-        lr=lr,
-        tokenizer=loaded_tokenizer,
-        eval_tokens=eval_tokens,
-        out_dir=out,
-        overwrite=overwrite,
-        seed=seed,
-        device=device,
-    )
+        def default(value, full, short):
+            return value if value is not None else (short if quick else full)
+
+        # Every option is checked before anything is loaded or trained.
+        check_device(device)
+        inputs = {"--corpus": corpus, "--tokenizer": tokenizer}
+        check_output_folder(out, overwrite, {name: path for name, path in inputs.items() if path is not None})
+        eval_tokens = default(eval_tokens, 65_536, 8_192)
+        check_eval_tokens(eval_tokens)
+        fields: dict = {}
+        for item in set_fields or []:
+            key, sep, value = item.partition("=")
+            if not sep or not key.strip():
+                raise HeadkitError(f"--set takes KEY=VALUE, got {item!r}")
+            try:
+                fields[key.strip()] = json.loads(value)
+            except json.JSONDecodeError:
+                fields[key.strip()] = value
+        check_config_fields(fields)
+        per_layer = [name.strip() for name in layer_types.split(",") if name.strip()]
+        seq_len = default(seq_len, 256, 128)
+        loaded_tokenizer = load_tokenizer(tokenizer)
+        settings = dict(
+            attention=attention,
+            hidden_size=default(hidden_size, 256, 64),
+            num_hidden_layers=len(per_layer) or default(layers, 4, 2),
+            num_attention_heads=heads,
+            max_position_embeddings=max(2048, seq_len),
+            **({"layer_types": per_layer} if per_layer else {}),
+        )
+        settings.update(fields)
+        config = default_config(loaded_tokenizer, **settings)
+        train_causal_lm(
+            config,
+            load_corpus(corpus, max_bytes=default(max_corpus_bytes, None, 2_000_000)),
+            steps=default(steps, 300, 100),
+            batch_size=batch_size,
+            seq_len=seq_len,
+            lr=lr,
+            tokenizer=loaded_tokenizer,
+            eval_tokens=eval_tokens,
+            out_dir=out,
+            overwrite=overwrite,
+            seed=seed,
+            device=device,
+        )
+
+    _app.command()(train)
 
 
 # -- linearize (softmax → sliding-window + linear attention) ------------------------------------------------------
 
 
-@app.command("linearize")
+@_app.command("linearize")
 @settings_command(LinearizeSettings)
 def linearize_command(
     model: Path = typer.Argument(None, help=LINEARIZE_MODEL_HELP),
@@ -301,14 +380,19 @@ def linearize_command(
 ) -> None:
     """Linearize a causal LM: softmax → sliding-window + Hedgehog linear attention, attention transfer, LoRA;
     report perplexity, agreement, decode speed and memory, and save (see headkit.recipes.linearize)."""
-    from headkit.recipes.linearize import linearize
+    from headkit.recipes.linearize_settings import check_settings, preflight
+    from headkit.runs.models import smollm2_gguf_path
 
     given = options | dict(model=model, out=out, overwrite=overwrite, dtype=_check_dtype(dtype))
     given |= _eval_task_fields(eval_tasks, eval_include_path)
-    _echo_result(linearize(settings_from(LinearizeSettings, quick, given), echo=typer.echo))
+    settings = settings_from(LinearizeSettings, quick, given)
+    _refuse_early(settings, check_settings, preflight, smollm2_gguf_path)
+    from headkit.recipes.linearize import linearize
+
+    _echo_result(linearize(settings, echo=typer.echo))
 
 
-@app.command("export")
+@_app.command("export")
 def export_command(
     model: Path = typer.Argument(
         ...,
@@ -342,7 +426,7 @@ def _measured_lengths(name: str, text: str | None) -> tuple[int, ...] | None:
     return parse_list(f"--{name}", text, minimum=2)
 
 
-@app.command("eval")
+@_app.command("eval")
 def eval_command(
     model: Path = typer.Argument(
         ...,
@@ -448,7 +532,7 @@ def eval_command(
     )
 
 
-@app.command()
+@_app.command()
 def generate(
     model: Path = typer.Argument(
         ...,
@@ -506,7 +590,7 @@ def generate(
     )
 
 
-@app.command()
+@_app.command()
 def cache(
     clear: bool = typer.Option(False, "--clear", help="Delete every compiled step in the folder."),
 ) -> None:

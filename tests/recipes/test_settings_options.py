@@ -191,13 +191,13 @@ def recipes(monkeypatch):
 
 
 class _Recorded:
-    """What a recorded recipe returns: a result whose report states no figure (so no memory line follows)."""
+    """What a recording recipe returns: a result with an empty report (the command prints it and its last line)."""
 
-    def __init__(self, settings):
+    def __init__(self, settings) -> None:
         self.settings, self.report = settings, {}
 
     def __str__(self) -> str:
-        return "recorded"
+        return f"recorded {type(self.settings).__name__}"
 
 
 def test_left_out_options_are_the_recipes_defaults(recipes):

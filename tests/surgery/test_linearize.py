@@ -333,3 +333,15 @@ def test_sliding_window_layers_are_kept_and_an_all_sliding_model_is_refused():
     assert report.sliding_cache_bytes == 2 * (2 * 2 * 8 * 8 * 4)
     with pytest.raises(HeadkitError, match=r"layers \[0\] attend through a sliding window"):
         headkit.linearize(gemma, layers=[0])
+
+
+def test_the_configs_names_of_feature_maps_and_selections_are_the_layers():
+    # LinearizeConfig checks its feature map and selection against names declared in ops (no model code): those
+    # must be what headkit.layers builds.
+    from headkit.layers.feature_maps import LEARNABLE_FEATURE_MAPS
+    from headkit.layers.kept_exact import SELECTIONS
+    from headkit.ops.feature_maps import BUILTIN_LEARNABLE_FEATURE_MAPS
+    from headkit.ops.key_selection import SELECTION_NAMES
+
+    assert set(BUILTIN_LEARNABLE_FEATURE_MAPS) <= set(LEARNABLE_FEATURE_MAPS)
+    assert set(SELECTION_NAMES) == set(SELECTIONS)

@@ -15,61 +15,71 @@ reports, the benchmarks and ``headkit eval`` call — one module per measure:
   (:func:`evaluate`).
 """
 
-from headkit.evaluation.memory import (
-    cache_bytes,
-    decode_peak_bytes,
-    filled_cache,
-    kv_cache_bytes_per_token,
-    peak_resident_bytes,
-)
-from headkit.evaluation.quality import (
-    Agreement,
-    agreement,
-    continuation_perplexity,
-    embedding_cosine,
-    held_out_bits_per_byte,
-    last_hidden_states,
-    next_token_nats,
-    perplexity,
-    summed_nats,
-)
-from headkit.evaluation.report import EvalSettings, check_eval_settings, evaluate, format_eval_table
-from headkit.evaluation.retrieval import (
-    INSTRUCTION_FORMAT,
-    PasskeyFormat,
-    PasskeyTrial,
-    min_passkey_length,
-    passkey_answer,
-    passkey_trials,
-    prose_sentences,
-    python_prose,
-    retrieve_passkeys,
-    score_passkeys,
-    wilson_interval,
-)
-from headkit.evaluation.sampling import generate_tokens, greedy_sample, pad_token_of
-from headkit.evaluation.tasks import (
-    LoadedTasks,
-    TaskSettings,
-    load_tasks,
-    measure_tasks,
-    run_tasks,
-    task_names,
-)
-from headkit.evaluation.timing import (
-    Timing,
-    compare_speed,
-    decode_profile,
-    decode_seconds_per_token,
-    decode_step_seconds,
-    forward_times,
-    interleaved_times,
-    interleaved_values,
-    thread_limit,
-    time_call,
-    time_greedy_decoding,
-    timed_call,
-)
+import importlib
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+# Where each name lives, imported when first used (PEP 562): importing one module of the package (a config, a
+# settings class) loads no more than it needs. A literal import per module, so that the import graph
+# (tests/test_layout.py) sees every edge.
+_MODULES: dict[tuple[str, ...], Callable[[], ModuleType]] = {
+    (
+        "cache_bytes",
+        "decode_peak_bytes",
+        "filled_cache",
+        "kv_cache_bytes_per_token",
+        "peak_resident_bytes",
+    ): lambda: importlib.import_module("headkit.evaluation.memory"),
+    (
+        "Agreement",
+        "agreement",
+        "continuation_perplexity",
+        "embedding_cosine",
+        "held_out_bits_per_byte",
+        "last_hidden_states",
+        "next_token_nats",
+        "perplexity",
+        "summed_nats",
+    ): lambda: importlib.import_module("headkit.evaluation.quality"),
+    ("EvalSettings", "check_eval_settings", "evaluate", "format_eval_table"): lambda: importlib.import_module(
+        "headkit.evaluation.report"
+    ),
+    (
+        "INSTRUCTION_FORMAT",
+        "PasskeyFormat",
+        "PasskeyTrial",
+        "min_passkey_length",
+        "passkey_answer",
+        "passkey_trials",
+        "prose_sentences",
+        "python_prose",
+        "retrieve_passkeys",
+        "score_passkeys",
+        "wilson_interval",
+    ): lambda: importlib.import_module("headkit.evaluation.retrieval"),
+    ("generate_tokens", "greedy_sample", "pad_token_of"): lambda: importlib.import_module(
+        "headkit.evaluation.sampling"
+    ),
+    ("LoadedTasks", "TaskSettings", "load_tasks", "measure_tasks", "run_tasks", "task_names"): lambda: (
+        importlib.import_module("headkit.evaluation.tasks")
+    ),
+    (
+        "Timing",
+        "compare_speed",
+        "decode_profile",
+        "decode_seconds_per_token",
+        "decode_step_seconds",
+        "forward_times",
+        "interleaved_times",
+        "interleaved_values",
+        "thread_limit",
+        "time_call",
+        "time_greedy_decoding",
+        "timed_call",
+    ): lambda: importlib.import_module("headkit.evaluation.timing"),
+}
+_WHERE = {name: load for names, load in _MODULES.items() for name in names}
 
 __all__ = [
     "INSTRUCTION_FORMAT",
@@ -123,3 +133,16 @@ __all__ = [
     "timed_call",
     "wilson_interval",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    load = _WHERE.get(name)
+    if load is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(load(), name)
+    globals()[name] = value  # imported once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

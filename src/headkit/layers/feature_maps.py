@@ -17,7 +17,12 @@ from transformers import initialization as init
 
 from headkit.layers.registry import check_registration
 from headkit.ops._validation import check_positive_int
-from headkit.ops.feature_maps import FEATURE_MAPS, get_feature_map, hedgehog_feature_map
+from headkit.ops.feature_maps import (
+    BUILTIN_LEARNABLE_FEATURE_MAPS,
+    FEATURE_MAPS,
+    get_feature_map,
+    hedgehog_feature_map,
+)
 
 LEARNABLE_FEATURE_MAPS: dict[str, type[nn.Module]] = {}
 
@@ -49,7 +54,7 @@ def valid_feature_map_names() -> list[str]:
     return sorted(set(LEARNABLE_FEATURE_MAPS) | set(FEATURE_MAPS))
 
 
-@register_learnable_feature_map("hedgehog")
+@register_learnable_feature_map(BUILTIN_LEARNABLE_FEATURE_MAPS[0])
 class HedgehogFeatureMap(nn.Module):
     """Hedgehog's learnable map φ(x) = [softmax(x W_h), softmax(−x W_h)] per head (Zhang et al. 2024,
     arXiv:2402.04347; see :func:`headkit.ops.hedgehog_feature_map`).

@@ -23,7 +23,7 @@ import torch
 
 from headkit.layers.hybrid import SplitHeadsRing, SplitHeadsState
 from headkit.ops.hybrid import sparse_hybrid_attention, sparse_hybrid_attention_step_
-from headkit.ops.key_selection import observation_scores
+from headkit.ops.key_selection import QUESTION, RECALL, observation_scores
 from headkit.ops.softmax import softmax_attention_static_step_
 
 
@@ -31,7 +31,7 @@ class RecallSelection:
     """The budget keeps the keys the linear state recalls worst (LoLA's self-recall error): the op scores each
     key as it leaves the window, so no score is given."""
 
-    name: ClassVar[str] = "recall"
+    name: ClassVar[str] = RECALL
 
     def __init__(self, observation: int = 32) -> None:
         self.observation = observation  # unused: kept so that a layer can switch selections as it is
@@ -52,7 +52,7 @@ class QuestionSelection(RecallSelection):
     to most (SnapKV). A forward without a cache (training, perplexity) is causal and has no question yet, and a
     decoding step asks none: their keys score 0, so they fill empty slots only and the question's choice stays."""
 
-    name: ClassVar[str] = "question"
+    name: ClassVar[str] = QUESTION
 
     def key_scores(
         self,

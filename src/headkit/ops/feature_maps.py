@@ -99,6 +99,10 @@ def hedgehog_feature_map(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return mapped.to(x.dtype)
 
 
+# The learnable feature maps headkit ships (headkit.layers.feature_maps registers their modules under these names): a
+# config may name them before that module is imported, as it may the parameter-free maps below.
+BUILTIN_LEARNABLE_FEATURE_MAPS: tuple[str, ...] = ("hedgehog",)
+
 FEATURE_MAPS: dict[str, FeatureMap] = {
     "elu": elu_plus_one,
     "relu": relu_feature_map,

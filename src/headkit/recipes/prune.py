@@ -40,16 +40,13 @@ from pathlib import Path
 from typing import Any
 
 from headkit.evaluation.tasks import with_task_table
-from headkit.export.gguf import check_export_target
 from headkit.recipes.prune_causal import CausalLMPruneSteps
 from headkit.recipes.prune_encoder import EncoderPruneSteps
-from headkit.recipes.prune_memory import check_max_memory
 from headkit.recipes.prune_report import format_report
-from headkit.recipes.prune_settings import PruneSettings, check_settings, target_heads
+from headkit.recipes.prune_settings import PruneSettings, check_settings, preflight
 from headkit.recipes.settings import RecipeResult
 from headkit.recipes.steps import Recipe, Steps, run_settings
-from headkit.runs.models import CAUSAL_LM, LoadedModel, default_encoder_path, model_kind
-from headkit.surgery.families import text_config
+from headkit.runs.models import LoadedModel, default_encoder_path
 
 
 class PruneResult(RecipeResult):
@@ -82,26 +79,6 @@ def run(
     """Prune, recover and measure like :func:`prune`, but write nothing (``settings.out`` is unused).
     `loaded`: the model already loaded from ``settings.model`` (left unchanged), to spare loading it again."""
     return PruneResult(*run_settings(RECIPE, settings, overrides, echo, loaded=loaded))
-
-
-def preflight(settings: PruneSettings, model_path: Path, config: Any | None, out: Path | None) -> None:
-    """Before any weight is loaded: --heads against MODEL's 🤗 config (layers × heads; a folder's config.json or a
-    GGUF file's metadata), the estimated peak memory against --max-memory (a causal LM;
-    :func:`~headkit.recipes.prune_memory.check_max_memory`), and --export-gguf's target when the result is saved. A model after headkit surgery
-    (its heads no longer what the config states), or one without such a config, is checked once loaded; so is an
-    encoder, which may share a layer (ALBERT)."""
-    if out is not None and settings.export_gguf is not None:
-        check_export_target(model_path, settings.export_gguf, settings.export_type, settings.overwrite)
-    if config is None or getattr(config, "headkit_surgery", None) or model_kind(model_path) != CAUSAL_LM:
-        return
-    check_max_memory(settings, config)
-    if settings.heads is None:
-        return
-    text = text_config(config)
-    layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None)
-    heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None)
-    if isinstance(layers, int) and isinstance(heads, int):
-        target_heads(layers * heads, settings)
 
 
 def _steps(

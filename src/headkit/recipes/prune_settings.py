@@ -8,13 +8,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import check_recipe_tasks
 from headkit.recipes.options import option, option_name, with_fields_of
 from headkit.recipes.settings import QuickSettings, check_count, check_data
-from headkit.runs.models import CAUSAL_LM, ENCODER
-from headkit.surgery.pruning import PruneConfig
+from headkit.runs.models import CAUSAL_LM, ENCODER, model_kind
+from headkit.surgery.families import text_config
+from headkit.surgery.pruning_config import PruneConfig
 
 METHODS = ("importance", "l0", "refit")
 
@@ -155,12 +157,38 @@ def recovery_lr(settings: PruneSettings) -> float:
     return 1e-3 if settings.lora_rank else 1e-4
 
 
+def preflight(settings: PruneSettings, model_path: Path, config: Any | None, out: Path | None) -> None:
+    """Before any weight is loaded: --heads against MODEL's 🤗 config (layers × heads; a folder's config.json or a
+    GGUF file's metadata), the estimated peak memory against --max-memory (a causal LM;
+    :func:`~headkit.recipes.prune_memory.check_max_memory`, which builds the model on the meta device: after the
+    checks that need no model code), and --export-gguf's target when the result is saved. A model after headkit
+    surgery (its heads no longer what the config states), or one without such a config, is checked once loaded;
+    so is an encoder, which may share a layer (ALBERT). Here, beside the settings, so that ``headkit prune``
+    refuses a bad option before the recipe's modules are imported."""
+    if out is not None and settings.export_gguf is not None:
+        from headkit.export.gguf import check_export_target
+
+        check_export_target(model_path, settings.export_gguf, settings.export_type, settings.overwrite)
+    if config is None or getattr(config, "headkit_surgery", None) or model_kind(model_path) != CAUSAL_LM:
+        return
+    if settings.heads is not None:
+        text = text_config(config)
+        layers = getattr(text, "num_hidden_layers", None) or getattr(text, "n_layer", None)
+        heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None)
+        if isinstance(layers, int) and isinstance(heads, int):
+            target_heads(layers * heads, settings)
+    from headkit.recipes.prune_memory import check_max_memory
+
+    check_max_memory(settings, config)
+
+
 __all__ = [
     "DEFAULT_HELD_OUT",
     "METHODS",
     "PruneSettings",
     "check_settings",
     "held_out_count",
+    "preflight",
     "recovery_lr",
     "target_heads",
 ]

@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from headkit.errors import HeadkitError
-from headkit.runs.models import DEFAULT_DTYPE, dtype_name
+from headkit.runs.models import DEFAULT_DTYPE, check_output_folder, dtype_name, read_model_config
 
 SettingsT = TypeVar("SettingsT")
 
@@ -85,6 +85,22 @@ def check_data(data: Path | None) -> None:
     """``--data``: None (the default corpus), or a path that exists."""
     if data is not None and not Path(data).exists():
         raise HeadkitError(f"--data {str(data)!r} does not exist")
+
+
+def check_before_loading(
+    preflight: Callable[[Any, Path, Any | None, Path | None], None],
+    settings: Any,
+    model_path: Path,
+    out: Path | None,
+) -> None:
+    """Every check of a recipe's settings that MODEL's 🤗 config can answer (a folder's config.json, a GGUF file's
+    metadata), before any weight or text is read: `out` against the model and an existing result (when the run
+    saves), then the recipe's ``preflight(settings, model_path, config, out)``. The recipe's skeleton runs it
+    first (:func:`headkit.recipes.steps.run_recipe`), and so does the command line, from the light settings module,
+    before it imports the recipe."""
+    if out is not None:
+        check_output_folder(model_path, out, settings.overwrite)
+    preflight(settings, model_path, read_model_config(model_path), out)
 
 
 @dataclass

@@ -22,9 +22,9 @@ import torch
 from torch import nn
 
 from headkit.evaluation.tasks import recipe_tasks
-from headkit.recipes.settings import with_overrides
+from headkit.recipes.settings import check_before_loading, with_overrides
 from headkit.recipes.skeleton import save_result
-from headkit.runs.models import LoadedModel, check_output_folder, load_model, read_model_config
+from headkit.runs.models import LoadedModel, load_model
 from headkit.runs.processes import main_process_echo
 from headkit.runs.resident import Peak, stage_peaks, tracking_peak
 
@@ -138,9 +138,7 @@ def run_recipe(
     depend on what consumes it, in this order)."""
     started = time.perf_counter() if started is None else started
     echo = main_process_echo(echo)
-    if out is not None:
-        check_output_folder(model_path, out, settings.overwrite)
-    recipe.preflight(settings, model_path, read_model_config(model_path), out)
+    check_before_loading(recipe.preflight, settings, model_path, out)
     seconds: dict[str, float] = {}
     peaks: dict[str, Peak] = {}
 

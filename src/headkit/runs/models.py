@@ -134,6 +134,8 @@ def read_model_config(path: str | Path) -> Any | None:
     from transformers import AutoConfig
 
     path = Path(path)
+    if not path.is_file():
+        import headkit.models  # noqa: F401  (a headkit model type's config: registered with AutoConfig)
     try:
         if path.is_file() and path.suffix == ".gguf":
             if importlib.util.find_spec("gguf") is None:
@@ -154,6 +156,7 @@ def load_model(
     or "bfloat16", see :data:`DTYPES`; a GGUF file is dequantized to it)."""
     from transformers import AutoModel, AutoModelForCausalLM, AutoTokenizer
 
+    import headkit.models  # noqa: F401  (headkit's model types with the Auto classes: deferred by the console script)
     from headkit.surgery.io import SURGERY_KEY, from_pretrained
 
     torch_dtype = resolve_dtype(dtype)

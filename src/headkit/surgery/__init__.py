@@ -18,34 +18,54 @@
 - :mod:`headkit.surgery.io`: reload saved models, surgery re-applied (:func:`from_pretrained`).
 """
 
-from headkit.surgery.adapters import (
-    ALBERTCollaborativeAdapter,
-    AttentionAdapter,
-    AttentionSite,
-    BERTCollaborativeAdapter,
-    DistilBERTCollaborativeAdapter,
-    ProjectionWeights,
-    get_adapter,
-    register_adapter,
-    supported_architectures,
-)
-from headkit.surgery.apply import apply_, bytes_per_token
-from headkit.surgery.collaborative import (
-    CollaborativeConfig,
-    CollaborativeHeads,
-    SwapReport,
-    swap_to_collaborative,
-)
-from headkit.surgery.compressed_cache import CompressedCacheConfig
-from headkit.surgery.decompose import decompose_query_key
-from headkit.surgery.gating import GateConfig, add_head_gates, l0_penalty, remove_head_gates
-from headkit.surgery.io import from_pretrained
-from headkit.surgery.latent import LatentKVConfig, LatentReport, compress_kv_to_latent
-from headkit.surgery.linearize import LinearizeConfig, LinearizedHeads, LinearizeReport, reconfigure
-from headkit.surgery.pruning import PruneConfig, prune_dead_heads, prune_heads
-from headkit.surgery.quantized_cache import QuantizedKVConfig
-from headkit.surgery.records import SurgeryConfig, record_surgery, recorded_configs, register_surgery_op
-from headkit.surgery.repair import output_statistics, reconstruct_attention, refit_output_projections
+import importlib
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+# Where each name lives, imported when first used (PEP 562): importing one module of the package (a config, a
+# settings class) loads no more than it needs. A literal import per module, so that the import graph
+# (tests/test_layout.py) sees every edge.
+_MODULES: dict[tuple[str, ...], Callable[[], ModuleType]] = {
+    (
+        "ALBERTCollaborativeAdapter",
+        "AttentionAdapter",
+        "AttentionSite",
+        "BERTCollaborativeAdapter",
+        "DistilBERTCollaborativeAdapter",
+        "ProjectionWeights",
+        "get_adapter",
+        "register_adapter",
+        "supported_architectures",
+    ): lambda: importlib.import_module("headkit.surgery.adapters"),
+    ("apply_", "bytes_per_token"): lambda: importlib.import_module("headkit.surgery.apply"),
+    ("CollaborativeConfig", "CollaborativeHeads", "SwapReport", "swap_to_collaborative"): lambda: (
+        importlib.import_module("headkit.surgery.collaborative")
+    ),
+    ("CompressedCacheConfig",): lambda: importlib.import_module("headkit.surgery.compressed_cache"),
+    ("decompose_query_key",): lambda: importlib.import_module("headkit.surgery.decompose"),
+    ("GateConfig", "add_head_gates", "l0_penalty", "remove_head_gates"): lambda: importlib.import_module(
+        "headkit.surgery.gating"
+    ),
+    ("from_pretrained",): lambda: importlib.import_module("headkit.surgery.io"),
+    ("LatentKVConfig", "LatentReport", "compress_kv_to_latent"): lambda: importlib.import_module(
+        "headkit.surgery.latent"
+    ),
+    ("LinearizeConfig", "LinearizedHeads", "LinearizeReport", "reconfigure"): lambda: importlib.import_module(
+        "headkit.surgery.linearize"
+    ),
+    ("PruneConfig", "prune_dead_heads", "prune_heads"): lambda: importlib.import_module(
+        "headkit.surgery.pruning"
+    ),
+    ("QuantizedKVConfig",): lambda: importlib.import_module("headkit.surgery.quantized_cache"),
+    ("SurgeryConfig", "record_surgery", "recorded_configs", "register_surgery_op"): lambda: (
+        importlib.import_module("headkit.surgery.records")
+    ),
+    ("output_statistics", "reconstruct_attention", "refit_output_projections"): lambda: (
+        importlib.import_module("headkit.surgery.repair")
+    ),
+}
+_WHERE = {name: load for names, load in _MODULES.items() for name in names}
 
 __all__ = [
     "ALBERTCollaborativeAdapter",
@@ -89,3 +109,16 @@ __all__ = [
     "supported_architectures",
     "swap_to_collaborative",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    load = _WHERE.get(name)
+    if load is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(load(), name)
+    globals()[name] = value  # imported once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_WHERE))

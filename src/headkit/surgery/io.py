@@ -20,6 +20,7 @@ from torch import nn
 
 # Each op module registers its re-apply function(s) when imported: import them all, so that every op headkit
 # ships can be loaded (the ops import the record, headkit.surgery.records, not this loader).
+import headkit.models  # noqa: F401  (headkit's model types with the Auto classes, which a reload may need)
 import headkit.surgery.collaborative
 import headkit.surgery.compressed_cache
 import headkit.surgery.gating

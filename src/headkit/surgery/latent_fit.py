@@ -27,12 +27,16 @@ from torch import nn
 from headkit.errors import HeadkitError
 from headkit.ops.rotary import apply_rotary
 from headkit.surgery.adapters import AttentionAdapter, AttentionSite
+from headkit.surgery.latent_config import (  # noqa: F401  (the names latent_fit has always offered)
+    FITTED,
+    MIXED_SELECTIONS,
+    NORMS,
+    ROPE_SELECTIONS,
+    ROROPE,
+    ROROPE_FITTED,
+    full_rank,
+)
 from headkit.surgery.latent_heads import nope_indices, rope_indices
-
-FITTED, NORMS, ROROPE, ROROPE_FITTED = "fitted", "norms", "rorope", "rorope_fitted"
-ROPE_SELECTIONS = (FITTED, NORMS, ROROPE, ROROPE_FITTED)
-MIXED_SELECTIONS = (ROROPE, ROROPE_FITTED)
-
 
 # -- calibration ------------------------------------------------------------------------------------------------
 
@@ -413,11 +417,6 @@ def joint_latent_factors(
         key_error=relative(slice(0, split)),
         value_error=relative(slice(split, None)),
     )
-
-
-def full_rank(hidden: int, num_kv_heads: int, head_dim: int, rope_dims: int) -> int:
-    """The largest useful latent width: the rank of [W_K,nope ; W_V], at most G·(2·head_dim − D) and hidden."""
-    return min(hidden, num_kv_heads * (2 * head_dim - rope_dims))
 
 
 def key_rows(
