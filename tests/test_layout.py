@@ -47,8 +47,9 @@ TIERS: dict[str, int] = {
     "demo": 11,
     "__main__": 12,
 }
-# Beneath every tier, importable by all: the error type, and the one module that meets transformers' releases.
-TIERLESS = {"errors", "compat", "logs"}
+# Beneath every tier, importable by all: the error type, the one module that meets transformers' releases, the log
+# filters, and the lazy package names.
+TIERLESS = {"errors", "compat", "logs", "lazy"}
 
 
 def module_name(path: Path) -> str:

@@ -14,10 +14,10 @@ import importlib
 import sys
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
 
 from headkit import logs  # noqa: F401  (first: quiets torchao's import-time noise before transformers loads it)
 from headkit.errors import HeadkitError
+from headkit.lazy import lazy_names
 
 # Registers model_type "headkit" with the transformers Auto classes: eager for every ``import headkit``, except
 # under the ``headkit`` console script (:mod:`headkit_entry`, which says so before importing the package), whose
@@ -80,17 +80,4 @@ _WHERE = {name: load for names, load in _MODULES.items() for name in names}
 __all__ = ["HeadkitError", "__version__", *_WHERE]
 
 
-def __getattr__(name: str) -> Any:
-    load = _WHERE.get(name)
-    if load is not None:
-        value = getattr(load(), name)
-    elif name in _SUBPACKAGES:
-        value = _SUBPACKAGES[name]()
-    else:
-        raise AttributeError(f"module 'headkit' has no attribute {name!r}")
-    globals()[name] = value  # imported once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE) | set(_SUBPACKAGES))
+__getattr__, __dir__ = lazy_names(globals(), _WHERE, _SUBPACKAGES)

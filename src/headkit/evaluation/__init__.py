@@ -18,7 +18,8 @@ reports, the benchmarks and ``headkit eval`` call — one module per measure:
 import importlib
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+
+from headkit.lazy import lazy_names
 
 # Where each name lives, imported when first used (PEP 562): importing one module of the package (a config, a
 # settings class) loads no more than it needs. A literal import per module, so that the import graph
@@ -135,14 +136,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    load = _WHERE.get(name)
-    if load is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(load(), name)
-    globals()[name] = value  # imported once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = lazy_names(globals(), _WHERE)

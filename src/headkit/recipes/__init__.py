@@ -16,7 +16,8 @@ What they stand on — loading a model, text and windows, the objectives, the ma
 import importlib
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any
+
+from headkit.lazy import lazy_names
 
 # Where each name lives, imported when first used (PEP 562): importing one module of the package (a config, a
 # settings class) loads no more than it needs. A literal import per module, so that the import graph
@@ -54,14 +55,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    load = _WHERE.get(name)
-    if load is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(load(), name)
-    globals()[name] = value  # imported once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_WHERE))
+__getattr__, __dir__ = lazy_names(globals(), _WHERE)
