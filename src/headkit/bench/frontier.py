@@ -55,6 +55,7 @@ from headkit.evaluation.retrieval import (
 )
 from headkit.export.gguf import export_gguf
 from headkit.export.llamacpp import CACHE_TYPE_BYTES, llama_cpp_answers, llama_cpp_perplexity
+from headkit.recipes.cache_budget import largest_fitting
 from headkit.runs.models import CAUSAL_LM, load_model, smollm2_gguf_path
 from headkit.runs.text import held_out_by_length, lm_windows, load_text, window_batches
 from headkit.surgery.apply import apply_, bytes_per_token
@@ -176,23 +177,6 @@ class Row:
     label: str
     configs: list[Any]
     budget: int | None = None
-
-
-def largest_fitting(
-    make: Callable[[int], list[Any]], bytes_of: Callable[[list[Any]], float], target: float, top: int
-):
-    """The largest n in [0, top] whose configs `make(n)` take at most `target` bytes (`bytes_of` grows with n),
-    or None if not even n = 0 fits."""
-    if bytes_of(make(0)) > target:
-        return None
-    low, high = 0, top
-    while low < high:
-        middle = (low + high + 1) // 2
-        if bytes_of(make(middle)) <= target:
-            low = middle
-        else:
-            high = middle - 1
-    return low
 
 
 def compressed_rows(

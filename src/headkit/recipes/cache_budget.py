@@ -149,26 +149,37 @@ def cache_plan(model_config: Any, budget: float, context: int, *, bits: int | No
     )
 
 
+def largest_fitting(
+    make: Callable[[int], list[Any]], bytes_of: Callable[[list[Any]], float], target: float, top: int
+) -> int | None:
+    """The largest n in [0, top] whose configs `make(n)` take at most `target` bytes (`bytes_of` grows with n),
+    or None if not even n = 0 fits: a binary search, the bytes being monotone in n."""
+    if bytes_of(make(0)) > target:
+        return None
+    low, high = 0, top
+    while low < high:
+        middle = (low + high + 1) // 2
+        if bytes_of(make(middle)) <= target:
+            low = middle
+        else:
+            high = middle - 1
+    return low
+
+
 def _largest_compressed(
     per_token: Callable[[list[Any]], float], target: float, context: int, budget: float, original: float
 ) -> list[Any]:
     """The compressed cache with the most tokens per head within `target` bytes per token (the bytes grow with
     the tokens kept)."""
-    low, high = 1, context
-    if per_token([_compressed(low)]) > target:
-        smallest = per_token([_compressed(low)]) / original
+    tokens = largest_fitting(lambda n: [_compressed(max(n, 1))], per_token, target, context)
+    if tokens is None:
+        smallest = per_token([_compressed(1)]) / original
         raise HeadkitError(
             f"--kv-budget {budget:.4g} is below the smallest cache this model can keep at {context} tokens "
             f"({smallest:.4g} of its bytes: {SINKS} sinks and one token per head); raise it or "
             "--kv-budget-context"
         )
-    while low < high:
-        middle = (low + high + 1) // 2
-        if per_token([_compressed(middle)]) <= target:
-            low = middle
-        else:
-            high = middle - 1
-    return [_compressed(low)]
+    return [_compressed(max(tokens, 1))]
 
 
 def budget_context(settings: Any, model_config: Any) -> int:
@@ -266,5 +277,6 @@ __all__ = [
     "budget_context",
     "cache_plan",
     "format_budget_report",
+    "largest_fitting",
     "parse_fraction",
 ]
