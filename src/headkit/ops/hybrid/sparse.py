@@ -280,11 +280,23 @@ def _fold_events(scores: torch.Tensor, real: torch.Tensor, budget: int, chunk: i
         )
         candidates = torch.cat([cache, newcomers], dim=2)  # [B, H, K], increasing pool index = arrival order
         candidate_scores = ranked.gather(2, candidates)
-        rows, columns = candidate_scores[..., :, None], candidate_scores[..., None, :]
-        earlier = candidates[..., :, None] < candidates[..., None, :]
-        better = (rows > columns) | ((rows == columns) & earlier)  # [B, H, K (better one), K]
-        # better candidates arrived by the chunk's event e: the cache and the newcomers up to e.
-        arrived = better.to(torch.int32).cumsum(dim=2, dtype=torch.int32)[:, :, budget:]  # [B, H, C, K]
+        # Better ones in the cache, counted by sorting it (O(K log G), not a [K, K] comparison): a cache
+        # member's count is its place in the cache sorted by (score down, arrival up) — the stable sort keeps
+        # arrival order among ties — and a newcomer's is the cache members scoring at least as high (all
+        # arrived earlier, so ties count).
+        cache_scores = candidate_scores[..., :budget]
+        order = torch.sort(cache_scores, dim=2, descending=True, stable=True)
+        places = torch.arange(budget, device=device, dtype=torch.int32).expand_as(order.indices)
+        place = torch.empty_like(places).scatter_(2, order.indices, places)
+        below = torch.searchsorted(
+            order.values.flip(-1).contiguous(), candidate_scores[..., budget:].contiguous()
+        )
+        in_cache = torch.cat([place, (budget - below).to(torch.int32)], dim=2)[:, :, None, :]  # [B, H, 1, K]
+        # Better newcomers arrived by the chunk's event e: a running count over the C newcomers only.
+        rows, columns = candidate_scores[..., budget:, None], candidate_scores[..., None, :]
+        earlier = candidates[..., budget:, None] < candidates[..., None, :]
+        better = (rows > columns) | ((rows == columns) & earlier)  # [B, H, C (better one), K]
+        arrived = in_cache + better.to(torch.int32).cumsum(dim=2, dtype=torch.int32)  # [B, H, C, K]
         reached = arrived >= budget
         first = torch.where(reached.any(dim=2), reached.to(torch.int8).argmax(dim=2), events)
         arrival = torch.cat(
@@ -421,7 +433,8 @@ def _sparse_hybrid(
             & (departure[:, :, None, :] > starts[:, None])
             & (arrival < departure)[:, :, None, :]
         )  # [B, Hkv, n, pool]
-        extras = min(pool, sinks + budget + chunk)
+        # At most S + G + C pool entries matter to a chunk; a prompt shorter than the budget has fewer.
+        extras = max(1, min(pool, sinks + budget + chunk, int(relevant.sum(dim=-1).max())))
         picked = torch.sort(relevant.to(torch.uint8), dim=-1, descending=True, stable=True).indices
         picked = picked[..., :extras]  # [B, Hkv, n, K]
 
