@@ -245,120 +245,21 @@ def compress(
 
 
 def _declare_train() -> None:
-    """Declare ``train`` (between compress and linearize, the order of ``headkit --help``): its --attention help
-    lists the attention layers registered, which importing headkit.layers registers."""
-    from headkit.layers import attention_classes
+    """Declare ``train`` (between compress and linearize, the order of ``headkit --help``): its options are the
+    fields of :class:`headkit.train.TrainSettings`."""
+    from headkit.train import TrainSettings
 
+    @settings_command(TrainSettings)
     def train(
-        attention: str = typer.Option(
-            "linear",
-            help=f"Mechanism of every layer, one of those registered: {', '.join(attention_classes())}.",
-        ),
-        layer_types: str = typer.Option(
-            "",
-            help="Comma-separated mechanism per layer, for a hybrid (sets the layer count; overrides --attention).",
-        ),
-        corpus: Path = typer.Option(
-            None,
-            help="A text file or a folder of text files (default: this Python's standard-library source).",
-        ),
-        tokenizer: Path = typer.Option(
-            None, help="A tokenizer saved in a local folder (default: byte-level)."
-        ),
-        steps: int = typer.Option(None, min=1, help="Optimiser steps (default 300; 100 with --quick)."),
-        batch_size: int = typer.Option(8, min=1, help="Windows per step."),
-        seq_len: int = typer.Option(None, min=2, help="Tokens per window (default 256; 128 with --quick)."),
-        lr: float = typer.Option(
-            1e-3, min=0.0, help="Peak learning rate (AdamW, warm-up then cosine decay)."
-        ),
-        hidden_size: int = typer.Option(None, min=1, help="Model width (default 256; 64 with --quick)."),
-        layers: int = typer.Option(None, min=1, help="Decoder layers (default 4; 2 with --quick)."),
-        heads: int = typer.Option(4, min=1, help="Attention heads per layer."),
-        set_fields: list[str] = typer.Option(
-            None,
-            "--set",
-            help="Any HeadkitConfig field as KEY=VALUE (JSON value), e.g. --set additive_window=64; "
-            "an unknown field is an error.",
-        ),
-        eval_tokens: int = typer.Option(
-            None,
-            min=0,
-            help="Held-out tokens for bits per byte (default 65536; 8192 with --quick; 0 = none, else ≥ 2).",
-        ),
-        max_corpus_bytes: int = typer.Option(
-            None, min=1, help="Read at most this many bytes of the corpus (default all; 2 MB with --quick)."
-        ),
-        seed: int = typer.Option(0, help="Seed of the initialisation and the batch sampling."),
-        device: str = typer.Option("cpu", help="Device to train on: cpu or cuda (or cuda:N)."),
-        out: Path = typer.Option(
-            Path("results/train"), help="Output folder: model, tokenizer, training_report.json."
-        ),
-        overwrite: bool = typer.Option(
-            False, help="Replace a non-empty output folder (whole, once the new one is complete)."
-        ),
         quick: bool = typer.Option(
             False, help="A small model and a short run (well under a minute on 2 CPU cores)."
         ),
+        **options: Any,
     ) -> None:
         """Train a causal LM with any attention mechanism on a text corpus; report held-out bits per byte."""
-        import json
+        from headkit.train import train_from_settings
 
-        from headkit.data import load_corpus, load_tokenizer
-        from headkit.devices import check_device
-        from headkit.files import check_output_folder
-        from headkit.train import (
-            check_config_fields,
-            check_eval_tokens,
-            default_config,
-            train_causal_lm,
-        )
-
-        def default(value, full, short):
-            return value if value is not None else (short if quick else full)
-
-        # Every option is checked before anything is loaded or trained.
-        check_device(device)
-        inputs = {"--corpus": corpus, "--tokenizer": tokenizer}
-        check_output_folder(out, overwrite, {name: path for name, path in inputs.items() if path is not None})
-        eval_tokens = default(eval_tokens, 65_536, 8_192)
-        check_eval_tokens(eval_tokens)
-        fields: dict = {}
-        for item in set_fields or []:
-            key, sep, value = item.partition("=")
-            if not sep or not key.strip():
-                raise HeadkitError(f"--set takes KEY=VALUE, got {item!r}")
-            try:
-                fields[key.strip()] = json.loads(value)
-            except json.JSONDecodeError:
-                fields[key.strip()] = value
-        check_config_fields(fields)
-        per_layer = [name.strip() for name in layer_types.split(",") if name.strip()]
-        seq_len = default(seq_len, 256, 128)
-        loaded_tokenizer = load_tokenizer(tokenizer)
-        settings = dict(
-            attention=attention,
-            hidden_size=default(hidden_size, 256, 64),
-            num_hidden_layers=len(per_layer) or default(layers, 4, 2),
-            num_attention_heads=heads,
-            max_position_embeddings=max(2048, seq_len),
-            **({"layer_types": per_layer} if per_layer else {}),
-        )
-        settings.update(fields)
-        config = default_config(loaded_tokenizer, **settings)
-        train_causal_lm(
-            config,
-            load_corpus(corpus, max_bytes=default(max_corpus_bytes, None, 2_000_000)),
-            steps=default(steps, 300, 100),
-            batch_size=batch_size,
-            seq_len=seq_len,
-            lr=lr,
-            tokenizer=loaded_tokenizer,
-            eval_tokens=eval_tokens,
-            out_dir=out,
-            overwrite=overwrite,
-            seed=seed,
-            device=device,
-        )
+        train_from_settings(settings_from(TrainSettings, quick, options))
 
     _app.command()(train)
 

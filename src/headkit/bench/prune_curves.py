@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from headkit.analysis.importance import head_importance
-from headkit.bench._options import check_integers
 from headkit.bench._report import (
     TABLE_FILE,
     column_table,
@@ -47,6 +46,7 @@ from headkit.evaluation.quality import perplexity
 from headkit.evaluation.timing import forward_times
 from headkit.recipes.compress import encoder_fidelity, load_teacher
 from headkit.recipes.distill import encoder_finetune
+from headkit.recipes.options import check_integers
 from headkit.recipes.prune import PruneSettings, prune
 from headkit.recipes.prune_encoder import prune_encoder_heads
 from headkit.recipes.prune_plan import heads_to_keep

@@ -31,16 +31,24 @@ class ModelSettings:
         self.dtype = dtype_name(self.dtype)
 
 
+def quick_preset(help: str) -> Any:
+    """The ``quick`` classmethod of a settings class: the short run, each field's ``quick`` value over the full
+    run's default (and the caller's overrides over both); ``help`` is the help of ``--quick``."""
+
+    def quick(cls: type, **overrides: Any) -> Any:
+        values = {field.name: field.metadata.get("quick", MISSING) for field in fields(cls)}
+        return cls(**({name: value for name, value in values.items() if value is not MISSING} | overrides))
+
+    quick.__doc__ = help
+    return classmethod(quick)
+
+
 @dataclass
 class QuickSettings(ModelSettings):
     """Base of a recipe's settings dataclass that has a --quick mode: each field's ``quick`` metadata, the value
     that replaces its default there (headkit.recipes.options)."""
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> Any:
-        """The few-minute path on two CPU cores."""
-        values = {field.name: field.metadata.get("quick", MISSING) for field in fields(cls)}
-        return cls(**({name: value for name, value in values.items() if value is not MISSING} | overrides))
+    quick = quick_preset("The few-minute path on two CPU cores.")
 
 
 def stated_defaults(help: str, default: Any, quick: Any = MISSING) -> str:
