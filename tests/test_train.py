@@ -333,7 +333,7 @@ def test_every_train_option_is_a_train_settings_field():
     from typer.main import get_command
 
     from headkit.app import app
-    from headkit.recipes.options import option_fields, option_name
+    from headkit.runs.options import option_fields, option_name
     from headkit.train import TrainSettings
 
     command = get_command(app).commands["train"]

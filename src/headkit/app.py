@@ -13,15 +13,16 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from headkit.bench.registry import add_command, parse_list
+from headkit.bench.registry import add_command
 from headkit.errors import HeadkitError
+from headkit.evaluation.settings import EvalSettings
 from headkit.evaluation.tasks import EVAL_INCLUDE_PATH_HELP, EVAL_TASKS_HELP
 from headkit.recipes.compress_settings import CompressSettings
 from headkit.recipes.linearize_settings import MODEL_HELP as LINEARIZE_MODEL_HELP
 from headkit.recipes.linearize_settings import LinearizeSettings, quick_budget
-from headkit.recipes.options import settings_command, settings_from
 from headkit.recipes.prune_settings import PruneSettings
 from headkit.runs.command_line import run_command_line
+from headkit.runs.options import settings_command, settings_from
 
 # Declared from the light settings modules (headkit.recipes.prune_settings, ...): each command imports its recipe in
 # its callback, after the checks that MODEL's config can answer, so that a refused option costs the settings, torch
@@ -318,116 +319,40 @@ def export_command(
     typer.echo(str(report))
 
 
-def _measured_lengths(name: str, text: str | None) -> tuple[int, ...] | None:
-    """A list option of ``headkit eval``: None (the default lengths), "none" (skip), or integers ≥ 2."""
-    if text is None:
-        return None
-    if text.strip().lower() == "none":
-        return ()
-    return parse_list(f"--{name}", text, minimum=2)
-
-
 @_app.command("eval")
-def eval_command(
-    model: Path = typer.Argument(
-        ...,
-        help="A causal LM: a folder headkit wrote (prune, compress, linearize, train), a stock 🤗 folder, or a "
-        "GGUF file such as SmolLM2's.",
-    ),
-    reference: Path = typer.Option(
-        None, help="The original to compare with: top-1 agreement, KL, and its own numbers beside MODEL's."
-    ),
-    data: Path = typer.Option(
-        None,
-        help="Text for perplexity and passkey filler: a file, a folder or JSON Lines (default: the standard "
-        "library's held-out source; its docstrings and comments as filler).",
-    ),
-    lengths: str = typer.Option(
-        None,
-        help="Comma-separated held-out perplexity lengths, or none (default: 256,512,1024,2048,4096,8192 up to "
-        "the model's context).",
-    ),
-    passkey_lengths: str = typer.Option(
-        None,
-        help="Comma-separated passkey prompt lengths, or none (default: 512,1024,2048,4096 up to the context).",
-    ),
-    depths: str = typer.Option("0,0.25,0.5,0.75,1", help="Comma-separated key depths in [0, 1]."),
-    trials: int = typer.Option(20, help="Passkey prompts per length, spread evenly over the depths."),
-    decode_contexts: str = typer.Option(
-        None,
-        help="Comma-separated contexts of the decode time and state size, or none (default: 256,1024,4096 up to "
-        "the context).",
-    ),
-    eval_tokens: int = typer.Option(8192, help="Held-out tokens scored at each perplexity length."),
-    seed: int = typer.Option(0, help="Seed of the held-out windows, passkey keys, depths and filler."),
-    dtype: str = _dtype_option(),
-    threads: int = typer.Option(
-        None, help="torch threads while measuring (default: torch's; 1 is faster on busy shared cores)."
-    ),
-    out: Path = typer.Option(Path("results/eval"), help="Output folder for report.json and passkey.png."),
-    tasks: str = typer.Option(
-        None,
-        help=escape(
-            "lm-evaluation-harness tasks, NAME[,NAME…] (needs pip install 'headkit[eval]'): their scores "
-            "instead of the default measurements; --lengths, --passkey-lengths or --decode-contexts given run "
-            "beside them. Data is downloaded only with the hub online; offline, use --include-path with local "
-            "files."
-        ),
-    ),
-    include_path: Path = typer.Option(
-        None, help="A folder of lm-eval task YAML files (data local: dataset_path: json, data_files)."
-    ),
-    num_fewshot: int = typer.Option(None, help="Few-shot examples per prompt (default: each task's own)."),
-    limit: int = typer.Option(None, help="Examples per task at most (default: all)."),
-    batch_size: int = typer.Option(None, help="Requests per forward in the tasks (default 1)."),
-) -> None:
+@settings_command(EvalSettings)
+def eval_command(**options: Any) -> None:
     """Evaluate MODEL: held-out perplexity by length, agreement and KL against --reference, passkey retrieval by
     length and depth (exact match, 95% intervals), decode time per token and decoding-state size — or, with
     --tasks, lm-evaluation-harness task scores beside --reference's; prints a table, writes OUT/report.json
     (and the heat map OUT/passkey.png)."""
-    from headkit.evaluation.report import EvalSettings, check_eval_settings, evaluate, format_eval_table
-    from headkit.evaluation.tasks import load_tasks, task_names
+    from headkit.evaluation.settings import check_eval_settings
+    from headkit.evaluation.tasks import load_tasks
     from headkit.runs.models import no_loading_bars
 
-    settings = EvalSettings(
-        model=model,
-        reference=reference,
-        data=data,
-        lengths=_measured_lengths("lengths", lengths),
-        passkey_lengths=_measured_lengths("passkey-lengths", passkey_lengths),
-        depths=parse_list("--depths", depths, float),
-        trials=trials,
-        decode_contexts=_measured_lengths("decode-contexts", decode_contexts),
-        eval_tokens=eval_tokens,
-        seed=seed,
-        dtype=_check_dtype(dtype),
-        threads=threads,
-        out=out,
-        tasks=task_names(tasks) if tasks is not None else (),
-        include_path=include_path,
-        num_fewshot=num_fewshot,
-        limit=limit,
-        batch_size=1 if batch_size is None else batch_size,
-    )
-    if not settings.tasks and (include_path, num_fewshot, limit, batch_size) != (None,) * 4:
-        raise HeadkitError(
-            "--include-path, --num-fewshot, --limit and --batch-size shape --tasks: add --tasks"
-        )
+    settings = EvalSettings(**options)
     check_eval_settings(settings)
     # Every task and its data before any model loads: a wrong name or missing data costs nothing.
     loaded_tasks = load_tasks(settings.task_settings) if settings.tasks else None
     with no_loading_bars():
         from headkit.runs.models import CAUSAL_LM, load_model, model_kind
 
-        for name, path in (("MODEL", model), ("--reference", reference)):
+        for name, path in (("MODEL", settings.model), ("--reference", settings.reference)):
             if path is not None and model_kind(path) != CAUSAL_LM:
                 raise HeadkitError(
                     f"{name} {str(path)!r} is not a causal LM (no *ForCausalLM in config.json)"
                 )
-        loaded = load_model(model, kind=CAUSAL_LM, dtype=settings.dtype)
-        original = load_model(reference, kind=CAUSAL_LM, dtype=settings.dtype) if reference else None
+        loaded = load_model(settings.model, kind=CAUSAL_LM, dtype=settings.dtype)
+        original = (
+            load_model(settings.reference, kind=CAUSAL_LM, dtype=settings.dtype)
+            if settings.reference
+            else None
+        )
+    from headkit.evaluation.report import evaluate, format_eval_table
+
     report = evaluate(settings, loaded=loaded, reference=original, tasks=loaded_tasks, echo=err_console.print)
     typer.echo(format_eval_table(report))
+    out = settings.out
     typer.echo(
         f"saved {out / 'report.json'} and {out / 'passkey.png'}" if report["passkey"] else f"saved {out}"
     )

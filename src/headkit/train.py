@@ -62,8 +62,7 @@ from headkit.layers import attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 from headkit.ops._validation import check_positive_int
 from headkit.recipes.loop import IndexedBatches, LoopResult, StepCallback, train_loop
-from headkit.recipes.options import check_names, check_options, option, parse_list
-from headkit.recipes.settings import quick_preset
+from headkit.runs.options import check_names, check_options, option, parse_list, quick_preset
 from headkit.runs.processes import process_rank_and_count
 
 REPORT_FILE = "training_report.json"
@@ -344,8 +343,8 @@ def _check_set_fields(items: tuple[str, ...]) -> None:
 
 @dataclass
 class TrainSettings:
-    """One ``headkit train`` run: each field with help is an option of the command (headkit.recipes.options),
-    checked where it is declared (:func:`~headkit.recipes.options.check_options`); ``quick`` is its value under
+    """One ``headkit train`` run: each field with help is an option of the command (headkit.runs.options),
+    checked where it is declared (:func:`~headkit.runs.options.check_options`); ``quick`` is its value under
     --quick (a small model and a short run, well under a minute on 2 CPU cores)."""
 
     attention: str = option(

@@ -543,7 +543,7 @@ def test_a_collaborative_record_written_before_the_config_replays(tmp_path):
 
 
 def test_the_configs_fields_are_command_line_options():
-    from headkit.recipes.options import command_parameters, option_fields, option_name, parse_option
+    from headkit.runs.options import command_parameters, option_fields, option_name, parse_option
 
     for config in (PruneConfig, GateConfig, CollaborativeConfig):
         names = [parameter.name for parameter in command_parameters(config)]

@@ -43,7 +43,7 @@ from headkit.errors import HeadkitError
 from headkit.evaluation import retrieval as evaluate
 from headkit.evaluation.quality import held_out_bits_per_byte
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
-from headkit.recipes.options import check_integers
+from headkit.runs.options import check_integers
 from headkit.train import default_config, lm_optimization
 
 MODELS = ("softmax", "coca")

@@ -23,7 +23,7 @@ from headkit.recipes.linearize import (
     quick_budget,
     run,
 )
-from headkit.recipes.options import option_fields, settings_from, with_fields_of
+from headkit.runs.options import option_fields, settings_from, with_fields_of
 
 
 @dataclass

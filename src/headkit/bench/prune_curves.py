@@ -46,7 +46,6 @@ from headkit.evaluation.quality import perplexity
 from headkit.evaluation.timing import forward_times
 from headkit.recipes.compress import encoder_fidelity, load_teacher
 from headkit.recipes.distill import encoder_finetune
-from headkit.recipes.options import check_integers
 from headkit.recipes.prune import PruneSettings, prune
 from headkit.recipes.prune_encoder import prune_encoder_heads
 from headkit.recipes.prune_plan import heads_to_keep
@@ -58,6 +57,7 @@ from headkit.runs.models import (
     smollm2_gguf_path,
 )
 from headkit.runs.objectives import CONTRASTIVE_SCALE, sentence_pair_contrastive_loss
+from headkit.runs.options import check_integers
 from headkit.runs.text import (
     calibration_batches,
     lm_windows,

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from headkit.recipes.options import (
+from headkit.runs.options import (
     CHECKS,
     NO_QUICK,
     check_options,
@@ -47,8 +47,9 @@ from headkit.recipes.options import (
     option_name,
     parse_list,
     parse_option,
+    quick_preset,
+    stated_defaults,
 )
-from headkit.recipes.settings import quick_preset, stated_defaults
 
 # Re-exported: the benchmarks' modules and tests read the option vocabulary's helpers here.
 __all__ = ["NO_QUICK", "field_types", "option_name", "parse_list", "parse_option", "quick_preset"]
@@ -154,7 +155,7 @@ def register_benchmark(
 
 def add_command(app: Any, benchmark: Benchmark) -> None:
     """Add ``<name> [options] [--quick]`` of `benchmark` to the typer `app`: an option per settings field with help
-    (:mod:`headkit.recipes.options`), and ``--quick``."""
+    (:mod:`headkit.runs.options`), and ``--quick``."""
     import typer
 
     parameters = [inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)]

@@ -15,9 +15,9 @@ from typing import Any
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import check_recipe_tasks
 from headkit.ops._validation import is_finite_number
-from headkit.recipes.options import option, with_fields_of
 from headkit.recipes.settings import ModelSettings, check_count, check_data
 from headkit.runs.models import DTYPES, ENCODER, model_kind
+from headkit.runs.options import option, with_fields_of
 from headkit.surgery.families import COMPRESS, FAMILIES, model_type_of
 from headkit.surgery.latent_config import ROPE_SELECTIONS, ROROPE_FITTED, LatentKVConfig, attention_widths
 

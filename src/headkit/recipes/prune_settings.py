@@ -12,9 +12,9 @@ from typing import Any
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import check_recipe_tasks
-from headkit.recipes.options import option, option_name, with_fields_of
 from headkit.recipes.settings import QuickSettings, check_count, check_data
 from headkit.runs.models import CAUSAL_LM, ENCODER, model_kind
+from headkit.runs.options import option, option_name, with_fields_of
 from headkit.surgery.families import text_config
 from headkit.surgery.pruning_config import PruneConfig
 

@@ -5,7 +5,7 @@ its report."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -13,6 +13,7 @@ from torch import nn
 
 from headkit.errors import HeadkitError
 from headkit.runs.models import DEFAULT_DTYPE, check_output_folder, dtype_name, read_model_config
+from headkit.runs.options import quick_preset
 
 SettingsT = TypeVar("SettingsT")
 
@@ -31,37 +32,12 @@ class ModelSettings:
         self.dtype = dtype_name(self.dtype)
 
 
-def quick_preset(help: str) -> Any:
-    """The ``quick`` classmethod of a settings class: the short run, each field's ``quick`` value over the full
-    run's default (and the caller's overrides over both); ``help`` is the help of ``--quick``."""
-
-    def quick(cls: type, **overrides: Any) -> Any:
-        values = {field.name: field.metadata.get("quick", MISSING) for field in fields(cls)}
-        return cls(**({name: value for name, value in values.items() if value is not MISSING} | overrides))
-
-    quick.__doc__ = help
-    return classmethod(quick)
-
-
 @dataclass
 class QuickSettings(ModelSettings):
     """Base of a recipe's settings dataclass that has a --quick mode: each field's ``quick`` metadata, the value
-    that replaces its default there (headkit.recipes.options)."""
+    that replaces its default there (headkit.runs.options)."""
 
     quick = quick_preset("The few-minute path on two CPU cores.")
-
-
-def stated_defaults(help: str, default: Any, quick: Any = MISSING) -> str:
-    """``help`` ending with the values it defaults to: "(default D; Q with --quick)." (Q where it differs)."""
-    quick_value = "" if quick is MISSING or quick == default else f"; {shown_value(quick)} with --quick"
-    return f"{help.removesuffix('.')} (default {shown_value(default)}{quick_value})."
-
-
-def shown_value(value: Any) -> str:
-    """A setting's value as its help and the command line write it: a tuple comma-separated, a float short."""
-    if isinstance(value, tuple):
-        return ",".join(map(shown_value, value))
-    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def with_overrides(

@@ -1,5 +1,5 @@
 """The config of linearization, :class:`LinearizeConfig`, in a module of its own without torch model code: its
-fields are command-line options (``headkit linearize``, ``headkit bench linearize``: headkit.recipes.options), and
+fields are command-line options (``headkit linearize``, ``headkit bench linearize``: headkit.runs.options), and
 the command line refuses a bad one against a model's 🤗 config (its context, layers, sliding-window layers,
 key/value heads) before any model code is imported. The conversion it configures is
 :mod:`headkit.surgery.linearize`'s.
@@ -102,7 +102,7 @@ class LinearizeConfig:
     """
 
     # Each field's metadata makes it an option of `headkit linearize` and `headkit bench linearize`
-    # (headkit.recipes.options): help, and the command line's name and parsing where they are not the default's.
+    # (headkit.runs.options): help, and the command line's name and parsing where they are not the default's.
     window: int = field(
         default=64, metadata={"help": "Tokens each query sees exactly through softmax, its own included."}
     )

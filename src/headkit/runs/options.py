@@ -39,12 +39,38 @@ import math
 import types
 import typing
 from collections.abc import Callable, Iterable
+from dataclasses import MISSING, fields
 from typing import Any
 
 from headkit.errors import HeadkitError
-from headkit.recipes.settings import stated_defaults
 
-NO_QUICK = dataclasses.MISSING  # a field whose quick value is its default
+
+def quick_preset(help: str) -> Any:
+    """The ``quick`` classmethod of a settings class: the short run, each field's ``quick`` value over the full
+    run's default (and the caller's overrides over both); ``help`` is the help of ``--quick``."""
+
+    def quick(cls: type, **overrides: Any) -> Any:
+        values = {field.name: field.metadata.get("quick", MISSING) for field in fields(cls)}
+        return cls(**({name: value for name, value in values.items() if value is not MISSING} | overrides))
+
+    quick.__doc__ = help
+    return classmethod(quick)
+
+
+def stated_defaults(help: str, default: Any, quick: Any = MISSING) -> str:
+    """``help`` ending with the values it defaults to: "(default D; Q with --quick)." (Q where it differs)."""
+    quick_value = "" if quick is MISSING or quick == default else f"; {shown_value(quick)} with --quick"
+    return f"{help.removesuffix('.')} (default {shown_value(default)}{quick_value})."
+
+
+def shown_value(value: Any) -> str:
+    """A setting's value as its help and the command line write it: a tuple comma-separated, a float short."""
+    if isinstance(value, tuple):
+        return ",".join(map(shown_value, value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+NO_QUICK = MISSING  # a field whose quick value is its default
 # What check_options reads: one declaration for the command line and the library alike.
 CHECKS = ("min", "max", "distinct", "positive", "choices", "check")
 VOCABULARY = frozenset(
@@ -204,6 +230,7 @@ def command_parameters(settings_class: type) -> list[inspect.Parameter]:
     """One keyword-only typer parameter per option of ``settings_class`` (see the module docstring), defaults
     the full run's, and a hidden one per removed name (which refuses, naming the new one)."""
     import typer
+    from rich.markup import escape
 
     kinds = field_types(settings_class)
     parameters = []
@@ -217,11 +244,12 @@ def command_parameters(settings_class: type) -> list[inspect.Parameter]:
         elif is_list(kind):
             # a list option: comma-separated text
             kind, default = str, ",".join(map(str, default)) if default else ""
-        help = stated_help(field)
+        # Help is rich markup: "headkit[eval]" would lose its "[eval]" as a tag.
+        help = escape(stated_help(field))
         # Help that states its defaults (full and quick) says it best: no second [default: …] after it.
         shown = "(default" not in help and default is not None
         if meta.get("argument"):
-            declared = typer.Argument(default, help=help, show_default=shown)
+            declared = typer.Argument(default, help=help, show_default=shown, metavar=field.name.upper())
         else:
             flag = meta.get("flag") or option_name(field)
             if kind is bool and "/" not in flag:
