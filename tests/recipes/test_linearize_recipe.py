@@ -192,7 +192,7 @@ def test_bench_linearize_writes_results_table_and_plot(tiny_llama, tmp_path, cap
         (["--retrieval-head-count", "99"], r"--retrieval-head-count must be in \[0, \d+\]"),
         (["--retrieval-heads", "0:99"], r"retrieval_heads must name key/value heads in \[0, \d+\)"),
         (["--retrieval-heads", "0-1"], "--retrieval-heads must be layer:head pairs"),
-        (["--sparse-cache", "300"], "sparse_cache must be at most the model's context of 256"),
+        (["--budget", "300"], "budget must be at most the model's context of 256"),
         (["--observation", "300"], "observation must be at most the model's context of 256"),
         (["--selection", "oracle"], "selection must be one of recall, question"),
     ],
@@ -238,7 +238,7 @@ def test_unsupported_architectures_and_encoders_are_refused(save_tiny_encoder, t
 def test_retrieval_heads_chosen_on_passkeys_then_question_selection_reload(tiny_llama, tmp_path, capsys):
     out = tmp_path / "linearized"
     main([
-        "linearize", str(tiny_llama), *SMALL, "--retrieval-head-count", "2", "--sinks", "1", "--sparse-cache", "4",
+        "linearize", str(tiny_llama), *SMALL, "--retrieval-head-count", "2", "--sinks", "1", "--budget", "4",
         "--selection", "question", "--observation", "8", "--out", str(out),
     ])  # fmt: skip
     printed = capsys.readouterr().out
@@ -261,7 +261,7 @@ def test_the_compressed_cache_baseline_trains_nothing(tiny_llama, tmp_path, caps
             "--drop",
             "--sinks",
             "1",
-            "--sparse-cache",
+            "--budget",
             "4",
             "--out",
             str(out),

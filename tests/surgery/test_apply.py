@@ -47,7 +47,7 @@ CONFIGS = [
         chunk_size=16,
         convert_sliding=True,
         sinks=2,
-        sparse_cache=3,
+        budget=3,
         selection="question",
         observation=4,
         fold=False,
@@ -143,9 +143,7 @@ def test_apply_on_decoders_latent_and_linearize_as_the_old_functions_do():
         [PruneConfig(heads={0: [0, 1], 1: [2, 3]}), LatentKVConfig(kv_rank=12, rope_dims=4)],
         [
             PruneConfig(heads={0: [0, 1]}),
-            LinearizeConfig(
-                window=4, sinks=1, sparse_cache=2, selection="question", observation=2, fold=False
-            ),
+            LinearizeConfig(window=4, sinks=1, budget=2, selection="question", observation=2, fold=False),
         ],
         # heads renumbered after the first pruning: 0 of what is left is the original's 1, so group 0 goes
         [PruneConfig(heads={0: [0]}), PruneConfig(heads={0: [0]}), LatentKVConfig(kv_rank=16, rope_dims=4)],

@@ -116,7 +116,7 @@ def quick_budget() -> str:
     quick = LinearizeSettings.quick()
     return (
         f"Smoke test of the whole pipeline, not the measured configuration: window {quick.window}, "
-        f"{quick.sinks} sinks, sparse cache {quick.sparse_cache}; {quick.transfer_steps} transfer + "
+        f"{quick.sinks} sinks, budget {quick.budget}; {quick.transfer_steps} transfer + "
         f"{quick.recovery_steps} LoRA steps of {quick.batch_size} × {quick.train_length} tokens; perplexity at "
         f"{','.join(map(str, quick.eval_lengths))} tokens on {quick.held_out_windows} held-out windows; decoding at "
         f"{','.join(map(str, quick.decode_contexts))} (a few minutes on 2 CPU cores)."

@@ -17,15 +17,12 @@ runs it as it runs a linearized model.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from torch import nn
 
-from headkit.errors import HeadkitError
 from headkit.surgery.adapters import AttentionAdapter
 from headkit.surgery.gating import config_head_dim, kv_head_counts, parse_head_pairs
 from headkit.surgery.linearize import SURGERY_OP as LINEARIZE_OP
@@ -41,15 +38,6 @@ from headkit.surgery.records import (
 SURGERY_OP = "compressed_cache"
 # What the linearized layer's record holds beside its config's fields: the sites and rotary pairs it resolved.
 RESOLVED = ("adapter", "layers", "sites", "unrotated_pairs", "rotary_pairs")
-
-
-@contextlib.contextmanager
-def _said_in_these_names() -> Iterator[None]:
-    """The linearized layer's refusals, its budget's field (``sparse_cache``) named as this config's (``budget``)."""
-    try:
-        yield
-    except HeadkitError as exc:
-        raise HeadkitError(str(exc).replace("sparse_cache", "budget")) from None
 
 
 @dataclass(frozen=True)
@@ -101,17 +89,15 @@ class CompressedCacheConfig:
 
     def linearize_config(self) -> LinearizeConfig:
         """The mechanism this cache is: the linearized layer's, nothing folded (a :class:`LinearizeConfig`)."""
-        with _said_in_these_names():
-            return LinearizeConfig(
-                window=self.window, sinks=self.sinks, sparse_cache=self.budget, selection="question",
-                observation=self.observation, fold=False, retrieval_heads=self.retrieval_heads, layers=self.layers,
-            )  # fmt: skip
+        return LinearizeConfig(
+            window=self.window, sinks=self.sinks, budget=self.budget, selection="question",
+            observation=self.observation, fold=False, retrieval_heads=self.retrieval_heads, layers=self.layers,
+        )  # fmt: skip
 
     def check(self, model_or_config: Any) -> None:
         """What a model, or its 🤗 config, answers before any work: the window, budget and observation within its
         context, the layers and retrieval heads it has."""
-        with _said_in_these_names():
-            self.linearize_config().check(model_or_config)
+        self.linearize_config().check(model_or_config)
 
     def record(self) -> dict[str, Any]:
         """The fields as JSON."""
@@ -157,8 +143,7 @@ def _compress_cache(
     """:func:`headkit.apply_` of a :class:`CompressedCacheConfig`: each layer's mechanism is the linearized
     layer's with nothing folded; the record is this config's, with what the conversion resolved."""
     mechanism = config.linearize_config()
-    with _said_in_these_names():
-        report = conversion_of(mechanism).apply(model, mechanism, adapter=adapter)
+    report = conversion_of(mechanism).apply(model, mechanism, adapter=adapter)
     entries = list(getattr(model.config, SURGERY_KEY))
     resolved = entries[-1]
     entries[-1] = (
