@@ -62,7 +62,7 @@ from headkit.layers import attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 from headkit.ops._validation import check_positive_int
 from headkit.recipes.loop import IndexedBatches, LoopResult, StepCallback, train_loop
-from headkit.runs.options import check_names, check_options, option, parse_list, quick_preset
+from headkit.runs.options import check_names, check_options, existing_path, option, parse_list, quick_preset
 from headkit.runs.processes import process_rank_and_count
 
 REPORT_FILE = "training_report.json"
@@ -323,11 +323,6 @@ def _config_field(item: str) -> tuple[str, Any]:
         return key.strip(), value
 
 
-def _check_exists(flag: str, path: Path | None) -> None:
-    if path is not None and not Path(path).exists():
-        raise HeadkitError(f"{flag} {str(path)!r} does not exist")
-
-
 def _check_attention(name: str) -> None:
     check_names("--attention", [name], attention_classes())
 
@@ -361,12 +356,12 @@ class TrainSettings:
     corpus: Path | None = option(
         None,
         "A text file or a folder of text files (default: this Python's standard-library source).",
-        check=lambda path: _check_exists("--corpus", path),
+        check=existing_path("--corpus"),
     )
     tokenizer: Path | None = option(
         None,
         "A tokenizer saved in a local folder (default: byte-level).",
-        check=lambda path: _check_exists("--tokenizer", path),
+        check=existing_path("--tokenizer"),
     )
     steps: int = option(300, "Optimiser steps.", min=1, quick=100)
     batch_size: int = option(8, "Windows per step.", min=1)

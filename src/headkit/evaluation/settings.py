@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import (
@@ -17,7 +16,7 @@ from headkit.evaluation.tasks import (
     task_names,
 )
 from headkit.files import check_output_folder
-from headkit.runs.options import check_options, parse_list
+from headkit.runs.options import check_options, existing_path, parse_list
 
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -45,14 +44,6 @@ def _check_dtype(dtype: str) -> None:
     dtype_name(dtype)
 
 
-def _check_exists(flag: str) -> Any:
-    def check(path: Path | None) -> None:
-        if path is not None and not Path(path).exists():
-            raise HeadkitError(f"{flag} {str(path)!r} does not exist")
-
-    return check
-
-
 @dataclass
 class EvalSettings:
     """What ``headkit eval`` measures. A length list left None is its default cut to the model's context (see
@@ -66,14 +57,14 @@ class EvalSettings:
             "or a GGUF file such as SmolLM2's.",
             "argument": True,
             "flag": "MODEL",
-            "check": _check_exists("MODEL"),
+            "check": existing_path("MODEL"),
         }
     )
     reference: Path | None = field(
         default=None,
         metadata={
             "help": "The original to compare with: top-1 agreement, KL, and its own numbers beside MODEL's.",
-            "check": _check_exists("--reference"),
+            "check": existing_path("--reference"),
         },
     )
     data: Path | None = field(
@@ -81,7 +72,7 @@ class EvalSettings:
         metadata={
             "help": "Text for perplexity and passkey filler: a file, a folder or JSON Lines (default: the "
             "standard library's held-out source; its docstrings and comments as filler).",
-            "check": _check_exists("--data"),
+            "check": existing_path("--data"),
         },
     )
     lengths: tuple[int, ...] | None = field(

@@ -40,6 +40,7 @@ import types
 import typing
 from collections.abc import Callable, Iterable
 from dataclasses import MISSING, fields
+from pathlib import Path
 from typing import Any
 
 from headkit.errors import HeadkitError
@@ -380,6 +381,16 @@ def check_integers(
         raise HeadkitError(f"{flag} must be one or more integers {bounds}, got {values!r}")
     if distinct and len(set(values)) != len(values):
         raise HeadkitError(f"{flag} names a value twice: {values!r}")
+
+
+def existing_path(flag: str) -> Callable[[Any], None]:
+    """A field's ``check``: the path given, if any, exists (else an error naming ``flag``)."""
+
+    def check(path: Any) -> None:
+        if path is not None and not Path(path).exists():
+            raise HeadkitError(f"{flag} {str(path)!r} does not exist")
+
+    return check
 
 
 def check_options(settings: Any) -> None:
