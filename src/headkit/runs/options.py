@@ -383,6 +383,13 @@ def check_integers(
         raise HeadkitError(f"{flag} names a value twice: {values!r}")
 
 
+def check_choice(flag: str, value: Any, valid: Iterable[str]) -> None:
+    """``value`` is one of ``valid``, else an error naming ``flag`` and the valid values."""
+    valid = tuple(valid)
+    if value not in valid:
+        raise HeadkitError(f"{flag} must be one of {', '.join(valid)}, got {value!r}")
+
+
 def existing_path(flag: str) -> Callable[[Any], None]:
     """A field's ``check``: the path given, if any, exists (else an error naming ``flag``)."""
 
