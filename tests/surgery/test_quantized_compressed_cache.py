@@ -34,6 +34,8 @@ from headkit.surgery.linearize import linearized_modules
 
 # Far smaller than the prompts below: keys are dropped (window 4, one sink, 3 chosen keys per head).
 COMPRESSED = CompressedCacheConfig(window=4, sinks=1, budget=3, observation=2)
+# Layer 0's key/value head 1 keeps its whole cache (a retrieval head), quantized too.
+RETRIEVAL = CompressedCacheConfig(window=4, sinks=1, budget=3, observation=2, retrieval_heads=((0, 1),))
 # Nothing dropped within 40 tokens: the compressed cache is the original model.
 EVERYTHING = CompressedCacheConfig(window=64, sinks=0, budget=0, observation=2)
 INT8 = QuantizedKVConfig(bits=8, group_size=8, residual=8)
@@ -66,14 +68,17 @@ def exact_fields(state):
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("chunk", [1, 3])
-def test_the_quantized_path_is_the_compressed_cache_on_the_dequantized_keys_and_values(bits, chunk):
+@pytest.mark.parametrize("compressed", [COMPRESSED, RETRIEVAL], ids=["compressed", "retrieval-head"])
+def test_the_quantized_path_is_the_compressed_cache_on_the_dequantized_keys_and_values(
+    bits, chunk, compressed
+):
     """The naive twin: the unquantized compressed cache handed the dequantized state. Same logits at every step;
     after it, the states differ only in the new tokens, each within half its group's scale (the quantization's
     error), and every token stored before keeps its dequantized numbers exactly: quantized once."""
     original = family_model("llama")
     plain, model = copy.deepcopy(original), copy.deepcopy(original)
-    headkit.apply_(plain, COMPRESSED)
-    headkit.apply_(model, [COMPRESSED, QuantizedKVConfig(bits=bits, group_size=8)])
+    headkit.apply_(plain, compressed)
+    headkit.apply_(model, [compressed, QuantizedKVConfig(bits=bits, group_size=8)])
     tokens = family_inputs(length=30)
     with torch.no_grad():
         cache = output_cache(model(tokens[:, :12], use_cache=True))

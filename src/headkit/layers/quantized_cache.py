@@ -241,25 +241,25 @@ class QuantizedHybridStateCacheLayer(HybridStateCacheLayer):
                 "first"
             )
         options = {"bits": self.bits, "group_size": self.group_size}
-        stored = exact_leaves(self.state) if self.state is not None else []
-        dequantized = [(leaf, self._dequantize(leaf)) for _, leaf in stored]
+        # Every stored token of the same rows, whichever field it sits in (a window key becomes a sink): one table
+        # per shape of rows.
+        tables: dict[tuple[Any, ...], list[tuple[QuantizedTensor, torch.Tensor]]] = {}
+        for _, leaf in exact_leaves(self.state) if self.state is not None else []:
+            values = self._dequantize(leaf)
+            tables.setdefault((*values.shape[:-2], values.shape[-1], values.dtype), []).append((leaf, values))
+        joined = {
+            key: (
+                QuantizedTensor(
+                    *(torch.cat(f, dim=-2) for f in zip(*(leaf for leaf, _ in found), strict=True))
+                ),
+                torch.cat([values for _, values in found], dim=-2),
+            )
+            for key, found in tables.items()
+        }
         leaves = {}
         for path, tensor in exact_leaves(buffers):
-            # Every stored token of the same rows, whichever field it sits in (a window key becomes a sink).
-            matching = [
-                (leaf, values)
-                for leaf, values in dequantized
-                if values.shape[:-2] == tensor.shape[:-2] and values.shape[-1] == tensor.shape[-1]
-                and values.dtype == tensor.dtype
-            ]  # fmt: skip
-            if matching:
-                table = QuantizedTensor(
-                    *(torch.cat(f, dim=-2) for f in zip(*(leaf for leaf, _ in matching), strict=True))
-                )
-                values = torch.cat([values for _, values in matching], dim=-2)
-                leaves[path] = quantize_tokens(tensor, stored=table, stored_values=values, **options)
-            else:
-                leaves[path] = quantize_tokens(tensor, **options)
+            table, values = joined.get((*tensor.shape[:-2], tensor.shape[-1], tensor.dtype), (None, None))
+            leaves[path] = quantize_tokens(tensor, stored=table, stored_values=values, **options)
         self.state = _replaced(buffers, leaves)
 
     def _dequantize(self, leaf: QuantizedTensor) -> torch.Tensor:

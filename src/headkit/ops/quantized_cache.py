@@ -33,9 +33,9 @@ key/value head, scales and zero points included.
 A compressed cache (sinks, a window ring, question-chosen keys: :mod:`headkit.ops.hybrid.sparse`) keeps tokens
 in slots that change one at a time, not in a growing sequence, so a key group spanning several tokens would have to
 be re-quantized whenever one of its slots changes. Its exact sets are quantized per token instead, keys and values
-alike (:func:`quantize_tokens`: :func:`quantize_values`' grouping, each token on its own): KIVI's per-channel keys
-matter at 2 bits; at 4 and 8 bits its fake-quantization study (§3, Table 1) finds per-token keys and values close
-to full precision. A token is quantized once: :func:`quantize_tokens` gives a token that equals one already
+alike (:func:`quantize_tokens`: :func:`quantize_values`' grouping, each token on its own): KIVI's per-channel
+keys matter at 2 bits; at 4 bits (and so at 8) its fake-quantization study (§3, Table 1) finds per-token keys and
+values close to full precision. A token is quantized once: :func:`quantize_tokens` gives a token that equals one already
 stored, dequantized, that token's codes, so a token moving between slots (window → sink or kept key) or read
 back and written again (a prompt continued in chunks) is not quantized a second time (quantizing a dequantized
 bfloat16 token again moves it, measured: 13% of the 8-bit codes).
