@@ -26,11 +26,11 @@ The layer is created by :meth:`StateCacheLayer.in_cache` in place of the stock e
 :meth:`QuantizedKVCacheLayer.configure` (the surgery's mechanism does both,
 :class:`headkit.surgery.quantized_cache.QuantizedKVHeads`).
 
-:class:`QuantizedHybridStateCacheLayer` is the same storage for a compressed cache (a linearized layer's state:
-sinks, the window ring, the kept keys, retrieval heads' full cache; :class:`~headkit.layers.hybrid.HybridStateCacheLayer`):
-those keys and values held as codes with per-token scales (:func:`~headkit.ops.quantized_cache.quantize_tokens`),
-dequantized into the op's state whenever it is read — the op then attends to them exactly as the unquantized cache
-would to the dequantized numbers. A token is quantized when it is stored: at the end of a prompt (or of each chunk
+:class:`QuantizedHybridStateCacheLayer` is the same storage for a compressed cache (a linearized layer's state,
+:class:`~headkit.layers.hybrid.HybridStateCacheLayer`: sinks, the window ring, the kept keys, retrieval heads' full
+cache): those keys and values held as codes with per-token scales
+(:func:`~headkit.ops.quantized_cache.quantize_tokens`), dequantized into the op's state whenever it is read — the
+op then attends to them exactly as the unquantized cache would to the dequantized numbers. A token is quantized when it is stored: at the end of a prompt (or of each chunk
 of one) and at each decoding step. No full-precision residual: a token's group is itself, so nothing waits for a
 group to fill (the step's own new token is attended in full precision, as it is not stored yet).
 """

@@ -233,8 +233,8 @@ class QuantizedKVConfig:
         tokens :func:`~headkit.ops.quantized_cache.tokens_to_quantize` leaves — spread over the `context` tokens.
         After a compressed cache, its layers' kept tokens
         (:meth:`~headkit.surgery.compressed_cache.CompressedCacheConfig.layer_tokens`) at the per-token cost
-        (keys grouped as values), the layers it left alone at their own, unquantized. None where the config does not state
-        its heads, or after a linearization (whose state the bytes do not state)."""
+        (keys grouped as values), the layers it left alone at their own, unquantized. None where the config does
+        not state its heads, or after a linearization (whose state the bytes do not state)."""
         counts, head_dim = kv_head_counts(config), config_head_dim(text_config(config))
         if counts is None or head_dim is None:
             return None
@@ -278,9 +278,8 @@ class QuantizedKVReport:
     layers: list[int]
     bytes_per_token_before: float | None
     bytes_per_token_after: float | None
-    compressed_layers: list[int] = field(
-        default_factory=list
-    )  # of those, the ones storing a compressed cache
+    # of those, the ones storing a compressed cache
+    compressed_layers: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
