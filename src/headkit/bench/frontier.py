@@ -510,8 +510,9 @@ def plot_passkey(report: dict[str, Any]) -> Any:
 )
 def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dict[str, Any]:
     """Every way of shrinking the key/value cache at equal bytes, in one run: quantized storage, the compressed
-    cache (alone and in 8 or 4 bits), latent keys/values and llama.cpp's quantized cache at budgets of 1/N of the original's bfloat16 bytes;
-    passkey beyond the window, second turn, perplexity read through the cache; two plots."""
+    cache (alone and in 8 or 4 bits), latent keys/values and llama.cpp's quantized cache at budgets of 1/N of the
+    original's bfloat16 bytes; passkey beyond the window, second turn, perplexity read through the cache; two
+    plots."""
 
     def echo(text: str) -> None:
         console.print(text, highlight=False, markup=False, soft_wrap=True)

@@ -30,9 +30,10 @@ The layer is created by :meth:`StateCacheLayer.in_cache` in place of the stock e
 :class:`~headkit.layers.hybrid.HybridStateCacheLayer`: sinks, the window ring, the kept keys, retrieval heads' full
 cache): those keys and values held as codes with per-token scales
 (:func:`~headkit.ops.quantized_cache.quantize_tokens`), dequantized into the op's state whenever it is read — the
-op then attends to them exactly as the unquantized cache would to the dequantized numbers. A token is quantized when it is stored: at the end of a prompt (or of each chunk
-of one) and at each decoding step. No full-precision residual: a token's group is itself, so nothing waits for a
-group to fill (the step's own new token is attended in full precision, as it is not stored yet).
+op then attends to them exactly as the unquantized cache would to the dequantized numbers. A token is quantized
+when it is stored: at the end of a prompt (or of each chunk of one) and at each decoding step. No full-precision
+residual: a token's group is itself, so nothing waits for a group to fill (the step's own new token is attended in
+full precision, as it is not stored yet).
 """
 
 from __future__ import annotations
