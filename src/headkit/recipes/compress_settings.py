@@ -127,7 +127,8 @@ class CompressSettings(ModelSettings):
     )
     kv_bits: int | None = option(
         None,
-        "With --kv-budget: quantized storage at 8 or 4 bits, whatever the budget would choose.",
+        "With --kv-budget: storage in 8 or 4 bits, whatever the budget would choose: alone where it fits, else the "
+        "compressed cache in those bits.",
     )
     # lm-evaluation-harness tasks scored on the original and the result (headkit.evaluation.tasks): none by default.
     eval_tasks: tuple[str, ...] = ()

@@ -71,6 +71,7 @@ from headkit.layers.cache import StateCacheLayer, state_tensors
 from headkit.layers.feature_maps import build_feature_map
 from headkit.layers.hybrid import HybridHeads, HybridStateCacheLayer, SplitHeadsRing, SplitHeadsState
 from headkit.layers.kept_exact import SELECTIONS, ExactHeads, KeptKeys, causal_softmax
+from headkit.layers.quantized_cache import QuantizedHybridStateCacheLayer
 from headkit.ops.hybrid import hybrid_attention, sparse_hybrid_attention
 from headkit.surgery.adapters import (
     AttentionAdapter,
@@ -210,6 +211,8 @@ class LinearizedHeads(HybridHeads):
         )  # fmt: skip
         self.feature_map_name, self.feature_dim = feature_map, feature_dim
         self.layer_idx = layer_idx
+        # (bits, group_size) where the exact keys and values are stored quantized (QuantizedKVConfig after it).
+        self.quantized_storage: tuple[int, int] | None = None
         self.build_hybrid_heads(
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, window=window, chunk_size=chunk_size,
             scale=scale, feature_map=feature_map, feature_dim=feature_dim, fold=fold, dtype=dtype, device=device,
@@ -273,8 +276,13 @@ class LinearizedHeads(HybridHeads):
         return sum(t.numel() * t.element_size() for t in state_tensors(state)) + exact
 
     def cache_layer(self, cache: Any) -> HybridStateCacheLayer:
-        """This layer's entry in the model's cache (see :class:`headkit.surgery.attention.CacheLayerHook`)."""
-        return hybrid_cache_layer(cache, self.layer_idx)
+        """This layer's entry in the model's cache (see :class:`headkit.surgery.attention.CacheLayerHook`): one
+        that stores the exact keys and values quantized where :attr:`quantized_storage` is set."""
+        if self.quantized_storage is None:
+            return hybrid_cache_layer(cache, self.layer_idx)
+        bits, group_size = self.quantized_storage
+        layer = QuantizedHybridStateCacheLayer.in_cache(cache, self.layer_idx)
+        return layer.configure(bits=bits, group_size=group_size)
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, None]:
         queries, keys, values, cache_layer = call.queries, call.keys, call.values, call.cache_layer
@@ -357,6 +365,8 @@ class LinearizedHeads(HybridHeads):
         extra = f", selection={self.selection!r}, observation={self.observation}" if self.budget else ""
         extra += "" if self.fold else ", fold=False"
         extra += f", exact_heads={list(self.exact_heads)}" if self.exact_heads else ""
+        if self.quantized_storage is not None:
+            extra += ", stored in {} bits (groups of {})".format(*self.quantized_storage)
         return (
             f"layer_idx={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, window={self.window}, sinks={self.sinks}, "
