@@ -37,6 +37,39 @@ def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     return logits.float()
 
 
+def _fold(gradient, rows, weight, start, grad_hidden, grad_weight, grad_bias) -> None:
+    """Fold one chunk's ∂L/∂logits [rows, V] into the gradients with respect to the head's input (rows `start`…),
+    its weight and its bias (each None when not needed): ∂L/∂h = g W, ∂L/∂W += gᵀ h, ∂L/∂b += Σ g."""
+    if grad_hidden is not None:
+        grad_hidden[start : start + len(rows)] = (gradient.to(weight.dtype) @ weight).to(grad_hidden.dtype)
+    if grad_weight is not None:
+        grad_weight += gradient.T @ rows.float()
+    if grad_bias is not None:
+        grad_bias += gradient.sum(0)
+
+
+def _keep_gradients(ctx, weight, bias, grad_hidden, grad_weight, grad_bias) -> None:
+    """Save the gradients a forward computed, for :func:`_scaled_gradients` (those not needed: empty tensors)."""
+    ctx.save_for_backward(
+        *(t if t is not None else torch.empty(0) for t in (grad_hidden, grad_weight, grad_bias))
+    )
+    ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+
+
+def _scaled_gradients(ctx, grad_output):
+    """The gradients with respect to (hidden, weight, bias) the forward saved, times the incoming gradient: the
+    loss is a scalar, so the backward is only that product."""
+    grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+    need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+    weight_dtype, bias_dtype = ctx.dtypes
+    scale = grad_output.float()
+    return (
+        (grad_hidden * scale.to(grad_hidden.dtype)) if need_hidden else None,
+        (grad_weight * scale).to(weight_dtype) if need_weight else None,
+        (grad_bias * scale).to(bias_dtype) if need_bias else None,
+    )
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, softcap, chunk):  # type: ignore[override]
@@ -62,34 +95,14 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 if softcap is not None:  # d(c·tanh(x/c))/dx = 1 − tanh²(x/c)
                     capped = F.linear(rows, weight, bias).float() / softcap
                     gradient.mul_(1.0 - torch.tanh(capped).square())
-                if need_hidden:
-                    grad_hidden[start : start + chunk] = (gradient.to(weight.dtype) @ weight).to(hidden.dtype)
-                if need_weight:
-                    grad_weight += gradient.T @ rows.float()
-                if need_bias:
-                    grad_bias += gradient.sum(0)
+                _fold(gradient, rows, weight, start, grad_hidden, grad_weight, grad_bias)
                 del gradient, logits
-        ctx.save_for_backward(
-            *(t if t is not None else torch.empty(0) for t in (grad_hidden, grad_weight, grad_bias))
-        )
-        ctx.needs = (need_hidden, need_weight, need_bias)
-        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        _keep_gradients(ctx, weight, bias, grad_hidden, grad_weight, grad_bias)
         return total
 
     @staticmethod
     def backward(ctx, grad_output):  # type: ignore[override]
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
-        need_hidden, need_weight, need_bias = ctx.needs
-        weight_dtype, bias_dtype = ctx.dtypes
-        scale = grad_output.float()
-        return (
-            (grad_hidden * scale.to(grad_hidden.dtype)) if need_hidden else None,
-            (grad_weight * scale).to(weight_dtype) if need_weight else None,
-            (grad_bias * scale).to(bias_dtype) if need_bias else None,
-            None,
-            None,
-            None,
-        )
+        return (*_scaled_gradients(ctx, grad_output), None, None, None)
 
 
 def chunked_cross_entropy(
@@ -104,17 +117,10 @@ def chunked_cross_entropy(
     """Σ over the rows whose target is not −100 of −log softmax(logits)[target], logits = W h (+ b; with `softcap`,
     cap · tanh(· / cap)), for `hidden` [N, d], `weight` [V, d], `targets` [N]; a float32 scalar, differentiable
     with respect to `hidden`, `weight` and `bias`. `chunk`: rows a chunk holds (default :func:`default_chunk`)."""
-    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
-        raise ValueError(
-            f"hidden must be [N, d] and weight [V, d] with the same d, got {tuple(hidden.shape)} and "
-            f"{tuple(weight.shape)}"
-        )
+    _check_head(hidden, weight)
     if targets.shape != hidden.shape[:1]:
         raise ValueError(f"targets must be [N] = [{hidden.shape[0]}], got {tuple(targets.shape)}")
-    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
-        raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap must be positive, got {softcap!r}")
+    _check_options(chunk, softcap=softcap)
     chunk = chunk or default_chunk(weight.shape[0])
     return _ChunkedCrossEntropy.apply(hidden, weight, bias, targets, softcap, chunk)
 
@@ -133,10 +139,172 @@ def naive_chunked_cross_entropy(
     return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction="sum")
 
 
+class _ChunkedKLDivergence(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx,
+        hidden,
+        weight,
+        bias,
+        teacher_hidden,
+        teacher_weight,
+        teacher_bias,
+        weights,
+        temperature,
+        caps,
+        chunk,
+    ):
+        softcap, teacher_softcap = caps
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        need_any = need_hidden or need_weight or need_bias
+        grad_hidden = torch.zeros_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if need_weight else None
+        grad_bias = torch.zeros_like(bias, dtype=torch.float32) if need_bias else None
+        total = hidden.new_zeros((), dtype=torch.float32)
+        with torch.no_grad():
+            for start in range(0, hidden.shape[0], chunk):
+                rows = hidden[start : start + chunk]
+                weight_rows = weights[start : start + chunk].float()
+                student = _logits(rows, weight, bias, softcap)
+                # d(c·tanh(z/c))/dz = 1 − tanh²(z/c) = 1 − (s/c)², read off the capped logits s before they are
+                # overwritten (no second product with the head's weight)
+                slope = (student / softcap).square_().neg_().add_(1.0) if softcap is not None and need_any else None
+                # log q = log softmax(s/τ), log p = log softmax(t/τ), in place: one buffer each
+                log_q = student.div_(temperature)
+                log_q = log_q.sub_(torch.logsumexp(log_q, dim=-1, keepdim=True))
+                log_p = _logits(
+                    teacher_hidden[start : start + chunk], teacher_weight, teacher_bias, teacher_softcap
+                )
+                log_p = log_p.div_(temperature)
+                log_p = log_p.sub_(torch.logsumexp(log_p, dim=-1, keepdim=True))
+                p = log_p.exp()
+                # KL(p ‖ q) per row = Σ_v p (log p − log q); 0 · log 0 = 0: a p that underflows to 0 counts nothing
+                per_row = (p * log_p.sub_(log_q)).sum(-1)
+                total += temperature**2 * (per_row * weight_rows).sum()
+                del log_p
+                if not need_any:
+                    continue
+                # τ² · ∂KL/∂s = τ² · (q − p)/τ = τ (q − p), times the row's weight (in place on log q's buffer)
+                gradient = log_q.exp_().sub_(p).mul_(temperature * weight_rows[:, None])
+                if slope is not None:
+                    gradient.mul_(slope)
+                _fold(gradient, rows, weight, start, grad_hidden, grad_weight, grad_bias)
+                del gradient, log_q, p, slope
+        _keep_gradients(ctx, weight, bias, grad_hidden, grad_weight, grad_bias)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_output):  # type: ignore[override]
+        return (*_scaled_gradients(ctx, grad_output), *([None] * 7))
+
+
+def _check_head(hidden: torch.Tensor, weight: torch.Tensor, name: str = "") -> None:
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"{name}hidden must be [N, d] and {name}weight [V, d] with the same d, got {tuple(hidden.shape)} "
+            f"and {tuple(weight.shape)}"
+        )
+
+
+def _check_options(chunk: int | None, temperature: float = 1.0, **softcaps: float | None) -> None:
+    if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+        raise ValueError(f"chunk must be a positive integer, got {chunk!r}")
+    for name, softcap in softcaps.items():
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"{name} must be positive, got {softcap!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be a positive number, got {temperature!r}")
+
+
+def _row_weights(weights: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor:
+    if weights is None:
+        return hidden.new_ones(hidden.shape[0], dtype=torch.float32)
+    if weights.shape != hidden.shape[:1]:
+        raise ValueError(f"weights must be [N] = [{hidden.shape[0]}], got {tuple(weights.shape)}")
+    return weights.detach()
+
+
+def chunked_kl_divergence(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    teacher_softcap: float | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """τ² · Σ_rows w · KL(softmax(t/τ) ‖ softmax(s/τ)): the distillation loss of Hinton, Vinyals & Dean 2015
+    (§2; the τ² keeps the gradient's scale independent of τ), summed over the rows (the caller divides by their
+    count), computed a chunk of rows at a time as Liger Kernel computes its fused linear losses (Hsu et al. 2024,
+    §3.3): neither model's [N, V] logits nor their gradient are ever held whole.
+
+    The student's logits are s = W h (+ b; with `softcap`, cap · tanh(· / cap)) for `hidden` [N, d] and `weight`
+    [V, d]; the teacher's t likewise from `teacher_hidden` [N, d'], `teacher_weight` [V, d'], `teacher_bias` and
+    `teacher_softcap`. `weights` [N]: each row's weight (an attention mask: 0 leaves a row out; default 1).
+
+    A float32 scalar, differentiable with respect to `hidden`, `weight` and `bias`; the teacher is the target and
+    gets no gradient. The gradient is computed in the forward, chunk by chunk, from τ² · ∂KL/∂s = τ (q − p) · w
+    (p = softmax(t/τ), q = softmax(s/τ)), times 1 − (s/cap)² under a soft-cap. `chunk`: rows a chunk holds
+    (default :func:`default_chunk`)."""
+    _check_head(hidden, weight)
+    _check_head(teacher_hidden, teacher_weight, "teacher_")
+    if teacher_hidden.shape[0] != hidden.shape[0] or teacher_weight.shape[0] != weight.shape[0]:
+        raise ValueError(
+            f"the teacher must have as many rows and outputs as the student: hidden {tuple(hidden.shape)}, "
+            f"teacher_hidden {tuple(teacher_hidden.shape)}, weight {tuple(weight.shape)}, teacher_weight "
+            f"{tuple(teacher_weight.shape)}"
+        )
+    _check_options(chunk, temperature, softcap=softcap, teacher_softcap=teacher_softcap)
+    chunk = chunk or default_chunk(weight.shape[0])
+    return _ChunkedKLDivergence.apply(
+        hidden,
+        weight,
+        bias,
+        teacher_hidden.detach(),
+        teacher_weight.detach(),
+        None if teacher_bias is None else teacher_bias.detach(),
+        _row_weights(weights, hidden),
+        float(temperature),
+        (softcap, teacher_softcap),
+        chunk,
+    )
+
+
+def naive_chunked_kl_divergence(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    teacher_hidden: torch.Tensor,
+    teacher_weight: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    teacher_bias: torch.Tensor | None = None,
+    weights: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    softcap: float | None = None,
+    teacher_softcap: float | None = None,
+    chunk: int | None = None,
+) -> torch.Tensor:
+    """The plain twin of :func:`chunked_kl_divergence`: both models' logits at once, autograd's gradients."""
+    student = _logits(hidden, weight, bias, softcap) / temperature
+    with torch.no_grad():
+        teacher = _logits(teacher_hidden, teacher_weight, teacher_bias, teacher_softcap) / temperature
+    per_row = F.kl_div(
+        F.log_softmax(student, dim=-1), F.log_softmax(teacher, dim=-1), reduction="none", log_target=True
+    ).sum(-1)
+    return temperature**2 * (per_row * _row_weights(weights, hidden).float()).sum()
+
+
 __all__ = [
     "CHUNK_ENTRIES",
     "IGNORE_INDEX",
     "chunked_cross_entropy",
+    "chunked_kl_divergence",
     "default_chunk",
     "naive_chunked_cross_entropy",
+    "naive_chunked_kl_divergence",
 ]
