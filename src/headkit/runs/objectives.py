@@ -10,12 +10,17 @@ data-parallel run where each process sees its own shard.
   negatives), no teacher: what head importance ranks an encoder's heads by.
 - :class:`CausalLMObjective`: language models — KL(teacher ‖ student) of the next-token distributions at a
   temperature τ, times τ² (Hinton, Vinyals & Dean 2015, §2: the τ² keeps the gradient scale independent of τ),
-  averaged over real tokens; optionally plus the last hidden state's relative squared error.
+  averaged over real tokens; optionally plus the last hidden state's relative squared error. It is computed from
+  both LM heads' inputs a chunk of tokens at a time (:func:`headkit.ops.chunked_loss.chunked_kl_divergence`,
+  Liger Kernel's chunking, Hsu et al. 2024): neither model's [tokens, vocabulary] logits are held whole.
+  :func:`next_token_kl` is the plain loss on whole logits (the reference, and the measurements' KL).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -23,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from headkit.errors import HeadkitError
+from headkit.ops.chunked_loss import chunked_kl_divergence
 
 
 def mean_pool(hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -120,14 +126,92 @@ class EncoderObjective:
         return embedding_distillation_loss(got, expected, mask)
 
 
+class _Captured(Exception):
+    """Raised by the LM head's pre-hook to stop a forward once the head's input is known."""
+
+
+def lm_head_input(model: nn.Module, head: nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
+    """The LM head's input [B, T, hidden] (the last hidden states, after the final norm) for `inputs`, the
+    forward stopped at the head: no logits are computed. Differentiable where grad is enabled."""
+    captured: list[torch.Tensor] = []
+
+    def capture(module: nn.Module, args: tuple) -> None:
+        captured.append(args[0])
+        raise _Captured
+
+    handle = head.register_forward_pre_hook(capture)
+    try:
+        model(**inputs, use_cache=False)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+    if not captured:
+        raise HeadkitError(f"{type(model).__name__}'s forward never reached its LM head")
+    return captured[0]
+
+
+@dataclass(frozen=True)
+class LogitHead:
+    """A causal LM's logits as a function of its LM head's input h: softcap · tanh(head(h) / softcap), or
+    head(h) without a soft-cap (Gemma 2/3's ``final_logit_softcapping``); `last_hidden`: h is also the model's
+    last hidden state (``output_hidden_states``' last)."""
+
+    head: nn.Linear
+    softcap: float | None
+    last_hidden: bool
+
+
+def logit_head(model: nn.Module) -> LogitHead | None:
+    """`model`'s :class:`LogitHead` when its own logits are its LM head (``get_output_embeddings()``, an
+    nn.Linear) applied to the head's input and soft-capped as its config says — checked on a few tokens against
+    the model's own logits — so that its loss can be computed from the head's input in chunks; None otherwise
+    (a head this does not know how to apply: the logits are computed whole)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, nn.Linear):
+        return None
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    softcap = getattr(text, "final_logit_softcapping", None) or None
+    ids = (torch.arange(2, 10)[None] % head.out_features).to(head.weight.device)
+    with torch.no_grad():
+        expected = model(input_ids=ids, use_cache=False, output_hidden_states=True)
+        hidden = lm_head_input(model, head, {"input_ids": ids})
+        logits = head(hidden)
+        if softcap is not None:
+            logits = torch.tanh(logits / softcap) * softcap
+    exact = head.weight.dtype in (torch.float32, torch.float64)
+    tolerance = 1e-4 if exact else 2e-2
+    if getattr(expected, "logits", None) is None or not torch.allclose(
+        logits.float(), expected.logits.float(), rtol=tolerance, atol=tolerance
+    ):
+        return None
+    states = getattr(expected, "hidden_states", None)
+    last_hidden = bool(states) and states[-1].shape == hidden.shape and torch.equal(states[-1], hidden)
+    return LogitHead(head, softcap, last_hidden)
+
+
 @dataclass
 class CausalLMObjective:
     """Causal-LM distillation: :func:`next_token_kl` at `temperature`, plus `hidden_weight` × the last hidden
-    state's relative squared error (0: logits only, which needs no hidden states)."""
+    state's relative squared error (0: logits only, which needs no hidden states).
+
+    With `chunked` (the default) and both models' heads recognised (:func:`logit_head`), the KL is computed from
+    the heads' inputs a chunk of tokens at a time (:func:`~headkit.ops.chunked_loss.chunked_kl_divergence`): the
+    same loss and gradients without either model's [tokens, vocabulary] logits, their float32 log-softmaxes and
+    their gradient (SmolLM2, 16 windows of 256 tokens: 0.8 GB each). The student's forward then stops at its
+    head, so the objective runs inside the distillation's :class:`~headkit.recipes.distill.ObjectiveForward`
+    (``calls_student_forward``), which is what keeps a data-parallel run's gradients averaged."""
 
     temperature: float = 1.0
     hidden_weight: float = 0.0
     name: str = "causal_lm"
+    chunked: bool = True
+    _heads: weakref.WeakKeyDictionary = field(
+        default_factory=weakref.WeakKeyDictionary, init=False, repr=False, compare=False
+    )
+    # the student's forward is stopped at its head (lm_head_input): DDP must wrap the objective, not the student
+    calls_student_forward = False
 
     def __post_init__(self) -> None:
         if (
@@ -144,6 +228,14 @@ class CausalLMObjective:
             raise HeadkitError(f"hidden_weight must be a non-negative number, got {self.hidden_weight!r}")
 
     def __call__(self, student: nn.Module, teacher: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        heads = (self._head(student), self._head(teacher))
+        if self.chunked and all(heads) and (self.hidden_weight == 0 or all(h.last_hidden for h in heads)):
+            return self._chunked(student, teacher, batch, *heads)
+        return self.logits_loss(student, teacher, batch)
+
+    def logits_loss(self, student: nn.Module, teacher: nn.Module, batch: dict[str, Any]) -> torch.Tensor:
+        """The loss from both models' whole logits (:func:`next_token_kl`): the reference the chunked loss is
+        tested against, and the loss of a model whose head :func:`logit_head` does not recognise."""
         inputs = _model_inputs(batch) | {"use_cache": False}
         hidden = self.hidden_weight > 0
         with torch.no_grad():
@@ -156,3 +248,44 @@ class CausalLMObjective:
                 got.hidden_states[-1], expected.hidden_states[-1], mask
             )
         return loss
+
+    def _chunked(
+        self,
+        student: nn.Module,
+        teacher: nn.Module,
+        batch: dict[str, Any],
+        ours: LogitHead,
+        theirs: LogitHead,
+    ) -> torch.Tensor:
+        inputs = _model_inputs(batch)
+        with torch.no_grad():
+            expected = lm_head_input(teacher, theirs.head, inputs)
+        got = lm_head_input(student, ours.head, inputs)
+        mask = batch.get("attention_mask")
+        weights = None if mask is None else mask.reshape(-1).float()
+        # next_token_kl's mean: over the real positions (all of them without a mask)
+        count = got.shape[0] * got.shape[1] if mask is None else float(mask.sum().clamp_min(1))
+        loss = (
+            chunked_kl_divergence(
+                got.reshape(-1, got.shape[-1]),
+                ours.head.weight,
+                expected.reshape(-1, expected.shape[-1]),
+                theirs.head.weight,
+                bias=ours.head.bias,
+                teacher_bias=theirs.head.bias,
+                weights=weights,
+                temperature=self.temperature,
+                softcap=ours.softcap,
+                teacher_softcap=theirs.softcap,
+            )
+            / count
+        )
+        if self.hidden_weight > 0:  # the head's input is the last hidden state (logit_head checked it)
+            loss = loss + self.hidden_weight * relative_squared_error(got, expected, mask)
+        return loss
+
+    def _head(self, model: nn.Module) -> LogitHead | None:
+        # checked once per model: the check runs two forwards of a few tokens
+        if model not in self._heads:
+            self._heads[model] = logit_head(model)
+        return self._heads[model]
