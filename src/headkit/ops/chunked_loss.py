@@ -1,6 +1,6 @@
-"""The next-token cross-entropy of a language-model head, computed a chunk of tokens at a time: the [tokens,
-vocabulary] logits and their gradient are never held whole (Liger Kernel's fused linear cross-entropy, Hsu et al.
-2024, §3.3, without the fused kernel).
+"""The next-token losses of a language-model head — the cross-entropy, and the distillation's KL against a
+teacher's head — computed a chunk of tokens at a time: the [tokens, vocabulary] logits and their gradient are never
+held whole (Liger Kernel's fused linear losses, Hsu et al. 2024, §3.3, without the fused kernel).
 
 :func:`chunked_cross_entropy` takes the head's input h [N, d] (the last hidden states), its weight W [V, d] (and
 bias), and the target of every row (−100: ignored), and returns the summed cross-entropy Σ_t −log softmax(W h_t)
@@ -10,6 +10,11 @@ one-hot) W (and ∂L/∂W, when W needs one); the backward only scales those by 
 chunk's logits (``chunk`` rows × V) instead of all N × V logits, their float32 copy, log-softmax and gradient
 (SmolLM2, 4,096 tokens: 0.8 GB each). :func:`naive_chunked_cross_entropy` is the plain twin the tests compare
 values and gradients with.
+
+:func:`chunked_kl_divergence` is the distillation loss likewise: τ² · Σ_t w_t · KL(softmax(t_t/τ) ‖ softmax(s_t/τ))
+(Hinton, Vinyals & Dean 2015, §2) from the student's head input and weight and the teacher's, each chunk's logits of
+both models computed, used and dropped in turn, and the gradient τ (q − p) w folded into ∂L/∂h (and ∂L/∂W, ∂L/∂b)
+in the forward; :func:`naive_chunked_kl_divergence` is its plain twin.
 
 ``softcap`` (Gemma 2/3's ``final_logit_softcapping``): the logits are cap · tanh(W h / cap), as those models compute
 them; the logits are computed in the input's dtype and the loss in float32, as 🤗 models' own losses do.
@@ -168,7 +173,11 @@ class _ChunkedKLDivergence(torch.autograd.Function):
                 student = _logits(rows, weight, bias, softcap)
                 # d(c·tanh(z/c))/dz = 1 − tanh²(z/c) = 1 − (s/c)², read off the capped logits s before they are
                 # overwritten (no second product with the head's weight)
-                slope = (student / softcap).square_().neg_().add_(1.0) if softcap is not None and need_any else None
+                slope = (
+                    (student / softcap).square_().neg_().add_(1.0)
+                    if softcap is not None and need_any
+                    else None
+                )
                 # log q = log softmax(s/τ), log p = log softmax(t/τ), in place: one buffer each
                 log_q = student.div_(temperature)
                 log_q = log_q.sub_(torch.logsumexp(log_q, dim=-1, keepdim=True))

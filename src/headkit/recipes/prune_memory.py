@@ -8,8 +8,10 @@ the parameters are counted exactly on a model built on the meta device (no memor
 pass holds one slice of :data:`~headkit.surgery.repair.PASS_TOKENS` tokens' activations and one chunk of logits
 (:mod:`headkit.ops.chunked_loss`); the loss-weighted ranking one layer's per-token samples in float32; the
 measurements one forward's capped logits (:data:`headkit.evaluation.quality.LOGIT_ENTRIES`); the recovery the
-student's gradients, AdamW's two moments and a batch's activations and logits. The constants are fitted to the
-runs measured in docs/memory.md (SmolLM2-135M and random-weight models of published shapes).
+student's gradients, AdamW's two moments, a batch's activations and one chunk of both models' logits (the
+distillation's KL is computed from the heads' inputs in chunks:
+:class:`~headkit.runs.objectives.CausalLMObjective`). The constants are fitted to the runs measured in
+docs/memory.md (SmolLM2-135M and random-weight models of published shapes).
 """
 
 from __future__ import annotations
@@ -34,6 +36,8 @@ RUNTIME_BYTES = int(0.65 * GIB)
 # output and its backward's workspace, and the MLP's intermediate tensors (SmolLM2: 8·576 + 4·1,536 ≈ 10,752;
 # fitted to the gradient pass measured there, 2.2 GiB).
 HIDDEN_ACTIVATIONS, MLP_ACTIVATIONS = 8, 4
+# Chunk-sized float32 buffers the distillation's chunked KL holds at once (headkit.ops.chunked_loss).
+KL_CHUNKS = 5
 
 
 @dataclass(frozen=True)
@@ -98,7 +102,11 @@ def estimate_prune_memory(settings: Any, config: Any) -> MemoryEstimate:
             + trained
             + optimizer
             + batch_tokens * layers * per_token_layer
-            + 5 * batch_tokens * vocabulary * logits
+            # the distillation's KL from both heads' inputs, a chunk of tokens at a time (chunked_kl_divergence):
+            # the chunk's student and teacher logits, the teacher's probabilities, their product and the
+            # soft-cap's slope; and the head's float32 weight gradient where the head trains
+            + KL_CHUNKS * CHUNK_ENTRIES * logits
+            + (vocabulary * width * logits if settings.lora_rank is None else 0)
         )
     stage = max(stages, key=stages.__getitem__)
     return MemoryEstimate(stages[stage], stage, stages)
