@@ -184,3 +184,18 @@ def test_the_objective_stops_the_student_at_its_head_and_runs_inside_objective_f
 
     assert CausalLMObjective().calls_student_forward is False
     assert CausalLMObjective(2.0) == CausalLMObjective(2.0)  # the head cache is not part of its identity
+
+
+def test_the_head_check_runs_in_eval_mode_and_restores_each_module_mode():
+    from headkit.runs.objectives import logit_head
+
+    _, student = _causal_pair("llama")
+    student.train()
+    student.model.layers[0].eval()  # a mixed state, kept as it was
+    student.config.attention_dropout = 0.5  # dropout would make two forwards disagree in training mode
+    for layer in student.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    state = torch.get_rng_state()
+    assert logit_head(student) is not None
+    assert torch.equal(torch.get_rng_state(), state)  # nothing drawn: the training order is unchanged
+    assert student.training and student.model.layers[1].training and not student.model.layers[0].training

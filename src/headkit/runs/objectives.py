@@ -174,12 +174,20 @@ def logit_head(model: nn.Module) -> LogitHead | None:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     softcap = getattr(text, "final_logit_softcapping", None) or None
     ids = (torch.arange(2, 10)[None] % head.out_features).to(head.weight.device)
-    with torch.no_grad():
-        expected = model(input_ids=ids, use_cache=False, output_hidden_states=True)
-        hidden = lm_head_input(model, head, {"input_ids": ids})
-        logits = head(hidden)
-        if softcap is not None:
-            logits = torch.tanh(logits / softcap) * softcap
+    # In eval mode, so that two forwards agree (no dropout, no gate noise) and draw nothing from the random
+    # generators a training run's order depends on; each module's mode restored after.
+    modes = {module: module.training for module in model.modules()}
+    model.eval()
+    try:
+        with torch.no_grad():
+            expected = model(input_ids=ids, use_cache=False, output_hidden_states=True)
+            hidden = lm_head_input(model, head, {"input_ids": ids})
+            logits = head(hidden)
+            if softcap is not None:
+                logits = torch.tanh(logits / softcap) * softcap
+    finally:
+        for module, training in modes.items():
+            module.training = training
     exact = head.weight.dtype in (torch.float32, torch.float64)
     tolerance = 1e-4 if exact else 2e-2
     if getattr(expected, "logits", None) is None or not torch.allclose(
