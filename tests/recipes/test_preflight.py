@@ -178,3 +178,23 @@ def test_the_memory_estimate_grows_with_the_run():
     half = estimate_prune_memory(PruneSettings(recovery_steps=0, dtype="bfloat16"), config)
     assert trained.stage == "recover" and trained.total > plain.total > half.total
     assert set(plain.stages) == {"load", "convert", "measure"}
+
+
+def test_the_recovery_estimate_holds_a_chunk_of_logits_not_the_batch_s():
+    """The distillation's KL is computed in chunks of tokens: a larger batch adds activations, no logits."""
+    from headkit.recipes import prune_memory
+    from headkit.recipes.prune_settings import PruneSettings
+    from headkit.runs.models import DTYPES
+
+    config = read_model_config(smollm2_gguf_path())
+    one, two = (
+        prune_memory.estimate_prune_memory(PruneSettings(recovery_steps=10, batch_size=size), config)
+        for size in (16, 32)
+    )
+    settings = PruneSettings()
+    per_token_layer = (
+        prune_memory.HIDDEN_ACTIVATIONS * config.hidden_size
+        + prune_memory.MLP_ACTIVATIONS * config.intermediate_size
+    ) * DTYPES[settings.dtype].itemsize
+    added = 16 * settings.window * config.num_hidden_layers * per_token_layer
+    assert two.stages["recover"] - one.stages["recover"] == added
