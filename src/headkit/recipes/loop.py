@@ -16,15 +16,28 @@ stacks into batches of ``batch_size`` per device, or, with ``batch_size=None``, 
 already (any structure the loss understands), one per step per device. A stream drawn at random per step (the
 from-scratch benchmarks' windows) is an :class:`IndexedBatches`: batch ``i`` is a pure function of ``i`` and
 the seed, so every process of a distributed run draws its own, and a rerun draws the same.
+
+Checkpoints. With ``output_dir`` (or inside :func:`checkpointing`, how a recipe that saves gives every training of
+a stage its own folder in the run's work folder, :mod:`headkit.recipes.work`), Trainer writes a checkpoint every
+``save_steps`` and at the last step (the model or adapters, optimizer, scheduler, RNG states, its state), the last
+two kept; each is sealed by a record of its files' SHA-256 written after them (:data:`CHECKPOINT_RECORD`). A
+resumed training starts from the newest sealed checkpoint whose files match their record; a damaged one is said so
+in one line and removed, and the one before is used. Trainer's ``resume_from_checkpoint`` restores the rest, the
+data order included, so the resumed training ends where an uninterrupted one would.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import math
 import os
+import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +48,8 @@ from torch import nn
 from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
 
 from headkit.errors import HeadkitError
+from headkit.files import write_json_atomic
+from headkit.runs.faults import fault_point
 from headkit.runs.processes import process_rank_and_count
 
 LossFn = Callable[[nn.Module, Any, int], torch.Tensor]
@@ -81,6 +96,91 @@ class IndexedBatches(torch.utils.data.Dataset):
         # Distinct streams per index: the seed and the index mixed, never colliding for non-negative seeds.
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + index) % (2**63))
         return self.make(index, generator)
+
+
+#: The file, inside a Trainer checkpoint, that seals it: each of its files' SHA-256, written once they are all there.
+CHECKPOINT_RECORD = "headkit-checkpoint.json"
+#: Trainer's checkpoint interval where a caller gives none.
+SAVE_STEPS = 50
+
+
+@dataclass
+class Checkpointing:
+    """Where the trainings of one recipe stage keep their checkpoints (:func:`checkpointing`): the ``i``-th
+    training the stage runs in ``folder/train-i``, every ``every`` steps, resuming from the newest there;
+    ``resumed`` lists the checkpoints a training started from, ``echo`` says so."""
+
+    folder: Path
+    stage: str
+    every: int = SAVE_STEPS
+    echo: Callable[[str], None] = print
+    count: int = 0
+    resumed: list[str] = field(default_factory=list)
+
+    def next_folder(self) -> tuple[int, Path]:
+        index, self.count = self.count, self.count + 1
+        return index, self.folder / f"train-{index}"
+
+
+_CHECKPOINTING: ContextVar[Checkpointing | None] = ContextVar("headkit_checkpointing", default=None)
+
+
+@contextlib.contextmanager
+def checkpointing(where: Checkpointing) -> Iterator[Checkpointing]:
+    """Within it, every :func:`train_loop` without an ``output_dir`` checkpoints in ``where``'s folders and resumes
+    from them: the recipes' trainings (distillation, gates) gain checkpoints without each passing a folder."""
+    token = _CHECKPOINTING.set(where)
+    try:
+        yield where
+    finally:
+        _CHECKPOINTING.reset(token)
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def seal_checkpoint(folder: Path) -> None:
+    """Write ``folder``'s :data:`CHECKPOINT_RECORD`: the SHA-256 of every file Trainer wrote there."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != CHECKPOINT_RECORD)
+    record = {str(p.relative_to(folder)): _file_digest(p) for p in files}
+    write_json_atomic(folder / CHECKPOINT_RECORD, {"files": record})
+
+
+def checkpoint_fault(folder: Path) -> str | None:
+    """What is wrong with the Trainer checkpoint ``folder`` (None: it is whole): unsealed (interrupted while
+    written), a file missing or not matching its record."""
+    try:
+        record = json.loads((folder / CHECKPOINT_RECORD).read_text())["files"]
+    except FileNotFoundError:
+        return "it was not finished"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"its record {CHECKPOINT_RECORD} is unreadable ({exc})"
+    for name, digest in record.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if _file_digest(path) != digest:
+            return f"{name} does not match its record (damaged)"
+    return None
+
+
+def newest_checkpoint(folder: Path, echo: Callable[[str], None] = print) -> Path | None:
+    """The newest whole checkpoint in ``folder`` (Trainer's ``checkpoint-<step>``), None where there is none;
+    each newer one that is not whole is said so in one line and removed, so that Trainer's rotation never
+    counts it."""
+    found = [p for p in folder.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
+    for candidate in sorted(found, key=lambda p: int(p.name.split("-")[-1]), reverse=True):
+        fault = checkpoint_fault(candidate)
+        if fault is None:
+            return candidate
+        echo(f"skipping checkpoint {candidate}: {fault}; trying the one before")
+        shutil.rmtree(candidate, ignore_errors=True)
+    return None
 
 
 WHOLE = "batch"  # where a whole-batch item rides through Trainer, which wants a non-empty dict
@@ -174,6 +274,13 @@ def train_loop(
         raise HeadkitError("the training data holds no example, got none")
     if not any(p.requires_grad for group in param_groups for p in group["params"]):
         raise HeadkitError("nothing to train: no parameter group holds a trainable parameter")
+    ambient = _CHECKPOINTING.get() if output_dir is None else None
+    save_steps, fault_names = SAVE_STEPS, ("",)
+    if ambient is not None:
+        index, output_dir = ambient.next_folder()
+        resume, save_steps = True, ambient.every
+        # HEADKIT_FAULT_AT=<stage>:<step> in a stage's first training, <stage>.<i>:<step> in its i-th
+        fault_names = (f"{ambient.stage}.{index}", *((ambient.stage,) if index == 0 else ()))
 
     with tempfile.TemporaryDirectory(prefix="headkit-train-") as scratch:
         directory = Path(output_dir) if output_dir is not None else Path(scratch)
@@ -189,7 +296,7 @@ def train_loop(
             logging_steps=log_every,
             logging_strategy="steps",
             save_strategy="steps" if output_dir is not None else "no",
-            save_steps=50,
+            save_steps=save_steps,
             save_total_limit=2,
             report_to="none",
             disable_tqdm=not progress_bar,
@@ -202,7 +309,7 @@ def train_loop(
             ddp_backend=ddp_backend,
             log_level="warning",
         )
-        recorder = _StepRecorder(on_step, on_log)
+        recorder = _StepRecorder(on_step, on_log, fault_names)
         trainer = _LoopTrainer(
             loss_fn=loss_fn,
             dropout=dropout,
@@ -215,11 +322,16 @@ def train_loop(
             args=arguments,
             train_dataset=dataset,
             data_collator=_whole_batch if batch_size is None else None,
-            callbacks=[recorder],
+            callbacks=[recorder, _CheckpointSeal()] if output_dir is not None else [recorder],
         )
         trainer.remove_callback(PrinterCallback)  # its raw log dicts; callers print what they want via on_log
-        checkpoint = resume and output_dir is not None and any(Path(output_dir).glob("checkpoint-*"))
-        output = trainer.train(resume_from_checkpoint=True if checkpoint else None)
+        echo = ambient.echo if ambient is not None else print
+        checkpoint = newest_checkpoint(Path(output_dir), echo) if resume and output_dir is not None else None
+        if checkpoint is not None:
+            echo(f"resuming the training from {checkpoint} (of {steps} steps)")
+            if ambient is not None:
+                ambient.resumed.append(f"{ambient.stage}/{Path(output_dir).name}/{checkpoint.name}")
+        output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
     model.eval()
     return LoopResult(
         steps=int(output.global_step),
@@ -251,15 +363,38 @@ def _per_process_batch(batch_size: int | None) -> int:
     return batch_size // processes
 
 
+class _CheckpointSeal(TrainerCallback):
+    """Seals each checkpoint once Trainer has written it (:func:`seal_checkpoint`), on the main process: a
+    checkpoint interrupted while written has no seal, and a resumed training passes it by."""
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.is_world_process_zero:
+            seal_checkpoint(Path(args.output_dir) / f"checkpoint-{state.global_step}")
+
+
 class _StepRecorder(TrainerCallback):
     """Each step's loss (from the loop's forwards) and wall clock; the callers' per-step and per-log hooks."""
 
-    def __init__(self, on_step: StepCallback | None, on_log: Callable[[int, float], None] | None) -> None:
+    def __init__(
+        self,
+        on_step: StepCallback | None,
+        on_log: Callable[[int, float], None] | None,
+        fault_names: Sequence[str] = ("",),
+    ) -> None:
         self.on_step_done, self.on_logged = on_step, on_log
+        self.fault_names = fault_names
         self.losses: list[float] = []
         self.step_seconds: list[float] = []
         self.pending: list[torch.Tensor] = []
         self.started = 0.0
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Resumed from a checkpoint: the logs of the steps before it, restored with Trainer's state, reach the
+        # caller as they did the first time, so a resumed recovery reports every logged loss.
+        if self.on_logged is not None and state.global_step > 0 and state.is_world_process_zero:
+            for entry in state.log_history:
+                if "loss" in entry and "step" in entry:
+                    self.on_logged(int(entry["step"]), float(entry["loss"]))
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.started = time.perf_counter()
@@ -272,6 +407,9 @@ class _StepRecorder(TrainerCallback):
         self.losses.append(loss)
         if self.on_step_done is not None:
             self.on_step_done(state.global_step, loss, self.step_seconds[-1])
+        for name in self.fault_names:
+            if name:
+                fault_point(f"{name}:{state.global_step}")
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         if self.on_logged is not None and logs and "loss" in logs and state.is_world_process_zero:

@@ -18,6 +18,8 @@ A field is an option when its ``metadata`` has ``help``; the vocabulary (every k
     default_help  the words for a default the recipe computes (a None default): "(default WORDS)." is appended
                 to the help — what a recipe's redeclaration of a config's field adds to the config's help
     argument    a positional argument instead of an option
+    saves       an option of the commands that save a model only (--resume): a benchmark's settings made from a
+                recipe's (``with_fields_of(..., unset=True)``) leave it out
 
 Plain ``dataclasses.field(metadata={...})`` declares one (a surgery's config, beneath the recipes, does so);
 :func:`option` is the short form. :func:`with_fields_of` gives a settings class the fields of another (a
@@ -41,7 +43,7 @@ from headkit.recipes.settings import stated_defaults
 
 NO_QUICK = dataclasses.MISSING  # a field whose quick value is its default
 VOCABULARY = frozenset(
-    {"help", "flag", "removed", "quick", "parse", "convert", "min", "argument", "default_help"}
+    {"help", "flag", "removed", "quick", "parse", "convert", "min", "argument", "default_help", "saves"}
 )
 
 
@@ -144,7 +146,11 @@ def with_fields_of(
 
     def decorate(cls: type) -> type:
         hints = typing.get_type_hints(source)
-        sources = option_fields(source) if unset else dataclasses.fields(source)
+        sources = (
+            [field for field in option_fields(source) if not field.metadata.get("saves")]
+            if unset
+            else dataclasses.fields(source)
+        )
         if names is not None:
             sources = [field for field in sources if field.name in names]
         annotations = dict(cls.__dict__.get("__annotations__", {}))
