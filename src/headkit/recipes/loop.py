@@ -33,6 +33,7 @@ import hashlib
 import json
 import math
 import os
+import random
 import shutil
 import tempfile
 import time
@@ -42,10 +43,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import safetensors.torch
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers import (
+    PreTrainedModel,
+    PrinterCallback,
+    Trainer,
+    TrainerCallback,
+    TrainerState,
+    TrainingArguments,
+)
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.utils import SAFE_WEIGHTS_NAME
 
 from headkit.errors import HeadkitError
 from headkit.files import write_json_atomic
@@ -331,6 +343,10 @@ def train_loop(
             echo(f"resuming the training from {checkpoint} (of {steps} steps)")
             if ambient is not None:
                 ambient.resumed.append(f"{ambient.stage}/{Path(output_dir).name}/{checkpoint.name}")
+        if checkpoint is not None and int(checkpoint.name.split("-")[-1]) >= steps:
+            # Finished before: Trainer, resumed at its last step, would take one step more.
+            model.eval()
+            return _finished_training(model, checkpoint, recorder)
         output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
     model.eval()
     return LoopResult(
@@ -339,6 +355,34 @@ def train_loop(
         seconds=float(output.metrics.get("train_runtime", 0.0)),
         step_seconds=recorder.step_seconds,
     )
+
+
+def _finished_training(model: nn.Module, checkpoint: Path, recorder: _StepRecorder) -> LoopResult:
+    """The end of a training that finished before, from its last checkpoint: the trained weights (or adapters),
+    the RNG states as they were after its last step, and its logged losses replayed to the caller."""
+    if hasattr(model, "peft_config"):
+        model.load_adapter(str(checkpoint), adapter_name=model.active_adapter, is_trainable=True)
+    else:
+        # A model saved by save_pretrained leaves a tied weight out: it is the weight it is tied to.
+        model.load_state_dict(safetensors.torch.load_file(checkpoint / SAFE_WEIGHTS_NAME), strict=False)
+    rank, _ = process_rank_and_count()
+    rng_file = checkpoint / f"rng_state_{rank}.pth"
+    rng = torch.load(rng_file if rng_file.is_file() else checkpoint / "rng_state.pth", weights_only=False)
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.random.set_rng_state(rng["cpu"])
+    if torch.cuda.is_available() and "cuda" in rng:
+        # Trainer keeps every device's state in a launched run, the current device's in one process.
+        if isinstance(rng["cuda"], (list, tuple)):
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        else:
+            torch.cuda.set_rng_state(rng["cuda"])
+    state = TrainerState.load_from_json(str(checkpoint / TRAINER_STATE_NAME))
+    if recorder.on_logged is not None and rank == 0:
+        for entry in state.log_history:
+            if "loss" in entry and "step" in entry:
+                recorder.on_logged(int(entry["step"]), float(entry["loss"]))
+    return LoopResult(steps=int(state.global_step))
 
 
 def _join_process_group() -> None:
@@ -451,6 +495,27 @@ class _LoopTrainer(Trainer):
         if self.schedule is not None and self.lr_scheduler is None:
             self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, self.schedule)
         return super().create_scheduler(num_training_steps, optimizer)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if (
+            isinstance(model, PreTrainedModel)
+            or hasattr(model, "peft_config")
+            or self.is_fsdp_enabled
+            or self.is_deepspeed_enabled
+        ):
+            super().save_model(output_dir, _internal_call)
+            return
+        # A module around the model (an objective's forward) whose state dict names a tied weight twice: Trainer's
+        # safetensors.save_file refuses shared tensors, so each name gets its own copy, every key stays there for
+        # Trainer's resume to load, and the tied weight gets the same values twice.
+        if self.args.should_save:
+            directory = Path(output_dir if output_dir is not None else self.args.output_dir)
+            directory.mkdir(parents=True, exist_ok=True)
+            state = {
+                name: tensor.detach().clone().contiguous() for name, tensor in model.state_dict().items()
+            }
+            safetensors.torch.save_file(state, str(directory / SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
 
     def floating_point_ops(self, inputs: Any) -> int:
         # Items may be any structure the loss understands (not a model's input dict): no FLOP estimate.
