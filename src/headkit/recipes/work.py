@@ -120,6 +120,14 @@ def run_record(settings: Any, model_path: Path) -> dict[str, Any]:
     return record | {"fingerprint": hashlib.sha256(text.encode()).hexdigest()}
 
 
+def _remove_stale_staging(out: Path) -> None:
+    """The staging folders of an earlier save to `out` that a SIGKILL left (headkit.files.staged_folder names
+    them ``.<out>.<random>.tmp``; it removes its own on any error it lives through)."""
+    for stale in out.parent.glob(f".{out.name}.*.tmp"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
 def _differences(stored: dict[str, Any], record: dict[str, Any]) -> str | None:
     """In words, how `record` differs from the `stored` one (None: the same run)."""
     if stored.get("fingerprint") == record["fingerprint"]:
@@ -130,8 +138,7 @@ def _differences(stored: dict[str, Any], record: dict[str, Any]) -> str | None:
     changed = [name for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)]
     if changed:
         shown = ", ".join(
-            f"--{name.replace('_', '-')} {_shown(new.get(name))} (was {_shown(old.get(name))})"
-            for name in changed
+            f"{_option(name)} {_shown(new.get(name))} (was {_shown(old.get(name))})" for name in changed
         )
         return f"other settings: {shown}"
     for name, identity in record["input"].items():
@@ -140,6 +147,10 @@ def _differences(stored: dict[str, Any], record: dict[str, Any]) -> str | None:
             label = "MODEL" if name == "model" else "--data"
             return f"another input: {label} {where!r} changed since"
     return "another fingerprint"
+
+
+def _option(name: str) -> str:
+    return "MODEL" if name == "model" else f"--{name.replace('_', '-')}"
 
 
 def _shown(value: Any) -> str:
@@ -248,6 +259,7 @@ class RunWork:
                 )
             work = cls(folder, record, echo, fresh=False)
         work.every = settings.checkpoint_steps
+        on_main_process(lambda: _remove_stale_staging(out))
         return work
 
     # -- the stages ------------------------------------------------------------------------------------------
