@@ -181,15 +181,24 @@ def _run_stages(
     seconds |= {k: v for k, v in kept.get("seconds", {}).items() if k not in seconds}
     peaks |= {k: v for k, v in kept.get("peaks", {}).items() if k not in peaks}
     for stage in stages[stages.index(done) + 1 :] if done is not None else stages:
-        with work.stage(stage) if work is not None else contextlib.nullcontext():
-            outcome = timed(stage, lambda stage=stage: _run_stage(steps, stage, settings, echo))
-        if stage == "repair":
-            steps.report["repair"] = outcome
-        elif stage == "tasks":
-            steps.report["tasks"] = outcome
-        fault_point(stage)
-        if work is not None:
-            work.persist(stage, steps, {"seconds": dict(seconds), "peaks": dict(peaks)})
+        try:
+            with work.stage(stage) if work is not None else contextlib.nullcontext():
+                outcome = timed(stage, lambda stage=stage: _run_stage(steps, stage, settings, echo))
+            if stage == "repair":
+                steps.report["repair"] = outcome
+            elif stage == "tasks":
+                steps.report["tasks"] = outcome
+            fault_point(stage)
+            if work is not None:
+                work.persist(stage, steps, {"seconds": dict(seconds), "peaks": dict(peaks)})
+        except OSError as exc:
+            if work is None or not exc.filename:
+                raise
+            # A checkpoint or snapshot the disk refused: what is kept so far stays resumable.
+            raise HeadkitError(
+                f"cannot write {exc.filename}: {exc.strerror or exc}; the finished stages are kept in "
+                f"{work.folder}: free some space and add --resume"
+            ) from exc
     report = steps.report
     report["model"] = str(model_path)
     report["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()}
