@@ -56,8 +56,6 @@ from transformers import (
     TrainerState,
     TrainingArguments,
 )
-from transformers.trainer import TRAINER_STATE_NAME
-from transformers.utils import SAFE_WEIGHTS_NAME
 
 from headkit.errors import HeadkitError
 from headkit.files import write_json_atomic
@@ -112,6 +110,8 @@ class IndexedBatches(torch.utils.data.Dataset):
 
 #: The file, inside a Trainer checkpoint, that seals it: each of its files' SHA-256, written once they are all there.
 CHECKPOINT_RECORD = "headkit-checkpoint.json"
+#: The files of a Trainer checkpoint this module reads: the weights (a model's or a wrapper's state dict) and state.
+SAFE_WEIGHTS_NAME, TRAINER_STATE_NAME = "model.safetensors", "trainer_state.json"
 #: Trainer's checkpoint interval where a caller gives none.
 SAVE_STEPS = 50
 
