@@ -412,6 +412,8 @@ class _CheckpointSeal(TrainerCallback):
     checkpoint interrupted while written has no seal, and a resumed training passes it by."""
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # every process's RNG state is in the checkpoint before it is sealed
         if state.is_world_process_zero:
             seal_checkpoint(Path(args.output_dir) / f"checkpoint-{state.global_step}")
 
