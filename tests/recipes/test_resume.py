@@ -78,7 +78,11 @@ LINEARIZE += [
     "--decode-batch-sizes",
     "1",
 ]
-COMMANDS = {"prune": PRUNE, "latent": LATENT, "linearize": LINEARIZE}
+COLLABORATIVE = ["compress", "--dim", "16", "--recovery-steps", "5", "--window", "16", "--batch-size", "4"]
+COLLABORATIVE += ["--held-out", "2", "--timing-repeats", "1", "--max-iter", "5"]
+COMMANDS = {"prune": PRUNE, "latent": LATENT, "linearize": LINEARIZE, "collaborative": COLLABORATIVE}
+# Collaborative heads need a model without rotary embeddings.
+MODELS = {"collaborative": "tiny_gpt2"}
 # One thread, as the tests' own process (tests/conftest.py): the killed run computes what the in-process runs do.
 LAUNCH = "import sys, torch; torch.set_num_threads(1); from headkit.cli import main; main(sys.argv[1:])"
 
@@ -123,14 +127,15 @@ def _report(out: Path) -> dict:
 
 
 @pytest.fixture(scope="module")
-def references(tiny_llama, text_folder, tmp_path_factory):
+def references(request, text_folder, tmp_path_factory):
     """Each recipe's uninterrupted run (checkpointing every 2 steps, as the interrupted runs do)."""
     folder, outs = tmp_path_factory.mktemp("references"), {}
 
     def reference(name):
         if name not in outs:
             outs[name] = folder / name
-            args = [*_command(name, tiny_llama, text_folder, outs[name]), "--checkpoint-steps", "2"]
+            model = request.getfixturevalue(MODELS.get(name, "tiny_llama"))
+            args = [*_command(name, model, text_folder, outs[name]), "--checkpoint-steps", "2"]
             assert _run(args) == 0
             assert _report(outs[name])["resumed"] == []
         return outs[name]
@@ -152,16 +157,18 @@ CASES = [
     # the LoRA training, after the attention transfer finished: the transfer is taken from its last checkpoint
     ("linearize", "recover.1:3", ["data", "convert", "repair"], "recover/train-1/checkpoint-2"),
     ("linearize", "measure", ["data", "convert", "repair", "recover"], None),
+    ("collaborative", "recover:3", ["data", "convert", "repair"], "recover/train-0/checkpoint-2"),
 ]
 
 
 @pytest.mark.parametrize("name, fault, resumed, checkpoint", CASES, ids=[f"{c[0]}-{c[1]}" for c in CASES])
 def test_a_run_killed_resumes_to_the_uninterrupted_result(
-    name, fault, resumed, checkpoint, references, tiny_llama, text_folder, tmp_path
+    name, fault, resumed, checkpoint, references, request, text_folder, tmp_path
 ):
     reference = references(name)
     out = tmp_path / "out"
-    args = [*_command(name, tiny_llama, text_folder, out), "--checkpoint-steps", "2"]
+    model = request.getfixturevalue(MODELS.get(name, "tiny_llama"))
+    args = [*_command(name, model, text_folder, out), "--checkpoint-steps", "2"]
     killed = _launch(args, fault)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert not out.exists()  # never a half-written result
