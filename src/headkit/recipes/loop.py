@@ -58,7 +58,7 @@ from transformers import (
 )
 
 from headkit.errors import HeadkitError
-from headkit.files import write_json_atomic
+from headkit.files import write_atomic, write_json_atomic
 from headkit.runs.faults import fault_point
 from headkit.runs.processes import process_rank_and_count
 
@@ -110,6 +110,9 @@ class IndexedBatches(torch.utils.data.Dataset):
 
 #: The file, inside a Trainer checkpoint, that seals it: each of its files' SHA-256, written once they are all there.
 CHECKPOINT_RECORD = "headkit-checkpoint.json"
+#: The file, inside a Trainer checkpoint, of the trained parameters outside the model (an L0 controller's
+#: multipliers), which Trainer's own files leave out.
+OUTSIDE_FILE = "headkit-outside-parameters.pt"
 #: The files of a Trainer checkpoint this module reads: the weights (a model's or a wrapper's state dict) and state.
 SAFE_WEIGHTS_NAME, TRAINER_STATE_NAME = "model.safetensors", "trainer_state.json"
 #: Trainer's checkpoint interval where a caller gives none.
@@ -321,6 +324,9 @@ def train_loop(
             ddp_backend=ddp_backend,
             log_level="warning",
         )
+        inside = {id(p) for p in model.parameters()}
+        # The optimizer steps them and Trainer restores their moments, but only the model's weights are saved.
+        outside = [p for group in param_groups for p in group["params"] if id(p) not in inside]
         recorder = _StepRecorder(on_step, on_log, fault_names)
         trainer = _LoopTrainer(
             loss_fn=loss_fn,
@@ -334,7 +340,7 @@ def train_loop(
             args=arguments,
             train_dataset=dataset,
             data_collator=_whole_batch if batch_size is None else None,
-            callbacks=[recorder, _CheckpointSeal()] if output_dir is not None else [recorder],
+            callbacks=[recorder, _CheckpointSeal(outside)] if output_dir is not None else [recorder],
         )
         trainer.remove_callback(PrinterCallback)  # its raw log dicts; callers print what they want via on_log
         echo = ambient.echo if ambient is not None else print
@@ -343,6 +349,10 @@ def train_loop(
             echo(f"resuming the training from {checkpoint} (of {steps} steps)")
             if ambient is not None:
                 ambient.resumed.append(f"{ambient.stage}/{Path(output_dir).name}/{checkpoint.name}")
+        if checkpoint is not None and outside:
+            with torch.no_grad():
+                for parameter, value in zip(outside, torch.load(checkpoint / OUTSIDE_FILE), strict=True):
+                    parameter.copy_(value)
         if checkpoint is not None and int(checkpoint.name.split("-")[-1]) >= steps:
             # Finished before: Trainer, resumed at its last step, would take one step more.
             model.eval()
@@ -408,14 +418,22 @@ def _per_process_batch(batch_size: int | None) -> int:
 
 
 class _CheckpointSeal(TrainerCallback):
-    """Seals each checkpoint once Trainer has written it (:func:`seal_checkpoint`), on the main process: a
-    checkpoint interrupted while written has no seal, and a resumed training passes it by."""
+    """Completes each checkpoint once Trainer has written it, on the main process: the trained parameters
+    outside the model (:data:`OUTSIDE_FILE`), then the seal (:func:`seal_checkpoint`). A checkpoint interrupted
+    while written has no seal, and a resumed training passes it by."""
+
+    def __init__(self, outside: Sequence[torch.Tensor] = ()) -> None:
+        self.outside = list(outside)
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if dist.is_available() and dist.is_initialized():
             dist.barrier()  # every process's RNG state is in the checkpoint before it is sealed
         if state.is_world_process_zero:
-            seal_checkpoint(Path(args.output_dir) / f"checkpoint-{state.global_step}")
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if self.outside:
+                values = [p.detach().cpu().clone() for p in self.outside]
+                write_atomic(folder / OUTSIDE_FILE, lambda handle: torch.save(values, handle))
+            seal_checkpoint(folder)
 
 
 class _StepRecorder(TrainerCallback):
