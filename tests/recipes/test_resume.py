@@ -80,9 +80,19 @@ LINEARIZE += [
 ]
 COLLABORATIVE = ["compress", "--dim", "16", "--recovery-steps", "5", "--window", "16", "--batch-size", "4"]
 COLLABORATIVE += ["--held-out", "2", "--timing-repeats", "1", "--max-iter", "5"]
-COMMANDS = {"prune": PRUNE, "latent": LATENT, "linearize": LINEARIZE, "collaborative": COLLABORATIVE}
-# Collaborative heads need a model without rotary embeddings.
-MODELS = {"collaborative": "tiny_gpt2"}
+# An encoder's pruning trains Hard Concrete gates in its convert stage (with an L0 controller outside the model).
+ENCODER = ["prune", "--quick", "--train-texts", "16", "--held-out", "4", "--batch-size", "4", "--steps", "6"]
+ENCODER += ["--recovery-steps", "4"]
+COMMANDS = {
+    "prune": PRUNE,
+    "latent": LATENT,
+    "linearize": LINEARIZE,
+    "collaborative": COLLABORATIVE,
+    "encoder": ENCODER,
+}
+# Collaborative heads need a model without rotary embeddings; an encoder, texts one a line.
+MODELS = {"collaborative": "tiny_gpt2", "encoder": "tiny_encoder"}
+DATA = {"encoder": "sentences"}
 # One thread, as the tests' own process (tests/conftest.py): the killed run computes what the in-process runs do.
 LAUNCH = "import sys, torch; torch.set_num_threads(1); from headkit.cli import main; main(sys.argv[1:])"
 
@@ -92,6 +102,26 @@ def _run(args):
         main(args)
         raise SystemExit(0)
     return exit_info.value.code
+
+
+@pytest.fixture(scope="module")
+def tiny_encoder(tmp_path_factory, save_tiny_encoder):
+    return save_tiny_encoder(tmp_path_factory.mktemp("bert") / "model")
+
+
+@pytest.fixture(scope="module")
+def sentences(tmp_path_factory):
+    words = "heads share keys values queries groups prune recover distil attention layers tokens".split()
+    lines = (" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(12)) for i in range(800))
+    path = tmp_path_factory.mktemp("sentences") / "sentences.txt"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def _inputs(name, request):
+    """The model and the text a recipe's case runs on."""
+    model = request.getfixturevalue(MODELS.get(name, "tiny_llama"))
+    return model, request.getfixturevalue(DATA.get(name, "text_folder"))
 
 
 def _command(name, model, text_folder, out, *extra):
@@ -134,8 +164,8 @@ def references(request, text_folder, tmp_path_factory):
     def reference(name):
         if name not in outs:
             outs[name] = folder / name
-            model = request.getfixturevalue(MODELS.get(name, "tiny_llama"))
-            args = [*_command(name, model, text_folder, outs[name]), "--checkpoint-steps", "2"]
+            model, data = _inputs(name, request)
+            args = [*_command(name, model, data, outs[name]), "--checkpoint-steps", "2"]
             assert _run(args) == 0
             assert _report(outs[name])["resumed"] == []
         return outs[name]
@@ -158,6 +188,8 @@ CASES = [
     ("linearize", "recover.1:3", ["data", "convert", "repair"], "recover/train-1/checkpoint-2"),
     ("linearize", "measure", ["data", "convert", "repair", "recover"], None),
     ("collaborative", "recover:3", ["data", "convert", "repair"], "recover/train-0/checkpoint-2"),
+    # the gate training, between its checkpoints: the heads kept depend on the multipliers it carries
+    ("encoder", "convert:3", ["data"], "convert/train-0/checkpoint-2"),
 ]
 
 
@@ -167,8 +199,8 @@ def test_a_run_killed_resumes_to_the_uninterrupted_result(
 ):
     reference = references(name)
     out = tmp_path / "out"
-    model = request.getfixturevalue(MODELS.get(name, "tiny_llama"))
-    args = [*_command(name, model, text_folder, out), "--checkpoint-steps", "2"]
+    model, data = _inputs(name, request)
+    args = [*_command(name, model, data, out), "--checkpoint-steps", "2"]
     killed = _launch(args, fault)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
     assert not out.exists()  # never a half-written result

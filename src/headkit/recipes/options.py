@@ -206,7 +206,8 @@ def command_parameters(settings_class: type) -> list[inspect.Parameter]:
 
     kinds = field_types(settings_class)
     parameters = []
-    for field in option_fields(settings_class):
+    # The options every saving command shares (--resume) after the recipe's own, which its help is about.
+    for field in sorted(option_fields(settings_class), key=lambda field: bool(field.metadata.get("saves"))):
         kind, default, meta = kinds[field.name], field.default, field.metadata
         if default is dataclasses.MISSING:
             default = ... if field.default_factory is dataclasses.MISSING else field.default_factory()
