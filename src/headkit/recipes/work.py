@@ -331,8 +331,7 @@ class RunWork:
             for old in self.folder.glob(f"stage-*{SNAPSHOT_SUFFIX}"):
                 if old.name != self.snapshot_path(stage).name:
                     old.unlink(missing_ok=True)
-            if stage != "tasks":
-                shutil.rmtree(self.folder / stage, ignore_errors=True)
+            shutil.rmtree(self.folder / stage, ignore_errors=True)
 
         on_main_process(write)
         self.replace_pending = False
