@@ -33,7 +33,7 @@ from headkit.recipes.skeleton import save_result
 from headkit.recipes.work import RunWork, interruptible
 from headkit.runs.faults import fault_point
 from headkit.runs.models import LoadedModel, load_model
-from headkit.runs.processes import main_process_echo
+from headkit.runs.processes import ReplicatedError, main_process_echo
 from headkit.runs.resident import Peak, stage_peaks, tracking_peak
 
 T = TypeVar("T")
@@ -192,7 +192,7 @@ def _run_stages(
             if work is not None:
                 work.persist(stage, steps, {"seconds": dict(seconds), "peaks": dict(peaks)})
         except OSError as exc:
-            if work is None or not exc.filename:
+            if work is None or not work.holds(exc.filename):
                 raise
             # A checkpoint or snapshot the disk refused: what is kept so far stays resumable.
             raise HeadkitError(
@@ -223,7 +223,8 @@ def _run_stages(
                 peaks=peaks,
             )
     except HeadkitError as exc:
-        if work is None or not work.resumable():
+        # Another process's copy of the main one's error (already printed with the hint) goes as it is.
+        if work is None or isinstance(exc, ReplicatedError) or not work.resumable():
             raise
         raise HeadkitError(
             f"{exc}; the finished stages are kept in {work.folder}: fix it and add --resume"

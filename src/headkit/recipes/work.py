@@ -340,6 +340,12 @@ class RunWork:
         """The result is in place: the work folder goes."""
         on_main_process(lambda: shutil.rmtree(self.folder, ignore_errors=True))
 
+    def holds(self, path: str | os.PathLike[str] | None) -> bool:
+        """Whether `path` (an OSError's file) is in the work folder."""
+        if not path:
+            return False
+        return Path(path).resolve().is_relative_to(self.folder.resolve())
+
     def resumable(self) -> bool:
         """Whether the folder holds this run's record (something to resume)."""
         try:
