@@ -4,7 +4,7 @@ A run that saves (``headkit prune``, ``compress``, ``linearize``) keeps what eac
 ``<out>.partial/`` (:func:`work_folder`) until its result is in place:
 
 - ``run.json``: what the run is — the settings (those that change the result: not ``--resume``,
-  ``--overwrite``, ``--checkpoint-steps``), the input's identity (MODEL's and ``--data``'s files: name, size,
+  ``--overwrite``, ``--checkpoint-steps``, nor ``--out``, which the folder's place says), paths resolved; the input's identity (MODEL's and ``--data``'s files: name, size,
   modification time) and their SHA-256, the fingerprint every other file is checked against;
 - ``stage-<name>.pickle``: the recipe's state after its newest finished stage (``data``, ``convert``, ``repair``,
   ``recover``, ``measure``, ``tasks``): the student whole (its architecture after surgery included), every figure
@@ -27,7 +27,8 @@ SIGINT (Ctrl-C) and SIGTERM abandon the stage under way (its partial work is nev
 atomically and a checkpoint is sealed last), print one line saying how to resume and exit with 130 / 143
 (:func:`interruptible`); ``--out`` is only ever moved into place whole (:func:`headkit.files.staged_folder`).
 
-The snapshot is a pickle: it is this run's own file, read back only when its fingerprint matches. Disk: one copy of
+The snapshot is a pickle: it is this run's own file, read back only by a run whose settings and input match the
+folder's ``run.json`` (and the fingerprint the snapshot carries). Disk: one copy of
 the student, plus during a training two checkpoints (the trained weights and twice as many optimizer moments).
 """
 
@@ -60,7 +61,7 @@ WORK_SUFFIX = ".partial"
 RUN_FILE = "run.json"
 SNAPSHOT_SUFFIX = ".pickle"
 #: Settings that change how a run goes, not what it computes: a resumed run may change them.
-UNRECORDED = ("resume", "overwrite", "checkpoint_steps")
+UNRECORDED = ("resume", "overwrite", "checkpoint_steps", "out")
 #: The attributes of a recipe's steps that come from this process (the loaded original, the settings, the printer),
 #: never from a snapshot.
 LIVE = ("settings", "model_path", "loaded", "echo", "teacher", "tokenizer")
@@ -83,7 +84,7 @@ def settings_record(settings: Any) -> dict[str, Any]:
 
 def _json_value(value: Any) -> Any:
     if isinstance(value, Path):
-        return str(value)
+        return str(value.resolve())  # "model" and "./model" are one input
     if isinstance(value, (tuple, list)):
         return [_json_value(item) for item in value]
     return value
