@@ -390,3 +390,39 @@ def test_resume_is_an_option_of_the_commands_that_save_not_of_the_benchmarks():
     assert not {"resume", "checkpoint_steps"} & {
         field.name for field in option_fields(LinearizeBenchSettings)
     }
+
+
+def test_the_newest_whole_checkpoint_is_chosen_and_an_unfinished_one_removed(tmp_path):
+    from headkit.recipes.loop import newest_checkpoint, seal_checkpoint
+
+    for step in (2, 4, 6):
+        (tmp_path / f"checkpoint-{step}").mkdir()
+        (tmp_path / f"checkpoint-{step}" / "optimizer.pt").write_bytes(bytes([step]) * 64)
+    seal_checkpoint(tmp_path / "checkpoint-2")
+    seal_checkpoint(tmp_path / "checkpoint-4")
+    (tmp_path / "checkpoint-4" / "optimizer.pt").write_bytes(bytes(64))  # changed after its seal
+    said = []
+    assert newest_checkpoint(tmp_path, said.append) == tmp_path / "checkpoint-2"
+    assert said == [
+        f"skipping checkpoint {tmp_path / 'checkpoint-6'}: it was not finished; trying the one before",
+        f"skipping checkpoint {tmp_path / 'checkpoint-4'}: optimizer.pt does not match its record (damaged); "
+        "trying the one before",
+    ]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+
+
+def test_a_run_is_the_same_run_whichever_way_its_paths_are_written(tiny_llama, tmp_path, monkeypatch):
+    from headkit.recipes.prune_settings import PruneSettings
+    from headkit.recipes.work import run_record
+
+    monkeypatch.chdir(Path(tiny_llama).parent)
+    relative = PruneSettings(model=Path(Path(tiny_llama).name), out=Path("result"))
+    absolute = PruneSettings(model=Path(tiny_llama), out=tmp_path / "elsewhere", resume=True, overwrite=True)
+    assert (
+        run_record(relative, relative.model)["fingerprint"]
+        == run_record(absolute, absolute.model)["fingerprint"]
+    )
+    other = PruneSettings(model=Path(tiny_llama), heads=3)
+    assert (
+        run_record(other, other.model)["fingerprint"] != run_record(absolute, absolute.model)["fingerprint"]
+    )

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import math
 import os
 import random
@@ -44,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import safetensors
 import safetensors.torch
 import torch
 import torch.distributed as dist
@@ -357,7 +359,8 @@ def train_loop(
             # Finished before: Trainer, resumed at its last step, would take one step more.
             model.eval()
             return _finished_training(model, checkpoint, recorder)
-        output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
+        with _quiet_tied_weights(model, checkpoint):
+            output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
     model.eval()
     return LoopResult(
         steps=int(output.global_step),
@@ -365,6 +368,42 @@ def train_loop(
         seconds=float(output.metrics.get("train_runtime", 0.0)),
         step_seconds=recorder.step_seconds,
     )
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.start)
+
+
+@contextlib.contextmanager
+def _quiet_tied_weights(model: nn.Module, checkpoint: Path | None) -> Iterator[None]:
+    """Trainer, resuming, warns of "missing keys" when the checkpoint leaves out a tied weight (save_pretrained
+    writes it once): nothing is missing then, and the warning is dropped; any other missing key is still said."""
+    weights = checkpoint / SAFE_WEIGHTS_NAME if checkpoint is not None else None
+    if weights is None or not weights.is_file():
+        yield
+        return
+    with safetensors.safe_open(str(weights), framework="pt") as handle:
+        saved = set(handle.keys())
+    owners: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        owners.setdefault(id(tensor), []).append(name)
+    tied = {name for names in owners.values() if len(names) > 1 for name in names}
+    missing = {name for names in owners.values() for name in names} - saved
+    if not missing or not missing <= tied:
+        yield
+        return
+    logger = logging.getLogger("transformers.trainer")
+    quiet = _DropMessage("There were missing keys in the checkpoint model loaded")
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def _finished_training(model: nn.Module, checkpoint: Path, recorder: _StepRecorder) -> LoopResult:
