@@ -24,7 +24,7 @@ BENCH_COMMANDS = {
     "extrapolate": "--batch-size --corpus --hidden-size --layers --lengths --out --passkey-trials "
     "--quick/--no-quick --seed --steps --threads",
     "linearize": "--data --decode-contexts --eval-lengths --layers --lora-rank --lora-steps --model --out "
-    "--quick/--no-quick --seed --sinks --sparse-cache --threads --transfer-steps --window",
+    "--quick/--no-quick --seed --sinks --budget --threads --transfer-steps --window",
     "lm": "--additive-window --batch-size --collaborative-dim --corpus --corpus-bytes --eval-every --eval-tokens "
     "--heads --hidden-size --layers --lr --out --quick/--no-quick --seed --seq-len --steps --threads --variants",
     "lora": "--finetune-epochs --out --pretrain-epochs --quick/--no-quick --ranks --seed --threads",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -323,3 +324,59 @@ def test_cli_eval_tokens_names_the_option_and_its_minimum(tmp_path, capsys, noth
 def test_train_causal_lm_eval_tokens_of_one_is_refused_up_front():
     with pytest.raises(HeadkitError, match="eval_tokens must be 0 .* at least 2"):
         train_causal_lm(TINY, "/nonexistent/corpus", steps=1, eval_tokens=1, show_progress=False)
+
+
+# -- the options are TrainSettings' fields: one declaration for the command line and the library ----------------
+
+
+def test_every_train_option_is_a_train_settings_field():
+    from typer.main import get_command
+
+    from headkit.app import app
+    from headkit.runs.options import option_fields, option_name
+    from headkit.train import TrainSettings
+
+    command = get_command(app).commands["train"]
+    flags = {flag for parameter in command.params for flag in parameter.opts}
+    declared = {option_name(field) for field in option_fields(TrainSettings)}
+    assert declared <= flags and flags - declared == {"--quick"}
+    assert TrainSettings.quick().steps == 100 and TrainSettings().steps == 300
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"steps": 0}, "--steps must be a positive integer, got 0"),
+        ({"seq_len": 1}, "--seq-len must be an integer ≥ 2, got 1"),
+        ({"eval_tokens": 1}, "--eval-tokens must be 0 \\(no evaluation\\) or at least 2"),
+        ({"attention": "nope"}, "--attention: unknown attention 'nope'"),
+        ({"layer_types": ("softmax", "nope")}, "--layer-types: unknown layer types 'nope'"),
+        ({"set_fields": ("not_a_field=1",)}, "--set: unknown HeadkitConfig field 'not_a_field'"),
+        ({"set_fields": ("no-equals",)}, "--set takes KEY=VALUE"),
+        ({"corpus": Path("/nonexistent/corpus")}, "--corpus '/nonexistent/corpus' does not exist"),
+    ],
+)
+def test_train_settings_are_checked_as_their_fields_declare(overrides, message, tmp_path):
+    from headkit.train import TrainSettings, check_train_settings
+
+    with pytest.raises(HeadkitError, match=message):
+        check_train_settings(TrainSettings(out=tmp_path / "m", **overrides))
+
+
+def test_set_takes_a_json_value_with_commas(corpus_dir, tmp_path):
+    out = tmp_path / "m"
+    main(
+        [
+            *QUICK_TINY,
+            "--layers",
+            "2",
+            "--corpus",
+            str(corpus_dir),
+            "--set",
+            'layer_types=["softmax", "linear"]',
+            "--out",
+            str(out),
+        ]
+    )
+    config = json.loads((out / "config.json").read_text())
+    assert config["layer_types"] == ["softmax", "linear"] and config["num_hidden_layers"] == 2

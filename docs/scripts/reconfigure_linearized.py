@@ -3,7 +3,7 @@
 None of these has parameters, so a trained model takes them as it is (``headkit.surgery.reconfigure``); the saved
 folder records them and ``headkit.from_pretrained`` rebuilds the same model.
 
-    python docs/scripts/reconfigure_linearized.py LINEARIZED OUT --sinks 4 --sparse-cache 128 \
+    python docs/scripts/reconfigure_linearized.py LINEARIZED OUT --sinks 4 --budget 128 \
         --retrieval-heads 7:2,14:1,17:0,17:1,18:2,20:1,21:2,23:0
 
 The retrieval heads (layer:key/value head) are the best ones ``headkit bench retrieval`` prints.
@@ -34,7 +34,7 @@ def main() -> None:
     parser.add_argument("linearized", type=Path, help="a headkit linearize output folder")
     parser.add_argument("out", type=Path, help="a new folder for the reconfigured model")
     parser.add_argument("--sinks", type=int, default=4)
-    parser.add_argument("--sparse-cache", type=int, default=128)
+    parser.add_argument("--budget", type=int, default=128)
     parser.add_argument("--selection", choices=("question", "recall"), default="question")
     parser.add_argument("--retrieval-heads", type=heads, default=[])
     args = parser.parse_args()
@@ -44,7 +44,7 @@ def main() -> None:
     config = reconfigure(
         model,
         sinks=args.sinks,
-        sparse_cache=args.sparse_cache,
+        budget=args.budget,
         selection=args.selection,
         retrieval_heads=args.retrieval_heads,
     )

@@ -13,15 +13,16 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from headkit.bench.registry import add_command, parse_list
+from headkit.bench.registry import add_command
 from headkit.errors import HeadkitError
+from headkit.evaluation.settings import EvalSettings
 from headkit.evaluation.tasks import EVAL_INCLUDE_PATH_HELP, EVAL_TASKS_HELP
 from headkit.recipes.compress_settings import CompressSettings
 from headkit.recipes.linearize_settings import MODEL_HELP as LINEARIZE_MODEL_HELP
 from headkit.recipes.linearize_settings import LinearizeSettings, quick_budget
-from headkit.recipes.options import settings_command, settings_from
 from headkit.recipes.prune_settings import PruneSettings
 from headkit.runs.command_line import run_command_line
+from headkit.runs.options import settings_command, settings_from
 
 # Declared from the light settings modules (headkit.recipes.prune_settings, ...): each command imports its recipe in
 # its callback, after the checks that MODEL's config can answer, so that a refused option costs the settings, torch
@@ -245,120 +246,21 @@ def compress(
 
 
 def _declare_train() -> None:
-    """Declare ``train`` (between compress and linearize, the order of ``headkit --help``): its --attention help
-    lists the attention layers registered, which importing headkit.layers registers."""
-    from headkit.layers import attention_classes
+    """Declare ``train`` (between compress and linearize, the order of ``headkit --help``): its options are the
+    fields of :class:`headkit.train.TrainSettings`."""
+    from headkit.train import TrainSettings
 
+    @settings_command(TrainSettings)
     def train(
-        attention: str = typer.Option(
-            "linear",
-            help=f"Mechanism of every layer, one of those registered: {', '.join(attention_classes())}.",
-        ),
-        layer_types: str = typer.Option(
-            "",
-            help="Comma-separated mechanism per layer, for a hybrid (sets the layer count; overrides --attention).",
-        ),
-        corpus: Path = typer.Option(
-            None,
-            help="A text file or a folder of text files (default: this Python's standard-library source).",
-        ),
-        tokenizer: Path = typer.Option(
-            None, help="A tokenizer saved in a local folder (default: byte-level)."
-        ),
-        steps: int = typer.Option(None, min=1, help="Optimiser steps (default 300; 100 with --quick)."),
-        batch_size: int = typer.Option(8, min=1, help="Windows per step."),
-        seq_len: int = typer.Option(None, min=2, help="Tokens per window (default 256; 128 with --quick)."),
-        lr: float = typer.Option(
-            1e-3, min=0.0, help="Peak learning rate (AdamW, warm-up then cosine decay)."
-        ),
-        hidden_size: int = typer.Option(None, min=1, help="Model width (default 256; 64 with --quick)."),
-        layers: int = typer.Option(None, min=1, help="Decoder layers (default 4; 2 with --quick)."),
-        heads: int = typer.Option(4, min=1, help="Attention heads per layer."),
-        set_fields: list[str] = typer.Option(
-            None,
-            "--set",
-            help="Any HeadkitConfig field as KEY=VALUE (JSON value), e.g. --set additive_window=64; "
-            "an unknown field is an error.",
-        ),
-        eval_tokens: int = typer.Option(
-            None,
-            min=0,
-            help="Held-out tokens for bits per byte (default 65536; 8192 with --quick; 0 = none, else ≥ 2).",
-        ),
-        max_corpus_bytes: int = typer.Option(
-            None, min=1, help="Read at most this many bytes of the corpus (default all; 2 MB with --quick)."
-        ),
-        seed: int = typer.Option(0, help="Seed of the initialisation and the batch sampling."),
-        device: str = typer.Option("cpu", help="Device to train on: cpu or cuda (or cuda:N)."),
-        out: Path = typer.Option(
-            Path("results/train"), help="Output folder: model, tokenizer, training_report.json."
-        ),
-        overwrite: bool = typer.Option(
-            False, help="Replace a non-empty output folder (whole, once the new one is complete)."
-        ),
         quick: bool = typer.Option(
             False, help="A small model and a short run (well under a minute on 2 CPU cores)."
         ),
+        **options: Any,
     ) -> None:
         """Train a causal LM with any attention mechanism on a text corpus; report held-out bits per byte."""
-        import json
+        from headkit.train import train_from_settings
 
-        from headkit.data import load_corpus, load_tokenizer
-        from headkit.devices import check_device
-        from headkit.files import check_output_folder
-        from headkit.train import (
-            check_config_fields,
-            check_eval_tokens,
-            default_config,
-            train_causal_lm,
-        )
-
-        def default(value, full, short):
-            return value if value is not None else (short if quick else full)
-
-        # Every option is checked before anything is loaded or trained.
-        check_device(device)
-        inputs = {"--corpus": corpus, "--tokenizer": tokenizer}
-        check_output_folder(out, overwrite, {name: path for name, path in inputs.items() if path is not None})
-        eval_tokens = default(eval_tokens, 65_536, 8_192)
-        check_eval_tokens(eval_tokens)
-        fields: dict = {}
-        for item in set_fields or []:
-            key, sep, value = item.partition("=")
-            if not sep or not key.strip():
-                raise HeadkitError(f"--set takes KEY=VALUE, got {item!r}")
-            try:
-                fields[key.strip()] = json.loads(value)
-            except json.JSONDecodeError:
-                fields[key.strip()] = value
-        check_config_fields(fields)
-        per_layer = [name.strip() for name in layer_types.split(",") if name.strip()]
-        seq_len = default(seq_len, 256, 128)
-        loaded_tokenizer = load_tokenizer(tokenizer)
-        settings = dict(
-            attention=attention,
-            hidden_size=default(hidden_size, 256, 64),
-            num_hidden_layers=len(per_layer) or default(layers, 4, 2),
-            num_attention_heads=heads,
-            max_position_embeddings=max(2048, seq_len),
-            **({"layer_types": per_layer} if per_layer else {}),
-        )
-        settings.update(fields)
-        config = default_config(loaded_tokenizer, **settings)
-        train_causal_lm(
-            config,
-            load_corpus(corpus, max_bytes=default(max_corpus_bytes, None, 2_000_000)),
-            steps=default(steps, 300, 100),
-            batch_size=batch_size,
-            seq_len=seq_len,
-            lr=lr,
-            tokenizer=loaded_tokenizer,
-            eval_tokens=eval_tokens,
-            out_dir=out,
-            overwrite=overwrite,
-            seed=seed,
-            device=device,
-        )
+        train_from_settings(settings_from(TrainSettings, quick, options))
 
     _app.command()(train)
 
@@ -417,116 +319,40 @@ def export_command(
     typer.echo(str(report))
 
 
-def _measured_lengths(name: str, text: str | None) -> tuple[int, ...] | None:
-    """A list option of ``headkit eval``: None (the default lengths), "none" (skip), or integers ≥ 2."""
-    if text is None:
-        return None
-    if text.strip().lower() == "none":
-        return ()
-    return parse_list(f"--{name}", text, minimum=2)
-
-
 @_app.command("eval")
-def eval_command(
-    model: Path = typer.Argument(
-        ...,
-        help="A causal LM: a folder headkit wrote (prune, compress, linearize, train), a stock 🤗 folder, or a "
-        "GGUF file such as SmolLM2's.",
-    ),
-    reference: Path = typer.Option(
-        None, help="The original to compare with: top-1 agreement, KL, and its own numbers beside MODEL's."
-    ),
-    data: Path = typer.Option(
-        None,
-        help="Text for perplexity and passkey filler: a file, a folder or JSON Lines (default: the standard "
-        "library's held-out source; its docstrings and comments as filler).",
-    ),
-    lengths: str = typer.Option(
-        None,
-        help="Comma-separated held-out perplexity lengths, or none (default: 256,512,1024,2048,4096,8192 up to "
-        "the model's context).",
-    ),
-    passkey_lengths: str = typer.Option(
-        None,
-        help="Comma-separated passkey prompt lengths, or none (default: 512,1024,2048,4096 up to the context).",
-    ),
-    depths: str = typer.Option("0,0.25,0.5,0.75,1", help="Comma-separated key depths in [0, 1]."),
-    trials: int = typer.Option(20, help="Passkey prompts per length, spread evenly over the depths."),
-    decode_contexts: str = typer.Option(
-        None,
-        help="Comma-separated contexts of the decode time and state size, or none (default: 256,1024,4096 up to "
-        "the context).",
-    ),
-    eval_tokens: int = typer.Option(8192, help="Held-out tokens scored at each perplexity length."),
-    seed: int = typer.Option(0, help="Seed of the held-out windows, passkey keys, depths and filler."),
-    dtype: str = _dtype_option(),
-    threads: int = typer.Option(
-        None, help="torch threads while measuring (default: torch's; 1 is faster on busy shared cores)."
-    ),
-    out: Path = typer.Option(Path("results/eval"), help="Output folder for report.json and passkey.png."),
-    tasks: str = typer.Option(
-        None,
-        help=escape(
-            "lm-evaluation-harness tasks, NAME[,NAME…] (needs pip install 'headkit[eval]'): their scores "
-            "instead of the default measurements; --lengths, --passkey-lengths or --decode-contexts given run "
-            "beside them. Data is downloaded only with the hub online; offline, use --include-path with local "
-            "files."
-        ),
-    ),
-    include_path: Path = typer.Option(
-        None, help="A folder of lm-eval task YAML files (data local: dataset_path: json, data_files)."
-    ),
-    num_fewshot: int = typer.Option(None, help="Few-shot examples per prompt (default: each task's own)."),
-    limit: int = typer.Option(None, help="Examples per task at most (default: all)."),
-    batch_size: int = typer.Option(None, help="Requests per forward in the tasks (default 1)."),
-) -> None:
+@settings_command(EvalSettings)
+def eval_command(**options: Any) -> None:
     """Evaluate MODEL: held-out perplexity by length, agreement and KL against --reference, passkey retrieval by
     length and depth (exact match, 95% intervals), decode time per token and decoding-state size — or, with
     --tasks, lm-evaluation-harness task scores beside --reference's; prints a table, writes OUT/report.json
     (and the heat map OUT/passkey.png)."""
-    from headkit.evaluation.report import EvalSettings, check_eval_settings, evaluate, format_eval_table
-    from headkit.evaluation.tasks import load_tasks, task_names
+    from headkit.evaluation.settings import check_eval_settings
+    from headkit.evaluation.tasks import load_tasks
     from headkit.runs.models import no_loading_bars
 
-    settings = EvalSettings(
-        model=model,
-        reference=reference,
-        data=data,
-        lengths=_measured_lengths("lengths", lengths),
-        passkey_lengths=_measured_lengths("passkey-lengths", passkey_lengths),
-        depths=parse_list("--depths", depths, float),
-        trials=trials,
-        decode_contexts=_measured_lengths("decode-contexts", decode_contexts),
-        eval_tokens=eval_tokens,
-        seed=seed,
-        dtype=_check_dtype(dtype),
-        threads=threads,
-        out=out,
-        tasks=task_names(tasks) if tasks is not None else (),
-        include_path=include_path,
-        num_fewshot=num_fewshot,
-        limit=limit,
-        batch_size=1 if batch_size is None else batch_size,
-    )
-    if not settings.tasks and (include_path, num_fewshot, limit, batch_size) != (None,) * 4:
-        raise HeadkitError(
-            "--include-path, --num-fewshot, --limit and --batch-size shape --tasks: add --tasks"
-        )
+    settings = EvalSettings(**options)
     check_eval_settings(settings)
     # Every task and its data before any model loads: a wrong name or missing data costs nothing.
     loaded_tasks = load_tasks(settings.task_settings) if settings.tasks else None
     with no_loading_bars():
         from headkit.runs.models import CAUSAL_LM, load_model, model_kind
 
-        for name, path in (("MODEL", model), ("--reference", reference)):
+        for name, path in (("MODEL", settings.model), ("--reference", settings.reference)):
             if path is not None and model_kind(path) != CAUSAL_LM:
                 raise HeadkitError(
                     f"{name} {str(path)!r} is not a causal LM (no *ForCausalLM in config.json)"
                 )
-        loaded = load_model(model, kind=CAUSAL_LM, dtype=settings.dtype)
-        original = load_model(reference, kind=CAUSAL_LM, dtype=settings.dtype) if reference else None
+        loaded = load_model(settings.model, kind=CAUSAL_LM, dtype=settings.dtype)
+        original = (
+            load_model(settings.reference, kind=CAUSAL_LM, dtype=settings.dtype)
+            if settings.reference
+            else None
+        )
+    from headkit.evaluation.report import evaluate, format_eval_table
+
     report = evaluate(settings, loaded=loaded, reference=original, tasks=loaded_tasks, echo=err_console.print)
     typer.echo(format_eval_table(report))
+    out = settings.out
     typer.echo(
         f"saved {out / 'report.json'} and {out / 'passkey.png'}" if report["passkey"] else f"saved {out}"
     )

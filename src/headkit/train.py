@@ -58,9 +58,11 @@ from headkit.devices import check_device
 from headkit.errors import HeadkitError
 from headkit.evaluation.quality import held_out_bits_per_byte
 from headkit.files import check_output_folder, staged_folder
+from headkit.layers import attention_classes
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 from headkit.ops._validation import check_positive_int
 from headkit.recipes.loop import IndexedBatches, LoopResult, StepCallback, train_loop
+from headkit.runs.options import check_names, check_options, existing_path, option, parse_list, quick_preset
 from headkit.runs.processes import process_rank_and_count
 
 REPORT_FILE = "training_report.json"
@@ -308,6 +310,136 @@ def check_eval_tokens(eval_tokens: Any, *, flag: str = "--eval-tokens") -> None:
             f"{flag} must be 0 (no evaluation) or at least {MIN_EVAL_TOKENS} (one predicted token), "
             f"got {eval_tokens!r}"
         )
+
+
+def _config_field(item: str) -> tuple[str, Any]:
+    """One ``--set KEY=VALUE``: the key and its JSON value (the text itself where it is not JSON)."""
+    key, sep, value = item.partition("=")
+    if not sep or not key.strip():
+        raise HeadkitError(f"--set takes KEY=VALUE, got {item!r}")
+    try:
+        return key.strip(), json.loads(value)
+    except json.JSONDecodeError:
+        return key.strip(), value
+
+
+def _check_attention(name: str) -> None:
+    check_names("--attention", [name], attention_classes())
+
+
+def _check_layer_types(names: tuple[str, ...]) -> None:
+    if names:
+        check_names("--layer-types", names, attention_classes())
+
+
+def _check_set_fields(items: tuple[str, ...]) -> None:
+    check_config_fields(dict(map(_config_field, items)))
+
+
+@dataclass
+class TrainSettings:
+    """One ``headkit train`` run: each field with help is an option of the command (headkit.runs.options),
+    checked where it is declared (:func:`~headkit.runs.options.check_options`); ``quick`` is its value under
+    --quick (a small model and a short run, well under a minute on 2 CPU cores)."""
+
+    attention: str = option(
+        "linear",
+        f"Mechanism of every layer, one of those registered: {', '.join(attention_classes())}.",
+        check=_check_attention,
+    )
+    layer_types: tuple[str, ...] = option(
+        (),
+        "Comma-separated mechanism per layer, for a hybrid (sets the layer count; overrides --attention).",
+        parse=lambda flag, text: parse_list(flag, text, str),
+        check=_check_layer_types,
+    )
+    corpus: Path | None = option(
+        None,
+        "A text file or a folder of text files (default: this Python's standard-library source).",
+        check=existing_path("--corpus"),
+    )
+    tokenizer: Path | None = option(
+        None,
+        "A tokenizer saved in a local folder (default: byte-level).",
+        check=existing_path("--tokenizer"),
+    )
+    steps: int = option(300, "Optimiser steps.", min=1, quick=100)
+    batch_size: int = option(8, "Windows per step.", min=1)
+    seq_len: int = option(256, "Tokens per window.", min=2, quick=128)
+    lr: float = option(1e-3, "Peak learning rate (AdamW, warm-up then cosine decay).", min=0.0)
+    hidden_size: int = option(256, "Model width.", min=1, quick=64)
+    layers: int = option(4, "Decoder layers.", min=1, quick=2)
+    heads: int = option(4, "Attention heads per layer.", min=1)
+    set_fields: tuple[str, ...] = option(
+        (),
+        "Any HeadkitConfig field as KEY=VALUE (JSON value), e.g. --set additive_window=64; an unknown field is "
+        "an error.",
+        flag="--set",
+        repeat=True,
+        check=_check_set_fields,
+    )
+    eval_tokens: int = option(
+        65_536,
+        "Held-out tokens for bits per byte (0 = none, else ≥ 2).",
+        min=0,
+        quick=8_192,
+        check=check_eval_tokens,
+    )
+    max_corpus_bytes: int | None = option(
+        None,
+        "Read at most this many bytes of the corpus (default all; 2 MB with --quick).",
+        min=1,
+        quick=2_000_000,
+    )
+    seed: int = option(0, "Seed of the initialisation and the batch sampling.")
+    device: str = option("cpu", "Device to train on: cpu or cuda (or cuda:N).", check=check_device)
+    out: Path = option(Path("results/train"), "Output folder: model, tokenizer, training_report.json.")
+    overwrite: bool = option(
+        False, "Replace a non-empty output folder (whole, once the new one is complete)."
+    )
+
+    quick = quick_preset("A small model and a short run (well under a minute on 2 CPU cores).")
+
+
+def check_train_settings(settings: TrainSettings) -> None:
+    """Every setting, before anything is loaded or trained: the checks its field declares, then the output
+    folder against the inputs."""
+    check_options(settings)
+    inputs = {"--corpus": settings.corpus, "--tokenizer": settings.tokenizer}
+    check_output_folder(
+        settings.out, settings.overwrite, {name: path for name, path in inputs.items() if path is not None}
+    )
+
+
+def train_from_settings(settings: TrainSettings, **keywords: Any) -> TrainResult:
+    """``headkit train``: a fresh model of the settings' shape trained on their corpus (:func:`train_causal_lm`,
+    which `keywords` reach), checked whole first (:func:`check_train_settings`)."""
+    check_train_settings(settings)
+    tokenizer = load_tokenizer(settings.tokenizer)
+    fields: dict[str, Any] = dict(
+        attention=settings.attention,
+        hidden_size=settings.hidden_size,
+        num_hidden_layers=len(settings.layer_types) or settings.layers,
+        num_attention_heads=settings.heads,
+        max_position_embeddings=max(2048, settings.seq_len),
+        **({"layer_types": list(settings.layer_types)} if settings.layer_types else {}),
+    )
+    fields.update(dict(map(_config_field, settings.set_fields)))
+    return train_causal_lm(
+        default_config(tokenizer, **fields),
+        load_corpus(settings.corpus, max_bytes=settings.max_corpus_bytes),
+        steps=settings.steps,
+        batch_size=settings.batch_size,
+        seq_len=settings.seq_len,
+        lr=settings.lr,
+        tokenizer=tokenizer,
+        eval_tokens=settings.eval_tokens,
+        out_dir=settings.out,
+        overwrite=settings.overwrite,
+        seed=settings.seed,
+        device=settings.device,
+        **keywords,
+    )
 
 
 def config_fields() -> list[str]:

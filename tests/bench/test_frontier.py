@@ -73,6 +73,31 @@ def test_every_method_fits_its_budget_and_the_best_is_chosen_among_them(tiny, tm
     assert "latent R=" in capsys.readouterr().out
 
 
+def test_the_compressed_cache_in_fewer_bits_keeps_more_tokens_at_the_same_budget(tiny, tmp_path):
+    """compressed+quantized rows: at a budget 4-bit storage alone does not fit (1/4), the compressed cache in 4
+    bits keeps more tokens than in bfloat16, within the same bytes."""
+    out = tmp_path / "frontier"
+    options = [*TINY, "--budgets", "4", "--bits", "4", "--retrieval-head-counts", "0"]
+    main(["bench", "frontier", "--model", str(tiny), "--methods", "compressed,compressed+quantized", *options,
+          "--out", str(out)])  # fmt: skip
+    points = json.loads((out / "results.json").read_text())["points"]
+    assert [p["method"] for p in points] == ["original", "compressed", "compressed+quantized"]
+    original, alone, both = points
+    assert both["configs"] == ["CompressedCacheConfig", "QuantizedKVConfig"] and both["label"].startswith(
+        "int4 "
+    )
+    assert alone["bytes"] <= original["bytes"] / 4 + 1e-6 and both["bytes"] <= original["bytes"] / 4 + 1e-6
+
+    def kept(point):
+        record = point["records"][0]
+        return record["sinks"] + record["window"] - 1 + record["budget"]  # the slots a head stores
+
+    # head width 16 in groups of 8: 2 · (8 code bytes + 2 · 2 · 2 of scales and zero points) = 32 bytes a token
+    # against bfloat16's 64: twice the tokens
+    assert kept(both) == 2 * kept(alone)
+    assert both["perplexity_64"] > 1
+
+
 @pytest.fixture(scope="module")
 def tiny_with_a_bpe_tokenizer(tmp_path_factory):
     """A tiny llama with SmolLM2's byte-level BPE tokenizer (what the GGUF export converts), heads 32 wide (a

@@ -1,9 +1,9 @@
 import pytest
 
-from headkit.bench._options import check_integers
 from headkit.bench.lora import LoraConfig
 from headkit.bench.registry import check_options
 from headkit.errors import HeadkitError
+from headkit.runs.options import check_integers
 
 
 @pytest.mark.parametrize("bad", [0, -3e-3, True, "4", None, float("inf"), float("nan")])

@@ -26,7 +26,7 @@ TINY = [
 def tiny_pair(tmp_path_factory, save_tiny_causal_lm):
     folder = save_tiny_causal_lm(tmp_path_factory.mktemp("tiny") / "llama")
     model = headkit.from_pretrained(folder)
-    headkit.linearize(model, window=16, sinks=2, sparse_cache=4)
+    headkit.linearize(model, window=16, sinks=2, budget=4)
     linearized = tmp_path_factory.mktemp("tiny") / "linearized"
     model.save_pretrained(linearized)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt"):
@@ -70,7 +70,7 @@ def test_the_grid_measures_original_linearized_and_equal_bytes_baseline(tiny_pai
     assert "passkey @160" in (out / "table.md").read_text()
     assert_results_keys("retrieval", results)
     # The linearized folder was only read: it reloads as it was saved.
-    assert [m.sparse_cache for m in linearized_modules(headkit.from_pretrained(linearized))] == [4, 4]
+    assert [m.budget for m in linearized_modules(headkit.from_pretrained(linearized))] == [4, 4]
 
 
 def test_without_a_linearized_model_the_baseline_points_are_measured(tiny_pair, tmp_path):

@@ -14,6 +14,8 @@ import pytest
 import torch
 import transformers
 
+from headkit.errors import HeadkitError
+
 pytest.importorskip("lm_eval", reason="the eval extra: pip install 'headkit[eval]'")
 
 import headkit  # noqa: E402
@@ -331,9 +333,15 @@ def test_an_unknown_task_is_named_with_close_matches(
 @pytest.mark.parametrize(
     ("args", "named"),
     [
-        (["--tasks", "tiny_mc", "--num-fewshot", "-1"], "--num-fewshot must be a non-negative integer"),
-        (["--tasks", "tiny_mc", "--limit", "0"], "--limit must be a positive integer"),
-        (["--tasks", "tiny_mc", "--batch-size", "0"], "--batch-size must be a positive integer"),
+        (
+            ["--tasks", "tiny_mc", "--num-fewshot", "-1"],
+            "Invalid value for '--num-fewshot'",
+        ),
+        (["--tasks", "tiny_mc", "--limit", "0"], "Invalid value for '--limit'"),
+        (
+            ["--tasks", "tiny_mc", "--batch-size", "0"],
+            "Invalid value for '--batch-size'",
+        ),
         (["--tasks", "tiny_mc,tiny_mc"], "--tasks names tiny_mc more than once"),
         (["--tasks", " , "], "--tasks must name at least one task"),
         (["--limit", "5"], "add --tasks"),
@@ -477,3 +485,21 @@ def test_recipes_refuse_unknown_tasks_and_encoders_before_any_work(
     args = ["linearize", str(tiny_folder), "--eval-include-path", str(task_folder)]
     assert "add --eval-tasks" in _refused([*args, "--out", str(tmp_path / "o")], capsys)
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "named"),
+    [
+        ("num_fewshot", -1, "--num-fewshot must be a non-negative integer, got -1"),
+        ("limit", 0, "--limit must be a positive integer, got 0"),
+        ("trials", 0, "--trials must be a positive integer, got 0"),
+        ("depths", (0.5, 2.0), "--depths must be numbers in \\[0, 1\\]"),
+        ("dtype", "float64", "--dtype"),
+    ],
+)
+def test_the_library_checks_eval_settings_as_their_fields_declare(field, value, named, tiny_folder, tmp_path):
+    from headkit.evaluation.settings import EvalSettings, check_eval_settings
+
+    settings = EvalSettings(model=tiny_folder, out=tmp_path / "o", tasks=("tiny_mc",), **{field: value})
+    with pytest.raises(HeadkitError, match=named):
+        check_eval_settings(settings)

@@ -1,7 +1,8 @@
 """QuantizedKVCacheLayer: what attention reads at every step is the written-out reference (the tokens quantized
 so far through the naive twins, the rest as they came), whatever the chunks; beam reordering moves the codes
 exactly; the bytes it holds grow by the bytes per token the op states; with a residual longer than the stream it
-is transformers' DynamicLayer."""
+is transformers' DynamicLayer. QuantizedHybridStateCacheLayer (the compressed cache's): codes stored, read back within half a
+step, written back without quantizing again, reordered by beam search, its bytes those of the op."""
 
 from __future__ import annotations
 
@@ -123,3 +124,53 @@ def test_it_takes_the_empty_entry_of_a_cache_and_refuses_what_it_cannot_do():
     entry.update(*stream(tokens=5))
     with pytest.raises(ValueError, match="cannot be rewound"):
         entry.crop(1)
+
+
+def sparse_state(batch=2, heads=2, width=8, tokens=20, seed=0):
+    """The state of the compressed cache's op (sinks 2, window 4, 3 kept keys, nothing folded) after `tokens`."""
+    from headkit.ops.hybrid import sparse_hybrid_attention
+
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, heads, tokens, width, generator=generator) for _ in range(3))
+    zeros = torch.zeros(batch, heads, tokens, 1)
+    scores = torch.rand(batch, heads, tokens, generator=generator)
+    _, state = sparse_hybrid_attention(
+        q, k, v, zeros, zeros, torch.zeros(heads), window=4, sinks=2, budget=3, output_final_state=True,
+        key_scores=scores,
+    )  # fmt: skip
+    return state
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_compressed_cache_layer_stores_codes_reads_them_back_and_beam_search_moves_them(bits):
+    from headkit.layers.quantized_cache import QuantizedHybridStateCacheLayer, exact_leaves
+    from headkit.ops.quantized_cache import QuantizedTensor
+
+    state = sparse_state()
+    entry = QuantizedHybridStateCacheLayer().configure(bits=bits, group_size=4)
+    assert entry.get_state() is None and entry.state_bytes() == 0
+    entry.set_state(state, 20)
+    stored = dict(exact_leaves(entry.state))
+    assert len(stored) == 6 and all(isinstance(leaf, QuantizedTensor) for leaf in stored.values())
+    assert all(
+        leaf.codes.dtype == torch.uint8 and leaf.codes.shape[-1] == 8 * bits // 8 for leaf in stored.values()
+    )
+    back = entry.get_state()
+    for (path, mine), (_, theirs) in zip(exact_leaves(back), exact_leaves(state), strict=True):
+        half_step = stored[path].scale.amax(dim=(-2, -1), keepdim=True) / 2  # the field's largest step
+        assert ((mine - theirs).abs() <= half_step * (1 + 1e-5) + 1e-7).all(), path
+    assert torch.equal(back.sparse_scores, state.sparse_scores)  # bookkeeping kept as it is
+    # read and written back (a prompt continued in chunks), every token keeps its codes
+    entry.set_state(back, 0)
+    after = dict(exact_leaves(entry.state))
+    assert all(torch.equal(a, b) for path in stored for a, b in zip(after[path], stored[path], strict=True))
+    # 2 rows · 2 heads · (3 window + 2 sinks + 3 kept) slots, a key and a value each: codes, and float32 scales and
+    # zero points per group of 4 channels
+    per_slot = quantized_bytes_per_token(8, bits=bits, group_size=4, bytes_per_number=4, per_token_keys=True)
+    assert entry.quantized_bytes() == 2 * 2 * 8 * per_slot
+    # beam search reorders the codes themselves
+    codes = dict(exact_leaves(entry.state))[("sparse_keys",)].codes.clone()
+    entry.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(dict(exact_leaves(entry.state))[("sparse_keys",)].codes, codes.flip(0))
+    with pytest.raises(HeadkitError, match="cannot switch to bits=8, group_size=8"):
+        entry.configure(bits=8, group_size=8)

@@ -16,9 +16,11 @@ from headkit.ops.quantized_cache import (
     naive_dequantize_values,
     naive_pack_codes,
     naive_quantize_keys,
+    naive_quantize_tokens,
     naive_quantize_values,
     pack_codes,
     quantize_keys,
+    quantize_tokens,
     quantize_values,
     quantized_bytes_per_token,
     stored_scale,
@@ -187,3 +189,41 @@ def test_bad_arguments_are_named():
         quantize_values(x, bits=8, group_size=0)
     with pytest.raises(ValueError, match="residual must be a non-negative integer"):
         tokens_to_quantize(4, group_size=2, residual=-1)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_token_already_stored_keeps_its_codes_and_a_new_one_is_quantized_per_token(bits, dtype):
+    """quantize_tokens equals its twin exactly; a token equal to a stored one, dequantized, takes its codes (so it
+    dequantizes to itself); any other is quantize_values' per-token quantization."""
+    stored_tokens = kv(dtype, tokens=10, seed=1)
+    stored = quantize_tokens(stored_tokens, bits=bits, group_size=8)
+    assert same(stored, quantize_values(stored_tokens, bits=bits, group_size=8))
+    back = dequantize_values(stored, bits=bits, group_size=8)
+    x = kv(dtype, tokens=6, seed=2)
+    x[:, :, 1], x[:, :, 4] = (
+        back[:, :, 7],
+        back[:, :, 0],
+    )  # moved between slots, as a window key becomes a sink
+    x[0, 1, 2] = back[1, 1, 3]  # another row's token: not that row's stored token
+    mine = quantize_tokens(x, bits=bits, group_size=8, stored=stored, stored_values=back)
+    assert same(mine, naive_quantize_tokens(x, bits=bits, group_size=8, stored=stored, stored_values=back))
+    again = dequantize_values(mine, bits=bits, group_size=8)
+    assert torch.equal(again[:, :, 1], x[:, :, 1]) and torch.equal(again[:, :, 4], x[:, :, 4])
+    fresh = quantize_values(x, bits=bits, group_size=8)
+    for field, expected in zip(mine, fresh, strict=True):
+        for token in (0, 2, 3, 5):
+            assert torch.equal(field[1:, :, token], expected[1:, :, token])
+        assert torch.equal(field[0, 1, 2], expected[0, 1, 2])
+
+
+def test_quantizing_a_dequantized_token_again_moves_it():
+    """Why a stored token keeps its codes: quantized again from its bfloat16 numbers, some codes move."""
+    x = kv(torch.bfloat16, tokens=64, seed=3)
+    back = dequantize_values(quantize_values(x, bits=8, group_size=8), bits=8, group_size=8)
+    twice = dequantize_values(quantize_values(back, bits=8, group_size=8), bits=8, group_size=8)
+    assert not torch.equal(twice, back)
+    kept = quantize_tokens(
+        back, bits=8, group_size=8, stored=quantize_values(x, bits=8, group_size=8), stored_values=back
+    )
+    assert torch.equal(dequantize_values(kept, bits=8, group_size=8), back)

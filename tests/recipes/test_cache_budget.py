@@ -1,5 +1,5 @@
 """`headkit compress --kv-budget`: the configuration chosen from the 🤗 config for a budget (8-bit, then 4-bit
-storage, then the largest compressed cache that fits), refused before any weight where nothing fits; the run
+storage, then the compressed cache, in bfloat16, 8 or 4 bits, that keeps the most tokens), refused before any weight where nothing fits; the run
 applies it, measures it, and saves a folder that headkit.from_pretrained reloads with the same logits."""
 
 import json
@@ -32,34 +32,41 @@ def test_fractions_are_read_and_bad_ones_refused_naming_the_option():
             parse_fraction(bad)
 
 
-def test_the_plan_is_8_bits_then_4_bits_then_the_largest_compressed_cache_that_fits():
+def test_the_plan_is_8_bits_then_4_bits_then_the_compressed_cache_keeping_the_most_tokens():
     original = bytes_per_token(CONFIG, context=8192)
     plan = cache_plan(CONFIG, 0.6, 8192)
     assert plan.configs == (QuantizedKVConfig(bits=8),) and plan.bytes_per_token <= 0.6 * original
     plan = cache_plan(CONFIG, 0.4, 8192)
     assert plan.configs == (QuantizedKVConfig(bits=4),) and plan.bytes_per_token <= 0.4 * original
+    # 1/8: 4 bits alone do not fit; the compressed cache in 4 bits keeps 3.2 times the tokens of bfloat16
     plan = cache_plan(CONFIG, 1 / 8, 8192)
-    (made,) = plan.configs
-    assert isinstance(made, CompressedCacheConfig)
+    made, bits = plan.configs
+    assert isinstance(made, CompressedCacheConfig) and bits == QuantizedKVConfig(bits=4)
     assert plan.bytes_per_token <= original / 8
-    kept = made.sinks + made.window + made.budget
-    assert kept == 1024  # 1/8 of 8,192 tokens, every head compressed alike
+    stored = made.sinks + made.window - 1 + made.budget  # what each head's cache holds
+    # 1/8 of 8,192 tokens of 256 bytes per head in bfloat16: 1,024 tokens; of 80 in 4 bits (2 · (32 codes + 2
+    # scales and 2 zero points of 2 bytes)): 3,276
+    assert stored == 3276 and "3276 tokens per head of 8192 (1024 in bfloat16)" in plan.reason
     bigger = CompressedCacheConfig(window=made.window, sinks=made.sinks, budget=made.budget + 1)
-    assert bytes_per_token(CONFIG, bigger, context=8192) > original / 8  # the most that fits
+    assert bytes_per_token(CONFIG, [bigger, bits], context=8192) > original / 8  # the most that fits
     assert plan.bytes_per_token_8192 == plan.bytes_per_token and plan.to_dict()["fraction"] <= 1 / 8
+    assert bytes_per_token(CONFIG, CompressedCacheConfig(window=256, sinks=4, budget=765), context=8192) == (
+        original / 8
+    )  # 4 + 255 + 765 = 1,024 tokens in bfloat16
     # at a shorter context the same fraction keeps fewer tokens
-    (short,) = cache_plan(CONFIG, 1 / 8, 2048).configs
-    assert short.sinks + short.window + short.budget == 256
+    short, _ = cache_plan(CONFIG, 1 / 8, 2048).configs
+    assert short.sinks + short.window - 1 + short.budget == 819
 
 
-def test_budgets_nothing_fits_and_bits_that_do_not_fit_are_refused():
+def test_budgets_nothing_fits_and_bits_are_kept_where_they_alone_do_not_fit():
     with pytest.raises(HeadkitError, match=r"--kv-budget 1e-05 is below the smallest cache"):
         cache_plan(CONFIG, 1e-5, 8192)
-    with pytest.raises(
-        HeadkitError, match=r"--kv-bits 8 alone keeps 0\.5\d+ of the bytes, more than --kv-budget"
-    ):
-        cache_plan(CONFIG, 1 / 8, 8192, bits=8)
+    made, bits = cache_plan(CONFIG, 1 / 8, 8192, bits=8).configs  # 8 bits alone keep 0.57
+    assert isinstance(made, CompressedCacheConfig) and bits == QuantizedKVConfig(bits=8)
+    assert made.sinks + made.window - 1 + made.budget == 1820
     assert cache_plan(CONFIG, 0.4, 8192, bits=4).configs == (QuantizedKVConfig(bits=4),)
+    with pytest.raises(HeadkitError, match="bits must be one of"):
+        cache_plan(CONFIG, 1 / 8, 8192, bits=5)
 
 
 def _refused(args, capsys) -> str:

@@ -220,3 +220,23 @@ def test_too_few_training_windows_for_the_repair_are_refused_before_any_text_is_
     # without --repair-windows, the training windows are shared out: 64 to fit and 8 to judge of the default 512
     assert compress_recipe.repair_split(compress_recipe.CompressSettings()) == (64, 8)
     assert compress_recipe.repair_split(compress_recipe.CompressSettings(train_texts=8)) == (4, 4)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("lr", 0.0, "--lr must be a positive number, got 0.0"),
+        ("window", 1, "--window must be an integer ≥ 2, got 1"),
+        ("train_texts", 0, "--train-texts must be a positive integer, got 0"),
+        ("rope_selection", "best", "--rope-selection must be one of"),
+        ("repair_precision", "float64", "--repair-precision must be one of auto, float32, bfloat16"),
+        ("repair_lr", float("inf"), "--repair-lr must be a positive number"),
+        ("kv_rank", 0, "--kv-rank must be a positive integer, got 0"),
+    ],
+)
+def test_the_library_checks_compress_settings_as_their_fields_declare(field, value, message):
+    from headkit.errors import HeadkitError
+    from headkit.recipes.compress_settings import CompressSettings, check_settings
+
+    with pytest.raises(HeadkitError, match=message):
+        check_settings(CompressSettings(**{field: value}))

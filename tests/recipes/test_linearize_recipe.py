@@ -188,11 +188,11 @@ def test_bench_linearize_writes_results_table_and_plot(tiny_llama, tmp_path, cap
         (["--layers", "x"], "--layers must be comma-separated"),
         (["--feature-map", "nope"], "unknown feature map 'nope'"),
         (["--eval-lengths", "512"], "none fits the model's context"),
-        (["--transfer-steps", "-1"], "--transfer-steps must be a non-negative integer"),
+        (["--transfer-steps", "-1"], "Invalid value for '--transfer-steps'"),
         (["--retrieval-head-count", "99"], r"--retrieval-head-count must be in \[0, \d+\]"),
         (["--retrieval-heads", "0:99"], r"retrieval_heads must name key/value heads in \[0, \d+\)"),
         (["--retrieval-heads", "0-1"], "--retrieval-heads must be layer:head pairs"),
-        (["--sparse-cache", "300"], "sparse_cache must be at most the model's context of 256"),
+        (["--budget", "300"], "budget must be at most the model's context of 256"),
         (["--observation", "300"], "observation must be at most the model's context of 256"),
         (["--selection", "oracle"], "selection must be one of recall, question"),
     ],
@@ -238,7 +238,7 @@ def test_unsupported_architectures_and_encoders_are_refused(save_tiny_encoder, t
 def test_retrieval_heads_chosen_on_passkeys_then_question_selection_reload(tiny_llama, tmp_path, capsys):
     out = tmp_path / "linearized"
     main([
-        "linearize", str(tiny_llama), *SMALL, "--retrieval-head-count", "2", "--sinks", "1", "--sparse-cache", "4",
+        "linearize", str(tiny_llama), *SMALL, "--retrieval-head-count", "2", "--sinks", "1", "--budget", "4",
         "--selection", "question", "--observation", "8", "--out", str(out),
     ])  # fmt: skip
     printed = capsys.readouterr().out
@@ -261,7 +261,7 @@ def test_the_compressed_cache_baseline_trains_nothing(tiny_llama, tmp_path, caps
             "--drop",
             "--sinks",
             "1",
-            "--sparse-cache",
+            "--budget",
             "4",
             "--out",
             str(out),
@@ -290,3 +290,22 @@ def test_defaults_are_the_measured_configuration():
         if isinstance(default, tuple):
             default = ",".join(map(str, default))
         assert str(default) == value, f"{flag}: documented {value}, default {default}"
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("transfer_steps", -1, "--transfer-steps must be a non-negative integer, got -1"),
+        ("train_length", 1, "--train-length must be an integer ≥ 2, got 1"),
+        ("eval_lengths", (256, 1), "--eval-lengths must be one or more integers ≥ 2"),
+        ("lora_lr", 0.0, "--lora-lr must be a positive number, got 0.0"),
+        ("lora_rank", 0, "--lora-rank must be a positive integer, got 0"),
+        ("temperature", float("nan"), "--temperature must be a positive number"),
+    ],
+)
+def test_the_library_checks_the_settings_as_their_fields_declare(field, value, message):
+    from headkit.errors import HeadkitError
+    from headkit.recipes.linearize_settings import LinearizeSettings, check_settings
+
+    with pytest.raises(HeadkitError, match=message):
+        check_settings(LinearizeSettings(**{field: value}))

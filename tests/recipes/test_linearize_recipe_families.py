@@ -21,7 +21,7 @@ from headkit.surgery.linearize import linearized_modules  # noqa: E402
 # Two transfer steps and one LoRA step on 64-byte windows: the run, not the numbers, is tested; with sinks and a
 # sparse cache (the recipe's mechanism by default); decoding at 96 tokens, where the state is the smaller.
 FAST = [
-    "--window", "8", "--sinks", "2", "--sparse-cache", "4", "--train-length", "64", "--train-windows", "4", "--batch-size", "4",
+    "--window", "8", "--sinks", "2", "--budget", "4", "--train-length", "64", "--train-windows", "4", "--batch-size", "4",
     "--transfer-steps", "2", "--recovery-steps", "1", "--eval-lengths", "64", "--held-out-windows", "2",
     "--decode-contexts", "96", "--decode-steps", "2", "--decode-batch-sizes", "1",
 ]  # fmt: skip

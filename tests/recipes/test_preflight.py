@@ -40,7 +40,9 @@ def _no_weights(*args, **kwargs):
 def test_compress_kv_rank_refuses_a_per_head_key_norm_before_reading_text(
     model_type, tmp_path, monkeypatch, capsys
 ):
-    recipe = sys.modules["headkit.recipes.compress"]  # the package exports a function of the same name
+    recipe = importlib.import_module(
+        "headkit.recipes.compress"
+    )  # the package exports a function of the same name
 
     monkeypatch.setattr(recipe, "load_text", _no_text)
     monkeypatch.setattr(steps, "load_model", _no_weights)  # the family is refused from config.json alone
@@ -53,7 +55,9 @@ def test_compress_kv_rank_refuses_a_per_head_key_norm_before_reading_text(
 
 
 def test_linearize_refuses_a_window_beyond_the_context_before_loading_weights(tmp_path, monkeypatch, capsys):
-    recipe = sys.modules["headkit.recipes.linearize"]  # the package exports a function of the same name
+    recipe = importlib.import_module(
+        "headkit.recipes.linearize"
+    )  # the package exports a function of the same name
 
     monkeypatch.setattr(recipe, "load_text", _no_text)
     monkeypatch.setattr(steps, "load_model", _no_weights)
@@ -82,7 +86,7 @@ def test_prune_refuses_more_heads_than_the_model_has_before_reading_text(tmp_pat
 def test_compress_kv_rank_out_of_range_is_refused_before_loading_weights(
     options, message, tmp_path, monkeypatch, capsys
 ):
-    recipe = sys.modules["headkit.recipes.compress"]
+    recipe = importlib.import_module("headkit.recipes.compress")
     monkeypatch.setattr(recipe, "load_text", _no_text)
     monkeypatch.setattr(steps, "load_model", _no_weights)
     folder = _save("llama", tmp_path / "model")
@@ -92,7 +96,7 @@ def test_compress_kv_rank_out_of_range_is_refused_before_loading_weights(
 def test_compress_dim_on_an_encoder_is_refused_from_config_json_before_loading(
     save_tiny_encoder, tmp_path, monkeypatch, capsys
 ):
-    recipe = sys.modules["headkit.recipes.compress"]
+    recipe = importlib.import_module("headkit.recipes.compress")
     monkeypatch.setattr(recipe, "load_text", _no_text)
     monkeypatch.setattr(steps, "load_model", _no_weights)  # the widths come from config.json
     folder = save_tiny_encoder(tmp_path / "model")  # hidden 32 = heads·head_dim
@@ -117,7 +121,7 @@ def test_compress_dim_on_an_encoder_is_refused_from_config_json_before_loading(
 def test_compress_dim_on_a_decoder_is_refused_from_config_json_before_loading(
     model_type, options, message, tmp_path, monkeypatch, capsys
 ):
-    recipe = sys.modules["headkit.recipes.compress"]
+    recipe = importlib.import_module("headkit.recipes.compress")
     monkeypatch.setattr(recipe, "load_text", _no_text)
     monkeypatch.setattr(steps, "load_model", _no_weights)
     folder = _save(model_type, tmp_path / "model")

@@ -385,3 +385,23 @@ def test_an_encoders_pruned_layers_are_refit_on_its_own_inputs_before_recovery(s
     else:
         assert repair["fidelity_mean_cosine"] >= report["fidelity_mean_cosine_pruned"]
         assert report["fidelity_mean_cosine"] == pytest.approx(repair["fidelity_mean_cosine"])
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("method", "magnitude", "--method must be one of importance, l0, refit, got 'magnitude'"),
+        ("window", 1, "--window must be an integer ≥ 2, got 1"),
+        ("gate_steps", -1, "--steps must be a non-negative integer, got -1"),
+        ("held_out_texts", 0, "--held-out must be a positive integer, got 0"),
+        ("max_memory", 0.0, "--max-memory must be a positive number, got 0.0"),
+        ("temperature", 0.0, "--temperature must be a positive number"),
+        ("lr", -1e-3, "--lr must be a number ≥ 0.0"),
+    ],
+)
+def test_the_library_checks_prune_settings_as_their_fields_declare(field, value, message):
+    from headkit.errors import HeadkitError
+    from headkit.recipes.prune_settings import PruneSettings, check_settings
+
+    with pytest.raises(HeadkitError, match=message):
+        check_settings(PruneSettings(**{field: value}))

@@ -382,8 +382,8 @@ def test_resume_is_an_option_of_the_commands_that_save_not_of_the_benchmarks():
     from headkit.bench.linearize import LinearizeBenchSettings
     from headkit.recipes.compress_settings import CompressSettings
     from headkit.recipes.linearize_settings import LinearizeSettings
-    from headkit.recipes.options import option_fields
     from headkit.recipes.prune_settings import PruneSettings
+    from headkit.runs.options import option_fields
 
     for settings in (PruneSettings, CompressSettings, LinearizeSettings):
         assert {"resume", "checkpoint_steps"} <= {field.name for field in option_fields(settings)}

@@ -1,4 +1,4 @@
-"""headkit.recipes.options: a recipe's or a surgery's option is declared once, on its settings field, and the
+"""headkit.runs.options: a recipe's or a surgery's option is declared once, on its settings field, and the
 commands (`headkit linearize`, `prune`, `compress`, `headkit bench …`) are generated from the fields."""
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ from headkit.cli import main
 from headkit.errors import HeadkitError
 from headkit.recipes.compress import CompressSettings
 from headkit.recipes.linearize import LinearizeSettings
-from headkit.recipes.options import (
+from headkit.recipes.prune import PruneSettings
+from headkit.recipes.settings import QuickSettings
+from headkit.runs.options import (
     option,
     option_fields,
     option_name,
@@ -28,8 +30,6 @@ from headkit.recipes.options import (
     settings_from,
     with_fields_of,
 )
-from headkit.recipes.prune import PruneSettings
-from headkit.recipes.settings import QuickSettings
 from headkit.surgery.linearize import LinearizeConfig
 
 load_benchmarks()

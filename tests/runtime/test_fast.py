@@ -138,12 +138,12 @@ FAST_MODELS = {
     "rotated-back": lambda: linearized(feature_wavelength=8),
     # what is kept exact beyond the window: sinks and the sparse cache's slots, chosen by recall error or by the
     # question; retrieval heads' key/value buffers (a whole layer of them too); the dropping baseline
-    "sinks-recall": lambda: linearized(sinks=2, sparse_cache=3),
+    "sinks-recall": lambda: linearized(sinks=2, budget=3),
     "question-retrieval": lambda: linearized(
-        sinks=1, sparse_cache=4, selection="question", observation=4, retrieval_heads=[(0, 1)]
+        sinks=1, budget=4, selection="question", observation=4, retrieval_heads=[(0, 1)]
     ),
-    "exact-layer": lambda: linearized(sparse_cache=2, retrieval_heads=[(1, 0), (1, 1)], feature_wavelength=8),
-    "drop": lambda: linearized(sinks=1, sparse_cache=3, selection="question", fold=False),
+    "exact-layer": lambda: linearized(budget=2, retrieval_heads=[(1, 0), (1, 1)], feature_wavelength=8),
+    "drop": lambda: linearized(sinks=1, budget=3, selection="question", fold=False),
 }
 
 

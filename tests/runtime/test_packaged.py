@@ -92,7 +92,7 @@ print(list(decoder.step_sources.values())[0], torch.equal(got, eager_greedy(mode
 
 def test_a_linearized_model_with_exact_keys_round_trips(tmp_path):
     # Sinks, question-chosen slots and a retrieval head: every fixed buffer is an input the package writes.
-    model = linearized(sinks=1, sparse_cache=4, selection="question", observation=4, retrieval_heads=[(0, 1)])
+    model = linearized(sinks=1, budget=4, selection="question", observation=4, retrieval_heads=[(0, 1)])
     ids, mask = prompts()
     expected = eager_greedy(model, ids, mask)
     for source in ("compiled", "loaded"):
@@ -182,7 +182,7 @@ def test_a_record_for_another_key_is_not_loaded(built, tmp_path):
 
 
 def test_buffers_are_installed_and_restored():
-    model = linearized(sinks=1, sparse_cache=4, retrieval_heads=[(0, 1)])
+    model = linearized(sinks=1, budget=4, retrieval_heads=[(0, 1)])
     decoder = FastDecoder(model, compile=False)
     ids, mask = prompts()
     decoder.generate(ids, attention_mask=mask, max_new_tokens=2)

@@ -13,8 +13,10 @@ from tiny_models import outputs, state_of, tiny_inputs, tiny_model
 
 import headkit
 import headkit.surgery.records
+from headkit.compat import output_cache
 from headkit.errors import HeadkitError
 from headkit.evaluation.memory import cache_bytes, kv_cache_bytes_per_token
+from headkit.layers.quantized_cache import exact_leaves
 from headkit.surgery import (
     CollaborativeConfig,
     CompressedCacheConfig,
@@ -47,7 +49,7 @@ CONFIGS = [
         chunk_size=16,
         convert_sliding=True,
         sinks=2,
-        sparse_cache=3,
+        budget=3,
         selection="question",
         observation=4,
         fold=False,
@@ -143,9 +145,7 @@ def test_apply_on_decoders_latent_and_linearize_as_the_old_functions_do():
         [PruneConfig(heads={0: [0, 1], 1: [2, 3]}), LatentKVConfig(kv_rank=12, rope_dims=4)],
         [
             PruneConfig(heads={0: [0, 1]}),
-            LinearizeConfig(
-                window=4, sinks=1, sparse_cache=2, selection="question", observation=2, fold=False
-            ),
+            LinearizeConfig(window=4, sinks=1, budget=2, selection="question", observation=2, fold=False),
         ],
         # heads renumbered after the first pruning: 0 of what is left is the original's 1, so group 0 goes
         [PruneConfig(heads={0: [0]}), PruneConfig(heads={0: [0]}), LatentKVConfig(kv_rank=16, rope_dims=4)],
@@ -270,7 +270,13 @@ def test_the_compressed_cache_is_the_linearized_layer_with_nothing_folded_and_co
     for context in (32, 64):
         measured = cache_bytes(first, context) / context
         counted = bytes_per_token(first.config, bytes_per_number=4, context=context)
-        assert counted <= measured <= 1.05 * counted, (context, counted, measured)  # + slot positions, flags
+        with torch.no_grad():
+            cache = output_cache(first(torch.zeros(1, context, dtype=torch.long), use_cache=True))
+        stored = sum(
+            t.numel() * t.element_size() for layer in cache.layers for _, t in exact_leaves(layer.state)
+        )
+        assert stored == counted * context  # S + W − 1 + B keys and values per head
+        assert counted < measured <= 1.15 * counted, (context, counted, measured)  # + features, flags, scores
     retrieval = family_model("llama")
     headkit.apply_(retrieval, CompressedCacheConfig(window=8, sinks=2, budget=4, retrieval_heads=((0, 1),)))
     growth = (cache_bytes(retrieval, 64) - cache_bytes(retrieval, 32)) / 32

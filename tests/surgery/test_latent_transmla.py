@@ -325,7 +325,7 @@ def test_bad_options_name_the_field_and_its_range_before_any_work(options, messa
 
 def test_the_options_are_command_line_options_with_help():
     from headkit.recipes.compress import CompressSettings
-    from headkit.recipes.options import command_parameters
+    from headkit.runs.options import command_parameters
 
     parameters = {p.name: p for p in command_parameters(CompressSettings)}
     for name in ("rope_fold", "balance_kv"):

@@ -48,7 +48,7 @@ def steps_and_whole(model, tokens, prefill):
     return torch.cat(logits, 1), whole, cache
 
 
-RETRIEVAL = {"retrieval_heads": [(0, 1), (1, 0)], "sinks": 1, "sparse_cache": 2}
+RETRIEVAL = {"retrieval_heads": [(0, 1), (1, 0)], "sinks": 1, "budget": 2}
 
 
 def test_retrieval_heads_decode_as_the_parallel_form_and_their_cache_grows():
@@ -101,7 +101,7 @@ def test_a_left_padded_row_with_retrieval_heads_decodes_as_it_does_alone():
 
 
 def test_the_question_chooses_the_cache_of_a_prefilled_prompt(monkeypatch):
-    model, _ = converted(sinks=1, sparse_cache=3, selection="question", observation=4)
+    model, _ = converted(sinks=1, budget=3, selection="question", observation=4)
     seen = []
     module = __import__("headkit.layers.kept_exact", fromlist=["observation_scores"])
 
@@ -135,7 +135,7 @@ def test_the_question_chooses_the_cache_of_a_prefilled_prompt(monkeypatch):
 def test_the_compressed_cache_baseline_prefills_in_full_and_decodes_from_the_kept_keys():
     model = tiny()
     original = tiny()
-    report = headkit.linearize(model, window=4, sinks=1, sparse_cache=3, selection="question", fold=False)
+    report = headkit.linearize(model, window=4, sinks=1, budget=3, selection="question", fold=False)
     assert report.trainable_parameters == 0 and not linearized_parameters(model)
     tokens = ids(batch=1, length=30)
     stepped, whole, cache = steps_and_whole(model, tokens, prefill=20)
@@ -169,7 +169,7 @@ def test_save_and_reload_rebuilds_selection_fold_and_retrieval_heads(tmp_path):
         ({"retrieval_heads": [(5, 0)]}, r"retrieval_heads must name layers in \[0, 2\)"),
         ({"retrieval_heads": [(0, 0), (0, 0)]}, "retrieval_heads lists a head twice"),
         ({"retrieval_heads": [(1, 0)], "layers": [0]}, "retrieval_heads must name heads of converted layers"),
-        ({"sparse_cache": 300}, "sparse_cache must be at most the model's context of 256"),
+        ({"budget": 300}, "budget must be at most the model's context of 256"),
         ({"observation": 257}, "observation must be at most the model's context of 256"),
         ({"observation": 0}, "observation must be a positive integer"),
         ({"selection": "oracle"}, "selection must be one of recall, question"),
@@ -186,16 +186,16 @@ def test_bad_retrieval_options_leave_the_model_untouched(arguments, message):
 
 
 def test_reconfigure_changes_the_budget_selection_and_heads_in_place_and_reloads(tmp_path):
-    model, _ = converted(sinks=1, sparse_cache=2)
+    model, _ = converted(sinks=1, budget=2)
     before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    config = reconfigure(model, sparse_cache=5, selection="question", retrieval_heads=[(1, 1)])
-    assert config.sparse_cache == 5 and config.retrieval_heads == ((1, 1),)
-    assert [(m.sparse_cache, m.selection, m.exact_heads) for m in linearized_modules(model)] == [
+    config = reconfigure(model, budget=5, selection="question", retrieval_heads=[(1, 1)])
+    assert config.budget == 5 and config.retrieval_heads == ((1, 1),)
+    assert [(m.budget, m.selection, m.exact_heads) for m in linearized_modules(model)] == [
         (5, "question", ()),
         (5, "question", (1,)),
     ]
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
-    fresh, _ = converted(sinks=1, sparse_cache=5, selection="question", retrieval_heads=[(1, 1)])
+    fresh, _ = converted(sinks=1, budget=5, selection="question", retrieval_heads=[(1, 1)])
     fresh.load_state_dict(model.state_dict())
     prompt = ids(batch=1, length=20)
     with torch.no_grad():
@@ -212,13 +212,13 @@ def test_reconfigure_changes_the_budget_selection_and_heads_in_place_and_reloads
     [
         ({"window": 8}, "reconfigure changes only"),
         ({"retrieval_heads": [(0, 5)]}, r"retrieval_heads must name key/value heads in \[0, 2\)"),
-        ({"sparse_cache": -1}, "sparse_cache must be a non-negative integer"),
+        ({"budget": -1}, "budget must be a non-negative integer"),
     ],
 )
 def test_a_bad_reconfiguration_leaves_the_model_as_it_was(changes, message):
-    model, _ = converted(sinks=1, sparse_cache=2)
+    model, _ = converted(sinks=1, budget=2)
     record = model.config.to_dict()[SURGERY_KEY]
     with pytest.raises(HeadkitError, match=message):
         reconfigure(model, **changes)
     assert model.config.to_dict()[SURGERY_KEY] == record
-    assert [m.sparse_cache for m in linearized_modules(model)] == [2, 2]
+    assert [m.budget for m in linearized_modules(model)] == [2, 2]

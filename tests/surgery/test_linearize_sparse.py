@@ -28,7 +28,7 @@ def state_snapshot(model):
     return {name: tensor.clone() for name, tensor in model.state_dict().items()}
 
 
-EXACT = {"window": 4, "sinks": 2, "sparse_cache": 3}
+EXACT = {"window": 4, "sinks": 2, "budget": 3}
 
 
 def converted(layers=2, **options):
@@ -42,7 +42,7 @@ def converted(layers=2, **options):
 
 def test_step_by_step_decoding_equals_the_parallel_form_and_generate_agrees():
     model, report = converted(layers=3)
-    assert report.sinks == 2 and report.sparse_cache == 3 and "2 sinks, sparse cache 3" in str(report)
+    assert report.sinks == 2 and report.budget == 3 and "2 sinks, budget 3" in str(report)
     tokens = ids(batch=2, length=40)
     with torch.no_grad():
         full = model(tokens).logits
@@ -63,7 +63,7 @@ def test_the_mechanism_differs_from_the_plain_hybrid_beyond_the_window():
     model, _ = converted()
     plain = copy.deepcopy(model)
     for module in linearized_modules(plain):
-        module.configure(sinks=0, sparse_cache=0, selection="recall", observation=32, exact_heads=())
+        module.configure(sinks=0, budget=0, selection="recall", observation=32, exact_heads=())
     tokens = ids(length=30)
     with torch.no_grad():
         same = (model(tokens[:, :4]).logits - plain(tokens[:, :4]).logits).abs().max()
@@ -108,10 +108,10 @@ def test_the_state_is_constant_in_the_context_and_counts_sinks_and_cache():
 def test_save_and_reload_rebuilds_sinks_and_cache(tmp_path):
     model, _ = converted(layers=3)
     entry = model.config.to_dict()[SURGERY_KEY][-1]
-    assert entry["sinks"] == 2 and entry["sparse_cache"] == 3
+    assert entry["sinks"] == 2 and entry["budget"] == 3
     model.save_pretrained(tmp_path)
     reloaded = headkit.from_pretrained(tmp_path)
-    assert [(m.sinks, m.sparse_cache) for m in linearized_modules(reloaded)] == [(2, 3)] * 3
+    assert [(m.sinks, m.budget) for m in linearized_modules(reloaded)] == [(2, 3)] * 3
     tokens = ids(length=30)
     torch.testing.assert_close(reloaded(tokens).logits, model(tokens).logits, atol=0, rtol=0)
     prompt = tokens[:1, :7]
@@ -135,8 +135,8 @@ def test_gradients_of_the_parallel_form_reach_the_feature_maps():
     ("arguments", "message"),
     [
         ({"sinks": -1}, "sinks must be a non-negative integer"),
-        ({"sparse_cache": 2.5}, "sparse_cache must be a non-negative integer"),
-        ({"sparse_cache": True}, "sparse_cache must be a non-negative integer"),
+        ({"budget": 2.5}, "budget must be a non-negative integer"),
+        ({"budget": True}, "budget must be a non-negative integer"),
     ],
 )
 def test_bad_sinks_or_budget_leave_the_model_untouched(arguments, message):

@@ -39,7 +39,7 @@ from headkit.surgery.linearize import linearize
         ({"feature_dim": 0}, "feature_dim must be a positive integer or None"),
         ({"chunk_size": -1}, "chunk_size must be a positive integer"),
         ({"sinks": -1}, "sinks must be a non-negative integer"),
-        ({"sparse_cache": 1.5}, "sparse_cache must be a non-negative integer"),
+        ({"budget": 1.5}, "budget must be a non-negative integer"),
         ({"layers": ()}, "layers must name at least one layer"),
         ({"layers": (0, 0)}, "layers lists a layer twice"),
         ({"layers": (0.5,)}, r"layers must be layer indices \(integers\)"),
@@ -80,9 +80,9 @@ def test_linearize_config_checks_a_models_config_without_its_weights():
 def test_linearize_with_a_config_equals_linearize_with_keywords_and_is_recorded():
     ids = family_inputs(length=12)
     first, second = family_model("llama"), family_model("llama")
-    config = LinearizeConfig(window=4, sinks=1, sparse_cache=2)
+    config = LinearizeConfig(window=4, sinks=1, budget=2)
     linearize(first, config)
-    linearize(second, window=4, sinks=1, sparse_cache=2)
+    linearize(second, window=4, sinks=1, budget=2)
     assert first.config.headkit_surgery == second.config.headkit_surgery
     (entry,) = first.config.headkit_surgery
     assert LinearizeConfig.from_record(entry) == dataclasses.replace(config, layers=(0, 1))
@@ -96,7 +96,7 @@ def test_a_record_written_before_a_field_existed_rebuilds_with_its_default(tmp_p
     model = family_model("llama")
     linearize(model, window=4)
     (entry,) = model.config.headkit_surgery
-    for name in ("sinks", "sparse_cache", "convert_sliding", "chunk_size"):
+    for name in ("sinks", "budget", "convert_sliding", "chunk_size"):
         del entry[name]  # as an early checkpoint recorded it
     model.save_pretrained(tmp_path)
     reloaded = headkit.from_pretrained(tmp_path)
@@ -104,6 +104,20 @@ def test_a_record_written_before_a_field_existed_rebuilds_with_its_default(tmp_p
     with torch.no_grad():
         assert torch.equal(model(ids).logits, reloaded(ids).logits)
     assert LinearizeConfig.from_record(entry) == LinearizeConfig(window=4, layers=(0, 1))
+
+
+def test_a_linearized_checkpoint_that_named_the_budget_sparse_cache_reloads(tmp_path):
+    model = family_model("llama")
+    headkit.apply_(model, LinearizeConfig(window=4, sinks=1, budget=3, chunk_size=4))
+    (entry,) = model.config.headkit_surgery
+    entry["sparse_cache"] = entry.pop("budget")  # as a checkpoint saved before the rename recorded it
+    model.save_pretrained(tmp_path)
+    reloaded = headkit.from_pretrained(tmp_path)
+    ids = family_inputs(length=12)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reloaded(ids).logits)
+    assert LinearizeConfig.from_record(entry).budget == 3
+    assert all(module.budget == 3 for module in reloaded.modules() if hasattr(module, "kept"))
 
 
 @pytest.mark.parametrize(
@@ -543,7 +557,7 @@ def test_a_collaborative_record_written_before_the_config_replays(tmp_path):
 
 
 def test_the_configs_fields_are_command_line_options():
-    from headkit.recipes.options import command_parameters, option_fields, option_name, parse_option
+    from headkit.runs.options import command_parameters, option_fields, option_name, parse_option
 
     for config in (PruneConfig, GateConfig, CollaborativeConfig):
         names = [parameter.name for parameter in command_parameters(config)]

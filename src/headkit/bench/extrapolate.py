@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from headkit.bench._options import check_corpus, check_head_width, check_integers
+from headkit.bench._options import check_corpus, check_head_width
 from headkit.bench._report import (
     TABLE_FILE,
     figure_axes,
@@ -43,6 +43,7 @@ from headkit.errors import HeadkitError
 from headkit.evaluation import retrieval as evaluate
 from headkit.evaluation.quality import held_out_bits_per_byte
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
+from headkit.runs.options import check_integers
 from headkit.train import default_config, lm_optimization
 
 MODELS = ("softmax", "coca")

@@ -4,7 +4,9 @@ cache of one model, side by side at equal bytes, in one run.
 Three orthogonal axes: which tokens are kept (:class:`~headkit.surgery.compressed_cache.CompressedCacheConfig`:
 sinks, a window, keys chosen by the question — SnapKV — and retrieval heads with a full cache), how many numbers
 per token (:class:`~headkit.surgery.latent.LatentKVConfig`, training-free), and how many bits per number
-(:class:`~headkit.surgery.quantized_cache.QuantizedKVConfig`, KIVI). Each row is a list of configs applied with
+(:class:`~headkit.surgery.quantized_cache.QuantizedKVConfig`, KIVI) — and the first and last together
+(``compressed+quantized``: the compressed cache's keys and values in 8 or 4 bits, at the budgets where those bits
+alone do not fit: fewer bits keep more tokens). Each row is a list of configs applied with
 :func:`headkit.apply_` to the original; its bytes are :func:`headkit.surgery.bytes_per_token` of the configs, in
 bfloat16 (what engines keep), at ``--state-context`` tokens (and at 4× that). For each budget 1/N of the
 original's bytes, each method's row is the largest configuration that fits.
@@ -65,14 +67,15 @@ from headkit.surgery.latent import LatentKVConfig
 from headkit.surgery.linearize import max_context
 from headkit.surgery.quantized_cache import QuantizedKVConfig
 
-QUANTIZED, COMPRESSED, LATENT, LLAMA_CPP, KVPRESS = (
+QUANTIZED, COMPRESSED, COMPRESSED_QUANTIZED, LATENT, LLAMA_CPP, KVPRESS = (
     "quantized",
     "compressed",
+    "compressed+quantized",
     "latent",
     "llama.cpp",
     "kvpress",
 )
-METHODS = (QUANTIZED, COMPRESSED, LATENT, LLAMA_CPP, KVPRESS)
+METHODS = (QUANTIZED, COMPRESSED, COMPRESSED_QUANTIZED, LATENT, LLAMA_CPP, KVPRESS)
 LLAMA_CPP_CACHE_TYPES = tuple(CACHE_TYPE_BYTES)
 LONGER = 4  # the bytes are also stated at this many times --state-context
 
@@ -92,7 +95,7 @@ class FrontierBenchSettings:
         f"Methods measured: {', '.join(METHODS)} (kvpress needs --kvpress-python).",
         choices=lambda: METHODS,
         distinct=True,
-        quick=(QUANTIZED, COMPRESSED, LATENT),
+        quick=(QUANTIZED, COMPRESSED, COMPRESSED_QUANTIZED, LATENT),
     )
     bits: tuple[int, ...] = option((8, 4), "Bits of the quantized key/value cache rows.", distinct=True)
     group_size: int = option(
@@ -184,13 +187,19 @@ def compressed_rows(
     settings: FrontierBenchSettings,
     retrieval_heads: dict[int, list[tuple[int, int]]],
     bytes_of: Any,
+    bits: int | None = None,
 ) -> list[Row]:
     """Per budget and retrieval-head count, the most tokens per head whose compressed cache fits: the window
-    up to ``--window`` (half the tokens while they are fewer than twice that), the rest chosen by the question."""
+    up to ``--window`` (half the tokens while they are fewer than twice that), the rest chosen by the question.
+    `bits`: its keys and values stored in those bits (``compressed+quantized``), at the budgets where that
+    quantized storage alone does not fit."""
+    tail = [] if bits is None else [_quantized(settings, bits)]
     rows = []
     for count, heads in retrieval_heads.items():
         for budget in settings.budgets:
             target = bytes_of([]) / budget
+            if tail and bytes_of(tail) <= target:
+                continue  # the quantized row alone fits: it keeps every token
 
             def make(tokens: int, heads: list[tuple[int, int]] = heads) -> list[Any]:
                 window = max(1, min(settings.window, tokens // 2))
@@ -198,15 +207,20 @@ def compressed_rows(
                     CompressedCacheConfig(
                         window=window, sinks=settings.sinks, budget=max(0, tokens - window),
                         observation=settings.observation, retrieval_heads=tuple(heads),
-                    )
+                    ),
+                    *tail,
                 ]  # fmt: skip
 
             tokens = largest_fitting(make, bytes_of, target, settings.state_context)
             if tokens is None or tokens < 1:
                 continue
-            made = make(tokens)[0]
-            label = f"W={made.window} S={made.sinks} B={made.budget} R={count}"
-            rows.append(Row(COMPRESSED, label, [made], budget))
+            made = make(tokens)
+            compressed = made[0]
+            label = f"W={compressed.window} S={compressed.sinks} B={compressed.budget} R={count}"
+            if tail:
+                rows.append(Row(COMPRESSED_QUANTIZED, f"int{bits} {label}", made, budget))
+            else:
+                rows.append(Row(COMPRESSED, label, made, budget))
     return rows
 
 
@@ -496,8 +510,9 @@ def plot_passkey(report: dict[str, Any]) -> Any:
 )
 def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dict[str, Any]:
     """Every way of shrinking the key/value cache at equal bytes, in one run: quantized storage, the compressed
-    cache, latent keys/values and llama.cpp's quantized cache at budgets of 1/N of the original's bfloat16 bytes;
-    passkey beyond the window, second turn, perplexity read through the cache; two plots."""
+    cache (alone and in 8 or 4 bits), latent keys/values and llama.cpp's quantized cache at budgets of 1/N of the
+    original's bfloat16 bytes; passkey beyond the window, second turn, perplexity read through the cache; two
+    plots."""
 
     def echo(text: str) -> None:
         console.print(text, highlight=False, markup=False, soft_wrap=True)
@@ -554,12 +569,9 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
             made.check(config)
             rows.append(Row(QUANTIZED, f"int{bits} g{made.group_size} r{made.residual}", [made]))
     retrieval_heads: dict[int, list[tuple[int, int]]] = {}
-    if COMPRESSED in settings.methods or KVPRESS in settings.methods:
-        counts = (
-            [count for count in settings.retrieval_head_counts if count]
-            if COMPRESSED in settings.methods
-            else []
-        )
+    compressing = COMPRESSED in settings.methods or COMPRESSED_QUANTIZED in settings.methods
+    if compressing or KVPRESS in settings.methods:
+        counts = [count for count in settings.retrieval_head_counts if count] if compressing else []
         if counts:
             scores, _ = passkey_retrieval_scores(
                 original, tokenizer, sentences, context=context, seed=settings.seed
@@ -569,6 +581,10 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
             retrieval_heads = {0: []} | retrieval_heads
         compressed = compressed_rows(config, settings, retrieval_heads, bytes_of)
         rows += compressed if COMPRESSED in settings.methods else []
+    if COMPRESSED_QUANTIZED in settings.methods:
+        for bits in settings.bits:
+            _quantized(settings, bits).check(config)
+            rows += compressed_rows(config, settings, retrieval_heads, bytes_of, bits)
     if LATENT in settings.methods:
         rows += latent_rows(config, settings, bytes_of)
 

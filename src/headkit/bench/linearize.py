@@ -23,7 +23,7 @@ from headkit.recipes.linearize import (
     quick_budget,
     run,
 )
-from headkit.recipes.options import option_fields, settings_from, with_fields_of
+from headkit.runs.options import option_fields, settings_from, with_fields_of
 
 
 @dataclass
@@ -80,7 +80,7 @@ def results_table(report: dict[str, Any]) -> str:
     layers = len(conversion["layers"])
     header = (
         f"{report['model']}: {layers} of {layers + len(conversion['softmax_layers'])} layers linearized (window "
-        f"{conversion['window']}, {conversion.get('sinks', 0)} sinks, sparse cache {conversion.get('sparse_cache', 0)}, "
+        f"{conversion['window']}, {conversion.get('sinks', 0)} sinks, budget {conversion.get('budget', 0)}, "
         f"{conversion['feature_map']} features); top-1 next-token agreement with the "
         f"original {report['top1_agreement']:.1%}; {report['threads']} torch thread(s), batch 1."
     )

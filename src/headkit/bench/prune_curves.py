@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from headkit.analysis.importance import head_importance
-from headkit.bench._options import check_integers
 from headkit.bench._report import (
     TABLE_FILE,
     column_table,
@@ -58,6 +57,7 @@ from headkit.runs.models import (
     smollm2_gguf_path,
 )
 from headkit.runs.objectives import CONTRASTIVE_SCALE, sentence_pair_contrastive_loss
+from headkit.runs.options import check_integers
 from headkit.runs.text import (
     calibration_batches,
     lm_windows,

@@ -30,17 +30,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-import math
 import sys
 import time
-import typing
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from headkit.errors import HeadkitError
-from headkit.recipes.options import (
+from headkit.runs.options import (
+    CHECKS,
     NO_QUICK,
+    check_options,
     command_parameters,
     field_types,
     given_options,
@@ -48,11 +47,12 @@ from headkit.recipes.options import (
     option_name,
     parse_list,
     parse_option,
+    quick_preset,
+    stated_defaults,
 )
-from headkit.recipes.settings import stated_defaults
 
 # Re-exported: the benchmarks' modules and tests read the option vocabulary's helpers here.
-__all__ = ["NO_QUICK", "field_types", "option_name", "parse_list", "parse_option"]
+__all__ = ["NO_QUICK", "field_types", "option_name", "parse_list", "parse_option", "quick_preset"]
 
 # The order in which `headkit bench --help` lists headkit's own benchmarks (modules); a module not named here is
 # found all the same and listed after them.
@@ -155,7 +155,7 @@ def register_benchmark(
 
 def add_command(app: Any, benchmark: Benchmark) -> None:
     """Add ``<name> [options] [--quick]`` of `benchmark` to the typer `app`: an option per settings field with help
-    (:mod:`headkit.recipes.options`), and ``--quick``."""
+    (:mod:`headkit.runs.options`), and ``--quick``."""
     import typer
 
     parameters = [inspect.Parameter("ctx", inspect.Parameter.KEYWORD_ONLY, annotation=typer.Context)]
@@ -207,9 +207,6 @@ def option(
     return setting(default, help=help, flag=flag, argument=argument, **declared)
 
 
-CHECKS = ("min", "max", "distinct", "positive", "choices", "check")  # what check_options reads
-
-
 def setting(default: Any, *, quick: Any = NO_QUICK, **declared: Any) -> Any:
     """A settings field, with its value in the short run (``quick``) and its ``CHECKS`` (:func:`check_options`)
     — checked like an option, named like one in errors, whether or not it is one."""
@@ -217,52 +214,3 @@ def setting(default: Any, *, quick: Any = NO_QUICK, **declared: Any) -> Any:
     if unknown:
         raise TypeError(f"unknown settings field declarations: {sorted(unknown)}")
     return dataclasses.field(default=default, metadata=dict.fromkeys(CHECKS) | declared | {"quick": quick})
-
-
-def quick_preset(help: str) -> Any:
-    """The ``quick`` classmethod of a settings class: the short run, each field's ``quick`` value over the full
-    run's default (and the caller's overrides over both); ``help`` is the help of ``--quick``."""
-
-    def quick(cls: type, **overrides: Any) -> Any:
-        values = {field.name: field.metadata.get("quick", NO_QUICK) for field in dataclasses.fields(cls)}
-        return cls(**({name: value for name, value in values.items() if value is not NO_QUICK} | overrides))
-
-    quick.__doc__ = help
-    return classmethod(quick)
-
-
-def check_options(settings: Any) -> None:
-    """The checks that fields declare (:func:`option`, :func:`setting`), one declaration for the command line and
-    the library alike, each failure a HeadkitError naming the field as an option (``--name``): ``min`` and
-    ``max`` of an integer or a (finite) number; ``min``, ``max`` and ``distinct`` of a non-empty tuple of integers;
-    ``positive``: a finite number > 0; ``choices()``: the valid names of a tuple of names, ``distinct`` if no
-    name may be repeated (the tuple may be empty only where the full run's default is: "the benchmark's
-    choice"); ``check(value)``: anything else. A field whose full run's default is None may be None."""
-    from headkit.bench._options import check_integers, check_names, check_positive
-
-    hints = field_types(type(settings))
-    for field in dataclasses.fields(settings):
-        value, declared, flag = getattr(settings, field.name), field.metadata, option_name(field)
-        kind, minimum, distinct = hints[field.name], declared.get("min"), bool(declared.get("distinct"))
-        if value is None and field.default is None:
-            continue
-        if minimum is not None and kind in (int, float):
-            accepted = int if kind is int else (int, float)
-            if isinstance(value, bool) or not isinstance(value, accepted) or not minimum <= value < math.inf:
-                integer = {0: "a non-negative integer", 1: "a positive integer"}.get(
-                    minimum, f"an integer ≥ {minimum}"
-                )
-                wording = integer if kind is int else f"a number ≥ {minimum}"
-                raise HeadkitError(f"{flag} must be {wording}, got {value!r}")
-        maximum = declared.get("max")
-        if maximum is not None and kind in (int, float) and not value <= maximum:
-            raise HeadkitError(f"{flag} must be at most {maximum}, got {value!r}")
-        integers = typing.get_args(kind)[:1] == (int,)  # tuple[int, ...]
-        if integers and (minimum is not None or maximum is not None or distinct):
-            check_integers(flag, value, 1 if minimum is None else minimum, maximum, distinct=distinct)
-        if declared.get("positive"):
-            check_positive(flag, value)
-        if declared.get("choices") and (value or field.default):
-            check_names(flag, value, declared["choices"](), distinct=distinct)
-        if declared.get("check"):
-            declared["check"](value)

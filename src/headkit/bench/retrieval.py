@@ -225,7 +225,7 @@ def _equal_budget(model: nn.Module, target: int, context: int) -> int:
     def total(budget: int) -> int:
         for probe in probes:
             probe.configure(
-                sinks=probe.sinks, sparse_cache=budget, selection=probe.selection, observation=probe.observation,
+                sinks=probe.sinks, budget=budget, selection=probe.selection, observation=probe.observation,
                 exact_heads=probe.exact_heads,
             )  # fmt: skip
         return sum(probe.state_bytes(context) for probe in probes)
@@ -422,7 +422,7 @@ def run_retrieval_benchmark(settings: RetrievalBenchSettings, console: Any) -> d
                 reconfigure(
                     trained,
                     sinks=sinks,
-                    sparse_cache=budget,
+                    budget=budget,
                     selection="question",
                     observation=settings.observation,
                     retrieval_heads=heads,
@@ -432,18 +432,18 @@ def run_retrieval_benchmark(settings: RetrievalBenchSettings, console: Any) -> d
                 target = linear["state_bytes"]
             baseline = copy.deepcopy(original)
             config = LinearizeConfig(
-                window=window, sinks=sinks, sparse_cache=budget, selection="question",
+                window=window, sinks=sinks, budget=budget, selection="question",
                 observation=settings.observation, fold=False, retrieval_heads=heads,
             )  # fmt: skip
             apply_(baseline, config)
             if target is not None:
                 equal = _equal_budget(baseline, target, settings.state_context)
-                reconfigure(baseline, sparse_cache=equal)
+                reconfigure(baseline, budget=equal)
                 label = f"G′={equal} R={count} (equal bytes)"
             points.append(_measure(f"compressed cache {label}", baseline, settings, shared, echo))
             if settings.kvpress_python is not None and not count:
                 module = linearized_modules(baseline)[0]
-                kept = module.sinks + module.window + module.sparse_cache
+                kept = module.sinks + module.window + module.budget
                 points.append(_measure_kvpress(kept, model_path, settings, shared, echo))
             del baseline
     return {

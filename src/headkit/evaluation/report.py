@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,6 @@ from headkit.errors import HeadkitError
 from headkit.evaluation.memory import cache_bytes
 from headkit.evaluation.quality import agreement, perplexity
 from headkit.evaluation.retrieval import (
-    check_depths,
     min_passkey_length,
     passkey_trials,
     prose_sentences,
@@ -27,64 +25,21 @@ from headkit.evaluation.retrieval import (
     score_passkeys,
     uses_chat_template,
 )
+from headkit.evaluation.settings import EvalSettings, check_eval_settings
 from headkit.evaluation.tasks import (
     LoadedTasks,
-    TaskSettings,
-    as_task_names,
-    check_task_settings,
     format_task_table,
     load_tasks,
     measure_tasks,
 )
 from headkit.evaluation.timing import decode_seconds_per_token, thread_limit
-from headkit.files import check_output_folder, write_json_atomic
+from headkit.files import write_json_atomic
 from headkit.surgery.linearize import max_context
 
 DEFAULT_LENGTHS = (256, 512, 1024, 2048, 4096, 8192)
 DEFAULT_PASSKEY_LENGTHS = (512, 1024, 2048, 4096)
-DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 DEFAULT_DECODE_CONTEXTS = (256, 1024, 4096)
 REPORT_FILE, PLOT_FILE = "report.json", "passkey.png"
-
-
-@dataclass
-class EvalSettings:
-    """What ``headkit eval`` measures. A length list left None is its default cut to the model's context (see
-    :func:`headkit.surgery.linearize.max_context`); an empty one skips that measurement."""
-
-    model: Path
-    reference: Path | None = None
-    data: Path | None = None
-    lengths: tuple[int, ...] | None = None  # held-out perplexity (and agreement with --reference)
-    eval_tokens: int = 8192  # held-out tokens scored at each length (at least one window)
-    passkey_lengths: tuple[int, ...] | None = None
-    depths: tuple[float, ...] = DEFAULT_DEPTHS
-    trials: int = 20  # passkey prompts per length, spread evenly over the depths
-    max_new_tokens: int = 8  # of each passkey answer
-    decode_contexts: tuple[int, ...] | None = None
-    decode_steps: int = 8
-    batch_tokens: int = 8192  # tokens per forward in perplexity and passkey batches
-    seed: int = 0
-    dtype: str = "float32"
-    threads: int | None = None  # torch threads while measuring (None: torch's setting)
-    out: Path | None = Path("results/eval")  # None: write nothing
-    # lm-eval tasks (headkit.evaluation.tasks), with lm-eval's option names. With tasks, a measurement above whose
-    # lengths are left None is skipped: --tasks replaces the default measurements, and runs beside those asked for.
-    tasks: tuple[str, ...] = ()
-    include_path: Path | None = None
-    num_fewshot: int | None = None
-    limit: int | None = None
-    batch_size: int = 1
-
-    @property
-    def task_settings(self) -> TaskSettings:
-        return TaskSettings(
-            tasks=as_task_names(self.tasks),
-            include_path=self.include_path,
-            num_fewshot=self.num_fewshot,
-            limit=self.limit,
-            batch_size=self.batch_size,
-        )
 
 
 def _lengths(
@@ -101,28 +56,6 @@ def _lengths(
             "(max_position_embeddings)"
         )
     return sorted(set(given))
-
-
-def check_eval_settings(settings: EvalSettings) -> None:
-    """The checks that need no model, before anything loads."""
-    check_depths(settings.depths)
-    for name in ("eval_tokens", "trials", "max_new_tokens", "decode_steps", "batch_tokens", "threads"):
-        value = getattr(settings, name)
-        if name == "threads" and value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise HeadkitError(f"--{name.replace('_', '-')} must be a positive integer, got {value!r}")
-    if not Path(settings.model).exists():
-        raise HeadkitError(f"MODEL {str(settings.model)!r} does not exist")
-    if settings.reference is not None and not Path(settings.reference).exists():
-        raise HeadkitError(f"--reference {str(settings.reference)!r} does not exist")
-    if settings.tasks:
-        check_task_settings(settings.task_settings)
-    if settings.out is not None:
-        inputs = {"model": settings.model} | (
-            {"--reference": settings.reference} if settings.reference else {}
-        )
-        check_output_folder(settings.out, True, inputs)
 
 
 def evaluate(

@@ -25,6 +25,7 @@ from headkit.data import Corpus
 from headkit.devices import model_device
 from headkit.errors import HeadkitError
 from headkit.evaluation.sampling import generate_tokens, pad_token_of
+from headkit.evaluation.settings import check_depths
 
 KEY_DIGITS = 5
 # z of a two-sided 95% interval.
@@ -275,17 +276,6 @@ def passkey_retrieval_scores(
         tokenizer, sentences, length, RETRIEVAL_SCORING_PROMPTS, seed=RETRIEVAL_SCORING_SEED + seed
     )
     return retrieval_head_scores(model, examples), length
-
-
-def check_depths(depths: Sequence[float]) -> None:
-    if not depths or any(
-        isinstance(d, bool) or not isinstance(d, int | float) or not 0.0 <= d <= 1.0 for d in depths
-    ):
-        raise HeadkitError(
-            f"--depths must be numbers in [0, 1] (0: the key first, 1: last), got {list(depths)}"
-        )
-    if len(set(depths)) != len(depths):
-        raise HeadkitError(f"--depths must be distinct, got {list(depths)}")
 
 
 @torch.no_grad()

@@ -25,6 +25,15 @@ tokens are there. :class:`QuantizedKVCacheLayer` is that cache as one entry of a
 The layer is created by :meth:`StateCacheLayer.in_cache` in place of the stock entry and told its settings with
 :meth:`QuantizedKVCacheLayer.configure` (the surgery's mechanism does both,
 :class:`headkit.surgery.quantized_cache.QuantizedKVHeads`).
+
+:class:`QuantizedHybridStateCacheLayer` is the same storage for a compressed cache (a linearized layer's state,
+:class:`~headkit.layers.hybrid.HybridStateCacheLayer`: sinks, the window ring, the kept keys, retrieval heads' full
+cache): those keys and values held as codes with per-token scales
+(:func:`~headkit.ops.quantized_cache.quantize_tokens`), dequantized into the op's state whenever it is read — the
+op then attends to them exactly as the unquantized cache would to the dequantized numbers. A token is quantized
+when it is stored: at the end of a prompt (or of each chunk of one) and at each decoding step. No full-precision
+residual: a token's group is itself, so nothing waits for a group to fill (the step's own new token is attended in
+full precision, as it is not stored yet).
 """
 
 from __future__ import annotations
@@ -35,6 +44,7 @@ import torch
 
 from headkit.errors import HeadkitError
 from headkit.layers.cache import StateCacheLayer
+from headkit.layers.hybrid import HybridStateCacheLayer
 from headkit.ops.quantized_cache import (
     QuantizedTensor,
     append_quantized,
@@ -42,6 +52,7 @@ from headkit.ops.quantized_cache import (
     dequantize_values,
     empty_quantized,
     quantize_keys,
+    quantize_tokens,
     quantize_values,
     tokens_to_quantize,
 )
@@ -144,4 +155,140 @@ class QuantizedKVCacheLayer(StateCacheLayer):
         return 0 if self.state is None else self.state.keys.codes.shape[-2]
 
 
-__all__ = ["QuantizedKVCacheLayer", "QuantizedKVState"]
+# The fields of the hybrid ops' states (and of a retrieval layer's split state) that hold exact keys and values
+# [B, H, slots, D]: the window ring's, the sinks', the kept keys', the exact heads' full cache. Key features, flags,
+# scores and linear sums are the op's bookkeeping and stay as they are.
+EXACT_FIELDS = frozenset({"keys", "values", "sink_keys", "sink_values", "sparse_keys", "sparse_values"})
+
+
+def exact_leaves(state: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
+    """(path, leaf) of every exact field of a (nested) state: a tensor, or a QuantizedTensor where stored."""
+    if state is None or isinstance(state, torch.Tensor | QuantizedTensor):
+        return []
+    leaves = []
+    for name, value in zip(state._fields, state, strict=True):
+        if name in EXACT_FIELDS and isinstance(value, torch.Tensor | QuantizedTensor):
+            leaves.append(((*path, name), value))
+        elif hasattr(value, "_fields"):
+            leaves += exact_leaves(value, (*path, name))
+    return leaves
+
+
+def _replaced(state: Any, leaves: dict[tuple[str, ...], Any], path: tuple[str, ...] = ()) -> Any:
+    """`state` with the exact fields at the paths of `leaves` replaced by them."""
+    if state is None or not hasattr(state, "_fields") or isinstance(state, QuantizedTensor):
+        return state
+    changes = {}
+    for name, value in zip(state._fields, state, strict=True):
+        here = (*path, name)
+        if here in leaves:
+            changes[name] = leaves[here]
+        elif hasattr(value, "_fields"):
+            changes[name] = _replaced(value, leaves, here)
+    return state._replace(**changes)
+
+
+class QuantizedHybridStateCacheLayer(HybridStateCacheLayer):
+    """A compressed cache's entry whose exact keys and values are stored quantized, per token (module docstring).
+
+    It holds what :class:`~headkit.layers.hybrid.HybridStateCacheLayer` holds — the op's buffers, the window as a
+    ring — with every exact field (:data:`EXACT_FIELDS`) a :class:`~headkit.ops.quantized_cache.QuantizedTensor`
+    (codes [B, H, slots, D · bits / 8], scale and zero point [B, H, slots, D / group_size], batch first, so beam
+    search reorders the codes themselves). Every read — :meth:`get_state` for a prompt, :meth:`buffers` for a
+    decoding step — dequantizes into a fresh full-precision state; every write — :meth:`set_state`,
+    :meth:`stepped` — quantizes, a token already stored keeping its codes
+    (:func:`~headkit.ops.quantized_cache.quantize_tokens`). The eager cache only: the fast decoder's fixed
+    buffers are full precision."""
+
+    describes = "a compressed-cache layer with quantized keys and values"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bits: int | None = None
+        self.group_size: int | None = None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(seen_tokens={self.seen_tokens}, bits={self.bits}, group_size={self.group_size})"
+
+    def configure(self, *, bits: int, group_size: int) -> QuantizedHybridStateCacheLayer:
+        """Set the quantization (once: a layer holding tokens keeps the settings it stored them with)."""
+        if self.bits is None:
+            self.bits, self.group_size = bits, group_size
+        elif (self.bits, self.group_size) != (bits, group_size):
+            raise HeadkitError(
+                f"this cache layer quantizes with bits={self.bits}, group_size={self.group_size}; it cannot switch "
+                f"to bits={bits}, group_size={group_size} (start from an empty cache)"
+            )
+        return self
+
+    def get_state(self) -> Any:
+        if self.state is None or not self.is_initialized:
+            return None
+        return self._ordered(self.dequantized())
+
+    def buffers(self) -> Any:
+        """A full-precision copy of the buffers, for the decoding step to write in place (:meth:`stepped` stores
+        it back)."""
+        return self.dequantized()
+
+    def stepped(self, buffers: Any) -> None:
+        self._store(buffers)
+        self.seen_tokens += 1
+
+    def _store(self, buffers: Any) -> None:
+        if self.bits is None:
+            raise HeadkitError(
+                "a quantized compressed-cache layer needs its settings (QuantizedHybridStateCacheLayer.configure) "
+                "first"
+            )
+        options = {"bits": self.bits, "group_size": self.group_size}
+        # Every stored token of the same rows, whichever field it sits in (a window key becomes a sink): one table
+        # per shape of rows.
+        tables: dict[tuple[Any, ...], list[tuple[QuantizedTensor, torch.Tensor]]] = {}
+        for _, leaf in exact_leaves(self.state) if self.state is not None else []:
+            values = self._dequantize(leaf)
+            tables.setdefault((*values.shape[:-2], values.shape[-1], values.dtype), []).append((leaf, values))
+        joined = {
+            key: (
+                QuantizedTensor(
+                    *(torch.cat(f, dim=-2) for f in zip(*(leaf for leaf, _ in found), strict=True))
+                ),
+                torch.cat([values for _, values in found], dim=-2),
+            )
+            for key, found in tables.items()
+        }
+        leaves = {}
+        for path, tensor in exact_leaves(buffers):
+            table, values = joined.get((*tensor.shape[:-2], tensor.shape[-1], tensor.dtype), (None, None))
+            leaves[path] = quantize_tokens(tensor, stored=table, stored_values=values, **options)
+        self.state = _replaced(buffers, leaves)
+
+    def _dequantize(self, leaf: QuantizedTensor) -> torch.Tensor:
+        return dequantize_values(leaf, bits=self.bits, group_size=self.group_size)
+
+    def dequantized(self) -> Any:
+        """The buffers with every exact field dequantized (new tensors where quantized, the stored ones else)."""
+        leaves = {path: self._dequantize(leaf) for path, leaf in exact_leaves(self.state)}
+        return _replaced(self.state, leaves)
+
+    def quantized_bytes(self) -> int:
+        """Bytes of the quantized keys and values: codes, scales and zero points (what
+        :meth:`headkit.surgery.quantized_cache.QuantizedKVConfig.bytes_per_token` counts)."""
+        return sum(t.numel() * t.element_size() for _, leaf in exact_leaves(self.state) for t in leaf)
+
+    def state_bytes(self) -> int:
+        """Bytes of the state as the op defines it (:meth:`HybridStateCacheLayer.state_bytes`), its exact keys and
+        values counted as stored: quantized."""
+        if self.state is None or not self.is_initialized:
+            return 0
+        full = sum(t.numel() * t.element_size() for _, t in exact_leaves(self.dequantized()))
+        return super().state_bytes() - full + self.quantized_bytes()
+
+
+__all__ = [
+    "EXACT_FIELDS",
+    "QuantizedHybridStateCacheLayer",
+    "exact_leaves",
+    "QuantizedKVCacheLayer",
+    "QuantizedKVState",
+]

@@ -30,6 +30,16 @@ groups, while at least ``residual`` tokens stay behind — a sliding residual of
 whenever it fills. :func:`quantized_bytes_per_token` is the cost per token and
 key/value head, scales and zero points included.
 
+A compressed cache (sinks, a window ring, question-chosen keys: :mod:`headkit.ops.hybrid.sparse`) keeps tokens
+in slots that change one at a time, not in a growing sequence, so a key group spanning several tokens would have to
+be re-quantized whenever one of its slots changes. Its exact sets are quantized per token instead, keys and values
+alike (:func:`quantize_tokens`: :func:`quantize_values`' grouping, each token on its own): KIVI's per-channel
+keys matter at 2 bits; at 4 bits (and so at 8) its fake-quantization study (§3, Table 1) finds per-token keys and
+values close to full precision. A token is quantized once: :func:`quantize_tokens` gives a token that equals one already
+stored, dequantized, that token's codes, so a token moving between slots (window → sink or kept key) or read
+back and written again (a prompt continued in chunks) is not quantized a second time (quantizing a dequantized
+bfloat16 token again moves it, measured: 13% of the 8-bit codes).
+
 Each fast path has its obviously correct twin (``naive_*``: loops over the groups, element by element for the
 packing), which the tests compare with exactly.
 """
@@ -195,13 +205,16 @@ def tokens_to_quantize(residual_tokens: int, *, group_size: int, residual: int) 
     return max(0, residual_tokens - residual) // group_size * group_size
 
 
-def quantized_bytes_per_token(head_dim: int, *, bits: int, group_size: int, bytes_per_number: int = 2) -> int:
+def quantized_bytes_per_token(
+    head_dim: int, *, bits: int, group_size: int, bytes_per_number: int = 2, per_token_keys: bool = False
+) -> int:
     """Bytes per token of one key/value head's quantized keys and values, scales and zero points included and
     amortised over their group (the full-precision residual is a constant, not counted):
 
         keys:   head_dim · bits / 8  +  2 · head_dim · bytes_per_number / group_size   (a pair per channel per group)
         values: head_dim · bits / 8  +  2 · (head_dim / group_size) · bytes_per_number  (a pair per group per token)
-    """
+
+    `per_token_keys`: keys grouped as values are (:func:`quantize_tokens`, a compressed cache's exact sets)."""
     check_bits(bits)
     check_positive_int("group_size", group_size)
     if head_dim % group_size or head_dim * bits % 8:
@@ -209,9 +222,54 @@ def quantized_bytes_per_token(head_dim: int, *, bits: int, group_size: int, byte
             f"group_size {group_size} must divide head_dim {head_dim}, whose codes fill whole bytes"
         )
     codes = head_dim * bits // 8
-    key_scales = 2 * head_dim * bytes_per_number // group_size
     value_scales = 2 * (head_dim // group_size) * bytes_per_number
+    key_scales = value_scales if per_token_keys else 2 * head_dim * bytes_per_number // group_size
     return 2 * codes + key_scales + value_scales
+
+
+def _fingerprints(x: torch.Tensor) -> torch.Tensor:
+    """[..., N] int64: a hash of each token's bits (collisions are told apart by comparing the tokens)."""
+    bits = {8: torch.int64, 4: torch.int32, 2: torch.int16}[x.element_size()]
+    weights = torch.randint(
+        1, 2**31, (x.shape[-1],), generator=torch.Generator().manual_seed(0), dtype=torch.int64
+    ).to(x.device)
+    # int64 products and sums wrap around: a hash, not a number
+    return (x.contiguous().view(bits).to(torch.int64) * weights).sum(-1)
+
+
+def quantize_tokens(
+    x: torch.Tensor,
+    *,
+    bits: int,
+    group_size: int,
+    stored: QuantizedTensor | None = None,
+    stored_values: torch.Tensor | None = None,
+) -> QuantizedTensor:
+    """Tokens [..., N, D] quantized each on its own (:func:`quantize_values`' groups of `group_size` channels, keys
+    and values alike: module docstring), except that a token equal to one of `stored_values` [..., M, D] — the
+    dequantized `stored` tokens of the same leading rows — takes that token's codes, scale and zero point, so it
+    dequantizes to itself and a stored token is never quantized twice. Matched by a hash of the bits, then
+    compared whole."""
+    fresh = quantize_values(x, bits=bits, group_size=group_size)
+    if stored is None or stored_values is None or stored_values.shape[-2] == 0 or x.shape[-2] == 0:
+        return fresh
+    if stored_values.shape[:-2] != x.shape[:-2] or stored_values.shape[-1] != x.shape[-1]:
+        raise ValueError(
+            f"stored_values must be [..., M, {x.shape[-1]}] over x's leading dims {tuple(x.shape[:-2])}, got "
+            f"{tuple(stored_values.shape)}"
+        )
+    ordered, order = _fingerprints(stored_values).sort(dim=-1, stable=True)  # ties: the first, as the twin
+    wanted = _fingerprints(x)
+    at = torch.searchsorted(ordered, wanted).clamp(max=ordered.shape[-1] - 1)
+    candidate = order.gather(-1, at)  # [..., N]: the stored token with the nearest hash
+
+    def take(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.gather(-2, candidate[..., None].expand(*candidate.shape, tensor.shape[-1]))
+
+    hit = (ordered.gather(-1, at) == wanted) & (take(stored_values) == x).all(-1)
+    return QuantizedTensor(
+        *(torch.where(hit[..., None], take(old), new) for old, new in zip(stored, fresh, strict=True))
+    )
 
 
 # -- the obviously correct twins ---------------------------------------------------------------------------------
@@ -295,6 +353,35 @@ def naive_quantize_values(values: torch.Tensor, *, bits: int, group_size: int) -
     )
 
 
+def naive_quantize_tokens(
+    x: torch.Tensor,
+    *,
+    bits: int,
+    group_size: int,
+    stored: QuantizedTensor | None = None,
+    stored_values: torch.Tensor | None = None,
+) -> QuantizedTensor:
+    """:func:`quantize_tokens`, token by token: the first equal stored token's codes, else the token quantized."""
+    fresh = naive_quantize_values(x, bits=bits, group_size=group_size)
+    if stored is None or stored_values is None:
+        return fresh
+    *lead, tokens, _ = x.shape
+    out = [field.clone().reshape(math.prod(lead), tokens, field.shape[-1]) for field in fresh]
+    old = [field.reshape(math.prod(lead), -1, field.shape[-1]) for field in stored]
+    rows, olds = (
+        x.reshape(math.prod(lead), tokens, -1),
+        stored_values.reshape(math.prod(lead), -1, x.shape[-1]),
+    )
+    for row in range(rows.shape[0]):
+        for token in range(tokens):
+            for slot in range(olds.shape[1]):
+                if torch.equal(olds[row, slot], rows[row, token]):
+                    for mine, theirs in zip(out, old, strict=True):
+                        mine[row, token] = theirs[row, slot]
+                    break
+    return QuantizedTensor(*(field.reshape(*lead, tokens, field.shape[-1]) for field in out))
+
+
 def naive_dequantize_values(quantized: QuantizedTensor, *, bits: int, group_size: int) -> torch.Tensor:
     """:func:`dequantize_values`: code · s + z, channel by channel with its group's scale and zero point."""
     codes = unpack_codes(quantized.codes, bits)
@@ -320,9 +407,11 @@ __all__ = [
     "naive_dequantize_values",
     "naive_pack_codes",
     "naive_quantize_keys",
+    "naive_quantize_tokens",
     "naive_quantize_values",
     "pack_codes",
     "quantize_keys",
+    "quantize_tokens",
     "quantize_values",
     "quantized_bytes_per_token",
     "stored_scale",

@@ -8,10 +8,14 @@ weight is read — in the order the measurements rank them (``headkit bench fron
    1.000× on SmolLM2 at 0.56 of the bytes;
 2. 4-bit storage, where it fits: 1.006× at 0.31;
 3. below that, the compressed cache (:class:`~headkit.surgery.compressed_cache.CompressedCacheConfig`): sinks, a
-   window of at most 256 tokens and the most question-chosen keys per head that fit.
+   window of at most 256 tokens and the most question-chosen keys per head that fit — its keys and values in
+   bfloat16, 8 or 4 bits (``[CompressedCacheConfig, QuantizedKVConfig]``), whichever keeps the most tokens per
+   head (a tie to the more bits). 4 bits keep about 3.2 times the tokens of bfloat16 at head width 64: at 1/8
+   and 1/16 of the bytes, where 4-bit storage alone does not fit, fewer bits drop fewer tokens, at the small
+   error the bits add (measured on SmolLM2: docs/compressed-cache.md).
 
-``--kv-bits`` asks for quantized storage whatever the budget (refused where it alone does not fit: the compressed
-cache's own quantized storage is not built yet). The conversion is checked on the loaded model, applied with
+``--kv-bits`` asks for storage in those bits whatever the budget: alone where it fits, else the compressed cache
+in those bits. The conversion is checked on the loaded model, applied with
 :func:`headkit.apply_`, measured — perplexity of held-out text read through the cache against the original's — and
 saved with its record, so :func:`headkit.from_pretrained` rebuilds it; the report states the configuration and
 its bytes per token at 8,192 tokens.
@@ -31,9 +35,10 @@ from headkit.evaluation.quality import continuation_perplexity
 from headkit.recipes.steps import Steps
 from headkit.runs.models import CAUSAL_LM
 from headkit.runs.text import held_out_by_length, load_text
-from headkit.surgery.apply import apply_, bytes_per_token
+from headkit.surgery.apply import apply_, bytes_per_token, check_composition
 from headkit.surgery.compressed_cache import CompressedCacheConfig
 from headkit.surgery.quantized_cache import QuantizedKVConfig
+from headkit.surgery.records import config_after
 
 REPORTED_CONTEXT = 8192  # the report's bytes per token are stated at this context, whatever the budget's
 LARGEST_WINDOW, SINKS, OBSERVATION = 256, 4, 32
@@ -94,8 +99,8 @@ def _compressed(tokens: int) -> CompressedCacheConfig:
 
 def cache_plan(model_config: Any, budget: float, context: int, *, bits: int | None = None) -> CachePlan:
     """The configuration for `budget` (a fraction of the original's bfloat16 KV bytes at `context` tokens) of a
-    model with the 🤗 `model_config` (module docstring); refused in one line naming --kv-budget (or --kv-bits)
-    where nothing fits."""
+    model with the 🤗 `model_config` (module docstring); refused in one line naming --kv-budget where nothing
+    fits."""
 
     def per_token(configs: list[Any], at: int = context) -> float:
         value = bytes_per_token(model_config, configs, bytes_per_number=2, context=at)
@@ -106,35 +111,19 @@ def cache_plan(model_config: Any, budget: float, context: int, *, bits: int | No
     original = per_token([])
     target = budget * original
     if bits is not None:
-        chosen = [QuantizedKVConfig(bits=bits)]
-        chosen[0].check(model_config)
-        if per_token(chosen) > target:
-            raise HeadkitError(
-                f"--kv-bits {bits} alone keeps {per_token(chosen) / original:.3f} of the bytes, more than --kv-budget "
-                f"{budget:.4g}; leave --kv-bits out (the compressed cache fits) or raise the budget"
-            )
-        reason = f"--kv-bits {bits}"
-    else:
-        chosen, reason = None, ""
-        for bits_tried in (8, 4):
-            candidate = [QuantizedKVConfig(bits=bits_tried)]
-            try:
-                candidate[0].check(model_config)
-            except HeadkitError:
-                continue
-            if per_token(candidate) <= target:
-                chosen, reason = (
-                    candidate,
-                    f"{bits_tried}-bit storage fits the budget (measured the best there)",
-                )
-                break
-        if chosen is None:
-            chosen = _largest_compressed(per_token, target, context, budget, original)
-            made = chosen[0]
-            reason = (
-                f"below what 4-bit storage keeps: the compressed cache, {made.sinks + made.window + made.budget} "
-                f"tokens per head of {context}"
-            )
+        QuantizedKVConfig(bits=bits).check(
+            model_config
+        )  # --kv-bits 5, a group that does not divide the heads
+    chosen, reason = None, ""
+    for bits_tried in (8, 4) if bits is None else (bits,):
+        candidate = [QuantizedKVConfig(bits=bits_tried)]
+        if _refused(candidate, model_config):
+            continue
+        if per_token(candidate) <= target:
+            chosen, reason = candidate, f"{bits_tried}-bit storage fits the budget (measured the best there)"
+            break
+    if chosen is None:
+        chosen, reason = _most_tokens(model_config, per_token, target, context, budget, original, bits)
     for config in chosen:
         config.check(model_config)
     return CachePlan(
@@ -147,6 +136,60 @@ def cache_plan(model_config: Any, budget: float, context: int, *, bits: int | No
         original_bytes_per_token_8192=per_token([], REPORTED_CONTEXT),
         reason=reason,
     )
+
+
+def _refused(configs: list[Any], model_config: Any) -> bool:
+    """Whether the model refuses the composition (a group size that does not divide its heads)."""
+    try:
+        check_composition(configs)
+        simulated = model_config
+        for config in configs:
+            config.check(simulated)
+            simulated = config_after(simulated, config)
+    except HeadkitError:
+        return True
+    return False
+
+
+def _most_tokens(
+    model_config: Any,
+    per_token: Callable[[list[Any]], float],
+    target: float,
+    context: int,
+    budget: float,
+    original: float,
+    bits: int | None,
+) -> tuple[list[Any], str]:
+    """Below what quantized storage alone keeps: the compressed cache in bfloat16, or its keys and values in 8 or
+    4 bits (``--kv-bits``: in those bits only), whichever keeps the most tokens per head within `target` bytes
+    (at most the context's; a tie goes to the more bits: fewer tokens dropped first, then the finer numbers)."""
+    storages = [None, 8, 4] if bits is None else [bits]
+    found = []
+    for storage in storages:
+        tail = [] if storage is None else [QuantizedKVConfig(bits=storage)]
+        if tail and _refused([_compressed(1), *tail], model_config):
+            continue
+        tokens = largest_fitting(
+            lambda n, tail=tail: [_compressed(max(n, 1)), *tail], per_token, target, context
+        )
+        if tokens is not None:
+            made = _compressed(max(tokens, 1))
+            found.append((min(context, made.sinks + made.window - 1 + made.budget), storage, [made, *tail]))
+    if not found:
+        smallest = per_token([_compressed(1)]) / original
+        raise HeadkitError(
+            f"--kv-budget {budget:.4g} is below the smallest cache this model can keep at {context} tokens "
+            f"({smallest:.4g} of its bytes: {SINKS} sinks and one token per head); raise it or "
+            "--kv-budget-context"
+        )
+    # max keeps the first of equals: bfloat16 before 8 bits before 4
+    kept, storage, chosen = max(found, key=lambda entry: entry[0])
+    alone = next((tokens for tokens, bits_of, _ in found if bits_of is None), None)
+    how = "the compressed cache" if storage is None else f"the compressed cache in {storage} bits"
+    reason = f"below what quantized storage alone keeps: {how}, {kept} tokens per head of {context}"
+    if storage is not None and alone is not None:
+        reason += f" ({alone} in bfloat16)"
+    return chosen, reason
 
 
 def largest_fitting(
@@ -164,22 +207,6 @@ def largest_fitting(
         else:
             high = middle - 1
     return low
-
-
-def _largest_compressed(
-    per_token: Callable[[list[Any]], float], target: float, context: int, budget: float, original: float
-) -> list[Any]:
-    """The compressed cache with the most tokens per head within `target` bytes per token (the bytes grow with
-    the tokens kept)."""
-    tokens = largest_fitting(lambda n: [_compressed(max(n, 1))], per_token, target, context)
-    if tokens is None:
-        smallest = per_token([_compressed(1)]) / original
-        raise HeadkitError(
-            f"--kv-budget {budget:.4g} is below the smallest cache this model can keep at {context} tokens "
-            f"({smallest:.4g} of its bytes: {SINKS} sinks and one token per head); raise it or "
-            "--kv-budget-context"
-        )
-    return [_compressed(max(tokens, 1))]
 
 
 def budget_context(settings: Any, model_config: Any) -> int:

@@ -14,10 +14,9 @@ from typing import Any
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import check_recipe_tasks
-from headkit.ops._validation import is_finite_number
-from headkit.recipes.options import option, with_fields_of
-from headkit.recipes.settings import ModelSettings, check_count, check_data
+from headkit.recipes.settings import ModelSettings, check_data
 from headkit.runs.models import DTYPES, ENCODER, model_kind
+from headkit.runs.options import check_choice, check_options, option, with_fields_of
 from headkit.surgery.families import COMPRESS, FAMILIES, model_type_of
 from headkit.surgery.latent_config import ROPE_SELECTIONS, ROROPE_FITTED, LatentKVConfig, attention_widths
 
@@ -52,6 +51,7 @@ class CompressSettings(ModelSettings):
         "Distillation learning rate (AdamW, every weight; on a rotary decoder the peak of a cosine decay after a "
         "5% warm-up).",
         min=0.0,
+        positive=True,
     )
     lora_rank: int | None = option(None, "Distil through LoRA of this rank (PEFT), merged after.", min=1)
     batch_size: int = option(16, "Texts (windows) per distillation step and held-out batch.", min=1)
@@ -59,7 +59,7 @@ class CompressSettings(ModelSettings):
     max_length: int = option(64, "Tokens per encoder text (longer texts are truncated).", min=2)
     # tokens per window (causal LMs)
     window: int = option(256, "Tokens per causal-LM window.", min=2)
-    train_texts: int = 512
+    train_texts: int = field(default=512, metadata={"min": 1})
     held_out_texts: int = option(
         128, "Held-out texts (windows) the fidelity is measured on.", flag="--held-out", min=1
     )
@@ -82,7 +82,10 @@ class CompressSettings(ModelSettings):
     rope_dims: int | None = field(default=None, metadata={"default_help": "head_dim / 4"})
     # with calibration text (the recipe always has it) RoRoPE with the fitted criterion measured best
     # (SmolLM2 at 1/2 and 1/4 of the cache: docs/latent-kv.md)
-    rope_selection: str = ROROPE_FITTED
+    rope_selection: str = field(
+        default=ROROPE_FITTED,
+        metadata={"check": lambda value: check_choice("--rope-selection", value, ROPE_SELECTIONS)},
+    )
     calibration_windows: int = option(
         16, "Rotary decoders: training windows the rotary ranking and the SVD are calibrated on.", min=1
     )
@@ -93,12 +96,15 @@ class CompressSettings(ModelSettings):
     )
     # 160: the repair within 5 minutes on 2 cores in bfloat16 (343 s at 200 steps, 1.42x -> 1.43x; docs/latent-kv.md)
     repair_steps: int = option(160, "Rotary decoders: reconstruction steps per layer.", min=1)
-    repair_lr: float = option(2e-3, "Rotary decoders: reconstruction learning rate (Adam, cosine decay).")
+    repair_lr: float = option(
+        2e-3, "Rotary decoders: reconstruction learning rate (Adam, cosine decay).", positive=True
+    )
     repair_precision: str = option(
         AUTO,
         "Rotary decoders: what the reconstruction's products compute in: 'bfloat16' (autocast; the weights and "
         "their updates stay float32), 'float32', or 'auto': bfloat16 where the device has bfloat16 instructions "
         "(AVX-512 BF16, AMX, CUDA; 1.6x faster on an AVX-512 BF16 CPU at the same perplexity), else float32.",
+        check=lambda value: check_choice("--repair-precision", value, REPAIR_PRECISIONS),
     )
     repair_windows: int | None = option(
         None,
@@ -121,7 +127,8 @@ class CompressSettings(ModelSettings):
     )
     kv_bits: int | None = option(
         None,
-        "With --kv-budget: quantized storage at 8 or 4 bits, whatever the budget would choose.",
+        "With --kv-budget: storage in 8 or 4 bits, whatever the budget would choose: alone where it fits, else the "
+        "compressed cache in those bits.",
     )
     # lm-evaluation-harness tasks scored on the original and the result (headkit.evaluation.tasks): none by default.
     eval_tasks: tuple[str, ...] = ()
@@ -129,32 +136,9 @@ class CompressSettings(ModelSettings):
 
 
 def check_settings(settings: CompressSettings) -> None:
-    for name in ("batch_size", "max_length", "window", "held_out_texts", "timing_repeats", "train_texts"):
-        check_count(f"--{name.replace('_', '-')}", getattr(settings, name), 1)
-    check_count("--recovery-steps", settings.recovery_steps, 0)
-    if not settings.lr > 0:
-        raise HeadkitError(f"--lr must be positive, got {settings.lr!r}")
-    if settings.dim is not None:
-        check_count("--dim", settings.dim, 1)
-    for name in ("kv_rank", "eval_window"):
-        if getattr(settings, name) is not None:
-            check_count(f"--{name.replace('_', '-')}", getattr(settings, name), 1)
-    if settings.rope_dims is not None:
-        check_count("--rope-dims", settings.rope_dims, 0)
-    check_count("--calibration-windows", settings.calibration_windows, 1)
-    if settings.rope_selection not in ROPE_SELECTIONS:
-        raise HeadkitError(
-            f"--rope-selection must be one of {', '.join(ROPE_SELECTIONS)}, got {settings.rope_selection!r}"
-        )
-    check_count("--repair-steps", settings.repair_steps, 1)
-    if settings.repair_precision not in REPAIR_PRECISIONS:
-        raise HeadkitError(
-            f"--repair-precision must be one of {', '.join(REPAIR_PRECISIONS)}, got {settings.repair_precision!r}"
-        )
-    if settings.repair_windows is not None:
-        check_count("--repair-windows", settings.repair_windows, 1)
-    if not is_finite_number(settings.repair_lr) or settings.repair_lr <= 0:
-        raise HeadkitError(f"--repair-lr must be a positive number, got {settings.repair_lr!r}")
+    """Every option checked before any work (a bad one names itself): what the fields declare, then the
+    options that go together (--kv-budget with its context and bits, without the trained conversions')."""
+    check_options(settings)
     check_data(settings.data)
     check_recipe_tasks(settings, default_is_causal_lm=False)
     if settings.kv_budget is None:

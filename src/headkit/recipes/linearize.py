@@ -439,8 +439,8 @@ def format_report(report: dict[str, Any]) -> str:
     lines = [
         f"linearized {len(conversion['layers'])} layers of {report['architecture']} (window {conversion['window']}"
         + (
-            f", {conversion['sinks']} sinks, sparse cache {conversion['sparse_cache']}"
-            if conversion.get("sinks") or conversion.get("sparse_cache")
+            f", {conversion['sinks']} sinks, budget {conversion['budget']}"
+            if conversion.get("sinks") or conversion.get("budget")
             else ""
         )
         + f", {conversion['feature_map']} features; decoding state "

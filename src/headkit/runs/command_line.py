@@ -2,7 +2,7 @@
 become, and which process prints them when a launcher started several.
 
 A user error (a :class:`~headkit.errors.HeadkitError`, a missing file or folder) is one line on stderr and exit
-status 2; a usage error is typer's own message and status. Under ``torchrun`` / ``accelerate launch`` every
+status 2; so is a usage error (an option out of its declared range, an unknown option), with typer's wording. Under ``torchrun`` / ``accelerate launch`` every
 process runs the command (:mod:`headkit.runs.processes`) and only the main one prints: the others' standard output
 is discarded, and a user error — the same on every process, or met by the main process and replicated — is
 printed once, by the main process, while every process exits with its status.
@@ -44,8 +44,15 @@ def run_command_line(app: typer.Typer, argv: list[str] | None = None) -> None:
         err_console.print("aborted")
         sys.exit(1)
     except Exception as exc:
-        # Usage errors of the click that typer vendors: typer prints them itself, exit status 2.
-        if hasattr(exc, "show") and hasattr(exc, "exit_code"):
-            exc.show()
+        # Errors of the click that typer vendors (an option out of its declared range, an unknown option): one
+        # line like every other refusal, naming the help to read, with click's exit status (2 for usage).
+        if hasattr(exc, "format_message") and hasattr(exc, "exit_code"):
+            if main_process:
+                context = getattr(exc, "ctx", None)
+                where = f" (see {context.command_path} --help)" if context is not None else ""
+                message = " ".join(exc.format_message().split())
+                err_console.print(
+                    f"[bold red]error:[/] {escape(message)}{where}", highlight=False, soft_wrap=True
+                )
             sys.exit(exc.exit_code)
         raise

@@ -293,6 +293,13 @@ class FastDecoder:
             raise HeadkitError(
                 "compile_config.fullgraph must be True: a graph break would hide eager code in the step"
             )
+        if any(
+            getattr(m, "quantized_storage", None) for m in model.modules() if isinstance(m, LinearizedHeads)
+        ):
+            raise HeadkitError(
+                "model: the fast decoder's fixed buffers hold a compressed cache in full precision; decode one whose "
+                "keys and values are stored quantized (QuantizedKVConfig) with model.generate"
+            )
         self.model = prepare_weights(model, weights, group_size)
         use_grouped_query_decode(self.model)
         self.linearized = linearized_layer_indices(self.model)

@@ -8,7 +8,8 @@ model: one entry point, one handler per config type — and a list of configs ap
 
 A composition is checked before any work: every config is of a registered type, every keyword reaches a step that
 takes it, no step follows one that replaced the attention mechanism (collaborative, latent or linearized heads:
-the others read the stock attention module), each step after the first against the model's 🤗 config as the steps
+the others read the stock attention module) — but quantized storage may follow a compressed cache or a
+linearization, once, as the last step — each step after the first against the model's 🤗 config as the steps
 before it leave it (their records appended). What only a converted model's modules can answer is checked by each
 step just before it runs.
 """
@@ -32,7 +33,14 @@ import headkit.surgery.pruning
 import headkit.surgery.quantized_cache  # noqa: F401
 from headkit.errors import HeadkitError
 from headkit.surgery.gating import config_kv_bytes_per_token
-from headkit.surgery.records import SURGERY_KEY, Conversion, config_after, conversion_of, recorded_configs
+from headkit.surgery.records import (
+    CONVERSIONS,
+    SURGERY_KEY,
+    Conversion,
+    config_after,
+    conversion_of,
+    recorded_configs,
+)
 
 
 def apply_(model: nn.Module, config: Any, **context: Any) -> Any:
@@ -71,14 +79,23 @@ def apply_(model: nn.Module, config: Any, **context: Any) -> Any:
 
 def check_composition(configs: Sequence[Any]) -> None:
     """Refuse, in one line, a sequence of surgeries that cannot be applied (or replayed) in that order: a step
-    after one that replaced the attention mechanism (it would find no stock attention module to work on)."""
+    after one that replaced the attention mechanism (it would find no stock attention module to work on), unless
+    the step's conversion names that one among those it follows (QuantizedKVConfig after a CompressedCacheConfig
+    or a LinearizeConfig: it stores their keys and values) — and nothing after that step, which replaces the
+    attention too."""
     for index, step in enumerate(configs[:-1]):
-        if conversion_of(step).replaces_attention:
-            later = ", ".join(type(c).__name__ for c in configs[index + 1 :])
-            raise HeadkitError(
-                f"config: {type(step).__name__} replaces the attention mechanism, so it must be the last step of "
-                f"a composition; got {later} after it"
-            )
+        if not conversion_of(step).replaces_attention:
+            continue
+        following = configs[index + 1]
+        if isinstance(step, conversion_of(following).follows):
+            continue
+        later = ", ".join(type(c).__name__ for c in configs[index + 1 :])
+        followers = [c.config_class.__name__ for c in CONVERSIONS.values() if isinstance(step, c.follows)]
+        allowed = f" (or followed by {' or '.join(followers)} alone)" if followers else ""
+        raise HeadkitError(
+            f"config: {type(step).__name__} replaces the attention mechanism, so it must be the last step of a "
+            f"composition{allowed}; got {later} after it"
+        )
 
 
 def bytes_per_token(

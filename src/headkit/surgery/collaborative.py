@@ -307,7 +307,7 @@ class CollaborativeConfig:
     """
 
     # Each field's metadata makes it a command-line option where a command takes this config's fields
-    # (headkit.recipes.options).
+    # (headkit.runs.options).
     dim_shared_query_key: int = field(
         metadata={
             "help": "Width D̃ of the shared query/key projections (heads·head_dim is exact; smaller compresses).",

@@ -17,15 +17,12 @@ runs it as it runs a linearized model.
 
 from __future__ import annotations
 
-import contextlib
 import copy
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import nn
 
-from headkit.errors import HeadkitError
 from headkit.surgery.adapters import AttentionAdapter
 from headkit.surgery.gating import config_head_dim, kv_head_counts, parse_head_pairs
 from headkit.surgery.linearize import SURGERY_OP as LINEARIZE_OP
@@ -43,13 +40,12 @@ SURGERY_OP = "compressed_cache"
 RESOLVED = ("adapter", "layers", "sites", "unrotated_pairs", "rotary_pairs")
 
 
-@contextlib.contextmanager
-def _said_in_these_names() -> Iterator[None]:
-    """The linearized layer's refusals, its budget's field (``sparse_cache``) named as this config's (``budget``)."""
-    try:
-        yield
-    except HeadkitError as exc:
-        raise HeadkitError(str(exc).replace("sparse_cache", "budget")) from None
+class LayerTokens(NamedTuple):
+    """One layer's cache in :meth:`CompressedCacheConfig.layer_tokens`."""
+
+    kv_heads: int
+    tokens: int  # kept, summed over the key/value heads
+    compressed: bool
 
 
 @dataclass(frozen=True)
@@ -101,17 +97,15 @@ class CompressedCacheConfig:
 
     def linearize_config(self) -> LinearizeConfig:
         """The mechanism this cache is: the linearized layer's, nothing folded (a :class:`LinearizeConfig`)."""
-        with _said_in_these_names():
-            return LinearizeConfig(
-                window=self.window, sinks=self.sinks, sparse_cache=self.budget, selection="question",
-                observation=self.observation, fold=False, retrieval_heads=self.retrieval_heads, layers=self.layers,
-            )  # fmt: skip
+        return LinearizeConfig(
+            window=self.window, sinks=self.sinks, budget=self.budget, selection="question",
+            observation=self.observation, fold=False, retrieval_heads=self.retrieval_heads, layers=self.layers,
+        )  # fmt: skip
 
     def check(self, model_or_config: Any) -> None:
         """What a model, or its 🤗 config, answers before any work: the window, budget and observation within its
         context, the layers and retrieval heads it has."""
-        with _said_in_these_names():
-            self.linearize_config().check(model_or_config)
+        self.linearize_config().check(model_or_config)
 
     def record(self) -> dict[str, Any]:
         """The fields as JSON."""
@@ -125,27 +119,38 @@ class CompressedCacheConfig:
         """The config a record was written from."""
         return cls(**fields_of_record(cls, entry))
 
-    def bytes_per_token(self, config: Any, *, bytes_per_number: int = 2, context: int = 8192) -> float | None:
-        """The cache's bytes per token of a `context`-token sequence for a model with the 🤗 `config` (the pruning
-        it records applied): per compressed layer and key/value head, S + W + B keys and values (at most the
-        context), a retrieval head's whole cache; a layer left alone keeps its own (a sliding layer its window).
-        The mechanism's bookkeeping (slot positions, flags: 1.1% of the state on SmolLM2, measured) is not counted."""
+    def layer_tokens(self, config: Any, context: int = 8192) -> list[LayerTokens] | None:
+        """Per layer of a model with the 🤗 `config` (the pruning it records applied), after `context` tokens: its
+        key/value heads, the tokens their cache keeps summed over them, and whether it is compressed — a compressed
+        head keeps its S sinks, W − 1 window tokens (the query's own key is the W-th) and B chosen keys (at most
+        the context), a retrieval head the whole context; a layer left alone its own cache (a sliding layer its
+        window's W − 1 past tokens). None where the config does not state its heads."""
         counts, head_dim = kv_head_counts(config), config_head_dim(config)
         if counts is None or head_dim is None:
             return None
         compressed = set(self.linearize_config().layers_to_convert(config, len(counts)))
         sliding = set(sliding_layers(config, len(counts)))
-        window = getattr(config, "sliding_window", None) or context
-        kept = min(context, self.sinks + self.window + self.budget)
-        per_head = 2 * head_dim * bytes_per_number  # a key and a value
-        total = 0
+        # transformers' sliding layer, like the window ring, keeps the window's W − 1 past tokens
+        window = (getattr(config, "sliding_window", None) or context + 1) - 1
+        kept = min(context, self.sinks + self.window - 1 + self.budget)
+        layers = []
         for layer, kv_heads in enumerate(counts):
             if layer in compressed:
                 exact = sum(1 for pair_layer, _ in self.retrieval_heads if pair_layer == layer)
-                total += ((kv_heads - exact) * kept + exact * context) * per_head
+                layers.append(LayerTokens(kv_heads, (kv_heads - exact) * kept + exact * context, True))
             else:
-                total += kv_heads * (min(context, window) if layer in sliding else context) * per_head
-        return total / context
+                tokens = min(context, window) if layer in sliding else context
+                layers.append(LayerTokens(kv_heads, kv_heads * tokens, False))
+        return layers
+
+    def bytes_per_token(self, config: Any, *, bytes_per_number: int = 2, context: int = 8192) -> float | None:
+        """The cache's bytes per token of a `context`-token sequence for a model with the 🤗 `config`: a key and a
+        value of head_dim numbers for every token :meth:`layer_tokens` keeps. The mechanism's bookkeeping (slot
+        positions, flags: 1.1% of the state on SmolLM2, measured) is not counted."""
+        layers, head_dim = self.layer_tokens(config, context), config_head_dim(config)
+        if layers is None or head_dim is None:
+            return None
+        return sum(layer.tokens for layer in layers) * 2 * head_dim * bytes_per_number / context
 
 
 def _compress_cache(
@@ -157,8 +162,7 @@ def _compress_cache(
     """:func:`headkit.apply_` of a :class:`CompressedCacheConfig`: each layer's mechanism is the linearized
     layer's with nothing folded; the record is this config's, with what the conversion resolved."""
     mechanism = config.linearize_config()
-    with _said_in_these_names():
-        report = conversion_of(mechanism).apply(model, mechanism, adapter=adapter)
+    report = conversion_of(mechanism).apply(model, mechanism, adapter=adapter)
     entries = list(getattr(model.config, SURGERY_KEY))
     resolved = entries[-1]
     entries[-1] = (
@@ -178,4 +182,4 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
 
 register_conversion(CompressedCacheConfig, SURGERY_OP, _compress_cache, _reapply, replaces_attention=True)
 
-__all__ = ["CompressedCacheConfig"]
+__all__ = ["CompressedCacheConfig", "LayerTokens"]

@@ -135,7 +135,7 @@ class GateConfig:
     """
 
     # Each field's metadata makes it a command-line option where a command takes this config's fields
-    # (headkit.recipes.options).
+    # (headkit.runs.options).
     kind: str = field(
         default="hard_concrete",
         metadata={"help": "Gate kind: 'hard_concrete' (learned, L0-trained) or 'fixed' (constant 0/1)."},

@@ -1,5 +1,5 @@
 """The config of latent keys/values, :class:`LatentKVConfig`, in a module of its own without torch model code: its
-fields are ``headkit compress``'s rotary-decoder options (headkit.recipes.options), and the command line refuses a
+fields are ``headkit compress``'s rotary-decoder options (headkit.runs.options), and the command line refuses a
 bad R or D against a model's 🤗 config (its family, its widths) before any model code is imported. The conversion
 is :mod:`headkit.surgery.latent`'s; a model's sites are read by :mod:`headkit.surgery.latent_sites`, imported when a
 model is checked.
@@ -112,7 +112,7 @@ class LatentKVConfig:
     """
 
     # Each field's metadata makes it a command-line option where a command takes this config's fields
-    # (headkit.recipes.options: `headkit compress`).
+    # (headkit.runs.options: `headkit compress`).
     kv_rank: int = field(
         metadata={
             "help": "Rotary decoders (LLaMA, SmolLM2, Mistral, Qwen 2): latent width R of the shared key/value "

@@ -42,7 +42,7 @@ cannot be rewound: assisted generation's ``crop`` is refused.)
 The padding mask reaches the mechanism as the model's own mask (4D or None); its last query row is the key
 padding mask over every token seen, which is all the hybrid op needs.
 
-**Keeping exact what the linear term cannot recall** (``sinks``, ``sparse_cache``): the first S tokens (attention
+**Keeping exact what the linear term cannot recall** (``sinks``, ``budget``): the first S tokens (attention
 sinks, StreamingLLM) and, per layer and key/value head, a budget of G keys chosen online as tokens leave the
 window — those the linear state recalls worst (LoLA's criterion) — stay exact under the same normaliser; evicted
 keys fold into the linear state (:mod:`headkit.ops.hybrid.sparse`). The state grows by S + G keys and values
@@ -71,6 +71,7 @@ from headkit.layers.cache import StateCacheLayer, state_tensors
 from headkit.layers.feature_maps import build_feature_map
 from headkit.layers.hybrid import HybridHeads, HybridStateCacheLayer, SplitHeadsRing, SplitHeadsState
 from headkit.layers.kept_exact import SELECTIONS, ExactHeads, KeptKeys, causal_softmax
+from headkit.layers.quantized_cache import QuantizedHybridStateCacheLayer
 from headkit.ops.hybrid import hybrid_attention, sparse_hybrid_attention
 from headkit.surgery.adapters import (
     AttentionAdapter,
@@ -162,7 +163,7 @@ class LinearizedHeads(HybridHeads):
     Parameters: ``feature_map_q`` (per query head), ``feature_map_k`` (per key/value head), ``log_balance``
     [heads]. Called by the registered attention function; returns ``(output [B, T, H, D], None)``.
 
-    With ``sinks`` or ``sparse_cache`` it also keeps the first tokens and a budget of chosen keys exact beyond the
+    With ``sinks`` or ``budget`` it also keeps the first tokens and a budget of chosen keys exact beyond the
     window (:func:`headkit.ops.sparse_hybrid_attention`), in its training, prefill and decoding forms alike. The
     budget's keys are chosen by ``selection``: ``"recall"`` — online, those the linear state recalls worst (LoLA);
     ``"question"`` — when a prompt is prefilled into a cache, those its last ``observation`` queries attend to
@@ -194,7 +195,7 @@ class LinearizedHeads(HybridHeads):
         dtype: torch.dtype,
         device: torch.device,
         sinks: int = 0,
-        sparse_cache: int = 0,
+        budget: int = 0,
         selection: str = "recall",
         observation: int = 32,
         fold: bool = True,
@@ -202,30 +203,32 @@ class LinearizedHeads(HybridHeads):
     ) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
-        # Exact beyond the window (headkit.ops.hybrid.sparse): the first `sinks` tokens and `sparse_cache` keys
+        # Exact beyond the window (headkit.ops.hybrid.sparse): the first `sinks` tokens and `budget` keys
         # per key/value head, chosen by `selection`. 0 and 0: the plain hybrid.
         self.configure(
-            sinks=sinks, sparse_cache=sparse_cache, selection=selection, observation=observation,
+            sinks=sinks, budget=budget, selection=selection, observation=observation,
             exact_heads=exact_heads,
         )  # fmt: skip
         self.feature_map_name, self.feature_dim = feature_map, feature_dim
         self.layer_idx = layer_idx
+        # (bits, group_size) where the exact keys and values are stored quantized (QuantizedKVConfig after it).
+        self.quantized_storage: tuple[int, int] | None = None
         self.build_hybrid_heads(
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, window=window, chunk_size=chunk_size,
             scale=scale, feature_map=feature_map, feature_dim=feature_dim, fold=fold, dtype=dtype, device=device,
         )  # fmt: skip
 
     def configure(
-        self, *, sinks: int, sparse_cache: int, selection: str, observation: int, exact_heads: Sequence[int]
+        self, *, sinks: int, budget: int, selection: str, observation: int, exact_heads: Sequence[int]
     ) -> None:
         """Set what is kept exact, as pieces (:mod:`headkit.layers.kept_exact`): the sinks and the budget with its
         selection, the exact heads. None of it has parameters, so a trained layer takes another budget or other
         retrieval heads as it is (:func:`reconfigure`)."""
-        self.kept = KeptKeys(sinks, sparse_cache, SELECTIONS[selection](observation))
+        self.kept = KeptKeys(sinks, budget, SELECTIONS[selection](observation))
         self.exact = ExactHeads(exact_heads, self.num_heads, self.num_kv_heads)
 
     sinks = property(lambda self: self.kept.sinks)
-    sparse_cache = property(lambda self: self.kept.budget)
+    budget = property(lambda self: self.kept.budget)
     selection = property(lambda self: self.kept.selection.name)
     observation = property(lambda self: self.kept.selection.observation)
     exact_heads = property(lambda self: self.exact.heads)
@@ -267,16 +270,19 @@ class LinearizedHeads(HybridHeads):
         )  # fmt: skip
         options = {"window": self.window, "validate": False, "output_final_state": True}
         if self.kept:
-            _, state = sparse_hybrid_attention(
-                *tensors, sinks=self.sinks, budget=self.sparse_cache, **options
-            )
+            _, state = sparse_hybrid_attention(*tensors, sinks=self.sinks, budget=self.budget, **options)
         else:
             _, state = hybrid_attention(*tensors, **options)
         return sum(t.numel() * t.element_size() for t in state_tensors(state)) + exact
 
     def cache_layer(self, cache: Any) -> HybridStateCacheLayer:
-        """This layer's entry in the model's cache (see :class:`headkit.surgery.attention.CacheLayerHook`)."""
-        return hybrid_cache_layer(cache, self.layer_idx)
+        """This layer's entry in the model's cache (see :class:`headkit.surgery.attention.CacheLayerHook`): one
+        that stores the exact keys and values quantized where :attr:`quantized_storage` is set."""
+        if self.quantized_storage is None:
+            return hybrid_cache_layer(cache, self.layer_idx)
+        bits, group_size = self.quantized_storage
+        layer = QuantizedHybridStateCacheLayer.in_cache(cache, self.layer_idx)
+        return layer.configure(bits=bits, group_size=group_size)
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, None]:
         queries, keys, values, cache_layer = call.queries, call.keys, call.values, call.cache_layer
@@ -356,13 +362,15 @@ class LinearizedHeads(HybridHeads):
         return query_features[:, heads], key_features[:, kv_heads]
 
     def extra_repr(self) -> str:
-        extra = f", selection={self.selection!r}, observation={self.observation}" if self.sparse_cache else ""
+        extra = f", selection={self.selection!r}, observation={self.observation}" if self.budget else ""
         extra += "" if self.fold else ", fold=False"
         extra += f", exact_heads={list(self.exact_heads)}" if self.exact_heads else ""
+        if self.quantized_storage is not None:
+            extra += ", stored in {} bits (groups of {})".format(*self.quantized_storage)
         return (
             f"layer_idx={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, window={self.window}, sinks={self.sinks}, "
-            f"sparse_cache={self.sparse_cache}{extra}, feature_map={self.feature_map_name!r}, "
+            f"budget={self.budget}{extra}, feature_map={self.feature_map_name!r}, "
             f"chunk_size={self.chunk_size}"
         )
 
@@ -389,7 +397,7 @@ class LinearizeReport:
     converted_sliding_layers: list[int] = field(default_factory=list)  # with convert_sliding=True
     notes: list[str] = field(default_factory=list)
     sinks: int = 0  # first tokens kept exact in every converted layer
-    sparse_cache: int = 0  # exact keys kept per key/value head, chosen by the linear state's recall error
+    budget: int = 0  # exact keys kept per key/value head, chosen by the linear state's recall error
     state_bytes: int = 0  # decoding state of the converted layers, per sequence, after one token
     selection: str = "recall"  # how the sparse cache's keys are chosen
     observation: int = 32  # the prompt's last queries that choose them (selection "question")
@@ -413,12 +421,8 @@ class LinearizeReport:
         if self.converted_sliding_layers:
             kept += f"; sliding-window layers {self.converted_sliding_layers} converted too"
         notes = "".join(f"; {note}" for note in self.notes)
-        exact = (
-            f", {self.sinks} sinks, sparse cache {self.sparse_cache}"
-            if self.sinks or self.sparse_cache
-            else ""
-        )
-        if self.sparse_cache and self.selection == "question":
+        exact = f", {self.sinks} sinks, budget {self.budget}" if self.sinks or self.budget else ""
+        if self.budget and self.selection == "question":
             exact += f" chosen by the prompt's last {self.observation} queries"
         if self.retrieval_heads:
             exact += f", {len(self.retrieval_heads)} retrieval heads kept softmax"
@@ -514,7 +518,7 @@ def _linearize(
         converted_sliding_layers=sliding if config.convert_sliding else [],
         notes=notes,
         sinks=config.sinks,
-        sparse_cache=config.sparse_cache,
+        budget=config.budget,
         state_bytes=sum(mechanism.state_bytes() for _, mechanism in planned),
         selection=config.selection,
         observation=config.observation,
@@ -528,11 +532,11 @@ def _linearize(
 
 
 # What a trained linearized model can change without retraining: nothing with parameters.
-RECONFIGURABLE = ("sinks", "sparse_cache", "selection", "observation", "retrieval_heads")
+RECONFIGURABLE = ("sinks", "budget", "selection", "observation", "retrieval_heads")
 
 
 def reconfigure(model: nn.Module, **changes: Any) -> LinearizeConfig:
-    """Change what a linearized model keeps exact — ``sinks``, ``sparse_cache``, ``selection``, ``observation``,
+    """Change what a linearized model keeps exact — ``sinks``, ``budget``, ``selection``, ``observation``,
     ``retrieval_heads`` (:class:`LinearizeConfig`) — in place, without retraining: none of them has parameters.
     The new config is validated against the model first (a bad change leaves it untouched) and replaces the
     model's record, so ``save_pretrained`` + :func:`headkit.from_pretrained` rebuild it. Returns the new config.
@@ -554,7 +558,7 @@ def reconfigure(model: nn.Module, **changes: Any) -> LinearizeConfig:
         )
     for module in modules:
         module.configure(
-            sinks=config.sinks, sparse_cache=config.sparse_cache, selection=config.selection,
+            sinks=config.sinks, budget=config.budget, selection=config.selection,
             observation=config.observation,
             exact_heads=[head for layer, head in config.retrieval_heads if layer == module.layer_idx],
         )  # fmt: skip
@@ -644,7 +648,7 @@ def _plan_site(
         dtype=weight.dtype,
         device=weight.device,
         sinks=config.sinks,
-        sparse_cache=config.sparse_cache,
+        budget=config.budget,
         selection=config.selection,
         observation=config.observation,
         fold=config.fold,

@@ -1,5 +1,5 @@
 """The config of linearization, :class:`LinearizeConfig`, in a module of its own without torch model code: its
-fields are command-line options (``headkit linearize``, ``headkit bench linearize``: headkit.recipes.options), and
+fields are command-line options (``headkit linearize``, ``headkit bench linearize``: headkit.runs.options), and
 the command line refuses a bad one against a model's 🤗 config (its context, layers, sliding-window layers,
 key/value heads) before any model code is imported. The conversion it configures is
 :mod:`headkit.surgery.linearize`'s.
@@ -79,7 +79,7 @@ class LinearizeConfig:
             type from one layer's cache entry, so the sliding layers are converted all or none.
         sinks: S ≥ 0, the first S tokens of a sequence kept exact (softmax) in every converted layer once they
             leave the window (attention sinks, StreamingLLM).
-        sparse_cache: G ≥ 0, exact keys and values kept per layer and key/value head beyond the window, chosen
+        budget: G ≥ 0, exact keys and values kept per layer and key/value head beyond the window, chosen
             online as tokens leave it by how badly the linear state recalls their values (LoLA); the others, and
             those evicted, fold into the linear state (:mod:`headkit.ops.hybrid.sparse`). With S = G = 0 the
             mechanism is the plain window + linear hybrid.
@@ -102,7 +102,7 @@ class LinearizeConfig:
     """
 
     # Each field's metadata makes it an option of `headkit linearize` and `headkit bench linearize`
-    # (headkit.recipes.options): help, and the command line's name and parsing where they are not the default's.
+    # (headkit.runs.options): help, and the command line's name and parsing where they are not the default's.
     window: int = field(
         default=64, metadata={"help": "Tokens each query sees exactly through softmax, its own included."}
     )
@@ -136,11 +136,12 @@ class LinearizeConfig:
             "help": "First tokens of a sequence kept exact (attention sinks) in every converted layer."
         },
     )
-    sparse_cache: int = field(
+    budget: int = field(
         default=0,
         metadata={
             "help": "Exact keys kept beyond the window per layer and key/value head, chosen online by how badly "
-            "the linear state recalls them (LoLA); the others fold into the linear state."
+            "the linear state recalls them (LoLA); the others fold into the linear state.",
+            "removed": ("--sparse-cache",),
         },
     )
     selection: str = field(
@@ -195,7 +196,7 @@ class LinearizeConfig:
         if self.feature_dim is not None:
             _check_count("feature_dim", self.feature_dim, 1, "a positive integer or None")
         _check_count("chunk_size", self.chunk_size, 1)
-        for name in ("sinks", "sparse_cache"):
+        for name in ("sinks", "budget"):
             _check_count(name, getattr(self, name), 0, "a non-negative integer (0: none)")
         if self.selection not in SELECTION_NAMES:
             raise HeadkitError(
@@ -242,7 +243,7 @@ class LinearizeConfig:
         the key/value heads."""
         config = getattr(model_or_config, "config", model_or_config)
         context = _config_context(config)
-        for name in ("window", "sparse_cache", "observation"):
+        for name in ("window", "budget", "observation"):
             if context is not None and getattr(self, name) > context:
                 raise HeadkitError(
                     f"{name} must be at most the model's context of {context} tokens, got {getattr(self, name)}"
@@ -312,6 +313,8 @@ class LinearizeConfig:
     def from_record(cls, entry: dict[str, Any]) -> LinearizeConfig:
         """The config a record was written from (a field the record predates takes its default: a record
         written before sinks and the sparse cache existed is the plain hybrid)."""
+        # A record written before the budget had the compressed cache's name (2026-11-29) calls it sparse_cache.
+        entry = {("budget" if name == "sparse_cache" else name): value for name, value in entry.items()}
         return cls(**fields_of_record(cls, entry))
 
 

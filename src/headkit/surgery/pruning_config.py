@@ -1,5 +1,5 @@
 """The config of head pruning, :class:`PruneConfig`, in a module of its own without torch model code: its fields
-are command-line options (``headkit prune``, headkit.recipes.options), and the command line refuses a bad one
+are command-line options (``headkit prune``, headkit.runs.options), and the command line refuses a bad one
 against a model's 🤗 config before any model code is imported. Its checks on a model, and the surgery itself, are
 :mod:`headkit.surgery.pruning`'s (the model's sites read by :mod:`headkit.surgery.pruning_sites`, imported when a
 model is checked).
@@ -64,7 +64,7 @@ class PruneConfig:
     """
 
     # Each field's metadata makes it a command-line option where a command takes this config's fields
-    # (headkit.recipes.options).
+    # (headkit.runs.options).
     heads: LayerHeads = field(
         default=(),
         metadata={

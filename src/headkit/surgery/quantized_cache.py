@@ -16,9 +16,18 @@ Quantization acts where a cache is read — decoding, and a prompt fed in chunks
 The config (:class:`QuantizedKVConfig`) states the bytes per token of the cache it leaves
 (:meth:`QuantizedKVConfig.bytes_per_token`: codes, plus the scales and zero points amortised over their group), which
 :func:`headkit.surgery.bytes_per_token` composes with earlier pruning. Quantization changes the cache, not the
-attention: it may follow pruning or head gates, and a surgery that replaces the attention (collaborative, latent,
-linearized heads) can neither precede it (``apply_`` refuses any step after those) nor follow it (they refuse a
-module that runs a mechanism already).
+attention: it may follow pruning or head gates, and a surgery that replaces the attention (collaborative, latent)
+can neither precede it (``apply_`` refuses any step after those) nor follow it (they refuse a module that runs a
+mechanism already).
+
+**After a compressed cache** (``[CompressedCacheConfig(...), QuantizedKVConfig(bits=4)]``, or after a
+:class:`~headkit.surgery.LinearizeConfig`): fewer tokens *and* fewer bits. The converted layers keep their
+mechanism and store its exact keys and values — sinks, the window ring, the question-chosen keys, the retrieval
+heads' full cache — as codes with per-token scales
+(:class:`~headkit.layers.quantized_cache.QuantizedHybridStateCacheLayer`: each token quantized once, when it is
+stored, and dequantized into the op's state when it is attended; no full-precision residual: ``residual`` does not
+apply). Layers the compressed cache left alone keep their cache as it is (a sliding layer's window, which KIVI's
+cache, keeping every token, would outgrow). Anything after it is refused, and so is a second quantization.
 """
 
 from __future__ import annotations
@@ -40,8 +49,10 @@ from headkit.surgery.attention import (
     mechanism_of,
     refuse_modules_off_the_interface,
 )
+from headkit.surgery.compressed_cache import CompressedCacheConfig
 from headkit.surgery.families import LINEARIZE, get_family, text_config
 from headkit.surgery.gating import config_head_dim, kv_head_counts
+from headkit.surgery.linearize import LinearizeConfig, LinearizedHeads
 from headkit.surgery.pruning import EmptyHeads
 from headkit.surgery.records import (
     conversion_of,
@@ -52,6 +63,8 @@ from headkit.surgery.records import (
 )
 
 SURGERY_OP = "quantized_kv"
+# What quantized storage may follow, though they replace the attention: their mechanism stores exact keys and values.
+STORES_EXACT = (LinearizeConfig, CompressedCacheConfig)
 
 
 class QuantizedKVHeads(nn.Module):
@@ -103,7 +116,8 @@ class QuantizedKVConfig:
         group_size: tokens per key group (keys are quantized per channel over that many tokens) and channels per
             value group (values per token over that many channels); divides head_dim. KIVI uses 32.
         residual: the newest tokens always kept in full precision (the residual holds between `residual` and
-            `residual` + `group_size` − 1 once that many are cached). KIVI keeps 128.
+            `residual` + `group_size` − 1 once that many are cached). KIVI keeps 128. Not after a compressed
+            cache, whose layers quantize each token alone when they store it (module docstring).
     """
 
     bits: int = field(metadata={"help": "Bits per cached key or value number: 8 or 4 (two per byte)."})
@@ -117,7 +131,11 @@ class QuantizedKVConfig:
     )
     residual: int = field(
         default=128,
-        metadata={"help": "The newest tokens kept in full precision (KIVI's residual).", "min": 0},
+        metadata={
+            "help": "The newest tokens kept in full precision (KIVI's residual); a compressed cache's keys and "
+            "values keep none.",
+            "min": 0,
+        },
     )
 
     def __post_init__(self) -> None:
@@ -144,10 +162,12 @@ class QuantizedKVConfig:
                 f"the {family.model_type} family's attention modules do not call transformers' attention "
                 "interface, through which a quantized key/value cache is read"
             )
-        for earlier in recorded_configs(model_or_config):
-            if isinstance(earlier, QuantizedKVConfig):
-                raise HeadkitError("the model's key/value cache is already quantized")
-            if conversion_of(earlier).replaces_attention:
+        earlier_configs = recorded_configs(model_or_config)
+        if any(isinstance(earlier, QuantizedKVConfig) for earlier in earlier_configs):
+            raise HeadkitError("the model's key/value cache is already quantized")
+        for index, earlier in enumerate(earlier_configs):
+            last = index == len(earlier_configs) - 1
+            if conversion_of(earlier).replaces_attention and not (last and isinstance(earlier, STORES_EXACT)):
                 raise HeadkitError(
                     f"the model's attention was replaced by {type(earlier).__name__} (earlier surgery): it keeps no "
                     "stock key/value cache to quantize"
@@ -171,22 +191,22 @@ class QuantizedKVConfig:
         self, model: nn.Module, adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None
     ) -> tuple[AttentionAdapter, list[AttentionSite]]:
         """The adapter and the attention sites whose cache to quantize, checked: the model's 🤗 config
-        (:meth:`check`), then each module — one layer with a ``layer_idx``, no headkit mechanism (a layer pruned
-        empty keeps no cache and is left out)."""
+        (:meth:`check`), then each module — one layer with a ``layer_idx``, no headkit mechanism but a compressed
+        cache's or a linearized layer's (a layer pruned empty keeps no cache and is left out)."""
         self.check(model.config)
         adapter = get_adapter(model, adapter)
-        sites = [
-            site for site in adapter.sites(model) if not isinstance(mechanism_of(site.module), EmptyHeads)
-        ]
+        sites = _sites_with_a_cache(model, adapter)
         if not sites:
             raise HeadkitError(
                 f"the {adapter.name} adapter found no attention module with a cache to quantize"
             )
         for site in sites:
             mechanism = mechanism_of(site.module)
-            if isinstance(mechanism, QuantizedKVHeads):
+            if isinstance(mechanism, QuantizedKVHeads) or (
+                isinstance(mechanism, LinearizedHeads) and mechanism.quantized_storage is not None
+            ):
                 raise HeadkitError(f"the model's key/value cache is already quantized ({site.name})")
-            if mechanism is not None:
+            if mechanism is not None and not isinstance(mechanism, LinearizedHeads):
                 raise HeadkitError(
                     f"{site.name} already runs {type(mechanism).__name__} (earlier surgery): it keeps no stock "
                     "key/value cache to quantize"
@@ -207,37 +227,59 @@ class QuantizedKVConfig:
 
     def bytes_per_token(self, config: Any, *, bytes_per_number: int = 2, context: int = 8192) -> float | None:
         """The quantized cache's bytes per token of a `context`-token sequence for a model with the 🤗 `config`
-        (the pruning it records applied): per layer and key/value head, the codes of the tokens quantized by then
-        with their scales and zero points (`bytes_per_number` each) amortised over their group
+        (the surgery it records applied). Per layer and key/value head of a stock cache, the codes of the tokens
+        quantized by then with their scales and zero points (`bytes_per_number` each) amortised over their group
         (:func:`headkit.ops.quantized_cache.quantized_bytes_per_token`), and the full-precision residual — the
         tokens :func:`~headkit.ops.quantized_cache.tokens_to_quantize` leaves — spread over the `context` tokens.
-        None where the config does not state its heads."""
+        After a compressed cache, its layers' kept tokens
+        (:meth:`~headkit.surgery.compressed_cache.CompressedCacheConfig.layer_tokens`) at the per-token cost
+        (keys grouped as values), the layers it left alone at their own, unquantized. None where the config does
+        not state its heads, or after a linearization (whose state the bytes do not state)."""
         counts, head_dim = kv_head_counts(config), config_head_dim(text_config(config))
         if counts is None or head_dim is None:
             return None
-        quantized = tokens_to_quantize(context, group_size=self.group_size, residual=self.residual)
-        per_head = (
-            quantized
-            * quantized_bytes_per_token(
-                head_dim, bits=self.bits, group_size=self.group_size, bytes_per_number=bytes_per_number
+        earlier = recorded_configs(config)
+        layers, left_alone = [(kv_heads, None) for kv_heads in counts], 0.0
+        if earlier and isinstance(earlier[-1], LinearizeConfig):
+            return None
+        if earlier and isinstance(earlier[-1], CompressedCacheConfig):
+            kept = earlier[-1].layer_tokens(config, context)
+            if kept is None:
+                return None
+            layers = [(layer.kv_heads, layer.tokens) for layer in kept if layer.compressed]
+            # a layer the compressed cache left alone keeps its own cache, unquantized
+            left_alone = (
+                sum(layer.tokens for layer in kept if not layer.compressed) * 2 * head_dim * bytes_per_number
             )
+            left_alone /= context
+        options = {"bits": self.bits, "group_size": self.group_size, "bytes_per_number": bytes_per_number}
+        per_token = quantized_bytes_per_token(head_dim, per_token_keys=True, **options)
+        quantized = tokens_to_quantize(context, group_size=self.group_size, residual=self.residual)
+        stock_head = (
+            quantized * quantized_bytes_per_token(head_dim, **options)
             + (context - quantized) * 2 * head_dim * bytes_per_number
         )
-        return sum(counts) * per_head / context
+        total = sum(
+            kv_heads * stock_head if tokens is None else tokens * per_token for kv_heads, tokens in layers
+        )
+        return total / context + left_alone
 
 
 @dataclass
 class QuantizedKVReport:
     """What :func:`headkit.apply_` of a :class:`QuantizedKVConfig` did: the layers whose cache is quantized, and
-    the cache's bytes per token in bfloat16 before and after (None where the config does not state its heads)."""
+    the cache's bytes per token in bfloat16 before and after, at 8,192 tokens (None where the config does not
+    state them)."""
 
     architecture: str
     bits: int
     group_size: int
     residual: int
     layers: list[int]
-    bytes_per_token_before: int | None
-    bytes_per_token_after: int | None
+    bytes_per_token_before: float | None
+    bytes_per_token_after: float | None
+    # of those, the ones storing a compressed cache
+    compressed_layers: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -247,19 +289,41 @@ class QuantizedKVReport:
         if self.bytes_per_token_before and self.bytes_per_token_after:
             ratio = self.bytes_per_token_after / self.bytes_per_token_before
             sizes = (
-                f": {self.bytes_per_token_before} → {self.bytes_per_token_after} bytes per token in bfloat16 "
+                f": {self.bytes_per_token_before:g} → {self.bytes_per_token_after:g} bytes per token in bfloat16 "
                 f"({ratio:.1%}, scales and zero points included)"
+            )
+        how = f"groups of {self.group_size}, {self.residual} newest tokens in full precision"
+        if self.compressed_layers:
+            how = (
+                f"groups of {self.group_size} channels per token; {len(self.compressed_layers)} of them a compressed "
+                "cache, each token quantized when stored"
             )
         return (
             f"{self.architecture}: key/value cache of {len(self.layers)} layers quantized to {self.bits} bits "
-            f"(groups of {self.group_size}, {self.residual} newest tokens in full precision){sizes}"
+            f"({how}){sizes}"
         )
 
 
+def _sites_with_a_cache(model: nn.Module, adapter: AttentionAdapter) -> list[AttentionSite]:
+    """The sites whose cache a quantization stores: after a compressed cache (or a linearization), the layers it
+    converted — a layer it left alone keeps its cache as it is (a sliding layer its window, which KIVI's cache,
+    keeping every token, would outgrow); else every site but those pruned empty."""
+    sites = [site for site in adapter.sites(model) if not isinstance(mechanism_of(site.module), EmptyHeads)]
+    converted = [site for site in sites if isinstance(mechanism_of(site.module), LinearizedHeads)]
+    return converted or sites
+
+
 def _attach(model: nn.Module, config: QuantizedKVConfig, sites: list[AttentionSite]) -> None:
+    """Stock sites get KIVI's mechanism; a compressed cache's (or linearized) layers store their exact keys and
+    values quantized."""
     options = {"bits": config.bits, "group_size": config.group_size, "residual": config.residual}
+    stock = [site for site in sites if mechanism_of(site.module) is None]
+    for site in sites:
+        mechanism = mechanism_of(site.module)
+        if isinstance(mechanism, LinearizedHeads):
+            mechanism.quantized_storage = (config.bits, config.group_size)
     attach_mechanisms(
-        model, [(site.module, QuantizedKVHeads(layer_idx=site.module.layer_idx, **options)) for site in sites]
+        model, [(site.module, QuantizedKVHeads(layer_idx=site.module.layer_idx, **options)) for site in stock]
     )
 
 
@@ -272,12 +336,21 @@ def _quantize(
     """:func:`headkit.apply_` of a :class:`QuantizedKVConfig`: every attention module's cache entry becomes a
     quantized one (module docstring)."""
     adapter, sites = config.sites_to_quantize(model, adapter)
-    refuse_modules_off_the_interface(
-        model, [(s.name, s.module) for s in sites], f"{adapter.name}'s key/value cache cannot be quantized"
-    )
+    stock = [site for site in sites if mechanism_of(site.module) is None]
+    if stock:
+        refuse_modules_off_the_interface(
+            model,
+            [(s.name, s.module) for s in stock],
+            f"{adapter.name}'s key/value cache cannot be quantized",
+        )
     counts, head_dim = kv_head_counts(model.config), config_head_dim(text_config(model.config))
-    # Only pruning and gates may come before: the cache is still the stock keys and values.
-    before = None if counts is None or head_dim is None else 2 * sum(counts) * head_dim * 2
+    earlier = recorded_configs(model.config)
+    if earlier and conversion_of(earlier[-1]).replaces_attention:  # a compressed cache (or linearized layers)
+        per_token = getattr(earlier[-1], "bytes_per_token", None)
+        before = None if per_token is None else per_token(model.config)
+    else:  # only pruning and gates may come before: the cache is still the stock keys and values
+        before = None if counts is None or head_dim is None else 2 * sum(counts) * head_dim * 2
+    after = config.bytes_per_token(model.config)  # the records before this one say what it stores
     # Everything is checked: only now does the model change.
     _attach(model, config, sites)
     layers = [site.module.layer_idx for site in sites]
@@ -292,7 +365,8 @@ def _quantize(
         residual=config.residual,
         layers=layers,
         bytes_per_token_before=before,
-        bytes_per_token_after=config.bytes_per_token(model.config),
+        bytes_per_token_after=after,
+        compressed_layers=[s.module.layer_idx for s in sites if s not in stock],
     )
 
 
@@ -300,7 +374,7 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
     """Rebuild the recorded quantization on a freshly built model (it has no weights of its own)."""
     config = QuantizedKVConfig.from_record(entry)
     adapter = get_adapter(model, entry["adapter"])
-    sites = [site for site in adapter.sites(model) if not isinstance(mechanism_of(site.module), EmptyHeads)]
+    sites = _sites_with_a_cache(model, adapter)
     if [site.name for site in sites] != list(entry["sites"]):
         raise HeadkitError(
             f"the recorded key/value quantization covered {entry['sites']}, but the rebuilt model has attention "
@@ -315,7 +389,9 @@ def quantized_mechanisms(model: nn.Module) -> list[QuantizedKVHeads]:
     return sorted(found.values(), key=lambda mechanism: mechanism.layer_idx)
 
 
-register_conversion(QuantizedKVConfig, SURGERY_OP, _quantize, _reapply, replaces_attention=True)
+register_conversion(
+    QuantizedKVConfig, SURGERY_OP, _quantize, _reapply, replaces_attention=True, follows=STORES_EXACT
+)
 
 __all__ = [
     "QuantizedKVConfig",

@@ -75,13 +75,15 @@ class SurgeryConfig(Protocol):
 class Conversion:
     """A surgery applied through its config: `apply(model, config, **context)` changes `model` in place, records
     the op's entry (``{"op": op, **config.record(), ...what it resolved}``) and returns its report; `context` are
-    the keyword-only arguments it takes beside the config (an adapter, calibration text)."""
+    the keyword-only arguments it takes beside the config (an adapter, calibration text); `follows`: the config
+    types that replace the attention and that it may still come right after (it works on their mechanism)."""
 
     op: str
     config_class: type
     apply: Callable[..., Any]
     context: frozenset[str]
     replaces_attention: bool
+    follows: tuple[type, ...] = ()
 
 
 CONVERSIONS: dict[type, Conversion] = {}
@@ -94,12 +96,14 @@ def register_conversion(
     reapply: ReapplyFunction,
     *,
     replaces_attention: bool = False,
+    follows: tuple[type, ...] = (),
 ) -> None:
     """Make `apply` the handler of `config_class` configs in :func:`headkit.surgery.apply.apply_` and `reapply`
     the way :func:`from_pretrained` rebuilds its entries ``{"op": op, ...}``.
 
     `replaces_attention`: the surgery gives its layers a mechanism of its own (collaborative, latent,
-    linearized heads), after which no other surgery that reads the stock attention can follow it.
+    linearized heads), after which no other surgery that reads the stock attention can follow it — except one
+    whose `follows` names it (quantized storage of a compressed cache's keys and values).
     """
     missing = [
         name for name in ("check", "record", "from_record") if not callable(getattr(config_class, name, None))
@@ -114,7 +118,9 @@ def register_conversion(
     existing = CONVERSIONS.get(config_class)
     if existing is not None and existing.apply is not apply:
         raise HeadkitError(f"a conversion for {config_class.__name__} is already registered")
-    CONVERSIONS[config_class] = Conversion(op, config_class, apply, context, replaces_attention)
+    CONVERSIONS[config_class] = Conversion(
+        op, config_class, apply, context, replaces_attention, tuple(follows)
+    )
 
 
 def conversion_of(config: Any) -> Conversion:

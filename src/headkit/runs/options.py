@@ -12,11 +12,15 @@ A field is an option when its ``metadata`` has ``help``; the vocabulary (every k
     quick       its value under --quick (:meth:`headkit.recipes.settings.QuickSettings.quick`)
     parse       parse(flag, text): a list option's value from its text (default: comma-separated values of the
                 tuple's type, integers each ≥ ``min``, or 1)
+    repeat      a tuple of text given once per value (``--set A=1 --set B=2``), for values that hold commas
     convert     convert(value): the field's value from the option's (e.g. --lora-rank 0 → None), applied by
                 :func:`settings_from`
     min         the lowest value the command line accepts (and a benchmark's checks, headkit.bench.registry)
     default_help  the words for a default the recipe computes (a None default): "(default WORDS)." is appended
                 to the help — what a recipe's redeclaration of a config's field adds to the config's help
+    max, distinct, positive, choices, check
+                further checks of the value, which :func:`check_options` makes (with ``min``) for the command
+                line and the library alike
     argument    a positional argument instead of an option
     saves       an option of the commands that save a model only (--resume): a benchmark's settings made from a
                 recipe's (``with_fields_of(..., unset=True)``) leave it out
@@ -33,17 +37,59 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import math
 import types
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import MISSING, fields
+from pathlib import Path
 from typing import Any
 
 from headkit.errors import HeadkitError
-from headkit.recipes.settings import stated_defaults
 
-NO_QUICK = dataclasses.MISSING  # a field whose quick value is its default
+
+def quick_preset(help: str) -> Any:
+    """The ``quick`` classmethod of a settings class: the short run, each field's ``quick`` value over the full
+    run's default (and the caller's overrides over both); ``help`` is the help of ``--quick``."""
+
+    def quick(cls: type, **overrides: Any) -> Any:
+        values = {field.name: field.metadata.get("quick", MISSING) for field in fields(cls)}
+        return cls(**({name: value for name, value in values.items() if value is not MISSING} | overrides))
+
+    quick.__doc__ = help
+    return classmethod(quick)
+
+
+def stated_defaults(help: str, default: Any, quick: Any = MISSING) -> str:
+    """``help`` ending with the values it defaults to: "(default D; Q with --quick)." (Q where it differs)."""
+    quick_value = "" if quick is MISSING or quick == default else f"; {shown_value(quick)} with --quick"
+    return f"{help.removesuffix('.')} (default {shown_value(default)}{quick_value})."
+
+
+def shown_value(value: Any) -> str:
+    """A setting's value as its help and the command line write it: a tuple comma-separated, a float short."""
+    if isinstance(value, tuple):
+        return ",".join(map(shown_value, value))
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+NO_QUICK = MISSING  # a field whose quick value is its default
+# What check_options reads: one declaration for the command line and the library alike.
+CHECKS = ("min", "max", "distinct", "positive", "choices", "check")
 VOCABULARY = frozenset(
-    {"help", "flag", "removed", "quick", "parse", "convert", "min", "argument", "default_help", "saves"}
+    {
+        "help",
+        "flag",
+        "removed",
+        "quick",
+        "parse",
+        "convert",
+        "argument",
+        "default_help",
+        "repeat",
+        "saves",
+        *CHECKS,
+    }
 )
 
 
@@ -203,6 +249,7 @@ def command_parameters(settings_class: type) -> list[inspect.Parameter]:
     """One keyword-only typer parameter per option of ``settings_class`` (see the module docstring), defaults
     the full run's, and a hidden one per removed name (which refuses, naming the new one)."""
     import typer
+    from rich.markup import escape
 
     kinds = field_types(settings_class)
     parameters = []
@@ -211,20 +258,24 @@ def command_parameters(settings_class: type) -> list[inspect.Parameter]:
         kind, default, meta = kinds[field.name], field.default, field.metadata
         if default is dataclasses.MISSING:
             default = ... if field.default_factory is dataclasses.MISSING else field.default_factory()
-        if is_list(kind):
+        if meta.get("repeat"):
+            # given once per value (a value may hold commas: --set KEY=[1,2])
+            kind, default = list[str], None
+        elif is_list(kind):
             # a list option: comma-separated text
             kind, default = str, ",".join(map(str, default)) if default else ""
-        help = stated_help(field)
+        # Help is rich markup: "headkit[eval]" would lose its "[eval]" as a tag.
+        help = escape(stated_help(field))
         # Help that states its defaults (full and quick) says it best: no second [default: …] after it.
         shown = "(default" not in help and default is not None
         if meta.get("argument"):
-            declared = typer.Argument(default, help=help, show_default=shown)
+            declared = typer.Argument(default, help=help, show_default=shown, metavar=field.name.upper())
         else:
             flag = meta.get("flag") or option_name(field)
             if kind is bool and "/" not in flag:
                 flag = f"{flag}/--no-{flag[2:]}"
             # a list's minimum is of each of its numbers
-            minimum = None if kind is str else meta.get("min")
+            minimum = None if kind in (str, list[str]) else meta.get("min")
             declared = typer.Option(default, flag, help=help, min=minimum, show_default=shown)
         parameters.append(
             inspect.Parameter(field.name, inspect.Parameter.KEYWORD_ONLY, default=declared, annotation=kind)
@@ -253,7 +304,11 @@ def given_options(settings_class: type, ctx: Any, values: dict[str, Any]) -> dic
                 raise HeadkitError(f"{old} was removed: use {option_name(field)}")
         if names:
             value = values[names[0]]
-            given[field.name] = parse_option(field, kind, value) if is_list(kind) else value
+            if field.metadata.get("repeat"):
+                value = tuple(value or ())
+            elif is_list(kind):
+                value = parse_option(field, kind, value)
+            given[field.name] = value
     return given
 
 
@@ -300,3 +355,100 @@ def settings_command(
         return wrapper
 
     return decorate
+
+
+# -- checks the fields declare --------------------------------------------------------------------------------
+
+
+def check_names(
+    flag: str, names: Iterable[str], valid: Iterable[str], *, distinct: bool = False
+) -> list[str]:
+    """``names`` without repeats (an error where ``distinct``), each one of ``valid`` (e.g. registered
+    mechanisms), else an error naming ``flag`` and what it names (``--mechanisms``: mechanisms)."""
+    valid, given = list(valid), [name.strip() for name in names]
+    names = list(dict.fromkeys(given))
+    unknown = [name for name in names if name not in valid]
+    if unknown or not names:
+        what = flag.lstrip("-").replace("-", " ")
+        raise HeadkitError(
+            f"{flag}: unknown {what} {', '.join(map(repr, unknown)) or '(none given)'}; "
+            f"valid names: {', '.join(valid)}"
+        )
+    if distinct and len(names) != len(given):
+        raise HeadkitError(f"{flag} names a value twice: {tuple(given)!r}")
+    return names
+
+
+def check_positive(flag: str, value: Any) -> None:
+    """``value`` must be a finite number > 0 (bool is refused), else an error naming ``flag``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise HeadkitError(f"{flag} must be a positive number, got {value!r}")
+
+
+def check_integers(
+    flag: str, values: Any, low: int = 1, high: int | None = None, *, distinct: bool = False
+) -> None:
+    """``values`` must be a non-empty tuple or list of integers in [low, high] (bool is refused), none repeated
+    where ``distinct``, else an error naming ``flag``."""
+    bounds = f"≥ {low}" if high is None else f"in [{low}, {high}]"
+    if (
+        not isinstance(values, (tuple, list))
+        or not values
+        or any(isinstance(v, bool) or not isinstance(v, int) or v < low for v in values)
+        or (high is not None and max(values) > high)
+    ):
+        raise HeadkitError(f"{flag} must be one or more integers {bounds}, got {values!r}")
+    if distinct and len(set(values)) != len(values):
+        raise HeadkitError(f"{flag} names a value twice: {values!r}")
+
+
+def check_choice(flag: str, value: Any, valid: Iterable[str]) -> None:
+    """``value`` is one of ``valid``, else an error naming ``flag`` and the valid values."""
+    valid = tuple(valid)
+    if value not in valid:
+        raise HeadkitError(f"{flag} must be one of {', '.join(valid)}, got {value!r}")
+
+
+def existing_path(flag: str) -> Callable[[Any], None]:
+    """A field's ``check``: the path given, if any, exists (else an error naming ``flag``)."""
+
+    def check(path: Any) -> None:
+        if path is not None and not Path(path).exists():
+            raise HeadkitError(f"{flag} {str(path)!r} does not exist")
+
+    return check
+
+
+def check_options(settings: Any) -> None:
+    """The checks that fields declare (:func:`option`, :func:`setting`), one declaration for the command line and
+    the library alike, each failure a HeadkitError naming the field as an option (``--name``): ``min`` and
+    ``max`` of an integer or a (finite) number; ``min``, ``max`` and ``distinct`` of a non-empty tuple of integers;
+    ``positive``: a finite number > 0; ``choices()``: the valid names of a tuple of names, ``distinct`` if no
+    name may be repeated (the tuple may be empty only where the full run's default is: "the benchmark's
+    choice"); ``check(value)``: anything else. A field whose full run's default is None may be None."""
+    hints = field_types(type(settings))
+    for field in dataclasses.fields(settings):
+        value, declared, flag = getattr(settings, field.name), field.metadata, option_name(field)
+        kind, minimum, distinct = hints[field.name], declared.get("min"), bool(declared.get("distinct"))
+        if value is None and field.default is None:
+            continue
+        if minimum is not None and kind in (int, float):
+            accepted = int if kind is int else (int, float)
+            if isinstance(value, bool) or not isinstance(value, accepted) or not minimum <= value < math.inf:
+                integer = {0: "a non-negative integer", 1: "a positive integer"}.get(
+                    minimum, f"an integer ≥ {minimum}"
+                )
+                wording = integer if kind is int else f"a number ≥ {minimum}"
+                raise HeadkitError(f"{flag} must be {wording}, got {value!r}")
+        maximum = declared.get("max")
+        if maximum is not None and kind in (int, float) and not value <= maximum:
+            raise HeadkitError(f"{flag} must be at most {maximum}, got {value!r}")
+        integers = typing.get_args(kind)[:1] == (int,)  # tuple[int, ...]
+        if integers and (minimum is not None or maximum is not None or distinct):
+            check_integers(flag, value, 1 if minimum is None else minimum, maximum, distinct=distinct)
+        if declared.get("positive"):
+            check_positive(flag, value)
+        if declared.get("choices") and (value or field.default):
+            check_names(flag, value, declared["choices"](), distinct=distinct)
+        if declared.get("check"):
+            declared["check"](value)

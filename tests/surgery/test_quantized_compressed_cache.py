@@ -1,0 +1,260 @@
+"""Fewer tokens with fewer bits: [CompressedCacheConfig, QuantizedKVConfig] through headkit.apply_. The quantized
+path is the unquantized compressed cache run on the dequantized keys and values (outputs and states), each token
+quantized once; cached decoding is the uncached forward within the quantization's error; padded rows decode as
+each alone; beam search; reload; the bytes per token the configs state are the bytes stored; refusals of orders
+that cannot be replayed, in one line before any work."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from family_models import family_inputs, family_model
+from tiny_models import state_of
+
+import headkit
+from headkit.compat import cache_keyword, output_cache
+from headkit.errors import HeadkitError
+from headkit.layers.hybrid import HybridStateCacheLayer
+from headkit.layers.quantized_cache import (
+    QuantizedHybridStateCacheLayer,
+    exact_leaves,
+)
+from headkit.ops.quantized_cache import dequantize_values
+from headkit.surgery import (
+    CompressedCacheConfig,
+    LinearizeConfig,
+    PruneConfig,
+    QuantizedKVConfig,
+    bytes_per_token,
+    recorded_configs,
+)
+from headkit.surgery.linearize import linearized_modules
+
+# Far smaller than the prompts below: keys are dropped (window 4, one sink, 3 chosen keys per head).
+COMPRESSED = CompressedCacheConfig(window=4, sinks=1, budget=3, observation=2)
+# Layer 0's key/value head 1 keeps its whole cache (a retrieval head), quantized too.
+RETRIEVAL = CompressedCacheConfig(window=4, sinks=1, budget=3, observation=2, retrieval_heads=((0, 1),))
+# Nothing dropped within 40 tokens: the compressed cache is the original model.
+EVERYTHING = CompressedCacheConfig(window=64, sinks=0, budget=0, observation=2)
+INT8 = QuantizedKVConfig(bits=8, group_size=8, residual=8)
+INT4 = QuantizedKVConfig(bits=4, group_size=8, residual=8)
+# What quantization may cost these models' logits (random weights, logits about 1 in size), as for a stock cache.
+BOUND = {8: 5e-3, 4: 5e-2}
+
+
+def converted(model_type: str, *steps):
+    original = family_model(model_type)
+    model = copy.deepcopy(original)
+    headkit.apply_(model, list(steps))
+    return original, model
+
+
+def stepwise_logits(model, tokens, prefill=12, chunk=1):
+    """Logits of every position: a prefill of `prefill` tokens, then `chunk` tokens at a time through the cache."""
+    with torch.no_grad():
+        out = model(tokens[:, :prefill], use_cache=True)
+        cache, logits = output_cache(out), [out.logits]
+        for t in range(prefill, tokens.shape[1], chunk):
+            out = model(tokens[:, t : t + chunk], **cache_keyword(cache), use_cache=True)
+            logits.append(out.logits)
+    return torch.cat(logits, dim=1), cache
+
+
+def exact_fields(state):
+    return {path: tensor for path, tensor in exact_leaves(state)}
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("chunk", [1, 3])
+@pytest.mark.parametrize("compressed", [COMPRESSED, RETRIEVAL], ids=["compressed", "retrieval-head"])
+def test_the_quantized_path_is_the_compressed_cache_on_the_dequantized_keys_and_values(
+    bits, chunk, compressed
+):
+    """The naive twin: the unquantized compressed cache handed the dequantized state. Same logits at every step;
+    after it, the states differ only in the new tokens, each within half its group's scale (the quantization's
+    error), and every token stored before keeps its dequantized numbers exactly: quantized once."""
+    original = family_model("llama")
+    plain, model = copy.deepcopy(original), copy.deepcopy(original)
+    headkit.apply_(plain, compressed)
+    headkit.apply_(model, [compressed, QuantizedKVConfig(bits=bits, group_size=8)])
+    tokens = family_inputs(length=30)
+    with torch.no_grad():
+        cache = output_cache(model(tokens[:, :12], use_cache=True))
+        twin = output_cache(plain(tokens[:, :12], use_cache=True))
+        for t in range(12, 30, chunk):
+            for mine, theirs in zip(cache.layers, twin.layers, strict=True):
+                assert (
+                    isinstance(mine, QuantizedHybridStateCacheLayer) and type(theirs) is HybridStateCacheLayer
+                )
+                theirs.reset()
+                theirs.set_state(mine.get_state(), mine.seen_tokens)
+            new = tokens[:, t : t + chunk]
+            ours = model(new, **cache_keyword(cache), use_cache=True).logits
+            reference = plain(new, **cache_keyword(twin), use_cache=True).logits
+            assert torch.equal(ours, reference), t
+            for mine, theirs in zip(cache.layers, twin.layers, strict=True):
+                stored = exact_fields(mine.state)
+                for path, values in exact_fields(mine.dequantized()).items():
+                    exact = exact_fields(theirs.state)[path]
+                    changed = (values != exact).any(-1)  # [B, H, slots]
+                    # at most the new tokens are quantized: the window's newest slots
+                    assert int(changed.sum(-1).max()) <= new.shape[1], (t, path)
+                    half_step = stored[path].scale.amax(-1, keepdim=True) / 2
+                    assert ((values - exact).abs() <= half_step * (1 + 1e-5) + 1e-7).all(), (t, path)
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2", "gpt2", "qwen3"])
+def test_cached_decoding_is_the_uncached_forward_within_the_quantization_error(model_type):
+    """Nothing dropped (a window longer than the text): the compressed cache is the original model, and the
+    quantized one reads it within the quantization's error (gemma2's sliding layer is left alone by both). With keys dropped, the error the bits add to the compressed cache."""
+    tokens = family_inputs(length=40)
+    errors, added = {}, {}
+    for config in (INT8, INT4):
+        original, model = converted(model_type, EVERYTHING, config)
+        with torch.no_grad():
+            uncached = original(tokens, use_cache=False).logits
+        cached, cache = stepwise_logits(model, tokens, chunk=2)
+        errors[config.bits] = float((cached - uncached).abs().max())
+        # gemma2's sliding layer 0 is left alone, its window unquantized (KIVI's cache would keep every token)
+        left_alone = [0] if model_type == "gemma2" else []
+        for index, layer in enumerate(cache.layers):
+            assert isinstance(layer, QuantizedHybridStateCacheLayer) == (index not in left_alone)
+        _, compressed = converted(model_type, COMPRESSED)
+        _, both = converted(model_type, COMPRESSED, config)
+        added[config.bits] = float(
+            (stepwise_logits(both, tokens)[0] - stepwise_logits(compressed, tokens)[0]).abs().max()
+        )
+    assert 0 < errors[8] <= BOUND[8] and errors[4] <= BOUND[4], errors
+    assert errors[4] > 4 * errors[8], errors  # the error is the quantization's
+    assert 0 < added[8] <= BOUND[8] and added[4] <= BOUND[4], added
+
+
+def test_padded_rows_decode_as_each_alone_beam_search_runs_and_it_reloads_identically(tmp_path):
+    """Each token is quantized alone (per token), so a left-padded row stores its real tokens as it does alone."""
+    _, model = converted("llama", COMPRESSED, INT4)
+    prompts = family_inputs(batch=2, length=9)
+    options = {"max_new_tokens": 8, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        padded = prompts.clone()
+        padded[0, :3] = 0
+        mask = torch.ones_like(padded)
+        mask[0, :3] = 0
+        together = model.generate(padded, attention_mask=mask, **options)
+        alone = model.generate(padded[:1, 3:], **options)
+        assert torch.equal(together[0, 3:], alone[0])
+        beams = model.generate(prompts, num_beams=3, **options)
+        assert beams.shape == (2, 9 + 8)
+    model.save_pretrained(tmp_path)
+    reloaded = headkit.from_pretrained(tmp_path)
+    assert [type(c) for c in recorded_configs(reloaded)] == [CompressedCacheConfig, QuantizedKVConfig]
+    assert [m.quantized_storage for m in linearized_modules(reloaded)] == [(4, 8), (4, 8)]
+    tokens = family_inputs(length=30)
+    assert torch.equal(stepwise_logits(reloaded, tokens)[0], stepwise_logits(model, tokens)[0])
+    with torch.no_grad():
+        assert torch.equal(reloaded.generate(tokens, **options), model.generate(tokens, **options))
+
+
+def stored_bytes(model, context):
+    """Bytes the cache stores after a prompt of `context` tokens: the compressed layers' quantized keys and values
+    (codes, scales, zero points), a layer left alone its keys and values."""
+    with torch.no_grad():
+        cache = output_cache(model(torch.zeros(1, context, dtype=torch.long), use_cache=True))
+    return sum(
+        layer.quantized_bytes()
+        if isinstance(layer, QuantizedHybridStateCacheLayer)
+        else layer.keys.numel() * layer.keys.element_size() * 2
+        for layer in cache.layers
+    )
+
+
+@pytest.mark.parametrize(
+    "model_type, steps",
+    [
+        ("llama", [COMPRESSED, INT8]),
+        ("llama", [COMPRESSED, INT4]),
+        ("llama", [CompressedCacheConfig(window=4, sinks=1, budget=3, retrieval_heads=((0, 1),)), INT4]),
+        ("llama", [PruneConfig(heads={0: [0, 1]}), COMPRESSED, INT4]),
+        ("gemma2", [COMPRESSED, INT8]),  # its sliding layer left alone
+    ],
+    ids=["int8", "int4", "retrieval-int4", "prune-int4", "gemma2-int8"],
+)
+def test_bytes_per_token_from_the_configs_are_the_bytes_stored(model_type, steps):
+    original = family_model(model_type)
+    model = copy.deepcopy(original)
+    headkit.apply_(model, steps)
+    for context in (12, 40):  # float32: scales and zero points of 4 bytes
+        measured = stored_bytes(model, context)
+        assert bytes_per_token(original.config, steps, bytes_per_number=4, context=context) * context == (
+            pytest.approx(measured)
+        )
+        assert bytes_per_token(model.config, bytes_per_number=4, context=context) * context == pytest.approx(
+            measured
+        )
+    # llama, 40 tokens: 2 layers · 2 key/value heads · 7 slots (1 sink, 3 window, 3 kept) · per token
+    # 2 · (16 codes + 2 · 2 · 2 bytes of scales and zero points) at 8 bits, bfloat16
+    if model_type == "llama":
+        assert bytes_per_token(original.config, [COMPRESSED, INT8], context=40) * 40 == 2 * 2 * 7 * 2 * (
+            16 + 8
+        )
+    unquantized = bytes_per_token(original.config, steps[:-1])
+    assert bytes_per_token(model.config) < unquantized
+
+
+def test_orders_that_cannot_be_replayed_are_refused_in_one_line_before_any_work():
+    model = family_model("llama")
+    before = state_of(model)
+    refusals = [
+        ([INT8, COMPRESSED], "QuantizedKVConfig replaces the attention mechanism.*got CompressedCacheConfig"),
+        (
+            [COMPRESSED, INT8, INT4],
+            "QuantizedKVConfig replaces the attention mechanism.*got QuantizedKVConfig",
+        ),
+        ([COMPRESSED, INT8, PruneConfig(heads={0: [0]})], "got PruneConfig after it"),
+        (
+            [COMPRESSED, PruneConfig(heads={0: [0]})],
+            r"followed by QuantizedKVConfig alone\); got PruneConfig",
+        ),
+        ([COMPRESSED, QuantizedKVConfig(bits=4, group_size=32)], "group_size must divide head_dim 16"),
+    ]
+    for steps, message in refusals:
+        with pytest.raises(HeadkitError, match=message) as refused:
+            headkit.apply_(model, steps)
+        assert "\n" not in str(refused.value)
+    assert not getattr(model.config, "headkit_surgery", None)
+    assert all(torch.equal(before[k], v) for k, v in state_of(model).items())
+    headkit.apply_(model, [COMPRESSED, INT8])
+    with pytest.raises(HeadkitError, match="already quantized"):
+        headkit.apply_(model, INT4)
+    with pytest.raises(HeadkitError, match="already quantized"):
+        INT4.check(model.config)
+    # after a linearization too (its exact sets stored quantized; the bytes of its state are not stated)
+    linearized = family_model("llama")
+    headkit.apply_(linearized, [LinearizeConfig(window=4, sinks=1, budget=2), INT8])
+    assert [m.quantized_storage for m in linearized_modules(linearized)] == [(8, 8), (8, 8)]
+    assert bytes_per_token(linearized.config) is None
+    stepwise_logits(linearized, family_inputs(length=20))
+
+
+def test_the_fast_decoder_refuses_quantized_storage():
+    from headkit.runtime.fast import FastDecoder
+
+    _, model = converted("llama", COMPRESSED, INT8)
+    with pytest.raises(HeadkitError, match="model: the fast decoder's fixed buffers"):
+        FastDecoder(model, compile=False)
+
+
+def test_a_token_moved_from_the_window_to_the_kept_keys_keeps_its_codes():
+    """Window → sink or kept key is a copy: the codes move with it, nothing is quantized twice."""
+    _, model = converted("llama", COMPRESSED, INT4)
+    tokens = family_inputs(batch=1, length=20)
+    _, cache = stepwise_logits(model, tokens, prefill=6)
+    layer = cache.layers[0]
+    stored = exact_fields(layer.state)
+    window = stored[("window", "keys")]
+    rows = dequantize_values(window, bits=4, group_size=8)
+    kept = dequantize_values(stored[("sparse_keys",)], bits=4, group_size=8)
+    sinks = dequantize_values(stored[("sink_keys",)], bits=4, group_size=8)
+    assert rows.shape[2] == 3 and kept.shape[2] == 3 and sinks.shape[2] == 1
+    assert layer.state_bytes() < HybridStateCacheLayer.state_bytes(layer)  # counted as stored: quantized
