@@ -237,8 +237,12 @@ def test_ctrl_c_and_sigterm_leave_a_resumable_run_and_say_so_in_one_line(
 def test_a_resume_of_another_run_is_refused_in_one_line_and_a_leftover_is_announced(
     tiny_llama, text_folder, tmp_path, capsys
 ):
+    model = tmp_path / "model"  # a copy of its own, to change
+    model.mkdir()
+    for file in Path(tiny_llama).iterdir():
+        (model / file.name).write_bytes(file.read_bytes())
     out = tmp_path / "out"
-    args = _command("prune", tiny_llama, text_folder, out)
+    args = _command("prune", model, text_folder, out)
     assert _launch(args, "convert").returncode == -signal.SIGKILL
     work = work_folder(out)
     before = sorted((p.name, p.stat().st_mtime_ns) for p in work.iterdir())
@@ -253,14 +257,18 @@ def test_a_resume_of_another_run_is_refused_in_one_line_and_a_leftover_is_announ
     err = _error_line(capsys)
     assert "--recovery-steps 4 (was 6)" in err and str(work) in err
 
-    moved = tmp_path / "copy"
-    moved.mkdir()
-    for file in Path(tiny_llama).iterdir():
-        (moved / file.name).write_bytes(file.read_bytes())
-    assert _run([*_command("prune", moved, text_folder, out), "--resume"]) == 2
+    assert _run([*_command("prune", tiny_llama, text_folder, out), "--resume"]) == 2  # another MODEL
     err = _error_line(capsys)
-    assert "MODEL" in err and str(moved) in err
+    assert f"MODEL {Path(tiny_llama).resolve()} (was {model.resolve()})" in err
+
+    config = model / "config.json"
+    stat = config.stat()
+    os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # the same MODEL, changed since
+    assert _run([*args, "--resume"]) == 2
+    err = _error_line(capsys)
+    assert f"another input: MODEL {str(model.resolve())!r} changed since" in err
     assert sorted((p.name, p.stat().st_mtime_ns) for p in work.iterdir()) == before  # left as it was
+    os.utime(config, ns=(stat.st_atime_ns, stat.st_mtime_ns))
 
     fresh = tmp_path / "fresh"
     assert (
