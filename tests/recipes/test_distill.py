@@ -111,7 +111,8 @@ def test_a_run_resumes_from_its_checkpoint(tmp_path):
         output_dir=tmp_path,
         resume=True,
     )
-    assert again.losses == []  # nothing left to do: resumed at step 50
+    # Nothing left to do (resumed at step 50): no step more, and the first run's logged losses reported again.
+    assert again.steps == 50 and again.losses == first.losses
     for (name, a), (_, b) in zip(
         first.model.state_dict().items(), again.model.state_dict().items(), strict=True
     ):

@@ -39,7 +39,7 @@ def _environment() -> dict[str, str]:
 
 
 def _headkit(
-    args: list[str], processes: int, launcher: tuple[str, ...] = (), writes=None
+    args: list[str], processes: int, launcher: tuple[str, ...] = (), writes=None, fault: str | None = None
 ) -> subprocess.CompletedProcess:
     if launcher:
         command = [*launcher, "--num_processes", str(processes), "-m", "headkit"]
@@ -57,6 +57,7 @@ def _headkit(
         command += ["-m", "headkit"]
     # Each process lists in `writes` every path it creates or moves into place (headkit.files.record_write).
     env = _environment() | ({WRITE_LOG_ENVIRONMENT: str(writes)} if writes is not None else {})
+    env |= {"HEADKIT_FAULT_AT": fault} if fault is not None else {}
     return subprocess.run(
         [*command, *args], capture_output=True, text=True, timeout=600, env=env, check=False
     )
@@ -122,6 +123,29 @@ def test_linearize_under_torchrun_saves_once_the_model_one_process_saves(tiny_ll
 def test_compress_under_torchrun_saves_once_the_model_one_process_saves(tiny_llama, text_folder, tmp_path):
     outputs = _one_and_two_processes(COMPRESS, tiny_llama, text_folder, tmp_path)
     _assert_same_model_one_writer(outputs, tmp_path, "saved to")
+
+
+@pytest.mark.slow
+def test_a_run_under_torchrun_killed_mid_training_resumes_to_the_uninterrupted_result(
+    tiny_llama, text_folder, tmp_path
+):
+    recipe = [*PRUNE[:-1], "6"]  # --recovery-steps 6: checkpoints at steps 2, 4 and 6
+    args = [recipe[0], str(tiny_llama), *recipe[1:], "--data", str(text_folder), "--checkpoint-steps", "2"]
+    whole, out = tmp_path / "whole", tmp_path / "out"
+    assert _headkit([*args, "--out", str(whole)], 2).returncode == 0
+    # Every rank kills itself once step 3 is done (as a machine going down would take them all).
+    killed = _headkit([*args, "--out", str(out)], 2, fault="recover:3")
+    assert killed.returncode != 0 and not out.exists()
+    writes = tmp_path / "writes"
+    resumed = _headkit([*args, "--out", str(out), "--resume"], 2, writes=writes)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert resumed.stdout.count("resuming the training from") == 1, resumed.stdout
+    report = json.loads((out / "report.json").read_text())
+    assert report["resumed"] == ["data", "convert", "repair"]
+    assert report["resumed_checkpoints"] == ["recover/train-0/checkpoint-2"]
+    assert [log.name for log in writes.iterdir()] == ["rank-0.paths"]  # one writer of the work folder too
+    first, second = _weights(whole), _weights(out)
+    assert max(float((first[name] - second[name]).abs().max()) for name in first) <= 1e-6
 
 
 ACCELERATE = (sys.executable, "-m", "accelerate.commands.launch")

@@ -45,15 +45,13 @@ from headkit.bench.retrieval import (
     check_kvpress,
     kvpress_answers,
     passkey_rates,
-    scored_answers,
+    retrieval_rates,
 )
 from headkit.errors import HeadkitError
 from headkit.evaluation.quality import continuation_perplexity
 from headkit.evaluation.retrieval import (
     passkey_retrieval_scores,
     prose_sentences,
-    retrieve_passkeys,
-    second_turn_passkeys,
 )
 from headkit.export.gguf import export_gguf
 from headkit.export.llamacpp import CACHE_TYPE_BYTES, llama_cpp_answers, llama_cpp_perplexity
@@ -275,14 +273,7 @@ def _measure(
     converted = time.perf_counter() - started
     point = _point(row, shared, settings)
     point["conversion_seconds"] = converted
-    trials, tokenizer = shared["trials"], shared["tokenizer"]
-    answers = retrieve_passkeys(model, tokenizer, trials, max_new_tokens=ANSWER_TOKENS)
-    point |= passkey_rates(answers, trials, settings.lengths)
-    turns = shared["second_turn"]
-    answers = second_turn_passkeys(
-        model, tokenizer, turns, gap=settings.second_turn_gap, max_new_tokens=ANSWER_TOKENS
-    )
-    point["second_turn"] = scored_answers(answers, turns)
+    point |= retrieval_rates(model, shared["tokenizer"], shared["trials"], shared["second_turn"], settings)
     for length, windows in shared["held_out"].items():
         point[f"perplexity_{length}"] = continuation_perplexity(
             model, windows, scored=settings.scored_tokens, chunk=settings.chunk

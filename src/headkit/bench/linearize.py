@@ -44,7 +44,8 @@ class LinearizeBenchSettings:
 
     def recipe_settings(self) -> LinearizeSettings:
         """The recipe's settings: the ones given here over its full or quick preset."""
-        names = ["model", *(field.name for field in option_fields(LinearizeSettings))]
+        recipe = [field.name for field in option_fields(LinearizeSettings) if not field.metadata.get("saves")]
+        names = ["model", *recipe]
         given = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
         return settings_from(LinearizeSettings, self.quick_recipe, given)
 

@@ -234,19 +234,26 @@ def _equal_budget(model: nn.Module, target: int, context: int) -> int:
     return max(0, (target - base) // max(total(1) - base, 1))
 
 
+def retrieval_rates(
+    model: nn.Module, tokenizer: Any, trials: Any, turns: Any, settings: Any
+) -> dict[str, Any]:
+    """A model's passkey columns: its rates at each of ``settings.lengths`` and the same keys asked in a second
+    turn ``settings.second_turn_gap`` tokens later (the retrieval and frontier benchmarks' shared columns)."""
+    answers = retrieve_passkeys(model, tokenizer, trials, max_new_tokens=ANSWER_TOKENS)
+    rates = passkey_rates(answers, trials, settings.lengths)
+    answers = second_turn_passkeys(
+        model, tokenizer, turns, gap=settings.second_turn_gap, max_new_tokens=ANSWER_TOKENS
+    )
+    return rates | {"second_turn": scored_answers(answers, turns)}
+
+
 def _measure(
     name: str, model: nn.Module, settings: RetrievalBenchSettings, shared: dict[str, Any], echo: Any
 ) -> dict[str, Any]:
     started = time.perf_counter()
     tokenizer, trials, window = shared["tokenizer"], shared["trials"], shared["window"]
     point: dict[str, Any] = {"model": name, "state_bytes": _state_bytes(model, settings.state_context)}
-    answers = retrieve_passkeys(model, tokenizer, trials, max_new_tokens=ANSWER_TOKENS)
-    point |= passkey_rates(answers, trials, settings.lengths)
-    turns = shared["second_turn"]
-    answers = second_turn_passkeys(
-        model, tokenizer, turns, gap=settings.second_turn_gap, max_new_tokens=ANSWER_TOKENS
-    )
-    point["second_turn"] = scored_answers(answers, turns)
+    point |= retrieval_rates(model, tokenizer, trials, shared["second_turn"], settings)
     point["perplexity"] = perplexity(model, shared["held_out"], 1)
     point["seconds"] = time.perf_counter() - started
     echo(_line(point, settings, window))

@@ -16,25 +16,52 @@ stacks into batches of ``batch_size`` per device, or, with ``batch_size=None``, 
 already (any structure the loss understands), one per step per device. A stream drawn at random per step (the
 from-scratch benchmarks' windows) is an :class:`IndexedBatches`: batch ``i`` is a pure function of ``i`` and
 the seed, so every process of a distributed run draws its own, and a rerun draws the same.
+
+Checkpoints. With ``output_dir`` (or inside :func:`checkpointing`, how a recipe that saves gives every training of
+a stage its own folder in the run's work folder, :mod:`headkit.recipes.work`), Trainer writes a checkpoint every
+``save_steps`` and at the last step (the model or adapters, optimizer, scheduler, RNG states, its state), the last
+two kept; each is sealed by a record of its files' SHA-256 written after them (:data:`CHECKPOINT_RECORD`). A
+resumed training starts from the newest sealed checkpoint whose files match their record; a damaged one is said so
+in one line and removed, and the one before is used. Trainer's ``resume_from_checkpoint`` restores the rest, the
+data order included, so the resumed training ends where an uninterrupted one would.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import logging
 import math
 import os
+import random
+import shutil
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+import safetensors
+import safetensors.torch
 import torch
 import torch.distributed as dist
 from torch import nn
-from transformers import PrinterCallback, Trainer, TrainerCallback, TrainingArguments
+from transformers import (
+    PreTrainedModel,
+    PrinterCallback,
+    Trainer,
+    TrainerCallback,
+    TrainerState,
+    TrainingArguments,
+)
 
 from headkit.errors import HeadkitError
+from headkit.files import write_atomic, write_json_atomic
+from headkit.runs.faults import fault_point
 from headkit.runs.processes import process_rank_and_count
 
 LossFn = Callable[[nn.Module, Any, int], torch.Tensor]
@@ -81,6 +108,96 @@ class IndexedBatches(torch.utils.data.Dataset):
         # Distinct streams per index: the seed and the index mixed, never colliding for non-negative seeds.
         generator = torch.Generator().manual_seed((self.seed * 1_000_003 + index) % (2**63))
         return self.make(index, generator)
+
+
+#: The file, inside a Trainer checkpoint, that seals it: each of its files' SHA-256, written once they are all there.
+CHECKPOINT_RECORD = "headkit-checkpoint.json"
+#: The file, inside a Trainer checkpoint, of the trained parameters outside the model (an L0 controller's
+#: multipliers), which Trainer's own files leave out.
+OUTSIDE_FILE = "headkit-outside-parameters.pt"
+#: The files of a Trainer checkpoint this module reads: the weights (a model's or a wrapper's state dict) and state.
+SAFE_WEIGHTS_NAME, TRAINER_STATE_NAME = "model.safetensors", "trainer_state.json"
+#: Trainer's checkpoint interval where a caller gives none.
+SAVE_STEPS = 50
+
+
+@dataclass
+class Checkpointing:
+    """Where the trainings of one recipe stage keep their checkpoints (:func:`checkpointing`): the ``i``-th
+    training the stage runs in ``folder/train-i``, every ``every`` steps, resuming from the newest there;
+    ``resumed`` lists the checkpoints a training started from, ``echo`` says so."""
+
+    folder: Path
+    stage: str
+    every: int = SAVE_STEPS
+    echo: Callable[[str], None] = print
+    count: int = 0
+    resumed: list[str] = field(default_factory=list)
+
+    def next_folder(self) -> tuple[int, Path]:
+        index, self.count = self.count, self.count + 1
+        return index, self.folder / f"train-{index}"
+
+
+_CHECKPOINTING: ContextVar[Checkpointing | None] = ContextVar("headkit_checkpointing", default=None)
+
+
+@contextlib.contextmanager
+def checkpointing(where: Checkpointing) -> Iterator[Checkpointing]:
+    """Within it, every :func:`train_loop` without an ``output_dir`` checkpoints in ``where``'s folders and resumes
+    from them: the recipes' trainings (distillation, gates) gain checkpoints without each passing a folder."""
+    token = _CHECKPOINTING.set(where)
+    try:
+        yield where
+    finally:
+        _CHECKPOINTING.reset(token)
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 22), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def seal_checkpoint(folder: Path) -> None:
+    """Write ``folder``'s :data:`CHECKPOINT_RECORD`: the SHA-256 of every file Trainer wrote there."""
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != CHECKPOINT_RECORD)
+    record = {str(p.relative_to(folder)): _file_digest(p) for p in files}
+    write_json_atomic(folder / CHECKPOINT_RECORD, {"files": record})
+
+
+def checkpoint_fault(folder: Path) -> str | None:
+    """What is wrong with the Trainer checkpoint ``folder`` (None: it is whole): unsealed (interrupted while
+    written), a file missing or not matching its record."""
+    try:
+        record = json.loads((folder / CHECKPOINT_RECORD).read_text())["files"]
+    except FileNotFoundError:
+        return "it was not finished"
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return f"its record {CHECKPOINT_RECORD} is unreadable ({exc})"
+    for name, digest in record.items():
+        path = folder / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if _file_digest(path) != digest:
+            return f"{name} does not match its record (damaged)"
+    return None
+
+
+def newest_checkpoint(folder: Path, echo: Callable[[str], None] = print) -> Path | None:
+    """The newest whole checkpoint in ``folder`` (Trainer's ``checkpoint-<step>``), None where there is none;
+    each newer one that is not whole is said so in one line and removed, so that Trainer's rotation never
+    counts it."""
+    found = [p for p in folder.glob("checkpoint-*") if p.is_dir() and p.name.split("-")[-1].isdigit()]
+    for candidate in sorted(found, key=lambda p: int(p.name.split("-")[-1]), reverse=True):
+        fault = checkpoint_fault(candidate)
+        if fault is None:
+            return candidate
+        echo(f"skipping checkpoint {candidate}: {fault}; trying the one before")
+        shutil.rmtree(candidate, ignore_errors=True)
+    return None
 
 
 WHOLE = "batch"  # where a whole-batch item rides through Trainer, which wants a non-empty dict
@@ -174,6 +291,13 @@ def train_loop(
         raise HeadkitError("the training data holds no example, got none")
     if not any(p.requires_grad for group in param_groups for p in group["params"]):
         raise HeadkitError("nothing to train: no parameter group holds a trainable parameter")
+    ambient = _CHECKPOINTING.get() if output_dir is None else None
+    save_steps, fault_names = SAVE_STEPS, ("",)
+    if ambient is not None:
+        index, output_dir = ambient.next_folder()
+        resume, save_steps = True, ambient.every
+        # HEADKIT_FAULT_AT=<stage>:<step> in a stage's first training, <stage>.<i>:<step> in its i-th
+        fault_names = (f"{ambient.stage}.{index}", *((ambient.stage,) if index == 0 else ()))
 
     with tempfile.TemporaryDirectory(prefix="headkit-train-") as scratch:
         directory = Path(output_dir) if output_dir is not None else Path(scratch)
@@ -189,7 +313,7 @@ def train_loop(
             logging_steps=log_every,
             logging_strategy="steps",
             save_strategy="steps" if output_dir is not None else "no",
-            save_steps=50,
+            save_steps=save_steps,
             save_total_limit=2,
             report_to="none",
             disable_tqdm=not progress_bar,
@@ -202,7 +326,10 @@ def train_loop(
             ddp_backend=ddp_backend,
             log_level="warning",
         )
-        recorder = _StepRecorder(on_step, on_log)
+        inside = {id(p) for p in model.parameters()}
+        # The optimizer steps them and Trainer restores their moments, but only the model's weights are saved.
+        outside = [p for group in param_groups for p in group["params"] if id(p) not in inside]
+        recorder = _StepRecorder(on_step, on_log, fault_names)
         trainer = _LoopTrainer(
             loss_fn=loss_fn,
             dropout=dropout,
@@ -215,11 +342,25 @@ def train_loop(
             args=arguments,
             train_dataset=dataset,
             data_collator=_whole_batch if batch_size is None else None,
-            callbacks=[recorder],
+            callbacks=[recorder, _CheckpointSeal(outside)] if output_dir is not None else [recorder],
         )
         trainer.remove_callback(PrinterCallback)  # its raw log dicts; callers print what they want via on_log
-        checkpoint = resume and output_dir is not None and any(Path(output_dir).glob("checkpoint-*"))
-        output = trainer.train(resume_from_checkpoint=True if checkpoint else None)
+        echo = ambient.echo if ambient is not None else print
+        checkpoint = newest_checkpoint(Path(output_dir), echo) if resume and output_dir is not None else None
+        if checkpoint is not None:
+            echo(f"resuming the training from {checkpoint} (of {steps} steps)")
+            if ambient is not None:
+                ambient.resumed.append(f"{ambient.stage}/{Path(output_dir).name}/{checkpoint.name}")
+        if checkpoint is not None and outside:
+            with torch.no_grad():
+                for parameter, value in zip(outside, torch.load(checkpoint / OUTSIDE_FILE), strict=True):
+                    parameter.copy_(value)
+        if checkpoint is not None and int(checkpoint.name.split("-")[-1]) >= steps:
+            # Finished before: Trainer, resumed at its last step, would take one step more.
+            model.eval()
+            return _finished_training(model, checkpoint, recorder)
+        with _quiet_tied_weights(model, checkpoint):
+            output = trainer.train(resume_from_checkpoint=str(checkpoint) if checkpoint is not None else None)
     model.eval()
     return LoopResult(
         steps=int(output.global_step),
@@ -227,6 +368,70 @@ def train_loop(
         seconds=float(output.metrics.get("train_runtime", 0.0)),
         step_seconds=recorder.step_seconds,
     )
+
+
+class _DropMessage(logging.Filter):
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.start)
+
+
+@contextlib.contextmanager
+def _quiet_tied_weights(model: nn.Module, checkpoint: Path | None) -> Iterator[None]:
+    """Trainer, resuming, warns of "missing keys" when the checkpoint leaves out a tied weight (save_pretrained
+    writes it once): nothing is missing then, and the warning is dropped; any other missing key is still said."""
+    weights = checkpoint / SAFE_WEIGHTS_NAME if checkpoint is not None else None
+    if weights is None or not weights.is_file():
+        yield
+        return
+    with safetensors.safe_open(str(weights), framework="pt") as handle:
+        saved = set(handle.keys())
+    owners: dict[int, list[str]] = {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        owners.setdefault(id(tensor), []).append(name)
+    tied = {name for names in owners.values() if len(names) > 1 for name in names}
+    missing = {name for names in owners.values() for name in names} - saved
+    if not missing or not missing <= tied:
+        yield
+        return
+    logger = logging.getLogger("transformers.trainer")
+    quiet = _DropMessage("There were missing keys in the checkpoint model loaded")
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
+
+
+def _finished_training(model: nn.Module, checkpoint: Path, recorder: _StepRecorder) -> LoopResult:
+    """The end of a training that finished before, from its last checkpoint: the trained weights (or adapters),
+    the RNG states as they were after its last step, and its logged losses replayed to the caller."""
+    if hasattr(model, "peft_config"):
+        model.load_adapter(str(checkpoint), adapter_name=model.active_adapter, is_trainable=True)
+    else:
+        # A model saved by save_pretrained leaves a tied weight out: it is the weight it is tied to.
+        model.load_state_dict(safetensors.torch.load_file(checkpoint / SAFE_WEIGHTS_NAME), strict=False)
+    rank, _ = process_rank_and_count()
+    rng_file = checkpoint / f"rng_state_{rank}.pth"
+    rng = torch.load(rng_file if rng_file.is_file() else checkpoint / "rng_state.pth", weights_only=False)
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    torch.random.set_rng_state(rng["cpu"])
+    if torch.cuda.is_available() and "cuda" in rng:
+        # Trainer keeps every device's state in a launched run, the current device's in one process.
+        if isinstance(rng["cuda"], (list, tuple)):
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        else:
+            torch.cuda.set_rng_state(rng["cuda"])
+    state = TrainerState.load_from_json(str(checkpoint / TRAINER_STATE_NAME))
+    if recorder.on_logged is not None and rank == 0:
+        for entry in state.log_history:
+            if "loss" in entry and "step" in entry:
+                recorder.on_logged(int(entry["step"]), float(entry["loss"]))
+    return LoopResult(steps=int(state.global_step))
 
 
 def _join_process_group() -> None:
@@ -251,15 +456,48 @@ def _per_process_batch(batch_size: int | None) -> int:
     return batch_size // processes
 
 
+class _CheckpointSeal(TrainerCallback):
+    """Completes each checkpoint once Trainer has written it, on the main process: the trained parameters
+    outside the model (:data:`OUTSIDE_FILE`), then the seal (:func:`seal_checkpoint`). A checkpoint interrupted
+    while written has no seal, and a resumed training passes it by."""
+
+    def __init__(self, outside: Sequence[torch.Tensor] = ()) -> None:
+        self.outside = list(outside)
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()  # every process's RNG state is in the checkpoint before it is sealed
+        if state.is_world_process_zero:
+            folder = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            if self.outside:
+                values = [p.detach().cpu().clone() for p in self.outside]
+                write_atomic(folder / OUTSIDE_FILE, lambda handle: torch.save(values, handle))
+            seal_checkpoint(folder)
+
+
 class _StepRecorder(TrainerCallback):
     """Each step's loss (from the loop's forwards) and wall clock; the callers' per-step and per-log hooks."""
 
-    def __init__(self, on_step: StepCallback | None, on_log: Callable[[int, float], None] | None) -> None:
+    def __init__(
+        self,
+        on_step: StepCallback | None,
+        on_log: Callable[[int, float], None] | None,
+        fault_names: Sequence[str] = ("",),
+    ) -> None:
         self.on_step_done, self.on_logged = on_step, on_log
+        self.fault_names = fault_names
         self.losses: list[float] = []
         self.step_seconds: list[float] = []
         self.pending: list[torch.Tensor] = []
         self.started = 0.0
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # Resumed from a checkpoint: the logs of the steps before it, restored with Trainer's state, reach the
+        # caller as they did the first time, so a resumed recovery reports every logged loss.
+        if self.on_logged is not None and state.global_step > 0 and state.is_world_process_zero:
+            for entry in state.log_history:
+                if "loss" in entry and "step" in entry:
+                    self.on_logged(int(entry["step"]), float(entry["loss"]))
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self.started = time.perf_counter()
@@ -272,6 +510,9 @@ class _StepRecorder(TrainerCallback):
         self.losses.append(loss)
         if self.on_step_done is not None:
             self.on_step_done(state.global_step, loss, self.step_seconds[-1])
+        for name in self.fault_names:
+            if name:
+                fault_point(f"{name}:{state.global_step}")
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         if self.on_logged is not None and logs and "loss" in logs and state.is_world_process_zero:
@@ -313,6 +554,27 @@ class _LoopTrainer(Trainer):
         if self.schedule is not None and self.lr_scheduler is None:
             self.lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer or self.optimizer, self.schedule)
         return super().create_scheduler(num_training_steps, optimizer)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        model = self.accelerator.unwrap_model(self.model, keep_torch_compile=False)
+        if (
+            isinstance(model, PreTrainedModel)
+            or hasattr(model, "peft_config")
+            or self.is_fsdp_enabled
+            or self.is_deepspeed_enabled
+        ):
+            super().save_model(output_dir, _internal_call)
+            return
+        # A module around the model (an objective's forward) whose state dict names a tied weight twice: Trainer's
+        # safetensors.save_file refuses shared tensors, so each name gets its own copy, every key stays there for
+        # Trainer's resume to load, and the tied weight gets the same values twice.
+        if self.args.should_save:
+            directory = Path(output_dir if output_dir is not None else self.args.output_dir)
+            directory.mkdir(parents=True, exist_ok=True)
+            state = {
+                name: tensor.detach().clone().contiguous() for name, tensor in model.state_dict().items()
+            }
+            safetensors.torch.save_file(state, str(directory / SAFE_WEIGHTS_NAME), metadata={"format": "pt"})
 
     def floating_point_ops(self, inputs: Any) -> int:
         # Items may be any structure the loss understands (not a model's input dict): no FLOP estimate.

@@ -27,6 +27,28 @@ class ModelSettings:
     updates round away; LoRA's adapters train in float32, as PEFT makes them)."""
 
     dtype: str = field(default=DEFAULT_DTYPE, kw_only=True)
+    # Options of every command that saves (prune, compress, linearize); not of a benchmark, which saves no model
+    # (``saves``: headkit.runs.options.with_fields_of leaves them out of a benchmark's settings).
+    resume: bool = field(
+        default=False,
+        kw_only=True,
+        metadata={
+            "help": "Continue an interrupted run of the same command from its work folder beside --out "
+            "(<out>.partial): finished stages are skipped, training continues from its newest checkpoint. "
+            "Refused when the settings or the input differ.",
+            "saves": True,
+        },
+    )
+    checkpoint_steps: int = field(
+        default=50,
+        kw_only=True,
+        metadata={
+            "help": "Training steps between the checkpoints kept in the work folder (--resume continues from "
+            "the newest).",
+            "min": 1,
+            "saves": True,
+        },
+    )
 
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype)

@@ -16,7 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from headkit.errors import HeadkitError
 from headkit.files import staged_folder, write_json_atomic
+from headkit.runs.faults import fault_point
 from headkit.runs.processes import on_main_process
 from headkit.runs.resident import Peak, stage_peaks
 
@@ -64,6 +66,18 @@ def save_result(
         (:func:`headkit.files.record_write`), in the main process's list only."""
 
     def write() -> dict[str, Any]:
+        try:
+            return staged_write()
+        except OSError as exc:
+            # A full disk, a folder gone read-only: one line naming the file; the staging folder is gone and
+            # `out` as it was (staged_folder).
+            what = exc.strerror or str(exc) or type(exc).__name__
+            where = f" ({exc.filename})" if exc.filename else ""
+            raise HeadkitError(
+                f"cannot write --out {str(out)!r}: {what}{where}; it was left as it was"
+            ) from exc
+
+    def staged_write() -> dict[str, Any]:
         save_started = time.perf_counter()
         with staged_folder(out) as staging:
             model.save_pretrained(staging)
@@ -79,6 +93,7 @@ def save_result(
                     peaks["save"].update()  # the save's peak so far
                 report["peak_memory"] = stage_peaks(peaks)
             write_json_atomic(staging / REPORT_FILE, report)
+            fault_point("save")
         return report
 
     report.update(on_main_process(write))

@@ -7,10 +7,15 @@ its peak resident memory (``peak_memory``: the run's peak, the stage that reache
 :mod:`headkit.runs.resident`);
 ``repair`` is the fix between the surgery and any training through the model (prune's closed-form refit,
 compress's layer-local reconstruction), a no-op (the report's ``"repair": null``) where a surgery has none.
+
+A run that saves keeps each finished stage in its work folder beside ``--out`` and, with ``--resume``, skips the
+stages an interrupted run finished and resumes its training from the newest checkpoint (:mod:`headkit.recipes.work`;
+the report's ``resumed``); SIGINT / SIGTERM leave the folder resumable and exit with 130 / 143.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -21,11 +26,14 @@ from typing import Any, TypeVar
 import torch
 from torch import nn
 
+from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import recipe_tasks
 from headkit.recipes.settings import check_before_loading, with_overrides
 from headkit.recipes.skeleton import save_result
+from headkit.recipes.work import RunWork, interruptible
+from headkit.runs.faults import fault_point
 from headkit.runs.models import LoadedModel, load_model
-from headkit.runs.processes import main_process_echo
+from headkit.runs.processes import ReplicatedError, main_process_echo
 from headkit.runs.resident import Peak, stage_peaks, tracking_peak
 
 T = TypeVar("T")
@@ -139,6 +147,21 @@ def run_recipe(
     started = time.perf_counter() if started is None else started
     echo = main_process_echo(echo)
     check_before_loading(recipe.preflight, settings, model_path, out)
+    work = None if out is None else RunWork.open(settings, model_path, out, echo)
+    with interruptible(work) if work is not None else contextlib.nullcontext():
+        return _run_stages(recipe, settings, model_path, echo, loaded, out, started, work)
+
+
+def _run_stages(
+    recipe: Recipe,
+    settings: Any,
+    model_path: Path,
+    echo: Callable[[str], None],
+    loaded: LoadedModel | None,
+    out: Path | None,
+    started: float,
+    work: RunWork | None,
+) -> tuple[Steps, dict[str, Any]]:
     seconds: dict[str, float] = {}
     peaks: dict[str, Peak] = {}
 
@@ -152,18 +175,31 @@ def run_recipe(
     torch.manual_seed(settings.seed)
     loaded = timed("load", lambda: loaded or load_model(model_path, dtype=settings.dtype))
     steps = timed("check", lambda: _checked_steps(recipe, settings, model_path, loaded, echo))
-    for stage in STAGES[2:]:
-        outcome = timed(stage, getattr(steps, stage))
-        if stage == "repair":
-            steps.report["repair"] = outcome
+    stages = STAGES[2:] + (("tasks",) if settings.eval_tasks else ())
+    done, kept = work.restore(steps, stages) if work is not None else (None, {})
+    # The stages taken from the work folder keep the seconds and peaks they took the first time.
+    seconds |= {k: v for k, v in kept.get("seconds", {}).items() if k not in seconds}
+    peaks |= {k: v for k, v in kept.get("peaks", {}).items() if k not in peaks}
+    for stage in stages[stages.index(done) + 1 :] if done is not None else stages:
+        try:
+            with work.stage(stage) if work is not None else contextlib.nullcontext():
+                outcome = timed(stage, lambda stage=stage: _run_stage(steps, stage, settings, echo))
+            if stage == "repair":
+                steps.report["repair"] = outcome
+            elif stage == "tasks":
+                steps.report["tasks"] = outcome
+            fault_point(stage)
+            if work is not None:
+                work.persist(stage, steps, {"seconds": dict(seconds), "peaks": dict(peaks)})
+        except OSError as exc:
+            if work is None or not work.holds(exc.filename):
+                raise
+            # A checkpoint or snapshot the disk refused: what is kept so far stays resumable.
+            raise HeadkitError(
+                f"cannot write {exc.filename}: {exc.strerror or exc}; the finished stages are kept in "
+                f"{work.folder}: free some space and add --resume"
+            ) from exc
     report = steps.report
-    if settings.eval_tasks:
-        report["tasks"] = timed(
-            "tasks",
-            lambda: recipe_tasks(
-                settings, steps.teacher, steps.student, steps.tokenizer, steps.result_name, echo
-            ),
-        )
     report["model"] = str(model_path)
     report["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()}
     report["stage_seconds"] = seconds
@@ -172,19 +208,37 @@ def run_recipe(
         report["seconds"] = time.perf_counter() - started
         return steps, report
     report["out"] = str(out)
-    with tracking_peak() as peaks["save"]:
-        save_result(
-            out,
-            steps.student,
-            steps.tokenizer,
-            report,
-            started=started,
-            stock=steps.stock,
-            extras=steps.extras(),
-            peaks=peaks,
-        )
+    report["resumed"] = work.resumed if work is not None else []
+    report["resumed_checkpoints"] = work.checkpoints if work is not None else []
+    try:
+        with tracking_peak() as peaks["save"]:
+            save_result(
+                out,
+                steps.student,
+                steps.tokenizer,
+                report,
+                started=started,
+                stock=steps.stock,
+                extras=steps.extras(),
+                peaks=peaks,
+            )
+    except HeadkitError as exc:
+        # Another process's copy of the main one's error (already printed with the hint) goes as it is.
+        if work is None or isinstance(exc, ReplicatedError) or not work.resumable():
+            raise
+        raise HeadkitError(
+            f"{exc}; the finished stages are kept in {work.folder}: fix it and add --resume"
+        ) from exc
+    if work is not None:
+        work.finish()
     report["peak_memory"] = stage_peaks(peaks)
     return steps, report
+
+
+def _run_stage(steps: Steps, stage: str, settings: Any, echo: Callable[[str], None]) -> Any:
+    if stage == "tasks":
+        return recipe_tasks(settings, steps.teacher, steps.student, steps.tokenizer, steps.result_name, echo)
+    return getattr(steps, stage)()
 
 
 def _checked_steps(

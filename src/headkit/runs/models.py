@@ -162,6 +162,7 @@ def load_model(
     torch_dtype = resolve_dtype(dtype)
     path = Path(path)
     kind = kind or model_kind(path)
+    check_model_files(path)
     if path.is_file():  # GGUF
         if importlib.util.find_spec("gguf") is None:
             raise HeadkitError(f"reading {path.name} needs the gguf package (pip install gguf)")
@@ -196,6 +197,69 @@ def load_model(
         check_token_ids(tokenizer, model, f"MODEL {str(path)!r}")
     # Every weight in `dtype`, even those a class keeps in float32 (a checkpoint's own dtype never leaks through).
     return LoadedModel(model.to(torch_dtype).eval(), tokenizer, kind, path)
+
+
+def check_model_files(path: Path) -> None:
+    """Refuse MODEL's weight files that are cut short or whose header is damaged (an interrupted download or
+    copy), in one line naming the file, before transformers reads them (its errors name neither): a GGUF file's
+    header and tensor table against its size; each safetensors file's header and the bytes its tensors span; a
+    sharded checkpoint's index. A flipped bit inside the weights themselves is not seen: no format records a
+    checksum."""
+    if path.is_file():
+        _check_gguf_file(path)
+        return
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            json.loads(index.read_text())
+        except (OSError, ValueError) as exc:
+            raise HeadkitError(f"MODEL {str(path)!r}: {index.name} is damaged ({exc})") from None
+    for file in sorted(path.glob("*.safetensors")):
+        _check_safetensors_file(file)
+
+
+def _check_safetensors_file(file: Path) -> None:
+    size = file.stat().st_size
+    problem = None
+    with open(file, "rb") as handle:
+        head = handle.read(8)
+        length = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        if length is None or 8 + length > size:
+            problem = f"cut short ({size} bytes, less than its header says)"
+        else:
+            try:
+                header = json.loads(handle.read(length))
+                ends = [entry["data_offsets"][1] for name, entry in header.items() if name != "__metadata__"]
+            except (ValueError, KeyError, TypeError, IndexError) as exc:
+                problem = f"its header is damaged ({exc})"
+            else:
+                expected = 8 + length + max(ends, default=0)
+                if size != expected:
+                    state = "cut short" if size < expected else "damaged"
+                    problem = f"{state} ({size} bytes, its header says {expected})"
+    if problem is not None:
+        raise HeadkitError(
+            f"MODEL weight file {str(file)!r} is unreadable: {problem}; download or copy it again"
+        )
+
+
+def _check_gguf_file(file: Path) -> None:
+    if importlib.util.find_spec("gguf") is None:
+        return  # loading refuses it, naming the package
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(file)
+        end = max((int(t.data_offset) + int(t.n_bytes) for t in reader.tensors), default=0)
+    except Exception as exc:  # the reader raises what numpy raises on a short or damaged file
+        raise HeadkitError(
+            f"MODEL {str(file)!r} is not a readable GGUF file, cut short or damaged ({type(exc).__name__}: {exc})"
+        ) from None
+    if end > file.stat().st_size:
+        raise HeadkitError(
+            f"MODEL {str(file)!r} is cut short: {file.stat().st_size} bytes, its tensors end at {end}; "
+            "download or copy it again"
+        )
 
 
 def _ids_outside(tokenizer: Any, rows: int) -> list[tuple[int, str]]:

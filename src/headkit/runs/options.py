@@ -22,6 +22,8 @@ A field is an option when its ``metadata`` has ``help``; the vocabulary (every k
                 further checks of the value, which :func:`check_options` makes (with ``min``) for the command
                 line and the library alike
     argument    a positional argument instead of an option
+    saves       an option of the commands that save a model only (--resume): a benchmark's settings made from a
+                recipe's (``with_fields_of(..., unset=True)``) leave it out
 
 Plain ``dataclasses.field(metadata={...})`` declares one (a surgery's config, beneath the recipes, does so);
 :func:`option` is the short form. :func:`with_fields_of` gives a settings class the fields of another (a
@@ -75,7 +77,19 @@ NO_QUICK = MISSING  # a field whose quick value is its default
 # What check_options reads: one declaration for the command line and the library alike.
 CHECKS = ("min", "max", "distinct", "positive", "choices", "check")
 VOCABULARY = frozenset(
-    {"help", "flag", "removed", "quick", "parse", "convert", "argument", "default_help", "repeat", *CHECKS}
+    {
+        "help",
+        "flag",
+        "removed",
+        "quick",
+        "parse",
+        "convert",
+        "argument",
+        "default_help",
+        "repeat",
+        "saves",
+        *CHECKS,
+    }
 )
 
 
@@ -178,7 +192,11 @@ def with_fields_of(
 
     def decorate(cls: type) -> type:
         hints = typing.get_type_hints(source)
-        sources = option_fields(source) if unset else dataclasses.fields(source)
+        sources = (
+            [field for field in option_fields(source) if not field.metadata.get("saves")]
+            if unset
+            else dataclasses.fields(source)
+        )
         if names is not None:
             sources = [field for field in sources if field.name in names]
         annotations = dict(cls.__dict__.get("__annotations__", {}))
@@ -235,7 +253,8 @@ def command_parameters(settings_class: type) -> list[inspect.Parameter]:
 
     kinds = field_types(settings_class)
     parameters = []
-    for field in option_fields(settings_class):
+    # The options every saving command shares (--resume) after the recipe's own, which its help is about.
+    for field in sorted(option_fields(settings_class), key=lambda field: bool(field.metadata.get("saves"))):
         kind, default, meta = kinds[field.name], field.default, field.metadata
         if default is dataclasses.MISSING:
             default = ... if field.default_factory is dataclasses.MISSING else field.default_factory()
