@@ -199,3 +199,14 @@ def test_the_head_check_runs_in_eval_mode_and_restores_each_module_mode():
     assert logit_head(student) is not None
     assert torch.equal(torch.get_rng_state(), state)  # nothing drawn: the training order is unchanged
     assert student.training and student.model.layers[1].training and not student.model.layers[0].training
+
+
+def test_the_objective_pickles_without_its_memo_of_checked_heads():
+    import pickle
+
+    from headkit.runs.objectives import CausalLMObjective
+
+    objective = CausalLMObjective(temperature=2.0)
+    objective._heads[torch.nn.Linear(2, 2)] = True
+    copy = pickle.loads(pickle.dumps(objective))
+    assert copy.temperature == 2.0 and len(copy._heads) == 0

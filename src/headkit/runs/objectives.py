@@ -162,11 +162,13 @@ class LogitHead:
     last_hidden: bool
 
 
-def logit_head(model: nn.Module) -> LogitHead | None:
+def logit_head(model: nn.Module, *, hidden: bool = True) -> LogitHead | None:
     """`model`'s :class:`LogitHead` when its own logits are its LM head (``get_output_embeddings()``, an
     nn.Linear) applied to the head's input and soft-capped as its config says — checked on a few tokens against
     the model's own logits — so that its loss can be computed from the head's input in chunks; None otherwise
-    (a head this does not know how to apply: the logits are computed whole)."""
+    (a head this does not know how to apply: the logits are computed whole). `hidden`: also check that the
+    head's input is the last hidden state (asking transformers for the hidden states installs its capturing
+    hooks on the model, which a recipe's snapshot cannot pickle: only an objective that uses them asks)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear):
         return None
@@ -180,7 +182,9 @@ def logit_head(model: nn.Module) -> LogitHead | None:
     model.eval()
     try:
         with torch.no_grad():
-            expected = model(input_ids=ids, use_cache=False, output_hidden_states=True)
+            expected = model(
+                input_ids=ids, use_cache=False, **({"output_hidden_states": True} if hidden else {})
+            )
             hidden = lm_head_input(model, head, {"input_ids": ids})
             logits = head(hidden)
             if softcap is not None:
@@ -220,6 +224,15 @@ class CausalLMObjective:
     )
     # the student's forward is stopped at its head (lm_head_input): DDP must wrap the objective, not the student
     calls_student_forward = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The heads checked so far are a memo of live models (weak references cannot be pickled): a recipe's
+        # snapshot (headkit.recipes.work) keeps the objective without it, and the head is checked again.
+        return {name: value for name, value in self.__dict__.items() if name != "_heads"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._heads = weakref.WeakKeyDictionary()
 
     def __post_init__(self) -> None:
         if (
@@ -295,5 +308,5 @@ class CausalLMObjective:
     def _head(self, model: nn.Module) -> LogitHead | None:
         # checked once per model: the check runs two forwards of a few tokens
         if model not in self._heads:
-            self._heads[model] = logit_head(model)
+            self._heads[model] = logit_head(model, hidden=self.hidden_weight > 0)
         return self._heads[model]
