@@ -19,7 +19,6 @@ data-parallel run where each process sees its own shard.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +28,7 @@ from torch import nn
 
 from headkit.errors import HeadkitError
 from headkit.ops.chunked_loss import chunked_kl_divergence
+from headkit.surgery.repair import lm_head_input
 
 
 def mean_pool(hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -124,31 +124,6 @@ class EncoderObjective:
         if mask is None:
             mask = torch.ones(got.shape[:2], dtype=torch.long, device=got.device)
         return embedding_distillation_loss(got, expected, mask)
-
-
-class _Captured(Exception):
-    """Raised by the LM head's pre-hook to stop a forward once the head's input is known."""
-
-
-def lm_head_input(model: nn.Module, head: nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
-    """The LM head's input [B, T, hidden] (the last hidden states, after the final norm) for `inputs`, the
-    forward stopped at the head: no logits are computed. Differentiable where grad is enabled."""
-    captured: list[torch.Tensor] = []
-
-    def capture(module: nn.Module, args: tuple) -> None:
-        captured.append(args[0])
-        raise _Captured
-
-    handle = head.register_forward_pre_hook(capture)
-    try:
-        model(**inputs, use_cache=False)
-    except _Captured:
-        pass
-    finally:
-        handle.remove()
-    if not captured:
-        raise HeadkitError(f"{type(model).__name__}'s forward never reached its LM head")
-    return captured[0]
 
 
 @dataclass(frozen=True)

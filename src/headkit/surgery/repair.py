@@ -677,7 +677,7 @@ def _next_token_head(model: nn.Module) -> tuple[nn.Linear, float | None] | None:
     ids = (torch.arange(2, 10)[None] % head.out_features).to(head.weight.device)
     with torch.no_grad():
         expected = model(input_ids=ids, labels=ids, use_cache=False).loss
-        hidden = _head_input(model, head, {"input_ids": ids})
+        hidden = lm_head_input(model, head, {"input_ids": ids})
         got = chunked_cross_entropy(
             hidden[0, :-1], head.weight, ids[0, 1:], bias=head.bias, softcap=softcap, chunk=3
         ) / (ids.shape[1] - 1)
@@ -687,8 +687,10 @@ def _next_token_head(model: nn.Module) -> tuple[nn.Linear, float | None] | None:
     return head, softcap
 
 
-def _head_input(model: nn.Module, head: nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
-    """The LM head's input [B, T, hidden] for `inputs`, the forward stopped there (no logits computed)."""
+def lm_head_input(model: nn.Module, head: nn.Module, inputs: Mapping[str, Any]) -> torch.Tensor:
+    """The LM head's input [B, T, hidden] (the last hidden states, after the final norm) for `inputs`, the
+    forward stopped at the head: no logits are computed. Differentiable where grad is enabled (the recovery's
+    chunked distillation, headkit.runs.objectives, reads it too)."""
     captured: list[torch.Tensor] = []
 
     def capture(module: nn.Module, args: tuple) -> None:
@@ -746,7 +748,7 @@ def _run_backward(
                         loss = loss * (labels[:, 1:] != IGNORE_INDEX).sum()
                     else:
                         head, softcap = found
-                        hidden = _head_input(model, head, {"input_ids": ids, "attention_mask": mask})
+                        hidden = lm_head_input(model, head, {"input_ids": ids, "attention_mask": mask})
                         loss = chunked_cross_entropy(
                             hidden[:, :-1].reshape(-1, hidden.shape[-1]),
                             head.weight,
