@@ -28,7 +28,7 @@ from torch import nn
 
 from headkit.errors import HeadkitError
 from headkit.ops.chunked_loss import chunked_kl_divergence
-from headkit.surgery.repair import lm_head_input
+from headkit.surgery.repair import linear_head, lm_head_input
 
 
 def mean_pool(hidden_states: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -144,12 +144,10 @@ def logit_head(model: nn.Module, *, hidden: bool = True) -> LogitHead | None:
     (a head this does not know how to apply: the logits are computed whole). `hidden`: also check that the
     head's input is the last hidden state (asking transformers for the hidden states installs its capturing
     hooks on the model, which a recipe's snapshot cannot pickle: only an objective that uses them asks)."""
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if not isinstance(head, nn.Linear):
+    found = linear_head(model)
+    if found is None:
         return None
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    softcap = getattr(text, "final_logit_softcapping", None) or None
+    head, softcap = found
     ids = (torch.arange(2, 10)[None] % head.out_features).to(head.weight.device)
     # In eval mode, so that two forwards agree (no dropout, no gate noise) and draw nothing from the random
     # generators a training run's order depends on; each module's mode restored after.

@@ -663,17 +663,27 @@ def capture_attention_calls(
     return calls
 
 
-def _next_token_head(model: nn.Module) -> tuple[nn.Linear, float | None] | None:
-    """The LM head of `model` and its logits' soft-cap (Gemma 2/3's ``final_logit_softcapping``) when the model's
-    own next-token loss is the cross-entropy of ``cap·tanh(head(h)/cap)`` (or plain ``head(h)``) on the head's
-    input h — checked on a few tokens against the model's own loss — so that :func:`_run_backward` can compute it
-    in chunks; None otherwise (the model's own loss is used, logits whole)."""
+def linear_head(model: nn.Module) -> tuple[nn.Linear, float | None] | None:
+    """`model`'s LM head when it is an nn.Linear (``get_output_embeddings()``), with its logits' soft-cap (Gemma
+    2/3's ``final_logit_softcapping``, None without); None for any other head. What computing a loss from the
+    head's input in chunks needs — each caller checks it against the model's own output first."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if not isinstance(head, nn.Linear):
         return None
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    softcap = getattr(text, "final_logit_softcapping", None) or None
+    return head, getattr(text, "final_logit_softcapping", None) or None
+
+
+def _next_token_head(model: nn.Module) -> tuple[nn.Linear, float | None] | None:
+    """The LM head of `model` and its logits' soft-cap (Gemma 2/3's ``final_logit_softcapping``) when the model's
+    own next-token loss is the cross-entropy of ``cap·tanh(head(h)/cap)`` (or plain ``head(h)``) on the head's
+    input h — checked on a few tokens against the model's own loss — so that :func:`_run_backward` can compute it
+    in chunks; None otherwise (the model's own loss is used, logits whole)."""
+    found = linear_head(model)
+    if found is None:
+        return None
+    head, softcap = found
     ids = (torch.arange(2, 10)[None] % head.out_features).to(head.weight.device)
     with torch.no_grad():
         expected = model(input_ids=ids, labels=ids, use_cache=False).loss
