@@ -434,3 +434,27 @@ def test_a_run_is_the_same_run_whichever_way_its_paths_are_written(tiny_llama, t
     assert (
         run_record(other, other.model)["fingerprint"] != run_record(absolute, absolute.model)["fingerprint"]
     )
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_opening_the_work_folder_creates_no_process_group_before_the_model_loads(
+    rank, tiny_llama, tmp_path, monkeypatch
+):
+    """Under a launcher the work folder opens before the model loads; a process group created then changes how
+    transformers loads the weights (with accelerate's FSDP on the CPU, rank 1 got empty ones)."""
+    from headkit.recipes.prune_settings import PruneSettings
+    from headkit.recipes.work import RunWork
+    from headkit.runs import processes
+
+    def no_group_yet():
+        raise AssertionError("a process group was asked for before the model loaded")
+
+    monkeypatch.setattr(processes, "_process_state", no_group_yet)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", rank)
+    out = tmp_path / "result"
+    stale = tmp_path / ".result.abc123.tmp"
+    stale.mkdir()
+    settings = PruneSettings(model=Path(tiny_llama), out=out)
+    RunWork.open(settings, Path(tiny_llama), out, lambda text: None)
+    assert stale.exists() == (rank == "1")  # the main process removed a SIGKILLed save's staging folder

@@ -260,7 +260,11 @@ class RunWork:
                 )
             work = cls(folder, record, echo, fresh=False)
         work.every = settings.checkpoint_steps
-        on_main_process(lambda: _remove_stale_staging(out))
+        # Rank 0 alone and without a barrier: this runs before the model loads, and creating the process group
+        # that early changes how transformers loads the weights (is_main_process); nothing else reads the staging
+        # folders before the save step, which waits for rank 0.
+        if is_main_process():
+            _remove_stale_staging(out)
         return work
 
     # -- the stages ------------------------------------------------------------------------------------------
