@@ -19,7 +19,8 @@ TINY = [
     "--budgets", "2,4", "--lengths", "160", "--trials", "2", "--retrieval-head-counts", "0,1", "--window", "16",
     "--observation", "8", "--second-turn-gap", "40", "--perplexity-lengths", "64", "--scored-tokens", "16",
     "--chunk", "4", "--held-out-windows", "1", "--calibration-windows", "2", "--group-size", "8",
-    "--residual", "8", "--state-context", "200", "--threads", "1",
+    "--residual", "8", "--state-context", "200", "--threads", "1", "--speed-contexts", "48,96",
+    "--decode-steps", "2",
 ]  # fmt: skip
 
 
@@ -57,6 +58,8 @@ def test_every_method_fits_its_budget_and_the_best_is_chosen_among_them(tiny, tm
         if point["budget"] is not None:
             assert point["bytes"] <= original["bytes"] / point["budget"] + 1e-6, point["label"]
         assert point["perplexity_64"] > 1 and 0 <= point["passkey_160"]["accuracy"] <= 1
+    for point in points:  # time to first token and per decoded token, at each speed context
+        assert point["first_token_seconds_48"] > 0 and point["decode_ms_96"] > 0, point["label"]
     int8, int4 = (p for p in points if p["method"] == "quantized")
     assert int4["bytes"] < int8["bytes"]
     halves = {p["label"][-3:]: p for p in points if p["method"] == "compressed" and p["budget"] == 2}
@@ -67,7 +70,7 @@ def test_every_method_fits_its_budget_and_the_best_is_chosen_among_them(tiny, tm
         best = min(fitting, key=lambda p: p["perplexity_64"])
         assert (entry["method"], entry["label"]) == (best["method"], best["label"])
     table = (out / "table.md").read_text()
-    assert "Best measured per budget" in table and "ppl @64" in table
+    assert "Best measured per budget" in table and "ppl @64" in table and "ms/token @96" in table
     assert (out / "perplexity.png").stat().st_size > 0 and (out / "passkey.png").stat().st_size > 0
     assert_results_keys("frontier", results)
     assert "latent R=" in capsys.readouterr().out
@@ -135,6 +138,7 @@ def test_llama_cpp_rows_keep_its_cache_at_f16_q8_0_and_q4_0(tiny_with_a_bpe_toke
     # llama.cpp at f16 reads the same weights: its perplexity is headkit's float32 one within f16's rounding
     assert f16["perplexity_64"] == pytest.approx(original["perplexity_64"], rel=0.02)
     assert all(p["passkey_160"]["trials"] == 2 for p in points)
+    assert all(p["decode_ms_48"] > 0 and p["first_token_seconds_96"] > 0 for p in points)
 
 
 @pytest.mark.parametrize(
@@ -145,6 +149,7 @@ def test_llama_cpp_rows_keep_its_cache_at_f16_q8_0_and_q4_0(tiny_with_a_bpe_toke
         (["--methods", "telepathy"], "--methods"),
         (["--scored-tokens", "64"], "--scored-tokens must be shorter"),
         (["--budgets", "1"], "--budgets"),
+        (["--decode-steps", "48"], "--decode-steps must be fewer"),
     ],
 )
 def test_bad_options_are_refused_in_one_line_before_any_work(tiny, tmp_path, capsys, options, message):

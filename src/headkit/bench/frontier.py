@@ -20,12 +20,16 @@ Columns: passkey accuracy with the key beyond the window at each ``--lengths`` (
 key asked in a second turn, perplexity of the last ``--scored-tokens`` of held-out windows of each
 ``--perplexity-lengths`` read through the cache (:func:`headkit.evaluation.quality.continuation_perplexity`:
 the prefix prefilled, the continuation fed ``--chunk`` tokens at a time, so a quantized or compressed cache is what
-it reads), and the conversion's seconds. Two plots: bytes against perplexity, bytes against passkey.
+it reads), the time to first token and the decoding speed at each ``--speed-contexts`` (batch 1, the eager path:
+one forward of the prompt with the cache, the question's key choice included, then ``--decode-steps`` greedy
+steps; llama.cpp's prompt evaluation and single-token evaluations at the same lengths), and the conversion's
+seconds. Two plots: bytes against perplexity, bytes against passkey.
 """
 
 from __future__ import annotations
 
 import copy
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from headkit.analysis.retrieval import top_heads
@@ -53,8 +58,14 @@ from headkit.evaluation.retrieval import (
     passkey_retrieval_scores,
     prose_sentences,
 )
+from headkit.evaluation.timing import time_greedy_decoding
 from headkit.export.gguf import export_gguf
-from headkit.export.llamacpp import CACHE_TYPE_BYTES, llama_cpp_answers, llama_cpp_perplexity
+from headkit.export.llamacpp import (
+    CACHE_TYPE_BYTES,
+    llama_cpp_answers,
+    llama_cpp_perplexity,
+    llama_cpp_speed,
+)
 from headkit.recipes.cache_budget import largest_fitting
 from headkit.runs.models import CAUSAL_LM, load_model, smollm2_gguf_path
 from headkit.runs.text import held_out_by_length, lm_windows, load_text, window_batches
@@ -121,6 +132,15 @@ class FrontierBenchSettings:
         quick=64,
     )
     chunk: int = option(16, "Tokens fed at a time after the prefill when reading through the cache.", min=1)
+    speed_contexts: tuple[int, ...] = option(
+        (4096, 8192),
+        "Tokens in the cache at which the time to first token and the decoding speed are measured (batch 1).",
+        min=2,
+        quick=(512,),
+    )
+    decode_steps: int = option(
+        8, "Greedy decoding steps timed after each prompt (their median).", min=1, quick=2
+    )
     held_out_windows: int = option(2, "Held-out windows per perplexity length.", min=1, quick=1)
     calibration_windows: int = option(
         8, "Windows of 512 training tokens that calibrate the latent rows.", min=1, quick=2
@@ -157,6 +177,11 @@ def _check(settings: FrontierBenchSettings) -> None:
         raise HeadkitError(
             f"--observation must be shorter than the shortest prompt ({min(settings.lengths)} tokens), got "
             f"{settings.observation}"
+        )
+    if settings.decode_steps >= min(settings.speed_contexts):
+        raise HeadkitError(
+            f"--decode-steps must be fewer than the shortest --speed-contexts ({min(settings.speed_contexts)}), "
+            f"got {settings.decode_steps}"
         )
     if settings.scored_tokens >= min(settings.perplexity_lengths):
         raise HeadkitError(
@@ -278,9 +303,23 @@ def _measure(
         point[f"perplexity_{length}"] = continuation_perplexity(
             model, windows, scored=settings.scored_tokens, chunk=settings.chunk
         )
+    point |= _speed(model, shared["speed_prompts"], settings)
     point["seconds"] = time.perf_counter() - started
     echo(_rate_line(point, settings))
     return point
+
+
+def _speed(
+    model: nn.Module, prompts: dict[int, torch.Tensor], settings: FrontierBenchSettings
+) -> dict[str, float]:
+    """Per context L: the seconds of the prompt's forward (L − steps − 1 tokens, the cache filled and its keys
+    chosen) and the median milliseconds of the greedy steps after it, which end with L tokens in the cache."""
+    measured = {}
+    for context, ids in prompts.items():
+        first, steps, _ = time_greedy_decoding(model, ids, settings.decode_steps + 1)
+        measured[f"first_token_seconds_{context}"] = first
+        measured[f"decode_ms_{context}"] = 1000 * statistics.median(steps)
+    return measured
 
 
 def _point(row: Row, shared: dict[str, Any], settings: FrontierBenchSettings) -> dict[str, Any]:
@@ -340,6 +379,16 @@ def _llama_cpp_points(
                     scored=settings.scored_tokens,
                 )  # fmt: skip
                 point[f"perplexity_{length}"] = measured.get("perplexity")
+            for context, ids in shared["speed_prompts"].items():
+                speed = llama_cpp_speed(
+                    gguf, ids[0].tolist(), steps=settings.decode_steps, quantized=False,
+                    threads=settings.threads, cache_type=cache_type,
+                )  # fmt: skip
+                if "error" in speed:
+                    echo(f"llama.cpp KV {cache_type} speed at {context}: skipped: {speed['error']}")
+                    continue
+                point[f"first_token_seconds_{context}"] = ids.shape[1] / speed["pp_tokens_per_s"]
+                point[f"decode_ms_{context}"] = 1000 / speed["gen_tokens_per_s"]
             point["seconds"] = time.perf_counter() - started
             echo(_rate_line(point, settings))
             points.append(point)
@@ -397,6 +446,7 @@ def frontier_table(report: dict[str, Any]) -> str:
     """table.md: every row, then the best per budget."""
     original = report["points"][0]
     lengths, perplexities = report["lengths"], report["perplexity_lengths"]
+    speeds = report.get("speed_contexts", [])
 
     def cells(point: dict[str, Any]) -> list[str]:
         out = [
@@ -417,6 +467,10 @@ def frontier_table(report: dict[str, Any]) -> str:
             )
         turn = point.get("second_turn")
         out.append("—" if turn is None else f"{turn['accuracy']:.0%}")
+        for context in speeds:
+            first, step = point.get(f"first_token_seconds_{context}"), point.get(f"decode_ms_{context}")
+            out.append("—" if first is None else f"{first:.2f} s")
+            out.append("—" if step is None else f"{step:.1f}")
         out.append(f"{point.get('conversion_seconds', 0.0):.0f} s")
         return out
 
@@ -428,13 +482,15 @@ def frontier_table(report: dict[str, Any]) -> str:
         *(f"ppl @{n}" for n in perplexities),
         *(f"passkey @{n}" for n in lengths),
         "second turn",
+        *(f"{name} @{n}" for n in speeds for name in ("first token", "ms/token")),
         "conversion",
     ]
     header = (
         f"{report['model']}: bfloat16 bytes of the decoding cache, batch 1; perplexity of the last "
         f"{report['scored_tokens']} tokens of {report['held_out_windows']} held-out windows read through the cache "
         f"({report['chunk']} tokens at a time), against the original's; passkey with the key beyond a "
-        f"{report['window']}-token window ({report['trials']} prompts per length, Wilson 95%)."
+        f"{report['window']}-token window ({report['trials']} prompts per length, Wilson 95%); time to first token and milliseconds per "
+        f"decoded token at batch 1, eager path ({report.get('threads')} threads)."
     )
     best_rows = []
     for entry in best_per_budget(report):
@@ -513,7 +569,7 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
     original, tokenizer = loaded.model.eval(), loaded.tokenizer
     config = original.config
     context = max_context(original)
-    longest = max([*settings.lengths, *settings.perplexity_lengths])
+    longest = max([*settings.lengths, *settings.perplexity_lengths, *settings.speed_contexts])
     if context is not None and longest > context:
         raise HeadkitError(f"lengths must be at most the model's context of {context}, got {longest}")
 
@@ -535,6 +591,13 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
     held_out = held_out_by_length(
         tokenizer, corpus, settings.perplexity_lengths, settings.held_out_windows, settings.seed
     )
+    # The prompt of each speed context: held-out text, short of it by the steps decoded after it.
+    speed_prompts = {
+        context: windows[:1, : context - settings.decode_steps - 1]
+        for context, windows in held_out_by_length(
+            tokenizer, corpus, settings.speed_contexts, 1, settings.seed
+        ).items()
+    }
     calibration = None
     if LATENT in settings.methods:
         windows = lm_windows(
@@ -547,6 +610,7 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
         "trials": trials,
         "second_turn": second_turn,
         "held_out": held_out,
+        "speed_prompts": speed_prompts,
         "calibration": calibration,
         "bytes_of": bytes_of,
         "bytes_of_at": bytes_of_at,
@@ -597,6 +661,9 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
         "chunk": settings.chunk,
         "held_out_windows": settings.held_out_windows,
         "state_context": settings.state_context,
+        "speed_contexts": list(settings.speed_contexts),
+        "decode_steps": settings.decode_steps,
+        "threads": settings.threads,
         "points": points,
         "best_per_budget": [
             {

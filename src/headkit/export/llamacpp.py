@@ -158,9 +158,11 @@ def _speed(
     threads: int,
     token_by_token_prompt: bool,
     flash_attn: bool = True,
+    cache_type: str = "f16",
 ) -> dict[str, Any]:
     """Prompt-processing tokens/s (one ``eval`` of `prompt`) and generation tokens/s (`steps` single-token
-    ``eval`` calls after it), with the state size llama.cpp reports at the end."""
+    ``eval`` calls after it), the KV cache kept as `cache_type`, with the state size llama.cpp reports at the
+    end."""
     llm = _llama(
         path,
         n_ctx=len(prompt) + steps + 1,
@@ -168,6 +170,7 @@ def _speed(
         threads=threads,
         logits_all=False,
         flash_attn=flash_attn,
+        cache_type=cache_type,
     )
     try:
         if token_by_token_prompt:
@@ -269,10 +272,12 @@ def llama_cpp_speed(
     threads: int,
     n_batch: int = 512,
     flash_attn: bool = True,
+    cache_type: str = "f16",
 ) -> dict[str, Any]:
     """Prompt-processing and generation tokens/s at ``len(prompt)`` tokens of context (quantized files: the
     prompt fed token by token and its speed not measured, see the module docstring), with llama.cpp's flash
-    attention on (its own tools' default on CPU) or off (llama-cpp-python's)."""
+    attention on (its own tools' default on CPU) or off (llama-cpp-python's), the KV cache kept as
+    `cache_type` (a quantized value cache needs flash attention)."""
     return run_isolated(
         "speed",
         path=str(path),
@@ -282,6 +287,7 @@ def llama_cpp_speed(
         threads=threads,
         token_by_token_prompt=quantized,
         flash_attn=flash_attn,
+        cache_type=cache_type,
     )
 
 
