@@ -7,6 +7,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from headkit.layers.cache import state_tensors
+from headkit.ops.hybrid import (
+    HybridRingState,
+    hybrid_attention,
+    hybrid_attention_step_,
+    ring_from_state,
+    sparse_hybrid_attention,
+    sparse_hybrid_attention_step_,
+)
+from headkit.ops.hybrid.quantized import dequantized_ring, naive_store_ring_step_, store_ring_step_
 from headkit.ops.quantized_cache import (
     append_quantized,
     dequantize_keys,
@@ -18,11 +28,13 @@ from headkit.ops.quantized_cache import (
     naive_quantize_keys,
     naive_quantize_tokens,
     naive_quantize_values,
+    naive_store_token_,
     pack_codes,
     quantize_keys,
     quantize_tokens,
     quantize_values,
     quantized_bytes_per_token,
+    store_token_,
     stored_scale,
     tokens_to_quantize,
     unpack_codes,
@@ -227,3 +239,93 @@ def test_quantizing_a_dequantized_token_again_moves_it():
         back, bits=8, group_size=8, stored=quantize_values(x, bits=8, group_size=8), stored_values=back
     )
     assert torch.equal(dequantize_values(kept, bits=8, group_size=8), back)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_token_stored_into_its_slot_is_quantized_on_its_own_as_the_twin_does(bits, dtype):
+    x = kv(dtype)
+    stored = [quantize_values(torch.zeros_like(x), bits=bits, group_size=8) for _ in range(2)]
+    slot = torch.tensor(5)
+    store_token_(stored[0], x, slot, bits=bits, group_size=8)
+    naive_store_token_(stored[1], x, slot, bits=bits, group_size=8)
+    alone = quantize_values(x[:, :, 5:6], bits=bits, group_size=8)
+    for mine, twin, own in zip(*stored, alone, strict=True):
+        assert torch.equal(mine, twin)
+        assert torch.equal(mine[:, :, 5:6], own)
+        assert not mine[:, :, :5].any() and not mine[:, :, 6:].any()  # the other slots untouched
+
+
+def stored_ring(ring, bits):
+    """`ring` with its exact fields quantized per token, as a compressed cache stores them after a prompt."""
+
+    def quantized(x):
+        return quantize_values(x, bits=bits, group_size=8)
+
+    if isinstance(ring, HybridRingState):
+        return ring._replace(keys=quantized(ring.keys), values=quantized(ring.values))
+    names = ("sink_keys", "sink_values", "sparse_keys", "sparse_values")
+    return ring._replace(
+        window=stored_ring(ring.window, bits), **{name: quantized(getattr(ring, name)) for name in names}
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # bfloat16: a requantized token would move
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize(
+    "window, sinks, budget, question",
+    [
+        (6, 2, 3, False),
+        (6, 1, 4, True),
+        (1, 2, 3, False),
+        (1, 0, 2, True),
+        (5, 0, 0, False),
+        (4, 3, 0, False),
+    ],
+    ids=["recall", "question", "window-1-recall", "window-1-question", "plain", "sinks-only"],
+)
+def test_the_quantized_ring_step_stores_the_codes_of_the_eager_caches_rule(
+    dtype, bits, window, sinks, budget, question
+):
+    """store_ring_step_ (the new token quantized into its slot, a moved key's codes copied) against its twin, the
+    eager cache's rule (every exact token requantized, a stored one matched to its codes): the same codes, scales
+    and zero points, bit for bit, step after step — keys entering sinks and kept slots included."""
+    torch.manual_seed(0)
+    batch, heads, kv_heads, dim, features, prompt, steps = 2, 4, 2, 16, 6, 9, 7
+    q, k, v = (torch.randn(batch, h, prompt + steps, dim, dtype=dtype) for h in (heads, kv_heads, kv_heads))
+    qf = torch.rand(batch, heads, prompt + steps, features, dtype=dtype)
+    kf = torch.rand(batch, kv_heads, prompt + steps, features, dtype=dtype)
+    balance = torch.rand(heads, dtype=dtype)
+    mask = torch.ones(batch, prompt, dtype=torch.bool)
+    mask[0, :3] = False  # left padding: its keys never enter a sink or a kept slot
+    first = [x[:, :, :prompt] for x in (q, k, v, qf, kf)]
+    if sinks or budget:
+        options = {"window": window, "sinks": sinks, "budget": budget}
+        _, state = sparse_hybrid_attention(
+            *first, balance, attention_mask=mask, output_final_state=True, **options
+        )
+    else:
+        options = {"window": window}
+        _, state = hybrid_attention(*first, balance, attention_mask=mask, output_final_state=True, **options)
+    mine, twin = (
+        stored_ring(ring_from_state(state, prompt), bits),
+        stored_ring(ring_from_state(state, prompt), bits),
+    )
+    quantization = {"bits": bits, "group_size": 8}
+    for t in range(prompt, prompt + steps):
+        inputs = [x[:, :, t : t + 1] for x in (q, k, v, qf, kf)]
+        outputs = []
+        for stored, store in ((mine, store_ring_step_), (twin, naive_store_ring_step_)):
+            working = dequantized_ring(stored, **quantization)
+            if sinks or budget:
+                scores = torch.zeros(batch, kv_heads, 1) if question else None
+                out = sparse_hybrid_attention_step_(*inputs, balance, working, key_scores=scores, **options)
+            else:
+                out = hybrid_attention_step_(*inputs, balance, working, **options)
+            store(stored, working, **quantization)
+            outputs.append(out)
+        assert torch.equal(*outputs)
+        for got, want in zip(state_tensors(mine), state_tensors(twin), strict=True):
+            assert torch.equal(got, want), t
+    if sinks:  # the test saw keys move: the sinks filled from the window
+        assert bool(mine.sink_keep.all())

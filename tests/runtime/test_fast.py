@@ -19,17 +19,26 @@ from torch._dynamo.testing import CompileCounterWithBackend
 from torch._inductor.utils import run_and_get_code
 from transformers import CompileConfig, DynamicCache
 
+import headkit
 from headkit import HeadkitError, fast_generate, linearize
 from headkit.compat import cache_keyword
 from headkit.layers.cache import state_tensors
 from headkit.layers.hybrid import RingHybridStateCacheLayer
+from headkit.layers.quantized_cache import (
+    QuantizedHybridStateCacheLayer,
+    QuantizedRingHybridStateCacheLayer,
+    exact_leaves,
+)
 from headkit.ops import (
     ring_from_state,
     sparse_hybrid_attention,
     sparse_hybrid_attention_step_,
     state_from_ring,
 )
+from headkit.ops.hybrid.quantized import dequantized_ring, store_ring_step_
+from headkit.ops.quantized_cache import QuantizedTensor, quantize_values, unpack_codes
 from headkit.runtime.fast import INDUCTOR_OPTIONS, FastDecoder, prepare_weights
+from headkit.surgery import CompressedCacheConfig, QuantizedKVConfig, recorded_configs
 from headkit.surgery.linearize import hybrid_cache_layer
 
 VOCAB, PROMPT, NEW = 61, 9, 10
@@ -77,6 +86,25 @@ def prompts() -> tuple[torch.Tensor, torch.Tensor]:
 def eager_greedy(model, ids, mask) -> torch.Tensor:
     with torch.no_grad():
         return model.generate(ids, attention_mask=mask, max_new_tokens=NEW, do_sample=False, pad_token_id=0)
+
+
+def eager_cache_after(model, seen, mask) -> DynamicCache:
+    """The eager cache after ``seen`` (a prompt of PROMPT tokens with its padding ``mask``, then generated tokens),
+    fed as generate() feeds them: the prompt, then one token per step. The fast decoder's fixed buffers hold its
+    state after the same tokens (all but the last generated)."""
+    eager_cache = DynamicCache(config=model.config)
+    full_mask = torch.cat([mask, torch.ones(2, seen.shape[1] - PROMPT, dtype=mask.dtype)], dim=1)
+    positions = (full_mask.cumsum(-1) - 1).clamp_min(0)  # as generate() places left-padded rows
+    with torch.no_grad():
+        for start, stop in [(0, PROMPT), *((t, t + 1) for t in range(PROMPT, seen.shape[1]))]:
+            model(
+                input_ids=seen[:, start:stop],
+                attention_mask=full_mask[:, :stop],
+                position_ids=positions[:, start:stop],
+                use_cache=True,
+                **cache_keyword(eager_cache),
+            )
+    return eager_cache
 
 
 def capture_config(counter) -> CompileConfig:
@@ -130,6 +158,75 @@ def test_the_compiled_sparse_ring_step_writes_its_slots_in_place(recall):
     assert temporaries({**fast, "reorder_for_locality": True}) & slot_shapes
 
 
+def test_the_compiled_quantized_ring_step_stores_the_eager_codes():
+    # Inductor's kernels for the quantized fixed buffers (dequantize, the op's step, the new token quantized into its
+    # slot, a leaving key's codes copied into a sink or an empty kept slot) store the eager step's codes bit for bit:
+    # the rounding, the scale rounded up (nextafter) and the 4-bit packing survive compilation. (float32: in bfloat16
+    # attention reads the dequantized keys in float32, inductor fusing their cast to bfloat16 and back away where
+    # eager rounds them, so its outputs are not eager's to the bit.)
+    # The question's choice (a decoding step's keys score 0): which slot a key enters does not hang on the last bits
+    # of a score. A prompt of 3 tokens: every key that leaves the window in the 5 steps moves.
+    torch.manual_seed(0)
+    batch, heads, kv_heads, dim, features = 2, 4, 2, 16, 6
+    window, sinks, budget, prompt, steps, bits = 4, 1, 3, 3, 5, 4
+    q, k, v = (torch.randn(batch, h, prompt + steps, dim) for h in (heads, kv_heads, kv_heads))
+    qf = torch.rand(batch, heads, prompt + steps, features)
+    kf = torch.rand(batch, kv_heads, prompt + steps, features)
+    balance = torch.rand(heads)
+    options = {"window": window, "sinks": sinks, "budget": budget}
+    first = [x[:, :, :prompt] for x in (q, k, v, qf, kf)]
+    _, state = sparse_hybrid_attention(*first, balance, output_final_state=True, **options)
+
+    def stored_ring():
+        ring = ring_from_state(state, prompt)
+
+        def quantized(x):
+            return quantize_values(x, bits=bits, group_size=8)
+
+        window_ring = ring.window._replace(
+            keys=quantized(ring.window.keys), values=quantized(ring.window.values)
+        )
+        names = ("sink_keys", "sink_values", "sparse_keys", "sparse_values")
+        return ring._replace(window=window_ring, **{name: quantized(getattr(ring, name)) for name in names})
+
+    def step(q, k, v, qf, kf, stored):
+        working = dequantized_ring(stored, bits=bits, group_size=8)
+        out = sparse_hybrid_attention_step_(
+            q, k, v, qf, kf, balance, working, sinks=sinks, budget=budget, validate=False,
+            key_scores=torch.zeros(batch, kv_heads, 1),
+        )  # fmt: skip
+        store_ring_step_(stored, working, bits=bits, group_size=8)
+        return out
+
+    torch._dynamo.reset()
+    inductor = {**INDUCTOR_OPTIONS, "cpp_wrapper": False}
+    compiled = torch.compile(step, backend="inductor", fullgraph=True, options=inductor)
+    mine, eager = stored_ring(), stored_ring()
+    for t in range(prompt, prompt + steps):
+        inputs = [x[:, :, t : t + 1] for x in (q, k, v, qf, kf)]
+        torch.testing.assert_close(compiled(*inputs, mine), step(*inputs, eager), atol=1e-5, rtol=1e-5)
+    for got, want in zip(exact_leaves(mine), exact_leaves(eager), strict=True):  # codes, scales, zero points
+        assert all(torch.equal(*pair) for pair in zip(got[1], want[1], strict=True)), got[0]
+    for got, want in zip(state_tensors(mine), state_tensors(eager), strict=True):
+        if got.is_floating_point():  # the linear sums: inductor's own order of additions
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        else:  # the slots' bookkeeping
+            assert torch.equal(got, want)
+    assert bool(mine.sink_keep.all()) and bool(mine.window.keep.all())
+    assert bool((mine.sparse_order >= budget).all())  # every kept slot filled by a key that left the window
+
+
+def compressed_quantized(bits: int = 4, retrieval: bool = True) -> transformers.LlamaForCausalLM:
+    """A compressed cache (window 4, a sink, 3 question-chosen keys; layer 0's key/value head 1 a retrieval head)
+    whose exact keys and values are stored in ``bits`` bits, per token in groups of 8 channels."""
+    model = tiny_llama()
+    compressed = CompressedCacheConfig(
+        window=4, sinks=1, budget=3, observation=2, retrieval_heads=((0, 1),) if retrieval else ()
+    )
+    headkit.apply_(model, [compressed, QuantizedKVConfig(bits=bits, group_size=8)])
+    return model
+
+
 FAST_MODELS = {
     "stock": tiny_llama,
     "linearized": linearized,
@@ -144,6 +241,8 @@ FAST_MODELS = {
     ),
     "exact-layer": lambda: linearized(budget=2, retrieval_heads=[(1, 0), (1, 1)], feature_wavelength=8),
     "drop": lambda: linearized(sinks=1, budget=3, selection="question", fold=False),
+    # the same kind of cache stored in 4 bits: codes, scales and zero points in the fixed buffers
+    "quantized-retrieval": compressed_quantized,
 }
 
 
@@ -159,22 +258,9 @@ def test_fast_path_gives_eager_greedy_tokens_and_states(kind):
     generated = decoder.generate(ids, attention_mask=mask, max_new_tokens=NEW)
     assert torch.equal(generated, expected)
 
-    # The fixed buffers hold what the eager cache holds after the same tokens (all but the last generated), fed
-    # as generate() feeds them: the prompt, then one token per step.
     (cache,) = decoder._caches.values()
-    eager_cache = DynamicCache(config=model.config)
     seen = generated[:, :-1]
-    full_mask = torch.cat([mask, torch.ones(2, seen.shape[1] - PROMPT, dtype=mask.dtype)], dim=1)
-    positions = (full_mask.cumsum(-1) - 1).clamp_min(0)  # as generate() places left-padded rows
-    with torch.no_grad():
-        for start, stop in [(0, PROMPT), *((t, t + 1) for t in range(PROMPT, seen.shape[1]))]:
-            model(
-                input_ids=seen[:, start:stop],
-                attention_mask=full_mask[:, :stop],
-                position_ids=positions[:, start:stop],
-                use_cache=True,
-                **cache_keyword(eager_cache),
-            )
+    eager_cache = eager_cache_after(model, seen, mask)
     for index, layer in enumerate(cache.layers):
         if isinstance(layer, RingHybridStateCacheLayer):
             got = state_tensors(layer.get_state())
@@ -190,6 +276,51 @@ def test_fast_path_gives_eager_greedy_tokens_and_states(kind):
     assert kind == "stock" or any(isinstance(layer, RingHybridStateCacheLayer) for layer in cache.layers)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("retrieval", [False, True], ids=["compressed", "retrieval-head"])
+def test_a_compressed_cache_stored_quantized_decodes_as_the_eager_cache_with_its_codes(bits, retrieval):
+    """[CompressedCacheConfig, QuantizedKVConfig] on the fast decoder: model.generate's greedy tokens (at 4 bits
+    not those of the unquantized compressed cache), and fixed buffers that end holding the eager quantized cache's
+    state. Layer 0's keys and values reach both by the same arithmetic: its codes, scales and zero points are the
+    eager cache's bit for bit (a retrieval head's buffer in its first slots). A later layer's new keys differ from
+    the eager ones in the last bits (the layer before attended through other kernels: the static buffers' step,
+    another matmul order), as in the unquantized test above, and so do their scales and zero points: its
+    dequantized state is compared within that test's 1e-5, its codes within one step."""
+    model = compressed_quantized(bits, retrieval)
+    ids, mask = prompts()
+    expected = eager_greedy(model, ids, mask)
+    if (
+        bits == 4
+    ):  # 8 bits leave this model's greedy tokens as they were; the codes below show they are stored
+        unquantized = tiny_llama()
+        headkit.apply_(unquantized, recorded_configs(model)[0])
+        assert not torch.equal(eager_greedy(unquantized, ids, mask), expected), "the bits change nothing here"
+    decoder = FastDecoder(model, compile=False)
+    generated = decoder.generate(ids, attention_mask=mask, max_new_tokens=NEW)
+    assert torch.equal(generated, expected)
+
+    (cache,) = decoder._caches.values()
+    eager_cache = eager_cache_after(model, generated[:, :-1], mask)
+    for index, (layer, eager) in enumerate(zip(cache.layers, eager_cache.layers, strict=True)):
+        assert isinstance(layer, QuantizedRingHybridStateCacheLayer)
+        assert isinstance(eager, QuantizedHybridStateCacheLayer)
+        stored, eager_stored = dict(exact_leaves(layer.state)), dict(exact_leaves(eager.state))
+        assert stored.keys() == eager_stored.keys() and stored
+        for path, quantized in stored.items():
+            got, want = (QuantizedTensor(*(x[..., : eager_stored[path].codes.shape[-2], :] for x in quantized)),
+                         eager_stored[path])  # fmt: skip
+            if index == 0:
+                assert all(torch.equal(*pair) for pair in zip(got, want, strict=True)), path
+            else:
+                codes = (unpack_codes(got.codes, bits).int() - unpack_codes(want.codes, bits).int()).abs()
+                assert int(codes.max()) <= 1, path
+        for got, want in zip(state_tensors(layer.get_state()), state_tensors(eager.get_state()), strict=True):
+            if index == 0:
+                assert torch.equal(got, want)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        assert layer.get_seq_length() == eager.get_seq_length() == generated.shape[1] - 1
+
+
 @pytest.mark.parametrize(
     "kind, regions",
     [
@@ -198,8 +329,16 @@ def test_fast_path_gives_eager_greedy_tokens_and_states(kind):
         ("linearized", False),
         ("question-retrieval", True),
         ("exact-layer", False),
+        ("quantized-retrieval", True),
     ],
-    ids=["stock", "linearized", "linearized-whole-step", "sparse-retrieval", "sparse-exact-layer-whole-step"],
+    ids=[
+        "stock",
+        "linearized",
+        "linearized-whole-step",
+        "sparse-retrieval",
+        "sparse-exact-layer-whole-step",
+        "int4-compressed-retrieval",
+    ],
 )
 def test_compiled_step_is_one_graph_per_bucket_with_eager_tokens(kind, regions):
     model = FAST_MODELS[kind]()

@@ -237,12 +237,22 @@ def test_orders_that_cannot_be_replayed_are_refused_in_one_line_before_any_work(
     stepwise_logits(linearized, family_inputs(length=20))
 
 
-def test_the_fast_decoder_refuses_quantized_storage():
+def test_the_fast_decoder_decodes_a_quantized_compressed_cache_and_refuses_a_quantized_stock_cache():
+    """The compressed cache stored in 8 bits decodes on the fast decoder as model.generate decodes it (the
+    runtime tests compare the buffers); a stock model's KIVI cache (QuantizedKVConfig alone), which its static cache
+    cannot hold, is refused in one line naming the model."""
     from headkit.runtime.fast import FastDecoder
 
     _, model = converted("llama", COMPRESSED, INT8)
-    with pytest.raises(HeadkitError, match="model: the fast decoder's fixed buffers"):
-        FastDecoder(model, compile=False)
+    prompt = family_inputs(batch=1, length=9)
+    with torch.no_grad():
+        expected = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(FastDecoder(model, compile=False).generate(prompt, max_new_tokens=6), expected)
+    _, stock = converted("llama", INT8)
+    with pytest.raises(HeadkitError, match=r"model: .* keeps its key/value cache quantized \(QuantizedKVConfig\).*"
+                       r"decode it with model\.generate") as refused:  # fmt: skip
+        FastDecoder(stock, compile=False)
+    assert "\n" not in str(refused.value)
 
 
 def test_a_token_moved_from_the_window_to_the_kept_keys_keeps_its_codes():

@@ -44,7 +44,8 @@ import torch
 
 from headkit.errors import HeadkitError
 from headkit.layers.cache import StateCacheLayer
-from headkit.layers.hybrid import HybridStateCacheLayer
+from headkit.layers.hybrid import HybridStateCacheLayer, RingHybridStateCacheLayer, SplitHeadsRing
+from headkit.ops.hybrid.quantized import dequantized_ring, store_ring_step_
 from headkit.ops.quantized_cache import (
     QuantizedTensor,
     append_quantized,
@@ -54,6 +55,7 @@ from headkit.ops.quantized_cache import (
     quantize_keys,
     quantize_tokens,
     quantize_values,
+    store_token_,
     tokens_to_quantize,
 )
 
@@ -197,8 +199,8 @@ class QuantizedHybridStateCacheLayer(HybridStateCacheLayer):
     search reorders the codes themselves). Every read — :meth:`get_state` for a prompt, :meth:`buffers` for a
     decoding step — dequantizes into a fresh full-precision state; every write — :meth:`set_state`,
     :meth:`stepped` — quantizes, a token already stored keeping its codes
-    (:func:`~headkit.ops.quantized_cache.quantize_tokens`). The eager cache only: the fast decoder's fixed
-    buffers are full precision."""
+    (:func:`~headkit.ops.quantized_cache.quantize_tokens`). The eager cache; the fast decoder's is
+    :class:`QuantizedRingHybridStateCacheLayer`."""
 
     describes = "a compressed-cache layer with quantized keys and values"
 
@@ -236,6 +238,10 @@ class QuantizedHybridStateCacheLayer(HybridStateCacheLayer):
         self.seen_tokens += 1
 
     def _store(self, buffers: Any) -> None:
+        self.state = self._quantized(buffers)
+
+    def _quantized(self, buffers: Any) -> Any:
+        """``buffers`` with every exact field quantized, a token equal to one stored taking its codes."""
         if self.bits is None:
             raise HeadkitError(
                 "a quantized compressed-cache layer needs its settings (QuantizedHybridStateCacheLayer.configure) "
@@ -245,7 +251,7 @@ class QuantizedHybridStateCacheLayer(HybridStateCacheLayer):
         # Every stored token of the same rows, whichever field it sits in (a window key becomes a sink): one table
         # per shape of rows.
         tables: dict[tuple[Any, ...], list[tuple[QuantizedTensor, torch.Tensor]]] = {}
-        for _, leaf in exact_leaves(self.state) if self.state is not None else []:
+        for _, leaf in exact_leaves(self.state) if self.state is not None and self.is_initialized else []:
             values = self._dequantize(leaf)
             tables.setdefault((*values.shape[:-2], values.shape[-1], values.dtype), []).append((leaf, values))
         joined = {
@@ -261,7 +267,7 @@ class QuantizedHybridStateCacheLayer(HybridStateCacheLayer):
         for path, tensor in exact_leaves(buffers):
             table, values = joined.get((*tensor.shape[:-2], tensor.shape[-1], tensor.dtype), (None, None))
             leaves[path] = quantize_tokens(tensor, stored=table, stored_values=values, **options)
-        self.state = _replaced(buffers, leaves)
+        return _replaced(buffers, leaves)
 
     def _dequantize(self, leaf: QuantizedTensor) -> torch.Tensor:
         return dequantize_values(leaf, bits=self.bits, group_size=self.group_size)
@@ -285,9 +291,61 @@ class QuantizedHybridStateCacheLayer(HybridStateCacheLayer):
         return super().state_bytes() - full + self.quantized_bytes()
 
 
+class QuantizedRingHybridStateCacheLayer(QuantizedHybridStateCacheLayer, RingHybridStateCacheLayer):
+    """The fast decoder's entry of a compressed cache whose exact keys and values are stored quantized
+    (:mod:`headkit.runtime.fast`): what :class:`QuantizedHybridStateCacheLayer` stores, in the fixed buffers of a
+    :class:`~headkit.layers.hybrid.RingHybridStateCacheLayer` — codes, scales and zero points of every slot,
+    allocated once, the retrieval heads' for ``capacity`` tokens, the token count a tensor.
+
+    A prompt runs the eager path and its state is quantized as the eager cache quantizes it, then copied into the
+    buffers. A step of one token, inside the compiled graph: the exact sets dequantized for the op's in-place step
+    (:func:`headkit.ops.hybrid.quantized.dequantized_ring`; a retrieval head's whole buffer), then only what the step
+    wrote stored back — the new token quantized into its slot, a key that left the window copied with its codes
+    (:func:`headkit.ops.hybrid.quantized.store_ring_step_`, :func:`headkit.ops.quantized_cache.store_token_`) —, so
+    the codes are those the eager cache stores for the same tokens (tests)."""
+
+    describes = "a fast decoder's compressed-cache layer with quantized keys and values"
+
+    def __init__(self, mask_length: int = 1, capacity: int = 0) -> None:
+        super().__init__()
+        self.mask_length, self.capacity = mask_length, capacity
+
+    def buffers(self) -> Any:
+        """What the op's step runs on (:func:`~headkit.ops.hybrid.quantized.dequantized_ring`; a retrieval layer's
+        :class:`~headkit.layers.hybrid.SplitHeadsRing` with its exact heads' buffers dequantized)."""
+        options = {"bits": self.bits, "group_size": self.group_size}
+        state = self.state
+        if not isinstance(state, SplitHeadsRing):
+            return dequantized_ring(state, **options)
+        return state._replace(
+            linear=None if state.linear is None else dequantized_ring(state.linear, **options),
+            keys=dequantize_values(state.keys, **options),
+            values=dequantize_values(state.values, **options),
+        )
+
+    def stepped(self, buffers: Any) -> None:
+        """Store what the step wrote into :meth:`buffers`' result, in place (the count is the buffers' ``seen``)."""
+        options = {"bits": self.bits, "group_size": self.group_size}
+        state = self.state
+        if not isinstance(state, SplitHeadsRing):
+            store_ring_step_(state, buffers, **options)
+            return
+        slot = state.seen - 1  # the exact heads' step wrote the token at the old count, then advanced it
+        store_token_(state.keys, buffers.keys, slot, **options)
+        store_token_(state.values, buffers.values, slot, **options)
+        if state.linear is not None:
+            store_ring_step_(state.linear, buffers.linear, **options)
+
+    def _store(self, buffers: Any) -> None:
+        RingHybridStateCacheLayer._store(self, self._quantized(buffers))
+
+    state_bytes = StateCacheLayer.state_bytes  # the buffers as allocated: codes, scales and zero points
+
+
 __all__ = [
     "EXACT_FIELDS",
     "QuantizedHybridStateCacheLayer",
+    "QuantizedRingHybridStateCacheLayer",
     "exact_leaves",
     "QuantizedKVCacheLayer",
     "QuantizedKVState",

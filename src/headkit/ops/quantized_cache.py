@@ -272,6 +272,19 @@ def quantize_tokens(
     )
 
 
+def store_token_(
+    stored: QuantizedTensor, x: torch.Tensor, slot: torch.Tensor, *, bits: int, group_size: int
+) -> None:
+    """Quantize token ``slot`` of ``x`` [..., N, D] on its own (:func:`quantize_values`' groups of `group_size`
+    channels, as :func:`quantize_tokens` quantizes a fresh token) into the same slot of ``stored`` (codes, scale and
+    zero [..., N, ·]), in place. ``slot``: an int64 tensor of one element, so that a compiled step is not
+    specialised on it (the fast decoder's fixed buffers: :class:`headkit.layers.quantized_cache.QuantizedRingHybridStateCacheLayer`)."""
+    slot = slot.view(1)
+    token = quantize_values(x.index_select(-2, slot), bits=bits, group_size=group_size)
+    for buffer, new in zip(stored, token, strict=True):
+        buffer.index_copy_(buffer.dim() - 2, slot, new.to(buffer.dtype))
+
+
 # -- the obviously correct twins ---------------------------------------------------------------------------------
 
 
@@ -382,6 +395,16 @@ def naive_quantize_tokens(
     return QuantizedTensor(*(field.reshape(*lead, tokens, field.shape[-1]) for field in out))
 
 
+def naive_store_token_(
+    stored: QuantizedTensor, x: torch.Tensor, slot: torch.Tensor, *, bits: int, group_size: int
+) -> None:
+    """:func:`store_token_`: the token quantized group by group (:func:`naive_quantize_values`), copied field by field."""
+    index = int(slot)
+    token = naive_quantize_values(x[..., index : index + 1, :], bits=bits, group_size=group_size)
+    for buffer, new in zip(stored, token, strict=True):
+        buffer[..., index : index + 1, :] = new
+
+
 def naive_dequantize_values(quantized: QuantizedTensor, *, bits: int, group_size: int) -> torch.Tensor:
     """:func:`dequantize_values`: code · s + z, channel by channel with its group's scale and zero point."""
     codes = unpack_codes(quantized.codes, bits)
@@ -409,11 +432,13 @@ __all__ = [
     "naive_quantize_keys",
     "naive_quantize_tokens",
     "naive_quantize_values",
+    "naive_store_token_",
     "pack_codes",
     "quantize_keys",
     "quantize_tokens",
     "quantize_values",
     "quantized_bytes_per_token",
+    "store_token_",
     "stored_scale",
     "tokens_to_quantize",
     "unpack_codes",

@@ -12,7 +12,11 @@ What it does, following transformers' own recipe for compiled generation (a stat
   such a layer keeps exact beyond its window is fixed buffers too: sinks and the sparse cache are slots that a key
   enters in place, evicting the worst kept key (:func:`headkit.ops.hybrid.sparse_hybrid_attention_step_`,
   no re-gathering of the cache per token), and retrieval heads write their keys and values into buffers of the
-  bucket's length (:func:`headkit.ops.softmax.softmax_attention_static_step_`).
+  bucket's length (:func:`headkit.ops.softmax.softmax_attention_static_step_`). A compressed cache stored in 8 or
+  4 bits (``[CompressedCacheConfig, QuantizedKVConfig]``) keeps those buffers as codes, scales and zero points
+  (:class:`~headkit.layers.quantized_cache.QuantizedRingHybridStateCacheLayer`): the step dequantizes them, runs
+  the same op, and quantizes the new token into its slot, the eager cache's codes (KIVI's quantizer per token).
+  A stock model's quantized key/value cache (``QuantizedKVConfig`` alone) is refused: ``model.generate``.
 * **Compiled once per machine, one graph per step.** By default (``ahead_of_time=True``) the step — the model's
   forward on one token per row and the argmax — is exported with the cache's buffers as inputs it writes in
   place, compiled by AOTInductor into one graph (weights frozen in as constants, a C++ wrapper) and saved as a
@@ -65,6 +69,7 @@ from headkit.compat import cache_keyword
 from headkit.errors import HeadkitError
 from headkit.evaluation.timing import timed_call
 from headkit.layers.hybrid import RingHybridStateCacheLayer
+from headkit.layers.quantized_cache import QuantizedRingHybridStateCacheLayer
 from headkit.ops.softmax import grouped_query_step_attention
 from headkit.runs.models import dequantized_from_gguf, forget_gguf_quantization
 from headkit.runtime.packaged import cache_buffers
@@ -75,6 +80,7 @@ from headkit.surgery.attention import (
     set_attention_implementation,
 )
 from headkit.surgery.linearize import LinearizedHeads
+from headkit.surgery.quantized_cache import QuantizedKVHeads
 
 logger = logging.getLogger(__name__)
 
@@ -293,16 +299,22 @@ class FastDecoder:
             raise HeadkitError(
                 "compile_config.fullgraph must be True: a graph break would hide eager code in the step"
             )
-        if any(
-            getattr(m, "quantized_storage", None) for m in model.modules() if isinstance(m, LinearizedHeads)
-        ):
+        if any(isinstance(mechanism_of(m), QuantizedKVHeads) for m in model.modules()):
+            name = getattr(model.config, "name_or_path", "") or type(model).__name__
             raise HeadkitError(
-                "model: the fast decoder's fixed buffers hold a compressed cache in full precision; decode one whose "
-                "keys and values are stored quantized (QuantizedKVConfig) with model.generate"
+                f"model: {name} keeps its key/value cache quantized (QuantizedKVConfig), which the fast decoder's "
+                "static cache would not: decode it with model.generate (a compressed cache stored quantized decodes "
+                "here)"
             )
         self.model = prepare_weights(model, weights, group_size)
         use_grouped_query_decode(self.model)
         self.linearized = linearized_layer_indices(self.model)
+        # (bits, group_size) of the linearized layers whose exact keys and values are stored quantized.
+        self.quantized_storage = {
+            module.layer_idx: module.quantized_storage
+            for module in self.model.modules()
+            if isinstance(module, LinearizedHeads) and module.quantized_storage is not None
+        }
         self.layer_count = _decoder_layer_count(self.model)
         self.all_linearized = len(self.linearized) == self.layer_count
         # Retrieval heads keep a key/value buffer as long as the context: a static length per bucket again.
@@ -346,7 +358,7 @@ class FastDecoder:
         if cache is None:
             cache = StaticCache(config=self.model.config, max_cache_len=max(length, 1))
             for index in self.linearized:
-                cache.layers[index] = RingHybridStateCacheLayer()
+                cache.layers[index] = self._ring_layer(index)
             self._caches[bucket] = cache
         else:
             for layer in cache.layers:
@@ -356,6 +368,14 @@ class FastDecoder:
             cache.layers[index].mask_length = length if length else prompt_length
             cache.layers[index].capacity = length
         return cache
+
+    def _ring_layer(self, index: int) -> RingHybridStateCacheLayer:
+        """The fixed-size entry of linearized layer ``index``: its exact keys and values stored as the model
+        stores them (quantized after a QuantizedKVConfig: the eager cache's codes, in fixed buffers)."""
+        if index not in self.quantized_storage:
+            return RingHybridStateCacheLayer()
+        bits, group_size = self.quantized_storage[index]
+        return QuantizedRingHybridStateCacheLayer().configure(bits=bits, group_size=group_size)
 
     def _compile_options(self) -> dict[str, Any]:
         config = self.compile_config  # its to_dict() deep-copies: a backend object would be a copy
