@@ -150,6 +150,7 @@ def test_llama_cpp_rows_keep_its_cache_at_f16_q8_0_and_q4_0(tiny_with_a_bpe_toke
         (["--scored-tokens", "64"], "--scored-tokens must be shorter"),
         (["--budgets", "1"], "--budgets"),
         (["--decode-steps", "48"], "--decode-steps must be fewer"),
+        (["--fast-batch-sizes", "0"], "--fast-batch-sizes"),
     ],
 )
 def test_bad_options_are_refused_in_one_line_before_any_work(tiny, tmp_path, capsys, options, message):
@@ -165,3 +166,20 @@ def test_largest_fitting_is_the_largest_n_within_the_target():
     assert largest_fitting(lambda n: [n], lambda c: 10 + 3 * c[0], 40, 100) == 10
     assert largest_fitting(lambda n: [n], lambda c: 10 + 3 * c[0], 9, 100) is None
     assert largest_fitting(lambda n: [n], lambda c: 10 + 3 * c[0], 10**6, 100) == 100
+
+
+def test_the_fast_path_times_the_rows_it_runs_and_says_which_it_skips(tiny, tmp_path, capsys):
+    """--fast-batch-sizes: the original, the compressed cache and the compressed cache in 4 bits decode through
+    the fixed-size step at each context and batch; a stock model's quantized cache, which it refuses, is said so."""
+    out = tmp_path / "frontier"
+    options = [*TINY, "--budgets", "4", "--bits", "4", "--retrieval-head-counts", "0", "--speed-contexts", "96"]
+    options += ["--fast-batch-sizes", "1,2", "--no-fast-compile"]
+    main(["bench", "frontier", "--model", str(tiny), "--methods", "quantized,compressed,compressed+quantized",
+          *options, "--out", str(out)])  # fmt: skip
+    results = json.loads((out / "results.json").read_text())
+    timed = {p["method"]: p for p in results["points"] if "fast_decode_ms_96_b2" in p}
+    assert sorted(timed) == ["compressed", "compressed+quantized", "original"]
+    for point in timed.values():
+        assert point["fast_decode_ms_96_b1"] > 0 and point["fast_decode_ms_96_b2"] > 0
+    assert "fast path skipped" in capsys.readouterr().out  # the int4 KIVI row
+    assert "fast ms/token @96 ×2" in (out / "table.md").read_text()

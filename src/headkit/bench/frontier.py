@@ -68,7 +68,9 @@ from headkit.export.llamacpp import (
 )
 from headkit.recipes.cache_budget import largest_fitting
 from headkit.runs.models import CAUSAL_LM, load_model, smollm2_gguf_path
+from headkit.runs.options import check_integers
 from headkit.runs.text import held_out_by_length, lm_windows, load_text, window_batches
+from headkit.runtime.fast import FastDecoder
 from headkit.surgery.apply import apply_, bytes_per_token
 from headkit.surgery.compressed_cache import CompressedCacheConfig
 from headkit.surgery.gating import config_head_dim, kv_head_counts
@@ -140,6 +142,16 @@ class FrontierBenchSettings:
     )
     decode_steps: int = option(
         8, "Greedy decoding steps timed after each prompt (their median).", min=1, quick=2
+    )
+    fast_batch_sizes: tuple[int, ...] = option(
+        (),
+        "Batch sizes decoded through the fast path (a compiled step, fixed-size caches) at each --speed-contexts, "
+        "the prompt repeated, for the rows it runs; none: not measured (each row compiles a step per context).",
+        check=lambda values: values == () or check_integers("--fast-batch-sizes", values, distinct=True),
+    )
+    fast_compile: bool = option(
+        True,
+        "Compile the fast path's step (--no-fast-compile: the same fixed-size step eagerly, not a speed).",
     )
     held_out_windows: int = option(2, "Held-out windows per perplexity length.", min=1, quick=1)
     calibration_windows: int = option(
@@ -304,6 +316,7 @@ def _measure(
             model, windows, scored=settings.scored_tokens, chunk=settings.chunk
         )
     point |= _speed(model, shared["speed_prompts"], settings)
+    point |= _fast_speed(model, shared["speed_prompts"], settings, echo)
     point["seconds"] = time.perf_counter() - started
     echo(_rate_line(point, settings))
     return point
@@ -319,6 +332,32 @@ def _speed(
         first, steps, _ = time_greedy_decoding(model, ids, settings.decode_steps + 1)
         measured[f"first_token_seconds_{context}"] = first
         measured[f"decode_ms_{context}"] = 1000 * statistics.median(steps)
+    return measured
+
+
+def _fast_speed(
+    model: nn.Module, prompts: dict[int, torch.Tensor], settings: FrontierBenchSettings, echo: Any
+) -> dict[str, float]:
+    """Per context and --fast-batch-sizes B: the median milliseconds of the fast path's greedy steps
+    (:class:`~headkit.runtime.fast.FastDecoder`) after the prompt repeated B times, and the seconds its first step
+    took to compile; nothing for a row the fast path refuses (said in one line)."""
+    if not settings.fast_batch_sizes:
+        return {}
+    try:
+        decoder = FastDecoder(model, compile=settings.fast_compile, ahead_of_time=False)
+    except HeadkitError as error:
+        echo(f"  fast path skipped: {error}")
+        return {}
+    measured = {}
+    for context, ids in prompts.items():
+        for batch in settings.fast_batch_sizes:
+            steps: list[float] = []
+            # The first step compiles and is left out of `steps`: decode_steps timed steps follow it.
+            prompt = ids.expand(batch, -1).contiguous()
+            decoder.generate(prompt, max_new_tokens=settings.decode_steps + 2, step_seconds=steps)
+            bucket = decoder.bucket(batch, prompt.shape[1] + settings.decode_steps + 2)
+            measured[f"fast_decode_ms_{context}_b{batch}"] = 1000 * statistics.median(steps)
+            measured[f"fast_compile_seconds_{context}_b{batch}"] = decoder.compile_seconds.get(bucket)
     return measured
 
 
@@ -446,7 +485,7 @@ def frontier_table(report: dict[str, Any]) -> str:
     """table.md: every row, then the best per budget."""
     original = report["points"][0]
     lengths, perplexities = report["lengths"], report["perplexity_lengths"]
-    speeds = report.get("speed_contexts", [])
+    speeds, fast = report.get("speed_contexts", []), report.get("fast_batch_sizes", [])
 
     def cells(point: dict[str, Any]) -> list[str]:
         out = [
@@ -471,6 +510,9 @@ def frontier_table(report: dict[str, Any]) -> str:
             first, step = point.get(f"first_token_seconds_{context}"), point.get(f"decode_ms_{context}")
             out.append("—" if first is None else f"{first:.2f} s")
             out.append("—" if step is None else f"{step:.1f}")
+            for batch in fast:
+                value = point.get(f"fast_decode_ms_{context}_b{batch}")
+                out.append("—" if value is None else f"{value:.1f}")
         out.append(f"{point.get('conversion_seconds', 0.0):.0f} s")
         return out
 
@@ -482,7 +524,15 @@ def frontier_table(report: dict[str, Any]) -> str:
         *(f"ppl @{n}" for n in perplexities),
         *(f"passkey @{n}" for n in lengths),
         "second turn",
-        *(f"{name} @{n}" for n in speeds for name in ("first token", "ms/token")),
+        *(
+            column
+            for n in speeds
+            for column in (
+                f"first token @{n}",
+                f"ms/token @{n}",
+                *(f"fast ms/token @{n} ×{batch}" for batch in fast),
+            )
+        ),
         "conversion",
     ]
     header = (
@@ -663,6 +713,7 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
         "state_context": settings.state_context,
         "speed_contexts": list(settings.speed_contexts),
         "decode_steps": settings.decode_steps,
+        "fast_batch_sizes": list(settings.fast_batch_sizes),
         "threads": settings.threads,
         "points": points,
         "best_per_budget": [
