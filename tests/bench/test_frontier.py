@@ -172,7 +172,17 @@ def test_the_fast_path_times_the_rows_it_runs_and_says_which_it_skips(tiny, tmp_
     """--fast-batch-sizes: the original, the compressed cache and the compressed cache in 4 bits decode through
     the fixed-size step at each context and batch; a stock model's quantized cache, which it refuses, is said so."""
     out = tmp_path / "frontier"
-    options = [*TINY, "--budgets", "4", "--bits", "4", "--retrieval-head-counts", "0", "--speed-contexts", "96"]
+    options = [
+        *TINY,
+        "--budgets",
+        "4",
+        "--bits",
+        "4",
+        "--retrieval-head-counts",
+        "0",
+        "--speed-contexts",
+        "96",
+    ]
     options += ["--fast-batch-sizes", "1,2", "--no-fast-compile"]
     main(["bench", "frontier", "--model", str(tiny), "--methods", "quantized,compressed,compressed+quantized",
           *options, "--out", str(out)])  # fmt: skip

@@ -198,3 +198,21 @@ def test_the_recovery_estimate_holds_a_chunk_of_logits_not_the_batch_s():
     ) * DTYPES[settings.dtype].itemsize
     added = 16 * settings.window * config.num_hidden_layers * per_token_layer
     assert two.stages["recover"] - one.stages["recover"] == added
+
+
+def test_micro_batches_bound_the_recoverys_activations_by_a_forward_not_the_batch():
+    from headkit.recipes.prune_memory import estimate_prune_memory
+    from headkit.recipes.prune_settings import PruneSettings
+
+    config = read_model_config(smollm2_gguf_path())
+    whole = estimate_prune_memory(PruneSettings(recovery_steps=10, batch_size=16), config)
+    micro = estimate_prune_memory(PruneSettings(recovery_steps=10, batch_size=16, micro_batch=4), config)
+    small = estimate_prune_memory(PruneSettings(recovery_steps=10, batch_size=4), config)
+    assert micro.stages["recover"] == small.stages["recover"] < whole.stages["recover"]
+
+
+def test_the_max_memory_refusal_names_micro_batches_for_the_recovery(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(steps, "load_model", _no_weights)
+    args = ["prune", str(smollm2_gguf_path()), "--recovery-steps", "10", "--max-memory", "4"]
+    error = _refused([*args, "--out", str(tmp_path / "o")], capsys)
+    assert "(stage recover)" in error and "--micro-batch" in error

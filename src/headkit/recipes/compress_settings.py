@@ -14,7 +14,7 @@ from typing import Any
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import check_recipe_tasks
-from headkit.recipes.settings import ModelSettings, check_data
+from headkit.recipes.settings import ModelSettings, check_data, training_forwards
 from headkit.runs.models import DTYPES, ENCODER, model_kind
 from headkit.runs.options import check_choice, check_options, option, with_fields_of
 from headkit.surgery.families import COMPRESS, FAMILIES, model_type_of
@@ -139,6 +139,7 @@ def check_settings(settings: CompressSettings) -> None:
     """Every option checked before any work (a bad one names itself): what the fields declare, then the
     options that go together (--kv-budget with its context and bits, without the trained conversions')."""
     check_options(settings)
+    training_forwards(settings)  # --micro-batch divides --batch-size
     check_data(settings.data)
     check_recipe_tasks(settings, default_is_causal_lm=False)
     if settings.kv_budget is None:

@@ -24,6 +24,7 @@ from torch import nn
 
 from headkit.errors import HeadkitError
 from headkit.recipes.loop import train_loop
+from headkit.recipes.settings import training_forwards
 from headkit.runs.objectives import EncoderObjective
 
 Objective = Callable[[nn.Module, nn.Module, dict[str, Any]], torch.Tensor]
@@ -241,10 +242,11 @@ def distill_run(
     **options: Any,
 ) -> DistillResult:
     """A recipe run's recovery: :func:`distill` of every weight of `student` (or LoRA adapters), with the run's
-    ``batch_size``, ``lora_rank``, ``seed`` and, where it has one, ``gradient_accumulation_steps`` from
-    `settings`, logged `logs` times; ``options``: :func:`distill`'s others. The result's model comes back
+    ``batch_size`` (in forwards of ``micro_batch``: :func:`~headkit.recipes.settings.training_forwards`),
+    ``lora_rank``, ``seed`` and, where it has one, ``gradient_accumulation_steps`` from `settings`, logged `logs` times; ``options``: :func:`distill`'s others. The result's model comes back
     frozen (no gradients), ready to be measured."""
     student.requires_grad_(True)
+    per_forward, forwards = training_forwards(settings)
     result = distill(
         student,
         teacher,
@@ -252,8 +254,8 @@ def distill_run(
         objective=objective,
         steps=steps,
         lr=lr,
-        batch_size=settings.batch_size,
-        gradient_accumulation_steps=getattr(settings, "gradient_accumulation_steps", 1),
+        batch_size=per_forward,
+        gradient_accumulation_steps=forwards,
         lora_rank=settings.lora_rank,
         seed=settings.seed,
         log_every=max(1, steps // logs),
@@ -303,6 +305,7 @@ def encoder_finetune(
     lr: float,
     lora_rank: int | None = None,
     batch_size: int | None = None,
+    gradient_accumulation_steps: int = 1,
     seed: int = 0,
     echo: Callable[[str], None] | None = None,
 ) -> DistillResult:
@@ -321,6 +324,7 @@ def encoder_finetune(
         steps=steps,
         lr=lr,
         batch_size=batch_size or (len(batches[0]["input_ids"]) if batches else 1),
+        gradient_accumulation_steps=gradient_accumulation_steps,
         lora_rank=lora_rank,
         seed=seed,
         log_every=max(1, steps // 5),

@@ -54,9 +54,7 @@ from headkit.recipes.linearize_settings import (  # noqa: F401  (the names the r
     preflight,
     quick_budget,
 )
-from headkit.recipes.settings import (
-    RecipeResult,
-)
+from headkit.recipes.settings import RecipeResult, training_forwards
 from headkit.recipes.steps import Recipe, Steps, run_settings
 from headkit.runs.models import (
     LoadedModel,
@@ -228,6 +226,7 @@ class LinearizeSteps(Steps):
             # The compressed-cache baseline is the original model's attention over fewer keys: nothing to train.
             transfer_steps = recovery_steps = 0
             echo("--drop: the original model with a compressed cache, no training")
+        per_forward, forwards = training_forwards(settings)
         # (a) attention transfer: only the feature maps and balances train.
         student.requires_grad_(False)
         for parameter in linearized_parameters(student):
@@ -240,7 +239,8 @@ class LinearizeSteps(Steps):
             objective=AttentionTransferObjective(self.adapter),
             steps=transfer_steps,
             lr=settings.transfer_lr,
-            batch_size=settings.batch_size,
+            batch_size=per_forward,
+            gradient_accumulation_steps=forwards,
             seed=settings.seed,
             log_every=max(1, transfer_steps // 10),
             echo=echo,
@@ -269,7 +269,8 @@ class LinearizeSteps(Steps):
             objective=CausalLMObjective(settings.temperature),
             steps=recovery_steps,
             lr=settings.lora_lr,
-            batch_size=settings.batch_size,
+            batch_size=per_forward,
+            gradient_accumulation_steps=forwards,
             scheduler="cosine" if recovery_steps >= 10 else "constant",
             seed=settings.seed,
             log_every=max(1, recovery_steps // 10),

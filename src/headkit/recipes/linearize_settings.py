@@ -13,7 +13,7 @@ from typing import Any
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import check_recipe_tasks
-from headkit.recipes.settings import QuickSettings, check_count, check_data
+from headkit.recipes.settings import QuickSettings, check_count, check_data, training_forwards
 from headkit.runs.options import check_options, option, with_fields_of
 from headkit.surgery.linearize_config import LinearizeConfig, config_kv_heads, max_context
 
@@ -145,6 +145,7 @@ def check_settings(settings: LinearizeSettings) -> None:
     map, layers, …) by its config, when it is built; the recipe's by what their fields declare."""
     _ = settings.conversion
     check_options(settings)
+    training_forwards(settings)  # --micro-batch divides --batch-size
     if settings.retrieval_head_count and settings.retrieval_heads:
         raise HeadkitError("give --retrieval-heads or --retrieval-head-count, not both")
     check_data(settings.data)

@@ -24,6 +24,7 @@ from headkit.recipes.prune_gates import echo_gate_progress, gate_log, train_head
 from headkit.recipes.prune_plan import keep_top_gated_heads
 from headkit.recipes.prune_settings import METHODS, held_out_count, recovery_lr
 from headkit.recipes.prune_steps import PruneSteps
+from headkit.recipes.settings import training_forwards
 from headkit.runs.models import ENCODER
 from headkit.runs.objectives import EncoderObjective
 from headkit.runs.text import load_text, text_chunks, tokenize_batches
@@ -201,12 +202,15 @@ class EncoderPruneSteps(PruneSteps):
 
     def recover(self) -> None:
         settings = self.settings
+        per_forward, forwards = training_forwards(settings)
         self.recovery = encoder_finetune(
             self.student,
             self.teacher,
             self.train,
             steps=settings.recovery_steps,
             lr=recovery_lr(settings),
+            batch_size=per_forward,
+            gradient_accumulation_steps=forwards,
             lora_rank=settings.lora_rank,
             seed=settings.seed,
             echo=self.echo,

@@ -24,6 +24,7 @@ import torch
 from headkit.errors import HeadkitError
 from headkit.evaluation.quality import LOGIT_ENTRIES
 from headkit.ops.chunked_loss import CHUNK_ENTRIES
+from headkit.recipes.settings import training_forwards
 from headkit.runs.models import DTYPES
 from headkit.runs.resident import GIB, machine_memory_bytes
 from headkit.surgery.families import text_config
@@ -93,7 +94,7 @@ def estimate_prune_memory(settings: Any, config: Any) -> MemoryEstimate:
         "measure": RUNTIME_BYTES + 2 * weights + 6 * LOGIT_ENTRIES * logits,
     }
     if settings.recovery_steps:
-        batch_tokens = settings.batch_size * window
+        batch_tokens = training_forwards(settings)[0] * window  # the activations of one forward
         trained = weights if settings.lora_rank is None else 0
         optimizer = 2 * (trained // number) * 4  # AdamW's two float32 moments
         stages["recover"] = (
@@ -124,7 +125,8 @@ def check_max_memory(settings: Any, config: Any) -> MemoryEstimate | None:
     if limit is None or estimate.total <= limit:
         return estimate
     advice = {
-        "recover": "--lora-rank 8, a smaller --batch-size or --window, or --dtype bfloat16",
+        "recover": "--micro-batch (a divisor of --batch-size), --lora-rank 8, a smaller --window, or --dtype "
+        "bfloat16",
         "convert": "fewer calibration tokens (a smaller --batch-size or --window) or --dtype bfloat16",
     }.get(estimate.stage, "--dtype bfloat16")
     source = "--max-memory" if settings.max_memory is not None else "the machine's memory"

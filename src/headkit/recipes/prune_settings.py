@@ -11,7 +11,7 @@ from typing import Any
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import check_recipe_tasks
-from headkit.recipes.settings import QuickSettings, check_data
+from headkit.recipes.settings import QuickSettings, check_data, training_forwards
 from headkit.runs.models import CAUSAL_LM, ENCODER, model_kind
 from headkit.runs.options import check_choice, check_options, option, with_fields_of
 from headkit.surgery.families import text_config
@@ -103,6 +103,7 @@ def check_settings(settings: PruneSettings) -> None:
     the recipe's by what their fields declare."""
     PruneConfig(unit=settings.unit, uniform=settings.uniform)  # the config checks its own fields
     check_options(settings)
+    training_forwards(settings)  # --micro-batch divides --batch-size
     check_data(settings.data)
     check_recipe_tasks(settings, default_is_causal_lm=False)
 

@@ -50,8 +50,32 @@ class ModelSettings:
         },
     )
 
+    micro_batch: int | None = field(
+        default=None,
+        kw_only=True,
+        metadata={
+            "help": "Examples per forward of the recovery's training (and linearize's attention transfer): each "
+            "--batch-size step runs in forwards of this many, their gradients summed into the same step, its "
+            "activations' memory divided (divides --batch-size). Default: the whole batch in one forward.",
+            "min": 1,
+        },
+    )
+
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype)
+
+
+def training_forwards(settings: Any) -> tuple[int, int]:
+    """(examples per forward, forwards per optimizer step) of a recipe's training: ``--batch-size`` split into
+    forwards of ``--micro-batch`` (times ``--gradient-accumulation`` where the recipe has it), the same optimizer
+    step in less memory; refused in one line where the micro-batch does not divide the batch."""
+    batch, accumulation = settings.batch_size, getattr(settings, "gradient_accumulation_steps", 1)
+    micro = getattr(settings, "micro_batch", None)
+    if micro is None or micro == batch:
+        return batch, accumulation
+    if micro > batch or batch % micro:
+        raise HeadkitError(f"--micro-batch must divide --batch-size ({batch}), got {micro}")
+    return micro, accumulation * (batch // micro)
 
 
 @dataclass

@@ -1,0 +1,90 @@
+"""--micro-batch: a recovery step's batch run in several forwards, their gradients summed into the same step —
+the same model as the whole batch at once (up to the summation's rounding), in less memory; a micro-batch that
+does not divide the batch is refused in one line before any work."""
+
+import importlib
+import json
+
+import pytest
+import transformers
+from safetensors.torch import load_file
+
+from headkit.cli import main
+from headkit.errors import HeadkitError
+from headkit.recipes.prune_settings import PruneSettings
+from headkit.recipes.settings import training_forwards
+
+transformers.logging.set_verbosity_error()
+
+PRUNE = ["prune", "--heads", "5", "--quick", "--window", "16", "--train-texts", "16", "--held-out", "2"]
+PRUNE += ["--batch-size", "8", "--recovery-steps", "4", "--seed", "3"]
+LINEARIZE = [
+    "linearize", "--quick", "--window", "8", "--train-length", "32", "--train-windows", "8", "--batch-size", "4",
+    "--transfer-steps", "2", "--recovery-steps", "2", "--eval-lengths", "32", "--held-out-windows", "2",
+    "--decode-contexts", "48", "--decode-steps", "2", "--decode-batch-sizes", "1",
+]  # fmt: skip
+
+
+def _run(args):
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+        raise SystemExit(0)
+    return exited.value.code
+
+
+def _largest_difference(first, second) -> float:
+    a, b = load_file(first / "model.safetensors"), load_file(second / "model.safetensors")
+    assert a.keys() == b.keys()
+    return max(float((a[name] - b[name]).abs().max()) for name in a)
+
+
+@pytest.mark.parametrize(
+    ("batch", "micro", "accumulation", "expected"),
+    [(16, None, 1, (16, 1)), (16, 16, 1, (16, 1)), (16, 4, 1, (4, 4)), (16, 4, 2, (4, 8)), (6, 3, 1, (3, 2))],
+)
+def test_training_forwards_splits_the_batch_into_micro_batches(batch, micro, accumulation, expected):
+    settings = PruneSettings(batch_size=batch, micro_batch=micro, gradient_accumulation_steps=accumulation)
+    assert training_forwards(settings) == expected
+
+
+@pytest.mark.parametrize("micro", [3, 32])
+def test_a_micro_batch_that_does_not_divide_the_batch_is_refused(micro):
+    with pytest.raises(HeadkitError, match=r"--micro-batch must divide --batch-size \(16\)"):
+        training_forwards(PruneSettings(batch_size=16, micro_batch=micro))
+
+
+@pytest.mark.parametrize(("name", "command"), [("prune", PRUNE), ("linearize", LINEARIZE)])
+def test_micro_batches_give_the_whole_batchs_model(
+    name, command, tiny_llama, text_folder, tmp_path, monkeypatch
+):
+    distill = importlib.import_module(
+        "headkit.recipes.distill"
+    )  # the module (the package names a function so)
+    forwards, train_loop = [], distill.train_loop
+
+    def observed(*args, **kwargs):  # what each training's forwards are: (examples, forwards per step)
+        forwards.append((kwargs["batch_size"], kwargs["gradient_accumulation_steps"]))
+        return train_loop(*args, **kwargs)
+
+    monkeypatch.setattr(distill, "train_loop", observed)
+    outs, batch = {}, int(command[command.index("--batch-size") + 1])
+    for micro in (None, 2):
+        outs[micro] = tmp_path / f"out-{micro}"
+        extra = [] if micro is None else ["--micro-batch", str(micro)]
+        args = [command[0], str(tiny_llama), *command[1:], "--data", str(text_folder), *extra]
+        assert _run([*args, "--out", str(outs[micro])]) == 0
+    trainings = len(forwards) // 2
+    assert forwards == [(batch, 1)] * trainings + [(2, batch // 2)] * trainings and trainings >= 1
+    assert _largest_difference(outs[None], outs[2]) <= 1e-5
+    first, second = (json.loads((out / "report.json").read_text()) for out in outs.values())
+    assert second["settings"]["micro_batch"] == 2
+
+
+def test_the_command_line_refuses_a_micro_batch_that_does_not_divide_the_batch(
+    tiny_llama, text_folder, tmp_path, capsys
+):
+    args = ["prune", str(tiny_llama), *PRUNE[1:], "--data", str(text_folder), "--micro-batch", "3"]
+    assert _run([*args, "--out", str(tmp_path / "o")]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert errors == ["error: --micro-batch must divide --batch-size (8), got 3"]
+    assert not (tmp_path / "o").exists()
