@@ -291,6 +291,14 @@ def _rate_line(point: dict[str, Any], settings: FrontierBenchSettings) -> str:
     for length in settings.perplexity_lengths:
         value = point.get(f"perplexity_{length}")
         cells.append("—" if value is None else f"ppl@{length} {value:.3f}")
+    for context in settings.speed_contexts:
+        first, step = point.get(f"first_token_seconds_{context}"), point.get(f"decode_ms_{context}")
+        if first is not None and step is not None:
+            cells.append(f"first token@{context} {first:.2f} s, {step:.1f} ms/token")
+        for batch in settings.fast_batch_sizes:
+            fast = point.get(f"fast_decode_ms_{context}_b{batch}")
+            if fast is not None:
+                cells.append(f"fast@{context}×{batch} {fast:.1f} ms/token")
     return (
         f"{point['method']} {point['label']}: {point['bytes'] / 2**20:.1f} MiB at {settings.state_context} "
         f"(1/{point['fraction_inverse']:.1f}); {'; '.join(cells)} ({point['seconds']:.0f} s)"
