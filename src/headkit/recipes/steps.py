@@ -32,7 +32,7 @@ from headkit.recipes.settings import check_before_loading, with_overrides
 from headkit.recipes.skeleton import save_result
 from headkit.recipes.work import RunWork, interruptible
 from headkit.runs.faults import fault_point
-from headkit.runs.models import LoadedModel, load_model
+from headkit.runs.models import LoadedModel, load_model, share_unchanged_weights
 from headkit.runs.processes import ReplicatedError, main_process_echo
 from headkit.runs.resident import Peak, stage_peaks, tracking_peak
 
@@ -173,6 +173,9 @@ def _run_stages(
         return result
 
     torch.manual_seed(settings.seed)
+    owns_teacher = (
+        loaded is None
+    )  # a model the caller loaded is theirs: never shares a tensor with the result
     loaded = timed("load", lambda: loaded or load_model(model_path, dtype=settings.dtype))
     steps = timed("check", lambda: _checked_steps(recipe, settings, model_path, loaded, echo))
     stages = STAGES[2:] + (("tasks",) if settings.eval_tasks else ())
@@ -181,6 +184,10 @@ def _run_stages(
     seconds |= {k: v for k, v in kept.get("seconds", {}).items() if k not in seconds}
     peaks |= {k: v for k, v in kept.get("peaks", {}).items() if k not in peaks}
     for stage in stages[stages.index(done) + 1 :] if done is not None else stages:
+        if stage == "measure" and owns_teacher and steps.student is not None:
+            # Nothing trains from here on: what the conversion left unchanged is held once for both models
+            # through the measurement and the save.
+            share_unchanged_weights(steps.student, steps.teacher)
         try:
             with work.stage(stage) if work is not None else contextlib.nullcontext():
                 outcome = timed(stage, lambda stage=stage: _run_stage(steps, stage, settings, echo))

@@ -363,3 +363,28 @@ def no_loading_bars() -> Iterator[None]:
     finally:
         if bars:
             transformers_logging.enable_progress_bar()
+
+
+@torch.no_grad()
+def share_unchanged_weights(model: nn.Module, reference: nn.Module) -> int:
+    """Point every parameter of `model` that equals `reference`'s parameter of the same name (shape, dtype,
+    device and every value) at the reference's tensor, so that its own copy is freed; returns the bytes freed.
+
+    What a conversion left as it was (a pruned model's MLPs and embeddings) is then held once for the two models.
+    Neither may be trained or changed in place afterwards: a write to one is a write to the other."""
+    theirs = dict(reference.named_parameters(remove_duplicate=False))
+    freed = 0
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        other = theirs.get(name)
+        if (
+            other is None
+            or parameter.data_ptr() == other.data_ptr()  # a tied weight met a second time, or shared already
+            or parameter.shape != other.shape
+            or parameter.dtype != other.dtype
+            or parameter.device != other.device
+            or not torch.equal(parameter, other)
+        ):
+            continue
+        freed += parameter.numel() * parameter.element_size()
+        parameter.data = other.data
+    return freed

@@ -1,6 +1,7 @@
-"""--micro-batch: a recovery step's batch run in several forwards, their gradients summed into the same step —
-the same model as the whole batch at once (up to the summation's rounding), in less memory; a micro-batch that
-does not divide the batch is refused in one line before any work."""
+"""What bounds a recipe's memory without changing its result. --micro-batch: a recovery step's batch run in several
+forwards, their gradients summed into the same step — the whole batch's model (up to the summation's rounding) —
+and a micro-batch that does not divide the batch refused in one line before any work. The measurement's student
+holding the untouched weights once with the teacher, never with a model the caller passed in."""
 
 import importlib
 import json
@@ -88,3 +89,35 @@ def test_the_command_line_refuses_a_micro_batch_that_does_not_divide_the_batch(
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert errors == ["error: --micro-batch must divide --batch-size (8), got 3"]
     assert not (tmp_path / "o").exists()
+
+
+def test_the_measurement_holds_the_unchanged_weights_once_unless_the_caller_loaded_the_model(
+    tiny_llama, text_folder, tmp_path, monkeypatch
+):
+    """After the recovery nothing trains: the recipe points the student's untouched weights at the teacher's
+    (a pruned model's MLPs and embeddings), but never at a model the caller passed in and keeps."""
+    from headkit.recipes import steps as recipe_steps
+    from headkit.recipes.prune import prune
+    from headkit.recipes.prune_settings import PruneSettings
+    from headkit.runs.models import load_model
+
+    freed, share = [], recipe_steps.share_unchanged_weights
+    monkeypatch.setattr(
+        recipe_steps,
+        "share_unchanged_weights",
+        lambda model, reference: freed.append(share(model, reference)),
+    )
+    # without a recovery (which trains every weight here) the MLPs and embeddings are the original's
+    args = ["prune", str(tiny_llama), *PRUNE[1:], "--data", str(text_folder), "--recovery-steps", "0"]
+    assert _run([*args, "--out", str(tmp_path / "cli")]) == 0
+    mlp = sum(p.numel() * 4 for n, p in load_model(tiny_llama).model.named_parameters() if ".mlp." in n)
+    assert len(freed) == 1 and freed[0] >= mlp
+    loaded = load_model(tiny_llama)
+    settings = PruneSettings(
+        model=tiny_llama, data=text_folder, heads=5, window=16, train_texts=16, held_out_texts=2, batch_size=8,
+        recovery_steps=1, out=tmp_path / "library",
+    )  # fmt: skip
+    result = prune(settings, echo=lambda text: None, loaded=loaded)
+    assert len(freed) == 1  # not called again
+    ours = {p.data_ptr() for p in loaded.model.parameters()}
+    assert not ours & {p.data_ptr() for p in result.model.parameters()}
