@@ -80,7 +80,7 @@ from headkit.surgery.attention import (
     set_attention_implementation,
 )
 from headkit.surgery.linearize import LinearizedHeads
-from headkit.surgery.quantized_cache import QuantizedKVHeads
+from headkit.surgery.quantized_cache import quantized_mechanisms
 
 logger = logging.getLogger(__name__)
 
@@ -299,7 +299,7 @@ class FastDecoder:
             raise HeadkitError(
                 "compile_config.fullgraph must be True: a graph break would hide eager code in the step"
             )
-        if any(isinstance(mechanism_of(m), QuantizedKVHeads) for m in model.modules()):
+        if quantized_mechanisms(model):
             name = getattr(model.config, "name_or_path", "") or type(model).__name__
             raise HeadkitError(
                 f"model: {name} keeps its key/value cache quantized (QuantizedKVConfig), which the fast decoder's "
