@@ -7,6 +7,7 @@ import importlib
 import json
 
 import pytest
+import torch
 import transformers
 from safetensors.torch import load_file
 
@@ -102,16 +103,24 @@ def test_the_measurement_holds_the_unchanged_weights_once_unless_the_caller_load
     from headkit.runs.models import load_model
 
     freed, share = [], recipe_steps.share_unchanged_weights
-    monkeypatch.setattr(
-        recipe_steps,
-        "share_unchanged_weights",
-        lambda model, reference: freed.append(share(model, reference)),
-    )
-    # without a recovery (which trains every weight here) the MLPs and embeddings are the original's
+
+    def sharing(model, reference):
+        held_once = {p.data_ptr() for p in reference.parameters()}
+        freed.append(share(model, reference))
+        shared = [n for n, p in model.named_parameters() if p.data_ptr() in held_once]
+        freed[-1] = (freed[-1], shared)
+
+    monkeypatch.setattr(recipe_steps, "share_unchanged_weights", sharing)
+    # without a recovery (which trains every weight here) the MLPs and embeddings are the original's, held once
+    # from the pruning on (headkit.runs.models.shared_copy); the measurement frees what the pruning copied but
+    # left equal (the key/value projections when only query heads go)
     args = ["prune", str(tiny_llama), *PRUNE[1:], "--data", str(text_folder), "--recovery-steps", "0"]
     assert _run([*args, "--out", str(tmp_path / "cli")]) == 0
-    mlp = sum(p.numel() * 4 for n, p in load_model(tiny_llama).model.named_parameters() if ".mlp." in n)
-    assert len(freed) == 1 and freed[0] >= mlp
+    weights = dict(load_model(tiny_llama).model.named_parameters())
+    mlp = {n for n in weights if ".mlp." in n}
+    key_values = {n for n in weights if ".k_proj." in n or ".v_proj." in n}
+    assert len(freed) == 1 and (mlp | key_values) <= set(freed[0][1])
+    assert freed[0][0] == sum(weights[n].numel() * 4 for n in key_values)
     loaded = load_model(tiny_llama)
     settings = PruneSettings(
         model=tiny_llama, data=text_folder, heads=5, window=16, train_texts=16, held_out_texts=2, batch_size=8,
@@ -121,3 +130,38 @@ def test_the_measurement_holds_the_unchanged_weights_once_unless_the_caller_load
     assert len(freed) == 1  # not called again
     ours = {p.data_ptr() for p in loaded.model.parameters()}
     assert not ours & {p.data_ptr() for p in result.model.parameters()}
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        pytest.param([*PRUNE], id="prune-full-recovery"),
+        pytest.param([*PRUNE, "--lora-rank", "2"], id="prune-lora-recovery"),
+        pytest.param([*PRUNE, "--unit", "group", "--uniform", "--heads", "4"], id="prune-groups"),
+        pytest.param([*LINEARIZE], id="linearize-lora"),
+        pytest.param([*LINEARIZE, "--lora-rank", "0"], id="linearize-full"),
+        pytest.param(
+            ["compress", "--kv-budget", "1/2", "--kv-budget-context", "64"], id="compress-kv-budget"
+        ),
+    ],
+)
+def test_a_conversion_that_holds_the_original_once_leaves_the_original_unchanged(
+    command, tiny_llama, text_folder, tmp_path, monkeypatch
+):
+    """The student holds the original's tensors from the surgery on (headkit.runs.models.shared_copy); the repair,
+    a training and a LoRA merge write copies of their own, so the original is what was loaded, value for value."""
+    from headkit.recipes import steps as recipe_steps
+    from headkit.runs.models import load_model
+
+    teachers, share = [], recipe_steps.share_unchanged_weights
+    monkeypatch.setattr(
+        recipe_steps,
+        "share_unchanged_weights",
+        lambda model, reference: (teachers.append(reference), share(model, reference))[1],
+    )
+    args = [command[0], str(tiny_llama), *command[1:], "--data", str(text_folder)]
+    assert _run([*args, "--out", str(tmp_path / "out")]) == 0
+    loaded = dict(load_model(tiny_llama).model.named_parameters())
+    assert len(teachers) == 1
+    for name, parameter in teachers[0].named_parameters():
+        assert torch.equal(parameter, loaded[name]), name

@@ -40,3 +40,35 @@ def test_the_unchanged_weights_become_the_originals_and_the_changed_stay_the_mod
             assert converted.lm_head.weight.data_ptr() == converted.model.embed_tokens.weight.data_ptr()
         assert torch.equal(converted(ids).logits, logits)
         assert share_unchanged_weights(converted, original) == 0  # shared already
+
+
+def test_a_shared_copy_holds_the_originals_tensors_until_unshared():
+    from headkit.runs.models import shared_copy, unshare_weights
+
+    for tied in (False, True):
+        original = _tiny_llama(tied)
+        copied = shared_copy(original)
+        ours, theirs = dict(copied.named_parameters()), dict(original.named_parameters())
+        assert ours.keys() == theirs.keys()
+        for name, parameter in ours.items():
+            assert parameter is not theirs[name] and parameter.data_ptr() == theirs[name].data_ptr(), name
+        if tied:
+            assert copied.lm_head.weight is copied.model.embed_tokens.weight
+        copied.requires_grad_(False)  # the copy's own flags
+        assert all(p.requires_grad for p in original.parameters())
+        attention = list(copied.model.layers[0].self_attn.parameters())
+        copied_bytes = unshare_weights(copied, original, attention)
+        assert copied_bytes == sum(p.numel() * 4 for p in attention)
+        with torch.no_grad():
+            for parameter in attention:
+                parameter.add_(1.0)  # written in place: the original's stays
+        for name, parameter in original.named_parameters():
+            assert (parameter.data_ptr() == ours[name].data_ptr()) == ("layers.0.self_attn" not in name), name
+        assert torch.equal(
+            original.model.layers[0].self_attn.q_proj.weight + 1,
+            ours["model.layers.0.self_attn.q_proj.weight"],
+        )
+        unshare_weights(copied, original)
+        assert not {p.data_ptr() for p in copied.parameters()} & {p.data_ptr() for p in original.parameters()}
+        if tied:
+            assert copied.lm_head.weight is copied.model.embed_tokens.weight

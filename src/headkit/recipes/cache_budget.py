@@ -23,7 +23,6 @@ its bytes per token at 8,192 tokens.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,7 +32,7 @@ from typing import Any
 from headkit.errors import HeadkitError
 from headkit.evaluation.quality import continuation_perplexity
 from headkit.recipes.steps import Steps
-from headkit.runs.models import CAUSAL_LM
+from headkit.runs.models import CAUSAL_LM, shared_copy
 from headkit.runs.text import held_out_by_length, load_text
 from headkit.surgery.apply import apply_, bytes_per_token, check_composition
 from headkit.surgery.compressed_cache import CompressedCacheConfig
@@ -250,7 +249,8 @@ class CacheBudgetSteps(Steps):
 
     def convert(self) -> None:
         started = time.perf_counter()
-        self.student = copy.deepcopy(self.teacher)
+        # The cache's configs change no weight: the student is the original's tensors under cache layers of its own.
+        self.student = shared_copy(self.teacher)
         apply_(self.student, list(self.plan.configs))
         self.convert_seconds = time.perf_counter() - started
         self.echo(f"{self.plan.reason}: {', '.join(type(c).__name__ for c in self.plan.configs)}")

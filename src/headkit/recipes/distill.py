@@ -25,6 +25,7 @@ from torch import nn
 from headkit.errors import HeadkitError
 from headkit.recipes.loop import train_loop
 from headkit.recipes.settings import training_forwards
+from headkit.runs.models import unshare_weights
 from headkit.runs.objectives import EncoderObjective
 
 Objective = Callable[[nn.Module, nn.Module, dict[str, Any]], torch.Tensor]
@@ -169,6 +170,9 @@ def distill(
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable or lr == 0:
         raise HeadkitError("nothing to train: the student has no trainable parameter (or lr is 0)")
+    # A student made by headkit.runs.models.shared_copy holds the teacher's tensors where the surgery left them:
+    # what trains gets a copy of its own first.
+    unshare_weights(model, teacher, trainable)
     groups = [{"params": trainable, "lr": lr, "weight_decay": weight_decay}]
     # Trainer may move both models to an accelerator; the caller gets them back where they were.
     student_device = next(student.parameters()).device
@@ -213,7 +217,7 @@ def distill(
         companions=[teacher],
     )
     if lora_rank is not None:
-        model = model.merge_and_unload()
+        model = merge_lora(model, teacher)
     if use_cache is not None:  # Trainer turns the cache off for training; generation wants it back
         model.config.use_cache = use_cache
     model.to(student_device).eval()
@@ -271,6 +275,20 @@ def _with_lora(student: nn.Module, rank: int, alpha: float | None) -> nn.Module:
     if not targets:
         raise HeadkitError(f"lora_rank: found no linear layer in {type(student).__name__} that LoRA can wrap")
     return with_lora(student, targets, rank=rank, alpha=alpha, option="lora_rank")
+
+
+def merge_lora(model: nn.Module, teacher: nn.Module) -> nn.Module:
+    """PEFT's ``merge_and_unload`` of a LoRA-wrapped student: the adapters added into the weights they wrap,
+    each of which first gets a copy of its own where it is still the teacher's tensor (a student made by
+    :func:`headkit.runs.models.shared_copy`), so the merge leaves the teacher as it was."""
+    wrapped = [
+        parameter
+        for module in model.modules()
+        if hasattr(module, "lora_A") and hasattr(module, "get_base_layer")
+        for parameter in module.get_base_layer().parameters()
+    ]
+    unshare_weights(model, teacher, wrapped)
+    return model.merge_and_unload()
 
 
 def with_lora(

@@ -26,7 +26,6 @@ saved model reloads with :func:`headkit.from_pretrained`.
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -45,7 +44,7 @@ from headkit.evaluation.sampling import greedy_sample
 from headkit.evaluation.tasks import with_task_table
 from headkit.evaluation.timing import decode_profile
 from headkit.files import save_figure_atomic
-from headkit.recipes.distill import distill, with_lora
+from headkit.recipes.distill import distill, merge_lora, with_lora
 from headkit.recipes.linearize_settings import (  # noqa: F401  (the names the recipe has always offered)
     MODEL_HELP,
     LinearizeSettings,
@@ -56,10 +55,7 @@ from headkit.recipes.linearize_settings import (  # noqa: F401  (the names the r
 )
 from headkit.recipes.settings import RecipeResult, training_forwards
 from headkit.recipes.steps import Recipe, Steps, run_settings
-from headkit.runs.models import (
-    LoadedModel,
-    smollm2_gguf_path,
-)
+from headkit.runs.models import LoadedModel, shared_copy, smollm2_gguf_path
 from headkit.runs.objectives import CausalLMObjective
 from headkit.runs.text import held_out_by_length, lm_windows, load_text
 from headkit.surgery.adapters import AttentionAdapter, get_adapter
@@ -211,7 +207,8 @@ class LinearizeSteps(Steps):
             self.config = _with_retrieval_heads(
                 teacher, self.tokenizer, self.corpus, self.config, settings, self.echo
             )
-        self.student = copy.deepcopy(teacher)
+        # Held once until a training gives the student copies of what it changes (headkit.recipes.distill).
+        self.student = shared_copy(teacher)
         self.conversion = apply_(self.student, self.config, adapter=self.adapter)
         teacher.requires_grad_(False)
         self.echo(str(self.conversion))
@@ -278,7 +275,7 @@ class LinearizeSteps(Steps):
         )
         student = self.recovery.model
         if recovery_steps > 0 and settings.lora_rank is not None:
-            student = student.merge_and_unload()
+            student = merge_lora(student, teacher)
         student.eval()
         student.requires_grad_(False)
         self.student = student

@@ -7,7 +7,6 @@ agreement, speed, KV-cache bytes, greedy samples.
 
 from __future__ import annotations
 
-import copy
 import time
 from typing import Any
 
@@ -25,7 +24,7 @@ from headkit.recipes.prune_plan import plan_pruning
 from headkit.recipes.prune_report import family_notes
 from headkit.recipes.prune_settings import held_out_count, recovery_lr
 from headkit.recipes.prune_steps import PruneSteps
-from headkit.runs.models import CAUSAL_LM
+from headkit.runs.models import CAUSAL_LM, shared_copy
 from headkit.runs.objectives import CausalLMObjective
 from headkit.runs.text import calibration_batches, lm_windows, load_text, window_batches
 from headkit.surgery.adapters import count_parameters
@@ -143,7 +142,9 @@ class CausalLMPruneSteps(PruneSteps):
             scores, self.kv_of_query, self.keep, unit=settings.unit, uniform=settings.uniform
         )
 
-        self.student = copy.deepcopy(teacher)
+        # Held once: the surgery replaces the projections it cuts, so the rest stays the original's tensors until
+        # a training (headkit.recipes.distill) gives the student copies of what it changes.
+        self.student = shared_copy(teacher)
         config = PruneConfig(
             heads=self.plan,
             allow_empty_layers=not settings.uniform,

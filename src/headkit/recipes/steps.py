@@ -32,7 +32,7 @@ from headkit.recipes.settings import check_before_loading, with_overrides
 from headkit.recipes.skeleton import save_result
 from headkit.recipes.work import RunWork, interruptible
 from headkit.runs.faults import fault_point
-from headkit.runs.models import LoadedModel, load_model, share_unchanged_weights
+from headkit.runs.models import LoadedModel, load_model, share_unchanged_weights, unshare_weights
 from headkit.runs.processes import ReplicatedError, main_process_echo
 from headkit.runs.resident import Peak, stage_peaks, tracking_peak
 
@@ -206,6 +206,9 @@ def _run_stages(
                 f"cannot write {exc.filename}: {exc.strerror or exc}; the finished stages are kept in "
                 f"{work.folder}: free some space and add --resume"
             ) from exc
+    if not owns_teacher and steps.student is not None:
+        # The caller's model and the result share no tensor (a conversion held them once while it ran).
+        unshare_weights(steps.student, steps.teacher)
     report = steps.report
     report["model"] = str(model_path)
     report["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()}

@@ -12,11 +12,12 @@ output while it loads.
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import io
 import json
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -363,6 +364,36 @@ def no_loading_bars() -> Iterator[None]:
     finally:
         if bars:
             transformers_logging.enable_progress_bar()
+
+
+def shared_copy(model: nn.Module) -> nn.Module:
+    """A copy of `model` whose parameters are new ``nn.Parameter`` objects over the original's tensors: the
+    modules, buffers and configuration are copied, the weights are not (a surgery that replaces a projection gives
+    the copy a tensor of its own and leaves the original's as it was). Tied weights stay tied.
+
+    The copy's parameters may be replaced, but neither model's may be written in place while they are shared: a
+    training (or a LoRA merge) first calls :func:`unshare_weights`. ``requires_grad`` is the copy's own."""
+    memo: dict[int, Any] = {
+        id(parameter): nn.Parameter(parameter.data, requires_grad=parameter.requires_grad)
+        for parameter in model.parameters()  # a tied weight once: both names get the same copy
+    }
+    return copy.deepcopy(model, memo)
+
+
+@torch.no_grad()
+def unshare_weights(
+    model: nn.Module, reference: nn.Module, parameters: Iterable[nn.Parameter] | None = None
+) -> int:
+    """Give every parameter of `model` (or only those of `parameters`) that holds one of `reference`'s tensors a
+    copy of its own, so that training `model` leaves `reference` as it was; returns the bytes copied."""
+    theirs = {parameter.data_ptr() for parameter in reference.parameters()}
+    copied = 0
+    chosen = model.parameters() if parameters is None else parameters
+    for parameter in {id(p): p for p in chosen}.values():
+        if parameter.numel() and parameter.data_ptr() in theirs:
+            parameter.data = parameter.data.clone()
+            copied += parameter.numel() * parameter.element_size()
+    return copied
 
 
 @torch.no_grad()
