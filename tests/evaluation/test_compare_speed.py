@@ -39,3 +39,30 @@ def test_compare_speed_reverses_the_order_every_other_round(monkeypatch):
         "other",
     ]
     assert result["prefill_ratio"] == 0.5 and result["decode_ratio"] == 0.25
+
+
+def test_decode_profile_prefills_one_logit_row_and_each_batch_holds_the_whole_prompt():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).eval()
+    rows = []
+    forward = model.forward
+
+    def spy(*args, **kwargs):
+        output = forward(*args, **kwargs)
+        rows.append((kwargs["input_ids"].shape, output.logits.shape[1]))
+        return output
+
+    model.forward = spy
+    points = measure.decode_profile({"original": model}, 20, 2, batch_sizes=(1, 3, 2))
+    assert rows[0] == (torch.Size([1, 20]), 1)  # the prompt's logits: its last position only
+    sizes = [point["original"]["cache_bytes"] for point in points]
+    assert sizes == [sizes[0], 3 * sizes[0], 2 * sizes[0]]  # the last batch size reuses the prompt's cache
+    assert (
+        sizes[0] == 2 * 2 * 2 * 20 * 8 * 4
+    )  # layers × (keys, values) × KV heads × tokens × head width × 4 B

@@ -22,6 +22,8 @@ from headkit.runs.objectives import mean_pool, next_token_kl
 # Logit entries one forward of the measurements may produce (float32: 128 MiB): the rows a forward takes are capped
 # so that [rows, T, vocabulary] stays within it (SmolLM2, 256-token windows: 2 rows), whatever the batch size asked.
 LOGIT_ENTRIES = 1 << 25
+# Logit entries whose softmaxes the agreement's KL holds at once (float32: 16 MiB each).
+KL_SLICE_ENTRIES = 1 << 22
 
 
 def _row_chunks(model: nn.Module, windows: torch.Tensor, batch_size: int) -> tuple[torch.Tensor, ...]:
@@ -145,11 +147,14 @@ def agreement(
     same, kl_sum, count = 0, 0.0, 0
     for chunk in _row_chunks(model, windows, batch_size):
         chunk = chunk.to(model_device(model))
-        got = model(input_ids=chunk, use_cache=False).logits.float()
+        got = model(input_ids=chunk, use_cache=False).logits.float().flatten(0, 1)
         expected = reference(input_ids=chunk.to(model_device(reference)), use_cache=False).logits
-        expected = expected.float().to(got.device)
+        expected = expected.float().to(got.device).flatten(0, 1)
         same += int((got.argmax(-1) == expected.argmax(-1)).sum())
-        kl_sum += float(next_token_kl(got, expected)) * chunk.numel()
+        # The KL's softmaxes a slice of positions at a time: four more logit-sized tensors otherwise.
+        rows = max(1, KL_SLICE_ENTRIES // got.shape[-1])
+        for mine, theirs in zip(got.split(rows), expected.split(rows), strict=True):
+            kl_sum += float(next_token_kl(mine[None], theirs[None])) * mine.shape[0]
         count += chunk.numel()
     return Agreement(top1=same / count, kl=kl_sum / count)
 

@@ -213,13 +213,16 @@ def decode_profile(
     ids = torch.randint(0, vocabulary, (1, context), generator=torch.Generator().manual_seed(seed))
     prefilled = {}
     for name, model in models.items():
-        output = model(input_ids=ids, use_cache=True)
+        # only the last position's logits: a whole prompt's are [context, vocabulary] (1.6 GB at 8,192 on SmolLM2)
+        output = model(input_ids=ids, use_cache=True, logits_to_keep=1)
         prefilled[name] = (output_cache(output), output.logits[:, -1:].argmax(-1))
     points = []
-    for batch_size in batch_sizes:
+    for index, batch_size in enumerate(batch_sizes):
         caches, tokens, sizes = {}, {}, {}
+        last = index == len(batch_sizes) - 1
         for name, (cache, token) in prefilled.items():
-            caches[name] = copy.deepcopy(cache)  # every batch size decodes from the prompt's own cache
+            # every batch size decodes from the prompt's own cache; the last one from the prompt's cache itself
+            caches[name] = cache if last else copy.deepcopy(cache)
             if batch_size > 1:
                 caches[name].batch_repeat_interleave(batch_size)
             tokens[name] = token.expand(batch_size, 1)
