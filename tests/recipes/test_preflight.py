@@ -169,7 +169,7 @@ def test_prune_max_memory_must_be_positive(tmp_path, capsys):
 
 
 def test_the_memory_estimate_grows_with_the_run():
-    from headkit.recipes.prune_memory import estimate_prune_memory
+    from headkit.recipes.memory import estimate_prune_memory
     from headkit.recipes.prune_settings import PruneSettings
 
     config = read_model_config(smollm2_gguf_path())
@@ -182,7 +182,7 @@ def test_the_memory_estimate_grows_with_the_run():
 
 def test_the_recovery_estimate_holds_a_chunk_of_logits_not_the_batch_s():
     """The distillation's KL is computed in chunks of tokens: a larger batch adds activations, no logits."""
-    from headkit.recipes import prune_memory
+    from headkit.recipes import memory as prune_memory
     from headkit.recipes.prune_settings import PruneSettings
     from headkit.runs.models import DTYPES
 
@@ -201,7 +201,7 @@ def test_the_recovery_estimate_holds_a_chunk_of_logits_not_the_batch_s():
 
 
 def test_micro_batches_bound_the_recoverys_activations_by_a_forward_not_the_batch():
-    from headkit.recipes.prune_memory import estimate_prune_memory
+    from headkit.recipes.memory import estimate_prune_memory
     from headkit.recipes.prune_settings import PruneSettings
 
     config = read_model_config(smollm2_gguf_path())

@@ -91,7 +91,7 @@ def continuation_perplexity(
     total = 0.0
     for window in windows.to(device):
         ids = window[None]
-        out = model(input_ids=ids[:, :prefix], use_cache=True)
+        out = model(input_ids=ids[:, :prefix], use_cache=True, logits_to_keep=1)  # the prefix's last row only
         cache, last = output_cache(out), out.logits[:, -1]
         for start in range(prefix, length, chunk):
             piece = ids[:, start : start + chunk]

@@ -216,6 +216,12 @@ def budget_context(settings: Any, model_config: Any) -> int:
     return int(getattr(text, "max_position_embeddings", None) or REPORTED_CONTEXT)
 
 
+def evaluation_window(settings: Any, context: int) -> int:
+    """The held-out windows' length the cache's perplexity is read over: --eval-window, or the budget's context
+    up to 2,048 tokens."""
+    return settings.eval_window or min(2048, context)
+
+
 class CacheBudgetSteps(Steps):
     """``headkit compress --kv-budget``: the plan checked on the loaded model, applied, measured; no repair and no
     training (nothing is learned)."""
@@ -238,7 +244,7 @@ class CacheBudgetSteps(Steps):
 
     def data(self) -> None:
         settings = self.settings
-        length = settings.eval_window or min(2048, self.plan.context)
+        length = evaluation_window(settings, self.plan.context)
         corpus = load_text(settings.data)
         self.held_out = held_out_by_length(self.tokenizer, corpus, (length,), 2, settings.seed)[length]
         self.length, self.scored = length, min(SCORED_TOKENS, length // 2)
@@ -303,6 +309,7 @@ __all__ = [
     "CachePlan",
     "budget_context",
     "cache_plan",
+    "evaluation_window",
     "format_budget_report",
     "largest_fitting",
     "parse_fraction",

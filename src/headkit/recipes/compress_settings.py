@@ -8,9 +8,10 @@ latent config they ask for (:func:`latent_config`). No model code on the paths t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import check_recipe_tasks
@@ -19,6 +20,9 @@ from headkit.runs.models import DTYPES, ENCODER, model_kind
 from headkit.runs.options import check_choice, check_options, option, with_fields_of
 from headkit.surgery.families import COMPRESS, FAMILIES, model_type_of
 from headkit.surgery.latent_config import ROPE_SELECTIONS, ROROPE_FITTED, LatentKVConfig, attention_widths
+
+if TYPE_CHECKING:
+    from headkit.recipes.memory import MemoryEstimate
 
 # The windows the reconstruction fits on by default, and up to how many after them judge its fit, layer by layer
 # (a worse layer is restored).
@@ -164,15 +168,37 @@ def check_settings(settings: CompressSettings) -> None:
         )
 
 
-def preflight(settings: CompressSettings, model_path: Path, config: Any | None, out: Path | None) -> None:
+def preflight(
+    settings: CompressSettings, model_path: Path, config: Any | None, out: Path | None
+) -> MemoryEstimate | None:
     """The settings checked against MODEL's 🤗 config (a folder's config.json, a GGUF file's metadata) before any
     weight is loaded: --dim refused on a rotary decoder family (it takes latent keys/values); --kv-rank /
     --rope-dims as :func:`preflight_latent` checks them; otherwise, for an encoder or a registered decoder family
     that takes collaborative heads, D̃ (--dim, or its default) and the attention as
-    :meth:`CollaborativeConfig.check` checks them on a config. A model after headkit surgery, or one without such a
-    config, is checked once loaded."""
+    :meth:`CollaborativeConfig.check` checks them on a config; then, for a causal LM, the estimated peak memory
+    against --max-memory (:func:`headkit.recipes.memory.check_max_memory`), which it returns. A model after headkit
+    surgery, or one without such a config, is checked once loaded."""
     if config is None or getattr(config, "headkit_surgery", None):
-        return
+        return None
+    _check_against_config(settings, model_path, config)
+    if model_kind(model_path) == ENCODER:
+        return None
+    from headkit.recipes.memory import check_max_memory, estimate_compress_memory
+
+    cache_window = None
+    if settings.kv_budget is not None:
+        from headkit.recipes.cache_budget import budget_context, evaluation_window
+
+        cache_window = evaluation_window(settings, budget_context(settings, config))
+    estimate = functools.partial(
+        estimate_compress_memory,
+        repair_tokens=(settings.repair_windows or REPAIR_WINDOWS) * settings.window,
+        cache_window=cache_window,
+    )
+    return check_max_memory(settings, config, estimate)
+
+
+def _check_against_config(settings: CompressSettings, model_path: Path, config: Any) -> None:
     if settings.kv_budget is not None:
         from headkit.recipes.cache_budget import budget_context, cache_plan, parse_fraction
 

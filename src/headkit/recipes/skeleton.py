@@ -91,7 +91,8 @@ def save_result(
             if peaks is not None:
                 if "save" in peaks:
                     peaks["save"].update()  # the save's peak so far
-                report["peak_memory"] = stage_peaks(peaks)
+                estimate = (report.get("peak_memory") or {}).get("estimate")  # the preflight's, kept
+                report["peak_memory"] = stage_peaks(peaks) | ({"estimate": estimate} if estimate else {})
             write_json_atomic(staging / REPORT_FILE, report)
             fault_point("save")
         return report

@@ -146,10 +146,10 @@ def run_recipe(
     depend on what consumes it, in this order)."""
     started = time.perf_counter() if started is None else started
     echo = main_process_echo(echo)
-    check_before_loading(recipe.preflight, settings, model_path, out)
+    estimate = check_before_loading(recipe.preflight, settings, model_path, out)
     work = None if out is None else RunWork.open(settings, model_path, out, echo)
     with interruptible(work) if work is not None else contextlib.nullcontext():
-        return _run_stages(recipe, settings, model_path, echo, loaded, out, started, work)
+        return _run_stages(recipe, settings, model_path, echo, loaded, out, started, work, estimate)
 
 
 def _run_stages(
@@ -161,9 +161,17 @@ def _run_stages(
     out: Path | None,
     started: float,
     work: RunWork | None,
+    estimate: Any = None,
 ) -> tuple[Steps, dict[str, Any]]:
     seconds: dict[str, float] = {}
     peaks: dict[str, Peak] = {}
+
+    def peak_memory() -> dict[str, Any]:
+        # the preflight's estimate beside what was measured (headkit.recipes.memory)
+        summary = stage_peaks(peaks)
+        if summary and hasattr(estimate, "to_dict"):
+            summary["estimate"] = estimate.to_dict()
+        return summary
 
     def timed(stage: str, work: Callable[[], T]) -> T:
         stage_started = time.perf_counter()
@@ -213,7 +221,7 @@ def _run_stages(
     report["model"] = str(model_path)
     report["settings"] = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(settings).items()}
     report["stage_seconds"] = seconds
-    report["peak_memory"] = stage_peaks(peaks)
+    report["peak_memory"] = peak_memory()
     if out is None:
         report["seconds"] = time.perf_counter() - started
         return steps, report
@@ -241,7 +249,7 @@ def _run_stages(
         ) from exc
     if work is not None:
         work.finish()
-    report["peak_memory"] = stage_peaks(peaks)
+    report["peak_memory"] = peak_memory()
     return steps, report
 
 
