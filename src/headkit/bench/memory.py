@@ -407,9 +407,7 @@ def _last_line(text: str) -> str:
 def subprocess_environment() -> dict[str, str]:
     """This process's environment with the folder holding this headkit first on PYTHONPATH: each run imports the
     same headkit as the benchmark."""
-    import headkit
-
-    source = str(Path(headkit.__file__).resolve().parent.parent)
+    source = str(Path(__file__).resolve().parents[2])  # the folder holding the headkit package
     path = os.environ.get("PYTHONPATH")
     return os.environ | {"PYTHONPATH": source if not path else f"{source}{os.pathsep}{path}"}
 
