@@ -57,7 +57,8 @@ __all__ = ["NO_QUICK", "field_types", "option_name", "parse_list", "parse_option
 # The order in which `headkit bench --help` lists headkit's own benchmarks (modules); a module not named here is
 # found all the same and listed after them.
 BUILTIN_BENCHMARKS = tuple(
-    "speed decode digits lora decompose lm extrapolate compress prune_curves linearize retrieval frontier export".split()
+    "speed decode digits lora decompose lm extrapolate compress prune_curves linearize retrieval frontier export "
+    "memory".split()
 )
 
 
