@@ -216,3 +216,56 @@ def test_the_max_memory_refusal_names_micro_batches_for_the_recovery(tmp_path, m
     args = ["prune", str(smollm2_gguf_path()), "--recovery-steps", "10", "--max-memory", "4"]
     error = _refused([*args, "--out", str(tmp_path / "o")], capsys)
     assert "(stage recover)" in error and "--micro-batch" in error
+
+
+@pytest.mark.parametrize(
+    "args, advice",
+    [
+        (["compress", "--kv-rank", "96", "--rope-dims", "16"], "--dtype bfloat16"),
+        (["compress", "--kv-budget", "1/8"], "--dtype bfloat16"),
+        (["linearize"], "--decode-contexts"),
+        (
+            ["linearize", "--recovery-steps", "10", "--lora-rank", "0", "--decode-contexts", "64"],
+            "--micro-batch",
+        ),
+    ],
+)
+def test_compress_and_linearize_refuse_a_max_memory_below_the_estimate_before_loading(
+    args, advice, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.setattr(steps, "load_model", _no_weights)
+    command, *options = args
+    error = _refused(
+        [command, str(smollm2_gguf_path()), *options, "--max-memory", "0.3", "--out", str(tmp_path / "o")],
+        capsys,
+    )
+    assert "--max-memory: this run needs about" in error and "is 0.30 GiB" in error and advice in error
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_estimates_count_what_each_recipe_holds():
+    """One model's weights where the student holds the original's tensors (a cache, a linearized model before
+    training), two where the surgery copies them (latent keys/values), and the original's cache at the longest
+    decoding context and batch."""
+    from headkit.recipes import memory
+    from headkit.recipes.compress_settings import CompressSettings
+    from headkit.recipes.linearize_settings import LinearizeSettings
+
+    config = read_model_config(smollm2_gguf_path())
+    shape = memory.model_shape(config, "float32")
+    assert shape.parameters == 134_515_008 and shape.kv_heads == 3 and shape.head_dim == 64
+    cache = memory.estimate_compress_memory(
+        CompressSettings(kv_budget="1/8"), config, repair_tokens=0, cache_window=2048
+    )
+    assert cache.stages["measure"] == memory.RUNTIME_BYTES + shape.weights + shape.kv_cache(2048)
+    latent = memory.estimate_compress_memory(
+        CompressSettings(), config, repair_tokens=64 * 256, cache_window=None
+    )
+    assert latent.stages["measure"] - cache.stages["measure"] > shape.weights - shape.kv_cache(2048)
+    one, eight = (
+        memory.estimate_linearize_memory(
+            LinearizeSettings(decode_contexts=(8192,), decode_batch_sizes=(b,)), config
+        )
+        for b in (1, 8)
+    )
+    assert eight.stages["measure"] - one.stages["measure"] == shape.kv_cache(7 * 8192)

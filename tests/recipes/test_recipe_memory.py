@@ -163,5 +163,9 @@ def test_a_conversion_that_holds_the_original_once_leaves_the_original_unchanged
     assert _run([*args, "--out", str(tmp_path / "out")]) == 0
     loaded = dict(load_model(tiny_llama).model.named_parameters())
     assert len(teachers) == 1
+    # the preflight's estimate is kept beside the measured peak
+    peak = json.loads((tmp_path / "out" / "report.json").read_text())["peak_memory"]
+    assert peak["resident_bytes"] > 0 and peak["estimate"]["bytes"] > 0
+    assert peak["estimate"]["stage"] in peak["estimate"]["stages"]
     for name, parameter in teachers[0].named_parameters():
         assert torch.equal(parameter, loaded[name]), name
