@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import check_recipe_tasks
-from headkit.recipes.settings import QuickSettings, check_count, check_data, training_forwards
+from headkit.recipes.settings import ModelSettings, QuickSettings, check_count, check_data, training_forwards
 from headkit.runs.options import check_options, option, with_fields_of
 from headkit.surgery.linearize_config import LinearizeConfig, config_kv_heads, max_context
 
@@ -100,9 +100,13 @@ class LinearizeSettings(QuickSettings):
         min=1,
     )
     decode_steps: int = option(8, "Timed decoding steps per context.", quick=4, min=1)
-    # batch sizes timed at each context: batch 1 is weight-bound, larger batches read more cache per weight
+    # batch sizes timed at each context: batch 1 is weight-bound, larger batches read more cache per weight. Batch 1
+    # by default: the original's cache at 8,192 tokens × 8 rows is 2.8 GiB of float32 by itself (docs/memory.md).
     decode_batch_sizes: tuple[int, ...] = option(
-        (1, 8), "Comma-separated batch sizes timed at each context.", quick=(1,), min=1
+        (1,),
+        "Comma-separated batch sizes timed at each context (1,8 adds the batch where the state's advantage shows, "
+        "and the original's cache at that batch: 2.8 GiB at 8,192 tokens on SmolLM2 in float32).",
+        min=1,
     )
     retrieval_head_count: int = option(
         0,
@@ -112,6 +116,18 @@ class LinearizeSettings(QuickSettings):
         min=0,
     )
     temperature: float = field(default=1.0, metadata={"positive": True})
+    # One window a forward by default: a 1,024-token window's activations through SmolLM2 are 1.3 GB (the same
+    # optimizer steps as the whole batch at once, up to the summation's rounding; docs/memory.md).
+    micro_batch: int | None = field(
+        default=1,
+        kw_only=True,
+        metadata=dict(ModelSettings.__dataclass_fields__["micro_batch"].metadata)
+        | {
+            "help": ModelSettings.__dataclass_fields__["micro_batch"]
+            .metadata["help"]
+            .replace("Default: the whole batch in one forward.", "Default: 1 (one window a forward).")
+        },
+    )
     seed: int = option(0, "Seed of the sampling and the training order.")
     overwrite: bool = False
     # lm-evaluation-harness tasks scored on the original and the result (headkit.evaluation.tasks): none by default.

@@ -41,8 +41,9 @@ from headkit.surgery.adapters import AttentionAdapter, get_adapter, linear_param
 
 RIDGE = 0.1  # λ relative to the mean diagonal of the kept heads' second moment (see above)
 # Tokens one forward (and backward) of a calibration pass holds at most: a batch runs in slices of whole rows, so the
-# activations autograd keeps are bounded (SmolLM2: ~1 MB a token) whatever the batch size. The sums are the same.
-PASS_TOKENS = 512
+# activations autograd keeps are bounded (SmolLM2: ~1 MB a token; 256 tokens: 0.33 GB) whatever the batch size. The
+# sums are the same.
+PASS_TOKENS = 256
 WEIGHTINGS = ("relative", "absolute", "loss")  # how refit_error_scores weighs a removal's error
 
 
