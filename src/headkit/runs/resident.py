@@ -14,6 +14,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -88,10 +89,36 @@ class Peak:
 _OPEN: list[Peak] = []
 
 
+def release_free_memory() -> bool:
+    """Hand the C allocator's free pages back to the kernel (glibc's ``malloc_trim``): memory a finished stage
+    freed stays resident in the heap otherwise, and is counted again in every later stage's peak. True where the
+    allocator did so (glibc); False elsewhere."""
+    global _TRIM
+    if _TRIM is None:
+        _TRIM = False
+        if sys.platform.startswith("linux"):
+            import ctypes
+            import ctypes.util
+
+            try:
+                _TRIM = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+            except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
+                _TRIM = False
+    if not _TRIM:
+        return False
+    _TRIM(0)
+    return True
+
+
+_TRIM: Any = None
+
+
 def _reset_marks() -> None:
-    """Fold the marks into every open stretch, then reset them (where the kernel allows)."""
+    """Fold the marks into every open stretch, give the allocator's free pages back, then reset the marks (where
+    the kernel allows): a stage's peak is then what it held, not what an earlier one left in the heap."""
     for peak in _OPEN:
         peak.update()
+    release_free_memory()
     try:
         with open("/proc/self/clear_refs", "w") as handle:
             handle.write("5")
@@ -148,6 +175,7 @@ __all__ = [
     "high_water_bytes",
     "machine_memory_bytes",
     "peak_memory_line",
+    "release_free_memory",
     "resident_bytes",
     "stage_peaks",
     "tracking_peak",
