@@ -342,6 +342,16 @@ def test_loss_weighted_scores_are_the_squared_first_order_loss_change_of_the_rep
     assert float(scores.min()) == pytest.approx(direct([h for h in range(4) if h != first]), rel=1e-4)
 
 
+def test_the_loss_weighted_scores_taken_a_slice_of_tokens_at_a_time_are_the_whole_products(monkeypatch):
+    import headkit.surgery.repair as repair
+
+    stats, _ = _with_gradients(_statistics(seed=2))
+    whole = refit_error_scores([stats], [[0, 0, 1, 1]], weighting="loss")[0]
+    monkeypatch.setattr(repair, "SCORE_TOKENS", 3)  # slices of 3 tokens, the last one shorter
+    sliced = refit_error_scores([stats], [[0, 0, 1, 1]], weighting="loss")[0]
+    assert stats.tokens % 3 and torch.allclose(sliced, whole, rtol=1e-6)
+
+
 def test_loss_weighting_keeps_the_head_the_loss_needs_where_the_relative_error_would_not():
     # Head 0 writes only to output rows the loss ignores; head 3 only to the rows it reads, and faintly.
     stats = _statistics(seed=3, out=4)

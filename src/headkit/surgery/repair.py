@@ -44,6 +44,9 @@ RIDGE = 0.1  # λ relative to the mean diagonal of the kept heads' second moment
 # activations autograd keeps are bounded (SmolLM2: ~1 MB a token; 256 tokens: 0.33 GB) whatever the batch size. The
 # sums are the same.
 PASS_TOKENS = 256
+# Tokens of the loss-weighted ranking's samples one product takes at a time (headkit.surgery.repair's
+# _loss_weighted_error).
+SCORE_TOKENS = 4096
 WEIGHTINGS = ("relative", "absolute", "loss")  # how refit_error_scores weighs a removal's error
 
 
@@ -393,8 +396,10 @@ def refit_error_scores(
             else [[h for h in range(heads) if kv[h] == group] for group in sorted(set(kv))]
         )
         energy = 1.0
-        if weighting == "loss":  # one layer's samples in memory at a time, float32 for the products
-            samples = tuple(t.float() for t in stats.loss_samples())
+        if (
+            weighting == "loss"
+        ):  # one layer's samples in memory at a time, as stored (bfloat16 from the files)
+            samples = stats.loss_samples()
         if weighting == "absolute":
             energy = float(torch.einsum("oi,ij,oj->", stats.weight, stats.gram, stats.weight)) / max(
                 stats.tokens, 1
@@ -437,10 +442,15 @@ def _loss_weighted_error(
     coefficients = _refit_coefficients(
         statistics.gram / max(statistics.tokens, 1), kept, removed, ridge
     ).float()
-    activations, gradients = samples  # float32 copies of the statistics' samples, made once per layer
-    residual = activations[:, kept] @ coefficients - activations[:, removed]
-    per_token = (gradients[:, removed] * residual).sum(-1)
-    return float(per_token.double().pow(2).sum())
+    total = torch.zeros((), dtype=torch.float64)
+    # A slice of tokens at a time, in float32: the products' copies are a slice's, not the calibration's (SmolLM2,
+    # 32,768 tokens: 75 MB each); the sum is the same.
+    for activations, gradients in zip(*(t.split(SCORE_TOKENS) for t in samples), strict=True):
+        activations = activations.float()
+        residual = activations[:, kept] @ coefficients - activations[:, removed]
+        per_token = (gradients[:, removed].float() * residual).sum(-1)
+        total += per_token.double().pow(2).sum()
+    return float(total)
 
 
 @torch.no_grad()
