@@ -177,7 +177,7 @@ def test_the_memory_estimate_grows_with_the_run():
     trained = estimate_prune_memory(PruneSettings(recovery_steps=10), config)
     half = estimate_prune_memory(PruneSettings(recovery_steps=0, dtype="bfloat16"), config)
     assert trained.stage == "recover" and trained.total > plain.total > half.total
-    assert set(plain.stages) == {"load", "convert", "measure"}
+    assert set(plain.stages) == {"load", "convert", "measure", "save"}
 
 
 def test_the_recovery_estimate_holds_a_chunk_of_logits_not_the_batch_s():
@@ -223,11 +223,8 @@ def test_the_max_memory_refusal_names_micro_batches_for_the_recovery(tmp_path, m
     [
         (["compress", "--kv-rank", "96", "--rope-dims", "16"], "--dtype bfloat16"),
         (["compress", "--kv-budget", "1/8"], "--dtype bfloat16"),
-        (["linearize"], "--decode-contexts"),
-        (
-            ["linearize", "--recovery-steps", "10", "--lora-rank", "0", "--decode-contexts", "64"],
-            "--micro-batch",
-        ),
+        (["linearize"], "--train-length"),
+        (["linearize", "--decode-batch-sizes", "1,8", "--max-memory", "2.9"], "--decode-contexts"),
     ],
 )
 def test_compress_and_linearize_refuse_a_max_memory_below_the_estimate_before_loading(
@@ -235,11 +232,11 @@ def test_compress_and_linearize_refuse_a_max_memory_below_the_estimate_before_lo
 ):
     monkeypatch.setattr(steps, "load_model", _no_weights)
     command, *options = args
+    limit = [] if "--max-memory" in options else ["--max-memory", "0.3"]
     error = _refused(
-        [command, str(smollm2_gguf_path()), *options, "--max-memory", "0.3", "--out", str(tmp_path / "o")],
-        capsys,
+        [command, str(smollm2_gguf_path()), *options, *limit, "--out", str(tmp_path / "o")], capsys
     )
-    assert "--max-memory: this run needs about" in error and "is 0.30 GiB" in error and advice in error
+    assert "--max-memory: this run needs about" in error and "GiB; lower it with" in error and advice in error
     assert not (tmp_path / "o").exists()
 
 

@@ -195,7 +195,7 @@ def preflight(
         repair_tokens=(settings.repair_windows or REPAIR_WINDOWS) * settings.window,
         cache_window=cache_window,
     )
-    return check_max_memory(settings, config, estimate)
+    return check_max_memory(settings, config, estimate, model_path)
 
 
 def _check_against_config(settings: CompressSettings, model_path: Path, config: Any) -> None:

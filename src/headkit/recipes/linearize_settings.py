@@ -192,7 +192,7 @@ def preflight(
         return None  # a converted model's config states the original's widths, not what it holds
     from headkit.recipes.memory import check_max_memory, estimate_linearize_memory
 
-    return check_max_memory(settings, config, estimate_linearize_memory)
+    return check_max_memory(settings, config, estimate_linearize_memory, model_path)
 
 
 def check_context(settings: LinearizeSettings, context: int | None) -> list[int]:

@@ -139,8 +139,26 @@ def model_shape(config: Any, dtype: str) -> ModelShape:
     )
 
 
-def _load(shape: ModelShape) -> int:
-    # a GGUF file is dequantized beside the weights it becomes
+def model_file_bytes(model_path: Any) -> int:
+    """The bytes of MODEL's weight files (a GGUF file; a folder's safetensors or PyTorch files), which loading
+    maps beside the weights it makes of them; 0 where there are none to read."""
+    from pathlib import Path
+
+    path = Path(model_path)
+    if path.is_file():
+        return path.stat().st_size
+    if not path.is_dir():
+        return 0
+    return sum(file.stat().st_size for pattern in ("*.safetensors", "*.bin") for file in path.glob(pattern))
+
+
+def _load(shape: ModelShape, file_bytes: int) -> int:
+    # the weights, beside the file they are read from (mapped: a GGUF file dequantized, a safetensors file cast)
+    return RUNTIME_BYTES + shape.weights + file_bytes
+
+
+def _save(shape: ModelShape) -> int:
+    # the result and its copy reloaded from the saved folder (the save step's reload check)
     return RUNTIME_BYTES + 2 * shape.weights
 
 
@@ -168,7 +186,7 @@ def _training(shape: ModelShape, settings: Any, tokens: int, trained: int, copie
     )
 
 
-def estimate_prune_memory(settings: Any, config: Any) -> MemoryEstimate:
+def estimate_prune_memory(settings: Any, config: Any, *, file_bytes: int = 0) -> MemoryEstimate:
     """The pruning recipe's peak resident memory on a causal LM of `config` with `settings` (see the module
     docstring)."""
     shape = model_shape(config, settings.dtype)
@@ -176,7 +194,8 @@ def estimate_prune_memory(settings: Any, config: Any) -> MemoryEstimate:
     calibration_rows = min(settings.importance_batches * settings.batch_size, settings.train_texts)
     calibration_tokens = calibration_rows * window
     stages = {
-        "load": _load(shape),
+        "load": _load(shape, file_bytes),
+        "save": _save(shape),
         # the gradient pass: one slice's activations, one chunk of logits and its gradient
         "convert": RUNTIME_BYTES
         + shape.weights
@@ -197,7 +216,7 @@ def estimate_prune_memory(settings: Any, config: Any) -> MemoryEstimate:
 
 
 def estimate_compress_memory(
-    settings: Any, config: Any, *, repair_tokens: int, cache_window: int | None
+    settings: Any, config: Any, *, repair_tokens: int, cache_window: int | None, file_bytes: int = 0
 ) -> MemoryEstimate:
     """The compression recipe's peak resident memory on a causal LM of `config`: --kv-budget's cache (no weight
     changes: one model, and the continuation's perplexity through the cache over windows of `cache_window` tokens,
@@ -205,7 +224,7 @@ def estimate_compress_memory(
     targets over `repair_tokens` tokens) or collaborative heads (a copy), then the recovery."""
     shape = model_shape(config, settings.dtype)
     window = settings.window
-    stages = {"load": _load(shape)}
+    stages = {"load": _load(shape, file_bytes), "save": _save(shape)}
     if settings.kv_budget is not None and cache_window is not None:
         stages["measure"] = RUNTIME_BYTES + shape.weights + shape.kv_cache(cache_window)
         return MemoryEstimate.of(stages)
@@ -226,7 +245,7 @@ def estimate_compress_memory(
     return MemoryEstimate.of(stages)
 
 
-def estimate_linearize_memory(settings: Any, config: Any) -> MemoryEstimate:
+def estimate_linearize_memory(settings: Any, config: Any, *, file_bytes: int = 0) -> MemoryEstimate:
     """The linearizing recipe's peak resident memory on a causal LM of `config`: the student held with the
     original's tensors; the attention transfer's and the recovery's forwards over ``--batch-size`` (or
     ``--micro-batch``) windows of ``--train-length`` tokens; the measurement's perplexity at the longest held-out
@@ -234,7 +253,8 @@ def estimate_linearize_memory(settings: Any, config: Any) -> MemoryEstimate:
     shape = model_shape(config, settings.dtype)
     longest = max(settings.eval_lengths)
     stages = {
-        "load": _load(shape),
+        "load": _load(shape, file_bytes),
+        "save": _save(shape),
         "convert": RUNTIME_BYTES + shape.weights + _measure_logits(shape, longest),
     }
     copied = 0
@@ -256,13 +276,16 @@ def estimate_linearize_memory(settings: Any, config: Any) -> MemoryEstimate:
 
 
 def check_max_memory(
-    settings: Any, config: Any, estimate: Callable[[Any, Any], MemoryEstimate]
+    settings: Any, config: Any, estimate: Callable[..., MemoryEstimate], model_path: Any = None
 ) -> MemoryEstimate | None:
-    """Refuse, in one line, a run whose peak as `estimate` gives it exceeds ``--max-memory`` (default: the machine's
-    memory), naming the estimate and the option that would bring it down; the estimate, or None where `config`
-    cannot give one (the run goes ahead)."""
+    """Refuse, in one line, a run whose peak as ``estimate(settings, config, file_bytes=…)`` gives it (MODEL's
+    weight files at `model_path` counted while loading) exceeds ``--max-memory`` (default: the machine's memory),
+    naming the estimate and the option that would bring it down; the estimate, or None where `config` cannot give
+    one (the run goes ahead)."""
     try:
-        found = estimate(settings, config)
+        found = estimate(
+            settings, config, file_bytes=0 if model_path is None else model_file_bytes(model_path)
+        )
     except (AttributeError, TypeError, ValueError, KeyError):
         return None  # a config without the sizes this reads: nothing to refuse on
     limit = machine_memory_bytes() if settings.max_memory is None else int(settings.max_memory * GIB)
@@ -274,8 +297,11 @@ def check_max_memory(
         "convert": "fewer calibration tokens (a smaller --batch-size or --window) or --dtype bfloat16",
         "repair": "fewer --repair-windows or --dtype bfloat16",
     }.get(found.stage, "--dtype bfloat16")
-    if found.stage == "measure" and hasattr(settings, "decode_contexts"):
-        advice = "shorter --decode-contexts, smaller --decode-batch-sizes or --dtype bfloat16"
+    if hasattr(settings, "decode_contexts"):  # linearize's own levers
+        advice = {
+            "measure": "shorter --decode-contexts, smaller --decode-batch-sizes or --dtype bfloat16",
+            "recover": "a shorter --train-length, --micro-batch 1, or --dtype bfloat16",
+        }.get(found.stage, advice)
     source = "--max-memory" if settings.max_memory is not None else "the machine's memory"
     raise HeadkitError(
         f"--max-memory: this run needs about {found} and {source} is {limit / GIB:.2f} GiB; lower it with "
@@ -290,5 +316,6 @@ __all__ = [
     "estimate_compress_memory",
     "estimate_linearize_memory",
     "estimate_prune_memory",
+    "model_file_bytes",
     "model_shape",
 ]

@@ -155,7 +155,7 @@ def preflight(
             target_heads(layers * heads, settings)
     from headkit.recipes.memory import check_max_memory, estimate_prune_memory
 
-    return check_max_memory(settings, config, estimate_prune_memory)
+    return check_max_memory(settings, config, estimate_prune_memory, model_path)
 
 
 __all__ = [
