@@ -72,3 +72,19 @@ def test_a_shared_copy_holds_the_originals_tensors_until_unshared():
         assert not {p.data_ptr() for p in copied.parameters()} & {p.data_ptr() for p in original.parameters()}
         if tied:
             assert copied.lm_head.weight is copied.model.embed_tokens.weight
+
+
+def test_releasing_the_originals_weights_keeps_what_the_result_holds():
+    from headkit.runs.models import release_weights, shared_copy
+
+    original = _tiny_llama(tied=True)
+    result = shared_copy(original)
+    result.model.layers[0].mlp.up_proj.weight = torch.nn.Parameter(
+        original.model.layers[0].mlp.up_proj.weight * 2
+    )
+    ids = torch.tensor([[1, 2, 3, 4]])
+    logits = result(ids).logits
+    own = original.model.layers[0].mlp.up_proj.weight
+    assert release_weights(original, result) == own.numel() * 4  # only the tensor the result does not hold
+    assert original.model.layers[0].mlp.up_proj.weight.numel() == 0
+    assert torch.equal(result(ids).logits, logits)

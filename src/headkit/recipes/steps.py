@@ -32,7 +32,13 @@ from headkit.recipes.settings import check_before_loading, with_overrides
 from headkit.recipes.skeleton import save_result
 from headkit.recipes.work import RunWork, interruptible
 from headkit.runs.faults import fault_point
-from headkit.runs.models import LoadedModel, load_model, share_unchanged_weights, unshare_weights
+from headkit.runs.models import (
+    LoadedModel,
+    load_model,
+    release_weights,
+    share_unchanged_weights,
+    unshare_weights,
+)
 from headkit.runs.processes import ReplicatedError, main_process_echo
 from headkit.runs.resident import Peak, stage_peaks, tracking_peak
 
@@ -225,6 +231,10 @@ def _run_stages(
     if out is None:
         report["seconds"] = time.perf_counter() - started
         return steps, report
+    if owns_teacher and steps.student is not None:
+        # Nothing reads the original after the measurement: its own weights go before the save step loads the
+        # result a second time (the reload check).
+        release_weights(steps.teacher, steps.student)
     report["out"] = str(out)
     report["resumed"] = work.resumed if work is not None else []
     report["resumed_checkpoints"] = work.checkpoints if work is not None else []

@@ -397,6 +397,20 @@ def unshare_weights(
 
 
 @torch.no_grad()
+def release_weights(model: nn.Module, keep: nn.Module) -> int:
+    """Empty every parameter of `model` whose tensor `keep` does not hold too, so that its memory goes; returns the
+    bytes released. For a model nothing will read again (a recipe's own copy of the original, before the save step
+    loads the result a second time): `model` is unusable afterwards."""
+    kept = {parameter.data_ptr() for parameter in keep.parameters()}
+    released = 0
+    for parameter in {id(p): p for p in model.parameters()}.values():
+        if parameter.numel() and parameter.data_ptr() not in kept:
+            released += parameter.numel() * parameter.element_size()
+            parameter.data = parameter.data.new_empty(0)
+    return released
+
+
+@torch.no_grad()
 def share_unchanged_weights(model: nn.Module, reference: nn.Module) -> int:
     """Point every parameter of `model` that equals `reference`'s parameter of the same name (shape, dtype,
     device and every value) at the reference's tensor, so that its own copy is freed; returns the bytes freed.
