@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +39,9 @@ from headkit.surgery.records import (
     recorded_surgery,
     register_surgery_op,
 )
+
+# Bytes of saved tensors a reload reads before copying them into the model (a larger tensor is read alone).
+LOAD_BYTES = 256 * 1024**2
 
 
 def from_pretrained(
@@ -154,8 +158,9 @@ def _reapply_function(entry: Any) -> ReapplyFunction:
 
 
 def _load_weights(model: nn.Module, directory: Path) -> None:
-    """Load the safetensors weights in `directory` into `model`, one shard at a time: each shard is read, copied
-    into the model's tensors and released before the next is read."""
+    """Load the safetensors weights in `directory` into `model`, a few tensors at a time (at most
+    :data:`LOAD_BYTES` of them, or one larger tensor): each piece is read, copied into the model's tensors and
+    released before the next is read, so loading holds the model and one piece, not the model and a whole file."""
     index_file = directory / "model.safetensors.index.json"
     if index_file.is_file():
         shards = sorted(set(json.loads(index_file.read_text())["weight_map"].values()))
@@ -170,11 +175,12 @@ def _load_weights(model: nn.Module, directory: Path) -> None:
     loaded: set[str] = set()
     unexpected: list[str] = []
     for file in files:
-        shard = _model_keys(model, _read_shard(file, device), expected)
-        result = model.load_state_dict(shard, strict=False)
-        loaded.update(shard.keys() - set(result.unexpected_keys))
-        unexpected += result.unexpected_keys
-        del shard, result  # the shard's tensors are released before the next shard is read
+        for piece in _read_pieces(file, device):
+            piece = _model_keys(model, piece, expected)
+            result = model.load_state_dict(piece, strict=False)
+            loaded.update(piece.keys() - set(result.unexpected_keys))
+            unexpected += result.unexpected_keys
+            del piece, result  # released before the next piece is read
     # save_pretrained leaves out tied copies (e.g. an LM head tied to the embeddings): a name may be missing only
     # when another name of the same tensor was loaded.
     model.tie_weights()
@@ -192,11 +198,23 @@ def _load_weights(model: nn.Module, directory: Path) -> None:
         )
 
 
-def _read_shard(file: Path, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every tensor of one safetensors file, on `device`."""
-    from safetensors.torch import load_file
+def _read_pieces(file: Path, device: torch.device) -> Iterator[dict[str, torch.Tensor]]:
+    """The tensors of one safetensors file, on `device`, in pieces of at most :data:`LOAD_BYTES` (a larger tensor
+    alone)."""
+    from safetensors import safe_open
 
-    return load_file(str(file), device=str(device))
+    with safe_open(str(file), framework="pt", device=str(device)) as handle:
+        piece: dict[str, torch.Tensor] = {}
+        size = 0
+        for name in handle.keys():  # noqa: SIM118 (a safetensors handle, not a dict)
+            tensor = handle.get_tensor(name)
+            if piece and size + tensor.numel() * tensor.element_size() > LOAD_BYTES:
+                yield piece
+                piece, size = {}, 0
+            piece[name] = tensor
+            size += tensor.numel() * tensor.element_size()
+        if piece:
+            yield piece
 
 
 def _model_keys(
