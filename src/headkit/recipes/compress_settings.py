@@ -192,7 +192,7 @@ def preflight(
         cache_window = evaluation_window(settings, budget_context(settings, config))
     estimate = functools.partial(
         estimate_compress_memory,
-        repair_tokens=(settings.repair_windows or REPAIR_WINDOWS) * settings.window,
+        repair_tokens=((settings.repair_windows or REPAIR_WINDOWS) + REPAIR_CHECK_WINDOWS) * settings.window,
         cache_window=cache_window,
     )
     return check_max_memory(settings, config, estimate, model_path)

@@ -231,11 +231,12 @@ def estimate_compress_memory(
     # a deep copy of the original: the latent and collaborative surgeries rewrite the attention in place
     stages["convert"] = RUNTIME_BYTES + 2 * shape.weights + _measure_logits(shape, window)
     if settings.repair:
-        # each layer's inputs and the original's attention output, float32, and one layer's activations
+        # one pass of the original captures every layer's attention inputs and outputs (float32) before each layer
+        # trains alone (headkit.surgery.repair.reconstruct_attention), beside one layer's activations
         stages["repair"] = (
             RUNTIME_BYTES
             + 2 * shape.weights
-            + repair_tokens * (2 * shape.width * FLOAT32 + shape.per_token_layer)
+            + repair_tokens * (2 * shape.width * FLOAT32 * shape.layers + shape.per_token_layer)
         )
     stages["measure"] = RUNTIME_BYTES + 2 * shape.weights + _measure_logits(shape, window)
     if settings.recovery_steps:
