@@ -177,3 +177,13 @@ def test_a_conversion_that_holds_the_original_once_leaves_the_original_unchanged
     peak = json.loads((tmp_path / "out" / "report.json").read_text())["peak_memory"]
     assert peak["resident_bytes"] > 0 and peak["estimate"]["bytes"] > 0
     assert peak["estimate"]["stage"] in peak["estimate"]["stages"]
+
+
+def test_a_micro_batch_below_the_process_count_takes_one_example_per_process(monkeypatch):
+    """linearize's default of one window a forward, under torchrun with 2 processes: each takes one."""
+    from headkit.recipes.linearize_settings import LinearizeSettings
+
+    assert training_forwards(LinearizeSettings()) == (1, 2)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert training_forwards(LinearizeSettings()) == (2, 1)
+    assert training_forwards(LinearizeSettings(batch_size=4)) == (2, 2)

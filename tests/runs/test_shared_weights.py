@@ -84,7 +84,7 @@ def test_releasing_the_originals_weights_keeps_what_the_result_holds():
     )
     ids = torch.tensor([[1, 2, 3, 4]])
     logits = result(ids).logits
-    own = original.model.layers[0].mlp.up_proj.weight
-    assert release_weights(original, result) == own.numel() * 4  # only the tensor the result does not hold
+    own = original.model.layers[0].mlp.up_proj.weight.numel() * 4
+    assert release_weights(original, result) == own  # only the tensor the result does not hold
     assert original.model.layers[0].mlp.up_proj.weight.numel() == 0
     assert torch.equal(result(ids).logits, logits)

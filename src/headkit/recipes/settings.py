@@ -4,6 +4,7 @@ its report."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -83,6 +84,10 @@ def training_forwards(settings: Any) -> tuple[int, int]:
     step in less memory; refused in one line where the micro-batch does not divide the batch."""
     batch, accumulation = settings.batch_size, getattr(settings, "gradient_accumulation_steps", 1)
     micro = getattr(settings, "micro_batch", None)
+    # Under torchrun / accelerate each of N processes takes a share of every forward: one example each at least.
+    processes = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    if micro is not None and micro < processes and batch % processes == 0:
+        micro = processes
     if micro is None or micro == batch:
         return batch, accumulation
     if micro > batch or batch % micro:
