@@ -403,7 +403,7 @@ def release_weights(model: nn.Module, keep: nn.Module) -> int:
     loads the result a second time): `model` is unusable afterwards."""
     kept = {parameter.data_ptr() for parameter in keep.parameters()}
     released = 0
-    for parameter in {id(p): p for p in model.parameters()}.values():
+    for parameter in model.parameters():  # a tied weight once
         if parameter.numel() and parameter.data_ptr() not in kept:
             released += parameter.numel() * parameter.element_size()
             parameter.data = parameter.data.new_empty(0)
