@@ -1,4 +1,5 @@
 import json
+import pickle
 
 import pytest
 
@@ -63,6 +64,10 @@ def test_lm_windows_come_from_their_own_split(save_tiny_causal_lm, tmp_path):
     train_words = {w for d in corpus.train for w in d.text.split()}
     decoded = {w for row in windows.held_out for w in tokenizer.decode(row).split()}
     assert decoded <= held_out_words | {"[SEP]"} and not (decoded & train_words)
+    # Each training window owns its tokens, so a pickle of the windows (a recipe's snapshot) holds them once.
+    for window in windows.train:
+        assert window["input_ids"].untyped_storage().nbytes() == 16 * window["input_ids"].element_size()
+    assert len(pickle.dumps(windows.train)) < 12 * 2 * 16 * 8 + 12 * 2048
 
 
 def test_jsonl_records_may_hold_unicode_line_separators(tmp_path):
