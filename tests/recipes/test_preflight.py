@@ -259,6 +259,14 @@ def test_the_estimates_count_what_each_recipe_holds():
         CompressSettings(), config, repair_tokens=64 * 256, cache_window=None
     )
     assert latent.stages["measure"] - cache.stages["measure"] > shape.weights - shape.kv_cache(2048)
+    # the repair's captures: as many layers as CAPTURE_BYTES holds (all 30 layers at 72 windows would be 2.4 GiB)
+    from headkit.surgery.repair import CAPTURE_BYTES
+
+    captured = latent.stages["repair"] - (
+        memory.RUNTIME_BYTES + 2 * shape.weights + 64 * 256 * shape.per_token_layer
+    )
+    per_layer = 64 * 256 * 2 * shape.width * 4
+    assert captured == per_layer * (CAPTURE_BYTES // per_layer) and captured <= CAPTURE_BYTES
     one, eight = (
         memory.estimate_linearize_memory(
             LinearizeSettings(decode_contexts=(8192,), decode_batch_sizes=(b,)), config

@@ -173,9 +173,9 @@ def test_the_sequential_refit_fits_each_layer_on_the_pruned_models_own_inputs():
     assert second.error_refit[0] == pytest.approx(report.error_refit[1], rel=1e-4, abs=1e-9)
 
 
-def _latent_pair(rank=12, rope_dims=4):
+def _latent_pair(rank=12, rope_dims=4, **config):
     """(original, the original with latent keys/values at a lossy rank)."""
-    teacher = family_model("llama")
+    teacher = family_model("llama", **config)
     student = copy.deepcopy(teacher)
     compress_kv_to_latent(student, kv_rank=rank, rope_dims=rope_dims, calibration=_batches())
     return teacher, student
@@ -256,6 +256,36 @@ def test_reconstruction_trains_only_the_parameters_named_and_only_the_layers_giv
     assert changed and all(k.startswith("model.layers.1.self_attn.v_proj") for k in changed)
 
 
+def test_layers_captured_a_few_at_a_time_fit_exactly_as_all_at_once_and_the_head_never_runs():
+    teacher, student = _latent_pair(num_hidden_layers=3)
+    few = copy.deepcopy(student)
+    sites = get_adapter(teacher).sites(teacher)
+    runs = {"head": 0, **{site.name: 0 for site in sites}}
+    handles = [
+        teacher.get_output_embeddings().register_forward_hook(
+            lambda *_: runs.__setitem__("head", runs["head"] + 1)
+        )
+    ] + [
+        site.module.register_forward_hook(lambda *_, name=site.name: runs.__setitem__(name, runs[name] + 1))
+        for site in sites
+    ]
+    at_once = reconstruct_attention(student, teacher, _windows(0, 8), _held_out(), steps=20, lr=1e-3)
+    counts_at_once = dict(runs)
+    runs.update({key: 0 for key in runs})
+    one_a_pass = reconstruct_attention(
+        few, teacher, _windows(0, 8), _held_out(), steps=20, lr=1e-3, capture_bytes=1
+    )
+    for handle in handles:
+        handle.remove()
+    assert at_once.error_after == one_a_pass.error_after and at_once.tokens == one_a_pass.tokens
+    assert all(torch.equal(v, few.state_dict()[k]) for k, v in student.state_dict().items())
+    # 10 batches a pass, each pass stopped after its last layer (the LM head never runs): layer 0 alone first,
+    # which measures a layer, then the rest in one pass, or (1 byte) a layer a pass, through the layers before it
+    names = [site.name for site in sites]
+    assert counts_at_once == {"head": 0, names[0]: 20, names[1]: 10, names[2]: 10}
+    assert runs == {"head": 0, names[0]: 30, names[1]: 20, names[2]: 10}
+
+
 def test_a_fit_that_diverges_is_undone_and_reported():
     teacher, student = _latent_pair()
     before = {k: v.clone() for k, v in student.state_dict().items()}
@@ -272,6 +302,7 @@ def test_a_fit_that_diverges_is_undone_and_reported():
         ({"lr": -1.0}, "lr must be"),
         ({"layers": [2]}, r"layers must be in \[0, 1\]"),
         ({"precision": torch.float32}, "precision must be torch.bfloat16, torch.float16 or None"),
+        ({"capture_bytes": 0}, "capture_bytes must be a positive integer"),
     ],
 )
 def test_bad_reconstruction_arguments_are_refused_before_any_work(options, message):

@@ -34,7 +34,7 @@ from headkit.recipes.settings import training_forwards
 from headkit.runs.models import DTYPES
 from headkit.runs.resident import GIB, machine_memory_bytes
 from headkit.surgery.families import text_config
-from headkit.surgery.repair import PASS_TOKENS
+from headkit.surgery.repair import CAPTURE_BYTES, PASS_TOKENS
 
 # What the process holds beside the weights: Python, torch, transformers, the tokenizer and the text (measured on
 # SmolLM2 after loading: 1.13 GiB with its 0.5 GiB of float32 weights).
@@ -234,12 +234,12 @@ def estimate_compress_memory(
     # a deep copy of the original: the latent and collaborative surgeries rewrite the attention in place
     stages["convert"] = RUNTIME_BYTES + 2 * shape.weights + _measure_logits(shape, window)
     if settings.repair:
-        # one pass of the original captures every layer's attention inputs and outputs (float32) before each layer
-        # trains alone (headkit.surgery.repair.reconstruct_attention), beside one layer's activations
+        # the original's attention inputs and outputs, captured a group of layers at a time within CAPTURE_BYTES
+        # (headkit.surgery.repair.reconstruct_attention), beside one layer's activations
+        per_layer = repair_tokens * 2 * shape.width * shape.number
+        captured = per_layer * min(shape.layers, max(1, CAPTURE_BYTES // per_layer))
         stages["repair"] = (
-            RUNTIME_BYTES
-            + 2 * shape.weights
-            + repair_tokens * (2 * shape.width * FLOAT32 * shape.layers + shape.per_token_layer)
+            RUNTIME_BYTES + 2 * shape.weights + captured + repair_tokens * shape.per_token_layer
         )
     stages["measure"] = RUNTIME_BYTES + 2 * shape.weights + _measure_logits(shape, window)
     if settings.recovery_steps:

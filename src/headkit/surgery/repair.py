@@ -47,6 +47,10 @@ PASS_TOKENS = 256
 # Tokens of the loss-weighted ranking's samples one product takes at a time (headkit.surgery.repair's
 # _loss_weighted_error).
 SCORE_TOKENS = 4096
+# What :func:`reconstruct_attention` holds of the original's attention inputs and outputs at once: the layers are
+# captured in groups that fit it (one pass of the original per group, stopped after the group's last layer). All
+# 30 of SmolLM2's layers over its 72 repair windows are 2.4 GiB; a Llama-3.2-1B-shaped layer alone is 0.3 GiB.
+CAPTURE_BYTES = 512 << 20
 WEIGHTINGS = ("relative", "absolute", "loss")  # how refit_error_scores weighs a removal's error
 
 
@@ -641,9 +645,13 @@ def capture_attention_calls(
     adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
     *,
     gradients: bool = False,
+    stop_after_last: bool = False,
 ) -> dict[int, list[AttentionCallRecord]]:
     """Run `model` once over `batches` and keep, for each of `layers`, every call of its attention module (the
     hidden states, rotary embeddings and mask it was given, and what it returned).
+
+    `stop_after_last` (without `gradients`): each forward stops once the last of `layers` has run — what comes
+    after it (later layers, the LM head's logits) is not computed. Layers run in their index order.
 
     `gradients` (a causal LM): also back-propagate the batches' summed next-token cross-entropy and keep, per
     call, its gradient with respect to the attention output — what :func:`fisher_weighted_error` weighs an
@@ -651,6 +659,7 @@ def capture_attention_calls(
     adapter = get_adapter(model, adapter)
     sites = adapter.sites(model)
     calls: dict[int, list[AttentionCallRecord]] = {index: [] for index in layers}
+    last = max(calls, default=None)
 
     def hook(index: int):
         def keep(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
@@ -659,6 +668,8 @@ def capture_attention_calls(
             calls[index].append(record)
             if gradients and result.requires_grad:
                 result.register_hook(lambda gradient: setattr(record, "gradient", gradient.detach()))
+            elif stop_after_last and index == last:
+                raise _Captured
 
         return keep
 
@@ -828,15 +839,17 @@ def reconstruct_attention(
     lr: float = 1e-3,
     precision: torch.dtype | None = None,
     adapter: AttentionAdapter | type[AttentionAdapter] | str | None = None,
+    capture_bytes: int = CAPTURE_BYTES,
 ) -> ReconstructionReport:
     """Fit, in place, each converted attention layer of `student` to reproduce the original's attention output
     from the original's own inputs (mean-squared error, relative to the output's energy): LoLCATs' attention
     transfer (Zhang et al. 2025, "LoLCATs", §3.1) as a repair any surgery can run before training through the
     model.
 
-    One pass of `teacher` over `batches` captures every layer's inputs and outputs; each layer then trains alone
-    on them (Adam, cosine decay over `steps`, one captured batch a step), so no gradient crosses layers and the
-    student's forward never runs. It is a per-layer fit on cached activations, like the least-squares refit
+    Passes of `teacher` over `batches` capture the layers' inputs and outputs, as many layers a pass as
+    `capture_bytes` holds (the first pass captures one layer and measures it; each pass stops after its last
+    layer); each layer then trains alone on them (Adam, cosine decay over `steps`, one captured batch a step), so
+    no gradient crosses layers and the student's forward never runs. It is a per-layer fit on cached activations, like the least-squares refit
     above, not a training of the model: that is why it does not go through 🤗 Trainer.
 
     Args:
@@ -852,6 +865,8 @@ def reconstruct_attention(
             products in it, under :func:`torch.autocast` (mixed precision: Micikevicius et al. 2018); the
             parameters, Adam's moments and updates, the loss and the held-out judgement stay in the parameters'
             dtype. On a CPU with AVX-512 BF16 a step takes 0.57x float32's. None: the parameters' dtype.
+        capture_bytes: the most bytes of captured inputs and outputs held at once (:data:`CAPTURE_BYTES`); the
+            fit is the same whatever it is, a smaller one costs more (partial) passes of `teacher`.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise HeadkitError(f"steps must be a positive integer, got {steps!r}")
@@ -859,6 +874,8 @@ def reconstruct_attention(
         raise HeadkitError(f"lr must be a positive number, got {lr!r}")
     if precision not in (None, torch.bfloat16, torch.float16):
         raise HeadkitError(f"precision must be torch.bfloat16, torch.float16 or None, got {precision!r}")
+    if isinstance(capture_bytes, bool) or not isinstance(capture_bytes, int) or capture_bytes < 1:
+        raise HeadkitError(f"capture_bytes must be a positive integer, got {capture_bytes!r}")
     started = time.perf_counter()
     adapter = get_adapter(teacher, adapter)
     sites = adapter.sites(teacher)
@@ -871,26 +888,27 @@ def reconstruct_attention(
         raise HeadkitError(
             f"student must be a converted copy of teacher, with its attention modules: {error}"
         ) from None
-    train_calls = capture_attention_calls(teacher, batches, layers, adapter)
-    check_calls = capture_attention_calls(teacher, held_out, layers, adapter)
+    batches, held_out = list(batches), list(held_out)
     computed_in = precision or next(student.parameters()).dtype
     report = ReconstructionReport(
         steps=steps, lr=float(lr), precision=str(computed_in).removeprefix("torch.")
     )
-    if layers:
-        report.tokens = sum(call.output.shape[:-1].numel() for call in train_calls[layers[0]])
     requires_grad = {name: p.requires_grad for name, p in student.named_parameters()}
     student.requires_grad_(False)
     try:
-        for layer in layers:
+        for layer, train_calls, check_calls in _captured_in_groups(
+            teacher, batches, held_out, layers, adapter, capture_bytes
+        ):
+            if not report.tokens:
+                report.tokens = sum(call.output.shape[:-1].numel() for call in train_calls)
             module = modules[layer]
             parameters = [p for name, p in module.named_parameters() if trainable is None or trainable(name)]
-            before = _relative_error(module, check_calls[layer])
+            before = _relative_error(module, check_calls)
             after = before
             if parameters:
                 saved = [p.detach().clone() for p in parameters]
-                _fit(module, parameters, train_calls.pop(layer), steps, lr, precision)
-                after = _relative_error(module, check_calls.pop(layer))
+                _fit(module, parameters, train_calls, steps, lr, precision)
+                after = _relative_error(module, check_calls)
                 if not after < before:  # worse, or NaN: the converted layer stays as it was
                     with torch.no_grad():
                         for parameter, value in zip(parameters, saved, strict=True):
@@ -905,6 +923,49 @@ def reconstruct_attention(
             parameter.requires_grad_(requires_grad.get(name, False))
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _captured_in_groups(
+    teacher: nn.Module,
+    batches: list[Mapping[str, Any]],
+    held_out: list[Mapping[str, Any]],
+    layers: list[int],
+    adapter: AttentionAdapter,
+    capture_bytes: int,
+) -> Iterable[tuple[int, list[AttentionCallRecord], list[AttentionCallRecord]]]:
+    """(layer, its calls on `batches`, its calls on `held_out`) for each of `layers` in order, captured a group of
+    layers a pass: one layer first, whose calls measure what a layer holds, then as many as `capture_bytes` takes.
+    A group's calls are released as its layers are handed out."""
+    remaining, size = list(layers), 1
+    while remaining:
+        group, remaining = remaining[:size], remaining[size:]
+        train = capture_attention_calls(teacher, batches, group, adapter, stop_after_last=True)
+        check = capture_attention_calls(teacher, held_out, group, adapter, stop_after_last=True)
+        if size == 1 and remaining:
+            held = _records_bytes(train[group[0]]) + _records_bytes(check[group[0]])
+            size = max(1, capture_bytes // max(held, 1))
+        for layer in group:
+            yield layer, train.pop(layer), check.pop(layer)
+
+
+def _records_bytes(records: list[AttentionCallRecord]) -> int:
+    """Bytes of the tensors `records` hold, each storage once (the rotary tables are shared by every layer)."""
+    storages: dict[int, int] = {}
+
+    def visit(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            storage = value.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+        elif isinstance(value, (tuple, list)):
+            for item in value:
+                visit(item)
+        elif isinstance(value, dict):
+            for item in value.values():
+                visit(item)
+
+    for record in records:
+        visit((record.args, record.kwargs, record.output, record.gradient))
+    return sum(storages.values())
 
 
 def _fit(
@@ -937,6 +998,7 @@ def _fit(
 
 __all__ = [
     "AttentionCallRecord",
+    "CAPTURE_BYTES",
     "OutputStatistics",
     "ReconstructionReport",
     "capture_attention_calls",
