@@ -9,7 +9,7 @@ import torch
 from headkit.layers import HeadkitCache, HedgehogFeatureMap, HybridAttention, StateCacheLayer
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
 from headkit.ops import FEATURE_MAPS, HybridAttentionState
-from headkit.ops.hybrid import naive_hybrid_attention
+from headkit.ops.hybrid import hybrid_attention, naive_hybrid_attention
 from headkit.ops.rotary import naive_rotary
 
 BATCH, SEQ, HIDDEN = 2, 11, 32
@@ -108,6 +108,30 @@ def test_outputs_and_gradients_match_the_naive_composition(variant, padded):
     expected_grads = torch.autograd.grad(expected, inputs, grad_out)
     for actual, reference in zip(actual_grads, expected_grads, strict=True):
         torch.testing.assert_close(actual, reference, atol=1e-5, rtol=1e-5)
+
+
+def test_a_training_forward_recomputes_the_window_scores_in_the_backward_instead_of_keeping_them():
+    layer = make_layer()
+    x = torch.randn(BATCH, SEQ, HIDDEN, requires_grad=True)
+    block = layer.chunk_size + layer.window - 1  # a query chunk's window scores: [..., C, C + W - 1]
+
+    def saved_shapes(**inputs) -> list[tuple[int, ...]]:
+        shapes = []
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t
+        ):
+            layer(x, **inputs)
+        return shapes
+
+    assert not [shape for shape in saved_shapes() if shape[-1:] == (block,)]
+    # what the recomputation replaces: the op itself keeps its scores for the backward
+    shapes = []
+    queries, keys, values = (torch.randn(1, 4, SEQ, 8, requires_grad=True) for _ in range(3))
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        hybrid_attention(
+            queries, keys, values, queries.exp(), keys.exp(), torch.ones(4), window=4, chunk_size=3
+        )
+    assert [shape for shape in shapes if shape[-1:] == (3 + 4 - 1,)]
 
 
 def test_feature_maps_read_the_rotated_queries_and_keys():

@@ -33,6 +33,7 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from transformers import initialization as init
 
@@ -353,6 +354,13 @@ class HybridHeads(nn.Module):
         plain hybrid, or :mod:`headkit.ops.hybrid.sparse` with its sinks and budget."""
         if stepping:
             return decode(*tensors, state, **options), state
+        if not cached and torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+            # A training forward: the window's block scores and weights are recomputed in the backward instead of
+            # kept ([chunks, heads, C, C + W − 1] twice a layer: 1 GiB over SmolLM2's 30 layers at 1,024 tokens).
+            def outputs(*inputs: torch.Tensor) -> torch.Tensor:
+                return parallel(*inputs, chunk_size=self.chunk_size, initial_state=state, **options)[0]
+
+            return torch.utils.checkpoint.checkpoint(outputs, *tensors, use_reentrant=False), None
         return parallel(
             *tensors, chunk_size=self.chunk_size, initial_state=state, output_final_state=cached, **options
         )

@@ -49,9 +49,9 @@ KL_CHUNKS = 5
 # predicted rows and their log-softmax (the agreement: both models' logits, its KL a slice at a time).
 MEASURE_LOGITS = 3
 FLOAT32 = 4
-# [heads, T, T] tensors a linearized layer's window attention keeps for the backward (its scores and
-# probabilities; fitted to SmolLM2's linearize run at T = 1,024: 2.3 GiB over 30 layers, docs/memory.md).
-WINDOW_SCORES_SAVED = 2
+# Block-score-sized tensors ([heads, T, C + W − 1]) of one linearized layer's window attention in the backward: its
+# scores and weights, recomputed there (headkit.layers.hybrid: a training forward keeps none), and their gradients.
+WINDOW_SCORES_SAVED = 4
 
 
 @dataclass(frozen=True)
@@ -269,8 +269,10 @@ def estimate_linearize_memory(settings: Any, config: Any, *, file_bytes: int = 0
             copied = shape.attention_weights  # trained in full, or the projections a LoRA merge writes
         trained = shape.attention_weights if settings.recovery_steps and settings.lora_rank is None else 0
         rows = training_forwards(settings)[0]
-        # the window attention's scores over the whole training window, kept for the backward in every layer
-        scores = WINDOW_SCORES_SAVED * rows * shape.layers * shape.heads * settings.train_length**2 * FLOAT32
+        # one layer's window scores at a time, recomputed in the backward
+        conversion = settings.conversion
+        block = conversion.chunk_size + conversion.window - 1
+        scores = WINDOW_SCORES_SAVED * rows * shape.heads * settings.train_length * block * FLOAT32
         stages["recover"] = _training(shape, settings, per_forward, trained, copied) + scores
     decode = max(settings.decode_contexts) * max(settings.decode_batch_sizes)
     # a prefill of the longest context builds one layer's window scores (half of them, causal), fitted to SmolLM2
