@@ -223,7 +223,7 @@ def test_the_max_memory_refusal_names_micro_batches_for_the_recovery(tmp_path, m
     [
         (["compress", "--kv-rank", "96", "--rope-dims", "16"], "--dtype bfloat16"),
         (["compress", "--kv-budget", "1/8"], "--dtype bfloat16"),
-        (["linearize"], "--train-length"),
+        (["linearize", "--decode-contexts", "1024"], "--train-length"),
         (["linearize", "--decode-batch-sizes", "1,8", "--max-memory", "2.9"], "--decode-contexts"),
     ],
 )
