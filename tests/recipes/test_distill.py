@@ -89,6 +89,51 @@ def test_training_is_seeded():
     assert losses[0] == losses[1]
 
 
+@pytest.mark.parametrize("lora_rank", [None, 2])
+def test_gradient_checkpointing_recomputes_the_layers_and_trains_the_same_model(lora_rank):
+    results, layer_runs = [], []
+    for checkpointing in (False, True):
+        teacher, student = _pair()
+        runs, mlp = [], student.model.layers[0].mlp
+        forward = mlp.forward
+        mlp.forward = lambda x, forward=forward, runs=runs: (
+            runs.append(1) or forward(x)
+        )  # hooks skip a recompute
+        result = distill(
+            student,
+            teacher,
+            _examples(),
+            objective=CausalLMObjective(),
+            steps=3,
+            lr=1e-2,
+            batch_size=4,
+            lora_rank=lora_rank,
+            gradient_checkpointing=checkpointing,
+        )
+        del mlp.forward
+        results.append(result)
+        layer_runs.append(len(runs))
+        # turned off again, and the model back in evaluation mode, for the measurement
+        assert not any(getattr(m, "gradient_checkpointing", False) for m in result.model.modules())
+        assert not any(m.training for m in result.model.modules())
+    # each of the 3 steps' forwards runs the layer once more in its backward when checkpointed
+    assert layer_runs[1] == layer_runs[0] + 3
+    assert results[0].losses == pytest.approx(results[1].losses, rel=1e-5)
+    for (name, a), (_, b) in zip(
+        results[0].model.state_dict().items(), results[1].model.state_dict().items(), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_gradient_checkpointing_is_refused_on_a_model_without_it():
+    teacher, _ = _pair()
+    with pytest.raises(HeadkitError, match="gradient_checkpointing: Linear does not support"):
+        distill(
+            torch.nn.Linear(2, 2), teacher, _examples(), objective=CausalLMObjective(), steps=1,
+            gradient_checkpointing=True,
+        )  # fmt: skip
+
+
 def test_a_run_resumes_from_its_checkpoint(tmp_path):
     teacher, student = _pair()
     first = distill(

@@ -114,6 +114,7 @@ def distill(
     echo: Callable[[str], None] | None = None,
     progress_bar: bool = False,
     ddp_backend: str | None = None,
+    gradient_checkpointing: bool = False,
 ) -> DistillResult:
     """Train `student` to reproduce `teacher` on `examples` for `steps` optimizer steps; return the student.
 
@@ -135,6 +136,9 @@ def distill(
             checkpoints.
         echo: called with a progress line at every logged step (every `log_every` steps).
         ddp_backend: Trainer's ``ddp_backend`` for multi-process runs (e.g. "gloo" on CPU); None: Trainer's choice.
+        gradient_checkpointing: recompute each decoder layer's activations in the backward instead of keeping
+            them (🤗 ``gradient_checkpointing_enable``, non-reentrant; Chen et al. 2016): the same steps, about a
+            third more compute, one layer's activations instead of every layer's. Turned off again afterwards.
     """
     for name, value in (("steps", steps), ("batch_size", batch_size), ("log_every", log_every)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "steps" else 1):
@@ -155,6 +159,7 @@ def distill(
         isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1
     ):
         raise HeadkitError(f"lora_rank must be a positive integer or None, got {lora_rank!r}")
+    checkpointed = _checkpointed_model(student) if gradient_checkpointing else None
     if steps == 0:
         return DistillResult(student, 0, lora_rank=lora_rank)
     if not examples:
@@ -195,27 +200,39 @@ def distill(
             echo(f"  step {step}/{steps}: loss {loss:.5f}")
 
     logged: list[float] = []
-    output = train_loop(
-        trained,
-        loss_fn,
-        examples,
-        steps=steps,
-        param_groups=groups,
-        batch_size=batch_size,
-        lr=lr,
-        schedule=scheduler,
-        warmup_steps=warmup_steps,
-        max_grad_norm=max_grad_norm,
-        gradient_accumulation_steps=gradient_accumulation_steps,
-        seed=seed,
-        output_dir=output_dir,
-        resume=resume,
-        on_log=lambda step, loss: (logged.append(loss), print_log(step, loss)),
-        log_every=log_every,
-        ddp_backend=ddp_backend,
-        progress_bar=progress_bar,
-        companions=[teacher],
-    )
+    if checkpointed is not None:
+        # transformers 5.24 renamed it activation checkpointing; 5.22 has only the older name
+        enable = getattr(checkpointed, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable({"use_reentrant": False})
+        else:
+            checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    try:
+        output = train_loop(
+            trained,
+            loss_fn,
+            examples,
+            steps=steps,
+            param_groups=groups,
+            batch_size=batch_size,
+            lr=lr,
+            schedule=scheduler,
+            warmup_steps=warmup_steps,
+            max_grad_norm=max_grad_norm,
+            gradient_accumulation_steps=gradient_accumulation_steps,
+            seed=seed,
+            output_dir=output_dir,
+            resume=resume,
+            on_log=lambda step, loss: (logged.append(loss), print_log(step, loss)),
+            log_every=log_every,
+            ddp_backend=ddp_backend,
+            progress_bar=progress_bar,
+            companions=[teacher],
+        )
+    finally:
+        if checkpointed is not None:
+            disable = getattr(checkpointed, "activation_checkpointing_disable", None)
+            (disable or checkpointed.gradient_checkpointing_disable)()
     if lora_rank is not None:
         model = merge_lora(model, teacher)
     if use_cache is not None:  # Trainer turns the cache off for training; generation wants it back
@@ -262,12 +279,26 @@ def distill_run(
         gradient_accumulation_steps=forwards,
         lora_rank=settings.lora_rank,
         seed=settings.seed,
+        gradient_checkpointing=getattr(settings, "gradient_checkpointing", False),
         log_every=max(1, steps // logs),
         echo=echo,
         **options,
     )
     result.model.requires_grad_(False)
     return result
+
+
+def _checkpointed_model(student: nn.Module) -> nn.Module:
+    """The 🤗 model whose decoder layers :func:`distill`'s ``gradient_checkpointing`` recomputes (a PEFT wrapper's
+    base model), refused in one line where it has none."""
+    model = student.get_base_model() if hasattr(student, "get_base_model") else student
+    if not getattr(model, "supports_gradient_checkpointing", False) or not hasattr(
+        model, "gradient_checkpointing_enable"
+    ):
+        raise HeadkitError(
+            f"gradient_checkpointing: {type(model).__name__} does not support 🤗 gradient checkpointing"
+        )
+    return model
 
 
 def _with_lora(student: nn.Module, rank: int, alpha: float | None) -> nn.Module:

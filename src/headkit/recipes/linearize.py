@@ -270,6 +270,7 @@ class LinearizeSteps(Steps):
             gradient_accumulation_steps=forwards,
             scheduler="cosine" if recovery_steps >= 10 else "constant",
             seed=settings.seed,
+            gradient_checkpointing=settings.gradient_checkpointing,
             log_every=max(1, recovery_steps // 10),
             echo=echo,
         )

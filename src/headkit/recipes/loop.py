@@ -587,6 +587,11 @@ class _LoopTrainer(Trainer):
                 companion.to(device)
         if not self.dropout:
             model.eval()  # Trainer switched to training mode: dropout would make a distillation target noisy
+            # 🤗's checkpointed decoder layers recompute only in training mode: the layers alone are put in it,
+            # what they hold (dropout, attention) stays in evaluation mode
+            for module in model.modules():
+                if getattr(module, "gradient_checkpointing", False) is True:
+                    module.training = True
         batch = inputs[WHOLE] if self.data_collator is _whole_batch else inputs
         loss = self.loss_fn(model, batch, self.state.global_step)
         self.recorder.pending.append(loss.detach())

@@ -183,10 +183,18 @@ def _training(shape: ModelShape, settings: Any, tokens: int, trained: int, copie
         + copied
         + trained
         + optimizer
-        + tokens * shape.layers * shape.per_token_layer
+        + _activations(shape, settings, tokens)
         + KL_CHUNKS * CHUNK_ENTRIES * FLOAT32
         + (shape.vocabulary * shape.width * FLOAT32 if head_trains else 0)
     )
+
+
+def _activations(shape: ModelShape, settings: Any, tokens: int) -> int:
+    """What one training forward over `tokens` tokens keeps for its backward: every layer's activations, or with
+    ``--gradient-checkpointing`` each layer's input and one layer's activations, recomputed in the backward."""
+    if getattr(settings, "gradient_checkpointing", False):
+        return tokens * (shape.layers * shape.width * shape.number + shape.per_token_layer)
+    return tokens * shape.layers * shape.per_token_layer
 
 
 def estimate_prune_memory(settings: Any, config: Any, *, file_bytes: int = 0) -> MemoryEstimate:
@@ -305,15 +313,15 @@ def check_max_memory(
     if limit is None or found.total <= limit:
         return found
     advice = {
-        "recover": "--micro-batch (a divisor of --batch-size), --lora-rank 8, a smaller --window, or --dtype "
-        "bfloat16",
+        "recover": "--micro-batch (a divisor of --batch-size), --gradient-checkpointing, --lora-rank 8, a "
+        "smaller --window, or --dtype bfloat16",
         "convert": "fewer calibration tokens (a smaller --batch-size or --window) or --dtype bfloat16",
         "repair": "fewer --repair-windows or --dtype bfloat16",
     }.get(found.stage, "--dtype bfloat16")
     if hasattr(settings, "decode_contexts"):  # linearize's own levers
         advice = {
             "measure": "shorter --decode-contexts, smaller --decode-batch-sizes or --dtype bfloat16",
-            "recover": "a shorter --train-length, --micro-batch 1, or --dtype bfloat16",
+            "recover": "--gradient-checkpointing, a shorter --train-length, --micro-batch 1, or --dtype bfloat16",
         }.get(found.stage, advice)
     source = "--max-memory" if settings.max_memory is not None else "the machine's memory"
     raise HeadkitError(

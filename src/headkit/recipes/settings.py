@@ -62,6 +62,16 @@ class ModelSettings:
         },
     )
 
+    gradient_checkpointing: bool = field(
+        default=False,
+        kw_only=True,
+        metadata={
+            "help": "Recompute each decoder layer's activations in the recovery's backward instead of keeping them "
+            "(🤗 gradient checkpointing): the same steps, about a third more compute, one layer's activations "
+            "held instead of every layer's.",
+        },
+    )
+
     max_memory: float | None = field(
         default=None,
         kw_only=True,
