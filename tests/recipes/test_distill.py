@@ -125,6 +125,34 @@ def test_gradient_checkpointing_recomputes_the_layers_and_trains_the_same_model(
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_gradient_checkpointing_of_a_linearized_student_trains_the_same_model():
+    """Two recomputations nested: the decoder layer's, and inside it the window attention's own."""
+    import headkit
+    from headkit.surgery import LinearizeConfig
+
+    results = []
+    for checkpointing in (False, True):
+        teacher, student = _pair()
+        headkit.apply_(student, LinearizeConfig(window=3, chunk_size=2))
+        results.append(
+            distill(
+                student,
+                teacher,
+                _examples(),
+                objective=CausalLMObjective(),
+                steps=2,
+                lr=1e-2,
+                batch_size=4,
+                gradient_checkpointing=checkpointing,
+            )
+        )
+    assert results[0].losses == pytest.approx(results[1].losses, rel=1e-5)
+    for (name, a), (_, b) in zip(
+        results[0].model.state_dict().items(), results[1].model.state_dict().items(), strict=True
+    ):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_gradient_checkpointing_is_refused_on_a_model_without_it():
     teacher, _ = _pair()
     with pytest.raises(HeadkitError, match="gradient_checkpointing: Linear does not support"):
