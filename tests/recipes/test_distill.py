@@ -89,61 +89,23 @@ def test_training_is_seeded():
     assert losses[0] == losses[1]
 
 
-@pytest.mark.parametrize("lora_rank", [None, 2])
-def test_gradient_checkpointing_recomputes_the_layers_and_trains_the_same_model(lora_rank):
-    results, layer_runs = [], []
-    for checkpointing in (False, True):
-        teacher, student = _pair()
-        runs, mlp = [], student.model.layers[0].mlp
-        forward = mlp.forward
-        mlp.forward = lambda x, forward=forward, runs=runs: (
-            runs.append(1) or forward(x)
-        )  # hooks skip a recompute
-        result = distill(
-            student,
-            teacher,
-            _examples(),
-            objective=CausalLMObjective(),
-            steps=3,
-            lr=1e-2,
-            batch_size=4,
-            lora_rank=lora_rank,
-            gradient_checkpointing=checkpointing,
-        )
-        del mlp.forward
-        results.append(result)
-        layer_runs.append(len(runs))
-        # turned off again, and the model back in evaluation mode, for the measurement
-        assert not any(getattr(m, "gradient_checkpointing", False) for m in result.model.modules())
-        assert not any(m.training for m in result.model.modules())
-    # each of the 3 steps' forwards runs the layer once more in its backward when checkpointed
-    assert layer_runs[1] == layer_runs[0] + 3
-    assert results[0].losses == pytest.approx(results[1].losses, rel=1e-5)
-    for (name, a), (_, b) in zip(
-        results[0].model.state_dict().items(), results[1].model.state_dict().items(), strict=True
-    ):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
-
-
-def test_gradient_checkpointing_of_a_linearized_student_trains_the_same_model():
-    """Two recomputations nested: the decoder layer's, and inside it the window attention's own."""
-    import headkit
-    from headkit.surgery import LinearizeConfig
-
+def _with_and_without_checkpointing(prepare, **options):
+    """The same distillation of the same pair (`prepare`d first) without and with gradient checkpointing: the same
+    losses and weights."""
     results = []
     for checkpointing in (False, True):
         teacher, student = _pair()
-        headkit.apply_(student, LinearizeConfig(window=3, chunk_size=2))
+        prepare(student)
         results.append(
             distill(
                 student,
                 teacher,
                 _examples(),
                 objective=CausalLMObjective(),
-                steps=2,
                 lr=1e-2,
                 batch_size=4,
                 gradient_checkpointing=checkpointing,
+                **options,
             )
         )
     assert results[0].losses == pytest.approx(results[1].losses, rel=1e-5)
@@ -151,6 +113,34 @@ def test_gradient_checkpointing_of_a_linearized_student_trains_the_same_model():
         results[0].model.state_dict().items(), results[1].model.state_dict().items(), strict=True
     ):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+    return results
+
+
+@pytest.mark.parametrize("lora_rank", [None, 2])
+def test_gradient_checkpointing_recomputes_the_layers_and_trains_the_same_model(lora_rank):
+    layer_runs = []
+
+    def count_layer_runs(student):  # the MLP's forward itself: hooks skip a recompute
+        runs, mlp = [], student.model.layers[0].mlp
+        mlp.forward = lambda x, forward=mlp.forward: runs.append(1) or forward(x)
+        layer_runs.append(runs)
+
+    results = _with_and_without_checkpointing(count_layer_runs, steps=3, lora_rank=lora_rank)
+    # each of the 3 steps' forwards runs the layer once more in its backward when checkpointed
+    assert len(layer_runs[1]) == len(layer_runs[0]) + 3
+    for result in results:  # turned off again, and the model back in evaluation mode, for the measurement
+        assert not any(getattr(m, "gradient_checkpointing", False) for m in result.model.modules())
+        assert not any(m.training for m in result.model.modules())
+
+
+def test_gradient_checkpointing_of_a_linearized_student_trains_the_same_model():
+    """Two recomputations nested: the decoder layer's, and inside it the window attention's own."""
+    import headkit
+    from headkit.surgery import LinearizeConfig
+
+    _with_and_without_checkpointing(
+        lambda student: headkit.apply_(student, LinearizeConfig(window=3, chunk_size=2)), steps=2
+    )
 
 
 def test_gradient_checkpointing_is_refused_on_a_model_without_it():
