@@ -233,6 +233,8 @@ def distill(
         if checkpointed is not None:
             disable = getattr(checkpointed, "activation_checkpointing_disable", None)
             (disable or checkpointed.gradient_checkpointing_disable)()
+            # enabling it hooked the input embeddings (a local function: a recipe's snapshot could not pickle it)
+            checkpointed.disable_input_require_grads()
     if lora_rank is not None:
         model = merge_lora(model, teacher)
     if use_cache is not None:  # Trainer turns the cache off for training; generation wants it back
