@@ -23,4 +23,7 @@ def fault_point(point: str) -> None:
     """Send this process ``$HEADKIT_FAULT_SIGNAL`` (SIGKILL by default) when ``$HEADKIT_FAULT_AT`` is `point`."""
     if os.environ.get(FAULT_ENVIRONMENT) != point:
         return
-    os.kill(os.getpid(), getattr(signal, os.environ.get(SIGNAL_ENVIRONMENT, "SIGKILL")))
+    # raise() signals this thread and runs Python's handler before returning: os.kill to the process could reach
+    # another thread, and the main thread then meet the KeyboardInterrupt at a random point (inside a finalizer,
+    # where it is swallowed: a flaky test under load).
+    signal.raise_signal(getattr(signal, os.environ.get(SIGNAL_ENVIRONMENT, "SIGKILL")))
