@@ -276,11 +276,10 @@ def estimate_linearize_memory(settings: Any, config: Any, *, file_bytes: int = 0
         if settings.recovery_steps:
             copied = shape.attention_weights  # trained in full, or the projections a LoRA merge writes
         trained = shape.attention_weights if settings.recovery_steps and settings.lora_rank is None else 0
-        rows = training_forwards(settings)[0]
         # one layer's window scores at a time, recomputed in the backward
         conversion = settings.conversion
         block = conversion.chunk_size + conversion.window - 1
-        scores = WINDOW_SCORES_SAVED * rows * shape.heads * settings.train_length * block * FLOAT32
+        scores = WINDOW_SCORES_SAVED * per_forward * shape.heads * block * FLOAT32
         stages["recover"] = _training(shape, settings, per_forward, trained, copied) + scores
     decode = max(settings.decode_contexts) * max(settings.decode_batch_sizes)
     # a prefill of the longest context builds one layer's window scores (half of them, causal), fitted to SmolLM2

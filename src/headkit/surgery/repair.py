@@ -628,14 +628,19 @@ class AttentionCallRecord:
     gradient: torch.Tensor | None = None
 
 
-def _detached(value: Any) -> Any:
+def _map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """`value` (tensors in nested tuples, lists and dicts: a call's arguments) with `fn` applied to each tensor."""
     if isinstance(value, torch.Tensor):
-        return value.detach()
+        return fn(value)
     if isinstance(value, (tuple, list)):
-        return type(value)(_detached(item) for item in value)
+        return type(value)(_map_tensors(item, fn) for item in value)
     if isinstance(value, dict):
-        return {key: _detached(item) for key, item in value.items()}
+        return {key: _map_tensors(item, fn) for key, item in value.items()}
     return value
+
+
+def _detached(value: Any) -> Any:
+    return _map_tensors(value, torch.Tensor.detach)
 
 
 def capture_attention_calls(
@@ -849,8 +854,9 @@ def reconstruct_attention(
     Passes of `teacher` over `batches` capture the layers' inputs and outputs, as many layers a pass as
     `capture_bytes` holds (the first pass captures one layer and measures it; each pass stops after its last
     layer); each layer then trains alone on them (Adam, cosine decay over `steps`, one captured batch a step), so
-    no gradient crosses layers and the student's forward never runs. It is a per-layer fit on cached activations, like the least-squares refit
-    above, not a training of the model: that is why it does not go through 🤗 Trainer.
+    no gradient crosses layers and the student's forward never runs. It is a per-layer fit on cached activations,
+    like the least-squares refit above, not a training of the model: that is why it does not go through 🤗
+    Trainer.
 
     Args:
         student: the converted model; its attention modules are found by the teacher's module names, so a
@@ -952,19 +958,11 @@ def _records_bytes(records: list[AttentionCallRecord]) -> int:
     """Bytes of the tensors `records` hold, each storage once (the rotary tables are shared by every layer)."""
     storages: dict[int, int] = {}
 
-    def visit(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-        elif isinstance(value, (tuple, list)):
-            for item in value:
-                visit(item)
-        elif isinstance(value, dict):
-            for item in value.values():
-                visit(item)
+    def count(tensor: torch.Tensor) -> None:
+        storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
 
     for record in records:
-        visit((record.args, record.kwargs, record.output, record.gradient))
+        _map_tensors((record.args, record.kwargs, record.output, record.gradient), count)
     return sum(storages.values())
 
 
