@@ -11,6 +11,9 @@ version strings — so the rest of ``src/`` writes one code path:
   deprecation decorator. headkit's forwards use ``cache`` and take ``past_key_values`` too
   (:func:`accepts_cache_alias`); calls into stock models and reads of their outputs go through
   :func:`cache_keyword` and :func:`output_cache`, which use whatever name the installed release uses.
+* **Activation checkpointing.** transformers 5.24 renamed ``gradient_checkpointing_enable`` / ``_disable`` to
+  ``activation_checkpointing_enable`` / ``_disable`` (the old names warn); :func:`set_activation_checkpointing`
+  calls whichever the installed release has.
 * **Private access, fenced.** Where transformers has no public way to do what headkit needs, the access lives
   in this module and nowhere else (``tests/test_layout.py`` fails on a private transformers import anywhere
   else); each is tested on both legs, and each says below why nothing public serves.
@@ -133,6 +136,22 @@ def checkpoint_key_renamer(model: Any) -> Callable[[str, Mapping[str, Any]], tup
     return rename
 
 
+def set_activation_checkpointing(model: Any, enabled: bool) -> None:
+    """Turn 🤗 activation checkpointing of `model`'s decoder layers on (non-reentrant) or off, under the name the
+    installed transformers uses. Turning it off also removes the hook on the input embeddings that turning it on
+    installed (a local function: a model carrying it cannot be pickled)."""
+    if enabled:
+        enable = getattr(model, "activation_checkpointing_enable", None)
+        if enable is not None:
+            enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return
+    disable = getattr(model, "activation_checkpointing_disable", None)
+    (disable or model.gradient_checkpointing_disable)()
+    model.disable_input_require_grads()
+
+
 __all__ = [
     "CACHE_ARGUMENT",
     "CACHE_ARGUMENT_NAMES",
@@ -145,4 +164,5 @@ __all__ = [
     "checkpoint_key_renamer",
     "output_cache",
     "pop_cache_argument",
+    "set_activation_checkpointing",
 ]

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from headkit.compat import set_activation_checkpointing
 from headkit.errors import HeadkitError
 from headkit.recipes.loop import train_loop
 from headkit.recipes.settings import training_forwards
@@ -201,12 +202,7 @@ def distill(
 
     logged: list[float] = []
     if checkpointed is not None:
-        # transformers 5.24 renamed it activation checkpointing; 5.22 has only the older name
-        enable = getattr(checkpointed, "activation_checkpointing_enable", None)
-        if enable is not None:
-            enable({"use_reentrant": False})
-        else:
-            checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        set_activation_checkpointing(checkpointed, True)
     try:
         output = train_loop(
             trained,
@@ -231,10 +227,7 @@ def distill(
         )
     finally:
         if checkpointed is not None:
-            disable = getattr(checkpointed, "activation_checkpointing_disable", None)
-            (disable or checkpointed.gradient_checkpointing_disable)()
-            # enabling it hooked the input embeddings (a local function: a recipe's snapshot could not pickle it)
-            checkpointed.disable_input_require_grads()
+            set_activation_checkpointing(checkpointed, False)
     if lora_rank is not None:
         model = merge_lora(model, teacher)
     if use_cache is not None:  # Trainer turns the cache off for training; generation wants it back
