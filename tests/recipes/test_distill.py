@@ -221,3 +221,33 @@ def test_two_process_gloo_run_keeps_the_replicas_equal(tmp_path):
     teacher, _ = _pair()
     for name, value in ranks[0]["state"].items():
         assert torch.equal(value, ranks[1]["state"][name]), name  # DDP kept the replicas identical
+
+
+def test_an_encoders_recovery_takes_gradient_checkpointing_and_trains_the_same_model():
+    from headkit.recipes.distill import encoder_finetune
+
+    config = transformers.BertConfig(
+        vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=4, intermediate_size=32
+    )
+    ids = torch.randint(0, 64, (8, 12), generator=torch.Generator().manual_seed(1))
+    batches = [
+        {"input_ids": ids[i : i + 4], "attention_mask": torch.ones(4, 12, dtype=torch.long)} for i in (0, 4)
+    ]
+    models, layer_runs = [], []
+    for checkpointing in (False, True):
+        torch.manual_seed(0)
+        teacher = transformers.BertModel(config).eval()
+        student = copy.deepcopy(teacher)
+        with torch.no_grad():
+            for parameter in student.parameters():
+                parameter.add_(0.05 * torch.randn_like(parameter))
+        runs, output = [], student.encoder.layer[0].output
+        output.forward = lambda *a, forward=output.forward, runs=runs: runs.append(1) or forward(*a)
+        result = encoder_finetune(
+            student, teacher, batches, steps=2, lr=1e-2, gradient_checkpointing=checkpointing
+        )
+        models.append(result.model)
+        layer_runs.append(len(runs))
+    assert layer_runs[1] == layer_runs[0] + 2  # recomputed once per step's forward
+    for (name, a), (_, b) in zip(models[0].state_dict().items(), models[1].state_dict().items(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

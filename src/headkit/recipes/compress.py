@@ -224,6 +224,7 @@ def distill_encoder(
         batch_size=settings.batch_size,
         seed=settings.seed,
         echo=echo,
+        gradient_checkpointing=getattr(settings, "gradient_checkpointing", False),
     )
     fidelity = (
         encoder_fidelity(result.model, text.held_out, text.teacher_held_out) if result.steps else after_swap

@@ -352,6 +352,7 @@ def encoder_finetune(
     gradient_accumulation_steps: int = 1,
     seed: int = 0,
     echo: Callable[[str], None] | None = None,
+    gradient_checkpointing: bool = False,
 ) -> DistillResult:
     """`steps` distillation steps of an encoder `student` (every weight, in place; or LoRA adapters of
     `lora_rank`, merged) against `teacher` on fixed-shape `batches` (re-batched at `batch_size`, default theirs)
@@ -373,4 +374,5 @@ def encoder_finetune(
         seed=seed,
         log_every=max(1, steps // 5),
         echo=echo,
+        gradient_checkpointing=gradient_checkpointing,
     )

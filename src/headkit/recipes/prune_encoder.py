@@ -214,6 +214,7 @@ class EncoderPruneSteps(PruneSteps):
             lora_rank=settings.lora_rank,
             seed=settings.seed,
             echo=self.echo,
+            gradient_checkpointing=settings.gradient_checkpointing,
         )
         self.student = self.recovery.model
         self.student.requires_grad_(False)
