@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -66,3 +67,47 @@ def test_decode_profile_prefills_one_logit_row_and_each_batch_holds_the_whole_pr
     assert (
         sizes[0] == 2 * 2 * 2 * 20 * 8 * 4
     )  # layers × (keys, values) × KV heads × tokens × head width × 4 B
+
+
+def _tiny_llama():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2,
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+def _linearized():
+    import headkit
+    from headkit.surgery import LinearizeConfig
+
+    model = _tiny_llama()
+    headkit.apply_(model, LinearizeConfig(window=3, chunk_size=2))
+    return model
+
+
+@pytest.mark.parametrize("make", [_tiny_llama, _linearized], ids=["original", "linearized"])
+def test_a_chunked_prefill_leaves_the_cache_of_the_whole_prompts(make):
+    """Fed 16 tokens a forward onto the growing cache, the 40-token prompt leaves the same next token and the
+    same next step (a key/value cache; a linearized model's window, sinks and linear state)."""
+    from headkit.compat import cache_keyword
+
+    model = make()
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(1))
+    steps = []
+    for chunk in (None, 16):
+        cache, token = measure.prefill(model, ids, chunk)
+        with torch.no_grad():
+            steps.append((token, model(input_ids=token, **cache_keyword(cache), use_cache=True).logits))
+    assert torch.equal(steps[0][0], steps[1][0])
+    torch.testing.assert_close(steps[1][1], steps[0][1], rtol=1e-5, atol=1e-5)
+
+    calls = []
+    forward = model.forward
+    model.forward = lambda *a, **k: calls.append(k["input_ids"].shape[1]) or forward(*a, **k)
+    measure.decode_profile({"m": model}, 40, 1, prefill_tokens=16)
+    assert calls[:3] == [16, 16, 8]  # then the decoding steps, a token each
+    assert set(calls[3:]) == {1}

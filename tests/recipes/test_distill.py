@@ -148,12 +148,31 @@ def test_gradient_checkpointing_of_a_linearized_student_trains_the_same_model():
 
 
 def test_gradient_checkpointing_is_refused_on_a_model_without_it():
+    from headkit.recipes.distill import _checkpointed_model
+
+    assert _checkpointed_model(torch.nn.Linear(2, 2), required=False) is None  # the default trains without
     teacher, _ = _pair()
     with pytest.raises(HeadkitError, match="gradient_checkpointing: Linear does not support"):
         distill(
             torch.nn.Linear(2, 2), teacher, _examples(), objective=CausalLMObjective(), steps=1,
             gradient_checkpointing=True,
         )  # fmt: skip
+
+
+def test_gradient_checkpointing_by_default_is_on_where_the_model_supports_it():
+    """None: a 🤗 decoder recomputes its layers; a model without support trains without (True refuses it)."""
+    teacher, student = _pair()
+    examples = _examples()
+    result = distill(
+        student, teacher, examples, objective=CausalLMObjective(), steps=1, gradient_checkpointing=None
+    )
+    assert result.gradient_checkpointing and result.to_dict()["gradient_checkpointing"]
+    plain = distill(_pair()[1], teacher, examples, objective=CausalLMObjective(), steps=1)
+    assert not plain.gradient_checkpointing
+    with pytest.raises(HeadkitError, match="gradient_checkpointing must be True, False or None, got 'yes'"):
+        distill(
+            student, teacher, examples, objective=CausalLMObjective(), steps=1, gradient_checkpointing="yes"
+        )
 
 
 def test_a_run_resumes_from_its_checkpoint(tmp_path):

@@ -188,7 +188,9 @@ def test_the_recovery_estimate_holds_a_chunk_of_logits_not_the_batch_s():
 
     config = read_model_config(smollm2_gguf_path())
     one, two = (
-        prune_memory.estimate_prune_memory(PruneSettings(recovery_steps=10, batch_size=size), config)
+        prune_memory.estimate_prune_memory(
+            PruneSettings(recovery_steps=10, batch_size=size, gradient_checkpointing=False), config
+        )
         for size in (16, 32)
     )
     settings = PruneSettings()
@@ -198,6 +200,30 @@ def test_the_recovery_estimate_holds_a_chunk_of_logits_not_the_batch_s():
     ) * DTYPES[settings.dtype].itemsize
     added = 16 * settings.window * config.num_hidden_layers * per_token_layer
     assert two.stages["recover"] - one.stages["recover"] == added
+
+
+def test_gradient_checkpointing_is_on_by_default_where_the_model_supports_it_and_keeps_a_layers_activations():
+    """Its default (None) is estimated as on for a 🤗 decoder; on or off, a larger batch adds each layer's input
+    (and one layer's activations) or every layer's activations."""
+    from headkit.recipes import memory
+    from headkit.recipes.prune_settings import PruneSettings
+
+    config = read_model_config(smollm2_gguf_path())
+    recover = {
+        (checkpointing, size): memory.estimate_prune_memory(
+            PruneSettings(recovery_steps=10, batch_size=size, gradient_checkpointing=checkpointing), config
+        ).stages["recover"]
+        for checkpointing in (None, True, False)
+        for size in (16, 32)
+    }
+    assert recover[None, 16] == recover[True, 16] < recover[False, 16]
+    shape = memory.model_shape(config, "float32")
+    assert shape.checkpointing
+    tokens = 16 * PruneSettings().window
+    assert recover[True, 32] - recover[True, 16] == tokens * (
+        shape.layers * shape.width * shape.number + shape.per_token_layer
+    )
+    assert recover[False, 32] - recover[False, 16] == tokens * shape.layers * shape.per_token_layer
 
 
 def test_micro_batches_bound_the_recoverys_activations_by_a_forward_not_the_batch():
@@ -213,9 +239,12 @@ def test_micro_batches_bound_the_recoverys_activations_by_a_forward_not_the_batc
 
 def test_the_max_memory_refusal_names_micro_batches_for_the_recovery(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(steps, "load_model", _no_weights)
-    args = ["prune", str(smollm2_gguf_path()), "--recovery-steps", "10", "--max-memory", "4"]
+    args = ["prune", str(smollm2_gguf_path()), "--recovery-steps", "10", "--max-memory", "2.2"]
     error = _refused([*args, "--out", str(tmp_path / "o")], capsys)
     assert "(stage recover)" in error and "--micro-batch" in error
+    assert "--gradient-checkpointing" not in error  # on already
+    error = _refused([*args, "--no-gradient-checkpointing", "--out", str(tmp_path / "o")], capsys)
+    assert "(stage recover)" in error and "--gradient-checkpointing" in error
 
 
 @pytest.mark.parametrize(
@@ -223,7 +252,10 @@ def test_the_max_memory_refusal_names_micro_batches_for_the_recovery(tmp_path, m
     [
         (["compress", "--kv-rank", "96", "--rope-dims", "16"], "--dtype bfloat16"),
         (["compress", "--kv-budget", "1/8"], "--dtype bfloat16"),
-        (["linearize", "--decode-contexts", "1024"], "--train-length"),
+        (
+            ["linearize", "--decode-contexts", "1024", "--no-gradient-checkpointing"],
+            "--gradient-checkpointing, a shorter --train-length",
+        ),
         (["linearize", "--decode-batch-sizes", "1,8", "--max-memory", "2.9"], "--decode-contexts"),
     ],
 )

@@ -165,6 +165,27 @@ def test_uneven_query_pruning_with_lora_recovery_reloads_with_headkit(tiny_llama
     assert report["reload_max_abs_diff"] == 0.0
 
 
+@pytest.mark.parametrize(("given", "echoed", "embedding_trained"), [([], "(LoRA rank 16)", False), (["--lora-rank", "0"], "(every weight)", True)])  # fmt: skip
+def test_a_causal_lm_recovers_through_lora_by_default_and_lora_rank_0_trains_every_weight(
+    given, echoed, embedding_trained, tiny_llama, text_folder, tmp_path, capsys
+):
+    """LoRA adapts the linear layers only (merged after): the embedding stays the original's unless every weight
+    trains."""
+    from headkit.recipes.prune_settings import PruneSettings, recovery_lora_rank, recovery_lr
+    from headkit.runs.models import CAUSAL_LM, ENCODER
+
+    assert [recovery_lora_rank(PruneSettings(lora_rank=r), CAUSAL_LM) for r in (None, 0, 4)] == [16, None, 4]
+    assert [recovery_lora_rank(PruneSettings(lora_rank=r), ENCODER) for r in (None, 0, 4)] == [None, None, 4]
+    assert (recovery_lr(PruneSettings(), CAUSAL_LM), recovery_lr(PruneSettings(), ENCODER)) == (1e-3, 1e-4)
+    out = tmp_path / "pruned"
+    args = ["prune", str(tiny_llama), "--heads", "5", "--data", str(text_folder), *given]
+    assert _run([*args, "--out", str(out), *FAST]) == 0
+    assert f"recovery: 3 distillation steps {echoed}" in capsys.readouterr().out
+    original = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama).get_input_embeddings().weight
+    pruned = headkit.from_pretrained(out).get_input_embeddings().weight
+    assert torch.equal(original, pruned) is not embedding_trained
+
+
 def test_l0_gates_select_heads_of_a_gpt2_language_model(tiny_gpt2, text_folder, tmp_path):
     out = tmp_path / "pruned"
     args = [

@@ -142,8 +142,8 @@ def test_the_measurement_holds_the_unchanged_weights_once_unless_the_caller_load
 @pytest.mark.parametrize(
     "command",
     [
-        pytest.param([*PRUNE], id="prune-full-recovery"),
-        pytest.param([*PRUNE, "--lora-rank", "2"], id="prune-lora-recovery"),
+        pytest.param([*PRUNE, "--lora-rank", "0"], id="prune-full-recovery"),
+        pytest.param([*PRUNE], id="prune-lora-recovery-by-default"),
         pytest.param([*PRUNE, "--unit", "group", "--uniform", "--heads", "4"], id="prune-groups"),
         pytest.param([*LINEARIZE], id="linearize-lora"),
         pytest.param([*LINEARIZE, "--lora-rank", "0"], id="linearize-full"),

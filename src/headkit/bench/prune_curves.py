@@ -175,7 +175,10 @@ class PruneCurvesConfig:
     recovery_batch_size: int = setting(4, min=1)
     recovery_train_windows: int = setting(1024, min=1, quick=32)
     recovery_held_out_windows: int = setting(64, min=1, quick=8)
-    recovery_lora_rank: int | None = option(None, "Recover through LoRA of this rank instead.", min=1)
+    # None: every weight trains (the recipe's own default for a causal LM is LoRA; the tables were measured so)
+    recovery_lora_rank: int | None = option(
+        None, "Recover through LoRA of this rank instead of training every weight.", min=1
+    )
     recovery_model: Path | None = None  # default SmolLM2's GGUF
     seed: int = option(0, "Seed of the corpus sampling, gate noise and calibration windows.")
     # Numbers comparable across machines and runs; on two shared cores a second thread mostly spin-waits.
@@ -486,6 +489,7 @@ def run_recovery_cases(
         console.print(f"[bold]{label}[/]: keeping {keep} of {sum(heads.values())} query heads, then recovery")
         with tempfile.TemporaryDirectory(prefix="headkit-bench-prune-") as scratch:
             recipe = {field: getattr(config, name) for field, name in RECOVERY_SETTINGS.items()}
+            recipe["lora_rank"] = recipe["lora_rank"] or 0  # 0: every weight
             settings = PruneSettings(
                 model=model_path,
                 out=Path(scratch) / "model",

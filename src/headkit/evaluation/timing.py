@@ -190,6 +190,30 @@ def decode_seconds_per_token(model: nn.Module, context: int, steps: int = 8, see
     return statistics.median(time_greedy_decoding(model, ids.to(model_device(model)), steps + 1)[1])
 
 
+# Tokens per forward of a long prompt's chunked prefill (decode_profile's ``prefill_tokens``): the working set of a
+# forward grows with its tokens (a layer's activations, an attention's scores), the cache with the prompt.
+PREFILL_TOKENS = 1024
+
+
+@torch.no_grad()
+def prefill(model: nn.Module, ids: torch.Tensor, chunk: int | None = None) -> tuple[Any, torch.Tensor]:
+    """(the decoding cache, the greedy next token [B, 1]) after the prompt `ids` [B, T], computing only the last
+    position's logits (a whole prompt's are [T, vocabulary]: 1.6 GB at 8,192 tokens on SmolLM2). With `chunk`, the
+    prompt goes through in forwards of that many tokens onto the growing cache: the same cache and next token up to
+    rounding (tests/evaluation/test_compare_speed.py) in one chunk's working memory, for every cache but one that
+    selects by the prompt's last tokens (a compressed cache's question-chosen keys choose again at each chunk)."""
+    cache = None
+    for start in range(0, ids.shape[1], chunk or ids.shape[1]):
+        output = model(
+            input_ids=ids[:, start : start + (chunk or ids.shape[1])],
+            **({} if cache is None else cache_keyword(cache)),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        cache = output_cache(output)
+    return cache, output.logits[:, -1:].argmax(-1)
+
+
 @torch.no_grad()
 def decode_profile(
     models: dict[str, nn.Module],
@@ -198,6 +222,7 @@ def decode_profile(
     seed: int = 0,
     *,
     batch_sizes: tuple[int, ...] = (1,),
+    prefill_tokens: int | None = None,
 ) -> list[dict[str, Any]]:
     """Per batch size and model: the median milliseconds of one greedy decoding step after a `context`-token
     prompt, and the bytes of its decoding cache after the prompt.
@@ -205,17 +230,14 @@ def decode_profile(
     Each model prefills one prompt at batch 1; for a larger batch its cache is repeated along the batch
     (``Cache.batch_repeat_interleave``, as beam search does), so every row holds a real `context`-token cache
     without paying a batch-sized prefill. The models step in alternation (one untimed warm-up step, then `steps`
-    timed ones), so load that drifts on shared cores slows them alike. Returns one entry per batch size:
+    timed ones), so load that drifts on shared cores slows them alike. With `prefill_tokens`, each prompt is
+    prefilled in forwards of that many tokens (:func:`prefill`). Returns one entry per batch size:
     ``{"batch_size": b, name: {"ms_per_token": …, "cache_bytes": …}, …}``.
     """
     first = next(iter(models.values()))
     vocabulary = min(int(getattr(first.config, "vocab_size", 1000)), 1000)
     ids = torch.randint(0, vocabulary, (1, context), generator=torch.Generator().manual_seed(seed))
-    prefilled = {}
-    for name, model in models.items():
-        # only the last position's logits: a whole prompt's are [context, vocabulary] (1.6 GB at 8,192 on SmolLM2)
-        output = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-        prefilled[name] = (output_cache(output), output.logits[:, -1:].argmax(-1))
+    prefilled = {name: prefill(model, ids, prefill_tokens) for name, model in models.items()}
     points = []
     for index, batch_size in enumerate(batch_sizes):
         caches, tokens, sizes = {}, {}, {}

@@ -42,6 +42,8 @@ class DistillResult:
     seconds: float = 0.0
     lora_rank: int | None = None
     trainable_parameters: int = 0
+    # whether the decoder layers recomputed their activations in the backward
+    gradient_checkpointing: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """Every field but the model."""
@@ -115,7 +117,7 @@ def distill(
     echo: Callable[[str], None] | None = None,
     progress_bar: bool = False,
     ddp_backend: str | None = None,
-    gradient_checkpointing: bool = False,
+    gradient_checkpointing: bool | None = False,
 ) -> DistillResult:
     """Train `student` to reproduce `teacher` on `examples` for `steps` optimizer steps; return the student.
 
@@ -140,6 +142,7 @@ def distill(
         gradient_checkpointing: recompute each decoder layer's activations in the backward instead of keeping
             them (🤗 ``gradient_checkpointing_enable``, non-reentrant; Chen et al. 2016): the same steps, about a
             third more compute, one layer's activations instead of every layer's. Turned off again afterwards.
+            None: where the model supports it (True refuses a model that does not).
     """
     for name, value in (("steps", steps), ("batch_size", batch_size), ("log_every", log_every)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "steps" else 1):
@@ -160,7 +163,15 @@ def distill(
         isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1
     ):
         raise HeadkitError(f"lora_rank must be a positive integer or None, got {lora_rank!r}")
-    checkpointed = _checkpointed_model(student) if gradient_checkpointing else None
+    if gradient_checkpointing not in (True, False, None):
+        raise HeadkitError(
+            f"gradient_checkpointing must be True, False or None, got {gradient_checkpointing!r}"
+        )
+    checkpointed = (
+        None
+        if gradient_checkpointing is False
+        else _checkpointed_model(student, required=gradient_checkpointing is True)
+    )
     if steps == 0:
         return DistillResult(student, 0, lora_rank=lora_rank)
     if not examples:
@@ -241,6 +252,7 @@ def distill(
         seconds=output.seconds,
         lora_rank=lora_rank,
         trainable_parameters=sum(p.numel() for p in trainable),
+        gradient_checkpointing=checkpointed is not None,
     )
 
 
@@ -272,7 +284,8 @@ def distill_run(
         lr=lr,
         batch_size=per_forward,
         gradient_accumulation_steps=forwards,
-        lora_rank=settings.lora_rank,
+        # a recipe that resolves a default rank by the model's kind (prune) passes it
+        lora_rank=options.pop("lora_rank", settings.lora_rank),
         seed=settings.seed,
         gradient_checkpointing=getattr(settings, "gradient_checkpointing", False),
         log_every=max(1, steps // logs),
@@ -283,13 +296,15 @@ def distill_run(
     return result
 
 
-def _checkpointed_model(student: nn.Module) -> nn.Module:
+def _checkpointed_model(student: nn.Module, *, required: bool) -> nn.Module | None:
     """The 🤗 model whose decoder layers :func:`distill`'s ``gradient_checkpointing`` recomputes (a PEFT wrapper's
-    base model), refused in one line where it has none."""
+    base model); where it has none, None, or a refusal in one line when `required`."""
     model = student.get_base_model() if hasattr(student, "get_base_model") else student
     if not getattr(model, "supports_gradient_checkpointing", False) or not hasattr(
         model, "gradient_checkpointing_enable"
     ):
+        if not required:
+            return None
         raise HeadkitError(
             f"gradient_checkpointing: {type(model).__name__} does not support 🤗 gradient checkpointing"
         )
@@ -352,7 +367,7 @@ def encoder_finetune(
     gradient_accumulation_steps: int = 1,
     seed: int = 0,
     echo: Callable[[str], None] | None = None,
-    gradient_checkpointing: bool = False,
+    gradient_checkpointing: bool | None = False,
 ) -> DistillResult:
     """`steps` distillation steps of an encoder `student` (every weight, in place; or LoRA adapters of
     `lora_rank`, merged) against `teacher` on fixed-shape `batches` (re-batched at `batch_size`, default theirs)

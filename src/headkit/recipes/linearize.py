@@ -42,7 +42,7 @@ from headkit.evaluation.quality import agreement, perplexity
 from headkit.evaluation.retrieval import RETRIEVAL_SCORING_PROMPTS, passkey_retrieval_scores, prose_sentences
 from headkit.evaluation.sampling import greedy_sample
 from headkit.evaluation.tasks import with_task_table
-from headkit.evaluation.timing import decode_profile
+from headkit.evaluation.timing import PREFILL_TOKENS, decode_profile
 from headkit.files import save_figure_atomic
 from headkit.recipes.distill import distill, merge_lora, with_lora
 from headkit.recipes.linearize_settings import (  # noqa: F401  (the names the recipe has always offered)
@@ -304,6 +304,8 @@ class LinearizeSteps(Steps):
                 settings.decode_steps,
                 settings.seed,
                 batch_sizes=settings.decode_batch_sizes,
+                # in chunks, unless question-chosen keys select from the prompt's end (they would choose per chunk)
+                prefill_tokens=None if self.config.budget else PREFILL_TOKENS,
             )
             for point in points:
                 decode.append(

@@ -29,9 +29,10 @@ import torch
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.quality import LOGIT_ENTRIES
+from headkit.evaluation.timing import PREFILL_TOKENS
 from headkit.ops.chunked_loss import CHUNK_ENTRIES
-from headkit.recipes.settings import training_forwards
-from headkit.runs.models import DTYPES
+from headkit.recipes.settings import recovery_lora_rank, training_forwards
+from headkit.runs.models import CAUSAL_LM, DTYPES
 from headkit.runs.resident import GIB, machine_memory_bytes
 from headkit.surgery.families import text_config
 from headkit.surgery.repair import CAPTURE_BYTES, PASS_TOKENS
@@ -89,6 +90,8 @@ class ModelShape:
     inner: int
     vocabulary: int
     number: int
+    # whether 🤗 gradient checkpointing can recompute its layers (--gradient-checkpointing's default)
+    checkpointing: bool = False
 
     @property
     def weights(self) -> int:
@@ -139,6 +142,7 @@ def model_shape(config: Any, dtype: str) -> ModelShape:
         inner=getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * width,
         vocabulary=text.vocab_size,
         number=DTYPES[dtype].itemsize,
+        checkpointing=bool(getattr(model, "supports_gradient_checkpointing", False)),
     )
 
 
@@ -191,8 +195,10 @@ def _training(shape: ModelShape, settings: Any, tokens: int, trained: int, copie
 
 def _activations(shape: ModelShape, settings: Any, tokens: int) -> int:
     """What one training forward over `tokens` tokens keeps for its backward: every layer's activations, or with
-    ``--gradient-checkpointing`` each layer's input and one layer's activations, recomputed in the backward."""
-    if getattr(settings, "gradient_checkpointing", False):
+    gradient checkpointing (``--gradient-checkpointing``, by default where the model supports it) each layer's input
+    and one layer's activations, recomputed in the backward."""
+    checkpointing = getattr(settings, "gradient_checkpointing", False)
+    if checkpointing or (checkpointing is None and shape.checkpointing):
         return tokens * (shape.layers * shape.width * shape.number + shape.per_token_layer)
     return tokens * shape.layers * shape.per_token_layer
 
@@ -221,7 +227,7 @@ def estimate_prune_memory(settings: Any, config: Any, *, file_bytes: int = 0) ->
     stages["measure"] = RUNTIME_BYTES + shape.weights + copied + _measure_logits(shape, window)
     if settings.recovery_steps:
         per_forward = training_forwards(settings)[0] * window
-        trained = shape.weights if settings.lora_rank is None else 0
+        trained = shape.weights if recovery_lora_rank(settings, CAUSAL_LM) is None else 0
         stages["recover"] = _training(shape, settings, per_forward, trained, shape.weights)
     return MemoryEstimate.of(stages)
 
@@ -281,16 +287,20 @@ def estimate_linearize_memory(settings: Any, config: Any, *, file_bytes: int = 0
         block = conversion.chunk_size + conversion.window - 1
         scores = WINDOW_SCORES_SAVED * per_forward * shape.heads * block * FLOAT32
         stages["recover"] = _training(shape, settings, per_forward, trained, copied) + scores
-    decode = max(settings.decode_contexts) * max(settings.decode_batch_sizes)
-    # a prefill of the longest context builds one layer's window scores (half of them, causal), fitted to SmolLM2
-    prefill = shape.heads * max(settings.decode_contexts) ** 2 * FLOAT32 // 2
+    longest_context = max(settings.decode_contexts)
+    decode = longest_context * max(settings.decode_batch_sizes)
+    if settings.conversion.budget:
+        # one forward of the whole prompt (question-chosen keys select from its end): one layer's window scores
+        # (half of them, causal), fitted to SmolLM2
+        prefill = shape.heads * longest_context**2 * FLOAT32 // 2
+    else:
+        # in forwards of PREFILL_TOKENS (headkit.evaluation.timing.prefill): a chunk's scores against the cache
+        prefill = shape.heads * min(PREFILL_TOKENS, longest_context) * longest_context * FLOAT32
     stages["measure"] = (
         RUNTIME_BYTES
         + shape.weights
         + copied
-        + max(
-            _measure_logits(shape, longest), shape.kv_cache(decode + max(settings.decode_contexts)) + prefill
-        )
+        + max(_measure_logits(shape, longest), shape.kv_cache(decode + longest_context) + prefill)
     )
     return MemoryEstimate.of(stages)
 
@@ -311,16 +321,20 @@ def check_max_memory(
     limit = machine_memory_bytes() if settings.max_memory is None else int(settings.max_memory * GIB)
     if limit is None or found.total <= limit:
         return found
+    # --gradient-checkpointing is named where it is off (it is on by default)
+    checkpointing = (
+        "--gradient-checkpointing, " if getattr(settings, "gradient_checkpointing", None) is False else ""
+    )
     advice = {
-        "recover": "--micro-batch (a divisor of --batch-size), --gradient-checkpointing, --lora-rank 8, a "
-        "smaller --window, or --dtype bfloat16",
+        "recover": f"--micro-batch (a divisor of --batch-size), {checkpointing}--lora-rank 8, a smaller --window, "
+        "or --dtype bfloat16",
         "convert": "fewer calibration tokens (a smaller --batch-size or --window) or --dtype bfloat16",
         "repair": "fewer --repair-windows or --dtype bfloat16",
     }.get(found.stage, "--dtype bfloat16")
     if hasattr(settings, "decode_contexts"):  # linearize's own levers
         advice = {
             "measure": "shorter --decode-contexts, smaller --decode-batch-sizes or --dtype bfloat16",
-            "recover": "--gradient-checkpointing, a shorter --train-length, --micro-batch 1, or --dtype bfloat16",
+            "recover": f"{checkpointing}a shorter --train-length, --micro-batch 1, or --dtype bfloat16",
         }.get(found.stage, advice)
     source = "--max-memory" if settings.max_memory is not None else "the machine's memory"
     raise HeadkitError(

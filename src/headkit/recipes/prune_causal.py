@@ -22,7 +22,7 @@ from headkit.recipes.distill import distill_run
 from headkit.recipes.prune_gates import echo_gate_progress, gate_log, train_head_gates
 from headkit.recipes.prune_plan import plan_pruning
 from headkit.recipes.prune_report import family_notes
-from headkit.recipes.prune_settings import held_out_count, recovery_lr
+from headkit.recipes.prune_settings import held_out_count, recovery_lora_rank, recovery_lr
 from headkit.recipes.prune_steps import PruneSteps
 from headkit.runs.models import CAUSAL_LM, shared_copy
 from headkit.runs.objectives import CausalLMObjective
@@ -192,9 +192,10 @@ class CausalLMPruneSteps(PruneSteps):
     def recover(self) -> None:
         settings = self.settings
         self.sample_pruned = greedy_sample(self.student, self.tokenizer, SAMPLE_PROMPT)
+        lora_rank = recovery_lora_rank(settings, CAUSAL_LM)
         self.echo(
             f"recovery: {settings.recovery_steps} distillation steps"
-            + (f" (LoRA rank {settings.lora_rank})" if settings.lora_rank else "")
+            + (f" (LoRA rank {lora_rank})" if lora_rank else " (every weight)")
         )
         self.recovery = distill_run(
             self.student,
@@ -203,7 +204,8 @@ class CausalLMPruneSteps(PruneSteps):
             self.objective,
             settings,
             steps=settings.recovery_steps,
-            lr=recovery_lr(settings),
+            lr=recovery_lr(settings, CAUSAL_LM),
+            lora_rank=lora_rank,
             echo=self.echo,
             scheduler="cosine" if settings.recovery_steps >= 10 else "constant",
             warmup_steps=min(10, settings.recovery_steps // 10),

@@ -22,7 +22,7 @@ from headkit.recipes.distill import encoder_finetune
 from headkit.recipes.gates import GateTrainingLog
 from headkit.recipes.prune_gates import echo_gate_progress, gate_log, train_head_gates
 from headkit.recipes.prune_plan import keep_top_gated_heads
-from headkit.recipes.prune_settings import METHODS, held_out_count, recovery_lr
+from headkit.recipes.prune_settings import METHODS, held_out_count, recovery_lora_rank, recovery_lr
 from headkit.recipes.prune_steps import PruneSteps
 from headkit.recipes.settings import training_forwards
 from headkit.runs.models import ENCODER
@@ -156,7 +156,7 @@ class EncoderPruneSteps(PruneSteps):
             method=self.method,
             gate_steps=settings.gate_steps,
             gate_lr=settings.gate_lr,
-            weight_lr=recovery_lr(settings),
+            weight_lr=recovery_lr(settings, ENCODER),
             fold=True,
             seed=settings.seed,
             gradient_accumulation_steps=settings.gradient_accumulation_steps,
@@ -208,10 +208,10 @@ class EncoderPruneSteps(PruneSteps):
             self.teacher,
             self.train,
             steps=settings.recovery_steps,
-            lr=recovery_lr(settings),
+            lr=recovery_lr(settings, ENCODER),
             batch_size=per_forward,
             gradient_accumulation_steps=forwards,
-            lora_rank=settings.lora_rank,
+            lora_rank=recovery_lora_rank(settings, ENCODER),
             seed=settings.seed,
             echo=self.echo,
             gradient_checkpointing=settings.gradient_checkpointing,

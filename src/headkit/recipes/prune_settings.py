@@ -11,7 +11,13 @@ from typing import TYPE_CHECKING, Any
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import check_recipe_tasks
-from headkit.recipes.settings import QuickSettings, check_data, training_forwards
+from headkit.recipes.settings import (
+    CAUSAL_LM_LORA_RANK,
+    QuickSettings,
+    check_data,
+    recovery_lora_rank,
+    training_forwards,
+)
 from headkit.runs.models import CAUSAL_LM, ENCODER, model_kind
 from headkit.runs.options import check_choice, check_options, option, with_fields_of
 from headkit.surgery.families import text_config
@@ -48,7 +54,13 @@ class PruneSettings(QuickSettings):
     recovery_steps: int = option(
         100, "Distillation steps after removal.", min=0, removed=("--finetune-steps",), quick=20
     )
-    lora_rank: int | None = option(None, "Recover through LoRA of this rank (PEFT), merged after.", min=1)
+    # None: CAUSAL_LM_LORA_RANK on a causal LM, every weight of an encoder (recovery_lora_rank)
+    lora_rank: int | None = option(
+        None,
+        "Recover through LoRA adapters of this rank (PEFT), merged after; 0 trains every weight.",
+        default_help=f"{CAUSAL_LM_LORA_RANK} on a causal LM, every weight of an encoder",
+        min=0,
+    )
     # None: 1e-4 full fine-tuning, 1e-3 LoRA
     lr: float | None = option(None, "Recovery learning rate (default 1e-4; 1e-3 with LoRA).", min=0.0)
     gate_lr: float = option(0.1, "Learning rate of the gates' log alpha.", min=0.0)
@@ -124,11 +136,11 @@ def target_heads(total: int, settings: PruneSettings) -> int:
     return keep
 
 
-def recovery_lr(settings: PruneSettings) -> float:
-    """The recovery's learning rate: --lr, or 1e-4 (1e-3 with LoRA)."""
+def recovery_lr(settings: PruneSettings, kind: str) -> float:
+    """The recovery's learning rate on a model of `kind`: --lr, or 1e-4 (1e-3 with LoRA)."""
     if settings.lr is not None:
         return settings.lr
-    return 1e-3 if settings.lora_rank else 1e-4
+    return 1e-3 if recovery_lora_rank(settings, kind) else 1e-4
 
 
 def preflight(
@@ -159,12 +171,14 @@ def preflight(
 
 
 __all__ = [
+    "CAUSAL_LM_LORA_RANK",
     "DEFAULT_HELD_OUT",
     "METHODS",
     "PruneSettings",
     "check_settings",
     "held_out_count",
     "preflight",
+    "recovery_lora_rank",
     "recovery_lr",
     "target_heads",
 ]
