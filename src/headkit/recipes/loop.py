@@ -62,6 +62,7 @@ from transformers import (
 from headkit.errors import HeadkitError
 from headkit.files import write_atomic, write_json_atomic
 from headkit.runs.faults import fault_point
+from headkit.runs.interrupts import raise_if_interrupted
 from headkit.runs.processes import process_rank_and_count
 
 LossFn = Callable[[nn.Module, Any, int], torch.Tensor]
@@ -513,6 +514,7 @@ class _StepRecorder(TrainerCallback):
         for name in self.fault_names:
             if name:
                 fault_point(f"{name}:{state.global_step}")
+        raise_if_interrupted()  # a Ctrl-C that a finalizer swallowed during the step
 
     def on_log(self, args: Any, state: Any, control: Any, logs: dict | None = None, **kwargs: Any) -> None:
         if self.on_logged is not None and logs and "loss" in logs and state.is_world_process_zero:

@@ -32,6 +32,7 @@ from headkit.recipes.settings import check_before_loading, with_overrides
 from headkit.recipes.skeleton import save_result
 from headkit.recipes.work import RunWork, interruptible
 from headkit.runs.faults import fault_point
+from headkit.runs.interrupts import raise_if_interrupted
 from headkit.runs.models import (
     LoadedModel,
     load_model,
@@ -210,6 +211,7 @@ def _run_stages(
             elif stage == "tasks":
                 steps.report["tasks"] = outcome
             fault_point(stage)
+            raise_if_interrupted()  # never recorded as done: a Ctrl-C swallowed inside the stage stops it
             if work is not None:
                 work.persist(stage, steps, {"seconds": dict(seconds), "peaks": dict(peaks)})
         except OSError as exc:

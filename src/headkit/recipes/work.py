@@ -43,7 +43,6 @@ import random
 import shutil
 import signal
 import sys
-import threading
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -55,6 +54,7 @@ import torch
 from headkit.errors import HeadkitError
 from headkit.files import write_atomic, write_json_atomic
 from headkit.recipes.loop import Checkpointing, checkpointing
+from headkit.runs.interrupts import Terminated, handling_interrupts, interrupted_by
 from headkit.runs.processes import is_main_process, on_main_process
 
 WORK_SUFFIX = ".partial"
@@ -360,32 +360,20 @@ class RunWork:
         return stored.get("fingerprint") == self.record["fingerprint"]
 
 
-class Terminated(BaseException):
-    """SIGTERM, raised where the main thread is (as Python raises KeyboardInterrupt for SIGINT)."""
-
-
 @contextlib.contextmanager
 def interruptible(work: RunWork) -> Iterator[None]:
     """SIGINT and SIGTERM abandon the stage under way and exit with 130 / 143 after one line on stderr saying how to
-    resume (or that nothing was kept); SIGTERM is handled so while it runs (in the main thread only: a signal
-    handler can be set nowhere else)."""
-
-    def terminate(signum: int, frame: Any) -> None:
-        raise Terminated
-
-    handled = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, terminate) if handled else None
+    resume (or that nothing was kept); both are handled so while it runs
+    (:func:`headkit.runs.interrupts.handling_interrupts`: one that a finalizer swallowed is raised again at the
+    next training step or stage end)."""
     try:
-        yield
+        with handling_interrupts():
+            yield
     except (KeyboardInterrupt, Terminated) as exc:
-        signum = signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT
         if is_main_process():
             if work.resumable():
                 line = f"interrupted; the run so far is in {work.folder}: add --resume to the same command to continue"
             else:
                 line = "interrupted before any stage was done: nothing to resume"
             print(line, file=sys.stderr, flush=True)
-        raise SystemExit(INTERRUPTED_STATUS[signum]) from None
-    finally:
-        if handled:
-            signal.signal(signal.SIGTERM, previous)
+        raise SystemExit(INTERRUPTED_STATUS[interrupted_by(exc)]) from None
