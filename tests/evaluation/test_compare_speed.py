@@ -43,14 +43,7 @@ def test_compare_speed_reverses_the_order_every_other_round(monkeypatch):
 
 
 def test_decode_profile_prefills_one_logit_row_and_each_batch_holds_the_whole_prompt():
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2,
-    )  # fmt: skip
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = _tiny_llama()
     rows = []
     forward = model.forward
 

@@ -21,8 +21,9 @@ objective, then
   :func:`headkit.from_pretrained`.
 
 Recovery: KL(teacher ‖ student) on next-token distributions (:class:`~headkit.runs.objectives.CausalLMObjective`)
-through :func:`~headkit.recipes.distill.distill`, on every weight or on LoRA adapters (``lora_rank``) merged
-afterwards — LLM-Pruner's recipe (Ma, Fang & Wang 2023: structural pruning, then LoRA recovery).
+through :func:`~headkit.recipes.distill.distill`, on LoRA adapters merged afterwards (a causal LM's default, rank
+16: ``lora_rank``) or on every weight (an encoder's default; ``lora_rank=0``) — LLM-Pruner's recipe (Ma, Fang &
+Wang 2023: structural pruning, then LoRA recovery).
 The report holds parameters, KV-cache bytes per token, held-out perplexity (original, pruned, recovered), prefill
 and decode times relative to the original and greedy samples; the folder is written atomically.
 
