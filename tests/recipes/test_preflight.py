@@ -239,7 +239,7 @@ def test_micro_batches_bound_the_recoverys_activations_by_a_forward_not_the_batc
 
 def test_the_max_memory_refusal_names_micro_batches_for_the_recovery(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(steps, "load_model", _no_weights)
-    args = ["prune", str(smollm2_gguf_path()), "--recovery-steps", "10", "--max-memory", "2.2"]
+    args = ["prune", str(smollm2_gguf_path()), "--recovery-steps", "10", "--max-memory", "1.9"]
     error = _refused([*args, "--out", str(tmp_path / "o")], capsys)
     assert "(stage recover)" in error and "--micro-batch" in error
     assert "--gradient-checkpointing" not in error  # on already

@@ -228,7 +228,11 @@ def estimate_prune_memory(settings: Any, config: Any, *, file_bytes: int = 0) ->
     if settings.recovery_steps:
         per_forward = training_forwards(settings)[0] * window
         trained = shape.weights if recovery_lora_rank(settings, CAUSAL_LM) is None else 0
-        stages["recover"] = _training(shape, settings, per_forward, trained, shape.weights)
+        # LoRA's student trains on the original's tensors (its merge, after the training, copies what it wraps:
+        # the measure stage's second copy)
+        stages["recover"] = _training(
+            shape, settings, per_forward, trained, shape.weights if trained else shape.attention_weights
+        )
     return MemoryEstimate.of(stages)
 
 
