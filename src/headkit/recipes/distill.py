@@ -163,7 +163,7 @@ def distill(
         isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 1
     ):
         raise HeadkitError(f"lora_rank must be a positive integer or None, got {lora_rank!r}")
-    if gradient_checkpointing not in (True, False, None):
+    if not any(gradient_checkpointing is choice for choice in (True, False, None)):  # 1 == True: identity
         raise HeadkitError(
             f"gradient_checkpointing must be True, False or None, got {gradient_checkpointing!r}"
         )
