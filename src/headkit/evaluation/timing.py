@@ -202,10 +202,10 @@ def prefill(model: nn.Module, ids: torch.Tensor, chunk: int | None = None) -> tu
     prompt goes through in forwards of that many tokens onto the growing cache: the same cache and next token up to
     rounding (tests/evaluation/test_compare_speed.py) in one chunk's working memory, for every cache but one that
     selects by the prompt's last tokens (a compressed cache's question-chosen keys choose again at each chunk)."""
-    cache = None
-    for start in range(0, ids.shape[1], chunk or ids.shape[1]):
+    cache, step = None, chunk or ids.shape[1]
+    for start in range(0, ids.shape[1], step):
         output = model(
-            input_ids=ids[:, start : start + (chunk or ids.shape[1])],
+            input_ids=ids[:, start : start + step],
             **({} if cache is None else cache_keyword(cache)),
             use_cache=True,
             logits_to_keep=1,
