@@ -174,7 +174,7 @@ def test_the_memory_estimate_grows_with_the_run():
 
     config = read_model_config(smollm2_gguf_path())
     plain = estimate_prune_memory(PruneSettings(recovery_steps=0), config)
-    trained = estimate_prune_memory(PruneSettings(recovery_steps=10), config)
+    trained = estimate_prune_memory(PruneSettings(recovery_steps=10, micro_batch=16), config)
     half = estimate_prune_memory(PruneSettings(recovery_steps=0, dtype="bfloat16"), config)
     assert trained.stage == "recover" and trained.total > plain.total > half.total
     assert set(plain.stages) == {"load", "convert", "measure", "save"}
@@ -189,7 +189,8 @@ def test_the_recovery_estimate_holds_a_chunk_of_logits_not_the_batch_s():
     config = read_model_config(smollm2_gguf_path())
     one, two = (
         prune_memory.estimate_prune_memory(
-            PruneSettings(recovery_steps=10, batch_size=size, gradient_checkpointing=False), config
+            PruneSettings(recovery_steps=10, batch_size=size, micro_batch=size, gradient_checkpointing=False),
+            config,
         )
         for size in (16, 32)
     )
@@ -211,7 +212,10 @@ def test_gradient_checkpointing_is_on_by_default_where_the_model_supports_it_and
     config = read_model_config(smollm2_gguf_path())
     recover = {
         (checkpointing, size): memory.estimate_prune_memory(
-            PruneSettings(recovery_steps=10, batch_size=size, gradient_checkpointing=checkpointing), config
+            PruneSettings(
+                recovery_steps=10, batch_size=size, micro_batch=size, gradient_checkpointing=checkpointing
+            ),
+            config,
         ).stages["recover"]
         for checkpointing in (None, True, False)
         for size in (16, 32)
@@ -231,15 +235,28 @@ def test_micro_batches_bound_the_recoverys_activations_by_a_forward_not_the_batc
     from headkit.recipes.prune_settings import PruneSettings
 
     config = read_model_config(smollm2_gguf_path())
-    whole = estimate_prune_memory(PruneSettings(recovery_steps=10, batch_size=16), config)
+    whole = estimate_prune_memory(PruneSettings(recovery_steps=10, batch_size=16, micro_batch=16), config)
     micro = estimate_prune_memory(PruneSettings(recovery_steps=10, batch_size=16, micro_batch=4), config)
-    small = estimate_prune_memory(PruneSettings(recovery_steps=10, batch_size=4), config)
+    small = estimate_prune_memory(PruneSettings(recovery_steps=10, batch_size=4, micro_batch=4), config)
     assert micro.stages["recover"] == small.stages["recover"] < whole.stages["recover"]
+    # by default a forward holds 1,024 tokens: 4 of the 16 windows of 256
+    default = estimate_prune_memory(PruneSettings(recovery_steps=10, batch_size=16), config)
+    assert default.stages["recover"] == micro.stages["recover"]
 
 
 def test_the_max_memory_refusal_names_micro_batches_for_the_recovery(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(steps, "load_model", _no_weights)
-    args = ["prune", str(smollm2_gguf_path()), "--recovery-steps", "10", "--max-memory", "1.9"]
+    # the whole batch of 16 windows in one forward: the recovery is the peak
+    args = [
+        "prune",
+        str(smollm2_gguf_path()),
+        "--recovery-steps",
+        "10",
+        "--micro-batch",
+        "16",
+        "--max-memory",
+        "1.9",
+    ]
     error = _refused([*args, "--out", str(tmp_path / "o")], capsys)
     assert "(stage recover)" in error and "--micro-batch" in error
     assert "--gradient-checkpointing" not in error  # on already

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from headkit.cli import main
 from headkit.errors import HeadkitError
 from headkit.recipes.prune_settings import PruneSettings
-from headkit.recipes.settings import training_forwards
+from headkit.recipes.settings import TRAINING_FORWARD_TOKENS, training_forwards
 
 transformers.logging.set_verbosity_error()
 
@@ -42,17 +42,36 @@ def _largest_difference(first, second) -> float:
 
 @pytest.mark.parametrize(
     ("batch", "micro", "accumulation", "expected"),
-    [(16, None, 1, (16, 1)), (16, 16, 1, (16, 1)), (16, 4, 1, (4, 4)), (16, 4, 2, (4, 8)), (6, 3, 1, (3, 2))],
+    [(16, 16, 1, (16, 1)), (16, 4, 1, (4, 4)), (16, 4, 2, (4, 8)), (6, 3, 1, (3, 2))],
 )
 def test_training_forwards_splits_the_batch_into_micro_batches(batch, micro, accumulation, expected):
     settings = PruneSettings(batch_size=batch, micro_batch=micro, gradient_accumulation_steps=accumulation)
-    assert training_forwards(settings) == expected
+    assert training_forwards(settings, 256) == expected
+
+
+@pytest.mark.parametrize(
+    ("batch", "tokens", "accumulation", "expected"),
+    # the most examples a divisor of the batch whose tokens fit TRAINING_FORWARD_TOKENS; one at least
+    [
+        (16, 64, 1, (16, 1)),
+        (16, 256, 1, (4, 4)),
+        (16, 256, 2, (4, 8)),
+        (6, 300, 1, (3, 2)),
+        (2, 1024, 1, (1, 2)),
+        (3, 4096, 1, (1, 3)),
+        (7, 200, 1, (1, 7)),
+    ],
+)
+def test_without_a_micro_batch_a_forward_holds_at_most_1024_tokens(batch, tokens, accumulation, expected):
+    assert TRAINING_FORWARD_TOKENS == 1024
+    settings = PruneSettings(batch_size=batch, gradient_accumulation_steps=accumulation)
+    assert training_forwards(settings, tokens) == expected
 
 
 @pytest.mark.parametrize("micro", [3, 32])
 def test_a_micro_batch_that_does_not_divide_the_batch_is_refused(micro):
     with pytest.raises(HeadkitError, match=r"--micro-batch must divide --batch-size \(16\)"):
-        training_forwards(PruneSettings(batch_size=16, micro_batch=micro))
+        training_forwards(PruneSettings(batch_size=16, micro_batch=micro), 256)
 
 
 @pytest.mark.parametrize(("name", "command"), [("prune", PRUNE), ("linearize", LINEARIZE)])
@@ -180,10 +199,12 @@ def test_a_conversion_that_holds_the_original_once_leaves_the_original_unchanged
 
 
 def test_a_micro_batch_below_the_process_count_takes_one_example_per_process(monkeypatch):
-    """linearize's default of one window a forward, under torchrun with 2 processes: each takes one."""
+    """linearize's default of one 1,024-token window a forward, under torchrun with 2 processes: each takes one."""
     from headkit.recipes.linearize_settings import LinearizeSettings
 
-    assert training_forwards(LinearizeSettings()) == (1, 2)
+    length = LinearizeSettings().train_length
+    assert length == 1024
+    assert training_forwards(LinearizeSettings(), length) == (1, 2)
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert training_forwards(LinearizeSettings()) == (2, 1)
-    assert training_forwards(LinearizeSettings(batch_size=4)) == (2, 2)
+    assert training_forwards(LinearizeSettings(), length) == (2, 1)
+    assert training_forwards(LinearizeSettings(batch_size=4), length) == (2, 2)

@@ -143,7 +143,7 @@ def check_settings(settings: CompressSettings) -> None:
     """Every option checked before any work (a bad one names itself): what the fields declare, then the
     options that go together (--kv-budget with its context and bits, without the trained conversions')."""
     check_options(settings)
-    training_forwards(settings)  # --micro-batch divides --batch-size
+    training_forwards(settings, settings.window)  # --micro-batch divides --batch-size
     check_data(settings.data)
     check_recipe_tasks(settings, default_is_causal_lm=False)
     if settings.kv_budget is None:

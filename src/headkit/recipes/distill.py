@@ -274,7 +274,7 @@ def distill_run(
     ``lora_rank``, ``seed`` and, where it has one, ``gradient_accumulation_steps`` from `settings`, logged `logs` times; ``options``: :func:`distill`'s others. The result's model comes back
     frozen (no gradients), ready to be measured."""
     student.requires_grad_(True)
-    per_forward, forwards = training_forwards(settings)
+    per_forward, forwards = training_forwards(settings, _example_tokens(examples))
     result = distill(
         student,
         teacher,
@@ -294,6 +294,14 @@ def distill_run(
     )
     result.model.requires_grad_(False)
     return result
+
+
+def _example_tokens(examples: Sequence[Any]) -> int:
+    """Tokens of one training example (its first tensor's length; 1 for anything else), which sets the default
+    examples per forward (:func:`~headkit.recipes.settings.default_micro_batch`)."""
+    first = examples[0] if len(examples) else None
+    tensors = [v for v in first.values() if isinstance(v, torch.Tensor)] if isinstance(first, dict) else []
+    return int(tensors[0].shape[-1]) if tensors and tensors[0].dim() else 1
 
 
 def _checkpointed_model(student: nn.Module, *, required: bool) -> nn.Module | None:

@@ -223,7 +223,7 @@ class LinearizeSteps(Steps):
             # The compressed-cache baseline is the original model's attention over fewer keys: nothing to train.
             transfer_steps = recovery_steps = 0
             echo("--drop: the original model with a compressed cache, no training")
-        per_forward, forwards = training_forwards(settings)
+        per_forward, forwards = training_forwards(settings, settings.train_length)
         # (a) attention transfer: only the feature maps and balances train.
         student.requires_grad_(False)
         for parameter in linearized_parameters(student):

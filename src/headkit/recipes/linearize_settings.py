@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import check_recipe_tasks
-from headkit.recipes.settings import ModelSettings, QuickSettings, check_count, check_data, training_forwards
+from headkit.recipes.settings import QuickSettings, check_count, check_data, training_forwards
 from headkit.runs.options import check_options, option, with_fields_of
 from headkit.surgery.linearize_config import LinearizeConfig, config_kv_heads, max_context
 
@@ -116,18 +116,6 @@ class LinearizeSettings(QuickSettings):
         min=0,
     )
     temperature: float = field(default=1.0, metadata={"positive": True})
-    # One window a forward by default: a 1,024-token window's activations through SmolLM2 are 1.3 GB (the same
-    # optimizer steps as the whole batch at once, up to the summation's rounding; docs/memory.md).
-    micro_batch: int | None = field(
-        default=1,
-        kw_only=True,
-        metadata=dict(ModelSettings.__dataclass_fields__["micro_batch"].metadata)
-        | {
-            "help": ModelSettings.__dataclass_fields__["micro_batch"]
-            .metadata["help"]
-            .replace("Default: the whole batch in one forward.", "Default: 1 (one window a forward).")
-        },
-    )
     seed: int = option(0, "Seed of the sampling and the training order.")
     overwrite: bool = False
     # lm-evaluation-harness tasks scored on the original and the result (headkit.evaluation.tasks): none by default.
@@ -164,7 +152,7 @@ def check_settings(settings: LinearizeSettings) -> None:
     map, layers, …) by its config, when it is built; the recipe's by what their fields declare."""
     _ = settings.conversion
     check_options(settings)
-    training_forwards(settings)  # --micro-batch divides --batch-size
+    training_forwards(settings, settings.train_length)  # --micro-batch divides --batch-size
     if settings.retrieval_head_count and settings.retrieval_heads:
         raise HeadkitError("give --retrieval-heads or --retrieval-head-count, not both")
     check_data(settings.data)

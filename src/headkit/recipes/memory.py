@@ -226,7 +226,7 @@ def estimate_prune_memory(settings: Any, config: Any, *, file_bytes: int = 0) ->
     copied = shape.weights if settings.recovery_steps else shape.attention_weights
     stages["measure"] = RUNTIME_BYTES + shape.weights + copied + _measure_logits(shape, window)
     if settings.recovery_steps:
-        per_forward = training_forwards(settings)[0] * window
+        per_forward = training_forwards(settings, window)[0] * window
         trained = shape.weights if recovery_lora_rank(settings, CAUSAL_LM) is None else 0
         # LoRA's student trains on the original's tensors (its merge, after the training, copies what it wraps:
         # the measure stage's second copy)
@@ -261,7 +261,7 @@ def estimate_compress_memory(
         )
     stages["measure"] = RUNTIME_BYTES + 2 * shape.weights + _measure_logits(shape, window)
     if settings.recovery_steps:
-        per_forward = training_forwards(settings)[0] * window
+        per_forward = training_forwards(settings, window)[0] * window
         trained = shape.weights if settings.lora_rank is None else 0
         stages["recover"] = _training(shape, settings, per_forward, trained, shape.weights)
     return MemoryEstimate.of(stages)
@@ -282,7 +282,7 @@ def estimate_linearize_memory(settings: Any, config: Any, *, file_bytes: int = 0
     copied = 0
     trains = settings.fold and (settings.transfer_steps or settings.recovery_steps)
     if trains:
-        per_forward = training_forwards(settings)[0] * settings.train_length
+        per_forward = training_forwards(settings, settings.train_length)[0] * settings.train_length
         if settings.recovery_steps:
             copied = shape.attention_weights  # trained in full, or the projections a LoRA merge writes
         trained = shape.attention_weights if settings.recovery_steps and settings.lora_rank is None else 0

@@ -202,7 +202,7 @@ class EncoderPruneSteps(PruneSteps):
 
     def recover(self) -> None:
         settings = self.settings
-        per_forward, forwards = training_forwards(settings)
+        per_forward, forwards = training_forwards(settings, settings.max_length)
         self.recovery = encoder_finetune(
             self.student,
             self.teacher,

@@ -112,7 +112,7 @@ def check_settings(settings: PruneSettings) -> None:
     the recipe's by what their fields declare."""
     PruneConfig(unit=settings.unit, uniform=settings.uniform)  # the config checks its own fields
     check_options(settings)
-    training_forwards(settings)  # --micro-batch divides --batch-size
+    training_forwards(settings, settings.window)  # --micro-batch divides --batch-size
     check_data(settings.data)
     check_recipe_tasks(settings, default_is_causal_lm=False)
 

@@ -18,6 +18,13 @@ from headkit.runs.options import quick_preset
 
 SettingsT = TypeVar("SettingsT")
 
+# A training forward holds at most this many tokens unless --micro-batch says otherwise. Not for its live tensors
+# (with gradient checkpointing one layer's) but for the allocator: glibc carves each forward's freed buffers from a
+# heap that keeps their pages, and the heap grew by about one layer's working set per layer. Measured on SmolLM2, a
+# LoRA distillation step of 16 × 256 tokens: 5.45 GiB peak in one forward, 3.21 GiB in forwards of 4 × 256, at
+# the same step time (docs/memory.md).
+TRAINING_FORWARD_TOKENS = 1024
+
 
 @dataclass
 class ModelSettings:
@@ -57,7 +64,8 @@ class ModelSettings:
         metadata={
             "help": "Examples per forward of the recovery's training (and linearize's attention transfer): each "
             "--batch-size step runs in forwards of this many, their gradients summed into the same step, its "
-            "activations' memory divided (divides --batch-size). Default: the whole batch in one forward.",
+            "activations' memory divided (divides --batch-size). Default: the most examples whose tokens fit "
+            f"{TRAINING_FORWARD_TOKENS:,} a forward (one at least).",
             "min": 1,
         },
     )
@@ -91,17 +99,31 @@ class ModelSettings:
         self.dtype = dtype_name(self.dtype)
 
 
-def training_forwards(settings: Any) -> tuple[int, int]:
-    """(examples per forward, forwards per optimizer step) of a recipe's training: ``--batch-size`` split into
-    forwards of ``--micro-batch`` (times ``--gradient-accumulation`` where the recipe has it), the same optimizer
-    step in less memory; refused in one line where the micro-batch does not divide the batch."""
+def default_micro_batch(batch: int, example_tokens: int) -> int:
+    """Examples per forward without ``--micro-batch``: the largest divisor of `batch` whose examples hold at most
+    :data:`TRAINING_FORWARD_TOKENS` tokens together (one example at least)."""
+    fitting = [
+        size
+        for size in range(1, batch + 1)
+        if batch % size == 0 and size * example_tokens <= TRAINING_FORWARD_TOKENS
+    ]
+    return max(fitting, default=1)
+
+
+def training_forwards(settings: Any, example_tokens: int) -> tuple[int, int]:
+    """(examples per forward, forwards per optimizer step) of a recipe's training on examples of `example_tokens`
+    tokens: ``--batch-size`` split into forwards of ``--micro-batch`` (times ``--gradient-accumulation`` where the
+    recipe has it), the same optimizer step in less memory; refused in one line where the micro-batch does not
+    divide the batch. Without ``--micro-batch``, :func:`default_micro_batch`."""
     batch, accumulation = settings.batch_size, getattr(settings, "gradient_accumulation_steps", 1)
     micro = getattr(settings, "micro_batch", None)
+    if micro is None:
+        micro = default_micro_batch(batch, example_tokens)
     # Under torchrun / accelerate each of N processes takes a share of every forward: one example each at least.
     processes = int(os.environ.get("WORLD_SIZE", "1") or 1)
     if micro is not None and micro < processes and batch % processes == 0:
         micro = processes
-    if micro is None or micro == batch:
+    if micro == batch:
         return batch, accumulation
     if micro > batch or batch % micro:
         raise HeadkitError(f"--micro-batch must divide --batch-size ({batch}), got {micro}")
