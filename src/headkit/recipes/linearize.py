@@ -42,7 +42,7 @@ from headkit.evaluation.quality import agreement, perplexity
 from headkit.evaluation.retrieval import RETRIEVAL_SCORING_PROMPTS, passkey_retrieval_scores, prose_sentences
 from headkit.evaluation.sampling import greedy_sample
 from headkit.evaluation.tasks import with_task_table
-from headkit.evaluation.timing import PREFILL_TOKENS, decode_profile
+from headkit.evaluation.timing import decode_profile
 from headkit.files import save_figure_atomic
 from headkit.recipes.distill import distill, merge_lora, with_lora
 from headkit.recipes.linearize_settings import (  # noqa: F401  (the names the recipe has always offered)
@@ -50,6 +50,7 @@ from headkit.recipes.linearize_settings import (  # noqa: F401  (the names the r
     LinearizeSettings,
     check_context,
     check_settings,
+    prefill_tokens,
     preflight,
     quick_budget,
 )
@@ -305,7 +306,7 @@ class LinearizeSteps(Steps):
                 settings.seed,
                 batch_sizes=settings.decode_batch_sizes,
                 # in chunks, unless question-chosen keys select from the prompt's end (they would choose per chunk)
-                prefill_tokens=None if self.config.budget else PREFILL_TOKENS,
+                prefill_tokens=prefill_tokens(self.config),
             )
             for point in points:
                 decode.append(

@@ -29,8 +29,8 @@ import torch
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.quality import LOGIT_ENTRIES
-from headkit.evaluation.timing import PREFILL_TOKENS
 from headkit.ops.chunked_loss import CHUNK_ENTRIES
+from headkit.recipes.linearize_settings import prefill_tokens
 from headkit.recipes.settings import recovery_lora_rank, training_forwards
 from headkit.runs.models import CAUSAL_LM, DTYPES
 from headkit.runs.resident import GIB, machine_memory_bytes
@@ -293,13 +293,13 @@ def estimate_linearize_memory(settings: Any, config: Any, *, file_bytes: int = 0
         stages["recover"] = _training(shape, settings, per_forward, trained, copied) + scores
     longest_context = max(settings.decode_contexts)
     decode = longest_context * max(settings.decode_batch_sizes)
-    if settings.conversion.budget:
-        # one forward of the whole prompt (question-chosen keys select from its end): one layer's window scores
-        # (half of them, causal), fitted to SmolLM2
+    chunk = prefill_tokens(settings.conversion)
+    if chunk is None:
+        # one forward of the whole prompt: one layer's window scores (half of them, causal), fitted to SmolLM2
         prefill = shape.heads * longest_context**2 * FLOAT32 // 2
     else:
-        # in forwards of PREFILL_TOKENS (headkit.evaluation.timing.prefill): a chunk's scores against the cache
-        prefill = shape.heads * min(PREFILL_TOKENS, longest_context) * longest_context * FLOAT32
+        # in forwards of `chunk` tokens (headkit.evaluation.timing.prefill): a chunk's scores against the cache
+        prefill = shape.heads * min(chunk, longest_context) * longest_context * FLOAT32
     stages["measure"] = (
         RUNTIME_BYTES
         + shape.weights
