@@ -44,6 +44,12 @@ RUNTIME_BYTES = int(0.65 * GIB)
 # output and its backward's workspace, and the MLP's intermediate tensors (SmolLM2: 8·576 + 4·1,536 ≈ 10,752;
 # fitted to the gradient pass measured there, 2.2 GiB).
 HIDDEN_ACTIVATIONS, MLP_ACTIVATIONS = 8, 4
+# What glibc's heap keeps beyond a training forward's live tensors, as a fraction of what the forward's every
+# layer's activations would be: the forward's and backward's freed buffers (hidden-sized, below glibc's mmap threshold
+# once it has risen, so carved from the heap) fragment it, and the next layer's cannot reuse them. The loop returns
+# the free pages before each forward (headkit.recipes.loop); within one, SmolLM2's LoRA distillation over 1,024 tokens
+# grew the process by 0.9–1.1 GiB around 0.4 GiB of live tensors (docs/memory.md).
+HEAP_FRACTION = 0.5
 # Chunk-sized float32 buffers the distillation's chunked KL holds at once (headkit.ops.chunked_loss).
 KL_CHUNKS = 5
 # Logit-sized float32 tensors a measurement holds at once: the forward's logits, perplexity's float copy of the
@@ -188,9 +194,15 @@ def _training(shape: ModelShape, settings: Any, tokens: int, trained: int, copie
         + trained
         + optimizer
         + _activations(shape, settings, tokens)
+        + _heap(shape, tokens)
         + KL_CHUNKS * CHUNK_ENTRIES * FLOAT32
         + (shape.vocabulary * shape.width * FLOAT32 if head_trains else 0)
     )
+
+
+def _heap(shape: ModelShape, tokens: int) -> int:
+    """The heap a training forward over `tokens` tokens leaves fragmented beyond its live tensors (HEAP_FRACTION)."""
+    return int(HEAP_FRACTION * tokens * shape.layers * shape.per_token_layer)
 
 
 def _activations(shape: ModelShape, settings: Any, tokens: int) -> int:
