@@ -16,6 +16,7 @@ import headkit.surgery.records
 from headkit.compat import output_cache
 from headkit.errors import HeadkitError
 from headkit.evaluation.memory import cache_bytes, kv_cache_bytes_per_token
+from headkit.layers.cache import state_tensors
 from headkit.layers.quantized_cache import exact_leaves
 from headkit.surgery import (
     CollaborativeConfig,
@@ -186,9 +187,57 @@ def test_bytes_per_token_from_the_configs_is_the_measured_cache_growth():
         assert bytes_per_token(original.config, steps) == measured / 2  # bfloat16, what engines keep
         assert bytes_per_token(model.config) == measured / 2  # the surgery the model's config records
     assert bytes_per_token(original.config) == 2 * 2 * 2 * 16 * 2  # layers · (K, V) · G · head_dim · 2 bytes
-    assert (
-        bytes_per_token(original.config, LinearizeConfig(window=4)) is None
-    )  # says nothing of its state yet
+
+
+def _floating_state_bytes(model, context):
+    """The floating-point numbers (float32) of the cache a prompt of `context` tokens leaves, every layer: a
+    linearized layer's state (window, sinks, kept keys, linear state, normalizer, retrieval heads), a stock layer's
+    keys and values; not the bookkeeping (positions, flags)."""
+    with torch.no_grad():
+        cache = output_cache(model(torch.zeros(1, context, dtype=torch.long), use_cache=True))
+    total = 0
+    for layer in cache.layers:
+        state = getattr(layer, "state", None)
+        tensors = state_tensors(state) if state is not None else [layer.keys, layer.values]
+        total += sum(t.numel() * t.element_size() for t in tensors if t.is_floating_point())
+    return total
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        [LinearizeConfig(window=4)],
+        [LinearizeConfig(window=4, sinks=2, budget=3)],
+        [LinearizeConfig(window=4, sinks=1, budget=2, selection="question", observation=2)],
+        [LinearizeConfig(window=4, layers=(0,))],  # layer 1 keeps its key/value cache
+        [LinearizeConfig(window=4, retrieval_heads=((0, 1),))],  # a full cache that grows
+        [LinearizeConfig(window=4, feature_map="elu")],
+        [PruneConfig(heads={0: [0, 1]}), LinearizeConfig(window=4, budget=2)],
+    ],
+    ids=["plain", "sinks-budget", "question", "one-layer", "retrieval", "elu", "prune-linearize"],
+)
+def test_a_linearized_states_bytes_per_token_from_the_configs_are_the_state_it_keeps(steps):
+    original = family_model("llama")
+    model = copy.deepcopy(original)
+    headkit.apply_(model, steps)
+    for context in (12, 40):
+        measured = _floating_state_bytes(model, context)
+        assert bytes_per_token(original.config, steps, bytes_per_number=4, context=context) * context == (
+            pytest.approx(measured)
+        )
+        assert bytes_per_token(model.config, bytes_per_number=4, context=context) * context == pytest.approx(
+            measured
+        )
+    constant = not steps[-1].retrieval_heads and steps[-1].layers is None
+    # a state of constant size costs less per token of a longer sequence; a full cache does not
+    longer, shorter = (bytes_per_token(model.config, context=n) for n in (8192, 1024))
+    assert longer < shorter if constant else longer > 0
+    with torch.random.fork_rng():
+        torch.manual_seed(3)
+        expected = torch.rand(1)
+    torch.manual_seed(3)
+    bytes_per_token(original.config, steps)  # builds a mechanism: the random generators are left as they were
+    assert torch.equal(torch.rand(1), expected)
 
 
 def test_a_composition_is_refused_before_any_work():

@@ -88,6 +88,7 @@ from headkit.surgery.attention import (
     refuse_modules_off_the_interface,
 )
 from headkit.surgery.families import LINEARIZE, get_family
+from headkit.surgery.heads import config_head_dim, config_query_groups
 
 # The config (no model code) in a module of its own; its names stay here too.
 from headkit.surgery.linearize_config import (  # noqa: F401  (the names linearize has always offered)
@@ -247,15 +248,20 @@ class LinearizedHeads(HybridHeads):
         return [*self.feature_map_q.parameters(), *self.feature_map_k.parameters(), self.log_balance]
 
     @torch.no_grad()
-    def state_bytes(self, context: int = 1) -> int:
+    def state_bytes(self, context: int = 1, *, bytes_per_number: int | None = None) -> int:
         """Bytes of this layer's decoding state for one sequence after `context` tokens: constant for the
         converted heads (their tensors have their final sizes from the first token on), growing with the context
-        for the exact heads."""
+        for the exact heads. `bytes_per_number`: count the state's floating-point numbers at that many bytes each
+        and leave out its bookkeeping (slot positions, flags), as a cache's bytes per token are counted (None:
+        every tensor at its own size)."""
         weight = self.log_balance
         heads, kv_heads = self.exact.linear_query_heads, list(self.linear_heads)
         queries = weight.new_zeros(1, len(heads), 1, self.head_dim)
         keys = weight.new_zeros(1, len(kv_heads), 1, self.head_dim)
-        exact = self.exact.state_bytes(context, self.head_dim, weight.element_size())
+        if bytes_per_number is None:
+            exact = self.exact.state_bytes(context, self.head_dim, weight.element_size())
+        else:  # the exact heads' keys and values, not their flags
+            exact = 2 * len(self.exact_heads) * self.head_dim * bytes_per_number * context
         if not kv_heads:
             return exact
         rotary_pairs = self.head_dim // 2 if self.unrotated_pairs is None else len(self.unrotated_pairs)
@@ -273,7 +279,10 @@ class LinearizedHeads(HybridHeads):
             _, state = sparse_hybrid_attention(*tensors, sinks=self.sinks, budget=self.budget, **options)
         else:
             _, state = hybrid_attention(*tensors, **options)
-        return sum(t.numel() * t.element_size() for t in state_tensors(state)) + exact
+        if bytes_per_number is None:
+            return sum(t.numel() * t.element_size() for t in state_tensors(state)) + exact
+        numbers = sum(t.numel() for t in state_tensors(state) if t.is_floating_point())
+        return numbers * bytes_per_number + exact
 
     def cache_layer(self, cache: Any) -> HybridStateCacheLayer:
         """This layer's entry in the model's cache (see :class:`headkit.surgery.attention.CacheLayerHook`): one
@@ -565,6 +574,45 @@ def reconfigure(model: nn.Module, **changes: Any) -> LinearizeConfig:
     entries[index] = entries[index] | config.record() | {"layers": layers}
     setattr(model.config, SURGERY_KEY, json.loads(json.dumps(entries)))
     return config
+
+
+def state_bytes_per_token(
+    conversion: LinearizeConfig, config: Any, *, bytes_per_number: int = 2, context: int = 8192
+) -> float | None:
+    """:meth:`LinearizeConfig.bytes_per_token`: each converted layer's state measured on its mechanism, built
+    with the layer's head counts and nothing of the model's weights (one per distinct layer; the random generators
+    left as they were); each other layer its key/value cache."""
+    groups, head_dim = config_query_groups(config), config_head_dim(config)
+    if groups is None or head_dim is None:
+        return None
+    count = len(groups)
+    converted = set(conversion.layers_to_convert(config, count))
+    sliding = set(sliding_layers(config, count))
+    # transformers' sliding layer keeps the window's W − 1 past tokens
+    window = (getattr(config, "sliding_window", None) or context + 1) - 1
+    measured: dict[tuple[int, int, tuple[int, ...]], int] = {}
+    total = 0
+    for layer, group in enumerate(groups):
+        heads, kv_heads = len(group), len(set(group))
+        if layer not in converted:
+            tokens = min(context, window) if layer in sliding else context
+            total += 2 * kv_heads * head_dim * tokens * bytes_per_number
+            continue
+        exact = tuple(head for where, head in conversion.retrieval_heads if where == layer)
+        key = (heads, kv_heads, exact)
+        if key not in measured:
+            with torch.random.fork_rng(devices=[]):
+                mechanism = LinearizedHeads(
+                    num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, scale=head_dim**-0.5,
+                    window=conversion.window, feature_map=conversion.feature_map,
+                    feature_dim=conversion.feature_dim, chunk_size=conversion.chunk_size, layer_idx=layer,
+                    dtype=torch.float32, device=torch.device("cpu"), sinks=conversion.sinks,
+                    budget=conversion.budget, selection=conversion.selection, observation=conversion.observation,
+                    fold=conversion.fold, exact_heads=exact,
+                )  # fmt: skip
+            measured[key] = mechanism.state_bytes(context, bytes_per_number=bytes_per_number)
+        total += measured[key]
+    return total / context
 
 
 def linearized_modules(model: nn.Module) -> list[LinearizedHeads]:
