@@ -16,6 +16,7 @@ from tiny_models import state_of
 import headkit
 from headkit.compat import cache_keyword, output_cache
 from headkit.errors import HeadkitError
+from headkit.layers.cache import state_tensors
 from headkit.layers.hybrid import HybridStateCacheLayer
 from headkit.layers.quantized_cache import (
     QuantizedHybridStateCacheLayer,
@@ -229,12 +230,44 @@ def test_orders_that_cannot_be_replayed_are_refused_in_one_line_before_any_work(
         headkit.apply_(model, INT4)
     with pytest.raises(HeadkitError, match="already quantized"):
         INT4.check(model.config)
-    # after a linearization too (its exact sets stored quantized; the bytes of its state are not stated)
+    # after a linearization too (its exact sets stored quantized)
     linearized = family_model("llama")
     headkit.apply_(linearized, [LinearizeConfig(window=4, sinks=1, budget=2), INT8])
     assert [m.quantized_storage for m in linearized_modules(linearized)] == [(8, 8), (8, 8)]
-    assert bytes_per_token(linearized.config) is None
     stepwise_logits(linearized, family_inputs(length=20))
+
+
+@pytest.mark.parametrize(
+    "steps",
+    [
+        [LinearizeConfig(window=4, sinks=1, budget=2), INT8],
+        [LinearizeConfig(window=4, retrieval_heads=((1, 0),)), INT4],
+        [LinearizeConfig(window=4, layers=(0,)), INT4],  # layer 1 keeps its cache, unquantized
+    ],
+    ids=["int8", "retrieval-int4", "one-layer-int4"],
+)
+def test_a_quantized_linearized_states_bytes_per_token_are_the_bytes_stored(steps):
+    """The exact keys and values as quantized codes, scales and zero points; the linear state and its
+    normalizer as they are (float32 here); not the bookkeeping."""
+    original = family_model("llama")
+    model = copy.deepcopy(original)
+    headkit.apply_(model, steps)
+    for context in (12, 40):
+        with torch.no_grad():
+            cache = output_cache(model(torch.zeros(1, context, dtype=torch.long), use_cache=True))
+        measured = 0
+        for layer in cache.layers:
+            if not isinstance(layer, QuantizedHybridStateCacheLayer):
+                measured += 2 * layer.keys.numel() * layer.keys.element_size()
+                continue
+            full = layer.dequantized()
+            exact = sum(t.numel() for _, t in exact_leaves(full))
+            rest = sum(t.numel() for t in state_tensors(full) if t.is_floating_point()) - exact
+            measured += layer.quantized_bytes() + rest * 4
+        for config, applied in ((original.config, steps), (model.config, [])):
+            counted = bytes_per_token(config, applied, bytes_per_number=4, context=context)
+            assert counted * context == pytest.approx(measured), (context, counted * context, measured)
+    assert bytes_per_token(model.config) < bytes_per_token(original.config, steps[:-1])
 
 
 def test_the_fast_decoder_decodes_a_quantized_compressed_cache_and_refuses_a_quantized_stock_cache():

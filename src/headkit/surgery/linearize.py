@@ -71,7 +71,7 @@ from headkit.layers.cache import StateCacheLayer, state_tensors
 from headkit.layers.feature_maps import build_feature_map
 from headkit.layers.hybrid import HybridHeads, HybridStateCacheLayer, SplitHeadsRing, SplitHeadsState
 from headkit.layers.kept_exact import SELECTIONS, ExactHeads, KeptKeys, causal_softmax
-from headkit.layers.quantized_cache import QuantizedHybridStateCacheLayer
+from headkit.layers.quantized_cache import QuantizedHybridStateCacheLayer, exact_leaves
 from headkit.ops.hybrid import hybrid_attention, sparse_hybrid_attention
 from headkit.surgery.adapters import (
     AttentionAdapter,
@@ -248,12 +248,15 @@ class LinearizedHeads(HybridHeads):
         return [*self.feature_map_q.parameters(), *self.feature_map_k.parameters(), self.log_balance]
 
     @torch.no_grad()
-    def state_bytes(self, context: int = 1, *, bytes_per_number: int | None = None) -> int:
+    def state_bytes(
+        self, context: int = 1, *, bytes_per_number: int | None = None, token_bytes: float | None = None
+    ) -> float:
         """Bytes of this layer's decoding state for one sequence after `context` tokens: constant for the
         converted heads (their tensors have their final sizes from the first token on), growing with the context
         for the exact heads. `bytes_per_number`: count the state's floating-point numbers at that many bytes each
         and leave out its bookkeeping (slot positions, flags), as a cache's bytes per token are counted (None:
-        every tensor at its own size)."""
+        every tensor at its own size); with it, `token_bytes`: what one head's key and value of one token cost
+        where the exact keys and values are stored quantized (:class:`~headkit.surgery.QuantizedKVConfig`)."""
         weight = self.log_balance
         heads, kv_heads = self.exact.linear_query_heads, list(self.linear_heads)
         queries = weight.new_zeros(1, len(heads), 1, self.head_dim)
@@ -262,6 +265,8 @@ class LinearizedHeads(HybridHeads):
             exact = self.exact.state_bytes(context, self.head_dim, weight.element_size())
         else:  # the exact heads' keys and values, not their flags
             exact = 2 * len(self.exact_heads) * self.head_dim * bytes_per_number * context
+            if token_bytes is not None:
+                exact = len(self.exact_heads) * context * token_bytes
         if not kv_heads:
             return exact
         rotary_pairs = self.head_dim // 2 if self.unrotated_pairs is None else len(self.unrotated_pairs)
@@ -281,8 +286,15 @@ class LinearizedHeads(HybridHeads):
             _, state = hybrid_attention(*tensors, **options)
         if bytes_per_number is None:
             return sum(t.numel() * t.element_size() for t in state_tensors(state)) + exact
+        if token_bytes is None:
+            numbers = sum(t.numel() for t in state_tensors(state) if t.is_floating_point())
+            return numbers * bytes_per_number + exact
+        # the exact keys and values stored at `token_bytes` a (head, token), the rest at bytes_per_number
+        leaves = exact_leaves(state)
+        kept = sum(t.numel() for _, t in leaves) // (2 * self.head_dim)  # a key and a value a slot
         numbers = sum(t.numel() for t in state_tensors(state) if t.is_floating_point())
-        return numbers * bytes_per_number + exact
+        numbers -= sum(t.numel() for _, t in leaves)
+        return numbers * bytes_per_number + (kept + len(self.exact_heads) * context) * token_bytes
 
     def cache_layer(self, cache: Any) -> HybridStateCacheLayer:
         """This layer's entry in the model's cache (see :class:`headkit.surgery.attention.CacheLayerHook`): one
@@ -577,11 +589,18 @@ def reconfigure(model: nn.Module, **changes: Any) -> LinearizeConfig:
 
 
 def state_bytes_per_token(
-    conversion: LinearizeConfig, config: Any, *, bytes_per_number: int = 2, context: int = 8192
+    conversion: LinearizeConfig,
+    config: Any,
+    *,
+    bytes_per_number: int = 2,
+    context: int = 8192,
+    token_bytes: float | None = None,
 ) -> float | None:
     """:meth:`LinearizeConfig.bytes_per_token`: each converted layer's state measured on its mechanism, built
     with the layer's head counts and nothing of the model's weights (one per distinct layer; the random generators
-    left as they were); each other layer its key/value cache."""
+    left as they were); each other layer its key/value cache. `token_bytes`: a converted layer's exact keys and
+    values stored quantized, at that many bytes a head's key and value of one token (the layers left alone keep
+    their cache unquantized)."""
     groups, head_dim = config_query_groups(config), config_head_dim(config)
     if groups is None or head_dim is None:
         return None
@@ -590,8 +609,8 @@ def state_bytes_per_token(
     sliding = set(sliding_layers(config, count))
     # transformers' sliding layer keeps the window's W − 1 past tokens
     window = (getattr(config, "sliding_window", None) or context + 1) - 1
-    measured: dict[tuple[int, int, tuple[int, ...]], int] = {}
-    total = 0
+    measured: dict[tuple[int, int, tuple[int, ...]], float] = {}
+    total = 0.0
     for layer, group in enumerate(groups):
         heads, kv_heads = len(group), len(set(group))
         if layer not in converted:
@@ -610,7 +629,9 @@ def state_bytes_per_token(
                     budget=conversion.budget, selection=conversion.selection, observation=conversion.observation,
                     fold=conversion.fold, exact_heads=exact,
                 )  # fmt: skip
-            measured[key] = mechanism.state_bytes(context, bytes_per_number=bytes_per_number)
+            measured[key] = mechanism.state_bytes(
+                context, bytes_per_number=bytes_per_number, token_bytes=token_bytes
+            )
         total += measured[key]
     return total / context
 

@@ -52,7 +52,7 @@ from headkit.surgery.attention import (
 from headkit.surgery.compressed_cache import CompressedCacheConfig
 from headkit.surgery.families import LINEARIZE, get_family, text_config
 from headkit.surgery.gating import config_head_dim, kv_head_counts
-from headkit.surgery.linearize import LinearizeConfig, LinearizedHeads
+from headkit.surgery.linearize import LinearizeConfig, LinearizedHeads, state_bytes_per_token
 from headkit.surgery.pruning import EmptyHeads
 from headkit.surgery.records import (
     conversion_of,
@@ -234,14 +234,23 @@ class QuantizedKVConfig:
         After a compressed cache, its layers' kept tokens
         (:meth:`~headkit.surgery.compressed_cache.CompressedCacheConfig.layer_tokens`) at the per-token cost
         (keys grouped as values), the layers it left alone at their own, unquantized. None where the config does
-        not state its heads, or after a linearization (whose state the bytes do not state)."""
+        not state its heads. After a linearization, its converted layers' state with their exact keys and values
+        (window, sinks, kept keys, retrieval heads) at the per-token cost, the rest of the state as it is."""
         counts, head_dim = kv_head_counts(config), config_head_dim(text_config(config))
         if counts is None or head_dim is None:
             return None
         earlier = recorded_configs(config)
         layers, left_alone = [(kv_heads, None) for kv_heads in counts], 0.0
+        options = {"bits": self.bits, "group_size": self.group_size, "bytes_per_number": bytes_per_number}
         if earlier and isinstance(earlier[-1], LinearizeConfig):
-            return None
+            # its exact keys and values quantized a token at a time (keys grouped as values), the rest as it is
+            return state_bytes_per_token(
+                earlier[-1],
+                config,
+                bytes_per_number=bytes_per_number,
+                context=context,
+                token_bytes=quantized_bytes_per_token(head_dim, per_token_keys=True, **options),
+            )
         if earlier and isinstance(earlier[-1], CompressedCacheConfig):
             kept = earlier[-1].layer_tokens(config, context)
             if kept is None:
@@ -252,7 +261,6 @@ class QuantizedKVConfig:
                 sum(layer.tokens for layer in kept if not layer.compressed) * 2 * head_dim * bytes_per_number
             )
             left_alone /= context
-        options = {"bits": self.bits, "group_size": self.group_size, "bytes_per_number": bytes_per_number}
         per_token = quantized_bytes_per_token(head_dim, per_token_keys=True, **options)
         quantized = tokens_to_quantize(context, group_size=self.group_size, residual=self.residual)
         stock_head = (
