@@ -195,6 +195,13 @@ def decode_seconds_per_token(model: nn.Module, context: int, steps: int = 8, see
 PREFILL_TOKENS = 1024
 
 
+def prefill_tokens(conversion: Any) -> int | None:
+    """Tokens per forward of a linearized model's prefill (:func:`prefill`) under `conversion` (a
+    :class:`~headkit.surgery.LinearizeConfig`): :data:`PREFILL_TOKENS`, or None (the whole prompt in one forward)
+    where question-chosen keys (``budget``) select from the prompt's end, which each chunk would choose again."""
+    return None if conversion.budget else PREFILL_TOKENS
+
+
 @torch.no_grad()
 def prefill(model: nn.Module, ids: torch.Tensor, chunk: int | None = None) -> tuple[Any, torch.Tensor]:
     """(the decoding cache, the greedy next token [B, 1]) after the prompt `ids` [B, T], computing only the last

@@ -42,7 +42,7 @@ from headkit.evaluation.quality import agreement, perplexity
 from headkit.evaluation.retrieval import RETRIEVAL_SCORING_PROMPTS, passkey_retrieval_scores, prose_sentences
 from headkit.evaluation.sampling import greedy_sample
 from headkit.evaluation.tasks import with_task_table
-from headkit.evaluation.timing import decode_profile
+from headkit.evaluation.timing import decode_profile, prefill_tokens
 from headkit.files import save_figure_atomic
 from headkit.recipes.distill import distill, merge_lora, with_lora
 from headkit.recipes.linearize_settings import (  # noqa: F401  (the names the recipe has always offered)
@@ -50,7 +50,6 @@ from headkit.recipes.linearize_settings import (  # noqa: F401  (the names the r
     LinearizeSettings,
     check_context,
     check_settings,
-    prefill_tokens,
     preflight,
     quick_budget,
 )

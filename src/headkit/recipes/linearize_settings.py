@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.tasks import check_recipe_tasks
-from headkit.evaluation.timing import PREFILL_TOKENS
 from headkit.recipes.settings import QuickSettings, check_count, check_data, training_forwards
 from headkit.runs.options import check_options, option, with_fields_of
 from headkit.surgery.linearize_config import LinearizeConfig, config_kv_heads, max_context
@@ -130,13 +129,6 @@ class LinearizeSettings(QuickSettings):
         if values["feature_wavelength"] is None:
             values["feature_wavelength"] = self.train_length
         return LinearizeConfig(**values)
-
-
-def prefill_tokens(conversion: LinearizeConfig) -> int | None:
-    """Tokens per forward of the decoding profile's prefill (:func:`headkit.evaluation.timing.prefill`):
-    :data:`~headkit.evaluation.timing.PREFILL_TOKENS`, or None (the whole prompt in one forward) where
-    question-chosen keys (``--budget``) select from the prompt's end, which each chunk would choose again."""
-    return None if conversion.budget else PREFILL_TOKENS
 
 
 def quick_budget() -> str:

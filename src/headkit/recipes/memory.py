@@ -29,8 +29,8 @@ import torch
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.quality import LOGIT_ENTRIES
+from headkit.evaluation.timing import prefill_tokens
 from headkit.ops.chunked_loss import CHUNK_ENTRIES
-from headkit.recipes.linearize_settings import prefill_tokens
 from headkit.recipes.settings import recovery_lora_rank, training_forwards
 from headkit.runs.models import CAUSAL_LM, DTYPES
 from headkit.runs.resident import GIB, machine_memory_bytes

@@ -116,8 +116,11 @@ def bytes_per_token(
     value = config_kv_bytes_per_token(current, bytes_per_number)
     for step in steps:
         per_token = getattr(step, "bytes_per_token", None)
+        registered = conversion_of(step).bytes_per_token
         if per_token is not None:
             value = per_token(current, bytes_per_number=bytes_per_number, context=context)
+        elif registered is not None:
+            value = registered(step, current, bytes_per_number=bytes_per_number, context=context)
         elif conversion_of(step).replaces_attention:
             value = None
         current = config_after(current, step)

@@ -596,9 +596,15 @@ def state_bytes_per_token(
     context: int = 8192,
     token_bytes: float | None = None,
 ) -> float | None:
-    """:meth:`LinearizeConfig.bytes_per_token`: each converted layer's state measured on its mechanism, built
+    """The decoding state's bytes per token of a `context`-token sequence for a model with the 🤗 `config` (the
+    pruning it records applied) after `conversion` (what :func:`headkit.surgery.bytes_per_token` reads for a
+    :class:`LinearizeConfig`): each converted layer's window, sinks and kept keys and, where it folds, its linear
+    state and normalizer (constant in the context), and its retrieval heads' keys and values (growing), measured on
+    its mechanism, built
     with the layer's head counts and nothing of the model's weights (one per distinct layer; the random generators
-    left as they were); each other layer its key/value cache. `token_bytes`: a converted layer's exact keys and
+    left as they were); each other layer its key/value cache. Floating-point numbers at `bytes_per_number` bytes
+    each; the bookkeeping (slot positions, flags) is not counted. None where the config does not state its heads.
+    `token_bytes`: a converted layer's exact keys and
     values stored quantized, at that many bytes a head's key and value of one token (the layers left alone keep
     their cache unquantized)."""
     groups, head_dim = config_query_groups(config), config_head_dim(config)
@@ -791,7 +797,14 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
     attach_mechanisms(model, [(site.module, mechanism) for site, mechanism in planned])
 
 
-register_conversion(LinearizeConfig, SURGERY_OP, _linearize, _reapply, replaces_attention=True)
+register_conversion(
+    LinearizeConfig,
+    SURGERY_OP,
+    _linearize,
+    _reapply,
+    replaces_attention=True,
+    bytes_per_token=state_bytes_per_token,
+)
 
 __all__ = [
     "LinearizeConfig",

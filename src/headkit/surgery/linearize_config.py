@@ -236,17 +236,6 @@ class LinearizeConfig:
         (:meth:`layers_to_convert`)."""
         self.layers_to_convert(model_or_config)
 
-    def bytes_per_token(self, config: Any, *, bytes_per_number: int = 2, context: int = 8192) -> float | None:
-        """The decoding state's bytes per token of a `context`-token sequence for a model with the 🤗 `config` (the
-        pruning it records applied): each converted layer's window, sinks and kept keys and, where it folds, its
-        linear state and normalizer (constant in the context), and its retrieval heads' keys and values
-        (growing); each other layer its key/value cache. Floating-point numbers at `bytes_per_number` bytes each;
-        the bookkeeping (slot positions, flags, recall scores' indices) is not counted. None where the config
-        does not state its heads."""
-        from headkit.surgery.linearize import state_bytes_per_token  # the mechanism's module imports this one
-
-        return state_bytes_per_token(self, config, bytes_per_number=bytes_per_number, context=context)
-
     def layers_to_convert(self, model_or_config: Any, count: int | None = None) -> list[int]:
         """The indices of the layers to convert, sorted, checked against what a model's 🤗 config answers (a
         model, or its config; `count`: its layer count, read from the config when None): the window against the

@@ -84,6 +84,9 @@ class Conversion:
     context: frozenset[str]
     replaces_attention: bool
     follows: tuple[type, ...] = ()
+    # bytes_per_token(config, model_config, bytes_per_number=, context=) where the config's own module cannot
+    # compute them (a linearization's state is measured on its mechanism, which imports the config's module)
+    bytes_per_token: Callable[..., float | None] | None = None
 
 
 CONVERSIONS: dict[type, Conversion] = {}
@@ -97,13 +100,16 @@ def register_conversion(
     *,
     replaces_attention: bool = False,
     follows: tuple[type, ...] = (),
+    bytes_per_token: Callable[..., float | None] | None = None,
 ) -> None:
     """Make `apply` the handler of `config_class` configs in :func:`headkit.surgery.apply.apply_` and `reapply`
     the way :func:`from_pretrained` rebuilds its entries ``{"op": op, ...}``.
 
     `replaces_attention`: the surgery gives its layers a mechanism of its own (collaborative, latent,
     linearized heads), after which no other surgery that reads the stock attention can follow it — except one
-    whose `follows` names it (quantized storage of a compressed cache's keys and values).
+    whose `follows` names it (quantized storage of a compressed cache's keys and values). `bytes_per_token`:
+    the decoding cache's bytes per token after the surgery, ``f(config, model_config, bytes_per_number=…,
+    context=…)``, for a config without a ``bytes_per_token`` method of its own.
     """
     missing = [
         name for name in ("check", "record", "from_record") if not callable(getattr(config_class, name, None))
@@ -119,7 +125,7 @@ def register_conversion(
     if existing is not None and existing.apply is not apply:
         raise HeadkitError(f"a conversion for {config_class.__name__} is already registered")
     CONVERSIONS[config_class] = Conversion(
-        op, config_class, apply, context, replaces_attention, tuple(follows)
+        op, config_class, apply, context, replaces_attention, tuple(follows), bytes_per_token
     )
 
 
