@@ -304,7 +304,6 @@ class LinearizeSteps(Steps):
                 settings.decode_steps,
                 settings.seed,
                 batch_sizes=settings.decode_batch_sizes,
-                # in chunks, unless question-chosen keys select from the prompt's end (they would choose per chunk)
                 prefill_tokens=prefill_tokens(self.config),
             )
             for point in points:

@@ -121,7 +121,7 @@ def training_forwards(settings: Any, example_tokens: int) -> tuple[int, int]:
         micro = default_micro_batch(batch, example_tokens)
     # Under torchrun / accelerate each of N processes takes a share of every forward: one example each at least.
     processes = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    if micro is not None and micro < processes and batch % processes == 0:
+    if micro < processes and batch % processes == 0:
         micro = processes
     if micro == batch:
         return batch, accumulation

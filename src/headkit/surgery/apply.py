@@ -115,13 +115,14 @@ def bytes_per_token(
     setattr(current, SURGERY_KEY, [])
     value = config_kv_bytes_per_token(current, bytes_per_number)
     for step in steps:
-        per_token = getattr(step, "bytes_per_token", None)
-        registered = conversion_of(step).bytes_per_token
+        per_token, conversion = getattr(step, "bytes_per_token", None), conversion_of(step)
         if per_token is not None:
             value = per_token(current, bytes_per_number=bytes_per_number, context=context)
-        elif registered is not None:
-            value = registered(step, current, bytes_per_number=bytes_per_number, context=context)
-        elif conversion_of(step).replaces_attention:
+        elif conversion.bytes_per_token is not None:
+            value = conversion.bytes_per_token(
+                step, current, bytes_per_number=bytes_per_number, context=context
+            )
+        elif conversion.replaces_attention:
             value = None
         current = config_after(current, step)
     return value
