@@ -13,6 +13,8 @@ from headkit.bench import memory
 from headkit.bench.memory import (
     COMPRESS_COLLABORATIVE,
     COMPRESS_LATENT,
+    COMPRESSED_CACHE,
+    LINEARIZE,
     PRUNE_GROUP,
     SHAPES,
     MemoryBenchSettings,
@@ -40,6 +42,7 @@ from results_keys import assert_results_keys  # noqa: E402
         (["--recipes", "prune-query,distil"], "--recipes"),
         (["--growth-model", "gpt-9"], "--growth-model"),
         (["--dtype", "float16"], "--dtype"),
+        (["--lora-rank", "0"], "--lora-rank"),
     ],
 )
 def test_bad_options_are_refused_in_one_line_before_any_work(tmp_path, capsys, monkeypatch, options, message):
@@ -101,6 +104,16 @@ def test_the_plan_skips_collaborative_heads_on_a_rotary_decoder_and_adds_growth_
     assert [run.calibration_tokens for run in growth] == [2 * b * settings.window for b in (4, 2, 8)]
     shape = shape_summary(SHAPES["tiny-llama"].config())
     assert shape["rotary"] and skip_reason(main[3], shape) and skip_reason(main[1], shape) is None
+
+
+def test_lora_rank_reaches_every_trained_row_and_not_the_cache():
+    settings = MemoryBenchSettings(lora_rank=16)
+    for recipe in (PRUNE_GROUP, COMPRESS_LATENT, COMPRESS_COLLABORATIVE, LINEARIZE):
+        arguments = recipe_arguments(recipe, settings, 30, settings.batch_size)
+        assert arguments[arguments.index("--lora-rank") + 1] == "16", recipe
+    assert "--lora-rank" not in recipe_arguments(COMPRESSED_CACHE, settings, 0, settings.batch_size)
+    # by default each recipe keeps its own recovery (prune's LoRA 16, compress's every weight)
+    assert "--lora-rank" not in recipe_arguments(COMPRESS_LATENT, MemoryBenchSettings(), 30, 4)
 
 
 def test_the_estimate_is_read_where_the_report_has_one():

@@ -185,6 +185,12 @@ class MemoryBenchSettings:
     cache_window: int = option(
         1024, "The compressed cache: tokens per held-out window read through it.", min=8, quick=64
     )
+    lora_rank: int | None = option(
+        None,
+        "Recovery through LoRA of this rank in every trained row (default: each recipe's own; prune's causal-LM "
+        "recovery is LoRA 16, compress's trains every weight).",
+        min=1,
+    )
     dtype: str = option(
         "float32",
         "Precision the recipes load and train in.",
@@ -363,6 +369,8 @@ def recipe_arguments(
         arguments += ["--eval-window", str(settings.cache_window), "--timing-repeats", "1"]
     else:
         raise HeadkitError(f"--recipes: unknown recipe {recipe!r}")
+    if settings.lora_rank is not None and recipe != COMPRESSED_CACHE:
+        common += ["--lora-rank", str(settings.lora_rank)]
     return (*arguments, *common, *settings.extra_arguments)
 
 
