@@ -301,3 +301,33 @@ def test_a_token_moved_from_the_window_to_the_kept_keys_keeps_its_codes():
     sinks = dequantize_values(stored[("sink_keys",)], bits=4, group_size=8)
     assert rows.shape[2] == 3 and kept.shape[2] == 3 and sinks.shape[2] == 1
     assert layer.state_bytes() < HybridStateCacheLayer.state_bytes(layer)  # counted as stored: quantized
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("compressed", [COMPRESSED, RETRIEVAL], ids=["compressed", "retrieval-head"])
+def test_a_decoding_step_stores_what_quantizing_the_whole_state_again_stores(monkeypatch, bits, compressed):
+    """The eager step stores only what it wrote (the new token, a key's codes moved with it): bit for bit what
+    :meth:`QuantizedHybridStateCacheLayer._quantized` — every exact token matched to its stored codes or
+    quantized anew — gives for the same step, at every step and layer, padded rows included."""
+    _, model = converted("llama", compressed, QuantizedKVConfig(bits=bits, group_size=8))
+    tokens = family_inputs(batch=2, length=24)
+    mask = torch.ones_like(tokens)
+    mask[1, :3] = 0  # a left-padded row
+    stepped, checked = QuantizedHybridStateCacheLayer.stepped, []
+
+    def checking(layer, buffers):
+        expected = layer._quantized(buffers)  # before the store: the stored codes are the step's table
+        stepped(layer, buffers)
+        got, want = state_tensors(layer.state), state_tensors(expected)
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+        checked.append(layer)
+
+    monkeypatch.setattr(QuantizedHybridStateCacheLayer, "stepped", checking)
+    with torch.no_grad():
+        out = model(tokens[:, :10], attention_mask=mask[:, :10], use_cache=True)
+        cache = output_cache(out)
+        for t in range(10, 24):
+            out = model(
+                tokens[:, t : t + 1], attention_mask=mask[:, : t + 1], **cache_keyword(cache), use_cache=True
+            )
+    assert len(checked) == 14 * len(cache.layers)

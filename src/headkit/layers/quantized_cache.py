@@ -44,7 +44,12 @@ import torch
 
 from headkit.errors import HeadkitError
 from headkit.layers.cache import StateCacheLayer
-from headkit.layers.hybrid import HybridStateCacheLayer, RingHybridStateCacheLayer, SplitHeadsRing
+from headkit.layers.hybrid import (
+    HybridStateCacheLayer,
+    RingHybridStateCacheLayer,
+    SplitHeadsRing,
+    SplitHeadsState,
+)
 from headkit.ops.hybrid.quantized import dequantized_ring, store_ring_step_
 from headkit.ops.quantized_cache import (
     QuantizedTensor,
@@ -229,12 +234,37 @@ class QuantizedHybridStateCacheLayer(HybridStateCacheLayer):
         return self._ordered(self.dequantized())
 
     def buffers(self) -> Any:
-        """A full-precision copy of the buffers, for the decoding step to write in place (:meth:`stepped` stores
-        it back)."""
-        return self.dequantized()
+        """What a decoding step runs on: the ring with its exact sets dequantized
+        (:func:`~headkit.ops.hybrid.quantized.dequantized_ring`), and a retrieval layer's exact heads' keys and values
+        dequantized; :meth:`stepped` stores back only what the step wrote."""
+        options = {"bits": self.bits, "group_size": self.group_size}
+        state = self.state
+        if not isinstance(state, SplitHeadsState | SplitHeadsRing):
+            return dequantized_ring(state, **options)
+        return state._replace(
+            linear=None if state.linear is None else dequantized_ring(state.linear, **options),
+            keys=dequantize_values(state.keys, **options),
+            values=dequantize_values(state.values, **options),
+        )
 
     def stepped(self, buffers: Any) -> None:
-        self._store(buffers)
+        """Store one decoding step: the new token quantized into its window slot, a key that left the window
+        keeping its codes (:func:`~headkit.ops.hybrid.quantized.store_ring_step_`), and the exact heads' new token
+        quantized and appended. O(D) quantization per head, whatever the context: the same codes as quantizing the
+        whole state again with :func:`~headkit.ops.quantized_cache.quantize_tokens` (the fast decoder's rule,
+        tested bit for bit against that one), without its O(context) matching of every stored token."""
+        options = {"bits": self.bits, "group_size": self.group_size}
+        state = self.state
+        if not isinstance(state, SplitHeadsState):
+            store_ring_step_(state, buffers, **options)
+        else:
+            if state.linear is not None:
+                store_ring_step_(state.linear, buffers.linear, **options)
+            grown = [
+                append_quantized(stored, quantize_values(new[:, :, -1:], **options))
+                for stored, new in ((state.keys, buffers.keys), (state.values, buffers.values))
+            ]
+            self.state = state._replace(keys=grown[0], values=grown[1], keep=buffers.keep)
         self.seen_tokens += 1
 
     def _store(self, buffers: Any) -> None:
@@ -309,19 +339,6 @@ class QuantizedRingHybridStateCacheLayer(QuantizedHybridStateCacheLayer, RingHyb
     def __init__(self, mask_length: int = 1, capacity: int = 0) -> None:
         super().__init__()
         self.mask_length, self.capacity = mask_length, capacity
-
-    def buffers(self) -> Any:
-        """What the op's step runs on (:func:`~headkit.ops.hybrid.quantized.dequantized_ring`; a retrieval layer's
-        :class:`~headkit.layers.hybrid.SplitHeadsRing` with its exact heads' buffers dequantized)."""
-        options = {"bits": self.bits, "group_size": self.group_size}
-        state = self.state
-        if not isinstance(state, SplitHeadsRing):
-            return dequantized_ring(state, **options)
-        return state._replace(
-            linear=None if state.linear is None else dequantized_ring(state.linear, **options),
-            keys=dequantize_values(state.keys, **options),
-            values=dequantize_values(state.values, **options),
-        )
 
     def stepped(self, buffers: Any) -> None:
         """Store what the step wrote into :meth:`buffers`' result, in place (the count is the buffers' ``seen``)."""
