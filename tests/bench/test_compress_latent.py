@@ -80,3 +80,47 @@ def test_an_unknown_rope_selection_is_named_before_any_work(save_tiny_causal_lm,
         HeadkitError, match=r"--rope-selections takes fitted, norms, rorope, rorope_fitted, got \['best'\]"
     ):
         run_latent_benchmark(config, load_teacher(model_dir), model_dir, _Console())
+
+
+def test_the_fast_path_is_timed_for_the_original_and_each_student(
+    save_tiny_causal_lm, text_folder, tmp_path, monkeypatch
+):
+    """--fast-decode: the fast path's ms per token of the original and the student at each context and batch
+    (here its fixed-size step run eagerly: no compiler), their ratio the speed-up; without it the columns are
+    None."""
+    import headkit.runtime.fast as fast
+
+    monkeypatch.setattr(fast, "compiler_found", lambda: False)
+    model_dir = save_tiny_causal_lm(tmp_path / "llama", "llama")
+    teacher = load_teacher(model_dir)
+    student = load_teacher(model_dir).model
+    compress_kv_to_latent(
+        student, kv_rank=6, rope_dims=2, calibration=[{"input_ids": torch.randint(3, 90, (2, 16))}]
+    )
+    student.save_pretrained(tmp_path / "student")
+    options = {
+        "model": model_dir,
+        "kv_ranks": (),
+        "rope_dims": 2,
+        "students": (str(tmp_path / "student"),),
+        "contexts": (12, 300),
+        "decode_batches": (2,),
+        "eval_window": 16,
+        "timing_repeats": 1,
+        "data": text_folder,
+    }
+    fast_report = run_latent_benchmark(
+        CompressBenchmarkConfig.quick(**options, fast_decode=True), teacher, model_dir, _Console()
+    )
+    (measured,) = fast_report["latent"]["students"]
+    assert [(row["context"], row["batch"]) for row in measured["decode"]] == [(12, 2), (300, 2)]
+    for row in measured["decode"]:
+        assert row["fast_ms_per_token"] > 0 and row["fast_ms_per_token_original"] > 0
+        assert row["fast_speedup"] == pytest.approx(
+            row["fast_ms_per_token_original"] / row["fast_ms_per_token"]
+        )
+    fast_report["machine"] = {"cpu_model": "cpu", "torch_threads": 1}
+    assert "fast path speed-up" in render_latent_markdown(fast_report)
+    plain = run_latent_benchmark(CompressBenchmarkConfig.quick(**options), teacher, model_dir, _Console())
+    (measured,) = plain["latent"]["students"]
+    assert all(row["fast_speedup"] is None and row["fast_ms_per_token"] is None for row in measured["decode"])

@@ -38,7 +38,8 @@ from headkit.ops import (
 from headkit.ops.hybrid.quantized import dequantized_ring, store_ring_step_
 from headkit.ops.quantized_cache import QuantizedTensor, quantize_values, unpack_codes
 from headkit.runtime.fast import INDUCTOR_OPTIONS, FastDecoder, prepare_weights
-from headkit.surgery import CompressedCacheConfig, QuantizedKVConfig, recorded_configs
+from headkit.surgery import CompressedCacheConfig, LatentKVConfig, QuantizedKVConfig, recorded_configs
+from headkit.surgery.latent_heads import StaticLatentCacheLayer, latent_cache_layer
 from headkit.surgery.linearize import hybrid_cache_layer
 
 VOCAB, PROMPT, NEW = 61, 9, 10
@@ -227,6 +228,12 @@ def compressed_quantized(bits: int = 4, retrieval: bool = True) -> transformers.
     return model
 
 
+def latent(**options) -> transformers.LlamaForCausalLM:
+    model = tiny_llama()
+    headkit.apply_(model, LatentKVConfig(kv_rank=6, rope_dims=4, **options))
+    return model
+
+
 FAST_MODELS = {
     "stock": tiny_llama,
     "linearized": linearized,
@@ -243,6 +250,9 @@ FAST_MODELS = {
     "drop": lambda: linearized(sinks=1, budget=3, selection="question", fold=False),
     # the same kind of cache stored in 4 bits: codes, scales and zero points in the fixed buffers
     "quantized-retrieval": compressed_quantized,
+    # latent keys/values (absorbed attention over one fixed buffer of rows), per-head rotary dims and RoRoPE's
+    "latent": lambda: latent(rope_selection="norms"),
+    "latent-rorope": lambda: latent(rope_selection="rorope"),
 }
 
 
@@ -262,7 +272,12 @@ def test_fast_path_gives_eager_greedy_tokens_and_states(kind):
     seen = generated[:, :-1]
     eager_cache = eager_cache_after(model, seen, mask)
     for index, layer in enumerate(cache.layers):
-        if isinstance(layer, RingHybridStateCacheLayer):
+        if isinstance(layer, StaticLatentCacheLayer):
+            want = latent_cache_layer(eager_cache, index).get_state()
+            ((_, length),) = decoder._caches  # the buffer: the bucket's static length, written up to `seen`
+            assert layer.get_seq_length() == seen.shape[1] and layer.state.shape[1] == length
+            torch.testing.assert_close(layer.get_state(), want, atol=1e-5, rtol=1e-5)
+        elif isinstance(layer, RingHybridStateCacheLayer):
             got = state_tensors(layer.get_state())
             want = state_tensors(hybrid_cache_layer(eager_cache, index).get_state())
             assert len(got) == len(want)
@@ -273,7 +288,8 @@ def test_fast_path_gives_eager_greedy_tokens_and_states(kind):
             stored = seen.shape[1]
             torch.testing.assert_close(layer.keys[:, :, :stored], eager_cache.layers[index].keys)
             torch.testing.assert_close(layer.values[:, :, :stored], eager_cache.layers[index].values)
-    assert kind == "stock" or any(isinstance(layer, RingHybridStateCacheLayer) for layer in cache.layers)
+    special = (RingHybridStateCacheLayer, StaticLatentCacheLayer)
+    assert kind == "stock" or any(isinstance(layer, special) for layer in cache.layers)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -330,6 +346,8 @@ def test_a_compressed_cache_stored_quantized_decodes_as_the_eager_cache_with_its
         ("question-retrieval", True),
         ("exact-layer", False),
         ("quantized-retrieval", True),
+        ("latent", True),
+        ("latent-rorope", False),
     ],
     ids=[
         "stock",
@@ -338,6 +356,8 @@ def test_a_compressed_cache_stored_quantized_decodes_as_the_eager_cache_with_its
         "sparse-retrieval",
         "sparse-exact-layer-whole-step",
         "int4-compressed-retrieval",
+        "latent",
+        "latent-rorope-whole-step",
     ],
 )
 def test_compiled_step_is_one_graph_per_bucket_with_eager_tokens(kind, regions):
@@ -440,6 +460,18 @@ def test_quantized_weights_keep_the_model_and_decode_as_their_eager_selves(weigh
     assert counter.frame_count == 3
 
 
+@pytest.mark.parametrize("kind", ["stock", "latent", "question-retrieval"])
+def test_a_longer_cache_length_decodes_the_same_tokens_in_its_own_bucket(kind):
+    """cache_length sizes the fixed buffers (one bucket for generations of different lengths): the same greedy
+    tokens as the shortest bucket, with buffers of the length asked for, rounded up to the bucket size."""
+    model = FAST_MODELS[kind]()
+    ids, mask = prompts()
+    decoder = FastDecoder(model, compile=False)
+    short = decoder.generate(ids, attention_mask=mask, max_new_tokens=NEW)
+    longer = decoder.generate(ids, attention_mask=mask, max_new_tokens=NEW, cache_length=600)
+    assert torch.equal(longer, short) and set(decoder._caches) == {(2, 256), (2, 768)}
+
+
 def test_bad_input_is_named():
     model = tiny_llama(hidden=40)  # in_features 40 and 80: no group of 32 fits
     with pytest.raises(HeadkitError, match="weights must be one of float32, bfloat16, int8, int4"):
@@ -456,6 +488,8 @@ def test_bad_input_is_named():
         decoder.generate(ids, attention_mask=torch.tensor([[1, 1, 1, 0]]))
     with pytest.raises(HeadkitError, match="max_new_tokens must be a positive integer"):
         decoder.generate(ids, max_new_tokens=0)
+    with pytest.raises(HeadkitError, match=r"cache_length must be an integer of at least .* = 12, got 11"):
+        decoder.generate(ids, max_new_tokens=8, cache_length=11)
     with pytest.raises(HeadkitError, match="fullgraph must be True"):
         FastDecoder(tiny_llama(), compile_config=CompileConfig(fullgraph=False))
 

@@ -115,6 +115,12 @@ class CompressBenchmarkConfig:
     )
     contexts: tuple[int, ...] = option((512, 2048, 8192), "Rotary --model: decode contexts.", quick=(256,))
     decode_batches: tuple[int, ...] = option((1, 8), "Rotary --model: decode batch sizes.", quick=(1,))
+    fast_decode: bool = option(
+        False,
+        "Rotary --model: also time the fast path (headkit.FastDecoder, compiled in the process) of the original "
+        "and each student at each --contexts and --decode-batches: its fixed buffers sized to the context, after "
+        "a short prompt (a step reads the whole buffers whatever they hold); one compile per context and batch.",
+    )
     eval_window: int = setting(1024, min=2, quick=64)
     lm_held_out: int = setting(16, min=1, quick=2)  # held-out windows of eval_window tokens
     calibration_windows: int = setting(16, min=1, quick=2)  # training windows of 256 tokens
@@ -122,6 +128,44 @@ class CompressBenchmarkConfig:
     data: Path | None = setting(None)  # text of the rotary decoder's windows (default: the standard library)
 
     quick = quick_preset("Three widths, short texts, 30 steps (< 3 minutes on 2 cores).")
+
+
+def _fast_decode_ms(model: torch.nn.Module, config: CompressBenchmarkConfig) -> dict[tuple[int, int], dict]:
+    """Per (context, batch): the median milliseconds of ``config.decode_steps`` fast-path greedy steps
+    (:class:`~headkit.runtime.fast.FastDecoder`, compiled in the process, float32) with fixed buffers of `context`
+    tokens after an 8-token prompt, and the seconds the bucket's first step took to compile. The step reads the
+    whole buffers whatever they hold: its time is that after a `context`-token prompt, without the prefill."""
+    from headkit.runtime.fast import FastDecoder
+
+    decoder = FastDecoder(model, ahead_of_time=False)
+    prompt = torch.arange(1, 9, dtype=torch.long)[None]
+    measured = {}
+    for context in config.contexts:
+        for batch in config.decode_batches:
+            steps: list[float] = []
+            new_tokens = config.decode_steps + 2  # the first step compiles and is left out of `steps`
+            decoder.generate(
+                prompt.expand(batch, -1).contiguous(),
+                max_new_tokens=new_tokens,
+                step_seconds=steps,
+                cache_length=max(context, prompt.shape[1] + new_tokens),
+            )
+            bucket = decoder.bucket(batch, max(context, prompt.shape[1] + new_tokens))
+            measured[(context, batch)] = {
+                "ms": 1000 * statistics.median(steps),
+                "compile_seconds": decoder.compile_seconds.get(bucket),
+            }
+    return measured
+
+
+def _fast_columns(original: dict | None, student: dict | None) -> dict[str, float | None]:
+    if original is None or student is None:
+        return {"fast_ms_per_token_original": None, "fast_ms_per_token": None, "fast_speedup": None}
+    return {
+        "fast_ms_per_token_original": original["ms"],
+        "fast_ms_per_token": student["ms"],
+        "fast_speedup": original["ms"] / student["ms"],
+    }
 
 
 def _check_benchmark_settings(config: CompressBenchmarkConfig) -> None:
@@ -358,7 +402,8 @@ def run_latent_benchmark(
     eval_batch = 4
     original = perplexity(teacher.model, held_out, eval_batch)
     console.print(f"{model_path}: held-out perplexity @{config.eval_window} {original:.3f}")
-    collected = latent_statistics(teacher, calibration)  # once: they depend on no point of the curve
+    # once: they depend on no point of the curve (and only the curve reads them)
+    collected = latent_statistics(teacher, calibration) if ranks else None
     curve = []
     for (kv_rank, rope_dims), selection in itertools.product(ranks, config.rope_selections):
         student, report = latent_student(teacher, kv_rank, rope_dims, calibration, selection, collected)
@@ -381,6 +426,7 @@ def run_latent_benchmark(
         )
         del student
     measured = []
+    fast_original = _fast_decode_ms(teacher.model, config) if config.fast_decode and students else {}
     for name, student in students.items():
         mechanism = latent_mechanisms(student)[0]
         entry: dict[str, Any] = {
@@ -393,6 +439,7 @@ def run_latent_benchmark(
             "decode": [],
         }
         console.print(f"{name}: perplexity {entry['perplexity']:.3f} ({entry['perplexity'] / original:.2f}x)")
+        fast = _fast_decode_ms(student, config) if config.fast_decode else {}
         for context in config.contexts:
             for batch in config.decode_batches:
                 times = interleaved_values(
@@ -415,11 +462,18 @@ def run_latent_benchmark(
                     "speedup": statistics.median(ratios),
                     "original_rounds_ms": [1000 * t for t in times["original"]],
                     "rounds_ms": [1000 * t for t in times["student"]],
+                    **_fast_columns(fast_original.get((context, batch)), fast.get((context, batch))),
                 }
                 entry["decode"].append(row)
                 console.print(
                     f"{name} decode @{context} batch {batch}: {row['ms_per_token']:.1f} ms vs "
                     f"{row['ms_per_token_original']:.1f} ms ({row['speedup']:.2f}x faster)"
+                    + (
+                        f"; fast path {row['fast_ms_per_token']:.1f} ms vs {row['fast_ms_per_token_original']:.1f} "
+                        f"ms ({row['fast_speedup']:.2f}x faster)"
+                        if row["fast_speedup"] is not None
+                        else ""
+                    )
                 )
         longest, widest = max(config.contexts), max(config.decode_batches)
         entry["peak_memory"] = {
@@ -497,6 +551,15 @@ def render_latent_markdown(report: dict[str, Any]) -> str:
                     "ms/token original": lambda r: f"{r['ms_per_token_original']:.1f}",
                     "ms/token latent": lambda r: f"{r['ms_per_token']:.1f}",
                     "speed-up (median of rounds)": lambda r: f"{r['speedup']:.2f}x",
+                    **(
+                        {
+                            "fast path ms/token original": lambda r: f"{r['fast_ms_per_token_original']:.1f}",
+                            "fast path ms/token latent": lambda r: f"{r['fast_ms_per_token']:.1f}",
+                            "fast path speed-up": lambda r: f"{r['fast_speedup']:.2f}x",
+                        }
+                        if any(row.get("fast_speedup") is not None for row in student["decode"])
+                        else {}
+                    ),
                 },
                 student["decode"],
             )

@@ -17,6 +17,9 @@ What it does, following transformers' own recipe for compiled generation (a stat
   (:class:`~headkit.layers.quantized_cache.QuantizedRingHybridStateCacheLayer`): the step dequantizes them, runs
   the same op, and quantizes the new token into its slot, the eager cache's codes (KIVI's quantizer per token).
   A stock model's quantized key/value cache (``QuantizedKVConfig`` alone) is refused: ``model.generate``.
+  Latent key/value layers (``LatentKVConfig``) keep their rows [c ; k_rope] in one buffer of the bucket's length
+  (:class:`~headkit.surgery.latent_heads.StaticLatentCacheLayer`), a step's row written at its slot and the
+  absorbed attention (:func:`headkit.ops.latent.latent_attention`) reading the whole buffer under the model's mask.
 * **Compiled once per machine, one graph per step.** By default (``ahead_of_time=True``) the step — the model's
   forward on one token per row and the argmax — is exported with the cache's buffers as inputs it writes in
   place, compiled by AOTInductor into one graph (weights frozen in as constants, a C++ wrapper) and saved as a
@@ -79,6 +82,7 @@ from headkit.surgery.attention import (
     register_base_mask,
     set_attention_implementation,
 )
+from headkit.surgery.latent_heads import LatentKVHeads, StaticLatentCacheLayer
 from headkit.surgery.linearize import LinearizedHeads
 from headkit.surgery.quantized_cache import quantized_mechanisms
 
@@ -309,6 +313,10 @@ class FastDecoder:
         self.model = prepare_weights(model, weights, group_size)
         use_grouped_query_decode(self.model)
         self.linearized = linearized_layer_indices(self.model)
+        # Latent key/value layers: their rows in one fixed buffer per layer (StaticLatentCacheLayer).
+        self.latent = sorted(
+            module.layer_idx for module in self.model.modules() if isinstance(module, LatentKVHeads)
+        )
         # (bits, group_size) of the linearized layers whose exact keys and values are stored quantized.
         self.quantized_storage = {
             module.layer_idx: module.quantized_storage
@@ -359,12 +367,14 @@ class FastDecoder:
             cache = StaticCache(config=self.model.config, max_cache_len=max(length, 1))
             for index in self.linearized:
                 cache.layers[index] = self._ring_layer(index)
+            for index in self.latent:
+                cache.layers[index] = StaticLatentCacheLayer()
             self._caches[bucket] = cache
         else:
             for layer in cache.layers:
                 layer.reset()
         # Mask sizes during the prompt: the static length, or the prompt itself when nothing else is cached.
-        for index in self.linearized:
+        for index in [*self.linearized, *self.latent]:
             cache.layers[index].mask_length = length if length else prompt_length
             cache.layers[index].capacity = length
         return cache
@@ -488,14 +498,26 @@ class FastDecoder:
         eos_token_id: int | list[int] | None = None,
         streamer: Any = None,
         step_seconds: list[float] | None = None,
+        cache_length: int | None = None,
     ) -> torch.Tensor:
         """Greedy continuation of ``input_ids`` [B, P] (left padding marked by ``attention_mask`` [B, P]):
         [B, P + n] ids, n ≤ ``max_new_tokens`` (fewer when every row has produced ``eos_token_id``).
         ``streamer``: a transformers streamer (``put``/``end``). ``step_seconds``: appended the wall time of
-        every decoding step after the first token (for benchmarks)."""
+        every decoding step after the first token (for benchmarks). ``cache_length``: the tokens the fixed
+        buffers hold (default P + ``max_new_tokens``; either rounded up to :data:`CACHE_BUCKET`): one compiled
+        bucket for generations of different lengths. A step reads its whole buffers whatever they hold, so its
+        time at a cache length is that after a prompt of that length."""
         input_ids, attention_mask = self._check_inputs(input_ids, attention_mask, max_new_tokens)
         batch, prompt_length = input_ids.shape
-        bucket = self.bucket(batch, prompt_length + max_new_tokens)
+        needed = prompt_length + max_new_tokens
+        if cache_length is not None and (
+            isinstance(cache_length, bool) or not isinstance(cache_length, int) or cache_length < needed
+        ):
+            raise HeadkitError(
+                f"cache_length must be an integer of at least the prompt's {prompt_length} tokens plus "
+                f"max_new_tokens ({max_new_tokens}) = {needed}, got {cache_length!r}"
+            )
+        bucket = self.bucket(batch, needed if cache_length is None else cache_length)
         cache = self._cache(bucket, prompt_length)
         positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
         if streamer is not None:

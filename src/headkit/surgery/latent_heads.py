@@ -49,6 +49,80 @@ class LatentCacheLayer(StateCacheLayer):
     describes = "a latent key/value attention layer"
 
 
+class StaticLatentCacheLayer(LatentCacheLayer):
+    """The fast decoder's entry of a latent layer (:mod:`headkit.runtime.fast`): the rows in one buffer
+    [B, capacity, R + G·D] allocated once, a decoding step's row written in place at slot ``seen`` (an int64
+    scalar tensor, so that a compiled step is not specialised on it, as transformers' ``StaticLayer`` counts),
+    and attention over the whole buffer with the model's mask hiding the slots not written yet.
+
+    A prompt (several tokens) runs the eager path: :meth:`get_state` hands it the rows written so far and
+    :meth:`set_state` copies the result into the buffer. ``mask_length``: the key length it reports to the
+    model's mask builder (``get_mask_sizes``), the static cache's length, as ``StaticLayer`` reports its
+    ``max_cache_len``; ``capacity``: the tokens the buffer holds (the fast decoder's bucket)."""
+
+    is_compileable = True
+
+    def __init__(self, mask_length: int = 1, capacity: int = 0) -> None:
+        super().__init__()
+        self.mask_length, self.capacity = mask_length, capacity
+        self.seen: torch.Tensor | None = None
+
+    def get_state(self) -> torch.Tensor | None:
+        if self.state is None or not self.is_initialized:
+            return None
+        return self.state[:, : int(self.seen)]
+
+    def set_state(self, state: torch.Tensor, num_new_tokens: int) -> None:
+        """Copy the rows of every token so far ([B, S, R + G·D], S ≤ ``capacity``) into the buffer, in place
+        where it has their batch and width (a compiled step holds its address)."""
+        if isinstance(num_new_tokens, bool) or not isinstance(num_new_tokens, int) or num_new_tokens < 0:
+            raise ValueError(f"num_new_tokens must be a non-negative integer, got {num_new_tokens!r}")
+        batch, held, width = state.shape
+        if held > self.capacity:
+            raise HeadkitError(
+                f"latent layer: {held} tokens are more than the fixed buffer's capacity of {self.capacity}"
+            )
+        if (
+            self.state is None
+            or self.state.shape != (batch, self.capacity, width)
+            or self.state.dtype != state.dtype
+        ):
+            self.state = state.new_zeros(batch, self.capacity, width)
+            self.seen = torch.zeros((), dtype=torch.int64, device=state.device)
+        self.state[:, :held].copy_(state)
+        self.seen.fill_(held)
+        self.is_initialized = True
+        self.seen_tokens = held
+
+    def step_(self, rows: torch.Tensor) -> torch.Tensor:
+        """Write one token's rows [B, 1, R + G·D] at slot ``seen``, advance it, and return the whole buffer."""
+        slot = self.seen.view(1)
+        self.state.index_copy_(1, slot, rows.to(self.state.dtype))
+        self.seen.add_(1)
+        return self.state
+
+    def get_seq_length(self) -> Any:
+        if self.seen is None or not self.is_initialized:
+            return 0
+        return self.seen if torch.compiler.is_compiling() else int(self.seen)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.mask_length, 0
+
+    def reset(self) -> None:
+        # In place: the buffer keeps its address, which compiled steps hold.
+        if self.state is not None:
+            self.state.zero_()
+            self.seen.zero_()
+        self.is_initialized = False
+        self.seen_tokens = 0
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        raise HeadkitError("the fast decoder's fixed-size latent cache decodes greedily: no beam search")
+
+    batch_select_indices = batch_repeat_interleave = reorder_cache
+
+
 def latent_cache_layer(cache: Any, layer_idx: int) -> LatentCacheLayer:
     """The :class:`LatentCacheLayer` of ``layer_idx`` in ``cache``."""
     return LatentCacheLayer.in_cache(cache, layer_idx)
@@ -166,12 +240,17 @@ class LatentKVHeads(nn.Module):
         rope_keys = keys.gather(-1, self.rope_index[None, :, None].expand(batch, groups, length, rope))
         rows = torch.cat((latent, rope_keys.transpose(1, 2).reshape(batch, length, groups * rope)), dim=-1)
         past = 0
-        if cache_layer is not None:
-            previous = cache_layer.get_state()
-            past = cache_layer.get_seq_length()
-            rows = rows if previous is None else torch.cat((previous, rows), dim=1)
-            cache_layer.set_state(rows, length)
-        mask, is_causal = attention_mask_for(call.attention_mask, batch, length, past, queries.device)
+        if isinstance(cache_layer, StaticLatentCacheLayer) and length == 1 and cache_layer.is_initialized:
+            # the fast decoder's step: one real token per row, the whole fixed buffer read under the model's mask
+            rows = cache_layer.step_(rows)
+            mask, is_causal = static_step_mask(call.attention_mask, cache_layer.seen, rows.shape[1]), False
+        else:
+            if cache_layer is not None:
+                previous = cache_layer.get_state()
+                past = cache_layer.get_seq_length()
+                rows = rows if previous is None else torch.cat((previous, rows), dim=1)
+                cache_layer.set_state(rows, length)
+            mask, is_causal = attention_mask_for(call.attention_mask, batch, length, past, queries.device)
         per_head = heads // groups
         rope_index = self.rope_index.repeat_interleave(per_head, dim=0)[None, :, None]
         nope_index = self.nope_index.repeat_interleave(per_head, dim=0)[None, :, None]
@@ -248,11 +327,7 @@ def attention_mask_for(
             return None, True
         keys = torch.arange(total, device=device)
         return (keys[None] <= past + torch.arange(length, device=device)[:, None])[None, None], False
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
-        raise HeadkitError(
-            "latent key/value attention takes the 4D masks of attn_implementation 'sdpa' or 'eager', got "
-            f"{type(attention_mask).__name__} of shape {tuple(getattr(attention_mask, 'shape', ()))}"
-        )
+    _check_four_d(attention_mask)
     mask = attention_mask[..., :total]
     if mask.dtype != torch.bool:
         mask = mask > torch.finfo(mask.dtype).min / 2
@@ -262,6 +337,25 @@ def attention_mask_for(
         )
     empty = ~mask.any(dim=-1, keepdim=True)
     return mask | empty, False
+
+
+def _check_four_d(attention_mask: Any) -> None:
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
+        raise HeadkitError(
+            "latent key/value attention takes the 4D masks of attn_implementation 'sdpa' or 'eager', got "
+            f"{type(attention_mask).__name__} of shape {tuple(getattr(attention_mask, 'shape', ()))}"
+        )
+
+
+def static_step_mask(attention_mask: Any, seen: torch.Tensor, capacity: int) -> torch.Tensor:
+    """The bool mask [B or 1, 1, 1, capacity] (True = attend) of one decoding step over a fixed buffer holding
+    ``seen`` tokens: the model's 4D mask over the buffer (padding and the slots not written yet) where it passes
+    one, else the written slots."""
+    if attention_mask is None:
+        return (torch.arange(capacity, device=seen.device) < seen)[None, None, None]
+    _check_four_d(attention_mask)
+    mask = attention_mask[..., :capacity]
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
 def nope_indices(rope_index: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -281,8 +375,10 @@ __all__ = [
     "LatentCacheLayer",
     "LatentKVHeads",
     "RotaryKeyProjection",
+    "StaticLatentCacheLayer",
     "attention_mask_for",
     "latent_cache_layer",
     "nope_indices",
     "rope_indices",
+    "static_step_mask",
 ]
