@@ -507,17 +507,11 @@ class FastDecoder:
         buffers hold (default P + ``max_new_tokens``; either rounded up to :data:`CACHE_BUCKET`): one compiled
         bucket for generations of different lengths. A step reads its whole buffers whatever they hold, so its
         time at a cache length is that after a prompt of that length."""
-        input_ids, attention_mask = self._check_inputs(input_ids, attention_mask, max_new_tokens)
+        input_ids, attention_mask = self._check_inputs(
+            input_ids, attention_mask, max_new_tokens, cache_length
+        )
         batch, prompt_length = input_ids.shape
-        needed = prompt_length + max_new_tokens
-        if cache_length is not None and (
-            isinstance(cache_length, bool) or not isinstance(cache_length, int) or cache_length < needed
-        ):
-            raise HeadkitError(
-                f"cache_length must be an integer of at least the prompt's {prompt_length} tokens plus "
-                f"max_new_tokens ({max_new_tokens}) = {needed}, got {cache_length!r}"
-            )
-        bucket = self.bucket(batch, needed if cache_length is None else cache_length)
+        bucket = self.bucket(batch, cache_length or prompt_length + max_new_tokens)
         cache = self._cache(bucket, prompt_length)
         positions = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)
         if streamer is not None:
@@ -585,7 +579,7 @@ class FastDecoder:
         return torch.cat([input_ids, *generated], dim=1)
 
     def _check_inputs(
-        self, input_ids: Any, attention_mask: Any, max_new_tokens: int
+        self, input_ids: Any, attention_mask: Any, max_new_tokens: int, cache_length: Any = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
             got = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
@@ -594,6 +588,14 @@ class FastDecoder:
             )
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise HeadkitError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+        needed = input_ids.shape[1] + max_new_tokens
+        if cache_length is not None and (
+            isinstance(cache_length, bool) or not isinstance(cache_length, int) or cache_length < needed
+        ):
+            raise HeadkitError(
+                f"cache_length must be an integer of at least the prompt's {input_ids.shape[1]} tokens plus "
+                f"max_new_tokens ({max_new_tokens}) = {needed}, got {cache_length!r}"
+            )
         if attention_mask is None:
             attention_mask = torch.ones_like(input_ids)
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:

@@ -327,10 +327,7 @@ def attention_mask_for(
             return None, True
         keys = torch.arange(total, device=device)
         return (keys[None] <= past + torch.arange(length, device=device)[:, None])[None, None], False
-    _check_four_d(attention_mask)
-    mask = attention_mask[..., :total]
-    if mask.dtype != torch.bool:
-        mask = mask > torch.finfo(mask.dtype).min / 2
+    mask = _attended(attention_mask, total)
     if mask.shape[-1] != total or mask.shape[0] not in (1, batch):
         raise HeadkitError(
             f"attention_mask must cover the {total} keys of a batch of {batch}, got {tuple(attention_mask.shape)}"
@@ -339,12 +336,16 @@ def attention_mask_for(
     return mask | empty, False
 
 
-def _check_four_d(attention_mask: Any) -> None:
+def _attended(attention_mask: Any, keys: int) -> torch.Tensor:
+    """The model's 4D mask (bool, or additive with the dtype's minimum for a hidden key) over its first `keys`
+    keys, as bool (True = attend)."""
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 4:
         raise HeadkitError(
             "latent key/value attention takes the 4D masks of attn_implementation 'sdpa' or 'eager', got "
             f"{type(attention_mask).__name__} of shape {tuple(getattr(attention_mask, 'shape', ()))}"
         )
+    mask = attention_mask[..., :keys]
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
 
 
 def static_step_mask(attention_mask: Any, seen: torch.Tensor, capacity: int) -> torch.Tensor:
@@ -353,9 +354,7 @@ def static_step_mask(attention_mask: Any, seen: torch.Tensor, capacity: int) -> 
     one, else the written slots."""
     if attention_mask is None:
         return (torch.arange(capacity, device=seen.device) < seen)[None, None, None]
-    _check_four_d(attention_mask)
-    mask = attention_mask[..., :capacity]
-    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+    return _attended(attention_mask, capacity)
 
 
 def nope_indices(rope_index: torch.Tensor, head_dim: int) -> torch.Tensor:
