@@ -3,12 +3,13 @@
 import copy
 
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
 from headkit.errors import HeadkitError
 from headkit.models import HeadkitConfig, HeadkitForCausalLM
-from headkit.recipes.loop import IndexedBatches, train_loop
+from headkit.recipes.loop import IndexedBatches, checkpoint_state, train_loop
 from headkit.train import lm_optimization
 
 STEPS = 12
@@ -145,3 +146,27 @@ def test_no_data_or_nothing_trainable_is_refused():
     frozen = [{"params": [model.weight.detach()]}]
     with pytest.raises(HeadkitError, match="nothing to train"):
         train_loop(model, lambda m, b, s: m(b).sum(), [torch.ones(2)], steps=1, param_groups=frozen)
+
+
+def test_a_checkpoint_copies_only_a_tied_weights_second_name(tmp_path):
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(11, 4)
+            self.head = nn.Linear(4, 11, bias=False)
+            self.head.weight = self.embed.weight
+            self.middle = nn.Linear(4, 4)
+            self.register_buffer("scale", torch.arange(8.0).view(2, 4).t())  # not contiguous
+
+    module = Tied()
+    state = checkpoint_state(module)
+    assert set(state) == set(module.state_dict())
+    # Written from the module's own memory: no second copy of what is not tied.
+    assert state["embed.weight"].data_ptr() == module.embed.weight.data_ptr()
+    assert state["middle.weight"].data_ptr() == module.middle.weight.data_ptr()
+    assert state["head.weight"].data_ptr() != module.embed.weight.data_ptr()
+    assert state["scale"].is_contiguous()
+    safetensors.torch.save_file(state, str(tmp_path / "w.safetensors"))
+    loaded = safetensors.torch.load_file(str(tmp_path / "w.safetensors"))
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(loaded[name], tensor), name

@@ -308,7 +308,7 @@ def test_a_damaged_snapshot_is_announced_and_its_stages_run_again(
     out = tmp_path / "out"
     args = [*_command("prune", tiny_llama, text_folder, out), "--checkpoint-steps", "2"]
     assert _launch(args, "measure").returncode == -signal.SIGKILL
-    snapshot = work_folder(out) / "stage-recover.pickle"
+    snapshot = work_folder(out) / "stage-recover.pt"
     snapshot.write_bytes(snapshot.read_bytes()[:1000])
     assert _run([*args, "--resume"]) == 0
     printed = capsys.readouterr().out
@@ -458,3 +458,36 @@ def test_opening_the_work_folder_creates_no_process_group_before_the_model_loads
     settings = PruneSettings(model=Path(tiny_llama), out=out)
     RunWork.open(settings, Path(tiny_llama), out, lambda text: None)
     assert stale.exists() == (rank == "1")  # the main process removed a SIGKILLed save's staging folder
+
+
+def test_a_snapshot_writes_the_students_tensors_without_a_copy_and_refers_to_the_original(tiny_llama, tmp_path):
+    """The snapshot holds no second copy of the student while it is written (a plain pickle held every storage's
+    bytes until the dump ended: a whole model more), and the original's objects come back as themselves."""
+    import tracemalloc
+    from types import SimpleNamespace
+
+    import torch
+
+    from headkit.recipes.prune_settings import PruneSettings
+    from headkit.recipes.work import RunWork
+
+    settings = PruneSettings(model=Path(tiny_llama), out=tmp_path / "result")
+    work = RunWork.open(settings, Path(tiny_llama), tmp_path / "result", lambda text: None)
+    teacher = torch.nn.Linear(4, 4)
+    student = torch.nn.ModuleDict({"own": torch.nn.Linear(2048, 2048), "shared": teacher})  # 16 MiB of its own
+    steps = SimpleNamespace(teacher=teacher, student=student, report={"ppl": 1.5})
+    tracemalloc.start()
+    try:
+        work.persist("convert", steps, {"seconds": {"convert": 1.0}})
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 * 2**20, f"writing the snapshot held {peak / 2**20:.1f} MiB of Python objects"
+
+    fresh = SimpleNamespace(teacher=teacher, student=None, report=None)
+    stage, kept = work.restore(fresh, ("data", "convert"))
+    assert (stage, kept) == ("convert", {"seconds": {"convert": 1.0}})
+    assert fresh.report == {"ppl": 1.5}
+    assert fresh.student["shared"] is teacher  # referred to, not copied
+    assert torch.equal(fresh.student["own"].weight, student["own"].weight)
+    assert fresh.student["own"].weight.data_ptr() != student["own"].weight.data_ptr()

@@ -213,7 +213,10 @@ def _run_stages(
             fault_point(stage)
             raise_if_interrupted()  # never recorded as done: a Ctrl-C swallowed inside the stage stops it
             if work is not None:
-                work.persist(stage, steps, {"seconds": dict(seconds), "peaks": dict(peaks)})
+                # Writing the snapshot is the stage's too: its memory counts in the stage's peak.
+                with tracking_peak() as snapshot:
+                    work.persist(stage, steps, {"seconds": dict(seconds), "peaks": dict(peaks)})
+                peaks[stage].fold(snapshot)
         except OSError as exc:
             if work is None or not work.holds(exc.filename):
                 raise

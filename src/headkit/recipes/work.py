@@ -6,10 +6,10 @@ A run that saves (``headkit prune``, ``compress``, ``linearize``) keeps what eac
 - ``run.json``: what the run is — the settings (those that change the result: not ``--resume``,
   ``--overwrite``, ``--checkpoint-steps``, nor ``--out``, which the folder's place says), paths resolved; the input's identity (MODEL's and ``--data``'s files: name, size,
   modification time) and their SHA-256, the fingerprint every other file is checked against;
-- ``stage-<name>.pickle``: the recipe's state after its newest finished stage (``data``, ``convert``, ``repair``,
+- ``stage-<name>.pt``: the recipe's state after its newest finished stage (``data``, ``convert``, ``repair``,
   ``recover``, ``measure``, ``tasks``): the student whole (its architecture after surgery included), every figure
   measured so far, the report, each stage's seconds and peak memory, and the RNG states (every recipe's figures
-  depend on what consumed them, in order). The loaded original is not in it: the pickle refers to it (and to its
+  depend on what consumed them, in order). The loaded original is not in it: the snapshot refers to it (and to its
   modules and parameters, which a student may share) by name, and a resumed run loads it again. One snapshot is
   kept, written atomically before the previous one is removed;
 - ``<stage>/train-<i>/checkpoint-<step>``: Trainer's checkpoints of the stage's ``i``-th training
@@ -27,7 +27,8 @@ SIGINT (Ctrl-C) and SIGTERM abandon the stage under way (its partial work is nev
 atomically and a checkpoint is sealed last), print one line saying how to resume and exit with 130 / 143
 (:func:`interruptible`); ``--out`` is only ever moved into place whole (:func:`headkit.files.staged_folder`).
 
-The snapshot is a pickle: it is this run's own file, read back only by a run whose settings and input match the
+The snapshot is written by ``torch.save`` (its tensors written from their own memory, not copied first) and holds a
+pickle: it is this run's own file, read back only by a run whose settings and input match the
 folder's ``run.json`` (and the fingerprint the snapshot carries). Disk: one copy of
 the student, plus during a training two checkpoints (the trained weights and twice as many optimizer moments).
 """
@@ -43,6 +44,7 @@ import random
 import shutil
 import signal
 import sys
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import asdict
 from pathlib import Path
@@ -59,7 +61,7 @@ from headkit.runs.processes import is_main_process, on_main_process
 
 WORK_SUFFIX = ".partial"
 RUN_FILE = "run.json"
-SNAPSHOT_SUFFIX = ".pickle"
+SNAPSHOT_SUFFIX = ".pt"
 #: Settings that change how a run goes, not what it computes: a resumed run may change them.
 UNRECORDED = ("resume", "overwrite", "checkpoint_steps", "out")
 #: The attributes of a recipe's steps that come from this process (the loaded original, the settings, the printer),
@@ -160,28 +162,42 @@ def _shown(value: Any) -> str:
     return str(value)
 
 
-class _Pickler(pickle.Pickler):
-    """Pickles the recipe's state with every live object (the original, its modules, parameters and buffers, the
-    tokenizer, the settings, the printer) by name: never copied, and the same object again when read back."""
-
-    def __init__(self, file: Any, live: dict[int, str]) -> None:
-        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
-        self.live = live
-
-    def persistent_id(self, obj: Any) -> str | None:
-        return self.live.get(id(obj))
+def _live_object(name: str) -> Any:
+    """What a snapshot names a live object by; its reader (:func:`_snapshot_pickling`) resolves the name itself,
+    so this is never called by a run that reads a snapshot."""
+    raise pickle.UnpicklingError(f"the snapshot refers to {name!r}, which only the run reading it has")
 
 
-class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: Any, live: dict[str, Any]) -> None:
-        super().__init__(file)
-        self.live = live
+def _snapshot_pickling(*, live_ids: dict[int, str] | None = None, live: dict[str, Any] | None = None) -> Any:
+    """The pickle module torch.save / torch.load use for a snapshot: every live object (the original, its modules,
+    parameters and buffers, the tokenizer, the settings, the printer) by name — never copied, and the same object
+    again when read back. torch.save writes every other tensor's storage from its own memory into the zip file:
+    a plain pickle holds each storage's bytes until the whole dump is done, a second copy of the student
+    (15.8 GiB beside 11.3 on Llama-3.2-1B's latent shape, docs/memory.md)."""
+    named = live_ids or {}
+    objects = live or {}
 
-    def persistent_load(self, name: str) -> Any:
+    class Pickler(pickle.Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            name = named.get(id(obj))
+            return NotImplemented if name is None else (_live_object, (name,))
+
+    def resolve(name: str) -> Any:
         try:
-            return self.live[name]
+            return objects[name]
         except KeyError:
             raise pickle.UnpicklingError(f"it refers to {name!r}, which this run does not have") from None
+
+    class Unpickler(pickle.Unpickler):
+        def find_class(self, module: str, name: str) -> Any:
+            if module == __name__ and name == _live_object.__name__:
+                return resolve
+            return super().find_class(module, name)
+
+    pickling = types.ModuleType("headkit_snapshot_pickle")
+    pickling.Pickler, pickling.Unpickler = Pickler, Unpickler
+    pickling.load, pickling.loads, pickling.dump = pickle.load, pickle.loads, pickle.dump
+    return pickling
 
 
 def live_objects(steps: Any) -> dict[str, Any]:
@@ -283,8 +299,9 @@ class RunWork:
             if not path.is_file():
                 continue
             try:
-                with open(path, "rb") as handle:
-                    payload = _Unpickler(handle, live_objects(steps)).load()
+                payload = torch.load(
+                    path, pickle_module=_snapshot_pickling(live=live_objects(steps)), weights_only=False
+                )
                 if payload.get("fingerprint") != self.record["fingerprint"]:
                     raise ValueError("it belongs to another run")
             except Exception as exc:  # a damaged file raises anything its bytes make pickle do
@@ -332,7 +349,13 @@ class RunWork:
             self.folder.mkdir(parents=True, exist_ok=True)
             # Before the snapshot: the snapshot's fingerprint names this record, never a leftover's.
             write_json_atomic(self.folder / RUN_FILE, self.record)
-            write_atomic(self.snapshot_path(stage), lambda handle: _Pickler(handle, live).dump(payload))
+            pickling = _snapshot_pickling(live_ids=live)
+            write_atomic(
+                self.snapshot_path(stage),
+                lambda handle: torch.save(
+                    payload, handle, pickle_module=pickling, pickle_protocol=pickle.HIGHEST_PROTOCOL
+                ),
+            )
             for old in self.folder.glob(f"stage-*{SNAPSHOT_SUFFIX}"):
                 if old.name != self.snapshot_path(stage).name:
                     old.unlink(missing_ok=True)

@@ -85,6 +85,12 @@ class Peak:
         self.device = max(self.device, _device_peak())
         return self
 
+    def fold(self, other: Peak) -> Peak:
+        """Take in the peak of a stretch that belongs to this one but was measured apart; returns itself."""
+        self.resident = max(self.resident, other.resident)
+        self.device = max(self.device, other.device)
+        return self
+
 
 _OPEN: list[Peak] = []
 
