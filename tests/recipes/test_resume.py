@@ -460,7 +460,9 @@ def test_opening_the_work_folder_creates_no_process_group_before_the_model_loads
     assert stale.exists() == (rank == "1")  # the main process removed a SIGKILLed save's staging folder
 
 
-def test_a_snapshot_writes_the_students_tensors_without_a_copy_and_refers_to_the_original(tiny_llama, tmp_path):
+def test_a_snapshot_writes_the_students_tensors_without_a_copy_and_refers_to_the_original(
+    tiny_llama, tmp_path
+):
     """The snapshot holds no second copy of the student while it is written (a plain pickle held every storage's
     bytes until the dump ended: a whole model more), and the original's objects come back as themselves."""
     import tracemalloc
@@ -474,7 +476,9 @@ def test_a_snapshot_writes_the_students_tensors_without_a_copy_and_refers_to_the
     settings = PruneSettings(model=Path(tiny_llama), out=tmp_path / "result")
     work = RunWork.open(settings, Path(tiny_llama), tmp_path / "result", lambda text: None)
     teacher = torch.nn.Linear(4, 4)
-    student = torch.nn.ModuleDict({"own": torch.nn.Linear(2048, 2048), "shared": teacher})  # 16 MiB of its own
+    student = torch.nn.ModuleDict(
+        {"own": torch.nn.Linear(2048, 2048), "shared": teacher}
+    )  # 16 MiB of its own
     steps = SimpleNamespace(teacher=teacher, student=student, report={"ppl": 1.5})
     tracemalloc.start()
     try:
