@@ -69,6 +69,30 @@ def test_budgets_nothing_fits_and_bits_are_kept_where_they_alone_do_not_fit():
         cache_plan(CONFIG, 1 / 8, 8192, bits=5)
 
 
+def test_retrieval_heads_are_counted_in_the_budget_and_refused_beyond_the_heads_there_are():
+    original = bytes_per_token(CONFIG, context=8192)
+    without, _ = cache_plan(CONFIG, 1 / 8, 8192).configs
+    made, bits = cache_plan(CONFIG, 1 / 8, 8192, retrieval_heads=1).configs
+    assert made.retrieval_heads == ((0, 0),) and bits == QuantizedKVConfig(bits=4)
+    plan = cache_plan(CONFIG, 1 / 8, 8192, retrieval_heads=1)
+    assert plan.bytes_per_token <= original / 8 and "1 retrieval heads keep their whole cache" in plan.reason
+    # one head of four keeps all 8,192 tokens: the other three keep fewer than without it
+    assert made.budget < without.budget
+    bigger = CompressedCacheConfig(
+        window=made.window, sinks=made.sinks, budget=made.budget + 1, retrieval_heads=made.retrieval_heads
+    )
+    assert bytes_per_token(CONFIG, [bigger, bits], context=8192) > original / 8  # the most that fits
+    # where quantized storage alone fits, every head keeps its whole cache anyway
+    assert cache_plan(CONFIG, 0.6, 8192, retrieval_heads=2).configs == (QuantizedKVConfig(bits=8),)
+    with pytest.raises(
+        HeadkitError, match=r"--kv-retrieval-heads must be at most 4 \(the key/value heads of"
+    ):
+        cache_plan(CONFIG, 1 / 8, 8192, retrieval_heads=5)
+    # 4 whole heads in 4 bits are 0.31 of the bytes: 1/8 cannot hold them
+    with pytest.raises(HeadkitError, match="or lower --kv-retrieval-heads"):
+        cache_plan(CONFIG, 1 / 8, 8192, retrieval_heads=4)
+
+
 def _refused(args, capsys) -> str:
     capsys.readouterr()
     with pytest.raises(SystemExit) as exited:
@@ -90,6 +114,9 @@ def _refused(args, capsys) -> str:
         (["--kv-bits", "8"], "--kv-bits goes with --kv-budget"),
         (["--kv-budget", "1/8", "--kv-bits", "5"], "bits must be one of {4, 8}"),
         (["--kv-budget", "1/100000"], "is below the smallest cache"),
+        (["--kv-retrieval-heads", "1"], "--kv-retrieval-heads goes with --kv-budget"),
+        (["--kv-budget", "1/8", "--kv-retrieval-heads", "99"], "--kv-retrieval-heads must be at most"),
+        (["--kv-budget", "1/8", "--kv-retrieval-heads", "-1"], "--kv-retrieval-heads"),
     ],
 )
 def test_bad_budgets_exit_2_in_one_line_before_loading_weights(
@@ -120,5 +147,29 @@ def test_a_budget_run_saves_what_from_pretrained_reloads(save_tiny_causal_lm, tm
     tokens = torch.randint(3, reloaded.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
     fresh = headkit.from_pretrained(folder)
     headkit.apply_(fresh, CompressedCacheConfig.from_record(plan["configs"][0]))
+    with torch.no_grad():
+        assert torch.equal(reloaded(tokens).logits, fresh(tokens).logits)
+
+
+def test_a_budget_run_keeps_the_originals_best_retrieval_heads_whole(save_tiny_causal_lm, tmp_path, capsys):
+    folder = save_tiny_causal_lm(tmp_path / "tiny")
+    out = tmp_path / "budget"
+    main(
+        ["compress", str(folder), "--kv-budget", "1/2", "--kv-retrieval-heads", "1", "--eval-window", "200",
+         "--out", str(out)]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "retrieval heads (passkey attention mass" in printed
+    report = json.loads((out / "report.json").read_text())
+    made = report["plan"]["configs"][0]
+    assert made["config"] == "CompressedCacheConfig" and len(made["retrieval_heads"]) == 1
+    (layer, head), *_ = made["retrieval_heads"]
+    chosen = next(line for line in printed.splitlines() if line.startswith("retrieval heads"))
+    assert chosen.split("): ")[1].startswith(f"{layer}:{head} ")  # the best-scored head, not the placeholder's
+    assert "1 retrieval heads keep their whole cache" in report["plan"]["reason"]
+    reloaded = headkit.from_pretrained(out)
+    fresh = headkit.from_pretrained(folder)
+    headkit.apply_(fresh, CompressedCacheConfig.from_record(made))
+    tokens = torch.randint(3, reloaded.config.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(reloaded(tokens).logits, fresh(tokens).logits)

@@ -25,17 +25,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
 from typing import Any
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.quality import continuation_perplexity
+from headkit.recipes.retrieval_heads import chosen_retrieval_heads
 from headkit.recipes.steps import Steps
 from headkit.runs.models import CAUSAL_LM, shared_copy
 from headkit.runs.text import held_out_by_length, load_text
 from headkit.surgery.apply import apply_, bytes_per_token, check_composition
 from headkit.surgery.compressed_cache import CompressedCacheConfig
+from headkit.surgery.gating import kv_head_counts
 from headkit.surgery.quantized_cache import QuantizedKVConfig
 from headkit.surgery.records import config_after
 
@@ -87,19 +89,44 @@ class CachePlan:
         }
 
 
-def _compressed(tokens: int) -> CompressedCacheConfig:
+def _compressed(tokens: int, heads: tuple[tuple[int, int], ...] = ()) -> CompressedCacheConfig:
     """The compressed cache keeping `tokens` per head beyond the sinks: a window of half of them (at most
-    :data:`LARGEST_WINDOW`), the rest chosen by the question."""
+    :data:`LARGEST_WINDOW`), the rest chosen by the question; `heads` keep their whole cache."""
     window = max(1, min(LARGEST_WINDOW, tokens // 2))
     return CompressedCacheConfig(
-        window=window, sinks=SINKS, budget=max(0, tokens - window), observation=min(OBSERVATION, window)
+        window=window,
+        sinks=SINKS,
+        budget=max(0, tokens - window),
+        observation=min(OBSERVATION, window),
+        retrieval_heads=heads,
     )
 
 
-def cache_plan(model_config: Any, budget: float, context: int, *, bits: int | None = None) -> CachePlan:
+def placeholder_heads(model_config: Any, count: int) -> tuple[tuple[int, int], ...]:
+    """`count` (layer, key/value head) pairs of the layers the compressed cache converts, in order: what the plan
+    counts the retrieval heads' bytes with before the model is loaded (the bytes do not depend on which heads;
+    the recipe chooses them on the loaded model). Refused in one line naming --kv-retrieval-heads beyond the
+    heads there are."""
+    counts = kv_head_counts(model_config)
+    if counts is None:
+        raise HeadkitError("--kv-retrieval-heads needs a config that states its key/value heads")
+    layers = _compressed(1).linearize_config().layers_to_convert(model_config, len(counts))
+    pairs = [(layer, head) for layer in layers for head in range(counts[layer])]
+    if count > len(pairs):
+        raise HeadkitError(
+            f"--kv-retrieval-heads must be at most {len(pairs)} (the key/value heads of the {len(layers)} "
+            f"compressed layers), got {count}"
+        )
+    return tuple(pairs[:count])
+
+
+def cache_plan(
+    model_config: Any, budget: float, context: int, *, bits: int | None = None, retrieval_heads: int = 0
+) -> CachePlan:
     """The configuration for `budget` (a fraction of the original's bfloat16 KV bytes at `context` tokens) of a
-    model with the 🤗 `model_config` (module docstring); refused in one line naming --kv-budget where nothing
-    fits."""
+    model with the 🤗 `model_config` (module docstring), the compressed cache with `retrieval_heads` heads kept
+    whole (:func:`placeholder_heads` until the recipe chooses them); refused in one line naming --kv-budget where
+    nothing fits."""
 
     def per_token(configs: list[Any], at: int = context) -> float:
         value = bytes_per_token(model_config, configs, bytes_per_number=2, context=at)
@@ -113,6 +140,7 @@ def cache_plan(model_config: Any, budget: float, context: int, *, bits: int | No
         QuantizedKVConfig(bits=bits).check(
             model_config
         )  # --kv-bits 5, a group that does not divide the heads
+    heads = placeholder_heads(model_config, retrieval_heads) if retrieval_heads else ()
     chosen, reason = None, ""
     for bits_tried in (8, 4) if bits is None else (bits,):
         candidate = [QuantizedKVConfig(bits=bits_tried)]
@@ -120,9 +148,11 @@ def cache_plan(model_config: Any, budget: float, context: int, *, bits: int | No
             continue
         if per_token(candidate) <= target:
             chosen, reason = candidate, f"{bits_tried}-bit storage fits the budget (measured the best there)"
+            if heads:
+                reason += ": every head keeps its whole cache, retrieval heads or not"
             break
     if chosen is None:
-        chosen, reason = _most_tokens(model_config, per_token, target, context, budget, original, bits)
+        chosen, reason = _most_tokens(model_config, per_token, target, context, budget, original, bits, heads)
     for config in chosen:
         config.check(model_config)
     return CachePlan(
@@ -158,6 +188,7 @@ def _most_tokens(
     budget: float,
     original: float,
     bits: int | None,
+    heads: tuple[tuple[int, int], ...] = (),
 ) -> tuple[list[Any], str]:
     """Below what quantized storage alone keeps: the compressed cache in bfloat16, or its keys and values in 8 or
     4 bits (``--kv-bits``: in those bits only), whichever keeps the most tokens per head within `target` bytes
@@ -166,20 +197,21 @@ def _most_tokens(
     found = []
     for storage in storages:
         tail = [] if storage is None else [QuantizedKVConfig(bits=storage)]
-        if tail and _refused([_compressed(1), *tail], model_config):
+        if tail and _refused([_compressed(1, heads), *tail], model_config):
             continue
         tokens = largest_fitting(
-            lambda n, tail=tail: [_compressed(max(n, 1)), *tail], per_token, target, context
+            lambda n, tail=tail: [_compressed(max(n, 1), heads), *tail], per_token, target, context
         )
         if tokens is not None:
-            made = _compressed(max(tokens, 1))
+            made = _compressed(max(tokens, 1), heads)
             found.append((min(context, made.sinks + made.window - 1 + made.budget), storage, [made, *tail]))
     if not found:
-        smallest = per_token([_compressed(1)]) / original
+        smallest = per_token([_compressed(1, heads)]) / original
+        whole = f", {len(heads)} retrieval heads whole" if heads else ""
         raise HeadkitError(
             f"--kv-budget {budget:.4g} is below the smallest cache this model can keep at {context} tokens "
-            f"({smallest:.4g} of its bytes: {SINKS} sinks and one token per head); raise it or "
-            "--kv-budget-context"
+            f"({smallest:.4g} of its bytes: {SINKS} sinks and one token per head{whole}); raise it or "
+            "--kv-budget-context" + (", or lower --kv-retrieval-heads" if heads else "")
         )
     # max keeps the first of equals: bfloat16 before 8 bits before 4
     kept, storage, chosen = max(found, key=lambda entry: entry[0])
@@ -188,6 +220,8 @@ def _most_tokens(
     reason = f"below what quantized storage alone keeps: {how}, {kept} tokens per head of {context}"
     if storage is not None and alone is not None:
         reason += f" ({alone} in bfloat16)"
+    if heads:
+        reason += f"; {len(heads)} retrieval heads keep their whole cache"
     return chosen, reason
 
 
@@ -238,6 +272,7 @@ class CacheBudgetSteps(Steps):
             parse_fraction(settings.kv_budget),
             budget_context(settings, config),
             bits=settings.kv_bits,
+            retrieval_heads=settings.kv_retrieval_heads or 0,
         )
         for step in self.plan.configs:
             step.check(self.teacher)
@@ -245,7 +280,7 @@ class CacheBudgetSteps(Steps):
     def data(self) -> None:
         settings = self.settings
         length = evaluation_window(settings, self.plan.context)
-        corpus = load_text(settings.data)
+        self.corpus = corpus = load_text(settings.data)
         self.held_out = held_out_by_length(self.tokenizer, corpus, (length,), 2, settings.seed)[length]
         self.length, self.scored = length, min(SCORED_TOKENS, length // 2)
         self.perplexity_original = self._perplexity(self.teacher)
@@ -255,6 +290,15 @@ class CacheBudgetSteps(Steps):
 
     def convert(self) -> None:
         started = time.perf_counter()
+        made, *rest = self.plan.configs
+        if isinstance(made, CompressedCacheConfig) and made.retrieval_heads:
+            # The plan counted their bytes with placeholders: the heads are the original's best retrievers.
+            layers = made.linearize_config().layers_to_convert(self.teacher)
+            heads = chosen_retrieval_heads(
+                self.teacher, self.tokenizer, self.corpus, layers, len(made.retrieval_heads),
+                seed=self.settings.seed, echo=self.echo,
+            )  # fmt: skip
+            self.plan = replace(self.plan, configs=(replace(made, retrieval_heads=heads), *rest))
         # The cache's configs change no weight: the student is the original's tensors under cache layers of its own.
         self.student = shared_copy(self.teacher)
         apply_(self.student, list(self.plan.configs))

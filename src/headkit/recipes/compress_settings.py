@@ -134,6 +134,13 @@ class CompressSettings(ModelSettings):
         "With --kv-budget: storage in 8 or 4 bits, whatever the budget would choose: alone where it fits, else the "
         "compressed cache in those bits.",
     )
+    kv_retrieval_heads: int | None = option(
+        None,
+        "With --kv-budget: this many key/value heads keep their whole cache (retrieval heads, DuoAttention), the "
+        "original's best at retrieving a passkey, their bytes counted in the budget; where the compressed cache is "
+        "chosen (default 0).",
+        min=0,
+    )
     # lm-evaluation-harness tasks scored on the original and the result (headkit.evaluation.tasks): none by default.
     eval_tasks: tuple[str, ...] = ()
     eval_include_path: Path | None = None
@@ -147,7 +154,7 @@ def check_settings(settings: CompressSettings) -> None:
     check_data(settings.data)
     check_recipe_tasks(settings, default_is_causal_lm=False)
     if settings.kv_budget is None:
-        for name in ("kv_budget_context", "kv_bits"):
+        for name in ("kv_budget_context", "kv_bits", "kv_retrieval_heads"):
             if getattr(settings, name) is not None:
                 raise HeadkitError(f"--{name.replace('_', '-')} goes with --kv-budget")
         return
@@ -207,6 +214,7 @@ def _check_against_config(settings: CompressSettings, model_path: Path, config: 
             parse_fraction(settings.kv_budget),
             budget_context(settings, config),
             bits=settings.kv_bits,
+            retrieval_heads=settings.kv_retrieval_heads or 0,
         )
         return
     family = FAMILIES.get(model_type_of(config))

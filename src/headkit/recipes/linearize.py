@@ -26,7 +26,6 @@ saved model reloads with :func:`headkit.from_pretrained`.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,10 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headkit.analysis.retrieval import top_heads
 from headkit.errors import HeadkitError
 from headkit.evaluation.quality import agreement, perplexity
-from headkit.evaluation.retrieval import RETRIEVAL_SCORING_PROMPTS, passkey_retrieval_scores, prose_sentences
 from headkit.evaluation.sampling import greedy_sample
 from headkit.evaluation.tasks import with_task_table
 from headkit.evaluation.timing import decode_profile, prefill_tokens
@@ -53,6 +50,7 @@ from headkit.recipes.linearize_settings import (  # noqa: F401  (the names the r
     preflight,
     quick_budget,
 )
+from headkit.recipes.retrieval_heads import chosen_retrieval_heads
 from headkit.recipes.settings import RecipeResult, training_forwards
 from headkit.recipes.steps import Recipe, Steps, run_settings
 from headkit.runs.models import LoadedModel, shared_copy, smollm2_gguf_path
@@ -63,7 +61,6 @@ from headkit.surgery.apply import apply_
 from headkit.surgery.attention import MECHANISM
 from headkit.surgery.families import LINEARIZE, get_family
 from headkit.surgery.linearize import (
-    LinearizeConfig,
     converted_attention_modules,
     linearized_parameters,
     max_context,
@@ -204,9 +201,11 @@ class LinearizeSteps(Steps):
     def convert(self) -> None:
         settings, teacher = self.settings, self.teacher
         if settings.retrieval_head_count:
-            self.config = _with_retrieval_heads(
-                teacher, self.tokenizer, self.corpus, self.config, settings, self.echo
-            )
+            heads = chosen_retrieval_heads(
+                teacher, self.tokenizer, self.corpus, self.config.layers_to_convert(teacher),
+                settings.retrieval_head_count, seed=settings.seed, echo=self.echo,
+            )  # fmt: skip
+            self.config = replace(self.config, retrieval_heads=heads)
         # Held once until a training gives the student copies of what it changes (headkit.recipes.distill).
         self.student = shared_copy(teacher)
         self.conversion = apply_(self.student, self.config, adapter=self.adapter)
@@ -352,33 +351,6 @@ class LinearizeSteps(Steps):
 
 
 RECIPE = Recipe(preflight, LinearizeSteps, LinearizeSettings, check_settings, smollm2_gguf_path)
-
-
-def _with_retrieval_heads(
-    teacher: nn.Module,
-    tokenizer: Any,
-    corpus: Any,
-    config: LinearizeConfig,
-    settings: LinearizeSettings,
-    echo: Callable[[str], None],
-) -> LinearizeConfig:
-    """`config` with the retrieval heads the original model shows on passkey prompts (headkit.analysis.retrieval):
-    the `settings.retrieval_head_count` best-scored key/value heads of the converted layers."""
-    started = time.perf_counter()
-    sentences = prose_sentences(corpus, seed=settings.seed)
-    scores, length = passkey_retrieval_scores(
-        teacher, tokenizer, sentences, context=max_context(teacher), seed=settings.seed
-    )
-    converted = config.layers_to_convert(teacher)
-    eligible = torch.full_like(scores, float("-inf"))
-    eligible[converted] = scores[converted]
-    heads = top_heads(eligible, settings.retrieval_head_count)
-    echo(
-        f"retrieval heads (passkey attention mass, {RETRIEVAL_SCORING_PROMPTS} prompts of {length} tokens, "
-        f"{time.perf_counter() - started:.0f} s): "
-        + ", ".join(f"{layer}:{head} {float(scores[layer, head]):.2f}" for layer, head in heads)
-    )
-    return replace(config, retrieval_heads=heads)
 
 
 def _by_length(values: dict[int, float]) -> str:
