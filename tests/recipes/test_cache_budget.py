@@ -165,7 +165,9 @@ def test_a_budget_run_keeps_the_originals_best_retrieval_heads_whole(save_tiny_c
     assert made["config"] == "CompressedCacheConfig" and len(made["retrieval_heads"]) == 1
     (layer, head), *_ = made["retrieval_heads"]
     chosen = next(line for line in printed.splitlines() if line.startswith("retrieval heads"))
-    assert chosen.split("): ")[1].startswith(f"{layer}:{head} ")  # the best-scored head, not the placeholder's
+    assert chosen.split("): ")[1].startswith(
+        f"{layer}:{head} "
+    )  # the best-scored head, not the placeholder's
     assert "1 retrieval heads keep their whole cache" in report["plan"]["reason"]
     reloaded = headkit.from_pretrained(out)
     fresh = headkit.from_pretrained(folder)
