@@ -59,7 +59,10 @@ def main(out: str) -> None:
             "seconds": seconds,
             "configs": [{"config": type(c).__name__} | c.record() for c in configs],
         }
-        print(f"{name}: perplexity {perplexity:.4f}, {fraction:.4f} of the bf16 bytes, {seconds:.0f} s", flush=True)
+        print(
+            f"{name}: perplexity {perplexity:.4f}, {fraction:.4f} of the bf16 bytes, {seconds:.0f} s",
+            flush=True,
+        )
     with open(out, "w") as file:
         json.dump(results, file, indent=1)
 
