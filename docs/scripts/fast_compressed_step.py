@@ -13,26 +13,15 @@ import sys
 import time
 
 import torch
+from quantized_eager_step import compressed_smollm2  # this folder is the script's first import path
 
-import headkit
-from headkit.runs.models import load_model, smollm2_gguf_path
-from headkit.runs.text import load_text
 from headkit.runtime.fast import FastDecoder
-from headkit.surgery import CompressedCacheConfig, QuantizedKVConfig
-
-RETRIEVAL_HEADS = ((2, 0), (5, 1), (9, 2), (13, 0), (17, 1), (21, 2), (25, 0), (28, 1))
 
 
 def main(bits: int, batch: int, threads: int) -> None:
     torch.set_num_threads(threads)
-    loaded = load_model(smollm2_gguf_path(), dtype="float32")
-    model, tokenizer = loaded.model, loaded.tokenizer
-    configs: list = [CompressedCacheConfig(window=256, budget=939, retrieval_heads=RETRIEVAL_HEADS)]
-    if bits < 16:
-        configs.append(QuantizedKVConfig(bits=bits))
-    headkit.apply_(model, configs)
-    text = "\n".join(document.text for document in load_text(None).held_out)
-    ids = tokenizer(text, return_tensors="pt").input_ids[:, :1500].expand(batch, -1).contiguous()
+    model, ids = compressed_smollm2(bits, 1500)
+    ids = ids.expand(batch, -1).contiguous()
     decoder = FastDecoder(model)
     started = time.perf_counter()
     decoder.generate(ids, max_new_tokens=12, cache_length=8192)  # compiles the bucket

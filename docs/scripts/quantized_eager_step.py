@@ -21,8 +21,9 @@ from headkit.surgery import CompressedCacheConfig, QuantizedKVConfig
 RETRIEVAL_HEADS = ((2, 0), (5, 1), (9, 2), (13, 0), (17, 1), (21, 2), (25, 0), (28, 1))
 
 
-def main(context: int, bits: int, steps: int) -> None:
-    torch.set_num_threads(1)
+def compressed_smollm2(bits: int, context: int) -> tuple[torch.nn.Module, torch.Tensor]:
+    """SmolLM2 in float32 with the compressed cache (in `bits`; 16: not quantized) and the first `context` tokens
+    of the held-out text [1, context]."""
     loaded = load_model(smollm2_gguf_path(), dtype="float32")
     model, tokenizer = loaded.model, loaded.tokenizer
     configs: list = [CompressedCacheConfig(window=256, budget=939, retrieval_heads=RETRIEVAL_HEADS)]
@@ -30,7 +31,12 @@ def main(context: int, bits: int, steps: int) -> None:
         configs.append(QuantizedKVConfig(bits=bits))
     headkit.apply_(model, configs)
     text = "\n".join(document.text for document in load_text(None).held_out)
-    ids = tokenizer(text, return_tensors="pt").input_ids[:, :context]
+    return model, tokenizer(text, return_tensors="pt").input_ids[:, :context]
+
+
+def main(context: int, bits: int, steps: int) -> None:
+    torch.set_num_threads(1)
+    model, ids = compressed_smollm2(bits, context)
     with torch.inference_mode():
         start = time.perf_counter()
         out = model(ids, use_cache=True)
