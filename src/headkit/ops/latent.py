@@ -117,7 +117,8 @@ def latent_attention(
         # A step: the heads' one query each are the rows of a single query block against the cache as one key and
         # value head (the multi-query layout), so the fused kernel reads each block of the cache once for the
         # scores and the weighted sum; two batched products read it twice (SmolLM2 at a quarter of the
-        # cache, batch 8, 8,192 tokens: 1.27x -> 1.83x the original's fast step, docs/latent-kv.md). The mask [B or 1, 1, 1, S] is every head's.
+        # cache, batch 8, 8,192 tokens: 1.27x -> 1.83x the original's fast step, docs/latent-kv.md). The mask
+        # [B or 1, 1, 1, S] is every head's.
         row = cache[:, None]
         mixed = torch.nn.functional.scaled_dot_product_attention(
             queries.reshape(batch, 1, heads, -1), row, row, attn_mask=attention_mask, scale=scale

@@ -17,7 +17,8 @@ weight is read — in the order the measurements rank them (``headkit bench fron
 ``--kv-bits`` asks for storage in those bits whatever the budget: alone where it fits, else the compressed cache
 in those bits. ``--kv-retrieval-heads N`` keeps N key/value heads whole in the compressed cache, within the same
 budget: counted with placeholders in the plan, chosen on the loaded original
-(:func:`headkit.recipes.retrieval_heads.chosen_retrieval_heads`). The conversion is checked on the loaded model, applied with
+(:func:`headkit.recipes.retrieval_heads.chosen_retrieval_heads`). The conversion is checked on the loaded
+model, applied with
 :func:`headkit.apply_`, measured — perplexity of held-out text read through the cache against the original's — and
 saved with its record, so :func:`headkit.from_pretrained` rebuilds it; the report states the configuration and
 its bytes per token at 8,192 tokens.
