@@ -65,8 +65,24 @@ def test_budgets_nothing_fits_and_bits_are_kept_where_they_alone_do_not_fit():
     assert isinstance(made, CompressedCacheConfig) and bits == QuantizedKVConfig(bits=8)
     assert made.sinks + made.window - 1 + made.budget == 1820
     assert cache_plan(CONFIG, 0.4, 8192, bits=4).configs == (QuantizedKVConfig(bits=4),)
-    with pytest.raises(HeadkitError, match="bits must be one of"):
-        cache_plan(CONFIG, 1 / 8, 8192, bits=5)
+    for bad in (5, 2, 32, True):
+        with pytest.raises(HeadkitError, match=r"--kv-bits must be 8 or 4 \(quantized storage\) or 16"):
+            cache_plan(CONFIG, 1 / 8, 8192, bits=bad)
+
+
+def test_16_bits_keep_the_cache_in_bfloat16_the_compressed_cache_alone_at_every_budget():
+    original = bytes_per_token(CONFIG, context=8192)
+    # 0.6 would be 8-bit storage alone; in bfloat16 it is the compressed cache keeping 0.6 of the tokens
+    (made,) = cache_plan(CONFIG, 0.6, 8192, bits=16).configs
+    assert isinstance(made, CompressedCacheConfig)
+    assert made.sinks + made.window - 1 + made.budget == int(0.6 * 8192)
+    # 1/8: what the plan measures as the bfloat16 alternative, 1,024 tokens, no quantized storage
+    plan = cache_plan(CONFIG, 1 / 8, 8192, bits=16)
+    (made,) = plan.configs
+    assert made.sinks + made.window - 1 + made.budget == 1024 and plan.bytes_per_token <= original / 8
+    assert "the compressed cache, 1024 tokens per head" in plan.reason
+    with pytest.raises(HeadkitError, match="--kv-bits 16 at --kv-budget 1 is the original cache"):
+        cache_plan(CONFIG, 1, 8192, bits=16)
 
 
 def test_retrieval_heads_are_counted_in_the_budget_and_refused_beyond_the_heads_there_are():
@@ -112,7 +128,8 @@ def _refused(args, capsys) -> str:
             "--kv-budget chooses the cache itself, without training: drop --kv-rank",
         ),
         (["--kv-bits", "8"], "--kv-bits goes with --kv-budget"),
-        (["--kv-budget", "1/8", "--kv-bits", "5"], "bits must be one of {4, 8}"),
+        (["--kv-budget", "1/8", "--kv-bits", "5"], "--kv-bits must be 8 or 4 (quantized storage) or 16"),
+        (["--kv-budget", "1", "--kv-bits", "16"], "--kv-bits 16 at --kv-budget 1 is the original cache"),
         (["--kv-budget", "1/100000"], "is below the smallest cache"),
         (["--kv-retrieval-heads", "1"], "--kv-retrieval-heads goes with --kv-budget"),
         (["--kv-budget", "1/8", "--kv-retrieval-heads", "99"], "--kv-retrieval-heads must be at most"),

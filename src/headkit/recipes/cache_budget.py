@@ -15,7 +15,8 @@ weight is read — in the order the measurements rank them (``headkit bench fron
    error the bits add (measured on SmolLM2: docs/compressed-cache.md).
 
 ``--kv-bits`` asks for storage in those bits whatever the budget: alone where it fits, else the compressed cache
-in those bits. ``--kv-retrieval-heads N`` keeps N key/value heads whole in the compressed cache, within the same
+in those bits; ``--kv-bits 16`` for none — the compressed cache in bfloat16, what the fast decoder steps quickest
+today (its quantized step dequantizes every stored set first: docs/compressed-cache.md). ``--kv-retrieval-heads N`` keeps N key/value heads whole in the compressed cache, within the same
 budget: counted with placeholders in the plan, chosen on the loaded original
 (:func:`headkit.recipes.retrieval_heads.chosen_retrieval_heads`). The conversion is checked on the loaded
 model, applied with
@@ -46,6 +47,8 @@ from headkit.surgery.records import config_after
 
 REPORTED_CONTEXT = 8192  # the report's bytes per token are stated at this context, whatever the budget's
 LARGEST_WINDOW, SINKS, OBSERVATION = 256, 4, 32
+# --kv-bits: quantized storage, or bfloat16's 16 for none
+QUANTIZED_BITS, BFLOAT16_BITS = (8, 4), 16
 # the measurement: the last tokens (at most 256, half the window) of two held-out windows, fed 16 at a time
 SCORED_TOKENS, CHUNK = 256, 16
 
@@ -139,13 +142,12 @@ def cache_plan(
 
     original = per_token([])
     target = budget * original
-    if bits is not None:
-        QuantizedKVConfig(bits=bits).check(
-            model_config
-        )  # --kv-bits 5, a group that does not divide the heads
+    check_storage_bits(bits, budget)
+    if bits in QUANTIZED_BITS:
+        QuantizedKVConfig(bits=bits).check(model_config)  # a group that does not divide the heads
     heads = placeholder_heads(model_config, retrieval_heads) if retrieval_heads else ()
     chosen, reason = None, ""
-    for bits_tried in (8, 4) if bits is None else (bits,):
+    for bits_tried in (8, 4) if bits is None else (bits,) if bits in QUANTIZED_BITS else ():
         candidate = [QuantizedKVConfig(bits=bits_tried)]
         if _refused(candidate, model_config):
             continue
@@ -168,6 +170,19 @@ def cache_plan(
         original_bytes_per_token_8192=per_token([], REPORTED_CONTEXT),
         reason=reason,
     )
+
+
+def check_storage_bits(bits: int | None, budget: float | None = None) -> None:
+    """--kv-bits: 8 or 4 (quantized storage), 16 (none: bfloat16), or None (the plan chooses); 16 at a budget of
+    the whole cache is the original's. Refused in one line naming the option."""
+    if bits is not None and (isinstance(bits, bool) or bits not in (*QUANTIZED_BITS, BFLOAT16_BITS)):
+        raise HeadkitError(
+            f"--kv-bits must be 8 or 4 (quantized storage) or 16 (bfloat16, none), got {bits!r}"
+        )
+    if bits == BFLOAT16_BITS and budget is not None and budget >= 1:
+        raise HeadkitError(
+            "--kv-bits 16 at --kv-budget 1 is the original cache: nothing to convert (lower --kv-budget)"
+        )
 
 
 def _refused(configs: list[Any], model_config: Any) -> bool:
@@ -196,7 +211,7 @@ def _most_tokens(
     """Below what quantized storage alone keeps: the compressed cache in bfloat16, or its keys and values in 8 or
     4 bits (``--kv-bits``: in those bits only), whichever keeps the most tokens per head within `target` bytes
     (at most the context's; a tie goes to the more bits: fewer tokens dropped first, then the finer numbers)."""
-    storages = [None, 8, 4] if bits is None else [bits]
+    storages = [None, 8, 4] if bits is None else [None if bits == BFLOAT16_BITS else bits]
     found = []
     for storage in storages:
         tail = [] if storage is None else [QuantizedKVConfig(bits=storage)]

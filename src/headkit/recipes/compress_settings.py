@@ -132,7 +132,7 @@ class CompressSettings(ModelSettings):
     kv_bits: int | None = option(
         None,
         "With --kv-budget: storage in 8 or 4 bits, whatever the budget would choose: alone where it fits, else the "
-        "compressed cache in those bits.",
+        "compressed cache in those bits; 16: none, the compressed cache in bfloat16.",
     )
     kv_retrieval_heads: int | None = option(
         None,
@@ -158,12 +158,9 @@ def check_settings(settings: CompressSettings) -> None:
             if getattr(settings, name) is not None:
                 raise HeadkitError(f"--{name.replace('_', '-')} goes with --kv-budget")
         return
-    from headkit.recipes.cache_budget import parse_fraction
-    from headkit.surgery.quantized_cache import QuantizedKVConfig
+    from headkit.recipes.cache_budget import check_storage_bits, parse_fraction
 
-    parse_fraction(settings.kv_budget)
-    if settings.kv_bits is not None:
-        QuantizedKVConfig(bits=settings.kv_bits)
+    check_storage_bits(settings.kv_bits, parse_fraction(settings.kv_budget))
     others = [
         flag for flag, given in (("--dim", settings.dim), ("--kv-rank", settings.kv_rank),
                                   ("--rope-dims", settings.rope_dims), ("--recovery-steps", settings.recovery_steps))
