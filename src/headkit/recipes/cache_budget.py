@@ -16,13 +16,12 @@ weight is read — in the order the measurements rank them (``headkit bench fron
 
 ``--kv-bits`` asks for storage in those bits whatever the budget: alone where it fits, else the compressed cache
 in those bits; ``--kv-bits 16`` for none — the compressed cache in bfloat16, what the fast decoder steps quickest
-today (its quantized step dequantizes every stored set first: docs/compressed-cache.md). ``--kv-retrieval-heads N`` keeps N key/value heads whole in the compressed cache, within the same
-budget: counted with placeholders in the plan, chosen on the loaded original
-(:func:`headkit.recipes.retrieval_heads.chosen_retrieval_heads`). The conversion is checked on the loaded
-model, applied with
-:func:`headkit.apply_`, measured — perplexity of held-out text read through the cache against the original's — and
-saved with its record, so :func:`headkit.from_pretrained` rebuilds it; the report states the configuration and
-its bytes per token at 8,192 tokens.
+today (its quantized step dequantizes every stored set first: docs/compressed-cache.md). ``--kv-retrieval-heads N``
+keeps N key/value heads whole in the compressed cache, within the same budget: counted with placeholders in the
+plan, chosen on the loaded original (:func:`headkit.recipes.retrieval_heads.chosen_retrieval_heads`). The
+conversion is checked on the loaded model, applied with :func:`headkit.apply_`, measured — perplexity of held-out
+text read through the cache against the original's — and saved with its record, so :func:`headkit.from_pretrained`
+rebuilds it; the report states the configuration and its bytes per token at 8,192 tokens.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from typing import Any
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.quality import continuation_perplexity
+from headkit.ops.quantized_cache import BITS as QUANTIZED_BITS
 from headkit.recipes.retrieval_heads import chosen_retrieval_heads
 from headkit.recipes.steps import Steps
 from headkit.runs.models import CAUSAL_LM, shared_copy
@@ -47,8 +47,7 @@ from headkit.surgery.records import config_after
 
 REPORTED_CONTEXT = 8192  # the report's bytes per token are stated at this context, whatever the budget's
 LARGEST_WINDOW, SINKS, OBSERVATION = 256, 4, 32
-# --kv-bits: quantized storage, or bfloat16's 16 for none
-QUANTIZED_BITS, BFLOAT16_BITS = (8, 4), 16
+BFLOAT16_BITS = 16  # --kv-bits 16: no quantized storage (the others are QUANTIZED_BITS, the quantizer's own)
 # the measurement: the last tokens (at most 256, half the window) of two held-out windows, fed 16 at a time
 SCORED_TOKENS, CHUNK = 256, 16
 
@@ -147,7 +146,8 @@ def cache_plan(
         QuantizedKVConfig(bits=bits).check(model_config)  # a group that does not divide the heads
     heads = placeholder_heads(model_config, retrieval_heads) if retrieval_heads else ()
     chosen, reason = None, ""
-    for bits_tried in (8, 4) if bits is None else (bits,) if bits in QUANTIZED_BITS else ():
+    alone = (8, 4) if bits is None else () if bits == BFLOAT16_BITS else (bits,)  # quantized storage alone
+    for bits_tried in alone:
         candidate = [QuantizedKVConfig(bits=bits_tried)]
         if _refused(candidate, model_config):
             continue
@@ -172,14 +172,14 @@ def cache_plan(
     )
 
 
-def check_storage_bits(bits: int | None, budget: float | None = None) -> None:
+def check_storage_bits(bits: int | None, budget: float) -> None:
     """--kv-bits: 8 or 4 (quantized storage), 16 (none: bfloat16), or None (the plan chooses); 16 at a budget of
     the whole cache is the original's. Refused in one line naming the option."""
     if bits is not None and (isinstance(bits, bool) or bits not in (*QUANTIZED_BITS, BFLOAT16_BITS)):
         raise HeadkitError(
             f"--kv-bits must be 8 or 4 (quantized storage) or 16 (bfloat16, none), got {bits!r}"
         )
-    if bits == BFLOAT16_BITS and budget is not None and budget >= 1:
+    if bits == BFLOAT16_BITS and budget >= 1:
         raise HeadkitError(
             "--kv-bits 16 at --kv-budget 1 is the original cache: nothing to convert (lower --kv-budget)"
         )
