@@ -74,6 +74,63 @@ def test_every_method_fits_its_budget_and_the_best_is_chosen_among_them(tiny, tm
     assert (out / "perplexity.png").stat().st_size > 0 and (out / "passkey.png").stat().st_size > 0
     assert_results_keys("frontier", results)
     assert "latent R=" in capsys.readouterr().out
+    # each row was saved as it was measured: a run stopped early keeps the rows it finished
+    saved = [json.loads(line) for line in (out / "points.jsonl").read_text().splitlines()]
+    assert [(p["method"], p["label"], p["perplexity_64"]) for p in saved] == [
+        (p["method"], p["label"], p["perplexity_64"]) for p in points
+    ]
+
+
+def test_speed_contexts_none_measures_the_quality_columns_only(tiny, tmp_path):
+    out = tmp_path / "frontier"
+    options = [*TINY, "--budgets", "4", "--retrieval-head-counts", "0", "--speed-contexts", "none"]
+    main(["bench", "frontier", "--model", str(tiny), "--methods", "compressed", *options, "--out", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    assert results["speed_contexts"] == [] and results["device"] == "cpu"
+    for point in results["points"]:
+        assert point["perplexity_64"] > 1 and not any(key.startswith("decode_ms") for key in point)
+    assert "ms/token" not in (out / "table.md").read_text()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_rows_measured_on_cuda_agree_with_the_cpu(tiny, tmp_path):
+    """--device cuda: the same rows, converted on the CPU and measured on the GPU, score as on the CPU (float32;
+    the GPU's reductions in another order)."""
+    options = [
+        *TINY,
+        "--budgets",
+        "4",
+        "--bits",
+        "4",
+        "--retrieval-head-counts",
+        "0,1",
+        "--speed-contexts",
+        "48",
+    ]
+    methods = ["--methods", "quantized,compressed,compressed+quantized,latent"]
+    reports = {}
+    for device in ("cpu", "cuda"):
+        out = tmp_path / device
+        main(
+            [
+                "bench",
+                "frontier",
+                "--model",
+                str(tiny),
+                *methods,
+                *options,
+                "--device",
+                device,
+                "--out",
+                str(out),
+            ]
+        )
+        reports[device] = json.loads((out / "results.json").read_text())
+    cpu, cuda = (reports[d]["points"] for d in ("cpu", "cuda"))
+    assert [p["label"] for p in cpu] == [p["label"] for p in cuda]
+    for on_cpu, on_cuda in zip(cpu, cuda, strict=True):
+        assert on_cuda["perplexity_64"] == pytest.approx(on_cpu["perplexity_64"], rel=1e-3), on_cpu["label"]
+        assert on_cuda["passkey_160"]["trials"] == on_cpu["passkey_160"]["trials"]
 
 
 def test_the_compressed_cache_in_fewer_bits_keeps_more_tokens_at_the_same_budget(tiny, tmp_path):
@@ -151,6 +208,8 @@ def test_llama_cpp_rows_keep_its_cache_at_f16_q8_0_and_q4_0(tiny_with_a_bpe_toke
         (["--budgets", "1"], "--budgets"),
         (["--decode-steps", "48"], "--decode-steps must be fewer"),
         (["--fast-batch-sizes", "0"], "--fast-batch-sizes"),
+        (["--speed-contexts", "1"], "--speed-contexts"),
+        (["--device", "tpu"], "--device must be"),
     ],
 )
 def test_bad_options_are_refused_in_one_line_before_any_work(tiny, tmp_path, capsys, options, message):

@@ -29,6 +29,7 @@ seconds. Two plots: bytes against perplexity, bytes against passkey.
 from __future__ import annotations
 
 import copy
+import json
 import statistics
 import tempfile
 import time
@@ -52,6 +53,7 @@ from headkit.bench.retrieval import (
     passkey_rates,
     retrieval_rates,
 )
+from headkit.devices import check_device, model_device
 from headkit.errors import HeadkitError
 from headkit.evaluation.quality import continuation_perplexity
 from headkit.evaluation.retrieval import (
@@ -68,7 +70,7 @@ from headkit.export.llamacpp import (
 )
 from headkit.recipes.cache_budget import largest_fitting
 from headkit.runs.models import CAUSAL_LM, load_model, smollm2_gguf_path
-from headkit.runs.options import check_integers
+from headkit.runs.options import check_integers, parse_list
 from headkit.runs.text import held_out_by_length, lm_windows, load_text, window_batches
 from headkit.runtime.fast import FastDecoder
 from headkit.surgery.apply import apply_, bytes_per_token
@@ -89,6 +91,7 @@ QUANTIZED, COMPRESSED, COMPRESSED_QUANTIZED, LATENT, LLAMA_CPP, KVPRESS = (
 METHODS = (QUANTIZED, COMPRESSED, COMPRESSED_QUANTIZED, LATENT, LLAMA_CPP, KVPRESS)
 LLAMA_CPP_CACHE_TYPES = tuple(CACHE_TYPE_BYTES)
 LONGER = 4  # the bytes are also stated at this many times --state-context
+PROGRESS_FILE = "points.jsonl"
 
 
 @dataclass
@@ -136,8 +139,10 @@ class FrontierBenchSettings:
     chunk: int = option(16, "Tokens fed at a time after the prefill when reading through the cache.", min=1)
     speed_contexts: tuple[int, ...] = option(
         (4096, 8192),
-        "Tokens in the cache at which the time to first token and the decoding speed are measured (batch 1).",
-        min=2,
+        "Tokens in the cache at which the time to first token and the decoding speed are measured (batch 1); "
+        "'none': not measured (the quality columns only).",
+        check=lambda values: values == () or check_integers("--speed-contexts", values, low=2, distinct=True),
+        parse=lambda flag, text: () if text.strip() == "none" else parse_list(flag, text, minimum=2),
         quick=(512,),
     )
     decode_steps: int = option(
@@ -164,6 +169,12 @@ class FrontierBenchSettings:
         "A Python interpreter with NVIDIA's kvpress installed (`make kvpress`): the kvpress rows (passkey only).",
     )
     threads: int = option(2, "torch threads (and llama.cpp's).", min=1)
+    device: str = option(
+        "cpu",
+        "Device the headkit rows are measured on: cpu or cuda (conversions run on the CPU; llama.cpp and kvpress "
+        "rows stay on the CPU).",
+        check=check_device,
+    )
     seed: int = option(0, "Seed of the prompts, keys and windows.")
     out: Path = option(
         Path("results/frontier"),
@@ -190,7 +201,7 @@ def _check(settings: FrontierBenchSettings) -> None:
             f"--observation must be shorter than the shortest prompt ({min(settings.lengths)} tokens), got "
             f"{settings.observation}"
         )
-    if settings.decode_steps >= min(settings.speed_contexts):
+    if settings.speed_contexts and settings.decode_steps >= min(settings.speed_contexts):
         raise HeadkitError(
             f"--decode-steps must be fewer than the shortest --speed-contexts ({min(settings.speed_contexts)}), "
             f"got {settings.decode_steps}"
@@ -310,11 +321,12 @@ def _measure(
 ) -> dict[str, Any]:
     """One headkit row: the original converted by the row's configs, then every column."""
     started = time.perf_counter()
-    model = original
+    model = shared["on_device"]
     if row.configs:
-        model = copy.deepcopy(original)
+        model = copy.deepcopy(original)  # converted on the CPU, then measured on --device
         context = {"calibration": shared["calibration"]} if row.method == LATENT else {}
         apply_(model, row.configs, **context)
+        model.to(shared["device"])
     converted = time.perf_counter() - started
     point = _point(row, shared, settings)
     point["conversion_seconds"] = converted
@@ -327,7 +339,16 @@ def _measure(
     point |= _fast_speed(model, shared["speed_prompts"], settings, echo)
     point["seconds"] = time.perf_counter() - started
     echo(_rate_line(point, settings))
+    del model
     return point
+
+
+def save_progress(point: dict[str, Any], out: Path) -> None:
+    """Append a measured row to ``out``/points.jsonl as soon as it is measured: a run stopped before its end
+    (a session's time, a machine's lease) keeps the rows it finished. results.json is written at the end."""
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / PROGRESS_FILE).open("a", encoding="utf-8") as file:
+        file.write(json.dumps(point) + "\n")
 
 
 def _speed(
@@ -337,7 +358,7 @@ def _speed(
     chosen) and the median milliseconds of the greedy steps after it, which end with L tokens in the cache."""
     measured = {}
     for context, ids in prompts.items():
-        first, steps, _ = time_greedy_decoding(model, ids, settings.decode_steps + 1)
+        first, steps, _ = time_greedy_decoding(model, ids.to(model_device(model)), settings.decode_steps + 1)
         measured[f"first_token_seconds_{context}"] = first
         measured[f"decode_ms_{context}"] = 1000 * statistics.median(steps)
     return measured
@@ -361,7 +382,7 @@ def _fast_speed(
         for batch in settings.fast_batch_sizes:
             steps: list[float] = []
             # The first step compiles and is left out of `steps`: decode_steps timed steps follow it.
-            prompt = ids.expand(batch, -1).contiguous()
+            prompt = ids.expand(batch, -1).contiguous().to(model_device(model))
             decoder.generate(prompt, max_new_tokens=settings.decode_steps + 2, step_seconds=steps)
             bucket = decoder.bucket(batch, prompt.shape[1] + settings.decode_steps + 2)
             measured[f"fast_decode_ms_{context}_b{batch}"] = 1000 * statistics.median(steps)
@@ -548,7 +569,8 @@ def frontier_table(report: dict[str, Any]) -> str:
         f"{report['scored_tokens']} tokens of {report['held_out_windows']} held-out windows read through the cache "
         f"({report['chunk']} tokens at a time), against the original's; passkey with the key beyond a "
         f"{report['window']}-token window ({report['trials']} prompts per length, Wilson 95%); time to first token and milliseconds per "
-        f"decoded token at batch 1, eager path ({report.get('threads')} threads)."
+        f"decoded token at batch 1, eager path ({report.get('threads')} threads"
+        f"{'' if report.get('device', 'cpu') == 'cpu' else ', headkit rows on ' + report['device']})."
     )
     best_rows = []
     for entry in best_per_budget(report):
@@ -625,6 +647,11 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
     model_path = Path(settings.model) if settings.model is not None else smollm2_gguf_path()
     loaded = load_model(model_path, kind=CAUSAL_LM)
     original, tokenizer = loaded.model.eval(), loaded.tokenizer
+    device = torch.device(settings.device)
+    on_device = original if device.type == "cpu" else copy.deepcopy(original).to(device)
+    progress = Path(settings.out) / PROGRESS_FILE
+    if progress.exists():
+        progress.unlink()  # this run's rows only
     config = original.config
     context = max_context(original)
     longest = max([*settings.lengths, *settings.perplexity_lengths, *settings.speed_contexts])
@@ -673,6 +700,8 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
         "bytes_of": bytes_of,
         "bytes_of_at": bytes_of_at,
         "original": original,
+        "on_device": on_device,
+        "device": device,
     }
 
     rows = [Row("original", "full KV cache", [])]
@@ -687,7 +716,7 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
         counts = [count for count in settings.retrieval_head_counts if count] if compressing else []
         if counts:
             scores, _ = passkey_retrieval_scores(
-                original, tokenizer, sentences, context=context, seed=settings.seed
+                on_device, tokenizer, sentences, context=context, seed=settings.seed
             )
             retrieval_heads = {count: top_heads(scores, count) for count in counts}
         if 0 in settings.retrieval_head_counts or KVPRESS in settings.methods:
@@ -701,11 +730,18 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
     if LATENT in settings.methods:
         rows += latent_rows(config, settings, bytes_of)
 
-    points = [_measure(row, original, settings, shared, echo) for row in rows]
+    points = []
+    for row in rows:
+        points.append(_measure(row, original, settings, shared, echo))
+        save_progress(points[-1], Path(settings.out))
+    external = []
     if LLAMA_CPP in settings.methods:
-        points += _llama_cpp_points(settings, shared, echo)
+        external += _llama_cpp_points(settings, shared, echo)
     if KVPRESS in settings.methods:
-        points += _kvpress_points(compressed, model_path, settings, shared, echo)
+        external += _kvpress_points(compressed, model_path, settings, shared, echo)
+    for point in external:
+        save_progress(point, Path(settings.out))
+    points += external
     return {
         "model": str(model_path),
         "budgets": list(settings.budgets),
@@ -723,6 +759,7 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
         "decode_steps": settings.decode_steps,
         "fast_batch_sizes": list(settings.fast_batch_sizes),
         "threads": settings.threads,
+        "device": str(device),
         "points": points,
         "best_per_budget": [
             {
