@@ -90,6 +90,14 @@ def test_speed_contexts_none_measures_the_quality_columns_only(tiny, tmp_path):
     for point in results["points"]:
         assert point["perplexity_64"] > 1 and not any(key.startswith("decode_ms") for key in point)
     assert "ms/token" not in (out / "table.md").read_text()
+    # one prompt a batch answers as the default's batches do
+    alone = tmp_path / "alone"
+    main(["bench", "frontier", "--model", str(tiny), "--methods", "compressed", *options, "--batch-tokens", "160",
+          "--out", str(alone)])  # fmt: skip
+    singles = json.loads((alone / "results.json").read_text())["points"]
+    for batched, single in zip(results["points"], singles, strict=True):
+        assert single["passkey_160"]["correct"] == batched["passkey_160"]["correct"]
+        assert single["second_turn"]["correct"] == batched["second_turn"]["correct"]
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

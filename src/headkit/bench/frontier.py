@@ -158,6 +158,12 @@ class FrontierBenchSettings:
         True,
         "Compile the fast path's step (--no-fast-compile: the same fixed-size step eagerly, not a speed).",
     )
+    batch_tokens: int = option(
+        8192,
+        "Prompt tokens a batch when the passkey prompts are answered (those of equal length together): more on "
+        "a GPU.",
+        min=1,
+    )
     held_out_windows: int = option(2, "Held-out windows per perplexity length.", min=1, quick=1)
     calibration_windows: int = option(
         8, "Windows of 512 training tokens that calibrate the latent rows.", min=1, quick=2
@@ -330,7 +336,10 @@ def _measure(
     converted = time.perf_counter() - started
     point = _point(row, shared, settings)
     point["conversion_seconds"] = converted
-    point |= retrieval_rates(model, shared["tokenizer"], shared["trials"], shared["second_turn"], settings)
+    point |= retrieval_rates(
+        model, shared["tokenizer"], shared["trials"], shared["second_turn"], settings,
+        batch_tokens=settings.batch_tokens,
+    )  # fmt: skip
     for length, windows in shared["held_out"].items():
         point[f"perplexity_{length}"] = continuation_perplexity(
             model, windows, scored=settings.scored_tokens, chunk=settings.chunk

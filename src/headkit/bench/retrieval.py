@@ -235,15 +235,19 @@ def _equal_budget(model: nn.Module, target: int, context: int) -> int:
 
 
 def retrieval_rates(
-    model: nn.Module, tokenizer: Any, trials: Any, turns: Any, settings: Any
+    model: nn.Module, tokenizer: Any, trials: Any, turns: Any, settings: Any, *, batch_tokens: int = 8192
 ) -> dict[str, Any]:
     """A model's passkey columns: its rates at each of ``settings.lengths`` and the same keys asked in a second
-    turn ``settings.second_turn_gap`` tokens later (the retrieval and frontier benchmarks' shared columns)."""
-    answers = retrieve_passkeys(model, tokenizer, trials, max_new_tokens=ANSWER_TOKENS)
+    turn ``settings.second_turn_gap`` tokens later (the retrieval and frontier benchmarks' shared columns);
+    prompts of equal length decoded together, about `batch_tokens` prompt tokens a batch."""
+    answers = retrieve_passkeys(
+        model, tokenizer, trials, max_new_tokens=ANSWER_TOKENS, batch_tokens=batch_tokens
+    )
     rates = passkey_rates(answers, trials, settings.lengths)
     answers = second_turn_passkeys(
-        model, tokenizer, turns, gap=settings.second_turn_gap, max_new_tokens=ANSWER_TOKENS
-    )
+        model, tokenizer, turns, gap=settings.second_turn_gap, max_new_tokens=ANSWER_TOKENS,
+        batch_tokens=batch_tokens,
+    )  # fmt: skip
     return rates | {"second_turn": scored_answers(answers, turns)}
 
 
