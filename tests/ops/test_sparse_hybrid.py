@@ -16,6 +16,7 @@ from headkit.ops.hybrid import (
     sparse_hybrid_attention,
     sparse_hybrid_attention_step_,
     sparse_hybrid_exact_sets,
+    sparse_hybrid_state,
     state_from_ring,
 )
 
@@ -307,6 +308,33 @@ def test_given_scores_chunked_equal_the_reference(window, sinks, budget, seq, he
                 kept = state.sparse_keys[b, h][state.sparse_keep[b, h]]
                 assert kept.shape[0] == len(best)
                 assert torch.equal(kept, k[b, h, sorted(best)])
+
+
+@pytest.mark.parametrize(("window", "sinks", "budget", "seq", "heads", "kv_heads", "padded"), CASES)
+@pytest.mark.parametrize("selection", ["question", "recall"])
+def test_the_state_without_outputs_is_the_references_final_state(
+    window, sinks, budget, seq, heads, kv_heads, padded, selection
+):
+    """A prompt prefilled in full (SnapKV) keeps the state the op leaves: sparse_hybrid_state against the
+    one-token-at-a-time reference's final state, given scores or the recall error."""
+    if sinks + budget == 0:
+        pytest.skip("the plain hybrid: no sparse state")
+    q, k, v, qf, kf, balance = make_inputs(heads=heads, kv_heads=kv_heads, seq=seq)
+    mask = padding_mask(2, seq) if padded else None
+    options = {"window": window, "sinks": sinks, "budget": budget, "attention_mask": mask}
+    if selection == "question":
+        options["key_scores"] = given_scores(2, kv_heads, seq)
+    _, _, expected = naive_sparse_hybrid_attention(
+        q, k, v, qf, kf, balance, output_final_state=True, **options
+    )
+    for chunk in (1, 5, 64):
+        assert_states_close(sparse_hybrid_state(k, v, kf, chunk_size=chunk, **options), expected)
+
+
+def test_the_state_without_outputs_needs_sinks_or_a_budget():
+    _, k, v, _, kf, _ = make_inputs()
+    with pytest.raises(ValueError, match="sinks or a budget"):
+        sparse_hybrid_state(k, v, kf, window=3, sinks=0, budget=0)
 
 
 @pytest.mark.parametrize(("window", "sinks", "budget"), [(4, 2, 3), (1, 0, 2), (3, 1, 6)])

@@ -72,7 +72,7 @@ from headkit.layers.feature_maps import build_feature_map
 from headkit.layers.hybrid import HybridHeads, HybridStateCacheLayer, SplitHeadsRing, SplitHeadsState
 from headkit.layers.kept_exact import SELECTIONS, ExactHeads, KeptKeys, causal_softmax
 from headkit.layers.quantized_cache import QuantizedHybridStateCacheLayer, exact_leaves
-from headkit.ops.hybrid import hybrid_attention, sparse_hybrid_attention
+from headkit.ops.hybrid import hybrid_attention, sparse_hybrid_attention, sparse_hybrid_state
 from headkit.surgery.adapters import (
     AttentionAdapter,
     AttentionSite,
@@ -357,13 +357,18 @@ class LinearizedHeads(HybridHeads):
         tensors = (queries, keys, values, query_features, key_features, self.balance[heads])
         # A prompt prefilled into a cache is the only call that asks a question.
         options |= self.kept.options(queries, keys, new_mask, scale, cache_layer is not None and seq != 1)
-        outputs, state_after = self.hybrid_heads(
-            tensors, state, cached=cache_layer is not None, stepping=stepping, **options
-        )
         if cache_layer is not None and seq > 1 and not self.fold and state is None:
-            # The compressed-cache baseline prefills as the original model does (SnapKV): in full.
+            # The compressed cache prefills as the original model does (SnapKV): the prompt attends to itself in
+            # full, and the cache keeps what the op's plan keeps, without the op's own outputs.
             outputs, _ = causal_softmax(queries, keys, values, new_mask, scale, None)
-        return outputs, state_after
+            if not self.kept:
+                _, state_after = self.hybrid_heads(tensors, state, cached=True, **options)
+                return outputs, state_after
+            return outputs, sparse_hybrid_state(
+                keys, values, key_features, window=self.window, sinks=options["sinks"], budget=options["budget"],
+                attention_mask=new_mask, chunk_size=self.chunk_size, key_scores=options.get("key_scores"),
+            )  # fmt: skip
+        return self.hybrid_heads(tensors, state, cached=cache_layer is not None, stepping=stepping, **options)
 
     def _head_features(
         self,

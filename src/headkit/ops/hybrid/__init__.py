@@ -28,7 +28,12 @@ twin beside the plain op's.
 
 from headkit.ops.hybrid.naive import naive_hybrid_attention, naive_sparse_hybrid_attention
 from headkit.ops.hybrid.parallel import HybridAttentionState, hybrid_attention
-from headkit.ops.hybrid.sparse import SparseHybridState, sparse_hybrid_attention, sparse_hybrid_exact_sets
+from headkit.ops.hybrid.sparse import (
+    SparseHybridState,
+    sparse_hybrid_attention,
+    sparse_hybrid_exact_sets,
+    sparse_hybrid_state,
+)
 from headkit.ops.hybrid.step import (
     HybridRingState,
     SparseHybridRingState,
@@ -49,6 +54,7 @@ __all__ = [
     "naive_sparse_hybrid_attention",
     "ring_from_state",
     "sparse_hybrid_attention",
+    "sparse_hybrid_state",
     "sparse_hybrid_attention_step_",
     "sparse_hybrid_exact_sets",
     "state_from_ring",

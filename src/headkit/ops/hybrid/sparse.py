@@ -156,6 +156,54 @@ def sparse_hybrid_attention(
     return out, (final if output_final_state else None)
 
 
+def sparse_hybrid_state(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kf: torch.Tensor,
+    *,
+    window: int,
+    sinks: int,
+    budget: int,
+    attention_mask: torch.Tensor | None = None,
+    chunk_size: int = 64,
+    eps: float = 1e-6,
+    key_scores: torch.Tensor | None = None,
+) -> SparseHybridState:
+    """The final state of :func:`sparse_hybrid_attention` on a first call (no earlier state), without its
+    outputs: what a cache keeps of a prompt that attended to itself in full (SnapKV's prefill, Li et al. 2024,
+    §4: the prompt is read by the original attention, the cache compressed after it). Equal to that op's final
+    state (the same plan, the same slots); its cost is the plan's, O(T · (S + G + C)), not the op's outputs'.
+    Arguments as that op's (S + G > 0)."""
+    batch, kv_heads, seq = k.shape[:3]
+    if sinks + budget == 0:
+        raise ValueError("sparse_hybrid_state needs sinks or a budget (S + G > 0)")
+    check_key_scores(key_scores, k)
+    keep = None if attention_mask is None else attention_mask.to(device=k.device, dtype=torch.bool)
+    dtype = accumulation_dtype(k)
+    with torch.no_grad(), autocast_disabled(k.device):
+        state = empty_sparse_state(k, v, kf, window, sinks, budget, batch, dtype)
+        grid = chunk_grid(k, k, window, chunk_size, dtype)
+        keys, values, key_features, keep_ext = extended_inputs(state.window, k, v, kf, keep, grid)
+        given = None
+        if key_scores is not None:
+            given = torch.cat([key_scores.new_zeros(batch, kv_heads, window - 1), key_scores], dim=2)[
+                :, :, :seq
+            ]
+        plan = _plan(
+            keys[:, :, :seq], values[:, :, :seq], key_features[:, :, :seq], keep_ext[:, :seq], state,
+            sinks=sinks, budget=budget, chunk=chunk_size, eps=eps, given_scores=given, final_only=True,
+        )  # fmt: skip
+        # The folded sums: every candidate folded before the call ends (no earlier state: no cache slot before).
+        folded = plan.eligible[:, None, :].expand(-1, kv_heads, -1) & (plan.fold_event[:, :, budget:] < seq)
+        features = key_features[:, :, :seq] * folded[..., None]
+        final_kv = state.window.kv + features.transpose(-1, -2) @ values[:, :, :seq]
+        final_k_sum = state.window.k_sum + features.sum(dim=2)
+        return _next_state(
+            state, plan, (keys, values, key_features, keep_ext), (k, v, kf), final_kv, final_k_sum,
+            sinks=sinks, budget=budget,
+        )  # fmt: skip
+
+
 def sparse_hybrid_exact_sets(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -227,8 +275,12 @@ def _plan(
     chunk: int,
     eps: float,
     given_scores: torch.Tensor | None = None,
+    final_only: bool = False,
 ) -> _Plan:
-    """Sinks, scores and fold events of the keys leaving the window in one call (each [B, Hkv, T, ·])."""
+    """Sinks, scores and fold events of the keys leaving the window in one call (each [B, Hkv, T, ·]).
+    `final_only`: only whether each candidate is folded by the call's end (event 0 if so, T if not): the
+    candidates then kept are the `budget` best of all (higher score, then earlier arrival), which the streaming
+    decisions end with whatever their order, found by one sort instead of the scan."""
     with torch.no_grad():
         count = leave_keep.long()
         rank = state.sink_keep.sum(dim=1, keepdim=True) + torch.cumsum(count, dim=1) - count
@@ -255,7 +307,15 @@ def _plan(
             scores = (values - recalled).square().sum(dim=-1)
         scores = scores.masked_fill(~eligible[:, None, :], float("-inf"))
         candidates = torch.cat([state.sparse_keep, eligible[:, None, :].expand_as(scores)], dim=2)
-        fold_event = _fold_events(torch.cat([state.sparse_scores, scores], dim=2), candidates, budget, chunk)
+        pooled = torch.cat([state.sparse_scores, scores], dim=2)
+        if final_only:
+            events = leave_keys.shape[2]
+            ranked = pooled.masked_fill(~candidates, float("-inf"))
+            best = torch.sort(ranked, dim=2, descending=True, stable=True).indices[..., :budget]
+            kept = torch.zeros_like(candidates).scatter_(2, best, True) & candidates
+            fold_event = torch.where(kept, events, 0)
+        else:
+            fold_event = _fold_events(pooled, candidates, budget, chunk)
     return _Plan(is_sink, eligible, scores, fold_event, reference_kv, reference_k_sum)
 
 
@@ -488,47 +548,72 @@ def _sparse_hybrid(
         out = out.reshape(batch, q_heads, seq, head_dim_v).to(q.dtype)
 
         # --- the next state ---
-        window_state = window_state_after(
-            keys, values, key_features, keep_ext, seq, kept, final_kv, final_k_sum, k, v, kf
-        )
-        # Sinks: the first S flagged among [the sink slots, the leaving keys], in order; empty slots zero.
-        sink_flags = torch.cat([state.sink_keep, plan.is_sink], dim=1)
-        sink_order = torch.sort(sink_flags.to(torch.uint8), dim=1, descending=True, stable=True).indices[
-            :, :sinks
-        ]
-        sink_keep = sink_flags.gather(1, sink_order)
-
-        def sink_slots(stored: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-            both = torch.cat([stored.to(dtype), new], dim=2)
-            index = sink_order[:, None, :, None].expand(-1, kv_heads, -1, both.shape[3])
-            return (both.gather(2, index) * sink_keep[:, None, :, None]).to(stored.dtype)
-
-        # Cache: the candidates never folded, oldest first, behind the empty slots; empty slots zero, −inf.
-        remaining = candidates & (plan.fold_event >= seq)
-        cache_order = torch.sort(remaining.to(torch.uint8), dim=2, stable=True).indices
-        cache_order = cache_order[:, :, cache_order.shape[2] - budget :]
-        sparse_keep = remaining.gather(2, cache_order)
-
-        def cache_slots(stored: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-            both = torch.cat([stored.to(dtype), new], dim=2)
-            index = cache_order[..., None].expand(-1, -1, -1, both.shape[3])
-            return (both.gather(2, index) * sparse_keep[..., None]).to(stored.dtype)
-
-        all_scores = torch.cat([state.sparse_scores, plan.scores], dim=2)
-        final = SparseHybridState(
-            window=window_state,
-            sink_keys=sink_slots(state.sink_keys, leave_keys),
-            sink_values=sink_slots(state.sink_values, leave_values),
-            sink_keep=sink_keep,
-            sparse_keys=cache_slots(state.sparse_keys, leave_keys),
-            sparse_values=cache_slots(state.sparse_values, leave_values),
-            sparse_key_features=cache_slots(state.sparse_key_features, leave_features),
-            sparse_keep=sparse_keep,
-            sparse_scores=all_scores.gather(2, cache_order).masked_fill(~sparse_keep, float("-inf")),
-            reference_kv=plan.reference_kv,
-            reference_k_sum=plan.reference_k_sum,
-        )
+        final = _next_state(
+            state, plan, (keys, values, key_features, keep_ext), (k, v, kf), final_kv, final_k_sum,
+            sinks=sinks, budget=budget,
+        )  # fmt: skip
     return out, final
+
+
+def _next_state(
+    state: SparseHybridState,
+    plan: _Plan,
+    extended: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    new: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    final_kv: torch.Tensor,
+    final_k_sum: torch.Tensor,
+    *,
+    sinks: int,
+    budget: int,
+) -> SparseHybridState:
+    """The state after a call from its plan: the last W − 1 extended tokens as the window, the first S sinks, and
+    the candidates never folded as the cache. `extended`: (keys, values, key features, keep flags) of the
+    extended sequence (:func:`~headkit.ops.hybrid.parallel.extended_inputs`); `new`: the call's k, v, φ(k)."""
+    keys, values, key_features, keep_ext = extended
+    k, v, kf = new
+    seq, kept, dtype, kv_heads = k.shape[2], state.window.keys.shape[2], keys.dtype, k.shape[1]
+    leave_keys, leave_values, leave_features = keys[:, :, :seq], values[:, :, :seq], key_features[:, :, :seq]
+    window_state = window_state_after(
+        keys, values, key_features, keep_ext, seq, kept, final_kv, final_k_sum, k, v, kf
+    )
+    # Sinks: the first S flagged among [the sink slots, the leaving keys], in order; empty slots zero.
+    sink_flags = torch.cat([state.sink_keep, plan.is_sink], dim=1)
+    sink_order = torch.sort(sink_flags.to(torch.uint8), dim=1, descending=True, stable=True).indices[
+        :, :sinks
+    ]
+    sink_keep = sink_flags.gather(1, sink_order)
+
+    def sink_slots(stored: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        both = torch.cat([stored.to(dtype), new], dim=2)
+        index = sink_order[:, None, :, None].expand(-1, kv_heads, -1, both.shape[3])
+        return (both.gather(2, index) * sink_keep[:, None, :, None]).to(stored.dtype)
+
+    # Cache: the candidates never folded, oldest first, behind the empty slots; empty slots zero, −inf.
+    candidates = torch.cat([state.sparse_keep, plan.eligible[:, None, :].expand(-1, kv_heads, -1)], dim=2)
+    remaining = candidates & (plan.fold_event >= seq)
+    cache_order = torch.sort(remaining.to(torch.uint8), dim=2, stable=True).indices
+    cache_order = cache_order[:, :, cache_order.shape[2] - budget :]
+    sparse_keep = remaining.gather(2, cache_order)
+
+    def cache_slots(stored: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        both = torch.cat([stored.to(dtype), new], dim=2)
+        index = cache_order[..., None].expand(-1, -1, -1, both.shape[3])
+        return (both.gather(2, index) * sparse_keep[..., None]).to(stored.dtype)
+
+    all_scores = torch.cat([state.sparse_scores, plan.scores], dim=2)
+    return SparseHybridState(
+        window=window_state,
+        sink_keys=sink_slots(state.sink_keys, leave_keys),
+        sink_values=sink_slots(state.sink_values, leave_values),
+        sink_keep=sink_keep,
+        sparse_keys=cache_slots(state.sparse_keys, leave_keys),
+        sparse_values=cache_slots(state.sparse_values, leave_values),
+        sparse_key_features=cache_slots(state.sparse_key_features, leave_features),
+        sparse_keep=sparse_keep,
+        sparse_scores=all_scores.gather(2, cache_order).masked_fill(~sparse_keep, float("-inf")),
+        reference_kv=plan.reference_kv,
+        reference_k_sum=plan.reference_k_sum,
+    )
 
 
 def check_key_scores(key_scores: torch.Tensor | None, k: torch.Tensor) -> None:
