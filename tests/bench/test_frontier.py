@@ -100,6 +100,16 @@ def test_speed_contexts_none_measures_the_quality_columns_only(tiny, tmp_path):
         assert single["second_turn"]["correct"] == batched["second_turn"]["correct"]
 
 
+def test_a_second_turn_no_prompt_can_hold_is_left_out(tiny, tmp_path):
+    """A second turn as long as the prompts: no key comes before it, so no second turn is asked (not an error)."""
+    out = tmp_path / "frontier"
+    options = [*TINY, "--budgets", "4", "--retrieval-head-counts", "0", "--second-turn-gap", "160"]
+    main(["bench", "frontier", "--model", str(tiny), "--methods", "compressed", *options, "--out", str(out)])
+    results = json.loads((out / "results.json").read_text())
+    assert results["second_turn_trials"] == 0
+    assert all(p["second_turn"] is None and p["passkey_160"]["trials"] == 2 for p in results["points"])
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_rows_measured_on_cuda_agree_with_the_cpu(tiny, tmp_path):
     """--device cuda: the same rows, converted on the CPU and measured on the GPU, score as on the CPU (float32;

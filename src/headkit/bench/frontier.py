@@ -577,10 +577,16 @@ def frontier_table(report: dict[str, Any]) -> str:
         f"{report['model']}: bfloat16 bytes of the decoding cache, batch 1; perplexity of the last "
         f"{report['scored_tokens']} tokens of {report['held_out_windows']} held-out windows read through the cache "
         f"({report['chunk']} tokens at a time), against the original's; passkey with the key beyond a "
-        f"{report['window']}-token window ({report['trials']} prompts per length, Wilson 95%); time to first token and milliseconds per "
-        f"decoded token at batch 1, eager path ({report.get('threads')} threads"
-        f"{'' if report.get('device', 'cpu') == 'cpu' else ', headkit rows on ' + report['device']})."
+        f"{report['window']}-token window ({report['trials']} prompts per length, Wilson 95%)"
     )
+    device = report.get("device", "cpu")
+    if speeds:
+        header += (
+            f"; time to first token and milliseconds per decoded token at batch 1, eager path "
+            f"({report.get('threads')} threads{'' if device == 'cpu' else ', headkit rows on ' + device})."
+        )
+    else:
+        header += "." if device == "cpu" else f"; headkit rows measured on {device}."
     best_rows = []
     for entry in best_per_budget(report):
         point = entry["point"]

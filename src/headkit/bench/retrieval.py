@@ -244,6 +244,8 @@ def retrieval_rates(
         model, tokenizer, trials, max_new_tokens=ANSWER_TOKENS, batch_tokens=batch_tokens
     )
     rates = passkey_rates(answers, trials, settings.lengths)
+    if not turns:  # no prompt of the longest length holds its key before a second turn of that many tokens
+        return rates | {"second_turn": None}
     answers = second_turn_passkeys(
         model, tokenizer, turns, gap=settings.second_turn_gap, max_new_tokens=ANSWER_TOKENS,
         batch_tokens=batch_tokens,
