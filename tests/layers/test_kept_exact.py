@@ -19,8 +19,9 @@ def reference(queries, keys, values, keep, scale, cached):
         for t in range(queries.shape[2]):
             position = cached + t
             seen = [j for j in range(position + 1) if keep[b, j] or j == position]
-            weights = torch.softmax(queries[b, :, t] @ keys[b, :, seen].transpose(-1, -2) * scale, dim=-1)
-            out[b, :, t] = (weights[:, None, :] @ values[b, :, seen])[:, 0]
+            scores = (queries[b, :, t, None, :] @ keys[b][:, seen].transpose(-1, -2))[:, 0] * scale
+            weights = torch.softmax(scores, dim=-1)
+            out[b, :, t] = (weights[:, None, :] @ values[b][:, seen])[:, 0]
     return out
 
 
