@@ -114,17 +114,7 @@ def test_a_second_turn_no_prompt_can_hold_is_left_out(tiny, tmp_path):
 def test_rows_measured_on_cuda_agree_with_the_cpu(tiny, tmp_path):
     """--device cuda: the same rows, converted on the CPU and measured on the GPU, score as on the CPU (float32;
     the GPU's reductions in another order)."""
-    options = [
-        *TINY,
-        "--budgets",
-        "4",
-        "--bits",
-        "4",
-        "--retrieval-head-counts",
-        "0,1",
-        "--speed-contexts",
-        "48",
-    ]
+    options = [*TINY, "--budgets", "4", "--bits", "4", "--retrieval-head-counts", "0,1", "--speed-contexts", "48"]  # fmt: skip
     methods = ["--methods", "quantized,compressed,compressed+quantized,latent"]
     reports = {}
     for device in ("cpu", "cuda"):

@@ -170,23 +170,17 @@ def causal_softmax(
     groups = queries.shape[1] // keys.shape[1]
     if total == seq and bool(new_keep.all()):
         # A prompt without padding: the causal kernel (flash on CPU and GPU), no [T, T] mask to build or read.
-        outputs = torch.nn.functional.scaled_dot_product_attention(
-            queries,
-            keys.repeat_interleave(groups, dim=1),
-            values.repeat_interleave(groups, dim=1),
-            is_causal=True,
-            scale=scale,
-        )
-        return outputs, (keys, values, new_keep)
-    rows = torch.arange(total - seq, total, device=queries.device)[:, None]
-    columns = torch.arange(total, device=queries.device)[None]
-    # A padded query sees itself (its output is never used), so that no row is empty.
-    visible = ((columns <= rows) & new_keep[:, None, None, :]) | (columns == rows)
+        masking: dict[str, Any] = {"is_causal": True}
+    else:
+        rows = torch.arange(total - seq, total, device=queries.device)[:, None]
+        columns = torch.arange(total, device=queries.device)[None]
+        # A padded query sees itself (its output is never used), so that no row is empty.
+        masking = {"attn_mask": ((columns <= rows) & new_keep[:, None, None, :]) | (columns == rows)}
     outputs = torch.nn.functional.scaled_dot_product_attention(
         queries,
         keys.repeat_interleave(groups, dim=1),
         values.repeat_interleave(groups, dim=1),
-        attn_mask=visible,
         scale=scale,
+        **masking,
     )
     return outputs, (keys, values, new_keep)

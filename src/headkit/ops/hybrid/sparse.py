@@ -174,25 +174,14 @@ def sparse_hybrid_state(
     §4: the prompt is read by the original attention, the cache compressed after it). Equal to that op's final
     state (the same plan, the same slots); its cost is the plan's, O(T · (S + G + C)), not the op's outputs'.
     Arguments as that op's (S + G > 0)."""
-    batch, kv_heads, seq = k.shape[:3]
+    kv_heads, seq = k.shape[1:3]
     if sinks + budget == 0:
         raise ValueError("sparse_hybrid_state needs sinks or a budget (S + G > 0)")
     check_key_scores(key_scores, k)
-    keep = None if attention_mask is None else attention_mask.to(device=k.device, dtype=torch.bool)
-    dtype = accumulation_dtype(k)
     with torch.no_grad(), autocast_disabled(k.device):
-        state = empty_sparse_state(k, v, kf, window, sinks, budget, batch, dtype)
-        grid = chunk_grid(k, k, window, chunk_size, dtype)
-        keys, values, key_features, keep_ext = extended_inputs(state.window, k, v, kf, keep, grid)
-        given = None
-        if key_scores is not None:
-            given = torch.cat([key_scores.new_zeros(batch, kv_heads, window - 1), key_scores], dim=2)[
-                :, :, :seq
-            ]
-        plan = _plan(
-            keys[:, :, :seq], values[:, :, :seq], key_features[:, :, :seq], keep_ext[:, :seq], state,
-            sinks=sinks, budget=budget, chunk=chunk_size, eps=eps, given_scores=given, final_only=True,
-        )  # fmt: skip
+        state, (keys, values, key_features, keep_ext), plan = _first_call(
+            k, v, kf, window, sinks, budget, attention_mask, chunk_size, eps, key_scores, final_only=True
+        )
         # The folded sums: every candidate folded before the call ends (no earlier state: no cache slot before).
         folded = plan.eligible[:, None, :].expand(-1, kv_heads, -1) & (plan.fold_event[:, :, budget:] < seq)
         features = key_features[:, :, :seq] * folded[..., None]
@@ -223,19 +212,9 @@ def sparse_hybrid_exact_sets(
     keep = torch.ones(batch, seq, dtype=torch.bool, device=k.device)
     if attention_mask is not None:
         keep = attention_mask.to(device=k.device, dtype=torch.bool)
-    dtype = accumulation_dtype(k)
+    kept = window - 1
     with torch.no_grad(), autocast_disabled(k.device):
-        state = empty_sparse_state(k, v, kf, window, sinks, budget, batch, dtype)
-        kept = window - 1
-        pad = (batch, kv_heads, kept)
-        keys = torch.cat([k.new_zeros(*pad, k.shape[3]), k], dim=2).to(dtype)
-        values = torch.cat([v.new_zeros(*pad, v.shape[3]), v], dim=2).to(dtype)
-        features = torch.cat([kf.new_zeros(*pad, kf.shape[3]), kf], dim=2).to(dtype)
-        keep_ext = torch.cat([keep.new_zeros(batch, kept), keep], dim=1)
-        plan = _plan(
-            keys[:, :, :seq], values[:, :, :seq], features[:, :, :seq], keep_ext[:, :seq], state,
-            sinks=sinks, budget=budget, chunk=chunk_size, eps=eps,
-        )  # fmt: skip
+        state, _, plan = _first_call(k, v, kf, window, sinks, budget, keep, chunk_size, eps)
         arrival, departure = _exact_intervals(plan, state, seq, sinks, budget, chunk_size)
     # Extra pool entry p = S + G + e is extended key e = original key e − (W − 1).
     queries = torch.arange(seq, device=k.device)
@@ -261,6 +240,38 @@ class _Plan(NamedTuple):
     fold_event: torch.Tensor  # [B, Hkv, G + T]: the event at which each cache candidate is folded (T: never)
     reference_kv: torch.Tensor
     reference_k_sum: torch.Tensor
+
+
+def _first_call(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kf: torch.Tensor,
+    window: int,
+    sinks: int,
+    budget: int,
+    attention_mask: torch.Tensor | None,
+    chunk: int,
+    eps: float,
+    key_scores: torch.Tensor | None = None,
+    *,
+    final_only: bool = False,
+) -> tuple[SparseHybridState, tuple[torch.Tensor, ...], _Plan]:
+    """(the empty state, the extended inputs, the plan) of a first call on these keys (no earlier state): what the
+    state-only and exact-set functions read instead of the op's outputs."""
+    batch, kv_heads, seq = k.shape[:3]
+    keep = None if attention_mask is None else attention_mask.to(device=k.device, dtype=torch.bool)
+    dtype = accumulation_dtype(k)
+    state = empty_sparse_state(k, v, kf, window, sinks, budget, batch, dtype)
+    extended = extended_inputs(state.window, k, v, kf, keep, chunk_grid(k, k, window, chunk, dtype))
+    keys, values, key_features, keep_ext = extended
+    given = None
+    if key_scores is not None:  # the window's empty slots score 0, as a call's inherited keys do
+        given = torch.cat([key_scores.new_zeros(batch, kv_heads, window - 1), key_scores], dim=2)[:, :, :seq]
+    plan = _plan(
+        keys[:, :, :seq], values[:, :, :seq], key_features[:, :, :seq], keep_ext[:, :seq], state,
+        sinks=sinks, budget=budget, chunk=chunk, eps=eps, given_scores=given, final_only=final_only,
+    )  # fmt: skip
+    return state, extended, plan
 
 
 def _plan(
