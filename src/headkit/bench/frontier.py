@@ -24,6 +24,10 @@ it reads), the time to first token and the decoding speed at each ``--speed-cont
 one forward of the prompt with the cache, the question's key choice included, then ``--decode-steps`` greedy
 steps; llama.cpp's prompt evaluation and single-token evaluations at the same lengths), and the conversion's
 seconds. Two plots: bytes against perplexity, bytes against passkey.
+
+``--device cuda`` measures the headkit rows on a GPU (each converted on the CPU first), ``--speed-contexts none``
+leaves the time columns out, and every row is appended to ``points.jsonl`` as it is measured, so a run stopped
+early keeps what it finished.
 """
 
 from __future__ import annotations
