@@ -352,15 +352,15 @@ def _measure(
     point |= _fast_speed(model, shared["speed_prompts"], settings, echo)
     point["seconds"] = time.perf_counter() - started
     echo(_rate_line(point, settings))
-    del model
     return point
 
 
-def save_progress(point: dict[str, Any], out: Path) -> None:
-    """Append a measured row to ``out``/points.jsonl as soon as it is measured: a run stopped before its end
-    (a session's time, a machine's lease) keeps the rows it finished. results.json is written at the end."""
-    out.mkdir(parents=True, exist_ok=True)
-    with (out / PROGRESS_FILE).open("a", encoding="utf-8") as file:
+def save_progress(point: dict[str, Any], progress: Path) -> None:
+    """Append a measured row to `progress` (the output folder's points.jsonl) as soon as it is measured: a run
+    stopped before its end (a session's time, a machine's lease) keeps the rows it finished. results.json is
+    written at the end."""
+    progress.parent.mkdir(parents=True, exist_ok=True)
+    with progress.open("a", encoding="utf-8") as file:
         file.write(json.dumps(point) + "\n")
 
 
@@ -752,14 +752,14 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
     points = []
     for row in rows:
         points.append(_measure(row, original, settings, shared, echo))
-        save_progress(points[-1], Path(settings.out))
+        save_progress(points[-1], progress)
     external = []
     if LLAMA_CPP in settings.methods:
         external += _llama_cpp_points(settings, shared, echo)
     if KVPRESS in settings.methods:
         external += _kvpress_points(compressed, model_path, settings, shared, echo)
     for point in external:
-        save_progress(point, Path(settings.out))
+        save_progress(point, progress)
     points += external
     return {
         "model": str(model_path),

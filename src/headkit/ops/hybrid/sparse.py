@@ -66,6 +66,7 @@ from headkit.ops._validation import (
     check_positive_int,
 )
 from headkit.ops.hybrid.parallel import (
+    ChunkGrid,
     HybridAttentionState,
     accumulation_dtype,
     chunk_grid,
@@ -258,20 +259,46 @@ def _first_call(
 ) -> tuple[SparseHybridState, tuple[torch.Tensor, ...], _Plan]:
     """(the empty state, the extended inputs, the plan) of a first call on these keys (no earlier state): what the
     state-only and exact-set functions read instead of the op's outputs."""
-    batch, kv_heads, seq = k.shape[:3]
     keep = None if attention_mask is None else attention_mask.to(device=k.device, dtype=torch.bool)
     dtype = accumulation_dtype(k)
-    state = empty_sparse_state(k, v, kf, window, sinks, budget, batch, dtype)
-    extended = extended_inputs(state.window, k, v, kf, keep, chunk_grid(k, k, window, chunk, dtype))
+    state = empty_sparse_state(k, v, kf, window, sinks, budget, k.shape[0], dtype)
+    grid = chunk_grid(k, k, window, chunk, dtype)
+    extended, plan = _planned(
+        state, k, v, kf, keep, grid, sinks, budget, chunk, eps, key_scores, final_only=final_only
+    )
+    return state, extended, plan
+
+
+def _planned(
+    state: SparseHybridState,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kf: torch.Tensor,
+    keep: torch.Tensor | None,
+    grid: ChunkGrid,
+    sinks: int,
+    budget: int,
+    chunk: int,
+    eps: float,
+    key_scores: torch.Tensor | None,
+    *,
+    final_only: bool = False,
+) -> tuple[tuple[torch.Tensor, ...], _Plan]:
+    """(the extended inputs, the plan) of a call continuing `state`: event e is extended key e leaving the
+    window, and the given scores are padded for the state's window keys."""
+    batch, kv_heads, seq = k.shape[:3]
+    extended = extended_inputs(state.window, k, v, kf, keep, grid)
     keys, values, key_features, keep_ext = extended
     given = None
-    if key_scores is not None:  # the window's empty slots score 0, as a call's inherited keys do
-        given = torch.cat([key_scores.new_zeros(batch, kv_heads, window - 1), key_scores], dim=2)[:, :, :seq]
+    if key_scores is not None:
+        # Extended key e < W − 1 is a key of the state's window: it scores 0 (module docstring).
+        stored = state.window.keys.shape[2]
+        given = torch.cat([key_scores.new_zeros(batch, kv_heads, stored), key_scores], dim=2)[:, :, :seq]
     plan = _plan(
         keys[:, :, :seq], values[:, :, :seq], key_features[:, :, :seq], keep_ext[:, :seq], state,
         sinks=sinks, budget=budget, chunk=chunk, eps=eps, given_scores=given, final_only=final_only,
     )  # fmt: skip
-    return state, extended, plan
+    return extended, plan
 
 
 def _plan(
@@ -468,26 +495,18 @@ def _sparse_hybrid(
     batch, kv_heads, groups, n_chunks, padded, block = (
         grid.batch, grid.kv_heads, grid.groups, grid.n_chunks, grid.padded, grid.block
     )  # fmt: skip
-    seq, kept, dtype, device = q.shape[2], window - 1, grid.dtype, q.device
+    seq, dtype, device = q.shape[2], grid.dtype, q.device
     q_heads, head_dim_v, features = q.shape[1], v.shape[3], qf.shape[3]
 
     with autocast_disabled(device):
-        keys, values, key_features, keep_ext = extended_inputs(base, k, v, kf, keep, grid)
+        extended, plan = _planned(state, k, v, kf, keep, grid, sinks, budget, chunk, eps, key_scores)
+        keys, values, key_features, keep_ext = extended
         # Event e (after query e − 1 … before query e + 1): extended key e leaves the window.
         leave_keys, leave_values, leave_features = (
             keys[:, :, :seq],
             values[:, :, :seq],
             key_features[:, :, :seq],
         )
-        leave_keep = keep_ext[:, :seq]
-        given = None
-        if key_scores is not None:
-            # Extended key e < W − 1 is a key of the state's window: it scores 0 (module docstring).
-            given = torch.cat([key_scores.new_zeros(batch, kv_heads, kept), key_scores], dim=2)[:, :, :seq]
-        plan = _plan(
-            leave_keys, leave_values, leave_features, leave_keep, state,
-            sinks=sinks, budget=budget, chunk=chunk, eps=eps, given_scores=given,
-        )  # fmt: skip
         queries = chunked_queries(q, grid)
         window_scores, window_values = window_block_scores(queries, keys, values, keep_ext, grid, scale)
 
