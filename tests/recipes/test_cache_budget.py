@@ -104,9 +104,18 @@ def test_retrieval_heads_are_counted_in_the_budget_and_refused_beyond_the_heads_
         HeadkitError, match=r"--kv-retrieval-heads must be at most 4 \(the key/value heads of"
     ):
         cache_plan(CONFIG, 1 / 8, 8192, retrieval_heads=5)
-    # 4 whole heads in 4 bits are 0.31 of the bytes: 1/8 cannot hold them
-    with pytest.raises(HeadkitError, match="or lower --kv-retrieval-heads"):
+    # 4 whole heads in 4 bits are 0.31 of the bytes: 1/8 cannot hold them, and the smallest cache named is the
+    # one of the fewest bits allowed (bfloat16's would be 1)
+    with pytest.raises(HeadkitError, match=r"\(0\.3125 of its bytes: .*4 retrieval heads whole, in 4 bits\)"):
         cache_plan(CONFIG, 1 / 8, 8192, retrieval_heads=4)
+    with pytest.raises(
+        HeadkitError, match=r"\(0\.5625 of its bytes: .*, in 8 bits\); .*or lower --kv-retriev"
+    ):
+        cache_plan(CONFIG, 1 / 8, 8192, bits=8, retrieval_heads=4)
+    with pytest.raises(
+        HeadkitError, match=r"\(0\.0004883 of its bytes: 4 sinks and one token per head, in bfloat16"
+    ):
+        cache_plan(CONFIG, 1e-5, 8192, bits=16)
 
 
 def _refused(args, capsys) -> str:

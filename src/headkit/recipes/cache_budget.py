@@ -212,11 +212,12 @@ def _most_tokens(
     4 bits (``--kv-bits``: in those bits only), whichever keeps the most tokens per head within `target` bytes
     (at most the context's; a tie goes to the more bits: fewer tokens dropped first, then the finer numbers)."""
     storages = [None, 8, 4] if bits is None else [None if bits == BFLOAT16_BITS else bits]
-    found = []
+    found, smallest = [], {}
     for storage in storages:
         tail = [] if storage is None else [QuantizedKVConfig(bits=storage)]
         if tail and _refused([_compressed(1, heads), *tail], model_config):
             continue
+        smallest[storage] = per_token([_compressed(1, heads), *tail]) / original
         tokens = largest_fitting(
             lambda n, tail=tail: [_compressed(max(n, 1), heads), *tail], per_token, target, context
         )
@@ -224,11 +225,14 @@ def _most_tokens(
             made = _compressed(max(tokens, 1), heads)
             found.append((min(context, made.sinks + made.window - 1 + made.budget), storage, [made, *tail]))
     if not found:
-        smallest = per_token([_compressed(1, heads)]) / original
+        # the smallest cache of the storages allowed: the fewest bits, unless the model refuses them
+        least = min(smallest, key=lambda storage: smallest[storage])
         whole = f", {len(heads)} retrieval heads whole" if heads else ""
+        stored = "bfloat16" if least is None else f"{least} bits"
         raise HeadkitError(
             f"--kv-budget {budget:.4g} is below the smallest cache this model can keep at {context} tokens "
-            f"({smallest:.4g} of its bytes: {SINKS} sinks and one token per head{whole}); raise it or "
+            f"({smallest[least]:.4g} of its bytes: {SINKS} sinks and one token per head{whole}, in {stored}); "
+            "raise it or "
             "--kv-budget-context" + (", or lower --kv-retrieval-heads" if heads else "")
         )
     # max keeps the first of equals: bfloat16 before 8 bits before 4
