@@ -226,6 +226,7 @@ def _most_tokens(
             found.append((min(context, made.sinks + made.window - 1 + made.budget), storage, [made, *tail]))
     if not found:
         # the smallest cache of the storages allowed: the fewest bits, unless the model refuses them
+        smallest = smallest or {None: per_token([_compressed(1, heads)]) / original}
         least = min(smallest, key=lambda storage: smallest[storage])
         whole = f", {len(heads)} retrieval heads whole" if heads else ""
         stored = "bfloat16" if least is None else f"{least} bits"
