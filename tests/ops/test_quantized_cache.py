@@ -256,17 +256,21 @@ def test_a_token_stored_into_its_slot_is_quantized_on_its_own_as_the_twin_does(b
         assert not mine[:, :, :5].any() and not mine[:, :, 6:].any()  # the other slots untouched
 
 
-def stored_ring(ring, bits):
-    """`ring` with its exact fields quantized per token, as a compressed cache stores them after a prompt."""
+def stored_ring(ring, bits, full_window=False):
+    """`ring` with its exact fields quantized per token, as a compressed cache stores them after a prompt (the
+    window's left as they are with `full_window`)."""
 
     def quantized(x):
         return quantize_values(x, bits=bits, group_size=8)
 
     if isinstance(ring, HybridRingState):
+        if full_window:
+            return ring._replace(keys=ring.keys.clone(), values=ring.values.clone())
         return ring._replace(keys=quantized(ring.keys), values=quantized(ring.values))
     names = ("sink_keys", "sink_values", "sparse_keys", "sparse_values")
     return ring._replace(
-        window=stored_ring(ring.window, bits), **{name: quantized(getattr(ring, name)) for name in names}
+        window=stored_ring(ring.window, bits, full_window),
+        **{name: quantized(getattr(ring, name)) for name in names},
     )
 
 
@@ -284,12 +288,15 @@ def stored_ring(ring, bits):
     ],
     ids=["recall", "question", "window-1-recall", "window-1-question", "plain", "sinks-only"],
 )
+@pytest.mark.parametrize("full_window", [False, True], ids=["", "full-precision-window"])
 def test_the_quantized_ring_step_stores_the_codes_of_the_eager_caches_rule(
-    dtype, bits, window, sinks, budget, question
+    dtype, bits, window, sinks, budget, question, full_window
 ):
     """store_ring_step_ (the new token quantized into its slot, a moved key's codes copied) against its twin, the
     eager cache's rule (every exact token requantized, a stored one matched to its codes): the same codes, scales
-    and zero points, bit for bit, step after step — keys entering sinks and kept slots included."""
+    and zero points, bit for bit, step after step — keys entering sinks and kept slots included. With the window
+    in full precision (`full_window`): the window as the unquantized step leaves it, and a key that left it
+    quantized from its numbers where it entered."""
     torch.manual_seed(0)
     batch, heads, kv_heads, dim, features, prompt, steps = 2, 4, 2, 16, 6, 9, 7
     q, k, v = (torch.randn(batch, h, prompt + steps, dim, dtype=dtype) for h in (heads, kv_heads, kv_heads))
@@ -308,12 +315,18 @@ def test_the_quantized_ring_step_stores_the_codes_of_the_eager_caches_rule(
         options = {"window": window}
         _, state = hybrid_attention(*first, balance, attention_mask=mask, output_final_state=True, **options)
     mine, twin = (
-        stored_ring(ring_from_state(state, prompt), bits),
-        stored_ring(ring_from_state(state, prompt), bits),
+        stored_ring(ring_from_state(state, prompt), bits, full_window),
+        stored_ring(ring_from_state(state, prompt), bits, full_window),
     )
     quantization = {"bits": bits, "group_size": 8}
+    plain = ring_from_state(state, prompt)  # unquantized: its window is what a full-precision window holds
     for t in range(prompt, prompt + steps):
         inputs = [x[:, :, t : t + 1] for x in (q, k, v, qf, kf)]
+        if sinks or budget:
+            scores = torch.zeros(batch, kv_heads, 1) if question else None
+            sparse_hybrid_attention_step_(*inputs, balance, plain, key_scores=scores, **options)
+        else:
+            hybrid_attention_step_(*inputs, balance, plain, **options)
         outputs = []
         for stored, store in ((mine, store_ring_step_), (twin, naive_store_ring_step_)):
             working = dequantized_ring(stored, **quantization)
@@ -327,5 +340,8 @@ def test_the_quantized_ring_step_stores_the_codes_of_the_eager_caches_rule(
         assert torch.equal(*outputs)
         for got, want in zip(state_tensors(mine), state_tensors(twin), strict=True):
             assert torch.equal(got, want), t
+        if full_window:
+            ours, unquantized = (r.window if sinks or budget else r for r in (mine, plain))
+            assert torch.equal(ours.keys, unquantized.keys) and torch.equal(ours.values, unquantized.values)
     if sinks:  # the test saw keys move: the sinks filled from the window
         assert bool(mine.sink_keep.all())

@@ -159,14 +159,16 @@ def test_the_compiled_sparse_ring_step_writes_its_slots_in_place(recall):
     assert temporaries({**fast, "reorder_for_locality": True}) & slot_shapes
 
 
-def test_the_compiled_quantized_ring_step_stores_the_eager_codes():
+@pytest.mark.parametrize("full_window", [False, True], ids=["", "full-precision-window"])
+def test_the_compiled_quantized_ring_step_stores_the_eager_codes(full_window):
     # Inductor's kernels for the quantized fixed buffers (dequantize, the op's step, the new token quantized into its
     # slot, a leaving key's codes copied into a sink or an empty kept slot) store the eager step's codes bit for bit:
     # the rounding, the scale rounded up (nextafter) and the 4-bit packing survive compilation. (float32: in bfloat16
     # attention reads the dequantized keys in float32, inductor fusing their cast to bfloat16 and back away where
     # eager rounds them, so its outputs are not eager's to the bit.)
     # The question's choice (a decoding step's keys score 0): which slot a key enters does not hang on the last bits
-    # of a score. A prompt of 3 tokens: every key that leaves the window in the 5 steps moves.
+    # of a score. A prompt of 3 tokens: every key that leaves the window in the 5 steps moves. With the window in
+    # full precision (`full_window`), a key that leaves it is quantized where it enters.
     torch.manual_seed(0)
     batch, heads, kv_heads, dim, features = 2, 4, 2, 16, 6
     window, sinks, budget, prompt, steps, bits = 4, 1, 3, 3, 5, 4
@@ -184,9 +186,11 @@ def test_the_compiled_quantized_ring_step_stores_the_eager_codes():
         def quantized(x):
             return quantize_values(x, bits=bits, group_size=8)
 
-        window_ring = ring.window._replace(
-            keys=quantized(ring.window.keys), values=quantized(ring.window.values)
-        )
+        window_ring = ring.window
+        if not full_window:
+            window_ring = window_ring._replace(
+                keys=quantized(window_ring.keys), values=quantized(window_ring.values)
+            )
         names = ("sink_keys", "sink_values", "sparse_keys", "sparse_values")
         return ring._replace(window=window_ring, **{name: quantized(getattr(ring, name)) for name in names})
 
@@ -206,7 +210,8 @@ def test_the_compiled_quantized_ring_step_stores_the_eager_codes():
     for t in range(prompt, prompt + steps):
         inputs = [x[:, :, t : t + 1] for x in (q, k, v, qf, kf)]
         torch.testing.assert_close(compiled(*inputs, mine), step(*inputs, eager), atol=1e-5, rtol=1e-5)
-    for got, want in zip(exact_leaves(mine), exact_leaves(eager), strict=True):  # codes, scales, zero points
+    quantized = {"window": not full_window}
+    for got, want in zip(exact_leaves(mine, **quantized), exact_leaves(eager, **quantized), strict=True):
         assert all(torch.equal(*pair) for pair in zip(got[1], want[1], strict=True)), got[0]
     for got, want in zip(state_tensors(mine), state_tensors(eager), strict=True):
         if got.is_floating_point():  # the linear sums: inductor's own order of additions
@@ -217,14 +222,18 @@ def test_the_compiled_quantized_ring_step_stores_the_eager_codes():
     assert bool((mine.sparse_order >= budget).all())  # every kept slot filled by a key that left the window
 
 
-def compressed_quantized(bits: int = 4, retrieval: bool = True) -> transformers.LlamaForCausalLM:
+def compressed_quantized(
+    bits: int = 4, retrieval: bool = True, full_window: bool = False
+) -> transformers.LlamaForCausalLM:
     """A compressed cache (window 4, a sink, 3 question-chosen keys; layer 0's key/value head 1 a retrieval head)
-    whose exact keys and values are stored in ``bits`` bits, per token in groups of 8 channels."""
+    whose exact keys and values are stored in ``bits`` bits, per token in groups of 8 channels (the window's in
+    full precision with `full_window`)."""
     model = tiny_llama()
     compressed = CompressedCacheConfig(
         window=4, sinks=1, budget=3, observation=2, retrieval_heads=((0, 1),) if retrieval else ()
     )
-    headkit.apply_(model, [compressed, QuantizedKVConfig(bits=bits, group_size=8)])
+    storage = QuantizedKVConfig(bits=bits, group_size=8, full_precision_window=full_window)
+    headkit.apply_(model, [compressed, storage])
     return model
 
 
@@ -250,6 +259,7 @@ FAST_MODELS = {
     "drop": lambda: linearized(sinks=1, budget=3, selection="question", fold=False),
     # the same kind of cache stored in 4 bits: codes, scales and zero points in the fixed buffers
     "quantized-retrieval": compressed_quantized,
+    "quantized-full-window": lambda: compressed_quantized(full_window=True),
     # latent keys/values (absorbed attention over one fixed buffer of rows), per-head rotary dims and RoRoPE's
     "latent": lambda: latent(rope_selection="norms"),
     "latent-rorope": lambda: latent(rope_selection="rorope"),
@@ -294,20 +304,23 @@ def test_fast_path_gives_eager_greedy_tokens_and_states(kind):
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("retrieval", [False, True], ids=["compressed", "retrieval-head"])
-def test_a_compressed_cache_stored_quantized_decodes_as_the_eager_cache_with_its_codes(bits, retrieval):
+@pytest.mark.parametrize("full_window", [False, True], ids=["", "full-precision-window"])
+def test_a_compressed_cache_stored_quantized_decodes_as_the_eager_cache_with_its_codes(
+    bits, retrieval, full_window
+):
     """[CompressedCacheConfig, QuantizedKVConfig] on the fast decoder: model.generate's greedy tokens (at 4 bits
     not those of the unquantized compressed cache), and fixed buffers that end holding the eager quantized cache's
     state. Layer 0's keys and values reach both by the same arithmetic: its codes, scales and zero points are the
     eager cache's bit for bit (a retrieval head's buffer in its first slots). A later layer's new keys differ from
     the eager ones in the last bits (the layer before attended through other kernels: the static buffers' step,
     another matmul order), as in the unquantized test above, and so do their scales and zero points: its
-    dequantized state is compared within that test's 1e-5, its codes within one step."""
-    model = compressed_quantized(bits, retrieval)
+    dequantized state is compared within that test's 1e-5, its codes within one step. A window kept in full
+    precision is compared with the rest of the state."""
+    model = compressed_quantized(bits, retrieval, full_window)
     ids, mask = prompts()
     expected = eager_greedy(model, ids, mask)
-    if (
-        bits == 4
-    ):  # 8 bits leave this model's greedy tokens as they were; the codes below show they are stored
+    if bits == 4 and not full_window:
+        # 8 bits leave this model's greedy tokens as they were; the codes below show they are stored
         unquantized = tiny_llama()
         headkit.apply_(unquantized, recorded_configs(model)[0])
         assert not torch.equal(eager_greedy(unquantized, ids, mask), expected), "the bits change nothing here"
@@ -320,7 +333,10 @@ def test_a_compressed_cache_stored_quantized_decodes_as_the_eager_cache_with_its
     for index, (layer, eager) in enumerate(zip(cache.layers, eager_cache.layers, strict=True)):
         assert isinstance(layer, QuantizedRingHybridStateCacheLayer)
         assert isinstance(eager, QuantizedHybridStateCacheLayer)
-        stored, eager_stored = dict(exact_leaves(layer.state)), dict(exact_leaves(eager.state))
+        stored, eager_stored = (
+            dict(layer.quantized_fields(layer.state)),
+            dict(eager.quantized_fields(eager.state)),
+        )
         assert stored.keys() == eager_stored.keys() and stored
         for path, quantized in stored.items():
             got, want = (QuantizedTensor(*(x[..., : eager_stored[path].codes.shape[-2], :] for x in quantized)),

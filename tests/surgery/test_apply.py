@@ -58,6 +58,7 @@ CONFIGS = [
         retrieval_heads=((1, 0),),
     ),  # fmt: skip
     QuantizedKVConfig(bits=4, group_size=8, residual=16),
+    QuantizedKVConfig(bits=8, full_precision_window=True),
 ]
 
 

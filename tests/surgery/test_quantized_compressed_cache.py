@@ -41,6 +41,9 @@ RETRIEVAL = CompressedCacheConfig(window=4, sinks=1, budget=3, observation=2, re
 EVERYTHING = CompressedCacheConfig(window=64, sinks=0, budget=0, observation=2)
 INT8 = QuantizedKVConfig(bits=8, group_size=8, residual=8)
 INT4 = QuantizedKVConfig(bits=4, group_size=8, residual=8)
+# The same, each compressed head's window kept in full precision.
+INT8_WINDOW = QuantizedKVConfig(bits=8, group_size=8, full_precision_window=True)
+INT4_WINDOW = QuantizedKVConfig(bits=4, group_size=8, full_precision_window=True)
 # What quantization may cost these models' logits (random weights, logits about 1 in size), as for a stock cache.
 BOUND = {8: 5e-3, 4: 5e-2}
 
@@ -70,16 +73,19 @@ def exact_fields(state):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("chunk", [1, 3])
 @pytest.mark.parametrize("compressed", [COMPRESSED, RETRIEVAL], ids=["compressed", "retrieval-head"])
+@pytest.mark.parametrize("full_window", [False, True], ids=["", "full-precision-window"])
 def test_the_quantized_path_is_the_compressed_cache_on_the_dequantized_keys_and_values(
-    bits, chunk, compressed
+    bits, chunk, compressed, full_window
 ):
     """The naive twin: the unquantized compressed cache handed the dequantized state. Same logits at every step;
-    after it, the states differ only in the new tokens, each within half its group's scale (the quantization's
-    error), and every token stored before keeps its dequantized numbers exactly: quantized once."""
+    after it, the states differ only in the new tokens (with a full-precision window: the tokens that left it),
+    each within half its group's scale (the quantization's error), and every token stored before keeps its
+    dequantized numbers exactly: quantized once. A full-precision window is the twin's, exactly."""
     original = family_model("llama")
     plain, model = copy.deepcopy(original), copy.deepcopy(original)
     headkit.apply_(plain, compressed)
-    headkit.apply_(model, [compressed, QuantizedKVConfig(bits=bits, group_size=8)])
+    storage = QuantizedKVConfig(bits=bits, group_size=8, full_precision_window=full_window)
+    headkit.apply_(model, [compressed, storage])
     tokens = family_inputs(length=30)
     with torch.no_grad():
         cache = output_cache(model(tokens[:, :12], use_cache=True))
@@ -96,11 +102,18 @@ def test_the_quantized_path_is_the_compressed_cache_on_the_dequantized_keys_and_
             reference = plain(new, **cache_keyword(twin), use_cache=True).logits
             assert torch.equal(ours, reference), t
             for mine, theirs in zip(cache.layers, twin.layers, strict=True):
-                stored = exact_fields(mine.state)
+                stored = dict(mine.quantized_fields(mine.state))
+                kept_whole = set(exact_fields(mine.state)) - set(stored)
+                assert {path[-2:] for path in kept_whole} == (
+                    {("window", "keys"), ("window", "values")} if full_window else set()
+                )
                 for path, values in exact_fields(mine.dequantized()).items():
                     exact = exact_fields(theirs.state)[path]
+                    if path in kept_whole:
+                        assert torch.equal(values, exact), (t, path)
+                        continue
                     changed = (values != exact).any(-1)  # [B, H, slots]
-                    # at most the new tokens are quantized: the window's newest slots
+                    # at most the new tokens are quantized: the window's newest slots (or those that left it)
                     assert int(changed.sum(-1).max()) <= new.shape[1], (t, path)
                     half_step = stored[path].scale.amax(-1, keepdim=True) / 2
                     assert ((values - exact).abs() <= half_step * (1 + 1e-5) + 1e-7).all(), (t, path)
@@ -132,6 +145,42 @@ def test_cached_decoding_is_the_uncached_forward_within_the_quantization_error(m
     assert 0 < added[8] <= BOUND[8] and added[4] <= BOUND[4], added
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_a_full_precision_window_reads_a_prompt_it_holds_as_the_compressed_cache_does(model_type):
+    """A chat shorter than the window, through [CompressedCacheConfig, QuantizedKVConfig(4 bits,
+    full_precision_window)]: the logits of the compressed cache alone, bit for bit, prompt and decoding steps —
+    nothing it attends is quantized —, where the 4-bit composition without it drifts. Longer, the window's tokens
+    are exact and the rest within the quantization's error."""
+    tokens = family_inputs(length=40)
+    _, alone = converted(model_type, EVERYTHING)
+    _, whole_window = converted(model_type, EVERYTHING, INT4_WINDOW)
+    _, quantized = converted(model_type, EVERYTHING, INT4)
+    reference = stepwise_logits(alone, tokens)[0]
+    mine, cache = stepwise_logits(whole_window, tokens)
+    assert torch.equal(mine, reference)
+    assert all(layer.quantized_bytes() == 0 for layer in cache.layers)  # the window holds every token
+    assert float((stepwise_logits(quantized, tokens)[0] - reference).abs().max()) > 1e-3
+    _, compressed = converted(model_type, COMPRESSED)
+    _, dropped = converted(model_type, COMPRESSED, INT4_WINDOW)
+    error = float((stepwise_logits(dropped, tokens)[0] - stepwise_logits(compressed, tokens)[0]).abs().max())
+    assert 0 < error <= BOUND[4]
+
+
+def test_a_full_precision_window_needs_a_compressed_cache_before_it_refused_in_one_line():
+    model = family_model("llama")
+    before = state_of(model)
+    for steps in ([INT4_WINDOW], [PruneConfig(heads={0: [0]}), INT4_WINDOW]):
+        with pytest.raises(
+            HeadkitError, match="full_precision_window keeps a compressed cache's window"
+        ) as refused:
+            headkit.apply_(model, steps)
+        assert "\n" not in str(refused.value)
+    with pytest.raises(HeadkitError, match="full_precision_window must be True or False, got 1"):
+        QuantizedKVConfig(bits=4, full_precision_window=1)
+    assert not getattr(model.config, "headkit_surgery", None)
+    assert all(torch.equal(before[k], v) for k, v in state_of(model).items())
+
+
 def test_padded_rows_decode_as_each_alone_beam_search_runs_and_it_reloads_identically(tmp_path):
     """Each token is quantized alone (per token), so a left-padded row stores its real tokens as it does alone."""
     _, model = converted("llama", COMPRESSED, INT4)
@@ -150,7 +199,8 @@ def test_padded_rows_decode_as_each_alone_beam_search_runs_and_it_reloads_identi
     model.save_pretrained(tmp_path)
     reloaded = headkit.from_pretrained(tmp_path)
     assert [type(c) for c in recorded_configs(reloaded)] == [CompressedCacheConfig, QuantizedKVConfig]
-    assert [m.quantized_storage for m in linearized_modules(reloaded)] == [(4, 8), (4, 8)]
+    storage = {"bits": 4, "group_size": 8, "full_precision_window": False}
+    assert [m.quantized_storage for m in linearized_modules(reloaded)] == [storage, storage]
     tokens = family_inputs(length=30)
     assert torch.equal(stepwise_logits(reloaded, tokens)[0], stepwise_logits(model, tokens)[0])
     with torch.no_grad():
@@ -159,15 +209,18 @@ def test_padded_rows_decode_as_each_alone_beam_search_runs_and_it_reloads_identi
 
 def stored_bytes(model, context):
     """Bytes the cache stores after a prompt of `context` tokens: the compressed layers' quantized keys and values
-    (codes, scales, zero points), a layer left alone its keys and values."""
+    (codes, scales, zero points) and a window kept in full precision, a layer left alone its keys and values."""
     with torch.no_grad():
         cache = output_cache(model(torch.zeros(1, context, dtype=torch.long), use_cache=True))
-    return sum(
-        layer.quantized_bytes()
-        if isinstance(layer, QuantizedHybridStateCacheLayer)
-        else layer.keys.numel() * layer.keys.element_size() * 2
-        for layer in cache.layers
-    )
+    stored = 0
+    for layer in cache.layers:
+        if not isinstance(layer, QuantizedHybridStateCacheLayer):
+            stored += layer.keys.numel() * layer.keys.element_size() * 2
+            continue
+        quantized = dict(layer.quantized_fields(layer.state))
+        whole = [t for path, t in exact_leaves(layer.state) if path not in quantized]
+        stored += layer.quantized_bytes() + sum(t.numel() * t.element_size() for t in whole)
+    return stored
 
 
 @pytest.mark.parametrize(
@@ -178,8 +231,20 @@ def stored_bytes(model, context):
         ("llama", [CompressedCacheConfig(window=4, sinks=1, budget=3, retrieval_heads=((0, 1),)), INT4]),
         ("llama", [PruneConfig(heads={0: [0, 1]}), COMPRESSED, INT4]),
         ("gemma2", [COMPRESSED, INT8]),  # its sliding layer left alone
+        ("llama", [COMPRESSED, INT4_WINDOW]),
+        ("llama", [RETRIEVAL, INT8_WINDOW]),  # the retrieval head, which has no window, all quantized
+        ("gemma2", [COMPRESSED, INT4_WINDOW]),
     ],
-    ids=["int8", "int4", "retrieval-int4", "prune-int4", "gemma2-int8"],
+    ids=[
+        "int8",
+        "int4",
+        "retrieval-int4",
+        "prune-int4",
+        "gemma2-int8",
+        "int4-window",
+        "retrieval-int8-window",
+        "gemma2-int4-window",
+    ],  # fmt: skip
 )
 def test_bytes_per_token_from_the_configs_are_the_bytes_stored(model_type, steps):
     original = family_model(model_type)
@@ -198,6 +263,10 @@ def test_bytes_per_token_from_the_configs_are_the_bytes_stored(model_type, steps
     if model_type == "llama":
         assert bytes_per_token(original.config, [COMPRESSED, INT8], context=40) * 40 == 2 * 2 * 7 * 2 * (
             16 + 8
+        )
+        # the window's 3 slots in full precision: 2 · 16 numbers of 2 bytes
+        assert bytes_per_token(original.config, [COMPRESSED, INT8_WINDOW], context=40) * 40 == 2 * 2 * (
+            4 * 2 * (16 + 8) + 3 * 2 * 16 * 2
         )
     unquantized = bytes_per_token(original.config, steps[:-1])
     assert bytes_per_token(model.config) < unquantized
@@ -233,7 +302,8 @@ def test_orders_that_cannot_be_replayed_are_refused_in_one_line_before_any_work(
     # after a linearization too (its exact sets stored quantized)
     linearized = family_model("llama")
     headkit.apply_(linearized, [LinearizeConfig(window=4, sinks=1, budget=2), INT8])
-    assert [m.quantized_storage for m in linearized_modules(linearized)] == [(8, 8), (8, 8)]
+    storage = {"bits": 8, "group_size": 8, "full_precision_window": False}
+    assert [m.quantized_storage for m in linearized_modules(linearized)] == [storage, storage]
     stepwise_logits(linearized, family_inputs(length=20))
 
 
@@ -243,8 +313,9 @@ def test_orders_that_cannot_be_replayed_are_refused_in_one_line_before_any_work(
         [LinearizeConfig(window=4, sinks=1, budget=2), INT8],
         [LinearizeConfig(window=4, retrieval_heads=((1, 0),)), INT4],
         [LinearizeConfig(window=4, layers=(0,)), INT4],  # layer 1 keeps its cache, unquantized
+        [LinearizeConfig(window=4, sinks=1, budget=2), INT8_WINDOW],
     ],
-    ids=["int8", "retrieval-int4", "one-layer-int4"],
+    ids=["int8", "retrieval-int4", "one-layer-int4", "int8-window"],
 )
 def test_a_quantized_linearized_states_bytes_per_token_are_the_bytes_stored(steps):
     """The exact keys and values as quantized codes, scales and zero points; the linear state and its
@@ -261,7 +332,7 @@ def test_a_quantized_linearized_states_bytes_per_token_are_the_bytes_stored(step
                 measured += 2 * layer.keys.numel() * layer.keys.element_size()
                 continue
             full = layer.dequantized()
-            exact = sum(t.numel() for _, t in exact_leaves(full))
+            exact = sum(t.numel() for _, t in layer.quantized_fields(full))
             rest = sum(t.numel() for t in state_tensors(full) if t.is_floating_point()) - exact
             measured += layer.quantized_bytes() + rest * 4
         for config, applied in ((original.config, steps), (model.config, [])):
@@ -271,16 +342,17 @@ def test_a_quantized_linearized_states_bytes_per_token_are_the_bytes_stored(step
 
 
 def test_the_fast_decoder_decodes_a_quantized_compressed_cache_and_refuses_a_quantized_stock_cache():
-    """The compressed cache stored in 8 bits decodes on the fast decoder as model.generate decodes it (the
-    runtime tests compare the buffers); a stock model's KIVI cache (QuantizedKVConfig alone), which its static cache
-    cannot hold, is refused in one line naming the model."""
+    """The compressed cache stored in 8 bits (and in 4 with its window in full precision) decodes on the fast
+    decoder as model.generate decodes it (the runtime tests compare the buffers); a stock model's KIVI cache
+    (QuantizedKVConfig alone), which its static cache cannot hold, is refused in one line naming the model."""
     from headkit.runtime.fast import FastDecoder
 
-    _, model = converted("llama", COMPRESSED, INT8)
     prompt = family_inputs(batch=1, length=9)
-    with torch.no_grad():
-        expected = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert torch.equal(FastDecoder(model, compile=False).generate(prompt, max_new_tokens=6), expected)
+    for storage in (INT8, INT4_WINDOW):
+        _, model = converted("llama", COMPRESSED, storage)
+        with torch.no_grad():
+            expected = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(FastDecoder(model, compile=False).generate(prompt, max_new_tokens=6), expected)
     _, stock = converted("llama", INT8)
     with pytest.raises(HeadkitError, match=r"model: .* keeps its key/value cache quantized \(QuantizedKVConfig\).*"
                        r"decode it with model\.generate") as refused:  # fmt: skip
@@ -305,11 +377,15 @@ def test_a_token_moved_from_the_window_to_the_kept_keys_keeps_its_codes():
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("compressed", [COMPRESSED, RETRIEVAL], ids=["compressed", "retrieval-head"])
-def test_a_decoding_step_stores_what_quantizing_the_whole_state_again_stores(monkeypatch, bits, compressed):
+@pytest.mark.parametrize("full_window", [False, True], ids=["", "full-precision-window"])
+def test_a_decoding_step_stores_what_quantizing_the_whole_state_again_stores(
+    monkeypatch, bits, compressed, full_window
+):
     """The eager step stores only what it wrote (the new token, a key's codes moved with it): bit for bit what
     :meth:`QuantizedHybridStateCacheLayer._quantized` — every exact token matched to its stored codes or
     quantized anew — gives for the same step, at every step and layer, padded rows included."""
-    _, model = converted("llama", compressed, QuantizedKVConfig(bits=bits, group_size=8))
+    storage = QuantizedKVConfig(bits=bits, group_size=8, full_precision_window=full_window)
+    _, model = converted("llama", compressed, storage)
     tokens = family_inputs(batch=2, length=24)
     mask = torch.ones_like(tokens)
     mask[1, :3] = 0  # a left-padded row

@@ -33,7 +33,11 @@ cache): those keys and values held as codes with per-token scales
 op then attends to them exactly as the unquantized cache would to the dequantized numbers. A token is quantized
 when it is stored: at the end of a prompt (or of each chunk of one) and at each decoding step. No full-precision
 residual: a token's group is itself, so nothing waits for a group to fill (the step's own new token is attended in
-full precision, as it is not stored yet).
+full precision, as it is not stored yet). Unless it is configured with ``full_precision_window``: then the window
+ring — the newest W − 1 tokens, KIVI's full-precision residual for a cache whose newest tokens are its window —
+stays in full precision, and a token is quantized when it leaves the window for a sink or a kept slot (a retrieval
+head's whole cache, which has no window, is quantized when stored). A prompt no longer than the window is then
+attended exactly as the unquantized cache attends it.
 """
 
 from __future__ import annotations
@@ -50,6 +54,7 @@ from headkit.layers.hybrid import (
     SplitHeadsRing,
     SplitHeadsState,
 )
+from headkit.ops.hybrid import HybridAttentionState, HybridRingState
 from headkit.ops.hybrid.quantized import dequantized_ring, store_ring_step_
 from headkit.ops.quantized_cache import (
     QuantizedTensor,
@@ -166,18 +171,25 @@ class QuantizedKVCacheLayer(StateCacheLayer):
 # [B, H, slots, D]: the window ring's, the sinks', the kept keys', the exact heads' full cache. Key features, flags,
 # scores and linear sums are the op's bookkeeping and stay as they are.
 EXACT_FIELDS = frozenset({"keys", "values", "sink_keys", "sink_values", "sparse_keys", "sparse_values"})
+# The states whose keys and values are a window's (the newest W − 1 tokens), as a prompt's result or as a ring.
+WINDOW_STATES = (HybridAttentionState, HybridRingState)
 
 
-def exact_leaves(state: Any, path: tuple[str, ...] = ()) -> list[tuple[tuple[str, ...], Any]]:
-    """(path, leaf) of every exact field of a (nested) state: a tensor, or a QuantizedTensor where stored."""
+def exact_leaves(
+    state: Any, path: tuple[str, ...] = (), *, window: bool = True
+) -> list[tuple[tuple[str, ...], Any]]:
+    """(path, leaf) of every exact field of a (nested) state: a tensor, or a QuantizedTensor where stored.
+    ``window`` False: the window's keys and values left out (a cache that keeps them in full precision)."""
     if state is None or isinstance(state, torch.Tensor | QuantizedTensor):
         return []
     leaves = []
+    in_window = isinstance(state, WINDOW_STATES)
     for name, value in zip(state._fields, state, strict=True):
         if name in EXACT_FIELDS and isinstance(value, torch.Tensor | QuantizedTensor):
-            leaves.append(((*path, name), value))
+            if window or not in_window:
+                leaves.append(((*path, name), value))
         elif hasattr(value, "_fields"):
-            leaves += exact_leaves(value, (*path, name))
+            leaves += exact_leaves(value, (*path, name), window=window)
     return leaves
 
 
@@ -201,7 +213,8 @@ class QuantizedHybridStateCacheLayer(HybridStateCacheLayer):
     It holds what :class:`~headkit.layers.hybrid.HybridStateCacheLayer` holds — the op's buffers, the window as a
     ring — with every exact field (:data:`EXACT_FIELDS`) a :class:`~headkit.ops.quantized_cache.QuantizedTensor`
     (codes [B, H, slots, D · bits / 8], scale and zero point [B, H, slots, D / group_size], batch first, so beam
-    search reorders the codes themselves). Every read — :meth:`get_state` for a prompt, :meth:`buffers` for a
+    search reorders the codes themselves) — but the window's keys and values where ``full_precision_window`` is set
+    (module docstring). Every read — :meth:`get_state` for a prompt, :meth:`buffers` for a
     decoding step — dequantizes into a fresh full-precision state; every write — :meth:`set_state`,
     :meth:`stepped` — quantizes, a token already stored keeping its codes
     (:func:`~headkit.ops.quantized_cache.quantize_tokens`). The eager cache; the fast decoder's is
@@ -213,20 +226,33 @@ class QuantizedHybridStateCacheLayer(HybridStateCacheLayer):
         super().__init__()
         self.bits: int | None = None
         self.group_size: int | None = None
+        self.full_precision_window = False
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(seen_tokens={self.seen_tokens}, bits={self.bits}, group_size={self.group_size})"
+        return (
+            f"{type(self).__name__}(seen_tokens={self.seen_tokens}, bits={self.bits}, group_size={self.group_size}, "
+            f"full_precision_window={self.full_precision_window})"
+        )
 
-    def configure(self, *, bits: int, group_size: int) -> QuantizedHybridStateCacheLayer:
+    def configure(
+        self, *, bits: int, group_size: int, full_precision_window: bool = False
+    ) -> QuantizedHybridStateCacheLayer:
         """Set the quantization (once: a layer holding tokens keeps the settings it stored them with)."""
+        settings = (bits, group_size, full_precision_window)
         if self.bits is None:
-            self.bits, self.group_size = bits, group_size
-        elif (self.bits, self.group_size) != (bits, group_size):
+            self.bits, self.group_size, self.full_precision_window = settings
+        elif (self.bits, self.group_size, self.full_precision_window) != settings:
             raise HeadkitError(
-                f"this cache layer quantizes with bits={self.bits}, group_size={self.group_size}; it cannot switch "
-                f"to bits={bits}, group_size={group_size} (start from an empty cache)"
+                f"this cache layer quantizes with bits={self.bits}, group_size={self.group_size}, "
+                f"full_precision_window={self.full_precision_window}; it cannot switch to bits={bits}, "
+                f"group_size={group_size}, full_precision_window={full_precision_window} (start from an empty "
+                "cache)"
             )
         return self
+
+    def quantized_fields(self, state: Any) -> list[tuple[tuple[str, ...], Any]]:
+        """The fields this layer stores quantized: every exact field, the window's unless kept in full precision."""
+        return exact_leaves(state, window=not self.full_precision_window)
 
     def get_state(self) -> Any:
         if self.state is None or not self.is_initialized:
@@ -281,7 +307,9 @@ class QuantizedHybridStateCacheLayer(HybridStateCacheLayer):
         # Every stored token of the same rows, whichever field it sits in (a window key becomes a sink): one table
         # per shape of rows.
         tables: dict[tuple[Any, ...], list[tuple[QuantizedTensor, torch.Tensor]]] = {}
-        for _, leaf in exact_leaves(self.state) if self.state is not None and self.is_initialized else []:
+        for _, leaf in (
+            self.quantized_fields(self.state) if self.state is not None and self.is_initialized else []
+        ):
             values = self._dequantize(leaf)
             tables.setdefault((*values.shape[:-2], values.shape[-1], values.dtype), []).append((leaf, values))
         joined = {
@@ -294,7 +322,7 @@ class QuantizedHybridStateCacheLayer(HybridStateCacheLayer):
             for key, found in tables.items()
         }
         leaves = {}
-        for path, tensor in exact_leaves(buffers):
+        for path, tensor in self.quantized_fields(buffers):
             table, values = joined.get((*tensor.shape[:-2], tensor.shape[-1], tensor.dtype), (None, None))
             leaves[path] = quantize_tokens(tensor, stored=table, stored_values=values, **options)
         return _replaced(buffers, leaves)
@@ -304,20 +332,22 @@ class QuantizedHybridStateCacheLayer(HybridStateCacheLayer):
 
     def dequantized(self) -> Any:
         """The buffers with every exact field dequantized (new tensors where quantized, the stored ones else)."""
-        leaves = {path: self._dequantize(leaf) for path, leaf in exact_leaves(self.state)}
+        leaves = {path: self._dequantize(leaf) for path, leaf in self.quantized_fields(self.state)}
         return _replaced(self.state, leaves)
 
     def quantized_bytes(self) -> int:
         """Bytes of the quantized keys and values: codes, scales and zero points (what
         :meth:`headkit.surgery.quantized_cache.QuantizedKVConfig.bytes_per_token` counts)."""
-        return sum(t.numel() * t.element_size() for _, leaf in exact_leaves(self.state) for t in leaf)
+        return sum(
+            t.numel() * t.element_size() for _, leaf in self.quantized_fields(self.state) for t in leaf
+        )
 
     def state_bytes(self) -> int:
         """Bytes of the state as the op defines it (:meth:`HybridStateCacheLayer.state_bytes`), its exact keys and
         values counted as stored: quantized."""
         if self.state is None or not self.is_initialized:
             return 0
-        full = sum(t.numel() * t.element_size() for _, t in exact_leaves(self.dequantized()))
+        full = sum(t.numel() * t.element_size() for _, t in self.quantized_fields(self.dequantized()))
         return super().state_bytes() - full + self.quantized_bytes()
 
 

@@ -317,7 +317,7 @@ class FastDecoder:
         self.latent = sorted(
             module.layer_idx for module in self.model.modules() if isinstance(module, LatentKVHeads)
         )
-        # (bits, group_size) of the linearized layers whose exact keys and values are stored quantized.
+        # The storage settings of the linearized layers whose exact keys and values are stored quantized.
         self.quantized_storage = {
             module.layer_idx: module.quantized_storage
             for module in self.model.modules()
@@ -384,8 +384,7 @@ class FastDecoder:
         stores them (quantized after a QuantizedKVConfig: the eager cache's codes, in fixed buffers)."""
         if index not in self.quantized_storage:
             return RingHybridStateCacheLayer()
-        bits, group_size = self.quantized_storage[index]
-        return QuantizedRingHybridStateCacheLayer().configure(bits=bits, group_size=group_size)
+        return QuantizedRingHybridStateCacheLayer().configure(**self.quantized_storage[index])
 
     def _compile_options(self) -> dict[str, Any]:
         config = self.compile_config  # its to_dict() deep-copies: a backend object would be a copy

@@ -212,8 +212,9 @@ class LinearizedHeads(HybridHeads):
         )  # fmt: skip
         self.feature_map_name, self.feature_dim = feature_map, feature_dim
         self.layer_idx = layer_idx
-        # (bits, group_size) where the exact keys and values are stored quantized (QuantizedKVConfig after it).
-        self.quantized_storage: tuple[int, int] | None = None
+        # QuantizedHybridStateCacheLayer.configure's settings (bits, group_size, full_precision_window) where the
+        # exact keys and values are stored quantized (QuantizedKVConfig after it).
+        self.quantized_storage: dict[str, Any] | None = None
         self.build_hybrid_heads(
             num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, window=window, chunk_size=chunk_size,
             scale=scale, feature_map=feature_map, feature_dim=feature_dim, fold=fold, dtype=dtype, device=device,
@@ -249,14 +250,20 @@ class LinearizedHeads(HybridHeads):
 
     @torch.no_grad()
     def state_bytes(
-        self, context: int = 1, *, bytes_per_number: int | None = None, token_bytes: float | None = None
+        self,
+        context: int = 1,
+        *,
+        bytes_per_number: int | None = None,
+        token_bytes: float | None = None,
+        full_precision_window: bool = False,
     ) -> float:
         """Bytes of this layer's decoding state for one sequence after `context` tokens: constant for the
         converted heads (their tensors have their final sizes from the first token on), growing with the context
         for the exact heads. `bytes_per_number`: count the state's floating-point numbers at that many bytes each
         and leave out its bookkeeping (slot positions, flags), as a cache's bytes per token are counted (None:
         every tensor at its own size); with it, `token_bytes`: what one head's key and value of one token cost
-        where the exact keys and values are stored quantized (:class:`~headkit.surgery.QuantizedKVConfig`)."""
+        where the exact keys and values are stored quantized (:class:`~headkit.surgery.QuantizedKVConfig`), and
+        `full_precision_window`: the window's keys and values then kept at `bytes_per_number` a number."""
         weight = self.log_balance
         heads, kv_heads = self.exact.linear_query_heads, list(self.linear_heads)
         queries = weight.new_zeros(1, len(heads), 1, self.head_dim)
@@ -290,7 +297,7 @@ class LinearizedHeads(HybridHeads):
             numbers = sum(t.numel() for t in state_tensors(state) if t.is_floating_point())
             return numbers * bytes_per_number + exact
         # the exact keys and values stored at `token_bytes` a (head, token), the rest at bytes_per_number
-        leaves = exact_leaves(state)
+        leaves = exact_leaves(state, window=not full_precision_window)
         kept = sum(t.numel() for _, t in leaves) // (2 * self.head_dim)  # a key and a value a slot
         numbers = sum(t.numel() for t in state_tensors(state) if t.is_floating_point())
         numbers -= sum(t.numel() for _, t in leaves)
@@ -301,9 +308,8 @@ class LinearizedHeads(HybridHeads):
         that stores the exact keys and values quantized where :attr:`quantized_storage` is set."""
         if self.quantized_storage is None:
             return hybrid_cache_layer(cache, self.layer_idx)
-        bits, group_size = self.quantized_storage
         layer = QuantizedHybridStateCacheLayer.in_cache(cache, self.layer_idx)
-        return layer.configure(bits=bits, group_size=group_size)
+        return layer.configure(**self.quantized_storage)
 
     def forward(self, call: AttentionCall) -> tuple[torch.Tensor, None]:
         queries, keys, values, cache_layer = call.queries, call.keys, call.values, call.cache_layer
@@ -392,7 +398,9 @@ class LinearizedHeads(HybridHeads):
         extra += "" if self.fold else ", fold=False"
         extra += f", exact_heads={list(self.exact_heads)}" if self.exact_heads else ""
         if self.quantized_storage is not None:
-            extra += ", stored in {} bits (groups of {})".format(*self.quantized_storage)
+            storage = self.quantized_storage
+            extra += f", stored in {storage['bits']} bits (groups of {storage['group_size']})"
+            extra += ", window in full precision" if storage.get("full_precision_window") else ""
         return (
             f"layer_idx={self.layer_idx}, heads={self.num_heads}, kv_heads={self.num_kv_heads}, "
             f"head_dim={self.head_dim}, window={self.window}, sinks={self.sinks}, "
@@ -600,6 +608,7 @@ def state_bytes_per_token(
     bytes_per_number: int = 2,
     context: int = 8192,
     token_bytes: float | None = None,
+    full_precision_window: bool = False,
 ) -> float | None:
     """The decoding state's bytes per token of a `context`-token sequence for a model with the 🤗 `config` (the
     pruning it records applied) after `conversion` (what :func:`headkit.surgery.bytes_per_token` reads for a
@@ -611,7 +620,7 @@ def state_bytes_per_token(
     each; the bookkeeping (slot positions, flags) is not counted. None where the config does not state its heads.
     `token_bytes`: a converted layer's exact keys and
     values stored quantized, at that many bytes a head's key and value of one token (the layers left alone keep
-    their cache unquantized)."""
+    their cache unquantized); `full_precision_window`: their windows' keys and values not quantized."""
     groups, head_dim = config_query_groups(config), config_head_dim(config)
     if groups is None or head_dim is None:
         return None
@@ -641,8 +650,9 @@ def state_bytes_per_token(
                     fold=conversion.fold, exact_heads=exact,
                 )  # fmt: skip
             measured[key] = mechanism.state_bytes(
-                context, bytes_per_number=bytes_per_number, token_bytes=token_bytes
-            )
+                context, bytes_per_number=bytes_per_number, token_bytes=token_bytes,
+                full_precision_window=full_precision_window,
+            )  # fmt: skip
         total += measured[key]
     return total / context
 

@@ -25,8 +25,10 @@ mechanism already).
 mechanism and store its exact keys and values — sinks, the window ring, the question-chosen keys, the retrieval
 heads' full cache — as codes with per-token scales
 (:class:`~headkit.layers.quantized_cache.QuantizedHybridStateCacheLayer`: each token quantized once, when it is
-stored, and dequantized into the op's state when it is attended; no full-precision residual: ``residual`` does not
-apply). Layers the compressed cache left alone keep their cache as it is (a sliding layer's window, which KIVI's
+stored, and dequantized into the op's state when it is attended; ``residual`` does not apply). With
+``full_precision_window=True`` the window ring stays in full precision — KIVI's residual, for a cache whose newest
+tokens are its window: a prompt no longer than the window is attended as the unquantized cache attends it, and a
+token is quantized when it leaves the window for a sink or a kept slot. Layers the compressed cache left alone keep their cache as it is (a sliding layer's window, which KIVI's
 cache, keeping every token, would outgrow). Anything after it is refused, and so is a second quantization.
 """
 
@@ -118,6 +120,9 @@ class QuantizedKVConfig:
         residual: the newest tokens always kept in full precision (the residual holds between `residual` and
             `residual` + `group_size` − 1 once that many are cached). KIVI keeps 128. Not after a compressed
             cache, whose layers quantize each token alone when they store it (module docstring).
+        full_precision_window: after a compressed cache (or a linearization), keep its window ring — the newest
+            W − 1 tokens of each head — in full precision, the rest of what it keeps quantized; refused on a stock
+            cache, whose full-precision tokens are `residual`.
     """
 
     bits: int = field(metadata={"help": "Bits per cached key or value number: 8 or 4 (two per byte)."})
@@ -137,6 +142,13 @@ class QuantizedKVConfig:
             "min": 0,
         },
     )
+    full_precision_window: bool = field(
+        default=False,
+        metadata={
+            "help": "After a compressed cache: keep its window (the newest tokens) in full precision, the rest "
+            "quantized."
+        },
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.bits, bool) or self.bits not in BITS:
@@ -145,6 +157,10 @@ class QuantizedKVConfig:
             raise HeadkitError(f"group_size must be a positive integer, got {self.group_size!r}")
         if isinstance(self.residual, bool) or not isinstance(self.residual, int) or self.residual < 0:
             raise HeadkitError(f"residual must be a non-negative integer, got {self.residual!r}")
+        if not isinstance(self.full_precision_window, bool):
+            raise HeadkitError(
+                f"full_precision_window must be True or False, got {self.full_precision_window!r}"
+            )
 
     def check(
         self,
@@ -172,6 +188,14 @@ class QuantizedKVConfig:
                     f"the model's attention was replaced by {type(earlier).__name__} (earlier surgery): it keeps no "
                     "stock key/value cache to quantize"
                 )
+        if self.full_precision_window and not (
+            earlier_configs and isinstance(earlier_configs[-1], STORES_EXACT)
+        ):
+            raise HeadkitError(
+                "full_precision_window keeps a compressed cache's window in full precision: it needs a "
+                "CompressedCacheConfig (or LinearizeConfig) just before it; a stock cache's full-precision tokens "
+                "are `residual`"
+            )
         head_dim = config_head_dim(text_config(model_or_config))
         if head_dim is not None:
             self._check_head_dim(head_dim)
@@ -235,7 +259,9 @@ class QuantizedKVConfig:
         (:meth:`~headkit.surgery.compressed_cache.CompressedCacheConfig.layer_tokens`) at the per-token cost
         (keys grouped as values), the layers it left alone at their own, unquantized. None where the config does
         not state its heads. After a linearization, its converted layers' state with their exact keys and values
-        (window, sinks, kept keys, retrieval heads) at the per-token cost, the rest of the state as it is."""
+        (window, sinks, kept keys, retrieval heads) at the per-token cost, the rest of the state as it is. A window
+        kept in full precision (`full_precision_window`): its W − 1 tokens per head (not a retrieval head's) at
+        `bytes_per_number` a number."""
         counts, head_dim = kv_head_counts(config), config_head_dim(text_config(config))
         if counts is None or head_dim is None:
             return None
@@ -250,18 +276,27 @@ class QuantizedKVConfig:
                 bytes_per_number=bytes_per_number,
                 context=context,
                 token_bytes=quantized_bytes_per_token(head_dim, per_token_keys=True, **options),
+                full_precision_window=self.full_precision_window,
             )
+        per_token = quantized_bytes_per_token(head_dim, per_token_keys=True, **options)
         if earlier and isinstance(earlier[-1], CompressedCacheConfig):
-            kept = earlier[-1].layer_tokens(config, context)
+            compressed = earlier[-1]
+            kept = compressed.layer_tokens(config, context)
             if kept is None:
                 return None
             layers = [(layer.kv_heads, layer.tokens) for layer in kept if layer.compressed]
-            # a layer the compressed cache left alone keeps its own cache, unquantized
-            left_alone = (
-                sum(layer.tokens for layer in kept if not layer.compressed) * 2 * head_dim * bytes_per_number
-            )
-            left_alone /= context
-        per_token = quantized_bytes_per_token(head_dim, per_token_keys=True, **options)
+            # a layer the compressed cache left alone keeps its own cache, unquantized; so does a kept window
+            full = sum(layer.tokens for layer in kept if not layer.compressed)
+            if self.full_precision_window:
+                window = min(compressed.window - 1, context)
+                windows = sum(
+                    (layer.kv_heads - sum(1 for at, _ in compressed.retrieval_heads if at == index)) * window
+                    for index, layer in enumerate(kept)
+                    if layer.compressed
+                )
+                full += windows
+                left_alone -= windows * per_token / context
+            left_alone += full * 2 * head_dim * bytes_per_number / context
         quantized = tokens_to_quantize(context, group_size=self.group_size, residual=self.residual)
         stock_head = (
             quantized * quantized_bytes_per_token(head_dim, **options)
@@ -288,6 +323,7 @@ class QuantizedKVReport:
     bytes_per_token_after: float | None
     # of those, the ones storing a compressed cache
     compressed_layers: list[int] = field(default_factory=list)
+    full_precision_window: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -305,6 +341,7 @@ class QuantizedKVReport:
             how = (
                 f"groups of {self.group_size} channels per token; {len(self.compressed_layers)} of them a compressed "
                 "cache, each token quantized when stored"
+                + (", its window in full precision" if self.full_precision_window else "")
             )
         return (
             f"{self.architecture}: key/value cache of {len(self.layers)} layers quantized to {self.bits} bits "
@@ -325,11 +362,16 @@ def _attach(model: nn.Module, config: QuantizedKVConfig, sites: list[AttentionSi
     """Stock sites get KIVI's mechanism; a compressed cache's (or linearized) layers store their exact keys and
     values quantized."""
     options = {"bits": config.bits, "group_size": config.group_size, "residual": config.residual}
+    storage = {
+        "bits": config.bits,
+        "group_size": config.group_size,
+        "full_precision_window": config.full_precision_window,
+    }
     stock = [site for site in sites if mechanism_of(site.module) is None]
     for site in sites:
         mechanism = mechanism_of(site.module)
         if isinstance(mechanism, LinearizedHeads):
-            mechanism.quantized_storage = (config.bits, config.group_size)
+            mechanism.quantized_storage = dict(storage)
     attach_mechanisms(
         model, [(site.module, QuantizedKVHeads(layer_idx=site.module.layer_idx, **options)) for site in stock]
     )
@@ -375,6 +417,7 @@ def _quantize(
         bytes_per_token_before=before,
         bytes_per_token_after=after,
         compressed_layers=[s.module.layer_idx for s in sites if s not in stock],
+        full_precision_window=config.full_precision_window,
     )
 
 

@@ -22,6 +22,10 @@ One decoding step on it, inside one compiled graph, with no buffer re-allocated 
    quantized again (quantizing a dequantized token moves it: the eager cache matches it to its stored codes for the
    same reason) —; then the copied bookkeeping written back.
 
+A window kept in full precision (the ring's keys and values plain tensors, the cache's ``full_precision_window``) is
+the step's own: :func:`dequantized_ring` hands it over as stored, the step writes the new token into it in place, and
+the key that left it is quantized from its full-precision numbers into the sink or kept slot it entered.
+
 The codes stored are then those the eager cache stores: :func:`naive_store_ring_step_`, the twin, is that cache's rule
 written out (every exact token of the step's result quantized with :func:`~headkit.ops.quantized_cache.
 naive_quantize_tokens` against the tokens stored before), and the tests compare the two bit for bit.
@@ -49,9 +53,12 @@ Ring = HybridRingState | SparseHybridRingState
 def dequantized_ring(stored: Ring, *, bits: int, group_size: int) -> Ring:
     """The ring a decoding step runs on: ``stored``'s exact fields dequantized (new tensors), ``sink_keep`` and
     ``sparse_order`` copied (:func:`store_ring_step_` compares them with the stored ones to find the slots the step
-    filled), every other field ``stored``'s own tensor, updated in place by the step."""
+    filled), every other field — a window kept in full precision too — ``stored``'s own tensor, updated in place
+    by the step."""
 
-    def numbers(x: QuantizedTensor) -> torch.Tensor:
+    def numbers(x: QuantizedTensor | torch.Tensor) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):  # a window kept in full precision
+            return x
         return dequantize_values(x, bits=bits, group_size=group_size)
 
     window = stored.window if isinstance(stored, SparseHybridRingState) else stored
@@ -77,7 +84,9 @@ def store_ring_step_(stored: Ring, working: Ring, *, bits: int, group_size: int)
     options = {"bits": bits, "group_size": group_size}
     sparse = isinstance(stored, SparseHybridRingState)
     window, new_window = (stored.window, working.window) if sparse else (stored, working)
-    kept = window.keys.codes.shape[2]
+    # a full-precision window: the step wrote it in place; the key that left it is quantized where it enters
+    quantized_window = isinstance(window.keys, QuantizedTensor)
+    kept = window.keys.codes.shape[2] if quantized_window else 0
     moved = None  # the codes of the key that left the window, as stored, [B, Hkv, 1, ·] (keys, values)
     if kept:
         slot = ((new_window.seen - 1) % kept).view(
@@ -128,8 +137,8 @@ def _store_moved_(
     group_size: int,
 ) -> None:
     """Each head's slot ``index`` of the quantized keys and values ``buffers`` takes, where ``write`` [B, Hkv], the
-    moved key's codes; without a window (``moved`` None) the key that left is the new token, quantized here from
-    what the step wrote (``written_now``)."""
+    moved key's codes; without a quantized window (``moved`` None) the key is quantized here from what the step
+    wrote (``written_now``): the new token where there is no window, the key that left a full-precision one."""
     for position, buffer in enumerate(buffers):
         if moved is None:
             token = written_now[position][index][:, :, None]  # [B, Hkv, 1, D]
@@ -193,7 +202,10 @@ def _exact_pairs(stored: Ring, working: Ring) -> list[tuple[QuantizedTensor, tor
     window, new_window = (
         (stored.window, working.window) if isinstance(stored, SparseHybridRingState) else (stored, working)
     )
-    pairs: list[tuple[Any, Any]] = [(window.keys, new_window.keys), (window.values, new_window.values)]
+    pairs: list[tuple[Any, Any]] = []
+    # a full-precision window is the step's own, written in place
+    if isinstance(window.keys, QuantizedTensor):
+        pairs += [(window.keys, new_window.keys), (window.values, new_window.values)]
     if isinstance(stored, SparseHybridRingState):
         pairs += [(getattr(stored, name), getattr(working, name)) for name in _KEPT_FIELDS]
     return pairs
