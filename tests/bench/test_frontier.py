@@ -143,14 +143,18 @@ def test_rows_measured_on_cuda_agree_with_the_cpu(tiny, tmp_path):
 
 def test_the_compressed_cache_in_fewer_bits_keeps_more_tokens_at_the_same_budget(tiny, tmp_path):
     """compressed+quantized rows: at a budget 4-bit storage alone does not fit (1/4), the compressed cache in 4
-    bits keeps more tokens than in bfloat16, within the same bytes."""
+    bits keeps more tokens than in bfloat16, within the same bytes; with its window in full precision
+    (--window-storages full), fewer than with it quantized, more than in bfloat16."""
     out = tmp_path / "frontier"
     options = [*TINY, "--budgets", "4", "--bits", "4", "--retrieval-head-counts", "0"]
     main(["bench", "frontier", "--model", str(tiny), "--methods", "compressed,compressed+quantized", *options,
-          "--out", str(out)])  # fmt: skip
+          "--window-storages", "quantized,full", "--out", str(out)])  # fmt: skip
     points = json.loads((out / "results.json").read_text())["points"]
-    assert [p["method"] for p in points] == ["original", "compressed", "compressed+quantized"]
-    original, alone, both = points
+    assert [p["method"] for p in points] == ["original", "compressed", *["compressed+quantized"] * 2]
+    original, alone, both, full_window = points
+    assert full_window["label"].endswith("window bf16") and full_window["records"][1]["full_precision_window"]
+    assert not both["records"][1]["full_precision_window"]
+    assert full_window["bytes"] <= original["bytes"] / 4 + 1e-6
     assert both["configs"] == ["CompressedCacheConfig", "QuantizedKVConfig"] and both["label"].startswith(
         "int4 "
     )
@@ -163,6 +167,7 @@ def test_the_compressed_cache_in_fewer_bits_keeps_more_tokens_at_the_same_budget
     # head width 16 in groups of 8: 2 · (8 code bytes + 2 · 2 · 2 of scales and zero points) = 32 bytes a token
     # against bfloat16's 64: twice the tokens
     assert kept(both) == 2 * kept(alone)
+    assert kept(alone) < kept(full_window) < kept(both)
     assert both["perplexity_64"] > 1
 
 

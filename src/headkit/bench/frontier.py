@@ -93,6 +93,8 @@ QUANTIZED, COMPRESSED, COMPRESSED_QUANTIZED, LATENT, LLAMA_CPP, KVPRESS = (
     "kvpress",
 )
 METHODS = (QUANTIZED, COMPRESSED, COMPRESSED_QUANTIZED, LATENT, LLAMA_CPP, KVPRESS)
+# How a compressed+quantized row stores its window: in its bits, or in full precision (bfloat16; KIVI's residual).
+WINDOW_STORAGES = ("quantized", "full")
 LLAMA_CPP_CACHE_TYPES = tuple(CACHE_TYPE_BYTES)
 LONGER = 4  # the bytes are also stated at this many times --state-context
 PROGRESS_FILE = "points.jsonl"
@@ -120,6 +122,13 @@ class FrontierBenchSettings:
         32, "Group size of the quantized rows (KIVI's 32); divides the head width.", min=1
     )
     residual: int = option(128, "Full-precision residual of the quantized rows (KIVI's 128).", min=0)
+    window_storages: tuple[str, ...] = option(
+        WINDOW_STORAGES[:1],
+        "How the compressed+quantized rows store their window: quantized (in their bits), full (bfloat16: the "
+        "newest tokens in full precision), or both.",
+        choices=lambda: WINDOW_STORAGES,
+        distinct=True,
+    )
     retrieval_head_counts: tuple[int, ...] = option(
         (0, 8), "Retrieval heads of the compressed cache rows (full cache, DuoAttention).", min=0, quick=(0,)
     )
@@ -223,8 +232,10 @@ def _check(settings: FrontierBenchSettings) -> None:
         )
 
 
-def _quantized(settings: FrontierBenchSettings, bits: int) -> QuantizedKVConfig:
-    return QuantizedKVConfig(bits=bits, group_size=settings.group_size, residual=settings.residual)
+def _quantized(settings: FrontierBenchSettings, bits: int, full_window: bool = False) -> QuantizedKVConfig:
+    return QuantizedKVConfig(
+        bits=bits, group_size=settings.group_size, residual=settings.residual, full_precision_window=full_window
+    )
 
 
 @dataclass
@@ -244,12 +255,13 @@ def compressed_rows(
     retrieval_heads: dict[int, list[tuple[int, int]]],
     bytes_of: Any,
     bits: int | None = None,
+    full_window: bool = False,
 ) -> list[Row]:
     """Per budget and retrieval-head count, the most tokens per head whose compressed cache fits: the window
     up to ``--window`` (half the tokens while they are fewer than twice that), the rest chosen by the question.
-    `bits`: its keys and values stored in those bits (``compressed+quantized``), at the budgets where that
-    quantized storage alone does not fit."""
-    tail = [] if bits is None else [_quantized(settings, bits)]
+    `bits`: its keys and values stored in those bits (``compressed+quantized``; its window in full precision with
+    `full_window`), at the budgets where that quantized storage alone does not fit."""
+    tail = [] if bits is None else [_quantized(settings, bits, full_window)]
     rows = []
     for count, heads in retrieval_heads.items():
         for budget in settings.budgets:
@@ -274,6 +286,7 @@ def compressed_rows(
             compressed = made[0]
             label = f"W={compressed.window} S={compressed.sinks} B={compressed.budget} R={count}"
             if tail:
+                label += " window bf16" if full_window else ""
                 rows.append(Row(COMPRESSED_QUANTIZED, f"int{bits} {label}", made, budget))
             else:
                 rows.append(Row(COMPRESSED, label, made, budget))
@@ -745,7 +758,9 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
     if COMPRESSED_QUANTIZED in settings.methods:
         for bits in settings.bits:
             _quantized(settings, bits).check(config)
-            rows += compressed_rows(config, settings, retrieval_heads, bytes_of, bits)
+            for storage in settings.window_storages:
+                full = storage == "full"
+                rows += compressed_rows(config, settings, retrieval_heads, bytes_of, bits, full)
     if LATENT in settings.methods:
         rows += latent_rows(config, settings, bytes_of)
 
