@@ -6,7 +6,8 @@ against the same converted model reading it whole (no cache: nothing quantized).
 
 Prints, per cache, the largest difference of any logit at any of the 9 positions read through the cache. 4-bit
 storage alone keeps its newest 128 tokens in full precision (KIVI's residual), so none of these 13 is quantized;
-the compressed cache in 8 or 4 bits stores every token quantized (docs/compressed-cache.md).
+the compressed cache in 8 or 4 bits stores every token quantized (docs/compressed-cache.md), unless its window is
+kept in full precision (``full_precision_window``), which holds all 13.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import copy
 
 import torch
 
+from headkit.compat import cache_keyword, output_cache
 from headkit.runs.models import CAUSAL_LM, load_model, smollm2_gguf_path
 from headkit.surgery import CompressedCacheConfig, QuantizedKVConfig
 from headkit.surgery.apply import apply_
@@ -28,10 +30,10 @@ COMPRESSED = CompressedCacheConfig(
 def stepwise_logits(model: torch.nn.Module, ids: torch.Tensor, prompt: int) -> torch.Tensor:
     """The logits of positions prompt − 1 … end, the prompt prefilled and each later token fed alone."""
     out = model(ids[:, :prompt], use_cache=True)
-    cache, logits = out.past_key_values, [out.logits[:, -1]]
+    cache, logits = output_cache(out), [out.logits[:, -1]]
     for position in range(prompt, ids.shape[1]):
-        out = model(ids[:, position : position + 1], past_key_values=cache, use_cache=True)
-        cache = out.past_key_values
+        out = model(ids[:, position : position + 1], **cache_keyword(cache), use_cache=True)
+        cache = output_cache(out)
         logits.append(out.logits[:, -1])
     return torch.stack(logits, 1)
 
@@ -50,6 +52,10 @@ def main() -> None:
             ("4-bit storage (residual 128)", [QuantizedKVConfig(bits=4)]),
             ("compressed cache in 8 bits", [COMPRESSED, QuantizedKVConfig(bits=8)]),
             ("compressed cache in 4 bits", [COMPRESSED, QuantizedKVConfig(bits=4)]),
+            (
+                "compressed cache in 4 bits, window in full precision",
+                [COMPRESSED, QuantizedKVConfig(bits=4, full_precision_window=True)],
+            ),
         ):
             model = copy.deepcopy(original)
             if configs:

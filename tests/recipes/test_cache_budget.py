@@ -1,5 +1,6 @@
 """`headkit compress --kv-budget`: the configuration chosen from the 🤗 config for a budget (8-bit, then 4-bit
-storage, then the compressed cache, in bfloat16, 8 or 4 bits, that keeps the most tokens), refused before any weight where nothing fits; the run
+storage, then the compressed cache, in bfloat16, 8 or 4 bits — its window in full precision where the budget
+still holds it as large —, that keeps the most tokens), refused before any weight where nothing fits; the run
 applies it, measures it, and saves a folder that headkit.from_pretrained reloads with the same logits."""
 
 import json
@@ -38,32 +39,41 @@ def test_the_plan_is_8_bits_then_4_bits_then_the_compressed_cache_keeping_the_mo
     assert plan.configs == (QuantizedKVConfig(bits=8),) and plan.bytes_per_token <= 0.6 * original
     plan = cache_plan(CONFIG, 0.4, 8192)
     assert plan.configs == (QuantizedKVConfig(bits=4),) and plan.bytes_per_token <= 0.4 * original
-    # 1/8: 4 bits alone do not fit; the compressed cache in 4 bits keeps 3.2 times the tokens of bfloat16
+    # 1/8: 4 bits alone do not fit; the compressed cache in 4 bits, its window in bfloat16, keeps 2.7 times the
+    # tokens of bfloat16
     plan = cache_plan(CONFIG, 1 / 8, 8192)
     made, bits = plan.configs
-    assert isinstance(made, CompressedCacheConfig) and bits == QuantizedKVConfig(bits=4)
+    assert isinstance(made, CompressedCacheConfig)
+    assert bits == QuantizedKVConfig(bits=4, full_precision_window=True) and made.window == 256
     assert plan.bytes_per_token <= original / 8
     stored = made.sinks + made.window - 1 + made.budget  # what each head's cache holds
-    # 1/8 of 8,192 tokens of 256 bytes per head in bfloat16: 1,024 tokens; of 80 in 4 bits (2 · (32 codes + 2
-    # scales and 2 zero points of 2 bytes)): 3,276
-    assert stored == 3276 and "3276 tokens per head of 8192 (1024 in bfloat16)" in plan.reason
+    # 1/8 of 8,192 tokens of 256 bytes per head in bfloat16: 1,024 tokens (262,144 bytes); the window's 255 in
+    # bfloat16 (65,280), the rest at 80 bytes in 4 bits (2 · (32 codes + 2 scales and 2 zero points of 2 bytes)):
+    # 255 + 2,460 = 2,715 (3,276 with the window quantized too)
+    assert stored == 2715
+    assert (
+        "in 4 bits (its window in bfloat16), 2715 tokens per head of 8192 (1024 in bfloat16)" in plan.reason
+    )
     bigger = CompressedCacheConfig(window=made.window, sinks=made.sinks, budget=made.budget + 1)
     assert bytes_per_token(CONFIG, [bigger, bits], context=8192) > original / 8  # the most that fits
     assert plan.bytes_per_token_8192 == plan.bytes_per_token and plan.to_dict()["fraction"] <= 1 / 8
     assert bytes_per_token(CONFIG, CompressedCacheConfig(window=256, sinks=4, budget=765), context=8192) == (
         original / 8
     )  # 4 + 255 + 765 = 1,024 tokens in bfloat16
-    # at a shorter context the same fraction keeps fewer tokens
-    short, _ = cache_plan(CONFIG, 1 / 8, 2048).configs
-    assert short.sinks + short.window - 1 + short.budget == 819
+    # at a shorter context the same fraction keeps fewer tokens; its bytes would hold no more than the window in
+    # bfloat16, so the window is quantized too
+    short, bits = cache_plan(CONFIG, 1 / 8, 2048).configs
+    assert short.sinks + short.window - 1 + short.budget == 819 and bits == QuantizedKVConfig(bits=4)
 
 
 def test_budgets_nothing_fits_and_bits_are_kept_where_they_alone_do_not_fit():
     with pytest.raises(HeadkitError, match=r"--kv-budget 1e-05 is below the smallest cache"):
         cache_plan(CONFIG, 1e-5, 8192)
     made, bits = cache_plan(CONFIG, 1 / 8, 8192, bits=8).configs  # 8 bits alone keep 0.57
-    assert isinstance(made, CompressedCacheConfig) and bits == QuantizedKVConfig(bits=8)
-    assert made.sinks + made.window - 1 + made.budget == 1820
+    assert isinstance(made, CompressedCacheConfig)
+    assert bits == QuantizedKVConfig(bits=8, full_precision_window=True)
+    # (262,144 − 255 · 256) / 144 bytes of 8 bits = 1,367 tokens, and the window's 255
+    assert made.sinks + made.window - 1 + made.budget == 1622
     assert cache_plan(CONFIG, 0.4, 8192, bits=4).configs == (QuantizedKVConfig(bits=4),)
     for bad in (5, 2, 32, True):
         with pytest.raises(HeadkitError, match=r"--kv-bits must be 8 or 4 \(quantized storage\) or 16"):
@@ -89,7 +99,7 @@ def test_retrieval_heads_are_counted_in_the_budget_and_refused_beyond_the_heads_
     original = bytes_per_token(CONFIG, context=8192)
     without, _ = cache_plan(CONFIG, 1 / 8, 8192).configs
     made, bits = cache_plan(CONFIG, 1 / 8, 8192, retrieval_heads=1).configs
-    assert made.retrieval_heads == ((0, 0),) and bits == QuantizedKVConfig(bits=4)
+    assert made.retrieval_heads == ((0, 0),) and bits == QuantizedKVConfig(bits=4, full_precision_window=True)
     plan = cache_plan(CONFIG, 1 / 8, 8192, retrieval_heads=1)
     assert plan.bytes_per_token <= original / 8 and "1 retrieval heads keep their whole cache" in plan.reason
     # one head of four keeps all 8,192 tokens: the other three keep fewer than without it

@@ -234,7 +234,10 @@ def _check(settings: FrontierBenchSettings) -> None:
 
 def _quantized(settings: FrontierBenchSettings, bits: int, full_window: bool = False) -> QuantizedKVConfig:
     return QuantizedKVConfig(
-        bits=bits, group_size=settings.group_size, residual=settings.residual, full_precision_window=full_window
+        bits=bits,
+        group_size=settings.group_size,
+        residual=settings.residual,
+        full_precision_window=full_window,
     )
 
 

@@ -12,7 +12,10 @@ weight is read — in the order the measurements rank them (``headkit bench fron
    bfloat16, 8 or 4 bits (``[CompressedCacheConfig, QuantizedKVConfig]``), whichever keeps the most tokens per
    head (a tie to the more bits). 4 bits keep about 3.2 times the tokens of bfloat16 at head width 64: at 1/8
    and 1/16 of the bytes, where 4-bit storage alone does not fit, fewer bits drop fewer tokens, at the small
-   error the bits add (measured on SmolLM2: docs/compressed-cache.md).
+   error the bits add (measured on SmolLM2: docs/compressed-cache.md). In 8 or 4 bits the window stays in
+   full precision (``QuantizedKVConfig(full_precision_window=True)``) where the budget still holds a window as
+   large: a prompt the window holds is then read as the unquantized cache reads it (2,715 tokens per head at 1/8
+   of 8,192 instead of 3,276).
 
 ``--kv-bits`` asks for storage in those bits whatever the budget: alone where it fits, else the compressed cache
 in those bits; ``--kv-bits 16`` for none — the compressed cache in bfloat16, what the fast decoder steps quickest
@@ -39,11 +42,10 @@ from headkit.recipes.retrieval_heads import chosen_retrieval_heads
 from headkit.recipes.steps import Steps
 from headkit.runs.models import CAUSAL_LM, shared_copy
 from headkit.runs.text import held_out_by_length, load_text
-from headkit.surgery.apply import apply_, bytes_per_token, check_composition
+from headkit.surgery.apply import apply_, bytes_per_token, check_steps
 from headkit.surgery.compressed_cache import CompressedCacheConfig
 from headkit.surgery.gating import kv_head_counts
 from headkit.surgery.quantized_cache import QuantizedKVConfig
-from headkit.surgery.records import config_after
 
 REPORTED_CONTEXT = 8192  # the report's bytes per token are stated at this context, whatever the budget's
 LARGEST_WINDOW, SINKS, OBSERVATION = 256, 4, 32
@@ -158,8 +160,7 @@ def cache_plan(
             break
     if chosen is None:
         chosen, reason = _most_tokens(model_config, per_token, target, context, budget, original, bits, heads)
-    for config in chosen:
-        config.check(model_config)
+    check_steps(model_config, chosen)
     return CachePlan(
         configs=tuple(chosen),
         budget=budget,
@@ -188,11 +189,7 @@ def check_storage_bits(bits: int | None, budget: float) -> None:
 def _refused(configs: list[Any], model_config: Any) -> bool:
     """Whether the model refuses the composition (a group size that does not divide its heads)."""
     try:
-        check_composition(configs)
-        simulated = model_config
-        for config in configs:
-            config.check(simulated)
-            simulated = config_after(simulated, config)
+        check_steps(model_config, configs)
     except HeadkitError:
         return True
     return False
@@ -218,12 +215,25 @@ def _most_tokens(
         if tail and _refused([_compressed(1, heads), *tail], model_config):
             continue
         smallest[storage] = per_token([_compressed(1, heads), *tail]) / original
-        tokens = largest_fitting(
-            lambda n, tail=tail: [_compressed(max(n, 1), heads), *tail], per_token, target, context
-        )
-        if tokens is not None:
-            made = _compressed(max(tokens, 1), heads)
-            found.append((min(context, made.sinks + made.window - 1 + made.budget), storage, [made, *tail]))
+
+        def fitting(tail: list[Any]) -> CompressedCacheConfig | None:
+            tokens = largest_fitting(
+                lambda n: [_compressed(max(n, 1), heads), *tail], per_token, target, context
+            )
+            return None if tokens is None else _compressed(max(tokens, 1), heads)
+
+        made = fitting(tail)
+        if made is None:
+            continue
+        if tail:
+            # The window in full precision, where the budget still holds it as large: a prompt the window holds is
+            # then attended as the unquantized cache attends it (a short chat in 4 bits otherwise leaves the
+            # original's greedy path: docs/compressed-cache.md).
+            whole = [QuantizedKVConfig(bits=storage, full_precision_window=True)]
+            exact_window = fitting(whole)
+            if exact_window is not None and exact_window.window == made.window:
+                made, tail = exact_window, whole
+        found.append((min(context, made.sinks + made.window - 1 + made.budget), storage, [made, *tail]))
     if not found:
         # the smallest cache of the storages allowed: the fewest bits, unless the model refuses them
         smallest = smallest or {None: per_token([_compressed(1, heads)]) / original}
@@ -240,6 +250,8 @@ def _most_tokens(
     kept, storage, chosen = max(found, key=lambda entry: entry[0])
     alone = next((tokens for tokens, bits_of, _ in found if bits_of is None), None)
     how = "the compressed cache" if storage is None else f"the compressed cache in {storage} bits"
+    if storage is not None and chosen[-1].full_precision_window:
+        how += " (its window in bfloat16)"
     reason = f"below what quantized storage alone keeps: {how}, {kept} tokens per head of {context}"
     if storage is not None and alone is not None:
         reason += f" ({alone} in bfloat16)"
@@ -297,8 +309,7 @@ class CacheBudgetSteps(Steps):
             bits=settings.kv_bits,
             retrieval_heads=settings.kv_retrieval_heads or 0,
         )
-        for step in self.plan.configs:
-            step.check(self.teacher)
+        check_steps(self.teacher, self.plan.configs)
 
     def data(self) -> None:
         settings = self.settings

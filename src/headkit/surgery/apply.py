@@ -77,6 +77,19 @@ def apply_(model: nn.Module, config: Any, **context: Any) -> Any:
     return reports if isinstance(config, (list, tuple)) else reports[0]
 
 
+def check_steps(model_or_config: Any, configs: Sequence[Any]) -> None:
+    """What :func:`apply_` checks of `configs` before any work, changing nothing: their order
+    (:func:`check_composition`), the first step against the model (or its 🤗 config), each later one against the
+    config the steps before it leave."""
+    configs = list(configs)
+    check_composition(configs)
+    configs[0].check(model_or_config)
+    simulated = model_or_config.config if isinstance(model_or_config, nn.Module) else model_or_config
+    for previous, step in itertools.pairwise(configs):
+        simulated = config_after(simulated, previous)
+        step.check(simulated)
+
+
 def check_composition(configs: Sequence[Any]) -> None:
     """Refuse, in one line, a sequence of surgeries that cannot be applied (or replayed) in that order: a step
     after one that replaced the attention mechanism (it would find no stock attention module to work on), unless
@@ -137,4 +150,4 @@ def _check_context(conversions: list[Conversion], context: dict[str, Any]) -> No
         )
 
 
-__all__ = ["apply_", "bytes_per_token", "check_composition"]
+__all__ = ["apply_", "bytes_per_token", "check_composition", "check_steps"]
