@@ -138,7 +138,8 @@ class CompressSettings(ModelSettings):
         None,
         "With --kv-budget: this many key/value heads keep their whole cache (retrieval heads, DuoAttention), the "
         "original's best at retrieving a passkey, their bytes counted in the budget; where the compressed cache is "
-        "chosen (default 0).",
+        "chosen (default: about 9% of its layers' key/value heads where their caches take at most a quarter of "
+        "the budget; 0: none).",
         min=0,
     )
     # lm-evaluation-harness tasks scored on the original and the result (headkit.evaluation.tasks): none by default.
@@ -211,7 +212,7 @@ def _check_against_config(settings: CompressSettings, model_path: Path, config: 
             parse_fraction(settings.kv_budget),
             budget_context(settings, config),
             bits=settings.kv_bits,
-            retrieval_heads=settings.kv_retrieval_heads or 0,
+            retrieval_heads=settings.kv_retrieval_heads,
         )
         return
     family = FAMILIES.get(model_type_of(config))
