@@ -7,7 +7,7 @@ tokens, then feeds those (other text, then the question) through the cache. Rows
 
 * the original (every token kept);
 * the compressed cache at 1/8 of the bfloat16 bytes at 8,192 tokens — W 256, S 4, B 765 in bfloat16 (BITS 16, the
-  default), or in 4 bits B 3,017 (BITS 4: what ``headkit compress --kv-budget 1/8`` plans) —, its B keys chosen
+  default), or in 4 bits B 3,017 (BITS 4: ``headkit compress --kv-budget 1/8``'s plan before it kept the window in bfloat16 and 8 retrieval heads) —, its B keys chosen
   by the first turn's last 32 queries (SnapKV: what ``CompressedCacheConfig`` does);
 * the same cache, its B keys chosen by how much the model needs them to repeat the first turn (KVzip, Kim et al.
   2025, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction", arXiv:2505.23416, §3.2: the
