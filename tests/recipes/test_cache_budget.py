@@ -233,3 +233,8 @@ def test_the_default_keeps_about_9_percent_of_the_heads_whole_where_they_take_a_
     assert cache_plan(smol, 1 / 16, 8192, retrieval_heads=8).configs[0].retrieval_heads != ()
     # where quantized storage alone fits, every head keeps its whole cache: no retrieval heads to name
     assert cache_plan(smol, 0.6, 8192).configs == (QuantizedKVConfig(bits=8),)
+    # a budget that holds the cache but not the default heads: none, not a refusal naming an option not given
+    (tight, _) = cache_plan(smol, 0.085, 16).configs
+    assert tight.retrieval_heads == ()
+    # a window of one token stores none: nothing to keep in full precision
+    assert not cache_plan(CONFIG, 0.0002, 8192).configs[-1].full_precision_window

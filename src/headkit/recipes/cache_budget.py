@@ -184,15 +184,26 @@ def cache_plan(
                 reason += ": every head keeps its whole cache, retrieval heads or not"
             break
     if chosen is None and heads and default:
-        # the default heads where their whole caches take at most RETRIEVAL_SHARE of the budget
-        storage = _most_tokens(model_config, per_token, target, context, budget, original, bits)[0][1:]
-        whole = per_token([_compressed(1, heads), *storage]) - per_token([_compressed(1), *storage])
-        if whole > RETRIEVAL_SHARE * target:
-            heads = ()
+        # The default heads where the plan holds them and their whole caches, in the storage it chose, take at
+        # most RETRIEVAL_SHARE of the budget; else none.
+        try:
+            chosen, reason = _most_tokens(
+                model_config, per_token, target, context, budget, original, bits, heads
+            )
+        except HeadkitError:
+            chosen = None
+        else:
+            storage = chosen[1:]
+            whole = per_token([_compressed(1, heads), *storage]) - per_token([_compressed(1), *storage])
+            if whole > RETRIEVAL_SHARE * target:
+                chosen = None
+            else:
+                reason += (
+                    f" (the default: about {RETRIEVAL_HEADS:.0%} of the compressed layers' key/value heads)"
+                )
+        heads = heads if chosen is not None else ()
     if chosen is None:
         chosen, reason = _most_tokens(model_config, per_token, target, context, budget, original, bits, heads)
-        if heads and default:
-            reason += f" (the default: about {RETRIEVAL_HEADS:.0%} of the compressed layers' key/value heads)"
     check_steps(model_config, chosen)
     return CachePlan(
         configs=tuple(chosen),
@@ -264,7 +275,7 @@ def _most_tokens(
             # original's greedy path: docs/compressed-cache.md).
             whole = [QuantizedKVConfig(bits=storage, full_precision_window=True)]
             exact_window = fitting(whole)
-            if exact_window is not None and exact_window.window == made.window:
+            if exact_window is not None and exact_window.window == made.window > 1:
                 made, tail = exact_window, whole
         found.append((min(context, made.sinks + made.window - 1 + made.budget), storage, [made, *tail]))
     if not found:
