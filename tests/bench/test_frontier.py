@@ -223,6 +223,11 @@ def test_llama_cpp_rows_keep_its_cache_at_f16_q8_0_and_q4_0(tiny_with_a_bpe_toke
         (["--fast-batch-sizes", "0"], "--fast-batch-sizes"),
         (["--speed-contexts", "1"], "--speed-contexts"),
         (["--device", "tpu"], "--device must be"),
+        (["--window-storages", "bf16"], "--window-storages"),
+        (
+            ["--methods", "compressed", "--window-storages", "full"],
+            "--window-storages full applies to the compressed+quantized rows",
+        ),
     ],
 )
 def test_bad_options_are_refused_in_one_line_before_any_work(tiny, tmp_path, capsys, options, message):

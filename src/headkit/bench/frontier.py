@@ -215,6 +215,10 @@ def _check(settings: FrontierBenchSettings) -> None:
         check_kvpress(Path(settings.kvpress_python))
     for bits in settings.bits:
         _quantized(settings, bits)  # refuses bits other than 4 and 8 in one line naming them
+    if "full" in settings.window_storages and COMPRESSED_QUANTIZED not in settings.methods:
+        raise HeadkitError(
+            f"--window-storages full applies to the {COMPRESSED_QUANTIZED} rows: add them to --methods"
+        )
     if settings.observation >= min(settings.lengths):
         raise HeadkitError(
             f"--observation must be shorter than the shortest prompt ({min(settings.lengths)} tokens), got "
