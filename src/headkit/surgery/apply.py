@@ -66,10 +66,7 @@ def apply_(model: nn.Module, config: Any, **context: Any) -> Any:
     _check_context(conversions, context)
     check_composition(configs)
     # The first step checks the model itself before it changes anything; the later ones are checked now.
-    simulated = model.config
-    for previous, step in itertools.pairwise(configs):
-        simulated = config_after(simulated, previous)
-        step.check(simulated)
+    _check_later_steps(model.config, configs)
     reports = []
     for step, conversion in zip(configs, conversions, strict=True):
         given = {name: value for name, value in context.items() if name in conversion.context}
@@ -84,7 +81,14 @@ def check_steps(model_or_config: Any, configs: Sequence[Any]) -> None:
     configs = list(configs)
     check_composition(configs)
     configs[0].check(model_or_config)
-    simulated = model_or_config.config if isinstance(model_or_config, nn.Module) else model_or_config
+    _check_later_steps(
+        model_or_config.config if isinstance(model_or_config, nn.Module) else model_or_config, configs
+    )
+
+
+def _check_later_steps(model_config: Any, configs: Sequence[Any]) -> None:
+    """Each step after the first checked against the 🤗 config the steps before it leave."""
+    simulated = model_config
     for previous, step in itertools.pairwise(configs):
         simulated = config_after(simulated, previous)
         step.check(simulated)

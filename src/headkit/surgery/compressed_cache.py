@@ -46,6 +46,7 @@ class LayerTokens(NamedTuple):
     kv_heads: int
     tokens: int  # kept, summed over the key/value heads
     compressed: bool
+    retrieval_heads: int = 0  # of the compressed layer's key/value heads, those that keep their whole cache
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,7 @@ class CompressedCacheConfig:
         for layer, kv_heads in enumerate(counts):
             if layer in compressed:
                 exact = sum(1 for pair_layer, _ in self.retrieval_heads if pair_layer == layer)
-                layers.append(LayerTokens(kv_heads, (kv_heads - exact) * kept + exact * context, True))
+                layers.append(LayerTokens(kv_heads, (kv_heads - exact) * kept + exact * context, True, exact))
             else:
                 tokens = min(context, window) if layer in sliding else context
                 layers.append(LayerTokens(kv_heads, kv_heads * tokens, False))

@@ -28,8 +28,8 @@ heads' full cache — as codes with per-token scales
 stored, and dequantized into the op's state when it is attended; ``residual`` does not apply). With
 ``full_precision_window=True`` the window ring stays in full precision — KIVI's residual, for a cache whose newest
 tokens are its window: a prompt no longer than the window is attended as the unquantized cache attends it, and a
-token is quantized when it leaves the window for a sink or a kept slot. Layers the compressed cache left alone keep their cache as it is (a sliding layer's window, which KIVI's
-cache, keeping every token, would outgrow). Anything after it is refused, and so is a second quantization.
+token is quantized when it leaves the window for a sink or a kept slot. Layers the compressed cache left alone keep
+their cache as it is (a sliding layer's window, which KIVI's cache, keeping every token, would outgrow). Anything after it is refused, and so is a second quantization.
 """
 
 from __future__ import annotations
@@ -290,9 +290,7 @@ class QuantizedKVConfig:
             if self.full_precision_window:
                 window = min(compressed.window - 1, context)
                 windows = sum(
-                    (layer.kv_heads - sum(1 for at, _ in compressed.retrieval_heads if at == index)) * window
-                    for index, layer in enumerate(kept)
-                    if layer.compressed
+                    (layer.kv_heads - layer.retrieval_heads) * window for layer in kept if layer.compressed
                 )
                 full += windows
                 left_alone -= windows * per_token / context
