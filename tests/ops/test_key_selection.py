@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from headkit.ops.key_selection import naive_observation_scores, observation_scores
+from headkit.ops.key_selection import (
+    naive_observation_scores,
+    naive_reconstruction_scores,
+    observation_scores,
+    reconstruction_scores,
+)
 
 
 def make_inputs(heads=4, kv_heads=2, seq=23, head_dim=8, batch=2):
@@ -64,3 +69,52 @@ def test_bad_arguments_are_named(change):
         k = k[:, :, :5]
     with pytest.raises(ValueError, match=change if change != "shape" else "k must be"):
         observation_scores(q, k, **options)
+
+
+# -- reconstruction (KVzip) --
+
+
+def voting_mask(batch, seq, first):
+    voters = torch.zeros(batch, seq, dtype=torch.bool)
+    voters[:, first:] = True
+    voters[0, first] = False  # a row's voters need not be one span
+    return voters
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "seq", "first", "padded"),
+    [(4, 2, 23, 12, False), (3, 3, 17, 8, True), (4, 1, 30, 15, True), (2, 2, 9, 1, False)],
+)
+def test_reconstruction_scores_equal_the_reference(heads, kv_heads, seq, first, padded):
+    q, k = make_inputs(heads=heads, kv_heads=kv_heads, seq=seq)
+    mask = padding_mask(2, seq) if padded else None
+    options = {"voters": voting_mask(2, seq, first), "attention_mask": mask}
+    expected = naive_reconstruction_scores(q, k, **options)
+    assert expected.abs().sum() > 0
+    for chunk in (1, 3, 1024):
+        torch.testing.assert_close(
+            reconstruction_scores(q, k, chunk_size=chunk, **options), expected, rtol=1e-12, atol=1e-14
+        )
+    if mask is not None:
+        padded_keys = ~mask[:, None].expand(-1, kv_heads, -1)
+        assert (reconstruction_scores(q, k, **options)[padded_keys] == 0).all()
+
+
+def test_the_repetition_finds_the_key_it_copies_and_ignores_the_other_queries():
+    # A voting query points at key 7; a query that does not vote points at key 3.
+    q, k = make_inputs(heads=2, kv_heads=1, seq=32)
+    q, k = q * 0.1, k * 0.1
+    k[:, :, 7], k[:, :, 3] = 1.0, -1.0
+    q[:, :, 25], q[:, :, 14] = 5.0, -5.0
+    voters = torch.zeros(2, 32, dtype=torch.bool)
+    voters[:, 20:] = True
+    scores = reconstruction_scores(q, k, voters=voters)[..., :16]
+    assert (scores.argmax(-1) == 7).all()
+    assert (scores[..., 3] < 0.1).all()
+
+
+@pytest.mark.parametrize("voters", [torch.ones(2, 7, dtype=torch.bool), torch.ones(2, 8)])
+def test_bad_voters_are_named(voters):
+    q, k = make_inputs(seq=8)
+    with pytest.raises(ValueError, match="voters must be"):
+        reconstruction_scores(q, k, voters=voters)

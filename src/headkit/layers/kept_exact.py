@@ -8,6 +8,8 @@ that plug into a linearized layer's mechanism (:class:`headkit.surgery.linearize
   arXiv:2505.23666, eq. 6; the op scores them);
 * :class:`QuestionSelection`: those the prompt's last queries attend to most (Li et al. 2024, "SnapKV",
   arXiv:2404.14469; :func:`headkit.ops.key_selection.observation_scores`);
+* :class:`ReconstructionSelection`: those the prompt's repetition attends to most (Kim et al. 2025, "KVzip",
+  arXiv:2505.23416; :func:`headkit.ops.key_selection.reconstruction_scores`), whatever the question;
 * :class:`ExactHeads`: key/value heads that keep softmax with a full cache (retrieval heads; Xiao et al. 2024,
   "DuoAttention", arXiv:2410.10819), beside the converted heads of the same layer.
 
@@ -23,7 +25,13 @@ import torch
 
 from headkit.layers.hybrid import SplitHeadsRing, SplitHeadsState
 from headkit.ops.hybrid import sparse_hybrid_attention, sparse_hybrid_attention_step_
-from headkit.ops.key_selection import QUESTION, RECALL, observation_scores
+from headkit.ops.key_selection import (
+    QUESTION,
+    RECALL,
+    RECONSTRUCTION,
+    observation_scores,
+    reconstruction_scores,
+)
 from headkit.ops.softmax import softmax_attention_static_step_
 
 
@@ -69,7 +77,56 @@ class QuestionSelection(RecallSelection):
         )
 
 
-SELECTIONS = {selection.name: selection for selection in (RecallSelection, QuestionSelection)}
+class ReconstructionSelection(QuestionSelection):
+    """The budget keeps the keys that the model reads most to repeat the prompt (KVzip): chosen before any
+    question, so a later turn finds what it asks for. A model-level prefill
+    (:mod:`headkit.surgery.reconstruction`) runs a scoring forward first — the prompt, a request to repeat it and
+    the prompt again — with :attr:`scoring` set to (the prompt's length, the first query of the repetition); the
+    layer records each prompt key's score (:meth:`record_scores`), the prefill that follows keeps by them. A prompt
+    prefilled without that pass (a later turn's tokens appended to a cache) is scored by its last queries, as the
+    question's selection does."""
+
+    name: ClassVar[str] = RECONSTRUCTION
+
+    def __init__(self, observation: int = 32) -> None:
+        super().__init__(observation)
+        # During a scoring forward: where each prompt token sits in it [B, n], and which queries vote [B, T].
+        self.scoring: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.pending: torch.Tensor | None = None  # [B, Hkv, n] the scores the next prefill keeps by
+
+    def record_scores(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        scale: float,
+        heads: Sequence[int],
+    ) -> None:
+        """Score the prompt keys of the key/value heads `heads` by this scoring forward's repetition, each the
+        most of any forward so far (a long prompt is repeated in chunks, one forward each)."""
+        positions, voters = self.scoring  # type: ignore[misc]
+        scores = reconstruction_scores(queries, keys, voters=voters, attention_mask=new_mask, scale=scale)
+        index = positions.to(scores.device)[:, None, :].expand(-1, scores.shape[1], -1)
+        scores = scores.gather(-1, index)[:, list(heads)]
+        self.pending = scores if self.pending is None else torch.maximum(self.pending, scores)
+
+    def key_scores(
+        self,
+        queries: torch.Tensor,
+        keys: torch.Tensor,
+        new_mask: torch.Tensor | None,
+        scale: float,
+        prefill: bool,
+    ) -> torch.Tensor:
+        pending, self.pending = self.pending, None
+        if prefill and pending is not None and pending.shape == keys.shape[:3]:
+            return pending.to(keys.device)
+        return super().key_scores(queries, keys, new_mask, scale, prefill)
+
+
+SELECTIONS = {
+    selection.name: selection for selection in (RecallSelection, QuestionSelection, ReconstructionSelection)
+}
 
 
 class KeptKeys:

@@ -25,9 +25,10 @@ from headkit.ops._precision import autocast_disabled
 from headkit.ops._validation import check_positive_int
 
 # How a sparse cache's exact keys are chosen (headkit.layers.kept_exact's selections, each under its name):
-# "recall" online by how badly the linear state recalls them (LoLA), "question" by a prompt's last queries (SnapKV).
-RECALL, QUESTION = "recall", "question"
-SELECTION_NAMES: tuple[str, ...] = (RECALL, QUESTION)
+# "recall" online by how badly the linear state recalls them (LoLA), "question" by a prompt's last queries (SnapKV),
+# "reconstruction" by the queries of the prompt repeated after itself (KVzip).
+RECALL, QUESTION, RECONSTRUCTION = "recall", "question", "reconstruction"
+SELECTION_NAMES: tuple[str, ...] = (RECALL, QUESTION, RECONSTRUCTION)
 
 # The pooling neighbourhood of SnapKV's code and of kvpress' SnapKVPress (5 positions).
 DEFAULT_KERNEL = 5
@@ -164,4 +165,95 @@ def _check(
     return batch, q_heads, seq, dim
 
 
-__all__ = ["DEFAULT_KERNEL", "naive_observation_scores", "observation_scores"]
+def reconstruction_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    voters: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+    chunk_size: int = 256,
+) -> torch.Tensor:
+    """KVzip's score of every key, [B, Hkv, T] float32 (float64 for float64 inputs).
+
+    KVzip (Kim et al. 2025, "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction",
+    arXiv:2505.23416, §3.2) runs the context, then a prompt asking for it again and the context repeated, and
+    scores each context key by the most attention any query of the repetition (the `voters`) gives it:
+
+        score_hj = max_{i: voter} max_{g ∈ group(h)} softmax_j(q_gi · k_h · scale)
+
+    the softmax over every key the query sees (causal: j ≤ i; padding excluded). A key the model reads to rebuild
+    the context scores high whatever question comes later, so the choice does not depend on the question.
+
+    Args:
+        q: [B, H, T, D] the queries of the same T positions as the keys.
+        k: [B, Hkv, T, D] keys, H a multiple of Hkv.
+        voters: [B, T] bool, the queries that vote (the repetition's); a padded one does not.
+        attention_mask: [B, T] bool/0-1, True for real tokens; a padded key scores 0.
+        chunk_size: queries per chunk (memory only: B·H·chunk·T numbers at once).
+    """
+    batch, q_heads, seq, dim = _check(q, k, 1, attention_mask, 1)
+    if voters.dtype != torch.bool or tuple(voters.shape) != (batch, seq):
+        raise ValueError(f"voters must be a [{batch}, {seq}] bool mask, got {voters.dtype} {tuple(voters.shape)}")
+    check_positive_int("chunk_size", chunk_size)
+    kv_heads = k.shape[1]
+    groups = q_heads // kv_heads
+    scale = dim**-0.5 if scale is None else scale
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    keep = _keep(attention_mask, batch, seq, q.device)
+    voting = voters.to(q.device) & keep
+    scores = torch.zeros(batch, kv_heads, seq, dtype=dtype, device=q.device)
+    with torch.no_grad(), autocast_disabled(q.device):
+        keys = k.to(dtype)
+        columns = torch.arange(seq, device=q.device)
+        for start in range(0, seq, chunk_size):
+            stop = min(start + chunk_size, seq)
+            if not bool(voting[:, start:stop].any()):
+                continue
+            chunk = q[:, :, start:stop].to(dtype).reshape(batch, kv_heads, groups * (stop - start), dim)
+            rows = torch.arange(start, stop, device=q.device).repeat(groups)  # [G·C]
+            visible = (columns[None, :stop] <= rows[:, None])[None] & keep[:, None, :stop]  # [B, G·C, stop]
+            logits = (chunk @ keys[:, :, :stop].transpose(-1, -2)) * scale
+            logits = logits.masked_fill(~visible[:, None], float("-inf"))
+            # a row that sees nothing (a padded query) is NaN here and votes for nothing below
+            probabilities = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+            votes = voting[:, start:stop].repeat(1, groups)[:, None, :, None]  # [B, 1, G·C, 1]
+            best = (probabilities * votes).amax(dim=2)
+            scores[..., :stop] = torch.maximum(scores[..., :stop], best)
+    return scores
+
+
+def naive_reconstruction_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    voters: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Test reference of :func:`reconstruction_scores`: every voting query's softmax row, one at a time."""
+    batch, q_heads, seq, dim = _check(q, k, 1, attention_mask, 1)
+    groups = q_heads // k.shape[1]
+    scale = dim**-0.5 if scale is None else scale
+    keep = _keep(attention_mask, batch, seq, q.device)
+    scores = torch.zeros(batch, k.shape[1], seq, dtype=torch.float64)
+    for b in range(batch):
+        for head in range(q_heads):
+            h = head // groups
+            for i in range(seq):
+                if not (keep[b, i] and voters[b, i]):
+                    continue
+                visible = [j for j in range(i + 1) if keep[b, j]]
+                row = torch.softmax((k[b, h, visible].double() @ q[b, head, i].double()) * scale, dim=0)
+                for position, weight in zip(visible, row.tolist(), strict=True):
+                    scores[b, h, position] = max(scores[b, h, position].item(), weight)
+    return scores
+
+
+__all__ = [
+    "DEFAULT_KERNEL",
+    "naive_observation_scores",
+    "naive_reconstruction_scores",
+    "observation_scores",
+    "reconstruction_scores",
+]

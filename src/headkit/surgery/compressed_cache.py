@@ -10,6 +10,11 @@ Every other key is dropped. ``retrieval_heads`` — (layer, key/value head) pair
 (:class:`headkit.surgery.linearize.LinearizedHeads` with ``fold=False``: no feature maps), so the fast decoder
 runs it as it runs a linearized model.
 
+``selection="reconstruction"`` chooses the budget's keys before any question instead: those the model reads most
+to repeat the prompt after ``reconstruction_prompt`` (KVzip, Kim et al. 2025; :mod:`headkit.surgery.reconstruction`),
+so that a second turn asking about something else finds it kept — at the cost of a scoring forward over the
+prompt repeated, before each prefill.
+
 ``headkit.apply_(model, CompressedCacheConfig(window=256, sinks=4, budget=128))`` converts, and records the op
 ``compressed_cache`` so :func:`headkit.from_pretrained` rebuilds it; it composes after pruning
 (``[PruneConfig(...), CompressedCacheConfig(...)]``).
@@ -23,6 +28,8 @@ from typing import Any, NamedTuple
 
 from torch import nn
 
+from headkit.errors import HeadkitError
+from headkit.ops.key_selection import QUESTION, RECONSTRUCTION
 from headkit.surgery.adapters import AttentionAdapter
 from headkit.surgery.gating import config_head_dim, kv_head_counts, parse_head_pairs
 from headkit.surgery.linearize import SURGERY_OP as LINEARIZE_OP
@@ -34,10 +41,13 @@ from headkit.surgery.records import (
     fields_of_record,
     register_conversion,
 )
+from headkit.surgery.reconstruction import attach_reconstruction_prefill
 
 SURGERY_OP = "compressed_cache"
 # What the linearized layer's record holds beside its config's fields: the sites and rotary pairs it resolved.
 RESOLVED = ("adapter", "layers", "sites", "unrotated_pairs", "rotary_pairs")
+# How the budget's keys can be chosen without a linear state to recall them.
+COMPRESSED_SELECTIONS = (QUESTION, RECONSTRUCTION)
 
 
 class LayerTokens(NamedTuple):
@@ -57,7 +67,12 @@ class CompressedCacheConfig:
         window: W ≥ 1, the last tokens every query sees (its own included).
         sinks: S ≥ 0, the first tokens of a sequence, kept.
         budget: B ≥ 0, keys kept beyond the window per layer and key/value head, chosen by the question.
-        observation: the queries at the end of a prompt whose attention chooses the budget's keys.
+        observation: the queries at the end of a prompt whose attention chooses the budget's keys (selection
+            "question"; with "reconstruction", those of a later turn's tokens appended to a cache).
+        selection: "question" (SnapKV: the prompt's last queries choose) or "reconstruction" (KVzip: the queries
+            of the prompt repeated after ``reconstruction_prompt`` choose, before any question).
+        reconstruction_prompt: the token ids of the request to repeat the prompt, between the prompt and its
+            repetition (selection "reconstruction"; empty: the repetition follows the prompt directly).
         retrieval_heads: (layer, key/value head) pairs that keep their whole cache.
         layers: the layer indices whose cache is compressed; None: every global-attention layer.
     """
@@ -75,6 +90,22 @@ class CompressedCacheConfig:
     observation: int = field(
         default=32, metadata={"help": "Queries at the end of a prompt that choose the budget's keys."}
     )
+    selection: str = field(
+        default=QUESTION,
+        metadata={
+            "help": "How the budget's keys are chosen: 'question' (the prompt's last --observation queries, "
+            "SnapKV) or 'reconstruction' (those the model reads most to repeat the prompt, before any question: "
+            "KVzip; a scoring forward over the prompt repeated first).",
+        },
+    )
+    reconstruction_prompt: tuple[int, ...] = field(
+        default=(),
+        metadata={
+            "help": "Token ids of the request to repeat the prompt, between it and its repetition (--selection "
+            "reconstruction; `headkit compress` fills it from the tokenizer).",
+            "min": 0,
+        },
+    )
     retrieval_heads: tuple[tuple[int, int], ...] = field(
         default=(),
         metadata={
@@ -91,6 +122,16 @@ class CompressedCacheConfig:
     )
 
     def __post_init__(self) -> None:
+        if self.selection not in COMPRESSED_SELECTIONS:
+            raise HeadkitError(
+                f"selection must be one of {', '.join(COMPRESSED_SELECTIONS)}, got {self.selection!r}"
+            )
+        prompt = self.reconstruction_prompt
+        if not isinstance(prompt, (tuple, list)) or any(
+            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in prompt
+        ):
+            raise HeadkitError(f"reconstruction_prompt must be token ids (non-negative integers), got {prompt!r}")
+        object.__setattr__(self, "reconstruction_prompt", tuple(prompt))
         # The equivalent linearized layer's config checks the types and ranges, named by these fields.
         linear = self.linearize_config()
         object.__setattr__(self, "retrieval_heads", linear.retrieval_heads)
@@ -99,7 +140,7 @@ class CompressedCacheConfig:
     def linearize_config(self) -> LinearizeConfig:
         """The mechanism this cache is: the linearized layer's, nothing folded (a :class:`LinearizeConfig`)."""
         return LinearizeConfig(
-            window=self.window, sinks=self.sinks, budget=self.budget, selection="question",
+            window=self.window, sinks=self.sinks, budget=self.budget, selection=self.selection,
             observation=self.observation, fold=False, retrieval_heads=self.retrieval_heads, layers=self.layers,
         )  # fmt: skip
 
@@ -112,6 +153,7 @@ class CompressedCacheConfig:
         """The fields as JSON."""
         return asdict(self) | {
             "retrieval_heads": [list(pair) for pair in self.retrieval_heads],
+            "reconstruction_prompt": list(self.reconstruction_prompt),
             "layers": None if self.layers is None else list(self.layers),
         }
 
@@ -164,6 +206,8 @@ def _compress_cache(
     layer's with nothing folded; the record is this config's, with what the conversion resolved."""
     mechanism = config.linearize_config()
     report = conversion_of(mechanism).apply(model, mechanism, adapter=adapter)
+    if config.selection == RECONSTRUCTION:
+        attach_reconstruction_prefill(model, config.reconstruction_prompt)
     entries = list(getattr(model.config, SURGERY_KEY))
     resolved = entries[-1]
     entries[-1] = (
@@ -179,6 +223,8 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
     equivalent = copy.deepcopy(entry) | config.linearize_config().record() | {"op": LINEARIZE_OP}
     equivalent["layers"] = entry["layers"]  # the layers the conversion resolved
     SURGERY_OPS[LINEARIZE_OP](model, equivalent)
+    if config.selection == RECONSTRUCTION:
+        attach_reconstruction_prefill(model, config.reconstruction_prompt)
 
 
 register_conversion(CompressedCacheConfig, SURGERY_OP, _compress_cache, _reapply, replaces_attention=True)

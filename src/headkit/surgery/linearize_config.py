@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from headkit.errors import HeadkitError
 from headkit.ops.feature_maps import BUILTIN_LEARNABLE_FEATURE_MAPS, FEATURE_MAPS
-from headkit.ops.key_selection import SELECTION_NAMES
+from headkit.ops.key_selection import RECONSTRUCTION, SELECTION_NAMES
 from headkit.surgery.families import text_config
 from headkit.surgery.heads import parse_head_pairs
 from headkit.surgery.records import fields_of_record
@@ -201,6 +201,11 @@ class LinearizeConfig:
         if self.selection not in SELECTION_NAMES:
             raise HeadkitError(
                 f"selection must be one of {', '.join(SELECTION_NAMES)}, got {self.selection!r}"
+            )
+        if self.selection == RECONSTRUCTION and self.fold:
+            raise HeadkitError(
+                "selection 'reconstruction' drops what it does not keep: it needs fold=False (the compressed "
+                "cache, CompressedCacheConfig)"
             )
         _check_count("observation", self.observation, 1)
         _check_count("feature_wavelength", self.feature_wavelength, 0, "a non-negative integer (0: off)")
