@@ -9,13 +9,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import AutoTokenizer, LlamaConfig
 
 import headkit
 from headkit.cli import main
+from headkit.compat import output_cache
 from headkit.errors import HeadkitError
 from headkit.recipes.cache_budget import cache_plan, default_retrieval_heads, parse_fraction
 from headkit.surgery import CompressedCacheConfig, QuantizedKVConfig, bytes_per_token
+from headkit.surgery.reconstruction import repetition_request
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "surgery"))
 from family_models import save_family_model  # noqa: E402
@@ -153,6 +155,11 @@ def _refused(args, capsys) -> str:
         (["--kv-retrieval-heads", "1"], "--kv-retrieval-heads goes with --kv-budget"),
         (["--kv-budget", "1/8", "--kv-retrieval-heads", "99"], "--kv-retrieval-heads must be at most"),
         (["--kv-budget", "1/8", "--kv-retrieval-heads", "-1"], "--kv-retrieval-heads"),
+        (["--kv-selection", "reconstruction"], "--kv-selection goes with --kv-budget"),
+        (
+            ["--kv-budget", "1/8", "--kv-selection", "recall"],
+            "--kv-selection must be one of question, reconstruction",
+        ),
     ],
 )
 def test_bad_budgets_exit_2_in_one_line_before_loading_weights(
@@ -185,6 +192,38 @@ def test_a_budget_run_saves_what_from_pretrained_reloads(save_tiny_causal_lm, tm
     headkit.apply_(fresh, CompressedCacheConfig.from_record(plan["configs"][0]))
     with torch.no_grad():
         assert torch.equal(reloaded(tokens).logits, fresh(tokens).logits)
+
+
+def test_a_budget_run_chosen_by_reconstruction_records_the_request_and_reloads_its_scoring(
+    save_tiny_causal_lm, tmp_path, capsys
+):
+    folder = save_tiny_causal_lm(tmp_path / "tiny")
+    out = tmp_path / "budget"
+    main(
+        ["compress", str(folder), "--kv-budget", "1/4", "--kv-selection", "reconstruction", "--eval-window", "200",
+         "--out", str(out)]
+    )  # fmt: skip
+    report = json.loads((out / "report.json").read_text())
+    made = report["plan"]["configs"][0]
+    assert made["selection"] == "reconstruction" and "chosen by reconstruction" in report["plan"]["reason"]
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert tuple(made["reconstruction_prompt"]) == repetition_request(tokenizer) != ()
+    question = cache_plan(headkit.from_pretrained(folder).config, 0.25, report["plan"]["context"])
+    assert report["plan"]["bytes_per_token"] == question.bytes_per_token  # the choice costs no byte
+    reloaded = headkit.from_pretrained(out)
+    fresh = headkit.from_pretrained(folder)
+    headkit.apply_(fresh, CompressedCacheConfig.from_record(made))
+    tokens = torch.randint(
+        3, reloaded.config.vocab_size, (1, 300), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        got = output_cache(reloaded(tokens, use_cache=True))
+        expected = output_cache(fresh(tokens, use_cache=True))
+    kept = [
+        (a.state.sparse_scores, b.state.sparse_scores)
+        for a, b in zip(got.layers, expected.layers, strict=True)
+    ]
+    assert all(torch.equal(a, b) for a, b in kept) and any(bool((a > 0).any()) for a, _ in kept)
 
 
 def test_a_budget_run_keeps_the_originals_best_retrieval_heads_whole(save_tiny_causal_lm, tmp_path, capsys):

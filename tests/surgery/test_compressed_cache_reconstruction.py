@@ -35,7 +35,9 @@ def reference_scores(model_type: str, ids: torch.Tensor, chunks: list[tuple[int,
             kv_heads = original.config.num_key_value_heads
             per_query_head = weights[:, :, n + len(PROMPT) :, :n].amax(dim=2)  # [B, H, n]
             scores = per_query_head.unflatten(1, (kv_heads, -1)).amax(dim=2)
-            best.append(scores) if len(best) <= layer else best.__setitem__(layer, torch.maximum(best[layer], scores))
+            best.append(scores) if len(best) <= layer else best.__setitem__(
+                layer, torch.maximum(best[layer], scores)
+            )
     return best
 
 
@@ -83,7 +85,9 @@ def test_a_second_turn_is_scored_by_its_own_queries_and_no_score_is_left_behind(
     try:
         with torch.no_grad():
             cache = output_cache(model(ids[:, :10], use_cache=True))
-            model(ids[:, 10:], use_cache=True, **headkit.compat.cache_keyword(cache))  # a later turn: no scoring
+            model(
+                ids[:, 10:], use_cache=True, **headkit.compat.cache_keyword(cache)
+            )  # a later turn: no scoring
             model(ids, use_cache=False)  # no cache: nothing to choose
             model(ids[:, :1], use_cache=True)  # one token: nothing to choose
     finally:
@@ -131,7 +135,9 @@ def test_repetition_chunks_fit_the_context():
     assert repetition_chunks(4096, 10, 8192) == [(0, 2048), (2048, 4096)]
     assert repetition_chunks(6000, 10, 8192) == [(0, 2000), (2000, 4000), (4000, 6000)]
     assert repetition_chunks(5, 0, None) == [(0, 5)]
-    assert repetition_chunks(7000, 10, 8192) == [(start, min(start + 1167, 7000)) for start in range(0, 7000, 1167)]
+    assert repetition_chunks(7000, 10, 8192) == [
+        (start, min(start + 1167, 7000)) for start in range(0, 7000, 1167)
+    ]
     # Less room than SHORTEST_CHUNK: the repetition runs past the context, 2,048 tokens a forward.
     assert repetition_chunks(8100, 10, 8192) == [(0, 2025), (2025, 4050), (4050, 6075), (6075, 8100)]
 

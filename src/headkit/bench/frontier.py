@@ -33,6 +33,7 @@ early keeps what it finished.
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import statistics
 import tempfile
@@ -72,17 +73,19 @@ from headkit.export.llamacpp import (
     llama_cpp_perplexity,
     llama_cpp_speed,
 )
+from headkit.ops.key_selection import QUESTION, RECONSTRUCTION
 from headkit.recipes.cache_budget import largest_fitting
 from headkit.runs.models import CAUSAL_LM, load_model, smollm2_gguf_path
 from headkit.runs.options import check_integers, parse_list
 from headkit.runs.text import held_out_by_length, lm_windows, load_text, window_batches
 from headkit.runtime.fast import FastDecoder
 from headkit.surgery.apply import apply_, bytes_per_token
-from headkit.surgery.compressed_cache import CompressedCacheConfig
+from headkit.surgery.compressed_cache import COMPRESSED_SELECTIONS, CompressedCacheConfig
 from headkit.surgery.gating import config_head_dim, kv_head_counts
 from headkit.surgery.latent import LatentKVConfig
 from headkit.surgery.linearize import max_context
 from headkit.surgery.quantized_cache import QuantizedKVConfig
+from headkit.surgery.reconstruction import repetition_request
 
 QUANTIZED, COMPRESSED, COMPRESSED_QUANTIZED, LATENT, LLAMA_CPP, KVPRESS = (
     "quantized",
@@ -131,6 +134,13 @@ class FrontierBenchSettings:
     )
     retrieval_head_counts: tuple[int, ...] = option(
         (0, 8), "Retrieval heads of the compressed cache rows (full cache, DuoAttention).", min=0, quick=(0,)
+    )
+    selections: tuple[str, ...] = option(
+        (QUESTION,),
+        "How the compressed cache rows choose their keys: question (the prompt's last queries, SnapKV), "
+        "reconstruction (those read to repeat the prompt, before any question: KVzip), or both.",
+        choices=lambda: COMPRESSED_SELECTIONS,
+        distinct=True,
     )
     window: int = option(256, "Largest window of the compressed cache.", min=1, quick=64)
     sinks: int = option(4, "Sinks of the compressed cache.", min=0)
@@ -263,40 +273,45 @@ def compressed_rows(
     bytes_of: Any,
     bits: int | None = None,
     full_window: bool = False,
+    request: tuple[int, ...] = (),
 ) -> list[Row]:
-    """Per budget and retrieval-head count, the most tokens per head whose compressed cache fits: the window
-    up to ``--window`` (half the tokens while they are fewer than twice that), the rest chosen by the question.
-    `bits`: its keys and values stored in those bits (``compressed+quantized``; its window in full precision with
-    `full_window`), at the budgets where that quantized storage alone does not fit."""
+    """Per selection, budget and retrieval-head count, the most tokens per head whose compressed cache fits: the
+    window up to ``--window`` (half the tokens while they are fewer than twice that), the rest chosen by the
+    question or by the prompt's reconstruction (after the `request` to repeat it). `bits`: its keys and values
+    stored in those bits (``compressed+quantized``; its window in full precision with `full_window`), at the
+    budgets where that quantized storage alone does not fit."""
     tail = [] if bits is None else [_quantized(settings, bits, full_window)]
     rows = []
-    for count, heads in retrieval_heads.items():
-        for budget in settings.budgets:
-            target = bytes_of([]) / budget
-            if tail and bytes_of(tail) <= target:
-                continue  # the quantized row alone fits: it keeps every token
+    for selection, count, budget in itertools.product(settings.selections, retrieval_heads, settings.budgets):
+        heads = retrieval_heads[count]
+        target = bytes_of([]) / budget
+        if tail and bytes_of(tail) <= target:
+            continue  # the quantized row alone fits: it keeps every token
 
-            def make(tokens: int, heads: list[tuple[int, int]] = heads) -> list[Any]:
-                window = max(1, min(settings.window, tokens // 2))
-                return [
-                    CompressedCacheConfig(
-                        window=window, sinks=settings.sinks, budget=max(0, tokens - window),
-                        observation=settings.observation, retrieval_heads=tuple(heads),
-                    ),
-                    *tail,
-                ]  # fmt: skip
+        def make(tokens: int, heads: list[tuple[int, int]] = heads, selection: str = selection) -> list[Any]:
+            window = max(1, min(settings.window, tokens // 2))
+            chosen_by = {"selection": selection}
+            chosen_by |= {"reconstruction_prompt": request} if selection == RECONSTRUCTION else {}
+            return [
+                CompressedCacheConfig(
+                    window=window, sinks=settings.sinks, budget=max(0, tokens - window),
+                    observation=settings.observation, retrieval_heads=tuple(heads), **chosen_by,
+                ),
+                *tail,
+            ]  # fmt: skip
 
-            tokens = largest_fitting(make, bytes_of, target, settings.state_context)
-            if tokens is None or tokens < 1:
-                continue
-            made = make(tokens)
-            compressed = made[0]
-            label = f"W={compressed.window} S={compressed.sinks} B={compressed.budget} R={count}"
-            if tail:
-                label += " window bf16" if full_window else ""
-                rows.append(Row(COMPRESSED_QUANTIZED, f"int{bits} {label}", made, budget))
-            else:
-                rows.append(Row(COMPRESSED, label, made, budget))
+        tokens = largest_fitting(make, bytes_of, target, settings.state_context)
+        if tokens is None or tokens < 1:
+            continue
+        made = make(tokens)
+        compressed = made[0]
+        label = f"W={compressed.window} S={compressed.sinks} B={compressed.budget} R={count}"
+        label += " by reconstruction" if selection == RECONSTRUCTION else ""
+        if tail:
+            label += " window bf16" if full_window else ""
+            rows.append(Row(COMPRESSED_QUANTIZED, f"int{bits} {label}", made, budget))
+        else:
+            rows.append(Row(COMPRESSED, label, made, budget))
     return rows
 
 
@@ -504,7 +519,7 @@ def _kvpress_points(
     trials, tokenizer = shared["trials"], shared["tokenizer"]
     for row in rows:
         made = row.configs[0]
-        if row.method != COMPRESSED or made.retrieval_heads:
+        if row.method != COMPRESSED or made.retrieval_heads or made.selection != QUESTION:
             continue
         kept = made.sinks + made.window + made.budget
         started = time.perf_counter()
@@ -750,6 +765,9 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
             made.check(config)
             rows.append(Row(QUANTIZED, f"int{bits} g{made.group_size} r{made.residual}", [made]))
     retrieval_heads: dict[int, list[tuple[int, int]]] = {}
+    request = repetition_request(
+        tokenizer
+    )  # what the rows chosen by reconstruction ask before the repetition
     compressing = COMPRESSED in settings.methods or COMPRESSED_QUANTIZED in settings.methods
     if compressing or KVPRESS in settings.methods:
         counts = [count for count in settings.retrieval_head_counts if count] if compressing else []
@@ -760,14 +778,16 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
             retrieval_heads = {count: top_heads(scores, count) for count in counts}
         if 0 in settings.retrieval_head_counts or KVPRESS in settings.methods:
             retrieval_heads = {0: []} | retrieval_heads
-        compressed = compressed_rows(config, settings, retrieval_heads, bytes_of)
+        compressed = compressed_rows(config, settings, retrieval_heads, bytes_of, request=request)
         rows += compressed if COMPRESSED in settings.methods else []
     if COMPRESSED_QUANTIZED in settings.methods:
         for bits in settings.bits:
             _quantized(settings, bits).check(config)
             for storage in settings.window_storages:
                 full = storage == "full"
-                rows += compressed_rows(config, settings, retrieval_heads, bytes_of, bits, full)
+                rows += compressed_rows(
+                    config, settings, retrieval_heads, bytes_of, bits, full, request=request
+                )
     if LATENT in settings.methods:
         rows += latent_rows(config, settings, bytes_of)
 

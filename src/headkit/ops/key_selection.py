@@ -194,7 +194,9 @@ def reconstruction_scores(
     """
     batch, q_heads, seq, dim = _check(q, k, 1, attention_mask, 1)
     if voters.dtype != torch.bool or tuple(voters.shape) != (batch, seq):
-        raise ValueError(f"voters must be a [{batch}, {seq}] bool mask, got {voters.dtype} {tuple(voters.shape)}")
+        raise ValueError(
+            f"voters must be a [{batch}, {seq}] bool mask, got {voters.dtype} {tuple(voters.shape)}"
+        )
     check_positive_int("chunk_size", chunk_size)
     kv_heads = k.shape[1]
     groups = q_heads // kv_heads

@@ -39,6 +39,7 @@ from typing import Any
 
 from headkit.errors import HeadkitError
 from headkit.evaluation.quality import continuation_perplexity
+from headkit.ops.key_selection import QUESTION, RECONSTRUCTION
 from headkit.ops.quantized_cache import BITS as QUANTIZED_BITS
 from headkit.recipes.retrieval_heads import chosen_retrieval_heads
 from headkit.recipes.steps import Steps
@@ -48,6 +49,7 @@ from headkit.surgery.apply import apply_, bytes_per_token, check_steps
 from headkit.surgery.compressed_cache import CompressedCacheConfig
 from headkit.surgery.gating import kv_head_counts
 from headkit.surgery.quantized_cache import QuantizedKVConfig
+from headkit.surgery.reconstruction import repetition_request
 
 REPORTED_CONTEXT = 8192  # the report's bytes per token are stated at this context, whatever the budget's
 LARGEST_WINDOW, SINKS, OBSERVATION = 256, 4, 32
@@ -152,11 +154,13 @@ def cache_plan(
     *,
     bits: int | None = None,
     retrieval_heads: int | None = None,
+    selection: str | None = None,
 ) -> CachePlan:
     """The configuration for `budget` (a fraction of the original's bfloat16 KV bytes at `context` tokens) of a
     model with the 🤗 `model_config` (module docstring), the compressed cache with `retrieval_heads` heads kept
-    whole (:func:`placeholder_heads` until the recipe chooses them; None: :func:`default_retrieval_heads`);
-    refused in one line naming --kv-budget where nothing fits."""
+    whole (:func:`placeholder_heads` until the recipe chooses them; None: :func:`default_retrieval_heads`) and
+    its keys chosen by `selection` (None: the question's; the bytes are the same either way); refused in one line
+    naming --kv-budget where nothing fits."""
 
     def per_token(configs: list[Any], at: int = context) -> float:
         value = bytes_per_token(model_config, configs, bytes_per_number=2, context=at)
@@ -204,6 +208,9 @@ def cache_plan(
         heads = heads if chosen is not None else ()
     if chosen is None:
         chosen, reason = _most_tokens(model_config, per_token, target, context, budget, original, bits, heads)
+    if selection is not None and isinstance(chosen[0], CompressedCacheConfig):
+        chosen = [replace(chosen[0], selection=selection), *chosen[1:]]
+        reason += f"; its keys chosen by {selection}" if selection != QUESTION else ""
     check_steps(model_config, chosen)
     return CachePlan(
         configs=tuple(chosen),
@@ -352,6 +359,7 @@ class CacheBudgetSteps(Steps):
             budget_context(settings, config),
             bits=settings.kv_bits,
             retrieval_heads=settings.kv_retrieval_heads,
+            selection=settings.kv_selection,
         )
         check_steps(self.teacher, self.plan.configs)
 
@@ -377,6 +385,11 @@ class CacheBudgetSteps(Steps):
                 seed=self.settings.seed, echo=self.echo,
             )  # fmt: skip
             self.plan = replace(self.plan, configs=(replace(made, retrieval_heads=heads), *rest))
+            made = self.plan.configs[0]
+        if isinstance(made, CompressedCacheConfig) and made.selection == RECONSTRUCTION:
+            # the request to repeat the prompt, in the model's own tokens
+            made = replace(made, reconstruction_prompt=repetition_request(self.tokenizer))
+            self.plan = replace(self.plan, configs=(made, *rest))
         # The cache's configs change no weight: the student is the original's tensors under cache layers of its own.
         self.student = shared_copy(self.teacher)
         apply_(self.student, list(self.plan.configs))

@@ -142,6 +142,13 @@ class CompressSettings(ModelSettings):
         "the budget; 0: none).",
         min=0,
     )
+    kv_selection: str | None = option(
+        None,
+        "With --kv-budget, where the compressed cache is chosen: how it chooses the keys it keeps: 'question' (the "
+        "prompt's last queries, SnapKV; the default) or 'reconstruction' (those the model reads to repeat the "
+        "prompt, before any question, so that a later turn finds them: KVzip; a scoring forward over the prompt "
+        "repeated runs before each prefill).",
+    )
     # lm-evaluation-harness tasks scored on the original and the result (headkit.evaluation.tasks): none by default.
     eval_tasks: tuple[str, ...] = ()
     eval_include_path: Path | None = None
@@ -155,13 +162,19 @@ def check_settings(settings: CompressSettings) -> None:
     check_data(settings.data)
     check_recipe_tasks(settings, default_is_causal_lm=False)
     if settings.kv_budget is None:
-        for name in ("kv_budget_context", "kv_bits", "kv_retrieval_heads"):
+        for name in ("kv_budget_context", "kv_bits", "kv_retrieval_heads", "kv_selection"):
             if getattr(settings, name) is not None:
                 raise HeadkitError(f"--{name.replace('_', '-')} goes with --kv-budget")
         return
     from headkit.recipes.cache_budget import check_storage_bits, parse_fraction
 
     check_storage_bits(settings.kv_bits, parse_fraction(settings.kv_budget))
+    from headkit.surgery.compressed_cache import COMPRESSED_SELECTIONS
+
+    if settings.kv_selection is not None and settings.kv_selection not in COMPRESSED_SELECTIONS:
+        raise HeadkitError(
+            f"--kv-selection must be one of {', '.join(COMPRESSED_SELECTIONS)}, got {settings.kv_selection!r}"
+        )
     others = [
         flag for flag, given in (("--dim", settings.dim), ("--kv-rank", settings.kv_rank),
                                   ("--rope-dims", settings.rope_dims), ("--recovery-steps", settings.recovery_steps))
@@ -213,6 +226,7 @@ def _check_against_config(settings: CompressSettings, model_path: Path, config: 
             budget_context(settings, config),
             bits=settings.kv_bits,
             retrieval_heads=settings.kv_retrieval_heads,
+            selection=settings.kv_selection,
         )
         return
     family = FAMILIES.get(model_type_of(config))

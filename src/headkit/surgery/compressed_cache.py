@@ -34,6 +34,7 @@ from headkit.surgery.adapters import AttentionAdapter
 from headkit.surgery.gating import config_head_dim, kv_head_counts, parse_head_pairs
 from headkit.surgery.linearize import SURGERY_OP as LINEARIZE_OP
 from headkit.surgery.linearize import LinearizeConfig, LinearizeReport, sliding_layers
+from headkit.surgery.reconstruction import attach_reconstruction_prefill
 from headkit.surgery.records import (
     SURGERY_KEY,
     SURGERY_OPS,
@@ -41,7 +42,6 @@ from headkit.surgery.records import (
     fields_of_record,
     register_conversion,
 )
-from headkit.surgery.reconstruction import attach_reconstruction_prefill
 
 SURGERY_OP = "compressed_cache"
 # What the linearized layer's record holds beside its config's fields: the sites and rotary pairs it resolved.
@@ -130,7 +130,9 @@ class CompressedCacheConfig:
         if not isinstance(prompt, (tuple, list)) or any(
             isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in prompt
         ):
-            raise HeadkitError(f"reconstruction_prompt must be token ids (non-negative integers), got {prompt!r}")
+            raise HeadkitError(
+                f"reconstruction_prompt must be token ids (non-negative integers), got {prompt!r}"
+            )
         object.__setattr__(self, "reconstruction_prompt", tuple(prompt))
         # The equivalent linearized layer's config checks the types and ranges, named by these fields.
         linear = self.linearize_config()

@@ -32,6 +32,8 @@ from headkit.surgery.linearize import linearized_modules, max_context
 REPETITION_CHUNK = 2048
 # Below this many tokens a chunk, the context's limit gives way (see repetition_chunks).
 SHORTEST_CHUNK = 256
+# The request between the prompt and its repetition (KVzip's "Repeat the previous context exactly.").
+REPETITION_REQUEST = "\n\nRepeat the previous context exactly.\n\n"
 # The keyword under which each transformers release hands a forward its cache.
 CACHE_KEYWORDS = ("cache", "past_key_values")
 
@@ -119,7 +121,9 @@ class ReconstructionPrefill:
             else:
                 request = model.get_input_embeddings()(prompt).to(embeds.dtype)
                 sequence = torch.cat([embeds, request, embeds[:, start:stop]], dim=1)
-                inputs = {"inputs_embeds": sequence.gather(1, order[..., None].expand(-1, -1, sequence.shape[-1]))}
+                inputs = {
+                    "inputs_embeds": sequence.gather(1, order[..., None].expand(-1, -1, sequence.shape[-1]))
+                }
             for selection in selections:
                 selection.scoring = (positions, voters & chunk_mask.bool())
             base(
@@ -144,6 +148,12 @@ def repetition_chunks(length: int, prompt: int, context: int | None) -> list[tup
     return [(start, min(start + size, length)) for start in range(0, length, size)]
 
 
+def repetition_request(tokenizer: Any, text: str = REPETITION_REQUEST) -> tuple[int, ...]:
+    """The token ids of `text` (default :data:`REPETITION_REQUEST`), without special tokens: what
+    ``CompressedCacheConfig(reconstruction_prompt=...)`` takes."""
+    return tuple(int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
 def attach_reconstruction_prefill(model: nn.Module, prompt: Sequence[int]) -> None:
     """Give `model` the scoring forward of a compressed cache that chooses by reconstruction (once: a model
     that has it keeps the one it has, with this prompt)."""
@@ -157,4 +167,11 @@ def attach_reconstruction_prefill(model: nn.Module, prompt: Sequence[int]) -> No
     model._headkit_reconstruction_prefill = prefill
 
 
-__all__ = ["REPETITION_CHUNK", "ReconstructionPrefill", "attach_reconstruction_prefill", "repetition_chunks"]
+__all__ = [
+    "REPETITION_CHUNK",
+    "REPETITION_REQUEST",
+    "ReconstructionPrefill",
+    "attach_reconstruction_prefill",
+    "repetition_chunks",
+    "repetition_request",
+]
