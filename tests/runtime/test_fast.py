@@ -237,6 +237,18 @@ def compressed_quantized(
     return model
 
 
+def compressed_by_reconstruction() -> transformers.LlamaForCausalLM:
+    model = tiny_llama()
+    headkit.apply_(
+        model,
+        CompressedCacheConfig(
+            window=4, sinks=1, budget=3, selection="reconstruction", reconstruction_prompt=(5, 6),
+            retrieval_heads=((1, 0),),
+        ),
+    )  # fmt: skip
+    return model
+
+
 def latent(**options) -> transformers.LlamaForCausalLM:
     model = tiny_llama()
     headkit.apply_(model, LatentKVConfig(kv_rank=6, rope_dims=4, **options))
@@ -260,6 +272,8 @@ FAST_MODELS = {
     # the same kind of cache stored in 4 bits: codes, scales and zero points in the fixed buffers
     "quantized-retrieval": compressed_quantized,
     "quantized-full-window": lambda: compressed_quantized(full_window=True),
+    # the keys chosen by the prompt's repetition (a scoring forward before the eager prefill)
+    "reconstruction": lambda: compressed_by_reconstruction(),
     # latent keys/values (absorbed attention over one fixed buffer of rows), per-head rotary dims and RoRoPE's
     "latent": lambda: latent(rope_selection="norms"),
     "latent-rorope": lambda: latent(rope_selection="rorope"),

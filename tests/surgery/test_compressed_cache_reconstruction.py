@@ -12,9 +12,11 @@ from headkit.compat import output_cache
 from headkit.errors import HeadkitError
 from headkit.surgery import CompressedCacheConfig, LinearizeConfig
 from headkit.surgery import reconstruction as reconstruction_module
+from headkit.surgery.families import FAMILIES, LINEARIZE
 from headkit.surgery.linearize import linearized_modules
 from headkit.surgery.reconstruction import REPETITION_CHUNK, repetition_chunks
 
+FAMILY_NAMES = sorted(name for name, family in FAMILIES.items() if LINEARIZE in family.operations)
 PROMPT = (5, 6, 7)
 CONFIG = CompressedCacheConfig(
     window=3, sinks=1, budget=3, observation=2, selection="reconstruction", reconstruction_prompt=PROMPT
@@ -110,7 +112,7 @@ def test_a_failed_prefill_leaves_no_score(monkeypatch):
     assert all(selection.pending is None and selection.scoring is None for selection in selections)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gpt2", "gemma2", "qwen3"])
+@pytest.mark.parametrize("model_type", FAMILY_NAMES)
 def test_padded_rows_decode_as_each_alone_and_a_reload_scores_the_same(model_type, tmp_path):
     model = family_model(model_type)
     headkit.apply_(model, CONFIG)
@@ -128,6 +130,9 @@ def test_padded_rows_decode_as_each_alone_and_a_reload_scores_the_same(model_typ
         assert torch.equal(got, expected)
     with torch.no_grad():
         assert torch.equal(reloaded.generate(prompts, **options), model.generate(prompts, **options))
+        beams = reloaded.generate(prompts, num_beams=2, **options)
+        low = headkit.from_pretrained(tmp_path, dtype=torch.bfloat16).generate(prompts, **options)
+    assert beams.shape == low.shape == (2, 11 + 5)
 
 
 def test_repetition_chunks_fit_the_context():
