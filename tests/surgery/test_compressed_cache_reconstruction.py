@@ -163,3 +163,14 @@ def test_bad_settings_are_named(options, match):
 def test_a_linear_state_cannot_choose_by_reconstruction():
     with pytest.raises(HeadkitError, match="needs fold=False"):
         LinearizeConfig(budget=4, selection="reconstruction")
+
+
+def test_a_prompt_given_as_embeddings_keeps_the_keys_its_ids_keep():
+    model = family_model("llama")
+    headkit.apply_(model, CONFIG)
+    ids = family_inputs(batch=2, length=12)
+    with torch.no_grad():
+        cache = output_cache(model(inputs_embeds=model.get_input_embeddings()(ids), use_cache=True))
+    from_embeddings = [layer.state.sparse_scores for layer in cache.layers]
+    for got, expected in zip(from_embeddings, kept_scores(model, ids), strict=True):
+        torch.testing.assert_close(got, expected)

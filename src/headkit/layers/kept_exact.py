@@ -81,8 +81,9 @@ class ReconstructionSelection(QuestionSelection):
     """The budget keeps the keys that the model reads most to repeat the prompt (KVzip): chosen before any
     question, so a later turn finds what it asks for. A model-level prefill
     (:mod:`headkit.surgery.reconstruction`) runs a scoring forward first — the prompt, a request to repeat it and
-    the prompt again — with :attr:`scoring` set to (the prompt's length, the first query of the repetition); the
-    layer records each prompt key's score (:meth:`record_scores`), the prefill that follows keeps by them. A prompt
+    the prompt again — with :attr:`scoring` set to where the prompt's tokens sit in that forward and which of its
+    queries vote; the layer records each prompt key's score (:meth:`record_scores`), the prefill that follows keeps
+    by them. A prompt
     prefilled without that pass (a later turn's tokens appended to a cache) is scored by its last queries, as the
     question's selection does."""
 

@@ -58,6 +58,8 @@ class ReconstructionPrefill:
             return
         input_ids = kwargs.get("input_ids", args[0] if args else None)
         embeds = kwargs.get("inputs_embeds")
+        if input_ids is not None and embeds is not None:
+            input_ids = None  # generate() hands both for a prompt given as embeddings; the model reads those
         prompt_input = input_ids if input_ids is not None else embeds
         if prompt_input is None or prompt_input.shape[1] < 2 or kwargs.get("use_cache") is False:
             return
