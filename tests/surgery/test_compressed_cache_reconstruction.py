@@ -143,8 +143,9 @@ def test_repetition_chunks_fit_the_context():
     assert repetition_chunks(7000, 10, 8192) == [
         (start, min(start + 1167, 7000)) for start in range(0, 7000, 1167)
     ]
-    # Less room than SHORTEST_CHUNK: the repetition runs past the context, 2,048 tokens a forward.
-    assert repetition_chunks(8100, 10, 8192) == [(0, 2025), (2025, 4050), (4050, 6075), (6075, 8100)]
+    assert repetition_chunks(3584, 10, 8192) == [(0, 3584)]
+    # Less room than SHORTEST_CHUNK: the repetition runs past the context, REPETITION_CHUNK tokens a forward at most.
+    assert repetition_chunks(8100, 10, 8192) == [(0, 4050), (4050, 8100)]
 
 
 @pytest.mark.parametrize(

@@ -207,20 +207,24 @@ def reconstruction_scores(
     scores = torch.zeros(batch, kv_heads, seq, dtype=dtype, device=q.device)
     with torch.no_grad(), autocast_disabled(q.device):
         keys = k.to(dtype)
-        columns = torch.arange(seq, device=q.device)
+        hidden = ~keep[:, None, None, :]  # [B, 1, 1, T] padded keys
         for start in range(0, seq, chunk_size):
             stop = min(start + chunk_size, seq)
             if not bool(voting[:, start:stop].any()):
                 continue
-            chunk = q[:, :, start:stop].to(dtype).reshape(batch, kv_heads, groups * (stop - start), dim)
-            rows = torch.arange(start, stop, device=q.device).repeat(groups)  # [G·C]
-            visible = (columns[None, :stop] <= rows[:, None])[None] & keep[:, None, :stop]  # [B, G·C, stop]
-            logits = (chunk @ keys[:, :, :stop].transpose(-1, -2)) * scale
-            logits = logits.masked_fill(~visible[:, None], float("-inf"))
-            # a row that sees nothing (a padded query) is NaN here and votes for nothing below
-            probabilities = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+            size = stop - start
+            chunk = q[:, :, start:stop].to(dtype).reshape(batch, kv_heads, groups * size, dim)
+            logits = (chunk @ keys[:, :, :stop].transpose(-1, -2)) * scale  # [B, Hkv, G·C, stop]
+            logits.masked_fill_(hidden[..., :stop], float("-inf"))
+            # causality only bites in the chunk's own block: a query sees the keys up to its own
+            future = torch.ones(size, size, dtype=torch.bool, device=q.device).triu(1).repeat(groups, 1)
+            logits[..., start:stop].masked_fill_(future, float("-inf"))
+            # max over queries of softmax = exp(max over queries of (logit − logsumexp)); a query that does not
+            # vote gets logsumexp +inf, so that it gives −inf (a padded query's row is all −inf: −inf − inf too)
+            normaliser = torch.logsumexp(logits, dim=-1, keepdim=True)
             votes = voting[:, start:stop].repeat(1, groups)[:, None, :, None]  # [B, 1, G·C, 1]
-            best = (probabilities * votes).amax(dim=2)
+            normaliser.masked_fill_(~votes, float("inf"))
+            best = logits.sub_(normaliser).amax(dim=2).exp_()
             scores[..., :stop] = torch.maximum(scores[..., :stop], best)
     return scores
 

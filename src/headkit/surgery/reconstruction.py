@@ -28,8 +28,9 @@ from torch import nn
 from headkit.ops.key_selection import RECONSTRUCTION
 from headkit.surgery.linearize import linearized_modules, max_context
 
-# The most tokens of the repetition scored in one forward (KVzip's chunk is 2K tokens too).
-REPETITION_CHUNK = 2048
+# The most tokens of the repetition scored in one forward: a whole 4K prompt where the context leaves room (each
+# forward also reruns the prompt, so fewer chunks cost less; KVzip repeats in chunks of 2K on a GPU, for memory).
+REPETITION_CHUNK = 4096
 # Below this many tokens a chunk, the context's limit gives way (see repetition_chunks).
 SHORTEST_CHUNK = 256
 # The request between the prompt and its repetition (KVzip's "Repeat the previous context exactly.").
