@@ -270,3 +270,20 @@ def test_the_fast_path_times_the_rows_it_runs_and_says_which_it_skips(tiny, tmp_
         assert point["fast_decode_ms_96_b1"] > 0 and point["fast_decode_ms_96_b2"] > 0
     assert "fast path skipped" in capsys.readouterr().out  # the int4 KIVI row
     assert "fast ms/token @96 ×2" in (out / "table.md").read_text()
+
+
+def test_rows_chosen_by_reconstruction_keep_the_bytes_and_ask_for_the_repetition(tiny, tmp_path):
+    out = tmp_path / "frontier"
+    options = [*TINY, "--budgets", "4", "--retrieval-head-counts", "0", "--speed-contexts", "none"]
+    main(
+        ["bench", "frontier", "--model", str(tiny), "--methods", "compressed", *options,
+         "--selections", "question,reconstruction", "--out", str(out)]
+    )  # fmt: skip
+    points = json.loads((out / "results.json").read_text())["points"]
+    question, reconstruction = (p for p in points if p["method"] == "compressed")
+    assert reconstruction["label"] == question["label"] + " by reconstruction"
+    assert reconstruction["bytes"] == question["bytes"]
+    made = reconstruction["records"][0]
+    assert made["selection"] == "reconstruction" and made["reconstruction_prompt"]
+    assert question["records"][0]["selection"] == "question"
+    assert reconstruction["second_turn"]["trials"] == question["second_turn"]["trials"] > 0
