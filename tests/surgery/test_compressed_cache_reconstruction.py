@@ -175,3 +175,26 @@ def test_a_prompt_given_as_embeddings_keeps_the_keys_its_ids_keep():
     from_embeddings = [layer.state.sparse_scores for layer in cache.layers]
     for got, expected in zip(from_embeddings, kept_scores(model, ids), strict=True):
         torch.testing.assert_close(got, expected)
+
+
+def test_a_linearized_layer_that_drops_can_choose_by_reconstruction_too(tmp_path):
+    """`headkit linearize --drop --selection reconstruction` and reconfigure(): the same scoring, no request."""
+    ids = family_inputs(batch=2, length=12)
+    linearized = family_model("llama")
+    headkit.apply_(
+        linearized, LinearizeConfig(window=3, sinks=1, budget=3, fold=False, selection="reconstruction")
+    )
+    compressed = family_model("llama")
+    headkit.apply_(compressed, CompressedCacheConfig(window=3, sinks=1, budget=3, selection="reconstruction"))
+    for got, expected in zip(kept_scores(linearized, ids), kept_scores(compressed, ids), strict=True):
+        assert torch.equal(got, expected)
+    question = family_model("llama")
+    headkit.apply_(question, LinearizeConfig(window=3, sinks=1, budget=3, fold=False, selection="question"))
+    headkit.surgery.linearize.reconfigure(question, selection="reconstruction")
+    for got, expected in zip(kept_scores(question, ids), kept_scores(compressed, ids), strict=True):
+        assert torch.equal(got, expected)
+    linearized.save_pretrained(tmp_path)
+    for got, expected in zip(
+        kept_scores(headkit.from_pretrained(tmp_path), ids), kept_scores(compressed, ids), strict=True
+    ):
+        assert torch.equal(got, expected)

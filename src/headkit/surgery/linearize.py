@@ -73,6 +73,7 @@ from headkit.layers.hybrid import HybridHeads, HybridStateCacheLayer, SplitHeads
 from headkit.layers.kept_exact import SELECTIONS, ExactHeads, KeptKeys, causal_softmax
 from headkit.layers.quantized_cache import QuantizedHybridStateCacheLayer, exact_leaves
 from headkit.ops.hybrid import hybrid_attention, sparse_hybrid_attention, sparse_hybrid_state
+from headkit.ops.key_selection import RECONSTRUCTION
 from headkit.surgery.adapters import (
     AttentionAdapter,
     AttentionSite,
@@ -97,6 +98,7 @@ from headkit.surgery.linearize_config import (  # noqa: F401  (the names lineari
     max_context,
     sliding_layers,
 )
+from headkit.surgery.reconstruction import attach_reconstruction_prefill
 from headkit.surgery.records import (
     SURGERY_KEY,
     given_config,
@@ -530,6 +532,8 @@ def _linearize(
     ]
     # Everything is built and checked: only now does the model change.
     attach_mechanisms(model, [(site.module, mechanism) for site, mechanism in planned])
+    if config.selection == RECONSTRUCTION:
+        attach_reconstruction_prefill(model)
     indices = [site.layers[0] for site in chosen]
     record_surgery(
         model,
@@ -604,6 +608,8 @@ def reconfigure(model: nn.Module, **changes: Any) -> LinearizeConfig:
             observation=config.observation,
             exact_heads=[head for layer, head in config.retrieval_heads if layer == module.layer_idx],
         )  # fmt: skip
+    if config.selection == RECONSTRUCTION:
+        attach_reconstruction_prefill(model)
     entries[index] = entries[index] | config.record() | {"layers": layers}
     setattr(model.config, SURGERY_KEY, json.loads(json.dumps(entries)))
     return config
@@ -818,6 +824,8 @@ def _reapply(model: nn.Module, entry: dict[str, Any]) -> None:
         (site, _plan_site(site, config, pairs, count)) for site, pairs in zip(chosen, unrotated, strict=True)
     ]
     attach_mechanisms(model, [(site.module, mechanism) for site, mechanism in planned])
+    if config.selection == RECONSTRUCTION:
+        attach_reconstruction_prefill(model)
 
 
 register_conversion(

@@ -25,8 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from headkit.ops.key_selection import RECONSTRUCTION
-from headkit.surgery.linearize import linearized_modules, max_context
+from headkit.layers.kept_exact import ReconstructionSelection
+from headkit.surgery.linearize_config import max_context
 
 # The most tokens of the repetition scored in one forward: a whole 4K prompt where the context leaves room (each
 # forward also reruns the prompt, so fewer chunks cost less; KVzip repeats in chunks of 2K on a GPU, for memory).
@@ -47,12 +47,14 @@ class ReconstructionPrefill:
         self.prompt = tuple(prompt)
         self.running = False
 
-    def selections(self, model: nn.Module) -> list[Any]:
-        return [
-            module.kept.selection
-            for module in linearized_modules(model)
-            if module.kept.selection.name == RECONSTRUCTION and module.budget
-        ]
+    def selections(self, model: nn.Module) -> list[ReconstructionSelection]:
+        """The selections of the model's layers that choose by reconstruction (those with a budget to fill)."""
+        found = {}
+        for module in model.modules():
+            kept = getattr(module, "kept", None)
+            if isinstance(getattr(kept, "selection", None), ReconstructionSelection) and kept.budget:
+                found[id(kept.selection)] = kept.selection
+        return list(found.values())
 
     def before(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.running:
@@ -157,14 +159,15 @@ def repetition_request(tokenizer: Any, text: str = REPETITION_REQUEST) -> tuple[
     return tuple(int(i) for i in tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-def attach_reconstruction_prefill(model: nn.Module, prompt: Sequence[int]) -> None:
-    """Give `model` the scoring forward of a compressed cache that chooses by reconstruction (once: a model
-    that has it keeps the one it has, with this prompt)."""
+def attach_reconstruction_prefill(model: nn.Module, prompt: Sequence[int] | None = None) -> None:
+    """Give `model` the scoring forward of a compressed cache that chooses by reconstruction, asking `prompt`
+    before the repetition (once: a model that has it keeps the one it has, its request replaced by `prompt`, or
+    kept where `prompt` is None)."""
     prefill = getattr(model, "_headkit_reconstruction_prefill", None)
     if isinstance(prefill, ReconstructionPrefill):
-        prefill.prompt = tuple(prompt)
+        prefill.prompt = prefill.prompt if prompt is None else tuple(prompt)
         return
-    prefill = ReconstructionPrefill(prompt)
+    prefill = ReconstructionPrefill(() if prompt is None else prompt)
     model.register_forward_pre_hook(prefill.before, with_kwargs=True)
     model.register_forward_hook(prefill.after, with_kwargs=True, always_call=True)
     model._headkit_reconstruction_prefill = prefill
