@@ -42,6 +42,7 @@ CONFIGS = [
     LatentKVConfig(kv_rank=20, rope_dims=4, rope_selection="norms", rank_allocation="spectrum"),
     LatentKVConfig(kv_rank=20, rope_dims=4, rope_selection="rorope", rope_fold=2, balance_kv=True),
     CompressedCacheConfig(window=8, sinks=2, budget=3, observation=4, retrieval_heads=((1, 0),), layers=(1,)),
+    CompressedCacheConfig(budget=3, selection="reconstruction", reconstruction_prompt=(5, 6)),
     LinearizeConfig(
         window=8,
         feature_map="elu",
