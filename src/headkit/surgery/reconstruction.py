@@ -46,6 +46,7 @@ class ReconstructionPrefill:
     def __init__(self, prompt: Sequence[int]) -> None:
         self.prompt = tuple(prompt)
         self.running = False
+        self.scored: list[ReconstructionSelection] = []  # those whose scores the prefill under way keeps by
 
     def selections(self, model: nn.Module) -> list[ReconstructionSelection]:
         """The selections of the model's layers that choose by reconstruction (those with a budget to fill)."""
@@ -72,13 +73,12 @@ class ReconstructionPrefill:
         selections = self.selections(model)
         if not selections:
             return
-        self.running = True
+        self.running, self.scored = True, selections
         try:
             with torch.no_grad():
                 self.score(model, selections, input_ids, embeds, kwargs.get("attention_mask"))
         except BaseException:
-            for selection in selections:
-                selection.pending = None
+            self.after(model, args, kwargs, None)
             raise
         finally:
             for selection in selections:
@@ -86,9 +86,13 @@ class ReconstructionPrefill:
             self.running = False
 
     def after(self, model: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        if not self.running:
-            for selection in self.selections(model):
-                selection.pending = None
+        """After the prefill (or its failure): no score is left for a later prompt. A decoding step finds
+        nothing to do (the fast decoder compiles it with this hook)."""
+        if self.running and output is not None:
+            return  # the scoring forward of a model that is its own base
+        for selection in self.scored:
+            selection.pending = None
+        self.scored = []
 
     def score(
         self,
