@@ -226,6 +226,13 @@ def test_a_budget_run_chosen_by_reconstruction_records_the_request_and_reloads_i
     assert all(torch.equal(a, b) for a, b in kept) and any(bool((a > 0).any()) for a, _ in kept)
 
 
+def test_a_selection_is_kept_by_the_compressed_cache_and_said_where_every_token_is_kept():
+    made = cache_plan(CONFIG, 1 / 8, 8192, selection="reconstruction").configs[0]
+    assert isinstance(made, CompressedCacheConfig) and made.selection == "reconstruction"
+    alone = cache_plan(CONFIG, 1 / 2, 8192, selection="reconstruction")
+    assert isinstance(alone.configs[0], QuantizedKVConfig) and "no key is chosen" in alone.reason
+
+
 def test_a_budget_run_keeps_the_originals_best_retrieval_heads_whole(save_tiny_causal_lm, tmp_path, capsys):
     folder = save_tiny_causal_lm(tmp_path / "tiny")
     out = tmp_path / "budget"

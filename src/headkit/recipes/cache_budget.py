@@ -211,6 +211,8 @@ def cache_plan(
     if selection is not None and isinstance(chosen[0], CompressedCacheConfig):
         chosen = [replace(chosen[0], selection=selection), *chosen[1:]]
         reason += f"; its keys chosen by {selection}" if selection != QUESTION else ""
+    elif selection is not None:
+        reason += ": every token is kept, so no key is chosen by the question or by reconstruction"
     check_steps(model_config, chosen)
     return CachePlan(
         configs=tuple(chosen),
