@@ -765,9 +765,8 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
             made.check(config)
             rows.append(Row(QUANTIZED, f"int{bits} g{made.group_size} r{made.residual}", [made]))
     retrieval_heads: dict[int, list[tuple[int, int]]] = {}
-    request = repetition_request(
-        tokenizer
-    )  # what the rows chosen by reconstruction ask before the repetition
+    # what the rows chosen by reconstruction ask before the repetition
+    request = repetition_request(tokenizer)
     compressing = COMPRESSED in settings.methods or COMPRESSED_QUANTIZED in settings.methods
     if compressing or KVPRESS in settings.methods:
         counts = [count for count in settings.retrieval_head_counts if count] if compressing else []

@@ -83,9 +83,8 @@ class ReconstructionSelection(QuestionSelection):
     (:mod:`headkit.surgery.reconstruction`) runs a scoring forward first — the prompt, a request to repeat it and
     the prompt again — with :attr:`scoring` set to where the prompt's tokens sit in that forward and which of its
     queries vote; the layer records each prompt key's score (:meth:`record_scores`), the prefill that follows keeps
-    by them. A prompt
-    prefilled without that pass (a later turn's tokens appended to a cache) is scored by its last queries, as the
-    question's selection does."""
+    by them. A prompt prefilled without that pass (a later turn's tokens appended to a cache) is scored by its last
+    queries, as the question's selection does."""
 
     name: ClassVar[str] = RECONSTRUCTION
 

@@ -379,19 +379,20 @@ class CacheBudgetSteps(Steps):
     def convert(self) -> None:
         started = time.perf_counter()
         made, *rest = self.plan.configs
-        if isinstance(made, CompressedCacheConfig) and made.retrieval_heads:
-            # The plan counted their bytes with placeholders: the heads are the original's best retrievers.
-            layers = made.linearize_config().layers_to_convert(self.teacher)
-            heads = chosen_retrieval_heads(
-                self.teacher, self.tokenizer, self.corpus, layers, len(made.retrieval_heads),
-                seed=self.settings.seed, echo=self.echo,
-            )  # fmt: skip
-            self.plan = replace(self.plan, configs=(replace(made, retrieval_heads=heads), *rest))
-            made = self.plan.configs[0]
-        if isinstance(made, CompressedCacheConfig) and made.selection == RECONSTRUCTION:
-            # the request to repeat the prompt, in the model's own tokens
-            made = replace(made, reconstruction_prompt=repetition_request(self.tokenizer))
-            self.plan = replace(self.plan, configs=(made, *rest))
+        if isinstance(made, CompressedCacheConfig):
+            # What the plan, from the 🤗 config alone, could not know: the retrieval heads (their bytes counted with
+            # placeholders) are the original's best retrievers, and the request to repeat the prompt is in the
+            # model's own tokens.
+            resolved: dict[str, Any] = {}
+            if made.retrieval_heads:
+                layers = made.linearize_config().layers_to_convert(self.teacher)
+                resolved["retrieval_heads"] = chosen_retrieval_heads(
+                    self.teacher, self.tokenizer, self.corpus, layers, len(made.retrieval_heads),
+                    seed=self.settings.seed, echo=self.echo,
+                )  # fmt: skip
+            if made.selection == RECONSTRUCTION:
+                resolved["reconstruction_prompt"] = repetition_request(self.tokenizer)
+            self.plan = replace(self.plan, configs=(replace(made, **resolved), *rest))
         # The cache's configs change no weight: the student is the original's tensors under cache layers of its own.
         self.student = shared_copy(self.teacher)
         apply_(self.student, list(self.plan.configs))

@@ -208,9 +208,8 @@ def _compress_cache(
     layer's with nothing folded; the record is this config's, with what the conversion resolved."""
     mechanism = config.linearize_config()
     report = conversion_of(mechanism).apply(model, mechanism, adapter=adapter)
-    if (
-        config.selection == RECONSTRUCTION
-    ):  # the linearized layers' conversion attached it, without the request
+    if config.selection == RECONSTRUCTION:
+        # the linearized layers' conversion attached the scoring forward; the request is this config's
         attach_reconstruction_prefill(model, config.reconstruction_prompt)
     entries = list(getattr(model.config, SURGERY_KEY))
     resolved = entries[-1]

@@ -318,20 +318,18 @@ class LinearizedHeads(HybridHeads):
         rotary = call.options.get(POSITION_EMBEDDINGS_KEYWORD)
         batch, _, seq, _ = queries.shape
         scale = call.scale(self.scale)
-        if getattr(self.kept.selection, "scoring", None) is not None:
-            # A reconstruction's scoring forward (headkit.surgery.reconstruction): the original attention over the
-            # whole sequence, no cache; the repetition's attention to the prompt is recorded.
-            new_mask = new_key_padding_mask(call.attention_mask, batch, 0, seq)
-            new_mask = None if new_mask is None else new_mask.to(queries.device)
-            outputs, _ = causal_softmax(queries, keys, values, new_mask, scale, None)
-            self.kept.selection.record_scores(queries, keys, new_mask, scale, self.linear_heads)
-            return outputs.transpose(1, 2).contiguous(), None
         state, stepping = self.cached_state(cache_layer, seq)
         new_mask = None
         if not (stepping and cache_layer.real_tokens_only):  # the fast decoder's steps read no mask
             past = 0 if cache_layer is None else cache_layer.get_seq_length()
             new_mask = new_key_padding_mask(call.attention_mask, batch, past, seq)
             new_mask = None if new_mask is None else new_mask.to(queries.device)
+        if getattr(self.kept.selection, "scoring", None) is not None:
+            # A reconstruction's scoring forward (headkit.surgery.reconstruction): the original attention over the
+            # whole sequence, no cache; the repetition's attention to the prompt is recorded.
+            outputs, _ = causal_softmax(queries, keys, values, new_mask, scale, None)
+            self.kept.selection.record_scores(queries, keys, new_mask, scale, self.linear_heads)
+            return outputs.transpose(1, 2).contiguous(), None
         options = (new_mask, scale, cache_layer, stepping, rotary)
         if not self.exact:
             outputs, state = self._converted(queries, keys, values, state, *options)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from headkit.compat import CACHE_ARGUMENT_NAMES
 from headkit.layers.kept_exact import ReconstructionSelection
 from headkit.surgery.linearize_config import max_context
 
@@ -35,8 +36,6 @@ REPETITION_CHUNK = 4096
 SHORTEST_CHUNK = 256
 # The request between the prompt and its repetition (KVzip's "Repeat the previous context exactly.").
 REPETITION_REQUEST = "\n\nRepeat the previous context exactly.\n\n"
-# The keyword under which each transformers release hands a forward its cache.
-CACHE_KEYWORDS = ("cache", "past_key_values")
 
 
 class ReconstructionPrefill:
@@ -67,7 +66,7 @@ class ReconstructionPrefill:
         prompt_input = input_ids if input_ids is not None else embeds
         if prompt_input is None or prompt_input.shape[1] < 2 or kwargs.get("use_cache") is False:
             return
-        cache = next((kwargs[name] for name in CACHE_KEYWORDS if kwargs.get(name) is not None), None)
+        cache = next((kwargs[name] for name in CACHE_ARGUMENT_NAMES if kwargs.get(name) is not None), None)
         if cache is not None and cache.get_seq_length() > 0:
             return  # a later turn: its tokens are scored by their own last queries
         selections = self.selections(model)
