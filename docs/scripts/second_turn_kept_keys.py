@@ -8,6 +8,7 @@ tokens, then feeds those (other text, then the question) through the cache. On t
 them with the same cache (window 256, 4 sinks, BUDGET chosen keys per head, RETRIEVAL retrieval heads — those of
 ``headkit compress --kv-budget 1/8`` —, stored in BITS 16 or 4 with the window in bfloat16), its keys chosen by:
 
+* ``original``: no cache of its own (every token kept), the reference;
 * ``question``: the first turn's last 32 queries (SnapKV, the compressed cache's default);
 * ``reconstruction``: the first turn's repetition (KVzip, the ``selection="reconstruction"`` built in);
 * ``oracle``: the second turn's own last 32 queries on the original (the question that will be asked), the first
