@@ -12,7 +12,7 @@ them with the same cache (window 256, 4 sinks, BUDGET chosen keys per head, RETR
 * ``question``: the first turn's last 32 queries (SnapKV, the compressed cache's default);
 * ``reconstruction``: the first turn's repetition (KVzip, the ``selection="reconstruction"`` built in);
 * ``oracle``: the second turn's own last 32 queries on the original (the question that will be asked), the first
-  turn's keys scored by them before it is asked — the most any choice of these tokens can give.
+  turn's keys scored by them before it is asked — a choice that knows the question.
 
 Beside each row's answers it counts, from the scores the first turn's prefill keeps by (the cache keeps the BUDGET
 best of the keys leaving its window after the sinks: headkit.ops.hybrid.sparse), the share of the key sentence's
