@@ -45,6 +45,53 @@ def test_observation_scores_equal_the_reference(heads, kv_heads, seq, observatio
         assert (observation_scores(q, k, **options)[~mask[:, None].expand(-1, kv_heads, -1)] == 0).all()
 
 
+@pytest.mark.parametrize(("heads", "kv_heads", "padded"), [(4, 2, False), (3, 3, True), (4, 1, True)])
+def test_observation_scores_beside_stored_keys_equal_the_reference(heads, kv_heads, padded):
+    # A later turn: the voters' softmax spans the cache's stored keys (some slots empty) and the new keys.
+    q, k = make_inputs(heads=heads, kv_heads=kv_heads, seq=19)
+    past_keys = torch.randn(
+        2, kv_heads, 11, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64
+    )
+    past_mask = torch.rand(2, kv_heads, 11, generator=torch.Generator().manual_seed(2)) > 0.3
+    options = {"observation": 6, "kernel": 3, "attention_mask": padding_mask(2, 19) if padded else None}
+    options |= {"past_keys": past_keys, "past_mask": past_mask}
+    expected = naive_observation_scores(q, k, **options)
+    for chunk in (1, 5, 1024):
+        torch.testing.assert_close(
+            observation_scores(q, k, chunk_size=chunk, **options), expected, rtol=1e-12, atol=1e-14
+        )
+    # The stored keys take their share of every voter's mass: the new keys score less than alone, and an
+    # all-empty store changes nothing.
+    options.pop("past_keys"), options.pop("past_mask")
+    alone = observation_scores(q, k, **options)
+    assert (expected <= alone + 1e-12).all() and (expected < alone - 1e-6).any()
+    empty = torch.zeros_like(past_mask)
+    beside_nothing = observation_scores(q, k, past_keys=past_keys, past_mask=empty, **options)
+    torch.testing.assert_close(beside_nothing, alone, rtol=1e-12, atol=1e-14)
+
+
+def test_stored_keys_are_checked():
+    q, k = make_inputs(seq=8)
+    with pytest.raises(ValueError, match="past_keys and past_mask"):
+        observation_scores(q, k, observation=4, past_keys=torch.zeros(2, 2, 3, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="past_keys must be"):
+        observation_scores(
+            q,
+            k,
+            observation=4,
+            past_keys=torch.zeros(2, 2, 3, 4),
+            past_mask=torch.ones(2, 2, 3, dtype=torch.bool),
+        )
+    with pytest.raises(ValueError, match="past_mask must be"):
+        observation_scores(
+            q,
+            k,
+            observation=4,
+            past_keys=torch.zeros(2, 2, 3, 8),
+            past_mask=torch.ones(2, 2, 4, dtype=torch.bool),
+        )
+
+
 def test_the_question_finds_the_key_it_attends_to():
     # The last query is built to point at key 7: its score is the largest after pooling.
     q, k = make_inputs(heads=2, kv_heads=1, seq=32)

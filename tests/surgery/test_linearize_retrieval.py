@@ -132,6 +132,39 @@ def test_the_question_chooses_the_cache_of_a_prefilled_prompt(monkeypatch):
     assert model.generate(prompt, max_new_tokens=8, do_sample=False).shape == (1, 20)
 
 
+def test_a_later_turn_is_scored_beside_the_keys_the_cache_holds(monkeypatch):
+    # A second prompt appended to a cache: its keys are scored by its last queries over the stored keys (sinks,
+    # kept keys, window) and its own, the scale the first prompt's keys were scored on; alone, its softmax over
+    # fewer keys would rank every one of its keys above the first prompt's.
+    model, _ = converted(sinks=1, budget=3, selection="question", observation=4, fold=False)
+    seen = []
+    module = __import__("headkit.layers.kept_exact", fromlist=["observation_scores"])
+
+    def recording(q, k, **options):
+        seen.append((q.detach().clone(), k.detach().clone(), options))
+        return observation_scores(q, k, **options)
+
+    monkeypatch.setattr(module, "observation_scores", recording)
+    first, second = ids(batch=1, length=20), ids(batch=1, length=9, seed=5)
+    with torch.no_grad():
+        cache = output_cache(model(first, use_cache=True))
+        stored = [cache.layers[layer].get_state() for layer in range(len(cache.layers))]
+        model(second, **cache_keyword(cache), use_cache=True)
+    layers = len(stored)
+    assert seen[0][2].get("past_keys") is None  # the first prompt: an empty cache
+    q, k, options = seen[layers]  # layer 0, the second prompt
+    state = stored[0]
+    window = state.window
+    expected_keys = torch.cat([state.sink_keys, state.sparse_keys, window.keys], dim=2)
+    torch.testing.assert_close(options["past_keys"], expected_keys)
+    heads = state.sparse_keys.shape[1]
+    filled = heads * (state.sink_keep.sum() + window.keep.sum()) + state.sparse_keep.sum()
+    assert options["past_mask"].sum() == filled > 0
+    beside = observation_scores(q, k, **options)
+    options = {name: value for name, value in options.items() if not name.startswith("past")}
+    assert (beside < observation_scores(q, k, **options)).any()
+
+
 def test_the_compressed_cache_baseline_prefills_in_full_and_decodes_from_the_kept_keys():
     model = tiny()
     original = tiny()

@@ -24,7 +24,12 @@ from typing import Any, ClassVar
 import torch
 
 from headkit.layers.hybrid import SplitHeadsRing, SplitHeadsState
-from headkit.ops.hybrid import sparse_hybrid_attention, sparse_hybrid_attention_step_
+from headkit.ops.hybrid import (
+    SparseHybridState,
+    sparse_hybrid_attention,
+    sparse_hybrid_attention_step_,
+    sparse_hybrid_stored_keys,
+)
 from headkit.ops.key_selection import (
     QUESTION,
     RECALL,
@@ -51,6 +56,7 @@ class RecallSelection:
         new_mask: torch.Tensor | None,
         scale: float,
         prefill: bool,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         return None
 
@@ -69,12 +75,15 @@ class QuestionSelection(RecallSelection):
         new_mask: torch.Tensor | None,
         scale: float,
         prefill: bool,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         if not prefill:
             return keys.new_zeros(*keys.shape[:3], dtype=torch.float32)
+        past_keys, past_mask = (None, None) if past is None else past
         return observation_scores(
-            queries, keys, observation=self.observation, attention_mask=new_mask, scale=scale
-        )
+            queries, keys, observation=self.observation, attention_mask=new_mask, scale=scale,
+            past_keys=past_keys, past_mask=past_mask,
+        )  # fmt: skip
 
 
 class ReconstructionSelection(QuestionSelection):
@@ -117,11 +126,12 @@ class ReconstructionSelection(QuestionSelection):
         new_mask: torch.Tensor | None,
         scale: float,
         prefill: bool,
+        past: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         pending, self.pending = self.pending, None
         if prefill and pending is not None and pending.shape == keys.shape[:3]:
             return pending.to(keys.device)
-        return super().key_scores(queries, keys, new_mask, scale, prefill)
+        return super().key_scores(queries, keys, new_mask, scale, prefill, past)
 
 
 SELECTIONS = {
@@ -147,14 +157,18 @@ class KeptKeys:
         new_mask: torch.Tensor | None,
         scale: float,
         prefill: bool,
+        state: Any = None,
     ) -> dict[str, Any]:
         """The op's options for these tokens (:meth:`headkit.layers.hybrid.HybridHeads.hybrid_heads`): the sparse
-        variant with its sizes and the selection's scores; nothing for the plain hybrid."""
+        variant with its sizes and the selection's scores; nothing for the plain hybrid. ``state``: the
+        :class:`~headkit.ops.hybrid.SparseHybridState` these tokens continue, whose stored keys a later turn's
+        keys are scored beside."""
         if not self:
             return {}
         options = {"sinks": self.sinks, "budget": self.budget}
         options |= {"parallel": sparse_hybrid_attention, "decode": sparse_hybrid_attention_step_}
-        scores = self.selection.key_scores(queries, keys, new_mask, scale, prefill)
+        past = sparse_hybrid_stored_keys(state) if prefill and isinstance(state, SparseHybridState) else None
+        scores = self.selection.key_scores(queries, keys, new_mask, scale, prefill, past)
         return options if scores is None else options | {"key_scores": scores}
 
 

@@ -43,6 +43,8 @@ def observation_scores(
     scale: float | None = None,
     kernel: int = DEFAULT_KERNEL,
     chunk_size: int = 1024,
+    past_keys: torch.Tensor | None = None,
+    past_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """SnapKV scores of every key (module docstring), [B, Hkv, T] float32 (float64 for float64 inputs).
 
@@ -54,9 +56,16 @@ def observation_scores(
             vote.
         kernel: odd pooling width ≥ 1 (1: no pooling).
         chunk_size: keys per chunk (memory only).
+        past_keys, past_mask: [B, Hkv, P, D] and [B, Hkv, P] bool, keys a cache already holds, which every
+            voter also sees (a later turn appended to a cache). They share each voter's softmax and get no
+            score: the T new keys score the weight the voters give them beside the stored ones, the weight a
+            prompt prefilled into an empty cache scores — so a later turn's keys rank against the stored keys'
+            scores on one scale, rather than on a softmax over their own call alone, which made them outrank
+            every stored key.
     """
     batch, q_heads, seq, dim = _check(q, k, observation, attention_mask, kernel)
     check_positive_int("chunk_size", chunk_size)
+    past = _check_past(past_keys, past_mask, k)
     kv_heads = k.shape[1]
     groups = q_heads // kv_heads
     scale = dim**-0.5 if scale is None else scale
@@ -78,8 +87,14 @@ def observation_scores(
         peak = torch.full((batch, kv_heads, groups * window, 1), float("-inf"), dtype=dtype, device=q.device)
         for start, stop in chunks:
             peak = torch.maximum(peak, logits(start, stop).amax(dim=-1, keepdim=True))
+        if past is not None:
+            stored = (voters @ past[0].to(dtype).transpose(-1, -2)) * scale  # [B, Hkv, G·window, P]
+            stored = stored.masked_fill(~past[1][:, :, None, :], float("-inf"))
+            peak = torch.maximum(peak, stored.amax(dim=-1, keepdim=True))
         peak = peak.masked_fill(~torch.isfinite(peak), 0.0)
         total = torch.zeros_like(peak)
+        if past is not None:
+            total += torch.exp(stored - peak).sum(dim=-1, keepdim=True)
         for start, stop in chunks:
             total += torch.exp(logits(start, stop) - peak).sum(dim=-1, keepdim=True)
         weight = voting[:, None, :, None].to(dtype) / total.clamp_min(torch.finfo(dtype).tiny)
@@ -97,10 +112,14 @@ def naive_observation_scores(
     attention_mask: torch.Tensor | None = None,
     scale: float | None = None,
     kernel: int = DEFAULT_KERNEL,
+    past_keys: torch.Tensor | None = None,
+    past_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Test reference of :func:`observation_scores`: every window query's softmax row over all T keys, per
-    query head, then summed per key/value head and pooled with an explicit loop."""
+    """Test reference of :func:`observation_scores`: every window query's softmax row over the stored keys and
+    all T keys, per query head, then the new keys' part summed per key/value head and pooled with an explicit
+    loop."""
     batch, q_heads, seq, dim = _check(q, k, observation, attention_mask, kernel)
+    past = _check_past(past_keys, past_mask, k)
     kv_heads = k.shape[1]
     groups = q_heads // kv_heads
     scale = dim**-0.5 if scale is None else scale
@@ -115,8 +134,10 @@ def naive_observation_scores(
                 if not keep[b, i]:
                     continue
                 visible = [j for j in range(i + 1) if keep[b, j]]
-                row = (k[b, h, visible].to(dtype) @ q[b, head, i].to(dtype)) * scale
-                sums[b, h, visible] += torch.softmax(row, dim=0)
+                stored = [] if past is None else [p for p in range(past[0].shape[2]) if past[1][b, h, p]]
+                rows = [] if past is None else [past[0][b, h, stored].to(dtype)]
+                row = (torch.cat([*rows, k[b, h, visible].to(dtype)]) @ q[b, head, i].to(dtype)) * scale
+                sums[b, h, visible] += torch.softmax(row, dim=0)[len(stored) :]
     half = kernel // 2
     pooled = torch.zeros_like(sums)
     for j in range(seq):
@@ -139,6 +160,24 @@ def _keep(attention_mask: torch.Tensor | None, batch: int, seq: int, device: tor
     if attention_mask is None:
         return torch.ones(batch, seq, dtype=torch.bool, device=device)
     return attention_mask.to(device=device, dtype=torch.bool).expand(batch, seq)
+
+
+def _check_past(
+    past_keys: torch.Tensor | None, past_mask: torch.Tensor | None, k: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if past_keys is None and past_mask is None:
+        return None
+    if past_keys is None or past_mask is None:
+        raise ValueError("past_keys and past_mask go together: give both or neither")
+    batch, kv_heads, _, dim = k.shape
+    if past_keys.dim() != 4 or past_keys.shape[:2] != (batch, kv_heads) or past_keys.shape[3] != dim:
+        raise ValueError(f"past_keys must be [{batch}, {kv_heads}, P, {dim}], got {tuple(past_keys.shape)}")
+    if past_mask.dtype != torch.bool or tuple(past_mask.shape) != tuple(past_keys.shape[:3]):
+        raise ValueError(
+            f"past_mask must be a {list(past_keys.shape[:3])} bool mask, got {past_mask.dtype} "
+            f"{tuple(past_mask.shape)}"
+        )
+    return past_keys, past_mask.to(past_keys.device)
 
 
 def _check(

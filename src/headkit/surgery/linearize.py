@@ -370,7 +370,9 @@ class LinearizedHeads(HybridHeads):
         options = {"window": self.window, "attention_mask": new_mask, "scale": scale, "validate": False}
         tensors = (queries, keys, values, query_features, key_features, self.balance[heads])
         # A prompt prefilled into a cache is the only call that asks a question.
-        options |= self.kept.options(queries, keys, new_mask, scale, cache_layer is not None and seq != 1)
+        options |= self.kept.options(
+            queries, keys, new_mask, scale, cache_layer is not None and seq != 1, state
+        )
         if cache_layer is not None and seq > 1 and not self.fold and state is None:
             # The compressed cache prefills as the original model does (SnapKV): the prompt attends to itself in
             # full, and the cache keeps what the op's plan keeps, without the op's own outputs.

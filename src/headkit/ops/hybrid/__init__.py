@@ -33,6 +33,7 @@ from headkit.ops.hybrid.sparse import (
     sparse_hybrid_attention,
     sparse_hybrid_exact_sets,
     sparse_hybrid_state,
+    sparse_hybrid_stored_keys,
 )
 from headkit.ops.hybrid.step import (
     HybridRingState,
@@ -57,5 +58,6 @@ __all__ = [
     "sparse_hybrid_state",
     "sparse_hybrid_attention_step_",
     "sparse_hybrid_exact_sets",
+    "sparse_hybrid_stored_keys",
     "state_from_ring",
 ]

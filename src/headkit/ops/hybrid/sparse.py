@@ -232,6 +232,18 @@ def sparse_hybrid_exact_sets(
     return exact | in_window
 
 
+def sparse_hybrid_stored_keys(state: SparseHybridState) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact keys a state holds — sinks, kept keys, window — as [B, Hkv, S + G + W − 1, D] keys and a
+    [B, Hkv, S + G + W − 1] bool mask of the filled slots: what a later call's queries see beside their own keys
+    (:func:`headkit.ops.key_selection.observation_scores` ranks a later turn's keys beside them)."""
+    window = state.window
+    kv_heads = state.sparse_keys.shape[1]
+    keys = torch.cat([state.sink_keys, state.sparse_keys, window.keys.to(state.sparse_keys.dtype)], dim=2)
+    per_head = [state.sink_keep[:, None].expand(-1, kv_heads, -1), state.sparse_keep]
+    mask = torch.cat([*per_head, window.keep[:, None].expand(-1, kv_heads, -1)], dim=2)
+    return keys, mask
+
+
 class _Plan(NamedTuple):
     """The decisions of one call's events (event e: extended key e leaves the window), computed without grad."""
 
@@ -734,4 +746,5 @@ __all__ = [
     "SparseHybridState",
     "sparse_hybrid_attention",
     "sparse_hybrid_exact_sets",
+    "sparse_hybrid_stored_keys",
 ]
