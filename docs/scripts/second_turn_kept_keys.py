@@ -64,11 +64,11 @@ class OracleSelection(QuestionSelection):
         # heads: the layer's compressed key/value heads (its retrieval heads are not scored)
         self.layer, self.first, self.heads = layer, first, heads
 
-    def key_scores(self, queries, keys, new_mask, scale, prefill):  # noqa: ANN001, ANN201 (the selection's call)
+    def key_scores(self, queries, keys, new_mask, scale, prefill, past=None):  # noqa: ANN001, ANN201 (the selection's call)
         given = ORACLE.get(self.layer)
         if prefill and given is not None and keys.shape[2] == self.first[0]:
             return given[:, self.heads, : keys.shape[2]]
-        return super().key_scores(queries, keys, new_mask, scale, prefill)
+        return super().key_scores(queries, keys, new_mask, scale, prefill, past)
 
 
 def recording(module: Any, first: list[int], kept: dict[int, torch.Tensor]) -> None:
@@ -76,8 +76,8 @@ def recording(module: Any, first: list[int], kept: dict[int, torch.Tensor]) -> N
     selection = module.kept.selection
     score = selection.key_scores
 
-    def key_scores(queries, keys, new_mask, scale, prefill):  # noqa: ANN001, ANN202
-        scores = score(queries, keys, new_mask, scale, prefill)
+    def key_scores(queries, keys, new_mask, scale, prefill, past=None):  # noqa: ANN001, ANN202
+        scores = score(queries, keys, new_mask, scale, prefill, past)
         if prefill and keys.shape[2] == first[0]:
             kept[module.layer_idx] = scores.detach().float().cpu()
         return scores

@@ -76,7 +76,7 @@ class ReconstructionScores:
     def __init__(self, layer: int) -> None:
         self.layer = layer
 
-    def key_scores(self, queries, keys, new_mask, scale, prefill):  # noqa: ANN001, ANN201 (the selection's call)
+    def key_scores(self, queries, keys, new_mask, scale, prefill, past=None):  # noqa: ANN001, ANN201 (the selection's call)
         if not prefill:  # a later token fills empty slots only, as the question's choice does
             return keys.new_zeros(*keys.shape[:3], dtype=torch.float32)
         return SCORES[self.layer]

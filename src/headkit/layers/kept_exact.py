@@ -64,7 +64,10 @@ class RecallSelection:
 class QuestionSelection(RecallSelection):
     """The budget keeps the keys that the last ``observation`` queries of a prompt prefilled into a cache attend
     to most (SnapKV). A forward without a cache (training, perplexity) is causal and has no question yet, and a
-    decoding step asks none: their keys score 0, so they fill empty slots only and the question's choice stays."""
+    decoding step asks none: their keys score 0, so they fill empty slots only and the question's choice stays. A
+    prompt appended to a cache that holds one (a later turn) is scored by its last queries' softmax over the stored
+    keys and its own — the weight they give each new key beside everything they see, the scale the earlier
+    prompt's keys were scored on — so its keys evict a stored key only where they outscore it on that scale."""
 
     name: ClassVar[str] = QUESTION
 

@@ -40,8 +40,10 @@ token-by-token decoding exactly.
 
 **Given scores** (``key_scores``): the caller scores the keys instead — SnapKV's question-chosen keys
 (:mod:`headkit.ops.key_selection`): the prompt's last queries say which keys they attend to. A key's score is
-fixed when it arrives, in the call that brings it; a key that arrived in an earlier call and is still in the
-window when this call starts scores 0 (the caller scored it with the queries of its own call, or not at all),
+fixed when it arrives, in the call that brings it (a later call's keys scored beside the keys the state holds, so
+that every call's scores are the attention weights of its last queries over all they see: one scale); a key that
+arrived in an earlier call and is still in the window when this call starts scores 0 (the caller scored it with
+the queries of its own call, or not at all),
 so a decoding step passing zeros fills empty slots only and folds its keys otherwise: the question's choice
 stays. The same streaming top-G then decides, and no reference memory is kept.
 
