@@ -1,5 +1,6 @@
 """causal_softmax, the prefill of the compressed cache's exact heads and of a first prompt: the causal kernel (no
-padding) and the masked form against a plain softmax written out, with and without cached keys."""
+padding) and the masked form against a plain softmax written out, with and without cached keys; and how each
+selection scores a later turn."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import pytest
 import torch
 
 from headkit.layers.hybrid import SplitHeadsState
-from headkit.layers.kept_exact import causal_softmax
+from headkit.layers.kept_exact import QuestionSelection, ReconstructionSelection, causal_softmax
+from headkit.ops.key_selection import naive_observation_scores
 
 
 def reference(queries, keys, values, keep, scale, cached):
@@ -56,3 +58,35 @@ def test_causal_softmax_equals_the_softmax_written_out(mask, cached):
     real = keep[:, cached:, None]  # a padded query's output is never used
     torch.testing.assert_close(out * real[:, None], expected * real[:, None], rtol=1e-10, atol=1e-10)
     assert torch.equal(kept_keys, all_keys) and torch.equal(kept, keep)
+
+
+def test_each_selection_scores_a_later_turn_beside_the_stored_keys_on_its_own_scale():
+    # The question's selection sums the voters' weights and pools (SnapKV); the repetition's takes the most any
+    # voter gives, unpooled — KVzip's statistic, that its stored keys were kept by — and a scoring forward's
+    # pending scores come first.
+    generator = torch.Generator().manual_seed(3)
+    queries = torch.randn(1, 4, 12, 8, generator=generator, dtype=torch.float64)
+    keys = torch.randn(1, 2, 12, 8, generator=generator, dtype=torch.float64)
+    past = (
+        torch.randn(1, 2, 5, 8, generator=generator, dtype=torch.float64),
+        torch.ones(1, 2, 5, dtype=torch.bool),
+    )
+    options = {
+        "observation": 4,
+        "attention_mask": None,
+        "scale": 0.3,
+        "past_keys": past[0],
+        "past_mask": past[1],
+    }
+    question = QuestionSelection(observation=4).key_scores(queries, keys, None, 0.3, True, past)
+    torch.testing.assert_close(question, naive_observation_scores(queries, keys, **options))
+    repetition = ReconstructionSelection(observation=4)
+    later = repetition.key_scores(queries, keys, None, 0.3, True, past)
+    expected = naive_observation_scores(queries, keys, kernel=1, reduction="max", **options)
+    torch.testing.assert_close(later, expected)
+    assert (later <= 1).all() and (question.sum(-1) > later.sum(-1)).all()
+    repetition.pending = torch.full((1, 2, 12), 0.5)
+    assert (repetition.key_scores(queries, keys, None, 0.3, True, past) == 0.5).all()
+    assert repetition.pending is None
+    # a decoding step asks nothing: zeros either way
+    assert not repetition.key_scores(queries[:, :, -1:], keys[:, :, -1:], None, 0.3, False).any()

@@ -70,6 +70,36 @@ def test_observation_scores_beside_stored_keys_equal_the_reference(heads, kv_hea
     torch.testing.assert_close(beside_nothing, alone, rtol=1e-12, atol=1e-14)
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "padded", "stored"), [(4, 2, False, True), (3, 3, True, False)]
+)
+def test_the_largest_weight_equals_the_reference_and_the_repetitions_statistic(
+    heads, kv_heads, padded, stored
+):
+    # reduction="max": each key the most weight any voter gives it (a later turn of KVzip's cache).
+    q, k = make_inputs(heads=heads, kv_heads=kv_heads, seq=19)
+    mask = padding_mask(2, 19) if padded else None
+    options = {"observation": 6, "kernel": 1, "attention_mask": mask, "reduction": "max"}
+    if stored:
+        past_keys = torch.randn(
+            2, kv_heads, 11, 8, generator=torch.Generator().manual_seed(1), dtype=torch.float64
+        )
+        options |= {"past_keys": past_keys, "past_mask": torch.ones(2, kv_heads, 11, dtype=torch.bool)}
+    expected = naive_observation_scores(q, k, **options)
+    for chunk in (1, 5, 1024):
+        torch.testing.assert_close(
+            observation_scores(q, k, chunk_size=chunk, **options), expected, rtol=1e-12, atol=1e-14
+        )
+    summed = naive_observation_scores(q, k, **(options | {"reduction": "sum"}))
+    assert (expected <= summed + 1e-12).all() and (expected < summed - 1e-6).any() and (expected <= 1).all()
+    if not stored:
+        # with no stored keys, the last `observation` queries voting: KVzip's score over the same voters
+        voters = torch.zeros(2, 19, dtype=torch.bool)
+        voters[:, -6:] = True
+        kvzip = reconstruction_scores(q, k, voters=voters, attention_mask=mask)
+        torch.testing.assert_close(expected, kvzip, rtol=1e-12, atol=1e-14)
+
+
 def test_stored_keys_are_checked():
     q, k = make_inputs(seq=8)
     with pytest.raises(ValueError, match="past_keys and past_mask"):
@@ -102,11 +132,13 @@ def test_the_question_finds_the_key_it_attends_to():
     assert (scores.argmax(-1) == 7).all()
 
 
-@pytest.mark.parametrize("change", ["observation", "kernel", "mask", "shape"])
+@pytest.mark.parametrize("change", ["observation", "kernel", "mask", "shape", "reduction"])
 def test_bad_arguments_are_named(change):
     q, k = make_inputs(seq=8)
     options = {"observation": 4}
-    if change == "observation":
+    if change == "reduction":
+        options["reduction"] = "mean"
+    elif change == "observation":
         options["observation"] = 0
     elif change == "kernel":
         options["kernel"] = 4

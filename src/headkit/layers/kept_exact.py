@@ -31,9 +31,12 @@ from headkit.ops.hybrid import (
     sparse_hybrid_stored_keys,
 )
 from headkit.ops.key_selection import (
+    DEFAULT_KERNEL,
+    MAX,
     QUESTION,
     RECALL,
     RECONSTRUCTION,
+    SUM,
     observation_scores,
     reconstruction_scores,
 )
@@ -70,6 +73,9 @@ class QuestionSelection(RecallSelection):
     prompt's keys were scored on — so its keys evict a stored key only where they outscore it on that scale."""
 
     name: ClassVar[str] = QUESTION
+    # How the voting queries' weights of a key combine, and the pooling width (SnapKV's: summed, 5 positions).
+    reduction: ClassVar[str] = SUM
+    kernel: ClassVar[int] = DEFAULT_KERNEL
 
     def key_scores(
         self,
@@ -85,7 +91,7 @@ class QuestionSelection(RecallSelection):
         past_keys, past_mask = (None, None) if past is None else past
         return observation_scores(
             queries, keys, observation=self.observation, attention_mask=new_mask, scale=scale,
-            past_keys=past_keys, past_mask=past_mask,
+            kernel=self.kernel, past_keys=past_keys, past_mask=past_mask, reduction=self.reduction,
         )  # fmt: skip
 
 
@@ -96,9 +102,13 @@ class ReconstructionSelection(QuestionSelection):
     the prompt again — with :attr:`scoring` set to where the prompt's tokens sit in that forward and which of its
     queries vote; the layer records each prompt key's score (:meth:`record_scores`), the prefill that follows keeps
     by them. A prompt prefilled without that pass (a later turn's tokens appended to a cache) is scored by its last
-    queries, as the question's selection does."""
+    queries beside the stored keys, as the question's selection does, but on the repetition's scale: each key the
+    most weight any of them gives it, unpooled — the statistic its stored keys were kept by, where SnapKV's sum
+    over 32 queries and a group's heads would outrank them."""
 
     name: ClassVar[str] = RECONSTRUCTION
+    reduction: ClassVar[str] = MAX
+    kernel: ClassVar[int] = 1
 
     def __init__(self, observation: int = 32) -> None:
         super().__init__(observation)

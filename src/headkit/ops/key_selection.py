@@ -32,6 +32,9 @@ SELECTION_NAMES: tuple[str, ...] = (RECALL, QUESTION, RECONSTRUCTION)
 
 # The pooling neighbourhood of SnapKV's code and of kvpress' SnapKVPress (5 positions).
 DEFAULT_KERNEL = 5
+# How a key's weights from the voting queries combine: summed (SnapKV) or their largest (KVzip's statistic).
+SUM, MAX = "sum", "max"
+REDUCTIONS: tuple[str, ...] = (SUM, MAX)
 
 
 def observation_scores(
@@ -45,6 +48,7 @@ def observation_scores(
     chunk_size: int = 1024,
     past_keys: torch.Tensor | None = None,
     past_mask: torch.Tensor | None = None,
+    reduction: str = SUM,
 ) -> torch.Tensor:
     """SnapKV scores of every key (module docstring), [B, Hkv, T] float32 (float64 for float64 inputs).
 
@@ -62,8 +66,12 @@ def observation_scores(
             prompt prefilled into an empty cache scores — so a later turn's keys rank against the stored keys'
             scores on one scale, rather than on a softmax over their own call alone, which made them outrank
             every stored key.
+        reduction: how a key's weights from the window's queries (and the group's query heads) combine before
+            pooling: ``"sum"`` (SnapKV's eq. 1) or ``"max"``, the most any of them gives it — the statistic of
+            :func:`reconstruction_scores`, so that keys scored by a later turn rank on the scale of keys a
+            repetition scored (KVzip's cache, continued by a later turn).
     """
-    batch, q_heads, seq, dim = _check(q, k, observation, attention_mask, kernel)
+    batch, q_heads, seq, dim = _check(q, k, observation, attention_mask, kernel, reduction)
     check_positive_int("chunk_size", chunk_size)
     past = _check_past(past_keys, past_mask, k)
     kv_heads = k.shape[1]
@@ -98,8 +106,10 @@ def observation_scores(
         for start, stop in chunks:
             total += torch.exp(logits(start, stop) - peak).sum(dim=-1, keepdim=True)
         weight = voting[:, None, :, None].to(dtype) / total.clamp_min(torch.finfo(dtype).tiny)
+        # a voter that does not vote has weight 0: its weights are all 0, below or equal to any voter's
+        combine = torch.sum if reduction == SUM else torch.amax
         scores = torch.cat(
-            [(torch.exp(logits(start, stop) - peak) * weight).sum(dim=2) for start, stop in chunks], dim=-1
+            [combine(torch.exp(logits(start, stop) - peak) * weight, dim=2) for start, stop in chunks], dim=-1
         )
         return _pooled(scores, kernel)
 
@@ -114,11 +124,12 @@ def naive_observation_scores(
     kernel: int = DEFAULT_KERNEL,
     past_keys: torch.Tensor | None = None,
     past_mask: torch.Tensor | None = None,
+    reduction: str = SUM,
 ) -> torch.Tensor:
     """Test reference of :func:`observation_scores`: every window query's softmax row over the stored keys and
-    all T keys, per query head, then the new keys' part summed per key/value head and pooled with an explicit
-    loop."""
-    batch, q_heads, seq, dim = _check(q, k, observation, attention_mask, kernel)
+    all T keys, per query head, then the new keys' part summed (or its largest taken) per key/value head and
+    pooled with an explicit loop."""
+    batch, q_heads, seq, dim = _check(q, k, observation, attention_mask, kernel, reduction)
     past = _check_past(past_keys, past_mask, k)
     kv_heads = k.shape[1]
     groups = q_heads // kv_heads
@@ -137,7 +148,11 @@ def naive_observation_scores(
                 stored = [] if past is None else [p for p in range(past[0].shape[2]) if past[1][b, h, p]]
                 rows = [] if past is None else [past[0][b, h, stored].to(dtype)]
                 row = (torch.cat([*rows, k[b, h, visible].to(dtype)]) @ q[b, head, i].to(dtype)) * scale
-                sums[b, h, visible] += torch.softmax(row, dim=0)[len(stored) :]
+                weights = torch.softmax(row, dim=0)[len(stored) :]
+                if reduction == SUM:
+                    sums[b, h, visible] += weights
+                else:
+                    sums[b, h, visible] = torch.maximum(sums[b, h, visible], weights)
     half = kernel // 2
     pooled = torch.zeros_like(sums)
     for j in range(seq):
@@ -186,7 +201,10 @@ def _check(
     observation: int,
     attention_mask: torch.Tensor | None,
     kernel: int,
+    reduction: str = SUM,
 ) -> tuple[int, int, int, int]:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(REDUCTIONS)}, got {reduction!r}")
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"q and k must be [B, H, T, D], got {tuple(q.shape)} and {tuple(k.shape)}")
     batch, q_heads, seq, dim = q.shape
