@@ -1,12 +1,13 @@
 """Whether the compressed cache keeps the key a second turn asks for, by the way its keys are chosen (SmolLM2-135M).
 
     PYTHONPATH=src python docs/scripts/second_turn_kept_keys.py OUT.json LENGTH PROMPTS BITS RETRIEVAL BUDGET
-        [SELECTIONS]
+        [SELECTIONS] [GROUP_SIZE]        (torch threads: THREADS, default 2)
 
 A second turn (headkit.evaluation.retrieval.second_turn_passkeys) prefills a passkey prompt without its last 512
 tokens, then feeds those (other text, then the question) through the cache. On the same prompts, each row answers
 them with the same cache (window 256, 4 sinks, BUDGET chosen keys per head, RETRIEVAL retrieval heads — those of
-``headkit compress --kv-budget 1/8`` —, stored in BITS 16 or 4 with the window in bfloat16), its keys chosen by:
+``headkit compress --kv-budget 1/8`` —, stored in BITS 16, 8 or 4 with the window in bfloat16, a scale per
+GROUP_SIZE numbers, default 32), its keys chosen by:
 
 * ``original``: no cache of its own (every token kept), the reference;
 * ``question``: the first turn's last 32 queries (SnapKV, the compressed cache's default);
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -107,8 +109,9 @@ def main(
     retrieval: int = 8,
     budget: int = 1977,
     selections: str = "original,question,reconstruction,oracle",
+    group_size: int = 32,
 ) -> None:
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ.get("THREADS", "2")))
     loaded = load_model(smollm2_gguf_path(), kind=CAUSAL_LM)
     original, tokenizer = loaded.model.eval(), loaded.tokenizer
     sentences = prose_sentences(load_text(None), seed=0)
@@ -127,7 +130,7 @@ def main(
             )
         ]
         if bits != 16:
-            configs.append(QuantizedKVConfig(bits=bits, full_precision_window=True))
+            configs.append(QuantizedKVConfig(bits=bits, full_precision_window=True, group_size=group_size))
         return configs
 
     rows: dict[str, Any] = {}
@@ -200,4 +203,9 @@ def main(
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], *(int(arg) for arg in sys.argv[2:7]), *sys.argv[7:8])
+    main(
+        sys.argv[1],
+        *(int(arg) for arg in sys.argv[2:7]),
+        *sys.argv[7:8],
+        *(int(arg) for arg in sys.argv[8:9]),
+    )
