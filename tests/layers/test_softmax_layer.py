@@ -92,7 +92,8 @@ def test_outputs_and_gradients_match_the_naive_reference(variant, padded):
     actual_grads = torch.autograd.grad(out, inputs, grad_out)
     expected_grads = torch.autograd.grad(expected, inputs, grad_out)
     for actual, reference in zip(actual_grads, expected_grads, strict=True):
-        torch.testing.assert_close(actual, reference, atol=1e-5, rtol=1e-5)
+        # float32 gradients through a softmax, summed in another order: 2e-5 relative on some CPUs
+        torch.testing.assert_close(actual, reference, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("variant", sorted(LAYER_VARIANTS))
