@@ -103,8 +103,8 @@ class ReconstructionSelection(QuestionSelection):
     queries vote; the layer records each prompt key's score (:meth:`record_scores`), the prefill that follows keeps
     by them. A prompt prefilled without that pass (a later turn's tokens appended to a cache) is scored by its last
     queries beside the stored keys, as the question's selection does, but on the repetition's scale: each key the
-    most weight any of them gives it, unpooled — the statistic its stored keys were kept by, where SnapKV's sum
-    over 32 queries and a group's heads would outrank them."""
+    most weight any of them gives it, unpooled — the statistic its stored keys were kept by (at most 1), where
+    SnapKV's sum over 32 queries and a group's heads is on another scale (up to 32 times the group)."""
 
     name: ClassVar[str] = RECONSTRUCTION
     reduction: ClassVar[str] = MAX
