@@ -195,7 +195,7 @@ def test_the_compiled_quantized_ring_step_stores_the_eager_codes(full_window):
         return ring._replace(window=window_ring, **{name: quantized(getattr(ring, name)) for name in names})
 
     def step(q, k, v, qf, kf, stored):
-        working = dequantized_ring(stored, bits=bits, group_size=8)
+        working = dequantized_ring(stored, bits=bits, group_size=8, kept_codes=True)  # as the decoder's
         out = sparse_hybrid_attention_step_(
             q, k, v, qf, kf, balance, working, sinks=sinks, budget=budget, validate=False,
             key_scores=torch.zeros(batch, kv_heads, 1),

@@ -221,6 +221,9 @@ class QuantizedHybridStateCacheLayer(HybridStateCacheLayer):
     :class:`QuantizedRingHybridStateCacheLayer`."""
 
     describes = "a compressed-cache layer with quantized keys and values"
+    # Whether a decoding step attends the kept keys on their codes (the fast decoder's) or on the dequantized numbers
+    # (this eager cache's: the compressed cache's own step on them, bit for bit).
+    attends_on_codes = False
 
     def __init__(self) -> None:
         super().__init__()
@@ -260,17 +263,18 @@ class QuantizedHybridStateCacheLayer(HybridStateCacheLayer):
         return self._ordered(self.dequantized())
 
     def buffers(self) -> Any:
-        """What a decoding step runs on: the ring with its exact sets dequantized
-        (:func:`~headkit.ops.hybrid.quantized.dequantized_ring`), and a retrieval layer's exact heads' keys and values
-        dequantized; :meth:`stepped` stores back only what the step wrote."""
-        options = {"bits": self.bits, "group_size": self.group_size}
+        """What a decoding step runs on: the ring with its exact sets dequantized — but the kept keys' codes where
+        the layer :attr:`attends_on_codes` — (:func:`~headkit.ops.hybrid.quantized.dequantized_ring`), and a
+        retrieval layer's exact heads' keys and values dequantized; :meth:`stepped` stores back only what the step
+        wrote."""
+        options = {"bits": self.bits, "group_size": self.group_size, "kept_codes": self.attends_on_codes}
         state = self.state
         if not isinstance(state, SplitHeadsState | SplitHeadsRing):
             return dequantized_ring(state, **options)
         return state._replace(
             linear=None if state.linear is None else dequantized_ring(state.linear, **options),
-            keys=dequantize_values(state.keys, **options),
-            values=dequantize_values(state.values, **options),
+            keys=dequantize_values(state.keys, bits=self.bits, group_size=self.group_size),
+            values=dequantize_values(state.values, bits=self.bits, group_size=self.group_size),
         )
 
     def stepped(self, buffers: Any) -> None:
@@ -358,13 +362,15 @@ class QuantizedRingHybridStateCacheLayer(QuantizedHybridStateCacheLayer, RingHyb
     allocated once, the retrieval heads' for ``capacity`` tokens, the token count a tensor.
 
     A prompt runs the eager path and its state is quantized as the eager cache quantizes it, then copied into the
-    buffers. A step of one token, inside the compiled graph: the exact sets dequantized for the op's in-place step
-    (:func:`headkit.ops.hybrid.quantized.dequantized_ring`; a retrieval head's whole buffer), then only what the step
+    buffers. A step of one token, inside the compiled graph: the window and sinks dequantized for the op's in-place
+    step, the kept keys attended on their codes (:func:`headkit.ops.hybrid.quantized.dequantized_ring`; a
+    retrieval head's whole buffer dequantized), then only what the step
     wrote stored back — the new token quantized into its slot, a key that left the window copied with its codes
     (:func:`headkit.ops.hybrid.quantized.store_ring_step_`, :func:`headkit.ops.quantized_cache.store_token_`) —, so
     the codes are those the eager cache stores for the same tokens (tests)."""
 
     describes = "a fast decoder's compressed-cache layer with quantized keys and values"
+    attends_on_codes = True
 
     def __init__(self, mask_length: int = 1, capacity: int = 0) -> None:
         super().__init__()

@@ -56,8 +56,11 @@ def _cpu_tag() -> str:
 def _source_tag(source: Path) -> str:
     """A short hash of the source: two checkouts of different versions (a worktree beside the main one) must not
     build into one cache folder in turn, where a process could load the other's module (e.g. one without the
-    backward this version calls)."""
-    return hashlib.sha1(source.read_bytes()).hexdigest()[:8]
+    backward this version calls). The headers beside it count: a source includes them."""
+    digest = hashlib.sha1(source.read_bytes())
+    for header in sorted(source.parent.glob("*.h")):  # what the sources include builds into them too
+        digest.update(header.read_bytes())
+    return digest.hexdigest()[:8]
 
 
 def _build(name: str) -> ModuleType | None:

@@ -12,8 +12,11 @@ scale and zero point [B, Hkv, N, D / group_size]); the key features, flags, scor
 One decoding step on it, inside one compiled graph, with no buffer re-allocated between steps:
 
 1. :func:`dequantized_ring`: the exact fields dequantized into new tensors — the numbers the eager cache
-   (:class:`headkit.layers.quantized_cache.QuantizedHybridStateCacheLayer`) hands the same step —, the two bookkeeping fields that say
-   which slot a key entered (``sink_keep``, ``sparse_order``) copied, everything else the stored tensors themselves;
+   (:class:`headkit.layers.quantized_cache.QuantizedHybridStateCacheLayer`) hands the same step —, the two
+   bookkeeping fields that say which slot a key entered (``sink_keep``, ``sparse_order``) copied, everything else
+   the stored tensors themselves. On the fast decoder (``kept_codes``) the kept keys, most of the state, stay
+   codes (:class:`~headkit.ops.quantized_attention.CodedSlots`), which the step attends on without writing a float
+   copy (:func:`headkit.ops.quantized_attention.quantized_attention_partials`);
 2. the op's own in-place step on that (:func:`~headkit.ops.hybrid.hybrid_attention_step_`,
    :func:`~headkit.ops.hybrid.sparse_hybrid_attention_step_`): the new token is attended in full precision, as in
    the eager cache, where it is not stored yet;
@@ -38,6 +41,7 @@ from typing import Any
 import torch
 
 from headkit.ops.hybrid.step import HybridRingState, SparseHybridRingState
+from headkit.ops.quantized_attention import CodedSlots
 from headkit.ops.quantized_cache import (
     QuantizedTensor,
     dequantize_values,
@@ -50,11 +54,14 @@ from headkit.ops.quantized_cache import (
 Ring = HybridRingState | SparseHybridRingState
 
 
-def dequantized_ring(stored: Ring, *, bits: int, group_size: int) -> Ring:
+def dequantized_ring(stored: Ring, *, bits: int, group_size: int, kept_codes: bool = False) -> Ring:
     """The ring a decoding step runs on: ``stored``'s exact fields dequantized (new tensors), ``sink_keep`` and
     ``sparse_order`` copied (:func:`store_ring_step_` compares them with the stored ones to find the slots the step
     filled), every other field — a window kept in full precision too — ``stored``'s own tensor, updated in place
-    by the step."""
+    by the step. ``kept_codes``: the kept keys, most of the state, are not dequantized but handed over as
+    :class:`~headkit.ops.quantized_attention.CodedSlots` — their codes, which the step attends on
+    (:func:`headkit.ops.quantized_attention.quantized_attention_partials`: no float copy of them is written), and a
+    row for the key that enters a slot."""
 
     def numbers(x: QuantizedTensor | torch.Tensor) -> torch.Tensor:
         if isinstance(x, torch.Tensor):  # a window kept in full precision
@@ -65,14 +72,23 @@ def dequantized_ring(stored: Ring, *, bits: int, group_size: int) -> Ring:
     window = window._replace(keys=numbers(window.keys), values=numbers(window.values))
     if not isinstance(stored, SparseHybridRingState):
         return window
+    if kept_codes:
+        kept = {
+            name: CodedSlots(codes, codes.scale.new_zeros(*codes.scale.shape[:2], width))
+            for name, codes, width in (
+                ("sparse_keys", stored.sparse_keys, window.keys.shape[-1]),
+                ("sparse_values", stored.sparse_values, window.values.shape[-1]),
+            )
+        }
+    else:
+        kept = {name: numbers(getattr(stored, name)) for name in ("sparse_keys", "sparse_values")}
     return stored._replace(
         window=window,
         sink_keys=numbers(stored.sink_keys),
         sink_values=numbers(stored.sink_values),
         sink_keep=stored.sink_keep.clone(),
-        sparse_keys=numbers(stored.sparse_keys),
-        sparse_values=numbers(stored.sparse_values),
         sparse_order=stored.sparse_order.clone(),
+        **kept,
     )
 
 
@@ -141,7 +157,9 @@ def _store_moved_(
     wrote (``written_now``): the new token where there is no window, the key that left a full-precision one."""
     for position, buffer in enumerate(buffers):
         if moved is None:
-            token = written_now[position][index][:, :, None]  # [B, Hkv, 1, D]
+            written = written_now[position]
+            # [B, Hkv, 1, D]: the row the step wrote (slots stored as codes: the row it handed back)
+            token = (written.entering if isinstance(written, CodedSlots) else written[index])[:, :, None]
             codes = quantize_values(token, bits=bits, group_size=group_size)
         else:
             codes = moved[position]
@@ -162,10 +180,33 @@ def _rows(slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 # -- the obviously correct twin -----------------------------------------------------------------------------------
 
 
+def naive_dequantized_ring(stored: Ring, *, bits: int, group_size: int) -> Ring:
+    """:func:`dequantized_ring` as the eager cache hands a step its numbers: every exact field — the kept keys'
+    too — dequantized channel by channel (:func:`~headkit.ops.quantized_cache.naive_dequantize_values`) into new
+    tensors, the step then attending to float numbers only; ``sink_keep`` and ``sparse_order`` copied."""
+
+    def numbers(x: QuantizedTensor | torch.Tensor) -> torch.Tensor:
+        if isinstance(x, torch.Tensor):
+            return x
+        return naive_dequantize_values(x, bits=bits, group_size=group_size)
+
+    window = stored.window if isinstance(stored, SparseHybridRingState) else stored
+    window = window._replace(keys=numbers(window.keys), values=numbers(window.values))
+    if not isinstance(stored, SparseHybridRingState):
+        return window
+    return stored._replace(
+        window=window,
+        **{name: numbers(getattr(stored, name)) for name in _KEPT_FIELDS},
+        sink_keep=stored.sink_keep.clone(),
+        sparse_order=stored.sparse_order.clone(),
+    )
+
+
 def naive_store_ring_step_(stored: Ring, working: Ring, *, bits: int, group_size: int) -> None:
     """:func:`store_ring_step_` by the eager cache's rule (:class:`headkit.layers.quantized_cache.QuantizedHybridStateCacheLayer`):
     every exact token of ``working`` quantized anew (:func:`~headkit.ops.quantized_cache.naive_quantize_tokens`),
-    except that a token equal to one stored before, dequantized, takes that token's codes; all fields written."""
+    except that a token equal to one stored before, dequantized, takes that token's codes; all fields written.
+    ``working``: the step's result on :func:`naive_dequantized_ring` (every field numbers)."""
     pairs = [
         (buffer, new) for buffer, new in _exact_pairs(stored, working) if new.shape[-2]
     ]  # window 1: none
@@ -214,4 +255,4 @@ def _exact_pairs(stored: Ring, working: Ring) -> list[tuple[QuantizedTensor, tor
 _KEPT_FIELDS = ("sink_keys", "sink_values", "sparse_keys", "sparse_values")
 
 
-__all__ = ["dequantized_ring", "naive_store_ring_step_", "store_ring_step_"]
+__all__ = ["dequantized_ring", "naive_dequantized_ring", "naive_store_ring_step_", "store_ring_step_"]

@@ -21,6 +21,8 @@ import torch
 from headkit.ops._precision import autocast_disabled
 from headkit.ops.hybrid.parallel import HybridAttentionState, prepared_hybrid_inputs
 from headkit.ops.hybrid.sparse import SparseHybridState, check_key_scores, checked_sparse_inputs
+from headkit.ops.quantized_attention import CodedSlots, quantized_attention_partials, quantized_layout
+from headkit.ops.quantized_cache import QuantizedTensor, dequantize_values
 
 
 class HybridRingState(NamedTuple):
@@ -273,7 +275,7 @@ def sparse_hybrid_attention_step_(
             index = _slot_index(worst.clamp(max=budget - 1)[..., None])  # each head's slot, read and written
             evicted_keep = ring.sparse_keep[index]
             evicted_feature = ring.sparse_key_features[index].to(value.dtype) * evicted_keep[..., None]
-            evicted_value = ring.sparse_values[index].to(value.dtype)
+            evicted_value = _slot_rows(ring.sparse_values, index, value.shape[-1]).to(value.dtype)
             folded = torch.where(enters[..., None], evicted_feature, feature * eligible[..., None])
             folded_value = torch.where(enters[..., None], evicted_value, value)
             for buffer, new in (
@@ -347,20 +349,34 @@ def attend_one_token(
     [B, Hkv or 1, 1, N] bool) and the linear sums (kv, k_sum), under one normaliser: out [B, H, 1, Dv] in q's
     dtype, accumulated in kv's. The G query heads of a key/value head are stacked as G rows. The sets are scored
     apart, never concatenated: a fixed-size step reads its buffers where they are (the ring window, sinks, a
-    sparse cache)."""
+    sparse cache). A set whose keys and values are :class:`~headkit.ops.quantized_attention.CodedSlots` (per-token
+    codes: a quantized compressed cache's kept keys on the fast decoder) is attended on the codes
+    (:func:`headkit.ops.quantized_attention.quantized_attention_partials`) and merged by its partial softmax."""
     batch, q_heads = q.shape[:2]
     dtype = kv.dtype
     kv_heads, head_dim_v = kv.shape[1], kv.shape[3]
     groups = q_heads // kv_heads
     queries = q.reshape(batch, kv_heads, groups, q.shape[3]).to(dtype)
-    present = [(keys, values, visible) for keys, values, visible in exact_sets if keys.shape[2]]
+    present = [s for s in exact_sets if not isinstance(s[0], CodedSlots) and s[0].shape[2]]
     scores = [
         ((queries @ keys.to(dtype).transpose(-1, -2)) * scale).masked_fill(~visible, float("-inf"))
         for keys, _, visible in present
     ]  # each [B, Hkv, G, N]
-    m = scores[0].amax(dim=-1, keepdim=True)
-    for block in scores[1:]:
-        m = torch.maximum(m, block.amax(dim=-1, keepdim=True))
+    # A set stored as codes is attended on them (no float copy): its own softmax partials, merged below.
+    partials = [
+        tuple(
+            x.to(dtype)
+            for x in quantized_attention_partials(
+                queries, keys.codes, values.codes, visible[:, :, 0], scale=scale, value_dim=head_dim_v
+            )
+        )
+        for keys, values, visible in exact_sets
+        if isinstance(keys, CodedSlots) and keys.codes.codes.shape[2]
+    ]
+    maxima = [block.amax(dim=-1, keepdim=True) for block in scores] + [partial[0] for partial in partials]
+    m = maxima[0]
+    for block_max in maxima[1:]:
+        m = torch.maximum(m, block_max)
     # No visible key gives max −inf; clamping it to a finite number leaves every weight exp(−inf) = 0.
     m = m.clamp_min(torch.finfo(dtype).min)
     numerator, denominator = 0, 0
@@ -368,6 +384,10 @@ def attend_one_token(
         weights = torch.exp(block - m)
         numerator = numerator + weights @ values.to(dtype)
         denominator = denominator + weights.sum(dim=-1, keepdim=True)
+    for set_max, set_sum, set_numerator in partials:
+        rescale = torch.exp(set_max - m)
+        numerator = numerator + rescale * set_numerator
+        denominator = denominator + rescale * set_sum
     query_features = qf.reshape(batch, kv_heads, groups, qf.shape[3]).to(dtype)
     gamma = balance.to(dtype).view(1, kv_heads, groups, 1)
     # The linear term's numerator and denominator in one matmul: [S | z] is [B, Hkv, F, Dv + 1].
@@ -413,6 +433,13 @@ def _check_ring(
         )
     check_one_token(q)
     fields = {name: getattr(ring, name) for name in SparseHybridState._fields[1:]}
+    for name, like in (
+        ("sparse_keys", k),
+        ("sparse_values", v),
+    ):  # kept keys stored as codes: checked as numbers
+        if isinstance(fields[name], CodedSlots):
+            bits, group_size = quantized_layout(fields[name].codes, like.shape[-1])
+            fields[name] = dequantize_values(fields[name].codes, bits=bits, group_size=group_size)
     state = SparseHybridState(HybridAttentionState(*ring.window[:6]), **fields)
     window = ring.window.keys.shape[2] + 1 if window is None else window
     checked_sparse_inputs(
@@ -443,9 +470,23 @@ def _write_slot_(
     Written as an indexed assignment (``index_put_``), not a ``scatter_``: a compiled step (torch.export and
     inductor) turns the assignment back into an in-place write of the B·Hkv rows, where a scatter becomes a
     copy of the whole buffer plus a copy back into the input every step (docs/decoding.md)."""
+    if isinstance(buffer, CodedSlots):  # slots stored as codes: the caller stores the row that enters
+        buffer.entering.copy_(torch.where(write[..., None], new.to(buffer.entering.dtype), buffer.entering))
+        return
     kept = buffer[index]
     mask = write if kept.dim() == 2 else write[..., None]
     buffer[index] = torch.where(mask, new.to(buffer.dtype), kept)
+
+
+def _slot_rows(
+    buffer: torch.Tensor | CodedSlots, index: tuple[torch.Tensor, torch.Tensor, torch.Tensor], width: int
+) -> torch.Tensor:
+    """Each head's row ``index`` of ``buffer`` [B, Hkv, N, X]: [B, Hkv, X], dequantized where stored as codes."""
+    if not isinstance(buffer, CodedSlots):
+        return buffer[index]
+    bits, group_size = quantized_layout(buffer.codes, width)
+    rows = QuantizedTensor(*(field[index] for field in buffer.codes))
+    return dequantize_values(rows, bits=bits, group_size=group_size)
 
 
 __all__ = [

@@ -1,0 +1,207 @@
+// One query token's softmax attention over keys and values stored as KIVI codes (Liu et al. 2024, "KIVI",
+// arXiv:2402.02750, Eq. Q), read on the codes: float32 on CPU, the decoding step of a quantized compressed cache.
+//
+// Storage (headkit.ops.quantized_cache.quantize_values): per token, groups of `group_size` channels, each with a
+// scale s and zero point z, x = c·s + z; 8-bit codes one per byte, 4-bit codes two per byte (channel 2i in the
+// low nibble, 2i + 1 in the high one). Per (batch, key/value head), with the G query rows of its group:
+//   pass 1: each visible token's row is dequantized into 64-odd floats that stay in L1 (never written out), and
+//           scored against every query row: s_n = scale · q · k_n; m = max_n s_n;
+//   pass 2: p_n = e^{s_n − m}, l = Σ p_n, and Σ p_n v_n with each value row dequantized the same way.
+// The result is this set's partial softmax (m, l, Σ p v), which the caller merges with its other sets under one
+// normaliser (headkit.ops.quantized_attention). 4-bit rows are unpacked as two planes, the even channels and the
+// odd ones, against the query split the same way, so that no nibble is interleaved back.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "exp_nonpositive.h"
+
+namespace {
+
+// Row `codes` of PLANES planes (1: 8-bit, channel i; 2: 4-bit, plane 0 the even channels, plane 1 the odd) of
+// `width` channels dequantized into out[plane * width / PLANES + i], groups of `group_size` channels. WIDTH and
+// GROUP: the widths known when compiled (the common head sizes), so that the loops unroll into whole vectors; 0
+// where they are read at run time.
+template <int PLANES, int WIDTH, int GROUP>
+inline void dequantize_row(const uint8_t* __restrict codes, const float* __restrict scale,
+                           const float* __restrict zero, float* __restrict out, int64_t width_, int64_t group_) {
+  const int64_t width = WIDTH ? WIDTH : width_, group_size = GROUP ? GROUP : group_;
+  const int64_t half = width / PLANES, per_group = group_size / PLANES, groups = width / group_size;
+  for (int64_t j = 0; j < groups; ++j) {
+    const float s = scale[j], z = zero[j];
+    const uint8_t* __restrict c = codes + j * per_group;
+    float* __restrict low = out + j * per_group;
+    if constexpr (PLANES == 1) {
+#pragma omp simd
+      for (int64_t i = 0; i < per_group; ++i) low[i] = static_cast<float>(c[i]) * s + z;
+    } else {
+      float* __restrict high = out + half + j * per_group;
+#pragma omp simd
+      for (int64_t i = 0; i < per_group; ++i) {
+        low[i] = static_cast<float>(c[i] & 0x0F) * s + z;
+        high[i] = static_cast<float>(c[i] >> 4) * s + z;
+      }
+    }
+  }
+}
+
+// A [rows, width] row-major query split into planes as dequantize_row lays a row out.
+void split_planes(const float* q, float* out, int64_t rows, int64_t width, int64_t planes) {
+  const int64_t half = width / planes;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t d = 0; d < width; ++d) out[r * width + (d % planes) * half + d / planes] = q[r * width + d];
+}
+
+struct Set {
+  const float* queries;  // [rows, dim], planes split
+  const uint8_t *key_codes, *value_codes;
+  const float *key_scale, *key_zero, *value_scale, *value_zero;
+  const bool* visible;
+  int64_t rows, tokens, dim, value_dim, group_size;
+  float scale;
+};
+
+// One (batch, key/value head): m [rows], l [rows], acc [rows, value_dim] (planes laid out as a row), scores a
+// [tokens, rows] scratch.
+template <int PLANES, int WIDTH, int GROUP>
+void attend_set(const Set& set, float* __restrict m, float* __restrict l, float* __restrict acc,
+                float* __restrict scores, float* __restrict row) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t dim = WIDTH ? WIDTH : set.dim, value_dim = WIDTH ? WIDTH : set.value_dim;
+  const int64_t group_size = GROUP ? GROUP : set.group_size, rows = set.rows, tokens = set.tokens;
+  const int64_t key_width = dim / PLANES, value_width = value_dim / PLANES;
+  const int64_t key_groups = dim / group_size, value_groups = value_dim / group_size;
+  for (int64_t r = 0; r < rows; ++r) m[r] = kNegInf, l[r] = 0.0f;
+  // Pass 1: scores [tokens, rows], −inf where not visible.
+  for (int64_t n = 0; n < tokens; ++n) {
+    float* __restrict sn = scores + n * rows;
+    if (!set.visible[n]) {
+      for (int64_t r = 0; r < rows; ++r) sn[r] = kNegInf;
+      continue;
+    }
+    dequantize_row<PLANES, WIDTH, GROUP>(set.key_codes + n * key_width, set.key_scale + n * key_groups,
+                                         set.key_zero + n * key_groups, row, dim, group_size);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* __restrict qr = set.queries + r * dim;
+      float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t d = 0; d < dim; ++d) dot += qr[d] * row[d];
+      sn[r] = dot * set.scale;
+    }
+  }
+  for (int64_t n = 0; n < tokens; ++n)
+    for (int64_t r = 0; r < rows; ++r) m[r] = std::max(m[r], scores[n * rows + r]);
+  // Pass 2: the weights e^{s − m} (0 where not visible), their sum, and the weighted values.
+  for (int64_t n = 0; n < tokens; ++n) {
+    float* __restrict sn = scores + n * rows;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float p = sn[r] == kNegInf ? 0.0f : exp_nonpositive(sn[r] - m[r]);
+      sn[r] = p;
+      l[r] += p;
+    }
+  }
+  for (int64_t n = 0; n < tokens; ++n) {
+    if (!set.visible[n]) continue;
+    dequantize_row<PLANES, WIDTH, GROUP>(set.value_codes + n * value_width, set.value_scale + n * value_groups,
+                                         set.value_zero + n * value_groups, row, value_dim, group_size);
+    const float* __restrict sn = scores + n * rows;
+    for (int64_t r = 0; r < rows; ++r) {
+      const float p = sn[r];
+      float* __restrict ar = acc + r * value_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < value_dim; ++d) ar[d] += p * row[d];
+    }
+  }
+}
+
+template <int PLANES>
+void attend_any(const Set& set, float* m, float* l, float* acc, float* scores, float* row) {
+  const bool same = set.dim == set.value_dim;
+  if (same && set.dim == 64 && set.group_size == 32) return attend_set<PLANES, 64, 32>(set, m, l, acc, scores, row);
+  if (same && set.dim == 64 && set.group_size == 64) return attend_set<PLANES, 64, 64>(set, m, l, acc, scores, row);
+  if (same && set.dim == 128 && set.group_size == 32) return attend_set<PLANES, 128, 32>(set, m, l, acc, scores, row);
+  if (same && set.dim == 128 && set.group_size == 64) return attend_set<PLANES, 128, 64>(set, m, l, acc, scores, row);
+  if (same && set.dim == 128 && set.group_size == 128) return attend_set<PLANES, 128, 128>(set, m, l, acc, scores, row);
+  attend_set<PLANES, 0, 0>(set, m, l, acc, scores, row);
+}
+
+std::vector<torch::Tensor> quantized_attention_partials(
+    torch::Tensor queries, torch::Tensor key_codes, torch::Tensor key_scale, torch::Tensor key_zero,
+    torch::Tensor value_codes, torch::Tensor value_scale, torch::Tensor value_zero, torch::Tensor visible,
+    double scale, int64_t bits, int64_t group_size) {
+  // The caller (headkit.ops.quantized_attention) checked shapes, dtypes and contiguity; these guard the memory reads.
+  TORCH_CHECK(queries.dim() == 4 && queries.scalar_type() == torch::kFloat32 && queries.is_contiguous());
+  TORCH_CHECK(bits == 4 || bits == 8);
+  const int64_t batch = queries.size(0), heads = queries.size(1), rows = queries.size(2), dim = queries.size(3);
+  const int64_t tokens = key_codes.size(2), planes = 8 / bits;
+  const int64_t value_dim = value_codes.size(3) * planes;
+  TORCH_CHECK(key_codes.size(3) * planes == dim && dim % group_size == 0 && value_dim % group_size == 0);
+  TORCH_CHECK(group_size % planes == 0);
+  for (const auto& t : {key_codes, value_codes}) TORCH_CHECK(t.scalar_type() == torch::kUInt8 && t.is_contiguous());
+  for (const auto& t : {key_scale, key_zero, value_scale, value_zero})
+    TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_contiguous() && t.size(2) == tokens);
+  TORCH_CHECK(visible.scalar_type() == torch::kBool && visible.is_contiguous() && visible.size(2) == tokens);
+  const int64_t visible_heads = visible.size(1);
+
+  auto options = queries.options();
+  auto maxima = torch::full({batch, heads, rows}, -std::numeric_limits<float>::infinity(), options);
+  auto sums = torch::zeros({batch, heads, rows}, options);
+  auto numerators = torch::zeros({batch, heads, rows, value_dim}, options);
+
+  const float* q_all = queries.data_ptr<float>();
+  const uint8_t* kc_all = key_codes.data_ptr<uint8_t>();
+  const uint8_t* vc_all = value_codes.data_ptr<uint8_t>();
+  const float *ks_all = key_scale.data_ptr<float>(), *kz_all = key_zero.data_ptr<float>();
+  const float *vs_all = value_scale.data_ptr<float>(), *vz_all = value_zero.data_ptr<float>();
+  const bool* visible_all = visible.data_ptr<bool>();
+  float* m_all = maxima.data_ptr<float>();
+  float* l_all = sums.data_ptr<float>();
+  float* n_all = numerators.data_ptr<float>();
+  const int64_t key_width = dim / planes, value_width = value_dim / planes;
+  const int64_t key_groups = dim / group_size, value_groups = value_dim / group_size;
+  const float softmax_scale = static_cast<float>(scale);
+
+  at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(rows * dim), row(std::max(dim, value_dim)), scores(rows * tokens), acc(rows * value_dim);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / heads, h = bh % heads;
+      split_planes(q_all + bh * rows * dim, q.data(), rows, dim, planes);
+      Set set{q.data(),
+              kc_all + bh * tokens * key_width,
+              vc_all + bh * tokens * value_width,
+              ks_all + bh * tokens * key_groups,
+              kz_all + bh * tokens * key_groups,
+              vs_all + bh * tokens * value_groups,
+              vz_all + bh * tokens * value_groups,
+              visible_all + (b * visible_heads + (visible_heads == 1 ? 0 : h)) * tokens,
+              rows, tokens, dim, value_dim, group_size, softmax_scale};
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      float* m = m_all + bh * rows;
+      float* l = l_all + bh * rows;
+      if (planes == 2) {
+        attend_any<2>(set, m, l, acc.data(), scores.data(), row.data());
+      } else {
+        attend_any<1>(set, m, l, acc.data(), scores.data(), row.data());
+      }
+      const int64_t half = value_dim / planes;
+      float* out = n_all + bh * rows * value_dim;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t d = 0; d < value_dim; ++d)
+          out[r * value_dim + d] = acc[r * value_dim + (d % planes) * half + d / planes];
+    }
+  });
+  return {maxima, sums, numerators};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("quantized_attention_partials", &quantized_attention_partials,
+        "One query token per head group over KIVI codes: (max score, sum of weights, weighted values)");
+}
