@@ -155,14 +155,12 @@ def _dequantized_partials(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The partials with the set dequantized first (the PyTorch path, batched)."""
     work = torch.float64 if queries.dtype == torch.float64 else torch.float32
-    options = {"bits": bits, "group_size": group_size, "dtype": work}
-    return _partials(
-        queries.to(work),
-        dequantize_values(keys, **options),
-        dequantize_values(values, **options),
-        visible,
-        scale,
-    )
+
+    def numbers(x: QuantizedTensor) -> torch.Tensor:  # c · s + z in the working dtype, not the scales'
+        exact = QuantizedTensor(x.codes, x.scale.to(work), x.zero.to(work))
+        return dequantize_values(exact, bits=bits, group_size=group_size)
+
+    return _partials(queries.to(work), numbers(keys), numbers(values), visible, scale)
 
 
 def _partials(
