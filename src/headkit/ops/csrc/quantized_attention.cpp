@@ -20,6 +20,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 #include "exp_nonpositive.h"
 
 namespace {
@@ -58,6 +62,33 @@ void split_planes(const float* q, float* out, int64_t rows, int64_t width, int64
     for (int64_t d = 0; d < width; ++d) out[r * width + (d % planes) * half + d / planes] = q[r * width + d];
 }
 
+// Scores [rows, tokens] → the weights e^{s − m} in place (0 where not visible: e^{−inf} is clamped, so masked
+// explicitly), m and l = Σ weights per row, a row at a time over contiguous tokens.
+inline void softmax_weights(float* __restrict scores, float* __restrict m, float* __restrict l, int64_t rows,
+                            int64_t tokens) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* __restrict sr = scores + r * tokens;
+    float mr = kNegInf;
+#pragma omp simd reduction(max : mr)
+    for (int64_t n = 0; n < tokens; ++n) mr = std::max(mr, sr[n]);
+    m[r] = mr;
+    l[r] = 0.0f;
+    if (mr == kNegInf) {
+      std::fill(sr, sr + tokens, 0.0f);
+      continue;
+    }
+    float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t n = 0; n < tokens; ++n) {
+      const float p = exp_nonpositive(sr[n] - mr);
+      sr[n] = sr[n] == kNegInf ? 0.0f : p;
+      total += sr[n];
+    }
+    l[r] = total;
+  }
+}
+
 struct Set {
   const float* queries;  // [rows, dim], planes split
   const uint8_t *key_codes, *value_codes;
@@ -68,7 +99,7 @@ struct Set {
 };
 
 // One (batch, key/value head): m [rows], l [rows], acc [rows, value_dim] (planes laid out as a row), scores a
-// [tokens, rows] scratch.
+// [rows, tokens] scratch.
 template <int PLANES, int WIDTH, int GROUP>
 void attend_set(const Set& set, float* __restrict m, float* __restrict l, float* __restrict acc,
                 float* __restrict scores, float* __restrict row) {
@@ -78,11 +109,10 @@ void attend_set(const Set& set, float* __restrict m, float* __restrict l, float*
   const int64_t key_width = dim / PLANES, value_width = value_dim / PLANES;
   const int64_t key_groups = dim / group_size, value_groups = value_dim / group_size;
   for (int64_t r = 0; r < rows; ++r) m[r] = kNegInf, l[r] = 0.0f;
-  // Pass 1: scores [tokens, rows], −inf where not visible.
+  // Pass 1: scores [rows, tokens] (each row's contiguous, for the vector loops below), −inf where not visible.
   for (int64_t n = 0; n < tokens; ++n) {
-    float* __restrict sn = scores + n * rows;
     if (!set.visible[n]) {
-      for (int64_t r = 0; r < rows; ++r) sn[r] = kNegInf;
+      for (int64_t r = 0; r < rows; ++r) scores[r * tokens + n] = kNegInf;
       continue;
     }
     dequantize_row<PLANES, WIDTH, GROUP>(set.key_codes + n * key_width, set.key_scale + n * key_groups,
@@ -92,27 +122,17 @@ void attend_set(const Set& set, float* __restrict m, float* __restrict l, float*
       float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
       for (int64_t d = 0; d < dim; ++d) dot += qr[d] * row[d];
-      sn[r] = dot * set.scale;
+      scores[r * tokens + n] = dot * set.scale;
     }
   }
-  for (int64_t n = 0; n < tokens; ++n)
-    for (int64_t r = 0; r < rows; ++r) m[r] = std::max(m[r], scores[n * rows + r]);
-  // Pass 2: the weights e^{s − m} (0 where not visible), their sum, and the weighted values.
-  for (int64_t n = 0; n < tokens; ++n) {
-    float* __restrict sn = scores + n * rows;
-    for (int64_t r = 0; r < rows; ++r) {
-      const float p = sn[r] == kNegInf ? 0.0f : exp_nonpositive(sn[r] - m[r]);
-      sn[r] = p;
-      l[r] += p;
-    }
-  }
+  softmax_weights(scores, m, l, rows, tokens);
+  // Pass 2: the weighted values.
   for (int64_t n = 0; n < tokens; ++n) {
     if (!set.visible[n]) continue;
     dequantize_row<PLANES, WIDTH, GROUP>(set.value_codes + n * value_width, set.value_scale + n * value_groups,
                                          set.value_zero + n * value_groups, row, value_dim, group_size);
-    const float* __restrict sn = scores + n * rows;
     for (int64_t r = 0; r < rows; ++r) {
-      const float p = sn[r];
+      const float p = scores[r * tokens + n];
       float* __restrict ar = acc + r * value_dim;
 #pragma omp simd
       for (int64_t d = 0; d < value_dim; ++d) ar[d] += p * row[d];
@@ -120,9 +140,88 @@ void attend_set(const Set& set, float* __restrict m, float* __restrict l, float*
   }
 }
 
+#if defined(__AVX512F__)
+// The same set with AVX-512 (the build is -march=native): a row is 16-byte chunks of codes, each widened to 16
+// lanes (4 bits: two vectors, the low nibbles — the even channels — and the high ones), dequantized in registers;
+// the vectors sit in the plane layout of dequantize_row, so the split queries are read as they are. A group of
+// scales spans whole chunks (GROUP / PLANES a multiple of 16 bytes), which attend_any checks.
+template <int PLANES, int WIDTH, int GROUP>
+struct Avx512Row {
+  static constexpr int kChunks = WIDTH / PLANES / 16;
+  static constexpr int kVectors = kChunks * PLANES;
+  static constexpr int kChunksPerGroup = GROUP / PLANES / 16;
+  static_assert(kChunks >= 1 && kChunksPerGroup >= 1, "a group spans whole 16-byte chunks");
+
+  static inline void load(const uint8_t* codes, const float* scale, const float* zero, __m512 (&x)[kVectors]) {
+    const __m512i nibble = _mm512_set1_epi32(0x0F);
+#pragma GCC unroll 16
+    for (int k = 0; k < kChunks; ++k) {
+      const __m512 s = _mm512_set1_ps(scale[k / kChunksPerGroup]);
+      const __m512 z = _mm512_set1_ps(zero[k / kChunksPerGroup]);
+      const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + 16 * k)));
+      if constexpr (PLANES == 2) {
+        x[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(b, nibble)), s, z);
+        x[kChunks + k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)), s, z);
+      } else {
+        x[k] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(b), s, z);
+      }
+    }
+  }
+};
+
+template <int PLANES, int WIDTH, int GROUP>
+void attend_set_avx512(const Set& set, float* __restrict m, float* __restrict l, float* __restrict acc,
+                       float* __restrict scores) {
+  using Row = Avx512Row<PLANES, WIDTH, GROUP>;
+  constexpr int V = Row::kVectors;
+  constexpr int kBytes = WIDTH / PLANES, kGroups = WIDTH / GROUP;
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t rows = set.rows, tokens = set.tokens;
+  __m512 x[V];
+  for (int64_t n = 0; n < tokens; ++n) {
+    if (!set.visible[n]) {
+      for (int64_t r = 0; r < rows; ++r) scores[r * tokens + n] = kNegInf;
+      continue;
+    }
+    Row::load(set.key_codes + n * kBytes, set.key_scale + n * kGroups, set.key_zero + n * kGroups, x);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* qr = set.queries + r * WIDTH;
+      __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qr), x[0]);
+#pragma GCC unroll 16
+      for (int v = 1; v < V; ++v) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * v), x[v], dot);
+      scores[r * tokens + n] = _mm512_reduce_add_ps(dot) * set.scale;
+    }
+  }
+  softmax_weights(scores, m, l, rows, tokens);
+  for (int64_t n = 0; n < tokens; ++n) {
+    if (!set.visible[n]) continue;
+    Row::load(set.value_codes + n * kBytes, set.value_scale + n * kGroups, set.value_zero + n * kGroups, x);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 p = _mm512_set1_ps(scores[r * tokens + n]);
+      float* ar = acc + r * WIDTH;
+#pragma GCC unroll 16
+      for (int v = 0; v < V; ++v)
+        _mm512_storeu_ps(ar + 16 * v, _mm512_fmadd_ps(p, x[v], _mm512_loadu_ps(ar + 16 * v)));
+    }
+  }
+}
+#endif
+
 template <int PLANES>
 void attend_any(const Set& set, float* m, float* l, float* acc, float* scores, float* row) {
   const bool same = set.dim == set.value_dim;
+#if defined(__AVX512F__)
+  // a group of scales spans whole 16-byte chunks: 16 · PLANES channels or more
+  if (same && set.dim == 64 && set.group_size == 32)
+    return attend_set_avx512<PLANES, 64, 32>(set, m, l, acc, scores);
+  if (same && set.dim == 64 && set.group_size == 64) return attend_set_avx512<PLANES, 64, 64>(set, m, l, acc, scores);
+  if (same && set.dim == 128 && set.group_size == 32)
+    return attend_set_avx512<PLANES, 128, 32>(set, m, l, acc, scores);
+  if (same && set.dim == 128 && set.group_size == 64)
+    return attend_set_avx512<PLANES, 128, 64>(set, m, l, acc, scores);
+  if (same && set.dim == 128 && set.group_size == 128)
+    return attend_set_avx512<PLANES, 128, 128>(set, m, l, acc, scores);
+#endif
   if (same && set.dim == 64 && set.group_size == 32) return attend_set<PLANES, 64, 32>(set, m, l, acc, scores, row);
   if (same && set.dim == 64 && set.group_size == 64) return attend_set<PLANES, 64, 64>(set, m, l, acc, scores, row);
   if (same && set.dim == 128 && set.group_size == 32) return attend_set<PLANES, 128, 32>(set, m, l, acc, scores, row);
