@@ -194,3 +194,38 @@ def test_grouped_query_step_refuses_what_it_cannot_group():
         grouped_query_step_attention(torch.randn(1, 3, 1, 8), k, v, None)
     with pytest.raises(ValueError, match="same for every head"):
         grouped_query_step_attention(torch.randn(1, 4, 1, 8), k, v, torch.ones(1, 4, 1, 5, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_step_over_a_buffer_of_codes_is_the_static_step_over_its_numbers(bits):
+    """softmax_attention_coded_step_ (a quantized cache's retrieval heads on the fast decoder): the static step
+    over the dequantized buffer, the new token in full precision; the new key and value handed back for the caller
+    to store, the slot marked kept and the count advanced. A row with nothing held yet sees only its new token."""
+    from headkit.ops.quantized_attention import CodedSlots
+    from headkit.ops.quantized_cache import dequantize_values, quantize_values
+    from headkit.ops.softmax import softmax_attention_coded_step_, softmax_attention_static_step_
+
+    torch.manual_seed(0)
+    batch, heads, kv_heads, dim, length, held = 2, 6, 2, 64, 12, 7
+    options = {"bits": bits, "group_size": 32}
+    codes = [quantize_values(torch.randn(batch, kv_heads, length, dim), **options) for _ in range(2)]
+    keep = torch.zeros(batch, length, dtype=torch.bool)
+    keep[0, :held] = True
+    keep[1, 3:held] = True  # a left-padded row
+    q, k, v = (
+        torch.randn(batch, heads, 1, dim),
+        torch.randn(batch, kv_heads, 1, dim),
+        torch.randn(batch, kv_heads, 1, dim),
+    )
+    numbers = [dequantize_values(c, **options) for c in codes]
+    reference_keep, reference_seen = keep.clone(), torch.tensor(held)
+    want = softmax_attention_static_step_(q, k, v, *numbers, reference_keep, reference_seen, scale=dim**-0.5)
+    slots = [CodedSlots(c, torch.zeros(batch, kv_heads, dim)) for c in codes]
+    seen = torch.tensor(held)
+    got = softmax_attention_coded_step_(q, k, v, *slots, keep, seen, scale=dim**-0.5)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(keep, reference_keep) and int(seen) == held + 1
+    assert torch.equal(slots[0].entering, k[:, :, 0]) and torch.equal(slots[1].entering, v[:, :, 0])
+    empty = torch.zeros(batch, length, dtype=torch.bool)
+    alone = softmax_attention_coded_step_(q, k, v, *slots, empty, torch.tensor(0), scale=dim**-0.5)
+    torch.testing.assert_close(alone, v.repeat_interleave(heads // kv_heads, dim=1))

@@ -40,7 +40,8 @@ from headkit.ops.key_selection import (
     observation_scores,
     reconstruction_scores,
 )
-from headkit.ops.softmax import softmax_attention_static_step_
+from headkit.ops.quantized_attention import CodedSlots
+from headkit.ops.softmax import softmax_attention_coded_step_, softmax_attention_static_step_
 
 
 class RecallSelection:
@@ -219,7 +220,13 @@ class ExactHeads:
             values[:, list(self.heads)],
         )
         if isinstance(split, SplitHeadsRing):
-            outputs = softmax_attention_static_step_(
+            # a quantized cache's buffers on the fast decoder are codes, attended as they are
+            step = (
+                softmax_attention_coded_step_
+                if isinstance(split.keys, CodedSlots)
+                else softmax_attention_static_step_
+            )
+            outputs = step(
                 queries, keys, values, split.keys, split.values, split.keep, split.seen, scale=scale
             )
             return outputs, split

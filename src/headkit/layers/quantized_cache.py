@@ -56,6 +56,7 @@ from headkit.layers.hybrid import (
 )
 from headkit.ops.hybrid import HybridAttentionState, HybridRingState
 from headkit.ops.hybrid.quantized import dequantized_ring, store_ring_step_
+from headkit.ops.quantized_attention import CodedSlots
 from headkit.ops.quantized_cache import (
     QuantizedTensor,
     append_quantized,
@@ -273,9 +274,16 @@ class QuantizedHybridStateCacheLayer(HybridStateCacheLayer):
             return dequantized_ring(state, **options)
         return state._replace(
             linear=None if state.linear is None else dequantized_ring(state.linear, **options),
-            keys=dequantize_values(state.keys, bits=self.bits, group_size=self.group_size),
-            values=dequantize_values(state.values, bits=self.bits, group_size=self.group_size),
+            **{name: self._exact_heads(getattr(state, name)) for name in ("keys", "values")},
         )
+
+    def _exact_heads(self, stored: QuantizedTensor) -> torch.Tensor | CodedSlots:
+        """A retrieval layer's exact heads' keys or values for a step: dequantized, or (the fast decoder's buffers,
+        :attr:`attends_on_codes`) their codes with a row for the new token."""
+        if self.attends_on_codes and isinstance(self.state, SplitHeadsRing):
+            width = stored.codes.shape[-1] * 8 // self.bits
+            return CodedSlots(stored, stored.scale.new_zeros(*stored.scale.shape[:2], width))
+        return dequantize_values(stored, bits=self.bits, group_size=self.group_size)
 
     def stepped(self, buffers: Any) -> None:
         """Store one decoding step: the new token quantized into its window slot, a key that left the window
@@ -384,8 +392,14 @@ class QuantizedRingHybridStateCacheLayer(QuantizedHybridStateCacheLayer, RingHyb
             store_ring_step_(state, buffers, **options)
             return
         slot = state.seen - 1  # the exact heads' step wrote the token at the old count, then advanced it
-        store_token_(state.keys, buffers.keys, slot, **options)
-        store_token_(state.values, buffers.values, slot, **options)
+        for stored, written in ((state.keys, buffers.keys), (state.values, buffers.values)):
+            # codes attended as they are: the step handed the new token back (its row 0 stored at the slot)
+            token, at = (
+                (written.entering[:, :, None], slot.new_zeros(()))
+                if isinstance(written, CodedSlots)
+                else (written, slot)
+            )
+            store_token_(stored, token, at, into=slot, **options)
         if state.linear is not None:
             store_ring_step_(state.linear, buffers.linear, **options)
 

@@ -273,16 +273,24 @@ def quantize_tokens(
 
 
 def store_token_(
-    stored: QuantizedTensor, x: torch.Tensor, slot: torch.Tensor, *, bits: int, group_size: int
+    stored: QuantizedTensor,
+    x: torch.Tensor,
+    slot: torch.Tensor,
+    *,
+    bits: int,
+    group_size: int,
+    into: torch.Tensor | None = None,
 ) -> None:
     """Quantize token ``slot`` of ``x`` [..., N, D] on its own (:func:`quantize_values`' groups of `group_size`
     channels, as :func:`quantize_tokens` quantizes a fresh token) into the same slot of ``stored`` (codes, scale and
     zero [..., N, ·]), in place. ``slot``: an int64 tensor of one element, so that a compiled step is not
-    specialised on it (the fast decoder's fixed buffers: :class:`headkit.layers.quantized_cache.QuantizedRingHybridStateCacheLayer`)."""
+    specialised on it (the fast decoder's fixed buffers: :class:`headkit.layers.quantized_cache.QuantizedRingHybridStateCacheLayer`).
+    ``into``: the slot of ``stored`` it goes to, where not ``slot`` (a token handed over on its own)."""
     slot = slot.view(1)
+    into = slot if into is None else into.view(1)
     token = quantize_values(x.index_select(-2, slot), bits=bits, group_size=group_size)
     for buffer, new in zip(stored, token, strict=True):
-        buffer.index_copy_(buffer.dim() - 2, slot, new.to(buffer.dtype))
+        buffer.index_copy_(buffer.dim() - 2, into, new.to(buffer.dtype))
 
 
 # -- the obviously correct twins ---------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from headkit.ops._validation import check_padding_mask, check_qkv, check_score_mask, repeat_kv
+from headkit.ops.quantized_attention import CodedSlots, quantized_attention_partials
 
 
 def softmax_attention(
@@ -92,6 +93,39 @@ def softmax_attention_static_step_(
     return grouped_query_step_attention(
         q.to(keys.dtype), keys, values, keep[:, None, None, :], scale=scale
     ).to(q.dtype)
+
+
+def softmax_attention_coded_step_(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    keys: CodedSlots,
+    values: CodedSlots,
+    keep: torch.Tensor,
+    seen: torch.Tensor,
+    *,
+    scale: float,
+) -> torch.Tensor:
+    """:func:`softmax_attention_static_step_` over a buffer stored as codes (a quantized cache's retrieval heads on
+    the fast decoder: :class:`~headkit.ops.quantized_attention.CodedSlots`): the held tokens attended on their
+    codes (:func:`headkit.ops.quantized_attention.quantized_attention_partials`), the new token in full precision,
+    under one normaliser. The new key and value are handed back in ``keys.entering`` / ``values.entering``
+    [B, Hkv, ·] for the caller to store at slot ``seen`` (before the step), which then advances; ``keep`` marks it."""
+    batch, q_heads, _, head_dim = q.shape
+    kv_heads, value_dim = k.shape[1], v.shape[-1]
+    rows = q.reshape(batch, kv_heads, q_heads // kv_heads, head_dim).to(torch.float32)
+    held_max, held_sum, held_numerator = quantized_attention_partials(
+        rows, keys.codes, values.codes, keep[:, None, :], scale=scale, value_dim=value_dim
+    )  # the slot the new token takes is not kept yet
+    new_score = (rows @ k.to(torch.float32).transpose(-1, -2)) * scale  # [B, Hkv, G, 1]
+    top = torch.maximum(held_max, new_score)
+    held, new = torch.exp(held_max - top), torch.exp(new_score - top)
+    out = (held * held_numerator + new * v.to(torch.float32)) / (held * held_sum + new)
+    keys.entering.copy_(k[:, :, 0].to(keys.entering.dtype))
+    values.entering.copy_(v[:, :, 0].to(values.entering.dtype))
+    keep.index_fill_(1, seen.view(1), True)
+    seen.add_(1)
+    return out.reshape(batch, q_heads, 1, value_dim).to(q.dtype)
 
 
 def grouped_query_step_attention(
