@@ -1,8 +1,9 @@
-"""Attention of one decoding step over quantized keys and values, compiled by Inductor in three forms, side by side:
+"""Attention of one decoding step over quantized keys and values, compiled by Inductor in four forms, side by side:
 the numbers as stored in float32 (the reference speed), the codes dequantized then the two products (what the fast
-path's quantized step does today, :func:`headkit.ops.hybrid.quantized.dequantized_ring`), and the codes read inside
-the products (the score and the weighted sum written as broadcast-and-sum, so that Inductor can fuse the
-dequantization into the reductions and never write the float copy). Shapes of SmolLM2's compressed cache at 1/8
+path's quantized step did until 2026-12-02), the codes read inside the products (the score and the weighted sum
+written as broadcast-and-sum, so that Inductor can fuse the dequantization into the reductions and never write the
+float copy), and headkit's kernel (:func:`headkit.ops.quantized_attention.quantized_attention_partials`, what the
+fast step calls now: each row dequantized in registers). Shapes of SmolLM2's compressed cache at 1/8
 and batch B: 3 key/value heads of 3 query heads, 3,300 kept tokens each, head width 64, per-token groups of 32
 channels (:func:`headkit.ops.quantized_cache.quantize_values`), 30 layers per "step". Arguments: batch, bits,
 threads.
@@ -17,6 +18,7 @@ import time
 
 import torch
 
+from headkit.ops.quantized_attention import quantized_attention_partials
 from headkit.ops.quantized_cache import QuantizedTensor, dequantize_values, quantize_values, unpack_codes
 
 HEADS, GROUPS, TOKENS, WIDTH, GROUP_SIZE, LAYERS, SCALE = 3, 3, 3300, 64, 32, 30, 0.125
@@ -54,6 +56,13 @@ def main(batch: int, bits: int, threads: int) -> None:
         out = out + (weights[..., None] * value_zero[:, :, None]).sum(3)[..., None]
         return out.flatten(-2)
 
+    visible = torch.ones(batch, 1, TOKENS, dtype=torch.bool)
+
+    def attend_kernel(q: torch.Tensor, *fields: torch.Tensor) -> torch.Tensor:
+        keys, values = QuantizedTensor(*fields[:3]), QuantizedTensor(*fields[3:])
+        _, total, weighted = quantized_attention_partials(q, keys, values, visible, scale=SCALE, value_dim=WIDTH)
+        return weighted / total
+
     queries = [torch.randn(batch, HEADS, GROUPS, WIDTH) for _ in range(LAYERS)]
     keys = [torch.randn(batch, HEADS, TOKENS, WIDTH) for _ in range(LAYERS)]
     values = [torch.randn(batch, HEADS, TOKENS, WIDTH) for _ in range(LAYERS)]
@@ -65,6 +74,7 @@ def main(batch: int, bits: int, threads: int) -> None:
             [(q, *f) for q, f in zip(queries, quantized, strict=True)],
         ),
         "attended on the codes": (attend_codes, [(q, *f) for q, f in zip(queries, quantized, strict=True)]),
+        "headkit's kernel": (attend_kernel, [(q, *f) for q, f in zip(queries, quantized, strict=True)]),
     }
     compiled = {name: torch.compile(function, dynamic=False) for name, (function, _) in forms.items()}
     reference = attend_dequantized(*forms["dequantized, then attended"][1][0])

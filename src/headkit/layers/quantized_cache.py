@@ -371,8 +371,9 @@ class QuantizedRingHybridStateCacheLayer(QuantizedHybridStateCacheLayer, RingHyb
 
     A prompt runs the eager path and its state is quantized as the eager cache quantizes it, then copied into the
     buffers. A step of one token, inside the compiled graph: the window and sinks dequantized for the op's in-place
-    step, the kept keys attended on their codes (:func:`headkit.ops.hybrid.quantized.dequantized_ring`; a
-    retrieval head's whole buffer dequantized), then only what the step
+    step, the kept keys and a retrieval head's whole buffer attended on their codes
+    (:func:`headkit.ops.hybrid.quantized.dequantized_ring`, :func:`headkit.ops.softmax.softmax_attention_coded_step_`),
+    then only what the step
     wrote stored back — the new token quantized into its slot, a key that left the window copied with its codes
     (:func:`headkit.ops.hybrid.quantized.store_ring_step_`, :func:`headkit.ops.quantized_cache.store_token_`) —, so
     the codes are those the eager cache stores for the same tokens (tests)."""

@@ -433,10 +433,8 @@ def _check_ring(
         )
     check_one_token(q)
     fields = {name: getattr(ring, name) for name in SparseHybridState._fields[1:]}
-    for name, like in (
-        ("sparse_keys", k),
-        ("sparse_values", v),
-    ):  # kept keys stored as codes: checked as numbers
+    # kept keys stored as codes are checked as the numbers they hold
+    for name, like in (("sparse_keys", k), ("sparse_values", v)):
         if isinstance(fields[name], CodedSlots):
             bits, group_size = quantized_layout(fields[name].codes, like.shape[-1])
             fields[name] = dequantize_values(fields[name].codes, bits=bits, group_size=group_size)
