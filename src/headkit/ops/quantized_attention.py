@@ -30,7 +30,7 @@ from headkit.ops.quantized_cache import (
     QuantizedTensor,
     check_bits,
     dequantize_values,
-    unpack_codes,
+    naive_dequantize_values,
 )
 
 _OP = "headkit::quantized_attention_partials"
@@ -188,8 +188,12 @@ def naive_quantized_attention_partials(
     row's scores, their largest, the weights and the weighted sum, one key/value head and row at a time. The
     numbers are c · s + z in float64, not rounded to the scales' dtype: what the op attends to."""
     bits, group_size = quantized_layout(keys, queries.shape[-1])
-    work = torch.float64
-    key_numbers, value_numbers = (_exact_numbers(x, bits, group_size) for x in (keys, values))
+    work, options = torch.float64, {"bits": bits, "group_size": group_size}
+    # c · s + z in float64: the scales widened first, so the twin's dequantizer does not round to their dtype
+    key_numbers, value_numbers = (
+        naive_dequantize_values(QuantizedTensor(x.codes, x.scale.to(work), x.zero.to(work)), **options)
+        for x in (keys, values)
+    )
     batch, kv_heads, rows = queries.shape[:3]
     maxima = torch.full((batch, kv_heads, rows, 1), float("-inf"), dtype=work)
     sums = torch.zeros(batch, kv_heads, rows, 1, dtype=work)
@@ -207,18 +211,6 @@ def naive_quantized_attention_partials(
                 numerators[b, h, r] = weights @ value_numbers[b, h][seen]
     out = torch.float64 if queries.dtype == torch.float64 else torch.float32
     return maxima.to(out), sums.to(out), numerators.to(out)
-
-
-def _exact_numbers(quantized: QuantizedTensor, bits: int, group_size: int) -> torch.Tensor:
-    """c · s + z channel by channel in float64, not rounded to the scales' dtype (the numbers the op attends to)."""
-    codes = unpack_codes(quantized.codes, bits).to(torch.float64)
-    out = torch.empty_like(codes)
-    for channel in range(codes.shape[-1]):
-        scale, zero = (
-            x[..., channel // group_size].to(torch.float64) for x in (quantized.scale, quantized.zero)
-        )
-        out[..., channel] = codes[..., channel] * scale + zero
-    return out
 
 
 __all__ = [

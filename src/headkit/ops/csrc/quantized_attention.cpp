@@ -108,7 +108,6 @@ void attend_set(const Set& set, float* __restrict m, float* __restrict l, float*
   const int64_t group_size = GROUP ? GROUP : set.group_size, rows = set.rows, tokens = set.tokens;
   const int64_t key_width = dim / PLANES, value_width = value_dim / PLANES;
   const int64_t key_groups = dim / group_size, value_groups = value_dim / group_size;
-  for (int64_t r = 0; r < rows; ++r) m[r] = kNegInf, l[r] = 0.0f;
   // Pass 1: scores [rows, tokens] (each row's contiguous, for the vector loops below), −inf where not visible.
   for (int64_t n = 0; n < tokens; ++n) {
     if (!set.visible[n]) {
@@ -249,9 +248,10 @@ std::vector<torch::Tensor> quantized_attention_partials(
   const int64_t visible_heads = visible.size(1);
 
   auto options = queries.options();
-  auto maxima = torch::full({batch, heads, rows}, -std::numeric_limits<float>::infinity(), options);
-  auto sums = torch::zeros({batch, heads, rows}, options);
-  auto numerators = torch::zeros({batch, heads, rows, value_dim}, options);
+  // every entry is written below (softmax_weights sets m and l of each row, the numerators come from acc)
+  auto maxima = torch::empty({batch, heads, rows}, options);
+  auto sums = torch::empty({batch, heads, rows}, options);
+  auto numerators = torch::empty({batch, heads, rows, value_dim}, options);
 
   const float* q_all = queries.data_ptr<float>();
   const uint8_t* kc_all = key_codes.data_ptr<uint8_t>();
