@@ -221,6 +221,7 @@ def test_llama_cpp_rows_keep_its_cache_at_f16_q8_0_and_q4_0(tiny_with_a_bpe_toke
         (["--budgets", "1"], "--budgets"),
         (["--decode-steps", "48"], "--decode-steps must be fewer"),
         (["--fast-batch-sizes", "0"], "--fast-batch-sizes"),
+        (["--fast-weights", "fp8"], "--fast-weights must be one of float32, bfloat16, int8, int4"),
         (["--speed-contexts", "1"], "--speed-contexts"),
         (["--device", "tpu"], "--device must be"),
         (["--window-storages", "bf16"], "--window-storages"),
@@ -269,7 +270,9 @@ def test_the_fast_path_times_the_rows_it_runs_and_says_which_it_skips(tiny, tmp_
     for point in timed.values():
         assert point["fast_decode_ms_96_b1"] > 0 and point["fast_decode_ms_96_b2"] > 0
     assert "fast path skipped" in capsys.readouterr().out  # the int4 KIVI row
-    assert "fast ms/token @96 ×2" in (out / "table.md").read_text()
+    # the weights llama.cpp's rows read (an f16 GGUF): bfloat16 unless --fast-weights says otherwise
+    assert results["fast_weights"] == "bfloat16"
+    assert "fast (bfloat16) ms/token @96 ×2" in (out / "table.md").read_text()
 
 
 def test_rows_chosen_by_reconstruction_keep_the_bytes_and_ask_for_the_repetition(tiny, tmp_path):

@@ -76,9 +76,9 @@ from headkit.export.llamacpp import (
 from headkit.ops.key_selection import QUESTION, RECONSTRUCTION
 from headkit.recipes.cache_budget import largest_fitting
 from headkit.runs.models import CAUSAL_LM, load_model, smollm2_gguf_path
-from headkit.runs.options import check_integers, parse_list
+from headkit.runs.options import check_choice, check_integers, parse_list
 from headkit.runs.text import held_out_by_length, lm_windows, load_text, window_batches
-from headkit.runtime.fast import FastDecoder
+from headkit.runtime.fast import WEIGHTS, FastDecoder
 from headkit.surgery.apply import apply_, bytes_per_token
 from headkit.surgery.compressed_cache import COMPRESSED_SELECTIONS, CompressedCacheConfig
 from headkit.surgery.gating import config_head_dim, kv_head_counts
@@ -176,6 +176,12 @@ class FrontierBenchSettings:
         "Batch sizes decoded through the fast path (a compiled step, fixed-size caches) at each --speed-contexts, "
         "the prompt repeated, for the rows it runs; none: not measured (each row compiles a step per context).",
         check=lambda values: values == () or check_integers("--fast-batch-sizes", values, distinct=True),
+    )
+    fast_weights: str = option(
+        "bfloat16",
+        f"Weights of the fast path's rows: {', '.join(WEIGHTS)}. bfloat16 reads the bytes llama.cpp's rows read (an f16 "
+        "GGUF of the same weights); float32 reads twice as many a step.",
+        check=lambda value: check_choice("--fast-weights", value, WEIGHTS),
     )
     fast_compile: bool = option(
         True,
@@ -421,7 +427,9 @@ def _fast_speed(
     if not settings.fast_batch_sizes:
         return {}
     try:
-        decoder = FastDecoder(model, compile=settings.fast_compile, ahead_of_time=False)
+        decoder = FastDecoder(
+            model, weights=settings.fast_weights, compile=settings.fast_compile, ahead_of_time=False
+        )
     except HeadkitError as error:
         echo(f"  fast path skipped: {error}")
         return {}
@@ -563,6 +571,7 @@ def frontier_table(report: dict[str, Any]) -> str:
     original = report["points"][0]
     lengths, perplexities = report["lengths"], report["perplexity_lengths"]
     speeds, fast = report.get("speed_contexts", []), report.get("fast_batch_sizes", [])
+    weights = report.get("fast_weights", "float32")  # reports before --fast-weights: float32
 
     def cells(point: dict[str, Any]) -> list[str]:
         out = [
@@ -607,7 +616,7 @@ def frontier_table(report: dict[str, Any]) -> str:
             for column in (
                 f"first token @{n}",
                 f"ms/token @{n}",
-                *(f"fast ms/token @{n} ×{batch}" for batch in fast),
+                *(f"fast ({weights}) ms/token @{n} ×{batch}" for batch in fast),
             )
         ),
         "conversion",
@@ -818,6 +827,7 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
         "speed_contexts": list(settings.speed_contexts),
         "decode_steps": settings.decode_steps,
         "fast_batch_sizes": list(settings.fast_batch_sizes),
+        "fast_weights": settings.fast_weights,
         "threads": settings.threads,
         "device": str(device),
         "points": points,
