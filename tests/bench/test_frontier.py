@@ -272,6 +272,7 @@ def test_the_fast_path_times_the_rows_it_runs_and_says_which_it_skips(tiny, tmp_
     assert "fast path skipped" in capsys.readouterr().out  # the int4 KIVI row
     # the weights llama.cpp's rows read (an f16 GGUF): bfloat16 unless --fast-weights says otherwise
     assert results["fast_weights"] == "bfloat16"
+    assert results["fast_packaged"] is False  # --no-fast-compile: the same step, eagerly
     assert "fast (bfloat16) ms/token @96 ×2" in (out / "table.md").read_text()
 
 

@@ -183,6 +183,12 @@ class FrontierBenchSettings:
         "GGUF of the same weights); float32 reads twice as many a step.",
         check=lambda value: check_choice("--fast-weights", value, WEIGHTS),
     )
+    fast_packaged: bool = option(
+        True,
+        "Decode through the step compiled ahead of time as one graph (the fast path's default; minutes to build "
+        "per row and batch, kept per machine and loaded by later runs); --no-fast-packaged: compiled in the process "
+        "as regions, which adds the dispatch of 31 compiled regions a step (most of a batch-1 step on SmolLM2).",
+    )
     fast_compile: bool = option(
         True,
         "Compile the fast path's step (--no-fast-compile: the same fixed-size step eagerly, not a speed).",
@@ -428,7 +434,10 @@ def _fast_speed(
         return {}
     try:
         decoder = FastDecoder(
-            model, weights=settings.fast_weights, compile=settings.fast_compile, ahead_of_time=False
+            model,
+            weights=settings.fast_weights,
+            compile=settings.fast_compile,
+            ahead_of_time=settings.fast_packaged,
         )
     except HeadkitError as error:
         echo(f"  fast path skipped: {error}")
@@ -828,6 +837,7 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
         "decode_steps": settings.decode_steps,
         "fast_batch_sizes": list(settings.fast_batch_sizes),
         "fast_weights": settings.fast_weights,
+        "fast_packaged": settings.fast_packaged and settings.fast_compile,
         "threads": settings.threads,
         "device": str(device),
         "points": points,
