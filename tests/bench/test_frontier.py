@@ -75,7 +75,9 @@ def test_every_method_fits_its_budget_and_the_best_is_chosen_among_them(tiny, tm
     assert_results_keys("frontier", results)
     assert "latent R=" in capsys.readouterr().out
     # each row was saved as it was measured: a run stopped early keeps the rows it finished
-    saved = [json.loads(line) for line in (out / "points.jsonl").read_text().splitlines()]
+    header, *lines = (out / "points.jsonl").read_text().splitlines()
+    assert json.loads(header)["settings"]["budgets"] == [2, 4]  # the settings its rows were measured with
+    saved = [json.loads(line) for line in lines]
     assert [(p["method"], p["label"], p["perplexity_64"]) for p in saved] == [
         (p["method"], p["label"], p["perplexity_64"]) for p in points
     ]
@@ -291,3 +293,66 @@ def test_rows_chosen_by_reconstruction_keep_the_bytes_and_ask_for_the_repetition
     assert made["selection"] == "reconstruction" and made["reconstruction_prompt"]
     assert question["records"][0]["selection"] == "question"
     assert reconstruction["second_turn"]["trials"] == question["second_turn"]["trials"] > 0
+
+
+def test_a_killed_run_resumes_with_the_rows_it_saved_and_measures_the_rest(tiny, tmp_path, capsys):
+    """points.jsonl states the settings, then one row per line as measured; --resume keeps the rows a run saved
+    before it was killed (here: the original and one row, a third cut mid-line) and measures only the others."""
+    out = tmp_path / "frontier"
+    command = [
+        "bench",
+        "frontier",
+        "--model",
+        str(tiny),
+        "--methods",
+        "quantized",
+        *TINY,
+        "--speed-contexts",
+        "none",
+    ]
+    main([*command, "--out", str(out)])
+    progress = out / "points.jsonl"
+    header, *rows = progress.read_text().splitlines()
+    assert (
+        json.loads(header)["settings"]["methods"] == ["quantized"] and len(rows) == 3
+    )  # original, int8, int4
+    progress.write_text(
+        "\n".join([header, *rows[:2], rows[2][:40]]) + "\n"
+    )  # killed while writing int4's row
+    (out / "results.json").unlink()
+    capsys.readouterr()
+    main([*command, "--resume", "--out", str(out)])
+    said = capsys.readouterr().out
+    assert said.count("kept from the earlier run") == 2
+    results = json.loads((out / "results.json").read_text())
+    saved = [json.loads(row) for row in rows]
+    # kept as saved (their seconds, not measured again); the cut row measured anew, to the same numbers
+    assert results["points"][:2] == saved[:2]
+    assert results["points"][2]["label"] == saved[2]["label"]
+    assert results["points"][2]["perplexity_64"] == pytest.approx(saved[2]["perplexity_64"], rel=1e-6)
+    # without --resume a run starts its rows anew
+    main([*command, "--out", str(out)])
+    assert len(progress.read_text().splitlines()) == 4
+
+
+def test_resuming_rows_measured_under_other_settings_is_refused_before_any_work(tiny, tmp_path, capsys):
+    out = tmp_path / "frontier"
+    command = [
+        "bench",
+        "frontier",
+        "--model",
+        str(tiny),
+        "--methods",
+        "quantized",
+        *TINY,
+        "--speed-contexts",
+        "none",
+    ]
+    main([*command, "--out", str(out)])
+    before = (out / "points.jsonl").read_text()
+    with pytest.raises(SystemExit) as exited:
+        main([*command, "--seed", "1", "--resume", "--out", str(out)])
+    assert exited.value.code == 2
+    error = capsys.readouterr().err
+    assert "--resume: the rows in" in error and "other --seed:" in error
+    assert (out / "points.jsonl").read_text() == before

@@ -27,7 +27,7 @@ seconds. Two plots: bytes against perplexity, bytes against passkey.
 
 ``--device cuda`` measures the headkit rows on a GPU (each converted on the CPU first), ``--speed-contexts none``
 leaves the time columns out, and every row is appended to ``points.jsonl`` as it is measured, so a run stopped
-early keeps what it finished.
+early keeps what it finished and ``--resume`` measures only the rest.
 """
 
 from __future__ import annotations
@@ -35,11 +35,12 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import os
 import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -217,6 +218,11 @@ class FrontierBenchSettings:
         check=check_device,
     )
     seed: int = option(0, "Seed of the prompts, keys and windows.")
+    resume: bool = option(
+        False,
+        "Keep the rows that a run with the same settings saved in --out (points.jsonl: a run killed before its "
+        "end) and measure only the others.",
+    )
     out: Path = option(
         Path("results/frontier"),
         "Output directory for results.json, table.md and the plots.",
@@ -404,11 +410,55 @@ def _measure(
 
 def save_progress(point: dict[str, Any], progress: Path) -> None:
     """Append a measured row to `progress` (the output folder's points.jsonl) as soon as it is measured: a run
-    stopped before its end (a session's time, a machine's lease) keeps the rows it finished. results.json is
-    written at the end."""
+    stopped before its end (a session's time, a machine's lease) keeps the rows it finished, which ``--resume``
+    takes back (:func:`start_progress`). results.json is written at the end."""
     progress.parent.mkdir(parents=True, exist_ok=True)
     with progress.open("a", encoding="utf-8") as file:
         file.write(json.dumps(point) + "\n")
+        file.flush()
+        os.fsync(file.fileno())
+
+
+# Settings that change no measured number: where the results go, whether earlier rows are kept.
+_NOT_MEASURED = ("out", "resume")
+
+
+def progress_settings(settings: FrontierBenchSettings) -> dict[str, Any]:
+    """The settings a row's numbers depend on, as points.jsonl's first line states them (JSON values)."""
+    values = {f.name: getattr(settings, f.name) for f in fields(settings) if f.name not in _NOT_MEASURED}
+    return json.loads(json.dumps(values, default=str))
+
+
+def start_progress(settings: FrontierBenchSettings, progress: Path) -> dict[tuple[str, str], dict[str, Any]]:
+    """The rows an earlier run saved in `progress` under these settings, by (method, label), with ``--resume``
+    (the file left as it is, this run appending to it); else none, the file started anew with the settings line.
+    Refused in one line, before any work, where the saved rows were measured under other settings."""
+    stated = progress_settings(settings)
+    if not settings.resume or not progress.exists():
+        progress.parent.mkdir(parents=True, exist_ok=True)
+        progress.write_text(json.dumps({"settings": stated}) + "\n", encoding="utf-8")
+        return {}
+    lines = [line for line in progress.read_text(encoding="utf-8").splitlines() if line.strip()]
+    header = json.loads(lines[0]) if lines else {}
+    if "settings" not in header:
+        raise HeadkitError(
+            f"--resume: {progress} does not state the settings its rows were measured with: run without --resume"
+        )
+    changed = sorted(name for name in stated if header["settings"].get(name) != stated[name])
+    if changed:
+        flags = ", ".join("--" + name.replace("_", "-") for name in changed)
+        raise HeadkitError(
+            f"--resume: the rows in {progress} were measured with other {flags}: run with the same settings, or "
+            "without --resume"
+        )
+    kept = {}
+    for line in lines[1:]:
+        try:
+            point = json.loads(line)
+        except json.JSONDecodeError:  # the line a killed run was writing
+            continue
+        kept[(point["method"], point["label"])] = point
+    return kept
 
 
 def _speed(
@@ -471,10 +521,11 @@ def _point(row: Row, shared: dict[str, Any], settings: FrontierBenchSettings) ->
 
 
 def _llama_cpp_points(
-    settings: FrontierBenchSettings, shared: dict[str, Any], echo: Any
+    settings: FrontierBenchSettings, shared: dict[str, Any], echo: Any, earlier: Any, save: Any
 ) -> list[dict[str, Any]]:
     """llama.cpp's rows: the original exported to an f16 GGUF (headkit's weights), its KV cache kept as f16, q8_0
-    and q4_0; passkey and perplexity on the same prompts and windows (no second turn: one prefill per prompt)."""
+    and q4_0; passkey and perplexity on the same prompts and windows (no second turn: one prefill per prompt).
+    ``earlier(method, label)``: a row kept from a run resumed, else None; ``save(point)`` saves a new one."""
     numbers = shared["bytes_of"]([]) / 2  # the original's numbers per token at --state-context
     trials, tokenizer = shared["trials"], shared["tokenizer"]
     points = []
@@ -484,6 +535,10 @@ def _llama_cpp_points(
         tokenizer.save_pretrained(saved)
         gguf = export_gguf(saved, Path(folder) / "original-f16.gguf", type="f16").out
         for cache_type, per_number in CACHE_TYPE_BYTES.items():
+            kept = earlier(LLAMA_CPP, f"KV {cache_type}")
+            if kept is not None:
+                points.append(kept)
+                continue
             started = time.perf_counter()
             value = numbers * per_number
             point = {
@@ -524,12 +579,18 @@ def _llama_cpp_points(
                 point[f"decode_ms_{context}"] = 1000 / speed["gen_tokens_per_s"]
             point["seconds"] = time.perf_counter() - started
             echo(_rate_line(point, settings))
-            points.append(point)
+            points.append(save(point))
     return points
 
 
 def _kvpress_points(
-    rows: list[Row], model_path: Path, settings: FrontierBenchSettings, shared: dict[str, Any], echo: Any
+    rows: list[Row],
+    model_path: Path,
+    settings: FrontierBenchSettings,
+    shared: dict[str, Any],
+    echo: Any,
+    earlier: Any,
+    save: Any,
 ) -> list[dict[str, Any]]:
     """kvpress' SnapKVPress keeping each compressed row's tokens per head (rows without retrieval heads)."""
     points = []
@@ -539,20 +600,23 @@ def _kvpress_points(
         if row.method != COMPRESSED or made.retrieval_heads or made.selection != QUESTION:
             continue
         kept = made.sinks + made.window + made.budget
+        label = f"SnapKVPress {kept} tokens per head"
+        point = earlier(KVPRESS, label)
+        if point is not None:
+            points.append(point)
+            continue
         started = time.perf_counter()
         run = kvpress_answers(
             Path(settings.kvpress_python), model_path, [t.input_ids for t in trials], kept, settings.observation,
             settings.threads,
         )  # fmt: skip
         answers = [tokenizer.decode(ids, skip_special_tokens=True) for ids in run["answers"]]
-        point = _point(
-            Row(KVPRESS, f"SnapKVPress {kept} tokens per head", row.configs, row.budget), shared, settings
-        )
+        point = _point(Row(KVPRESS, label, row.configs, row.budget), shared, settings)
         point |= {"records": [{"kept": kept, "versions": run["versions"]}], "second_turn": None}
         point |= passkey_rates(answers, trials, settings.lengths)
         point["seconds"] = time.perf_counter() - started
         echo(_rate_line(point, settings))
-        points.append(point)
+        points.append(save(point))
     return points
 
 
@@ -716,14 +780,13 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
     def echo(text: str) -> None:
         console.print(text, highlight=False, markup=False, soft_wrap=True)
 
+    progress = Path(settings.out) / PROGRESS_FILE
+    kept = start_progress(settings, progress)  # before any work: --resume under other settings is refused
     model_path = Path(settings.model) if settings.model is not None else smollm2_gguf_path()
     loaded = load_model(model_path, kind=CAUSAL_LM)
     original, tokenizer = loaded.model.eval(), loaded.tokenizer
     device = torch.device(settings.device)
     on_device = original if device.type == "cpu" else copy.deepcopy(original).to(device)
-    progress = Path(settings.out) / PROGRESS_FILE
-    if progress.exists():
-        progress.unlink()  # this run's rows only
     config = original.config
     context = max_context(original)
     longest = max([*settings.lengths, *settings.perplexity_lengths, *settings.speed_contexts])
@@ -808,18 +871,24 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
     if LATENT in settings.methods:
         rows += latent_rows(config, settings, bytes_of)
 
-    points = []
-    for row in rows:
-        points.append(_measure(row, original, settings, shared, echo))
-        save_progress(points[-1], progress)
-    external = []
-    if LLAMA_CPP in settings.methods:
-        external += _llama_cpp_points(settings, shared, echo)
-    if KVPRESS in settings.methods:
-        external += _kvpress_points(compressed, model_path, settings, shared, echo)
-    for point in external:
+    def measured(point: dict[str, Any]) -> dict[str, Any]:
         save_progress(point, progress)
-    points += external
+        return point
+
+    def earlier(method: str, label: str) -> dict[str, Any] | None:
+        point = kept.get((method, label))
+        if point is not None:
+            echo(f"{method} {label}: kept from the earlier run (--resume)")
+        return point
+
+    points = [
+        earlier(row.method, row.label) or measured(_measure(row, original, settings, shared, echo))
+        for row in rows
+    ]
+    if LLAMA_CPP in settings.methods:
+        points += _llama_cpp_points(settings, shared, echo, earlier, measured)
+    if KVPRESS in settings.methods:
+        points += _kvpress_points(compressed, model_path, settings, shared, echo, earlier, measured)
     return {
         "model": str(model_path),
         "budgets": list(settings.budgets),
