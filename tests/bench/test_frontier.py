@@ -295,30 +295,33 @@ def test_rows_chosen_by_reconstruction_keep_the_bytes_and_ask_for_the_repetition
     assert reconstruction["second_turn"]["trials"] == question["second_turn"]["trials"] > 0
 
 
-def test_a_killed_run_resumes_with_the_rows_it_saved_and_measures_the_rest(tiny, tmp_path, capsys):
-    """points.jsonl states the settings, then one row per line as measured; --resume keeps the rows a run saved
-    before it was killed (here: the original and one row, a third cut mid-line) and measures only the others."""
-    out = tmp_path / "frontier"
-    command = [
+def _quantized_rows_only(model) -> list[str]:
+    """The command of a frontier of the original and quantized storage alone, no time columns."""
+    return [
         "bench",
         "frontier",
         "--model",
-        str(tiny),
+        str(model),
         "--methods",
         "quantized",
         *TINY,
         "--speed-contexts",
         "none",
     ]
+
+
+def test_a_killed_run_resumes_with_the_rows_it_saved_and_measures_the_rest(tiny, tmp_path, capsys):
+    """points.jsonl states the settings, then one row per line as measured; --resume keeps the rows a run saved
+    before it was killed (here: the original and one row, a third cut mid-line) and measures only the others."""
+    out = tmp_path / "frontier"
+    command = _quantized_rows_only(tiny)
     main([*command, "--out", str(out)])
     progress = out / "points.jsonl"
     header, *rows = progress.read_text().splitlines()
-    assert (
-        json.loads(header)["settings"]["methods"] == ["quantized"] and len(rows) == 3
-    )  # original, int8, int4
-    progress.write_text(
-        "\n".join([header, *rows[:2], rows[2][:40]]) + "\n"
-    )  # killed while writing int4's row
+    assert json.loads(header)["settings"]["methods"] == ["quantized"]
+    assert len(rows) == 3  # original, int8, int4
+    # killed while it wrote int4's row
+    progress.write_text("\n".join([header, *rows[:2], rows[2][:40]]) + "\n")
     (out / "results.json").unlink()
     capsys.readouterr()
     main([*command, "--resume", "--out", str(out)])
@@ -337,17 +340,7 @@ def test_a_killed_run_resumes_with_the_rows_it_saved_and_measures_the_rest(tiny,
 
 def test_resuming_rows_measured_under_other_settings_is_refused_before_any_work(tiny, tmp_path, capsys):
     out = tmp_path / "frontier"
-    command = [
-        "bench",
-        "frontier",
-        "--model",
-        str(tiny),
-        "--methods",
-        "quantized",
-        *TINY,
-        "--speed-contexts",
-        "none",
-    ]
+    command = _quantized_rows_only(tiny)
     main([*command, "--out", str(out)])
     before = (out / "points.jsonl").read_text()
     with pytest.raises(SystemExit) as exited:
