@@ -55,6 +55,21 @@ def test_the_kernel_is_the_twin(bits, dim, group_size, dtype):
     assert torch.equal(got[1][1, 2], torch.zeros(3, 1)) and torch.equal(got[2][1, 2], torch.zeros(3, dim))
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("dim", [64, 128])
+@pytest.mark.parametrize("rows, tokens", [(1, 16), (5, 5), (8, 33), (3, 1)])
+def test_the_kernel_is_the_twin_in_blocks_of_keys_and_rows(bits, dim, rows, tokens):
+    """The vector path scores keys 16 at a time and sums the values of a few query rows at once: whole blocks, a
+    last block of 1–15 keys, one block cut short, row counts that fill and overflow a pass, a block with no key
+    visible."""
+    queries, keys, values = stored(rows=rows, dim=dim, tokens=tokens, bits=bits, group_size=32)
+    visible = torch.rand(2, 3, tokens, generator=torch.Generator().manual_seed(2)) > 0.25
+    visible[0, 1, :16] = False
+    options = {"scale": dim**-0.5, "value_dim": dim}
+    got = quantized_attention_partials(queries, keys, values, visible, **options)
+    assert_partials_close(got, naive_quantized_attention_partials(queries, keys, values, visible, **options))
+
+
 def test_a_mask_shared_by_the_heads_and_the_pytorch_path():
     """visible [B, 1, N] serves every head; with the extension off (HEADKIT_EXTENSIONS=0, or no compiler) the
     PyTorch path gives the same partials."""

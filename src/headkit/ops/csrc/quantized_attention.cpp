@@ -10,6 +10,9 @@
 // The result is this set's partial softmax (m, l, Σ p v), which the caller merges with its other sets under one
 // normaliser (headkit.ops.quantized_attention). 4-bit rows are unpacked as two planes, the even channels and the
 // odd ones, against the query split the same way, so that no nibble is interleaved back.
+// With AVX-512 the passes are blocked: pass 1 takes 16 tokens at a time and sums each query row's 16 products in
+// one transpose-and-add tree (not a horizontal sum of 8 dependent steps per token and row), pass 2 keeps a few query
+// rows' weighted sums in registers while the value rows stream past (they were loaded and stored per token).
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -168,58 +171,104 @@ struct Avx512Row {
   }
 };
 
+// The lane sums of 16 vectors as one vector, lane t the sum of v[t]: a transpose-and-add tree, 45 shuffles and
+// adds for the 16 sums, where reducing each vector on its own takes about 8 dependent steps a vector.
+inline __m512 lane_sums16(const __m512* v) {
+  __m512 pairs[8], quads[4], halves[2];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: v[2i]'s and v[2i+1]'s elements added two by two
+    pairs[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the lane's sums of v[4i] … v[4i + 3]
+    const __m512d a = _mm512_castps_pd(pairs[2 * i]), b = _mm512_castps_pd(pairs[2 * i + 1]);
+    quads[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+  }
+  for (int i = 0; i < 2; ++i)  // the four 128-bit lanes added in pairs
+    halves[i] = _mm512_add_ps(_mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                              _mm512_shuffle_f32x4(quads[2 * i], quads[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm512_shuffle_f32x4(halves[0], halves[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+// Query rows whose weighted values are accumulated in registers at once: V vectors a row, 16 registers in all.
+template <int V>
+constexpr int kRowsAtOnce = V >= 16 ? 1 : 16 / V;
+
 template <int PLANES, int WIDTH, int GROUP>
 void attend_set_avx512(const Set& set, float* __restrict m, float* __restrict l, float* __restrict acc,
-                       float* __restrict scores) {
+                       float* __restrict scores, float* __restrict dots) {
   using Row = Avx512Row<PLANES, WIDTH, GROUP>;
-  constexpr int V = Row::kVectors;
+  constexpr int V = Row::kVectors, R = kRowsAtOnce<V>;
   constexpr int kBytes = WIDTH / PLANES, kGroups = WIDTH / GROUP;
-  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
   const int64_t rows = set.rows, tokens = set.tokens;
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __m512 softmax_scale = _mm512_set1_ps(set.scale);
   __m512 x[V];
-  for (int64_t n = 0; n < tokens; ++n) {
-    if (!set.visible[n]) {
-      for (int64_t r = 0; r < rows; ++r) scores[r * tokens + n] = kNegInf;
-      continue;
-    }
-    Row::load(set.key_codes + n * kBytes, set.key_scale + n * kGroups, set.key_zero + n * kGroups, x);
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* qr = set.queries + r * WIDTH;
-      __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qr), x[0]);
+  // Pass 1, 16 tokens at a time: each visible key dequantized once into registers, its product with every query
+  // row left as a vector in `dots` [rows, 16] (L1), then each row's 16 products summed by one tree.
+  for (int64_t n0 = 0; n0 < tokens; n0 += 16) {
+    const int count = static_cast<int>(std::min<int64_t>(16, tokens - n0));
+    __mmask16 seen = 0;
+    for (int t = 0; t < count; ++t) {
+      const int64_t n = n0 + t;
+      if (!set.visible[n]) {
+        for (int64_t r = 0; r < rows; ++r) _mm512_store_ps(dots + (r * 16 + t) * 16, _mm512_setzero_ps());
+        continue;
+      }
+      seen |= static_cast<__mmask16>(1u << t);
+      Row::load(set.key_codes + n * kBytes, set.key_scale + n * kGroups, set.key_zero + n * kGroups, x);
+      for (int64_t r = 0; r < rows; ++r) {
+        const float* qr = set.queries + r * WIDTH;
+        __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qr), x[0]);
 #pragma GCC unroll 16
-      for (int v = 1; v < V; ++v) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * v), x[v], dot);
-      scores[r * tokens + n] = _mm512_reduce_add_ps(dot) * set.scale;
+        for (int v = 1; v < V; ++v) dot = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * v), x[v], dot);
+        _mm512_store_ps(dots + (r * 16 + t) * 16, dot);
+      }
+    }
+    for (int t = count; t < 16; ++t)  // past the last token: products of nothing, never stored
+      for (int64_t r = 0; r < rows; ++r) _mm512_store_ps(dots + (r * 16 + t) * 16, _mm512_setzero_ps());
+    const __mmask16 stored = static_cast<__mmask16>((1u << count) - 1u);
+    for (int64_t r = 0; r < rows; ++r) {
+      const __m512 sums = _mm512_mul_ps(lane_sums16(reinterpret_cast<const __m512*>(dots + r * 16 * 16)), softmax_scale);
+      _mm512_mask_storeu_ps(scores + r * tokens + n0, stored, _mm512_mask_blend_ps(seen, neg_inf, sums));
     }
   }
   softmax_weights(scores, m, l, rows, tokens);
-  for (int64_t n = 0; n < tokens; ++n) {
-    if (!set.visible[n]) continue;
-    Row::load(set.value_codes + n * kBytes, set.value_scale + n * kGroups, set.value_zero + n * kGroups, x);
-    for (int64_t r = 0; r < rows; ++r) {
-      const __m512 p = _mm512_set1_ps(scores[r * tokens + n]);
-      float* ar = acc + r * WIDTH;
+  // Pass 2: the weighted values, R query rows' sums held in registers while the value rows stream past.
+  for (int64_t r0 = 0; r0 < rows; r0 += R) {
+    const int64_t here = std::min<int64_t>(R, rows - r0);
+    __m512 sum[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) sum[r][v] = _mm512_setzero_ps();
+    for (int64_t n = 0; n < tokens; ++n) {
+      if (!set.visible[n]) continue;
+      Row::load(set.value_codes + n * kBytes, set.value_scale + n * kGroups, set.value_zero + n * kGroups, x);
 #pragma GCC unroll 16
-      for (int v = 0; v < V; ++v)
-        _mm512_storeu_ps(ar + 16 * v, _mm512_fmadd_ps(p, x[v], _mm512_loadu_ps(ar + 16 * v)));
+      for (int r = 0; r < R; ++r) {
+        if (r >= here) break;
+        const __m512 p = _mm512_set1_ps(scores[(r0 + r) * tokens + n]);
+#pragma GCC unroll 16
+        for (int v = 0; v < V; ++v) sum[r][v] = _mm512_fmadd_ps(p, x[v], sum[r][v]);
+      }
     }
+    for (int64_t r = 0; r < here; ++r)
+      for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + (r0 + r) * WIDTH + 16 * v, sum[r][v]);
   }
 }
 #endif
 
 template <int PLANES>
-void attend_any(const Set& set, float* m, float* l, float* acc, float* scores, float* row) {
+void attend_any(const Set& set, float* m, float* l, float* acc, float* scores, float* row, float* dots) {
   const bool same = set.dim == set.value_dim;
 #if defined(__AVX512F__)
   // a group of scales spans whole 16-byte chunks: 16 · PLANES channels or more
   if (same && set.dim == 64 && set.group_size == 32)
-    return attend_set_avx512<PLANES, 64, 32>(set, m, l, acc, scores);
-  if (same && set.dim == 64 && set.group_size == 64) return attend_set_avx512<PLANES, 64, 64>(set, m, l, acc, scores);
+    return attend_set_avx512<PLANES, 64, 32>(set, m, l, acc, scores, dots);
+  if (same && set.dim == 64 && set.group_size == 64) return attend_set_avx512<PLANES, 64, 64>(set, m, l, acc, scores, dots);
   if (same && set.dim == 128 && set.group_size == 32)
-    return attend_set_avx512<PLANES, 128, 32>(set, m, l, acc, scores);
+    return attend_set_avx512<PLANES, 128, 32>(set, m, l, acc, scores, dots);
   if (same && set.dim == 128 && set.group_size == 64)
-    return attend_set_avx512<PLANES, 128, 64>(set, m, l, acc, scores);
+    return attend_set_avx512<PLANES, 128, 64>(set, m, l, acc, scores, dots);
   if (same && set.dim == 128 && set.group_size == 128)
-    return attend_set_avx512<PLANES, 128, 128>(set, m, l, acc, scores);
+    return attend_set_avx512<PLANES, 128, 128>(set, m, l, acc, scores, dots);
 #endif
   if (same && set.dim == 64 && set.group_size == 32) return attend_set<PLANES, 64, 32>(set, m, l, acc, scores, row);
   if (same && set.dim == 64 && set.group_size == 64) return attend_set<PLANES, 64, 64>(set, m, l, acc, scores, row);
@@ -268,6 +317,9 @@ std::vector<torch::Tensor> quantized_attention_partials(
 
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(rows * dim), row(std::max(dim, value_dim)), scores(rows * tokens), acc(rows * value_dim);
+    // each row's products with 16 keys, as 16 vectors (the AVX-512 path): 64-byte aligned for whole-vector stores
+    std::vector<float> dot_storage(rows * 16 * 16 + 16);
+    float* dots = dot_storage.data() + (16 - (reinterpret_cast<uintptr_t>(dot_storage.data()) / sizeof(float)) % 16) % 16;
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / heads, h = bh % heads;
       split_planes(q_all + bh * rows * dim, q.data(), rows, dim, planes);
@@ -284,9 +336,9 @@ std::vector<torch::Tensor> quantized_attention_partials(
       float* m = m_all + bh * rows;
       float* l = l_all + bh * rows;
       if (planes == 2) {
-        attend_any<2>(set, m, l, acc.data(), scores.data(), row.data());
+        attend_any<2>(set, m, l, acc.data(), scores.data(), row.data(), dots);
       } else {
-        attend_any<1>(set, m, l, acc.data(), scores.data(), row.data());
+        attend_any<1>(set, m, l, acc.data(), scores.data(), row.data(), dots);
       }
       const int64_t half = value_dim / planes;
       float* out = n_all + bh * rows * value_dim;
