@@ -209,10 +209,7 @@ void attend_set_avx512(const Set& set, float* __restrict m, float* __restrict l,
     __mmask16 seen = 0;
     for (int t = 0; t < count; ++t) {
       const int64_t n = n0 + t;
-      if (!set.visible[n]) {
-        for (int64_t r = 0; r < rows; ++r) _mm512_store_ps(dots + (r * 16 + t) * 16, _mm512_setzero_ps());
-        continue;
-      }
+      if (!set.visible[n]) continue;  // its lane is masked below: whatever `dots` holds there is never stored
       seen |= static_cast<__mmask16>(1u << t);
       Row::load(set.key_codes + n * kBytes, set.key_scale + n * kGroups, set.key_zero + n * kGroups, x);
       for (int64_t r = 0; r < rows; ++r) {
@@ -223,8 +220,8 @@ void attend_set_avx512(const Set& set, float* __restrict m, float* __restrict l,
         _mm512_store_ps(dots + (r * 16 + t) * 16, dot);
       }
     }
-    for (int t = count; t < 16; ++t)  // past the last token: products of nothing, never stored
-      for (int64_t r = 0; r < rows; ++r) _mm512_store_ps(dots + (r * 16 + t) * 16, _mm512_setzero_ps());
+    // lane t of a tree's sums reads vector t alone: a masked or missing token's lane is left out by the blend and
+    // the masked store, so its vector is not zeroed
     const __mmask16 stored = static_cast<__mmask16>((1u << count) - 1u);
     for (int64_t r = 0; r < rows; ++r) {
       const __m512 sums = _mm512_mul_ps(lane_sums16(reinterpret_cast<const __m512*>(dots + r * 16 * 16)), softmax_scale);
