@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from headkit.bench import frontier
 from headkit.bench.frontier import largest_fitting
 from headkit.cli import main
 
@@ -198,10 +199,11 @@ def tiny_with_a_bpe_tokenizer(tmp_path_factory):
 @pytest.mark.skipif(
     importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python (the llamacpp extra)"
 )
-def test_llama_cpp_rows_keep_its_cache_at_f16_q8_0_and_q4_0(tiny_with_a_bpe_tokenizer, tmp_path):
+def test_llama_cpp_rows_keep_its_cache_at_f16_q8_0_and_q4_0(tiny_with_a_bpe_tokenizer, tmp_path, monkeypatch):
     out = tmp_path / "frontier"
     model = str(tiny_with_a_bpe_tokenizer)
-    main(["bench", "frontier", "--model", model, "--methods", "llama.cpp", *TINY, "--out", str(out)])
+    command = ["bench", "frontier", "--model", model, "--methods", "llama.cpp", *TINY, "--out", str(out)]
+    main(command)
     points = json.loads((out / "results.json").read_text())["points"]
     assert [p["label"] for p in points] == ["full KV cache", "KV f16", "KV q8_0", "KV q4_0"]
     original, f16, q8, q4 = points
@@ -211,6 +213,14 @@ def test_llama_cpp_rows_keep_its_cache_at_f16_q8_0_and_q4_0(tiny_with_a_bpe_toke
     assert f16["perplexity_64"] == pytest.approx(original["perplexity_64"], rel=0.02)
     assert all(p["passkey_160"]["trials"] == 2 for p in points)
     assert all(p["decode_ms_48"] > 0 and p["first_token_seconds_96"] > 0 for p in points)
+
+    # resumed with every row saved: nothing is measured again, and nothing is exported to measure it with
+    def no_export(*args, **kwargs):
+        raise AssertionError("exported the GGUF with no llama.cpp row left to measure")
+
+    monkeypatch.setattr(frontier, "export_gguf", no_export)
+    main([*command, "--resume"])
+    assert json.loads((out / "results.json").read_text())["points"] == points
 
 
 @pytest.mark.parametrize(

@@ -97,6 +97,9 @@ QUANTIZED, COMPRESSED, COMPRESSED_QUANTIZED, LATENT, LLAMA_CPP, KVPRESS = (
     "kvpress",
 )
 METHODS = (QUANTIZED, COMPRESSED, COMPRESSED_QUANTIZED, LATENT, LLAMA_CPP, KVPRESS)
+# A row kept from a run resumed, by (method, label), else None; a new row saved as measured (returned as is).
+EarlierRow = Callable[[str, str], "dict[str, Any] | None"]
+SaveRow = Callable[[dict[str, Any]], dict[str, Any]]
 # How a compressed+quantized row stores its window: in its bits, or in full precision (bfloat16; KIVI's residual).
 WINDOW_STORAGES = ("quantized", "full")
 LLAMA_CPP_CACHE_TYPES = tuple(CACHE_TYPE_BYTES)
@@ -521,13 +524,16 @@ def _point(row: Row, shared: dict[str, Any], settings: FrontierBenchSettings) ->
 
 
 def _llama_cpp_points(
-    settings: FrontierBenchSettings, shared: dict[str, Any], echo: Any, earlier: Any, save: Any
+    settings: FrontierBenchSettings, shared: dict[str, Any], echo: Any, earlier: EarlierRow, save: SaveRow
 ) -> list[dict[str, Any]]:
     """llama.cpp's rows: the original exported to an f16 GGUF (headkit's weights), its KV cache kept as f16, q8_0
     and q4_0; passkey and perplexity on the same prompts and windows (no second turn: one prefill per prompt).
     ``earlier(method, label)``: a row kept from a run resumed, else None; ``save(point)`` saves a new one."""
     numbers = shared["bytes_of"]([]) / 2  # the original's numbers per token at --state-context
     trials, tokenizer = shared["trials"], shared["tokenizer"]
+    kept = {cache_type: earlier(LLAMA_CPP, f"KV {cache_type}") for cache_type in CACHE_TYPE_BYTES}
+    if all(point is not None for point in kept.values()):
+        return list(kept.values())  # nothing left to measure: no export
     points = []
     with tempfile.TemporaryDirectory(prefix="headkit-frontier-") as folder:
         saved = Path(folder) / "original"
@@ -535,9 +541,8 @@ def _llama_cpp_points(
         tokenizer.save_pretrained(saved)
         gguf = export_gguf(saved, Path(folder) / "original-f16.gguf", type="f16").out
         for cache_type, per_number in CACHE_TYPE_BYTES.items():
-            kept = earlier(LLAMA_CPP, f"KV {cache_type}")
-            if kept is not None:
-                points.append(kept)
+            if kept[cache_type] is not None:
+                points.append(kept[cache_type])
                 continue
             started = time.perf_counter()
             value = numbers * per_number
@@ -589,8 +594,8 @@ def _kvpress_points(
     settings: FrontierBenchSettings,
     shared: dict[str, Any],
     echo: Any,
-    earlier: Any,
-    save: Any,
+    earlier: EarlierRow,
+    save: SaveRow,
 ) -> list[dict[str, Any]]:
     """kvpress' SnapKVPress keeping each compressed row's tokens per head (rows without retrieval heads)."""
     points = []
