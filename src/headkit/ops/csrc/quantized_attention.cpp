@@ -314,9 +314,13 @@ std::vector<torch::Tensor> quantized_attention_partials(
 
   at::parallel_for(0, batch * heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> q(rows * dim), row(std::max(dim, value_dim)), scores(rows * tokens), acc(rows * value_dim);
-    // each row's products with 16 keys, as 16 vectors (the AVX-512 path): 64-byte aligned for whole-vector stores
+#if defined(__AVX512F__)
+    // each row's products with 16 keys, as 16 vectors: 64-byte aligned for whole-vector stores
     std::vector<float> dot_storage(rows * 16 * 16 + 16);
     float* dots = dot_storage.data() + (16 - (reinterpret_cast<uintptr_t>(dot_storage.data()) / sizeof(float)) % 16) % 16;
+#else
+    float* dots = nullptr;  // only the AVX-512 path scores keys in blocks
+#endif
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / heads, h = bh % heads;
       split_planes(q_all + bh * rows * dim, q.data(), rows, dim, planes);
