@@ -285,7 +285,20 @@ def test_the_fast_path_times_the_rows_it_runs_and_says_which_it_skips(tiny, tmp_
     # the weights llama.cpp's rows read (an f16 GGUF): bfloat16 unless --fast-weights says otherwise
     assert results["fast_weights"] == "bfloat16"
     assert results["fast_packaged"] is False  # --no-fast-compile: the same step, eagerly
-    assert "fast (bfloat16) ms/token @96 ×2" in (out / "table.md").read_text()
+    table = (out / "table.md").read_text()
+    assert "fast (bfloat16) ms/token @96 ×2" in table
+    # the least bytes a step reads: the bfloat16 weights once, and each row's cache of 96 tokens
+    per_row = {
+        method: point["fast_read_bytes_96_b2"] - point["fast_read_bytes_96_b1"]
+        for method, point in timed.items()
+    }
+    original = timed["original"]
+    assert per_row["original"] == pytest.approx(96 * original["bytes"] / results["state_context"])
+    weights = {method: point["fast_read_bytes_96_b1"] - per_row[method] for method, point in timed.items()}
+    # the original's weights in every row (a converted layer adds a few numbers of its own)
+    assert all(0 <= weights[method] - weights["original"] < 1e-3 * weights["original"] for method in weights)
+    assert per_row["compressed+quantized"] < per_row["original"]
+    assert results["read_bandwidth"] > 0 and "GB/s" in table
 
 
 def test_rows_chosen_by_reconstruction_keep_the_bytes_and_ask_for_the_repetition(tiny, tmp_path):

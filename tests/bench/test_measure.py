@@ -14,7 +14,7 @@ from headkit.bench._measure import (
     peak_of_running_total,
     tensor_bytes,
 )
-from headkit.evaluation.timing import MAX_CALLS_PER_REPEAT, time_call
+from headkit.evaluation.timing import MAX_CALLS_PER_REPEAT, read_bandwidth, time_call
 
 MB = 1_000_000
 
@@ -212,3 +212,19 @@ def test_interleaved_times_warm_up_once_then_alternate_the_order_every_round():
     assert order == ["a", "b", "a", "b", "b", "a", "a", "b"]  # warm-up, then a-first, b-first, a-first
     assert {name: len(seconds) for name, seconds in times.items()} == {"a": 3, "b": 3}
     assert all(second >= 0 for seconds in times.values() for second in seconds)
+
+
+def test_read_bandwidth_is_the_bytes_summed_over_the_median_time(monkeypatch):
+    import headkit.evaluation.timing as timing
+
+    times = iter([0.5, 0.25, 1.0])
+    monkeypatch.setattr(timing, "timed_call", lambda fn, device: (fn(), next(times)))
+    assert read_bandwidth(megabytes=4, repeats=3) == 4 * 2**20 / 0.5
+    monkeypatch.undo()
+    assert 0 < read_bandwidth(megabytes=1, repeats=1) < float("inf")  # the real clock
+
+
+@pytest.mark.parametrize(("kwargs", "name"), [({"megabytes": 0}, "megabytes"), ({"repeats": 0}, "repeats")])
+def test_read_bandwidth_rejects_bad_arguments_by_name(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        read_bandwidth(**kwargs)

@@ -37,7 +37,7 @@ from headkit.ops import (
 )
 from headkit.ops.hybrid.quantized import dequantized_ring, store_ring_step_
 from headkit.ops.quantized_cache import QuantizedTensor, quantize_values, unpack_codes
-from headkit.runtime.fast import INDUCTOR_OPTIONS, FastDecoder, prepare_weights
+from headkit.runtime.fast import INDUCTOR_OPTIONS, FastDecoder, prepare_weights, quantizable_linears
 from headkit.surgery import CompressedCacheConfig, LatentKVConfig, QuantizedKVConfig, recorded_configs
 from headkit.surgery.latent_heads import StaticLatentCacheLayer, latent_cache_layer
 from headkit.surgery.linearize import hybrid_cache_layer
@@ -490,6 +490,27 @@ def test_quantized_weights_keep_the_model_and_decode_as_their_eager_selves(weigh
     )
     assert torch.equal(compiled.generate(ids, attention_mask=mask, max_new_tokens=6), eager)
     assert counter.frame_count == 3
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_weight_bytes_are_what_a_step_reads_of_its_weights(tied):
+    """Every parameter once in the step's dtype; the input embedding (a row per sequence read) only where the
+    output layer shares it; quantized weights by their codes and scales."""
+    model = tiny_llama()
+    if not tied:
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    embedding = model.get_input_embeddings().weight.numel()
+    numbers = sum(p.numel() for p in model.parameters()) - (0 if tied else embedding)
+    assert FastDecoder(model, weights="float32", compile=False).weight_bytes == 4 * numbers
+    assert FastDecoder(model, weights="bfloat16", compile=False).weight_bytes == 2 * numbers
+    if has_torchao:
+        int8 = FastDecoder(model, weights="int8", compile=False)
+        linear = sum(module.weight.numel() for module in quantizable_linears(model).values())
+        # one byte per quantized number, a scale (and zero point) per output row, the norms in bfloat16
+        assert linear < int8.weight_bytes < 2 * numbers
+        scales = int8.weight_bytes - linear - 2 * (numbers - linear)
+        rows = sum(module.weight.shape[0] for module in quantizable_linears(model).values())
+        assert 2 * rows <= scales <= 8 * rows, scales  # torchao's layout: at most two float32 numbers a row
 
 
 @pytest.mark.parametrize("kind", ["stock", "latent", "question-retrieval"])

@@ -66,7 +66,7 @@ from headkit.evaluation.retrieval import (
     passkey_retrieval_scores,
     prose_sentences,
 )
-from headkit.evaluation.timing import time_greedy_decoding
+from headkit.evaluation.timing import read_bandwidth, time_greedy_decoding
 from headkit.export.gguf import export_gguf
 from headkit.export.llamacpp import (
     CACHE_TYPE_BYTES,
@@ -375,11 +375,20 @@ def _rate_line(point: dict[str, Any], settings: FrontierBenchSettings) -> str:
         for batch in settings.fast_batch_sizes:
             fast = point.get(f"fast_decode_ms_{context}_b{batch}")
             if fast is not None:
-                cells.append(f"fast@{context}×{batch} {fast:.1f} ms/token")
+                cells.append(f"fast@{context}×{batch} {fast:.1f} ms/token{_read_rate(point, context, batch)}")
     return (
         f"{point['method']} {point['label']}: {point['bytes'] / 2**20:.1f} MiB at {settings.state_context} "
         f"(1/{point['fraction_inverse']:.1f}); {'; '.join(cells)} ({point['seconds']:.0f} s)"
     )
+
+
+def _read_rate(point: dict[str, Any], context: int, batch: int) -> str:
+    """The least bytes the fast step reads (weights and cache) and the rate they were read at, where counted."""
+    read, ms = (
+        point.get(f"fast_read_bytes_{context}_b{batch}"),
+        point.get(f"fast_decode_ms_{context}_b{batch}"),
+    )
+    return "" if read is None or not ms else f" ({read / 2**20:.0f} MiB, {read / ms / 1e6:.1f} GB/s)"
 
 
 def _measure(
@@ -496,7 +505,9 @@ def _fast_speed(
         echo(f"  fast path skipped: {error}")
         return {}
     measured = {}
+    per_number = 4 if settings.fast_weights == "float32" else 2  # the cache keeps the step's float dtype
     for context, ids in prompts.items():
+        cache = bytes_per_token(model.config, bytes_per_number=per_number, context=context)
         for batch in settings.fast_batch_sizes:
             steps: list[float] = []
             # The first step compiles and is left out of `steps`: decode_steps timed steps follow it.
@@ -505,7 +516,18 @@ def _fast_speed(
             bucket = decoder.bucket(batch, prompt.shape[1] + settings.decode_steps + 2)
             measured[f"fast_decode_ms_{context}_b{batch}"] = 1000 * statistics.median(steps)
             measured[f"fast_compile_seconds_{context}_b{batch}"] = decoder.compile_seconds.get(bucket)
+            if cache is not None:
+                # The least a step reads: its weights once, and each row's cache of `context` tokens.
+                measured[f"fast_read_bytes_{context}_b{batch}"] = (
+                    decoder.weight_bytes + batch * cache * context
+                )
     return measured
+
+
+def _read_bandwidth(points: list[dict[str, Any]], device: torch.device) -> float | None:
+    """:func:`headkit.evaluation.timing.read_bandwidth` on the CPU where a row was timed on the fast path."""
+    timed = any(key.startswith("fast_read_bytes_") for point in points for key in point)
+    return read_bandwidth() if timed and device.type == "cpu" else None
 
 
 def _point(row: Row, shared: dict[str, Any], settings: FrontierBenchSettings) -> dict[str, Any]:
@@ -676,7 +698,7 @@ def frontier_table(report: dict[str, Any]) -> str:
             out.append("—" if step is None else f"{step:.1f}")
             for batch in fast:
                 value = point.get(f"fast_decode_ms_{context}_b{batch}")
-                out.append("—" if value is None else f"{value:.1f}")
+                out.append("—" if value is None else f"{value:.1f}{_read_rate(point, context, batch)}")
         out.append(f"{point.get('conversion_seconds', 0.0):.0f} s")
         return out
 
@@ -713,6 +735,11 @@ def frontier_table(report: dict[str, Any]) -> str:
         )
     else:
         header += "." if device == "cpu" else f"; headkit rows measured on {device}."
+    if report.get("read_bandwidth"):
+        header += (
+            f" Fast-path cells: ms/token (the least bytes the step reads, its weights and cache, and the rate they "
+            f"were read at; this machine reads {report['read_bandwidth'] / 1e9:.1f} GB/s)."
+        )
     best_rows = []
     for entry in best_per_budget(report):
         point = entry["point"]
@@ -914,6 +941,9 @@ def run_frontier_benchmark(settings: FrontierBenchSettings, console: Any) -> dic
         "fast_packaged": settings.fast_packaged and settings.fast_compile,
         "threads": settings.threads,
         "device": str(device),
+        # what this machine reads per second (with --threads), measured once after the rows: a memory-bound
+        # step is at best its bytes over this rate
+        "read_bandwidth": _read_bandwidth(points, device),
         "points": points,
         "best_per_budget": [
             {

@@ -1,7 +1,8 @@
 """Timing, CUDA-synchronised: the one clock (:func:`timed_call`) and the one timer of calls (:func:`time_call`);
 a greedy decoding step (:func:`decode_step_seconds`, and on it :func:`time_greedy_decoding`,
 :func:`decode_seconds_per_token`, :func:`decode_profile`); prefill against decode of two models
-(:func:`compare_speed`); the torch threads while measuring (:func:`thread_limit`).
+(:func:`compare_speed`); the torch threads while measuring (:func:`thread_limit`); the rate this machine reads
+memory at (:func:`read_bandwidth`), against which a decoding step that must read its weights and cache is judged.
 
 Times of two models are taken in alternation, round after round (:func:`interleaved_values`), so that a machine
 whose load drifts (other processes on shared cores) slows both alike and their ratio stays meaningful.
@@ -50,6 +51,18 @@ def thread_limit(threads: int | None) -> Iterator[None]:
                 yield
     finally:
         torch.set_num_threads(previous)
+
+
+def read_bandwidth(megabytes: int = 512, repeats: int = 5, device: torch.device | str = "cpu") -> float:
+    """Bytes per second this machine reads from memory with the torch threads in force: the median of `repeats`
+    sums of a float32 tensor of `megabytes` (far beyond the caches). A decoding step at batch sizes where it is
+    memory-bound reads its weights and its cache once; their bytes over this rate is the fastest it can be."""
+    if megabytes < 1 or repeats < 1:
+        raise ValueError(f"megabytes and repeats must be at least 1, got {megabytes} and {repeats}")
+    data = torch.ones(megabytes * 2**20 // 4, device=device)
+    data.sum()  # the first touch (pages, threads) is not timed
+    times = [timed_call(data.sum, device)[1] for _ in range(repeats)]
+    return data.numel() * data.element_size() / statistics.median(times)
 
 
 def synchronize(device: torch.device | str) -> None:

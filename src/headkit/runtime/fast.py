@@ -143,6 +143,16 @@ def quantizable_linears(model: nn.Module) -> dict[str, nn.Linear]:
     }
 
 
+def tensor_bytes(tensor: torch.Tensor) -> int:
+    """The bytes a tensor holds: its elements, or for a tensor subclass (torchao's quantized weights) the tensors
+    it is made of, codes and scales."""
+    inner = getattr(tensor, "__tensor_flatten__", None)
+    if inner is not None and type(tensor) not in (torch.Tensor, nn.Parameter):
+        names, _ = inner()
+        return sum(tensor_bytes(getattr(tensor, name)) for name in names)
+    return tensor.numel() * tensor.element_size()
+
+
 def check_group_size(model: nn.Module, weights: str, group_size: int = GROUP_SIZE) -> None:
     """A HeadkitError naming every layer whose input features are not a multiple of ``group_size`` (int4
     weights hold one scale per group of input features; int8 one per output row)."""
@@ -345,6 +355,18 @@ class FastDecoder:
         self._compiled_for: set[tuple[tuple[int, int], int]] = set()
         self._steps: dict[Any, Any] = {}
         self._weights_digest: str | None = None
+
+    @property
+    def weight_bytes(self) -> int:
+        """The bytes of the weights each decoding step reads, as the step holds them (a quantized weight's codes
+        and scales): every parameter but the input embedding, of which a step reads one row per sequence (unless
+        the output layer shares it, read whole)."""
+        output = self.model.get_output_embeddings()
+        embedding = self.model.get_input_embeddings()
+        shared = output is not None and embedding is not None and output.weight is embedding.weight
+        skipped = set() if embedding is None or shared else {id(embedding.weight)}
+        unique = {id(p): p for p in self.model.parameters() if id(p) not in skipped}
+        return sum(tensor_bytes(p) for p in unique.values())
 
     @property
     def step_sources(self) -> dict[tuple[int, int], str]:
