@@ -431,3 +431,37 @@ def test_the_step_continues_a_padded_prompt_as_the_reference(window, sinks, budg
     # The slots were replaced in place: some kept key sits out of the order it entered in.
     if budget and selection == "recall":
         assert bool((ring.sparse_order.diff(dim=2) < 0).any())
+
+
+def test_a_compiled_step_reads_bfloat16_sets_as_the_eager_matmuls_do():
+    """Compiled, the exact sets stored in bfloat16 are scored and summed by products reduced in float32 that
+    read each key in its own dtype (no float32 copy of the window per step); eager, by matmuls on float32
+    copies. The two agree to float32's rounding, with visible and hidden keys."""
+    from headkit.ops.hybrid.step import attend_one_token
+
+    torch.manual_seed(0)
+    batch, kv_heads, groups, dim, features = 3, 2, 3, 16, 8
+    q = torch.randn(batch, kv_heads * groups, 1, dim)
+    qf = torch.rand(batch, kv_heads * groups, 1, features)
+    balance = torch.rand(kv_heads * groups)
+    sets = []
+    for tokens in (7, 1, 20):
+        visible = torch.rand(batch, kv_heads, 1, tokens) > 0.3
+        visible[..., 0] = True
+        keys, values = (torch.randn(batch, kv_heads, tokens, dim).bfloat16() for _ in range(2))
+        sets.append((keys, values, visible))
+    kv = torch.randn(batch, kv_heads, features, dim)
+    k_sum = torch.rand(batch, kv_heads, features)
+
+    def step(q, qf, balance, sets, kv, k_sum):
+        return attend_one_token(q, qf, balance, sets, kv, k_sum, scale=dim**-0.5, eps=1e-6)
+
+    eager = step(q, qf, balance, sets, kv, k_sum)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="inductor")(q, qf, balance, sets, kv, k_sum)
+    float64 = step(
+        q.double(), qf.double(), balance.double(), [(k.double(), v.double(), m) for k, v, m in sets],
+        kv.double(), k_sum.double(),
+    )  # fmt: skip
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(compiled.double(), float64, rtol=1e-5, atol=1e-5)
