@@ -41,10 +41,15 @@ class CodedSlots(NamedTuple):
     (:func:`headkit.ops.hybrid.quantized.dequantized_ring`): ``codes``, the stored
     :class:`~headkit.ops.quantized_cache.QuantizedTensor` [B, Hkv, N, ·], attended on and read where they are; and
     ``entering`` [B, Hkv, D], the numbers of the key each head's step writes into a slot, which the caller stores
-    (as its codes, where it has them: a key that moves keeps them; else quantized from these numbers)."""
+    (as its codes, where it has them: a key that moves keeps them; else quantized from these numbers). Where the
+    step chooses the slot (a compressed cache's kept keys), ``slot`` [B, Hkv] int64 and ``written`` [B, Hkv] bool,
+    when given, are set to each head's slot and whether a key entered it, so that the caller finds them without
+    comparing the bookkeeping of every slot before and after the step."""
 
     codes: QuantizedTensor
     entering: torch.Tensor
+    slot: torch.Tensor | None = None
+    written: torch.Tensor | None = None
 
 
 def quantized_layout(stored: QuantizedTensor, width: int) -> tuple[int, int]:

@@ -60,8 +60,9 @@ def dequantized_ring(stored: Ring, *, bits: int, group_size: int, kept_codes: bo
     filled), every other field — a window kept in full precision too — ``stored``'s own tensor, updated in place
     by the step. ``kept_codes``: the kept keys, most of the state, are not dequantized but handed over as
     :class:`~headkit.ops.quantized_attention.CodedSlots` — their codes, which the step attends on
-    (:func:`headkit.ops.quantized_attention.quantized_attention_partials`: no float copy of them is written), and a
-    row for the key that enters a slot."""
+    (:func:`headkit.ops.quantized_attention.quantized_attention_partials`: no float copy of them is written), a
+    row for the key that enters a slot, and the slot it enters (recorded by the step), so ``sparse_order`` is not
+    copied but updated in place."""
 
     def numbers(x: QuantizedTensor | torch.Tensor) -> torch.Tensor:
         if isinstance(x, torch.Tensor):  # a window kept in full precision
@@ -73,21 +74,26 @@ def dequantized_ring(stored: Ring, *, bits: int, group_size: int, kept_codes: bo
     if not isinstance(stored, SparseHybridRingState):
         return window
     if kept_codes:
+        heads = stored.sparse_order.shape[:2]
+        slot = stored.sparse_order.new_zeros(heads)
+        written = stored.sink_keep.new_zeros(heads)
         kept = {
-            name: CodedSlots(codes, codes.scale.new_zeros(*codes.scale.shape[:2], width))
+            name: CodedSlots(codes, codes.scale.new_zeros(*heads, width), slot, written)
             for name, codes, width in (
                 ("sparse_keys", stored.sparse_keys, window.keys.shape[-1]),
                 ("sparse_values", stored.sparse_values, window.values.shape[-1]),
             )
         }
+        order = stored.sparse_order  # the step records the slot it fills: the order is updated in place
     else:
         kept = {name: numbers(getattr(stored, name)) for name in ("sparse_keys", "sparse_values")}
+        order = stored.sparse_order.clone()
     return stored._replace(
         window=window,
         sink_keys=numbers(stored.sink_keys),
         sink_values=numbers(stored.sink_values),
         sink_keep=stored.sink_keep.clone(),
-        sparse_order=stored.sparse_order.clone(),
+        sparse_order=order,
         **kept,
     )
 
@@ -131,15 +137,22 @@ def store_ring_step_(stored: Ring, working: Ring, *, bits: int, group_size: int)
         )  # fmt: skip
         stored.sink_keep.copy_(working.sink_keep)
     if stored.sparse_order.shape[2]:
-        changed = (
-            working.sparse_order != stored.sparse_order
-        )  # the newcomer's order is above every kept key's
-        index = _rows(changed.to(torch.int64).argmax(dim=-1))
+        recorded = working.sparse_keys
+        if (
+            isinstance(recorded, CodedSlots) and recorded.slot is not None
+        ):  # the step said which slot it filled
+            index, written = _rows(recorded.slot), recorded.written
+        else:
+            changed = (
+                working.sparse_order != stored.sparse_order
+            )  # the newcomer's order is above every kept key's
+            index, written = _rows(changed.to(torch.int64).argmax(dim=-1)), changed.any(dim=-1)
         _store_moved_(
             (stored.sparse_keys, stored.sparse_values), (working.sparse_keys, working.sparse_values), moved, index,
-            changed.any(dim=-1), **options,
+            written, **options,
         )  # fmt: skip
-        stored.sparse_order.copy_(working.sparse_order)
+        if working.sparse_order is not stored.sparse_order:
+            stored.sparse_order.copy_(working.sparse_order)
 
 
 def _store_moved_(

@@ -267,11 +267,15 @@ def sparse_hybrid_attention_step_(
                     value.shape[:2]
                 )  # a key of the window scores 0 (:mod:`headkit.ops.hybrid.sparse`)
             score = score.masked_fill(~eligible, float("-inf"))
-            candidate_scores = torch.cat([ring.sparse_scores, score[..., None]], dim=2)  # [B, Hkv, G + 1]
-            candidate_order = torch.cat([ring.sparse_order, order.expand(*score.shape, 1)], dim=2)
-            lowest = candidate_scores.amin(dim=-1, keepdim=True)
-            worst = torch.where(candidate_scores == lowest, candidate_order, -1).argmax(dim=-1)  # [B, Hkv]
-            enters = worst < budget  # the newcomer takes the worst kept key's slot
+            # The worst of the kept keys and the newcomer: the lowest score, the latest among equal ones. The
+            # newcomer is the latest of all, so it is the worst wherever it ties the lowest; the kept keys are
+            # scanned where they are (no [B, Hkv, G + 1] copy of scores and order per step).
+            lowest = torch.minimum(ring.sparse_scores.amin(dim=-1), score)  # [B, Hkv]
+            kept_worst = torch.where(ring.sparse_scores == lowest[..., None], ring.sparse_order, -1).argmax(
+                dim=-1
+            )
+            enters = score > lowest  # the newcomer takes the worst kept key's slot
+            worst = torch.where(enters, kept_worst, budget)
             index = _slot_index(worst.clamp(max=budget - 1)[..., None])  # each head's slot, read and written
             evicted_keep = ring.sparse_keep[index]
             evicted_feature = ring.sparse_key_features[index].to(value.dtype) * evicted_keep[..., None]
@@ -489,6 +493,9 @@ def _write_slot_(
     copy of the whole buffer plus a copy back into the input every step (docs/decoding.md)."""
     if isinstance(buffer, CodedSlots):  # slots stored as codes: the caller stores the row that enters
         buffer.entering.copy_(torch.where(write[..., None], new.to(buffer.entering.dtype), buffer.entering))
+        if buffer.slot is not None:
+            buffer.slot.copy_(index[2])
+            buffer.written.copy_(write)
         return
     kept = buffer[index]
     mask = write if kept.dim() == 2 else write[..., None]
