@@ -138,14 +138,12 @@ def store_ring_step_(stored: Ring, working: Ring, *, bits: int, group_size: int)
         stored.sink_keep.copy_(working.sink_keep)
     if stored.sparse_order.shape[2]:
         recorded = working.sparse_keys
-        if (
-            isinstance(recorded, CodedSlots) and recorded.slot is not None
-        ):  # the step said which slot it filled
+        if isinstance(recorded, CodedSlots) and recorded.slot is not None:
+            # the step said which slot it filled
             index, written = _rows(recorded.slot), recorded.written
         else:
-            changed = (
-                working.sparse_order != stored.sparse_order
-            )  # the newcomer's order is above every kept key's
+            # the slot whose order changed: the newcomer's order is above every kept key's
+            changed = working.sparse_order != stored.sparse_order
             index, written = _rows(changed.to(torch.int64).argmax(dim=-1)), changed.any(dim=-1)
         _store_moved_(
             (stored.sparse_keys, stored.sparse_values), (working.sparse_keys, working.sparse_values), moved, index,
