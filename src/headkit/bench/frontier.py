@@ -506,6 +506,7 @@ def _fast_speed(
         return {}
     measured = {}
     per_number = 4 if settings.fast_weights == "float32" else 2  # the cache keeps the step's float dtype
+    weights = decoder.weight_bytes
     for context, ids in prompts.items():
         cache = bytes_per_token(model.config, bytes_per_number=per_number, context=context)
         for batch in settings.fast_batch_sizes:
@@ -518,9 +519,7 @@ def _fast_speed(
             measured[f"fast_compile_seconds_{context}_b{batch}"] = decoder.compile_seconds.get(bucket)
             if cache is not None:
                 # The least a step reads: its weights once, and each row's cache of `context` tokens.
-                measured[f"fast_read_bytes_{context}_b{batch}"] = (
-                    decoder.weight_bytes + batch * cache * context
-                )
+                measured[f"fast_read_bytes_{context}_b{batch}"] = weights + batch * cache * context
     return measured
 
 
