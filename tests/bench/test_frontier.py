@@ -361,6 +361,23 @@ def test_a_killed_run_resumes_with_the_rows_it_saved_and_measures_the_rest(tiny,
     assert len(progress.read_text().splitlines()) == 4
 
 
+def test_a_run_resumed_with_more_rows_keeps_the_rows_both_choose(tiny, tmp_path, capsys):
+    """Another choice of rows (here --bits 8, then 8 and 4) is not another setting: the original's row and int8's,
+    measured the same way by both runs, are kept; only int4's is measured."""
+    out = tmp_path / "frontier"
+    command = _quantized_rows_only(tiny)
+    main([*command, "--bits", "8", "--out", str(out)])
+    first = [json.loads(row) for row in (out / "points.jsonl").read_text().splitlines()[1:]]
+    assert [point["label"] for point in first] == ["full KV cache", "int8 g8 r8"]
+    capsys.readouterr()
+    main([*command, "--bits", "8,4", "--resume", "--out", str(out)])
+    assert capsys.readouterr().out.count("kept from the earlier run") == 2
+    results = json.loads((out / "results.json").read_text())
+    assert results["points"][:2] == first
+    assert results["points"][2]["label"].startswith("int4")
+    assert len((out / "points.jsonl").read_text().splitlines()) == 4
+
+
 def test_resuming_rows_measured_under_other_settings_is_refused_before_any_work(tiny, tmp_path, capsys):
     out = tmp_path / "frontier"
     command = _quantized_rows_only(tiny)

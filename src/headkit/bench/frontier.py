@@ -224,7 +224,8 @@ class FrontierBenchSettings:
     resume: bool = option(
         False,
         "Keep the rows that a run with the same settings saved in --out (points.jsonl: a run killed before its "
-        "end) and measure only the others.",
+        "end) and measure only the others. The rows chosen may differ (--methods, --budgets, --bits, "
+        "--window-storages, --retrieval-head-counts, --selections): the rows both runs choose are kept.",
     )
     out: Path = option(
         Path("results/frontier"),
@@ -433,6 +434,10 @@ def save_progress(point: dict[str, Any], progress: Path) -> None:
 
 # Settings that change no measured number: where the results go, whether earlier rows are kept.
 _NOT_MEASURED = ("out", "resume")
+# Settings that choose which rows a run measures, not how a row is measured: a run resumed under another choice keeps
+# the rows both choose (by method and label, which name a row's configuration), so that a new budget or method is
+# measured beside rows an earlier run measured (the original's, above all: the longest row), rather than anew.
+_ROW_CHOICE = ("methods", "budgets", "bits", "window_storages", "retrieval_head_counts", "selections", "kvpress_python")
 
 
 def progress_settings(settings: FrontierBenchSettings) -> dict[str, Any]:
@@ -444,7 +449,8 @@ def progress_settings(settings: FrontierBenchSettings) -> dict[str, Any]:
 def start_progress(settings: FrontierBenchSettings, progress: Path) -> dict[tuple[str, str], dict[str, Any]]:
     """The rows an earlier run saved in `progress` under these settings, by (method, label), with ``--resume``
     (the file left as it is, this run appending to it); else none, the file started anew with the settings line.
-    Refused in one line, before any work, where the saved rows were measured under other settings."""
+    Refused in one line, before any work, where the saved rows were measured under other settings; another choice
+    of rows (``_ROW_CHOICE``: methods, budgets, bits, …) is not another setting: the rows both runs choose are kept."""
     stated = progress_settings(settings)
     if not settings.resume or not progress.exists():
         progress.parent.mkdir(parents=True, exist_ok=True)
@@ -456,7 +462,11 @@ def start_progress(settings: FrontierBenchSettings, progress: Path) -> dict[tupl
         raise HeadkitError(
             f"--resume: {progress} does not state the settings its rows were measured with: run without --resume"
         )
-    changed = sorted(name for name in stated if header["settings"].get(name) != stated[name])
+    changed = sorted(
+        name
+        for name in stated
+        if name not in _ROW_CHOICE and header["settings"].get(name) != stated[name]
+    )
     if changed:
         flags = ", ".join("--" + name.replace("_", "-") for name in changed)
         raise HeadkitError(

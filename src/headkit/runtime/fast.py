@@ -143,13 +143,13 @@ def quantizable_linears(model: nn.Module) -> dict[str, nn.Linear]:
     }
 
 
-def tensor_bytes(tensor: torch.Tensor) -> int:
+def held_bytes(tensor: torch.Tensor) -> int:
     """The bytes a tensor holds: its elements, or for a tensor subclass (torchao's quantized weights) the tensors
     it is made of, codes and scales."""
     inner = getattr(tensor, "__tensor_flatten__", None)
     if inner is not None and type(tensor) not in (torch.Tensor, nn.Parameter):
         names, _ = inner()
-        return sum(tensor_bytes(getattr(tensor, name)) for name in names)
+        return sum(held_bytes(getattr(tensor, name)) for name in names)
     return tensor.numel() * tensor.element_size()
 
 
@@ -366,7 +366,7 @@ class FastDecoder:
         shared = output is not None and embedding is not None and output.weight is embedding.weight
         skipped = set() if embedding is None or shared else {id(embedding.weight)}
         unique = {id(p): p for p in self.model.parameters() if id(p) not in skipped}
-        return sum(tensor_bytes(p) for p in unique.values())
+        return sum(held_bytes(p) for p in unique.values())
 
     @property
     def step_sources(self) -> dict[tuple[int, int], str]:
