@@ -437,7 +437,15 @@ _NOT_MEASURED = ("out", "resume")
 # Settings that choose which rows a run measures, not how a row is measured: a run resumed under another choice keeps
 # the rows both choose (by method and label, which name a row's configuration), so that a new budget or method is
 # measured beside rows an earlier run measured (the original's, above all: the longest row), rather than anew.
-_ROW_CHOICE = ("methods", "budgets", "bits", "window_storages", "retrieval_head_counts", "selections", "kvpress_python")
+_ROW_CHOICE = (
+    "methods",
+    "budgets",
+    "bits",
+    "window_storages",
+    "retrieval_head_counts",
+    "selections",
+    "kvpress_python",
+)
 
 
 def progress_settings(settings: FrontierBenchSettings) -> dict[str, Any]:
@@ -463,9 +471,7 @@ def start_progress(settings: FrontierBenchSettings, progress: Path) -> dict[tupl
             f"--resume: {progress} does not state the settings its rows were measured with: run without --resume"
         )
     changed = sorted(
-        name
-        for name in stated
-        if name not in _ROW_CHOICE and header["settings"].get(name) != stated[name]
+        name for name in stated if name not in _ROW_CHOICE and header["settings"].get(name) != stated[name]
     )
     if changed:
         flags = ", ".join("--" + name.replace("_", "-") for name in changed)
