@@ -22,8 +22,8 @@ in those bits; ``--kv-bits 16`` for none — the compressed cache in bfloat16, w
 today (its quantized step dequantizes every stored set first: docs/compressed-cache.md). ``--kv-retrieval-heads N``
 keeps N key/value heads whole in the compressed cache, within the same budget: counted with placeholders in the
 plan, chosen on the loaded original (:func:`headkit.recipes.retrieval_heads.chosen_retrieval_heads`); unset, about
-9% of the compressed layers' key/value heads, where their whole caches take at most a quarter of the budget
-(:func:`default_retrieval_heads`: 8 of SmolLM2's 90 at 1/8, measured better on every column there). The
+9% of the compressed layers' key/value heads, where their whole caches take at most half the budget
+(:func:`default_retrieval_heads`: 8 of SmolLM2's 90 at 1/8 and 1/16, measured better on every column there). The
 conversion is checked on the loaded model, applied with :func:`headkit.apply_`, measured — perplexity of held-out
 text read through the cache against the original's — and saved with its record, so :func:`headkit.from_pretrained`
 rebuilds it; the report states the configuration and its bytes per token at 8,192 tokens.
@@ -57,10 +57,11 @@ BFLOAT16_BITS = 16  # --kv-bits 16: no quantized storage (the others are QUANTIZ
 # the measurement: the last tokens (at most 256, half the window) of two held-out windows, fed 16 at a time
 SCORED_TOKENS, CHUNK = 256, 16
 # --kv-retrieval-heads' default: this share of the compressed layers' key/value heads keep their whole cache, where
-# their bytes take at most RETRIEVAL_SHARE of the budget. Measured on SmolLM2 at 1/8 of the bytes at 8,192 tokens
-# (docs/compressed-cache.md): 8 heads of 90 (22% of the budget in 4 bits) improve perplexity at 4K (1.033× →
-# 1.013×), the passkey beyond the kept tokens (14 → 18 of 50) and the second turn (0 → 4 of 50).
-RETRIEVAL_HEADS, RETRIEVAL_SHARE = 0.09, 0.25
+# their bytes take at most RETRIEVAL_SHARE of the budget. Measured on SmolLM2 at 8,192 tokens
+# (docs/compressed-cache.md), 8 heads of 90 in 4 bits: at 1/8 (22% of the budget) perplexity at 4K 1.033× → 1.013×,
+# the passkey beyond the kept tokens 14 → 18 of 50, the second turn 0 → 4; at 1/16 (44%) 1.148× → 1.040× and 5 → 14
+# of 50. At 1/32 they would take 89%: none (not measured with them).
+RETRIEVAL_HEADS, RETRIEVAL_SHARE = 0.09, 0.5
 
 
 def parse_fraction(text: Any) -> float:

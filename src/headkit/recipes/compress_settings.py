@@ -138,7 +138,7 @@ class CompressSettings(ModelSettings):
         None,
         "With --kv-budget: this many key/value heads keep their whole cache (retrieval heads, DuoAttention), the "
         "original's best at retrieving a passkey, their bytes counted in the budget; where the compressed cache is "
-        "chosen (default: about 9% of its layers' key/value heads where their caches take at most a quarter of "
+        "chosen (default: about 9% of its layers' key/value heads where their caches take at most half of "
         "the budget; 0: none).",
         min=0,
     )
