@@ -389,3 +389,8 @@ def test_resuming_rows_measured_under_other_settings_is_refused_before_any_work(
     error = capsys.readouterr().err
     assert "--resume: the rows in" in error and "other --seed:" in error
     assert (out / "points.jsonl").read_text() == before
+    # another kvpress interpreter may hold another kvpress: a setting, not a choice of rows
+    with pytest.raises(SystemExit):
+        main([*command, "--kvpress-python", sys.executable, "--resume", "--out", str(out)])
+    assert "other --kvpress-python:" in capsys.readouterr().err
+    assert (out / "points.jsonl").read_text() == before

@@ -105,6 +105,11 @@ WINDOW_STORAGES = ("quantized", "full")
 LLAMA_CPP_CACHE_TYPES = tuple(CACHE_TYPE_BYTES)
 LONGER = 4  # the bytes are also stated at this many times --state-context
 PROGRESS_FILE = "points.jsonl"
+# Settings that choose which rows a run measures, not how a row is measured: a run resumed under another choice keeps
+# the rows both choose (by method and label, which name a row's configuration), so that a new budget or method is
+# measured beside rows an earlier run measured (the original's, above all: the longest row), rather than anew.
+# --kvpress-python is not one: another interpreter may hold another kvpress, which would measure its rows otherwise.
+_ROW_CHOICE = ("methods", "budgets", "bits", "window_storages", "retrieval_head_counts", "selections")
 
 
 @dataclass
@@ -224,8 +229,8 @@ class FrontierBenchSettings:
     resume: bool = option(
         False,
         "Keep the rows that a run with the same settings saved in --out (points.jsonl: a run killed before its "
-        "end) and measure only the others. The rows chosen may differ (--methods, --budgets, --bits, "
-        "--window-storages, --retrieval-head-counts, --selections): the rows both runs choose are kept.",
+        "end) and measure only the others. The rows chosen may differ "
+        f"({', '.join('--' + name.replace('_', '-') for name in _ROW_CHOICE)}): the rows both runs choose are kept.",
     )
     out: Path = option(
         Path("results/frontier"),
@@ -434,18 +439,6 @@ def save_progress(point: dict[str, Any], progress: Path) -> None:
 
 # Settings that change no measured number: where the results go, whether earlier rows are kept.
 _NOT_MEASURED = ("out", "resume")
-# Settings that choose which rows a run measures, not how a row is measured: a run resumed under another choice keeps
-# the rows both choose (by method and label, which name a row's configuration), so that a new budget or method is
-# measured beside rows an earlier run measured (the original's, above all: the longest row), rather than anew.
-_ROW_CHOICE = (
-    "methods",
-    "budgets",
-    "bits",
-    "window_storages",
-    "retrieval_head_counts",
-    "selections",
-    "kvpress_python",
-)
 
 
 def progress_settings(settings: FrontierBenchSettings) -> dict[str, Any]:
