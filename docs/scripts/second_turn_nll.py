@@ -1,6 +1,11 @@
-"""Teacher-forced NLL of the pass key in second turns, by the storage of the 1/8 plan's cache (SmolLM2-135M).
+"""Teacher-forced NLL of the pass key in second turns, by the storage of a plan's cache (SmolLM2-135M).
 
     PYTHONPATH=src python docs/scripts/second_turn_nll.py OUT.json LENGTH PROMPTS ROWS   (torch threads: THREADS, 1)
+
+PLAN=8 (default) keeps the ``--kv-budget 1/8`` plan's tokens, PLAN=16 the 1/16 plan's (W 256, S 4, B 740, the same
+8 retrieval heads, the window quantized with the rest in ``int4``); TURN=first scores the key right after the prompt
+(the one-turn passkey: the prompt, its question included, prefilled, then the key through the cache) instead of
+after a second turn.
 
 The second turns of headkit bench frontier (the first turn prefilled without its last 512 tokens, then those through
 the cache), each followed by " " and its key: the summed negative log-likelihood of the key's tokens, the first
@@ -73,16 +78,18 @@ def rotation(on):
 loaded = load_model(smollm2_gguf_path(), kind=CAUSAL_LM)
 original, tok = loaded.model.eval(), loaded.tokenizer
 sentences = prose_sentences(load_text(None), seed=0)
-_, second = beyond_window_trials(tok, sentences, (length,), prompts, 256, GAP, 0)
+first_turn = os.environ.get("TURN", "second") == "first"
+budget, exact_window = {"8": (1977, True), "16": (740, False)}[os.environ.get("PLAN", "8")]
+one_turn, second = beyond_window_trials(tok, sentences, (length,), prompts, 256, GAP, 0)
 compressed = CompressedCacheConfig(
-    window=256, sinks=4, budget=1977, observation=32, retrieval_heads=RETRIEVAL
+    window=256, sinks=4, budget=budget, observation=32, retrieval_heads=RETRIEVAL
 )
 configs = {
     "original": [],
     "bf16": [compressed],
-    "int8": [compressed, QuantizedKVConfig(bits=8, full_precision_window=True)],
-    "int4": [compressed, QuantizedKVConfig(bits=4, full_precision_window=True)],
-    "int4rot": [compressed, QuantizedKVConfig(bits=4, full_precision_window=True)],
+    "int8": [compressed, QuantizedKVConfig(bits=8, full_precision_window=exact_window)],
+    "int4": [compressed, QuantizedKVConfig(bits=4, full_precision_window=exact_window)],
+    "int4rot": [compressed, QuantizedKVConfig(bits=4, full_precision_window=exact_window)],
 }
 results = {}
 for row in rows:
@@ -92,13 +99,16 @@ for row in rows:
         apply_(model, configs[row])
     started, nll, firsts, argmax_ok = time.time(), [], [], 0
     with torch.no_grad():
-        for trial in second:
+        for trial in one_turn if first_turn else second:
             ids = torch.tensor([trial.input_ids])
             answer = torch.tensor([tok(" " + trial.key, add_special_tokens=False).input_ids])
-            cut = ids.shape[1] - GAP
-            cache = output_cache(model(input_ids=ids[:, :cut], use_cache=True))
+            cut = ids.shape[1] - (0 if first_turn else GAP)
+            prefill = model(input_ids=ids[:, :cut], use_cache=True)
+            cache = output_cache(prefill)
             rest = torch.cat([ids[:, cut:], answer], 1)
             logits = model(input_ids=rest, use_cache=True, **cache_keyword(cache)).logits.float()
+            # The one-turn key's first token is the prefill's prediction, as in the benchmark's greedy answer.
+            logits = torch.cat([prefill.logits[:, -1:].float(), logits], 1)
             n = answer.shape[1]
             pred = logits[0, -n - 1 : -1].log_softmax(-1)
             token_nll = -pred.gather(-1, answer[0, :, None])[:, 0]
